@@ -1,0 +1,1 @@
+"""Top-down recipes and benchmarks; run as `python -m scripts.<name>`."""

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# nanochat-spark set-up and main job: check the machine, build the environment, then run the
+# pipeline stage by stage (data -> tokenizer -> base -> eval -> mid -> SFT -> chat eval -> report).
+# Every stage writes a done-marker holding its exact command; a rerun skips stages whose command
+# is unchanged and reruns those whose configuration changed.  `./setup.sh --help` for options.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$REPO"
+
+STAGES=(env data tokenizer tok_eval base_train base_eval mid_train chat_sft chat_eval report)
+
+usage() {
+  cat <<EOF
+Usage: ./setup.sh [--preset auto|tiny|spark|h100] [options]
+
+Builds .venv (uv, torch for this machine, the project, the Rust tokenizer) and runs the pipeline:
+  ${STAGES[*]}
+
+Options:
+  --preset NAME      auto (default: spark on a GB10, h100 on Hopper, tiny without a GPU),
+                     tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
+                     spark (DGX Spark defaults), h100 (one H100/H200)
+  --only S1,S2       run only these stages (others are neither run nor checked)
+  --from STAGE       start at STAGE (earlier stages must already be done)
+  --force            rerun stages even if their done-marker matches
+  --install-rust     install a Rust toolchain with rustup if cargo is missing
+  --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat)
+  --dry-run          print what would run, run nothing
+  -h, --help         this text
+Environment: WANDB_RUN=name turns on wandb logging; TORCH_INDEX_URL overrides the torch wheel index.
+EOF
+}
+
+die() { echo "setup.sh: error: $*" >&2; exit 2; }
+say() { echo "==> $*"; }
+warn() { echo "setup.sh: warning: $*" >&2; }
+
+PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0
+BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --preset) [[ $# -ge 2 ]] || die "--preset needs a value (auto|tiny|spark|h100)"; PRESET="$2"; shift 2 ;;
+    --preset=*) PRESET="${1#*=}"; shift ;;
+    --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; shift 2 ;;
+    --only=*) ONLY="${1#*=}"; shift ;;
+    --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; shift 2 ;;
+    --from=*) FROM="${1#*=}"; shift ;;
+    --force) FORCE=1; shift ;;
+    --install-rust) INSTALL_RUST=1; shift ;;
+    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
+    --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown option '$1' (see ./setup.sh --help)" ;;
+  esac
+done
+
+case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
+valid_stage() { local s; for s in "${STAGES[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
+IFS=',' read -r -a ONLY_LIST <<< "$ONLY"
+for s in "${ONLY_LIST[@]}"; do valid_stage "$s" || die "--only: unknown stage '$s'; accepted: ${STAGES[*]}"; done
+[[ -z "$FROM" ]] || valid_stage "$FROM" || die "--from: unknown stage '$FROM'; accepted: ${STAGES[*]}"
+
+# ---------------------------------------------------------------- machine checks (no installs)
+ARCH="$(uname -m)"; OS="$(uname -s)"
+[[ "$OS" == "Linux" ]] || warn "only Linux is tested (found $OS)"
+GPU_NAME="" GPU_CC="" DRIVER=""
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
+  GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 || true)"
+  DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n1)"
+fi
+CUDA_DRIVER_VERSION=""
+if [[ -n "$GPU_NAME" ]]; then
+  CUDA_DRIVER_VERSION="$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n1)"
+fi
+FREE_DISK_GB="$(df -Pk "$REPO" | awk 'NR==2 {printf "%d", $4/1048576}')"
+MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' /proc/meminfo 2>/dev/null || echo 0)"
+PY="$(command -v python3 || true)"
+[[ -n "$PY" ]] || die "python3 not found: install Python >= 3.10 (e.g. 'apt-get install python3 python3-venv')"
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
+  || die "Python >= 3.10 is required, found $("$PY" --version 2>&1)"
+
+if [[ "$PRESET" == auto ]]; then
+  if [[ "$GPU_CC" == 12.1 || "$GPU_NAME" == *GB10* ]]; then PRESET=spark
+  elif [[ -n "$GPU_NAME" ]]; then PRESET=h100
+  else PRESET=tiny; echo "No NVIDIA GPU found: using --preset tiny (offline Shakespeare demo on the CPU)."; fi
+fi
+
+say "machine: $OS/$ARCH, GPU: ${GPU_NAME:-none}${GPU_CC:+ (cc $GPU_CC)}${DRIVER:+, driver $DRIVER, CUDA $CUDA_DRIVER_VERSION}"
+say "free disk ${FREE_DISK_GB} GB, available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1), preset $PRESET"
+NEED_DISK=5; [[ "$PRESET" == tiny ]] || NEED_DISK=60
+(( FREE_DISK_GB >= NEED_DISK )) || die "only ${FREE_DISK_GB} GB free at $REPO; preset $PRESET needs about ${NEED_DISK} GB"
+if [[ "$PRESET" != tiny && -z "$GPU_NAME" ]]; then
+  die "--preset $PRESET needs an NVIDIA GPU but nvidia-smi found none (use --preset tiny on a CPU)"
+fi
+
+# ---------------------------------------------------------------- presets
+export NANOCHAT_BASE_DIR="$BASE_DIR"
+RUN_NAME="${WANDB_RUN:-dummy}"
+case "$PRESET" in
+  tiny)
+    DATA_CMD=(python -m nanochat.dataset --source shakespeare)
+    VOCAB=2048; DEPTH=2; SEQ=256; DBS=8; TBS=4096; ITERS=300; PRECISION=fp32; KERNEL=current
+    EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile ;;
+  spark)
+    DATA_CMD=(python -m nanochat.dataset --source climbmix -n 170)
+    VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
+    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
+  h100)
+    DATA_CMD=(python -m nanochat.dataset --source climbmix -n 170)
+    VOCAB=32768; DEPTH=20; SEQ=2048; DBS=32; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
+    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
+esac
+MODEL_TAG="d${DEPTH}"
+
+stage_cmd() {  # prints the command of a stage, one argument per line
+  case "$1" in
+    data) printf '%s\n' "${DATA_CMD[@]}" ;;
+    tokenizer) printf '%s\n' python -m scripts.tok_train --vocab-size "$VOCAB" ;;
+    tok_eval) printf '%s\n' python -m scripts.tok_eval ;;
+    base_train) printf '%s\n' python -m scripts.base_train --depth "$DEPTH" --max-seq-len "$SEQ" \
+        --device-batch-size "$DBS" --total-batch-size "$TBS" --num-iterations "$ITERS" \
+        --precision "$PRECISION" --kernel "$KERNEL" "$COMPILE" --eval-tokens "$EVAL_TOKENS" \
+        --run "$RUN_NAME" --model-tag "$MODEL_TAG" ;;
+    base_eval) printf '%s\n' python -m scripts.base_eval --model-tag "$MODEL_TAG" --eval core,bpb,sample \
+        --max-per-task "$MAX_PROBLEMS" ;;
+    mid_train) printf '%s\n' python -m scripts.mid_train --model-tag "$MODEL_TAG" --num-iterations "$MID_ITERS" \
+        --device-batch-size "$DBS" --max-seq-len "$SEQ" --run "$RUN_NAME" ;;
+    chat_sft) printf '%s\n' python -m scripts.chat_sft --model-tag "$MODEL_TAG" --num-iterations "$SFT_ITERS" \
+        --run "$RUN_NAME" ;;
+    chat_eval) printf '%s\n' python -m scripts.chat_eval -i sft --model-tag "$MODEL_TAG" --max-problems "$MAX_PROBLEMS" ;;
+    report) printf '%s\n' python -m nanochat.report generate ;;
+  esac
+}
+
+# ---------------------------------------------------------------- stage bookkeeping
+STATE_DIR="$BASE_DIR/setup_state"
+should_run() {  # stage -> 0 if selected by --only/--from
+  local s="$1"
+  if [[ -n "$ONLY" ]]; then local o; for o in "${ONLY_LIST[@]}"; do [[ "$o" == "$s" ]] && return 0; done; return 1; fi
+  if [[ -n "$FROM" ]]; then
+    local seen=0 x; for x in "${STAGES[@]}"; do [[ "$x" == "$FROM" ]] && seen=1; [[ "$x" == "$s" ]] && return $((1 - seen)); done
+  fi
+  return 0
+}
+marker_text() { echo "preset=$PRESET"; echo "base_dir=$BASE_DIR"; printf "%s\n" "$@"; }
+
+run_stage() {  # stage: run its command unless its done-marker holds the same config
+  local stage="$1"; shift
+  local marker="$STATE_DIR/$stage.done" want
+  want="$(marker_text "$@")"
+  if [[ $FORCE -eq 0 && -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
+    say "[$stage] done already (same config): skipping"; return 0
+  fi
+  [[ -f "$marker" ]] && say "[$stage] config changed since last run: rerunning"
+  say "[$stage] $(tr '\n' ' ' <<< "$want" | sed 's/^preset=[^ ]* base_dir=[^ ]* //')"
+  [[ $DRY_RUN -eq 1 ]] && return 0
+  local t0=$SECONDS
+  "$@" || { echo "setup.sh: stage '$stage' failed (exit $?). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1; }
+  mkdir -p "$STATE_DIR"
+  printf '%s\n' "$want" > "$marker.tmp" && mv -f "$marker.tmp" "$marker"
+  say "[$stage] finished in $((SECONDS - t0)) s"
+}
+
+# ---------------------------------------------------------------- env stage
+env_stage() {
+  if ! command -v uv >/dev/null 2>&1; then
+    say "installing uv from PyPI (pip --user)"
+    "$PY" -m pip install --quiet --user uv || die "could not install uv: run 'python3 -m pip install uv' and retry"
+    export PATH="$HOME/.local/bin:$PATH"
+  fi
+  [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
+  local torch_args=()
+  if [[ -n "${TORCH_INDEX_URL:-}" ]]; then torch_args=(--index-url "$TORCH_INDEX_URL")
+  elif [[ "$ARCH" == aarch64 && -n "$GPU_NAME" ]]; then
+    # DGX Spark: PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4).
+    torch_args=(--index-url https://download.pytorch.org/whl/cu130)
+  fi
+  if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+    say "installing torch ${torch_args[*]:-(PyPI)}"
+    uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
+  fi
+  local extras="web,dev"
+  [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
+  [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
+  say "installing nanochat-spark[$extras]"
+  uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
+  if ! command -v cargo >/dev/null 2>&1; then
+    if [[ $INSTALL_RUST -eq 1 ]]; then
+      say "installing a Rust toolchain with rustup (--install-rust)"
+      curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+      export PATH="$HOME/.cargo/bin:$PATH"
+    else
+      die "cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
+    fi
+  fi
+  say "building the Rust tokenizer (rustbpe) with maturin"
+  uv pip install --quiet -p .venv/bin/python ./rustbpe
+  .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
+}
+
+if should_run env; then
+  if [[ $DRY_RUN -eq 1 ]]; then say "[env] would create .venv, install torch, the project and rustbpe"; else env_stage; fi
+fi
+export PATH="$REPO/.venv/bin:$PATH"
+
+for stage in "${STAGES[@]:1}"; do
+  should_run "$stage" || continue
+  mapfile -t cmd < <(stage_cmd "$stage")
+  run_stage "$stage" "${cmd[@]}"
+done
+
+if should_run report && [[ $DRY_RUN -eq 0 ]]; then
+  cat <<EOF
+
+All stages done. Artefacts are in $BASE_DIR (report: $BASE_DIR/report/report.md).
+Chat with your model:
+  source .venv/bin/activate
+  python -m scripts.chat_web          # then open http://127.0.0.1:8000 in a browser
+  python -m scripts.chat_cli -p "Why is the sky blue?"
+EOF
+fi
