@@ -1,13 +1,26 @@
 """Process-wide basics: the base directory, rank-0 printing and (via init_runtime) the Runtime.
 
 Nothing here runs at import time; `init_runtime()` is the one explicit entry point that touches
-devices, seeds and the process group.
+devices, seeds and the process group. `Runtime` is the one small object that carries the
+distributed state (rank, world size, device, compute dtype) through every recipe.
 """
 
 from __future__ import annotations
 
 import os
+import random
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
+DTYPE_ALIASES = {
+    "auto": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+DTYPE_ENV = "NANOCHAT_DTYPE"
 
 
 def get_base_dir() -> Path:
@@ -22,3 +35,157 @@ def print0(*args, **kwargs) -> None:
     """print() on rank 0 only; safe before the process group exists (reads RANK)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(*args, **kwargs)
+
+
+@dataclass
+class Runtime:
+    """Device, compute dtype and distributed position of this process (one per process)."""
+
+    device: torch.device
+    device_type: str        # "cuda" | "cpu" | "mps"
+    dtype: torch.dtype      # compute dtype
+    rank: int
+    local_rank: int
+    world_size: int
+    ddp: bool               # launched by torchrun (WORLD_SIZE > 1 or RANK set)
+    is_master: bool         # rank == 0
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (needed before reading a wall clock)."""
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device_type == "mps":
+            torch.mps.synchronize()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak allocated device memory since start / last reset (0 where torch does not track it)."""
+        if self.device_type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.device_type == "mps":
+            return int(torch.mps.driver_allocated_memory())
+        return 0
+
+    def reset_peak_memory(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.dtype, str(self.dtype))
+
+
+def _torchrun_position() -> tuple[bool, int, int, int]:
+    """(ddp, rank, local_rank, world_size) from the torchrun environment variables."""
+    env = os.environ
+    try:
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+    except ValueError as e:
+        raise ValueError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): {e}") from None
+    ddp = world_size > 1 or "RANK" in env
+    if world_size < 1 or not (0 <= rank < world_size):
+        raise ValueError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size}")
+    return ddp, rank, local_rank, world_size
+
+
+def _resolve_device_type(device: str) -> str:
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"--device: got {device!r}; accepted: {'|'.join(DEVICE_CHOICES)}")
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, "
+                         f"built for CUDA {torch.version.cuda}); use --device cpu or auto")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: the MPS backend is not available on this machine; use --device cpu or auto")
+    return device
+
+
+def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
+    """Explicit argument, else $NANOCHAT_DTYPE, else bf16 on a bf16-capable GPU and fp32 elsewhere."""
+    if dtype not in DTYPE_ALIASES:
+        raise ValueError(f"--dtype: got {dtype!r}; accepted: auto|bf16|fp32")
+    env_value = os.environ.get(DTYPE_ENV, "").strip()
+    if env_value and env_value not in DTYPE_ALIASES:
+        raise ValueError(f"{DTYPE_ENV}: got {env_value!r}; accepted: auto|bf16|fp32")
+    requested = DTYPE_ALIASES[dtype]
+    from_env = DTYPE_ALIASES[env_value] if env_value else None
+    if requested is not None and from_env is not None and requested != from_env:
+        raise ValueError(f"--dtype {dtype} conflicts with {DTYPE_ENV}={env_value}; drop one of them")
+    chosen = requested or from_env
+    bf16_gpu = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if chosen is None:
+        return torch.bfloat16 if bf16_gpu else torch.float32
+    if chosen == torch.bfloat16 and device_type == "cuda" and not bf16_gpu:
+        name = torch.cuda.get_device_name()
+        raise ValueError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32")
+    return chosen
+
+
+def _seed_everything(seed: int, device_type: str) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np  # optional: only seeded when present
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
+def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> Runtime:
+    """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"--seed: got {seed!r}; accepted: an integer >= 0")
+    device_type = _resolve_device_type(device)
+    compute_dtype = _resolve_dtype(dtype, device_type)
+    ddp, rank, local_rank, world_size = _torchrun_position()
+
+    if device_type == "cuda":
+        # Allocator settings (e.g. expandable segments on unified memory) must be in the
+        # environment before the first CUDA allocation; platform.py owns which ones apply.
+        from nanochat.platform import configure_env_before_cuda
+        configure_env_before_cuda()
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
+                             f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")
+        torch_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+        # TF32 for the fp32 matmuls that remain (optimizer maths, fp32 runs); bf16 is unaffected.
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        torch_device = torch.device(device_type)
+    if ddp and device_type == "mps":
+        raise ValueError("--device mps: torchrun (distributed) is not supported on MPS; use cuda or cpu")
+
+    if ddp:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            kwargs = {"device_id": torch_device} if device_type == "cuda" else {}
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    # Every rank gets the same seed: the model must initialise identically on all ranks
+    # (data differs by rank through the loader's sharding, not through the RNG).
+    _seed_everything(seed, device_type)
+    return Runtime(device=torch_device, device_type=device_type, dtype=compute_dtype, rank=rank,
+                   local_rank=local_rank, world_size=world_size, ddp=ddp, is_master=rank == 0)
+
+
+def destroy_runtime(rt: Runtime) -> None:
+    """Leave the process group (if any); safe to call twice."""
+    if rt.ddp:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """dist.barrier() when a process group is up; a no-op in single-process runs."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

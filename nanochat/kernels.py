@@ -1,0 +1,318 @@
+"""Loss kernel backends: `--kernel current | liger | triton`.
+
+`build_loss_fn(name, device)` returns fn(hidden (N, C), weight (Vpad, C), targets (N,), softcap,
+vocab_size, reduction) -> loss, which GPT.set_loss_fn installs. Targets use ignore_index=-1; only
+the first `vocab_size` rows of the padded head are real (padding rows get zero gradient).
+
+- current: plain PyTorch (logits materialised; compiled together with the model).
+- liger:   Liger-Kernel's LigerFusedLinearCrossEntropyLoss. It runs as an eager island
+           (torch.compiler.disable) by default: its forward calls .item() and under
+           torch.compile it returned a wrong loss when targets hold ignore_index (Liger PR #1338,
+           still open for 0.8.5). `liger_inline=True` traces it instead (needs
+           capture_scalar_outputs, which platform.apply_patches sets for --kernel liger).
+- triton:  the project's fused linear + softcap + cross-entropy. Rows are processed in chunks
+           so the (N, V) logits never exist: per chunk one matmul gives (rows, V) logits, a
+           Triton kernel (nanochat/triton_kernels.py) computes loss/lse with an online
+           logsumexp and overwrites the chunk with dL/dlogits, and two matmuls accumulate
+           grad_hidden and grad_weight (fp32). Gradients are computed in the forward when they
+           are needed and the reduction is mean/sum (3 matmuls total, like the unfused loss);
+           reduction="none" recomputes the chunk logits in backward with per-row scales.
+           The whole thing is a torch.library custom op, so torch.compile keeps one graph.
+           On CPU the same algorithm runs with a pure-torch row kernel (`ce_rows_torch`), or
+           with the Triton kernels themselves under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -1
+KERNELS = ("current", "liger", "triton")
+REDUCTIONS = ("mean", "sum", "none")
+LossFn = Callable[..., torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# current: plain PyTorch
+# --------------------------------------------------------------------------------------------
+
+def current_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
+    """Reference: logits in the compute dtype, upcast to fp32, softcap, cross-entropy."""
+    logits = F.linear(hidden, weight[:vocab_size].to(hidden.dtype)).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+# --------------------------------------------------------------------------------------------
+# Row kernels: the pure-torch twin of nanochat/triton_kernels.py (same algorithm, CPU path)
+# --------------------------------------------------------------------------------------------
+
+def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return softcap * torch.tanh(x / softcap) if softcap else x
+
+
+def ce_rows_torch(logits, targets, softcap, grad_scale, block_v: int = 8192):
+    """Same contract as triton_kernels.ce_rows_triton: online logsumexp over vocab blocks,
+    optional in-place gradient."""
+    rows, n_cols = logits.shape
+    m = torch.full((rows,), -float("inf"), device=logits.device)
+    s = torch.zeros(rows, device=logits.device)
+    for start in range(0, n_cols, block_v):
+        z = _capped(logits[:, start:start + block_v].float(), softcap)
+        m_new = torch.maximum(m, z.amax(dim=1))
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+        m = m_new
+    lse = m + torch.log(s)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    z_t = _capped(logits.gather(1, safe[:, None]).squeeze(1).float(), softcap)
+    loss = torch.where(valid, lse - z_t, 0.0)
+    if grad_scale is not None:
+        ce_grad_rows_torch(logits, targets, lse, grad_scale.expand(rows), softcap, block_v)
+    return loss, lse
+
+
+def ce_grad_rows_torch(logits, targets, lse, row_scale, softcap, block_v: int = 8192):
+    rows, n_cols = logits.shape
+    valid = targets != IGNORE_INDEX
+    scale = torch.where(valid, row_scale.float().expand(rows), 0.0)
+    for start in range(0, n_cols, block_v):
+        block = logits[:, start:start + block_v]
+        z = _capped(block.float(), softcap)
+        g = torch.exp(z - lse[:, None])
+        cols = torch.arange(start, start + block.shape[1], device=logits.device)
+        g = g - (cols[None, :] == targets[:, None]).float()
+        if softcap:
+            g = g * (1.0 - (z / softcap) ** 2)
+        block.copy_(g * scale[:, None])
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _row_kernels(t: torch.Tensor):
+    if _use_triton(t):
+        from nanochat import triton_kernels as tk
+        return tk.ce_rows_triton, tk.ce_grad_rows_triton
+    return ce_rows_torch, ce_grad_rows_torch
+
+
+# --------------------------------------------------------------------------------------------
+# triton: chunked fused linear + cross-entropy
+# --------------------------------------------------------------------------------------------
+
+def default_chunk_rows(n_rows: int, vocab: int, budget_bytes: int = 512 * 2**20) -> int:
+    """Rows per chunk so one bf16 (rows, V) logits chunk stays under `budget_bytes`."""
+    rows = max(256, budget_bytes // (2 * vocab))
+    rows = 1 << (rows.bit_length() - 1)   # a power of two keeps GEMM tiles full
+    return max(1, min(n_rows, rows))
+
+
+def _accumulate_wgrad(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (V, C) fp32 += g.T @ h without a (V, C) temporary where the platform allows."""
+    if g.dtype == acc.dtype:
+        acc.addmm_(g.t(), h)
+    elif acc.is_cuda:   # addmm out_dtype (torch >= 2.8) accumulates bf16 products into fp32
+        torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(g.t(), h).float())
+
+
+def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows):
+    n, c = hidden.shape
+    w = weight[:vocab_size].to(hidden.dtype)
+    rows_fn, _ = _row_kernels(hidden)
+    loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    n_valid = (targets != IGNORE_INDEX).sum().float()
+    if reduction == "mean":
+        scale = (1.0 / n_valid).reshape(1)   # all-ignored -> inf -> nan loss, like F.cross_entropy
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
+    grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
+              if compute_grad else weight.new_empty(0, dtype=torch.float32))
+    step = chunk_rows or default_chunk_rows(n, vocab_size)
+    buf = torch.empty(min(step, n), vocab_size, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        h = hidden[start:end]
+        logits = buf[: end - start]
+        torch.mm(h, w.t(), out=logits)
+        loss_rows[start:end], lse[start:end] = rows_fn(
+            logits, targets[start:end], softcap, scale if compute_grad else None)
+        if compute_grad:   # logits now holds dL/dlogits for these rows
+            torch.mm(logits, w, out=grad_h[start:end])
+            _accumulate_wgrad(grad_w[:vocab_size], logits, h)
+    if reduction == "none":
+        loss = loss_rows
+    else:
+        loss = loss_rows.sum() * (scale[0] if reduction == "mean" else 1.0)
+    return loss, lse, grad_h, grad_w
+
+
+def _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows):
+    """reduction='none' backward: recompute each chunk's logits, scale rows by grad_rows."""
+    n, c = hidden.shape
+    w = weight[:vocab_size].to(hidden.dtype)
+    _, grad_fn = _row_kernels(hidden)
+    grad_h = torch.empty_like(hidden)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
+    step = chunk_rows or default_chunk_rows(n, vocab_size)
+    buf = torch.empty(min(step, n), vocab_size, dtype=hidden.dtype, device=hidden.device)
+    grad_rows = grad_rows.float().contiguous()
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        h = hidden[start:end]
+        logits = buf[: end - start]
+        torch.mm(h, w.t(), out=logits)
+        grad_fn(logits, targets[start:end], lse[start:end], grad_rows[start:end], softcap)
+        torch.mm(logits, w, out=grad_h[start:end])
+        _accumulate_wgrad(grad_w[:vocab_size], logits, h)
+    return grad_h, grad_w
+
+
+@functools.cache
+def _custom_ops():
+    """Register the custom ops once, on first use (no import-time registration)."""
+    lib = "nanochat"
+
+    @torch.library.custom_op(f"{lib}::fused_linear_ce", mutates_args=())
+    def fused_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        softcap: float, vocab_size: int, reduction: str, compute_grad: bool,
+                        chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _fused_forward(hidden, weight, targets, softcap or None, vocab_size, reduction,
+                              compute_grad, chunk_rows)
+
+    @fused_linear_ce.register_fake
+    def _(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows):
+        n = hidden.shape[0]
+        loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
+        grad_w = weight.new_empty(weight.shape if compute_grad else (0,), dtype=torch.float32)
+        return loss, lse, grad_h, grad_w
+
+    @torch.library.custom_op(f"{lib}::fused_linear_ce_bwd", mutates_args=())
+    def fused_linear_ce_bwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            lse: torch.Tensor, grad_rows: torch.Tensor, softcap: float,
+                            vocab_size: int, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap or None,
+                                    vocab_size, chunk_rows)
+
+    @fused_linear_ce_bwd.register_fake
+    def _(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows):
+        return torch.empty_like(hidden), weight.new_empty(weight.shape, dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows = inputs
+        _loss, lse, grad_h, grad_w = output
+        ctx.args = (softcap, vocab_size, reduction, compute_grad, chunk_rows)
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(hidden, weight, targets, lse, grad_h, grad_w)
+
+    def backward(ctx, g_loss, _g_lse, _g_gh, _g_gw):
+        hidden, weight, targets, lse, grad_h, grad_w = ctx.saved_tensors
+        softcap, vocab_size, reduction, compute_grad, chunk_rows = ctx.args
+        if reduction == "none" or not compute_grad:
+            rows = g_loss if reduction == "none" else g_loss.expand(hidden.shape[0]) * (
+                1.0 / (targets != IGNORE_INDEX).sum().float() if reduction == "mean" else 1.0)
+            grad_h, grad_w = torch.ops.nanochat.fused_linear_ce_bwd(
+                hidden, weight, targets, lse, rows, softcap, vocab_size, chunk_rows)
+            return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None
+        g = g_loss.float()
+        gh = (grad_h * g.to(grad_h.dtype)) if ctx.needs_input_grad[0] else None
+        gw = (grad_w * g).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None, None
+
+    fused_linear_ce.register_autograd(backward, setup_context=setup_context)
+    return torch.ops.nanochat.fused_linear_ce
+
+
+def triton_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", chunk_rows: int = 0):
+    """The fused loss; same signature as current_loss."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: got {reduction!r}; accepted: {'|'.join(REDUCTIONS)}")
+    if not torch.compiler.is_compiling():
+        _custom_ops()   # registered on first eager use; under compile it already exists
+    op = torch.ops.nanochat.fused_linear_ce
+    compute_grad = (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+                    and reduction != "none")
+    loss, _lse, _gh, _gw = op(hidden.contiguous(), weight, targets.contiguous(),
+                              float(softcap or 0.0), int(vocab_size), reduction, compute_grad,
+                              int(chunk_rows))
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# liger
+# --------------------------------------------------------------------------------------------
+
+def _liger_module(softcap, reduction):
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError as exc:
+        raise RuntimeError(
+            "--kernel liger needs liger-kernel: pip install 'liger-kernel>=0.6' (or the `gpu` "
+            f"extra: pip install -e '.[gpu]'); or use --kernel triton|current ({exc})") from exc
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=softcap or None,
+                                            reduction=reduction, accum_dtype=torch.float32)
+
+
+def make_liger_loss(inline: bool = False) -> LossFn:
+    modules: dict[tuple, torch.nn.Module] = {}
+
+    def liger_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
+        key = (float(softcap or 0.0), reduction)
+        if key not in modules:
+            modules[key] = _liger_module(softcap, reduction)
+        # Only the real vocab rows, in the activations' dtype (Liger matmuls in that dtype).
+        return modules[key](weight[:vocab_size].to(hidden.dtype), hidden, targets)
+
+    if inline:
+        return liger_loss
+    island = torch.compiler.disable(liger_loss)
+
+    def liger_loss_island(*args, **kwargs):
+        # A plain wrapper: torch.compile(disable(f)) would unwrap to f and trace Liger anyway
+        # (seen on torch 2.11: its addmm(out_dtype=...) then fails inside dynamo's fake tensors).
+        return island(*args, **kwargs)
+
+    return liger_loss_island
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,
+                  chunk_rows: int = 0) -> LossFn:
+    """The loss function for `--kernel name` on `device`; raises ValueError for a bad name and
+    RuntimeError with what to do when the backend cannot run there."""
+    if name not in KERNELS:
+        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+    dev = torch.device(device)
+    if name == "current":
+        return current_loss
+    if name == "liger":
+        if dev.type != "cuda":
+            raise RuntimeError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
+                               "use --kernel triton (runs its CPU path) or --kernel current")
+        _liger_module(None, "mean")   # fail now, not at the first step, if it is missing
+        return make_liger_loss(inline=liger_inline)
+    if dev.type == "cuda":
+        try:
+            import nanochat.triton_kernels  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(f"--kernel triton needs triton on CUDA: pip install triton ({exc})") from exc
+    elif dev.type != "cpu":
+        raise RuntimeError(f"--kernel triton supports cuda and cpu, not {dev.type}; use --kernel current")
+    _custom_ops()
+    return functools.partial(triton_loss, chunk_rows=chunk_rows)

@@ -1,0 +1,315 @@
+"""MuonAdamW: Muon for the transformer's matrices, AdamW for everything else, and the schedules.
+
+One optimizer class, single-process and distributed:
+  * Muon groups hold same-shape matrices, updated as one stacked (K, m, n) tensor: Nesterov
+    momentum (fp32 buffer), Polar Express orthogonalisation (bf16 on CUDA, fp32 elsewhere),
+    update scaled by max(1, m/n)^0.5, decoupled weight decay (optionally cautious: only where the
+    update and the weight agree in sign), step p -= lr * (update + wd * p [* mask]).
+  * AdamW groups (embedding, value_embeds, lm_head, scalars): bias-corrected AdamW, decoupled
+    weight decay, eps 1e-10, each group its own LR.
+  * world_size > 1 (torch.distributed initialised; no DDP wrapper needed): every rank calls
+    step() on its local gradients. Stacked Muon gradients are reduce-scattered (zero-padded to a
+    multiple of world_size), each rank orthogonalises its chunk, chunks are all-gathered and every
+    rank applies the full update. Large AdamW tensors (dim 0 divisible by world_size) are
+    reduce-scattered, each rank updates its row shard (sharded Adam state), then all-gathered;
+    small ones are all-reduced. Gradients are averaged (the DDP convention). All collectives are
+    launched async up front so communication overlaps the per-group compute.
+  * Optimizer state is per rank (Muon momentum lives as a stacked buffer in the state of the
+    group's first parameter, AdamW moments per parameter, sharded when the parameter is):
+    save one optimizer state per rank and resume with the same world size.
+
+Hyperparameters reach the step functions as 0-dim CPU tensors, so the CUDA-compiled step
+functions (compiled lazily, once per shape) never recompile when a schedule changes a value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# Polar Express (Amsel et al. 2025, arXiv 2505.16932) 5-step coefficients, as used by
+# modded-nanogpt / nanochat; input pre-scaled by 1 / (1.02 * ||G||_F).
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Band of the output singular values after 5 steps (fp32), measured for inputs whose smallest
+# singular value is >= ~0.004 * ||G||_F (e.g. random rectangular matrices, or a 64x64 matrix of
+# condition number 100): [0.859, 1.141]. Smaller singular values come out smaller (a 1e-3
+# condition number at 64x64 gives 0.42): Muon only needs them pushed up, not exactly to 1.
+# tests/test_optim.py asserts this band.
+ORTHO_SV_BAND = (0.85, 1.15)
+SHARD_MIN_NUMEL = 1 << 16  # AdamW tensors smaller than this are all-reduced, not sharded
+
+
+def orthogonalize(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximate U V^T of G (..., m, n) with Polar Express; bf16 on CUDA, fp32 elsewhere."""
+    if not 1 <= steps <= len(POLAR_EXPRESS_COEFFS):
+        raise ValueError(f"ns_steps: got {steps}; accepted: 1..{len(POLAR_EXPRESS_COEFFS)}")
+    work = torch.bfloat16 if G.is_cuda else torch.float32
+    X = G.float()
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)).to(work)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the wide orientation: the Gram matrix X X^T is the small one
+        X = X.mT
+    for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def muon_update(grad, momentum_buffer, momentum, nesterov: bool, ns_steps: int):
+    """Momentum (in place on the fp32 buffer) + orthogonalisation + shape scale, for a (K, m, n)
+    stack. `momentum` is a 0-dim tensor. Returns the update in the orthogonalisation dtype."""
+    momentum_buffer.mul_(momentum).add_(grad * (1 - momentum))
+    g = grad * (1 - momentum) + momentum_buffer * momentum if nesterov else momentum_buffer
+    scale = max(1.0, grad.size(-2) / grad.size(-1)) ** 0.5
+    return orthogonalize(g, ns_steps) * scale
+
+
+def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd) -> None:
+    """In-place AdamW on one tensor; step/lr/betas/eps/wd are 0-dim tensors."""
+    p.mul_(1 - lr * wd)
+    exp_avg.mul_(beta1).add_(grad * (1 - beta1))
+    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    p.add_(exp_avg / ((exp_avg_sq / bias2).sqrt() + eps) * (-lr / bias1))
+
+
+def _apply_muon(params, update, lr: float, wd: float, cautious: bool) -> None:
+    """p -= lr * (update + wd * p * mask) for each param, from a stacked (>=K, m, n) update."""
+    updates = list(update[: len(params)].unbind(0))
+    if wd == 0:
+        torch._foreach_add_(params, updates, alpha=-lr)
+        return
+    for p, u in zip(params, updates):
+        u = u.to(p.dtype)
+        decay = p * wd
+        if cautious:  # decay only coordinates the update also shrinks (sign agreement)
+            decay = decay * ((u * p) >= 0)
+        p.sub_((u + decay) * lr)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Groups carry kind="muon" (same-shape matrices) or kind="adamw"; see build_optimizer."""
+
+    def __init__(self, param_groups, *, world_size: int = 1, rank: int = 0, compile: bool | None = None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"MuonAdamW: got world_size={world_size}, rank={rank}; accepted: 0 <= rank < world_size")
+        if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("MuonAdamW: world_size > 1 needs torch.distributed initialised (torchrun)")
+        if world_size > 1 and dist.get_world_size() != world_size:
+            raise ValueError(f"MuonAdamW: world_size={world_size} but the process group has {dist.get_world_size()}")
+        super().__init__(param_groups, defaults={})
+        for group in self.param_groups:
+            if group.get("kind") not in ("muon", "adamw"):
+                raise ValueError(f"MuonAdamW: group kind must be muon|adamw, got {group.get('kind')!r}")
+            if group["kind"] == "muon" and len({tuple(p.shape) for p in group["params"]}) != 1:
+                raise ValueError("MuonAdamW: a muon group must hold params of one shape")
+            group.setdefault("initial_lr", group["lr"])
+            group.setdefault("initial_weight_decay", group.get("weight_decay", 0.0))
+        self.world_size, self.rank = world_size, rank
+        self._compile = compile
+        self._compiled: dict = {}
+
+    # -- schedules -----------------------------------------------------------------------------
+    def set_hparams(self, *, lr_mult: float = 1.0, momentum: float | None = None, wd_mult: float = 1.0) -> None:
+        """lr = initial_lr * lr_mult; weight_decay = initial_weight_decay * wd_mult; Muon momentum."""
+        for group in self.param_groups:
+            group["lr"] = group["initial_lr"] * lr_mult
+            group["weight_decay"] = group["initial_weight_decay"] * wd_mult
+            if momentum is not None and group["kind"] == "muon":
+                group["momentum"] = momentum
+
+    # -- step functions (compiled lazily on CUDA) ----------------------------------------------
+    def _fn(self, name: str, device: torch.device):
+        fn = {"muon": muon_update, "adamw": adamw_update}[name]
+        use_compile = self._compile if self._compile is not None else device.type == "cuda"
+        if not use_compile:
+            return fn
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+        return self._compiled[name]
+
+    def _muon_chunk(self, group, grad_stack: torch.Tensor, p0: torch.nn.Parameter) -> torch.Tensor:
+        state = self.state[p0]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad_stack)
+        momentum = torch.tensor(float(group["momentum"]))
+        fn = self._fn("muon", grad_stack.device)
+        return fn(grad_stack, state["momentum_buffer"], momentum, bool(group.get("nesterov", True)),
+                  int(group.get("ns_steps", 5)))
+
+    def _adamw_tensor(self, group, p_view, grad, state) -> None:
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p_view)
+            state["exp_avg_sq"] = torch.zeros_like(p_view)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        hp = [torch.tensor(float(x)) for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])]
+        self._fn("adamw", p_view.device)(p_view, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hp)
+
+    def _sharded(self, p) -> bool:
+        return self.world_size > 1 and p.numel() >= SHARD_MIN_NUMEL and p.size(0) % self.world_size == 0
+
+    # -- step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.world_size == 1:
+            self._step_local()
+        else:
+            self._step_distributed()
+        return loss
+
+    def _step_local(self) -> None:
+        for group in self.param_groups:
+            params = group["params"]
+            if group["kind"] == "adamw":
+                for p in params:
+                    if p.grad is not None:
+                        self._adamw_tensor(group, p, p.grad, self.state[p])
+                continue
+            if all(p.grad is None for p in params):
+                continue
+            grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+            update = self._muon_chunk(group, grads, params[0])
+            _apply_muon(params, update, group["lr"], group["weight_decay"], group.get("cautious_wd", True))
+
+    def _step_distributed(self) -> None:
+        W, r = self.world_size, self.rank
+        # 1) launch every gradient reduction (async) before any compute
+        pending = []
+        for group in self.param_groups:
+            params = group["params"]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            if group["kind"] == "muon":
+                chunk = -(-len(params) // W)
+                pad = [torch.zeros_like(grads[0])] * (chunk * W - len(params))
+                full = torch.stack(grads + pad)
+                out = torch.empty_like(full[:chunk])
+                pending.append(("muon", group, None, out, dist.reduce_scatter_tensor(out, full, async_op=True)))
+                continue
+            for p, g in zip(params, grads):
+                if self._sharded(p):
+                    out = torch.empty_like(g[: p.size(0) // W])
+                    work = dist.reduce_scatter_tensor(out, g.contiguous(), async_op=True)
+                else:
+                    out = g.clone()
+                    work = dist.all_reduce(out, async_op=True)
+                pending.append(("adamw", group, p, out, work))
+        # 2) as each reduction lands: compute this rank's part, launch its all-gather
+        gathers = []
+        for kind, group, p, grad, work in pending:
+            work.wait()
+            grad.div_(W)  # SUM then divide: portable across backends (gloo has no AVG everywhere)
+            if kind == "muon":
+                params = group["params"]
+                upd = self._muon_chunk(group, grad, params[0]).contiguous()
+                full = torch.empty((upd.size(0) * W, *upd.shape[1:]), device=upd.device, dtype=upd.dtype)
+                gathers.append((group, full, dist.all_gather_into_tensor(full, upd, async_op=True)))
+            elif self._sharded(p):
+                rows = p.size(0) // W
+                shard = p.data[r * rows:(r + 1) * rows]
+                self._adamw_tensor(group, shard, grad, self.state[p])
+                gathers.append((None, None, dist.all_gather_into_tensor(p.data, shard.clone(), async_op=True)))
+            else:
+                self._adamw_tensor(group, p.data, grad, self.state[p])
+        # 3) apply the gathered Muon updates (identical on every rank)
+        for group, full, work in gathers:
+            work.wait()
+            if group is not None:
+                _apply_muon(group["params"], full, group["lr"], group["weight_decay"], group.get("cautious_wd", True))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3, unembedding_lr: float = 0.004,
+                    scalar_lr: float = 0.5, weight_decay: float = 0.0, adam_betas=(0.8, 0.95),
+                    world_size: int = 1, rank: int = 0, compile: bool | None = None) -> MuonAdamW:
+    """Muon for model.param_groups()["matrix"] (one group per shape), AdamW for the rest.
+
+    Embedding, value-embedding and lm_head LRs are scaled by (n_embd / 768) ** -0.5. Scalars:
+    x0_lambdas use scalar_lr with betas (0.96, 0.95); resid_lambdas use scalar_lr * 0.01 (they
+    scale the whole residual stream, and Adam steps are ~lr in size whatever the gradient).
+    weight_decay applies to the Muon groups (decoupled, cautious); AdamW groups use none.
+    """
+    for flag, value in (("--matrix-lr", matrix_lr), ("--embedding-lr", embedding_lr),
+                        ("--unembedding-lr", unembedding_lr), ("--scalar-lr", scalar_lr),
+                        ("--weight-decay", weight_decay)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{flag}: got {value}; accepted: a finite number >= 0")
+    if len(adam_betas) != 2 or not all(0 <= b < 1 for b in adam_betas):
+        raise ValueError(f"--adam-betas: got {adam_betas}; accepted: two numbers in [0, 1)")
+    roles = model.param_groups()
+    lr_scale = (model.config.n_embd / 768) ** -0.5
+    betas = tuple(float(b) for b in adam_betas)
+
+    def adamw(name, params, lr, group_betas=betas):
+        return dict(kind="adamw", name=name, params=params, lr=lr, betas=group_betas, eps=1e-10, weight_decay=0.0)
+
+    resid = [p for p in roles["scalars"] if p is getattr(model, "resid_lambdas", None)]
+    other_scalars = [p for p in roles["scalars"] if p is not getattr(model, "resid_lambdas", None)]
+    groups = [
+        adamw("lm_head", roles["lm_head"], unembedding_lr * lr_scale),
+        adamw("embedding", roles["embedding"], embedding_lr * lr_scale),
+        adamw("value_embeds", roles["value_embeds"], embedding_lr * lr_scale),
+        adamw("resid_lambdas", resid, scalar_lr * 0.01),
+        adamw("scalars", other_scalars, scalar_lr, (0.96, 0.95)),
+    ]
+    groups = [g for g in groups if g["params"]]
+    matrix = roles["matrix"]
+    for shape in sorted({tuple(p.shape) for p in matrix}):
+        groups.append(dict(kind="muon", name=f"muon_{'x'.join(map(str, shape))}",
+                           params=[p for p in matrix if tuple(p.shape) == shape], lr=matrix_lr,
+                           momentum=0.95, nesterov=True, ns_steps=5, weight_decay=weight_decay,
+                           cautious_wd=True))
+    opt = MuonAdamW(groups, world_size=world_size, rank=rank, compile=compile)
+    counted = sum(len(g["params"]) for g in opt.param_groups)
+    assert counted == len(list(model.parameters())), "param_groups() must cover every parameter once"
+    return opt
+
+
+def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, warmdown_ratio: float = 0.4,
+                  final_lr_frac: float = 0.0) -> float:
+    """Linear warmup, constant, then linear warmdown to final_lr_frac at step == num_iterations."""
+    if num_iterations < 1:
+        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
+    if not (0 <= warmup_ratio <= 1 and 0 <= warmdown_ratio <= 1 and warmup_ratio + warmdown_ratio <= 1):
+        raise ValueError(f"--warmup-ratio/--warmdown-ratio: got {warmup_ratio}/{warmdown_ratio}; "
+                         "accepted: each in [0, 1], sum <= 1")
+    if not 0 <= final_lr_frac <= 1:
+        raise ValueError(f"--final-lr-frac: got {final_lr_frac}; accepted: [0, 1]")
+    warmup = round(warmup_ratio * num_iterations)
+    warmdown = round(warmdown_ratio * num_iterations)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step <= num_iterations - warmdown:
+        return 1.0
+    progress = max(0.0, (num_iterations - step) / warmdown)
+    return progress + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step: int, *, start: float = 0.85, end: float = 0.95, ramp_steps: int = 300) -> float:
+    """Muon momentum: linear from `start` to `end` over the first `ramp_steps` steps."""
+    frac = min(max(step, 0) / ramp_steps, 1.0)
+    return (1 - frac) * start + frac * end
+
+
+def weight_decay_multiplier(step: int, num_iterations: int) -> float:
+    """Weight decay decays linearly to 0 over the run (multiply initial_weight_decay by this)."""
+    if num_iterations < 1:
+        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
+    return max(0.0, 1.0 - step / num_iterations)

@@ -1,0 +1,579 @@
+"""Platform layer: the device table and every torch/triton workaround, applied in one place.
+
+Owns:
+- `DeviceSpec` + `DEVICE_TABLE`: peak dense TFLOP/s per precision, memory bandwidth, unified
+  memory, SMs, compute capability for the GPUs this project targets (GB10 first).
+- `detect_device()` / `peak_flops()`: what the trainer uses for MFU (None = unknown, never 0).
+- `configure_env_before_cuda()` and `apply_patches()`: each workaround is a small function that
+  takes the spec and a `PatchContext` (env mapping, dynamo/inductor config objects, version
+  probes) so tests can check on a CPU box exactly which patches a simulated device gets.
+- `memory_budget_bytes()`: on unified memory the free memory comes from /proc/meminfo
+  MemAvailable (cudaMemGetInfo counts the page cache as used there).
+- `python -m nanochat.platform`: a preflight report (see `nanochat/preflight` section below).
+
+Nothing runs at import time: torch is imported, but no CUDA call happens until a function asks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, MutableMapping
+
+import torch
+
+log = logging.getLogger("nanochat.platform")
+
+PRECISIONS = ("bf16", "fp8", "nvfp4", "fp32")
+
+
+# --------------------------------------------------------------------------------------------
+# Device table
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator. `peak_tflops` holds dense (non-sparse) tensor-core peaks in TFLOP/s with
+    fp32 accumulation, keys "bf16", "fp8", "nvfp4", "fp32" ("fp32" = the TF32 tensor-core rate,
+    which is what fp32 matmuls run at with TF32 on). A missing key = the device has no such
+    path (fp8 before Ada, nvfp4 before Blackwell)."""
+
+    name: str
+    cc: tuple[int, int] | None
+    sms: int | None
+    memory_gb: float | None
+    bandwidth_gbs: float | None
+    unified_memory: bool = False
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    key: str = "unknown"          # table key ("gb10", "h100-sxm", ...), "cpu", "mps" or "unknown"
+    source: str = ""              # where the peak numbers come from
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cc is not None
+
+    @property
+    def known(self) -> bool:
+        return self.key not in ("unknown", "cpu", "mps")
+
+
+def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor datasheet"):
+    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem, bandwidth_gbs=bw,
+                      unified_memory=unified, peak_tflops=peaks, key=key, source=source)
+
+
+# Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2, GeForce-class
+# half-rate fp32 accumulate) and labelled as such; measured GEMM rates are lower (DESIGN.md s3).
+DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
+    _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
+          {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
+          source="spec-derived from 1 PFLOP FP4 sparse; measured ~82 bf16 / ~180 fp8 / ~356 nvfp4"),
+    _spec("h100-sxm", "NVIDIA H100 SXM", (9, 0), 132, 80, 3350,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("h100-pcie", "NVIDIA H100 PCIe", (9, 0), 114, 80, 2000,
+          {"bf16": 756.0, "fp8": 1513.0, "fp32": 378.0}),
+    _spec("h100-nvl", "NVIDIA H100 NVL", (9, 0), 132, 94, 3900,
+          {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
+    _spec("gh200", "NVIDIA GH200", (9, 0), 132, 96, 4000,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("h200", "NVIDIA H200", (9, 0), 132, 141, 4800,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("b200", "NVIDIA B200", (10, 0), 148, 180, 8000,
+          {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
+    _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
+          {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
+    _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
+          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 838.0, "fp32": 104.8},
+          source="spec-derived (GeForce half-rate fp32 accumulate)"),
+    _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
+          {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
+    _spec("a100", "NVIDIA A100", (8, 0), 108, 80, 2039,
+          {"bf16": 312.0, "fp32": 156.0}),
+    _spec("l40s", "NVIDIA L40S", (8, 9), 142, 48, 864,
+          {"bf16": 362.1, "fp8": 733.0, "fp32": 183.0}),
+    _spec("rtx-4090", "NVIDIA GeForce RTX 4090", (8, 9), 128, 24, 1008,
+          {"bf16": 165.2, "fp8": 330.3, "fp32": 82.6}),
+]}
+
+# (cc major, name regex) -> table key; first match wins, so specific names come first.
+_NAME_RULES: list[tuple[int | None, str, str]] = [
+    (12, r"\bGB10\b", "gb10"),
+    (9, r"H100.*NVL", "h100-nvl"),
+    (9, r"H100.*PCIe", "h100-pcie"),
+    (9, r"GH200", "gh200"),
+    (9, r"H100", "h100-sxm"),
+    (9, r"H200", "h200"),
+    (10, r"GB200", "gb200"),
+    (10, r"\bB200\b", "b200"),
+    (12, r"RTX 5090", "rtx-5090"),
+    (12, r"RTX PRO 6000", "rtx-pro-6000"),
+    (8, r"A100", "a100"),
+    (8, r"L40S", "l40s"),
+    (8, r"RTX 4090", "rtx-4090"),
+]
+
+CPU_SPEC = DeviceSpec(name="CPU", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None, key="cpu")
+MPS_SPEC = DeviceSpec(name="Apple MPS", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None,
+                      unified_memory=True, key="mps")
+
+
+def spec_from_props(props: Any) -> DeviceSpec:
+    """Match CUDA device properties (real or simulated) against the table."""
+    name = str(props.name)
+    cc = (int(props.major), int(props.minor))
+    sms = int(props.multi_processor_count)
+    mem_gb = round(int(props.total_memory) / 1e9, 1)
+    for major, pattern, key in _NAME_RULES:
+        if (major is None or major == cc[0]) and re.search(pattern, name, flags=re.IGNORECASE):
+            # The real SM count and memory win over the table (cut-down SKUs, MIG slices).
+            return dataclasses.replace(DEVICE_TABLE[key], name=name, cc=cc, sms=sms, memory_gb=mem_gb)
+    unified = bool(getattr(props, "is_integrated", False))
+    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem_gb, bandwidth_gbs=None,
+                      unified_memory=unified, peak_tflops={}, key="unknown", source="not in table")
+
+
+def detect_device(device: torch.device | str | None = None, props: Any = None) -> DeviceSpec:
+    """The DeviceSpec of `device` (default: cuda if available, else mps, else cpu).
+
+    `props` simulates `torch.cuda.get_device_properties` (name, major, minor,
+    multi_processor_count, total_memory) so tests can pretend to be a GB10 on a CPU box."""
+    if props is not None:
+        return spec_from_props(props)
+    if device is None:
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            device = "mps"
+        else:
+            device = "cpu"
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return CPU_SPEC
+    if dev.type == "mps":
+        return MPS_SPEC
+    if dev.type != "cuda":
+        raise ValueError(f"--device: got {dev.type!r}; accepted: cuda|cpu|mps")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return spec_from_props(torch.cuda.get_device_properties(index))
+
+
+def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None = None) -> float | None:
+    """Peak dense FLOP/s (not TFLOP/s) for `precision` on `spec`; `override` (FLOP/s, from
+    --peak-flops) wins. None for CPU/MPS/unknown GPUs and for precisions the device lacks:
+    the caller warns and asks for --peak-flops instead of printing 0% MFU."""
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"--peak-flops: got {override}; must be > 0 (FLOP/s, e.g. 989e12)")
+        return float(override)
+    key = {"tf32": "fp32", "nvfp4-emulated": "bf16", "auto": "bf16"}.get(precision, precision)
+    if key not in PRECISIONS:
+        raise ValueError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
+    tflops = spec.peak_tflops.get(key)
+    return None if tflops is None else tflops * 1e12
+
+
+# --------------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class PatchContext:
+    """Everything a patch reads or writes, injectable for tests. `None` fields are filled from
+    the real process (os.environ, torch._dynamo.config, ...) by `PatchContext.real()`."""
+
+    env: MutableMapping[str, str]
+    dynamo_config: Any = None
+    inductor_config: Any = None
+    inductor_modules: list[Any] = field(default_factory=list)   # modules holding is_big_gpu
+    triton_version: str | None = None          # None = triton not importable
+    bundled_ptxas_version: tuple[int, int] | None = None   # what triton would use for this arch
+    ptxas_candidates: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
+    cuda_initialized: bool = False
+    set_allocator_settings: Callable[[str], None] | None = None
+    filter_warning: Callable[..., None] | None = None   # warnings.filterwarnings in real runs
+
+    @classmethod
+    def real(cls, spec: DeviceSpec) -> "PatchContext":
+        import warnings
+        ctx = cls(env=os.environ, filter_warning=warnings.filterwarnings)
+        import torch._dynamo.config as dynamo_config
+        ctx.dynamo_config = dynamo_config
+        if spec.is_cuda:
+            import torch._inductor.config as inductor_config
+            import torch._inductor.utils as inductor_utils
+            ctx.inductor_config = inductor_config
+            ctx.inductor_modules = [inductor_utils]
+            ctx.cuda_initialized = torch.cuda.is_initialized()
+            setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+            ctx.set_allocator_settings = setter
+        ctx.triton_version = _triton_version()
+        if spec.cc is not None and ctx.triton_version is not None:
+            ctx.bundled_ptxas_version = bundled_ptxas_version(spec.cc)
+            ctx.ptxas_candidates = find_system_ptxas()
+        return ctx
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(name: str, message: str) -> None:
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        log.warning("[platform] %s: %s", name, message)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def ptxas_version(path: str) -> tuple[int, int] | None:
+    """`ptxas --version` -> (major, minor), None if it does not run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def bundled_ptxas_version(cc: tuple[int, int]) -> tuple[int, int] | None:
+    """Version of the ptxas Triton ships for this arch (Triton >= 3.5 ships a second
+    `ptxas-blackwell` used for newer archs)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    names = ["ptxas-blackwell", "ptxas"] if cc[0] >= 10 else ["ptxas"]
+    for name in names:
+        if (bin_dir / name).exists():
+            return ptxas_version(str(bin_dir / name))
+    return None
+
+
+def find_system_ptxas() -> list[tuple[str, tuple[int, int]]]:
+    """ptxas binaries on disk (CUDA toolkits, PATH), newest first."""
+    paths = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            paths.append(os.path.join(os.environ[var], "bin", "ptxas"))
+    paths += sorted(str(p) for p in Path("/usr/local").glob("cuda*/bin/ptxas"))
+    if shutil.which("ptxas"):
+        paths.append(shutil.which("ptxas"))
+    found = {}
+    for p in paths:
+        real = os.path.realpath(p)
+        if real not in found and os.path.exists(real) and (v := ptxas_version(real)):
+            found[real] = v
+    return sorted(found.items(), key=lambda kv: kv[1], reverse=True)
+
+
+def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
+    """Oldest CUDA ptxas that can target this arch (sm_120: 12.8; sm_121/sm_103: 12.9)."""
+    if cc >= (12, 1) or cc == (10, 3):
+        return (12, 9)
+    if cc[0] >= 10:
+        return (12, 8)
+    return (11, 8)
+
+
+def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str | None:
+    """Triton <= 3.5 bundles a ptxas that rejects sm_121a (DESIGN s4.1): point TRITON_PTXAS_PATH
+    (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas."""
+    if not spec.is_cuda or ctx.triton_version is None or not uses_triton:
+        return None
+    need = required_ptxas(spec.cc)
+    bundled = ctx.bundled_ptxas_version
+    if bundled is None:   # no probe: fall back on the version rule (3.6 bundles a Blackwell ptxas)
+        too_old = spec.cc >= (12, 1) and _version_tuple(ctx.triton_version) < (3, 6)
+    else:
+        too_old = bundled < need
+    if not too_old:
+        return None
+    if ctx.env.get("TRITON_PTXAS_PATH"):
+        _log_once("ptxas", f"bundled ptxas too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
+                           f"TRITON_PTXAS_PATH={ctx.env['TRITON_PTXAS_PATH']} as set")
+        return "ptxas(user)"
+    usable = [(p, v) for p, v in ctx.ptxas_candidates if v >= max(need, (13, 0))]
+    if not usable:
+        raise RuntimeError(
+            f"Triton {ctx.triton_version}'s bundled ptxas ({bundled}) cannot target "
+            f"sm_{spec.cc[0]}{spec.cc[1]} and no CUDA >= 13.0 ptxas was found. Install the CUDA 13 "
+            "toolkit (or pip install 'triton>=3.6') and/or set TRITON_PTXAS_PATH=/path/to/ptxas; "
+            "or run with --kernel current and without --compile.")
+    path = usable[0][0]
+    ctx.env["TRITON_PTXAS_PATH"] = path
+    ctx.env["TRITON_PTXAS_BLACKWELL_PATH"] = path
+    _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas {bundled} < {need}: "
+                       f"TRITON_PTXAS_PATH={path} (CUDA {usable[0][1]})")
+    return "ptxas"
+
+
+def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_autotune: bool) -> str | None:
+    """Inductor's is_big_gpu() wants >= 68 SMs; GB10 has 48, so max-autotune GEMM templates are
+    skipped (DESIGN s4.2). Override it (and turn on max_autotune_gemm when asked)."""
+    if not spec.is_cuda or not compile or spec.sms is None or spec.sms >= 68:
+        return None
+    for module in ctx.inductor_modules:
+        if hasattr(module, "is_big_gpu"):
+            module.is_big_gpu = _always_big_gpu
+    if max_autotune and ctx.inductor_config is not None:
+        ctx.inductor_config.max_autotune_gemm = True
+    _log_once("is_big_gpu", f"{spec.sms} SMs < 68: inductor is_big_gpu() -> True"
+                            + (" and max_autotune_gemm on" if max_autotune else
+                               " (takes effect with max-autotune GEMM)"))
+    return "is_big_gpu"
+
+
+def _always_big_gpu(index_or_device=0) -> bool:
+    return True
+
+
+def alloc_conf_with_expandable(env: MutableMapping[str, str]) -> str | None:
+    """New PYTORCH_ALLOC_CONF value with expandable_segments:True, None if already decided."""
+    current = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if "expandable_segments" in current:
+        return None
+    return ",".join(p for p in (current, "expandable_segments:True") if p)
+
+
+def patch_expandable_segments(spec: DeviceSpec, ctx: PatchContext) -> str | None:
+    """Unified memory (GB10): expandable segments avoid fragmentation that otherwise eats the
+    shared system RAM (DESIGN s4.3). Env before CUDA init; the allocator setter after."""
+    if not (spec.is_cuda and spec.unified_memory):
+        return None
+    value = alloc_conf_with_expandable(ctx.env)
+    if value is None:
+        return None
+    ctx.env["PYTORCH_ALLOC_CONF"] = value
+    if ctx.cuda_initialized and ctx.set_allocator_settings is not None:
+        ctx.set_allocator_settings("expandable_segments:True")
+    _log_once("expandable_segments", f"unified memory: PYTORCH_ALLOC_CONF={value}")
+    return "expandable_segments"
+
+
+def patch_capture_scalar_outputs(spec: DeviceSpec, ctx: PatchContext, kernel: str, compile: bool) -> str | None:
+    """Liger's fused CE calls .item() in forward: without this dynamo breaks the graph there."""
+    if not spec.is_cuda or kernel != "liger" or not compile or ctx.dynamo_config is None:
+        return None
+    ctx.dynamo_config.capture_scalar_outputs = True
+    _log_once("capture_scalar_outputs", "--kernel liger: torch._dynamo.config.capture_scalar_outputs=True")
+    return "capture_scalar_outputs"
+
+
+def patch_sm121_warning(spec: DeviceSpec, ctx: PatchContext) -> str | None:
+    """Wheels built up to sm_120 warn 'max supported capability 12.0' on 12.1; binary
+    compatible within the major, so the warning is a false positive (DESIGN s4.4)."""
+    if spec.cc != (12, 1):
+        return None
+    if ctx.filter_warning is not None:
+        ctx.filter_warning("ignore", message=r".*(capability|sm_121).*", category=UserWarning)
+    _log_once("sm121_warning", "silenced the false-positive 'max supported capability' warning on 12.1")
+    return "sm121_warning"
+
+
+KERNELS = ("current", "liger", "triton")
+
+
+def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = True,
+                  max_autotune: bool = False, ctx: PatchContext | None = None) -> list[str]:
+    """Apply the workarounds `spec` needs and return their names (each logged once).
+    Tests pass a fake `ctx`; the default touches the real process."""
+    if kernel not in KERNELS:
+        raise ValueError(f"--kernel: got {kernel!r}; accepted: {'|'.join(KERNELS)}")
+    ctx = ctx or PatchContext.real(spec)
+    uses_triton = compile or kernel in ("liger", "triton")
+    applied = [
+        patch_expandable_segments(spec, ctx),
+        patch_ptxas(spec, ctx, uses_triton),
+        patch_is_big_gpu(spec, ctx, compile, max_autotune),
+        patch_capture_scalar_outputs(spec, ctx, kernel, compile),
+        patch_sm121_warning(spec, ctx),
+    ]
+    return [name for name in applied if name]
+
+
+def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
+                              env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Environment that must be set before CUDA initialises (call from init_runtime first).
+    `spec_hint`: a DeviceSpec, a table key ("gb10") or None = ask nvidia-smi (no CUDA context)."""
+    env = os.environ if env is None else env
+    spec = spec_hint
+    if isinstance(spec_hint, str):
+        if spec_hint not in DEVICE_TABLE:
+            raise ValueError(f"spec_hint: got {spec_hint!r}; accepted: {'|'.join(DEVICE_TABLE)}")
+        spec = DEVICE_TABLE[spec_hint]
+    elif spec_hint is None:
+        spec = _spec_from_nvidia_smi()
+    if spec is None:
+        return []
+    ctx = PatchContext(env=env)
+    return [n for n in [patch_expandable_segments(spec, ctx)] if n]
+
+
+def _spec_from_nvidia_smi() -> DeviceSpec | None:
+    """Identify GPU 0 without creating a CUDA context (so allocator env still takes effect)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    line = out.strip().splitlines()[0] if out.strip() else ""
+    m = re.match(r"(.+?),\s*(\d+)\.(\d+)", line)
+    if not m:
+        return None
+    props = SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0)
+    return spec_from_props(props)
+
+
+@dataclass
+class SimpleProps:
+    """Stand-in for torch.cuda device properties (tests and nvidia-smi parsing)."""
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    is_integrated: bool = False
+
+
+def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroom: float = 0.1) -> int | None:
+    """Bytes a run may plan to use. Unified memory: MemAvailable minus `headroom` of it (memory
+    pressure can hang the host); discrete GPU: cudaMemGetInfo free; CPU/MPS: None."""
+    if spec.unified_memory:
+        text = meminfo if meminfo is not None else Path("/proc/meminfo").read_text()
+        m = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, flags=re.MULTILINE)
+        if m is None:
+            raise RuntimeError("/proc/meminfo has no MemAvailable line")
+        return int(int(m.group(1)) * 1024 * (1 - headroom))
+    if spec.is_cuda:
+        free, _total = torch.cuda.mem_get_info()
+        return int(free * (1 - headroom))
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight report: python -m nanochat.platform [--kernel K] [--precision P] [--no-compile]
+# --------------------------------------------------------------------------------------------
+
+def _module_version(name: str, dist: str | None = None) -> str:
+    try:
+        module = __import__(name)
+    except ImportError:
+        return "not installed"
+    except Exception as exc:  # a broken install (e.g. TE built for another torch) is reportable
+        return f"broken ({type(exc).__name__}: {exc})"[:120]
+    from importlib import metadata
+    try:
+        return metadata.version(dist or name.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", "?"))
+
+
+def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
+    """A real tiny forward+backward launch per backend: 'ok' or the error (DESIGN s4.6)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    results = {}
+    q, k, v = (torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for label, backend in [("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                           ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            torch.cuda.synchronize()
+            results[label] = "ok"
+        except RuntimeError as exc:
+            results[label] = f"fails: {str(exc).splitlines()[0][:100]}"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device=device)
+        torch.compile(flex_attention)(q, k, v, block_mask=mask).sum().backward()
+        torch.cuda.synchronize()
+        results["flex_attention"] = "ok"
+    except Exception as exc:  # report any failure mode of compile + launch, this is a report
+        results["flex_attention"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    return results
+
+
+def triton_ptxas_in_use(spec: DeviceSpec) -> str:
+    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH"):
+        if os.environ.get(var):
+            return f"{os.environ[var]} (from {var})"
+    version = bundled_ptxas_version(spec.cc) if spec.cc else None
+    return f"bundled with triton (CUDA {version})" if version else "n/a"
+
+
+def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
+                     backend: str = "auto") -> dict[str, Any]:
+    spec = detect_device()
+    report: dict[str, Any] = {
+        "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
+        "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory,
+        "peak_tflops": spec.peak_tflops, "python": sys.version.split()[0],
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
+        "transformer_engine": _module_version("transformer_engine"),
+        "torchao": _module_version("torchao"),
+    }
+    report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
+    if spec.is_cuda:
+        report["cudnn"] = torch.backends.cudnn.version()
+        report["arch_list"] = torch.cuda.get_arch_list()
+        report["ptxas"] = triton_ptxas_in_use(spec)
+        report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
+        report["attention"] = probe_attention_backends()
+    from nanochat import precision as precision_mod
+    try:
+        dtype = "bf16" if spec.is_cuda else "fp32"
+        report["precision"] = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype).describe()
+    except (ValueError, RuntimeError) as exc:
+        report["precision"] = f"unavailable: {exc}"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="nanochat-spark preflight report")
+    parser.add_argument("--kernel", "--kernel_name", default="current", choices=KERNELS)
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--precision-backend", "--precision_backend", default="auto")
+    parser.add_argument("--no-compile", "--no_compile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    report = preflight_report(args.kernel, not args.no_compile, args.precision, args.precision_backend)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        for key, value in report.items():
+            print(f"{key:>20}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

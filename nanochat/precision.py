@@ -1,0 +1,467 @@
+"""Training precision: `--precision auto|bf16|fp32|fp8|nvfp4` x `--precision-backend auto|te|native|torchao|emulated`.
+
+One mechanism: the model computes in the runtime dtype (bf16 on GPUs) and `apply_precision`
+swaps its nn.Linear layers for precision-specific subclasses that keep the same `weight`
+Parameter (optimizer groups, init and checkpoint keys are unchanged). Backends:
+
+- native   fp8: `Fp8Linear`, tensor-wise dynamic scaling through torch._scaled_mm; e4m3
+           activations/weights, e5m2 (default) or e4m3 gradients. Works on Ada, Hopper and
+           sm_12x (row-wise scaling is not supported on sm_12x, so it is not used).
+- te       fp8: Transformer Engine with Float8CurrentScaling (DelayedScaling only without
+           torch.compile, where it errors); nvfp4: NVFP4BlockScaling, on sm_12x with the random
+           Hadamard transform and stochastic rounding disabled (crash / all-zero FP4 data, see
+           DESIGN s4.7), and a bf16 backward through the installed TE's own field
+           (`backward_override="high_precision"`, TE >= 2.15). The recipe is built only from the
+           dataclass's real fields and read back after construction (TE drops unknown keys).
+- torchao  fp8: torchao.float8 tensor-wise training conversion.
+- emulated nvfp4: `EmulatedNVFP4Linear` fake-quantises activations and weights to e2m1 with
+           16-element e4m3 block scales and a per-tensor fp32 scale; straight-through gradients
+           (bf16 backward). Runs on any GPU or CPU: for numerics studies, not for speed.
+
+Layers that stay in the compute dtype (documented rule, `keep_high_precision`): the lm_head
+(precision-sensitive, and the loss kernels take its weight directly), and any Linear whose
+in/out features are not multiples of 16 (fp8) / 32 (nvfp4) - the GEMM/block-scale alignment.
+Evaluation and sampling (grad disabled) run the plain bf16 matmul in every swapped layer, so
+no recompilation for a different recipe happens mid-run. Requests the device cannot serve raise
+ValueError naming --precision / --precision-backend and what to use instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.platform import DeviceSpec, detect_device
+
+log = logging.getLogger("nanochat.precision")
+
+PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
+BACKENDS = ("auto", "te", "native", "torchao", "emulated")
+ALIGN = {"fp8": 16, "nvfp4": 32}
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution: what the request means on this device (pure; tests pass simulated specs)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class PrecisionPlan:
+    precision: str                   # bf16 | fp32 | fp8 | nvfp4
+    backend: str                     # none | native | te | torchao | emulated
+    recipe: dict[str, Any] = field(default_factory=dict)
+    kept_high_precision: list[str] = field(default_factory=list)
+    converted: list[str] = field(default_factory=list)
+
+    @property
+    def peak_key(self) -> str:
+        """Which peak_flops() entry this run's matmuls use (emulation runs bf16 matmuls)."""
+        return "bf16" if self.backend == "emulated" else self.precision
+
+    def describe(self) -> dict[str, Any]:
+        return {"precision": self.precision, "backend": self.backend, "recipe": self.recipe,
+                "converted": len(self.converted), "kept_high_precision": self.kept_high_precision}
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = None, *,
+            compute_dtype: str = "bf16", te_available: bool | None = None,
+            torchao_available: bool | None = None) -> PrecisionPlan:
+    """Validate `precision` x `backend` against the device; raise ValueError saying what to do."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"--precision-backend: got {backend!r}; accepted: {'|'.join(BACKENDS)}")
+    spec = spec or detect_device()
+    if precision == "auto":
+        precision = compute_dtype
+    if precision in ("bf16", "fp32"):
+        if backend not in ("auto",):
+            raise ValueError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
+        return PrecisionPlan(precision, "none")
+    te_ok = _te_available() if te_available is None else te_available
+    ao_ok = _torchao_available() if torchao_available is None else torchao_available
+    if precision == "nvfp4":
+        return _resolve_nvfp4(spec, backend, te_ok)
+    return _resolve_fp8(spec, backend, te_ok, ao_ok)
+
+
+def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
+    if backend == "emulated":
+        raise ValueError("--precision-backend emulated: only for --precision nvfp4; "
+                         "fp8 runs natively (--precision-backend native|te|torchao)")
+    if spec.cc is None or spec.cc < (8, 9):
+        where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
+        raise ValueError(f"--precision fp8: needs an NVIDIA GPU with compute capability >= 8.9 "
+                         f"(Ada, Hopper, Blackwell); this is {where}. Use --precision bf16.")
+    if backend == "auto":
+        backend = "native"   # no extra dependency, compiles into one graph
+    if backend == "te" and not te_ok:
+        raise ValueError("--precision-backend te: Transformer Engine is not installed "
+                         "(pip install 'transformer-engine[pytorch]'); or use --precision-backend native")
+    if backend == "torchao" and not ao_ok:
+        raise ValueError("--precision-backend torchao: torchao is not installed (pip install torchao); "
+                         "or use --precision-backend native")
+    recipe = {"scaling": "tensorwise", "fwd": "e4m3", "grad": "e5m2"}
+    if backend == "te":
+        recipe = {"recipe": "Float8CurrentScaling", "fp8_format": "HYBRID"}
+    return PrecisionPlan("fp8", backend, recipe)
+
+
+def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
+    if backend == "emulated":
+        return PrecisionPlan("nvfp4", "emulated", {"elem": "e2m1", "block": 16,
+                                                   "block_scale": "e4m3", "tensor_scale": "fp32",
+                                                   "backward": "bf16 (straight-through)"})
+    hint = "use --precision fp8 or bf16, or --precision nvfp4 --precision-backend emulated (numerics only)"
+    if spec.cc is None or spec.cc[0] < 10:
+        where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
+        raise ValueError(f"--precision nvfp4: needs a Blackwell GPU (compute capability >= 10.0); "
+                         f"this is {where}. {hint}")
+    if backend in ("native", "torchao"):
+        raise ValueError(f"--precision-backend {backend}: nvfp4 training is only wired through "
+                         "Transformer Engine here; accepted for nvfp4: auto|te|emulated")
+    if not te_ok:
+        raise ValueError("--precision nvfp4: needs Transformer Engine >= 2.8 "
+                         "(pip install 'transformer-engine[pytorch]'); " + hint)
+    return PrecisionPlan("nvfp4", "te", {"recipe": "NVFP4BlockScaling"})
+
+
+# --------------------------------------------------------------------------------------------
+# Native fp8: tensor-wise dynamic scaling through torch._scaled_mm
+# --------------------------------------------------------------------------------------------
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic scaling: (x * s) in `dtype` and 1/s (float32 scalar for _scaled_mm)."""
+    fmax = E4M3_MAX if dtype == torch.float8_e4m3fn else E5M2_MAX
+    amax = x.detach().abs().amax().float().clamp(min=1e-12)
+    scale = fmax / amax
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x @ w.T with x, w in e4m3; backward grads quantised to `grad_dtype`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, grad_dtype):
+        x_q, x_inv = to_fp8(x, torch.float8_e4m3fn)
+        w_q, w_inv = to_fp8(weight, torch.float8_e4m3fn)
+        # _scaled_mm: a row-major, b column-major (w_q.t() of a row-major (out, in) is).
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype,
+                             use_fast_accum=True)
+        ctx.save_for_backward(x_q, x_inv, w_q, w_inv)   # fp8 copies: a quarter of bf16 x's memory
+        ctx.grad_dtype, ctx.w_dtype = grad_dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_q, x_inv, w_q, w_inv = ctx.saved_tensors
+        g_q, g_inv = to_fp8(grad, ctx.grad_dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:   # (M, N) @ (N, K): b = w column-major
+            grad_x = torch._scaled_mm(g_q, w_q.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
+                                      out_dtype=grad.dtype)
+        if ctx.needs_input_grad[1]:   # (N, M) @ (M, K)
+            grad_w = torch._scaled_mm(g_q.t().contiguous(), x_q.t().contiguous().t(), scale_a=g_inv,
+                                      scale_b=x_inv, out_dtype=torch.float32).to(ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (no bias) whose training matmuls run in fp8; grad-disabled calls run bf16."""
+
+    grad_dtype: torch.dtype = torch.float8_e5m2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // x.shape[-1]
+        if not torch.is_grad_enabled() or rows % 16 != 0 or self.bias is not None:
+            return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = _Fp8Matmul.apply(x.reshape(rows, x.shape[-1]), w, self.grad_dtype)
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Emulated nvfp4: fake quantisation to e2m1 with e4m3 block scales
+# --------------------------------------------------------------------------------------------
+
+def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (as hardware does)."""
+    grid = torch.tensor(E2M1_GRID, device=y.device, dtype=torch.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    a = y.abs().float().clamp(max=E2M1_MAX)
+    idx = torch.bucketize(a, mids)                   # a == mid -> lower neighbour
+    odd_lower = torch.tensor([0, 1, 0, 1, 0, 1, 0], device=y.device, dtype=torch.bool)
+    tie = a == mids[idx.clamp(max=len(mids) - 1)]
+    idx = idx + (tie & odd_lower[idx.clamp(max=len(mids) - 1)]).long()   # round up to the even one
+    return torch.copysign(grid[idx], y.float())
+
+
+def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e2m1 values as float, e4m3 block scales as float, fp32 tensor scale) along the last dim;
+    x ~= values * block_scale[..., None] * tensor_scale."""
+    if x.shape[-1] % block:
+        raise ValueError(f"nvfp4 needs the last dim ({x.shape[-1]}) divisible by {block}")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = x.detach().abs().amax().float()
+    tensor_scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    block_amax = xb.detach().abs().amax(dim=-1)
+    block_scale = (block_amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn).float()
+    denom = block_scale * tensor_scale
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    values = torch.where(denom[..., None] > 0, round_to_e2m1(xb / safe[..., None]), 0.0)
+    return values, block_scale, tensor_scale
+
+
+def fake_quant_nvfp4(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Dequantised nvfp4 with straight-through gradient (identity in backward)."""
+    values, block_scale, tensor_scale = quantize_nvfp4(x, block)
+    deq = (values * block_scale[..., None] * tensor_scale).reshape(x.shape).to(x.dtype)
+    return x + (deq - x).detach()
+
+
+class EmulatedNVFP4Linear(nn.Linear):
+    """nn.Linear whose training forward sees nvfp4-quantised x and w (16-blocks along K)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype)
+        if torch.is_grad_enabled():
+            x, w = fake_quant_nvfp4(x), fake_quant_nvfp4(w)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer Engine recipes (the TE module is passed in so tests can use a fake)
+# --------------------------------------------------------------------------------------------
+
+def recipe_fields(cls) -> set[str]:
+    """The keyword fields a TE recipe class really has (pydantic dataclass or dataclass)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    model_fields = getattr(cls, "model_fields", None) or getattr(cls, "__fields__", None)
+    if model_fields:
+        return set(model_fields)
+    import inspect
+    return set(inspect.signature(cls).parameters)
+
+
+def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile: bool = True,
+                    fp8_recipe: str = "current") -> tuple[Any, dict[str, Any]]:
+    """Construct and verify the TE recipe; returns (recipe, the fields we asserted)."""
+    if precision == "fp8":
+        if fp8_recipe == "delayed":
+            if compile:
+                raise ValueError("--precision-backend te with DelayedScaling errors under torch.compile; "
+                                 "use the default Float8CurrentScaling or turn compile off")
+            cls = te_recipe.DelayedScaling
+        else:
+            cls = te_recipe.Float8CurrentScaling
+        wanted = {"fp8_format": te_recipe.Format.HYBRID}
+    elif precision == "nvfp4":
+        cls = te_recipe.NVFP4BlockScaling
+        wanted = {}
+        fields = recipe_fields(cls)
+        if spec.cc is not None and spec.cc[0] == 12:   # sm_12x: RHT crashes, SR wrote zeros
+            for name in ("disable_rht", "disable_stochastic_rounding"):
+                if name not in fields:
+                    raise RuntimeError(f"Transformer Engine's NVFP4BlockScaling has no {name!r} field; "
+                                       "it is required on sm_12x (DESIGN s4.7): upgrade TE")
+                wanted[name] = True
+        if "backward_override" in fields:
+            wanted["backward_override"] = "high_precision"
+        else:
+            log.warning("TE NVFP4BlockScaling has no backward_override (TE < 2.15): the backward "
+                        "runs in NVFP4 too")
+    else:
+        raise ValueError(f"--precision {precision}: no Transformer Engine recipe")
+    unknown = set(wanted) - recipe_fields(cls)
+    if unknown:
+        raise RuntimeError(f"TE {cls.__name__} lacks fields {sorted(unknown)}; upgrade TE")
+    recipe = cls(**wanted)
+    for name, value in wanted.items():   # pydantic recipes drop what they do not know: read back
+        got = getattr(recipe, name, None)
+        if got != value:
+            raise RuntimeError(f"TE {cls.__name__}.{name} = {got!r} after construction, wanted {value!r}")
+    return recipe, {"recipe": cls.__name__, **{k: str(v) for k, v in wanted.items()}}
+
+
+def make_te_linear_class(te: Any, recipe: Any) -> type:
+    """A te.pytorch.Linear subclass that enters its own autocast, so the training loop needs
+    no context manager; grad-disabled calls run with TE's quantisation off (bf16)."""
+    autocast = getattr(te, "autocast", None)
+
+    def quant_ctx(enabled: bool):
+        if autocast is not None:   # TE >= 2.8 name
+            return autocast(enabled=enabled, recipe=recipe if enabled else None)
+        return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe if enabled else None)
+
+    class TELinear(te.Linear):
+        def forward(self, x):
+            with quant_ctx(torch.is_grad_enabled()):
+                return super().forward(x)
+
+    return TELinear
+
+
+# --------------------------------------------------------------------------------------------
+# Module swapping
+# --------------------------------------------------------------------------------------------
+
+def keep_high_precision(name: str, module: nn.Linear, precision: str) -> str | None:
+    """Why this Linear stays in the compute dtype (None = convert it)."""
+    if name.split(".")[-1] == "lm_head" or "lm_head" in name:
+        return "lm_head"
+    align = ALIGN[precision]
+    if module.in_features % align or module.out_features % align:
+        return f"dims {module.in_features}x{module.out_features} not multiples of {align}"
+    return None
+
+
+def swap_linears(model: nn.Module, precision: str, factory) -> tuple[list[str], list[str]]:
+    """Replace eligible nn.Linear modules with factory(old) (sharing the weight Parameter)."""
+    converted, kept = [], []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            reason = keep_high_precision(full, child, precision)
+            if reason:
+                kept.append(f"{full} ({reason})")
+                continue
+            setattr(parent, child_name, factory(child))
+            converted.append(full)
+    return converted, kept
+
+
+def _rebuild(cls: type, old: nn.Linear) -> nn.Linear:
+    """Same weight Parameter, new class (no re-initialisation, no copy)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(old.__dict__)   # parameters, buffers, hooks, in/out features
+    return new
+
+
+def _te_factory(te, recipe):
+    cls = make_te_linear_class(te, recipe)
+
+    def factory(old: nn.Linear):
+        new = cls(old.in_features, old.out_features, bias=old.bias is not None,
+                  params_dtype=old.weight.dtype, device=old.weight.device)
+        new.weight = old.weight   # share the Parameter the optimizer and checkpoint know
+        return new
+    return factory
+
+
+def convert_model(model: nn.Module, plan: PrecisionPlan, spec: DeviceSpec, *, compile: bool = True,
+                  grad_dtype: torch.dtype = torch.float8_e5m2) -> PrecisionPlan:
+    """Swap the model's linears according to `plan` (in place); fills plan.converted/kept."""
+    if plan.backend == "none":
+        return plan
+    if plan.backend == "native":
+        cls = type("Fp8LinearG", (Fp8Linear,), {"grad_dtype": grad_dtype})
+        factory = lambda old: _rebuild(cls, old)   # noqa: E731
+    elif plan.backend == "emulated":
+        factory = lambda old: _rebuild(EmulatedNVFP4Linear, old)   # noqa: E731
+    elif plan.backend == "te":
+        import transformer_engine.common.recipe as te_recipe
+        import transformer_engine.pytorch as te
+        recipe, desc = build_te_recipe(plan.precision, spec, te_recipe, compile=compile)
+        plan.recipe = desc
+        factory = _te_factory(te, recipe)
+    elif plan.backend == "torchao":
+        return _convert_torchao(model, plan)
+    else:
+        raise AssertionError(plan.backend)
+    plan.converted, plan.kept_high_precision = swap_linears(model, plan.precision, factory)
+    return plan
+
+
+def _convert_torchao(model: nn.Module, plan: PrecisionPlan) -> PrecisionPlan:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    kept: list[str] = []
+
+    def module_filter(module, fqn):
+        reason = keep_high_precision(fqn, module, "fp8") if isinstance(module, nn.Linear) else "not Linear"
+        if reason and isinstance(module, nn.Linear):
+            kept.append(f"{fqn} ({reason})")
+        return reason is None
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=module_filter)
+    plan.converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    plan.kept_high_precision = kept
+    return plan
+
+
+def startup_check(plan: PrecisionPlan, spec: DeviceSpec, device: torch.device, dtype: torch.dtype,
+                  compile: bool = True) -> float:
+    """Tiny fwd/bwd through one converted layer: gradients must be finite and non-zero (TE's
+    sm_12x stochastic-rounding bug produced all-zero gradients) and the output close to the
+    unquantised one. Returns the output's relative error."""
+    layer = nn.Sequential(nn.Linear(256, 256, bias=False)).to(device=device)
+    nn.init.normal_(layer[0].weight, std=0.05)
+    ref_w = layer[0].weight.detach().clone()
+    convert_model(layer, dataclasses.replace(plan), spec, compile=compile)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, 256, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    y = layer(x)
+    y.float().square().mean().backward()
+    grad = layer[0].weight.grad
+    if grad is None or not torch.isfinite(grad).all() or grad.abs().max() == 0:
+        raise RuntimeError(f"--precision {plan.precision} ({plan.backend}): start-up check got "
+                           "zero or non-finite gradients; try --precision bf16 and report the versions")
+    ref = F.linear(x.detach().float(), ref_w.float())
+    rel = ((y.detach().float() - ref).norm() / ref.norm()).item()
+    limit = 0.25 if plan.precision == "nvfp4" else 0.1
+    if not rel < limit:
+        raise RuntimeError(f"--precision {plan.precision} ({plan.backend}): start-up check output "
+                           f"relative error {rel:.3f} > {limit}")
+    return rel
+
+
+def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "auto", *,
+                    compile: bool = True) -> dict[str, Any]:
+    """Entry point for training: resolve, check, convert. Returns the resolved description
+    (keys: precision, backend, recipe, converted, kept_high_precision, startup_rel_err)."""
+    spec = detect_device(rt.device)
+    plan = resolve(precision, backend, spec, compute_dtype=getattr(rt, "dtype_name", "bf16"))
+    info: dict[str, Any] = {}
+    if plan.backend != "none":
+        info["startup_rel_err"] = round(startup_check(plan, spec, rt.device, rt.dtype, compile), 4)
+        convert_model(model, plan, spec, compile=compile)
+        log.warning("[precision] %s via %s: %d linears converted, kept: %s", plan.precision,
+                    plan.backend, len(plan.converted), plan.kept_high_precision)
+    return {**plan.describe(), **info, "peak_key": plan.peak_key}
+
+
+@contextlib.contextmanager
+def eval_precision():
+    """Evaluation/sampling: grad disabled, which every swapped layer reads as 'run bf16'."""
+    with torch.no_grad():
+        yield

@@ -1,0 +1,386 @@
+"""The training report: stages log sections and per-step metrics; `generate` writes report.md.
+
+Writers (rank 0 only; other ranks get a no-op report):
+    get_report().log("Base model training", {"depth": 20, "total_time_s": 3600.0, ...})
+    log_metrics("base", {"step": 100, "loss": 3.21, "val_bpb": 0.98, "tok_per_sec": 1.5e5,
+                         "memory_gb": 41.2, "elapsed_s": 812.0})
+
+Files under <base_dir>/report/:
+    header.json                 system info + start time, written by `reset`
+    sections/<slug>.json        a section's entries, in logging order ({"time", "data"} each)
+    metrics_<stage>.jsonl       one JSON object per line (log_metrics adds "time" when absent)
+    plots/*.png, report.md      written by `generate`
+
+`python -m nanochat.report generate [--hourly-cost USD]` builds report.md: environment, a summary
+table (CORE, ARC, MMLU, GSM8K, HumanEval, SpellingBee, ChatCORE per stage base/mid/sft/rl), time
+and cost, PNG plots (loss and val bpb vs step and wall clock, tok/s, memory), then every section.
+`python -m nanochat.report reset` clears the report and starts a new one.
+
+Summary values are read from section data: a "stage" key (else the stage named in the section
+title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from nanochat.common import get_base_dir
+
+STAGES = ("base", "mid", "sft", "rl")
+SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
+    "CORE": ("CORE", "CORE metric", "core_metric"),
+    "ARC-Easy": ("ARC-Easy",), "ARC-Challenge": ("ARC-Challenge",), "MMLU": ("MMLU",),
+    "GSM8K": ("GSM8K",), "HumanEval": ("HumanEval",), "SpellingBee": ("SpellingBee",),
+    "ChatCORE": ("ChatCORE", "ChatCORE metric", "chatcore_metric"),
+}
+# metric name -> accepted keys in metrics_<stage>.jsonl
+METRIC_KEYS: dict[str, tuple[str, ...]] = {
+    "loss": ("loss", "train_loss"), "val_bpb": ("val_bpb",), "tok_per_sec": ("tok_per_sec", "tokens_per_sec"),
+    "memory_gb": ("memory_gb", "peak_memory_gb", "mem_gb"), "elapsed_s": ("elapsed_s", "wall_s"),
+}
+PLOTS = (  # (y metric, x metric, file name, title)
+    ("loss", "step", "loss_vs_step.png", "training loss vs step"),
+    ("loss", "elapsed_s", "loss_vs_time.png", "training loss vs wall clock"),
+    ("val_bpb", "step", "val_bpb_vs_step.png", "validation bits per byte vs step"),
+    ("val_bpb", "elapsed_s", "val_bpb_vs_time.png", "validation bits per byte vs wall clock"),
+    ("tok_per_sec", "step", "tok_per_sec.png", "throughput (tokens/s)"),
+    ("memory_gb", "step", "memory.png", "peak memory (GB)"),
+)
+_STAGE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+def report_dir(base_dir=None) -> Path:
+    return Path(base_dir or get_base_dir()) / "report"
+
+
+def _is_master() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _jsonable(value):
+    """Plain JSON types (tensors / numpy scalars via .item(), paths and the rest via str)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except (ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
+    """Append one line to <base_dir>/report/metrics_<stage>.jsonl (rank 0 only; cheap: one write).
+
+    Keys the plots read: step, loss, val_bpb, tok_per_sec, memory_gb, elapsed_s (wall-clock seconds
+    since the stage started; "time" is the epoch time, added when absent). Other keys are kept.
+    """
+    if not isinstance(stage, str) or not _STAGE_RE.match(stage):
+        raise ValueError(f"stage: got {stage!r}; accepted: lowercase letters/digits/_/- (e.g. base|mid|sft|rl)")
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics: got {type(metrics).__name__}; accepted: a dict")
+    if not _is_master():
+        return
+    row = _jsonable(metrics)
+    row.setdefault("time", time.time())
+    path = report_dir(base_dir) / f"metrics_{stage}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(base_dir=None) -> dict[str, list[dict]]:
+    """stage -> rows of every metrics_<stage>.jsonl (unparseable lines, e.g. a torn write, skipped)."""
+    out = {}
+    for path in sorted(report_dir(base_dir).glob("metrics_*.jsonl")):
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        out[path.stem[len("metrics_"):]] = rows
+    return out
+
+
+def _get(row: dict, metric: str):
+    for key in METRIC_KEYS.get(metric, (metric,)):
+        if isinstance(row.get(key), (int, float)):
+            return float(row[key])
+    return None
+
+
+def _series(rows: list[dict], y: str, x: str) -> tuple[list[float], list[float]]:
+    t0 = next((r["time"] for r in rows if isinstance(r.get("time"), (int, float))), None)
+    xs, ys = [], []
+    for r in rows:
+        xv = _get(r, x)
+        if xv is None and x == "elapsed_s" and t0 is not None and isinstance(r.get("time"), (int, float)):
+            xv = r["time"] - t0
+        yv = _get(r, y)
+        if xv is not None and yv is not None:
+            xs.append(xv)
+            ys.append(yv)
+    return xs, ys
+
+
+def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str, Path]]:
+    """One PNG per plot spec that has data; lines per stage. Returns (title, path) pairs."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg directly: no pyplot state
+    from matplotlib.figure import Figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    for y, x, name, title in PLOTS:
+        series = {stage: _series(rows, y, x) for stage, rows in metrics.items()}
+        series = {s: v for s, v in series.items() if v[0]}
+        if not series:
+            continue
+        fig = Figure(figsize=(7, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for stage, (xs, ys) in series.items():
+            xs_plot = [v / 60 for v in xs] if x == "elapsed_s" else xs
+            ax.plot(xs_plot, ys, label=stage, marker="." if len(xs) < 50 else None)
+        ax.set_xlabel("wall clock (min)" if x == "elapsed_s" else "step")
+        ax.set_ylabel(y)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / name, format="png")
+        made.append((title, out_dir / name))
+    return made
+
+
+def system_info() -> dict:
+    """Git sha, versions, device, CPU and memory (called by reset/generate, never at import)."""
+    info = {"python": platform.python_version(), "platform": platform.platform()}
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10)
+        info["git_sha"] = sha.stdout.strip() or "unknown (no commits)"
+        info["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        info["git_sha"] = "unknown (git not available)"
+    import torch
+
+    info["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        info["device"] = f"{n} x {torch.cuda.get_device_name(0)}"
+        info["cuda"] = torch.version.cuda
+        info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
+    else:
+        info["device"] = "cpu"
+    info["cpu"] = _cpu_name()
+    info["cpu_count"] = os.cpu_count()
+    try:
+        import psutil
+
+        info["memory_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _slug(section: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"section: got {section!r}; accepted: a title with letters or digits")
+    return slug
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10000:
+        return f"{value:,}"
+    return str(value)
+
+
+def _md_data(data, indent: int = 0) -> list[str]:
+    pad = "  " * indent
+    if isinstance(data, dict):
+        lines = []
+        for k, v in data.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}- {k}:")
+                lines += _md_data(v, indent + 1)
+            else:
+                lines.append(f"{pad}- {k}: {_fmt(v)}")
+        return lines
+    if isinstance(data, list):
+        lines = []
+        for v in data:
+            lines += _md_data(v, indent) if isinstance(v, dict) else [f"{pad}- {_fmt(v)}"]
+        return lines
+    return [f"{pad}{data}"]
+
+
+def _stage_of(section: str, data: dict) -> str | None:
+    if isinstance(data.get("stage"), str) and data["stage"] in STAGES:
+        return data["stage"]
+    words = re.findall(r"[a-z]+", section.lower())
+    for stage, names in (("base", ("base",)), ("mid", ("mid", "midtraining")), ("sft", ("sft",)), ("rl", ("rl",))):
+        if any(w in names for w in words):
+            return stage
+    return None
+
+
+class Report:
+    """Sections + metrics in <base_dir>/report; see the module docstring."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+
+    def log(self, section: str, data) -> Path:
+        """Append an entry (dict, list of dicts or text) to a section; returns the section file."""
+        path = self.dir / "sections" / f"{_slug(section)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"section": section, "entries": []}
+        doc["entries"].append({"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(),
+                               "data": _jsonable(data)})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    def reset(self) -> None:
+        """Delete sections, metrics, plots and report.md; record system info and the start time."""
+        for sub in ("sections", "plots"):
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
+        for path in [*self.dir.glob("metrics_*.jsonl"), self.dir / "report.md"]:
+            path.unlink(missing_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        header = {"start_time": time.time(), "start": datetime.now().isoformat(timespec="seconds"),
+                  "system": system_info()}
+        (self.dir / "header.json").write_text(json.dumps(header, indent=1), encoding="utf-8")
+
+    def sections(self) -> list[dict]:
+        docs = [json.loads(p.read_text(encoding="utf-8")) for p in (self.dir / "sections").glob("*.json")]
+        # logging order: by the time of each section's first entry, then title
+        return sorted(docs, key=lambda d: (d["entries"][0].get("t", 0.0) if d["entries"] else 0.0, d["section"]))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """metric -> stage -> value (the latest entry wins)."""
+        table: dict[str, dict[str, float]] = {row: {} for row in SUMMARY_ROWS}
+        for doc in self.sections():
+            for entry in doc["entries"]:
+                data = entry["data"]
+                if not isinstance(data, dict):
+                    continue
+                stage = _stage_of(doc["section"], data)
+                if stage is None:
+                    continue
+                for row, keys in SUMMARY_ROWS.items():
+                    for key in keys:
+                        if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
+                            table[row][stage] = float(data[key])
+        return table
+
+    def generate(self, *, hourly_cost: float | None = None) -> Path:
+        """Write plots and report.md; returns the report path."""
+        if hourly_cost is not None and hourly_cost < 0:
+            raise ValueError(f"--hourly-cost: got {hourly_cost}; accepted: >= 0 (USD per hour)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        header_path = self.dir / "header.json"
+        header = json.loads(header_path.read_text()) if header_path.is_file() else {"system": system_info()}
+        metrics = read_metrics(self.dir.parent)
+        plots = make_plots(metrics, self.dir / "plots") if metrics else []
+        lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
+                 + (f"; run started {header['start']}" if "start" in header else ""), "", "## Environment", ""]
+        lines += [f"- {k}: {v}" for k, v in header["system"].items()]
+        lines += ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
+                  "|---|" + "---|" * len(STAGES)]
+        for row, values in self.summary().items():
+            lines.append(f"| {row} | " + " | ".join(f"{values[s]:.4f}" if s in values else "-" for s in STAGES) + " |")
+        lines += ["", *self._time_and_cost(metrics, header, hourly_cost)]
+        if plots:
+            lines += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
+        for doc in self.sections():
+            lines += [f"## {doc['section']}", ""]
+            for entry in doc["entries"]:
+                lines += [f"_{entry['time']}_", "", *_md_data(entry["data"]), ""]
+        path = self.dir / "report.md"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    def _time_and_cost(self, metrics: dict[str, list[dict]], header: dict, hourly_cost: float | None) -> list[str]:
+        lines = ["## Time and cost", "", "| Stage | steps | wall clock (h) |", "|---|---|---|"]
+        total = 0.0
+        for stage, rows in metrics.items():
+            xs, _ = _series(rows, "step", "elapsed_s")
+            seconds = max(xs) if xs else 0.0
+            steps = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=0)
+            total += seconds
+            lines.append(f"| {stage} | {steps} | {seconds / 3600:.3f} |")
+        lines.append(f"| total | | {total / 3600:.3f} |")
+        lines.append("")
+        if "start_time" in header:
+            lines.append(f"- wall clock since `reset`: {(time.time() - header['start_time']) / 3600:.3f} h")
+        if hourly_cost is not None:
+            lines.append(f"- estimated cost: ${total / 3600 * hourly_cost:.2f} at ${hourly_cost:.2f}/h (logged stages)")
+        return lines + [""]
+
+
+class DummyReport:
+    """What non-master ranks get: every method is a no-op."""
+
+    def log(self, *args, **kwargs):
+        return None
+
+    def reset(self, *args, **kwargs):
+        return None
+
+    def generate(self, *args, **kwargs):
+        return None
+
+
+def get_report(base_dir=None) -> Report | DummyReport:
+    return Report(report_dir(base_dir)) if _is_master() else DummyReport()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.report", description="training report")
+    parser.add_argument("command", choices=("generate", "reset"))
+    parser.add_argument("--base-dir", "--base_dir", default=None, help="default: $NANOCHAT_BASE_DIR")
+    parser.add_argument("--hourly-cost", "--hourly_cost", type=float,
+                        default=float(os.environ["NANOCHAT_HOURLY_COST"]) if os.environ.get("NANOCHAT_HOURLY_COST") else None,
+                        help="USD per hour of the machine, for the cost estimate")
+    args = parser.parse_args(argv)
+    report = Report(report_dir(args.base_dir))
+    if args.command == "reset":
+        report.reset()
+        print(f"report reset: {report.dir}")
+    else:
+        print(f"report written: {report.generate(hourly_cost=args.hourly_cost)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,616 @@
+"""The chat web server: an OpenAI-compatible API and the chat page over a pool of model replicas.
+
+`create_app(pool, settings)` returns a FastAPI app (scripts/chat_web.py is the recipe that loads
+models and runs it with uvicorn):
+
+    GET  /                      the chat page (nanochat/ui.html, self-contained, strict CSP)
+    POST /v1/chat/completions   OpenAI chat completions: stream true (SSE) / false, n, stop, usage
+    GET  /v1/models             the served model
+    GET  /health                liveness + free replicas (never needs the API key)
+    GET  /stats                 counters and per-replica state
+
+Concurrency: one `Worker` (model replica + Engine) per device; a request waits in a FIFO for a free
+replica (`WorkerPool`), then generation runs in a thread (`_Job`) so the event loop stays free. The
+thread checks a cancel flag every token: a client that disconnects stops generation and frees the
+replica within one decode step.
+
+Limits (`ServerSettings`) are checked before any model work; every violation is a 4xx JSON error
+in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
+# (`request: Request`) at runtime, and Request is imported inside create_app.
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nanochat.engine import TOOL_TEXT, TextStream
+
+UI_PATH = Path(__file__).with_name("ui.html")
+ROLES = ("system", "user", "assistant")
+
+
+# ------------------------------------------------------------------------------------ settings
+
+@dataclass
+class ServerSettings:
+    """Everything a client can influence is bounded by one of these."""
+
+    model_name: str = "nanochat"
+    api_key: str | None = None              # when set, /v1/* and /stats need "Authorization: Bearer <key>"
+    max_messages: int = 100
+    max_message_chars: int = 16_000
+    max_total_chars: int = 64_000
+    default_max_tokens: int = 512
+    max_max_tokens: int = 4096
+    default_temperature: float = 0.8
+    default_top_k: int = 50
+    max_temperature: float = 2.0
+    max_top_k: int = 1000
+    max_n: int = 4
+    max_stop: int = 4                       # stop strings per request, each <= 100 chars
+    max_body_bytes: int = 1 << 20
+    max_concurrent_per_client: int = 4
+    max_queue: int = 128                    # requests waiting for a replica before 503
+
+    def validate(self) -> "ServerSettings":
+        for name, value in asdict(self).items():
+            if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: got {value!r}; accepted: an integer >= 1")
+        if not 0 <= self.default_temperature <= self.max_temperature:
+            raise ValueError(f"--temperature: got {self.default_temperature}; accepted: 0..{self.max_temperature}")
+        if not 0 <= self.default_top_k <= self.max_top_k:
+            raise ValueError(f"--top-k: got {self.default_top_k}; accepted: 0..{self.max_top_k} (0 = off)")
+        if self.default_max_tokens > self.max_max_tokens:
+            raise ValueError(f"--max-tokens: got {self.default_max_tokens}; accepted: 1..{self.max_max_tokens}")
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ValueError("--api-key: got a key shorter than 8 characters; accepted: >= 8 characters")
+        return self
+
+    def public(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "api_key"} | {"auth": self.api_key is not None}
+
+
+class ApiError(Exception):
+    """An error returned to the client as {"error": {...}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """A validated request; messages normalised to {"role", "content": str}."""
+
+    messages: list[dict]
+    stream: bool
+    include_usage: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    n: int
+    seed: int | None
+
+
+# ------------------------------------------------------------------------------------ request parsing
+
+def _number(body: dict, name: str, low: float, high: float, default, *, integer=False, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if ok and not (low < value if low_open else low <= value) or ok and value > high:
+        ok = False
+    if not ok:
+        span = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ApiError(400, f"'{name}': got {json.dumps(value)}; accepted: {'an integer' if integer else 'a number'} "
+                            f"in {span}", param=name, code="invalid_value")
+    return value
+
+
+def _content_text(content, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"'messages[{i}].content': accepted: a string or a list of "
+                        "{\"type\": \"text\", \"text\": string} parts", param=f"messages[{i}].content")
+
+
+def _parse_messages(raw, s: ServerSettings) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages': accepted: a non-empty list of {role, content}", param="messages")
+    if len(raw) > s.max_messages:
+        raise ApiError(400, f"'messages': got {len(raw)} messages; the limit is {s.max_messages}",
+                       param="messages", code="too_many_messages")
+    out, total = [], 0
+    for i, m in enumerate(raw):
+        role = m.get("role") if isinstance(m, dict) else None
+        role = "system" if role == "developer" else role
+        if role not in ROLES:
+            raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: system|user|assistant",
+                           param=f"messages[{i}].role")
+        text = _content_text(m.get("content"), i)
+        if len(text) > s.max_message_chars:
+            raise ApiError(400, f"'messages[{i}].content': {len(text)} characters; the limit is "
+                                f"{s.max_message_chars}", param=f"messages[{i}].content", code="message_too_long")
+        total += len(text)
+        out.append({"role": role, "content": text})
+    if total > s.max_total_chars:
+        raise ApiError(400, f"'messages': {total} characters in total; the limit is {s.max_total_chars}",
+                       param="messages", code="messages_too_long")
+    turns = out[1:] if out[0]["role"] == "system" else out
+    for k, m in enumerate(turns):
+        want = "user" if k % 2 == 0 else "assistant"
+        if m["role"] != want:
+            i = k + len(out) - len(turns)
+            raise ApiError(400, f"'messages[{i}].role': got '{m['role']}', expected '{want}' (a system message may "
+                                "only come first; then user and assistant alternate, starting with user)",
+                           param=f"messages[{i}].role")
+    if not turns or turns[-1]["role"] != "user":
+        raise ApiError(400, "'messages': the last message must be from the user", param="messages")
+    return out
+
+
+def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
+    """Validate a /v1/chat/completions body against the limits; ApiError(400) names the field.
+    Unknown fields (e.g. presence_penalty) are ignored, as most OpenAI-compatible servers do."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body: accepted: a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model': accepted: a string", param="model")
+    messages = _parse_messages(body.get("messages"), s)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream': accepted: true|false", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options': accepted: {\"include_usage\": true|false}", param="stream_options")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, s.max_max_tokens, None, integer=True)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > s.max_stop or \
+            not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
+        raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "
+                            "of <= 100 characters", param="stop")
+    return ChatRequest(
+        messages=messages, stream=stream, include_usage=bool(opts.get("include_usage", False)),
+        temperature=float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature)),
+        top_k=_number(body, "top_k", 0, s.max_top_k, s.default_top_k, integer=True) or None,
+        top_p=_number(body, "top_p", 0, 1, None, low_open=True), max_tokens=max_tokens, stop=tuple(stop),
+        n=_number(body, "n", 1, s.max_n, 1, integer=True),
+        seed=_number(body, "seed", 0, 2**63 - 1, None, integer=True))
+
+
+# ------------------------------------------------------------------------------------ replicas
+
+class Worker:
+    """One model replica (an Engine on one device) and its counters."""
+
+    def __init__(self, engine, name: str):
+        self.engine, self.tokenizer, self.name = engine, engine.tokenizer, name
+        self.busy = False
+        self.requests = self.tokens = 0
+        self.busy_seconds = 0.0
+
+
+class WorkerPool:
+    """FIFO hand-out of idle workers. Cancellation-safe: a waiter cancelled after being handed a
+    worker passes it on, so no worker is ever lost."""
+
+    def __init__(self, workers: list[Worker]):
+        if not workers:
+            raise ValueError("workers: need at least one model replica")
+        self.workers = list(workers)
+        self._idle = deque(self.workers)
+        self._waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def available(self) -> int:
+        return len(self._idle)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    async def acquire(self) -> Worker:
+        if self._idle and not self.waiting:
+            worker = self._idle.popleft()
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                worker = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self.release(fut.result())
+                raise
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+        worker.busy = True
+        return worker
+
+    def release(self, worker: Worker) -> None:
+        worker.busy = False
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(worker)
+                return
+        self._idle.append(worker)
+
+
+class _ClientSlots:
+    """Concurrent requests per client address; acquire() returns an idempotent release."""
+
+    def __init__(self, limit: int):
+        self.limit, self.active = limit, defaultdict(int)
+
+    def acquire(self, key: str):
+        if self.active.get(key, 0) >= self.limit:
+            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit}); "
+                                "wait for one to finish", code="too_many_concurrent_requests")
+        self.active[key] += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.active[key] -= 1
+                if not self.active[key]:
+                    del self.active[key]
+        return release
+
+
+# ------------------------------------------------------------------------------------ generation
+
+class _Job:
+    """One request's generation in a worker thread; events reach the event loop via a queue:
+    ("delta", [(index, text)]), ("done", finish_reasons, usage), ("error", message)."""
+
+    def __init__(self, pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int],
+                 max_tokens: int, stats: dict):
+        self.pool, self.worker, self.req, self.prompt, self.max_tokens = pool, worker, req, prompt, max_tokens
+        self.stats = stats
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"gen-{self.worker.name}", daemon=True).start()
+
+    def _emit(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancel.set()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._generate()
+        except Exception as e:  # reported to the client as a server_error; the server keeps serving
+            self.stats["errors"] += 1
+            self._emit("error", f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            self.worker.busy_seconds += time.perf_counter() - t0
+            try:
+                self.loop.call_soon_threadsafe(self.pool.release, self.worker)
+            except RuntimeError:
+                pass
+
+    def _generate(self) -> None:
+        tok, req, n = self.worker.tokenizer, self.req, self.req.n
+        engine = self.worker.engine
+        stops = set(engine.default_stop_tokens) | {tok.encode_special("<|user_start|>")}
+        special = {tok.encode_special(k): v for k, v in TOOL_TEXT.items()}
+        seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
+        streams = [TextStream(tok, req.stop, special) for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        counts = [0] * n
+        gen = engine.generate(self.prompt, num_samples=n, max_tokens=self.max_tokens, temperature=req.temperature,
+                              top_k=req.top_k, top_p=req.top_p, seed=seed, stop_tokens=stops)
+        try:
+            for column, _ in gen:
+                if self.cancel.is_set():
+                    self.stats["cancelled"] += 1
+                    return
+                deltas = []
+                for i, token in enumerate(column):
+                    if finish[i]:
+                        continue
+                    counts[i] += 1
+                    text = streams[i].finish() if token in stops else streams[i].feed(token)
+                    if token in stops or streams[i].stopped:
+                        finish[i] = "stop"
+                    if text:
+                        deltas.append((i, text))
+                self.worker.tokens += len(column)
+                if deltas:
+                    self._emit("delta", deltas)
+                if all(finish):
+                    break
+        finally:
+            gen.close()
+        tails = [(i, streams[i].finish()) for i in range(n) if not finish[i]]
+        if any(text for _, text in tails):
+            self._emit("delta", [(i, t) for i, t in tails if t])
+        finish = [f or "length" for f in finish]
+        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": sum(counts),
+                 "total_tokens": len(self.prompt) + sum(counts)}
+        self.stats["completion_tokens"] += sum(counts)
+        self._emit("done", finish, usage)
+
+
+# ------------------------------------------------------------------------------------ HTTP helpers
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _csp(html: str) -> str:
+    """A Content-Security-Policy allowing exactly the page's own inline <script>/<style> blocks
+    (by hash): even if model text ever reached the DOM as HTML, no injected script could run."""
+    def hashes(tag):
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in blocks)
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
+
+
+async def _read_json(request, limit: int):
+    """The body as JSON, refusing more than `limit` bytes before reading them all."""
+    length = request.headers.get("content-length", "0")
+    if not length.isdigit():
+        raise ApiError(400, "invalid Content-Length header")
+    if int(length) > limit:
+        raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ApiError(400, "request body: could not parse JSON", code="invalid_json") from None
+
+
+async def _wait_disconnect(request) -> None:
+    """Returns when the client goes away (only call after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _release_unused(pool: WorkerPool, acq: asyncio.Future, job) -> None:
+    """Cleanup for a request leaving early: stop its job, or return / stop waiting for a worker."""
+    if job is not None:
+        job.cancel.set()
+    elif acq.done():
+        if not acq.cancelled() and acq.exception() is None:
+            pool.release(acq.result())
+    else:
+        acq.cancel()
+
+
+# ------------------------------------------------------------------------------------ the app
+
+def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
+    """The FastAPI app serving `pool` under `settings` (validated here)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException
+
+    settings = (settings or ServerSettings()).validate()
+    app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None)
+    stats: dict = defaultdict(int)
+    started = time.time()
+    slots = _ClientSlots(settings.max_concurrent_per_client)
+    html = UI_PATH.read_text(encoding="utf-8")
+    page_headers = {"Content-Security-Policy": _csp(html), "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+    tokenizer, engine = pool.workers[0].tokenizer, pool.workers[0].engine
+
+    def error_response(e: ApiError) -> JSONResponse:
+        stats[f"http_{e.status}"] += 1
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return error_response(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e):
+        return error_response(ApiError(400, f"invalid request: {e.errors()[:1]}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}"))
+
+    def check_auth(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @app.get("/")
+    async def index():
+        return HTMLResponse(html, headers=page_headers)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers),
+                "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None}
+
+    @app.get("/stats")
+    async def get_stats(request: Request):
+        check_auth(request)
+        return {"model": settings.model_name, "uptime_s": round(time.time() - started, 1),
+                "requests": dict(stats), "active_clients": len(slots.active), "waiting": pool.waiting,
+                "workers": [{"name": w.name, "device": str(w.engine.device), "busy": w.busy,
+                             "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2)}
+                            for w in pool.workers],
+                "context_len": engine.max_seq_len, "limits": settings.public()}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
+                                            "created": int(started), "owned_by": "nanochat"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req = parse_chat_request(await _read_json(request, settings.max_body_bytes), settings)
+        try:
+            prompt = tokenizer.render_for_completion({"messages": req.messages})
+        except ValueError as e:
+            raise ApiError(400, f"'messages': {e}", param="messages") from None
+        room = engine.max_seq_len - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the conversation is {len(prompt)} tokens; the model's context is "
+                                f"{engine.max_seq_len} tokens: shorten it or start a new chat",
+                           param="messages", code="context_length_exceeded")
+        release = slots.acquire(request.client.host if request.client else "unknown")
+        if pool.waiting >= settings.max_queue:
+            release()
+            raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy")
+        stats["chat_requests"] += 1
+        max_tokens = min(req.max_tokens or settings.default_max_tokens, room)
+        meta = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()),
+                "model": settings.model_name}
+        args = (req, prompt, max_tokens, meta)
+        if req.stream:
+            return StreamingResponse(stream(*args, release), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(release))
+        try:
+            result = await complete(request, *args)
+        finally:
+            release()
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    async def stream(req: ChatRequest, prompt, max_tokens, meta, release):
+        acq, job = asyncio.ensure_future(pool.acquire()), None
+        try:
+            while not (await asyncio.wait({acq}, timeout=2.0))[0]:
+                yield ": waiting for a free model replica\n\n"  # SSE comment; also detects a gone client
+            job = _Job(pool, acq.result(), req, prompt, max_tokens, stats)
+            job.worker.requests += 1
+            job.start()
+            chunk = {**meta, "object": "chat.completion.chunk"}
+            yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None} for i in range(req.n)]})
+            while True:
+                event = await job.events.get()
+                if event[0] == "delta":
+                    yield _sse({**chunk, "choices": [{"index": i, "delta": {"content": t}, "logprobs": None,
+                                                      "finish_reason": None} for i, t in event[1]]})
+                elif event[0] == "done":
+                    yield _sse({**chunk, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": f}
+                                                     for i, f in enumerate(event[1])]})
+                    if req.include_usage:
+                        yield _sse({**chunk, "choices": [], "usage": event[2]})
+                    stats["completed"] += 1
+                    break
+                else:
+                    yield _sse(ApiError(500, event[1]).body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            _release_unused(pool, acq, job)
+            release()
+
+    async def complete(request: Request, req: ChatRequest, prompt, max_tokens, meta):
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        acq, job = asyncio.ensure_future(pool.acquire()), None
+        try:
+            await asyncio.wait({acq, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not acq.done():
+                return None
+            job = _Job(pool, acq.result(), req, prompt, max_tokens, stats)
+            job.worker.requests += 1
+            job.start()
+            texts = [[] for _ in range(req.n)]
+            while True:
+                getter = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    return None
+                event = getter.result()
+                if event[0] == "delta":
+                    for i, t in event[1]:
+                        texts[i].append(t)
+                elif event[0] == "done":
+                    stats["completed"] += 1
+                    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+                                "logprobs": None, "finish_reason": f} for i, f in enumerate(event[1])]
+                    return {**meta, "object": "chat.completion", "choices": choices, "usage": event[2]}
+                else:
+                    raise ApiError(500, event[1])
+        finally:
+            gone.cancel()
+            _release_unused(pool, acq, job)
+
+    return app
+
+
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Run `app` under uvicorn in a daemon thread (tests). Returns (server, base_url); stop it with
+    `server.should_exit = True` and `server.thread.join()`."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.create_server((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    server.thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not server.thread.is_alive():
+            raise RuntimeError("uvicorn did not start within 30 s")
+        time.sleep(0.02)
+    return server, f"http://{host}:{sock.getsockname()[1]}"

@@ -1,0 +1,36 @@
+"""Evaluation and fine-tuning tasks (conversations + scoring); see common.py for the interface.
+
+`get_task(name, **kw)` builds an eval task by the name chat_eval uses.
+"""
+
+from __future__ import annotations
+
+from nanochat.tasks.arc import ARC
+from nanochat.tasks.common import DataUnavailableError, Task, TaskMixture, TaskSequence
+from nanochat.tasks.conversations import LocalConversations, SmolTalk, get_conversations
+from nanochat.tasks.gsm8k import GSM8K
+from nanochat.tasks.humaneval import HumanEval
+from nanochat.tasks.identity import IdentityConversations
+from nanochat.tasks.mmlu import MMLU
+from nanochat.tasks.spelling import SpellingBee
+
+# name -> (factory, random-guess baseline used for centering in ChatCORE)
+EVAL_TASKS = {
+    "ARC-Easy": (lambda **kw: ARC("easy", "test", **kw), 0.25),
+    "ARC-Challenge": (lambda **kw: ARC("challenge", "test", **kw), 0.25),
+    "MMLU": (lambda **kw: MMLU("test", **kw), 0.25),
+    "GSM8K": (lambda **kw: GSM8K("test", **kw), 0.0),
+    "HumanEval": (lambda **kw: HumanEval(**kw), 0.0),
+    "SpellingBee": (lambda **kw: SpellingBee(size=256, split="test", **kw), 0.0),
+}
+
+
+def get_task(name: str, **kw) -> Task:
+    if name not in EVAL_TASKS:
+        raise ValueError(f"-a/--task-name: got {name!r}; accepted: {'|'.join(EVAL_TASKS)}")
+    return EVAL_TASKS[name][0](**kw)
+
+
+__all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "IdentityConversations", "LocalConversations",
+           "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
+           "EVAL_TASKS", "get_task"]

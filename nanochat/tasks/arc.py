@@ -1,0 +1,60 @@
+"""ARC-Easy and ARC-Challenge (AI2 Reasoning Challenge) as categorical multiple-choice tasks.
+
+Local file: `arc_easy.jsonl` / `arc_challenge.jsonl` (the test split; `arc_easy_<split>.jsonl` for
+another split), rows {"id", "question", "choices": [...], "answer": index}. Hub: allenai/ai2_arc.
+"""
+
+from __future__ import annotations
+
+from nanochat.tasks.common import LETTERS, Task, load_rows, render_mc
+
+_SUBSETS = {"easy": ("arc_easy", "ARC-Easy"), "challenge": ("arc_challenge", "ARC-Challenge")}
+_SPLITS = ("train", "validation", "test")
+
+
+def _from_hub(row: dict) -> dict:
+    labels = list(row["choices"]["label"])
+    return {"id": row["id"], "question": row["question"], "choices": list(row["choices"]["text"]),
+            "answer": labels.index(row["answerKey"])}
+
+
+def mc_conversation(question: str, choices: list[str], answer: int, **extra) -> dict:
+    """The shared categorical conversation: lettered prompt, the letter as the assistant answer."""
+    if not 0 <= answer < len(choices) <= len(LETTERS):
+        raise ValueError(f"answer: got {answer} for {len(choices)} choices")
+    letters = LETTERS[: len(choices)]
+    return {"messages": [{"role": "user", "content": render_mc(question, choices, letters)},
+                         {"role": "assistant", "content": letters[answer]}],
+            "letters": list(letters), **extra}
+
+
+def evaluate_letter(conversation: dict, completion: str) -> bool:
+    """True when the completion's first non-space character is the gold letter."""
+    gold = conversation["messages"][-1]["content"]
+    return completion.strip()[:1].upper() == gold
+
+
+class ARC(Task):
+    eval_type = "categorical"
+
+    def __init__(self, subset: str = "easy", split: str = "test", *, data_dir=None, **kw):
+        super().__init__(**kw)
+        if subset not in _SUBSETS:
+            raise ValueError(f"ARC subset: got {subset!r}; accepted: easy|challenge")
+        if split not in _SPLITS:
+            raise ValueError(f"ARC split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+        stem, hub_config = _SUBSETS[subset]
+        names = [f"{stem}_{split}.jsonl"] + ([f"{stem}.jsonl"] if split == "test" else [])
+        self.rows, self.source = load_rows("eval", names, data_dir=data_dir,
+                                           hub=("allenai/ai2_arc", hub_config, split), convert_hub=_from_hub)
+        self.name = "ARC-Easy" if subset == "easy" else "ARC-Challenge"
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        r = self.rows[index]
+        return mc_conversation(r["question"], list(r["choices"]), int(r["answer"]))
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        return evaluate_letter(conversation, completion)

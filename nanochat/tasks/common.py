@@ -1,0 +1,247 @@
+"""The task interface, the deterministic TaskMixture, and local-first / hub-second data loading.
+
+A task is an indexable collection of conversations (the format in docs/INTERFACES.md) plus an
+`evaluate(conversation, completion)` that scores a model's answer:
+
+* eval_type "categorical": the answer is one of `conversation["letters"]` (e.g. "A".."D"); callers
+  score it by comparing the logits of those letters after `render_for_completion`.
+* eval_type "generative": the model samples a completion (through Engine) which `evaluate` checks.
+
+Data lookup order for every loader (see `find_local_file` / `load_rows`):
+  1. an explicit `data_dir` argument, else the env override (NANOCHAT_EVAL_DIR / NANOCHAT_SFT_DIR),
+     else `<base_dir>/eval_data` (or `sft_data`) and then the repo's `../shared/data/<kind>`;
+  2. the Hugging Face hub via `datasets` (imported lazily, only when step 1 found nothing);
+  3. a `DataUnavailableError` naming every local path tried and the hub dataset + why it failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from nanochat.common import get_base_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# kind -> (env override, folder under the base dir, folder under ../shared/data)
+_KINDS = {
+    "eval": ("NANOCHAT_EVAL_DIR", "eval_data", "eval"),
+    "sft": ("NANOCHAT_SFT_DIR", "sft_data", "sft"),
+    "words": ("NANOCHAT_EVAL_DIR", "eval_data", "words"),
+}
+
+
+class DataUnavailableError(FileNotFoundError):
+    """Neither a local file nor the hub could provide a dataset; the message names both."""
+
+
+def local_dirs(kind: str, data_dir: str | Path | None = None) -> list[Path]:
+    """Directories searched (in order) for local files of `kind` ("eval" | "sft" | "words")."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind: got {kind!r}; accepted: {'|'.join(_KINDS)}")
+    env, base_sub, shared_sub = _KINDS[kind]
+    if data_dir is not None:
+        root = Path(data_dir)
+        return [root, root / shared_sub]  # accept the folder itself or a data root holding it
+    if os.environ.get(env):
+        root = Path(os.environ[env])
+        return [root, root / shared_sub]
+    dirs = [get_base_dir() / base_sub]
+    if SHARED_DATA.is_dir():
+        dirs.append(SHARED_DATA / shared_sub)
+    return dirs
+
+
+def find_local_file(kind: str, filenames: Sequence[str], data_dir=None) -> tuple[Path | None, list[Path]]:
+    """First existing `dir/filename` over local_dirs x filenames, plus every path tried."""
+    tried = []
+    for d in local_dirs(kind, data_dir):
+        for name in filenames:
+            path = d / name
+            tried.append(path)
+            if path.is_file():
+                return path, tried
+    return None, tried
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from e
+    return rows
+
+
+def _import_datasets():
+    """Lazy import so that `datasets` stays an optional dependency (pip install '.[hub]')."""
+    import datasets  # noqa: PLC0415
+
+    return datasets
+
+
+def load_hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
+    datasets = _import_datasets()
+    ds = datasets.load_dataset(hub_id, config, split=split)
+    return [dict(r) for r in ds]
+
+
+def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
+              hub: tuple[str, str | None, str] | None = None,
+              convert_hub: Callable[[dict], dict] | None = None) -> tuple[list[dict], str]:
+    """Rows of a dataset from a local JSONL file, else the hub; returns (rows, source description).
+
+    hub = (dataset id, config, split) or None when the dataset has no hub fallback.
+    """
+    path, tried = find_local_file(kind, filenames, data_dir)
+    if path is not None:
+        return read_jsonl(path), str(path)
+    hub_reason, hub_error = "no hub fallback for this dataset", None
+    if hub is not None:
+        try:
+            rows = load_hub_rows(*hub)
+        except ImportError as e:
+            hub_reason, hub_error = f"`datasets` is not installed ({e}); pip install 'nanochat-spark[hub]'", e
+        except Exception as e:  # noqa: BLE001 - any hub failure (offline, 404, auth) is re-raised below
+            hub_reason, hub_error = f"{type(e).__name__}: {e}", e
+        else:
+            if convert_hub is not None:
+                rows = [convert_hub(r) for r in rows]
+            return rows, f"hub:{hub[0]}/{hub[1] or ''}:{hub[2]}"
+    where = "\n  ".join(str(p) for p in tried)
+    hub_name = f"hub dataset {hub[0]!r} (config {hub[1]!r}, split {hub[2]!r})" if hub else "the hub"
+    env = _KINDS[kind][0]
+    raise DataUnavailableError(
+        f"dataset {filenames[0]!r} not found.\nLocal files tried (set {env} or pass data_dir):\n  {where}\n"
+        f"Hub: {hub_name} failed: {hub_reason}") from hub_error
+
+
+class Task:
+    """Base class: subclasses set eval_type and implement num_examples / get_example / evaluate.
+
+    start/stop/step slice the underlying examples (like range()), e.g. Task(stop=100) for a quick run.
+    """
+
+    eval_type: str = "generative"
+
+    def __init__(self, start: int = 0, stop: int | None = None, step: int = 1):
+        if start < 0 or step < 1 or (stop is not None and stop < start):
+            raise ValueError(f"task slice: got start={start} stop={stop} step={step}; "
+                             "accepted: 0 <= start <= stop, step >= 1")
+        self.start, self.stop, self.step = start, stop, step
+
+    # -- subclass API
+    def num_examples(self) -> int:
+        raise NotImplementedError
+
+    def get_example(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def evaluate(self, conversation: dict, completion: str):
+        raise NotImplementedError(f"{type(self).__name__} is a training-only task")
+
+    # -- sliced view
+    def __len__(self) -> int:
+        stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
+        return max(0, (stop - self.start + self.step - 1) // self.step)
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{type(self).__name__} index {i} out of range (len {n})")
+        return self.get_example(self.start + (i % n) * self.step)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+class TaskMixture(Task):
+    """Deterministic shuffled union of tasks (list a task twice to oversample it).
+
+    epochs > 1 repeats the mixture with a fresh shuffle per epoch (seed + epoch), so a training loop
+    can simply walk indices 0..len-1.
+    """
+
+    def __init__(self, tasks: Sequence[Task], *, seed: int = 42, epochs: int = 1, **kw):
+        super().__init__(**kw)
+        if not tasks:
+            raise ValueError("TaskMixture: got no tasks; accepted: a non-empty list of Task")
+        if epochs < 1:
+            raise ValueError(f"--epochs: got {epochs}; accepted: >= 1")
+        self.tasks = list(tasks)
+        base = [(t, j) for t, task in enumerate(self.tasks) for j in range(len(task))]
+        self.index: list[tuple[int, int]] = []
+        for epoch in range(epochs):
+            order = list(base)
+            random.Random(seed + epoch).shuffle(order)
+            self.index.extend(order)
+
+    def num_examples(self) -> int:
+        return len(self.index)
+
+    def get_example(self, index: int) -> dict:
+        t, j = self.index[index]
+        return self.tasks[t][j]
+
+    def task_of(self, index: int) -> Task:
+        return self.tasks[self.index[index][0]]
+
+
+class TaskSequence(Task):
+    """Tasks one after another (curricula); no shuffling."""
+
+    def __init__(self, tasks: Sequence[Task], **kw):
+        super().__init__(**kw)
+        self.tasks = list(tasks)
+        self.offsets = []
+        total = 0
+        for task in self.tasks:
+            self.offsets.append(total)
+            total += len(task)
+        self.total = total
+
+    def num_examples(self) -> int:
+        return self.total
+
+    def get_example(self, index: int) -> dict:
+        for task, off in zip(reversed(self.tasks), reversed(self.offsets)):
+            if index >= off:
+                return task[index - off]
+        raise IndexError(index)
+
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def render_mc(question: str, choices: Iterable[str], letters: str = LETTERS) -> str:
+    """A multiple-choice user prompt: the question, lettered choices, and the answer instruction.
+
+    The instruction asks for the letter alone, so the categorical eval reads a single token.
+    """
+    lines = [question.strip(), ""]
+    lines += [f"{letter}. {choice}" for letter, choice in zip(letters, choices)]
+    lines += ["", "Answer with the letter of the correct choice only."]
+    return "\n".join(lines)
+
+
+def validate_conversation(conv: dict, where: str = "conversation") -> dict:
+    """Check the INTERFACES.md conversation format; raises ValueError naming the bad field."""
+    msgs = conv.get("messages") if isinstance(conv, dict) else None
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    body = msgs[1:] if msgs[0].get("role") == "system" else msgs
+    for i, m in enumerate(body):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m.get("role") != want:
+            raise ValueError(f"{where}: messages[{i}].role is {m.get('role')!r}; expected {want!r}")
+        content = m.get("content")
+        if not isinstance(content, (str, list)):
+            raise ValueError(f"{where}: messages[{i}].content must be a string or a list of parts")
+    return conv

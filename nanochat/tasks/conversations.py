@@ -1,0 +1,91 @@
+"""General chat conversations for SFT / midtraining: local JSONL files first, SmolTalk second.
+
+* `LocalConversations`: every `*.jsonl` file (or the named ones) in the SFT data dir
+  (data_dir arg, NANOCHAT_SFT_DIR, `<base_dir>/sft_data`, then `../shared/data/sft`); rows
+  {"messages": [...]}. These files have no splits: every 20th conversation of each file is
+  "test", the rest "train".
+* `SmolTalk`: HuggingFaceTB/smol-smoltalk from the hub (or a local `smoltalk_<split>.jsonl`).
+* `get_conversations(split, source="auto")`: local files when any exist, else SmolTalk; the choice
+  is printed, never silent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanochat.common import print0
+from nanochat.tasks.common import (DataUnavailableError, Task, load_rows, local_dirs, read_jsonl,
+                                   validate_conversation)
+
+_SPLITS = ("train", "test")
+TEST_EVERY = 20
+
+
+def _check_split(split: str) -> None:
+    if split not in _SPLITS:
+        raise ValueError(f"conversations split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+
+
+def find_local_conversation_files(names=None, data_dir=None) -> list[Path]:
+    """The *.jsonl files of the first SFT dir that has any (or the named stems, all required)."""
+    for d in local_dirs("sft", data_dir):
+        if names is None:
+            files = sorted(p for p in d.glob("*.jsonl") if not p.name.startswith("smoltalk"))
+        else:
+            files = [d / f"{n}.jsonl" for n in names]
+            files = files if all(p.is_file() for p in files) else []
+        if files:
+            return files
+    return []
+
+
+class _ConversationList(Task):
+    eval_type = "generative"
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        return {"messages": self.rows[index]["messages"]}
+
+
+class LocalConversations(_ConversationList):
+    def __init__(self, split: str = "train", *, names: list[str] | None = None, data_dir=None, **kw):
+        super().__init__(**kw)
+        _check_split(split)
+        files = find_local_conversation_files(names, data_dir)
+        if not files:
+            where = "\n  ".join(str(d) for d in local_dirs("sft", data_dir))
+            wanted = "*.jsonl" if names is None else ", ".join(f"{n}.jsonl" for n in names)
+            raise DataUnavailableError(f"no local conversation files ({wanted}) in:\n  {where}\n"
+                                       "Hub: use SmolTalk (source='smoltalk') for the hub dataset")
+        self.rows, self.files = [], files
+        for path in files:
+            for i, row in enumerate(read_jsonl(path)):
+                if (i % TEST_EVERY == 0) == (split == "test"):
+                    self.rows.append(validate_conversation(row, f"{path.name}:{i + 1}"))
+        self.source = ", ".join(str(p) for p in files)
+
+
+class SmolTalk(_ConversationList):
+    def __init__(self, split: str = "train", *, data_dir=None, **kw):
+        super().__init__(**kw)
+        _check_split(split)
+        self.rows, self.source = load_rows("sft", [f"smoltalk_{split}.jsonl"], data_dir=data_dir,
+                                           hub=("HuggingFaceTB/smol-smoltalk", None, split))
+
+
+def get_conversations(split: str = "train", *, source: str = "auto", data_dir=None, **kw) -> Task:
+    """source: "auto" (local files if any, else SmolTalk) | "local" | "smoltalk"."""
+    if source not in ("auto", "local", "smoltalk"):
+        raise ValueError(f"--conversations: got {source!r}; accepted: auto|local|smoltalk")
+    if source == "local" or (source == "auto" and find_local_conversation_files(None, data_dir)):
+        task = LocalConversations(split, data_dir=data_dir, **kw)
+    else:
+        try:
+            task = SmolTalk(split, data_dir=data_dir, **kw)
+        except DataUnavailableError as e:
+            raise DataUnavailableError(f"{e}\n(and no local conversation files in "
+                                       f"{[str(d) for d in local_dirs('sft', data_dir)]})") from e
+    print0(f"conversations ({split}): {len(task)} from {task.source}")
+    return task

@@ -1,0 +1,133 @@
+"""Running a chat model over a task: categorical (letter logits) and generative (Engine) loops,
+pass@k over samples, distributed sharding, and ChatCORE.
+
+Used by scripts/chat_eval.py and, for periodic evals, by the SFT / RL recipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanochat.tasks.common import Task
+
+
+@dataclass
+class TaskResult:
+    name: str
+    passed: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_counts(passed: int, total: int, device) -> tuple[int, int]:
+    import torch
+
+    rank, world = _dist()
+    if world == 1:
+        return passed, total
+    import torch.distributed as dist
+
+    t = torch.tensor([passed, total], dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return int(t[0]), int(t[1])
+
+
+def _indices(task: Task, max_problems: int | None) -> range:
+    rank, world = _dist()
+    n = len(task) if max_problems is None else min(max_problems, len(task))
+    return range(rank, n, world)
+
+
+def letter_token_ids(tokenizer, letters) -> list[int]:
+    """One token id per answer letter (what the model emits right after <|assistant_start|>)."""
+    ids = []
+    for letter in letters:
+        tokens = tokenizer.encode(letter)
+        if len(tokens) != 1:
+            raise ValueError(f"answer letter {letter!r} encodes to {len(tokens)} tokens; the categorical "
+                             "eval needs one token per letter")
+        ids.append(tokens[0])
+    return ids
+
+
+def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8,
+                    max_problems: int | None = None, name: str | None = None) -> TaskResult:
+    """Accuracy of argmax over the answer letters' logits at the first assistant position."""
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"--batch-size: got {batch_size}; accepted: >= 1")
+    idx = list(_indices(task, max_problems))
+    pad = tokenizer.bos_token_id
+    max_len = int(getattr(getattr(model, "config", None), "sequence_len", 1 << 30))
+    passed = 0
+    for b0 in range(0, len(idx), batch_size):
+        convs = [task[i] for i in idx[b0: b0 + batch_size]]
+        # a prompt longer than the context keeps its end (the choices and the answer slot)
+        prompts = [tokenizer.render_for_completion(c)[-max_len:] for c in convs]
+        T = max(len(p) for p in prompts)
+        x = torch.full((len(prompts), T), pad, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            x[r, : len(p)] = torch.tensor(p)
+        with torch.no_grad():
+            logits = model(x.to(device))
+        for r, (conv, p) in enumerate(zip(convs, prompts)):
+            letters = conv["letters"]
+            choice_logits = logits[r, len(p) - 1, letter_token_ids(tokenizer, letters)]
+            predicted = letters[int(choice_logits.argmax())]
+            passed += int(task.evaluate(conv, predicted))
+    passed, total = _all_reduce_counts(passed, len(idx), device)
+    return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)
+
+
+def completion_text(tokenizer, ids) -> str:
+    """Generated ids -> the answer text: text parts and calculator outputs (python source dropped)."""
+    from nanochat.engine import assistant_parts
+
+    return "".join(p["text"] for p in assistant_parts(tokenizer, ids) if p["type"] != "python")
+
+
+def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 1, max_new_tokens: int = 512,
+                   temperature: float = 0.0, top_k: int | None = 50, seed: int = 42,
+                   max_problems: int | None = None, name: str | None = None, log=None) -> TaskResult:
+    """pass@num_samples: a problem passes when any sample's completion evaluates true."""
+    passed = total = 0
+    limit = engine.max_seq_len
+    for k, i in enumerate(_indices(task, max_problems)):
+        conv = task[i]
+        prompt = tokenizer.render_for_completion(conv)
+        total += 1
+        budget = min(max_new_tokens, limit - len(prompt))
+        if budget < 1:  # the prompt alone fills the context: counts as a failure, visibly
+            if log:
+                log(f"  problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
+            continue
+        seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
+                                        temperature=temperature, top_k=top_k, seed=seed + i)
+        completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
+        ok = any(task.evaluate(conv, c) for c in completions)
+        passed += int(ok)
+        if log and k < 2:
+            log(f"  example {i}: {'PASS' if ok else 'fail'} | {completions[0][:200]!r}")
+    passed, total = _all_reduce_counts(passed, total, device)
+    return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)
+
+
+def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
+    """Mean centered accuracy over the evaluated tasks ((acc - b) / (1 - b))."""
+    from nanochat.core_eval import centered_accuracy
+
+    if not accuracies:
+        raise ValueError("chatcore: got no task results")
+    return sum(centered_accuracy(a, baselines[n]) for n, a in accuracies.items()) / len(accuracies)

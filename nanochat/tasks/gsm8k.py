@@ -1,0 +1,99 @@
+"""GSM8K grade-school math: solutions become calculator tool calls, answers are read after '####'.
+
+A solution line like `9 * 2 = $<<9*2=18>>18` turns into the assistant parts
+  text "9 * 2 = $", python "9*2", python_output "18", text "18 ..."
+so the model learns to call the calculator (the Engine runs the python part and forces the
+output tokens; the tokenizer masks python_output out of the loss).
+
+Local file: `gsm8k.jsonl` (test split; `gsm8k_<split>.jsonl` otherwise), rows {"question", "answer"}.
+Hub: openai/gsm8k, config "main".
+"""
+
+from __future__ import annotations
+
+import re
+
+from nanochat.tasks.common import Task, load_rows
+
+_CALL = re.compile(r"<<([^<>]*)>>")
+_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
+_SPLITS = ("train", "test")
+
+
+def solution_to_parts(solution: str) -> list[dict]:
+    """Split a GSM8K solution into text / python / python_output parts (adjacent text merged)."""
+    parts: list[dict] = []
+
+    def add_text(text: str) -> None:
+        if not text:
+            return
+        if parts and parts[-1]["type"] == "text":
+            parts[-1]["text"] += text
+        else:
+            parts.append({"type": "text", "text": text})
+
+    pos = 0
+    for m in _CALL.finditer(solution):
+        add_text(solution[pos:m.start()])
+        expr, eq, result = m.group(1).rpartition("=")
+        if eq and expr.strip():
+            parts.append({"type": "python", "text": expr.strip()})
+            parts.append({"type": "python_output", "text": result.strip()})
+        else:  # a malformed annotation without '=': keep it as plain text
+            add_text(m.group(0))
+        pos = m.end()
+    add_text(solution[pos:])
+    return parts
+
+
+def extract_answer(text: str) -> str | None:
+    """The number after the last '####' (commas removed), or None when there is none."""
+    matches = _ANSWER.findall(text)
+    if not matches:
+        return None
+    return matches[-1].replace(",", "").rstrip(".")
+
+
+def answers_match(pred: str | None, gold: str | None) -> bool:
+    if pred is None or gold is None:
+        return False
+    try:
+        return abs(float(pred) - float(gold)) < 1e-6
+    except ValueError:
+        return pred.strip() == gold.strip()
+
+
+def assistant_text(conversation: dict) -> str:
+    """All text of the last assistant message (string content or the text of every part)."""
+    content = conversation["messages"][-1]["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content)
+
+
+class GSM8K(Task):
+    eval_type = "generative"
+    name = "GSM8K"
+
+    def __init__(self, split: str = "test", *, data_dir=None, **kw):
+        super().__init__(**kw)
+        if split not in _SPLITS:
+            raise ValueError(f"GSM8K split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+        names = [f"gsm8k_{split}.jsonl"] + (["gsm8k.jsonl"] if split == "test" else [])
+        self.rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=("openai/gsm8k", "main", split))
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        r = self.rows[index]
+        return {"messages": [{"role": "user", "content": r["question"]},
+                             {"role": "assistant", "content": solution_to_parts(r["answer"])}],
+                "answer": extract_answer(r["answer"])}
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        gold = conversation.get("answer") or extract_answer(assistant_text(conversation))
+        return answers_match(extract_answer(completion), gold)
+
+    def reward(self, conversation: dict, completion: str) -> float:
+        return float(self.evaluate(conversation, completion))

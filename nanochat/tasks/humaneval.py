@@ -1,0 +1,62 @@
+"""HumanEval: write a Python function from its signature + docstring; scored by running the tests.
+
+The completion is executed with `nanochat.execution.execute_code` (separate process, time and
+memory limits, no network, read-only filesystem where the OS allows it).
+Local file: `humaneval.jsonl` (fields as released). Hub: openai/openai_humaneval.
+"""
+
+from __future__ import annotations
+
+import re
+
+from nanochat.execution import execute_code
+from nanochat.tasks.common import Task, load_rows
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_program(completion: str, prompt: str, entry_point: str) -> str:
+    """The code to run: the first fenced block if any, else the raw completion.
+
+    If the completion is only a function body (no `def entry_point`), the prompt is prepended; if it
+    defines the function itself, the prompt's imports are prepended (models often drop them).
+    """
+    m = _FENCE.search(completion)
+    code = m.group(1) if m else completion
+    if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE) is None:
+        return prompt + code
+    imports = [ln for ln in prompt.splitlines() if ln.startswith(("import ", "from "))]
+    return "\n".join(imports) + "\n\n" + code if imports else code
+
+
+class HumanEval(Task):
+    eval_type = "generative"
+    name = "HumanEval"
+
+    def __init__(self, *, data_dir=None, timeout_s: float = 10.0, memory_mb: int = 1024, **kw):
+        super().__init__(**kw)
+        self.rows, self.source = load_rows("eval", ["humaneval.jsonl"], data_dir=data_dir,
+                                           hub=("openai/openai_humaneval", None, "test"))
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        r = self.rows[index]
+        return {"messages": [{"role": "user", "content": r["prompt"]},
+                             {"role": "assistant", "content": r["prompt"] + r["canonical_solution"]}],
+                "task_id": r["task_id"], "prompt": r["prompt"], "test": r["test"],
+                "entry_point": r["entry_point"]}
+
+    def program(self, conversation: dict, completion: str) -> str:
+        code = extract_program(completion, conversation["prompt"], conversation["entry_point"])
+        return f"{code}\n\n{conversation['test']}\n\ncheck({conversation['entry_point']})\n"
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        result = execute_code(self.program(conversation, completion), timeout_s=self.timeout_s,
+                              memory_mb=self.memory_mb)
+        return result.passed
+
+    def reward(self, conversation: dict, completion: str) -> float:
+        return float(self.evaluate(conversation, completion))

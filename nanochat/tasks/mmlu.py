@@ -1,0 +1,51 @@
+"""MMLU (57 subjects) as a categorical multiple-choice task.
+
+Local file: `mmlu.jsonl` (test split; `mmlu_<split>.jsonl` otherwise), rows {"id", "question",
+"choices", "answer", "subject"}. Hub: cais/mmlu ("all" for test/validation/dev,
+"auxiliary_train" for the train split used in midtraining).
+"""
+
+from __future__ import annotations
+
+from nanochat.tasks.arc import evaluate_letter, mc_conversation
+from nanochat.tasks.common import Task, load_rows
+
+_SPLITS = ("auxiliary_train", "dev", "validation", "test")
+
+
+def _from_hub(row: dict) -> dict:
+    if isinstance(row.get("train"), dict):  # auxiliary_train nests each row under "train"
+        row = row["train"]
+    return {"question": row["question"], "choices": list(row["choices"]),
+            "answer": int(row["answer"]), "subject": row.get("subject", "")}
+
+
+class MMLU(Task):
+    eval_type = "categorical"
+    name = "MMLU"
+
+    def __init__(self, split: str = "test", *, subject: str | None = None, data_dir=None, **kw):
+        super().__init__(**kw)
+        if split not in _SPLITS:
+            raise ValueError(f"MMLU split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+        names = [f"mmlu_{split}.jsonl"] + (["mmlu.jsonl"] if split == "test" else [])
+        hub = ("cais/mmlu", "auxiliary_train", "train") if split == "auxiliary_train" else ("cais/mmlu", "all", split)
+        rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=hub, convert_hub=_from_hub)
+        if subject is not None:
+            rows = [r for r in rows if r.get("subject") == subject]
+            if not rows:
+                raise ValueError(f"MMLU subject: got {subject!r}; no rows with that subject")
+        self.rows = rows
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        r = self.rows[index]
+        question = r["question"]
+        if r.get("subject"):
+            question = f"({r['subject'].replace('_', ' ')}) {question}"
+        return mc_conversation(question, list(r["choices"]), int(r["answer"]), subject=r.get("subject", ""))
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        return evaluate_letter(conversation, completion)

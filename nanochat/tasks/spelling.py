@@ -1,0 +1,82 @@
+"""SpellingBee: "how many 'r' are in 'strawberry'?" answered by spelling the word out and checking
+with the calculator tool (`"strawberry".count("r")`), ending in '#### N' like GSM8K.
+
+Examples are generated on the fly from a word list with a seed: example i always uses
+random.Random(f"{seed}/{split}/{i}"), so the task is reproducible and effectively unbounded. Train and
+test use disjoint words (crc32(word) % 10 == 0 goes to test).
+Word list: `words.txt` (one lowercase word per line), local only (no hub fallback).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import zlib
+
+from nanochat.tasks.common import DataUnavailableError, Task, find_local_file
+from nanochat.tasks.gsm8k import answers_match, extract_answer
+
+_QUESTIONS = (
+    "How many times does the letter {l} appear in the word {w}?",
+    "How many {l}'s are in {w}?",
+    "Count the number of '{l}' in \"{w}\".",
+    "In the word {w}, how many times do you see the letter {l}?",
+    "how many {l} are there in {w}",
+    "What is the count of the letter {L} in the word {W}?",
+    "Can you tell me how many times '{l}' occurs in '{w}'?",
+    "Number of {l} letters in {w}?",
+)
+_SPLITS = ("train", "test")
+
+
+def load_words(data_dir=None) -> list[str]:
+    path, tried = find_local_file("words", ["words.txt"], data_dir)
+    if path is None:
+        where = "\n  ".join(map(str, tried))
+        raise DataUnavailableError(f"word list 'words.txt' not found.\nLocal files tried (set "
+                                   f"NANOCHAT_EVAL_DIR or pass data_dir):\n  {where}\nHub: no hub fallback")
+    words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines()]
+    return [w for w in words if w.isalpha() and w.islower() and w.isascii()]
+
+
+class SpellingBee(Task):
+    eval_type = "generative"
+    name = "SpellingBee"
+
+    def __init__(self, size: int = 1000, split: str = "train", *, seed: int = 0, data_dir=None, **kw):
+        super().__init__(**kw)
+        if split not in _SPLITS:
+            raise ValueError(f"SpellingBee split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+        if size < 1:
+            raise ValueError(f"SpellingBee size: got {size}; accepted: >= 1")
+        in_test = lambda w: zlib.crc32(w.encode()) % 10 == 0  # noqa: E731
+        self.words = [w for w in load_words(data_dir) if in_test(w) == (split == "test")]
+        self.size, self.split, self.seed = size, split, seed
+
+    def num_examples(self) -> int:
+        return self.size
+
+    def get_example(self, index: int) -> dict:
+        rng = random.Random(f"{self.seed}/{self.split}/{index}")
+        word = rng.choice(self.words)
+        letter = rng.choice(word) if rng.random() < 0.8 else rng.choice(string.ascii_lowercase)
+        count = word.count(letter)
+        question = rng.choice(_QUESTIONS).format(l=letter, L=letter.upper(), w=word, W=word)
+        plural = "" if count == 1 else "s"
+        marks = ", ".join(f"{c}*" if c == letter else c for c in word)
+        parts = [
+            {"type": "text", "text": f"Let me spell \"{word}\" out and mark every '{letter}':\n{marks}\n"
+                                     f"That gives {count}. Checking with Python:\n\n"},
+            {"type": "python", "text": f'"{word}".count("{letter}")'},
+            {"type": "python_output", "text": str(count)},
+            {"type": "text", "text": f"\n\nThe letter '{letter}' appears {count} time{plural} in "
+                                     f"\"{word}\".\n\n#### {count}"},
+        ]
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": parts}],
+                "answer": str(count), "word": word, "letter": letter}
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        return answers_match(extract_answer(completion), conversation["answer"])
+
+    def reward(self, conversation: dict, completion: str) -> float:
+        return float(self.evaluate(conversation, completion))

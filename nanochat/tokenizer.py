@@ -1,0 +1,485 @@
+"""The BPE tokenizer: training (through the Rust `rustbpe` module), encoding and decoding (through
+tiktoken), special tokens, chat rendering with loss masks, and the on-disk format.
+
+On disk a tokenizer is a directory holding
+  tokenizer.pkl    {"format_version", "pattern", "mergeable_ranks" (bytes -> rank),
+                    "special_tokens" (names, in id order after the merges), "fingerprint"}
+  token_bytes.pt   int32 tensor (vocab_size,): UTF-8 byte length of each token, 0 for special
+                   tokens (bits-per-byte evaluation divides summed loss by summed bytes)
+Both are written atomically (temp file + os.replace). The pickle is read with an unpickler that
+refuses every global, so a tampered file cannot run code; it holds only builtin types.
+
+Ids: 0..255 are the raw bytes, then the merges in rank order, then SPECIAL_TOKENS in list order.
+Plain text never produces a special token: "<|bos|>" typed by a user encodes as ordinary bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import pickle
+import struct
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+import tiktoken
+
+if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
+    import torch
+
+# GPT-4's (cl100k) split pattern, except that numbers split into runs of at most two digits
+# (GPT-4 uses three), which spends fewer vocabulary entries on numbers in a small vocab.
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+SPECIAL_TOKENS = [
+    "<|bos|>",  # starts every document; the dataloader packs documents on it
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",  # the assistant calls the calculator / python tool
+    "<|python_end|>",
+    "<|output_start|>",  # the tool's output, written by the engine, never trained on
+    "<|output_end|>",
+]
+
+FORMAT_VERSION = 1
+PICKLE_NAME = "tokenizer.pkl"
+TOKEN_BYTES_NAME = "token_bytes.pt"
+MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
+_HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer on disk is missing, corrupt or incompatible; the message names the path."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path = Path(path)
+        super().__init__(f"tokenizer at {self.path}: {problem}; {_HOW_TO_CREATE}")
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """tokenizer.pkl holds only dict/list/str/bytes/int, so any global lookup means tampering."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in tokenizer file")
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write via a temp file in the same directory and os.replace, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: got {value!r}; accepted: a positive integer")
+    return value
+
+
+def _compute_fingerprint(pattern: str, ranks: dict[bytes, int], specials: Sequence[str]) -> str:
+    # Length-prefixed fields in rank order, so no two different tokenizers serialize alike.
+    h = hashlib.sha256(b"nanochat-tokenizer\0")
+    for field in (pattern.encode("utf-8"), *sorted(ranks, key=ranks.__getitem__)):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    h.update(b"\0specials\0")
+    for name in specials:
+        raw = name.encode("utf-8")
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+    return h.hexdigest()
+
+
+def _check_ranks(ranks: dict[bytes, int]) -> None:
+    """ValueError unless ranks are 0..n-1 with the 256 single bytes first (tiktoken's assumption)."""
+    if not isinstance(ranks, dict) or len(ranks) < 256:
+        raise ValueError("mergeable ranks: expected a dict of at least the 256 byte tokens")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("mergeable ranks: ranks are not exactly 0..n-1")
+    for b in range(256):
+        if ranks.get(bytes([b])) != b:
+            raise ValueError(f"mergeable ranks: byte {b} does not have rank {b}")
+
+
+class Tokenizer:
+    """A trained byte-level BPE with the chat special tokens appended after the merges."""
+
+    def __init__(self, pattern: str, mergeable_ranks: dict[bytes, int],
+                 special_tokens: Sequence[str] = tuple(SPECIAL_TOKENS)):
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("pattern: expected a non-empty regex string")
+        _check_ranks(mergeable_ranks)
+        specials = list(special_tokens)
+        if len(set(specials)) != len(specials) or not set(SPECIAL_TOKENS) <= set(specials):
+            raise ValueError(f"special_tokens: must be unique and include all of {SPECIAL_TOKENS}")
+        n = len(mergeable_ranks)
+        self._pattern = pattern
+        self._ranks = dict(mergeable_ranks)
+        self._specials = specials
+        self._special_ids = {name: n + i for i, name in enumerate(specials)}
+        self._enc = tiktoken.Encoding(
+            name="nanochat", pat_str=pattern, mergeable_ranks=self._ranks,
+            special_tokens=self._special_ids, explicit_n_vocab=n + len(specials),
+        )
+        self._fingerprint = _compute_fingerprint(pattern, self._ranks, specials)
+
+    # Rebuild the tiktoken object after unpickling (e.g. in DataLoader worker processes).
+    def __getstate__(self):
+        return {"pattern": self._pattern, "ranks": self._ranks, "specials": self._specials}
+
+    def __setstate__(self, state):
+        self.__init__(state["pattern"], state["ranks"], state["specials"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
+
+    # ------------------------------------------------------------------ training
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, *, pattern: str = SPLIT_PATTERN,
+              threads: int | None = None, batch_size: int = 8192) -> "Tokenizer":
+        """Train on `texts` (streamed; never held in memory at once). `vocab_size` counts the 256
+        byte tokens, the merges and the special tokens."""
+        min_vocab = 256 + len(SPECIAL_TOKENS)
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
+                or not min_vocab <= vocab_size <= MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size: got {vocab_size!r}; accepted: {min_vocab}..{MAX_VOCAB_SIZE}")
+        _positive_int(batch_size, "batch_size")
+        if threads is not None:
+            _positive_int(threads, "threads")
+        import rustbpe  # the in-tree Rust extension (rustbpe/), built with maturin
+
+        if not hasattr(rustbpe, "Tokenizer"):  # the bare rustbpe/ source dir imported as a namespace
+            raise ImportError("the rustbpe extension is not built/installed: build it from rustbpe/ "
+                              "with maturin (e.g. `maturin develop --release -m rustbpe/Cargo.toml`)")
+        texts = iter(texts)
+        first = next(texts, None)  # checked here so the message does not depend on the Rust side
+        if first is None:
+            raise ValueError("texts: got no documents; accepted: a non-empty iterable of str")
+        counter = _DocCounter(itertools.chain([first], texts))
+        trainer = rustbpe.Tokenizer()
+        # rayon sizes its global pool from RAYON_NUM_THREADS when the pool is first used, which in
+        # a training process is this call.
+        saved = os.environ.get("RAYON_NUM_THREADS")
+        if threads is not None:
+            os.environ["RAYON_NUM_THREADS"] = str(threads)
+        try:
+            trainer.train_from_iterator(counter, vocab_size - len(SPECIAL_TOKENS),
+                                        buffer_size=batch_size, pattern=pattern)
+        finally:
+            if threads is not None:
+                if saved is None:
+                    os.environ.pop("RAYON_NUM_THREADS", None)
+                else:
+                    os.environ["RAYON_NUM_THREADS"] = saved
+        ranks_list = trainer.get_mergeable_ranks()
+        ranks = {bytes(tok): int(rank) for tok, rank in ranks_list}
+        # Duplicate token bytes would collapse in the dict and leave a hole in the ranks.
+        assert len(ranks) == len(ranks_list), "rustbpe returned duplicate tokens"
+        got = len(ranks) + len(SPECIAL_TOKENS)
+        if got != vocab_size:
+            raise ValueError(
+                f"vocab_size: requested {vocab_size} but {counter.docs} documents "
+                f"({counter.chars:,} chars) only support {got}; accepted: a smaller vocab_size "
+                "or more training text")
+        assert trainer.get_pattern() == pattern, "rustbpe changed the split pattern"
+        return cls(pattern, ranks)
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.pkl and token_bytes.pt into `directory` (created if needed)."""
+        import torch
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {"format_version": FORMAT_VERSION, "pattern": self._pattern,
+                   "mergeable_ranks": self._ranks, "special_tokens": list(self._specials),
+                   "fingerprint": self._fingerprint}
+        _atomic_write(directory / PICKLE_NAME, lambda f: pickle.dump(payload, f, protocol=4))
+        token_bytes = self.token_bytes()
+        _atomic_write(directory / TOKEN_BYTES_NAME, lambda f: torch.save(token_bytes, f))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Tokenizer":
+        """Read directory/tokenizer.pkl; TokenizerError (naming the path) if missing or corrupt."""
+        path = Path(directory) / PICKLE_NAME
+        if not path.is_file():
+            raise TokenizerError(path, "file not found")
+        try:
+            payload = _SafeUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
+                AttributeError, OverflowError) as e:
+            raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
+        except OSError as e:
+            raise TokenizerError(path, f"cannot read file ({e})") from e
+        if not isinstance(payload, dict):
+            raise TokenizerError(path, "corrupt file (not a tokenizer record)")
+        version = payload.get("format_version")
+        if version != FORMAT_VERSION:
+            raise TokenizerError(path, f"format version {version!r} unsupported (this code reads "
+                                       f"{FORMAT_VERSION})")
+        try:
+            tok = cls(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
+        if payload.get("fingerprint") != tok.fingerprint:
+            raise TokenizerError(path, "corrupt file (stored fingerprint does not match contents)")
+        return tok
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def bos_token_id(self) -> int:
+        return self._special_ids["<|bos|>"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def pattern(self) -> str:
+        return self._pattern
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return list(self._specials)
+
+    def token_bytes(self) -> "torch.Tensor":
+        import torch
+
+        lengths = [0] * self.vocab_size  # special tokens stay 0: they carry no text bytes
+        for tok, rank in self._ranks.items():
+            lengths[rank] = len(tok)
+        return torch.tensor(lengths, dtype=torch.int32)
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode_special(self, name: str) -> int:
+        try:
+            return self._special_ids[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"special token: got {name!r}; accepted: {', '.join(self._specials)}") from None
+
+    def _resolve_token(self, token, arg: str) -> int | None:
+        if token is None:
+            return None
+        if isinstance(token, str):
+            return self.encode_special(token)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+            raise ValueError(f"{arg}: got {token!r}; accepted: a token id in 0..{self.vocab_size - 1} "
+                             "or a special-token name")
+        return token
+
+    def encode(self, text: str | list[str], prepend: int | str | None = None,
+               append: int | str | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
+        """Encode ordinary text (special-token strings in it are just text). A list is encoded in
+        parallel with `num_threads` threads and gives a list of id lists."""
+        pre = self._resolve_token(prepend, "prepend")
+        post = self._resolve_token(append, "append")
+        if isinstance(text, str):
+            batch, single = [text], True
+        elif isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+            batch, single = text, False
+        else:
+            raise TypeError(f"text: got {type(text).__name__}; accepted: str or list[str]")
+        if single:
+            rows = [self._enc.encode_ordinary(text)]
+        else:
+            rows = self._enc.encode_ordinary_batch(list(batch), num_threads=_positive_int(num_threads, "num_threads"))
+        if pre is not None:
+            rows = [[pre] + row for row in rows]
+        if post is not None:
+            for row in rows:
+                row.append(post)
+        return rows[0] if single else rows
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]  # accepts numpy ints and tensor elements
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"ids: got token id {bad}; accepted: 0..{self.vocab_size - 1}")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids back to text; special tokens appear by name, invalid UTF-8 as U+FFFD."""
+        return self._enc.decode(self._check_ids(ids))
+
+    def id_to_token(self, i: int) -> str:
+        (i,) = self._check_ids([i])
+        return self._enc.decode_single_token_bytes(i).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ chat rendering
+
+    def _normalized_messages(self, conversation: dict) -> list[tuple[int, str, object]]:
+        """Validate a conversation; return (original index, role, content) with the system
+        message folded into the first user message and roles alternating user/assistant."""
+        if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
+            raise ValueError("conversation: expected a dict with a 'messages' list")
+        messages = conversation["messages"]
+        if not messages:
+            raise ValueError("conversation['messages']: got an empty list; accepted: at least one user message")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                role = m.get("role") if isinstance(m, dict) else type(m).__name__
+                raise ValueError(f"messages[{i}].role: got {role!r}; accepted: system|user|assistant")
+        out = [(i, m["role"], m.get("content")) for i, m in enumerate(messages)]
+        if out[0][1] == "system":
+            if len(out) < 2 or out[1][1] != "user":
+                raise ValueError("messages[1].role: a system message must be followed by a user message")
+            system, user = out[0][2], out[1][2]
+            for idx, content in ((0, system), (1, user)):
+                if not isinstance(content, str):
+                    raise ValueError(f"messages[{idx}].content: got {type(content).__name__}; accepted: str")
+            out = [(1, "user", system + "\n\n" + user)] + out[2:]
+        for k, (i, role, content) in enumerate(out):
+            expected = "user" if k % 2 == 0 else "assistant"
+            if role != expected:
+                raise ValueError(f"messages[{i}].role: got {role!r}; expected {expected!r} "
+                                 "(roles must alternate user/assistant, starting with user; "
+                                 "system only first)")
+            if role == "user" and not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str")
+        return out
+
+    def _assistant_parts(self, i: int, content) -> list[tuple[str, str]]:
+        if isinstance(content, str):
+            return [("text", content)]
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str or "
+                             "a list of {'type': text|python|python_output, 'text': str}")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "python", "python_output") or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}]: got {part!r}; accepted: "
+                                 "{'type': text|python|python_output, 'text': str}")
+            parts.append((kind, part["text"]))
+        return parts
+
+    def _render(self, messages: list[tuple[int, str, object]]) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        mask: list[int] = []
+
+        def add(tokens: list[int], m: int) -> None:
+            ids.extend(tokens)
+            mask.extend([m] * len(tokens))
+
+        sp = self._special_ids
+        add([self.bos_token_id], 0)
+        for i, role, content in messages:
+            if role == "user":
+                add([sp["<|user_start|>"]] + self._enc.encode_ordinary(content) + [sp["<|user_end|>"]], 0)
+                continue
+            add([sp["<|assistant_start|>"]], 0)  # given by the prompt, never predicted
+            for kind, text in self._assistant_parts(i, content):
+                tokens = self._enc.encode_ordinary(text)
+                if kind == "text":
+                    add(tokens, 1)
+                elif kind == "python":  # the model writes the tool call: trained on
+                    add([sp["<|python_start|>"]] + tokens + [sp["<|python_end|>"]], 1)
+                else:  # the tool's output is forced in by the engine: not trained on
+                    add([sp["<|output_start|>"]] + tokens + [sp["<|output_end|>"]], 0)
+            add([sp["<|assistant_end|>"]], 1)  # the model must learn to stop
+        return ids, mask
+
+    def render_conversation(self, conversation: dict, max_tokens: int = 2048) -> tuple[list[int], list[int]]:
+        """Token ids and a 0/1 training mask (1 = assistant-written tokens), cut to max_tokens."""
+        _positive_int(max_tokens, "max_tokens")
+        ids, mask = self._render(self._normalized_messages(conversation))
+        return ids[:max_tokens], mask[:max_tokens]
+
+    def render_for_completion(self, conversation: dict) -> list[int]:
+        """Prompt ids for the model to continue as the assistant: the last message is dropped when
+        it is the assistant's (the answer to predict), and <|assistant_start|> is appended."""
+        messages = self._normalized_messages(conversation)
+        if messages[-1][1] == "assistant":
+            messages = messages[:-1]
+        ids, _ = self._render(messages)
+        return ids + [self._special_ids["<|assistant_start|>"]]
+
+    def visualize(self, ids: Sequence[int], mask: Sequence[int] | None = None, color: bool = True) -> str:
+        """Debug view of a rendering: tokens separated by '|', trained (mask 1) tokens in green and
+        the rest in red (or, with color=False, trained tokens wrapped in [ ])."""
+        ids = self._check_ids(ids)
+        if mask is not None and len(mask) != len(ids):
+            raise ValueError(f"mask: got length {len(mask)}; accepted: the length of ids ({len(ids)})")
+        pieces = []
+        for k, i in enumerate(ids):
+            text = self.id_to_token(i).replace("\n", "\\n")
+            trained = mask is not None and mask[k] == 1
+            if color:
+                pieces.append(f"\033[{'92' if trained else '91'}m{text}\033[0m" if mask is not None else text)
+            else:
+                pieces.append(f"[{text}]" if trained else text)
+        return "|".join(pieces)
+
+
+class _DocCounter(Iterator[str]):
+    """Wraps the training texts: counts documents and characters, rejects non-str items early."""
+
+    def __init__(self, texts: Iterable[str]):
+        self._it = iter(texts)
+        self.docs = 0
+        self.chars = 0
+
+    def __next__(self) -> str:
+        text = next(self._it)
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{self.docs}]: got {type(text).__name__}; accepted: str")
+        self.docs += 1
+        self.chars += len(text)
+        return text
+
+
+def tokenizer_dir(base_dir: Path | None = None) -> Path:
+    """Where the project tokenizer lives: base_dir/tokenizer (base_dir defaults to get_base_dir())."""
+    if base_dir is None:
+        from nanochat.common import get_base_dir
+
+        base_dir = get_base_dir()
+    return Path(base_dir) / "tokenizer"
+
+
+def get_tokenizer(base_dir: Path | None = None) -> Tokenizer:
+    return Tokenizer.load(tokenizer_dir(base_dir))
+
+
+def get_token_bytes(device="cpu", base_dir=None) -> "torch.Tensor":
+    """token_bytes.pt of the project tokenizer, checked against tokenizer.pkl, on `device`."""
+    import torch
+
+    directory = tokenizer_dir(base_dir)
+    path = directory / TOKEN_BYTES_NAME
+    tok = Tokenizer.load(directory)  # also validates the tokenizer the lengths belong to
+    if not path.is_file():
+        raise TokenizerError(path, "file not found")
+    try:
+        token_bytes = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, struct.error,
+            KeyError, IndexError, TypeError, AttributeError) as e:  # what torch.load raises on junk
+        raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
+    if not isinstance(token_bytes, torch.Tensor) or token_bytes.dtype != torch.int32 \
+            or not torch.equal(token_bytes, tok.token_bytes()):
+        raise TokenizerError(path, f"does not match {directory / PICKLE_NAME}")
+    return token_bytes.to(device)

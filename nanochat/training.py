@@ -1,0 +1,601 @@
+"""Training mechanics shared by every recipe (base, mid, SFT, RL): the step, batch arithmetic,
+schedules, the throughput/MFU meter, the non-finite-loss guard, the per-step log line, the
+optional wandb tracker, validation bits-per-byte, loop-state/RNG capture and flag parsing.
+
+A recipe (scripts/*.py) builds a model, an optimizer and a loader, then:
+
+    plan = plan_batch(total_batch_size, device_batch_size, seq_len, rt.world_size)
+    trainer = Trainer(model, optimizer, loader, plan, Schedule(num_iterations), rt)
+    for step in range(start, num_iterations):
+        result = trainer.step(step)                 # raises NonFiniteLossError on nan/inf
+        print0(meter.log_line(meter.update(result), num_iterations))
+
+Everything here is device-agnostic (CPU/CUDA/MPS, torchrun or not) and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes import it from here)
+
+# ------------------------------------------------------------------------------------ errors
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a nan/inf loss (or gradient norm). Names the step, the last good
+    checkpoint and what to try; weights in memory are not trusted after this."""
+
+    def __init__(self, step: int, what: str, value: float, last_checkpoint: str | None, hint: str):
+        self.step, self.value, self.last_checkpoint = step, value, last_checkpoint
+        where = (f"last good checkpoint: {last_checkpoint} (resume from it with --resume)"
+                 if last_checkpoint else "no checkpoint was saved in this run yet (use --save-every)")
+        super().__init__(f"non-finite {what} ({value}) at step {step}; {where}; hint: {hint}")
+
+
+DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr), set --grad-clip 1.0, "
+                "try --precision bf16 if running fp8/nvfp4, and check the data for broken shards")
+
+
+# ------------------------------------------------------------------------------------ flags
+
+def normalize_flags(argv: Sequence[str]) -> list[str]:
+    """Accept `--under_score` spellings of `--dash-names` (also `--a_b=value`). Values and
+    positional arguments are left alone."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse that raises ValueError (naming the flag) instead of exiting, so recipes validate
+    flags as data; accepts `--under_score` spellings of every `--dash-name`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # no silent prefix matching of flag names
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_args(normalize_flags(args), namespace)
+
+
+def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
+    """The one validation primitive: ValueError('--flag: got X; accepted: ...')."""
+    if not ok:
+        raise ValueError(f"{flag}: got {got!r}; accepted: {accepted}")
+
+
+def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:
+    ok = (isinstance(value, int) and not isinstance(value, bool) and (value >= low or value in allow))
+    extra = f" (or {'/'.join(map(str, allow))})" if allow else ""
+    require(ok, flag, value, f"an integer >= {low}{extra}")
+
+
+def require_float(value: Any, flag: str, low: float = 0.0, high: float = math.inf,
+                  low_inclusive: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= low if low_inclusive else value > low) and value <= high
+    bound = ">=" if low_inclusive else ">"
+    require(ok, flag, value, f"a finite number {bound} {low}" + (f" and <= {high}" if high < math.inf else ""))
+
+
+# ------------------------------------------------------------------------------------ batch arithmetic
+
+# Auto total batch size (the rule upstream nanochat uses, re-derived here): d12 trains best at
+# 2**19 tokens per step at its compute-optimal horizon D_ref; the optimal batch grows with the
+# training horizon D as D**0.383 (Power Lines, arXiv:2505.13738), rounded to a power of two.
+REF_BATCH_TOKENS = 2**19
+REF_DEPTH = 12
+BATCH_EXPONENT = 0.383
+
+
+def auto_total_batch_size(target_tokens: float, ref_target_tokens: float) -> int:
+    """2**round(log2(REF_BATCH_TOKENS * (target_tokens / ref_target_tokens) ** 0.383))."""
+    assert target_tokens > 0 and ref_target_tokens > 0
+    predicted = REF_BATCH_TOKENS * (target_tokens / ref_target_tokens) ** BATCH_EXPONENT
+    return 2 ** max(0, round(math.log2(predicted)))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's tokens split over ranks and micro-batches."""
+
+    total_batch_size: int          # tokens per optimizer step, all ranks
+    device_batch_size: int         # sequences per micro-batch per rank
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int
+
+    @property
+    def world_tokens_per_micro_batch(self) -> int:  # one forward/backward on every rank
+        return self.device_batch_size * self.seq_len * self.world_size
+
+    def describe(self) -> str:
+        return (f"{self.total_batch_size:,} tokens/step = {self.device_batch_size} seqs x {self.seq_len} tokens"
+                f" x {self.world_size} rank(s) x {self.grad_accum_steps} micro-batch(es)")
+
+
+def plan_batch(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int,
+               *, flag: str = "--total-batch-size") -> BatchPlan:
+    """Gradient accumulation to reach `total_batch_size` tokens; raises with the numbers when it
+    does not divide evenly."""
+    require_int(device_batch_size, "--device-batch-size")
+    require_int(seq_len, "--max-seq-len")
+    require_int(world_size, "WORLD_SIZE")
+    require_int(total_batch_size, flag)
+    per_micro = device_batch_size * seq_len * world_size
+    if total_batch_size % per_micro != 0:
+        raise ValueError(
+            f"{flag}: got {total_batch_size:,} tokens, which is not a multiple of --device-batch-size x "
+            f"--max-seq-len x world size = {device_batch_size} x {seq_len} x {world_size} = {per_micro:,}; "
+            f"accepted: a multiple of {per_micro:,} (e.g. {max(per_micro, total_batch_size // per_micro * per_micro):,})")
+    return BatchPlan(total_batch_size, device_batch_size, seq_len, world_size, total_batch_size // per_micro)
+
+
+def fit_auto_batch(predicted: int, device_batch_size: int, seq_len: int, world_size: int) -> int:
+    """Round an auto-computed batch up to a multiple of one micro-batch over all ranks."""
+    per_micro = device_batch_size * seq_len * world_size
+    return max(1, math.ceil(predicted / per_micro)) * per_micro
+
+
+# ------------------------------------------------------------------------------------ schedules
+
+@dataclass
+class Schedule:
+    """Per-step hyperparameter multipliers, applied to the optimizer before each step.
+
+    lr:       warmup -> constant -> linear warmdown to final_lr_frac (optim.lr_multiplier)
+    momentum: Muon momentum ramp (optim.muon_momentum), Muon groups only
+    wd:       weight decay multiplier (optim.weight_decay_multiplier: linear decay to 0)
+    Each can be replaced by a callable (tests, other recipes); defaults come from optim.py.
+    """
+
+    num_iterations: int
+    warmup_ratio: float = 0.0
+    warmdown_ratio: float = 0.4
+    final_lr_frac: float = 0.0
+    lr_fn: Callable[..., float] | None = None          # (step, num_iterations, **ratios) -> mult
+    momentum_fn: Callable[[int], float] | None = None   # step -> Muon momentum
+    wd_fn: Callable[[int, int], float] | None = None    # (step, num_iterations) -> mult
+
+    def validate(self) -> "Schedule":
+        require_int(self.num_iterations, "--num-iterations")
+        require_float(self.warmup_ratio, "--warmup-ratio", 0.0, 1.0)
+        require_float(self.warmdown_ratio, "--warmdown-ratio", 0.0, 1.0)
+        require(self.warmup_ratio + self.warmdown_ratio <= 1.0, "--warmup-ratio + --warmdown-ratio",
+                self.warmup_ratio + self.warmdown_ratio, "<= 1")
+        require_float(self.final_lr_frac, "--final-lr-frac", 0.0, 1.0)
+        return self
+
+    def _defaults(self) -> None:
+        if self.lr_fn is None or self.momentum_fn is None or self.wd_fn is None:
+            from nanochat import optim
+            self.lr_fn = self.lr_fn or optim.lr_multiplier
+            self.momentum_fn = self.momentum_fn or optim.muon_momentum
+            self.wd_fn = self.wd_fn or optim.weight_decay_multiplier
+
+    def multipliers(self, step: int) -> tuple[float, float, float]:
+        """(lr multiplier, Muon momentum, weight-decay multiplier) at `step`."""
+        self._defaults()
+        lrm = float(self.lr_fn(step, self.num_iterations, warmup_ratio=self.warmup_ratio,
+                               warmdown_ratio=self.warmdown_ratio, final_lr_frac=self.final_lr_frac))
+        return lrm, float(self.momentum_fn(step)), float(self.wd_fn(step, self.num_iterations))
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Set lr / momentum / weight decay for `step` on every group; returns the lr multiplier."""
+        lrm, momentum, wdm = self.multipliers(step)
+        if hasattr(optimizer, "set_hparams"):  # MuonAdamW knows its own group kinds
+            optimizer.set_hparams(lr_mult=lrm, momentum=momentum, wd_mult=wdm)
+            return lrm
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if "initial_weight_decay" in group:
+                group["weight_decay"] = group["initial_weight_decay"] * wdm
+            if group.get("kind") == "muon":
+                group["momentum"] = momentum
+        return lrm
+
+
+# ------------------------------------------------------------------------------------ RNG / loop state
+
+def capture_rng_state() -> dict:
+    """Every RNG a step can touch, in types torch.load(weights_only=True) accepts."""
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, list(internal), gauss], "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch_cpu"].cpu())
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"].cpu())
+    if "numpy" in state:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------ the step
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float            # mean training loss of the step (all micro-batches, all ranks)
+    lrm: float             # learning-rate multiplier applied
+    dt: float              # seconds, device-synchronised
+    tokens: int            # tokens processed by the step (all ranks)
+    grad_norm: float | None = None
+
+
+class Trainer:
+    """Runs optimizer steps: micro-batches with loss scaling, optional grad clipping, schedules,
+    optimizer step, zero_grad(set_to_none). Holds the one prefetched batch so that the loader
+    state it reports always resumes at exactly the next unseen batch.
+
+    `model(x, y)` must return the mean loss (float32 scalar); with `token_weighted=True` it is
+    called as `model(x, y, loss_reduction="sum")` and the step normalises by the number of
+    target tokens != -1 across all micro-batches and ranks (right for masked SFT batches).
+    The optimizer reduces gradients across ranks itself (MuonAdamW), so the model is not DDP-wrapped.
+    """
+
+    def __init__(self, model, optimizer, loader: Iterable, plan: BatchPlan, schedule: Schedule, rt, *,
+                 grad_clip: float | None = None, token_weighted: bool = False, hint: str = DEFAULT_HINT):
+        self.model, self.optimizer, self.plan, self.schedule, self.rt = model, optimizer, plan, schedule, rt
+        self.loader, self._iter = loader, iter(loader)
+        self.grad_clip = grad_clip if grad_clip and grad_clip > 0 else None
+        self.token_weighted, self.hint = token_weighted, hint
+        self.last_checkpoint: str | None = None
+        self._held = self._held_state = None  # prefetched (x, y) for the next step; loader state before it
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- data ---------------------------------------------------------------------------------
+    def _next_batch(self):
+        if self._held is not None:
+            batch, self._held, self._held_state = self._held, None, None
+            return batch
+        return next(self._iter)
+
+    def _prefetch(self) -> None:
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        try:
+            self._held = next(self._iter)
+        except StopIteration:
+            self._held = None
+            return
+        self._held_state = state
+
+    def loader_state(self) -> dict | None:
+        """Loader state that resumes at the first batch the next step will use."""
+        if self._held is not None:
+            return self._held_state
+        return self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+
+    def note_checkpoint(self, path) -> None:
+        self.last_checkpoint = str(path)
+
+    # -- step ---------------------------------------------------------------------------------
+    def step(self, step: int) -> StepResult:
+        """One optimizer step at index `step` (0-based). Raises NonFiniteLossError."""
+        rt, plan = self.rt, self.plan
+        rt.synchronize()
+        t0 = time.perf_counter()
+        if self.token_weighted:
+            loss_sum = self._accumulate_token_weighted()
+        else:
+            loss_sum = self._accumulate_mean()
+        loss = loss_sum.detach()
+        if rt.world_size > 1:  # mean over ranks (SUM: gloo has no AVG); a nan anywhere stops every rank
+            import torch.distributed as dist
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss = loss / rt.world_size
+        grad_norm = None
+        if self.grad_clip is not None:
+            norm_t = torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip)
+            grad_norm = float(norm_t)
+            if not math.isfinite(grad_norm):
+                raise NonFiniteLossError(step, "gradient norm", grad_norm, self.last_checkpoint, self.hint)
+        lrm = self.schedule.apply(self.optimizer, step)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        loss_f = float(loss)  # one host sync per step
+        rt.synchronize()
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss_f):
+            raise NonFiniteLossError(step, "loss", loss_f, self.last_checkpoint, self.hint)
+        return StepResult(step, loss_f, lrm, dt, plan.total_batch_size, grad_norm)
+
+    def _accumulate_mean(self) -> torch.Tensor:
+        n = self.plan.grad_accum_steps
+        x, y = self._next_batch()
+        total = torch.zeros((), device=self.rt.device, dtype=torch.float32)
+        for micro in range(n):
+            loss = self.model(x, y)
+            total += loss.detach().float()
+            (loss / n).backward()  # each backward sums into .grad: scale so the step sees the mean
+            if micro < n - 1:
+                x, y = self._next_batch()
+            else:
+                self._prefetch()   # overlaps host-side loading with the queued device work
+        return total / n
+
+    def _accumulate_token_weighted(self) -> torch.Tensor:
+        batches = [self._next_batch() for _ in range(self.plan.grad_accum_steps)]
+        self._prefetch()
+        count = sum((y >= 0).sum() for _, y in batches).float()
+        if self.rt.world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        # Local sum / global count: the optimizer's cross-rank gradient average multiplies by 1/world.
+        denom = count.clamp(min=1.0) / self.rt.world_size
+        total = torch.zeros((), device=self.rt.device, dtype=torch.float32)
+        for x, y in batches:
+            loss_sum = self.model(x, y, loss_reduction="sum")
+            total += loss_sum.detach().float()
+            (loss_sum / denom).backward()
+        return total / denom
+
+    # -- loop state -----------------------------------------------------------------------------
+    def loop_state(self, step: int, meter: "StepMeter | None" = None, **extra) -> dict:
+        """What a checkpoint needs besides model/optimizer/loader: the next step, RNG, meter."""
+        return {"step": step, "rng": capture_rng_state(),
+                "meter": meter.state_dict() if meter is not None else None, **extra}
+
+
+# ------------------------------------------------------------------------------------ model set-up
+
+def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compile: bool,
+                               precision_backend: str = "auto") -> dict:
+    """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
+    `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
+    keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
+    from nanochat.kernels import build_loss_fn
+    from nanochat.platform import apply_patches, detect_device
+
+    patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
+    resolved = apply_precision(model, precision, rt, backend=precision_backend, compile=compile)
+    if kernel != "current":
+        model.set_loss_fn(build_loss_fn(kernel, rt.device))
+    return {**resolved, "kernel": kernel, "patches": patches}
+
+
+def precision_module(precision: str):
+    """nanochat.precision, or None when it is absent (then fp8/nvfp4 raise "not built yet")."""
+    try:
+        import nanochat.precision as P
+    except ImportError:
+        if precision in ("fp8", "nvfp4"):
+            raise ValueError(f"--precision {precision}: not built yet (nanochat/precision.py is missing); "
+                             "accepted now: auto|bf16|fp32") from None
+        return None
+    return P
+
+
+def check_precision(precision: str, rt, backend: str = "auto") -> None:
+    """Validate --precision/--precision-backend against the device before any model exists."""
+    if (P := precision_module(precision)) is not None:
+        from nanochat.platform import detect_device
+        P.resolve(precision, backend, detect_device(rt.device), compute_dtype=rt.dtype_name)
+
+
+def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile: bool = True) -> dict:
+    """precision.py converts the model's linears for fp8/nvfp4; bf16/fp32 = the runtime dtype."""
+    if (P := precision_module(precision)) is None:
+        return {"precision": rt.dtype_name, "backend": "none", "peak_key": rt.dtype_name}
+    return P.apply_precision(model, precision, rt, backend, compile=compile)
+
+
+# ------------------------------------------------------------------------------------ meter + log line
+
+def resolve_peak_flops(rt, precision: str, override: float | None = None,
+                       warn: Callable[[str], None] | None = None) -> tuple[float | None, float | None, str]:
+    """(bf16 dense peak, active-precision peak, device name) in FLOP/s per device.
+
+    CPU/MPS -> (None, None). An unknown GPU without --peak-flops warns once and returns None, so
+    the log says "mfu n/a" instead of a silent 0%."""
+    from nanochat.platform import detect_device, peak_flops
+    spec = detect_device(rt.device)
+    active = {"auto": "bf16"}.get(precision, precision)  # a precision name or precision.py's peak_key
+    if rt.device_type != "cuda":
+        return (float(override) if override else None), None, spec.name
+    bf16 = peak_flops(spec, "bf16", override)
+    act = peak_flops(spec, active) if active != "bf16" else bf16
+    if override is not None and active == "bf16":
+        act = bf16
+    if bf16 is None:
+        (warn or _warn)(f"GPU '{spec.name}' is not in nanochat/platform.py's table: MFU cannot be computed; "
+                        "pass --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> to get it")
+    return bf16, act, spec.name
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)
+
+
+class StepMeter:
+    """Throughput, MFU and an EMA-smoothed loss. MFU is against the dense bf16 peak (comparable
+    across precisions); `util` is against the active precision's own peak. The first
+    `warmup_steps` of every process (compilation, allocator warm-up; also after a resume) are
+    left out of the cumulative time."""
+
+    def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
+                 peak_active: float | None = None, precision: str = "bf16", ema_beta: float = 0.9,
+                 warmup_steps: int = 10, peak_memory: Callable[[], int] | None = None):
+        self.flops_per_token, self.world_size = float(flops_per_token), world_size
+        self.peak_bf16, self.peak_active, self.precision = peak_bf16, peak_active, precision
+        self.ema_beta, self.warmup_steps = ema_beta, warmup_steps
+        self.peak_memory = peak_memory or (lambda: 0)
+        self.smooth_loss = 0.0
+        self.updates = 0              # EMA updates so far (debias)
+        self.total_time = 0.0         # seconds of timed (post-warm-up) steps
+        self.timed_steps = 0
+        self.timed_tokens = 0
+        self._steps_this_process = 0  # warm-up counts from this process's start (also after resume)
+
+    def update(self, r: StepResult) -> dict:
+        b = self.ema_beta
+        self.smooth_loss = b * self.smooth_loss + (1 - b) * r.loss
+        self.updates += 1
+        self._steps_this_process += 1
+        if self._steps_this_process > self.warmup_steps:
+            self.total_time += r.dt
+            self.timed_steps += 1
+            self.timed_tokens += r.tokens
+        tok_s = r.tokens / r.dt if r.dt > 0 else float("inf")
+        flops_s = self.flops_per_token * tok_s
+        return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),
+                "lrm": r.lrm, "dt": r.dt, "tok_per_sec": tok_s, "grad_norm": r.grad_norm,
+                "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_active),
+                "peak_mem_gib": self.peak_memory() / 2**30}
+
+    def _frac(self, flops_s: float, peak: float | None) -> float | None:
+        return None if not peak else 100.0 * flops_s / (peak * self.world_size)
+
+    def log_line(self, m: dict, num_iterations: int) -> str:
+        """The one fixed-field line per step (fields never appear or disappear)."""
+        mfu = f"{m['mfu']:5.2f}%" if m["mfu"] is not None else "  n/a"
+        util = f"{m['util']:5.2f}%" if m["util"] is not None else "  n/a"
+        width = max(5, len(str(num_iterations)))
+        return (f"step {m['step']:0{width}d}/{num_iterations:0{width}d} | loss {m['smooth_loss']:.4f} | "
+                f"lrm {m['lrm']:.3f} | dt {m['dt'] * 1e3:8.1f}ms | tok/s {m['tok_per_sec']:>11,.0f} | "
+                f"mfu {mfu} | util({self.precision}) {util} | mem {m['peak_mem_gib']:6.2f}GiB")
+
+    def average_tok_per_sec(self) -> float | None:
+        return self.timed_tokens / self.total_time if self.total_time > 0 else None
+
+    def state_dict(self) -> dict:
+        return {"smooth_loss": self.smooth_loss, "updates": self.updates, "total_time": self.total_time,
+                "timed_steps": self.timed_steps, "timed_tokens": self.timed_tokens}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.smooth_loss, self.updates = float(s["smooth_loss"]), int(s["updates"])
+        self.total_time, self.timed_steps = float(s["total_time"]), int(s["timed_steps"])
+        self.timed_tokens = int(s["timed_tokens"])
+
+
+# ------------------------------------------------------------------------------------ tracker
+
+WANDB_MODES = ("off", "offline", "online")
+
+
+def resolve_wandb_mode(wandb_flag: str | None, run: str) -> str:
+    """--wandb wins; without it a real --run name means offline logging and "dummy" means off."""
+    if wandb_flag is not None:
+        require(wandb_flag in WANDB_MODES, "--wandb", wandb_flag, "|".join(WANDB_MODES))
+        return wandb_flag
+    return "off" if run in ("dummy", "", None) else "offline"
+
+
+def check_wandb_available(mode: str) -> None:
+    """Fail before any expensive work when wandb logging is on but the package is missing."""
+    if mode == "off":
+        return
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"--wandb {mode}: the wandb package is not installed; "
+                         "`uv pip install wandb` (extra [wandb]) or use --wandb off")
+
+
+class Tracker:
+    """wandb when on (imported only then), otherwise a no-op; only rank 0 ever logs."""
+
+    def __init__(self, mode: str = "off", *, run: str | None = None, project: str = "nanochat",
+                 config: dict | None = None, is_master: bool = True, directory: str | None = None):
+        self._run = None
+        if mode == "off" or not is_master:
+            return
+        check_wandb_available(mode)
+        import wandb
+        self._run = wandb.init(project=project, name=None if run in (None, "dummy") else run,
+                               config=config, mode=mode, dir=directory)
+
+    @property
+    def enabled(self) -> bool:
+        return self._run is not None
+
+    def log(self, data: dict, step: int) -> None:
+        if self._run is not None:
+            self._run.log({k: v for k, v in data.items() if v is not None}, step=step)
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+@torch.no_grad()
+def evaluate_bpb(model, batches: Iterable, steps: int, token_bytes: torch.Tensor) -> float:
+    """Validation bits per byte: summed nats of targets that are text (token_bytes > 0, target
+    != -1), divided by ln 2 x their UTF-8 byte count. Tokenizer-independent, unlike loss.
+    Reduced across ranks when a process group is up. Stops early if `batches` runs out."""
+    device = token_bytes.device
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    nbytes = torch.zeros((), dtype=torch.float64, device=device)
+    it = iter(batches)
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            break
+        loss = model(x, y, loss_reduction="none").reshape(-1).double()
+        y = y.reshape(-1)
+        tb = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y)).to(torch.float64)
+        nats += (loss * (tb > 0)).sum()
+        nbytes += tb.sum()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(nats)
+        dist.all_reduce(nbytes)
+    if nbytes.item() == 0:
+        raise ValueError("evaluate_bpb: the validation batches held no text bytes (empty val split?)")
+    return float(nats / (math.log(2) * nbytes))
+
+
+def sample_prompts(model, tokenizer, prompts: Sequence[str], max_tokens: int = 16,
+                   temperature: float = 0.0, seed: int = 42) -> list[str]:
+    """Decode a short continuation of each prompt (greedy by default) with the Engine."""
+    from nanochat.engine import Engine
+    engine = Engine(model, tokenizer)
+    out = []
+    for prompt in prompts:
+        tokens = tokenizer.encode(prompt, prepend="<|bos|>")
+        samples, _ = engine.generate_batch(tokens, num_samples=1, max_tokens=max_tokens,
+                                           temperature=temperature, seed=seed)
+        out.append(tokenizer.decode(samples[0]))
+    return out
+
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+]

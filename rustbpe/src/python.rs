@@ -1,0 +1,278 @@
+//! PyO3 bindings: the `rustbpe.Tokenizer` class (API in docs/INTERFACES.md).
+//!
+//! This layer validates every argument before consuming the iterator, turns each
+//! [`BpeError`] into `ValueError`, and releases the GIL for the heavy parts. Ingestion is
+//! pipelined: while rayon workers split and count batch k (GIL released), this thread holds
+//! the GIL to pull batch k+1 from the Python iterator.
+
+use crate::model::{merges_for_vocab_size, Bpe};
+use crate::split::{Splitter, GPT4_PATTERN};
+use crate::{BpeError, ChunkCounts};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyIterator, PyString};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
+use std::time::Instant;
+
+fn value_error(e: BpeError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let type_name = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let repr = obj
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let repr: String = repr.chars().take(60).collect();
+    format!("{repr} ({type_name})")
+}
+
+/// An int argument (bool rejected: `True` is an int to Python but never meant as a size).
+fn int_arg(obj: &Bound<'_, PyAny>, name: &str, accepted: &str) -> PyResult<i64> {
+    let bad = || {
+        PyValueError::new_err(format!(
+            "{name}: got {}; accepted: {accepted}",
+            describe(obj)
+        ))
+    };
+    if obj.is_instance_of::<PyBool>() {
+        return Err(bad());
+    }
+    obj.extract::<i64>().map_err(|_| bad())
+}
+
+/// Worker threads: RAYON_NUM_THREADS, read at every call (0 or unset: all cores).
+fn thread_pool() -> PyResult<Arc<rayon::ThreadPool>> {
+    let threads = match std::env::var("RAYON_NUM_THREADS") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
+            PyValueError::new_err(format!(
+                "RAYON_NUM_THREADS: got {v:?}; accepted: a non-negative int (0 or unset = all cores)"
+            ))
+        })?,
+        _ => 0,
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("rustbpe-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| {
+            PyValueError::new_err(format!("could not start {threads} worker threads: {e}"))
+        })
+}
+
+/// Pulls batches of `buffer_size` str from `iter` and sends them to the counting thread.
+/// Returns how many texts were read. Stops early (Ok) if the counter hung up on an error.
+fn feed(
+    py: Python<'_>,
+    iter: &mut Bound<'_, PyIterator>,
+    buffer_size: usize,
+    tx: &SyncSender<Vec<String>>,
+) -> PyResult<usize> {
+    let mut n = 0usize;
+    loop {
+        let mut batch = Vec::with_capacity(buffer_size.min(1 << 16));
+        let mut exhausted = false;
+        while batch.len() < buffer_size {
+            let Some(item) = iter.next() else {
+                exhausted = true;
+                break;
+            };
+            let item = item?; // the iterator's own exception propagates unchanged
+            let text = item.cast::<PyString>().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "iterator: item {n} is {}; accepted: an iterable of str",
+                    describe(&item)
+                ))
+            })?;
+            let text = text.to_str().map_err(|e| {
+                PyValueError::new_err(format!(
+                    "iterator: item {n} is not encodable as UTF-8 ({e}); accepted: str without \
+                     lone surrogates"
+                ))
+            })?;
+            batch.push(text.to_owned());
+            n += 1;
+        }
+        if !batch.is_empty() && py.detach(|| tx.send(batch)).is_err() {
+            break;
+        }
+        if exhausted {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+/// Splits and counts everything `iter` yields, on `pool`, overlapped with reading.
+fn count_iterator(
+    py: Python<'_>,
+    iter: &mut Bound<'_, PyIterator>,
+    buffer_size: usize,
+    splitter: &Arc<Splitter>,
+    pool: &Arc<rayon::ThreadPool>,
+) -> PyResult<(ChunkCounts, usize)> {
+    // Rendezvous channel: at most two batches alive, the one being counted and the next
+    // one, read meanwhile and handed over when the worker is free.
+    let (tx, rx) = sync_channel::<Vec<String>>(0);
+    let (splitter, pool) = (Arc::clone(splitter), Arc::clone(pool));
+    let worker = std::thread::Builder::new()
+        .name("rustbpe-count".into())
+        .spawn(move || -> Result<ChunkCounts, BpeError> {
+            let mut counts = ChunkCounts::new();
+            for batch in rx {
+                pool.install(|| counts.add_batch(&splitter, &batch))?;
+            }
+            Ok(counts)
+        })
+        .map_err(|e| PyValueError::new_err(format!("could not start the counting thread: {e}")))?;
+    let fed = feed(py, iter, buffer_size, &tx);
+    drop(tx); // ends the worker's loop
+    let joined = py.detach(move || worker.join());
+    let n = fed?;
+    let counts = joined
+        .map_err(|_| PyValueError::new_err("internal error: the counting thread panicked"))?
+        .map_err(value_error)?;
+    Ok((counts, n))
+}
+
+/// Byte-level BPE tokenizer trainer (GPT-4 style split, incremental merges).
+#[pyclass(name = "Tokenizer", module = "rustbpe")]
+struct PyTokenizer {
+    bpe: Bpe,
+}
+
+#[pymethods]
+impl PyTokenizer {
+    #[new]
+    fn new() -> PyResult<Self> {
+        let splitter = Splitter::new(GPT4_PATTERN).map_err(value_error)?;
+        Ok(PyTokenizer {
+            bpe: Bpe::new(Arc::new(splitter)),
+        })
+    }
+
+    /// Train from an iterable of str (consumed in batches of `buffer_size`), replacing any
+    /// previous training. `vocab_size` counts the 256 byte tokens; `pattern` defaults to the
+    /// GPT-4 split pattern. Threads: RAYON_NUM_THREADS (0 or unset = all cores).
+    #[pyo3(
+        signature = (iterator, vocab_size, buffer_size = None, pattern = None),
+        text_signature = "(self, iterator, vocab_size, buffer_size=8192, pattern=None)"
+    )]
+    fn train_from_iterator(
+        &mut self,
+        py: Python<'_>,
+        iterator: &Bound<'_, PyAny>,
+        vocab_size: &Bound<'_, PyAny>,
+        buffer_size: Option<&Bound<'_, PyAny>>,
+        pattern: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        // Validate everything before reading a single item.
+        let accepted = format!("an int from 256 to {}", crate::model::MAX_VOCAB_SIZE);
+        let vocab_size = int_arg(vocab_size, "vocab_size", &accepted)?;
+        merges_for_vocab_size(vocab_size).map_err(value_error)?;
+        let buffer_size = match buffer_size {
+            None => 8192,
+            Some(b) => {
+                let accepted = "an int >= 1 (texts per batch)";
+                let v = int_arg(b, "buffer_size", accepted)?;
+                usize::try_from(v).ok().filter(|&v| v >= 1).ok_or_else(|| {
+                    PyValueError::new_err(format!("buffer_size: got {v}; accepted: {accepted}"))
+                })?
+            }
+        };
+        let pattern = match pattern {
+            Some(p) if !p.is_none() => p
+                .cast::<PyString>()
+                .map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "pattern: got {}; accepted: a regex str or None",
+                        describe(p)
+                    ))
+                })?
+                .to_str()?
+                .to_owned(),
+            _ => GPT4_PATTERN.to_owned(),
+        };
+        let splitter = Arc::new(Splitter::new(&pattern).map_err(value_error)?);
+        let pool = thread_pool()?;
+        let mut iter = iterator.try_iter().map_err(|_| {
+            PyValueError::new_err(format!(
+                "iterator: got {}; accepted: an iterable of str",
+                describe(iterator)
+            ))
+        })?;
+
+        let verbose = std::env::var_os("RUSTBPE_VERBOSE").is_some_and(|v| v != "0");
+        let t0 = Instant::now();
+        let (counts, n_texts) = count_iterator(py, &mut iter, buffer_size, &splitter, &pool)?;
+        let t1 = Instant::now();
+        let (n_unique, n_bytes) = (counts.len(), counts.unique_bytes());
+        let bpe = py
+            .detach(|| pool.install(|| Bpe::train(splitter, counts, vocab_size)))
+            .map_err(value_error)?;
+        if verbose {
+            eprintln!(
+                "rustbpe: {n_texts} texts -> {} unique chunks ({} bytes) in {:.2}s on {} threads; \
+                 {} merges in {:.2}s",
+                n_unique,
+                n_bytes,
+                (t1 - t0).as_secs_f64(),
+                pool.current_num_threads(),
+                bpe.vocab_size() - 256,
+                t1.elapsed().as_secs_f64()
+            );
+        }
+        self.bpe = bpe;
+        Ok(())
+    }
+
+    /// The split regex in use (the GPT-4 pattern until trained with another).
+    fn get_pattern(&self) -> String {
+        self.bpe.pattern().to_owned()
+    }
+
+    /// `[(token bytes, rank)]`: the 256 single bytes, then merges in rank order.
+    fn get_mergeable_ranks<'py>(&self, py: Python<'py>) -> Vec<(Bound<'py, PyBytes>, u32)> {
+        self.bpe
+            .mergeable_ranks()
+            .into_iter()
+            .map(|(bytes, rank)| (PyBytes::new(py, &bytes), rank))
+            .collect()
+    }
+
+    /// Token ids of `text` (reference encoder; use tiktoken for speed).
+    fn encode(&self, py: Python<'_>, text: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let text = text
+            .cast::<PyString>()
+            .map_err(|_| {
+                PyValueError::new_err(format!("text: got {}; accepted: str", describe(text)))
+            })?
+            .to_str()
+            .map_err(|e| {
+                PyValueError::new_err(format!(
+                    "text: not encodable as UTF-8 ({e}); accepted: str without lone surrogates"
+                ))
+            })?;
+        let bpe = &self.bpe;
+        py.detach(|| bpe.encode(text)).map_err(value_error)
+    }
+
+    /// `[(left id, right id, new id)]` in merge order.
+    fn get_merges(&self) -> Vec<(u32, u32, u32)> {
+        self.bpe.merges()
+    }
+}
+
+#[pymodule]
+fn rustbpe(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTokenizer>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

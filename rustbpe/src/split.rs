@@ -1,0 +1,361 @@
+//! Pre-tokenization: splitting text into regex chunks before BPE.
+//!
+//! Any fancy-regex pattern works. The default GPT-4 pattern (with `\p{N}{1,2}`) is by far
+//! the most used and fancy-regex runs it through its backtracking VM (possessive quantifiers
+//! and a look-ahead), so for exactly that pattern a hand-written matcher is used instead.
+//! It takes its character classes (`\p{L}`, `\p{N}`, `\s`, the case-folded contraction
+//! letters) from regex-syntax, the same tables fancy-regex uses, and the unit tests check
+//! that both paths produce identical chunks.
+
+use crate::BpeError;
+use fancy_regex::Regex;
+use regex_syntax::hir::{Class, HirKind};
+
+/// GPT-4's split pattern with numbers grouped by at most two digits (nanochat's choice).
+pub const GPT4_PATTERN: &str = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
+
+/// A compiled split pattern. `Send + Sync`: shared by the counting threads.
+pub struct Splitter {
+    pattern: String,
+    regex: Regex,
+    fast: Option<Gpt4Matcher>,
+}
+
+impl Splitter {
+    /// Compiles `pattern`; a bad regex is a [`BpeError::Pattern`], never a panic.
+    pub fn new(pattern: &str) -> Result<Self, BpeError> {
+        let regex = Regex::new(pattern).map_err(|e| BpeError::Pattern {
+            pattern: pattern.to_string(),
+            reason: e.to_string(),
+        })?;
+        let fast = if pattern == GPT4_PATTERN {
+            Some(Gpt4Matcher::new()?)
+        } else {
+            None
+        };
+        Ok(Splitter {
+            pattern: pattern.to_string(),
+            regex,
+            fast,
+        })
+    }
+
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// Calls `f` on every non-empty chunk of `text`, in order. Empty matches (possible
+    /// with a custom pattern) carry no bytes and are skipped.
+    pub fn for_each_chunk<'t>(
+        &self,
+        text: &'t str,
+        f: impl FnMut(&'t str),
+    ) -> Result<(), BpeError> {
+        match &self.fast {
+            Some(m) => {
+                m.for_each_chunk(text, f);
+                Ok(())
+            }
+            None => self.for_each_chunk_regex(text, f),
+        }
+    }
+
+    /// The generic path through fancy-regex (also the oracle for the fast path's tests).
+    pub fn for_each_chunk_regex<'t>(
+        &self,
+        text: &'t str,
+        mut f: impl FnMut(&'t str),
+    ) -> Result<(), BpeError> {
+        for m in self.regex.find_iter(text) {
+            let m = m.map_err(|e| BpeError::Matching {
+                reason: e.to_string(),
+            })?;
+            if !m.as_str().is_empty() {
+                f(m.as_str());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Character classes of the GPT-4 pattern. They are disjoint: `\p{L}`, `\p{N}` and `\s`
+/// (Unicode White_Space) share no code point.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Cat {
+    Letter,
+    Number,
+    Space,
+    Other,
+}
+
+/// Hand-written matcher equivalent to [`GPT4_PATTERN`] under leftmost-first semantics.
+struct Gpt4Matcher {
+    ascii: [Cat; 128],
+    /// Sorted, non-overlapping non-ASCII ranges of Letter/Number/Space; the rest is Other.
+    ranges: Vec<(u32, u32, Cat)>,
+    /// Case-insensitive sets for the contraction letters, e.g. `s` -> {S, s, U+017F}.
+    fold: [Vec<char>; 8],
+}
+
+const FOLD_LETTERS: [char; 8] = ['s', 'd', 'm', 't', 'l', 'v', 'e', 'r'];
+
+/// Code-point ranges of a Unicode class expression, from regex-syntax's tables.
+fn class_ranges(expr: &str) -> Result<Vec<(char, char)>, BpeError> {
+    let internal = |reason: String| BpeError::Pattern {
+        pattern: expr.to_string(),
+        reason,
+    };
+    let hir = regex_syntax::parse(expr).map_err(|e| internal(e.to_string()))?;
+    match hir.kind() {
+        HirKind::Class(Class::Unicode(cls)) => {
+            Ok(cls.ranges().iter().map(|r| (r.start(), r.end())).collect())
+        }
+        HirKind::Literal(lit) => {
+            let s = std::str::from_utf8(&lit.0).map_err(|e| internal(e.to_string()))?;
+            Ok(s.chars().map(|c| (c, c)).collect())
+        }
+        other => Err(internal(format!("unexpected class shape {other:?}"))),
+    }
+}
+
+impl Gpt4Matcher {
+    fn new() -> Result<Self, BpeError> {
+        let mut ranges = Vec::new();
+        let mut ascii = [Cat::Other; 128];
+        for (expr, cat) in [
+            (r"\p{L}", Cat::Letter),
+            (r"\p{N}", Cat::Number),
+            (r"\s", Cat::Space),
+        ] {
+            for (lo, hi) in class_ranges(expr)? {
+                for c in (lo as u32)..=(hi as u32).min(127) {
+                    ascii[c as usize] = cat;
+                }
+                if hi as u32 >= 128 {
+                    ranges.push(((lo as u32).max(128), hi as u32, cat));
+                }
+            }
+        }
+        ranges.sort_unstable_by_key(|&(lo, _, _)| lo);
+        let mut fold: [Vec<char>; 8] = Default::default();
+        for (set, letter) in fold.iter_mut().zip(FOLD_LETTERS) {
+            for (lo, hi) in class_ranges(&format!("(?i:{letter})"))? {
+                set.extend((lo as u32..=hi as u32).filter_map(char::from_u32));
+            }
+        }
+        Ok(Gpt4Matcher {
+            ascii,
+            ranges,
+            fold,
+        })
+    }
+
+    #[inline]
+    fn cat(&self, c: char) -> Cat {
+        let u = c as u32;
+        if u < 128 {
+            return self.ascii[u as usize];
+        }
+        match self.ranges.binary_search_by(|&(lo, hi, _)| {
+            if hi < u {
+                std::cmp::Ordering::Less
+            } else if lo > u {
+                std::cmp::Ordering::Greater
+            } else {
+                std::cmp::Ordering::Equal
+            }
+        }) {
+            Ok(i) => self.ranges[i].2,
+            Err(_) => Cat::Other,
+        }
+    }
+
+    fn is(&self, c: Option<char>, letter: usize) -> bool {
+        c.is_some_and(|c| self.fold[letter].contains(&c))
+    }
+
+    /// End of the contraction starting after the apostrophe at `p` (`'s`, `'ll`, ...).
+    fn contraction(&self, text: &str, p: usize) -> Option<usize> {
+        let mut it = text[p..].chars();
+        let c1 = it.next();
+        if (0..4).any(|i| self.is(c1, i)) {
+            return c1.map(|c| p + c.len_utf8());
+        }
+        let c2 = it.next();
+        // ll, ve, re: indexes into FOLD_LETTERS
+        for (a, b) in [(4, 4), (5, 6), (7, 6)] {
+            if self.is(c1, a) && self.is(c2, b) {
+                return Some(p + 2);
+            }
+        }
+        None
+    }
+
+    /// End (byte offset) of the run of chars of category `cat` starting at `p`.
+    fn run_end(&self, text: &str, p: usize, cat: Cat) -> usize {
+        let bytes = text.as_bytes();
+        let mut q = p;
+        while q < bytes.len() {
+            let b = bytes[q];
+            if b < 128 {
+                if self.ascii[b as usize] != cat {
+                    break;
+                }
+                q += 1;
+            } else {
+                match text[q..].chars().next() {
+                    Some(c) if self.cat(c) == cat => q += c.len_utf8(),
+                    _ => break,
+                }
+            }
+        }
+        q
+    }
+
+    /// End of the match starting at `p` (always non-empty: every char is covered).
+    fn match_at(&self, text: &str, p: usize) -> usize {
+        let Some(c0) = text[p..].chars().next() else {
+            return text.len();
+        };
+        let k0 = self.cat(c0);
+        let p1 = p + c0.len_utf8();
+        let c1 = text[p1..].chars().next();
+        // 1: '(?i:[sdmt]|ll|ve|re)
+        if c0 == '\'' {
+            if let Some(e) = self.contraction(text, p1) {
+                return e;
+            }
+        }
+        // 2: [^\r\n\p{L}\p{N}]?+\p{L}+ (possessive: a taken prefix char is never given back,
+        // and giving it back could not help since it is not a letter)
+        if k0 == Cat::Letter {
+            return self.run_end(text, p, Cat::Letter);
+        }
+        if k0 != Cat::Number
+            && c0 != '\r'
+            && c0 != '\n'
+            && c1.map(|c| self.cat(c)) == Some(Cat::Letter)
+        {
+            return self.run_end(text, p1, Cat::Letter);
+        }
+        // 3: \p{N}{1,2}
+        if k0 == Cat::Number {
+            return match c1 {
+                Some(c) if self.cat(c) == Cat::Number => p1 + c.len_utf8(),
+                _ => p1,
+            };
+        }
+        // 4: ` ?[^\s\p{L}\p{N}]++[\r\n]*`
+        let q = if c0 == ' ' && c1.map(|c| self.cat(c)) == Some(Cat::Other) {
+            p1
+        } else {
+            p
+        };
+        if q < text.len() && (q > p || k0 == Cat::Other) {
+            let e = self.run_end(text, q, Cat::Other);
+            let nl = text[e..]
+                .bytes()
+                .take_while(|&b| b == b'\r' || b == b'\n')
+                .count();
+            return e + nl;
+        }
+        // c0 is whitespace from here on.
+        let end = self.run_end(text, p, Cat::Space);
+        let run = &text[p..end];
+        // 5: \s*[\r\n]: the longest prefix of the run ending in \r or \n
+        if let Some(i) = run.rfind(['\r', '\n']) {
+            return p + i + 1;
+        }
+        // 6: \s+(?!\S): the run to the end of text, or the run less its last char
+        if end == text.len() {
+            return end;
+        }
+        match run.char_indices().next_back() {
+            Some((i, _)) if i > 0 => p + i,
+            // 7: \s+ (a single whitespace char before a non-space)
+            _ => end,
+        }
+    }
+
+    fn for_each_chunk<'t>(&self, text: &'t str, mut f: impl FnMut(&'t str)) {
+        let mut p = 0;
+        while p < text.len() {
+            let e = self.match_at(text, p);
+            debug_assert!(e > p, "the GPT-4 matcher must always advance");
+            f(&text[p..e]);
+            p = e;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(s: &Splitter, text: &str, regex: bool) -> Vec<String> {
+        let mut out = Vec::new();
+        let push = |c: &str| out.push(c.to_string());
+        if regex {
+            s.for_each_chunk_regex(text, push).expect("regex split");
+        } else {
+            s.for_each_chunk(text, push).expect("split");
+        }
+        out
+    }
+
+    #[test]
+    fn gpt4_examples() {
+        let s = Splitter::new(GPT4_PATTERN).expect("compile");
+        let got = chunks(&s, "Hello world! I'm 12345 \n\n  x's  'LL", false);
+        let want = [
+            "Hello", " world", "!", " I", "'m", " ", "12", "34", "5", " \n\n", " ", " x", "'s",
+            " ", " '", "LL",
+        ];
+        assert_eq!(got, want);
+    }
+
+    /// Tiny deterministic generator so the test needs no extra crate.
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn fast_path_matches_fancy_regex() {
+        let s = Splitter::new(GPT4_PATTERN).expect("compile");
+        assert!(s.fast.is_some());
+        let alphabet: Vec<char> =
+            "aZé中ßſK1٣½ \t\n\r\u{a0}\u{2028}\u{3000}'sSlLvVeErRtTdDmM.!-😀\u{301}\u{1c}\u{85}_"
+                .chars()
+                .collect();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..20_000 {
+            let len = (xorshift(&mut state) % 24) as usize;
+            let text: String = (0..len)
+                .map(|_| alphabet[(xorshift(&mut state) % alphabet.len() as u64) as usize])
+                .collect();
+            assert_eq!(
+                chunks(&s, &text, false),
+                chunks(&s, &text, true),
+                "text {text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn custom_pattern_skips_empty_matches() {
+        let s = Splitter::new(r"a*").expect("compile");
+        assert!(s.fast.is_none());
+        assert_eq!(chunks(&s, "baab", false), ["aa"]);
+    }
+
+    #[test]
+    fn bad_pattern_is_an_error() {
+        match Splitter::new("((") {
+            Err(BpeError::Pattern { pattern, .. }) => assert_eq!(pattern, "(("),
+            other => panic!("expected a pattern error, got {:?}", other.map(|_| ())),
+        }
+    }
+}

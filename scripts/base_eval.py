@@ -1,0 +1,159 @@
+"""Evaluate a checkpoint: python -m scripts.base_eval [-i base] [--model-tag d20] [--eval core,bpb,sample]
+
+- bpb:    bits per byte on the validation split (and the train split with --splits train,val)
+- sample: greedy continuations of a few prompts
+- core:   the CORE metric via nanochat/core_eval.py
+Results are written as JSON to --output (default <base_dir>/eval/<phase>_<tag>_step<N>.json).
+Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the file).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.training import (DEFAULT_PROMPTS, FlagParser, evaluate_bpb, require, require_int,
+                               sample_prompts)
+
+EVALS = ("core", "bpb", "sample")
+PHASES = ("base", "mid", "sft", "rl")
+
+
+@dataclass
+class BaseEvalConfig:
+    source: str = "base"                  # checkpoint phase (-i)
+    model_tag: str | None = None          # default: the only / deepest d<N> tag
+    step: str = "latest"
+    eval: str = "core,bpb,sample"
+    splits: str = "val"
+    device: str = "auto"
+    dtype: str = "auto"
+    device_batch_size: int = 8
+    eval_tokens: int = 10 * 524288
+    max_per_task: int = -1                # CORE examples per task (-1 = all)
+    max_tokens: int = 32                  # sample length
+    data_dir: str | None = None
+    output: str | None = None
+    seed: int = 42
+
+    @property
+    def evals(self) -> list[str]:
+        return [e.strip() for e in self.eval.split(",") if e.strip()]
+
+    def validate(self) -> "BaseEvalConfig":
+        require(self.source in PHASES, "-i/--source", self.source, "|".join(PHASES))
+        require(bool(self.evals) and set(self.evals) <= set(EVALS), "--eval", self.eval,
+                "a comma list of " + "|".join(EVALS))
+        require(set(self.splits.split(",")) <= {"train", "val"}, "--splits", self.splits, "val, train or train,val")
+        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require_int(self.device_batch_size, "--device-batch-size", 1)
+        require_int(self.eval_tokens, "--eval-tokens", 1)
+        require_int(self.max_per_task, "--max-per-task", 1, allow=(-1,))
+        require_int(self.max_tokens, "--max-tokens", 1)
+        require_int(self.seed, "--seed", 0)
+        if "core" in self.evals:
+            core_eval_module()  # raises now, before a model is loaded, if CORE is not available
+        return self
+
+
+def core_eval_module():
+    try:
+        import nanochat.core_eval as core_eval
+    except ImportError as e:
+        raise ValueError(f"--eval core: nanochat/core_eval.py is not available ({e}); "
+                         "run with --eval bpb,sample") from None
+    return core_eval
+
+
+def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
+    p = FlagParser(prog="python -m scripts.base_eval", description="Evaluate a base/mid/sft checkpoint.")
+    d = BaseEvalConfig()
+    p.add_argument("-i", "--source", default=d.source, help="|".join(PHASES))
+    p.add_argument("--model-tag", default=None)
+    p.add_argument("--step", default=d.step, help="latest or a step number")
+    p.add_argument("--eval", default=d.eval, help="comma list of " + "|".join(EVALS))
+    p.add_argument("--splits", default=d.splits)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--dtype", default=d.dtype)
+    for name in ("device_batch_size", "eval_tokens", "max_per_task", "max_tokens", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--output", default=None)
+    return BaseEvalConfig(**vars(p.parse_args(argv))).validate()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(argv)
+    rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
+    try:
+        return evaluate(cfg, rt)
+    finally:
+        destroy_runtime(rt)
+
+
+def evaluate(cfg: BaseEvalConfig, rt) -> dict:
+    from nanochat.checkpoint import atomic_write, load_model
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_token_bytes
+
+    base_dir = get_base_dir()
+    step = int(cfg.step) if cfg.step.isdigit() else "latest"
+    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
+                                        base_dir=base_dir, compute_dtype=rt.dtype)
+    seq_len = model.config.sequence_len
+    print0(f"evaluating {cfg.source}/{meta.get('model_tag')} step {meta['step']} on {rt.device} "
+           f"({rt.dtype_name}); evals: {','.join(cfg.evals)}")
+    results: dict = {"phase": cfg.source, "model_tag": meta.get("model_tag") or cfg.model_tag,
+                     "step": meta["step"], "config": asdict(cfg), "model_config": meta.get("model_config"),
+                     "device": str(rt.device), "world_size": rt.world_size}
+    t0 = time.perf_counter()
+
+    if "bpb" in cfg.evals:
+        token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
+        per_step = cfg.device_batch_size * seq_len * rt.world_size
+        steps = max(1, cfg.eval_tokens // per_step)
+        results["bpb"] = {}
+        for split in cfg.splits.split(","):
+            loader = DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device,
+                                data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+            bpb = evaluate_bpb(model, loader, steps, token_bytes)
+            results["bpb"][split] = bpb
+            print0(f"{split} bpb: {bpb:.4f} ({steps} x {per_step:,} tokens)")
+
+    if "sample" in cfg.evals and rt.is_master:
+        texts = sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=cfg.max_tokens, seed=cfg.seed)
+        results["samples"] = [{"prompt": p, "text": t} for p, t in zip(DEFAULT_PROMPTS, texts)]
+        for t in texts:
+            print0(f"  sample: {t!r}")
+
+    if "core" in cfg.evals:
+        core = core_eval_module().run_core_eval(
+            model, tokenizer, rt.device, max_per_task=None if cfg.max_per_task == -1 else cfg.max_per_task)
+        results["core"] = core
+
+    results["seconds"] = time.perf_counter() - t0
+    if rt.is_master:
+        out = Path(cfg.output) if cfg.output else (
+            base_dir / "eval" / f"{cfg.source}_{results['model_tag']}_step{meta['step']:06d}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, lambda f: f.write(json.dumps(results, indent=2, default=str).encode()))
+        print0(f"results written to {out}")
+        results["output"] = str(out)
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        config = parse_config(sys.argv[1:])
+    except ValueError as e:
+        print(f"base_eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    rt_ = init_runtime(config.device, config.dtype, config.seed)
+    try:
+        evaluate(config, rt_)
+    finally:
+        destroy_runtime(rt_)

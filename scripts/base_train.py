@@ -1,0 +1,369 @@
+"""Pretrain the base model: python -m scripts.base_train [flags]   (or torchrun ... -m scripts.base_train)
+
+The recipe, top to bottom: flags -> runtime -> tokenizer -> model config and batch arithmetic
+(validated before any weights exist) -> model, precision, loss kernel, compile -> optimizer ->
+data -> optional resume -> banner -> loop (eval bpb, samples, checkpoints, one step, one log
+line) -> final checkpoint. The mechanics live in nanochat/training.py and nanochat/checkpoint.py.
+
+Tiny CPU example (seconds):
+    python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 \
+        --total-batch-size 512 --num-iterations 20 --eval-every 10 --eval-tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule, StepMeter, Tracker,
+                               Trainer, auto_total_batch_size, check_wandb_available, evaluate_bpb,
+                               fit_auto_batch, plan_batch, precision_module, require, require_float, require_int,
+                               resolve_peak_flops, resolve_wandb_mode, restore_rng_state, sample_prompts)
+
+PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
+KERNELS = ("current", "liger", "triton")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+ATTN_BACKENDS = ("auto", "sdpa", "flex", "reference")
+PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
+
+
+@dataclass
+class BaseTrainConfig:
+    """Every flag of this script; `validate()` checks them before anything is built."""
+
+    # model
+    depth: int = 20
+    aspect_ratio: int = 64                 # model dim = depth x aspect ratio (rounded to head dim)
+    head_dim: int = 128
+    max_seq_len: int = 2048
+    window_pattern: str = "SSSL"           # per-layer attention: S = sliding window, L = full
+    attn_backend: str = "auto"
+    # horizon: --num-iterations wins; else tokens = ratio x scaling params (Chinchilla ~20)
+    num_iterations: int = -1
+    target_param_data_ratio: float = 20.0
+    # batch: --total-batch-size -1 = auto from depth (training.auto_total_batch_size)
+    device_batch_size: int = 32
+    total_batch_size: int = -1
+    # optimizer (Muon for matrices, AdamW for the rest) and schedules
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.3
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0                  # 0 = off
+    warmup_ratio: float = 0.0
+    warmdown_ratio: float = 0.4
+    final_lr_frac: float = 0.0
+    # evaluation, sampling, checkpoints (-1 or 0 = off; eval/save always run at the last step)
+    eval_every: int = 250
+    eval_tokens: int = 10 * 524288
+    sample_every: int = 2000
+    save_every: int = -1
+    resume: str | None = None               # "latest" or a step number
+    model_tag: str | None = None            # default d<depth>
+    # runtime
+    device: str = "auto"
+    precision: str = "auto"
+    precision_backend: str = "auto"         # fp8/nvfp4 implementation (precision.py)
+    kernel: str = "current"
+    compile: bool | None = None             # default: on for CUDA, off elsewhere
+    seed: int = 42
+    peak_flops: float | None = None         # dense bf16 FLOP/s per device (unknown GPUs)
+    data_dir: str | None = None
+    run: str = "dummy"                      # wandb run name; "dummy" = no wandb
+    wandb: str | None = None                # off|offline|online (default: offline iff --run given)
+
+    def validate(self) -> "BaseTrainConfig":
+        require_int(self.depth, "--depth", 1)
+        require(self.depth <= 256, "--depth", self.depth, "1..256")
+        require_int(self.aspect_ratio, "--aspect-ratio", 1)
+        require_int(self.head_dim, "--head-dim", 8)
+        require(self.head_dim % 2 == 0, "--head-dim", self.head_dim, "an even number (rotary embeddings)")
+        require_int(self.max_seq_len, "--max-seq-len", 8)
+        require(bool(self.window_pattern) and set(self.window_pattern.upper()) <= {"S", "L"},
+                "--window-pattern", self.window_pattern, "a non-empty string of S and L (e.g. SSSL, L)")
+        require(self.attn_backend in ATTN_BACKENDS, "--attn-backend", self.attn_backend, "|".join(ATTN_BACKENDS))
+        require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
+        require_float(self.target_param_data_ratio, "--target-param-data-ratio", 0.0, low_inclusive=False)
+        require_int(self.device_batch_size, "--device-batch-size", 1)
+        require_int(self.total_batch_size, "--total-batch-size", 1, allow=(-1,))
+        for flag in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip"):
+            require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
+        Schedule(1, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac).validate()
+        for flag in ("eval_every", "sample_every", "save_every"):
+            require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        per_micro = self.device_batch_size * self.max_seq_len * world
+        require_int(self.eval_tokens, "--eval-tokens", per_micro)
+        if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
+            plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
+        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
+                self.resume, "latest or a step number")
+        require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
+        require(self.precision in PRECISIONS, "--precision", self.precision, "|".join(PRECISIONS))
+        precision_module(self.precision)  # fp8/nvfp4 need nanochat/precision.py
+        require(self.precision_backend in PRECISION_BACKENDS, "--precision-backend", self.precision_backend,
+                "|".join(PRECISION_BACKENDS))
+        require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
+        require_int(self.seed, "--seed", 0)
+        if self.peak_flops is not None:
+            require_float(self.peak_flops, "--peak-flops", 1e9)
+        if self.data_dir is not None:
+            require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir, "an existing directory of *.parquet shards")
+        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        return self
+
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float | None": float}
+
+
+def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
+    """Flags (dash or underscore spellings) -> a validated BaseTrainConfig; ValueError names the flag."""
+    parser = FlagParser(prog="python -m scripts.base_train", description="Pretrain the base model.")
+    defaults = BaseTrainConfig()
+    for f in fields(BaseTrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool | None":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help="default: on for CUDA, off elsewhere")
+        else:
+            default = getattr(defaults, f.name)
+            parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=f"default: {default}")
+    return BaseTrainConfig(**vars(parser.parse_args(argv))).validate()
+
+
+def runtime_dtype(precision: str) -> str:
+    """Compute dtype for init_runtime: fp8/nvfp4 run their non-matmul work in bf16."""
+    return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
+
+
+# ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    """Parse, validate, train; returns the run summary (also printed)."""
+    return run(parse_config(argv))
+
+
+def run(cfg: BaseTrainConfig) -> dict:
+    rt = init_runtime(cfg.device, runtime_dtype(cfg.precision), cfg.seed)
+    try:
+        return train(cfg, rt)
+    finally:
+        destroy_runtime(rt)
+
+
+def train(cfg: BaseTrainConfig, rt) -> dict:
+    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, save_checkpoint
+    from nanochat.dataloader import DataLoader
+    from nanochat.gpt import config_for_depth
+    from nanochat.optim import build_optimizer
+    from nanochat.tokenizer import get_token_bytes, get_tokenizer
+    from nanochat.training import check_precision, setup_precision_and_kernel
+
+    base_dir = get_base_dir()
+    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    model_tag = cfg.model_tag or f"d{cfg.depth}"
+    ckpt_dir = checkpoint_dir("base", model_tag, base_dir)
+
+    check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run it? (raises)
+
+    # ---- tokenizer and model shape (meta device: no memory, no init yet) ----
+    tokenizer = get_tokenizer(base_dir)
+    token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
+
+    def config_at(depth: int):
+        return config_for_depth(depth, tokenizer.vocab_size, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio,
+                                head_dim=cfg.head_dim, window_pattern=cfg.window_pattern)
+
+    model_config = config_at(cfg.depth)
+    meta_model = build_model(model_config, "meta", attn_backend=cfg.attn_backend)
+    flops_per_token = meta_model.estimate_flops()
+    scaling_params = meta_model.num_scaling_params()
+    num_params = sum(p.numel() for p in meta_model.parameters())
+
+    # ---- horizon and batch arithmetic (raises before any weights exist) ----
+    target_tokens = cfg.target_param_data_ratio * scaling_params
+    if cfg.total_batch_size == -1:
+        ref_tokens = cfg.target_param_data_ratio * build_model(config_at(REF_DEPTH), "meta").num_scaling_params()
+        predicted = auto_total_batch_size(target_tokens, ref_tokens)
+        total_batch_size = fit_auto_batch(predicted, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
+    else:
+        total_batch_size = cfg.total_batch_size
+    plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
+    schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
+    eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
+
+    # ---- resume: read the checkpoint first so a mismatch fails before building ----
+    resume = None
+    if cfg.resume is not None:
+        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+        check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
+
+    # ---- model, precision, loss kernel, compile ----
+    model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
+    if resume is not None:
+        model.load_state_dict(resume["model"], strict=True)
+    precision_info = setup_precision_and_kernel(model, cfg.precision, cfg.kernel, rt, compile=compile_model,
+                                                precision_backend=cfg.precision_backend)
+    train_model = torch.compile(model, dynamic=False) if compile_model else model
+
+    # ---- optimizer ----
+    optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                                unembedding_lr=cfg.unembedding_lr, scalar_lr=cfg.scalar_lr,
+                                weight_decay=cfg.weight_decay, world_size=rt.world_size, rank=rt.rank)
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+
+    # ---- data ----
+    loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+    train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
+    if resume is not None and resume["loader"] is not None:
+        train_loader.load_state_dict(resume["loader"])
+
+    def val_batches():
+        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", **loader_kwargs)
+
+    # ---- meter, tracker, trainer, loop state ----
+    peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], cfg.peak_flops,
+                                                             warn=lambda m: print0(f"WARNING: {m}"))
+    meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
+                      precision=precision_info["precision"], peak_memory=rt.peak_memory_bytes)
+    trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
+    wandb_mode = resolve_wandb_mode(cfg.wandb, cfg.run)
+    train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
+                  "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
+                  "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
+                  "world_size": rt.world_size, "dtype": rt.dtype_name, **precision_info}
+    tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
+                      directory=str(base_dir))
+    step, min_val_bpb, val_bpb = 0, math.inf, None
+    if resume is not None:
+        loop = resume["loop"]
+        step, min_val_bpb, val_bpb = loop["step"], loop["min_val_bpb"], loop["val_bpb"]
+        meter.load_state_dict(loop["meter"])
+        trainer.note_checkpoint(ckpt_dir / f"step_{step:06d}")
+
+    print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
+                 num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
+                 wandb_mode, resume_step=step if resume is not None else None)
+    if resume is not None:  # last, so that model init above consumed nothing we restore
+        restore_rng_state(resume["loop"]["rng"])
+
+    # ---- the loop: step `step` runs after the eval/sample/save that happen "at" it ----
+    start_step, losses = step, {}
+    while True:
+        last = step == num_iterations
+        if cfg.eval_every > 0 and (last or step % cfg.eval_every == 0):
+            model.eval()
+            val_loader = val_batches()
+            val_bpb = evaluate_bpb(train_model, val_loader, eval_steps, token_bytes)
+            val_loader.close()
+            model.train()
+            min_val_bpb = min(min_val_bpb, val_bpb)
+            print0(f"step {step:05d} | val bpb {val_bpb:.4f} (min {min_val_bpb:.4f})")
+            tracker.log({"val/bpb": val_bpb}, step)
+        if rt.is_master and cfg.sample_every > 0 and (last or (step > 0 and step % cfg.sample_every == 0)):
+            model.eval()
+            for text in sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=16):
+                print0(f"  sample: {text!r}")
+            model.train()
+        periodic = cfg.save_every > 0 and step % cfg.save_every == 0 and step != start_step
+        if last or periodic:
+            loop_state = trainer.loop_state(step, meter, min_val_bpb=min_val_bpb, val_bpb=val_bpb)
+            meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
+                    "train": train_meta, "config": asdict(cfg), "val_bpb": val_bpb,
+                    "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}
+            path = save_checkpoint(ckpt_dir, step, model_state=model.state_dict(),
+                                   optimizer_state=optimizer.state_dict(), loader_state=trainer.loader_state(),
+                                   loop_state=loop_state, meta=meta, rank=rt.rank)
+            trainer.note_checkpoint(path)
+            print0(f"step {step:05d} | saved checkpoint {path}")
+        if last:
+            break
+        result = trainer.step(step)
+        losses[step] = result.loss
+        metrics = meter.update(result)
+        print0(meter.log_line(metrics, num_iterations))
+        tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step)
+        step += 1
+
+    summary = {"model_tag": model_tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
+               "final_val_bpb": val_bpb, "min_val_bpb": min_val_bpb if min_val_bpb < math.inf else None,
+               "avg_tok_per_sec": meter.average_tok_per_sec(), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
+    print0("done: " + json.dumps(summary))
+    summary["losses"] = losses  # raw per-step training losses of this process (tests, tooling)
+    train_loader.close()
+    tracker.finish()
+    return summary
+
+
+def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
+    """A resumed run must continue the same model, batch layout and tokenizer."""
+    def mismatch(what, saved, now):
+        raise ValueError(f"--resume: the checkpoint has {what}={saved!r} but this run has {now!r}; "
+                         "use the flags of the original run (or start a new --model-tag)")
+    if meta.get("model_config") != model_config:
+        mismatch("model_config", meta.get("model_config"), model_config)
+    train = meta.get("train", {})
+    if train.get("total_batch_size") != plan.total_batch_size:
+        mismatch("total_batch_size", train.get("total_batch_size"), plan.total_batch_size)
+    if train.get("world_size", 1) != world_size:
+        mismatch("world_size", train.get("world_size"), world_size)
+    if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
+        mismatch("tokenizer_fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
+
+
+def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
+                 num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
+                 wandb_mode, resume_step) -> None:
+    """Every resolved value, once, at start-up (rank 0)."""
+    total_tokens = plan.total_batch_size * num_iterations
+    rows = [
+        ("device", f"{rt.device} ({device_name}), world size {rt.world_size}, rank {rt.rank}"),
+        ("compute dtype", rt.dtype_name),
+        ("precision", json.dumps(precision_info)),
+        ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend}"),
+        ("model", ", ".join(f"{k}={v}" for k, v in asdict(model_config).items())),
+        ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
+        ("FLOPs / token", f"{flops_per_token:.4e}"),
+        ("batch", plan.describe()),
+        ("iterations", f"{num_iterations:,}" + (" (from --num-iterations)" if cfg.num_iterations > 0
+                                                 else f" (ratio {cfg.target_param_data_ratio} x scaling params)")),
+        ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),
+        ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
+        ("peak FLOP/s (bf16)", f"{peak_bf16:.4e}" if peak_bf16 else "n/a (MFU not computed; --peak-flops)"),
+        ("schedule", f"warmup {cfg.warmup_ratio}, warmdown {cfg.warmdown_ratio}, final lr frac "
+                     f"{cfg.final_lr_frac}, weight decay {cfg.weight_decay}, grad clip {cfg.grad_clip or 'off'}"),
+        ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"),
+        ("samples / saves", f"every {cfg.sample_every} / every {cfg.save_every} steps (+ final)"),
+        ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")),
+        ("tracking", f"wandb {wandb_mode}" + (f", run {cfg.run}" if wandb_mode != "off" else "")),
+        ("seed", str(cfg.seed)),
+    ]
+    for i, group in enumerate(optimizer.param_groups):
+        n = sum(p.numel() for p in group["params"])
+        extra = {k: group[k] for k in ("kind", "momentum", "weight_decay", "betas") if k in group}
+        rows.append((f"LR group {i}", f"lr {group['initial_lr']:.5g}, {len(group['params'])} tensors, "
+                                      f"{n:,} params {extra}"))
+    width = max(len(k) for k, _ in rows)
+    print0("=" * 100)
+    for k, v in rows:
+        print0(f"{k:<{width}} : {v}")
+    print0("=" * 100)
+
+
+if __name__ == "__main__":
+    try:
+        config = parse_config(sys.argv[1:])
+    except ValueError as e:  # bad flags: a one-line error, no traceback
+        print(f"base_train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run(config)

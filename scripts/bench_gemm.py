@@ -1,0 +1,174 @@
+"""GEMM throughput: python -m scripts.bench_gemm [--dtypes bf16,fp8,fp8-rowwise,nvfp4] [--shapes MxNxK,...]
+
+For each (dtype, shape) it times C = A @ B.T with CUDA events around a batch of products,
+rotating over enough input sets that they cannot all sit in L2, and reports the median TFLOP/s
+of --reps batches (the clock is only read after the events complete: no async over-reporting).
+`--burn-in SECONDS` then runs the first bf16 shape continuously and prints rolling TFLOP/s
+once a second (thermal/power throttling shows up as a falling rate, e.g. on a DGX Spark).
+
+Output: one JSON line per result (device, versions, dtype, shape, tflops, pct_of_peak), then a
+table. Unsupported combinations (nvfp4 before Blackwell, row-wise fp8 on sm_12x) are reported as
+such, with the error, instead of aborting the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from nanochat.platform import detect_device, peak_flops
+
+DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
+DTYPES = ("bf16", "fp8", "fp8-rowwise", "nvfp4")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes: got {item!r}; expected MxNxK with positive integers")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def _fp4_scale_len(rows: int, k: int) -> int:
+    """Elements of a swizzled e4m3 block-scale tensor (128x4 tiles) for 16-element blocks."""
+    return (math.ceil(rows / 128) * 128) * (math.ceil(k // 16 / 4) * 4)
+
+
+def make_operands(dtype: str, m: int, n: int, k: int, device):
+    """A callable running one product of freshly generated (non-zero, random) operands."""
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    if dtype == "bf16":
+        return lambda: torch.mm(a, b.t())
+    if dtype in ("fp8", "fp8-rowwise"):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        if dtype == "fp8":
+            sa = sb = torch.tensor(1.0, device=device)
+        else:
+            sa = torch.ones(m, 1, device=device)
+            sb = torch.ones(1, n, device=device)
+        return lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+    if dtype == "nvfp4":
+        fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+        if fp4 is None:
+            raise RuntimeError("this torch has no float4_e2m1fn_x2")
+        a4 = torch.randint(0, 255, (m, k // 2), device=device, dtype=torch.uint8).view(fp4)
+        b4 = torch.randint(0, 255, (n, k // 2), device=device, dtype=torch.uint8).view(fp4)
+        sa = torch.ones(_fp4_scale_len(m, k), device=device).to(torch.float8_e4m3fn)
+        sb = torch.ones(_fp4_scale_len(n, k), device=device).to(torch.float8_e4m3fn)
+        return lambda: torch._scaled_mm(a4, b4.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    raise ValueError(f"--dtypes: got {dtype!r}; accepted: {'|'.join(DTYPES)}")
+
+
+def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device) -> dict:
+    m, n, k = shape
+    elem = {"bf16": 2, "fp8": 1, "fp8-rowwise": 1, "nvfp4": 0.5}[dtype]
+    set_bytes = (m * k + n * k) * elem
+    n_sets = max(2, min(8, math.ceil(3 * l2_bytes / set_bytes)))
+    runs = [make_operands(dtype, m, n, k, device) for _ in range(n_sets)]
+    for run in runs:   # warm-up: cuBLAS heuristics, workspace, clocks
+        run()
+    torch.cuda.synchronize()
+    flops = 2.0 * m * n * k
+    # aim for ~20 ms per timed batch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    runs[0]()
+    end.record()
+    end.synchronize()
+    per_call_ms = max(start.elapsed_time(end), 1e-3)
+    iters = max(n_sets, min(200, int(20 / per_call_ms)))
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for i in range(iters):
+            runs[i % n_sets]()
+        end.record()
+        end.synchronize()   # the clock is read only once the products are done
+        samples.append(start.elapsed_time(end) / iters)
+    ms = statistics.median(samples)
+    return {"ms": round(ms, 4), "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "iters": iters,
+            "input_sets": n_sets, "spread_pct": round(100 * (max(samples) - min(samples)) / ms, 1)}
+
+
+def burn_in(seconds: float, shape, device, emit) -> None:
+    m, n, k = shape
+    run = make_operands("bf16", m, n, k, device)
+    flops = 2.0 * m * n * k
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        count = 0
+        start.record()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:
+            for _ in range(10):
+                run()
+            count += 10
+            end.record()
+            end.synchronize()
+        emit({"burn_in": True, "t": round(seconds - (t_end - time.perf_counter()), 1),
+              "tflops": round(flops * count / (start.elapsed_time(end) * 1e-3) / 1e12, 1)})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="bf16,fp8,fp8-rowwise,nvfp4")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--burn-in", "--burn_in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
+    args = p.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    dtypes = args.dtypes.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"--dtypes: got {d!r}; accepted: {'|'.join(DTYPES)}")
+    if args.reps < 3:
+        raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm needs a CUDA GPU")
+    device = torch.device("cuda")
+    spec = detect_device(device)
+    props = torch.cuda.get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    header = {"device": spec.name, "cc": spec.cc, "sms": spec.sms, "l2_mb": round(l2 / 2**20),
+              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "cublas": torch.backends.cuda.preferred_blas_library().name
+              if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
+    print(json.dumps({"header": True, **header}), flush=True)
+    rows = []
+    for dtype in dtypes:
+        peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
+        for shape in shapes:
+            rec = {"dtype": dtype, "shape": "x".join(map(str, shape)), "device": spec.name}
+            try:
+                rec.update(time_gemm(dtype, shape, reps=args.reps, l2_bytes=l2, device=device))
+                rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+            except (RuntimeError, TypeError, ValueError) as exc:
+                rec["unsupported"] = str(exc).splitlines()[0][:160]
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+            torch.cuda.empty_cache()
+    if args.burn_in > 0:
+        burn_in(args.burn_in, shapes[0], device, lambda r: print(json.dumps(r), flush=True))
+    print(f"\n{'dtype':<12} {'shape (MxNxK)':<20} {'TFLOP/s':>9} {'% peak':>7} {'spread%':>8}")
+    for r in rows:
+        if "unsupported" in r:
+            print(f"{r['dtype']:<12} {r['shape']:<20} {'n/a':>9}  unsupported: {r['unsupported'][:60]}")
+        else:
+            print(f"{r['dtype']:<12} {r['shape']:<20} {r['tflops']:>9} {str(r['pct_of_peak']):>7} "
+                  f"{r['spread_pct']:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

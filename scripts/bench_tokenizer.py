@@ -1,0 +1,199 @@
+"""Benchmark the in-tree Rust BPE trainer (rustbpe/) against rustbpe 0.1.0 from PyPI.
+
+Recipe:
+  1. read --chars characters of training text from the docs corpus (all shards but the last);
+  2. train --vocab-size with our rustbpe in a fresh subprocess (time, peak RSS);
+  3. optionally train the same text with the same pattern under --compare-python (an
+     interpreter with `rustbpe==0.1.0`) and check the merges are identical;
+  4. build a tiktoken Encoding from our ranks and measure encode throughput on the
+     validation shard, single-threaded and with encode_ordinary_batch(num_threads=--threads).
+
+Each training runs in its own subprocess (`--worker`) so peak RSS is that run's alone; the
+worker needs only the standard library and rustbpe, so a bare venv works for the reference:
+  uv venv /tmp/rustbpe-ref && uv pip install -p /tmp/rustbpe-ref/bin/python rustbpe==0.1.0
+  python -m scripts.bench_tokenizer --compare-python /tmp/rustbpe-ref/bin/python
+
+Prints one JSON line per result, then a short table.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = Path(os.environ.get("NANOCHAT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add(name: str, **kw):  # accept --dash-names and --underscore_names
+        p.add_argument(f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else []), **kw)
+
+    add("data-dir", type=Path, default=DEFAULT_DATA / "pretrain" / "docs",
+        help="folder of parquet shards with a `text` column; the last shard is used for encoding")
+    add("chars", type=int, default=50_000_000, help="training characters")
+    add("vocab-size", type=int, default=32768)
+    add("threads", type=int, default=2, help="RAYON_NUM_THREADS for training, num_threads for batch encode")
+    add("buffer-size", type=int, default=8192)
+    add("compare-python", type=str, default=None,
+        help="python with rustbpe==0.1.0 installed, to train the same text for comparison")
+    add("encode-chars", type=int, default=5_000_000, help="characters of validation text to encode")
+    add("repeats", type=int, default=1, help="training runs per implementation (best time kept)")
+    p.add_argument("--worker", nargs=4, metavar=("TEXTS", "VOCAB", "PATTERN_FILE", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    for name in ("chars", "threads", "buffer_size", "encode_chars", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an int >= 1")
+    if args.vocab_size < 256:
+        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: an int >= 256")
+    if not args.data_dir.is_dir() or not sorted(args.data_dir.glob("*.parquet")):
+        raise ValueError(f"--data-dir: no *.parquet under {args.data_dir}; accepted: a folder of parquet shards")
+    if args.compare_python and not Path(args.compare_python).exists():
+        raise ValueError(f"--compare-python: {args.compare_python} does not exist; accepted: a python executable")
+    return args
+
+
+def read_texts(shards: list[Path], limit: int) -> list[str]:
+    """Documents in shard order until `limit` characters (the last one truncated)."""
+    import pyarrow.parquet as pq
+
+    texts, n = [], 0
+    for shard in shards:
+        pf = pq.ParquetFile(shard)
+        for i in range(pf.num_row_groups):
+            for t in pf.read_row_group(i, columns=["text"]).column("text").to_pylist():
+                t = t[: limit - n]
+                texts.append(t)
+                n += len(t)
+                if n >= limit:
+                    return texts
+    return texts
+
+
+def worker(texts_path: str, vocab_size: str, pattern_path: str, out_path: str) -> None:
+    """Runs in a subprocess: train once, write timing, RSS and ranks to `out_path`."""
+    import rustbpe
+
+    with open(texts_path, "rb") as f:
+        texts = pickle.load(f)
+    pattern = Path(pattern_path).read_text(encoding="utf-8")
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tok = rustbpe.Tokenizer()
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    tok.train_from_iterator(iter(texts), int(vocab_size), pattern=pattern)
+    seconds, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    cpu_seconds = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    version = getattr(rustbpe, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("rustbpe")
+    ranks = tok.get_mergeable_ranks()
+    with open(out_path, "wb") as f:
+        pickle.dump({"seconds": seconds, "cpu_seconds": cpu_seconds, "base_rss_mb": base_rss, "peak_rss_mb": peak_rss,
+                     "version": version, "ranks": ranks}, f)
+
+
+def train_in_subprocess(python: str, texts_path: Path, pattern_path: Path, args, out: Path) -> dict:
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    cmd = [python, "-m", "scripts.bench_tokenizer", "--worker", str(texts_path), str(args.vocab_size),
+           str(pattern_path), str(out)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def encode_throughput(ranks: list, pattern: str, docs: list[str], threads: int) -> list[dict]:
+    import tiktoken
+
+    enc = tiktoken.Encoding("bench", pat_str=pattern, mergeable_ranks=dict(ranks), special_tokens={})
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    results = []
+    t0 = time.perf_counter()
+    n_tokens = sum(len(enc.encode_ordinary(d)) for d in docs)
+    dt = time.perf_counter() - t0
+    results.append({"mode": "single", "threads": 1, "seconds": dt, "mb_per_s": n_bytes / dt / 1e6,
+                    "bytes": n_bytes, "tokens": n_tokens, "bytes_per_token": n_bytes / n_tokens})
+    t0 = time.perf_counter()
+    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(docs, num_threads=threads))
+    dt = time.perf_counter() - t0
+    results.append({"mode": "batch", "threads": threads, "seconds": dt, "mb_per_s": n_bytes / dt / 1e6,
+                    "bytes": n_bytes, "tokens": n_tokens, "bytes_per_token": n_bytes / n_tokens})
+    return results
+
+
+def emit(rows: list, record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    rows.append(record)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return
+    import rustbpe
+
+    pattern = rustbpe.Tokenizer().get_pattern()  # ours: GPT-4 with \p{N}{1,2}; passed to both
+    shards = sorted(args.data_dir.glob("*.parquet"))
+    train_shards = shards[:-1] or shards
+    texts = read_texts(train_shards, args.chars)
+    chars = sum(map(len, texts))
+    rows: list[dict] = []
+    common = {"chars": chars, "docs": len(texts), "vocab_size": args.vocab_size, "threads": args.threads}
+
+    impls = [("ours", sys.executable)] + ([("pypi-0.1.0", args.compare_python)] if args.compare_python else [])
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_tokenizer_") as tmp:
+        texts_path, pattern_path = Path(tmp) / "texts.pkl", Path(tmp) / "pattern.txt"
+        with open(texts_path, "wb") as f:
+            pickle.dump(texts, f)
+        pattern_path.write_text(pattern, encoding="utf-8")
+        for name, python in impls:
+            runs = [train_in_subprocess(python, texts_path, pattern_path, args, Path(tmp) / f"{name}{i}.pkl")
+                    for i in range(args.repeats)]
+            best = min(runs, key=lambda r: r["seconds"])
+            results[name] = best
+            digest = hashlib.sha256(pickle.dumps(best["ranks"])).hexdigest()[:16]
+            emit(rows, {"bench": "tokenizer_train", "impl": name, "version": best["version"], **common,
+                        "seconds": round(best["seconds"], 3), "all_seconds": [round(r["seconds"], 3) for r in runs],
+                        "cpu_seconds": round(best["cpu_seconds"], 3),
+                        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs), 1),
+                        "base_rss_mb": round(best["base_rss_mb"], 1), "merges": len(best["ranks"]) - 256,
+                        "ranks_sha256": digest})
+    if "pypi-0.1.0" in results:
+        a, b = results["ours"]["ranks"], results["pypi-0.1.0"]["ranks"]
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        emit(rows, {"bench": "tokenizer_merges_identical", "identical": a == b, "first_difference": first_diff,
+                    "speedup": round(results["pypi-0.1.0"]["seconds"] / results["ours"]["seconds"], 2), **common})
+
+    docs = read_texts(shards[-1:], args.encode_chars)
+    for r in encode_throughput(results["ours"]["ranks"], pattern, docs, args.threads):
+        emit(rows, {"bench": "tokenizer_encode", "impl": "tiktoken", **r, "vocab_size": args.vocab_size})
+
+    print(f"\n{'benchmark':<26}{'impl / mode':<14}{'seconds':>9}{'cpu s':>8}{'peak RSS MB':>13}{'MB/s':>8}  notes")
+    for r in rows:
+        if r["bench"] == "tokenizer_train":
+            name = f"train {r['chars'] / 1e6:g}M chars v{r['vocab_size']}"
+            print(f"{name:<26}{r['impl']:<14}{r['seconds']:>9.2f}{r['cpu_seconds']:>8.2f}{r['peak_rss_mb']:>13.0f}"
+                  f"{'':>8}  {r['merges']} merges, {r['threads']} threads")
+        elif r["bench"] == "tokenizer_merges_identical":
+            print(f"{'merges identical':<26}{str(r['identical']):<14}{'':>38}  time 0.1.0 / ours = {r['speedup']}")
+        else:
+            print(f"{'encode (tiktoken)':<26}{r['mode'] + ' x' + str(r['threads']):<14}{r['seconds']:>9.2f}{'':>21}"
+                  f"{r['mb_per_s']:>8.1f}  {r['bytes_per_token']:.2f} bytes/token")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Training-step benchmark: python -m scripts.bench_train --depth 12,20 [--kernel current,triton] [--precision bf16,fp8]
+
+For every (depth, kernel, precision) it builds the model exactly as base_train does (precision
+recipe, loss kernel, torch.compile, MuonAdamW, the shared Trainer step), runs --warmup steps
+(compilation, autotuning), then times --steps steps and prints one JSON line: the median
+steady-state tok/s, MFU against the dense bf16 peak, utilisation of the active precision's peak,
+FLOPs/token and peak memory. A table follows. Batches are synthetic random tokens by default
+(--data real reads the train split through the DataLoader and the trained tokenizer).
+
+CPU smoke run:  python -m scripts.bench_train --device cpu --depth 1 --device-batch-size 2 \
+                    --seq 64 --steps 3 --warmup 1 --vocab-size 512 --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.common import destroy_runtime, init_runtime
+from nanochat.training import FlagParser, require, require_int
+
+MIN_GPU_STEPS = 20
+
+
+@dataclass
+class BenchConfig:
+    depths: list[int]
+    kernels: list[str]
+    precisions: list[str]
+    device_batch_size: int = 32
+    seq: int = 2048
+    steps: int = MIN_GPU_STEPS
+    warmup: int = 5
+    compile: bool | None = None
+    data: str = "synthetic"
+    vocab_size: int = 32768
+    window_pattern: str = "SSSL"
+    attn_backend: str = "auto"
+    device: str = "auto"
+    peak_flops: float | None = None
+    aspect_ratio: int = 64
+    head_dim: int = 128
+
+
+def parse_config(argv: list[str] | None = None) -> BenchConfig:
+    p = FlagParser(prog="python -m scripts.bench_train", description="Benchmark training steps.")
+    p.add_argument("--depth", default="12,20", help="comma list, e.g. 12,20")
+    p.add_argument("--kernel", default="current", help="comma list of current|liger|triton")
+    p.add_argument("--precision", default="bf16", help="comma list of bf16|fp32|fp8|nvfp4")
+    p.add_argument("--device-batch-size", type=int, default=32)
+    p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed steps (>= 20 on GPU)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--data", default="synthetic", help="synthetic|real")
+    p.add_argument("--vocab-size", type=int, default=32768, help="synthetic data only")
+    p.add_argument("--window-pattern", default="SSSL")
+    p.add_argument("--attn-backend", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--peak-flops", type=float, default=None)
+    p.add_argument("--aspect-ratio", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=128)
+    a = p.parse_args(argv)
+
+    def ints(text, flag):
+        try:
+            return [int(v) for v in text.split(",") if v]
+        except ValueError:
+            raise ValueError(f"{flag}: got {text!r}; accepted: a comma list of integers") from None
+
+    cfg = BenchConfig(depths=ints(a.depth, "--depth"), kernels=a.kernel.split(","),
+                      precisions=a.precision.split(","), device_batch_size=a.device_batch_size, seq=a.seq,
+                      steps=a.steps, warmup=a.warmup, compile=a.compile, data=a.data, vocab_size=a.vocab_size,
+                      window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
+                      peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim)
+    for d in cfg.depths:
+        require_int(d, "--depth", 1)
+    for k in cfg.kernels:
+        require(k in ("current", "liger", "triton"), "--kernel", k, "current|liger|triton")
+    for pr in cfg.precisions:
+        require(pr in ("bf16", "fp32", "fp8", "nvfp4"), "--precision", pr, "bf16|fp32|fp8|nvfp4")
+    require_int(cfg.device_batch_size, "--device-batch-size", 1)
+    require_int(cfg.seq, "--seq", 8)
+    require_int(cfg.steps, "--steps", 1)
+    require_int(cfg.warmup, "--warmup", 0)
+    require(cfg.data in ("synthetic", "real"), "--data", cfg.data, "synthetic|real")
+    require_int(cfg.vocab_size, "--vocab-size", 16)
+    return cfg
+
+
+class SyntheticBatches:
+    """A few fixed random batches, cycled (host-side cost ~0, like a prefetching loader)."""
+
+    def __init__(self, batch_size, seq, vocab, device, n=4):
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, vocab, (n, batch_size, seq + 1), generator=g)
+        self.batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in data]
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.i += 1
+        return self.batches[self.i % len(self.batches)]
+
+
+def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> dict:
+    from nanochat.gpt import config_for_depth
+    from nanochat.optim import build_optimizer
+    from nanochat.checkpoint import build_model
+    from nanochat.training import (Schedule, StepMeter, Trainer, plan_batch, resolve_peak_flops,
+                                   setup_precision_and_kernel)
+
+    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    if cfg.data == "real":
+        from nanochat.dataloader import DataLoader
+        from nanochat.tokenizer import get_tokenizer
+        tokenizer = get_tokenizer()
+        vocab = tokenizer.vocab_size
+        loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.seq, "train", device=rt.device,
+                            rank=rt.rank, world_size=rt.world_size)
+    else:
+        vocab = cfg.vocab_size
+        loader = SyntheticBatches(cfg.device_batch_size, cfg.seq, vocab, rt.device)
+    model_config = config_for_depth(depth, vocab, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
+                                    window_pattern=cfg.window_pattern)
+    rt.reset_peak_memory()
+    model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
+    info = setup_precision_and_kernel(model, precision, kernel, rt, compile=compile_model)
+    train_model = torch.compile(model, dynamic=False) if compile_model else model
+    optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
+    plan = plan_batch(cfg.device_batch_size * cfg.seq * rt.world_size, cfg.device_batch_size, cfg.seq,
+                      rt.world_size)
+    total = cfg.warmup + cfg.steps
+    schedule = Schedule(total, warmdown_ratio=0.0)  # constant lr: the benchmark measures speed only
+    trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt)
+    flops_per_token = model.estimate_flops()
+    peak_bf16, peak_active, device_name = resolve_peak_flops(rt, info["peak_key"], cfg.peak_flops,
+                                                             warn=lambda m: print(f"WARNING: {m}", file=sys.stderr))
+    dts, losses = [], []
+    for step in range(total):
+        r = trainer.step(step)
+        losses.append(r.loss)
+        if step >= cfg.warmup:
+            dts.append(r.dt)
+    dt = statistics.median(dts)
+    tok_s = plan.total_batch_size / dt
+    meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active)
+    mfu, util = meter._frac(flops_per_token * tok_s, peak_bf16), meter._frac(flops_per_token * tok_s, peak_active)
+    return {"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
+            "depth": depth, "kernel": kernel, "precision": info["precision"], "compile": compile_model,
+            "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
+            "window_pattern": cfg.window_pattern, "data": cfg.data, "timed_steps": len(dts),
+            "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
+            "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
+            "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'depth':>5} {'kernel':>8} {'prec':>6} {'compile':>7} {'tok/s':>12} {'MFU%':>6} {'util%':>6} {'mem GiB':>8}  error"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        fmt = lambda v, spec: format(v, spec) if v is not None else "n/a"
+        print(f"{r['depth']:>5} {r['kernel']:>8} {r['precision']:>6} {str(r.get('compile', '')):>7} "
+              f"{fmt(r.get('tok_per_sec'), ',.0f'):>12} {fmt(r.get('mfu_pct'), '.1f'):>6} "
+              f"{fmt(r.get('util_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.1f'):>8}  {r.get('error', '')}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    cfg = parse_config(argv)
+    rt = init_runtime(cfg.device, "auto")
+    if rt.device_type == "cuda" and cfg.steps < MIN_GPU_STEPS:
+        raise ValueError(f"--steps: got {cfg.steps}; accepted on GPU: >= {MIN_GPU_STEPS} (steady-state median)")
+    rows = []
+    try:
+        for depth, kernel, precision in itertools.product(cfg.depths, cfg.kernels, cfg.precisions):
+            try:
+                row = bench_one(cfg, rt, depth, kernel, precision)
+            except torch.cuda.OutOfMemoryError:
+                row = {"depth": depth, "kernel": kernel, "precision": precision, "error": "out of memory"}
+            except (ValueError, RuntimeError) as e:  # e.g. a precision the device cannot run
+                row = {"depth": depth, "kernel": kernel, "precision": precision,
+                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            if rt.is_master:
+                print(json.dumps(row), flush=True)
+            rows.append(row)
+            if rt.device_type == "cuda":
+                torch.cuda.empty_cache()
+        if rt.is_master:
+            print_table(rows)
+    finally:
+        destroy_runtime(rt)
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        parse_config(sys.argv[1:])
+    except ValueError as e:
+        print(f"bench_train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    results = main(sys.argv[1:])
+    sys.exit(1 if any("error" in r for r in results) else 0)

@@ -1,0 +1,228 @@
+"""Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both]
+
+loss mode: the fused linear + softcap + cross-entropy alone at (--rows, --n-embd, --vocab):
+  for each --kernels backend, forward+backward time (CUDA events, median of --reps), peak memory
+  above the inputs, and loss / grad agreement against `current` (relative L2 error). --compile
+  also compiles each loss function (how the model uses it).
+model mode: the real GPT (nanochat.gpt via nanochat.training.build_model) at --depth and
+  --device-batch-size x --seq: for each kernel x precision, the same initial weights and batch;
+  median forward+backward time -> tok/s and MFU (estimate_flops vs the dense bf16 peak), peak
+  memory, and the loss / lm_head-grad agreement with current+bf16. The optimizer is left out on
+  purpose (scripts/bench_train.py times whole training steps).
+
+Output: one JSON line per result, then a table. Needs a CUDA GPU (loss mode also runs on CPU,
+slowly, for a smoke test: --device cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from nanochat.kernels import build_loss_fn
+from nanochat.platform import apply_patches, detect_device, peak_flops
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _timed(fn, reps: int, device) -> float:
+    """Median milliseconds of fn() (CUDA events; wall clock after the work on CPU)."""
+    import time
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def bench_loss(args, device) -> list[dict]:
+    n, c, vocab = args.rows, args.n_embd, args.vocab
+    vpad = (vocab + 127) // 128 * 128
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(n, c, generator=g).to(device, dtype)
+    weight = (torch.randn(vpad, c, generator=g) / c**0.5).to(device, dtype)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[torch.randperm(n, generator=g)[: n // 10]] = -1   # some ignored positions
+    targets = targets.to(device)
+    rows, ref = [], None
+    for name in args.kernels:
+        rec = {"mode": "loss", "kernel": name, "rows": n, "n_embd": c, "vocab": vocab,
+               "compile": args.compile, "dtype": str(dtype).replace("torch.", "")}
+        try:
+            base, _, chunk = name.partition("@")   # triton@8192: rows per chunk
+            fn = build_loss_fn(base, device, chunk_rows=int(chunk or 0))
+            if args.compile:
+                fn = torch.compile(fn)
+            h = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+
+            def step():
+                h.grad = w.grad = None
+                loss = fn(h, w, targets, args.softcap, vocab, "mean")
+                loss.backward()
+                return loss
+
+            for _ in range(3):
+                loss = step()   # warm-up: compile, autotune
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                mem0 = torch.cuda.memory_allocated()
+            ms = _timed(step, args.reps, device)
+            if device.type == "cuda":
+                rec["peak_mem_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2**30, 3)
+            loss = step()
+            result = (loss.detach(), h.grad.detach().clone(), w.grad.detach().clone())
+            rec.update(ms=round(ms, 3), loss=round(loss.item(), 5))
+            flops = 6.0 * n * c * vocab
+            rec["tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+            if ref is None and base == "current":
+                ref = result
+            if ref is not None:
+                rec.update(loss_rel_err=_rel(result[0], ref[0]), grad_hidden_rel_err=_rel(result[1], ref[1]),
+                           grad_weight_rel_err=_rel(result[2], ref[2]))
+        except (RuntimeError, ValueError) as exc:
+            rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    return rows
+
+
+@torch.no_grad()
+def _perturb_zero_init(model) -> None:
+    """The GPT starts with zero output projections (every block is the identity), which would
+    hide any precision difference in the first loss/grad: give them small random values
+    (same seed for every configuration)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for p in model.parameters():
+        if p.dim() == 2 and not p.any():
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def bench_model(args, rt) -> list[dict]:
+    from nanochat.gpt import config_for_depth
+    from nanochat.training import build_model, setup_precision_and_kernel
+
+    spec = detect_device(rt.device)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, args.vocab, (args.device_batch_size, args.seq + 1), generator=g).to(rt.device)
+    x, y = data[:, :-1], data[:, 1:].clone()
+    y[:, : args.seq // 8] = -1   # an ignored prefix, as in SFT batches
+    config = config_for_depth(args.depth, args.vocab, args.seq)
+    rows, ref = [], None
+    for entry in args.precisions:
+        precision, _, backend = entry.partition(":")   # e.g. nvfp4:emulated
+        for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
+            rec = {"mode": "model", "depth": args.depth, "kernel": kernel, "precision": entry,
+                   "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
+                   "device": spec.name}
+            try:
+                torch.manual_seed(0)
+                model = build_model(config, rt.device, compute_dtype=rt.dtype)
+                _perturb_zero_init(model)
+                info = setup_precision_and_kernel(model, precision, kernel, rt, compile=args.compile,
+                                                  precision_backend=backend or "auto")
+                run = torch.compile(model, dynamic=False) if args.compile else model
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    loss = run(x, y)
+                    loss.backward()
+                    return loss
+
+                for _ in range(3):
+                    step()
+                rt.synchronize()
+                rt.reset_peak_memory()
+                ms = _timed(step, args.reps, rt.device)
+                loss = step()
+                head_grad = model.lm_head.weight.grad.detach().float().clone()
+                tok_s = args.device_batch_size * args.seq / (ms * 1e-3)
+                peak = peak_flops(spec, "bf16")
+                rec.update(ms=round(ms, 2), tok_per_sec=round(tok_s), loss=round(loss.item(), 5),
+                           peak_mem_gib=round(rt.peak_memory_bytes() / 2**30, 2),
+                           resolved=info.get("backend"),
+                           mfu_pct=round(100 * model.estimate_flops() * tok_s / peak, 1) if peak else None)
+                if ref is None:
+                    ref = (loss.detach(), head_grad)
+                rec.update(loss_rel_err=_rel(loss.detach(), ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]))
+                model = run = None   # free before the next configuration is built
+            except (RuntimeError, ValueError) as exc:
+                rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+            if rt.device_type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF':>10} {'MFU%':>6} {'memGiB':>7} "
+          f"{'loss_err':>9} {'grad_err':>9}  error")
+    for r in rows:
+        speed = r.get("tok_per_sec", r.get("tflops", ""))
+        grad = r.get("grad_hidden_rel_err", r.get("head_grad_rel_err"))
+        fmt = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "n/a"  # noqa: E731
+        print(f"{r['mode']:<6} {r['kernel']:<8} {r.get('precision', '-'):<6} {fmt(r.get('ms'), '.2f'):>9} "
+              f"{str(speed):>10} {fmt(r.get('mfu_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.2f'):>7} "
+              f"{fmt(r.get('loss_rel_err'), '.1e'):>9} {fmt(grad, '.1e'):>9}  {r.get('error', '')}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="both", choices=["loss", "model", "both"])
+    p.add_argument("--kernels", default="current,liger,triton")
+    p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
+    p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
+    p.add_argument("--n-embd", "--n_embd", type=int, default=1280)
+    p.add_argument("--vocab", type=int, default=65536)
+    p.add_argument("--softcap", type=float, default=15.0)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    args.kernels = args.kernels.split(",")
+    args.precisions = args.precisions.split(",")
+    for k in args.kernels:
+        base, _, chunk = k.partition("@")
+        if base not in ("current", "liger", "triton") or (chunk and not chunk.isdigit()):
+            raise ValueError(f"--kernels: got {k!r}; accepted: current|liger|triton (triton@ROWS sets the chunk)")
+    for name, v in (("--rows", args.rows), ("--n-embd", args.n_embd), ("--vocab", args.vocab),
+                    ("--reps", args.reps), ("--seq", args.seq)):
+        if v < 1:
+            raise ValueError(f"{name}: got {v}; must be >= 1")
+    from nanochat.common import init_runtime
+    rt = init_runtime(args.device, "auto")
+    uses_liger = any(k.startswith("liger") for k in args.kernels)
+    apply_patches(detect_device(rt.device), kernel="liger" if uses_liger else "current", compile=args.compile)
+    print(json.dumps({"header": True, "device": detect_device(rt.device).name, "torch": torch.__version__}))
+    rows = []
+    if args.mode in ("loss", "both"):
+        rows += bench_loss(args, rt.device)
+    if args.mode in ("model", "both"):
+        rows += bench_model(args, rt)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

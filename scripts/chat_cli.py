@@ -1,0 +1,128 @@
+"""Chat with a trained model in the terminal.
+
+    python -m scripts.chat_cli                      # interactive, the latest SFT model
+    python -m scripts.chat_cli -i mid --model-tag d20 --step 800
+    python -m scripts.chat_cli -p "Why is the sky blue?" --temperature 0   # one answer, then exit
+
+Interactive commands: /clear starts a new conversation, /quit (or Ctrl-D) exits. Tokens are printed
+as they are generated; calculator tool calls show as <<expr=result>>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SOURCES = ("sft", "rl", "mid", "base")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base (default sft)")
+    p.add_argument("-g", "--model-tag", "--model_tag", dest="model_tag", default=None,
+                   help="model tag, e.g. d20 (default: the only / deepest one)")
+    p.add_argument("-s", "--step", default="latest", help="checkpoint step (default: latest)")
+    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
+    p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
+    p.add_argument("-k", "--top-k", "--top_k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one per answer)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
+    p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
+    args = p.parse_args(argv)
+    validate(args)
+    return args
+
+
+def validate(args: argparse.Namespace) -> None:
+    from nanochat.engine import validate_sampling
+
+    if args.source not in SOURCES:
+        raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens: got {args.max_tokens}; accepted: an integer >= 1")
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed: got {args.seed}; accepted: an integer >= 0")
+    try:
+        validate_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
+
+
+def answer(engine, tokenizer, messages: list[dict], args, seed: int, out=sys.stdout) -> dict:
+    """Stream one assistant reply to `out`; return it as a message with tool calls kept as parts."""
+    from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
+
+    prompt = tokenizer.render_for_completion({"messages": messages})
+    room = engine.max_seq_len - len(prompt)
+    if room < 1:
+        raise ValueError(f"the conversation is {len(prompt)} tokens, the model's context is "
+                         f"{engine.max_seq_len}: type /clear to start over")
+    stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
+    stops = set(engine.default_stop_tokens)
+    generated = []
+    for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, seed=seed):
+        token = column[0]
+        if token in stops:
+            break
+        generated.append(token)
+        out.write(stream.feed(token))
+        out.flush()
+    out.write(stream.finish() + "\n")
+    return {"role": "assistant", "content": assistant_parts(tokenizer, generated)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import random
+
+    from nanochat.checkpoint import load_model
+    from nanochat.common import init_runtime
+    from nanochat.engine import Engine
+
+    rt = init_runtime(args.device, args.dtype)
+    import torch
+
+    model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
+    if rt.dtype != torch.float32:  # inference keeps no fp32 master weights: half the bytes per step
+        model = model.to(rt.dtype)
+    engine = Engine(model, tokenizer, decode="eager")  # no compile wait for an interactive session
+    next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
+
+    if args.prompt is not None:
+        answer(engine, tokenizer, [{"role": "user", "content": args.prompt}], args, next_seed())
+        return 0
+
+    print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}. /clear = new chat, /quit = exit")
+    messages: list[dict] = []
+    while True:
+        try:
+            text = input("\nUser: ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/clear":
+            messages = []
+            print("(new conversation)")
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        print("\nAssistant: ", end="", flush=True)
+        try:
+            messages.append(answer(engine, tokenizer, messages, args, next_seed()))
+        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program
+            print("\n(stopped)")
+            messages.pop()
+        except ValueError as e:
+            print(f"\n[{e}]")
+            messages.pop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

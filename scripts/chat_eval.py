@@ -1,0 +1,158 @@
+"""Evaluate a chat model on ARC-Easy/Challenge, MMLU (categorical), GSM8K, HumanEval, SpellingBee
+(generative) and report ChatCORE = mean centered accuracy.
+
+    python -m scripts.chat_eval -i sft
+    python -m scripts.chat_eval -i mid -a "ARC-Easy|GSM8K" --max-problems 100
+    torchrun --nproc_per_node 8 -m scripts.chat_eval -i sft          (problems split across ranks)
+
+Recipe: flags -> runtime -> checkpoint (model + tokenizer) -> per task: categorical tasks read the
+answer-letter logits after <|assistant_start|>, generative tasks sample through Engine and score
+pass@num_samples -> table, JSON file, report section "Chat evaluation <source>".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.training import FlagParser, require
+
+SOURCES = ("base", "mid", "sft", "rl")
+
+
+@dataclass
+class ChatEvalConfig:
+    source: str = ""
+    model_tag: str | None = None
+    step: str = "latest"
+    task_name: str | None = None       # "A|B" or "A,B"; None = every task
+    max_problems: int | None = None
+    batch_size: int = 8
+    temperature: float = 0.0
+    num_samples: int = 1
+    top_k: int = 50
+    max_new_tokens: int = 512
+    seed: int = 42
+    device: str = "auto"
+    dtype: str = "auto"
+    data_dir: str | None = None
+    out: str | None = None
+
+    def tasks(self) -> list[str]:
+        from nanochat.tasks import EVAL_TASKS
+
+        if not self.task_name:
+            return list(EVAL_TASKS)
+        names = [n.strip() for n in self.task_name.replace(",", "|").split("|") if n.strip()]
+        bad = [n for n in names if n not in EVAL_TASKS]
+        require(not bad and bool(names), "-a/--task-name", self.task_name, "|".join(EVAL_TASKS))
+        return names
+
+    def validate(self) -> "ChatEvalConfig":
+        require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
+        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "an integer >= 0 or latest")
+        require(self.max_problems is None or self.max_problems >= 1, "--max-problems", self.max_problems, ">= 1")
+        require(self.batch_size >= 1, "--batch-size", self.batch_size, ">= 1")
+        require(self.temperature >= 0, "--temperature", self.temperature, ">= 0 (0 = greedy)")
+        require(self.num_samples >= 1, "--num-samples", self.num_samples, ">= 1")
+        require(self.top_k >= 0, "--top-k", self.top_k, ">= 0 (0 = off)")
+        require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, ">= 1")
+        self.tasks()
+        return self
+
+
+def parse_args(argv=None) -> ChatEvalConfig:
+    p = FlagParser(prog="python -m scripts.chat_eval", description=__doc__.split("\n")[0])
+    p.add_argument("-i", "--source", required=True, help="|".join(SOURCES))
+    p.add_argument("--model-tag", default=None)
+    p.add_argument("--step", default="latest")
+    p.add_argument("-a", "--task-name", default=None, help="tasks separated by | or , (default: all)")
+    p.add_argument("-x", "--max-problems", type=int, default=None)
+    p.add_argument("-b", "--batch-size", type=int, default=8, help="categorical batch size")
+    p.add_argument("-t", "--temperature", type=float, default=0.0)
+    p.add_argument("-n", "--num-samples", type=int, default=1, help="samples per problem (pass@n)")
+    p.add_argument("-k", "--top-k", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--data-dir", default=None, help="eval data dir (default: NANOCHAT_EVAL_DIR, then defaults)")
+    p.add_argument("--out", default=None, help="JSON results path (default: <base_dir>/chat_eval/...)")
+    return ChatEvalConfig(**vars(p.parse_args(argv))).validate()
+
+
+def evaluate(cfg: ChatEvalConfig, model, tokenizer, device, dtype=None) -> dict[str, dict]:
+    from nanochat.engine import Engine
+    from nanochat.tasks import EVAL_TASKS, get_task
+    from nanochat.tasks.evaluate import run_categorical, run_generative
+
+    engine = Engine(model, tokenizer, cache_dtype=dtype)
+    results = {}
+    for name in cfg.tasks():
+        t0 = time.time()
+        task = get_task(name, data_dir=cfg.data_dir) if cfg.data_dir else get_task(name)
+        if task.eval_type == "categorical":
+            res = run_categorical(model, tokenizer, task, device, batch_size=cfg.batch_size,
+                                  max_problems=cfg.max_problems, name=name)
+        else:
+            res = run_generative(engine, tokenizer, task, device, num_samples=cfg.num_samples,
+                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                 top_k=cfg.top_k or None, seed=cfg.seed, max_problems=cfg.max_problems,
+                                 name=name, log=print0)
+        results[name] = {"accuracy": res.accuracy, "passed": res.passed, "total": res.total,
+                         "baseline": EVAL_TASKS[name][1], "seconds": round(time.time() - t0, 1)}
+        print0(f"{name:14s} {res.accuracy:.4f}  ({res.passed}/{res.total}, {results[name]['seconds']}s)")
+    return results
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    from nanochat.checkpoint import load_model
+    from nanochat.report import get_report
+    from nanochat.tasks import EVAL_TASKS
+    from nanochat.tasks.evaluate import chatcore
+
+    rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
+    try:
+        step = "latest" if cfg.step == "latest" else int(cfg.step)
+        model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step)
+        if hasattr(model, "compute_dtype"):  # honour --dtype (the model defaults to bf16 on CUDA)
+            model.compute_dtype = rt.dtype
+        print0(f"chat_eval: {cfg.source} model {cfg.model_tag or meta.get('model_tag', '')} step "
+               f"{meta.get('step', step)} on {rt.device}")
+        results = evaluate(cfg, model, tokenizer, rt.device, rt.dtype)
+        accuracies = {n: r["accuracy"] for n, r in results.items()}
+        score = chatcore(accuracies, {n: EVAL_TASKS[n][1] for n in accuracies})
+        complete = set(accuracies) == set(EVAL_TASKS)
+        print0("\n| Task | Accuracy |\n|---|---|")
+        for n, a in accuracies.items():
+            print0(f"| {n} | {a:.4f} |")
+        print0(f"| ChatCORE{'' if complete else ' (partial)'} | {score:.4f} |")
+        out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,
+               "ChatCORE": score, "complete": complete}
+        if rt.is_master:
+            path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{cfg.model_tag or 'default'}.json")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(out, indent=1))
+            print0(f"results written to {path}")
+            section = {"stage": cfg.source, "model_tag": cfg.model_tag, "step": out["step"],
+                       "temperature": cfg.temperature, "num_samples": cfg.num_samples,
+                       "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
+                       "ChatCORE complete": complete}
+            get_report().log(f"Chat evaluation {cfg.source}", section)
+        return out
+    finally:
+        destroy_runtime(rt)
+
+
+if __name__ == "__main__":
+    try:
+        parse_args(sys.argv[1:])  # bad flags: a one-line error, before anything is loaded
+    except ValueError as e:
+        print(f"chat_eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    main(sys.argv[1:])

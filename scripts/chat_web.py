@@ -1,0 +1,135 @@
+"""Serve a trained model: a chat page at / and an OpenAI-compatible API at /v1/chat/completions.
+
+    python -m scripts.chat_web                               # latest SFT model, http://127.0.0.1:8000
+    python -m scripts.chat_web -i rl --num-gpus 8            # one replica per GPU, requests queued
+    python -m scripts.chat_web --host 0.0.0.0 --api-key "$NANOCHAT_API_KEY"   # reachable from the network
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+It binds 127.0.0.1 unless --host says otherwise; a public bind without --api-key prints a warning.
+The API key can also come from $NANOCHAT_API_KEY. Every request is bounded by the limits below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nanochat.server import ServerSettings
+
+SOURCES = ("sft", "rl", "mid", "base")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    d = ServerSettings()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base")
+    p.add_argument("-g", "--model-tag", "--model_tag", dest="model_tag", default=None)
+    p.add_argument("-s", "--step", default="latest")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
+    p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
+    p.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=1,
+                   help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
+    p.add_argument("--decode", default="auto", help="auto|eager|compile (auto: torch.compile'd decode on CUDA)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on the API (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
+                   help="the model id reported by the API (default: nanochat-<source>-<tag>)")
+    p.add_argument("-t", "--temperature", type=float, default=d.default_temperature, help="default temperature")
+    p.add_argument("-k", "--top-k", "--top_k", dest="top_k", type=int, default=d.default_top_k, help="default top-k")
+    p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=d.default_max_tokens,
+                   help="default max_tokens of a reply")
+    limits = p.add_argument_group("limits (each violation is a 4xx error)")
+    for name in ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
+                 "max_body_bytes", "max_concurrent_per_client", "max_queue"):
+        limits.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, default=getattr(d, name))
+    limits.add_argument("--max-temperature", "--max_temperature", dest="max_temperature", type=float,
+                        default=d.max_temperature)
+    p.add_argument("--log-level", "--log_level", dest="log_level", default="info")
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    fields = {k: getattr(args, k) for k in ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens",
+                                            "max_top_k", "max_n", "max_body_bytes", "max_concurrent_per_client",
+                                            "max_queue", "max_temperature", "api_key")}
+    return ServerSettings(model_name=model_name, default_temperature=args.temperature, default_top_k=args.top_k,
+                          default_max_tokens=args.max_tokens, **fields).validate()
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.source not in SOURCES:
+        raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port: got {args.port}; accepted: 1..65535")
+    if args.num_gpus < 1:
+        raise ValueError(f"--num-gpus: got {args.num_gpus}; accepted: an integer >= 1")
+    from nanochat.engine import DECODE_MODES
+
+    if args.decode not in DECODE_MODES:
+        raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k: got {args.top_k}; accepted: an integer >= 0 (0 = off)")
+
+
+def load_replicas(args) -> tuple[list, dict]:
+    """One Engine per device: cuda:0..num_gpus-1, or a single CPU / MPS replica."""
+    import torch
+
+    from nanochat.checkpoint import find_model_tag, load_model
+    from nanochat.common import init_runtime
+    from nanochat.engine import Engine
+    from nanochat.server import Worker
+
+    rt = init_runtime(args.device, args.dtype)
+    if rt.device_type == "cuda":
+        if args.num_gpus > torch.cuda.device_count():
+            raise ValueError(f"--num-gpus: got {args.num_gpus}; this machine has {torch.cuda.device_count()} GPU(s)")
+        devices = [torch.device(f"cuda:{i}") for i in range(args.num_gpus)]
+    else:
+        if args.num_gpus != 1:
+            print(f"--num-gpus {args.num_gpus} ignored on {rt.device_type}: serving one replica")
+        devices = [rt.device]
+    args.model_tag = args.model_tag or find_model_tag(args.source)
+    workers, meta = [], {}
+    for device in devices:
+        model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
+        if rt.dtype != torch.float32:  # serve from compute-dtype weights: half the bytes per decode step
+            model = model.to(rt.dtype)
+        engine = Engine(model, tokenizer, decode=args.decode)
+        warm = engine.warmup()
+        workers.append(Worker(engine, name=str(device)))
+        print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
+              f"(decode={engine.decode_mode}, warm-up {warm:.1f} s)")
+    return workers, meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    validate(args)
+    if args.host not in LOCAL_HOSTS:
+        auth = "API key required" if args.api_key else "NO API KEY: anyone who can reach it can use it (--api-key)"
+        print(f"WARNING: binding {args.host}:{args.port} makes the server reachable from the network; {auth}",
+              file=sys.stderr)
+    settings = settings_from_args(args, args.model_name or "pending")  # validate limits before loading models
+
+    import uvicorn
+
+    from nanochat.server import WorkerPool, create_app
+
+    workers, meta = load_replicas(args)
+    settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
+    app = create_app(WorkerPool(workers), settings)
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port} ({len(workers)} replica(s))")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Pretokenize text shards into binary token shards for the dataloader's memory-mapped path.
+
+    python -m scripts.pretokenize                      # base_data -> base_data_tokens
+    python -m scripts.pretokenize --data-dir DIR --out OUT --workers 2
+
+One text shard -> one `.bin` shard (format: nanochat/binshards.py), written atomically by a pool
+of worker processes, every document starting with BOS. The output directory is tied to one
+tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
+with another tokenizer is an error, before any work. Shards already present (same tokenizer) are
+skipped, so an interrupted run resumes; `--force` rewrites them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+from nanochat import binshards as bs
+from nanochat import dataset as ds
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_one(job: tuple[str, str, int]) -> dict:
+    text_path, out_path, threads = job
+    t0 = time.perf_counter()
+    h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
+    return {"shard": Path(out_path).name, "tokens": h.n_tokens, "docs": h.n_docs,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 1, threads: int = 1,
+                force: bool = False, log=print) -> list[dict]:
+    """Tokenize `shards` into out_dir; returns one result dict per shard written."""
+    bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
+                  bos_token_id=tokenizer.bos_token_id)  # refuses another tokenizer's directory
+    jobs = []
+    for shard in shards:
+        out = out_dir / bs.bin_name_for(shard)
+        if out.exists() and not force:
+            try:
+                if bs.read_header(out).fingerprint == tokenizer.fingerprint:
+                    log(f"skip {out.name} (done)")
+                    continue
+            except ValueError:  # a corrupt leftover is simply rewritten
+                pass
+        ds.open_text_shard(shard)  # schema errors before any work
+        jobs.append((str(shard), str(out), threads))
+    if workers == 1 or len(jobs) <= 1:
+        _init_worker(tokenizer)
+        results = [_tokenize_one(job) for job in jobs]
+    else:
+        with mp.get_context().Pool(min(workers, len(jobs)), initializer=_init_worker,
+                                   initargs=(tokenizer,)) as pool:
+            results = list(pool.imap_unordered(_tokenize_one, jobs))
+    for r in sorted(results, key=lambda r: r["shard"]):
+        log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
+    return sorted(results, key=lambda r: r["shard"])
+
+
+def main(argv: list[str] | None = None, tokenizer=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", "--data_dir", type=Path, default=None,
+                    help="text shard directory (default $NANOCHAT_BASE_DIR/base_data)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default <data-dir>_tokens)")
+    ap.add_argument("--tokenizer-dir", "--tokenizer_dir", type=Path, default=None,
+                    help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
+    ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker")
+    ap.add_argument("--force", action="store_true", help="rewrite shards that already exist")
+    args = ap.parse_args(argv)
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
+        if value < 1:
+            raise ValueError(f"{flag}: got {value}; accepted: an integer >= 1")
+
+    data_dir = args.data_dir or ds.default_data_dir()
+    out_dir = args.out or bs.default_bin_dir(data_dir)
+    shards = ds.list_shards(data_dir)
+    if tokenizer is None:
+        from nanochat.tokenizer import Tokenizer, get_tokenizer
+
+        tokenizer = Tokenizer.load(args.tokenizer_dir) if args.tokenizer_dir else get_tokenizer()
+    print(f"pretokenizing {len(shards)} shards from {data_dir} into {out_dir} "
+          f"(vocab {tokenizer.vocab_size}, {bs.dtype_for_vocab(tokenizer.vocab_size).name}, "
+          f"tokenizer {tokenizer.fingerprint[:12]}, {args.workers} workers)")
+    t0 = time.perf_counter()
+    results = pretokenize(shards, out_dir, tokenizer, workers=args.workers, threads=args.threads,
+                          force=args.force)
+    dt = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    print(json.dumps({"shards_written": len(results), "tokens": tokens, "seconds": round(dt, 2),
+                      "tokens_per_s": round(tokens / dt) if dt > 0 else None}))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

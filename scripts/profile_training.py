@@ -1,0 +1,157 @@
+"""Where a training step's time goes: python -m scripts.profile_training --depth 12 [--trace trace.json]
+
+Builds the model as training does (precision recipe, loss kernel, torch.compile, MuonAdamW),
+warms up, then
+1. times --steps steps split into data / forward / backward / optimizer with CUDA events
+   (median per phase; the phases are serialised by the events, so their sum is the step);
+2. runs torch.profiler over --profile-steps steps and lists the top kernels by device time
+   (share of the profiled device time, calls, mean us), optionally writing a Chrome trace.
+Output: JSON lines (one per phase, one per top kernel) and two tables. Synthetic token batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+
+def build(args, rt):
+    from nanochat.gpt import config_for_depth
+    from nanochat.optim import build_optimizer
+    from nanochat.training import build_model, setup_precision_and_kernel
+
+    config = config_for_depth(args.depth, args.vocab, args.seq)
+    model = build_model(config, rt.device, compute_dtype=rt.dtype)
+    info = setup_precision_and_kernel(model, args.precision, args.kernel, rt, compile=args.compile,
+                                      precision_backend=args.precision_backend)
+    run = torch.compile(model, dynamic=False) if args.compile else model
+    optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
+    return model, run, optimizer, info
+
+
+def make_batch(args, device, gen):
+    """Host-side batch creation + copy: what a prefetching loader costs at minimum."""
+    data = torch.randint(0, args.vocab, (args.device_batch_size, args.seq + 1), generator=gen)
+    if device.type == "cuda":
+        data = data.pin_memory().to(device, non_blocking=True)
+    return data[:, :-1], data[:, 1:]
+
+
+def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    phases = ("data", "forward", "backward", "optimizer")
+    samples = {p: [] for p in phases}
+    cuda = rt.device.type == "cuda"
+    for i in range(args.warmup + args.steps):
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+            ev[0].record()
+        x, y = make_batch(args, rt.device, gen)
+        if cuda:
+            ev[1].record()
+        loss = run(x, y)
+        if cuda:
+            ev[2].record()
+        loss.backward()
+        if cuda:
+            ev[3].record()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            ev[4].record()
+            ev[4].synchronize()
+            if i >= args.warmup:
+                for j, p in enumerate(phases):
+                    samples[p].append(ev[j].elapsed_time(ev[j + 1]))
+    return {p: statistics.median(v) for p, v in samples.items()} if cuda else {}
+
+
+def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gen = torch.Generator().manual_seed(1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            with record_function("data"):
+                x, y = make_batch(args, rt.device, gen)
+            with record_function("forward"):
+                loss = run(x, y)
+            with record_function("backward"):
+                loss.backward()
+            with record_function("optimizer"):
+                optimizer.step()
+                model.zero_grad(set_to_none=True)
+        rt.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    events = [e for e in prof.key_averages() if _device_us(e) > 0 and not e.key.startswith("ProfilerStep")
+              and e.key not in ("data", "forward", "backward", "optimizer")]
+    kernels = [e for e in events if e.device_type.name == "CUDA"] or events
+    total = sum(_device_us(e) for e in kernels) or 1.0
+    kernels.sort(key=_device_us, reverse=True)
+    return [{"kernel": e.key[:120], "device_ms_per_step": round(_device_us(e) / 1e3 / args.profile_steps, 3),
+             "share_pct": round(100 * _device_us(e) / total, 1), "calls_per_step": e.count // args.profile_steps,
+             "mean_us": round(_device_us(e) / max(e.count, 1), 1)} for e in kernels[: args.top]]
+
+
+def _device_us(e) -> float:
+    """Self device time across torch versions (self_device_time_total; older: self_cuda_time_total)."""
+    for name in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        value = getattr(e, name, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--kernel", default="current", choices=["current", "liger", "triton"])
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--precision-backend", "--precision_backend", default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", "--profile_steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    for name in ("depth", "device_batch_size", "seq", "steps", "profile_steps", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1")
+    from nanochat.common import init_runtime
+    rt = init_runtime(args.device, "auto")
+    model, run, optimizer, info = build(args, rt)
+    print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
+                      "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,
+                      "seq": args.seq, "kernel": args.kernel, "precision": info.get("precision"),
+                      "compile": args.compile}), flush=True)
+    split = timed_steps(args, rt, model, run, optimizer)
+    step_ms = sum(split.values())
+    for phase, ms in split.items():
+        print(json.dumps({"phase": phase, "ms": round(ms, 3), "share_pct": round(100 * ms / step_ms, 1)}))
+    top = profile_kernels(args, rt, model, run, optimizer)
+    for row in top:
+        print(json.dumps(row))
+    if split:
+        tok_s = args.device_batch_size * args.seq / (step_ms * 1e-3)
+        print(f"\nstep {step_ms:.1f} ms ({tok_s:,.0f} tok/s): " +
+              ", ".join(f"{k} {v:.1f} ms ({100 * v / step_ms:.0f}%)" for k, v in split.items()))
+    print(f"\n{'share%':>6} {'ms/step':>8} {'calls':>6} {'mean us':>8}  kernel")
+    for r in top:
+        print(f"{r['share_pct']:>6} {r['device_ms_per_step']:>8} {r['calls_per_step']:>6} {r['mean_us']:>8}  "
+              f"{r['kernel'][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

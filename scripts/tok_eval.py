@@ -1,0 +1,155 @@
+"""Evaluate the trained tokenizer's compression (UTF-8 bytes per token) on train and val text.
+
+    python -m scripts.tok_eval [--num-docs 1000] [--data-dir DIR] [--tokenizer-dir DIR]
+
+Encodes the first --num-docs documents of each split and prints one JSON line per (split,
+tokenizer) and a table. GPT-2 and GPT-4 (cl100k_base) are compared only when tiktoken has their
+files in its local cache: they are loaded with downloads blocked, and skipped (with the reason)
+otherwise, so this script never touches the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from itertools import islice
+from pathlib import Path
+
+import tiktoken
+
+from nanochat.tokenizer import Tokenizer, TokenizerError, tokenizer_dir
+
+REFERENCES = [("gpt2", "GPT-2"), ("cl100k_base", "GPT-4")]
+
+
+class _DownloadBlocked(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _no_downloads():
+    """Make tiktoken's file reader refuse URLs, so only its on-disk cache can satisfy a load.
+    read_file is the single function tiktoken's cache falls back to for fetching."""
+    import tiktoken.load as tl
+
+    original = tl.read_file
+
+    def offline_read(blobpath: str) -> bytes:
+        if "://" in blobpath:
+            raise _DownloadBlocked(blobpath)
+        return original(blobpath)
+
+    tl.read_file = offline_read
+    try:
+        yield
+    finally:
+        tl.read_file = original
+
+
+def tiktoken_cache_dir() -> str:
+    """The directory tiktoken reads cached encoding files from (same rule as tiktoken.load)."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return os.environ[var]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def load_reference(name: str) -> tuple[tiktoken.Encoding | None, str | None]:
+    """(encoding, None) when tiktoken can build it offline, else (None, why it was skipped)."""
+    cache = tiktoken_cache_dir()
+    if cache == "":
+        return None, "TIKTOKEN_CACHE_DIR is empty (caching off), so loading would download"
+    try:
+        with _no_downloads():
+            return tiktoken.get_encoding(name), None
+    except _DownloadBlocked as e:
+        return None, f"not in tiktoken's cache {cache} (loading would download {e.args[0]})"
+
+
+def first_docs(data_dir: Path, split: str, n: int) -> list[str]:
+    from nanochat.dataset import iter_documents
+
+    return [text for text, _cursor in islice(iter_documents(data_dir, split), n)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.tok_eval", description=__doc__.split("\n")[0])
+    p.add_argument("--num-docs", "--num_docs", dest="num_docs", type=int, default=1000,
+                   help="documents per split to encode (default 1000)")
+    p.add_argument("--data-dir", "--data_dir", dest="data_dir", type=Path, default=None,
+                   help="directory of parquet shards (default: <base dir>/base_data)")
+    p.add_argument("--tokenizer-dir", "--tokenizer_dir", dest="tokenizer_dir", type=Path, default=None,
+                   help="directory holding tokenizer.pkl (default: <base dir>/tokenizer)")
+    p.add_argument("--threads", type=int, default=8, help="encoding threads (default 8)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--num-docs", args.num_docs), ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{flag}: got {value}; accepted: a positive integer")
+
+    try:
+        ours = Tokenizer.load(args.tokenizer_dir if args.tokenizer_dir is not None else tokenizer_dir())
+    except TokenizerError as e:
+        sys.exit(f"tok_eval: {e}")
+    from nanochat.dataset import default_data_dir
+
+    data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
+    try:
+        texts = {split: first_docs(data_dir, split, args.num_docs) for split in ("train", "val")}
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"tok_eval: {e}")
+
+    # Each encoder as (label, vocab size, batch encode function).
+    encoders = [("ours", ours.vocab_size, lambda docs: ours.encode(docs, num_threads=args.threads))]
+    for name, label in REFERENCES:
+        enc, why = load_reference(name)
+        if enc is None:
+            print(f"{label} ({name}) comparison skipped: {why}")
+            continue
+        encoders.append((label, enc.n_vocab,
+                         lambda docs, enc=enc: enc.encode_ordinary_batch(docs, num_threads=args.threads)))
+
+    rows = []
+    for split, docs in texts.items():
+        nbytes = sum(len(d.encode("utf-8")) for d in docs)
+        for label, vocab, encode in encoders:
+            ntokens = sum(len(ids) for ids in encode(docs)) if docs else 0
+            row = {"split": split, "tokenizer": label, "vocab_size": vocab, "docs": len(docs),
+                   "bytes": nbytes, "tokens": ntokens,
+                   "bytes_per_token": round(nbytes / ntokens, 4) if ntokens else None}
+            rows.append(row)
+            print(json.dumps(row))
+
+    print_table(rows, [label for label, _, _ in encoders])
+
+
+def print_table(rows: list[dict], labels: list[str]) -> None:
+    """One line per split: bytes/token of each tokenizer, and ours relative to each reference
+    (positive = ours compresses better)."""
+    header = f"{'split':<6} {'docs':>6} {'bytes':>12}" + "".join(f" {lab + ' B/tok':>14}" for lab in labels)
+    header += "".join(f" {'vs ' + lab:>10}" for lab in labels[1:])
+    print(header)
+    print("-" * len(header))
+    for split in dict.fromkeys(r["split"] for r in rows):
+        by = {r["tokenizer"]: r for r in rows if r["split"] == split}
+        first = by[labels[0]]
+        line = f"{split:<6} {first['docs']:>6} {first['bytes']:>12,}"
+        line += "".join(f" {by[lab]['bytes_per_token'] or float('nan'):>14.3f}" for lab in labels)
+        for lab in labels[1:]:
+            ref, own = by[lab]["tokens"], first["tokens"]
+            line += f" {100.0 * (ref - own) / ref:>+9.1f}%" if ref else f" {'n/a':>10}"
+        print(line)
+    if len(labels) > 1:
+        print("vs X: tokens ours saves relative to X on the same text (positive = ours is shorter)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Train the project's BPE tokenizer on the training shards and save it.
+
+    python -m scripts.tok_train                      # 32768 tokens on up to 2e9 chars
+    python -m scripts.tok_train --vocab-size 4096 --max-chars 5e7 --data-dir DIR --output-dir DIR
+
+Reads documents from the train split (nanochat.dataset), caps each at --doc-cap characters and
+stops after --max-chars in total, trains with rustbpe, checks an encode/decode round trip and
+writes tokenizer.pkl + token_bytes.pt to --output-dir (default: <base dir>/tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from nanochat.tokenizer import MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
+
+# Text the sanity check round-trips: prose, code, digits, whitespace runs, non-ASCII, and a typed
+# special-token string that must come back as plain text.
+SANITY_TEXT = (
+    "The quick brown fox jumps over the lazy dog; it's 2024-06-01, 12:34:56.\n"
+    "def add(a, b):\n    return a + b  # tabs\tand  double  spaces\n\n"
+    "Ünïcödé: café, naïve, 東京, Привет, 🙂. A user typed <|bos|> and <|assistant_end|> here."
+)
+
+
+def count(text: str) -> int:
+    """argparse type for character counts: accepts 2000000, 2_000_000 and 2e9."""
+    try:
+        value = float(text.replace("_", "")) if any(c in text for c in ".eE") else int(text)
+        if value != int(value):
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):  # OverflowError: int(float("1e999"))
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a whole number such as 2e9") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.tok_train", description=__doc__.split("\n")[0])
+    p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768,
+                   help="total vocabulary including the special tokens (default 32768)")
+    p.add_argument("--max-chars", "--max_chars", dest="max_chars", type=count, default=2_000_000_000,
+                   help="stop after this many characters of training text (default 2e9)")
+    p.add_argument("--doc-cap", "--doc_cap", dest="doc_cap", type=count, default=10_000,
+                   help="use at most this many characters of each document (default 10000)")
+    p.add_argument("--tokenizer-threads", "--tokenizer_threads", dest="tokenizer_threads", type=int,
+                   default=None, help="rayon threads for training (default: all cores)")
+    p.add_argument("--tokenizer-batch-size", "--tokenizer_batch_size", dest="tokenizer_batch_size",
+                   type=int, default=8192, help="documents handed to Rust per batch (default 8192)")
+    p.add_argument("--data-dir", "--data_dir", dest="data_dir", type=Path, default=None,
+                   help="directory of parquet shards (default: <base dir>/base_data)")
+    p.add_argument("--output-dir", "--output_dir", dest="output_dir", type=Path, default=None,
+                   help="where to write the tokenizer (default: <base dir>/tokenizer)")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for any out-of-range value (before any data is read)."""
+    min_vocab = 256 + len(SPECIAL_TOKENS)
+    if not min_vocab <= args.vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: {min_vocab}..{MAX_VOCAB_SIZE}")
+    for flag, value in (("--max-chars", args.max_chars), ("--doc-cap", args.doc_cap),
+                        ("--tokenizer-batch-size", args.tokenizer_batch_size),
+                        ("--tokenizer-threads", args.tokenizer_threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
+    if args.output_dir is not None and args.output_dir.exists() and not args.output_dir.is_dir():
+        raise ValueError(f"--output-dir: got {args.output_dir}, which is a file; accepted: a directory")
+
+
+def training_text(data_dir: Path, max_chars: int, doc_cap: int, stats: dict) -> Iterator[str]:
+    """Train-split documents, each cut to doc_cap chars, until max_chars have been yielded."""
+    from nanochat.dataset import iter_documents
+
+    for text, _cursor in iter_documents(data_dir, "train"):
+        text = text[: min(doc_cap, max_chars - stats["chars"])]
+        stats["docs"] += 1
+        stats["chars"] += len(text)
+        yield text
+        if stats["chars"] >= max_chars:
+            return
+
+
+def sanity_check(tok: Tokenizer) -> None:
+    ids = tok.encode(SANITY_TEXT)
+    if tok.decode(ids) != SANITY_TEXT:
+        sys.exit("tok_train: sanity check FAILED: decode(encode(text)) != text")
+    if set(ids) & {tok.encode_special(name) for name in SPECIAL_TOKENS}:
+        sys.exit("tok_train: sanity check FAILED: plain text produced a special token")
+    nbytes = len(SANITY_TEXT.encode("utf-8"))
+    print(f"sanity check: round trip OK, {nbytes} bytes -> {len(ids)} tokens "
+          f"({nbytes / len(ids):.2f} bytes/token), no special tokens from typed text")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from nanochat.dataset import default_data_dir, list_shards, split_shards
+
+    data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
+    output_dir = args.output_dir if args.output_dir is not None else tokenizer_dir()
+    try:
+        shards = split_shards(list_shards(data_dir), "train")
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"tok_train: {e}")
+
+    print("tok_train config:")
+    for key, value in (("vocab_size", args.vocab_size), ("max_chars", f"{args.max_chars:,}"),
+                       ("doc_cap", f"{args.doc_cap:,}"), ("tokenizer_threads", args.tokenizer_threads or "all"),
+                       ("tokenizer_batch_size", args.tokenizer_batch_size), ("data_dir", data_dir),
+                       ("train_shards", len(shards)), ("output_dir", output_dir)):
+        print(f"  {key:<22} {value}")
+
+    stats = {"docs": 0, "chars": 0}
+    t0 = time.perf_counter()
+    try:
+        tok = Tokenizer.train(training_text(data_dir, args.max_chars, args.doc_cap, stats), args.vocab_size,
+                              threads=args.tokenizer_threads, batch_size=args.tokenizer_batch_size)
+    except ValueError as e:  # an unreadable shard, or too little text for --vocab-size
+        sys.exit(f"tok_train: {e}")
+    elapsed = time.perf_counter() - t0
+    print(f"trained on {stats['docs']:,} documents ({stats['chars']:,} chars) in {elapsed:.2f} s: "
+          f"vocab_size {tok.vocab_size} ({tok.vocab_size - 256 - len(SPECIAL_TOKENS)} merges + 256 bytes "
+          f"+ {len(SPECIAL_TOKENS)} special)")
+
+    sanity_check(tok)
+    tok.save(output_dir)
+    print(f"saved {output_dir / 'tokenizer.pkl'} and {output_dir / 'token_bytes.pt'}")
+    print(f"fingerprint {tok.fingerprint}")
+
+
+if __name__ == "__main__":
+    main()

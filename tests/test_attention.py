@@ -1,0 +1,190 @@
+"""Attention backends vs a float64 reference: causal, windows, GQA, KV-cache decode.
+
+Tolerances: float64 inputs through any backend agree with the float64 reference to 1e-10
+(max abs); float32 to 2e-5; bf16 on CUDA to 3e-2 (forward and gradients).
+"""
+
+import math
+
+import pytest
+import torch
+
+from nanochat import attention as A
+
+CPU_BACKENDS = ["sdpa", "flex", "sdpa_flex", "reference"]
+
+
+def _qkv(B=2, Hq=4, Hkv=2, T=40, D=16, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda H: torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    return mk(Hq), mk(Hkv), mk(Hkv)
+
+
+def _naive(q, k, v, window):
+    """Per-query loop: the definition, independent of reference_attention's vectorisation."""
+    B, Hq, T, D = q.shape
+    rep = Hq // k.size(1)
+    out = torch.zeros_like(q)
+    for h in range(Hq):
+        kh, vh = k[:, h // rep], v[:, h // rep]
+        for i in range(T):
+            lo = 0 if window is None else max(0, i - window + 1)
+            s = q[:, h, i:i + 1] @ kh[:, lo:i + 1].transpose(-1, -2) / math.sqrt(D)
+            out[:, h, i] = (s.softmax(-1) @ vh[:, lo:i + 1])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 24, 100])
+def test_reference_matches_naive_definition(window):
+    q, k, v = _qkv(B=1, T=24)
+    ref = A.reference_attention(q, k, v, window=window)
+    assert (ref - _naive(q, k, v, window)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("Hkv", [4, 2, 1])
+@pytest.mark.parametrize("window", [None, 1, 7, 49, 50, 64])
+def test_backend_float64_matches_reference(backend, Hkv, window):
+    q, k, v = _qkv(Hq=4, Hkv=Hkv, T=50)  # T not a multiple of flex's 128 block
+    out = A.attention(q, k, v, window=window, backend=backend)
+    ref = A.reference_attention(q, k, v, window=window)
+    assert out.shape == q.shape and out.dtype == torch.float64
+    assert (out - ref).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_backend_float32_matches_reference(backend):
+    q, k, v = _qkv(Hq=6, Hkv=2, T=200, dtype=torch.float32)  # spans two flex blocks
+    for window in (None, 50, 130):
+        out = A.attention(q, k, v, window=window, backend=backend)
+        ref = A.reference_attention(q.double(), k.double(), v.double(), window=window)
+        assert (out.double() - ref).abs().max() < 2e-5, (backend, window)
+
+
+def test_window_changes_the_result():
+    """Guards against a backend silently ignoring the window."""
+    q, k, v = _qkv(T=40)
+    for backend in CPU_BACKENDS:
+        full = A.attention(q, k, v, window=None, backend=backend)
+        win = A.attention(q, k, v, window=4, backend=backend)
+        assert (full - win).abs().max() > 1e-3, backend
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_sdpa_backward_matches_reference(window):
+    """The CPU training path (SDPA + cached dense mask for windows) has correct gradients."""
+    q, k, v = (t.requires_grad_() for t in _qkv(Hq=4, Hkv=2, T=30))
+    A.attention(q, k, v, window=window, backend="sdpa").pow(2).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    A.reference_attention(q, k, v, window=window).pow(2).sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        assert (g - t.grad).abs().max() < 1e-10
+
+
+def test_flex_cpu_backward_raises_clearly():
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="no backward on CPU"):
+        A.attention(q, k, v, window=8, backend="flex")
+
+
+def test_resolve_backend():
+    assert A.resolve_backend("auto", "cpu") == "sdpa"
+    assert A.resolve_backend("auto", torch.device("cuda")) == "sdpa_flex"
+    assert A.resolve_backend("flex", "cpu") == "flex"
+    assert A.resolve_backend("reference", "cuda:0") == "reference"
+    with pytest.raises(ValueError, match="--attn-backend.*accepted"):
+        A.resolve_backend("flash3", "cpu")
+    with pytest.raises(ValueError, match="flex needs"):
+        A.resolve_backend("flex", "mps")
+
+
+def test_bad_shapes_raise():
+    q, k, v = _qkv(Hq=3, Hkv=2)
+    with pytest.raises(ValueError, match="multiple"):
+        A.attention(q, k, v, window=None, backend="sdpa")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="window"):
+        A.attention(q, k, v, window=0, backend="sdpa")
+
+
+def test_masks_are_cached():
+    q, k, v = _qkv(T=33, dtype=torch.float32)
+    A.attention(q, k, v, window=5, backend="flex")
+    A.attention(q, k, v, window=5, backend="sdpa")
+    bm = A._BLOCK_MASKS[(33, 5, "cpu")]
+    dm = A._DENSE_MASKS[(33, 5, "cpu")]
+    A.attention(q, k, v, window=5, backend="flex")
+    A.attention(q, k, v, window=5, backend="sdpa")
+    assert A._BLOCK_MASKS[(33, 5, "cpu")] is bm and A._DENSE_MASKS[(33, 5, "cpu")] is dm
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+def _decode(q, k, v, window, backend, prefill, chunk=1):
+    """Prefill `prefill` tokens, then feed the rest `chunk` tokens at a time through a cache."""
+    B, Hkv, T, D = k.shape
+    cache = A.KVCache(B, Hkv, T + 3, D, num_layers=2, device="cpu", dtype=q.dtype)
+    outs, pos = [], 0
+    steps = [prefill] + [chunk] * ((T - prefill) // chunk)
+    for n in steps:
+        sl = slice(pos, pos + n)
+        outs.append(A.attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], window=window, backend=backend,
+                                kv_cache=cache, layer_idx=1))
+        cache.advance(n)
+        pos += n
+    assert cache.pos == T
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 1, 5, 12, 30])
+def test_kv_cache_decode_equals_full(backend, window):
+    q, k, v = _qkv(Hq=4, Hkv=2, T=24)
+    ref = A.reference_attention(q, k, v, window=window)
+    assert (_decode(q, k, v, window, backend, prefill=9) - ref).abs().max() < 1e-10
+    assert (_decode(q, k, v, window, backend, prefill=3, chunk=7) - ref).abs().max() < 1e-10
+
+
+def test_kv_cache_prefill_from_reset_and_overflow():
+    src = A.KVCache(1, 2, 8, 4, num_layers=3, device="cpu", dtype=torch.float32)
+    k = torch.randn(1, 2, 5, 4)
+    for layer in range(3):
+        src.insert(layer, k * layer, k * -layer)
+    src.advance(5)
+    dst = A.KVCache(3, 2, 8, 4, num_layers=3, device="cpu", dtype=torch.float32)
+    dst.prefill_from(src)
+    assert dst.pos == 5
+    assert torch.equal(dst.k[2, 1, :, :5], k[0] * 2) and torch.equal(dst.v[1, 2, :, :5], -k[0])
+    dst.reset()
+    assert dst.pos == 0
+    with pytest.raises(ValueError, match="exceed"):
+        dst.insert(0, torch.zeros(3, 2, 9, 4), torch.zeros(3, 2, 9, 4))
+    with pytest.raises(ValueError, match="batch must be 1"):
+        src.prefill_from(dst)
+    with pytest.raises(ValueError, match="KVCache seq_len"):
+        A.KVCache(1, 1, 0, 4, 1, "cpu", torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA (run on the GPU box with `pytest -m cuda`)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["sdpa_flex", "sdpa", "flex"])
+@pytest.mark.parametrize("window", [None, 64, 512])
+def test_cuda_bf16_forward_backward(backend, window):
+    q, k, v = (t.requires_grad_() for t in _qkv(B=2, Hq=4, Hkv=2, T=1000, D=64, dtype=torch.bfloat16, device="cuda"))
+    out = A.attention(q, k, v, window=window, backend=backend)
+    g = torch.randn_like(out)
+    out.backward(g)
+    grads = [t.grad.double() for t in (q, k, v)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = A.reference_attention(q64, k64, v64, window=window)
+    ref.backward(g.double())
+    assert (out.double() - ref).abs().max() < 3e-2
+    for got, t in zip(grads, (q64, k64, v64)):
+        assert (got - t.grad).abs().max() / t.grad.abs().max() < 3e-2

@@ -1,0 +1,257 @@
+"""scripts/base_train.py and scripts/base_eval.py on CPU: flag validation, exact resume (bit for
+bit), the NaN guard through the real loop, and a tiny end-to-end run (tokenizer -> d2 model ->
+val bpb below the unigram baseline -> base_eval JSON -> load_model), plus bench_train's smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat import checkpoint as ck
+from nanochat.training import NonFiniteLossError
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 1024
+TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+        "--device-batch-size", "8", "--total-batch-size", "512", "--window-pattern", "SL",
+        "--sample-every", "-1", "--eval-tokens", "4096", "--no-compile"]
+
+
+def _texts(path: Path) -> list[str]:
+    return pq.read_table(path, columns=["text"]).column("text").to_pylist()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_corpus):
+    """A base dir with a tokenizer trained on the tiny corpus (vocab 1024)."""
+    from nanochat.tokenizer import Tokenizer, tokenizer_dir
+    d = tmp_path_factory.mktemp("nanochat_base")
+    tok = Tokenizer.train(_texts(tiny_corpus / "shard_00000.parquet"), VOCAB)
+    tok.save(tokenizer_dir(d))
+    return d
+
+
+@pytest.fixture
+def env(base_dir, tiny_corpus, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
+        monkeypatch.delenv(var, raising=False)
+    return ["--data-dir", str(tiny_corpus)]
+
+
+def _train(args):
+    from scripts import base_train
+    return base_train.main(args)
+
+
+# ------------------------------------------------------------------ flags
+
+def test_parse_accepts_underscore_spellings():
+    from scripts.base_train import parse_config
+    cfg = parse_config(["--device_batch_size", "4", "--target_param_data_ratio", "10", "--save_every", "5",
+                        "--sample_every", "3", "--run", "myrun", "--wandb", "off", "--model_tag", "t",
+                        "--max_seq_len", "128", "--no-compile", "--peak_flops", "1e14"])
+    assert (cfg.device_batch_size, cfg.target_param_data_ratio, cfg.save_every, cfg.sample_every) == (4, 10.0, 5, 3)
+    assert (cfg.run, cfg.model_tag, cfg.max_seq_len, cfg.compile, cfg.peak_flops) == ("myrun", "t", 128, False, 1e14)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--depth", "0"], "--depth"),
+    (["--depth", "two"], "--depth"),
+    (["--device-batch-size", "-4"], "--device-batch-size"),
+    (["--max-seq-len", "2"], "--max-seq-len"),
+    (["--window-pattern", "SXL"], "--window-pattern"),
+    (["--kernel", "cudnn"], "--kernel"),
+    (["--precision", "fp16"], "--precision"),
+    (["--precision-backend", "cutlass"], "--precision-backend"),
+    (["--device", "tpu"], "--device"),
+    (["--resume", "yesterday"], "--resume"),
+    (["--num-iterations", "0"], "--num-iterations"),
+    (["--target-param-data-ratio", "-1"], "--target-param-data-ratio"),
+    (["--warmdown-ratio", "1.5"], "--warmdown-ratio"),
+    (["--eval-tokens", "100", "--device-batch-size", "4", "--max-seq-len", "64"], "--eval-tokens"),
+    (["--peak-flops", "0"], "--peak-flops"),
+    (["--wandb", "maybe"], "--wandb"),
+    (["--data-dir", "/nonexistent/shards"], "--data-dir"),
+    (["--attn-backend", "fa3"], "--attn-backend"),
+    (["--matrix-lr", "nan"], "--matrix-lr"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+])
+def test_bad_flags_name_the_flag(argv, flag):
+    from scripts.base_train import parse_config
+    with pytest.raises(ValueError, match=flag):
+        parse_config(argv)
+
+
+def test_impossible_batch_arithmetic_raises_with_numbers():
+    from scripts.base_train import parse_config
+    with pytest.raises(ValueError) as e:
+        parse_config(["--total-batch-size", "1000", "--device-batch-size", "8", "--max-seq-len", "64"])
+    assert "--total-batch-size" in str(e.value) and "8 x 64 x 1 = 512" in str(e.value)
+
+
+def test_bad_flag_cli_exits_2_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=-3"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--depth" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ exact resume
+
+def test_exact_resume_bit_for_bit(env, base_dir):
+    args = TINY + env + ["--num-iterations", "8", "--save-every", "4", "--eval-every", "-1",
+                         "--model-tag", "resume", "--weight-decay", "0.1", "--grad-clip", "1.0",
+                         "--warmup-ratio", "0.25"]
+    full = _train(args)
+    d = ck.checkpoint_dir("base", "resume", base_dir)
+    assert ck.list_steps(d) == [4, 8] and ck.read_latest(d) == 8
+    final_a = ck.load_checkpoint(d, 8, load_optimizer=True)
+
+    resumed = _train(args + ["--resume", "4"])
+    assert sorted(resumed["losses"]) == [4, 5, 6, 7]
+    for step in range(4, 8):
+        assert resumed["losses"][step] == full["losses"][step], f"step {step} differs"  # exact, not approx
+    final_b = ck.load_checkpoint(d, 8, load_optimizer=True)
+    for k, v in final_a["model"].items():
+        assert torch.equal(v, final_b["model"][k]), k
+    assert final_a["loader"] == final_b["loader"]
+    assert final_a["loop"]["meter"] == final_b["loop"]["meter"]
+    # resuming with a different batch layout is refused with the reason
+    with pytest.raises(ValueError, match="total_batch_size"):
+        _train(TINY[:-1] + env + ["--total-batch-size", "1024", "--num-iterations", "8", "--eval-every", "-1",
+                                  "--model-tag", "resume", "--resume", "4", "--no-compile"])
+
+
+# ------------------------------------------------------------------ NaN guard
+
+def test_nan_guard_in_the_loop(env, base_dir, monkeypatch):
+    from nanochat import gpt
+    real_forward = gpt.GPT.forward
+    calls = {"train": 0}
+
+    def forward(self, idx, targets=None, *a, **kw):
+        out = real_forward(self, idx, targets, *a, **kw)
+        if targets is not None and torch.is_grad_enabled():
+            calls["train"] += 1
+            if calls["train"] > 5:       # steps 0..4 fine (1 micro-batch each), step 5 poisoned
+                out = out * float("nan")
+        return out
+    monkeypatch.setattr(gpt.GPT, "forward", forward)
+    with pytest.raises(NonFiniteLossError) as e:
+        _train(TINY + env + ["--num-iterations", "10", "--save-every", "2", "--eval-every", "-1",
+                             "--model-tag", "nan"])
+    ckpt = ck.checkpoint_dir("base", "nan", base_dir) / "step_000004"
+    assert e.value.step == 5 and e.value.last_checkpoint == str(ckpt)
+    assert "at step 5" in str(e.value) and str(ckpt) in str(e.value) and "hint" in str(e.value)
+
+
+# ------------------------------------------------------------------ end to end
+
+def unigram_bpb(tokenizer, train_texts, val_texts) -> float:
+    """Bits per byte of the val split under a unigram model of the train split's token counts
+    (add-one smoothed), with the same byte accounting as evaluate_bpb."""
+    counts = np.ones(tokenizer.vocab_size)
+    for ids in tokenizer.encode(train_texts, prepend="<|bos|>"):
+        counts += np.bincount(ids, minlength=tokenizer.vocab_size)
+    logp = np.log2(counts / counts.sum())
+    tb = tokenizer.token_bytes().numpy()
+    bits = nbytes = 0.0
+    for ids in tokenizer.encode(val_texts, prepend="<|bos|>"):
+        targets = np.asarray(ids[1:])
+        text = tb[targets] > 0
+        bits -= logp[targets][text].sum()
+        nbytes += tb[targets].sum()
+    return bits / nbytes
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end(env, base_dir, tiny_corpus, tmp_path):
+    from nanochat.tokenizer import get_tokenizer
+    from scripts import base_eval
+    summary = _train(TINY + env + ["--num-iterations", "40", "--eval-every", "40", "--eval-tokens", "16384",
+                                   "--model-tag", "e2e", "--sample-every", "40", "--matrix-lr", "0.04"])
+    tok = get_tokenizer()
+    baseline = unigram_bpb(tok, _texts(tiny_corpus / "shard_00000.parquet"), _texts(tiny_corpus / "shard_00001.parquet"))
+    losses = summary["losses"]
+    assert losses[39] < losses[0] - 1.0
+    assert summary["final_val_bpb"] < baseline, (summary["final_val_bpb"], baseline)
+
+    out = tmp_path / "eval.json"
+    res = base_eval.main(["--model-tag", "e2e", "--eval", "bpb,sample", "--device", "cpu", "--eval-tokens",
+                          "16384", "--device-batch-size", "8", "--max-tokens", "8", "--output", str(out)] + env)
+    written = json.loads(out.read_text())
+    assert written["step"] == 40 and written["bpb"]["val"] == pytest.approx(summary["final_val_bpb"], rel=1e-5)
+    assert len(written["samples"]) == 5 and all(s["text"].startswith("<|bos|>") for s in written["samples"])
+    assert res["bpb"]["val"] < baseline
+
+    model, tok2, meta = ck.load_model("base", "cpu", model_tag="e2e")
+    assert not model.training and meta["tokenizer_fingerprint"] == tok2.fingerprint
+    assert meta["train"]["num_iterations"] == 40 and meta["model_config"]["n_layer"] == 2
+
+
+def test_load_model_refuses_other_tokenizer(env, base_dir, tmp_path):
+    """A checkpoint is only loaded with the tokenizer it was trained with."""
+    from nanochat.gpt import config_for_depth
+    from nanochat.checkpoint import build_model
+    from nanochat.tokenizer import get_tokenizer
+    from dataclasses import asdict
+    tok = get_tokenizer()
+    cfg = config_for_depth(1, tok.vocab_size, 32, aspect_ratio=32, head_dim=32)
+    model = build_model(cfg, "cpu")
+    d = ck.checkpoint_dir("sft", "tiny", base_dir)
+    ck.save_checkpoint(d, 3, model_state=model.state_dict(), meta={"model_config": asdict(cfg),
+                                                                    "tokenizer_fingerprint": "0" * 64})
+    with pytest.raises(ck.CheckpointError, match="trained with tokenizer 0000"):
+        ck.load_model("sft", "cpu", model_tag="tiny")
+    ck.save_checkpoint(d, 4, model_state=model.state_dict(), meta={"model_config": asdict(cfg),
+                                                                    "tokenizer_fingerprint": tok.fingerprint})
+    loaded, _, meta = ck.load_model("sft", "cpu", model_tag="tiny")
+    assert meta["step"] == 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+    x = torch.randint(0, tok.vocab_size, (1, 8))
+    torch.testing.assert_close(model(x), loaded(x))  # rotary buffers rebuilt after to_empty
+
+
+def test_base_eval_core_requested_but_flags_checked_first():
+    from scripts.base_eval import parse_config
+    with pytest.raises(ValueError, match="--eval"):
+        parse_config(["--eval", "bpb,mmlu"])
+    with pytest.raises(ValueError, match="-i/--source"):
+        parse_config(["-i", "pretrain"])
+    assert parse_config(["-i", "mid", "--eval", "core", "--max_per_task", "5"]).max_per_task == 5
+
+
+def test_bench_train_cpu_smoke(capsys):
+    from scripts import bench_train
+    rows = bench_train.main(["--device", "cpu", "--depth", "1", "--device-batch-size", "2", "--seq", "32",
+                             "--steps", "3", "--warmup", "1", "--vocab-size", "256", "--no-compile",
+                             "--aspect-ratio", "32", "--head-dim", "32", "--kernel", "current,triton"])
+    out = capsys.readouterr().out
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert [l["kernel"] for l in lines] == ["current", "triton"]
+    for r in lines:
+        assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
+        assert r["mfu_pct"] is None and math.isfinite(r["last_loss"])
+    assert "tok/s" in out and "MFU%" in out
+
+
+@pytest.mark.cuda
+def test_tiny_train_cuda_compiled(env, base_dir):
+    """The GPU path: bf16, torch.compile, the triton loss kernel, MFU against the table's peak."""
+    summary = _train(["--device", "cuda", "--depth", "4", "--max-seq-len", "256", "--device-batch-size", "8",
+                      "--total-batch-size", "4096", "--window-pattern", "SL", "--eval-tokens", "16384",
+                      "--sample-every", "-1", "--num-iterations", "20", "--eval-every", "20", "--compile",
+                      "--kernel", "triton", "--model-tag", "cuda"] + env)
+    losses = summary["losses"]
+    assert all(math.isfinite(v) for v in losses.values()) and losses[19] < losses[0] - 1.0
+    assert summary["final_val_bpb"] < 4.0 and summary["peak_mem_gib"] > 0

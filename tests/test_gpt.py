@@ -1,0 +1,300 @@
+"""GPT: config dial, shapes, padded vocab, loss, FLOPs, param groups, meta init, KV decode, compile."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.attention import KVCache
+from nanochat.gpt import (GPT, GPTConfig, _ReluSquare, config_for_depth, cross_entropy_loss, has_value_embed,
+                          layer_windows)
+
+
+def tiny_config(**kw) -> GPTConfig:
+    base = dict(sequence_len=32, vocab_size=100, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
+                window_pattern="SSSL")
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def tiny_model(seed=0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(**{k: v for k, v in kw.items() if k != "attn_backend"}),
+                attn_backend=kw.get("attn_backend", "auto"))
+    model.init_weights()
+    return model
+
+
+def randomize(model, seed=1):
+    """Trained-looking weights: the zero-init projections would hide bugs in the attention path."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.3)
+    return model
+
+
+def batch(B=2, T=32, V=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+# ----------------------------------------------------------------------------------------------
+def test_config_for_depth():
+    d20 = config_for_depth(20, 32768, 2048)
+    assert (d20.n_embd, d20.n_head, d20.n_kv_head, d20.head_dim) == (1280, 10, 10, 128)
+    d12 = config_for_depth(12, 32768, 2048)
+    assert (d12.n_embd, d12.n_head) == (768, 6)
+    d26 = config_for_depth(26, 32768, 2048)
+    assert (d26.n_embd, d26.n_head) == (1664, 13)  # 26 * 64 = 1664 = 13 * 128
+    assert config_for_depth(2, 65, 64).n_embd == 128  # rounded up to one head
+    assert config_for_depth(20, 32768, 2048, n_kv_head=5).n_kv_head == 5
+    with pytest.raises(ValueError, match="--depth"):
+        config_for_depth(0, 100, 64)
+    with pytest.raises(ValueError, match="--n-kv-head"):
+        config_for_depth(20, 100, 64, n_kv_head=3)
+    with pytest.raises(ValueError, match="--window-pattern"):
+        config_for_depth(4, 100, 64, window_pattern="SXL")
+
+
+def test_windows_and_value_embed_layers():
+    assert layer_windows(tiny_config(n_layer=6, sequence_len=64)) == [16, 16, 16, None, 16, None]
+    assert layer_windows(tiny_config(n_layer=3, window_pattern="S")) == [8, 8, None]
+    assert layer_windows(tiny_config(n_layer=3, window_pattern="L")) == [None] * 3
+    assert [has_value_embed(i, 5) for i in range(5)] == [True, False, True, False, True]
+    assert [has_value_embed(i, 4) for i in range(4)] == [False, True, False, True]
+
+
+def test_shapes_and_padded_vocab():
+    model = tiny_model()
+    assert model.config.padded_vocab_size == 128
+    assert model.wte.weight.shape == (128, 64) and model.lm_head.weight.shape == (128, 64)
+    assert set(model.value_embeds.keys()) == {"1", "3"}
+    assert model.value_embeds["1"].weight.shape == (128, 2 * 16)  # n_kv_head * head_dim
+    idx, _ = batch()
+    logits = model(idx)
+    assert logits.shape == (2, 32, 100) and logits.dtype == torch.float32
+    assert logits.abs().max() <= 15.0
+
+
+def test_padding_columns_never_win():
+    model = randomize(tiny_model())
+    idx, targets = batch()
+    before = model(idx, targets)
+    with torch.no_grad():
+        model.lm_head.weight[100:] = 1e4  # padding rows would dominate every logit
+    logits = model(idx)
+    assert logits.shape[-1] == 100
+    assert torch.allclose(model(idx, targets), before)
+
+
+def test_loss_matches_manual_cross_entropy_and_ignore_index():
+    model = randomize(tiny_model())
+    idx, targets = batch()
+    logits = model(idx)
+    manual = F.cross_entropy(logits.view(-1, 100), targets.view(-1))
+    loss = model(idx, targets)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert torch.allclose(loss, manual, atol=1e-5)
+    targets[:, :10] = -1
+    keep = targets.view(-1) != -1
+    manual = F.cross_entropy(logits.view(-1, 100)[keep], targets.view(-1)[keep])
+    assert torch.allclose(model(idx, targets), manual, atol=1e-5)
+    per_token = model(idx, targets, loss_reduction="none")
+    assert per_token.shape == (2, 32) and torch.all(per_token[:, :10] == 0)
+    assert torch.allclose(model(idx, targets, loss_reduction="sum"), per_token.sum(), atol=1e-4)
+    with pytest.raises(ValueError, match="loss_reduction"):
+        model(idx, targets, loss_reduction="avg")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_default_loss_fn_matches_plain_pytorch_chain(reduction):
+    """The memory-lean autograd Function equals softcap -> float32 -> F.cross_entropy, grads too."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(64, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (40,), generator=g)
+    targets[::7] = -1
+    ours = cross_entropy_loss(hidden, weight, targets, 15.0, 50, reduction)
+    ours.sum().backward()
+    grads = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    logits = 15.0 * torch.tanh(F.linear(hidden, weight)[:, :50] / 15.0)
+    ref = F.cross_entropy(logits, targets, ignore_index=-1, reduction=reduction)
+    ref.sum().backward()
+    assert ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-12) and torch.allclose(grads[1], weight.grad, atol=1e-12)
+    assert torch.all(grads[1][50:] == 0)  # padding rows of the head get no gradient
+    all_ignored = torch.full((40,), -1)
+    assert torch.isnan(cross_entropy_loss(hidden, weight, all_ignored, 15.0, 50, "mean"))
+
+
+def test_relu_square_gradient():
+    x = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_ReluSquare.apply, (x,))
+    assert torch.equal(_ReluSquare.apply(x), F.relu(x).square())
+
+
+def test_initial_loss_is_uniform():
+    model = tiny_model()
+    assert torch.count_nonzero(model.blocks[0].attn.c_proj.weight) == 0
+    assert torch.count_nonzero(model.blocks[2].mlp.c_proj.weight) == 0
+    assert 0.0005 < model.lm_head.weight.std().item() < 0.002
+    idx, targets = batch()
+    assert abs(model(idx, targets).item() - math.log(100)) < 0.05
+
+
+def test_set_loss_fn_receives_contract_arguments():
+    model = tiny_model()
+    seen = {}
+
+    def fn(hidden, weight, targets, softcap, vocab_size, reduction):
+        seen.update(hidden=hidden.shape, weight=weight.shape, targets=targets.shape, softcap=softcap,
+                    vocab_size=vocab_size, reduction=reduction, dtype=hidden.dtype)
+        return hidden.float().sum() * 0
+    model.set_loss_fn(fn)
+    idx, targets = batch()
+    model(idx, targets, loss_reduction="sum")
+    assert seen == dict(hidden=(64, 64), weight=(128, 64), targets=(64,), softcap=15.0, vocab_size=100,
+                        reduction="sum", dtype=torch.float32)
+    model.set_loss_fn(None)
+    assert model(idx, targets).item() > 1
+    with pytest.raises(ValueError, match="callable"):
+        model.set_loss_fn(3)
+
+
+def test_flops_formula_hand_count():
+    model = tiny_model(n_layer=4, n_head=2, n_kv_head=1, sequence_len=64)  # head_dim 32, windows 16,16,16,full
+    C = 64
+    per_layer = C * C + C * 32 + C * 32 + C * C + 8 * C * C  # q, k, v, proj, mlp
+    matrices = 4 * per_layer + 2 * 32 * 1  # + ve_gate (32 -> 1 head) on layers 1 and 3
+    lm_head = 128 * C
+    attn = 12 * 2 * 32 * (16 + 16 + 16 + 64)
+    assert model.num_scaling_params() == matrices + lm_head
+    assert model.estimate_flops() == 6 * (matrices + lm_head) + attn
+    # the config-derived count must agree with the modules actually built
+    built = sum(p.numel() for b in model.blocks for p in b.parameters()) + model.lm_head.weight.numel()
+    assert built == model.num_scaling_params()
+    total = sum(model.param_counts().values())
+    assert total == sum(p.numel() for p in model.parameters())
+    # at a shorter T the windows clip: min(window, T)
+    assert model.estimate_flops(seq_len=8) == 6 * (matrices + lm_head) + 12 * 2 * 32 * 8 * 4
+
+
+def test_param_groups_cover_every_parameter_once():
+    model = tiny_model()
+    groups = model.param_groups()
+    assert set(groups) == {"matrix", "embedding", "value_embeds", "lm_head", "scalars"}
+    ids = [id(p) for ps in groups.values() for p in ps]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert all(p.dim() == 2 for p in groups["matrix"])
+    assert all(p.dim() == 1 for p in groups["scalars"])
+
+
+def test_meta_build_then_init_weights():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(tiny_config())
+    assert meta.wte.weight.is_meta
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    meta.init_weights()
+    ref = GPT(tiny_config())  # built on CPU (its constructor draws default inits first)
+    torch.manual_seed(0)
+    ref.init_weights()  # same seed, same draw order -> identical weights
+    for (name, a), b in zip(meta.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(meta.cos, ref.cos) and torch.equal(meta.sin, ref.sin)
+    idx, targets = batch()
+    assert torch.equal(meta(idx, targets), ref(idx, targets))
+    # load_state_dict into a to_empty model rebuilds the rotary tables (non-persistent buffers)
+    with torch.device("meta"):
+        other = GPT(tiny_config())
+    other.to_empty(device="cpu")
+    other.load_state_dict(ref.state_dict())
+    assert torch.equal(other.cos, ref.cos)
+    assert "cos" not in ref.state_dict()
+
+
+def test_bf16_compute_keeps_fp32_params():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(), compute_dtype=torch.bfloat16)
+    model.init_weights()
+    randomize(model)
+    idx, targets = batch()
+    loss = model(idx, targets)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    ref = copy.deepcopy(model)
+    ref.compute_dtype = torch.float32
+    assert abs(loss.item() - ref(idx, targets).item()) < 0.05 * loss.item()
+    assert model(idx).dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "flex"])
+def test_kv_cache_decode_equals_full_forward(backend):
+    # sequence_len 32 -> window 8 on S layers, so decode crosses the window; GQA 4/2
+    model = randomize(tiny_model(n_layer=3, window_pattern="SL", attn_backend=backend)).eval()
+    idx, _ = batch(B=2, T=20)
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(2, 2, 32, 16, 3, device="cpu", dtype=torch.float32)
+        steps = [model(idx[:, :7], kv_cache=cache)]
+        for t in range(7, 20):
+            steps.append(model(idx[:, t:t + 1], kv_cache=cache))
+    assert cache.pos == 20
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+
+
+def test_rotary_range_and_bad_backend():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="--attn-backend"):
+        GPT(tiny_config(), attn_backend="flash")
+    cache = KVCache(1, 2, 400, 16, 4, device="cpu", dtype=torch.float32)
+    cache.pos = 319
+    with pytest.raises(ValueError, match="rotary"):
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+
+
+def test_compile_fullgraph_forward_backward():
+    """No graph breaks (fullgraph=True) through dynamo + AOT autograd; inductor is slow-marked."""
+    model = randomize(tiny_model(attn_backend="sdpa"))
+    idx, targets = batch()
+    eager = model(idx, targets)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(idx, targets)
+    loss.backward()
+    assert torch.allclose(loss, eager, atol=1e-5)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_compile_inductor_cpu():
+    model = randomize(tiny_model(attn_backend="sdpa"))
+    model.prepare_attention()
+    idx, targets = batch()
+    eager = model(idx, targets)
+    loss = torch.compile(model, fullgraph=True)(idx, targets)
+    assert torch.allclose(loss, eager, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_bf16_training_step():
+    torch.manual_seed(0)
+    cfg = tiny_config(sequence_len=256, n_layer=4, n_embd=128, n_head=2, n_kv_head=1, vocab_size=1000)
+    model = GPT(cfg).cuda()
+    model.init_weights()
+    randomize(model)
+    model.prepare_attention()
+    idx = torch.randint(0, 1000, (4, 256), device="cuda")
+    eager = model(idx, idx)
+    loss = torch.compile(model, fullgraph=True)(idx, idx)
+    loss.backward()
+    assert abs(loss.item() - eager.item()) < 0.02 * eager.item()
+    ref = copy.deepcopy(model)
+    ref.compute_dtype = torch.float32
+    ref.attn_backend = "reference"
+    assert abs(ref(idx, idx).item() - eager.item()) < 0.03 * eager.item()

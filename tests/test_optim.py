@@ -1,0 +1,252 @@
+"""MuonAdamW: orthogonalisation band, Muon/AdamW steps vs plain references, groups, state round
+trip, schedules, and the gloo 2-process path against the single-process step."""
+
+import copy
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanochat.gpt import GPT, config_for_depth
+from nanochat.optim import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier,
+                            muon_momentum, orthogonalize, weight_decay_multiplier)
+
+
+def tiny_model(vocab=256, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(config_for_depth(2, vocab, 32, aspect_ratio=32, head_dim=32))  # n_embd 64, 2 heads
+    model.init_weights()
+    return model
+
+
+def fake_grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+def set_grads(model, grads):
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+
+
+# ----------------------------------------------------------------------------------------------
+def test_orthogonalize_singular_value_band():
+    torch.manual_seed(0)
+    lo, hi = ORTHO_SV_BAND
+    for shape in [(3, 32, 96), (2, 96, 32), (1, 128, 512), (4, 10, 32)]:
+        s = torch.linalg.svdvals(orthogonalize(torch.randn(shape)).double())
+        assert lo <= s.min() and s.max() <= hi, (shape, s.min(), s.max())
+    # controlled spectrum: condition number 100 at 64 x 64
+    U, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
+    G = (U * torch.logspace(0, -2, 64, dtype=torch.float64)) @ V.T
+    out = orthogonalize(G.float())
+    s = torch.linalg.svdvals(out.double())
+    assert lo <= s.min() and s.max() <= hi
+    # it approximates the polar factor U V^T (direction), not just any near-orthogonal matrix
+    cos = (out.double() * (U @ V.T)).sum() / (out.double().norm() * 8.0)
+    assert cos > 0.99
+    assert orthogonalize(torch.randn(5, 7)).dtype == torch.float32  # fp32 on CPU
+    with pytest.raises(ValueError, match="ns_steps"):
+        orthogonalize(torch.randn(4, 4), steps=0)
+
+
+def _reference_muon(params, grads_per_step, lr, momentum, wd):
+    """Per-matrix, loop-based Muon in float64: the textbook recipe."""
+    params = [p.detach().double().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    # entries where the update is ~0 can flip the cautious-decay sign test between fp32 and fp64
+    ambiguous = [torch.zeros_like(p, dtype=torch.bool) for p in params]
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.double()
+            bufs[i] = momentum * bufs[i] + (1 - momentum) * g
+            x = (1 - momentum) * g + momentum * bufs[i]  # Nesterov
+            tall = x.size(0) > x.size(1)
+            x = x.T if tall else x
+            x = x / (x.norm() * 1.02 + 1e-6)
+            for a, b, c in POLAR_EXPRESS_COEFFS:
+                A = x @ x.T
+                x = a * x + (b * A + c * A @ A) @ x
+            u = (x.T if tall else x) * max(1.0, p.size(0) / p.size(1)) ** 0.5
+            mask = ((u * p) >= 0).double()
+            ambiguous[i] |= u.abs() < 1e-5
+            params[i] = p - lr * (u + wd * p * mask)
+    return params, ambiguous
+
+
+def test_muon_step_matches_plain_reference():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(48, 16)) for _ in range(3)]  # tall: scale sqrt(3)
+    opt = MuonAdamW([dict(kind="muon", params=params, lr=0.05, momentum=0.9, nesterov=True, ns_steps=5,
+                          weight_decay=0.1, cautious_wd=True)])
+    start = [p.detach().clone() for p in params]
+    steps = [[torch.randn(48, 16) for _ in params] for _ in range(3)]
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    ref, ambiguous = _reference_muon(start, steps, lr=0.05, momentum=0.9, wd=0.1)
+    for p, r, skip in zip(params, ref, ambiguous):
+        assert skip.float().mean() < 0.01
+        assert (p.double() - r).abs()[~skip].max() < 1e-5
+    assert opt.state[params[0]]["momentum_buffer"].shape == (3, 48, 16)  # one stacked buffer
+
+
+def test_adamw_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(20, 8))
+    b = copy.deepcopy(a)
+    ours = MuonAdamW([dict(kind="adamw", params=[a], lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)])
+    ref = torch.optim.AdamW([b], lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
+    for _ in range(4):
+        g = torch.randn(20, 8)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert (a - b).abs().max() < 1e-6
+
+
+def test_build_optimizer_groups_and_lrs():
+    model = tiny_model()
+    opt = build_optimizer(model, matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.004, scalar_lr=0.5,
+                          weight_decay=0.1)
+    scale = (64 / 768) ** -0.5
+    by_name = {g["name"]: g for g in opt.param_groups}
+    assert by_name["lm_head"]["lr"] == pytest.approx(0.004 * scale)
+    assert by_name["embedding"]["lr"] == pytest.approx(0.3 * scale)
+    assert by_name["value_embeds"]["lr"] == pytest.approx(0.3 * scale)
+    assert by_name["resid_lambdas"]["lr"] == pytest.approx(0.005)
+    assert by_name["scalars"]["lr"] == 0.5 and by_name["scalars"]["betas"] == (0.96, 0.95)
+    muon = [g for g in opt.param_groups if g["kind"] == "muon"]
+    assert {g["name"] for g in muon} == {"muon_64x64", "muon_256x64", "muon_64x256", "muon_2x32"}
+    assert all(len({p.shape for p in g["params"]}) == 1 and g["weight_decay"] == 0.1 for g in muon)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert all(g["initial_lr"] == g["lr"] for g in opt.param_groups)
+    with pytest.raises(ValueError, match="--matrix-lr"):
+        build_optimizer(model, matrix_lr=-1)
+    with pytest.raises(ValueError, match="--adam-betas"):
+        build_optimizer(model, adam_betas=(0.9, 1.0))
+
+
+def test_training_steps_reduce_loss():
+    model = tiny_model()
+    opt = build_optimizer(model)
+    idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(8):
+        loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_state_dict_round_trip_is_exact():
+    model = tiny_model()
+    opt = build_optimizer(model, weight_decay=0.1)
+    for s in range(3):
+        set_grads(model, fake_grads(model, s))
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = build_optimizer(model2, weight_decay=0.1)
+    opt2.load_state_dict(saved)
+    for a, b in zip(opt.param_groups, opt2.param_groups):
+        assert {k: v for k, v in a.items() if k != "params"} == {k: v for k, v in b.items() if k != "params"}
+    for s in range(3, 5):
+        opt.set_hparams(lr_mult=0.5, momentum=0.9, wd_mult=0.5)
+        opt2.set_hparams(lr_mult=0.5, momentum=0.9, wd_mult=0.5)
+        set_grads(model, fake_grads(model, s))
+        set_grads(model2, fake_grads(model2, s))
+        opt.step()
+        opt2.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    sd1, sd2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert sd1.keys() == sd2.keys()
+    for k in sd1:
+        for name in sd1[k]:
+            assert torch.equal(sd1[k][name], sd2[k][name])
+
+
+def test_set_hparams():
+    model = tiny_model()
+    opt = build_optimizer(model, weight_decay=0.2)
+    opt.set_hparams(lr_mult=0.25, momentum=0.87, wd_mult=0.5)
+    for g in opt.param_groups:
+        assert g["lr"] == pytest.approx(g["initial_lr"] * 0.25)
+        if g["kind"] == "muon":
+            assert g["momentum"] == 0.87 and g["weight_decay"] == pytest.approx(0.1)
+
+
+def test_schedules():
+    assert lr_multiplier(0, 100) == 1.0
+    assert lr_multiplier(60, 100) == 1.0
+    assert lr_multiplier(80, 100) == pytest.approx(0.5)
+    assert lr_multiplier(100, 100) == 0.0
+    assert lr_multiplier(100, 100, final_lr_frac=0.1) == pytest.approx(0.1)
+    assert lr_multiplier(0, 100, warmup_ratio=0.1) == pytest.approx(0.1)
+    assert lr_multiplier(9, 100, warmup_ratio=0.1) == pytest.approx(1.0)
+    assert lr_multiplier(50, 100, warmdown_ratio=0.0) == 1.0
+    with pytest.raises(ValueError, match="--warmup-ratio"):
+        lr_multiplier(0, 100, warmup_ratio=0.7, warmdown_ratio=0.5)
+    with pytest.raises(ValueError, match="--num-iterations"):
+        lr_multiplier(0, 0)
+    assert muon_momentum(0) == pytest.approx(0.85)
+    assert muon_momentum(150) == pytest.approx(0.90)
+    assert muon_momentum(300) == pytest.approx(0.95) and muon_momentum(10_000) == pytest.approx(0.95)
+    assert weight_decay_multiplier(0, 200) == 1.0
+    assert weight_decay_multiplier(50, 200) == 0.75
+    assert weight_decay_multiplier(200, 200) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed (gloo, 2 processes on CPU)
+
+STEPS = 3
+VOCAB = 1024  # 1024 x 64 tables reach the AdamW sharding threshold (sharded path exercised)
+
+
+def _worker(rank, world_size, port, out_path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        model = tiny_model(VOCAB)
+        opt = build_optimizer(model, weight_decay=0.1, world_size=world_size, rank=rank)
+        for s in range(STEPS):
+            set_grads(model, fake_grads(model, 100 * s + rank))
+            opt.set_hparams(momentum=muon_momentum(s))
+            opt.step()
+        if rank == 0:
+            torch.save([p.detach() for p in model.parameters()], out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gloo_two_process_step_matches_single_process(tmp_path):
+    out = tmp_path / "params.pt"
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    model = tiny_model(VOCAB)
+    opt = build_optimizer(model, weight_decay=0.1)
+    for s in range(STEPS):
+        per_rank = [fake_grads(model, 100 * s + r) for r in range(2)]
+        set_grads(model, [(a + b) / 2 for a, b in zip(*per_rank)])  # the averaged gradient
+        opt.set_hparams(momentum=muon_momentum(s))
+        opt.step()
+    dist_params = torch.load(out)
+    moved = 0.0
+    for (name, p), q in zip(model.named_parameters(), dist_params):
+        assert (p - q).abs().max() < 1e-5, name
+        moved = max(moved, (p - tiny_model(VOCAB).get_parameter(name)).abs().max().item())
+    assert moved > 1e-2  # the steps really changed the parameters

@@ -1,0 +1,164 @@
+"""nanochat/platform.py: device table, peak FLOPs, and which workaround each simulated device gets."""
+
+import types
+
+import pytest
+import torch
+
+from nanochat import platform as P
+from nanochat.platform import PatchContext, SimpleProps, apply_patches, detect_device, peak_flops
+
+GB10 = SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * 10**9, is_integrated=True)
+H100 = SimpleProps("NVIDIA H100 80GB HBM3", 9, 0, 132, 85 * 10**9)
+H100_PCIE = SimpleProps("NVIDIA H100 PCIe", 9, 0, 114, 85 * 10**9)
+RTX5090 = SimpleProps("NVIDIA GeForce RTX 5090", 12, 0, 170, 32 * 10**9)
+A100 = SimpleProps("NVIDIA A100-SXM4-80GB", 8, 0, 108, 80 * 10**9)
+UNKNOWN = SimpleProps("NVIDIA Imaginary X1", 9, 0, 100, 40 * 10**9)
+
+
+def fake_ctx(triton_version="3.6.0", bundled=(13, 0), candidates=(), env=None):
+    """A PatchContext over plain objects: nothing global is touched."""
+    inductor_utils = types.SimpleNamespace(is_big_gpu=lambda *_: False)
+    return PatchContext(
+        env={} if env is None else env,
+        dynamo_config=types.SimpleNamespace(capture_scalar_outputs=False),
+        inductor_config=types.SimpleNamespace(max_autotune_gemm=False),
+        inductor_modules=[inductor_utils],
+        triton_version=triton_version,
+        bundled_ptxas_version=bundled,
+        ptxas_candidates=list(candidates),
+        filter_warning=lambda *a, **k: None,
+    )
+
+
+def test_table_lookup_and_peaks():
+    gb10 = detect_device(props=GB10)
+    assert gb10.key == "gb10" and gb10.cc == (12, 1) and gb10.sms == 48 and gb10.unified_memory
+    assert peak_flops(gb10, "bf16") == pytest.approx(125e12)
+    assert peak_flops(gb10, "nvfp4") == pytest.approx(500e12)
+    h100 = detect_device(props=H100)
+    assert h100.key == "h100-sxm" and not h100.unified_memory
+    assert peak_flops(h100, "bf16") == pytest.approx(989.4e12)
+    assert peak_flops(h100, "fp8") == pytest.approx(1978.9e12)
+    assert peak_flops(h100, "nvfp4") is None          # Hopper has no fp4 path
+    assert peak_flops(h100, "tf32") == peak_flops(h100, "fp32")
+    assert detect_device(props=H100_PCIE).key == "h100-pcie"
+    assert detect_device(props=RTX5090).key == "rtx-5090"
+    assert peak_flops(detect_device(props=A100), "fp8") is None
+
+
+def test_unknown_gpu_and_cpu_give_none():
+    spec = detect_device(props=UNKNOWN)
+    assert spec.key == "unknown" and spec.sms == 100 and spec.peak_tflops == {}
+    assert peak_flops(spec, "bf16") is None
+    assert peak_flops(spec, "bf16", override=123e12) == 123e12
+    cpu = detect_device("cpu")
+    assert cpu.key == "cpu" and peak_flops(cpu) is None
+    with pytest.raises(ValueError, match="--precision"):
+        peak_flops(cpu, "int3")
+    with pytest.raises(ValueError, match="--peak-flops"):
+        peak_flops(cpu, "bf16", override=-1.0)
+
+
+def test_integrated_unknown_gpu_counts_as_unified():
+    spec = detect_device(props=SimpleProps("NVIDIA Thor", 11, 0, 20, 64 * 10**9, is_integrated=True))
+    assert spec.unified_memory and spec.key == "unknown"
+
+
+def test_gb10_patches_with_old_triton():
+    """GB10 + Triton 3.5 (bundled ptxas 12.8): ptxas redirect, is_big_gpu, expandable segments."""
+    ctx = fake_ctx("3.5.1", (12, 8), candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
+    applied = apply_patches(detect_device(props=GB10), kernel="current", compile=True, ctx=ctx)
+    assert applied == ["expandable_segments", "ptxas", "is_big_gpu", "sm121_warning"]
+    assert ctx.env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert ctx.env["TRITON_PTXAS_PATH"] == "/usr/local/cuda-13.0/bin/ptxas"
+    assert ctx.inductor_modules[0].is_big_gpu() is True
+    assert ctx.dynamo_config.capture_scalar_outputs is False
+
+
+def test_gb10_new_triton_liger_no_compile():
+    ctx = fake_ctx("3.6.0", (13, 0))
+    applied = apply_patches(detect_device(props=GB10), kernel="liger", compile=False, ctx=ctx)
+    assert applied == ["expandable_segments", "sm121_warning"]   # no compile: no dynamo/inductor patch
+    ctx = fake_ctx("3.6.0", (13, 0), env={"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    applied = apply_patches(detect_device(props=GB10), kernel="liger", compile=True, ctx=ctx)
+    assert applied == ["is_big_gpu", "capture_scalar_outputs", "sm121_warning"]
+    assert ctx.env["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"   # user's choice kept
+    assert ctx.dynamo_config.capture_scalar_outputs is True
+
+
+def test_gb10_old_triton_without_cuda13_raises_with_hint():
+    ctx = fake_ctx("3.4.0", None, candidates=[("/usr/bin/ptxas", (12, 4))])
+    with pytest.raises(RuntimeError, match="TRITON_PTXAS_PATH"):
+        apply_patches(detect_device(props=GB10), kernel="triton", compile=True, ctx=ctx)
+    # ... but a run that never uses Triton does not need it
+    assert "ptxas" not in apply_patches(detect_device(props=GB10), kernel="current", compile=False, ctx=ctx)
+    # ... and a user-provided path is respected
+    ctx = fake_ctx("3.4.0", None, env={"TRITON_PTXAS_PATH": "/opt/ptxas"})
+    assert "ptxas(user)" in apply_patches(detect_device(props=GB10), compile=True, ctx=ctx)
+    assert ctx.env["TRITON_PTXAS_PATH"] == "/opt/ptxas"
+
+
+def test_h100_and_rtx5090_and_cpu_patches():
+    ctx = fake_ctx("3.6.0", (12, 9))
+    assert apply_patches(detect_device(props=H100), kernel="current", compile=True, ctx=ctx) == []
+    assert ctx.env == {} and ctx.inductor_modules[0].is_big_gpu() is False
+    ctx = fake_ctx("3.6.0", (12, 9))
+    assert apply_patches(detect_device(props=H100), kernel="liger", compile=True, ctx=ctx) == [
+        "capture_scalar_outputs"]
+    # RTX 5090: sm_120 with a 12.8 ptxas is fine, 170 SMs is "big"
+    ctx = fake_ctx("3.3.1", (12, 8))
+    assert apply_patches(detect_device(props=RTX5090), kernel="triton", compile=True, ctx=ctx) == []
+    ctx = fake_ctx("3.2.0", (12, 4), candidates=[("/cuda13/ptxas", (13, 0))])
+    assert apply_patches(detect_device(props=RTX5090), compile=True, ctx=ctx) == ["ptxas"]
+    ctx = fake_ctx("3.6.0", None)
+    assert apply_patches(detect_device("cpu"), kernel="liger", compile=True, ctx=ctx) == []
+    with pytest.raises(ValueError, match="--kernel"):
+        apply_patches(detect_device("cpu"), kernel="fast", ctx=ctx)
+
+
+def test_max_autotune_and_real_config_restored():
+    """The real inductor module is patched and restored (global state left as found)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.utils as inductor_utils
+
+    original, before = inductor_utils.is_big_gpu, inductor_config.max_autotune_gemm
+    try:
+        ctx = fake_ctx()
+        ctx.inductor_modules, ctx.inductor_config = [inductor_utils], inductor_config
+        assert "is_big_gpu" in apply_patches(detect_device(props=GB10), compile=True,
+                                             max_autotune=True, ctx=ctx)
+        assert inductor_utils.is_big_gpu(0) is True and inductor_config.max_autotune_gemm is True
+    finally:
+        inductor_utils.is_big_gpu, inductor_config.max_autotune_gemm = original, before
+
+
+def test_configure_env_before_cuda():
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
+    assert P.configure_env_before_cuda("gb10", env) == ["expandable_segments"]
+    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    env = {}
+    assert P.configure_env_before_cuda("h100-sxm", env) == [] and env == {}
+    with pytest.raises(ValueError, match="spec_hint"):
+        P.configure_env_before_cuda("gb11", {})
+
+
+def test_memory_budget_reads_memavailable_on_unified():
+    meminfo = "MemTotal:       131072000 kB\nMemFree:  1000 kB\nMemAvailable:   100000000 kB\n"
+    budget = P.memory_budget_bytes(detect_device(props=GB10), meminfo=meminfo, headroom=0.1)
+    assert budget == int(100000000 * 1024 * 0.9)
+    assert P.memory_budget_bytes(detect_device("cpu")) is None
+
+
+def test_ptxas_rules():
+    assert P.required_ptxas((12, 1)) == (12, 9)
+    assert P.required_ptxas((12, 0)) == (12, 8)
+    assert P.required_ptxas((9, 0)) < (12, 0)
+
+
+@pytest.mark.cuda
+def test_real_device_detected_and_attention_probe():
+    spec = detect_device()
+    assert spec.cc == torch.cuda.get_device_capability()
+    results = P.probe_attention_backends()
+    assert results["sdpa-flash"] == "ok" or results["sdpa-cudnn"] == "ok"

@@ -1,0 +1,218 @@
+"""nanochat/precision.py: validation against simulated devices, the nvfp4 quantiser, TE recipe
+construction (with a fake TE), fp8 numerics and module swapping."""
+
+import dataclasses
+import enum
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanochat import precision as PR
+from nanochat.platform import SimpleProps, detect_device
+
+H100 = detect_device(props=SimpleProps("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 * 10**9))
+A100 = detect_device(props=SimpleProps("NVIDIA A100-SXM4-80GB", 8, 0, 108, 80 * 10**9))
+GB10 = detect_device(props=SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * 10**9))
+B200 = detect_device(props=SimpleProps("NVIDIA B200", 10, 0, 148, 180 * 10**9))
+CPU = detect_device("cpu")
+
+
+def test_requests_the_device_cannot_serve_raise():
+    with pytest.raises(ValueError, match="--precision nvfp4.*Blackwell.*emulated"):
+        PR.resolve("nvfp4", "auto", H100, te_available=True)
+    with pytest.raises(ValueError, match="--precision fp8.*8.9"):
+        PR.resolve("fp8", "auto", A100)
+    with pytest.raises(ValueError, match="--precision fp8"):
+        PR.resolve("fp8", "native", CPU)
+    with pytest.raises(ValueError, match="Transformer Engine"):
+        PR.resolve("nvfp4", "auto", GB10, te_available=False)
+    with pytest.raises(ValueError, match="--precision-backend te"):
+        PR.resolve("fp8", "te", H100, te_available=False)
+    with pytest.raises(ValueError, match="--precision-backend"):
+        PR.resolve("fp8", "magic", H100)
+    with pytest.raises(ValueError, match="--precision:"):
+        PR.resolve("fp6", "auto", H100)
+    with pytest.raises(ValueError, match="accepted for nvfp4"):
+        PR.resolve("nvfp4", "native", B200, te_available=True)
+
+
+def test_resolution_of_valid_requests():
+    assert PR.resolve("fp8", "auto", H100).backend == "native"
+    assert PR.resolve("fp8", "auto", GB10).backend == "native"
+    assert PR.resolve("nvfp4", "auto", GB10, te_available=True).backend == "te"
+    plan = PR.resolve("nvfp4", "emulated", CPU)
+    assert plan.backend == "emulated" and plan.peak_key == "bf16"
+    assert PR.resolve("auto", "auto", CPU, compute_dtype="fp32").precision == "fp32"
+    assert PR.resolve("bf16", "auto", H100).backend == "none"
+
+
+def test_e2m1_rounding_grid_and_ties():
+    y = torch.tensor([0.0, 0.2, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 7.0, -0.75, -5.0])
+    want = torch.tensor([0.0, 0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -1.0, -4.0])
+    torch.testing.assert_close(PR.round_to_e2m1(y), want)
+
+
+def test_nvfp4_quantiser_properties():
+    x = torch.randn(8, 64) * torch.logspace(-3, 2, 64)   # wide dynamic range across blocks
+    values, block_scale, tensor_scale = PR.quantize_nvfp4(x)
+    grid = torch.tensor(PR.E2M1_GRID)
+    assert torch.isin(values.abs(), grid).all()
+    assert block_scale.shape == (8, 4)
+    # block scales are representable in e4m3 and within its range
+    assert (block_scale.to(torch.float8_e4m3fn).float() == block_scale).all() and block_scale.max() <= 448
+    deq = (values * block_scale[..., None] * tensor_scale).reshape(x.shape)
+    # each block's largest element is reproduced within e2m1/e4m3 rounding
+    xb = x.reshape(8, 4, 16)
+    big = xb.abs().amax(-1)
+    dbig = deq.reshape(8, 4, 16).abs().amax(-1)
+    assert ((dbig - big).abs() / big).max() < 0.2
+    assert ((deq - x).norm() / x.norm()) < 0.15
+    with pytest.raises(ValueError, match="divisible by 16"):
+        PR.quantize_nvfp4(torch.randn(3, 20))
+
+
+def test_fake_quant_is_straight_through():
+    x = torch.randn(4, 32, requires_grad=True)
+    y = PR.fake_quant_nvfp4(x)
+    assert not torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([nn.ModuleDict({"c_q": nn.Linear(64, 64, bias=False),
+                                               "c_fc": nn.Linear(64, 256, bias=False),
+                                               "gate": nn.Linear(12, 4, bias=False)}) for _ in range(2)])
+        self.lm_head = nn.Linear(64, 96, bias=False)
+
+    def forward(self, x):
+        for blk in self.h:
+            x = x + blk["c_q"](x) + blk["c_fc"](x)[..., :64]
+        return self.lm_head(x)
+
+
+def test_module_swap_keeps_parameters_and_rules():
+    model = TinyGPT()
+    params_before = {n: p for n, p in model.named_parameters()}
+    keys_before = set(model.state_dict())
+    plan = PR.convert_model(model, PR.resolve("nvfp4", "emulated", CPU), CPU)
+    assert sorted(plan.converted) == ["h.0.c_fc", "h.0.c_q", "h.1.c_fc", "h.1.c_q"]
+    assert any(k.startswith("lm_head") for k in plan.kept_high_precision)
+    assert any("h.0.gate" in k and "not multiples of 32" in k for k in plan.kept_high_precision)
+    assert isinstance(model.h[0]["c_q"], PR.EmulatedNVFP4Linear) and type(model.lm_head) is nn.Linear
+    assert set(model.state_dict()) == keys_before
+    for n, p in model.named_parameters():
+        assert p is params_before[n]
+    x = torch.randn(3, 64)
+    y = model(x)
+    y.square().mean().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "gate" not in n)
+    with torch.no_grad():   # eval path is the plain matmul: differs from the quantised training one
+        assert not torch.allclose(model(x), y.detach())
+
+
+def test_startup_check_emulated_on_cpu():
+    rel = PR.startup_check(PR.resolve("nvfp4", "emulated", CPU), CPU, torch.device("cpu"), torch.float32)
+    assert 0 < rel < 0.25
+
+
+def test_fp8_linear_numerics_on_cpu():
+    try:
+        torch._scaled_mm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+                         torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
+                         scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU _scaled_mm")
+    _check_fp8_linear("cpu", torch.float32)
+
+
+def _check_fp8_linear(device, dtype):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False).to(device)
+    fp8 = PR._rebuild(PR.Fp8Linear, nn.Linear(256, 128, bias=False).to(device))
+    fp8.weight = nn.Parameter(lin.weight.detach().clone())
+    x = torch.randn(64, 256, device=device, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(64, 128, device=device, dtype=dtype)
+    y_ref = nn.functional.linear(x1.float(), lin.weight.float())
+    y_ref.backward(g.float())
+    y = fp8(x2)
+    y.backward(g)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(y, y_ref) < 0.06           # e4m3: 3 mantissa bits, per-tensor scales
+    assert rel(x2.grad, x1.grad) < 0.12   # e5m2 gradients: 2 mantissa bits
+    assert rel(fp8.weight.grad, lin.weight.grad) < 0.12
+    assert fp8.weight.grad.dtype == fp8.weight.dtype
+
+
+@pytest.mark.cuda
+def test_fp8_linear_numerics_on_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs cc >= 8.9")
+    _check_fp8_linear("cuda", torch.bfloat16)
+    layer = PR._rebuild(PR.Fp8Linear, nn.Linear(256, 256, bias=False).cuda())
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled(x).float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().max() > 0
+
+
+# ------------------------------------------------------------------------------------ fake TE
+
+class Format(enum.Enum):
+    E4M3 = 0
+    HYBRID = 1
+
+
+@dataclasses.dataclass
+class Float8CurrentScaling:
+    fp8_format: Format = Format.E4M3
+
+
+@dataclasses.dataclass
+class DelayedScaling:
+    fp8_format: Format = Format.E4M3
+
+
+def fake_te(with_override: bool):
+    fields = {"disable_rht": False, "disable_stochastic_rounding": False}
+    if with_override:
+        fields["backward_override"] = None
+    nvfp4 = dataclasses.make_dataclass("NVFP4BlockScaling",
+                                       [(k, object, dataclasses.field(default=v)) for k, v in fields.items()])
+    return types.SimpleNamespace(Format=Format, Float8CurrentScaling=Float8CurrentScaling,
+                                 DelayedScaling=DelayedScaling, NVFP4BlockScaling=nvfp4)
+
+
+def test_te_recipes_built_from_real_fields():
+    recipe, desc = PR.build_te_recipe("nvfp4", GB10, fake_te(True))
+    assert recipe.disable_rht is True and recipe.disable_stochastic_rounding is True
+    assert recipe.backward_override == "high_precision"
+    assert desc["recipe"] == "NVFP4BlockScaling"
+    recipe, _ = PR.build_te_recipe("nvfp4", B200, fake_te(False))   # Blackwell DC: RHT/SR fine
+    assert recipe.disable_rht is False
+    recipe, _ = PR.build_te_recipe("fp8", H100, fake_te(True))
+    assert isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format is Format.HYBRID
+    with pytest.raises(ValueError, match="DelayedScaling"):
+        PR.build_te_recipe("fp8", H100, fake_te(True), compile=True, fp8_recipe="delayed")
+    assert isinstance(PR.build_te_recipe("fp8", H100, fake_te(True), compile=False,
+                                         fp8_recipe="delayed")[0], DelayedScaling)
+
+
+def test_te_recipe_that_drops_fields_is_caught():
+    class Dropping:   # declares its fields (pydantic-style) but ignores the keywords given
+        model_fields = {"disable_rht": None, "disable_stochastic_rounding": None}
+        disable_rht = False
+        disable_stochastic_rounding = False
+
+        def __init__(self, **kwargs):
+            pass
+
+    te = fake_te(False)
+    te.NVFP4BlockScaling = Dropping
+    with pytest.raises(RuntimeError, match="after construction"):
+        PR.build_te_recipe("nvfp4", GB10, te)

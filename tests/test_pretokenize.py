@@ -1,0 +1,140 @@
+"""scripts/pretokenize.py and the binary shard format: round trip, dtypes, worker processes,
+refusing to mix tokenizers, corrupt-shard detection, resume."""
+
+import hashlib
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tiktoken
+
+from nanochat import binshards as bs
+from scripts import pretokenize as pt
+
+
+class ByteTokenizer:
+    """Stand-in with the nanochat.tokenizer contract: 256 byte tokens + <|bos|> (id 256)."""
+
+    def __init__(self, tag: str = "bytes-v1"):
+        self.tag = tag
+        self._enc = tiktoken.Encoding(name="test-bytes", pat_str=r"\S+|\s+",
+                                      mergeable_ranks={bytes([i]): i for i in range(256)},
+                                      special_tokens={"<|bos|>": 256})
+        self.bos_token_id, self.vocab_size = 256, 257
+        self.fingerprint = hashlib.sha256(tag.encode()).hexdigest()
+
+    def __getstate__(self):  # picklable for the worker processes
+        return {"tag": self.tag}
+
+    def __setstate__(self, state):
+        self.__init__(state["tag"])
+
+    def encode(self, text, prepend=None, num_threads=8):
+        rows = self._enc.encode_ordinary_batch([text] if isinstance(text, str) else text, num_threads=num_threads)
+        rows = [([prepend] if prepend is not None else []) + r for r in rows]
+        return rows[0] if isinstance(text, str) else rows
+
+    def decode(self, ids):
+        return self._enc.decode(list(ids))
+
+
+def make_docs(n: int, max_len: int) -> list[str]:
+    rng = random.Random(0)
+    return [f"{i:05d}|" + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(0, max_len)))
+            for i in range(n)]
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    docs = make_docs(90, max_len=300) + ["", "unicode: h\u00e9llo \u2603 \U0001F600"]
+    for i, part in enumerate((docs[:40], docs[40:85], docs[85:])):
+        pq.write_table(pa.table({"text": part}), d / f"shard_{i:05d}.parquet", row_group_size=16)
+    return d
+
+
+def all_docs(d):
+    return [t for p in sorted(d.glob("*.parquet")) for t in pq.read_table(p).column("text").to_pylist()]
+
+
+def test_round_trip(text_dir, tmp_path):
+    tok = ByteTokenizer()
+    out = tmp_path / "bin"
+    assert pt.main(["--data-dir", str(text_dir), "--out", str(out), "--workers", "1"], tokenizer=tok) == 0
+    shards = [bs.BinShard(p) for p in bs.list_bin_shards(out)]
+    assert [s.path.name for s in shards] == [f"shard_{i:05d}.bin" for i in range(3)]
+    texts = all_docs(text_dir)
+    got = [s.doc(i) for s in shards for i in range(s.num_docs)]
+    assert len(got) == len(texts)
+    for text, ids in zip(texts, got):
+        assert ids.tolist() == tok.encode(text, prepend=tok.bos_token_id)  # binary == encode(text)
+        assert tok.decode(ids[1:].tolist()) == text  # decode(binary) == text
+    h = shards[0].header
+    assert h.dtype == np.uint16 and h.fingerprint == tok.fingerprint and h.bos_token_id == 256
+    assert bs.read_meta(out)["fingerprint"] == tok.fingerprint
+
+
+def test_worker_processes_match_single_process(text_dir, tmp_path):
+    tok = ByteTokenizer()
+    pt.pretokenize(sorted(text_dir.glob("*.parquet")), tmp_path / "one", tok, workers=1, log=quiet)
+    pt.pretokenize(sorted(text_dir.glob("*.parquet")), tmp_path / "two", tok, workers=2, threads=2, log=quiet)
+    for a, b in zip(bs.list_bin_shards(tmp_path / "one"), bs.list_bin_shards(tmp_path / "two")):
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_refuses_to_mix_tokenizers(text_dir, tmp_path):
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        pt.pretokenize(shards, out, ByteTokenizer("another"), log=quiet)
+    (out / bs.META_NAME).unlink()  # the shard headers still say which tokenizer made them
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        pt.pretokenize(shards, out, ByteTokenizer("another"), log=quiet)
+
+
+def test_resume_skips_finished_and_rewrites_corrupt(text_dir, tmp_path):
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    assert len(pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)) == 3
+    good = (out / "shard_00001.bin").read_bytes()
+    (out / "shard_00001.bin").write_bytes(good[:-5])  # truncated
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        bs.BinShard(out / "shard_00001.bin")
+    written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    assert [r["shard"] for r in written] == ["shard_00001.bin"]
+    assert (out / "shard_00001.bin").read_bytes() == good
+
+
+def test_uint32_for_large_vocab(tmp_path):
+    assert bs.dtype_for_vocab(65536) == np.uint16 and bs.dtype_for_vocab(65537) == np.uint32
+    docs = [np.array([70000, 1, 65999]), np.array([70000]), np.array([70000, 69999, 2, 3])]
+    h = bs.write_shard(tmp_path / "x.bin", docs, vocab_size=70001, bos_token_id=70000, fingerprint="ab" * 32)
+    sh = bs.BinShard(tmp_path / "x.bin")
+    assert h.dtype == np.uint32 and sh.header == h and sh.doc_lengths().tolist() == [3, 1, 4]
+    assert [sh.doc(i).tolist() for i in range(3)] == [d.tolist() for d in docs]
+
+
+def test_writer_and_reader_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not start with BOS"):
+        bs.write_shard(tmp_path / "x.bin", [[5, 6]], vocab_size=300, bos_token_id=256, fingerprint="f")
+    with pytest.raises(ValueError, match="ids outside"):
+        bs.write_shard(tmp_path / "x.bin", [[256, 300]], vocab_size=300, bos_token_id=256, fingerprint="f")
+    assert not list(tmp_path.iterdir()), "a failed write leaves nothing behind"
+    (tmp_path / "junk.bin").write_bytes(b"\0" * 200)
+    with pytest.raises(ValueError, match="bad magic"):
+        bs.read_header(tmp_path / "junk.bin")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(pa.table({"body": ["x"]}), bad / "shard_00000.parquet")
+    with pytest.raises(ValueError, match="wrong schema"):
+        pt.main(["--data-dir", str(bad), "--out", str(tmp_path / "o")], tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError, match="--workers"):
+        pt.main(["--data-dir", str(bad), "--workers", "0"], tokenizer=ByteTokenizer())

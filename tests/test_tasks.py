@@ -1,0 +1,271 @@
+"""Tasks: rendering (with the tokenizer's loss masks), GSM8K tool calls and answers, HumanEval
+scoring through the sandbox, generated tasks, mixtures, loader errors, the eval loops, chat_eval flags."""
+
+import json
+
+import pytest
+import torch
+
+from nanochat.tasks import (ARC, EVAL_TASKS, GSM8K, MMLU, DataUnavailableError, HumanEval,
+                            IdentityConversations, LocalConversations, SpellingBee, TaskMixture,
+                            TaskSequence, get_conversations, get_task)
+from nanochat.tasks import common as tasks_common
+from nanochat.tasks.evaluate import chatcore, run_categorical, run_generative
+from nanochat.tasks.gsm8k import extract_answer, solution_to_parts
+from nanochat.tasks.humaneval import extract_program
+
+
+@pytest.fixture(autouse=True)
+def _isolated_base(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    for var in ("NANOCHAT_EVAL_DIR", "NANOCHAT_SFT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def tok(shared_data):
+    tokenizer = pytest.importorskip("nanochat.tokenizer")
+    rows = [json.loads(line) for line in open(shared_data / "eval" / "gsm8k.jsonl")][:300]
+    return tokenizer.Tokenizer.train([r["question"] + "\n" + r["answer"] for r in rows], 600)
+
+
+def test_multiple_choice_tasks(shared_data):
+    arc = ARC("challenge", data_dir=shared_data)
+    assert len(arc) == 1172 and arc.eval_type == "categorical"
+    conv = arc[0]
+    user, answer = conv["messages"][0]["content"], conv["messages"][1]["content"]
+    assert conv["letters"] == ["A", "B", "C", "D"] and answer == "C"
+    assert "\nA. Planetary density will decrease." in user and "\nD. " in user
+    assert arc.evaluate(conv, " C") and arc.evaluate(conv, "c.") and not arc.evaluate(conv, "A")
+    mmlu = MMLU(subject="astronomy", data_dir=shared_data)
+    assert 0 < len(mmlu) < 1000 and mmlu[0]["subject"] == "astronomy"
+    assert mmlu[0]["messages"][0]["content"].startswith("(astronomy)")
+    with pytest.raises(ValueError, match="subset"):
+        ARC("medium")
+    with pytest.raises(ValueError, match="MMLU split"):
+        MMLU("train")
+
+
+def test_gsm8k_tool_calls_and_answers(shared_data):
+    parts = solution_to_parts("She makes 9 * 2 = $<<9*2=18>>18 a day.\n#### 18")
+    assert parts == [{"type": "text", "text": "She makes 9 * 2 = $"}, {"type": "python", "text": "9*2"},
+                     {"type": "python_output", "text": "18"}, {"type": "text", "text": "18 a day.\n#### 18"}]
+    assert solution_to_parts("odd <<oops>> text")[0]["text"] == "odd <<oops>> text"  # no '=': kept as text
+    assert extract_answer("so #### 1,234") == "1234" and extract_answer("#### -7.5.") == "-7.5"
+    assert extract_answer("#### 3 then #### 4") == "4" and extract_answer("no marker 5") is None
+    gsm = GSM8K(data_dir=shared_data)
+    conv = gsm[0]
+    kinds = [p["type"] for p in conv["messages"][1]["content"]]
+    assert kinds.count("python") == kinds.count("python_output") == 2 and conv["answer"] == "18"
+    assert gsm.evaluate(conv, "the answer\n#### 18") and gsm.evaluate(conv, "#### 18.0")
+    assert not gsm.evaluate(conv, "#### 17") and not gsm.evaluate(conv, "18")
+    assert gsm.reward(conv, "#### 18") == 1.0
+    n_calls = sum(sum(p["type"] == "python" for p in gsm[i]["messages"][1]["content"]) for i in range(50))
+    assert n_calls > 50  # most solutions call the calculator
+
+
+def test_render_conversation_masks(tok, shared_data):
+    conv = GSM8K(data_dir=shared_data)[0]
+    ids, mask = tok.render_conversation(conv)
+    sp = {n: tok.encode_special(f"<|{n}|>") for n in ("assistant_start", "assistant_end", "python_start",
+                                                       "python_end", "output_start", "output_end", "user_end")}
+    assert ids[0] == tok.bos_token_id and sum(mask[: ids.index(sp["user_end"]) + 1]) == 0
+    i_ps, i_pe = ids.index(sp["python_start"]), ids.index(sp["python_end"])
+    i_os, i_oe = ids.index(sp["output_start"]), ids.index(sp["output_end"])
+    assert all(mask[i_ps: i_pe + 1]) and not any(mask[i_os: i_oe + 1])  # tool call trained, output not
+    assert tok.decode(ids[i_ps + 1: i_pe]) == "16-3-4" and tok.decode(ids[i_os + 1: i_oe]) == "9"
+    assert ids[-1] == sp["assistant_end"] and mask[-1] == 1
+    prompt = tok.render_for_completion(conv)
+    assert prompt[-1] == sp["assistant_start"] and ids[: len(prompt)] == prompt
+    for task in (SpellingBee(split="test", data_dir=shared_data), IdentityConversations(size=5),
+                 ARC(data_dir=shared_data), LocalConversations(data_dir=shared_data)):
+        ids, mask = tok.render_conversation(task[0])
+        assert 0 < sum(mask) < len(ids)
+
+
+def test_humaneval_through_the_sandbox(shared_data):
+    he = HumanEval(data_dir=shared_data)
+    assert len(he) == 164
+    for i in (0, 2):
+        conv = he[i]
+        body = conv["messages"][1]["content"][len(conv["prompt"]):]
+        assert he.evaluate(conv, body)  # body only: the prompt is prepended
+        assert he.evaluate(conv, f"Here you go:\n```python\n{conv['messages'][1]['content']}```\nDone.")
+        assert not he.evaluate(conv, "    return None\n")
+    conv = he[0]
+    assert not he.evaluate(conv, "    import os\n    os.system('rm -rf /')\n    return True\n")
+    looping = "    while True:\n        pass\n"
+    fast = HumanEval(data_dir=shared_data, timeout_s=1.0)
+    assert not fast.evaluate(conv, looping)
+    program = extract_program("def has_close_elements(numbers, threshold):\n    return False\n", conv["prompt"],
+                              "has_close_elements")
+    assert program.startswith("from typing import List")  # imports kept when the model redefines
+
+
+def test_spelling_bee_is_generated_deterministically(shared_data):
+    train, test = SpellingBee(size=50, data_dir=shared_data), SpellingBee(size=50, split="test", data_dir=shared_data)
+    again = SpellingBee(size=50, data_dir=shared_data)
+    assert [train[i] for i in range(10)] == [again[i] for i in range(10)]
+    assert not {train[i]["word"] for i in range(50)} & {test[i]["word"] for i in range(50)}
+    for i in range(50):
+        ex = train[i]
+        parts = ex["messages"][1]["content"]
+        assert ex["word"].count(ex["letter"]) == int(ex["answer"])
+        assert parts[1] == {"type": "python", "text": f'"{ex["word"]}".count("{ex["letter"]}")'}
+        assert parts[2]["text"] == ex["answer"] and train.evaluate(ex, parts[-1]["text"])
+    assert SpellingBee(size=50, seed=1, data_dir=shared_data)[0] != train[0] or \
+        SpellingBee(size=50, seed=1, data_dir=shared_data)[1] != train[1]
+
+
+def test_identity_conversations():
+    task = IdentityConversations(size=200, seed=3)
+    assert [task[i] for i in range(20)] == [IdentityConversations(size=200, seed=3)[i] for i in range(20)]
+    texts = [m["content"] for i in range(200) for m in task[i]["messages"]]
+    assert any("nanochat-spark" in t for t in texts) and len(set(texts)) > 20
+    for i in range(200):
+        roles = [m["role"] for m in task[i]["messages"]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2)
+
+
+def test_mixture_sequence_and_slicing():
+    a, b = IdentityConversations(size=30, seed=1), IdentityConversations(size=10, seed=2)
+    mix = TaskMixture([a, b, b], seed=5)
+    assert len(mix) == 50 and [mix[i] for i in range(50)] == [TaskMixture([a, b, b], seed=5)[i] for i in range(50)]
+    assert sum(mix.task_of(i) is b for i in range(50)) == 20  # listed twice = oversampled
+    assert [mix[i] for i in range(50)] != [TaskMixture([a, b, b], seed=6)[i] for i in range(50)]
+    two = TaskMixture([a, b], seed=5, epochs=2)
+    assert len(two) == 80 and sorted(map(str, (two[i] for i in range(40)))) == sorted(map(str, (two[i] for i in range(40, 80))))
+    seq = TaskSequence([a, b])
+    assert len(seq) == 40 and seq[30] == b[0] and seq[-1] == b[9]
+    sliced = IdentityConversations(size=30, seed=1, start=5, stop=20, step=5)
+    assert len(sliced) == 3 and sliced[1] == a[10]
+    with pytest.raises(IndexError):
+        sliced[3]
+    with pytest.raises(ValueError, match="slice"):
+        IdentityConversations(start=5, stop=2)
+    with pytest.raises(ValueError, match="epochs"):
+        TaskMixture([a], epochs=0)
+
+
+def test_loader_error_names_local_and_hub(tmp_path, monkeypatch):
+    def no_datasets():
+        raise ImportError("No module named 'datasets'")
+
+    monkeypatch.setattr(tasks_common, "_import_datasets", no_datasets)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataUnavailableError) as e:
+        ARC("easy", data_dir=empty)
+    msg = str(e.value)
+    assert str(empty / "arc_easy_test.jsonl") in msg and "allenai/ai2_arc" in msg and "datasets" in msg
+    monkeypatch.setenv("NANOCHAT_SFT_DIR", str(empty))
+    with pytest.raises(DataUnavailableError, match="HuggingFaceTB/smol-smoltalk"):
+        get_conversations("train")
+    with pytest.raises(DataUnavailableError, match="words.txt"):
+        SpellingBee(data_dir=empty)
+
+
+def test_hub_fallback_converts_rows(tmp_path, monkeypatch):
+    class FakeDatasets:
+        @staticmethod
+        def load_dataset(name, config, split):
+            assert (name, config, split) == ("allenai/ai2_arc", "ARC-Easy", "test")
+            return [{"id": "x1", "question": "Sky colour?", "answerKey": "B",
+                     "choices": {"text": ["green", "blue"], "label": ["A", "B"]}}]
+
+    monkeypatch.setattr(tasks_common, "_import_datasets", lambda: FakeDatasets)
+    arc = ARC("easy", data_dir=tmp_path)
+    assert arc.source.startswith("hub:allenai/ai2_arc") and arc[0]["messages"][1]["content"] == "B"
+
+
+def test_env_dir_override_and_local_conversations(tmp_path, monkeypatch, shared_data):
+    (tmp_path / "arc_easy.jsonl").write_text(json.dumps({"id": "1", "question": "2+2?", "choices": ["4", "5"], "answer": 0}) + "\n")
+    monkeypatch.setenv("NANOCHAT_EVAL_DIR", str(tmp_path))
+    assert len(ARC("easy")) == 1
+    train, test = LocalConversations("train", data_dir=shared_data), LocalConversations("test", data_dir=shared_data)
+    assert len(train) + len(test) == 898 + 1078 and len(test) == 45 + 54
+    bad = tmp_path / "sft"
+    bad.mkdir()
+    (bad / "x.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="x.jsonl:1"):
+        LocalConversations("test", data_dir=bad)
+    with pytest.raises(ValueError, match="--conversations"):
+        get_conversations("train", source="web")
+
+
+class LetterModel(torch.nn.Module):
+    """Always puts the highest logit on one token."""
+
+    def __init__(self, vocab_size, token):
+        super().__init__()
+        self.vocab_size, self.token = vocab_size, token
+
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, self.vocab_size)
+        logits[..., self.token] = 5.0
+        return logits
+
+
+def test_categorical_and_generative_loops(tok, shared_data):
+    arc = ARC("easy", data_dir=shared_data)
+    model = LetterModel(tok.vocab_size, tok.encode("B")[0])
+    res = run_categorical(model, tok, arc, "cpu", batch_size=7, max_problems=40)
+    golds = [arc[i]["messages"][1]["content"] for i in range(40)]
+    assert res.total == 40 and res.passed == golds.count("B")
+
+    class FakeEngine:
+        max_seq_len = 4096
+
+        def generate_batch(self, prompt, num_samples, **kw):
+            answers = ["#### 17", "#### 18"]  # the second sample is right for problem 0
+            return [prompt + tok.encode(answers[s % 2]) for s in range(num_samples)], None
+
+    gsm = GSM8K(data_dir=shared_data)
+    one = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=1, max_problems=1)
+    two = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=2, max_problems=1)
+    assert (one.passed, two.passed) == (0, 1)  # pass@k
+    assert chatcore({"ARC-Easy": 0.25, "GSM8K": 0.5}, {n: b for n, (_, b) in EVAL_TASKS.items()}) == pytest.approx(0.25)
+
+
+def test_get_task_and_chat_eval_flags():
+    from scripts.chat_eval import parse_args
+
+    assert set(EVAL_TASKS) == {"ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"}
+    with pytest.raises(ValueError, match="--task-name"):
+        get_task("TriviaQA")
+    cfg = parse_args(["-i", "sft", "-a", "ARC-Easy|GSM8K", "--max_problems", "5", "--num-samples", "2"])
+    assert cfg.tasks() == ["ARC-Easy", "GSM8K"] and cfg.max_problems == 5 and cfg.num_samples == 2
+    for argv, flag in ((["-i", "pretrain"], "--source"), (["-i", "sft", "-a", "ARC"], "--task-name"),
+                       (["-i", "sft", "--temperature", "-1"], "--temperature"), (["-i", "sft", "--step", "x"], "--step")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)
+
+
+def test_chat_eval_end_to_end(tmp_path, monkeypatch, tok):
+    """A depth-1 random GPT saved as an SFT checkpoint, evaluated on 2 problems of every task."""
+    from dataclasses import asdict
+
+    gpt = pytest.importorskip("nanochat.gpt")
+    from nanochat.checkpoint import checkpoint_dir, save_checkpoint
+    from nanochat.tokenizer import tokenizer_dir
+    from scripts import chat_eval
+
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    tok.save(tokenizer_dir(base))
+    cfg = gpt.GPTConfig(sequence_len=1024, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=32,
+                        window_pattern="L")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    model.init_weights()
+    save_checkpoint(checkpoint_dir("sft", "d1", base), 3, model_state=model.state_dict(),
+                    meta={"model_config": asdict(cfg), "tokenizer_fingerprint": tok.fingerprint, "model_tag": "d1"})
+    out_path = tmp_path / "results.json"
+    out = chat_eval.main(["-i", "sft", "--model-tag", "d1", "-x", "2", "--max-new-tokens", "8", "--device", "cpu",
+                          "--out", str(out_path)])
+    assert set(out["results"]) == set(EVAL_TASKS) and out["complete"] and out["step"] == 3
+    for name, r in out["results"].items():
+        assert r["total"] == 2 and 0 <= r["accuracy"] <= 1, name
+    assert json.loads(out_path.read_text())["ChatCORE"] == pytest.approx(out["ChatCORE"])
+    section = json.loads((base / "report" / "sections" / "chat-evaluation-sft.json").read_text())
+    assert section["entries"][0]["data"]["ChatCORE metric"] == pytest.approx(out["ChatCORE"])
