@@ -224,6 +224,7 @@ def _worker(rank, world_size, port, out_path):
             opt.step()
         if rank == 0:
             torch.save([p.detach() for p in model.parameters()], out_path)
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
 
