@@ -189,3 +189,14 @@ def barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def run_cli(main) -> None:
+    """Run a command-line `main()` and exit with its code; user errors print one line, exit 2."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
