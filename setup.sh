@@ -8,9 +8,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$REPO"
 
-# mid_train and chat_sft join this list when their recipes land (issue [Eval]); until then chat_eval
-# evaluates the base model.
-STAGES=(env data tokenizer tok_eval base_train base_eval chat_eval report)
+# chat_eval evaluates the SFT model; RL (python -m scripts.chat_rl) is optional and not a stage.
+STAGES=(env data tokenizer tok_eval base_train base_eval mid_train chat_sft chat_eval report)
 
 usage() {
   cat <<EOF
@@ -29,6 +28,7 @@ Options:
   --install-rust     install a Rust toolchain with rustup if cargo is missing
   --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat)
   --dry-run          print what would run, run nothing
+  --list-stages      print the stage names, one per line, and exit
   -h, --help         this text
 Environment: WANDB_RUN=name turns on wandb logging; TORCH_INDEX_URL overrides the torch wheel index.
 EOF
@@ -53,6 +53,7 @@ while [[ $# -gt 0 ]]; do
     --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
     --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --list-stages) printf '%s\n' "${STAGES[@]}"; exit 0 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option '$1' (see ./setup.sh --help)" ;;
   esac
@@ -104,7 +105,9 @@ RUN_NAME="${WANDB_RUN:-dummy}"
 case "$PRESET" in
   tiny)
     DATA_CMD=(python -m nanochat.dataset --source shakespeare)
-    VOCAB=2048; DEPTH=2; SEQ=256; DBS=8; TBS=4096; ITERS=300; PRECISION=fp32; KERNEL=current
+    # SEQ 2048: Shakespeare scenes are ~1,600 tokens (p90 ~2,050), so 256 cropped 83% of the
+    # tokens away (packing keeps documents BOS-aligned); 2048 drops ~6% for ~1.5x the step time.
+    VOCAB=2048; DEPTH=2; SEQ=2048; DBS=2; TBS=4096; ITERS=250; PRECISION=fp32; KERNEL=current
     EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile ;;
   spark)
     DATA_CMD=(python -m nanochat.dataset --source climbmix -n 170)
@@ -127,12 +130,14 @@ stage_cmd() {  # prints the command of a stage, one argument per line
         --precision "$PRECISION" --kernel "$KERNEL" "$COMPILE" --eval-tokens "$EVAL_TOKENS" \
         --run "$RUN_NAME" --model-tag "$MODEL_TAG" ;;
     base_eval) printf '%s\n' python -m scripts.base_eval --model-tag "$MODEL_TAG" --eval core,bpb,sample \
-        --max-per-task "$MAX_PROBLEMS" ;;
-    mid_train) printf '%s\n' python -m scripts.mid_train --model-tag "$MODEL_TAG" --num-iterations "$MID_ITERS" \
-        --device-batch-size "$DBS" --max-seq-len "$SEQ" --run "$RUN_NAME" ;;
-    chat_sft) printf '%s\n' python -m scripts.chat_sft --model-tag "$MODEL_TAG" --num-iterations "$SFT_ITERS" \
-        --run "$RUN_NAME" ;;
-    chat_eval) printf '%s\n' python -m scripts.chat_eval -i base --model-tag "$MODEL_TAG" --max-problems "$MAX_PROBLEMS" ;;
+        --max-per-task "$MAX_PROBLEMS" --eval-tokens "$EVAL_TOKENS" --device-batch-size "$DBS" ;;
+    # offline (tiny) there are no train splits of MMLU/ARC/GSM8K: train on the local test files minus
+    # their first 100 problems, which chat_eval (--max-problems <= 100) then scores unseen
+    mid_train|chat_sft) local offline=(); [[ "$PRESET" == tiny ]] && offline=(--test-holdout 100)
+      local iters="$MID_ITERS"; [[ "$1" == chat_sft ]] && iters="$SFT_ITERS"
+      printf '%s\n' python -m "scripts.$1" --model-tag "$MODEL_TAG" --num-iterations "$iters" \
+        --device-batch-size "$DBS" --max-seq-len "$SEQ" "$COMPILE" --run "$RUN_NAME" "${offline[@]}" ;;
+    chat_eval) printf '%s\n' python -m scripts.chat_eval -i sft --model-tag "$MODEL_TAG" --max-problems "$MAX_PROBLEMS" ;;
     report) printf '%s\n' python -m nanochat.report generate ;;
   esac
 }
@@ -167,7 +172,38 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
 }
 
 # ---------------------------------------------------------------- env stage
+# The env stage's done-marker lives in .venv (deleting .venv forgets it) and holds the interpreter,
+# the torch index, the extras and a hash of the files that define the install (pyproject.toml and
+# the Rust crate); a rerun skips the installs when all match and the venv imports torch + rustbpe.
+ENV_MARKER="$REPO/.venv/.setup-env.done"
+env_torch_args() {
+  if [[ -n "${TORCH_INDEX_URL:-}" ]]; then printf '%s\n' --index-url "$TORCH_INDEX_URL"
+  elif [[ "$ARCH" == aarch64 && -n "$GPU_NAME" ]]; then
+    # DGX Spark: PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4).
+    printf '%s\n' --index-url https://download.pytorch.org/whl/cu130
+  fi
+}
+env_extras() {
+  local extras="web,dev"
+  [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
+  [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
+  echo "$extras"
+}
+env_marker_text() {
+  echo "python=$PY ($("$PY" --version 2>&1))"
+  echo "torch_args=$(env_torch_args | tr '\n' ' ')"
+  echo "extras=$(env_extras)"
+  (cd "$REPO" && find pyproject.toml rustbpe -type f \( -name '*.toml' -o -name '*.rs' \) \
+     -not -path 'rustbpe/target/*' -print0 | sort -z | xargs -0 sha256sum)
+}
+env_done() {
+  [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text)" ]] \
+    && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
+}
 env_stage() {
+  if env_done; then say "[env] done already (same config): skipping"; return 0; fi
+  local t0=$SECONDS
+  [[ -x "$HOME/.local/bin/uv" ]] && export PATH="$HOME/.local/bin:$PATH"   # a uv installed by an earlier run
   if ! command -v uv >/dev/null 2>&1; then
     say "installing uv from PyPI (pip --user)"
     "$PY" -m pip install --quiet --user uv || die "could not install uv: run 'python3 -m pip install uv' and retry"
@@ -175,18 +211,13 @@ env_stage() {
   fi
   [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
   local torch_args=()
-  if [[ -n "${TORCH_INDEX_URL:-}" ]]; then torch_args=(--index-url "$TORCH_INDEX_URL")
-  elif [[ "$ARCH" == aarch64 && -n "$GPU_NAME" ]]; then
-    # DGX Spark: PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4).
-    torch_args=(--index-url https://download.pytorch.org/whl/cu130)
-  fi
+  mapfile -t torch_args < <(env_torch_args)
   if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
     say "installing torch ${torch_args[*]:-(PyPI)}"
     uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
   fi
-  local extras="web,dev"
-  [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
-  [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
+  local extras
+  extras="$(env_extras)"
   say "installing nanochat-spark[$extras]"
   uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
   if ! command -v cargo >/dev/null 2>&1; then
@@ -201,10 +232,14 @@ env_stage() {
   say "building the Rust tokenizer (rustbpe) with maturin"
   uv pip install --quiet -p .venv/bin/python ./rustbpe
   .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
+  say "[env] finished in $((SECONDS - t0)) s"
 }
 
 if should_run env; then
-  if [[ $DRY_RUN -eq 1 ]]; then say "[env] would create .venv, install torch, the project and rustbpe"; else env_stage; fi
+  if [[ $DRY_RUN -eq 0 ]]; then env_stage
+  elif env_done; then say "[env] done already (same config): skipping"
+  else say "[env] would create .venv, install torch, the project and rustbpe"; fi
 fi
 export PATH="$REPO/.venv/bin:$PATH"
 
@@ -215,12 +250,17 @@ for stage in "${STAGES[@]:1}"; do
 done
 
 if should_run report && [[ $DRY_RUN -eq 0 ]]; then
+  CHAT_SOURCE=base   # the most finished phase that has a checkpoint (sft > mid > base)
+  for phase in sft mid; do
+    if [[ -d "$BASE_DIR/checkpoints/$phase/$MODEL_TAG" ]]; then CHAT_SOURCE=$phase; break; fi
+  done
   cat <<EOF
 
 All stages done. Artefacts are in $BASE_DIR (report: $BASE_DIR/report/report.md).
-Chat with your model:
+Chat with your model ($CHAT_SOURCE checkpoint, tag $MODEL_TAG):
   source .venv/bin/activate
-  python -m scripts.chat_web          # then open http://127.0.0.1:8000 in a browser
-  python -m scripts.chat_cli -p "Why is the sky blue?"
+  export NANOCHAT_BASE_DIR=$BASE_DIR
+  python -m scripts.chat_web -i $CHAT_SOURCE --model-tag $MODEL_TAG    # then open http://127.0.0.1:8000
+  python -m scripts.chat_cli -i $CHAT_SOURCE --model-tag $MODEL_TAG -p "Why is the sky blue?"
 EOF
 fi

@@ -143,6 +143,9 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
         raise ValueError(f"--seed: got {seed!r}; accepted: an integer >= 0")
     device_type = _resolve_device_type(device)
     compute_dtype = _resolve_dtype(dtype, device_type)
+    # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
+    from nanochat.platform import patch_cpu_amx
+    patch_cpu_amx()
     ddp, rank, local_rank, world_size = _torchrun_position()
 
     if device_type == "cuda":
@@ -168,6 +171,9 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
         if not dist.is_initialized():
             backend = "nccl" if device_type == "cuda" else "gloo"
             kwargs = {"device_id": torch_device} if device_type == "cuda" else {}
+            if backend == "nccl":  # NVLink multicast stays off unless the user set it (distributed.py)
+                from nanochat.distributed import nccl_env_defaults
+                nccl_env_defaults()
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     # Every rank gets the same seed: the model must initialise identically on all ranks
     # (data differs by rank through the loader's sharding, not through the RNG).

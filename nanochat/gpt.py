@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.attention import KVCache, attention, prepare_masks, resolve_backend
+from nanochat.attention import KVCache, StaticKV, attention, prepare_masks, resolve_backend
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 VE_GATE_CHANNELS = 32
@@ -341,18 +341,26 @@ class GPT(nn.Module):
         prepare_masks(seq_len or self.config.sequence_len, self.windows, device,
                       resolve_backend(self.attn_backend, device))
 
+    def _rotary(self, T: int, kv_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for positions [pos, pos + T) (pos = 0 without a cache)."""
+        if isinstance(kv_cache, StaticKV):
+            # Device-side position: a gather, so the step's shapes do not depend on it. The
+            # caller bounds the position by the cache length (<= sequence_len < table length).
+            return (self.cos.index_select(1, kv_cache.pos).to(dtype),
+                    self.sin.index_select(1, kv_cache.pos).to(dtype))
+        T0 = 0 if kv_cache is None else kv_cache.pos
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"GPT.forward: position {T0 + T} exceeds the rotary table ({self.cos.size(1)})")
+        return self.cos[:, T0:T0 + T].to(dtype), self.sin[:, T0:T0 + T].to(dtype)
+
     # ------------------------------------------------------------------------------------------
-    def forward(self, idx, targets=None, kv_cache: KVCache | None = None, loss_reduction: str = "mean"):
+    def forward(self, idx, targets=None, kv_cache: KVCache | StaticKV | None = None, loss_reduction: str = "mean"):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction: got {loss_reduction!r}; accepted: mean|sum|none")
         B, T = idx.shape
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile
-        T0 = 0 if kv_cache is None else kv_cache.pos
-        if T0 + T > self.cos.size(1):
-            raise ValueError(f"GPT.forward: position {T0 + T} exceeds the rotary table ({self.cos.size(1)})")
-        cos = self.cos[:, T0:T0 + T].to(dtype)
-        sin = self.sin[:, T0:T0 + T].to(dtype)
+        cos, sin = self._rotary(T, kv_cache, dtype)
         x = norm(self.wte(idx).to(dtype))
         x0 = x
         for i, block in enumerate(self.blocks):

@@ -73,6 +73,12 @@ def muon_update(grad, momentum_buffer, momentum, nesterov: bool, ns_steps: int):
     return orthogonalize(g, ns_steps) * scale
 
 
+def muon_momentum_step(grad, momentum_buffer, momentum, nesterov: bool):
+    """The momentum half of muon_update (in place on the buffer); returns the direction to orthogonalise."""
+    momentum_buffer.mul_(momentum).add_(grad * (1 - momentum))
+    return grad * (1 - momentum) + momentum_buffer * momentum if nesterov else momentum_buffer.clone()
+
+
 def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd) -> None:
     """In-place AdamW on one tensor; step/lr/betas/eps/wd are 0-dim tensors."""
     p.mul_(1 - lr * wd)
@@ -116,8 +122,28 @@ class MuonAdamW(torch.optim.Optimizer):
             group.setdefault("initial_lr", group["lr"])
             group.setdefault("initial_weight_decay", group.get("weight_decay", 0.0))
         self.world_size, self.rank = world_size, rank
+        self.fsdp = _uses_dtensors(self.param_groups)
         self._compile = compile
         self._compiled: dict = {}
+
+    # -- per-rank state layout: a state saved by one layout must not load into another ---------
+    def layout(self) -> dict:
+        return {"world_size": self.world_size, "fsdp": self.fsdp}
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["layout"] = self.layout()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("layout", None)
+        if saved is not None and saved != self.layout():
+            raise ValueError(f"--resume: the optimizer state was saved with world_size={saved['world_size']}, "
+                             f"fsdp={saved['fsdp']} but this run has world_size={self.world_size}, fsdp={self.fsdp}; "
+                             f"its per-rank shards cannot be resharded: resume with torchrun --nproc_per_node "
+                             f"(x nodes) = {saved['world_size']} and {'--fsdp' if saved['fsdp'] else 'no --fsdp'}")
+        super().load_state_dict(state_dict)
 
     # -- schedules -----------------------------------------------------------------------------
     def set_hparams(self, *, lr_mult: float = 1.0, momentum: float | None = None, wd_mult: float = 1.0) -> None:
@@ -130,7 +156,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # -- step functions (compiled lazily on CUDA) ----------------------------------------------
     def _fn(self, name: str, device: torch.device):
-        fn = {"muon": muon_update, "adamw": adamw_update}[name]
+        fn = {"muon": muon_update, "adamw": adamw_update, "momentum": muon_momentum_step,
+              "ortho": orthogonalize}[name]
         use_compile = self._compile if self._compile is not None else device.type == "cuda"
         if not use_compile:
             return fn
@@ -167,7 +194,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.world_size == 1:
+        if self.fsdp:
+            self._step_fsdp()
+        elif self.world_size == 1:
             self._step_local()
         else:
             self._step_distributed()
@@ -231,6 +260,56 @@ class MuonAdamW(torch.optim.Optimizer):
             work.wait()
             if group is not None:
                 _apply_muon(group["params"], full, group["lr"], group["weight_decay"], group.get("cautious_wd", True))
+
+
+    def _step_fsdp(self) -> None:
+        """FSDP2 parameters (DTensor, Shard(0)): gradients are already reduce-scattered and averaged.
+        AdamW updates the local shard in place. Muon keeps its momentum on the local rows, all-gathers
+        the (K, m, n) stack for the orthogonalisation (every rank computes the full update, a W-fold
+        redundancy bought for simplicity) and applies its own rows."""
+        from torch.distributed.tensor import DTensor, Shard
+        for group in self.param_groups:
+            params = group["params"]
+            if group["kind"] == "adamw":
+                for p in params:
+                    if p.grad is not None:
+                        self._adamw_tensor(group, p.to_local(), p.grad.to_local(), self.state[p])
+                continue
+            if all(p.grad is None for p in params):
+                continue
+            p0 = params[0]
+            assert tuple(p0.placements) == (Shard(0),), f"FSDP Muon expects Shard(0), got {p0.placements}"
+            local = [p.to_local() for p in params]
+            grads = torch.stack([p.grad.to_local() if p.grad is not None else torch.zeros_like(l)
+                                 for p, l in zip(params, local)])
+            state = self.state[p0]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grads)
+            momentum = torch.tensor(float(group["momentum"]))
+            g = self._fn("momentum", grads.device)(grads, state["momentum_buffer"], momentum,
+                                                   bool(group.get("nesterov", True)))
+            K, (m, n) = len(params), tuple(p0.shape)
+            full = DTensor.from_local(g, p0.device_mesh, [Shard(1)], shape=torch.Size((K, m, n)),
+                                      stride=(m * n, n, 1)).full_tensor()
+            update = self._fn("ortho", full.device)(full, int(group.get("ns_steps", 5))) * max(1.0, m / n) ** 0.5
+            rows = -(-m // p0.device_mesh.size())  # torch.chunk sizes, as Shard(0) uses
+            start = min(p0.device_mesh.get_local_rank() * rows, m)
+            assert local[0].size(0) == min(rows, m - start), "local shard is not a torch.chunk row range"
+            _apply_muon(local, update[:, start:start + local[0].size(0)], group["lr"], group["weight_decay"],
+                        group.get("cautious_wd", True))
+
+
+def _uses_dtensors(param_groups) -> bool:
+    """True when every parameter is a DTensor (FSDP2); a mix is a wiring error."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    flags = [isinstance(p, DTensor) for g in param_groups for p in g["params"]]
+    if any(flags) and not all(flags):
+        raise ValueError("MuonAdamW: some parameters are FSDP-sharded (DTensor) and some are not; "
+                         "build the optimizer after apply_fsdp() wrapped the whole model")
+    return bool(flags) and all(flags)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -426,6 +426,60 @@ def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
     return [n for n in [patch_expandable_segments(spec, ctx)] if n]
 
 
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+AMX_FALLBACK_ISA = "AVX512_CORE_BF16"  # the best ISA below AMX: bf16 dot products, no tiles
+
+
+def _bf16_matmul_in_child(timeout_s: float = 20.0) -> int | None:
+    """Fork, run one small bf16 matmul in the child; return the signal that killed it (0 = ran
+    fine, None = could not tell: no fork, or it did not finish in time)."""
+    import time
+    if not hasattr(os, "fork"):
+        return None
+    pid = os.fork()
+    if pid == 0:  # child: one thread (no OpenMP pool inherited across fork), then exit hard
+        try:
+            torch.set_num_threads(1)
+            a = torch.ones(32, 64, dtype=torch.bfloat16)
+            (a @ a.T).sum().item()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | None = None,
+                  probe: Callable[[], int | None] = _bf16_matmul_in_child) -> str | None:
+    """CPU bf16 matmuls die with SIGILL on VMs that advertise AMX (cpuinfo `amx_tile`) without
+    enabling its register state: torch >= 2.12 CPU builds' oneDNN then picks AMX kernels (seen
+    with torch 2.15.0 on Firecracker guests). Probe once in a forked child; if it dies, cap
+    oneDNN at AVX512_CORE_BF16. Must run before this process's first oneDNN matmul (oneDNN
+    reads the cap once); init_runtime and tests/conftest.py call it first. A user-set cap wins."""
+    env = os.environ if env is None else env
+    if ONEDNN_ISA_ENV in env:
+        return None
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    if "amx_tile" not in cpu_flags.split():
+        return None
+    if probe() != 4:  # 4 = SIGILL; anything else (fine, no fork, timeout): leave oneDNN alone
+        return None
+    env[ONEDNN_ISA_ENV] = AMX_FALLBACK_ISA
+    _log_once("cpu_amx", f"bf16 AMX kernels crash on this CPU (SIGILL in a probe): "
+                         f"{ONEDNN_ISA_ENV}={AMX_FALLBACK_ISA}")
+    return "cpu_amx"
+
+
 def _spec_from_nvidia_smi() -> DeviceSpec | None:
     """Identify GPU 0 without creating a CUDA context (so allocator env still takes effect)."""
     smi = shutil.which("nvidia-smi")
@@ -472,107 +526,11 @@ def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroo
 
 
 # --------------------------------------------------------------------------------------------
-# Preflight report: python -m nanochat.platform [--kernel K] [--precision P] [--no-compile]
-# --------------------------------------------------------------------------------------------
-
-def _module_version(name: str, dist: str | None = None) -> str:
-    try:
-        module = __import__(name)
-    except ImportError:
-        return "not installed"
-    except Exception as exc:  # a broken install (e.g. TE built for another torch) is reportable
-        return f"broken ({type(exc).__name__}: {exc})"[:120]
-    from importlib import metadata
-    try:
-        return metadata.version(dist or name.replace("_", "-"))
-    except metadata.PackageNotFoundError:
-        return str(getattr(module, "__version__", "?"))
-
-
-def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
-    """A real tiny forward+backward launch per backend: 'ok' or the error (DESIGN s4.6)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
-    results = {}
-    q, k, v = (torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    for label, backend in [("sdpa-flash", SDPBackend.FLASH_ATTENTION),
-                           ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
-                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)]:
-        try:
-            with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-            torch.cuda.synchronize()
-            results[label] = "ok"
-        except RuntimeError as exc:
-            results[label] = f"fails: {str(exc).splitlines()[0][:100]}"
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device=device)
-        torch.compile(flex_attention)(q, k, v, block_mask=mask).sum().backward()
-        torch.cuda.synchronize()
-        results["flex_attention"] = "ok"
-    except Exception as exc:  # report any failure mode of compile + launch, this is a report
-        results["flex_attention"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-    return results
-
-
-def triton_ptxas_in_use(spec: DeviceSpec) -> str:
-    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH"):
-        if os.environ.get(var):
-            return f"{os.environ[var]} (from {var})"
-    version = bundled_ptxas_version(spec.cc) if spec.cc else None
-    return f"bundled with triton (CUDA {version})" if version else "n/a"
-
-
-def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
-                     backend: str = "auto") -> dict[str, Any]:
-    spec = detect_device()
-    report: dict[str, Any] = {
-        "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
-        "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory,
-        "peak_tflops": spec.peak_tflops, "python": sys.version.split()[0],
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
-        "transformer_engine": _module_version("transformer_engine"),
-        "torchao": _module_version("torchao"),
-    }
-    report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
-    if spec.is_cuda:
-        report["cudnn"] = torch.backends.cudnn.version()
-        report["arch_list"] = torch.cuda.get_arch_list()
-        report["ptxas"] = triton_ptxas_in_use(spec)
-        report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
-        report["attention"] = probe_attention_backends()
-    from nanochat import precision as precision_mod
-    try:
-        dtype = "bf16" if spec.is_cuda else "fp32"
-        report["precision"] = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype).describe()
-    except (ValueError, RuntimeError) as exc:
-        report["precision"] = f"unavailable: {exc}"
-    return report
-
+# `python -m nanochat.platform`: the preflight report lives in nanochat/preflight.py
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description="nanochat-spark preflight report")
-    parser.add_argument("--kernel", "--kernel_name", default="current", choices=KERNELS)
-    parser.add_argument("--precision", default="auto")
-    parser.add_argument("--precision-backend", "--precision_backend", default="auto")
-    parser.add_argument("--no-compile", "--no_compile", action="store_true")
-    parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = preflight_report(args.kernel, not args.no_compile, args.precision, args.precision_backend)
-    if args.json:
-        print(json.dumps(report, default=str))
-    else:
-        for key, value in report.items():
-            print(f"{key:>20}: {value}")
-    return 0
+    from nanochat.preflight import main as preflight_main
+    return preflight_main(argv)
 
 
 if __name__ == "__main__":

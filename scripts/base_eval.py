@@ -143,7 +143,25 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
         atomic_write(out, lambda f: f.write(json.dumps(results, indent=2, default=str).encode()))
         print0(f"results written to {out}")
         results["output"] = str(out)
+        log_report(results)
     return results
+
+
+def log_report(results: dict) -> None:
+    """The report section of this evaluation (rank 0): bpb per split, CORE, timing."""
+    from nanochat.report import get_report
+    section = {"stage": results["phase"], "model_tag": results["model_tag"], "step": results["step"],
+               "seconds": round(results["seconds"], 1)}
+    section.update({f"{split}_bpb": v for split, v in results.get("bpb", {}).items()})
+    core = results.get("core")
+    if core is not None:
+        section.update({"CORE metric": core.get("core_metric"), "CORE complete": core.get("complete"),
+                        "CORE tasks": len(core.get("centered_results", {})),
+                        "centered": core.get("centered_results")})
+    if results.get("samples"):
+        section["samples"] = [s["text"] for s in results["samples"]]
+    title = "Base model evaluation" if results["phase"] == "base" else f"Evaluation {results['phase']}"
+    get_report().log(title, section)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.loop import LoopSpec, check_resume_compatible, log_stage_report, run_training_loop
 from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule, StepMeter, Tracker,
                                Trainer, auto_total_batch_size, check_wandb_available, evaluate_bpb,
                                fit_auto_batch, plan_batch, precision_module, require, require_float, require_int,
@@ -75,6 +76,7 @@ class BaseTrainConfig:
     precision_backend: str = "auto"         # fp8/nvfp4 implementation (precision.py)
     kernel: str = "current"
     compile: bool | None = None             # default: on for CUDA, off elsewhere
+    fsdp: bool = False                      # FSDP2-shard weights/grads/optimizer state (torchrun)
     seed: int = 42
     peak_flops: float | None = None         # dense bf16 FLOP/s per device (unknown GPUs)
     data_dir: str | None = None
@@ -113,6 +115,12 @@ class BaseTrainConfig:
         require(self.precision_backend in PRECISION_BACKENDS, "--precision-backend", self.precision_backend,
                 "|".join(PRECISION_BACKENDS))
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
+        if self.fsdp:  # FSDP2 needs a process group (torchrun, any WORLD_SIZE >= 1) and collective-only work
+            require("RANK" in os.environ, "--fsdp", True, "a torchrun launch (torchrun --nproc_per_node=N ...)")
+            require(self.sample_every <= 0, "--sample-every", self.sample_every,
+                    "-1 with --fsdp (sampling runs on rank 0 alone; sharded weights need every rank)")
+            require(self.precision in ("auto", "bf16", "fp32"), "--precision", self.precision,
+                    "auto|bf16|fp32 with --fsdp (fp8/nvfp4 modules are not FSDP-tested)")
         require_int(self.seed, "--seed", 0)
         if self.peak_flops is not None:
             require_float(self.peak_flops, "--peak-flops", 1e9)
@@ -134,6 +142,9 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
         if f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help="default: on for CUDA, off elsewhere")
+        elif f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(defaults, f.name),
+                                help=f"default: {getattr(defaults, f.name)}")
         else:
             default = getattr(defaults, f.name)
             parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=f"default: {default}")
@@ -213,6 +224,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         model.load_state_dict(resume["model"], strict=True)
     precision_info = setup_precision_and_kernel(model, cfg.precision, cfg.kernel, rt, compile=compile_model,
                                                 precision_backend=cfg.precision_backend)
+    if cfg.fsdp:  # shard before compile and before the optimizer (it must see the DTensor params)
+        from nanochat.distributed import apply_fsdp
+        apply_fsdp(model, rt)
     train_model = torch.compile(model, dynamic=False) if compile_model else model
 
     # ---- optimizer ----
@@ -244,81 +258,58 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "world_size": rt.world_size, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
                       directory=str(base_dir))
-    step, min_val_bpb, val_bpb = 0, math.inf, None
+    step, resume_loop = 0, None
     if resume is not None:
-        loop = resume["loop"]
-        step, min_val_bpb, val_bpb = loop["step"], loop["min_val_bpb"], loop["val_bpb"]
-        meter.load_state_dict(loop["meter"])
+        resume_loop = resume["loop"]
+        step = resume_loop["step"]
+        meter.load_state_dict(resume_loop["meter"])
         trainer.note_checkpoint(ckpt_dir / f"step_{step:06d}")
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
                  wandb_mode, resume_step=step if resume is not None else None)
     if resume is not None:  # last, so that model init above consumed nothing we restore
-        restore_rng_state(resume["loop"]["rng"])
+        restore_rng_state(resume_loop["rng"])
 
-    # ---- the loop: step `step` runs after the eval/sample/save that happen "at" it ----
-    start_step, losses = step, {}
-    while True:
-        last = step == num_iterations
-        if cfg.eval_every > 0 and (last or step % cfg.eval_every == 0):
-            model.eval()
-            val_loader = val_batches()
-            val_bpb = evaluate_bpb(train_model, val_loader, eval_steps, token_bytes)
-            val_loader.close()
-            model.train()
-            min_val_bpb = min(min_val_bpb, val_bpb)
-            print0(f"step {step:05d} | val bpb {val_bpb:.4f} (min {min_val_bpb:.4f})")
-            tracker.log({"val/bpb": val_bpb}, step)
-        if rt.is_master and cfg.sample_every > 0 and (last or (step > 0 and step % cfg.sample_every == 0)):
-            model.eval()
-            for text in sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=16):
-                print0(f"  sample: {text!r}")
-            model.train()
-        periodic = cfg.save_every > 0 and step % cfg.save_every == 0 and step != start_step
-        if last or periodic:
-            loop_state = trainer.loop_state(step, meter, min_val_bpb=min_val_bpb, val_bpb=val_bpb)
-            meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
-                    "train": train_meta, "config": asdict(cfg), "val_bpb": val_bpb,
-                    "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}
-            path = save_checkpoint(ckpt_dir, step, model_state=model.state_dict(),
-                                   optimizer_state=optimizer.state_dict(), loader_state=trainer.loader_state(),
-                                   loop_state=loop_state, meta=meta, rank=rt.rank)
-            trainer.note_checkpoint(path)
-            print0(f"step {step:05d} | saved checkpoint {path}")
-        if last:
-            break
-        result = trainer.step(step)
-        losses[step] = result.loss
-        metrics = meter.update(result)
-        print0(meter.log_line(metrics, num_iterations))
-        tracker.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step)
-        step += 1
+    def evaluate(_step: int) -> dict:
+        model.eval()
+        val_loader = val_batches()
+        val_bpb = evaluate_bpb(train_model, val_loader, eval_steps, token_bytes)
+        val_loader.close()
+        model.train()
+        return {"val_bpb": val_bpb}
+
+    def sample(_step: int) -> list[str]:
+        model.eval()
+        texts = sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=16)
+        model.train()
+        return texts
+
+    def save(at: int, loop_state: dict):
+        meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
+                "train": train_meta, "config": asdict(cfg), "val_bpb": loop_state["val_bpb"],
+                "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}
+        return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(),
+                               optimizer_state=optimizer.state_dict(), loader_state=trainer.loader_state(),
+                               loop_state=loop_state, meta=meta, rank=rt.rank)
+
+    # ---- the loop (nanochat/loop.py): eval / sample / save at a step, then the step ----
+    spec = LoopSpec("base", num_iterations, eval_every=cfg.eval_every, sample_every=cfg.sample_every,
+                    save_every=cfg.save_every, evaluate=evaluate, sample=sample, save=save,
+                    is_master=rt.is_master)
+    result = run_training_loop(trainer, meter, spec, tracker, start_step=step, resume_state=resume_loop)
+    val_bpb, min_val_bpb, losses = result.val_bpb, result.min_val_bpb, result.losses
 
     summary = {"model_tag": model_tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": val_bpb, "min_val_bpb": min_val_bpb if min_val_bpb < math.inf else None,
                "avg_tok_per_sec": meter.average_tok_per_sec(), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
+    log_stage_report("Base model training", "base", config=asdict(cfg), result=result, meter=meter,
+                     extra={**train_meta, **summary}, is_master=rt.is_master)
     summary["losses"] = losses  # raw per-step training losses of this process (tests, tooling)
     train_loader.close()
     tracker.finish()
     return summary
-
-
-def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
-    """A resumed run must continue the same model, batch layout and tokenizer."""
-    def mismatch(what, saved, now):
-        raise ValueError(f"--resume: the checkpoint has {what}={saved!r} but this run has {now!r}; "
-                         "use the flags of the original run (or start a new --model-tag)")
-    if meta.get("model_config") != model_config:
-        mismatch("model_config", meta.get("model_config"), model_config)
-    train = meta.get("train", {})
-    if train.get("total_batch_size") != plan.total_batch_size:
-        mismatch("total_batch_size", train.get("total_batch_size"), plan.total_batch_size)
-    if train.get("world_size", 1) != world_size:
-        mismatch("world_size", train.get("world_size"), world_size)
-    if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
-        mismatch("tokenizer_fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
 
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,

@@ -2,13 +2,17 @@
 decode memory-bandwidth utilisation, for a randomly initialised model (d20-sized by default).
 
     python -m scripts.bench_inference                                    # d20 on the GPU
-    python -m scripts.bench_inference --decode eager                     # without torch.compile
+    python -m scripts.bench_inference --decode graphs,compile,eager      # compare decode modes
     python -m scripts.bench_inference --device cpu --depth 2 --prompt-len 64 --decode-tokens 16 \
         --batch-sizes 1,4 --vocab-size 4096                              # a CPU smoke run
 
 Prints one JSON line per measurement and a table. Bandwidth utilisation = (bytes of the weights
 every decode step reads + bytes of KV cache it reads) / step time / the device's bandwidth from
-nanochat.platform's device table (absent for CPUs and unknown GPUs).
+nanochat.platform's device table (absent for CPUs and unknown GPUs). The KV bytes are what the mode
+actually reads: eager/compile read the filled prefix (window layers only their window); the
+static/graphs steps read the whole length bucket in every layer (masked). `step_ms` is the
+engine's end-to-end step (model + sampling + the per-token Python); for static/graphs,
+`model_step_ms` is the decode step alone (input copy + graph replay), timed back to back.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=128)
     p.add_argument("--batch-sizes", "--batch_sizes", dest="batch_sizes", default="1,8,32")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median reported)")
-    p.add_argument("--decode", default="auto", help="auto|eager|compile (auto: compile on CUDA)")
+    p.add_argument("--decode", default="auto",
+                   help="comma-separated decode modes to compare: auto|graphs|compile|eager|static "
+                        "(auto: graphs on CUDA, eager elsewhere)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="compiled",
+                   help="compiled|eager: what a graphs capture records")
+    p.add_argument("--decode-bucket", "--decode_bucket", dest="decode_bucket", type=int, default=256,
+                   help="attention length bucket of the static/graphs steps")
+    p.add_argument("--profile", action="store_true",
+                   help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32 (weights and activations)")
     p.add_argument("--seed", type=int, default=0)
@@ -43,6 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("depth", "prompt_len", "decode_tokens", "repeats", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
+    from nanochat.engine import DECODE_MODES, GRAPH_STEPS
+
+    args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
+    if not args.decode or set(args.decode) - set(DECODE_MODES):
+        raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
+    if args.graph_step not in GRAPH_STEPS:
+        raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
+    if args.decode_bucket < 1:
+        raise ValueError(f"--decode-bucket: got {args.decode_bucket}; accepted: an integer >= 1")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes: got {args.batch_sizes}; accepted: comma-separated integers >= 1")
     if args.prompt_len + args.decode_tokens + 1 > args.seq_len:
@@ -73,11 +94,29 @@ def weight_bytes_per_step(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookups)
 
 
-def kv_bytes_per_step(model, batch: int, pos: float, elem_size: int) -> float:
-    """Bytes of K and V a decode step reads at position `pos` (windowed layers read the window)."""
+def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
+    """Mean bytes of K and V a decode step reads over the positions [first_pos, first_pos + n):
+    static/graphs steps read the whole length bucket in every layer; the dynamic paths read the
+    filled prefix, window layers at most their window."""
+    from nanochat.decode import bucket_length
+
+    model = engine.model
     cfg = model.config
-    per_token = 2 * cfg.n_kv_head * cfg.head_dim * elem_size * batch
-    return sum(per_token * (pos if w is None else min(pos, w)) for w in model.windows)
+    elem = torch_itemsize(engine.cache_dtype)
+    per_token = 2 * cfg.n_kv_head * cfg.head_dim * elem * batch
+    total = 0
+    for pos in range(first_pos, first_pos + n):
+        if engine.decode_mode in ("static", "graphs"):
+            total += per_token * len(model.windows) * bucket_length(pos + 1, engine.max_seq_len, engine.decode_bucket)
+        else:
+            total += sum(per_token * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
+    return total / n
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def timed(rt, fn) -> float:
@@ -104,7 +143,7 @@ def bench_prefill(engine, rt, prompt, repeats) -> dict:
 def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     """Time to first token (prefill + first sample) and decode steps after it, at `batch`."""
     firsts, decodes = [], []
-    for rep in range(repeats + 1):  # the first run warms up (and compiles)
+    for rep in range(repeats + 1):  # the first run warms up (and compiles / captures)
         rt.reset_peak_memory()
         rt.synchronize()
         t0 = time.perf_counter()
@@ -120,14 +159,39 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
             firsts.append(t1 - t0)
             decodes.append(t2 - t1)
     step = statistics.median(decodes) / n
-    elem = engine.cache_dtype.itemsize if hasattr(engine.cache_dtype, "itemsize") else 2
-    read = weight_bytes_per_step(engine.model) + kv_bytes_per_step(engine.model, batch, len(prompt) + n / 2, elem)
-    gbs = read / step / 1e9
-    return {"bench": "decode", "batch": batch, "prompt_len": len(prompt), "decode_tokens": n,
-            "ttft_s": statistics.median(firsts), "step_ms": step * 1e3, "tok_per_s": batch / step,
-            "bytes_per_step": int(read), "achieved_gbs": gbs,
-            "bandwidth_util": gbs / bandwidth_gbs if bandwidth_gbs else None,
-            "peak_mem_gb": rt.peak_memory_bytes() / 1e9}
+    weights = weight_bytes_per_step(engine.model)
+    kv = kv_bytes_per_step(engine, batch, len(prompt), n)
+    row = {"bench": "decode", "decode": engine.decode_mode, "batch": batch, "prompt_len": len(prompt),
+           "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,
+           "tok_per_s": batch / step, "weight_bytes": weights, "kv_bytes": int(kv),
+           "bytes_per_step": int(weights + kv), "peak_mem_gb": rt.peak_memory_bytes() / 1e9}
+    row.update(bandwidth(weights + kv, step, bandwidth_gbs))
+    decoder = engine.decoders.get(batch)
+    if decoder is not None:
+        model_step = bench_model_step(decoder, rt, len(prompt) + n // 2, repeats)
+        row["model_step_ms"] = model_step * 1e3
+        row.update({f"model_{k}": v for k, v in bandwidth(weights + kv, model_step, bandwidth_gbs).items()})
+        row["graph_captures"] = decoder.captures
+        row["capture_s"] = decoder.capture_seconds
+    return row
+
+
+def bandwidth(num_bytes: float, seconds: float, bandwidth_gbs) -> dict:
+    gbs = num_bytes / seconds / 1e9
+    return {"achieved_gbs": gbs, "bandwidth_util": gbs / bandwidth_gbs if bandwidth_gbs else None}
+
+
+def bench_model_step(decoder, rt, position: int, repeats: int, steps: int = 100) -> float:
+    """Seconds per static decode step alone (input copy + replay), back to back at one position
+    (rewriting that slot's k/v each time), median over `repeats` runs of `steps` steps."""
+    import torch
+
+    column = [0] * decoder.batch_size
+    with torch.inference_mode():
+        decoder.step(column, position)  # captures this bucket if the generations did not
+        times = [timed(rt, lambda: [decoder.step(column, position) for _ in range(steps)]) / steps
+                 for _ in range(repeats)]
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -141,31 +205,70 @@ def main(argv=None) -> int:
     rt = init_runtime(args.device, args.dtype, seed=args.seed)
     spec = detect_device(rt.device)
     model = build_model(args, rt)
-    engine = Engine(model, None, decode=args.decode)
     params = sum(p.numel() for p in model.parameters())
     header = {"bench": "config", "device": spec.name, "torch": torch.__version__, "dtype": rt.dtype_name,
-              "decode": engine.decode_mode, "depth": args.depth, "n_embd": model.config.n_embd,
-              "n_head": model.config.n_head, "vocab": args.vocab_size, "params_m": params / 1e6,
+              "decode": args.decode, "graph_step": args.graph_step, "decode_bucket": args.decode_bucket,
+              "depth": args.depth, "n_embd": model.config.n_embd, "n_head": model.config.n_head,
+              "vocab": args.vocab_size, "params_m": params / 1e6,
               "weight_bytes_per_step": weight_bytes_per_step(model), "bandwidth_gbs": spec.bandwidth_gbs}
     print(json.dumps(header), flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    rows = [bench_prefill(engine, rt, prompt, args.repeats)]
-    print(json.dumps(rows[-1]), flush=True)
-    for batch in args.batch_sizes:
-        rows.append(bench_decode(engine, rt, prompt, batch, args.decode_tokens, args.repeats, spec.bandwidth_gbs))
+    rows = []
+    for mode in args.decode:
+        engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step)
+        t0 = time.perf_counter()
+        warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
+        print(json.dumps({"bench": "warmup", "decode": engine.decode_mode, "seconds": warm}), flush=True)
+        rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": engine.decode_mode})
         print(json.dumps(rows[-1]), flush=True)
+        for batch in args.batch_sizes:
+            rows.append(bench_decode(engine, rt, prompt, batch, args.decode_tokens, args.repeats, spec.bandwidth_gbs))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.profile and engine.decoders and rt.device_type == "cuda":
+            profile_step(engine, args.batch_sizes[0], len(prompt) + args.decode_tokens // 2)
+        print(json.dumps({"bench": "mode_done", "decode": engine.decode_mode,
+                          "seconds": time.perf_counter() - t0}), flush=True)
+        del engine
+    print_table(rows, spec, args, params, rt)
+    return 0
 
-    print(f"\n{spec.name}, d{args.depth} ({params / 1e6:.0f}M params, {rt.dtype_name}), decode={engine.decode_mode}, "
-          f"prompt {args.prompt_len}, {args.decode_tokens} decode tokens")
-    print(f"{'measurement':<14}{'batch':>6}{'tok/s':>12}{'step ms':>10}{'TTFT ms':>10}{'GB/s':>9}{'BW util':>9}")
+
+def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:
+    """Kernel time table of `steps` static decode steps launched without the graph (the kernels a
+    graph replays are the same; replayed kernels are not attributed by the profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanochat.decode import bucket_length
+
+    decoder = engine.decoders.get(batch) or next(iter(engine.decoders.values()))
+    length = bucket_length(position + 1, decoder.cache.seq_len, decoder.bucket)
+    with torch.inference_mode():
+        decoder.step([0] * decoder.batch_size, position)  # inputs in place
+        decoder._run(length)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                decoder._run(length)
+            torch.cuda.synchronize()
+    print(f"profile: batch {decoder.batch_size}, bucket {length}, per {steps} steps", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+def print_table(rows, spec, args, params, rt) -> None:
+    print(f"\n{spec.name}, d{args.depth} ({params / 1e6:.0f}M params, {rt.dtype_name}), "
+          f"prompt {args.prompt_len}, {args.decode_tokens} decode tokens, bucket {args.decode_bucket}")
+    print(f"{'measurement':<12}{'decode':>8}{'batch':>6}{'tok/s':>11}{'step ms':>9}{'TTFT ms':>9}"
+          f"{'MB/step':>9}{'BW util':>8}{'model ms':>9}{'model BW':>9}")
+    pct = lambda u: f"{100 * u:.0f}%" if u else "-"  # noqa: E731
     for r in rows:
-        util = f"{100 * r['bandwidth_util']:.0f}%" if r.get("bandwidth_util") else "-"
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else f"{1e3 * r['seconds']:.1f}"
         ttft = f"{1e3 * r['ttft_s']:.1f}" if "ttft_s" in r else "-"
-        gbs = f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "-"
-        print(f"{r['bench']:<14}{r['batch']:>6}{r['tok_per_s']:>12,.0f}{step:>10}{ttft:>10}{gbs:>9}{util:>9}")
-    return 0
+        mb = f"{r['bytes_per_step'] / 1e6:.0f}" if "bytes_per_step" in r else "-"
+        model_ms = f"{r['model_step_ms']:.3f}" if "model_step_ms" in r else "-"
+        print(f"{r['bench']:<12}{r['decode']:>8}{r['batch']:>6}{r['tok_per_s']:>11,.0f}{step:>9}{ttft:>9}{mb:>9}"
+              f"{pct(r.get('bandwidth_util')):>8}{model_ms:>9}{pct(r.get('model_bandwidth_util')):>9}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,10 @@ class ChatEvalConfig:
     def validate(self) -> "ChatEvalConfig":
         require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "an integer >= 0 or latest")
-        require(self.max_problems is None or self.max_problems >= 1, "--max-problems", self.max_problems, ">= 1")
+        require(self.max_problems is None or self.max_problems >= 1 or self.max_problems == -1, "--max-problems",
+                self.max_problems, ">= 1, or -1 for all")
+        if self.max_problems == -1:  # setup.sh's full presets pass -1 = every problem
+            self.max_problems = None
         require(self.batch_size >= 1, "--batch-size", self.batch_size, ">= 1")
         require(self.temperature >= 0, "--temperature", self.temperature, ">= 0 (0 = greedy)")
         require(self.num_samples >= 1, "--num-samples", self.num_samples, ">= 1")

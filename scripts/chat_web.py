@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=1,
                    help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
-    p.add_argument("--decode", default="auto", help="auto|eager|compile (auto: torch.compile'd decode on CUDA)")
+    p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# GPU-box check for the platform layer: carried wheels, preflight, `pytest -m cuda`, benchmarks.
-# Usage (repo root):  bash scripts/gpu_check.sh [quick|model|full]
-#   quick: preflight, pytest -m cuda, GEMM and loss-kernel benchmarks (~4 min on an H100)
-#   model: model-level kernel x precision benchmark, profile, roofline (~6 min)
-# Logs go to $OUT (device tool) or ./out/gpu_check; the summary table is printed last.
+# GPU-box check: carried wheels, preflight, `pytest -m cuda`, benchmarks, short real runs.
+# Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
+#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM and loss-kernel benchmarks
+#   tests      pytest -m cuda over every test file that has CUDA tests
+#   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048)
+#   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
+#   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
+#              eager/compile at batch 1 for comparison
+#   model      model-level kernel x precision benchmark at d12, profile, roofline
+#   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
+#              chat_eval and report.md (run it in the background and poll: see the README)
+# Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
+# offline test data: NANOCHAT_SHARED_DATA (default .devdata/shared). Both are carried by the
+# device tool (they are git-ignored). Logs go to $OUT (device tool) or ./out/gpu_check; a summary
+# table is printed last.
 set -uo pipefail
-MODE=${1:-quick}
+SECTIONS=${1:-quick}
 LOG=${OUT:-out/gpu_check}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+export NANOCHAT_BASE_DIR=${NANOCHAT_BASE_DIR:-$PWD/.devdata}
+export NANOCHAT_SHARED_DATA=${NANOCHAT_SHARED_DATA:-$PWD/.devdata/shared}
 
-# 1. wheels carried in .whl/ (liger-kernel, ...): installed into /tmp/site, never over the image
+# 1. wheels carried in .whl/ (liger-kernel, rustbpe, ...): installed into /tmp/site, never over the image
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
@@ -27,22 +39,61 @@ step() {  # step NAME TIMEOUT CMD...: run, tee the log, remember pass/fail
   local rc=${PIPESTATUS[0]}
   status+=("$(printf '%-22s rc=%-4s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
 }
+has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$LOG/nvidia_smi.log"
-if [ "$MODE" != model ]; then
+if has quick; then
   step preflight 120 $PY -m nanochat.platform --kernel triton
   step pytest_cuda 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py tests/test_precision.py
   step bench_gemm 120 $PY -m scripts.bench_gemm --reps 7
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \
        --kernels current,liger,triton,triton@8192,triton@16384
 fi
-if [ "$MODE" != quick ]; then
+if has tests; then
+  step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
+       tests/test_precision.py tests/test_attention.py tests/test_gpt.py tests/test_engine.py tests/test_dataloader.py \
+       tests/test_base_train.py
+fi
+if has infer; then
+  # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
+  # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
+  step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
+  step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
+fi
+if has train; then
+  step bench_train 420 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16
+fi
+if has kernels; then
+  # d20, dbs 32, seq 2048: the three loss backends in bf16, then fp8 (native tensor-wise) with triton
+  step bench_kernels_d20 330 $PY -m scripts.benchmark_kernels --mode model --depth 20 --device-batch-size 32 \
+       --kernels current,liger,triton --precisions bf16 --reps 10
+  step bench_fp8_d20 150 $PY -m scripts.benchmark_kernels --mode model --depth 20 --device-batch-size 32 \
+       --kernels triton --precisions fp8 --reps 10
+  step roofline_d20 120 $PY -m scripts.analyze_bandwidth --depth 20 --device-batch-size 32 --kernel triton --predict gb10
+fi
+if has model; then
   step bench_model 300 $PY -m scripts.benchmark_kernels --mode model --depth 12 --device-batch-size 16 \
        --kernels current,triton,liger --precisions bf16,fp8
   step profile 120 $PY -m scripts.profile_training --depth 12 --device-batch-size 16 --kernel triton
   step roofline 150 $PY -m scripts.analyze_bandwidth --depth 12 --device-batch-size 16 --kernel triton --predict gb10
 fi
+if has d12run; then
+  # d12 on the docs corpus (seq 2048, dbs 32, 2**19 tokens/step; ~1 s/step on an H100), then the chat
+  # stages on the offline conversation/eval files (train on test files minus the first 500 problems;
+  # chat_eval scores only those first problems). CORE needs the full eval folder: not carried here.
+  step d12_base 600 $PY -m scripts.base_train --depth 12 --device-batch-size 32 --total-batch-size 524288 \
+       --num-iterations ${D12_ITERS:-150} --eval-every 40 --eval-tokens 2097152 --sample-every -1 --kernel triton \
+       --model-tag d12 --wandb off
+  step d12_base_eval 300 $PY -m scripts.base_eval --model-tag d12 --eval bpb,sample
+  step d12_mid 420 $PY -m scripts.mid_train --model-tag d12 --device-batch-size 32 --max-seq-len 2048 \
+       --num-iterations ${MID_ITERS:-60} --test-holdout 500 --wandb off
+  step d12_sft 300 $PY -m scripts.chat_sft --model-tag d12 --device-batch-size 16 --max-seq-len 2048 \
+       --num-iterations ${SFT_ITERS:-60} --test-holdout 500 --wandb off
+  step d12_chat_eval 420 $PY -m scripts.chat_eval -i sft --model-tag d12 --max-problems ${MAX_PROBLEMS:-50}
+  step d12_report 60 $PY -m nanochat.report generate
+  cp "$NANOCHAT_BASE_DIR/report/report.md" "$LOG/report.md" 2>/dev/null
+fi
 
 echo; echo "=== summary"; printf '%s\n' "${status[@]}"
 grep -h -A40 "^dtype " "$LOG/bench_gemm.log" 2>/dev/null | head -30
-grep -h -A12 "^mode " "$LOG/bench_loss.log" "$LOG/bench_model.log" 2>/dev/null
+grep -h -A12 "^mode " "$LOG/bench_loss.log" "$LOG/bench_model.log" "$LOG/bench_kernels_d20.log" 2>/dev/null

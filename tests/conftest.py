@@ -1,4 +1,5 @@
-"""Shared pytest setup: CUDA tests skip cleanly without a GPU; paths to the offline data."""
+"""Shared pytest setup: CUDA tests skip cleanly without a GPU; paths to the offline data; a base dir
+with a tokenizer trained on the tiny corpus and the env pointing the code at it."""
 
 import os
 from pathlib import Path
@@ -7,6 +8,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("NANOCHAT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def pytest_configure(config):
+    # Before any test runs a CPU bf16 matmul: the AMX workaround (nanochat/platform.py).
+    from nanochat.platform import patch_cpu_amx
+
+    patch_cpu_amx()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,3 +39,34 @@ def shared_data() -> Path:
 def tiny_corpus(shared_data) -> Path:
     """Directory holding the Shakespeare train/val parquet shards."""
     return shared_data / "pretrain" / "tiny"
+
+
+TINY_VOCAB = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_corpus):
+    """A tokenizer (vocab 1024) trained on the tiny corpus's train shard, once per session."""
+    import pyarrow.parquet as pq
+
+    from nanochat.tokenizer import Tokenizer
+    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
+    return Tokenizer.train(texts, TINY_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_tokenizer):
+    """A fresh base dir (per test module) holding the tiny tokenizer."""
+    from nanochat.tokenizer import tokenizer_dir
+    d = tmp_path_factory.mktemp("nanochat_base")
+    tiny_tokenizer.save(tokenizer_dir(d))
+    return d
+
+
+@pytest.fixture
+def env(base_dir, tiny_corpus, monkeypatch):
+    """NANOCHAT_BASE_DIR -> base_dir, single-process env; returns the --data-dir flags for pretraining."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
+        monkeypatch.delenv(var, raising=False)
+    return ["--data-dir", str(tiny_corpus)]

@@ -158,7 +158,7 @@ def test_kv_cache_prefill_from_reset_and_overflow():
     dst = A.KVCache(3, 2, 8, 4, num_layers=3, device="cpu", dtype=torch.float32)
     dst.prefill_from(src)
     assert dst.pos == 5
-    assert torch.equal(dst.k[2, 1, :, :5], k[0] * 2) and torch.equal(dst.v[1, 2, :, :5], -k[0])
+    assert torch.equal(dst.k[2][1, :, :5], k[0] * 2) and torch.equal(dst.v[1][2, :, :5], -k[0])
     dst.reset()
     assert dst.pos == 0
     with pytest.raises(ValueError, match="exceed"):

@@ -29,24 +29,6 @@ def _texts(path: Path) -> list[str]:
     return pq.read_table(path, columns=["text"]).column("text").to_pylist()
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tiny_corpus):
-    """A base dir with a tokenizer trained on the tiny corpus (vocab 1024)."""
-    from nanochat.tokenizer import Tokenizer, tokenizer_dir
-    d = tmp_path_factory.mktemp("nanochat_base")
-    tok = Tokenizer.train(_texts(tiny_corpus / "shard_00000.parquet"), VOCAB)
-    tok.save(tokenizer_dir(d))
-    return d
-
-
-@pytest.fixture
-def env(base_dir, tiny_corpus, monkeypatch):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
-        monkeypatch.delenv(var, raising=False)
-    return ["--data-dir", str(tiny_corpus)]
-
-
 def _train(args):
     from scripts import base_train
     return base_train.main(args)

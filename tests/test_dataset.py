@@ -7,7 +7,6 @@ import random
 import tarfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

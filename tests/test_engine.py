@@ -400,5 +400,121 @@ def test_compiled_decode_matches_eager_cpu():
 def test_compiled_decode_matches_eager_cuda():
     decode_modes_agree("cuda")
     engine = Engine(random_model("cuda"), None, decode="auto")
-    assert engine.decode_mode == "compile" and engine.cache_dtype == torch.float32
+    assert engine.decode_mode == "graphs" and engine.cache_dtype == torch.float32
     assert Engine(random_model("cpu"), None, decode="auto").decode_mode == "eager"
+
+
+# ------------------------------------------------------------------------------------ static / graphs decode
+
+def greedy_full_recompute(model, prompt, n):
+    """Greedy continuation without any cache (one full forward per token)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids], device=model.wte.weight.device))[0, -1]
+            top2 = logits.topk(2).values
+            assert top2[0] - top2[1] > 1e-4, "tie in greedy choice: the test model is not decisive"
+            ids.append(int(logits.argmax()))
+    return ids
+
+
+def test_static_decode_matches_eager_and_full_recompute():
+    # seq 128 -> window 32 on the S layer; GQA 2/1; bucket 16: decoding 19..78 crosses 4 buckets
+    # and the window edge, with a batch of 3
+    model = random_model("cpu")
+    prompt = list(range(1, 20))
+    kw = dict(num_samples=3, max_tokens=60, temperature=0.0, stop_tokens=())
+    static = Engine(model, None, decode="static", decode_bucket=16)
+    got = static.generate_batch(prompt, **kw)
+    assert got == Engine(model, None, decode="eager").generate_batch(prompt, **kw)
+    assert got[0][0] == greedy_full_recompute(model, prompt, 60)
+    assert static.decoders[3].captures == 0 and not static.decoders[3].busy
+    # the persistent cache is reused: a shorter prompt after a longer one sees no stale slots
+    short = static.generate_batch(prompt[:5], **kw)
+    assert short == Engine(model, None, decode="eager").generate_batch(prompt[:5], **kw)
+
+
+def test_static_step_logits_match_cached_forward():
+    from nanochat.attention import KVCache, StaticKV
+    from nanochat.decode import StaticDecoder
+
+    model = random_model("cpu", n_layer=3, n_head=4, n_kv_head=2, sequence_len=48)  # window 12
+    seq = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    new = lambda n: KVCache(2, 2, n, 16, 3, device="cpu", dtype=torch.float32)  # noqa: E731
+    decoder = StaticDecoder(new(48), model, bucket=8)
+    with torch.no_grad():
+        ref_cache = new(48)
+        model(seq[:, :5], kv_cache=ref_cache)
+        model(seq[:, :5], kv_cache=decoder.cache)
+        for t in range(5, 40):
+            want = model(seq[:, t:t + 1], kv_cache=ref_cache)[:, -1]
+            torch.testing.assert_close(decoder.step(seq[:, t].tolist(), t), want, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="past the cache end"):
+            decoder.step([1, 2], 48)
+        with pytest.raises(ValueError, match="3 tokens for a batch of 2"):
+            decoder.step([1, 2, 3], 3)
+        with pytest.raises(ValueError, match="length"):
+            StaticKV(decoder.cache, decoder.pos, torch.arange(49))
+        with pytest.raises(ValueError, match="one token per row"):
+            model(seq[:, :2], kv_cache=StaticKV(decoder.cache, decoder.pos, torch.arange(8)))
+
+
+def test_bucket_length():
+    from nanochat.decode import StaticDecoder, bucket_length
+
+    assert [bucket_length(n, 600, 256) for n in (1, 256, 257, 512, 513, 600)] == [256, 256, 512, 512, 600, 600]
+    cache = Engine(random_model("cpu"), None).new_cache(1, 100)
+    assert StaticDecoder(cache, None, bucket=32).lengths() == [32, 64, 96, 100]
+
+
+def test_static_decode_context_end_and_busy_fallback():
+    model = random_model("cpu")
+    engine = Engine(model, None, decode="static", decode_bucket=16)
+    steps = list(engine.generate(list(range(1, 126)), max_tokens=50, temperature=0.0, stop_tokens=()))
+    assert len(steps) == 3  # context 128: 125 prompt tokens leave room for 3
+    # two live generations with one batch size: the second decodes eagerly with a private cache
+    kw = dict(num_samples=2, max_tokens=20, temperature=0.0, stop_tokens=())
+    a, b = engine.generate([1, 2, 3], **kw), engine.generate([4, 5, 6, 7], **kw)
+    cols_a, cols_b = [], []
+    for x, y in zip(a, b):
+        cols_a.append(x[0])
+        cols_b.append(y[0])
+    ref = Engine(model, None, decode="eager")
+    assert cols_a == [c for c, _ in ref.generate([1, 2, 3], **kw)]
+    assert cols_b == [c for c, _ in ref.generate([4, 5, 6, 7], **kw)]
+    assert not engine.decoders[2].busy
+    for n in range(1, 7):  # at most MAX_DECODERS persistent caches
+        engine.generate_batch([1, 2], num_samples=n, max_tokens=2)
+    assert list(engine.decoders) == [3, 4, 5, 6]
+
+
+def test_decode_mode_choice_and_validation():
+    model = random_model("cpu")
+    assert Engine(model, None, decode="auto").decode_mode == "eager"
+    for kw, name in [({"decode": "graphs"}, "decode"), ({"decode": "fast"}, "decode"),
+                     ({"graph_step": "jit"}, "graph_step"), ({"decode_bucket": 0}, "decode_bucket")]:
+        with pytest.raises(ValueError, match=name):
+            Engine(model, None, **kw)
+
+
+def graph_decode_agrees(graph_step):
+    model = random_model("cuda")  # fp32 compute: greedy tokens must match exactly
+    prompt = list(range(1, 20))
+    kw = dict(num_samples=3, max_tokens=60, temperature=0.0, stop_tokens=())
+    engine = Engine(model, None, decode="graphs", decode_bucket=16, graph_step=graph_step)
+    want = Engine(model, None, decode="eager").generate_batch(prompt, **kw)
+    assert engine.generate_batch(prompt, **kw) == want
+    decoder = engine.decoders[3]
+    assert decoder.captures == 4  # buckets 32, 48, 64, 80
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    assert engine.generate_batch(prompt, **kw) == want
+    assert decoder.captures == 4 and dict(torch._dynamo.utils.counters["frames"]) == frames  # no re-capture/compile
+    sampled = dict(kw, temperature=1.0, top_k=20, seed=5)
+    assert engine.generate_batch(prompt, **sampled) == Engine(model, None, decode="eager").generate_batch(
+        prompt, **sampled)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph_step", ["compiled", "eager"])
+def test_graph_decode_matches_eager_cuda(graph_step):
+    graph_decode_agrees(graph_step)

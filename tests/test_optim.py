@@ -2,7 +2,6 @@
 trip, schedules, and the gloo 2-process path against the single-process step."""
 
 import copy
-import math
 import socket
 
 import pytest

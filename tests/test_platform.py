@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanochat import platform as P
+from nanochat import preflight
 from nanochat.platform import PatchContext, SimpleProps, apply_patches, detect_device, peak_flops
 
 GB10 = SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * 10**9, is_integrated=True)
@@ -160,5 +161,40 @@ def test_ptxas_rules():
 def test_real_device_detected_and_attention_probe():
     spec = detect_device()
     assert spec.cc == torch.cuda.get_device_capability()
-    results = P.probe_attention_backends()
+    results = preflight.probe_attention_backends()
     assert results["sdpa-flash"] == "ok" or results["sdpa-cudnn"] == "ok"
+
+
+# ------------------------------------------------------------------ CPU: oneDNN AMX workaround
+
+AMX_FLAGS = "fpu sse avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"
+
+
+def test_cpu_amx_capped_when_probe_dies_with_sigill():
+    env = {}
+    assert P.patch_cpu_amx(env, AMX_FLAGS, probe=lambda: 4) == "cpu_amx"
+    assert env == {P.ONEDNN_ISA_ENV: "AVX512_CORE_BF16"}
+
+
+@pytest.mark.parametrize("probe_result", [0, None, 11])
+def test_cpu_amx_left_alone_when_probe_runs_or_cannot_tell(probe_result):
+    env = {}
+    assert P.patch_cpu_amx(env, AMX_FLAGS, probe=lambda: probe_result) is None
+    assert env == {}
+
+
+def test_cpu_amx_not_probed_without_amx_or_with_user_cap():
+    def probe():
+        raise AssertionError("must not probe")
+    assert P.patch_cpu_amx({}, "fpu sse avx2 avx512f", probe=probe) is None
+    user = {P.ONEDNN_ISA_ENV: "AVX2"}
+    assert P.patch_cpu_amx(user, AMX_FLAGS, probe=probe) is None
+    assert user == {P.ONEDNN_ISA_ENV: "AVX2"}
+
+
+def test_cpu_bf16_matmul_probe_runs_in_a_child():
+    # The real probe on this machine: 0 (bf16 works) or 4 (SIGILL); the parent survives either way,
+    # and after conftest's patch a bf16 matmul in this process works.
+    assert P._bf16_matmul_in_child() in (0, 4)
+    a = torch.ones(8, 16, dtype=torch.bfloat16)
+    assert (a @ a.T).float().sum().item() == 8 * 8 * 16

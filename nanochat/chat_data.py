@@ -1,0 +1,235 @@
+"""Conversation data for mid-training and SFT: task mixtures, rendering, BOS-aligned packing,
+padding, and an exactly resumable loader state.
+
+`ChatLoader` streams conversations of a Task (usually a TaskMixture) in a fixed order (rank r of
+W takes positions r, r+W, ...; position p is example p % len(task) of epoch p // len(task)),
+renders each with `tokenizer.render_conversation` (ids + assistant mask) and packs whole
+conversations into rows of seq_len + 1 tokens, best fit from a small buffer, every conversation
+starting with <|bos|>. When no buffered conversation fits the rest of a row:
+
+* fill="crop" (mid-training): the shortest buffered conversation is cropped to fill the row
+  (no padding, every position trains; the cropped tail is dropped),
+* fill="pad" (SFT): the row is padded; padded positions get target -1.
+
+Targets are the next tokens; with mask="assistant" only tokens the assistant writes are targets
+(tool outputs, user turns and padding are -1), with mask="all" every real token is.
+
+State = the next stream position + the positions held in the buffer (re-rendered on load), so a
+resumed run reproduces the batches exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+MASKS = ("assistant", "all")
+FILLS = ("pad", "crop")
+
+
+class ChatLoader:
+    """Iterator of (inputs, targets), LongTensor (batch_size, seq_len) on `device`."""
+
+    def __init__(self, task, tokenizer, batch_size: int, seq_len: int, *, device="cpu", rank: int = 0,
+                 world_size: int = 1, mask: str = "assistant", fill: str = "pad", buffer_size: int = 32,
+                 loop: bool = True, limit: int | None = None):
+        if mask not in MASKS:
+            raise ValueError(f"mask: got {mask!r}; accepted: {'|'.join(MASKS)}")
+        if fill not in FILLS:
+            raise ValueError(f"fill: got {fill!r}; accepted: {'|'.join(FILLS)}")
+        if len(task) == 0:
+            raise ValueError("ChatLoader: the task has no conversations")
+        assert batch_size >= 1 and seq_len >= 2 and buffer_size >= 1 and 0 <= rank < world_size
+        self.task, self.tokenizer = task, tokenizer
+        self.batch_size, self.seq_len, self.device = batch_size, seq_len, torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.mask, self.fill, self.buffer_size, self.loop = mask, fill, buffer_size, loop
+        self.limit = len(task) if limit is None else min(limit, len(task))  # positions of one epoch used
+        self.pad_id = tokenizer.bos_token_id
+        self.pos = rank                 # next stream position to render
+        self.buffer: list[tuple[int, list[int], list[int]]] = []  # (position, ids, trained-token mask)
+        self.conversations_used = 0     # whole or cropped conversations placed into rows
+        self.tokens_real = self.tokens_total = 0
+
+    # -- stream ---------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.pos // self.limit
+
+    def _render(self, pos: int) -> tuple[int, list[int], list[int]]:
+        ids, mask = self.tokenizer.render_conversation(self.task[pos % self.limit], max_tokens=self.seq_len + 1)
+        if self.mask == "all":
+            mask = [1] * len(ids)
+        return pos, ids, mask
+
+    def _refill(self) -> None:
+        while len(self.buffer) < self.buffer_size and (self.loop or self.pos < self.limit):
+            self.buffer.append(self._render(self.pos))
+            self.pos += self.world_size
+
+    # -- packing --------------------------------------------------------------------------------
+    def _take_best_fit(self, room: int) -> int | None:
+        best = None
+        for i, (_, ids, _) in enumerate(self.buffer):
+            if len(ids) <= room and (best is None or len(ids) > len(self.buffer[best][1])):
+                best = i
+        return best
+
+    def _row(self) -> tuple[list[int], list[int]] | None:
+        """One row of seq_len + 1 (ids, mask); None when a finite stream is exhausted."""
+        length = self.seq_len + 1
+        ids: list[int] = []
+        mask: list[int] = []
+        while True:
+            self._refill()
+            if not self.buffer or len(ids) == length:
+                break
+            i = self._take_best_fit(length - len(ids))
+            if i is None:
+                if ids and self.fill == "pad":
+                    break
+                # crop: the shortest conversation fills the rest (an empty row takes the oldest one,
+                # which only happens when a conversation alone is longer than the row)
+                i = min(range(len(self.buffer)), key=lambda k: len(self.buffer[k][1])) if ids else 0
+            _, cids, cmask = self.buffer.pop(i)
+            room = length - len(ids)
+            ids += cids[:room]
+            mask += cmask[:room]
+            self.conversations_used += 1
+        if not ids:
+            return None
+        self.tokens_real += len(ids)
+        self.tokens_total += length
+        pad = length - len(ids)
+        return ids + [self.pad_id] * pad, mask + [0] * pad
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for _ in range(self.batch_size):
+            row = self._row()
+            if row is None:
+                break
+            rows.append(row)
+        if not rows:
+            raise StopIteration
+        while len(rows) < self.batch_size:  # the last batch of a finite stream: all-padding rows
+            rows.append(([self.pad_id] * (self.seq_len + 1), [0] * (self.seq_len + 1)))
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        mask = torch.tensor([r[1] for r in rows], dtype=torch.bool)
+        inputs = ids[:, :-1]
+        targets = torch.where(mask[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], -1))
+        if self.device.type == "cuda":
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return (inputs.to(self.device, non_blocking=True).contiguous(),
+                targets.to(self.device, non_blocking=True).contiguous())
+
+    @property
+    def fill_fraction(self) -> float:
+        """Real (non-padding) tokens / row tokens so far."""
+        return self.tokens_real / self.tokens_total if self.tokens_total else 0.0
+
+    # -- resume ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "buffer": [p for p, _, _ in self.buffer], "rank": self.rank,
+                "world_size": self.world_size, "conversations_used": self.conversations_used}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
+            raise ValueError(f"--resume: the loader state was saved by rank {state.get('rank')} of "
+                             f"{state.get('world_size')}; this is rank {self.rank} of {self.world_size}")
+        self.pos = int(state["pos"])
+        self.buffer = [self._render(int(p)) for p in state["buffer"]]
+        self.conversations_used = int(state.get("conversations_used", 0))
+
+    def close(self) -> None:  # API parity with the pretraining DataLoader
+        pass
+
+
+def estimate_epoch_rows(task, tokenizer, seq_len: int, *, mask: str, fill: str, sample: int = 4000) -> float:
+    """Rows of seq_len + 1 one epoch of `task` packs into (simulated on up to `sample`
+    conversations, then scaled), for "-1 iterations = one epoch"."""
+    n = len(task)
+    used = min(n, sample)
+    probe = ChatLoader(task, tokenizer, 1, seq_len, mask=mask, fill=fill, loop=False, limit=used)
+    rows = 0
+    while probe._row() is not None:
+        rows += 1
+    return rows * n / used
+
+
+# ------------------------------------------------------------------------------------ mixtures
+
+STAGES = ("mid", "sft", "rl")
+
+
+def _unavailable_hint(e: Exception) -> ValueError:
+    from nanochat.tasks import DataUnavailableError
+    assert isinstance(e, DataUnavailableError)
+    return ValueError(f"{e}\n--test-holdout: no train split is available; pass --test-holdout N to train on "
+                      "the local test files minus their first N problems (chat_eval --max-problems <= N then "
+                      "scores unseen problems), or make the train split available (hub or *_train.jsonl)")
+
+
+def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> list:
+    """MMLU / ARC / GSM8K training tasks: their train split, or test[holdout:] when asked."""
+    from nanochat.tasks import ARC, GSM8K, MMLU, DataUnavailableError
+    held = test_holdout >= 0
+    factories = {
+        "mmlu": lambda: MMLU("test", data_dir=data_dir, start=test_holdout) if held else
+        MMLU("auxiliary_train", data_dir=data_dir),
+        "arc": lambda: [ARC(s, "test", data_dir=data_dir, start=test_holdout) if held else
+                        ARC(s, "train", data_dir=data_dir) for s in ("easy", "challenge")],
+        "gsm8k": lambda: GSM8K("test", data_dir=data_dir, start=test_holdout) if held else
+        GSM8K("train", data_dir=data_dir),
+    }
+    tasks = []
+    for name in names:
+        try:
+            made = factories[name]()
+        except DataUnavailableError as e:
+            raise _unavailable_hint(e) from e
+        tasks += made if isinstance(made, list) else [made]
+    return [t for t in tasks if len(t) > 0]
+
+
+def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42):
+    """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
+    of test-split conversations for validation bits per byte (never trained on)."""
+    from nanochat.tasks import (GSM8K, MMLU, IdentityConversations, SpellingBee, TaskMixture,
+                                get_conversations)
+    if stage not in STAGES:
+        raise ValueError(f"stage: got {stage!r}; accepted: {'|'.join(STAGES)}")
+    if split == "val":
+        held = 200 if test_holdout < 0 else min(200, max(test_holdout, 1))
+        tasks = [get_conversations("test", data_dir=data_dir), MMLU("test", data_dir=data_dir, stop=held),
+                 GSM8K("test", data_dir=data_dir, stop=held), SpellingBee(200, "test", data_dir=data_dir)]
+        return TaskMixture(tasks, seed=seed)
+    if split != "train":
+        raise ValueError(f"split: got {split!r}; accepted: train|val")
+    if stage == "rl":  # the GSM8K problems only
+        return _train_split_tasks(("gsm8k",), data_dir, test_holdout)[0]
+    convs = get_conversations("train", data_dir=data_dir)
+    identity = IdentityConversations(1000, seed=seed)
+    if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling
+        tasks = [convs, identity, identity, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),
+                 SpellingBee(20000, "train", seed=seed, data_dir=data_dir)]
+    else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
+        tasks = [convs, identity, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
+                 SpellingBee(600, "train", seed=seed, data_dir=data_dir)]
+    return TaskMixture(tasks, seed=seed)
+
+
+def rows_per_step(total_batch_size: int, seq_len: int) -> int:
+    assert total_batch_size % seq_len == 0
+    return total_batch_size // seq_len
+
+
+def epoch_iterations(task, tokenizer, seq_len: int, total_batch_size: int, *, mask: str, fill: str) -> int:
+    """Optimizer steps for one epoch of `task` (at least 1)."""
+    rows = estimate_epoch_rows(task, tokenizer, seq_len, mask=mask, fill=fill)
+    return max(1, math.ceil(rows / rows_per_step(total_batch_size, seq_len)))

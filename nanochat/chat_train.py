@@ -1,0 +1,275 @@
+"""The conversation-training recipe shared by mid-training and SFT (scripts/mid_train.py,
+scripts/chat_sft.py): flags, loading the previous stage's checkpoint, the conversation mixture,
+packing (nanochat/chat_data.py), the shared Trainer and loop (nanochat/training.py, loop.py),
+checkpoints under the stage's own tag, and the report section.
+
+The two stages differ only in their `ChatStage`: which checkpoint they start from, which tokens
+carry the loss (mid: every token, rows filled by cropping; SFT: assistant tokens only, rows
+padded, loss averaged over the real target tokens of the whole accumulated batch) and their
+default learning rates and schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from nanochat.common import get_base_dir, print0
+from nanochat.training import FlagParser, Schedule, check_wandb_available, plan_batch, require, require_float, \
+    require_int, resolve_wandb_mode
+
+
+@dataclass(frozen=True)
+class ChatStage:
+    name: str                   # checkpoint phase written: mid | sft
+    title: str                  # report section
+    prog: str                   # for --help and error messages
+    sources: tuple[str, ...]    # accepted --source phases (first = default)
+    mask: str                   # chat_data mask: all | assistant
+    fill: str                   # chat_data fill: crop | pad
+    defaults: dict = field(default_factory=dict)  # flag defaults that differ from ChatTrainConfig's
+
+
+MID = ChatStage("mid", "Midtraining", "python -m scripts.mid_train", ("base",), mask="all", fill="crop",
+                defaults={"warmdown_ratio": 0.2, "eval_every": 150})
+SFT = ChatStage("sft", "Chat SFT", "python -m scripts.chat_sft", ("mid", "base"), mask="assistant", fill="pad",
+                defaults={"init_lr_frac": 0.02, "warmdown_ratio": 1.0, "eval_every": 100, "device_batch_size": 4})
+DEVICES = ("auto", "cpu", "cuda", "mps")
+KERNELS = ("current", "liger", "triton")
+HOW_TO_MAKE = {"base": "python -m scripts.base_train --model-tag {tag}",
+               "mid": "python -m scripts.mid_train --model-tag {tag}",
+               "sft": "python -m scripts.chat_sft --model-tag {tag}"}
+
+
+@dataclass
+class ChatTrainConfig:
+    """Every flag of mid_train / chat_sft; `validate(stage)` checks them before anything is built."""
+
+    source: str = ""                        # phase to start from (default: the stage's first source)
+    model_tag: str | None = None            # default: the source phase's newest/only tag
+    step: str = "latest"                    # step of the source checkpoint
+    num_iterations: int = -1                # -1 = one epoch of the mixture
+    device_batch_size: int = 32
+    max_seq_len: int = -1                   # -1 = the source model's sequence length
+    total_batch_size: int = -1              # tokens per step; -1 = one micro-batch per rank
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.2
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5
+    init_lr_frac: float = 1.0               # every lr above is multiplied by this
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    warmup_ratio: float = 0.0
+    warmdown_ratio: float = 0.2
+    final_lr_frac: float = 0.0
+    eval_every: int = 150                   # -1/0 = off (else also at the last step)
+    eval_tokens: int = -1                   # -1 = 20 micro-batches
+    save_every: int = -1
+    resume: str | None = None               # "latest" or a step of this stage's own checkpoints
+    device: str = "auto"
+    dtype: str = "auto"
+    kernel: str = "current"
+    compile: bool | None = None             # default: on for CUDA
+    seed: int = 42
+    data_dir: str | None = None             # root or folder of the local eval/sft/words files
+    test_holdout: int = -1                  # >= 0: train MMLU/ARC/GSM8K on local test[N:] (offline)
+    run: str = "dummy"
+    wandb: str | None = None
+
+    def validate(self, stage: ChatStage) -> "ChatTrainConfig":
+        self.source = self.source or stage.sources[0]
+        require(self.source in stage.sources, "--source", self.source, "|".join(stage.sources))
+        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
+        require_int(self.device_batch_size, "--device-batch-size", 1)
+        require_int(self.max_seq_len, "--max-seq-len", 8, allow=(-1,))
+        require_int(self.total_batch_size, "--total-batch-size", 1, allow=(-1,))
+        for flag in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip"):
+            require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
+        require_float(self.init_lr_frac, "--init-lr-frac", 0.0, low_inclusive=False)
+        Schedule(1, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac).validate()
+        for flag in ("eval_every", "save_every"):
+            require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
+        require_int(self.eval_tokens, "--eval-tokens", 1, allow=(-1,))
+        if self.total_batch_size != -1 and self.max_seq_len != -1:
+            plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len,
+                       int(os.environ.get("WORLD_SIZE", "1")))
+        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
+                self.resume, "latest or a step number")
+        require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
+        require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
+        require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
+        require_int(self.seed, "--seed", 0)
+        require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
+        if self.data_dir is not None:
+            require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
+                    "an existing directory (a data root with eval/ sft/ words/, or one of them)")
+        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        return self
+
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainConfig:
+    """Flags (dash or underscore spellings) -> a validated config; ValueError names the flag."""
+    parser = FlagParser(prog=stage.prog, description=f"{stage.title}: train the {stage.name} checkpoint.")
+    defaults = {**asdict(ChatTrainConfig()), **stage.defaults}
+    for f in fields(ChatTrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool | None":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help="default: on for CUDA, off elsewhere")
+        else:
+            help_text = "|".join(stage.sources) if f.name == "source" else f"default: {defaults[f.name]}"
+            parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=defaults[f.name], help=help_text)
+    return ChatTrainConfig(**vars(parser.parse_args(argv))).validate(stage)
+
+
+def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None,
+                   flag: str = "--source") -> tuple[str, Path]:
+    """(model tag, checkpoint dir) of the checkpoint a stage starts from; CheckpointError naming
+    the flag and the command that creates it when there is none."""
+    from nanochat.checkpoint import CheckpointError, checkpoint_dir, find_model_tag, read_latest
+    try:
+        tag = model_tag or find_model_tag(source, base_dir)
+        ckpt_dir = checkpoint_dir(source, tag, base_dir)
+        read_latest(ckpt_dir)
+    except CheckpointError as e:
+        tag_text = model_tag or "<tag>"
+        raise CheckpointError(
+            f"{flag} {source}: {stage} starts from a {source} checkpoint, and none was found ({e}); create it "
+            f"with `{HOW_TO_MAKE[source].format(tag=tag_text)}`" + (
+                f", or pick another {flag}" if flag == "--source" else "")) from None
+    return tag, ckpt_dir
+
+
+def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
+    from nanochat.common import destroy_runtime, init_runtime
+    cfg = parse_config(stage, argv)
+    rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
+    try:
+        return train(cfg, stage, rt)
+    finally:
+        destroy_runtime(rt)
+
+
+def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
+    """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
+    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, load_model
+    from nanochat.gpt import GPTConfig
+    from nanochat.tokenizer import get_tokenizer
+    tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    ckpt_dir = checkpoint_dir(stage.name, tag, base_dir)
+    if cfg.resume is not None:
+        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+        tokenizer = get_tokenizer(base_dir)
+        model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
+        model.load_state_dict(resume["model"], strict=True)
+        return model, tokenizer, tag, ckpt_dir, resume, resume["meta"]["source"]
+    step = "latest" if cfg.step == "latest" else int(cfg.step)
+    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
+                                        compute_dtype=rt.dtype)
+    model.train()
+    source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
+    return model, tokenizer, tag, ckpt_dir, None, source
+
+
+def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
+    import torch
+
+    from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
+    from nanochat.checkpoint import save_checkpoint
+    from nanochat.loop import LoopSpec, check_resume_compatible, log_stage_report, run_training_loop
+    from nanochat.optim import build_optimizer
+    from nanochat.tokenizer import get_token_bytes
+    from nanochat.training import (StepMeter, Tracker, Trainer, evaluate_bpb, resolve_peak_flops,
+                                   restore_rng_state, setup_precision_and_kernel)
+
+    base_dir = get_base_dir()
+    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
+    seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
+    require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
+            f"<= the model's sequence length {model.config.sequence_len}")
+    total = cfg.total_batch_size if cfg.total_batch_size != -1 else cfg.device_batch_size * seq_len * rt.world_size
+    plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
+    if resume is not None:
+        check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+
+    # ---- data: the mixture, one epoch = -1 iterations ----
+    train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
+        train_mix, tokenizer, seq_len, plan.total_batch_size, mask=stage.mask, fill=stage.fill)
+    schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
+    eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
+    loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
+    loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
+    if resume is not None and resume["loader"] is not None:
+        loader.load_state_dict(resume["loader"])
+
+    # ---- model set-up and optimizer (lrs scaled by --init-lr-frac) ----
+    precision_info = setup_precision_and_kernel(model, "auto", cfg.kernel, rt, compile=compile_model)
+    train_model = torch.compile(model, dynamic=False) if compile_model else model
+    f = cfg.init_lr_frac
+    optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
+                                unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
+                                weight_decay=cfg.weight_decay, world_size=rt.world_size, rank=rt.rank)
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+    trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, grad_clip=cfg.grad_clip,
+                      token_weighted=stage.mask == "assistant")
+    peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], None,
+                                                             warn=lambda m: print0(f"WARNING: {m}"))
+    meter = StepMeter(model.estimate_flops(), rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
+                      precision=precision_info["precision"], peak_memory=rt.peak_memory_bytes)
+    train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
+                  "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,
+                  "mixture_conversations": len(train_mix), "mask": stage.mask, "fill": stage.fill,
+                  "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
+    tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
+                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
+    start_step, resume_loop = 0, None
+    if resume is not None:
+        resume_loop = resume["loop"]
+        start_step = resume_loop["step"]
+        meter.load_state_dict(resume_loop["meter"])
+        trainer.note_checkpoint(ckpt_dir / f"step_{start_step:06d}")
+    print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir}")
+    print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
+           f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
+           f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")
+    if resume is not None:
+        restore_rng_state(resume_loop["rng"])
+
+    token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
+
+    def evaluate(_step: int) -> dict:
+        model.eval()
+        val = ChatLoader(val_mix, tokenizer, cfg.device_batch_size, seq_len, loop=False, **loader_kw)
+        bpb = evaluate_bpb(train_model, val, eval_steps, token_bytes)
+        model.train()
+        return {"val_bpb": bpb}
+
+    def save(at: int, loop_state: dict):
+        meta = {"phase": stage.name, "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
+                "config": asdict(cfg), "source": source, "val_bpb": loop_state["val_bpb"],
+                "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}
+        return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+                               loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
+
+    spec = LoopSpec(stage.name, num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
+                    evaluate=evaluate, save=save, is_master=rt.is_master)
+    result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
+    summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
+               "final_val_bpb": result.val_bpb, "avg_tok_per_sec": meter.average_tok_per_sec(),
+               "row_fill": round(loader.fill_fraction, 4), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
+    print0("done: " + json.dumps(summary))
+    log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,
+                     extra={**train_meta, **summary, "source": source}, is_master=rt.is_master)
+    tracker.finish()
+    return {**summary, "losses": result.losses}

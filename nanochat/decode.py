@@ -1,0 +1,137 @@
+"""Static-shape decode steps and their CUDA graphs: the Engine's decode="graphs" (and "static") path.
+
+Why: a one-token decode step of a d20 model is ~20 layers x a dozen small kernels; launched from
+Python (eager, or torch.compile with its guards) the step is bound by CPU launch overhead, not by
+reading the weights. A CUDA graph replays the whole step with one launch, but it needs every shape
+and every address fixed. So a `StaticDecoder` (one per batch size) owns:
+
+  * a persistent KVCache covering the model's whole context (its addresses never change);
+  * one device input buffer `inputs` = [token of each row..., position], refilled by one
+    host->device copy per step (the position is a device tensor, never a Python int);
+  * per length bucket (`bucket_length`: the filled length rounded up to a multiple of `bucket`,
+    capped at the cache length) a `StaticKV` view whose attention reads exactly that many cache
+    slots under a causal + window mask computed from the position, and one captured graph.
+
+Within a bucket every step replays the same graph; crossing a bucket boundary captures (once) the
+next bucket's graph. The step that is captured is `step_model(ids, kv_cache=StaticKV)`:
+`torch.compile(model, dynamic=True)` ("compiled": fused kernels; the length and batch are
+symbolic, so it compiles about twice, for batch 1 and batch > 1) or the plain model ("eager").
+Capture follows the CUDA-graph recipe: warm-up runs on a side stream (compilation, cuBLAS and
+allocator warm-up happen there), then capture into a memory pool shared by all graphs of the engine
+(graphs never run concurrently and each keeps its own output buffer alive). decode="static" runs
+the same step without capture, on any device: that is what the CPU tests compare with eager
+decoding and full recomputation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from nanochat.attention import KVCache, StaticKV
+
+DEFAULT_BUCKET = 256
+GRAPH_WARMUP_RUNS = 2  # side-stream runs before a capture: the first may compile, the second settles
+
+
+def bucket_length(num_tokens: int, cache_len: int, bucket: int) -> int:
+    """The attention length a step with `num_tokens` filled slots reads: rounded up to a multiple
+    of `bucket`, capped at the cache length."""
+    assert 1 <= num_tokens <= cache_len, f"{num_tokens} tokens in a cache of {cache_len}"
+    return min(cache_len, -(-num_tokens // bucket) * bucket)
+
+
+class StaticDecoder:
+    """Fixed-shape decode steps for `cache.batch_size` rows over the persistent `cache`.
+
+    `step(column, position)` writes the k/v of `column` (one token per row) at `position` and
+    returns the logits (B, V) for the next token. With `use_graphs` the returned tensor is the
+    graph's static output buffer: it is overwritten by the next step, so consume it first.
+    """
+
+    def __init__(self, cache: KVCache, step_model, *, bucket: int = DEFAULT_BUCKET,
+                 use_graphs: bool = False, pool=None):
+        if bucket < 1:
+            raise ValueError(f"decode_bucket: got {bucket}; accepted: an integer >= 1")
+        self.cache, self.step_model, self.bucket = cache, step_model, bucket
+        self.use_graphs, self.pool = use_graphs, pool
+        self.device = cache.k[0].device
+        if use_graphs and self.device.type != "cuda":
+            raise ValueError(f"decode: 'graphs' needs a CUDA device, the cache is on {self.device}")
+        B = cache.batch_size
+        self.inputs = torch.zeros(B + 1, dtype=torch.long, device=self.device)  # tokens..., position
+        self.ids, self.pos = self.inputs[:B].view(B, 1), self.inputs[B:]
+        # Pinned host staging buffer: the per-step copy is asynchronous; `_copied` guards reuse.
+        self._host = torch.zeros(B + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._key_pos: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0   # graphs captured so far (one per bucket used)
+        self.capture_seconds = 0.0  # time spent capturing (and compiling in the warm-up runs)
+        self.busy = False   # held by a live generation (Engine hands a busy decoder to no one else)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache.batch_size
+
+    def lengths(self) -> list[int]:
+        """Every bucket length this decoder can use."""
+        return sorted({bucket_length(n, self.cache.seq_len, self.bucket)
+                       for n in range(1, self.cache.seq_len + 1, self.bucket)} | {self.cache.seq_len})
+
+    def step(self, column: Sequence[int], position: int) -> torch.Tensor:
+        if not 0 <= position < self.cache.seq_len:
+            raise ValueError(f"decode step: position {position} is past the cache end "
+                             f"({self.cache.seq_len} tokens); the context is full")
+        if len(column) != self.batch_size:
+            raise ValueError(f"decode step: got {len(column)} tokens for a batch of {self.batch_size}")
+        length = bucket_length(position + 1, self.cache.seq_len, self.bucket)
+        self._set_inputs(column, position)
+        if not self.use_graphs:
+            return self._run(length)
+        graph, logits = self.graphs.get(length) or self.capture(length)
+        graph.replay()
+        return logits
+
+    def _set_inputs(self, column: Sequence[int], position: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the staging buffer
+        self._host_np[:-1] = column
+        self._host_np[-1] = position
+        self.inputs.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _key_positions(self, length: int) -> torch.Tensor:
+        key_pos = self._key_pos.get(length)
+        if key_pos is None:
+            key_pos = self._key_pos[length] = torch.arange(length, device=self.device)
+        return key_pos
+
+    def _run(self, length: int) -> torch.Tensor:
+        kv = StaticKV(self.cache, self.pos, self._key_positions(length))
+        return self.step_model(self.ids, kv_cache=kv)[:, -1, :]
+
+    def capture(self, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the step for bucket `length` (idempotent). The warm-up runs execute the step on
+        the current inputs: they rewrite this position's k/v with the same values."""
+        if length in self.graphs:
+            return self.graphs[length]
+        t0 = time.perf_counter()
+        self._key_positions(length)  # allocated outside the capture
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(GRAPH_WARMUP_RUNS):
+                self._run(length)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._run(length)
+        self.graphs[length] = (graph, logits)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+        return graph, logits

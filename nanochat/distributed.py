@@ -1,0 +1,394 @@
+"""Distributed helpers on PyTorch's own stack (torchrun + NCCL/gloo): timed barrier, NCCL
+environment checks, an all-reduce bus-bandwidth self-test, FSDP2 wrapping, and rank-strided
+micro-batches.
+
+* `timed_barrier` is a host-side barrier through the process group's TCPStore: every rank marks
+  its arrival; a rank that waits longer than the timeout raises `BarrierTimeout` naming the ranks
+  that never arrived (a crashed rank, or one still compiling: warm up on every rank first).
+* `check_nccl_env` validates NCCL_* variables against the machine (interfaces in
+  /sys/class/net, HCAs in /sys/class/infiniband, MTU) and refuses NCCL_NVLS_ENABLE != 0:
+  NVLink multicast stays off in this project (`nccl_env_defaults` sets it to 0).
+* `allreduce_bandwidth` times all-reduce at several sizes and reports algbw = bytes / time and
+  busbw = algbw * 2(n-1)/n (the nccl-tests convention, comparable across world sizes).
+  `selftest_main` runs the checks + bandwidth test under torchrun, or spawns one process per GPU
+  (2 gloo processes on CPU) when started directly: `python -m nanochat.platform --nccl`.
+* `apply_fsdp` shards a GPT with FSDP2 (`fully_shard`, Shard(0) per parameter): each Block, then
+  the root. MuonAdamW (optim.py) detects DTensor parameters, takes the already reduce-scattered
+  gradients, and all-gathers each Muon stack for the orthogonalisation. `model.state_dict()`
+  returns full (gathered) tensors, so rank 0 can save an ordinary model.pt.
+* `StridedMicroBatches` deals micro-batches of one global stream to ranks (rank r gets items
+  r, r+W, ...): W ranks x accumulation k then see exactly the batches 1 rank x accumulation W*k
+  sees, which makes loss-equivalence checks across world sizes exact up to float reordering.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, MutableMapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+JUMBO_MTU = 9000
+_barrier_counter = itertools.count()
+
+
+class BarrierTimeout(RuntimeError):
+    """A rank waited past the timeout at a barrier; the message names the missing ranks."""
+
+
+# ------------------------------------------------------------------------------------ barrier
+
+def _default_store():
+    # The process group's own rendezvous store (TCPStore under torchrun / tcp://, FileStore for
+    # file://). torch.distributed exposes no public getter; its own barrier code uses this one.
+    from torch.distributed.distributed_c10d import _get_default_store
+    return _get_default_store()
+
+
+def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "barrier",
+                  poll_s: float = 0.02) -> float:
+    """Wait until every rank reaches this call; returns seconds waited. No-op without a group.
+
+    Raises BarrierTimeout after `timeout_s` naming the ranks that did not arrive. Every rank must
+    call the timed barriers in the same order (the n-th call on each rank pairs up)."""
+    if not (timeout_s > 0):
+        raise ValueError(f"--barrier-timeout: got {timeout_s}; accepted: seconds > 0")
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0.0
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = _default_store()
+    key = f"nanochat/barrier/{next(_barrier_counter)}/{name}"
+    t0 = time.monotonic()
+    store.set(f"{key}/rank{rank}", "1")
+    arrived = store.add(f"{key}/count", 1)
+    while arrived < world:
+        waited = time.monotonic() - t0
+        if waited > timeout_s:
+            missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+            raise BarrierTimeout(
+                f"{name}: rank(s) {missing} of {world} did not arrive within {timeout_s:.0f}s (seen from rank "
+                f"{rank}, waited {waited:.1f}s). A missing rank crashed (see its log), hangs, or is still "
+                "compiling: warm up torch.compile on every rank before the loop; NCCL_DEBUG=INFO shows more")
+        time.sleep(poll_s)
+        arrived = store.add(f"{key}/count", 0)
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------------ NCCL env
+
+def nccl_env_defaults(env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Defaults this project relies on, set only where unset: NVLink multicast (NVLS) off.
+    Returns the variables it set (e.g. ["NCCL_NVLS_ENABLE=0"])."""
+    env = os.environ if env is None else env
+    set_now = []
+    if "NCCL_NVLS_ENABLE" not in env:
+        env["NCCL_NVLS_ENABLE"] = "0"
+        set_now.append("NCCL_NVLS_ENABLE=0")
+    return set_now
+
+
+def _split_list(value: str) -> tuple[str, list[str]]:
+    """NCCL list syntax: optional leading '^' (exclude) or '=' (exact), comma-separated names."""
+    mode = ""
+    if value[:1] in ("^", "="):
+        mode, value = value[0], value[1:]
+    return mode, [v.strip() for v in value.split(",") if v.strip()]
+
+
+def list_net_interfaces(sys_root: str | Path = "/") -> list[str]:
+    path = Path(sys_root) / "sys" / "class" / "net"
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+
+def list_ib_devices(sys_root: str | Path = "/") -> list[str]:
+    path = Path(sys_root) / "sys" / "class" / "infiniband"
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+
+def interface_mtu(name: str, sys_root: str | Path = "/") -> int | None:
+    path = Path(sys_root) / "sys" / "class" / "net" / name / "mtu"
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _match(names: list[str], mode: str, available: list[str]) -> list[str]:
+    if mode == "^":
+        return [a for a in available if not any(a.startswith(n) for n in names)]
+    if mode == "=":
+        return [a for a in available if a in names]
+    return [a for a in available if any(a.startswith(n) for n in names)]  # NCCL: prefix match
+
+
+def check_nccl_env(env: Mapping[str, str] | None = None, *, sys_root: str | Path = "/",
+                   multi_node: bool | None = None) -> list[str]:
+    """Validate NCCL_* variables against this machine; returns warnings, raises ValueError for
+    settings that are wrong (NVLS on, interface or HCA that does not exist)."""
+    env = os.environ if env is None else env
+    warnings: list[str] = []
+    nvls = env.get("NCCL_NVLS_ENABLE")
+    if nvls not in (None, "0"):
+        raise ValueError(f"NCCL_NVLS_ENABLE={nvls}: NVLink multicast must stay off in this project; "
+                         "unset it or set NCCL_NVLS_ENABLE=0")
+    if multi_node is None:
+        world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+        multi_node = world > local
+    ifaces = list_net_interfaces(sys_root)
+    if env.get("NCCL_SOCKET_IFNAME"):
+        mode, names = _split_list(env["NCCL_SOCKET_IFNAME"])
+        chosen = _match(names, mode, ifaces)
+        if not chosen:
+            raise ValueError(f"NCCL_SOCKET_IFNAME={env['NCCL_SOCKET_IFNAME']}: matches no interface on this "
+                             f"machine; available: {', '.join(ifaces) or 'none'}")
+        for name in chosen if mode != "^" else []:
+            mtu = interface_mtu(name, sys_root)
+            if multi_node and mtu is not None and mtu < JUMBO_MTU:
+                warnings.append(f"{name}: MTU {mtu} < {JUMBO_MTU}; RoCE/TCP traffic between nodes uses smaller "
+                                "frames (more packets per byte, lower bandwidth): set MTU 9000 on both ends")
+    elif multi_node:
+        warnings.append("NCCL_SOCKET_IFNAME unset on a multi-node run: NCCL may bootstrap over the wrong "
+                        "interface (docker0, wlan); scripts/launch_multinode.sh sets it")
+    hcas = list_ib_devices(sys_root)
+    if env.get("NCCL_IB_HCA"):
+        mode, names = _split_list(env["NCCL_IB_HCA"])
+        bare = [n.split(":")[0] for n in names]
+        if mode != "^" and not _match(bare, mode, hcas):
+            raise ValueError(f"NCCL_IB_HCA={env['NCCL_IB_HCA']}: names no HCA on this machine; available: "
+                             f"{', '.join(hcas) or 'none (/sys/class/infiniband is empty)'}")
+        if multi_node and mode != "^" and len(_match(bare, mode, hcas)) == 1 and len(hcas) > 1:
+            warnings.append(f"NCCL_IB_HCA={env['NCCL_IB_HCA']} selects one of {len(hcas)} HCAs ({', '.join(hcas)}); "
+                            "a ConnectX-7 port on a DGX Spark appears as two halves: name both for full bandwidth")
+    elif multi_node and hcas:
+        warnings.append(f"NCCL_IB_HCA unset with HCAs {', '.join(hcas)}: name the RoCE HCAs explicitly "
+                        "(both halves of the port on a DGX Spark)")
+    if multi_node and env.get("NCCL_IB_DISABLE") == "1" and hcas:
+        warnings.append("NCCL_IB_DISABLE=1 with RDMA HCAs present: NCCL falls back to TCP sockets (much slower)")
+    if env.get("NCCL_P2P_DISABLE") == "1":
+        warnings.append("NCCL_P2P_DISABLE=1: GPU peer-to-peer (NVLink/PCIe) is off; intra-node bandwidth drops")
+    return warnings
+
+
+# ------------------------------------------------------------------------------------ bandwidth
+
+def bus_bandwidth(algbw: float, world_size: int) -> float:
+    """nccl-tests all-reduce bus bandwidth: algbw * 2(n-1)/n (0 for one rank: nothing moves)."""
+    return algbw * 2 * (world_size - 1) / world_size
+
+
+def allreduce_bandwidth(sizes_bytes: Iterable[int], *, device: torch.device | str = "cpu", iters: int = 5,
+                        warmup: int = 2, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Time dist.all_reduce (SUM) for each size on the current process group (collective: every
+    rank calls it). Returns one dict per size: bytes, median seconds, algbw and busbw in GB/s."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("allreduce_bandwidth: needs an initialised process group (torchrun)")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"--iters/--warmup: got {iters}/{warmup}; accepted: iters >= 1, warmup >= 0")
+    device, world = torch.device(device), dist.get_world_size()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for size in sizes_bytes:
+        x = torch.ones(max(1, int(size) // elem), dtype=dtype, device=device)
+        times = []
+        for i in range(warmup + iters):
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            sync()  # the clock is read only after the collective finished on the device
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        dt = sorted(times)[len(times) // 2]
+        nbytes = x.numel() * elem
+        algbw = nbytes / dt / 1e9
+        rows.append({"bytes": nbytes, "seconds": dt, "algbw_gbs": algbw,
+                     "busbw_gbs": bus_bandwidth(algbw, world), "world_size": world})
+    return rows
+
+
+def format_bandwidth_table(rows: list[dict]) -> str:
+    lines = [f"{'size':>10} {'time ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
+    for r in rows:
+        lines.append(f"{r['bytes'] / 2**20:>8.1f}Mi {r['seconds'] * 1e3:>10.3f} {r['algbw_gbs']:>11.2f} "
+                     f"{r['busbw_gbs']:>11.2f}")
+    return "\n".join(lines)
+
+
+def _selftest_rank(sizes_bytes: list[int], timeout_s: float, iters: int) -> dict:
+    """Inside an initialised group: barrier, correctness all-reduce, bandwidth rows."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    on_cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    waited = timed_barrier(timeout_s, name="nccl-selftest")
+    x = torch.full((4,), float(rank), device=device)
+    dist.all_reduce(x)
+    expected = world * (world - 1) / 2
+    if not torch.allclose(x.cpu(), torch.full((4,), expected)):
+        raise RuntimeError(f"all_reduce returned {x.tolist()} on rank {rank}; expected {expected} everywhere")
+    rows = allreduce_bandwidth(sizes_bytes, device=device, iters=iters)
+    return {"backend": dist.get_backend(), "world_size": world, "barrier_s": waited,
+            "device": torch.cuda.get_device_name(device) if on_cuda else "cpu", "allreduce": rows}
+
+
+def _spawned_selftest(rank: int, world: int, port: int, sizes: list[int], timeout_s: float, iters: int,
+                      out_path: str) -> None:
+    import json
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=max(60.0, timeout_s)), **kwargs)
+    try:
+        result = _selftest_rank(sizes, timeout_s, iters)
+        dist.barrier()
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_sizes(cuda: bool) -> list[int]:
+    mib = 1 << 20
+    return [mib, 16 * mib, 128 * mib, 512 * mib] if cuda else [64 << 10, mib, 4 * mib]
+
+
+def run_selftest(*, nproc: int | None = None, sizes_bytes: list[int] | None = None,
+                 timeout_s: float = 120.0, iters: int = 5) -> dict:
+    """NCCL env checks + barrier + all-reduce bandwidth. Under torchrun: uses (or creates) the
+    process group of the launch. Otherwise spawns `nproc` local processes (default: one per GPU,
+    or 2 gloo processes on CPU). Returns the report (rank 0's view; other ranks get theirs)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    cuda = torch.cuda.is_available()
+    nccl_env_defaults()
+    warnings = check_nccl_env()
+    sizes = sizes_bytes or default_sizes(cuda)
+    if "RANK" in os.environ:  # torchrun: every rank runs this function
+        created = not dist.is_initialized()
+        if created:
+            backend = "nccl" if cuda else "gloo"
+            kwargs = {}
+            if cuda:
+                local = int(os.environ.get("LOCAL_RANK", "0"))
+                torch.cuda.set_device(local)
+                kwargs["device_id"] = torch.device("cuda", local)
+            dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, timeout_s)), **kwargs)
+        try:
+            result = _selftest_rank(sizes, timeout_s, iters)
+        finally:
+            if created:
+                dist.destroy_process_group()
+        return {**result, "warnings": warnings, "launcher": "torchrun"}
+    n = nproc if nproc is not None else (torch.cuda.device_count() if cuda else 2)
+    if n < 1 or (cuda and n > torch.cuda.device_count()):
+        raise ValueError(f"--nccl-procs: got {n}; accepted: 1..{torch.cuda.device_count() if cuda else 'any'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "selftest.json")
+        mp.spawn(_spawned_selftest, args=(n, _free_port(), sizes, timeout_s, iters, out), nprocs=n, join=True)
+        import json
+        result = json.loads(Path(out).read_text())
+    return {**result, "warnings": warnings, "launcher": "spawn"}
+
+
+def selftest_main(nproc: int | None = None, *, as_json: bool = False) -> int:
+    """`python -m nanochat.platform --nccl`: print the self-test (rank 0) and return an exit code."""
+    import json
+    import sys
+    try:
+        report = run_selftest(nproc=nproc)
+    except (ValueError, BarrierTimeout) as e:  # bad NCCL env, missing rank: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if as_json:
+        print(json.dumps(report))
+        return 0
+    print(f"backend {report['backend']}, world size {report['world_size']}, device {report['device']}, "
+          f"launcher {report['launcher']}, barrier {report['barrier_s'] * 1e3:.1f} ms")
+    for w in report["warnings"]:
+        print(f"WARNING: {w}")
+    print(format_bandwidth_table(report["allreduce"]))
+    best = max(r["busbw_gbs"] for r in report["allreduce"])
+    print(f"peak all-reduce busbw: {best:.2f} GB/s (busbw = algbw * 2(n-1)/n"
+          + (", 0 with one rank: nothing crosses a link)" if report["world_size"] == 1 else ")"))
+    return 0
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+
+def _gather_full_state(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: DTensor shards -> full tensors (collective: all ranks call state_dict)."""
+    from torch.distributed.tensor import DTensor
+    for key, value in list(state_dict.items()):
+        if isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def apply_fsdp(model, rt, *, reshard_after_forward: bool = True):
+    """Shard `model` (a GPT: `model.blocks` + root params) with FSDP2 over all ranks, in place.
+
+    Each Block is its own FSDP unit (all-gathered just before its forward, resharded after when
+    `reshard_after_forward`); the root unit holds embeddings, value embeddings, lm_head and
+    scalars and stays unsharded between forward and backward. Gradients arrive reduce-scattered
+    and averaged, so MuonAdamW must be built AFTER this call (it sees DTensor parameters and
+    skips its own gradient reduction). Load weights before wrapping; `model.state_dict()` returns
+    full tensors afterwards (a collective: call it on every rank)."""
+    if not rt.ddp or not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("--fsdp: needs a process group; launch with torchrun (e.g. torchrun --nproc_per_node=2 "
+                         "-m scripts.base_train --fsdp ...)")
+    if not hasattr(model, "blocks"):
+        raise ValueError(f"--fsdp: expected a GPT with .blocks, got {type(model).__name__}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(rt.device_type, (rt.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model.register_state_dict_post_hook(_gather_full_state)
+    return model
+
+
+# ------------------------------------------------------------------------------------ data order
+
+class StridedMicroBatches:
+    """Rank `rank`'s share of one global stream of micro-batches: items rank, rank+W, rank+2W, ...
+
+    With every rank reading the same stream (e.g. a DataLoader built with world_size=1), W ranks
+    at gradient accumulation k consume, per optimizer step, exactly the W*k micro-batches that one
+    rank at accumulation W*k consumes: the same data order for any world size."""
+
+    def __init__(self, batches: Iterable, rank: int, world_size: int):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank/world_size: got {rank}/{world_size}; accepted: 0 <= rank < world_size")
+        self.rank, self.world_size = rank, world_size
+        self._it: Iterator = iter(batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        mine = None
+        for i in range(self.world_size):
+            item = next(self._it)
+            if i == self.rank:
+                mine = item
+        return mine

@@ -1,0 +1,158 @@
+"""The training loop skeleton every recipe shares (base, mid, SFT, RL): evaluate at intervals,
+sample at intervals, save at intervals and at the end, one optimizer step, one log line, tracker
+and report metrics. The step itself is a Trainer's (nanochat/training.py, or anything with the
+same `step` / `loop_state` / `loader_state` / `note_checkpoint` methods, e.g. RL's trainer).
+
+    spec = LoopSpec("mid", num_iterations, eval_every=100, save_every=-1,
+                    evaluate=lambda step: {"val_bpb": ...}, save=lambda step, loop_state: path)
+    result = run_training_loop(trainer, meter, spec, tracker)
+
+Order within a step index s (kept stable: exact resume depends on it): evaluate -> sample ->
+save -> trainer.step(s). At s == num_iterations only evaluate/sample/save run (eval and save
+always run there when enabled / when a save callback exists). A resumed run passes the loop
+state of its checkpoint and continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from nanochat.common import print0
+
+
+@dataclass
+class LoopSpec:
+    """What the loop does besides stepping; every callback is optional."""
+
+    stage: str                                   # base|mid|sft|rl: metrics_<stage>.jsonl, log prefix
+    num_iterations: int
+    eval_every: int = -1                         # <= 0: off (else also at the last step)
+    sample_every: int = -1                       # <= 0: off (else also at the last step)
+    save_every: int = -1                         # <= 0: only the final save
+    evaluate: Callable[[int], dict] | None = None        # step -> {"val_bpb": ..., ...}
+    sample: Callable[[int], list[str]] | None = None     # step -> texts (rank 0 only)
+    save: Callable[[int, dict], Path] | None = None      # (step, loop_state) -> checkpoint path
+    is_master: bool = True
+    report: bool = True                          # per-step rows in <base_dir>/report/metrics_<stage>.jsonl
+
+
+@dataclass
+class LoopResult:
+    step: int                                    # the final step index (== num_iterations)
+    losses: dict = field(default_factory=dict)   # step -> training loss (this process)
+    val_bpb: float | None = None
+    min_val_bpb: float = math.inf
+    last_eval: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0                       # wall clock of the stage, resumed runs included
+    last_checkpoint: str | None = None
+
+
+def _due(every: int, step: int, last: bool) -> bool:
+    return every > 0 and (last or step % every == 0)
+
+
+def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_step: int = 0,
+                      resume_state: dict | None = None) -> LoopResult:
+    """Run steps start_step..num_iterations-1 with evals/samples/saves; returns the LoopResult.
+    `resume_state` is the checkpoint's loop state (min/last val bpb, elapsed time)."""
+    from nanochat.report import log_metrics
+
+    res = LoopResult(step=start_step)
+    if resume_state is not None:
+        res.val_bpb = resume_state.get("val_bpb")
+        res.min_val_bpb = resume_state.get("min_val_bpb", math.inf)
+        res.elapsed_s = float(resume_state.get("elapsed_s", 0.0))
+    t_start = time.perf_counter() - res.elapsed_s
+    report = spec.report and spec.is_master
+    step = start_step
+    while True:
+        last = step == spec.num_iterations
+        if spec.evaluate is not None and _due(spec.eval_every, step, last):
+            _evaluate(spec, res, step, tracker)
+            if report:
+                log_metrics(spec.stage, {"step": step, **res.last_eval,
+                                         "elapsed_s": time.perf_counter() - t_start})
+        if spec.sample is not None and spec.is_master and _due(spec.sample_every, step, last) and (last or step > 0):
+            for text in spec.sample(step):
+                print0(f"  sample: {text!r}")
+        periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
+        if spec.save is not None and (last or periodic):
+            res.elapsed_s = time.perf_counter() - t_start
+            loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
+                                            elapsed_s=res.elapsed_s)
+            path = spec.save(step, loop_state)
+            trainer.note_checkpoint(path)
+            res.last_checkpoint = str(path)
+            print0(f"step {step:05d} | saved checkpoint {path}")
+        if last:
+            break
+        result = trainer.step(step)
+        res.losses[step] = result.loss
+        metrics = meter.update(result)
+        extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
+        print0(meter.log_line(metrics, spec.num_iterations)
+               + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
+        if tracker is not None:
+            tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
+        if report:
+            log_metrics(spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
+                                     "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
+                                     "mfu": metrics["mfu"], "memory_gb": metrics["peak_mem_gib"] * 2**30 / 1e9,
+                                     "elapsed_s": time.perf_counter() - t_start, **extra})
+        step += 1
+    res.step = step
+    res.elapsed_s = time.perf_counter() - t_start
+    return res
+
+
+def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:
+    metrics = dict(spec.evaluate(step))
+    res.last_eval = metrics
+    if "val_bpb" in metrics:
+        res.val_bpb = metrics["val_bpb"]
+        res.min_val_bpb = min(res.min_val_bpb, res.val_bpb)
+        print0(f"step {step:05d} | val bpb {res.val_bpb:.4f} (min {res.min_val_bpb:.4f})")
+    others = {k: v for k, v in metrics.items() if k != "val_bpb"}
+    if others:
+        print0(f"step {step:05d} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in others.items()))
+    if tracker is not None:
+        tracker.log({f"val/{k.removeprefix('val_')}": v for k, v in metrics.items()}, step)
+
+
+def log_stage_report(section: str, stage: str, *, config: dict, result: LoopResult, meter=None,
+                     extra: dict | None = None, is_master: bool = True) -> None:
+    """The stage's report section (config, timing, final metrics) via nanochat.report (rank 0)."""
+    if not is_master:
+        return
+    from nanochat.report import get_report
+
+    data = {"stage": stage, **(extra or {}), "final_step": result.step, "total_time_s": round(result.elapsed_s, 2),
+            "final_val_bpb": result.val_bpb,
+            "min_val_bpb": result.min_val_bpb if result.min_val_bpb < math.inf else None,
+            "final_loss": result.losses[max(result.losses)] if result.losses else None,
+            **{k: v for k, v in result.last_eval.items() if k != "val_bpb"}}
+    if meter is not None:
+        data["avg_tok_per_sec"] = meter.average_tok_per_sec()
+    data["config"] = config
+    get_report().log(section, data)
+
+
+def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
+    """A resumed run must continue the same model, batch layout and tokenizer."""
+    def mismatch(what, saved, now):
+        raise ValueError(f"--resume: the checkpoint has {what}={saved!r} but this run has {now!r}; "
+                         "use the flags of the original run (or start a new --model-tag)")
+    if meta.get("model_config") != model_config:
+        mismatch("model_config", meta.get("model_config"), model_config)
+    train = meta.get("train", {})
+    if train.get("total_batch_size") != plan.total_batch_size:
+        mismatch("total_batch_size", train.get("total_batch_size"), plan.total_batch_size)
+    if train.get("world_size", 1) != world_size:
+        mismatch("world_size", train.get("world_size"), world_size)
+    if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
+        mismatch("tokenizer_fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)

@@ -1,0 +1,130 @@
+"""Preflight report (`python -m nanochat.platform`, or `python -m nanochat.preflight`): device,
+compute capability, torch/triton/cuDNN/TE/Liger versions, arch list, the ptxas Triton uses, the
+patches that apply, attention backends proven by a real launch, the resolved precision recipe,
+and with `--nccl` the NCCL environment checks and an all-reduce bus-bandwidth self-test.
+
+Split out of platform.py (which owns the device table and the workarounds this reports on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, detect_device,
+                               memory_budget_bytes)
+
+
+def _module_version(name: str, dist: str | None = None) -> str:
+    try:
+        module = __import__(name)
+    except ImportError:
+        return "not installed"
+    except Exception as exc:  # a broken install (e.g. TE built for another torch) is reportable
+        return f"broken ({type(exc).__name__}: {exc})"[:120]
+    from importlib import metadata
+    try:
+        return metadata.version(dist or name.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", "?"))
+
+
+def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
+    """A real tiny forward+backward launch per backend: 'ok' or the error (DESIGN s4.6)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    results = {}
+    q, k, v = (torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for label, backend in [("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                           ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            torch.cuda.synchronize()
+            results[label] = "ok"
+        except RuntimeError as exc:
+            results[label] = f"fails: {str(exc).splitlines()[0][:100]}"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device=device)
+        torch.compile(flex_attention)(q, k, v, block_mask=mask).sum().backward()
+        torch.cuda.synchronize()
+        results["flex_attention"] = "ok"
+    except Exception as exc:  # report any failure mode of compile + launch, this is a report
+        results["flex_attention"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    return results
+
+
+def triton_ptxas_in_use(spec: DeviceSpec) -> str:
+    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH"):
+        if os.environ.get(var):
+            return f"{os.environ[var]} (from {var})"
+    version = bundled_ptxas_version(spec.cc) if spec.cc else None
+    return f"bundled with triton (CUDA {version})" if version else "n/a"
+
+
+def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
+                     backend: str = "auto") -> dict[str, Any]:
+    spec = detect_device()
+    report: dict[str, Any] = {
+        "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
+        "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory,
+        "peak_tflops": spec.peak_tflops, "python": sys.version.split()[0],
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
+        "transformer_engine": _module_version("transformer_engine"),
+        "torchao": _module_version("torchao"),
+    }
+    report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
+    if spec.is_cuda:
+        report["cudnn"] = torch.backends.cudnn.version()
+        report["arch_list"] = torch.cuda.get_arch_list()
+        report["ptxas"] = triton_ptxas_in_use(spec)
+        report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
+        report["attention"] = probe_attention_backends()
+    from nanochat import precision as precision_mod
+    try:
+        dtype = "bf16" if spec.is_cuda else "fp32"
+        report["precision"] = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype).describe()
+    except (ValueError, RuntimeError) as exc:
+        report["precision"] = f"unavailable: {exc}"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="nanochat-spark preflight report")
+    parser.add_argument("--kernel", "--kernel_name", default="current", choices=KERNELS)
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--precision-backend", "--precision_backend", default="auto")
+    parser.add_argument("--no-compile", "--no_compile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    parser.add_argument("--nccl", action="store_true", help="NCCL env checks + all-reduce busbw self-test "
+                        "(under torchrun: its ranks; else one process per GPU, 2 gloo processes on CPU)")
+    parser.add_argument("--nccl-procs", type=int, default=None, help="--nccl without torchrun: processes to spawn")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.nccl:  # the logic lives in nanochat/distributed.py
+        from nanochat.distributed import selftest_main
+        return selftest_main(args.nccl_procs, as_json=args.json)
+    report = preflight_report(args.kernel, not args.no_compile, args.precision, args.precision_backend)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        for key, value in report.items():
+            print(f"{key:>20}: {value}")
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Reinforcement learning on verifiable rewards (GSM8K-style): rollouts with the Engine, group
+advantages, and a policy-gradient step with the Trainer's interface, so that scripts/chat_rl.py
+runs it through the shared loop (nanochat/loop.py).
+
+One step: each rank takes its share of `examples_per_step` problems; per problem it samples
+`num_samples` completions (Engine, KV cache, calculator tool), scores them with `task.reward`,
+sets advantage = reward - mean reward of the group (a group where every sample scores the same
+teaches nothing and contributes zero gradient), and maximises sum(advantage x log p(token)) over
+the tokens the policy sampled: prompt tokens and tool outputs the Engine forced are target -1.
+The objective is normalised per problem by its number of sampled tokens, then averaged over the
+problems of the step on all ranks (the optimizer averages gradients across ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
+
+
+@dataclass
+class RLStepResult(StepResult):
+    extra: dict = field(default_factory=dict)   # reward, sequence length: logged by the loop
+
+
+def rollout_batch(sequences: list[list[int]], masks: list[list[int]], advantages: list[float], pad_id: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, advantages) for the policy-gradient forward: targets keep only sampled
+    tokens (mask 1), everything else (prompt, tool-forced tokens, padding) is -1."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    keep = torch.zeros((len(sequences), length), dtype=torch.bool)
+    for i, (seq, mask) in enumerate(zip(sequences, masks)):
+        assert len(seq) == len(mask)
+        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        keep[i, :len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    targets = torch.where(keep[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], -1))
+    adv = torch.tensor(advantages, dtype=torch.float32)
+    return ids[:, :-1].to(device), targets.to(device), adv.to(device)
+
+
+def policy_gradient_loss(model, inputs: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-sum over sampled tokens of advantage x log p, number of sampled tokens)."""
+    nll = model(inputs, targets, loss_reduction="none").view_as(targets).float()
+    valid = targets >= 0
+    logp = torch.where(valid, -nll, torch.zeros_like(nll))
+    return -(logp * advantages[:, None]).sum(), valid.sum()
+
+
+class PolicyGradientTrainer:
+    """Trainer-compatible (step / loop_state / loader_state / note_checkpoint) RL step."""
+
+    def __init__(self, model, train_model, optimizer, task, tokenizer, schedule, rt, *, examples_per_step: int,
+                 num_samples: int, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = 50,
+                 device_batch_size: int = 8, seed: int = 42, pos: int = 0):
+        from nanochat.engine import Engine
+        self.model, self.train_model, self.optimizer, self.task = model, train_model, optimizer, task
+        self.tokenizer, self.schedule, self.rt = tokenizer, schedule, rt
+        self.engine = Engine(model, tokenizer)
+        self.examples_per_step, self.num_samples = examples_per_step, num_samples
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.device_batch_size, self.seed = device_batch_size, seed
+        self.pos = pos                     # problems consumed so far (all ranks)
+        self.last_checkpoint: str | None = None
+
+    def loader_state(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_loader_state(self, state: dict) -> None:
+        self.pos = int(state["pos"])
+
+    def note_checkpoint(self, path) -> None:
+        self.last_checkpoint = str(path)
+
+    def loop_state(self, step: int, meter=None, **extra) -> dict:
+        return {"step": step, "rng": capture_rng_state(),
+                "meter": meter.state_dict() if meter is not None else None, **extra}
+
+    def _my_problems(self) -> list[int]:
+        idx = [(self.pos + k) % len(self.task) for k in range(self.examples_per_step)]
+        return idx[self.rt.rank::self.rt.world_size]
+
+    def _rollout(self, index: int):
+        """(sequences, masks, advantages, rewards) of one problem's group; None when the prompt
+        leaves no room to generate in the model's context (skipped, counted in the step's extra)."""
+        from nanochat.tasks.evaluate import completion_text
+        conv = self.task[index]
+        prompt = self.tokenizer.render_for_completion(conv)
+        budget = min(self.max_new_tokens, self.engine.max_seq_len - len(prompt))
+        if budget < 1:
+            return None
+        self.model.eval()
+        seqs, masks = self.engine.generate_batch(
+            prompt, num_samples=self.num_samples, max_tokens=budget, temperature=self.temperature,
+            top_k=self.top_k, seed=self.seed + index * 7919 + self.pos)
+        self.model.train()
+        # scored like chat_eval: text and calculator outputs, python source dropped
+        rewards = [float(self.task.reward(conv, completion_text(self.tokenizer, s[len(prompt):]))) for s in seqs]
+        mean = sum(rewards) / len(rewards)
+        return seqs, masks, [r - mean for r in rewards], rewards
+
+    def step(self, step: int) -> RLStepResult:
+        rt = self.rt
+        rt.synchronize()
+        t0 = time.perf_counter()
+        problems = self._my_problems()
+        total_loss, rewards, tokens, lengths = 0.0, [], 0, []
+        skipped = 0
+        for index in problems:
+            rollout = self._rollout(index)
+            if rollout is None:
+                skipped += 1
+                continue
+            seqs, masks, advantages, rs = rollout
+            rewards += rs
+            lengths += [len(s) for s in seqs]
+            inputs, targets, adv = rollout_batch(seqs, masks, advantages, self.tokenizer.bos_token_id, rt.device)
+            count = (targets >= 0).sum().clamp(min=1)
+            for b in range(0, inputs.size(0), self.device_batch_size):
+                sl = slice(b, b + self.device_batch_size)
+                loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl])
+                loss = loss_sum / count / self.examples_per_step * rt.world_size  # optimizer averages ranks
+                loss.backward()
+                total_loss += float(loss.detach())
+            tokens += inputs.numel()
+        stats = torch.tensor([total_loss, sum(rewards), len(rewards), sum(lengths), skipped],
+                             dtype=torch.float64, device=rt.device)
+        if rt.world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        loss_f, reward_sum, n, len_sum, skipped_all = (float(v) for v in stats)
+        loss_f /= rt.world_size
+        if not math.isfinite(loss_f):
+            raise NonFiniteLossError(step, "policy-gradient loss", loss_f, self.last_checkpoint, DEFAULT_HINT)
+        lrm = self.schedule.apply(self.optimizer, step)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.pos += self.examples_per_step
+        rt.synchronize()
+        extra = {"reward": reward_sum / max(n, 1), "seq_len": len_sum / max(n, 1), "skipped": skipped_all}
+        return RLStepResult(step, loss_f, lrm, time.perf_counter() - t0, tokens * rt.world_size, None, extra)

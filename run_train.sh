@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Base training in the background: start (nohup, one run per model tag), --status, --stop.
+#
+#   ./run_train.sh --depth 20 --run d20-spark            start: the flags go to scripts.base_train
+#   ./run_train.sh --status [--model-tag d20]             running or not, pid, last step, log tail
+#   ./run_train.sh --stop [--model-tag d20] [--timeout 60]  SIGTERM, wait, then SIGKILL
+#
+# Files live in $NANOCHAT_BASE_DIR/runs/<model-tag>/ (default base dir ~/.cache/nanochat):
+#   pid (the run's process group leader), train.log (stdout + stderr), cmd (the command),
+#   exit_code (written when the run ends by itself). `./run_train.sh --help` for everything.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+PYTHON="${NANOCHAT_PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+  if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON="$(command -v python3 || true)"; fi
+fi
+
+usage() {
+  cat <<EOF
+Usage: ./run_train.sh [run options] [scripts.base_train flags...]
+       ./run_train.sh --status [--model-tag TAG] [--lines N]
+       ./run_train.sh --stop   [--model-tag TAG] [--timeout SECONDS]
+
+Starts 'python -m scripts.base_train FLAGS' in the background with nohup (its own process group),
+writes the pid and the log under \$NANOCHAT_BASE_DIR/runs/<model-tag>/ and returns. The model tag
+is --model-tag from the flags, else d<--depth>, else d20 (base_train's defaults). A second start
+on a tag whose run is alive is refused; a pid file of a dead run is cleaned up. The flags are
+validated (scripts.base_train's own checks) before anything starts.
+
+Run options (not passed to base_train):
+  --nproc N        run under 'torchrun --standalone --nproc_per_node N' (default 1: plain python)
+  --base-dir DIR   artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat; exported
+                   to the run as NANOCHAT_BASE_DIR)
+Modes:
+  --status         report every run (or --model-tag's): running or not, pid, last step, log tail;
+                   exit 0 if the (single) run asked about is running, 3 if not
+  --stop           SIGTERM the run's process group, wait --timeout seconds (default 30), then
+                   SIGKILL; without --model-tag, stops the only running run
+  --lines N        log lines shown by --status (default 10)
+  -h, --help       this text
+Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
+Examples:
+  ./run_train.sh --depth 12 --run d12 && tail -f ~/.cache/nanochat/runs/d12/train.log
+  ./run_train.sh --nproc 8 --depth 20 --model-tag d20 --run d20
+EOF
+}
+
+die() { echo "run_train.sh: error: $*" >&2; exit 2; }
+say() { echo "run_train.sh: $*"; }
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=30 LINES=10 TAG_GIVEN=0
+TRAIN_ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --status) MODE=status; shift ;;
+    --stop) MODE=stop; shift ;;
+    --timeout) [[ $# -ge 2 ]] || die "--timeout needs a value (seconds)"; TIMEOUT="$2"; shift 2 ;;
+    --timeout=*) TIMEOUT="${1#*=}"; shift ;;
+    --lines) [[ $# -ge 2 ]] || die "--lines needs a value"; LINES="$2"; shift 2 ;;
+    --lines=*) LINES="${1#*=}"; shift ;;
+    --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value (GPUs on this host)"; NPROC="$2"; shift 2 ;;
+    --nproc=*) NPROC="${1#*=}"; shift ;;
+    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
+    --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
+    --model-tag|--model_tag) [[ $# -ge 2 ]] || die "$1 needs a value"
+      TAG="$2"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$2"); shift 2 ;;
+    --model-tag=*|--model_tag=*) TAG="${1#*=}"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$TAG"); shift ;;
+    --depth) [[ $# -ge 2 ]] || die "--depth needs a value"; DEPTH="$2"; TRAIN_ARGS+=("$1" "$2"); shift 2 ;;
+    --depth=*) DEPTH="${1#*=}"; TRAIN_ARGS+=("$1"); shift ;;
+    *) TRAIN_ARGS+=("$1"); shift ;;
+  esac
+done
+
+is_uint "$TIMEOUT" && (( TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer >= 1 (seconds)"
+is_uint "$LINES" || die "--lines: got '$LINES'; accepted: an integer >= 0"
+is_uint "$NPROC" && (( NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+if [[ -n "$TAG" && ! "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
+  die "--model-tag: got '$TAG'; accepted: letters, digits, '.', '_' and '-'"
+fi
+if [[ "$MODE" != start && ${#TRAIN_ARGS[@]} -gt $((2 * TAG_GIVEN)) ]]; then
+  die "--$MODE: takes only --model-tag, --base-dir, --lines (status) and --timeout (stop); got: ${TRAIN_ARGS[*]}"
+fi
+RUNS_DIR="$BASE_DIR/runs"
+
+# ---------------------------------------------------------------- pid bookkeeping
+run_alive() {  # pid -> 0 if that process exists and is one of our training runs
+  local pid="$1" args
+  is_uint "$pid" || return 1
+  kill -0 "$pid" 2>/dev/null || return 1
+  args="$(ps -o args= -p "$pid" 2>/dev/null || true)"
+  [[ "$args" == *scripts.base_train* ]]
+}
+read_pid() { [[ -f "$1/pid" ]] && tr -dc '0-9' < "$1/pid" || true; }
+last_step() {  # log -> "step N/M" of the last step line, or "none yet"
+  local line
+  line="$(grep -aoE '^step [0-9]+/[0-9]+' "$1" 2>/dev/null | tail -n1 || true)"
+  echo "${line:-none yet}"
+}
+
+status_one() {  # dir -> prints the report; returns 0 if running, 3 if not
+  local dir="$1" tag pid rc=3 state
+  tag="$(basename "$dir")"; pid="$(read_pid "$dir")"
+  if [[ -n "$pid" ]] && run_alive "$pid"; then
+    state="running (pid $pid)"; rc=0
+  else
+    if [[ -n "$pid" ]]; then rm -f "$dir/pid"; fi   # stale: the process is gone
+    if [[ -f "$dir/exit_code" ]]; then state="not running (finished, exit code $(cat "$dir/exit_code"))"
+    else state="not running${pid:+ (pid $pid is gone; removed its stale pid file)}"; fi
+  fi
+  echo "[$tag] $state"
+  echo "  log:       $dir/train.log"
+  [[ -f "$dir/cmd" ]] && echo "  command:   $(cat "$dir/cmd")"
+  echo "  last step: $(last_step "$dir/train.log")"
+  if [[ "$LINES" -gt 0 && -f "$dir/train.log" ]]; then
+    echo "  last $LINES log lines:"
+    tail -n "$LINES" "$dir/train.log" | sed 's/^/    /'
+  fi
+  return $rc
+}
+
+# ---------------------------------------------------------------- --status
+if [[ "$MODE" == status ]]; then
+  if [[ -n "$TAG" ]]; then
+    [[ -d "$RUNS_DIR/$TAG" ]] || { echo "[$TAG] not running (no run has been started with this tag in $RUNS_DIR)"; exit 3; }
+    status_one "$RUNS_DIR/$TAG" && exit 0 || exit $?
+  fi
+  shopt -s nullglob; dirs=("$RUNS_DIR"/*/); shopt -u nullglob
+  [[ ${#dirs[@]} -gt 0 ]] || { echo "no runs in $RUNS_DIR"; exit 3; }
+  any=3
+  for d in "${dirs[@]}"; do status_one "${d%/}" && any=0 || true; done
+  exit $any
+fi
+
+# ---------------------------------------------------------------- --stop
+if [[ "$MODE" == stop ]]; then
+  if [[ -z "$TAG" ]]; then
+    running=()
+    shopt -s nullglob
+    for d in "$RUNS_DIR"/*/; do p="$(read_pid "${d%/}")"; [[ -n "$p" ]] && run_alive "$p" && running+=("$(basename "$d")"); done
+    shopt -u nullglob
+    [[ ${#running[@]} -gt 0 ]] || { say "no run is running in $RUNS_DIR"; exit 0; }
+    [[ ${#running[@]} -eq 1 ]] || die "--model-tag: several runs are running (${running[*]}); name one with --model-tag"
+    TAG="${running[0]}"
+  fi
+  dir="$RUNS_DIR/$TAG"; pid="$(read_pid "$dir")"
+  if [[ -z "$pid" ]] || ! run_alive "$pid"; then
+    [[ -n "$pid" ]] && rm -f "$dir/pid"
+    say "[$TAG] is not running${pid:+ (removed the stale pid file of pid $pid)}"; exit 0
+  fi
+  say "[$TAG] sending SIGTERM to process group $pid; waiting up to ${TIMEOUT} s"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  deadline_ns=$(( $(date +%s%N) + TIMEOUT * 1000000000 ))
+  while run_alive "$pid" && (( $(date +%s%N) < deadline_ns )); do sleep 0.2; done
+  if run_alive "$pid"; then
+    say "[$TAG] still alive after ${TIMEOUT} s: sending SIGKILL"
+    kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do run_alive "$pid" || break; sleep 0.1; done
+    run_alive "$pid" && die "[$TAG] pid $pid survived SIGKILL"
+  fi
+  rm -f "$dir/pid"
+  echo "stopped by run_train.sh --stop at $(date -u +%FT%TZ)" >> "$dir/train.log"
+  say "[$TAG] stopped (last step: $(last_step "$dir/train.log"))"
+  exit 0
+fi
+
+# ---------------------------------------------------------------- start
+[[ -n "$PYTHON" ]] || die "no Python found: run ./setup.sh --only env first (or set NANOCHAT_PYTHON)"
+if [[ -z "$TAG" ]]; then
+  if [[ -n "$DEPTH" ]]; then
+    is_uint "$DEPTH" || die "--depth: got '$DEPTH'; accepted: an integer 1..256"
+    TAG="d$DEPTH"
+  else TAG="d20"; fi
+fi
+# base_train's own validation (flag names, batch arithmetic, devices) before anything starts.
+export NANOCHAT_BASE_DIR="$BASE_DIR"
+(cd "$REPO" && "$PYTHON" - "${TRAIN_ARGS[@]}" <<'EOF'
+import sys
+from scripts.base_train import parse_config
+try:
+    parse_config(sys.argv[1:])
+except ValueError as e:
+    print(f"run_train.sh: error: {e}", file=sys.stderr)
+    sys.exit(2)
+EOF
+) || exit $?
+
+dir="$RUNS_DIR/$TAG"
+mkdir -p "$dir"
+exec 9>"$dir/lock"
+flock -n 9 || die "[$TAG] another run_train.sh is starting this tag right now"
+pid="$(read_pid "$dir")"
+if [[ -n "$pid" ]]; then
+  if run_alive "$pid"; then
+    echo "run_train.sh: error: [$TAG] a run is already running (pid $pid, log $dir/train.log); stop it with" \
+         "'./run_train.sh --stop --model-tag $TAG' or pick another --model-tag" >&2
+    exit 1
+  fi
+  say "[$TAG] removing the stale pid file of pid $pid (that process is gone)"
+  rm -f "$dir/pid"
+fi
+
+if (( NPROC > 1 )); then
+  launcher=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m scripts.base_train)
+else
+  launcher=("$PYTHON" -m scripts.base_train)
+fi
+cmd=("${launcher[@]}" "${TRAIN_ARGS[@]}")
+printf '%q ' "${cmd[@]}" | sed 's/ $//' > "$dir/cmd"
+rm -f "$dir/exit_code"
+{ echo "==> run_train.sh started at $(date -u +%FT%TZ) on $(hostname): $(cat "$dir/cmd")"; } >> "$dir/train.log"
+# setsid: the run leads its own process group (so --stop reaches torchrun's workers too) and the
+# wrapper shell writes its pid before exec'ing nothing else: `$$` is the group id we signal.
+cd "$REPO"
+nohup setsid bash -c 'echo $$ > "$0/pid.tmp" && mv -f "$0/pid.tmp" "$0/pid"; shift
+  "$@"; rc=$?; echo $rc > "$0/exit_code"; echo "==> exited with code $rc at $(date -u +%FT%TZ)"; exit $rc' \
+  "$dir" _ "${cmd[@]}" >> "$dir/train.log" 2>&1 < /dev/null 9>&- &
+for _ in $(seq 100); do [[ -f "$dir/pid" ]] && break; sleep 0.05; done
+pid="$(read_pid "$dir")"
+[[ -n "$pid" ]] || die "[$TAG] the run did not start (no pid file after 5 s); see $dir/train.log"
+say "[$TAG] started pid $pid"
+say "  log:    $dir/train.log   (tail -f it)"
+say "  status: ./run_train.sh --status --model-tag $TAG"
+say "  stop:   ./run_train.sh --stop --model-tag $TAG"

@@ -1,0 +1,203 @@
+"""Reinforcement learning on GSM8K: python -m scripts.chat_rl [flags]   (or torchrun ...)
+
+Loads the `sft` checkpoint (--source sft; mid also accepted), and per step samples --num-samples
+completions for each of --examples-per-step GSM8K problems with the Engine (calculator tool on),
+rewards a correct final answer with 1, uses reward - group mean as the advantage and takes a
+policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pass@1 on the first
+--eval-examples GSM8K test problems at intervals; saves the `rl` checkpoint under the same tag.
+-1 iterations = one pass over the training problems. Loop: nanochat/loop.py.
+
+Offline (no hub): --test-holdout N trains on the local GSM8K test file minus its first N problems.
+
+Tiny CPU example:
+    python -m scripts.chat_rl --device cpu --num-iterations 2 --examples-per-step 2 --num-samples 4 \
+        --max-new-tokens 16 --test-holdout 100 --eval-examples 4
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, fields
+
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.training import (FlagParser, Schedule, check_wandb_available, require, require_float, require_int,
+                               resolve_wandb_mode)
+
+SOURCES = ("sft", "mid")
+
+
+@dataclass
+class ChatRLConfig:
+    source: str = "sft"
+    model_tag: str | None = None
+    step: str = "latest"
+    num_iterations: int = -1                # -1 = one pass over the training problems
+    examples_per_step: int = 16             # problems per optimizer step (all ranks)
+    num_samples: int = 16                   # completions per problem (the advantage group)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 50                         # 0 = off
+    device_batch_size: int = 8              # sequences per forward/backward chunk
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.2
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.5
+    init_lr_frac: float = 0.05
+    eval_every: int = 60
+    eval_examples: int = 400
+    save_every: int = 60
+    resume: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 42
+    data_dir: str | None = None
+    test_holdout: int = -1
+    run: str = "dummy"
+    wandb: str | None = None
+
+    def validate(self) -> "ChatRLConfig":
+        import os
+        require(self.source in SOURCES, "--source", self.source, "|".join(SOURCES))
+        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        require_int(self.examples_per_step, "--examples-per-step", 1)
+        require(self.examples_per_step % world == 0, "--examples-per-step", self.examples_per_step,
+                f"a multiple of the world size {world}")
+        require_int(self.num_samples, "--num-samples", 2)  # a group of one has zero advantage
+        require_int(self.max_new_tokens, "--max-new-tokens", 1)
+        require_float(self.temperature, "--temperature", 0.0, low_inclusive=False)
+        require_int(self.top_k, "--top-k", 0)
+        require_int(self.device_batch_size, "--device-batch-size", 1)
+        for flag in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"):
+            require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
+        require_float(self.init_lr_frac, "--init-lr-frac", 0.0, low_inclusive=False)
+        for flag in ("eval_every", "save_every"):
+            require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
+        require_int(self.eval_examples, "--eval-examples", 1)
+        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
+                self.resume, "latest or a step number")
+        require(self.device in ("auto", "cpu", "cuda", "mps"), "--device", self.device, "auto|cpu|cuda|mps")
+        require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
+        require_int(self.seed, "--seed", 0)
+        require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
+        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        return self
+
+
+_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def parse_config(argv: list[str] | None = None) -> ChatRLConfig:
+    parser = FlagParser(prog="python -m scripts.chat_rl", description="RL on GSM8K rewards.")
+    d = ChatRLConfig()
+    for f in fields(ChatRLConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=_TYPES[f.type], default=getattr(d, f.name),
+                            help=f"default: {getattr(d, f.name)}")
+    return ChatRLConfig(**vars(parser.parse_args(argv))).validate()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(argv)
+    rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
+    try:
+        return train(cfg, rt)
+    finally:
+        destroy_runtime(rt)
+
+
+def train(cfg: ChatRLConfig, rt) -> dict:
+    from nanochat.chat_data import build_mixture
+    from nanochat.chat_train import resolve_source
+    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, load_model, save_checkpoint
+    from nanochat.gpt import GPTConfig
+    from nanochat.engine import Engine
+    from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
+    from nanochat.optim import build_optimizer
+    from nanochat.rl import PolicyGradientTrainer
+    from nanochat.tasks import GSM8K
+    from nanochat.tasks.evaluate import run_generative
+    from nanochat.tokenizer import get_tokenizer
+    from nanochat.training import StepMeter, Tracker, restore_rng_state
+
+    base_dir = get_base_dir()
+    tag, src_dir = resolve_source("rl", cfg.source, cfg.model_tag, base_dir)
+    ckpt_dir = checkpoint_dir("rl", tag, base_dir)
+    resume = None
+    if cfg.resume is not None:
+        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+        tokenizer = get_tokenizer(base_dir)
+        model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
+        model.load_state_dict(resume["model"], strict=True)
+        source = resume["meta"]["source"]
+    else:
+        step = "latest" if cfg.step == "latest" else int(cfg.step)
+        model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
+                                            compute_dtype=rt.dtype)
+        source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
+    model.train()
+    task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    eval_task = GSM8K("test", data_dir=cfg.data_dir)
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
+    schedule = Schedule(num_iterations, 0.0, 1.0, 0.0).validate()  # linear decay to 0
+    f = cfg.init_lr_frac
+    optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
+                                unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
+                                world_size=rt.world_size, rank=rt.rank)
+    trainer = PolicyGradientTrainer(model, model, optimizer, task, tokenizer, schedule, rt,
+                                    examples_per_step=cfg.examples_per_step, num_samples=cfg.num_samples,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    top_k=cfg.top_k or None, device_batch_size=cfg.device_batch_size, seed=cfg.seed)
+    meter = StepMeter(model.estimate_flops(), rt.world_size, peak_bf16=None, precision=rt.dtype_name,
+                      warmup_steps=1, peak_memory=rt.peak_memory_bytes)
+    start_step, resume_loop = 0, None
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        trainer.load_loader_state(resume["loader"])
+        resume_loop = resume["loop"]
+        start_step = resume_loop["step"]
+        meter.load_state_dict(resume_loop["meter"])
+        trainer.note_checkpoint(ckpt_dir / f"step_{start_step:06d}")
+        restore_rng_state(resume_loop["rng"])
+    train_meta = {"num_iterations": num_iterations, "problems": len(task), "world_size": rt.world_size,
+                  "dtype": rt.dtype_name, "eval_problems": min(cfg.eval_examples, len(eval_task))}
+    tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project="nanochat-rl",
+                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
+    print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir}; {num_iterations} iterations x "
+           f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
+           f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")
+
+    def evaluate(_step: int) -> dict:
+        model.eval()
+        res = run_generative(Engine(model, tokenizer), tokenizer, eval_task, rt.device, num_samples=1,
+                             max_new_tokens=cfg.max_new_tokens, temperature=0.0, max_problems=cfg.eval_examples,
+                             name="GSM8K")
+        model.train()
+        return {"gsm8k_pass@1": res.accuracy}
+
+    def save(at: int, loop_state: dict):
+        meta = {"phase": "rl", "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
+                "config": asdict(cfg), "source": source, "tokenizer_fingerprint": tokenizer.fingerprint}
+        return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+                               loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
+
+    spec = LoopSpec("rl", num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
+                    evaluate=evaluate, save=save, is_master=rt.is_master)
+    result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
+    summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
+               "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2)}
+    print0("done: " + json.dumps(summary))
+    log_stage_report("Chat RL", "rl", config=asdict(cfg), result=result, meter=meter,
+                     extra={**train_meta, "source": source}, is_master=rt.is_master)
+    tracker.finish()
+    return {**summary, "losses": result.losses}
+
+
+if __name__ == "__main__":
+    try:
+        parse_config(sys.argv[1:])
+    except ValueError as e:  # bad flags: a one-line error, no traceback
+        print(f"chat_rl: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    main(sys.argv[1:])

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Launch one node of a multi-node torchrun job (e.g. two DGX Sparks linked by ConnectX-7).
+# Run it on every node with the same flags except --node-rank:
+#   node 0:  scripts/launch_multinode.sh --node-rank 0 --master-addr 192.168.100.10 -- -m scripts.base_train --depth 20
+#   node 1:  scripts/launch_multinode.sh --node-rank 1 --master-addr 192.168.100.10 -- -m scripts.base_train --depth 20
+# It detects the RoCE interface and its HCAs (ibdev2netdev if installed, else /sys/class/infiniband),
+# sets NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME to the interface and NCCL_IB_HCA to every active HCA
+# on it (a Spark's ConnectX-7 port shows up as two PCIe halves, each its own HCA: naming both gives
+# the full ~200 Gb/s), keeps NVLink multicast off (NCCL_NVLS_ENABLE=0), checks the MTU, and execs
+# torchrun. --dry-run prints the environment and the exact command instead of running it.
+# Test hooks: NANOCHAT_SYSFS_ROOT (default /) and IBDEV2NETDEV (default: ibdev2netdev on PATH).
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: scripts/launch_multinode.sh --node-rank N --master-addr ADDR [options] [-- TORCHRUN_ARGS...]
+  --node-rank N      this node's rank, 0..nnodes-1 (required)
+  --master-addr A    IP/hostname of node 0 on the fast link (required)
+  --master-port P    rendezvous TCP port on node 0 (default 29500)
+  --nnodes N         number of nodes (default 2)
+  --nproc N          processes (GPUs) per node (default 1: one GB10 per Spark)
+  --iface IF         network interface for NCCL/Gloo sockets (default: detected RoCE interface)
+  --hca LIST         NCCL_IB_HCA value, e.g. rocep1s0f1,roceP2p1s0f1 (default: active HCAs on --iface's port)
+  --dry-run          print the environment and the torchrun command; do not run
+  -h, --help         this text
+After --: what torchrun runs (default: -m scripts.base_train).
+EOF
+}
+die() { echo "launch_multinode: error: $*" >&2; exit 2; }
+warn() { echo "launch_multinode: WARNING: $*" >&2; }
+is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
+
+NODE_RANK="" MASTER_ADDR_="" MASTER_PORT_=29500 NNODES=2 NPROC=1 IFACE="" HCA="" DRY_RUN=0
+need_value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || die "$1: needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --node-rank) need_value "$@"; NODE_RANK=$2; shift 2 ;;
+    --master-addr) need_value "$@"; MASTER_ADDR_=$2; shift 2 ;;
+    --master-port) need_value "$@"; MASTER_PORT_=$2; shift 2 ;;
+    --nnodes) need_value "$@"; NNODES=$2; shift 2 ;;
+    --nproc|--nproc-per-node) need_value "$@"; NPROC=$2; shift 2 ;;
+    --iface) need_value "$@"; IFACE=$2; shift 2 ;;
+    --hca) need_value "$@"; HCA=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+CMD=("$@")
+[[ ${#CMD[@]} -gt 0 ]] || CMD=(-m scripts.base_train)
+
+is_uint "$NNODES" && (( NNODES >= 1 )) || die "--nnodes: got '$NNODES'; accepted: an integer >= 1"
+[[ -n $NODE_RANK ]] || die "--node-rank: required (0..$((NNODES - 1)))"
+is_uint "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "--node-rank: got '$NODE_RANK'; accepted: 0..$((NNODES - 1))"
+[[ -n $MASTER_ADDR_ ]] || die "--master-addr: required (node 0's address on the fast link)"
+is_uint "$MASTER_PORT_" && (( MASTER_PORT_ >= 1 && MASTER_PORT_ <= 65535 )) \
+  || die "--master-port: got '$MASTER_PORT_'; accepted: 1..65535"
+is_uint "$NPROC" && (( NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+
+SYSFS=${NANOCHAT_SYSFS_ROOT:-/}
+NET=$SYSFS/sys/class/net
+IB=$SYSFS/sys/class/infiniband
+
+# ---- HCA -> netdev map, "hca netdev state" per line ----
+hca_map() {
+  local tool=${IBDEV2NETDEV:-ibdev2netdev}
+  if command -v "$tool" > /dev/null 2>&1; then
+    # "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)"
+    "$tool" | awk '$4 == "==>" { s = $6; gsub(/[()]/, "", s); print $1, $5, s }'
+    return
+  fi
+  [[ -d $IB ]] || return 0
+  local dev nd state
+  for dev in "$IB"/*; do
+    [[ -e $dev ]] || continue
+    for nd in "$dev"/device/net/*; do
+      [[ -e $nd ]] || continue
+      state=$(cat "$NET/$(basename "$nd")/operstate" 2>/dev/null || echo unknown)
+      [[ $state == up ]] && state=Up || state=Down
+      echo "$(basename "$dev") $(basename "$nd") $state"
+    done
+  done
+}
+MAP=$(hca_map)
+
+if [[ -z $IFACE ]]; then
+  # prefer an active RoCE netdev that carries an IPv4 address (the one the nodes talk over)
+  for nd in $(awk '$3 == "Up" { print $2 }' <<< "$MAP"); do
+    if command -v ip > /dev/null 2>&1 && [[ -n $(ip -4 -o addr show dev "$nd" 2>/dev/null) ]]; then IFACE=$nd; break; fi
+  done
+  [[ -n $IFACE ]] || IFACE=$(awk '$3 == "Up" { print $2; exit }' <<< "$MAP")
+  [[ -n $IFACE ]] || die "no active RoCE interface found (ibdev2netdev / $IB); pass --iface (and --hca)"
+fi
+[[ -d $NET/$IFACE ]] || die "--iface: '$IFACE' does not exist; available: $(ls "$NET" 2>/dev/null | tr '\n' ' ')"
+if [[ -z $HCA ]]; then
+  # Both halves of a Spark's port: every active HCA whose netdev shares the interface's port
+  # suffix (enp1s0f1np1 and enP2p1s0f1np1 -> ...s0f1np1); fall back to every active HCA.
+  suffix=$(sed -E 's/^en(P[0-9]+)?p[0-9]+//' <<< "$IFACE")
+  HCA=$(awk -v sfx="$suffix" '$3 == "Up" && substr($2, length($2) - length(sfx) + 1) == sfx { print $1 }' \
+        <<< "$MAP" | paste -sd, -)
+  [[ -n $HCA ]] || HCA=$(awk '$3 == "Up" { print $1 }' <<< "$MAP" | paste -sd, -)
+fi
+if [[ -z $HCA ]]; then
+  warn "no RDMA HCA found for $IFACE: NCCL will use TCP sockets (far below RoCE bandwidth)"
+elif [[ $HCA != *,* ]] && (( $(awk '$3 == "Up"' <<< "$MAP" | wc -l) > 1 )); then
+  warn "NCCL_IB_HCA=$HCA names one HCA; a Spark's ConnectX-7 port has two halves: name both for full bandwidth"
+fi
+
+MTU=$(cat "$NET/$IFACE/mtu" 2>/dev/null || echo "")
+if [[ -z $MTU ]]; then
+  warn "$IFACE: MTU unknown"
+elif (( MTU < 9000 )); then
+  warn "$IFACE: MTU $MTU < 9000. RoCE packs at most MTU-sized frames (RoCE MTU 4096 needs an Ethernet MTU" \
+       ">= 4200, else 1024-byte packets), so a small MTU multiplies packets and per-packet overhead and cuts" \
+       "bandwidth; set 'sudo ip link set $IFACE mtu 9000' on BOTH nodes (and the switch, if any)"
+fi
+
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0)
+[[ -n $HCA ]] && ENV_VARS+=(NCCL_IB_HCA="$HCA")
+[[ -n ${NCCL_DEBUG:-} ]] && ENV_VARS+=(NCCL_DEBUG="$NCCL_DEBUG")
+TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
+          --master_addr="$MASTER_ADDR_" --master_port="$MASTER_PORT_" "${CMD[@]}")
+
+if (( DRY_RUN )); then
+  echo "# node $NODE_RANK of $NNODES, $NPROC process(es), interface $IFACE (MTU ${MTU:-?}), HCAs ${HCA:-none}"
+  for kv in "${ENV_VARS[@]}"; do echo "export $kv"; done
+  printf '%q ' "${TORCHRUN[@]}"; echo
+  exit 0
+fi
+export "${ENV_VARS[@]}"
+exec "${TORCHRUN[@]}"

@@ -1,0 +1,42 @@
+"""Mid-train a base model on conversations: python -m scripts.mid_train [flags]   (or torchrun ...)
+
+Teaches the base model the chat format, tool use and multiple choice before SFT: loads the `base`
+checkpoint (--model-tag, default the newest/only tag), trains on a conversation mixture (local
+conversations or SmolTalk, identity chats, MMLU/ARC rendered as multiple-choice chats, GSM8K with
+calculator tool calls, SpellingBee) packed into BOS-aligned rows of --max-seq-len tokens (every
+token trains; rows are filled by cropping), and saves the `mid` checkpoint under the same tag.
+-1 iterations = one epoch of the mixture. The recipe lives in nanochat/chat_train.py (shared
+with chat_sft); the loop in nanochat/loop.py.
+
+Offline (no hub): --test-holdout N trains MMLU/ARC/GSM8K on the local test files minus their
+first N problems, so `chat_eval --max-problems N` still scores unseen problems.
+
+Tiny CPU example (after the base_train example):
+    python -m scripts.mid_train --device cpu --num-iterations 20 --device-batch-size 4 \
+        --max-seq-len 64 --test-holdout 100 --eval-every 10
+"""
+
+from __future__ import annotations
+
+import sys
+
+from nanochat.chat_train import MID, ChatTrainConfig, parse_config
+from nanochat.chat_train import main as run_stage
+
+
+def parse(argv: list[str] | None = None) -> ChatTrainConfig:
+    return parse_config(MID, argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse, validate, train; returns the run summary (with per-step losses)."""
+    return run_stage(MID, argv)
+
+
+if __name__ == "__main__":
+    try:
+        parse(sys.argv[1:])
+    except ValueError as e:  # bad flags: a one-line error, no traceback
+        print(f"mid_train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    main(sys.argv[1:])

@@ -1,0 +1,226 @@
+"""Mid-training, SFT and RL on CPU: conversation packing (assistant-only targets, padding, exact
+resume state), the token-weighted SFT loss against a hand-computed masked mean, flag validation,
+missing-checkpoint errors, and a tiny pipeline base -> mid (with exact resume) -> sft -> rl ->
+chat_eval -> report.md with plots. Fixtures (tokenizer, base dir, env): tests/conftest.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat import checkpoint as ck
+from nanochat.chat_data import ChatLoader, estimate_epoch_rows
+
+CONVS = [
+    {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}]},
+    {"messages": [{"role": "user", "content": "What is 2+2?"},
+                  {"role": "assistant", "content": [{"type": "text", "text": "Let me compute: "},
+                                                    {"type": "python", "text": "2+2"},
+                                                    {"type": "python_output", "text": "4"},
+                                                    {"type": "text", "text": " so 4."}]}]},
+    {"messages": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Another"}, {"role": "assistant", "content": "Green, then red."}]},
+]
+
+
+# ------------------------------------------------------------------ packing, masks, padding, resume
+
+def test_single_conversation_row_targets_and_padding(tiny_tokenizer):
+    ids, mask = tiny_tokenizer.render_conversation(CONVS[1])
+    seq_len = len(ids) + 5  # one conversation per row, 6 padded positions
+    loader = ChatLoader([CONVS[1]], tiny_tokenizer, 2, seq_len, mask="assistant", fill="pad", buffer_size=1)
+    x, y = next(loader)
+    row_ids = ids + [tiny_tokenizer.bos_token_id] * 6
+    want_y = [ids[t + 1] if mask[t + 1] else -1 for t in range(len(ids) - 1)] + [-1] * 6
+    assert x[0].tolist() == row_ids[:-1] and y[0].tolist() == want_y
+    assert x[1].tolist() == x[0].tolist()  # the stream loops: the same conversation again
+    # tool output tokens are inputs but never targets; user tokens neither
+    out_start = tiny_tokenizer.encode_special("<|output_start|>")
+    t = ids.index(out_start)
+    assert y[0, t - 1] == -1 and y[0, t] == -1
+    assert (y[0] >= 0).sum() == sum(mask[1:])
+
+
+def test_pad_rows_pack_whole_conversations_and_mask_everything_else(tiny_tokenizer):
+    rendered = [tiny_tokenizer.render_conversation(c) for c in CONVS]
+    seq_len = max(len(r[0]) for r in rendered) * 2
+    loader = ChatLoader(CONVS, tiny_tokenizer, 4, seq_len, mask="assistant", fill="pad", buffer_size=3)
+    x, y = next(loader)
+    bos = tiny_tokenizer.bos_token_id
+    assert (x[:, 0] == bos).all()  # BOS-aligned rows
+    assert loader.fill_fraction < 1.0  # whole conversations only: the rest is padding
+    trained = {tuple(r[0][k] for k in range(len(r[0])) if r[1][k]) for r in rendered}
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        kept = [v for v in row_y if v >= 0]
+        assert kept and all(v != bos for v in kept)
+        assert any(tuple(kept[i:i + len(t)]) == t for t in trained for i in range(len(kept)))
+    # "all" + "crop": full rows, every position a target
+    crop = ChatLoader(CONVS, tiny_tokenizer, 4, 40, mask="all", fill="crop", buffer_size=3)
+    for _ in range(3):
+        x, y = next(crop)
+        assert (y >= 0).all() and (x[:, 0] == bos).all()
+    assert crop.fill_fraction == 1.0
+
+
+def test_loader_resume_state_is_exact(tiny_tokenizer):
+    task = CONVS * 7
+    a = ChatLoader(task, tiny_tokenizer, 3, 48, mask="assistant", fill="pad", buffer_size=4)
+    for _ in range(2):
+        next(a)
+    state = json.loads(json.dumps(a.state_dict()))  # plain python types
+    want = [next(a) for _ in range(4)]
+    b = ChatLoader(task, tiny_tokenizer, 3, 48, mask="assistant", fill="pad", buffer_size=4)
+    b.load_state_dict(state)
+    for (xa, ya), (xb, yb) in zip(want, [next(b) for _ in range(4)]):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    with pytest.raises(ValueError, match="rank"):
+        ChatLoader(task, tiny_tokenizer, 3, 48, rank=1, world_size=2).load_state_dict(state)
+
+
+def test_finite_stream_and_epoch_estimate(tiny_tokenizer):
+    loader = ChatLoader(CONVS * 4, tiny_tokenizer, 2, 64, mask="assistant", fill="pad", loop=False)
+    batches = list(loader)
+    assert batches and loader.conversations_used == 12
+    rows = estimate_epoch_rows(CONVS * 4, tiny_tokenizer, 64, mask="assistant", fill="pad")
+    assert 2 * (len(batches) - 1) < rows <= 2 * len(batches)
+    with pytest.raises(ValueError, match="fill"):
+        ChatLoader(CONVS, tiny_tokenizer, 2, 64, fill="spill")
+
+
+# ------------------------------------------------------------------ the SFT loss
+
+def test_sft_loss_is_masked_mean_over_the_accumulated_batch(tiny_tokenizer):
+    """Token-weighted accumulation: sum of target losses / number of targets over both
+    micro-batches (not the mean of per-micro-batch means, which differs when counts differ)."""
+    from nanochat.checkpoint import build_model
+    from nanochat.common import init_runtime
+    from nanochat.gpt import config_for_depth
+    from nanochat.optim import build_optimizer
+    from nanochat.training import Schedule, Trainer, plan_batch
+    torch.manual_seed(0)
+    rt = init_runtime("cpu", "fp32", 0)
+    model = build_model(config_for_depth(1, tiny_tokenizer.vocab_size, 64, aspect_ratio=32, head_dim=32), "cpu")
+    loader = ChatLoader(CONVS * 3, tiny_tokenizer, 2, 48, mask="assistant", fill="pad", buffer_size=2)
+    batches = [next(loader) for _ in range(2)]
+    counts = [int((y >= 0).sum()) for _, y in batches]
+    assert counts[0] != counts[1] and all(c > 0 for c in counts)
+    with torch.no_grad():
+        sums = [F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+                for x, y in batches]
+    want = float(sum(sums)) / sum(counts)
+    mean_of_means = sum(float(s) / c for s, c in zip(sums, counts)) / 2
+    assert abs(want - mean_of_means) > 1e-4
+    trainer = Trainer(model, build_optimizer(model), iter(batches), plan_batch(2 * 2 * 48, 2, 48, 1),
+                      Schedule(1), rt, token_weighted=True)
+    assert trainer.step(0).loss == pytest.approx(want, rel=1e-5)
+
+
+# ------------------------------------------------------------------ flags and missing checkpoints
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("mid_train", ["--num-iterations", "0"], "--num-iterations"),
+    ("mid_train", ["--device-batch-size", "0"], "--device-batch-size"),
+    ("mid_train", ["--source", "sft"], "--source"),
+    ("mid_train", ["--max-seq-len", "4"], "--max-seq-len"),
+    ("mid_train", ["--test-holdout", "-5"], "--test-holdout"),
+    ("mid_train", ["--data-dir", "/nonexistent/data"], "--data-dir"),
+    ("mid_train", ["--total-batch-size", "1000", "--device-batch-size", "4", "--max-seq-len", "64"],
+     "--total-batch-size"),
+    ("chat_sft", ["--source", "rl"], "--source"),
+    ("chat_sft", ["--init-lr-frac", "0"], "--init-lr-frac"),
+    ("chat_sft", ["--warmdown-ratio", "2"], "--warmdown-ratio"),
+    ("chat_sft", ["--resume", "soon"], "--resume"),
+    ("chat_sft", ["--kernel", "fast"], "--kernel"),
+    ("chat_sft", ["--bogus", "1"], "--bogus"),
+    ("chat_rl", ["--num-samples", "1"], "--num-samples"),
+    ("chat_rl", ["--max-new-tokens", "0"], "--max-new-tokens"),
+    ("chat_rl", ["--source", "base"], "--source"),
+    ("chat_rl", ["--temperature", "0"], "--temperature"),
+    ("chat_rl", ["--device", "tpu"], "--device"),
+])
+def test_bad_flags_name_the_flag(script, argv, flag):
+    import importlib
+    mod = importlib.import_module(f"scripts.{script}")
+    parse = mod.parse_config if script == "chat_rl" else mod.parse
+    with pytest.raises(ValueError, match=flag):
+        parse(argv)
+
+
+def test_flag_defaults_and_spellings():
+    from scripts import chat_sft, mid_train
+    m = mid_train.parse(["--model_tag", "d2", "--num_iterations", "5", "--no-compile"])
+    s = chat_sft.parse([])
+    assert (m.source, m.model_tag, m.num_iterations, m.compile, m.init_lr_frac) == ("base", "d2", 5, False, 1.0)
+    assert (s.source, s.init_lr_frac, s.warmdown_ratio) == ("mid", 0.02, 1.0)
+
+
+def test_missing_previous_stage_names_flag_and_command(env, tmp_path, monkeypatch):
+    from scripts import chat_rl, chat_sft, mid_train
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))  # nothing trained here
+    cpu = ["--device", "cpu", "--model-tag", "nope"]
+    with pytest.raises(ck.CheckpointError) as e:
+        chat_sft.main(cpu)
+    assert "--source mid" in str(e.value) and "python -m scripts.mid_train --model-tag nope" in str(e.value)
+    with pytest.raises(ck.CheckpointError, match="scripts.base_train"):
+        mid_train.main(cpu)
+    with pytest.raises(ck.CheckpointError, match="scripts.chat_sft"):
+        chat_rl.main(cpu)
+
+
+# ------------------------------------------------------------------ the tiny pipeline
+
+BASE = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "128",
+        "--device-batch-size", "4", "--total-batch-size", "512", "--window-pattern", "SL", "--sample-every", "-1",
+        "--eval-tokens", "2048", "--no-compile", "--model-tag", "pipe", "--matrix-lr", "0.04"]
+CHAT = ["--device", "cpu", "--model-tag", "pipe", "--device-batch-size", "4", "--max-seq-len", "128",
+        "--test-holdout", "50", "--eval-tokens", "2048", "--no-compile"]
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
+    from nanochat.report import Report, read_metrics, report_dir
+    from scripts import base_train, chat_eval, chat_rl, chat_sft, mid_train
+
+    base = base_train.main(BASE + env + ["--num-iterations", "20", "--eval-every", "10"])
+    assert base["final_val_bpb"] < 4.5
+
+    mid_args = CHAT + ["--num-iterations", "4", "--eval-every", "2", "--save-every", "2"]
+    mid = mid_train.main(mid_args)
+    resumed = mid_train.main(mid_args + ["--resume", "2"])
+    assert [resumed["losses"][s] for s in (2, 3)] == [mid["losses"][s] for s in (2, 3)]  # exact resume
+    assert mid["final_val_bpb"] < 10 and all(math.isfinite(v) for v in mid["losses"].values())
+    meta = ck.read_meta(ck.checkpoint_dir("mid", "pipe"))
+    assert meta["source"]["phase"] == "base" and meta["source"]["step"] == 20 and meta["train"]["mask"] == "all"
+
+    sft = chat_sft.main(CHAT + ["--num-iterations", "4", "--eval-every", "4", "--init-lr-frac", "0.5"])
+    assert math.isfinite(sft["final_val_bpb"]) and ck.read_meta(ck.checkpoint_dir("sft", "pipe"))["train"]["mask"] \
+        == "assistant"
+
+    rl = chat_rl.main(["--device", "cpu", "--model-tag", "pipe", "--num-iterations", "1", "--examples-per-step", "1",
+                       "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "50", "--eval-examples", "2",
+                       "--eval-every", "1"])
+    assert rl["final_gsm8k_pass@1"] is not None and ck.read_latest(ck.checkpoint_dir("rl", "pipe")) == 1
+
+    for source in ("sft", "rl"):
+        out = chat_eval.main(["-i", source, "--model-tag", "pipe", "--device", "cpu", "--max-problems", "2",
+                              "--max-new-tokens", "8", "--batch-size", "2"])
+        assert out["complete"] and all(0.0 <= r["accuracy"] <= 1.0 for r in out["results"].values())
+
+    report = Report(report_dir(base_dir))
+    path = report.generate()
+    text = path.read_text()
+    assert "## Summary" in text and "| ChatCORE |" in text and "Midtraining" in text and "Chat SFT" in text
+    for name in ("loss_vs_step.png", "val_bpb_vs_step.png", "tok_per_sec.png", "loss_vs_time.png"):
+        png = report.dir / "plots" / name
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG" and f"plots/{name}" in text
+    summary = report.summary()
+    for stage in ("sft", "rl"):
+        assert 0.0 <= summary["ARC-Easy"][stage] <= 1.0 and -1.0 <= summary["ChatCORE"][stage] <= 1.0
+    metrics = read_metrics(base_dir)
+    assert {"base", "mid", "sft", "rl"} <= set(metrics)
+    assert any("val_bpb" in r for r in metrics["mid"]) and any("reward" in r for r in metrics["rl"])
+    assert all(math.isfinite(r["loss"]) for r in metrics["sft"] if "loss" in r)

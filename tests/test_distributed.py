@@ -1,0 +1,385 @@
+"""Multi-process training on CPU with gloo (2 processes): rank sharding of the data, loss
+equivalence across world sizes (2 ranks x accum k == 1 rank x accum 2k on the same micro-batches),
+FSDP2 == the distributed optimizer, exact resume of sharded optimizer state (FSDP in-process,
+base_train under torchrun), refusal of a different world size, the timed barrier, the all-reduce
+self-test, NCCL environment checks and scripts/launch_multinode.sh --dry-run.
+
+Tolerances: fp32 on CPU. Cross-world-size losses differ only by summation order (gradients summed
+across ranks vs across micro-batches): |diff| <= 1e-5 over 4 steps. FSDP vs non-FSDP and every
+resume are compared exactly (same reductions in the same order)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "scripts" / "launch_multinode.sh"
+LOSS_TOL = 1e-5
+STEPS, ACCUM_2RANK, B, T, VOCAB = 4, 2, 2, 32, 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+
+
+def _tiny_model():
+    from nanochat.gpt import GPT, config_for_depth
+    torch.manual_seed(0)
+    model = GPT(config_for_depth(2, VOCAB, T, aspect_ratio=32, head_dim=32))  # n_embd 64, 2 heads
+    model.init_weights()
+    return model
+
+
+def _micro_batches(n: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    # learnable stream (next token = current + 1, random starts) so that the loss visibly falls
+    rows = [(torch.randint(0, VOCAB, (B, 1), generator=g) + torch.arange(T + 1)) % VOCAB for _ in range(n)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int = 2):
+    """Train `steps` steps from index `start` with the shared Trainer; returns (losses, optimizer)."""
+    from nanochat.distributed import StridedMicroBatches
+    from nanochat.optim import build_optimizer
+    from nanochat.training import Schedule, Trainer, plan_batch
+    optimizer = optimizer or build_optimizer(model, world_size=world, rank=rt.rank if world > 1 else 0)
+    plan = plan_batch(ACCUM_2RANK * 2 * B * T, B, T, world)
+    loader = StridedMicroBatches(batches, rt.rank, world) if world > 1 else iter(batches)
+    trainer = Trainer(model, optimizer, loader, plan, Schedule(STEPS, warmdown_ratio=0.5), rt)
+    return [trainer.step(s).loss for s in range(start, start + steps)], optimizer
+
+
+def _equivalence_worker(rank: int, world: int, port: int, out: str) -> None:
+    _torchrun_env(rank, world, port)
+    import torch.distributed as dist
+    from nanochat.common import destroy_runtime, init_runtime
+    from nanochat.distributed import apply_fsdp
+    rt = init_runtime("cpu", "fp32", seed=0)
+    assert dist.get_backend() == "gloo"
+    data = _micro_batches(STEPS * ACCUM_2RANK * world)
+    result = {}
+    try:
+        if rank == 0:  # reference: one process, accumulation 2k, no process group involved
+            single = dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True)
+            result["single"], _ = _run(_tiny_model(), single, data, 0, STEPS, world=1)
+        result["ddp"], _ = _run(_tiny_model(), rt, data, 0, STEPS)
+        fsdp_model = apply_fsdp(_tiny_model(), rt)
+        result["fsdp"], opt = _run(fsdp_model, rt, data, 0, STEPS)
+        # exact resume of FSDP-sharded optimizer state: 2 steps, snapshot, 2 more; rebuild, reload, 2 more
+        half = STEPS // 2
+        model_a = apply_fsdp(_tiny_model(), rt)
+        _, opt_a = _run(model_a, rt, data, 0, half)
+        weights, opt_state = model_a.state_dict(), copy.deepcopy(opt_a.state_dict())
+        result["full_weights"] = all(not hasattr(v, "placements") for v in weights.values())
+        rest = data[half * ACCUM_2RANK * world:]
+        result["continued"], _ = _run(model_a, rt, rest, half, half, optimizer=opt_a)
+        model_b = _tiny_model()
+        model_b.load_state_dict(weights)
+        apply_fsdp(model_b, rt)
+        from nanochat.optim import build_optimizer
+        opt_b = build_optimizer(model_b, world_size=world, rank=rank)
+        opt_b.load_state_dict(opt_state)
+        result["resumed"], _ = _run(model_b, rt, rest, half, half, optimizer=opt_b)
+        plain = build_optimizer(_tiny_model(), world_size=world, rank=rank)
+        try:
+            plain.load_state_dict(opt_state)
+            result["refused"] = ""
+        except ValueError as e:
+            result["refused"] = str(e)
+        dist.barrier()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        destroy_runtime(rt)
+
+
+def test_loss_equivalence_fsdp_and_sharded_resume(tmp_path):
+    mp.spawn(_equivalence_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["ddp"] == r1["ddp"] and r0["fsdp"] == r1["fsdp"]  # the logged loss is the all-rank mean
+    diff = max(abs(a - b) for a, b in zip(r0["single"], r0["ddp"]))
+    print(f"max |loss(1 rank x accum 4) - loss(2 ranks x accum 2)| = {diff:.3g}", r0["single"])
+    assert diff <= LOSS_TOL, (r0["single"], r0["ddp"])
+    assert r0["single"][-1] < r0["single"][0]  # it trains
+    assert r0["fsdp"] == r0["ddp"], (r0["fsdp"], r0["ddp"])   # FSDP2 + Muon on DTensors: exact here
+    assert r0["full_weights"]
+    assert r0["resumed"] == r0["continued"] and r1["resumed"] == r1["continued"]
+    assert "fsdp=True" in r0["refused"] and "--fsdp" in r0["refused"]
+
+
+def _barrier_worker(rank: int, world: int, port: int, out: str) -> None:
+    _torchrun_env(rank, world, port)
+    import time
+    import torch.distributed as dist
+    from nanochat.distributed import BarrierTimeout, allreduce_bandwidth, timed_barrier
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    try:
+        result["ok_wait"] = timed_barrier(30, name="first")
+        if rank == 1:
+            time.sleep(2.5)  # late: rank 0 gives up first, then this rank completes the same barrier
+        try:
+            timed_barrier(1.0, name="late")
+            result["late"] = "passed"
+        except BarrierTimeout as e:
+            result["late"] = str(e)
+        rows = allreduce_bandwidth([1 << 12, 1 << 16], iters=2, warmup=1)
+        result["busbw"] = [r["busbw_gbs"] for r in rows]
+        result["ratio"] = [r["busbw_gbs"] / r["algbw_gbs"] for r in rows]
+        dist.barrier()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_barrier_timeout_names_missing_rank_and_bandwidth(tmp_path):
+    mp.spawn(_barrier_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert "rank(s) [1] of 2 did not arrive within 1s" in r0["late"] and "compil" in r0["late"]
+    assert r1["late"] == "passed"
+    assert all(b > 0 for b in r0["busbw"]) and r0["ratio"] == pytest.approx([1.0, 1.0])  # 2(n-1)/n at n=2
+
+
+def test_timed_barrier_and_strided_batches_single_process():
+    from nanochat.distributed import StridedMicroBatches, bus_bandwidth, timed_barrier
+    assert timed_barrier(1.0) == 0.0  # no process group: no-op
+    with pytest.raises(ValueError, match="--barrier-timeout"):
+        timed_barrier(0)
+    stream = list(range(12))
+    assert list(StridedMicroBatches(stream, 1, 3)) == [1, 4, 7, 10]
+    assert sorted(list(StridedMicroBatches(stream, 0, 2)) + list(StridedMicroBatches(stream, 1, 2))) == stream
+    with pytest.raises(ValueError, match="rank"):
+        StridedMicroBatches(stream, 2, 2)
+    assert bus_bandwidth(10.0, 8) == pytest.approx(17.5) and bus_bandwidth(10.0, 1) == 0.0
+
+
+def test_data_sharding_has_no_overlap(tiny_corpus):
+    """Documents (identified by their (shard, row group, row) cursor) are dealt to exactly one rank,
+    and a rank's packed batches differ from the other rank's."""
+    from nanochat.dataset import iter_documents
+    everything = {c for _, c in iter_documents(tiny_corpus, "train")}
+    shards = [{c for _, c in iter_documents(tiny_corpus, "train", rank=r, world_size=2)} for r in (0, 1)]
+    assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == everything
+    assert abs(len(shards[0]) - len(shards[1])) <= len({(s, g) for s, g, _ in everything})
+
+
+def test_optimizer_refuses_other_world_size():
+    from nanochat.optim import build_optimizer
+    model = _tiny_model()
+    opt = build_optimizer(model)
+    state = opt.state_dict()
+    assert state["layout"] == {"world_size": 1, "fsdp": False}
+    opt.load_state_dict(copy.deepcopy(state))  # same layout: fine
+    state["layout"] = {"world_size": 2, "fsdp": False}
+    with pytest.raises(ValueError, match="world_size=2.*--nproc_per_node"):
+        opt.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ NCCL env checks + launcher
+
+def _fake_sysfs(root: Path, mtu: int = 9000) -> Path:
+    pairs = {"rocep1s0f1": "enp1s0f1np1", "roceP2p1s0f1": "enP2p1s0f1np1", "rocep1s0f0": "enp1s0f0np0"}
+    for hca, nd in pairs.items():
+        (root / "sys/class/infiniband" / hca / "device/net" / nd).mkdir(parents=True)
+        (root / "sys/class/net" / nd).mkdir(parents=True)
+        (root / "sys/class/net" / nd / "mtu").write_text(f"{mtu}\n")
+        (root / "sys/class/net" / nd / "operstate").write_text("down\n" if nd == "enp1s0f0np0" else "up\n")
+    (root / "sys/class/net/lo").mkdir()
+    return root
+
+
+def test_check_nccl_env(tmp_path):
+    from nanochat.distributed import check_nccl_env, nccl_env_defaults
+    root = _fake_sysfs(tmp_path, mtu=1500)
+    env = {"NCCL_SOCKET_IFNAME": "enp1s0f1np1", "NCCL_IB_HCA": "rocep1s0f1:1,roceP2p1s0f1:1"}
+    warnings = check_nccl_env(env, sys_root=root, multi_node=True)
+    assert any("MTU 1500 < 9000" in w for w in warnings) and not any("HCA" in w for w in warnings)
+    assert any("two halves" in w for w in check_nccl_env({**env, "NCCL_IB_HCA": "=rocep1s0f1"}, sys_root=root,
+                                                         multi_node=True))
+    assert check_nccl_env({"NCCL_SOCKET_IFNAME": "^docker,lo"}, sys_root=root, multi_node=False) == []
+    with pytest.raises(ValueError, match="NCCL_SOCKET_IFNAME=eth9.*enp1s0f1np1"):
+        check_nccl_env({"NCCL_SOCKET_IFNAME": "eth9"}, sys_root=root)
+    with pytest.raises(ValueError, match="NCCL_IB_HCA=mlx5_0"):
+        check_nccl_env({"NCCL_IB_HCA": "mlx5_0"}, sys_root=root)
+    with pytest.raises(ValueError, match="NVLink multicast must stay off"):
+        check_nccl_env({"NCCL_NVLS_ENABLE": "1"}, sys_root=root)
+    assert any("NCCL_IB_HCA unset" in w for w in check_nccl_env({}, sys_root=root, multi_node=True))
+    env2 = {}
+    assert nccl_env_defaults(env2) == ["NCCL_NVLS_ENABLE=0"] and env2 == {"NCCL_NVLS_ENABLE": "0"}
+    assert nccl_env_defaults({"NCCL_NVLS_ENABLE": "0"}) == []
+
+
+def _launch(args, root: Path, ibdev: str = "/nonexistent"):
+    env = {**os.environ, "NANOCHAT_SYSFS_ROOT": str(root), "IBDEV2NETDEV": ibdev, "PYTHON": "python3"}
+    return subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+
+
+def test_launch_multinode_dry_run(tmp_path):
+    root = _fake_sysfs(tmp_path / "fs", mtu=1500)
+    r = _launch(["--node-rank", "1", "--master-addr", "10.0.0.1", "--iface", "enp1s0f1np1", "--dry-run",
+                 "--", "-m", "scripts.base_train", "--depth", "20"], root)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "export NCCL_SOCKET_IFNAME=enp1s0f1np1" in lines and "export NCCL_NVLS_ENABLE=0" in lines
+    assert "export NCCL_IB_HCA=roceP2p1s0f1,rocep1s0f1" in lines  # both halves; the down port left out
+    assert lines[-1].split() == ["python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1",
+                                 "--nproc_per_node=1", "--master_addr=10.0.0.1", "--master_port=29500",
+                                 "-m", "scripts.base_train", "--depth", "20"]
+    assert "MTU 1500 < 9000" in r.stderr
+    # ibdev2netdev path (a fake tool), auto-detected interface, no MTU warning at 9000
+    tool = tmp_path / "ibdev2netdev"
+    tool.write_text("#!/bin/sh\necho 'rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)'\n"
+                    "echo 'roceP2p1s0f1 port 1 ==> enP2p1s0f1np1 (Up)'\n")
+    tool.chmod(0o755)
+    root9 = _fake_sysfs(tmp_path / "fs9", mtu=9000)
+    r = _launch(["--node-rank", "0", "--master-addr", "10.0.0.1", "--nproc", "2", "--dry-run"], root9, str(tool))
+    assert r.returncode == 0 and "MTU" not in r.stderr, r.stderr
+    assert "export NCCL_IB_HCA=" in r.stdout and "--nproc_per_node=2" in r.stdout and "scripts.base_train" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--master-addr", "h"], "--node-rank: required"),
+    (["--node-rank", "2", "--master-addr", "h"], "--node-rank: got '2'"),
+    (["--node-rank", "0"], "--master-addr: required"),
+    (["--node-rank", "0", "--master-addr", "h", "--master-port", "70000"], "--master-port"),
+    (["--node-rank", "0", "--master-addr", "h", "--nproc", "0"], "--nproc"),
+    (["--node-rank", "0", "--master-addr", "h", "--iface", "eth9"], "--iface: 'eth9' does not exist"),
+    (["--bogus"], "unknown option '--bogus'"),
+])
+def test_launch_multinode_argument_errors(tmp_path, args, message):
+    r = _launch([*args, "--dry-run"], _fake_sysfs(tmp_path))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ CLIs under torchrun / spawn
+
+def test_selftest_refuses_nvls(monkeypatch, capsys):
+    from nanochat.distributed import selftest_main
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert selftest_main() == 2 and "NVLink multicast must stay off" in capsys.readouterr().err
+
+
+def test_platform_nccl_selftest_cli():
+    r = subprocess.run([sys.executable, "-m", "nanochat.platform", "--nccl", "--json"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["backend"] == "gloo" and report["world_size"] == 2 and report["launcher"] == "spawn"
+    assert all(row["busbw_gbs"] > 0 for row in report["allreduce"])
+
+
+RUNNER = """import json, os, sys
+from scripts import base_train
+summary = base_train.main(sys.argv[2:])
+with open(os.path.join(sys.argv[1], f"losses{os.environ.get('RANK', '0')}.json"), "w") as f:
+    json.dump({str(k): v for k, v in summary["losses"].items()}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_corpus):
+    from nanochat.tokenizer import Tokenizer, tokenizer_dir
+    d = tmp_path_factory.mktemp("nanochat_ddp")
+    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
+    Tokenizer.train(texts, 1024).save(tokenizer_dir(d))
+    return d
+
+
+def _base_train_args(corpus: Path) -> list[str]:
+    return ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+            "--device-batch-size", "8", "--total-batch-size", "2048", "--window-pattern", "SL", "--sample-every",
+            "-1", "--eval-every", "-1", "--eval-tokens", "4096", "--no-compile", "--num-iterations", "4",
+            "--save-every", "2", "--model-tag", "ddp", "--data-dir", str(corpus), "--wandb", "off"]
+
+
+def _torchrun(out: Path, args: list[str], base_dir: Path, nproc: int = 2):
+    runner = out / "runner.py"
+    runner.write_text(RUNNER)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+           str(_free_port()), str(runner), str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads((out / f"losses{k}.json").read_text()) for k in range(nproc)], r.stdout
+
+
+def test_torchrun_base_train_resume_and_world_size_refusal(tmp_path, base_dir, tiny_corpus, monkeypatch):
+    args = _base_train_args(tiny_corpus)
+    (tmp_path / "a").mkdir()
+    (full0, full1), log = _torchrun(tmp_path / "a", args, base_dir)
+    assert full0 == full1 and sorted(full0) == ["0", "1", "2", "3"]
+    assert "2 rank(s) x 2 micro-batch(es)" in log  # accumulation halves with two ranks (1 rank: 4)
+    step_dir = base_dir / "checkpoints" / "base" / "ddp" / "step_000002"
+    assert {"optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"} <= {p.name for p in step_dir.iterdir()}
+    (tmp_path / "b").mkdir()
+    (res0, _), _ = _torchrun(tmp_path / "b", args + ["--resume", "2"], base_dir)
+    assert res0 == {"2": full0["2"], "3": full0["3"]}  # exact continuation of the sharded state
+    # --fsdp through the recipe: same losses as the run above, and a full (unsharded) model.pt
+    (tmp_path / "c").mkdir()
+    fsdp_args = args[:args.index("--num-iterations")] + ["--num-iterations", "2", "--model-tag", "fsdp", "--fsdp",
+                                                         "--data-dir", str(tiny_corpus), "--wandb", "off"]
+    (f0, _), _ = _torchrun(tmp_path / "c", fsdp_args, base_dir)
+    assert sorted(f0) == ["0", "1"] and max(abs(f0[k] - full0[k]) for k in f0) <= LOSS_TOL, (f0, full0)
+    ck_root = base_dir / "checkpoints" / "base"
+    plain = torch.load(ck_root / "ddp" / "step_000002" / "model.pt", weights_only=True)
+    sharded = torch.load(ck_root / "fsdp" / "step_000002" / "model.pt", weights_only=True)
+    assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in sharded.items()}
+    # a different world size is refused before anything is built
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    from scripts import base_train
+    with pytest.raises(ValueError, match="world_size=2 but this run has 1"):
+        base_train.main(args + ["--resume", "2"])
+
+
+def test_fsdp_flag_validation(monkeypatch):
+    from scripts.base_train import parse_config
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="--fsdp"):
+        parse_config(["--fsdp", "--device", "cpu"])
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="--sample-every"):
+        parse_config(["--fsdp", "--device", "cpu"])
+    assert parse_config(["--fsdp", "--device", "cpu", "--sample-every", "-1"]).fsdp
+    assert parse_config(["--device", "cpu"]).fsdp is False
+
+
+def test_bench_scaling_worker_and_flags(monkeypatch):
+    """The worker in one process (world 1: accumulation = gpus x loss-accum), the synthetic stream's
+    determinism, and flag errors. The torchrun driver itself is a GPU-box benchmark (see README)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    from nanochat.common import init_runtime
+    from scripts.bench_scaling import SyntheticStream, parse_args, run_worker
+    a = parse_args(["--worker", "losses", "--device", "cpu", "--loss-depth", "1", "--seq", "32", "--steps", "2",
+                    "--loss-device-batch-size", "2", "--vocab-size", "256", "--no-compile", "--gpus", "2"])
+    row = run_worker(a, init_runtime("cpu", "fp32", seed=0))
+    assert row["grad_accum_steps"] == 4 and len(row["losses"]) == 2 and row["tok_per_sec"] > 0
+    s1, s2 = SyntheticStream(2, 16, 256, "cpu"), SyntheticStream(2, 16, 256, "cpu")
+    x1, y1 = next(s1)
+    assert torch.equal(x1, next(s2)[0]) and torch.equal(x1[:, 1:], y1[:, :-1])
+    for argv, flag in [(["--gpus", "1"], "--gpus"), (["--parts", "speed"], "--parts"), (["--data", "x"], "--data")]:
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)

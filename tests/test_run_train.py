@@ -1,0 +1,170 @@
+"""run_train.sh through bash, with real scripts.base_train runs (depth 1, CPU, the tiny corpus):
+start in the background, refuse a duplicate on the same tag, --status, --stop (SIGTERM then
+SIGKILL after --timeout), stale pid files, a run that finishes by itself, and bad flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "run_train.sh"
+TINY = ["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+        "--device-batch-size", "4", "--total-batch-size", "256", "--window-pattern", "L", "--eval-every", "-1",
+        "--sample-every", "-1", "--eval-tokens", "256", "--no-compile"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tiny_corpus):
+    """A base dir with a vocab-512 tokenizer trained on the tiny corpus."""
+    from nanochat.tokenizer import Tokenizer, tokenizer_dir
+    d = tmp_path_factory.mktemp("run_train_base")
+    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
+    Tokenizer.train(texts, 512).save(tokenizer_dir(d))
+    return d
+
+
+@pytest.fixture
+def run(base_dir, tiny_corpus):
+    """run(*args) -> CompletedProcess of run_train.sh; every run started here is stopped at teardown."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["NANOCHAT_BASE_DIR"] = str(base_dir)
+    tags = []
+
+    def call(*args, timeout=120):
+        if "--model-tag" in args and "--status" not in args and "--stop" not in args:
+            tags.append(args[args.index("--model-tag") + 1])
+        return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    call.data = ["--data-dir", str(tiny_corpus)]
+    yield call
+    for tag in tags:
+        pid_file = base_dir / "runs" / tag / "pid"
+        if pid_file.exists():
+            call("--stop", "--model-tag", tag, "--timeout", "5")
+
+
+def _pid(base_dir: Path, tag: str) -> int:
+    return int((base_dir / "runs" / tag / "pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_start_duplicate_status_stop(run, base_dir):
+    tag = "bg"
+    log = base_dir / "runs" / tag / "train.log"
+    r = run(*TINY, *run.data, "--num-iterations", "100000", "--model-tag", tag)
+    assert r.returncode == 0, r.stderr
+    assert f"[{tag}] started pid" in r.stdout
+    pid = _pid(base_dir, tag)
+    assert _alive(pid)
+    assert "scripts.base_train" in (base_dir / "runs" / tag / "cmd").read_text()
+    # real training: step lines reach the log
+    _wait_for(lambda: re.search(r"^step 0*3/", log.read_text(), re.M), 180, "step 3 in the log")
+
+    dup = run(*TINY, *run.data, "--num-iterations", "5", "--model-tag", tag)
+    assert dup.returncode == 1 and "already running" in dup.stderr and str(pid) in dup.stderr
+    assert _pid(base_dir, tag) == pid and _alive(pid)
+
+    st = run("--status", "--model-tag", tag, "--lines", "3")
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert f"[{tag}] running (pid {pid})" in st.stdout
+    m = re.search(r"last step: step (\d+)/100000", st.stdout)
+    assert m and int(m.group(1)) >= 3, st.stdout
+    assert "last 3 log lines" in st.stdout
+    # without a tag: every run is listed
+    assert f"[{tag}] running" in run("--status").stdout
+
+    stop = run("--stop", "--model-tag", tag, "--timeout", "20")
+    assert stop.returncode == 0, stop.stderr
+    assert "stopped" in stop.stdout
+    assert not _alive(pid) and not (base_dir / "runs" / tag / "pid").exists()
+    st = run("--status", "--model-tag", tag)
+    assert st.returncode == 3 and "not running" in st.stdout
+    assert "stopped by run_train.sh --stop" in log.read_text()
+
+
+def test_stop_escalates_to_sigkill(run, base_dir):
+    """A run that ignores SIGTERM is killed after --timeout."""
+    tag = "stubborn"
+    r = run(*TINY, *run.data, "--num-iterations", "100000", "--model-tag", tag)
+    assert r.returncode == 0, r.stderr
+    pid = _pid(base_dir, tag)
+    log = base_dir / "runs" / tag / "train.log"
+    _wait_for(lambda: re.search(r"^step 0*1/", log.read_text(), re.M), 180, "step 1 in the log")
+    # make the whole process group ignore SIGTERM: stop it (SIGSTOP holds signals pending; a
+    # stopped process does not act on SIGTERM until continued, so only SIGKILL ends it)
+    os.killpg(pid, signal.SIGSTOP)
+    t0 = time.time()
+    stop = run("--stop", "--model-tag", tag, "--timeout", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert "SIGKILL" in stop.stdout and time.time() - t0 >= 2
+    assert not _alive(pid)
+
+
+def test_stale_pid_and_finished_run(run, base_dir):
+    tag = "stale"
+    d = base_dir / "runs" / tag
+    d.mkdir(parents=True)
+    p = subprocess.Popen(["true"])
+    p.wait()
+    (d / "pid").write_text(f"{p.pid}\n")   # a process that is gone
+    st = run("--status", "--model-tag", tag)
+    assert st.returncode == 3 and "stale pid file" in st.stdout and not (d / "pid").exists()
+
+    (d / "pid").write_text(f"{p.pid}\n")
+    r = run(*TINY, *run.data, "--num-iterations", "3", "--model-tag", tag)
+    assert r.returncode == 0, r.stderr
+    assert "removing the stale pid file" in r.stdout
+    pid = _pid(base_dir, tag)
+    _wait_for(lambda: (d / "exit_code").exists(), 180, "the short run to finish")
+    assert (d / "exit_code").read_text().strip() == "0"
+    assert not _alive(pid)
+    st = run("--status", "--model-tag", tag)
+    assert st.returncode == 3
+    assert "finished, exit code 0" in st.stdout and "last step: step 00002/00003" in st.stdout
+    stop = run("--stop", "--model-tag", tag)
+    assert stop.returncode == 0 and "not running" in stop.stdout
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--kernel", "cudnn"], "--kernel"),                 # base_train's own validation, before nohup
+    (["--nproc", "0"], "--nproc"),
+    (["--stop", "--timeout", "soon"], "--timeout"),
+    (["--status", "--lines", "-1"], "--lines"),
+    (["--status", "--depth", "4"], "--status"),
+    (["--model-tag", "a/b"], "--model-tag"),
+])
+def test_bad_flags_fail_before_starting(run, base_dir, args, flag):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert flag in r.stderr and "Traceback" not in r.stderr
+    for tag in ("d0", "d20", "a"):   # nothing was started (no run dir, no pid file)
+        assert not (base_dir / "runs" / tag / "pid").exists()
+
+
+def test_help():
+    r = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "--status" in r.stdout and "--stop" in r.stdout and "nohup" in r.stdout
