@@ -80,6 +80,25 @@ def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "
     return time.monotonic() - t0
 
 
+def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, device, *,
+                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> float:
+    """Compile before the loop on every rank, then meet at a timed barrier; returns seconds taken.
+
+    One forward+backward of the (compiled) training model on a fixed dummy batch, so every rank
+    pays torch.compile / autotuning up front instead of inside the first collective, where a rank
+    that compiles for minutes trips the NCCL watchdog (DESIGN.md pitfall 9). Leaves no trace:
+    no RNG draw (the batch is arange-based), gradients cleared, no optimizer step, so exact
+    resume is unaffected. Under FSDP the forward/backward collectives run on every rank alike."""
+    t0 = time.monotonic()
+    idx = torch.arange(batch_size * seq_len, device=device).remainder(vocab_size).view(batch_size, seq_len)
+    loss = train_model(idx, idx)
+    loss.backward()
+    for p in train_model.parameters():
+        p.grad = None
+    timed_barrier(timeout_s, name="compile warm-up")
+    return time.monotonic() - t0
+
+
 # ------------------------------------------------------------------------------------ NCCL env
 
 def nccl_env_defaults(env: MutableMapping[str, str] | None = None) -> list[str]:

@@ -48,13 +48,15 @@ DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr), se
 # ------------------------------------------------------------------------------------ flags
 
 def normalize_flags(argv: Sequence[str]) -> list[str]:
-    """Accept `--under_score` spellings of `--dash-names` (also `--a_b=value`). Values and
+    """Accept `--under_score` spellings of `--dash-names` (also `--a_b=value`) and `--run-name` for
+    `--run` (torchrun on Python 3.11 claims `--run` as a prefix of its `--run-path`). Values and
     positional arguments are left alone."""
     out = []
     for arg in argv:
         if arg.startswith("--") and len(arg) > 2:
             name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
+            name = name.replace("_", "-")
+            arg = ("--run" if name == "--run-name" else name) + sep + value
         out.append(arg)
     return out
 

@@ -228,6 +228,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         from nanochat.distributed import apply_fsdp
         apply_fsdp(model, rt)
     train_model = torch.compile(model, dynamic=False) if compile_model else model
+    if compile_model and rt.world_size > 1:  # every rank compiles now, not inside the first collective
+        from nanochat.distributed import warm_up_ranks
+        took = warm_up_ranks(train_model, cfg.device_batch_size, cfg.max_seq_len, tokenizer.vocab_size, rt.device)
+        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
 
     # ---- optimizer ----
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,

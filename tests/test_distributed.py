@@ -171,6 +171,28 @@ def test_timed_barrier_and_strided_batches_single_process():
     assert bus_bandwidth(10.0, 8) == pytest.approx(17.5) and bus_bandwidth(10.0, 1) == 0.0
 
 
+def test_warm_up_ranks_leaves_no_trace():
+    """The compile warm-up runs a real forward+backward but changes no weight, leaves no gradient
+    and draws no random numbers (exact resume depends on all three)."""
+    from nanochat.distributed import warm_up_ranks
+    from nanochat.gpt import GPT, config_for_depth
+    torch.manual_seed(0)
+    model = GPT(config_for_depth(1, 97, 16, aspect_ratio=32, head_dim=16))
+    model.init_weights()
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    calls = []
+    def counting(idx, targets):
+        calls.append(idx.shape)
+        return model(idx, targets)
+    counting.parameters = model.parameters
+    took = warm_up_ranks(counting, 2, 16, 97, "cpu")
+    assert calls == [(2, 16)] and took >= 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
 def test_data_sharding_has_no_overlap(tiny_corpus):
     """Documents (identified by their (shard, row group, row) cursor) are dealt to exactly one rank,
     and a rank's packed batches differ from the other rank's."""

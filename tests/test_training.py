@@ -252,6 +252,8 @@ def test_flag_parser_accepts_underscores_and_raises_valueerror():
     p.add_argument("--run", default="dummy")
     a = p.parse_args(["--device_batch_size", "8", "--run=my_run_name"])
     assert a.device_batch_size == 8 and a.run == "my_run_name"
+    assert p.parse_args(["--run-name", "d20"]).run == "d20"  # the torchrun-safe spelling
+    assert p.parse_args(["--run_name=x"]).run == "x"
     with pytest.raises(ValueError, match="--device-batch-size.*invalid int value"):
         p.parse_args(["--device-batch-size", "eight"])
     with pytest.raises(ValueError, match="unrecognized arguments: --nope"):
