@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,12 +59,18 @@ class Runtime:
             torch.mps.synchronize()
 
     def peak_memory_bytes(self) -> int:
-        """Peak allocated device memory since start / last reset (0 where torch does not track it)."""
+        """Peak allocated device memory since start / last reset; on CPU the process's peak
+        resident set size (Linux/macOS `ru_maxrss`; 0 where the platform has no such counter)."""
         if self.device_type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         if self.device_type == "mps":
             return int(torch.mps.driver_allocated_memory())
-        return 0
+        try:
+            import resource
+        except ImportError:  # Windows
+            return 0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
     def reset_peak_memory(self) -> None:
         if self.device_type == "cuda":

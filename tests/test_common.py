@@ -22,7 +22,7 @@ def test_cpu_runtime_fields():
     assert rt.device == torch.device("cpu") and rt.device_type == "cpu"
     assert rt.dtype == torch.float32  # auto on CPU
     assert (rt.rank, rt.local_rank, rt.world_size, rt.ddp, rt.is_master) == (0, 0, 1, False, True)
-    assert rt.peak_memory_bytes() == 0
+    assert 10 * 2**20 < rt.peak_memory_bytes() < 64 * 2**30  # peak RSS of this process on CPU
     destroy_runtime(rt)
 
 
