@@ -183,7 +183,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
     from nanochat.checkpoint import save_checkpoint
-    from nanochat.loop import LoopSpec, check_resume_compatible, log_stage_report, run_training_loop
+    from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
+                               run_training_loop)
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
     from nanochat.training import (StepMeter, Tracker, Trainer, evaluate_bpb, resolve_peak_flops,
@@ -233,12 +234,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                   "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
-    start_step, resume_loop = 0, None
-    if resume is not None:
-        resume_loop = resume["loop"]
-        start_step = resume_loop["step"]
-        meter.load_state_dict(resume_loop["meter"])
-        trainer.note_checkpoint(ckpt_dir / f"step_{start_step:06d}")
+    start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
     print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir}")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "

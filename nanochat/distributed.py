@@ -274,7 +274,8 @@ def _spawned_selftest(rank: int, world: int, port: int, sizes: list[int], timeou
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local rendezvous (tests, spawned self-test)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -320,7 +321,7 @@ def run_selftest(*, nproc: int | None = None, sizes_bytes: list[int] | None = No
         raise ValueError(f"--nccl-procs: got {n}; accepted: 1..{torch.cuda.device_count() if cuda else 'any'}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "selftest.json")
-        mp.spawn(_spawned_selftest, args=(n, _free_port(), sizes, timeout_s, iters, out), nprocs=n, join=True)
+        mp.spawn(_spawned_selftest, args=(n, free_port(), sizes, timeout_s, iters, out), nprocs=n, join=True)
         import json
         result = json.loads(Path(out).read_text())
     return {**result, "warnings": warnings, "launcher": "spawn"}

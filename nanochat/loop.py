@@ -142,6 +142,18 @@ def log_stage_report(section: str, stage: str, *, config: dict, result: LoopResu
     get_report().log(section, data)
 
 
+def resume_loop_state(resume: dict | None, meter, trainer, ckpt_dir) -> tuple[int, dict | None]:
+    """(start step, loop state) from a loaded checkpoint (or (0, None) for a fresh run): restores
+    the meter and tells the trainer which checkpoint is the last good one. The RNG state in
+    loop["rng"] is restored by the caller, last, after everything that draws random numbers."""
+    if resume is None:
+        return 0, None
+    loop = resume["loop"]
+    meter.load_state_dict(loop["meter"])
+    trainer.note_checkpoint(Path(ckpt_dir) / f"step_{loop['step']:06d}")
+    return loop["step"], loop
+
+
 def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
     """A resumed run must continue the same model, batch layout and tokenizer."""
     def mismatch(what, saved, now):

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.loop import LoopSpec, check_resume_compatible, log_stage_report, run_training_loop
+from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
+                           run_training_loop)
 from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule, StepMeter, Tracker,
                                Trainer, auto_total_batch_size, check_wandb_available, evaluate_bpb,
                                fit_auto_batch, plan_batch, precision_module, require, require_float, require_int,
@@ -262,12 +263,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "world_size": rt.world_size, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
                       directory=str(base_dir))
-    step, resume_loop = 0, None
-    if resume is not None:
-        resume_loop = resume["loop"]
-        step = resume_loop["step"]
-        meter.load_state_dict(resume_loop["meter"])
-        trainer.note_checkpoint(ckpt_dir / f"step_{step:06d}")
+    step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,

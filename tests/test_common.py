@@ -1,12 +1,11 @@
 """init_runtime / destroy_runtime: device and dtype resolution, errors naming the flag, torchrun
 detection with a real gloo process group, seeding."""
 
-import socket
-
 import pytest
 import torch
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.distributed import free_port
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NANOCHAT_DTYPE")
 
@@ -81,10 +80,6 @@ def test_malformed_torchrun_env(monkeypatch):
         init_runtime("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_single_process_group(monkeypatch):
@@ -94,7 +89,7 @@ def test_torchrun_single_process_group(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     rt = init_runtime("cpu")
     try:
         assert rt.ddp and rt.is_master and rt.world_size == 1

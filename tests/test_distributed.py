@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +23,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from nanochat.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "scripts" / "launch_multinode.sh"
 LOSS_TOL = 1e-5
 STEPS, ACCUM_2RANK, B, T, VOCAB = 4, 2, 2, 32, 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun_env(rank: int, world: int, port: int) -> None:
@@ -112,7 +107,7 @@ def _equivalence_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_loss_equivalence_fsdp_and_sharded_resume(tmp_path):
-    mp.spawn(_equivalence_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_equivalence_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["ddp"] == r1["ddp"] and r0["fsdp"] == r1["fsdp"]  # the logged loss is the all-rank mean
     diff = max(abs(a - b) for a, b in zip(r0["single"], r0["ddp"]))
@@ -151,7 +146,7 @@ def _barrier_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_barrier_timeout_names_missing_rank_and_bandwidth(tmp_path):
-    mp.spawn(_barrier_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_barrier_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert "rank(s) [1] of 2 did not arrive within 1s" in r0["late"] and "compil" in r0["late"]
     assert r1["late"] == "passed"
@@ -339,7 +334,7 @@ def _torchrun(out: Path, args: list[str], base_dir: Path, nproc: int = 2):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(_free_port()), str(runner), str(out), *args]
+           str(free_port()), str(runner), str(out), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads((out / f"losses{k}.json").read_text()) for k in range(nproc)], r.stdout

@@ -2,13 +2,13 @@
 trip, schedules, and the gloo 2-process path against the single-process step."""
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanochat.distributed import free_port
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier,
                             muon_momentum, orthogonalize, weight_decay_multiplier)
@@ -228,15 +228,11 @@ def _worker(rank, world_size, port, out_path):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gloo_two_process_step_matches_single_process(tmp_path):
     out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     model = tiny_model(VOCAB)
     opt = build_optimizer(model, weight_decay=0.1)
     for s in range(STEPS):
