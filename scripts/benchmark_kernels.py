@@ -50,8 +50,12 @@ def _timed(fn, reps: int, device) -> float:
     return statistics.median(samples)
 
 
+LOSS_VOCAB = 65536    # loss mode: a large head, where fusing the loss matters most
+MODEL_VOCAB = 32768   # model mode: the tokenizer default, so MFU matches bench_train / base_train
+
+
 def bench_loss(args, device) -> list[dict]:
-    n, c, vocab = args.rows, args.n_embd, args.vocab
+    n, c, vocab = args.rows, args.n_embd, args.vocab if args.vocab is not None else LOSS_VOCAB
     vpad = (vocab + 127) // 128 * 128
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -121,15 +125,16 @@ def bench_model(args, rt) -> list[dict]:
 
     spec = detect_device(rt.device)
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, args.vocab, (args.device_batch_size, args.seq + 1), generator=g).to(rt.device)
+    vocab = args.vocab if args.vocab is not None else MODEL_VOCAB
+    data = torch.randint(0, vocab, (args.device_batch_size, args.seq + 1), generator=g).to(rt.device)
     x, y = data[:, :-1], data[:, 1:].clone()
     y[:, : args.seq // 8] = -1   # an ignored prefix, as in SFT batches
-    config = config_for_depth(args.depth, args.vocab, args.seq)
+    config = config_for_depth(args.depth, vocab, args.seq)
     rows, ref = [], None
     for entry in args.precisions:
         precision, _, backend = entry.partition(":")   # e.g. nvfp4:emulated
         for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
-            rec = {"mode": "model", "depth": args.depth, "kernel": kernel, "precision": entry,
+            rec = {"mode": "model", "depth": args.depth, "vocab": vocab, "kernel": kernel, "precision": entry,
                    "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
                    "device": spec.name}
             try:
@@ -191,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
     p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
     p.add_argument("--n-embd", "--n_embd", type=int, default=1280)
-    p.add_argument("--vocab", type=int, default=65536)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="default: 65536 in loss mode, 32768 (the tokenizer default) in model mode")
     p.add_argument("--softcap", type=float, default=15.0)
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
@@ -206,7 +212,8 @@ def main(argv=None) -> int:
         base, _, chunk = k.partition("@")
         if base not in ("current", "liger", "triton") or (chunk and not chunk.isdigit()):
             raise ValueError(f"--kernels: got {k!r}; accepted: current|liger|triton (triton@ROWS sets the chunk)")
-    for name, v in (("--rows", args.rows), ("--n-embd", args.n_embd), ("--vocab", args.vocab),
+    vocab_check = 1 if args.vocab is None else args.vocab
+    for name, v in (("--rows", args.rows), ("--n-embd", args.n_embd), ("--vocab", vocab_check),
                     ("--reps", args.reps), ("--seq", args.seq)):
         if v < 1:
             raise ValueError(f"{name}: got {v}; must be >= 1")
