@@ -370,6 +370,28 @@ def test_torchrun_base_train_resume_and_world_size_refusal(tmp_path, base_dir, t
         base_train.main(args + ["--resume", "2"])
 
 
+def test_torchrun_chat_sft_two_ranks(tmp_path, base_dir, tiny_corpus, monkeypatch):
+    """The chat recipes run on the same distributed stack: a 1-process base checkpoint, then SFT
+    under torchrun with 2 ranks (batch split across ranks, one checkpoint, --run-name accepted)."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    from scripts import base_train
+    args = _base_train_args(tiny_corpus)
+    args[args.index("--model-tag") + 1] = "sftsrc"
+    args[args.index("--num-iterations") + 1] = "2"
+    base_train.main(args)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           "-m", "scripts.chat_sft", "--source", "base", "--model-tag", "sftsrc", "--device", "cpu",
+           "--num-iterations", "2", "--device-batch-size", "2", "--max-seq-len", "64", "--test-holdout", "100",
+           "--no-compile", "--eval-every", "-1", "--run-name", "dummy", "--wandb", "off"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 rank(s)" in r.stdout and "step 00001/00002 | loss" in r.stdout
+    assert (base_dir / "checkpoints" / "sft" / "sftsrc" / "step_000002" / "model.pt").is_file()
+
+
 def test_fsdp_flag_validation(monkeypatch):
     from scripts.base_train import parse_config
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
