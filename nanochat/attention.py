@@ -23,6 +23,12 @@ Backends (the names `resolve_backend` returns):
     CPU: forward only (torch raises on a CPU backward).
   * "reference": explicit math in the input dtype (float64 capable); slow, for tests.
 
+Flex kernel options (`set_flex_kernel_options`): explicit Triton tile/warp/stage choices for the
+flex kernels and the block-mask BLOCK_SIZE, passed as `kernel_options=` to every flex call. Unset
+(None), a tuned entry of FLEX_TUNED_OPTIONS for the device's compute capability applies (at head
+dim FLEX_TUNED_HEAD_DIM, bf16/fp16), else torch's own heuristics; `{}` forces torch's heuristics.
+Sweep candidates with scripts/bench_attention.py.
+
 KV-cache path (inference): `attention(..., kv_cache=c, layer_idx=i)` writes this call's k/v at
 positions [c.pos, c.pos + T) of layer i and attends over the cache; the caller (GPT.forward)
 advances `c.pos` once after the last layer. Decode uses SDPA with a small explicit mask (or the
@@ -168,6 +174,107 @@ class StaticKV:
 
 
 # ----------------------------------------------------------------------------------------------
+# Flex kernel options
+#
+# Keys as torch reads them (FlexKernelOptions in torch/nn/attention/flex_attention.py; the
+# lowering in torch/_inductor/kernel/flex/flex_attention.py; read in torch 2.15 and in an older
+# pytorch/pytorch main, commit 008d483, with the same key handling): a "fwd_"/"bwd_" prefix limits
+# a key to that pass (and wins over the plain key there); plain num_warps/num_stages reach both
+# passes; backward tiles are bwd_BLOCK_{M1,N1,M2,N2} (FlexKernelOptions: "Use as 'bwd_BLOCK_M1'").
+# Constraints, checked here (torch 2.15 checks them too; the older lowering checks only the
+# forward tiles): the block mask's BLOCK_SIZE (Q and KV) must be a multiple of every BLOCK_M/N/
+# M1/N1/M2/N2; BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0 (kernel static asserts). Shared memory
+# (~(BLOCK_M + 2 * num_stages * BLOCK_N) * head_dim * 2 bytes forward; 227 KiB per block on
+# H100) is only known at Triton compile time: a config that does not fit fails at first launch
+# ("out of resource: shared memory"). Torch's H100 bf16 head-dim-128 defaults (inductor
+# template heuristics): forward BLOCK_M=128 BLOCK_N=64 num_stages=3 num_warps=8; backward
+# BLOCK_M1=64 BLOCK_N1=128 BLOCK_M2=128 BLOCK_N2=64 num_stages=3 num_warps=8. Left out on
+# purpose: ROWS_GUARANTEED_SAFE and BLOCKS_ARE_CONTIGUOUS (wrong for sliding windows: a window
+# row's first scheduled block can be empty, and the partial blocks of a query block are the
+# window edge and the diagonal, not contiguous), BACKEND, ROCm-only keys.
+# "BLOCK_SIZE" is ours: the block mask's block size (create_block_mask), never passed to flex.
+# Below 128 it can fail to compile whatever the tiles: some torch versions filter the default
+# backward config (H100: BLOCK_N1=128) against the mask before applying user tiles.
+
+_FLEX_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1",
+                   "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "BLOCK_SIZE")
+_FLEX_LAUNCH_KEYS = ("num_warps", "num_stages", "fwd_num_warps", "fwd_num_stages",
+                     "bwd_num_warps", "bwd_num_stages")
+_FLEX_BOOL_KEYS = ("USE_TMA", "PRESCALE_QK")
+FLEX_OPTION_KEYS = _FLEX_TILE_KEYS + _FLEX_LAUNCH_KEYS + _FLEX_BOOL_KEYS
+DEFAULT_FLEX_BLOCK_SIZE = 128  # create_block_mask's default
+
+FLEX_KERNEL_OPTIONS: dict | None = None  # set only through set_flex_kernel_options
+# Tuned options per compute capability (major, minor), measured with scripts/bench_attention.py
+# at d20 shapes; used when FLEX_KERNEL_OPTIONS is None, for head dim FLEX_TUNED_HEAD_DIM and
+# bf16/fp16 only. Empty: torch's heuristics everywhere (no measured win yet).
+FLEX_TUNED_HEAD_DIM = 128
+FLEX_TUNED_OPTIONS: dict[tuple[int, int], dict] = {}
+
+
+def validate_flex_kernel_options(opts) -> dict:
+    """Check a flex options dict (keys, value types, tile divisibility); return a copy."""
+    if not isinstance(opts, dict):
+        raise ValueError(f"flex kernel options: got {type(opts).__name__}; accepted: a dict or None")
+    out = dict(opts)
+    for key, value in out.items():
+        if key not in FLEX_OPTION_KEYS:
+            raise ValueError(f"flex kernel options: unknown key {key!r}; accepted keys: "
+                             f"{', '.join(FLEX_OPTION_KEYS)}")
+        if key in _FLEX_BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise ValueError(f"flex kernel options: {key} must be True or False, got {value!r}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"flex kernel options: {key} must be a positive int, got {value!r}")
+        if key in _FLEX_TILE_KEYS and (value < 16 or value & (value - 1)):
+            raise ValueError(f"flex kernel options: {key} must be a power of two >= 16, got {value}")
+        if key.endswith("num_warps") and value not in (1, 2, 4, 8, 16):
+            raise ValueError(f"flex kernel options: {key} must be 1, 2, 4, 8 or 16, got {value}")
+    block = out.get("BLOCK_SIZE", DEFAULT_FLEX_BLOCK_SIZE)
+    fwd = {t: out.get(f"fwd_{t}", out.get(t)) for t in ("BLOCK_M", "BLOCK_N")}
+    bwd = {t: out.get(f"bwd_{t}") for t in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
+    for tile, value in {**fwd, **bwd}.items():
+        if value is not None and block % value:
+            raise ValueError(f"flex kernel options: {tile}={value} does not divide the block "
+                             f"mask's BLOCK_SIZE={block}")
+    for big, small in (("BLOCK_N1", "BLOCK_M1"), ("BLOCK_M2", "BLOCK_N2")):
+        if bwd[big] is not None and bwd[small] is not None and bwd[big] % bwd[small]:
+            raise ValueError(f"flex kernel options: bwd_{big}={bwd[big]} must be a multiple of "
+                             f"bwd_{small}={bwd[small]} (flex backward kernel constraint)")
+    return out
+
+
+def set_flex_kernel_options(opts: dict | None) -> None:
+    """Set the flex kernel options every flex call uses (validated; a copy is kept). None resets
+    to automatic (a FLEX_TUNED_OPTIONS entry for the device, else torch's heuristics); {} forces
+    torch's heuristics. A compiled graph recompiles on the next call (dynamo guards the dict)."""
+    global FLEX_KERNEL_OPTIONS
+    FLEX_KERNEL_OPTIONS = None if opts is None else validate_flex_kernel_options(opts)
+
+
+def flex_options_for(device, head_dim: int | None = None, dtype: torch.dtype | None = None) -> dict | None:
+    """The options flex calls on `device` use (BLOCK_SIZE included); None = torch's heuristics.
+    head_dim/dtype None (prepare_masks, which does not know them) assume a tuned-entry match."""
+    if FLEX_KERNEL_OPTIONS is not None:
+        return FLEX_KERNEL_OPTIONS or None
+    device = torch.device(device)
+    if not FLEX_TUNED_OPTIONS or device.type != "cuda":
+        return None
+    if head_dim not in (None, FLEX_TUNED_HEAD_DIM) or dtype not in (None, torch.bfloat16, torch.float16):
+        return None
+    return FLEX_TUNED_OPTIONS.get(tuple(torch.cuda.get_device_capability(device)))
+
+
+def _split_flex_options(opts: dict | None) -> tuple[int | None, dict | None]:
+    """(block-mask BLOCK_SIZE or None, kernel_options for flex_attention or None)."""
+    if not opts:
+        return None, None
+    kernel = {k: v for k, v in opts.items() if k != "BLOCK_SIZE"}
+    return opts.get("BLOCK_SIZE"), kernel or None
+
+
+# ----------------------------------------------------------------------------------------------
 # Masks
 
 
@@ -192,9 +299,10 @@ def _dense_mask(T: int, window: int, device: torch.device) -> torch.Tensor:
     return mask
 
 
-def _block_mask(T: int, window: int | None, device: torch.device):
-    """Cached flex BlockMask for causal (+ window) attention over T tokens."""
-    key = (T, window, str(device))
+def _block_mask(T: int, window: int | None, device: torch.device, block_size: int | None = None):
+    """Cached flex BlockMask for causal (+ window) attention over T tokens (block_size None:
+    create_block_mask's default of 128)."""
+    key = (T, window, str(device)) if block_size is None else (T, window, str(device), block_size)
     mask = _BLOCK_MASKS.get(key)
     if mask is None:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -206,7 +314,8 @@ def _block_mask(T: int, window: int | None, device: torch.device):
             def mask_mod(b, h, q_idx, kv_idx):
                 return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
         # B=None, H=None: one mask broadcast over batch and heads (the sparsity is shared).
-        mask = create_block_mask(mask_mod, None, None, T, T, device=device)
+        extra = {} if block_size is None else {"BLOCK_SIZE": block_size}
+        mask = create_block_mask(mask_mod, None, None, T, T, device=device, **extra)
         if not torch.compiler.is_compiling():
             _BLOCK_MASKS[key] = mask
     return mask
@@ -217,11 +326,14 @@ def prepare_masks(seq_len: int, windows, device, backend: str) -> None:
     them cached (call before the first compiled step; optional, a miss is built in-graph)."""
     backend = resolve_backend(backend, device)
     device = torch.device(device)
+    block_size = None
+    if backend in ("flex", "sdpa_flex"):
+        block_size, _ = _split_flex_options(flex_options_for(device))
     for window in set(windows):
         if window is not None and window >= seq_len:
             window = None
         if backend == "flex" or (backend == "sdpa_flex" and window is not None):
-            _block_mask(seq_len, window, device)
+            _block_mask(seq_len, window, device, block_size)
         elif backend == "sdpa" and window is not None:
             _dense_mask(seq_len, window, device)
 
@@ -257,24 +369,25 @@ def _flex(q, k, v, window: int | None):
     from torch.nn.attention.flex_attention import flex_attention
 
     global _COMPILED_FLEX
-    block_mask = _block_mask(q.size(2), window, q.device)
+    block_size, options = _split_flex_options(flex_options_for(q.device, q.size(-1), q.dtype))
+    block_mask = _block_mask(q.size(2), window, q.device, block_size)
     gqa = q.size(1) != k.size(1)
     if torch.compiler.is_compiling():
         # Inside a compiled model inductor generates the fused kernel itself.
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if q.device.type == "cuda":
         # Eager flex_attention on CUDA materialises the full score matrix; the compiled op is the
         # real block-sparse kernel. Compile once, lazily (never at import).
         if _COMPILED_FLEX is None:
             _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-        return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError("attention backend 'flex' has no backward on CPU; use --attn-backend "
                            "auto|sdpa|reference for CPU training")
     with warnings.catch_warnings():
         # CPU eager flex is an unfused (dense) implementation; fine for CPU inference and tests.
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
 
 
 def _cached_attention(q, k, v, window, backend, kv_cache: KVCache, layer_idx: int):

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto|cuda|cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--loss-tol", type=float, default=2e-2, help="max |loss diff| over the steps")
+    # FSDP changes the bf16 arithmetic, not the maths: gradients are reduce-scattered per micro-batch
+    # (another summation order) and Muon orthogonalises the whole (K, m, n) stack instead of this
+    # rank's K/W chunk (other bf16 GEMM kernels). On the steep part of the curve those roundings
+    # grow for a few steps (H200 d12: 0.07 at step 6, <= 0.003 from step 12); in fp32 on CPU the two
+    # runs are identical (tests/test_distributed.py), which is the exactness check.
+    p.add_argument("--fsdp-tol", type=float, default=0.1, help="max |loss diff| FSDP vs non-FSDP (bf16 GPU)")
     p.add_argument("--min-scaling", type=float, default=1.9, help="required tok/s(N) / tok/s(1)")
     p.add_argument("--timeout", type=int, default=540, help="seconds per torchrun launch")
     # worker mode (set by the driver)
@@ -86,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     require(a.data in ("synthetic", "real"), "--data", a.data, "synthetic|real")
     require(a.device in ("auto", "cuda", "cpu"), "--device", a.device, "auto|cuda|cpu")
     require_float(a.loss_tol, "--loss-tol", 0.0)
+    require_float(a.fsdp_tol, "--fsdp-tol", 0.0)
     require_float(a.min_scaling, "--min-scaling", 0.0)
     require(a.worker in (None, "losses", "throughput"), "--worker", a.worker, "losses|throughput")
     return a
@@ -248,7 +255,7 @@ def run_driver(a) -> int:
                                           f"{a.loss_accum}", single, multi, a.loss_tol))
             if "fsdp" in a.parts:
                 checks.append(_loss_check(f"fsdp_vs_no_fsdp_{a.gpus}gpu", multi, go("losses", a.gpus, True),
-                                          a.loss_tol))
+                                          a.fsdp_tol))
         if "throughput" in a.parts:
             one, many = go("throughput", 1), go("throughput", a.gpus)
             if "error" in one or "error" in many:

@@ -8,6 +8,9 @@
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
 #              eager/compile at batch 1 for comparison
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
+#   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
+#              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
+#   fp8cmp     d20 base_train, 200 steps x 65,536 tokens, bf16 vs fp8 (native): tok/s and val bpb compared
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -52,7 +55,7 @@ fi
 if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
        tests/test_precision.py tests/test_attention.py tests/test_gpt.py tests/test_engine.py tests/test_dataloader.py \
-       tests/test_base_train.py
+       tests/test_base_train.py tests/test_flex_options.py
 fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
@@ -77,6 +80,18 @@ if has model; then
   step profile 120 $PY -m scripts.profile_training --depth 12 --device-batch-size 16 --kernel triton
   step roofline 150 $PY -m scripts.analyze_bandwidth --depth 12 --device-batch-size 16 --kernel triton --predict gb10
 fi
+if has scale; then
+  NG=$(nvidia-smi -L | wc -l)
+  step nccl 120 $PY -m nanochat.platform --nccl
+  step scaling_losses 900 $PY -m scripts.bench_scaling --gpus "$NG" --parts losses,fsdp
+  step scaling_tput 600 $PY -m scripts.bench_scaling --gpus "$NG" --parts throughput
+  RT=(--depth 12 --device-batch-size 16 --max-seq-len 2048 --total-batch-size $((NG * 16 * 2048)) --num-iterations 20
+      --save-every 10 --eval-every 10 --eval-tokens 262144 --sample-every -1 --model-tag scale --wandb off)
+  step resume_full 420 $PY -m torch.distributed.run --standalone --nproc_per_node="$NG" -m scripts.base_train "${RT[@]}"
+  step resume_from10 420 $PY -m torch.distributed.run --standalone --nproc_per_node="$NG" -m scripts.base_train \
+       "${RT[@]}" --resume 10
+  step resume_compare 30 $PY -m scripts.compare_logs "$LOG/resume_full.log" "$LOG/resume_from10.log" --from-step 11
+fi
 if has d12run; then
   # d12 on the docs corpus (seq 2048, dbs 32, 2**19 tokens/step; ~1 s/step on an H100), then the chat
   # stages on the offline conversation/eval files (train on test files minus the first 500 problems;
@@ -92,6 +107,15 @@ if has d12run; then
   step d12_chat_eval 420 $PY -m scripts.chat_eval -i sft --model-tag d12 --max-problems ${MAX_PROBLEMS:-50}
   step d12_report 60 $PY -m nanochat.report generate
   cp "$NANOCHAT_BASE_DIR/report/report.md" "$LOG/report.md" 2>/dev/null
+fi
+
+if has fp8cmp; then
+  # same seed, data and schedule; only the precision differs (tok/s = the step lines' median)
+  FC=(--depth 20 --device-batch-size 32 --max-seq-len 2048 --total-batch-size 65536 --num-iterations 200
+      --eval-every 100 --eval-tokens 2097152 --sample-every -1 --kernel triton --wandb off)
+  step d20_bf16_200 600 $PY -m scripts.base_train "${FC[@]}" --precision bf16 --model-tag d20bf16
+  step d20_fp8_200 600 $PY -m scripts.base_train "${FC[@]}" --precision fp8 --precision-backend native --model-tag d20fp8
+  step fp8_vs_bf16 30 $PY -m scripts.compare_logs "$LOG/d20_bf16_200.log" "$LOG/d20_fp8_200.log" --from-step 100 --tol 0.05
 fi
 
 echo; echo "=== summary"; printf '%s\n' "${status[@]}"

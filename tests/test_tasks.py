@@ -165,6 +165,18 @@ def test_loader_error_names_local_and_hub(tmp_path, monkeypatch):
         SpellingBee(data_dir=empty)
 
 
+def test_chat_eval_checks_every_task_before_the_model(tmp_path, monkeypatch):
+    """A missing eval file fails before the checkpoint is loaded (none exists here) or any task runs."""
+    from scripts import chat_eval
+
+    monkeypatch.setattr(tasks_common, "_import_datasets", lambda: (_ for _ in ()).throw(ImportError("no datasets")))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "no_checkpoints"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataUnavailableError, match="humaneval"):
+        chat_eval.main(["-i", "sft", "-a", "HumanEval", "--device", "cpu", "--data-dir", str(empty)])
+
+
 def test_hub_fallback_converts_rows(tmp_path, monkeypatch):
     class FakeDatasets:
         @staticmethod
@@ -236,7 +248,8 @@ def test_get_task_and_chat_eval_flags():
     cfg = parse_args(["-i", "sft", "-a", "ARC-Easy|GSM8K", "--max_problems", "5", "--num-samples", "2"])
     assert cfg.tasks() == ["ARC-Easy", "GSM8K"] and cfg.max_problems == 5 and cfg.num_samples == 2
     for argv, flag in ((["-i", "pretrain"], "--source"), (["-i", "sft", "-a", "ARC"], "--task-name"),
-                       (["-i", "sft", "--temperature", "-1"], "--temperature"), (["-i", "sft", "--step", "x"], "--step")):
+                       (["-i", "sft", "--temperature", "-1"], "--temperature"), (["-i", "sft", "--step", "x"], "--step"),
+                       (["-i", "sft", "--decode", "fast"], "--decode")):
         with pytest.raises(ValueError, match=flag):
             parse_args(argv)
 
@@ -269,3 +282,8 @@ def test_chat_eval_end_to_end(tmp_path, monkeypatch, tok):
     assert json.loads(out_path.read_text())["ChatCORE"] == pytest.approx(out["ChatCORE"])
     section = json.loads((base / "report" / "sections" / "chat-evaluation-sft.json").read_text())
     assert section["entries"][0]["data"]["ChatCORE metric"] == pytest.approx(out["ChatCORE"])
+    # the fixed-shape decode (what CUDA graphs replay) scores the greedy generations identically
+    static = chat_eval.main(["-i", "sft", "--model-tag", "d1", "-x", "2", "--max-new-tokens", "8", "--device", "cpu",
+                             "-a", "GSM8K|HumanEval|SpellingBee", "--decode", "static", "--out", str(out_path)])
+    for name, r in static["results"].items():
+        assert r["passed"] == out["results"][name]["passed"], name

@@ -1,0 +1,75 @@
+"""Compare two training logs step by step: python -m scripts.compare_logs A.log B.log [--from-step N] [--tol X]
+
+Reads the fixed-field step lines ("step 00011/00020 | loss 9.1234 | ...") and the validation lines
+("step 00020 | val bpb 1.2345 ...") that every recipe prints, keeps the steps both logs have (from
+--from-step on), prints one row per step and the largest absolute difference, and exits 1 when a
+difference exceeds --tol or the logs share no step. Used by the GPU resume check (an uninterrupted
+run vs a run resumed from a checkpoint: their losses from the resume point on must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.eE+-]+|nan|inf) \|")
+VAL_RE = re.compile(r"^step (\d+) \| val bpb ([0-9.eE+-]+|nan|inf)")
+
+
+def parse_log(path: Path) -> dict[str, dict[int, float]]:
+    """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}} from one log file."""
+    if not path.is_file():
+        raise ValueError(f"log: {path} does not exist")
+    out: dict[str, dict[int, float]] = {"loss": {}, "val_bpb": {}}
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        for key, rx in (("loss", STEP_RE), ("val_bpb", VAL_RE)):
+            m = rx.match(line)
+            if m:
+                out[key][int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, float, float]]:
+    """Rows (metric, step, a, b, |a-b|) for every step both logs have, from from_step on."""
+    rows = []
+    for key in ("loss", "val_bpb"):
+        for step in sorted(set(a[key]) & set(b[key])):
+            if step >= from_step:
+                rows.append((key, step, a[key][step], b[key][step], abs(a[key][step] - b[key][step])))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.compare_logs", description=__doc__.splitlines()[0])
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.add_argument("--from-step", type=int, default=0, help="first step compared")
+    p.add_argument("--tol", type=float, default=2e-3, help="max |difference| allowed (logs print 4 decimals)")
+    args = p.parse_args(argv)
+    if args.tol < 0:
+        raise ValueError(f"--tol: must be >= 0, got {args.tol}")
+    rows = compare(parse_log(args.a), parse_log(args.b), args.from_step)
+    if not rows:
+        print(f"no common step >= {args.from_step} in {args.a} and {args.b}")
+        return 1
+    print(f"{'metric':>8} {'step':>6} {'A':>10} {'B':>10} {'|A-B|':>9} {'rel %':>7}")
+    for key, step, x, y, d in rows:
+        rel = f"{100 * d / abs(x):7.3f}" if x else "    n/a"
+        print(f"{key:>8} {step:>6} {x:>10.4f} {y:>10.4f} {d:>9.4f} {rel}")
+    worst = max(r[4] for r in rows)
+    exact = sum(r[4] == 0 for r in rows)
+    ok = worst <= args.tol
+    print(f"{'PASS' if ok else 'FAIL'}: {len(rows)} values compared, {exact} identical, max |diff| {worst:.4g} "
+          f"(tol {args.tol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"compare_logs: error: {e}", file=sys.stderr)
+        sys.exit(2)
