@@ -93,6 +93,11 @@ if has scale; then
   step resume_compare 30 $PY -m scripts.compare_logs "$LOG/resume_full.log" "$LOG/resume_from10.log" --from-step 11
 fi
 if has d12run; then
+  # the carried data, checked before any GPU work (a file once went missing in transit)
+  for f in base_data tokenizer/tokenizer.pkl eval_data/arc_easy.jsonl eval_data/arc_challenge.jsonl eval_data/mmlu.jsonl \
+           eval_data/gsm8k.jsonl eval_data/humaneval.jsonl eval_data/words.txt sft_data; do
+    [[ -e "$NANOCHAT_BASE_DIR/$f" ]] || { echo "d12run: missing $NANOCHAT_BASE_DIR/$f (carry .devdata)"; exit 1; }
+  done
   # d12 on the docs corpus (seq 2048, dbs 32, 2**19 tokens/step; ~1 s/step on an H100), then the chat
   # stages on the offline conversation/eval files (train on test files minus the first 500 problems;
   # chat_eval scores only those first problems). CORE needs the full eval folder: not carried here.
