@@ -12,6 +12,11 @@ and every address fixed. So a `StaticDecoder` (one per batch size) owns:
     capped at the cache length) a `StaticKV` view whose attention reads exactly that many cache
     slots under a causal + window mask computed from the position, and one captured graph.
 
+Two ways to feed a step: `step(column, position)` copies host tokens in (prefill hand-over,
+tool-forced tokens), `step_sampled(tensor, position)` takes the sampled tokens straight from the
+device, so the Engine queues step t+1 before it has read token t on the host (`fetch` waits for
+that copy alone) and the per-token Python overlaps the GPU instead of idling it.
+
 Within a bucket every step replays the same graph; crossing a bucket boundary captures (once) the
 next bucket's graph. The step that is captured is `step_model(ids, kv_cache=StaticKV)`:
 `torch.compile(model, dynamic=True)` ("compiled": fused kernels; the length and batch are
@@ -67,6 +72,9 @@ class StaticDecoder:
         self._host = torch.zeros(B + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Pinned host landing buffer for the sampled tokens (`fetch`) and its ready event.
+        self._sampled_host = torch.zeros(B, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self._key_pos: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0   # graphs captured so far (one per bucket used)
@@ -95,6 +103,34 @@ class StaticDecoder:
         graph, logits = self.graphs.get(length) or self.capture(length)
         graph.replay()
         return logits
+
+    def step_sampled(self, sampled: torch.Tensor, position: int) -> torch.Tensor:
+        """`step` fed from a device tensor of sampled tokens (B,): no host round trip, so it can be
+        queued before the host has read the samples (the Engine's one-step lookahead)."""
+        if not 0 <= position < self.cache.seq_len:
+            raise ValueError(f"decode step: position {position} is past the cache end "
+                             f"({self.cache.seq_len} tokens); the context is full")
+        length = bucket_length(position + 1, self.cache.seq_len, self.bucket)
+        self.ids.copy_(sampled.view(self.batch_size, 1))
+        self.pos.fill_(position)
+        if not self.use_graphs:
+            return self._run(length)
+        graph, logits = self.graphs.get(length) or self.capture(length)
+        graph.replay()
+        return logits
+
+    def fetch(self, sampled: torch.Tensor):
+        """Start copying `sampled` (B,) to the host; returns a function that waits for exactly that
+        copy (not for work queued after it) and gives the tokens as a list."""
+        self._sampled_host.copy_(sampled, non_blocking=True)
+        if self._fetched is None:
+            return self._sampled_host.tolist
+        self._fetched.record()
+
+        def wait() -> list[int]:
+            self._fetched.synchronize()
+            return self._sampled_host.tolist()
+        return wait
 
     def _set_inputs(self, column: Sequence[int], position: int) -> None:
         if self._copied is not None:

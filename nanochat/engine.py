@@ -29,10 +29,14 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
   * "compile": the dynamic-shape `torch.compile(model, dynamic=True)` of the cached forward.
   * "eager" (the default, what "auto" picks elsewhere): the plain model; no compile surprises
     inside training or eval loops.
-Measured (H100, torch 2.11, d20 random weights bf16, prompt 512 + 128 tokens, bench_inference):
-"graphs" decodes at 1.52 ms per step at batch 1 and 2.41 ms at batch 32, end to end (the graph
-replay is 1.18 / 2.06 ms of it; the rest is sampling and the per-token Python), against 7.16 ms
-and minutes of recompiles with "compile"; graph_step="eager" (unfused kernels) 3.3 ms at batch 1.
+Static and graphs decoding look one step ahead (`_decode_static`): the sampled tokens feed the
+next step on the device and that step is queued before the host reads them, so the per-token
+Python overlaps the GPU; a tool-forced token re-runs its step at the same position.
+Measured (H100, torch 2.11, d20 random weights bf16, prompt 512 + 128 tokens, temperature 1,
+top-k 50, bench_inference): "graphs" decodes at 1.34 ms per step at batch 1 and 2.26 ms at batch
+32, end to end (1.44 / 2.38 ms before the lookahead; the graph replay is 1.17 / 2.05 ms of it, the
+rest is mostly the sampling kernels, which still run between replays), against 7.16 ms and
+minutes of recompiles with "compile"; graph_step="eager" (unfused kernels) 3.3 ms at batch 1.
 The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/s.
 The prompt prefill is always the plain model (one compute-bound forward per request). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the
@@ -294,24 +298,51 @@ class Engine:
     def _generate(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
         max_tokens = min(max_tokens, self.max_seq_len - len(tokens))
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
         decoder = self._acquire_decoder(num_samples)
-        try:
-            if decoder is None:
-                logits, step_fn = self._prefill_dynamic(tokens, num_samples, len(tokens) + max_tokens)
-            else:
-                logits, step_fn = self._prefill_static(tokens, decoder)
-            rows = [_Row() for _ in range(num_samples)]
-            for step in range(max_tokens):
-                sampled = sample_next(logits, temperature, top_k, top_p, generator).tolist()
-                column, masks = zip(*(self._advance(r, s, stops) for r, s in zip(rows, sampled)))
-                column, masks = list(column), list(masks)
-                yield column, masks
-                if step == max_tokens - 1 or all(r.stop_token is not None for r in rows):
-                    return
-                logits = step_fn(column)
-        finally:
-            if decoder is not None:
+        if decoder is not None:
+            try:
+                yield from self._decode_static(tokens, decoder, max_tokens, sample, stops)
+            finally:
                 decoder.busy = False
+            return
+        logits, step_fn = self._prefill_dynamic(tokens, num_samples, len(tokens) + max_tokens)
+        rows = [_Row() for _ in range(num_samples)]
+        for step in range(max_tokens):
+            column, masks = self._advance_rows(rows, sample(logits).tolist(), stops)
+            yield column, masks
+            if step == max_tokens - 1 or all(r.stop_token is not None for r in rows):
+                return
+            logits = step_fn(column)
+
+    def _advance_rows(self, rows, sampled: list[int], stops) -> tuple[list[int], list[int]]:
+        column, masks = zip(*(self._advance(r, s, stops) for r, s in zip(rows, sampled)))
+        return list(column), list(masks)
+
+    def _decode_static(self, tokens, decoder: StaticDecoder, max_tokens: int, sample, stops):
+        """Static/graphs decoding with a one-step lookahead: the sampled tokens feed the next step
+        on the device and that step is queued before the host reads them, so the per-token Python
+        (tool state machine, stop checks, the consumer of this generator) runs while the GPU
+        computes. When a live row's chosen token is not its sample (a tool-forced token), the
+        step is re-run at the same position from the host column: it rewrites that position's
+        k/v, and the sampling stream is untouched, so the tokens equal the one-by-one result."""
+        logits = self._prefill_static(tokens, decoder)
+        rows = [_Row() for _ in range(decoder.batch_size)]
+        position = len(tokens)
+        for step in range(max_tokens):
+            sampled = sample(logits)
+            wait = decoder.fetch(sampled)
+            last = step == max_tokens - 1
+            if not last:
+                logits = decoder.step_sampled(sampled, position)   # speculative: fed the samples
+            drawn = wait()
+            column, masks = self._advance_rows(rows, drawn, stops)
+            yield column, masks
+            if last or all(r.stop_token is not None for r in rows):
+                return
+            if any(c != d for c, d, r in zip(column, drawn, rows) if r.stop_token is None):
+                logits = decoder.step(column, position)   # a forced token: redo this position
+            position += 1
 
     def _prefill(self, tokens, cache):
         """The prompt through the plain model with batch 1 -> last-position logits (1, V)."""
@@ -337,22 +368,14 @@ class Engine:
 
         return logits, step
 
-    def _prefill_static(self, tokens, decoder: StaticDecoder):
-        """Prefill a prompt-sized cache, copy it into the decoder's persistent cache; decode steps
-        at a host-side position mirror (the device position is refilled every step)."""
+    def _prefill_static(self, tokens, decoder: StaticDecoder) -> torch.Tensor:
+        """Prefill a prompt-sized cache and copy it into the decoder's persistent cache; returns
+        the last-position logits expanded to the decoder's batch."""
         prefill_cache = self.new_cache(1, len(tokens))
         logits = self._prefill(tokens, prefill_cache)
         decoder.cache.prefill_from(prefill_cache)
         del prefill_cache
-        position = len(tokens)
-
-        def step(column: list[int]) -> torch.Tensor:
-            nonlocal position
-            logits = decoder.step(column, position)
-            position += 1
-            return logits
-
-        return logits.expand(decoder.batch_size, -1), step
+        return logits.expand(decoder.batch_size, -1)
 
     def generate_batch(self, tokens: Sequence[int], **kw) -> tuple[list[list[int]], list[list[int]]]:
         """Run `generate` to the end. Returns, per sample, the prompt followed by the generated

@@ -11,6 +11,9 @@
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
 #              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
 #   fp8cmp     d20 base_train, 200 steps x 65,536 tokens, bf16 vs fp8 (native): tok/s and val bpb compared
+#              (FP8CMP=fp8 runs only the fp8 half, FP8CMP=bf16 only the bf16 half)
+#   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
+#   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -92,6 +95,15 @@ if has scale; then
        "${RT[@]}" --resume 10
   step resume_compare 30 $PY -m scripts.compare_logs "$LOG/resume_full.log" "$LOG/resume_from10.log" --from-step 11
 fi
+if has attn; then
+  step attn_fwd_sweep 420 $PY -m scripts.bench_attention --reps 30 \
+       --only f128x128_w8_s2,f128x128_w8_s3,f128x64_w4_s3,f64x64_w4_s3,f64x128_w4_s3,tma,prescale_qk
+  step attn_bwd_sweep 420 $PY -m scripts.bench_attention --reps 30 \
+       --only b64x64_w4_s3,b32x64_w4_s3,b64x128_w8_s2,b128x128_w8_s2,bs64,bs256
+fi
+if has prof20; then
+  step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40
+fi
 if has d12run; then
   # the carried data, checked before any GPU work (a file once went missing in transit)
   for f in base_data tokenizer/tokenizer.pkl eval_data/arc_easy.jsonl eval_data/arc_challenge.jsonl eval_data/mmlu.jsonl \
@@ -118,9 +130,11 @@ if has fp8cmp; then
   # same seed, data and schedule; only the precision differs (tok/s = the step lines' median)
   FC=(--depth 20 --device-batch-size 32 --max-seq-len 2048 --total-batch-size 65536 --num-iterations 200
       --eval-every 100 --eval-tokens 2097152 --sample-every -1 --kernel triton --wandb off)
-  step d20_bf16_200 600 $PY -m scripts.base_train "${FC[@]}" --precision bf16 --model-tag d20bf16
-  step d20_fp8_200 600 $PY -m scripts.base_train "${FC[@]}" --precision fp8 --precision-backend native --model-tag d20fp8
-  step fp8_vs_bf16 30 $PY -m scripts.compare_logs "$LOG/d20_bf16_200.log" "$LOG/d20_fp8_200.log" --from-step 100 --tol 0.05
+  FP8CMP=${FP8CMP:-bf16,fp8}
+  [[ ",$FP8CMP," == *",bf16,"* ]] && step d20_bf16_200 600 $PY -m scripts.base_train "${FC[@]}" --precision bf16 --model-tag d20bf16
+  [[ ",$FP8CMP," == *",fp8,"* ]] && step d20_fp8_200 600 $PY -m scripts.base_train "${FC[@]}" --precision fp8 \
+       --precision-backend native --model-tag d20fp8
+  [[ "$FP8CMP" == "bf16,fp8" ]] && step fp8_vs_bf16 30 $PY -m scripts.compare_logs "$LOG/d20_bf16_200.log" "$LOG/d20_fp8_200.log" --from-step 100 --tol 0.05
 fi
 
 echo; echo "=== summary"; printf '%s\n' "${status[@]}"

@@ -171,14 +171,21 @@ class ScriptedModel(torch.nn.Module):
         if T > 1:
             self.history = [idx[0].tolist()]
         else:
+            # the token lands at the cache position: a step re-run at the same position (static
+            # decoding redoes a step whose speculative input a forced token replaced) overwrites it
+            pos = int(kv_cache.pos)
             if len(self.history) != B:
                 self.history = [list(self.history[0]) for _ in range(B)]
             for b in range(B):
-                self.history[b].append(int(idx[b, 0]))
-        kv_cache.pos += T
+                self.history[b][pos:] = [int(idx[b, 0])]
+        kv_cache.advance(T)
         logits = torch.full((B, T, self.config.vocab_size), -30.0)
         for b in range(B):
-            logits[b, -1, self.plan(b, self.history[b][self.prompt_len:])] = 30.0
+            try:
+                nxt = self.plan(b, self.history[b][self.prompt_len:])
+            except IndexError:  # past the script's end: static decoding's lookahead step after a stop
+                nxt = 0
+            logits[b, -1, nxt] = 30.0
         return logits
 
 
@@ -192,8 +199,8 @@ def specials(tok):
         "python_start", "python_end", "output_start", "output_end", "assistant_end", "bos", "user_start")})
 
 
-def scripted_engine(tok, plan, prompt):
-    return Engine(ScriptedModel(tok.vocab_size, len(prompt), plan), tok)
+def scripted_engine(tok, plan, prompt, decode="eager"):
+    return Engine(ScriptedModel(tok.vocab_size, len(prompt), plan), tok, decode=decode, decode_bucket=16)
 
 
 def run(engine, prompt, **kw):
@@ -201,7 +208,8 @@ def run(engine, prompt, **kw):
     return [list(c) for c, _ in steps], [list(m) for _, m in steps]
 
 
-def test_calculator_output_is_forced(tok):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_calculator_output_is_forced(tok, decode):
     s, prompt = specials(tok), [tok.bos_token_id, 1, 2]
     call = [s.python_start, *tok.encode("12*3"), s.python_end]
     tail = [*tok.encode(" so 36"), s.assistant_end]
@@ -211,13 +219,15 @@ def test_calculator_output_is_forced(tok):
             return tail[len(gen) - gen.index(s.output_end) - 1]
         return call[len(gen)] if len(gen) < len(call) else 7  # 7 is overridden by forced tokens
 
-    engine = scripted_engine(tok, plan, prompt)
+    engine = scripted_engine(tok, plan, prompt, decode)
     cols, masks = run(engine, prompt, max_tokens=60)
     forced = [s.output_start, *tok.encode("36"), s.output_end]
     assert [c[0] for c in cols] == call + forced + tail
     assert [m[0] for m in masks] == [1] * len(call) + [0] * len(forced) + [1] * len(tail)
-    # the forced tokens were fed back into the model
-    assert engine.model.history[0][len(prompt):] == call + forced + tail[:-1]
+    # the forced tokens were fed back into the model (static decoding also feeds the stop token:
+    # its one-step lookahead is queued before the host sees that the row finished)
+    fed, want = engine.model.history[0][len(prompt):], call + forced + tail[:-1]
+    assert fed[:len(want)] == want and len(fed) - len(want) == (decode == "static")
     results, bmasks = engine.generate_batch(prompt, max_tokens=60, temperature=0.0)
     assert results[0] == prompt + call + forced + tail[:-1]  # stop token excluded
     parts = assistant_parts(tok, results[0][len(prompt):])
@@ -235,7 +245,8 @@ def test_refused_calculator_forces_nothing(tok, expr):
     assert all(m[0] == 1 for m in masks)
 
 
-def test_tool_forcing_is_per_row(tok):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_tool_forcing_is_per_row(tok, decode):
     s, prompt = specials(tok), [tok.bos_token_id, 9]
     # the first token comes from the shared batch-1 prefill, so both rows start with 10
     with_call = [10, s.python_start, *tok.encode("2+2"), s.python_end]
@@ -248,30 +259,35 @@ def test_tool_forcing_is_per_row(tok):
             return s.assistant_end
         return with_call[len(gen)] if len(gen) < len(with_call) else 3
 
-    cols, masks = run(scripted_engine(tok, plan, prompt), prompt, num_samples=2, max_tokens=40)
+    engine = scripted_engine(tok, plan, prompt, decode)
+    cols, masks = run(engine, prompt, num_samples=2, max_tokens=40)
     row0 = [c[0] for c in cols]
     forced = [s.output_start, *tok.encode("4"), s.output_end]
     assert row0 == with_call + forced + [s.assistant_end]
     row1 = [c[1] for c in cols]
     assert row1[:len(plain)] == plain and set(row1[len(plain):]) == {s.assistant_end}
     assert all(m[1] == 0 for m in masks[len(plain):])  # finished row: repeated stop token, mask 0
+    # what row 0 was fed: the call, then the forced tokens (not the model's 3s), one per position
+    assert engine.model.history[0][len(prompt):len(prompt) + len(with_call + forced)] == with_call + forced
 
 
-def test_stop_tokens(tok):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_stop_tokens(tok, decode):
     s, prompt = specials(tok), [tok.bos_token_id, 4]
     rows = {0: [10, s.assistant_end], 1: [10, 11, 12, s.bos]}
 
     def plan(b, gen):
         return rows[b][len(gen)] if len(gen) < len(rows[b]) else 13
 
-    cols, masks = run(scripted_engine(tok, plan, prompt), prompt, num_samples=2, max_tokens=50)
+    cols, masks = run(scripted_engine(tok, plan, prompt, decode), prompt, num_samples=2, max_tokens=50)
     assert cols == [[10, 10], [s.assistant_end, 11], [s.assistant_end, 12], [s.assistant_end, s.bos]]
     assert masks == [[1, 1], [1, 1], [0, 1], [0, 1]]
     # custom stop tokens replace the defaults: <|assistant_end|> no longer stops row 0
-    cols, _ = run(scripted_engine(tok, plan, prompt), prompt, num_samples=2, max_tokens=50, stop_tokens=[12, 13])
+    cols, _ = run(scripted_engine(tok, plan, prompt, decode), prompt, num_samples=2, max_tokens=50,
+                  stop_tokens=[12, 13])
     assert cols == [[10, 10], [s.assistant_end, 11], [13, 12]]
     # no stop at all: exactly max_tokens steps
-    cols, _ = run(scripted_engine(tok, lambda b, g: 10, prompt), prompt, max_tokens=7)
+    cols, _ = run(scripted_engine(tok, lambda b, g: 10, prompt, decode), prompt, max_tokens=7)
     assert len(cols) == 7
 
 
