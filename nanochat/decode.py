@@ -91,28 +91,29 @@ class StaticDecoder:
                        for n in range(1, self.cache.seq_len + 1, self.bucket)} | {self.cache.seq_len})
 
     def step(self, column: Sequence[int], position: int) -> torch.Tensor:
-        if not 0 <= position < self.cache.seq_len:
-            raise ValueError(f"decode step: position {position} is past the cache end "
-                             f"({self.cache.seq_len} tokens); the context is full")
+        length = self._check_position(position)
         if len(column) != self.batch_size:
             raise ValueError(f"decode step: got {len(column)} tokens for a batch of {self.batch_size}")
-        length = bucket_length(position + 1, self.cache.seq_len, self.bucket)
         self._set_inputs(column, position)
-        if not self.use_graphs:
-            return self._run(length)
-        graph, logits = self.graphs.get(length) or self.capture(length)
-        graph.replay()
-        return logits
+        return self._launch(length)
 
     def step_sampled(self, sampled: torch.Tensor, position: int) -> torch.Tensor:
         """`step` fed from a device tensor of sampled tokens (B,): no host round trip, so it can be
         queued before the host has read the samples (the Engine's one-step lookahead)."""
+        length = self._check_position(position)
+        self.ids.copy_(sampled.view(self.batch_size, 1))
+        self.pos.fill_(position)
+        return self._launch(length)
+
+    def _check_position(self, position: int) -> int:
+        """The bucket length a step at `position` reads; raises past the cache end."""
         if not 0 <= position < self.cache.seq_len:
             raise ValueError(f"decode step: position {position} is past the cache end "
                              f"({self.cache.seq_len} tokens); the context is full")
-        length = bucket_length(position + 1, self.cache.seq_len, self.bucket)
-        self.ids.copy_(sampled.view(self.batch_size, 1))
-        self.pos.fill_(position)
+        return bucket_length(position + 1, self.cache.seq_len, self.bucket)
+
+    def _launch(self, length: int) -> torch.Tensor:
+        """Run the step on the inputs already in place: directly, or by replaying its graph."""
         if not self.use_graphs:
             return self._run(length)
         graph, logits = self.graphs.get(length) or self.capture(length)
