@@ -11,11 +11,13 @@ Semantics (every backend honours all of them, or raises):
   * softmax scale 1/sqrt(head_dim); layout (B, H, T, D) in and out.
 
 Backends (the names `resolve_backend` returns):
-  * "sdpa_flex" (auto on CUDA): full layers through F.scaled_dot_product_attention(is_causal=True)
+  * "sdpa_flex" (auto on CUDA when cuDNN's window kernel is not proven): full layers through F.scaled_dot_product_attention(is_causal=True)
     (flash / cuDNN kernels), window layers through flex_attention with a cached block-sparse
     BlockMask. The training path on GPU: no dense mask is ever built. Measured on H100, torch
     2.11, d20 shapes (B=32, 10 heads, T=2048, D=128, bf16, fwd+bwd, median): SDPA full causal
     2.92 ms (cuDNN picked; flash-only 5.04 ms), flex window 512 2.31 ms, flex full 3.66 ms.
+  * "sdpa_cudnn" (`cudnn`; auto on CUDA once prepare_masks' probe launch passed): full layers as in sdpa_flex, window layers through cuDNN's fused
+    kernel with a diagonal band (nanochat/cudnn_attention.py; needs nvidia-cudnn-frontend).
   * "sdpa" (auto on CPU/MPS): SDPA for everything; window layers pass a cached dense boolean mask.
     That is the CPU training path (flex_attention has no CPU backward) and the upstream-nanochat
     baseline on GPU (slow there: 8.55 ms vs 3.02 ms per d20 layer, DESIGN.md section 3).
@@ -48,8 +50,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-BACKEND_CHOICES = ("auto", "sdpa", "flex", "reference")
-RESOLVED_BACKENDS = ("sdpa_flex", "sdpa", "flex", "reference")
+from nanochat import cudnn_attention  # defines two custom ops; imports nothing from cuDNN
+
+BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "reference")
+RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "sdpa", "flex", "reference")
 
 # Caches keyed by (T, window, device). Filled in eager mode only: under torch.compile a cache miss
 # builds the mask inside the graph (correct, a few tiny kernels per step) and a hit is lifted as a
@@ -61,15 +65,26 @@ _COMPILED_FLEX = None  # torch.compile(flex_attention), created on first eager C
 
 def resolve_backend(name: str, device) -> str:
     """Map a requested backend ("auto"|"sdpa"|"flex"|"reference") to a resolved backend name."""
-    if name == "sdpa_flex":
-        return name  # already resolved (what "auto" gives on CUDA)
+    if name in ("sdpa_flex", "sdpa_cudnn"):
+        return name  # already resolved
     if name not in BACKEND_CHOICES:
         raise ValueError(f"--attn-backend: got {name!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
     device_type = torch.device(device).type
     if name == "auto":
-        # flex_attention needs a compiled kernel for speed and has no CPU backward, so only CUDA
-        # gets the block-sparse window kernel; elsewhere SDPA (+ dense mask for windows) is fastest.
-        return "sdpa_flex" if device_type == "cuda" else "sdpa"
+        # CUDA: the window layers need a block-sparse kernel: cuDNN's band-masked one where
+        # prepare_masks() proved it (1.29x flex's at d20 on H100), else flex_attention. flex has
+        # no CPU backward, so elsewhere SDPA (+ dense mask for windows) is the fastest.
+        if device_type != "cuda":
+            return "sdpa"
+        return "sdpa_cudnn" if cudnn_attention.proven(device) else "sdpa_flex"
+    if name == "cudnn":
+        if device_type != "cuda":
+            raise ValueError(f"--attn-backend: cudnn needs a CUDA device, got {device_type}; "
+                             "accepted here: auto|sdpa|flex|reference")
+        reason = None if torch.compiler.is_compiling() else cudnn_attention.available()  # eager check
+        if reason is not None:
+            raise ValueError(f"--attn-backend cudnn: {reason}")
+        return "sdpa_cudnn"
     if name == "flex" and device_type not in ("cuda", "cpu"):
         raise ValueError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
                          "accepted here: auto|sdpa|reference")
@@ -321,11 +336,15 @@ def _block_mask(T: int, window: int | None, device: torch.device, block_size: in
     return mask
 
 
-def prepare_masks(seq_len: int, windows, device, backend: str) -> None:
+def prepare_masks(seq_len: int, windows, device, backend: str) -> str:
     """Build the masks a forward at `seq_len` will use, in eager mode, so a compiled graph finds
-    them cached (call before the first compiled step; optional, a miss is built in-graph)."""
-    backend = resolve_backend(backend, device)
+    them cached (call before the first compiled step; optional, a miss is built in-graph). On
+    CUDA with backend "auto" this also probes cuDNN's window kernel (see resolve_backend).
+    Returns the resolved backend."""
     device = torch.device(device)
+    if backend == "auto" and device.type == "cuda":
+        cudnn_attention.probe(device)  # one tiny real launch, so that "auto" may pick cuDNN
+    backend = resolve_backend(backend, device)
     block_size = None
     if backend in ("flex", "sdpa_flex"):
         block_size, _ = _split_flex_options(flex_options_for(device))
@@ -336,6 +355,7 @@ def prepare_masks(seq_len: int, windows, device, backend: str) -> None:
             _block_mask(seq_len, window, device, block_size)
         elif backend == "sdpa" and window is not None:
             _dense_mask(seq_len, window, device)
+    return backend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,6 +478,8 @@ def attention(q, k, v, *, window: int | None, backend: str, kv_cache: KVCache | 
         return reference_attention(q, k, v, window=window)
     if backend == "flex" or (backend == "sdpa_flex" and window is not None):
         return _flex(q, k, v, window)
+    if backend == "sdpa_cudnn" and window is not None:
+        return cudnn_attention.window_attention(q, k, v, window)
     if window is None:
         return _sdpa(q, k, v, is_causal=True)
     return _sdpa(q, k, v, is_causal=False, attn_mask=_dense_mask(T, window, q.device))

@@ -110,8 +110,72 @@ def has_value_embed(layer_idx: int, n_layer: int) -> bool:
     return (n_layer - 1 - layer_idx) % 2 == 0
 
 
+def _rms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) in x's dtype, 1/rms(x) in the math dtype: float32, or float64 for float64 x).
+    eps is F.rms_norm's default, the math dtype's epsilon, so forward values match it exactly."""
+    math_dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(math_dtype)
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(math_dtype).eps)
+    return (xf * rstd).to(x.dtype), rstd
+
+
+def _rms_backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dL/dx of y = x * rstd(x), written with the output: dx = rstd * (dy - y * mean(dy * y))."""
+    dyf, yf = dy.to(rstd.dtype), y.to(rstd.dtype)
+    return rstd * (dyf - yf * (dyf * yf).mean(-1, keepdim=True))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Parameter-free RMSNorm that saves its output and 1/rms, not its input.
+
+    Why: the output is saved anyway (it is the next matmul's input, kept for that weight's
+    gradient), so backward needs nothing more than a (.., 1) float32 column. Through F.rms_norm
+    the compile partitioner kept the input as well: one more (B, T, C) tensor per norm, 2 per
+    layer (6.7 GB at d20, batch 32 x 2048; measured with tests/test_gpt.py's saved-tensor probe).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        y, rstd = _rms(x)
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd = ctx.saved_tensors
+        return _rms_backward(dy, y, rstd).to(dy.dtype)
+
+
+class _RotaryNorm(torch.autograd.Function):
+    """norm(apply_rotary(x, cos, sin)) saving only its output and 1/rms (the QK-norm of q and k).
+
+    The rotation is orthogonal, so its backward is the inverse rotation of the norm's gradient;
+    the output is what attention saves anyway. The plain chain kept the rotated, un-normed q and k
+    too (2 more (B, T, C) tensors per layer)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        math_dtype = torch.promote_types(x.dtype, torch.float32)
+        y, rstd = _rms(apply_rotary(x.to(math_dtype), cos.to(math_dtype), sin.to(math_dtype)))
+        y = y.to(x.dtype)
+        ctx.save_for_backward(y, rstd, cos, sin)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, cos, sin = ctx.saved_tensors
+        dr = _rms_backward(dy, y, rstd)
+        return apply_rotary(dr, cos.to(dr.dtype), -sin.to(dr.dtype)).to(dy.dtype), None, None
+
+
 def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+    return _RMSNorm.apply(x)
+
+
+def rotary_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """norm(apply_rotary(x, cos, sin)), computed in float32 (float64 for float64 x), saving only
+    its output for backward."""
+    return _RotaryNorm.apply(x, cos, sin)
 
 
 def rotary_tables(seq_len: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +296,8 @@ class CausalSelfAttention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
         # kernel per tensor under torch.compile; the transposes below are free views.
-        q = norm(apply_rotary(q, cos, sin))
-        k = norm(apply_rotary(k, cos, sin))
+        q = rotary_norm(q, cos, sin)
+        k = rotary_norm(k, cos, sin)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window,
                       backend=backend, kv_cache=kv_cache, layer_idx=self.layer_idx)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -269,8 +333,8 @@ class GPT(nn.Module):
                  compute_dtype: torch.dtype | None = None):
         super().__init__()
         config.validate()
-        if attn_backend not in ("auto", "sdpa", "flex", "reference", "sdpa_flex"):
-            raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: auto|sdpa|flex|reference")
+        if attn_backend not in ("auto", "sdpa", "flex", "cudnn", "reference", "sdpa_flex", "sdpa_cudnn"):
+            raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: auto|sdpa|flex|cudnn|reference")
         self.config = config
         self.attn_backend = attn_backend  # resolved per device at forward time (may build on meta)
         self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
@@ -334,12 +398,12 @@ class GPT(nn.Module):
             return self.compute_dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def prepare_attention(self, seq_len: int | None = None) -> None:
+    def prepare_attention(self, seq_len: int | None = None) -> str:
         """Build and cache this model's attention masks for `seq_len` (default config.sequence_len)
-        on its device. Call once before torch.compile so the compiled graph reuses them."""
-        device = self.wte.weight.device
-        prepare_masks(seq_len or self.config.sequence_len, self.windows, device,
-                      resolve_backend(self.attn_backend, device))
+        on its device (and, for "auto" on CUDA, probe cuDNN's window kernel). Call once before
+        torch.compile so the compiled graph reuses them. Returns the resolved backend."""
+        return prepare_masks(seq_len or self.config.sequence_len, self.windows, self.wte.weight.device,
+                             self.attn_backend)
 
     def _rotary(self, T: int, kv_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [pos, pos + T) (pos = 0 without a cache)."""

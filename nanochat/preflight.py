@@ -59,6 +59,10 @@ def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
         results["flex_attention"] = "ok"
     except Exception as exc:  # report any failure mode of compile + launch, this is a report
         results["flex_attention"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    from nanochat.cudnn_attention import probe
+
+    reason = probe(torch.device(device))  # window kernel, checked against the reference math
+    results["cudnn-window"] = "ok" if reason is None else f"fails: {reason[:160]}"
     return results
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nanochat.attention import resolve_backend
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
                            run_training_loop)
@@ -33,7 +34,7 @@ from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule,
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-ATTN_BACKENDS = ("auto", "sdpa", "flex", "reference")
+ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 
 
@@ -321,7 +322,8 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("device", f"{rt.device} ({device_name}), world size {rt.world_size}, rank {rt.rank}"),
         ("compute dtype", rt.dtype_name),
         ("precision", json.dumps(precision_info)),
-        ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend}"),
+        ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend} -> "
+                                         f"{resolve_backend(cfg.attn_backend, rt.device)}"),
         ("model", ", ".join(f"{k}={v}" for k, v in asdict(model_config).items())),
         ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
         ("FLOPs / token", f"{flops_per_token:.4e}"),

@@ -12,6 +12,7 @@ of --reps after --warmup calls, timed with CUDA events (torch.cuda.synchronize b
   sdpa_causal      F.scaled_dot_product_attention(is_causal=True) (the full layers)
   flex_causal      flex_attention with a causal block mask, torch's kernel heuristics
   window_default   flex window --window (default T/4), torch's heuristics (kernel_options={})
+  window_cudnn     the window layer through cuDNN's band-masked kernel (--attn-backend cudnn)
   window_tuned     the same under nanochat's FLEX_TUNED_OPTIONS entry for this GPU, if any
   <name>           the window layer under each sweep config (built-in SWEEP, or --configs)
 
@@ -276,6 +277,13 @@ def main(argv=None) -> int:
     emit(rec)
     if ref is None:
         print("window_default failed: no reference for the sweep's error check", flush=True)
+    from nanochat.cudnn_attention import probe
+
+    reason = probe(device)
+    if reason is None:
+        emit(run_row(cfg, "window_cudnn", "window", {}, cfg.window, "sdpa_cudnn", tensors, ref)[0])
+    else:
+        emit({"name": "window_cudnn", "kind": "window", "window": cfg.window, "config": {}, "error": reason})
     if A.flex_options_for(device, cfg.head_dim, torch.bfloat16) is not None:
         emit(run_row(cfg, "window_tuned", "window", None, cfg.window, "sdpa_flex", tensors, ref)[0])
     for name, opts in cfg.sweep.items():

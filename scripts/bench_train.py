@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanochat.attention import resolve_backend
 from nanochat.common import destroy_runtime, init_runtime
 from nanochat.training import FlagParser, require, require_int
 
@@ -157,7 +158,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     return {"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
             "depth": depth, "kernel": kernel, "precision": info["precision"], "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
-            "window_pattern": cfg.window_pattern, "data": cfg.data, "timed_steps": len(dts),
+            "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
+            "data": cfg.data, "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
             "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}

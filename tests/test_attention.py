@@ -98,6 +98,27 @@ def test_resolve_backend():
         A.resolve_backend("flash3", "cpu")
     with pytest.raises(ValueError, match="flex needs"):
         A.resolve_backend("flex", "mps")
+    with pytest.raises(ValueError, match="--attn-backend: cudnn needs a CUDA device"):
+        A.resolve_backend("cudnn", "cpu")
+
+
+def test_auto_backend_on_cuda_without_a_cudnn_probe_is_flex():
+    """'auto' picks cuDNN only after prepare_masks' probe launch proved it on that device."""
+    assert A.resolve_backend("auto", "cuda:7") == "sdpa_flex"
+
+
+def test_cudnn_window_op_shapes_on_meta():
+    """The fake (meta) implementations the compiler traces: (B, H, T, D) outputs laid out
+    (B, T, H, D) in memory, so the model's transpose + reshape after attention is a view."""
+    from nanochat import cudnn_attention  # noqa: F401  (registers the ops; imports no cuDNN)
+
+    q = torch.empty(2, 6, 96, 32, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(2, 3, 96, 32, device="meta", dtype=torch.bfloat16)
+    o, lse = torch.ops.nanochat.cudnn_window_fwd(q, kv, kv, 16)
+    assert o.shape == q.shape and o.transpose(1, 2).is_contiguous()
+    assert lse.shape == (2, 6, 96, 1) and lse.dtype == torch.float32
+    dq, dk, dv = torch.ops.nanochat.cudnn_window_bwd(o, q, kv, kv, o, lse, 16)
+    assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
 
 
 def test_bad_shapes_raise():
@@ -174,7 +195,7 @@ def test_kv_cache_prefill_from_reset_and_overflow():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["sdpa_flex", "sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa_flex", "sdpa", "flex", "sdpa_cudnn"])
 @pytest.mark.parametrize("window", [None, 64, 512])
 def test_cuda_bf16_forward_backward(backend, window):
     q, k, v = (t.requires_grad_() for t in _qkv(B=2, Hq=4, Hkv=2, T=1000, D=64, dtype=torch.bfloat16, device="cuda"))
@@ -188,3 +209,29 @@ def test_cuda_bf16_forward_backward(backend, window):
     assert (out.double() - ref).abs().max() < 3e-2
     for got, t in zip(grads, (q64, k64, v64)):
         assert (got - t.grad).abs().max() / t.grad.abs().max() < 3e-2
+
+
+@pytest.mark.cuda
+def test_cuda_cudnn_window_in_model_layout_under_compile():
+    """q/k/v as the model makes them ((B, T, H, D) projections viewed as (B, H, T, D)), inside
+    torch.compile, against flex (the other window kernel): outputs and gradients agree."""
+    from nanochat.cudnn_attention import probe
+
+    assert probe(torch.device("cuda")) is None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = [torch.randn(4, 512, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+    def run(backend):
+        leaves = [t.clone().requires_grad_() for t in base]
+        fn = torch.compile(lambda q, k, v: A.attention(q, k, v, window=128, backend=backend)
+                           .transpose(1, 2).reshape(4, 512, -1))
+        out = fn(*(t.transpose(1, 2) for t in leaves))
+        out.float().square().mean().backward()
+        return out.float(), [t.grad.float() for t in leaves]
+
+    assert A.resolve_backend("auto", "cuda:0") == "sdpa_cudnn"  # probed: auto picks cuDNN now
+    out_c, grads_c = run("sdpa_cudnn")
+    out_f, grads_f = run("sdpa_flex")
+    assert (out_c - out_f).abs().max() < 2e-2
+    for a, b in zip(grads_c, grads_f):
+        assert (a - b).abs().max() / b.abs().max() < 2e-2
