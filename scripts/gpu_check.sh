@@ -14,6 +14,7 @@
 #              (FP8CMP=fp8 runs only the fp8 half, FP8CMP=bf16 only the bf16 half)
 #   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
+#              (PROF_PRECISION=fp8 profiles the fp8 step)
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -102,7 +103,8 @@ if has attn; then
        --only b64x64_w4_s3,b32x64_w4_s3,b64x128_w8_s2,b128x128_w8_s2,bs64,bs256
 fi
 if has prof20; then
-  step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40
+  step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40 \
+       --precision "${PROF_PRECISION:-bf16}"
 fi
 if has d12run; then
   # the carried data, checked before any GPU work (a file once went missing in transit)
