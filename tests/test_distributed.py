@@ -114,7 +114,11 @@ def test_loss_equivalence_fsdp_and_sharded_resume(tmp_path):
     print(f"max |loss(1 rank x accum 4) - loss(2 ranks x accum 2)| = {diff:.3g}", r0["single"])
     assert diff <= LOSS_TOL, (r0["single"], r0["ddp"])
     assert r0["single"][-1] < r0["single"][0]  # it trains
-    assert r0["fsdp"] == r0["ddp"], (r0["fsdp"], r0["ddp"])   # FSDP2 + Muon on DTensors: exact here
+    # FSDP2 + Muon on DTensors: equal up to fp32 summation order. FSDP2 reduce-scatters each
+    # micro-batch's gradient ((g1a + g1b) + (g2a + g2b)); the sharded optimizer sums the micro-batches
+    # locally first ((g1a + g2a) + (g1b + g2b)). Step 0 is exact; later steps may differ in the last bits.
+    assert r0["fsdp"][0] == r0["ddp"][0]
+    assert max(abs(a - b) for a, b in zip(r0["fsdp"], r0["ddp"])) <= 1e-5, (r0["fsdp"], r0["ddp"])
     assert r0["full_weights"]
     assert r0["resumed"] == r0["continued"] and r1["resumed"] == r1["continued"]
     assert "fsdp=True" in r0["refused"] and "--fsdp" in r0["refused"]
