@@ -12,6 +12,9 @@ kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 - `ce_grad_rows_triton(...)`: pass 2 alone, from a saved lse and per-row upstream gradients
   (reduction="none" backward, where the gradient scale differs per row).
 
+- `fp8_cast_transpose_triton(x, scale, dtype)`: x (M, N) -> fp8 (x * scale) and its (N, M)
+  transpose in one pass (used by precision.py's fp8 matmul; its wgrad GEMM needs both layouts).
+
 Runs on CPU tensors under TRITON_INTERPRET=1 (how the tests check it without a GPU).
 """
 
@@ -149,3 +152,32 @@ def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
         logits, logits.stride(0), targets, lse, row_scale, row_scale.stride(0) if row_scale.ndim else 0,
         n_cols, float(softcap or 1.0), IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), FAST_TANH=_fast_tanh(logits), BLOCK_V=block, num_warps=num_warps)
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, M, N, FMAX: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One (BLOCK_M, BLOCK_N) tile: loaded once along rows, stored once as is and once transposed;
+    # tl.trans goes through shared memory, so both stores are coalesced (a transposed copy by
+    # element-wise indexing writes 1-byte elements with a stride of M).
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    x = tl.load(x_ptr + m[:, None].to(tl.int64) * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(x * tl.load(scale_ptr), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + m[:, None].to(tl.int64) * N + n[None, :], q, mask=mask)
+    tl.store(qt_ptr + n[:, None].to(tl.int64) * M + m[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+def fp8_cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clamp(x * scale) as `dtype` (M, N), the same transposed (N, M)); x 2-D contiguous,
+    scale a 1-element float32 tensor on x's device."""
+    assert x.ndim == 2 and x.is_contiguous() and scale.numel() == 1
+    M, N = x.shape
+    q = torch.empty((M, N), dtype=dtype, device=x.device)
+    qt = torch.empty((N, M), dtype=dtype, device=x.device)
+    if M and N:
+        grid = (triton.cdiv(M, 64), triton.cdiv(N, 64))
+        _cast_transpose_kernel[grid](x, q, qt, scale, M, N, FMAX=fmax, BLOCK_M=64, BLOCK_N=64, num_warps=4)
+    return q, qt

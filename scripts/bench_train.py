@@ -53,7 +53,9 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p = FlagParser(prog="python -m scripts.bench_train", description="Benchmark training steps.")
     p.add_argument("--depth", default="12,20", help="comma list, e.g. 12,20")
     p.add_argument("--kernel", default="current", help="comma list of current|liger|triton")
-    p.add_argument("--precision", default="bf16", help="comma list of bf16|fp32|fp8|nvfp4")
+    p.add_argument("--precision", default="bf16",
+                   help="comma list of bf16|fp32|fp8|fp8ct|nvfp4 (fp8ct: native fp8 with the fused "
+                        "Triton cast + transpose, precision.set_fp8_fused_transpose)")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed steps (>= 20 on GPU)")
@@ -85,7 +87,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     for k in cfg.kernels:
         require(k in ("current", "liger", "triton"), "--kernel", k, "current|liger|triton")
     for pr in cfg.precisions:
-        require(pr in ("bf16", "fp32", "fp8", "nvfp4"), "--precision", pr, "bf16|fp32|fp8|nvfp4")
+        require(pr in ("bf16", "fp32", "fp8", "fp8ct", "nvfp4"), "--precision", pr, "bf16|fp32|fp8|fp8ct|nvfp4")
     require_int(cfg.device_batch_size, "--device-batch-size", 1)
     require_int(cfg.seq, "--seq", 8)
     require_int(cfg.steps, "--steps", 1)
@@ -134,7 +136,12 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
                                     window_pattern=cfg.window_pattern)
     rt.reset_peak_memory()
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
-    info = setup_precision_and_kernel(model, precision, kernel, rt, compile=compile_model)
+    from nanochat.precision import set_fp8_fused_transpose
+    set_fp8_fused_transpose(precision == "fp8ct")  # A/B of the fp8 wgrad transposes (precision.py)
+    info = setup_precision_and_kernel(model, "fp8" if precision == "fp8ct" else precision, kernel, rt,
+                                      compile=compile_model)
+    if precision == "fp8ct":
+        info = {**info, "precision": "fp8ct"}
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
     plan = plan_batch(cfg.device_batch_size * cfg.seq * rt.world_size, cfg.device_batch_size, cfg.seq,

@@ -3,7 +3,11 @@ construction (with a fake TE), fp8 numerics and module swapping."""
 
 import dataclasses
 import enum
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,13 +125,87 @@ def test_startup_check_emulated_on_cpu():
 
 
 def test_fp8_linear_numerics_on_cpu():
+    if not _has_cpu_scaled_mm():
+        pytest.skip("this torch has no CPU _scaled_mm")
+    _check_fp8_linear("cpu", torch.float32)
+
+
+def _has_cpu_scaled_mm() -> bool:
     try:
         torch._scaled_mm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
                          torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t(),
                          scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError):
-        pytest.skip("this torch has no CPU _scaled_mm")
-    _check_fp8_linear("cpu", torch.float32)
+        return False
+    return True
+
+
+def test_fp8_cast_transpose_layouts():
+    x = torch.randn(48, 80) * 3
+    x[5, 7] = -5000.0  # x * scale beyond both formats' range: must clamp, never inf/nan
+    scale = torch.tensor(20.0)
+    for e5m2, fmax in ((False, PR.E4M3_MAX), (True, PR.E5M2_MAX)):
+        q, qt = PR.fp8_cast_transpose(x, scale, e5m2)
+        assert q.dtype == (torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn) and qt.shape == (80, 48)
+        assert qt.is_contiguous() and torch.equal(qt.float(), q.float().t())
+        assert torch.equal(q.float(), (x * scale).clamp(-fmax, fmax).to(q.dtype).float())
+        assert q[5, 7].float() == -fmax and qt[7, 5].float() == -fmax
+    fq, fqt = PR.fp8_cast_transpose(torch.empty(32, 16, device="meta"), scale, False)
+    assert fq.shape == (32, 16) and fqt.shape == (16, 32)
+
+
+def test_fp8_cast_transpose_triton_kernel_in_interpreter(tmp_path):
+    """The Triton kernel itself (TRITON_INTERPRET=1, in a subprocess: the flag must be set before
+    triton is imported), on a shape with partial tiles: tiling, masks, the transposed store and
+    the clamp. The values are exact in both fp8 formats, because the interpreter's own fp8
+    rounding is wrong near powers of two (-7.98 -> -4.0 in Triton 3.6); the GPU test checks
+    rounding against torch on the real hardware conversion."""
+    pytest.importorskip("triton")
+    script = (
+        "import torch\n"
+        "from nanochat import precision as PR\n"
+        "grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32])\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = (grid[torch.randint(0, 13, (70, 130), generator=g)] * (torch.randint(0, 2, (70, 130), generator=g) * 2 - 1))\n"
+        "x = x.bfloat16(); x[3, 129] = 1e6  # saturates both formats\n"
+        "for e5m2, dt, fmax in ((False, torch.float8_e4m3fn, 448.0), (True, torch.float8_e5m2, 57344.0)):\n"
+        "    q, qt = PR.fp8_cast_transpose(x, torch.tensor(0.5), e5m2)\n"
+        "    ref = (x.float() * 0.5).clamp(-fmax, fmax)\n"
+        "    assert q.dtype == dt and qt.shape == (130, 70) and qt.is_contiguous()\n"
+        "    assert torch.equal(q.float(), ref) and torch.equal(qt.float(), ref.t())\n"
+        "print('OK')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def _emulated_scaled_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    """torch._scaled_mm's math in float64, with its layout contract (a row-major, b column-major,
+    fp8 operands, float32 scalar scales) asserted: the GPU kernel refuses anything else."""
+    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+    assert scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dtype == torch.float32
+    out = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
+    return out.to(out_dtype)
+
+
+def test_fp8_fused_transpose_matmul_equals_plain(monkeypatch):
+    """Same scales and rounding: the fused-transpose autograd function reproduces _Fp8Matmul
+    (output and both gradients), and every GEMM gets the layouts _scaled_mm accepts. On CPU the
+    GEMM is emulated (torch has no CPU _scaled_mm); the CUDA test below runs the real one."""
+    monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm)
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(64, 96, generator=g), torch.randn(48, 96, generator=g), torch.randn(64, 48, generator=g)
+    results = []
+    for fn in (PR._Fp8Matmul, PR._Fp8MatmulFusedTranspose):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn.apply(xl, wl, torch.float8_e5m2)
+        y.backward(dy)
+        results.append((y, xl.grad, wl.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def _check_fp8_linear(device, dtype):
@@ -159,6 +237,28 @@ def test_fp8_linear_numerics_on_gpu():
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled(x).float().square().mean().backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().max() > 0
+
+
+@pytest.mark.cuda
+def test_fp8_fused_transpose_on_gpu_matches_plain():
+    """The Triton cast + transpose against the compiled `.t().contiguous()` path: same fp8 values
+    (both round to nearest even), so outputs and gradients agree to the last bit or nearly."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs cc >= 8.9")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16()
+    q, qt = PR.fp8_cast_transpose(x, torch.tensor(30.0, device="cuda"), False)
+    ref = (x.float() * 30.0).clamp(-PR.E4M3_MAX, PR.E4M3_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(q.float(), ref.float()) and torch.equal(qt.float(), ref.float().t())
+    w = torch.randn(768, 1024, device="cuda", generator=g)
+    dy = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
+    results = []
+    for fn in (PR._Fp8Matmul, PR._Fp8MatmulFusedTranspose):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.compile(lambda a, b: fn.apply(a, b, torch.float8_e5m2))(xl, wl).backward(dy)
+        results.append((xl.grad.float(), wl.grad.float()))
+    for a, b in zip(*results):
+        assert ((a - b).norm() / b.norm()).item() < 1e-3
 
 
 # ------------------------------------------------------------------------------------ fake TE
