@@ -45,6 +45,8 @@ second decodes eagerly with a private cache instead of sharing the persistent on
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import deque
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -222,7 +224,7 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.decode_mode == "graphs":
-            with torch.inference_mode():
+            with self._inference_weights(), torch.inference_mode():
                 for b in batch_sizes:
                     decoder = self._acquire_decoder(b)
                     if decoder is None:
@@ -294,8 +296,21 @@ class Engine:
         stops = frozenset(self.default_stop_tokens if stop_tokens is None else (int(t) for t in stop_tokens))
         return self._generate(tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops)
 
-    @torch.inference_mode()  # torch wraps generator functions: the mode is on only inside next()
+    def _inference_weights(self):
+        """The model's inference_weights() context (fused q/k/v, see GPT), or a no-op for models
+        without one."""
+        enter = getattr(self.model, "inference_weights", None)
+        return enter() if enter is not None else contextlib.nullcontext()
+
     def _generate(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
+        # The context spans the generator's life: closing it early (a client that disconnects)
+        # runs the finally and leaves the context.
+        with self._inference_weights():
+            yield from self._generate_steps(tokens, num_samples, max_tokens, temperature, top_k, top_p,
+                                            seed, stops)
+
+    @torch.inference_mode()  # torch wraps generator functions: the mode is on only inside next()
+    def _generate_steps(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
         max_tokens = min(max_tokens, self.max_seq_len - len(tokens))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731

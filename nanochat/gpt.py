@@ -28,6 +28,7 @@ Init (`init_weights`, needed after construction, also after `to_empty` from the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -285,12 +286,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(config.n_head * config.head_dim, C)
         self.gate_channels = min(VE_GATE_CHANNELS, C)
         self.ve_gate = Linear(self.gate_channels, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
+        self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
+        self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
 
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.qkv_weight is not None and not torch.is_grad_enabled():
+            qkv = F.linear(x, self.qkv_weight.to(x.dtype))  # one GEMM (a GEMV when decoding)
+            q, k, v = qkv.split((self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                 self.n_kv_head * self.head_dim), dim=-1)
+        else:
+            q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.gate_channels]))  # (B, T, Hkv)
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
@@ -385,6 +394,40 @@ class GPT(nn.Module):
         self.resid_lambdas.fill_(1.0)
         self.x0_lambdas.fill_(0.1)
         self._init_rotary()
+
+    @contextlib.contextmanager
+    def inference_weights(self):
+        """Within this context, grad-disabled forwards run each layer's q/k/v projections as one
+        matmul over a concatenated copy of c_q/c_k/c_v (made on entry from the current weights,
+        in the compute dtype, into a buffer reused across entries so CUDA graphs captured inside
+        stay valid). A batch-1 decode step is launch-bound (DESIGN.md: ~300 kernels per d20
+        token), so one GEMV instead of three per layer is fewer launches over a 3x larger read.
+        Training forwards (grad enabled) and forwards outside the context use the live weights,
+        so the copy can never be stale where it is read. Re-entrant; Engine.generate and
+        Engine.warmup enter it. Costs one extra copy of the q/k/v weights (196 MB at d20, bf16)."""
+        self._inference_depth = getattr(self, "_inference_depth", 0) + 1
+        try:
+            if self._inference_depth == 1:
+                self._refresh_qkv()
+            yield self
+        finally:
+            self._inference_depth -= 1
+            if self._inference_depth == 0:
+                for block in self.blocks:
+                    block.attn.qkv_weight = None
+
+    @torch.no_grad()
+    @torch.inference_mode(False)  # a normal tensor even when entered under inference_mode: later
+    def _refresh_qkv(self) -> None:  # refreshes copy into it from outside that mode
+        dtype = self.runtime_dtype(self.wte.weight.device)
+        for block in self.blocks:
+            attn = block.attn
+            fused = torch.cat([attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]).to(dtype)
+            buf = attn._qkv_buffer
+            if buf is None or buf.shape != fused.shape or buf.dtype != dtype or buf.device != fused.device:
+                attn._qkv_buffer = buf = torch.empty_like(fused)
+            buf.copy_(fused)
+            attn.qkv_weight = buf
 
     def set_loss_fn(self, fn) -> None:
         """fn(hidden (N,C), lm_head_weight (Vpad,C), targets (N,), softcap, vocab_size, reduction);

@@ -394,3 +394,24 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend):
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = torch.cat([p.grad.flatten() for p in ref.parameters()])
     assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_inference_weights_fused_qkv_matches_and_never_goes_stale():
+    model = randomize(tiny_model())
+    idx, _ = batch()
+    with torch.no_grad():
+        plain = model(idx)
+        with model.inference_weights():
+            assert model.blocks[0].attn.qkv_weight is not None
+            fused = model(idx)
+        assert model.blocks[0].attn.qkv_weight is None  # outside: the live weights again
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+        model.blocks[1].attn.c_k.weight.add_(0.5)  # e.g. an optimizer step between generations
+        changed = model(idx)
+        buffer = model.blocks[1].attn._qkv_buffer
+        with torch.inference_mode(), model.inference_weights():
+            assert model.blocks[1].attn._qkv_buffer is buffer  # same storage: captured graphs stay valid
+            torch.testing.assert_close(model(idx), changed, rtol=1e-5, atol=1e-5)
+    with model.inference_weights():  # grad enabled: the projections themselves, gradients flow
+        model(idx, idx).backward()
+    assert model.blocks[0].attn.c_q.weight.grad is not None
