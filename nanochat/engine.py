@@ -125,10 +125,11 @@ class Engine:
     text encoding. `tokenizer=None` (benchmarks on random weights) disables the tool and the
     default stop tokens. `decode`: auto|eager|compile|static|graphs (module docstring);
     `decode_bucket`: the attention length granularity of static/graphs steps; `graph_step`:
-    compiled|eager, what a "graphs" capture records."""
+    compiled|eager, what a "graphs" capture records; `fused_qkv`: generate inside the model's
+    inference_weights() (one q/k/v matmul per layer; False for A/B benchmarks)."""
 
     def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None,
-                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "compiled"):
+                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "compiled", fused_qkv: bool = True):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode: got {decode!r}; accepted: {'|'.join(DECODE_MODES)}")
         if graph_step not in GRAPH_STEPS:
@@ -143,7 +144,7 @@ class Engine:
             raise ValueError(f"decode: 'graphs' needs a CUDA device, the model is on {self.device.type}; "
                              "accepted here: auto|eager|compile|static")
         self.decode_mode = decode
-        self.decode_bucket, self.graph_step = decode_bucket, graph_step
+        self.decode_bucket, self.graph_step, self.fused_qkv = decode_bucket, graph_step, bool(fused_qkv)
         self.cache_dtype = cache_dtype or self._default_cache_dtype()
         self._compiled = None
         self.decoders: dict[int, StaticDecoder] = {}  # batch size -> decoder, least recently used first
@@ -224,7 +225,7 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.decode_mode == "graphs":
-            with self._inference_weights(), torch.inference_mode():
+            with self.inference_weights(), torch.inference_mode():
                 for b in batch_sizes:
                     decoder = self._acquire_decoder(b)
                     if decoder is None:
@@ -296,16 +297,16 @@ class Engine:
         stops = frozenset(self.default_stop_tokens if stop_tokens is None else (int(t) for t in stop_tokens))
         return self._generate(tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops)
 
-    def _inference_weights(self):
+    def inference_weights(self):
         """The model's inference_weights() context (fused q/k/v, see GPT), or a no-op for models
         without one."""
-        enter = getattr(self.model, "inference_weights", None)
+        enter = getattr(self.model, "inference_weights", None) if self.fused_qkv else None
         return enter() if enter is not None else contextlib.nullcontext()
 
     def _generate(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
         # The context spans the generator's life: closing it early (a client that disconnects)
         # runs the finally and leaves the context.
-        with self._inference_weights():
+        with self.inference_weights():
             yield from self._generate_steps(tokens, num_samples, max_tokens, temperature, top_k, top_p,
                                             seed, stops)
 

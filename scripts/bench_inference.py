@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compiled|eager: what a graphs capture records")
     p.add_argument("--decode-bucket", "--decode_bucket", dest="decode_bucket", type=int, default=256,
                    help="attention length bucket of the static/graphs steps")
+    p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
+                   help="on|off|on,off: decode with one q/k/v matmul per layer (GPT.inference_weights) "
+                        "or three; 'off' rows are labelled <mode>/unfused")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
@@ -57,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS
 
+    args.fused_qkv = [v.strip() for v in args.fused_qkv.split(",") if v.strip()]
+    if not args.fused_qkv or set(args.fused_qkv) - {"on", "off"}:
+        raise ValueError(f"--fused-qkv: got {','.join(args.fused_qkv)!r}; accepted: on|off|on,off")
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
@@ -127,12 +133,16 @@ def timed(rt, fn) -> float:
     return time.perf_counter() - t0
 
 
+def label(engine) -> str:
+    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused")
+
+
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
     import torch
 
     def prefill():
         cache = engine.new_cache(1, len(prompt))
-        with torch.inference_mode():
+        with engine.inference_weights(), torch.inference_mode():
             engine.model(torch.tensor([prompt], device=rt.device), kv_cache=cache)
 
     prefill()  # warm-up
@@ -161,7 +171,7 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     step = statistics.median(decodes) / n
     weights = weight_bytes_per_step(engine.model)
     kv = kv_bytes_per_step(engine, batch, len(prompt), n)
-    row = {"bench": "decode", "decode": engine.decode_mode, "batch": batch, "prompt_len": len(prompt),
+    row = {"bench": "decode", "decode": label(engine), "batch": batch, "prompt_len": len(prompt),
            "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,
            "tok_per_s": batch / step, "weight_bytes": weights, "kv_bytes": int(kv),
            "bytes_per_step": int(weights + kv), "peak_mem_gb": rt.peak_memory_bytes() / 1e9}
@@ -215,19 +225,20 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
     rows = []
-    for mode in args.decode:
-        engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step)
+    for mode, fused in [(m, f) for m in args.decode for f in args.fused_qkv]:
+        engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step,
+                        fused_qkv=fused == "on")
         t0 = time.perf_counter()
         warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
-        print(json.dumps({"bench": "warmup", "decode": engine.decode_mode, "seconds": warm}), flush=True)
-        rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": engine.decode_mode})
+        print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm}), flush=True)
+        rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": label(engine)})
         print(json.dumps(rows[-1]), flush=True)
         for batch in args.batch_sizes:
             rows.append(bench_decode(engine, rt, prompt, batch, args.decode_tokens, args.repeats, spec.bandwidth_gbs))
             print(json.dumps(rows[-1]), flush=True)
         if args.profile and engine.decoders and rt.device_type == "cuda":
             profile_step(engine, args.batch_sizes[0], len(prompt) + args.decode_tokens // 2)
-        print(json.dumps({"bench": "mode_done", "decode": engine.decode_mode,
+        print(json.dumps({"bench": "mode_done", "decode": label(engine),
                           "seconds": time.perf_counter() - t0}), flush=True)
         del engine
     print_table(rows, spec, args, params, rt)

@@ -6,7 +6,7 @@
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
-#              eager/compile at batch 1 for comparison
+#              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
 #              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
@@ -67,6 +67,7 @@ if has infer; then
   # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
   step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
+  step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
 fi
 if has train; then
   step bench_train 420 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16

@@ -534,3 +534,20 @@ def graph_decode_agrees(graph_step):
 @pytest.mark.parametrize("graph_step", ["compiled", "eager"])
 def test_graph_decode_matches_eager_cuda(graph_step):
     graph_decode_agrees(graph_step)
+
+
+def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
+    """The inference benchmark end to end on a tiny CPU model, fused and unfused q/k/v: it prints
+    one decode row per (mode, batch) and labels the unfused ones."""
+    import json
+
+    from scripts.bench_inference import main
+
+    assert main(["--device", "cpu", "--depth", "2", "--prompt-len", "16", "--decode-tokens", "4",
+                 "--batch-sizes", "1,2", "--vocab-size", "256", "--seq-len", "64", "--decode", "static",
+                 "--fused-qkv", "on,off", "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    decode = {(r["decode"], r["batch"]) for r in rows if r.get("bench") == "decode"}
+    assert decode == {("static", 1), ("static", 2), ("static/unfused", 1), ("static/unfused", 2)}
+    with pytest.raises(ValueError, match="--fused-qkv"):
+        main(["--device", "cpu", "--fused-qkv", "maybe"])
