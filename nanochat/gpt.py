@@ -132,7 +132,8 @@ class _RMSNorm(torch.autograd.Function):
     Why: the output is saved anyway (it is the next matmul's input, kept for that weight's
     gradient), so backward needs nothing more than a (.., 1) float32 column. Through F.rms_norm
     the compile partitioner kept the input as well: one more (B, T, C) tensor per norm, 2 per
-    layer (6.7 GB at d20, batch 32 x 2048; measured with tests/test_gpt.py's saved-tensor probe).
+    layer (tests/test_gpt.py probes what it saves). With _RotaryNorm: 12.4 GiB less peak memory
+    at d20, batch 32 x 2048, on an H100 (CHANGELOG_GB10.md section 7).
     """
 
     @staticmethod
@@ -400,11 +401,12 @@ class GPT(nn.Module):
         """Within this context, grad-disabled forwards run each layer's q/k/v projections as one
         matmul over a concatenated copy of c_q/c_k/c_v (made on entry from the current weights,
         in the compute dtype, into a buffer reused across entries so CUDA graphs captured inside
-        stay valid). A batch-1 decode step is launch-bound (DESIGN.md: ~300 kernels per d20
-        token), so one GEMV instead of three per layer is fewer launches over a 3x larger read.
-        Training forwards (grad enabled) and forwards outside the context use the live weights,
-        so the copy can never be stale where it is read. Re-entrant; Engine.generate and
-        Engine.warmup enter it. Costs one extra copy of the q/k/v weights (196 MB at d20, bf16)."""
+        stay valid). A batch-1 decode step is launch-bound (H100 profile: ~300 kernels per d20
+        token, CHANGELOG_GB10.md), so one GEMV instead of three per layer is fewer launches over a
+        3x larger read. Training forwards (grad enabled) and forwards outside the context use the
+        live weights; weights must not change while the context is open (a generator left
+        suspended keeps it open: close it). Re-entrant; Engine.generate and Engine.warmup enter
+        it. Costs one extra copy of the q/k/v weights (196 MB at d20, bf16)."""
         self._inference_depth = getattr(self, "_inference_depth", 0) + 1
         try:
             if self._inference_depth == 1:
