@@ -46,7 +46,6 @@ second decodes eagerly with a private cache instead of sharing the persistent on
 from __future__ import annotations
 
 import contextlib
-
 from collections import deque
 from dataclasses import dataclass, field
 from numbers import Integral
