@@ -160,10 +160,19 @@ def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic scaling: (x * s) in `dtype` and 1/s (float32 scalar for _scaled_mm)."""
     fmax = E4M3_MAX if dtype == torch.float8_e4m3fn else E5M2_MAX
-    amax = x.detach().abs().amax().float().clamp(min=1e-12)
-    scale = fmax / amax
+    scale = _fp8_scale(x, fmax)
     q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
     return q, scale.reciprocal()
+
+
+def _fp8_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    """fmax / amax(x): the tensor-wise scale that maps x's largest magnitude onto the format's."""
+    return fmax / x.detach().abs().amax().float().clamp(min=1e-12)
+
+
+def _fp8_grad_input(g_q, g_inv, w_q, w_inv, out_dtype):
+    """dL/dx = g @ w for y = x @ w.T, in fp8: (M, N) @ (N, K), b = w column-major."""
+    return torch._scaled_mm(g_q, w_q.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv, out_dtype=out_dtype)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -185,9 +194,8 @@ class _Fp8Matmul(torch.autograd.Function):
         x_q, x_inv, w_q, w_inv = ctx.saved_tensors
         g_q, g_inv = to_fp8(grad, ctx.grad_dtype)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:   # (M, N) @ (N, K): b = w column-major
-            grad_x = torch._scaled_mm(g_q, w_q.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
-                                      out_dtype=grad.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x = _fp8_grad_input(g_q, g_inv, w_q, w_inv, grad.dtype)
         if ctx.needs_input_grad[1]:   # (N, M) @ (M, K)
             grad_w = torch._scaled_mm(g_q.t().contiguous(), x_q.t().contiguous().t(), scale_a=g_inv,
                                       scale_b=x_inv, out_dtype=torch.float32).to(ctx.w_dtype)
@@ -211,10 +219,6 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
 def _fp8_cast_transpose_fake(x, scale, e5m2):
     dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
-
-
-def _fp8_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
-    return fmax / x.detach().abs().amax().float().clamp(min=1e-12)
 
 
 class _Fp8MatmulFusedTranspose(torch.autograd.Function):
@@ -244,9 +248,8 @@ class _Fp8MatmulFusedTranspose(torch.autograd.Function):
         g_q, g_qt = fp8_cast_transpose(grad.contiguous(), g_scale, e5m2)
         g_inv = g_scale.reciprocal()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:   # (M, N) @ (N, K): b = w column-major
-            grad_x = torch._scaled_mm(g_q, w_q.t().contiguous().t(), scale_a=g_inv, scale_b=w_inv,
-                                      out_dtype=grad.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x = _fp8_grad_input(g_q, g_inv, w_q, w_inv, grad.dtype)
         if ctx.needs_input_grad[1]:   # (N, M) @ (M, K): a = g^T row-major, b = x column-major
             grad_w = torch._scaled_mm(g_qt, x_qt.t(), scale_a=g_inv, scale_b=x_inv,
                                       out_dtype=torch.float32).to(ctx.w_dtype)
