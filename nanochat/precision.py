@@ -226,54 +226,101 @@ class _Fp8MatmulFusedTranspose(torch.autograd.Function):
     that writes both layouts) instead of `.t().contiguous()` after the cast. Why: in the H100 d20
     fp8 profile the compiled cast + transposed copy of c_fc's gradient ran at ~1.3 TB/s (1.52 ms
     per layer; its bf16 counterpart, the relu^2 backward alone, 0.65 ms). Same numbers as
-    _Fp8Matmul (same scales and rounding); forward saves the input's transposed fp8 copy."""
+    _Fp8Matmul (same scales and rounding).
+
+    The forward writes x's two fp8 layouts in one pass and saves the transposed one for the
+    weight gradient. The compile partitioner cannot drop that copy (a custom op's output is not
+    recomputed), so it costs memory: d20 dbs 32 on the H100, 56.7 GiB peak vs 46.6, for 179.4k
+    tok/s vs 172.7k (2026-11-23). `_Fp8MatmulFusedTransposeLean` is the memory-lean variant."""
 
     @staticmethod
     def forward(ctx, x, weight, grad_dtype):
         x_scale = _fp8_scale(x, E4M3_MAX)
         x_q, x_qt = fp8_cast_transpose(x.contiguous(), x_scale, False)
-        w_q, w_inv = to_fp8(weight, torch.float8_e4m3fn)
-        x_inv = x_scale.reciprocal()
-        y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype,
-                             use_fast_accum=True)
-        ctx.save_for_backward(x_qt, x_inv, w_q, w_inv)
-        ctx.grad_dtype, ctx.w_dtype = grad_dtype, weight.dtype
+        y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
+        ctx.save_for_backward(x_qt, x_scale, w_q, w_inv)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x_qt, x_inv, w_q, w_inv = ctx.saved_tensors
-        e5m2 = ctx.grad_dtype == torch.float8_e5m2
-        g_scale = _fp8_scale(grad, E5M2_MAX if e5m2 else E4M3_MAX)
-        g_q, g_qt = fp8_cast_transpose(grad.contiguous(), g_scale, e5m2)
-        g_inv = g_scale.reciprocal()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _fp8_grad_input(g_q, g_inv, w_q, w_inv, grad.dtype)
-        if ctx.needs_input_grad[1]:   # (N, M) @ (M, K): a = g^T row-major, b = x column-major
-            grad_w = torch._scaled_mm(g_qt, x_qt.t(), scale_a=g_inv, scale_b=x_inv,
-                                      out_dtype=torch.float32).to(ctx.w_dtype)
-        return grad_x, grad_w, None
+        x_qt, x_scale, w_q, w_inv = ctx.saved_tensors
+        return _fp8_fused_backward(ctx, grad, lambda: x_qt, x_scale, w_q, w_inv)
 
 
-def set_fp8_fused_transpose(enabled: bool) -> None:
-    """Use `_Fp8MatmulFusedTranspose` in every Fp8Linear (default off until measured against the
-    compiled transposes; `scripts/bench_train.py --fp8-fused-transpose` compares them)."""
-    Fp8Linear.fused_transpose = bool(enabled)
+class _Fp8MatmulFusedTransposeLean(torch.autograd.Function):
+    """`_Fp8MatmulFusedTranspose` that saves the bf16 input and its scale instead of an fp8 copy:
+    the input is saved anyway (norm outputs, the attention output) or recomputable from what is
+    (relu^2 of c_fc's output), so the partitioner keeps no extra tensor; the backward makes the
+    transposed copy with the same scale (same numbers). d20 dbs 32, H100: 46.4 GiB, 172.3k tok/s."""
+
+    @staticmethod
+    def forward(ctx, x, weight, grad_dtype):
+        x_scale = _fp8_scale(x, E4M3_MAX)
+        x_q = (x.float() * x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
+        ctx.save_for_backward(x, x_scale, w_q, w_inv)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, x_scale, w_q, w_inv = ctx.saved_tensors
+        x_qt = lambda: fp8_cast_transpose(x.contiguous(), x_scale, False)[1]  # noqa: E731
+        return _fp8_fused_backward(ctx, grad, x_qt, x_scale, w_q, w_inv)
+
+
+def _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, out_dtype):
+    """(y = x @ w.T from x's e4m3 copy, w's e4m3 copy, its inverse scale); dtypes go on ctx."""
+    w_q, w_inv = to_fp8(weight, torch.float8_e4m3fn)
+    ctx.grad_dtype, ctx.w_dtype = grad_dtype, weight.dtype
+    y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale.reciprocal(), scale_b=w_inv,
+                         out_dtype=out_dtype, use_fast_accum=True)
+    return y, w_q, w_inv
+
+
+def _fp8_fused_backward(ctx, grad, x_qt, x_scale, w_q, w_inv):
+    """Gradients of the fused-transpose matmuls; `x_qt()` gives x's transposed fp8 copy."""
+    e5m2 = ctx.grad_dtype == torch.float8_e5m2
+    g_scale = _fp8_scale(grad, E5M2_MAX if e5m2 else E4M3_MAX)
+    g_q, g_qt = fp8_cast_transpose(grad.contiguous(), g_scale, e5m2)
+    g_inv = g_scale.reciprocal()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _fp8_grad_input(g_q, g_inv, w_q, w_inv, grad.dtype)
+    if ctx.needs_input_grad[1]:   # (N, M) @ (M, K): a = g^T row-major, b = x column-major
+        grad_w = torch._scaled_mm(g_qt, x_qt().t(), scale_a=g_inv, scale_b=x_scale.reciprocal(),
+                                  out_dtype=torch.float32).to(ctx.w_dtype)
+    return grad_x, grad_w, None
+
+
+FP8_WGRAD_MODES = {"save": _Fp8MatmulFusedTranspose, "recompute": _Fp8MatmulFusedTransposeLean,
+                   "plain": _Fp8Matmul}
+
+
+def set_fp8_wgrad_mode(mode: str) -> None:
+    """How every Fp8Linear gets x's transposed fp8 copy for the weight gradient:
+    'save' (default; fused cast + transpose in the forward, copy saved: fastest),
+    'recompute' (made in the backward from the saved bf16 input: ~10 GiB less at d20 dbs 32),
+    'plain' (`_Fp8Matmul`: compiled casts and transposed copies). Measured on one H100, d20 dbs 32,
+    kernel triton (2026-11-23): save 179.4k tok/s / 56.7 GiB vs plain 172.7k / 46.6 GiB; on another
+    machine recompute 172.3k / 46.4 GiB vs plain 172.4k / 46.6 GiB.
+    `scripts/bench_train.py --precision fp8,fp8lean,fp8plain` compares them."""
+    if mode not in FP8_WGRAD_MODES:
+        raise ValueError(f"fp8 wgrad mode: got {mode!r}; accepted: {'|'.join(FP8_WGRAD_MODES)}")
+    Fp8Linear.wgrad_mode = mode
 
 
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose training matmuls run in fp8; grad-disabled calls run bf16."""
 
     grad_dtype: torch.dtype = torch.float8_e5m2
-    fused_transpose: bool = False
+    wgrad_mode: str = "save"   # set_fp8_wgrad_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1]
         if not torch.is_grad_enabled() or rows % 16 != 0 or self.bias is not None:
             return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        matmul = _Fp8MatmulFusedTranspose if self.fused_transpose else _Fp8Matmul
+        matmul = FP8_WGRAD_MODES[self.wgrad_mode]
         y = matmul.apply(x.reshape(rows, x.shape[-1]), w, self.grad_dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 

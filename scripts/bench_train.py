@@ -27,6 +27,9 @@ from nanochat.common import destroy_runtime, init_runtime
 from nanochat.training import FlagParser, require, require_int
 
 MIN_GPU_STEPS = 20
+# --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
+PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
+              "nvfp4": None}
 
 
 @dataclass
@@ -54,8 +57,9 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--depth", default="12,20", help="comma list, e.g. 12,20")
     p.add_argument("--kernel", default="current", help="comma list of current|liger|triton")
     p.add_argument("--precision", default="bf16",
-                   help="comma list of bf16|fp32|fp8|fp8ct|nvfp4 (fp8ct: native fp8 with the fused "
-                        "Triton cast + transpose, precision.set_fp8_fused_transpose)")
+                   help="comma list of bf16|fp32|fp8|fp8lean|fp8plain|nvfp4 (fp8 variants: the weight-"
+                        "gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made by "
+                        "compiled copies (fp8plain): precision.set_fp8_wgrad_mode)")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed steps (>= 20 on GPU)")
@@ -87,7 +91,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     for k in cfg.kernels:
         require(k in ("current", "liger", "triton"), "--kernel", k, "current|liger|triton")
     for pr in cfg.precisions:
-        require(pr in ("bf16", "fp32", "fp8", "fp8ct", "nvfp4"), "--precision", pr, "bf16|fp32|fp8|fp8ct|nvfp4")
+        require(pr in tuple(PRECISIONS), "--precision", pr, "|".join(PRECISIONS))
     require_int(cfg.device_batch_size, "--device-batch-size", 1)
     require_int(cfg.seq, "--seq", 8)
     require_int(cfg.steps, "--steps", 1)
@@ -136,12 +140,12 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
                                     window_pattern=cfg.window_pattern)
     rt.reset_peak_memory()
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
-    from nanochat.precision import set_fp8_fused_transpose
-    set_fp8_fused_transpose(precision == "fp8ct")  # A/B of the fp8 wgrad transposes (precision.py)
-    info = setup_precision_and_kernel(model, "fp8" if precision == "fp8ct" else precision, kernel, rt,
+    from nanochat.precision import set_fp8_wgrad_mode
+    set_fp8_wgrad_mode(PRECISIONS[precision] or "save")  # A/B of the fp8 wgrad input (precision.py)
+    info = setup_precision_and_kernel(model, "fp8" if PRECISIONS[precision] else precision, kernel, rt,
                                       compile=compile_model)
-    if precision == "fp8ct":
-        info = {**info, "precision": "fp8ct"}
+    if precision in ("fp8lean", "fp8plain"):
+        info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
     plan = plan_batch(cfg.device_batch_size * cfg.seq * rt.world_size, cfg.device_batch_size, cfg.seq,
