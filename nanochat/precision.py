@@ -296,24 +296,28 @@ FP8_WGRAD_MODES = {"save": _Fp8MatmulFusedTranspose, "recompute": _Fp8MatmulFuse
                    "plain": _Fp8Matmul}
 
 
-def set_fp8_wgrad_mode(mode: str) -> None:
-    """How every Fp8Linear gets x's transposed fp8 copy for the weight gradient:
-    'save' (default; fused cast + transpose in the forward, copy saved: fastest),
-    'recompute' (made in the backward from the saved bf16 input: ~10 GiB less at d20 dbs 32),
-    'plain' (`_Fp8Matmul`: compiled casts and transposed copies). Measured on one H100, d20 dbs 32,
-    kernel triton (2026-11-23): save 179.4k tok/s / 56.7 GiB vs plain 172.7k / 46.6 GiB; on another
-    machine recompute 172.3k / 46.4 GiB vs plain 172.4k / 46.6 GiB.
-    `scripts/bench_train.py --precision fp8,fp8lean,fp8plain` compares them."""
+def set_fp8_wgrad_mode(model: nn.Module, mode: str) -> int:
+    """How each Fp8Linear in `model` gets x's transposed fp8 copy for the weight gradient
+    (`--fp8-wgrad`): 'save' (default; fused cast + transpose in the forward, the copy saved:
+    fastest), 'recompute' (made in the backward from the saved bf16 input: ~10 GiB less at d20
+    dbs 32), 'plain' (`_Fp8Matmul`: compiled casts and transposed copies). Measured on one H100,
+    d20 dbs 32, kernel triton (2026-11-23): save 179.4k tok/s / 56.7 GiB vs plain 172.7k /
+    46.6 GiB; on another machine recompute 172.3k / 46.4 GiB vs plain 172.4k / 46.6 GiB.
+    `scripts/bench_train.py --precision fp8,fp8lean,fp8plain` compares them. Returns how many
+    layers were set."""
     if mode not in FP8_WGRAD_MODES:
-        raise ValueError(f"fp8 wgrad mode: got {mode!r}; accepted: {'|'.join(FP8_WGRAD_MODES)}")
-    Fp8Linear.wgrad_mode = mode
+        raise ValueError(f"--fp8-wgrad: got {mode!r}; accepted: {'|'.join(FP8_WGRAD_MODES)}")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.wgrad_mode = mode
+    return len(layers)
 
 
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) whose training matmuls run in fp8; grad-disabled calls run bf16."""
 
     grad_dtype: torch.dtype = torch.float8_e5m2
-    wgrad_mode: str = "save"   # set_fp8_wgrad_mode
+    wgrad_mode: str = "save"   # per layer: set_fp8_wgrad_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -564,15 +568,23 @@ def startup_check(plan: PrecisionPlan, spec: DeviceSpec, device: torch.device, d
 
 
 def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "auto", *,
-                    compile: bool = True) -> dict[str, Any]:
+                    compile: bool = True, fp8_wgrad: str = "save") -> dict[str, Any]:
     """Entry point for training: resolve, check, convert. Returns the resolved description
-    (keys: precision, backend, recipe, converted, kept_high_precision, startup_rel_err)."""
+    (keys: precision, backend, recipe, converted, kept_high_precision, startup_rel_err, and
+    fp8_wgrad for native fp8). `fp8_wgrad` other than 'save' needs native fp8 (raises otherwise)."""
     spec = detect_device(rt.device)
     plan = resolve(precision, backend, spec, compute_dtype=getattr(rt, "dtype_name", "bf16"))
+    native_fp8 = plan.precision == "fp8" and plan.backend == "native"
+    if fp8_wgrad != "save" and not native_fp8:
+        raise ValueError(f"--fp8-wgrad {fp8_wgrad}: applies to native fp8 only (--precision fp8 "
+                         f"--precision-backend native); this run resolved to {plan.precision} via {plan.backend}")
     info: dict[str, Any] = {}
     if plan.backend != "none":
         info["startup_rel_err"] = round(startup_check(plan, spec, rt.device, rt.dtype, compile), 4)
         convert_model(model, plan, spec, compile=compile)
+        if native_fp8:
+            set_fp8_wgrad_mode(model, fp8_wgrad)
+            info["fp8_wgrad"] = fp8_wgrad
         log.warning("[precision] %s via %s: %d linears converted, kept: %s", plan.precision,
                     plan.backend, len(plan.converted), plan.kept_high_precision)
     return {**plan.describe(), **info, "peak_key": plan.peak_key}

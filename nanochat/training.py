@@ -372,7 +372,7 @@ class Trainer:
 # ------------------------------------------------------------------------------------ model set-up
 
 def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compile: bool,
-                               precision_backend: str = "auto") -> dict:
+                               precision_backend: str = "auto", fp8_wgrad: str = "save") -> dict:
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
@@ -380,7 +380,8 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     from nanochat.platform import apply_patches, detect_device
 
     patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
-    resolved = apply_precision(model, precision, rt, backend=precision_backend, compile=compile)
+    resolved = apply_precision(model, precision, rt, backend=precision_backend, compile=compile,
+                               fp8_wgrad=fp8_wgrad)
     if kernel != "current":
         model.set_loss_fn(build_loss_fn(kernel, rt.device))
     return {**resolved, "kernel": kernel, "patches": patches}
@@ -405,11 +406,14 @@ def check_precision(precision: str, rt, backend: str = "auto") -> None:
         P.resolve(precision, backend, detect_device(rt.device), compute_dtype=rt.dtype_name)
 
 
-def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile: bool = True) -> dict:
+def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile: bool = True,
+                    fp8_wgrad: str = "save") -> dict:
     """precision.py converts the model's linears for fp8/nvfp4; bf16/fp32 = the runtime dtype."""
     if (P := precision_module(precision)) is None:
+        if fp8_wgrad != "save":
+            raise ValueError(f"--fp8-wgrad {fp8_wgrad}: applies to --precision fp8 only (got {precision})")
         return {"precision": rt.dtype_name, "backend": "none", "peak_key": rt.dtype_name}
-    return P.apply_precision(model, precision, rt, backend, compile=compile)
+    return P.apply_precision(model, precision, rt, backend, compile=compile, fp8_wgrad=fp8_wgrad)
 
 
 # ------------------------------------------------------------------------------------ meter + log line

@@ -36,6 +36,7 @@ KERNELS = ("current", "liger", "triton")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
+FP8_WGRAD = ("save", "recompute", "plain")   # precision.FP8_WGRAD_MODES
 
 
 @dataclass
@@ -76,6 +77,7 @@ class BaseTrainConfig:
     device: str = "auto"
     precision: str = "auto"
     precision_backend: str = "auto"         # fp8/nvfp4 implementation (precision.py)
+    fp8_wgrad: str = "save"                 # native fp8: save|recompute|plain (speed vs memory)
     kernel: str = "current"
     compile: bool | None = None             # default: on for CUDA, off elsewhere
     fsdp: bool = False                      # FSDP2-shard weights/grads/optimizer state (torchrun)
@@ -117,6 +119,10 @@ class BaseTrainConfig:
         require(self.precision_backend in PRECISION_BACKENDS, "--precision-backend", self.precision_backend,
                 "|".join(PRECISION_BACKENDS))
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
+        require(self.fp8_wgrad in FP8_WGRAD, "--fp8-wgrad", self.fp8_wgrad, "|".join(FP8_WGRAD))
+        if self.fp8_wgrad != "save":
+            require(self.precision == "fp8" and self.precision_backend in ("auto", "native"), "--fp8-wgrad",
+                    self.fp8_wgrad, "save unless --precision fp8 with the native backend")
         if self.fsdp:  # FSDP2 needs a process group (torchrun, any WORLD_SIZE >= 1) and collective-only work
             require("RANK" in os.environ, "--fsdp", True, "a torchrun launch (torchrun --nproc_per_node=N ...)")
             require(self.sample_every <= 0, "--sample-every", self.sample_every,
@@ -225,7 +231,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if resume is not None:
         model.load_state_dict(resume["model"], strict=True)
     precision_info = setup_precision_and_kernel(model, cfg.precision, cfg.kernel, rt, compile=compile_model,
-                                                precision_backend=cfg.precision_backend)
+                                                precision_backend=cfg.precision_backend,
+                                                fp8_wgrad=cfg.fp8_wgrad)
     if cfg.fsdp:  # shard before compile and before the optimizer (it must see the DTensor params)
         from nanochat.distributed import apply_fsdp
         apply_fsdp(model, rt)

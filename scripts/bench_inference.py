@@ -247,7 +247,8 @@ def main(argv=None) -> int:
 
 def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:
     """Kernel time table of `steps` static decode steps launched without the graph (the kernels a
-    graph replays are the same; replayed kernels are not attributed by the profiler)."""
+    graph replays are the same; replayed kernels are not attributed by the profiler), inside the
+    engine's inference_weights() context like the timed steps (fused q/k/v when it is on)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,7 +256,7 @@ def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:
 
     decoder = engine.decoders.get(batch) or next(iter(engine.decoders.values()))
     length = bucket_length(position + 1, decoder.cache.seq_len, decoder.bucket)
-    with torch.inference_mode():
+    with engine.inference_weights(), torch.inference_mode():
         decoder.step([0] * decoder.batch_size, position)  # inputs in place
         decoder._run(length)
         torch.cuda.synchronize()

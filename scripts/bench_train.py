@@ -59,7 +59,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--precision", default="bf16",
                    help="comma list of bf16|fp32|fp8|fp8lean|fp8plain|nvfp4 (fp8 variants: the weight-"
                         "gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made by "
-                        "compiled copies (fp8plain): precision.set_fp8_wgrad_mode)")
+                        "compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain)")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed steps (>= 20 on GPU)")
@@ -140,10 +140,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
                                     window_pattern=cfg.window_pattern)
     rt.reset_peak_memory()
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
-    from nanochat.precision import set_fp8_wgrad_mode
-    set_fp8_wgrad_mode(PRECISIONS[precision] or "save")  # A/B of the fp8 wgrad input (precision.py)
     info = setup_precision_and_kernel(model, "fp8" if PRECISIONS[precision] else precision, kernel, rt,
-                                      compile=compile_model)
+                                      compile=compile_model, fp8_wgrad=PRECISIONS[precision] or "save")
     if precision in ("fp8lean", "fp8plain"):
         info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model

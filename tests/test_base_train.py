@@ -65,6 +65,9 @@ def test_parse_accepts_underscore_spellings():
     (["--data-dir", "/nonexistent/shards"], "--data-dir"),
     (["--attn-backend", "fa3"], "--attn-backend"),
     (["--matrix-lr", "nan"], "--matrix-lr"),
+    (["--fp8-wgrad", "fast"], "--fp8-wgrad"),
+    (["--fp8-wgrad", "recompute"], "--fp8-wgrad"),   # bf16 run: the mode would do nothing
+    (["--precision", "fp8", "--precision-backend", "te", "--fp8-wgrad", "plain"], "--fp8-wgrad"),
     (["--no-such-flag", "1"], "--no-such-flag"),
 ])
 def test_bad_flags_name_the_flag(argv, flag):

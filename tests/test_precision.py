@@ -338,12 +338,14 @@ def test_te_recipe_that_drops_fields_is_caught():
 
 
 def test_fp8_wgrad_mode_choices():
-    """Each mode picks its autograd function; an unknown one raises naming the accepted values."""
-    try:
-        for mode, fn in PR.FP8_WGRAD_MODES.items():
-            PR.set_fp8_wgrad_mode(mode)
-            assert PR.FP8_WGRAD_MODES[PR.Fp8Linear.wgrad_mode] is fn
-        with pytest.raises(ValueError, match="save|recompute|plain"):
-            PR.set_fp8_wgrad_mode("fast")
-    finally:
-        PR.set_fp8_wgrad_mode("save")
+    """Each mode is set on every Fp8Linear of the model and picks its autograd function; an unknown
+    one raises naming the flag and the accepted values; base_train offers the same names."""
+    from scripts.base_train import FP8_WGRAD
+    model = nn.Sequential(PR._rebuild(PR.Fp8Linear, nn.Linear(32, 32, bias=False)),
+                          PR._rebuild(PR.Fp8Linear, nn.Linear(32, 16, bias=False)), nn.Linear(16, 8))
+    assert tuple(PR.FP8_WGRAD_MODES) == FP8_WGRAD
+    for mode in PR.FP8_WGRAD_MODES:
+        assert PR.set_fp8_wgrad_mode(model, mode) == 2
+        assert model[0].wgrad_mode == model[1].wgrad_mode == mode
+    with pytest.raises(ValueError, match="--fp8-wgrad.*save|recompute|plain"):
+        PR.set_fp8_wgrad_mode(model, "fast")
