@@ -302,7 +302,8 @@ def set_fp8_wgrad_mode(model: nn.Module, mode: str) -> int:
     fastest), 'recompute' (made in the backward from the saved bf16 input: ~10 GiB less at d20
     dbs 32), 'plain' (`_Fp8Matmul`: compiled casts and transposed copies). Measured on one H100,
     d20 dbs 32, kernel triton (2026-11-23): save 179.4k tok/s / 56.7 GiB vs plain 172.7k /
-    46.6 GiB; on another machine recompute 172.3k / 46.4 GiB vs plain 172.4k / 46.6 GiB.
+    46.6 GiB; on another machine recompute 172.3k / 46.4 GiB vs plain 172.4k / 46.6 GiB; on a
+    third save 181.1k / 56.7 GiB, recompute 176.3k / 46.4 GiB, bf16 157.2k / 46.6 GiB.
     `scripts/bench_train.py --precision fp8,fp8lean,fp8plain` compares them. Returns how many
     layers were set."""
     if mode not in FP8_WGRAD_MODES:
