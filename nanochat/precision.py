@@ -161,8 +161,12 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     """Per-tensor dynamic scaling: (x * s) in `dtype` and 1/s (float32 scalar for _scaled_mm)."""
     fmax = E4M3_MAX if dtype == torch.float8_e4m3fn else E5M2_MAX
     scale = _fp8_scale(x, fmax)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale.reciprocal()
+    return _fp8_cast(x, scale, fmax, dtype), scale.reciprocal()
+
+
+def _fp8_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, saturated to the format's range, rounded to `dtype` (nearest even)."""
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
 def _fp8_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -211,7 +215,7 @@ def fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> tupl
     if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         from nanochat.triton_kernels import fp8_cast_transpose_triton
         return fp8_cast_transpose_triton(x, scale.reshape(1).float(), dtype, fmax)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    q = _fp8_cast(x, scale, fmax, dtype)
     return q, q.t().contiguous()
 
 
@@ -256,7 +260,7 @@ class _Fp8MatmulFusedTransposeLean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, grad_dtype):
         x_scale = _fp8_scale(x, E4M3_MAX)
-        x_q = (x.float() * x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        x_q = _fp8_cast(x, x_scale, E4M3_MAX, torch.float8_e4m3fn)
         y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
         ctx.save_for_backward(x, x_scale, w_q, w_inv)
         return y
