@@ -262,6 +262,36 @@ class _ReluSquare(torch.autograd.Function):
         return grad * 2 * out.sqrt()
 
 
+class _ValueEmbedMix(torch.autograd.Function):
+    """v + gate * table[idx] (value embeddings) that recomputes the lookup in backward.
+
+    Why: the gate's gradient needs table[idx], and saved as such it is one more (B, T, kv_dim)
+    tensor per value-embedding layer (half the layers; ~1.6 GiB at d20, batch 32 x 2048). The
+    lookup is a gather, so backward recomputes it from the token ids and the weight, both kept
+    anyway. Shapes: v (B, T, H, D) in the compute dtype, gate (B, T, H), idx (B, T), table (V, H*D)
+    (fp32 master weight, cast like the plain path's `.to(dtype)`).
+    """
+
+    @staticmethod
+    def forward(ctx, v, gate, idx, table):
+        ve = F.embedding(idx, table).to(v.dtype).view_as(v)
+        ctx.save_for_backward(gate, idx, table)
+        return v + gate.unsqueeze(-1) * ve
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, idx, table = ctx.saved_tensors
+        # index_select, not embedding: the compile partitioner would merge an identical lookup
+        # with the forward's and save its output after all
+        ve = table.index_select(0, idx.flatten()).to(grad.dtype).view_as(grad)
+        grad_gate = (grad * ve).sum(-1) if ctx.needs_input_grad[1] else None
+        grad_table = None
+        if ctx.needs_input_grad[3]:
+            rows = (grad * gate.unsqueeze(-1)).flatten(2).to(table.dtype)
+            grad_table = torch.ops.aten.embedding_dense_backward(rows, idx, table.shape[0], -1, False)
+        return grad, grad_gate, None, grad_table
+
+
 class Linear(nn.Linear):
     """Bias-free Linear whose forward casts the (fp32 master) weight to the input's dtype.
 
@@ -301,9 +331,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
-        if ve is not None:
+        if ve is not None:  # (token ids, value-embedding table)
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.gate_channels]))  # (B, T, Hkv)
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+            v = _ValueEmbedMix.apply(v, gate, *ve)
         # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
         # kernel per tensor under torch.compile; the transposes below are free views.
         q = rotary_norm(q, cos, sin)
@@ -476,7 +506,7 @@ class GPT(nn.Module):
             # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             key = str(i)
-            ve = self.value_embeds[key](idx).to(dtype) if key in self.value_embeds else None
+            ve = (idx, self.value_embeds[key].weight) if key in self.value_embeds else None
             x = block(x, ve, cos, sin, self.windows[i], backend, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)

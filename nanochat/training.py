@@ -156,6 +156,18 @@ def fit_auto_batch(predicted: int, device_batch_size: int, seq_len: int, world_s
     return max(1, math.ceil(predicted / per_micro)) * per_micro
 
 
+def resolve_total_batch_size(requested: int, target_tokens: float, ref_target_tokens: float,
+                             device_batch_size: int, seq_len: int, world_size: int) -> int:
+    """`--total-batch-size`: -1 = auto (`auto_total_batch_size` of the training horizon vs the
+    reference depth's, rounded up to whole micro-batches); any other value is returned as given
+    (plan_batch checks it). base_train and bench_train share this rule, so a benchmark's step is
+    the step base_train would run."""
+    if requested != -1:
+        return requested
+    return fit_auto_batch(auto_total_batch_size(target_tokens, ref_target_tokens), device_batch_size,
+                          seq_len, world_size)
+
+
 # ------------------------------------------------------------------------------------ schedules
 
 @dataclass

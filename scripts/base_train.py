@@ -27,9 +27,9 @@ from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
                            run_training_loop)
 from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule, StepMeter, Tracker,
-                               Trainer, auto_total_batch_size, check_wandb_available, evaluate_bpb,
-                               fit_auto_batch, plan_batch, precision_module, require, require_float, require_int,
-                               resolve_peak_flops, resolve_wandb_mode, restore_rng_state, sample_prompts)
+                               Trainer, check_wandb_available, evaluate_bpb, plan_batch, precision_module,
+                               require, require_float, require_int, resolve_peak_flops, resolve_total_batch_size,
+                               resolve_wandb_mode, restore_rng_state, sample_prompts)
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")
@@ -209,12 +209,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # ---- horizon and batch arithmetic (raises before any weights exist) ----
     target_tokens = cfg.target_param_data_ratio * scaling_params
-    if cfg.total_batch_size == -1:
-        ref_tokens = cfg.target_param_data_ratio * build_model(config_at(REF_DEPTH), "meta").num_scaling_params()
-        predicted = auto_total_batch_size(target_tokens, ref_tokens)
-        total_batch_size = fit_auto_batch(predicted, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
-    else:
-        total_batch_size = cfg.total_batch_size
+    ref_tokens = cfg.target_param_data_ratio * build_model(config_at(REF_DEPTH), "meta").num_scaling_params()
+    total_batch_size = resolve_total_batch_size(cfg.total_batch_size, target_tokens, ref_tokens,
+                                                cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()

@@ -4,8 +4,15 @@ For every (depth, kernel, precision) it builds the model exactly as base_train d
 recipe, loss kernel, torch.compile, MuonAdamW, the shared Trainer step), runs --warmup steps
 (compilation, autotuning), then times --steps steps and prints one JSON line: the median
 steady-state tok/s, MFU against the dense bf16 peak, utilisation of the active precision's peak,
-FLOPs/token and peak memory. A table follows. Batches are synthetic random tokens by default
-(--data real reads the train split through the DataLoader and the trained tokenizer).
+FLOPs/token and peak memory. A table follows.
+
+A step is one optimizer step of --total-batch-size tokens, as in base_train: the default (-1) is
+base_train's own auto batch for the depth (`training.resolve_total_batch_size`: 2**20 tokens = 16
+micro-batches of 32 x 2048 at d20, 2**19 at d12), so the optimizer runs once per that many tokens,
+exactly as in a real run. `--total-batch-size` = device batch x seq x world size runs the optimizer
+after every micro-batch instead (how the figures before 2026-11-23 session 7 were measured).
+Batches are synthetic random tokens by default (--data real reads the train split through the
+DataLoader and the trained tokenizer).
 
 CPU smoke run:  python -m scripts.bench_train --device cpu --depth 1 --device-batch-size 2 \
                     --seq 64 --steps 3 --warmup 1 --vocab-size 512 --no-compile
@@ -39,8 +46,9 @@ class BenchConfig:
     precisions: list[str]
     device_batch_size: int = 32
     seq: int = 2048
+    total_batch_size: int = -1
     steps: int = MIN_GPU_STEPS
-    warmup: int = 5
+    warmup: int = 3
     compile: bool | None = None
     data: str = "synthetic"
     vocab_size: int = 32768
@@ -62,8 +70,10 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                         "compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain)")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed steps (>= 20 on GPU)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    p.add_argument("--total-batch-size", type=int, default=-1,
+                   help="tokens per optimizer step; -1 = base_train's auto batch for the depth")
+    p.add_argument("--steps", type=int, default=MIN_GPU_STEPS, help="timed optimizer steps (>= 20 on GPU)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first (compilation)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--data", default="synthetic", help="synthetic|real")
     p.add_argument("--vocab-size", type=int, default=32768, help="synthetic data only")
@@ -83,7 +93,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
 
     cfg = BenchConfig(depths=ints(a.depth, "--depth"), kernels=a.kernel.split(","),
                       precisions=a.precision.split(","), device_batch_size=a.device_batch_size, seq=a.seq,
-                      steps=a.steps, warmup=a.warmup, compile=a.compile, data=a.data, vocab_size=a.vocab_size,
+                      total_batch_size=a.total_batch_size, steps=a.steps, warmup=a.warmup, compile=a.compile, data=a.data, vocab_size=a.vocab_size,
                       window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
                       peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim)
     for d in cfg.depths:
@@ -94,6 +104,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
         require(pr in tuple(PRECISIONS), "--precision", pr, "|".join(PRECISIONS))
     require_int(cfg.device_batch_size, "--device-batch-size", 1)
     require_int(cfg.seq, "--seq", 8)
+    if cfg.total_batch_size != -1:
+        require_int(cfg.total_batch_size, "--total-batch-size", 1)
     require_int(cfg.steps, "--steps", 1)
     require_int(cfg.warmup, "--warmup", 0)
     require(cfg.data in ("synthetic", "real"), "--data", cfg.data, "synthetic|real")
@@ -116,6 +128,24 @@ class SyntheticBatches:
     def __next__(self):
         self.i += 1
         return self.batches[self.i % len(self.batches)]
+
+
+def total_batch_for(cfg: BenchConfig, depth: int, vocab: int, world_size: int) -> int:
+    """Tokens per optimizer step: --total-batch-size, or base_train's auto rule for this depth
+    (its target-param-data ratio cancels: the rule compares two horizons of the same ratio)."""
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+    from nanochat.training import REF_DEPTH, resolve_total_batch_size
+
+    def scaling_params(d):
+        conf = config_for_depth(d, vocab, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
+                                window_pattern=cfg.window_pattern)
+        return build_model(conf, "meta").num_scaling_params()
+
+    if cfg.total_batch_size != -1:
+        return cfg.total_batch_size
+    return resolve_total_batch_size(-1, scaling_params(depth), scaling_params(REF_DEPTH), cfg.device_batch_size,
+                                    cfg.seq, world_size)
 
 
 def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> dict:
@@ -146,7 +176,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
         info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
-    plan = plan_batch(cfg.device_batch_size * cfg.seq * rt.world_size, cfg.device_batch_size, cfg.seq,
+    plan = plan_batch(total_batch_for(cfg, depth, vocab, rt.world_size), cfg.device_batch_size, cfg.seq,
                       rt.world_size)
     total = cfg.warmup + cfg.steps
     schedule = Schedule(total, warmdown_ratio=0.0)  # constant lr: the benchmark measures speed only
@@ -168,7 +198,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
             "depth": depth, "kernel": kernel, "precision": info["precision"], "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
-            "data": cfg.data, "timed_steps": len(dts),
+            "data": cfg.data, "total_batch_size": plan.total_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+            "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
             "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
@@ -183,12 +214,13 @@ def _triton_version() -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'depth':>5} {'kernel':>8} {'prec':>6} {'compile':>7} {'tok/s':>12} {'MFU%':>6} {'util%':>6} {'mem GiB':>8}  error"
+    head = f"{'depth':>5} {'kernel':>8} {'prec':>6} {'compile':>7} {'accum':>5} {'tok/s':>12} {'MFU%':>6} {'util%':>6} {'mem GiB':>8}  error"
     print(head)
     print("-" * len(head))
     for r in rows:
         fmt = lambda v, spec: format(v, spec) if v is not None else "n/a"
         print(f"{r['depth']:>5} {r['kernel']:>8} {r['precision']:>6} {str(r.get('compile', '')):>7} "
+              f"{str(r.get('grad_accum_steps', '')):>5} "
               f"{fmt(r.get('tok_per_sec'), ',.0f'):>12} {fmt(r.get('mfu_pct'), '.1f'):>6} "
               f"{fmt(r.get('util_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.1f'):>8}  {r.get('error', '')}")
 

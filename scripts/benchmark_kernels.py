@@ -1,4 +1,4 @@
-"""Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both]
+"""Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both|cast]
 
 loss mode: the fused linear + softcap + cross-entropy alone at (--rows, --n-embd, --vocab):
   for each --kernels backend, forward+backward time (CUDA events, median of --reps), peak memory
@@ -9,6 +9,8 @@ model mode: the real GPT (nanochat.gpt via nanochat.training.build_model) at --d
   median forward+backward time -> tok/s and MFU (estimate_flops vs the dense bf16 peak), peak
   memory, and the loss / lm_head-grad agreement with current+bf16. The optimizer is left out on
   purpose (scripts/bench_train.py times whole training steps).
+cast mode: the fp8 cast + transpose pass at (--rows, --n-embd) and (--rows, 4 x --n-embd) for a
+  set of tiles: ms, GB/s and bit-equality with the default tile (CUDA only; e.g. --rows 65536).
 
 Output: one JSON line per result, then a table. Needs a CUDA GPU (loss mode also runs on CPU,
 slowly, for a smoke test: --device cpu).
@@ -177,6 +179,33 @@ def bench_model(args, rt) -> list[dict]:
     return rows
 
 
+CAST_TILES = ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
+              (64, 256, 8), (256, 64, 8), (32, 64, 2), (64, 32, 2))
+
+
+def bench_cast(args, device) -> list[dict]:
+    """The fp8 cast + transpose pass (precision.py's wgrad input, triton_kernels.py) at d20's
+    activation shapes, for each tile (BLOCK_M, BLOCK_N, warps); outputs must be bit-equal to the
+    width-picked default tile's. Traffic = 2 bytes read + 2 x 1 byte written per element."""
+    from nanochat.triton_kernels import fp8_cast_transpose_triton
+    if device.type != "cuda":
+        return [{"mode": "cast", "kernel": "-", "error": "needs a CUDA GPU"}]
+    rows = []
+    for m, n in ((args.rows, args.n_embd), (args.rows, 4 * args.n_embd)):
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        scale = (448.0 / x.abs().amax().float()).reshape(1)
+        ref = fp8_cast_transpose_triton(x, scale, torch.float8_e4m3fn, 448.0)
+        for tile in CAST_TILES:
+            got = fp8_cast_transpose_triton(x, scale, torch.float8_e4m3fn, 448.0, tile)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, got))
+            ms = _timed(lambda: fp8_cast_transpose_triton(x, scale, torch.float8_e4m3fn, 448.0, tile),
+                        args.reps, device)
+            rows.append({"mode": "cast", "kernel": "x".join(map(str, tile[:2])) + f"w{tile[2]}", "shape": [m, n],
+                         "ms": ms, "tflops": f"{4 * m * n / ms / 1e6:.0f}GB/s", "bit_equal": same})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF':>10} {'MFU%':>6} {'memGiB':>7} "
           f"{'loss_err':>9} {'grad_err':>9}  error")
@@ -191,7 +220,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", default="both", choices=["loss", "model", "both"])
+    p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast"])
     p.add_argument("--kernels", default="current,liger,triton")
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
     p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
@@ -227,6 +256,8 @@ def main(argv=None) -> int:
         rows += bench_loss(args, rt.device)
     if args.mode in ("model", "both"):
         rows += bench_model(args, rt)
+    if args.mode == "cast":
+        rows += bench_cast(args, rt.device)
     print_table(rows)
     return 0
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU-box check: carried wheels, preflight, `pytest -m cuda`, benchmarks, short real runs.
 # Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
-#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM and loss-kernel benchmarks
+#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM, loss-kernel and fp8-cast benchmarks
 #   tests      pytest -m cuda over every test file that has CUDA tests
-#   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048)
+#   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls
@@ -56,6 +56,7 @@ if has quick; then
   step bench_gemm 120 $PY -m scripts.bench_gemm --reps 7
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \
        --kernels current,liger,triton,triton@8192,triton@16384
+  step bench_cast 120 $PY -m scripts.benchmark_kernels --mode cast --rows 65536 --reps 30
 fi
 if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
@@ -70,7 +71,7 @@ if has infer; then
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
 fi
 if has train; then
-  step bench_train 420 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16
+  step bench_train 1000 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16
 fi
 if has kernels; then
   # d20, dbs 32, seq 2048: the three loss backends in bf16, then fp8 (native tensor-wise) with triton
@@ -105,7 +106,7 @@ if has attn; then
        --only b64x64_w4_s3,b32x64_w4_s3,b64x128_w8_s2,b128x128_w8_s2,bs64,bs256
 fi
 if has fp8ab; then
-  step fp8ab 900 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain
+  step fp8ab 1200 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain
 fi
 if has prof20; then
   step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40 \

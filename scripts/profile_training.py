@@ -4,9 +4,15 @@ Builds the model as training does (precision recipe, loss kernel, torch.compile,
 warms up, then
 1. times --steps steps split into data / forward / backward / optimizer with CUDA events
    (median per phase; the phases are serialised by the events, so their sum is the step);
-2. runs torch.profiler over --profile-steps steps and lists the top kernels by device time
+2. (CUDA) measures memory per phase of one more step: the allocated bytes before it (weights
+   and optimizer state), after the forward (+ what autograd saved for backward) and the peak of
+   each phase, once for a first micro-batch (no gradients yet) and once for an accumulating one
+   (gradients of the previous micro-batch still live, as in every micro-batch after the first
+   when base_train accumulates): where the peak happens and how much of it is activations;
+3. runs torch.profiler over --profile-steps steps and lists the top kernels by device time
    (share of the profiled device time, calls, mean us), optionally writing a Chrome trace.
-Output: JSON lines (one per phase, one per top kernel) and two tables. Synthetic token batches.
+Output: JSON lines (one per phase, one per memory reading, one per top kernel) and tables.
+Synthetic token batches.
 """
 
 from __future__ import annotations
@@ -68,6 +74,36 @@ def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
                 for j, p in enumerate(phases):
                     samples[p].append(ev[j].elapsed_time(ev[j + 1]))
     return {p: statistics.median(v) for p, v in samples.items()} if cuda else {}
+
+
+def memory_phases(args, rt, model, run, optimizer) -> dict[str, float]:
+    """GiB allocated at each phase boundary and each phase's peak (allocator statistics are updated
+    when the host issues an allocation, so no synchronisation is needed between phases)."""
+    gen = torch.Generator().manual_seed(2)
+    gib = lambda v: round(v / 2**30, 3)
+    cuda = torch.cuda
+    out = {"before_step": gib(cuda.memory_allocated())}
+
+    def micro(tag):
+        x, y = make_batch(args, rt.device, gen)
+        cuda.reset_peak_memory_stats()
+        loss = run(x, y)
+        out[f"{tag}_forward_peak"] = gib(cuda.max_memory_allocated())
+        out[f"{tag}_after_forward"] = gib(cuda.memory_allocated())
+        cuda.reset_peak_memory_stats()
+        loss.backward()
+        out[f"{tag}_backward_peak"] = gib(cuda.max_memory_allocated())
+        out[f"{tag}_after_backward"] = gib(cuda.memory_allocated())
+
+    micro("first")        # gradients were set to None by the previous step
+    micro("accumulating")  # the first micro-batch's gradients are live, as in micro-batches 2..n
+    cuda.reset_peak_memory_stats()
+    optimizer.step()
+    out["optimizer_peak"] = gib(cuda.max_memory_allocated())
+    model.zero_grad(set_to_none=True)
+    out["saved_for_backward"] = round(out["first_after_forward"] - out["before_step"], 3)
+    rt.synchronize()
+    return out
 
 
 def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
@@ -139,6 +175,9 @@ def main(argv=None) -> int:
     step_ms = sum(split.values())
     for phase, ms in split.items():
         print(json.dumps({"phase": phase, "ms": round(ms, 3), "share_pct": round(100 * ms / step_ms, 1)}))
+    memory = memory_phases(args, rt, model, run, optimizer) if rt.device.type == "cuda" else {}
+    if memory:
+        print(json.dumps({"memory_gib": memory}), flush=True)
     top = profile_kernels(args, rt, model, run, optimizer)
     for row in top:
         print(json.dumps(row))
@@ -146,6 +185,8 @@ def main(argv=None) -> int:
         tok_s = args.device_batch_size * args.seq / (step_ms * 1e-3)
         print(f"\nstep {step_ms:.1f} ms ({tok_s:,.0f} tok/s): " +
               ", ".join(f"{k} {v:.1f} ms ({100 * v / step_ms:.0f}%)" for k, v in split.items()))
+    if memory:
+        print("memory GiB: " + ", ".join(f"{k} {v}" for k, v in memory.items()))
     print(f"\n{'share%':>6} {'ms/step':>8} {'calls':>6} {'mean us':>8}  kernel")
     for r in top:
         print(f"{r['share_pct']:>6} {r['device_ms_per_step']:>8} {r['calls_per_step']:>6} {r['mean_us']:>8}  "

@@ -219,15 +219,32 @@ def test_bench_train_cpu_smoke(capsys):
     from scripts import bench_train
     rows = bench_train.main(["--device", "cpu", "--depth", "1", "--device-batch-size", "2", "--seq", "32",
                              "--steps", "3", "--warmup", "1", "--vocab-size", "256", "--no-compile",
-                             "--aspect-ratio", "32", "--head-dim", "32", "--kernel", "current,triton"])
+                             "--aspect-ratio", "32", "--head-dim", "32", "--kernel", "current,triton",
+                             "--total-batch-size", "128"])
     out = capsys.readouterr().out
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     assert [l["kernel"] for l in lines] == ["current", "triton"]
     for r in lines:
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
+        assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
         assert r["mfu_pct"] is None and math.isfinite(r["last_loss"])
     assert "tok/s" in out and "MFU%" in out
+
+
+def test_bench_train_default_batch_is_base_trains():
+    """bench_train's default step is base_train's auto batch for the depth (2**20 tokens at d20,
+    2**19 at d12 with seq 2048), so its tok/s includes the optimizer as often as a real run does."""
+    from scripts import bench_train
+    cfg = bench_train.parse_config(["--depth", "12,20"])
+    assert cfg.total_batch_size == -1
+    assert bench_train.total_batch_for(cfg, 20, 32768, 1) == 2**20
+    assert bench_train.total_batch_for(cfg, 12, 32768, 1) == 2**19
+    assert bench_train.total_batch_for(cfg, 12, 32768, 8) == 2**19   # 8 ranks x 32 x 2048 divides it
+    fixed = bench_train.parse_config(["--total-batch-size", "65536"])
+    assert bench_train.total_batch_for(fixed, 20, 32768, 1) == 65536
+    with pytest.raises(ValueError, match="--total-batch-size"):
+        bench_train.parse_config(["--total-batch-size", "0"])
 
 
 @pytest.mark.cuda
