@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from nanochat.common import get_base_dir, print0
-from nanochat.training import FlagParser, Schedule, check_wandb_available, plan_batch, require, require_float, \
-    require_int, resolve_wandb_mode
+from nanochat.tracker import check_wandb_available, resolve_wandb_mode
+from nanochat.training import FlagParser, Schedule, plan_batch, require, require_float, require_int
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                                run_training_loop)
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
-    from nanochat.training import (StepMeter, Tracker, Trainer, evaluate_bpb, resolve_peak_flops,
-                                   restore_rng_state, setup_precision_and_kernel)
+    from nanochat.tracker import Tracker
+    from nanochat.training import (StepMeter, Trainer, evaluate_bpb, resolve_peak_flops, restore_rng_state,
+                                   setup_precision_and_kernel)
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"

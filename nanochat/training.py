@@ -1,6 +1,7 @@
 """Training mechanics shared by every recipe (base, mid, SFT, RL): the step, batch arithmetic,
-schedules, the throughput/MFU meter, the non-finite-loss guard, the per-step log line, the
-optional wandb tracker, validation bits-per-byte, loop-state/RNG capture and flag parsing.
+schedules, the throughput/MFU meter, the non-finite-loss guard, the per-step log line,
+validation bits-per-byte, loop-state/RNG capture and flag parsing (the optional wandb tracker:
+nanochat/tracker.py).
 
 A recipe (scripts/*.py) builds a model, an optimizer and a loader, then:
 
@@ -514,56 +515,6 @@ class StepMeter:
         self.smooth_loss, self.updates = float(s["smooth_loss"]), int(s["updates"])
         self.total_time, self.timed_steps = float(s["total_time"]), int(s["timed_steps"])
         self.timed_tokens = int(s["timed_tokens"])
-
-
-# ------------------------------------------------------------------------------------ tracker
-
-WANDB_MODES = ("off", "offline", "online")
-
-
-def resolve_wandb_mode(wandb_flag: str | None, run: str) -> str:
-    """--wandb wins; without it a real --run name means offline logging and "dummy" means off."""
-    if wandb_flag is not None:
-        require(wandb_flag in WANDB_MODES, "--wandb", wandb_flag, "|".join(WANDB_MODES))
-        return wandb_flag
-    return "off" if run in ("dummy", "", None) else "offline"
-
-
-def check_wandb_available(mode: str) -> None:
-    """Fail before any expensive work when wandb logging is on but the package is missing."""
-    if mode == "off":
-        return
-    import importlib.util
-    if importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"--wandb {mode}: the wandb package is not installed; "
-                         "`uv pip install wandb` (extra [wandb]) or use --wandb off")
-
-
-class Tracker:
-    """wandb when on (imported only then), otherwise a no-op; only rank 0 ever logs."""
-
-    def __init__(self, mode: str = "off", *, run: str | None = None, project: str = "nanochat",
-                 config: dict | None = None, is_master: bool = True, directory: str | None = None):
-        self._run = None
-        if mode == "off" or not is_master:
-            return
-        check_wandb_available(mode)
-        import wandb
-        self._run = wandb.init(project=project, name=None if run in (None, "dummy") else run,
-                               config=config, mode=mode, dir=directory)
-
-    @property
-    def enabled(self) -> bool:
-        return self._run is not None
-
-    def log(self, data: dict, step: int) -> None:
-        if self._run is not None:
-            self._run.log({k: v for k, v in data.items() if v is not None}, step=step)
-
-    def finish(self) -> None:
-        if self._run is not None:
-            self._run.finish()
-            self._run = None
 
 
 # ------------------------------------------------------------------------------------ evaluation

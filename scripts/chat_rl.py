@@ -21,8 +21,8 @@ import sys
 from dataclasses import asdict, dataclass, fields
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.training import (FlagParser, Schedule, check_wandb_available, require, require_float, require_int,
-                               resolve_wandb_mode)
+from nanochat.tracker import check_wandb_available, resolve_wandb_mode
+from nanochat.training import FlagParser, Schedule, require, require_float, require_int
 
 SOURCES = ("sft", "mid")
 
@@ -119,7 +119,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.tasks import GSM8K
     from nanochat.tasks.evaluate import run_generative
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training import StepMeter, Tracker, restore_rng_state
+    from nanochat.tracker import Tracker
+    from nanochat.training import StepMeter, restore_rng_state
 
     base_dir = get_base_dir()
     tag, src_dir = resolve_source("rl", cfg.source, cfg.model_tag, base_dir)

@@ -263,12 +263,13 @@ def test_flag_parser_accepts_underscores_and_raises_valueerror():
 
 
 def test_wandb_modes_and_off_tracker_imports_nothing():
-    assert tr.resolve_wandb_mode(None, "dummy") == "off"
-    assert tr.resolve_wandb_mode(None, "myrun") == "offline"
-    assert tr.resolve_wandb_mode("online", "dummy") == "online"
+    from nanochat import tracker as tk
+    assert tk.resolve_wandb_mode(None, "dummy") == "off"
+    assert tk.resolve_wandb_mode(None, "myrun") == "offline"
+    assert tk.resolve_wandb_mode("online", "dummy") == "online"
     with pytest.raises(ValueError, match="--wandb.*off\\|offline\\|online"):
-        tr.resolve_wandb_mode("yes", "x")
-    t = tr.Tracker("off", run="x")
+        tk.resolve_wandb_mode("yes", "x")
+    t = tk.Tracker("off", run="x")
     t.log({"a": 1}, 0)
     t.finish()
     assert not t.enabled and "wandb" not in sys.modules
