@@ -93,7 +93,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
 
     cfg = BenchConfig(depths=ints(a.depth, "--depth"), kernels=a.kernel.split(","),
                       precisions=a.precision.split(","), device_batch_size=a.device_batch_size, seq=a.seq,
-                      total_batch_size=a.total_batch_size, steps=a.steps, warmup=a.warmup, compile=a.compile, data=a.data, vocab_size=a.vocab_size,
+                      total_batch_size=a.total_batch_size, steps=a.steps, warmup=a.warmup, compile=a.compile,
+                      data=a.data, vocab_size=a.vocab_size,
                       window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
                       peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim)
     for d in cfg.depths:
