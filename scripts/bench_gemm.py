@@ -1,5 +1,9 @@
 """GEMM throughput: python -m scripts.bench_gemm [--dtypes bf16,fp8,fp8-rowwise,nvfp4] [--shapes MxNxK,...]
 
+`--linears M:INxOUT,...` times instead the three products a training Linear runs, in the
+layouts autograd (bf16) and precision.py (fp8 tensor-wise) use: fwd x @ W.T, dgrad g @ W and
+wgrad g.T @ x (reduction over the M tokens). `--blas cublas|cublaslt` picks torch's BLAS path.
+
 For each (dtype, shape) it times C = A @ B.T with CUDA events around a batch of products,
 rotating over enough input sets that they cannot all sit in L2, and reports the median TFLOP/s
 of --reps batches (the clock is only read after the events complete: no async over-reporting).
@@ -14,6 +18,7 @@ such, with the error, instead of aborting the run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -25,6 +30,9 @@ from nanochat.platform import detect_device, peak_flops
 
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
 DTYPES = ("bf16", "fp8", "fp8-rowwise", "nvfp4")
+PASSES = ("fwd", "dgrad", "wgrad")
+LINEAR_DTYPES = ("bf16", "fp8")
+DEFAULT_LINEARS = "65536:1280x1280,65536:1280x5120,65536:5120x1280,65536:1280x32768"
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -35,6 +43,45 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
             raise ValueError(f"--shapes: got {item!r}; expected MxNxK with positive integers")
         shapes.append(tuple(int(p) for p in parts))
     return shapes
+
+
+def parse_linears(text: str) -> list[tuple[int, int, int]]:
+    """'M:INxOUT,...' -> [(M, IN, OUT)]: M tokens through a Linear of IN -> OUT features."""
+    out = []
+    for item in text.split(","):
+        m, _, rest = item.partition(":")
+        parts = rest.lower().split("x")
+        if not (m.isdigit() and len(parts) == 2 and all(p.isdigit() for p in parts)) or \
+                min(int(m), *(int(p) for p in parts)) <= 0:
+            raise ValueError(f"--linears: got {item!r}; expected M:INxOUT with positive integers")
+        out.append((int(m), int(parts[0]), int(parts[1])))
+    return out
+
+
+def linear_pass_shape(pass_: str, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(rows, cols, reduction) of one training pass of a Linear K -> N over M tokens."""
+    return {"fwd": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}[pass_]
+
+
+def make_linear_pass(dtype: str, pass_: str, m: int, k: int, n: int, device):
+    """One product of a training Linear (K -> N features, M tokens) with fresh random operands:
+    bf16 as F.linear's autograd runs it, fp8 as precision.py's tensor-wise matmuls do."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    if dtype == "bf16":
+        return {"fwd": lambda: torch.mm(x, w.t()), "dgrad": lambda: torch.mm(g, w),
+                "wgrad": lambda: torch.mm(g.t(), x)}[pass_]
+    one = torch.tensor(1.0, device=device)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    if pass_ == "fwd":
+        a, b, out = x.to(e4), w.to(e4).t(), torch.bfloat16
+    elif pass_ == "dgrad":   # b: W (N, K) column-major, as precision._fp8_grad_input makes it
+        a, b, out = g.to(e5), w.to(e4).t().contiguous().t(), torch.bfloat16
+    else:                    # a: g^T row-major, b: x column-major (the fused transposed copies)
+        a, b, out = g.t().contiguous().to(e5), x.t().contiguous().to(e4).t(), torch.float32
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=out,
+                                    use_fast_accum=pass_ == "fwd")
 
 
 def _fp4_scale_len(rows: int, k: int) -> int:
@@ -69,12 +116,15 @@ def make_operands(dtype: str, m: int, n: int, k: int, device):
     raise ValueError(f"--dtypes: got {dtype!r}; accepted: {'|'.join(DTYPES)}")
 
 
-def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device) -> dict:
+def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device, make=None) -> dict:
+    """Median ms and TFLOP/s of C (m x n) = A (m x k) @ B (k x n); `make()` builds one operand set
+    (default: make_operands(dtype, m, n, k))."""
     m, n, k = shape
     elem = {"bf16": 2, "fp8": 1, "fp8-rowwise": 1, "nvfp4": 0.5}[dtype]
     set_bytes = (m * k + n * k) * elem
     n_sets = max(2, min(8, math.ceil(3 * l2_bytes / set_bytes)))
-    runs = [make_operands(dtype, m, n, k, device) for _ in range(n_sets)]
+    make = make or (lambda: make_operands(dtype, m, n, k, device))
+    runs = [make() for _ in range(n_sets)]
     for run in runs:   # warm-up: cuBLAS heuristics, workspace, clocks
         run()
     torch.cuda.synchronize()
@@ -126,17 +176,26 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--burn-in", "--burn_in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
+    p.add_argument("--linears", default="", help=f"M:INxOUT list (e.g. {DEFAULT_LINEARS}): "
+                   "time fwd/dgrad/wgrad of training Linears instead of --shapes (dtypes bf16, fp8)")
+    p.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
+                   help="torch.backends.cuda.preferred_blas_library for the bf16 products")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
+    linears = parse_linears(args.linears) if args.linears else []
     dtypes = args.dtypes.split(",")
+    accepted = LINEAR_DTYPES if linears else DTYPES
     for d in dtypes:
-        if d not in DTYPES:
-            raise ValueError(f"--dtypes: got {d!r}; accepted: {'|'.join(DTYPES)}")
+        if d not in accepted:
+            flag = "--dtypes (with --linears)" if linears else "--dtypes"
+            raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm needs a CUDA GPU")
     device = torch.device("cuda")
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     spec = detect_device(device)
     props = torch.cuda.get_device_properties(device)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
@@ -145,6 +204,8 @@ def main(argv=None) -> int:
               "cublas": torch.backends.cuda.preferred_blas_library().name
               if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
     print(json.dumps({"header": True, **header}), flush=True)
+    if linears:
+        return _run_linears(linears, dtypes, args.reps, l2, spec, device)
     rows = []
     for dtype in dtypes:
         peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
@@ -167,6 +228,28 @@ def main(argv=None) -> int:
         else:
             print(f"{r['dtype']:<12} {r['shape']:<20} {r['tflops']:>9} {str(r['pct_of_peak']):>7} "
                   f"{r['spread_pct']:>8}")
+    return 0
+
+
+def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
+    rows = []
+    for dtype in dtypes:
+        peak = peak_flops(spec, dtype)
+        for m, k, n in linears:
+            for pass_ in PASSES:
+                shape = linear_pass_shape(pass_, m, k, n)
+                rec = {"dtype": dtype, "linear": f"{m}:{k}x{n}", "pass": pass_,
+                       "shape": "x".join(map(str, shape)), "device": spec.name}
+                make = functools.partial(make_linear_pass, dtype, pass_, m, k, n, device)
+                rec.update(time_gemm(dtype, shape, reps=reps, l2_bytes=l2, device=device, make=make))
+                rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+                print(json.dumps(rec), flush=True)
+                rows.append(rec)
+                torch.cuda.empty_cache()
+    print(f"\n{'dtype':<6} {'linear M:INxOUT':<18} {'pass':<6} {'ms':>8} {'TFLOP/s':>9} {'% peak':>7}")
+    for r in rows:
+        print(f"{r['dtype']:<6} {r['linear']:<18} {r['pass']:<6} {r['ms']:>8} {r['tflops']:>9} "
+              f"{str(r['pct_of_peak']):>7}")
     return 0
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU-box check: carried wheels, preflight, `pytest -m cuda`, benchmarks, short real runs.
 # Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
-#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM, loss-kernel and fp8-cast benchmarks
+#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM (square and d20 training-Linear
+#              passes), loss-kernel and fp8-cast benchmarks
 #   tests      pytest -m cuda over every test file that has CUDA tests
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
+#              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter);
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
@@ -54,6 +56,8 @@ if has quick; then
   step preflight 120 $PY -m nanochat.platform --kernel triton
   step pytest_cuda 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py tests/test_precision.py
   step bench_gemm 120 $PY -m scripts.bench_gemm --reps 7
+  step bench_gemm_linears 150 $PY -m scripts.bench_gemm --reps 7 --dtypes bf16,fp8 \
+       --linears 65536:1280x1280,65536:1280x5120,65536:5120x1280,65536:1280x32768
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \
        --kernels current,liger,triton,triton@8192,triton@16384
   step bench_cast 120 $PY -m scripts.benchmark_kernels --mode cast --rows 65536 --reps 30
@@ -68,6 +72,7 @@ if has infer; then
   # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
   step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
+  step bench_infer_long 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
 fi
 if has train; then

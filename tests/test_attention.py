@@ -5,6 +5,10 @@ Tolerances: float64 inputs through any backend agree with the float64 reference 
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +194,47 @@ def test_kv_cache_prefill_from_reset_and_overflow():
         A.KVCache(1, 1, 0, 4, 1, "cpu", torch.float32)
 
 
+def test_decode_attention_triton_kernel_in_interpreter(tmp_path):
+    """The split-key decode kernel itself (TRITON_INTERPRET=1, in a subprocess: the flag must be
+    set before triton is imported) through the custom op, against the float64 reference over the
+    visible keys: GQA, windows (inside, straddling and covering the bucket), the first and last
+    position, partial chunks, several splits, cache-bucket views with the full cache's strides."""
+    pytest.importorskip("triton")
+    script = (
+        "import torch\n"
+        "from nanochat import attention as A\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "cases = [(2, 4, 2, 40, 37, None, 16), (1, 2, 2, 33, 20, 8, 16), (2, 4, 4, 64, 63, 16, 8),\n"
+        "         (1, 2, 1, 17, 0, None, 16), (1, 3, 1, 50, 49, 1, 16), (2, 2, 2, 24, 10, 100, 64)]\n"
+        "for B, Hq, Hkv, L, pos, window, chunk in cases:\n"
+        "  q = torch.randn(B, Hq, 1, 32, generator=g)\n"
+        "  kc, vc = torch.randn(2, B, Hkv, 70, 32, generator=g)\n"
+        "  from nanochat import triton_kernels as TK\n"
+        "  ref = A.reference_attention(q.double(), kc[:, :, :pos + 1].double(), vc[:, :, :pos + 1].double(),\n"
+        "                              window=window, q_offset=pos)\n"
+        "  for fused in (True, False):  # merge by the last program (atomic counter) / a second kernel\n"
+        "    out = TK.decode_attention_triton(q, kc[:, :, :L], vc[:, :, :L], torch.tensor([pos]), window,\n"
+        "                                     chunk=chunk, fused=fused)\n"
+        "    assert out.shape == q.shape and (out.double() - ref).abs().max() < 1e-5, (B, Hq, L, pos, window, fused)\n"
+        "  assert not TK._DECODE_COUNTERS[torch.device('cpu')].any()  # left at 0 for the next call\n"
+        "  op = torch.ops.nanochat.decode_attention(q, kc[:, :, :L], vc[:, :, :L], torch.tensor([pos]), window or 0)\n"
+        "  assert (op.double() - ref).abs().max() < 1e-5\n"
+        "print('OK')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_decode_attention_op_shapes_on_meta():
+    q = torch.empty(3, 4, 1, 128, device="meta").transpose(1, 2).transpose(1, 2)
+    k = torch.empty(3, 2, 256, 128, device="meta", dtype=torch.bfloat16)
+    out = A._decode_attention_fake(q, k, k, torch.empty(1, dtype=torch.long, device="meta"), 0)
+    assert out.shape == (3, 4, 1, 128) and out.is_contiguous()
+    assert not A._triton_decode_ok(torch.empty(1, 1, 1, 128))          # CPU: SDPA path
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA (run on the GPU box with `pytest -m cuda`)
 
@@ -235,3 +280,42 @@ def test_cuda_cudnn_window_in_model_layout_under_compile():
     assert (out_c - out_f).abs().max() < 2e-2
     for a, b in zip(grads_c, grads_f):
         assert (a - b).abs().max() / b.abs().max() < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 100])
+def test_cuda_static_decode_triton_equals_sdpa(window):
+    """The CUDA static decode step (Triton split-key kernel) against the SDPA formulation it
+    replaced and the float64 reference, bf16, inside torch.compile, at positions in the first,
+    a middle and the last chunk of a 300-slot bucket of a 512-slot cache; then the fused merge
+    (each row's last program) 50 times in a row, equal to its first result (a merge that read a
+    chunk before its writer finished would show), and close to the two-kernel merge."""
+    B, Hq, Hkv, D = 2, 8, 4, 128
+    cache = A.KVCache(B, Hkv, 512, D, num_layers=1, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g, device="cuda"))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g, device="cuda"))
+    key_pos = torch.arange(300, device="cuda")
+    step = torch.compile(lambda q, k, v, kv: A.attention(q, k, v, window=window, backend="auto",
+                                                         kv_cache=kv, layer_idx=0))
+    for p in (0, 150, 299):
+        pos = torch.tensor([p], device="cuda")
+        q, k, v = (torch.randn(B, h, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+                   for h in (Hq, Hkv, Hkv))
+        out = step(q, k, v, A.StaticKV(cache, pos, key_pos))
+        keys, values = cache.k[0][:, :, :p + 1].double(), cache.v[0][:, :, :p + 1].double()
+        assert torch.equal(cache.k[0][:, :, p], k[:, :, 0])       # the step wrote its k/v
+        ref = A.reference_attention(q.double(), keys, values, window=window, q_offset=p)
+        visible = (key_pos <= p) & ((key_pos > p - window) if window else True)
+        sdpa = A._sdpa(q, cache.k[0][:, :, :300], cache.v[0][:, :, :300], is_causal=False,
+                       attn_mask=visible.view(1, 1, 1, 300))
+        assert (out.double() - ref).abs().max() < 2e-2
+        assert (out.double() - sdpa.double()).abs().max() < 2e-2
+    from nanochat import triton_kernels as TK
+
+    keys, values = cache.k[0][:, :, :300], cache.v[0][:, :, :300]
+    first = TK.decode_attention_triton(q, keys, values, pos, window, fused=True)
+    for _ in range(50):
+        assert torch.equal(TK.decode_attention_triton(q, keys, values, pos, window, fused=True), first)
+    assert (TK.decode_attention_triton(q, keys, values, pos, window, fused=False) - first).abs().max() < 1e-2
+    assert not TK._DECODE_COUNTERS[torch.device("cuda", 0)].any()

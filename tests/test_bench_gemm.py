@@ -1,0 +1,26 @@
+"""scripts/bench_gemm.py: argument checking and the training-Linear pass shapes (CPU; the
+timings themselves need a GPU and are a benchmark, not a test)."""
+
+import pytest
+
+from scripts import bench_gemm as BG
+
+
+def test_parse_linears_and_pass_shapes():
+    assert BG.parse_linears("65536:1280x5120,8:16x32") == [(65536, 1280, 5120), (8, 16, 32)]
+    # (rows, cols, reduction) of C = A @ B for y = x @ W.T with x (M, K), W (N, K)
+    assert BG.linear_pass_shape("fwd", 65536, 1280, 5120) == (65536, 5120, 1280)
+    assert BG.linear_pass_shape("dgrad", 65536, 1280, 5120) == (65536, 1280, 5120)
+    assert BG.linear_pass_shape("wgrad", 65536, 1280, 5120) == (5120, 1280, 65536)
+
+
+@pytest.mark.parametrize("bad", ["1:2", "65536x1280x5120", "0:16x16", "a:16x16", "8:16x"])
+def test_bad_linears_raise_naming_the_flag(bad):
+    with pytest.raises(ValueError, match="--linears"):
+        BG.main(["--linears", bad])
+
+
+def test_linears_accept_only_bf16_and_fp8():
+    with pytest.raises(ValueError, match=r"--dtypes \(with --linears\).*bf16\|fp8"):
+        BG.main(["--linears", "64:16x16", "--dtypes", "nvfp4"])
+
