@@ -42,7 +42,8 @@ for CUDA-graph decoding): the position is a device tensor, the k/v write is an i
 attention reads a fixed-length bucket of the cache with a causal + window mask computed from the
 position, so no shape depends on the position: on CUDA the project's split-key Triton kernel
 (`nanochat::decode_attention`, triton_kernels.decode_attention_triton), elsewhere SDPA with that
-mask, whatever the backend name.
+mask, whatever the backend name. `set_decode_kernel("sdpa")` puts SDPA back on CUDA too (an
+escape hatch on a GPU where the kernel has not been measured, e.g. a DGX Spark).
 """
 
 from __future__ import annotations
@@ -432,24 +433,41 @@ def _cached_attention(q, k, v, window, backend, kv_cache: KVCache, layer_idx: in
     return _sdpa(q, k_all, v_all, is_causal=False, attn_mask=_visible(q_pos, k_pos, window))
 
 
+# Which kernel the static (CUDA-graph) decode step uses: "triton" (default on CUDA),
+# "triton_fused" (merge by each row's last program, no second launch) or "sdpa" (the mask
+# formulation, also what CPU and non-power-of-two head dims use). Set only through
+# set_decode_kernel (bench_inference --decode-kernel compares them).
+DECODE_KERNELS = ("triton", "triton_fused", "sdpa")
+DECODE_KERNEL = "triton"
+
+
+def set_decode_kernel(name: str) -> None:
+    """Pick the static decode step's attention kernel (DECODE_KERNELS); takes effect for steps
+    compiled or captured afterwards (compiled code guards on it and recompiles)."""
+    global DECODE_KERNEL
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel: got {name!r}; accepted: {'|'.join(DECODE_KERNELS)}")
+    DECODE_KERNEL = name
+
+
 @torch.library.custom_op("nanochat::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                     window: int) -> torch.Tensor:
+                     window: int, fused: bool = False) -> torch.Tensor:
     """One query token per (row, head) over a cache bucket k/v (B, Hkv, L, D), keys 0..pos
     visible (the last `window` of them when window > 0). CUDA (or TRITON_INTERPRET=1): the
     split-key Triton kernel; q's dtype out, fp32 softmax."""
     from nanochat.triton_kernels import decode_attention_triton
-    return decode_attention_triton(q, k, v, pos, window if window > 0 else None)
+    return decode_attention_triton(q, k, v, pos, window if window > 0 else None, fused=fused)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(q, k, v, pos, window):
+def _decode_attention_fake(q, k, v, pos, window, fused=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _triton_decode_ok(q: torch.Tensor) -> bool:
     D = q.size(-1)
-    return q.is_cuda and D >= 16 and D & (D - 1) == 0
+    return DECODE_KERNEL != "sdpa" and q.is_cuda and D >= 16 and D & (D - 1) == 0
 
 
 def _static_decode_attention(q, k, v, window, kv: StaticKV, layer_idx: int):
@@ -473,7 +491,8 @@ def _static_decode_attention(q, k, v, window, kv: StaticKV, layer_idx: int):
     L = kv.key_pos.numel()
     keys, values = k_cache[:, :, :L], v_cache[:, :, :L]
     if _triton_decode_ok(q):
-        return torch.ops.nanochat.decode_attention(q, keys, values, kv.pos, window or 0)
+        return torch.ops.nanochat.decode_attention(q, keys, values, kv.pos, window or 0,
+                                                   DECODE_KERNEL == "triton_fused")
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     visible = kv.key_pos <= kv.pos  # causal; slots past the position are stale

@@ -295,7 +295,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     counter, acq_rel) instead of a second launch, which costs ~2 us per layer at batch 1 (the
     merge kernel in the d20 profile). Checked in the Triton interpreter only so far, so not the
     default: tests/test_attention.py's CUDA test runs it 50 times against the first result and
-    the two-kernel merge; bench_inference decides once it has run on the GPU."""
+    the two-kernel merge, and `bench_inference --decode-kernel triton,triton_fused,sdpa`
+    (gpu_check.sh infer) measures it."""
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert T == 1 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and Hq % Hkv == 0

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
                    help="on|off|on,off: decode with one q/k/v matmul per layer (GPT.inference_weights) "
                         "or three; 'off' rows are labelled <mode>/unfused")
+    p.add_argument("--decode-kernel", "--decode_kernel", dest="decode_kernel", default="triton",
+                   help="comma list of triton|triton_fused|sdpa: the static/graphs step's attention "
+                        "(attention.set_decode_kernel); rows other than triton are labelled <mode>/<kernel>")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
@@ -63,6 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.fused_qkv = [v.strip() for v in args.fused_qkv.split(",") if v.strip()]
     if not args.fused_qkv or set(args.fused_qkv) - {"on", "off"}:
         raise ValueError(f"--fused-qkv: got {','.join(args.fused_qkv)!r}; accepted: on|off|on,off")
+    from nanochat.attention import DECODE_KERNELS
+
+    args.decode_kernel = [v.strip() for v in args.decode_kernel.split(",") if v.strip()]
+    if not args.decode_kernel or set(args.decode_kernel) - set(DECODE_KERNELS):
+        raise ValueError(f"--decode-kernel: got {','.join(args.decode_kernel)!r}; accepted: comma-separated "
+                         f"{'|'.join(DECODE_KERNELS)}")
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
@@ -134,7 +143,10 @@ def timed(rt, fn) -> float:
 
 
 def label(engine) -> str:
-    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused")
+    from nanochat.attention import DECODE_KERNEL
+
+    kernel = "" if DECODE_KERNEL == "triton" or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
+    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel
 
 
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
@@ -208,8 +220,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from nanochat.attention import set_decode_kernel
     from nanochat.common import init_runtime
-    from nanochat.engine import Engine
     from nanochat.platform import detect_device
 
     rt = init_runtime(args.device, args.dtype, seed=args.seed)
@@ -217,7 +229,8 @@ def main(argv=None) -> int:
     model = build_model(args, rt)
     params = sum(p.numel() for p in model.parameters())
     header = {"bench": "config", "device": spec.name, "torch": torch.__version__, "dtype": rt.dtype_name,
-              "decode": args.decode, "graph_step": args.graph_step, "decode_bucket": args.decode_bucket,
+              "decode": args.decode, "decode_kernel": args.decode_kernel, "graph_step": args.graph_step,
+              "decode_bucket": args.decode_bucket,
               "depth": args.depth, "n_embd": model.config.n_embd, "n_head": model.config.n_head,
               "vocab": args.vocab_size, "params_m": params / 1e6,
               "weight_bytes_per_step": weight_bytes_per_step(model), "bandwidth_gbs": spec.bandwidth_gbs}
@@ -225,24 +238,38 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
     rows = []
-    for mode, fused in [(m, f) for m in args.decode for f in args.fused_qkv]:
-        engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step,
-                        fused_qkv=fused == "on")
-        t0 = time.perf_counter()
-        warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
-        print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm}), flush=True)
-        rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": label(engine)})
-        print(json.dumps(rows[-1]), flush=True)
-        for batch in args.batch_sizes:
-            rows.append(bench_decode(engine, rt, prompt, batch, args.decode_tokens, args.repeats, spec.bandwidth_gbs))
-            print(json.dumps(rows[-1]), flush=True)
-        if args.profile and engine.decoders and rt.device_type == "cuda":
-            profile_step(engine, args.batch_sizes[0], len(prompt) + args.decode_tokens // 2)
-        print(json.dumps({"bench": "mode_done", "decode": label(engine),
-                          "seconds": time.perf_counter() - t0}), flush=True)
-        del engine
+    static = ("static", "graphs") + (("auto",) if rt.device_type == "cuda" else ())
+    runs = [(m, f, k) for m in args.decode for f in args.fused_qkv
+            for k in (args.decode_kernel if m in static else args.decode_kernel[:1])]
+    try:
+        for mode, fused, kernel in runs:
+            set_decode_kernel(kernel)
+            _bench_mode(args, model, rt, spec, prompt, mode, fused, rows)
+    finally:
+        set_decode_kernel("triton")
     print_table(rows, spec, args, params, rt)
     return 0
+
+
+def _bench_mode(args, model, rt, spec, prompt, mode, fused, rows) -> None:
+    """Warm up one Engine configuration, then time prefill and decode at every batch size."""
+    from nanochat.engine import Engine
+
+    engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step,
+                    fused_qkv=fused == "on")
+    t0 = time.perf_counter()
+    warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
+    print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm}), flush=True)
+    rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": label(engine)})
+    print(json.dumps(rows[-1]), flush=True)
+    for batch in args.batch_sizes:
+        rows.append(bench_decode(engine, rt, prompt, batch, args.decode_tokens, args.repeats, spec.bandwidth_gbs))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.profile and engine.decoders and rt.device_type == "cuda":
+        profile_step(engine, args.batch_sizes[0], len(prompt) + args.decode_tokens // 2)
+    print(json.dumps({"bench": "mode_done", "decode": label(engine),
+                      "seconds": time.perf_counter() - t0}), flush=True)
+    del engine
 
 
 def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:

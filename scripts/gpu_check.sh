@@ -7,7 +7,8 @@
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
-#              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter);
+#              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter), Triton
+#              vs SDPA decode attention; the decode kernels (triton, triton_fused, sdpa) at batch 1/8;
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
@@ -72,7 +73,10 @@ if has infer; then
   # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
   step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
-  step bench_infer_long 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800
+  step bench_infer_long 500 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800 \
+       --decode-kernel triton,sdpa
+  step bench_infer_kernels 450 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs \
+       --decode-kernel triton,triton_fused,sdpa
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
 fi
 if has train; then

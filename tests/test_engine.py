@@ -551,3 +551,29 @@ def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
     assert decode == {("static", 1), ("static", 2), ("static/unfused", 1), ("static/unfused", 2)}
     with pytest.raises(ValueError, match="--fused-qkv"):
         main(["--device", "cpu", "--fused-qkv", "maybe"])
+
+
+def test_bench_inference_decode_kernel_rows_and_reset(capsys):
+    """--decode-kernel runs one engine per kernel for the static/graphs modes (labelled unless
+    the default), leaves the module setting at its default afterwards, and refuses unknown names
+    before building anything."""
+    import json
+
+    from nanochat import attention as A
+    from scripts.bench_inference import main
+
+    assert main(["--device", "cpu", "--depth", "2", "--prompt-len", "8", "--decode-tokens", "2",
+                 "--batch-sizes", "1", "--vocab-size", "256", "--seq-len", "32", "--decode", "static,eager",
+                 "--decode-kernel", "triton,sdpa", "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert {r["decode"] for r in rows if r.get("bench") == "decode"} == {"static", "static/sdpa", "eager"}
+    assert A.DECODE_KERNEL == "triton"
+    with pytest.raises(ValueError, match="--decode-kernel: got 'flash'; accepted: comma-separated triton"):
+        main(["--device", "cpu", "--decode-kernel", "flash"])
+    with pytest.raises(ValueError, match="decode kernel: got 'x'"):
+        A.set_decode_kernel("x")
+    A.set_decode_kernel("sdpa")
+    try:
+        assert not A._triton_decode_ok(torch.empty(1, 1, 1, 128, device="meta"))
+    finally:
+        A.set_decode_kernel("triton")
