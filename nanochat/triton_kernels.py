@@ -310,7 +310,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     counters = _decode_counters(q.device, B * Hq) if fused else None
     splits_p2 = triton.next_power_of_2(n_splits)
     _decode_partial_kernel[(B * Hq, n_splits)](
-        q, k, v, pos, m, l, acc, out, m if counters is None else counters,
+        q, k, v, pos, m, l, acc, out, m if counters is None else counters,  # m: unread unless FUSED
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), L, window or 0, D ** -0.5,
         HQ=Hq, GROUP=Hq // Hkv, D=D, CHUNK=chunk, HAS_WINDOW=window is not None,

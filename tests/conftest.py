@@ -2,6 +2,8 @@
 with a tokenizer trained on the tiny corpus and the env pointing the code at it."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def run_triton_interpreted(tmp_path):
+    """run(script): the script in a subprocess under TRITON_INTERPRET=1 (the flag must be set
+    before triton is imported), asserting it exits 0 having printed OK."""
+    pytest.importorskip("triton")
+
+    def run(script: str, timeout: int = 240) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             timeout=timeout, cwd=tmp_path)
+        assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,6 @@ Tolerances: float64 inputs through any backend agree with the float64 reference 
 """
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -194,12 +190,11 @@ def test_kv_cache_prefill_from_reset_and_overflow():
         A.KVCache(1, 1, 0, 4, 1, "cpu", torch.float32)
 
 
-def test_decode_attention_triton_kernel_in_interpreter(tmp_path):
+def test_decode_attention_triton_kernel_in_interpreter(run_triton_interpreted):
     """The split-key decode kernel itself (TRITON_INTERPRET=1, in a subprocess: the flag must be
     set before triton is imported) through the custom op, against the float64 reference over the
     visible keys: GQA, windows (inside, straddling and covering the bucket), the first and last
     position, partial chunks, several splits, cache-bucket views with the full cache's strides."""
-    pytest.importorskip("triton")
     script = (
         "import torch\n"
         "from nanochat import attention as A\n"
@@ -221,10 +216,7 @@ def test_decode_attention_triton_kernel_in_interpreter(tmp_path):
         "  assert (op.double() - ref).abs().max() < 1e-5\n"
         "print('OK')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    run_triton_interpreted(script)
 
 
 def test_decode_attention_op_shapes_on_meta():

@@ -1,9 +1,6 @@
 """nanochat/kernels.py: every loss backend against plain PyTorch cross-entropy (loss and grads),
 with softcap, ignore_index=-1 and a padded lm_head."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,10 +122,9 @@ def test_build_loss_fn_validation():
     assert default_chunk_rows(100, 65536) == 100
 
 
-def test_triton_interpreter_runs_the_real_kernels(tmp_path):
+def test_triton_interpreter_runs_the_real_kernels(run_triton_interpreted):
     """The Triton kernels themselves, on CPU through TRITON_INTERPRET=1 (subprocess: the flag
     must be set before triton is imported)."""
-    pytest.importorskip("triton")
     script = (
         "import torch, torch.nn.functional as F\n"
         "from nanochat.kernels import triton_loss, _use_triton\n"
@@ -146,10 +142,7 @@ def test_triton_interpreter_runs_the_real_kernels(tmp_path):
         "        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)\n"
         "print('OK')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    run_triton_interpreted(script)
 
 
 # ------------------------------------------------------------------------------------ GPU

@@ -3,11 +3,7 @@ construction (with a fake TE), fp8 numerics and module swapping."""
 
 import dataclasses
 import enum
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -154,13 +150,12 @@ def test_fp8_cast_transpose_layouts():
     assert fq.shape == (32, 16) and fqt.shape == (16, 32)
 
 
-def test_fp8_cast_transpose_triton_kernel_in_interpreter(tmp_path):
+def test_fp8_cast_transpose_triton_kernel_in_interpreter(run_triton_interpreted):
     """The Triton kernel itself (TRITON_INTERPRET=1, in a subprocess: the flag must be set before
     triton is imported), on a shape with partial tiles: tiling, masks, the transposed store and
     the clamp. The values are exact in both fp8 formats, because the interpreter's own fp8
     rounding is wrong near powers of two (-7.98 -> -4.0 in Triton 3.6); the GPU test checks
     rounding against torch on the real hardware conversion."""
-    pytest.importorskip("triton")
     script = (
         "import torch\n"
         "from nanochat import precision as PR\n"
@@ -176,10 +171,7 @@ def test_fp8_cast_transpose_triton_kernel_in_interpreter(tmp_path):
         "    assert torch.equal(q.float(), ref) and torch.equal(qt.float(), ref.t())\n"
         "print('OK')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    run_triton_interpreted(script)
 
 
 def _emulated_scaled_mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
