@@ -41,7 +41,8 @@ Static decode path (`kv_cache=StaticKV(cache, pos_tensor, key_pos)`, used by nan
 for CUDA-graph decoding): the position is a device tensor, the k/v write is an index_copy_ and
 attention reads a fixed-length bucket of the cache with a causal + window mask computed from the
 position, so no shape depends on the position: on CUDA the project's split-key Triton kernel
-(`nanochat::decode_attention`, triton_kernels.decode_attention_triton), elsewhere SDPA with that
+(`nanochat::decode_attention`, triton_kernels.decode_attention_triton, merged by the last
+program of each row: `triton_fused`), elsewhere SDPA with that
 mask, whatever the backend name. `set_decode_kernel("sdpa")` puts SDPA back on CUDA too (an
 escape hatch on a GPU where the kernel has not been measured, e.g. a DGX Spark).
 """
@@ -433,12 +434,16 @@ def _cached_attention(q, k, v, window, backend, kv_cache: KVCache, layer_idx: in
     return _sdpa(q, k_all, v_all, is_causal=False, attn_mask=_visible(q_pos, k_pos, window))
 
 
-# Which kernel the static (CUDA-graph) decode step uses: "triton" (default on CUDA),
-# "triton_fused" (merge by each row's last program, no second launch) or "sdpa" (the mask
-# formulation, also what CPU and non-power-of-two head dims use). Set only through
-# set_decode_kernel (bench_inference --decode-kernel compares them).
+# Which kernel the static (CUDA-graph) decode step uses: "triton_fused" (default on CUDA: the
+# split-key kernel whose last program per row merges, one launch), "triton" (the same with a
+# separate merge launch) or "sdpa" (the mask formulation, also what CPU and non-power-of-two head
+# dims use). Set only through set_decode_kernel (bench_inference --decode-kernel compares them).
+# H100, d20, prompt 512, graph replay (2026-11-23): batch 1 0.976 / 0.993 / 1.006 ms and batch 8
+# 1.163 / 1.170 / 1.150 ms for triton_fused / triton / sdpa; at prompt 1800 triton beat SDPA by
+# 2-29% (batch 1-32), CHANGELOG_GB10.md.
 DECODE_KERNELS = ("triton", "triton_fused", "sdpa")
-DECODE_KERNEL = "triton"
+DEFAULT_DECODE_KERNEL = "triton_fused"
+DECODE_KERNEL = DEFAULT_DECODE_KERNEL
 
 
 def set_decode_kernel(name: str) -> None:

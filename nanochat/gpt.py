@@ -174,6 +174,14 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return _RMSNorm.apply(x)
 
 
+def plain_mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
+    """A block's input and its norm: s = lam * r + mu * x0, (s, norm(s)). The default
+    GPT.mix_norm; --kernel triton installs nanochat/fused_norm.py's op, which needs less memory."""
+    # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
+    s = lam * r + mu * x0
+    return s, norm(s)
+
+
 def rotary_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """norm(apply_rotary(x, cos, sin)), computed in float32 (float64 for float64 x), saving only
     its output for backward."""
@@ -359,8 +367,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos, sin, window, backend, kv_cache):
-        x = x + self.attn(norm(x), ve, cos, sin, window, backend, kv_cache)
+    def forward(self, x, x_normed, ve, cos, sin, window, backend, kv_cache):
+        """x: the block input (after the residual mix); x_normed = norm(x), computed with the mix
+        by GPT.mix_norm."""
+        x = x + self.attn(x_normed, ve, cos, sin, window, backend, kv_cache)
         return x + self.mlp(norm(x))
 
 
@@ -380,6 +390,7 @@ class GPT(nn.Module):
         self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
         self.windows = layer_windows(config)
         self.loss_fn = cross_entropy_loss
+        self.mix_norm = plain_mix_norm
         V, C = config.padded_vocab_size, config.n_embd
         kv_dim = config.n_kv_head * config.head_dim
         self.wte = nn.Embedding(V, C)
@@ -468,6 +479,13 @@ class GPT(nn.Module):
             raise ValueError(f"set_loss_fn: expected a callable or None, got {type(fn).__name__}")
         self.loss_fn = cross_entropy_loss if fn is None else fn
 
+    def set_mix_norm(self, fn) -> None:
+        """fn(r, x0, lam, mu) -> (s, norm(s)) with s = lam * r + mu * x0 (plain_mix_norm's
+        contract), each block's residual mix and input norm. None restores plain_mix_norm."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
+        self.mix_norm = plain_mix_norm if fn is None else fn
+
     def runtime_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype is not None:
             return self.compute_dtype
@@ -503,11 +521,10 @@ class GPT(nn.Module):
         x = norm(self.wte(idx).to(dtype))
         x0 = x
         for i, block in enumerate(self.blocks):
-            # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
-            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            x, x_normed = self.mix_norm(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             key = str(i)
             ve = (idx, self.value_embeds[key].weight) if key in self.value_embeds else None
-            x = block(x, ve, cos, sin, self.windows[i], backend, kv_cache)
+            x = block(x, x_normed, ve, cos, sin, self.windows[i], backend, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         x = norm(x)

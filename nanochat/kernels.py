@@ -20,6 +20,8 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            The whole thing is a torch.library custom op, so torch.compile keeps one graph.
            On CPU the same algorithm runs with a pure-torch row kernel (`ce_rows_torch`), or
            with the Triton kernels themselves under TRITON_INTERPRET=1.
+           `build_mix_norm("triton")` adds the fused residual mix + RMSNorm of every block
+           (nanochat/fused_norm.py): 1 (B, T, C) tensor per layer less kept for backward.
 """
 
 from __future__ import annotations
@@ -316,3 +318,17 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
         raise RuntimeError(f"--kernel triton supports cuda and cpu, not {dev.type}; use --kernel current")
     _custom_ops()
     return functools.partial(triton_loss, chunk_rows=chunk_rows)
+
+
+def build_mix_norm(name: str, device: torch.device | str = "cpu"):
+    """Each block's residual mix + input norm for `--kernel name` (GPT.set_mix_norm): None (the
+    model's plain autograd version) for current and liger; for triton the fused op of
+    nanochat/fused_norm.py, which keeps one (B, T, C) tensor less per layer for backward."""
+    if name not in KERNELS:
+        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+    if name != "triton":
+        return None
+    build_loss_fn(name, device)   # the same device and Triton checks, raised the same way
+    from nanochat import fused_norm
+    fused_norm.register()
+    return fused_norm.mix_norm

@@ -14,6 +14,9 @@ kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 
 - `fp8_cast_transpose_triton(x, scale, dtype)`: x (M, N) -> fp8 (x * scale) and its (N, M)
   transpose in one pass (used by precision.py's fp8 matmul; its wgrad GEMM needs both layouts).
+- `mix_norm_fwd_triton` / `mix_norm_bwd_triton`: the block input's residual mix
+  s = lam * r + mu * x0 and its RMSNorm in one pass, and the backward that rebuilds s from the
+  normed output (nanochat/fused_norm.py says why).
 - `decode_attention_triton(q, k, v, pos, window)`: one-token attention over a KV-cache bucket
   (the CUDA-graph decode step, attention.py), split over the keys: one program per (row, head,
   chunk of keys) writes a partial (max, sum, weighted values), a second kernel merges the chunks
@@ -193,6 +196,80 @@ def fp8_cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 
 # --------------------------------------------------------------------------------------------
+# Residual mix + RMSNorm (fused_norm.py owns the op, its autograd and the torch twin)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mix_norm_fwd_kernel(r_ptr, x0_ptr, lm_ptr, s_ptr, y_ptr, rstd_ptr, C, eps,
+                         BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    r = tl.load(r_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x0_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (tl.load(lm_ptr).to(tl.float32) * r + tl.load(lm_ptr + 1).to(tl.float32) * x0).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * C + cols, s, mask=mask)
+    sf = s.to(tl.float32)   # normalise the stored (rounded) s, as norm(s) on the plain path does
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / C + eps)
+    tl.store(y_ptr + row * C + cols, (sf * rstd).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _mix_norm_bwd_kernel(gs_ptr, gy_ptr, y_ptr, rstd_ptr, x0_ptr, lm_ptr, gr_ptr, gx0_ptr,
+                         part_ptr, C, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    gs = tl.load(gs_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    gy = tl.load(gy_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x0_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    g = gs + rstd * (gy - y * (tl.sum(gy * y, axis=0) / C))   # dL/ds: residual path + norm
+    tl.store(gr_ptr + row * C + cols, (tl.load(lm_ptr).to(tl.float32) * g).to(gr_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(gx0_ptr + row * C + cols, (tl.load(lm_ptr + 1).to(tl.float32) * g).to(gx0_ptr.dtype.element_ty),
+             mask=mask)
+    # per-row partial sums for the two scalars' gradients: sum(g * s) with s = y / rstd rebuilt
+    # from the saved output, and sum(g * x0)
+    tl.store(part_ptr + 2 * row, tl.sum(g * y, axis=0) / rstd)
+    tl.store(part_ptr + 2 * row + 1, tl.sum(g * x0, axis=0))
+
+
+def _mix_norm_warps(block_c: int) -> int:
+    return 8 if block_c >= 4096 else 4
+
+
+def mix_norm_fwd_triton(r: torch.Tensor, x0: torch.Tensor, lam_mu: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """s = lam * r + mu * x0 (r's dtype), y = s * rstd, rstd = 1/rms(s) (float32, (N, 1)); r and
+    x0 (N, C) contiguous, lam_mu = (lam, mu) a (2,) tensor. One program per row."""
+    assert r.ndim == 2 and r.is_contiguous() and x0.is_contiguous() and x0.shape == r.shape
+    n, c = r.shape
+    s, y = torch.empty_like(r), torch.empty_like(r)
+    rstd = torch.empty((n, 1), dtype=torch.float32, device=r.device)
+    if n:
+        block = triton.next_power_of_2(c)
+        _mix_norm_fwd_kernel[(n,)](r, x0, lam_mu, s, y, rstd, c, eps, BLOCK_C=block,
+                                   num_warps=_mix_norm_warps(block))
+    return s, y, rstd
+
+
+def mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dr, dL/dx0, per-row partials (N, 2) float32: sum(g * s), sum(g * x0)) for the forward
+    above, g = dL/ds = gs + the RMSNorm backward of gy. All (N, C) contiguous."""
+    n, c = y.shape
+    gr, gx0 = torch.empty_like(gs), torch.empty_like(x0)
+    part = torch.empty((n, 2), dtype=torch.float32, device=y.device)
+    if n:
+        block = triton.next_power_of_2(c)
+        _mix_norm_bwd_kernel[(n,)](gs, gy, y, rstd, x0, lam_mu, gr, gx0, part, c, BLOCK_C=block,
+                                   num_warps=_mix_norm_warps(block))
+    return gr, gx0, part
+
+
+# --------------------------------------------------------------------------------------------
 # Decode attention: one query token per (row, head) over a cache bucket, split over the keys
 # --------------------------------------------------------------------------------------------
 
@@ -293,10 +370,9 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
     fused=True: the last program of each (row, head) merges the chunks (a per-row atomic
     counter, acq_rel) instead of a second launch, which costs ~2 us per layer at batch 1 (the
-    merge kernel in the d20 profile). Checked in the Triton interpreter only so far, so not the
-    default: tests/test_attention.py's CUDA test runs it 50 times against the first result and
-    the two-kernel merge, and `bench_inference --decode-kernel triton,triton_fused,sdpa`
-    (gpu_check.sh infer) measures it."""
+    merge kernel in the d20 profile). The default since it passed tests/test_attention.py's CUDA
+    test on an H100 (50 repeated calls equal the first and the two-kernel merge) and measured
+    0.976 vs 0.993 ms per d20 batch-1 step (`bench_inference --decode-kernel`)."""
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert T == 1 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and Hq % Hkv == 0

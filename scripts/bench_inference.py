@@ -45,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
                    help="on|off|on,off: decode with one q/k/v matmul per layer (GPT.inference_weights) "
                         "or three; 'off' rows are labelled <mode>/unfused")
-    p.add_argument("--decode-kernel", "--decode_kernel", dest="decode_kernel", default="triton",
+    p.add_argument("--decode-kernel", "--decode_kernel", dest="decode_kernel", default="triton_fused",
                    help="comma list of triton|triton_fused|sdpa: the static/graphs step's attention "
-                        "(attention.set_decode_kernel); rows other than triton are labelled <mode>/<kernel>")
+                        "(attention.set_decode_kernel); rows other than the default (triton_fused) are labelled <mode>/<kernel>")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
@@ -143,9 +143,9 @@ def timed(rt, fn) -> float:
 
 
 def label(engine) -> str:
-    from nanochat.attention import DECODE_KERNEL
+    from nanochat.attention import DECODE_KERNEL, DEFAULT_DECODE_KERNEL
 
-    kernel = "" if DECODE_KERNEL == "triton" or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
+    kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
     return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel
 
 
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from nanochat.attention import set_decode_kernel
+    from nanochat.attention import DEFAULT_DECODE_KERNEL, set_decode_kernel
     from nanochat.common import init_runtime
     from nanochat.platform import detect_device
 
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             set_decode_kernel(kernel)
             _bench_mode(args, model, rt, spec, prompt, mode, fused, rows)
     finally:
-        set_decode_kernel("triton")
+        set_decode_kernel(DEFAULT_DECODE_KERNEL)
     print_table(rows, spec, args, params, rt)
     return 0
 

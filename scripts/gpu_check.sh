@@ -74,7 +74,7 @@ if has infer; then
   step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
   step bench_infer_long 500 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800 \
-       --decode-kernel triton,sdpa
+       --decode-kernel triton_fused,sdpa
   step bench_infer_kernels 450 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs \
        --decode-kernel triton,triton_fused,sdpa
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off

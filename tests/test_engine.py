@@ -566,8 +566,8 @@ def test_bench_inference_decode_kernel_rows_and_reset(capsys):
                  "--batch-sizes", "1", "--vocab-size", "256", "--seq-len", "32", "--decode", "static,eager",
                  "--decode-kernel", "triton,sdpa", "--repeats", "1"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert {r["decode"] for r in rows if r.get("bench") == "decode"} == {"static", "static/sdpa", "eager"}
-    assert A.DECODE_KERNEL == "triton"
+    assert {r["decode"] for r in rows if r.get("bench") == "decode"} == {"static/triton", "static/sdpa", "eager"}
+    assert A.DECODE_KERNEL == A.DEFAULT_DECODE_KERNEL == "triton_fused"
     with pytest.raises(ValueError, match="--decode-kernel: got 'flash'; accepted: comma-separated triton"):
         main(["--device", "cpu", "--decode-kernel", "flash"])
     with pytest.raises(ValueError, match="decode kernel: got 'x'"):
@@ -576,4 +576,4 @@ def test_bench_inference_decode_kernel_rows_and_reset(capsys):
     try:
         assert not A._triton_decode_ok(torch.empty(1, 1, 1, 128, device="meta"))
     finally:
-        A.set_decode_kernel("triton")
+        A.set_decode_kernel(A.DEFAULT_DECODE_KERNEL)

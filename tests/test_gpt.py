@@ -206,6 +206,22 @@ def test_compiled_training_saves_few_activations():
     assert widths <= 25.5, widths
 
 
+def test_fused_mix_norm_saves_one_width_less_per_layer():
+    """--kernel triton's residual mix + norm (nanochat/fused_norm.py) keeps no block input r for
+    resid_lambdas' gradient: n_layer - 1 widths less (layer 0's input is x0, kept anyway)."""
+    from nanochat.kernels import build_mix_norm
+
+    widths = []
+    for kernel in ("current", "triton"):
+        torch.manual_seed(0)
+        cfg = config_for_depth(4, 512, 64, aspect_ratio=64, head_dim=64)
+        model = GPT(cfg, attn_backend="sdpa", compute_dtype=torch.float32)
+        model.init_weights()
+        model.set_mix_norm(build_mix_norm(kernel))
+        widths.append(_saved_activation_widths(model, torch.randint(0, 512, (2, 64))))
+    assert widths[0] - widths[1] == pytest.approx(3.0), widths
+
+
 def test_value_embed_mix_gradients_match_plain_autograd():
     """_ValueEmbedMix (lookup recomputed in backward) = v + gate * table[idx] through autograd."""
     from nanochat.gpt import _ValueEmbedMix
@@ -390,10 +406,13 @@ def test_cuda_compiled_bf16_training_step():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["sdpa_flex", "cudnn"])
-def test_cuda_compiled_bf16_gradients_match_fp32(backend):
-    """The compiled bf16 training graph (saved-output norms, fused kernels, cuDNN or flex windows)
-    gives the gradients of the plain float32 model: total relative L2 error at bf16 level."""
+@pytest.mark.parametrize("backend,kernel", [("sdpa_flex", "current"), ("cudnn", "current"), ("cudnn", "triton")])
+def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
+    """The compiled bf16 training graph (saved-output norms, fused kernels, cuDNN or flex windows;
+    with --kernel triton its loss and residual mix + norm too) gives the gradients of the plain
+    float32 model: total relative L2 error at bf16 level."""
+    from nanochat.kernels import build_loss_fn, build_mix_norm
+
     if backend == "cudnn":
         from nanochat.cudnn_attention import probe
         reason = probe(torch.device("cuda"))
@@ -409,6 +428,9 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend):
     model.prepare_attention()
     ref = copy.deepcopy(model)
     ref.compute_dtype, ref.attn_backend = torch.float32, "sdpa"
+    if kernel != "current":
+        model.set_loss_fn(build_loss_fn(kernel, "cuda"))
+        model.set_mix_norm(build_mix_norm(kernel, "cuda"))
     idx = torch.randint(0, 4096, (4, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     torch.compile(model)(idx, idx.roll(-1, 1)).backward()
     ref(idx, idx.roll(-1, 1)).backward()

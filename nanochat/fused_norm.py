@@ -1,0 +1,133 @@
+"""The fused residual mix + RMSNorm at the start of every block (`--kernel triton`).
+
+Each block begins with s = resid_lambdas[i] * r + x0_lambdas[i] * x0 and y = norm(s) (gpt.py,
+`plain_mix_norm`). Through plain autograd the compiled graph keeps r, the previous block's
+output, for one reason: resid_lambdas' gradient sum(dL/ds * r). That is one (B, T, C) tensor per
+layer, 3.1 GiB at d20 with batch 32 x 2048. This op keeps only what backward needs anyway: y
+(the q/k/v matmuls save it as their input), 1/rms(s) (a float32 column) and x0 (one tensor shared
+by all layers), and rebuilds the rest, since s = y / rstd:
+
+    dL/dx0_lambda = sum(g * x0),    dL/dresid_lambda = sum(g * r) = (sum(g * s) - mu * sum(g * x0)) / lam
+
+with g = dL/ds (the residual path plus the RMSNorm backward). Every other gradient is computed
+as the plain path computes it; the rebuilt s carries y's rounding (2^-9 relative per element in
+bf16) into resid_lambdas' gradient only, a sum over B*T*C products in which it averages out
+(tests/test_fused_norm.py bounds it against float64). With lam exactly 0, r cannot be rebuilt and
+that gradient is returned as 0 (the parameters start at 1; Adam steps do not land on exact 0).
+
+On CUDA (or under TRITON_INTERPRET=1) the forward and backward are one Triton pass each
+(triton_kernels.mix_norm_fwd_triton / _bwd_triton); elsewhere `mix_norm_torch` and
+`mix_norm_bwd_torch` run the same math. Both are torch.library custom ops (registered on first
+use), so torch.compile keeps one graph around them. The two scalars travel as one stacked (2,)
+tensor: inductor requires custom-op inputs 16-byte aligned, which resid_lambdas[i] (a 0-dim view
+at offset i) is not.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+OP_NAMESPACE = "nanochat"
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)   # float32, or float64 in tests
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def mix_norm_torch(r, x0, lam_mu):
+    """(s, y, rstd) as triton_kernels.mix_norm_fwd_triton computes them; r, x0 (N, C),
+    lam_mu = (lam, mu) a (2,) tensor."""
+    m = _math_dtype(r.dtype)
+    lam, mu = lam_mu.to(m).unbind()
+    s = (lam * r.to(m) + mu * x0.to(m)).to(r.dtype)
+    sf = s.to(m)
+    rstd = torch.rsqrt(sf.square().mean(-1, keepdim=True) + torch.finfo(m).eps)
+    return s, (sf * rstd).to(r.dtype), rstd
+
+
+def mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu):
+    """(dL/dr, dL/dx0, partials (1, 2): sum(g * s), sum(g * x0)); same math as the Triton kernel."""
+    m = rstd.dtype
+    lam, mu = lam_mu.to(m).unbind()
+    yf, gyf = y.to(m), gy.to(m)
+    g = gs.to(m) + rstd * (gyf - yf * (gyf * yf).mean(-1, keepdim=True))
+    part = torch.stack(((g * yf / rstd).sum(), (g * x0.to(m)).sum()))[None]
+    return (lam * g).to(gs.dtype), (mu * g).to(x0.dtype), part
+
+
+def scalar_grads(part: torch.Tensor, lam_mu: torch.Tensor) -> torch.Tensor:
+    """(dL/dlam, dL/dmu) as a (2,) tensor from the per-row partials (rows, 2) of sum(g * s) and
+    sum(g * x0)."""
+    g_s, g_mu = part.sum(0).unbind()
+    lam, mu = lam_mu.to(g_s.dtype).unbind()
+    live = lam != 0
+    g_lam = torch.where(live, (g_s - mu * g_mu) / torch.where(live, lam, 1.0), 0.0)
+    return torch.stack((g_lam, g_mu)).to(lam_mu.dtype)
+
+
+@functools.cache
+def _ops():
+    """Register the forward and backward custom ops once, on first use."""
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::mix_norm", mutates_args=())
+    def mix_norm_op(r: torch.Tensor, x0: torch.Tensor,
+                    lam_mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _use_triton(r):
+            from nanochat.triton_kernels import mix_norm_fwd_triton
+            return mix_norm_fwd_triton(r, x0, lam_mu, torch.finfo(torch.float32).eps)
+        return mix_norm_torch(r, x0, lam_mu)
+
+    @mix_norm_op.register_fake
+    def _(r, x0, lam_mu):
+        return (torch.empty_like(r), torch.empty_like(r),
+                r.new_empty((r.shape[0], 1), dtype=_math_dtype(r.dtype)))
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::mix_norm_bwd", mutates_args=())
+    def mix_norm_bwd_op(gs: torch.Tensor, gy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor,
+                        x0: torch.Tensor, lam_mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _use_triton(gs):
+            from nanochat.triton_kernels import mix_norm_bwd_triton
+            gr, gx0, part = mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu)
+        else:
+            gr, gx0, part = mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu)
+        return gr, gx0, scalar_grads(part, lam_mu)
+
+    @mix_norm_bwd_op.register_fake
+    def _(gs, gy, y, rstd, x0, lam_mu):
+        return torch.empty_like(gs), torch.empty_like(x0), torch.empty_like(lam_mu)
+
+    def setup_context(ctx, inputs, output):
+        _r, x0, lam_mu = inputs
+        _s, y, rstd = output
+        ctx.mark_non_differentiable(rstd)
+        ctx.save_for_backward(y, rstd, x0, lam_mu)
+
+    def backward(ctx, gs, gy, _g_rstd):
+        y, rstd, x0, lam_mu = ctx.saved_tensors
+        return torch.ops.nanochat.mix_norm_bwd(gs.contiguous(), gy.contiguous(), y, rstd, x0, lam_mu)
+
+    mix_norm_op.register_autograd(backward, setup_context=setup_context)
+    return torch.ops.nanochat.mix_norm
+
+
+def register() -> None:
+    """Register the ops now (kernels.build_mix_norm calls it before anything is compiled)."""
+    _ops()
+
+
+def mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
+    """(s, norm(s)) with s = lam * r + mu * x0: GPT.mix_norm's contract (gpt.plain_mix_norm);
+    r and x0 (..., C) in the compute dtype, lam and mu 0-dim float32 parameters."""
+    if not torch.compiler.is_compiling():
+        _ops()   # registered on first eager use; under compile it already exists
+    c = r.shape[-1]
+    s, y, _ = torch.ops.nanochat.mix_norm(r.reshape(-1, c).contiguous(), x0.reshape(-1, c).contiguous(),
+                                          torch.stack((lam, mu)))
+    return s.view(r.shape), y.view(r.shape)
