@@ -356,8 +356,11 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
         self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+        self.fused = None   # fn(x, w_fc, w_proj) -> y replacing the three steps (GPT.set_mlp_fn)
 
     def forward(self, x):
+        if self.fused is not None:
+            return self.fused(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(_ReluSquare.apply(self.c_fc(x)))
 
 
@@ -485,6 +488,18 @@ class GPT(nn.Module):
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
         self.mix_norm = plain_mix_norm if fn is None else fn
+
+    def set_mlp_fn(self, fn) -> None:
+        """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master
+        weights; fn casts them to x's dtype like Linear). Only for plain Linear layers: precision
+        modules (fp8/nvfp4) must keep their own matmuls. None restores the Linear path."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_mlp_fn: expected a callable or None, got {type(fn).__name__}")
+        for block in self.blocks:
+            if fn is not None and not isinstance(block.mlp.c_fc, Linear):
+                raise ValueError("set_mlp_fn: the MLP's Linear layers were swapped by precision.py "
+                                 f"({type(block.mlp.c_fc).__name__}); a fused MLP would bypass them")
+            block.mlp.fused = fn
 
     def runtime_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype is not None:

@@ -21,7 +21,9 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            On CPU the same algorithm runs with a pure-torch row kernel (`ce_rows_torch`), or
            with the Triton kernels themselves under TRITON_INTERPRET=1.
            `build_mix_norm("triton")` adds the fused residual mix + RMSNorm of every block
-           (nanochat/fused_norm.py): 1 (B, T, C) tensor per layer less kept for backward.
+           (nanochat/fused_norm.py): 1 (B, T, C) tensor per layer less kept for backward;
+           `build_mlp("triton", cuda, "bf16")` the MLP whose GEMMs apply relu^2 and its
+           gradient in their epilogues (nanochat/triton_mlp.py, compute capability >= 9).
 """
 
 from __future__ import annotations
@@ -318,6 +320,21 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
         raise RuntimeError(f"--kernel triton supports cuda and cpu, not {dev.type}; use --kernel current")
     _custom_ops()
     return functools.partial(triton_loss, chunk_rows=chunk_rows)
+
+
+def build_mlp(name: str, device: torch.device | str, precision: str):
+    """Every block's MLP for `--kernel name` (GPT.set_mlp_fn): for triton at bf16 on a GPU with
+    TMA (cc >= 9) the GEMMs with fused relu^2 epilogues of nanochat/triton_mlp.py; otherwise None
+    (the Linear path: other kernels, fp8/nvfp4 layers, CPU, older GPUs)."""
+    if name not in KERNELS:
+        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+    if name != "triton" or precision != "bf16" or torch.device(device).type != "cuda":
+        return None
+    from nanochat import triton_mlp
+    if not triton_mlp.available(device):
+        return None
+    triton_mlp.register()
+    return triton_mlp.relu2_mlp
 
 
 def build_mix_norm(name: str, device: torch.device | str = "cpu"):

@@ -389,7 +389,7 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp
     from nanochat.platform import apply_patches, detect_device
 
     patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
@@ -397,8 +397,12 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
                                fp8_wgrad=fp8_wgrad)
     if kernel != "current":
         model.set_loss_fn(build_loss_fn(kernel, rt.device))
-    model.set_mix_norm(build_mix_norm(kernel, rt.device))
-    return {**resolved, "kernel": kernel, "patches": patches}
+    mix, mlp = build_mix_norm(kernel, rt.device), build_mlp(kernel, rt.device, resolved["precision"])
+    model.set_mix_norm(mix)
+    model.set_mlp_fn(mlp)
+    fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
+                                   ("relu2_mlp", mlp is not None)) if on]
+    return {**resolved, "kernel": kernel, "kernel_fusions": ",".join(fused) or "none", "patches": patches}
 
 
 def precision_module(precision: str):

@@ -3,6 +3,10 @@
 `--linears M:INxOUT,...` times instead the three products a training Linear runs, in the
 layouts autograd (bf16) and precision.py (fp8 tensor-wise) use: fwd x @ W.T, dgrad g @ W and
 wgrad g.T @ x (reduction over the M tokens). `--blas cublas|cublaslt` picks torch's BLAS path.
+`--mlp M:C` times the ReLU^2 MLP's two 4C-wide GEMMs with their elementwise pass, bf16: cuBLAS
+then a compiled elementwise kernel (the `current` path) vs nanochat/triton_mlp.py's GEMM with
+the pass in its epilogue (`--kernel triton`): forward relu(x W_fc^T)^2, backward
+(g W_proj) * 2 sqrt(h2).
 
 For each (dtype, shape) it times C = A @ B.T with CUDA events around a batch of products,
 rotating over enough input sets that they cannot all sit in L2, and reports the median TFLOP/s
@@ -56,6 +60,39 @@ def parse_linears(text: str) -> list[tuple[int, int, int]]:
             raise ValueError(f"--linears: got {item!r}; expected M:INxOUT with positive integers")
         out.append((int(m), int(parts[0]), int(parts[1])))
     return out
+
+
+def parse_mlp(text: str) -> tuple[int, int]:
+    """'M:C' -> (M, C); both positive, C a multiple of 8 (16-byte rows for TMA)."""
+    try:
+        m, c = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--mlp: got {text!r}; expected M:C, e.g. 65536:1280") from None
+    if m <= 0 or c <= 0 or c % 8:
+        raise ValueError(f"--mlp: got {text!r}; M and C must be positive and C a multiple of 8")
+    return m, c
+
+
+def make_mlp_pass(variant: str, m: int, c: int, device):
+    """One operand set and a closure running `variant`: fwd|bwd x cublas|fused (bf16)."""
+    from nanochat.triton_mlp import mm_epilogue
+    bf = dict(device=device, dtype=torch.bfloat16)
+    a = torch.randn(m, c, **bf)
+    w_fc = torch.randn(4 * c, c, **bf) / c**0.5
+    w_proj = torch.randn(c, 4 * c, **bf) / (4 * c) ** 0.5
+    h2 = torch.relu(torch.randn(m, 4 * c, **bf)).square()
+    relu2, grad = _mlp_elementwise()
+    return {"fwd/cublas": lambda: relu2(a @ w_fc.t()),
+            "fwd/fused": lambda: mm_epilogue(a, w_fc, "relu2", b_kn=False),
+            "bwd/cublas": lambda: grad(a @ w_proj, h2),
+            "bwd/fused": lambda: mm_epilogue(a, w_proj, "relu2_grad", h2)}[variant]
+
+
+@functools.cache
+def _mlp_elementwise():
+    """The compiled elementwise kernels of the current path (one fused kernel each)."""
+    return (torch.compile(lambda h: torch.relu(h).square()),
+            torch.compile(lambda g, h2: g * 2 * h2.sqrt()))
 
 
 def linear_pass_shape(pass_: str, m: int, k: int, n: int) -> tuple[int, int, int]:
@@ -178,11 +215,14 @@ def main(argv=None) -> int:
     p.add_argument("--burn-in", "--burn_in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
     p.add_argument("--linears", default="", help=f"M:INxOUT list (e.g. {DEFAULT_LINEARS}): "
                    "time fwd/dgrad/wgrad of training Linears instead of --shapes (dtypes bf16, fp8)")
+    p.add_argument("--mlp", default="", help="M:C (e.g. 65536:1280): the MLP GEMMs with relu^2 "
+                   "epilogues, fused (Triton) vs cuBLAS + elementwise, instead of --shapes")
     p.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
                    help="torch.backends.cuda.preferred_blas_library for the bf16 products")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     linears = parse_linears(args.linears) if args.linears else []
+    mlp = parse_mlp(args.mlp) if args.mlp else None
     dtypes = args.dtypes.split(",")
     accepted = LINEAR_DTYPES if linears else DTYPES
     for d in dtypes:
@@ -206,6 +246,8 @@ def main(argv=None) -> int:
     print(json.dumps({"header": True, **header}), flush=True)
     if linears:
         return _run_linears(linears, dtypes, args.reps, l2, spec, device)
+    if mlp:
+        return _run_mlp(*mlp, args.reps, l2, spec, device)
     rows = []
     for dtype in dtypes:
         peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
@@ -250,6 +292,26 @@ def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
     for r in rows:
         print(f"{r['dtype']:<6} {r['linear']:<18} {r['pass']:<6} {r['ms']:>8} {r['tflops']:>9} "
               f"{str(r['pct_of_peak']):>7}")
+    return 0
+
+
+
+def _run_mlp(m, c, reps, l2, spec, device) -> int:
+    """Time the four MLP variants; TFLOP/s counts the GEMM's FLOPs only, so the elementwise
+    pass shows as lost throughput on the cuBLAS rows."""
+    rows = []
+    peak = peak_flops(spec, "bf16")
+    for variant in ("fwd/cublas", "fwd/fused", "bwd/cublas", "bwd/fused"):
+        rec = {"mlp": f"{m}:{c}", "variant": variant, "shape": f"{m}x{4 * c}x{c}", "device": spec.name}
+        make = functools.partial(make_mlp_pass, variant, m, c, device)
+        rec.update(time_gemm("bf16", (m, 4 * c, c), reps=reps, l2_bytes=l2, device=device, make=make))
+        rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+        torch.cuda.empty_cache()
+    print(f"\n{'mlp M:C':<12} {'variant':<11} {'ms':>8} {'GEMM TFLOP/s':>13}")
+    for r in rows:
+        print(f"{r['mlp']:<12} {r['variant']:<11} {r['ms']:>8} {r['tflops']:>13}")
     return 0
 
 

@@ -196,7 +196,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active)
     mfu, util = meter._frac(flops_per_token * tok_s, peak_bf16), meter._frac(flops_per_token * tok_s, peak_active)
     return {"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
-            "depth": depth, "kernel": kernel, "precision": info["precision"], "compile": compile_model,
+            "depth": depth, "kernel": kernel, "kernel_fusions": info["kernel_fusions"],
+            "precision": info["precision"], "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
             "data": cfg.data, "total_batch_size": plan.total_batch_size, "grad_accum_steps": plan.grad_accum_steps,

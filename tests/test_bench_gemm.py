@@ -24,3 +24,13 @@ def test_linears_accept_only_bf16_and_fp8():
     with pytest.raises(ValueError, match=r"--dtypes \(with --linears\).*bf16\|fp8"):
         BG.main(["--linears", "64:16x16", "--dtypes", "nvfp4"])
 
+
+
+def test_parse_mlp():
+    assert BG.parse_mlp("65536:1280") == (65536, 1280)
+
+
+@pytest.mark.parametrize("bad", ["65536", "65536:1281", "0:1280", "a:8", "8:8:8"])
+def test_bad_mlp_raises_naming_the_flag(bad):
+    with pytest.raises(ValueError, match="--mlp"):
+        BG.main(["--mlp", bad])

@@ -409,9 +409,9 @@ def test_cuda_compiled_bf16_training_step():
 @pytest.mark.parametrize("backend,kernel", [("sdpa_flex", "current"), ("cudnn", "current"), ("cudnn", "triton")])
 def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
     """The compiled bf16 training graph (saved-output norms, fused kernels, cuDNN or flex windows;
-    with --kernel triton its loss and residual mix + norm too) gives the gradients of the plain
+    with --kernel triton its loss, residual mix + norm and epilogue-fused MLP too) gives the gradients of the plain
     float32 model: total relative L2 error at bf16 level."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp
 
     if backend == "cudnn":
         from nanochat.cudnn_attention import probe
@@ -431,6 +431,7 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
     if kernel != "current":
         model.set_loss_fn(build_loss_fn(kernel, "cuda"))
         model.set_mix_norm(build_mix_norm(kernel, "cuda"))
+        model.set_mlp_fn(build_mlp(kernel, "cuda", "bf16"))
     idx = torch.randint(0, 4096, (4, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     torch.compile(model)(idx, idx.roll(-1, 1)).backward()
     ref(idx, idx.roll(-1, 1)).backward()

@@ -1,0 +1,125 @@
+"""nanochat/triton_mlp.py: the GEMM with fused relu^2 / relu^2-gradient epilogues (interpreter on
+CPU, the real kernel on the GPU) and the MLP custom op against the plain Linear MLP."""
+
+import pytest
+import torch
+
+from nanochat.gpt import GPT, MLP, config_for_depth
+from nanochat.kernels import build_mlp
+from nanochat.triton_mlp import relu2_mlp
+
+
+def _plain_mlp(x, w_fc, w_proj):
+    return torch.relu(x @ w_fc.to(x.dtype).t()).square() @ w_proj.to(x.dtype).t()
+
+
+def _mlp_grads(fn, x, w_fc, w_proj, gy):
+    x, w_fc, w_proj = (t.detach().clone().requires_grad_() for t in (x, w_fc, w_proj))
+    y = fn(x, w_fc, w_proj)
+    grads = torch.autograd.grad(y, (x, w_fc, w_proj), gy.to(y.dtype))
+    return [y.detach().double()] + [g.double() for g in grads]
+
+
+def _case(n, c, device="cpu", dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, dtype=torch.float64)
+    w_fc = torch.randn(4 * c, c, generator=g, dtype=torch.float64) / c**0.5
+    w_proj = torch.randn(c, 4 * c, generator=g, dtype=torch.float64) / (4 * c) ** 0.5
+    gy = torch.randn(n, c, generator=g, dtype=torch.float64)
+    return x.to(device, dtype), w_fc.to(device), w_proj.to(device), gy.to(device)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_relu2_mlp_op_matches_plain_mlp_on_cpu():
+    """The custom op (CPU math) = the plain MLP through autograd: output and the three gradients,
+    float64, with fp32 master weights cast like Linear (their gradients come back fp32)."""
+    x, w_fc, w_proj, gy = _case(24, 16)
+    w_fc, w_proj = w_fc.float(), w_proj.float()
+    x = x.float()
+    want = _mlp_grads(_plain_mlp, x, w_fc, w_proj, gy)
+    got = _mlp_grads(relu2_mlp, x, w_fc, w_proj, gy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_set_mlp_fn_contract():
+    """The model's MLPs call the installed function with fp32 master weights; swapped precision
+    layers refuse it; None restores the Linear path; bad values raise."""
+    torch.manual_seed(0)
+    model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    idx = torch.randint(0, 64, (2, 16))
+    ref = model(idx, idx)
+    calls = []
+
+    def fn(x, w_fc, w_proj):
+        calls.append(w_fc.dtype)
+        return _plain_mlp(x, w_fc, w_proj)
+
+    model.set_mlp_fn(fn)
+    torch.testing.assert_close(model(idx, idx), ref)
+    assert calls == [torch.float32] * 2
+    model.set_mlp_fn(relu2_mlp)
+    torch.testing.assert_close(model(idx, idx), ref, rtol=1e-5, atol=1e-6)
+    model.set_mlp_fn(None)
+    assert all(b.mlp.fused is None for b in model.blocks)
+    with pytest.raises(ValueError, match="set_mlp_fn: expected a callable"):
+        model.set_mlp_fn("fast")
+    model.blocks[0].mlp.c_fc = torch.nn.Linear(32, 128, bias=False)   # what precision.py swaps in
+    with pytest.raises(ValueError, match="swapped by precision.py"):
+        model.set_mlp_fn(relu2_mlp)
+    assert isinstance(model.blocks[1].mlp, MLP)
+
+
+def test_build_mlp_only_for_triton_bf16_on_tma_gpus():
+    for args in (("current", "cuda", "bf16"), ("triton", "cuda", "fp8"), ("triton", "cpu", "bf16"),
+                 ("liger", "cuda", "bf16")):
+        assert build_mlp(*args) is None, args
+    with pytest.raises(ValueError, match="--kernel: got 'x'"):
+        build_mlp("x", "cpu", "bf16")
+
+
+def test_epilogue_gemm_interpreted(run_triton_interpreted):
+    """The persistent TMA kernel itself under TRITON_INTERPRET=1 (float32: the interpreter
+    mishandles bf16 descriptors): both B layouts, all epilogues, tiles that do not divide M, N."""
+    script = (
+        "import torch\n"
+        "from nanochat.triton_mlp import mm_epilogue\n"
+        "torch.manual_seed(0)\n"
+        "a, w, wkn, aux = torch.randn(70, 48), torch.randn(40, 48), torch.randn(48, 40), torch.rand(70, 40)\n"
+        "for b, kn in ((w, False), (wkn, True)):\n"
+        "    c = a @ (b if kn else b.t())\n"
+        "    for ep, ax, want in (('none', None, c), ('relu2', None, torch.relu(c).square()),\n"
+        "                         ('relu2_grad', aux, c * 2 * aux.sqrt())):\n"
+        "        got = mm_epilogue(a, b, ep, ax, b_kn=kn)\n"
+        "        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)\n"
+        "try:\n"
+        "    mm_epilogue(a, w, 'gelu', b_kn=False)\n"
+        "    raise SystemExit('no error')\n"
+        "except ValueError as e:\n"
+        "    assert 'accepted: none|relu2|relu2_grad' in str(e)\n"
+        "print('OK')\n"
+    )
+    run_triton_interpreted(script)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.cuda
+def test_cuda_relu2_mlp_matches_plain_bf16():
+    """d20's width, bf16: the fused MLP's output and gradients are at least as close to float64
+    as the plain bf16 MLP's (2x + 1e-3), and under 2e-2."""
+    from nanochat.triton_mlp import available
+    if not available("cuda"):
+        pytest.skip("needs compute capability >= 9 (TMA)")
+    x, w_fc, w_proj, gy = _case(4096, 1280, "cuda", torch.float64)
+    ref = _mlp_grads(_plain_mlp, x, w_fc, w_proj, gy)
+    xb, wf, wp = x.bfloat16(), w_fc.float(), w_proj.float()
+    plain = _mlp_grads(_plain_mlp, xb, wf, wp, gy)
+    fused = _mlp_grads(relu2_mlp, xb, wf, wp, gy)
+    for i, (f, p, r) in enumerate(zip(fused, plain, ref)):
+        err = _rel(f, r)
+        assert err < 2e-2 and err < 2 * _rel(p, r) + 1e-3, (i, err, _rel(p, r))
