@@ -359,7 +359,9 @@ class MLP(nn.Module):
         self.fused = None   # fn(x, w_fc, w_proj) -> y replacing the three steps (GPT.set_mlp_fn)
 
     def forward(self, x):
-        if self.fused is not None:
+        # training only: the fused kernels exist for backward's memory and passes; inference
+        # (KV-cache decode, CUDA graphs) keeps the Linear path and its shapes
+        if self.fused is not None and torch.is_grad_enabled():
             return self.fused(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(_ReluSquare.apply(self.c_fc(x)))
 
@@ -484,7 +486,8 @@ class GPT(nn.Module):
 
     def set_mix_norm(self, fn) -> None:
         """fn(r, x0, lam, mu) -> (s, norm(s)) with s = lam * r + mu * x0 (plain_mix_norm's
-        contract), each block's residual mix and input norm. None restores plain_mix_norm."""
+        contract), each block's residual mix and input norm, used while grad is enabled
+        (training; inference keeps plain_mix_norm). None restores plain_mix_norm."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
         self.mix_norm = plain_mix_norm if fn is None else fn
@@ -492,7 +495,8 @@ class GPT(nn.Module):
     def set_mlp_fn(self, fn) -> None:
         """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master
         weights; fn casts them to x's dtype like Linear). Only for plain Linear layers: precision
-        modules (fp8/nvfp4) must keep their own matmuls. None restores the Linear path."""
+        modules (fp8/nvfp4) must keep their own matmuls. Used while grad is enabled (training;
+        inference keeps the Linear path). None restores the Linear path."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mlp_fn: expected a callable or None, got {type(fn).__name__}")
         for block in self.blocks:
@@ -535,8 +539,9 @@ class GPT(nn.Module):
         cos, sin = self._rotary(T, kv_cache, dtype)
         x = norm(self.wte(idx).to(dtype))
         x0 = x
+        mix_norm = self.mix_norm if torch.is_grad_enabled() else plain_mix_norm   # as in MLP.forward
         for i, block in enumerate(self.blocks):
-            x, x_normed = self.mix_norm(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+            x, x_normed = mix_norm(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             key = str(i)
             ve = (idx, self.value_embeds[key].weight) if key in self.value_embeds else None
             x = block(x, x_normed, ve, cos, sin, self.windows[i], backend, kv_cache)

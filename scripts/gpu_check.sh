@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU-box check: carried wheels, preflight, `pytest -m cuda`, benchmarks, short real runs.
 # Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
-#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM (square and d20 training-Linear
-#              passes), loss-kernel and fp8-cast benchmarks
+#   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM (square, d20 training-Linear
+#              passes, the relu^2-epilogue MLP GEMMs), loss-kernel and fp8-cast benchmarks
 #   tests      pytest -m cuda over every test file that has CUDA tests
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
@@ -59,6 +59,7 @@ if has quick; then
   step bench_gemm 120 $PY -m scripts.bench_gemm --reps 7
   step bench_gemm_linears 150 $PY -m scripts.bench_gemm --reps 7 --dtypes bf16,fp8 \
        --linears 65536:1280x1280,65536:1280x5120,65536:5120x1280,65536:1280x32768
+  step bench_gemm_mlp 120 $PY -m scripts.bench_gemm --reps 7 --mlp 65536:1280
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \
        --kernels current,liger,triton,triton@8192,triton@16384
   step bench_cast 120 $PY -m scripts.benchmark_kernels --mode cast --rows 65536 --reps 30
@@ -66,7 +67,7 @@ fi
 if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
        tests/test_precision.py tests/test_attention.py tests/test_gpt.py tests/test_engine.py tests/test_dataloader.py \
-       tests/test_base_train.py tests/test_flex_options.py
+       tests/test_base_train.py tests/test_flex_options.py tests/test_fused_norm.py tests/test_triton_mlp.py
 fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the

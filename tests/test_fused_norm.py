@@ -84,6 +84,24 @@ def test_shapes_and_meta():
     assert rstd.dtype == torch.float32
 
 
+def test_gpt_uses_the_fused_mix_only_while_training():
+    calls = []
+
+    def mix(r, x0, lam, mu):
+        calls.append(r.shape)
+        return plain_mix_norm(r, x0, lam, mu)
+
+    model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    model.set_mix_norm(mix)
+    idx = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        model(idx)
+    assert calls == []
+    model(idx, idx)
+    assert len(calls) == 2
+
+
 def test_build_mix_norm_per_kernel():
     assert build_mix_norm("current") is None and build_mix_norm("liger") is None
     assert build_mix_norm("triton") is fused_norm.mix_norm

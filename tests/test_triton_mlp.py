@@ -62,6 +62,9 @@ def test_gpt_set_mlp_fn_contract():
     model.set_mlp_fn(fn)
     torch.testing.assert_close(model(idx, idx), ref)
     assert calls == [torch.float32] * 2
+    with torch.no_grad():   # inference keeps the Linear path
+        torch.testing.assert_close(model(idx, idx), ref)
+    assert len(calls) == 2
     model.set_mlp_fn(relu2_mlp)
     torch.testing.assert_close(model(idx, idx), ref, rtol=1e-5, atol=1e-6)
     model.set_mlp_fn(None)
