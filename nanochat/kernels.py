@@ -323,15 +323,23 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
 
 
 def build_mlp(name: str, device: torch.device | str, precision: str):
-    """Every block's MLP for `--kernel name` (GPT.set_mlp_fn): for triton at bf16 on a GPU with
-    TMA (cc >= 9) the GEMMs with fused relu^2 epilogues of nanochat/triton_mlp.py; otherwise None
-    (the Linear path: other kernels, fp8/nvfp4 layers, CPU, older GPUs)."""
+    """Every block's MLP for `--kernel name` (GPT.set_mlp_fn): for triton at bf16 on a GPU where
+    nanochat/triton_mlp.py's probe launch passes (TMA: cc >= 9) its GEMMs with fused relu^2
+    epilogues; otherwise None (the Linear path: other kernels, fp8/nvfp4 layers, CPU, older GPUs,
+    a failed probe, which is printed)."""
     if name not in KERNELS:
         raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     if name != "triton" or precision != "bf16" or torch.device(device).type != "cuda":
         return None
-    from nanochat import triton_mlp
-    if not triton_mlp.available(device):
+    try:   # tensor descriptors: Triton >= 3.4; without them the Linear path stays (the banner's
+        from nanochat import triton_mlp   # kernel_fusions then lacks relu2_mlp)
+    except ImportError:
+        return None
+    reason = triton_mlp.probe(device)
+    if reason is not None:
+        from nanochat.common import print0
+        print0(f"[kernels] --kernel triton: the fused relu^2 MLP is off ({reason}); the MLP runs "
+               "cuBLAS + a compiled relu^2 (kernel_fusions in the banner)")
         return None
     triton_mlp.register()
     return triton_mlp.relu2_mlp

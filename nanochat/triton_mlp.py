@@ -15,7 +15,7 @@ nothing on top (scripts/bench_gemm.py --mlp measures it).
 
 `relu2_mlp(x, w_fc, w_proj)` is the whole MLP as a custom op with its backward (the other four
 GEMMs stay cuBLAS); it saves what the plain MLP saves (x, h2). Needs TMA (compute capability
->= 9); `available(device)` says whether it runs. CPU / interpreter: `mm_epilogue` runs the same
+>= 9); `probe(device)` proves it with a tiny real launch before kernels.build_mlp installs it. CPU / interpreter: `mm_epilogue` runs the same
 kernel under TRITON_INTERPRET=1 (float32 tensors; the interpreter mishandles bf16 descriptors)
 and `relu2_mlp` falls back to the same math in torch.
 """
@@ -92,6 +92,47 @@ def available(device: torch.device | str) -> bool:
     """TMA descriptors need compute capability >= 9 (Hopper, Blackwell incl. GB10)."""
     dev = torch.device(device)
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+try:
+    from triton.errors import TritonError as _TritonError
+except ImportError:   # older layouts: the two errors a launch can raise
+    from triton.compiler.errors import CompilationError as _TritonError   # type: ignore[assignment]
+_PROBED: dict[int, str | None] = {}
+
+
+def probe(device: torch.device | str) -> str | None:
+    """None when both epilogue GEMMs compile, launch and match torch on `device` (a tiny real
+    launch, once per device), else why not: a GPU where the kernel was never run (e.g. GB10's
+    smaller shared memory) falls back to cuBLAS instead of failing in the first step."""
+    dev = torch.device(device)
+    if not available(dev):
+        return ("needs compute capability >= 9 (TMA)" if dev.type == "cuda"
+                else f"needs a CUDA GPU (device is {dev.type})")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _PROBED:
+        _PROBED[index] = _probe_launch(torch.device("cuda", index))
+    return _PROBED[index]
+
+
+def _probe_launch(dev: torch.device) -> str | None:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, gy = (torch.randn(256, 128, device=dev, generator=g).bfloat16() for _ in range(2))
+    w_fc = (torch.randn(512, 128, device=dev, generator=g) / 128**0.5).bfloat16()
+    w_proj = (torch.randn(128, 512, device=dev, generator=g) / 512**0.5).bfloat16()
+    try:
+        h2 = mm_epilogue(x, w_fc, "relu2", b_kn=False)
+        gh = mm_epilogue(gy, w_proj, "relu2_grad", h2)
+        torch.cuda.synchronize(dev)
+    except (RuntimeError, _TritonError) as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    want_h2 = torch.relu(x.float() @ w_fc.float().t()).square()
+    want_gh = (gy.float() @ w_proj.float()) * 2 * h2.float().sqrt()
+    for got, want in ((h2, want_h2), (gh, want_gh)):
+        err = ((got.float() - want).norm() / want.norm()).item()
+        if not err < 2e-2:
+            return f"wrong result on this GPU (relative error {err:.3g})"
+    return None
 
 
 def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: torch.Tensor | None = None,

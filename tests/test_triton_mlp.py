@@ -77,6 +77,11 @@ def test_gpt_set_mlp_fn_contract():
     assert isinstance(model.blocks[1].mlp, MLP)
 
 
+def test_probe_names_why_not_without_a_gpu():
+    from nanochat.triton_mlp import probe
+    assert probe("cpu") == "needs a CUDA GPU (device is cpu)"
+
+
 def test_build_mlp_only_for_triton_bf16_on_tma_gpus():
     for args in (("current", "cuda", "bf16"), ("triton", "cuda", "fp8"), ("triton", "cpu", "bf16"),
                  ("liger", "cuda", "bf16")):
@@ -115,9 +120,10 @@ def test_epilogue_gemm_interpreted(run_triton_interpreted):
 def test_cuda_relu2_mlp_matches_plain_bf16():
     """d20's width, bf16: the fused MLP's output and gradients are at least as close to float64
     as the plain bf16 MLP's (2x + 1e-3), and under 2e-2."""
-    from nanochat.triton_mlp import available
+    from nanochat.triton_mlp import available, probe
     if not available("cuda"):
         pytest.skip("needs compute capability >= 9 (TMA)")
+    assert probe("cuda") is None and build_mlp("triton", "cuda", "bf16") is relu2_mlp
     x, w_fc, w_proj, gy = _case(4096, 1280, "cuda", torch.float64)
     ref = _mlp_grads(_plain_mlp, x, w_fc, w_proj, gy)
     xb, wf, wp = x.bfloat16(), w_fc.float(), w_proj.float()
