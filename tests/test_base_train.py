@@ -225,6 +225,8 @@ def test_bench_train_cpu_smoke(capsys):
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     assert [l["kernel"] for l in lines] == ["current", "triton"]
+    # what --kernel triton installs on a CPU: its loss and mix-norm ops (the fused MLP needs TMA)
+    assert [l["kernel_fusions"] for l in lines] == ["none", "linear_ce,mix_norm"]
     for r in lines:
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
         assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
