@@ -273,6 +273,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def _timed_row(rec: dict, dtype: str, shape, make, reps: int, l2: int, peak, device) -> dict:
+    """rec + time_gemm's figures + pct_of_peak, printed as one JSON line."""
+    rec.update(time_gemm(dtype, shape, reps=reps, l2_bytes=l2, device=device, make=make))
+    rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+    print(json.dumps(rec), flush=True)
+    torch.cuda.empty_cache()
+    return rec
+
+
 def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
     rows = []
     for dtype in dtypes:
@@ -283,17 +292,12 @@ def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
                 rec = {"dtype": dtype, "linear": f"{m}:{k}x{n}", "pass": pass_,
                        "shape": "x".join(map(str, shape)), "device": spec.name}
                 make = functools.partial(make_linear_pass, dtype, pass_, m, k, n, device)
-                rec.update(time_gemm(dtype, shape, reps=reps, l2_bytes=l2, device=device, make=make))
-                rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
-                print(json.dumps(rec), flush=True)
-                rows.append(rec)
-                torch.cuda.empty_cache()
+                rows.append(_timed_row(rec, dtype, shape, make, reps, l2, peak, device))
     print(f"\n{'dtype':<6} {'linear M:INxOUT':<18} {'pass':<6} {'ms':>8} {'TFLOP/s':>9} {'% peak':>7}")
     for r in rows:
         print(f"{r['dtype']:<6} {r['linear']:<18} {r['pass']:<6} {r['ms']:>8} {r['tflops']:>9} "
               f"{str(r['pct_of_peak']):>7}")
     return 0
-
 
 
 def _run_mlp(m, c, reps, l2, spec, device) -> int:
@@ -304,11 +308,7 @@ def _run_mlp(m, c, reps, l2, spec, device) -> int:
     for variant in ("fwd/cublas", "fwd/fused", "bwd/cublas", "bwd/fused"):
         rec = {"mlp": f"{m}:{c}", "variant": variant, "shape": f"{m}x{4 * c}x{c}", "device": spec.name}
         make = functools.partial(make_mlp_pass, variant, m, c, device)
-        rec.update(time_gemm("bf16", (m, 4 * c, c), reps=reps, l2_bytes=l2, device=device, make=make))
-        rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
-        print(json.dumps(rec), flush=True)
-        rows.append(rec)
-        torch.cuda.empty_cache()
+        rows.append(_timed_row(rec, "bf16", (m, 4 * c, c), make, reps, l2, peak, device))
     print(f"\n{'mlp M:C':<12} {'variant':<11} {'ms':>8} {'GEMM TFLOP/s':>13}")
     for r in rows:
         print(f"{r['mlp']:<12} {r['variant']:<11} {r['ms']:>8} {r['tflops']:>13}")
