@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from nanochat.gpt import _rms, _rms_backward   # the plain path's RMSNorm math, shared
+
 OP_NAMESPACE = "nanochat"
 
 
@@ -47,18 +49,16 @@ def mix_norm_torch(r, x0, lam_mu):
     m = _math_dtype(r.dtype)
     lam, mu = lam_mu.to(m).unbind()
     s = (lam * r.to(m) + mu * x0.to(m)).to(r.dtype)
-    sf = s.to(m)
-    rstd = torch.rsqrt(sf.square().mean(-1, keepdim=True) + torch.finfo(m).eps)
-    return s, (sf * rstd).to(r.dtype), rstd
+    y, rstd = _rms(s)
+    return s, y, rstd
 
 
 def mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu):
     """(dL/dr, dL/dx0, partials (1, 2): sum(g * s), sum(g * x0)); same math as the Triton kernel."""
     m = rstd.dtype
     lam, mu = lam_mu.to(m).unbind()
-    yf, gyf = y.to(m), gy.to(m)
-    g = gs.to(m) + rstd * (gyf - yf * (gyf * yf).mean(-1, keepdim=True))
-    part = torch.stack(((g * yf / rstd).sum(), (g * x0.to(m)).sum()))[None]
+    g = gs.to(m) + _rms_backward(gy, y, rstd)
+    part = torch.stack(((g * y.to(m) / rstd).sum(), (g * x0.to(m)).sum()))[None]
     return (lam * g).to(gs.dtype), (mu * g).to(x0.dtype), part
 
 
