@@ -26,21 +26,17 @@ at offset i) is not.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from nanochat.gpt import _rms, _rms_backward   # the plain path's RMSNorm math, shared
+from nanochat.kernels import _use_triton       # CUDA, or the Triton interpreter
 
 OP_NAMESPACE = "nanochat"
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)   # float32, or float64 in tests
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def mix_norm_torch(r, x0, lam_mu):

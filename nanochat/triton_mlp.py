@@ -24,7 +24,6 @@ the interpreter mishandles bf16 descriptors) and `relu2_mlp` falls back to the s
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -83,10 +82,6 @@ def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, M, N, K, NUM_PROGRAMS:
 
 _mm_epilogue_tuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "EPILOGUE", "B_KN"])(
     _mm_epilogue_kernel)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device | str) -> bool:
