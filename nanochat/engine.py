@@ -22,7 +22,9 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
     decode steps replayed as CUDA graphs, one per (batch size, 256-token length bucket), over a
     persistent full-context cache per batch size (nanochat/decode.py says how). The step inside
     the graph is `torch.compile(model, dynamic=True)` (`graph_step="compiled"`) or the plain
-    model (`graph_step="eager"`). Call `warmup()` at start-up: it compiles and captures every
+    model (`graph_step="eager"`); `graph_step="persistent"` runs batch-1 steps as one persistent
+    Triton kernel (nanochat/triton_decode.py; it raises where the model or device cannot run it)
+    and other batch sizes compiled. Call `warmup()` at start-up: it compiles and captures every
     bucket for batch 1 and 2, so no request pays for it (a new batch size captures on first use).
   * "static": the same fixed-shape step without capture, on any device (tests compare it with
     eager decoding and with full recomputation on CPU).
@@ -57,7 +59,7 @@ from nanochat.calculator import use_calculator
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
 
 DECODE_MODES = ("auto", "eager", "compile", "static", "graphs")
-GRAPH_STEPS = ("compiled", "eager")
+GRAPH_STEPS = ("compiled", "eager", "persistent")
 MAX_DECODERS = 4  # persistent caches (one per batch size) kept; least recently used evicted
 # How tool calls read as text (GSM8K's own notation, "<<48/2=24>>") in the CLI and the web UI.
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
@@ -124,8 +126,10 @@ class Engine:
     text encoding. `tokenizer=None` (benchmarks on random weights) disables the tool and the
     default stop tokens. `decode`: auto|eager|compile|static|graphs (module docstring);
     `decode_bucket`: the attention length granularity of static/graphs steps; `graph_step`:
-    compiled|eager, what a "graphs" capture records; `fused_qkv`: generate inside the model's
-    inference_weights() (one q/k/v matmul per layer; False for A/B benchmarks)."""
+    compiled|eager|persistent, what a static/graphs step runs (persistent: batch 1 as one
+    persistent Triton kernel, nanochat/triton_decode.py, other batch sizes compiled);
+    `fused_qkv`: generate inside the model's inference_weights() (one q/k/v matmul per layer;
+    False for A/B benchmarks; persistent needs it)."""
 
     def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None,
                  decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "compiled", fused_qkv: bool = True):
@@ -134,6 +138,8 @@ class Engine:
         if graph_step not in GRAPH_STEPS:
             raise ValueError(f"graph_step: got {graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
         _check_int(decode_bucket, "decode_bucket", 1, "an integer >= 1")
+        if graph_step == "persistent" and not fused_qkv:
+            raise ValueError("graph_step: 'persistent' reads the fused q/k/v weights; it needs fused_qkv=True")
         self.model = model
         self.tokenizer = tokenizer
         self.device = _model_device(model)
@@ -205,9 +211,15 @@ class Engine:
             graphs = self.decode_mode == "graphs"
             if graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            step_model = self._compiled_model() if graphs and self.graph_step == "compiled" else self.model
-            decoder = StaticDecoder(self.new_cache(batch_size, self.max_seq_len), step_model,
-                                    bucket=self.decode_bucket, use_graphs=graphs, pool=self._graph_pool)
+            cache = self.new_cache(batch_size, self.max_seq_len)
+            step_model = self._compiled_model() if graphs and self.graph_step != "eager" else self.model
+            if self.graph_step == "persistent" and batch_size == 1:
+                from nanochat.triton_decode import PersistentDecodeStep
+
+                with self.inference_weights():  # the step keeps the fused q/k/v buffers' addresses
+                    step_model = PersistentDecodeStep(self.model, cache)
+            decoder = StaticDecoder(cache, step_model, bucket=self.decode_bucket, use_graphs=graphs,
+                                    pool=self._graph_pool)
         self.decoders[batch_size] = decoder  # (re)inserted last: most recently used
         if decoder.busy:
             return None

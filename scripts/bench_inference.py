@@ -39,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated decode modes to compare: auto|graphs|compile|eager|static "
                         "(auto: graphs on CUDA, eager elsewhere)")
     p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="compiled",
-                   help="compiled|eager: what a graphs capture records")
+                   help="comma list of compiled|eager|persistent: what a static/graphs step runs "
+                        "(persistent: batch 1 as one persistent Triton kernel, nanochat/triton_decode.py); "
+                        "rows other than compiled are labelled <mode>/<graph step>")
     p.add_argument("--decode-bucket", "--decode_bucket", dest="decode_bucket", type=int, default=256,
                    help="attention length bucket of the static/graphs steps")
     p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
@@ -75,8 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
-    if args.graph_step not in GRAPH_STEPS:
-        raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
+    args.graph_step = [v.strip() for v in args.graph_step.split(",") if v.strip()]
+    if not args.graph_step or set(args.graph_step) - set(GRAPH_STEPS):
+        raise ValueError(f"--graph-step: got {','.join(args.graph_step)!r}; accepted: comma-separated "
+                         f"{'|'.join(GRAPH_STEPS)}")
     if args.decode_bucket < 1:
         raise ValueError(f"--decode-bucket: got {args.decode_bucket}; accepted: an integer >= 1")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -111,8 +115,8 @@ def weight_bytes_per_step(model) -> int:
 
 def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
     """Mean bytes of K and V a decode step reads over the positions [first_pos, first_pos + n):
-    static/graphs steps read the whole length bucket in every layer; the dynamic paths read the
-    filled prefix, window layers at most their window."""
+    static/graphs steps read the whole length bucket in every layer; the dynamic paths, and the
+    persistent batch-1 step, read the filled prefix, window layers at most their window."""
     from nanochat.decode import bucket_length
 
     model = engine.model
@@ -121,7 +125,8 @@ def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
     per_token = 2 * cfg.n_kv_head * cfg.head_dim * elem * batch
     total = 0
     for pos in range(first_pos, first_pos + n):
-        if engine.decode_mode in ("static", "graphs"):
+        persistent = engine.graph_step == "persistent" and batch == 1
+        if engine.decode_mode in ("static", "graphs") and not persistent:
             total += per_token * len(model.windows) * bucket_length(pos + 1, engine.max_seq_len, engine.decode_bucket)
         else:
             total += sum(per_token * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
@@ -146,7 +151,8 @@ def label(engine) -> str:
     from nanochat.attention import DECODE_KERNEL, DEFAULT_DECODE_KERNEL
 
     kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
-    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel
+    step = "" if engine.graph_step == "compiled" or engine.decode_mode not in ("static", "graphs") else f"/{engine.graph_step}"
+    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step
 
 
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
@@ -239,23 +245,24 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
     rows = []
     static = ("static", "graphs") + (("auto",) if rt.device_type == "cuda" else ())
-    runs = [(m, f, k) for m in args.decode for f in args.fused_qkv
-            for k in (args.decode_kernel if m in static else args.decode_kernel[:1])]
+    runs = [(m, f, k, g) for m in args.decode for f in args.fused_qkv
+            for k in (args.decode_kernel if m in static else args.decode_kernel[:1])
+            for g in (args.graph_step if m in static else args.graph_step[:1])]
     try:
-        for mode, fused, kernel in runs:
+        for mode, fused, kernel, graph_step in runs:
             set_decode_kernel(kernel)
-            _bench_mode(args, model, rt, spec, prompt, mode, fused, rows)
+            _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, rows)
     finally:
         set_decode_kernel(DEFAULT_DECODE_KERNEL)
     print_table(rows, spec, args, params, rt)
     return 0
 
 
-def _bench_mode(args, model, rt, spec, prompt, mode, fused, rows) -> None:
+def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, rows) -> None:
     """Warm up one Engine configuration, then time prefill and decode at every batch size."""
     from nanochat.engine import Engine
 
-    engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=args.graph_step,
+    engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=graph_step,
                     fused_qkv=fused == "on")
     t0 = time.perf_counter()
     warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use

@@ -9,7 +9,8 @@
 #   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
 #              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter), Triton
 #              vs SDPA decode attention; the decode kernels (triton, triton_fused, sdpa) at batch 1/8;
-#              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls
+#              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls; the
+#              persistent batch-1 decode kernel vs the compiled graph
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
 #              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
@@ -67,7 +68,8 @@ fi
 if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
        tests/test_precision.py tests/test_attention.py tests/test_gpt.py tests/test_engine.py tests/test_dataloader.py \
-       tests/test_base_train.py tests/test_flex_options.py tests/test_fused_norm.py tests/test_triton_mlp.py
+       tests/test_base_train.py tests/test_flex_options.py tests/test_fused_norm.py tests/test_triton_mlp.py \
+       tests/test_triton_decode.py
 fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
@@ -79,6 +81,8 @@ if has infer; then
   step bench_infer_kernels 450 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs \
        --decode-kernel triton,triton_fused,sdpa
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
+  step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
+       --graph-step persistent,compiled
 fi
 if has train; then
   step bench_train 1000 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16

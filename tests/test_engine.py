@@ -536,6 +536,22 @@ def test_graph_decode_matches_eager_cuda(graph_step):
     graph_decode_agrees(graph_step)
 
 
+@pytest.mark.cuda
+def test_persistent_graph_decode_matches_eager_cuda():
+    """graph_step="persistent": batch 1 runs the persistent kernel inside the captured graphs (fp32
+    model: greedy tokens equal eager's, across 4 buckets), batch 3 the compiled step."""
+    from nanochat.triton_decode import PersistentDecodeStep
+
+    model = random_model("cuda")
+    prompt = list(range(1, 20))
+    engine = Engine(model, None, decode="graphs", decode_bucket=16, graph_step="persistent")
+    for n in (1, 3):
+        kw = dict(num_samples=n, max_tokens=60, temperature=0.0, stop_tokens=())
+        assert engine.generate_batch(prompt, **kw) == Engine(model, None, decode="eager").generate_batch(prompt, **kw)
+    assert isinstance(engine.decoders[1].step_model, PersistentDecodeStep)
+    assert not isinstance(engine.decoders[3].step_model, PersistentDecodeStep)
+
+
 def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
     """The inference benchmark end to end on a tiny CPU model, fused and unfused q/k/v: it prints
     one decode row per (mode, batch) and labels the unfused ones."""
@@ -551,6 +567,8 @@ def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
     assert decode == {("static", 1), ("static", 2), ("static/unfused", 1), ("static/unfused", 2)}
     with pytest.raises(ValueError, match="--fused-qkv"):
         main(["--device", "cpu", "--fused-qkv", "maybe"])
+    with pytest.raises(ValueError, match="--graph-step.*persistent"):
+        main(["--device", "cpu", "--graph-step", "compiled,megakernel"])
 
 
 def test_bench_inference_decode_kernel_rows_and_reset(capsys):
