@@ -17,7 +17,9 @@ and (b) the GEMVs reach ~1.2 TB/s: each program holds one row tile (BN x K) in f
 kernel sits at 255 registers per thread. Tried and slower: an L2 prefetch of the next phase's
 rows before each barrier (`prefetch=True`, with an earlier GEMV: 1.28 vs 1.02 ms), two
 programs per SM (a barrier then costs ~3.7-5.4 us), loading the next row tile one step ahead
-(1.21-1.24 ms at block 16-32 x 256); `block_k` 512 beat 256 (0.90 vs 1.19 ms). The next levers: fewer barriers (attention + proj in one phase), and more bytes in
+(1.21-1.24 ms at block 16-32 x 256); `block_k` 512 beat 256 (0.90 vs 1.19 ms); unrolling at
+most 5 K chunks (GEMV_UNROLL; the K = 4C product spilled with all 10) 0.867 vs 0.900 ms in the
+same kernel-only harness (the 0.912 / 0.986 ms A/B above predates it). The next levers: fewer barriers (attention + proj in one phase), and more bytes in
 flight per SM without more registers (TMA bulk loads into shared memory).
 
 Per layer l (residual stream kept in float32, slot 2l = the block input, slot 2l+1 = after
@@ -66,6 +68,9 @@ P_VC = tl.constexpr(5)
 P_VE = tl.constexpr(6)
 P_GATE = tl.constexpr(7)
 N_PTRS = tl.constexpr(8)
+# K chunks of a GEMV row tile issued before the first is used (more spilled registers at d20's
+# K = 5120: 0.900 ms per step unrolling all 10 chunks, 0.867 ms at 5, 0.884 ms at 3; H100).
+GEMV_UNROLL = tl.constexpr(5)
 PHASES = 7  # 0 x0, 1 qkv, 2 attention, 3 proj, 4 fc, 5 proj2, 6 lm_head (interpreter launches)
 
 
@@ -73,8 +78,8 @@ PHASES = 7  # 0 x0, 1 qkv, 2 attention, 3 proj, 4 fc, 5 proj2, 6 lm_head (interp
 def _grid_sync(flags, epoch, pid, nprog, P_P2: tl.constexpr):
     """Grid barrier: publish `epoch` in this program's flag, wait until every flag reaches it.
     Flags only grow (a step's k-th barrier uses epoch = the flag at step start + k), so nothing
-    is ever reset. One flag per program, not one shared counter: 132 atomics on one address
-    serialise (~1.7 us per barrier measured on the H100), separate stores do not."""
+    is ever reset. ~1.7 us on the H100 with 132 programs, the same as one shared atomic counter
+    and as polling with ld.acquire instead of the final acquire atomic (all measured)."""
     tl.debug_barrier()  # every thread's stores are issued before the release below
     tl.atomic_xchg(flags + pid, epoch, sem="release", scope="gpu")
     i = tl.arange(0, P_P2)
@@ -134,21 +139,25 @@ def _gemv(w_ptr, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, x_scale, out_p
 
     x = _input(xa, xb, x_lam, x_mu, x_scale). Epilogues: 0 store; 1 add the residual
     r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap).
-    The K loop is unrolled (static_range), so a row tile's K / BK weight loads are all issued
-    before the first is used: a decode GEMV is bound by the bytes each SM has in flight."""
+    The K loop is unrolled by GEMV_UNROLL chunks (static_range), so that many weight loads of a
+    row tile are issued before the first is used: a decode GEMV is bound by the bytes each SM
+    has in flight."""
     wty = w_ptr.dtype.element_ty
+    NK: tl.constexpr = (K + BK - 1) // BK
+    KU: tl.constexpr = NK if NK < GEMV_UNROLL else GEMV_UNROLL
     n0 = pid * N // nprog
     n1 = (pid + 1) * N // nprog
     for n in range(n0, n1, BN):
         rows = n + tl.arange(0, BN)
         acc = tl.zeros([BN, BK], tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            cols = kk + tl.arange(0, BK)
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                        mask=(rows[:, None] < n1) & (cols[None, :] < K), other=0.0,
-                        eviction_policy="evict_first")
-            x = _input(xa_ptr, xb_ptr, x_lam, x_mu, x_scale, cols, K, MIX, wty)
-            acc += w.to(tl.float32) * x[None, :]
+        for k0 in range(0, K, BK * KU):
+            for kk in tl.static_range(0, BK * KU, BK):
+                cols = k0 + kk + tl.arange(0, BK)
+                w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                            mask=(rows[:, None] < n1) & (cols[None, :] < K), other=0.0,
+                            eviction_policy="evict_first")
+                x = _input(xa_ptr, xb_ptr, x_lam, x_mu, x_scale, cols, K, MIX, wty)
+                acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, 1)
         if EPI == 1:
             out += r_lam * tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
