@@ -14,13 +14,16 @@ model than the eager bf16 step's (relative error 6.7e-3 vs 2.0e-2). Still ~30% o
 roofline, far from it because (a) a grid barrier costs ~1.7 us (a 101-barrier kernel alone took
 175-181 us, whether the programs arrive on one atomic counter or publish per-program flags),
 and (b) the GEMVs reach ~1.2 TB/s: each program holds one row tile (BN x K) in flight, and the
-kernel sits at 255 registers per thread. Tried and slower: an L2 prefetch of the next phase's
-rows before each barrier (`prefetch=True`, with an earlier GEMV: 1.28 vs 1.02 ms), two
+kernel sits at 255 registers per thread. Tried and slower, so not kept: an L2 prefetch
+(prefetch.global.L2) of the coming phases' weight rows before each barrier (first GEMV: 1.28 vs
+1.02 ms; the final one: 1.02-2.92 ms for 1, 2, 4 or all row tiles vs 0.867 ms without), two
 programs per SM (a barrier then costs ~3.7-5.4 us), loading the next row tile one step ahead
 (1.21-1.24 ms at block 16-32 x 256); `block_k` 512 beat 256 (0.90 vs 1.19 ms); unrolling at
 most 5 K chunks (GEMV_UNROLL; the K = 4C product spilled with all 10) 0.867 vs 0.900 ms in the
-same kernel-only harness (the 0.912 / 0.986 ms A/B above predates it). The next levers: fewer barriers (attention + proj in one phase), and more bytes in
-flight per SM without more registers (TMA bulk loads into shared memory).
+same kernel-only harness (the 0.912 / 0.986 ms A/B above predates it); polling the flags with
+ld.acquire instead of ending with an acquire atomic (same 1.7 us). The next levers: fewer
+barriers (fc + proj2 as one split-K phase over a transposed W_proj), and fewer registers, so
+that the row tiles in flight stop spilling (TMA bulk loads into shared memory).
 
 Per layer l (residual stream kept in float32, slot 2l = the block input, slot 2l+1 = after
 attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
@@ -42,8 +45,8 @@ of a step a program publishes epoch = its flag at step start + k and waits until
 has reached it), so all programs must be resident at once: the grid is one program per SM,
 launched alone on its stream (a CUDA graph replays it that way), and the first launch checks
 the compiled kernel's registers and shared memory against the SMs before it runs
-(`_check_resident`: a grid that cannot be resident would wait forever). Data written by other programs is read
-with .cg loads (L2, never a stale L1 line). Under TRITON_INTERPRET=1 (CPU tests) programs run one
+(`_check_resident`: a grid that cannot be resident would wait forever). Data written by other
+programs is read with .cg loads (L2, never a stale L1 line). Under TRITON_INTERPRET=1 (CPU tests) programs run one
 after another, so a barrier would never open: there the host launches one phase at a time and the
 kernel boundaries are the barriers (`PHASE` >= 0); the GPU runs everything in one launch
 (`PHASE` = -1). Accumulation is float32 throughout; weights, the KV cache and the inputs of every
@@ -88,25 +91,6 @@ def _grid_sync(flags, epoch, pid, nprog, P_P2: tl.constexpr):
         seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
     tl.atomic_add(flags + pid, 0, sem="acquire", scope="gpu")  # later loads see the others' stores
     tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, N, K, pid, nprog, PREFETCH: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr):
-    """Pull this program's share of a weight matrix's rows (the rows `_gemv` will read) into L2,
-    one prefetch per 128-byte line, without waiting for them."""
-    if PREFETCH:
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per line
-        n0 = pid * N // nprog
-        n1 = (pid + 1) * N // nprog
-        for n in range(n0, n1, BN):
-            rows = n + tl.arange(0, BN)
-            for k in range(0, K, BL * LINE):
-                cols = k + tl.arange(0, BL) * LINE
-                ok = (rows[:, None] < n1) & (cols[None, :] < K)
-                # lanes past the share point at the matrix start: a harmless repeat prefetch
-                ptrs = w_ptr + tl.where(ok, rows[:, None].to(tl.int64) * K + cols[None, :], 0)
-                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-                                          "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -319,17 +303,15 @@ def _decode_step_kernel(
         layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
         C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
         GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
-        PHASE: tl.constexpr, PREFETCH: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr,
-        BK_F: tl.constexpr, BKEY: tl.constexpr, BL: tl.constexpr, P_P2: tl.constexpr):
+        PHASE: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
+        BKEY: tl.constexpr, P_P2: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wty: tl.constexpr = wte_ptr.dtype.element_ty
     tok = tl.load(tok_ptr)
     pos = tl.load(pos_ptr)
-    QKV_N: tl.constexpr = (H + 2 * HKV) * D
     if PHASE < 0:
         epoch = tl.atomic_add(bar_ptr + pid, 0, sem="acquire", scope="gpu") + 1  # next barrier's
-        _prefetch_rows(_layer_ptr(table, 0, P_QKV, wty), QKV_N, C, pid, nprog, PREFETCH, BN, BL)
     if PHASE <= 0:  # x0 = norm(wte[token]); this program's share into slot 0
         row = wte_ptr + tok * C
         rstd0 = _rstd(row, row, 1.0, 0.0, C, eps, False, BK_C)
@@ -344,7 +326,6 @@ def _decode_step_kernel(
         for layer in range(L):
             _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
                        C, H, HKV, D, GATE, HKV_P2, BN, BK_C)
-            _prefetch_rows(_layer_ptr(table, layer, P_WO, wty), C, H * D, pid, nprog, PREFETCH, BN, BL)
             epoch += 1
             _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
             _attention_phase(qkv_ptr, gate_ptr, _layer_ptr(table, layer, P_KC, wty),
@@ -352,18 +333,12 @@ def _decode_step_kernel(
                              tl.load(table + layer * N_PTRS + P_VE), tok, pos, tl.load(windows_ptr + layer),
                              T_CACHE, cos_ptr, sin_ptr, part_ptr, count_ptr, y_ptr, eps, sm_scale, pid,
                              nprog, H, HKV, D, NCH, NCH_P2, BKEY)
-            _prefetch_rows(_layer_ptr(table, layer, P_FC, wty), F, C, pid, nprog, PREFETCH, BN, BL)
             epoch += 1
             _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
             _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C)
-            _prefetch_rows(_layer_ptr(table, layer, P_P2, wty), C, F, pid, nprog, PREFETCH, BN, BL)
             epoch += 1
             _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
             _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN, BK_C)
-            if layer + 1 < L:
-                _prefetch_rows(_layer_ptr(table, layer + 1, P_QKV, wty), QKV_N, C, pid, nprog, PREFETCH, BN, BL)
-            else:
-                _prefetch_rows(head_ptr, V, C, pid, nprog, PREFETCH, BN, BL)
             epoch += 1
             _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
             _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F)
@@ -445,10 +420,10 @@ class PersistentDecodeStep:
     window), whatever the StaticKV's length bucket is. Tuning (powers of two; defaults measured
     best on the H100, module docstring): `block_rows` x `block_k` (`block_k_mlp` for the K = 4C
     product) weight tile per GEMV step, `num_warps` per program, `key_block` keys per attention
-    step, `programs_per_sm`, `prefetch` the L2 prefetch of the next phase's weights."""
+    step, `programs_per_sm`."""
 
     def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 512,
-                 block_k_mlp: int = 512, num_warps: int = 8, prefetch: bool = False, key_block: int = 32,
+                 block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 32,
                  programs_per_sm: int = 1):
         for name, value in (("block_rows", block_rows), ("block_k", block_k), ("block_k_mlp", block_k_mlp),
                             ("num_warps", num_warps), ("key_block", key_block)):
@@ -463,7 +438,8 @@ class PersistentDecodeStep:
         cfg, dev = model.config, cache.k[0].device
         self.model, self.cache, self.config = model, cache, cfg
         if programs is None:
-            programs = 4 if dev.type == "cpu" else programs_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
+            sms = 4 if dev.type == "cpu" else torch.cuda.get_device_properties(dev).multi_processor_count
+            programs = programs_per_sm * sms
         if programs < 1:
             raise ValueError(f"programs: got {programs}; accepted: an integer >= 1")
         self.programs = programs
@@ -472,9 +448,8 @@ class PersistentDecodeStep:
         self._alloc_scratch(cfg, dev)
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=_pow2(Hkv), NCH=self._nch,
-                          NCH_P2=_pow2(self._nch), PREFETCH=bool(prefetch) and not _interpreted(),
-                          BN=block_rows, BK_C=block_k, BK_F=block_k_mlp,
-                          BKEY=key_block, BL=16, P_P2=_pow2(programs), num_warps=num_warps)
+                          NCH_P2=_pow2(self._nch), BN=block_rows, BK_C=block_k, BK_F=block_k_mlp,
+                          BKEY=key_block, P_P2=_pow2(programs), num_warps=num_warps)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:
