@@ -372,10 +372,6 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def unsupported(model, cache) -> str | None:
     """Why `PersistentDecodeStep(model, cache)` cannot run, or None. Needs: batch 1; the model's
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
@@ -447,9 +443,10 @@ class PersistentDecodeStep:
         self._windows = torch.tensor([w or 0 for w in model.windows], dtype=torch.int32, device=dev)
         self._alloc_scratch(cfg, dev)
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=_pow2(Hkv), NCH=self._nch,
-                          NCH_P2=_pow2(self._nch), BN=block_rows, BK_C=block_k, BK_F=block_k_mlp,
-                          BKEY=key_block, P_P2=_pow2(programs), num_warps=num_warps)
+        p2 = triton.next_power_of_2
+        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
+                          NCH_P2=p2(self._nch), BN=block_rows, BK_C=block_k, BK_F=block_k_mlp,
+                          BKEY=key_block, P_P2=p2(programs), num_warps=num_warps)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:
