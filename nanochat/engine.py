@@ -24,8 +24,11 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
     the graph is `torch.compile(model, dynamic=True)` (`graph_step="compiled"`) or the plain
     model (`graph_step="eager"`); `graph_step="persistent"` runs batch-1 steps as one persistent
     Triton kernel (nanochat/triton_decode.py; it raises where the model or device cannot run it)
-    and other batch sizes compiled. Call `warmup()` at start-up: it compiles and captures every
-    bucket for batch 1 and 2, so no request pays for it (a new batch size captures on first use).
+    and other batch sizes compiled; `graph_step="auto"` (the default) picks persistent on the GPUs
+    it was measured faster on (H100: +22% batch-1 tok/s) once a one-step probe matches the model,
+    else compiled, and `graph_step_note` says which and why. Call `warmup()` at start-up: it
+    compiles and captures every bucket for batch 1 and 2, so no request pays for it (a new batch
+    size captures on first use).
   * "static": the same fixed-shape step without capture, on any device (tests compare it with
     eager decoding and with full recomputation on CPU).
   * "compile": the dynamic-shape `torch.compile(model, dynamic=True)` of the cached forward.
@@ -59,7 +62,11 @@ from nanochat.calculator import use_calculator
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
 
 DECODE_MODES = ("auto", "eager", "compile", "static", "graphs")
-GRAPH_STEPS = ("compiled", "eager", "persistent")
+GRAPH_STEPS = ("auto", "compiled", "eager", "persistent")
+# Compute capabilities where the persistent batch-1 step was measured faster than the compiled
+# graph step (H100: 1,067 vs 871 tok/s at d20, CHANGELOG_GB10.md); graph_step="auto" picks it
+# only there, "persistent" forces it anywhere it can run.
+PERSISTENT_MEASURED_CC = ((9, 0),)
 MAX_DECODERS = 4  # persistent caches (one per batch size) kept; least recently used evicted
 # How tool calls read as text (GSM8K's own notation, "<<48/2=24>>") in the CLI and the web UI.
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
@@ -126,13 +133,15 @@ class Engine:
     text encoding. `tokenizer=None` (benchmarks on random weights) disables the tool and the
     default stop tokens. `decode`: auto|eager|compile|static|graphs (module docstring);
     `decode_bucket`: the attention length granularity of static/graphs steps; `graph_step`:
-    compiled|eager|persistent, what a static/graphs step runs (persistent: batch 1 as one
-    persistent Triton kernel, nanochat/triton_decode.py, other batch sizes compiled);
+    auto|compiled|eager|persistent, what a static/graphs step runs (persistent: batch 1 as one
+    persistent Triton kernel, nanochat/triton_decode.py, other batch sizes compiled; auto:
+    persistent where it can run on a GPU it was measured faster on and passes a one-step probe
+    against the model, else compiled; `graph_step_note` says what auto chose and why);
     `fused_qkv`: generate inside the model's inference_weights() (one q/k/v matmul per layer;
     False for A/B benchmarks; persistent needs it)."""
 
     def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None,
-                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "compiled", fused_qkv: bool = True):
+                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "auto", fused_qkv: bool = True):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode: got {decode!r}; accepted: {'|'.join(DECODE_MODES)}")
         if graph_step not in GRAPH_STEPS:
@@ -149,8 +158,10 @@ class Engine:
             raise ValueError(f"decode: 'graphs' needs a CUDA device, the model is on {self.device.type}; "
                              "accepted here: auto|eager|compile|static")
         self.decode_mode = decode
-        self.decode_bucket, self.graph_step, self.fused_qkv = decode_bucket, graph_step, bool(fused_qkv)
+        self.decode_bucket, self.fused_qkv = decode_bucket, bool(fused_qkv)
         self.cache_dtype = cache_dtype or self._default_cache_dtype()
+        self.graph_step_auto = graph_step == "auto"
+        self.graph_step, self.graph_step_note = self._resolve_graph_step(graph_step)
         self._compiled = None
         self.decoders: dict[int, StaticDecoder] = {}  # batch size -> decoder, least recently used first
         self._graph_pool = None
@@ -164,6 +175,56 @@ class Engine:
             self.default_stop_tokens = ()
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _resolve_graph_step(self, request: str) -> tuple[str, str]:
+        """(graph step, note): an explicit request as is; auto -> persistent where the batch-1
+        kernel can run on this model and device and was measured faster, else compiled."""
+        if request != "auto" or self.decode_mode not in ("static", "graphs"):
+            return ("compiled" if request == "auto" else request), ""
+        try:
+            from nanochat.triton_decode import unsupported
+        except ImportError as e:  # no Triton on this platform
+            reason = f"Triton is not importable ({e})"
+        else:
+            reason = "fused_qkv is off" if not self.fused_qkv else unsupported(self.model, self.new_cache(1, 1))
+        if reason is None and self.device.type == "cuda":
+            cc = torch.cuda.get_device_capability(self.device)
+            if cc not in PERSISTENT_MEASURED_CC:
+                reason = (f"the persistent step was measured faster only on compute capability 9.0 (H100/H200); "
+                          f"this GPU is {cc[0]}.{cc[1]} (graph_step='persistent' forces it)")
+        if reason is not None:
+            return "compiled", f"graph_step auto: compiled ({reason})"
+        return "persistent", "graph_step auto: persistent batch-1 kernel (nanochat/triton_decode.py), others compiled"
+
+    def _persistent_step(self, cache):
+        """The persistent batch-1 step over `cache`; under graph_step auto it must first match the
+        model's own step at position 0 (a real launch: compile, residency, logits), or the
+        engine falls back to compiled and says why (None is returned)."""
+        from nanochat.attention import StaticKV
+        from nanochat.triton_decode import PersistentDecodeStep
+
+        with self.inference_weights():  # the step keeps the fused q/k/v buffers' addresses
+            if not self.graph_step_auto:
+                return PersistentDecodeStep(self.model, cache)
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            length = min(self.decode_bucket, self.max_seq_len)  # the first bucket, as StaticDecoder uses
+            keys = torch.arange(length, device=self.device)
+            try:  # slot 0 it writes is overwritten when a prompt is handed over
+                step = PersistentDecodeStep(self.model, cache)
+                with torch.inference_mode():
+                    got = step(ids, kv_cache=StaticKV(cache, pos, keys)).float()
+                    want = self.model(ids, kv_cache=StaticKV(self.new_cache(1, length), pos, keys)).float()
+                err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+                problem = None if err <= 0.1 else f"its logits differ from the model's by {err:.3g} (relative)"
+            except (ValueError, RuntimeError) as e:  # compile, resources, residency
+                problem = str(e).splitlines()[0][:200]
+        if problem is None:
+            return step
+        self.graph_step = "compiled"
+        self.graph_step_note = f"graph_step auto: compiled (the persistent step failed its probe: {problem})"
+        print(f"engine: {self.graph_step_note}", flush=True)
+        return None
 
     def _default_cache_dtype(self) -> torch.dtype:
         """The dtype the attention layers produce k/v in (GPT.runtime_dtype: bf16 on CUDA, fp32
@@ -212,12 +273,11 @@ class Engine:
             if graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             cache = self.new_cache(batch_size, self.max_seq_len)
-            step_model = self._compiled_model() if graphs and self.graph_step != "eager" else self.model
+            step_model = None
             if self.graph_step == "persistent" and batch_size == 1:
-                from nanochat.triton_decode import PersistentDecodeStep
-
-                with self.inference_weights():  # the step keeps the fused q/k/v buffers' addresses
-                    step_model = PersistentDecodeStep(self.model, cache)
+                step_model = self._persistent_step(cache)  # None: auto fell back to compiled
+            if step_model is None:
+                step_model = self._compiled_model() if graphs and self.graph_step != "eager" else self.model
             decoder = StaticDecoder(cache, step_model, bucket=self.decode_bucket, use_graphs=graphs,
                                     pool=self._graph_pool)
         self.decoders[batch_size] = decoder  # (re)inserted last: most recently used

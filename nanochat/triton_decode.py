@@ -7,23 +7,16 @@ pays its launch, ramp-up and tail (H100 GEMV study, CHANGELOG_GB10.md): 0.98 ms,
 bandwidth roofline. Here one program per SM walks every layer and the phases meet at software
 grid barriers, so there are no launches between phases.
 
-Measured (H100, torch 2.11, Triton 3.6, d20 bf16 random weights, prompt 512 + 128 tokens, same
-machine, bench_inference --graph-step persistent,compiled): model step 0.912 ms vs 0.986 ms for
-the compiled CUDA graph (-7.5%), 918 vs 871 tok/s end to end; logits 3x closer to a float32
-model than the eager bf16 step's (relative error 6.7e-3 vs 2.0e-2). Still ~30% of the HBM
-roofline, far from it because (a) a grid barrier costs ~1.7 us (a 101-barrier kernel alone took
-175-181 us, whether the programs arrive on one atomic counter or publish per-program flags),
-and (b) the GEMVs reach ~1.2 TB/s: each program holds one row tile (BN x K) in flight, and the
-kernel sits at 255 registers per thread. Tried and slower, so not kept: an L2 prefetch
-(prefetch.global.L2) of the coming phases' weight rows before each barrier (first GEMV: 1.28 vs
-1.02 ms; the final one: 1.02-2.92 ms for 1, 2, 4 or all row tiles vs 0.867 ms without), two
-programs per SM (a barrier then costs ~3.7-5.4 us), loading the next row tile one step ahead
-(1.21-1.24 ms at block 16-32 x 256); `block_k` 512 beat 256 (0.90 vs 1.19 ms); unrolling at
-most 5 K chunks (GEMV_UNROLL; the K = 4C product spilled with all 10) 0.867 vs 0.900 ms in the
-same kernel-only harness (the 0.912 / 0.986 ms A/B above predates it); polling the flags with
-ld.acquire instead of ending with an acquire atomic (same 1.7 us). The next levers: fewer
-barriers (fc + proj2 as one split-K phase over a transposed W_proj), and fewer registers, so
-that the row tiles in flight stop spilling (TMA bulk loads into shared memory).
+Measured (H100, torch 2.11, Triton 3.6, d20 bf16 random weights, prompt 512 + 128 tokens, one
+machine, bench_inference --graph-step persistent,compiled): model step 0.757 ms vs 0.984 ms for
+the compiled CUDA graph, 1,067 vs 871 tok/s end to end (+22%), TTFT 25.9 vs 41.2 ms, 36% of the
+HBM roofline by bytes read; logits 3x closer to a float32 model than the eager bf16 step's. Where
+the time goes (bench_decode_kernel --trace, us per step summed over layers, each phase with its
+closing barrier): qkv 153, attention 138, proj 76, fc 183, proj2 159, lm_head 40. A barrier
+costs ~1.7 us (101 per d20 step) and each GEMV phase pays a DRAM round trip per row tile, which
+is why it stays far from the roofline. Tried and slower (CHANGELOG_GB10.md has the numbers): L2
+prefetch of coming phases' weights (per-thread prefetch.global.L2, before or two phases ahead),
+two programs per SM, the next row tile loaded one step ahead, 8-row tiles, 32-key blocks.
 
 Per layer l (residual stream kept in float32, slot 2l = the block input, slot 2l+1 = after
 attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
@@ -33,24 +26,23 @@ attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
   2. attn:  units (head, key chunk): RoPE + QK-norm of q and the new k (recomputed per unit), the
             new v (+ gate * value-embedding row); the unit (kv head, chunk 0) writes the new k/v
             into the cache; online softmax over the chunk (keys < pos from the cache, key pos from
-            registers, only keys inside the layer's window); the last unit of a head to finish
-            (an atomic counter) merges the head's chunks into y.
+            registers, only keys inside the layer's window; a program's first key block is loaded
+            before the barrier opens); the last unit of a head to finish (an atomic counter) merges
+            the head's chunks into y.
   3. proj:  r_mid = s + Wo @ y.
   4. fc:    h = relu(Wfc @ norm(r_mid))^2.
   5. proj2: r_out = r_mid + Wp2 @ h.
 and finally logits = softcap * tanh(lm_head @ norm(r_L)) over the real vocabulary.
 
-Every phase ends at a grid barrier (per-program int64 flags that only grow: at its k-th barrier
-of a step a program publishes epoch = its flag at step start + k and waits until every flag
-has reached it), so all programs must be resident at once: the grid is one program per SM,
-launched alone on its stream (a CUDA graph replays it that way), and the first launch checks
-the compiled kernel's registers and shared memory against the SMs before it runs
-(`_check_resident`: a grid that cannot be resident would wait forever). Data written by other
-programs is read with .cg loads (L2, never a stale L1 line). Under TRITON_INTERPRET=1 (CPU tests) programs run one
-after another, so a barrier would never open: there the host launches one phase at a time and the
-kernel boundaries are the barriers (`PHASE` >= 0); the GPU runs everything in one launch
-(`PHASE` = -1). Accumulation is float32 throughout; weights, the KV cache and the inputs of every
-product are in the model's dtype (the products' inputs are rounded to it, as the eager model's are).
+Every phase ends at a grid barrier (_arrive/_wait: per-program int64 flags that only grow), so
+all programs must be resident at once: one program per SM, launched alone on its stream (a CUDA
+graph replays it that way), and the first launch checks the compiled kernel's registers and shared
+memory against the SMs (`_check_resident`: a grid that cannot be resident would wait forever).
+Data written by other programs is read with .cg loads (L2, never a stale L1 line). Under
+TRITON_INTERPRET=1 (CPU tests) programs run one after another, so a barrier would never open:
+the host launches one phase at a time (`PHASE` >= 0); the GPU runs all in one launch (`PHASE` =
+-1). Accumulation is float32 throughout; weights, the KV cache and every product's inputs are in
+the model's dtype (the inputs rounded to it, as the eager model's are).
 """
 
 from __future__ import annotations
@@ -71,26 +63,43 @@ P_VC = tl.constexpr(5)
 P_VE = tl.constexpr(6)
 P_GATE = tl.constexpr(7)
 N_PTRS = tl.constexpr(8)
-# K chunks of a GEMV row tile issued before the first is used (more spilled registers at d20's
-# K = 5120: 0.900 ms per step unrolling all 10 chunks, 0.867 ms at 5, 0.884 ms at 3; H100).
-GEMV_UNROLL = tl.constexpr(5)
 PHASES = 7  # 0 x0, 1 qkv, 2 attention, 3 proj, 4 fc, 5 proj2, 6 lm_head (interpreter launches)
 
 
 @triton.jit
-def _grid_sync(flags, epoch, pid, nprog, P_P2: tl.constexpr):
-    """Grid barrier: publish `epoch` in this program's flag, wait until every flag reaches it.
-    Flags only grow (a step's k-th barrier uses epoch = the flag at step start + k), so nothing
-    is ever reset. ~1.7 us on the H100 with 132 programs, the same as one shared atomic counter
-    and as polling with ld.acquire instead of the final acquire atomic (all measured)."""
+def _arrive(flags, epoch, pid):
+    """First half of the grid barrier: publish `epoch` in this program's flag. Flags only grow (a
+    step's k-th barrier uses epoch = the flag at step start + k), so nothing is ever reset."""
     tl.debug_barrier()  # every thread's stores are issued before the release below
     tl.atomic_xchg(flags + pid, epoch, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
+    """Second half: wait until every flag reaches `epoch`. Work that does not depend on the
+    other programs (loading cached keys) goes between _arrive and _wait. A barrier
+    costs ~1.7 us on the H100 with 132 programs, the same as one shared atomic counter and as
+    polling with ld.acquire instead of the final acquire atomic (all measured)."""
     i = tl.arange(0, P_P2)
     seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
     while seen < epoch:
         seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
     tl.atomic_add(flags + pid, 0, sem="acquire", scope="gpu")  # later loads see the others' stores
     tl.debug_barrier()
+    if TRACE:
+        if pid == 0:  # when the barrier opened, for the phase timings (PersistentDecodeStep.trace)
+            tl.store(trace_ptr + slot, _globaltimer())
+
+
+@triton.jit
+def _grid_sync(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
+    _arrive(flags, epoch, pid)
+    _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -118,17 +127,18 @@ def _input(a_ptr, b_ptr, lam, mu, scale, cols, K, MIX: tl.constexpr, wty: tl.con
 
 @triton.jit
 def _gemv(w_ptr, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, x_scale, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu,
-          softcap, pid, nprog, MIX: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+          softcap, pid, nprog, MIX: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          UNROLL: tl.constexpr):
     """out[n] = epilogue(W[n, :] . x) for this program's contiguous share of the N rows.
 
     x = _input(xa, xb, x_lam, x_mu, x_scale). Epilogues: 0 store; 1 add the residual
     r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap).
-    The K loop is unrolled by GEMV_UNROLL chunks (static_range), so that many weight loads of a
+    The K loop is unrolled by UNROLL chunks (static_range), so that many weight loads of a
     row tile are issued before the first is used: a decode GEMV is bound by the bytes each SM
     has in flight."""
     wty = w_ptr.dtype.element_ty
     NK: tl.constexpr = (K + BK - 1) // BK
-    KU: tl.constexpr = NK if NK < GEMV_UNROLL else GEMV_UNROLL
+    KU: tl.constexpr = NK if NK < UNROLL else UNROLL
     n0 = pid * N // nprog
     n1 = (pid + 1) * N // nprog
     for n in range(n0, n1, BN):
@@ -156,7 +166,10 @@ def _gemv(w_ptr, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, x_scale, out_p
 
 @triton.jit
 def _layer_ptr(table, layer, col, ty: tl.constexpr):
-    return tl.load(table + layer * N_PTRS + col).to(tl.pointer_type(ty))
+    # An address loaded as an integer carries no alignment, so without the hint every weight
+    # load compiled to 2-byte scalar loads (ld.global.b16, 448 of them: 255 registers and ~1.2
+    # TB/s per GEMV); 16 bytes is checked on the host (_pointer_table), and gives 16-byte loads.
+    return tl.multiple_of(tl.load(table + layer * N_PTRS + col).to(tl.pointer_type(ty)), 16)
 
 
 @triton.jit
@@ -169,15 +182,57 @@ def _rotary_norm(base_ptr, d, partner, sign, cs, sn, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
-                     part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog,
-                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NCH: tl.constexpr,
-                     NCH_P2: tl.constexpr, BKEY: tl.constexpr):
-    cty = kc.dtype.element_ty
+def _attn_split(pos, window, NCH: tl.constexpr, BKEY: tl.constexpr):
+    """The visible keys [lo, pos] of a layer split into nch chunks of `chunk` keys (whole blocks)."""
     lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
     nkeys = pos - lo + 1
     chunk = tl.cdiv(tl.cdiv(nkeys, NCH), BKEY) * BKEY
-    nch = tl.cdiv(nkeys, chunk)
+    return lo, chunk, tl.cdiv(nkeys, chunk)
+
+
+@triton.jit
+def _kv_block(head_k, head_v, keys, limit, d, D: tl.constexpr):
+    """K and V rows `keys` (those < limit; others 0) of one kv head's cache."""
+    m = (keys < limit)[:, None]
+    return (tl.load(head_k + keys[:, None] * D + d[None, :], mask=m, other=0.0),
+            tl.load(head_v + keys[:, None] * D + d[None, :], mask=m, other=0.0))
+
+
+@triton.jit
+def _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   NCH: tl.constexpr, BKEY: tl.constexpr):
+    """The first key block of this program's first attention unit (u = pid), loaded before the
+    barrier that opens the attention phase: cached keys do not depend on this step's q/k/v, so
+    the DRAM latency overlaps the barrier (~1.7 us) instead of following it."""
+    lo, chunk, nch = _attn_split(pos, window, NCH, BKEY)
+    g = (pid // nch) // (H // HKV)
+    j0 = lo + (pid % nch) * chunk
+    limit = tl.where(pid < H * nch, tl.minimum(tl.minimum(j0 + chunk, pos + 1), pos), 0)
+    return _kv_block(kc + g * T_CACHE * D, vc + g * T_CACHE * D, j0 + tl.arange(0, BKEY), limit,
+                     tl.arange(0, D), D)
+
+
+@triton.jit
+def _attend(kt, vt, keys, j1, pos, q, s_new, v_new, m_i, l_i, acc):
+    """Online-softmax update with one key block (the key at `pos` comes from registers)."""
+    s = tl.sum(kt.to(tl.float32) * q[None, :], 1)
+    s = tl.where(keys == pos, s_new, s)
+    s = tl.where(keys < j1, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m_i - m_new)
+    p_new = tl.sum(tl.where(keys == pos, p, 0.0), 0)
+    acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), 0) + p_new * v_new
+    return m_new, l_i * alpha + tl.sum(p, 0), acc
+
+
+@triton.jit
+def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                     part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
+                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NCH: tl.constexpr,
+                     NCH_P2: tl.constexpr, BKEY: tl.constexpr):
+    cty = kc.dtype.element_ty
+    lo, chunk, nch = _attn_split(pos, window, NCH, BKEY)
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, D)
     partner = (d + HALF) % D
@@ -189,6 +244,15 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
         h = u // nch
         c = u % nch
         g = h // GROUP
+        head_k = kc + g * T_CACHE * D
+        head_v = vc + g * T_CACHE * D
+        j0 = lo + c * chunk
+        j1 = tl.minimum(j0 + chunk, pos + 1)
+        keys = j0 + tl.arange(0, BKEY)
+        if u == pid:  # the block _attn_prefetch loaded before the barrier
+            kt, vt = kt0, vt0
+        else:  # issued before the q/k/v math below, so their latencies overlap
+            kt, vt = _kv_block(head_k, head_v, keys, tl.minimum(j1, pos), d, D)
         q = _rotary_norm(qkv_ptr + h * D, d, partner, sign, cs, sn, eps, D) * sm_scale
         k_new = _rotary_norm(qkv_ptr + (H + g) * D, d, partner, sign, cs, sn, eps, D)
         v_new = tl.load(qkv_ptr + (H + HKV + g) * D + d, cache_modifier=".cg")
@@ -197,32 +261,16 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
             v_new += gate * tl.load(ve + tok * (HKV * D) + g * D + d).to(tl.float32)
         k_new = k_new.to(cty).to(tl.float32)  # what the cache holds for later steps
         v_new = v_new.to(cty).to(tl.float32)
-        head_k = kc + g * T_CACHE * D
-        head_v = vc + g * T_CACHE * D
         if (c == 0) & (h % GROUP == 0):
             tl.store(head_k + pos * D + d, k_new.to(cty))
             tl.store(head_v + pos * D + d, v_new.to(cty))
         s_new = tl.sum(q * k_new, 0)
-        j0 = lo + c * chunk
-        j1 = tl.minimum(j0 + chunk, pos + 1)
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.zeros([], tl.float32)
-        acc = tl.zeros([D], tl.float32)
-        for j in range(j0, j1, BKEY):
+        m_i, l_i, acc = _attend(kt, vt, keys, j1, pos, q, s_new, v_new, tl.full([], float("-inf"), tl.float32),
+                                tl.zeros([], tl.float32), tl.zeros([D], tl.float32))
+        for j in range(j0 + BKEY, j1, BKEY):
             keys = j + tl.arange(0, BKEY)
-            cached = keys < tl.minimum(j1, pos)
-            kt = tl.load(head_k + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
-            s = tl.sum(kt.to(tl.float32) * q[None, :], 1)
-            s = tl.where(keys == pos, s_new, s)
-            s = tl.where(keys < j1, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m_i - m_new)
-            vt = tl.load(head_v + keys[:, None] * D + d[None, :], mask=cached[:, None], other=0.0)
-            p_new = tl.sum(tl.where(keys == pos, p, 0.0), 0)
-            acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), 0) + p_new * v_new
-            l_i = l_i * alpha + tl.sum(p, 0)
-            m_i = m_new
+            kt, vt = _kv_block(head_k, head_v, keys, tl.minimum(j1, pos), d, D)
+            m_i, l_i, acc = _attend(kt, vt, keys, j1, pos, q, s_new, v_new, m_i, l_i, acc)
         slot = part_ptr + (h * NCH + c) * (D + 2)
         tl.store(slot + d, acc)
         tl.store(slot + D, m_i)
@@ -244,18 +292,19 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
 @triton.jit
 def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty: tl.constexpr,
                C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr,
-               HKV_P2: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr):
+               HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r = resid + 2 * layer * C
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     rstd = _rstd(r, resid, lam, mu, C, eps, True, BK_C)
     _gemv(_layer_ptr(table, layer, P_QKV, wty), (H + 2 * HKV) * D, C, r, resid, lam, mu, rstd, qkv_ptr,
-          r, r, 0.0, 0.0, 0.0, pid, nprog, True, 0, BN, BK_C)
+          r, r, 0.0, 0.0, 0.0, pid, nprog, True, 0, BN_Q, BK_C, UNROLL)
     gate_w = tl.load(table + layer * N_PTRS + P_GATE)
     if (pid == 0) & (gate_w != 0):
         gi = tl.arange(0, HKV_P2)
         x = _input(r, resid, lam, mu, rstd, tl.arange(0, GATE), GATE, True, wty)
-        w = tl.load(gate_w.to(tl.pointer_type(wty)) + gi[:, None] * GATE + tl.arange(0, GATE)[None, :],
+        gw = tl.multiple_of(gate_w.to(tl.pointer_type(wty)), 16)
+        w = tl.load(gw + gi[:, None] * GATE + tl.arange(0, GATE)[None, :],
                     mask=(gi < HKV)[:, None], other=0.0)
         z = tl.sum(w.to(tl.float32) * x[None, :], 1).to(wty).to(tl.float32)
         tl.store(gate_ptr + gi, 2.0 / (1.0 + tl.exp(-z)), mask=gi < HKV)
@@ -263,48 +312,50 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid
 
 @triton.jit
 def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-                H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr):
+                H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     r = resid + 2 * layer * C
     _gemv(_layer_ptr(table, layer, P_WO, wty), C, H * D, y_ptr, y_ptr, 1.0, 0.0, 1.0, r + C,
-          r, resid, lam, mu, 0.0, pid, nprog, False, 1, BN, BK_C)
+          r, resid, lam, mu, 0.0, pid, nprog, False, 1, BN, BK_C, UNROLL)
 
 
 @triton.jit
 def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-              F: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr):
+              F: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
     rstd = _rstd(r_mid, r_mid, 1.0, 0.0, C, eps, False, BK_C)
     _gemv(_layer_ptr(table, layer, P_FC, wty), F, C, r_mid, r_mid, 1.0, 0.0, rstd, hid_ptr,
-          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, 2, BN, BK_C)
+          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, 2, BN_FC, BK_C, UNROLL)
 
 
 @triton.jit
 def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-                 F: tl.constexpr, BN: tl.constexpr, BK_F: tl.constexpr):
+                 F: tl.constexpr, BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
     _gemv(_layer_ptr(table, layer, P_P2, wty), C, F, hid_ptr, hid_ptr, 1.0, 0.0, 1.0, r_mid + C,
-          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, 1, BN, BK_F)
+          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, 1, BN, BK_F, UNROLL)
 
 
 @triton.jit
 def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl.constexpr,
-                BN: tl.constexpr, BK_C: tl.constexpr):
+                BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     rstd = _rstd(r_last, r_last, 1.0, 0.0, C, eps, False, BK_C)
     _gemv(head_ptr, V, C, r_last, r_last, 1.0, 0.0, rstd, logits_ptr, r_last, r_last, 0.0, 0.0,
-          softcap, pid, nprog, False, 3, BN, BK_C)
+          softcap, pid, nprog, False, 3, BN, BK_C, UNROLL)
 
 
 @triton.jit
 def _decode_step_kernel(
         tok_ptr, pos_ptr, wte_ptr, head_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
-        resid, qkv_ptr, gate_ptr, part_ptr, count_ptr, y_ptr, hid_ptr, bar_ptr, logits_ptr,
+        resid, qkv_ptr, gate_ptr, part_ptr, count_ptr, y_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
         layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
         C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
         GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
-        PHASE: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
-        BKEY: tl.constexpr, P_P2: tl.constexpr):
+        PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
+        BK_F: tl.constexpr,
+        BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr,
+        TRACE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wty: tl.constexpr = wte_ptr.dtype.element_ty
@@ -312,6 +363,10 @@ def _decode_step_kernel(
     pos = tl.load(pos_ptr)
     if PHASE < 0:
         epoch = tl.atomic_add(bar_ptr + pid, 0, sem="acquire", scope="gpu") + 1  # next barrier's
+        base = epoch - 1
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr, _globaltimer())
     if PHASE <= 0:  # x0 = norm(wte[token]); this program's share into slot 0
         row = wte_ptr + tok * C
         rstd0 = _rstd(row, row, 1.0, 0.0, C, eps, False, BK_C)
@@ -322,46 +377,57 @@ def _decode_step_kernel(
             x0 = tl.load(row + cols, mask=cols < n1, other=0.0).to(tl.float32) * rstd0
             tl.store(resid + cols, x0.to(wty).to(tl.float32), mask=cols < n1)
     if PHASE < 0:
-        _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
+        _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
         for layer in range(L):
             _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
-                       C, H, HKV, D, GATE, HKV_P2, BN, BK_C)
+                       C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+            kc = _layer_ptr(table, layer, P_KC, wty)
+            vc = _layer_ptr(table, layer, P_VC, wty)
+            window = tl.load(windows_ptr + layer)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
-            _attention_phase(qkv_ptr, gate_ptr, _layer_ptr(table, layer, P_KC, wty),
-                             _layer_ptr(table, layer, P_VC, wty), _layer_ptr(table, layer, P_VE, wty),
-                             tl.load(table + layer * N_PTRS + P_VE), tok, pos, tl.load(windows_ptr + layer),
-                             T_CACHE, cos_ptr, sin_ptr, part_ptr, count_ptr, y_ptr, eps, sm_scale, pid,
-                             nprog, H, HKV, D, NCH, NCH_P2, BKEY)
+            _arrive(bar_ptr, epoch, pid)
+            kt0, vt0 = _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H, HKV, D, NCH, BKEY)
+            _wait(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer, P_VE, wty),
+                             tl.load(table + layer * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                             part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
+                             H, HKV, D, NCH, NCH_P2, BKEY)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
-            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C)
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
-            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN, BK_C)
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
-            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F)
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, P_P2)
-        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C)
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
+        if TRACE:
+            tl.debug_barrier()
+            if pid == 0:  # program 0's own lm_head share done (no barrier follows)
+                tl.store(trace_ptr + epoch - base + 1, _globaltimer())
     elif PHASE == 1:
         _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
-                   C, H, HKV, D, GATE, HKV_P2, BN, BK_C)
+                   C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
     elif PHASE == 2:
-        _attention_phase(qkv_ptr, gate_ptr, _layer_ptr(table, layer_arg, P_KC, wty),
-                         _layer_ptr(table, layer_arg, P_VC, wty), _layer_ptr(table, layer_arg, P_VE, wty),
-                         tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, tl.load(windows_ptr + layer_arg),
-                         T_CACHE, cos_ptr, sin_ptr, part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog,
-                         H, HKV, D, NCH, NCH_P2, BKEY)
+        kc = _layer_ptr(table, layer_arg, P_KC, wty)
+        vc = _layer_ptr(table, layer_arg, P_VC, wty)
+        window = tl.load(windows_ptr + layer_arg)
+        kt0, vt0 = _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H, HKV, D, NCH, BKEY)
+        _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer_arg, P_VE, wty),
+                         tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                         part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, NCH_P2,
+                         BKEY)
     elif PHASE == 3:
-        _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C)
+        _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
     elif PHASE == 4:
-        _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN, BK_C)
+        _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
     elif PHASE == 5:
-        _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F)
+        _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
     elif PHASE == 6:
-        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C)
+        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,8 +443,10 @@ def unsupported(model, cache) -> str | None:
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
     dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim >= 16; a CUDA
     device of compute capability >= 8, or the Triton interpreter."""
-    from nanochat.gpt import Linear
+    from nanochat.gpt import GPT, Linear
 
+    if not isinstance(model, GPT):
+        return f"{type(model).__name__} is not a nanochat GPT"
     if cache.batch_size != 1:
         return f"batch {cache.batch_size} (the persistent step decodes one row)"
     dtype = model.wte.weight.dtype
@@ -413,18 +481,26 @@ class PersistentDecodeStep:
     `model.inference_weights()` (it reads the concatenated q/k/v copy made there); it holds the
     addresses of the weights, the cache and its scratch, so like a CUDA graph it must not outlive
     them, and weights must be updated in place. It reads only the visible keys (pos and the
-    window), whatever the StaticKV's length bucket is. Tuning (powers of two; defaults measured
-    best on the H100, module docstring): `block_rows` x `block_k` (`block_k_mlp` for the K = 4C
-    product) weight tile per GEMV step, `num_warps` per program, `key_block` keys per attention
-    step, `programs_per_sm`."""
+    window), whatever the StaticKV's length bucket is. Tuning (defaults measured best on the H100
+    with scripts/bench_decode_kernel.py; powers of two but `unroll`): `block_rows` x `block_k`
+    (`block_k_mlp` for the K = 4C product) weight tile per GEMV step, `block_rows_qkv` and
+    `block_rows_fc` for those two products (None: `block_rows`), `unroll` K chunks issued before
+    the first is used, `num_warps` per program, `key_block` keys per attention step,
+    `programs_per_sm`. `trace=True` records when each barrier opened (`phase_times()`)."""
 
     def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 512,
-                 block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 32,
-                 programs_per_sm: int = 1):
+                 block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 64, unroll: int = 10,
+                 block_rows_qkv: int | None = 32, block_rows_fc: int | None = None,
+                 programs_per_sm: int = 1, trace: bool = False):
+        block_rows_qkv = block_rows if block_rows_qkv is None else block_rows_qkv
+        block_rows_fc = block_rows if block_rows_fc is None else block_rows_fc
         for name, value in (("block_rows", block_rows), ("block_k", block_k), ("block_k_mlp", block_k_mlp),
-                            ("num_warps", num_warps), ("key_block", key_block)):
+                            ("num_warps", num_warps), ("key_block", key_block), ("block_rows_qkv", block_rows_qkv),
+                            ("block_rows_fc", block_rows_fc)):
             if value < 1 or value & (value - 1):
                 raise ValueError(f"persistent decode step {name}: got {value}; accepted: a power of two")
+        if unroll < 1:
+            raise ValueError(f"persistent decode step unroll: got {unroll}; accepted: an integer >= 1")
         reason = unsupported(model, cache)
         if reason is not None:
             raise ValueError(f"persistent decode step: {reason}")
@@ -445,8 +521,9 @@ class PersistentDecodeStep:
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         p2 = triton.next_power_of_2
         self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
-                          NCH_P2=p2(self._nch), BN=block_rows, BK_C=block_k, BK_F=block_k_mlp,
-                          BKEY=key_block, P_P2=p2(programs), num_warps=num_warps)
+                          NCH_P2=p2(self._nch), BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
+                          BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
+                          TRACE=trace, num_warps=num_warps)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:
@@ -460,6 +537,9 @@ class PersistentDecodeStep:
                        cache.k[i][0], cache.v[i][0], ve, gate)
             assert all(t is None or t.is_contiguous() for t in tensors), "persistent step needs contiguous tensors"
             rows.append([0 if t is None else t.data_ptr() for t in tensors])
+            if any(a % 16 for a in rows[-1]):  # the kernel's loads assume it (_layer_ptr)
+                raise ValueError(f"persistent decode step: layer {i} has a weight or cache tensor not aligned "
+                                 "to 16 bytes (a view into another tensor?); give it its own storage")
         assert len(rows[0]) == N_PTRS.value
         return torch.tensor(rows, dtype=torch.int64, device=cache.k[0].device)
 
@@ -476,6 +556,7 @@ class PersistentDecodeStep:
         self._y = torch.zeros(H * D, **f32)
         self._hidden = torch.zeros(4 * C, **f32)
         self._barrier = torch.zeros(self.programs, dtype=torch.int64, device=dev)  # grid-barrier flags
+        self._trace = torch.zeros(5 * cfg.n_layer + 3, dtype=torch.int64, device=dev)  # trace=True
         self.logits = torch.zeros(cfg.vocab_size, **f32)
         self._resident_checked, self.registers = False, None
 
@@ -486,6 +567,18 @@ class PersistentDecodeStep:
             raise ValueError(f"persistent decode step: ids must be (1, 1), got {tuple(ids.shape)}")
         self.launch(ids, kv_cache.pos)
         return self.logits.view(1, 1, -1)
+
+    def phase_times(self) -> dict:
+        """Microseconds of each phase kind in the last launch (built with trace=True), summed over
+        layers: from the barrier that opened it to the one that closed it, so a phase's time
+        includes its closing barrier (program 0's clock, %globaltimer)."""
+        assert self._meta["TRACE"], "phase_times needs PersistentDecodeStep(..., trace=True)"
+        t = self._trace.tolist()
+        d = [(b - a) / 1e3 for a, b in zip(t, t[1:])]
+        L = self.config.n_layer
+        names = ("qkv", "attention", "proj", "fc", "proj2")
+        out = {"x0": d[0]} | {n: sum(d[1 + 5 * i + j] for i in range(L)) for j, n in enumerate(names)}
+        return out | {"lm_head": d[-1], "total": (t[-1] - t[0]) / 1e3}
 
     def _check_resident(self, args, scalars) -> None:
         """Compile the kernel and prove the whole grid fits on the GPU at once (the barriers wait
@@ -511,7 +604,7 @@ class PersistentDecodeStep:
         m, cfg = self.model, self.config
         args = (ids, pos, m.wte.weight, m.lm_head.weight, m.cos, m.sin, m.resid_lambdas, m.x0_lambdas,
                 self._table, self._windows, self._resid, self._qkv, self._gate, self._part, self._count,
-                self._y, self._hidden, self._barrier, self.logits)
+                self._y, self._hidden, self._barrier, self.logits, self._trace)
         scalars = dict(L=cfg.n_layer, V=cfg.vocab_size, T_CACHE=self.cache.seq_len, softcap=float(cfg.softcap),
                        eps=torch.finfo(torch.float32).eps, sm_scale=cfg.head_dim ** -0.5)
         grid = (self.programs,)

@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=1,
                    help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
     p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
+                   help="auto|compiled|eager|persistent: what a graphs/static decode step runs (auto: the persistent "
+                        "batch-1 Triton kernel where it was measured faster and passes a probe, else compiled)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
@@ -70,10 +73,12 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--port: got {args.port}; accepted: 1..65535")
     if args.num_gpus < 1:
         raise ValueError(f"--num-gpus: got {args.num_gpus}; accepted: an integer >= 1")
-    from nanochat.engine import DECODE_MODES
+    from nanochat.engine import DECODE_MODES, GRAPH_STEPS
 
     if args.decode not in DECODE_MODES:
         raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
+    if args.graph_step not in GRAPH_STEPS:
+        raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
     if args.top_k < 0:
         raise ValueError(f"--top-k: got {args.top_k}; accepted: an integer >= 0 (0 = off)")
 
@@ -102,11 +107,14 @@ def load_replicas(args) -> tuple[list, dict]:
         model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
         if rt.dtype != torch.float32:  # serve from compute-dtype weights: half the bytes per decode step
             model = model.to(rt.dtype)
-        engine = Engine(model, tokenizer, decode=args.decode)
+        engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
         warm = engine.warmup()
         workers.append(Worker(engine, name=str(device)))
+        graph_step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
         print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
-              f"(decode={engine.decode_mode}, warm-up {warm:.1f} s)")
+              f"(decode={engine.decode_mode}{graph_step}, warm-up {warm:.1f} s)")
+        if engine.graph_step_note:
+            print(f"  {engine.graph_step_note}")
     return workers, meta
 
 

@@ -11,6 +11,8 @@
 #              vs SDPA decode attention; the decode kernels (triton, triton_fused, sdpa) at batch 1/8;
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls; the
 #              persistent batch-1 decode kernel vs the compiled graph
+#   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
+#              and end to end against the compiled CUDA-graph step
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
 #              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
@@ -81,6 +83,16 @@ if has infer; then
   step bench_infer_kernels 450 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs \
        --decode-kernel triton,triton_fused,sdpa
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
+  step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
+       --graph-step persistent,compiled
+fi
+if has pdecode; then
+  # the persistent batch-1 kernel: its CUDA tests, a tile sweep of the kernel alone
+  # (PDECODE_CONFIGS overrides the list), then end to end against the compiled graph step
+  step pytest_pdecode 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py tests/test_engine.py \
+       -k "persistent or auto or trace"
+  step bench_pdecode 300 $PY -m scripts.bench_decode_kernel --depth 20 \
+       --trace --configs "${PDECODE_CONFIGS:-16x512x512,16x512x1024,16x512x512k32,16x512x512q16,16x512x512f32,16x512x512u5}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
 fi

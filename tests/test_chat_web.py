@@ -365,7 +365,7 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
     assert "WARNING: binding 0.0.0.0" in capsys.readouterr().err and served["host"] == "0.0.0.0"
     for argv, flag in [(["--port", "0"], "--port"), (["--max-queue", "0"], "--max-queue"),
                        (["--api-key", "short"], "--api-key"), (["-i", "nope"], "--source"),
-                       (["--temperature", "9"], "--temperature")]:
+                       (["--temperature", "9"], "--temperature"), (["--graph-step", "mega"], "--graph-step")]:
         with pytest.raises(ValueError, match=flag):
             chat_web.main(["--device", "cpu", *argv])
 

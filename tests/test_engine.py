@@ -552,6 +552,23 @@ def test_persistent_graph_decode_matches_eager_cuda():
     assert not isinstance(engine.decoders[3].step_model, PersistentDecodeStep)
 
 
+@pytest.mark.cuda
+def test_auto_graph_step_on_the_gpu_cuda():
+    """graph_step auto (the default): on an H100/H200 (cc 9.0) batch 1 takes the persistent step
+    after its start-up probe and decodes what eager does; elsewhere it is the compiled step,
+    and the note says why."""
+    from nanochat.triton_decode import PersistentDecodeStep
+
+    model = random_model("cuda")
+    engine = Engine(model, None, decode="graphs", decode_bucket=16)
+    kw = dict(num_samples=1, max_tokens=40, temperature=0.0, stop_tokens=())
+    assert engine.generate_batch(list(range(1, 20)), **kw) == Engine(model, None, decode="eager").generate_batch(
+        list(range(1, 20)), **kw)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert engine.graph_step == ("persistent" if hopper else "compiled"), engine.graph_step_note
+    assert isinstance(engine.decoders[1].step_model, PersistentDecodeStep) == hopper
+
+
 def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
     """The inference benchmark end to end on a tiny CPU model, fused and unfused q/k/v: it prints
     one decode row per (mode, batch) and labels the unfused ones."""

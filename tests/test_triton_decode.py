@@ -42,7 +42,7 @@ ref_cache, cache = _cache(model), _cache(model)
 tokens = torch.randint(0, 100, (20,), generator=torch.Generator().manual_seed(1))
 keys = torch.arange(32)
 with torch.no_grad(), model.inference_weights():
-    step = PersistentDecodeStep(model, cache, programs=3)
+    step = PersistentDecodeStep(model, cache, programs=3, key_block=4)
     pos = torch.zeros(1, dtype=torch.long)
     for t in range(20):
         pos.fill_(t)
@@ -61,8 +61,9 @@ print("OK")
 
 def test_persistent_step_matches_static_decode_interpreted(run_triton_interpreted):
     """fp32 under the interpreter (three programs, so every phase splits its rows and key chunks
-    unevenly): logits within 1e-4 of the model's static decode step at every position, across
-    the window edge, with GQA and value embeddings; the k/v it writes equal the model's."""
+    unevenly; key blocks of 4, so a chunk spans one block and then several): logits within 1e-4
+    of the model's static decode step at every position, across the window edge, with GQA and
+    value embeddings; the k/v it writes equal the model's."""
     run_triton_interpreted(STEP_SCRIPT, timeout=600)
 
 
@@ -86,6 +87,51 @@ def test_engine_persistent_greedy_equals_eager_interpreted(run_triton_interprete
     """Engine(decode="static", graph_step="persistent") generates the same greedy tokens as eager
     decoding (prefill hand-over, the one-step lookahead and the position feed all go through it)."""
     run_triton_interpreted(ENGINE_SCRIPT, timeout=600)
+
+
+AUTO_SCRIPT = """
+import torch
+from nanochat.engine import Engine
+from nanochat.triton_decode import PersistentDecodeStep
+from tests.test_triton_decode import _model
+model = _model(seed=4)
+prompt = [7, 1, 30, 12]
+want = Engine(model, decode="eager").generate_batch(prompt, max_tokens=8, temperature=0.0)[0]
+engine = Engine(model, decode="static")  # graph_step auto
+assert engine.graph_step == "persistent", engine.graph_step_note
+assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
+assert isinstance(engine.decoders[1].step_model, PersistentDecodeStep)
+w = model.blocks[1].mlp.c_fc.weight  # a weight it cannot load: the constructor refuses, auto falls back
+saved = w.data
+buf = torch.empty(w.numel() + 1)
+buf[1:].copy_(saved.flatten())
+w.data = buf[1:].view(w.shape)
+engine = Engine(model, decode="static")
+assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
+assert engine.graph_step == "compiled" and "16 bytes" in engine.graph_step_note, engine.graph_step_note
+w.data = saved
+PersistentDecodeStep.launch = lambda self, ids, pos: self.logits.zero_()  # a kernel gone wrong
+engine = Engine(model, decode="static")
+assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
+assert engine.graph_step == "compiled" and "failed its probe" in engine.graph_step_note, engine.graph_step_note
+assert not isinstance(engine.decoders[1].step_model, PersistentDecodeStep)
+print("OK")
+"""
+
+
+def test_engine_auto_graph_step_probes_then_falls_back_interpreted(run_triton_interpreted):
+    """graph_step auto (the default) picks the persistent step where it can run (here: the
+    interpreter) and generates what eager does; a step that refuses the model, or whose logits do
+    not match the model's at the start-up probe, is dropped for the compiled step, with the
+    reason in graph_step_note."""
+    run_triton_interpreted(AUTO_SCRIPT, timeout=600)
+
+
+def test_engine_auto_graph_step_without_a_gpu_is_compiled(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine = Engine(_model(), decode="static")
+    assert engine.graph_step == "compiled" and "needs a CUDA GPU" in engine.graph_step_note
+    assert Engine(_model()).graph_step_note == ""  # eager decoding: no step to choose
 
 
 def test_persistent_step_refuses_what_it_cannot_run(monkeypatch):
@@ -142,3 +188,73 @@ def test_persistent_step_on_gpu_beats_eager_bf16_accuracy():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(step.logits.view(1, -1), direct)
+
+
+def test_persistent_step_refuses_misaligned_tensors_and_bad_tiles(monkeypatch):
+    """The kernel's 16-byte loads assume 16-byte aligned weights (the addresses in its pointer
+    table): a weight that is a view at an odd offset raises, naming the layer; tile sizes that
+    are not powers of two, and unroll < 1, raise naming the argument."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = _model()
+    with model.inference_weights():
+        for bad, name in ((dict(block_rows=12), "block_rows"), (dict(block_rows_qkv=24), "block_rows_qkv"),
+                          (dict(key_block=48), "key_block"), (dict(unroll=0), "unroll")):
+            with pytest.raises(ValueError, match=name):
+                PersistentDecodeStep(model, _cache(model), **bad)
+    w = model.blocks[1].mlp.c_fc.weight
+    buf = torch.empty(w.numel() + 1)
+    buf[1:].copy_(w.detach().flatten())
+    w.data = buf[1:].view(w.shape)  # contiguous, 4 bytes past an aligned start
+    with model.inference_weights(), pytest.raises(ValueError, match="layer 1 .*16 bytes"):
+        PersistentDecodeStep(model, _cache(model))
+
+
+def test_phase_times_needs_trace(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = _model()
+    with model.inference_weights():
+        step = PersistentDecodeStep(model, _cache(model))
+    with pytest.raises(AssertionError, match="trace=True"):
+        step.phase_times()
+
+
+@pytest.mark.cuda
+def test_phase_trace_accounts_for_the_whole_step():
+    """trace=True: every barrier's opening time is recorded (an unwritten slot would make a phase
+    negative), the phases add up to the launch's total (program 0's %globaltimer), and the
+    logits equal an untraced step's."""
+    from nanochat.attention import StaticKV
+
+    model = _model(torch.bfloat16, "cuda", sequence_len=256, vocab_size=1000, n_layer=4, n_head=4, n_kv_head=2,
+                   n_embd=256)
+    caches = [_cache(model), _cache(model)]
+    pos = torch.full((1,), 7, dtype=torch.long, device="cuda")
+    ids = torch.full((1, 1), 3, dtype=torch.long, device="cuda")
+    keys = torch.arange(256, device="cuda")
+    with torch.no_grad(), model.inference_weights():
+        plain = PersistentDecodeStep(model, caches[0])(ids, kv_cache=StaticKV(caches[0], pos, keys)).clone()
+        traced = PersistentDecodeStep(model, caches[1], trace=True)
+        got = traced(ids, kv_cache=StaticKV(caches[1], pos, keys))
+        torch.cuda.synchronize()
+    assert torch.equal(got, plain)
+    times = traced.phase_times()
+    assert set(times) == {"x0", "qkv", "attention", "proj", "fc", "proj2", "lm_head", "total"}
+    assert all(v >= 0 for v in times.values()) and times["total"] > 0, times
+    parts = sum(v for k, v in times.items() if k != "total")
+    assert abs(parts - times["total"]) < 1e-6 * max(1.0, times["total"]), times
+
+
+def test_bench_decode_kernel_configs_parse_and_bad_ones_raise():
+    from scripts.bench_decode_kernel import config_name, parse_args, parse_config
+
+    conf = parse_config("16x512x1024w4u10k64q32f8")
+    assert conf == dict(block_rows=16, block_k=512, block_k_mlp=1024, num_warps=4, unroll=10, key_block=64,
+                        block_rows_qkv=32, block_rows_fc=8)
+    assert config_name(conf) == "16x512x1024w4u10k64q32f8"
+    assert parse_config("8x256x256") == dict(block_rows=8, block_k=256, block_k_mlp=256)
+    args = parse_args(["--configs", "16x512x512,32x256x256u5"])
+    assert [config_name(c) for c in args.configs] == ["16x512x512", "32x256x256u5"]
+    for argv, flag in ((["--configs", "16x512"], "--configs"), (["--configs", ","], "--configs"),
+                       (["--prompt-len", "2048"], "--prompt-len"), (["--steps", "0"], "--steps")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)

@@ -1,0 +1,178 @@
+"""Benchmark the persistent batch-1 decode kernel alone (nanochat/triton_decode.py) over tile configs.
+
+For a randomly initialised model (d20 by default) with a KV cache filled to --prompt-len, each
+config's one-launch decode step is captured in a CUDA graph of --steps launches and replayed;
+the median over --repeats replays gives ms per step, and (weight bytes + visible KV bytes) / time
+the achieved bandwidth and its share of the device's (nanochat/platform.py). Prints one JSON line
+per config, then a table. A config that cannot be resident on the GPU, or fails to compile, is
+reported and skipped.
+
+    python -m scripts.bench_decode_kernel --depth 20 --trace --configs 16x512x512,16x512x1024u5k32
+
+Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS]: block_rows x block_k x block_k_mlp,
+then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc; PersistentDecodeStep's
+defaults otherwise. The end-to-end comparison with the compiled CUDA-graph step is
+`scripts/bench_inference.py --graph-step persistent,compiled`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+
+CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?$")
+FIELDS = (("w", "num_warps"), ("u", "unroll"), ("k", "key_block"), ("q", "block_rows_qkv"), ("f", "block_rows_fc"))
+
+
+def parse_config(text: str) -> dict:
+    m = CONFIG_RE.match(text.strip())
+    if m is None:
+        raise ValueError(f"--configs: got {text!r}; accepted: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS], "
+                         "e.g. 16x512x512w8u10k64q32")
+    rows, k, kmlp, *rest = m.groups()
+    conf = dict(block_rows=int(rows), block_k=int(k), block_k_mlp=int(kmlp))
+    return conf | {name: int(v) for (_, name), v in zip(FIELDS, rest) if v is not None}
+
+
+def config_name(conf: dict) -> str:
+    return (f"{conf['block_rows']}x{conf['block_k']}x{conf['block_k_mlp']}"
+            + "".join(f"{tag}{conf[name]}" for tag, name in FIELDS if name in conf))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--depth", type=int, default=20)
+    p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
+    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=2048)
+    p.add_argument("--window-pattern", "--window_pattern", dest="window_pattern", default="SSSL")
+    p.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=int, default=512,
+                   help="position of the decoded token (keys before it are visible)")
+    p.add_argument("--configs", default="16x512x512w8u5", help="comma list, see the module docstring")
+    p.add_argument("--steps", type=int, default=50, help="launches per CUDA graph")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true",
+                   help="also time each phase kind in-kernel (%%globaltimer at every grid barrier), "
+                        "mean of --steps launches")
+    args = p.parse_args(argv)
+    args.configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
+    if not args.configs:
+        raise ValueError("--configs: empty; accepted: a comma list of "
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS]")
+    for name in ("depth", "steps", "repeats", "vocab_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
+    if not 0 <= args.prompt_len < args.seq_len:
+        raise ValueError(f"--prompt-len: got {args.prompt_len}; accepted: 0 <= prompt-len < --seq-len {args.seq_len}")
+    return args
+
+
+def visible_kv_bytes(model, pos: int, elem: int) -> int:
+    """K and V bytes the persistent step reads at `pos`: every visible key, windows respected."""
+    cfg = model.config
+    per_key = 2 * cfg.n_kv_head * cfg.head_dim * elem
+    return sum(per_key * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
+
+
+def time_config(step, ids, pos, steps: int, repeats: int) -> float:
+    """Median seconds per step of `steps` launches replayed from one CUDA graph."""
+    import torch
+
+    step.launch(ids, pos)  # compiles, checks residency
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            step.launch(ids, pos)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / steps)
+    return statistics.median(times)
+
+
+def trace_phases(step, ids, pos, launches: int) -> dict:
+    """Mean in-kernel microseconds per phase kind over `launches` direct launches."""
+    import torch
+
+    step.launch(ids, pos)
+    sums: dict = {}
+    for _ in range(launches):
+        step.launch(ids, pos)
+        torch.cuda.synchronize()
+        for k, v in step.phase_times().items():
+            sums[k] = sums.get(k, 0.0) + v / launches
+    return {k: round(v, 1) for k, v in sums.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from nanochat.attention import KVCache
+    from nanochat.common import init_runtime
+    from nanochat.platform import detect_device
+    from nanochat.triton_decode import PersistentDecodeStep
+    from scripts.bench_inference import build_model, weight_bytes_per_step
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_kernel: needs a CUDA GPU (it times the kernel in CUDA graphs); "
+                         "the CPU path of the kernel is tested under TRITON_INTERPRET=1 in tests/test_triton_decode.py")
+    rt = init_runtime("cuda", "bf16", seed=args.seed)
+    spec = detect_device(rt.device)
+    model = build_model(args, rt)
+    cfg = model.config
+    cache = KVCache(1, cfg.n_kv_head, cfg.sequence_len, cfg.head_dim, cfg.n_layer, rt.device, rt.dtype)
+    for k, v in zip(cache.k, cache.v):  # a filled prefix; its values do not change the timing
+        k.normal_()
+        v.normal_()
+    ids = torch.zeros(1, 1, dtype=torch.long, device=rt.device)
+    pos = torch.full((1,), args.prompt_len, dtype=torch.long, device=rt.device)
+    nbytes = weight_bytes_per_step(model) + visible_kv_bytes(model, args.prompt_len, 2)
+    print(json.dumps({"bench": "config", "device": spec.name, "torch": torch.__version__, "depth": args.depth,
+                      "prompt_len": args.prompt_len, "bytes_per_step": nbytes,
+                      "bandwidth_gbs": spec.bandwidth_gbs}), flush=True)
+    rows = []
+    with torch.no_grad(), model.inference_weights():
+        for conf in args.configs:
+            row = {"bench": "persistent_step", **conf}
+            try:
+                step = PersistentDecodeStep(model, cache, **conf)
+                t = time_config(step, ids, pos, args.steps, args.repeats)
+            except (ValueError, RuntimeError) as e:  # not resident, out of resources: report, go on
+                row["error"] = str(e).splitlines()[0][:200]
+            else:
+                gbs = nbytes / t / 1e9
+                row.update(step_ms=1e3 * t, registers=step.registers, achieved_gbs=gbs,
+                           bandwidth_util=gbs / spec.bandwidth_gbs if spec.bandwidth_gbs else None)
+                if args.trace:
+                    row["phase_us"] = trace_phases(PersistentDecodeStep(model, cache, trace=True, **conf), ids, pos,
+                                                   args.steps)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\n{spec.name}, d{args.depth}, prompt {args.prompt_len}, {nbytes / 1e6:.0f} MB per step")
+    print(f"{'config':<24}{'step ms':>9}{'regs':>6}{'GB/s':>8}{'BW util':>8}")
+    for r in rows:
+        name = config_name(r)
+        if "error" in r:
+            print(f"{name:<24}  {r['error'][:60]}")
+        else:
+            util = f"{100 * r['bandwidth_util']:.0f}%" if r["bandwidth_util"] else "-"
+            print(f"{name:<24}{r['step_ms']:>9.3f}{r['registers']:>6}{r['achieved_gbs']:>8.0f}{util:>8}")
+            if "phase_us" in r:
+                print("    phases (us, summed over layers, each with its closing barrier): "
+                      + ", ".join(f"{k} {v}" for k, v in r["phase_us"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
