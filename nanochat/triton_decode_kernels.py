@@ -1,0 +1,409 @@
+"""The persistent batch-1 decode kernel (host side and measurements: nanochat/triton_decode.py).
+
+Per layer l (residual stream kept in float32, slot 2l = the block input, slot 2l+1 = after
+attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
+  1. qkv:   s = lam_l * r + mu_l * x0; rows of [Wq; Wk; Wv] @ norm(s) -> qkv (each program its
+            contiguous share of rows, norm(s) recomputed per program); program 0 also computes
+            the value-embedding gate 2 sigmoid(Wg @ norm(s)[:32]).
+  2. attn:  units (head, key chunk): RoPE + QK-norm of q and the new k (recomputed per unit), the
+            new v (+ gate * value-embedding row); the unit (kv head, chunk 0) writes the new k/v
+            into the cache; online softmax over the chunk (keys < pos from the cache, key pos from
+            registers, only keys inside the layer's window; a program's first key block is loaded
+            before the barrier opens); the last unit of a head to finish (an atomic counter) merges
+            the head's chunks into y.
+  3. proj:  r_mid = s + Wo @ y.
+  4. fc:    h = relu(Wfc @ norm(r_mid))^2.
+  5. proj2: r_out = r_mid + Wp2 @ h.
+and finally logits = softcap * tanh(lm_head @ norm(r_L)) over the real vocabulary.
+
+Every phase ends at a grid barrier (_arrive/_wait: per-program int64 flags that only grow), so
+all programs must be resident at once: one program per SM, launched alone on its stream (a CUDA
+graph replays it that way), and the first launch checks the compiled kernel's registers and shared
+memory against the SMs (`_check_resident`: a grid that cannot be resident would wait forever).
+Data written by other programs is read with .cg loads (L2, never a stale L1 line). Under
+TRITON_INTERPRET=1 (CPU tests) programs run one after another, so a barrier would never open:
+the host launches one phase at a time (`PHASE` >= 0); the GPU runs all in one launch (`PHASE` =
+-1). Accumulation is float32 throughout; weights, the KV cache and every product's inputs are in
+the model's dtype (the inputs rounded to it, as the eager model's are).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Per-layer pointer table columns (int64 addresses).
+P_QKV = tl.constexpr(0)
+P_WO = tl.constexpr(1)
+P_FC = tl.constexpr(2)
+P_P2 = tl.constexpr(3)
+P_KC = tl.constexpr(4)
+P_VC = tl.constexpr(5)
+P_VE = tl.constexpr(6)
+P_GATE = tl.constexpr(7)
+N_PTRS = tl.constexpr(8)
+PHASES = 7  # 0 x0, 1 qkv, 2 attention, 3 proj, 4 fc, 5 proj2, 6 lm_head (interpreter launches)
+
+
+@triton.jit
+def _arrive(flags, epoch, pid):
+    """First half of the grid barrier: publish `epoch` in this program's flag. Flags only grow (a
+    step's k-th barrier uses epoch = the flag at step start + k), so nothing is ever reset."""
+    tl.debug_barrier()  # every thread's stores are issued before the release below
+    tl.atomic_xchg(flags + pid, epoch, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
+    """Second half: wait until every flag reaches `epoch`. Work that does not depend on the
+    other programs (loading cached keys) goes between _arrive and _wait. A barrier
+    costs ~1.7 us on the H100 with 132 programs, the same as one shared atomic counter and as
+    polling with ld.acquire instead of the final acquire atomic (all measured)."""
+    i = tl.arange(0, P_P2)
+    seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
+    while seen < epoch:
+        seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
+    tl.atomic_add(flags + pid, 0, sem="acquire", scope="gpu")  # later loads see the others' stores
+    tl.debug_barrier()
+    if TRACE:
+        if pid == 0:  # when the barrier opened, for the phase timings (PersistentDecodeStep.trace)
+            tl.store(trace_ptr + slot, _globaltimer())
+
+
+@triton.jit
+def _grid_sync(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
+    _arrive(flags, epoch, pid)
+    _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rstd(a_ptr, b_ptr, lam, mu, K, eps, MIX: tl.constexpr, BK: tl.constexpr):
+    """1 / rms(s) of s = lam * a + mu * b (MIX) or s = a, over K float32 values."""
+    acc = tl.zeros([BK], tl.float32)
+    for k in range(0, K, BK):
+        offs = k + tl.arange(0, BK)
+        s = tl.load(a_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if MIX:
+            s = lam * s + mu * tl.load(b_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+        acc += s * s
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def _input(a_ptr, b_ptr, lam, mu, scale, cols, K, MIX: tl.constexpr, wty: tl.constexpr):
+    """A chunk of a product's input vector: ((lam * a + mu * b) or a) * scale, rounded to the
+    weights' dtype like the eager model's matmul input, returned in float32."""
+    x = tl.load(a_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if MIX:
+        x = lam * x + mu * tl.load(b_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
+    return (x * scale).to(wty).to(tl.float32)
+
+
+@triton.jit
+def _gemv(w_ptr, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, x_scale, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu,
+          softcap, pid, nprog, MIX: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          UNROLL: tl.constexpr):
+    """out[n] = epilogue(W[n, :] . x) for this program's contiguous share of the N rows.
+
+    x = _input(xa, xb, x_lam, x_mu, x_scale). Epilogues: 0 store; 1 add the residual
+    r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap).
+    The K loop is unrolled by UNROLL chunks (static_range), so that many weight loads of a
+    row tile are issued before the first is used: a decode GEMV is bound by the bytes each SM
+    has in flight."""
+    wty = w_ptr.dtype.element_ty
+    NK: tl.constexpr = (K + BK - 1) // BK
+    KU: tl.constexpr = NK if NK < UNROLL else UNROLL
+    n0 = pid * N // nprog
+    n1 = (pid + 1) * N // nprog
+    for n in range(n0, n1, BN):
+        rows = n + tl.arange(0, BN)
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK * KU):
+            for kk in tl.static_range(0, BK * KU, BK):
+                cols = k0 + kk + tl.arange(0, BK)
+                w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                            mask=(rows[:, None] < n1) & (cols[None, :] < K), other=0.0,
+                            eviction_policy="evict_first")
+                x = _input(xa_ptr, xb_ptr, x_lam, x_mu, x_scale, cols, K, MIX, wty)
+                acc += w.to(tl.float32) * x[None, :]
+        out = tl.sum(acc, 1)
+        if EPI == 1:
+            out += r_lam * tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+            out += r_mu * tl.load(rb_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+        elif EPI == 2:
+            out = tl.maximum(out, 0.0)
+            out = out * out
+        elif EPI == 3:
+            out = softcap * (1.0 - 2.0 / (tl.exp(2.0 * out / softcap) + 1.0))  # tanh, inf-safe
+        tl.store(out_ptr + rows, out, mask=rows < n1)
+
+
+@triton.jit
+def _layer_ptr(table, layer, col, ty: tl.constexpr):
+    # An address loaded as an integer carries no alignment, so without the hint every weight
+    # load compiled to 2-byte scalar loads (ld.global.b16, 448 of them: 255 registers and ~1.2
+    # TB/s per GEMV); 16 bytes is checked on the host (_pointer_table), and gives 16-byte loads.
+    return tl.multiple_of(tl.load(table + layer * N_PTRS + col).to(tl.pointer_type(ty)), 16)
+
+
+@triton.jit
+def _rotary_norm(base_ptr, d, partner, sign, cs, sn, eps, D: tl.constexpr):
+    """norm(rotate(x)) of one head's float32 vector: (x1, x2) -> (x1 c + x2 s, x2 c - x1 s)."""
+    x = tl.load(base_ptr + d, cache_modifier=".cg")
+    xp = tl.load(base_ptr + partner, cache_modifier=".cg")
+    r = x * cs + sign * xp * sn
+    return r * tl.rsqrt(tl.sum(r * r, 0) / D + eps)
+
+
+@triton.jit
+def _attn_split(pos, window, NCH: tl.constexpr, BKEY: tl.constexpr):
+    """The visible keys [lo, pos] of a layer split into nch chunks of `chunk` keys (whole blocks)."""
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    nkeys = pos - lo + 1
+    chunk = tl.cdiv(tl.cdiv(nkeys, NCH), BKEY) * BKEY
+    return lo, chunk, tl.cdiv(nkeys, chunk)
+
+
+@triton.jit
+def _kv_block(head_k, head_v, keys, limit, d, D: tl.constexpr):
+    """K and V rows `keys` (those < limit; others 0) of one kv head's cache."""
+    m = (keys < limit)[:, None]
+    return (tl.load(head_k + keys[:, None] * D + d[None, :], mask=m, other=0.0),
+            tl.load(head_v + keys[:, None] * D + d[None, :], mask=m, other=0.0))
+
+
+@triton.jit
+def _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   NCH: tl.constexpr, BKEY: tl.constexpr):
+    """The first key block of this program's first attention unit (u = pid), loaded before the
+    barrier that opens the attention phase: cached keys do not depend on this step's q/k/v, so
+    the DRAM latency overlaps the barrier (~1.7 us) instead of following it."""
+    lo, chunk, nch = _attn_split(pos, window, NCH, BKEY)
+    g = (pid // nch) // (H // HKV)
+    j0 = lo + (pid % nch) * chunk
+    limit = tl.where(pid < H * nch, tl.minimum(tl.minimum(j0 + chunk, pos + 1), pos), 0)
+    return _kv_block(kc + g * T_CACHE * D, vc + g * T_CACHE * D, j0 + tl.arange(0, BKEY), limit,
+                     tl.arange(0, D), D)
+
+
+@triton.jit
+def _attend(kt, vt, keys, j1, pos, q, s_new, v_new, m_i, l_i, acc):
+    """Online-softmax update with one key block (the key at `pos` comes from registers)."""
+    s = tl.sum(kt.to(tl.float32) * q[None, :], 1)
+    s = tl.where(keys == pos, s_new, s)
+    s = tl.where(keys < j1, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m_i - m_new)
+    p_new = tl.sum(tl.where(keys == pos, p, 0.0), 0)
+    acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), 0) + p_new * v_new
+    return m_new, l_i * alpha + tl.sum(p, 0), acc
+
+
+@triton.jit
+def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                     part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
+                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NCH: tl.constexpr,
+                     NCH_P2: tl.constexpr, BKEY: tl.constexpr):
+    cty = kc.dtype.element_ty
+    lo, chunk, nch = _attn_split(pos, window, NCH, BKEY)
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    partner = (d + HALF) % D
+    sign = tl.where(d < HALF, 1.0, -1.0)
+    cs = tl.load(cos_ptr + pos * HALF + d % HALF).to(tl.float32)
+    sn = tl.load(sin_ptr + pos * HALF + d % HALF).to(tl.float32)
+    GROUP: tl.constexpr = H // HKV
+    for u in range(pid, H * nch, nprog):
+        h = u // nch
+        c = u % nch
+        g = h // GROUP
+        head_k = kc + g * T_CACHE * D
+        head_v = vc + g * T_CACHE * D
+        j0 = lo + c * chunk
+        j1 = tl.minimum(j0 + chunk, pos + 1)
+        keys = j0 + tl.arange(0, BKEY)
+        if u == pid:  # the block _attn_prefetch loaded before the barrier
+            kt, vt = kt0, vt0
+        else:  # issued before the q/k/v math below, so their latencies overlap
+            kt, vt = _kv_block(head_k, head_v, keys, tl.minimum(j1, pos), d, D)
+        q = _rotary_norm(qkv_ptr + h * D, d, partner, sign, cs, sn, eps, D) * sm_scale
+        k_new = _rotary_norm(qkv_ptr + (H + g) * D, d, partner, sign, cs, sn, eps, D)
+        v_new = tl.load(qkv_ptr + (H + HKV + g) * D + d, cache_modifier=".cg")
+        if has_ve != 0:
+            gate = tl.load(gate_ptr + g, cache_modifier=".cg")
+            v_new += gate * tl.load(ve + tok * (HKV * D) + g * D + d).to(tl.float32)
+        k_new = k_new.to(cty).to(tl.float32)  # what the cache holds for later steps
+        v_new = v_new.to(cty).to(tl.float32)
+        if (c == 0) & (h % GROUP == 0):
+            tl.store(head_k + pos * D + d, k_new.to(cty))
+            tl.store(head_v + pos * D + d, v_new.to(cty))
+        s_new = tl.sum(q * k_new, 0)
+        m_i, l_i, acc = _attend(kt, vt, keys, j1, pos, q, s_new, v_new, tl.full([], float("-inf"), tl.float32),
+                                tl.zeros([], tl.float32), tl.zeros([D], tl.float32))
+        for j in range(j0 + BKEY, j1, BKEY):
+            keys = j + tl.arange(0, BKEY)
+            kt, vt = _kv_block(head_k, head_v, keys, tl.minimum(j1, pos), d, D)
+            m_i, l_i, acc = _attend(kt, vt, keys, j1, pos, q, s_new, v_new, m_i, l_i, acc)
+        slot = part_ptr + (h * NCH + c) * (D + 2)
+        tl.store(slot + d, acc)
+        tl.store(slot + D, m_i)
+        tl.store(slot + D + 1, l_i)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + h, 1, sem="acq_rel", scope="gpu")
+        if done == nch - 1:  # the head's last chunk: merge its partial softmaxes
+            tl.atomic_xchg(count_ptr + h, 0, sem="relaxed", scope="gpu")
+            ci = tl.arange(0, NCH_P2)
+            rows = part_ptr + (h * NCH + ci) * (D + 2)
+            m_c = tl.load(rows + D, mask=ci < nch, other=float("-inf"), cache_modifier=".cg")
+            l_c = tl.load(rows + D + 1, mask=ci < nch, other=0.0, cache_modifier=".cg")
+            wgt = tl.exp(m_c - tl.max(m_c, 0))
+            a_c = tl.load(rows[:, None] + d[None, :], mask=(ci < nch)[:, None], other=0.0, cache_modifier=".cg")
+            y = tl.sum(wgt[:, None] * a_c, 0) / tl.sum(wgt * l_c, 0)
+            tl.store(y_ptr + h * D + d, y)
+
+
+@triton.jit
+def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty: tl.constexpr,
+               C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr,
+               HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+    r = resid + 2 * layer * C
+    lam = tl.load(lam_ptr + layer).to(tl.float32)
+    mu = tl.load(mu_ptr + layer).to(tl.float32)
+    rstd = _rstd(r, resid, lam, mu, C, eps, True, BK_C)
+    _gemv(_layer_ptr(table, layer, P_QKV, wty), (H + 2 * HKV) * D, C, r, resid, lam, mu, rstd, qkv_ptr,
+          r, r, 0.0, 0.0, 0.0, pid, nprog, True, 0, BN_Q, BK_C, UNROLL)
+    gate_w = tl.load(table + layer * N_PTRS + P_GATE)
+    if (pid == 0) & (gate_w != 0):
+        gi = tl.arange(0, HKV_P2)
+        x = _input(r, resid, lam, mu, rstd, tl.arange(0, GATE), GATE, True, wty)
+        gw = tl.multiple_of(gate_w.to(tl.pointer_type(wty)), 16)
+        w = tl.load(gw + gi[:, None] * GATE + tl.arange(0, GATE)[None, :],
+                    mask=(gi < HKV)[:, None], other=0.0)
+        z = tl.sum(w.to(tl.float32) * x[None, :], 1).to(wty).to(tl.float32)
+        tl.store(gate_ptr + gi, 2.0 / (1.0 + tl.exp(-z)), mask=gi < HKV)
+
+
+@triton.jit
+def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+    lam = tl.load(lam_ptr + layer).to(tl.float32)
+    mu = tl.load(mu_ptr + layer).to(tl.float32)
+    r = resid + 2 * layer * C
+    _gemv(_layer_ptr(table, layer, P_WO, wty), C, H * D, y_ptr, y_ptr, 1.0, 0.0, 1.0, r + C,
+          r, resid, lam, mu, 0.0, pid, nprog, False, 1, BN, BK_C, UNROLL)
+
+
+@triton.jit
+def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
+              F: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+    r_mid = resid + (2 * layer + 1) * C
+    rstd = _rstd(r_mid, r_mid, 1.0, 0.0, C, eps, False, BK_C)
+    _gemv(_layer_ptr(table, layer, P_FC, wty), F, C, r_mid, r_mid, 1.0, 0.0, rstd, hid_ptr,
+          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, 2, BN_FC, BK_C, UNROLL)
+
+
+@triton.jit
+def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
+                 F: tl.constexpr, BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
+    r_mid = resid + (2 * layer + 1) * C
+    _gemv(_layer_ptr(table, layer, P_P2, wty), C, F, hid_ptr, hid_ptr, 1.0, 0.0, 1.0, r_mid + C,
+          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, 1, BN, BK_F, UNROLL)
+
+
+@triton.jit
+def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl.constexpr,
+                BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+    rstd = _rstd(r_last, r_last, 1.0, 0.0, C, eps, False, BK_C)
+    _gemv(head_ptr, V, C, r_last, r_last, 1.0, 0.0, rstd, logits_ptr, r_last, r_last, 0.0, 0.0,
+          softcap, pid, nprog, False, 3, BN, BK_C, UNROLL)
+
+
+@triton.jit
+def decode_step_kernel(
+        tok_ptr, pos_ptr, wte_ptr, head_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
+        resid, qkv_ptr, gate_ptr, part_ptr, count_ptr, y_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
+        layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
+        C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+        GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
+        PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
+        BK_F: tl.constexpr,
+        BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr,
+        TRACE: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    wty: tl.constexpr = wte_ptr.dtype.element_ty
+    tok = tl.load(tok_ptr)
+    pos = tl.load(pos_ptr)
+    if PHASE < 0:
+        epoch = tl.atomic_add(bar_ptr + pid, 0, sem="acquire", scope="gpu") + 1  # next barrier's
+        base = epoch - 1
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr, _globaltimer())
+    if PHASE <= 0:  # x0 = norm(wte[token]); this program's share into slot 0
+        row = wte_ptr + tok * C
+        rstd0 = _rstd(row, row, 1.0, 0.0, C, eps, False, BK_C)
+        n0 = pid * C // nprog
+        n1 = (pid + 1) * C // nprog
+        for n in range(n0, n1, BN):
+            cols = n + tl.arange(0, BN)
+            x0 = tl.load(row + cols, mask=cols < n1, other=0.0).to(tl.float32) * rstd0
+            tl.store(resid + cols, x0.to(wty).to(tl.float32), mask=cols < n1)
+    if PHASE < 0:
+        _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+        for layer in range(L):
+            _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
+                       C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+            kc = _layer_ptr(table, layer, P_KC, wty)
+            vc = _layer_ptr(table, layer, P_VC, wty)
+            window = tl.load(windows_ptr + layer)
+            epoch += 1
+            _arrive(bar_ptr, epoch, pid)
+            kt0, vt0 = _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H, HKV, D, NCH, BKEY)
+            _wait(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer, P_VE, wty),
+                             tl.load(table + layer * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                             part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
+                             H, HKV, D, NCH, NCH_P2, BKEY)
+            epoch += 1
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
+            epoch += 1
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
+            epoch += 1
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
+            epoch += 1
+            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
+        if TRACE:
+            tl.debug_barrier()
+            if pid == 0:  # program 0's own lm_head share done (no barrier follows)
+                tl.store(trace_ptr + epoch - base + 1, _globaltimer())
+    elif PHASE == 1:
+        _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
+                   C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+    elif PHASE == 2:
+        kc = _layer_ptr(table, layer_arg, P_KC, wty)
+        vc = _layer_ptr(table, layer_arg, P_VC, wty)
+        window = tl.load(windows_ptr + layer_arg)
+        kt0, vt0 = _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H, HKV, D, NCH, BKEY)
+        _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer_arg, P_VE, wty),
+                         tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
+                         part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, NCH_P2,
+                         BKEY)
+    elif PHASE == 3:
+        _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
+    elif PHASE == 4:
+        _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
+    elif PHASE == 5:
+        _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
+    elif PHASE == 6:
+        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
