@@ -525,6 +525,23 @@ def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroo
     return None
 
 
+def usable_sms(sm_count: int, env: MutableMapping[str, str] | None = None) -> int:
+    """SMs this process can hold at once: all of them, or under CUDA MPS with
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE that share, rounded down to whole TPCs (pairs of SMs).
+    A grid whose programs wait for each other (the persistent decode kernel's grid barrier) must
+    not be larger, or it waits forever; device properties still report every SM under MPS."""
+    value = (os.environ if env is None else env).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if value is None or not value.strip():
+        return sm_count
+    try:
+        pct = float(value)
+    except ValueError:
+        pct = -1.0
+    if not 0 < pct <= 100:
+        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: got {value!r}; accepted: a number in (0, 100]")
+    return min(sm_count, max(1, int(sm_count * pct / 100) // 2 * 2))
+
+
 # --------------------------------------------------------------------------------------------
 # `python -m nanochat.platform`: the preflight report lives in nanochat/preflight.py
 

@@ -28,6 +28,7 @@ import os
 import torch
 import triton
 
+from nanochat.platform import usable_sms
 from nanochat.triton_decode_kernels import N_PTRS, decode_step_kernel
 
 
@@ -108,7 +109,7 @@ class PersistentDecodeStep:
         self.model, self.cache, self.config = model, cache, cfg
         if programs is None:
             sms = 4 if dev.type == "cpu" else torch.cuda.get_device_properties(dev).multi_processor_count
-            programs = programs_per_sm * sms
+            programs = programs_per_sm * usable_sms(sms)  # all SMs, or the share MPS allows
         if programs < 1:
             raise ValueError(f"programs: got {programs}; accepted: an integer >= 1")
         self.programs = programs
@@ -189,10 +190,11 @@ class PersistentDecodeStep:
         fits = min(props.regs_per_multiprocessor // max(1, regs_per_warp * warps),
                    props.max_threads_per_multi_processor // (32 * warps),
                    props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared))
-        if fits * props.multi_processor_count < self.programs:
+        sms = usable_sms(props.multi_processor_count)  # fewer under an MPS thread percentage
+        if fits * sms < self.programs:
             raise ValueError(f"persistent decode step: {self.programs} programs of {warps} warps "
                              f"({kernel.n_regs} registers/thread, {kernel.metadata.shared} B shared) "
-                             f"do not fit at once on {props.multi_processor_count} SMs ({fits} per SM); "
+                             f"do not fit at once on the {sms} usable SMs ({fits} per SM); "
                              "lower programs_per_sm or num_warps")
         self.registers = kernel.n_regs
         self._resident_checked = True

@@ -198,3 +198,19 @@ def test_cpu_bf16_matmul_probe_runs_in_a_child():
     assert P._bf16_matmul_in_child() in (0, 4)
     a = torch.ones(8, 16, dtype=torch.bfloat16)
     assert (a @ a.T).float().sum().item() == 8 * 8 * 16
+
+
+def test_usable_sms_under_an_mps_thread_percentage():
+    """A grid-barrier kernel must not outnumber the SMs MPS lets the process hold: the share of
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in whole TPCs; all SMs without it; a bad value names it."""
+    from nanochat.platform import usable_sms
+
+    assert usable_sms(132, {}) == 132
+    assert usable_sms(132, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": ""}) == 132
+    assert usable_sms(132, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}) == 66
+    assert usable_sms(48, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "33.3"}) == 14  # 15.98 -> 14 (TPC pairs)
+    assert usable_sms(132, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}) == 132
+    assert usable_sms(48, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"}) == 1
+    for bad in ("0", "150", "half"):
+        with pytest.raises(ValueError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+            usable_sms(132, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": bad})

@@ -209,6 +209,18 @@ def test_persistent_step_refuses_misaligned_tensors_and_bad_tiles(monkeypatch):
         PersistentDecodeStep(model, _cache(model))
 
 
+def test_grid_is_sized_to_the_sms_mps_allows(monkeypatch):
+    """Under CUDA MPS with a thread percentage the grid shrinks to the SMs the process may hold
+    (nanochat.platform.usable_sms; the interpreter stands in for a 4-SM device), so the grid
+    barrier can still open."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = _model()
+    with model.inference_weights():
+        assert PersistentDecodeStep(model, _cache(model)).programs == 4
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+        assert PersistentDecodeStep(model, _cache(model)).programs == 2
+
+
 def test_phase_times_needs_trace(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = _model()
