@@ -117,6 +117,7 @@ def trace_phases(step, ids, pos, launches: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    import triton
 
     from nanochat.attention import KVCache
     from nanochat.common import init_runtime
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
     ids = torch.zeros(1, 1, dtype=torch.long, device=rt.device)
     pos = torch.full((1,), args.prompt_len, dtype=torch.long, device=rt.device)
     nbytes = weight_bytes_per_step(model) + visible_kv_bytes(model, args.prompt_len, 2)
-    print(json.dumps({"bench": "config", "device": spec.name, "torch": torch.__version__, "depth": args.depth,
+    print(json.dumps({"bench": "config", "device": spec.name, "torch": torch.__version__,
+                      "triton": triton.__version__, "depth": args.depth,
                       "prompt_len": args.prompt_len, "bytes_per_step": nbytes,
                       "bandwidth_gbs": spec.bandwidth_gbs}), flush=True)
     rows = []
