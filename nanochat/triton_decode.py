@@ -29,7 +29,7 @@ import torch
 import triton
 
 from nanochat.platform import usable_sms
-from nanochat.triton_decode_kernels import N_PTRS, decode_step_kernel
+from nanochat.triton_decode_kernels import N_PTRS, PHASES, decode_step_kernel
 
 
 def _interpreted() -> bool:
@@ -215,6 +215,6 @@ class PersistentDecodeStep:
         # Interpreter: programs run in turn, so each phase is its own launch (module docstring).
         decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=0, **self._meta)
         for layer in range(cfg.n_layer):
-            for phase in range(1, 6):
+            for phase in range(1, PHASES - 1):  # qkv .. proj2 per layer
                 decode_step_kernel[grid](*args, layer_arg=layer, **scalars, PHASE=phase, **self._meta)
-        decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=6, **self._meta)
+        decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=PHASES - 1, **self._meta)

@@ -70,13 +70,6 @@ def parse_args(argv=None):
     return args
 
 
-def visible_kv_bytes(model, pos: int, elem: int) -> int:
-    """K and V bytes the persistent step reads at `pos`: every visible key, windows respected."""
-    cfg = model.config
-    per_key = 2 * cfg.n_kv_head * cfg.head_dim * elem
-    return sum(per_key * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
-
-
 def time_config(step, ids, pos, steps: int, repeats: int) -> float:
     """Median seconds per step of `steps` launches replayed from one CUDA graph."""
     import torch
@@ -123,7 +116,7 @@ def main(argv=None) -> int:
     from nanochat.common import init_runtime
     from nanochat.platform import detect_device
     from nanochat.triton_decode import PersistentDecodeStep
-    from scripts.bench_inference import build_model, weight_bytes_per_step
+    from scripts.bench_inference import build_model, visible_kv_bytes, weight_bytes_per_step
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_kernel: needs a CUDA GPU (it times the kernel in CUDA graphs); "

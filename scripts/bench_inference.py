@@ -129,8 +129,16 @@ def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
         if engine.decode_mode in ("static", "graphs") and not persistent:
             total += per_token * len(model.windows) * bucket_length(pos + 1, engine.max_seq_len, engine.decode_bucket)
         else:
-            total += sum(per_token * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
+            total += visible_kv_bytes(model, pos, elem) * batch
     return total / n
+
+
+def visible_kv_bytes(model, pos: int, elem: int) -> int:
+    """K and V bytes one row's step reads at `pos` when it reads only visible keys: the filled
+    prefix, window layers at most their window."""
+    cfg = model.config
+    per_key = 2 * cfg.n_kv_head * cfg.head_dim * elem
+    return sum(per_key * (pos + 1 if w is None else min(pos + 1, w)) for w in model.windows)
 
 
 def torch_itemsize(dtype) -> int:
