@@ -84,12 +84,14 @@ class PersistentDecodeStep:
     (`block_k_mlp` for the K = 4C product) weight tile per GEMV step, `block_rows_qkv` and
     `block_rows_fc` for those two products (None: `block_rows`), `unroll` K chunks issued before
     the first is used, `num_warps` per program, `key_block` keys per attention step,
-    `programs_per_sm`. `trace=True` records when each barrier opened (`phase_times()`)."""
+    `programs_per_sm`; `preload`, a bit mask over the GEMV phases (1 q/k/v, 2 attention proj,
+    4 fc, 8 MLP proj) whose first weight tile is loaded while the barrier before the phase waits.
+    `trace=True` records when each barrier opened (`phase_times()`)."""
 
-    def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 512,
-                 block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 64, unroll: int = 10,
-                 block_rows_qkv: int | None = 32, block_rows_fc: int | None = None,
-                 programs_per_sm: int = 1, trace: bool = False):
+    def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 256,
+                 block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 64, unroll: int = 5,
+                 block_rows_qkv: int | None = 32, block_rows_fc: int | None = 64,
+                 preload: int = 15, programs_per_sm: int = 1, trace: bool = False):
         block_rows_qkv = block_rows if block_rows_qkv is None else block_rows_qkv
         block_rows_fc = block_rows if block_rows_fc is None else block_rows_fc
         for name, value in (("block_rows", block_rows), ("block_k", block_k), ("block_k_mlp", block_k_mlp),
@@ -99,6 +101,9 @@ class PersistentDecodeStep:
                 raise ValueError(f"persistent decode step {name}: got {value}; accepted: a power of two")
         if unroll < 1:
             raise ValueError(f"persistent decode step unroll: got {unroll}; accepted: an integer >= 1")
+        if not 0 <= preload <= 15:
+            raise ValueError(f"persistent decode step preload: got {preload}; accepted: a bit mask 0..15 "
+                             "(1 q/k/v, 2 attention proj, 4 fc, 8 MLP proj)")
         reason = unsupported(model, cache)
         if reason is not None:
             raise ValueError(f"persistent decode step: {reason}")
@@ -121,7 +126,7 @@ class PersistentDecodeStep:
         self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
                           NCH_P2=p2(self._nch), BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
                           BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
-                          TRACE=trace, num_warps=num_warps)
+                          TRACE=trace, num_warps=num_warps, PRE=preload)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:

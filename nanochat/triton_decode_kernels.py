@@ -3,8 +3,9 @@
 Per layer l (residual stream kept in float32, slot 2l = the block input, slot 2l+1 = after
 attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
   1. qkv:   s = lam_l * r + mu_l * x0; rows of [Wq; Wk; Wv] @ norm(s) -> qkv (each program its
-            contiguous share of rows, norm(s) recomputed per program); program 0 also computes
-            the value-embedding gate 2 sigmoid(Wg @ norm(s)[:32]).
+            contiguous share of rows; norm's 1/rms is taken with the dot products and scales
+            them, _gemv); program 0 also computes the value-embedding gate
+            2 sigmoid(Wg @ norm(s)[:32]).
   2. attn:  units (head, key chunk): RoPE + QK-norm of q and the new k (recomputed per unit), the
             new v (+ gate * value-embedding row); the unit (kv head, chunk 0) writes the new k/v
             into the cache; online softmax over the chunk (keys < pos from the cache, key pos from
@@ -16,15 +17,19 @@ attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
   5. proj2: r_out = r_mid + Wp2 @ h.
 and finally logits = softcap * tanh(lm_head @ norm(r_L)) over the real vocabulary.
 
-Every phase ends at a grid barrier (_arrive/_wait: per-program int64 flags that only grow), so
-all programs must be resident at once: one program per SM, launched alone on its stream (a CUDA
+Every phase ends at a grid barrier (_arrive/_wait: per-program int64 flags that only grow).
+Between a program's _arrive and its _wait it loads what the next phase needs and no other
+program writes: that phase's first weight tile (_sync_w, `PRE`) or first key block, so DRAM
+works while the barrier waits (d20 on the H100: 0.766 -> 0.680 ms per step). All programs must
+be resident at once: one program per SM, launched alone on its stream (a CUDA
 graph replays it that way), and the first launch checks the compiled kernel's registers and shared
 memory against the SMs (`_check_resident`: a grid that cannot be resident would wait forever).
 Data written by other programs is read with .cg loads (L2, never a stale L1 line). Under
 TRITON_INTERPRET=1 (CPU tests) programs run one after another, so a barrier would never open:
 the host launches one phase at a time (`PHASE` >= 0); the GPU runs all in one launch (`PHASE` =
--1). Accumulation is float32 throughout; weights, the KV cache and every product's inputs are in
-the model's dtype (the inputs rounded to it, as the eager model's are).
+-1). Accumulation is float32 throughout; weights and the KV cache are in the model's dtype, and
+so is every product's input (rounded to it, as the eager model's are) except the normed ones,
+which stay float32 (the norm's scale is applied after the dot products).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _arrive(flags, epoch, pid):
 @triton.jit
 def _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
     """Second half: wait until every flag reaches `epoch`. Work that does not depend on the
-    other programs (loading cached keys) goes between _arrive and _wait. A barrier
+    other programs (weight tiles, cached keys) goes between _arrive and _wait. A barrier
     costs ~1.7 us on the H100 with 132 programs, the same as one shared atomic counter and as
     polling with ld.acquire instead of the final acquire atomic (all measured)."""
     i = tl.arange(0, P_P2)
@@ -68,12 +73,6 @@ def _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: 
     if TRACE:
         if pid == 0:  # when the barrier opened, for the phase timings (PersistentDecodeStep.trace)
             tl.store(trace_ptr + slot, _globaltimer())
-
-
-@triton.jit
-def _grid_sync(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: tl.constexpr):
-    _arrive(flags, epoch, pid)
-    _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
 
 
 @triton.jit
@@ -95,52 +94,116 @@ def _rstd(a_ptr, b_ptr, lam, mu, K, eps, MIX: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _input(a_ptr, b_ptr, lam, mu, scale, cols, K, MIX: tl.constexpr, wty: tl.constexpr):
-    """A chunk of a product's input vector: ((lam * a + mu * b) or a) * scale, rounded to the
-    weights' dtype like the eager model's matmul input, returned in float32."""
+def _mix(a_ptr, b_ptr, lam, mu, cols, K, MIX: tl.constexpr):
+    """A chunk of float32 s = lam * a + mu * b (MIX) or s = a; columns >= K read as 0."""
     x = tl.load(a_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
     if MIX:
         x = lam * x + mu * tl.load(b_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
-    return (x * scale).to(wty).to(tl.float32)
+    return x
 
 
 @triton.jit
-def _gemv(w_ptr, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, x_scale, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu,
-          softcap, pid, nprog, MIX: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          UNROLL: tl.constexpr):
-    """out[n] = epilogue(W[n, :] . x) for this program's contiguous share of the N rows.
+def _input(a_ptr, b_ptr, lam, mu, scale, cols, K, MIX: tl.constexpr, wty: tl.constexpr):
+    """A chunk of a product's input vector: _mix * scale, rounded to the weights' dtype like the
+    eager model's matmul input, returned in float32."""
+    return (_mix(a_ptr, b_ptr, lam, mu, cols, K, MIX) * scale).to(wty).to(tl.float32)
 
-    x = _input(xa, xb, x_lam, x_mu, x_scale). Epilogues: 0 store; 1 add the residual
-    r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap).
-    The K loop is unrolled by UNROLL chunks (static_range), so that many weight loads of a
-    row tile are issued before the first is used: a decode GEMV is bound by the bytes each SM
-    has in flight."""
-    wty = w_ptr.dtype.element_ty
+
+@triton.jit
+def _w_cols(w_ptr, rows, n1, K, c0, BW: tl.constexpr):
+    """W[rows, c0:c0 + BW] (rows >= n1 and columns >= K read as 0), streamed past L1."""
+    cols = c0 + tl.arange(0, BW)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                   mask=(rows[:, None] < n1) & (cols[None, :] < K), other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_first(w_ptr, N, K: tl.constexpr, pid, nprog, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):
+    """This program's first weight tile of a GEMV: its first BN rows, as a tuple of the first
+    min(UNROLL, ceil(K / BK)) column chunks of BK (what _gemv's first K step uses). Weights do not
+    depend on the step's activations, so the tile is loaded between a barrier's _arrive and _wait
+    and its DRAM latency overlaps the barrier. At d20 that is a program's whole share of q/k/v,
+    proj and proj2. N = 0: nothing is read."""
     NK: tl.constexpr = (K + BK - 1) // BK
     KU: tl.constexpr = NK if NK < UNROLL else UNROLL
     n0 = pid * N // nprog
+    rows = n0 + tl.arange(0, BN)
     n1 = (pid + 1) * N // nprog
-    for n in range(n0, n1, BN):
+    ws = ()
+    for kk in tl.static_range(0, BK * KU, BK):
+        ws = ws + (_w_cols(w_ptr, rows, n1, K, kk, BK),)
+    return ws
+
+
+@triton.jit
+def _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, cols, K, MIX: tl.constexpr, NORM: tl.constexpr, wty: tl.constexpr):
+    # NORM: the float32 s itself (the 1/rms scale is applied to the dot products); else rounded
+    # to the weights' dtype like the eager model's matmul input
+    if NORM:
+        return _mix(xa_ptr, xb_ptr, x_lam, x_mu, cols, K, MIX)
+    else:
+        return _input(xa_ptr, xb_ptr, x_lam, x_mu, 1.0, cols, K, MIX, wty)
+
+
+@triton.jit
+def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, MIX: tl.constexpr,
+              NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr, FIRST: tl.constexpr):
+    """(W[rows, :] . x, sum of x^2) in BK-column chunks, UNROLL chunks issued before the first is
+    used (static_range): a decode GEMV is bound by the bytes each SM has in flight. FIRST: the
+    first UNROLL chunks are `ws` (_w_first), already loaded."""
+    wty = w_ptr.dtype.element_ty
+    NK: tl.constexpr = (K + BK - 1) // BK
+    KU: tl.constexpr = NK if NK < UNROLL else UNROLL
+    acc = tl.zeros([BN, BK], tl.float32)
+    sq = tl.zeros([BK], tl.float32)
+    if FIRST:
+        for i in tl.static_range(KU):
+            x = _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, i * BK + tl.arange(0, BK), K, MIX, NORM, wty)
+            acc += ws[i].to(tl.float32) * x[None, :]
+            sq += x * x
+    for k0 in range(BK * KU if FIRST else 0, K, BK * KU):
+        for kk in tl.static_range(0, BK * KU, BK):
+            w = _w_cols(w_ptr, rows, n1, K, k0 + kk, BK)
+            x = _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, k0 + kk + tl.arange(0, BK), K, MIX, NORM, wty)
+            acc += w.to(tl.float32) * x[None, :]
+            sq += x * x
+    return tl.sum(acc, 1), tl.sum(sq, 0)
+
+
+@triton.jit
+def _epilogue(out, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI: tl.constexpr):
+    """0 store; 1 add the residual r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap)."""
+    if EPI == 1:
+        out += r_lam * tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+        out += r_mu * tl.load(rb_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+    elif EPI == 2:
+        out = tl.maximum(out, 0.0)
+        out = out * out
+    elif EPI == 3:
+        out = softcap * (1.0 - 2.0 / (tl.exp(2.0 * out / softcap) + 1.0))  # tanh, inf-safe
+    tl.store(out_ptr + rows, out, mask=rows < n1)
+
+
+@triton.jit
+def _gemv(w_ptr, ws, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, eps, out_ptr, ra_ptr, rb_ptr, r_lam,
+          r_mu, softcap, pid, nprog, MIX: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, UNROLL: tl.constexpr):
+    """out[n] = _epilogue(W[n, :] . x) for this program's contiguous share of the N rows, with
+    x = norm(s) (NORM) or s, s = _mix(xa, xb, x_lam, x_mu); `ws` is the first tile, from
+    _w_first. Returns 1 / rms(s) (NORM; else 1). The norm costs no pass of its own: its sum of
+    squares comes with the first row tile's dot products, which it then scales, so nothing waits
+    for it between the barrier and the first FMA."""
+    n0 = pid * N // nprog
+    n1 = (pid + 1) * N // nprog
+    rows = n0 + tl.arange(0, BN)
+    out, ss = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, True)
+    rstd = tl.rsqrt(ss / K + eps) if NORM else 1.0
+    _epilogue(out * rstd, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI)
+    for n in range(n0 + BN, n1, BN):
         rows = n + tl.arange(0, BN)
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK * KU):
-            for kk in tl.static_range(0, BK * KU, BK):
-                cols = k0 + kk + tl.arange(0, BK)
-                w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                            mask=(rows[:, None] < n1) & (cols[None, :] < K), other=0.0,
-                            eviction_policy="evict_first")
-                x = _input(xa_ptr, xb_ptr, x_lam, x_mu, x_scale, cols, K, MIX, wty)
-                acc += w.to(tl.float32) * x[None, :]
-        out = tl.sum(acc, 1)
-        if EPI == 1:
-            out += r_lam * tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
-            out += r_mu * tl.load(rb_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
-        elif EPI == 2:
-            out = tl.maximum(out, 0.0)
-            out = out * out
-        elif EPI == 3:
-            out = softcap * (1.0 - 2.0 / (tl.exp(2.0 * out / softcap) + 1.0))  # tanh, inf-safe
-        tl.store(out_ptr + rows, out, mask=rows < n1)
+        out, _ = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, False)
+        _epilogue(out * rstd, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI)
+    return rstd
 
 
 @triton.jit
@@ -269,15 +332,14 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
 
 
 @triton.jit
-def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty: tl.constexpr,
+def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty: tl.constexpr,
                C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr,
                HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r = resid + 2 * layer * C
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
-    rstd = _rstd(r, resid, lam, mu, C, eps, True, BK_C)
-    _gemv(_layer_ptr(table, layer, P_QKV, wty), (H + 2 * HKV) * D, C, r, resid, lam, mu, rstd, qkv_ptr,
-          r, r, 0.0, 0.0, 0.0, pid, nprog, True, 0, BN_Q, BK_C, UNROLL)
+    rstd = _gemv(_layer_ptr(table, layer, P_QKV, wty), ws, (H + 2 * HKV) * D, C, r, resid, lam, mu, eps, qkv_ptr,
+                 r, r, 0.0, 0.0, 0.0, pid, nprog, True, True, 0, BN_Q, BK_C, UNROLL)
     gate_w = tl.load(table + layer * N_PTRS + P_GATE)
     if (pid == 0) & (gate_w != 0):
         gi = tl.arange(0, HKV_P2)
@@ -290,38 +352,69 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid
 
 
 @triton.jit
-def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-                H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
+                BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     r = resid + 2 * layer * C
-    _gemv(_layer_ptr(table, layer, P_WO, wty), C, H * D, y_ptr, y_ptr, 1.0, 0.0, 1.0, r + C,
-          r, resid, lam, mu, 0.0, pid, nprog, False, 1, BN, BK_C, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_WO, wty), ws, C, C, y_ptr, y_ptr, 1.0, 0.0, 0.0, r + C,
+          r, resid, lam, mu, 0.0, pid, nprog, False, False, 1, BN, BK_C, UNROLL)
 
 
 @triton.jit
-def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-              F: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
+              BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
-    rstd = _rstd(r_mid, r_mid, 1.0, 0.0, C, eps, False, BK_C)
-    _gemv(_layer_ptr(table, layer, P_FC, wty), F, C, r_mid, r_mid, 1.0, 0.0, rstd, hid_ptr,
-          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, 2, BN_FC, BK_C, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_FC, wty), ws, 4 * C, C, r_mid, r_mid, 1.0, 0.0, eps, hid_ptr,
+          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, True, 2, BN_FC, BK_C, UNROLL)
 
 
 @triton.jit
-def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty: tl.constexpr, C: tl.constexpr,
-                 F: tl.constexpr, BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
+def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
+                 BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
-    _gemv(_layer_ptr(table, layer, P_P2, wty), C, F, hid_ptr, hid_ptr, 1.0, 0.0, 1.0, r_mid + C,
-          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, 1, BN, BK_F, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_P2, wty), ws, C, 4 * C, hid_ptr, hid_ptr, 1.0, 0.0, 0.0, r_mid + C,
+          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, False, 1, BN, BK_F, UNROLL)
 
 
 @triton.jit
 def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl.constexpr,
                 BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
-    rstd = _rstd(r_last, r_last, 1.0, 0.0, C, eps, False, BK_C)
-    _gemv(head_ptr, V, C, r_last, r_last, 1.0, 0.0, rstd, logits_ptr, r_last, r_last, 0.0, 0.0,
-          softcap, pid, nprog, False, 3, BN, BK_C, UNROLL)
+    ws = _w_first(head_ptr, V, C, pid, nprog, BN, BK_C, UNROLL)
+    _gemv(head_ptr, ws, V, C, r_last, r_last, 1.0, 0.0, eps, logits_ptr, r_last, r_last, 0.0, 0.0,
+          softcap, pid, nprog, False, True, 3, BN, BK_C, UNROLL)
+
+
+@triton.jit
+def _w_phase(table, layer, live, PHASE: tl.constexpr, wty: tl.constexpr, pid, nprog, C: tl.constexpr,
+             QKV_N: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
+             BK_F: tl.constexpr, UNROLL: tl.constexpr):
+    """_w_first of phase PHASE (1 qkv, 3 proj, 4 fc, 5 proj2) of `layer`; nothing is read unless `live`."""
+    col: tl.constexpr = P_QKV if PHASE == 1 else (P_WO if PHASE == 3 else (P_FC if PHASE == 4 else P_P2))
+    N: tl.constexpr = QKV_N if PHASE == 1 else (4 * C if PHASE == 4 else C)
+    K: tl.constexpr = 4 * C if PHASE == 5 else C
+    BR: tl.constexpr = BN_Q if PHASE == 1 else (BN_FC if PHASE == 4 else BN)
+    BK: tl.constexpr = BK_F if PHASE == 5 else BK_C
+    return _w_first(_layer_ptr(table, layer, col, wty), tl.where(live, N, 0), K, pid, nprog, BR, BK, UNROLL)
+
+
+@triton.jit
+def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHASE: tl.constexpr,
+            PRE: tl.constexpr, wty: tl.constexpr, C: tl.constexpr, QKV_N: tl.constexpr, BN: tl.constexpr,
+            BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
+            UNROLL: tl.constexpr, P_P2: tl.constexpr, TRACE: tl.constexpr):
+    """The grid barrier that opens phase PHASE, returning that phase's first weight tile: loaded
+    between _arrive and _wait if PRE has the phase's bit (1 qkv, 2 proj, 4 fc, 8 proj2), else
+    after _wait."""
+    BIT: tl.constexpr = 1 if PHASE == 1 else (2 if PHASE == 3 else (4 if PHASE == 4 else 8))
+    _arrive(bar_ptr, epoch, pid)
+    if (PRE & BIT) != 0:
+        ws = _w_phase(table, layer, live, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
+    else:
+        _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
+        ws = _w_phase(table, layer, live, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+    return ws
 
 
 @triton.jit
@@ -333,8 +426,7 @@ def decode_step_kernel(
         GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
         PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
         BK_F: tl.constexpr,
-        BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr,
-        TRACE: tl.constexpr):
+        BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr, PRE: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wty: tl.constexpr = wte_ptr.dtype.element_ty
@@ -355,10 +447,14 @@ def decode_step_kernel(
             cols = n + tl.arange(0, BN)
             x0 = tl.load(row + cols, mask=cols < n1, other=0.0).to(tl.float32) * rstd0
             tl.store(resid + cols, x0.to(wty).to(tl.float32), mask=cols < n1)
+    QKV_N: tl.constexpr = (H + 2 * HKV) * D
     if PHASE < 0:
-        _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+        # Each barrier: _arrive, then the next phase's first weight tile (or first K/V block),
+        # which does not depend on the other programs, then _wait (_sync_w, _attn_prefetch).
+        ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, wty, C, QKV_N,
+                     BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         for layer in range(L):
-            _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
+            _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty,
                        C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
             kc = _layer_ptr(table, layer, P_KC, wty)
             vc = _layer_ptr(table, layer, P_VC, wty)
@@ -372,24 +468,25 @@ def decode_step_kernel(
                              part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
                              H, HKV, D, NCH, NCH_P2, BKEY)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
-            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
+            wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, wty, C,
+                         QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wo, wty, C, BN, BK_C, UNROLL)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
-            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
+            wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, wty, C,
+                         QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
+            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wf, wty, C, BN_FC, BK_C, UNROLL)
             epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
-            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
-            epoch += 1
-            _grid_sync(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
+            wp = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 5, PRE, wty, C,
+                         QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
+            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wp, wty, C, BN, BK_F, UNROLL)
+            epoch += 1  # then the next layer's q/k/v tile (none after the last layer)
+            ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, tl.minimum(layer + 1, L - 1),
+                         layer + 1 < L, 1, PRE, wty, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
         if TRACE:
             tl.debug_barrier()
             if pid == 0:  # program 0's own lm_head share done (no barrier follows)
                 tl.store(trace_ptr + epoch - base + 1, _globaltimer())
-    elif PHASE == 1:
-        _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, wty,
-                   C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
     elif PHASE == 2:
         kc = _layer_ptr(table, layer_arg, P_KC, wty)
         vc = _layer_ptr(table, layer_arg, P_VC, wty)
@@ -399,11 +496,16 @@ def decode_step_kernel(
                          tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
                          part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, NCH_P2,
                          BKEY)
-    elif PHASE == 3:
-        _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wty, C, H, D, BN, BK_C, UNROLL)
-    elif PHASE == 4:
-        _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, wty, C, F, BN_FC, BK_C, UNROLL)
-    elif PHASE == 5:
-        _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, wty, C, F, BN, BK_F, UNROLL)
     elif PHASE == 6:
         _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL)
+    elif PHASE > 0:  # a GEMV phase of layer_arg: 1 qkv, 3 proj, 4 fc, 5 proj2
+        ws = _w_phase(table, layer_arg, True, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        if PHASE == 1:
+            _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty,
+                       C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+        elif PHASE == 3:
+            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, ws, wty, C, BN, BK_C, UNROLL)
+        elif PHASE == 4:
+            _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, ws, wty, C, BN_FC, BK_C, UNROLL)
+        else:
+            _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, ws, wty, C, BN, BK_F, UNROLL)

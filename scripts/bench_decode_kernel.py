@@ -7,10 +7,11 @@ the achieved bandwidth and its share of the device's (nanochat/platform.py). Pri
 per config, then a table. A config that cannot be resident on the GPU, or fails to compile, is
 reported and skipped.
 
-    python -m scripts.bench_decode_kernel --depth 20 --trace --configs 16x512x512,16x512x1024u5k32
+    python -m scripts.bench_decode_kernel --depth 20 --trace --configs 16x256x512,16x256x512p0,16x256x1024
 
-Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS]: block_rows x block_k x block_k_mlp,
-then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc; PersistentDecodeStep's
+Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]: block_rows x
+block_k x block_k_mlp, then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc,
+preload (a phase bit mask: 1 q/k/v, 2 proj, 4 fc, 8 MLP proj); PersistentDecodeStep's
 defaults otherwise. The end-to-end comparison with the compiled CUDA-graph step is
 `scripts/bench_inference.py --graph-step persistent,compiled`.
 """
@@ -23,15 +24,16 @@ import re
 import statistics
 import sys
 
-CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?$")
-FIELDS = (("w", "num_warps"), ("u", "unroll"), ("k", "key_block"), ("q", "block_rows_qkv"), ("f", "block_rows_fc"))
+CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?(?:p(\d+))?$")
+FIELDS = (("w", "num_warps"), ("u", "unroll"), ("k", "key_block"), ("q", "block_rows_qkv"), ("f", "block_rows_fc"),
+          ("p", "preload"))
 
 
 def parse_config(text: str) -> dict:
     m = CONFIG_RE.match(text.strip())
     if m is None:
-        raise ValueError(f"--configs: got {text!r}; accepted: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS], "
-                         "e.g. 16x512x512w8u10k64q32")
+        raise ValueError(f"--configs: got {text!r}; accepted: "
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK], e.g. 16x512x512w8u10k64q32p1")
     rows, k, kmlp, *rest = m.groups()
     conf = dict(block_rows=int(rows), block_k=int(k), block_k_mlp=int(kmlp))
     return conf | {name: int(v) for (_, name), v in zip(FIELDS, rest) if v is not None}
@@ -50,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--window-pattern", "--window_pattern", dest="window_pattern", default="SSSL")
     p.add_argument("--prompt-len", "--prompt_len", dest="prompt_len", type=int, default=512,
                    help="position of the decoded token (keys before it are visible)")
-    p.add_argument("--configs", default="16x512x512w8u5", help="comma list, see the module docstring")
+    p.add_argument("--configs", default="16x256x512,16x256x512p0", help="comma list, see the module docstring")
     p.add_argument("--steps", type=int, default=50, help="launches per CUDA graph")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -61,7 +63,7 @@ def parse_args(argv=None):
     args.configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
     if not args.configs:
         raise ValueError("--configs: empty; accepted: a comma list of "
-                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS]")
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]")
     for name in ("depth", "steps", "repeats", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")

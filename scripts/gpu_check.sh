@@ -92,7 +92,7 @@ if has pdecode; then
   step pytest_pdecode 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py tests/test_engine.py \
        -k "persistent or auto or trace"
   step bench_pdecode 300 $PY -m scripts.bench_decode_kernel --depth 20 \
-       --trace --configs "${PDECODE_CONFIGS:-16x512x512,16x512x1024,16x512x512k32,16x512x512q16,16x512x512f32,16x512x512u5}"
+       --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
 fi

@@ -190,15 +190,39 @@ def test_persistent_step_on_gpu_beats_eager_bf16_accuracy():
         assert torch.equal(step.logits.view(1, -1), direct)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("conf", [dict(), dict(programs=4, unroll=2, block_rows_fc=16)])
+def test_preload_moves_loads_not_results(conf):
+    """`preload` only moves each phase's first weight-tile loads in front of the barrier's wait:
+    masks 0, 5 and 15 give the same logits bit for bit, on the full grid and on a 4-program grid
+    (several row tiles per program and K chunks past the preloaded ones), and they stay within
+    bf16 noise of the eager step."""
+    from nanochat.attention import StaticKV
+
+    model = _model(torch.bfloat16, "cuda", sequence_len=256, vocab_size=1000, n_layer=4, n_head=4, n_kv_head=2,
+                   n_embd=256)
+    caches = [_cache(model) for _ in range(4)]
+    pos = torch.full((1,), 0, dtype=torch.long, device="cuda")
+    ids = torch.full((1, 1), 11, dtype=torch.long, device="cuda")
+    keys = torch.arange(256, device="cuda")
+    with torch.no_grad(), model.inference_weights():
+        eager = model(ids, kv_cache=StaticKV(caches[0], pos, keys))[:, -1].float()
+        got = [PersistentDecodeStep(model, c, preload=m, **conf)(ids, kv_cache=StaticKV(c, pos, keys)).clone()
+               for m, c in zip((0, 5, 15), caches[1:])]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    assert (got[0].view(-1) - eager.view(-1)).norm() <= 0.02 * eager.norm()
+
+
 def test_persistent_step_refuses_misaligned_tensors_and_bad_tiles(monkeypatch):
     """The kernel's 16-byte loads assume 16-byte aligned weights (the addresses in its pointer
     table): a weight that is a view at an odd offset raises, naming the layer; tile sizes that
-    are not powers of two, and unroll < 1, raise naming the argument."""
+    are not powers of two, unroll < 1 and a preload mask outside 0..15 raise naming the argument."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = _model()
     with model.inference_weights():
         for bad, name in ((dict(block_rows=12), "block_rows"), (dict(block_rows_qkv=24), "block_rows_qkv"),
-                          (dict(key_block=48), "key_block"), (dict(unroll=0), "unroll")):
+                          (dict(key_block=48), "key_block"), (dict(unroll=0), "unroll"),
+                          (dict(preload=16), "preload")):
             with pytest.raises(ValueError, match=name):
                 PersistentDecodeStep(model, _cache(model), **bad)
     w = model.blocks[1].mlp.c_fc.weight
@@ -259,10 +283,10 @@ def test_phase_trace_accounts_for_the_whole_step():
 def test_bench_decode_kernel_configs_parse_and_bad_ones_raise():
     from scripts.bench_decode_kernel import config_name, parse_args, parse_config
 
-    conf = parse_config("16x512x1024w4u10k64q32f8")
+    conf = parse_config("16x512x1024w4u10k64q32f8p5")
     assert conf == dict(block_rows=16, block_k=512, block_k_mlp=1024, num_warps=4, unroll=10, key_block=64,
-                        block_rows_qkv=32, block_rows_fc=8)
-    assert config_name(conf) == "16x512x1024w4u10k64q32f8"
+                        block_rows_qkv=32, block_rows_fc=8, preload=5)
+    assert config_name(conf) == "16x512x1024w4u10k64q32f8p5"
     assert parse_config("8x256x256") == dict(block_rows=8, block_k=256, block_k_mlp=256)
     args = parse_args(["--configs", "16x512x512,32x256x256u5"])
     assert [config_name(c) for c in args.configs] == ["16x512x512", "32x256x256u5"]
