@@ -105,21 +105,28 @@ def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, flo
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of `logits` (B, V), as a (B,) long tensor."""
+    """One token id per row of `logits` (B, V), as a (B,) long tensor.
+
+    The draw is an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
+    probability p_i, so it samples the filtered softmax exactly, with no device sync.
+    torch.multinomial(num_samples=1) synchronises with the host for its input check
+    (pytorch/pytorch#108968), which stalled the Engine's one-step lookahead every token."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
+    noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    if top_p is None:
+        return (logits - noise.log()).argmax(dim=-1)  # p_i / E_i, in log space (softmax's norm drops out)
     probs = torch.softmax(logits, dim=-1)
-    if top_p is not None:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the tokens ranked above it already cover top_p (the first always stays)
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # drop a token when the tokens ranked above it already cover top_p (the first always stays)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return (probs / noise).argmax(dim=-1)
 
 
 def _model_device(model) -> torch.device:
