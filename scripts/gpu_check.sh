@@ -6,7 +6,8 @@
 #   tests      pytest -m cuda over every test file that has CUDA tests
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
-#   infer      bench_inference: d20 prefill, decode (graphs) at batch 1/8/32, TTFT, bandwidth utilisation;
+#   infer      bench_sampler (the Engine's sampler per call); bench_inference: d20 prefill, decode (graphs)
+#              at batch 1/8/32, TTFT, bandwidth utilisation;
 #              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter), Triton
 #              vs SDPA decode attention; the decode kernels (triton, triton_fused, sdpa) at batch 1/8;
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls; the
@@ -71,12 +72,13 @@ if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \
        tests/test_precision.py tests/test_attention.py tests/test_gpt.py tests/test_engine.py tests/test_dataloader.py \
        tests/test_base_train.py tests/test_flex_options.py tests/test_fused_norm.py tests/test_triton_mlp.py \
-       tests/test_triton_decode.py
+       tests/test_triton_decode.py tests/test_sampling.py
 fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
   # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
   step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
+  step bench_sampler 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 1
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
   step bench_infer_long 500 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800 \
        --decode-kernel triton_fused,sdpa

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.engine import TOOL_TEXT, Engine, TextStream, assistant_parts, sample_next
+from nanochat.engine import TOOL_TEXT, Engine, TextStream, assistant_parts
 
 SEQ_LEN = 256
 
@@ -139,39 +139,6 @@ def test_context_limit_and_validation(engine, chat_model):
                      ({"temperature": float("nan")}, "temperature")]:
         with pytest.raises(ValueError, match=name):
             engine.generate([1, 2, 3], **kw)
-
-
-def test_sample_next_filters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
-    gen = torch.Generator().manual_seed(0)
-    assert set(sample_next(logits, 1.0, 2, None, gen).tolist()) == {0, 1}
-    assert set(sample_next(logits, 1.0, None, 0.7, gen).tolist()) == {0, 1}   # 0.5 + 0.3 covers 0.7
-    assert set(sample_next(logits, 1.0, None, 0.5, gen).tolist()) == {0}
-    assert set(sample_next(logits, 1.0, None, None, gen).tolist()) == {0, 1, 2, 3}
-    assert sample_next(logits[:1], 0.0, None, None, None).tolist() == [0]
-    freq = (sample_next(logits, 1.0, None, None, gen) == 0).float().mean().item()
-    assert 0.44 < freq < 0.56
-    counts = torch.bincount(sample_next(logits.repeat(10, 1), 0.5, 3, None, gen), minlength=4).float() / 20000
-    want = torch.tensor([0.5, 0.3, 0.15, 0.0]) ** 2
-    assert torch.allclose(counts, want / want.sum(), atol=0.015), counts  # temperature 0.5: p^2, top 3
-    draws = [sample_next(logits, 1.0, 3, 0.9, torch.Generator().manual_seed(7)) for _ in range(2)]
-    assert torch.equal(draws[0], draws[1])  # seeded: reproducible
-
-
-@pytest.mark.cuda
-def test_sample_next_never_synchronises():
-    """The Engine queues step t + 1 before reading token t: a sampler that waits for the GPU
-    (torch.multinomial does, pytorch/pytorch#108968) would stall that lookahead every token."""
-    logits = torch.randn(2, 32768, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for kw in (dict(top_k=50, top_p=None), dict(top_k=None, top_p=0.9), dict(top_k=50, top_p=0.8)):
-            sample_next(logits, 0.8, generator=gen, **kw)
-        sample_next(logits, 0.0, None, None, None)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 # ------------------------------------------------------------------------------------ scripted model
@@ -633,3 +600,4 @@ def test_bench_inference_decode_kernel_rows_and_reset(capsys):
         assert not A._triton_decode_ok(torch.empty(1, 1, 1, 128, device="meta"))
     finally:
         A.set_decode_kernel(A.DEFAULT_DECODE_KERNEL)
+

@@ -1,0 +1,100 @@
+"""Benchmark the Engine's sampler (nanochat/engine.sample_next) against torch.multinomial sampling.
+
+Times each sampling setting for a (batch, vocab) row of logits over --calls back-to-back calls
+(CUDA events on a GPU, the wall clock on a CPU), the way the Engine calls it once per decode
+step. `multinomial` is the textbook sampler (top-k mask, softmax, torch.multinomial), which
+synchronises with the host on CUDA (pytorch/pytorch#108968); `topk` is torch.topk's k-th value
+alone next to engine.kth_largest. Prints one JSON line per setting, then a table.
+
+    python -m scripts.bench_sampler --vocab-size 32768 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--device", default="cuda", help="cuda | cpu")
+    args = p.parse_args(argv)
+    for name in ("vocab_size", "batch", "calls"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
+    if args.device not in ("cuda", "cpu"):
+        raise ValueError(f"--device: got {args.device!r}; accepted: cuda, cpu")
+    return args
+
+
+def multinomial_sampler(logits, temperature, top_k, generator):
+    import torch
+
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def time_calls(fn, calls: int, device: str) -> float:
+    """Microseconds per call of `calls` back-to-back calls, after 10 warm-up calls."""
+    import torch
+
+    for _ in range(10):
+        fn()
+    if device == "cpu":
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from nanochat.engine import kth_largest, sample_next
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_sampler: --device cuda needs a CUDA GPU; pass --device cpu")
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    logits = torch.randn(args.batch, args.vocab_size, device=args.device, generator=gen) * 3
+    cases = {
+        "greedy": lambda: sample_next(logits, 0.0, None, None, None),
+        "t1": lambda: sample_next(logits, 1.0, None, None, gen),
+        "t1 top-k 50": lambda: sample_next(logits, 1.0, 50, None, gen),
+        "t1 top-p 0.9": lambda: sample_next(logits, 1.0, None, 0.9, gen),
+        "multinomial t1": lambda: multinomial_sampler(logits, 1.0, None, gen),
+        "multinomial t1 top-k 50": lambda: multinomial_sampler(logits, 1.0, 50, gen),
+        "topk k-th value (k 50)": lambda: torch.topk(logits, 50, dim=-1).values[:, -1:],
+        "kth_largest (k 50)": lambda: kth_largest(logits, 50),
+    }
+    rows = []
+    for name, fn in cases.items():
+        us = time_calls(fn, args.calls, args.device)
+        row = {"bench": "sampler", "case": name, "device": args.device, "batch": args.batch,
+               "vocab_size": args.vocab_size, "us_per_call": round(us, 1), "torch": torch.__version__}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\n{args.device}, batch {args.batch}, vocab {args.vocab_size}, {args.calls} calls each")
+    for r in rows:
+        print(f"{r['case']:<28}{r['us_per_call']:>10.1f} us/call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
