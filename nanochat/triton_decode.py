@@ -123,7 +123,7 @@ class PersistentDecodeStep:
         self._alloc_scratch(cfg, dev)
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         p2 = triton.next_power_of_2
-        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, F=4 * C, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
+        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
                           NCH_P2=p2(self._nch), BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
                           BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
                           TRACE=trace, num_warps=num_warps, PRE=preload)

@@ -422,7 +422,7 @@ def decode_step_kernel(
         tok_ptr, pos_ptr, wte_ptr, head_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
         resid, qkv_ptr, gate_ptr, part_ptr, count_ptr, y_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
         layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
-        C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+        C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
         GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
         PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
         BK_F: tl.constexpr,
