@@ -7,8 +7,8 @@ calculator tool.
 
 How a call runs: the prompt is prefilled once with batch 1, the cache is then replicated into
 `num_samples` rows (`KVCache.prefill_from`) and every decode step feeds one token per row.
-Sampling (temperature / top-k / top-p) draws from a `torch.Generator` seeded per call, so a call
-is reproducible; temperature 0 is greedy.
+Sampling (temperature / top-k / top-p, nanochat/sampling.py) is seeded per call, so a call is
+reproducible; temperature 0 is greedy. On CUDA a step's draw is one Triton launch.
 
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
@@ -42,7 +42,9 @@ top-k 50, bench_inference): "graphs" decodes at 1.34 ms per step at batch 1 and 
 32, end to end (1.44 / 2.38 ms before the lookahead; the graph replay is 1.17 / 2.05 ms of it, the
 rest is mostly the sampling kernels, which still run between replays), against 7.16 ms and
 minutes of recompiles with "compile"; graph_step="eager" (unfused kernels) 3.3 ms at batch 1.
-The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/s.
+The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/s. Since then
+(CHANGELOG_GB10.md): batch 1 with graph_step="persistent" and the Triton sampler, 0.75 ms per token
+(1,332 tok/s; the kernel 0.69 ms, the sampler 45 us).
 The prompt prefill is always the plain model (one compute-bound forward per request). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the
 second decodes eagerly with a private cache instead of sharing the persistent one.
@@ -60,6 +62,7 @@ import torch
 
 from nanochat.calculator import use_calculator
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
+from nanochat.sampling import Sampler, resolve_sampler
 
 DECODE_MODES = ("auto", "eager", "compile", "static", "graphs")
 GRAPH_STEPS = ("auto", "compiled", "eager", "persistent")
@@ -103,49 +106,6 @@ def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, flo
     return float(temperature), top_k, top_p
 
 
-TOPK_CHUNK = 512
-
-
-def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The k-th largest value of each row of x (B, V), as (B, 1). Over a whole vocabulary row
-    torch.topk runs a multi-pass select that costs ~130 us per call on the H100; a top-k of
-    each 512-wide chunk (many small slices, one launch) and then of those B x k candidates is
-    exact (every global top-k value is in its chunk's top k) and cheaper."""
-    B, V = x.shape
-    if k > TOPK_CHUNK or V <= 4 * TOPK_CHUNK:
-        return torch.topk(x, k, dim=-1).values[:, -1:]
-    pad = -V % TOPK_CHUNK
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    part = torch.topk(x.view(B, -1, TOPK_CHUNK), k, dim=-1).values
-    return torch.topk(part.reshape(B, -1), k, dim=-1).values[:, -1:]
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of `logits` (B, V), as a (B,) long tensor.
-
-    The draw is an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
-    probability p_i, so it samples the filtered softmax exactly, with no device sync.
-    torch.multinomial(num_samples=1) synchronises with the host for its input check
-    (pytorch/pytorch#108968), which stalled the Engine's one-step lookahead every token."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
-    # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
-    noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
-    if top_p is None:
-        return (logits - noise.log()).argmax(dim=-1)  # p_i / E_i, in log space (softmax's norm drops out)
-    probs = torch.softmax(logits, dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    # drop a token when the tokens ranked above it already cover top_p (the first always stays)
-    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return (probs / noise).argmax(dim=-1)
-
-
 def _model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -162,10 +122,13 @@ class Engine:
     persistent where it can run on a GPU it was measured faster on and passes a one-step probe
     against the model, else compiled; `graph_step_note` says what auto chose and why);
     `fused_qkv`: generate inside the model's inference_weights() (one q/k/v matmul per layer;
-    False for A/B benchmarks; persistent needs it)."""
+    False for A/B benchmarks; persistent needs it); `sampler`: auto|torch|triton, how tokens are
+    drawn (nanochat/sampling.py; auto: the one-launch Triton sampler on CUDA, `sampler_backend`
+    says which)."""
 
     def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None,
-                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "auto", fused_qkv: bool = True):
+                 decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "auto", fused_qkv: bool = True,
+                 sampler: str = "auto"):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode: got {decode!r}; accepted: {'|'.join(DECODE_MODES)}")
         if graph_step not in GRAPH_STEPS:
@@ -182,6 +145,8 @@ class Engine:
             raise ValueError(f"decode: 'graphs' needs a CUDA device, the model is on {self.device.type}; "
                              "accepted here: auto|eager|compile|static")
         self.decode_mode = decode
+        self.sampler = sampler
+        self.sampler_backend = resolve_sampler(sampler, self.device, int(model.config.vocab_size))
         self.decode_bucket, self.fused_qkv = decode_bucket, bool(fused_qkv)
         self.cache_dtype = cache_dtype or self._default_cache_dtype()
         self.graph_step_auto = graph_step == "auto"
@@ -408,8 +373,7 @@ class Engine:
     @torch.inference_mode()  # torch wraps generator functions: the mode is on only inside next()
     def _generate_steps(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
         max_tokens = min(max_tokens, self.max_seq_len - len(tokens))
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
+        sample = Sampler(self.device, temperature, top_k, top_p, seed, self.sampler_backend)
         decoder = self._acquire_decoder(num_samples)
         if decoder is not None:
             try:
@@ -420,7 +384,7 @@ class Engine:
         logits, step_fn = self._prefill_dynamic(tokens, num_samples, len(tokens) + max_tokens)
         rows = [_Row() for _ in range(num_samples)]
         for step in range(max_tokens):
-            column, masks = self._advance_rows(rows, sample(logits).tolist(), stops)
+            column, masks = self._advance_rows(rows, sample(logits, len(tokens) + step).tolist(), stops)
             yield column, masks
             if step == max_tokens - 1 or all(r.stop_token is not None for r in rows):
                 return
@@ -441,7 +405,7 @@ class Engine:
         rows = [_Row() for _ in range(decoder.batch_size)]
         position = len(tokens)
         for step in range(max_tokens):
-            sampled = sample(logits)
+            sampled = sample(logits, position)
             wait = decoder.fetch(sampled)
             last = step == max_tokens - 1
             if not last:

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-kernel", "--decode_kernel", dest="decode_kernel", default="triton_fused",
                    help="comma list of triton|triton_fused|sdpa: the static/graphs step's attention "
                         "(attention.set_decode_kernel); rows other than the default (triton_fused) are labelled <mode>/<kernel>")
+    p.add_argument("--sampler", default="auto",
+                   help="comma list of auto|torch|triton: how tokens are drawn (nanochat/sampling.py; auto: "
+                        "the Triton kernel on CUDA); rows other than auto are labelled <mode>+<sampler>")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
@@ -74,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.decode_kernel or set(args.decode_kernel) - set(DECODE_KERNELS):
         raise ValueError(f"--decode-kernel: got {','.join(args.decode_kernel)!r}; accepted: comma-separated "
                          f"{'|'.join(DECODE_KERNELS)}")
+    from nanochat.sampling import SAMPLER_BACKENDS
+
+    args.sampler = [v.strip() for v in args.sampler.split(",") if v.strip()]
+    if not args.sampler or set(args.sampler) - set(SAMPLER_BACKENDS):
+        raise ValueError(f"--sampler: got {','.join(args.sampler)!r}; accepted: comma-separated "
+                         f"{'|'.join(SAMPLER_BACKENDS)}")
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
@@ -160,7 +169,8 @@ def label(engine) -> str:
 
     kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
     step = "" if engine.graph_step == "compiled" or engine.decode_mode not in ("static", "graphs") else f"/{engine.graph_step}"
-    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step
+    sampler = "" if engine.sampler == "auto" else f"+{engine.sampler}"
+    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step + sampler
 
 
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
@@ -200,7 +210,8 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     row = {"bench": "decode", "decode": label(engine), "batch": batch, "prompt_len": len(prompt),
            "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,
            "tok_per_s": batch / step, "weight_bytes": weights, "kv_bytes": int(kv),
-           "bytes_per_step": int(weights + kv), "peak_mem_gb": rt.peak_memory_bytes() / 1e9}
+           "bytes_per_step": int(weights + kv), "peak_mem_gb": rt.peak_memory_bytes() / 1e9,
+           "sampler": engine.sampler_backend}
     row.update(bandwidth(weights + kv, step, bandwidth_gbs))
     decoder = engine.decoders.get(batch)
     if decoder is not None:
@@ -244,6 +255,7 @@ def main(argv=None) -> int:
     params = sum(p.numel() for p in model.parameters())
     header = {"bench": "config", "device": spec.name, "torch": torch.__version__, "dtype": rt.dtype_name,
               "decode": args.decode, "decode_kernel": args.decode_kernel, "graph_step": args.graph_step,
+              "sampler": args.sampler,
               "decode_bucket": args.decode_bucket,
               "depth": args.depth, "n_embd": model.config.n_embd, "n_head": model.config.n_head,
               "vocab": args.vocab_size, "params_m": params / 1e6,
@@ -253,25 +265,25 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
     rows = []
     static = ("static", "graphs") + (("auto",) if rt.device_type == "cuda" else ())
-    runs = [(m, f, k, g) for m in args.decode for f in args.fused_qkv
+    runs = [(m, f, k, g, s) for m in args.decode for f in args.fused_qkv
             for k in (args.decode_kernel if m in static else args.decode_kernel[:1])
-            for g in (args.graph_step if m in static else args.graph_step[:1])]
+            for g in (args.graph_step if m in static else args.graph_step[:1]) for s in args.sampler]
     try:
-        for mode, fused, kernel, graph_step in runs:
+        for mode, fused, kernel, graph_step, sampler in runs:
             set_decode_kernel(kernel)
-            _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, rows)
+            _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows)
     finally:
         set_decode_kernel(DEFAULT_DECODE_KERNEL)
     print_table(rows, spec, args, params, rt)
     return 0
 
 
-def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, rows) -> None:
+def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows) -> None:
     """Warm up one Engine configuration, then time prefill and decode at every batch size."""
     from nanochat.engine import Engine
 
     engine = Engine(model, None, decode=mode, decode_bucket=args.decode_bucket, graph_step=graph_step,
-                    fused_qkv=fused == "on")
+                    fused_qkv=fused == "on", sampler=sampler)
     t0 = time.perf_counter()
     warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
     print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm}), flush=True)

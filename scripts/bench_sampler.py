@@ -1,10 +1,13 @@
-"""Benchmark the Engine's sampler (nanochat/engine.sample_next) against torch.multinomial sampling.
+"""Benchmark the Engine's samplers (nanochat/sampling.py) against torch.multinomial sampling.
 
 Times each sampling setting for a (batch, vocab) row of logits over --calls back-to-back calls
 (CUDA events on a GPU, the wall clock on a CPU), the way the Engine calls it once per decode
 step. `multinomial` is the textbook sampler (top-k mask, softmax, torch.multinomial), which
 synchronises with the host on CUDA (pytorch/pytorch#108968); `topk` is torch.topk's k-th value
-alone next to engine.kth_largest. Prints one JSON line per setting, then a table.
+alone next to sampling.kth_largest; `triton ...` (CUDA only) is the one-launch Triton sampler
+(nanochat/triton_sample.py) that the Engine uses on CUDA, also timed replayed from a CUDA graph
+(its GPU time without Python's launch overhead). Prints one JSON line per setting,
+then a table.
 
     python -m scripts.bench_sampler --vocab-size 32768 --batch 1
 """
@@ -63,11 +66,39 @@ def time_calls(fn, calls: int, device: str) -> float:
     return start.elapsed_time(end) / calls * 1e3
 
 
+def graph_us(fn, calls: int = 50) -> float | None:
+    """GPU microseconds per call with no launch overhead: `calls` calls captured in one CUDA graph
+    and replayed. None where capture is refused (torch's RNG with a private generator)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (5 * calls) * 1e3
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from nanochat.engine import kth_largest, sample_next
+    from nanochat.sampling import kth_largest, sample_next
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_sampler: --device cuda needs a CUDA GPU; pass --device cpu")
@@ -82,17 +113,29 @@ def main(argv=None) -> int:
         "multinomial t1 top-k 50": lambda: multinomial_sampler(logits, 1.0, 50, gen),
         "topk k-th value (k 50)": lambda: torch.topk(logits, 50, dim=-1).values[:, -1:],
         "kth_largest (k 50)": lambda: kth_largest(logits, 50),
+        "t1 top-k 50 top-p 0.9": lambda: sample_next(logits, 1.0, 50, 0.9, gen),
     }
+    if args.device == "cuda" and args.vocab_size <= 32768:
+        from nanochat.triton_sample import sample_triton
+
+        for name, (k, p) in {"t1": (None, None), "t1 top-k 50": (50, None), "t1 top-p 0.9": (None, 0.9),
+                             "t1 top-k 50 top-p 0.9": (50, 0.9)}.items():
+            cases[f"triton {name}"] = lambda k=k, p=p: sample_triton(logits, 1.0, k, p, 0, 1)
     rows = []
     for name, fn in cases.items():
         us = time_calls(fn, args.calls, args.device)
+        gpu = graph_us(fn) if args.device == "cuda" and name.startswith(("triton", "greedy")) else None
         row = {"bench": "sampler", "case": name, "device": args.device, "batch": args.batch,
-               "vocab_size": args.vocab_size, "us_per_call": round(us, 1), "torch": torch.__version__}
+               "vocab_size": args.vocab_size, "us_per_call": round(us, 1),
+               "gpu_us_per_call": None if gpu is None else round(gpu, 1), "torch": torch.__version__}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(f"\n{args.device}, batch {args.batch}, vocab {args.vocab_size}, {args.calls} calls each")
+    print(f"\n{args.device}, batch {args.batch}, vocab {args.vocab_size}, {args.calls} calls each "
+          "(us/call: back to back from Python; GPU us: replayed from a CUDA graph)")
+    print(f"{'case':<32}{'us/call':>10}{'GPU us':>10}")
     for r in rows:
-        print(f"{r['case']:<28}{r['us_per_call']:>10.1f} us/call")
+        gpu = "-" if r["gpu_us_per_call"] is None else f"{r['gpu_us_per_call']:.1f}"
+        print(f"{r['case']:<32}{r['us_per_call']:>10.1f}{gpu:>10}")
     return 0
 
 

@@ -14,6 +14,8 @@
 #              persistent batch-1 decode kernel vs the compiled graph
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
+#   sampler    the Triton sampler: its CUDA tests with the engine's, bench_sampler, and decode end to end
+#              with the Triton vs the torch sampler (batch 1: persistent and compiled steps; batch 8, 32)
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
 #   scale      (2+ GPUs) NCCL busbw self-test, bench_scaling losses + FSDP2 + d20 throughput scaling,
 #              and a torchrun resume check (20 steps vs 10 + resume 10: per-step losses compared)
@@ -97,6 +99,16 @@ if has pdecode; then
        --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has sampler; then
+  step pytest_sampler 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_sampling.py tests/test_engine.py \
+       tests/test_triton_decode.py
+  step bench_sampler 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 1
+  step bench_sampler_b32 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 32 --calls 100
+  step bench_infer_sampler 400 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
+       --graph-step persistent,compiled --sampler auto,torch
+  step bench_infer_sampler_b 400 $PY -m scripts.bench_inference --depth 20 --batch-sizes 8,32 --decode graphs \
+       --sampler auto,torch
 fi
 if has train; then
   step bench_train 1000 $PY -m scripts.bench_train --depth 12,20 --kernel current,triton --precision bf16

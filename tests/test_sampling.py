@@ -1,9 +1,23 @@
-"""The Engine's sampler (nanochat/engine.sample_next, kth_largest) and its benchmark script."""
+"""The samplers (nanochat/sampling.py: sample_next, kth_largest, Sampler; nanochat/triton_sample.py)
+and their benchmark script."""
 
 import pytest
 import torch
 
-from nanochat.engine import kth_largest, sample_next
+from nanochat.sampling import Sampler, kth_largest, resolve_sampler, sample_next
+
+
+def reference_support(logits, temperature, top_k, top_p):
+    """Which tokens sample_next can draw (top-k, then top-p over the softmax, probability > 0)."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def test_sample_next_filters():
@@ -60,3 +74,99 @@ def test_bench_sampler_runs_on_cpu_and_checks_flags(capsys):
     for argv, flag in ((["--calls", "0"], "--calls"), (["--device", "tpu"], "--device")):
         with pytest.raises(ValueError, match=flag):
             parse_args(argv)
+
+
+def test_resolve_sampler_and_engine_flag():
+    cpu = torch.device("cpu")
+    assert resolve_sampler("auto", cpu) == "torch" and resolve_sampler("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="sampler: 'triton' needs a CUDA device.*auto|torch"):
+        resolve_sampler("triton", cpu)
+    with pytest.raises(ValueError, match="sampler: got 'fast'; accepted: auto|torch|triton"):
+        resolve_sampler("fast", cpu)
+    sampler = Sampler(cpu, 1.0, 3, None, seed=5)
+    logits = torch.randn(4, 100)
+    assert sampler.backend == "torch" and sampler(logits, 0).shape == (4,)
+    cuda = torch.device("cuda")  # resolution reads no device state: no GPU needed
+    pytest.importorskip("triton")
+    assert resolve_sampler("auto", cuda, 32768) == "triton" and resolve_sampler("auto", cuda, 40000) == "torch"
+    with pytest.raises(ValueError, match="up to 32768 tokens; this vocabulary has 40000"):
+        resolve_sampler("triton", cuda, 40000)
+    from nanochat.engine import Engine
+    from nanochat.gpt import GPT, config_for_depth
+
+    model = GPT(config_for_depth(1, 256, 64))
+    assert Engine(model).sampler_backend == "torch"
+    with pytest.raises(ValueError, match="sampler: 'triton' needs a CUDA device"):
+        Engine(model, sampler="triton")
+
+
+# Runs under TRITON_INTERPRET=1 (one program per row, slow: few, short rows; the interpreter runs
+# tl.reduce's combine function in Python). Checks which tokens the
+# kernel can draw (keep_out) against the torch definition, and that draws are keyed by position.
+TRITON_SAMPLER_SCRIPT = r"""
+import torch
+from tests.test_sampling import reference_logits_k, reference_support
+from nanochat.triton_sample import sample_triton
+
+g = torch.Generator().manual_seed(0)
+rows = torch.randn(4, 160, generator=g) * 2
+rows[1] = torch.randint(0, 6, (160,), generator=g).float()   # heavy ties
+rows[2, ::3] = float("-inf")
+for T, k, p in [(1.0, 50, None), (0.7, None, 0.9), (1.3, 40, 0.5), (0.9, 1, None), (1.0, 160, None)]:
+    keep = torch.zeros(4, 160, dtype=torch.int8)
+    drawn = sample_triton(rows, T, k, p, 5, 11, keep_out=keep)
+    assert keep.gather(1, drawn[:, None]).all(), (T, k, p)   # draws only where allowed
+    want = reference_support(rows, T, k, p) > 0
+    exact = [0, 2, 3] if p is not None else [0, 1, 2, 3]     # top-p: tied tokens go together (row 1)
+    assert torch.equal(want[exact], keep[exact].bool()), (T, k, p, (want[exact] != keep[exact].bool()).sum())
+    if p is not None:  # row 1: whole tie groups, the ones whose higher-ranked mass is below p
+        probs = torch.softmax(rows[1:2] / T if k is None else reference_logits_k(rows[1:2] / T, k), -1)[0]
+        above = torch.stack([probs[probs > v].sum() for v in probs])
+        assert torch.equal(keep[1].bool(), above < p - 1e-6), (T, k, p)
+assert torch.equal(sample_triton(rows, 0.0, 5, 0.5, 1, 2), rows.argmax(-1))   # greedy
+uniform = torch.zeros(32, 1000)
+a, b, c = (sample_triton(uniform, 1.0, None, None, 7, pos) for pos in (3, 3, 4))
+assert torch.equal(a, b) and not torch.equal(a, c)                             # keyed by position
+assert not torch.equal(a, sample_triton(uniform, 1.0, None, None, 8, 3))       # and by seed
+assert len(set(a.tolist())) > 25                                               # rows draw apart
+freq = (sample_triton(torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(200, 1), 1.0, None, None, 3, 9) == 0)
+assert 0.38 < freq.float().mean() < 0.62
+print("OK")
+"""
+
+
+def reference_logits_k(logits, k):
+    return logits.masked_fill(logits < kth_largest(logits, k), float("-inf"))
+
+
+def test_triton_sampler_in_interpreter(run_triton_interpreted):
+    run_triton_interpreted(TRITON_SAMPLER_SCRIPT)
+
+
+@pytest.mark.cuda
+def test_triton_sampler_distribution_and_no_sync():
+    """The Triton sampler's empirical distribution equals sample_next's (20,000 draws per setting,
+    a 4096-token row), it never synchronises with the host, and a re-run at the same position
+    draws the same tokens."""
+    from nanochat.triton_sample import sample_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    row = torch.randn(1, 4096, device="cuda", generator=gen) * 2
+    rows = row.expand(20000, -1)
+    for T, k, p in [(0.8, 50, None), (1.0, None, 0.9), (1.2, 20, 0.8), (1.0, None, None)]:
+        want = reference_support(row, T, k, p)[0]
+        drawn = sample_triton(rows, T, k, p, seed=1, position=100)
+        freq = torch.bincount(drawn, minlength=4096).float() / drawn.numel()
+        assert (freq[want == 0] == 0).all(), (T, k, p)
+        assert (freq - want).abs().max() < 0.012, (T, k, p, (freq - want).abs().max())
+        assert torch.equal(drawn, sample_triton(rows, T, k, p, seed=1, position=100))
+    big = torch.randn(2, 32768, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for kw in (dict(top_k=50, top_p=None), dict(top_k=None, top_p=0.9), dict(top_k=50, top_p=0.8)):
+            Sampler(big.device, 0.8, seed=3, backend="triton", **kw)(big, 7)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="vocabulary 40000"):
+        Sampler(big.device, 1.0, None, None, 0, backend="triton")(torch.zeros(1, 40000, device="cuda"), 0)

@@ -1,0 +1,101 @@
+"""Drawing the next token from logits: temperature, top-k, top-p and the draw itself.
+
+One distribution, two implementations: softmax(logits / T) restricted to the top-k logits, then
+to the smallest prefix of those, by probability, that covers top_p; T = 0 is greedy.
+  * `sample_next` (torch, any device): the exponential race argmax_i p_i / E_i, E_i ~ Exp(1)
+    i.i.d., which picks i with probability p_i exactly and, unlike torch.multinomial
+    (pytorch/pytorch#108968), never synchronises with the host. Noise from a torch.Generator.
+  * `triton_sample.sample_triton` (CUDA, vocabularies up to 32768): the same race as one Triton
+    launch per step (~8 torch kernels otherwise), noise hashed from (seed, position, row, token).
+`Sampler` is what the Engine holds per generation; `backend` auto takes the Triton kernel on
+CUDA (where Triton imports and the vocabulary fits) and torch elsewhere. Either way a generation
+is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOPK_CHUNK = 512
+SAMPLER_BACKENDS = ("auto", "torch", "triton")
+
+
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of each row of x (B, V), as (B, 1). Over a whole vocabulary row
+    torch.topk runs a multi-pass select that costs ~130 us per call on the H100; a top-k of
+    each 512-wide chunk (many small slices, one launch) and then of those B x k candidates is
+    exact (every global top-k value is in its chunk's top k) and cheaper."""
+    B, V = x.shape
+    if k > TOPK_CHUNK or V <= 4 * TOPK_CHUNK:
+        return torch.topk(x, k, dim=-1).values[:, -1:]
+    pad = -V % TOPK_CHUNK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    part = torch.topk(x.view(B, -1, TOPK_CHUNK), k, dim=-1).values
+    return torch.topk(part.reshape(B, -1), k, dim=-1).values[:, -1:]
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
+    # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
+    noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    if top_p is None:
+        return (logits - noise.log()).argmax(dim=-1)  # p_i / E_i, in log space (softmax's norm drops out)
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # drop a token when the tokens ranked above it already cover top_p (the first always stays)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return (probs / noise).argmax(dim=-1)
+
+
+def resolve_sampler(request: str, device: torch.device, vocab_size: int | None = None) -> str:
+    """torch | triton for a sampler `request` (auto|torch|triton) on `device` with logits of
+    `vocab_size` (None: not known yet); raises for a request that cannot be met, naming what can."""
+    if request not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler: got {request!r}; accepted: {'|'.join(SAMPLER_BACKENDS)}")
+    if request == "torch" or (request == "auto" and device.type != "cuda"):
+        return "torch"
+    if device.type != "cuda":
+        raise ValueError(f"sampler: 'triton' needs a CUDA device, the model is on {device.type}; "
+                         "accepted here: auto|torch")
+    try:
+        from nanochat.triton_sample import MAX_TRITON_VOCAB
+    except ImportError as e:
+        if request == "triton":
+            raise ValueError(f"sampler: 'triton' needs Triton ({e}); accepted here: auto|torch") from e
+        return "torch"
+    if vocab_size is not None and vocab_size > MAX_TRITON_VOCAB:
+        if request == "triton":
+            raise ValueError(f"sampler: 'triton' holds a row in registers, up to {MAX_TRITON_VOCAB} tokens; "
+                             f"this vocabulary has {vocab_size}; accepted here: auto|torch")
+        return "torch"
+    return "triton"
+
+
+class Sampler:
+    """The sampler of one generation: `sampler(logits, position)` -> (B,) long token ids for the
+    tokens that will sit at `position`. `backend`: auto|torch|triton, resolved by resolve_sampler
+    against the logits' vocabulary at the first call."""
+
+    def __init__(self, device: torch.device, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int, backend: str = "auto"):
+        self.device = torch.device(device)
+        self.request = backend
+        self.backend = resolve_sampler(backend, self.device)
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        if self.backend == "triton":
+            from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
+
+            if logits.size(-1) <= MAX_TRITON_VOCAB or self.request == "triton":
+                return sample_triton(logits, self.temperature, self.top_k, self.top_p, self.seed, position)
+        return sample_next(logits, self.temperature, self.top_k, self.top_p, self.generator)
