@@ -280,11 +280,13 @@ class Engine:
         graph). "graphs" also captures every length bucket of those batch sizes (`all_buckets`;
         False captures only the first, which is what compiles; later buckets then capture on first
         use, ~0.1-1 s each); "compile" with sliding-window layers also runs a position past the
-        shortest window (the cache slice changes form there). Returns seconds spent."""
+        shortest window (the cache slice changes form there); the Triton sampler compiles too.
+        Returns seconds spent."""
         import time
 
         t0 = time.perf_counter()
         if self.decode_mode == "graphs":
+            Sampler(self.device, 1.0, 1, 0.5, 0, self.sampler_backend).warmup(int(self.model.config.vocab_size))
             with self.inference_weights(), torch.inference_mode():
                 for b in batch_sizes:
                     decoder = self._acquire_decoder(b)

@@ -92,6 +92,11 @@ class Sampler:
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    def warmup(self, vocab_size: int) -> None:
+        """Compile the Triton kernel now (~1 s), not in a first request; torch needs nothing."""
+        if self.backend == "triton":
+            self(torch.zeros(1, vocab_size, device=self.device), 0)
+
     def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         if self.backend == "triton":
             from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
