@@ -81,8 +81,8 @@ def resolve_sampler(request: str, device: torch.device, vocab_size: int | None =
 
 class Sampler:
     """The sampler of one generation: `sampler(logits, position)` -> (B,) long token ids for the
-    tokens that will sit at `position`. `backend`: auto|torch|triton, resolved by resolve_sampler
-    against the logits' vocabulary at the first call."""
+    tokens that will sit at `position`. `backend`: auto|torch|triton (resolve_sampler); with auto,
+    logits wider than the Triton kernel's limit are drawn by torch, with triton they raise."""
 
     def __init__(self, device: torch.device, temperature: float, top_k: int | None, top_p: float | None,
                  seed: int, backend: str = "auto"):
@@ -91,16 +91,19 @@ class Sampler:
         self.backend = resolve_sampler(backend, self.device)
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._max_vocab, self._triton = 0, None
+        if self.backend == "triton":  # imported once here, not per token
+            from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
+
+            self._triton = sample_triton
+            self._max_vocab = MAX_TRITON_VOCAB if backend == "auto" else float("inf")  # triton: raises
 
     def warmup(self, vocab_size: int) -> None:
         """Compile the Triton kernel now (~1 s), not in a first request; torch needs nothing."""
-        if self.backend == "triton":
+        if self._triton is not None:
             self(torch.zeros(1, vocab_size, device=self.device), 0)
 
     def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
-        if self.backend == "triton":
-            from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
-
-            if logits.size(-1) <= MAX_TRITON_VOCAB or self.request == "triton":
-                return sample_triton(logits, self.temperature, self.top_k, self.top_p, self.seed, position)
+        if self._triton is not None and logits.size(-1) <= self._max_vocab:
+            return self._triton(logits, self.temperature, self.top_k, self.top_p, self.seed, position)
         return sample_next(logits, self.temperature, self.top_k, self.top_p, self.generator)
