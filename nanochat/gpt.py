@@ -494,15 +494,19 @@ class GPT(nn.Module):
 
     def set_mlp_fn(self, fn) -> None:
         """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master
-        weights; fn casts them to x's dtype like Linear). Only for plain Linear layers: precision
-        modules (fp8/nvfp4) must keep their own matmuls. Used while grad is enabled (training;
+        weights; fn casts them to x's dtype like Linear). Only for the layer class fn stands in
+        for: `fn.replaces` (a tuple of classes; default the plain Linear), so a fused MLP never
+        bypasses precision modules it does not implement. Used while grad is enabled (training;
         inference keeps the Linear path). None restores the Linear path."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mlp_fn: expected a callable or None, got {type(fn).__name__}")
+        replaces = getattr(fn, "replaces", (Linear,))
         for block in self.blocks:
-            if fn is not None and not isinstance(block.mlp.c_fc, Linear):
-                raise ValueError("set_mlp_fn: the MLP's Linear layers were swapped by precision.py "
-                                 f"({type(block.mlp.c_fc).__name__}); a fused MLP would bypass them")
+            for layer in (block.mlp.c_fc, block.mlp.c_proj):
+                if fn is not None and not isinstance(layer, replaces):
+                    raise ValueError(f"set_mlp_fn: the MLP's layers are {type(layer).__name__} (swapped by "
+                                     f"precision.py?); this fused MLP replaces only "
+                                     f"{'|'.join(c.__name__ for c in replaces)}")
             block.mlp.fused = fn
 
     def runtime_dtype(self, device: torch.device) -> torch.dtype:

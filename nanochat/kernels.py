@@ -322,27 +322,36 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
     return functools.partial(triton_loss, chunk_rows=chunk_rows)
 
 
-def build_mlp(name: str, device: torch.device | str, precision: str):
-    """Every block's MLP for `--kernel name` (GPT.set_mlp_fn): for triton at bf16 on a GPU where
-    nanochat/triton_mlp.py's probe launch passes (TMA: cc >= 9) its GEMMs with fused relu^2
-    epilogues; otherwise None (the Linear path: other kernels, fp8/nvfp4 layers, CPU, older GPUs,
-    a failed probe, which is printed)."""
+def build_mlp(name: str, device: torch.device | str, precision: str, *, backend: str = "none",
+              fp8_wgrad: str = "save", grad_dtype: torch.dtype = torch.float8_e5m2):
+    """Every block's MLP for `--kernel name` (GPT.set_mlp_fn), or None for the Linear path. For
+    triton on a GPU where nanochat/triton_mlp.py's probe launch passes (TMA: cc >= 9): at bf16
+    its GEMMs with fused relu^2 epilogues; at fp8 through precision.py's native recipe
+    (`backend` native, `fp8_wgrad` save, `grad_dtype` the Fp8Linear gradient format) the same
+    in fp8 GEMMs that also give the next cast's abs-max. Otherwise None: other kernels, TE /
+    torchao layers, the other fp8 wgrad modes, nvfp4, CPU, older GPUs, a failed probe (printed)."""
     if name not in KERNELS:
         raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
-    if name != "triton" or precision != "bf16" or torch.device(device).type != "cuda":
+    fp8 = precision == "fp8" and backend == "native" and fp8_wgrad == "save"
+    if name != "triton" or not (precision == "bf16" or fp8) or torch.device(device).type != "cuda":
         return None
     try:   # tensor descriptors: Triton >= 3.4; without them the Linear path stays (the banner's
         from nanochat import triton_mlp   # kernel_fusions then lacks relu2_mlp)
     except ImportError:
         return None
-    reason = triton_mlp.probe(device)
+    reason = triton_mlp.probe(device, fp8=fp8)
     if reason is not None:
         from nanochat.common import print0
-        print0(f"[kernels] --kernel triton: the fused relu^2 MLP is off ({reason}); the MLP runs "
-               "cuBLAS + a compiled relu^2 (kernel_fusions in the banner)")
+        print0(f"[kernels] --kernel triton: the fused relu^2 {precision} MLP is off ({reason}); the MLP "
+               "runs cuBLAS + a compiled relu^2 (kernel_fusions in the banner)")
         return None
     triton_mlp.register()
-    return triton_mlp.relu2_mlp
+    if not fp8:
+        return triton_mlp.relu2_mlp
+    from nanochat.precision import Fp8Linear
+    fn = functools.partial(triton_mlp.fp8_relu2_mlp, grad_dtype=grad_dtype)
+    fn.replaces = (Fp8Linear,)   # GPT.set_mlp_fn: the layer class this fused MLP stands in for
+    return fn
 
 
 def build_mix_norm(name: str, device: torch.device | str = "cpu"):

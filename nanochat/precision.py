@@ -160,7 +160,7 @@ def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor dynamic scaling: (x * s) in `dtype` and 1/s (float32 scalar for _scaled_mm)."""
     fmax = E4M3_MAX if dtype == torch.float8_e4m3fn else E5M2_MAX
-    scale = _fp8_scale(x, fmax)
+    scale = fp8_scale(x, fmax)
     return _fp8_cast(x, scale, fmax, dtype), scale.reciprocal()
 
 
@@ -169,7 +169,7 @@ def _fp8_cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dt
     return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
-def _fp8_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+def fp8_scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
     """fmax / amax(x): the tensor-wise scale that maps x's largest magnitude onto the format's."""
     return fmax / x.detach().abs().amax().float().clamp(min=1e-12)
 
@@ -239,7 +239,7 @@ class _Fp8MatmulFusedTranspose(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grad_dtype):
-        x_scale = _fp8_scale(x, E4M3_MAX)
+        x_scale = fp8_scale(x, E4M3_MAX)
         x_q, x_qt = fp8_cast_transpose(x.contiguous(), x_scale, False)
         y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
         ctx.save_for_backward(x_qt, x_scale, w_q, w_inv)
@@ -259,7 +259,7 @@ class _Fp8MatmulFusedTransposeLean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grad_dtype):
-        x_scale = _fp8_scale(x, E4M3_MAX)
+        x_scale = fp8_scale(x, E4M3_MAX)
         x_q = _fp8_cast(x, x_scale, E4M3_MAX, torch.float8_e4m3fn)
         y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
         ctx.save_for_backward(x, x_scale, w_q, w_inv)
@@ -284,7 +284,7 @@ def _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, out_dtype):
 def _fp8_fused_backward(ctx, grad, x_qt, x_scale, w_q, w_inv):
     """Gradients of the fused-transpose matmuls; `x_qt()` gives x's transposed fp8 copy."""
     e5m2 = ctx.grad_dtype == torch.float8_e5m2
-    g_scale = _fp8_scale(grad, E5M2_MAX if e5m2 else E4M3_MAX)
+    g_scale = fp8_scale(grad, E5M2_MAX if e5m2 else E4M3_MAX)
     g_q, g_qt = fp8_cast_transpose(grad.contiguous(), g_scale, e5m2)
     g_inv = g_scale.reciprocal()
     grad_x = grad_w = None

@@ -397,11 +397,15 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
                                fp8_wgrad=fp8_wgrad)
     if kernel != "current":
         model.set_loss_fn(build_loss_fn(kernel, rt.device))
-    mix, mlp = build_mix_norm(kernel, rt.device), build_mlp(kernel, rt.device, resolved["precision"])
+    mix = build_mix_norm(kernel, rt.device)
+    mlp = build_mlp(kernel, rt.device, resolved["precision"], backend=resolved.get("backend", "none"),
+                    fp8_wgrad=resolved.get("fp8_wgrad", "save"),
+                    grad_dtype=getattr(model.blocks[0].mlp.c_fc, "grad_dtype", torch.float8_e5m2))
     model.set_mix_norm(mix)
     model.set_mlp_fn(mlp)
+    mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"
     fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
-                                   ("relu2_mlp", mlp is not None)) if on]
+                                   (mlp_name, mlp is not None)) if on]
     return {**resolved, "kernel": kernel, "kernel_fusions": ",".join(fused) or "none", "patches": patches}
 
 

@@ -1,4 +1,4 @@
-"""The ReLU^2 MLP with its two elementwise passes fused into GEMMs (`--kernel triton`, bf16).
+"""The ReLU^2 MLP with its two elementwise passes fused into GEMMs (`--kernel triton`, bf16 and fp8).
 
 The MLP is y = relu(x W_fc^T)^2 W_proj^T. Through cuBLAS each 4C-wide elementwise pass is a
 kernel of its own that reads and writes (B*T, 4C) tensors: relu^2 in forward and, in backward,
@@ -17,6 +17,12 @@ for cuBLAS + relu^2, backward 1.68 vs 1.87.
 `relu2_mlp(x, w_fc, w_proj)` is the whole MLP as a custom op with its backward (the other four
 GEMMs stay cuBLAS); it saves what the plain MLP saves (x, h2). Needs TMA (compute capability
 >= 9); `probe(device)` proves it with a tiny real launch before kernels.build_mlp installs it.
+
+`fp8_relu2_mlp(x, w_fc, w_proj, grad_dtype)` is the same for precision.py's native fp8 layers
+(Fp8Linear's recipe, weights and saved tensors): the kernel reads fp8 operands, multiplies by the
+two inverse scales and also returns the output's abs-max, the scale of the fp8 cast that follows,
+so relu^2, its gradient and two abs-max passes leave the step. H100, d20: 204.4k vs 192.8k tok/s
+(`bench_train --precision fp8,fp8mlp0`); the fp8-vs-bf16 val loss after 200 steps is unchanged.
 CPU / interpreter: `mm_epilogue` runs the same kernel under TRITON_INTERPRET=1 (float32 tensors;
 the interpreter mishandles bf16 descriptors) and `relu2_mlp` falls back to the same math in torch.
 """
@@ -42,20 +48,28 @@ def _set_blocks(nargs):
     nargs["aux_desc"].block_shape = [bm, bn]
 
 
-def _configs():
-    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). The first four won or came close on the H100
-    # (228 KB shared memory per SM); the last two fit GB10's 101,376 bytes per block, where
-    # the autotuner discards the larger ones as out of resources.
-    tiles = ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8),
-             (128, 128, 64, 2, 4), (128, 64, 64, 3, 4))
+def _configs(fp8: bool):
+    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). bf16: the first four won or came close on the
+    # H100 (228 KB shared memory per SM); the last two fit GB10's 101,376 bytes per block, where
+    # the autotuner discards the larger ones as out of resources. fp8: the H100 sweep at d20's
+    # shape (2026-11-24, ms per GEMM incl. epilogue): relu2 128x256x128/3 stages 0.712,
+    # 128x256x64/5 0.744; relu2_grad (its aux tile needs shared memory too) 128x256x64/4 0.983,
+    # 128x128x128/4 1.07; the last two are small enough for GB10.
+    if fp8:
+        tiles = ((128, 256, 128, 3, 8), (128, 256, 64, 4, 8), (128, 256, 64, 5, 8), (128, 128, 128, 4, 4),
+                 (128, 64, 128, 2, 4), (64, 64, 128, 3, 4))
+    else:
+        tiles = ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8),
+                 (128, 128, 64, 2, 4), (128, 64, 64, 3, 4))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                           num_stages=st, num_warps=w, pre_hook=_set_blocks)
             for bm, bn, bk, st, w in tiles]
 
 
 @triton.jit
-def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, M, N, K, NUM_PROGRAMS: tl.constexpr,
-                        EPILOGUE: tl.constexpr, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
+def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, scale_ptr, amax_ptr, M, N, K,
+                        NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -72,16 +86,22 @@ def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, M, N, K, NUM_PROGRAMS:
                 acc = tl.dot(a, b_desc.load([k * BLOCK_K, off_n]), acc)
             else:      # b given as the (N, K) row-major weight
                 acc = tl.dot(a, b_desc.load([off_n, k * BLOCK_K]).T, acc)
+        if HAS_SCALE:   # fp8 operands: undo both tensor-wise scales (one float32 scalar)
+            acc = acc * tl.load(scale_ptr)
         if EPILOGUE == 1:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
         elif EPILOGUE == 2:
             acc = acc * 2.0 * tl.sqrt(aux_desc.load([off_m, off_n]).to(tl.float32))
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        out = acc.to(c_desc.dtype)
+        if AMAX:   # the output's abs-max, of the stored (rounded) values: the next fp8 cast's scale
+            tl.atomic_max(amax_ptr, tl.max(tl.abs(out.to(tl.float32))), sem="relaxed")
+        c_desc.store([off_m, off_n], out)
 
 
-_mm_epilogue_tuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "EPILOGUE", "B_KN"])(
-    _mm_epilogue_kernel)
+_AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "B_KN", "HAS_SCALE", "AMAX"]
+_mm_epilogue_tuned = {fp8: triton.autotune(configs=_configs(fp8), key=_AUTOTUNE_KEY)(_mm_epilogue_kernel)
+                      for fp8 in (False, True)}
 
 
 def available(device: torch.device | str) -> bool:
@@ -94,21 +114,53 @@ try:
     from triton.errors import TritonError as _TritonError
 except ImportError:   # older layouts: the two errors a launch can raise
     from triton.compiler.errors import CompilationError as _TritonError   # type: ignore[assignment]
-_PROBED: dict[int, str | None] = {}
+_PROBED: dict[tuple[int, bool], str | None] = {}
 
 
-def probe(device: torch.device | str) -> str | None:
-    """None when both epilogue GEMMs compile, launch and match torch on `device` (a tiny real
-    launch, once per device), else why not: a GPU where the kernel was never run (e.g. GB10's
-    smaller shared memory) falls back to cuBLAS instead of failing in the first step."""
+def probe(device: torch.device | str, fp8: bool = False) -> str | None:
+    """None when both epilogue GEMMs (bf16, or with `fp8` the fp8 MLP's forward and backward)
+    compile, launch and match torch on `device` (a tiny real launch, once per device), else why
+    not: a GPU where the kernel was never run (e.g. GB10's smaller shared memory) falls back to
+    cuBLAS instead of failing in the first step."""
     dev = torch.device(device)
     if not available(dev):
         return ("needs compute capability >= 9 (TMA)" if dev.type == "cuda"
                 else f"needs a CUDA GPU (device is {dev.type})")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index not in _PROBED:
-        _PROBED[index] = _probe_launch(torch.device("cuda", index))
-    return _PROBED[index]
+    if (index, fp8) not in _PROBED:
+        launch = _probe_launch_fp8 if fp8 else _probe_launch
+        _PROBED[index, fp8] = launch(torch.device("cuda", index))
+    return _PROBED[index, fp8]
+
+
+def _probe_launch_fp8(dev: torch.device) -> str | None:
+    """The fp8 MLP's forward and backward against the same math in float32 torch."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, gy = (torch.randn(256, 128, device=dev, generator=g).bfloat16() for _ in range(2))
+    w_fc = torch.randn(512, 128, device=dev, generator=g) / 128**0.5
+    w_proj = torch.randn(128, 512, device=dev, generator=g) / 512**0.5
+    try:
+        got = _fp8_probe_outputs(x, gy, w_fc, w_proj)
+        torch.cuda.synchronize(dev)
+    except (RuntimeError, _TritonError) as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    want = _fp8_probe_outputs(x.cpu(), gy.cpu(), w_fc.cpu(), w_proj.cpu())
+    for a, b in zip(got, want):
+        err = ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
+        if not err < 2e-2:
+            return f"wrong fp8 result on this GPU (relative error {err:.3g})"
+    return None
+
+
+def _fp8_probe_outputs(x, gy, w_fc, w_proj):
+    from nanochat.precision import to_fp8
+    (w_fc_q, w_fc_inv), (w_proj_q, w_proj_inv) = (to_fp8(w, torch.float8_e4m3fn) for w in (w_fc, w_proj))
+    x_scale = torch.full((1,), 2.0, device=x.device)
+    y, h2, x_qt, h_qt, h_scale = _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv.reshape(1), w_proj_q,
+                                              w_proj_inv.reshape(1))
+    grads = _fp8_mlp_bwd(gy, torch.full((1,), 4.0, device=x.device), x_qt, x_scale, h2, h_qt, h_scale,
+                         w_fc_q, w_fc_inv.reshape(1), w_proj_q, w_proj_inv.reshape(1), True)
+    return (y, h2, *grads)
 
 
 def _probe_launch(dev: torch.device) -> str | None:
@@ -132,10 +184,14 @@ def _probe_launch(dev: torch.device) -> str | None:
 
 
 def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: torch.Tensor | None = None,
-                *, b_kn: bool = True) -> torch.Tensor:
-    """epilogue(a @ B) in a's dtype, float32 accumulation. a (M, K) contiguous; B = b (K, N)
-    contiguous when b_kn, else b is an (N, K) contiguous weight and B = b.T; aux (M, N)
-    contiguous for relu2_grad. Rows of 16 bytes or more (TMA)."""
+                *, b_kn: bool = True, scale: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """epilogue(scale * (a @ B)) in `out_dtype` (default a's dtype), float32 accumulation. a (M, K)
+    contiguous; B = b (K, N) contiguous when b_kn, else b is an (N, K) contiguous weight and
+    B = b.T (the only layout fp8 operands have: Hopper's fp8 MMA reads both K-major); aux (M, N)
+    contiguous for relu2_grad. `scale`: a float32 one-element tensor (fp8 operands: the product
+    of their inverse scales). `amax`: a float32 one-element tensor that receives
+    max(amax, max |output|). Rows of 16 bytes or more (TMA)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue: got {epilogue!r}; accepted: {'|'.join(EPILOGUES)}")
     M, K = a.shape
@@ -143,22 +199,27 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     assert a.is_contiguous() and b.is_contiguous() and (b.shape[0] if b_kn else b.shape[1]) == K
     assert (aux is not None) == (epilogue == "relu2_grad")
     assert aux is None or (aux.shape == (M, N) and aux.is_contiguous())
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    fp8 = a.element_size() == 1
+    assert not (fp8 and b_kn), "fp8 operands: pass b as the (N, K) K-major weight"
+    for t in (scale, amax):
+        assert t is None or (t.dtype == torch.float32 and t.numel() == 1 and t.device == a.device)
+    c = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
     if not (M and N):
         return c
     descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, b, c, aux if aux is not None else c)]
-    flags = dict(EPILOGUE=EPILOGUES[epilogue], B_KN=b_kn)
+    ptrs = (c if scale is None else scale, c if amax is None else amax)
+    flags = dict(EPILOGUE=EPILOGUES[epilogue], B_KN=b_kn, HAS_SCALE=scale is not None, AMAX=amax is not None)
     if a.is_cuda:
         n_sm = torch.cuda.get_device_properties(a.device).multi_processor_count
 
         def grid(meta):
             return (min(n_sm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _mm_epilogue_tuned[grid](*descs, M, N, K, NUM_PROGRAMS=n_sm, **flags)
+        _mm_epilogue_tuned[fp8][grid](*descs, *ptrs, M, N, K, NUM_PROGRAMS=n_sm, **flags)
     else:   # the interpreter: one small config, 3 programs (each walks several tiles)
         meta = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
         _set_blocks({"a_desc": descs[0], "b_desc": descs[1], "c_desc": descs[2], "aux_desc": descs[3],
                      **meta, **flags})
-        _mm_epilogue_kernel[(3,)](*descs, M, N, K, NUM_PROGRAMS=3, **flags, **meta)
+        _mm_epilogue_kernel[(3,)](*descs, *ptrs, M, N, K, NUM_PROGRAMS=3, **flags, **meta)
     return c
 
 
@@ -216,7 +277,9 @@ def _ops():
 
 
 def register() -> None:
+    """Register the custom ops (bf16 and fp8 MLPs) before a model using them is compiled."""
     _ops()
+    _fp8_ops()
 
 
 def relu2_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
@@ -227,4 +290,134 @@ def relu2_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torc
     c = x.shape[-1]
     y, _ = torch.ops.nanochat.relu2_mlp(x.reshape(-1, c).contiguous(), w_fc.to(x.dtype).contiguous(),
                                         w_proj.to(x.dtype).contiguous())
+    return y.view(*x.shape[:-1], w_proj.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# the same MLP in fp8 (precision.py's native tensor-wise recipe): relu^2 and its gradient in the
+# epilogues of fp8 GEMMs, which also produce the abs-max that the next cast's scale needs
+# --------------------------------------------------------------------------------------------
+
+def _fp8_epilogue_mm(a_q, b_q, scale, epilogue, aux, out_dtype):
+    """(epilogue(scale * a_q @ b_q.T), its abs-max) for fp8 a_q (M, K) and an (N, K) fp8 b_q.
+    CUDA: one Triton GEMM. Elsewhere the same math in float32 torch."""
+    amax = torch.zeros(1, dtype=torch.float32, device=a_q.device)
+    if a_q.is_cuda:
+        return mm_epilogue(a_q, b_q, epilogue, aux, b_kn=False, scale=scale, amax=amax, out_dtype=out_dtype), amax
+    acc = (a_q.float() @ b_q.float().t()) * scale
+    acc = torch.relu(acc).square() if epilogue == "relu2" else acc * 2 * aux.float().sqrt()
+    out = acc.to(out_dtype)
+    return out, out.float().abs().amax().reshape(1)
+
+
+def _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv):
+    """Forward of the fp8 MLP: c_fc (e4m3 x, e4m3 w) with relu^2 and its abs-max in the
+    epilogue, then h2's two e4m3 layouts in one pass and c_proj through cuBLAS."""
+    from nanochat.precision import E4M3_MAX, fp8_cast_transpose
+    x_q, x_qt = fp8_cast_transpose(x, x_scale, False)
+    h2, amax = _fp8_epilogue_mm(x_q, w_fc_q, x_scale.reciprocal() * w_fc_inv, "relu2", None, x.dtype)
+    h_scale = E4M3_MAX / amax.clamp(min=1e-12)
+    h_q, h_qt = fp8_cast_transpose(h2, h_scale, False)
+    y = torch._scaled_mm(h_q, w_proj_q.t(), scale_a=h_scale.reciprocal(), scale_b=w_proj_inv,
+                         out_dtype=x.dtype, use_fast_accum=True)
+    return y, h2, x_qt, h_qt, h_scale
+
+
+def _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv,
+                 e5m2: bool):
+    """Backward: gy's fp8 layouts, c_proj's weight gradient, c_proj's input gradient with the
+    relu^2 derivative and the abs-max in the epilogue, then c_fc's two gradients (cuBLAS)."""
+    from nanochat.precision import E4M3_MAX, E5M2_MAX, fp8_cast_transpose
+    g_q, g_qt = fp8_cast_transpose(gy, g_scale, e5m2)
+    g_inv = g_scale.reciprocal()
+    dw_proj = torch._scaled_mm(g_qt, h_qt.t(), scale_a=g_inv, scale_b=h_scale.reciprocal(),
+                               out_dtype=torch.float32)
+    # dL/dh2 = gy @ w_proj: as an (N, K) K-major operand the fp8 GEMM needs w_proj transposed
+    gh, amax = _fp8_epilogue_mm(g_q, w_proj_q.t().contiguous(), g_inv * w_proj_inv, "relu2_grad", h2, gy.dtype)
+    gh_scale = (E5M2_MAX if e5m2 else E4M3_MAX) / amax.clamp(min=1e-12)
+    gh_q, gh_qt = fp8_cast_transpose(gh, gh_scale, e5m2)
+    gh_inv = gh_scale.reciprocal()
+    dx = torch._scaled_mm(gh_q, w_fc_q.t().contiguous().t(), scale_a=gh_inv, scale_b=w_fc_inv, out_dtype=gy.dtype)
+    dw_fc = torch._scaled_mm(gh_qt, x_qt.t(), scale_a=gh_inv, scale_b=x_scale.reciprocal(),
+                             out_dtype=torch.float32)
+    return dx, dw_fc, dw_proj
+
+
+@functools.cache
+def _fp8_ops():
+    from nanochat.precision import fp8_cast_transpose   # registers that op before ours use it
+    del fp8_cast_transpose
+
+    @torch.library.custom_op("nanochat::fp8_relu2_mlp", mutates_args=())
+    def fwd_op(x: torch.Tensor, x_scale: torch.Tensor, w_fc_q: torch.Tensor, w_fc_inv: torch.Tensor,
+               w_proj_q: torch.Tensor, w_proj_inv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv)
+
+    @fwd_op.register_fake
+    def _(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv):
+        m, hid = x.shape[0], w_fc_q.shape[0]
+        e4 = torch.float8_e4m3fn
+        return (x.new_empty((m, w_proj_q.shape[0])), x.new_empty((m, hid)),
+                x.new_empty((x.shape[1], m), dtype=e4), x.new_empty((hid, m), dtype=e4),
+                x_scale.new_empty(1))
+
+    @torch.library.custom_op("nanochat::fp8_relu2_mlp_bwd", mutates_args=())
+    def bwd_op(gy: torch.Tensor, g_scale: torch.Tensor, x_qt: torch.Tensor, x_scale: torch.Tensor,
+               h2: torch.Tensor, h_qt: torch.Tensor, h_scale: torch.Tensor, w_fc_q: torch.Tensor,
+               w_fc_inv: torch.Tensor, w_proj_q: torch.Tensor, w_proj_inv: torch.Tensor,
+               e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q,
+                            w_proj_inv, e5m2)
+
+    @bwd_op.register_fake
+    def _(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv, e5m2):
+        f32 = torch.float32
+        return (gy.new_empty((gy.shape[0], w_fc_q.shape[1])), gy.new_empty(w_fc_q.shape, dtype=f32),
+                gy.new_empty(w_proj_q.shape, dtype=f32))
+    return fwd_op, bwd_op
+
+
+class _Fp8Relu2Mlp(torch.autograd.Function):
+    """relu(x w_fc^T)^2 w_proj^T with precision.py's native fp8 recipe (e4m3 activations and
+    weights, tensor-wise scales, `grad_dtype` gradients, x's transposed copy saved as in
+    --fp8-wgrad save), its two elementwise passes and two of its abs-max passes in GEMM
+    epilogues. The scales of x, of the weights and of the incoming gradient are torch ops outside
+    the custom ops, so the compiler can fuse those reductions into the kernels producing them."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, w_proj, grad_dtype):
+        from nanochat.precision import E4M3_MAX, fp8_scale, to_fp8
+        w_fc_q, w_fc_inv = to_fp8(w_fc, torch.float8_e4m3fn)
+        w_proj_q, w_proj_inv = to_fp8(w_proj, torch.float8_e4m3fn)
+        x_scale = fp8_scale(x, E4M3_MAX).reshape(1)
+        y, h2, x_qt, h_qt, h_scale = torch.ops.nanochat.fp8_relu2_mlp(
+            x, x_scale, w_fc_q, w_fc_inv.reshape(1), w_proj_q, w_proj_inv.reshape(1))
+        ctx.save_for_backward(x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv)
+        ctx.e5m2, ctx.w_dtypes = grad_dtype == torch.float8_e5m2, (w_fc.dtype, w_proj.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        from nanochat.precision import E4M3_MAX, E5M2_MAX, fp8_scale
+        x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv = ctx.saved_tensors
+        g_scale = fp8_scale(gy, E5M2_MAX if ctx.e5m2 else E4M3_MAX).reshape(1)
+        dx, dw_fc, dw_proj = torch.ops.nanochat.fp8_relu2_mlp_bwd(
+            gy.contiguous(), g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv.reshape(1), w_proj_q,
+            w_proj_inv.reshape(1), ctx.e5m2)
+        return dx, dw_fc.to(ctx.w_dtypes[0]), dw_proj.to(ctx.w_dtypes[1]), None
+
+
+def fp8_relu2_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor,
+                  grad_dtype: torch.dtype = torch.float8_e5m2) -> torch.Tensor:
+    """The MLP of two precision.Fp8Linear layers (same weights, same recipe) in fused form;
+    x (..., C) in the compute dtype, w_fc / w_proj the master weights. Rows must be a multiple of
+    16 (the fp8 GEMMs' alignment), as Fp8Linear requires for its fp8 path."""
+    if not torch.compiler.is_compiling():
+        _fp8_ops()   # registered once, eagerly (never inside a traced region)
+    c = x.shape[-1]
+    rows = x.numel() // c
+    if rows % 16:
+        raise ValueError(f"fp8_relu2_mlp: {rows} rows; the fp8 GEMMs need a multiple of 16")
+    y = _Fp8Relu2Mlp.apply(x.reshape(rows, c).contiguous(), w_fc, w_proj, grad_dtype)
     return y.view(*x.shape[:-1], w_proj.shape[0])

@@ -36,7 +36,7 @@ from nanochat.training import FlagParser, require, require_int
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
-              "nvfp4": None}
+              "fp8mlp0": "save", "nvfp4": None}
 
 
 @dataclass
@@ -65,9 +65,10 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--depth", default="12,20", help="comma list, e.g. 12,20")
     p.add_argument("--kernel", default="current", help="comma list of current|liger|triton")
     p.add_argument("--precision", default="bf16",
-                   help="comma list of bf16|fp32|fp8|fp8lean|fp8plain|nvfp4 (fp8 variants: the weight-"
-                        "gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made by "
-                        "compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain)")
+                   help="comma list of bf16|fp32|fp8|fp8lean|fp8plain|fp8mlp0|nvfp4 (fp8 variants: the "
+                        "weight-gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made "
+                        "by compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain; "
+                        "fp8mlp0: fp8 without --kernel triton's fused fp8 MLP)")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
     p.add_argument("--total-batch-size", type=int, default=-1,
@@ -173,7 +174,10 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
     info = setup_precision_and_kernel(model, "fp8" if PRECISIONS[precision] else precision, kernel, rt,
                                       compile=compile_model, fp8_wgrad=PRECISIONS[precision] or "save")
-    if precision in ("fp8lean", "fp8plain"):
+    if precision == "fp8mlp0":   # the A/B of --kernel triton's fused fp8 MLP: fp8 with the Linear path
+        model.set_mlp_fn(None)
+        info = {**info, "kernel_fusions": info["kernel_fusions"].replace(",relu2_mlp_fp8", "")}
+    if precision in ("fp8lean", "fp8plain", "fp8mlp0"):
         info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)

@@ -22,6 +22,7 @@
 #   fp8cmp     d20 base_train, 200 steps x 65,536 tokens, bf16 vs fp8 (native): tok/s and val bpb compared
 #              (FP8CMP=fp8 runs only the fp8 half, FP8CMP=bf16 only the bf16 half)
 #   fp8ab      bench_train d20 triton: bf16 vs fp8 vs fp8lean vs fp8plain (precision.set_fp8_wgrad_mode)
+#              vs fp8mlp0 (fp8 without the fused fp8 MLP)
 #   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
 #              (PROF_PRECISION=fp8 profiles the fp8 step)
@@ -146,7 +147,7 @@ if has attn; then
        --only b64x64_w4_s3,b32x64_w4_s3,b64x128_w8_s2,b128x128_w8_s2,bs64,bs256
 fi
 if has fp8ab; then
-  step fp8ab 1200 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain
+  step fp8ab 1200 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain,fp8mlp0
 fi
 if has prof20; then
   step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40 \

@@ -72,9 +72,68 @@ def test_gpt_set_mlp_fn_contract():
     with pytest.raises(ValueError, match="set_mlp_fn: expected a callable"):
         model.set_mlp_fn("fast")
     model.blocks[0].mlp.c_fc = torch.nn.Linear(32, 128, bias=False)   # what precision.py swaps in
-    with pytest.raises(ValueError, match="swapped by precision.py"):
+    with pytest.raises(ValueError, match="layers are Linear .swapped by precision.py"):
         model.set_mlp_fn(relu2_mlp)
     assert isinstance(model.blocks[1].mlp, MLP)
+
+
+def _fp8_model_mlp(c, fused):
+    """An MLP whose Linears are precision.py's Fp8Linear; `fused` installs the fp8 fused op the
+    way GPT.set_mlp_fn does."""
+    from nanochat.precision import Fp8Linear
+    from nanochat.triton_mlp import fp8_relu2_mlp
+    mlp = MLP(config_for_depth(2, 64, 16, aspect_ratio=c // 2, head_dim=c // 2))
+    mlp.c_fc.__class__, mlp.c_proj.__class__ = Fp8Linear, Fp8Linear
+    mlp.fused = fp8_relu2_mlp if fused else None
+    return mlp
+
+
+def _fp8_grads(mlp, x, gy):
+    x = x.detach().clone().requires_grad_()
+    y = mlp(x)
+    grads = torch.autograd.grad(y, (x, mlp.c_fc.weight, mlp.c_proj.weight), gy.to(y.dtype))
+    return [y.detach().double()] + [g.double() for g in grads]
+
+
+def test_fp8_relu2_mlp_matches_fp8_linears_on_cpu():
+    """The fused fp8 MLP (CPU: the same scales, casts and _scaled_mm calls, the epilogue GEMM in
+    float32 torch) against two Fp8Linear layers and relu^2: the same recipe, so both sit about
+    equally far from the float64 MLP, and close to each other; weight gradients come back in
+    the master weights' dtype."""
+    from test_precision import _has_cpu_scaled_mm
+    if not _has_cpu_scaled_mm():
+        pytest.skip("this torch has no CPU _scaled_mm")
+    torch.manual_seed(0)
+    plain, fused = _fp8_model_mlp(64, False), _fp8_model_mlp(64, True)
+    fused.load_state_dict(plain.state_dict())
+    x, gy = torch.randn(96, 64).bfloat16(), torch.randn(96, 64)
+    ref = _mlp_grads(_plain_mlp, x.double(), plain.c_fc.weight.double(), plain.c_proj.weight.double(), gy)
+    got_p, got_f = _fp8_grads(plain, x, gy), _fp8_grads(fused, x, gy)
+    for i, (f, p, r) in enumerate(zip(got_f, got_p, ref)):
+        assert _rel(f, r) < 0.15 and _rel(f, r) < 1.5 * _rel(p, r) + 1e-2, (i, _rel(f, r), _rel(p, r))
+        assert _rel(f, p) < 0.06, (i, _rel(f, p))
+    assert fused.c_fc.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fused(torch.randn(3, 5, 64).bfloat16())   # 15 rows
+
+
+def test_set_mlp_fn_accepts_only_the_layers_fn_replaces():
+    from nanochat.precision import Fp8Linear
+    from nanochat.kernels import KERNELS   # noqa: F401  (kernels imports cleanly on CPU)
+    import functools
+    from nanochat.triton_mlp import fp8_relu2_mlp
+    model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
+    fn = functools.partial(fp8_relu2_mlp, grad_dtype=torch.float8_e5m2)
+    fn.replaces = (Fp8Linear,)
+    with pytest.raises(ValueError, match="layers are Linear .*replaces only Fp8Linear"):
+        model.set_mlp_fn(fn)
+    per_run = type("Fp8LinearG", (Fp8Linear,), {"grad_dtype": torch.float8_e4m3fn})   # as convert_model makes
+    for block in model.blocks:
+        block.mlp.c_fc.__class__, block.mlp.c_proj.__class__ = per_run, per_run
+    model.set_mlp_fn(fn)
+    assert all(b.mlp.fused is fn for b in model.blocks)
+    with pytest.raises(ValueError, match="layers are Fp8LinearG"):
+        model.set_mlp_fn(relu2_mlp)
 
 
 def test_probe_names_why_not_without_a_gpu():
@@ -84,8 +143,12 @@ def test_probe_names_why_not_without_a_gpu():
 
 def test_build_mlp_only_for_triton_bf16_on_tma_gpus():
     for args in (("current", "cuda", "bf16"), ("triton", "cuda", "fp8"), ("triton", "cpu", "bf16"),
-                 ("liger", "cuda", "bf16")):
+                 ("liger", "cuda", "bf16"), ("triton", "cuda", "nvfp4")):
         assert build_mlp(*args) is None, args
+    # fp8 only through native Fp8Linear layers whose wgrad mode the fused op implements (save)
+    for kw in (dict(backend="te"), dict(backend="torchao"), dict(backend="native", fp8_wgrad="recompute")):
+        assert build_mlp("triton", "cuda", "fp8", **kw) is None, kw
+    assert build_mlp("triton", "cpu", "fp8", backend="native") is None
     with pytest.raises(ValueError, match="--kernel: got 'x'"):
         build_mlp("x", "cpu", "bf16")
 
@@ -104,6 +167,12 @@ def test_epilogue_gemm_interpreted(run_triton_interpreted):
         "                         ('relu2_grad', aux, c * 2 * aux.sqrt())):\n"
         "        got = mm_epilogue(a, b, ep, ax, b_kn=kn)\n"
         "        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)\n"
+        "        amax = torch.full((1,), 0.5)\n"   # the kernel max()es into it, never lowers it
+        "        got = mm_epilogue(a, b, ep, ax, b_kn=kn, scale=torch.full((1,), 0.25), amax=amax)\n"
+        "        want_s = {'none': c / 4, 'relu2': torch.relu(c / 4).square(),\n"
+        "                  'relu2_grad': c / 4 * 2 * aux.sqrt()}[ep]\n"
+        "        torch.testing.assert_close(got, want_s, rtol=1e-5, atol=1e-4)\n"
+        "        assert amax.item() == max(0.5, got.abs().max().item()), (ep, amax, got.abs().max())\n"
         "try:\n"
         "    mm_epilogue(a, w, 'gelu', b_kn=False)\n"
         "    raise SystemExit('no error')\n"
@@ -132,3 +201,23 @@ def test_cuda_relu2_mlp_matches_plain_bf16():
     for i, (f, p, r) in enumerate(zip(fused, plain, ref)):
         err = _rel(f, r)
         assert err < 2e-2 and err < 2 * _rel(p, r) + 1e-3, (i, err, _rel(p, r))
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_relu2_mlp_matches_fp8_linears():
+    """d20's width, 4096 rows: the probe passes, and the fused fp8 MLP's output and gradients are
+    within 1.5x (+ 5e-3) of the Fp8Linear path's distance to float64, and near that path."""
+    from nanochat.triton_mlp import available, probe
+    if not available("cuda"):
+        pytest.skip("needs compute capability >= 9 (TMA)")
+    assert probe("cuda", fp8=True) is None
+    fn = build_mlp("triton", "cuda", "fp8", backend="native")
+    assert fn is not None and fn.keywords["grad_dtype"] == torch.float8_e5m2
+    torch.manual_seed(0)
+    plain, fused = _fp8_model_mlp(1280, False).cuda(), _fp8_model_mlp(1280, True).cuda()
+    fused.load_state_dict(plain.state_dict())
+    x, gy = torch.randn(4096, 1280, device="cuda").bfloat16(), torch.randn(4096, 1280, device="cuda")
+    ref = _mlp_grads(_plain_mlp, x.double(), plain.c_fc.weight.double(), plain.c_proj.weight.double(), gy)
+    got_p, got_f = _fp8_grads(plain, x, gy), _fp8_grads(fused, x, gy)
+    for i, (f, p, r) in enumerate(zip(got_f, got_p, ref)):
+        assert _rel(f, r) < 1.5 * _rel(p, r) + 5e-3 and _rel(f, p) < 0.1, (i, _rel(f, r), _rel(p, r), _rel(f, p))
