@@ -3,10 +3,11 @@
 `--linears M:INxOUT,...` times instead the three products a training Linear runs, in the
 layouts autograd (bf16) and precision.py (fp8 tensor-wise) use: fwd x @ W.T, dgrad g @ W and
 wgrad g.T @ x (reduction over the M tokens). `--blas cublas|cublaslt` picks torch's BLAS path.
-`--mlp M:C` times the ReLU^2 MLP's two 4C-wide GEMMs with their elementwise pass, bf16: cuBLAS
-then a compiled elementwise kernel (the `current` path) vs nanochat/triton_mlp.py's GEMM with
-the pass in its epilogue (`--kernel triton`): forward relu(x W_fc^T)^2, backward
-(g W_proj) * 2 sqrt(h2).
+`--mlp M:C` times the ReLU^2 MLP's two 4C-wide GEMMs with their elementwise pass, bf16 and fp8
+(`--dtypes`, default both): cuBLAS (`_scaled_mm` for fp8, tensor-wise) then a compiled
+elementwise kernel (the `current` path; for fp8 also the abs-max the next cast needs) vs
+nanochat/triton_mlp.py's GEMM with the pass (and the abs-max) in its epilogue (`--kernel
+triton`): forward relu(x W_fc^T)^2, backward (g W_proj) * 2 sqrt(h2).
 
 For each (dtype, shape) it times C = A @ B.T with CUDA events around a batch of products,
 rotating over enough input sets that they cannot all sit in L2, and reports the median TFLOP/s
@@ -73,8 +74,10 @@ def parse_mlp(text: str) -> tuple[int, int]:
     return m, c
 
 
-def make_mlp_pass(variant: str, m: int, c: int, device):
-    """One operand set and a closure running `variant`: fwd|bwd x cublas|fused (bf16)."""
+def make_mlp_pass(variant: str, m: int, c: int, device, dtype: str = "bf16"):
+    """One operand set and a closure running `variant`: fwd|bwd x cublas|fused, in `dtype`."""
+    if dtype == "fp8":
+        return _make_mlp_pass_fp8(variant, m, c, device)
     from nanochat.triton_mlp import mm_epilogue
     bf = dict(device=device, dtype=torch.bfloat16)
     a = torch.randn(m, c, **bf)
@@ -88,11 +91,47 @@ def make_mlp_pass(variant: str, m: int, c: int, device):
             "bwd/fused": lambda: mm_epilogue(a, w_proj, "relu2_grad", h2)}[variant]
 
 
+def _make_mlp_pass_fp8(variant: str, m: int, c: int, device):
+    """The fp8 MLP's two GEMMs as precision.py's Fp8Linear path runs them (`_scaled_mm`, then
+    relu^2 or its gradient and the abs-max of the result, compiled) and as triton_mlp's
+    fp8_relu2_mlp does (one Triton GEMM each, abs-max in the epilogue)."""
+    from nanochat.triton_mlp import mm_epilogue
+    e4, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    x = torch.randn(m, c, device=device).to(e4)
+    g = torch.randn(m, c, device=device).to(torch.float8_e5m2)
+    w_fc = (torch.randn(4 * c, c, device=device) / c**0.5).to(e4)
+    w_proj_t = (torch.randn(4 * c, c, device=device) / c**0.5).to(e4)   # W_proj.T, K-major
+    h2 = torch.relu(torch.randn(m, 4 * c, device=device, dtype=bf16)).square()
+    one, amax = torch.ones((), device=device), torch.zeros(1, device=device)
+    relu2, grad = _mlp_elementwise_fp8()
+    return {"fwd/cublas": lambda: relu2(torch._scaled_mm(x, w_fc.t(), scale_a=one, scale_b=one, out_dtype=bf16,
+                                                         use_fast_accum=True)),
+            "fwd/fused": lambda: mm_epilogue(x, w_fc, "relu2", b_kn=False, scale=one.reshape(1), amax=amax,
+                                             out_dtype=bf16),
+            "bwd/cublas": lambda: grad(torch._scaled_mm(g, w_proj_t.t(), scale_a=one, scale_b=one,
+                                                        out_dtype=bf16), h2),
+            "bwd/fused": lambda: mm_epilogue(g, w_proj_t, "relu2_grad", h2, b_kn=False, scale=one.reshape(1),
+                                             amax=amax, out_dtype=bf16)}[variant]
+
+
 @functools.cache
 def _mlp_elementwise():
     """The compiled elementwise kernels of the current path (one fused kernel each)."""
     return (torch.compile(lambda h: torch.relu(h).square()),
             torch.compile(lambda g, h2: g * 2 * h2.sqrt()))
+
+
+@functools.cache
+def _mlp_elementwise_fp8():
+    """The same with the abs-max that the next fp8 cast's scale needs."""
+    def relu2(h):
+        h2 = torch.relu(h).square()
+        return h2, h2.abs().amax()
+
+    def grad(g, h2):
+        gh = g * 2 * h2.sqrt()
+        return gh, gh.abs().amax()
+    return torch.compile(relu2), torch.compile(grad)
 
 
 def linear_pass_shape(pass_: str, m: int, k: int, n: int) -> tuple[int, int, int]:
@@ -209,7 +248,8 @@ def burn_in(seconds: float, shape, device, emit) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="bf16,fp8,fp8-rowwise,nvfp4")
+    p.add_argument("--dtypes", default=None, help="default bf16,fp8,fp8-rowwise,nvfp4 (with --linears "
+                   "or --mlp: bf16,fp8, the only ones those accept)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--burn-in", "--burn_in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
@@ -223,11 +263,11 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     linears = parse_linears(args.linears) if args.linears else []
     mlp = parse_mlp(args.mlp) if args.mlp else None
-    dtypes = args.dtypes.split(",")
-    accepted = LINEAR_DTYPES if linears else DTYPES
+    accepted = LINEAR_DTYPES if (linears or mlp) else DTYPES
+    dtypes = args.dtypes.split(",") if args.dtypes else list(accepted)
     for d in dtypes:
         if d not in accepted:
-            flag = "--dtypes (with --linears)" if linears else "--dtypes"
+            flag = "--dtypes (with --linears)" if linears else "--dtypes (with --mlp)" if mlp else "--dtypes"
             raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
@@ -247,7 +287,7 @@ def main(argv=None) -> int:
     if linears:
         return _run_linears(linears, dtypes, args.reps, l2, spec, device)
     if mlp:
-        return _run_mlp(*mlp, args.reps, l2, spec, device)
+        return _run_mlp(*mlp, dtypes, args.reps, l2, spec, device)
     rows = []
     for dtype in dtypes:
         peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
@@ -300,18 +340,20 @@ def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
     return 0
 
 
-def _run_mlp(m, c, reps, l2, spec, device) -> int:
-    """Time the four MLP variants; TFLOP/s counts the GEMM's FLOPs only, so the elementwise
-    pass shows as lost throughput on the cuBLAS rows."""
+def _run_mlp(m, c, dtypes, reps, l2, spec, device) -> int:
+    """Time the four MLP variants per dtype; TFLOP/s counts the GEMM's FLOPs only, so the
+    elementwise pass shows as lost throughput on the cuBLAS rows."""
     rows = []
-    peak = peak_flops(spec, "bf16")
-    for variant in ("fwd/cublas", "fwd/fused", "bwd/cublas", "bwd/fused"):
-        rec = {"mlp": f"{m}:{c}", "variant": variant, "shape": f"{m}x{4 * c}x{c}", "device": spec.name}
-        make = functools.partial(make_mlp_pass, variant, m, c, device)
-        rows.append(_timed_row(rec, "bf16", (m, 4 * c, c), make, reps, l2, peak, device))
-    print(f"\n{'mlp M:C':<12} {'variant':<11} {'ms':>8} {'GEMM TFLOP/s':>13}")
+    for dtype in dtypes:
+        peak = peak_flops(spec, dtype)
+        for variant in ("fwd/cublas", "fwd/fused", "bwd/cublas", "bwd/fused"):
+            rec = {"mlp": f"{m}:{c}", "dtype": dtype, "variant": variant, "shape": f"{m}x{4 * c}x{c}",
+                   "device": spec.name}
+            make = functools.partial(make_mlp_pass, variant, m, c, device, dtype)
+            rows.append(_timed_row(rec, dtype, (m, 4 * c, c), make, reps, l2, peak, device))
+    print(f"\n{'mlp M:C':<12} {'dtype':<6} {'variant':<11} {'ms':>8} {'GEMM TFLOP/s':>13}")
     for r in rows:
-        print(f"{r['mlp']:<12} {r['variant']:<11} {r['ms']:>8} {r['tflops']:>13}")
+        print(f"{r['mlp']:<12} {r['dtype']:<6} {r['variant']:<11} {r['ms']:>8} {r['tflops']:>13}")
     return 0
 
 

@@ -34,3 +34,10 @@ def test_parse_mlp():
 def test_bad_mlp_raises_naming_the_flag(bad):
     with pytest.raises(ValueError, match="--mlp"):
         BG.main(["--mlp", bad])
+
+
+def test_mlp_dtypes_are_bf16_and_fp8():
+    with pytest.raises(ValueError, match=r"--dtypes \(with --mlp\): got 'nvfp4'; accepted: bf16\|fp8"):
+        BG.main(["--mlp", "64:16", "--dtypes", "nvfp4"])
+    with pytest.raises(ValueError, match=r"--dtypes: got 'fp16'"):
+        BG.main(["--dtypes", "fp16"])
