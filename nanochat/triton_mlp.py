@@ -144,22 +144,22 @@ def _probe_launch_fp8(dev: torch.device) -> str | None:
         torch.cuda.synchronize(dev)
     except (RuntimeError, _TritonError) as exc:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-    want = _fp8_probe_outputs(x.cpu(), gy.cpu(), w_fc.cpu(), w_proj.cpu())
+    want = _fp8_probe_outputs(x, gy, w_fc, w_proj, torch_math=True)   # the same casts and cuBLAS calls
     for a, b in zip(got, want):
-        err = ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
         if not err < 2e-2:
             return f"wrong fp8 result on this GPU (relative error {err:.3g})"
     return None
 
 
-def _fp8_probe_outputs(x, gy, w_fc, w_proj):
+def _fp8_probe_outputs(x, gy, w_fc, w_proj, torch_math=False):
     from nanochat.precision import to_fp8
     (w_fc_q, w_fc_inv), (w_proj_q, w_proj_inv) = (to_fp8(w, torch.float8_e4m3fn) for w in (w_fc, w_proj))
     x_scale = torch.full((1,), 2.0, device=x.device)
     y, h2, x_qt, h_qt, h_scale = _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv.reshape(1), w_proj_q,
-                                              w_proj_inv.reshape(1))
+                                              w_proj_inv.reshape(1), torch_math)
     grads = _fp8_mlp_bwd(gy, torch.full((1,), 4.0, device=x.device), x_qt, x_scale, h2, h_qt, h_scale,
-                         w_fc_q, w_fc_inv.reshape(1), w_proj_q, w_proj_inv.reshape(1), True)
+                         w_fc_q, w_fc_inv.reshape(1), w_proj_q, w_proj_inv.reshape(1), True, torch_math)
     return (y, h2, *grads)
 
 
@@ -298,11 +298,12 @@ def relu2_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torc
 # epilogues of fp8 GEMMs, which also produce the abs-max that the next cast's scale needs
 # --------------------------------------------------------------------------------------------
 
-def _fp8_epilogue_mm(a_q, b_q, scale, epilogue, aux, out_dtype):
+def _fp8_epilogue_mm(a_q, b_q, scale, epilogue, aux, out_dtype, torch_math=False):
     """(epilogue(scale * a_q @ b_q.T), its abs-max) for fp8 a_q (M, K) and an (N, K) fp8 b_q.
-    CUDA: one Triton GEMM. Elsewhere the same math in float32 torch."""
+    CUDA: one Triton GEMM. Elsewhere (or with `torch_math`: the probe's reference) the same math
+    in float32 torch."""
     amax = torch.zeros(1, dtype=torch.float32, device=a_q.device)
-    if a_q.is_cuda:
+    if a_q.is_cuda and not torch_math:
         return mm_epilogue(a_q, b_q, epilogue, aux, b_kn=False, scale=scale, amax=amax, out_dtype=out_dtype), amax
     acc = (a_q.float() @ b_q.float().t()) * scale
     acc = torch.relu(acc).square() if epilogue == "relu2" else acc * 2 * aux.float().sqrt()
@@ -310,12 +311,12 @@ def _fp8_epilogue_mm(a_q, b_q, scale, epilogue, aux, out_dtype):
     return out, out.float().abs().amax().reshape(1)
 
 
-def _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv):
+def _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv, torch_math=False):
     """Forward of the fp8 MLP: c_fc (e4m3 x, e4m3 w) with relu^2 and its abs-max in the
     epilogue, then h2's two e4m3 layouts in one pass and c_proj through cuBLAS."""
     from nanochat.precision import E4M3_MAX, fp8_cast_transpose
     x_q, x_qt = fp8_cast_transpose(x, x_scale, False)
-    h2, amax = _fp8_epilogue_mm(x_q, w_fc_q, x_scale.reciprocal() * w_fc_inv, "relu2", None, x.dtype)
+    h2, amax = _fp8_epilogue_mm(x_q, w_fc_q, x_scale.reciprocal() * w_fc_inv, "relu2", None, x.dtype, torch_math)
     h_scale = E4M3_MAX / amax.clamp(min=1e-12)
     h_q, h_qt = fp8_cast_transpose(h2, h_scale, False)
     y = torch._scaled_mm(h_q, w_proj_q.t(), scale_a=h_scale.reciprocal(), scale_b=w_proj_inv,
@@ -324,7 +325,7 @@ def _fp8_mlp_fwd(x, x_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv):
 
 
 def _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv, w_proj_q, w_proj_inv,
-                 e5m2: bool):
+                 e5m2: bool, torch_math=False):
     """Backward: gy's fp8 layouts, c_proj's weight gradient, c_proj's input gradient with the
     relu^2 derivative and the abs-max in the epilogue, then c_fc's two gradients (cuBLAS)."""
     from nanochat.precision import E4M3_MAX, E5M2_MAX, fp8_cast_transpose
@@ -333,7 +334,8 @@ def _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv
     dw_proj = torch._scaled_mm(g_qt, h_qt.t(), scale_a=g_inv, scale_b=h_scale.reciprocal(),
                                out_dtype=torch.float32)
     # dL/dh2 = gy @ w_proj: as an (N, K) K-major operand the fp8 GEMM needs w_proj transposed
-    gh, amax = _fp8_epilogue_mm(g_q, w_proj_q.t().contiguous(), g_inv * w_proj_inv, "relu2_grad", h2, gy.dtype)
+    gh, amax = _fp8_epilogue_mm(g_q, w_proj_q.t().contiguous(), g_inv * w_proj_inv, "relu2_grad", h2, gy.dtype,
+                                torch_math)
     gh_scale = (E5M2_MAX if e5m2 else E4M3_MAX) / amax.clamp(min=1e-12)
     gh_q, gh_qt = fp8_cast_transpose(gh, gh_scale, e5m2)
     gh_inv = gh_scale.reciprocal()

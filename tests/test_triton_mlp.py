@@ -117,6 +117,21 @@ def test_fp8_relu2_mlp_matches_fp8_linears_on_cpu():
         fused(torch.randn(3, 5, 64).bfloat16())   # 15 rows
 
 
+def test_fp8_probe_reference_plumbing_on_cpu():
+    """The fp8 probe compares the GPU kernels with `torch_math=True` on the same device; on CPU
+    both are the torch math, so the two runs agree exactly (the flag reaches both GEMMs)."""
+    from test_precision import _has_cpu_scaled_mm
+    from nanochat.triton_mlp import _fp8_probe_outputs
+    if not _has_cpu_scaled_mm():
+        pytest.skip("this torch has no CPU _scaled_mm")
+    g = torch.Generator().manual_seed(0)
+    x, gy = (torch.randn(32, 16, generator=g).bfloat16() for _ in range(2))
+    w_fc, w_proj = torch.randn(64, 16, generator=g) / 4, torch.randn(16, 64, generator=g) / 8
+    a, b = _fp8_probe_outputs(x, gy, w_fc, w_proj), _fp8_probe_outputs(x, gy, w_fc, w_proj, torch_math=True)
+    assert len(a) == 5 and all(torch.equal(u, v) for u, v in zip(a, b))
+    assert [tuple(t.shape) for t in a] == [(32, 16), (32, 64), (32, 16), (64, 16), (16, 64)]   # y h2 dx dw_fc dw_proj
+
+
 def test_set_mlp_fn_accepts_only_the_layers_fn_replaces():
     from nanochat.precision import Fp8Linear
     from nanochat.kernels import KERNELS   # noqa: F401  (kernels imports cleanly on CPU)
