@@ -86,3 +86,20 @@ def env(base_dir, tiny_corpus, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
         monkeypatch.delenv(var, raising=False)
     return ["--data-dir", str(tiny_corpus)]
+
+
+@pytest.fixture
+def sft_checkpoint(chat_model, tmp_path, monkeypatch):
+    """The tiny model (the requesting module's `chat_model` fixture: test_engine, test_chat_web)
+    saved as an SFT checkpoint, with its tokenizer, under a temp base dir."""
+    from dataclasses import asdict
+
+    from nanochat.checkpoint import checkpoint_dir, save_checkpoint
+    from nanochat.tokenizer import tokenizer_dir
+
+    model, tokenizer = chat_model
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    tokenizer.save(tokenizer_dir(tmp_path))
+    save_checkpoint(checkpoint_dir("sft", "d2", tmp_path), 7, model_state=model.state_dict(),
+                    meta={"model_config": asdict(model.config), "tokenizer_fingerprint": tokenizer.fingerprint})
+    return tmp_path

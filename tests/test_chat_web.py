@@ -13,7 +13,7 @@ import torch
 
 from nanochat.engine import Engine
 from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, serve_in_thread
-from test_engine import sft_checkpoint, tiny_chat_model  # noqa: F401 (sft_checkpoint is a fixture)
+from test_engine import tiny_chat_model
 
 USER = [{"role": "user", "content": "Hello there"}]
 

@@ -318,22 +318,6 @@ def test_text_stream_stop_strings(tok):
 
 # ------------------------------------------------------------------------------------ chat_cli
 
-@pytest.fixture
-def sft_checkpoint(chat_model, tmp_path, monkeypatch):
-    """The tiny model saved as an SFT checkpoint (and its tokenizer) under a temp base dir."""
-    from dataclasses import asdict
-
-    from nanochat.checkpoint import checkpoint_dir, save_checkpoint
-    from nanochat.tokenizer import tokenizer_dir
-
-    model, tokenizer = chat_model
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    tokenizer.save(tokenizer_dir(tmp_path))
-    save_checkpoint(checkpoint_dir("sft", "d2", tmp_path), 7, model_state=model.state_dict(),
-                    meta={"model_config": asdict(model.config), "tokenizer_fingerprint": tokenizer.fingerprint})
-    return tmp_path
-
-
 def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, monkeypatch):
     from scripts import chat_cli
 
