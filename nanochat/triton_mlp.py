@@ -413,13 +413,15 @@ class _Fp8Relu2Mlp(torch.autograd.Function):
 def fp8_relu2_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor,
                   grad_dtype: torch.dtype = torch.float8_e5m2) -> torch.Tensor:
     """The MLP of two precision.Fp8Linear layers (same weights, same recipe) in fused form;
-    x (..., C) in the compute dtype, w_fc / w_proj the master weights. Rows must be a multiple of
-    16 (the fp8 GEMMs' alignment), as Fp8Linear requires for its fp8 path."""
-    if not torch.compiler.is_compiling():
-        _fp8_ops()   # registered once, eagerly (never inside a traced region)
+    x (..., C) in the compute dtype, w_fc / w_proj the master weights. A row count that is not a
+    multiple of 16 (the fp8 GEMMs' alignment; e.g. an odd batch x sequence length) runs what the
+    Fp8Linear layers run then: the plain MLP in the compute dtype."""
     c = x.shape[-1]
     rows = x.numel() // c
     if rows % 16:
-        raise ValueError(f"fp8_relu2_mlp: {rows} rows; the fp8 GEMMs need a multiple of 16")
+        h = torch.relu(torch.nn.functional.linear(x, w_fc.to(x.dtype))).square()
+        return torch.nn.functional.linear(h, w_proj.to(x.dtype))
+    if not torch.compiler.is_compiling():
+        _fp8_ops()   # registered once, eagerly (never inside a traced region)
     y = _Fp8Relu2Mlp.apply(x.reshape(rows, c).contiguous(), w_fc, w_proj, grad_dtype)
     return y.view(*x.shape[:-1], w_proj.shape[0])
