@@ -322,17 +322,17 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
     return functools.partial(triton_loss, chunk_rows=chunk_rows)
 
 
-def build_mlp(name: str, device: torch.device | str, precision: str, *, backend: str = "none",
-              fp8_wgrad: str = "save", grad_dtype: torch.dtype = torch.float8_e5m2):
+def build_mlp(name: str, device: torch.device | str, precision: str, *, layer: torch.nn.Module | None = None):
     """Every block's MLP for `--kernel name` (GPT.set_mlp_fn), or None for the Linear path. For
     triton on a GPU where nanochat/triton_mlp.py's probe launch passes (TMA: cc >= 9): at bf16
-    its GEMMs with fused relu^2 epilogues; at fp8 through precision.py's native recipe
-    (`backend` native, `fp8_wgrad` save, `grad_dtype` the Fp8Linear gradient format) the same
-    in fp8 GEMMs that also give the next cast's abs-max. Otherwise None: other kernels, TE /
-    torchao layers, the other fp8 wgrad modes, nvfp4, CPU, older GPUs, a failed probe (printed)."""
+    its GEMMs with fused relu^2 epilogues; at fp8, when the MLP's `layer` (its c_fc) is
+    precision.py's native Fp8Linear in the save wgrad mode, the same in fp8 GEMMs that also give
+    the next cast's abs-max (with that layer's gradient format). Otherwise None: other kernels,
+    TE / torchao layers, layers kept high-precision, the other fp8 wgrad modes, nvfp4, CPU, older
+    GPUs, a failed probe (printed)."""
     if name not in KERNELS:
         raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
-    fp8 = precision == "fp8" and backend == "native" and fp8_wgrad == "save"
+    fp8 = precision == "fp8" and _is_fp8_save_layer(layer)
     if name != "triton" or not (precision == "bf16" or fp8) or torch.device(device).type != "cuda":
         return None
     try:   # tensor descriptors: Triton >= 3.4; without them the Linear path stays (the banner's
@@ -349,9 +349,17 @@ def build_mlp(name: str, device: torch.device | str, precision: str, *, backend:
     if not fp8:
         return triton_mlp.relu2_mlp
     from nanochat.precision import Fp8Linear
-    fn = functools.partial(triton_mlp.fp8_relu2_mlp, grad_dtype=grad_dtype)
+    fn = functools.partial(triton_mlp.fp8_relu2_mlp, grad_dtype=layer.grad_dtype)
     fn.replaces = (Fp8Linear,)   # GPT.set_mlp_fn: the layer class this fused MLP stands in for
     return fn
+
+
+def _is_fp8_save_layer(layer) -> bool:
+    """Is `layer` a native Fp8Linear whose recipe fp8_relu2_mlp reproduces (wgrad mode save)?"""
+    if layer is None:
+        return False
+    from nanochat.precision import Fp8Linear
+    return isinstance(layer, Fp8Linear) and layer.wgrad_mode == "save"
 
 
 def build_mix_norm(name: str, device: torch.device | str = "cpu"):

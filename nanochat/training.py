@@ -398,9 +398,7 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     if kernel != "current":
         model.set_loss_fn(build_loss_fn(kernel, rt.device))
     mix = build_mix_norm(kernel, rt.device)
-    mlp = build_mlp(kernel, rt.device, resolved["precision"], backend=resolved.get("backend", "none"),
-                    fp8_wgrad=resolved.get("fp8_wgrad", "save"),
-                    grad_dtype=getattr(model.blocks[0].mlp.c_fc, "grad_dtype", torch.float8_e5m2))
+    mlp = build_mlp(kernel, rt.device, resolved["precision"], layer=model.blocks[0].mlp.c_fc)
     model.set_mix_norm(mix)
     model.set_mlp_fn(mlp)
     mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"

@@ -162,10 +162,15 @@ def test_build_mlp_only_for_triton_bf16_on_tma_gpus():
     for args in (("current", "cuda", "bf16"), ("triton", "cuda", "fp8"), ("triton", "cpu", "bf16"),
                  ("liger", "cuda", "bf16"), ("triton", "cuda", "nvfp4")):
         assert build_mlp(*args) is None, args
-    # fp8 only through native Fp8Linear layers whose wgrad mode the fused op implements (save)
-    for kw in (dict(backend="te"), dict(backend="torchao"), dict(backend="native", fp8_wgrad="recompute")):
-        assert build_mlp("triton", "cuda", "fp8", **kw) is None, kw
-    assert build_mlp("triton", "cpu", "fp8", backend="native") is None
+    # fp8 only through native Fp8Linear layers whose wgrad mode the fused op implements (save):
+    # not TE / torchao modules, not a layer kept high-precision, not the recompute mode
+    from nanochat.precision import Fp8Linear
+    recompute = _fp8_model_mlp(64, False).c_fc
+    recompute.wgrad_mode = "recompute"
+    for layer in (None, torch.nn.Linear(64, 256, bias=False), MLP(config_for_depth(2, 64, 16)).c_fc, recompute):
+        assert build_mlp("triton", "cuda", "fp8", layer=layer) is None, layer
+    assert isinstance(recompute, Fp8Linear)
+    assert build_mlp("triton", "cpu", "fp8", layer=_fp8_model_mlp(64, False).c_fc) is None
     with pytest.raises(ValueError, match="--kernel: got 'x'"):
         build_mlp("x", "cpu", "bf16")
 
@@ -228,7 +233,7 @@ def test_cuda_fp8_relu2_mlp_matches_fp8_linears():
     if not available("cuda"):
         pytest.skip("needs compute capability >= 9 (TMA)")
     assert probe("cuda", fp8=True) is None
-    fn = build_mlp("triton", "cuda", "fp8", backend="native")
+    fn = build_mlp("triton", "cuda", "fp8", layer=_fp8_model_mlp(64, False).c_fc)
     assert fn is not None and fn.keywords["grad_dtype"] == torch.float8_e5m2
     torch.manual_seed(0)
     plain, fused = _fp8_model_mlp(1280, False).cuda(), _fp8_model_mlp(1280, True).cuda()
