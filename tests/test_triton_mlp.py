@@ -1,6 +1,8 @@
 """nanochat/triton_mlp.py: the GEMM with fused relu^2 / relu^2-gradient epilogues (interpreter on
 CPU, the real kernel on the GPU) and the MLP custom op against the plain Linear MLP."""
 
+import functools
+
 import pytest
 import torch
 
@@ -131,13 +133,12 @@ def test_fp8_probe_reference_plumbing_on_cpu():
     w_fc, w_proj = torch.randn(64, 16, generator=g) / 4, torch.randn(16, 64, generator=g) / 8
     a, b = _fp8_probe_outputs(x, gy, w_fc, w_proj), _fp8_probe_outputs(x, gy, w_fc, w_proj, torch_math=True)
     assert len(a) == 5 and all(torch.equal(u, v) for u, v in zip(a, b))
-    assert [tuple(t.shape) for t in a] == [(32, 16), (32, 64), (32, 16), (64, 16), (16, 64)]   # y h2 dx dw_fc dw_proj
+    # y, h2, dx, dw_fc, dw_proj
+    assert [tuple(t.shape) for t in a] == [(32, 16), (32, 64), (32, 16), (64, 16), (16, 64)]
 
 
 def test_set_mlp_fn_accepts_only_the_layers_fn_replaces():
     from nanochat.precision import Fp8Linear
-    from nanochat.kernels import KERNELS   # noqa: F401  (kernels imports cleanly on CPU)
-    import functools
     from nanochat.triton_mlp import fp8_relu2_mlp
     model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
     fn = functools.partial(fp8_relu2_mlp, grad_dtype=torch.float8_e5m2)
