@@ -328,7 +328,7 @@ def _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv
                  e5m2: bool, torch_math=False):
     """Backward: gy's fp8 layouts, c_proj's weight gradient, c_proj's input gradient with the
     relu^2 derivative and the abs-max in the epilogue, then c_fc's two gradients (cuBLAS)."""
-    from nanochat.precision import E4M3_MAX, E5M2_MAX, fp8_cast_transpose
+    from nanochat.precision import E4M3_MAX, E5M2_MAX, _fp8_grad_input, fp8_cast_transpose
     g_q, g_qt = fp8_cast_transpose(gy, g_scale, e5m2)
     g_inv = g_scale.reciprocal()
     dw_proj = torch._scaled_mm(g_qt, h_qt.t(), scale_a=g_inv, scale_b=h_scale.reciprocal(),
@@ -339,7 +339,7 @@ def _fp8_mlp_bwd(gy, g_scale, x_qt, x_scale, h2, h_qt, h_scale, w_fc_q, w_fc_inv
     gh_scale = (E5M2_MAX if e5m2 else E4M3_MAX) / amax.clamp(min=1e-12)
     gh_q, gh_qt = fp8_cast_transpose(gh, gh_scale, e5m2)
     gh_inv = gh_scale.reciprocal()
-    dx = torch._scaled_mm(gh_q, w_fc_q.t().contiguous().t(), scale_a=gh_inv, scale_b=w_fc_inv, out_dtype=gy.dtype)
+    dx = _fp8_grad_input(gh_q, gh_inv, w_fc_q, w_fc_inv, gy.dtype)   # Fp8Linear's own dgrad
     dw_fc = torch._scaled_mm(gh_qt, x_qt.t(), scale_a=gh_inv, scale_b=x_scale.reciprocal(),
                              out_dtype=torch.float32)
     return dx, dw_fc, dw_proj
