@@ -36,6 +36,9 @@ from nanochat.platform import detect_device, peak_flops
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
 DTYPES = ("bf16", "fp8", "fp8-rowwise", "nvfp4")
 PASSES = ("fwd", "dgrad", "wgrad")
+# --layouts: the same three bf16 products with the other operand layouts cuBLAS can take for free
+# (a transposed contiguous weight copy; the weight gradient as (x^T g)^T), to pick the fastest
+LAYOUT_PASSES = ("fwd", "fwd_wt", "dgrad", "dgrad_wt", "wgrad", "wgrad_xg")
 LINEAR_DTYPES = ("bf16", "fp8")
 DEFAULT_LINEARS = "65536:1280x1280,65536:1280x5120,65536:5120x1280,65536:1280x32768"
 
@@ -136,7 +139,7 @@ def _mlp_elementwise_fp8():
 
 def linear_pass_shape(pass_: str, m: int, k: int, n: int) -> tuple[int, int, int]:
     """(rows, cols, reduction) of one training pass of a Linear K -> N over M tokens."""
-    return {"fwd": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}[pass_]
+    return {"fwd": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}[pass_.split("_")[0]]
 
 
 def make_linear_pass(dtype: str, pass_: str, m: int, k: int, n: int, device):
@@ -146,8 +149,10 @@ def make_linear_pass(dtype: str, pass_: str, m: int, k: int, n: int, device):
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     if dtype == "bf16":
+        wt = w.t().contiguous()   # (K, N) row-major: the other layout a weight copy can have
         return {"fwd": lambda: torch.mm(x, w.t()), "dgrad": lambda: torch.mm(g, w),
-                "wgrad": lambda: torch.mm(g.t(), x)}[pass_]
+                "wgrad": lambda: torch.mm(g.t(), x), "fwd_wt": lambda: torch.mm(x, wt),
+                "dgrad_wt": lambda: torch.mm(g, wt.t()), "wgrad_xg": lambda: torch.mm(x.t(), g).t()}[pass_]
     one = torch.tensor(1.0, device=device)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     if pass_ == "fwd":
@@ -259,6 +264,9 @@ def main(argv=None) -> int:
                    "epilogues, fused (Triton) vs cuBLAS + elementwise, instead of --shapes")
     p.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
                    help="torch.backends.cuda.preferred_blas_library for the bf16 products")
+    p.add_argument("--layouts", action="store_true", help="with --linears: also time each bf16 "
+                   "product in its other free layouts (fwd_wt / dgrad_wt: a (K, N) weight copy; "
+                   "wgrad_xg: (x^T g)^T)")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     linears = parse_linears(args.linears) if args.linears else []
@@ -269,6 +277,8 @@ def main(argv=None) -> int:
         if d not in accepted:
             flag = "--dtypes (with --linears)" if linears else "--dtypes (with --mlp)" if mlp else "--dtypes"
             raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
+    if args.layouts and not linears:
+        raise ValueError("--layouts: only with --linears")
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
     if not torch.cuda.is_available():
@@ -285,7 +295,7 @@ def main(argv=None) -> int:
               if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
     print(json.dumps({"header": True, **header}), flush=True)
     if linears:
-        return _run_linears(linears, dtypes, args.reps, l2, spec, device)
+        return _run_linears(linears, dtypes, args.reps, l2, spec, device, args.layouts)
     if mlp:
         return _run_mlp(*mlp, dtypes, args.reps, l2, spec, device)
     rows = []
@@ -322,20 +332,20 @@ def _timed_row(rec: dict, dtype: str, shape, make, reps: int, l2: int, peak, dev
     return rec
 
 
-def _run_linears(linears, dtypes, reps, l2, spec, device) -> int:
+def _run_linears(linears, dtypes, reps, l2, spec, device, layouts: bool = False) -> int:
     rows = []
     for dtype in dtypes:
         peak = peak_flops(spec, dtype)
         for m, k, n in linears:
-            for pass_ in PASSES:
+            for pass_ in (LAYOUT_PASSES if layouts and dtype == "bf16" else PASSES):
                 shape = linear_pass_shape(pass_, m, k, n)
                 rec = {"dtype": dtype, "linear": f"{m}:{k}x{n}", "pass": pass_,
                        "shape": "x".join(map(str, shape)), "device": spec.name}
                 make = functools.partial(make_linear_pass, dtype, pass_, m, k, n, device)
                 rows.append(_timed_row(rec, dtype, shape, make, reps, l2, peak, device))
-    print(f"\n{'dtype':<6} {'linear M:INxOUT':<18} {'pass':<6} {'ms':>8} {'TFLOP/s':>9} {'% peak':>7}")
+    print(f"\n{'dtype':<6} {'linear M:INxOUT':<18} {'pass':<9} {'ms':>8} {'TFLOP/s':>9} {'% peak':>7}")
     for r in rows:
-        print(f"{r['dtype']:<6} {r['linear']:<18} {r['pass']:<6} {r['ms']:>8} {r['tflops']:>9} "
+        print(f"{r['dtype']:<6} {r['linear']:<18} {r['pass']:<9} {r['ms']:>8} {r['tflops']:>9} "
               f"{str(r['pct_of_peak']):>7}")
     return 0
 

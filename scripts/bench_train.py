@@ -35,6 +35,7 @@ from nanochat.training import FlagParser, require, require_int
 
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
+UNFUSE = {"mlp": "relu2_mlp"}   # --unfuse name -> its kernel_fusions entry
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
@@ -58,6 +59,7 @@ class BenchConfig:
     peak_flops: float | None = None
     aspect_ratio: int = 64
     head_dim: int = 128
+    unfuse: tuple[str, ...] = ()
 
 
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
@@ -84,6 +86,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--peak-flops", type=float, default=None)
     p.add_argument("--aspect-ratio", type=int, default=64)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--unfuse", default="", help=f"comma list of {'|'.join(UNFUSE)}: run --kernel triton "
+                   "without that fusion (the A/B of one fusion)")
     a = p.parse_args(argv)
 
     def ints(text, flag):
@@ -97,7 +101,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                       total_batch_size=a.total_batch_size, steps=a.steps, warmup=a.warmup, compile=a.compile,
                       data=a.data, vocab_size=a.vocab_size,
                       window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
-                      peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim)
+                      peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim,
+                      unfuse=tuple(v for v in a.unfuse.split(",") if v))
     for d in cfg.depths:
         require_int(d, "--depth", 1)
     for k in cfg.kernels:
@@ -112,7 +117,17 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     require_int(cfg.warmup, "--warmup", 0)
     require(cfg.data in ("synthetic", "real"), "--data", cfg.data, "synthetic|real")
     require_int(cfg.vocab_size, "--vocab-size", 16)
+    for name in cfg.unfuse:
+        require(name in UNFUSE, "--unfuse", name, "|".join(UNFUSE))
     return cfg
+
+
+def unfuse_model(model, names: set[str], fusions: str) -> str:
+    """Turn off the named --kernel triton fusions (UNFUSE) of a set-up model; the fusions left."""
+    if "mlp" in names:
+        model.set_mlp_fn(None)
+    dropped = {UNFUSE[n] for n in names}
+    return ",".join(f for f in fusions.split(",") if f not in dropped and f.split("_fp8")[0] not in dropped) or "none"
 
 
 class SyntheticBatches:
@@ -174,9 +189,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
     info = setup_precision_and_kernel(model, "fp8" if PRECISIONS[precision] else precision, kernel, rt,
                                       compile=compile_model, fp8_wgrad=PRECISIONS[precision] or "save")
-    if precision == "fp8mlp0":   # the A/B of --kernel triton's fused fp8 MLP: fp8 with the Linear path
-        model.set_mlp_fn(None)
-        info = {**info, "kernel_fusions": info["kernel_fusions"].replace(",relu2_mlp_fp8", "")}
+    unfuse = set(cfg.unfuse) | ({"mlp"} if precision == "fp8mlp0" else set())
+    info = {**info, "kernel_fusions": unfuse_model(model, unfuse, info["kernel_fusions"])}
     if precision in ("fp8lean", "fp8plain", "fp8mlp0"):
         info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model

@@ -2,7 +2,8 @@
 # GPU-box check: carried wheels, preflight, `pytest -m cuda`, benchmarks, short real runs.
 # Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
 #   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM (square, d20 training-Linear
-#              passes, the relu^2-epilogue MLP GEMMs), loss-kernel and fp8-cast benchmarks
+#              passes with the bf16 layout variants, the relu^2-epilogue MLP GEMMs), loss-kernel and
+#              fp8-cast benchmarks
 #   tests      pytest -m cuda over every test file that has CUDA tests
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
@@ -64,7 +65,7 @@ if has quick; then
   step preflight 120 $PY -m nanochat.platform --kernel triton
   step pytest_cuda 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py tests/test_precision.py
   step bench_gemm 120 $PY -m scripts.bench_gemm --reps 7
-  step bench_gemm_linears 150 $PY -m scripts.bench_gemm --reps 7 --dtypes bf16,fp8 \
+  step bench_gemm_linears 200 $PY -m scripts.bench_gemm --reps 7 --dtypes bf16,fp8 --layouts \
        --linears 65536:1280x1280,65536:1280x5120,65536:5120x1280,65536:1280x32768
   step bench_gemm_mlp 120 $PY -m scripts.bench_gemm --reps 7 --mlp 65536:1280
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \

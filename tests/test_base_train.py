@@ -259,3 +259,17 @@ def test_tiny_train_cuda_compiled(env, base_dir):
     losses = summary["losses"]
     assert all(math.isfinite(v) for v in losses.values()) and losses[19] < losses[0] - 1.0
     assert summary["final_val_bpb"] < 4.0 and summary["peak_mem_gib"] > 0
+
+
+def test_bench_train_unfuse():
+    """--unfuse drops one --kernel triton fusion for an A/B (bf16 or fp8); names are checked."""
+    from scripts import bench_train
+    from nanochat.gpt import GPT, GPTConfig
+    assert bench_train.parse_config(["--unfuse", "mlp"]).unfuse == ("mlp",)
+    with pytest.raises(ValueError, match="--unfuse.*mlp"):
+        bench_train.parse_config(["--unfuse", "norm"])
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.set_mlp_fn(lambda x, w_fc, w_proj: x)
+    for fusions in ("linear_ce,mix_norm,relu2_mlp_fp8", "linear_ce,mix_norm,relu2_mlp"):
+        assert bench_train.unfuse_model(model, {"mlp"}, fusions) == "linear_ce,mix_norm"
+        assert model.blocks[0].mlp.fused is None

@@ -2,6 +2,7 @@
 timings themselves need a GPU and are a benchmark, not a test)."""
 
 import pytest
+import torch
 
 from scripts import bench_gemm as BG
 
@@ -18,6 +19,22 @@ def test_parse_linears_and_pass_shapes():
 def test_bad_linears_raise_naming_the_flag(bad):
     with pytest.raises(ValueError, match="--linears"):
         BG.main(["--linears", bad])
+
+
+def test_layout_passes_compute_the_same_products():
+    """--layouts times each bf16 product in another operand layout: same values, same shape."""
+    for base, alt in (("fwd", "fwd_wt"), ("dgrad", "dgrad_wt"), ("wgrad", "wgrad_xg")):
+        torch.manual_seed(0)
+        ref = BG.make_linear_pass("bf16", base, 32, 16, 48, "cpu")()
+        torch.manual_seed(0)
+        out = BG.make_linear_pass("bf16", alt, 32, 16, 48, "cpu")()
+        assert out.shape == ref.shape == BG.linear_pass_shape(alt, 32, 16, 48)[:2]
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_layouts_need_linears():
+    with pytest.raises(ValueError, match="--layouts"):
+        BG.main(["--layouts"])
 
 
 def test_linears_accept_only_bf16_and_fp8():
