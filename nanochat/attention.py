@@ -415,6 +415,17 @@ def _flex(q, k, v, window: int | None):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
 
 
+def _prefill_sdpa(q, k, v, *, is_causal: bool, attn_mask=None):
+    """_sdpa without cuDNN's kernel: SDPA picks cuDNN on an H100 (torch 2.11) and builds a cuDNN
+    graph per new shape, ~70 ms the first time each prompt length is seen (H100, d20: the first
+    request at a new length took 74-103 ms to its first token, the next 21-30 ms); flash and the
+    efficient kernel take any length. Training shapes are fixed, so training keeps cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return _sdpa(q, k, v, is_causal=is_causal, attn_mask=attn_mask)
+
+
 def _cached_attention(q, k, v, window, backend, kv_cache: KVCache, layer_idx: int):
     """Attend the T new queries (absolute positions pos..pos+T-1) over the cache."""
     T, pos = q.size(2), kv_cache.pos
@@ -427,11 +438,11 @@ def _cached_attention(q, k, v, window, backend, kv_cache: KVCache, layer_idx: in
     if backend == "reference":
         return reference_attention(q, k_all, v_all, window=window, q_offset=pos, k_offset=start)
     if start == 0 and pos == 0 and (window is None or window >= T):
-        return _sdpa(q, k_all, v_all, is_causal=True)  # plain prefill: the fast causal kernel
+        return _prefill_sdpa(q, k_all, v_all, is_causal=True)  # plain prefill: the fast causal kernel
     # Decode / chunked prefill: explicit (T, pos+T-start) mask; small for decode (T == 1).
     q_pos = torch.arange(pos, pos + T, device=q.device)
     k_pos = torch.arange(start, pos + T, device=q.device)
-    return _sdpa(q, k_all, v_all, is_causal=False, attn_mask=_visible(q_pos, k_pos, window))
+    return _prefill_sdpa(q, k_all, v_all, is_causal=False, attn_mask=_visible(q_pos, k_pos, window))
 
 
 # Which kernel the static (CUDA-graph) decode step uses: "triton_fused" (default on CUDA: the

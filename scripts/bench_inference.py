@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the Triton kernel on CUDA); rows other than auto are labelled <mode>+<sampler>")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
+    p.add_argument("--ttft-lengths", "--ttft_lengths", dest="ttft_lengths", default="",
+                   help="comma list of prompt lengths: after warmup, the time to first token of one "
+                        "request at each (lengths not seen before: what a chat server's requests pay)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32 (weights and activations)")
     p.add_argument("--seed", type=int, default=0)
@@ -90,6 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.graph_step or set(args.graph_step) - set(GRAPH_STEPS):
         raise ValueError(f"--graph-step: got {','.join(args.graph_step)!r}; accepted: comma-separated "
                          f"{'|'.join(GRAPH_STEPS)}")
+    try:
+        args.ttft_lengths = [int(n) for n in args.ttft_lengths.split(",") if n.strip()]
+    except ValueError:
+        raise ValueError(f"--ttft-lengths: got {args.ttft_lengths!r}; accepted: comma-separated integers") from None
+    if any(n < 1 or n + 2 > args.seq_len for n in args.ttft_lengths):
+        raise ValueError(f"--ttft-lengths: got {args.ttft_lengths}; accepted: integers from 1 to --seq-len - 2")
     if args.decode_bucket < 1:
         raise ValueError(f"--decode-bucket: got {args.decode_bucket}; accepted: an integer >= 1")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -184,6 +193,18 @@ def bench_prefill(engine, rt, prompt, repeats) -> dict:
     prefill()  # warm-up
     t = statistics.median(timed(rt, prefill) for _ in range(repeats))
     return {"bench": "prefill", "batch": 1, "prompt_len": len(prompt), "seconds": t, "tok_per_s": len(prompt) / t}
+
+
+def first_request_ttft(engine, rt, prompt) -> float:
+    """Seconds to the first token of one batch-1 request (the benchmark's prompt, 2 tokens)."""
+    rt.synchronize()
+    t0 = time.perf_counter()
+    gen = engine.generate(prompt, num_samples=1, max_tokens=2, temperature=1.0, top_k=50, seed=0, stop_tokens=())
+    next(gen)
+    seconds = time.perf_counter() - t0
+    for _ in gen:
+        pass
+    return seconds
 
 
 def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
@@ -286,7 +307,13 @@ def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler,
                     fused_qkv=fused == "on", sampler=sampler)
     t0 = time.perf_counter()
     warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
-    print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm}), flush=True)
+    first = first_request_ttft(engine, rt, prompt)   # what a server's first user sees after warmup
+    print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm, "first_ttft_s": first}),
+          flush=True)
+    for n in args.ttft_lengths:   # prompts of n distinct-from-earlier lengths, tokens 1..n
+        ttft = first_request_ttft(engine, rt, [1 + i % (args.vocab_size - 1) for i in range(n)])
+        print(json.dumps({"bench": "ttft_length", "decode": label(engine), "prompt_len": n, "ttft_s": ttft}),
+              flush=True)
     rows.append(bench_prefill(engine, rt, prompt, args.repeats) | {"decode": label(engine)})
     print(json.dumps(rows[-1]), flush=True)
     for batch in args.batch_sizes:

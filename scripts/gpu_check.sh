@@ -81,7 +81,8 @@ fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
   # dynamic-shape modes it replaces at batch 1 for comparison (compile at batch 32 takes minutes)
-  step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile
+  step bench_infer 420 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --profile \
+       --ttft-lengths 512,1000,40,777,1500
   step bench_sampler 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 1
   step bench_infer_cmp 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode eager,compile --repeats 2
   step bench_infer_long 500 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8,32 --decode graphs --prompt-len 1800 \

@@ -170,6 +170,26 @@ def test_kv_cache_decode_equals_full(backend, window):
     assert (_decode(q, k, v, window, backend, prefill=3, chunk=7) - ref).abs().max() < 1e-10
 
 
+def test_kv_cache_attention_runs_without_cudnn_sdpa(monkeypatch):
+    """The KV-cache path (prefill of variable-length prompts, chunks) keeps SDPA off cuDNN, which
+    builds a graph per new shape; the training path leaves SDPA's choice alone."""
+    seen = []
+    real = A.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(Hq=4, Hkv=2, T=24)
+    _decode(q, k, v, 5, "sdpa", prefill=9, chunk=5)     # masked prefill, then masked chunks
+    _decode(q, k, v, None, "sdpa", prefill=24)           # plain causal prefill
+    assert seen and all(s == (False, True) for s in seen), seen
+    seen.clear()
+    A.attention(q, k, v, window=None, backend="sdpa")
+    assert seen == [(torch.backends.cuda.cudnn_sdp_enabled(), True)] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_kv_cache_prefill_from_reset_and_overflow():
     src = A.KVCache(1, 2, 8, 4, num_layers=3, device="cpu", dtype=torch.float32)
     k = torch.randn(1, 2, 5, 4)

@@ -525,6 +525,36 @@ def test_persistent_graph_decode_matches_eager_cuda():
 
 
 @pytest.mark.cuda
+def test_graphs_warmup_runs_a_prefill_cuda():
+    """warmup() in graphs mode ends with a real short request, so the first user request's
+    eager prefill does not pay the one-time cuBLAS / attention initialisation."""
+    model = random_model("cuda")
+    engine = Engine(model, None, decode="graphs", decode_bucket=16)
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(args[0].shape)),
+                                             with_kwargs=True)
+    try:
+        engine.warmup(batch_sizes=(1, 2), all_buckets=False)
+    finally:
+        handle.remove()
+    assert any(t == 4 for _, t in shapes), shapes   # the 4-token prompt's prefill
+    assert engine.decoders[1].captures >= 1 and engine.decoders[2].captures >= 1
+
+
+def test_eager_warmup_runs_short_requests():
+    model = random_model("cpu")
+    engine = Engine(model, None, decode="eager")
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(args[0].shape)),
+                                             with_kwargs=True)
+    try:
+        assert engine.warmup(batch_sizes=(1,)) > 0
+    finally:
+        handle.remove()
+    assert shapes[0] == (1, 4) and len(shapes) >= 3   # the prefill, then decode steps
+
+
+@pytest.mark.cuda
 def test_auto_graph_step_on_the_gpu_cuda():
     """graph_step auto (the default): on an H100/H200 (cc 9.0) batch 1 takes the persistent step
     after its start-up probe and decodes what eager does; elsewhere it is the compiled step,
@@ -550,12 +580,19 @@ def test_bench_inference_cpu_smoke_with_fused_qkv_ab(capsys):
 
     assert main(["--device", "cpu", "--depth", "2", "--prompt-len", "16", "--decode-tokens", "4",
                  "--batch-sizes", "1,2", "--vocab-size", "256", "--seq-len", "64", "--decode", "static",
-                 "--fused-qkv", "on,off", "--repeats", "1"]) == 0
+                 "--fused-qkv", "on,off", "--repeats", "1", "--ttft-lengths", "7,30"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     decode = {(r["decode"], r["batch"]) for r in rows if r.get("bench") == "decode"}
     assert decode == {("static", 1), ("static", 2), ("static/unfused", 1), ("static/unfused", 2)}
+    warm = [r for r in rows if r.get("bench") == "warmup"]
+    assert len(warm) == 2 and all(r["first_ttft_s"] > 0 for r in warm)
+    ttft = [(r["decode"], r["prompt_len"]) for r in rows if r.get("bench") == "ttft_length" and r["ttft_s"] > 0]
+    assert ttft == [("static", 7), ("static", 30), ("static/unfused", 7), ("static/unfused", 30)]
     with pytest.raises(ValueError, match="--fused-qkv"):
         main(["--device", "cpu", "--fused-qkv", "maybe"])
+    for bad in ("12,x", "0", "2047"):
+        with pytest.raises(ValueError, match="--ttft-lengths"):
+            main(["--device", "cpu", "--ttft-lengths", bad])
     with pytest.raises(ValueError, match="--graph-step.*persistent"):
         main(["--device", "cpu", "--graph-step", "compiled,megakernel"])
 
