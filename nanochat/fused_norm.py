@@ -1,4 +1,5 @@
-"""The fused residual mix + RMSNorm at the start of every block (`--kernel triton`).
+"""The fused residual mix + RMSNorm at the start of every block, and the QK-norm + RoPE with a
+one-pass backward (`--kernel triton`).
 
 Each block begins with s = resid_lambdas[i] * r + x0_lambdas[i] * x0 and y = norm(s) (gpt.py,
 `plain_mix_norm`). Through plain autograd the compiled graph keeps r, the previous block's
@@ -29,7 +30,7 @@ import functools
 
 import torch
 
-from nanochat.gpt import _rms, _rms_backward   # the plain path's RMSNorm math, shared
+from nanochat.gpt import _RotaryNorm, _rms, _rms_backward, apply_rotary   # the plain path's math, shared
 from nanochat.kernels import _use_triton       # CUDA, or the Triton interpreter
 
 OP_NAMESPACE = "nanochat"
@@ -116,6 +117,7 @@ def _ops():
 def register() -> None:
     """Register the ops now (kernels.build_mix_norm calls it before anything is compiled)."""
     _ops()
+    _rotary_ops()
 
 
 def mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
@@ -127,3 +129,54 @@ def mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Ten
     s, y, _ = torch.ops.nanochat.mix_norm(r.reshape(-1, c).contiguous(), x0.reshape(-1, c).contiguous(),
                                           torch.stack((lam, mu)))
     return s.view(r.shape), y.view(r.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# QK-norm + RoPE: gpt._RotaryNorm with its backward as one Triton pass
+# --------------------------------------------------------------------------------------------
+# Compiled, the plain backward (the RMSNorm backward, then the inverse rotation) is one inductor
+# kernel per tensor at ~55% of the H100's bandwidth: 0.59 ms per layer for q and k at d20, batch
+# 32 x 2048 (CHANGELOG_GB10.md). The forward stays the plain one (inductor fuses it with its
+# neighbours), and so does every number: the op runs _RotaryNorm.backward's float32 math.
+
+def rotary_norm_bwd_torch(dy, y, rstd, cos, sin):
+    """_RotaryNorm.backward's math on (B, T, H, D) tensors; cos / sin (T, D/2)."""
+    dr = _rms_backward(dy, y, rstd)
+    c, s = cos[None, :, None, :].to(dr.dtype), sin[None, :, None, :].to(dr.dtype)
+    return apply_rotary(dr, c, -s).to(dy.dtype)
+
+
+@functools.cache
+def _rotary_ops():
+    @torch.library.custom_op(f"{OP_NAMESPACE}::rotary_norm_bwd", mutates_args=())
+    def rotary_norm_bwd_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+        if _use_triton(dy) and rstd.dtype == torch.float32 and y.shape[-1] & (y.shape[-1] - 1) == 0:
+            from nanochat.triton_kernels import rotary_norm_bwd_triton
+            return rotary_norm_bwd_triton(dy if dy.stride(-1) == 1 else dy.contiguous(), y, rstd, cos, sin)
+        return rotary_norm_bwd_torch(dy, y, rstd, cos, sin)
+
+    @rotary_norm_bwd_op.register_fake
+    def _(dy, y, rstd, cos, sin):
+        return torch.empty(y.shape, dtype=dy.dtype, device=y.device)
+
+    return torch.ops.nanochat.rotary_norm_bwd
+
+
+class _RotaryNormOneBwd(_RotaryNorm):
+    """_RotaryNorm (same forward, same saved tensors) whose backward is the one-pass op."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, cos, sin = ctx.saved_tensors
+        half = y.shape[-1] // 2
+        trig = [t.reshape(-1, half).float().contiguous() for t in (cos, sin)]   # (T, D/2) tables
+        return torch.ops.nanochat.rotary_norm_bwd(dy, y.contiguous(), rstd.contiguous(), *trig), None, None
+
+
+def rotary_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """gpt.rotary_norm's contract (x (B, T, H, D), cos / sin (1, T, 1, D/2)) with the one-pass
+    backward (GPT.set_rotary_norm)."""
+    if not torch.compiler.is_compiling():
+        _rotary_ops()
+    return _RotaryNormOneBwd.apply(x, cos, sin)

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.attention import KVCache, StaticKV, attention, prepare_masks, resolve_backend
+from nanochat.kernels import cross_entropy_loss   # the default loss (GPT.set_loss_fn)
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 VE_GATE_CHANNELS = 32
@@ -202,57 +203,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
-def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
-
-
-class _SoftcapCrossEntropy(torch.autograd.Function):
-    """cross_entropy(softcap * tanh(logits.float() / softcap), targets, ignore_index=-1).
-
-    Same math as the plain F.cross_entropy chain, but it saves only the compute-dtype logits and
-    the per-row logsumexp: the plain chain keeps two float32 (N, V) tensors for backward (tanh
-    output and log_softmax; 17 GB at d20, batch 32 x 2048). Forward and backward are single fused
-    passes under torch.compile.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, softcap: float, reduction: str):
-        z = softcap * torch.tanh(logits.to(_loss_dtype(logits)) / softcap)
-        lse = torch.logsumexp(z, dim=-1)
-        valid = targets != -1
-        target_z = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-        losses = torch.where(valid, lse - target_z, 0.0)
-        count = valid.sum()
-        ctx.save_for_backward(logits, targets, lse, count)
-        ctx.softcap, ctx.reduction = softcap, reduction
-        if reduction == "none":
-            return losses
-        total = losses.sum()
-        return total / count if reduction == "mean" else total  # mean over kept tokens (NaN if none)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse, count = ctx.saved_tensors
-        t = torch.tanh(logits.to(_loss_dtype(logits)) / ctx.softcap)
-        probs = torch.exp(ctx.softcap * t - lse[:, None])
-        cols = torch.arange(logits.size(1), device=logits.device)
-        dz = torch.where(cols[None, :] == targets[:, None], probs - 1.0, probs)
-        row_scale = (targets != -1).to(t.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
-        if ctx.reduction == "mean":
-            row_scale = row_scale / count
-        return (dz * row_scale[:, None] * (1.0 - t * t)).to(logits.dtype), None, None, None
-
-
-def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str):
-    """Default loss: float32 softcap(hidden @ weight^T) over the real vocab, then cross-entropy.
-
-    hidden (N, C) and weight (Vpad, C) arrive in the compute dtype; targets (N,) with -1 = ignore.
-    The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
-    """
-    logits = F.linear(hidden, weight)[:, :vocab_size]
-    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap), reduction)
-
-
 class _ReluSquare(torch.autograd.Function):
     """relu(x)^2 that saves only its output: d/dx = 2 relu(x) = 2 sqrt(out). The c_proj matmul
     saves the same tensor, so the MLP keeps one 4C-wide activation per layer instead of two
@@ -327,6 +277,7 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = Linear(self.gate_channels, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
         self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
         self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
+        self.rotary_norm = rotary_norm   # GPT.set_rotary_norm
 
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
@@ -344,8 +295,8 @@ class CausalSelfAttention(nn.Module):
             v = _ValueEmbedMix.apply(v, gate, *ve)
         # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
         # kernel per tensor under torch.compile; the transposes below are free views.
-        q = rotary_norm(q, cos, sin)
-        k = rotary_norm(k, cos, sin)
+        q = self.rotary_norm(q, cos, sin)
+        k = self.rotary_norm(k, cos, sin)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window,
                       backend=backend, kv_cache=kv_cache, layer_idx=self.layer_idx)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -491,6 +442,12 @@ class GPT(nn.Module):
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
         self.mix_norm = plain_mix_norm if fn is None else fn
+
+    def set_rotary_norm(self, fn) -> None:
+        """fn(x, cos, sin) -> rotary_norm(x, cos, sin) (same contract and values, e.g. another
+        backward) for q and k in every layer; None restores rotary_norm."""
+        for block in self.blocks:
+            block.attn.rotary_norm = rotary_norm if fn is None else fn
 
     def set_mlp_fn(self, fn) -> None:
         """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master

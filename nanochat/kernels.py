@@ -4,7 +4,10 @@
 vocab_size, reduction) -> loss, which GPT.set_loss_fn installs. Targets use ignore_index=-1; only
 the first `vocab_size` rows of the padded head are real (padding rows get zero gradient).
 
-- current: plain PyTorch (logits materialised; compiled together with the model).
+- current: plain PyTorch, the model's default `cross_entropy_loss` (owned here): logits
+           materialised in the compute dtype, softcap + cross-entropy saving only those logits
+           and the row logsumexp; compiled together with the model. `current_loss` is the
+           reference chain tests compare with.
 - liger:   Liger-Kernel's LigerFusedLinearCrossEntropyLoss. It runs as an eager island
            (torch.compiler.disable) by default: its forward calls .item() and under
            torch.compile it returned a wrong loss when targets hold ignore_index (Liger PR #1338,
@@ -22,6 +25,7 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            with the Triton kernels themselves under TRITON_INTERPRET=1.
            `build_mix_norm("triton")` adds the fused residual mix + RMSNorm of every block
            (nanochat/fused_norm.py): 1 (B, T, C) tensor per layer less kept for backward;
+           `build_rotary_norm("triton")` q/k's QK-norm + RoPE with a one-pass Triton backward;
            `build_mlp("triton", cuda, "bf16")` the MLP whose GEMMs apply relu^2 and its
            gradient in their epilogues (nanochat/triton_mlp.py, compute capability >= 9).
 """
@@ -51,6 +55,61 @@ def current_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean")
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+# --------------------------------------------------------------------------------------------
+# the model's default loss (gpt.GPT.loss_fn until set_loss_fn replaces it)
+# --------------------------------------------------------------------------------------------
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
+
+
+class _SoftcapCrossEntropy(torch.autograd.Function):
+    """cross_entropy(softcap * tanh(logits.float() / softcap), targets, ignore_index=-1).
+
+    Same math as the plain F.cross_entropy chain, but it saves only the compute-dtype logits and
+    the per-row logsumexp: the plain chain keeps two float32 (N, V) tensors for backward (tanh
+    output and log_softmax; 17 GB at d20, batch 32 x 2048). Forward and backward are single fused
+    passes under torch.compile.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, softcap: float, reduction: str):
+        z = softcap * torch.tanh(logits.to(_loss_dtype(logits)) / softcap)
+        lse = torch.logsumexp(z, dim=-1)
+        valid = targets != -1
+        target_z = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        losses = torch.where(valid, lse - target_z, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(logits, targets, lse, count)
+        ctx.softcap, ctx.reduction = softcap, reduction
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / count if reduction == "mean" else total  # mean over kept tokens (NaN if none)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse, count = ctx.saved_tensors
+        t = torch.tanh(logits.to(_loss_dtype(logits)) / ctx.softcap)
+        probs = torch.exp(ctx.softcap * t - lse[:, None])
+        cols = torch.arange(logits.size(1), device=logits.device)
+        dz = torch.where(cols[None, :] == targets[:, None], probs - 1.0, probs)
+        row_scale = (targets != -1).to(t.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
+        if ctx.reduction == "mean":
+            row_scale = row_scale / count
+        return (dz * row_scale[:, None] * (1.0 - t * t)).to(logits.dtype), None, None, None
+
+
+def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str):
+    """Default loss: float32 softcap(hidden @ weight^T) over the real vocab, then cross-entropy.
+
+    hidden (N, C) and weight (Vpad, C) arrive in the compute dtype; targets (N,) with -1 = ignore.
+    The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
+    """
+    logits = F.linear(hidden, weight)[:, :vocab_size]
+    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap), reduction)
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,3 +433,12 @@ def build_mix_norm(name: str, device: torch.device | str = "cpu"):
     from nanochat import fused_norm
     fused_norm.register()
     return fused_norm.mix_norm
+
+
+def build_rotary_norm(name: str, device: torch.device | str = "cpu"):
+    """q/k's QK-norm + RoPE for `--kernel name` (GPT.set_rotary_norm): None (the plain version)
+    for current and liger; for triton fused_norm.rotary_norm, whose backward is one Triton pass."""
+    if build_mix_norm(name, device) is None:   # same checks; registers fused_norm's ops
+        return None
+    from nanochat import fused_norm
+    return fused_norm.rotary_norm

@@ -389,7 +389,7 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_rotary_norm
     from nanochat.platform import apply_patches, detect_device
 
     patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
@@ -399,11 +399,13 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
         model.set_loss_fn(build_loss_fn(kernel, rt.device))
     mix = build_mix_norm(kernel, rt.device)
     mlp = build_mlp(kernel, rt.device, resolved["precision"], layer=model.blocks[0].mlp.c_fc)
+    rotary = build_rotary_norm(kernel, rt.device)
     model.set_mix_norm(mix)
     model.set_mlp_fn(mlp)
+    model.set_rotary_norm(rotary)
     mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"
     fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
-                                   (mlp_name, mlp is not None)) if on]
+                                   ("rotary_norm", rotary is not None), (mlp_name, mlp is not None)) if on]
     return {**resolved, "kernel": kernel, "kernel_fusions": ",".join(fused) or "none", "patches": patches}
 
 

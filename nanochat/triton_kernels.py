@@ -17,6 +17,7 @@ kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 - `mix_norm_fwd_triton` / `mix_norm_bwd_triton`: the block input's residual mix
   s = lam * r + mu * x0 and its RMSNorm in one pass, and the backward that rebuilds s from the
   normed output (nanochat/fused_norm.py says why).
+- `rotary_norm_bwd_triton`: the QK-norm + RoPE backward of q or k in one pass (fused_norm.py).
 - `decode_attention_triton(q, k, v, pos, window)`: one-token attention over a KV-cache bucket
   (the CUDA-graph decode step, attention.py), split over the keys: one program per (row, head,
   chunk of keys) writes a partial (max, sum, weighted values), a second kernel merges the chunks
@@ -395,3 +396,51 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         _decode_combine_kernel[(B * Hq,)](m, l, acc, out, out.stride(0), out.stride(1), n_splits,
                                           HQ=Hq, D=D, SPLITS=splits_p2, num_warps=4)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# QK-norm + RoPE backward (fused_norm.py owns the op and its autograd)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, T, H,
+                            s_b, s_t, s_h, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Rows are (b, t, h) heads of D = 2 * HALF; dy may be strided (attention's gradient layout),
+    # y / dx / rstd are contiguous (B, T, H, D) / (B, T, H, 1), cos / sin (T, HALF) float32.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < n_rows
+    h, t, b = r % H, (r // H) % T, r // (H * T)
+    c = tl.arange(0, HALF)
+    m = live[:, None]
+    dy_row = (b.to(tl.int64) * s_b + t.to(tl.int64) * s_t + h.to(tl.int64) * s_h)[:, None] + c[None, :]
+    row = r.to(tl.int64)[:, None] * (2 * HALF) + c[None, :]
+    dy1 = tl.load(dy_ptr + dy_row, mask=m, other=0.0).to(tl.float32)
+    dy2 = tl.load(dy_ptr + dy_row + HALF, mask=m, other=0.0).to(tl.float32)
+    y1 = tl.load(y_ptr + row, mask=m, other=0.0).to(tl.float32)
+    y2 = tl.load(y_ptr + row + HALF, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + r, mask=live, other=0.0)[:, None]
+    dot = (tl.sum(dy1 * y1, 1) + tl.sum(dy2 * y2, 1))[:, None] / (2 * HALF)
+    dr1, dr2 = rstd * (dy1 - y1 * dot), rstd * (dy2 - y2 * dot)   # the RMSNorm backward
+    trig = t[:, None] * HALF + c[None, :]
+    cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
+    sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
+    out = dx_ptr.dtype.element_ty
+    tl.store(dx_ptr + row, (dr1 * cos - dr2 * sin).to(out), mask=m)          # the inverse rotation
+    tl.store(dx_ptr + row + HALF, (dr2 * cos + dr1 * sin).to(out), mask=m)
+
+
+def rotary_norm_bwd_triton(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, block_rows: int = 16) -> torch.Tensor:
+    """dL/dx of y = norm(rotate(x)) (gpt._RotaryNorm): dy, y (B, T, H, D) (dy any strides with
+    unit stride on D; y contiguous), rstd (B, T, H, 1) float32, cos / sin (T, D/2) float32
+    contiguous; D a power of two. One pass; returns dx (B, T, H, D) contiguous in dy's dtype."""
+    B, T, H, D = y.shape
+    assert y.is_contiguous() and rstd.is_contiguous() and dy.stride(-1) == 1 and dy.shape == y.shape
+    assert D >= 2 and D & (D - 1) == 0 and cos.shape == sin.shape == (T, D // 2)
+    dx = torch.empty(y.shape, dtype=dy.dtype, device=y.device)
+    n = B * T * H
+    if n:
+        _rotary_norm_bwd_kernel[(triton.cdiv(n, block_rows),)](
+            dy, y, rstd, cos, sin, dx, n, T, H, dy.stride(0), dy.stride(1), dy.stride(2),
+            HALF=D // 2, BLOCK_R=block_rows, num_warps=4)
+    return dx

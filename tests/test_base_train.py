@@ -225,8 +225,8 @@ def test_bench_train_cpu_smoke(capsys):
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     assert [l["kernel"] for l in lines] == ["current", "triton"]
-    # what --kernel triton installs on a CPU: its loss and mix-norm ops (the fused MLP needs TMA)
-    assert [l["kernel_fusions"] for l in lines] == ["none", "linear_ce,mix_norm"]
+    # what --kernel triton installs on a CPU: its loss, mix-norm and QK-norm ops (the fused MLP needs TMA)
+    assert [l["kernel_fusions"] for l in lines] == ["none", "linear_ce,mix_norm,rotary_norm"]
     for r in lines:
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
         assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
@@ -265,11 +265,15 @@ def test_bench_train_unfuse():
     """--unfuse drops one --kernel triton fusion for an A/B (bf16 or fp8); names are checked."""
     from scripts import bench_train
     from nanochat.gpt import GPT, GPTConfig
-    assert bench_train.parse_config(["--unfuse", "mlp"]).unfuse == ("mlp",)
-    with pytest.raises(ValueError, match="--unfuse.*mlp"):
+    assert bench_train.parse_config(["--unfuse", "mlp,rope"]).unfuse == ("mlp", "rope")
+    with pytest.raises(ValueError, match="--unfuse.*mlp\\|rope"):
         bench_train.parse_config(["--unfuse", "norm"])
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
     model.set_mlp_fn(lambda x, w_fc, w_proj: x)
     for fusions in ("linear_ce,mix_norm,relu2_mlp_fp8", "linear_ce,mix_norm,relu2_mlp"):
         assert bench_train.unfuse_model(model, {"mlp"}, fusions) == "linear_ce,mix_norm"
         assert model.blocks[0].mlp.fused is None
+    model.set_rotary_norm(lambda x, cos, sin: x)
+    assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm") == "linear_ce"
+    from nanochat.gpt import rotary_norm
+    assert model.blocks[0].attn.rotary_norm is rotary_norm

@@ -120,12 +120,14 @@ def _tiny_model(mix, seed=0):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.set_mix_norm(mix)
+    if mix is not None:
+        model.set_rotary_norm(fused_norm.rotary_norm)
     return model
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpt_with_fused_mix_matches_plain(compiled):
-    """The whole model with --kernel triton's mix (CPU path) vs the plain model, float64, eager and
+    """The whole model with --kernel triton's mix and QK-norm (CPU paths) vs the plain model, float64, eager and
     traced whole (fullgraph): loss and every parameter's gradient to 1e-9. (The fused loss,
     float32 inside, is compared in test_kernels.py.)"""
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -183,3 +185,88 @@ def test_cuda_fused_matches_plain_in_bf16():
     for i in range(6):
         err = _rel(fused[i], ref[i])
         assert err < 1e-2 and err < 2 * _rel(plain[i], ref[i]) + 1e-3, (i, err)
+
+
+# ------------------------------------------------------------------------------ QK-norm + RoPE
+
+def _rotary_case(B=2, T=6, H=3, D=16, seed=0):
+    from nanochat.gpt import rotary_tables
+    g = torch.Generator().manual_seed(seed)
+    x = 2 * torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    dy = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    cos, sin = rotary_tables(T, D)
+    return x, dy, cos, sin
+
+
+def _rotary_grads(fn, x, dy, cos, sin, dtype, device="cpu"):
+    xl = x.to(device, dtype).requires_grad_()
+    y = fn(xl, cos.to(device, dtype), sin.to(device, dtype))
+    (gx,) = torch.autograd.grad((y.double() * dy.to(device)).sum(), xl)
+    return y.detach().double().cpu(), gx.double().cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rotary_norm_one_pass_backward_equals_plain(dtype):
+    """fused_norm.rotary_norm: the same output and the same input gradient as gpt.rotary_norm
+    (float64: to rounding; float32: the same float32 math)."""
+    from nanochat.gpt import rotary_norm as plain
+    case = _rotary_case()
+    y0, g0 = _rotary_grads(plain, *case, dtype)
+    y1, g1 = _rotary_grads(fused_norm.rotary_norm, *case, dtype)
+    assert torch.equal(y0, y1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(g1, g0, rtol=tol, atol=tol)
+
+
+def test_gpt_rotary_norm_setter_and_build():
+    from nanochat import gpt
+    from nanochat.kernels import build_rotary_norm
+    assert build_rotary_norm("current") is None and build_rotary_norm("liger") is None
+    fn = build_rotary_norm("triton", "cpu")
+    assert fn is fused_norm.rotary_norm
+    model = GPT(config_for_depth(2, 64, 32, head_dim=16))
+    model.set_rotary_norm(fn)
+    assert all(b.attn.rotary_norm is fn for b in model.blocks)
+    model.set_rotary_norm(None)
+    assert all(b.attn.rotary_norm is gpt.rotary_norm for b in model.blocks)
+    with pytest.raises(ValueError, match="--kernel"):
+        build_rotary_norm("fast")
+
+
+def test_rotary_norm_bwd_kernel_interpreted(run_triton_interpreted):
+    """The Triton kernel (TRITON_INTERPRET=1) against the torch twin: a strided dy (attention's
+    (B, H, T, D) gradient seen as (B, T, H, D)), rows not a multiple of the block, bf16 and float32."""
+    script = (
+        "import torch\n"
+        "from nanochat import fused_norm as F\n"
+        "from nanochat.gpt import _rms, apply_rotary, rotary_tables\n"
+        "from nanochat.triton_kernels import rotary_norm_bwd_triton\n"
+        "torch.manual_seed(0)\n"
+        "B, T, H, D = 2, 5, 3, 16\n"
+        "cos, sin = rotary_tables(T, D)\n"
+        "for dt in (torch.float32, torch.bfloat16):\n"
+        "    x = torch.randn(B, T, H, D)\n"
+        "    y, rstd = _rms(apply_rotary(x, cos, sin))\n"
+        "    y = y.to(dt)\n"
+        "    dy = torch.randn(B, H, T, D).to(dt).transpose(1, 2)\n"
+        "    c, s = cos.reshape(T, D // 2).contiguous(), sin.reshape(T, D // 2).contiguous()\n"
+        "    got = rotary_norm_bwd_triton(dy, y, rstd, c, s, block_rows=4)\n"
+        "    want = F.rotary_norm_bwd_torch(dy, y, rstd, c, s)\n"
+        "    assert got.dtype == dt and got.is_contiguous()\n"
+        "    tol = dict(rtol=1e-5, atol=1e-6) if dt == torch.float32 else dict(rtol=1e-2, atol=1e-2)\n"
+        "    torch.testing.assert_close(got.float(), want.float(), **tol)\n"
+        "print('OK')\n"
+    )
+    run_triton_interpreted(script)
+
+
+@pytest.mark.cuda
+def test_cuda_rotary_norm_one_pass_matches_plain_bf16():
+    """On the GPU at d20's head shape (bf16): the one-pass backward's gradient is as close to
+    float64 as the plain bf16 backward's."""
+    from nanochat.gpt import rotary_norm as plain
+    case = _rotary_case(B=4, T=256, H=10, D=128)
+    _, ref = _rotary_grads(plain, *case, torch.float64)
+    _, g_plain = _rotary_grads(plain, *case, torch.bfloat16, "cuda")
+    _, g_fused = _rotary_grads(fused_norm.rotary_norm, *case, torch.bfloat16, "cuda")
+    assert _rel(g_fused, ref) < 1.1 * _rel(g_plain, ref) + 1e-4
