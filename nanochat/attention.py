@@ -417,9 +417,10 @@ def _flex(q, k, v, window: int | None):
 
 def _prefill_sdpa(q, k, v, *, is_causal: bool, attn_mask=None):
     """_sdpa without cuDNN's kernel: SDPA picks cuDNN on an H100 (torch 2.11) and builds a cuDNN
-    graph per new shape, ~70 ms the first time each prompt length is seen (H100, d20: the first
-    request at a new length took 74-103 ms to its first token, the next 21-30 ms); flash and the
-    efficient kernel take any length. Training shapes are fixed, so training keeps cuDNN."""
+    graph per new shape, so the first request at each new prompt length waited 0.1-1.2 s for its
+    first token (d20; 51-62 ms without cuDNN, CHANGELOG_GB10.md), and a chat server rarely sees a
+    length twice. Flash and the efficient kernel take any length. Training shapes are fixed, so
+    training keeps cuDNN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
