@@ -1,4 +1,4 @@
-"""Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both|cast]
+"""Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both|cast|rope]
 
 loss mode: the fused linear + softcap + cross-entropy alone at (--rows, --n-embd, --vocab):
   for each --kernels backend, forward+backward time (CUDA events, median of --reps), peak memory
@@ -11,6 +11,9 @@ model mode: the real GPT (nanochat.gpt via nanochat.training.build_model) at --d
   purpose (scripts/bench_train.py times whole training steps).
 cast mode: the fp8 cast + transpose pass at (--rows, --n-embd) and (--rows, 4 x --n-embd) for a
   set of tiles: ms, GB/s and bit-equality with the default tile (CUDA only; e.g. --rows 65536).
+rope mode: the QK-norm + RoPE backward of one (--device-batch-size, --seq, n_embd / 128, 128)
+  tensor, compiled plain (gpt._RotaryNorm's math) vs --kernel triton's one Triton pass, for both
+  gradient layouts: ms, GB/s and the max difference (CUDA only).
 
 Output: one JSON line per result, then a table. Needs a CUDA GPU (loss mode also runs on CPU,
 slowly, for a smoke test: --device cpu).
@@ -206,6 +209,35 @@ def bench_cast(args, device) -> list[dict]:
     return rows
 
 
+def bench_rope(args, device) -> list[dict]:
+    """fused_norm's QK-norm + RoPE backward: the compiled torch twin vs the Triton pass. Traffic =
+    3 tensors of 2-byte elements (gradient and saved output read, input gradient written)."""
+    from nanochat import fused_norm
+    from nanochat.gpt import _rms, apply_rotary, rotary_tables
+    from nanochat.triton_kernels import rotary_norm_bwd_triton
+    if device.type != "cuda":
+        return [{"mode": "rope", "kernel": "-", "error": "needs a CUDA GPU"}]
+    B, T, D = args.device_batch_size, args.seq, 128
+    H = max(1, args.n_embd // D)
+    cos, sin = rotary_tables(T, D, device)
+    y, rstd = _rms(apply_rotary(torch.randn(B, T, H, D, device=device), cos, sin))
+    y = y.bfloat16()
+    c, s = (t.reshape(T, D // 2).contiguous() for t in (cos, sin))
+    plain = torch.compile(fused_norm.rotary_norm_bwd_torch)
+    rows = []
+    for layout, dy in (("bthd", torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)),
+                       ("bhtd", torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16).transpose(1, 2))):
+        ref = plain(dy, y, rstd, c, s)
+        for name, fn in (("compiled", lambda: plain(dy, y, rstd, c, s)),
+                         ("triton", lambda: rotary_norm_bwd_triton(dy, y, rstd, c, s))):
+            diff = (fn().float() - ref.float()).abs().max().item()
+            ms = _timed(fn, args.reps, device)
+            rows.append({"mode": "rope", "kernel": name, "layout": layout, "shape": [B, T, H, D], "ms": ms,
+                         "tflops": f"{3 * y.numel() * 2 / ms / 1e6:.0f}GB/s", "max_abs_diff": diff})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF':>10} {'MFU%':>6} {'memGiB':>7} "
           f"{'loss_err':>9} {'grad_err':>9}  error")
@@ -220,7 +252,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast"])
+    p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast", "rope"])
     p.add_argument("--kernels", default="current,liger,triton")
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
     p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
@@ -258,6 +290,8 @@ def main(argv=None) -> int:
         rows += bench_model(args, rt)
     if args.mode == "cast":
         rows += bench_cast(args, rt.device)
+    if args.mode == "rope":
+        rows += bench_rope(args, rt.device)
     print_table(rows)
     return 0
 

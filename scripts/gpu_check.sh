@@ -3,7 +3,7 @@
 # Usage (repo root):  bash scripts/gpu_check.sh SECTION[,SECTION...]
 #   quick      preflight, pytest -m cuda (platform/kernels/precision), GEMM (square, d20 training-Linear
 #              passes with the bf16 layout variants, the relu^2-epilogue MLP GEMMs), loss-kernel and
-#              fp8-cast benchmarks
+#              fp8-cast and QK-norm + RoPE backward benchmarks
 #   tests      pytest -m cuda over every test file that has CUDA tests
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
@@ -71,6 +71,7 @@ if has quick; then
   step bench_loss 150 $PY -m scripts.benchmark_kernels --mode loss --rows 16384 --n-embd 1280 --vocab 65536 \
        --kernels current,liger,triton,triton@8192,triton@16384
   step bench_cast 120 $PY -m scripts.benchmark_kernels --mode cast --rows 65536 --reps 30
+  step bench_rope 120 $PY -m scripts.benchmark_kernels --mode rope --device-batch-size 32 --reps 30
 fi
 if has tests; then
   step pytest_cuda_all 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_platform.py tests/test_kernels.py \

@@ -270,3 +270,11 @@ def test_cuda_rotary_norm_one_pass_matches_plain_bf16():
     _, g_plain = _rotary_grads(plain, *case, torch.bfloat16, "cuda")
     _, g_fused = _rotary_grads(fused_norm.rotary_norm, *case, torch.bfloat16, "cuda")
     assert _rel(g_fused, ref) < 1.1 * _rel(g_plain, ref) + 1e-4
+
+
+def test_benchmark_kernels_rope_mode_on_cpu(capsys):
+    """benchmark_kernels --mode rope is a CUDA benchmark: on a CPU it reports that, in a row."""
+    from scripts import benchmark_kernels
+    assert benchmark_kernels.main(["--mode", "rope", "--device", "cpu", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "rope" in out and "needs a CUDA GPU" in out
