@@ -75,6 +75,8 @@ class PrecisionPlan:
 
 
 def _te_available() -> bool:
+    from nanochat.platform import prepare_te_import
+    prepare_te_import()
     try:
         import transformer_engine.pytorch  # noqa: F401
     except ImportError:
@@ -451,8 +453,16 @@ def make_te_linear_class(te: Any, recipe: Any) -> type:
 
     class TELinear(te.Linear):
         def forward(self, x):
+            # fp32 master weights with bf16 activations: TE refuses mixed dtypes outside autocast
+            # ("Data types for parameters must match"), and under it casts the weight itself.
+            # One `with` per frame: dynamo (torch 2.11) asserts when a graph break (TE modules
+            # break graphs where TE's compile support is off) sits inside `with a, b:`.
+            with torch.autocast(x.device.type, dtype=x.dtype, enabled=self.weight.dtype != x.dtype):
+                return self._quantised(x)
+
+        def _quantised(self, x):
             with quant_ctx(torch.is_grad_enabled()):
-                return super().forward(x)
+                return te.Linear.forward(self, x)
 
     return TELinear
 
@@ -517,6 +527,8 @@ def convert_model(model: nn.Module, plan: PrecisionPlan, spec: DeviceSpec, *, co
     elif plan.backend == "emulated":
         factory = lambda old: _rebuild(EmulatedNVFP4Linear, old)   # noqa: E731
     elif plan.backend == "te":
+        from nanochat.platform import prepare_te_import
+        prepare_te_import()
         import transformer_engine.common.recipe as te_recipe
         import transformer_engine.pytorch as te
         recipe, desc = build_te_recipe(plan.precision, spec, te_recipe, compile=compile)

@@ -19,6 +19,12 @@ from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas
                                memory_budget_bytes)
 
 
+def _te_version() -> str:
+    from nanochat.platform import prepare_te_import
+    prepare_te_import()   # before TE loads a cuDNN of its own choosing (platform.py says why)
+    return _module_version("transformer_engine")
+
+
 def _module_version(name: str, dist: str | None = None) -> str:
     try:
         module = __import__(name)
@@ -83,7 +89,7 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         "peak_tflops": spec.peak_tflops, "python": sys.version.split()[0],
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
-        "transformer_engine": _module_version("transformer_engine"),
+        "transformer_engine": _te_version(),
         "torchao": _module_version("torchao"),
     }
     report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)

@@ -31,6 +31,7 @@ import torch
 
 from nanochat.attention import resolve_backend
 from nanochat.common import destroy_runtime, init_runtime
+from nanochat.precision import BACKENDS as PRECISION_BACKENDS
 from nanochat.training import FlagParser, require, require_int
 
 MIN_GPU_STEPS = 20
@@ -60,6 +61,7 @@ class BenchConfig:
     aspect_ratio: int = 64
     head_dim: int = 128
     unfuse: tuple[str, ...] = ()
+    precision_backends: tuple[str, ...] = ("auto",)
 
 
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
@@ -71,6 +73,9 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                         "weight-gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made "
                         "by compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain; "
                         "fp8mlp0: fp8 without --kernel triton's fused fp8 MLP)")
+    p.add_argument("--precision-backend", default="auto",
+                   help="comma list of fp8/nvfp4 implementations, as base_train's --precision-backend: "
+                        "auto|native|te|torchao|emulated")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)
     p.add_argument("--total-batch-size", type=int, default=-1,
@@ -102,13 +107,16 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                       data=a.data, vocab_size=a.vocab_size,
                       window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
                       peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim,
-                      unfuse=tuple(v for v in a.unfuse.split(",") if v))
+                      unfuse=tuple(v for v in a.unfuse.split(",") if v),
+                      precision_backends=tuple(a.precision_backend.split(",")))
     for d in cfg.depths:
         require_int(d, "--depth", 1)
     for k in cfg.kernels:
         require(k in ("current", "liger", "triton"), "--kernel", k, "current|liger|triton")
     for pr in cfg.precisions:
         require(pr in tuple(PRECISIONS), "--precision", pr, "|".join(PRECISIONS))
+    for b in cfg.precision_backends:
+        require(b in PRECISION_BACKENDS, "--precision-backend", b, "|".join(PRECISION_BACKENDS))
     require_int(cfg.device_batch_size, "--device-batch-size", 1)
     require_int(cfg.seq, "--seq", 8)
     if cfg.total_batch_size != -1:
@@ -167,7 +175,7 @@ def total_batch_for(cfg: BenchConfig, depth: int, vocab: int, world_size: int) -
                                     cfg.seq, world_size)
 
 
-def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> dict:
+def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, backend: str = "auto") -> dict:
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
     from nanochat.checkpoint import build_model
@@ -190,7 +198,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     rt.reset_peak_memory()
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
     info = setup_precision_and_kernel(model, "fp8" if PRECISIONS[precision] else precision, kernel, rt,
-                                      compile=compile_model, fp8_wgrad=PRECISIONS[precision] or "save")
+                                      compile=compile_model, fp8_wgrad=PRECISIONS[precision] or "save",
+                                      precision_backend=backend)
     unfuse = set(cfg.unfuse) | ({"mlp"} if precision == "fp8mlp0" else set())
     info = {**info, "kernel_fusions": unfuse_model(model, unfuse, info["kernel_fusions"])}
     if precision in ("fp8lean", "fp8plain", "fp8mlp0"):
@@ -217,7 +226,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str) -> 
     mfu, util = meter._frac(flops_per_token * tok_s, peak_bf16), meter._frac(flops_per_token * tok_s, peak_active)
     return {"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
             "depth": depth, "kernel": kernel, "kernel_fusions": info["kernel_fusions"],
-            "precision": info["precision"], "compile": compile_model,
+            "precision": info["precision"], "precision_backend": info.get("backend"), "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
             "data": cfg.data, "total_batch_size": plan.total_batch_size, "grad_accum_steps": plan.grad_accum_steps,
@@ -241,7 +250,8 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(head))
     for r in rows:
         fmt = lambda v, spec: format(v, spec) if v is not None else "n/a"
-        print(f"{r['depth']:>5} {r['kernel']:>8} {r['precision']:>6} {str(r.get('compile', '')):>7} "
+        prec = r["precision"] + ("/" + r["precision_backend"] if r.get("precision_backend") == "te" else "")
+        print(f"{r['depth']:>5} {r['kernel']:>8} {prec:>6} {str(r.get('compile', '')):>7} "
               f"{str(r.get('grad_accum_steps', '')):>5} "
               f"{fmt(r.get('tok_per_sec'), ',.0f'):>12} {fmt(r.get('mfu_pct'), '.1f'):>6} "
               f"{fmt(r.get('util_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.1f'):>8}  {r.get('error', '')}")
@@ -254,9 +264,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"--steps: got {cfg.steps}; accepted on GPU: >= {MIN_GPU_STEPS} (steady-state median)")
     rows = []
     try:
-        for depth, kernel, precision in itertools.product(cfg.depths, cfg.kernels, cfg.precisions):
+        for depth, kernel, precision, backend in itertools.product(cfg.depths, cfg.kernels, cfg.precisions,
+                                                                   cfg.precision_backends):
             try:
-                row = bench_one(cfg, rt, depth, kernel, precision)
+                row = bench_one(cfg, rt, depth, kernel, precision, backend)
             except torch.cuda.OutOfMemoryError:
                 row = {"depth": depth, "kernel": kernel, "precision": precision, "error": "out of memory"}
             except (ValueError, RuntimeError) as e:  # e.g. a precision the device cannot run

@@ -36,18 +36,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def _timed(fn, reps: int, device) -> float:
-    """Median milliseconds of fn() (CUDA events; wall clock after the work on CPU)."""
+def _timed(fn, reps: int, device, inner: int = 1) -> float:
+    """Median milliseconds of fn() (CUDA events; wall clock after the work on CPU). `inner` > 1
+    times that many back-to-back calls per sample and divides: for kernels of ~0.1 ms, whose
+    launch from Python (~20-40 us) would otherwise sit inside a single call's events while the
+    GPU waits; queued back to back, the launches overlap the previous call's work, as in training."""
     import time
     samples = []
     for _ in range(reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(start.elapsed_time(end) / inner)
         else:
             t0 = time.perf_counter()
             fn()
@@ -182,8 +186,9 @@ def bench_model(args, rt) -> list[dict]:
     return rows
 
 
-CAST_TILES = ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
-              (64, 256, 8), (256, 64, 8), (32, 64, 2), (64, 32, 2))
+CAST_TILES = tuple((bm, bn, w, nf) for nf in (False, True) for bm, bn, w in (
+    (64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (64, 256, 8),
+    (256, 64, 8), (32, 64, 2), (64, 32, 2)))
 
 
 def bench_cast(args, device) -> list[dict]:
@@ -202,8 +207,9 @@ def bench_cast(args, device) -> list[dict]:
             got = fp8_cast_transpose_triton(x, scale, torch.float8_e4m3fn, 448.0, tile)
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, got))
             ms = _timed(lambda: fp8_cast_transpose_triton(x, scale, torch.float8_e4m3fn, 448.0, tile),
-                        args.reps, device)
-            rows.append({"mode": "cast", "kernel": "x".join(map(str, tile[:2])) + f"w{tile[2]}", "shape": [m, n],
+                        args.reps, device, inner=20)
+            name = "x".join(map(str, tile[:2])) + f"w{tile[2]}" + ("n" if tile[3] else "m")   # n: row-band order
+            rows.append({"mode": "cast", "kernel": name, "shape": [m, n],
                          "ms": ms, "tflops": f"{4 * m * n / ms / 1e6:.0f}GB/s", "bit_equal": same})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -231,7 +237,7 @@ def bench_rope(args, device) -> list[dict]:
         for name, fn in (("compiled", lambda: plain(dy, y, rstd, c, s)),
                          ("triton", lambda: rotary_norm_bwd_triton(dy, y, rstd, c, s))):
             diff = (fn().float() - ref.float()).abs().max().item()
-            ms = _timed(fn, args.reps, device)
+            ms = _timed(fn, args.reps, device, inner=20)
             rows.append({"mode": "rope", "kernel": name, "layout": layout, "shape": [B, T, H, D], "ms": ms,
                          "tflops": f"{3 * y.numel() * 2 / ms / 1e6:.0f}GB/s", "max_abs_diff": diff})
             print(json.dumps(rows[-1]), flush=True)

@@ -25,6 +25,8 @@
 #   fp8ab      bench_train d20 triton: bf16 vs fp8 vs fp8lean vs fp8plain (precision.set_fp8_wgrad_mode)
 #              vs fp8mlp0 (fp8 without the fused fp8 MLP)
 #   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
+#   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
+#              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
 #              (PROF_PRECISION=fp8 profiles the fp8 step)
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
@@ -151,6 +153,17 @@ if has attn; then
 fi
 if has fp8ab; then
   step fp8ab 1200 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain,fp8mlp0
+fi
+if has te; then
+  # Transformer Engine from the parts carried in .te/ (scripts/te_install.sh), then its tests and the
+  # d20 fp8 step through TE against native fp8 at the same batch
+  step te_install 500 bash scripts/te_install.sh
+  [[ "${status[-1]}" == *"rc=0 "* ]] || { printf '%s\n' "${status[@]}"; echo "te: install failed, see te_install.log"; exit 1; }
+  export PYTHONPATH=${TE_SITE:-/tmp/te-site}:$PYTHONPATH
+  step te_preflight 120 $PY -m nanochat.platform --kernel triton --precision fp8 --precision-backend te
+  step te_pytest 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_te.py
+  step te_bench 560 $PY -m scripts.bench_train --depth 20 --kernel triton --precision fp8 \
+       --precision-backend te,native --total-batch-size "${TE_BATCH:-262144}"
 fi
 if has prof20; then
   step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40 \

@@ -277,3 +277,16 @@ def test_bench_train_unfuse():
     assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm") == "linear_ce"
     from nanochat.gpt import rotary_norm
     assert model.blocks[0].attn.rotary_norm is rotary_norm
+
+
+def test_bench_train_precision_backends():
+    """--precision-backend is a comma list checked against base_train's accepted values; on a CPU an
+    fp8 request comes back as an error row naming why, not a crash."""
+    from scripts import bench_train
+    assert bench_train.parse_config(["--precision-backend", "te,native"]).precision_backends == ("te", "native")
+    with pytest.raises(ValueError, match="--precision-backend.*auto\\|te\\|native"):
+        bench_train.parse_config(["--precision-backend", "te,foo"])
+    rows = bench_train.main(["--device", "cpu", "--depth", "1", "--device-batch-size", "2", "--seq", "32",
+                             "--steps", "3", "--warmup", "1", "--vocab-size", "256", "--no-compile",
+                             "--precision", "fp8", "--precision-backend", "native"])
+    assert len(rows) == 1 and "compute capability" in rows[0]["error"], rows

@@ -1,6 +1,7 @@
 """nanochat/platform.py: device table, peak FLOPs, and which workaround each simulated device gets."""
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +215,30 @@ def test_usable_sms_under_an_mps_thread_percentage():
     for bad in ("0", "150", "half"):
         with pytest.raises(ValueError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
             usable_sms(132, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": bad})
+
+
+def test_prepare_te_import_points_te_at_torchs_cudnn(tmp_path):
+    """TE loads the first cuDNN it finds (system paths before pip) and names each cuDNN sub-library
+    by soname; the patch sets CUDNN_HOME to torch's folder and loads torch's libraries globally,
+    dependencies first and libcudnn.so last, and leaves a user's own choice (or no pip cuDNN) alone."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name in ("libcudnn.so.9", "libcudnn_cnn.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9",
+                 "libcudnn_adv.so.9", "libcudnn_engines_precompiled.so.9", "libcudnn_new_thing.so.9"):
+        (lib / name).touch()
+    env: dict[str, str] = {}
+    loaded: list[str] = []
+    assert P.prepare_te_import(env, cudnn_dir=str(tmp_path), loader=loaded.append) == "te_cudnn"
+    assert env == {"CUDNN_HOME": str(tmp_path)}
+    names = [Path(p).name for p in loaded]
+    assert names[:2] == ["libcudnn_graph.so.9", "libcudnn_ops.so.9"] and names[-1] == "libcudnn.so.9"
+    assert names.index("libcudnn_cnn.so.9") > names.index("libcudnn_engines_precompiled.so.9")
+    assert sorted(names) == sorted(p.name for p in lib.iterdir())   # every library, unknown ones too
+    loaded.clear()
+    assert P.prepare_te_import(env, cudnn_dir="/elsewhere", loader=loaded.append) is None and not loaded
+    user = {"CUDNN_PATH": "/opt/cudnn"}
+    assert P.prepare_te_import(user, cudnn_dir=str(tmp_path), loader=loaded.append) is None
+    assert "CUDNN_HOME" not in user and not loaded
+    assert P.prepare_te_import({}, cudnn_dir="", loader=loaded.append) is None
+    found = P.torch_cudnn_dir()   # this environment's torch wheel: a folder with lib/, or no pip cuDNN
+    assert found is None or (Path(found) / "lib").is_dir()

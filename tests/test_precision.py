@@ -153,22 +153,26 @@ def test_fp8_cast_transpose_layouts():
 def test_fp8_cast_transpose_triton_kernel_in_interpreter(run_triton_interpreted):
     """The Triton kernel itself (TRITON_INTERPRET=1, in a subprocess: the flag must be set before
     triton is imported), on a shape with partial tiles: tiling, masks, the transposed store and
-    the clamp. The values are exact in both fp8 formats, because the interpreter's own fp8
+    the clamp, in both block orders. The values are exact in both fp8 formats, because the interpreter's own fp8
     rounding is wrong near powers of two (-7.98 -> -4.0 in Triton 3.6); the GPU test checks
     rounding against torch on the real hardware conversion."""
     script = (
         "import torch\n"
         "from nanochat import precision as PR\n"
+        "from nanochat.triton_kernels import fp8_cast_transpose_triton\n"
         "grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32])\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for n in (130, 4100):  # the narrow (64 x 64) and the wide (128 x 128) tile\n"
         "  x = (grid[torch.randint(0, 13, (70, n), generator=g)] * (torch.randint(0, 2, (70, n), generator=g) * 2 - 1))\n"
         "  x = x.bfloat16(); x[3, n - 1] = 1e6  # saturates both formats\n"
         "  for e5m2, dt, fmax in ((False, torch.float8_e4m3fn, 448.0), (True, torch.float8_e5m2, 57344.0)):\n"
-        "    q, qt = PR.fp8_cast_transpose(x, torch.tensor(0.5), e5m2)\n"
         "    ref = (x.float() * 0.5).clamp(-fmax, fmax)\n"
+        "    q, qt = PR.fp8_cast_transpose(x, torch.tensor(0.5), e5m2)\n"
         "    assert q.dtype == dt and qt.shape == (n, 70) and qt.is_contiguous()\n"
         "    assert torch.equal(q.float(), ref) and torch.equal(qt.float(), ref.t())\n"
+        "    for tile in ((32, 64, 4, True), (64, 32, 4, False)):  # both block orders, several blocks each way\n"
+        "      q, qt = fp8_cast_transpose_triton(x, torch.tensor([0.5]), dt, fmax, tile)\n"
+        "      assert torch.equal(q.float(), ref) and torch.equal(qt.float(), ref.t())\n"
         "print('OK')\n"
     )
     run_triton_interpreted(script)
