@@ -160,6 +160,23 @@ def _rotary_ops():
     def _(dy, y, rstd, cos, sin):
         return torch.empty(y.shape, dtype=dy.dtype, device=y.device)
 
+    @torch.library.custom_op(f"{OP_NAMESPACE}::rotary_norm_bwd_amax", mutates_args=())
+    def rotary_norm_bwd_amax_op(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dx, max |dx| as a 0-dim float32): the fp8 q/k projections' backward (fp8_qk.py) takes
+        its gradient scale from here instead of reading dx once more."""
+        if _use_triton(dy) and rstd.dtype == torch.float32 and y.shape[-1] & (y.shape[-1] - 1) == 0:
+            from nanochat.triton_kernels import rotary_norm_bwd_triton
+            return rotary_norm_bwd_triton(dy if dy.stride(-1) == 1 else dy.contiguous(), y, rstd, cos, sin,
+                                          with_amax=True)
+        dx = rotary_norm_bwd_torch(dy, y, rstd, cos, sin)
+        return dx, dx.abs().amax().float()
+
+    @rotary_norm_bwd_amax_op.register_fake
+    def _(dy, y, rstd, cos, sin):
+        return (torch.empty(y.shape, dtype=dy.dtype, device=y.device),
+                torch.empty((), dtype=torch.float32, device=y.device))
+
     return torch.ops.nanochat.rotary_norm_bwd
 
 

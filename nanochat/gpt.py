@@ -278,6 +278,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
         self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
         self.rotary_norm = rotary_norm   # GPT.set_rotary_norm
+        self.qk_projection = None   # fn(linear, x, cos, sin, heads, rotary_norm) (GPT.set_qk_projection)
 
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
@@ -285,18 +286,21 @@ class CausalSelfAttention(nn.Module):
             qkv = F.linear(x, self.qkv_weight.to(x.dtype))  # one GEMM (a GEMV when decoding)
             q, k, v = qkv.split((self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                  self.n_kv_head * self.head_dim), dim=-1)
+        elif self.qk_projection is not None and torch.is_grad_enabled():   # q, k come back normed
+            q = self.qk_projection(self.c_q, x, cos, sin, self.n_head, self.rotary_norm)
+            k = self.qk_projection(self.c_k, x, cos, sin, self.n_kv_head, self.rotary_norm)
+            v = self.c_v(x)
         else:
             q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
-        q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_kv_head, self.head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # (token ids, value-embedding table)
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.gate_channels]))  # (B, T, Hkv)
             v = _ValueEmbedMix.apply(v, gate, *ve)
         # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
         # kernel per tensor under torch.compile; the transposes below are free views.
-        q = self.rotary_norm(q, cos, sin)
-        k = self.rotary_norm(k, cos, sin)
+        if q.ndim == 3:
+            q = self.rotary_norm(q.view(B, T, self.n_head, self.head_dim), cos, sin)
+            k = self.rotary_norm(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window,
                       backend=backend, kv_cache=kv_cache, layer_idx=self.layer_idx)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -448,6 +452,15 @@ class GPT(nn.Module):
         backward) for q and k in every layer; None restores rotary_norm."""
         for block in self.blocks:
             block.attn.rotary_norm = rotary_norm if fn is None else fn
+
+    def set_qk_projection(self, fn) -> None:
+        """fn(linear, x, cos, sin, heads, rotary_norm) -> rotary_norm(linear(x).view(B, T, heads, D),
+        cos, sin) (same values), used for q and k in every layer while grad is enabled (e.g.
+        fp8_qk.proj_rotary_norm); None restores the separate projection and norm."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_qk_projection: expected a callable or None, got {type(fn).__name__}")
+        for block in self.blocks:
+            block.attn.qk_projection = fn
 
     def set_mlp_fn(self, fn) -> None:
         """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master

@@ -442,3 +442,13 @@ def build_rotary_norm(name: str, device: torch.device | str = "cpu"):
         return None
     from nanochat import fused_norm
     return fused_norm.rotary_norm
+
+
+def build_qk_projection(name: str, device: torch.device | str = "cpu"):
+    """q/k's projection + QK-norm + RoPE for `--kernel name` (GPT.set_qk_projection): for triton
+    fp8_qk.proj_rotary_norm, which fuses native fp8 layers' gradient abs-max into the rotary
+    backward and runs the plain chain for any other layer; None for current and liger."""
+    if build_rotary_norm(name, device) is None:
+        return None
+    from nanochat import fp8_qk
+    return fp8_qk.proj_rotary_norm

@@ -283,10 +283,12 @@ def _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, out_dtype):
     return y, w_q, w_inv
 
 
-def _fp8_fused_backward(ctx, grad, x_qt, x_scale, w_q, w_inv):
-    """Gradients of the fused-transpose matmuls; `x_qt()` gives x's transposed fp8 copy."""
+def _fp8_fused_backward(ctx, grad, x_qt, x_scale, w_q, w_inv, grad_amax=None):
+    """Gradients of the fused-transpose matmuls; `x_qt()` gives x's transposed fp8 copy;
+    `grad_amax` max |grad| when the producer of grad already found it (fp8_qk.py)."""
     e5m2 = ctx.grad_dtype == torch.float8_e5m2
-    g_scale = fp8_scale(grad, E5M2_MAX if e5m2 else E4M3_MAX)
+    fmax = E5M2_MAX if e5m2 else E4M3_MAX
+    g_scale = fp8_scale(grad, fmax) if grad_amax is None else fmax / grad_amax.float().clamp(min=1e-12)
     g_q, g_qt = fp8_cast_transpose(grad.contiguous(), g_scale, e5m2)
     g_inv = g_scale.reciprocal()
     grad_x = grad_w = None

@@ -389,7 +389,7 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_rotary_norm
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qk_projection, build_rotary_norm
     from nanochat.platform import apply_patches, detect_device
 
     patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
@@ -403,9 +403,13 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     model.set_mix_norm(mix)
     model.set_mlp_fn(mlp)
     model.set_rotary_norm(rotary)
+    qk = build_qk_projection(kernel, rt.device)
+    model.set_qk_projection(qk)
+    qk_fp8 = qk is not None and resolved.get("fp8_wgrad") == "save"   # native fp8 layers it fuses
     mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"
     fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
-                                   ("rotary_norm", rotary is not None), (mlp_name, mlp is not None)) if on]
+                                   ("rotary_norm", rotary is not None), (mlp_name, mlp is not None),
+                                   ("qk_amax_fp8", qk_fp8)) if on]
     return {**resolved, "kernel": kernel, "kernel_fusions": ",".join(fused) or "none", "patches": patches}
 
 

@@ -419,8 +419,9 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, T, H,
-                            s_b, s_t, s_h, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, amax_ptr, n_rows, T, H,
+                            s_b, s_t, s_h, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                            AMAX_SLOTS: tl.constexpr):
     # Rows are (b, t, h) heads of D = 2 * HALF; dy may be strided (attention's gradient layout),
     # y / dx / rstd are contiguous (B, T, H, D) / (B, T, H, 1), cos / sin (T, HALF) float32.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -441,22 +442,32 @@ def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, n
     cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
     sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
     out = dx_ptr.dtype.element_ty
-    tl.store(dx_ptr + row, (dr1 * cos - dr2 * sin).to(out), mask=m)          # the inverse rotation
-    tl.store(dx_ptr + row + HALF, (dr2 * cos + dr1 * sin).to(out), mask=m)
+    dx1, dx2 = (dr1 * cos - dr2 * sin).to(out), (dr2 * cos + dr1 * sin).to(out)   # the inverse rotation
+    tl.store(dx_ptr + row, dx1, mask=m)
+    tl.store(dx_ptr + row + HALF, dx2, mask=m)
+    if AMAX_SLOTS > 0:   # max |dx| of the stored values (masked rows are 0), spread over slots
+        big = tl.maximum(tl.max(tl.abs(dx1.to(tl.float32))), tl.max(tl.abs(dx2.to(tl.float32))))
+        tl.atomic_max(amax_ptr + tl.program_id(0) % AMAX_SLOTS, big)
+
+
+AMAX_SLOTS = 64   # one atomic per program into slot pid % 64: ~40k programs at d20, not one address
 
 
 def rotary_norm_bwd_triton(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, block_rows: int = 16) -> torch.Tensor:
+                           sin: torch.Tensor, block_rows: int = 16, with_amax: bool = False):
     """dL/dx of y = norm(rotate(x)) (gpt._RotaryNorm): dy, y (B, T, H, D) (dy any strides with
     unit stride on D; y contiguous), rstd (B, T, H, 1) float32, cos / sin (T, D/2) float32
-    contiguous; D a power of two. One pass; returns dx (B, T, H, D) contiguous in dy's dtype."""
+    contiguous; D a power of two. One pass; returns dx (B, T, H, D) contiguous in dy's dtype, and
+    with `with_amax` also max |dx| (a 0-dim float32 tensor: the scale of dx's fp8 cast, found while
+    dx is in registers instead of by another read of it)."""
     B, T, H, D = y.shape
     assert y.is_contiguous() and rstd.is_contiguous() and dy.stride(-1) == 1 and dy.shape == y.shape
     assert D >= 2 and D & (D - 1) == 0 and cos.shape == sin.shape == (T, D // 2)
     dx = torch.empty(y.shape, dtype=dy.dtype, device=y.device)
+    slots = torch.zeros(AMAX_SLOTS if with_amax else 1, dtype=torch.float32, device=y.device)
     n = B * T * H
     if n:
         _rotary_norm_bwd_kernel[(triton.cdiv(n, block_rows),)](
-            dy, y, rstd, cos, sin, dx, n, T, H, dy.stride(0), dy.stride(1), dy.stride(2),
-            HALF=D // 2, BLOCK_R=block_rows, num_warps=4)
-    return dx
+            dy, y, rstd, cos, sin, dx, slots, n, T, H, dy.stride(0), dy.stride(1), dy.stride(2),
+            HALF=D // 2, BLOCK_R=block_rows, AMAX_SLOTS=AMAX_SLOTS if with_amax else 0, num_warps=4)
+    return (dx, slots.amax()) if with_amax else dx

@@ -36,7 +36,7 @@ from nanochat.training import FlagParser, require, require_int
 
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
-UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm"}   # --unfuse name -> its kernel_fusions entry
+UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax"}   # --unfuse name -> kernel_fusions entry
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
@@ -136,7 +136,9 @@ def unfuse_model(model, names: set[str], fusions: str) -> str:
         model.set_mlp_fn(None)
     if "rope" in names:
         model.set_rotary_norm(None)
-    dropped = {UNFUSE[n] for n in names}
+    if "rope" in names or "qkamax" in names:   # the fused q/k path runs the rotary kernel
+        model.set_qk_projection(None)
+    dropped = {UNFUSE[n] for n in names} | ({"qk_amax"} if "rope" in names else set())
     return ",".join(f for f in fusions.split(",") if f not in dropped and f.split("_fp8")[0] not in dropped) or "none"
 
 

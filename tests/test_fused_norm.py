@@ -235,7 +235,8 @@ def test_gpt_rotary_norm_setter_and_build():
 
 def test_rotary_norm_bwd_kernel_interpreted(run_triton_interpreted):
     """The Triton kernel (TRITON_INTERPRET=1) against the torch twin: a strided dy (attention's
-    (B, H, T, D) gradient seen as (B, T, H, D)), rows not a multiple of the block, bf16 and float32."""
+    (B, H, T, D) gradient seen as (B, T, H, D)), rows not a multiple of the block, bf16 and float32;
+    with_amax returns the same gradient and exactly its abs-max (atomics over several programs)."""
     script = (
         "import torch\n"
         "from nanochat import fused_norm as F\n"
@@ -255,6 +256,9 @@ def test_rotary_norm_bwd_kernel_interpreted(run_triton_interpreted):
         "    assert got.dtype == dt and got.is_contiguous()\n"
         "    tol = dict(rtol=1e-5, atol=1e-6) if dt == torch.float32 else dict(rtol=1e-2, atol=1e-2)\n"
         "    torch.testing.assert_close(got.float(), want.float(), **tol)\n"
+        "    got2, amax = rotary_norm_bwd_triton(dy, y, rstd, c, s, block_rows=4, with_amax=True)\n"
+        "    assert torch.equal(got2, got) and amax.dtype == torch.float32 and amax.ndim == 0\n"
+        "    assert amax.item() == got.float().abs().max().item()   # the stored values' max, exactly\n"
         "print('OK')\n"
     )
     run_triton_interpreted(script)
