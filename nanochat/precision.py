@@ -12,7 +12,8 @@ Parameter (optimizer groups, init and checkpoint keys are unchanged). Backends:
            Hadamard transform and stochastic rounding disabled (crash / all-zero FP4 data, see
            DESIGN s4.7), and a bf16 backward through the installed TE's own field
            (`backward_override="high_precision"`, TE >= 2.15). The recipe is built only from the
-           dataclass's real fields and read back after construction (TE drops unknown keys).
+           dataclass's real fields and read back after construction (TE drops unknown keys);
+           that half lives in precision_te.py.
 - torchao  fp8: torchao.float8 tensor-wise training conversion.
 - emulated nvfp4: `EmulatedNVFP4Linear` fake-quantises activations and weights to e2m1 with
            16-element e4m3 block scales and a per-tensor fp32 scale; straight-through gradients
@@ -40,6 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.platform import DeviceSpec, detect_device
+from nanochat.precision_te import build_te_recipe, te_factory
+from nanochat.precision_te import te_available as _te_importable
+
 
 log = logging.getLogger("nanochat.precision")
 
@@ -74,16 +78,6 @@ class PrecisionPlan:
                 "converted": len(self.converted), "kept_high_precision": self.kept_high_precision}
 
 
-def _te_available() -> bool:
-    from nanochat.platform import prepare_te_import
-    prepare_te_import()
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _torchao_available() -> bool:
     try:
         import torchao.float8  # noqa: F401
@@ -107,7 +101,7 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         if backend not in ("auto",):
             raise ValueError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
         return PrecisionPlan(precision, "none")
-    te_ok = _te_available() if te_available is None else te_available
+    te_ok = _te_importable() if te_available is None else te_available
     ao_ok = _torchao_available() if torchao_available is None else torchao_available
     if precision == "nvfp4":
         return _resolve_nvfp4(spec, backend, te_ok)
@@ -389,87 +383,6 @@ class EmulatedNVFP4Linear(nn.Linear):
 
 
 # --------------------------------------------------------------------------------------------
-# Transformer Engine recipes (the TE module is passed in so tests can use a fake)
-# --------------------------------------------------------------------------------------------
-
-def recipe_fields(cls) -> set[str]:
-    """The keyword fields a TE recipe class really has (pydantic dataclass or dataclass)."""
-    if dataclasses.is_dataclass(cls):
-        return {f.name for f in dataclasses.fields(cls)}
-    model_fields = getattr(cls, "model_fields", None) or getattr(cls, "__fields__", None)
-    if model_fields:
-        return set(model_fields)
-    import inspect
-    return set(inspect.signature(cls).parameters)
-
-
-def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile: bool = True,
-                    fp8_recipe: str = "current") -> tuple[Any, dict[str, Any]]:
-    """Construct and verify the TE recipe; returns (recipe, the fields we asserted)."""
-    if precision == "fp8":
-        if fp8_recipe == "delayed":
-            if compile:
-                raise ValueError("--precision-backend te with DelayedScaling errors under torch.compile; "
-                                 "use the default Float8CurrentScaling or turn compile off")
-            cls = te_recipe.DelayedScaling
-        else:
-            cls = te_recipe.Float8CurrentScaling
-        wanted = {"fp8_format": te_recipe.Format.HYBRID}
-    elif precision == "nvfp4":
-        cls = te_recipe.NVFP4BlockScaling
-        wanted = {}
-        fields = recipe_fields(cls)
-        if spec.cc is not None and spec.cc[0] == 12:   # sm_12x: RHT crashes, SR wrote zeros
-            for name in ("disable_rht", "disable_stochastic_rounding"):
-                if name not in fields:
-                    raise RuntimeError(f"Transformer Engine's NVFP4BlockScaling has no {name!r} field; "
-                                       "it is required on sm_12x (DESIGN s4.7): upgrade TE")
-                wanted[name] = True
-        if "backward_override" in fields:
-            wanted["backward_override"] = "high_precision"
-        else:
-            log.warning("TE NVFP4BlockScaling has no backward_override (TE < 2.15): the backward "
-                        "runs in NVFP4 too")
-    else:
-        raise ValueError(f"--precision {precision}: no Transformer Engine recipe")
-    unknown = set(wanted) - recipe_fields(cls)
-    if unknown:
-        raise RuntimeError(f"TE {cls.__name__} lacks fields {sorted(unknown)}; upgrade TE")
-    recipe = cls(**wanted)
-    for name, value in wanted.items():   # pydantic recipes drop what they do not know: read back
-        got = getattr(recipe, name, None)
-        if got != value:
-            raise RuntimeError(f"TE {cls.__name__}.{name} = {got!r} after construction, wanted {value!r}")
-    return recipe, {"recipe": cls.__name__, **{k: str(v) for k, v in wanted.items()}}
-
-
-def make_te_linear_class(te: Any, recipe: Any) -> type:
-    """A te.pytorch.Linear subclass that enters its own autocast, so the training loop needs
-    no context manager; grad-disabled calls run with TE's quantisation off (bf16)."""
-    autocast = getattr(te, "autocast", None)
-
-    def quant_ctx(enabled: bool):
-        if autocast is not None:   # TE >= 2.8 name
-            return autocast(enabled=enabled, recipe=recipe if enabled else None)
-        return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe if enabled else None)
-
-    class TELinear(te.Linear):
-        def forward(self, x):
-            # fp32 master weights with bf16 activations: TE refuses mixed dtypes outside autocast
-            # ("Data types for parameters must match"), and under it casts the weight itself.
-            # One `with` per frame: dynamo (torch 2.11) asserts when a graph break (TE modules
-            # break graphs where TE's compile support is off) sits inside `with a, b:`.
-            with torch.autocast(x.device.type, dtype=x.dtype, enabled=self.weight.dtype != x.dtype):
-                return self._quantised(x)
-
-        def _quantised(self, x):
-            with quant_ctx(torch.is_grad_enabled()):
-                return te.Linear.forward(self, x)
-
-    return TELinear
-
-
-# --------------------------------------------------------------------------------------------
 # Module swapping
 # --------------------------------------------------------------------------------------------
 
@@ -507,17 +420,6 @@ def _rebuild(cls: type, old: nn.Linear) -> nn.Linear:
     return new
 
 
-def _te_factory(te, recipe):
-    cls = make_te_linear_class(te, recipe)
-
-    def factory(old: nn.Linear):
-        new = cls(old.in_features, old.out_features, bias=old.bias is not None,
-                  params_dtype=old.weight.dtype, device=old.weight.device)
-        new.weight = old.weight   # share the Parameter the optimizer and checkpoint know
-        return new
-    return factory
-
-
 def convert_model(model: nn.Module, plan: PrecisionPlan, spec: DeviceSpec, *, compile: bool = True,
                   grad_dtype: torch.dtype = torch.float8_e5m2) -> PrecisionPlan:
     """Swap the model's linears according to `plan` (in place); fills plan.converted/kept."""
@@ -529,13 +431,12 @@ def convert_model(model: nn.Module, plan: PrecisionPlan, spec: DeviceSpec, *, co
     elif plan.backend == "emulated":
         factory = lambda old: _rebuild(EmulatedNVFP4Linear, old)   # noqa: E731
     elif plan.backend == "te":
-        from nanochat.platform import prepare_te_import
-        prepare_te_import()
+        _te_importable()   # torch's cuDNN loaded first, then TE
         import transformer_engine.common.recipe as te_recipe
         import transformer_engine.pytorch as te
         recipe, desc = build_te_recipe(plan.precision, spec, te_recipe, compile=compile)
         plan.recipe = desc
-        factory = _te_factory(te, recipe)
+        factory = te_factory(te, recipe)
     elif plan.backend == "torchao":
         return _convert_torchao(model, plan)
     else:

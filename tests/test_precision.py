@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from nanochat import precision as PR
 from nanochat.platform import SimpleProps, detect_device
+from nanochat.precision_te import build_te_recipe
 
 H100 = detect_device(props=SimpleProps("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 * 10**9))
 A100 = detect_device(props=SimpleProps("NVIDIA A100-SXM4-80GB", 8, 0, 108, 80 * 10**9))
@@ -305,17 +306,17 @@ def fake_te(with_override: bool):
 
 
 def test_te_recipes_built_from_real_fields():
-    recipe, desc = PR.build_te_recipe("nvfp4", GB10, fake_te(True))
+    recipe, desc = build_te_recipe("nvfp4", GB10, fake_te(True))
     assert recipe.disable_rht is True and recipe.disable_stochastic_rounding is True
     assert recipe.backward_override == "high_precision"
     assert desc["recipe"] == "NVFP4BlockScaling"
-    recipe, _ = PR.build_te_recipe("nvfp4", B200, fake_te(False))   # Blackwell DC: RHT/SR fine
+    recipe, _ = build_te_recipe("nvfp4", B200, fake_te(False))   # Blackwell DC: RHT/SR fine
     assert recipe.disable_rht is False
-    recipe, _ = PR.build_te_recipe("fp8", H100, fake_te(True))
+    recipe, _ = build_te_recipe("fp8", H100, fake_te(True))
     assert isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format is Format.HYBRID
     with pytest.raises(ValueError, match="DelayedScaling"):
-        PR.build_te_recipe("fp8", H100, fake_te(True), compile=True, fp8_recipe="delayed")
-    assert isinstance(PR.build_te_recipe("fp8", H100, fake_te(True), compile=False,
+        build_te_recipe("fp8", H100, fake_te(True), compile=True, fp8_recipe="delayed")
+    assert isinstance(build_te_recipe("fp8", H100, fake_te(True), compile=False,
                                          fp8_recipe="delayed")[0], DelayedScaling)
 
 
@@ -331,7 +332,7 @@ def test_te_recipe_that_drops_fields_is_caught():
     te = fake_te(False)
     te.NVFP4BlockScaling = Dropping
     with pytest.raises(RuntimeError, match="after construction"):
-        PR.build_te_recipe("nvfp4", GB10, te)
+        build_te_recipe("nvfp4", GB10, te)
 
 
 def test_fp8_wgrad_mode_choices():

@@ -1,0 +1,114 @@
+"""Transformer Engine backend of precision.py (`--precision-backend te`): whether TE imports,
+the recipe built from the installed TE's real fields and read back, and the te.pytorch.Linear
+subclass the model's layers become. The TE modules are passed in, so the CPU tests use a fake TE;
+`tests/test_te.py` runs the real one on a GPU (`scripts/te_install.sh` puts it on the GPU box)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanochat.platform import DeviceSpec, prepare_te_import
+
+log = logging.getLogger("nanochat.precision")
+
+
+def te_available() -> bool:
+    prepare_te_import()   # torch's cuDNN first (platform.py says why)
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def recipe_fields(cls) -> set[str]:
+    """The keyword fields a TE recipe class really has (pydantic dataclass or dataclass)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    model_fields = getattr(cls, "model_fields", None) or getattr(cls, "__fields__", None)
+    if model_fields:
+        return set(model_fields)
+    import inspect
+    return set(inspect.signature(cls).parameters)
+
+
+def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile: bool = True,
+                    fp8_recipe: str = "current") -> tuple[Any, dict[str, Any]]:
+    """Construct and verify the TE recipe; returns (recipe, the fields we asserted)."""
+    if precision == "fp8":
+        if fp8_recipe == "delayed":
+            if compile:
+                raise ValueError("--precision-backend te with DelayedScaling errors under torch.compile; "
+                                 "use the default Float8CurrentScaling or turn compile off")
+            cls = te_recipe.DelayedScaling
+        else:
+            cls = te_recipe.Float8CurrentScaling
+        wanted = {"fp8_format": te_recipe.Format.HYBRID}
+    elif precision == "nvfp4":
+        cls = te_recipe.NVFP4BlockScaling
+        wanted = {}
+        fields = recipe_fields(cls)
+        if spec.cc is not None and spec.cc[0] == 12:   # sm_12x: RHT crashes, SR wrote zeros
+            for name in ("disable_rht", "disable_stochastic_rounding"):
+                if name not in fields:
+                    raise RuntimeError(f"Transformer Engine's NVFP4BlockScaling has no {name!r} field; "
+                                       "it is required on sm_12x (DESIGN s4.7): upgrade TE")
+                wanted[name] = True
+        if "backward_override" in fields:
+            wanted["backward_override"] = "high_precision"
+        else:
+            log.warning("TE NVFP4BlockScaling has no backward_override (TE < 2.15): the backward "
+                        "runs in NVFP4 too")
+    else:
+        raise ValueError(f"--precision {precision}: no Transformer Engine recipe")
+    unknown = set(wanted) - recipe_fields(cls)
+    if unknown:
+        raise RuntimeError(f"TE {cls.__name__} lacks fields {sorted(unknown)}; upgrade TE")
+    recipe = cls(**wanted)
+    for name, value in wanted.items():   # pydantic recipes drop what they do not know: read back
+        got = getattr(recipe, name, None)
+        if got != value:
+            raise RuntimeError(f"TE {cls.__name__}.{name} = {got!r} after construction, wanted {value!r}")
+    return recipe, {"recipe": cls.__name__, **{k: str(v) for k, v in wanted.items()}}
+
+
+def make_te_linear_class(te: Any, recipe: Any) -> type:
+    """A te.pytorch.Linear subclass that enters its own autocast, so the training loop needs
+    no context manager; grad-disabled calls run with TE's quantisation off (bf16)."""
+    autocast = getattr(te, "autocast", None)
+
+    def quant_ctx(enabled: bool):
+        if autocast is not None:   # TE >= 2.8 name
+            return autocast(enabled=enabled, recipe=recipe if enabled else None)
+        return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe if enabled else None)
+
+    class TELinear(te.Linear):
+        def forward(self, x):
+            # fp32 master weights with bf16 activations: TE refuses mixed dtypes outside autocast
+            # ("Data types for parameters must match"), and under it casts the weight itself.
+            # One `with` per frame: dynamo (torch 2.11) asserts when a graph break (TE modules
+            # break graphs where TE's compile support is off) sits inside `with a, b:`.
+            with torch.autocast(x.device.type, dtype=x.dtype, enabled=self.weight.dtype != x.dtype):
+                return self._quantised(x)
+
+        def _quantised(self, x):
+            with quant_ctx(torch.is_grad_enabled()):
+                return te.Linear.forward(self, x)
+
+    return TELinear
+
+
+def te_factory(te, recipe):
+    cls = make_te_linear_class(te, recipe)
+
+    def factory(old: nn.Linear):
+        new = cls(old.in_features, old.out_features, bias=old.bias is not None,
+                  params_dtype=old.weight.dtype, device=old.weight.device)
+        new.weight = old.weight   # share the Parameter the optimizer and checkpoint know
+        return new
+    return factory
