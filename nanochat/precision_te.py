@@ -18,6 +18,7 @@ log = logging.getLogger("nanochat.precision")
 
 
 def te_available() -> bool:
+    """Whether transformer_engine.pytorch imports (with torch's cuDNN loaded first)."""
     prepare_te_import()   # torch's cuDNN first (platform.py says why)
     try:
         import transformer_engine.pytorch  # noqa: F401
