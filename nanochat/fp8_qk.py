@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from nanochat.gpt import _rms, apply_rotary
+from nanochat.fused_norm import trig_tables
+from nanochat.gpt import rotary_norm_forward
 from nanochat.precision import (E4M3_MAX, Fp8Linear, _fp8_forward, _fp8_fused_backward, fp8_cast_transpose,
                                 fp8_scale)
 
@@ -32,18 +33,15 @@ class _Fp8ProjRotaryNorm(torch.autograd.Function):
         x_scale = fp8_scale(x, E4M3_MAX)
         x_q, x_qt = fp8_cast_transpose(x, x_scale, False)
         y, w_q, w_inv = _fp8_forward(ctx, x_q, x_scale, weight, grad_dtype, x.dtype)
-        math_dtype = torch.promote_types(y.dtype, torch.float32)
-        out, rstd = _rms(apply_rotary(y.view(shape).to(math_dtype), cos.to(math_dtype), sin.to(math_dtype)))
-        out = out.to(y.dtype)
+        out, rstd = rotary_norm_forward(y.view(shape), cos, sin)
         ctx.save_for_backward(x_qt, x_scale, w_q, w_inv, out, rstd, cos, sin)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x_qt, x_scale, w_q, w_inv, out, rstd, cos, sin = ctx.saved_tensors
-        half = out.shape[-1] // 2
-        trig = [t.reshape(-1, half).float().contiguous() for t in (cos, sin)]   # (T, D/2) tables
-        dy, amax = torch.ops.nanochat.rotary_norm_bwd_amax(dout, out.contiguous(), rstd.contiguous(), *trig)
+        dy, amax = torch.ops.nanochat.rotary_norm_bwd_amax(dout, out.contiguous(), rstd.contiguous(),
+                                                            *trig_tables(cos, sin))
         rows = dy.shape[0] * dy.shape[1]
         grad_x, grad_w, _ = _fp8_fused_backward(ctx, dy.view(rows, -1), lambda: x_qt, x_scale, w_q, w_inv,
                                                 grad_amax=amax)

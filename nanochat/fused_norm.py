@@ -186,9 +186,14 @@ class _RotaryNormOneBwd(_RotaryNorm):
     @staticmethod
     def backward(ctx, dy):
         y, rstd, cos, sin = ctx.saved_tensors
-        half = y.shape[-1] // 2
-        trig = [t.reshape(-1, half).float().contiguous() for t in (cos, sin)]   # (T, D/2) tables
-        return torch.ops.nanochat.rotary_norm_bwd(dy, y.contiguous(), rstd.contiguous(), *trig), None, None
+        dx = torch.ops.nanochat.rotary_norm_bwd(dy, y.contiguous(), rstd.contiguous(), *trig_tables(cos, sin))
+        return dx, None, None
+
+
+def trig_tables(cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """rotary_tables' (1, T, 1, D/2) cos / sin as the (T, D/2) float32 contiguous tables the
+    backward ops take."""
+    return [t.reshape(-1, t.shape[-1]).float().contiguous() for t in (cos, sin)]
 
 
 def rotary_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

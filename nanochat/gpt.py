@@ -149,6 +149,14 @@ class _RMSNorm(torch.autograd.Function):
         return _rms_backward(dy, y, rstd).to(dy.dtype)
 
 
+def rotary_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(norm(apply_rotary(x)) in x's dtype, 1/rms): rotary_norm's forward math, in float32
+    (float64 for float64 x). Shared with fp8_qk's fused projection."""
+    math_dtype = torch.promote_types(x.dtype, torch.float32)
+    y, rstd = _rms(apply_rotary(x.to(math_dtype), cos.to(math_dtype), sin.to(math_dtype)))
+    return y.to(x.dtype), rstd
+
+
 class _RotaryNorm(torch.autograd.Function):
     """norm(apply_rotary(x, cos, sin)) saving only its output and 1/rms (the QK-norm of q and k).
 
@@ -158,9 +166,7 @@ class _RotaryNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        math_dtype = torch.promote_types(x.dtype, torch.float32)
-        y, rstd = _rms(apply_rotary(x.to(math_dtype), cos.to(math_dtype), sin.to(math_dtype)))
-        y = y.to(x.dtype)
+        y, rstd = rotary_norm_forward(x, cos, sin)
         ctx.save_for_backward(y, rstd, cos, sin)
         return y
 
