@@ -21,6 +21,7 @@ CPU smoke run:  python -m scripts.bench_train --device cpu --depth 1 --device-ba
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -36,7 +37,8 @@ from nanochat.training import FlagParser, require, require_int
 
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
-UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax"}   # --unfuse name -> kernel_fusions entry
+UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax",
+          "ghcast": "gh_cast"}   # --unfuse name -> kernel_fusions entry
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
@@ -134,11 +136,17 @@ def unfuse_model(model, names: set[str], fusions: str) -> str:
     """Turn off the named --kernel triton fusions (UNFUSE) of a set-up model; the fusions left."""
     if "mlp" in names:
         model.set_mlp_fn(None)
+    elif "ghcast" in names and isinstance(model.blocks[0].mlp.fused, functools.partial):
+        fn = model.blocks[0].mlp.fused   # the fp8 MLP: its relu^2 gradient cast as a separate pass
+        slow = functools.partial(fn.func, *fn.args, **{**fn.keywords, "gh_cast": "pass"})
+        slow.replaces = fn.replaces
+        model.set_mlp_fn(slow)
     if "rope" in names:
         model.set_rotary_norm(None)
     if "rope" in names or "qkamax" in names:   # the fused q/k path runs the rotary kernel
         model.set_qk_projection(None)
-    dropped = {UNFUSE[n] for n in names} | ({"qk_amax"} if "rope" in names else set())
+    dropped = ({UNFUSE[n] for n in names} | ({"qk_amax"} if "rope" in names else set())
+               | ({"gh_cast"} if "mlp" in names else set()))
     return ",".join(f for f in fusions.split(",") if f not in dropped and f.split("_fp8")[0] not in dropped) or "none"
 
 

@@ -273,6 +273,19 @@ def test_bench_train_unfuse():
     for fusions in ("linear_ce,mix_norm,relu2_mlp_fp8", "linear_ce,mix_norm,relu2_mlp"):
         assert bench_train.unfuse_model(model, {"mlp"}, fusions) == "linear_ce,mix_norm"
         assert model.blocks[0].mlp.fused is None
+    # ghcast: the fp8 MLP keeps running, with gh_cast="pass" (the other keywords kept)
+    import functools
+    from nanochat.gpt import Linear
+    from nanochat.triton_mlp import fp8_relu2_mlp
+    fn = functools.partial(fp8_relu2_mlp, grad_dtype=torch.float8_e5m2)
+    fn.replaces = (Linear,)
+    model.set_mlp_fn(fn)
+    assert bench_train.unfuse_model(model, {"ghcast"}, "mix_norm,relu2_mlp_fp8,gh_cast_fp8") == "mix_norm,relu2_mlp_fp8"
+    got = model.blocks[0].mlp.fused
+    assert got.keywords == {"grad_dtype": torch.float8_e5m2, "gh_cast": "pass"} and got.func is fp8_relu2_mlp
+    assert bench_train.unfuse_model(model, {"mlp"}, "relu2_mlp_fp8,gh_cast_fp8") == "none"
+    with pytest.raises(ValueError, match="gh_cast.*epilogue\\|pass"):
+        fp8_relu2_mlp(torch.zeros(16, 32), torch.zeros(64, 32), torch.zeros(32, 64), gh_cast="late")
     model.set_rotary_norm(lambda x, cos, sin: x)
     assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm") == "linear_ce"
     from nanochat.gpt import rotary_norm

@@ -132,9 +132,41 @@ def test_fp8_probe_reference_plumbing_on_cpu():
     x, gy = (torch.randn(32, 16, generator=g).bfloat16() for _ in range(2))
     w_fc, w_proj = torch.randn(64, 16, generator=g) / 4, torch.randn(16, 64, generator=g) / 8
     a, b = _fp8_probe_outputs(x, gy, w_fc, w_proj), _fp8_probe_outputs(x, gy, w_fc, w_proj, torch_math=True)
-    assert len(a) == 5 and all(torch.equal(u, v) for u, v in zip(a, b))
-    # y, h2, dx, dw_fc, dw_proj
-    assert [tuple(t.shape) for t in a] == [(32, 16), (32, 64), (32, 16), (64, 16), (16, 64)]
+    assert len(a) == 8 and all(torch.equal(u, v) for u, v in zip(a, b))
+    # y, h2, then dx, dw_fc, dw_proj with dL/dh cast in the epilogue and by a separate pass
+    assert [tuple(t.shape) for t in a] == [(32, 16), (32, 64)] + [(32, 16), (64, 16), (16, 64)] * 2
+    for u, v in zip(a[2:5], a[5:]):   # the two casts' scales differ: close, not equal
+        assert ((u - v).norm() / v.norm()).item() < 0.1
+
+
+def test_gh_bound_scale_never_overflows_and_stays_close():
+    """The e5m2 scale of relu^2's input gradient comes from a bound, not an abs-max: on random
+    data and on the worst case (every term at its maximum, signs aligned) the scaled gradient
+    never exceeds E5M2_MAX; on random data the bound sits well inside e5m2's range (the real
+    abs-max lands above 2^-2, i.e. the gradient's bulk stays in normal numbers); the fused fp8
+    backward's dL/dh equals the bf16-rounded product cast with that scale (CPU torch math)."""
+    from nanochat.precision import E4M3_MAX, E5M2_MAX, to_fp8
+    from nanochat.triton_mlp import _fp8_epilogue_pair, gh_bound_scale
+    g = torch.Generator().manual_seed(0)
+    k, n, m = 256, 1024, 512
+    for worst in (False, True):
+        gy = torch.ones(m, k) if worst else torch.randn(m, k, generator=g)
+        w = torch.ones(k, n) * 0.03 if worst else torch.randn(k, n, generator=g) * 0.03
+        h2 = torch.ones(m, n) * 9 if worst else torch.rand(m, n, generator=g).square() * 9
+        (g_q, g_inv), (w_q, w_inv) = to_fp8(gy, torch.float8_e5m2), to_fp8(w.t(), torch.float8_e4m3fn)
+        h_scale = (E4M3_MAX / h2.abs().amax()).reshape(1)
+        s = gh_bound_scale(k, g_inv, w_inv, h_scale)
+        exact = (g_q.float() * g_inv) @ (w_q.float() * w_inv).t() * 2 * h2.sqrt()
+        peak = (exact.abs().max() * s).item()
+        assert peak <= E5M2_MAX * (1 + 1e-5), (worst, peak)
+        if worst:
+            assert peak > E5M2_MAX * 0.99   # the bound is tight there
+        else:
+            assert 2.0 ** -2 < peak < E5M2_MAX / 64, peak
+        q, qt = _fp8_epilogue_pair(g_q, w_q.t().contiguous().t().contiguous(), g_inv * w_inv * s, h2)
+        assert q.dtype == torch.float8_e5m2 and torch.equal(qt, q.t())
+        rel = ((q.float() / s - exact).norm() / exact.norm()).item()
+        assert rel < 0.1, rel   # e5m2's 2-bit mantissa: ~4-6% relative error in norm
 
 
 def test_set_mlp_fn_accepts_only_the_layers_fn_replaces():
@@ -196,6 +228,15 @@ def test_epilogue_gemm_interpreted(run_triton_interpreted):
         "                  'relu2_grad': c / 4 * 2 * aux.sqrt()}[ep]\n"
         "        torch.testing.assert_close(got, want_s, rtol=1e-5, atol=1e-4)\n"
         "        assert amax.item() == max(0.5, got.abs().max().item()), (ep, amax, got.abs().max())\n"
+        "# transposed + saturate (the fp8 backward's form; float32 here): both layouts, clamped\n"
+        "a, aux = torch.randn(72, 48), torch.rand(72, 40)\n"   # rows of the transpose: 16-byte multiples
+        "c = a @ w.t()\n"
+        "got, got_t = mm_epilogue(a, w, 'relu2_grad', aux, b_kn=False, scale=torch.full((1,), 0.5),\n"
+        "                         saturate=1.5, transposed=True)\n"
+        "want = (c * 0.5 * 2 * aux.sqrt()).clamp(-1.5, 1.5)\n"
+        "assert want.abs().max() == 1.5 and got_t.shape == (40, 72)\n"
+        "torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)\n"
+        "assert torch.equal(got_t, got.t())\n"
         "try:\n"
         "    mm_epilogue(a, w, 'gelu', b_kn=False)\n"
         "    raise SystemExit('no error')\n"
