@@ -23,7 +23,7 @@
 #   fp8cmp     d20 base_train, 200 steps x 65,536 tokens, bf16 vs fp8 (native): tok/s and val bpb compared
 #              (FP8CMP=fp8 runs only the fp8 half, FP8CMP=bf16 only the bf16 half)
 #   fp8ab      bench_train d20 triton: bf16 vs fp8 vs fp8lean vs fp8plain (precision.set_fp8_wgrad_mode)
-#              vs fp8mlp0 (fp8 without the fused fp8 MLP)
+#              vs fp8mlp0 (fp8 without the fused fp8 MLP), then fp8 with relu^2's gradient cast as a pass (--unfuse ghcast)
 #   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
 #   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
 #              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
@@ -153,6 +153,8 @@ if has attn; then
 fi
 if has fp8ab; then
   step fp8ab 1200 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16,fp8,fp8lean,fp8plain,fp8mlp0
+  # relu^2's gradient cast in its GEMM's epilogue (triton_mlp.gh_bound_scale) vs a separate pass
+  step fp8ab_ghcast 400 $PY -m scripts.bench_train --depth 20 --kernel triton --precision fp8 --unfuse ghcast
 fi
 if has te; then
   # Transformer Engine from the parts carried in .te/ (scripts/te_install.sh), then its tests and the
