@@ -186,6 +186,9 @@ env_torch_args() {
 env_extras() {
   local extras="web,dev"
   [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
+  # Hopper (cc 9.0) with a CUDA 13 driver: FlashAttention-4's backward, which --attn-backend auto picks
+  # there after a probe launch (nanochat/fa4_attention.py); its CuTe DSL libraries are the cu13 build
+  [[ "$GPU_CC" == 9.0 && "${CUDA_DRIVER_VERSION%%.*}" -ge 13 ]] 2>/dev/null && extras="$extras,fa4"
   [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
   echo "$extras"
 }

@@ -19,6 +19,11 @@ Backends (the names `resolve_backend` returns):
   * "sdpa_cudnn" (`cudnn`; auto on CUDA once prepare_masks' probe launch passed): full layers as
     in sdpa_flex, window layers through cuDNN's fused kernel with a diagonal band
     (nanochat/cudnn_attention.py; needs nvidia-cudnn-frontend). H100, same shapes: 1.80 ms.
+  * "cudnn_fa4" (auto on an H100-class GPU, cc 9.0, once fa4_attention's probe launch passed;
+    needs flash-attn-4): every layer, full and window, through cuDNN's forward (the kernel
+    above; full layers without a band) and FlashAttention-4's backward on that forward's output
+    and statistics (nanochat/fa4_attention.py). H100, same shapes: full layer 2.99 -> 2.50 ms,
+    window layer 2.30 -> 1.83 ms. fp32 inputs (which neither kernel takes) run as "sdpa_cudnn".
   * "sdpa" (auto on CPU/MPS): SDPA for everything; window layers pass a cached dense boolean mask.
     That is the CPU training path (flex_attention has no CPU backward) and the upstream-nanochat
     baseline on GPU (slow there: 8.55 ms vs 3.02 ms per d20 layer, DESIGN.md section 3).
@@ -56,9 +61,14 @@ import torch
 import torch.nn.functional as F
 
 from nanochat import cudnn_attention  # defines two custom ops; imports nothing from cuDNN
+from nanochat import fa4_attention  # imports nothing from flash-attn-4
 
-BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "reference")
-RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "sdpa", "flex", "reference")
+BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
+RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "cudnn_fa4", "sdpa", "flex", "reference")
+# Where auto may pick cudnn_fa4: the compute capabilities where it was measured faster than
+# cuDNN's own backward (H100). Elsewhere (e.g. GB10, sm_121, whose FA4 backward is a different,
+# SM80-style kernel) it is an explicit choice until measured there.
+FA4_AUTO_CAPABILITIES = ((9, 0),)
 
 # Caches keyed by (T, window, device). Filled in eager mode only: under torch.compile a cache miss
 # builds the mask inside the graph (correct, a few tiny kernels per step) and a hit is lifted as a
@@ -71,7 +81,7 @@ _COMPILED_FLEX = None  # torch.compile(flex_attention), created on first eager C
 def resolve_backend(name: str, device) -> str:
     """Map a requested backend ("auto"|"sdpa"|"flex"|"cudnn"|"reference") to a resolved name."""
     if name in ("sdpa_flex", "sdpa_cudnn"):
-        return name  # already resolved
+        return name  # already resolved (cudnn_fa4 is both a choice and a resolved name)
     if name not in BACKEND_CHOICES:
         raise ValueError(f"--attn-backend: got {name!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
     device_type = torch.device(device).type
@@ -81,7 +91,18 @@ def resolve_backend(name: str, device) -> str:
         # no CPU backward, so elsewhere SDPA (+ dense mask for windows) is the fastest.
         if device_type != "cuda":
             return "sdpa"
+        if fa4_attention.proven(device):  # probed by prepare_masks on FA4_AUTO_CAPABILITIES only
+            return "cudnn_fa4"
         return "sdpa_cudnn" if cudnn_attention.proven(device) else "sdpa_flex"
+    if name == "cudnn_fa4":
+        if device_type != "cuda":
+            raise ValueError(f"--attn-backend: cudnn_fa4 needs a CUDA device, got {device_type}; "
+                             "accepted here: auto|sdpa|flex|reference")
+        if not torch.compiler.is_compiling():  # eager check
+            reason = cudnn_attention.available() or fa4_attention.available()
+            if reason is not None:
+                raise ValueError(f"--attn-backend cudnn_fa4: {reason}")
+        return name
     if name == "cudnn":
         if device_type != "cuda":
             raise ValueError(f"--attn-backend: cudnn needs a CUDA device, got {device_type}; "
@@ -341,14 +362,22 @@ def _block_mask(T: int, window: int | None, device: torch.device, block_size: in
     return mask
 
 
-def prepare_masks(seq_len: int, windows, device, backend: str) -> str:
+def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool = True) -> str:
     """Build the masks a forward at `seq_len` will use, in eager mode, so a compiled graph finds
     them cached (call before the first compiled step; optional, a miss is built in-graph). On
-    CUDA with backend "auto" this also probes cuDNN's window kernel (see resolve_backend).
-    Returns the resolved backend."""
+    CUDA with backend "auto" this also probes cuDNN's window kernel and, if `backward` (the model
+    will be trained), cuDNN forward + FA4 backward (see resolve_backend; inference skips that
+    probe's ~20 s of FA4 import and JIT). Returns the resolved backend."""
     device = torch.device(device)
     if backend == "auto" and device.type == "cuda":
         cudnn_attention.probe(device)  # one tiny real launch, so that "auto" may pick cuDNN
+        if (backward and torch.cuda.get_device_capability(device) in FA4_AUTO_CAPABILITIES
+                and fa4_attention.available() is None):
+            fa4_attention.probe(device)  # and cuDNN forward + FA4 backward
+    elif backend == "cudnn_fa4" and device.type == "cuda":
+        reason = fa4_attention.probe(device)
+        if reason is not None:
+            raise ValueError(f"--attn-backend cudnn_fa4: {reason}")
     backend = resolve_backend(backend, device)
     block_size = None
     if backend in ("flex", "sdpa_flex"):
@@ -543,7 +572,9 @@ def attention(q, k, v, *, window: int | None, backend: str, kv_cache: KVCache | 
         return reference_attention(q, k, v, window=window)
     if backend == "flex" or (backend == "sdpa_flex" and window is not None):
         return _flex(q, k, v, window)
-    if backend == "sdpa_cudnn" and window is not None:
+    if backend == "cudnn_fa4" and q.dtype in (torch.bfloat16, torch.float16):
+        return cudnn_attention.window_attention(q, k, v, window or 0, bwd="fa4")
+    if backend in ("sdpa_cudnn", "cudnn_fa4") and window is not None:
         return cudnn_attention.window_attention(q, k, v, window)
     if window is None:
         return _sdpa(q, k, v, is_causal=True)

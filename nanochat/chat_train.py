@@ -172,7 +172,7 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
         return model, tokenizer, tag, ckpt_dir, resume, resume["meta"]["source"]
     step = "latest" if cfg.step == "latest" else int(cfg.step)
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
-                                        compute_dtype=rt.dtype)
+                                        compute_dtype=rt.dtype, for_training=True)
     model.train()
     source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
     return model, tokenizer, tag, ckpt_dir, None, source

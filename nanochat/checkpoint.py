@@ -286,10 +286,12 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     return out
 
 
-def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: torch.dtype | None = None):
+def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: torch.dtype | None = None,
+                for_training: bool = True):
     """GPT built on the meta device (shapes only), then materialised on `device` and initialised
     (fp32 master weights; activations in `compute_dtype`, default bf16 on CUDA / fp32 elsewhere).
-    With device "meta" the shapes-only model is returned (for FLOPs / parameter counts)."""
+    With device "meta" the shapes-only model is returned (for FLOPs / parameter counts).
+    `for_training=False` (inference) skips probing backward-only attention kernels."""
     from nanochat.gpt import GPT
     with torch.device("meta"):
         model = GPT(config, attn_backend=attn_backend, compute_dtype=compute_dtype)
@@ -297,7 +299,7 @@ def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: to
         return model
     model.to_empty(device=device)
     model.init_weights()       # also rebuilds the non-persistent rotary tables to_empty left garbage
-    model.prepare_attention()  # masks built once, before torch.compile sees the model
+    model.prepare_attention(backward=for_training)  # masks built once, before torch.compile sees the model
     return model
 
 
@@ -318,8 +320,9 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
 
 def load_model(phase: str, device, *, model_tag: str | None = None, step: int | str = "latest",
                base_dir: str | Path | None = None, attn_backend: str = "auto",
-               compute_dtype: torch.dtype | None = None):
-    """Build the GPT recorded in a checkpoint, load its weights and the matching tokenizer.
+               compute_dtype: torch.dtype | None = None, for_training: bool = False):
+    """Build the GPT recorded in a checkpoint, load its weights and the matching tokenizer
+    (`for_training`: the caller will train it; see build_model).
 
     Returns (model in eval mode on `device`, tokenizer, meta). Raises CheckpointError when the
     tokenizer on disk is not the one the model was trained with (fingerprint mismatch).
@@ -342,7 +345,7 @@ def load_model(phase: str, device, *, model_tag: str | None = None, step: int | 
     if "model_config" not in meta:
         raise CheckpointError(f"{ckpt_dir}: meta.json has no model_config; cannot rebuild the model")
     model = build_model(GPTConfig(**meta["model_config"]), device, attn_backend=attn_backend,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, for_training=for_training)
     model.load_state_dict(ckpt["model"], strict=True)
     model.eval()
     return model, tokenizer, meta

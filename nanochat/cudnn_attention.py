@@ -1,6 +1,6 @@
 """Causal sliding-window attention through cuDNN's fused SDPA kernels (cudnn-frontend Python API).
 
-Owns: `available()`, `probe(device)`, `window_attention(q, k, v, window)` and the two custom ops
+Owns: `available()`, `probe(device)`, `window_attention(q, k, v, window, bwd=)` and the two custom ops
 behind it (`nanochat::cudnn_window_fwd` / `nanochat::cudnn_window_bwd`, autograd-registered, with
 fake implementations, so torch.compile keeps them in one graph as opaque kernels), the per-shape
 cuDNN graph cache and the per-device cuDNN handles.
@@ -22,6 +22,10 @@ is allocated (B, T, H, D) in memory and returned as its (B, H, T, D) view, so th
 
 Needs the `nvidia-cudnn-frontend` package (>= 1.12, pure pybind module; it loads the libcudnn
 that torch ships). Nothing is imported or probed until a function here is called.
+
+`window=0` is plain causal attention (no band), and `bwd="fa4"` runs the backward through
+FlashAttention-4's kernels (nanochat/fa4_attention.py) on this forward's output and statistics:
+together that is the `cudnn_fa4` backend, for full and window layers alike.
 """
 
 from __future__ import annotations
@@ -105,8 +109,9 @@ def _build(kind: str, window: int, tensors: dict):
                                    data_type=io if t.dtype != torch.float32 else cudnn.data_type.FLOAT)
                 for name, t in tensors.items() if name in _INPUTS[kind]}
         band = dict(attn_scale=1.0 / math.sqrt(q.size(-1)),
-                    diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT,
-                    diagonal_band_left_bound=window, diagonal_band_right_bound=0)
+                    diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0)
+        if window > 0:  # else plain causal
+            band["diagonal_band_left_bound"] = window
         if kind == "fwd":
             o, lse = graph.sdpa(name="window_fwd", q=node["q"], k=node["k"], v=node["v"],
                                 generate_stats=True, **band)
@@ -145,56 +150,66 @@ def _dense_d(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("nanochat::cudnn_window_fwd", mutates_args=())
-def _window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                bwd: str) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _bhtd_out(q), _lse_like(q)
     _execute("fwd", window, {"q": q, "k": k, "v": v, "o": o, "lse": lse})
     return o, lse
 
 
 @_window_fwd.register_fake
-def _window_fwd_fake(q, k, v, window):
+def _window_fwd_fake(q, k, v, window, bwd):
     return _bhtd_out(q), _lse_like(q)
 
 
 @torch.library.custom_op("nanochat::cudnn_window_bwd", mutates_args=())
 def _window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lse: torch.Tensor, window: int, bwd: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _bhtd_out(q), _bhtd_out(k), _bhtd_out(v)
-    _execute("bwd", window, {"q": q, "k": k, "v": v, "o": o, "do": _dense_d(do), "lse": lse,
-                             "dq": dq, "dk": dk, "dv": dv})
+    if bwd == "fa4":
+        from nanochat import fa4_attention
+
+        fa4_attention.backward(_dense_d(do), q, k, v, o, lse, window, dq, dk, dv)
+    else:
+        _execute("bwd", window, {"q": q, "k": k, "v": v, "o": o, "do": _dense_d(do), "lse": lse,
+                                 "dq": dq, "dk": dk, "dv": dv})
     return dq, dk, dv
 
 
 @_window_bwd.register_fake
-def _window_bwd_fake(do, q, k, v, o, lse, window):
+def _window_bwd_fake(do, q, k, v, o, lse, window, bwd):
     return _bhtd_out(q), _bhtd_out(k), _bhtd_out(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window = inputs
+    q, k, v, window, bwd = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.window = window
+    ctx.window, ctx.bwd = window, bwd
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _window_bwd(grad_o, q, k, v, o, lse, ctx.window)
-    return dq, dk, dv, None
+    dq, dk, dv = _window_bwd(grad_o, q, k, v, o, lse, ctx.window, ctx.bwd)
+    return dq, dk, dv, None, None
 
 
 _window_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal attention over the last `window` keys (itself included). q (B, Hq, T, D), k/v
-    (B, Hkv, T, D), CUDA, fp16/bf16; returns (B, Hq, T, D) (memory laid out (B, T, Hq, D))."""
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
+                     bwd: str = "cudnn") -> torch.Tensor:
+    """Causal attention over the last `window` keys (itself included; 0: all earlier keys).
+    q (B, Hq, T, D), k/v (B, Hkv, T, D), CUDA, fp16/bf16; returns (B, Hq, T, D) (memory laid out
+    (B, T, Hq, D)). `bwd`: the backward's kernels, "cudnn" or "fa4" (FlashAttention-4)."""
+    if bwd not in ("cudnn", "fa4"):
+        raise ValueError(f"cudnn window attention bwd: got {bwd!r}; accepted: cudnn|fa4")
     if q.device.type != "cuda":
         raise ValueError(f"attention backend 'cudnn' needs a CUDA device, got {q.device.type}")
-    if window < 1:
-        raise ValueError(f"attention: window must be >= 1, got {window}")
+    if window < 0:
+        raise ValueError(f"attention: window must be >= 1 (or 0 for full causal), got {window}")
     q, k, v = _dense_d(q), _dense_d(k), _dense_d(v)
-    return _window_fwd(q, k, v, int(window))[0]
+    return _window_fwd(q, k, v, int(window), bwd)[0]
 
 
 def _index(device: torch.device) -> int:

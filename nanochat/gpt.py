@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.attention import KVCache, StaticKV, attention, prepare_masks, resolve_backend
+from nanochat.attention import (BACKEND_CHOICES, RESOLVED_BACKENDS, KVCache, StaticKV, attention, prepare_masks,
+                                resolve_backend)
 from nanochat.kernels import cross_entropy_loss   # the default loss (GPT.set_loss_fn)
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
@@ -349,8 +350,8 @@ class GPT(nn.Module):
                  compute_dtype: torch.dtype | None = None):
         super().__init__()
         config.validate()
-        if attn_backend not in ("auto", "sdpa", "flex", "cudnn", "reference", "sdpa_flex", "sdpa_cudnn"):
-            raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: auto|sdpa|flex|cudnn|reference")
+        if attn_backend not in BACKEND_CHOICES + RESOLVED_BACKENDS:
+            raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
         self.config = config
         self.attn_backend = attn_backend  # resolved per device at forward time (may build on meta)
         self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
@@ -490,12 +491,13 @@ class GPT(nn.Module):
             return self.compute_dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def prepare_attention(self, seq_len: int | None = None) -> str:
+    def prepare_attention(self, seq_len: int | None = None, *, backward: bool = True) -> str:
         """Build and cache this model's attention masks for `seq_len` (default config.sequence_len)
-        on its device (and, for "auto" on CUDA, probe cuDNN's window kernel). Call once before
-        torch.compile so the compiled graph reuses them. Returns the resolved backend."""
+        on its device (and, for "auto" on CUDA, probe cuDNN's window kernel, plus FA4's backward
+        if `backward`). Call once before torch.compile so the compiled graph reuses them. Returns
+        the resolved backend."""
         return prepare_masks(seq_len or self.config.sequence_len, self.windows, self.wte.weight.device,
-                             self.attn_backend)
+                             self.attn_backend, backward=backward)
 
     def _rotary(self, T: int, kv_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [pos, pos + T) (pos = 0 without a cache)."""

@@ -69,6 +69,10 @@ def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
 
     reason = probe(torch.device(device))  # window kernel, checked against the reference math
     results["cudnn-window"] = "ok" if reason is None else f"fails: {reason[:160]}"
+    from nanochat import fa4_attention
+
+    reason = fa4_attention.available() or fa4_attention.probe(torch.device(device))  # cuDNN fwd + FA4 bwd
+    results["cudnn-fa4"] = "ok" if reason is None else f"fails: {reason[:160]}"
     return results
 
 

@@ -34,7 +34,7 @@ from nanochat.training import (DEFAULT_PROMPTS, FlagParser, REF_DEPTH, Schedule,
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "reference")
+ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 FP8_WGRAD = ("save", "recompute", "plain")   # precision.FP8_WGRAD_MODES
 

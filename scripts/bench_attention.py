@@ -13,6 +13,8 @@ of --reps after --warmup calls, timed with CUDA events (torch.cuda.synchronize b
   flex_causal      flex_attention with a causal block mask, torch's kernel heuristics
   window_default   flex window --window (default T/4), torch's heuristics (kernel_options={})
   window_cudnn     the window layer through cuDNN's band-masked kernel (--attn-backend cudnn)
+  causal_cudnn_fa4 / window_cudnn_fa4   the full / window layer through cuDNN's forward and
+                   FlashAttention-4's backward (--attn-backend cudnn_fa4; needs flash-attn-4)
   window_tuned     the same under nanochat's FLEX_TUNED_OPTIONS entry for this GPU, if any
   <name>           the window layer under each sweep config (built-in SWEEP, or --configs)
 
@@ -284,6 +286,14 @@ def main(argv=None) -> int:
         emit(run_row(cfg, "window_cudnn", "window", {}, cfg.window, "sdpa_cudnn", tensors, ref)[0])
     else:
         emit({"name": "window_cudnn", "kind": "window", "window": cfg.window, "config": {}, "error": reason})
+    from nanochat.fa4_attention import probe as fa4_probe
+
+    reason = fa4_probe(device)
+    for name, kind, window in (("causal_cudnn_fa4", "causal", None), ("window_cudnn_fa4", "window", cfg.window)):
+        if reason is None:
+            emit(run_row(cfg, name, kind, {}, window, "cudnn_fa4", tensors, ref if window else None)[0])
+        else:
+            emit({"name": name, "kind": kind, "window": window, "config": {}, "error": reason})
     if A.flex_options_for(device, cfg.head_dim, torch.bfloat16) is not None:
         emit(run_row(cfg, "window_tuned", "window", None, cfg.window, "sdpa_flex", tensors, ref)[0])
     for name, opts in cfg.sweep.items():

@@ -135,7 +135,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     else:
         step = "latest" if cfg.step == "latest" else int(cfg.step)
         model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
-                                            compute_dtype=rt.dtype)
+                                            compute_dtype=rt.dtype, for_training=True)
         source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
     model.train()
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)

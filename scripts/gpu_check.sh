@@ -25,10 +25,13 @@
 #   fp8ab      bench_train d20 triton: bf16 vs fp8 vs fp8lean vs fp8plain (precision.set_fp8_wgrad_mode)
 #              vs fp8mlp0 (fp8 without the fused fp8 MLP), then fp8 with relu^2's gradient cast as a pass (--unfuse ghcast)
 #   attn       bench_attention: SDPA vs flex at d20 shapes and the flex kernel_options sweep (two halves)
+#   fa4ab      --attn-backend cudnn_fa4 (cuDNN forward + FlashAttention-4 backward): its CUDA tests, bench_attention
+#              rows, and bench_train d20 triton against cudnn (FA4AB_BACKENDS, FA4AB_PRECISION, FA4AB_BATCH;
+#              needs .fa4a then .fa4b carried: scripts/fa4_install.sh)
 #   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
 #              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
-#              (PROF_PRECISION=fp8 profiles the fp8 step)
+#              (PROF_PRECISION=fp8 profiles the fp8 step; PROF_ATTN="cudnn cudnn_fa4" one per attention backend)
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -48,6 +51,14 @@ export NANOCHAT_SHARED_DATA=${NANOCHAT_SHARED_DATA:-$PWD/.devdata/shared}
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
+fi
+# FlashAttention-4 for --attn-backend cudnn_fa4, carried in two halves (.fa4a, then .fa4b on the next
+# call while the box is warm: scripts/fa4_install.sh); unpacked into /tmp/site too
+if [ -d .fa4a ] || [ -d .fa4b ]; then
+  FA4_SITE=/tmp/site bash scripts/fa4_install.sh install || { echo "fa4 install failed"; exit 1; }
+fi
+if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then  # what the package's .pth file would add
+  export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 
@@ -156,6 +167,15 @@ if has fp8ab; then
   # relu^2's gradient cast in its GEMM's epilogue (triton_mlp.gh_bound_scale) vs a separate pass
   step fp8ab_ghcast 400 $PY -m scripts.bench_train --depth 20 --kernel triton --precision fp8 --unfuse ghcast
 fi
+if has fa4ab; then
+  # cuDNN forward + FlashAttention-4 backward (--attn-backend cudnn_fa4) against cuDNN alone
+  step fa4_tests 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attention.py tests/test_gpt.py -k "cudnn or fa4 or cuda_compiled"
+  step fa4_bench_attention 200 $PY -m scripts.bench_attention --no-sweep --reps 20
+  for backend in ${FA4AB_BACKENDS:-cudnn_fa4,cudnn}; do
+    step "fa4ab_$backend" 560 $PY -m scripts.bench_train --depth 20 --kernel triton --precision "${FA4AB_PRECISION:-bf16}" \
+         --attn-backend "$backend" --total-batch-size "${FA4AB_BATCH:-1048576}"
+  done
+fi
 if has te; then
   # Transformer Engine from the parts carried in .te/ (scripts/te_install.sh), then its tests and the
   # d20 fp8 step through TE against native fp8 at the same batch
@@ -168,8 +188,10 @@ if has te; then
        --precision-backend te,native --total-batch-size "${TE_BATCH:-262144}"
 fi
 if has prof20; then
-  step profile_d20 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton --top 40 \
-       --precision "${PROF_PRECISION:-bf16}"
+  for backend in ${PROF_ATTN:-auto}; do  # PROF_ATTN="cudnn cudnn_fa4": one profile per attention backend
+    step "profile_d20_$backend" 300 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton \
+         --top 40 --precision "${PROF_PRECISION:-bf16}" --attn-backend "$backend"
+  done
 fi
 if has d12run; then
   # the carried data, checked before any GPU work (a file once went missing in transit)

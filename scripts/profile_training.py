@@ -31,7 +31,7 @@ def build(args, rt):
     from nanochat.training import build_model, setup_precision_and_kernel
 
     config = config_for_depth(args.depth, args.vocab, args.seq)
-    model = build_model(config, rt.device, compute_dtype=rt.dtype)
+    model = build_model(config, rt.device, compute_dtype=rt.dtype, attn_backend=args.attn_backend)
     info = setup_precision_and_kernel(model, args.precision, args.kernel, rt, compile=args.compile,
                                       precision_backend=args.precision_backend)
     run = torch.compile(model, dynamic=False) if args.compile else model
@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", default="current", choices=["current", "liger", "triton"])
     p.add_argument("--precision", default="auto")
     p.add_argument("--precision-backend", "--precision_backend", default="auto")
+    p.add_argument("--attn-backend", "--attn_backend", default="auto",
+                   help="auto|sdpa|flex|cudnn|cudnn_fa4|reference (nanochat/attention.py)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)

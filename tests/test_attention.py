@@ -114,11 +114,37 @@ def test_cudnn_window_op_shapes_on_meta():
 
     q = torch.empty(2, 6, 96, 32, device="meta", dtype=torch.bfloat16)
     kv = torch.empty(2, 3, 96, 32, device="meta", dtype=torch.bfloat16)
-    o, lse = torch.ops.nanochat.cudnn_window_fwd(q, kv, kv, 16)
-    assert o.shape == q.shape and o.transpose(1, 2).is_contiguous()
-    assert lse.shape == (2, 6, 96, 1) and lse.dtype == torch.float32
-    dq, dk, dv = torch.ops.nanochat.cudnn_window_bwd(o, q, kv, kv, o, lse, 16)
-    assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+    for bwd in ("cudnn", "fa4"):
+        o, lse = torch.ops.nanochat.cudnn_window_fwd(q, kv, kv, 16, bwd)
+        assert o.shape == q.shape and o.transpose(1, 2).is_contiguous()
+        assert lse.shape == (2, 6, 96, 1) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.nanochat.cudnn_window_bwd(o, q, kv, kv, o, lse, 16, bwd)
+        assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+        assert dk.transpose(1, 2).is_contiguous()
+
+
+def test_cudnn_fa4_backend_choice_and_errors(monkeypatch):
+    """cudnn_fa4: an explicit choice that raises off CUDA and when flash-attn-4 is missing (naming
+    the flag and the fix); auto picks it only on a device where fa4_attention's probe passed."""
+    from nanochat import cudnn_attention, fa4_attention
+
+    with pytest.raises(ValueError, match="--attn-backend: cudnn_fa4 needs a CUDA device"):
+        A.resolve_backend("cudnn_fa4", "cpu")
+    monkeypatch.setattr(fa4_attention, "_bwd_fn", lambda: (_ for _ in ()).throw(ImportError("no flash_attn")))
+    monkeypatch.setattr(cudnn_attention, "available", lambda: None)
+    assert "pip install 'flash-attn-4==" in fa4_attention.available()
+    with pytest.raises(ValueError, match="--attn-backend cudnn_fa4: flash-attn-4 is not installed"):
+        A.resolve_backend("cudnn_fa4", "cuda:0")
+    assert fa4_attention.probe("cpu") == "needs a CUDA device, got cpu"
+    assert A.resolve_backend("auto", "cuda:5") == "sdpa_flex"
+    monkeypatch.setitem(fa4_attention._PROBED, 5, None)  # as if the probe launch passed on cuda:5
+    assert A.resolve_backend("auto", "cuda:5") == "cudnn_fa4"
+    assert A.resolve_backend("auto", "cuda:6") == "sdpa_flex"
+    monkeypatch.setitem(fa4_attention._PROBED, 6, "FA4 backward disagrees")  # a failed probe
+    assert A.resolve_backend("auto", "cuda:6") == "sdpa_flex"
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bwd: got 'fa3'; accepted: cudnn\\|fa4"):
+        cudnn_attention.window_attention(q, q, q, 4, bwd="fa3")
 
 
 def test_bad_shapes_raise():
@@ -252,9 +278,11 @@ def test_decode_attention_op_shapes_on_meta():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["sdpa_flex", "sdpa", "flex", "sdpa_cudnn"])
+@pytest.mark.parametrize("backend", ["sdpa_flex", "sdpa", "flex", "sdpa_cudnn", "cudnn_fa4"])
 @pytest.mark.parametrize("window", [None, 64, 512])
 def test_cuda_bf16_forward_backward(backend, window):
+    if backend == "cudnn_fa4":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (gpu_check.sh installs it)")
     q, k, v = (t.requires_grad_() for t in _qkv(B=2, Hq=4, Hkv=2, T=1000, D=64, dtype=torch.bfloat16, device="cuda"))
     out = A.attention(q, k, v, window=window, backend=backend)
     g = torch.randn_like(out)
@@ -269,26 +297,31 @@ def test_cuda_bf16_forward_backward(backend, window):
 
 
 @pytest.mark.cuda
-def test_cuda_cudnn_window_in_model_layout_under_compile():
+@pytest.mark.parametrize("backend,window", [("sdpa_cudnn", 128), ("cudnn_fa4", 128), ("cudnn_fa4", None)])
+def test_cuda_cudnn_window_in_model_layout_under_compile(backend, window):
     """q/k/v as the model makes them ((B, T, H, D) projections viewed as (B, H, T, D)), inside
-    torch.compile, against flex (the other window kernel): outputs and gradients agree."""
-    from nanochat.cudnn_attention import probe
+    torch.compile, against flex (the other block-sparse kernel): outputs and gradients agree."""
+    from nanochat import cudnn_attention, fa4_attention
 
-    assert probe(torch.device("cuda")) is None
+    assert cudnn_attention.probe(torch.device("cuda")) is None
+    if backend == "cudnn_fa4":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (gpu_check.sh installs it)")
+        assert fa4_attention.probe(torch.device("cuda")) is None
     g = torch.Generator(device="cuda").manual_seed(0)
     base = [torch.randn(4, 512, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
 
     def run(backend):
         leaves = [t.clone().requires_grad_() for t in base]
-        fn = torch.compile(lambda q, k, v: A.attention(q, k, v, window=128, backend=backend)
+        fn = torch.compile(lambda q, k, v: A.attention(q, k, v, window=window, backend=backend)
                            .transpose(1, 2).reshape(4, 512, -1))
         out = fn(*(t.transpose(1, 2) for t in leaves))
         out.float().square().mean().backward()
         return out.float(), [t.grad.float() for t in leaves]
 
-    assert A.resolve_backend("auto", "cuda:0") == "sdpa_cudnn"  # probed: auto picks cuDNN now
-    out_c, grads_c = run("sdpa_cudnn")
-    out_f, grads_f = run("sdpa_flex")
+    # probed: auto picks cuDNN now (and FA4's backward where that probe passed too)
+    assert A.resolve_backend("auto", "cuda:0") in ("sdpa_cudnn", "cudnn_fa4")
+    out_c, grads_c = run(backend)
+    out_f, grads_f = run("flex")
     assert (out_c - out_f).abs().max() < 2e-2
     for a, b in zip(grads_c, grads_f):
         assert (a - b).abs().max() / b.abs().max() < 2e-2
@@ -331,3 +364,24 @@ def test_cuda_static_decode_triton_equals_sdpa(window):
         assert torch.equal(TK.decode_attention_triton(q, keys, values, pos, window, fused=True), first)
     assert (TK.decode_attention_triton(q, keys, values, pos, window, fused=False) - first).abs().max() < 1e-2
     assert not TK._DECODE_COUNTERS[torch.device("cuda", 0)].any()
+
+
+def test_prepare_masks_probes_fa4_only_for_training_on_hopper(monkeypatch):
+    """auto on an H100-class device probes cuDNN + FA4 only when the model will be trained
+    (backward=True): inference loads skip FA4's import and JIT; other capabilities never probe it."""
+    from nanochat import cudnn_attention, fa4_attention
+
+    calls = []
+    monkeypatch.setattr(cudnn_attention, "probe", lambda device: calls.append("cudnn") or "no cuDNN here")
+    monkeypatch.setattr(fa4_attention, "available", lambda: None)
+    monkeypatch.setattr(fa4_attention, "probe", lambda device: calls.append("fa4") or "not probed for real")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert A.prepare_masks(256, [None], "cuda:3", "auto", backward=False) == "sdpa_flex"
+    assert calls == ["cudnn"]
+    A.prepare_masks(256, [None], "cuda:3", "auto")
+    assert calls == ["cudnn", "cudnn", "fa4"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 1))  # GB10: unmeasured
+    A.prepare_masks(256, [None], "cuda:3", "auto")
+    assert calls == ["cudnn", "cudnn", "fa4", "cudnn"]
+    with pytest.raises(ValueError, match="--attn-backend cudnn_fa4: not probed for real"):
+        A.prepare_masks(256, [None], "cuda:3", "cudnn_fa4")

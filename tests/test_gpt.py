@@ -406,7 +406,8 @@ def test_cuda_compiled_bf16_training_step():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend,kernel", [("sdpa_flex", "current"), ("cudnn", "current"), ("cudnn", "triton")])
+@pytest.mark.parametrize("backend,kernel", [("sdpa_flex", "current"), ("cudnn", "current"), ("cudnn", "triton"),
+                                            ("cudnn_fa4", "triton")])
 def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
     """The compiled bf16 training graph (saved-output norms, fused kernels, cuDNN or flex windows;
     with --kernel triton its loss, residual mix + norm and epilogue-fused MLP too) gives the gradients of the plain
@@ -418,6 +419,8 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
         reason = probe(torch.device("cuda"))
         if reason is not None:
             pytest.skip(reason)
+    if backend == "cudnn_fa4":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (gpu_check.sh installs it)")
     torch.manual_seed(0)
     cfg = config_for_depth(4, 4096, 1024)  # windows of 256 in layers 0-2, head dim 128
     model = randomize(GPT(cfg, attn_backend=backend).cuda(), seed=3)
