@@ -27,17 +27,23 @@ process).
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
 PINNED = "4.0.0b36"
 _PROBED: dict = {}  # device index -> None (works) or the reason it does not
 _LOCK = threading.Lock()
+_QUIET: list = []  # non-empty once flash-attn-4's JIT warnings are filtered
 
 
 def _bwd_fn():
     from flash_attn.cute.interface import _flash_attn_bwd
 
+    if not _QUIET:  # once: each kernel's JIT warns about an argument type and deprecated names
+        warnings.filterwarnings("ignore", message="Argument aux_data", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"flash_attn\.cute")
+        _QUIET.append(True)
     return _flash_attn_bwd
 
 

@@ -385,3 +385,44 @@ def test_prepare_masks_probes_fa4_only_for_training_on_hopper(monkeypatch):
     assert calls == ["cudnn", "cudnn", "fa4", "cudnn"]
     with pytest.raises(ValueError, match="--attn-backend cudnn_fa4: not probed for real"):
         A.prepare_masks(256, [None], "cuda:3", "cudnn_fa4")
+
+
+def test_fa4_backward_glue_with_a_stand_in_package(monkeypatch):
+    """fa4_attention.backward hands flash-attn-4 what its backward expects: (B, T, H, D) views of
+    the (B, H, T, D) tensors (no copies), lse as (B, H, T), causal, FA's window convention (keys
+    before the query: window - 1; None for full causal) and the output buffers to fill; the JIT's
+    warnings are filtered once. The package itself runs only on the GPU box (CUDA tests above)."""
+    import sys
+    import types
+    import warnings
+
+    from nanochat import fa4_attention
+
+    seen = {}
+
+    def fake_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, **kw):
+        seen.update(q=q, lse=lse, causal=causal, scale=softmax_scale, **kw)
+        kw["dq"].fill_(1.0)
+
+    pkg = types.ModuleType("flash_attn")
+    cute = types.ModuleType("flash_attn.cute")
+    iface = types.ModuleType("flash_attn.cute.interface")
+    iface._flash_attn_bwd = fake_bwd
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", iface)
+    monkeypatch.setattr(fa4_attention, "_QUIET", [])
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    assert fa4_attention.available() is None
+    B, H, T, D = 2, 3, 8, 16
+    bthd = lambda: torch.randn(B, T, H, D).transpose(1, 2)   # the layout cudnn_attention allocates
+    q, k, v, o, do, dq, dk, dv = (bthd() for _ in range(8))
+    lse = torch.randn(B, H, T, 1)
+    for window, left, right in ((4, 3, 0), (0, None, None)):
+        fa4_attention.backward(do, q, k, v, o, lse, window, dq, dk, dv)
+        assert seen["window_size_left"] == left and seen["window_size_right"] == right
+        assert seen["causal"] is True and seen["scale"] is None
+        assert seen["q"].shape == (B, T, H, D) and seen["q"].data_ptr() == q.data_ptr()
+        assert seen["dq"].data_ptr() == dq.data_ptr() and seen["lse"].shape == (B, H, T)
+        assert torch.all(dq == 1.0)
+    assert fa4_attention._QUIET and any("aux_data" in str(f[1].pattern) for f in warnings.filters if f[1])
