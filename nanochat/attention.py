@@ -79,7 +79,7 @@ _COMPILED_FLEX = None  # torch.compile(flex_attention), created on first eager C
 
 
 def resolve_backend(name: str, device) -> str:
-    """Map a requested backend ("auto"|"sdpa"|"flex"|"cudnn"|"reference") to a resolved name."""
+    """Map a requested backend ("auto"|"sdpa"|"flex"|"cudnn"|"cudnn_fa4"|"reference") to a resolved name."""
     if name in ("sdpa_flex", "sdpa_cudnn"):
         return name  # already resolved (cudnn_fa4 is both a choice and a resolved name)
     if name not in BACKEND_CHOICES:
