@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from nanochat.cudnn_attention import _index  # device -> index, as cuDNN's probe cache keys it
+
 PINNED = "4.0.0b36"
 _PROBED: dict = {}  # device index -> None (works) or the reason it does not
 _LOCK = threading.Lock()
@@ -70,12 +72,6 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _bwd_fn()(fq, fk, fv, fo, fdo, lse.view(B, H, T), None, True, 0.0,
               window_size_left=left, window_size_right=0 if window > 0 else None,
               dq=fdq, dk=fdk, dv=fdv)
-
-
-def _index(device: torch.device) -> int:
-    if device.index is not None:
-        return device.index
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def proven(device) -> bool:
