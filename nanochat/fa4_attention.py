@@ -53,7 +53,7 @@ def available() -> str | None:
     """None if flash-attn-4's backward entry point imports, else why not (with the fix)."""
     try:
         _bwd_fn()
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:  # OSError: a shared library of the CuTe DSL failed to load
         return (f"flash-attn-4 is not installed or does not import ({exc}); "
                 f"pip install 'flash-attn-4=={PINNED}' 'nvidia-cutlass-dsl[cu13]'")
     return None
