@@ -171,7 +171,8 @@ if has fa4ab; then
   # cuDNN forward + FlashAttention-4 backward (--attn-backend cudnn_fa4) against cuDNN alone
   step fa4_tests 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attention.py tests/test_gpt.py -k "cudnn or fa4 or cuda_compiled"
   step fa4_bench_attention 200 $PY -m scripts.bench_attention --no-sweep --reps 20
-  for backend in ${FA4AB_BACKENDS:-cudnn_fa4,cudnn}; do
+  fa4ab_backends=${FA4AB_BACKENDS:-cudnn_fa4,cudnn}
+  for backend in ${fa4ab_backends//,/ }; do  # a comma list
     step "fa4ab_$backend" 560 $PY -m scripts.bench_train --depth 20 --kernel triton --precision "${FA4AB_PRECISION:-bf16}" \
          --attn-backend "$backend" --total-batch-size "${FA4AB_BATCH:-1048576}"
   done
