@@ -5,7 +5,7 @@
 #   bash scripts/fa4_install.sh install   on the box: unpack whichever half this call carried into
 #                                         ${FA4_SITE:-/tmp/site}; a warm box keeps the other half
 # Why halves: the CuTe DSL's CUDA 13 library wheel is 92 MB and one device call carries 64 MiB, so
-# .fa4a holds its 193 MB MLIR module alone (xz, ~50 MB) and .fa4b the rest (~22 MB); carry .fa4a
+# .fa4a holds its 193 MB MLIR module alone (xz, ~50 MB) and .fa4b the rest (~32 MB); carry .fa4a
 # on one call and .fa4b (with .whl) on the next while the box is warm (it is released ~30 s idle).
 # On a machine with network access none of this is needed: pip install -e '.[fa4]'.
 set -euo pipefail
