@@ -4,7 +4,8 @@ For every (depth, kernel, precision) it builds the model exactly as base_train d
 recipe, loss kernel, torch.compile, MuonAdamW, the shared Trainer step), runs --warmup steps
 (compilation, autotuning), then times --steps steps and prints one JSON line: the median
 steady-state tok/s, MFU against the dense bf16 peak, utilisation of the active precision's peak,
-FLOPs/token and peak memory. A table follows.
+FLOPs/token, peak memory and, on NVIDIA GPUs, the median SM clock, power and the share of the
+timed steps spent at the power cap (nanochat/gpu_monitor.py). A table follows.
 
 A step is one optimizer step of --total-batch-size tokens, as in base_train: the default (-1) is
 base_train's own auto batch for the depth (`training.resolve_total_batch_size`: 2**20 tokens = 16
@@ -32,6 +33,7 @@ import torch
 
 from nanochat.attention import resolve_backend
 from nanochat.common import destroy_runtime, init_runtime
+from nanochat.gpu_monitor import GpuMonitor
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
 from nanochat.training import FlagParser, require, require_int
 
@@ -225,11 +227,15 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print(f"WARNING: {m}", file=sys.stderr))
     dts, losses = [], []
+    monitor = GpuMonitor(rt.device)  # clocks and power over the timed steps (nanochat/gpu_monitor.py)
     for step in range(total):
+        if step == cfg.warmup:
+            monitor.start()
         r = trainer.step(step)
         losses.append(r.loss)
         if step >= cfg.warmup:
             dts.append(r.dt)
+    gpu = monitor.stop()
     dt = statistics.median(dts)
     tok_s = plan.total_batch_size / dt
     meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active)
@@ -243,7 +249,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
-            "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
+            "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1], "gpu": gpu}
 
 
 def _triton_version() -> str | None:
@@ -255,16 +261,20 @@ def _triton_version() -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'depth':>5} {'kernel':>8} {'prec':>6} {'compile':>7} {'accum':>5} {'tok/s':>12} {'MFU%':>6} {'util%':>6} {'mem GiB':>8}  error"
+    head = (f"{'depth':>5} {'kernel':>8} {'prec':>6} {'compile':>7} {'accum':>5} {'tok/s':>12} {'MFU%':>6} {'util%':>6} "
+            f"{'mem GiB':>8} {'SM MHz':>7} {'capped%':>7}  error")
     print(head)
     print("-" * len(head))
     for r in rows:
         fmt = lambda v, spec: format(v, spec) if v is not None else "n/a"
         prec = r["precision"] + ("/" + r["precision_backend"] if r.get("precision_backend") == "te" else "")
+        gpu = r.get("gpu") or {}
         print(f"{r['depth']:>5} {r['kernel']:>8} {prec:>6} {str(r.get('compile', '')):>7} "
               f"{str(r.get('grad_accum_steps', '')):>5} "
               f"{fmt(r.get('tok_per_sec'), ',.0f'):>12} {fmt(r.get('mfu_pct'), '.1f'):>6} "
-              f"{fmt(r.get('util_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.1f'):>8}  {r.get('error', '')}")
+              f"{fmt(r.get('util_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.1f'):>8} "
+              f"{fmt(gpu.get('sm_clock_mhz_median'), '.0f'):>7} {fmt(gpu.get('power_capped_pct'), '.0f'):>7}  "
+              f"{r.get('error', '')}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -10,7 +10,9 @@ warms up, then
    (gradients of the previous micro-batch still live, as in every micro-batch after the first
    when base_train accumulates): where the peak happens and how much of it is activations;
 3. runs torch.profiler over --profile-steps steps and lists the top kernels by device time
-   (share of the profiled device time, calls, mean us), optionally writing a Chrome trace.
+   (share of the profiled device time, calls, mean us), optionally writing a Chrome trace, and
+   how busy the GPU was (`device_busy`: kernel time vs span, the largest idle gaps);
+4. samples the GPU's SM clock and power during the timed steps (nanochat/gpu_monitor.py).
 Output: JSON lines (one per phase, one per memory reading, one per top kernel) and tables.
 Synthetic token batches.
 """
@@ -125,6 +127,8 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
         rt.synchronize()
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    if rt.device.type == "cuda":
+        print(json.dumps({"device_busy": device_busy(prof.events(), args.profile_steps)}), flush=True)
     events = [e for e in prof.key_averages() if _device_us(e) > 0 and not e.key.startswith("ProfilerStep")
               and e.key not in ("data", "forward", "backward", "optimizer")]
     kernels = [e for e in events if e.device_type.name == "CUDA"] or events
@@ -133,6 +137,29 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
     return [{"kernel": e.key[:120], "device_ms_per_step": round(_device_us(e) / 1e3 / args.profile_steps, 3),
              "share_pct": round(100 * _device_us(e) / total, 1), "calls_per_step": e.count // args.profile_steps,
              "mean_us": round(_device_us(e) / max(e.count, 1), 1)} for e in kernels[: args.top]]
+
+
+def device_busy(events, steps: int, top_gaps: int = 8) -> dict:
+    """How much of the profiled span the GPU ran kernels: the union of kernel intervals vs the span
+    from the first kernel's start to the last one's end, per step, and the largest idle gaps with the
+    kernels on either side (a kernel saving that does not shorten the step shows up here as idle time)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy, gaps, end, prev = 0.0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        if stop > end:
+            busy += stop - max(start, end)
+            end, prev = stop, name
+    span = end - spans[0][0]
+    gaps.sort(reverse=True)
+    return {"span_ms_per_step": round(span / 1e3 / steps, 3), "busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "idle_ms_per_step": round((span - busy) / 1e3 / steps, 3),
+            "gaps_over_20us_per_step": sum(g[0] > 20 for g in gaps) / steps,
+            "largest_gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top_gaps]]}
 
 
 def _device_us(e) -> float:
@@ -173,7 +200,10 @@ def main(argv=None) -> int:
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,
                       "seq": args.seq, "kernel": args.kernel, "precision": info.get("precision"),
                       "compile": args.compile}), flush=True)
-    split = timed_steps(args, rt, model, run, optimizer)
+    from nanochat.gpu_monitor import GpuMonitor
+    with GpuMonitor(rt.device) as monitor:  # the GPU's clocks and power cap over the timed steps
+        split = timed_steps(args, rt, model, run, optimizer)
+    print(json.dumps({"gpu": monitor.summary()}), flush=True)
     step_ms = sum(split.values())
     for phase, ms in split.items():
         print(json.dumps({"phase": phase, "ms": round(ms, 3), "share_pct": round(100 * ms / step_ms, 1)}))

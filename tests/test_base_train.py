@@ -231,7 +231,8 @@ def test_bench_train_cpu_smoke(capsys):
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
         assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
         assert r["mfu_pct"] is None and math.isfinite(r["last_loss"])
-    assert "tok/s" in out and "MFU%" in out
+        assert r["gpu"] == {"samples": 0, "unavailable": "not a CUDA device"}  # nanochat/gpu_monitor.py
+    assert "tok/s" in out and "MFU%" in out and "capped%" in out
 
 
 def test_bench_train_default_batch_is_base_trains():

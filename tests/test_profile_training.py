@@ -1,0 +1,31 @@
+"""scripts/profile_training.device_busy: the GPU's busy and idle time from profiler events."""
+
+from types import SimpleNamespace as NS
+
+from scripts.profile_training import device_busy
+
+CUDA, CPU = NS(name="CUDA"), NS(name="CPU")
+
+
+def _ev(kind, start, end, name):
+    return NS(device_type=kind, time_range=NS(start=start, end=end), name=name)
+
+
+def test_busy_is_the_union_of_kernel_intervals_and_gaps_name_their_neighbours():
+    events = [_ev(CUDA, 0, 10, "gemm"), _ev(CUDA, 5, 12, "norm"),      # overlap: counted once
+              _ev(CPU, 0, 1000, "aten::mm"),                             # host events are ignored
+              _ev(CUDA, 42, 50, "attn"), _ev(CUDA, 44, 46, "inside"),    # nested in attn: no gap
+              _ev(CUDA, 55, 60, "add")]
+    out = device_busy(events, steps=1)
+    assert out["span_ms_per_step"] == 0.06
+    assert out["busy_ms_per_step"] == 0.025          # 12 + 8 + 5 us
+    assert out["idle_ms_per_step"] == 0.035          # 30 + 5 us
+    assert out["gaps_over_20us_per_step"] == 1
+    assert out["largest_gaps"][0] == {"us": 30, "after": "norm", "before": "attn"}
+    assert out["largest_gaps"][1] == {"us": 5, "after": "attn", "before": "add"}
+
+
+def test_per_step_division_and_no_kernels():
+    events = [_ev(CUDA, 0, 100, "a"), _ev(CUDA, 200, 300, "b")]
+    assert device_busy(events, steps=2)["busy_ms_per_step"] == 0.1
+    assert device_busy([_ev(CPU, 0, 5, "x")], steps=1) == {}
