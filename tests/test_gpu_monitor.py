@@ -1,7 +1,6 @@
 """nanochat/gpu_monitor.py: parsing nvidia-smi samples, the summary, and the background process
 (a stand-in nvidia-smi script that prints samples until it is terminated)."""
 
-import os
 import stat
 import sys
 import time
