@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import tempfile
 
 FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
           "clocks_throttle_reasons.sw_power_cap", "clocks_throttle_reasons.sw_thermal_slowdown",
@@ -89,6 +90,7 @@ class GpuMonitor:
         self.selector = device_selector(device)
         self.smi = shutil.which(smi)
         self.proc: subprocess.Popen | None = None
+        self.log = None
         self.samples: list[dict] = []
         self.reason = None if self.selector and self.smi else (
             "not a CUDA device" if not self.selector else f"{smi} not found")
@@ -97,21 +99,27 @@ class GpuMonitor:
         if self.reason is None:
             cmd = [self.smi, f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
                    "-i", self.selector, "-lms", str(self.interval_ms)]
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # A file, not a pipe: nobody reads while the benchmark runs, and a full pipe (64 KB, ~10
+            # minutes of samples) would stall nvidia-smi and lose the rest of the run.
+            self.log = tempfile.TemporaryFile(mode="w+")
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         return self
 
     def stop(self) -> dict:
         if self.proc is not None:
             self.proc.terminate()
             try:
-                out, err = self.proc.communicate(timeout=10)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                out, err = self.proc.communicate()
+                self.proc.wait()
+            self.log.seek(0)
+            out = self.log.read()
+            self.log.close()
             self.samples = [s for s in map(parse_sample, out.splitlines()) if s is not None]
             if not self.samples:
-                self.reason = f"no readable samples ({(err or out).strip()[:120] or 'empty output'})"
-            self.proc = None
+                self.reason = f"no readable samples ({out.strip()[:120] or 'empty output'})"
+            self.proc = self.log = None
         return self.summary()
 
     def summary(self) -> dict:

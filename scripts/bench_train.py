@@ -228,14 +228,16 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
                                                              warn=lambda m: print(f"WARNING: {m}", file=sys.stderr))
     dts, losses = [], []
     monitor = GpuMonitor(rt.device)  # clocks and power over the timed steps (nanochat/gpu_monitor.py)
-    for step in range(total):
-        if step == cfg.warmup:
-            monitor.start()
-        r = trainer.step(step)
-        losses.append(r.loss)
-        if step >= cfg.warmup:
-            dts.append(r.dt)
-    gpu = monitor.stop()
+    try:
+        for step in range(total):
+            if step == cfg.warmup:
+                monitor.start()
+            r = trainer.step(step)
+            losses.append(r.loss)
+            if step >= cfg.warmup:
+                dts.append(r.dt)
+    finally:
+        gpu = monitor.stop()  # also when a step fails (out of memory): no sampler left running
     dt = statistics.median(dts)
     tok_s = plan.total_batch_size / dt
     meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active)

@@ -77,3 +77,22 @@ def test_monitor_reports_why_it_has_nothing(tmp_path, monkeypatch):
     assert broken.stop()["unavailable"].startswith("no readable samples (Failed to initialize NVML")
     with pytest.raises(ValueError, match="interval_ms"):
         gm.GpuMonitor(torch.device("cpu"), interval_ms=10)
+
+
+def test_monitor_keeps_every_sample_of_a_long_run(tmp_path, monkeypatch):
+    """~10 minutes of samples (3,000 lines, ~180 KB: more than a pipe holds) all arrive: the tool
+    writes to a file, so it never blocks on output nobody reads until stop()."""
+    done = tmp_path / "done"
+    smi = _fake_smi(tmp_path, f"""import time
+for i in range(3000):
+    print({LINE.format(clock=1600, power=690, cap="Active")!r})
+open({str(done)!r}, "w").close()
+time.sleep(60)
+""")
+    monkeypatch.setattr(gm, "device_selector", lambda device: "00000000:1B:00.0")
+    mon = gm.GpuMonitor(torch.device("cuda"), smi=smi).start()
+    deadline = time.time() + 30
+    while not done.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert done.exists(), "the stand-in nvidia-smi blocked on its output"
+    assert mon.stop()["samples"] == 3000
