@@ -102,7 +102,11 @@ class GpuMonitor:
             # A file, not a pipe: nobody reads while the benchmark runs, and a full pipe (64 KB, ~10
             # minutes of samples) would stall nvidia-smi and lose the rest of the run.
             self.log = tempfile.TemporaryFile(mode="w+")
-            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+            except OSError as e:  # e.g. not executable: the benchmark runs on without samples
+                self.log.close()
+                self.log, self.reason = None, f"{self.smi} failed to start ({e.strerror or e})"
         return self
 
     def stop(self) -> dict:

@@ -75,6 +75,10 @@ def test_monitor_reports_why_it_has_nothing(tmp_path, monkeypatch):
     broken.start()
     time.sleep(0.5)
     assert broken.stop()["unavailable"].startswith("no readable samples (Failed to initialize NVML")
+    not_exec = tmp_path / "smi-not-executable"
+    not_exec.write_text("")
+    monkeypatch.setattr(gm.shutil, "which", lambda name: str(not_exec))  # found, but cannot start
+    assert "failed to start" in gm.GpuMonitor(torch.device("cuda")).start().stop()["unavailable"]
     with pytest.raises(ValueError, match="interval_ms"):
         gm.GpuMonitor(torch.device("cpu"), interval_ms=10)
 
