@@ -1,17 +1,26 @@
-"""sampling.sample_next's distribution as one Triton kernel launch per decode step (CUDA).
+"""sampling.sample_next's distribution in Triton, two or three small launches per decode step (CUDA).
 
-One program per row holds the whole row in registers (vocabularies up to MAX_TRITON_VOCAB at
-SAMPLE_WARPS warps; ptxas on sm_90: 64 registers, ~40 bytes of spills). The top-k and top-p
-cut-offs are found by a 5-way search over the bits of the values (_kth_key, _nucleus_cut: four
-counts or sums per reduction, ~14 rounds) instead of a sort, and the draw is the exponential
-race argmax p_i / E_i with E_i = -log(1 - u_i), u_i a hash of (seed, position, row, token). So
-the draw depends only on (seed, position, logits): a step re-run at the same position draws the
-same token, whatever ran before.
+The one-program sampler (`_sample_kernel`): one program per row holds the whole row in registers
+(vocabularies up to MAX_TRITON_VOCAB at SAMPLE_WARPS warps; ptxas on sm_90: 64 registers, ~40
+bytes of spills). The top-k and top-p cut-offs are found by a 5-way search over the bits of the
+values (_kth_key, _nucleus_cut: four counts or sums per reduction, ~14 rounds) instead of a
+sort, and the draw is the exponential race argmax p_i / E_i with E_i = -log(1 - u_i), u_i a hash
+of (seed, position, row, token). So the draw depends only on (seed, position, logits): a step
+re-run at the same position draws the same token, whatever ran before.
 
-H100, V = 32768, batch 1, GPU time per call (scripts/bench_sampler.py): temperature only 13.6 us,
-top-k 50 39 us, top-k 50 + top-p 0.9 82 us, where the torch sampler runs ~8 kernels (~150 us
-for top-k 50 back to back). One SM does all of a row's work: splitting a row over programs is
-the next step.
+With top-k (1 <= k <= TWO_STAGE_MAX_K, the chat default is 50) one SM doing a whole row was the
+cost (39 us of the ~750 us batch-1 d20 token on the H100), so the row is split (two_stage_plan):
+  1. `_candidates_kernel`, one program per chunk of TWO_STAGE_CHUNK tokens: the chunk's tokens
+     at or above its own k-th largest logit, in token order (-inf left out: never drawn). Every
+     drawable token of the row's top-k is among them (the row's k-th largest is >= every
+     chunk's), so the race over the candidates is the race over the row: same cut-offs, same
+     noise per token, same order for argmax's ties, hence the same token as the one-program path (with top-p the sum of p is taken in
+     another order, so a token right at the nucleus edge can differ in the last bit).
+  2. `_candidates_sample_kernel`, one program per row: the race over the (chunks x slots)
+     candidates.
+  3. Ties at a chunk's k-th logit can leave more candidates than its slots; stage 2 then flags
+     the row and `_sample_kernel` (launched with FLAGGED, a no-op for unflagged rows) draws it
+     from the whole row, so the result is exact in every case.
 Ties: top-k keeps every logit equal to the k-th largest, as sample_next does; top-p decides by a
 cut-off value, so tokens of equal probability are kept or dropped together (sample_next breaks
 such ties by sort order).
@@ -25,6 +34,8 @@ import triton.language as tl
 
 MAX_TRITON_VOCAB = 32768  # a row lives in registers: 32 float32 per thread at SAMPLE_WARPS
 SAMPLE_WARPS = 32
+TWO_STAGE_CHUNK = 1024    # stage 1's tokens per program (32 programs per row at V = 32768)
+TWO_STAGE_MAX_K = 256     # larger k: one program per row
 
 
 @triton.jit
@@ -121,37 +132,120 @@ def _nucleus_cut(p, target):
     return tl.where(bits >= hi.to(tl.int32), p, 0.0)
 
 
-@triton.jit(do_not_specialize=["top_k", "seed_lo", "seed_hi", "position"])
-def _sample_kernel(logits_ptr, stride, out_ptr, keep_ptr, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position,
-                   VP2: tl.constexpr, KEEP: tl.constexpr):
-    # Registers bound the row size, so only one (VP2,) tensor is live at a time: the logits as
-    # keys through the top-k bisection, then the probabilities.
-    row = tl.program_id(0)
-    j = tl.arange(0, VP2)
-    logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
-    key = tl.where(j < V, _ordered_key(logit), -2147483648)
-    top = tl.max(logit, 0)
+@triton.jit
+def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP: tl.constexpr):
+    """The race over the tokens `tok` whose ordered keys are `key` (INT32_MIN: not drawable):
+    top-k (top_k < V), softmax at 1 / inv_temp, top-p, then argmax p / E. Returns the position
+    of the winner in `key`. Only one key-sized float tensor is live at a time (registers)."""
+    top = _key_value(tl.max(key, 0))
     if top_k < V:
         key = tl.where(key >= _kth_key(key, top_k), key, -2147483648)
     p = tl.where(key != -2147483648, tl.exp((_key_value(key) - top) * inv_temp), 0.0)  # the max has p = 1
     if top_p < 1.0:
         p = _nucleus_cut(p, top_p * tl.sum(p, 0))
     if KEEP:  # tests: which tokens can be drawn
-        tl.store(keep_ptr + row * V + j, (p > 0.0).to(tl.int8), mask=j < V)
+        tl.store(keep_ptr + row * V + tok, (p > 0.0).to(tl.int8), mask=live)
     # Noise: a hash of (seed, position, row, token) -> uniform u in [0, 1) with 24 bits
     k = _mix32(seed_lo.to(tl.uint32) ^ _mix32(seed_hi.to(tl.uint32) ^ _mix32(position.to(tl.uint32))))
-    h = _mix32(_mix32((row * V + tl.arange(0, VP2)).to(tl.uint32) ^ k))
+    h = _mix32(_mix32((row * V + tok).to(tl.uint32) ^ k))
     u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
     e = tl.maximum(-tl.log(1.0 - u), 1.1754944e-38)   # Exp(1); E > 0 so 0 / E stays 0
-    tl.store(out_ptr + row, tl.argmax(p / e, 0).to(tl.int64))
+    return tl.argmax(p / e, 0)
+
+
+@triton.jit
+def _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position,
+                VP2: tl.constexpr, KEEP: tl.constexpr):
+    j = tl.arange(0, VP2)
+    logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
+    key = tl.where(j < V, _ordered_key(logit), -2147483648)
+    win = _draw(key, j, j < V, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP)
+    tl.store(out_ptr + row, win.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["top_k", "seed_lo", "seed_hi", "position"])
+def _sample_kernel(logits_ptr, stride, out_ptr, keep_ptr, flag_ptr, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
+                   position, VP2: tl.constexpr, KEEP: tl.constexpr, FLAGGED: tl.constexpr):
+    # One program per row. FLAGGED: the two-stage sampler's fallback, which draws only the rows
+    # whose candidates overflowed (flag != 0) and leaves the others' draws alone.
+    row = tl.program_id(0)
+    if FLAGGED:
+        if tl.load(flag_ptr + row) != 0:
+            _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
+                        position, VP2, KEEP)
+    else:
+        _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
+                    position, VP2, KEEP)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def _candidates_kernel(logits_ptr, stride, key_ptr, tok_ptr, count_ptr, V, top_k, NCH, CH: tl.constexpr,
+                       CAP: tl.constexpr):
+    """Stage 1, one program per (row, chunk of CH tokens): the chunk's tokens at or above its own
+    k-th largest logit (ties included), in token order, as (key, token) in the chunk's CAP slots,
+    and how many there were (> CAP: they did not fit)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    j = c * CH + tl.arange(0, CH)
+    logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
+    key = tl.where(j < V, _ordered_key(logit), -2147483648)
+    # -inf is never drawn (p = 0), so it is no candidate: a run of masked tokens (a whole chunk
+    # tied at -inf) would otherwise overflow the slots. A chunk with fewer than k tokens keeps
+    # all its finite ones.
+    keep = (key >= _kth_key(key, top_k)) & (logit > float("-inf"))
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+    base = (row * NCH + c) * CAP
+    tl.store(key_ptr + base + slot, key, mask=keep & (slot < CAP))
+    tl.store(tok_ptr + base + slot, j, mask=keep & (slot < CAP))
+    tl.store(count_ptr + row * NCH + c, tl.sum(keep.to(tl.int32), 0))
+
+
+@triton.jit(do_not_specialize=["top_k", "seed_lo", "seed_hi", "position"])
+def _candidates_sample_kernel(key_ptr, tok_ptr, count_ptr, flag_ptr, out_ptr, keep_ptr, V, NCH, inv_temp, top_k,
+                              top_p, seed_lo, seed_hi, position, CAP: tl.constexpr, NP2: tl.constexpr,
+                              KEEP: tl.constexpr):
+    """Stage 2, one program per row: the race over the row's candidates, or flag = 1 for the
+    fallback when a chunk had more than CAP (ties at its k-th logit)."""
+    row = tl.program_id(0)
+    f = tl.arange(0, NP2)
+    c = f // CAP
+    n = tl.load(count_ptr + row * NCH + c, mask=c < NCH, other=0)
+    fits = tl.max(n, 0) <= CAP
+    tl.store(flag_ptr + row, tl.where(fits, 0, 1))
+    if fits:
+        live = (c < NCH) & (f % CAP < n)
+        key = tl.load(key_ptr + row * NCH * CAP + f, mask=live, other=-2147483648)
+        tok = tl.load(tok_ptr + row * NCH * CAP + f, mask=live, other=0)
+        win = _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP)
+        tl.store(out_ptr + row, tl.sum(tl.where(f == win, tok, 0), 0).to(tl.int64))
+
+
+def two_stage_plan(vocab_size: int, top_k: int | None, chunk: int = TWO_STAGE_CHUNK) -> tuple[int, int, int] | None:
+    """(chunk, chunks, slots per chunk) when the two-stage sampler applies, else None: top-k set, at
+    most TWO_STAGE_MAX_K and below the vocabulary, at least two chunks, and k's slots (a power of
+    two >= 16) no wider than half a chunk, so stage 2 has fewer candidates than the row has tokens.
+    `chunk`: a power of two (a program's tl.arange), or 0 for none."""
+    if chunk and chunk & (chunk - 1):
+        raise ValueError(f"sample_triton: chunk {chunk}; accepted: 0 or a power of two")
+    if not chunk or top_k is None or not 1 <= top_k <= TWO_STAGE_MAX_K or top_k >= vocab_size:
+        return None
+    cap = max(16, triton.next_power_of_2(top_k))
+    chunks = triton.cdiv(vocab_size, chunk)
+    if chunks < 2 or 2 * cap > chunk:
+        return None
+    return chunk, chunks, cap
 
 
 def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                  seed: int, position: int, keep_out: torch.Tensor | None = None) -> torch.Tensor:
-    """sample_next's distribution as one Triton launch: one token per row of `logits` (B, V) as a
-    (B,) long tensor. The draw is a function of (seed, position, row, logits): a step re-run at
-    the same position draws the same tokens. `keep_out` (B, V) int8, for tests: 1 where a token
-    could be drawn (inside top-k and top-p, probability > 0)."""
+                  seed: int, position: int, keep_out: torch.Tensor | None = None,
+                  chunk: int | None = None, fallback_out: torch.Tensor | None = None) -> torch.Tensor:
+    """sample_next's distribution in Triton: one token per row of `logits` (B, V) as a (B,) long
+    tensor. The draw is a function of (seed, position, row, logits): a step re-run at the same
+    position draws the same tokens, and with top-k alone the two-stage and one-program paths
+    draw the same token. `keep_out` (B, V) int8, for tests: 1 where a token could be drawn
+    (inside top-k and top-p, probability > 0). `chunk`: the two-stage sampler's chunk width
+    (two_stage_plan; None = TWO_STAGE_CHUNK, 0 = one program per row); `fallback_out` (B,) int32, for tests: 1 where a
+    row's candidates overflowed and the one-program fallback drew it."""
     B, V = logits.shape
     if V > MAX_TRITON_VOCAB:
         raise ValueError(f"sample_triton: vocabulary {V} > {MAX_TRITON_VOCAB} (a row must fit in registers); "
@@ -163,8 +257,26 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     vp2 = triton.next_power_of_2(V)
     seed %= 1 << 62
-    _sample_kernel[(B,)](logits, logits.stride(0), out, out if keep_out is None else keep_out, V,
-                         1.0 / temperature, V if top_k is None else min(top_k, V), 1.0 if top_p is None else top_p,
-                         seed & 0x7FFFFFFF, seed >> 31, position, VP2=vp2, KEEP=keep_out is not None,
-                         num_warps=max(4, min(SAMPLE_WARPS, vp2 // 1024)))
+    k = V if top_k is None else min(top_k, V)
+    p = 1.0 if top_p is None else top_p
+    draw = (1.0 / temperature, k, p, seed & 0x7FFFFFFF, seed >> 31, position)
+    keep = out if keep_out is None else keep_out
+    plan = two_stage_plan(V, k, TWO_STAGE_CHUNK if chunk is None else chunk)
+    flags = out
+    if plan is not None:
+        width, chunks, cap = plan
+        if keep_out is not None:
+            keep_out.zero_()  # the candidate path writes the candidates' entries only
+        buf = torch.empty(B * chunks * (2 * cap + 1) + B, dtype=torch.int32, device=logits.device)
+        keys, toks = buf[:B * chunks * cap], buf[B * chunks * cap:2 * B * chunks * cap]
+        counts, flags = buf[2 * B * chunks * cap:-B], buf[-B:]
+        _candidates_kernel[(B, chunks)](logits, logits.stride(0), keys, toks, counts, V, k, chunks, CH=width,
+                                        CAP=cap, num_warps=4)
+        np2 = triton.next_power_of_2(chunks) * cap
+        _candidates_sample_kernel[(B,)](keys, toks, counts, flags, out, keep, V, chunks, *draw, CAP=cap, NP2=np2,
+                                        KEEP=keep_out is not None, num_warps=4 if np2 <= 4096 else 8)
+    _sample_kernel[(B,)](logits, logits.stride(0), out, keep, flags, V, *draw, VP2=vp2, KEEP=keep_out is not None,
+                         FLAGGED=plan is not None, num_warps=max(4, min(SAMPLE_WARPS, vp2 // 1024)))
+    if fallback_out is not None:
+        fallback_out.copy_(flags if plan is not None else torch.ones_like(fallback_out))
     return out

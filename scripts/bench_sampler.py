@@ -4,9 +4,10 @@ Times each sampling setting for a (batch, vocab) row of logits over --calls back
 (CUDA events on a GPU, the wall clock on a CPU), the way the Engine calls it once per decode
 step. `multinomial` is the textbook sampler (top-k mask, softmax, torch.multinomial), which
 synchronises with the host on CUDA (pytorch/pytorch#108968); `topk` is torch.topk's k-th value
-alone next to sampling.kth_largest; `triton ...` (CUDA only) is the one-launch Triton sampler
-(nanochat/triton_sample.py) that the Engine uses on CUDA, also timed replayed from a CUDA graph
-(its GPU time without Python's launch overhead). Prints one JSON line per setting,
+alone next to sampling.kth_largest; `triton ...` (CUDA only) is the Triton sampler
+(nanochat/triton_sample.py) that the Engine uses on CUDA, two-stage with top-k, and `triton
+1-program ...` its one-program path; they are also timed replayed from a CUDA graph (GPU time
+without Python's launch overhead). Prints one JSON line per setting,
 then a table.
 
     python -m scripts.bench_sampler --vocab-size 32768 --batch 1
@@ -119,8 +120,10 @@ def main(argv=None) -> int:
         from nanochat.triton_sample import sample_triton
 
         for name, (k, p) in {"t1": (None, None), "t1 top-k 50": (50, None), "t1 top-p 0.9": (None, 0.9),
-                             "t1 top-k 50 top-p 0.9": (50, 0.9)}.items():
+                             "t1 top-k 50 top-p 0.9": (50, 0.9), "t1 top-k 200": (200, None)}.items():
             cases[f"triton {name}"] = lambda k=k, p=p: sample_triton(logits, 1.0, k, p, 0, 1)
+            if k is not None:  # the one-program path next to the two-stage one it replaced
+                cases[f"triton 1-program {name}"] = lambda k=k, p=p: sample_triton(logits, 1.0, k, p, 0, 1, chunk=0)
     rows = []
     for name, fn in cases.items():
         us = time_calls(fn, args.calls, args.device)
@@ -132,10 +135,10 @@ def main(argv=None) -> int:
         rows.append(row)
     print(f"\n{args.device}, batch {args.batch}, vocab {args.vocab_size}, {args.calls} calls each "
           "(us/call: back to back from Python; GPU us: replayed from a CUDA graph)")
-    print(f"{'case':<32}{'us/call':>10}{'GPU us':>10}")
+    print(f"{'case':<42}{'us/call':>10}{'GPU us':>10}")
     for r in rows:
         gpu = "-" if r["gpu_us_per_call"] is None else f"{r['gpu_us_per_call']:.1f}"
-        print(f"{r['case']:<32}{r['us_per_call']:>10.1f}{gpu:>10}")
+        print(f"{r['case']:<42}{r['us_per_call']:>10.1f}{gpu:>10}")
     return 0
 
 

@@ -136,6 +136,48 @@ print("OK")
 """
 
 
+# The two-stage top-k sampler against the one-program one, under the interpreter: V = 300 in
+# chunks of 64 (the last one partial), random rows, -inf runs and a row of heavy ties whose
+# candidates overflow their slots (the fallback draws it).
+TWO_STAGE_SCRIPT = r"""
+import torch
+from tests.test_sampling import reference_support
+from nanochat.triton_sample import TWO_STAGE_MAX_K, sample_triton, two_stage_plan
+
+assert two_stage_plan(300, 5, 64) == (64, 5, 16) and two_stage_plan(300, 20, 64) == (64, 5, 32)
+assert two_stage_plan(300, 40, 64) is None                      # 64 slots would fill a chunk
+assert two_stage_plan(32768, 50) == (1024, 32, 64) and two_stage_plan(32768, None) is None
+try:
+    two_stage_plan(32768, 50, chunk=1000)
+    raise SystemExit("a chunk that is not a power of two was accepted")
+except ValueError as e:
+    assert "chunk 1000" in str(e)
+assert two_stage_plan(32768, TWO_STAGE_MAX_K + 1) is None and two_stage_plan(32768, 50, chunk=0) is None
+assert two_stage_plan(1000, 50) is None                          # one chunk
+g = torch.Generator().manual_seed(0)
+rows = torch.randn(4, 300, generator=g) * 2
+rows[1] = torch.randint(0, 3, (300,), generator=g).float()       # ~21 ties per chunk: overflow
+rows[2, ::3] = float("-inf")
+rows[3, 3:290] = float("-inf")                                   # 4 finite tokens, fewer than most k
+for T, k, p, pos in [(1.0, 5, None, 1), (0.7, 13, None, 2), (1.3, 1, None, 3), (1.0, 16, 0.6, 4)]:
+    keep1, keep2 = torch.zeros(4, 300, dtype=torch.int8), torch.ones(4, 300, dtype=torch.int8)
+    fell = torch.zeros(4, dtype=torch.int32)
+    one = sample_triton(rows, T, k, p, 5, pos, keep_out=keep1, chunk=0)
+    two = sample_triton(rows, T, k, p, 5, pos, keep_out=keep2, chunk=64, fallback_out=fell)
+    assert fell.tolist() == [0, 1, 0, 0], (k, fell)
+    assert torch.equal(one, two), (T, k, p, one, two)
+    assert torch.equal(keep1, keep2), (T, k, p)
+    want = reference_support(rows, T, k, p) > 0
+    assert torch.equal(want[[0, 2, 3]], keep2[[0, 2, 3]].bool()), (T, k, p)
+    assert keep2.gather(1, two[:, None]).all()
+print("OK")
+"""
+
+
+def test_triton_two_stage_sampler_in_interpreter(run_triton_interpreted):
+    run_triton_interpreted(TWO_STAGE_SCRIPT)
+
+
 def reference_logits_k(logits, k):
     return logits.masked_fill(logits < kth_largest(logits, k), float("-inf"))
 
@@ -147,8 +189,9 @@ def test_triton_sampler_in_interpreter(run_triton_interpreted):
 @pytest.mark.cuda
 def test_triton_sampler_distribution_and_no_sync():
     """The Triton sampler's empirical distribution equals sample_next's (20,000 draws per setting,
-    a 4096-token row), it never synchronises with the host, and a re-run at the same position
-    draws the same tokens."""
+    a 4096-token row), it never synchronises with the host, a re-run at the same position draws
+    the same tokens, and with top-k the two-stage path draws what the one-program path draws
+    (32768-token rows, k up to 256, ties that take the fallback)."""
     from nanochat.triton_sample import sample_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -161,7 +204,15 @@ def test_triton_sampler_distribution_and_no_sync():
         assert (freq[want == 0] == 0).all(), (T, k, p)
         assert (freq - want).abs().max() < 0.012, (T, k, p, (freq - want).abs().max())
         assert torch.equal(drawn, sample_triton(rows, T, k, p, seed=1, position=100))
-    big = torch.randn(2, 32768, device="cuda")
+    big = torch.randn(8, 32768, device="cuda", generator=gen) * 3
+    big[1] = torch.randint(0, 3, (32768,), device="cuda", generator=gen).float()  # ties: the fallback
+    big[2, 100:] = float("-inf")                                                   # 100 finite tokens
+    for k in (1, 50, 256):  # the two-stage path draws what the one-program path draws
+        for pos in range(5):
+            fell = torch.zeros(8, dtype=torch.int32, device="cuda")
+            two = sample_triton(big, 0.9, k, None, 4, pos, fallback_out=fell)
+            assert torch.equal(two, sample_triton(big, 0.9, k, None, 4, pos, chunk=0)), (k, pos)
+            assert fell.tolist() == [0, 1] + [0] * 6, (k, fell)
     Sampler(big.device, 1.0, 1, 0.5, 0).warmup(32768)  # compiled here: no sync checks on that
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
