@@ -85,13 +85,15 @@ class PersistentDecodeStep:
     `block_rows_fc` for those two products (None: `block_rows`), `unroll` K chunks issued before
     the first is used, `num_warps` per program, `key_block` keys per attention step,
     `programs_per_sm`; `preload`, a bit mask over the GEMV phases (1 q/k/v, 2 attention proj,
-    4 fc, 8 MLP proj) whose first weight tile is loaded while the barrier before the phase waits.
+    4 fc, 8 MLP proj) whose first weight tile is loaded while the barrier before the phase waits;
+    `head_stages`, how the lm_head's tile loop overlaps loads (0 none, 1 the next tile's loads
+    before this tile's sums, 2..4 tl.range software pipelining; 1 measured best).
     `trace=True` records when each barrier opened (`phase_times()`)."""
 
     def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 256,
                  block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 64, unroll: int = 5,
                  block_rows_qkv: int | None = 32, block_rows_fc: int | None = 64,
-                 preload: int = 15, programs_per_sm: int = 1, trace: bool = False):
+                 preload: int = 15, programs_per_sm: int = 1, head_stages: int = 1, trace: bool = False):
         block_rows_qkv = block_rows if block_rows_qkv is None else block_rows_qkv
         block_rows_fc = block_rows if block_rows_fc is None else block_rows_fc
         for name, value in (("block_rows", block_rows), ("block_k", block_k), ("block_k_mlp", block_k_mlp),
@@ -101,6 +103,9 @@ class PersistentDecodeStep:
                 raise ValueError(f"persistent decode step {name}: got {value}; accepted: a power of two")
         if unroll < 1:
             raise ValueError(f"persistent decode step unroll: got {unroll}; accepted: an integer >= 1")
+        if not 0 <= head_stages <= 4:
+            raise ValueError(f"persistent decode step head_stages: got {head_stages}; accepted: 0 (plain), "
+                             "1 (the next tile loaded first), 2..4 (software-pipelined)")
         if not 0 <= preload <= 15:
             raise ValueError(f"persistent decode step preload: got {preload}; accepted: a bit mask 0..15 "
                              "(1 q/k/v, 2 attention proj, 4 fc, 8 MLP proj)")
@@ -126,7 +131,7 @@ class PersistentDecodeStep:
         self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
                           NCH_P2=p2(self._nch), BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
                           BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
-                          TRACE=trace, num_warps=num_warps, PRE=preload)
+                          TRACE=trace, num_warps=num_warps, PRE=preload, HS=head_stages)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:

@@ -9,9 +9,9 @@ reported and skipped.
 
     python -m scripts.bench_decode_kernel --depth 20 --trace --configs 16x256x512,16x256x512p0,16x256x1024
 
-Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]: block_rows x
+Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES]: block_rows x
 block_k x block_k_mlp, then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc,
-preload (a phase bit mask: 1 q/k/v, 2 proj, 4 fc, 8 MLP proj); PersistentDecodeStep's
+preload (a phase bit mask: 1 q/k/v, 2 proj, 4 fc, 8 MLP proj), head_stages; PersistentDecodeStep's
 defaults otherwise. The end-to-end comparison with the compiled CUDA-graph step is
 `scripts/bench_inference.py --graph-step persistent,compiled`.
 """
@@ -24,16 +24,17 @@ import re
 import statistics
 import sys
 
-CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?(?:p(\d+))?$")
+CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?(?:p(\d+))?"
+                       r"(?:h(\d+))?$")
 FIELDS = (("w", "num_warps"), ("u", "unroll"), ("k", "key_block"), ("q", "block_rows_qkv"), ("f", "block_rows_fc"),
-          ("p", "preload"))
+          ("p", "preload"), ("h", "head_stages"))
 
 
 def parse_config(text: str) -> dict:
     m = CONFIG_RE.match(text.strip())
     if m is None:
         raise ValueError(f"--configs: got {text!r}; accepted: "
-                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK], e.g. 16x512x512w8u10k64q32p1")
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES], e.g. 16x512x512w8u10k64q32p1h1")
     rows, k, kmlp, *rest = m.groups()
     conf = dict(block_rows=int(rows), block_k=int(k), block_k_mlp=int(kmlp))
     return conf | {name: int(v) for (_, name), v in zip(FIELDS, rest) if v is not None}

@@ -55,6 +55,11 @@ with torch.no_grad(), model.inference_weights():
     for layer in range(3):
         for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
             assert torch.allclose(a[layer][:, :, :20], b[layer][:, :, :20], atol=1e-5), layer
+    # the lm_head's tile loop plain, prefetched (the default) or pipelined: the same sums in the
+    # same order, bit for bit
+    for hs in (0, 2):
+        other = PersistentDecodeStep(model, cache, programs=3, key_block=4, head_stages=hs)
+        assert torch.equal(other(ids, kv_cache=StaticKV(cache, pos, keys)), got.view(1, 1, -1)), hs
 print("OK")
 """
 
@@ -222,7 +227,7 @@ def test_persistent_step_refuses_misaligned_tensors_and_bad_tiles(monkeypatch):
     with model.inference_weights():
         for bad, name in ((dict(block_rows=12), "block_rows"), (dict(block_rows_qkv=24), "block_rows_qkv"),
                           (dict(key_block=48), "key_block"), (dict(unroll=0), "unroll"),
-                          (dict(preload=16), "preload")):
+                          (dict(preload=16), "preload"), (dict(head_stages=-1), "head_stages")):
             with pytest.raises(ValueError, match=name):
                 PersistentDecodeStep(model, _cache(model), **bad)
     w = model.blocks[1].mlp.c_fc.weight
