@@ -171,11 +171,27 @@ def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu,
 
 
 @triton.jit
-def _epilogue(out, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI: tl.constexpr):
-    """0 store; 1 add the residual r_lam * ra[n] + r_mu * rb[n]; 2 relu^2; 3 softcap * tanh(. / softcap)."""
+def _residual(rows, n1, ra_ptr, rb_ptr, EPI: tl.constexpr):
+    """(ra[rows], rb[rows]) for an EPI = 1 epilogue (else zeros, nothing read). Loaded before the
+    tile's dot products: written phases ago, they wait on nothing, and issued after the
+    products' cross-warp reduction (a bar.sync, which loads do not cross) they cost every
+    program one more L2 round trip before the barrier."""
     if EPI == 1:
-        out += r_lam * tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
-        out += r_mu * tl.load(rb_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+        ra = tl.load(ra_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+        rb = tl.load(rb_ptr + rows, mask=rows < n1, other=0.0, cache_modifier=".cg")
+    else:
+        ra = tl.zeros(rows.shape, tl.float32)
+        rb = tl.zeros(rows.shape, tl.float32)
+    return ra, rb
+
+
+@triton.jit
+def _epilogue(out, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI: tl.constexpr):
+    """0 store; 1 add the residual r_lam * ra + r_mu * rb (_residual's values); 2 relu^2;
+    3 softcap * tanh(. / softcap)."""
+    if EPI == 1:
+        out += r_lam * ra
+        out += r_mu * rb
     elif EPI == 2:
         out = tl.maximum(out, 0.0)
         out = out * out
@@ -196,13 +212,15 @@ def _gemv(w_ptr, ws, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, eps, out_p
     n0 = pid * N // nprog
     n1 = (pid + 1) * N // nprog
     rows = n0 + tl.arange(0, BN)
+    ra, rb = _residual(rows, n1, ra_ptr, rb_ptr, EPI)
     out, ss = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, True)
     rstd = tl.rsqrt(ss / K + eps) if NORM else 1.0
-    _epilogue(out * rstd, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI)
+    _epilogue(out * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
     for n in range(n0 + BN, n1, BN):
         rows = n + tl.arange(0, BN)
+        ra, rb = _residual(rows, n1, ra_ptr, rb_ptr, EPI)
         out, _ = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, False)
-        _epilogue(out * rstd, rows, n1, out_ptr, ra_ptr, rb_ptr, r_lam, r_mu, softcap, EPI)
+        _epilogue(out * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
     return rstd
 
 
@@ -412,7 +430,7 @@ def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += ws[i].to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, r_last, r_last, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, rstd, rstd, 0.0, 0.0, softcap, 3)
                 ws = wn
         else:
             for n in tl.range(n0, n1, BN, num_stages=HS):
@@ -420,7 +438,7 @@ def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += _w_cols(head_ptr, rows, n1, C, i * BK_C, BK_C).to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, r_last, r_last, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, rstd, rstd, 0.0, 0.0, softcap, 3)
 
 
 @triton.jit
