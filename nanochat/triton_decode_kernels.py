@@ -233,10 +233,9 @@ def _layer_ptr(table, layer, col, ty: tl.constexpr):
 
 
 @triton.jit
-def _rotary_norm(base_ptr, d, partner, sign, cs, sn, eps, D: tl.constexpr):
-    """norm(rotate(x)) of one head's float32 vector: (x1, x2) -> (x1 c + x2 s, x2 c - x1 s)."""
-    x = tl.load(base_ptr + d, cache_modifier=".cg")
-    xp = tl.load(base_ptr + partner, cache_modifier=".cg")
+def _rotary_norm(x, xp, sign, cs, sn, eps, D: tl.constexpr):
+    """norm(rotate(x)) of one head's float32 vector x (xp: x at the partner index):
+    (x1, x2) -> (x1 c + x2 s, x2 c - x1 s)."""
     r = x * cs + sign * xp * sn
     return r * tl.rsqrt(tl.sum(r * r, 0) / D + eps)
 
@@ -313,12 +312,21 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
             kt, vt = kt0, vt0
         else:  # issued before the q/k/v math below, so their latencies overlap
             kt, vt = _kv_block(head_k, head_v, keys, tl.minimum(j1, pos), d, D)
-        q = _rotary_norm(qkv_ptr + h * D, d, partner, sign, cs, sn, eps, D) * sm_scale
-        k_new = _rotary_norm(qkv_ptr + (H + g) * D, d, partner, sign, cs, sn, eps, D)
+        # Every load of the unit goes out before the first reduction: a load after a cross-warp
+        # reduction (a bar.sync, which loads do not cross) would wait for it, one more L2 round
+        # trip each for k, v and the value embedding.
+        qx = tl.load(qkv_ptr + h * D + d, cache_modifier=".cg")
+        qp = tl.load(qkv_ptr + h * D + partner, cache_modifier=".cg")
+        kx = tl.load(qkv_ptr + (H + g) * D + d, cache_modifier=".cg")
+        kp = tl.load(qkv_ptr + (H + g) * D + partner, cache_modifier=".cg")
         v_new = tl.load(qkv_ptr + (H + HKV + g) * D + d, cache_modifier=".cg")
+        gate = tl.load(gate_ptr + g, cache_modifier=".cg")  # scratch: used only with value embeddings
+        ve_d = d < tl.where(has_ve != 0, D, 0)  # a (D,) mask: no table, nothing read
+        ve_row = tl.load(ve + tok * (HKV * D) + g * D + d, mask=ve_d, other=0.0).to(tl.float32)
+        q = _rotary_norm(qx, qp, sign, cs, sn, eps, D) * sm_scale
+        k_new = _rotary_norm(kx, kp, sign, cs, sn, eps, D)
         if has_ve != 0:
-            gate = tl.load(gate_ptr + g, cache_modifier=".cg")
-            v_new += gate * tl.load(ve + tok * (HKV * D) + g * D + d).to(tl.float32)
+            v_new += gate * ve_row
         k_new = k_new.to(cty).to(tl.float32)  # what the cache holds for later steps
         v_new = v_new.to(cty).to(tl.float32)
         if (c == 0) & (h % GROUP == 0):
