@@ -438,7 +438,7 @@ def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += ws[i].to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, rstd, rstd, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
                 ws = wn
         else:
             for n in tl.range(n0, n1, BN, num_stages=HS):
@@ -446,7 +446,7 @@ def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += _w_cols(head_ptr, rows, n1, C, i * BK_C, BK_C).to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, rstd, rstd, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
 
 
 @triton.jit

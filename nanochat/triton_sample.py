@@ -14,8 +14,9 @@ cost (39 us of the ~750 us batch-1 d20 token on the H100), so the row is split (
      at or above its own k-th largest logit, in token order (-inf left out: never drawn). Every
      drawable token of the row's top-k is among them (the row's k-th largest is >= every
      chunk's), so the race over the candidates is the race over the row: same cut-offs, same
-     noise per token, same order for argmax's ties, hence the same token as the one-program path (with top-p the sum of p is taken in
-     another order, so a token right at the nucleus edge can differ in the last bit).
+     noise per token, same order for argmax's ties, hence the same token as the one-program
+     path (with top-p the sum of p is taken in another order, so a token right at the nucleus
+     edge can differ in the last bit).
   2. `_candidates_sample_kernel`, one program per row: the race over the (chunks x slots)
      candidates.
   3. Ties at a chunk's k-th logit can leave more candidates than its slots; stage 2 then flags
@@ -210,12 +211,14 @@ def _candidates_sample_kernel(key_ptr, tok_ptr, count_ptr, flag_ptr, out_ptr, ke
     f = tl.arange(0, NP2)
     c = f // CAP
     n = tl.load(count_ptr + row * NCH + c, mask=c < NCH, other=0)
+    # the candidates are loaded before the max over the counts: a load after that reduction
+    # (a bar.sync) would wait for it
+    live = (c < NCH) & (f % CAP < n)
+    key = tl.load(key_ptr + row * NCH * CAP + f, mask=live, other=-2147483648)
+    tok = tl.load(tok_ptr + row * NCH * CAP + f, mask=live, other=0)
     fits = tl.max(n, 0) <= CAP
     tl.store(flag_ptr + row, tl.where(fits, 0, 1))
     if fits:
-        live = (c < NCH) & (f % CAP < n)
-        key = tl.load(key_ptr + row * NCH * CAP + f, mask=live, other=-2147483648)
-        tok = tl.load(tok_ptr + row * NCH * CAP + f, mask=live, other=0)
         win = _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP)
         tl.store(out_ptr + row, tl.sum(tl.where(f == win, tok, 0), 0).to(tl.int64))
 
