@@ -247,8 +247,8 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     position draws the same tokens, and with top-k alone the two-stage and one-program paths
     draw the same token. `keep_out` (B, V) int8, for tests: 1 where a token could be drawn
     (inside top-k and top-p, probability > 0). `chunk`: the two-stage sampler's chunk width
-    (two_stage_plan; None = TWO_STAGE_CHUNK, 0 = one program per row); `fallback_out` (B,) int32, for tests: 1 where a
-    row's candidates overflowed and the one-program fallback drew it."""
+    (two_stage_plan; None = TWO_STAGE_CHUNK, 0 = one program per row). `fallback_out` (B,)
+    int32, for tests: 1 where a row's candidates overflowed and the one-program fallback drew it."""
     B, V = logits.shape
     if V > MAX_TRITON_VOCAB:
         raise ValueError(f"sample_triton: vocabulary {V} > {MAX_TRITON_VOCAB} (a row must fit in registers); "
@@ -263,9 +263,9 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     k = V if top_k is None else min(top_k, V)
     p = 1.0 if top_p is None else top_p
     draw = (1.0 / temperature, k, p, seed & 0x7FFFFFFF, seed >> 31, position)
-    keep = out if keep_out is None else keep_out
+    keep = out if keep_out is None else keep_out  # KEEP=False: a pointer the kernels never touch
     plan = two_stage_plan(V, k, TWO_STAGE_CHUNK if chunk is None else chunk)
-    flags = out
+    flags = out  # likewise without FLAGGED
     if plan is not None:
         width, chunks, cap = plan
         if keep_out is not None:
