@@ -18,7 +18,8 @@ is why it stays far from the roofline. Tried and slower (CHANGELOG_GB10.md has t
 prefetch of coming phases' weights (per-thread prefetch.global.L2, before or two phases ahead),
 two programs per SM, the next row tile loaded one step ahead, 8-row tiles, 32-key blocks.
 
-The kernel itself, its phases and its grid barrier: nanochat/triton_decode_kernels.py.
+The kernel itself, its phases and its grid barrier: nanochat/triton_decode_kernels.py (its
+attention phase: nanochat/triton_decode_attention.py).
 """
 
 from __future__ import annotations
