@@ -72,9 +72,13 @@ class StaticDecoder:
         self._host = torch.zeros(B + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        # Pinned host landing buffer for the sampled tokens (`fetch`) and its ready event.
+        # Pinned host landing buffer for the sampled tokens (`fetch`), its ready event, and the side
+        # stream its copies run on.
         self._sampled_host = torch.zeros(B, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._fetch_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._positions = torch.arange(cache.seq_len, dtype=torch.long, device=self.device)  # step_sampled
         self._key_pos: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0   # graphs captured so far (one per bucket used)
@@ -101,8 +105,9 @@ class StaticDecoder:
         """`step` fed from a device tensor of sampled tokens (B,): no host round trip, so it can be
         queued before the host has read the samples (the Engine's one-step lookahead)."""
         length = self._check_position(position)
-        self.ids.copy_(sampled.view(self.batch_size, 1))
-        self.pos.fill_(position)
+        # one kernel writes tokens and position (from a device table): a device copy and a fill
+        # were two stream ops with ~2.5 us gaps each (H100 profile)
+        torch.cat((sampled.view(self.batch_size), self._positions[position:position + 1]), out=self.inputs)
         return self._launch(length)
 
     def _check_position(self, position: int) -> int:
@@ -122,11 +127,18 @@ class StaticDecoder:
 
     def fetch(self, sampled: torch.Tensor):
         """Start copying `sampled` (B,) to the host; returns a function that waits for exactly that
-        copy (not for work queued after it) and gives the tokens as a list."""
-        self._sampled_host.copy_(sampled, non_blocking=True)
+        copy (not for work queued after it) and gives the tokens as a list. The copy runs on a
+        side stream: on the compute stream the next step would wait for the copy engine first
+        (batch-1 d20 on the H100: ~18 us per token of gaps around the copy, torch profiler)."""
         if self._fetched is None:
+            self._sampled_host.copy_(sampled)
             return self._sampled_host.tolist
-        self._fetched.record()
+        self._sampled_ready.record()
+        self._fetch_stream.wait_event(self._sampled_ready)
+        with torch.cuda.stream(self._fetch_stream):
+            self._sampled_host.copy_(sampled, non_blocking=True)
+            self._fetched.record()
+        sampled.record_stream(self._fetch_stream)  # its memory is not reused before the copy read it
 
         def wait() -> list[int]:
             self._fetched.synchronize()
