@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of auto|torch|triton: how tokens are drawn (nanochat/sampling.py; auto: "
                         "the Triton kernel on CUDA); rows other than auto are labelled <mode>+<sampler>")
     p.add_argument("--profile", action="store_true",
-                   help="static/graphs modes: print the top kernels of one decode step (torch.profiler)")
+                   help="static/graphs modes: print the top kernels of one decode step, and the GPU "
+                        "timeline of generated tokens end to end (busy, idle, the largest gaps; torch.profiler)")
     p.add_argument("--ttft-lengths", "--ttft_lengths", dest="ttft_lengths", default="",
                    help="comma list of prompt lengths: after warmup, the time to first token of one "
                         "request at each (lengths not seen before: what a chat server's requests pay)")
@@ -321,6 +322,7 @@ def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler,
         print(json.dumps(rows[-1]), flush=True)
     if args.profile and engine.decoders and rt.device_type == "cuda":
         profile_step(engine, args.batch_sizes[0], len(prompt) + args.decode_tokens // 2)
+        profile_generate(engine, prompt, args.batch_sizes[0])
     print(json.dumps({"bench": "mode_done", "decode": label(engine),
                       "seconds": time.perf_counter() - t0}), flush=True)
     del engine
@@ -347,6 +349,44 @@ def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:
             torch.cuda.synchronize()
     print(f"profile: batch {decoder.batch_size}, bucket {length}, per {steps} steps", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+def profile_generate(engine, prompt, batch: int, tokens: int = 50) -> None:
+    """GPU timeline of `tokens` tokens of Engine.generate (temperature 1, top-k 50) after 10 warm
+    ones: per token the span from the first kernel's start to the last's end, the time some
+    kernel or copy ran (busy), the rest (idle: launch gaps, waits), and the largest gaps between
+    neighbours in start order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = engine.generate(prompt, num_samples=batch, max_tokens=tokens + 11, temperature=1.0, top_k=50,
+                          stop_tokens=())
+    for _ in range(10):
+        next(gen)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(tokens):
+            next(gen)
+        torch.cuda.synchronize()
+    gen.close()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    span = (evs[-1].time_range.end - evs[0].time_range.start) / tokens
+    busy, end = 0.0, evs[0].time_range.start   # the union of the intervals (copies overlap kernels)
+    for e in evs:
+        start = max(end, e.time_range.start)
+        busy += max(0.0, e.time_range.end - start)
+        end = max(end, e.time_range.end)
+    busy /= tokens
+    print(f"generate timeline: batch {batch}, {tokens} tokens: span {span:.1f} us per token, "
+          f"busy {busy:.1f}, idle {span - busy:.1f}", flush=True)
+    gaps: dict = {}
+    for a, b in zip(evs, evs[1:]):
+        g = gaps.setdefault(f"{a.name[:40]} -> {b.name[:40]}", [0, 0.0])
+        g[0] += 1
+        g[1] += max(0.0, b.time_range.start - a.time_range.end)
+    for name, (n, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:6]:
+        print(f"  gap {us / n:7.1f} us x{n:4d}  {name}", flush=True)
 
 
 def print_table(rows, spec, args, params, rt) -> None:
