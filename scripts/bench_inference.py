@@ -351,11 +351,27 @@ def profile_step(engine, batch: int, position: int, steps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
+def timeline(events) -> tuple[float, dict]:
+    """(busy, gaps) of (name, start, end) events sorted by start: busy is the length of their
+    union; gaps maps "A -> B" to [count, total] of the idle stretches that B ended, A being the
+    event that had ended last before it (events on other streams may overlap)."""
+    busy, gaps, last, end = 0.0, {}, None, None
+    for name, start, stop in events:
+        if end is not None and start > end:
+            g = gaps.setdefault(f"{last[:40]} -> {name[:40]}", [0, 0.0])
+            g[0] += 1
+            g[1] += start - end
+        if end is None or stop > end:
+            busy += stop - (start if end is None else max(start, end))
+            last, end = name, stop
+    return busy, gaps
+
+
 def profile_generate(engine, prompt, batch: int, tokens: int = 50) -> None:
     """GPU timeline of `tokens` tokens of Engine.generate (temperature 1, top-k 50) after 10 warm
     ones: per token the span from the first kernel's start to the last's end, the time some
-    kernel or copy ran (busy), the rest (idle: launch gaps, waits), and the largest gaps between
-    neighbours in start order."""
+    kernel or copy ran (busy), the rest (idle: launch gaps, waits), and the largest idle gaps, each
+    named by the event that ended last before it and the one that ended it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -372,19 +388,10 @@ def profile_generate(engine, prompt, batch: int, tokens: int = 50) -> None:
     evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
     span = (evs[-1].time_range.end - evs[0].time_range.start) / tokens
-    busy, end = 0.0, evs[0].time_range.start   # the union of the intervals (copies overlap kernels)
-    for e in evs:
-        start = max(end, e.time_range.start)
-        busy += max(0.0, e.time_range.end - start)
-        end = max(end, e.time_range.end)
+    busy, gaps = timeline([(e.name, e.time_range.start, e.time_range.end) for e in evs])
     busy /= tokens
     print(f"generate timeline: batch {batch}, {tokens} tokens: span {span:.1f} us per token, "
           f"busy {busy:.1f}, idle {span - busy:.1f}", flush=True)
-    gaps: dict = {}
-    for a, b in zip(evs, evs[1:]):
-        g = gaps.setdefault(f"{a.name[:40]} -> {b.name[:40]}", [0, 0.0])
-        g[0] += 1
-        g[1] += max(0.0, b.time_range.start - a.time_range.end)
     for name, (n, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:6]:
         print(f"  gap {us / n:7.1f} us x{n:4d}  {name}", flush=True)
 

@@ -622,3 +622,16 @@ def test_bench_inference_decode_kernel_rows_and_reset(capsys):
     finally:
         A.set_decode_kernel(A.DEFAULT_DECODE_KERNEL)
 
+
+
+def test_bench_inference_timeline_busy_and_idle_gaps():
+    """bench_inference --profile's timeline: busy is the union of the events (a copy on another
+    stream overlapping a kernel counts once), and each idle stretch is named by the event that
+    ended last before it, not by its neighbour in start order."""
+    from scripts.bench_inference import timeline
+
+    events = [("step", 0.0, 100.0), ("copy", 10.0, 12.0), ("sample", 103.0, 110.0), ("step", 112.0, 200.0)]
+    busy, gaps = timeline(events)
+    assert busy == 100.0 + 7.0 + 88.0
+    assert gaps == {"step -> sample": [1, 3.0], "sample -> step": [1, 2.0]}
+    assert timeline([]) == (0.0, {})
