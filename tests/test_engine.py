@@ -623,7 +623,6 @@ def test_bench_inference_decode_kernel_rows_and_reset(capsys):
         A.set_decode_kernel(A.DEFAULT_DECODE_KERNEL)
 
 
-
 def test_bench_inference_timeline_busy_and_idle_gaps():
     """bench_inference --profile's timeline: busy is the union of the events (a copy on another
     stream overlapping a kernel counts once), and each idle stretch is named by the event that
