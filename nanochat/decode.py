@@ -78,7 +78,6 @@ class StaticDecoder:
         self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self._sampled_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self._fetch_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._positions = torch.arange(cache.seq_len, dtype=torch.long, device=self.device)  # step_sampled
         self._key_pos: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0   # graphs captured so far (one per bucket used)
@@ -107,7 +106,8 @@ class StaticDecoder:
         length = self._check_position(position)
         # one kernel writes tokens and position (from a device table): a device copy and a fill
         # were two stream ops with ~2.5 us gaps each (H100 profile)
-        torch.cat((sampled.view(self.batch_size), self._positions[position:position + 1]), out=self.inputs)
+        positions = self._key_positions(self.cache.seq_len)  # the device table 0..seq_len-1
+        torch.cat((sampled.view(self.batch_size), positions[position:position + 1]), out=self.inputs)
         return self._launch(length)
 
     def _check_position(self, position: int) -> int:
