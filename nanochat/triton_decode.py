@@ -40,7 +40,7 @@ def _interpreted() -> bool:
 def unsupported(model, cache) -> str | None:
     """Why `PersistentDecodeStep(model, cache)` cannot run, or None. Needs: batch 1; the model's
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
-    dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim >= 16; a CUDA
+    dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim in 16..1024; a CUDA
     device of compute capability >= 8, or the Triton interpreter."""
     from nanochat.gpt import GPT, Linear
 
@@ -60,8 +60,8 @@ def unsupported(model, cache) -> str | None:
         return (f"weights and KV cache must share one dtype (wte {dtype}, cache {cache.k[0].dtype}); "
                 "load the model in its compute dtype (inference keeps no fp32 master copy)")
     D = model.config.head_dim
-    if D < 16 or D & (D - 1):
-        return f"head_dim {D} (needs a power of two >= 16)"
+    if D < 16 or D > 1024 or D & (D - 1):  # <= 1024: the softmax's fixed shift (triton_decode_attention)
+        return f"head_dim {D} (needs a power of two in 16..1024)"
     device = cache.k[0].device
     if _interpreted():
         return None if device.type == "cpu" else "TRITON_INTERPRET=1 runs CPU tensors only"
@@ -129,8 +129,7 @@ class PersistentDecodeStep:
         self._alloc_scratch(cfg, dev)
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         p2 = triton.next_power_of_2
-        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch,
-                          NCH_P2=p2(self._nch), BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
+        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch, BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
                           BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
                           TRACE=trace, num_warps=num_warps, PRE=preload, HS=head_stages)
 
@@ -160,9 +159,8 @@ class PersistentDecodeStep:
         self._resid = torch.zeros((2 * cfg.n_layer + 1) * C, **f32)
         self._qkv = torch.zeros((H + 2 * Hkv) * D, **f32)
         self._gate = torch.zeros(Hkv, **f32)
-        self._part = torch.zeros(H * self._nch * (D + 2), **f32)
-        self._count = torch.zeros(H, dtype=torch.int32, device=dev)
-        self._y = torch.zeros(H * D, **f32)
+        f64 = dict(dtype=torch.float64, device=dev)  # exact sums of the attention's float32 partials
+        self._ynum, self._yden = torch.zeros(H * D, **f64), torch.zeros(H * D, **f64)
         self._hidden = torch.zeros(4 * C, **f32)
         self._barrier = torch.zeros(self.programs, dtype=torch.int64, device=dev)  # grid-barrier flags
         self._trace = torch.zeros(5 * cfg.n_layer + 3, dtype=torch.int64, device=dev)  # trace=True
@@ -213,8 +211,8 @@ class PersistentDecodeStep:
     def launch(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
         m, cfg = self.model, self.config
         args = (ids, pos, m.wte.weight, m.lm_head.weight, m.cos, m.sin, m.resid_lambdas, m.x0_lambdas,
-                self._table, self._windows, self._resid, self._qkv, self._gate, self._part, self._count,
-                self._y, self._hidden, self._barrier, self.logits, self._trace)
+                self._table, self._windows, self._resid, self._qkv, self._gate, self._ynum, self._yden,
+                self._hidden, self._barrier, self.logits, self._trace)
         scalars = dict(L=cfg.n_layer, V=cfg.vocab_size, T_CACHE=self.cache.seq_len, softcap=float(cfg.softcap),
                        eps=torch.finfo(torch.float32).eps, sm_scale=cfg.head_dim ** -0.5)
         grid = (self.programs,)

@@ -8,11 +8,11 @@ attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
             2 sigmoid(Wg @ norm(s)[:32]).
   2. attn:  units (head, key chunk): RoPE + QK-norm of q and the new k (recomputed per unit), the
             new v (+ gate * value-embedding row); the unit (kv head, chunk 0) writes the new k/v
-            into the cache; online softmax over the chunk (keys < pos from the cache, key pos from
+            into the cache; the chunk's softmax sums (keys < pos from the cache, key pos from
             registers, only keys inside the layer's window; a program's first key block is loaded
-            before the barrier opens); the last unit of a head to finish (an atomic counter) merges
-            the head's chunks into y.
-  3. proj:  r_mid = s + Wo @ y.
+            before the barrier opens) added into y_num / y_den with float64 atomics (zeroed by
+            the q/k/v phase; why: nanochat/triton_decode_attention.py).
+  3. proj:  r_mid = s + Wo @ y, y = y_num / y_den.
   4. fc:    h = relu(Wfc @ norm(r_mid))^2.
   5. proj2: r_out = r_mid + Wp2 @ h.
 and finally logits = softcap * tanh(lm_head @ norm(r_L)) over the real vocabulary.
@@ -97,9 +97,12 @@ def _rstd(a_ptr, b_ptr, lam, mu, K, eps, MIX: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _mix(a_ptr, b_ptr, lam, mu, cols, K, MIX: tl.constexpr):
-    """A chunk of float32 s = lam * a + mu * b (MIX) or s = a; columns >= K read as 0."""
+    """A chunk of float32 s: MIX 0 a, 1 lam * a + mu * b, 2 a / b (the attention's float64 sums);
+    columns >= K read as 0."""
     x = tl.load(a_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if MIX:
+    if MIX == 2:
+        x = x / tl.load(b_ptr + cols, mask=cols < K, other=1.0, cache_modifier=".cg").to(tl.float32)
+    elif MIX == 1:
         x = lam * x + mu * tl.load(b_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
     return x
 
@@ -235,14 +238,20 @@ def _layer_ptr(table, layer, col, ty: tl.constexpr):
 
 
 @triton.jit
-def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty: tl.constexpr,
-               C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr,
-               HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid, nprog, ws,
+               wty: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+               GATE: tl.constexpr, HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr,
+               UNROLL: tl.constexpr):
     r = resid + 2 * layer * C
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     rstd = _gemv(_layer_ptr(table, layer, P_QKV, wty), ws, (H + 2 * HKV) * D, C, r, resid, lam, mu, eps, qkv_ptr,
                  r, r, 0.0, 0.0, 0.0, pid, nprog, True, True, 0, BN_Q, BK_C, UNROLL)
+    if pid == nprog - 1:  # the attention's sums start at zero (program 0 computes the gate below)
+        zi = tl.arange(0, D)
+        for z0 in range(0, H * D, D):
+            tl.store(ynum_ptr + z0 + zi, tl.zeros([D], tl.float64))
+            tl.store(yden_ptr + z0 + zi, tl.zeros([D], tl.float64))
     gate_w = tl.load(table + layer * N_PTRS + P_GATE)
     if (pid == 0) & (gate_w != 0):
         gi = tl.arange(0, HKV_P2)
@@ -255,13 +264,13 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid
 
 
 @triton.jit
-def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
-                BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty: tl.constexpr,
+                C: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     r = resid + 2 * layer * C
-    _gemv(_layer_ptr(table, layer, P_WO, wty), ws, C, C, y_ptr, y_ptr, 1.0, 0.0, 0.0, r + C,
-          r, resid, lam, mu, 0.0, pid, nprog, False, False, 1, BN, BK_C, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_WO, wty), ws, C, C, ynum_ptr, yden_ptr, 1.0, 0.0, 0.0, r + C,
+          r, resid, lam, mu, 0.0, pid, nprog, 2, False, 1, BN, BK_C, UNROLL)
 
 
 @triton.jit
@@ -361,10 +370,10 @@ def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHA
 @triton.jit
 def decode_step_kernel(
         tok_ptr, pos_ptr, wte_ptr, head_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
-        resid, qkv_ptr, gate_ptr, part_ptr, count_ptr, y_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
+        resid, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
         layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
         C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-        GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
+        GATE: tl.constexpr, HKV_P2: tl.constexpr, NCH: tl.constexpr,
         PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
         BK_F: tl.constexpr,
         BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr, PRE: tl.constexpr, TRACE: tl.constexpr,
@@ -396,8 +405,8 @@ def decode_step_kernel(
         ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, wty, C, QKV_N,
                      BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         for layer in range(L):
-            _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty,
-                       C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+            _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
+                       nprog, ws, wty, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
             kc = _layer_ptr(table, layer, P_KC, wty)
             vc = _layer_ptr(table, layer, P_VC, wty)
             window = tl.load(windows_ptr + layer)
@@ -407,12 +416,12 @@ def decode_step_kernel(
             _wait(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, P_P2, TRACE)
             _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer, P_VE, wty),
                              tl.load(table + layer * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
-                             part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
-                             H, HKV, D, NCH, NCH_P2, BKEY)
+                             ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, BKEY)
             epoch += 1
             wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, wty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, wo, wty, C, BN, BK_C, UNROLL)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, C, BN, BK_C,
+                        UNROLL)
             epoch += 1
             wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, wty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
@@ -436,17 +445,17 @@ def decode_step_kernel(
         kt0, vt0 = _attn_prefetch(kc, vc, pos, window, T_CACHE, pid, H, HKV, D, NCH, BKEY)
         _attention_phase(qkv_ptr, gate_ptr, kc, vc, _layer_ptr(table, layer_arg, P_VE, wty),
                          tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
-                         part_ptr, count_ptr, y_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, NCH_P2,
-                         BKEY)
+                         ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, BKEY)
     elif PHASE == 6:
         _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL, HS)
     elif PHASE > 0:  # a GEMV phase of layer_arg: 1 qkv, 3 proj, 4 fc, 5 proj2
         ws = _w_phase(table, layer_arg, True, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
         if PHASE == 1:
-            _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, eps, pid, nprog, ws, wty,
-                       C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+            _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
+                       nprog, ws, wty, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
         elif PHASE == 3:
-            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, y_ptr, pid, nprog, ws, wty, C, BN, BK_C, UNROLL)
+            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty, C, BN,
+                        BK_C, UNROLL)
         elif PHASE == 4:
             _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, ws, wty, C, BN_FC, BK_C, UNROLL)
         else:
