@@ -43,9 +43,9 @@ top-k 50, bench_inference): "graphs" decodes at 1.34 ms per step at batch 1 and 
 rest is mostly the sampling kernels, which still run between replays), against 7.16 ms and
 minutes of recompiles with "compile"; graph_step="eager" (unfused kernels) 3.3 ms at batch 1.
 The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/s. Since then
-(CHANGELOG_GB10.md): batch 1 with graph_step="persistent" and the Triton sampler, 0.69-0.70 ms per
-token (1,435-1,440 tok/s; the kernel 0.662-0.670 ms, the two-stage top-k 50 sampler 13 us of GPU time, and the
-sampled tokens' copy to the host on a side stream, StaticDecoder.fetch).
+(CHANGELOG_GB10.md): batch 1 with graph_step="persistent" and the Triton sampler, 0.66-0.67 ms per
+token (1,498-1,511 tok/s; the kernel 0.635-0.638 ms, the two-stage top-k 50 sampler 13 us of GPU time,
+and the sampled tokens' copy to the host on a side stream, StaticDecoder.fetch).
 The prompt prefill is always the plain model (one compute-bound forward per request). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the
 second decodes eagerly with a private cache instead of sharing the persistent one.
