@@ -70,11 +70,22 @@ def _wait(flags, epoch, pid, nprog, trace_ptr, slot, P_P2: tl.constexpr, TRACE: 
     seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
     while seen < epoch:
         seen = tl.min(tl.load(flags + i, mask=i < nprog, other=epoch, volatile=True), 0)
-    tl.atomic_add(flags + pid, 0, sem="acquire", scope="gpu")  # later loads see the others' stores
+    _acquire(flags + pid)  # later loads see the others' stores
     tl.debug_barrier()
     if TRACE:
         if pid == 0:  # when the barrier opened, for the phase timings (PersistentDecodeStep.trace)
             tl.store(trace_ptr + slot, _globaltimer())
+
+
+@triton.jit
+def _acquire(ptr):
+    """An ld.acquire.gpu of `ptr` (its value unused). Not tl.atomic_add(ptr, 0, sem="acquire"):
+    Triton 3.6 turns that into a load and, its result unused, deletes it (the PTX had no acquire).
+    ptxas follows this load with CCTL.IVALL (L1 invalidated), so even L1-cached loads after the
+    barrier would see the other programs' stores; the kernel reads those with .cg anyway (L1
+    reads of them were not faster: CHANGELOG_GB10.md, session 22)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
