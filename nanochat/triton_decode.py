@@ -40,8 +40,8 @@ def _interpreted() -> bool:
 def unsupported(model, cache) -> str | None:
     """Why `PersistentDecodeStep(model, cache)` cannot run, or None. Needs: batch 1; the model's
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
-    dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim in 16..1024; a CUDA
-    device of compute capability >= 8, or the Triton interpreter."""
+    dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim in 16..1024; a
+    CUDA device of compute capability >= 8, or the Triton interpreter."""
     from nanochat.gpt import GPT, Linear
 
     if not isinstance(model, GPT):
@@ -129,9 +129,10 @@ class PersistentDecodeStep:
         self._alloc_scratch(cfg, dev)
         C, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
         p2 = triton.next_power_of_2
-        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch, BN=block_rows, BN_Q=block_rows_qkv, BN_FC=block_rows_fc,
-                          BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block, P_P2=p2(programs), UNROLL=unroll,
-                          TRACE=trace, num_warps=num_warps, PRE=preload, HS=head_stages)
+        self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch, BN=block_rows,
+                          BN_Q=block_rows_qkv, BN_FC=block_rows_fc, BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block,
+                          P_P2=p2(programs), UNROLL=unroll, TRACE=trace, num_warps=num_warps, PRE=preload,
+                          HS=head_stages)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:
