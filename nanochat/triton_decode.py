@@ -161,7 +161,7 @@ class PersistentDecodeStep:
         self._qkv = torch.zeros((H + 2 * Hkv) * D, **f32)
         self._gate = torch.zeros(Hkv, **f32)
         f64 = dict(dtype=torch.float64, device=dev)  # exact sums of the attention's float32 partials
-        self._ynum, self._yden = torch.zeros(H * D, **f64), torch.zeros(H * D, **f64)
+        self._ynum, self._yden = torch.zeros(H * D, **f64), torch.zeros(H, **f64)
         self._hidden = torch.zeros(4 * C, **f32)
         self._barrier = torch.zeros(self.programs, dtype=torch.int64, device=dev)  # grid-barrier flags
         self._trace = torch.zeros(5 * cfg.n_layer + 3, dtype=torch.int64, device=dev)  # trace=True

@@ -74,8 +74,8 @@ def _attend(kt, vt, keys, lim, q, shift, l_i, acc):
 def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
                      ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0,
                      H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NCH: tl.constexpr, BKEY: tl.constexpr):
-    """Every unit adds its chunk's sum p v into y_num[h] and sum p into each of y_den[h]'s D
-    slots (float64 atomics; both zeroed by the q/k/v phase; module docstring)."""
+    """Every unit adds its chunk's sum p v into y_num[h] (D values) and sum p into y_den[h]
+    (float64 atomics; both zeroed by the q/k/v phase; module docstring)."""
     cty = kc.dtype.element_ty
     lo, chunk, nch = _attn_split(pos, window, NCH, BKEY)
     HALF: tl.constexpr = D // 2
@@ -127,5 +127,4 @@ def _attention_phase(qkv_ptr, gate_ptr, kc, vc, ve, has_ve, tok, pos, window, T_
             kt, vt = _kv_block(head_k, head_v, keys, lim, d, D)
             l_i, acc = _attend(kt, vt, keys, lim, q, shift, l_i, acc)
         tl.atomic_add(ynum_ptr + h * D + d, acc.to(tl.float64), sem="relaxed", scope="gpu")
-        tl.atomic_add(yden_ptr + h * D + d, (tl.zeros([D], tl.float32) + l_i).to(tl.float64), sem="relaxed",
-                      scope="gpu")
+        tl.atomic_add(yden_ptr + h, l_i.to(tl.float64), sem="relaxed", scope="gpu")

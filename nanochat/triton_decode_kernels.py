@@ -12,7 +12,7 @@ attention, slot 2l+2 = after the MLP; slot 0 = x0 = norm(wte[token])):
             registers, only keys inside the layer's window; a program's first key block is loaded
             before the barrier opens) added into y_num / y_den with float64 atomics (zeroed by
             the q/k/v phase; why: nanochat/triton_decode_attention.py).
-  3. proj:  r_mid = s + Wo @ y, y = y_num / y_den.
+  3. proj:  r_mid = s + Wo @ y, y = y_num / y_den (one y_den per head).
   4. fc:    h = relu(Wfc @ norm(r_mid))^2.
   5. proj2: r_out = r_mid + Wp2 @ h.
 and finally logits = softcap * tanh(lm_head @ norm(r_L)) over the real vocabulary.
@@ -109,11 +109,12 @@ def _rstd(a_ptr, b_ptr, lam, mu, K, eps, MIX: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _mix(a_ptr, b_ptr, lam, mu, cols, K, MIX: tl.constexpr):
-    """A chunk of float32 s: MIX 0 a, 1 lam * a + mu * b, 2 a / b (the attention's float64 sums);
-    columns >= K read as 0."""
+    """A chunk of float32 s: MIX 0 a, 1 lam * a + mu * b, and MIX = D >= 2 a / b[col // D] (the
+    attention's float64 sums, b one per head: the compiler sees col // D constant over a
+    thread's columns and loads it once); columns >= K read as 0."""
     x = tl.load(a_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if MIX == 2:
-        x = x / tl.load(b_ptr + cols, mask=cols < K, other=1.0, cache_modifier=".cg").to(tl.float32)
+    if MIX >= 2:
+        x = x / tl.load(b_ptr + cols // MIX, mask=cols < K, other=1.0, cache_modifier=".cg").to(tl.float32)
     elif MIX == 1:
         x = lam * x + mu * tl.load(b_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
     return x
@@ -263,7 +264,8 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr
         zi = tl.arange(0, D)
         for z0 in range(0, H * D, D):
             tl.store(ynum_ptr + z0 + zi, tl.zeros([D], tl.float64))
-            tl.store(yden_ptr + z0 + zi, tl.zeros([D], tl.float64))
+        for z0 in range(0, H, D):
+            tl.store(yden_ptr + z0 + zi, tl.zeros([D], tl.float64), mask=z0 + zi < H)
     gate_w = tl.load(table + layer * N_PTRS + P_GATE)
     if (pid == 0) & (gate_w != 0):
         gi = tl.arange(0, HKV_P2)
@@ -277,12 +279,12 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr
 
 @triton.jit
 def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty: tl.constexpr,
-                C: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+                C: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     r = resid + 2 * layer * C
     _gemv(_layer_ptr(table, layer, P_WO, wty), ws, C, C, ynum_ptr, yden_ptr, 1.0, 0.0, 0.0, r + C,
-          r, resid, lam, mu, 0.0, pid, nprog, 2, False, 1, BN, BK_C, UNROLL)
+          r, resid, lam, mu, 0.0, pid, nprog, D, False, 1, BN, BK_C, UNROLL)
 
 
 @triton.jit
@@ -432,8 +434,8 @@ def decode_step_kernel(
             epoch += 1
             wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, wty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, C, BN, BK_C,
-                        UNROLL)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, C, D, BN,
+                        BK_C, UNROLL)
             epoch += 1
             wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, wty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
@@ -466,8 +468,8 @@ def decode_step_kernel(
             _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
                        nprog, ws, wty, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
         elif PHASE == 3:
-            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty, C, BN,
-                        BK_C, UNROLL)
+            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty, C, D,
+                        BN, BK_C, UNROLL)
         elif PHASE == 4:
             _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, ws, wty, C, BN_FC, BK_C, UNROLL)
         else:
