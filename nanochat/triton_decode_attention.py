@@ -9,7 +9,7 @@ underflows in float32. So a key block costs two key-axis reductions (sum p, sum 
 four (max, sum p, sum p v, the new key's weight), and the chunks of a head combine by plain sums:
 each unit adds its sum p v and sum p into y_num / y_den with float64 atomics, and the proj phase
 reads y = y_num / y_den. That drops the per-head atomic counter and the last unit's merge (two
-L2 round trips before the barrier; d20 on the H100: attention 135 -> 104 us per step). Why
+L2 round trips before the barrier; d20 on the H100: attention 135 -> 105-113 us per step). Why
 float64: a head's partials are float32 and at most NCH (~13) of them, so their float64 sum is
 exact, hence the same in whatever order the atomics land, unless their magnitudes span more
 than ~2^25 (then it differs in float64's last bit, below float32's). 300 launches gave identical
