@@ -15,6 +15,7 @@
 #              persistent batch-1 decode kernel vs the compiled graph
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
+#   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
 #   sampler    the Triton sampler: its CUDA tests with the engine's, bench_sampler, and decode end to end
 #              with the Triton vs the torch sampler (batch 1: persistent and compiled steps; batch 8, 32)
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
@@ -116,6 +117,11 @@ if has pdecode; then
        --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has ring; then
+  # the shared-memory weight ring probe (CHANGELOG_GB10.md, session 23): its CUDA test, then the chain taken apart
+  step pytest_ring 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py -k gemv_ring
+  step bench_ring 240 $PY -m scripts.bench_gemv_ring --mode cpasync --depths 1,4,10 --x live,const,none
 fi
 if has sampler; then
   step pytest_sampler 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_sampling.py tests/test_engine.py \

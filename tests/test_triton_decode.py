@@ -303,3 +303,29 @@ def test_bench_decode_kernel_configs_parse_and_bad_ones_raise():
                        (["--prompt-len", "2048"], "--prompt-len"), (["--steps", "0"], "--steps")):
         with pytest.raises(ValueError, match=flag):
             parse_args(argv)
+
+
+def test_bench_gemv_ring_bad_flags_raise_with_the_flag():
+    from scripts.bench_gemv_ring import parse_args
+
+    args = parse_args(["--mode", "tma", "--depths", "2,10", "--x", "live,none", "--barriers", "on"])
+    assert (args.depths, args.x, args.barriers, args.band_rows) == ([2, 10], ["live", "none"], [True], 8)
+    for argv, flag in ((["--mode", "wgmma"], "--mode"), (["--depths", "0"], "--depths"),
+                       (["--depths", "99"], "--depths"), (["--x", "live,foo"], "--x"),
+                       (["--mode", "tma", "--band-rows", "2"], "--band-rows"),
+                       (["--barriers", "maybe"], "--barriers"), (["--layers", "0"], "--layers")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("argv", (["--mode", "cpasync", "--band-rows", "2", "--depths", "1,4"],
+                                  ["--mode", "cpasync", "--depths", "3"], ["--mode", "tma", "--depths", "1,3"]))
+def test_gemv_ring_chain_equals_the_float32_chain(argv):
+    """The ring kernel of scripts/bench_gemv_ring.py computes the GEMV chain (its exit status is 1 if
+    any barrier-synchronised live run differs from the float32 chain)."""
+    if argv[1] == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability >= 9.0")
+    from scripts.bench_gemv_ring import main
+
+    assert main(argv + ["--layers", "2", "--x", "live", "--barriers", "on", "--repeats", "1"]) == 0
