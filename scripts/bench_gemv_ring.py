@@ -240,21 +240,6 @@ def parse_args(argv=None):
     return args
 
 
-def _time_us(fn, repeats: int, calls: int = 20) -> float:
-    import torch
-
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def _reference(weights, x):
     """The chain in float32 on the GPU: what `--x live --barriers on` must produce."""
     cur = x
@@ -268,6 +253,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     import triton
+
+    from scripts.benchmark_kernels import _timed  # median ms of back-to-back calls, CUDA events
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv_ring: needs a CUDA GPU")
@@ -292,7 +279,7 @@ def main(argv=None) -> int:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         desc = TensorDescriptor.from_tensor(packed.view(-1, K), [2, CB], gl.NVMMASharedLayout(0, 16, 2))
     flat = packed.view(-1)
-    t_ref = _time_us(lambda: flat.max(), args.repeats)
+    t_ref = 1e3 * _timed(lambda: flat.max(), args.repeats, dev, inner=20)
     print(json.dumps({"bench": "config", "device": props.name, "torch": torch.__version__,
                       "triton": triton.__version__, "programs": P, "layers": args.layers, "weight_bytes": nbytes,
                       "stream_ref_us": round(t_ref, 1), "stream_ref_tb_s": round(nbytes / t_ref / 1e6, 3)}),
@@ -315,7 +302,7 @@ def main(argv=None) -> int:
                 err = None
                 if x_mode == "live" and bar:
                     err = ((act[0, :K] - ref).abs().max() / ref.abs().max()).item()
-                t = _time_us(launch, args.repeats)
+                t = 1e3 * _timed(launch, args.repeats, dev, inner=20)
                 row = dict(bench="gemv_ring", mode=args.mode, band_rows=args.band_rows, x=x_mode, barriers=bar,
                            depth=depth, inflight_kb=depth * args.band_rows * K * 2 / 1024, us=round(t, 1),
                            us_per_layer=round(t / args.layers, 2), tb_s=round(nbytes / t / 1e6, 3), rel_err=err)
