@@ -6,10 +6,13 @@ import re
 import threading
 import time
 
-import httpx
-import openai
 import pytest
 import torch
+from conftest import require_module
+
+httpx = require_module("httpx", "the dev extra: uv pip install -e '.[dev]'")
+openai = require_module("openai", "the dev extra: uv pip install -e '.[dev]'")
+require_module("fastapi", "the web extra: uv pip install -e '.[web]'")
 
 from nanochat.engine import Engine
 from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, serve_in_thread

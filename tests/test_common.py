@@ -110,3 +110,15 @@ def test_base_dir_and_print0(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     print0("hidden")
     assert capsys.readouterr().out == "hello\n"
+
+
+def test_require_module_skips_where_missing_and_fails_under_strict_tests(monkeypatch):
+    from conftest import require_module
+
+    monkeypatch.delenv("NANOCHAT_STRICT_TESTS", raising=False)
+    assert require_module("json", "stdlib").dumps([1]) == "[1]"
+    with pytest.raises(pytest.skip.Exception, match="no_such_module_xyz is not installed .install it."):
+        require_module("no_such_module_xyz", "install it")
+    monkeypatch.setenv("NANOCHAT_STRICT_TESTS", "1")
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_xyz"):
+        require_module("no_such_module_xyz", "install it")

@@ -8,8 +8,9 @@ rustbpe.encode with tiktoken, and ValueError for every kind of bad input.
 import collections
 
 import pytest
+from conftest import require_module
 
-rustbpe = pytest.importorskip("rustbpe", reason="build it: uv pip install -p .venv/bin/python ./rustbpe")
+rustbpe = require_module("rustbpe", "build it: uv pip install -p .venv/bin/python ./rustbpe")
 
 # nanochat's split pattern: GPT-4's with numbers grouped by at most two digits.
 PATTERN = (
