@@ -16,6 +16,7 @@
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
+#   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream)
 #   sampler    the Triton sampler: its CUDA tests with the engine's, bench_sampler, and decode end to end
 #              with the Triton vs the torch sampler (batch 1: persistent and compiled steps; batch 8, 32)
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
@@ -117,6 +118,13 @@ if has pdecode; then
        --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has sync; then
+  # SMs in two roles (CHANGELOG_GB10.md, session 24): the syncers' barrier + live load per round, idle vs streaming
+  step pytest_sync 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py -k sync_under_stream
+  step bench_sync 240 $PY -m scripts.bench_sync_under_stream --streamers 33,66,99,120 --placement halves,parity \
+    --x live,none
+  step bench_sync_d4 120 $PY -m scripts.bench_sync_under_stream --streamers 66,120 --placement parity --depth 4
 fi
 if has ring; then
   # the shared-memory weight ring probe (CHANGELOG_GB10.md, session 23): its CUDA test, then the chain taken apart

@@ -330,3 +330,29 @@ def test_gemv_ring_chain_equals_the_float32_chain(argv):
     from scripts.bench_gemv_ring import main
 
     assert main(argv + ["--layers", "2", "--x", "live", "--barriers", "on", "--repeats", "1"]) == 0
+
+
+def test_bench_sync_under_stream_roles_and_bad_flags():
+    pytest.importorskip("triton.experimental.gluon", reason="the probe's kernels are Gluon (Triton >= 3.6)")
+    from scripts.bench_sync_under_stream import parse_args, roles
+
+    assert roles(6, 2, "halves") == [0, 1, -1, -2, -3, -4]
+    assert roles(6, 2, "parity") == [0, -1, 1, -2, -3, -4]
+    assert roles(5, 4, "parity") == [0, 1, 2, -1, 3]  # past half: odd ids too (from the lowest)
+    args = parse_args(["--streamers", "66,99", "--placement", "parity", "--x", "none"])
+    assert (args.streamers, args.placement, args.x) == ([66, 99], ["parity"], ["none"])
+    for argv, flag in ((["--streamers", "0"], "--streamers"), (["--placement", "random"], "--placement"),
+                       (["--x", "const"], "--x"), (["--depth", "11"], "--depth"),
+                       (["--stream-mb", "1"], "--stream-mb"), (["--iters", "0"], "--iters")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)
+
+
+@pytest.mark.cuda
+def test_sync_under_stream_chain_is_exact_while_half_the_programs_stream():
+    """scripts/bench_sync_under_stream.py: the syncers' barrier + live-load rounds reproduce the float64
+    recurrence while the other programs stream (its exit status is 1 otherwise), and a small sweep runs."""
+    from scripts.bench_sync_under_stream import main
+
+    assert main(["--streamers", "66", "--placement", "halves,parity", "--x", "live", "--stream-mb", "64",
+                 "--iters", "5", "--repeats", "1", "--depth", "4"]) == 0
