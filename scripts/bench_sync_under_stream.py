@@ -15,7 +15,8 @@ streamers on the low program ids, `parity` on the even ones):
   cp.async (`--depth` bands of 8 x 1280 bf16 in flight) and computes nothing;
 - a syncer runs `--iters` rounds of a grid barrier among the syncers (the decode kernel's
   flag barrier) followed by the dependent load of a 1280-float activation the other syncers wrote
-  in the round before (`--x live`) or no load (`--x none`).
+  in the round before (`--x live`) or no load (`--x none`); or `--x ll`: no barrier, the values carry
+  their round's epoch and readers re-load until all are fresh (NCCL's LL protocol).
 Each program records its start and end (%globaltimer). The script prints, per configuration, the
 syncers' microseconds per round with the streamers idle and while they stream, and the
 streamers' TB/s alone and beside the syncers (JSON lines, then a table).
@@ -109,14 +110,50 @@ def _sync_rounds(act, flags, q, Q, iters, LOADX: gl.constexpr, K: gl.constexpr, 
 
 
 @gluon.jit
-def sync_under_stream(w, R, role, act, flags, times, S, Q, iters, NSLOT: gl.constexpr, LOADX: gl.constexpr,
-                      K: gl.constexpr, CB: gl.constexpr, NCB: gl.constexpr, RB: gl.constexpr):
-    """role[pid] >= 0: streamer number role[pid] of S; < 0: syncer -role[pid] - 1 of Q."""
+def _ll_poll(buf, fi, e, K: gl.constexpr):
+    """(words at buf[:K] not yet of epoch e, their values): one load per word per program (each thread its
+    own words), not one per warp: a re-poll costs 8 B per word of the program's L2 bandwidth."""
+    v = gl.load(buf + fi, mask=fi < K, other=e << 32, volatile=True)
+    stale = gl.sum(((v >> 32) != e).to(gl.int32), 0)
+    return stale, (v & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _ll_rounds(tagged, q, Q, iters, base, K: gl.constexpr, CB: gl.constexpr, RB: gl.constexpr):
+    """Syncer q of Q, the same rounds with no barrier: every value travels with its round's epoch in one
+    8-byte word (value bits | epoch << 32; an aligned 8-byte store is single-copy atomic), and a reader
+    re-loads the activation until every word carries the round's epoch: the data is the barrier (NCCL's
+    LL protocol). Two buffers alternate: a syncer can only write round n + 2 after every syncer has read
+    round n + 1, hence finished reading round n."""
+    NW: gl.constexpr = gl.num_warps()
+    L1: gl.constexpr = gl.BlockedLayout([2048 // (32 * NW)], [32], [NW], [0])
+    fi = gl.arange(0, 2048, layout=L1)
+    lo = q * K // Q
+    hi = (q + 1) * K // Q
+    total = (lo * 0).to(gl.float32)
+    for it in range(iters):
+        e = (base + it + 1).to(gl.int64)
+        buf = tagged + (it % 2) * K
+        val = total * 1e-3 + fi.to(gl.float32)
+        word = (val.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF) | (e << 32)
+        gl.store(buf + fi, word, mask=(fi >= lo) & (fi < hi))
+        stale, vals = _ll_poll(buf, fi, e, K)
+        while stale > 0:
+            stale, vals = _ll_poll(buf, fi, e, K)
+        total = gl.sum(gl.where(fi < K, vals, 0.0), 0)
+
+
+@gluon.jit
+def sync_under_stream(w, R, role, act, tagged, flags, times, S, Q, iters, base, NSLOT: gl.constexpr,
+                      LOADX: gl.constexpr, K: gl.constexpr, CB: gl.constexpr, NCB: gl.constexpr, RB: gl.constexpr):
+    """role[pid] >= 0: streamer number role[pid] of S; < 0: syncer -role[pid] - 1 of Q. LOADX 2: LL rounds."""
     pid = gl.program_id(0)
     r = gl.load(role + pid)
     t0 = _now()
     if r >= 0:
         _stream(w, R, r, S, NSLOT, K, CB, NCB, RB)
+    elif LOADX == 2:
+        _ll_rounds(tagged, -r - 1, Q, iters, base, K, CB, RB)
     else:
         _sync_rounds(act, flags, -r - 1, Q, iters, LOADX, K, CB, RB)
     t1 = _now()
@@ -139,22 +176,28 @@ def roles(P: int, S: int, placement: str) -> list[int]:
     return out
 
 
-def _chain_error(P, act, flags, times, w, depth, rounds: int = 6) -> float:
-    """One launch (half the programs streaming) of `rounds` live rounds from a zero activation, against
-    the recurrence in float64: round n writes v[i] = 1e-3 * sum(v_prev) + i."""
+def _chain_error(P, act, tagged, flags, times, w, depth, ll: bool, rounds: int = 6) -> float:
+    """One launch (half the programs streaming) of `rounds` live rounds (flag barrier, or LL with `ll`) from a
+    zero activation, against the recurrence in float64: round n writes v[i] = 1e-3 * sum(v_prev) + i."""
     import torch
 
     S = P // 2
     role = torch.tensor(roles(P, S, "parity"), dtype=torch.int32, device=act.device)
     act.zero_()
+    tagged.zero_()
     flags.zero_()
-    sync_under_stream[(P,)](w, w.shape[0], role, act, flags, times, S, P - S, rounds, NSLOT=depth, LOADX=True,
-                            K=K, CB=CB, NCB=NCB, RB=RB, num_warps=RB)
+    sync_under_stream[(P,)](w, w.shape[0], role, act, tagged, flags, times, S, P - S, rounds, 0, NSLOT=depth,
+                            LOADX=2 if ll else 1, K=K, CB=CB, NCB=NCB, RB=RB, num_warps=RB)
     idx = torch.arange(K, dtype=torch.float64)
     v = torch.zeros(K, dtype=torch.float64)
     for _ in range(rounds):
         v = 1e-3 * v.sum() + idx
-    got = act[rounds % 2].double().cpu()
+    if ll:
+        words = tagged[(rounds - 1) % 2].cpu()
+        assert bool(((words >> 32) == rounds).all()), "LL: a word without the last round's epoch"
+        got = (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32).double()
+    else:
+        got = act[rounds % 2].double().cpu()
     return ((got - v).abs().max() / v.abs().max()).item()
 
 
@@ -162,7 +205,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--streamers", default="66,99,120", help="programs that stream, comma list (1..SMs-2)")
     p.add_argument("--placement", default="halves,parity", help="comma list of halves | parity")
-    p.add_argument("--x", default="live,none", help="syncers' dependent load per round: comma list of live | none")
+    p.add_argument("--x", default="live,none,ll",
+                   help="syncers' round, comma list: live (barrier + load), none (barrier), ll (tagged data)")
     p.add_argument("--depth", type=int, default=8, help="bands (8 x 1280 bf16 = 20 KB) in flight per streamer, 1..10")
     p.add_argument("--stream-mb", dest="stream_mb", type=int, default=6144, help="weights streamed, MB (64..8192)")
     p.add_argument("--iters", type=int, default=100, help="syncer rounds per launch (1..10000)")
@@ -170,7 +214,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.streamers = _ints("--streamers", args.streamers, 1, 100000)
     args.placement = _choices("--placement", args.placement, ("halves", "parity"))
-    args.x = _choices("--x", args.x, ("live", "none"))
+    args.x = _choices("--x", args.x, ("live", "none", "ll"))
     for name, lo, hi in (("depth", 1, 10), ("stream_mb", 64, 8192), ("iters", 1, 10000), ("repeats", 1, 1000)):
         v = getattr(args, name)
         if not lo <= v <= hi:
@@ -199,6 +243,8 @@ def main(argv=None) -> int:
     R = args.stream_mb * 10**6 // (K * 2)
     w = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
     act = torch.zeros(2, K, device=dev, dtype=torch.float32)
+    tagged = torch.zeros(2, K, device=dev, dtype=torch.int64)
+    epoch = [0]  # LL rounds' epochs only grow across launches
     flags = torch.zeros(P, dtype=torch.int64, device=dev)
     times = torch.zeros(P, 2, dtype=torch.int64, device=dev)
     print(json.dumps({"bench": "config", "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
@@ -209,8 +255,9 @@ def main(argv=None) -> int:
         spans = []
         for _ in range(args.repeats):
             flags.zero_()  # configurations differ in their syncers: every launch starts its epochs at 0
-            sync_under_stream[(P,)](w, rows, role, act, flags, times, S, Q, iters, NSLOT=args.depth, LOADX=loadx,
-                                    K=K, CB=CB, NCB=NCB, RB=RB, num_warps=RB)
+            sync_under_stream[(P,)](w, rows, role, act, tagged, flags, times, S, Q, iters, epoch[0],
+                                    NSLOT=args.depth, LOADX=loadx, K=K, CB=CB, NCB=NCB, RB=RB, num_warps=RB)
+            epoch[0] += iters
             torch.cuda.synchronize()
             t = times.cpu().tolist()
             st = [t[p] for p in range(P) if role_list[p] >= 0]
@@ -220,8 +267,10 @@ def main(argv=None) -> int:
         i = sorted(range(len(spans)), key=lambda k: spans[k][0])[len(spans) // 2]
         return spans[i]
 
-    err = _chain_error(P, act, flags, times, w, args.depth)
-    print(json.dumps({"bench": "chain_check", "rel_err": err}), flush=True)
+    errs = [_chain_error(P, act, tagged, flags, times, w, args.depth, ll) for ll in (False, True)]
+    err = max(errs)
+    print(json.dumps({"bench": "chain_check", "rel_err_flag": errs[0], "rel_err_ll": errs[1]}), flush=True)
+    tagged.zero_()  # the LL check's epochs restart from 0 below
     if not err < 1e-5:
         print(f"bench_sync_under_stream: the syncers' chain is wrong (rel_err {err}): a barrier let a stale "
               "activation through", file=sys.stderr)
@@ -232,7 +281,7 @@ def main(argv=None) -> int:
             for S in args.streamers:
                 rl = roles(P, S, placement)
                 Q = P - S
-                loadx = x == "live"
+                loadx = {"none": 0, "live": 1, "ll": 2}[x]
                 _, sync_alone, _ = run(rl, S, Q, 0, args.iters, loadx)
                 stream_alone, _, _ = run(rl, S, Q, R, 0, loadx)
                 stream_both, sync_both, inside = run(rl, S, Q, R, args.iters, loadx)

@@ -16,7 +16,9 @@
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
-#   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream)
+#   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream:
+#              flag barrier vs LL tagged data); d20's GEMV chain on SMs in two roles (bench_two_role_chain:
+#              CUDA via NVRTC, clusters, distributed shared memory); their CUDA tests
 #   sampler    the Triton sampler: its CUDA tests with the engine's, bench_sampler, and decode end to end
 #              with the Triton vs the torch sampler (batch 1: persistent and compiled steps; batch 8, 32)
 #   model      model-level kernel x precision benchmark at d12, profile, roofline
@@ -121,10 +123,13 @@ if has pdecode; then
 fi
 if has sync; then
   # SMs in two roles (CHANGELOG_GB10.md, session 24): the syncers' barrier + live load per round, idle vs streaming
-  step pytest_sync 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py -k sync_under_stream
+  step pytest_sync 180 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py \
+    -k "sync_under_stream or two_role"
   step bench_sync 240 $PY -m scripts.bench_sync_under_stream --streamers 33,66,99,120 --placement halves,parity \
-    --x live,none
-  step bench_sync_d4 120 $PY -m scripts.bench_sync_under_stream --streamers 66,120 --placement parity --depth 4
+    --x live,none,ll
+  step bench_sync_d2 120 $PY -m scripts.bench_sync_under_stream --streamers 66,120,126 --placement parity --depth 2 \
+    --stream-mb 4096
+  step bench_two_role 300 $PY -m scripts.bench_two_role_chain --cluster 2,4,8 --inflight 1,2,3 --group 1,2
 fi
 if has ring; then
   # the shared-memory weight ring probe (CHANGELOG_GB10.md, session 23): its CUDA test, then the chain taken apart

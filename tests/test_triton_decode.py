@@ -354,5 +354,30 @@ def test_sync_under_stream_chain_is_exact_while_half_the_programs_stream():
     recurrence while the other programs stream (its exit status is 1 otherwise), and a small sweep runs."""
     from scripts.bench_sync_under_stream import main
 
-    assert main(["--streamers", "66", "--placement", "halves,parity", "--x", "live", "--stream-mb", "64",
+    assert main(["--streamers", "66", "--placement", "halves,parity", "--x", "live,ll", "--stream-mb", "64",
                  "--iters", "5", "--repeats", "1", "--depth", "4"]) == 0
+
+
+def test_bench_two_role_chain_bad_flags_and_shared_memory():
+    pytest.importorskip("triton.experimental.gluon", reason="the probe shares bench_gemv_ring's helpers (Gluon)")
+    from scripts.bench_two_role_chain import BAND_BYTES, parse_args, smem_bytes
+
+    args = parse_args(["--cluster", "2,8", "--inflight", "1,3", "--group", "1,4", "--slots", "6"])
+    assert (args.cluster, args.inflight, args.group, args.slots) == ([2, 8], [1, 3], [1, 4], 6)
+    assert smem_bytes(9) <= 227 * 1024 and smem_bytes(9) - smem_bytes(8) == BAND_BYTES + 16
+    for argv, flag in ((["--cluster", "1"], "--cluster"), (["--cluster", "16"], "--cluster"),
+                       (["--inflight", "9"], "--inflight"), (["--slots", "4", "--inflight", "5"], "--inflight"),
+                       (["--group", "3"], "--group"), (["--slots", "10"], "--slots"), (["--layers", "0"], "--layers")):
+        with pytest.raises(ValueError, match=flag):
+            parse_args(argv)
+
+
+@pytest.mark.cuda
+def test_two_role_chain_equals_the_float32_chain():
+    """scripts/bench_two_role_chain.py (CUDA through NVRTC, clusters, distributed shared memory): the chain
+    computed by syncers + streamers equals the float32 chain (exit status 1 otherwise) at every cluster size."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters and bulk copies need compute capability >= 9.0")
+    from scripts.bench_two_role_chain import main
+
+    assert main(["--cluster", "2,4,8", "--inflight", "1,3", "--group", "1,2", "--layers", "2", "--repeats", "1"]) == 0
