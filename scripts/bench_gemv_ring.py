@@ -249,6 +249,31 @@ def _reference(weights, x):
     return cur[:K]
 
 
+def cuda_device(script: str, major: int = 0, need: str = ""):
+    """(device, properties) of the GPU, or SystemExit naming the script (and `need`, below cc `major`.0)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU")
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    if props.major < major:
+        raise SystemExit(f"{script}: needs {need} (compute capability >= {major}.0); this GPU is "
+                         f"{props.major}.{props.minor}")
+    return dev, props
+
+
+def chain_weights(layers: int, dev):
+    """The chain's packed bf16 weights (seed 0; layer l's four matrices are packed[l] split by ROWS), a
+    random input and the float32 chain's result on it (what the probes' kernels must reproduce)."""
+    import torch
+
+    torch.manual_seed(0)
+    packed = torch.randn(layers, sum(ROWS), K, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(K, device=dev)
+    return packed, x, _reference([list(torch.split(packed[i], list(ROWS))) for i in range(layers)], x)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -256,23 +281,15 @@ def main(argv=None) -> int:
 
     from scripts.benchmark_kernels import _timed  # median ms of back-to-back calls, CUDA events
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemv_ring: needs a CUDA GPU")
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    if args.mode == "tma" and props.major < 9:
-        raise SystemExit(f"--mode tma: needs TMA (compute capability >= 9.0); this GPU is {props.major}.{props.minor}")
+    dev, props = cuda_device("bench_gemv_ring", 9 if args.mode == "tma" else 0, "TMA for --mode tma")
     P = props.multi_processor_count
     if P > min(ROWS):
         raise SystemExit(f"bench_gemv_ring: {P} SMs; the chain gives every program rows of every GEMV only up to "
                          f"{min(ROWS)} programs")
-    torch.manual_seed(0)
-    packed = torch.randn(args.layers, sum(ROWS), K, device=dev, dtype=torch.bfloat16)
-    weights = [list(torch.split(packed[i], list(ROWS))) for i in range(args.layers)]
+    packed, x, ref = chain_weights(args.layers, dev)
     nbytes = packed.numel() * 2
     aw = max(ROWS)
     act = torch.zeros(4, aw, device=dev, dtype=torch.float32)
-    x = torch.randn(K, device=dev)
     flags = torch.zeros(P, dtype=torch.int64, device=dev)
     desc = None
     if args.mode == "tma":
@@ -284,7 +301,6 @@ def main(argv=None) -> int:
                       "triton": triton.__version__, "programs": P, "layers": args.layers, "weight_bytes": nbytes,
                       "stream_ref_us": round(t_ref, 1), "stream_ref_tb_s": round(nbytes / t_ref / 1e6, 3)}),
           flush=True)
-    ref = _reference(weights, x)
     rows = []
     for x_mode in args.x:
         for bar in args.barriers:

@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 
-from scripts.bench_gemv_ring import CB, K, NCB, _acquire, _choices, _ints
+from scripts.bench_gemv_ring import CB, K, NCB, _acquire, _choices, _ints, cuda_device
 
 RB = 8  # rows per band (one per warp)
 
@@ -232,10 +232,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_sync_under_stream: needs a CUDA GPU")
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    dev, props = cuda_device("bench_sync_under_stream")
     P = props.multi_processor_count
     bad = [s for s in args.streamers if not 1 <= s <= P - 2]
     if bad:

@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from scripts.bench_gemv_ring import ROWS, _ints, _reference
+from scripts.bench_gemv_ring import _ints, chain_weights, cuda_device
 
 K = 1280
 RB = 8
@@ -172,21 +172,11 @@ def main(argv=None) -> int:
 
     from scripts.benchmark_kernels import _timed  # median ms of back-to-back calls, CUDA events
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_two_role_chain: needs a CUDA GPU")
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    if props.major < 9:
-        raise SystemExit(f"bench_two_role_chain: needs clusters and bulk copies (sm_90+); this GPU is "
-                         f"{props.major}.{props.minor}")
-    torch.manual_seed(0)
-    packed = torch.randn(args.layers, sum(ROWS), K, device=dev, dtype=torch.bfloat16)
-    weights = [list(torch.split(packed[i], list(ROWS))) for i in range(args.layers)]
+    dev, props = cuda_device("bench_two_role_chain", 9, "clusters and bulk copies")
+    packed, x, ref = chain_weights(args.layers, dev)
     nbytes = packed.numel() * 2
     act = torch.zeros(4, 5120, device=dev, dtype=torch.float32)
-    x = torch.randn(K, device=dev)
     flags = torch.zeros(256, dtype=torch.int64, device=dev)
-    ref = _reference(weights, x)
     arch = f"sm_{props.major}{props.minor}"
     print(json.dumps({"bench": "config", "device": props.name, "torch": torch.__version__, "programs":
                       props.multi_processor_count, "layers": args.layers, "weight_bytes": nbytes,
