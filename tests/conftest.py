@@ -13,17 +13,21 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("NANOCHAT_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
+def missing(what: str):
+    """An optional test dependency is absent: skip (the module, or the test) saying `what`, e.g. on a bare
+    GPU box running `pytest -m cuda tests/` without the dev extra. Under NANOCHAT_STRICT_TESTS=1 (.ci/run
+    sets it: CI installs every extra) fail instead, so a broken install cannot pass as skips."""
+    if os.environ.get("NANOCHAT_STRICT_TESTS") == "1":
+        pytest.fail(f"{what} (NANOCHAT_STRICT_TESTS=1)", pytrace=False)
+    pytest.skip(what, allow_module_level=True)
+
+
 def require_module(name: str, hint: str):
-    """Import an optional test dependency, or skip the calling module with `hint` where it is missing
-    (e.g. a bare GPU box running `pytest -m cuda tests/` without the dev extra). Under
-    NANOCHAT_STRICT_TESTS=1 (.ci/run sets it: CI installs every extra) a missing one fails instead,
-    so a broken install cannot pass as skips."""
+    """Import an optional test dependency, or `missing` with the install hint."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        if os.environ.get("NANOCHAT_STRICT_TESTS") == "1":
-            raise
-        pytest.skip(f"{name} is not installed ({hint})", allow_module_level=True)
+        missing(f"{name} is not installed ({hint})")
 
 
 def pytest_configure(config):

@@ -2,12 +2,11 @@
 chat, persistence across reloads, and that model output containing HTML/<script> is shown as text
 and never executed. Screenshots (desktop + mobile) are saved under the test's tmp dir."""
 
-import os
 import shutil
 import time
 
 import pytest
-from conftest import require_module
+from conftest import missing, require_module
 
 from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, serve_in_thread
 from test_chat_web import ScriptedEngine
@@ -32,10 +31,7 @@ def find_chromium():
 def browser():
     binary, driver_path = find_chromium(), shutil.which("chromedriver")
     if binary is None or driver_path is None:
-        hint = "no chromium/chromedriver binary on PATH (Debian: apt-get install -y chromium chromium-driver)"
-        if os.environ.get("NANOCHAT_STRICT_TESTS") == "1":
-            pytest.fail(hint)
-        pytest.skip(hint)
+        missing("no chromium/chromedriver binary on PATH (Debian: apt-get install -y chromium chromium-driver)")
     webdriver = require_module("selenium.webdriver", "the dev extra: uv pip install -e '.[dev]'")
     from selenium.webdriver.chrome.service import Service
 
