@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 
-from scripts.bench_gemv_ring import CB, K, NCB, _acquire, _choices, _ints, cuda_device
+from scripts.bench_gemv_ring import CB, K, NCB, _choices, _grid_barrier, _ints, cuda_device
 
 RB = 8  # rows per band (one per warp)
 
@@ -99,14 +99,8 @@ def _sync_rounds(act, flags, q, Q, iters, LOADX: gl.constexpr, K: gl.constexpr, 
                 total += gl.sum(gl.load(src + cb * CB + cols_l, cache_modifier=".cg"), 0)
         dst = act + ((it + 1) % 2) * K
         gl.store(dst + fi, total * 1e-3 + fi.to(gl.float32), mask=(fi >= lo) & (fi < hi))
-        gl.thread_barrier()
         epoch += 1
-        gl.atomic_xchg(flags + q, epoch, sem="release", scope="gpu")
-        seen = gl.min(gl.load(flags + fi, mask=fi < Q, other=epoch, volatile=True), 0)
-        while seen < epoch:
-            seen = gl.min(gl.load(flags + fi, mask=fi < Q, other=epoch, volatile=True), 0)
-        _acquire(flags + q)
-        gl.thread_barrier()
+        _grid_barrier(flags, epoch, q, Q, fi)  # among the syncers only
 
 
 @gluon.jit
