@@ -17,6 +17,7 @@
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
+#   pdepth     batch-1 decode vs model size: the persistent kernel alone at d20/d26/d32, d32 end to end
 #   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream:
 #              flag barrier vs LL tagged data); d20's GEMV chain on SMs in two roles (bench_two_role_chain:
 #              CUDA via NVRTC, clusters, distributed shared memory); their CUDA tests
@@ -118,6 +119,15 @@ if has pdecode; then
   step bench_pdecode 300 $PY -m scripts.bench_decode_kernel --depth 20 \
        --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
+       --graph-step persistent,compiled
+fi
+if has pdepth; then
+  # batch-1 decode against model size: the persistent kernel alone at d20 / d26 / d32 (layers of 39 / 66 / 101 MB),
+  # then d32 end to end against the compiled graph step (CHANGELOG_GB10.md, session 25)
+  for d in 20 26 32; do
+    step bench_pdecode_d$d 300 $PY -m scripts.bench_decode_kernel --depth $d --configs 16x256x512,16x256x1024
+  done
+  step bench_infer_d32 400 $PY -m scripts.bench_inference --depth 32 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
 fi
 if has sync; then
