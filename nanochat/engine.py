@@ -430,9 +430,17 @@ class Engine:
             position += 1
 
     def _prefill(self, tokens, cache):
-        """The prompt through the plain model with batch 1 -> last-position logits (1, V)."""
+        """The prompt through the plain model with batch 1 -> last-position logits (1, V); the other
+        positions get none (GPT.forward's logits_at)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        return self.model(ids, kv_cache=cache)[:, -1, :]
+        last = torch.tensor([len(tokens) - 1], dtype=torch.long, device=self.device)
+        return self.model(ids, kv_cache=cache, logits_at=last)[:, -1, :]
+
+    def prefill(self, tokens: Sequence[int]):
+        """The prompt prefill alone, as generation runs it (call it inside inference_weights() and
+        inference mode): (logits (1, V) for the next token, a prompt-sized cache holding it)."""
+        cache = self.new_cache(1, len(self._check_prompt(tokens)))
+        return self._prefill(list(tokens), cache), cache
 
     def _prefill_dynamic(self, tokens, num_samples, cache_len):
         """Prefill a private cache (copied into every sample's row); decode steps over it."""

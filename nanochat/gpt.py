@@ -512,9 +512,16 @@ class GPT(nn.Module):
         return self.cos[:, T0:T0 + T].to(dtype), self.sin[:, T0:T0 + T].to(dtype)
 
     # ------------------------------------------------------------------------------------------
-    def forward(self, idx, targets=None, kv_cache: KVCache | StaticKV | None = None, loss_reduction: str = "mean"):
+    def forward(self, idx, targets=None, kv_cache: KVCache | StaticKV | None = None, loss_reduction: str = "mean",
+                logits_at: torch.Tensor | None = None):
+        """Logits (B, T, V), or the loss with `targets`. `logits_at`, a 1-D long tensor of sequence
+        positions (on the model's device), limits the logits to those positions, (B, len, V): a
+        prompt prefill needs only its last position's, and V-wide logits for every prompt token
+        cost a (T, C) x (C, V) product and T x V floats (268 MB at T = 2048, V = 32768)."""
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction: got {loss_reduction!r}; accepted: mean|sum|none")
+        if logits_at is not None and (targets is not None or logits_at.dim() != 1):
+            raise ValueError("GPT.forward logits_at: a 1-D tensor of positions, and only without targets")
         B, T = idx.shape
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile
@@ -535,6 +542,8 @@ class GPT(nn.Module):
             loss = self.loss_fn(x.reshape(B * T, -1), self.lm_head.weight.to(dtype), targets.reshape(-1),
                                 cfg.softcap, cfg.vocab_size, loss_reduction)
             return loss.view(B, T) if loss_reduction == "none" else loss
+        if logits_at is not None:
+            x = x.index_select(1, logits_at)
         logits = self.lm_head(x)[..., :cfg.vocab_size].float()
         return cfg.softcap * torch.tanh(logits / cfg.softcap)
 

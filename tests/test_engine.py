@@ -154,7 +154,7 @@ class ScriptedModel(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the engine a device and dtype
         self.prompt_len, self.plan, self.history = prompt_len, plan, []
 
-    def forward(self, idx, kv_cache=None):
+    def forward(self, idx, kv_cache=None, logits_at=None):
         B, T = idx.shape
         if T > 1:
             self.history = [idx[0].tolist()]
@@ -167,7 +167,7 @@ class ScriptedModel(torch.nn.Module):
             for b in range(B):
                 self.history[b][pos:] = [int(idx[b, 0])]
         kv_cache.advance(T)
-        logits = torch.full((B, T, self.config.vocab_size), -30.0)
+        logits = torch.full((B, T if logits_at is None else len(logits_at), self.config.vocab_size), -30.0)
         for b in range(B):
             try:
                 nxt = self.plan(b, self.history[b][self.prompt_len:])
