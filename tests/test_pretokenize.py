@@ -1,43 +1,16 @@
 """scripts/pretokenize.py and the binary shard format: round trip, dtypes, worker processes,
 refusing to mix tokenizers, corrupt-shard detection, resume."""
 
-import hashlib
 import random
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import tiktoken
 
 from nanochat import binshards as bs
 from scripts import pretokenize as pt
-
-
-class ByteTokenizer:
-    """Stand-in with the nanochat.tokenizer contract: 256 byte tokens + <|bos|> (id 256)."""
-
-    def __init__(self, tag: str = "bytes-v1"):
-        self.tag = tag
-        self._enc = tiktoken.Encoding(name="test-bytes", pat_str=r"\S+|\s+",
-                                      mergeable_ranks={bytes([i]): i for i in range(256)},
-                                      special_tokens={"<|bos|>": 256})
-        self.bos_token_id, self.vocab_size = 256, 257
-        self.fingerprint = hashlib.sha256(tag.encode()).hexdigest()
-
-    def __getstate__(self):  # picklable for the worker processes
-        return {"tag": self.tag}
-
-    def __setstate__(self, state):
-        self.__init__(state["tag"])
-
-    def encode(self, text, prepend=None, num_threads=8):
-        rows = self._enc.encode_ordinary_batch([text] if isinstance(text, str) else text, num_threads=num_threads)
-        rows = [([prepend] if prepend is not None else []) + r for r in rows]
-        return rows[0] if isinstance(text, str) else rows
-
-    def decode(self, ids):
-        return self._enc.decode(list(ids))
+from tests.test_dataloader import ByteTokenizer   # one stand-in tokenizer for both files
 
 
 def make_docs(n: int, max_len: int) -> list[str]:
