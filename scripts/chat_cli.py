@@ -31,14 +31,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one per answer)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
+    p.add_argument("--decode", default="auto",
+                   help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="eager",
+                   help="auto|compiled|eager|persistent: what a graphed decode step runs (default eager: the plain "
+                        "model's kernels, captured in ~a second with no compile wait; auto as chat_web)")
     args = p.parse_args(argv)
     validate(args)
     return args
 
 
 def validate(args: argparse.Namespace) -> None:
-    from nanochat.engine import validate_sampling
+    from nanochat.engine import DECODE_MODES, GRAPH_STEPS, validate_sampling
 
+    if args.decode not in DECODE_MODES:
+        raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
+    if args.graph_step not in GRAPH_STEPS:
+        raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
     if args.max_tokens < 1:
@@ -89,14 +98,20 @@ def main(argv=None) -> int:
     model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
     if rt.dtype != torch.float32:  # inference keeps no fp32 master weights: half the bytes per step
         model = model.to(rt.dtype)
-    engine = Engine(model, tokenizer, decode="eager")  # no compile wait for an interactive session
+    # graphs replay a whole decode step per launch: an eager step is bound by launching its kernels
+    # from Python (d20 on an H100: 26 tok/s eager, 349 with graphs of the same kernels after a 3.6 s
+    # warm-up, CHANGELOG_GB10.md session 25); graph_step eager keeps start-up free of torch.compile
+    engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
+    warm = engine.warmup(batch_sizes=(1,), all_buckets=False) if engine.decode_mode == "graphs" else 0.0
     next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
 
     if args.prompt is not None:
         answer(engine, tokenizer, [{"role": "user", "content": args.prompt}], args, next_seed())
         return 0
 
-    print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}. /clear = new chat, /quit = exit")
+    step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
+    print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
+          f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit")
     messages: list[dict] = []
     while True:
         try:

@@ -328,6 +328,10 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     expected = "".join(stream.feed(t) for t in greedy[0][len(prompt_for(tokenizer)):]) + stream.finish()
     assert printed == expected + "\n" and len(expected) > 5
+    # the fixed-shape decode path (what --decode auto captures as CUDA graphs on a GPU) answers the same
+    assert chat_cli.main(["-p", "Hello there, how are you?", "--device", "cpu", "-t", "0", "-m", "12",
+                          "--decode", "static"]) == 0
+    assert capsys.readouterr().out == printed
 
     lines = iter(["first question", "second question", "/clear", "third", "/quit"])
     prompts = []
@@ -338,7 +342,8 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
     assert chat_cli.main(["--device", "cpu", "-t", "0.7", "-m", "8", "--seed", "1"]) == 0
     assert [len(p) for p in prompts] == [1, 3, 1]  # history grows, /clear resets it
     assert prompts[1][0]["content"] == "first question" and prompts[2][0]["content"] == "third"
-    assert "(new conversation)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(new conversation)" in out and "decode=eager" in out   # auto on a CPU
 
 
 def test_chat_cli_rejects_bad_flags():
@@ -350,6 +355,10 @@ def test_chat_cli_rejects_bad_flags():
         chat_cli.parse_args(["-t", "-1"])
     with pytest.raises(ValueError, match="--top-k"):
         chat_cli.parse_args(["--top-k", "-3"])
+    with pytest.raises(ValueError, match="--decode.*auto\\|eager"):
+        chat_cli.parse_args(["--decode", "fast"])
+    with pytest.raises(ValueError, match="--graph-step.*persistent"):
+        chat_cli.parse_args(["--graph-step", "cuda"])
 
 
 def random_model(device, **overrides):
