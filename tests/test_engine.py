@@ -346,6 +346,18 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
     assert "(new conversation)" in out and "decode=eager" in out   # auto on a CPU
 
 
+@pytest.mark.cuda
+def test_chat_cli_graph_decode_answers_as_eager_cuda(sft_checkpoint, capsys):
+    """On CUDA chat_cli's default decode (CUDA graphs of the plain kernels) gives eager's greedy answer."""
+    from scripts import chat_cli
+
+    base = ["-p", "Hello there, how are you?", "--device", "cuda", "--dtype", "fp32", "-t", "0", "-m", "24"]
+    assert chat_cli.main(base + ["--decode", "eager"]) == 0
+    eager = capsys.readouterr().out
+    assert chat_cli.main(base) == 0
+    assert capsys.readouterr().out == eager and len(eager) > 5
+
+
 def test_chat_cli_rejects_bad_flags():
     from scripts import chat_cli
 
