@@ -108,7 +108,7 @@ def env(base_dir, tiny_corpus, monkeypatch):
 
 @pytest.fixture
 def sft_checkpoint(chat_model, tmp_path, monkeypatch):
-    """The tiny model (the requesting module's `chat_model` fixture: test_engine, test_chat_web)
+    """The tiny model (the requesting module's `chat_model` fixture: test_chat_cli, test_chat_web)
     saved as an SFT checkpoint, with its tokenizer, under a temp base dir."""
     from dataclasses import asdict
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.engine import TOOL_TEXT, Engine, TextStream, assistant_parts
+from nanochat.engine import Engine, TextStream, assistant_parts
 
 SEQ_LEN = 256
 
@@ -314,63 +314,6 @@ def test_text_stream_stop_strings(tok):
     pieces = [stream.feed(t) for t in tok.encode("one ST")]
     assert "".join(pieces) == "one "  # "ST" is held back: it may start "STOP"
     assert "".join(pieces) + stream.finish() == "one ST" and not stream.stopped
-
-
-# ------------------------------------------------------------------------------------ chat_cli
-
-def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, monkeypatch):
-    from scripts import chat_cli
-
-    model, tokenizer = chat_model
-    assert chat_cli.main(["-p", "Hello there, how are you?", "--device", "cpu", "-t", "0", "-m", "12"]) == 0
-    printed = capsys.readouterr().out
-    greedy, _ = Engine(model, tokenizer).generate_batch(prompt_for(tokenizer), max_tokens=12, temperature=0.0)
-    stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
-    expected = "".join(stream.feed(t) for t in greedy[0][len(prompt_for(tokenizer)):]) + stream.finish()
-    assert printed == expected + "\n" and len(expected) > 5
-    # the fixed-shape decode path (what --decode auto captures as CUDA graphs on a GPU) answers the same
-    assert chat_cli.main(["-p", "Hello there, how are you?", "--device", "cpu", "-t", "0", "-m", "12",
-                          "--decode", "static"]) == 0
-    assert capsys.readouterr().out == printed
-
-    lines = iter(["first question", "second question", "/clear", "third", "/quit"])
-    prompts = []
-    real_render = tokenizer.render_for_completion
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    monkeypatch.setattr(type(tokenizer), "render_for_completion",
-                        lambda self, conv: prompts.append(list(conv["messages"])) or real_render(conv))
-    assert chat_cli.main(["--device", "cpu", "-t", "0.7", "-m", "8", "--seed", "1"]) == 0
-    assert [len(p) for p in prompts] == [1, 3, 1]  # history grows, /clear resets it
-    assert prompts[1][0]["content"] == "first question" and prompts[2][0]["content"] == "third"
-    out = capsys.readouterr().out
-    assert "(new conversation)" in out and "decode=eager" in out   # auto on a CPU
-
-
-@pytest.mark.cuda
-def test_chat_cli_graph_decode_answers_as_eager_cuda(sft_checkpoint, capsys):
-    """On CUDA chat_cli's default decode (CUDA graphs of the plain kernels) gives eager's greedy answer."""
-    from scripts import chat_cli
-
-    base = ["-p", "Hello there, how are you?", "--device", "cuda", "--dtype", "fp32", "-t", "0", "-m", "24"]
-    assert chat_cli.main(base + ["--decode", "eager"]) == 0
-    eager = capsys.readouterr().out
-    assert chat_cli.main(base) == 0
-    assert capsys.readouterr().out == eager and len(eager) > 5
-
-
-def test_chat_cli_rejects_bad_flags():
-    from scripts import chat_cli
-
-    with pytest.raises(ValueError, match="--source"):
-        chat_cli.parse_args(["-i", "pretrain"])
-    with pytest.raises(ValueError, match="--temperature"):
-        chat_cli.parse_args(["-t", "-1"])
-    with pytest.raises(ValueError, match="--top-k"):
-        chat_cli.parse_args(["--top-k", "-3"])
-    with pytest.raises(ValueError, match="--decode.*auto\\|eager"):
-        chat_cli.parse_args(["--decode", "fast"])
-    with pytest.raises(ValueError, match="--graph-step.*persistent"):
-        chat_cli.parse_args(["--graph-step", "cuda"])
 
 
 def random_model(device, **overrides):
