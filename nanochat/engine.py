@@ -439,8 +439,9 @@ class Engine:
     def prefill(self, tokens: Sequence[int]):
         """The prompt prefill alone, as generation runs it (call it inside inference_weights() and
         inference mode): (logits (1, V) for the next token, a prompt-sized cache holding it)."""
-        cache = self.new_cache(1, len(self._check_prompt(tokens)))
-        return self._prefill(list(tokens), cache), cache
+        tokens = self._check_prompt(tokens)
+        cache = self.new_cache(1, len(tokens))
+        return self._prefill(tokens, cache), cache
 
     def _prefill_dynamic(self, tokens, num_samples, cache_len):
         """Prefill a private cache (copied into every sample's row); decode steps over it."""
