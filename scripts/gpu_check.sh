@@ -17,6 +17,8 @@
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
+#   floor      the d20 bf16 micro-batch's matmuls + attention alone at the power cap (bench_train_floor), then
+#              bench_train d20 triton bf16 at base_train's batch on the same machine (#4's 185k tok/s)
 #   pdepth     batch-1 decode vs model size: the persistent kernel alone at d20/d26/d32, d32 end to end
 #   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream:
 #              flag barrier vs LL tagged data); d20's GEMV chain on SMs in two roles (bench_two_role_chain:
@@ -129,6 +131,11 @@ if has pdepth; then
   done
   step bench_infer_d32 400 $PY -m scripts.bench_inference --depth 32 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has floor; then
+  # what a d20 bf16 micro-batch cannot go below while the board sits at its power cap
+  step bench_floor 300 $PY -m scripts.bench_train_floor --depth 20 --parts all --seconds ${FLOOR_SECONDS:-20}
+  step bench_train_d20 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16
 fi
 if has sync; then
   # SMs in two roles (CHANGELOG_GB10.md, session 24): the syncers' barrier + live load per round, idle vs streaming
