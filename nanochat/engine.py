@@ -121,7 +121,8 @@ class Engine:
     auto|compiled|eager|persistent, what a static/graphs step runs (persistent: batch 1 as one
     persistent Triton kernel, nanochat/triton_decode.py, other batch sizes compiled; auto:
     persistent where it can run on a GPU it was measured faster on and passes a one-step probe
-    against the model, else compiled; `graph_step_note` says what auto chose and why);
+    against the model, else `graph_fallback`: compiled, or eager for a quick start (chat_cli);
+    `graph_step_note` says what auto chose and why);
     `fused_qkv`: generate inside the model's inference_weights() (one q/k/v matmul per layer;
     False for A/B benchmarks; persistent needs it); `sampler`: auto|torch|triton, how tokens are
     drawn (nanochat/sampling.py; auto: the Triton sampler on CUDA, `sampler_backend`
@@ -129,11 +130,13 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, decode: str = "eager", cache_dtype: torch.dtype | None = None,
                  decode_bucket: int = DEFAULT_BUCKET, graph_step: str = "auto", fused_qkv: bool = True,
-                 sampler: str = "auto"):
+                 sampler: str = "auto", graph_fallback: str = "compiled"):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode: got {decode!r}; accepted: {'|'.join(DECODE_MODES)}")
         if graph_step not in GRAPH_STEPS:
             raise ValueError(f"graph_step: got {graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
+        if graph_fallback not in ("compiled", "eager"):
+            raise ValueError(f"graph_fallback: got {graph_fallback!r}; accepted: compiled|eager")
         _check_int(decode_bucket, "decode_bucket", 1, "an integer >= 1")
         if graph_step == "persistent" and not fused_qkv:
             raise ValueError("graph_step: 'persistent' reads the fused q/k/v weights; it needs fused_qkv=True")
@@ -151,7 +154,11 @@ class Engine:
         self.decode_bucket, self.fused_qkv = decode_bucket, bool(fused_qkv)
         self.cache_dtype = cache_dtype or self._default_cache_dtype()
         self.graph_step_auto = graph_step == "auto"
+        # what runs where the persistent kernel does not (other batch sizes, a failed probe)
+        self.other_step = graph_fallback if self.graph_step_auto else "compiled"
         self.graph_step, self.graph_step_note = self._resolve_graph_step(graph_step)
+        if self.graph_step != "persistent":
+            self.other_step = self.graph_step
         self._compiled = None
         self.decoders: dict[int, StaticDecoder] = {}  # batch size -> decoder, least recently used first
         self._graph_pool = None
@@ -168,9 +175,9 @@ class Engine:
 
     def _resolve_graph_step(self, request: str) -> tuple[str, str]:
         """(graph step, note): an explicit request as is; auto -> persistent where the batch-1
-        kernel can run on this model and device and was measured faster, else compiled."""
+        kernel can run on this model and device and was measured faster, else other_step."""
         if request != "auto" or self.decode_mode not in ("static", "graphs"):
-            return ("compiled" if request == "auto" else request), ""
+            return (self.other_step if request == "auto" else request), ""
         try:
             from nanochat.triton_decode import unsupported
         except ImportError as e:  # no Triton on this platform
@@ -183,13 +190,14 @@ class Engine:
                 reason = (f"the persistent step was measured faster only on compute capability 9.0 (H100/H200); "
                           f"this GPU is {cc[0]}.{cc[1]} (graph_step='persistent' forces it)")
         if reason is not None:
-            return "compiled", f"graph_step auto: compiled ({reason})"
-        return "persistent", "graph_step auto: persistent batch-1 kernel (nanochat/triton_decode.py), others compiled"
+            return self.other_step, f"graph_step auto: {self.other_step} ({reason})"
+        return "persistent", (f"graph_step auto: persistent batch-1 kernel (nanochat/triton_decode.py), "
+                              f"others {self.other_step}")
 
     def _persistent_step(self, cache):
         """The persistent batch-1 step over `cache`; under graph_step auto it must first match the
         model's own step at position 0 (a real launch: compile, residency, logits), or the
-        engine falls back to compiled and says why (None is returned)."""
+        engine falls back to other_step and says why (None is returned)."""
         from nanochat.attention import StaticKV
         from nanochat.triton_decode import PersistentDecodeStep
 
@@ -211,8 +219,9 @@ class Engine:
                 problem = str(e).splitlines()[0][:200]
         if problem is None:
             return step
-        self.graph_step = "compiled"
-        self.graph_step_note = f"graph_step auto: compiled (the persistent step failed its probe: {problem})"
+        self.graph_step = self.other_step
+        self.graph_step_note = (f"graph_step auto: {self.other_step} (the persistent step failed its probe: "
+                                f"{problem})")
         print(f"engine: {self.graph_step_note}", flush=True)
         return None
 
@@ -265,9 +274,9 @@ class Engine:
             cache = self.new_cache(batch_size, self.max_seq_len)
             step_model = None
             if self.graph_step == "persistent" and batch_size == 1:
-                step_model = self._persistent_step(cache)  # None: auto fell back to compiled
+                step_model = self._persistent_step(cache)  # None: auto fell back to other_step
             if step_model is None:
-                step_model = self._compiled_model() if graphs and self.graph_step != "eager" else self.model
+                step_model = self._compiled_model() if graphs and self.other_step == "compiled" else self.model
             decoder = StaticDecoder(cache, step_model, bucket=self.decode_bucket, use_graphs=graphs,
                                     pool=self._graph_pool)
         self.decoders[batch_size] = decoder  # (re)inserted last: most recently used

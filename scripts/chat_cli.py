@@ -33,9 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--decode", default="auto",
                    help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
-    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="eager",
-                   help="auto|compiled|eager|persistent: what a graphed decode step runs (default eager: the plain "
-                        "model's kernels, captured in ~a second with no compile wait; auto as chat_web)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
+                   help="auto|compiled|eager|persistent: what a graphed decode step runs (default auto: the "
+                        "persistent Triton kernel where it was measured faster (H100/H200), else eager, the plain "
+                        "model's kernels, with no torch.compile wait)")
     args = p.parse_args(argv)
     validate(args)
     return args
@@ -99,9 +100,11 @@ def main(argv=None) -> int:
     if rt.dtype != torch.float32:  # inference keeps no fp32 master weights: half the bytes per step
         model = model.to(rt.dtype)
     # graphs replay a whole decode step per launch: an eager step is bound by launching its kernels
-    # from Python (d20 on an H100: 26 tok/s eager, 349 with graphs of the same kernels after a 3.6 s
-    # warm-up, CHANGELOG_GB10.md session 25); graph_step eager keeps start-up free of torch.compile
-    engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
+    # from Python. d20 on an H100 (CHANGELOG_GB10.md, sessions 25-26): 26 tok/s eager; graphs of the
+    # plain kernels 349 tok/s after a 1.6-3.2 s warm-up; the persistent kernel ~1,500 tok/s after
+    # 21 s the first time (Triton compiles it into its cache) and 1.4 s after that. Where auto does
+    # not pick persistent it falls back to eager, not compiled: no torch.compile wait at start-up.
+    engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step, graph_fallback="eager")
     warm = engine.warmup(batch_sizes=(1,), all_buckets=False) if engine.decode_mode == "graphs" else 0.0
     next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
 

@@ -42,7 +42,8 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
 
 @pytest.mark.cuda
 def test_chat_cli_graph_decode_answers_as_eager_cuda(sft_checkpoint, capsys):
-    """On CUDA chat_cli's default decode (CUDA graphs of the plain kernels) gives eager's greedy answer."""
+    """On CUDA chat_cli's default decode (CUDA graphs; on an H100/H200 the persistent kernel) gives eager's
+    greedy answer."""
     from scripts import chat_cli
 
     base = ["-p", "Hello there, how are you?", "--device", "cuda", "--dtype", "fp32", "-t", "0", "-m", "24"]

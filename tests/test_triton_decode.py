@@ -120,6 +120,10 @@ engine = Engine(model, decode="static")
 assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
 assert engine.graph_step == "compiled" and "failed its probe" in engine.graph_step_note, engine.graph_step_note
 assert not isinstance(engine.decoders[1].step_model, PersistentDecodeStep)
+engine = Engine(model, decode="static", graph_fallback="eager")  # chat_cli's: the plain model's kernels
+assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
+assert engine.graph_step == "eager" and "failed its probe" in engine.graph_step_note, engine.graph_step_note
+assert engine.decoders[1].step_model is model
 print("OK")
 """
 
@@ -137,6 +141,13 @@ def test_engine_auto_graph_step_without_a_gpu_is_compiled(monkeypatch):
     engine = Engine(_model(), decode="static")
     assert engine.graph_step == "compiled" and "needs a CUDA GPU" in engine.graph_step_note
     assert Engine(_model()).graph_step_note == ""  # eager decoding: no step to choose
+    model = _model()
+    engine = Engine(model, decode="static", graph_fallback="eager")   # chat_cli's fallback
+    assert engine.graph_step == "eager" and engine.graph_step_note.startswith("graph_step auto: eager")
+    engine.generate_batch([3, 1, 4], max_tokens=2, temperature=0.0)
+    assert engine.decoders[1].step_model is model   # not torch.compile's wrapper
+    with pytest.raises(ValueError, match="graph_fallback"):
+        Engine(model, decode="static", graph_fallback="persistent")
 
 
 def test_persistent_step_refuses_what_it_cannot_run(monkeypatch):
