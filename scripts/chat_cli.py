@@ -105,7 +105,11 @@ def main(argv=None) -> int:
     # 21 s the first time (Triton compiles it into its cache) and 1.4 s after that. Where auto does
     # not pick persistent it falls back to eager, not compiled: no torch.compile wait at start-up.
     engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step, graph_fallback="eager")
-    warm = engine.warmup(batch_sizes=(1,), all_buckets=False) if engine.decode_mode == "graphs" else 0.0
+    warm = 0.0
+    if engine.decode_mode == "graphs":   # stderr: -p prints the answer alone on stdout
+        print(f"warming up the decode step (graph step {engine.graph_step}; a machine's first start compiles "
+              "its kernels, up to ~20 s on an H100)...", file=sys.stderr, flush=True)
+        warm = engine.warmup(batch_sizes=(1,), all_buckets=False)
     next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
 
     if args.prompt is not None:
