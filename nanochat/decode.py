@@ -17,6 +17,10 @@ tool-forced tokens), `step_sampled(tensor, position)` takes the sampled tokens s
 device, so the Engine queues step t+1 before it has read token t on the host (`fetch` waits for
 that copy alone) and the per-token Python overlaps the GPU instead of idling it.
 
+With `per_row=True` (continuous batching, nanochat/batching.py) the buffer holds a position per
+row, [tokens..., positions...], and `step(column, positions)` takes one per row: rows sit at
+different depths of their own conversations, and the bucket is the one of the deepest row.
+
 Within a bucket every step replays the same graph; crossing a bucket boundary captures (once) the
 next bucket's graph. The step that is captured is `step_model(ids, kv_cache=StaticKV)`:
 `torch.compile(model, dynamic=True)` ("compiled": fused kernels; the length and batch are
@@ -57,7 +61,7 @@ class StaticDecoder:
     """
 
     def __init__(self, cache: KVCache, step_model, *, bucket: int = DEFAULT_BUCKET,
-                 use_graphs: bool = False, pool=None):
+                 use_graphs: bool = False, pool=None, per_row: bool = False):
         if bucket < 1:
             raise ValueError(f"decode_bucket: got {bucket}; accepted: an integer >= 1")
         self.cache, self.step_model, self.bucket = cache, step_model, bucket
@@ -66,10 +70,12 @@ class StaticDecoder:
         if use_graphs and self.device.type != "cuda":
             raise ValueError(f"decode: 'graphs' needs a CUDA device, the cache is on {self.device}")
         B = cache.batch_size
-        self.inputs = torch.zeros(B + 1, dtype=torch.long, device=self.device)  # tokens..., position
+        self.per_row = bool(per_row) and B > 1   # batch 1: one position either way
+        n = B + (B if self.per_row else 1)
+        self.inputs = torch.zeros(n, dtype=torch.long, device=self.device)  # tokens..., position(s)
         self.ids, self.pos = self.inputs[:B].view(B, 1), self.inputs[B:]
         # Pinned host staging buffer: the per-step copy is asynchronous; `_copied` guards reuse.
-        self._host = torch.zeros(B + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host = torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         # Pinned host landing buffer for the sampled tokens (`fetch`), its ready event, and the side
@@ -93,16 +99,27 @@ class StaticDecoder:
         return sorted({bucket_length(n, self.cache.seq_len, self.bucket)
                        for n in range(1, self.cache.seq_len + 1, self.bucket)} | {self.cache.seq_len})
 
-    def step(self, column: Sequence[int], position: int) -> torch.Tensor:
-        length = self._check_position(position)
+    def step(self, column: Sequence[int], position: int | Sequence[int]) -> torch.Tensor:
+        """`position`: an int for every row, or (per_row decoders) a sequence with one per row."""
         if len(column) != self.batch_size:
             raise ValueError(f"decode step: got {len(column)} tokens for a batch of {self.batch_size}")
-        self._set_inputs(column, position)
+        if isinstance(position, int):
+            positions = [position] * (self.batch_size if self.per_row else 1)
+        elif len(position) == self.pos.numel():   # one per row, or batch 1's one
+            positions = [int(p) for p in position]
+            self._check_position(min(positions))
+        else:
+            raise ValueError(f"decode step: {len(position)} positions for a batch of {self.batch_size} "
+                             "(a position per row needs a per_row decoder)")
+        length = self._check_position(max(positions))
+        self._set_inputs(column, positions)
         return self._launch(length)
 
     def step_sampled(self, sampled: torch.Tensor, position: int) -> torch.Tensor:
         """`step` fed from a device tensor of sampled tokens (B,): no host round trip, so it can be
         queued before the host has read the samples (the Engine's one-step lookahead)."""
+        if self.per_row:
+            raise ValueError("decode step_sampled: a per_row decoder takes host positions (step)")
         length = self._check_position(position)
         # one kernel writes tokens and position (from a device table): a device copy and a fill
         # were two stream ops with ~2.5 us gaps each (H100 profile)
@@ -145,11 +162,12 @@ class StaticDecoder:
             return self._sampled_host.tolist()
         return wait
 
-    def _set_inputs(self, column: Sequence[int], position: int) -> None:
+    def _set_inputs(self, column: Sequence[int], positions: Sequence[int]) -> None:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the staging buffer
-        self._host_np[:-1] = column
-        self._host_np[-1] = position
+        B = self.batch_size
+        self._host_np[:B] = column
+        self._host_np[B:] = positions
         self.inputs.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -268,22 +268,26 @@ class Engine:
             idle = [b for b, d in self.decoders.items() if not d.busy]
             if len(self.decoders) >= MAX_DECODERS and idle:
                 del self.decoders[idle[0]]  # least recently used: frees its cache and graphs
-            graphs = self.decode_mode == "graphs"
-            if graphs and self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            cache = self.new_cache(batch_size, self.max_seq_len)
-            step_model = None
-            if self.graph_step == "persistent" and batch_size == 1:
-                step_model = self._persistent_step(cache)  # None: auto fell back to other_step
-            if step_model is None:
-                step_model = self._compiled_model() if graphs and self.other_step == "compiled" else self.model
-            decoder = StaticDecoder(cache, step_model, bucket=self.decode_bucket, use_graphs=graphs,
-                                    pool=self._graph_pool)
+            decoder = self.new_decoder(self.new_cache(batch_size, self.max_seq_len))
         self.decoders[batch_size] = decoder  # (re)inserted last: most recently used
         if decoder.busy:
             return None
         decoder.busy = True
         return decoder
+
+    def new_decoder(self, cache, *, per_row: bool = False) -> StaticDecoder:
+        """A static decoder over `cache` running this engine's graph step (the persistent kernel
+        at batch 1 when chosen, else other_step), captured as CUDA graphs under decode="graphs"."""
+        graphs = self.decode_mode == "graphs"
+        if graphs and self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        step_model = None
+        if self.graph_step == "persistent" and cache.batch_size == 1:
+            step_model = self._persistent_step(cache)  # None: auto fell back to other_step
+        if step_model is None:
+            step_model = self._compiled_model() if graphs and self.other_step == "compiled" else self.model
+        return StaticDecoder(cache, step_model, bucket=self.decode_bucket, use_graphs=graphs,
+                             pool=self._graph_pool, per_row=per_row)
 
     def warmup(self, batch_sizes: Sequence[int] = (1, 2), *, all_buckets: bool = True) -> float:
         """Compile now, not in the first request: batch 1 and >1 (size-1 dimensions get their own
@@ -368,13 +372,19 @@ class Engine:
                  ) -> Iterator[tuple[list[int], list[int]]]:
         """Yield (token per sample, mask per sample) each step; stops when every sample has hit a
         stop token, after `max_tokens` steps, or when the context is full."""
+        return self._generate(*self.check_request(tokens, num_samples, max_tokens, temperature, top_k, top_p,
+                                                  seed, stop_tokens))
+
+    def check_request(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stop_tokens):
+        """generate's arguments checked and normalised: (tokens, num_samples, max_tokens,
+        temperature, top_k, top_p, seed, stops); raises ValueError naming the bad one."""
         tokens = self._check_prompt(tokens)
         _check_int(num_samples, "num_samples", 1, "an integer >= 1")
         _check_int(max_tokens, "max_tokens", 1, "an integer >= 1")
         _check_int(seed, "seed", 0, "an integer >= 0")
         temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
         stops = frozenset(self.default_stop_tokens if stop_tokens is None else (int(t) for t in stop_tokens))
-        return self._generate(tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops)
+        return tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops
 
     def inference_weights(self):
         """The model's inference_weights() context (fused q/k/v, see GPT), or a no-op for models

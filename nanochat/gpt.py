@@ -504,8 +504,12 @@ class GPT(nn.Module):
         if isinstance(kv_cache, StaticKV):
             # Device-side position: a gather, so the step's shapes do not depend on it. The
             # caller bounds the position by the cache length (<= sequence_len < table length).
-            return (self.cos.index_select(1, kv_cache.pos).to(dtype),
-                    self.sin.index_select(1, kv_cache.pos).to(dtype))
+            if kv_cache.pos.numel() == 1:
+                return (self.cos.index_select(1, kv_cache.pos).to(dtype),
+                        self.sin.index_select(1, kv_cache.pos).to(dtype))
+            # a position per row (continuous batching): (B, 1, 1, D/2) rows
+            return (self.cos[0].index_select(0, kv_cache.pos).unsqueeze(1).to(dtype),
+                    self.sin[0].index_select(0, kv_cache.pos).unsqueeze(1).to(dtype))
         T0 = 0 if kv_cache is None else kv_cache.pos
         if T0 + T > self.cos.size(1):
             raise ValueError(f"GPT.forward: position {T0 + T} exceeds the rotary table ({self.cos.size(1)})")

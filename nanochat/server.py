@@ -9,10 +9,13 @@ models and runs it with uvicorn):
     GET  /health                liveness + free replicas (never needs the API key)
     GET  /stats                 counters and per-replica state
 
-Concurrency: one `Worker` (model replica + Engine) per device; a request waits in a FIFO for a free
-replica (`WorkerPool`), then generation runs in a thread (`_Job`) so the event loop stays free. The
-thread checks a cancel flag every token: a client that disconnects stops generation and frees the
-replica within one decode step.
+Concurrency: a `Worker` per generation slot; a request waits in a FIFO for a free one
+(`WorkerPool`), then generation runs in a thread (`_Job`) so the event loop stays free. With
+continuous batching (`replica_workers(engine, name, slots)`, slots > 1: chat_web's default) a
+replica's `slots` workers share one BatchedEngine (nanochat/batching.py), which decodes all their
+requests as rows of one step; with slots = 1 a replica serves one request at a time. The thread
+checks a cancel flag every token: a client that disconnects stops generation and frees its slot
+within one decode step.
 
 Limits (`ServerSettings`, nanochat/chat_api.py) are checked before any model work; every violation is a 4xx JSON error
 in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving.
@@ -48,6 +51,20 @@ class Worker:
         self.busy = False
         self.requests = self.tokens = 0
         self.busy_seconds = 0.0
+
+
+def replica_workers(engine, name: str, slots: int = 1) -> list[Worker]:
+    """The workers of one model replica: `slots` > 1 -> that many sharing a BatchedEngine over
+    `engine` (continuous batching; call `.engine.warmup()` on one of them before serving), 1 ->
+    one worker on the plain Engine."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"batch slots: got {slots!r}; accepted: an integer >= 1 (1 = no batching)")
+    if slots == 1:
+        return [Worker(engine, name)]
+    from nanochat.batching import BatchedEngine
+
+    batched = BatchedEngine(engine, slots)
+    return [Worker(batched, f"{name}/{i}") for i in range(slots)]
 
 
 class WorkerPool:
@@ -320,6 +337,9 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                 "workers": [{"name": w.name, "device": str(w.engine.device), "busy": w.busy,
                              "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2)}
                             for w in pool.workers],
+                "batching": [{"slots": e.slots, "steps": e.steps, "rows_stepped": e.rows_stepped,
+                              "mean_batch": round(e.rows_stepped / max(e.steps, 1), 2)}
+                             for e in {id(w.engine): w.engine for w in pool.workers}.values() if hasattr(e, "slots")],
                 "context_len": engine.max_seq_len, "limits": settings.public()}
 
     @app.get("/v1/models")

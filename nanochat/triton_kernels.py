@@ -311,7 +311,7 @@ def _decode_merge(row, n_splits, m_ptr, l_ptr, acc_ptr, out_ptr, so_b, so_h,
 
 @triton.jit
 def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr,
-                           sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, L, window, scale,
+                           s_pos, sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, L, window, scale,
                            HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                            HAS_WINDOW: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)                 # b * HQ + h
@@ -319,7 +319,7 @@ def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, 
     n_splits = tl.num_programs(1)
     b, h = row // HQ, row % HQ
     kvh = h // GROUP
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + b * s_pos)     # s_pos 0: one position for every row
     offs_t = split * CHUNK + tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
     visible = (offs_t <= pos) & (offs_t < L)
@@ -375,7 +375,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
                             fused: bool = False) -> torch.Tensor:
     """Softmax(q k^T / sqrt(D)) v for one query token per (row, head): q (B, Hq, 1, D); k, v
     (B, Hkv, L, D) (a cache bucket: any strides with a unit last one); pos a (1,) long tensor,
-    the query's position: keys 0..pos are visible, and only the last `window` of them when
+    the query's position, or (B,) with each row's own: keys 0..pos are visible, and only the last `window` of them when
     window is set. GQA: query head h reads kv head h // (Hq // Hkv). Returns (B, Hq, 1, D) in
     q's dtype. D must be a power of two (tl.arange); the caller checks.
 
@@ -393,7 +393,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert T == 1 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and Hq % Hkv == 0
-    assert D & (D - 1) == 0 and pos.numel() == 1 and chunk & (chunk - 1) == 0
+    assert D & (D - 1) == 0 and pos.numel() in (1, B) and chunk & (chunk - 1) == 0
     n_splits = triton.cdiv(L, chunk)
     num_warps = num_warps or (4 if B * Hq * n_splits <= 512 else 2)
     m = torch.empty(B * Hq * n_splits, dtype=torch.float32, device=q.device)
@@ -404,7 +404,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     splits_p2 = triton.next_power_of_2(n_splits)
     _decode_partial_kernel[(B * Hq, n_splits)](
         q, k, v, pos, m, l, acc, out, m if counters is None else counters,  # m: unread unless FUSED
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        0 if pos.numel() == 1 else pos.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), L, window or 0, D ** -0.5,
         HQ=Hq, GROUP=Hq // Hkv, D=D, CHUNK=chunk, HAS_WINDOW=window is not None,
         FUSED=counters is not None, SPLITS=splits_p2, num_warps=num_warps)

@@ -2,6 +2,7 @@
 
     python -m scripts.chat_web                               # latest SFT model, http://127.0.0.1:8000
     python -m scripts.chat_web -i rl --num-gpus 8            # one replica per GPU, requests queued
+    python -m scripts.chat_web --batch-slots 1               # one request at a time per replica
     python -m scripts.chat_web --host 0.0.0.0 --api-key "$NANOCHAT_API_KEY"   # reachable from the network
 
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
@@ -38,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
                    help="auto|compiled|eager|persistent: what a graphs/static decode step runs (auto: the persistent "
                         "batch-1 Triton kernel where it was measured faster and passes a probe, else compiled)")
+    p.add_argument("--batch-slots", "--batch_slots", dest="batch_slots", type=int, default=8,
+                   help="requests decoded together per replica (continuous batching, nanochat/batching.py); "
+                        "1 = one request at a time; otherwise at least --max-n")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
@@ -81,6 +85,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
     if args.top_k < 0:
         raise ValueError(f"--top-k: got {args.top_k}; accepted: an integer >= 0 (0 = off)")
+    if args.batch_slots != 1 and args.batch_slots < max(args.max_n, 2):
+        raise ValueError(f"--batch-slots: got {args.batch_slots}; accepted: 1 (no batching) or an integer >= "
+                         f"--max-n ({args.max_n}) and >= 2: a request's n samples share one replica's slots")
 
 
 def load_replicas(args) -> tuple[list, dict]:
@@ -90,7 +97,7 @@ def load_replicas(args) -> tuple[list, dict]:
     from nanochat.checkpoint import find_model_tag, load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
-    from nanochat.server import Worker
+    from nanochat.server import replica_workers
 
     rt = init_runtime(args.device, args.dtype)
     if rt.device_type == "cuda":
@@ -108,11 +115,14 @@ def load_replicas(args) -> tuple[list, dict]:
         if rt.dtype != torch.float32:  # serve from compute-dtype weights: half the bytes per decode step
             model = model.to(rt.dtype)
         engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
-        warm = engine.warmup()
-        workers.append(Worker(engine, name=str(device)))
-        graph_step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
+        replica = replica_workers(engine, str(device), args.batch_slots)
+        warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's
+        workers += replica
+        mode = replica[0].engine.decode_mode
+        graph_step = f", graph step {engine.graph_step}" if mode in ("static", "graphs") else ""
+        batching = f", {args.batch_slots} batch slots" if args.batch_slots > 1 else ", one request at a time"
         print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
-              f"(decode={engine.decode_mode}{graph_step}, warm-up {warm:.1f} s)")
+              f"(decode={mode}{graph_step}{batching}, warm-up {warm:.1f} s)")
         if engine.graph_step_note:
             print(f"  {engine.graph_step_note}")
     return workers, meta
@@ -134,7 +144,9 @@ def main(argv=None) -> int:
     workers, meta = load_replicas(args)
     settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
     app = create_app(WorkerPool(workers), settings)
-    print(f"serving {settings.model_name} on http://{args.host}:{args.port} ({len(workers)} replica(s))")
+    replicas = len({id(w.engine) for w in workers})
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port} ({replicas} replica(s), "
+          f"{len(workers)} generation slot(s))")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -19,6 +19,8 @@
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
 #   floor      the d20 bf16 micro-batch's matmuls + attention alone at the power cap (bench_train_floor), then
 #              bench_train d20 triton bf16 at base_train's batch on the same machine (#4's 185k tok/s)
+#   serving    continuous batching (nanochat/batching.py): its CUDA tests (per-row decode attention, batched
+#              graphs = lone runs) and bench_serving d20: one request at a time vs 8 / 16 batch slots
 #   pdepth     batch-1 decode vs model size: the persistent kernel alone at d20/d26/d32, d32 end to end
 #   sync       does a weight stream slow the barriers of SMs that do not stream? (bench_sync_under_stream:
 #              flag barrier vs LL tagged data); d20's GEMV chain on SMs in two roles (bench_two_role_chain:
@@ -131,6 +133,12 @@ if has pdepth; then
   done
   step bench_infer_d32 400 $PY -m scripts.bench_inference --depth 32 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has serving; then
+  step pytest_serving 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_batching.py tests/test_attention.py \
+       -k "batched or per_row or static_decode"
+  step bench_serving 480 $PY -m scripts.bench_serving --depth 20 --slots ${SERVING_SLOTS:-1,8,16} \
+       --clients ${SERVING_CLIENTS:-16} --requests ${SERVING_REQUESTS:-48}
 fi
 if has floor; then
   # what a d20 bf16 micro-batch cannot go below while the board sits at its power cap

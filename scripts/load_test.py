@@ -40,10 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-g", "--model-tag", "--model_tag", dest="model_tag", default=None)
     p.add_argument("--corpus", default=None, help="text for the random model's tokenizer (default: the shared "
                                                   "tiny Shakespeare shards)")
+    p.add_argument("--batch-slots", "--batch_slots", dest="batch_slots", type=int, default=8,
+                   help="the started server's continuous-batching slots (chat_web's default; 1 = one at a time)")
     p.add_argument("--port", type=int, default=0, help="port for the started server (default: a free one)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: run the server only
     args = p.parse_args(argv)
-    for name in ("requests", "concurrency", "max_tokens"):
+    for name in ("requests", "concurrency", "max_tokens", "batch_slots"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if args.source not in SOURCES:
@@ -80,7 +82,7 @@ def serve(args) -> int:
     """Run the server in this process until killed (what the load test starts as a subprocess)."""
     import uvicorn
 
-    from nanochat.server import ServerSettings, Worker, WorkerPool, create_app
+    from nanochat.server import ServerSettings, WorkerPool, create_app, replica_workers
 
     if args.source == "random":
         engine = random_tiny_engine(args.corpus)
@@ -93,7 +95,9 @@ def serve(args) -> int:
     limit = max(args.concurrency, 4)
     settings = ServerSettings(model_name=f"load-test-{args.source}", api_key=args.api_key,
                               max_concurrent_per_client=limit, max_queue=limit)
-    app = create_app(WorkerPool([Worker(engine, "cpu")]), settings)
+    workers = replica_workers(engine, "cpu", args.batch_slots)
+    workers[0].engine.warmup()
+    app = create_app(WorkerPool(workers), settings)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 
@@ -105,7 +109,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "scripts.load_test", "--serve", "--port", str(port), "-i", args.source,
-           "--concurrency", str(args.concurrency)]
+           "--concurrency", str(args.concurrency), "--batch-slots", str(args.batch_slots)]
     cmd += ["--model-tag", args.model_tag] if args.model_tag else []
     cmd += ["--corpus", args.corpus] if args.corpus else []
     env = dict(os.environ)
@@ -206,6 +210,7 @@ async def run_load(args, url: str, proc) -> dict:
     lat, ttft = [r["latency"] for r in ok], [r["ttft"] for r in ok if r["ttft"] is not None]
     health_ms = [1e3 * t for t, good in health if good]
     return {"bench": "load", "url": url, "requests": args.requests, "concurrency": args.concurrency,
+            "batch_slots": args.batch_slots if args.url is None else None,
             "max_tokens": args.max_tokens, "ok": len(ok), "errors": len(errors), "first_errors": errors[:3],
             "wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "tok_per_s": sum(r["tokens"] for r in ok) / wall,
             "latency_p50_s": pct(lat, 0.5), "latency_p95_s": pct(lat, 0.95), "latency_max_s": max(lat, default=None),

@@ -260,6 +260,16 @@ def test_decode_attention_triton_kernel_in_interpreter(run_triton_interpreted):
         "  assert not TK._DECODE_COUNTERS[torch.device('cpu')].any()  # left at 0 for the next call\n"
         "  op = torch.ops.nanochat.decode_attention(q, kc[:, :, :L], vc[:, :, :L], torch.tensor([pos]), window or 0)\n"
         "  assert (op.double() - ref).abs().max() < 1e-5\n"
+        "# a position per row (continuous batching): each row against its own reference\n"
+        "q = torch.randn(3, 4, 1, 32, generator=g)\n"
+        "kc, vc = torch.randn(2, 3, 2, 70, 32, generator=g)\n"
+        "for window in (None, 8):\n"
+        "  rows = torch.tensor([3, 40, 17])\n"
+        "  out = TK.decode_attention_triton(q, kc[:, :, :48], vc[:, :, :48], rows, window, chunk=16, fused=True)\n"
+        "  for b, p in enumerate(rows.tolist()):\n"
+        "    ref = A.reference_attention(q[b:b + 1].double(), kc[b:b + 1, :, :p + 1].double(),\n"
+        "                                vc[b:b + 1, :, :p + 1].double(), window=window, q_offset=p)\n"
+        "    assert (out[b:b + 1].double() - ref).abs().max() < 1e-5, (b, p, window)\n"
         "print('OK')\n"
     )
     run_triton_interpreted(script)
@@ -336,6 +346,37 @@ def test_cuda_cudnn_window_in_model_layout_under_compile(backend, window):
     assert (out_c - out_f).abs().max() < 2e-2
     for a, b in zip(grads_c, grads_f):
         assert (a - b).abs().max() / b.abs().max() < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 100])
+def test_cuda_static_decode_per_row_positions(window):
+    """The static decode step with a position per row (continuous batching), compiled, bf16:
+    each row writes its k/v at its own slot and attends to its own prefix, as the float64
+    reference; the SDPA formulation agrees."""
+    B, Hq, Hkv, D = 3, 8, 4, 128
+    cache = A.KVCache(B, Hkv, 512, D, num_layers=1, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g, device="cuda"))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g, device="cuda"))
+    key_pos = torch.arange(300, device="cuda")
+    pos = torch.tensor([0, 299, 140], device="cuda")
+    q, k, v = (torch.randn(B, h, 1, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    step = torch.compile(lambda q, k, v, kv: A.attention(q, k, v, window=window, backend="auto",
+                                                         kv_cache=kv, layer_idx=0))
+    out = step(q, k, v, A.StaticKV(cache, pos, key_pos))
+    A.set_decode_kernel("sdpa")
+    try:
+        sdpa = A.attention(q, k, v, window=window, backend="auto", kv_cache=A.StaticKV(cache, pos, key_pos),
+                           layer_idx=0)
+    finally:
+        A.set_decode_kernel(A.DEFAULT_DECODE_KERNEL)
+    for b, p in enumerate(pos.tolist()):
+        assert torch.equal(cache.k[0][b, :, p], k[b, :, 0]) and torch.equal(cache.v[0][b, :, p], v[b, :, 0])
+        ref = A.reference_attention(q[b:b + 1].double(), cache.k[0][b:b + 1, :, :p + 1].double(),
+                                    cache.v[0][b:b + 1, :, :p + 1].double(), window=window, q_offset=p)
+        assert (out[b:b + 1].double() - ref).abs().max() < 2e-2, (b, p)
+        assert (sdpa[b:b + 1].double() - ref).abs().max() < 2e-2, (b, p)
 
 
 @pytest.mark.cuda

@@ -346,6 +346,48 @@ def test_two_replicas_serve_in_parallel(serve, chat_model):
     assert [w["requests"] for w in workers] == [len(e.calls) for e in engines] and not any(w["busy"] for w in workers)
 
 
+def test_batched_replica_serves_concurrent_streams(chat_model):
+    """Continuous batching behind the API (chat_web's default): six streaming greedy requests at
+    once through one replica's 4 slots; each answer equals the plain Engine's, and /stats shows
+    the steps were shared."""
+    from nanochat.server import replica_workers
+
+    model, tokenizer = chat_model
+    workers = replica_workers(Engine(model, tokenizer, decode="static", decode_bucket=32), "cpu", 4)
+    assert len(workers) == 4 and len({id(w.engine) for w in workers}) == 1
+    server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(
+        model_name="tiny", max_concurrent_per_client=10)))
+    try:
+        bodies = [{"messages": [{"role": "user", "content": f"Tell me about {w}"}], "temperature": 0,
+                   "max_tokens": 12 + 3 * i} for i, w in enumerate(["kings", "fools", "ghosts", "love", "war", "sea"])]
+        got = [None] * len(bodies)
+
+        def call(i):
+            lines = sse_lines(url, {**bodies[i], "stream": True})
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            got[i] = "".join(c["delta"].get("content", "") for e in events for c in e.get("choices", []))
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        plain, plain_url = serve_in_thread(create_app(WorkerPool([Worker(Engine(model, tokenizer), "cpu")]),
+                                                      ServerSettings(model_name="tiny")))
+        try:
+            want = [httpx.post(plain_url + "/v1/chat/completions", json=b, timeout=30).json()
+                    ["choices"][0]["message"]["content"] for b in bodies]
+        finally:
+            plain.should_exit = True
+            plain.thread.join(timeout=10)
+        assert got == want and all(want)
+        stats = httpx.get(url + "/stats").json()
+        assert len(stats["workers"]) == 4 and stats["batching"][0]["slots"] == 4
+        assert stats["batching"][0]["mean_batch"] > 1.0
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
+
+
 # ------------------------------------------------------------------------------------ the recipe
 
 def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
@@ -368,7 +410,9 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
     assert "WARNING: binding 0.0.0.0" in capsys.readouterr().err and served["host"] == "0.0.0.0"
     for argv, flag in [(["--port", "0"], "--port"), (["--max-queue", "0"], "--max-queue"),
                        (["--api-key", "short"], "--api-key"), (["-i", "nope"], "--source"),
-                       (["--temperature", "9"], "--temperature"), (["--graph-step", "mega"], "--graph-step")]:
+                       (["--temperature", "9"], "--temperature"), (["--graph-step", "mega"], "--graph-step"),
+                       (["--batch-slots", "2", "--max-n", "3"], "--batch-slots"),
+                       (["--batch-slots", "0"], "--batch-slots")]:
         with pytest.raises(ValueError, match=flag):
             chat_web.main(["--device", "cpu", *argv])
 

@@ -1,0 +1,142 @@
+"""Serving benchmark: many concurrent generation requests through continuous batching
+(nanochat/batching.py, what chat_web serves with by default) against one request at a time (what
+chat_web --batch-slots 1 does), on a random model of the requested depth. No HTTP: this measures
+the engine side; scripts/load_test.py measures the server end to end.
+
+    python -m scripts.bench_serving                             # d20 on the GPU, slots 1 and 8
+    python -m scripts.bench_serving --slots 1,8,16 --clients 16 --requests 48
+    python -m scripts.bench_serving --device cpu --depth 2 --seq-len 256 --prompt-lens 8,40 --max-tokens 16
+
+`--clients` threads each send requests back to back (a closed loop) until `--requests` have been
+served; prompts are random token ids of lengths cycling through `--prompt-lens`, every request
+generates `--max-tokens` tokens (no stop tokens) at temperature 1, top-k 50. Prints one JSON line
+per mode (tok/s over the whole run, latency and time to first token p50 / p95, the scheduler's
+mean batch) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depth", type=int, default=20)
+    p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
+    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=2048, help="model context")
+    p.add_argument("--slots", default="1,8", help="comma-separated; 1 = one request at a time (plain Engine)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent request threads")
+    p.add_argument("--requests", type=int, default=32, help="requests per mode")
+    p.add_argument("--prompt-lens", "--prompt_lens", dest="prompt_lens", default="100,500,1000,300")
+    p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=128)
+    p.add_argument("--decode", default="auto", help="the Engine's decode mode (auto: graphs on CUDA)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
+    p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        args.slots = [int(s) for s in args.slots.split(",")]
+        args.prompt_lens = [int(s) for s in args.prompt_lens.split(",")]
+    except ValueError:
+        raise ValueError("--slots / --prompt-lens: accepted: comma-separated integers") from None
+    if min(args.slots) < 1:
+        raise ValueError(f"--slots: got {args.slots}; accepted: integers >= 1")
+    for name in ("clients", "requests", "max_tokens", "depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
+    if min(args.prompt_lens) < 1 or max(args.prompt_lens) + args.max_tokens >= args.seq_len:
+        raise ValueError(f"--prompt-lens: got {args.prompt_lens}; accepted: integers >= 1 with prompt + "
+                         f"--max-tokens ({args.max_tokens}) < --seq-len ({args.seq_len})")
+    return args
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def run_mode(engine, slots: int, prompts: list[list[int]], args) -> dict:
+    """Serve every prompt from `args.clients` threads; slots 1: the plain Engine behind a lock."""
+    from nanochat.batching import BatchedEngine
+
+    batched = BatchedEngine(engine, slots) if slots > 1 else None
+    warm = batched.warmup() if batched else engine.warmup(batch_sizes=(1,))
+    lock, todo, results = threading.Lock(), list(range(len(prompts))), []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            t0, first, n = time.perf_counter(), None, 0
+            kw = dict(max_tokens=args.max_tokens, temperature=1.0, top_k=50, seed=i, stop_tokens=())
+            if batched is None:
+                serve_lock.acquire()   # one request at a time, as a one-slot replica
+            try:
+                for _ in (batched or engine).generate(prompts[i], **kw):
+                    first = first or time.perf_counter() - t0
+                    n += 1
+            finally:
+                if batched is None:
+                    serve_lock.release()
+            results.append((time.perf_counter() - t0, first, n))
+
+    serve_lock = threading.Lock()
+    threads = [threading.Thread(target=client) for _ in range(args.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat, ttft = [r[0] for r in results], [r[1] for r in results]
+    tokens = sum(r[2] for r in results)
+    return {"bench": "serving", "slots": slots, "clients": args.clients, "requests": len(results),
+            "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
+            "latency_p50_s": round(pct(lat, 0.5), 3), "latency_p95_s": round(pct(lat, 0.95), 3),
+            "ttft_p50_s": round(pct(ttft, 0.5), 4), "ttft_p95_s": round(pct(ttft, 0.95), 4),
+            "mean_batch": round(batched.rows_stepped / max(batched.steps, 1), 2) if batched else 1.0,
+            "row_moves": batched.moves if batched else 0, "warmup_s": round(warm, 1)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from nanochat.common import init_runtime
+    from nanochat.engine import Engine
+    from nanochat.platform import detect_device
+    from scripts.bench_inference import build_model
+
+    rt = init_runtime(args.device, args.dtype, seed=args.seed)
+    args.window_pattern = "SSSL"
+    model = build_model(args, rt)
+    spec = detect_device(rt.device)
+    print(json.dumps({"bench": "config", "device": spec.name, "torch": torch.__version__, "dtype": rt.dtype_name,
+                      "depth": args.depth, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                      "clients": args.clients, "requests": args.requests, "prompt_lens": args.prompt_lens,
+                      "max_tokens": args.max_tokens}), flush=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, args.vocab_size, (args.prompt_lens[i % len(args.prompt_lens)],),
+                             generator=gen).tolist() for i in range(args.requests)]
+    rows = []
+    for slots in args.slots:
+        engine = Engine(model, None, decode=args.decode, graph_step=args.graph_step)
+        rows.append(run_mode(engine, slots, prompts, args))
+        print(json.dumps(rows[-1]), flush=True)
+        del engine
+    print(f"\n{'slots':>5} {'tok/s':>9} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>9} {'ttft p95':>9} {'batch':>6}")
+    for r in rows:
+        print(f"{r['slots']:>5} {r['tok_per_s']:>9.1f} {r['latency_p50_s']:>8.2f} {r['latency_p95_s']:>8.2f} "
+              f"{r['ttft_p50_s']:>9.3f} {r['ttft_p95_s']:>9.3f} {r['mean_batch']:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
