@@ -115,6 +115,18 @@ class StaticDecoder:
         self._set_inputs(column, positions)
         return self._launch(length)
 
+    def step_rows(self, sampled: torch.Tensor, rows: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """`step` for the batcher's lookahead: `sampled` (R,) tokens on the device for cache rows
+        `rows` (R,) (a device long tensor), token 0 for the other rows, `positions` one per row
+        (host ints; batch 1: one). Queued before the host has read the samples."""
+        if len(positions) != self.pos.numel():
+            raise ValueError(f"decode step: {len(positions)} positions for a batch of {self.batch_size}")
+        self._check_position(min(positions))
+        length = self._check_position(max(positions))
+        self._set_inputs([0] * self.batch_size, positions)
+        self.inputs[:self.batch_size].index_copy_(0, rows, sampled.view(-1))   # after the copy, same stream
+        return self._launch(length)
+
     def step_sampled(self, sampled: torch.Tensor, position: int) -> torch.Tensor:
         """`step` fed from a device tensor of sampled tokens (B,): no host round trip, so it can be
         queued before the host has read the samples (the Engine's one-step lookahead)."""
@@ -147,19 +159,20 @@ class StaticDecoder:
         copy (not for work queued after it) and gives the tokens as a list. The copy runs on a
         side stream: on the compute stream the next step would wait for the copy engine first
         (batch-1 d20 on the H100: ~18 us per token of gaps around the copy, torch profiler)."""
+        host = self._sampled_host[:sampled.numel()]   # the batcher fetches its live rows only
         if self._fetched is None:
-            self._sampled_host.copy_(sampled)
-            return self._sampled_host.tolist
+            host.copy_(sampled)
+            return host.tolist
         self._sampled_ready.record()
         self._fetch_stream.wait_event(self._sampled_ready)
         with torch.cuda.stream(self._fetch_stream):
-            self._sampled_host.copy_(sampled, non_blocking=True)
+            host.copy_(sampled, non_blocking=True)
             self._fetched.record()
         sampled.record_stream(self._fetch_stream)  # its memory is not reused before the copy read it
 
         def wait() -> list[int]:
             self._fetched.synchronize()
-            return self._sampled_host.tolist()
+            return host.tolist()
         return wait
 
     def _set_inputs(self, column: Sequence[int], positions: Sequence[int]) -> None:

@@ -98,6 +98,11 @@ class Sampler:
             self._triton = sample_triton
             self._max_vocab = MAX_TRITON_VOCAB if backend == "auto" else float("inf")  # triton: raises
 
+    def fusable(self, vocab_size: int) -> bool:
+        """Whether this sampler's draws over `vocab_size` logits can share one sample_triton
+        launch with other requests' (row_draws): the Triton kernel, not greedy."""
+        return self._triton is not None and vocab_size <= self._max_vocab and self.temperature > 0
+
     def warmup(self, vocab_size: int) -> None:
         """Compile the Triton kernel now (~1 s), not in a first request; torch needs nothing."""
         if self._triton is not None:

@@ -134,7 +134,8 @@ def _nucleus_cut(p, target):
 
 
 @triton.jit
-def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP: tl.constexpr):
+def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, hash_row, keep_ptr,
+          KEEP: tl.constexpr):
     """The race over the tokens `tok` whose ordered keys are `key` (INT32_MIN: not drawable):
     top-k (top_k < V), softmax at 1 / inv_temp, top-p, then argmax p / E. Returns the position
     of the winner in `key`. Only one key-sized float tensor is live at a time (registers)."""
@@ -148,35 +149,48 @@ def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, posi
         tl.store(keep_ptr + row * V + tok, (p > 0.0).to(tl.int8), mask=live)
     # Noise: a hash of (seed, position, row, token) -> uniform u in [0, 1) with 24 bits
     k = _mix32(seed_lo.to(tl.uint32) ^ _mix32(seed_hi.to(tl.uint32) ^ _mix32(position.to(tl.uint32))))
-    h = _mix32(_mix32((row * V + tok).to(tl.uint32) ^ k))
+    h = _mix32(_mix32((hash_row * V + tok).to(tl.uint32) ^ k))
     u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
     e = tl.maximum(-tl.log(1.0 - u), 1.1754944e-38)   # Exp(1); E > 0 so 0 / E stays 0
     return tl.argmax(p / e, 0)
 
 
 @triton.jit
-def _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position,
-                VP2: tl.constexpr, KEEP: tl.constexpr):
+def _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW: tl.constexpr):
+    """(seed_lo, seed_hi, position, hash row) of `row`: the call's scalars and the row itself, or
+    with PER_ROW the row's own from info (B, 4) int64 (continuous batching: one launch draws the
+    rows of several requests exactly as their own calls would)."""
+    if PER_ROW:
+        return (tl.load(info_ptr + row * 4), tl.load(info_ptr + row * 4 + 1), tl.load(info_ptr + row * 4 + 2),
+                tl.load(info_ptr + row * 4 + 3))
+    return seed_lo, seed_hi, position, row
+
+
+@triton.jit
+def _sample_row(logits_ptr, stride, out_ptr, keep_ptr, info_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
+                position, VP2: tl.constexpr, KEEP: tl.constexpr, PER_ROW: tl.constexpr):
     j = tl.arange(0, VP2)
     logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
     key = tl.where(j < V, _ordered_key(logit), -2147483648)
-    win = _draw(key, j, j < V, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP)
+    seed_lo, seed_hi, position, hash_row = _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW)
+    win = _draw(key, j, j < V, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, hash_row, keep_ptr, KEEP)
     tl.store(out_ptr + row, win.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["top_k", "seed_lo", "seed_hi", "position"])
-def _sample_kernel(logits_ptr, stride, out_ptr, keep_ptr, flag_ptr, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
-                   position, VP2: tl.constexpr, KEEP: tl.constexpr, FLAGGED: tl.constexpr):
+def _sample_kernel(logits_ptr, stride, out_ptr, keep_ptr, flag_ptr, info_ptr, V, inv_temp, top_k, top_p, seed_lo,
+                   seed_hi, position, VP2: tl.constexpr, KEEP: tl.constexpr, FLAGGED: tl.constexpr,
+                   PER_ROW: tl.constexpr):
     # One program per row. FLAGGED: the two-stage sampler's fallback, which draws only the rows
     # whose candidates overflowed (flag != 0) and leaves the others' draws alone.
     row = tl.program_id(0)
     if FLAGGED:
         if tl.load(flag_ptr + row) != 0:
-            _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
-                        position, VP2, KEEP)
+            _sample_row(logits_ptr, stride, out_ptr, keep_ptr, info_ptr, row, V, inv_temp, top_k, top_p, seed_lo,
+                        seed_hi, position, VP2, KEEP, PER_ROW)
     else:
-        _sample_row(logits_ptr, stride, out_ptr, keep_ptr, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi,
-                    position, VP2, KEEP)
+        _sample_row(logits_ptr, stride, out_ptr, keep_ptr, info_ptr, row, V, inv_temp, top_k, top_p, seed_lo,
+                    seed_hi, position, VP2, KEEP, PER_ROW)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -202,9 +216,9 @@ def _candidates_kernel(logits_ptr, stride, key_ptr, tok_ptr, count_ptr, V, top_k
 
 
 @triton.jit(do_not_specialize=["top_k", "seed_lo", "seed_hi", "position"])
-def _candidates_sample_kernel(key_ptr, tok_ptr, count_ptr, flag_ptr, out_ptr, keep_ptr, V, NCH, inv_temp, top_k,
-                              top_p, seed_lo, seed_hi, position, CAP: tl.constexpr, NP2: tl.constexpr,
-                              KEEP: tl.constexpr):
+def _candidates_sample_kernel(key_ptr, tok_ptr, count_ptr, flag_ptr, out_ptr, keep_ptr, info_ptr, V, NCH, inv_temp,
+                              top_k, top_p, seed_lo, seed_hi, position, CAP: tl.constexpr, NP2: tl.constexpr,
+                              KEEP: tl.constexpr, PER_ROW: tl.constexpr):
     """Stage 2, one program per row: the race over the row's candidates, or flag = 1 for the
     fallback when a chunk had more than CAP (ties at its k-th logit)."""
     row = tl.program_id(0)
@@ -219,7 +233,9 @@ def _candidates_sample_kernel(key_ptr, tok_ptr, count_ptr, flag_ptr, out_ptr, ke
     fits = tl.max(n, 0) <= CAP
     tl.store(flag_ptr + row, tl.where(fits, 0, 1))
     if fits:
-        win = _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, keep_ptr, KEEP)
+        seed_lo, seed_hi, position, hash_row = _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW)
+        win = _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, hash_row, keep_ptr,
+                    KEEP)
         tl.store(out_ptr + row, tl.sum(tl.where(f == win, tok, 0), 0).to(tl.int64))
 
 
@@ -241,14 +257,18 @@ def two_stage_plan(vocab_size: int, top_k: int | None, chunk: int = TWO_STAGE_CH
 
 def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                   seed: int, position: int, keep_out: torch.Tensor | None = None,
-                  chunk: int | None = None, fallback_out: torch.Tensor | None = None) -> torch.Tensor:
+                  chunk: int | None = None, fallback_out: torch.Tensor | None = None,
+                  row_draws: torch.Tensor | None = None) -> torch.Tensor:
     """sample_next's distribution in Triton: one token per row of `logits` (B, V) as a (B,) long
     tensor. The draw is a function of (seed, position, row, logits): a step re-run at the same
     position draws the same tokens, and with top-k alone the two-stage and one-program paths
     draw the same token. `keep_out` (B, V) int8, for tests: 1 where a token could be drawn
     (inside top-k and top-p, probability > 0). `chunk`: the two-stage sampler's chunk width
     (two_stage_plan; None = TWO_STAGE_CHUNK, 0 = one program per row). `fallback_out` (B,)
-    int32, for tests: 1 where a row's candidates overflowed and the one-program fallback drew it."""
+    int32, for tests: 1 where a row's candidates overflowed and the one-program fallback drew it.
+    `row_draws` (B, 4) int64 on the device (`row_draw_table`): each row's own (seed, position, row)
+    instead of `seed`, `position` and its index, so rows of different requests (same temperature,
+    top-k and top-p) draw in one call what each request's own call would."""
     B, V = logits.shape
     if V > MAX_TRITON_VOCAB:
         raise ValueError(f"sample_triton: vocabulary {V} > {MAX_TRITON_VOCAB} (a row must fit in registers); "
@@ -264,6 +284,10 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     p = 1.0 if top_p is None else top_p
     draw = (1.0 / temperature, k, p, seed & 0x7FFFFFFF, seed >> 31, position)
     keep = out if keep_out is None else keep_out  # KEEP=False: a pointer the kernels never touch
+    if row_draws is not None and (row_draws.shape != (B, 4) or row_draws.dtype != torch.int64):
+        raise ValueError(f"sample_triton row_draws: expected ({B}, 4) int64, got {tuple(row_draws.shape)} "
+                         f"{row_draws.dtype}")
+    info = out if row_draws is None else row_draws  # PER_ROW=False: never read
     plan = two_stage_plan(V, k, TWO_STAGE_CHUNK if chunk is None else chunk)
     flags = out  # likewise without FLAGGED
     if plan is not None:
@@ -276,10 +300,21 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
         _candidates_kernel[(B, chunks)](logits, logits.stride(0), keys, toks, counts, V, k, chunks, CH=width,
                                         CAP=cap, num_warps=4)
         np2 = triton.next_power_of_2(chunks) * cap
-        _candidates_sample_kernel[(B,)](keys, toks, counts, flags, out, keep, V, chunks, *draw, CAP=cap, NP2=np2,
-                                        KEEP=keep_out is not None, num_warps=4 if np2 <= 4096 else 8)
-    _sample_kernel[(B,)](logits, logits.stride(0), out, keep, flags, V, *draw, VP2=vp2, KEEP=keep_out is not None,
-                         FLAGGED=plan is not None, num_warps=max(4, min(SAMPLE_WARPS, vp2 // 1024)))
+        _candidates_sample_kernel[(B,)](keys, toks, counts, flags, out, keep, info, V, chunks, *draw, CAP=cap,
+                                        NP2=np2, KEEP=keep_out is not None, PER_ROW=row_draws is not None,
+                                        num_warps=4 if np2 <= 4096 else 8)
+    _sample_kernel[(B,)](logits, logits.stride(0), out, keep, flags, info, V, *draw, VP2=vp2, KEEP=keep_out is not None,
+                         FLAGGED=plan is not None, PER_ROW=row_draws is not None,
+                         num_warps=max(4, min(SAMPLE_WARPS, vp2 // 1024)))
     if fallback_out is not None:
         fallback_out.copy_(flags if plan is not None else torch.ones_like(fallback_out))
     return out
+
+
+def row_draw_table(draws) -> torch.Tensor:
+    """sample_triton's `row_draws` from (seed, position, row) per row (host ints), on the CPU."""
+    rows = []
+    for seed, position, row in draws:
+        seed %= 1 << 62
+        rows.append((seed & 0x7FFFFFFF, seed >> 31, position, row))
+    return torch.tensor(rows, dtype=torch.int64)

@@ -132,6 +132,17 @@ assert not torch.equal(a, sample_triton(uniform, 1.0, None, None, 8, 3))       #
 assert len(set(a.tolist())) > 25                                               # rows draw apart
 freq = (sample_triton(torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(200, 1), 1.0, None, None, 3, 9) == 0)
 assert 0.38 < freq.float().mean() < 0.62
+# row_draws: rows of different requests in one call draw what each request's own call draws
+# (one-program path and, with top-k 20 at V = 1000, the two-stage one)
+from nanochat.triton_sample import row_draw_table
+mixed = torch.randn(5, 1000, generator=g) * 3
+for k in (None, 20):
+    alone = [sample_triton(mixed[0:2], 0.8, k, None, 123, 40),     # a request of two samples
+             sample_triton(mixed[2:3], 0.8, k, None, 7, 12),       # and two of one sample
+             sample_triton(mixed[3:5], 0.8, k, None, 2**40 + 5, 300)[:1]]
+    table = row_draw_table([(123, 40, 0), (123, 40, 1), (7, 12, 0), (2**40 + 5, 300, 0)])
+    together = sample_triton(mixed[:4], 0.8, k, None, 0, 0, row_draws=table)
+    assert torch.equal(together, torch.cat(alone)), (k, together, alone)
 print("OK")
 """
 
