@@ -20,8 +20,13 @@ every live request as rows of one step:
     kernel). When rows finish, the highest live rows move down into the free slots
     (`KVCache.copy_row`, only when that shrinks the step).
   * Admission: FIFO; a request waits until `num_samples` slots are free. Between two decode
-    steps its prompt is prefilled alone (batch 1, the plain model, as Engine does) and copied
-    into its slots; the other rows pause for that prefill (no chunked prefill).
+    steps its prompt is prefilled alone (batch 1) and copied into its slots; the other rows pause
+    for that prefill (no chunked prefill). Where the engine's graph steps are compiled the
+    prefill is the model's dynamic compile too: an eager d20 prefill is host-bound, 20-26 ms for
+    300-2000 tokens on an H100, against 4.4-9.9 ms compiled (two graphs: prompts up to and past
+    the shortest window; no recompile per length). It is compiled and run only in the scheduler
+    thread: a compiled prefill warmed up in one thread recompiled (~30-45 s) on its first call
+    from another (seen on the H100 through Engine.generate; not pinned down).
   * Sampling: each request keeps its own Sampler (seed, temperature, top-k, top-p) over its own
     rows' logits, so its draws do not depend on what else runs; only the batched step's float
     roundings can differ from a lone run.
@@ -85,6 +90,7 @@ class BatchedEngine:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.default_stop_tokens = engine.default_stop_tokens
         self.sizes = batch_sizes(slots)
+        self._compiled_prefill = engine.decode_mode == "graphs" and engine.other_step == "compiled"
         self._cache = None
         self._decoders: dict = {}
         self._indices: dict[tuple, torch.Tensor] = {}   # device row indices per slot tuple
@@ -117,13 +123,20 @@ class BatchedEngine:
                 for decoder in self._decoders.values():
                     for length in decoder.lengths():
                         decoder.capture(length)
-        lengths = [4] + [w + 1 for w in set(getattr(eng.model, "windows", None) or ())
-                         if w is not None and w + 4 < eng.max_seq_len]
+        # Short requests through the scheduler thread: the prefill (compiled there) before and past
+        # the shortest window, and pairs that share one sampler launch (the one-program and the
+        # top-k two-stage kernels with per-row draws compile on first use, ~1-2 s each)
+        lengths = [37] + [w + 1 for w in set(getattr(eng.model, "windows", None) or ())
+                          if w is not None and w + 4 < eng.max_seq_len]
         for n in lengths:
-            gens = [self.generate([0] * n, max_tokens=3, stop_tokens=(), seed=i) for i in range(min(2, self.slots))]
-            for gen in gens:
-                for _ in gen:
-                    pass
+            for top_k in (None, 50):
+                gens = [self.generate([0] * n, max_tokens=8, top_k=top_k, stop_tokens=(), seed=i)
+                        for i in range(min(2, self.slots))]
+                for gen in gens:   # submit all before draining any, so they run together
+                    next(gen)
+                for gen in gens:
+                    for _ in gen:
+                        pass
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the callers' side
@@ -222,7 +235,7 @@ class BatchedEngine:
     def _prefill(self, req: _Request) -> None:
         eng = self.engine
         prompt_cache = eng.new_cache(1, len(req.tokens))
-        logits = eng._prefill(req.tokens, prompt_cache)
+        logits = eng._prefill(req.tokens, prompt_cache, compiled=self._compiled_prefill)
         for slot in req.slots:
             self._cache.copy_row(slot, prompt_cache, 0, len(req.tokens))
         req.logits = logits.expand(req.num_samples, -1)

@@ -46,10 +46,8 @@ The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/
 (CHANGELOG_GB10.md): batch 1 with graph_step="persistent" and the Triton sampler, 0.66-0.67 ms per
 token (1,498-1,511 tok/s; the kernel 0.635-0.638 ms, the two-stage top-k 50 sampler 13 us of GPU time,
 and the sampled tokens' copy to the host on a side stream, StaticDecoder.fetch).
-The prompt prefill runs the plain model, or its dynamic compile where the graph steps are compiled
-(chat_web, bench_inference): an eager d20 prefill is host-bound, 20-26 ms for 300-2000 tokens on
-an H100 against 4.4-9.9 ms compiled (two graphs, prompts up to and past the shortest window; no
-recompile per length; CHANGELOG_GB10.md). If a second
+The prompt prefill runs the plain model (`_prefill(compiled=True)`, what the continuous batcher
+uses under compiled graph steps, runs its dynamic compile instead). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the
 second decodes eagerly with a private cache instead of sharing the persistent one.
 """
@@ -451,12 +449,11 @@ class Engine:
                 logits = decoder.step(column, position)   # a forced token: redo this position
             position += 1
 
-    def _prefill(self, tokens, cache):
-        """The prompt through the plain model with batch 1 -> last-position logits (1, V); the other
-        positions get none (GPT.forward's logits_at)."""
+    def _prefill(self, tokens, cache, compiled: bool = False):
+        """The prompt through the plain model (or with `compiled` its dynamic compile) with batch 1
+        -> last-position logits (1, V); the other positions get none (GPT.forward's logits_at)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         last = torch.tensor([len(tokens) - 1], dtype=torch.long, device=self.device)
-        compiled = self.decode_mode == "graphs" and self.other_step == "compiled"
         model = self._compiled_model() if compiled else self.model
         return model(ids, kv_cache=cache, logits_at=last)[:, -1, :]
 

@@ -160,9 +160,12 @@ def _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW: tl.constexpr):
     """(seed_lo, seed_hi, position, hash row) of `row`: the call's scalars and the row itself, or
     with PER_ROW the row's own from info (B, 4) int64 (continuous batching: one launch draws the
     rows of several requests exactly as their own calls would)."""
+    # int32 either way (the table's values fit: seed_lo, seed_hi < 2^31): one return type
     if PER_ROW:
-        return (tl.load(info_ptr + row * 4), tl.load(info_ptr + row * 4 + 1), tl.load(info_ptr + row * 4 + 2),
-                tl.load(info_ptr + row * 4 + 3))
+        seed_lo = tl.load(info_ptr + row * 4).to(tl.int32)
+        seed_hi = tl.load(info_ptr + row * 4 + 1).to(tl.int32)
+        position = tl.load(info_ptr + row * 4 + 2).to(tl.int32)
+        row = tl.load(info_ptr + row * 4 + 3).to(tl.int32)
     return seed_lo, seed_hi, position, row
 
 

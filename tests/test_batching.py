@@ -171,11 +171,11 @@ def test_a_failing_step_fails_its_requests_and_the_next_request_runs(chat):
     boom = {"left": 1}
     real = engine._prefill
 
-    def flaky(tokens, cache):
+    def flaky(tokens, cache, compiled=False):
         if boom["left"]:
             boom["left"] -= 1
             raise RuntimeError("simulated device failure")
-        return real(tokens, cache)
+        return real(tokens, cache, compiled)
 
     engine._prefill = flaky
     with pytest.raises(RuntimeError, match="simulated device failure"):
