@@ -155,8 +155,7 @@ class KVCache:
         return len(self.k)
 
     def rows(self, n: int) -> "KVCache":
-        """A cache over this one's first `n` rows (views, same storage): decoders of several batch
-        sizes can share one cache (nanochat/batching.py)."""
+        """A cache over this one's first `n` rows (views: batch sizes share one cache)."""
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"KVCache.rows: got {n}; accepted: 1..{self.batch_size}")
         view = object.__new__(KVCache)
@@ -165,8 +164,7 @@ class KVCache:
         return view
 
     def copy_row(self, dst: int, src_cache: "KVCache", src: int, length: int) -> None:
-        """Copy slots [0, length) of row `src` of `src_cache` into row `dst` of this cache (a
-        prompt's batch-1 prefill into a batch slot, or a row moved to another slot)."""
+        """Slots [0, length) of row `src` of `src_cache` -> row `dst` of this cache."""
         if not (0 <= dst < self.batch_size and 0 <= src < src_cache.batch_size):
             raise ValueError(f"KVCache.copy_row: rows {src} -> {dst} outside the caches' batches")
         if length > min(self.seq_len, src_cache.seq_len) or src_cache.num_layers != self.num_layers:

@@ -37,15 +37,10 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
 Static and graphs decoding look one step ahead (`_decode_static`): the sampled tokens feed the
 next step on the device and that step is queued before the host reads them, so the per-token
 Python overlaps the GPU; a tool-forced token re-runs its step at the same position.
-Measured (H100, torch 2.11, d20 random weights bf16, prompt 512 + 128 tokens, temperature 1,
-top-k 50, bench_inference): "graphs" decodes at 1.34 ms per step at batch 1 and 2.26 ms at batch
-32, end to end (1.44 / 2.38 ms before the lookahead; the graph replay is 1.17 / 2.05 ms of it, the
-rest is mostly the sampling kernels, which still run between replays), against 7.16 ms and
-minutes of recompiles with "compile"; graph_step="eager" (unfused kernels) 3.3 ms at batch 1.
-The replay is GPU-bound: about half of it is cuBLAS GEMVs (M = batch) at 1-2 TB/s. Since then
-(CHANGELOG_GB10.md): batch 1 with graph_step="persistent" and the Triton sampler, 0.66-0.67 ms per
-token (1,498-1,511 tok/s; the kernel 0.635-0.638 ms, the two-stage top-k 50 sampler 13 us of GPU time,
-and the sampled tokens' copy to the host on a side stream, StaticDecoder.fetch).
+Measured (H100, d20 bf16, bench_inference; history in CHANGELOG_GB10.md): "graphs" with the
+persistent batch-1 step and the Triton sampler, 0.66-0.67 ms per token (1,498-1,511 tok/s);
+"compile" 7.16 ms per step plus minutes of recompiles; graph_step="eager" 3.3 ms at batch 1.
+Many concurrent requests: nanochat/batching.py decodes them as rows of one step.
 The prompt prefill runs the plain model (`_prefill(compiled=True)`, what the continuous batcher
 uses under compiled graph steps, runs its dynamic compile instead). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the
