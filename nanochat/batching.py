@@ -126,7 +126,7 @@ class BatchedEngine:
         # Short requests through the scheduler thread: the prefill (compiled there) before and past
         # the shortest window, and pairs that share one sampler launch (the one-program and the
         # top-k two-stage kernels with per-row draws compile on first use, ~1-2 s each)
-        lengths = [37] + [w + 1 for w in set(getattr(eng.model, "windows", None) or ())
+        lengths = [min(37, eng.max_seq_len - 2)] + [w + 1 for w in set(getattr(eng.model, "windows", None) or ())
                           if w is not None and w + 4 < eng.max_seq_len]
         for n in lengths:
             for top_k in (None, 50):
@@ -210,6 +210,14 @@ class BatchedEngine:
                         self._wake.wait()
                 try:
                     self._ensure_decoders()
+                except Exception as e:  # no decoders (e.g. out of memory): nobody can be served
+                    with self._wake:
+                        failed, self._pending = list(self._pending), deque()
+                    for req in failed + self._live:
+                        req.out.put(e)
+                    self._live.clear()
+                    continue
+                try:
                     self._admit()
                     if self._live:
                         self._step()

@@ -233,3 +233,17 @@ def test_batched_sampling_draws_equal_lone_runs_cuda():
         t.join(timeout=300)
     assert got == want
     assert batched.rows_stepped / batched.steps > 1.5
+
+
+def test_no_decoders_fails_waiting_requests_instead_of_spinning(chat):
+    model, tok = chat
+    engine = Engine(model, tok, decode="static", decode_bucket=16)
+    batched = BatchedEngine(engine, slots=2)
+    real = engine.new_cache
+    engine.new_cache = lambda batch, seq: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)"))
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _collect(batched.generate(prompt_for(tok, "hi"), max_tokens=3))
+    finally:
+        engine.new_cache = real
+    assert len(_collect(batched.generate(prompt_for(tok, "hi"), max_tokens=3, stop_tokens=()))) == 3
