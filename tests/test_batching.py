@@ -77,6 +77,19 @@ def _collect(gen):
     return [(list(c), list(m)) for c, m in gen]
 
 
+def concurrently(batched, reqs, timeout=300):
+    """Every request of `reqs` (generate's keyword arguments) from its own thread, all at once;
+    their collected steps in order."""
+    got = [None] * len(reqs)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _collect(batched.generate(**reqs[i]))))
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return got
+
+
 def test_concurrent_requests_equal_lone_runs(chat):
     # six requests (different prompts, lengths, sampling, num_samples) through 4 slots from six
     # threads at once: each equals the same request run alone by a plain static Engine
@@ -88,17 +101,7 @@ def test_concurrent_requests_equal_lone_runs(chat):
                  temperature=0.0 if i % 2 else 0.9, top_k=None if i % 3 else 20, seed=i, stop_tokens=())
             for i, t in enumerate(texts)]
     want = [_collect(lone.generate(**r)) for r in reqs]
-    got = [None] * len(reqs)
-
-    def run(i):
-        got[i] = _collect(batched.generate(**reqs[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert got == want
+    assert concurrently(batched, reqs) == want
     assert batched.steps > 0 and batched.rows_stepped / batched.steps > 1.5  # really batched
     assert batched.live_rows == 0 and batched.waiting == 0
 
@@ -199,14 +202,7 @@ def test_batched_graphs_equal_lone_runs_cuda(graph_step):
             for i in range(5)]
     eager = Engine(model, None, decode="eager")
     want = [_collect(eager.generate(**r)) for r in reqs]
-    got = [None] * len(reqs)
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _collect(batched.generate(**reqs[i]))))
-               for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert got == want
+    assert concurrently(batched, reqs) == want
     assert batched.rows_stepped / batched.steps > 1.5
 
 
@@ -224,14 +220,7 @@ def test_batched_sampling_draws_equal_lone_runs_cuda():
             for i in range(5)]
     lone = Engine(model, None, decode="graphs", decode_bucket=16, graph_step="compiled")
     want = [_collect(lone.generate(**r)) for r in reqs]
-    got = [None] * len(reqs)
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _collect(batched.generate(**reqs[i]))))
-               for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert got == want
+    assert concurrently(batched, reqs) == want
     assert batched.rows_stepped / batched.steps > 1.5
 
 
