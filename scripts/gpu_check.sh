@@ -40,6 +40,8 @@
 #              needs .fa4a then .fa4b carried: scripts/fa4_install.sh)
 #   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
 #              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
+#   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
+#              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
 #              (PROF_PRECISION=fp8 profiles the fp8 step; PROF_ATTN="cudnn cudnn_fa4" one per attention backend)
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
@@ -144,6 +146,11 @@ if has floor; then
   # what a d20 bf16 micro-batch cannot go below while the board sits at its power cap
   step bench_floor 300 $PY -m scripts.bench_train_floor --depth 20 --parts all --seconds ${FLOOR_SECONDS:-20}
   step bench_train_d20 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16
+fi
+if has profaccum; then
+  # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)
+  step profile_d20_accum 420 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton \
+    --precision "${PROF_PRECISION:-bf16}" --accum ${PROF_ACCUM:-4} --steps 4 --warmup 2 --profile-steps 1 --top 50
 fi
 if has sync; then
   # SMs in two roles (CHANGELOG_GB10.md, session 24): the syncers' barrier + live load per round, idle vs streaming

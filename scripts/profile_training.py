@@ -2,8 +2,10 @@
 
 Builds the model as training does (precision recipe, loss kernel, torch.compile, MuonAdamW),
 warms up, then
-1. times --steps steps split into data / forward / backward / optimizer with CUDA events
-   (median per phase; the phases are serialised by the events, so their sum is the step);
+1. times --steps steps of --accum micro-batches each (default 1; base_train accumulates 16 at d20)
+   split into data / forward / backward / optimizer with CUDA events (median per phase; the phases
+   are serialised by the events, so their sum is the step); with --accum > 1 the timings and the
+   kernel profile include autograd's gradient accumulation of micro-batches 2..n, as base_train runs;
 2. (CUDA) measures memory per phase of one more step: the allocated bytes before it (weights
    and optimizer state), after the forward (+ what autograd saved for backward) and the peak of
    each phase, once for a first micro-batch (no gradients yet) and once for an accumulating one
@@ -50,31 +52,41 @@ def make_batch(args, device, gen):
 
 
 def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
+    """Median ms per phase of a step of --accum micro-batches (data, forward, backward summed over
+    them) and one optimizer step."""
     gen = torch.Generator().manual_seed(0)
     phases = ("data", "forward", "backward", "optimizer")
     samples = {p: [] for p in phases}
     cuda = rt.device.type == "cuda"
     for i in range(args.warmup + args.steps):
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
-            ev[0].record()
-        x, y = make_batch(args, rt.device, gen)
-        if cuda:
-            ev[1].record()
-        loss = run(x, y)
-        if cuda:
-            ev[2].record()
-        loss.backward()
-        if cuda:
-            ev[3].record()
+        # events (phase, start, end) recorded through the step, read after its one synchronisation
+        marks = []
+
+        def mark(phase):
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append((phase, ev))
+
+        for _ in range(args.accum):
+            mark("data")
+            x, y = make_batch(args, rt.device, gen)
+            mark("forward")
+            loss = run(x, y)
+            mark("backward")
+            loss.backward()
+        mark("optimizer")
         optimizer.step()
         model.zero_grad(set_to_none=True)
+        mark("end")
         if cuda:
-            ev[4].record()
-            ev[4].synchronize()
+            marks[-1][1].synchronize()
             if i >= args.warmup:
-                for j, p in enumerate(phases):
-                    samples[p].append(ev[j].elapsed_time(ev[j + 1]))
+                ms = dict.fromkeys(phases, 0.0)
+                for (phase, a), (_, b) in zip(marks, marks[1:]):
+                    ms[phase] += a.elapsed_time(b)
+                for p in phases:
+                    samples[p].append(ms[p])
     return {p: statistics.median(v) for p, v in samples.items()} if cuda else {}
 
 
@@ -115,12 +127,13 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.profile_steps):
-            with record_function("data"):
-                x, y = make_batch(args, rt.device, gen)
-            with record_function("forward"):
-                loss = run(x, y)
-            with record_function("backward"):
-                loss.backward()
+            for _ in range(args.accum):
+                with record_function("data"):
+                    x, y = make_batch(args, rt.device, gen)
+                with record_function("forward"):
+                    loss = run(x, y)
+                with record_function("backward"):
+                    loss.backward()
             with record_function("optimizer"):
                 optimizer.step()
                 model.zero_grad(set_to_none=True)
@@ -187,10 +200,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", "--profile_steps", type=int, default=3)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--accum", type=int, default=1,
+                   help="micro-batches per optimizer step (base_train accumulates 16 at d20): the timings "
+                        "and the kernel profile then include the gradient accumulation of micro-batches 2..n")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
-    for name in ("depth", "device_batch_size", "seq", "steps", "profile_steps", "top"):
+    for name in ("depth", "device_batch_size", "seq", "steps", "profile_steps", "top", "accum"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1")
     from nanochat.common import init_runtime
@@ -199,7 +215,7 @@ def main(argv=None) -> int:
     print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,
                       "seq": args.seq, "kernel": args.kernel, "precision": info.get("precision"),
-                      "compile": args.compile}), flush=True)
+                      "compile": args.compile, "accum": args.accum}), flush=True)
     from nanochat.gpu_monitor import GpuMonitor
     with GpuMonitor(rt.device) as monitor:  # the GPU's clocks and power cap over the timed steps
         split = timed_steps(args, rt, model, run, optimizer)
@@ -214,7 +230,7 @@ def main(argv=None) -> int:
     for row in top:
         print(json.dumps(row))
     if split:
-        tok_s = args.device_batch_size * args.seq / (step_ms * 1e-3)
+        tok_s = args.accum * args.device_batch_size * args.seq / (step_ms * 1e-3)
         print(f"\nstep {step_ms:.1f} ms ({tok_s:,.0f} tok/s): " +
               ", ".join(f"{k} {v:.1f} ms ({100 * v / step_ms:.0f}%)" for k, v in split.items()))
     if memory:

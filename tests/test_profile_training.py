@@ -1,4 +1,4 @@
-"""scripts/profile_training.device_busy: the GPU's busy and idle time from profiler events."""
+"""scripts/profile_training: the GPU's busy and idle time from profiler events; --accum profiles whole steps."""
 
 from types import SimpleNamespace as NS
 
@@ -29,3 +29,20 @@ def test_per_step_division_and_no_kernels():
     events = [_ev(CUDA, 0, 100, "a"), _ev(CUDA, 200, 300, "b")]
     assert device_busy(events, steps=2)["busy_ms_per_step"] == 0.1
     assert device_busy([_ev(CPU, 0, 5, "x")], steps=1) == {}
+
+
+def test_accum_profiles_every_micro_batch_of_a_step(capsys):
+    """--accum n profiles a step as base_train runs it: n forwards + backwards, then one optimizer step."""
+    import json
+
+    from scripts.profile_training import main
+
+    calls = {}
+    for accum in (1, 3):
+        main(["--device", "cpu", "--depth", "1", "--device-batch-size", "1", "--seq", "16", "--vocab", "64",
+              "--no-compile", "--steps", "1", "--warmup", "0", "--profile-steps", "1", "--top", "200",
+              "--accum", str(accum)])
+        rows = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith('{"kernel"')]
+        calls[accum] = {r["kernel"]: r["calls_per_step"] for r in rows}
+    assert calls[3]["aten::embedding"] == 3 * calls[1]["aten::embedding"]
+    assert calls[3]["Optimizer.step#MuonAdamW.step"] == calls[1]["Optimizer.step#MuonAdamW.step"] == 1
