@@ -5,8 +5,8 @@ Owns the per-row softcapped cross-entropy kernels used by the fused linear + cro
 kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 
 - `ce_rows_triton(logits, targets, ...)`: one program per row, two passes over the row:
-  pass 1 an online (running max, running sum) logsumexp of the softcapped logits, giving the
-  row's loss and lse; pass 2 (when gradients are wanted) writes dL/dlogits in place over the
+  pass 1 the logsumexp of the softcapped logits (a fixed shift by the softcap: |z| <= softcap; an
+  online running max without a softcap), giving the row's loss and lse; pass 2 (when gradients are wanted) writes dL/dlogits in place over the
   logits buffer: (softmax - onehot) * softcap'(x) * scale. Ignored rows (target == -1) get loss 0
   and a zero gradient row.
 - `ce_grad_rows_triton(...)`: pass 2 alone, from a saved lse and per-row upstream gradients
@@ -38,81 +38,98 @@ IGNORE_INDEX = -1
 
 
 @triton.jit
-def _softcap(x, softcap, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+def _tanh_of(x, inv_softcap, FAST_TANH: tl.constexpr):
+    """tanh(x / softcap), the division as a multiply by 1 / softcap: Triton lowers a float32 `/` to
+    div.full.f32 (a reciprocal on the SFU plus fix-ups), and the row passes are SFU-bound."""
+    y = x * inv_softcap
+    if FAST_TANH:
+        # One MUFU op instead of exp + reciprocal. Relative error ~2^-11, below the bf16 rounding
+        # of the logits it is applied to.
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf, runs in the interpreter too.
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
+def _softcap(x, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     if HAS_SOFTCAP:
-        y = x / softcap
-        if FAST_TANH:
-            # One MUFU op instead of exp + reciprocal: the row passes are SFU-bound at large V.
-            # Relative error ~2^-11, below the bf16 rounding of the logits it is applied to.
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y],
-                                          dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf, runs in the interpreter too.
-            t = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
-        x = softcap * t
+        x = softcap * _tanh_of(x, inv_softcap, FAST_TANH)
     return x
 
 
 @triton.jit
-def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap,
+def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite one row of logits with scale * (softmax(z) - onehot(target)) * dz/dx."""
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _softcap(x, softcap, HAS_SOFTCAP, FAST_TANH)
-        g = tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)
         if HAS_SOFTCAP:
-            t = z / softcap
+            t = _tanh_of(x, inv_softcap, FAST_TANH)
+            g = tl.exp(softcap * t - lse) - tl.where(cols == target, 1.0, 0.0)
             g = g * (1.0 - t * t)   # d/dx [c * tanh(x / c)] = 1 - tanh^2
+        else:
+            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
         g = tl.where(valid, g * scale, 0.0)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale_ptr,
-                   n_cols, softcap, ignore_index,
+                   n_cols, softcap, inv_softcap, ignore_index,
                    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, FAST_TANH: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+                   FIXED_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != ignore_index
     safe_target = tl.where(valid, target, 0)
 
-    # Pass 1: online logsumexp (running max m, running sum s of exp(z - m)).
-    m = -float("inf")
+    # Pass 1: logsumexp. FIXED_SHIFT (softcapped logits, |z| <= softcap <= 40): sum exp(z - softcap)
+    # directly, which can neither overflow nor underflow to 0; else an online (running max m,
+    # running sum s of exp(z - m)).
+    m = softcap if FIXED_SHIFT else -float("inf")
     s = 0.0
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.where(mask, _softcap(x, softcap, HAS_SOFTCAP, FAST_TANH), -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
+        z = tl.where(mask, _softcap(x, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH), -float("inf"))
+        if FIXED_SHIFT:
+            s += tl.sum(tl.exp(z - m), axis=0)
+        else:
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
     lse = m + tl.log(s)
-    z_target = _softcap(tl.load(row_ptr + safe_target).to(tl.float32), softcap, HAS_SOFTCAP, FAST_TANH)
+    z_target = _softcap(tl.load(row_ptr + safe_target).to(tl.float32), softcap, inv_softcap, HAS_SOFTCAP,
+                        FAST_TANH)
     tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
     tl.store(lse_ptr + row, lse)
 
     if COMPUTE_GRAD:
         scale = tl.load(scale_ptr)
-        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, HAS_SOFTCAP, FAST_TANH,
-                        BLOCK_V)
+        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, HAS_SOFTCAP,
+                        FAST_TANH, BLOCK_V)
 
 
 @triton.jit
 def _ce_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, scale_ptr, scale_stride,
-                    n_cols, softcap, ignore_index,
+                    n_cols, softcap, inv_softcap, ignore_index,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
     _write_grad_row(logits_ptr + row * stride_row, target, lse, scale, target != ignore_index,
-                    n_cols, softcap, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
+                    n_cols, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
+
+
+# softcaps up to this bound take the fixed-shift logsumexp: exp(-2 * 40) is ~1.8e-35, a normal
+# float32, so no softcapped logit's exp underflows to 0 whatever the row
+FIXED_SHIFT_MAX_SOFTCAP = 40.0
 
 
 def _fast_tanh(t: torch.Tensor) -> bool:
@@ -139,12 +156,13 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, softcap: float |
         return loss, lse
     block, num_warps = _launch_config(n_cols)
     scale = grad_scale if grad_scale is not None else loss  # unused pointer when no grad
+    cap = float(softcap or 1.0)
     _ce_fwd_kernel[(rows,)](
         logits, logits.stride(0), targets, loss, lse, scale, n_cols,
-        float(softcap or 1.0), IGNORE_INDEX,
+        cap, 1.0 / cap, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), COMPUTE_GRAD=grad_scale is not None,
-        FAST_TANH=_fast_tanh(logits), BLOCK_V=block,
-        num_warps=num_warps)
+        FAST_TANH=_fast_tanh(logits), FIXED_SHIFT=bool(softcap) and 0 < cap <= FIXED_SHIFT_MAX_SOFTCAP,
+        BLOCK_V=block, num_warps=num_warps)
     return loss, lse
 
 
@@ -156,9 +174,10 @@ def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
     if rows == 0:
         return
     block, num_warps = _launch_config(n_cols)
+    cap = float(softcap or 1.0)
     _ce_grad_kernel[(rows,)](
         logits, logits.stride(0), targets, lse, row_scale, row_scale.stride(0) if row_scale.ndim else 0,
-        n_cols, float(softcap or 1.0), IGNORE_INDEX,
+        n_cols, cap, 1.0 / cap, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), FAST_TANH=_fast_tanh(logits), BLOCK_V=block, num_warps=num_warps)
 
 
