@@ -59,7 +59,7 @@ def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
     samples = {p: [] for p in phases}
     cuda = rt.device.type == "cuda"
     for i in range(args.warmup + args.steps):
-        # events (phase, start, end) recorded through the step, read after its one synchronisation
+        # (phase, event at its start) through the step, read after the step's one synchronisation
         marks = []
 
         def mark(phase):
