@@ -7,8 +7,8 @@ kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 - `ce_rows_triton(logits, targets, ...)`: one program per row, two passes over the row:
   pass 1 the logsumexp of the softcapped logits (a fixed shift by the softcap: |z| <= softcap; an
   online running max without a softcap), giving the row's loss and lse; pass 2 (when gradients
-  are wanted) writes dL/dlogits in place over the logits buffer: (softmax - onehot) * softcap'(x) * scale. Ignored rows (target == -1) get loss 0
-  and a zero gradient row.
+  are wanted) writes dL/dlogits in place over the logits buffer: (softmax - onehot) *
+  softcap'(x) * scale. Ignored rows (target == -1) get loss 0 and a zero gradient row.
 - `ce_grad_rows_triton(...)`: pass 2 alone, from a saved lse and per-row upstream gradients
   (reduction="none" backward, where the gradient scale differs per row).
 
