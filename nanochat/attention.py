@@ -62,13 +62,10 @@ import torch.nn.functional as F
 
 from nanochat import cudnn_attention  # defines two custom ops; imports nothing from cuDNN
 from nanochat import fa4_attention  # imports nothing from flash-attn-4
+from nanochat.fa4_attention import FA4_AUTO_CAPABILITIES  # where auto may pick cudnn_fa4
 
 BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "cudnn_fa4", "sdpa", "flex", "reference")
-# Where auto may pick cudnn_fa4: the compute capabilities where it was measured faster than
-# cuDNN's own backward (H100). Elsewhere (e.g. GB10, sm_121, whose FA4 backward is a different,
-# SM80-style kernel) it is an explicit choice until measured there.
-FA4_AUTO_CAPABILITIES = ((9, 0),)
 
 # Caches keyed by (T, window, device). Filled in eager mode only: under torch.compile a cache miss
 # builds the mask inside the graph (correct, a few tiny kernels per step) and a hit is lifted as a
@@ -94,23 +91,15 @@ def resolve_backend(name: str, device) -> str:
         if fa4_attention.proven(device):  # probed by prepare_masks on FA4_AUTO_CAPABILITIES only
             return "cudnn_fa4"
         return "sdpa_cudnn" if cudnn_attention.proven(device) else "sdpa_flex"
-    if name == "cudnn_fa4":
+    if name in ("cudnn", "cudnn_fa4"):
         if device_type != "cuda":
-            raise ValueError(f"--attn-backend: cudnn_fa4 needs a CUDA device, got {device_type}; "
+            raise ValueError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
                              "accepted here: auto|sdpa|flex|reference")
         if not torch.compiler.is_compiling():  # eager check
-            reason = cudnn_attention.available() or fa4_attention.available()
+            reason = cudnn_attention.available() or (fa4_attention.available() if name == "cudnn_fa4" else None)
             if reason is not None:
-                raise ValueError(f"--attn-backend cudnn_fa4: {reason}")
-        return name
-    if name == "cudnn":
-        if device_type != "cuda":
-            raise ValueError(f"--attn-backend: cudnn needs a CUDA device, got {device_type}; "
-                             "accepted here: auto|sdpa|flex|reference")
-        reason = None if torch.compiler.is_compiling() else cudnn_attention.available()  # eager check
-        if reason is not None:
-            raise ValueError(f"--attn-backend cudnn: {reason}")
-        return "sdpa_cudnn"
+                raise ValueError(f"--attn-backend {name}: {reason}")
+        return "sdpa_cudnn" if name == "cudnn" else name
     if name == "flex" and device_type not in ("cuda", "cpu"):
         raise ValueError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
                          "accepted here: auto|sdpa|reference")
@@ -181,8 +170,7 @@ class KVCache:
 
     def insert(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v (B, Hkv, T, D) at [pos, pos+T) of `layer_idx`; return k/v over [0, pos+T)."""
-        T = k.size(2)
-        end = self.pos + T
+        end = self.pos + k.size(2)
         if end > self.seq_len:
             raise ValueError(f"KVCache: {end} tokens exceed the cache length {self.seq_len}; "
                              "create the cache with a larger seq_len")
@@ -400,9 +388,7 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
         if reason is not None:
             raise ValueError(f"--attn-backend cudnn_fa4: {reason}")
     backend = resolve_backend(backend, device)
-    block_size = None
-    if backend in ("flex", "sdpa_flex"):
-        block_size, _ = _split_flex_options(flex_options_for(device))
+    block_size = _split_flex_options(flex_options_for(device))[0] if backend in ("flex", "sdpa_flex") else None
     for window in set(windows):
         if window is not None and window >= seq_len:
             window = None
@@ -434,10 +420,8 @@ def reference_attention(q, k, v, *, window: int | None = None, q_offset: int = 0
 def _sdpa(q, k, v, *, is_causal: bool, attn_mask=None):
     # enable_gqa only when needed: with equal head counts the plain call keeps every kernel
     # (flash, cuDNN, efficient) eligible.
-    if q.size(1) != k.size(1):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                              enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    gqa = {"enable_gqa": True} if q.size(1) != k.size(1) else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **gqa)
 
 
 def _flex(q, k, v, window: int | None):

@@ -60,6 +60,7 @@ import torch
 from nanochat.calculator import use_calculator
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
 from nanochat.sampling import Sampler, resolve_sampler
+from nanochat.tokenizer import assistant_parts  # noqa: F401  (lives with the chat rendering it inverts)
 
 DECODE_MODES = ("auto", "eager", "compile", "static", "graphs")
 GRAPH_STEPS = ("auto", "compiled", "eager", "persistent")
@@ -576,29 +577,3 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop_strings):
                 return n
         return 0
-
-
-def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
-    """Generated ids (without the stop token) -> an assistant message's content parts
-    [{"type": "text"|"python"|"python_output", "text": ...}], so a conversation can be rendered
-    again with its tool calls intact (the CLI keeps history this way)."""
-    kinds = {tokenizer.encode_special("<|python_start|>"): "python",
-             tokenizer.encode_special("<|output_start|>"): "python_output"}
-    ends = {tokenizer.encode_special("<|python_end|>"), tokenizer.encode_special("<|output_end|>")}
-    parts, kind, buf = [], "text", []
-
-    def flush():
-        if buf:
-            parts.append({"type": kind, "text": tokenizer.decode(buf)})
-            buf.clear()
-    for t in ids:
-        if t in kinds:
-            flush()
-            kind = kinds[t]
-        elif t in ends:
-            flush()
-            kind = "text"
-        else:
-            buf.append(t)
-    flush()
-    return parts

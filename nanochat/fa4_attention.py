@@ -1,8 +1,9 @@
 """Attention backward through FlashAttention-4's CuTe DSL kernels (the `cudnn_fa4` backend).
 
-Owns: `available()`, `probe(device)`, `proven(device)` and `backward(...)`, the one call into the
-`flash-attn-4` package. nanochat/cudnn_attention.py calls `backward` from its backward custom op
-when the backend is `cudnn_fa4`; the forward stays cuDNN's.
+Owns: `available()`, `probe(device)`, `proven(device)`, `FA4_AUTO_CAPABILITIES` (where `auto` may
+pick the backend) and `backward(...)`, the one call into the `flash-attn-4` package.
+nanochat/cudnn_attention.py calls `backward` from its backward custom op when the backend is
+`cudnn_fa4`; the forward stays cuDNN's.
 
 Why this split: at d20 shapes on the H100 (B=32, 10 heads, T=2048, D=128, bf16, torch 2.11,
 flash-attn-4 4.0.0b36, median of 20), FA4's Hopper backward is faster than cuDNN's and its
@@ -34,6 +35,10 @@ import torch
 from nanochat.cudnn_attention import _index  # device -> index, as cuDNN's probe cache keys it
 
 PINNED = "4.0.0b36"
+# Where auto may pick cudnn_fa4 (nanochat/attention.py imports it): the compute capabilities where it
+# was measured faster than cuDNN's own backward (H100). Elsewhere (e.g. GB10, sm_121, whose FA4
+# backward is a different, SM80-style kernel) it is an explicit choice until measured there.
+FA4_AUTO_CAPABILITIES = ((9, 0),)
 _PROBED: dict = {}  # device index -> None (works) or the reason it does not
 _LOCK = threading.Lock()
 _QUIET: list = []  # non-empty once flash-attn-4's JIT warnings are filtered

@@ -10,13 +10,15 @@ rotary_norm: the same casts, scales, GEMMs and float32 norm math.
 
 `proj_rotary_norm(linear, x, cos, sin, heads, rotary_norm)` is the attention's hook
 (GPT.set_qk_projection): fused for a native Fp8Linear in 'save' mode while training, otherwise
-`rotary_norm(linear(x).view(B, T, heads, D), cos, sin)`.
+`rotary_norm(linear(x).view(B, T, heads, D), cos, sin)`, or with `bf16_gemm` for the plain bf16 layers
+nanochat/triton_qk.py's GEMM with the rotary norm in its epilogue.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nanochat import triton_qk
 from nanochat.fused_norm import trig_tables
 from nanochat.gpt import rotary_norm_forward
 from nanochat.precision import (E4M3_MAX, Fp8Linear, _fp8_forward, _fp8_fused_backward, fp8_cast_transpose,
@@ -54,10 +56,16 @@ def fusable(linear: torch.nn.Module, x: torch.Tensor) -> bool:
             and torch.is_grad_enabled() and (x.numel() // x.shape[-1]) % 16 == 0)
 
 
-def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotary_norm):
+def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotary_norm,
+                     *, bf16_gemm: bool = False):
     """rotary_norm(linear(x).view(B, T, heads, D), cos, sin), with the fp8 backward's gradient scale
-    taken from the rotary kernel when `fusable`. x (B, T, C); returns (B, T, heads, D)."""
+    taken from the rotary kernel when `fusable`. x (B, T, C); returns (B, T, heads, D). With
+    `bf16_gemm` (kernels.build_qk_projection after triton_qk's probe passed) a plain bf16 Linear
+    runs triton_qk's GEMM with the rotary norm in its epilogue: the same values with the head
+    dimension in its interleaved order, for q and k alike (triton_qk's docstring)."""
     B, T, C = x.shape
+    if bf16_gemm and triton_qk.fusable(linear, x, heads):
+        return triton_qk.proj_rotary_norm(linear, x, cos, sin, heads)
     if not fusable(linear, x):
         return rotary_norm(linear(x).view(B, T, heads, -1), cos, sin)
     if not torch.compiler.is_compiling():

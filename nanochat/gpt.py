@@ -367,9 +367,8 @@ class GPT(nn.Module):
         self.lm_head = Linear(C, V)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         self.x0_lambdas = nn.Parameter(torch.full((config.n_layer,), 0.1))
-        # Rotary tables are derived state, not parameters: non-persistent buffers, rebuilt by
-        # init_weights() and after load_state_dict() (to_empty leaves them garbage).
-        # (Filled by _init_rotary, skipped on meta: some meta kernels cost seconds on first use.)
+        # Rotary tables are derived state: non-persistent buffers, rebuilt by init_weights() and after
+        # load_state_dict() (to_empty leaves garbage); not filled on meta (slow first meta kernels).
         shape = (1, config.sequence_len * ROTARY_LENGTH_FACTOR, 1, config.head_dim // 2)
         self.register_buffer("cos", torch.empty(shape), persistent=False)
         self.register_buffer("sin", torch.empty(shape), persistent=False)
@@ -461,9 +460,9 @@ class GPT(nn.Module):
             block.attn.rotary_norm = rotary_norm if fn is None else fn
 
     def set_qk_projection(self, fn) -> None:
-        """fn(linear, x, cos, sin, heads, rotary_norm) -> rotary_norm(linear(x).view(B, T, heads, D),
-        cos, sin) (same values), used for q and k in every layer while grad is enabled (e.g.
-        fp8_qk.proj_rotary_norm); None restores the separate projection and norm."""
+        """fn(linear, x, cos, sin, heads, rotary_norm) -> rotary_norm(linear(x).view(B, T, heads, D), cos, sin)
+        for q and k of every layer while grad is enabled (fp8_qk.proj_rotary_norm); the same values, up
+        to one head-dim order applied to q and k alike (triton_qk). None: the separate ops."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_qk_projection: expected a callable or None, got {type(fn).__name__}")
         for block in self.blocks:

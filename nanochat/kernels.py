@@ -27,7 +27,9 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            (nanochat/fused_norm.py): 1 (B, T, C) tensor per layer less kept for backward;
            `build_rotary_norm("triton")` q/k's QK-norm + RoPE with a one-pass Triton backward;
            `build_mlp("triton", cuda, "bf16")` the MLP whose GEMMs apply relu^2 and its
-           gradient in their epilogues (nanochat/triton_mlp.py, compute capability >= 9).
+           gradient in their epilogues (nanochat/triton_mlp.py, compute capability >= 9);
+           `build_qk_projection("triton", cuda)` the q/k projections with QK-norm + RoPE in
+           their GEMM's epilogue (nanochat/triton_qk.py, bf16).
 """
 
 from __future__ import annotations
@@ -444,11 +446,24 @@ def build_rotary_norm(name: str, device: torch.device | str = "cpu"):
     return fused_norm.rotary_norm
 
 
-def build_qk_projection(name: str, device: torch.device | str = "cpu"):
+def build_qk_projection(name: str, device: torch.device | str = "cpu", *, gemm: bool = True):
     """q/k's projection + QK-norm + RoPE for `--kernel name` (GPT.set_qk_projection): for triton
     fp8_qk.proj_rotary_norm, which fuses native fp8 layers' gradient abs-max into the rotary
-    backward and runs the plain chain for any other layer; None for current and liger."""
+    backward and, with `gemm` on a GPU where nanochat/triton_qk.py's probe launch passes, runs
+    the plain bf16 layers as one GEMM with the rotary norm in its epilogue (`bf16_gemm`, the
+    function's keyword); other layers run the plain chain. None for current and liger."""
     if build_rotary_norm(name, device) is None:
         return None
     from nanochat import fp8_qk
-    return fp8_qk.proj_rotary_norm
+    bf16_gemm = False
+    if gemm and torch.device(device).type == "cuda":
+        from nanochat import triton_qk
+        reason = triton_qk.probe(device)
+        if reason is not None:
+            from nanochat.common import print0
+            print0(f"[kernels] --kernel triton: the q/k GEMM with the rotary norm in its epilogue is off "
+                   f"({reason}); q/k run cuBLAS + the compiled rotary norm")
+        else:
+            triton_qk.register()
+            bf16_gemm = True
+    return functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=bf16_gemm)

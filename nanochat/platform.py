@@ -36,7 +36,6 @@ PRECISIONS = ("bf16", "fp8", "nvfp4", "fp32")
 
 # --------------------------------------------------------------------------------------------
 # Device table
-# --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -154,10 +153,8 @@ def detect_device(device: torch.device | str | None = None, props: Any = None) -
         else:
             device = "cpu"
     dev = torch.device(device)
-    if dev.type == "cpu":
-        return CPU_SPEC
-    if dev.type == "mps":
-        return MPS_SPEC
+    if dev.type in ("cpu", "mps"):
+        return CPU_SPEC if dev.type == "cpu" else MPS_SPEC
     if dev.type != "cuda":
         raise ValueError(f"--device: got {dev.type!r}; accepted: cuda|cpu|mps")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -181,7 +178,6 @@ def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None
 
 # --------------------------------------------------------------------------------------------
 # Patches
-# --------------------------------------------------------------------------------------------
 
 @dataclass
 class PatchContext:
@@ -211,8 +207,7 @@ class PatchContext:
             ctx.inductor_config = inductor_config
             ctx.inductor_modules = [inductor_utils]
             ctx.cuda_initialized = torch.cuda.is_initialized()
-            setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-            ctx.set_allocator_settings = setter
+            ctx.set_allocator_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         ctx.triton_version = _triton_version()
         if spec.cc is not None and ctx.triton_version is not None:
             ctx.bundled_ptxas_version = bundled_ptxas_version(spec.cc)
@@ -259,8 +254,7 @@ def bundled_ptxas_version(cc: tuple[int, int]) -> tuple[int, int] | None:
     except ImportError:
         return None
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    names = ["ptxas-blackwell", "ptxas"] if cc[0] >= 10 else ["ptxas"]
-    for name in names:
+    for name in (["ptxas-blackwell", "ptxas"] if cc[0] >= 10 else ["ptxas"]):
         if (bin_dir / name).exists():
             return ptxas_version(str(bin_dir / name))
     return None
@@ -268,10 +262,8 @@ def bundled_ptxas_version(cc: tuple[int, int]) -> tuple[int, int] | None:
 
 def find_system_ptxas() -> list[tuple[str, tuple[int, int]]]:
     """ptxas binaries on disk (CUDA toolkits, PATH), newest first."""
-    paths = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            paths.append(os.path.join(os.environ[var], "bin", "ptxas"))
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    paths = [os.path.join(home, "bin", "ptxas") for home in homes if home]
     paths += sorted(str(p) for p in Path("/usr/local").glob("cuda*/bin/ptxas"))
     if shutil.which("ptxas"):
         paths.append(shutil.which("ptxas"))
@@ -317,8 +309,7 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
             "toolkit (or pip install 'triton>=3.6') and/or set TRITON_PTXAS_PATH=/path/to/ptxas; "
             "or run with --kernel current and without --compile.")
     path = usable[0][0]
-    ctx.env["TRITON_PTXAS_PATH"] = path
-    ctx.env["TRITON_PTXAS_BLACKWELL_PATH"] = path
+    ctx.env["TRITON_PTXAS_PATH"] = ctx.env["TRITON_PTXAS_BLACKWELL_PATH"] = path
     _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas {bundled} < {need}: "
                        f"TRITON_PTXAS_PATH={path} (CUDA {usable[0][1]})")
     return "ptxas"
@@ -474,8 +465,7 @@ def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
         spec = _spec_from_nvidia_smi()
     if spec is None:
         return []
-    ctx = PatchContext(env=env)
-    return [n for n in [patch_expandable_segments(spec, ctx)] if n]
+    return [n for n in [patch_expandable_segments(spec, PatchContext(env=env))] if n]
 
 
 ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
@@ -546,8 +536,7 @@ def _spec_from_nvidia_smi() -> DeviceSpec | None:
     m = re.match(r"(.+?),\s*(\d+)\.(\d+)", line)
     if not m:
         return None
-    props = SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0)
-    return spec_from_props(props)
+    return spec_from_props(SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The BPE tokenizer: training (through the Rust `rustbpe` module), encoding and decoding (through
-tiktoken), special tokens, chat rendering with loss masks, and the on-disk format.
+tiktoken), special tokens, chat rendering with loss masks (and `assistant_parts`, generated ids back
+into a message's content parts), and the on-disk format.
 
 On disk a tokenizer is a directory holding
   tokenizer.pkl    {"format_version", "pattern", "mergeable_ranks" (bytes -> rank),
@@ -433,6 +434,32 @@ class Tokenizer:
             else:
                 pieces.append(f"[{text}]" if trained else text)
         return "|".join(pieces)
+
+
+def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
+    """Generated ids (without the stop token) -> an assistant message's content parts
+    [{"type": "text"|"python"|"python_output", "text": ...}], so a conversation can be rendered
+    again with its tool calls intact (the CLI keeps history this way; nanochat.engine re-exports it)."""
+    kinds = {tokenizer.encode_special("<|python_start|>"): "python",
+             tokenizer.encode_special("<|output_start|>"): "python_output"}
+    ends = {tokenizer.encode_special("<|python_end|>"), tokenizer.encode_special("<|output_end|>")}
+    parts, kind, buf = [], "text", []
+
+    def flush():
+        if buf:
+            parts.append({"type": kind, "text": tokenizer.decode(buf)})
+            buf.clear()
+    for t in ids:
+        if t in kinds:
+            flush()
+            kind = kinds[t]
+        elif t in ends:
+            flush()
+            kind = "text"
+        else:
+            buf.append(t)
+    flush()
+    return parts
 
 
 class _DocCounter(Iterator[str]):

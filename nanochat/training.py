@@ -406,12 +406,14 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     qk = build_qk_projection(kernel, rt.device)
     model.set_qk_projection(qk)
     qk_fp8 = qk is not None and resolved.get("fp8_wgrad") == "save"   # native fp8 layers it fuses
+    qk_gemm = qk is not None and qk.keywords["bf16_gemm"] and resolved["precision"] == "bf16"
     mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"
     # the fp8 MLP's relu^2 gradient cast in its GEMM's epilogue (e5m2 gradients: triton_mlp.gh_bound_scale)
     gh_cast = mlp is not None and getattr(mlp, "keywords", {}).get("grad_dtype") == torch.float8_e5m2
     fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
                                    ("rotary_norm", rotary is not None), (mlp_name, mlp is not None),
-                                   ("qk_amax_fp8", qk_fp8), ("gh_cast_fp8", gh_cast)) if on]
+                                   ("qk_amax_fp8", qk_fp8), ("gh_cast_fp8", gh_cast),
+                                   ("qk_rope_gemm", qk_gemm)) if on]
     return {**resolved, "kernel": kernel, "kernel_fusions": ",".join(fused) or "none", "patches": patches}
 
 

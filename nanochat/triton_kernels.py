@@ -438,22 +438,37 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _pairs(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """(x[:, 0::2], x[:, 1::2]) in float32 of a (ROWS, 2 * HALF) tile: adjacent columns split in
+    registers."""
+    return tl.split(tl.reshape(x.to(tl.float32), (ROWS, HALF, 2)))
+
+
+@triton.jit
 def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, amax_ptr, n_rows, T, H,
                             s_b, s_t, s_h, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                            AMAX_SLOTS: tl.constexpr):
+                            AMAX_SLOTS: tl.constexpr, PAIRED: tl.constexpr):
     # Rows are (b, t, h) heads of D = 2 * HALF; dy may be strided (attention's gradient layout),
     # y / dx / rstd are contiguous (B, T, H, D) / (B, T, H, 1), cos / sin (T, HALF) float32.
+    # A rotation pair (x1_j, x2_j) is (j, j + HALF), or with PAIRED (2j, 2j + 1) (triton_qk's
+    # interleaved heads: loaded as whole rows and split in registers).
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < n_rows
     h, t, b = r % H, (r // H) % T, r // (H * T)
     c = tl.arange(0, HALF)
     m = live[:, None]
-    dy_row = (b.to(tl.int64) * s_b + t.to(tl.int64) * s_t + h.to(tl.int64) * s_h)[:, None] + c[None, :]
-    row = r.to(tl.int64)[:, None] * (2 * HALF) + c[None, :]
-    dy1 = tl.load(dy_ptr + dy_row, mask=m, other=0.0).to(tl.float32)
-    dy2 = tl.load(dy_ptr + dy_row + HALF, mask=m, other=0.0).to(tl.float32)
-    y1 = tl.load(y_ptr + row, mask=m, other=0.0).to(tl.float32)
-    y2 = tl.load(y_ptr + row + HALF, mask=m, other=0.0).to(tl.float32)
+    dy_base = (b.to(tl.int64) * s_b + t.to(tl.int64) * s_t + h.to(tl.int64) * s_h)[:, None]
+    if PAIRED:
+        d = tl.arange(0, 2 * HALF)[None, :]
+        row = r.to(tl.int64)[:, None] * (2 * HALF) + d
+        dy1, dy2 = _pairs(tl.load(dy_ptr + dy_base + d, mask=m, other=0.0), BLOCK_R, HALF)
+        y1, y2 = _pairs(tl.load(y_ptr + row, mask=m, other=0.0), BLOCK_R, HALF)
+    else:
+        row = r.to(tl.int64)[:, None] * (2 * HALF) + c[None, :]
+        dy1 = tl.load(dy_ptr + dy_base + c[None, :], mask=m, other=0.0).to(tl.float32)
+        dy2 = tl.load(dy_ptr + dy_base + c[None, :] + HALF, mask=m, other=0.0).to(tl.float32)
+        y1 = tl.load(y_ptr + row, mask=m, other=0.0).to(tl.float32)
+        y2 = tl.load(y_ptr + row + HALF, mask=m, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + r, mask=live, other=0.0)[:, None]
     dot = (tl.sum(dy1 * y1, 1) + tl.sum(dy2 * y2, 1))[:, None] / (2 * HALF)
     dr1, dr2 = rstd * (dy1 - y1 * dot), rstd * (dy2 - y2 * dot)   # the RMSNorm backward
@@ -462,8 +477,11 @@ def _rotary_norm_bwd_kernel(dy_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, a
     sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
     out = dx_ptr.dtype.element_ty
     dx1, dx2 = (dr1 * cos - dr2 * sin).to(out), (dr2 * cos + dr1 * sin).to(out)   # the inverse rotation
-    tl.store(dx_ptr + row, dx1, mask=m)
-    tl.store(dx_ptr + row + HALF, dx2, mask=m)
+    if PAIRED:
+        tl.store(dx_ptr + row, tl.reshape(tl.join(dx1, dx2), (BLOCK_R, 2 * HALF)), mask=m)
+    else:
+        tl.store(dx_ptr + row, dx1, mask=m)
+        tl.store(dx_ptr + row + HALF, dx2, mask=m)
     if AMAX_SLOTS > 0:   # max |dx| of the stored values (masked rows are 0), spread over slots
         big = tl.maximum(tl.max(tl.abs(dx1.to(tl.float32))), tl.max(tl.abs(dx2.to(tl.float32))))
         tl.atomic_max(amax_ptr + tl.program_id(0) % AMAX_SLOTS, big)
@@ -473,12 +491,14 @@ AMAX_SLOTS = 64   # one atomic per program into slot pid % 64: ~40k programs at 
 
 
 def rotary_norm_bwd_triton(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, block_rows: int = 16, with_amax: bool = False):
+                           sin: torch.Tensor, block_rows: int = 16, with_amax: bool = False,
+                           paired: bool = False):
     """dL/dx of y = norm(rotate(x)) (gpt._RotaryNorm): dy, y (B, T, H, D) (dy any strides with
     unit stride on D; y contiguous), rstd (B, T, H, 1) float32, cos / sin (T, D/2) float32
     contiguous; D a power of two. One pass; returns dx (B, T, H, D) contiguous in dy's dtype, and
     with `with_amax` also max |dx| (a 0-dim float32 tensor: the scale of dx's fp8 cast, found while
-    dx is in registers instead of by another read of it)."""
+    dx is in registers instead of by another read of it). `paired`: rotation pairs are adjacent
+    (2j, 2j + 1) in every head, triton_qk's interleaved layout, instead of (j, j + D/2)."""
     B, T, H, D = y.shape
     assert y.is_contiguous() and rstd.is_contiguous() and dy.stride(-1) == 1 and dy.shape == y.shape
     assert D >= 2 and D & (D - 1) == 0 and cos.shape == sin.shape == (T, D // 2)
@@ -488,5 +508,6 @@ def rotary_norm_bwd_triton(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor
     if n:
         _rotary_norm_bwd_kernel[(triton.cdiv(n, block_rows),)](
             dy, y, rstd, cos, sin, dx, slots, n, T, H, dy.stride(0), dy.stride(1), dy.stride(2),
-            HALF=D // 2, BLOCK_R=block_rows, AMAX_SLOTS=AMAX_SLOTS if with_amax else 0, num_warps=4)
+            HALF=D // 2, BLOCK_R=block_rows, AMAX_SLOTS=AMAX_SLOTS if with_amax else 0, PAIRED=paired,
+            num_warps=4)
     return (dx, slots.amax()) if with_amax else dx

@@ -70,26 +70,40 @@ def _configs(fp8: bool):
 
 
 @triton.jit
+def tile_offsets(tile, n_m, n_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(off_m, off_n) of output tile `tile` in grouped order: GROUP_M row tiles in a row share
+    their B columns while those are in L2."""
+    group = tile // (GROUP_M * n_n)
+    size_m = min(n_m - group * GROUP_M, GROUP_M)
+    off_m = (group * GROUP_M + (tile % (GROUP_M * n_n)) % size_m) * BLOCK_M
+    off_n = ((tile % (GROUP_M * n_n)) // size_m) * BLOCK_N
+    return off_m, off_n
+
+
+@triton.jit
+def tile_acc(a_desc, b_desc, off_m, off_n, K, B_KN: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 (BLOCK_M, BLOCK_N) tile of A @ B at (off_m, off_n), operands through TMA."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        if B_KN:   # b (K, N) row-major
+            acc = tl.dot(a, b_desc.load([k * BLOCK_K, off_n]), acc)
+        else:      # b given as the (N, K) row-major weight
+            acc = tl.dot(a, b_desc.load([off_n, k * BLOCK_K]).T, acc)
+    return acc
+
+
+@triton.jit
 def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, ct_desc, scale_ptr, amax_ptr, M, N, K,
                         NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr, B_KN: tl.constexpr,
                         HAS_SCALE: tl.constexpr, AMAX: tl.constexpr, SATURATE: tl.constexpr,
                         TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
-        # grouped order: GROUP_M row tiles in a row share their B columns while those are in L2
-        group = tile // (GROUP_M * n_n)
-        size_m = min(n_m - group * GROUP_M, GROUP_M)
-        off_m = (group * GROUP_M + (tile % (GROUP_M * n_n)) % size_m) * BLOCK_M
-        off_n = ((tile % (GROUP_M * n_n)) // size_m) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            a = a_desc.load([off_m, k * BLOCK_K])
-            if B_KN:   # b (K, N) row-major
-                acc = tl.dot(a, b_desc.load([k * BLOCK_K, off_n]), acc)
-            else:      # b given as the (N, K) row-major weight
-                acc = tl.dot(a, b_desc.load([off_n, k * BLOCK_K]).T, acc)
+        off_m, off_n = tile_offsets(tile, n_m, n_n, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tile_acc(a_desc, b_desc, off_m, off_n, K, B_KN, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_SCALE:   # fp8 operands: undo both tensor-wise scales (one float32 scalar)
             acc = acc * tl.load(scale_ptr)
         if EPILOGUE == 1:

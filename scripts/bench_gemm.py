@@ -7,7 +7,10 @@ wgrad g.T @ x (reduction over the M tokens). `--blas cublas|cublaslt` picks torc
 (`--dtypes`, default both): cuBLAS (`_scaled_mm` for fp8, tensor-wise) then a compiled
 elementwise kernel (the `current` path; for fp8 also the abs-max the next cast needs) vs
 nanochat/triton_mlp.py's GEMM with the pass (and the abs-max) in its epilogue (`--kernel
-triton`): forward relu(x W_fc^T)^2, backward (g W_proj) * 2 sqrt(h2).
+triton`): forward relu(x W_fc^T)^2, backward (g W_proj) * 2 sqrt(h2). `--qk M:C` times a q
+projection (C -> C, heads of 128, positions t = row % 2048) with its QK-norm + RoPE, bf16: cuBLAS
+then the compiled rotary norm (the model's forward) vs nanochat/triton_qk.py's GEMM with it in the
+epilogue, and the bare cuBLAS product for reference.
 
 For each (dtype, shape) it times C = A @ B.T with CUDA events around a batch of products,
 rotating over enough input sets that they cannot all sit in L2, and reports the median TFLOP/s
@@ -92,6 +95,42 @@ def make_mlp_pass(variant: str, m: int, c: int, device, dtype: str = "bf16"):
             "fwd/fused": lambda: mm_epilogue(a, w_fc, "relu2", b_kn=False),
             "bwd/cublas": lambda: grad(a @ w_proj, h2),
             "bwd/fused": lambda: mm_epilogue(a, w_proj, "relu2_grad", h2)}[variant]
+
+
+QK_SEQ, QK_HEAD_DIM = 2048, 128
+
+
+def make_qk_pass(variant: str, m: int, c: int, device):
+    """One operand set and a closure for the q projection + QK-norm + RoPE: cublas|cublas+rope|fused."""
+    from nanochat import triton_qk
+    from nanochat.gpt import rotary_tables
+    bf = dict(device=device, dtype=torch.bfloat16)
+    x, w = torch.randn(m, c, **bf), torch.randn(c, c, **bf) / c**0.5
+    cos, sin = rotary_tables(QK_SEQ, QK_HEAD_DIM, device)
+    tables = [t.reshape(QK_SEQ, -1).contiguous() for t in (cos, sin)]
+    shape = (m // QK_SEQ, QK_SEQ, c // QK_HEAD_DIM, QK_HEAD_DIM)
+    rope = _qk_rotary()
+    return {"cublas": lambda: torch.mm(x, w.t()),
+            "cublas+rope": lambda: rope(torch.mm(x, w.t()).view(shape), cos, sin),
+            "fused": functools.partial(triton_qk.mm_rotary_norm, x, triton_qk.interleave(w, QK_HEAD_DIM).contiguous(),
+                                       *tables, QK_SEQ)}[variant]
+
+
+@functools.cache
+def _qk_rotary():
+    from nanochat.gpt import rotary_norm_forward
+    return torch.compile(rotary_norm_forward)
+
+
+def parse_qk(text: str) -> tuple[int, int]:
+    """'M:C' -> (M, C): M a positive multiple of the sequence (2048), C of the head dim (128)."""
+    try:
+        m, c = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--qk: got {text!r}; expected M:C, e.g. 65536:1280") from None
+    if m <= 0 or c <= 0 or m % QK_SEQ or c % QK_HEAD_DIM:
+        raise ValueError(f"--qk: got {text!r}; M must be a positive multiple of {QK_SEQ} and C of {QK_HEAD_DIM}")
+    return m, c
 
 
 def _make_mlp_pass_fp8(variant: str, m: int, c: int, device):
@@ -262,6 +301,8 @@ def main(argv=None) -> int:
                    "time fwd/dgrad/wgrad of training Linears instead of --shapes (dtypes bf16, fp8)")
     p.add_argument("--mlp", default="", help="M:C (e.g. 65536:1280): the MLP GEMMs with relu^2 "
                    "epilogues, fused (Triton) vs cuBLAS + elementwise, instead of --shapes")
+    p.add_argument("--qk", default="", help="M:C (e.g. 65536:1280): the q projection with QK-norm + "
+                   "RoPE, fused into a Triton GEMM vs cuBLAS + the compiled pass, instead of --shapes")
     p.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
                    help="torch.backends.cuda.preferred_blas_library for the bf16 products")
     p.add_argument("--layouts", action="store_true", help="with --linears: also time each bf16 "
@@ -271,6 +312,7 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     linears = parse_linears(args.linears) if args.linears else []
     mlp = parse_mlp(args.mlp) if args.mlp else None
+    qk = parse_qk(args.qk) if args.qk else None
     accepted = LINEAR_DTYPES if (linears or mlp) else DTYPES
     dtypes = args.dtypes.split(",") if args.dtypes else list(accepted)
     for d in dtypes:
@@ -298,6 +340,8 @@ def main(argv=None) -> int:
         return _run_linears(linears, dtypes, args.reps, l2, spec, device, args.layouts)
     if mlp:
         return _run_mlp(*mlp, dtypes, args.reps, l2, spec, device)
+    if qk:
+        return _run_qk(*qk, args.reps, l2, spec, device)
     rows = []
     for dtype in dtypes:
         peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
@@ -364,6 +408,18 @@ def _run_mlp(m, c, dtypes, reps, l2, spec, device) -> int:
     print(f"\n{'mlp M:C':<12} {'dtype':<6} {'variant':<11} {'ms':>8} {'GEMM TFLOP/s':>13}")
     for r in rows:
         print(f"{r['mlp']:<12} {r['dtype']:<6} {r['variant']:<11} {r['ms']:>8} {r['tflops']:>13}")
+    return 0
+
+
+def _run_qk(m, c, reps, l2, spec, device) -> int:
+    rows = []
+    for variant in ("cublas", "cublas+rope", "fused"):
+        rec = {"qk": f"{m}:{c}", "dtype": "bf16", "variant": variant, "shape": f"{m}x{c}x{c}", "device": spec.name}
+        make = functools.partial(make_qk_pass, variant, m, c, device)
+        rows.append(_timed_row(rec, "bf16", (m, c, c), make, reps, l2, peak_flops(spec, "bf16"), device))
+    print(f"\n{'qk M:C':<12} {'variant':<12} {'ms':>8} {'GEMM TFLOP/s':>13}")
+    for r in rows:
+        print(f"{r['qk']:<12} {r['variant']:<12} {r['ms']:>8} {r['tflops']:>13}")
     return 0
 
 

@@ -40,7 +40,7 @@ from nanochat.training import FlagParser, require, require_int
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
 UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax",
-          "ghcast": "gh_cast"}   # --unfuse name -> kernel_fusions entry
+          "ghcast": "gh_cast", "qkgemm": "qk_rope_gemm"}   # --unfuse name -> kernel_fusions entry
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
@@ -145,9 +145,12 @@ def unfuse_model(model, names: set[str], fusions: str) -> str:
         model.set_mlp_fn(slow)
     if "rope" in names:
         model.set_rotary_norm(None)
+    qk = model.blocks[0].attn.qk_projection
     if "rope" in names or "qkamax" in names:   # the fused q/k path runs the rotary kernel
         model.set_qk_projection(None)
-    dropped = ({UNFUSE[n] for n in names} | ({"qk_amax"} if "rope" in names else set())
+    elif "qkgemm" in names and isinstance(qk, functools.partial):   # cuBLAS + the rotary pass
+        model.set_qk_projection(functools.partial(qk.func, *qk.args, **{**qk.keywords, "bf16_gemm": False}))
+    dropped = ({UNFUSE[n] for n in names} | ({"qk_amax", "qk_rope_gemm"} if names & {"rope", "qkamax"} else set())
                | ({"gh_cast"} if "mlp" in names else set()))
     return ",".join(f for f in fusions.split(",") if f not in dropped and f.split("_fp8")[0] not in dropped) or "none"
 

@@ -40,6 +40,9 @@
 #              needs .fa4a then .fa4b carried: scripts/fa4_install.sh)
 #   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
 #              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
+#   qkab       the q/k projection with QK-norm + RoPE in its GEMM's epilogue (nanochat/triton_qk.py): its CUDA
+#              tests, bench_gemm --qk and --mlp (the shared GEMM core), then bench_train d20 triton bf16 at
+#              QKAB_BATCH (default 262144) with it and with --unfuse qkgemm, alternating (QKAB_ORDER)
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -146,6 +149,17 @@ if has floor; then
   # what a d20 bf16 micro-batch cannot go below while the board sits at its power cap
   step bench_floor 300 $PY -m scripts.bench_train_floor --depth 20 --parts all --seconds ${FLOOR_SECONDS:-20}
   step bench_train_d20 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16
+fi
+if has qkab; then
+  step pytest_qk 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_qk.py tests/test_triton_mlp.py \
+       tests/test_fp8_qk.py
+  step bench_gemm_qk 150 $PY -m scripts.bench_gemm --reps 7 --qk 65536:1280
+  step bench_gemm_mlp 150 $PY -m scripts.bench_gemm --reps 7 --mlp 65536:1280 --dtypes bf16
+  for arm in ${QKAB_ORDER:-fused unfused}; do
+    unfuse=(); [ "$arm" = unfused ] && unfuse=(--unfuse qkgemm)
+    step "bench_train_qk_$arm" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
+         --total-batch-size "${QKAB_BATCH:-262144}" "${unfuse[@]}"
+  done
 fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)

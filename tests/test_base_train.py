@@ -287,8 +287,15 @@ def test_bench_train_unfuse():
     assert bench_train.unfuse_model(model, {"mlp"}, "relu2_mlp_fp8,gh_cast_fp8") == "none"
     with pytest.raises(ValueError, match="gh_cast.*epilogue\\|pass"):
         fp8_relu2_mlp(torch.zeros(16, 32), torch.zeros(64, 32), torch.zeros(32, 64), gh_cast="late")
+    # qkgemm: the q/k projection hook stays, with the bf16 GEMM epilogue off
+    from nanochat import fp8_qk
+    model.set_qk_projection(functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=True))
+    assert bench_train.unfuse_model(model, {"qkgemm"}, "rotary_norm,qk_rope_gemm") == "rotary_norm"
+    qk = model.blocks[0].attn.qk_projection
+    assert qk.func is fp8_qk.proj_rotary_norm and qk.keywords == {"bf16_gemm": False}
     model.set_rotary_norm(lambda x, cos, sin: x)
-    assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm") == "linear_ce"
+    assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm,qk_rope_gemm") == "linear_ce"
+    assert model.blocks[0].attn.qk_projection is None
     from nanochat.gpt import rotary_norm
     assert model.blocks[0].attn.rotary_norm is rotary_norm
 

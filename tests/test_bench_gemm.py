@@ -58,3 +58,21 @@ def test_mlp_dtypes_are_bf16_and_fp8():
         BG.main(["--mlp", "64:16", "--dtypes", "nvfp4"])
     with pytest.raises(ValueError, match=r"--dtypes: got 'fp16'"):
         BG.main(["--dtypes", "fp16"])
+
+
+def test_parse_qk():
+    assert BG.parse_qk("65536:1280") == (65536, 1280)
+    for bad in ("65536", "65536:1000", "1000:1280", "0:1280", "a:128"):
+        with pytest.raises(ValueError, match="--qk"):
+            BG.parse_qk(bad)
+
+
+def test_qk_variants_compute_the_same_rotary_norm_on_cpu():
+    """cublas+rope (plain order) and fused (interleaved heads, triton_qk's torch math on CPU) are
+    the same values up to that order."""
+    from nanochat import triton_qk
+    torch.manual_seed(0)
+    plain = BG.make_qk_pass("cublas+rope", 2048, 128, "cpu")()[0].float().reshape(-1, 128)
+    torch.manual_seed(0)
+    fused = BG.make_qk_pass("fused", 2048, 128, "cpu")()[0].float()
+    torch.testing.assert_close(fused, triton_qk.interleave(plain.t(), 128).t(), rtol=2e-2, atol=2e-2)
