@@ -8,10 +8,11 @@ on an H100 (2.9 ms; the fp8 profile in CHANGELOG_GB10.md). Here the rotary kerne
 abs-max while the gradient is in registers. Same numbers as Fp8Linear ('save' mode) followed by
 rotary_norm: the same casts, scales, GEMMs and float32 norm math.
 
-`proj_rotary_norm(linear, x, cos, sin, heads, rotary_norm)` is the attention's hook
-(GPT.set_qk_projection): fused for a native Fp8Linear in 'save' mode while training, otherwise
-`rotary_norm(linear(x).view(B, T, heads, D), cos, sin)`, or with `bf16_gemm` for the plain bf16 layers
-nanochat/triton_qk.py's GEMM with the rotary norm in its epilogue.
+`qkv_projection(attn, x, cos, sin)` is the attention's hook (GPT.set_qkv_projection): q and k through
+`proj_rotary_norm(linear, x, cos, sin, heads, rotary_norm)`, fused for a native Fp8Linear in 'save'
+mode while training, otherwise `rotary_norm(linear(x).view(B, T, heads, D), cos, sin)`; or, with
+`bf16_gemm` for plain bf16 layers, nanochat/triton_qk.py's q/k/v op (the rotary norm in the GEMM's
+epilogue).
 """
 
 from __future__ import annotations
@@ -56,16 +57,23 @@ def fusable(linear: torch.nn.Module, x: torch.Tensor) -> bool:
             and torch.is_grad_enabled() and (x.numel() // x.shape[-1]) % 16 == 0)
 
 
-def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotary_norm,
-                     *, bf16_gemm: bool = False):
+def qkv_projection(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, bf16_gemm: bool = False):
+    """GPT.set_qkv_projection's hook: (q, k, v) of attention module `attn` for x (B, T, C), q and k
+    through proj_rotary_norm ((B, T, heads, D), normed), v = c_v(x). With `bf16_gemm`
+    (kernels.build_qkv_projection after triton_qk's probe passed) plain bf16 layers run
+    triton_qk.qkv_rotary_norm: the same values with q's and k's head dimension in one
+    interleaved order (triton_qk's docstring)."""
+    if bf16_gemm and triton_qk.fusable_qkv(attn, x):
+        return triton_qk.qkv_rotary_norm(attn, x, cos, sin)
+    q = proj_rotary_norm(attn.c_q, x, cos, sin, attn.n_head, attn.rotary_norm)
+    k = proj_rotary_norm(attn.c_k, x, cos, sin, attn.n_kv_head, attn.rotary_norm)
+    return q, k, attn.c_v(x)
+
+
+def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotary_norm):
     """rotary_norm(linear(x).view(B, T, heads, D), cos, sin), with the fp8 backward's gradient scale
-    taken from the rotary kernel when `fusable`. x (B, T, C); returns (B, T, heads, D). With
-    `bf16_gemm` (kernels.build_qk_projection after triton_qk's probe passed) a plain bf16 Linear
-    runs triton_qk's GEMM with the rotary norm in its epilogue: the same values with the head
-    dimension in its interleaved order, for q and k alike (triton_qk's docstring)."""
+    taken from the rotary kernel when `fusable`. x (B, T, C); returns (B, T, heads, D)."""
     B, T, C = x.shape
-    if bf16_gemm and triton_qk.fusable(linear, x, heads):
-        return triton_qk.proj_rotary_norm(linear, x, cos, sin, heads)
     if not fusable(linear, x):
         return rotary_norm(linear(x).view(B, T, heads, -1), cos, sin)
     if not torch.compiler.is_compiling():

@@ -285,7 +285,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
         self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
         self.rotary_norm = rotary_norm   # GPT.set_rotary_norm
-        self.qk_projection = None   # fn(linear, x, cos, sin, heads, rotary_norm) (GPT.set_qk_projection)
+        self.qkv_projection = None   # fn(attn, x, cos, sin) -> (q, k, v) (GPT.set_qkv_projection)
 
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
@@ -293,10 +293,8 @@ class CausalSelfAttention(nn.Module):
             qkv = F.linear(x, self.qkv_weight.to(x.dtype))  # one GEMM (a GEMV when decoding)
             q, k, v = qkv.split((self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                  self.n_kv_head * self.head_dim), dim=-1)
-        elif self.qk_projection is not None and torch.is_grad_enabled():   # q, k come back normed
-            q = self.qk_projection(self.c_q, x, cos, sin, self.n_head, self.rotary_norm)
-            k = self.qk_projection(self.c_k, x, cos, sin, self.n_kv_head, self.rotary_norm)
-            v = self.c_v(x)
+        elif self.qkv_projection is not None and torch.is_grad_enabled():   # q, k come back normed
+            q, k, v = self.qkv_projection(self, x, cos, sin)
         else:
             q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
@@ -459,14 +457,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.rotary_norm = rotary_norm if fn is None else fn
 
-    def set_qk_projection(self, fn) -> None:
-        """fn(linear, x, cos, sin, heads, rotary_norm) -> rotary_norm(linear(x).view(B, T, heads, D), cos, sin)
-        for q and k of every layer while grad is enabled (fp8_qk.proj_rotary_norm); the same values, up
-        to one head-dim order applied to q and k alike (triton_qk). None: the separate ops."""
+    def set_qkv_projection(self, fn) -> None:
+        """fn(attn, x, cos, sin) -> (q, k, v) for every layer's attention while grad is enabled, q / k
+        = attn.rotary_norm(c(x).view(B, T, heads, D), cos, sin), v = c_v(x) (fp8_qk.qkv_projection);
+        the same values, up to one head-dim order of q and k alike (triton_qk). None: the plain ops."""
         if fn is not None and not callable(fn):
-            raise ValueError(f"set_qk_projection: expected a callable or None, got {type(fn).__name__}")
+            raise ValueError(f"set_qkv_projection: expected a callable or None, got {type(fn).__name__}")
         for block in self.blocks:
-            block.attn.qk_projection = fn
+            block.attn.qkv_projection = fn
 
     def set_mlp_fn(self, fn) -> None:
         """fn(x, w_fc, w_proj) -> relu(x w_fc^T)^2 w_proj^T for every block's MLP (fp32 master

@@ -28,8 +28,8 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            `build_rotary_norm("triton")` q/k's QK-norm + RoPE with a one-pass Triton backward;
            `build_mlp("triton", cuda, "bf16")` the MLP whose GEMMs apply relu^2 and its
            gradient in their epilogues (nanochat/triton_mlp.py, compute capability >= 9);
-           `build_qk_projection("triton", cuda)` the q/k projections with QK-norm + RoPE in
-           their GEMM's epilogue (nanochat/triton_qk.py, bf16).
+           `build_qkv_projection("triton", cuda)` the q/k/v projections with QK-norm + RoPE
+           in their GEMM's epilogue (nanochat/triton_qk.py, bf16).
 """
 
 from __future__ import annotations
@@ -446,11 +446,11 @@ def build_rotary_norm(name: str, device: torch.device | str = "cpu"):
     return fused_norm.rotary_norm
 
 
-def build_qk_projection(name: str, device: torch.device | str = "cpu", *, gemm: bool = True):
-    """q/k's projection + QK-norm + RoPE for `--kernel name` (GPT.set_qk_projection): for triton
-    fp8_qk.proj_rotary_norm, which fuses native fp8 layers' gradient abs-max into the rotary
+def build_qkv_projection(name: str, device: torch.device | str = "cpu", *, gemm: bool = True):
+    """q/k/v's projections + q/k's QK-norm + RoPE for `--kernel name` (GPT.set_qkv_projection): for
+    triton fp8_qk.qkv_projection, which fuses native fp8 layers' gradient abs-max into the rotary
     backward and, with `gemm` on a GPU where nanochat/triton_qk.py's probe launch passes, runs
-    the plain bf16 layers as one GEMM with the rotary norm in its epilogue (`bf16_gemm`, the
+    plain bf16 layers as one op with the rotary norm in the GEMMs' epilogue (`bf16_gemm`, the
     function's keyword); other layers run the plain chain. None for current and liger."""
     if build_rotary_norm(name, device) is None:
         return None
@@ -466,4 +466,4 @@ def build_qk_projection(name: str, device: torch.device | str = "cpu", *, gemm: 
         else:
             triton_qk.register()
             bf16_gemm = True
-    return functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=bf16_gemm)
+    return functools.partial(fp8_qk.qkv_projection, bf16_gemm=bf16_gemm)

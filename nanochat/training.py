@@ -389,7 +389,7 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qk_projection, build_rotary_norm
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qkv_projection, build_rotary_norm
     from nanochat.platform import apply_patches, detect_device
 
     patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
@@ -403,8 +403,8 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     model.set_mix_norm(mix)
     model.set_mlp_fn(mlp)
     model.set_rotary_norm(rotary)
-    qk = build_qk_projection(kernel, rt.device)
-    model.set_qk_projection(qk)
+    qk = build_qkv_projection(kernel, rt.device)
+    model.set_qkv_projection(qk)
     qk_fp8 = qk is not None and resolved.get("fp8_wgrad") == "save"   # native fp8 layers it fuses
     qk_gemm = qk is not None and qk.keywords["bf16_gemm"] and resolved["precision"] == "bf16"
     mlp_name = "relu2_mlp" if resolved["precision"] != "fp8" else "relu2_mlp_fp8"

@@ -1,4 +1,4 @@
-"""q / k projections with RoPE + QK-norm in the GEMM's epilogue (`--kernel triton`, bf16).
+"""q / k / v projections with RoPE + QK-norm in the GEMM's epilogue (`--kernel triton`, bf16).
 
 Why: after c_q and c_k, the QK-norm + RoPE forward was a pass of its own that read q and k and
 wrote them again: 5.9 ms per d20 micro-batch on an H100 (profile_training --accum 16, CHANGELOG
@@ -10,13 +10,16 @@ What keeps that epilogue inside registers: the weight's rows are interleaved per
 pair j at columns (2j, 2j + 1) instead of (j, j + D/2), so the two halves of a pair sit in
 adjacent accumulator columns, which one thread holds. The output keeps that order. Attention
 only takes dot products over the head dimension (q . k), which one permutation applied to both q
-and k leaves unchanged, and v is not permuted, so the attention output is the same. GPT's
-attention calls one hook for q and for k, and `fusable` looks only at what the two share (the
-layer class, x), so they always take the same path. Backward: the one-pass rotary kernel in its
-paired mode, then the input and weight gradients through cuBLAS against the interleaved weight;
-autograd maps that weight's gradient back through the permutation.
+and k leaves unchanged, and v is not permuted, so the attention output is the same. q and k come
+out of one op, so they cannot take different paths.
 
-`proj_rotary_norm(linear, x, cos, sin, heads)` -> (B, T, heads, D) normed, in the interleaved
+Backward: the one-pass rotary kernel in its paired mode for q and k, then cuBLAS against the
+interleaved weights (autograd maps their gradients back through the permutation). v's
+projection (cuBLAS both ways) is in the same op so that the three input gradients are summed by
+the GEMMs themselves (beta = 1), not by a separate pass over three (B, T, C) tensors (~0.22 ms
+per d20 layer on an H100).
+
+`qkv_rotary_norm(attn, x, cos, sin)` -> (q, k, v), q / k (B, T, heads, D) normed in the interleaved
 order. CPU (and TRITON_INTERPRET=1 for the kernel) run the same math in torch, so tests compare the
 whole model with and without it.
 """
@@ -164,40 +167,57 @@ def rotary_norm_bwd_paired(dy, y, rstd, cos, sin):
 
 @functools.cache
 def _ops():
-    @torch.library.custom_op("nanochat::qk_rotary_proj", mutates_args=())
-    def fwd_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.library.custom_op("nanochat::qkv_rotary_proj", mutates_args=())
+    def fwd_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, hq: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
-        out, rstd = mm_rotary_norm(x.reshape(B * T, C), w, cos, sin, T)
-        return out.view(B, T, heads, -1), rstd.view(B, T, heads, 1)
+        x2 = x.reshape(B * T, C)
+        q, rq = mm_rotary_norm(x2, wq, cos, sin, T)
+        k, rk = mm_rotary_norm(x2, wk, cos, sin, T)
+        v = torch.mm(x2, wv.t())
+        return (q.view(B, T, hq, -1), rq.view(B, T, hq, 1), k.view(B, T, hkv, -1), rk.view(B, T, hkv, 1),
+                v.view(B, T, -1))
 
     @fwd_op.register_fake
-    def _(x, w, cos, sin, heads):
+    def _(x, wq, wk, wv, cos, sin, hq, hkv):
         B, T, _ = x.shape
-        return (x.new_empty((B, T, heads, w.shape[0] // heads)),
-                x.new_empty((B, T, heads, 1), dtype=torch.float32))
+        f32 = torch.float32
+        return (x.new_empty((B, T, hq, wq.shape[0] // hq)), x.new_empty((B, T, hq, 1), dtype=f32),
+                x.new_empty((B, T, hkv, wk.shape[0] // hkv)), x.new_empty((B, T, hkv, 1), dtype=f32),
+                x.new_empty((B, T, wv.shape[0])))
 
-    @torch.library.custom_op("nanochat::qk_rotary_proj_bwd", mutates_args=())
-    def bwd_op(dout: torch.Tensor, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rstd: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dq = rotary_norm_bwd_paired(dout, out, rstd, cos.float(), sin.float()).view(-1, w.shape[0])
+    @torch.library.custom_op("nanochat::qkv_rotary_proj_bwd", mutates_args=())
+    def bwd_op(dq_out: torch.Tensor, dk_out: torch.Tensor, dv: torch.Tensor, x: torch.Tensor, wq: torch.Tensor,
+               wk: torch.Tensor, wv: torch.Tensor, q: torch.Tensor, rq: torch.Tensor, k: torch.Tensor,
+               rk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = cos.float(), sin.float()
+        dq = rotary_norm_bwd_paired(dq_out, q, rq, cos, sin).view(-1, wq.shape[0])
+        dk = rotary_norm_bwd_paired(dk_out, k, rk, cos, sin).view(-1, wk.shape[0])
+        dv = dv.reshape(-1, wv.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
-        return torch.mm(dq, w).view(x.shape), torch.mm(dq.t(), x2)
+        # the three input gradients summed by the GEMMs (beta = 1), not by a pass over three tensors
+        dx = torch.mm(dq, wq)
+        dx.addmm_(dk, wk)
+        dx.addmm_(dv, wv)
+        return dx.view(x.shape), torch.mm(dq.t(), x2), torch.mm(dk.t(), x2), torch.mm(dv.t(), x2)
 
     @bwd_op.register_fake
-    def _(dout, x, w, out, rstd, cos, sin):
-        return torch.empty_like(x), torch.empty_like(w)
+    def _(dq_out, dk_out, dv, x, wq, wk, wv, q, rq, k, rk, cos, sin):
+        return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv)
 
     def setup_context(ctx, inputs, output):
-        x, w, cos, sin, _heads = inputs
-        out, rstd = output
-        ctx.mark_non_differentiable(rstd)
-        ctx.save_for_backward(x, w, out, rstd, cos, sin)
+        x, wq, wk, wv, cos, sin, _hq, _hkv = inputs
+        q, rq, k, rk, _v = output
+        ctx.mark_non_differentiable(rq, rk)
+        ctx.save_for_backward(x, wq, wk, wv, q, rq, k, rk, cos, sin)
 
-    def backward(ctx, dout, _g_rstd):
-        x, w, out, rstd, cos, sin = ctx.saved_tensors
-        dx, dw = torch.ops.nanochat.qk_rotary_proj_bwd(dout, x, w, out, rstd, cos, sin)
-        return dx, dw, None, None, None
+    def backward(ctx, dq_out, _g_rq, dk_out, _g_rk, dv):
+        x, wq, wk, wv, q, rq, k, rk, cos, sin = ctx.saved_tensors
+        dx, dwq, dwk, dwv = torch.ops.nanochat.qkv_rotary_proj_bwd(dq_out, dk_out, dv, x, wq, wk, wv, q, rq, k,
+                                                                   rk, cos, sin)
+        return dx, dwq, dwk, dwv, None, None, None, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
@@ -221,16 +241,26 @@ def fusable(linear: torch.nn.Module, x: torch.Tensor, heads: int) -> bool:
             and (c * x.element_size()) % 16 == 0)
 
 
-def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
-    """norm(rotate(linear(x))) per head as (B, T, heads, D) in the interleaved head order (module
-    docstring); cos / sin gpt.rotary_tables' (1, T, 1, D/2). The caller checks `fusable`."""
+def fusable_qkv(attn: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether attention module `attn`'s q / k / v projections of x can run as qkv_rotary_norm."""
+    from nanochat.gpt import Linear
+    return (fusable(attn.c_q, x, attn.n_head) and fusable(attn.c_k, x, attn.n_kv_head)
+            and type(attn.c_v) is Linear)
+
+
+def qkv_rotary_norm(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k, v) of attention module `attn` (GPT's CausalSelfAttention) for x (B, T, C): q and k
+    norm(rotate(c(x))) per head as (B, T, heads, D) in the interleaved head order (module
+    docstring), v = c_v(x) (B, T, Hkv * D); cos / sin gpt.rotary_tables' (1, T, 1, D/2). The caller
+    checks `fusable_qkv`."""
     if not torch.compiler.is_compiling():
         _ops()
-    d = linear.weight.shape[0] // heads
-    w = interleave(linear.weight, d).to(x.dtype)
+    d = attn.head_dim
+    wq, wk = (interleave(lin.weight, d).to(x.dtype) for lin in (attn.c_q, attn.c_k))
     tables = [t.reshape(-1, t.shape[-1]).to(x.dtype).contiguous() for t in (cos, sin)]   # (T, D/2)
-    out, _ = torch.ops.nanochat.qk_rotary_proj(x, w, *tables, heads)
-    return out
+    q, _, k, _, v = torch.ops.nanochat.qkv_rotary_proj(x, wq, wk, attn.c_v.weight.to(x.dtype), *tables,
+                                                       attn.n_head, attn.n_kv_head)
+    return q, k, v
 
 
 def register() -> None:

@@ -145,11 +145,11 @@ def unfuse_model(model, names: set[str], fusions: str) -> str:
         model.set_mlp_fn(slow)
     if "rope" in names:
         model.set_rotary_norm(None)
-    qk = model.blocks[0].attn.qk_projection
+    qk = model.blocks[0].attn.qkv_projection
     if "rope" in names or "qkamax" in names:   # the fused q/k path runs the rotary kernel
-        model.set_qk_projection(None)
+        model.set_qkv_projection(None)
     elif "qkgemm" in names and isinstance(qk, functools.partial):   # cuBLAS + the rotary pass
-        model.set_qk_projection(functools.partial(qk.func, *qk.args, **{**qk.keywords, "bf16_gemm": False}))
+        model.set_qkv_projection(functools.partial(qk.func, *qk.args, **{**qk.keywords, "bf16_gemm": False}))
     dropped = ({UNFUSE[n] for n in names} | ({"qk_amax", "qk_rope_gemm"} if names & {"rope", "qkamax"} else set())
                | ({"gh_cast"} if "mlp" in names else set()))
     return ",".join(f for f in fusions.split(",") if f not in dropped and f.split("_fp8")[0] not in dropped) or "none"

@@ -289,13 +289,13 @@ def test_bench_train_unfuse():
         fp8_relu2_mlp(torch.zeros(16, 32), torch.zeros(64, 32), torch.zeros(32, 64), gh_cast="late")
     # qkgemm: the q/k projection hook stays, with the bf16 GEMM epilogue off
     from nanochat import fp8_qk
-    model.set_qk_projection(functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=True))
+    model.set_qkv_projection(functools.partial(fp8_qk.qkv_projection, bf16_gemm=True))
     assert bench_train.unfuse_model(model, {"qkgemm"}, "rotary_norm,qk_rope_gemm") == "rotary_norm"
-    qk = model.blocks[0].attn.qk_projection
-    assert qk.func is fp8_qk.proj_rotary_norm and qk.keywords == {"bf16_gemm": False}
+    qk = model.blocks[0].attn.qkv_projection
+    assert qk.func is fp8_qk.qkv_projection and qk.keywords == {"bf16_gemm": False}
     model.set_rotary_norm(lambda x, cos, sin: x)
     assert bench_train.unfuse_model(model, {"rope"}, "linear_ce,rotary_norm,qk_rope_gemm") == "linear_ce"
-    assert model.blocks[0].attn.qk_projection is None
+    assert model.blocks[0].attn.qkv_projection is None
     from nanochat.gpt import rotary_norm
     assert model.blocks[0].attn.rotary_norm is rotary_norm
 

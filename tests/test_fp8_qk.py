@@ -64,9 +64,9 @@ def test_unfusable_layers_take_the_plain_path():
     assert out.shape == (x.shape[0], x.shape[1], H, layer.weight.shape[0] // H)
 
 
-def test_gpt_uses_the_qk_projection_while_training_only():
-    """GPT.set_qk_projection: called for q and k of every layer with grad enabled, with the same
-    loss as without it; never under no_grad (inference); a non-callable is refused."""
+def test_gpt_uses_the_qkv_projection_while_training_only():
+    """GPT.set_qkv_projection: called once per layer with grad enabled, with the same loss as
+    without it; never under no_grad (inference); a non-callable is refused."""
     from nanochat.checkpoint import build_model
     from nanochat.gpt import config_for_depth
     torch.manual_seed(0)
@@ -75,18 +75,18 @@ def test_gpt_uses_the_qk_projection_while_training_only():
     want = model(idx, idx)
     calls = []
 
-    def recording(linear, x, cos, sin, heads, rotary_norm):
-        calls.append(heads)
-        return _plain(linear, x, cos, sin, heads, rotary_norm)
+    def recording(attn, x, cos, sin):
+        calls.append(attn.layer_idx)
+        return fp8_qk.qkv_projection(attn, x, cos, sin)
 
-    model.set_qk_projection(recording)
-    assert torch.equal(model(idx, idx), want) and len(calls) == 2 * len(model.blocks)
+    model.set_qkv_projection(recording)
+    assert torch.equal(model(idx, idx), want) and calls == list(range(len(model.blocks)))
     with torch.no_grad():
         model(idx)
-    assert len(calls) == 2 * len(model.blocks)
-    model.set_qk_projection(None)
-    with pytest.raises(ValueError, match="set_qk_projection"):
-        model.set_qk_projection("fast")
+    assert len(calls) == len(model.blocks)
+    model.set_qkv_projection(None)
+    with pytest.raises(ValueError, match="set_qkv_projection"):
+        model.set_qkv_projection("fast")
 
 
 @pytest.mark.cuda

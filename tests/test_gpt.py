@@ -412,7 +412,7 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
     """The compiled bf16 training graph (saved-output norms, fused kernels, cuDNN or flex windows;
     with --kernel triton its loss, residual mix + norm, epilogue-fused MLP and q/k projections too) gives the
     gradients of the plain float32 model: total relative L2 error at bf16 level."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qk_projection, build_rotary_norm
+    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qkv_projection, build_rotary_norm
 
     if backend in ("cudnn", "cudnn_fa4"):  # the optional `gpu` extra; installed, its probe must pass
         from nanochat.cudnn_attention import probe
@@ -435,7 +435,7 @@ def test_cuda_compiled_bf16_gradients_match_fp32(backend, kernel):
         model.set_mix_norm(build_mix_norm(kernel, "cuda"))
         model.set_mlp_fn(build_mlp(kernel, "cuda", "bf16"))
         model.set_rotary_norm(build_rotary_norm(kernel, "cuda"))
-        model.set_qk_projection(build_qk_projection(kernel, "cuda"))
+        model.set_qkv_projection(build_qkv_projection(kernel, "cuda"))
     idx = torch.randint(0, 4096, (4, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     torch.compile(model)(idx, idx.roll(-1, 1)).backward()
     ref(idx, idx.roll(-1, 1)).backward()

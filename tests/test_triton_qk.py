@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from nanochat import fp8_qk, fused_norm, triton_qk
-from nanochat.gpt import GPT, Linear, config_for_depth, rotary_norm, rotary_tables
-from nanochat.kernels import build_qk_projection
-
-
-def _always_fused(linear, x, cos, sin, heads, _rotary_norm):
-    return triton_qk.proj_rotary_norm(linear, x, cos, sin, heads)
+from nanochat.gpt import GPT, CausalSelfAttention, Linear, config_for_depth, rotary_norm, rotary_tables
+from nanochat.kernels import build_qkv_projection
 
 
 def _loss_and_grads(model, idx, targets):
@@ -38,7 +34,7 @@ def test_model_with_interleaved_qk_equals_plain_model(n_kv_head):
             p.add_(torch.randn_like(p) * 0.02)
     idx, targets = torch.randint(0, 96, (3, 32)), torch.randint(0, 96, (3, 32))
     want_loss, want = _loss_and_grads(model, idx, targets)
-    model.set_qk_projection(_always_fused)
+    model.set_qkv_projection(triton_qk.qkv_rotary_norm)
     got_loss, got = _loss_and_grads(model, idx, targets)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert got.keys() == want.keys()
@@ -53,37 +49,56 @@ def test_interleave_pairs_each_heads_halves():
     assert got == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
-def test_output_is_the_plain_rotary_norm_interleaved():
-    """The op's output is rotary_norm(linear(x)) with each head's halves interleaved; its rstd
-    is the plain one."""
-    g = torch.Generator().manual_seed(0)
-    B, T, H, D, C = 2, 8, 3, 16, 24
-    lin = Linear(C, H * D)
+def _attn(C, H, D, Hkv=None, device="cpu", dtype=torch.float64, seed=0):
+    cfg = config_for_depth(2, 64, 8, aspect_ratio=C // 2, head_dim=D)
+    cfg.n_kv_head = Hkv or H
+    attn = CausalSelfAttention(cfg, 0).to(device)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(H * D, C, generator=g, dtype=torch.float64))
-    lin = lin.double()
-    x = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+        for lin in (attn.c_q, attn.c_k, attn.c_v):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / C ** 0.5)
+    return attn.to(dtype)
+
+
+def _uninterleave(t: torch.Tensor) -> torch.Tensor:
+    """The plain head-dim order back from triton_qk's interleaved one (last dim)."""
+    d = t.shape[-1]
+    perm = triton_qk.interleave(torch.arange(d)[:, None], d)[:, 0]
+    return t[..., torch.argsort(perm).to(t.device)]
+
+
+def test_output_is_the_plain_rotary_norm_interleaved():
+    """q and k are rotary_norm(c(x)) with each head's halves interleaved; v is c_v(x) (GQA)."""
+    B, T, D = 2, 8, 16
+    attn = _attn(48, 3, D, Hkv=1)
+    x = torch.randn(B, T, 48, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     cos, sin = rotary_tables(T, D)
-    want = rotary_norm(lin(x).view(B, T, H, D), cos, sin)
-    got = triton_qk.proj_rotary_norm(lin, x, cos, sin, H)
-    torch.testing.assert_close(got, triton_qk.interleave(want.reshape(-1, D).t(), D).t().reshape(B, T, H, D))
+    q, k, v = triton_qk.qkv_rotary_norm(attn, x, cos, sin)
+    assert q.shape == (B, T, 3, D) and k.shape == (B, T, 1, D) and v.shape == (B, T, D)
+    torch.testing.assert_close(_uninterleave(q), rotary_norm(attn.c_q(x).view(B, T, 3, D), cos, sin))
+    torch.testing.assert_close(_uninterleave(k), rotary_norm(attn.c_k(x).view(B, T, 1, D), cos, sin))
+    torch.testing.assert_close(v, attn.c_v(x))
 
 
 def test_fusable_and_dispatch_on_cpu():
     """fusable needs the model's own Linear, a CUDA bf16/fp16 input with grad, whole power-of-two
-    heads: on CPU the hook keeps the plain chain even with bf16_gemm; build_qk_projection turns
+    heads: on CPU the hook keeps the plain chain even with bf16_gemm; build_qkv_projection turns
     the GEMM off where the probe cannot run, saying why."""
     lin, x = Linear(32, 64), torch.randn(2, 4, 32)
     assert not triton_qk.fusable(lin, x, 2)   # CPU
     assert not triton_qk.fusable(torch.nn.Linear(32, 64, bias=False), x, 2)
-    cos, sin = rotary_tables(4, 32)
-    want = rotary_norm(lin(x).view(2, 4, 2, 32), cos, sin)
-    got = fp8_qk.proj_rotary_norm(lin, x, cos, sin, 2, rotary_norm, bf16_gemm=True)
-    torch.testing.assert_close(got, want)
+    attn = _attn(32, 2, 16, dtype=torch.float32)
+    assert not triton_qk.fusable_qkv(attn, x)
+    cos, sin = rotary_tables(4, 16)
+    got = fp8_qk.qkv_projection(attn, x, cos, sin, bf16_gemm=True)
+    want = (rotary_norm(attn.c_q(x).view(2, 4, 2, 16), cos, sin), rotary_norm(attn.c_k(x).view(2, 4, 2, 16), cos, sin),
+            attn.c_v(x))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
     assert triton_qk.probe("cpu") == "needs a CUDA GPU (device is cpu)"
-    fn = build_qk_projection("triton", "cpu")
+    fn = build_qkv_projection("triton", "cpu")
     assert isinstance(fn, functools.partial) and fn.keywords == {"bf16_gemm": False}
-    assert build_qk_projection("current", "cpu") is None
+    assert build_qkv_projection("current", "cpu") is None
 
 
 def test_kernels_interpreted(run_triton_interpreted):
@@ -116,35 +131,35 @@ def test_kernels_interpreted(run_triton_interpreted):
 # ------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.cuda
-def test_cuda_fused_qk_projection_matches_plain_bf16():
-    """d20's width, bf16, (B, T) = (4, 2048): output (interleaved back), input and weight
-    gradients at least as close to float64 as the plain bf16 chain's (2x + 1e-3), under 2e-2."""
+def test_cuda_fused_qkv_projection_matches_plain_bf16():
+    """d20's width, bf16, (B, T) = (4, 2048): q / k / v (q, k interleaved back) and the gradients of
+    x and of the three weights at least as close to float64 as the plain bf16 chain's (2x + 1e-3),
+    under 2e-2."""
     if triton_qk.probe("cuda") is not None:
         pytest.skip(triton_qk.probe("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(0)
     B, T, H, D, C = 4, 2048, 10, 128, 1280
-    lin = Linear(C, H * D).cuda()
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(H * D, C, device="cuda", generator=g) / C ** 0.5)
+    attn = _attn(C, H, D, device="cuda", dtype=torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(B, T, C, device="cuda", generator=g)
-    dout = torch.randn(B, T, H, D, device="cuda", generator=g)
+    grads = [torch.randn(B, T, H, D, device="cuda", generator=g) for _ in range(2)]
+    grads.append(torch.randn(B, T, C, device="cuda", generator=g))
     cos, sin = rotary_tables(T, D, "cuda")
+    attn.rotary_norm = fused_norm.rotary_norm
 
-    def run(fn, dtype, interleaved):
-        lin.weight.grad = None
+    def run(dtype, bf16_gemm):
+        lins = (attn.c_q, attn.c_k, attn.c_v)
+        for lin in lins:
+            lin.weight.grad = None
         xl = x.to(dtype).requires_grad_()
-        d = triton_qk.interleave(dout.reshape(-1, D).t(), D).t().reshape(dout.shape) if interleaved else dout
-        out = fn(lin, xl, cos.to(dtype), sin.to(dtype), H, fused_norm.rotary_norm)
-        out.backward(d.to(dtype))
-        if interleaved:   # back to the plain order
-            out = out.reshape(-1, D)[:, torch.argsort(triton_qk.interleave(torch.arange(D)[:, None], D)[:, 0])]
-        return [t.double() for t in (out.detach().reshape(dout.shape), xl.grad, lin.weight.grad)]
+        out = fp8_qk.qkv_projection(attn, xl, cos.to(dtype), sin.to(dtype), bf16_gemm=bf16_gemm)
+        if bf16_gemm:
+            out = (_uninterleave(out[0]), _uninterleave(out[1]), out[2])
+        torch.autograd.backward(out, [gr.to(dtype) for gr in grads])
+        return [t.double() for t in (*out, xl.grad, *(lin.weight.grad for lin in lins))]
 
-    plain = functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=False)
-    ref = run(plain, torch.float64, False)
-    base = run(plain, torch.bfloat16, False)
-    assert triton_qk.fusable(lin, x.bfloat16().requires_grad_(), H)
-    got = run(functools.partial(fp8_qk.proj_rotary_norm, bf16_gemm=True), torch.bfloat16, True)
-    for name, a, b, r in zip(("out", "dx", "dw"), got, base, ref):
+    ref, base = run(torch.float64, False), run(torch.bfloat16, False)
+    assert triton_qk.fusable_qkv(attn, x.bfloat16().requires_grad_())
+    got = run(torch.bfloat16, True)
+    for name, a, b, r in zip(("q", "k", "v", "dx", "dwq", "dwk", "dwv"), got, base, ref):
         err, err_base = ((a - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
         assert err < 2e-2 and err < 2 * err_base + 1e-3, (name, err, err_base)
