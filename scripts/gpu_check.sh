@@ -40,7 +40,7 @@
 #              needs .fa4a then .fa4b carried: scripts/fa4_install.sh)
 #   te         Transformer Engine: install from .te/ (scripts/te_install.sh: the core wheel in parts, the torch
 #              extension built against the box's torch), preflight, tests/test_te.py, d20 fp8 TE vs native
-#   qkab       the q/k projection with QK-norm + RoPE in its GEMM's epilogue (nanochat/triton_qk.py): its CUDA
+#   qkab       the q/k/v projections with QK-norm + RoPE in the GEMM's epilogue (nanochat/triton_qk.py): their CUDA
 #              tests, bench_gemm --qk and --mlp (the shared GEMM core), then bench_train d20 triton bf16 at
 #              QKAB_BATCH (default 262144) with it and with --unfuse qkgemm, alternating (QKAB_ORDER)
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
