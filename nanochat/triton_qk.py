@@ -172,7 +172,7 @@ def _ops():
                sin: torch.Tensor, hq: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                               torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
-        x2 = x.reshape(B * T, C)
+        x2 = x.reshape(B * T, C).contiguous()   # a no-op for the norm's output
         q, rq = mm_rotary_norm(x2, wq, cos, sin, T)
         k, rk = mm_rotary_norm(x2, wk, cos, sin, T)
         v = torch.mm(x2, wv.t())
