@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanochat.distributed import free_port
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier,
                             muon_momentum, orthogonalize, weight_decay_multiplier)
@@ -212,8 +211,11 @@ STEPS = 3
 VOCAB = 1024  # 1024 x 64 tables reach the AdamW sharding threshold (sharded path exercised)
 
 
-def _worker(rank, world_size, port, out_path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _worker(rank, world_size, store_path, out_path):
+    # a FileStore, not tcp://: with a TCPStore hosted by rank 0, rank 1 was once killed by SIGABRT
+    # ("terminate called without an active exception") while the two tore gloo down after the
+    # final barrier (CI, 1 run in 3); a file has no host process to go away first, nor a port to race for
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         model = tiny_model(VOCAB)
         opt = build_optimizer(model, weight_decay=0.1, world_size=world_size, rank=rank)
@@ -228,11 +230,9 @@ def _worker(rank, world_size, port, out_path):
         dist.destroy_process_group()
 
 
-
-
 def test_gloo_two_process_step_matches_single_process(tmp_path):
     out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
     model = tiny_model(VOCAB)
     opt = build_optimizer(model, weight_decay=0.1)
     for s in range(STEPS):
