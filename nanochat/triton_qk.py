@@ -27,6 +27,7 @@ whole model with and without it.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -129,7 +130,6 @@ def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _interpreting() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
