@@ -58,16 +58,16 @@ def fusable(linear: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def qkv_projection(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, bf16_gemm: bool = False):
-    """GPT.set_qkv_projection's hook: (q, k, v) of attention module `attn` for x (B, T, C), q and k
-    through proj_rotary_norm ((B, T, heads, D), normed), v = c_v(x). With `bf16_gemm`
+    """GPT.set_qkv_projection's hook: (q, k, v, None) of attention module `attn` for x (B, T, C), q
+    and k through proj_rotary_norm ((B, T, heads, D), normed), v = c_v(x). With `bf16_gemm`
     (kernels.build_qkv_projection after triton_qk's probe passed) plain bf16 layers run
     triton_qk.qkv_rotary_norm: the same values with q's and k's head dimension in one
-    interleaved order (triton_qk's docstring)."""
+    interleaved order (triton_qk's docstring), and the value-embedding gate's logits."""
     if bf16_gemm and triton_qk.fusable_qkv(attn, x):
         return triton_qk.qkv_rotary_norm(attn, x, cos, sin)
     q = proj_rotary_norm(attn.c_q, x, cos, sin, attn.n_head, attn.rotary_norm)
     k = proj_rotary_norm(attn.c_k, x, cos, sin, attn.n_kv_head, attn.rotary_norm)
-    return q, k, attn.c_v(x)
+    return q, k, attn.c_v(x), None
 
 
 def proj_rotary_norm(linear, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotary_norm):

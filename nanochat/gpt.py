@@ -16,8 +16,10 @@ Architecture (modern nanochat class), sized by one dial (`config_for_depth`):
 Dtype policy: parameters stay float32 (master weights); activations flow in the compute dtype
 (`compute_dtype`, default bf16 on CUDA, fp32 elsewhere; pass Runtime.dtype to override). The
 embedding output is cast once; `Linear` casts its weight to the input dtype in forward (so bf16
-matmuls read bf16 weights, gradients land in fp32 params, and precision.py can swap the class);
-RMSNorm/RoPE run in the compute dtype; logits and the loss are float32. No autocast anywhere.
+matmuls read bf16 weights, gradients land in fp32 params, and precision.py can swap the class),
+or reads the copy cast once per optimizer step (nanochat/weight_cache.py, the Trainer's
+accumulation); RMSNorm/RoPE (nanochat/norms.py) run in the compute dtype; logits and the loss
+are float32. No autocast anywhere.
 
 Init (`init_weights`, needed after construction, also after `to_empty` from the meta device):
   wte ~ N(0, 1); c_q, c_k, c_v, c_fc ~ U(-s, s) with s = sqrt(3/n_embd) (std 1/sqrt(fan_in));
@@ -36,13 +38,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat import weight_cache
 from nanochat.attention import (BACKEND_CHOICES, RESOLVED_BACKENDS, KVCache, StaticKV, attention, prepare_masks,
                                 resolve_backend)
 from nanochat.kernels import cross_entropy_loss   # the default loss (GPT.set_loss_fn)
+from nanochat.norms import (ROTARY_BASE, _RMSNorm, _RotaryNorm, _rms, _rms_backward, apply_rotary,  # noqa: F401
+                            norm, plain_mix_norm, rotary_norm, rotary_norm_forward, rotary_tables)   # (re-exported)
 
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 VE_GATE_CHANNELS = 32
-ROTARY_BASE = 10000.0
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10 x sequence_len (generation past training T)
 
 
@@ -113,103 +117,6 @@ def has_value_embed(layer_idx: int, n_layer: int) -> bool:
     return (n_layer - 1 - layer_idx) % 2 == 0
 
 
-def _rms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / rms(x) in x's dtype, 1/rms(x) in the math dtype: float32, or float64 for float64 x).
-    eps is F.rms_norm's default, the math dtype's epsilon, so forward values match it exactly."""
-    math_dtype = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(math_dtype)
-    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(math_dtype).eps)
-    return (xf * rstd).to(x.dtype), rstd
-
-
-def _rms_backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """dL/dx of y = x * rstd(x), written with the output: dx = rstd * (dy - y * mean(dy * y))."""
-    dyf, yf = dy.to(rstd.dtype), y.to(rstd.dtype)
-    return rstd * (dyf - yf * (dyf * yf).mean(-1, keepdim=True))
-
-
-class _RMSNorm(torch.autograd.Function):
-    """Parameter-free RMSNorm that saves its output and 1/rms, not its input.
-
-    Why: the output is saved anyway (it is the next matmul's input, kept for that weight's
-    gradient), so backward needs nothing more than a (.., 1) float32 column. Through F.rms_norm
-    the compile partitioner kept the input as well: one more (B, T, C) tensor per norm, 2 per
-    layer (tests/test_gpt.py probes what it saves). With _RotaryNorm: 12.4 GiB less peak memory
-    at d20, batch 32 x 2048, on an H100 (CHANGELOG_GB10.md section 7).
-    """
-
-    @staticmethod
-    def forward(ctx, x):
-        y, rstd = _rms(x)
-        ctx.save_for_backward(y, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        y, rstd = ctx.saved_tensors
-        return _rms_backward(dy, y, rstd).to(dy.dtype)
-
-
-def rotary_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(norm(apply_rotary(x)) in x's dtype, 1/rms): rotary_norm's forward math, in float32
-    (float64 for float64 x). Shared with fp8_qk's fused projection."""
-    math_dtype = torch.promote_types(x.dtype, torch.float32)
-    y, rstd = _rms(apply_rotary(x.to(math_dtype), cos.to(math_dtype), sin.to(math_dtype)))
-    return y.to(x.dtype), rstd
-
-
-class _RotaryNorm(torch.autograd.Function):
-    """norm(apply_rotary(x, cos, sin)) saving only its output and 1/rms (the QK-norm of q and k).
-
-    The rotation is orthogonal, so its backward is the inverse rotation of the norm's gradient;
-    the output is what attention saves anyway. The plain chain kept the rotated, un-normed q and k
-    too (2 more (B, T, C) tensors per layer)."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        y, rstd = rotary_norm_forward(x, cos, sin)
-        ctx.save_for_backward(y, rstd, cos, sin)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        y, rstd, cos, sin = ctx.saved_tensors
-        dr = _rms_backward(dy, y, rstd)
-        return apply_rotary(dr, cos.to(dr.dtype), -sin.to(dr.dtype)).to(dy.dtype), None, None
-
-
-def norm(x: torch.Tensor) -> torch.Tensor:
-    return _RMSNorm.apply(x)
-
-
-def plain_mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
-    """A block's input and its norm: s = lam * r + mu * x0, (s, norm(s)). The default
-    GPT.mix_norm; --kernel triton installs nanochat/fused_norm.py's op, which needs less memory."""
-    # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
-    s = lam * r + mu * x0
-    return s, norm(s)
-
-
-def rotary_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """norm(apply_rotary(x, cos, sin)), computed in float32 (float64 for float64 x), saving only
-    its output for backward."""
-    return _RotaryNorm.apply(x, cos, sin)
-
-
-def rotary_tables(seq_len: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin of shape (1, seq_len, 1, head_dim // 2), broadcasting over (B, T, H, D/2)."""
-    inv_freq = ROTARY_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (x1, x2) halves of the head dim; x (B, T, H, D), cos/sin already in x's dtype."""
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
-
-
 class _ReluSquare(torch.autograd.Function):
     """relu(x)^2 that saves only its output: d/dx = 2 relu(x) = 2 sqrt(out). The c_proj matmul
     saves the same tensor, so the MLP keeps one 4C-wide activation per layer instead of two
@@ -238,23 +145,24 @@ class _ValueEmbedMix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, v, gate, idx, table):
-        ve = F.embedding(idx, table).to(v.dtype).view_as(v)
-        ctx.save_for_backward(gate, idx, table)
+    def forward(ctx, v, gate, idx, table, copy):
+        src = table if copy is None else copy   # copy: weight_cache's cast of table (same rows)
+        ve = F.embedding(idx, src).to(v.dtype).view_as(v)
+        ctx.save_for_backward(gate, idx, table, src)
         return v + gate.unsqueeze(-1) * ve
 
     @staticmethod
     def backward(ctx, grad):
-        gate, idx, table = ctx.saved_tensors
+        gate, idx, table, src = ctx.saved_tensors
         # index_select, not embedding: the compile partitioner would merge an identical lookup
         # with the forward's and save its output after all
-        ve = table.index_select(0, idx.flatten()).to(grad.dtype).view_as(grad)
+        ve = src.index_select(0, idx.flatten()).to(grad.dtype).view_as(grad)
         grad_gate = (grad * ve).sum(-1) if ctx.needs_input_grad[1] else None
         grad_table = None
         if ctx.needs_input_grad[3]:
             rows = (grad * gate.unsqueeze(-1)).flatten(2).to(table.dtype)
             grad_table = torch.ops.aten.embedding_dense_backward(rows, idx, table.shape[0], -1, False)
-        return grad, grad_gate, None, grad_table
+        return grad, grad_gate, None, grad_table, None
 
 
 class Linear(nn.Linear):
@@ -265,9 +173,10 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        weight_cache.add_slot(self)   # the step's cast copy of the weight (nanochat/weight_cache.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(dtype=x.dtype))
+        return F.linear(x, weight_cache.weight_as(self, x.dtype))
 
 
 class CausalSelfAttention(nn.Module):
@@ -285,21 +194,24 @@ class CausalSelfAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
         self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
         self.rotary_norm = rotary_norm   # GPT.set_rotary_norm
-        self.qkv_projection = None   # fn(attn, x, cos, sin) -> (q, k, v) (GPT.set_qkv_projection)
+        self.qkv_projection = None   # fn(attn, x, cos, sin) -> (q, k, v, gate) (GPT.set_qkv_projection)
 
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
+        gate_logits = None   # the value-embedding gate's, when qkv_projection computed them
         if self.qkv_weight is not None and not torch.is_grad_enabled():
             qkv = F.linear(x, self.qkv_weight.to(x.dtype))  # one GEMM (a GEMV when decoding)
             q, k, v = qkv.split((self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                  self.n_kv_head * self.head_dim), dim=-1)
         elif self.qkv_projection is not None and torch.is_grad_enabled():   # q, k come back normed
-            q, k, v = self.qkv_projection(self, x, cos, sin)
+            q, k, v, gate_logits = self.qkv_projection(self, x, cos, sin)
         else:
             q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # (token ids, value-embedding table)
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.gate_channels]))  # (B, T, Hkv)
+            if gate_logits is None:
+                gate_logits = self.ve_gate(x[..., :self.gate_channels])
+            gate = 2 * torch.sigmoid(gate_logits)  # (B, T, Hkv)
             v = _ValueEmbedMix.apply(v, gate, *ve)
         # RoPE + QK-norm in the (B, T, H, D) layout the projections produce: one fused elementwise
         # kernel per tensor under torch.compile; the transposes below are free views.
@@ -322,7 +234,7 @@ class MLP(nn.Module):
         # training only: the fused kernels exist for backward's memory and passes; inference
         # (KV-cache decode, CUDA graphs) keeps the Linear path and its shapes
         if self.fused is not None and torch.is_grad_enabled():
-            return self.fused(x, self.c_fc.weight, self.c_proj.weight)
+            return self.fused(x, *(weight_cache.weight_or_copy(m, x.dtype) for m in (self.c_fc, self.c_proj)))
         return self.c_proj(_ReluSquare.apply(self.c_fc(x)))
 
 
@@ -363,6 +275,8 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in range(config.n_layer)
                                            if has_value_embed(i, config.n_layer)})
         self.lm_head = Linear(C, V)
+        for emb in (self.wte, *self.value_embeds.values()):
+            weight_cache.add_slot(emb)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         self.x0_lambdas = nn.Parameter(torch.full((config.n_layer,), 0.1))
         # Rotary tables are derived state: non-persistent buffers, rebuilt by init_weights() and after
@@ -458,9 +372,11 @@ class GPT(nn.Module):
             block.attn.rotary_norm = rotary_norm if fn is None else fn
 
     def set_qkv_projection(self, fn) -> None:
-        """fn(attn, x, cos, sin) -> (q, k, v) for every layer's attention while grad is enabled, q / k
-        = attn.rotary_norm(c(x).view(B, T, heads, D), cos, sin), v = c_v(x) (fp8_qk.qkv_projection);
-        the same values, up to one head-dim order of q and k alike (triton_qk). None: the plain ops."""
+        """fn(attn, x, cos, sin) -> (q, k, v, gate logits or None) for every layer's attention while
+        grad is enabled, q / k = attn.rotary_norm(c(x).view(B, T, heads, D), cos, sin), v = c_v(x),
+        the logits attn.ve_gate(x[..., :channels]) or None to leave them to the caller
+        (fp8_qk.qkv_projection); the same values, up to one head-dim order of q and k alike
+        (triton_qk). None: the plain ops."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_qkv_projection: expected a callable or None, got {type(fn).__name__}")
         for block in self.blocks:
@@ -527,20 +443,20 @@ class GPT(nn.Module):
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile
         cos, sin = self._rotary(T, kv_cache, dtype)
-        x = norm(self.wte(idx).to(dtype))
+        x = norm(weight_cache.lookup(idx, self.wte, dtype))
         x0 = x
         mix_norm = self.mix_norm if torch.is_grad_enabled() else plain_mix_norm   # as in MLP.forward
         for i, block in enumerate(self.blocks):
             x, x_normed = mix_norm(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             key = str(i)
-            ve = (idx, self.value_embeds[key].weight) if key in self.value_embeds else None
+            ve = (idx, *weight_cache.table_and_copy(self.value_embeds[key], dtype)) if key in self.value_embeds else None
             x = block(x, x_normed, ve, cos, sin, self.windows[i], backend, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         x = norm(x)
         cfg = self.config
         if targets is not None:
-            loss = self.loss_fn(x.reshape(B * T, -1), self.lm_head.weight.to(dtype), targets.reshape(-1),
+            loss = self.loss_fn(x.reshape(B * T, -1), weight_cache.weight_as(self.lm_head, dtype), targets.reshape(-1),
                                 cfg.softcap, cfg.vocab_size, loss_reduction)
             return loss.view(B, T) if loss_reduction == "none" else loss
         if logits_at is not None:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from nanochat import weight_cache
 from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes import it from here)
 
 # ------------------------------------------------------------------------------------ errors
@@ -280,7 +281,8 @@ class Trainer:
     """
 
     def __init__(self, model, optimizer, loader: Iterable, plan: BatchPlan, schedule: Schedule, rt, *,
-                 grad_clip: float | None = None, token_weighted: bool = False, hint: str = DEFAULT_HINT):
+                 grad_clip: float | None = None, token_weighted: bool = False, hint: str = DEFAULT_HINT,
+                 cast_once: bool = True):
         self.model, self.optimizer, self.plan, self.schedule, self.rt = model, optimizer, plan, schedule, rt
         self.loader, self._iter = loader, iter(loader)
         self.grad_clip = grad_clip if grad_clip and grad_clip > 0 else None
@@ -288,6 +290,9 @@ class Trainer:
         self.last_checkpoint: str | None = None
         self._held = self._held_state = None  # prefetched (x, y) for the next step; loader state before it
         self._params = [p for p in model.parameters() if p.requires_grad]
+        # cast the fp32 master weights to the compute dtype once per step, not per micro-batch
+        # (nanochat/weight_cache.py; same numbers): only pays with gradient accumulation
+        self.cast_once = cast_once and plan.grad_accum_steps > 1
 
     # -- data ---------------------------------------------------------------------------------
     def _next_batch(self):
@@ -320,10 +325,8 @@ class Trainer:
         rt, plan = self.rt, self.plan
         rt.synchronize()
         t0 = time.perf_counter()
-        if self.token_weighted:
-            loss_sum = self._accumulate_token_weighted()
-        else:
-            loss_sum = self._accumulate_mean()
+        with weight_cache.step_weights(self.model, rt.dtype, enabled=self.cast_once):
+            loss_sum = self._accumulate_token_weighted() if self.token_weighted else self._accumulate_mean()
         loss = loss_sum.detach()
         if rt.world_size > 1:  # mean over ranks (SUM: gloo has no AVG); a nan anywhere stops every rank
             import torch.distributed as dist

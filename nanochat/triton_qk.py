@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanochat.triton_mlp import tile_acc, tile_offsets
+from nanochat.weight_cache import weight_as, weight_or_copy
 
 EPS = float(torch.finfo(torch.float32).eps)   # gpt._rms's eps for float32 math
 MAX_HEAD_DIM = 256   # a tile covers whole heads; the widest tile is 256 columns
@@ -168,30 +169,32 @@ def rotary_norm_bwd_paired(dy, y, rstd, cos, sin):
 @functools.cache
 def _ops():
     @torch.library.custom_op("nanochat::qkv_rotary_proj", mutates_args=())
-    def fwd_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, hq: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                              torch.Tensor, torch.Tensor]:
+    def fwd_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wg: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         x2 = x.reshape(B * T, C).contiguous()   # a no-op for the norm's output
         q, rq = mm_rotary_norm(x2, wq, cos, sin, T)
         k, rk = mm_rotary_norm(x2, wk, cos, sin, T)
         v = torch.mm(x2, wv.t())
+        # the value-embedding gate's logits from x's first channels (empty without a gate)
+        g = x.new_empty((B * T, 0)) if wg is None else torch.mm(x2[:, :wg.shape[1]], wg.t())
         return (q.view(B, T, hq, -1), rq.view(B, T, hq, 1), k.view(B, T, hkv, -1), rk.view(B, T, hkv, 1),
-                v.view(B, T, -1))
+                v.view(B, T, -1), g.view(B, T, -1))
 
     @fwd_op.register_fake
-    def _(x, wq, wk, wv, cos, sin, hq, hkv):
+    def _(x, wq, wk, wv, wg, cos, sin, hq, hkv):
         B, T, _ = x.shape
         f32 = torch.float32
         return (x.new_empty((B, T, hq, wq.shape[0] // hq)), x.new_empty((B, T, hq, 1), dtype=f32),
                 x.new_empty((B, T, hkv, wk.shape[0] // hkv)), x.new_empty((B, T, hkv, 1), dtype=f32),
-                x.new_empty((B, T, wv.shape[0])))
+                x.new_empty((B, T, wv.shape[0])), x.new_empty((B, T, 0 if wg is None else wg.shape[0])))
 
     @torch.library.custom_op("nanochat::qkv_rotary_proj_bwd", mutates_args=())
-    def bwd_op(dq_out: torch.Tensor, dk_out: torch.Tensor, dv: torch.Tensor, x: torch.Tensor, wq: torch.Tensor,
-               wk: torch.Tensor, wv: torch.Tensor, q: torch.Tensor, rq: torch.Tensor, k: torch.Tensor,
-               rk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def bwd_op(dq_out: torch.Tensor, dk_out: torch.Tensor, dv: torch.Tensor, dg: torch.Tensor | None,
+               x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wg: torch.Tensor | None,
+               q: torch.Tensor, rq: torch.Tensor, k: torch.Tensor, rk: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = cos.float(), sin.float()
         dq = rotary_norm_bwd_paired(dq_out, q, rq, cos, sin).view(-1, wq.shape[0])
         dk = rotary_norm_bwd_paired(dk_out, k, rk, cos, sin).view(-1, wk.shape[0])
@@ -201,23 +204,31 @@ def _ops():
         dx = torch.mm(dq, wq)
         dx.addmm_(dk, wk)
         dx.addmm_(dv, wv)
-        return dx.view(x.shape), torch.mm(dq.t(), x2), torch.mm(dk.t(), x2), torch.mm(dv.t(), x2)
+        dwg = x.new_empty((0,))
+        if wg is not None and dg is not None:   # the gate's input gradient into its channels, in place
+            dg = dg.reshape(-1, wg.shape[0])
+            dx[:, :wg.shape[1]].addmm_(dg, wg)
+            dwg = torch.mm(dg.t(), x2[:, :wg.shape[1]])
+        return dx.view(x.shape), torch.mm(dq.t(), x2), torch.mm(dk.t(), x2), torch.mm(dv.t(), x2), dwg
 
     @bwd_op.register_fake
-    def _(dq_out, dk_out, dv, x, wq, wk, wv, q, rq, k, rk, cos, sin):
-        return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv)
+    def _(dq_out, dk_out, dv, dg, x, wq, wk, wv, wg, q, rq, k, rk, cos, sin):
+        dwg = x.new_empty((0,)) if wg is None or dg is None else torch.empty_like(wg)
+        return torch.empty_like(x), torch.empty_like(wq), torch.empty_like(wk), torch.empty_like(wv), dwg
 
     def setup_context(ctx, inputs, output):
-        x, wq, wk, wv, cos, sin, _hq, _hkv = inputs
-        q, rq, k, rk, _v = output
+        x, wq, wk, wv, wg, cos, sin, _hq, _hkv = inputs
+        q, rq, k, rk, _v, _g = output
         ctx.mark_non_differentiable(rq, rk)
-        ctx.save_for_backward(x, wq, wk, wv, q, rq, k, rk, cos, sin)
+        ctx.has_gate = wg is not None
+        ctx.save_for_backward(x, wq, wk, wv, wg, q, rq, k, rk, cos, sin)
 
-    def backward(ctx, dq_out, _g_rq, dk_out, _g_rk, dv):
-        x, wq, wk, wv, q, rq, k, rk, cos, sin = ctx.saved_tensors
-        dx, dwq, dwk, dwv = torch.ops.nanochat.qkv_rotary_proj_bwd(dq_out, dk_out, dv, x, wq, wk, wv, q, rq, k,
-                                                                   rk, cos, sin)
-        return dx, dwq, dwk, dwv, None, None, None, None
+    def backward(ctx, dq_out, _g_rq, dk_out, _g_rk, dv, dg):
+        x, wq, wk, wv, wg, q, rq, k, rk, cos, sin = ctx.saved_tensors
+        dx, dwq, dwk, dwv, dwg = torch.ops.nanochat.qkv_rotary_proj_bwd(
+            dq_out, dk_out, dv, dg if ctx.has_gate else None, x, wq, wk, wv, wg, q, rq, k, rk, cos, sin)
+        gate_grad = dwg if ctx.has_gate and dg is not None else None
+        return dx, dwq, dwk, dwv, gate_grad, None, None, None, None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op
@@ -249,18 +260,21 @@ def fusable_qkv(attn: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def qkv_rotary_norm(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(q, k, v) of attention module `attn` (GPT's CausalSelfAttention) for x (B, T, C): q and k
-    norm(rotate(c(x))) per head as (B, T, heads, D) in the interleaved head order (module
-    docstring), v = c_v(x) (B, T, Hkv * D); cos / sin gpt.rotary_tables' (1, T, 1, D/2). The caller
-    checks `fusable_qkv`."""
+    """(q, k, v, gate logits) of attention module `attn` (GPT's CausalSelfAttention) for x (B, T, C):
+    q and k norm(rotate(c(x))) per head as (B, T, heads, D) in the interleaved head order (module
+    docstring), v = c_v(x) (B, T, Hkv * D), and in value-embedding layers ve_gate(x[..., :channels])
+    (its input gradient then joins dx inside the GEMMs too), else None; cos / sin
+    gpt.rotary_tables' (1, T, 1, D/2). The caller checks `fusable_qkv`."""
     if not torch.compiler.is_compiling():
         _ops()
     d = attn.head_dim
-    wq, wk = (interleave(lin.weight, d).to(x.dtype) for lin in (attn.c_q, attn.c_k))
+    wq, wk = (interleave(weight_or_copy(lin, x.dtype), d).to(x.dtype) for lin in (attn.c_q, attn.c_k))
     tables = [t.reshape(-1, t.shape[-1]).to(x.dtype).contiguous() for t in (cos, sin)]   # (T, D/2)
-    q, _, k, _, v = torch.ops.nanochat.qkv_rotary_proj(x, wq, wk, attn.c_v.weight.to(x.dtype), *tables,
-                                                       attn.n_head, attn.n_kv_head)
-    return q, k, v
+    from nanochat.gpt import Linear
+    wg = weight_as(attn.ve_gate, x.dtype) if type(attn.ve_gate) is Linear else None
+    q, _, k, _, v, g = torch.ops.nanochat.qkv_rotary_proj(x, wq, wk, weight_as(attn.c_v, x.dtype), wg, *tables,
+                                                          attn.n_head, attn.n_kv_head)
+    return q, k, v, (None if wg is None else g)
 
 
 def register() -> None:

@@ -43,6 +43,9 @@
 #   qkab       the q/k/v projections with QK-norm + RoPE in the GEMM's epilogue (nanochat/triton_qk.py): their CUDA
 #              tests, bench_gemm --qk and --mlp (the shared GEMM core), then bench_train d20 triton bf16 at
 #              QKAB_BATCH (default 262144) with it and with --unfuse qkgemm, alternating (QKAB_ORDER)
+#   wcache     the once-per-step cast copies of the master weights (nanochat/weight_cache.py): their CUDA test, then
+#              bench_train d20 triton bf16 at WCACHE_BATCH (default 524288) with and without (--unfuse wcache),
+#              in the order WCACHE_ORDER (default "on off on")
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -159,6 +162,16 @@ if has qkab; then
     unfuse=(); [ "$arm" = unfused ] && unfuse=(--unfuse qkgemm)
     step "bench_train_qk_$arm" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
          --total-batch-size "${QKAB_BATCH:-262144}" "${unfuse[@]}"
+  done
+fi
+if has wcache; then
+  step pytest_wcache 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_weight_cache.py
+  n=0
+  for arm in ${WCACHE_ORDER:-on off on}; do
+    unfuse=(); [ "$arm" = off ] && unfuse=(--unfuse wcache)
+    n=$((n + 1))
+    step "bench_train_wcache_${arm}_$n" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
+         --total-batch-size "${WCACHE_BATCH:-524288}" "${unfuse[@]}"
   done
 fi
 if has profaccum; then

@@ -231,9 +231,9 @@ def test_value_embed_mix_gradients_match_plain_autograd():
     gate = torch.rand(B, T, H, dtype=torch.float64, generator=g, requires_grad=True)
     table = torch.randn(V, H * D, dtype=torch.float64, generator=g, requires_grad=True)
     idx = torch.tensor([[0, 3, 3, 10, 1], [3, 0, 7, 7, 7]])   # repeated ids: rows must accumulate
-    assert torch.autograd.gradcheck(_ValueEmbedMix.apply, (v, gate, idx, table))
+    assert torch.autograd.gradcheck(_ValueEmbedMix.apply, (v, gate, idx, table, None))
     up = torch.randn(B, T, H, D, dtype=torch.float64, generator=g)
-    out = _ValueEmbedMix.apply(v, gate, idx, table)
+    out = _ValueEmbedMix.apply(v, gate, idx, table, None)   # None: no cast copy
     ref = v + gate.unsqueeze(-1) * F.embedding(idx, table).view(B, T, H, D)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     got = torch.autograd.grad(out, (v, gate, table), up)

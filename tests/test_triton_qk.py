@@ -49,14 +49,16 @@ def test_interleave_pairs_each_heads_halves():
     assert got == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
-def _attn(C, H, D, Hkv=None, device="cpu", dtype=torch.float64, seed=0):
+def _attn(C, H, D, Hkv=None, device="cpu", dtype=torch.float64, seed=0, layer=0):
+    """Layer 0 of a depth-2 model, or layer 1: with a value-embedding gate (random, not zero)."""
     cfg = config_for_depth(2, 64, 8, aspect_ratio=C // 2, head_dim=D)
     cfg.n_kv_head = Hkv or H
-    attn = CausalSelfAttention(cfg, 0).to(device)
+    attn = CausalSelfAttention(cfg, layer).to(device)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for lin in (attn.c_q, attn.c_k, attn.c_v):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / C ** 0.5)
+        for lin in (attn.c_q, attn.c_k, attn.c_v, attn.ve_gate):
+            if lin is not None:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.weight.shape[1] ** 0.5)
     return attn.to(dtype)
 
 
@@ -67,17 +69,49 @@ def _uninterleave(t: torch.Tensor) -> torch.Tensor:
     return t[..., torch.argsort(perm).to(t.device)]
 
 
-def test_output_is_the_plain_rotary_norm_interleaved():
-    """q and k are rotary_norm(c(x)) with each head's halves interleaved; v is c_v(x) (GQA)."""
+def _plain_qkv(attn, x, cos, sin):
+    B, T, _ = x.shape
+    H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+    gate = attn.ve_gate(x[..., :attn.gate_channels]) if attn.ve_gate is not None else None
+    return (rotary_norm(attn.c_q(x).view(B, T, H, D), cos, sin), rotary_norm(attn.c_k(x).view(B, T, Hkv, D), cos, sin),
+            attn.c_v(x), gate)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_output_is_the_plain_rotary_norm_interleaved(layer):
+    """q and k are rotary_norm(c(x)) with each head's halves interleaved; v is c_v(x) (GQA); the
+    gate's logits ve_gate(x[..., :channels]) in a value-embedding layer (1), else None. The
+    gradients of x and of every weight (the gate's input gradient summed into dx by the op) are
+    those of the plain chain."""
     B, T, D = 2, 8, 16
-    attn = _attn(48, 3, D, Hkv=1)
-    x = torch.randn(B, T, 48, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    attn = _attn(48, 3, D, Hkv=1, layer=layer)
+    assert (attn.ve_gate is not None) == (layer == 1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, 48, generator=g, dtype=torch.float64)
     cos, sin = rotary_tables(T, D)
-    q, k, v = triton_qk.qkv_rotary_norm(attn, x, cos, sin)
-    assert q.shape == (B, T, 3, D) and k.shape == (B, T, 1, D) and v.shape == (B, T, D)
-    torch.testing.assert_close(_uninterleave(q), rotary_norm(attn.c_q(x).view(B, T, 3, D), cos, sin))
-    torch.testing.assert_close(_uninterleave(k), rotary_norm(attn.c_k(x).view(B, T, 1, D), cos, sin))
-    torch.testing.assert_close(v, attn.c_v(x))
+    ups = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
+           ((B, T, 3, D), (B, T, 1, D), (B, T, D), (B, T, 1))]
+
+    def run(fn):
+        attn.zero_grad(set_to_none=True)
+        xl = x.clone().requires_grad_()
+        out = list(fn(attn, xl, cos, sin))
+        if fn is triton_qk.qkv_rotary_norm:
+            out[0], out[1] = _uninterleave(out[0]), _uninterleave(out[1])
+        live = [(o, u) for o, u in zip(out, ups) if o is not None]
+        torch.autograd.backward([o for o, _ in live], [u for _, u in live])
+        return out, xl.grad, {n: p.grad for n, p in attn.named_parameters()}
+
+    (got, gx, gw), (want, wx, ww) = run(triton_qk.qkv_rotary_norm), run(_plain_qkv)
+    assert got[0].shape == (B, T, 3, D) and got[1].shape == (B, T, 1, D) and got[2].shape == (B, T, D)
+    assert (got[3] is None) == (layer == 0)
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b)
+    torch.testing.assert_close(gx, wx)
+    assert gw.keys() == ww.keys()
+    for name in ww:
+        torch.testing.assert_close(gw[name], ww[name], msg=name)
 
 
 def test_fusable_and_dispatch_on_cpu():
@@ -93,6 +127,7 @@ def test_fusable_and_dispatch_on_cpu():
     got = fp8_qk.qkv_projection(attn, x, cos, sin, bf16_gemm=True)
     want = (rotary_norm(attn.c_q(x).view(2, 4, 2, 16), cos, sin), rotary_norm(attn.c_k(x).view(2, 4, 2, 16), cos, sin),
             attn.c_v(x))
+    assert len(got) == 4 and got[3] is None   # the plain chain leaves the gate to the caller
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert triton_qk.probe("cpu") == "needs a CUDA GPU (device is cpu)"
@@ -138,28 +173,33 @@ def test_cuda_fused_qkv_projection_matches_plain_bf16():
     if triton_qk.probe("cuda") is not None:
         pytest.skip(triton_qk.probe("cuda"))
     B, T, H, D, C = 4, 2048, 10, 128, 1280
-    attn = _attn(C, H, D, device="cuda", dtype=torch.float32)
+    attn = _attn(C, H, D, device="cuda", dtype=torch.float32, layer=1)   # with the value-embedding gate
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(B, T, C, device="cuda", generator=g)
     grads = [torch.randn(B, T, H, D, device="cuda", generator=g) for _ in range(2)]
     grads.append(torch.randn(B, T, C, device="cuda", generator=g))
+    grads.append(torch.randn(B, T, H, device="cuda", generator=g))   # the gate's logits
     cos, sin = rotary_tables(T, D, "cuda")
     attn.rotary_norm = fused_norm.rotary_norm
 
     def run(dtype, bf16_gemm):
-        lins = (attn.c_q, attn.c_k, attn.c_v)
+        lins = (attn.c_q, attn.c_k, attn.c_v, attn.ve_gate)
         for lin in lins:
             lin.weight.grad = None
         xl = x.to(dtype).requires_grad_()
-        out = fp8_qk.qkv_projection(attn, xl, cos.to(dtype), sin.to(dtype), bf16_gemm=bf16_gemm)
+        q, k, v, gate = fp8_qk.qkv_projection(attn, xl, cos.to(dtype), sin.to(dtype), bf16_gemm=bf16_gemm)
+        assert (gate is None) == (not bf16_gemm)   # the plain chain leaves the gate to the caller
         if bf16_gemm:
-            out = (_uninterleave(out[0]), _uninterleave(out[1]), out[2])
+            q, k = _uninterleave(q), _uninterleave(k)
+        else:
+            gate = attn.ve_gate(xl[..., :attn.gate_channels])
+        out = (q, k, v, gate)
         torch.autograd.backward(out, [gr.to(dtype) for gr in grads])
         return [t.double() for t in (*out, xl.grad, *(lin.weight.grad for lin in lins))]
 
     ref, base = run(torch.float64, False), run(torch.bfloat16, False)
     assert triton_qk.fusable_qkv(attn, x.bfloat16().requires_grad_())
     got = run(torch.bfloat16, True)
-    for name, a, b, r in zip(("q", "k", "v", "dx", "dwq", "dwk", "dwv"), got, base, ref):
+    for name, a, b, r in zip(("q", "k", "v", "gate", "dx", "dwq", "dwk", "dwv", "dwg"), got, base, ref):
         err, err_base = ((a - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
         assert err < 2e-2 and err < 2 * err_base + 1e-3, (name, err, err_base)

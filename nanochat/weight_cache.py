@@ -1,0 +1,134 @@
+"""Low-precision copies of the fp32 master weights, cast once per optimizer step instead of once per
+micro-batch (`step_weights`), and the two autograd functions that use them.
+
+Why: the model keeps fp32 master weights and casts each one to the compute dtype where it is used
+(gpt.Linear, the fused MLP and q/k/v ops, the token and value embeddings, the lm_head). With
+gradient accumulation every micro-batch repeats those casts, although the weights only change at
+the optimizer step: at d20 (16 micro-batches of 32 x 2048 per step) that is ~2 GB of reads per
+micro-batch, and the value-embedding lookups gather float32 rows (335 MB per layer, forward and
+again in backward) where bfloat16 rows would do. `step_weights(model, dtype)` casts every slot's
+weight once at the start of the accumulation and drops the copies at its end, before the
+optimizer step changes the masters, so a copy can never be stale.
+
+Eager numbers do not change (tests/test_weight_cache.py: bit-identical losses and gradients): a
+cast copy holds exactly `weight.to(dtype)`, a gather from it equals the cast of the float32
+gather, and the gradients go back to the float32 masters as before: a Linear weight's gradient is
+cast to float32 (what `.to()`'s backward does), and an embedding's rows are cast to float32
+before they are summed into the table's gradient (the sum stays in float32). Compiled, they can
+differ in the last bit: inductor may fuse a per-use cast into its consumer without rounding to
+the compute dtype first (`torch._inductor.config.emulate_precision_casts` is off by default),
+while a copy is rounded, as eager rounds.
+
+Slots are non-persistent buffers named `weight_lowp` (None outside `step_weights`), registered by
+`add_slot` on gpt.Linear and the model's nn.Embedding tables; torch.compile sees them as graph
+inputs, so a compiled model uses them without retracing per step. Modules without a slot (e.g.
+precision.py's fp8 and nvfp4 layers) keep casting their own weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+SLOT = "weight_lowp"
+
+
+def add_slot(module: torch.nn.Module) -> None:
+    """Give `module` (with a `weight` parameter) an empty cast-copy slot."""
+    module.register_buffer(SLOT, None, persistent=False)
+
+
+class _CastCopy(torch.autograd.Function):
+    """Returns the step's cast copy of `master`; the gradient goes to the master in its dtype."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        ctx.master_dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.master_dtype), None
+
+
+def _active_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    copy = getattr(module, SLOT, None)
+    if copy is None or copy.dtype != dtype or not torch.is_grad_enabled():
+        return None
+    return copy
+
+
+def weight_as(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """module.weight in `dtype`: the step's cast copy while `step_weights` is active (and grad is
+    enabled), else `weight.to(dtype)`. Gradients reach module.weight either way."""
+    copy = _active_copy(module, dtype)
+    if copy is None:
+        return module.weight.to(dtype)
+    return _CastCopy.apply(module.weight, copy)
+
+
+def weight_or_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The step's cast copy (through _CastCopy) when there is one, else the master itself: for ops
+    that cast their weights themselves (a no-op on the copy)."""
+    copy = _active_copy(module, dtype)
+    return module.weight if copy is None else _CastCopy.apply(module.weight, copy)
+
+
+def table_and_copy(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the float32 table, its cast copy or None) for lookups that gather rows in `dtype`."""
+    return module.weight, _active_copy(module, dtype)
+
+
+class _Lookup(torch.autograd.Function):
+    """table[idx] in `copy`'s dtype, gathered from the cast copy; the table's gradient is summed
+    in the table's dtype, as `F.embedding(idx, table).to(dtype)` does through autograd."""
+
+    @staticmethod
+    def forward(ctx, idx, table, copy):
+        ctx.save_for_backward(idx)
+        ctx.rows, ctx.table_dtype = table.shape[0], table.dtype
+        return F.embedding(idx, copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        grad_table = torch.ops.aten.embedding_dense_backward(grad.to(ctx.table_dtype), idx, ctx.rows, -1, False)
+        return None, grad_table, None
+
+
+def lookup(idx: torch.Tensor, module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """`module(idx).to(dtype)` for an nn.Embedding, from the step's cast copy when there is one."""
+    table, copy = table_and_copy(module, dtype)
+    if copy is None:
+        return F.embedding(idx, table).to(dtype)
+    return _Lookup.apply(idx, table, copy)
+
+
+def slots(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules with a slot whose weight is a plain float32 tensor (not a sharded DTensor)."""
+    found = []
+    for module in model.modules():
+        if SLOT not in getattr(module, "_buffers", {}):
+            continue
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and type(w.data) is torch.Tensor and w.dtype == torch.float32:
+            found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def step_weights(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = True):
+    """Within the block every slot holds `weight.to(dtype)`, cast now; they are emptied on exit.
+    Enter it around the micro-batches of one optimizer step (never across a weight update); a
+    float32 `dtype` (no cast to save) or `enabled=False` leaves the slots empty."""
+    held = slots(model) if enabled and dtype != torch.float32 else []
+    try:
+        with torch.no_grad():
+            for module in held:
+                setattr(module, SLOT, module.weight.detach().to(dtype))
+        yield len(held)
+    finally:
+        for module in held:
+            setattr(module, SLOT, None)
