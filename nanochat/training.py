@@ -291,8 +291,8 @@ class Trainer:
         self._held = self._held_state = None  # prefetched (x, y) for the next step; loader state before it
         self._params = [p for p in model.parameters() if p.requires_grad]
         # cast the fp32 master weights to the compute dtype once per step, not per micro-batch
-        # (nanochat/weight_cache.py; same numbers): only pays with gradient accumulation
-        self.cast_once = cast_once and plan.grad_accum_steps > 1
+        # (nanochat/weight_cache.py; same numbers): only pays with accumulation and a narrower dtype
+        self.cast_once = cast_once and plan.grad_accum_steps > 1 and rt.dtype != torch.float32
 
     # -- data ---------------------------------------------------------------------------------
     def _next_batch(self):

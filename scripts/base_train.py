@@ -265,14 +265,15 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
-                  "world_size": rt.world_size, "dtype": rt.dtype_name, **precision_info}
+                  "world_size": rt.world_size, "dtype": rt.dtype_name, "cast_once": trainer.cast_once,
+                  **precision_info}
     tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
                       directory=str(base_dir))
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step=step if resume is not None else None)
+                 wandb_mode, resume_step=step if resume is not None else None, cast_once=trainer.cast_once)
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
@@ -319,7 +320,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step) -> None:
+                 wandb_mode, resume_step, cast_once: bool = False) -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     rows = [
@@ -332,6 +333,8 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
         ("FLOPs / token", f"{flops_per_token:.4e}"),
         ("batch", plan.describe()),
+        ("weight casts", f"to {rt.dtype_name} once per optimizer step (nanochat/weight_cache.py)" if cast_once
+                         else "per use"),
         ("iterations", f"{num_iterations:,}" + (" (from --num-iterations)" if cfg.num_iterations > 0
                                                  else f" (ratio {cfg.target_param_data_ratio} x scaling params)")),
         ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),

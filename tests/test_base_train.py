@@ -230,6 +230,7 @@ def test_bench_train_cpu_smoke(capsys):
     for r in lines:
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
         assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
+        assert r["cast_once"] is False   # fp32 on CPU: nothing to cast
         assert r["mfu_pct"] is None and math.isfinite(r["last_loss"])
         assert r["gpu"] == {"samples": 0, "unavailable": "not a CUDA device"}  # nanochat/gpu_monitor.py
     assert "tok/s" in out and "MFU%" in out and "capped%" in out

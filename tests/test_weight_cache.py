@@ -118,11 +118,12 @@ def test_trainer_steps_identical_with_and_without_cast_once():
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
-def test_trainer_skips_the_cache_without_accumulation():
-    rt = init_runtime(device="cpu", dtype="bf16")
+def test_trainer_skips_the_cache_without_accumulation_or_in_fp32():
     model = _model()
-    trainer = Trainer(model, None, iter([]), plan_batch(2 * T, 2, T, 1), Schedule(1), rt)
-    assert trainer.cast_once is False
+    bf16, fp32 = init_runtime(device="cpu", dtype="bf16"), init_runtime(device="cpu", dtype="fp32")
+    assert Trainer(model, None, iter([]), plan_batch(2 * T, 2, T, 1), Schedule(1), bf16).cast_once is False
+    assert Trainer(model, None, iter([]), plan_batch(4 * T, 2, T, 1), Schedule(1), fp32).cast_once is False
+    assert Trainer(model, None, iter([]), plan_batch(4 * T, 2, T, 1), Schedule(1), bf16).cast_once is True
 
 
 @pytest.mark.cuda
