@@ -127,7 +127,6 @@ def test_trainer_skips_the_cache_without_accumulation_or_in_fp32():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_compiled_model_with_copies_matches_fp32_as_closely():
     """The compiled bf16 model on the GPU with --kernel triton's ops, two micro-batches with and
     without the copies, each against the float32 eager model: the copies are no less accurate.
