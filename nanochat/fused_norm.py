@@ -16,6 +16,15 @@ bf16) into resid_lambdas' gradient only, a sum over B*T*C products in which it a
 (tests/test_fused_norm.py bounds it against float64). With lam exactly 0, r cannot be rebuilt and
 that gradient is returned as 0 (the parameters start at 1; Adam steps do not land on exact 0).
 
+r arrives in two parts, the previous block's residual stream and its MLP output (`add`), and the
+op sums them (rounded to the compute dtype, as a separate add would store it): outside a custom
+op inductor fuses that add into the norm, but it cannot fuse into this one, so on its own it was
+a pass per layer that wrote r and this op read it back (~4 ms per d20 micro-batch on the H100
+profile, CHANGELOG_GB10.md session 30). Both parts get the same gradient tensor. Likewise x0,
+which every block mixes in: plain autograd writes each block's dL/dx0 and sums them with an add
+per layer, so GPT passes x0 through the op instead (`x0_chain`, `_MixNormChain`) and the backward
+kernel adds its share into the sum the later blocks handed back.
+
 On CUDA (or under TRITON_INTERPRET=1) the forward and backward are one Triton pass each
 (triton_kernels.mix_norm_fwd_triton / _bwd_triton); elsewhere `mix_norm_torch` and
 `mix_norm_bwd_torch` run the same math. Both are torch.library custom ops (registered on first
@@ -40,9 +49,11 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)   # float32, or float64 in tests
 
 
-def mix_norm_torch(r, x0, lam_mu):
-    """(s, y, rstd) as triton_kernels.mix_norm_fwd_triton computes them; r, x0 (N, C),
+def mix_norm_torch(r, x0, lam_mu, add=None):
+    """(s, y, rstd) as triton_kernels.mix_norm_fwd_triton computes them; r, x0 (and add) (N, C),
     lam_mu = (lam, mu) a (2,) tensor."""
+    if add is not None:
+        r = r + add   # rounded to r's dtype, as the kernel does
     m = _math_dtype(r.dtype)
     lam, mu = lam_mu.to(m).unbind()
     s = (lam * r.to(m) + mu * x0.to(m)).to(r.dtype)
@@ -50,13 +61,15 @@ def mix_norm_torch(r, x0, lam_mu):
     return s, y, rstd
 
 
-def mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu):
-    """(dL/dr, dL/dx0, partials (1, 2): sum(g * s), sum(g * x0)); same math as the Triton kernel."""
+def mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu, gx0_acc=None):
+    """(dL/dr, dL/dx0 (+ gx0_acc), partials (1, 2): sum(g * s), sum(g * x0)); same math as the
+    Triton kernel."""
     m = rstd.dtype
     lam, mu = lam_mu.to(m).unbind()
     g = gs.to(m) + _rms_backward(gy, y, rstd)
     part = torch.stack(((g * y.to(m) / rstd).sum(), (g * x0.to(m)).sum()))[None]
-    return (lam * g).to(gs.dtype), (mu * g).to(x0.dtype), part
+    gx0 = (mu * g).to(x0.dtype) if gx0_acc is None else (gx0_acc.to(m) + mu * g).to(x0.dtype)
+    return (lam * g).to(gs.dtype), gx0, part
 
 
 def scalar_grads(part: torch.Tensor, lam_mu: torch.Tensor) -> torch.Tensor:
@@ -74,41 +87,45 @@ def _ops():
     """Register the forward and backward custom ops once, on first use."""
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::mix_norm", mutates_args=())
-    def mix_norm_op(r: torch.Tensor, x0: torch.Tensor,
-                    lam_mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix_norm_op(r: torch.Tensor, x0: torch.Tensor, lam_mu: torch.Tensor,
+                    add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if _use_triton(r):
             from nanochat.triton_kernels import mix_norm_fwd_triton
-            return mix_norm_fwd_triton(r, x0, lam_mu, torch.finfo(torch.float32).eps)
-        return mix_norm_torch(r, x0, lam_mu)
+            return mix_norm_fwd_triton(r, x0, lam_mu, torch.finfo(torch.float32).eps, add)
+        return mix_norm_torch(r, x0, lam_mu, add)
 
     @mix_norm_op.register_fake
-    def _(r, x0, lam_mu):
+    def _(r, x0, lam_mu, add=None):
         return (torch.empty_like(r), torch.empty_like(r),
                 r.new_empty((r.shape[0], 1), dtype=_math_dtype(r.dtype)))
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::mix_norm_bwd", mutates_args=())
     def mix_norm_bwd_op(gs: torch.Tensor, gy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor,
-                        x0: torch.Tensor, lam_mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        x0: torch.Tensor, lam_mu: torch.Tensor, gx0_acc: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if _use_triton(gs):
             from nanochat.triton_kernels import mix_norm_bwd_triton
-            gr, gx0, part = mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu)
+            gr, gx0, part = mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu, gx0_acc)
         else:
-            gr, gx0, part = mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu)
+            gr, gx0, part = mix_norm_bwd_torch(gs, gy, y, rstd, x0, lam_mu, gx0_acc)
         return gr, gx0, scalar_grads(part, lam_mu)
 
     @mix_norm_bwd_op.register_fake
-    def _(gs, gy, y, rstd, x0, lam_mu):
+    def _(gs, gy, y, rstd, x0, lam_mu, gx0_acc=None):
         return torch.empty_like(gs), torch.empty_like(x0), torch.empty_like(lam_mu)
 
     def setup_context(ctx, inputs, output):
-        _r, x0, lam_mu = inputs
+        _r, x0, lam_mu, add = inputs
         _s, y, rstd = output
         ctx.mark_non_differentiable(rstd)
+        ctx.has_add = add is not None
         ctx.save_for_backward(y, rstd, x0, lam_mu)
 
     def backward(ctx, gs, gy, _g_rstd):
         y, rstd, x0, lam_mu = ctx.saved_tensors
-        return torch.ops.nanochat.mix_norm_bwd(gs.contiguous(), gy.contiguous(), y, rstd, x0, lam_mu)
+        gr, gx0, gscalars = torch.ops.nanochat.mix_norm_bwd(gs.contiguous(), gy.contiguous(), y, rstd, x0, lam_mu)
+        # r and add enter only through their sum: one gradient serves both (no copy)
+        return gr, gx0, gscalars, gr if ctx.has_add else None
 
     mix_norm_op.register_autograd(backward, setup_context=setup_context)
     return torch.ops.nanochat.mix_norm
@@ -120,15 +137,51 @@ def register() -> None:
     _rotary_ops()
 
 
-def mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
-    """(s, norm(s)) with s = lam * r + mu * x0: GPT.mix_norm's contract (gpt.plain_mix_norm);
-    r and x0 (..., C) in the compute dtype, lam and mu 0-dim float32 parameters."""
+class _MixNormChain(torch.autograd.Function):
+    """The mix_norm op with x0 passed through it: the next block takes its x0 from this block's
+    output, so the gradient that the later blocks gave x0 arrives here (gx0_next) and the
+    backward kernel adds this block's share into it. Plain autograd instead writes every
+    block's dL/dx0 and sums them with a separate add per layer (one (B, T, C) write and two
+    reads more per layer)."""
+
+    @staticmethod
+    def forward(ctx, r, x0, lam_mu, add):
+        s, y, rstd = torch.ops.nanochat.mix_norm(r, x0, lam_mu, add)
+        ctx.save_for_backward(y, rstd, x0, lam_mu)
+        ctx.has_add = add is not None
+        ctx.set_materialize_grads(False)   # the last block's x0 output has no user: None, not zeros
+        return s, y, x0
+
+    @staticmethod
+    def backward(ctx, gs, gy, gx0_next):
+        y, rstd, x0, lam_mu = ctx.saved_tensors
+        gs, gy = (torch.zeros_like(y) if g is None else g.contiguous() for g in (gs, gy))
+        gx0_next = None if gx0_next is None else gx0_next.contiguous()
+        gr, gx0, gscalars = torch.ops.nanochat.mix_norm_bwd(gs, gy, y, rstd, x0, lam_mu, gx0_next)
+        return gr, gx0, gscalars, gr if ctx.has_add else None
+
+
+def mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor,
+             add: torch.Tensor | None = None, *, x0_chain: bool = False):
+    """(s, norm(s)) with s = lam * (r + add) + mu * x0: GPT.mix_norm's contract
+    (gpt.plain_mix_norm); r, add and x0 (..., C) in the compute dtype, lam and mu 0-dim float32
+    parameters. Taking the previous block's MLP output as `add` saves the separate residual-add
+    pass (one (B, T, C) write and read per layer). x0_chain=True returns (s, norm(s), x0_next):
+    the x0 the next block must take, through which the x0 gradients accumulate in the backward
+    kernel (_MixNormChain)."""
     if not torch.compiler.is_compiling():
         _ops()   # registered on first eager use; under compile it already exists
     c = r.shape[-1]
-    s, y, _ = torch.ops.nanochat.mix_norm(r.reshape(-1, c).contiguous(), x0.reshape(-1, c).contiguous(),
-                                          torch.stack((lam, mu)))
+    args = (r.reshape(-1, c).contiguous(), x0.reshape(-1, c).contiguous(), torch.stack((lam, mu)),
+            None if add is None else add.reshape(-1, c).contiguous())
+    if x0_chain:
+        s, y, x0_next = _MixNormChain.apply(*args)
+        return s.view(r.shape), y.view(r.shape), x0_next.view(x0.shape)
+    s, y, _ = torch.ops.nanochat.mix_norm(*args)
     return s.view(r.shape), y.view(r.shape)
+
+
+mix_norm.chains_x0 = True   # GPT.set_mix_norm: this fn takes x0_chain=True
 
 
 # --------------------------------------------------------------------------------------------

@@ -246,9 +246,10 @@ class Block(nn.Module):
 
     def forward(self, x, x_normed, ve, cos, sin, window, backend, kv_cache):
         """x: the block input (after the residual mix); x_normed = norm(x), computed with the mix
-        by GPT.mix_norm."""
+        by GPT.mix_norm. Returns (residual stream after attention, MLP output): the block's output
+        is their sum, which the next block's mix_norm (or the final norm) forms, fused with it."""
         x = x + self.attn(x_normed, ve, cos, sin, window, backend, kv_cache)
-        return x + self.mlp(norm(x))
+        return x, self.mlp(norm(x))
 
 
 def _rebuild_rotary_after_load(module: "GPT", incompatible_keys) -> None:
@@ -268,6 +269,7 @@ class GPT(nn.Module):
         self.windows = layer_windows(config)
         self.loss_fn = cross_entropy_loss
         self.mix_norm = plain_mix_norm
+        self.mix_norm_fuses_add, self.mix_norm_chains_x0 = True, False   # set_mix_norm
         V, C = config.padded_vocab_size, config.n_embd
         kv_dim = config.n_kv_head * config.head_dim
         self.wte = nn.Embedding(V, C)
@@ -357,13 +359,18 @@ class GPT(nn.Module):
             raise ValueError(f"set_loss_fn: expected a callable or None, got {type(fn).__name__}")
         self.loss_fn = cross_entropy_loss if fn is None else fn
 
-    def set_mix_norm(self, fn) -> None:
-        """fn(r, x0, lam, mu) -> (s, norm(s)) with s = lam * r + mu * x0 (plain_mix_norm's
-        contract), each block's residual mix and input norm, used while grad is enabled
-        (training; inference keeps plain_mix_norm). None restores plain_mix_norm."""
+    def set_mix_norm(self, fn, *, fuse_add: bool = True, chain_x0: bool | None = None) -> None:
+        """fn(r, x0, lam, mu, add=None) -> (s, norm(s)) with s = lam * (r + add) + mu * x0
+        (plain_mix_norm's contract), each block's residual mix and input norm, used while grad is
+        enabled (training; inference keeps plain_mix_norm). None restores plain_mix_norm.
+        fuse_add=False forms each block's output r + add before calling fn; chain_x0 (default:
+        fn.chains_x0) calls fn(..., x0_chain=True) -> (s, norm(s), x0 for the next block), so the
+        x0 gradients add up inside fn's backward (fused_norm.mix_norm); False for A/B runs."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
         self.mix_norm = plain_mix_norm if fn is None else fn
+        self.mix_norm_fuses_add = fuse_add
+        self.mix_norm_chains_x0 = getattr(fn, "chains_x0", False) if chain_x0 is None else chain_x0
 
     def set_rotary_norm(self, fn) -> None:
         """fn(x, cos, sin) -> rotary_norm(x, cos, sin) (same contract and values, e.g. another
@@ -445,15 +452,27 @@ class GPT(nn.Module):
         cos, sin = self._rotary(T, kv_cache, dtype)
         x = norm(weight_cache.lookup(idx, self.wte, dtype))
         x0 = x
-        mix_norm = self.mix_norm if torch.is_grad_enabled() else plain_mix_norm   # as in MLP.forward
+        training = torch.is_grad_enabled()
+        mix_norm = self.mix_norm if training else plain_mix_norm   # as in MLP.forward
+        fuse_add = self.mix_norm_fuses_add or not training
+        chain = self.mix_norm_chains_x0 and training
+        add = None   # the previous block's MLP output, not yet added into x
         for i, block in enumerate(self.blocks):
-            x, x_normed = mix_norm(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+            if add is not None and not fuse_add:
+                x, add = x + add, None
+            lam, mu = self.resid_lambdas[i], self.x0_lambdas[i]
+            # x0 passes through each block's mix (its gradient adds up in the op); not the last
+            # block's, whose x0 output nothing reads (compiled, its gradient would be zeros)
+            if chain and i < len(self.blocks) - 1:
+                x, x_normed, x0 = mix_norm(x, x0, lam, mu, add=add, x0_chain=True)
+            else:
+                x, x_normed = mix_norm(x, x0, lam, mu, add=add)
             key = str(i)
             ve = (idx, *weight_cache.table_and_copy(self.value_embeds[key], dtype)) if key in self.value_embeds else None
-            x = block(x, x_normed, ve, cos, sin, self.windows[i], backend, kv_cache)
+            x, add = block(x, x_normed, ve, cos, sin, self.windows[i], backend, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        x = norm(x)
+        x = norm(x + add)
         cfg = self.config
         if targets is not None:
             loss = self.loss_fn(x.reshape(B * T, -1), weight_cache.weight_as(self.lm_head, dtype), targets.reshape(-1),

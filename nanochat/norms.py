@@ -82,9 +82,13 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return _RMSNorm.apply(x)
 
 
-def plain_mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor):
-    """A block's input and its norm: s = lam * r + mu * x0, (s, norm(s)). The default
-    GPT.mix_norm; --kernel triton installs nanochat/fused_norm.py's op, which needs less memory."""
+def plain_mix_norm(r: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor, mu: torch.Tensor,
+                   add: torch.Tensor | None = None):
+    """A block's input and its norm: s = lam * r + mu * x0, (s, norm(s)), where r is the previous
+    block's residual stream plus `add` (its MLP output) when given. The default GPT.mix_norm;
+    --kernel triton installs nanochat/fused_norm.py's op, which needs less memory."""
+    if add is not None:
+        r = r + add
     # 0-dim fp32 scalars times a bf16 tensor stay bf16 (0-dim operands do not promote).
     s = lam * r + mu * x0
     return s, norm(s)

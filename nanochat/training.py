@@ -414,6 +414,8 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     # the fp8 MLP's relu^2 gradient cast in its GEMM's epilogue (e5m2 gradients: triton_mlp.gh_bound_scale)
     gh_cast = mlp is not None and getattr(mlp, "keywords", {}).get("grad_dtype") == torch.float8_e5m2
     fused = [name for name, on in (("linear_ce", kernel != "current"), ("mix_norm", mix is not None),
+                                   ("mix_add", mix is not None and model.mix_norm_fuses_add),
+                                   ("x0_grad_acc", mix is not None and model.mix_norm_chains_x0),
                                    ("rotary_norm", rotary is not None), (mlp_name, mlp is not None),
                                    ("qk_amax_fp8", qk_fp8), ("gh_cast_fp8", gh_cast),
                                    ("qk_rope_gemm", qk_gemm)) if on]

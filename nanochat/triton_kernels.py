@@ -236,14 +236,19 @@ def fp8_cast_transpose_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mix_norm_fwd_kernel(r_ptr, x0_ptr, lm_ptr, s_ptr, y_ptr, rstd_ptr, C, eps,
-                         BLOCK_C: tl.constexpr):
+def _mix_norm_fwd_kernel(r_ptr, add_ptr, x0_ptr, lm_ptr, s_ptr, y_ptr, rstd_ptr, C, eps,
+                         HAS_ADD: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
-    r = tl.load(r_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * C + cols, mask=mask, other=0.0)
+    if HAS_ADD:   # the residual add, rounded to r's dtype as the separate add kernel stored it
+        r = (r.to(tl.float32) + tl.load(add_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)).to(r.dtype)
+    r = r.to(tl.float32)
     x0 = tl.load(x0_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (tl.load(lm_ptr).to(tl.float32) * r + tl.load(lm_ptr + 1).to(tl.float32) * x0).to(s_ptr.dtype.element_ty)
+    # an explicit fma: left to the compiler, the contraction differed with and without the add
+    # above (H200: 0.2% of s one bf16 step apart), and the two must agree bit for bit
+    s = tl.fma(tl.load(lm_ptr).to(tl.float32), r, tl.load(lm_ptr + 1).to(tl.float32) * x0).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * C + cols, s, mask=mask)
     sf = s.to(tl.float32)   # normalise the stored (rounded) s, as norm(s) on the plain path does
     rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / C + eps)
@@ -252,8 +257,8 @@ def _mix_norm_fwd_kernel(r_ptr, x0_ptr, lm_ptr, s_ptr, y_ptr, rstd_ptr, C, eps,
 
 
 @triton.jit
-def _mix_norm_bwd_kernel(gs_ptr, gy_ptr, y_ptr, rstd_ptr, x0_ptr, lm_ptr, gr_ptr, gx0_ptr,
-                         part_ptr, C, BLOCK_C: tl.constexpr):
+def _mix_norm_bwd_kernel(gs_ptr, gy_ptr, y_ptr, rstd_ptr, x0_ptr, lm_ptr, acc_ptr, gr_ptr, gx0_ptr,
+                         part_ptr, C, HAS_ACC: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -265,8 +270,10 @@ def _mix_norm_bwd_kernel(gs_ptr, gy_ptr, y_ptr, rstd_ptr, x0_ptr, lm_ptr, gr_ptr
     g = gs + rstd * (gy - y * (tl.sum(gy * y, axis=0) / C))   # dL/ds: residual path + norm
     tl.store(gr_ptr + row * C + cols, (tl.load(lm_ptr).to(tl.float32) * g).to(gr_ptr.dtype.element_ty),
              mask=mask)
-    tl.store(gx0_ptr + row * C + cols, (tl.load(lm_ptr + 1).to(tl.float32) * g).to(gx0_ptr.dtype.element_ty),
-             mask=mask)
+    gx0 = tl.load(lm_ptr + 1).to(tl.float32) * g
+    if HAS_ACC:   # the later blocks' x0 gradient, summed here instead of in a separate add
+        gx0 += tl.load(acc_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(gx0_ptr + row * C + cols, gx0.to(gx0_ptr.dtype.element_ty), mask=mask)
     # per-row partial sums for the two scalars' gradients: sum(g * s) with s = y / rstd rebuilt
     # from the saved output, and sum(g * x0)
     tl.store(part_ptr + 2 * row, tl.sum(g * y, axis=0) / rstd)
@@ -277,30 +284,35 @@ def _mix_norm_warps(block_c: int) -> int:
     return 8 if block_c >= 4096 else 4
 
 
-def mix_norm_fwd_triton(r: torch.Tensor, x0: torch.Tensor, lam_mu: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """s = lam * r + mu * x0 (r's dtype), y = s * rstd, rstd = 1/rms(s) (float32, (N, 1)); r and
-    x0 (N, C) contiguous, lam_mu = (lam, mu) a (2,) tensor. One program per row."""
+def mix_norm_fwd_triton(r: torch.Tensor, x0: torch.Tensor, lam_mu: torch.Tensor, eps: float,
+                        add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """s = lam * (r + add) + mu * x0 (r's dtype; r + add rounded to it first), y = s * rstd,
+    rstd = 1/rms(s) (float32, (N, 1)); r, add and x0 (N, C) contiguous, lam_mu = (lam, mu) a
+    (2,) tensor. One program per row."""
     assert r.ndim == 2 and r.is_contiguous() and x0.is_contiguous() and x0.shape == r.shape
+    assert add is None or (add.is_contiguous() and add.shape == r.shape and add.dtype == r.dtype)
     n, c = r.shape
     s, y = torch.empty_like(r), torch.empty_like(r)
     rstd = torch.empty((n, 1), dtype=torch.float32, device=r.device)
     if n:
         block = triton.next_power_of_2(c)
-        _mix_norm_fwd_kernel[(n,)](r, x0, lam_mu, s, y, rstd, c, eps, BLOCK_C=block,
-                                   num_warps=_mix_norm_warps(block))
+        _mix_norm_fwd_kernel[(n,)](r, r if add is None else add, x0, lam_mu, s, y, rstd, c, eps,
+                                   HAS_ADD=add is not None, BLOCK_C=block, num_warps=_mix_norm_warps(block))
     return s, y, rstd
 
 
-def mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dL/dr, dL/dx0, per-row partials (N, 2) float32: sum(g * s), sum(g * x0)) for the forward
-    above, g = dL/ds = gs + the RMSNorm backward of gy. All (N, C) contiguous."""
+def mix_norm_bwd_triton(gs, gy, y, rstd, x0, lam_mu, gx0_acc=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dr, dL/dx0 (+ gx0_acc, summed in float32), per-row partials (N, 2) float32:
+    sum(g * s), sum(g * x0)) for the forward above, g = dL/ds = gs + the RMSNorm backward of gy.
+    All (N, C) contiguous."""
+    assert gx0_acc is None or (gx0_acc.is_contiguous() and gx0_acc.shape == x0.shape)
     n, c = y.shape
     gr, gx0 = torch.empty_like(gs), torch.empty_like(x0)
     part = torch.empty((n, 2), dtype=torch.float32, device=y.device)
     if n:
         block = triton.next_power_of_2(c)
-        _mix_norm_bwd_kernel[(n,)](gs, gy, y, rstd, x0, lam_mu, gr, gx0, part, c, BLOCK_C=block,
+        _mix_norm_bwd_kernel[(n,)](gs, gy, y, rstd, x0, lam_mu, x0 if gx0_acc is None else gx0_acc, gr, gx0,
+                                   part, c, HAS_ACC=gx0_acc is not None, BLOCK_C=block,
                                    num_warps=_mix_norm_warps(block))
     return gr, gx0, part
 

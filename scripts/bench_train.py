@@ -40,7 +40,7 @@ from nanochat.training import FlagParser, require, require_int
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
 UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax",
-          "ghcast": "gh_cast", "qkgemm": "qk_rope_gemm",
+          "ghcast": "gh_cast", "qkgemm": "qk_rope_gemm", "mixadd": "mix_add", "x0acc": "x0_grad_acc",
           "wcache": "cast_once"}   # --unfuse name -> kernel_fusions entry (wcache: Trainer(cast_once=False))
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
@@ -144,6 +144,9 @@ def unfuse_model(model, names: set[str], fusions: str) -> str:
         slow = functools.partial(fn.func, *fn.args, **{**fn.keywords, "gh_cast": "pass"})
         slow.replaces = fn.replaces
         model.set_mlp_fn(slow)
+    if names & {"mixadd", "x0acc"}:   # a separate pass for each block's output sum / x0 gradient sum
+        model.set_mix_norm(model.mix_norm, fuse_add=model.mix_norm_fuses_add and "mixadd" not in names,
+                           chain_x0=model.mix_norm_chains_x0 and "x0acc" not in names)
     if "rope" in names:
         model.set_rotary_norm(None)
     qk = model.blocks[0].attn.qkv_projection

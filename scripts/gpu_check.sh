@@ -46,6 +46,10 @@
 #   wcache     the once-per-step cast copies of the master weights (nanochat/weight_cache.py): their CUDA test, then
 #              bench_train d20 triton bf16 at WCACHE_BATCH (default 524288) with and without (--unfuse wcache),
 #              in the order WCACHE_ORDER (default "on off on")
+#   mixab      each block's output summed inside the next fused mix-norm and x0's gradient summed inside its backward
+#              (nanochat/fused_norm.py): its CUDA tests, then bench_train d20 triton bf16 at MIXAB_BATCH (default
+#              524288) with and without (--unfuse MIXAB_UNFUSE, default mixadd,x0acc), in the order MIXAB_ORDER
+#              (default "on off on")
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -164,15 +168,25 @@ if has qkab; then
          --total-batch-size "${QKAB_BATCH:-262144}" "${unfuse[@]}"
   done
 fi
+ab_train() {  # ab_train TAG UNFUSE BATCH "ARMS": bench_train d20 triton bf16 per arm, on = every fusion, off = --unfuse UNFUSE
+  local tag=$1 name=$2 batch=$3 n=0 arm
+  for arm in $4; do
+    local unfuse=(); [ "$arm" = off ] && unfuse=(--unfuse "$name")
+    n=$((n + 1))
+    step "bench_train_${tag}_${arm}_$n" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
+         --total-batch-size "$batch" "${unfuse[@]}"
+  done
+}
 if has wcache; then
   step pytest_wcache 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_weight_cache.py
-  n=0
-  for arm in ${WCACHE_ORDER:-on off on}; do
-    unfuse=(); [ "$arm" = off ] && unfuse=(--unfuse wcache)
-    n=$((n + 1))
-    step "bench_train_wcache_${arm}_$n" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
-         --total-batch-size "${WCACHE_BATCH:-524288}" "${unfuse[@]}"
-  done
+  ab_train wcache wcache "${WCACHE_BATCH:-524288}" "${WCACHE_ORDER:-on off on}"
+fi
+if has mixab; then
+  # each block's MLP output added inside the next block's fused mix-norm, and x0's gradient summed inside its
+  # backward, vs a separate pass for each (--unfuse mixadd,x0acc; MIXAB_UNFUSE=mixadd or x0acc for one of them)
+  step pytest_mixadd 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_fused_norm.py tests/test_gpt.py \
+       tests/test_weight_cache.py
+  ab_train mixadd "${MIXAB_UNFUSE:-mixadd,x0acc}" "${MIXAB_BATCH:-524288}" "${MIXAB_ORDER:-on off on}"
 fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)
@@ -305,5 +319,8 @@ if has fp8cmp; then
 fi
 
 echo; echo "=== summary"; printf '%s\n' "${status[@]}"
+for f in "$LOG"/bench_train_*_[0-9]*.log; do   # the A/B sections' runs, in the order run: each one's table row
+  [ -f "$f" ] && printf '%-34s %s\n' "$(basename "$f" .log)" "$(grep -E '^ +20 +triton' "$f" | tail -1)"
+done
 grep -h -A40 "^dtype " "$LOG/bench_gemm.log" 2>/dev/null | head -30
 grep -h -A12 "^mode " "$LOG/bench_loss.log" "$LOG/bench_model.log" "$LOG/bench_kernels_d20.log" 2>/dev/null

@@ -226,7 +226,7 @@ def test_bench_train_cpu_smoke(capsys):
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     assert [l["kernel"] for l in lines] == ["current", "triton"]
     # what --kernel triton installs on a CPU: its loss, mix-norm and QK-norm ops (the fused MLP needs TMA)
-    assert [l["kernel_fusions"] for l in lines] == ["none", "linear_ce,mix_norm,rotary_norm"]
+    assert [l["kernel_fusions"] for l in lines] == ["none", "linear_ce,mix_norm,mix_add,x0_grad_acc,rotary_norm"]
     for r in lines:
         assert r["timed_steps"] == 3 and r["tok_per_sec"] > 0 and r["flops_per_token"] > 0
         assert r["total_batch_size"] == 128 and r["grad_accum_steps"] == 2   # 2 micro-batches of 2 x 32
@@ -275,6 +275,16 @@ def test_bench_train_unfuse():
     for fusions in ("linear_ce,mix_norm,relu2_mlp_fp8", "linear_ce,mix_norm,relu2_mlp"):
         assert bench_train.unfuse_model(model, {"mlp"}, fusions) == "linear_ce,mix_norm"
         assert model.blocks[0].mlp.fused is None
+    # mixadd: the same mix-norm, told to take each block's output already summed
+    from nanochat import fused_norm
+    model.set_mix_norm(fused_norm.mix_norm)
+    assert model.mix_norm_fuses_add
+    assert model.mix_norm_chains_x0
+    assert bench_train.unfuse_model(model, {"mixadd"}, "linear_ce,mix_norm,mix_add,x0_grad_acc") \
+        == "linear_ce,mix_norm,x0_grad_acc"
+    assert model.mix_norm is fused_norm.mix_norm and not model.mix_norm_fuses_add and model.mix_norm_chains_x0
+    assert bench_train.unfuse_model(model, {"x0acc"}, "mix_norm,x0_grad_acc") == "mix_norm"
+    assert not model.mix_norm_fuses_add and not model.mix_norm_chains_x0
     # ghcast: the fp8 MLP keeps running, with gh_cast="pass" (the other keywords kept)
     import functools
     from nanochat.gpt import Linear

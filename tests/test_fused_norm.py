@@ -87,9 +87,9 @@ def test_shapes_and_meta():
 def test_gpt_uses_the_fused_mix_only_while_training():
     calls = []
 
-    def mix(r, x0, lam, mu):
+    def mix(r, x0, lam, mu, add=None):
         calls.append(r.shape)
-        return plain_mix_norm(r, x0, lam, mu)
+        return plain_mix_norm(r, x0, lam, mu, add)
 
     model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
     model.init_weights()
@@ -100,6 +100,59 @@ def test_gpt_uses_the_fused_mix_only_while_training():
     assert calls == []
     model(idx, idx)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("fn", [plain_mix_norm, fused_norm.mix_norm], ids=["plain", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_add_inside_equals_the_separate_add(fn, dtype):
+    """mix_norm(r, x0, lam, mu, add=a) is mix_norm(r + a, ...) bit for bit: values, and the one
+    gradient that r and a share."""
+    r64, x064, gs, gy, lam_v, mu_v = _case(dtype)
+    a64 = torch.randn(r64.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    outs = []
+    for fused_add in (True, False):
+        r, a, x0 = (t.to(dtype).requires_grad_() for t in (r64, a64, x064))
+        scalars = torch.tensor([lam_v, mu_v], dtype=torch.float32, requires_grad=True)
+        s, y = (fn(r, x0, scalars[0], scalars[1], add=a) if fused_add else fn(r + a, x0, scalars[0], scalars[1]))
+        loss = (s.double() * gs).sum() + (y.double() * gy).sum()
+        outs.append((s, y, *torch.autograd.grad(loss, (r, a, x0, scalars))))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(outs[0][2], outs[0][3])   # dr == da
+
+
+@pytest.mark.parametrize("fuse_add,chain_x0", [(True, False), (False, True), (True, True)])
+def test_gpt_fused_add_and_x0_chain_match_the_separate_passes(fuse_add, chain_x0):
+    """The model with each block's output summed inside the fused mix-norm and/or x0 passed
+    through it (its gradient summed in the backward op; the defaults) against both as separate
+    passes (set_mix_norm(..., fuse_add=False, chain_x0=False): bench_train --unfuse
+    mixadd,x0acc): loss and every gradient bit for bit (float32, eager), the embedding's, whose
+    x0 gradient adds up in another order, to float32 rounding."""
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for flags in ((fuse_add, chain_x0), (False, False)):
+        model = _tiny_model(fused_norm.mix_norm).float()
+        model.compute_dtype = torch.float32
+        model.set_mix_norm(fused_norm.mix_norm, fuse_add=flags[0], chain_x0=flags[1])
+        loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = grads
+    assert torch.equal(l0, l1)
+    for name in g0:
+        if name == "wte.weight" and chain_x0:
+            torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(g0[name], g1[name]), name
+
+
+def test_x0_chain_is_the_default_of_the_fused_op():
+    model = GPT(config_for_depth(2, 64, 16, aspect_ratio=32, head_dim=32))
+    assert not model.mix_norm_chains_x0
+    model.set_mix_norm(fused_norm.mix_norm)
+    assert model.mix_norm_chains_x0 and model.mix_norm_fuses_add
+    model.set_mix_norm(plain_mix_norm)   # a fn without chains_x0 gets the plain call
+    assert not model.mix_norm_chains_x0
 
 
 def test_build_mix_norm_per_kernel():
@@ -161,12 +214,26 @@ def test_triton_kernels_interpreted(run_triton_interpreted):
         "    for a, b in zip(got, want):\n"
         "        torch.testing.assert_close(a.float(), b.float(), **tol)\n"
         "    s, y, rstd = want\n"
+        "    acc = torch.randn(5, 48).to(dt)\n"   # the later blocks' x0 gradient, summed in the kernel
+        "    _, gx0a, _ = mix_norm_bwd_triton(gs, gy, y, rstd, x0, lm, acc)\n"
+        "    _, wx0a, _ = F.mix_norm_bwd_torch(gs, gy, y, rstd, x0, lm, acc)\n"
+        "    torch.testing.assert_close(gx0a.float(), wx0a.float(), **tol)\n"
         "    gr, gx0, part = mix_norm_bwd_triton(gs, gy, y, rstd, x0, lm)\n"
         "    wr, wx0, wpart = F.mix_norm_bwd_torch(gs, gy, y, rstd, x0, lm)\n"
+        "    torch.testing.assert_close(gx0a.float(), (gx0.float() + acc.float()), **tol)\n"
         "    torch.testing.assert_close(gr.float(), wr.float(), **tol)\n"
         "    torch.testing.assert_close(gx0.float(), wx0.float(), **tol)\n"
         "    assert part.shape == (5, 2)\n"
         "    torch.testing.assert_close(part.sum(0), wpart.sum(0), rtol=1e-4, atol=1e-5)\n"
+        "    add = torch.randn(5, 48).to(dt)\n"   # the residual add inside: as if r + add came in
+        "    got = mix_norm_fwd_triton(r, x0, lm, torch.finfo(torch.float32).eps, add)\n"
+        "    want = mix_norm_fwd_triton(r + add, x0, lm, torch.finfo(torch.float32).eps)\n"
+        "    if dt == torch.float32:\n"   # the interpreter casts float32 -> bf16 by truncation, not RN
+        "        for a, b, c in zip(got, want, F.mix_norm_torch(r, x0, lm, add)):\n"
+        "            assert torch.equal(a, b)\n"
+        "            torch.testing.assert_close(a, c, **tol)\n"
+        "    else:\n"
+        "        assert all(torch.allclose(a.float(), b.float(), 1e-2, 2e-2) for a, b in zip(got, want))\n"
         "print('OK')\n"
     )
     run_triton_interpreted(script)
@@ -185,6 +252,11 @@ def test_cuda_fused_matches_plain_in_bf16():
     for i in range(6):
         err = _rel(fused[i], ref[i])
         assert err < 1e-2 and err < 2 * _rel(plain[i], ref[i]) + 1e-3, (i, err)
+    # the residual add inside the kernel gives what the separate add (rounded to bf16) gives
+    r, a, x0 = (torch.randn(8192, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    lam, mu = torch.tensor(0.9, device="cuda"), torch.tensor(0.2, device="cuda")
+    for got, want in zip(fused_norm.mix_norm(r, x0, lam, mu, add=a), fused_norm.mix_norm(r + a, x0, lam, mu)):
+        assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------------ QK-norm + RoPE
