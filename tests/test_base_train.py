@@ -263,6 +263,20 @@ def test_tiny_train_cuda_compiled(env, base_dir):
     assert summary["final_val_bpb"] < 4.0 and summary["peak_mem_gib"] > 0
 
 
+@pytest.mark.cuda
+def test_tiny_train_cuda_compiled_fp8(env, base_dir):
+    """The fp8 GPU path with every --kernel triton fusion (fp8 MLP, q/k with the gradient's
+    abs-max, the mix-norm with the residual add and the x0 gradient sum inside) trains."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    summary = _train(["--device", "cuda", "--depth", "4", "--max-seq-len", "256", "--device-batch-size", "8",
+                      "--total-batch-size", "4096", "--window-pattern", "SL", "--eval-tokens", "16384",
+                      "--sample-every", "-1", "--num-iterations", "20", "--eval-every", "20", "--compile",
+                      "--kernel", "triton", "--precision", "fp8", "--model-tag", "cudafp8"] + env)
+    losses = summary["losses"]
+    assert all(math.isfinite(v) for v in losses.values()) and losses[19] < losses[0] - 1.0
+
+
 def test_bench_train_unfuse():
     """--unfuse drops one --kernel triton fusion for an A/B (bf16 or fp8); names are checked."""
     from scripts import bench_train
