@@ -251,13 +251,17 @@ def test_bench_train_default_batch_is_base_trains():
         bench_train.parse_config(["--total-batch-size", "0"])
 
 
+# a compiled d4 base_train on the GPU with --kernel triton, 20 steps (the CUDA tests below)
+CUDA_TINY_RUN = ["--device", "cuda", "--depth", "4", "--max-seq-len", "256", "--device-batch-size", "8",
+                 "--total-batch-size", "4096", "--window-pattern", "SL", "--eval-tokens", "16384",
+                 "--sample-every", "-1", "--num-iterations", "20", "--eval-every", "20", "--compile",
+                 "--kernel", "triton"]
+
+
 @pytest.mark.cuda
 def test_tiny_train_cuda_compiled(env, base_dir):
     """The GPU path: bf16, torch.compile, the triton loss kernel, MFU against the table's peak."""
-    summary = _train(["--device", "cuda", "--depth", "4", "--max-seq-len", "256", "--device-batch-size", "8",
-                      "--total-batch-size", "4096", "--window-pattern", "SL", "--eval-tokens", "16384",
-                      "--sample-every", "-1", "--num-iterations", "20", "--eval-every", "20", "--compile",
-                      "--kernel", "triton", "--model-tag", "cuda"] + env)
+    summary = _train(CUDA_TINY_RUN + ["--model-tag", "cuda"] + env)
     losses = summary["losses"]
     assert all(math.isfinite(v) for v in losses.values()) and losses[19] < losses[0] - 1.0
     assert summary["final_val_bpb"] < 4.0 and summary["peak_mem_gib"] > 0
@@ -269,10 +273,7 @@ def test_tiny_train_cuda_compiled_fp8(env, base_dir):
     abs-max, the mix-norm with the residual add and the x0 gradient sum inside) trains."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    summary = _train(["--device", "cuda", "--depth", "4", "--max-seq-len", "256", "--device-batch-size", "8",
-                      "--total-batch-size", "4096", "--window-pattern", "SL", "--eval-tokens", "16384",
-                      "--sample-every", "-1", "--num-iterations", "20", "--eval-every", "20", "--compile",
-                      "--kernel", "triton", "--precision", "fp8", "--model-tag", "cudafp8"] + env)
+    summary = _train(CUDA_TINY_RUN + ["--precision", "fp8", "--model-tag", "cudafp8"] + env)
     losses = summary["losses"]
     assert all(math.isfinite(v) for v in losses.values()) and losses[19] < losses[0] - 1.0
 
