@@ -50,6 +50,8 @@
 #              (nanochat/fused_norm.py): its CUDA tests, then bench_train d20 triton bf16 at MIXAB_BATCH (default
 #              524288) with and without (--unfuse MIXAB_UNFUSE, default mixadd,x0acc), in the order MIXAB_ORDER
 #              (default "on off on")
+#   refab      this tree vs REF_TREE (a copy of an earlier commit): REFAB_TESTS (pytest -m cuda paths), then
+#              bench_train d20 triton bf16 at REFAB_BATCH (default 2^20) in the order REFAB_ORDER ("new ref new")
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -187,6 +189,20 @@ if has mixab; then
   step pytest_mixadd 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_fused_norm.py tests/test_gpt.py \
        tests/test_weight_cache.py
   ab_train mixadd "${MIXAB_UNFUSE:-mixadd,x0acc}" "${MIXAB_BATCH:-524288}" "${MIXAB_ORDER:-on off on}"
+fi
+if has refab; then
+  # this tree against a reference copy of an earlier commit (REF_TREE, e.g. `git archive HEAD~1 | tar -x -C
+  # .devjob/ref`, carried): their CUDA tests first (REFAB_TESTS), then bench_train d20 triton bf16 at
+  # REFAB_BATCH (default 1048576, base_train's) alternating in REFAB_ORDER (default "new ref new")
+  [ -n "${REF_TREE:-}" ] && [ -d "$REF_TREE/nanochat" ] || { echo "refab: set REF_TREE to a copy of the old tree"; exit 1; }
+  [ -n "${REFAB_TESTS:-}" ] && step pytest_refab 500 $PY -m pytest -q -m cuda -p no:cacheprovider $REFAB_TESTS
+  n=0
+  for arm in ${REFAB_ORDER:-new ref new}; do
+    n=$((n + 1))
+    dir=$PWD; [ "$arm" = ref ] && dir=$REF_TREE
+    step "bench_train_refab_${arm}_$n" 420 env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH#$PWD:}" $PY -m scripts.bench_train \
+         --depth 20 --kernel triton --precision bf16 --total-batch-size "${REFAB_BATCH:-1048576}"
+  done
 fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)
