@@ -170,13 +170,17 @@ if has qkab; then
          --total-batch-size "${QKAB_BATCH:-262144}" "${unfuse[@]}"
   done
 fi
-ab_train() {  # ab_train TAG UNFUSE BATCH "ARMS": bench_train d20 triton bf16 per arm, on = every fusion, off = --unfuse UNFUSE
+bench_d20() {  # bench_d20 NAME DIR BATCH [ARGS...]: bench_train d20 triton bf16 run from the tree in DIR
+  local name=$1 dir=$2 batch=$3; shift 3
+  step "$name" 420 env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH#$PWD:}" $PY -m scripts.bench_train --depth 20 \
+       --kernel triton --precision bf16 --total-batch-size "$batch" "$@"
+}
+ab_train() {  # ab_train TAG UNFUSE BATCH "ARMS": bench_d20 per arm, on = every fusion, off = --unfuse UNFUSE
   local tag=$1 name=$2 batch=$3 n=0 arm
   for arm in $4; do
     local unfuse=(); [ "$arm" = off ] && unfuse=(--unfuse "$name")
     n=$((n + 1))
-    step "bench_train_${tag}_${arm}_$n" 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
-         --total-batch-size "$batch" "${unfuse[@]}"
+    bench_d20 "bench_train_${tag}_${arm}_$n" "$PWD" "$batch" "${unfuse[@]}"
   done
 }
 if has wcache; then
@@ -200,8 +204,7 @@ if has refab; then
   for arm in ${REFAB_ORDER:-new ref new}; do
     n=$((n + 1))
     dir=$PWD; [ "$arm" = ref ] && dir=$REF_TREE
-    step "bench_train_refab_${arm}_$n" 420 env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH#$PWD:}" $PY -m scripts.bench_train \
-         --depth 20 --kernel triton --precision bf16 --total-batch-size "${REFAB_BATCH:-1048576}"
+    bench_d20 "bench_train_refab_${arm}_$n" "$dir" "${REFAB_BATCH:-1048576}"
   done
 fi
 if has profaccum; then
