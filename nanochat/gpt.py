@@ -145,15 +145,15 @@ class _ValueEmbedMix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, v, gate, idx, table, copy):
+    def forward(ctx, v, gate, idx, table, copy, sink):
         src = table if copy is None else copy   # copy: weight_cache's cast of table (same rows)
         ve = F.embedding(idx, src).to(v.dtype).view_as(v)
-        ctx.save_for_backward(gate, idx, table, src)
+        ctx.save_for_backward(gate, idx, table, src, sink)   # sink: weight_cache's gradient sink
         return v + gate.unsqueeze(-1) * ve
 
     @staticmethod
     def backward(ctx, grad):
-        gate, idx, table, src = ctx.saved_tensors
+        gate, idx, table, src, sink = ctx.saved_tensors
         # index_select, not embedding: the compile partitioner would merge an identical lookup
         # with the forward's and save its output after all
         ve = src.index_select(0, idx.flatten()).to(grad.dtype).view_as(grad)
@@ -161,8 +161,8 @@ class _ValueEmbedMix(torch.autograd.Function):
         grad_table = None
         if ctx.needs_input_grad[3]:
             rows = (grad * gate.unsqueeze(-1)).flatten(2).to(table.dtype)
-            grad_table = torch.ops.aten.embedding_dense_backward(rows, idx, table.shape[0], -1, False)
-        return grad, grad_gate, None, grad_table, None
+            grad_table = weight_cache.table_grad(sink, idx, rows, table.shape[0])
+        return grad, grad_gate, None, grad_table, None, None
 
 
 class Linear(nn.Linear):
@@ -278,7 +278,7 @@ class GPT(nn.Module):
                                            if has_value_embed(i, config.n_layer)})
         self.lm_head = Linear(C, V)
         for emb in (self.wte, *self.value_embeds.values()):
-            weight_cache.add_slot(emb)
+            weight_cache.add_slot(emb, sink=True)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         self.x0_lambdas = nn.Parameter(torch.full((config.n_layer,), 0.1))
         # Rotary tables are derived state: non-persistent buffers, rebuilt by init_weights() and after

@@ -44,8 +44,9 @@
 #              tests, bench_gemm --qk and --mlp (the shared GEMM core), then bench_train d20 triton bf16 at
 #              QKAB_BATCH (default 262144) with it and with --unfuse qkgemm, alternating (QKAB_ORDER)
 #   wcache     the once-per-step cast copies of the master weights (nanochat/weight_cache.py): their CUDA test, then
-#              bench_train d20 triton bf16 at WCACHE_BATCH (default 524288) with and without (--unfuse wcache),
-#              in the order WCACHE_ORDER (default "on off on")
+#              bench_train d20 triton bf16 at WCACHE_BATCH (default 524288) with and without (--unfuse
+#              WCACHE_UNFUSE: default wcache; gsink = the tables' gradient sinks only), in the order WCACHE_ORDER
+#              (default "on off on")
 #   mixab      each block's output summed inside the next fused mix-norm and x0's gradient summed inside its backward
 #              (nanochat/fused_norm.py): its CUDA tests, then bench_train d20 triton bf16 at MIXAB_BATCH (default
 #              524288) with and without (--unfuse MIXAB_UNFUSE, default mixadd,x0acc), in the order MIXAB_ORDER
@@ -185,7 +186,7 @@ ab_train() {  # ab_train TAG UNFUSE BATCH "ARMS": bench_d20 per arm, on = every 
 }
 if has wcache; then
   step pytest_wcache 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_weight_cache.py
-  ab_train wcache wcache "${WCACHE_BATCH:-524288}" "${WCACHE_ORDER:-on off on}"
+  ab_train wcache "${WCACHE_UNFUSE:-wcache}" "${WCACHE_BATCH:-524288}" "${WCACHE_ORDER:-on off on}"
 fi
 if has mixab; then
   # each block's MLP output added inside the next block's fused mix-norm, and x0's gradient summed inside its

@@ -231,15 +231,20 @@ def test_value_embed_mix_gradients_match_plain_autograd():
     gate = torch.rand(B, T, H, dtype=torch.float64, generator=g, requires_grad=True)
     table = torch.randn(V, H * D, dtype=torch.float64, generator=g, requires_grad=True)
     idx = torch.tensor([[0, 3, 3, 10, 1], [3, 0, 7, 7, 7]])   # repeated ids: rows must accumulate
-    assert torch.autograd.gradcheck(_ValueEmbedMix.apply, (v, gate, idx, table, None))
+    assert torch.autograd.gradcheck(_ValueEmbedMix.apply, (v, gate, idx, table, None, None))
     up = torch.randn(B, T, H, D, dtype=torch.float64, generator=g)
-    out = _ValueEmbedMix.apply(v, gate, idx, table, None)   # None: no cast copy
+    out = _ValueEmbedMix.apply(v, gate, idx, table, None, None)   # no cast copy, no sink
     ref = v + gate.unsqueeze(-1) * F.embedding(idx, table).view(B, T, H, D)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     got = torch.autograd.grad(out, (v, gate, table), up)
     want = torch.autograd.grad(ref, (v, gate, table), up)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    sink = torch.full_like(table, 0.5).detach()   # weight_cache's gradient sink: the rows add in place
+    _ValueEmbedMix.apply(v, gate, idx, table, None, sink).backward(up)
+    assert table.grad is None   # the sink took the table's gradient
+    torch.testing.assert_close(sink, want[2] + 0.5)
+    torch.testing.assert_close(v.grad, want[0])
 
 
 def test_initial_loss_is_uniform():
