@@ -278,7 +278,7 @@ class GPT(nn.Module):
                                            if has_value_embed(i, config.n_layer)})
         self.lm_head = Linear(C, V)
         for emb in (self.wte, *self.value_embeds.values()):
-            weight_cache.add_slot(emb, sink=True)
+            weight_cache.add_slot(emb)
         self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
         self.x0_lambdas = nn.Parameter(torch.full((config.n_layer,), 0.1))
         # Rotary tables are derived state: non-persistent buffers, rebuilt by init_weights() and after

@@ -282,7 +282,7 @@ class Trainer:
 
     def __init__(self, model, optimizer, loader: Iterable, plan: BatchPlan, schedule: Schedule, rt, *,
                  grad_clip: float | None = None, token_weighted: bool = False, hint: str = DEFAULT_HINT,
-                 cast_once: bool = True, table_sinks: bool = True):
+                 cast_once: bool = True, grad_sinks: bool = True):
         self.model, self.optimizer, self.plan, self.schedule, self.rt = model, optimizer, plan, schedule, rt
         self.loader, self._iter = loader, iter(loader)
         self.grad_clip = grad_clip if grad_clip and grad_clip > 0 else None
@@ -293,7 +293,7 @@ class Trainer:
         # cast the fp32 master weights to the compute dtype once per step, not per micro-batch
         # (nanochat/weight_cache.py; same numbers): only pays with accumulation and a narrower dtype
         self.cast_once = cast_once and plan.grad_accum_steps > 1 and rt.dtype != torch.float32
-        self.table_sinks = table_sinks   # with cast_once: the tables' gradients summed in place (same module)
+        self.grad_sinks = grad_sinks   # with cast_once: the weights' gradients summed in place (same module)
 
     # -- data ---------------------------------------------------------------------------------
     def _next_batch(self):
@@ -326,7 +326,7 @@ class Trainer:
         rt, plan = self.rt, self.plan
         rt.synchronize()
         t0 = time.perf_counter()
-        with weight_cache.step_weights(self.model, rt.dtype, enabled=self.cast_once, sinks=self.table_sinks):
+        with weight_cache.step_weights(self.model, rt.dtype, enabled=self.cast_once, sinks=self.grad_sinks):
             loss_sum = self._accumulate_token_weighted() if self.token_weighted else self._accumulate_mean()
         loss = loss_sum.detach()
         if rt.world_size > 1:  # mean over ranks (SUM: gloo has no AVG); a nan anywhere stops every rank

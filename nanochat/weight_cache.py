@@ -24,16 +24,20 @@ Slots are non-persistent buffers named `weight_lowp` (None outside `step_weights
 inputs, so a compiled model uses them without retracing per step. Modules without a slot (e.g.
 precision.py's fp8 and nvfp4 layers) keep casting their own weights.
 
-Gradient sinks (`add_slot(table, sink=True)`, `step_weights(..., sinks=True)`): an embedding
-table's gradient is a scatter of the micro-batch's rows into a (V, C) float32 tensor. Through
-autograd every micro-batch zero-fills a new one, scatters into it, and AccumulateGrad adds it into
-`.grad` (a read of both and a write: ~0.7 GB per table and micro-batch at d20, whose 11 tables
-are 168 MB each in float32). With a sink the lookups' backward scatters the rows straight into
-one float32 buffer per table, zeroed once when the block opens; on a normal exit it becomes (or
-is added into) the table's `.grad`. Under torch.compile the scatter stays in place: inductor
-emits its atomic adds into the buffer (the backward mutates a graph input). The sums are the same
-rows added in another order, so the tables' gradients match to float32 rounding, not bit for bit;
-a table whose lookup never ran in the block gets a zero gradient instead of none.
+Gradient sinks (`step_weights(..., sinks=True)`): with gradient accumulation every micro-batch's
+weight gradient goes through autograd as a new tensor that AccumulateGrad adds into `.grad`. For
+a Linear that is the bf16 GEMM output cast to float32 (one pass) and then added (another: reads
+of both, a write); the profile of base_train's d20 step on an H100 put those two at ~5 ms per
+micro-batch in ~340 small kernels. For an embedding table it is a zero-filled (V, C) float32
+tensor per micro-batch that the rows are scattered into, then added (~0.7 GB per table and
+micro-batch at d20, whose 11 tables are 168 MB each). With sinks every slot's weight gets one
+float32 buffer, zeroed when the block opens, and the backward adds into it in place: a Linear's
+gradient in one pass (`sink += grad`, the cast folded in), a table's rows scattered straight in.
+On a normal exit each sink becomes (or is added into) its weight's `.grad`. Under torch.compile
+the updates stay in place: inductor writes them into the buffer (the backward mutates a graph
+input). The sums are the same terms added in another order, so gradients match to float32
+rounding, not bit for bit; a weight whose slot was never used in the block gets a zero gradient
+instead of none (weights that do not require grad get no sink).
 """
 
 from __future__ import annotations
@@ -47,25 +51,29 @@ SLOT = "weight_lowp"
 SINK = "grad_sink"
 
 
-def add_slot(module: torch.nn.Module, *, sink: bool = False) -> None:
-    """Give `module` (with a `weight` parameter) an empty cast-copy slot, and with `sink` (an
-    embedding table) an empty gradient sink."""
+def add_slot(module: torch.nn.Module) -> None:
+    """Give `module` (with a `weight` parameter) an empty cast-copy slot and gradient sink."""
     module.register_buffer(SLOT, None, persistent=False)
-    if sink:
-        module.register_buffer(SINK, None, persistent=False)
+    module.register_buffer(SINK, None, persistent=False)
 
 
 class _CastCopy(torch.autograd.Function):
-    """Returns the step's cast copy of `master`; the gradient goes to the master in its dtype."""
+    """Returns the step's cast copy of `master`; the gradient goes to the master in its dtype, or
+    is added into the master's sink (module docstring)."""
 
     @staticmethod
-    def forward(ctx, master, copy):
+    def forward(ctx, master, copy, sink):
         ctx.master_dtype = master.dtype
+        ctx.save_for_backward(sink)
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.master_dtype), None
+        (sink,) = ctx.saved_tensors
+        if sink is None:
+            return grad.to(ctx.master_dtype), None, None
+        sink.add_(grad)
+        return None, None, None
 
 
 def _active_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
@@ -81,14 +89,14 @@ def weight_as(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     copy = _active_copy(module, dtype)
     if copy is None:
         return module.weight.to(dtype)
-    return _CastCopy.apply(module.weight, copy)
+    return _CastCopy.apply(module.weight, copy, getattr(module, SINK, None))
 
 
 def weight_or_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The step's cast copy (through _CastCopy) when there is one, else the master itself: for ops
     that cast their weights themselves (a no-op on the copy)."""
     copy = _active_copy(module, dtype)
-    return module.weight if copy is None else _CastCopy.apply(module.weight, copy)
+    return module.weight if copy is None else _CastCopy.apply(module.weight, copy, getattr(module, SINK, None))
 
 
 def table_and_copy(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -151,18 +159,18 @@ def step_weights(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = Tru
     """Within the block every slot holds `weight.to(dtype)`, cast now; they are emptied on exit.
     Enter it around the micro-batches of one optimizer step (never across a weight update); a
     float32 `dtype` (no cast to save) or `enabled=False` leaves the slots empty. With `sinks`,
-    the tables' gradients of the block's backward passes sum in their sinks, which become the
-    tables' `.grad` on a normal exit (module docstring); on an error they are dropped."""
+    the weights' gradients of the block's backward passes sum in their sinks, which become the
+    weights' `.grad` on a normal exit (module docstring); on an error they are dropped."""
     held = slots(model) if enabled and dtype != torch.float32 else []
-    tables = [m for m in held if SINK in m._buffers] if sinks else []
+    sunk = [m for m in held if SINK in m._buffers and m.weight.requires_grad] if sinks else []
     try:
         with torch.no_grad():
             for module in held:
                 setattr(module, SLOT, module.weight.detach().to(dtype))
-            for module in tables:
+            for module in sunk:
                 setattr(module, SINK, torch.zeros_like(module.weight, memory_format=torch.contiguous_format))
         yield len(held)
-        for module in tables:
+        for module in sunk:
             weight, sink = module.weight, getattr(module, SINK)
             if weight.grad is None:
                 weight.grad = sink
@@ -171,5 +179,5 @@ def step_weights(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = Tru
     finally:
         for module in held:
             setattr(module, SLOT, None)
-            if module in tables:
+            if module in sunk:
                 setattr(module, SINK, None)

@@ -41,7 +41,7 @@ MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
 UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax",
           "ghcast": "gh_cast", "qkgemm": "qk_rope_gemm", "mixadd": "mix_add", "x0acc": "x0_grad_acc",
-          "wcache": "cast_once", "gsink": "table_sinks"}   # --unfuse name -> kernel_fusions entry (wcache: Trainer(cast_once=False))
+          "wcache": "cast_once", "gsink": "grad_sinks"}   # --unfuse name -> kernel_fusions entry (wcache: Trainer(cast_once=False))
 PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
@@ -230,7 +230,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
     total = cfg.warmup + cfg.steps
     schedule = Schedule(total, warmdown_ratio=0.0)  # constant lr: the benchmark measures speed only
     trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, cast_once="wcache" not in cfg.unfuse,
-                      table_sinks="gsink" not in cfg.unfuse)
+                      grad_sinks="gsink" not in cfg.unfuse)
     flops_per_token = model.estimate_flops()
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print(f"WARNING: {m}", file=sys.stderr))
@@ -256,7 +256,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
             "data": cfg.data, "total_batch_size": plan.total_batch_size, "grad_accum_steps": plan.grad_accum_steps,
-            "cast_once": trainer.cast_once, "table_sinks": trainer.cast_once and trainer.table_sinks,
+            "cast_once": trainer.cast_once, "grad_sinks": trainer.cast_once and trainer.grad_sinks,
             "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),

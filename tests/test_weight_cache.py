@@ -76,22 +76,24 @@ def test_cached_casts_give_identical_losses_and_gradients():
     _assert_identical(_accumulate(model, batches, cached=False), _accumulate(model, batches, cached=True))
 
 
-def _table_names(model):
+def _sunk_names(model):
     return {f"{name}.weight" for name, m in model.named_modules() if weight_cache.SINK in m._buffers}
 
 
-def test_gradient_sinks_sum_the_tables_gradients_in_place():
-    """With sinks the token and value-embedding tables' gradients are summed in one float32 buffer
-    per table (no per-micro-batch gradient, no AccumulateGrad): the same losses, every other
-    gradient bit-identical, the tables' equal to float32 rounding; the sinks empty on exit."""
+def test_gradient_sinks_sum_the_gradients_in_place():
+    """With sinks every slot's weight gradient (the Linears', the token and value-embedding
+    tables') is summed in one float32 buffer per weight (no per-micro-batch gradient tensor, no
+    AccumulateGrad): the same losses; the Linears' gradients bit-identical (the same two terms
+    added), the tables' equal to float32 rounding (their rows add in another order), the rest
+    (resid / x0 lambdas) untouched; the sinks empty on exit."""
     model = _model()
-    tables = _table_names(model)
-    assert len(tables) == 1 + len(model.value_embeds) >= 2
+    sunk = _sunk_names(model)
+    assert len(sunk) == len(weight_cache.slots(model)) and "wte.weight" in sunk and "lm_head.weight" in sunk
     batches = _batches(5)
     (la, ga), (lb, gb) = _accumulate(model, batches, cached=True), _accumulate(model, batches, cached=True, sinks=True)
-    assert all(torch.equal(x, y) for x, y in zip(la, lb)) and ga.keys() == gb.keys()
+    assert all(torch.equal(x, y) for x, y in zip(la, lb)) and ga.keys() == gb.keys() > sunk
     for name in ga:
-        if name in tables:
+        if "embed" in name or name == "wte.weight":
             assert gb[name].abs().sum() > 0
             torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
         else:
@@ -112,18 +114,16 @@ def test_gradient_sinks_sum_the_tables_gradients_in_place():
 
 
 def test_gradient_sinks_under_torch_compile():
-    """Compiled (CPU inductor), the lookups' backward scatters into the sinks in place: the
-    tables' gradients equal the eager sinks' to float32 rounding and the others' to the usual
-    compiled-vs-eager tolerance."""
+    """Compiled (CPU inductor, one graph), the backward adds into the sinks in place: the
+    gradients equal the eager sinks' to the usual compiled-vs-eager tolerance."""
     model = _model()
     batches = _batches(6)
     _, want = _accumulate(model, batches, cached=True, sinks=True)
-    _, got = _accumulate(torch.compile(model, dynamic=False), batches, cached=True, sinks=True)
+    _, got = _accumulate(torch.compile(model, dynamic=False, fullgraph=True), batches, cached=True, sinks=True)
     got = {name.removeprefix("_orig_mod."): g for name, g in got.items()}
-    tables = _table_names(model)
-    assert want.keys() == got.keys() and tables <= got.keys()
+    assert want.keys() == got.keys() > _sunk_names(model)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=1e-4 if name in tables else 2e-3)
+        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=2e-3)
 
 
 def test_fused_ops_read_the_copies_with_identical_results():
@@ -153,7 +153,7 @@ def _trainer_params(cast_once: bool, steps: int = 2, sinks: bool = False):
     batches = iter(_batches(4) * steps)
     from nanochat.optim import build_optimizer
     trainer = Trainer(model, build_optimizer(model), batches, plan_batch(2 * 2 * T, 2, T, 1), Schedule(steps), rt,
-                      cast_once=cast_once, table_sinks=sinks)
+                      cast_once=cast_once, grad_sinks=sinks)
     assert trainer.cast_once is cast_once   # 2 micro-batches per step
     losses = [trainer.step(s).loss for s in range(steps)]
     assert all(getattr(m, weight_cache.SLOT) is None for m in weight_cache.slots(model))
@@ -166,7 +166,7 @@ def test_trainer_steps_identical_with_and_without_cast_once():
     (la, wa), (lb, wb) = _trainer_params(True), _trainer_params(False)
     assert la == lb and la[0] != la[1]
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
-    lc, wc = _trainer_params(True, sinks=True)   # the tables' gradients summed in their sinks
+    lc, wc = _trainer_params(True, sinks=True)   # the gradients summed in their sinks
     assert lc[0] == la[0] and abs(lc[1] - la[1]) < 1e-4
     for n in wa:
         torch.testing.assert_close(wc[n], wa[n], rtol=1e-4, atol=1e-5)
