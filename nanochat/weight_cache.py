@@ -83,20 +83,25 @@ def _active_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor | 
     return copy
 
 
+def _through_copy(module: torch.nn.Module, copy: torch.Tensor) -> torch.Tensor:
+    """The cast copy, its gradient routed to module.weight (or into the module's sink)."""
+    return _CastCopy.apply(module.weight, copy, getattr(module, SINK, None))
+
+
 def weight_as(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """module.weight in `dtype`: the step's cast copy while `step_weights` is active (and grad is
     enabled), else `weight.to(dtype)`. Gradients reach module.weight either way."""
     copy = _active_copy(module, dtype)
     if copy is None:
         return module.weight.to(dtype)
-    return _CastCopy.apply(module.weight, copy, getattr(module, SINK, None))
+    return _through_copy(module, copy)
 
 
 def weight_or_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The step's cast copy (through _CastCopy) when there is one, else the master itself: for ops
     that cast their weights themselves (a no-op on the copy)."""
     copy = _active_copy(module, dtype)
-    return module.weight if copy is None else _CastCopy.apply(module.weight, copy, getattr(module, SINK, None))
+    return module.weight if copy is None else _through_copy(module, copy)
 
 
 def table_and_copy(module: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -179,5 +184,5 @@ def step_weights(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = Tru
     finally:
         for module in held:
             setattr(module, SLOT, None)
-            if module in sunk:
-                setattr(module, SINK, None)
+        for module in sunk:
+            setattr(module, SINK, None)

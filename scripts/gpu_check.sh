@@ -45,7 +45,7 @@
 #              QKAB_BATCH (default 262144) with it and with --unfuse qkgemm, alternating (QKAB_ORDER)
 #   wcache     the once-per-step cast copies of the master weights (nanochat/weight_cache.py): their CUDA test, then
 #              bench_train d20 triton bf16 at WCACHE_BATCH (default 524288) with and without (--unfuse
-#              WCACHE_UNFUSE: default wcache; gsink = the tables' gradient sinks only), in the order WCACHE_ORDER
+#              WCACHE_UNFUSE: default wcache; gsink = the gradient sinks only), in the order WCACHE_ORDER
 #              (default "on off on")
 #   mixab      each block's output summed inside the next fused mix-norm and x0's gradient summed inside its backward
 #              (nanochat/fused_norm.py): its CUDA tests, then bench_train d20 triton bf16 at MIXAB_BATCH (default
