@@ -211,7 +211,7 @@ fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)
   step profile_d20_accum 420 $PY -m scripts.profile_training --depth 20 --device-batch-size 32 --kernel triton \
-    --precision "${PROF_PRECISION:-bf16}" --accum ${PROF_ACCUM:-4} --steps 4 --warmup 2 --profile-steps 1 --top 50
+    --precision "${PROF_PRECISION:-bf16}" --accum ${PROF_ACCUM:-4} --steps 4 --warmup 2 --profile-steps 1 --top ${PROF_TOP:-50}
 fi
 if has sync; then
   # SMs in two roles (CHANGELOG_GB10.md, session 24): the syncers' barrier + live load per round, idle vs streaming

@@ -5,7 +5,8 @@ warms up, then
 1. times --steps steps of --accum micro-batches each (default 1; base_train accumulates 16 at d20)
    split into data / forward / backward / optimizer with CUDA events (median per phase; the phases
    are serialised by the events, so their sum is the step); with --accum > 1 the timings and the
-   kernel profile include autograd's gradient accumulation of micro-batches 2..n, as base_train runs;
+   kernel profile include the gradient accumulation of micro-batches 2..n, inside the Trainer's
+   block (master weights cast once, gradients summed in place: --no-cast-once for the plain path);
 2. (CUDA) measures memory per phase of one more step: the allocated bytes before it (weights
    and optimizer state), after the forward (+ what autograd saved for backward) and the peak of
    each phase, once for a first micro-batch (no gradients yet) and once for an accumulating one
@@ -51,6 +52,15 @@ def make_batch(args, device, gen):
     return data[:, :-1], data[:, 1:]
 
 
+def step_block(args, rt, model):
+    """What nanochat.training.Trainer wraps a step's micro-batches in: the master weights cast once
+    and the weights' gradients summed in place (nanochat/weight_cache.py), when it accumulates;
+    --no-cast-once profiles the plain path (per-use casts, autograd's accumulation)."""
+    from nanochat import weight_cache
+    enabled = args.cast_once and args.accum > 1 and rt.dtype != torch.float32
+    return weight_cache.step_weights(model, rt.dtype, enabled=enabled, sinks=True)
+
+
 def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
     """Median ms per phase of a step of --accum micro-batches (data, forward, backward summed over
     them) and one optimizer step."""
@@ -68,13 +78,14 @@ def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
                 ev.record()
                 marks.append((phase, ev))
 
-        for _ in range(args.accum):
-            mark("data")
-            x, y = make_batch(args, rt.device, gen)
-            mark("forward")
-            loss = run(x, y)
-            mark("backward")
-            loss.backward()
+        with step_block(args, rt, model):
+            for _ in range(args.accum):
+                mark("data")
+                x, y = make_batch(args, rt.device, gen)
+                mark("forward")
+                loss = run(x, y)
+                mark("backward")
+                loss.backward()
         mark("optimizer")
         optimizer.step()
         model.zero_grad(set_to_none=True)
@@ -109,8 +120,9 @@ def memory_phases(args, rt, model, run, optimizer) -> dict[str, float]:
         out[f"{tag}_backward_peak"] = gib(cuda.max_memory_allocated())
         out[f"{tag}_after_backward"] = gib(cuda.memory_allocated())
 
-    micro("first")        # gradients were set to None by the previous step
-    micro("accumulating")  # the first micro-batch's gradients are live, as in micro-batches 2..n
+    with step_block(args, rt, model):
+        micro("first")        # gradients were set to None by the previous step
+        micro("accumulating")  # the first micro-batch's gradients are live, as in micro-batches 2..n
     cuda.reset_peak_memory_stats()
     optimizer.step()
     out["optimizer_peak"] = gib(cuda.max_memory_allocated())
@@ -127,13 +139,14 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.profile_steps):
-            for _ in range(args.accum):
-                with record_function("data"):
-                    x, y = make_batch(args, rt.device, gen)
-                with record_function("forward"):
-                    loss = run(x, y)
-                with record_function("backward"):
-                    loss.backward()
+            with step_block(args, rt, model):
+                for _ in range(args.accum):
+                    with record_function("data"):
+                        x, y = make_batch(args, rt.device, gen)
+                    with record_function("forward"):
+                        loss = run(x, y)
+                    with record_function("backward"):
+                        loss.backward()
             with record_function("optimizer"):
                 optimizer.step()
                 model.zero_grad(set_to_none=True)
@@ -169,7 +182,14 @@ def device_busy(events, steps: int, top_gaps: int = 8) -> dict:
             end, prev = stop, name
     span = end - spans[0][0]
     gaps.sort(reverse=True)
+    # how many kernels a step launches, and how many of them are short: each kernel boundary costs a
+    # wave's drain and fill beyond its own time, so many short kernels cost more than their sum
+    durations = [stop - start for start, stop, _ in spans]
+    short = {f"under_{cut}us": {"per_step": sum(d < cut for d in durations) / steps,
+                                "ms_per_step": round(sum(d for d in durations if d < cut) / 1e3 / steps, 3)}
+             for cut in (10, 50, 200)}
     return {"span_ms_per_step": round(span / 1e3 / steps, 3), "busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "kernels_per_step": len(spans) / steps, "short_kernels": short,
             "idle_ms_per_step": round((span - busy) / 1e3 / steps, 3),
             "gaps_over_20us_per_step": sum(g[0] > 20 for g in gaps) / steps,
             "largest_gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top_gaps]]}
@@ -203,6 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (base_train accumulates 16 at d20): the timings "
                         "and the kernel profile then include the gradient accumulation of micro-batches 2..n")
+    p.add_argument("--cast-once", "--cast_once", action=argparse.BooleanOptionalAction, default=True,
+                   help="as base_train's Trainer: with --accum > 1, cast the master weights once per step and sum "
+                        "the weights' gradients in place (nanochat/weight_cache.py); --no-cast-once: the plain path")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
@@ -215,7 +238,7 @@ def main(argv=None) -> int:
     print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,
                       "seq": args.seq, "kernel": args.kernel, "precision": info.get("precision"),
-                      "compile": args.compile, "accum": args.accum}), flush=True)
+                      "compile": args.compile, "accum": args.accum, "cast_once": args.cast_once}), flush=True)
     from nanochat.gpu_monitor import GpuMonitor
     with GpuMonitor(rt.device) as monitor:  # the GPU's clocks and power cap over the timed steps
         split = timed_steps(args, rt, model, run, optimizer)

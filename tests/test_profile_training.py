@@ -23,6 +23,9 @@ def test_busy_is_the_union_of_kernel_intervals_and_gaps_name_their_neighbours():
     assert out["gaps_over_20us_per_step"] == 1
     assert out["largest_gaps"][0] == {"us": 30, "after": "norm", "before": "attn"}
     assert out["largest_gaps"][1] == {"us": 5, "after": "attn", "before": "add"}
+    assert out["kernels_per_step"] == 5
+    assert out["short_kernels"]["under_10us"] == {"per_step": 4, "ms_per_step": 0.022}   # 7 + 8 + 2 + 5 us
+    assert out["short_kernels"]["under_50us"] == {"per_step": 5, "ms_per_step": 0.032}
 
 
 def test_per_step_division_and_no_kernels():

@@ -113,6 +113,37 @@ def test_gradient_sinks_sum_the_gradients_in_place():
     assert torch.equal(model.wte.weight.grad, before) and all(getattr(m, weight_cache.SINK) is None for m in sinks)
 
 
+def test_copies_and_sinks_are_kept_and_refreshed_between_steps():
+    """The copies and sinks live on between steps (no per-step allocation): the next block recasts
+    the changed weights into the same copies and zeroes the same sinks, so a repeated step gives the
+    same gradients; a `.grad` that still is last step's sink (not set to None) is summed into, not
+    zeroed."""
+    model = _model()
+    batches = _batches(7)
+
+    def pointers():
+        model.zero_grad(set_to_none=True)   # as the Trainer does after each optimizer step
+        with weight_cache.step_weights(model, torch.bfloat16):
+            return [(getattr(m, weight_cache.SLOT).data_ptr(), getattr(m, weight_cache.SINK).data_ptr())
+                    for m in weight_cache.slots(model)]
+
+    first = _accumulate(model, batches, cached=True, sinks=True)
+    _assert_identical(first, _accumulate(model, batches, cached=True, sinks=True))
+    assert pointers() == pointers()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    with weight_cache.step_weights(model, torch.bfloat16):
+        assert torch.equal(model.lm_head.weight_lowp, model.lm_head.weight.detach().bfloat16())
+    model.zero_grad(set_to_none=True)
+    _, once = _accumulate(model, batches, cached=True, sinks=True)     # leaves .grad = the sinks
+    with weight_cache.step_weights(model, torch.bfloat16):
+        for idx, targets in batches:
+            (model(idx, targets) / len(batches)).backward()
+    for name, p in model.named_parameters():
+        if name in _sunk_names(model):
+            torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-5, atol=1e-7)
+
+
 def test_gradient_sinks_under_torch_compile():
     """Compiled (CPU inductor, one graph), the backward adds into the sinks in place: the
     gradients equal the eager sinks' to the usual compiled-vs-eager tolerance."""
