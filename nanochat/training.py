@@ -269,6 +269,12 @@ class StepResult:
     grad_norm: float | None = None
 
 
+def casts_pay(grad_accum_steps: int, dtype: torch.dtype) -> bool:
+    """Whether weight_cache's once-per-step casts (and gradient sinks) save work: only when a step
+    accumulates micro-batches and computes in a dtype narrower than the float32 masters."""
+    return grad_accum_steps > 1 and dtype != torch.float32
+
+
 class Trainer:
     """Runs optimizer steps: micro-batches with loss scaling, optional grad clipping, schedules,
     optimizer step, zero_grad(set_to_none). Holds the one prefetched batch so that the loader
@@ -292,7 +298,7 @@ class Trainer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         # cast the fp32 master weights to the compute dtype once per step, not per micro-batch
         # (nanochat/weight_cache.py; same numbers): only pays with accumulation and a narrower dtype
-        self.cast_once = cast_once and plan.grad_accum_steps > 1 and rt.dtype != torch.float32
+        self.cast_once = cast_once and casts_pay(plan.grad_accum_steps, rt.dtype)
         self.grad_sinks = grad_sinks   # with cast_once: the weights' gradients summed in place (same module)
 
     # -- data ---------------------------------------------------------------------------------

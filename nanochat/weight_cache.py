@@ -160,26 +160,23 @@ def slots(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def _store(module: torch.nn.Module, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+def _store(module: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
     """The module's kept buffer `name` shaped as its weight in `dtype` (made when missing or when
-    the weight changed shape, device or dtype), and whether it was just made."""
+    the weight changed shape, device or dtype)."""
     w, buf = module.weight, module.__dict__.get(name)
-    if buf is not None and buf.shape == w.shape and buf.device == w.device and buf.dtype == dtype:
-        return buf, False
-    buf = torch.empty(w.shape, dtype=dtype, device=w.device)
-    module.__dict__[name] = buf
-    return buf, True
+    if buf is None or buf.shape != w.shape or buf.device != w.device or buf.dtype != dtype:
+        buf = module.__dict__[name] = torch.empty(w.shape, dtype=dtype, device=w.device)
+    return buf
 
 
 def _fresh_sink(module: torch.nn.Module) -> torch.Tensor:
     """The module's kept float32 sink, to be zeroed; a new one while the weight's `.grad` is still the
     old sink (zero_grad(set_to_none=False), or a caller summing over steps), so that stays intact."""
-    sink, _ = _store(module, "_grad_sink_store", module.weight.dtype)
     grad = module.weight.grad
-    if grad is not None and grad.data_ptr() == sink.data_ptr():
-        module.__dict__.pop("_grad_sink_store")
-        sink, _ = _store(module, "_grad_sink_store", module.weight.dtype)
-    return sink
+    kept = module.__dict__.get("_grad_sink_store")
+    if grad is not None and kept is not None and grad.data_ptr() == kept.data_ptr():
+        del module.__dict__["_grad_sink_store"]
+    return _store(module, "_grad_sink_store", module.weight.dtype)
 
 
 @contextlib.contextmanager
@@ -198,7 +195,7 @@ def step_weights(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = Tru
     sunk = [m for m in held if SINK in m._buffers and m.weight.requires_grad] if sinks else []
     try:
         with torch.no_grad():
-            copies = [_store(m, "_weight_lowp_store", dtype)[0] for m in held]
+            copies = [_store(m, "_weight_lowp_store", dtype) for m in held]
             if held:
                 torch._foreach_copy_(copies, [m.weight.detach() for m in held])
             zeros = [_fresh_sink(m) for m in sunk]

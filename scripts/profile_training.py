@@ -57,7 +57,8 @@ def step_block(args, rt, model):
     and the weights' gradients summed in place (nanochat/weight_cache.py), when it accumulates;
     --no-cast-once profiles the plain path (per-use casts, autograd's accumulation)."""
     from nanochat import weight_cache
-    enabled = args.cast_once and args.accum > 1 and rt.dtype != torch.float32
+    from nanochat.training import casts_pay
+    enabled = args.cast_once and casts_pay(args.accum, rt.dtype)
     return weight_cache.step_weights(model, rt.dtype, enabled=enabled, sinks=True)
 
 
