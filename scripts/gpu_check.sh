@@ -53,6 +53,8 @@
 #              (default "on off on")
 #   refab      this tree vs REF_TREE (a copy of an earlier commit): REFAB_TESTS (pytest -m cuda paths), then
 #              bench_train d20 triton bf16 at REFAB_BATCH (default 2^20) in the order REFAB_ORDER ("new ref new")
+#   optab      the optimizer step alone (bench_optim d20): this tree vs REF_TREE alternating in OPTAB_ORDER (default
+#              "new ref new ref"; the first run of each lists its top kernels), then pytest -m cuda tests/test_optim.py
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -207,6 +209,20 @@ if has refab; then
     dir=$PWD; [ "$arm" = ref ] && dir=$REF_TREE
     bench_d20 "bench_train_refab_${arm}_$n" "$dir" "${REFAB_BATCH:-1048576}"
   done
+fi
+if has optab; then
+  # MuonAdamW.step() of this tree against REF_TREE's on one machine (bench_optim is copied into the reference)
+  [ -n "${REF_TREE:-}" ] && [ -d "$REF_TREE/nanochat" ] || { echo "optab: set REF_TREE to a copy of the old tree"; exit 1; }
+  cp scripts/bench_optim.py "$REF_TREE/scripts/"
+  n=0
+  for arm in ${OPTAB_ORDER:-new ref new ref}; do
+    n=$((n + 1))
+    dir=$PWD; [ "$arm" = ref ] && dir=$REF_TREE
+    top=0; [ $n -le 2 ] && top=25
+    step "bench_optim_${arm}_$n" 300 env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH#$PWD:}" $PY -m scripts.bench_optim \
+         --depth 20 --steps 30 --top $top
+  done
+  step pytest_optim 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_optim.py tests/test_training.py
 fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)

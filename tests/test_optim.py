@@ -48,8 +48,32 @@ def test_orthogonalize_singular_value_band():
     cos = (out.double() * (U @ V.T)).sum() / (out.double().norm() * 8.0)
     assert cos > 0.99
     assert orthogonalize(torch.randn(5, 7)).dtype == torch.float32  # fp32 on CPU
+    # any number of leading dims (flattened into bmm's one), tall or wide; `scale` scales the result
+    G = torch.randn(2, 3, 24, 8)
+    out = orthogonalize(G)
+    assert out.shape == G.shape
+    torch.testing.assert_close(out[1, 2], orthogonalize(G[1, 2]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(orthogonalize(G, scale=3.0), 3.0 * out, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="ns_steps"):
         orthogonalize(torch.randn(4, 4), steps=0)
+
+
+@pytest.mark.cuda
+def test_orthogonalize_compiled_bf16_on_cuda():
+    """What the CUDA step runs: compiled, bf16 products with their sums in the epilogue. Same band and
+    direction as the float32 CPU result, and the scale applied."""
+    torch.manual_seed(0)
+    G = torch.randn(4, 256, 1024)
+    fn = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
+    out = fn(G.cuda(), 5, 2.0)
+    assert out.dtype == torch.bfloat16 and out.shape == G.shape
+    out = out.double().cpu() / 2.0
+    lo, hi = ORTHO_SV_BAND
+    s = torch.linalg.svdvals(out)
+    assert lo <= s.min() and s.max() <= hi
+    ref = orthogonalize(G).double()
+    cos = (out * ref).sum(dim=(-2, -1)) / (out.norm(dim=(-2, -1)) * ref.norm(dim=(-2, -1)))
+    assert cos.min() > 0.999
 
 
 def _reference_muon(params, grads_per_step, lr, momentum, wd):
@@ -246,3 +270,15 @@ def test_gloo_two_process_step_matches_single_process(tmp_path):
         assert (p - q).abs().max() < 1e-5, name
         moved = max(moved, (p - tiny_model(VOCAB).get_parameter(name)).abs().max().item())
     assert moved > 1e-2  # the steps really changed the parameters
+
+
+def test_bench_optim_runs_and_validates_flags():
+    from scripts import bench_optim
+    row = bench_optim.main(["--device", "cpu", "--depth", "1", "--vocab-size", "64", "--steps", "2",
+                            "--warmup", "1", "--top", "3"])
+    model = bench_optim.build(bench_optim.parse_args(["--depth", "1", "--vocab-size", "64"]), torch.device("cpu"))[0]
+    assert row["muon_params"] + row["adamw_params"] == sum(p.numel() for p in model.parameters())
+    assert row["ms_median"] >= row["ms_min"] > 0 and len(row["top"]) == 3
+    assert any("bmm" in k["kernel"] for k in row["top"])  # Polar Express's products are the heaviest ops
+    with pytest.raises(ValueError, match="--steps"):
+        bench_optim.parse_args(["--steps", "0"])
