@@ -100,18 +100,14 @@ def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd) 
     p.add_(exp_avg / ((exp_avg_sq / bias2).sqrt() + eps) * (-lr / bias1))
 
 
-def _apply_muon(params, update, lr: float, wd: float, cautious: bool) -> None:
-    """p -= lr * (update + wd * p * mask) for each param, from a stacked (>=K, m, n) update."""
-    updates = list(update[: len(params)].unbind(0))
-    if wd == 0:
-        torch._foreach_add_(params, updates, alpha=-lr)
-        return
-    for p, u in zip(params, updates):
-        u = u.to(p.dtype)
-        decay = p * wd
-        if cautious:  # decay only coordinates the update also shrinks (sign agreement)
-            decay = decay * ((u * p) >= 0)
-        p.sub_((u + decay) * lr)
+def muon_decay_step(p, u, lr, wd, cautious: bool) -> None:
+    """p -= lr * (u + wd * p [* mask]) on one tensor (compiled on CUDA: one pass instead of ~8);
+    lr and wd are 0-dim tensors."""
+    u = u.to(p.dtype)
+    decay = p * wd
+    if cautious:  # decay only coordinates the update also shrinks (sign agreement)
+        decay = decay * ((u * p) >= 0)
+    p.sub_((u + decay) * lr)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -168,7 +164,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # -- step functions (compiled lazily on CUDA) ----------------------------------------------
     def _fn(self, name: str, device: torch.device):
         fn = {"muon": muon_update, "adamw": adamw_update, "momentum": muon_momentum_step,
-              "ortho": orthogonalize}[name]
+              "ortho": orthogonalize, "decay": muon_decay_step}[name]
         use_compile = self._compile if self._compile is not None else device.type == "cuda"
         if not use_compile:
             return fn
@@ -184,6 +180,16 @@ class MuonAdamW(torch.optim.Optimizer):
         fn = self._fn("muon", grad_stack.device)
         return fn(grad_stack, state["momentum_buffer"], momentum, bool(group.get("nesterov", True)),
                   int(group.get("ns_steps", 5)))
+
+    def _apply_muon(self, group, params, update) -> None:
+        """p -= lr * (update + wd * p * mask) for each param, from a stacked (>=K, m, n) update: one
+        compiled pass per weight on CUDA. (`torch._foreach_add_` has no fast path for a bf16 update
+        into float32 weights: it launched an add per weight and ran slower, H100 d20: 2.0 vs 1.5 ms.)"""
+        fn, wd = self._fn("decay", params[0].device), float(group["weight_decay"])
+        cautious = bool(group.get("cautious_wd", True)) and wd != 0
+        lr_t, wd_t = torch.tensor(float(group["lr"])), torch.tensor(wd)
+        for p, u in zip(params, update[: len(params)].unbind(0)):
+            fn(p, u, lr_t, wd_t, cautious)
 
     def _adamw_tensor(self, group, p_view, grad, state) -> None:
         if "step" not in state:
@@ -225,7 +231,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 continue
             grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
             update = self._muon_chunk(group, grads, params[0])
-            _apply_muon(params, update, group["lr"], group["weight_decay"], group.get("cautious_wd", True))
+            self._apply_muon(group, params, update)
 
     def _step_distributed(self) -> None:
         W, r = self.world_size, self.rank
@@ -270,7 +276,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for group, full, work in gathers:
             work.wait()
             if group is not None:
-                _apply_muon(group["params"], full, group["lr"], group["weight_decay"], group.get("cautious_wd", True))
+                self._apply_muon(group, group["params"], full)
 
 
     def _step_fsdp(self) -> None:
@@ -306,8 +312,7 @@ class MuonAdamW(torch.optim.Optimizer):
             rows = -(-m // p0.device_mesh.size())  # torch.chunk sizes, as Shard(0) uses
             start = min(p0.device_mesh.get_local_rank() * rows, m)
             assert local[0].size(0) == min(rows, m - start), "local shard is not a torch.chunk row range"
-            _apply_muon(local, update[:, start:start + local[0].size(0)], group["lr"], group["weight_decay"],
-                        group.get("cautious_wd", True))
+            self._apply_muon(group, local, update[:, start:start + local[0].size(0)])
 
 
 def _uses_dtensors(param_groups) -> bool:

@@ -26,7 +26,7 @@ import torch
 from nanochat.common import destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import build_optimizer
-from nanochat.training import FlagParser, require_int
+from nanochat.training import FlagParser, require_float, require_int
 
 
 def parse_args(argv=None):
@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the step functions compile)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="Muon's (cautious) weight decay, as base_train's flag")
     p.add_argument("--top", type=int, default=0, help="profile one step and list its N heaviest kernels")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
@@ -43,6 +44,7 @@ def parse_args(argv=None):
     require_int(a.steps, "--steps", 1)
     require_int(a.warmup, "--warmup", 0)
     require_int(a.top, "--top", 0)
+    require_float(a.weight_decay, "--weight-decay", 0.0)
     return a
 
 
@@ -55,7 +57,7 @@ def build(args, device):
     gen = torch.Generator(device=device).manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, device=device, dtype=p.dtype, generator=gen) * 1e-3
-    return model, build_optimizer(model)
+    return model, build_optimizer(model, weight_decay=args.weight_decay)
 
 
 def timed(rt, optimizer, steps: int) -> list[float]:
@@ -102,7 +104,7 @@ def main(argv=None) -> dict:
         kinds = {k: sum(p.numel() for g in optimizer.param_groups if g["kind"] == k for p in g["params"])
                  for k in ("muon", "adamw")}
         row = {"bench": "optim", "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else rt.device.type,
-               "torch": torch.__version__, "depth": args.depth, "vocab_size": args.vocab_size,
+               "torch": torch.__version__, "depth": args.depth, "vocab_size": args.vocab_size, "weight_decay": args.weight_decay,
                "muon_params": kinds["muon"], "adamw_params": kinds["adamw"], "steps": args.steps,
                "ms_median": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3)}
         if args.top:

@@ -54,7 +54,8 @@
 #   refab      this tree vs REF_TREE (a copy of an earlier commit): REFAB_TESTS (pytest -m cuda paths), then
 #              bench_train d20 triton bf16 at REFAB_BATCH (default 2^20) in the order REFAB_ORDER ("new ref new")
 #   optab      the optimizer step alone (bench_optim d20): this tree vs REF_TREE alternating in OPTAB_ORDER (default
-#              "new ref new ref"; the first run of each lists its top kernels), then pytest -m cuda tests/test_optim.py
+#              "new ref new ref"; the first run of each lists its top kernels; OPTAB_WD: Muon's weight decay, default 0),
+#              then pytest -m cuda tests/test_optim.py tests/test_training.py
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -220,7 +221,7 @@ if has optab; then
     dir=$PWD; [ "$arm" = ref ] && dir=$REF_TREE
     top=0; [ $n -le 2 ] && top=25
     step "bench_optim_${arm}_$n" 300 env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH#$PWD:}" $PY -m scripts.bench_optim \
-         --depth 20 --steps 30 --top $top
+         --depth 20 --steps 30 --top $top --weight-decay "${OPTAB_WD:-0}"
   done
   step pytest_optim 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_optim.py tests/test_training.py
 fi
