@@ -5,7 +5,8 @@ for the blocks' matrices, one stacked group per shape, AdamW for the embedding, 
 and lm_head tables and the scalars), on fixed random gradients. It warms up (the CUDA step
 functions compile on first use), times --steps steps with CUDA events (wall clock on CPU) and
 prints the median and min ms per step; with --top N it profiles one step and lists the N kernels
-with the most device time (calls, ms) and how many kernels the step launches.
+with the most device time (calls, ms) and, on CUDA, how busy the GPU was (kernels per step, idle
+time, the largest gaps: profile_training's device_busy).
 
 Why a benchmark of its own: at d20 the step runs once per 16 micro-batches (~0.6% of base_train's
 time on an H100), below what a whole-step A/B resolves, but a change to it shows here directly.
@@ -78,20 +79,19 @@ def timed(rt, optimizer, steps: int) -> list[float]:
     return out
 
 
-def top_kernels(rt, optimizer, n: int) -> tuple[list[dict], int]:
-    """The n kernels with the most device time in one profiled step, and the step's kernel count."""
+def profiled(rt, optimizer, n: int) -> dict:
+    """One step under torch.profiler: its n heaviest kernels and (CUDA) how busy the GPU was."""
     from torch.profiler import ProfilerActivity, profile
 
-    from scripts.profile_training import _device_us
+    from scripts.profile_training import device_busy, top_kernels
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         optimizer.step()
         rt.synchronize()
-    events = [e for e in prof.key_averages() if _device_us(e) > 0]
-    kernels = [e for e in events if e.device_type.name == "CUDA"] or events
-    kernels.sort(key=_device_us, reverse=True)
-    rows = [{"kernel": e.key[:100], "calls": e.count, "ms": round(_device_us(e) / 1e3, 3)} for e in kernels[:n]]
-    return rows, sum(e.count for e in kernels)
+    out = {"top": top_kernels(prof, 1, n, skip=("Optimizer.step#MuonAdamW.step",))}
+    if rt.device.type == "cuda":
+        out["device_busy"] = device_busy(prof.events(), 1)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -108,12 +108,12 @@ def main(argv=None) -> dict:
                "muon_params": kinds["muon"], "adamw_params": kinds["adamw"], "steps": args.steps,
                "ms_median": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3)}
         if args.top:
-            row["top"], row["kernels_per_step"] = top_kernels(rt, optimizer, args.top)
+            row.update(profiled(rt, optimizer, args.top))
         print(json.dumps(row), flush=True)
         print(f"\n{'depth':>5} {'Muon params':>12} {'AdamW params':>13} {'ms median':>10} {'ms min':>8}")
         print(f"{args.depth:>5} {kinds['muon']:>12,} {kinds['adamw']:>13,} {row['ms_median']:>10.3f} {row['ms_min']:>8.3f}")
         for k in row.get("top", []):
-            print(f"  {k['ms']:>8.3f} ms {k['calls']:>5}x  {k['kernel']}")
+            print(f"  {k['device_ms_per_step']:>8.3f} ms {k['calls_per_step']:>5}x  {k['kernel']}")
         return row
     finally:
         destroy_runtime(rt)

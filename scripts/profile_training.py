@@ -156,14 +156,20 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
         prof.export_chrome_trace(args.trace)
     if rt.device.type == "cuda":
         print(json.dumps({"device_busy": device_busy(prof.events(), args.profile_steps)}), flush=True)
+    return top_kernels(prof, args.profile_steps, args.top, skip=("data", "forward", "backward", "optimizer"))
+
+
+def top_kernels(prof, steps: int, top: int, skip=()) -> list[dict]:
+    """The `top` kernels of a finished torch.profiler run by device time (CPU operators when no
+    CUDA kernel ran), per profiled step; `skip`: record_function labels to leave out."""
     events = [e for e in prof.key_averages() if _device_us(e) > 0 and not e.key.startswith("ProfilerStep")
-              and e.key not in ("data", "forward", "backward", "optimizer")]
+              and e.key not in skip]
     kernels = [e for e in events if e.device_type.name == "CUDA"] or events
     total = sum(_device_us(e) for e in kernels) or 1.0
     kernels.sort(key=_device_us, reverse=True)
-    return [{"kernel": e.key[:120], "device_ms_per_step": round(_device_us(e) / 1e3 / args.profile_steps, 3),
-             "share_pct": round(100 * _device_us(e) / total, 1), "calls_per_step": e.count // args.profile_steps,
-             "mean_us": round(_device_us(e) / max(e.count, 1), 1)} for e in kernels[: args.top]]
+    return [{"kernel": e.key[:120], "device_ms_per_step": round(_device_us(e) / 1e3 / steps, 3),
+             "share_pct": round(100 * _device_us(e) / total, 1), "calls_per_step": e.count // steps,
+             "mean_us": round(_device_us(e) / max(e.count, 1), 1)} for e in kernels[:top]]
 
 
 def device_busy(events, steps: int, top_gaps: int = 8) -> dict:
