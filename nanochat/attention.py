@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from nanochat import cudnn_attention  # defines two custom ops; imports nothing from cuDNN
 from nanochat import fa4_attention  # imports nothing from flash-attn-4
+from nanochat.errors import RequestError
 from nanochat.fa4_attention import FA4_AUTO_CAPABILITIES  # where auto may pick cudnn_fa4
 
 BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
@@ -80,7 +81,7 @@ def resolve_backend(name: str, device) -> str:
     if name in ("sdpa_flex", "sdpa_cudnn"):
         return name  # already resolved (cudnn_fa4 is both a choice and a resolved name)
     if name not in BACKEND_CHOICES:
-        raise ValueError(f"--attn-backend: got {name!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
+        raise RequestError(f"--attn-backend: got {name!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
     device_type = torch.device(device).type
     if name == "auto":
         # CUDA: the window layers need a block-sparse kernel: cuDNN's band-masked one where
@@ -93,15 +94,15 @@ def resolve_backend(name: str, device) -> str:
         return "sdpa_cudnn" if cudnn_attention.proven(device) else "sdpa_flex"
     if name in ("cudnn", "cudnn_fa4"):
         if device_type != "cuda":
-            raise ValueError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
+            raise RequestError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
                              "accepted here: auto|sdpa|flex|reference")
         if not torch.compiler.is_compiling():  # eager check
             reason = cudnn_attention.available() or (fa4_attention.available() if name == "cudnn_fa4" else None)
             if reason is not None:
-                raise ValueError(f"--attn-backend {name}: {reason}")
+                raise RequestError(f"--attn-backend {name}: {reason}")
         return "sdpa_cudnn" if name == "cudnn" else name
     if name == "flex" and device_type not in ("cuda", "cpu"):
-        raise ValueError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
+        raise RequestError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
                          "accepted here: auto|sdpa|reference")
     return name
 
@@ -386,7 +387,7 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
     elif backend == "cudnn_fa4" and device.type == "cuda":
         reason = fa4_attention.probe(device)
         if reason is not None:
-            raise ValueError(f"--attn-backend cudnn_fa4: {reason}")
+            raise RequestError(f"--attn-backend cudnn_fa4: {reason}")
     backend = resolve_backend(backend, device)
     block_size = _split_flex_options(flex_options_for(device))[0] if backend in ("flex", "sdpa_flex") else None
     for window in set(windows):

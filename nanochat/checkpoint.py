@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from nanochat.common import barrier, get_base_dir
+from nanochat.errors import RequestError
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
@@ -44,8 +45,9 @@ MODEL_NAME = "model.pt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or incompatible; the message names the path."""
+class CheckpointError(RequestError):
+    """A checkpoint is missing, incomplete or incompatible; the message names the path: a
+    RequestError, so the scripts print it as one line."""
 
 
 # ------------------------------------------------------------------------------------ paths

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from nanochat.errors import RequestError
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 DTYPE_ALIASES = {
     "auto": None,
@@ -89,16 +91,16 @@ def _torchrun_position() -> tuple[bool, int, int, int]:
         rank = int(env.get("RANK", "0"))
         local_rank = int(env.get("LOCAL_RANK", "0"))
     except ValueError as e:
-        raise ValueError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): {e}") from None
+        raise RequestError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): {e}") from None
     ddp = world_size > 1 or "RANK" in env
     if world_size < 1 or not (0 <= rank < world_size):
-        raise ValueError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size}")
+        raise RequestError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size}")
     return ddp, rank, local_rank, world_size
 
 
 def _resolve_device_type(device: str) -> str:
     if device not in DEVICE_CHOICES:
-        raise ValueError(f"--device: got {device!r}; accepted: {'|'.join(DEVICE_CHOICES)}")
+        raise RequestError(f"--device: got {device!r}; accepted: {'|'.join(DEVICE_CHOICES)}")
     if device == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -106,31 +108,31 @@ def _resolve_device_type(device: str) -> str:
             return "mps"
         return "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, "
+        raise RequestError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, "
                          f"built for CUDA {torch.version.cuda}); use --device cpu or auto")
     if device == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps: the MPS backend is not available on this machine; use --device cpu or auto")
+        raise RequestError("--device mps: the MPS backend is not available on this machine; use --device cpu or auto")
     return device
 
 
 def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
     """Explicit argument, else $NANOCHAT_DTYPE, else bf16 on a bf16-capable GPU and fp32 elsewhere."""
     if dtype not in DTYPE_ALIASES:
-        raise ValueError(f"--dtype: got {dtype!r}; accepted: auto|bf16|fp32")
+        raise RequestError(f"--dtype: got {dtype!r}; accepted: auto|bf16|fp32")
     env_value = os.environ.get(DTYPE_ENV, "").strip()
     if env_value and env_value not in DTYPE_ALIASES:
-        raise ValueError(f"{DTYPE_ENV}: got {env_value!r}; accepted: auto|bf16|fp32")
+        raise RequestError(f"{DTYPE_ENV}: got {env_value!r}; accepted: auto|bf16|fp32")
     requested = DTYPE_ALIASES[dtype]
     from_env = DTYPE_ALIASES[env_value] if env_value else None
     if requested is not None and from_env is not None and requested != from_env:
-        raise ValueError(f"--dtype {dtype} conflicts with {DTYPE_ENV}={env_value}; drop one of them")
+        raise RequestError(f"--dtype {dtype} conflicts with {DTYPE_ENV}={env_value}; drop one of them")
     chosen = requested or from_env
     bf16_gpu = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if chosen is None:
         return torch.bfloat16 if bf16_gpu else torch.float32
     if chosen == torch.bfloat16 and device_type == "cuda" and not bf16_gpu:
         name = torch.cuda.get_device_name()
-        raise ValueError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32")
+        raise RequestError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32")
     return chosen
 
 
@@ -147,7 +149,7 @@ def _seed_everything(seed: int, device_type: str) -> None:
 def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> Runtime:
     """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32."""
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"--seed: got {seed!r}; accepted: an integer >= 0")
+        raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0")
     device_type = _resolve_device_type(device)
     compute_dtype = _resolve_dtype(dtype, device_type)
     # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
@@ -161,7 +163,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
         from nanochat.platform import configure_env_before_cuda
         configure_env_before_cuda()
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
+            raise RequestError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
                              f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")
         torch_device = torch.device("cuda", local_rank)
         torch.cuda.set_device(torch_device)
@@ -171,7 +173,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
     else:
         torch_device = torch.device(device_type)
     if ddp and device_type == "mps":
-        raise ValueError("--device mps: torchrun (distributed) is not supported on MPS; use cuda or cpu")
+        raise RequestError("--device mps: torchrun (distributed) is not supported on MPS; use cuda or cpu")
 
     if ddp:
         import torch.distributed as dist
@@ -202,6 +204,28 @@ def barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def script_main(name: str, check, run) -> None:
+    """The `if __name__ == "__main__"` of a recipe script: check() parses and validates the command
+    line (any ValueError there is a bad flag), then run() does the work (a RequestError there is a
+    request that this machine or its files cannot meet: nanochat/errors.py). Either prints
+    `<name>: error: <message>` and exits 2, with no traceback; run()'s int return value is the
+    exit code (anything else: 0)."""
+    try:
+        check()
+    except ValueError as e:
+        _exit_with_error(name, e)
+    try:
+        code = run()
+    except RequestError as e:
+        _exit_with_error(name, e)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _exit_with_error(name: str, error: Exception) -> None:
+    print(f"{name}: error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_cli(main) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from nanochat.common import get_base_dir, print0
+from nanochat.errors import MissingDataError
 from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -477,7 +478,7 @@ def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource]
     if (bundle / "core.yaml").is_file():
         return _bundle_sources(bundle), f"bundle:{bundle}"
     if bundle_dir is not None:
-        raise FileNotFoundError(f"--bundle-dir: {bundle} has no core.yaml (run download_eval_bundle())")
+        raise MissingDataError(f"--bundle-dir: {bundle} has no core.yaml (run download_eval_bundle())")
     sources, dirs = _offline_sources(data_dir)
     if not sources:
         raise DataUnavailableError(

@@ -48,6 +48,7 @@ import torch
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
+from nanochat.errors import MissingDataError
 
 STATE_VERSION = 1
 IGNORE_INDEX = -1
@@ -335,7 +336,7 @@ class DataLoader:
     def _bin_split(bin_dir: Path, split: str) -> list[Path]:
         paths = bs.list_bin_shards(bin_dir)
         if len(paths) < 2:
-            raise FileNotFoundError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "
+            raise MissingDataError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "
                                     f"found {len(paths)}; create them with `python -m scripts.pretokenize` "
                                     "or read text shards (source='text')")
         return paths[:-1] if split == "train" else paths[-1:]

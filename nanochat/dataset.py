@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import get_base_dir
+from nanochat.errors import MissingDataError
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
 SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
@@ -56,12 +57,12 @@ def default_data_dir(base_dir: str | Path | None = None) -> Path:
 
 
 def list_shards(data_dir: str | Path) -> list[Path]:
-    """Sorted *.parquet in data_dir; FileNotFoundError naming the directory when there are none."""
+    """Sorted *.parquet in data_dir; MissingDataError (a FileNotFoundError) naming the directory when there are none."""
     data_dir = Path(data_dir)
     shards = sorted(p for p in data_dir.glob("*.parquet") if not p.name.startswith(".")) \
         if data_dir.is_dir() else []
     if not shards:
-        raise FileNotFoundError(f"no text shards (*.parquet) in {data_dir}; {_HOW_TO_GET}")
+        raise MissingDataError(f"no text shards (*.parquet) in {data_dir}; {_HOW_TO_GET}")
     return shards
 
 

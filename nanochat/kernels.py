@@ -41,6 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from nanochat.errors import RequestError
+
 IGNORE_INDEX = -1
 KERNELS = ("current", "liger", "triton")
 REDUCTIONS = ("mean", "sum", "none")
@@ -362,7 +364,7 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
     """The loss function for `--kernel name` on `device`; raises ValueError for a bad name and
     RuntimeError with what to do when the backend cannot run there."""
     if name not in KERNELS:
-        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+        raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     dev = torch.device(device)
     if name == "current":
         return current_loss
@@ -392,7 +394,7 @@ def build_mlp(name: str, device: torch.device | str, precision: str, *, layer: t
     TE / torchao layers, layers kept high-precision, the other fp8 wgrad modes, nvfp4, CPU, older
     GPUs, a failed probe (printed)."""
     if name not in KERNELS:
-        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+        raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     fp8 = precision == "fp8" and _is_fp8_save_layer(layer)
     if name != "triton" or not (precision == "bf16" or fp8) or torch.device(device).type != "cuda":
         return None
@@ -428,7 +430,7 @@ def build_mix_norm(name: str, device: torch.device | str = "cpu"):
     model's plain autograd version) for current and liger; for triton the fused op of
     nanochat/fused_norm.py, which keeps one (B, T, C) tensor less per layer for backward."""
     if name not in KERNELS:
-        raise ValueError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+        raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     if name != "triton":
         return None
     build_loss_fn(name, device)   # the same device and Triton checks, raised the same way

@@ -29,6 +29,8 @@ from typing import Any, Callable, MutableMapping
 
 import torch
 
+from nanochat.errors import RequestError
+
 log = logging.getLogger("nanochat.platform")
 
 PRECISIONS = ("bf16", "fp8", "nvfp4", "fp32")
@@ -156,7 +158,7 @@ def detect_device(device: torch.device | str | None = None, props: Any = None) -
     if dev.type in ("cpu", "mps"):
         return CPU_SPEC if dev.type == "cpu" else MPS_SPEC
     if dev.type != "cuda":
-        raise ValueError(f"--device: got {dev.type!r}; accepted: cuda|cpu|mps")
+        raise RequestError(f"--device: got {dev.type!r}; accepted: cuda|cpu|mps")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return spec_from_props(torch.cuda.get_device_properties(index))
 
@@ -167,11 +169,11 @@ def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None
     the caller warns and asks for --peak-flops instead of printing 0% MFU."""
     if override is not None:
         if override <= 0:
-            raise ValueError(f"--peak-flops: got {override}; must be > 0 (FLOP/s, e.g. 989e12)")
+            raise RequestError(f"--peak-flops: got {override}; must be > 0 (FLOP/s, e.g. 989e12)")
         return float(override)
     key = {"tf32": "fp32", "nvfp4-emulated": "bf16", "auto": "bf16"}.get(precision, precision)
     if key not in PRECISIONS:
-        raise ValueError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
+        raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
     tflops = spec.peak_tflops.get(key)
     return None if tflops is None else tflops * 1e12
 
@@ -438,7 +440,7 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
     """Apply the workarounds `spec` needs and return their names (each logged once).
     Tests pass a fake `ctx`; the default touches the real process."""
     if kernel not in KERNELS:
-        raise ValueError(f"--kernel: got {kernel!r}; accepted: {'|'.join(KERNELS)}")
+        raise RequestError(f"--kernel: got {kernel!r}; accepted: {'|'.join(KERNELS)}")
     ctx = ctx or PatchContext.real(spec)
     uses_triton = compile or kernel in ("liger", "triton")
     applied = [

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.errors import RequestError
 from nanochat.platform import DeviceSpec, detect_device
 from nanochat.precision_te import build_te_recipe, te_factory
 from nanochat.precision_te import te_available as _te_importable
@@ -91,15 +92,15 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
             torchao_available: bool | None = None) -> PrecisionPlan:
     """Validate `precision` x `backend` against the device; raise ValueError saying what to do."""
     if precision not in PRECISIONS:
-        raise ValueError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
+        raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
     if backend not in BACKENDS:
-        raise ValueError(f"--precision-backend: got {backend!r}; accepted: {'|'.join(BACKENDS)}")
+        raise RequestError(f"--precision-backend: got {backend!r}; accepted: {'|'.join(BACKENDS)}")
     spec = spec or detect_device()
     if precision == "auto":
         precision = compute_dtype
     if precision in ("bf16", "fp32"):
         if backend not in ("auto",):
-            raise ValueError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
+            raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
         return PrecisionPlan(precision, "none")
     te_ok = _te_importable() if te_available is None else te_available
     ao_ok = _torchao_available() if torchao_available is None else torchao_available
@@ -110,19 +111,19 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
 
 def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
     if backend == "emulated":
-        raise ValueError("--precision-backend emulated: only for --precision nvfp4; "
+        raise RequestError("--precision-backend emulated: only for --precision nvfp4; "
                          "fp8 runs natively (--precision-backend native|te|torchao)")
     if spec.cc is None or spec.cc < (8, 9):
         where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
-        raise ValueError(f"--precision fp8: needs an NVIDIA GPU with compute capability >= 8.9 "
+        raise RequestError(f"--precision fp8: needs an NVIDIA GPU with compute capability >= 8.9 "
                          f"(Ada, Hopper, Blackwell); this is {where}. Use --precision bf16.")
     if backend == "auto":
         backend = "native"   # no extra dependency, compiles into one graph
     if backend == "te" and not te_ok:
-        raise ValueError("--precision-backend te: Transformer Engine is not installed "
+        raise RequestError("--precision-backend te: Transformer Engine is not installed "
                          "(pip install 'transformer-engine[pytorch]'); or use --precision-backend native")
     if backend == "torchao" and not ao_ok:
-        raise ValueError("--precision-backend torchao: torchao is not installed (pip install torchao); "
+        raise RequestError("--precision-backend torchao: torchao is not installed (pip install torchao); "
                          "or use --precision-backend native")
     recipe = {"scaling": "tensorwise", "fwd": "e4m3", "grad": "e5m2"}
     if backend == "te":
@@ -138,13 +139,13 @@ def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
     hint = "use --precision fp8 or bf16, or --precision nvfp4 --precision-backend emulated (numerics only)"
     if spec.cc is None or spec.cc[0] < 10:
         where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
-        raise ValueError(f"--precision nvfp4: needs a Blackwell GPU (compute capability >= 10.0); "
+        raise RequestError(f"--precision nvfp4: needs a Blackwell GPU (compute capability >= 10.0); "
                          f"this is {where}. {hint}")
     if backend in ("native", "torchao"):
-        raise ValueError(f"--precision-backend {backend}: nvfp4 training is only wired through "
+        raise RequestError(f"--precision-backend {backend}: nvfp4 training is only wired through "
                          "Transformer Engine here; accepted for nvfp4: auto|te|emulated")
     if not te_ok:
-        raise ValueError("--precision nvfp4: needs Transformer Engine >= 2.8 "
+        raise RequestError("--precision nvfp4: needs Transformer Engine >= 2.8 "
                          "(pip install 'transformer-engine[pytorch]'); " + hint)
     return PrecisionPlan("nvfp4", "te", {"recipe": "NVFP4BlockScaling"})
 
@@ -309,7 +310,7 @@ def set_fp8_wgrad_mode(model: nn.Module, mode: str) -> int:
     `scripts/bench_train.py --precision fp8,fp8lean,fp8plain` compares them. Returns how many
     layers were set."""
     if mode not in FP8_WGRAD_MODES:
-        raise ValueError(f"--fp8-wgrad: got {mode!r}; accepted: {'|'.join(FP8_WGRAD_MODES)}")
+        raise RequestError(f"--fp8-wgrad: got {mode!r}; accepted: {'|'.join(FP8_WGRAD_MODES)}")
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
         layer.wgrad_mode = mode
@@ -496,7 +497,7 @@ def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "a
     plan = resolve(precision, backend, spec, compute_dtype=getattr(rt, "dtype_name", "bf16"))
     native_fp8 = plan.precision == "fp8" and plan.backend == "native"
     if fp8_wgrad != "save" and not native_fp8:
-        raise ValueError(f"--fp8-wgrad {fp8_wgrad}: applies to native fp8 only (--precision fp8 "
+        raise RequestError(f"--fp8-wgrad {fp8_wgrad}: applies to native fp8 only (--precision fp8 "
                          f"--precision-backend native); this run resolved to {plan.precision} via {plan.backend}")
     info: dict[str, Any] = {}
     if plan.backend != "none":

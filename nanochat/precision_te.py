@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from nanochat.errors import RequestError
 from nanochat.platform import DeviceSpec, prepare_te_import
 
 log = logging.getLogger("nanochat.precision")
@@ -44,7 +45,7 @@ def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile
     if precision == "fp8":
         if fp8_recipe == "delayed":
             if compile:
-                raise ValueError("--precision-backend te with DelayedScaling errors under torch.compile; "
+                raise RequestError("--precision-backend te with DelayedScaling errors under torch.compile; "
                                  "use the default Float8CurrentScaling or turn compile off")
             cls = te_recipe.DelayedScaling
         else:
@@ -66,7 +67,7 @@ def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile
             log.warning("TE NVFP4BlockScaling has no backward_override (TE < 2.15): the backward "
                         "runs in NVFP4 too")
     else:
-        raise ValueError(f"--precision {precision}: no Transformer Engine recipe")
+        raise RequestError(f"--precision {precision}: no Transformer Engine recipe")
     unknown = set(wanted) - recipe_fields(cls)
     if unknown:
         raise RuntimeError(f"TE {cls.__name__} lacks fields {sorted(unknown)}; upgrade TE")

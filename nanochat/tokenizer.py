@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import tiktoken
 
+from nanochat.errors import RequestError
+
 if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
     import torch
 
@@ -57,8 +59,9 @@ MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
 
 
-class TokenizerError(ValueError):
-    """A tokenizer on disk is missing, corrupt or incompatible; the message names the path."""
+class TokenizerError(RequestError):
+    """A tokenizer on disk is missing, corrupt or incompatible; the message names the path (and
+    how to create one): a RequestError, so the scripts print it as one line."""
 
     def __init__(self, path: str | Path, problem: str):
         self.path = Path(path)

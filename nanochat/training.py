@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from nanochat import weight_cache
+from nanochat.errors import RequestError
 from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes import it from here)
 
 # ------------------------------------------------------------------------------------ errors
@@ -82,7 +83,7 @@ class FlagParser(argparse.ArgumentParser):
 def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
     """The one validation primitive: ValueError('--flag: got X; accepted: ...')."""
     if not ok:
-        raise ValueError(f"{flag}: got {got!r}; accepted: {accepted}")
+        raise RequestError(f"{flag}: got {got!r}; accepted: {accepted}")
 
 
 def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:
@@ -145,7 +146,7 @@ def plan_batch(total_batch_size: int, device_batch_size: int, seq_len: int, worl
     require_int(total_batch_size, flag)
     per_micro = device_batch_size * seq_len * world_size
     if total_batch_size % per_micro != 0:
-        raise ValueError(
+        raise RequestError(
             f"{flag}: got {total_batch_size:,} tokens, which is not a multiple of --device-batch-size x "
             f"--max-seq-len x world size = {device_batch_size} x {seq_len} x {world_size} = {per_micro:,}; "
             f"accepted: a multiple of {per_micro:,} (e.g. {max(per_micro, total_batch_size // per_micro * per_micro):,})")
@@ -435,7 +436,7 @@ def precision_module(precision: str):
         import nanochat.precision as P
     except ImportError:
         if precision in ("fp8", "nvfp4"):
-            raise ValueError(f"--precision {precision}: not built yet (nanochat/precision.py is missing); "
+            raise RequestError(f"--precision {precision}: not built yet (nanochat/precision.py is missing); "
                              "accepted now: auto|bf16|fp32") from None
         return None
     return P
@@ -453,7 +454,7 @@ def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile
     """precision.py converts the model's linears for fp8/nvfp4; bf16/fp32 = the runtime dtype."""
     if (P := precision_module(precision)) is None:
         if fp8_wgrad != "save":
-            raise ValueError(f"--fp8-wgrad {fp8_wgrad}: applies to --precision fp8 only (got {precision})")
+            raise RequestError(f"--fp8-wgrad {fp8_wgrad}: applies to --precision fp8 only (got {precision})")
         return {"precision": rt.dtype_name, "backend": "none", "peak_key": rt.dtype_name}
     return P.apply_precision(model, precision, rt, backend, compile=compile, fp8_wgrad=fp8_wgrad)
 

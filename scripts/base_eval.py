@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
 from nanochat.training import (DEFAULT_PROMPTS, FlagParser, evaluate_bpb, require, require_int,
                                sample_prompts)
 
@@ -165,13 +165,4 @@ def log_report(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        config = parse_config(sys.argv[1:])
-    except ValueError as e:
-        print(f"base_eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    rt_ = init_runtime(config.device, config.dtype, config.seed)
-    try:
-        evaluate(config, rt_)
-    finally:
-        destroy_runtime(rt_)
+    script_main("base_eval", lambda: parse_config(sys.argv[1:]), lambda: main(sys.argv[1:]))

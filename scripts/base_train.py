@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
 from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
                            run_training_loop)
 from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
@@ -361,9 +361,4 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
 
 
 if __name__ == "__main__":
-    try:
-        config = parse_config(sys.argv[1:])
-    except ValueError as e:  # bad flags: a one-line error, no traceback
-        print(f"base_train: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    run(config)
+    script_main("base_train", lambda: parse_config(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.common import destroy_runtime, init_runtime
+from nanochat.common import destroy_runtime, init_runtime, script_main
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
 from nanochat.training import FlagParser, require, require_int
@@ -317,10 +317,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        parse_config(sys.argv[1:])
-    except ValueError as e:
-        print(f"bench_train: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    results = main(sys.argv[1:])
-    sys.exit(1 if any("error" in r for r in results) else 0)
+    script_main("bench_train", lambda: parse_config(sys.argv[1:]),
+                lambda: 1 if any("error" in r for r in main(sys.argv[1:])) else 0)

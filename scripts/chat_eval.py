@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
 from nanochat.training import FlagParser, require
 
 SOURCES = ("base", "mid", "sft", "rl")
@@ -167,14 +167,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        parse_args(sys.argv[1:])  # bad flags: a one-line error, before anything is loaded
-    except ValueError as e:
-        print(f"chat_eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    from nanochat.tasks import DataUnavailableError
-    try:
-        main(sys.argv[1:])
-    except DataUnavailableError as e:  # names the local paths tried and the hub dataset
-        print(f"chat_eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    script_main("chat_eval", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -20,7 +20,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import FlagParser, Schedule, require, require_float, require_int
 
@@ -196,9 +196,4 @@ def train(cfg: ChatRLConfig, rt) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        parse_config(sys.argv[1:])
-    except ValueError as e:  # bad flags: a one-line error, no traceback
-        print(f"chat_rl: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    main(sys.argv[1:])
+    script_main("chat_rl", lambda: parse_config(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -34,9 +34,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        parse(sys.argv[1:])
-    except ValueError as e:  # bad flags: a one-line error, no traceback
-        print(f"mid_train: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    main(sys.argv[1:])
+    from nanochat.common import script_main
+
+    script_main("mid_train", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,10 +84,18 @@ def test_impossible_batch_arithmetic_raises_with_numbers():
     assert "--total-batch-size" in str(e.value) and "8 x 64 x 1 = 512" in str(e.value)
 
 
-def test_bad_flag_cli_exits_2_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "scripts.base_train", "--depth=-3"], cwd=REPO,
+@pytest.mark.parametrize("args, message", [
+    (["--depth=-3"], "base_train: error: --depth: got -3"),                          # a bad flag
+    (["--device", "cpu", "--precision", "nvfp4"], "base_train: error: --precision nvfp4: needs a Blackwell"),
+    (["--device", "cpu"], "base_train: error: tokenizer at "),                      # nothing set up yet
+])
+def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
+    """Bad flags, requests the machine cannot meet and missing files: one line naming the flag or
+    the path (and what to do), exit 2, no traceback (nanochat.common.script_main)."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "scripts.base_train", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--depth" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------ exact resume

@@ -66,3 +66,17 @@ def test_chat_cli_rejects_bad_flags():
         chat_cli.parse_args(["--decode", "fast"])
     with pytest.raises(ValueError, match="--graph-step.*persistent"):
         chat_cli.parse_args(["--graph-step", "cuda"])
+
+
+def test_chat_cli_without_a_model_says_so_in_one_line(tmp_path):
+    """A fresh machine (no sft checkpoint yet): one line naming where it looked, exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "scripts.chat_cli", "-p", "hi", "--device", "cpu"],
+                       cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("chat_cli: error: no sft checkpoints under ") and str(tmp_path) in r.stderr

@@ -122,3 +122,65 @@ def test_require_module_skips_where_missing_and_fails_under_strict_tests(monkeyp
     monkeypatch.setenv("NANOCHAT_STRICT_TESTS", "1")
     with pytest.raises(pytest.fail.Exception, match="no_such_module_xyz is not installed .install it. .NANOCHAT_STRI"):
         require_module("no_such_module_xyz", "install it")
+
+
+# ------------------------------------------------------------------ script_main (one-line errors)
+
+def _exit(capsys, check, run):
+    from nanochat.common import script_main
+    with pytest.raises(SystemExit) as e:
+        script_main("demo", check, run)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_script_main_prints_user_errors_as_one_line(capsys):
+    from nanochat.errors import MissingDataError, RequestError
+
+    def bad_flag():
+        raise ValueError("--depth: got -1; accepted: an integer >= 1")
+
+    def unmeetable():
+        raise RequestError("--precision nvfp4: needs a Blackwell GPU")
+
+    def no_data():
+        raise MissingDataError("no text shards (*.parquet) in /x")
+
+    assert _exit(capsys, bad_flag, lambda: 0) == (2, "demo: error: --depth: got -1; accepted: an integer >= 1\n")
+    assert _exit(capsys, lambda: None, unmeetable) == (2, "demo: error: --precision nvfp4: needs a Blackwell GPU\n")
+    assert _exit(capsys, lambda: None, no_data) == (2, "demo: error: no text shards (*.parquet) in /x\n")
+    assert _exit(capsys, lambda: None, lambda: 3) == (3, "")
+    assert _exit(capsys, lambda: None, lambda: {"summary": 1}) == (0, "")   # a recipe's dict -> 0
+
+
+def test_script_main_keeps_the_traceback_of_a_bug():
+    """A plain ValueError from the work itself is not the user's: it propagates (traceback)."""
+    from nanochat.common import script_main
+
+    def bug():
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        script_main("demo", lambda: None, bug)
+
+
+def test_library_request_errors_are_request_errors(tmp_path):
+    """What the scripts print as one line: the device, precision and attention requests, a missing
+    tokenizer, checkpoint or data (each still the ValueError / FileNotFoundError callers expect)."""
+    from nanochat import checkpoint, dataset
+    from nanochat.attention import resolve_backend
+    from nanochat.errors import RequestError
+    from nanochat.precision import resolve
+    from nanochat.platform import detect_device
+    from nanochat.tokenizer import Tokenizer
+
+    cases = [lambda: init_runtime("cuda") if not torch.cuda.is_available() else init_runtime("tpu"),
+             lambda: resolve("nvfp4", "auto", detect_device(torch.device("cpu"))),
+             lambda: resolve_backend("cudnn", "cpu"),
+             lambda: Tokenizer.load(tmp_path),
+             lambda: checkpoint.find_model_tag("base", tmp_path),
+             lambda: dataset.list_shards(tmp_path)]
+    for case in cases:
+        with pytest.raises(RequestError):
+            case()
+    with pytest.raises(FileNotFoundError):
+        dataset.list_shards(tmp_path)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from nanochat.common import get_base_dir
+from nanochat.errors import MissingDataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -35,7 +36,7 @@ _KINDS = {
 }
 
 
-class DataUnavailableError(FileNotFoundError):
+class DataUnavailableError(MissingDataError):
     """Neither a local file nor the hub could provide a dataset; the message names both."""
 
 
