@@ -432,6 +432,17 @@ def patch_sm121_warning(spec: DeviceSpec, ctx: PatchContext) -> str | None:
     return "sm121_warning"
 
 
+def patch_triton_fp_fusion(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str | None:
+    """Triton 3.9 warns that 3.10 turns multiply-add fusion off by default; our kernels were tested
+    (bit-equality tests included) with it on: pin TRITON_DEFAULT_FP_FUSION=1 unless the user set it."""
+    if (not spec.is_cuda or not uses_triton or ctx.triton_version is None
+            or _version_tuple(ctx.triton_version) < (3, 9) or "TRITON_DEFAULT_FP_FUSION" in ctx.env):
+        return None
+    ctx.env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    _log_once("fp_fusion", f"Triton {ctx.triton_version}: TRITON_DEFAULT_FP_FUSION=1 (as tested)")
+    return "fp_fusion"
+
+
 KERNELS = ("current", "liger", "triton")
 
 
@@ -449,6 +460,7 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
         patch_is_big_gpu(spec, ctx, compile, max_autotune),
         patch_capture_scalar_outputs(spec, ctx, kernel, compile),
         patch_sm121_warning(spec, ctx),
+        patch_triton_fp_fusion(spec, ctx, uses_triton),
     ]
     return [name for name in applied if name]
 
@@ -585,10 +597,8 @@ def usable_sms(sm_count: int, env: MutableMapping[str, str] | None = None) -> in
     return min(sm_count, max(1, int(sm_count * pct / 100) // 2 * 2))
 
 
-# --------------------------------------------------------------------------------------------
-# `python -m nanochat.platform`: the preflight report lives in nanochat/preflight.py
-
 def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.platform`: the preflight report (nanochat/preflight.py)."""
     from nanochat.preflight import main as preflight_main
     return preflight_main(argv)
 

@@ -25,11 +25,13 @@ attention phase: nanochat/triton_decode_attention.py).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import triton
 
 from nanochat.platform import usable_sms
+from nanochat.triton_aot import programs_per_sm
 from nanochat.triton_decode_kernels import N_PTRS, PHASES, decode_step_kernel
 
 
@@ -37,11 +39,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def unsupported(model, cache) -> str | None:
+def unsupported(model, cache, device_check: bool = True) -> str | None:
     """Why `PersistentDecodeStep(model, cache)` cannot run, or None. Needs: batch 1; the model's
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
     dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim in 16..1024; a
-    CUDA device of compute capability >= 8, or the Triton interpreter."""
+    CUDA device of compute capability >= 8, or the Triton interpreter (`device_check=False`
+    leaves the device out: nanochat/triton_aot builds the step on the CPU to compile it for
+    another GPU, never to launch it)."""
     from nanochat.gpt import GPT, Linear
 
     if not isinstance(model, GPT):
@@ -63,6 +67,8 @@ def unsupported(model, cache) -> str | None:
     if D < 16 or D > 1024 or D & (D - 1):  # <= 1024: the softmax's fixed shift (triton_decode_attention)
         return f"head_dim {D} (needs a power of two in 16..1024)"
     device = cache.k[0].device
+    if not device_check:
+        return None
     if _interpreted():
         return None if device.type == "cpu" else "TRITON_INTERPRET=1 runs CPU tensors only"
     if device.type != "cuda":
@@ -94,7 +100,8 @@ class PersistentDecodeStep:
     def __init__(self, model, cache, *, programs: int | None = None, block_rows: int = 16, block_k: int = 256,
                  block_k_mlp: int = 512, num_warps: int = 8, key_block: int = 64, unroll: int = 5,
                  block_rows_qkv: int | None = 32, block_rows_fc: int | None = 64,
-                 preload: int = 15, programs_per_sm: int = 1, head_stages: int = 1, trace: bool = False):
+                 preload: int = 15, programs_per_sm: int = 1, head_stages: int = 1, trace: bool = False,
+                 aot: bool = False):
         block_rows_qkv = block_rows if block_rows_qkv is None else block_rows_qkv
         block_rows_fc = block_rows if block_rows_fc is None else block_rows_fc
         for name, value in (("block_rows", block_rows), ("block_k", block_k), ("block_k_mlp", block_k_mlp),
@@ -110,7 +117,7 @@ class PersistentDecodeStep:
         if not 0 <= preload <= 15:
             raise ValueError(f"persistent decode step preload: got {preload}; accepted: a bit mask 0..15 "
                              "(1 q/k/v, 2 attention proj, 4 fc, 8 MLP proj)")
-        reason = unsupported(model, cache)
+        reason = unsupported(model, cache, device_check=not aot)
         if reason is not None:
             raise ValueError(f"persistent decode step: {reason}")
         if any(b.attn.qkv_weight is None for b in model.blocks):
@@ -119,6 +126,8 @@ class PersistentDecodeStep:
         cfg, dev = model.config, cache.k[0].device
         self.model, self.cache, self.config = model, cache, cfg
         if programs is None:
+            if aot:
+                raise ValueError("persistent decode step: aot=True needs programs (the target's SM count)")
             sms = 4 if dev.type == "cpu" else torch.cuda.get_device_properties(dev).multi_processor_count
             programs = programs_per_sm * usable_sms(sms)  # all SMs, or the share MPS allows
         if programs < 1:
@@ -188,18 +197,19 @@ class PersistentDecodeStep:
         out = {"x0": d[0]} | {n: sum(d[1 + 5 * i + j] for i in range(L)) for j, n in enumerate(names)}
         return out | {"lm_head": d[-1], "total": (t[-1] - t[0]) / 1e3}
 
-    def _check_resident(self, args, scalars) -> None:
+    def _check_resident(self, args, kwargs) -> None:
         """Compile the kernel and prove the whole grid fits on the GPU at once (the barriers wait
         for every program: a program left waiting for a free SM would hang the step)."""
-        kernel = decode_step_kernel.warmup(*args, layer_arg=0, **scalars, PHASE=-1, grid=(self.programs,),
-                                            **self._meta)
+        kernel = decode_step_kernel.warmup(*args, grid=(self.programs,), **kwargs)
         kernel._init_handles()
         props = torch.cuda.get_device_properties(self.cache.k[0].device)
+        limits = SimpleNamespace(regs_per_sm=props.regs_per_multiprocessor,
+                                 threads_per_sm=props.max_threads_per_multi_processor,
+                                 smem_per_sm=props.shared_memory_per_multiprocessor,
+                                 smem_per_block=getattr(props, "shared_memory_per_block_optin",
+                                                        props.shared_memory_per_multiprocessor))
         warps = self._meta["num_warps"]
-        regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated in 256-register units
-        fits = min(props.regs_per_multiprocessor // max(1, regs_per_warp * warps),
-                   props.max_threads_per_multi_processor // (32 * warps),
-                   props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared))
+        fits = programs_per_sm(limits, kernel.n_regs, kernel.metadata.shared, warps)
         sms = usable_sms(props.multi_processor_count)  # fewer under an MPS thread percentage
         if fits * sms < self.programs:
             raise ValueError(f"persistent decode step: {self.programs} programs of {warps} warps "
@@ -209,22 +219,28 @@ class PersistentDecodeStep:
         self.registers = kernel.n_regs
         self._resident_checked = True
 
-    def launch(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
+    def launch_args(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[tuple, tuple, dict]:
+        """(grid, positional arguments, keyword arguments) of the one-launch kernel (PHASE -1), as
+        launch() passes them (and nanochat/triton_aot compiles them for another GPU)."""
         m, cfg = self.model, self.config
         args = (ids, pos, m.wte.weight, m.lm_head.weight, m.cos, m.sin, m.resid_lambdas, m.x0_lambdas,
                 self._table, self._windows, self._resid, self._qkv, self._gate, self._ynum, self._yden,
                 self._hidden, self._barrier, self.logits, self._trace)
-        scalars = dict(L=cfg.n_layer, V=cfg.vocab_size, T_CACHE=self.cache.seq_len, softcap=float(cfg.softcap),
-                       eps=torch.finfo(torch.float32).eps, sm_scale=cfg.head_dim ** -0.5)
-        grid = (self.programs,)
+        kwargs = dict(layer_arg=0, L=cfg.n_layer, V=cfg.vocab_size, T_CACHE=self.cache.seq_len,
+                      softcap=float(cfg.softcap), eps=torch.finfo(torch.float32).eps,
+                      sm_scale=cfg.head_dim ** -0.5, PHASE=-1, **self._meta)
+        return (self.programs,), args, kwargs
+
+    def launch(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        grid, args, kwargs = self.launch_args(ids, pos)
         if not _interpreted():
             if not self._resident_checked:
-                self._check_resident(args, scalars)
-            decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=-1, **self._meta)
+                self._check_resident(args, kwargs)
+            decode_step_kernel[grid](*args, **kwargs)
             return
         # Interpreter: programs run in turn, so each phase is its own launch (module docstring).
-        decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=0, **self._meta)
-        for layer in range(cfg.n_layer):
+        decode_step_kernel[grid](*args, **(kwargs | dict(PHASE=0)))
+        for layer in range(self.config.n_layer):
             for phase in range(1, PHASES - 1):  # qkv .. proj2 per layer
-                decode_step_kernel[grid](*args, layer_arg=layer, **scalars, PHASE=phase, **self._meta)
-        decode_step_kernel[grid](*args, layer_arg=0, **scalars, PHASE=PHASES - 1, **self._meta)
+                decode_step_kernel[grid](*args, **(kwargs | dict(layer_arg=layer, PHASE=phase)))
+        decode_step_kernel[grid](*args, **(kwargs | dict(PHASE=PHASES - 1)))

@@ -208,7 +208,8 @@ def _probe_launch(dev: torch.device) -> str | None:
 
 def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: torch.Tensor | None = None,
                 *, b_kn: bool = True, scale: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, saturate: float = 0.0, transposed: bool = False):
+                out_dtype: torch.dtype | None = None, saturate: float = 0.0, transposed: bool = False,
+                sms: int | None = None):
     """epilogue(scale * (a @ B)) in `out_dtype` (default a's dtype), float32 accumulation. a (M, K)
     contiguous; B = b (K, N) contiguous when b_kn, else b is an (N, K) contiguous weight and
     B = b.T (the only layout fp8 operands have: Hopper's fp8 MMA reads both K-major); aux (M, N)
@@ -216,7 +217,8 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     of their inverse scales). `amax`: a float32 one-element tensor that receives
     max(amax, max |output|). `saturate` > 0 clamps the result to +-saturate before the cast (an
     fp8 output). `transposed` also writes the output's (N, M) transpose and returns both. Rows of
-    16 bytes or more (TMA)."""
+    16 bytes or more (TMA). `sms`: the persistent grid's SM count (default: the tensors' GPU);
+    nanochat/triton_aot passes a target's to record the CUDA launch from CPU tensors."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue: got {epilogue!r}; accepted: {'|'.join(EPILOGUES)}")
     M, K = a.shape
@@ -236,8 +238,8 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     ptrs = (c if scale is None else scale, c if amax is None else amax)
     flags = dict(EPILOGUE=EPILOGUES[epilogue], B_KN=b_kn, HAS_SCALE=scale is not None, AMAX=amax is not None,
                  SATURATE=float(saturate), TRANSPOSED=transposed)
-    if a.is_cuda:
-        n_sm = torch.cuda.get_device_properties(a.device).multi_processor_count
+    if a.is_cuda or sms is not None:
+        n_sm = sms or torch.cuda.get_device_properties(a.device).multi_processor_count
 
         def grid(meta):
             return (min(n_sm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)

@@ -96,19 +96,21 @@ _tuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "HALF"],
                          prune_configs_by={"early_config_prune": _whole_heads})(_mm_rotary_norm_kernel)
 
 
-def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int):
+def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
+                   sms: int | None = None):
     """(out, rstd): out = norm(rotate(a @ w.T)) per head in a's dtype with rotation pairs
     adjacent, rstd (M, heads) float32. a (M, K) rows (b, t) with t = row % seq_len, w (N, K)
     interleaved weight rows; cos / sin (seq_len, D/2) contiguous give D (the model passes them in
     its compute dtype, as its plain rotary norm uses them: bf16 tables also halve the shared
     memory the kernel needs to bring them into the accumulator's layout, which lets the 128 x 256
     tile fit on an H100). The Triton kernel on CUDA and under TRITON_INTERPRET=1 (float32), else
-    the same math in torch."""
+    the same math in torch. `sms`: the persistent grid's SM count (default: a's GPU); nanochat/
+    triton_aot passes a target's to record the CUDA launch from CPU tensors."""
     M, K = a.shape
     N, half = w.shape[0], cos.shape[1]
     assert w.shape[1] == K and N % (2 * half) == 0 and cos.shape == sin.shape == (seq_len, half)
     assert 2 * half <= MAX_HEAD_DIM and half & (half - 1) == 0 and M % seq_len == 0
-    if not (a.is_cuda or _interpreting()):
+    if not (a.is_cuda or sms is not None or _interpreting()):
         return _mm_rotary_norm_torch(a, w, cos, sin)
     assert a.is_contiguous() and w.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -116,8 +118,8 @@ def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     if M == 0:
         return out, rstd
     descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, w, out)]
-    if a.is_cuda:
-        n_sm = torch.cuda.get_device_properties(a.device).multi_processor_count
+    if a.is_cuda or sms is not None:
+        n_sm = sms or torch.cuda.get_device_properties(a.device).multi_processor_count
 
         def grid(meta):
             return (min(n_sm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)

@@ -14,6 +14,9 @@
 #              vs SDPA decode attention; the decode kernels (triton, triton_fused, sdpa) at batch 1/8;
 #              eager/compile at batch 1 for comparison; graphs with q/k/v fused vs three matmuls; the
 #              persistent batch-1 decode kernel vs the compiled graph
+#   aot        the ahead-of-time compile check (nanochat/triton_aot.py) on this box's Triton: its CUDA test (the
+#              prediction for this GPU = the real compile), scripts.triton_aot for h100-sxm and gb10, and the
+#              persistent decode kernel's CUDA tests after its launch refactor
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
@@ -132,6 +135,11 @@ if has infer; then
   step bench_infer_qkv 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1,8 --decode graphs --fused-qkv on,off
   step bench_infer_persistent 300 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
        --graph-step persistent,compiled
+fi
+if has aot; then
+  step pytest_aot 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_aot.py tests/test_triton_decode.py \
+       tests/test_triton_mlp.py tests/test_triton_qk.py tests/test_engine.py
+  step triton_aot 400 $PY -m scripts.triton_aot --targets h100-sxm,gb10
 fi
 if has pdecode; then
   # the persistent batch-1 kernel: its CUDA tests, a tile sweep of the kernel alone

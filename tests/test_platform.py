@@ -242,3 +242,20 @@ def test_prepare_te_import_points_te_at_torchs_cudnn(tmp_path):
     assert P.prepare_te_import({}, cudnn_dir="", loader=loaded.append) is None
     found = P.torch_cudnn_dir()   # this environment's torch wheel: a folder with lib/, or no pip cuDNN
     assert found is None or (Path(found) / "lib").is_dir()
+
+
+# ------------------------------------------------------------------ Triton's FP-fusion default
+
+def test_triton_fp_fusion_pinned_from_39_unless_user_set():
+    gb10 = detect_device(props=GB10)
+    ctx = fake_ctx(triton_version="3.9.0")
+    assert P.patch_triton_fp_fusion(gb10, ctx, uses_triton=True) == "fp_fusion"
+    assert ctx.env["TRITON_DEFAULT_FP_FUSION"] == "1"
+    assert "fp_fusion" in apply_patches(gb10, kernel="triton", compile=False, ctx=fake_ctx(triton_version="3.10.1"))
+    user = fake_ctx(triton_version="3.9.0", env={"TRITON_DEFAULT_FP_FUSION": "0"})
+    assert P.patch_triton_fp_fusion(gb10, user, uses_triton=True) is None
+    assert user.env["TRITON_DEFAULT_FP_FUSION"] == "0"                      # the user's choice stands
+    for quiet in (fake_ctx(triton_version="3.6.0"), fake_ctx(triton_version=None)):
+        assert P.patch_triton_fp_fusion(gb10, quiet, uses_triton=True) is None and not quiet.env
+    assert P.patch_triton_fp_fusion(gb10, fake_ctx(triton_version="3.9.0"), uses_triton=False) is None
+    assert P.patch_triton_fp_fusion(detect_device(props=None), fake_ctx(triton_version="3.9.0"), True) is None

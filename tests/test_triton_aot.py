@@ -1,0 +1,175 @@
+"""nanochat/triton_aot.py: every Triton kernel of the project compiled on this CPU for the H100
+(sm_90) and GB10 (sm_121) with the installed Triton, and checked against those GPUs' limits;
+the resource arithmetic; launch capture; the command line."""
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanochat import triton_aot as ta
+from nanochat.triton_aot_cases import CASES
+
+REPO = Path(__file__).resolve().parents[1]
+H100, GB10 = ta.TARGETS["h100-sxm"], ta.TARGETS["gb10"]
+
+
+@functools.cache
+def _results(case):
+    """Both targets' results of one case, compiled once per test session."""
+    return ta.check([H100, GB10], only=[case])
+
+
+def _summary(results):
+    sys.path.insert(0, str(REPO))
+    from scripts.triton_aot import summarize
+    return summarize(results)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "decode_step"])
+def test_every_kernel_compiles_and_can_run_on_h100_and_gb10(case):
+    """A plain launch must compile and fit an SM; an autotuned kernel needs at least one config
+    that fits (the autotuner skips the others on that GPU)."""
+    results = _results(case)
+    assert results, case
+    for launch, res in results:
+        assert res.ok or launch.config is not None, (res.target, res.kernel, res.error)
+        if res.ok:
+            assert res.shared is not None and 0 < res.registers <= 255, res
+    for target, _, kernel, n_fit, n, ok in _summary(results):
+        assert ok, f"{kernel} on {target}: {n_fit} of {n} launches fit"
+
+
+def test_gemm_configs_against_gb10_shared_memory():
+    """triton_mlp's config list says its last two bf16 tiles are there for GB10's 101,376 bytes
+    per block: they fit there and the 128x256 ones do not; on the H100 the three-stage 128x256
+    tile fits and the four-stage one does not."""
+    fit = {}
+    for launch, res in _results("mlp_gemm"):
+        if launch.kwargs["EPILOGUE"] == 1 and launch.kwargs["a_desc"].base.dtype == torch.bfloat16:
+            fit[res.target, launch.label] = res.fits(ta.TARGETS[res.target], ta.num_warps_of(launch))
+            assert fit[res.target, launch.label] == (res.shared <= ta.TARGETS[res.target].smem_per_block)
+    assert fit["gb10", "128x128x64/s2/w4"] and fit["gb10", "128x64x64/s3/w4"]
+    assert not fit["gb10", "128x256x64/s3/w8"] and not fit["gb10", "256x128x64/s3/w8"]
+    assert fit["h100-sxm", "128x256x64/s3/w8"] and not fit["h100-sxm", "128x256x64/s4/w8"]
+
+
+@pytest.mark.slow
+def test_persistent_decode_kernel_is_resident_on_every_sm():
+    """The grid-barrier kernel hangs unless all its programs (one per SM) are resident at once."""
+    for launch, res in _results("decode_step"):
+        target = ta.TARGETS[res.target]
+        assert res.ok, res.error
+        assert launch.kwargs["P_P2"] >= target.sms and launch.kwargs["PHASE"] == -1
+        assert ta.programs_per_sm(target, res.registers, res.shared, ta.num_warps_of(launch)) >= 1
+
+
+def test_programs_per_sm_arithmetic():
+    # 255 registers x 8 warps = 65,280 -> one program of 256 threads per SM
+    assert ta.programs_per_sm(H100, 255, 2048, 8) == 1
+    assert ta.programs_per_sm(H100, 32, 0, 4) == 16            # threads: 2048 / 128
+    assert ta.programs_per_sm(GB10, 32, 0, 4) == 12            # GB10: 1536 threads per SM
+    assert ta.programs_per_sm(GB10, 64, 101_376, 4) == 1
+    assert ta.programs_per_sm(GB10, 64, 101_377, 4) == 0       # over the per-block limit
+    assert ta.programs_per_sm(H100, 64, 100_000, 4) == 2       # shared memory per SM
+    real = SimpleNamespace(regs_per_sm=65536, threads_per_sm=2048, smem_per_sm=233_472, smem_per_block=232_448)
+    assert ta.programs_per_sm(real, 128, 0, 8) == 2            # what triton_decode reads off a GPU
+
+
+def test_capture_records_instead_of_running_and_restores():
+    from triton.runtime.jit import JITFunction
+
+    from nanochat import triton_kernels as tk
+
+    before = JITFunction.run
+    with pytest.raises(RuntimeError, match="boom"):
+        with ta.captured("x") as launches:
+            tk.mix_norm_fwd_triton(torch.ones(4, 64), torch.ones(4, 64), torch.ones(2), 1e-6)
+            raise RuntimeError("boom")
+    assert JITFunction.run is before
+    assert len(launches) == 1 and launches[0].fn.__name__ == "_mix_norm_fwd_kernel"
+    assert launches[0].kwargs["BLOCK_C"] == 64 and launches[0].args[0].shape == (4, 64)
+
+
+def test_compile_error_is_a_result_not_an_exception():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bad(x, BLOCK: tl.constexpr):
+        tl.store(x + tl.arange(0, BLOCK), 1.0)   # BLOCK not a power of two: arange rejects it
+
+    res = ta.compile_launch(ta.Launch("t", bad, (torch.empty(3),), {"BLOCK": 3}), GB10)
+    assert not res.ok and res.error and res.registers is None and not res.fits(GB10, 4)
+
+
+def test_targets_resolve_and_reject_unknown():
+    assert [t.key for t in ta.resolve_targets("gb10,h100-sxm")] == ["gb10", "h100-sxm"]
+    assert len(ta.resolve_targets("all")) == len(ta.TARGETS)
+    with pytest.raises(ValueError, match="--targets: got 'gb11'; accepted: all or a comma list of h100-sxm"):
+        ta.resolve_targets("gb11")
+    with pytest.raises(ValueError, match="--cases: unknown nope"):
+        ta.check([GB10], only=["nope"])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "scripts.triton_aot", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_prints_table_json_and_verdicts():
+    out = _cli("--targets", "gb10", "--cases", "mix_norm,ce_rows", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("{")]
+    assert len(rows) == 6 and '"target": "gb10"' in rows[0]
+    assert any(line.startswith("ok   gb10      _mix_norm_bwd_kernel       2 of 2 launches fit") for line in lines)
+
+
+def test_cli_bad_flags_name_the_flag():
+    for args, flag in ((["--targets", "gb11"], "--targets"), (["--cases", "nope"], "--cases")):
+        out = _cli(*args)
+        assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.cuda
+def test_prediction_matches_the_real_compile_on_this_gpu():
+    """On a GPU: the cubin the ahead-of-time path builds for this GPU's arch needs the same shared
+    memory and registers as the kernel Triton compiles and loads here for the same launch (the
+    persistent decode kernel, at d20's width, and a row-wise kernel)."""
+    from nanochat.attention import KVCache
+    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.triton_decode import PersistentDecodeStep
+    from nanochat.triton_decode_kernels import decode_step_kernel
+    from nanochat.triton_kernels import _mix_norm_fwd_kernel, mix_norm_fwd_triton
+
+    props = torch.cuda.get_device_properties(0)
+    here = ta.AotTarget("here", props.major * 10 + props.minor, props.multi_processor_count,
+                        props.shared_memory_per_block_optin, props.shared_memory_per_multiprocessor,
+                        props.regs_per_multiprocessor, props.max_threads_per_multi_processor)
+    cfg = GPTConfig(sequence_len=2048, vocab_size=256, n_layer=2, n_head=10, n_kv_head=10, n_embd=1280)
+    model = GPT(cfg, compute_dtype=torch.bfloat16).cuda()
+    model.init_weights()
+    model = model.to(torch.bfloat16).eval()
+    cache = KVCache(1, 10, 2048, 128, 2, torch.device("cuda"), torch.bfloat16)
+    ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    with torch.no_grad(), model.inference_weights():
+        step = PersistentDecodeStep(model, cache)
+        grid, args, kwargs = step.launch_args(ids, pos)
+        step.launch(ids, pos)           # compiles, loads and checks residency: step.registers
+        torch.cuda.synchronize()
+    real = ta.compile_launch(ta.Launch("decode_step", decode_step_kernel, args, kwargs), here)
+    loaded = decode_step_kernel.warmup(*args, grid=grid, **kwargs)
+    assert real.ok and real.registers == step.registers and real.shared == loaded.metadata.shared, (real, step.registers)
+
+    r = torch.randn(64, 1280, device="cuda", dtype=torch.bfloat16)
+    with ta.captured("mix") as launches:
+        mix_norm_fwd_triton(r, r, torch.ones(2, device="cuda"), 1e-6)
+    got = ta.compile_launch(launches[0], here)
+    kernel = _mix_norm_fwd_kernel.warmup(*launches[0].args, grid=(64,), **launches[0].kwargs)
+    kernel._init_handles()
+    assert got.ok and (got.registers, got.shared) == (kernel.n_regs, kernel.metadata.shared)
