@@ -279,6 +279,7 @@ def _worker(rank, world_size, store_path, out_path):
     # a FileStore, not tcp://: with a TCPStore hosted by rank 0, rank 1 was once killed by SIGABRT
     # ("terminate called without an active exception") while the two tore gloo down after the
     # final barrier (CI, 1 run in 3); a file has no host process to go away first, nor a port to race for
+    torch.set_num_threads(1)   # as the reference below: see test_gloo_two_process_step_matches_single_process
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         model = tiny_model(VOCAB)
@@ -295,15 +296,24 @@ def _worker(rank, world_size, store_path, out_path):
 
 
 def test_gloo_two_process_step_matches_single_process(tmp_path):
+    # Both sides run single-threaded: Polar Express's first iterations multiply a matrix's small
+    # singular directions by ~8 each, so a BLAS that splits a batch-1 product across threads (a
+    # rank's shard) and a batch-2 one by matrix (the reference) differed by 3e-4 on one CPU model
+    # (2026-11-28, torch 2.15) from rounding alone; with one thread each they agree to the bit there.
     out = tmp_path / "params.pt"
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
-    model = tiny_model(VOCAB)
-    opt = build_optimizer(model, weight_decay=0.1)
-    for s in range(STEPS):
-        per_rank = [fake_grads(model, 100 * s + r) for r in range(2)]
-        set_grads(model, [(a + b) / 2 for a, b in zip(*per_rank)])  # the averaged gradient
-        opt.set_hparams(momentum=muon_momentum(s))
-        opt.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model(VOCAB)
+        opt = build_optimizer(model, weight_decay=0.1)
+        for s in range(STEPS):
+            per_rank = [fake_grads(model, 100 * s + r) for r in range(2)]
+            set_grads(model, [(a + b) / 2 for a, b in zip(*per_rank)])  # the averaged gradient
+            opt.set_hparams(momentum=muon_momentum(s))
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     dist_params = torch.load(out)
     moved = 0.0
     for (name, p), q in zip(model.named_parameters(), dist_params):

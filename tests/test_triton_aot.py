@@ -18,6 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 H100, GB10 = ta.TARGETS["h100-sxm"], ta.TARGETS["gb10"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _triton_cache_in_tmp(tmp_path_factory):
+    """Triton writes every compiled kernel to its cache: keep it under pytest's tmp dir."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
+        yield
+
+
 @functools.cache
 def _results(case):
     """Both targets' results of one case, compiled once per test session."""
