@@ -72,6 +72,19 @@ def resolve_targets(spec: str) -> list[AotTarget]:
     return [TARGETS[k] for k in keys]
 
 
+def resolve_cases(spec: str) -> list[str] | None:
+    """'mlp_gemm,decode_step' -> those names, 'all' -> None (every case); ValueError naming --cases."""
+    from nanochat.triton_aot_cases import CASES
+
+    if spec == "all":
+        return None
+    names = [c.strip() for c in spec.split(",") if c.strip()]
+    bad = [c for c in names if c not in CASES]
+    if bad or not names:
+        raise ValueError(f"--cases: got {spec!r}; accepted: all or a comma list of {', '.join(CASES)}")
+    return names
+
+
 # --------------------------------------------------------------------------------------------
 # Capturing launches
 
@@ -207,7 +220,8 @@ def compile_launch(launch: Launch, target: AotTarget) -> AotResult:
     try:
         kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
     except Exception as exc:  # noqa: BLE001 - any compiler failure is the result being reported
-        result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        result.error = f"{type(exc).__name__}: {last[:300]}"
         result.seconds = time.perf_counter() - t0
         return result
     result.ok, result.shared = True, int(kernel.metadata.shared)
@@ -242,14 +256,11 @@ def num_warps_of(launch: Launch) -> int:
 def check(targets: list[AotTarget], cases: dict[str, Callable[[AotTarget], list[Launch]]] | None = None,
           only: list[str] | None = None) -> list[tuple[Launch, AotResult]]:
     """Compile every launch of every case (nanochat/triton_aot_cases.CASES by default) for every
-    target. `only`: case names to keep (ValueError naming the accepted ones)."""
+    target. `only`: case names to keep (resolve_cases checks them)."""
     if cases is None:
         from nanochat.triton_aot_cases import CASES as cases
     if only:
-        bad = [c for c in only if c not in cases]
-        if bad:
-            raise ValueError(f"--cases: unknown {', '.join(bad)}; accepted: {', '.join(cases)}")
-        cases = {k: v for k, v in cases.items() if k in only}
+        cases = {k: v for k, v in cases.items() if k in resolve_cases(",".join(only))}
     out = []
     for target in targets:
         for make in cases.values():

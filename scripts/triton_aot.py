@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from nanochat.common import script_main
 from nanochat.training import FlagParser
-from nanochat.triton_aot import TARGETS, check, num_warps_of, resolve_targets
+from nanochat.triton_aot import TARGETS, check, num_warps_of, resolve_cases, resolve_targets
 
 ARGS = None
 
@@ -33,10 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="also print one JSON line per launch")
     a = p.parse_args(argv)
     a.targets = resolve_targets(a.targets)
-    a.cases = None if a.cases == "all" else [c.strip() for c in a.cases.split(",") if c.strip()]
-    bad = [c for c in a.cases or [] if c not in CASES]
-    if bad or a.cases == []:
-        raise ValueError(f"--cases: got {', '.join(bad) or 'nothing'}; accepted: all or a comma list of {', '.join(CASES)}")
+    a.cases = resolve_cases(a.cases)
     return a
 
 

@@ -120,8 +120,11 @@ def test_targets_resolve_and_reject_unknown():
     assert len(ta.resolve_targets("all")) == len(ta.TARGETS)
     with pytest.raises(ValueError, match="--targets: got 'gb11'; accepted: all or a comma list of h100-sxm"):
         ta.resolve_targets("gb11")
-    with pytest.raises(ValueError, match="--cases: unknown nope"):
+    with pytest.raises(ValueError, match="--cases: got 'nope'; accepted: all or a comma list of ce_rows"):
         ta.check([GB10], only=["nope"])
+    assert ta.resolve_cases("all") is None and ta.resolve_cases(" mix_norm,ce_rows ") == ["mix_norm", "ce_rows"]
+    with pytest.raises(ValueError, match="--cases"):
+        ta.resolve_cases(",")
 
 
 def _cli(*args):
