@@ -379,7 +379,7 @@ _CUDNN_LOAD_ORDER = ("graph", "ops", "heuristic", "engines_runtime_compiled", "e
 
 
 def prepare_te_import(env: MutableMapping[str, str] | None = None, cudnn_dir: str | None = None,
-                      loader: Callable[[str], Any] | None = None) -> str | None:
+                      loader: Callable[[str], Any] | None = None, te_installed: bool | None = None) -> str | None:
     """Call before importing Transformer Engine: make it use torch's own cuDNN.
     Why: TE 2.x dlopens libcudnn from CUDNN_HOME / CUDNN_PATH / CUDA_HOME / /usr/local/cuda or the
     loader path *before* the pip package torch uses (`transformer_engine/common/__init__.py`,
@@ -390,9 +390,14 @@ def prepare_te_import(env: MutableMapping[str, str] | None = None, cudnn_dir: st
     refuses cuDNN ("cuDNN version incompatibility"). So: CUDNN_HOME = torch's cuDNN folder (unless
     the user set CUDNN_HOME / CUDNN_PATH), and torch's cuDNN libraries loaded globally, dependencies
     first, so every later lookup by name finds them. Targets TE 2.x with torch wheels that ship
-    cuDNN as a pip package (torch >= 2.1). Returns the patch name, or None when nothing applied."""
+    cuDNN as a pip package (torch >= 2.1). Without TE installed it does nothing: loading ~1 GB of
+    cuDNN libraries for a module that will not import only costs start-up time and memory.
+    Returns the patch name, or None when nothing applied."""
     env = os.environ if env is None else env
-    if env.get("CUDNN_HOME") or env.get("CUDNN_PATH"):
+    if te_installed is None:
+        import importlib.util
+        te_installed = importlib.util.find_spec("transformer_engine") is not None
+    if not te_installed or env.get("CUDNN_HOME") or env.get("CUDNN_PATH"):
         return None
     cudnn_dir = cudnn_dir if cudnn_dir is not None else torch_cudnn_dir()
     if not cudnn_dir:

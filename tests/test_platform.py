@@ -228,18 +228,22 @@ def test_prepare_te_import_points_te_at_torchs_cudnn(tmp_path):
         (lib / name).touch()
     env: dict[str, str] = {}
     loaded: list[str] = []
-    assert P.prepare_te_import(env, cudnn_dir=str(tmp_path), loader=loaded.append) == "te_cudnn"
+    assert P.prepare_te_import(env, cudnn_dir=str(tmp_path), loader=loaded.append, te_installed=True) == "te_cudnn"
     assert env == {"CUDNN_HOME": str(tmp_path)}
     names = [Path(p).name for p in loaded]
     assert names[:2] == ["libcudnn_graph.so.9", "libcudnn_ops.so.9"] and names[-1] == "libcudnn.so.9"
     assert names.index("libcudnn_cnn.so.9") > names.index("libcudnn_engines_precompiled.so.9")
     assert sorted(names) == sorted(p.name for p in lib.iterdir())   # every library, unknown ones too
     loaded.clear()
-    assert P.prepare_te_import(env, cudnn_dir="/elsewhere", loader=loaded.append) is None and not loaded
+    assert P.prepare_te_import(env, cudnn_dir="/elsewhere", loader=loaded.append, te_installed=True) is None
+    assert not loaded
     user = {"CUDNN_PATH": "/opt/cudnn"}
-    assert P.prepare_te_import(user, cudnn_dir=str(tmp_path), loader=loaded.append) is None
+    assert P.prepare_te_import(user, cudnn_dir=str(tmp_path), loader=loaded.append, te_installed=True) is None
     assert "CUDNN_HOME" not in user and not loaded
-    assert P.prepare_te_import({}, cudnn_dir="", loader=loaded.append) is None
+    assert P.prepare_te_import({}, cudnn_dir="", loader=loaded.append, te_installed=True) is None
+    # without TE nothing is loaded or set, even with torch's cuDNN at hand
+    assert P.prepare_te_import(fresh := {}, cudnn_dir=str(tmp_path), loader=loaded.append, te_installed=False) is None
+    assert fresh == {} and not loaded
     found = P.torch_cudnn_dir()   # this environment's torch wheel: a folder with lib/, or no pip cuDNN
     assert found is None or (Path(found) / "lib").is_dir()
 
