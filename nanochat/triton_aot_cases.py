@@ -4,9 +4,10 @@ function that launches it in training or serving, driven with small CPU tensors 
 strides, integers and constexprs reach the compiler, so tensor sizes do not matter).
 
 Where host code picks the launch from the tensors' device, a case says what a CUDA tensor would
-select: the persistent GEMMs get the target's SM count (`sms=`), the softcapped loss its PTX
-tanh (`FAST_TANH`), and the persistent decode step is built with `aot=True` for the target's
-SMs. Each case returns a list of triton_aot.Launch; CASES maps a case name to it.
+select: the persistent GEMMs get the target itself (`gpu=`: its SM count and its shared memory,
+which picks the tile set), the softcapped loss its PTX tanh (`FAST_TANH`), and the persistent
+decode step is built with `aot=True` for the target's SMs. Each case returns a list of
+triton_aot.Launch; CASES maps a case name to it.
 """
 
 from __future__ import annotations
@@ -115,12 +116,12 @@ def mlp_gemm(target: AotTarget) -> list[Launch]:
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     one = torch.ones(1)
     with captured("mlp_gemm") as launches:
-        tm.mm_epilogue(x, w_fc, "relu2", b_kn=False, sms=target.sms)
-        tm.mm_epilogue(gy, w_proj, "relu2_grad", h2, b_kn=True, sms=target.sms)
+        tm.mm_epilogue(x, w_fc, "relu2", b_kn=False, gpu=target)
+        tm.mm_epilogue(gy, w_proj, "relu2_grad", h2, b_kn=True, gpu=target)
         tm.mm_epilogue(_empty(ROWS, C, dtype=e4), _empty(4 * C, C, dtype=e4), "relu2", b_kn=False, scale=one,
-                       amax=torch.zeros(1), out_dtype=e4, sms=target.sms)
-        tm.mm_epilogue(_empty(ROWS, C, dtype=e5), _empty(4 * C, C, dtype=e4), "relu2_grad", _empty(ROWS, 4 * C, dtype=e4),
-                       b_kn=False, scale=one, out_dtype=e5, saturate=57344.0, transposed=True, sms=target.sms)
+                       amax=torch.zeros(1), out_dtype=e4, gpu=target)
+        tm.mm_epilogue(_empty(ROWS, C, dtype=e5), _empty(4 * C, C, dtype=e4), "relu2_grad",
+                       _empty(ROWS, 4 * C, dtype=e4), b_kn=False, scale=one, out_dtype=e5, saturate=57344.0, transposed=True, gpu=target)
     return launches
 
 
@@ -131,7 +132,7 @@ def qk_gemm(target: AotTarget) -> list[Launch]:
 
     cos, sin = _empty(T, D // 2), _empty(T, D // 2)
     with captured("qk_gemm") as launches:
-        tq.mm_rotary_norm(_empty(T, C), _empty(C, C), cos, sin, T, sms=target.sms)
+        tq.mm_rotary_norm(_empty(T, C), _empty(C, C), cos, sin, T, gpu=target)
     return launches
 
 

@@ -32,6 +32,7 @@ the interpreter mishandles bf16 descriptors) and `relu2_mlp` falls back to the s
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,22 +52,68 @@ def _set_blocks(nargs):
     nargs["ct_desc"].block_shape = [bn, bm]
 
 
-def _configs(fp8: bool):
-    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). bf16: the first four won or came close on the
-    # H100 (228 KB shared memory per SM); the last two fit GB10's 101,376 bytes per block, where
-    # the autotuner discards the larger ones as out of resources. fp8: the H100 sweep at d20's
-    # shape (2026-11-24, ms per GEMM incl. epilogue): relu2 128x256x128/3 stages 0.712,
-    # 128x256x64/5 0.744; relu2_grad (its aux tile needs shared memory too) 128x256x64/4 0.983,
-    # 128x128x128/4 1.07; the last two are small enough for GB10.
-    if fp8:
-        tiles = ((128, 256, 128, 3, 8), (128, 256, 64, 4, 8), (128, 256, 64, 5, 8), (128, 128, 128, 4, 4),
-                 (128, 64, 128, 2, 4), (64, 64, 128, 3, 4))
-    else:
-        tiles = ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8),
-                 (128, 128, 64, 2, 4), (128, 64, 64, 3, 4))
+# Two tile sets, chosen by the GPU's opt-in shared memory per block (tile_set): "large"
+# for Hopper and B200 (227 KB), "small" for GB10 and the RTX 50 parts (99 KB), where every tile of
+# the large set but its two smallest is out of resources (the autotuner used to compile all six
+# and keep two). Every small tile fits GB10 with the forward (relu^2) epilogue; relu^2's gradient
+# also stages its aux tile, and there a few drop out at autotune (tests/test_triton_aot.py checks
+# both with Triton's own compiler for sm_121). The small tiles are not measured on a GB10 (none
+# here): they are what fits, with deeper pipelines or 8 warps where they fit, and the autotuner
+# picks among them on the GPU itself.
+LARGE_SMEM_BYTES = 200 * 1024
+
+
+@dataclass(frozen=True)
+class GemmGpu:
+    """What a persistent GEMM launch needs of its GPU: the SM count (the grid) and the opt-in
+    shared memory per block (the tile set). nanochat/triton_aot passes an AotTarget, which has
+    the same two fields."""
+
+    sms: int
+    smem_per_block: int
+
+
+def tile_set(gpu) -> str:
+    """"large" or "small": which of _TILES (and triton_qk's) a GPU with gpu.smem_per_block gets."""
+    return "large" if gpu.smem_per_block >= LARGE_SMEM_BYTES else "small"
+
+
+@functools.cache
+def device_gpu(index: int) -> GemmGpu:
+    props = torch.cuda.get_device_properties(index)
+    return GemmGpu(props.multi_processor_count, props.shared_memory_per_block_optin)
+
+
+def launch_gpu(t: torch.Tensor, gpu) -> GemmGpu:
+    """The GPU a launch on tensor t runs on, or `gpu` when given (ahead-of-time capture)."""
+    if gpu is not None:
+        return gpu
+    return device_gpu(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+_TILES = {
+    # the first four won or came close on the H100; the last two are smaller
+    (False, "large"): ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8),
+                       (128, 128, 64, 2, 4), (128, 64, 64, 3, 4)),
+    # the H100 sweep at d20's shape (2026-11-24, ms per GEMM incl. epilogue): relu2 128x256x128/3
+    # stages 0.712, 128x256x64/5 0.744; relu2_grad (its aux tile needs shared memory too)
+    # 128x256x64/4 0.983, 128x128x128/4 1.07
+    (True, "large"): ((128, 256, 128, 3, 8), (128, 256, 64, 4, 8), (128, 256, 64, 5, 8), (128, 128, 128, 4, 4),
+                      (128, 64, 128, 2, 4), (64, 64, 128, 3, 4)),
+    # relu2_grad drops 128x128x32/4 and 128x256x32/2 (112 / 152 KB)
+    (False, "small"): ((128, 128, 64, 2, 8), (128, 128, 64, 2, 4), (128, 128, 32, 3, 4), (128, 128, 32, 4, 8),
+                       (128, 64, 64, 3, 4), (64, 128, 64, 3, 4), (128, 64, 32, 4, 4), (128, 256, 32, 2, 8)),
+    # every one fits with both epilogues (<= 96 KB)
+    (True, "small"): ((128, 128, 128, 3, 8), (128, 128, 128, 2, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 8),
+                      (128, 64, 128, 3, 4), (64, 128, 128, 3, 4), (128, 64, 128, 2, 4)),
+}
+
+
+def _configs(fp8: bool, tiles: str):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                           num_stages=st, num_warps=w, pre_hook=_set_blocks)
-            for bm, bn, bk, st, w in tiles]
+            for bm, bn, bk, st, w in _TILES[fp8, tiles]]
 
 
 @triton.jit
@@ -122,8 +169,8 @@ def _mm_epilogue_kernel(a_desc, b_desc, c_desc, aux_desc, ct_desc, scale_ptr, am
 
 
 _AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "B_KN", "HAS_SCALE", "AMAX", "SATURATE", "TRANSPOSED"]
-_mm_epilogue_tuned = {fp8: triton.autotune(configs=_configs(fp8), key=_AUTOTUNE_KEY)(_mm_epilogue_kernel)
-                      for fp8 in (False, True)}
+_mm_epilogue_tuned = {key: triton.autotune(configs=_configs(*key), key=_AUTOTUNE_KEY)(_mm_epilogue_kernel)
+                      for key in _TILES}
 
 
 def available(device: torch.device | str) -> bool:
@@ -209,7 +256,7 @@ def _probe_launch(dev: torch.device) -> str | None:
 def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: torch.Tensor | None = None,
                 *, b_kn: bool = True, scale: torch.Tensor | None = None, amax: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None, saturate: float = 0.0, transposed: bool = False,
-                sms: int | None = None):
+                gpu: GemmGpu | None = None):
     """epilogue(scale * (a @ B)) in `out_dtype` (default a's dtype), float32 accumulation. a (M, K)
     contiguous; B = b (K, N) contiguous when b_kn, else b is an (N, K) contiguous weight and
     B = b.T (the only layout fp8 operands have: Hopper's fp8 MMA reads both K-major); aux (M, N)
@@ -217,8 +264,9 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     of their inverse scales). `amax`: a float32 one-element tensor that receives
     max(amax, max |output|). `saturate` > 0 clamps the result to +-saturate before the cast (an
     fp8 output). `transposed` also writes the output's (N, M) transpose and returns both. Rows of
-    16 bytes or more (TMA). `sms`: the persistent grid's SM count (default: the tensors' GPU);
-    nanochat/triton_aot passes a target's to record the CUDA launch from CPU tensors."""
+    16 bytes or more (TMA). `gpu`: its SMs (the persistent grid) and shared memory (the tile set);
+    default the tensors' GPU; nanochat/triton_aot passes a target to record the CUDA launch from
+    CPU tensors."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue: got {epilogue!r}; accepted: {'|'.join(EPILOGUES)}")
     M, K = a.shape
@@ -238,12 +286,12 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     ptrs = (c if scale is None else scale, c if amax is None else amax)
     flags = dict(EPILOGUE=EPILOGUES[epilogue], B_KN=b_kn, HAS_SCALE=scale is not None, AMAX=amax is not None,
                  SATURATE=float(saturate), TRANSPOSED=transposed)
-    if a.is_cuda or sms is not None:
-        n_sm = sms or torch.cuda.get_device_properties(a.device).multi_processor_count
+    if a.is_cuda or gpu is not None:
+        gpu = launch_gpu(a, gpu)
 
         def grid(meta):
-            return (min(n_sm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _mm_epilogue_tuned[fp8][grid](*descs, *ptrs, M, N, K, NUM_PROGRAMS=n_sm, **flags)
+            return (min(gpu.sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        _mm_epilogue_tuned[fp8, tile_set(gpu)][grid](*descs, *ptrs, M, N, K, NUM_PROGRAMS=gpu.sms, **flags)
     else:   # the interpreter: one small config, 3 programs (each walks several tiles)
         meta = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
         _set_blocks({"a_desc": descs[0], "b_desc": descs[1], "c_desc": descs[2], "aux_desc": descs[3],

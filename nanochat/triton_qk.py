@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanochat.triton_mlp import tile_acc, tile_offsets
+from nanochat.triton_mlp import GemmGpu, launch_gpu, tile_acc, tile_offsets, tile_set
 from nanochat.weight_cache import weight_as, weight_or_copy
 
 EPS = float(torch.finfo(torch.float32).eps)   # gpt._rms's eps for float32 math
@@ -48,16 +48,23 @@ def _set_blocks(nargs):
     nargs["c_desc"].block_shape = [bm, bn]
 
 
-def _configs():
-    # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), tiles that hold whole heads (BLOCK_N a multiple of
-    # D; pruned per D below). H100, 65536 x 1280 x 1280 with bf16 tables (ms; cuBLAS alone 0.293,
-    # cuBLAS + the compiled rotary pass 0.433): 128x256x64/3 0.341, 128x256x32/4 0.357, 128x128x64/4
-    # 0.386, 256x128x64/3 0.384. The last fits GB10's 101,376 bytes of shared memory per block
-    # (~80 KB: two stages, the output tile, the tables' layout conversion).
-    tiles = ((128, 256, 64, 3, 8), (128, 256, 32, 4, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8),
-             (64, 128, 64, 2, 4))
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), tiles that hold whole heads (BLOCK_N a multiple of D;
+# pruned per D below), one set per shared-memory class as triton_mlp's (tile_set). H100, 65536 x
+# 1280 x 1280 with bf16 tables (ms; cuBLAS alone 0.293, cuBLAS + the compiled rotary pass 0.433):
+# 128x256x64/3 0.341, 128x256x32/4 0.357, 128x128x64/4 0.386, 256x128x64/3 0.384. Small: what fits
+# GB10's 101,376 bytes per block (44-92 KB: the stages, the output tile, the tables' layout
+# conversion; tests/test_triton_aot.py), not measured on a GB10.
+_TILES = {
+    "large": ((128, 256, 64, 3, 8), (128, 256, 32, 4, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8),
+              (64, 128, 64, 2, 4)),
+    "small": ((128, 128, 64, 2, 8), (128, 128, 32, 4, 8), (128, 128, 32, 3, 8), (64, 256, 32, 3, 8),
+              (64, 128, 64, 4, 4), (64, 128, 64, 3, 4), (64, 128, 64, 2, 4)),
+}
+
+
+def _configs(tiles: str):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                          num_stages=st, num_warps=w, pre_hook=_set_blocks) for bm, bn, bk, st, w in tiles]
+                          num_stages=st, num_warps=w, pre_hook=_set_blocks) for bm, bn, bk, st, w in _TILES[tiles]]
 
 
 def _whole_heads(configs, named_args, **kwargs):
@@ -92,25 +99,26 @@ def _mm_rotary_norm_kernel(a_desc, b_desc, c_desc, cos_ptr, sin_ptr, rstd_ptr, M
                  mask=(rows[:, None] < M) & (heads[None, :] < n_heads))
 
 
-_tuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "HALF"],
-                         prune_configs_by={"early_config_prune": _whole_heads})(_mm_rotary_norm_kernel)
+_tuned = {tiles: triton.autotune(configs=_configs(tiles), key=["M", "N", "K", "HALF"],
+                                 prune_configs_by={"early_config_prune": _whole_heads})(_mm_rotary_norm_kernel)
+          for tiles in _TILES}
 
 
 def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
-                   sms: int | None = None):
+                   gpu: GemmGpu | None = None):
     """(out, rstd): out = norm(rotate(a @ w.T)) per head in a's dtype with rotation pairs
     adjacent, rstd (M, heads) float32. a (M, K) rows (b, t) with t = row % seq_len, w (N, K)
     interleaved weight rows; cos / sin (seq_len, D/2) contiguous give D (the model passes them in
     its compute dtype, as its plain rotary norm uses them: bf16 tables also halve the shared
     memory the kernel needs to bring them into the accumulator's layout, which lets the 128 x 256
     tile fit on an H100). The Triton kernel on CUDA and under TRITON_INTERPRET=1 (float32), else
-    the same math in torch. `sms`: the persistent grid's SM count (default: a's GPU); nanochat/
-    triton_aot passes a target's to record the CUDA launch from CPU tensors."""
+    the same math in torch. `gpu`: its SMs and shared memory (triton_mlp.GemmGpu; default a's GPU);
+    nanochat/triton_aot passes a target to record the CUDA launch from CPU tensors."""
     M, K = a.shape
     N, half = w.shape[0], cos.shape[1]
     assert w.shape[1] == K and N % (2 * half) == 0 and cos.shape == sin.shape == (seq_len, half)
     assert 2 * half <= MAX_HEAD_DIM and half & (half - 1) == 0 and M % seq_len == 0
-    if not (a.is_cuda or sms is not None or _interpreting()):
+    if not (a.is_cuda or gpu is not None or _interpreting()):
         return _mm_rotary_norm_torch(a, w, cos, sin)
     assert a.is_contiguous() and w.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
@@ -118,12 +126,12 @@ def mm_rotary_norm(a: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     if M == 0:
         return out, rstd
     descs = [TensorDescriptor.from_tensor(t, [1, 1]) for t in (a, w, out)]
-    if a.is_cuda or sms is not None:
-        n_sm = sms or torch.cuda.get_device_properties(a.device).multi_processor_count
+    if a.is_cuda or gpu is not None:
+        gpu = launch_gpu(a, gpu)
 
         def grid(meta):
-            return (min(n_sm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _tuned[grid](*descs, cos, sin, rstd, M, N, K, seq_len, EPS, NUM_PROGRAMS=n_sm, HALF=half)
+            return (min(gpu.sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        _tuned[tile_set(gpu)][grid](*descs, cos, sin, rstd, M, N, K, seq_len, EPS, NUM_PROGRAMS=gpu.sms, HALF=half)
     else:   # the interpreter: one small config, 3 programs (each walks several tiles)
         meta = dict(BLOCK_M=16, BLOCK_N=2 * half, BLOCK_K=16, GROUP_M=2)
         _set_blocks({"a_desc": descs[0], "b_desc": descs[1], "c_desc": descs[2], **meta})

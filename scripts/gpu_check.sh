@@ -17,6 +17,9 @@
 #   aot        the ahead-of-time compile check (nanochat/triton_aot.py) on this box's Triton: its CUDA test (the
 #              prediction for this GPU = the real compile), scripts.triton_aot for h100-sxm and gb10, and the
 #              persistent decode kernel's CUDA tests after its launch refactor
+#   tiles      the persistent GEMMs' two tile sets (triton_mlp.tile_set): every tile of each set launched on its own
+#              against torch (the small, GB10 set too: its arithmetic, on this GPU), and the CPU-side compile check of
+#              both sets for the H100 and GB10 with this box's Triton
 #   pdecode    the persistent batch-1 decode kernel: its CUDA tests, a tile sweep (bench_decode_kernel),
 #              and end to end against the compiled CUDA-graph step
 #   ring       the shared-memory weight ring probe (bench_gemv_ring) and its CUDA test
@@ -140,6 +143,10 @@ if has aot; then
   step pytest_aot 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_aot.py tests/test_triton_decode.py \
        tests/test_triton_mlp.py tests/test_triton_qk.py tests/test_engine.py
   step triton_aot 400 $PY -m scripts.triton_aot --targets h100-sxm,gb10
+fi
+if has tiles; then
+  step pytest_tiles 500 $PY -m pytest -q -p no:cacheprovider -rs tests/test_triton_mlp.py tests/test_triton_qk.py \
+       tests/test_triton_aot.py -k "every_tile or tile_sets or every_kernel or prediction or matches_plain"
 fi
 if has pdecode; then
   # the persistent batch-1 kernel: its CUDA tests, a tile sweep of the kernel alone

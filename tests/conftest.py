@@ -62,6 +62,33 @@ def run_triton_interpreted(tmp_path):
     return run
 
 
+@pytest.fixture
+def each_tile_on_gpu():
+    """run(calls, gpu): record the persistent-GEMM launches `calls()` makes for `gpu`
+    (triton_mlp.GemmGpu: its SM count and tile set) as nanochat/triton_aot does, one per autotune
+    config, then launch each on this GPU itself; yields (launch, ran), ran False for a config out
+    of this GPU's resources (the autotuner skips those too). So every tile of a set is checked,
+    not only the one the autotuner picks."""
+    import triton
+    from triton.runtime.errors import OutOfResources
+
+    from nanochat import triton_aot
+
+    def run(calls, gpu):
+        with triton_aot.captured("tiles") as launches:
+            calls()
+        for launch in launches:
+            kw = launch.kwargs
+            tiles = triton.cdiv(kw["M"], kw["BLOCK_M"]) * triton.cdiv(kw["N"], kw["BLOCK_N"])
+            try:
+                launch.fn[(min(gpu.sms, tiles),)](*launch.args, **kw)
+            except OutOfResources:
+                yield launch, False
+                continue
+            yield launch, True
+    return run
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

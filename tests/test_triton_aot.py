@@ -52,18 +52,32 @@ def test_every_kernel_compiles_and_can_run_on_h100_and_gb10(case):
         assert ok, f"{kernel} on {target}: {n_fit} of {n} launches fit"
 
 
-def test_gemm_configs_against_gb10_shared_memory():
-    """triton_mlp's config list says its last two bf16 tiles are there for GB10's 101,376 bytes
-    per block: they fit there and the 128x256 ones do not; on the H100 the three-stage 128x256
-    tile fits and the four-stage one does not."""
+def test_gemm_tile_sets_fit_their_gpus():
+    """The persistent GEMMs take their tile set from the GPU's shared memory per block: the 227 KB
+    GPUs the large one, GB10 and the RTX 50 parts (99 KB) the small one. On GB10 every small tile
+    fits with the forward epilogue, and with relu^2's gradient (which also stages its aux tile)
+    all but the two triton_mlp's list names; every q/k tile fits. On the H100 the three-stage
+    128x256 tile fits and the four-stage one does not (the autotuner skips it there)."""
+    from nanochat import triton_mlp as tm
+
+    assert [tm.tile_set(t) for t in ta.TARGETS.values()] == ["large", "small", "large", "small"]
+    assert tm.tile_set(tm.GemmGpu(132, 232_448)) == "large" and tm.tile_set(tm.GemmGpu(48, 101_376)) == "small"
     fit = {}
     for launch, res in _results("mlp_gemm"):
-        if launch.kwargs["EPILOGUE"] == 1 and launch.kwargs["a_desc"].base.dtype == torch.bfloat16:
-            fit[res.target, launch.label] = res.fits(ta.TARGETS[res.target], ta.num_warps_of(launch))
-            assert fit[res.target, launch.label] == (res.shared <= ta.TARGETS[res.target].smem_per_block)
-    assert fit["gb10", "128x128x64/s2/w4"] and fit["gb10", "128x64x64/s3/w4"]
-    assert not fit["gb10", "128x256x64/s3/w8"] and not fit["gb10", "256x128x64/s3/w8"]
-    assert fit["h100-sxm", "128x256x64/s3/w8"] and not fit["h100-sxm", "128x256x64/s4/w8"]
+        fp8 = launch.kwargs["a_desc"].base.dtype != torch.bfloat16
+        key = (res.target, fp8, launch.kwargs["EPILOGUE"], launch.label)
+        fit[key] = res.fits(ta.TARGETS[res.target], ta.num_warps_of(launch))
+        assert fit[key] == (res.shared <= ta.TARGETS[res.target].smem_per_block), key
+    for fp8 in (False, True):
+        small = [f"{bm}x{bn}x{bk}/s{st}/w{w}" for bm, bn, bk, st, w in tm._TILES[fp8, "small"]]
+        gb10 = {(epi, label): ok for (t, f, epi, label), ok in fit.items() if t == "gb10" and f == fp8}
+        assert sorted(label for epi, label in gb10 if epi == 1) == sorted(small)   # the small set, nothing else
+        assert all(gb10[1, label] for label in small), gb10
+        dropped = {label for label in small if not gb10[2, label]}
+        assert dropped == (set() if fp8 else {"128x128x32/s4/w8", "128x256x32/s2/w8"}), dropped
+    assert fit["h100-sxm", False, 1, "128x256x64/s3/w8"] and not fit["h100-sxm", False, 1, "128x256x64/s4/w8"]
+    for launch, res in _results("qk_gemm"):
+        assert res.fits(ta.TARGETS[res.target], ta.num_warps_of(launch)), (res.target, launch.label)
 
 
 @pytest.mark.slow

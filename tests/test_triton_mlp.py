@@ -268,6 +268,45 @@ def test_cuda_relu2_mlp_matches_plain_bf16():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tiles", ["large", "small"])
+def test_cuda_every_tile_of_a_set_computes_both_epilogues(tiles, each_tile_on_gpu):
+    """Each bf16 tile of a set, launched on its own: relu^2 and relu^2's gradient within 1e-2 of
+    float32 torch. The small set is GB10's; on a Hopper this checks its tiles' arithmetic and
+    descriptors (not its speed there, nor sm_121's code)."""
+    from nanochat import triton_mlp as tm
+    if not tm.available("cuda"):
+        pytest.skip("needs compute capability >= 9 (TMA)")
+    here = tm.device_gpu(torch.cuda.current_device())
+    gpu = here if tiles == "large" else tm.GemmGpu(here.sms, 101_376)
+    if tm.tile_set(gpu) != tiles:
+        pytest.skip(f"this GPU has {here.smem_per_block} B of shared memory per block: the small set")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, N, K = 1024, 768, 512
+    a = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    aux = torch.randn(M, N, device="cuda", generator=g).relu().square().bfloat16()
+    h = a.float() @ w.float().t()
+    out = {}
+
+    def calls():
+        out[1] = tm.mm_epilogue(a, w, "relu2", b_kn=False, gpu=gpu)
+        out[2] = tm.mm_epilogue(a, w, "relu2_grad", aux, b_kn=False, gpu=gpu)
+    want = {1: h.relu().square(), 2: h * 2 * aux.float().sqrt()}
+    ran = []
+    for launch, ok in each_tile_on_gpu(calls, gpu):
+        epi = launch.kwargs["EPILOGUE"]
+        if ok:
+            torch.cuda.synchronize()
+            ran.append((epi, launch.label))
+            assert _rel(out[epi].float(), want[epi]) < 1e-2, (epi, launch.label)
+            out[epi].zero_()   # the next config writes it again
+    forward = sum(epi == 1 for epi, _ in ran)
+    # the small set: every forward tile fits (on GB10 too: test_triton_aot); the large set's
+    # four-stage 128x256 tile is over even an H100's 227 KB and the autotuner skips it there
+    assert forward == len(tm._TILES[False, tiles]) - (tiles == "large"), ran
+
+
+@pytest.mark.cuda
 def test_cuda_fp8_relu2_mlp_matches_fp8_linears():
     """d20's width, 4096 rows: the probe passes, and the fused fp8 MLP's output and gradients are
     within 1.5x (+ 5e-3) of the Fp8Linear path's distance to float64, and near that path."""

@@ -166,6 +166,39 @@ def test_kernels_interpreted(run_triton_interpreted):
 # ------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tiles", ["large", "small"])
+def test_cuda_every_tile_of_a_set_matches_torch(tiles, each_tile_on_gpu):
+    """Each tile of a set (triton_mlp.tile_set), launched on its own, gives the rotary norm of the
+    product within 1e-2 of float32 torch (the small set is GB10's; here its arithmetic only)."""
+    from nanochat import triton_mlp as tm
+    if triton_qk.probe("cuda") is not None:
+        pytest.skip(triton_qk.probe("cuda"))
+    here = tm.device_gpu(torch.cuda.current_device())
+    gpu = here if tiles == "large" else tm.GemmGpu(here.sms, 101_376)
+    if tm.tile_set(gpu) != tiles:
+        pytest.skip(f"this GPU has {here.smem_per_block} B of shared memory per block: the small set")
+    T, C, D = 512, 1280, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(2 * T, C, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(C, C, device="cuda", generator=g) / C**0.5).bfloat16()
+    cos, sin = (t[0, :, 0, :].bfloat16().contiguous() for t in rotary_tables(T, D, "cuda"))
+    want, want_rstd = triton_qk._mm_rotary_norm_torch(a.float(), w.float(), cos.float(), sin.float())
+    got = {}
+
+    def calls():
+        got["out"], got["rstd"] = triton_qk.mm_rotary_norm(a, w, cos, sin, T, gpu=gpu)
+    n = 0
+    for launch, ok in each_tile_on_gpu(calls, gpu):
+        assert ok, launch.label   # every tile of a set fits the GPUs it is for
+        torch.cuda.synchronize()
+        err = ((got["out"].float() - want).norm() / want.norm()).item()
+        assert err < 1e-2 and torch.allclose(got["rstd"], want_rstd, rtol=1e-2), (launch.label, err)
+        got["out"].zero_()
+        n += 1
+    assert n == len(triton_qk._TILES[tiles])
+
+
+@pytest.mark.cuda
 def test_cuda_fused_qkv_projection_matches_plain_bf16():
     """d20's width, bf16, (B, T) = (4, 2048): q / k / v (q, k interleaved back) and the gradients of
     x and of the three weights at least as close to float64 as the plain bf16 chain's (2x + 1e-3),
