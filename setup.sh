@@ -78,6 +78,30 @@ CUDA_DRIVER_VERSION=""
 if [[ -n "$GPU_NAME" ]]; then
   CUDA_DRIVER_VERSION="$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n1)"
 fi
+# The torch wheel index: a driver runs CUDA runtimes of its own major version up to the "CUDA
+# Version" nvidia-smi prints (minor-version compatibility), never a newer major. PyPI's Linux torch
+# wheels are CUDA 13 builds (torch 2.15: cu132), which a CUDA 12 driver (535-575, still common on
+# cloud images) cannot run: torch would import, see no GPU and train on the CPU. PyTorch's own
+# indexes keep CUDA 12 builds: cu126 for any 12.x driver, cu128 (which adds Blackwell) from 12.8.
+TORCH_INDEX=""
+if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+  TORCH_INDEX="$TORCH_INDEX_URL"
+elif [[ -n "$GPU_NAME" ]]; then
+  drv_major="${CUDA_DRIVER_VERSION%%.*}" drv_minor=0
+  [[ "$CUDA_DRIVER_VERSION" == *.* ]] && drv_minor="$(echo "$CUDA_DRIVER_VERSION" | cut -d. -f2)"
+  if [[ ! "$drv_major" =~ ^[0-9]+$ || ! "$drv_minor" =~ ^[0-9]+$ ]]; then
+    warn "could not read the driver's CUDA version from nvidia-smi; installing torch for CUDA 13 (set TORCH_INDEX_URL to choose)"
+    drv_major=13
+  fi
+  if (( drv_major >= 13 )); then
+    # DGX Spark (aarch64): PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4); x86-64: PyPI
+    [[ "$ARCH" == aarch64 ]] && TORCH_INDEX=https://download.pytorch.org/whl/cu130
+  elif (( drv_major == 12 && drv_minor >= 8 )); then TORCH_INDEX=https://download.pytorch.org/whl/cu128
+  elif (( drv_major == 12 )); then TORCH_INDEX=https://download.pytorch.org/whl/cu126
+  else
+    die "the NVIDIA driver ($DRIVER) runs CUDA up to $CUDA_DRIVER_VERSION; torch >= 2.9 needs CUDA 12 or newer: update the driver, or set TORCH_INDEX_URL to a torch wheel index this driver can run"
+  fi
+fi
 FREE_DISK_GB="$(df -Pk "$REPO" | awk 'NR==2 {printf "%d", $4/1048576}')"
 MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' /proc/meminfo 2>/dev/null || echo 0)"
 PY="$(command -v python3 || true)"
@@ -177,11 +201,14 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
 # the Rust crate); a rerun skips the installs when all match and the venv imports torch + rustbpe.
 ENV_MARKER="$REPO/.venv/.setup-env.done"
 env_torch_args() {
-  if [[ -n "${TORCH_INDEX_URL:-}" ]]; then printf '%s\n' --index-url "$TORCH_INDEX_URL"
-  elif [[ "$ARCH" == aarch64 && -n "$GPU_NAME" ]]; then
-    # DGX Spark: PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4).
-    printf '%s\n' --index-url https://download.pytorch.org/whl/cu130
-  fi
+  [[ -z "$TORCH_INDEX" ]] || printf '%s\n' --index-url "$TORCH_INDEX"
+}
+TORCH_MARKER="$REPO/.venv/.setup-torch"
+torch_ok() {  # the venv's torch imports, came from this index (when recorded) and, with a GPU, sees it
+  .venv/bin/python -c 'import torch' >/dev/null 2>&1 || return 1
+  if [[ -f "$TORCH_MARKER" ]]; then [[ "$(cat "$TORCH_MARKER")" == "${TORCH_INDEX:-PyPI}" ]] || return 1
+  else [[ -z "${TORCH_INDEX_URL:-}" ]] || return 1; fi   # an older venv: its torch stays unless an index is named
+  [[ -z "$GPU_NAME" ]] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1
 }
 env_extras() {
   local extras="web,dev"
@@ -215,9 +242,14 @@ env_stage() {
   [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
   local torch_args=()
   mapfile -t torch_args < <(env_torch_args)
-  if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
-    say "installing torch ${torch_args[*]:-(PyPI)}"
+  if ! torch_ok; then
+    if .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+      say "the installed torch is from another index or cannot use the GPU: reinstalling it"
+      uv pip uninstall --quiet -p .venv/bin/python torch
+    fi
+    say "installing torch from ${TORCH_INDEX:-PyPI}"
     uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
+    printf '%s\n' "${TORCH_INDEX:-PyPI}" > "$TORCH_MARKER"
   fi
   local extras
   extras="$(env_extras)"
@@ -235,6 +267,11 @@ env_stage() {
   say "building the Rust tokenizer (rustbpe) with maturin"
   uv pip install --quiet -p .venv/bin/python ./rustbpe
   .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  if [[ -n "$GPU_NAME" ]] && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    die "torch $(.venv/bin/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda)'))" \
+        "cannot use the $GPU_NAME with driver $DRIVER (CUDA $CUDA_DRIVER_VERSION): set TORCH_INDEX_URL to a torch" \
+        "wheel index this driver can run (e.g. https://download.pytorch.org/whl/cu126) and rerun"
+  fi
   env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
   say "[env] finished in $((SECONDS - t0)) s"
 }
@@ -242,7 +279,7 @@ env_stage() {
 if should_run env; then
   if [[ $DRY_RUN -eq 0 ]]; then env_stage
   elif env_done; then say "[env] done already (same config): skipping"
-  else say "[env] would create .venv, install torch, the project and rustbpe"; fi
+  else say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"; fi
 fi
 export PATH="$REPO/.venv/bin:$PATH"
 
