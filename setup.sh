@@ -233,12 +233,8 @@ env_done() {
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
   local t0=$SECONDS
-  [[ -x "$HOME/.local/bin/uv" ]] && export PATH="$HOME/.local/bin:$PATH"   # a uv installed by an earlier run
-  if ! command -v uv >/dev/null 2>&1; then
-    say "installing uv from PyPI (pip --user)"
-    "$PY" -m pip install --quiet --user uv || die "could not install uv: run 'python3 -m pip install uv' and retry"
-    export PATH="$HOME/.local/bin:$PATH"
-  fi
+  source "$REPO/scripts/ensure_uv.sh"
+  ensure_uv "$PY" || exit 2
   [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
   local torch_args=()
   mapfile -t torch_args < <(env_torch_args)
