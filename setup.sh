@@ -204,10 +204,11 @@ env_torch_args() {
   [[ -z "$TORCH_INDEX" ]] || printf '%s\n' --index-url "$TORCH_INDEX"
 }
 TORCH_MARKER="$REPO/.venv/.setup-torch"
-torch_ok() {  # the venv's torch imports, came from this index (when recorded) and, with a GPU, sees it
+torch_ok() {  # keep the venv's torch: it imports and came from this index, or (installed before the
+              # index was recorded, and no index named) it sees the GPU; the end of the stage checks it
   .venv/bin/python -c 'import torch' >/dev/null 2>&1 || return 1
-  if [[ -f "$TORCH_MARKER" ]]; then [[ "$(cat "$TORCH_MARKER")" == "${TORCH_INDEX:-PyPI}" ]] || return 1
-  else [[ -z "${TORCH_INDEX_URL:-}" ]] || return 1; fi   # an older venv: its torch stays unless an index is named
+  if [[ -f "$TORCH_MARKER" ]]; then [[ "$(cat "$TORCH_MARKER")" == "${TORCH_INDEX:-PyPI}" ]] && return 0; return 1; fi
+  [[ -z "${TORCH_INDEX_URL:-}" ]] || return 1
   [[ -z "$GPU_NAME" ]] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1
 }
 env_extras() {
@@ -240,7 +241,7 @@ env_stage() {
   mapfile -t torch_args < <(env_torch_args)
   if ! torch_ok; then
     if .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
-      say "the installed torch is from another index or cannot use the GPU: reinstalling it"
+      say "the installed torch is from another index or cannot use this GPU: reinstalling it"
       uv pip uninstall --quiet -p .venv/bin/python torch
     fi
     say "installing torch from ${TORCH_INDEX:-PyPI}"
