@@ -21,7 +21,8 @@ Builds .venv (uv, torch for this machine, the project, the Rust tokenizer) and r
 Options:
   --preset NAME      auto (default: spark on a GB10, h100 on Hopper, tiny without a GPU),
                      tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
-                     spark (DGX Spark defaults), h100 (one H100/H200)
+                     spark (DGX Spark defaults), h100 (one H100/H200; on a GPU with less
+                     memory the device batch is lowered to fit, the total batch kept)
   --only S1,S2       run only these stages (others are neither run nor checked)
   --from STAGE       start at STAGE (earlier stages must already be done)
   --force            rerun stages even if their done-marker matches
@@ -68,11 +69,12 @@ for s in "${ONLY_LIST[@]}"; do valid_stage "$s" || die "--only: unknown stage '$
 # ---------------------------------------------------------------- machine checks (no installs)
 ARCH="$(uname -m)"; OS="$(uname -s)"
 [[ "$OS" == "Linux" ]] || warn "only Linux is tested (found $OS)"
-GPU_NAME="" GPU_CC="" DRIVER=""
+GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
   GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 || true)"
   DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n1)"
+  GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n1 || true)"
 fi
 CUDA_DRIVER_VERSION=""
 if [[ -n "$GPU_NAME" ]]; then
@@ -118,7 +120,10 @@ fi
 say "machine: $OS/$ARCH, GPU: ${GPU_NAME:-none}${GPU_CC:+ (cc $GPU_CC)}${DRIVER:+, driver $DRIVER, CUDA $CUDA_DRIVER_VERSION}"
 say "free disk ${FREE_DISK_GB} GB, available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1), preset $PRESET"
 NEED_DISK=5; [[ "$PRESET" == tiny ]] || NEED_DISK=60
-(( FREE_DISK_GB >= NEED_DISK )) || die "only ${FREE_DISK_GB} GB free at $REPO; preset $PRESET needs about ${NEED_DISK} GB"
+if (( FREE_DISK_GB < NEED_DISK )); then
+  msg="only ${FREE_DISK_GB} GB free at $REPO; preset $PRESET needs about ${NEED_DISK} GB"
+  if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+fi
 if [[ "$PRESET" != tiny && -z "$GPU_NAME" ]]; then
   die "--preset $PRESET needs an NVIDIA GPU but nvidia-smi found none (use --preset tiny on a CPU)"
 fi
@@ -143,6 +148,25 @@ case "$PRESET" in
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
 esac
 MODEL_TAG="d${DEPTH}"
+
+# The h100 preset on a GPU with less memory (it runs on any non-GB10 GPU): the largest device batch
+# whose peak fits, the total batch kept by gradient accumulation. d20 bf16 (--kernel triton,
+# compiled) on an H100, bench_train 2026-11-28: 18.5 / 22.5 / 30.4 / 46.4 GiB allocated at device
+# batch 4 / 8 / 16 / 32, i.e. ~14.5 GiB (weights, gradients, optimizer state) + ~1.0 GiB per 2048-token
+# sequence; the rule adds 10% for the allocator's reserve and 1.5 GiB for the CUDA context and
+# workspaces: 80 GB -> 32, 40-48 GB -> 16, 32 GB -> 8, 24 GB -> 4.
+if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then
+  fitted=""
+  for dbs in 32 16 8 4 2; do
+    if (( (110 * (145 + 10 * dbs) / 100 + 15) * 1024 <= 10 * GPU_MEM_MIB )); then fitted=$dbs; break; fi
+  done
+  [[ -n "$fitted" ]] || die "the $GPU_NAME has $((GPU_MEM_MIB / 1024)) GiB; preset h100 trains d20, which needs about 20 GiB" \
+    "at a device batch of 2: run python -m scripts.base_train with a smaller --depth (e.g. 12) instead"
+  if (( fitted != DBS )); then
+    say "device batch $fitted (not $DBS) for the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB; the total batch stays $TBS tokens"
+    DBS=$fitted
+  fi
+fi
 
 stage_cmd() {  # prints the command of a stage, one argument per line
   case "$1" in

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from nanochat.common import print0
+from nanochat.errors import RequestError
 
 
 @dataclass
@@ -90,7 +93,10 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
             print0(f"step {step:05d} | saved checkpoint {path}")
         if last:
             break
-        result = trainer.step(step)
+        try:
+            result = trainer.step(step)
+        except torch.cuda.OutOfMemoryError as e:
+            raise RequestError(out_of_memory_hint(trainer, step)) from e
         res.losses[step] = result.loss
         metrics = meter.update(result)
         extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
@@ -107,6 +113,26 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     res.step = step
     res.elapsed_s = time.perf_counter() - t_start
     return res
+
+
+def out_of_memory_hint(trainer, step: int) -> str:
+    """What to change when a step runs out of GPU memory: the device batch (gradient accumulation
+    keeps the total batch), or at one sequence per micro-batch the sequence length or depth. The
+    last checkpoint stays as it was."""
+    plan = getattr(trainer, "plan", None)
+    peak = ""
+    if torch.cuda.is_available():
+        dev = torch.cuda.current_device()
+        peak = (f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of "
+                f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB)")
+    if plan is None:
+        return f"out of GPU memory in step {step}{peak}: lower the device batch size"
+    head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of GPU memory in "
+            f"step {step}{peak}")
+    if plan.device_batch_size > 1:
+        return (f"{head}; lower --device-batch-size (e.g. {plan.device_batch_size // 2}): gradient accumulation "
+                f"keeps the total batch of {plan.total_batch_size:,} tokens per step")
+    return f"{head}; lower --max-seq-len or --depth"
 
 
 def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:

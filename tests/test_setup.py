@@ -18,18 +18,21 @@ case "$*" in
   *--query-gpu=name*) echo "NVIDIA H100 80GB HBM3" ;;
   *--query-gpu=compute_cap*) echo "9.0" ;;
   *--query-gpu=driver_version*) echo "535.183.01" ;;
+  *--query-gpu=memory.total*) echo "{mem_mib}" ;;
   "") echo "| NVIDIA-SMI 535.183.01   Driver Version: 535.183.01   {version} |" ;;
 esac
 """
 
 
-def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | None = None):
-    """setup.sh --dry-run --only env on a fake GPU whose driver reports CUDA `cuda` (None: no
-    version in nvidia-smi's banner) -> (exit code, output)."""
+def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | None = None,
+             mem_mib: int = 81559, args=("--only", "env", "--preset", "tiny")):
+    """setup.sh --dry-run (default: --only env --preset tiny) on a fake GPU whose driver reports
+    CUDA `cuda` (None: no version in nvidia-smi's banner) and `mem_mib` of memory -> (exit code,
+    output)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
-    smi.write_text(FAKE_SMI.format(version=f"CUDA Version: {cuda}" if cuda else ""))
+    smi.write_text(FAKE_SMI.format(version=f"CUDA Version: {cuda}" if cuda else "", mem_mib=mem_mib))
     uname = bin_dir / "uname"
     uname.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo {arch} || echo Linux\n')
     for f in (smi, uname):
@@ -38,9 +41,8 @@ def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | 
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     if index_url:
         env["TORCH_INDEX_URL"] = index_url
-    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--only", "env", "--preset", "tiny",
-                          "--base-dir", str(tmp_path / "base")], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", *args, "--base-dir", str(tmp_path / "base")],
+                         env=env, capture_output=True, text=True, timeout=60)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -71,6 +73,21 @@ def test_explicit_index_wins_and_unreadable_version_warns(tmp_path):
     assert rc == 0 and "install torch from https://example.org/whl/cu118," in out, out
     rc, out = _dry_run(tmp_path, None)
     assert rc == 0 and "could not read the driver's CUDA version" in out and "from PyPI," in out, out
+
+
+@pytest.mark.parametrize("mem_mib, dbs", [(81559, 32), (46068, 16), (40960, 16), (32607, 8), (24564, 4)])
+def test_h100_preset_fits_the_device_batch_to_the_gpus_memory(tmp_path, mem_mib, dbs):
+    """d20 bf16 needs ~14.5 GiB + ~1 GiB per sequence (H100 measurement in setup.sh): the preset
+    keeps its total batch and lowers the device batch until the peak fits."""
+    rc, out = _dry_run(tmp_path, "13.0", mem_mib=mem_mib, args=("--only", "base_train,mid_train", "--preset", "h100"))
+    assert rc == 0, out
+    assert out.count(f"--device-batch-size {dbs} ") == 2 and "--total-batch-size 524288" in out, out
+    assert ("(not 32)" in out) == (dbs != 32)
+
+
+def test_h100_preset_on_a_16_gb_gpu_points_at_a_smaller_depth(tmp_path):
+    rc, out = _dry_run(tmp_path, "13.0", mem_mib=16384, args=("--only", "base_train", "--preset", "h100"))
+    assert rc == 2 and "has 16 GiB" in out and "smaller --depth" in out and "[base_train]" not in out
 
 
 def test_no_gpu_takes_pypi(tmp_path):

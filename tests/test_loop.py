@@ -1,0 +1,48 @@
+"""nanochat/loop.py: a step that runs out of GPU memory ends the recipe with one line that names the
+flag to lower and keeps the total batch (RequestError, printed by common.script_main), not a
+traceback from deep inside the compiled step."""
+
+import pytest
+import torch
+
+from nanochat.errors import RequestError
+from nanochat.loop import LoopSpec, run_training_loop
+from nanochat.training import BatchPlan
+
+
+class _OomTrainer:
+    def __init__(self, plan, fail_at):
+        self.plan, self.fail_at, self.steps = plan, fail_at, []
+
+    def step(self, step):
+        if step == self.fail_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB")
+        self.steps.append(step)
+        raise AssertionError("the test's loop should have stopped")
+
+
+def _run(trainer):
+    spec = LoopSpec("base", num_iterations=4, report=False)
+    with pytest.raises(RequestError) as info:
+        run_training_loop(trainer, meter=None, spec=spec, start_step=2)
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+    return str(info.value)
+
+
+def test_out_of_memory_names_the_device_batch_and_keeps_the_total():
+    plan = BatchPlan(total_batch_size=524_288, device_batch_size=32, seq_len=2048, world_size=1,
+                     grad_accum_steps=8)
+    msg = _run(_OomTrainer(plan, fail_at=2))
+    assert msg.startswith("--device-batch-size 32 x --max-seq-len 2048: out of GPU memory in step 2")
+    assert "lower --device-batch-size (e.g. 16)" in msg and "524,288 tokens per step" in msg
+
+
+def test_out_of_memory_at_one_sequence_points_at_length_or_depth():
+    plan = BatchPlan(total_batch_size=2048, device_batch_size=1, seq_len=2048, world_size=1, grad_accum_steps=1)
+    msg = _run(_OomTrainer(plan, fail_at=2))
+    assert msg.endswith("lower --max-seq-len or --depth") and "e.g." not in msg
+
+
+def test_out_of_memory_without_a_batch_plan():
+    msg = _run(_OomTrainer(None, fail_at=2))
+    assert msg.startswith("out of GPU memory in step 2") and msg.endswith("lower the device batch size")
