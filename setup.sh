@@ -255,8 +255,14 @@ env_done() {
   [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text)" ]] \
     && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
 }
+rust_ready() {  # cargo on PATH, or in rustup's ~/.cargo/bin (installed after this shell started)
+  [[ -x "$HOME/.cargo/bin/cargo" ]] && export PATH="$HOME/.cargo/bin:$PATH"
+  command -v cargo >/dev/null 2>&1
+}
+NO_CARGO="cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
+  rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
   local t0=$SECONDS
   source "$REPO/scripts/ensure_uv.sh"
   ensure_uv "$PY" || exit 2
@@ -276,14 +282,10 @@ env_stage() {
   extras="$(env_extras)"
   say "installing nanochat-spark[$extras]"
   uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
-  if ! command -v cargo >/dev/null 2>&1; then
-    if [[ $INSTALL_RUST -eq 1 ]]; then
-      say "installing a Rust toolchain with rustup (--install-rust)"
-      curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
-      export PATH="$HOME/.cargo/bin:$PATH"
-    else
-      die "cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
-    fi
+  if ! rust_ready; then
+    say "installing a Rust toolchain with rustup (--install-rust)"
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+    export PATH="$HOME/.cargo/bin:$PATH"
   fi
   say "building the Rust tokenizer (rustbpe) with maturin"
   uv pip install --quiet -p .venv/bin/python ./rustbpe
@@ -300,7 +302,10 @@ env_stage() {
 if should_run env; then
   if [[ $DRY_RUN -eq 0 ]]; then env_stage
   elif env_done; then say "[env] done already (same config): skipping"
-  else say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"; fi
+  else
+    say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"
+    rust_ready || [[ $INSTALL_RUST -eq 1 ]] || warn "$NO_CARGO"
+  fi
 fi
 export PATH="$REPO/.venv/bin:$PATH"
 

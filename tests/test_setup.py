@@ -7,6 +7,7 @@ stops the run before anything installs; and scripts/ensure_uv.sh, which gets uv 
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,21 @@ def test_ensure_uv_keeps_a_uv_already_there(tmp_path):
     python = "#!/bin/sh\necho called >&2\nexit 1\n"
     rc, out, installed = _ensure_uv(tmp_path, python, uv_on_path=True)
     assert rc == 0 and not installed and "called" not in out and "installing" not in out, out
+
+
+@pytest.mark.parametrize("with_cargo, flag", [(False, ()), (False, ("--install-rust",)), (True, ())])
+def test_missing_cargo_is_named_before_any_download(tmp_path, with_cargo, flag):
+    """Without Rust the env stage stops before installing uv or torch (the dry run says so);
+    --install-rust or a cargo in rustup's ~/.cargo/bin (a shell started before the install) is enough."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    if with_cargo:
+        (home / ".cargo" / "bin").mkdir(parents=True)
+        (home / ".cargo" / "bin" / "cargo").write_text("#!/bin/sh\nexit 0\n")
+        (home / ".cargo" / "bin" / "cargo").chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--only", "env", "--preset", "tiny", "--force",
+                          *flag], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ("cargo not found" in out.stderr and "--install-rust" in out.stderr) == (not with_cargo and not flag)
