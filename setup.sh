@@ -328,5 +328,8 @@ Chat with your model ($CHAT_SOURCE checkpoint, tag $MODEL_TAG):
   export NANOCHAT_BASE_DIR=$BASE_DIR
   python -m scripts.chat_web -i $CHAT_SOURCE --model-tag $MODEL_TAG    # then open http://127.0.0.1:8000
   python -m scripts.chat_cli -i $CHAT_SOURCE --model-tag $MODEL_TAG -p "Why is the sky blue?"
+The page listens on this machine only (a Spark run headless, a cloud box): from your own computer,
+  ssh -N -L 8000:127.0.0.1:8000 $(id -un)@$(hostname)
+then open http://127.0.0.1:8000 there.
 EOF
 fi
