@@ -19,7 +19,8 @@ from pathlib import Path
 
 from nanochat.common import get_base_dir, print0
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
-from nanochat.training import FlagParser, Schedule, plan_batch, require, require_float, require_int
+from nanochat.training import Schedule, plan_batch
+from nanochat.flags import FlagParser, require, require_float, require_int
 
 
 @dataclass(frozen=True)

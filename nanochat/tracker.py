@@ -3,7 +3,7 @@ otherwise a no-op that imports nothing. Shared by every training recipe."""
 
 from __future__ import annotations
 
-from nanochat.training import require
+from nanochat.flags import require
 
 WANDB_MODES = ("off", "offline", "online")
 

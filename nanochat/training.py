@@ -1,7 +1,7 @@
 """Training mechanics shared by every recipe (base, mid, SFT, RL): the step, batch arithmetic,
 schedules, the throughput/MFU meter, the non-finite-loss guard, the per-step log line,
-validation bits-per-byte, loop-state/RNG capture and flag parsing (the optional wandb tracker:
-nanochat/tracker.py).
+validation bits-per-byte and loop-state/RNG capture (flag parsing: nanochat/flags.py; the
+optional wandb tracker: nanochat/tracker.py).
 
 A recipe (scripts/*.py) builds a model, an optimizer and a loader, then:
 
@@ -16,19 +16,18 @@ Everything here is device-agnostic (CPU/CUDA/MPS, torchrun or not) and imports n
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from nanochat import weight_cache
 from nanochat.errors import RequestError
+from nanochat.flags import require, require_float, require_int
 from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes import it from here)
 
 # ------------------------------------------------------------------------------------ errors
@@ -46,58 +45,6 @@ class NonFiniteLossError(RuntimeError):
 
 DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr), set --grad-clip 1.0, "
                 "try --precision bf16 if running fp8/nvfp4, and check the data for broken shards")
-
-
-# ------------------------------------------------------------------------------------ flags
-
-def normalize_flags(argv: Sequence[str]) -> list[str]:
-    """Accept `--under_score` spellings of `--dash-names` (also `--a_b=value`) and `--run-name` for
-    `--run` (torchrun on Python 3.11 claims `--run` as a prefix of its `--run-path`). Values and
-    positional arguments are left alone."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and len(arg) > 2:
-            name, sep, value = arg.partition("=")
-            name = name.replace("_", "-")
-            arg = ("--run" if name == "--run-name" else name) + sep + value
-        out.append(arg)
-    return out
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse that raises ValueError (naming the flag) instead of exiting, so recipes validate
-    flags as data; accepts `--under_score` spellings of every `--dash-name`."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)  # no silent prefix matching of flag names
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        raise ValueError(message)
-
-    def parse_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        return super().parse_args(normalize_flags(args), namespace)
-
-
-def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
-    """The one validation primitive: ValueError('--flag: got X; accepted: ...')."""
-    if not ok:
-        raise RequestError(f"{flag}: got {got!r}; accepted: {accepted}")
-
-
-def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:
-    ok = (isinstance(value, int) and not isinstance(value, bool) and (value >= low or value in allow))
-    extra = f" (or {'/'.join(map(str, allow))})" if allow else ""
-    require(ok, flag, value, f"an integer >= {low}{extra}")
-
-
-def require_float(value: Any, flag: str, low: float = 0.0, high: float = math.inf,
-                  low_inclusive: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (value >= low if low_inclusive else value > low) and value <= high
-    bound = ">=" if low_inclusive else ">"
-    require(ok, flag, value, f"a finite number {bound} {low}" + (f" and <= {high}" if high < math.inf else ""))
 
 
 # ------------------------------------------------------------------------------------ batch arithmetic
@@ -490,7 +437,9 @@ class StepMeter:
     """Throughput, MFU and an EMA-smoothed loss. MFU is against the dense bf16 peak (comparable
     across precisions); `util` is against the active precision's own peak. The first
     `warmup_steps` of every process (compilation, allocator warm-up; also after a resume) are
-    left out of the cumulative time."""
+    left out of the cumulative time. The ETA is wall-clock time per step since the warm-up (so
+    evals, samples and checkpoints between steps count) times the steps left: a d20 run on a
+    GB10 takes days, and its user should know how many after a few minutes."""
 
     def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
                  peak_active: float | None = None, precision: str = "bf16", ema_beta: float = 0.9,
@@ -505,6 +454,8 @@ class StepMeter:
         self.timed_steps = 0
         self.timed_tokens = 0
         self._steps_this_process = 0  # warm-up counts from this process's start (also after resume)
+        self._wall_start: float | None = None  # perf_counter at the start of the first timed step
+        self._wall_steps = 0                   # steps since then (this process)
 
     def update(self, r: StepResult) -> dict:
         b = self.ema_beta
@@ -515,12 +466,17 @@ class StepMeter:
             self.total_time += r.dt
             self.timed_steps += 1
             self.timed_tokens += r.tokens
+            if self._wall_start is None:
+                self._wall_start = time.perf_counter() - r.dt
+            self._wall_steps += 1
+        wall_per_step = ((time.perf_counter() - self._wall_start) / self._wall_steps
+                         if self._wall_steps else None)
         tok_s = r.tokens / r.dt if r.dt > 0 else float("inf")
         flops_s = self.flops_per_token * tok_s
         return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),
                 "lrm": r.lrm, "dt": r.dt, "tok_per_sec": tok_s, "grad_norm": r.grad_norm,
                 "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_active),
-                "peak_mem_gib": self.peak_memory() / 2**30}
+                "peak_mem_gib": self.peak_memory() / 2**30, "wall_per_step": wall_per_step}
 
     def _frac(self, flops_s: float, peak: float | None) -> float | None:
         return None if not peak else 100.0 * flops_s / (peak * self.world_size)
@@ -530,9 +486,11 @@ class StepMeter:
         mfu = f"{m['mfu']:5.2f}%" if m["mfu"] is not None else "  n/a"
         util = f"{m['util']:5.2f}%" if m["util"] is not None else "  n/a"
         width = max(5, len(str(num_iterations)))
+        per_step = m.get("wall_per_step")
+        eta = format_eta(per_step * (num_iterations - m["step"] - 1)) if per_step is not None else "-"
         return (f"step {m['step']:0{width}d}/{num_iterations:0{width}d} | loss {m['smooth_loss']:.4f} | "
                 f"lrm {m['lrm']:.3f} | dt {m['dt'] * 1e3:8.1f}ms | tok/s {m['tok_per_sec']:>11,.0f} | "
-                f"mfu {mfu} | util({self.precision}) {util} | mem {m['peak_mem_gib']:6.2f}GiB")
+                f"mfu {mfu} | util({self.precision}) {util} | mem {m['peak_mem_gib']:6.2f}GiB | eta {eta:>6}")
 
     def average_tok_per_sec(self) -> float | None:
         return self.timed_tokens / self.total_time if self.total_time > 0 else None
@@ -545,6 +503,19 @@ class StepMeter:
         self.smooth_loss, self.updates = float(s["smooth_loss"]), int(s["updates"])
         self.total_time, self.timed_steps = float(s["total_time"]), int(s["timed_steps"])
         self.timed_tokens = int(s["timed_tokens"])
+
+
+def format_eta(seconds: float) -> str:
+    """At most 6 characters, coarsest two units: '6d03h', '13h05m', '4m07s', '9s'."""
+    s = max(0, int(round(seconds)))
+    d, rem = divmod(s, 86400)
+    h, rem = divmod(rem, 3600)
+    mins, secs = divmod(rem, 60)
+    if d:
+        return f"{d}d{h:02d}h" if d < 100 else f"{d}d"
+    if h:
+        return f"{h}h{mins:02d}m"
+    return f"{mins}m{secs:02d}s" if mins else f"{secs}s"
 
 
 # ------------------------------------------------------------------------------------ evaluation

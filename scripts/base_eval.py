@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
-from nanochat.training import (DEFAULT_PROMPTS, FlagParser, evaluate_bpb, require, require_int,
-                               sample_prompts)
+from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
+from nanochat.flags import FlagParser, require, require_int
 
 EVALS = ("core", "bpb", "sample")
 PHASES = ("base", "mid", "sft", "rl")

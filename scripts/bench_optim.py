@@ -27,7 +27,7 @@ import torch
 from nanochat.common import destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import build_optimizer
-from nanochat.training import FlagParser, require_float, require_int
+from nanochat.flags import FlagParser, require_float, require_int
 
 
 def parse_args(argv=None):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat.training import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("losses", "fsdp", "throughput")

@@ -41,7 +41,7 @@ from nanochat import attention as A
 from nanochat.common import destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.gpu_monitor import GpuMonitor
-from nanochat.training import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int
 
 PARTS = ("both", "gemm", "attn")
 LM_HEAD_CHUNK = 8192  # rows per lm_head chunk (the fused loss works in chunks too)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
-from nanochat.training import FlagParser, require
+from nanochat.flags import FlagParser, require
 
 SOURCES = ("base", "mid", "sft", "rl")
 

@@ -18,7 +18,7 @@ import json
 from collections import defaultdict
 
 from nanochat.common import script_main
-from nanochat.training import FlagParser
+from nanochat.flags import FlagParser
 from nanochat.triton_aot import TARGETS, check, num_warps_of, resolve_cases, resolve_targets
 
 ARGS = None

@@ -229,7 +229,7 @@ def test_meter_mfu_and_fixed_log_line():
     line = meter.log_line(m1, 100)
     assert line.startswith("step 00001/00100 | loss ") and "| lrm 0.500 |" in line
     assert "tok/s       4,000" in line and "mfu  0.20%" in line and "util(fp8)  0.10%" in line
-    assert line.endswith("mem   3.00GiB")
+    assert line.endswith("mem   3.00GiB | eta    25s")  # 98 steps left x its 0.25 s
     assert meter.average_tok_per_sec() == 4000  # step 0 was warm-up
     unknown = tr.StepMeter(1e6, 1, peak_bf16=None)
     l2 = unknown.log_line(unknown.update(tr.StepResult(0, 1.0, 1.0, 1.0, 10)), 5)
@@ -237,6 +237,31 @@ def test_meter_mfu_and_fixed_log_line():
     restored = tr.StepMeter(1e6, 2, peak_bf16=1e12)
     restored.load_state_dict(meter.state_dict())
     assert restored.state_dict() == meter.state_dict()
+
+
+def test_log_line_eta_is_wall_time_per_step_since_warm_up(monkeypatch):
+    """The ETA counts wall time between steps too (evals, checkpoints): steps of 1 s with 2 s of
+    other work after each are 3 s per step; warm-up steps are left out; the last step says 0s."""
+    clock = [100.0]
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
+    meter = tr.StepMeter(1e6, 1, peak_bf16=None, warmup_steps=2)
+    lines = []
+    for step in range(6):
+        clock[0] += 50.0 if step < 2 else 1.0  # warm-up steps are slow (compile)
+        lines.append(meter.log_line(meter.update(tr.StepResult(step, 1.0, 1.0, 1.0, 10)), 6))
+        clock[0] += 2.0
+    assert lines[0].endswith("| eta      -") and lines[1].endswith("| eta      -")
+    assert lines[2].endswith("| eta     3s")  # 1 s for step 2 x 3 steps left (its 2 s of other work come after)
+    assert lines[3].endswith("| eta     4s")  # (1 + 2 + 1) s / 2 steps x 2 steps left
+    assert lines[4].endswith("| eta     2s")  # 7 s / 3 steps x 1 step left
+    assert lines[5].endswith("| eta     0s")
+    assert len({len(line.split("|")) for line in lines}) == 1
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (59.4, "59s"), (61, "1m01s"), (3600 * 13 + 5 * 60, "13h05m"),
+                                           (86400 * 6 + 3 * 3600 + 1800, "6d03h"), (86400 * 250, "250d")])
+def test_format_eta(seconds, text):
+    assert tr.format_eta(seconds) == text
 
 
 def test_unknown_gpu_warns_once_and_cpu_has_no_peak(rt):
@@ -247,7 +272,8 @@ def test_unknown_gpu_warns_once_and_cpu_has_no_peak(rt):
 # ------------------------------------------------------------------ flags, tracker
 
 def test_flag_parser_accepts_underscores_and_raises_valueerror():
-    p = tr.FlagParser(prog="x")
+    from nanochat.flags import FlagParser
+    p = FlagParser(prog="x")
     p.add_argument("--device-batch-size", type=int, default=1)
     p.add_argument("--run", default="dummy")
     a = p.parse_args(["--device_batch_size", "8", "--run=my_run_name"])

@@ -1,0 +1,62 @@
+"""Command-line flags shared by every script: `FlagParser` (argparse that raises instead of
+exiting and accepts `--under_score` spellings) and the validation primitives `require`,
+`require_int`, `require_float`, which raise RequestError('--flag: got X; accepted: ...')."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any, Sequence
+
+from nanochat.errors import RequestError
+
+
+def normalize_flags(argv: Sequence[str]) -> list[str]:
+    """Accept `--under_score` spellings of `--dash-names` (also `--a_b=value`) and `--run-name` for
+    `--run` (torchrun on Python 3.11 claims `--run` as a prefix of its `--run-path`). Values and
+    positional arguments are left alone."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, sep, value = arg.partition("=")
+            name = name.replace("_", "-")
+            arg = ("--run" if name == "--run-name" else name) + sep + value
+        out.append(arg)
+    return out
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse that raises ValueError (naming the flag) instead of exiting, so recipes validate
+    flags as data; accepts `--under_score` spellings of every `--dash-name`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # no silent prefix matching of flag names
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_args(normalize_flags(args), namespace)
+
+
+def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
+    """The one validation primitive: ValueError('--flag: got X; accepted: ...')."""
+    if not ok:
+        raise RequestError(f"{flag}: got {got!r}; accepted: {accepted}")
+
+
+def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:
+    ok = (isinstance(value, int) and not isinstance(value, bool) and (value >= low or value in allow))
+    extra = f" (or {'/'.join(map(str, allow))})" if allow else ""
+    require(ok, flag, value, f"an integer >= {low}{extra}")
+
+
+def require_float(value: Any, flag: str, low: float = 0.0, high: float = math.inf,
+                  low_inclusive: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= low if low_inclusive else value > low) and value <= high
+    bound = ">=" if low_inclusive else ">"
+    require(ok, flag, value, f"a finite number {bound} {low}" + (f" and <= {high}" if high < math.inf else ""))
