@@ -23,6 +23,9 @@ Options:
                      tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
                      spark (DGX Spark defaults), h100 (one H100/H200; on a GPU with less
                      memory the device batch is lowered to fit, the total batch kept)
+  --depth N          model depth instead of the preset's (tiny 2, spark/h100 20), 1-64: the
+                     training tokens (20 per scaling parameter), the data shards downloaded
+                     and the device batch follow it; e.g. --depth 12 trains ~4x fewer tokens
   --only S1,S2       run only these stages (others are neither run nor checked)
   --from STAGE       start at STAGE (earlier stages must already be done)
   --force            rerun stages even if their done-marker matches
@@ -39,12 +42,14 @@ die() { echo "setup.sh: error: $*" >&2; exit 2; }
 say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
-PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0
+PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --preset) [[ $# -ge 2 ]] || die "--preset needs a value (auto|tiny|spark|h100)"; PRESET="$2"; shift 2 ;;
     --preset=*) PRESET="${1#*=}"; shift ;;
+    --depth) [[ $# -ge 2 ]] || die "--depth needs a value (an integer 1-64)"; DEPTH_FLAG="$2"; DEPTH_GIVEN=1; shift 2 ;;
+    --depth=*) DEPTH_FLAG="${1#*=}"; DEPTH_GIVEN=1; shift ;;
     --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; shift 2 ;;
     --only=*) ONLY="${1#*=}"; shift ;;
     --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; shift 2 ;;
@@ -61,6 +66,9 @@ while [[ $# -gt 0 ]]; do
 done
 
 case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
+if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#$DEPTH_FLAG >= 1 && 10#$DEPTH_FLAG <= 64 )); }; then
+  die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
+fi
 valid_stage() { local s; for s in "${STAGES[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
 IFS=',' read -r -a ONLY_LIST <<< "$ONLY"
 for s in "${ONLY_LIST[@]}"; do valid_stage "$s" || die "--only: unknown stage '$s'; accepted: ${STAGES[*]}"; done
@@ -105,7 +113,9 @@ elif [[ -n "$GPU_NAME" ]]; then
   fi
 fi
 FREE_DISK_GB="$(df -Pk "$REPO" | awk 'NR==2 {printf "%d", $4/1048576}')"
-MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' /proc/meminfo 2>/dev/null || echo 0)"
+MEMINFO="${SETUP_MEMINFO:-/proc/meminfo}"  # SETUP_MEMINFO: the tests' simulated GB10
+MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' "$MEMINFO" 2>/dev/null || echo 0)"
+MEM_TOTAL_MIB="$(awk '/MemTotal/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
 PY="$(command -v python3 || true)"
 [[ -n "$PY" ]] || die "python3 not found: install Python >= 3.10 (e.g. 'apt-get install python3 python3-venv')"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
@@ -139,32 +149,69 @@ case "$PRESET" in
     VOCAB=2048; DEPTH=2; SEQ=2048; DBS=2; TBS=4096; ITERS=250; PRECISION=fp32; KERNEL=current
     EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile ;;
   spark)
-    DATA_CMD=(python -m nanochat.dataset --source climbmix -n 170)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
   h100)
-    DATA_CMD=(python -m nanochat.dataset --source climbmix -n 170)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=32; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
 esac
+[[ $DEPTH_GIVEN -eq 1 ]] && DEPTH=$((10#$DEPTH_FLAG))
 MODEL_TAG="d${DEPTH}"
 
-# The h100 preset on a GPU with less memory (it runs on any non-GB10 GPU): the largest device batch
-# whose peak fits, the total batch kept by gradient accumulation. d20 bf16 (--kernel triton,
-# compiled) on an H100, bench_train 2026-11-28: 18.5 / 22.5 / 30.4 / 46.4 GiB allocated at device
-# batch 4 / 8 / 16 / 32, i.e. ~14.5 GiB (weights, gradients, optimizer state) + ~1.0 GiB per 2048-token
-# sequence; the rule adds 10% for the allocator's reserve and 1.5 GiB for the CUDA context and
-# workspaces: 80 GB -> 32, 40-48 GB -> 16, 32 GB -> 8, 24 GB -> 4.
-if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then
-  fitted=""
-  for dbs in 32 16 8 4 2; do
-    if (( (110 * (145 + 10 * dbs) / 100 + 15) * 1024 <= 10 * GPU_MEM_MIB )); then fitted=$dbs; break; fi
+# Sizes that follow the depth (width 64 x depth, nanochat/gpt.py): the scaling parameters (the
+# transformer's matrices + lm_head) set the training tokens (base_train: 20 per parameter), and all
+# parameters (+ wte and the value-embedding tables of every other layer) the fixed memory.
+WIDTH=$((64 * DEPTH))
+SCALING_PARAMS=$((12 * WIDTH * WIDTH * DEPTH + VOCAB * WIDTH))
+ALL_PARAMS=$((12 * WIDTH * WIDTH * DEPTH + (2 + (DEPTH + 1) / 2) * VOCAB * WIDTH))
+TRAIN_TOKENS=$((20 * SCALING_PARAMS))
+if [[ "$PRESET" != tiny ]]; then
+  # ClimbMix: d20's 8.7B tokens were given 170 shards (~51M tokens each, with margin); other depths
+  # in proportion, at least 8, so that no depth trains on repeated data
+  D20_SCALING=$((12 * 1280 * 1280 * 20 + VOCAB * 1280))
+  SHARDS=$(( (170 * SCALING_PARAMS + D20_SCALING - 1) / D20_SCALING )); (( SHARDS >= 8 )) || SHARDS=8
+  DATA_CMD=(python -m nanochat.dataset --source climbmix -n "$SHARDS")
+fi
+
+# The device batch that fits: d20 bf16 (--kernel triton, compiled) on an H100, bench_train
+# 2026-11-28: 18.5 / 22.5 / 30.4 / 46.4 GiB allocated at device batch 4 / 8 / 16 / 32, i.e. ~14.5 GiB
+# (weights, gradients, optimizer state) + ~1.0 GiB per 2048-token sequence. Other depths scale the
+# first part with all parameters and the second with depth x width (d12 at 32: predicted 16.1 GiB,
+# measured 16.8); the rule adds 10% for the allocator's reserve and 1.5 GiB for the CUDA context and
+# workspaces. In hundredths of a GiB:
+D20_ALL=$((12 * 1280 * 1280 * 20 + 12 * VOCAB * 1280))
+FIXED_CGIB=$((1450 * ALL_PARAMS / D20_ALL)) PER_SEQ_CGIB=$((DEPTH * DEPTH / 4))
+need_cgib() { echo $(( 110 * (FIXED_CGIB + PER_SEQ_CGIB * $1) / 100 + 150 )); }
+fit_device_batch() {  # budget_mib cap -> the largest power-of-two batch <= cap that fits, or nothing
+  local dbs
+  for ((dbs = $2; dbs >= 1; dbs /= 2)); do
+    if (( $(need_cgib "$dbs") * 1024 <= 100 * $1 )); then echo "$dbs"; return; fi
   done
-  [[ -n "$fitted" ]] || die "the $GPU_NAME has $((GPU_MEM_MIB / 1024)) GiB; preset h100 trains d20, which needs about 20 GiB" \
-    "at a device batch of 2: run python -m scripts.base_train with a smaller --depth (e.g. 12) instead"
+}
+# h100 (any non-GB10 GPU): the GPU's memory (80 GB -> 32 at d20, 40-48 GB -> 16, 32 GB -> 8, 24 GB -> 4);
+# spark: unified memory, so 3/4 of the host's total, the rest left to the OS, page cache, loader
+# and eval (DESIGN.md pitfall 3). Total, not MemAvailable: the choice must not change between
+# runs, since a changed base_train command reruns a finished stage.
+BUDGET_MIB=""
+if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then BUDGET_MIB=$GPU_MEM_MIB
+elif [[ "$PRESET" == spark ]]; then BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )); fi
+if [[ -n "$BUDGET_MIB" ]]; then
+  fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
+  where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"; [[ "$PRESET" == spark ]] && where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
+  [[ -n "$fitted" ]] || die "d$DEPTH needs about $(( $(need_cgib 1) / 100 )) GiB at a device batch of 1; $where is not" \
+    "enough: rerun with a smaller --depth (e.g. $(( DEPTH * 3 / 5 > 0 ? DEPTH * 3 / 5 : 1 )))"
   if (( fitted != DBS )); then
-    say "device batch $fitted (not $DBS) for the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB; the total batch stays $TBS tokens"
+    say "device batch $fitted (not $DBS) for d$DEPTH in $where; the total batch stays $TBS tokens"
     DBS=$fitted
+  fi
+fi
+if [[ "$PRESET" != tiny ]]; then
+  say "d$DEPTH: $(awk -v p="$ALL_PARAMS" 'BEGIN {printf "%.0fM", p / 1e6}') parameters, base_train on" \
+      "$(awk -v t="$TRAIN_TOKENS" 'BEGIN {printf "%.1fB", t / 1e9}') tokens (${SHARDS} data shards); its step lines show the ETA"
+  if [[ "$PRESET" == spark ]] && (( DEPTH >= 16 )); then
+    say "on a GB10 this takes days: community figures (not measured here) put d20 (8.7B tokens) at ~14-17k tok/s," \
+        "~6-7 days;" \
+        "--depth 12 trains $(awk -v d=12 -v v="$VOCAB" 'BEGIN {printf "%.1fB", 20 * (12 * (64*d)^2 * d + v * 64 * d) / 1e9}') tokens"
   fi
 fi
 

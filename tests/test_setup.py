@@ -4,6 +4,7 @@ run PyPI's CUDA 13 torch, so it gets PyTorch's cu126 / cu128 index, and a driver
 stops the run before anything installs; and scripts/ensure_uv.sh, which gets uv onto a fresh machine
 (pip --user, a PEP 668 Python, no pip at all)."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ esac
 
 
 def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | None = None,
-             mem_mib: int = 81559, args=("--only", "env", "--preset", "tiny")):
+             mem_mib: int = 81559, args=("--only", "env", "--preset", "tiny"), mem_total_gib: int | None = None):
     """setup.sh --dry-run (default: --only env --preset tiny) on a fake GPU whose driver reports
     CUDA `cuda` (None: no version in nvidia-smi's banner) and `mem_mib` of memory -> (exit code,
     output)."""
@@ -42,6 +43,10 @@ def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | 
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     if index_url:
         env["TORCH_INDEX_URL"] = index_url
+    if mem_total_gib is not None:  # the host's /proc/meminfo, as a GB10's unified memory shows it
+        meminfo = tmp_path / "meminfo"
+        meminfo.write_text(f"MemTotal: {mem_total_gib * 1048576} kB\nMemAvailable: {mem_total_gib * 900000} kB\n")
+        env["SETUP_MEMINFO"] = str(meminfo)
     out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", *args, "--base-dir", str(tmp_path / "base")],
                          env=env, capture_output=True, text=True, timeout=60)
     return out.returncode, out.stdout + out.stderr
@@ -88,7 +93,48 @@ def test_h100_preset_fits_the_device_batch_to_the_gpus_memory(tmp_path, mem_mib,
 
 def test_h100_preset_on_a_16_gb_gpu_points_at_a_smaller_depth(tmp_path):
     rc, out = _dry_run(tmp_path, "13.0", mem_mib=16384, args=("--only", "base_train", "--preset", "h100"))
-    assert rc == 2 and "has 16 GiB" in out and "smaller --depth" in out and "[base_train]" not in out
+    assert rc == 2 and "d20 needs about 18 GiB at a device batch of 1" in out and "'s 16 GiB is not enough" in out
+    assert "smaller --depth (e.g. 12)" in out and "[base_train]" not in out
+
+
+@pytest.mark.parametrize("depth", [8, 12, 20, 26])
+def test_depth_sets_the_model_its_tokens_and_its_data(tmp_path, depth):
+    """--depth N: the summary's parameter and token counts are the model's own (nanochat/gpt.py,
+    20 tokens per scaling parameter as base_train's default), and the shards scale with them."""
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+
+    model = build_model(config_for_depth(depth, 32768, 2048), "meta")
+    total, scaling = sum(p.numel() for p in model.parameters()), model.num_scaling_params()
+    args = ("--only", "data,base_train,chat_eval", "--preset", "h100") + (() if depth == 20 else ("--depth", str(depth)))
+    rc, out = _dry_run(tmp_path, "13.0", args=args)
+    assert rc == 0, out
+    assert f"d{depth}: {total / 1e6:.0f}M parameters, base_train on {20 * scaling / 1e9:.1f}B tokens" in out, out
+    shards = max(8, math.ceil(170 * scaling / 435_162_240 - 1e-4))  # d20: 170 shards
+    assert f"climbmix -n {shards} " in out and f"({shards} data shards)" in out
+    assert f"--depth {depth} " in out and out.count(f"--model-tag d{depth} ") == 2
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "twelve", "-3", ""])
+def test_bad_depth_stops_before_anything(tmp_path, bad):
+    rc, out = _dry_run(tmp_path, "13.0", args=("--preset", "h100", f"--depth={bad}"))
+    assert rc == 2 and f"--depth: got '{bad}'; accepted: an integer 1-64" in out and "==>" not in out
+
+
+@pytest.mark.parametrize("total_gib, depth, dbs, days_note", [
+    (122, 20, 16, True), (40, 20, 8, True), (122, 12, 16, False), (122, 32, 8, True), (60, 32, None, True)])
+def test_spark_preset_budgets_the_unified_memory(tmp_path, total_gib, depth, dbs, days_note):
+    """On a GB10 the GPU's memory is the host's: the device batch fits 3/4 of MemTotal (a stable
+    figure, so a rerun's commands match), and a d16+ run says it takes days there (and what
+    --depth 12 costs)."""
+    rc, out = _dry_run(tmp_path, "13.0", arch="aarch64", mem_total_gib=total_gib,
+                       args=("--only", "base_train", "--preset", "spark", "--depth", str(depth)))
+    if dbs is None:
+        assert rc == 2 and f"3/4 of the {total_gib} GiB of unified memory is not enough" in out, out
+        return
+    assert rc == 0 and f"--device-batch-size {dbs} " in out, out
+    assert ("(not 16)" in out) == (dbs != 16)
+    assert ("~6-7 days" in out) == days_note and ("--depth 12 trains 2.2B tokens" in out) == days_note
 
 
 def test_no_gpu_takes_pypi(tmp_path):
