@@ -34,6 +34,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+# Triton 3.9 renamed gluon's async copies to async_load (the old names now raise; same arguments)
+# and thread_barrier to barrier
+_cp_async_load = getattr(ac, "async_load", None) or ac.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 K = 1280  # columns of every product (d20's width)
 ROWS = (3840, 1280, 5120, 5120)  # q/k/v, attention proj, fc, and the MLP proj's bytes as 5120 x 1280
 CB = 256  # columns per block; a band is NCB blocks
@@ -50,13 +56,13 @@ def _acquire(ptr):
 @gluon.jit
 def _grid_barrier(flags, epoch, pid, P, fi):
     """The decode kernel's barrier: publish `epoch` in this program's flag, poll all flags, acquire."""
-    gl.thread_barrier()
+    _cta_barrier()
     gl.atomic_xchg(flags + pid, epoch, sem="release", scope="gpu")
     seen = gl.min(gl.load(flags + fi, mask=fi < P, other=epoch, volatile=True), 0)
     while seen < epoch:
         seen = gl.min(gl.load(flags + fi, mask=fi < P, other=epoch, volatile=True), 0)
     _acquire(flags + pid)
-    gl.thread_barrier()
+    _cta_barrier()
 
 
 @gluon.jit
@@ -85,7 +91,7 @@ def _issue_cpasync(ring, w, i, L, pid, P, nb0, nb1, nb2, nb3, rows_l, cols_l, NS
     for cb in gl.static_range(NCB):
         ptrs = w + rows[:, None].to(gl.int64) * K + cb * CB + cols_l[None, :]
         mask = (rows[:, None] < lim) & (cols_l[None, :] < CB)
-        ac.async_copy_global_to_shared(ring.index(slot * NCB + cb), ptrs, mask, cache_modifier=".cg")
+        _cp_async_load(ring.index(slot * NCB + cb), ptrs, mask, cache_modifier=".cg")
     ac.commit_group()
 
 
@@ -104,8 +110,8 @@ def _issue_tma(desc, ring, bars, i, L, pid, P, nb0, nb1, nb2, nb3, NSLOT: gl.con
         # box (an L2 hit), so DRAM reads only the share
         row = gl.where(first + rr * BR < r1, first + rr * BR, first)
         for cb in gl.static_range(NCB):
-            tma.async_copy_global_to_shared(desc, [row, cb * CB], bar,
-                                            ring.index(slot * NCB + cb).slice(rr * BR, BR, dim=0), pred=live)
+            _tma_load(desc, [row, cb * CB], bar,
+                      ring.index(slot * NCB + cb).slice(rr * BR, BR, dim=0), pred=live)
 
 
 @gluon.jit
@@ -177,12 +183,12 @@ def gemv_ring_chain(w, desc, act, flags, L, N0: gl.constexpr, N1: gl.constexpr, 
                     mbarrier.wait(bars.index(slot), (cons // NSLOT) & 1)
                 else:
                     ac.wait_group(NSLOT - 1)
-                    gl.thread_barrier()
+                    _cta_barrier()
                 if X != 0:
                     out = _band_product(ring, slot * NCB, xs, L2)
                     rows = b * RB + rows_l
                     gl.store(xout + row0 + rows, out * 0.03125, mask=rows < nrow)
-                gl.thread_barrier()  # every warp is done with the slot before it is refilled
+                _cta_barrier()  # every warp is done with the slot before it is refilled
                 if TMA:
                     _issue_tma(desc, ring, bars, cons + NSLOT, L, pid, P, nb0, nb1, nb2, nb3, NSLOT, N0, N1, N2, N3,
                                CB, NCB, RB, 2)

@@ -36,6 +36,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 
+# Triton 3.9 renamed gluon's async copies to async_load (the old names now raise; same arguments)
+# and thread_barrier to barrier
+_cp_async_load = getattr(ac, "async_load", None) or ac.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 from scripts.bench_gemv_ring import CB, K, NCB, _choices, _grid_barrier, _ints, cuda_device
 
 RB = 8  # rows per band (one per warp)
@@ -54,7 +59,7 @@ def _issue(ring, w, band, r0, r1, rows_l, cols_l, NSLOT: gl.constexpr, K: gl.con
     for cb in gl.static_range(NCB):
         ptrs = w + rows[:, None].to(gl.int64) * K + cb * CB + cols_l[None, :]
         mask = (rows[:, None] < r1) & (cols_l[None, :] < CB)
-        ac.async_copy_global_to_shared(ring.index(slot * NCB + cb), ptrs, mask, cache_modifier=".cg")
+        _cp_async_load(ring.index(slot * NCB + cb), ptrs, mask, cache_modifier=".cg")
     ac.commit_group()
 
 
@@ -74,7 +79,7 @@ def _stream(w, R, s, S, NSLOT: gl.constexpr, K: gl.constexpr, CB: gl.constexpr, 
         _issue(ring, w, b, r0, r1, rows_l, cols_l, NSLOT, K, CB, NCB, RB)
     for b in range(nb):
         ac.wait_group(NSLOT - 1)
-        gl.thread_barrier()  # the slot is free once every warp saw it land
+        _cta_barrier()  # the slot is free once every warp saw it land
         _issue(ring, w, b + NSLOT, r0, r1, rows_l, cols_l, NSLOT, K, CB, NCB, RB)
     ac.wait_group(0)
 

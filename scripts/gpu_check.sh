@@ -8,6 +8,8 @@
 #              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures)
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
+#   alttests   pytest -m cuda over tests/ with the Triton carried by scripts/alt_triton.sh (.altta, then .alttb
+#              on the next call): the kernels on the Triton a fresh install gets, next to the box's torch
 #   infer      bench_sampler (the Engine's sampler per call); bench_inference: d20 prefill, decode (graphs)
 #              at batch 1/8/32, TTFT, bandwidth utilisation;
 #              the same at a 1800-token prompt (bucket 2048: the window layers' KV reads matter), Triton
@@ -91,6 +93,15 @@ fi
 if [ -d .fa4a ] || [ -d .fa4b ]; then
   FA4_SITE=/tmp/site bash scripts/fa4_install.sh install || { echo "fa4 install failed"; exit 1; }
 fi
+# another Triton (e.g. the one a fresh install gets), carried in parts .altta, .alttb, ... on successive
+# calls (scripts/alt_triton.sh pack); once all parts are on the box it comes first on PYTHONPATH
+if compgen -G ".altt?" > /dev/null; then
+  bash scripts/alt_triton.sh install || { echo "alt-triton install failed"; exit 1; }
+fi
+if [ -d /tmp/alt-triton/triton ]; then
+  export PYTHONPATH=/tmp/alt-triton:${PYTHONPATH:-}
+  $PY -c "import torch, triton; print('alt-triton in use: torch', torch.__version__, 'triton', triton.__version__)"
+fi
 if [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ]; then  # what the package's .pth file would add
   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 fi
@@ -123,6 +134,13 @@ fi
 if has tests; then
   # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint)
   step pytest_cuda_all 540 $PY -m pytest -q -m cuda -p no:cacheprovider -rs tests/
+fi
+if has alttests; then
+  # with scripts/alt_triton.sh's Triton: the CUDA tests of the files holding our Triton kernels (ALT_TESTS);
+  # a test that goes through torch.compile also runs the box's inductor on that Triton, which may not work
+  ALT_TESTS=${ALT_TESTS:-"tests/test_kernels.py tests/test_precision.py tests/test_fused_norm.py tests/test_triton_mlp.py tests/test_triton_qk.py
+    tests/test_fp8_qk.py tests/test_triton_decode.py tests/test_sampling.py tests/test_attention.py tests/test_triton_aot.py"}
+  step pytest_cuda_alt 560 $PY -m pytest -q -m cuda -p no:cacheprovider -rfEs $ALT_TESTS
 fi
 if has infer; then
   # graphs (the CUDA default) at batch 1/8/32 with a kernel profile of one batch-1 step, then the
