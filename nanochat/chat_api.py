@@ -1,9 +1,16 @@
 """The chat API's request side: server limits (`ServerSettings`), OpenAI-shaped errors
 (`ApiError`) and parsing/validation of a chat-completions body into a `ChatRequest`, all before any
-model work. Split out of server.py, which owns the app, the replica pool and generation.
+model work. Split out of server.py, which owns the app, the replica pool and generation;
+nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size).
+
+Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
+whose effect this server cannot honour (logprobs, tools, non-text response_format) are refused
+with 400 "unsupported_parameter" rather than silently ignored; any `model` name is accepted (a
+local server has one model; responses report the served name).
 """
 
 import json
+import re
 from dataclasses import asdict, dataclass
 
 ROLES = ("system", "user", "assistant")
@@ -29,12 +36,17 @@ class ServerSettings:
     max_n: int = 4
     max_stop: int = 4                       # stop strings per request, each <= 100 chars
     max_body_bytes: int = 1 << 20
-    max_concurrent_per_client: int = 4
+    # None: max(4, the pool's number of workers) (create_app: default_per_client), so one client (the
+    # chat page, a benchmark) can fill every generation slot and still queue a few requests.
+    max_concurrent_per_client: int | None = None
     max_queue: int = 128                    # requests waiting for a replica before 503
+    allowed_hosts: tuple[str, ...] | None = None   # Host header names answered (DNS rebinding); None: any
+    cors_origins: tuple[str, ...] = ()      # browser origins allowed to call the API cross-site; (): none
 
     def validate(self) -> "ServerSettings":
         for name, value in asdict(self).items():
-            if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k"):
+            if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k",
+                        "allowed_hosts", "cors_origins") or name == "max_concurrent_per_client" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: got {value!r}; accepted: an integer >= 1")
@@ -46,22 +58,40 @@ class ServerSettings:
             raise ValueError(f"--max-tokens: got {self.default_max_tokens}; accepted: 1..{self.max_max_tokens}")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError("--api-key: got a key shorter than 8 characters; accepted: >= 8 characters")
+        if isinstance(self.allowed_hosts, str) or isinstance(self.cors_origins, str):
+            raise ValueError("allowed_hosts / cors_origins: got a string; accepted: a tuple of strings")
+        for host in self.allowed_hosts or ():
+            if not isinstance(host, str) or not re.fullmatch(r"[\w.:\[\]-]+", host):
+                raise ValueError(f"--allowed-host: got {host!r}; accepted: a host name or IP address "
+                                 "(e.g. chat.example.com, 192.168.1.5)")
+        for origin in self.cors_origins:
+            if not isinstance(origin, str) or not re.fullmatch(r"https?://[\w.-]+(:\d+)?|https?://\[[\w:.]+\](:\d+)?",
+                                                               origin):
+                raise ValueError(f"--cors-origin: got {origin!r}; accepted: an exact origin scheme://host[:port] "
+                                 "without a path, e.g. http://localhost:3000")
         return self
 
     def public(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "api_key"} | {"auth": self.api_key is not None}
 
 
+def default_per_client(workers: int) -> int:
+    """The per-client concurrency limit when none is set: every slot, and at least 4 (with one slot a
+    second tab's request waits in the queue instead of getting a 429)."""
+    return max(4, workers)
+
+
 class ApiError(Exception):
     """An error returned to the client as {"error": {...}} with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             503: "server_error", 500: "server_error"}
+    # OpenAI's types: every 4xx but 429 (401 and 404 included) is an "invalid_request_error".
+    TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})   # extra response headers (e.g. a 405's Allow)
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
@@ -70,7 +100,7 @@ class ApiError(Exception):
 
 @dataclass
 class ChatRequest:
-    """A validated request; messages normalised to {"role", "content": str}."""
+    """A validated request; messages normalised (`_normalise`) to {"role", "content": str}."""
 
     messages: list[dict]
     stream: bool
@@ -86,18 +116,14 @@ class ChatRequest:
 
 # ------------------------------------------------------------------------------------ request parsing
 
-def _number(body: dict, name: str, low: float, high: float, default, *, integer=False, low_open=False):
+def _number(body: dict, name: str, low: float, high: float, default, *, integer=False):
     value = body.get(name)
     if value is None:
         return default
     kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool)
-    if ok and not (low < value if low_open else low <= value) or ok and value > high:
-        ok = False
-    if not ok:
-        span = f"{'(' if low_open else '['}{low}, {high}]"
+    if not isinstance(value, kinds) or isinstance(value, bool) or not low <= value <= high:
         raise ApiError(400, f"'{name}': got {json.dumps(value)}; accepted: {'an integer' if integer else 'a number'} "
-                            f"in {span}", param=name, code="invalid_value")
+                            f"in [{low}, {high}]", param=name, code="invalid_value")
     return value
 
 
@@ -112,7 +138,9 @@ def _content_text(content, i: int) -> str:
                         "{\"type\": \"text\", \"text\": string} parts", param=f"messages[{i}].content")
 
 
-def _parse_messages(raw, s: ServerSettings) -> list[dict]:
+def _raw_messages(raw, s: ServerSettings) -> list[dict]:
+    """Each message as {"role", "content": str}, in the client's order; the limits apply here, to
+    what the client sent (normalising merges messages, so it would hide a too-long list)."""
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages': accepted: a non-empty list of {role, content}", param="messages")
     if len(raw) > s.max_messages:
@@ -123,8 +151,8 @@ def _parse_messages(raw, s: ServerSettings) -> list[dict]:
         role = m.get("role") if isinstance(m, dict) else None
         role = "system" if role == "developer" else role
         if role not in ROLES:
-            raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: system|user|assistant",
-                           param=f"messages[{i}].role")
+            raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: "
+                                "system|developer|user|assistant", param=f"messages[{i}].role")
         text = _content_text(m.get("content"), i)
         if len(text) > s.max_message_chars:
             raise ApiError(400, f"'messages[{i}].content': {len(text)} characters; the limit is "
@@ -134,46 +162,105 @@ def _parse_messages(raw, s: ServerSettings) -> list[dict]:
     if total > s.max_total_chars:
         raise ApiError(400, f"'messages': {total} characters in total; the limit is {s.max_total_chars}",
                        param="messages", code="messages_too_long")
-    turns = out[1:] if out[0]["role"] == "system" else out
-    for k, m in enumerate(turns):
-        want = "user" if k % 2 == 0 else "assistant"
-        if m["role"] != want:
-            i = k + len(out) - len(turns)
-            raise ApiError(400, f"'messages[{i}].role': got '{m['role']}', expected '{want}' (a system message may "
-                                "only come first; then user and assistant alternate, starting with user)",
-                           param=f"messages[{i}].role")
-    if not turns or turns[-1]["role"] != "user":
-        raise ApiError(400, "'messages': the last message must be from the user", param="messages")
     return out
+
+
+def _normalise(messages: list[dict]) -> list[dict]:
+    """OpenAI accepts messages in any order, but the model was trained on one leading system
+    message and then user/assistant turns alternating from the user. So: every system message
+    (wherever it is) joins one leading system message, consecutive same-role turns merge, and a
+    conversation opening with the assistant (a chat UI's greeting) gets an empty user turn first."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    turns: list[dict] = []
+    for m in messages:
+        if m["role"] == "system":
+            continue
+        if turns and turns[-1]["role"] == m["role"]:
+            turns[-1]["content"] += "\n\n" + m["content"]
+        else:
+            turns.append(dict(m))
+    if not any(m["role"] == "user" for m in turns):
+        raise ApiError(400, "'messages': no user message; accepted: a conversation with at least one "
+                            "message of role 'user'", param="messages")
+    if turns[-1]["role"] != "user":
+        raise ApiError(400, f"'messages': the last message is from the {turns[-1]['role']}; accepted: a "
+                            "conversation whose last message is from the user (the reply answers it)",
+                       param="messages")
+    if turns[0]["role"] == "assistant":
+        turns.insert(0, {"role": "user", "content": ""})
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields whose effect this server cannot produce: ignoring them would hand the client an
+    answer that means something else (no log-probabilities, no tool call, no JSON guarantee)."""
+    def refuse(name: str, what: str):
+        raise ApiError(400, f"'{name}': {what} is not supported by this server; leave '{name}' out",
+                       param=name, code="unsupported_parameter")
+    if body.get("logprobs") not in (None, False):
+        refuse("logprobs", "returning log-probabilities")
+    if body.get("top_logprobs") is not None:
+        refuse("top_logprobs", "returning log-probabilities")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools not in (None, []) and choice != "none":
+        refuse("tools", "calling tools (use tool_choice \"none\" to send tools that must not be called)")
+    if not tools and choice not in (None, "none", "auto"):
+        refuse("tool_choice", "forcing a tool call")
+    if body.get("functions") not in (None, []) and body.get("function_call") != "none":
+        refuse("functions", "calling functions")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        refuse("response_format", "a response format other than {\"type\": \"text\"}")
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage). `stream` is nullable (null = false), as in OpenAI's spec."""
+    stream = body.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream': accepted: true|false|null", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not stream:
+        raise ApiError(400, "'stream_options': only allowed when 'stream' is true", param="stream_options")
+    opts = opts or {}
+    if not isinstance(opts, dict) or opts.get("include_usage") not in (None, True, False):
+        raise ApiError(400, "'stream_options': accepted: {\"include_usage\": true|false}", param="stream_options")
+    return stream, bool(opts.get("include_usage"))
 
 
 def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     """Validate a /v1/chat/completions body against the limits; ApiError(400) names the field.
-    Unknown fields (e.g. presence_penalty) are ignored, as most OpenAI-compatible servers do."""
+
+    Accepted but ignored: `presence_penalty` / `frequency_penalty` (validated as numbers in [-2, 2];
+    the sampler has no penalties), `user`, `metadata`, `store`, `parallel_tool_calls`,
+    `service_tier` and unknown fields. Refused (unsupported_parameter): see `_refuse_unsupported`.
+    `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: accepted: a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model': accepted: a string", param="model")
-    messages = _parse_messages(body.get("messages"), s)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream': accepted: true|false", param="stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options': accepted: {\"include_usage\": true|false}", param="stream_options")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, s.max_max_tokens, None, integer=True)
+    messages = _normalise(_raw_messages(body.get("messages"), s))
+    _refuse_unsupported(body)
+    stream, include_usage = _stream_flags(body)
+    # max_completion_tokens replaced max_tokens in OpenAI's API; a null one defers to max_tokens
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, 1, s.max_max_tokens, None, integer=True)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or len(stop) > s.max_stop or \
             not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
         raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "
                             "of <= 100 characters", param="stop")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(body, name, -2, 2, 0)
+    temperature = float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature))
+    top_p = _number(body, "top_p", 0, 1, None)
+    if top_p == 0:  # the smallest nucleus holds only the most likely token: greedy decoding
+        temperature, top_p = 0.0, None
+    seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)  # OpenAI's seed is any int64
     return ChatRequest(
-        messages=messages, stream=stream, include_usage=bool(opts.get("include_usage", False)),
-        temperature=float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature)),
+        messages=messages, stream=stream, include_usage=include_usage, temperature=temperature,
         top_k=_number(body, "top_k", 0, s.max_top_k, s.default_top_k, integer=True) or None,
-        top_p=_number(body, "top_p", 0, 1, None, low_open=True), max_tokens=max_tokens, stop=tuple(stop),
-        n=_number(body, "n", 1, s.max_n, 1, integer=True),
-        seed=_number(body, "seed", 0, 2**63 - 1, None, integer=True))
+        top_p=top_p, max_tokens=max_tokens, stop=tuple(stop), n=_number(body, "n", 1, s.max_n, 1, integer=True),
+        seed=None if seed is None else seed % 2**63)

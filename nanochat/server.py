@@ -5,7 +5,7 @@ models and runs it with uvicorn):
 
     GET  /                      the chat page (nanochat/ui.html, self-contained, strict CSP)
     POST /v1/chat/completions   OpenAI chat completions: stream true (SSE) / false, n, stop, usage
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model (and /v1/models/{id}: it, or 404 model_not_found)
     GET  /health                liveness + free replicas (never needs the API key)
     GET  /stats                 counters and per-replica state
 
@@ -18,25 +18,29 @@ checks a cancel flag every token: a client that disconnects stops generation and
 within one decode step.
 
 Limits (`ServerSettings`, nanochat/chat_api.py) are checked before any model work; every violation is a 4xx JSON error
-in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving.
+in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving; 429
+and 503 carry `Retry-After`. A request's `model` may name anything: this local server has one model
+and reports its own name. For a server on a user's machine (nanochat/http_guard.py says why): an
+optional Host allow-list (DNS rebinding), JSON-only POST bodies (415 otherwise), and CORS only for
+origins listed in `ServerSettings.cors_origins`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 # (`request: Request`) at runtime, and Request is imported inside create_app.
 import asyncio
-import base64
-import hashlib
+import dataclasses
 import hmac
 import json
-import re
 import secrets
 import threading
 import time
 from collections import defaultdict, deque
 from pathlib import Path
 
-from nanochat.chat_api import ApiError, ChatRequest, ServerSettings, parse_chat_request  # noqa: F401
+from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_per_client,  # noqa: F401
+                               parse_chat_request)
 from nanochat.engine import TOOL_TEXT, TextStream
+from nanochat.http_guard import HostGuard, csp, read_json, require_json
 
 UI_PATH = Path(__file__).with_name("ui.html")
 
@@ -123,7 +127,8 @@ class _ClientSlots:
     def acquire(self, key: str):
         if self.active.get(key, 0) >= self.limit:
             raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit}); "
-                                "wait for one to finish", code="too_many_concurrent_requests")
+                                "wait for one to finish", code="too_many_concurrent_requests",
+                           headers={"Retry-After": "1"})
         self.active[key] += 1
         released = False
 
@@ -141,7 +146,8 @@ class _ClientSlots:
 
 class _Job:
     """One request's generation in a worker thread; events reach the event loop via a queue:
-    ("delta", [(index, text)]), ("done", finish_reasons, usage), ("error", message)."""
+    ("delta", [(index, text)], [(index, finish_reason)] of the choices that ended in this step),
+    ("done", finish_reasons of all choices, usage), ("error", message)."""
 
     def __init__(self, pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int],
                  max_tokens: int, stats: dict):
@@ -190,7 +196,7 @@ class _Job:
                 if self.cancel.is_set():
                     self.stats["cancelled"] += 1
                     return
-                deltas = []
+                deltas, ended = [], []
                 for i, token in enumerate(column):
                     if finish[i]:
                         continue
@@ -198,18 +204,19 @@ class _Job:
                     text = streams[i].finish() if token in stops else streams[i].feed(token)
                     if token in stops or streams[i].stopped:
                         finish[i] = "stop"
+                        ended.append((i, "stop"))
                     if text:
                         deltas.append((i, text))
                 self.worker.tokens += len(column)
-                if deltas:
-                    self._emit("delta", deltas)
+                if deltas or ended:  # a stream sends a choice's finish as soon as it has one (n > 1)
+                    self._emit("delta", deltas, ended)
                 if all(finish):
                     break
         finally:
             gen.close()
         tails = [(i, streams[i].finish()) for i in range(n) if not finish[i]]
         if any(text for _, text in tails):
-            self._emit("delta", [(i, t) for i, t in tails if t])
+            self._emit("delta", [(i, t) for i, t in tails if t], [])
         finish = [f or "length" for f in finish]
         usage = {"prompt_tokens": len(self.prompt), "completion_tokens": sum(counts),
                  "total_tokens": len(self.prompt) + sum(counts)}
@@ -223,35 +230,40 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _csp(html: str) -> str:
-    """A Content-Security-Policy allowing exactly the page's own inline <script>/<style> blocks
-    (by hash): even if model text ever reached the DOM as HTML, no injected script could run."""
-    def hashes(tag):
-        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
-                        for b in blocks)
-    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-            "frame-ancestors 'none'")
+def _choice(i: int, delta: dict, finish: str | None = None) -> dict:
+    return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-async def _read_json(request, limit: int):
-    """The body as JSON, refusing more than `limit` bytes before reading them all."""
-    length = request.headers.get("content-length", "0")
-    if not length.isdigit():
-        raise ApiError(400, "invalid Content-Length header")
-    if int(length) > limit:
-        raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise ApiError(400, "request body: could not parse JSON", code="invalid_json") from None
+async def _sse_events(job: _Job, meta: dict):
+    """A started job's events as SSE chunks, ending with [DONE]. A choice's finish chunk is sent
+    as soon as it ends (n > 1: the others go on); "done" finishes the rest (length)."""
+    def chunk(choices: list, usage=None) -> str:
+        out = {**meta, "object": "chat.completion.chunk", "choices": choices}
+        if job.req.include_usage:  # as OpenAI: "usage" on every chunk, null but on the last
+            out["usage"] = usage
+        return _sse(out)
+    yield chunk([_choice(i, {"role": "assistant", "content": ""}) for i in range(job.req.n)])
+    ended = set()
+    while True:
+        event = await job.events.get()
+        if event[0] == "delta":
+            if event[1]:
+                yield chunk([_choice(i, {"content": t}) for i, t in event[1]])
+            if event[2]:
+                yield chunk([_choice(i, {}, f) for i, f in event[2]])
+                ended.update(i for i, _ in event[2])
+        elif event[0] == "done":
+            left = [_choice(i, {}, f) for i, f in enumerate(event[1]) if i not in ended]
+            if left:
+                yield chunk(left)
+            if job.req.include_usage:
+                yield chunk([], event[2])
+            job.stats["completed"] += 1
+            break
+        else:
+            yield _sse(ApiError(500, event[1]).body())
+            break
+    yield "data: [DONE]\n\n"
 
 
 async def _wait_disconnect(request) -> None:
@@ -282,19 +294,29 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     from starlette.exceptions import HTTPException
 
     settings = (settings or ServerSettings()).validate()
+    if settings.max_concurrent_per_client is None:  # one client may fill every slot, and queue a few
+        settings = dataclasses.replace(settings, max_concurrent_per_client=default_per_client(len(pool.workers)))
     app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.cors_origins:  # opt-in: lets pages of exactly these origins call the API
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
+    if settings.allowed_hosts is not None:  # added last = outermost: checked before CORS and routing
+        app.add_middleware(HostGuard, allowed=settings.allowed_hosts)
     stats: dict = defaultdict(int)
     started = time.time()
     slots = _ClientSlots(settings.max_concurrent_per_client)
     html = UI_PATH.read_text(encoding="utf-8")
-    page_headers = {"Content-Security-Policy": _csp(html), "X-Content-Type-Options": "nosniff",
+    page_headers = {"Content-Security-Policy": csp(html), "X-Content-Type-Options": "nosniff",
                     "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
     tokenizer, engine = pool.workers[0].tokenizer, pool.workers[0].engine
+    model_card = {"id": settings.model_name, "object": "model", "created": int(started), "owned_by": "nanochat"}
 
     def error_response(e: ApiError) -> JSONResponse:
         stats[f"http_{e.status}"] += 1
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -302,7 +324,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+        return error_response(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
+                                       headers=e.headers))  # e.g. a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e):
@@ -345,13 +368,21 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
-                                            "created": int(started), "owned_by": "nanochat"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a --model-name may contain "/"
+    async def model(model_id: str, request: Request):
+        check_auth(request)
+        if model_id != settings.model_name:
+            raise ApiError(404, f"model {model_id!r} not found; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_auth(request)
-        req = parse_chat_request(await _read_json(request, settings.max_body_bytes), settings)
+        require_json(request)
+        req = parse_chat_request(await read_json(request, settings.max_body_bytes), settings)
         try:
             prompt = tokenizer.render_for_completion({"messages": req.messages})
         except ValueError as e:
@@ -364,7 +395,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         release = slots.acquire(request.client.host if request.client else "unknown")
         if pool.waiting >= settings.max_queue:
             release()
-            raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy")
+            raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy",
+                           headers={"Retry-After": "1"})
         stats["chat_requests"] += 1
         max_tokens = min(req.max_tokens or settings.default_max_tokens, room)
         meta = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()),
@@ -388,25 +420,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             job = _Job(pool, acq.result(), req, prompt, max_tokens, stats)
             job.worker.requests += 1
             job.start()
-            chunk = {**meta, "object": "chat.completion.chunk"}
-            yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None} for i in range(req.n)]})
-            while True:
-                event = await job.events.get()
-                if event[0] == "delta":
-                    yield _sse({**chunk, "choices": [{"index": i, "delta": {"content": t}, "logprobs": None,
-                                                      "finish_reason": None} for i, t in event[1]]})
-                elif event[0] == "done":
-                    yield _sse({**chunk, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": f}
-                                                     for i, f in enumerate(event[1])]})
-                    if req.include_usage:
-                        yield _sse({**chunk, "choices": [], "usage": event[2]})
-                    stats["completed"] += 1
-                    break
-                else:
-                    yield _sse(ApiError(500, event[1]).body())
-                    break
-            yield "data: [DONE]\n\n"
+            async for event in _sse_events(job, meta):
+                yield event
         finally:
             _release_unused(pool, acq, job)
             release()

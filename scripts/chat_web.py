@@ -4,24 +4,32 @@
     python -m scripts.chat_web -i rl --num-gpus 8            # one replica per GPU, requests queued
     python -m scripts.chat_web --batch-slots 1               # one request at a time per replica
     python -m scripts.chat_web --host 0.0.0.0 --api-key "$NANOCHAT_API_KEY"   # reachable from the network
+    python -m scripts.chat_web --allowed-host chat.example.com     # behind a reverse proxy using that name
+    python -m scripts.chat_web --cors-origin http://localhost:3000 # let that web app call the API
 
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
         -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
 It binds 127.0.0.1 unless --host says otherwise; a public bind without --api-key prints a warning.
 The API key can also come from $NANOCHAT_API_KEY. Every request is bounded by the limits below.
+On a loopback bind it answers only requests addressed to localhost / 127.0.0.1 / ::1 (plus
+--allowed-host names), so a web page cannot reach it through DNS rebinding; POST bodies must be
+JSON; other web origins may call the API only when listed with --cors-origin.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
 from nanochat.server import ServerSettings
 
 SOURCES = ("sft", "rl", "mid", "base")
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")   # the names a loopback-bound server answers to
+LIMITS = ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
+          "max_body_bytes", "max_queue")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +52,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "1 = one request at a time; otherwise at least --max-n")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--allowed-host", "--allowed_host", dest="allowed_hosts", action="append", default=[],
+                   metavar="NAME", help="also answer requests whose Host header names NAME (repeatable; e.g. a "
+                   "reverse proxy's name). A loopback --host answers only localhost/127.0.0.1/::1 otherwise "
+                   "(DNS-rebinding guard); a network --host answers any Host unless this flag is given (then "
+                   "only the names listed)")
+    p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
+                   metavar="ORIGIN", help="let web pages of ORIGIN (exact, e.g. http://localhost:3000) call "
+                   "the API cross-origin (repeatable; default: no cross-origin access)")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the API (default: $NANOCHAT_API_KEY)")
     p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
@@ -53,21 +69,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=d.default_max_tokens,
                    help="default max_tokens of a reply")
     limits = p.add_argument_group("limits (each violation is a 4xx error)")
-    for name in ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
-                 "max_body_bytes", "max_concurrent_per_client", "max_queue"):
+    for name in LIMITS:
         limits.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, default=getattr(d, name))
+    limits.add_argument("--max-concurrent-per-client", "--max_concurrent_per_client", dest="max_concurrent_per_client",
+                        type=int, default=None, help="concurrent requests per client address (default: the "
+                        "number of batch slots x replicas, at least 4, so one client can use every slot)")
     limits.add_argument("--max-temperature", "--max_temperature", dest="max_temperature", type=float,
                         default=d.max_temperature)
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info")
     return p.parse_args(argv)
 
 
+def is_loopback(host: str) -> bool:
+    """127.x.x.x, ::1 or localhost: only this machine can connect."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The Host names to answer. Loopback bind: the loopback names (+ --allowed-host): a page whose
+    DNS name was re-pointed at 127.0.0.1 still sends its own name and is refused. Network bind:
+    any (None) unless --allowed-host lists them."""
+    if is_loopback(args.host):
+        return tuple(dict.fromkeys((*LOCAL_HOSTS, args.host.lower(), *args.allowed_hosts)))
+    return tuple(args.allowed_hosts) or None
+
+
 def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
-    fields = {k: getattr(args, k) for k in ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens",
-                                            "max_top_k", "max_n", "max_body_bytes", "max_concurrent_per_client",
-                                            "max_queue", "max_temperature", "api_key")}
+    fields = {k: getattr(args, k) for k in (*LIMITS, "max_concurrent_per_client", "max_temperature", "api_key")}
     return ServerSettings(model_name=model_name, default_temperature=args.temperature, default_top_k=args.top_k,
-                          default_max_tokens=args.max_tokens, **fields).validate()
+                          default_max_tokens=args.max_tokens, allowed_hosts=allowed_hosts(args),
+                          cors_origins=tuple(args.cors_origins), **fields).validate()
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -131,7 +167,7 @@ def load_replicas(args) -> tuple[list, dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     validate(args)
-    if args.host not in LOCAL_HOSTS:
+    if not is_loopback(args.host):
         auth = "API key required" if args.api_key else "NO API KEY: anyone who can reach it can use it (--api-key)"
         print(f"WARNING: binding {args.host}:{args.port} makes the server reachable from the network; {auth}",
               file=sys.stderr)
@@ -139,14 +175,16 @@ def main(argv=None) -> int:
 
     import uvicorn
 
+    from nanochat.chat_api import default_per_client
     from nanochat.server import WorkerPool, create_app
 
     workers, meta = load_replicas(args)
     settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
     app = create_app(WorkerPool(workers), settings)
     replicas = len({id(w.engine) for w in workers})
+    per_client = settings.max_concurrent_per_client or default_per_client(len(workers))  # what create_app uses
     print(f"serving {settings.model_name} on http://{args.host}:{args.port} ({replicas} replica(s), "
-          f"{len(workers)} generation slot(s))")
+          f"{len(workers)} generation slot(s), up to {per_client} concurrent request(s) per client)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

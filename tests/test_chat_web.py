@@ -1,5 +1,7 @@
 """The chat server over real HTTP (uvicorn on a free 127.0.0.1 port): OpenAI schema, SSE framing,
-limits, auth, queueing, client-disconnect cancellation, errors; the `openai` package as a client."""
+limits, auth, queueing, client-disconnect cancellation, errors, per-choice stream finishes,
+Host and CORS guards; the `openai` package as a client. The request side (message normalisation,
+refused / ignored fields, Content-Type): tests/test_chat_api.py."""
 
 import json
 import re
@@ -22,13 +24,15 @@ USER = [{"role": "user", "content": "Hello there"}]
 
 
 class ScriptedEngine:
-    """Engine stand-in for server tests: replies with a fixed text, optionally slowly or failing.
-    Records how many steps ran and whether its generator was closed (cancellation)."""
+    """Engine stand-in for server tests: replies with a fixed text (or, given a list, sample k with
+    text k mod len), optionally slowly or failing. Records its calls, how many steps ran and
+    whether its generator was closed (cancellation)."""
 
-    def __init__(self, tokenizer, text: str, delay: float = 0.0, fail_at: int | None = None):
+    def __init__(self, tokenizer, text: str | list[str], delay: float = 0.0, fail_at: int | None = None):
         self.tokenizer, self.device, self.max_seq_len = tokenizer, torch.device("cpu"), 256
         self.default_stop_tokens = (tokenizer.encode_special("<|assistant_end|>"), tokenizer.bos_token_id)
-        self.ids = tokenizer.encode(text) + [self.default_stop_tokens[0]]
+        texts = [text] if isinstance(text, str) else text
+        self.rows = [tokenizer.encode(t) + [self.default_stop_tokens[0]] for t in texts]
         self.delay, self.fail_at = delay, fail_at
         self.steps, self.finished, self.calls = 0, threading.Event(), []
 
@@ -43,8 +47,8 @@ class ScriptedEngine:
                         raise RuntimeError("scripted failure")
                     time.sleep(self.delay)
                     self.steps += 1
-                    token = self.ids[min(i, len(self.ids) - 1)]
-                    yield [token] * num_samples, [1] * num_samples
+                    rows = [self.rows[k % len(self.rows)] for k in range(num_samples)]
+                    yield [ids[min(i, len(ids) - 1)] for ids in rows], [1] * num_samples
             finally:
                 self.finished.set()
         return steps()
@@ -142,14 +146,21 @@ def test_sse_framing_matches_non_streaming(real_url):
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI: null but on the last
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    plain = httpx.post(real_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30).json()
+    plain = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
+    plain = httpx.post(real_url + "/v1/chat/completions", json={**plain, "stream": None}, timeout=30).json()
     assert text == plain["choices"][0]["message"]["content"]
 
 
 def test_openai_client(real_url):
     client = openai.OpenAI(base_url=real_url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert e.value.body["type"] == "invalid_request_error"
     out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, seed=5, n=2)
     assert len(out.choices) == 2 and out.usage.completion_tokens >= 2
     stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, seed=5, stream=True,
@@ -162,9 +173,27 @@ def test_openai_client(real_url):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, temperature=5)
     assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, logprobs=True, top_logprobs=2)
+    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == "logprobs"
+    # a negative seed (any int64 is valid for OpenAI) is accepted and is as reproducible as any other
+    neg = [client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, seed=-7, temperature=1.0)
+           .choices[0].message.content for _ in range(2)]
+    assert neg[0] == neg[1]
 
 
 # ------------------------------------------------------------------------------------ limits
+
+@pytest.fixture(scope="module")
+def limits_url(chat_model):
+    """One server with small limits for the many 400 rows (a server per row costs ~0.25 s)."""
+    app = create_app(WorkerPool([Worker(ScriptedEngine(chat_model[1], "ok"), "w0")]),
+                     ServerSettings(max_messages=10, max_message_chars=500, max_total_chars=1000))
+    server, url = serve_in_thread(app)
+    yield url
+    server.should_exit = True
+    server.thread.join(timeout=10)
+
 
 @pytest.mark.parametrize("body, param, code", [
     ({"messages": []}, "messages", None),
@@ -174,25 +203,34 @@ def test_openai_client(real_url):
     ({"messages": [{"role": "user", "content": "x" * 400}, {"role": "assistant", "content": "y" * 400},
                    {"role": "user", "content": "z" * 400}]}, "messages", "messages_too_long"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
-    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages[0].role", None),
+    # any order is normalised, but the reply must answer a user message
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages", None),
     ({"messages": USER + [{"role": "assistant", "content": "x"}]}, "messages", None),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "developer", "content": "y"}]}, "messages", None),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
     ({"messages": USER, "max_tokens": 10_000}, "max_tokens", "invalid_value"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"messages": USER, "temperature": 2.5}, "temperature", "invalid_value"),
     ({"messages": USER, "temperature": "hot"}, "temperature", "invalid_value"),
-    ({"messages": USER, "top_p": 0}, "top_p", "invalid_value"),
+    ({"messages": USER, "top_p": 1.5}, "top_p", "invalid_value"),
+    ({"messages": USER, "max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens", "invalid_value"),
+    ({"messages": USER, "max_completion_tokens": None, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"messages": USER, "frequency_penalty": "high"}, "frequency_penalty", "invalid_value"),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", None),
+    ({"messages": USER, "stream": None, "stream_options": {}}, "stream_options", None),
     ({"messages": USER, "top_k": 5000}, "top_k", "invalid_value"),
     ({"messages": USER, "top_k": 1.5}, "top_k", "invalid_value"),
     ({"messages": USER, "n": 9}, "n", "invalid_value"),
     ({"messages": USER, "stream": "yes"}, "stream", None),
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     ({"messages": USER, "stop": [""]}, "stop", None),
-    ({"messages": USER, "seed": -1}, "seed", "invalid_value"),
+    ({"messages": USER, "seed": 2**63}, "seed", "invalid_value"),
+    ({"messages": USER, "seed": -2**63 - 1}, "seed", "invalid_value"),
     ([1, 2], None, None),
 ])
-def test_limits_are_400s(serve, chat_model, body, param, code):
-    url = serve(ScriptedEngine(chat_model[1], "ok"), max_messages=10, max_message_chars=500, max_total_chars=1000)
+def test_limits_are_400s(limits_url, body, param, code):
+    url = limits_url
     err = assert_error(httpx.post(url + "/v1/chat/completions", json=body), 400, param, code)
     assert err["type"] == "invalid_request_error"
     assert httpx.get(url + "/health").json()["available"] == 1  # still serving
@@ -208,18 +246,24 @@ def test_body_json_and_context_errors(serve, chat_model):
     long_chat = [{"role": "user", "content": "word " * 700}]
     assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": long_chat}), 400, "messages",
                  "context_length_exceeded")
-    assert_error(httpx.get(url + "/nope"), 404)
-    assert_error(httpx.get(url + "/v1/chat/completions"), 405)
+    assert assert_error(httpx.get(url + "/nope"), 404, code="not_found")["type"] == "invalid_request_error"
+    r = httpx.get(url + "/v1/chat/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"  # HTTPException headers pass through
     r = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
 def test_api_key(serve, chat_model):
-    url = serve(ScriptedEngine(chat_model[1], "secret answer"), api_key="s3cret-key")
-    assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER}), 401, code="invalid_api_key")
+    url = serve(ScriptedEngine(chat_model[1], "secret answer"), api_key="s3cret-key", model_name="m")
+    err = assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER}), 401, code="invalid_api_key")
+    assert err["type"] == "invalid_request_error"   # as OpenAI
     bad = {"Authorization": "Bearer wrong-key"}
     assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER}, headers=bad), 401)
     assert_error(httpx.get(url + "/v1/models"), 401)
+    assert_error(httpx.get(url + "/v1/models/m"), 401)
+    good = {"Authorization": "Bearer s3cret-key"}
+    assert httpx.get(url + "/v1/models/m", headers=good).json()["id"] == "m"
     assert_error(httpx.get(url + "/stats"), 401)
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/").status_code == 200
     with pytest.raises(openai.AuthenticationError):
@@ -253,6 +297,77 @@ def test_generation_error_is_500_and_server_recovers(serve, chat_model):
     engine.fail_at = None
     assert httpx.post(url + "/v1/chat/completions", json={"messages": USER}).status_code == 200
     assert httpx.get(url + "/health").json()["available"] == 1
+
+
+# ------------------------------------------------------------------------------------ compatibility
+
+def test_stream_n_finishes_each_choice_when_it_ends(serve, chat_model):
+    """n > 1: a choice's finish chunk comes when that choice ends, while the others still stream;
+    the non-streaming answer is unchanged."""
+    texts = ["Short.", "A much longer answer that keeps going for a while."]
+    url = serve(ScriptedEngine(chat_model[1], texts))
+    for max_tokens, reasons in ((64, ["stop", "stop"]), (10, ["stop", "length"])):
+        body = {"messages": USER, "n": 2, "max_tokens": max_tokens}
+        plain = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"]
+        assert [c["finish_reason"] for c in plain] == reasons and plain[0]["message"]["content"] == texts[0]
+        lines = sse_lines(url, {**body, "stream": True})
+        choices = [c for ln in lines if ln.startswith("data: {") for c in json.loads(ln[6:])["choices"]]
+        order = [(c["index"], "end" if c["finish_reason"] else "text") for c in choices
+                 if c["finish_reason"] or c["delta"].get("content")]
+        ends = [(c["index"], c["finish_reason"]) for c in choices if c["finish_reason"]]
+        assert ends == [(0, reasons[0]), (1, reasons[1])]          # each exactly once, 0 first
+        assert (1, "text") in order[order.index((0, "end")) + 1:]   # 1 was still streaming when 0 ended
+        for i in (0, 1):
+            streamed = "".join(c["delta"].get("content", "") for c in choices if c["index"] == i)
+            assert streamed == plain[i]["message"]["content"]
+
+
+def test_host_guard(serve, chat_model):
+    """DNS rebinding: with allowed_hosts set, a Host header naming anything else is refused on every
+    route; the port is ignored and [::1] is understood. Unset (None): any Host is served."""
+    engine = ScriptedEngine(chat_model[1], "ok")
+    url = serve(engine, allowed_hosts=("localhost", "127.0.0.1", "::1"))
+    port = url.rsplit(":", 1)[1]
+    with httpx.Client() as client:   # one connection: ~20 requests
+        for host in (f"127.0.0.1:{port}", "localhost", "LocalHost:80", "[::1]:8000", "localhost."):
+            assert client.get(url + "/health", headers={"Host": host}).status_code == 200, host
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.example", "localhost.evil.example"):
+            h = {"Host": host}
+            for r in (client.get(url + "/health", headers=h), client.get(url + "/", headers=h),
+                      client.post(url + "/v1/chat/completions", json={"messages": USER}, headers=h)):
+                err = assert_error(r, 400, code="invalid_host")
+                assert "Host header" in err["message"] and host in err["message"]
+    assert not engine.calls
+    anyhost = serve(engine)
+    assert httpx.get(anyhost + "/health", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_cors_is_opt_in(serve, chat_model):
+    origin = "http://app.example:3000"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    engine = ScriptedEngine(chat_model[1], "ok")
+    off = serve(engine)
+    assert "access-control-allow-origin" not in httpx.options(off + "/v1/chat/completions", headers=preflight).headers
+    r = httpx.post(off + "/v1/chat/completions", json={"messages": USER}, headers={"Origin": origin})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    on = serve(engine, cors_origins=(origin,))
+    r = httpx.options(on + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert {"authorization", "content-type"} <= set(r.headers["access-control-allow-headers"].lower().split(", "))
+    r = httpx.post(on + "/v1/chat/completions", json={"messages": USER}, headers={"Origin": origin})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    r = httpx.options(on + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+def test_per_client_limit_defaults_to_the_slots(serve, chat_model):
+    engines = [ScriptedEngine(chat_model[1], "ok") for _ in range(6)]
+    assert httpx.get(serve(*engines) + "/stats").json()["limits"]["max_concurrent_per_client"] == 6
+    assert httpx.get(serve(engines[0]) + "/stats").json()["limits"]["max_concurrent_per_client"] == 4
+    explicit = serve(*engines, max_concurrent_per_client=2)
+    assert httpx.get(explicit + "/stats").json()["limits"]["max_concurrent_per_client"] == 2
 
 
 # ------------------------------------------------------------------------------------ concurrency
@@ -307,8 +422,9 @@ def test_queue_per_client_limit_and_busy(serve, chat_model):
     second.start()
     assert wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
     # a third request from the same client exceeds the per-client limit
-    assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER}), 429,
-                 code="too_many_concurrent_requests")
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
+    assert_error(r, 429, code="too_many_concurrent_requests")
+    assert r.headers["retry-after"] == "1"
     first.join()
     second.join()
     assert [r.status_code for r in results] == [200, 200]
@@ -324,7 +440,9 @@ def test_queue_full_is_503(serve, chat_model):
     assert wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0)
     threads[1].start()
     assert wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
-    assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER}), 503, code="server_busy")
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
+    assert_error(r, 503, code="server_busy")
+    assert r.headers["retry-after"] == "1"
     for t in threads:
         t.join()
 
@@ -395,24 +513,48 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
 
     served = {}
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: served.update(app=app, **kw))
-    assert chat_web.main(["--device", "cpu", "--port", "8123", "--max-n", "2"]) == 0
+    assert chat_web.main(["--device", "cpu", "--port", "8123", "--max-n", "2", "--allowed-host", "chat.example.com",
+                          "--cors-origin", "http://localhost:3000"]) == 0
     assert served["host"] == "127.0.0.1" and served["port"] == 8123
-    assert "WARNING" not in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "WARNING" not in printed.err and "up to 8 concurrent request(s) per client" in printed.out
     server, url = serve_in_thread(served["app"])
     try:
         out = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 5}, timeout=30).json()
         assert out["model"] == "nanochat-sft-d2" and out["usage"]["completion_tokens"] >= 1
         assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER, "n": 3}), 400, "n")
+        # loopback bind: the DNS-rebinding guard answers loopback names and --allowed-host only
+        assert_error(httpx.get(url + "/health", headers={"Host": "rebind.example:8123"}), 400, code="invalid_host")
+        for host in ("localhost:8123", "chat.example.com"):
+            assert httpx.get(url + "/health", headers={"Host": host}).status_code == 200
+        limits = httpx.get(url + "/stats").json()["limits"]
+        assert limits["max_concurrent_per_client"] == 8  # default: the 8 batch slots x 1 replica
+        assert limits["cors_origins"] == ["http://localhost:3000"]
+        r = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://localhost:3000",
+                                                                 "Access-Control-Request-Method": "POST"})
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
     finally:
         server.should_exit = True
         server.thread.join(timeout=10)
     assert chat_web.main(["--device", "cpu", "--host", "0.0.0.0"]) == 0
     assert "WARNING: binding 0.0.0.0" in capsys.readouterr().err and served["host"] == "0.0.0.0"
+    args = chat_web.parse_args(["--host", "0.0.0.0"])
+    assert chat_web.settings_from_args(args, "m").allowed_hosts is None   # network bind: any Host...
+    args = chat_web.parse_args(["--host", "0.0.0.0", "--allowed-host", "a.example", "--allowed_host", "b.example"])
+    assert chat_web.settings_from_args(args, "m").allowed_hosts == ("a.example", "b.example")  # ...unless listed
+    args = chat_web.parse_args(["--host", "127.0.0.2", "--max-concurrent-per-client", "3"])
+    settings = chat_web.settings_from_args(args, "m")
+    assert settings.allowed_hosts == ("localhost", "127.0.0.1", "::1", "127.0.0.2")
+    assert settings.max_concurrent_per_client == 3
     for argv, flag in [(["--port", "0"], "--port"), (["--max-queue", "0"], "--max-queue"),
                        (["--api-key", "short"], "--api-key"), (["-i", "nope"], "--source"),
                        (["--temperature", "9"], "--temperature"), (["--graph-step", "mega"], "--graph-step"),
                        (["--batch-slots", "2", "--max-n", "3"], "--batch-slots"),
-                       (["--batch-slots", "0"], "--batch-slots")]:
+                       (["--batch-slots", "0"], "--batch-slots"),
+                       (["--cors-origin", "localhost:3000"], "--cors-origin"),
+                       (["--cors-origin", "http://a.example/app"], "--cors-origin"),
+                       (["--allowed-host", "a b"], "--allowed-host"),
+                       (["--max-concurrent-per-client", "0"], "--max-concurrent-per-client")]:
         with pytest.raises(ValueError, match=flag):
             chat_web.main(["--device", "cpu", *argv])
 

@@ -1,0 +1,93 @@
+"""HTTP-level guards of the chat server (nanochat/server.py), checked before a request reaches the
+model: the Host header (DNS rebinding), the Content-Type of a POST (cross-site "simple" requests),
+the body size and JSON, and the chat page's Content-Security-Policy.
+
+Why they matter for a server on a user's own machine: any web page the user opens can send
+requests to http://127.0.0.1:8000. The browser's same-origin policy stops it from reading the
+answers, but two holes remain. (1) DNS rebinding: the page's own name (evil.example) is re-pointed
+at 127.0.0.1, so the browser treats the server as same-origin and lets the page read everything;
+its requests still say `Host: evil.example`, which `HostGuard` refuses. (2) A cross-site form or
+fetch can POST without a CORS preflight only with text/plain, form-urlencoded or multipart bodies;
+`require_json` refuses those, so such a page cannot make the server generate at all.
+"""
+
+import base64
+import hashlib
+import json
+import re
+
+from nanochat.chat_api import ApiError
+
+
+def host_of(header: str) -> str:
+    """The host part of a Host header, lowercased: "[::1]:8000" -> "::1", "LocalHost:80" -> "localhost"."""
+    host = header.strip().lower()
+    if host.startswith("[") and "]" in host:
+        host = host[1:host.index("]")]
+    elif host.count(":") == 1:           # name:port or v4:port (a bare IPv6 address has several colons)
+        host = host.split(":")[0]
+    return host.rstrip(".")              # "localhost." names the same host
+
+
+class HostGuard:
+    """ASGI middleware: every HTTP request whose Host header's host is not in `allowed` gets a 400
+    JSON error (one check for all routes, /health and the page included)."""
+
+    def __init__(self, app, allowed):
+        self.app, self.allowed = app, frozenset(host_of(h) for h in allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if host_of(header) not in self.allowed:
+                from starlette.responses import JSONResponse
+
+                e = ApiError(400, f"Host header {header!r} is not allowed by this server (allowed: "
+                                  f"{', '.join(sorted(self.allowed))}; add a name with chat_web --allowed-host)",
+                             code="invalid_host")
+                await JSONResponse(e.body(), status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def require_json(request) -> None:
+    """415 unless the Content-Type is application/json (parameters like charset allowed). A missing
+    header is accepted for minimal clients; the three types a cross-site page may send without a
+    CORS preflight (text/plain, application/x-www-form-urlencoded, multipart/form-data) are not."""
+    ctype = request.headers.get("content-type")
+    if ctype is None or ctype.split(";")[0].strip().lower() == "application/json":
+        return
+    raise ApiError(415, f"Content-Type {ctype!r} is not accepted: send the body as JSON with "
+                        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')",
+                   code="unsupported_media_type")
+
+
+async def read_json(request, limit: int):
+    """The body as JSON, refusing more than `limit` bytes before reading them all."""
+    length = request.headers.get("content-length", "0")
+    if not length.isdigit():
+        raise ApiError(400, "invalid Content-Length header")
+    if int(length) > limit:
+        raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ApiError(400, "request body: could not parse JSON", code="invalid_json") from None
+
+
+def csp(html: str) -> str:
+    """A Content-Security-Policy allowing exactly the page's own inline <script>/<style> blocks
+    (by hash): even if model text ever reached the DOM as HTML, no injected script could run."""
+    def hashes(tag):
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in blocks)
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")

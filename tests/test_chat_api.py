@@ -1,0 +1,244 @@
+"""The chat API's request side (nanochat/chat_api.py, nanochat/http_guard.py): first parsing alone
+(message-order normalisation, refused / ignored / nullable fields, settings validation, Host-header
+parsing), then over real HTTP against a ScriptedEngine: what generation receives, 415 for non-JSON
+bodies. Server behaviour (streaming, limits, queueing, guards): tests/test_chat_web.py."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import require_module
+
+from nanochat.chat_api import ApiError, ServerSettings, parse_chat_request
+from nanochat.http_guard import host_of
+
+SETTINGS = ServerSettings().validate()
+
+
+def parse(**body):
+    return parse_chat_request(body, SETTINGS)
+
+
+def refused(body, settings=SETTINGS) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(body, settings)
+    assert e.value.status == 400
+    return e.value
+
+
+def m(role, content):
+    return {"role": role, "content": content}
+
+
+def test_messages_are_normalised():
+    got = parse(messages=[m("assistant", "Hello! Ask me anything."), m("developer", "Be terse."), m("user", "a"),
+                          m("user", [{"type": "text", "text": "b"}]), m("system", "No jokes."),
+                          m("assistant", "x"), m("assistant", "y"), m("user", "z")]).messages
+    assert got == [m("system", "Be terse.\n\nNo jokes."), m("user", ""), m("assistant", "Hello! Ask me anything."),
+                   m("user", "a\n\nb"), m("assistant", "x\n\ny"), m("user", "z")]
+    canonical = [m("system", "s"), m("user", "u"), m("assistant", "a"), m("user", "v")]
+    assert parse(messages=canonical).messages == canonical   # already canonical: untouched
+    assert parse(messages=[m("user", "only")]).messages == [m("user", "only")]
+
+
+def test_message_errors_name_the_problem():
+    e = refused({"messages": [m("user", "q"), m("assistant", "a")]})
+    assert e.param == "messages" and "last message is from the assistant" in e.message
+    e = refused({"messages": [m("system", "s"), m("assistant", "a")]})
+    assert e.param == "messages" and "no user message" in e.message
+    # the limits count what the client sent, before merging
+    small = ServerSettings(max_messages=3, max_message_chars=5).validate()
+    assert refused({"messages": [m("user", "x")] * 4}, small).code == "too_many_messages"
+    e = refused({"messages": [m("user", "1234"), m("user", "5678"), m("user", "123456")]}, small)
+    assert e.code == "message_too_long" and e.param == "messages[2].content"
+    assert parse_chat_request({"messages": [m("user", "1234"), m("user", "5678")]}, small).messages == \
+        [m("user", "1234\n\n5678")]   # merged text may exceed the per-message limit: each part did not
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"response_format": "json"}, "response_format"),
+])
+def test_unsupported_fields_are_refused(extra, param):
+    e = refused({"messages": [m("user", "q")], **extra})
+    assert e.param == param and e.code == "unsupported_parameter"
+
+
+def test_nullable_and_mapped_fields():
+    q = [m("user", "q")]
+    req = parse(messages=q, stream=None, logprobs=None, top_logprobs=None, tools=[], tool_choice=None,
+                response_format=None, stream_options=None, n=None, temperature=None, seed=None)
+    assert req.stream is False and req.n == 1 and req.temperature == SETTINGS.default_temperature and req.seed is None
+    assert parse(messages=q, max_completion_tokens=None, max_tokens=3).max_tokens == 3
+    assert parse(messages=q, max_completion_tokens=4, max_tokens=3).max_tokens == 4
+    assert refused({"messages": q, "max_completion_tokens": 10**6}).param == "max_completion_tokens"
+    req = parse(messages=q, top_p=0, temperature=1.2)
+    assert req.temperature == 0.0 and req.top_p is None          # top_p 0 = greedy
+    assert parse(messages=q, seed=-3).seed == 2**63 - 3 and parse(messages=q, seed=-2**63).seed == 0
+    assert parse(messages=q, stream=True, stream_options={"include_usage": True}).include_usage
+    assert refused({"messages": q, "stream": False, "stream_options": {}}).param == "stream_options"
+    for name in ("presence_penalty", "frequency_penalty"):
+        assert parse(messages=q, **{name: 2}).messages == q        # validated, then ignored
+        e = refused({"messages": q, name: -2.01})
+        assert e.param == name and e.code == "invalid_value"
+        assert refused({"messages": q, name: True}).param == name
+
+
+def test_settings_validation():
+    assert ServerSettings().max_concurrent_per_client is None    # resolved by create_app from the pool
+    with pytest.raises(ValueError, match="--max-concurrent-per-client"):
+        ServerSettings(max_concurrent_per_client=0).validate()
+    ok = ServerSettings(allowed_hosts=("localhost", "::1", "[::1]", "chat.example.com", "10.0.0.2"),
+                        cors_origins=("http://localhost:3000", "https://app.example.com", "http://[::1]:8080"))
+    assert ok.validate() is ok
+    for bad in ("a b", "", "http://x", "x/y"):
+        with pytest.raises(ValueError, match="--allowed-host"):
+            ServerSettings(allowed_hosts=(bad,)).validate()
+    for bad in ("*", "localhost:3000", "http://x.example/", "ftp://x.example", "http://x.example/path"):
+        with pytest.raises(ValueError, match="--cors-origin"):
+            ServerSettings(cors_origins=(bad,)).validate()
+
+
+def test_api_error_types_follow_openai():
+    assert ApiError(401, "k").body()["error"]["type"] == "invalid_request_error"
+    assert ApiError(404, "m").body()["error"]["type"] == "invalid_request_error"
+    assert ApiError(429, "r").body()["error"]["type"] == "rate_limit_error"
+    assert ApiError(503, "b").body()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("header, host", [
+    ("localhost:8000", "localhost"), ("LOCALHOST", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
+    ("::1", "::1"), ("127.0.0.1:80", "127.0.0.1"), ("localhost.", "localhost"), ("evil.example:8000", "evil.example"),
+    ("", ""), ("[::1", "[::1"),
+])
+def test_host_of(header, host):
+    assert host_of(header) == host
+
+
+# ------------------------------------------------------------------------------------ over HTTP
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_corpus):
+    from test_engine import tiny_chat_model
+
+    return tiny_chat_model(str(tiny_corpus))   # cached: the same model as test_chat_web's
+
+
+@pytest.fixture(scope="module")
+def srv(chat_model):
+    """One live server for this section: srv.post(**httpx_kwargs) posts a chat completion;
+    srv.engine.calls (a ScriptedEngine's) show what generation received."""
+    httpx = require_module("httpx", "the dev extra: uv pip install -e '.[dev]'")
+    require_module("fastapi", "the web extra: uv pip install -e '.[web]'")
+    from nanochat.server import Worker, WorkerPool, create_app, serve_in_thread
+    from test_chat_web import ScriptedEngine
+
+    engine = ScriptedEngine(chat_model[1], "ok")
+    server, url = serve_in_thread(create_app(WorkerPool([Worker(engine, "w0")]), ServerSettings()))
+    yield SimpleNamespace(engine=engine, post=lambda **kw: httpx.post(url + "/v1/chat/completions", **kw))
+    server.should_exit = True
+    server.thread.join(timeout=10)
+
+
+USER = [m("user", "Hello there")]
+
+
+def assert_error(r, status, param="unset", code="unset"):
+    from test_chat_web import assert_error as check
+
+    return check(r, status, param, code)
+
+
+@pytest.mark.parametrize("messages, canonical", [
+    ([m("user", "first"), m("system", "Be brief."), m("user", "second")],
+     [m("system", "Be brief."), m("user", "first\n\nsecond")]),
+    ([m("developer", "Be kind."), m("assistant", "Hi! How can I help?"), m("user", "Tell me a joke")],
+     [m("system", "Be kind."), m("user", ""), m("assistant", "Hi! How can I help?"), m("user", "Tell me a joke")]),
+    ([m("system", "one"), m("user", "a"), m("user", "b"), m("assistant", "c"), m("assistant", "d"), m("system", "two"),
+      m("user", "e")], [m("system", "one\n\ntwo"), m("user", "a\n\nb"), m("assistant", "c\n\nd"), m("user", "e")]),
+    ([m("assistant", "Welcome!"), m("user", "thanks"), m("user", "so?")],
+     [m("user", ""), m("assistant", "Welcome!"), m("user", "thanks\n\nso?")]),
+])
+def test_message_order_is_normalised(srv, chat_model, messages, canonical):
+    """Any order OpenAI accepts is answered; the model sees the prompt of the equivalent canonical
+    conversation (one leading system message, then user/assistant alternating from the user)."""
+    engine = srv.engine
+    r = srv.post(json={"messages": messages})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1]["prompt"] == chat_model[1].render_for_completion({"messages": canonical})
+    assert srv.post(json={"messages": canonical}).status_code == 200
+    assert engine.calls[-1]["prompt"] == engine.calls[-2]["prompt"]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"functions": [TOOL["function"]], "function_call": {"name": "get_weather"}}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+])
+def test_unsupported_parameters_are_refused(srv, extra, param):
+    engine = srv.engine
+    before = len(engine.calls)
+    r = srv.post(json={"messages": USER, **extra})
+    err = assert_error(r, 400, param, "unsupported_parameter")
+    assert param in err["message"] and len(engine.calls) == before
+
+
+def test_harmless_parameters_are_ignored(srv):
+    """Fields that do not change what the answer means are accepted (and have no effect)."""
+    engine = srv.engine
+    ignored = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True,
+               "service_tier": "auto", "logprobs": False, "top_logprobs": None, "tools": [TOOL], "tool_choice": "none",
+               "functions": [TOOL["function"]], "function_call": "none", "response_format": {"type": "text"},
+               "presence_penalty": -2, "frequency_penalty": 1.5, "an_unknown_field": 1}
+    plain = srv.post(json={"messages": USER, "seed": 4})
+    r = srv.post(json={"messages": USER, "seed": 4, **ignored})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain.json()["choices"]
+    assert engine.calls[-1] == engine.calls[-2]
+
+
+def test_sampling_fields_reach_the_engine(srv):
+    engine = srv.engine
+
+    def sent(**extra):
+        r = srv.post(json={"messages": USER, **extra})
+        assert r.status_code == 200, r.text
+        return engine.calls[-1]
+    assert sent(max_completion_tokens=None, max_tokens=3)["max_tokens"] == 3     # null defers to max_tokens
+    assert sent(max_completion_tokens=2, max_tokens=3)["max_tokens"] == 2
+    greedy = sent(top_p=0, temperature=0.9)                                      # OpenAI's range is [0, 1]
+    assert greedy["temperature"] == 0 and greedy["top_p"] is None
+    assert sent(top_p=0.5)["top_p"] == 0.5
+    assert sent(seed=-1)["seed"] == 2**63 - 1 and sent(seed=-2**63)["seed"] == 0     # any int64, mapped
+    assert sent(seed=2**63 - 1)["seed"] == 2**63 - 1 and sent(seed=7)["seed"] == 7
+    r = srv.post(json={"messages": USER, "stream": None})  # nullable: false
+    assert r.headers["content-type"].startswith("application/json") and r.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_non_json_content_type_is_415(srv, ctype):
+    """The types a cross-site page can POST without a CORS preflight are refused before any work."""
+    body, before = json.dumps({"messages": USER}).encode(), len(srv.engine.calls)
+    r = srv.post(content=body, headers={"Content-Type": ctype})
+    err = assert_error(r, 415, code="unsupported_media_type")
+    assert "Content-Type: application/json" in err["message"] and len(srv.engine.calls) == before
+
+
+def test_json_content_type_variants_accepted(srv):
+    body = json.dumps({"messages": USER}).encode()
+    for headers in ({"Content-Type": "application/json; charset=utf-8"}, {"Content-Type": "Application/JSON"}, {}):
+        r = srv.post(content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", headers
+    assert "content-type" not in r.request.headers   # the last one really sent none (minimal clients)
