@@ -160,16 +160,15 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
 
 def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
-    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, load_model
-    from nanochat.gpt import GPTConfig
+    from nanochat.checkpoint import checkpoint_dir, load_checkpoint, load_model, model_from_meta, step_dirname
     from nanochat.tokenizer import get_tokenizer
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage.name, tag, base_dir)
     if cfg.resume is not None:
         resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
-        model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
-        model.load_state_dict(resume["model"], strict=True)
+        model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]),
+                                rt.device, compute_dtype=rt.dtype)
         return model, tokenizer, tag, ckpt_dir, resume, resume["meta"]["source"]
     step = "latest" if cfg.step == "latest" else int(cfg.step)
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
@@ -184,8 +183,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
     from nanochat.checkpoint import save_checkpoint
-    from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
-                               run_training_loop)
+    from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
+                               resume_loop_state, run_training_loop)
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
@@ -208,6 +207,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
         train_mix, tokenizer, seq_len, plan.total_batch_size, mask=stage.mask, fill=stage.fill)
+    if resume is not None:
+        check_resume_step(resume["step"], num_iterations, ckpt_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
     loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)

@@ -10,16 +10,22 @@ Layout (one directory per phase and model tag):
             model.pt                model state_dict (rank 0; every rank holds the full model)
             optim_rank<R>.pt        optimizer state of rank R (sharded optimizers differ by rank)
             state_rank<R>.pt        {"loader": dataloader state, "loop": loop state incl. RNG}
+            sums_rank<R>.json       size and sha256 of each file rank R wrote (model.pt: rank 0)
 
 A step is written into `step_00000N.partial/` by every rank and renamed to `step_00000N/` by rank 0
 once all ranks are done, so a step directory is either complete or absent; `latest.json` then
 moves to it. A crash at any point leaves the previous checkpoint and pointer intact. Every
 individual file is also written temp + fsync + os.replace. Multi-node runs need a shared
-filesystem for the checkpoint directory. Files are read with torch.load(weights_only=True).
+filesystem for the checkpoint directory. Files are read with torch.load(weights_only=True),
+after their size and sha256 are checked against the sums written with them: a file changed or
+damaged on disk since (a bad block, a partial copy) is refused with its path, never loaded as
+slightly wrong weights (torch.load does not notice most flipped bytes). Checkpoints from before
+the sums load unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -139,7 +145,39 @@ def _torch_save(path: Path, obj) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def _torch_load(path: Path, device) -> Any:
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_sums(step_dir: Path, rank: int, names: list[str]) -> None:
+    """sums_rank<R>.json: what rank R wrote, read back once (from the page cache) and hashed."""
+    _write_json(step_dir / f"sums_rank{rank}.json",
+                {n: {"bytes": (step_dir / n).stat().st_size, "sha256": _sha256(step_dir / n)} for n in names})
+
+
+def _verify(path: Path, rank: int) -> None:
+    """Refuse a file whose size or sha256 differs from what was written (no sums: not checked)."""
+    sums_path = path.parent / f"sums_rank{rank}.json"
+    if not sums_path.is_file() or not path.is_file():
+        return
+    try:
+        want = json.loads(sums_path.read_text())[path.name]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e})") from e
+    size = path.stat().st_size
+    if size != want.get("bytes") or _sha256(path) != want.get("sha256"):
+        others = [s for s in list_steps(path.parent.parent) if step_dirname(s) != path.parent.name]
+        raise CheckpointError(f"{path}: the file differs from the one saved ({size:,} bytes, "
+                              f"{want.get('bytes'):,} when saved, or another sha256): damaged on disk; "
+                              f"use another step ({others or 'none on disk'})")
+
+
+def _torch_load(path: Path, device, rank: int = 0) -> Any:
+    _verify(path, rank)
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
@@ -207,12 +245,18 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crashed save of this step
         staging.mkdir()
     barrier()
+    written = []
     if rank == 0:
         _torch_save(staging / MODEL_NAME, _strip_compile_prefix(model_state))
+        written.append(MODEL_NAME)
     if optimizer_state is not None:
         _torch_save(staging / f"optim_rank{rank}.pt", optimizer_state)
+        written.append(f"optim_rank{rank}.pt")
     if loader_state is not None or loop_state is not None:
         _torch_save(staging / f"state_rank{rank}.pt", {"loader": loader_state, "loop": loop_state})
+        written.append(f"state_rank{rank}.pt")
+    if written:
+        _write_sums(staging, rank, written)
     barrier()
     if rank == 0:
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
@@ -255,6 +299,8 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
         meta = json.loads(path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{path}: corrupt metadata ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: corrupt metadata (a JSON {type(meta).__name__}, not an object)")
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         raise CheckpointError(f"{path}: checkpoint schema version {version!r} is not supported by this code "
@@ -280,12 +326,37 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     if load_optimizer:
         if not meta.get("has_optimizer", False):
             raise CheckpointError(f"{step_dir}: no optimizer state was saved (cannot resume training from it)")
-        out["optimizer"] = _torch_load(step_dir / f"optim_rank{rank}.pt", device)
+        out["optimizer"] = _torch_load(step_dir / f"optim_rank{rank}.pt", device, rank)
     state_path = step_dir / f"state_rank{rank}.pt"
     if state_path.exists():
-        state = _torch_load(state_path, "cpu")
+        state = _torch_load(state_path, "cpu", rank)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{state_path}: corrupt loop state (not a dict)")
         out["loader"], out["loop"] = state.get("loader"), state.get("loop")
+    elif load_optimizer:  # resuming needs the loop state (step, meter, RNG) as much as the optimizer
+        raise CheckpointError(f"{step_dir}: incomplete checkpoint ({state_path.name} missing); resume another "
+                              f"step ({[s for s in list_steps(ckpt_dir) if s != step] or 'none on disk'})")
     return out
+
+
+def model_from_meta(meta: dict, state: dict, step_dir, device, **build_kwargs):
+    """The GPT of a checkpoint's meta.json with its weights loaded; a config or weights that do not
+    fit this code (an unknown field, a shape mismatch) is a CheckpointError naming the directory."""
+    from nanochat.gpt import GPTConfig
+    if "model_config" not in meta:
+        raise CheckpointError(f"{step_dir}: meta.json has no model_config; cannot rebuild the model")
+    try:
+        config = GPTConfig(**meta["model_config"])
+    except TypeError as e:
+        raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
+    model = build_model(config, device, **build_kwargs)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"{step_dir}: model.pt does not match meta.json's model_config "
+                              f"({' '.join(first[:2])[:300]})") from e
+    return model
 
 
 def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: torch.dtype | None = None,
@@ -329,7 +400,6 @@ def load_model(phase: str, device, *, model_tag: str | None = None, step: int | 
     Returns (model in eval mode on `device`, tokenizer, meta). Raises CheckpointError when the
     tokenizer on disk is not the one the model was trained with (fingerprint mismatch).
     """
-    from nanochat.gpt import GPTConfig
     from nanochat.tokenizer import get_tokenizer, tokenizer_dir
 
     device = torch.device(device)
@@ -344,10 +414,7 @@ def load_model(phase: str, device, *, model_tag: str | None = None, step: int | 
             f"{ckpt_dir / step_dirname(ckpt['step'])} was trained with tokenizer {want[:16]}... but "
             f"{tokenizer_dir(base_dir)} holds {tokenizer.fingerprint[:16]}...; restore the original "
             "tokenizer or retrain the model")
-    if "model_config" not in meta:
-        raise CheckpointError(f"{ckpt_dir}: meta.json has no model_config; cannot rebuild the model")
-    model = build_model(GPTConfig(**meta["model_config"]), device, attn_backend=attn_backend,
-                        compute_dtype=compute_dtype, for_training=for_training)
-    model.load_state_dict(ckpt["model"], strict=True)
+    model = model_from_meta(meta, ckpt["model"], ckpt_dir / step_dirname(ckpt["step"]), device,
+                            attn_backend=attn_backend, compute_dtype=compute_dtype, for_training=for_training)
     model.eval()
     return model, tokenizer, meta

@@ -73,7 +73,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     report = spec.report and spec.is_master
     step = start_step
     while True:
-        last = step == spec.num_iterations
+        last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
         if spec.evaluate is not None and _due(spec.eval_every, step, last):
             _evaluate(spec, res, step, tracker)
             if report:
@@ -180,17 +180,41 @@ def resume_loop_state(resume: dict | None, meter, trainer, ckpt_dir) -> tuple[in
     return loop["step"], loop
 
 
+# model_config fields and the flags that set them (base_train; mid/SFT take them from the checkpoint)
+_CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth / --aspect-ratio", "n_head": "--head-dim",
+                 "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "vocab_size": "the tokenizer",
+                 "window_pattern": "--window-pattern"}
+
+
 def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
-    """A resumed run must continue the same model, batch layout and tokenizer."""
+    """A resumed run must continue the same model, batch layout and tokenizer: a RequestError that
+    names what differs and the flag that sets it."""
+    from nanochat.checkpoint import CheckpointError
+
     def mismatch(what, saved, now):
-        raise ValueError(f"--resume: the checkpoint has {what}={saved!r} but this run has {now!r}; "
-                         "use the flags of the original run (or start a new --model-tag)")
-    if meta.get("model_config") != model_config:
-        mismatch("model_config", meta.get("model_config"), model_config)
+        raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
+                              "use the flags of the original run (or start a new --model-tag)")
+    saved_config = meta.get("model_config") or {}
+    for key in sorted(set(saved_config) | set(model_config)):
+        if saved_config.get(key) != model_config.get(key):
+            flag = _CONFIG_FLAGS.get(key)
+            mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
     train = meta.get("train", {})
     if train.get("total_batch_size") != plan.total_batch_size:
-        mismatch("total_batch_size", train.get("total_batch_size"), plan.total_batch_size)
+        mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
     if train.get("world_size", 1) != world_size:
-        mismatch("world_size", train.get("world_size"), world_size)
+        mismatch("a world size (processes) of", train.get("world_size"), world_size)
     if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
-        mismatch("tokenizer_fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
+        mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
+
+
+def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:
+    """A checkpoint past the run's last step cannot be continued (the loop would never reach its
+    end): say so before anything is built. At exactly the last step the rerun only re-evaluates."""
+    from nanochat.checkpoint import CheckpointError, list_steps
+
+    if step > num_iterations:
+        earlier = [s for s in list_steps(ckpt_dir) if s <= num_iterations]
+        raise CheckpointError(f"--resume: {ckpt_dir} is at step {step}, past --num-iterations {num_iterations}; "
+                              f"pass --num-iterations > {step} to train on, or resume an earlier step "
+                              f"({earlier or 'none on disk'})")

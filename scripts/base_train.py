@@ -24,8 +24,8 @@ import torch
 
 from nanochat.attention import resolve_backend
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
-from nanochat.loop import (LoopSpec, check_resume_compatible, log_stage_report, resume_loop_state,
-                           run_training_loop)
+from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
+                           resume_loop_state, run_training_loop)
 from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
@@ -223,6 +223,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if cfg.resume is not None:
         resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
+        check_resume_step(resume["step"], num_iterations, ckpt_dir)
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)

@@ -119,9 +119,13 @@ def test_exact_resume_bit_for_bit(env, base_dir):
     assert final_a["loader"] == final_b["loader"]
     assert final_a["loop"]["meter"] == final_b["loop"]["meter"]
     # resuming with a different batch layout is refused with the reason
-    with pytest.raises(ValueError, match="total_batch_size"):
+    with pytest.raises(ValueError, match="--total-batch-size 512 but this run has 1024"):
         _train(TINY[:-1] + env + ["--total-batch-size", "1024", "--num-iterations", "8", "--eval-every", "-1",
                                   "--model-tag", "resume", "--resume", "4", "--no-compile"])
+    # a checkpoint past --num-iterations cannot be continued (it used to loop forever)
+    with pytest.raises(ValueError, match="at step 8, past --num-iterations 6"):
+        _train(TINY[:-1] + env + ["--num-iterations", "6", "--eval-every", "-1", "--model-tag", "resume",
+                                  "--resume", "latest", "--no-compile"])
 
 
 # ------------------------------------------------------------------ NaN guard

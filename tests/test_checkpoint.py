@@ -155,8 +155,62 @@ def test_weights_only_refuses_code(tmp_path):
     d = tmp_path / "ck"
     path = _save(d, 1)
     torch.save({"w": torch.zeros(1), "evil": print}, path / "model.pt")  # a pickled global
+    with pytest.raises(ck.CheckpointError, match="differs from the one saved"):
+        ck.load_checkpoint(d)
+    (path / "sums_rank0.json").unlink()   # a checkpoint from before the sums: weights_only still refuses it
     with pytest.raises(ck.CheckpointError, match="cannot read"):
         ck.load_checkpoint(d)
+
+
+def test_a_file_damaged_on_disk_is_refused_not_loaded(tmp_path):
+    """torch.load reads a model.pt with a few zeroed bytes as slightly different weights; the sums
+    written at save time refuse it (and name the other steps), for every file a resume loads."""
+    d = tmp_path / "ck"
+    _save(d, 2)
+    path = _save(d, 4)
+    sums = json.loads((path / "sums_rank0.json").read_text())
+    assert set(sums) == {"model.pt", "optim_rank0.pt", "state_rank0.pt"}
+    assert sums["model.pt"]["bytes"] == (path / "model.pt").stat().st_size
+    assert torch.equal(ck.load_checkpoint(d, load_optimizer=True)["model"]["w"], _model_state(0)["w"])
+    for name in ("model.pt", "optim_rank0.pt", "state_rank0.pt"):
+        good = (path / name).read_bytes()
+        damaged = bytearray(good)
+        damaged[len(good) // 2] ^= 0x01
+        (path / name).write_bytes(bytes(damaged))
+        with pytest.raises(ck.CheckpointError, match=f"{name}: the file differs.*another step \\(\\[2\\]\\)"):
+            ck.load_checkpoint(d, load_optimizer=True)
+        (path / name).write_bytes(good[:-10])   # truncated: the size differs
+        with pytest.raises(ck.CheckpointError, match="differs from the one saved"):
+            ck.load_checkpoint(d, load_optimizer=True)
+        (path / name).write_bytes(good)
+    ck.load_checkpoint(d, load_optimizer=True)
+
+
+def test_missing_loop_state_and_bad_meta_are_checkpoint_errors(tmp_path):
+    d = tmp_path / "ck"
+    path = _save(d, 3)
+    (path / "state_rank0.pt").unlink()
+    assert ck.load_checkpoint(d)["loop"] is None          # weights alone still load (chat, eval)
+    with pytest.raises(ck.CheckpointError, match="incomplete checkpoint \\(state_rank0.pt missing\\)"):
+        ck.load_checkpoint(d, load_optimizer=True)       # a resume needs the step, meter and RNG
+    (path / "meta.json").write_text("[]")
+    with pytest.raises(ck.CheckpointError, match="corrupt metadata \\(a JSON list"):
+        ck.load_checkpoint(d)
+
+
+def test_model_from_meta_names_what_does_not_fit(tmp_path):
+    from nanochat.gpt import config_for_depth
+    from dataclasses import asdict
+    config = asdict(config_for_depth(2, 128, 32, aspect_ratio=32, head_dim=32))
+    state = ck.build_model(config_for_depth(2, 128, 32, aspect_ratio=32, head_dim=32), "cpu").state_dict()
+    model = ck.model_from_meta({"model_config": config}, state, tmp_path, "cpu")
+    assert torch.equal(model.state_dict()["lm_head.weight"], state["lm_head.weight"])
+    with pytest.raises(ck.CheckpointError, match="model_config does not fit this code.*n_experts"):
+        ck.model_from_meta({"model_config": {**config, "n_experts": 8}}, state, tmp_path, "cpu")
+    with pytest.raises(ck.CheckpointError, match="model.pt does not match meta.json's model_config"):
+        ck.model_from_meta({"model_config": {**config, "n_layer": 3}}, state, tmp_path, "cpu")
+    with pytest.raises(ck.CheckpointError, match="no model_config"):
+        ck.model_from_meta({}, state, tmp_path, "cpu")
 
 
 def test_compile_prefix_stripped(tmp_path):
@@ -217,4 +271,7 @@ def test_two_rank_save_and_load(tmp_path):
     assert p0 == p1 and ws0 == ws1 == 2 and same0 and same1
     assert loader0 == {"rank": 0} and loader1 == {"rank": 1}
     files = sorted(p.name for p in (tmp_path / "ck" / "step_000002").iterdir())
-    assert files == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"]
+    assert files == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt",
+                     "sums_rank0.json", "sums_rank1.json"]
+    sums1 = json.loads((tmp_path / "ck" / "step_000002" / "sums_rank1.json").read_text())
+    assert set(sums1) == {"optim_rank1.pt", "state_rank1.pt"}   # each rank sums what it wrote

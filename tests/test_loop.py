@@ -46,3 +46,34 @@ def test_out_of_memory_at_one_sequence_points_at_length_or_depth():
 def test_out_of_memory_without_a_batch_plan():
     msg = _run(_OomTrainer(None, fail_at=2))
     assert msg.startswith("out of GPU memory in step 2") and msg.endswith("lower the device batch size")
+
+
+def test_resume_past_the_last_step_is_refused_before_anything_runs(tmp_path):
+    """A checkpoint at step 6 with --num-iterations 4 used to loop forever (step 310/4...): now a
+    one-line error naming the steps that can be resumed; at exactly the last step it is allowed."""
+    from nanochat import checkpoint as ck
+    from nanochat.loop import check_resume_step
+    for step in (2, 6):
+        ck.save_checkpoint(tmp_path, step, model_state={"w": torch.zeros(1)}, meta={})
+    with pytest.raises(RequestError, match="at step 6, past --num-iterations 4.*> 6.*\\[2\\]"):
+        check_resume_step(6, 4, tmp_path)
+    check_resume_step(4, 4, tmp_path)
+    check_resume_step(2, 4, tmp_path)
+
+
+def test_the_loop_never_runs_past_its_last_step():
+    class Trainer:
+        def step(self, step):
+            raise AssertionError("no step should run")
+    res = run_training_loop(Trainer(), meter=None, spec=LoopSpec("base", num_iterations=4, report=False), start_step=6)
+    assert res.step == 6 and not res.losses
+
+
+def test_resume_mismatch_names_the_field_and_its_flag():
+    from nanochat.loop import check_resume_compatible
+    plan = BatchPlan(total_batch_size=4096, device_batch_size=2, seq_len=1024, world_size=1, grad_accum_steps=2)
+    meta = {"model_config": {"n_layer": 2, "n_embd": 128}, "train": {"total_batch_size": 4096, "world_size": 1}}
+    with pytest.raises(RequestError, match="n_layer \\(set by --depth\\) 2 but this run has 3"):
+        check_resume_compatible(meta, {"n_layer": 3, "n_embd": 128}, plan, 1, "fp")
+    with pytest.raises(RequestError, match="--total-batch-size 4096 but this run has 8192"):
+        check_resume_compatible(meta, meta["model_config"], BatchPlan(8192, 4, 1024, 1, 2), 1, "fp")
