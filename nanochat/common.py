@@ -3,6 +3,8 @@
 Nothing here runs at import time; `init_runtime()` is the one explicit entry point that touches
 devices, seeds and the process group. `Runtime` is the one small object that carries the
 distributed state (rank, world size, device, compute dtype) through every recipe.
+`script_main()` / `run_cli()` are a script's `__main__`: a user error (a bad flag, a RequestError)
+is printed as one line and exits 2.
 """
 
 from __future__ import annotations

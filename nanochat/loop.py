@@ -203,7 +203,7 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
     if train.get("total_batch_size") != plan.total_batch_size:
         mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
     if train.get("world_size", 1) != world_size:
-        mismatch("a world size (processes) of", train.get("world_size"), world_size)
+        mismatch("a world size (torchrun processes)", train.get("world_size"), world_size)
     if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
         mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
 

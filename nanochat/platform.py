@@ -9,7 +9,9 @@ Owns:
   probes) so tests can check on a CPU box exactly which patches a simulated device gets.
 - `memory_budget_bytes()`: on unified memory the free memory comes from /proc/meminfo
   MemAvailable (cudaMemGetInfo counts the page cache as used there).
-- `python -m nanochat.platform`: a preflight report (see `nanochat/preflight` section below).
+- `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime) and `usable_sms()`
+  (the SMs a process may hold, e.g. under CUDA MPS).
+- `python -m nanochat.platform`: a preflight report, built by nanochat/preflight.py.
 
 Nothing runs at import time: torch is imported, but no CUDA call happens until a function asks.
 """

@@ -201,7 +201,7 @@ def _chain_error(P, act, tagged, flags, times, w, depth, ll: bool, rounds: int =
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--streamers", default="66,99,120", help="programs that stream, comma list (1..SMs-2)")
     p.add_argument("--placement", default="halves,parity", help="comma list of halves | parity")
     p.add_argument("--x", default="live,none,ll",

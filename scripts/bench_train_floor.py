@@ -48,7 +48,7 @@ LM_HEAD_CHUNK = 8192  # rows per lm_head chunk (the fused loss works in chunks t
 
 
 def parse_args(argv=None):
-    p = FlagParser(prog="python -m scripts.bench_train_floor", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m scripts.bench_train_floor", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--seq", "--max-seq-len", dest="seq", type=int, default=2048)

@@ -1,7 +1,7 @@
 """Mid-train a base model on conversations: python -m scripts.mid_train [flags]   (or torchrun ...)
 
 Teaches the base model the chat format, tool use and multiple choice before SFT: loads the `base`
-checkpoint (--model-tag, default the newest/only tag), trains on a conversation mixture (local
+checkpoint (--model-tag, default: the only tag, else the deepest d<N>), trains on a conversation mixture (local
 conversations or SmolTalk, identity chats, MMLU/ARC rendered as multiple-choice chats, GSM8K with
 calculator tool calls, SpellingBee) packed into BOS-aligned rows of --max-seq-len tokens (every
 token trains; rows are filled by cropping), and saves the `mid` checkpoint under the same tag.

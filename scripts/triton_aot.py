@@ -27,7 +27,7 @@ ARGS = None
 def parse_args(argv=None):
     from nanochat.triton_aot_cases import CASES
 
-    p = FlagParser(prog="python -m scripts.triton_aot", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m scripts.triton_aot", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--targets", default="h100-sxm,gb10", help=f"all, or a comma list of {', '.join(TARGETS)}")
     p.add_argument("--cases", default="all", help=f"all, or a comma list of {', '.join(CASES)}")
     p.add_argument("--json", action="store_true", help="also print one JSON line per launch")

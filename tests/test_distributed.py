@@ -370,7 +370,7 @@ def test_torchrun_base_train_resume_and_world_size_refusal(tmp_path, base_dir, t
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     from scripts import base_train
-    with pytest.raises(ValueError, match="world_size=2 but this run has 1"):
+    with pytest.raises(ValueError, match="world size \\(torchrun processes\\) 2 but this run has 1"):
         base_train.main(args + ["--resume", "2"])
 
 
