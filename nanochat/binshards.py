@@ -13,7 +13,12 @@ still the validation shard). Layout, little-endian:
 
 Offsets come after the tokens so a shard can be written in one streaming pass. A shard directory
 also holds `meta.json` (fingerprint, vocab size, dtype) so that a writer refuses to mix tokenizers
-before doing any work, and a reader can name the tokenizer the shards were made with.
+before doing any work, and a reader can name the tokenizer the shards were made with; after a
+complete run it also records the text shards (names and sizes) the binary shards were made from,
+so that a reader can tell when the text shards changed since (`stale_reason`).
+
+A damaged shard or meta.json (bad magic, truncated, inconsistent offsets, another tokenizer) is a
+DataError naming the file and how to re-create it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from nanochat.errors import DataError
+
 MAGIC = b"NCTOKENS"
 VERSION = 1
 HEADER_SIZE = 128
@@ -34,6 +41,7 @@ _HEADER = struct.Struct("<8sIIQQII64s")
 assert _HEADER.size <= HEADER_SIZE
 META_NAME = "meta.json"
 BIN_SUFFIX = ".bin"
+_RECREATE = "delete it and re-create it with `python -m scripts.pretokenize --force`"
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -87,23 +95,29 @@ def _pack_header(h: ShardHeader) -> bytes:
 
 
 def read_header(path: str | Path) -> ShardHeader:
-    """Parse and sanity-check a shard header; ValueError naming the file when it is not one."""
+    """Parse and sanity-check a shard header; DataError naming the file when it is not one."""
     path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_SIZE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError as e:
+        raise DataError(f"{path}: unreadable ({e}); {_RECREATE}") from e
     if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
-        raise ValueError(f"{path}: not a nanochat binary token shard (bad magic); "
-                         "re-create it with `python -m scripts.pretokenize`")
+        raise DataError(f"{path}: not a nanochat binary token shard (bad magic); {_RECREATE}")
     magic, version, itemsize, n_tokens, n_docs, vocab, bos, fp = _HEADER.unpack(raw[:_HEADER.size])
     if version != VERSION:
-        raise ValueError(f"{path}: format version {version}; this code reads version {VERSION}")
+        raise DataError(f"{path}: format version {version}; this code reads version {VERSION}; {_RECREATE}")
     if itemsize not in (2, 4):
-        raise ValueError(f"{path}: corrupt header (itemsize {itemsize})")
+        raise DataError(f"{path}: corrupt header (itemsize {itemsize}); {_RECREATE}")
+    try:
+        fingerprint = fp.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: corrupt header (tokenizer fingerprint is not ASCII); {_RECREATE}") from None
     h = ShardHeader(version, np.dtype(np.uint16 if itemsize == 2 else np.uint32), n_tokens, n_docs,
-                    vocab, bos, fp.rstrip(b"\0").decode("ascii"))
+                    vocab, bos, fingerprint)
     size = path.stat().st_size
     if size != h.file_size:
-        raise ValueError(f"{path}: truncated or corrupt ({size} bytes, header says {h.file_size})")
+        raise DataError(f"{path}: truncated or corrupt ({size} bytes, header says {h.file_size}); {_RECREATE}")
     return h
 
 
@@ -153,9 +167,9 @@ class BinShard:
                                             offset=h.offsets_offset, shape=(h.n_docs + 1,)),
                                   dtype=np.int64)
         if self.offsets[0] != 0 or self.offsets[-1] != h.n_tokens or np.any(np.diff(self.offsets) <= 0):
-            raise ValueError(f"{self.path}: corrupt document offsets")
+            raise DataError(f"{self.path}: corrupt document offsets; {_RECREATE}")
         if check_bos and h.n_docs and np.any(self.tokens[self.offsets[:-1]] != h.bos_token_id):
-            raise ValueError(f"{self.path}: corrupt shard (a document does not start with BOS)")
+            raise DataError(f"{self.path}: corrupt shard (a document does not start with BOS); {_RECREATE}")
 
     @property
     def num_docs(self) -> int:
@@ -182,14 +196,18 @@ def read_meta(bin_dir: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt ({e}); delete the directory and re-run "
-                         "`python -m scripts.pretokenize`") from e
+        meta = e
+    if not isinstance(meta, dict):
+        why = meta if isinstance(meta, Exception) else f"a JSON {type(meta).__name__}, not an object"
+        raise DataError(f"{path}: corrupt ({why}); delete the directory and re-run "
+                        "`python -m scripts.pretokenize`")
+    return meta
 
 
 def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary shards") -> None:
-    """ValueError if `bin_dir` was written with a different tokenizer than `fingerprint`."""
+    """DataError if `bin_dir` was written with a different tokenizer than `fingerprint`."""
     meta = read_meta(bin_dir)
     found = [meta.get("fingerprint")] if meta is not None else []
     for p in list_bin_shards(bin_dir):  # shard headers too: meta.json may have been deleted
@@ -199,7 +217,7 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
             pass
     for other in found:
         if other != fingerprint:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer mismatch: {what} in {bin_dir} were made with tokenizer "
                 f"{str(other)[:12]}, the current tokenizer is {fingerprint[:12]}; delete that "
                 "directory and re-run `python -m scripts.pretokenize`, or read the text shards "
@@ -214,9 +232,49 @@ def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_to
     meta = {"format": "nanochat-tokens", "version": VERSION, "fingerprint": fingerprint,
             "vocab_size": vocab_size, "bos_token_id": bos_token_id,
             "dtype": dtype_for_vocab(vocab_size).name}
+    old = read_meta(bin_dir) or {}
+    if old.get("fingerprint") == fingerprint and "text_shards" in old:
+        meta["text_shards"] = old["text_shards"]  # kept until record_text_shards replaces it
+    _write_meta_file(bin_dir, meta)
+
+
+def _write_meta_file(bin_dir: Path, meta: dict) -> None:
     tmp = bin_dir / f".{META_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp, bin_dir / META_NAME)
+
+
+def text_shard_record(text_shards: Iterable[str | Path]) -> dict[str, int]:
+    """{file name: size in bytes} of text shards: what a binary shard directory was made from."""
+    return {Path(p).name: Path(p).stat().st_size for p in text_shards}
+
+
+def record_text_shards(bin_dir: str | Path, text_shards: Iterable[str | Path]) -> None:
+    """Record in meta.json the text shards (names + sizes) the binary shards were made from."""
+    meta = read_meta(bin_dir)
+    if meta is None:
+        raise DataError(f"{Path(bin_dir) / META_NAME}: missing; re-run `python -m scripts.pretokenize`")
+    _write_meta_file(Path(bin_dir), {**meta, "text_shards": text_shard_record(text_shards)})
+
+
+def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
+    """Why the binary shards of bin_dir do not match `text_shards` (their names and sizes now), or
+    None when they match, or when there is nothing to compare (an older directory without a
+    record, or no text shards at all: reading the binary shards alone is fine)."""
+    meta = read_meta(bin_dir)
+    recorded = meta.get("text_shards") if meta is not None else None
+    if not isinstance(recorded, dict) or not text_shards:
+        return None
+    now = text_shard_record(text_shards)
+    strays = sorted(p.name for p in list_bin_shards(bin_dir) if p.stem not in {Path(n).stem for n in now})
+    if now == recorded and not strays:
+        return None
+    changed = sorted(n for n in now.keys() & recorded.keys() if now[n] != recorded[n])
+    parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+             for what, names in (("changed", changed), ("new", sorted(now.keys() - recorded.keys())),
+                                 ("gone", sorted(recorded.keys() - now.keys())),
+                                 ("binary shards without a text shard", strays)) if names]
+    return "; ".join(parts)
 
 
 def tokenize_text_shard(text_shard: str | Path, out_path: str | Path, tokenizer, *,
@@ -229,7 +287,7 @@ def tokenize_text_shard(text_shard: str | Path, out_path: str | Path, tokenizer,
 
     def docs():
         for rg in range(pf.num_row_groups):
-            texts = read_row_group_texts(pf, rg)
+            texts = read_row_group_texts(pf, rg, text_shard)
             for i in range(0, len(texts), batch_docs):
                 yield from tokenizer.encode(texts[i:i + batch_docs], prepend=bos, num_threads=threads)
 

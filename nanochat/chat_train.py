@@ -193,6 +193,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)  # cheap: is there a checkpoint at all?
+    # ---- data before the model: the mixtures read and check every task file (DataError /
+    # MissingDataError name the file) before any weights are loaded ----
+    train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
     seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
     require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
@@ -202,9 +207,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     if resume is not None:
         check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
 
-    # ---- data: the mixture, one epoch = -1 iterations ----
-    train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
-    val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    # ---- one epoch of the mixture = -1 iterations ----
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
         train_mix, tokenizer, seq_len, plan.total_batch_size, mask=stage.mask, fill=stage.fill)
     if resume is not None:

@@ -13,7 +13,16 @@ batch of a finite pass (`repeat=False`), whose padded inputs are BOS.
 
 Sources. Text shards (parquet, tokenized on the fly with the tokenizer's threaded batch encode) or
 binary token shards from `scripts/pretokenize.py` (memory-mapped; `source="auto"` picks them when
-`<data_dir>_tokens/` holds any, and refuses shards made with another tokenizer).
+`<data_dir>_tokens/` holds any, and refuses shards made with another tokenizer or from other text
+shards than those now in data_dir).
+
+Checks. Construction opens every shard of the split, so damaged data fails there, before a model
+is built: DataError (nanochat/errors.py) for a file that is there but broken (unreadable parquet,
+no `text` column, null texts, a corrupt or stale binary shard, another tokenizer, another vocab
+size), MissingDataError for a split with no documents for this rank or only empty ones (a
+document that is BOS alone). What only reading shows (a row group that does not decompress, token
+ids >= the vocab size, empty documents where the footer has no statistics) is the same error from
+the first batch that reads it.
 
 Ranks. Documents are dealt rank-strided inside each row group (binary: inside each shard), so
 ranks never share a document; every rank reads the same shards.
@@ -48,7 +57,7 @@ import torch
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
-from nanochat.errors import MissingDataError
+from nanochat.errors import DataError, MissingDataError
 
 STATE_VERSION = 1
 IGNORE_INDEX = -1
@@ -71,6 +80,7 @@ class _TextSource:
     def __init__(self, shards: list[Path], tokenizer, rank: int, world_size: int, threads: int,
                  encode_batch: int):
         self.files = [ds.open_text_shard(p) for p in shards]  # schema errors surface here
+        self.paths = list(shards)
         self.names = [p.name for p in shards]
         self.sizes = [p.stat().st_size for p in shards]
         self.tok, self.rank, self.world = tokenizer, rank, world_size
@@ -78,7 +88,16 @@ class _TextSource:
         self.start = (0, 0, 0)
 
     def _column(self, si: int, rg: int):
-        return self.files[si].read_row_group(rg, columns=["text"]).column("text")
+        return ds.read_text_column(self.files[si], rg, self.paths[si])
+
+    def rank_doc_count(self) -> int:
+        """This rank's documents in one pass, from the parquet footers (no data read)."""
+        return sum(len(ds.rank_rows(f.metadata.row_group(rg).num_rows, si, rg, self.rank, self.world))
+                   for si, f in enumerate(self.files) for rg in range(f.num_row_groups))
+
+    def all_empty(self) -> bool:
+        """True when the footer statistics prove every text of the split is empty."""
+        return all(ds.all_texts_empty(f) for f in self.files)
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         ids = self.tok.encode(texts, prepend=self.tok.bos_token_id, num_threads=self.threads)
@@ -123,9 +142,14 @@ class _BinSource:
         self.shards = [bs.BinShard(p) for p in paths]
         for sh in self.shards:
             if sh.header.fingerprint != tokenizer.fingerprint:
-                raise ValueError(f"tokenizer mismatch: {sh.path} was made with tokenizer "
-                                 f"{sh.header.fingerprint[:12]}, the current tokenizer is "
-                                 f"{tokenizer.fingerprint[:12]}; re-run `python -m scripts.pretokenize`")
+                raise DataError(f"tokenizer mismatch: {sh.path} was made with tokenizer "
+                                f"{sh.header.fingerprint[:12]}, the current tokenizer is "
+                                f"{tokenizer.fingerprint[:12]}; re-run `python -m scripts.pretokenize "
+                                f"--force` (or delete {sh.path.parent}, or read the text shards: source='text')")
+            if sh.header.vocab_size != tokenizer.vocab_size:
+                raise DataError(f"{sh.path}: made for vocab size {sh.header.vocab_size}, the tokenizer has "
+                                f"{tokenizer.vocab_size}; re-run `python -m scripts.pretokenize --force`")
+        self.vocab_size = tokenizer.vocab_size
         self.lengths = [sh.doc_lengths() for sh in self.shards]
         self.names = [p.name for p in paths]
         self.sizes = [p.stat().st_size for p in paths]
@@ -143,7 +167,18 @@ class _BinSource:
         return [(int(self.lengths[si][d]), None) for si, d in keys]
 
     def tokens(self, key, payload) -> np.ndarray:
-        return self.shards[key[0]].doc(key[1])
+        t = self.shards[key[0]].doc(key[1])
+        if t.size and int(t.max()) >= self.vocab_size:  # cheap; the embedding would fail cryptically
+            raise DataError(f"{self.shards[key[0]].path}: document {key[1]} has token id {int(t.max())} >= "
+                            f"the vocab size {self.vocab_size} (corrupt shard); delete it and re-create it "
+                            "with `python -m scripts.pretokenize --force`")
+        return t
+
+    def rank_doc_count(self) -> int:
+        return sum(len(ds.rank_rows(len(n), si, 0, self.rank, self.world)) for si, n in enumerate(self.lengths))
+
+    def all_empty(self) -> bool:
+        return all(bool(np.all(n <= 1)) for n in self.lengths)
 
 
 class _Buffer:
@@ -194,14 +229,16 @@ class _Packer:
 
     def stream(self, epoch: int, cursor: tuple):
         """(epoch, key, next_cursor, length, payload) from (epoch, cursor) on; cycles over passes
-        when repeating; an empty full pass is an error (nothing for this rank to read)."""
+        when repeating; a full pass with no document longer than BOS is an error (nothing for this
+        rank to learn from)."""
         while True:
             fresh, n = tuple(cursor) == self.src.start, 0
             for key, nxt, length, payload in self.src.docs(tuple(cursor)):
-                n += 1
+                n += length > 1
                 yield epoch, key, nxt, length, payload
             if fresh and n == 0:
-                raise ValueError(f"{self.who} (shards: {', '.join(self.src.names)})")
+                raise MissingDataError(f"{self.who} has no non-empty documents (only BOS after encoding; "
+                                       f"shards: {', '.join(self.src.names)}); re-create the data")
             if not self.repeat:
                 return
             epoch, cursor = epoch + 1, self.src.start
@@ -319,18 +356,43 @@ class DataLoader:
         bin_dir = Path(bin_dir) if bin_dir is not None else bs.default_bin_dir(data_dir)
         if source == "auto":
             source = "bin" if bs.list_bin_shards(bin_dir) else "text"
+            if source == "bin":
+                self._check_fresh(bin_dir, data_dir)
+        self.source_dir = bin_dir if source == "bin" else data_dir
         if source == "bin":
             self._source = _BinSource(self._bin_split(bin_dir, split), tokenizer, rank, world_size)
         else:
             shards = ds.split_shards(ds.list_shards(data_dir), split)
             self._source = _TextSource(shards, tokenizer, rank, world_size, threads, encode_batch)
+        who = f"split {split!r} (rank {rank} of {world_size})"
+        self._check_documents(who)
         self._packer = _Packer(self._source, batch_size=self.B, seq_len=self.T,
                                buffer_size=self.buffer_size, bos=self.bos, repeat=self.repeat,
-                               pin_memory=self.pin_memory, config=self._config(),
-                               who=f"split {split!r} has no documents for rank {rank} of {world_size}")
+                               pin_memory=self.pin_memory, config=self._config(), who=who)
         self._resume = self._initial_state()
         self._state = self._resume
         self._gen = self._thread = None
+
+    def _check_documents(self, who: str) -> None:
+        """Up front, from footers and headers: a split with nothing to read is an error now, not
+        after a model was built (the stream repeats the check for what only reading shows)."""
+        where = ", ".join(self._source.names)
+        if self._source.rank_doc_count() == 0:
+            raise MissingDataError(f"{who} has no documents (shards: {where}); re-create the data with "
+                                   "more documents or use fewer ranks")
+        if self._source.all_empty():
+            raise MissingDataError(f"{who} has no non-empty documents (every text is empty; shards: "
+                                   f"{where}); re-create the data")
+
+    @staticmethod
+    def _check_fresh(bin_dir: Path, data_dir: Path) -> None:
+        """Binary shards picked automatically must have been made from the text shards now in
+        data_dir (when pretokenize recorded them, and data_dir has any)."""
+        text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
+        why = bs.stale_reason(bin_dir, text)
+        if why is not None:
+            raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
+                            f"`python -m scripts.pretokenize --data-dir {data_dir} --force` (or delete {bin_dir})")
 
     @staticmethod
     def _bin_split(bin_dir: Path, split: str) -> list[Path]:
@@ -340,6 +402,11 @@ class DataLoader:
                                     f"found {len(paths)}; create them with `python -m scripts.pretokenize` "
                                     "or read text shards (source='text')")
         return paths[:-1] if split == "train" else paths[-1:]
+
+    def describe_source(self) -> str:
+        """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""
+        kind = "binary token shards" if self._source.kind == "bin" else "text shards"
+        return f"{kind} {self.source_dir}"
 
     # ------------------------------------------------------------------ state
 

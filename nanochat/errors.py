@@ -16,3 +16,10 @@ class MissingDataError(FileNotFoundError, RequestError):
     """Files a request needs are not there (pretraining shards, binary token shards, an eval bundle,
     a task's dataset); the message names where it looked and how to get them. Both a
     FileNotFoundError and a RequestError (one line from the scripts)."""
+
+
+class DataError(RequestError):
+    """A data file is unreadable, corrupt or inconsistent (a truncated or non-parquet text shard, a
+    row group that does not decompress, a binary token shard with a bad header or made with another
+    tokenizer, an invalid JSONL line); the message names the file and how to re-create it. Files
+    that are not there, or hold nothing, are a MissingDataError instead."""

@@ -18,6 +18,8 @@ and cost, PNG plots (loss and val bpb vs step and wall clock, tok/s, memory), th
 
 Summary values are read from section data: a "stage" key (else the stage named in the section
 title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy").
+A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
+one line, exit 2); metrics lines that are not JSON objects (a torn write) are skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from datetime import datetime
 from pathlib import Path
 
 from nanochat.common import get_base_dir
+from nanochat.errors import RequestError
 
 STAGES = ("base", "mid", "sft", "rl")
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
@@ -108,11 +111,13 @@ def read_metrics(base_dir=None) -> dict[str, list[dict]]:
     out = {}
     for path in sorted(report_dir(base_dir).glob("metrics_*.jsonl")):
         rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
         out[path.stem[len("metrics_"):]] = rows
     return out
 
@@ -253,6 +258,29 @@ def _stage_of(section: str, data: dict) -> str | None:
     return None
 
 
+def _read_json(path: Path, what: str, valid) -> dict:
+    """A report file we wrote, parsed; RequestError naming it when it is not (valid(doc) is False)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        doc, why = None, f"not valid JSON ({e})"
+    else:
+        why = f"not a report {what}"
+    if doc is None or not valid(doc):
+        raise RequestError(f"{path}: corrupt report {what} ({why}); delete it or run "
+                           "`python -m nanochat.report reset`")
+    return doc
+
+
+def _valid_section(doc) -> bool:
+    return (isinstance(doc, dict) and isinstance(doc.get("section"), str) and isinstance(doc.get("entries"), list)
+            and all(isinstance(e, dict) and "data" in e and "time" in e for e in doc["entries"]))
+
+
+def _valid_header(doc) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("system"), dict)
+
+
 class Report:
     """Sections + metrics in <base_dir>/report; see the module docstring."""
 
@@ -262,8 +290,8 @@ class Report:
     def log(self, section: str, data) -> Path:
         """Append an entry (dict, list of dicts or text) to a section; returns the section file."""
         path = self.dir / "sections" / f"{_slug(section)}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"section": section, "entries": []}
+        self._mkdir(path.parent)
+        doc = _read_json(path, "section", _valid_section) if path.is_file() else {"section": section, "entries": []}
         doc["entries"].append({"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(),
                                "data": _jsonable(data)})
         tmp = path.with_suffix(".tmp")
@@ -271,19 +299,27 @@ class Report:
         os.replace(tmp, path)
         return path
 
+    @staticmethod
+    def _mkdir(path: Path) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise RequestError(f"{path}: exists and is not a directory; move it away (the report lives "
+                               "there) or set NANOCHAT_BASE_DIR / --base-dir elsewhere") from None
+
     def reset(self) -> None:
         """Delete sections, metrics, plots and report.md; record system info and the start time."""
         for sub in ("sections", "plots"):
             shutil.rmtree(self.dir / sub, ignore_errors=True)
         for path in [*self.dir.glob("metrics_*.jsonl"), self.dir / "report.md"]:
             path.unlink(missing_ok=True)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.dir)
         header = {"start_time": time.time(), "start": datetime.now().isoformat(timespec="seconds"),
                   "system": system_info()}
         (self.dir / "header.json").write_text(json.dumps(header, indent=1), encoding="utf-8")
 
     def sections(self) -> list[dict]:
-        docs = [json.loads(p.read_text(encoding="utf-8")) for p in (self.dir / "sections").glob("*.json")]
+        docs = [_read_json(p, "section", _valid_section) for p in sorted((self.dir / "sections").glob("*.json"))]
         # logging order: by the time of each section's first entry, then title
         return sorted(docs, key=lambda d: (d["entries"][0].get("t", 0.0) if d["entries"] else 0.0, d["section"]))
 
@@ -308,9 +344,9 @@ class Report:
         """Write plots and report.md; returns the report path."""
         if hourly_cost is not None and hourly_cost < 0:
             raise ValueError(f"--hourly-cost: got {hourly_cost}; accepted: >= 0 (USD per hour)")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.dir)
         header_path = self.dir / "header.json"
-        header = json.loads(header_path.read_text()) if header_path.is_file() else {"system": system_info()}
+        header = _read_json(header_path, "header", _valid_header) if header_path.is_file() else {"system": system_info()}
         metrics = read_metrics(self.dir.parent)
         plots = make_plots(metrics, self.dir / "plots") if metrics else []
         lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
@@ -366,14 +402,18 @@ def get_report(base_dir=None) -> Report | DummyReport:
     return Report(report_dir(base_dir)) if _is_master() else DummyReport()
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m nanochat.report", description="training report")
     parser.add_argument("command", choices=("generate", "reset"))
     parser.add_argument("--base-dir", "--base_dir", default=None, help="default: $NANOCHAT_BASE_DIR")
     parser.add_argument("--hourly-cost", "--hourly_cost", type=float,
                         default=float(os.environ["NANOCHAT_HOURLY_COST"]) if os.environ.get("NANOCHAT_HOURLY_COST") else None,
                         help="USD per hour of the machine, for the cost estimate")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     report = Report(report_dir(args.base_dir))
     if args.command == "reset":
         report.reset()
@@ -383,4 +423,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from nanochat.common import script_main
+
+    script_main("report", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -95,6 +95,28 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
+def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, step) -> dict:
+    """{split: DataLoader} for --eval bpb, built BEFORE the model is loaded: constructing a loader
+    opens and checks every shard of its split (DataError / MissingDataError name the file), so
+    damaged data fails in seconds. The sequence length is read from the checkpoint's meta.json."""
+    if "bpb" not in cfg.evals:
+        return {}
+    from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_tokenizer
+
+    tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
+    meta = read_meta(checkpoint_dir(cfg.source, tag, base_dir), step)
+    model_config, tokenizer = meta.get("model_config"), get_tokenizer(base_dir)
+    want = meta.get("tokenizer_fingerprint")
+    if not isinstance(model_config, dict) or not isinstance(model_config.get("sequence_len"), int) \
+            or (want is not None and want != tokenizer.fingerprint):
+        return {}  # load_model reports the broken checkpoint / other tokenizer (loaders come after it)
+    return {split: DataLoader(tokenizer, cfg.device_batch_size, model_config["sequence_len"], split,
+                              device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+            for split in cfg.splits.split(",")}
+
+
 def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     from nanochat.checkpoint import atomic_write, load_model
     from nanochat.dataloader import DataLoader
@@ -102,6 +124,7 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     step = int(cfg.step) if cfg.step.isdigit() else "latest"
+    loaders = bpb_loaders(cfg, rt, base_dir, step)
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
                                         base_dir=base_dir, compute_dtype=rt.dtype)
     seq_len = model.config.sequence_len
@@ -118,9 +141,11 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
         steps = max(1, cfg.eval_tokens // per_step)
         results["bpb"] = {}
         for split in cfg.splits.split(","):
-            loader = DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device,
-                                data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+            loader = loaders.get(split) or DataLoader(tokenizer, cfg.device_batch_size, seq_len, split,
+                                                      device=rt.device, data_dir=cfg.data_dir, rank=rt.rank,
+                                                      world_size=rt.world_size)
             bpb = evaluate_bpb(model, loader, steps, token_bytes)
+            loader.close()
             results["bpb"][split] = bpb
             print0(f"{split} bpb: {bpb:.4f} ({steps} x {per_step:,} tokens)")
 

@@ -1,9 +1,10 @@
 """Pretrain the base model: python -m scripts.base_train [flags]   (or torchrun ... -m scripts.base_train)
 
-The recipe, top to bottom: flags -> runtime -> tokenizer -> model config and batch arithmetic
-(validated before any weights exist) -> model, precision, loss kernel, compile -> optimizer ->
-data -> optional resume -> banner -> loop (eval bpb, samples, checkpoints, one step, one log
-line) -> final checkpoint. The mechanics live in nanochat/training.py and nanochat/checkpoint.py.
+The recipe, top to bottom: flags -> runtime -> tokenizer -> data (train and val loaders: damaged or
+mismatched shards fail here, in seconds) -> model config and batch arithmetic (validated before any
+weights exist) -> optional resume -> model, precision, loss kernel, compile -> optimizer -> banner
+-> loop (eval bpb, samples, checkpoints, one step, one log line) -> final checkpoint. The mechanics
+live in nanochat/training.py and nanochat/checkpoint.py.
 
 Tiny CPU example (seconds):
     python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 \
@@ -194,10 +195,21 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run it? (raises)
 
-    # ---- tokenizer and model shape (meta device: no memory, no init yet) ----
+    # ---- tokenizer ----
     tokenizer = get_tokenizer(base_dir)
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
 
+    # ---- data: constructing the loaders opens and checks every shard (DataError / MissingDataError)
+    # before any model exists; batches are only produced once training starts ----
+    loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+    train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
+
+    def val_batches():
+        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", **loader_kwargs)
+
+    val_batches().close()  # the val split is checked now too (each evaluation reads a fresh loader)
+
+    # ---- model shape (meta device: no memory, no init yet) ----
     def config_at(depth: int):
         return config_for_depth(depth, tokenizer.vocab_size, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio,
                                 head_dim=cfg.head_dim, window_pattern=cfg.window_pattern)
@@ -224,6 +236,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
+        if resume["loader"] is not None:
+            train_loader.load_state_dict(resume["loader"])
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
@@ -248,15 +262,6 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
 
-    # ---- data ----
-    loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
-    train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
-    if resume is not None and resume["loader"] is not None:
-        train_loader.load_state_dict(resume["loader"])
-
-    def val_batches():
-        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", **loader_kwargs)
-
     # ---- meter, tracker, trainer, loop state ----
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
@@ -275,7 +280,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step=step if resume is not None else None, cast_once=trainer.cast_once)
+                 wandb_mode, resume_step=step if resume is not None else None, cast_once=trainer.cast_once,
+                 data=train_loader.describe_source())
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
@@ -322,11 +328,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step, cast_once: bool = False) -> None:
+                 wandb_mode, resume_step, cast_once: bool = False, data: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     rows = [
         ("device", f"{rt.device} ({device_name}), world size {rt.world_size}, rank {rt.rank}"),
+        ("data", data or "n/a"),
         ("compute dtype", rt.dtype_name),
         ("precision", json.dumps(precision_info)),
         ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend} -> "

@@ -6,8 +6,10 @@
 One text shard -> one `.bin` shard (format: nanochat/binshards.py), written atomically by a pool
 of worker processes, every document starting with BOS. The output directory is tied to one
 tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
-with another tokenizer is an error, before any work. Shards already present (same tokenizer) are
-skipped, so an interrupted run resumes; `--force` rewrites them.
+with another tokenizer is an error, before any work. Shards already present (same tokenizer, made
+from a text shard of the same name and size) are skipped, so an interrupted run resumes; `--force`
+rewrites them. A finished run records the text shards (names + sizes) in meta.json, so that the
+dataloader can refuse binary shards made from other text shards than those now in the data dir.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
     """Tokenize `shards` into out_dir; returns one result dict per shard written."""
     bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
                   bos_token_id=tokenizer.bos_token_id)  # refuses another tokenizer's directory
+    recorded = (bs.read_meta(out_dir) or {}).get("text_shards") or {}
     jobs = []
     for shard in shards:
         out = out_dir / bs.bin_name_for(shard)
-        if out.exists() and not force:
+        same_text = recorded.get(shard.name, shard.stat().st_size) == shard.stat().st_size
+        if out.exists() and not force and same_text:
             try:
                 if bs.read_header(out).fingerprint == tokenizer.fingerprint:
                     log(f"skip {out.name} (done)")
@@ -64,6 +68,7 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
             results = list(pool.imap_unordered(_tokenize_one, jobs))
     for r in sorted(results, key=lambda r: r["shard"]):
         log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
+    bs.record_text_shards(out_dir, shards)  # every shard is done: what the directory was made from
     return sorted(results, key=lambda r: r["shard"])
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import tiktoken
 
-from nanochat.tokenizer import Tokenizer, TokenizerError, tokenizer_dir
+from nanochat.tokenizer import Tokenizer, tokenizer_dir
 
 REFERENCES = [("gpt2", "GPT-2"), ("cl100k_base", "GPT-4")]
 
@@ -88,24 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag, value in (("--num-docs", args.num_docs), ("--threads", args.threads)):
         if value < 1:
             parser.error(f"{flag}: got {value}; accepted: a positive integer")
+    return args
 
-    try:
-        ours = Tokenizer.load(args.tokenizer_dir if args.tokenizer_dir is not None else tokenizer_dir())
-    except TokenizerError as e:
-        sys.exit(f"tok_eval: {e}")
+
+def main(argv: list[str] | None = None) -> None:
+    """A missing tokenizer (TokenizerError) or missing / damaged shards (MissingDataError /
+    DataError) raise RequestErrors: under script_main one line, exit 2."""
+    args = parse(argv)
+    ours = Tokenizer.load(args.tokenizer_dir if args.tokenizer_dir is not None else tokenizer_dir())
     from nanochat.dataset import default_data_dir
 
     data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
-    try:
-        texts = {split: first_docs(data_dir, split, args.num_docs) for split in ("train", "val")}
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"tok_eval: {e}")
+    texts = {split: first_docs(data_dir, split, args.num_docs) for split in ("train", "val")}
 
     # Each encoder as (label, vocab size, batch encode function).
     encoders = [("ours", ours.vocab_size, lambda docs: ours.encode(docs, num_threads=args.threads))]
@@ -152,4 +152,6 @@ def print_table(rows: list[dict], labels: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from nanochat.common import script_main
+
+    script_main("tok_eval", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))

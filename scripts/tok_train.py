@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from nanochat.common import script_main
+from nanochat.errors import RequestError
 from nanochat.tokenizer import MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
 
 # Text the sanity check round-trips: prose, code, digits, whitespace runs, non-ASCII, and a typed
@@ -95,22 +97,26 @@ def sanity_check(tok: Tokenizer) -> None:
           f"({nbytes / len(ids):.2f} bytes/token), no special tokens from typed text")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags, validated (a bad one exits 2 with argparse's usage line, before any data is read)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         validate(args)
     except ValueError as e:
         parser.error(str(e))
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    """Missing or damaged data raises MissingDataError / DataError (RequestErrors: under
+    script_main one line, exit 2)."""
+    args = parse(argv)
     from nanochat.dataset import default_data_dir, list_shards, split_shards
 
     data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
     output_dir = args.output_dir if args.output_dir is not None else tokenizer_dir()
-    try:
-        shards = split_shards(list_shards(data_dir), "train")
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"tok_train: {e}")
+    shards = split_shards(list_shards(data_dir), "train")
 
     print("tok_train config:")
     for key, value in (("vocab_size", args.vocab_size), ("max_chars", f"{args.max_chars:,}"),
@@ -124,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tok = Tokenizer.train(training_text(data_dir, args.max_chars, args.doc_cap, stats), args.vocab_size,
                               threads=args.tokenizer_threads, batch_size=args.tokenizer_batch_size)
-    except ValueError as e:  # an unreadable shard, or too little text for --vocab-size
-        sys.exit(f"tok_train: {e}")
+    except RequestError:  # a damaged shard (DataError): already names the file
+        raise
+    except ValueError as e:  # no text in the train split, or too little for --vocab-size
+        raise RequestError(f"cannot train a tokenizer on the train split of {data_dir}: {e}") from e
     elapsed = time.perf_counter() - t0
     print(f"trained on {stats['docs']:,} documents ({stats['chars']:,} chars) in {elapsed:.2f} s: "
           f"vocab_size {tok.vocab_size} ({tok.vocab_size - 256 - len(SPECIAL_TOKENS)} merges + 256 bytes "
@@ -138,4 +146,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main("tok_train", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -350,3 +350,54 @@ def test_bench_train_precision_backends():
                              "--steps", "3", "--warmup", "1", "--vocab-size", "256", "--no-compile",
                              "--precision", "fp8", "--precision-backend", "native"])
     assert len(rows) == 1 and "compute capability" in rows[0]["error"], rows
+
+
+# ------------------------------------------------------------------ damaged data: before the model
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was built before the data was checked")
+
+
+def _copy_corpus(tiny_corpus: Path, dest: Path) -> Path:
+    import shutil
+    dest.mkdir(parents=True)
+    for p in sorted(tiny_corpus.glob("*.parquet")):
+        shutil.copyfile(p, dest / p.name)
+    return dest
+
+
+def test_damaged_data_fails_before_the_model_is_built(env, base_dir, tiny_corpus, tmp_path, monkeypatch):
+    from nanochat.errors import DataError, MissingDataError
+    data = _copy_corpus(tiny_corpus, tmp_path / "data")
+    val = data / "shard_00001.parquet"
+    val.write_bytes(val.read_bytes()[:5000])  # only the val split is damaged: checked up front too
+    monkeypatch.setattr(ck, "build_model", _no_model)
+    args = TINY + ["--data-dir", str(data), "--num-iterations", "1", "--eval-every", "-1", "--model-tag", "bad"]
+    with pytest.raises(DataError, match=f"{val}: not a readable parquet file"):
+        _train(args)
+    pq.write_table(pq.read_table(tiny_corpus / "shard_00001.parquet"), val)
+    import pyarrow as pa
+    pq.write_table(pa.table({"text": ["", ""]}), data / "shard_00000.parquet")
+    with pytest.raises(MissingDataError, match="split 'train' .* has no non-empty documents"):
+        _train(args)
+    # base_eval --eval bpb: the loaders are built from the checkpoint's meta.json, before its weights
+    from scripts import base_eval
+    meta = {"model_config": {"sequence_len": 64}, "tokenizer_fingerprint": None}
+    ck.save_checkpoint(ck.checkpoint_dir("base", "bad", base_dir), 1, model_state={}, meta=meta)
+    monkeypatch.setattr(ck, "load_model", _no_model)
+    with pytest.raises(MissingDataError, match="has no non-empty documents"):
+        base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "bpb", "--splits", "train,val",
+                        "--data-dir", str(data)])
+
+
+def test_banner_names_the_data_it_reads(env, base_dir, tiny_corpus, tmp_path, capsys):
+    from scripts.pretokenize import pretokenize
+    from nanochat.binshards import default_bin_dir
+    from nanochat.tokenizer import get_tokenizer
+    data = _copy_corpus(tiny_corpus, tmp_path / "data")
+    args = TINY + ["--data-dir", str(data), "--num-iterations", "1", "--eval-every", "-1", "--model-tag", "banner"]
+    _train(args)
+    assert f"data                         : text shards {data}\n" in capsys.readouterr().out
+    pretokenize(sorted(data.glob("*.parquet")), default_bin_dir(data), get_tokenizer(base_dir), log=lambda *a: None)
+    _train(args)
+    assert f": binary token shards {default_bin_dir(data)}\n" in capsys.readouterr().out

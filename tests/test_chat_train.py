@@ -224,3 +224,26 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
     assert {"base", "mid", "sft", "rl"} <= set(metrics)
     assert any("val_bpb" in r for r in metrics["mid"]) and any("reward" in r for r in metrics["rl"])
     assert all(math.isfinite(r["loss"]) for r in metrics["sft"] if "loss" in r)
+
+
+def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):
+    from nanochat import chat_train
+    from nanochat.errors import DataError, MissingDataError
+    from scripts import chat_sft
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before the data was checked")
+
+    monkeypatch.setattr(chat_train, "resolve_source", lambda *a, **k: ("d2", tmp_path / "ckpt"))
+    monkeypatch.setattr(ck, "load_model", no_model)
+    monkeypatch.setattr(ck, "load_checkpoint", no_model)
+    sft = tmp_path / "root" / "sft"
+    sft.mkdir(parents=True)
+    chat = sft / "chat.jsonl"
+    chat.write_text(json.dumps(CONVS[0]) + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    args = ["--device", "cpu", "--data-dir", str(tmp_path / "root")]
+    with pytest.raises(DataError, match=f"{chat}:2: messages\\[0\\].role is 'robot'"):
+        chat_sft.main(args)
+    chat.write_text("")  # an empty SFT file: not "0 conversations trained"
+    with pytest.raises(MissingDataError, match=f"{chat}: empty"):
+        chat_sft.main(args)

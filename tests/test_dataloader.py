@@ -12,8 +12,9 @@ import pytest
 import tiktoken
 import torch
 
-from nanochat.binshards import default_bin_dir, write_meta
+from nanochat.binshards import HEADER_SIZE, META_NAME, default_bin_dir, write_meta
 from nanochat.dataloader import DataLoader
+from nanochat.errors import DataError, MissingDataError
 from scripts.pretokenize import pretokenize
 
 
@@ -327,9 +328,8 @@ def test_clear_errors(tmp_path, corpus, binned):
     with pytest.raises(ValueError, match="at least 2 shards"):
         loader(one)
     tiny = write_shards(tmp_path / "tiny", [["a"], ["b"]])
-    dl = loader(tiny, rank=1, world_size=2, prefetch=1)
-    with pytest.raises(ValueError, match="no documents for rank 1"):
-        next(dl)
+    with pytest.raises(MissingDataError, match=r"rank 1 of 2\) has no documents"):  # at construction
+        loader(tiny, rank=1, world_size=2, prefetch=1)
 
 
 def test_background_errors_reach_the_consumer(corpus):
@@ -384,3 +384,118 @@ def test_uint32_tokens_roundtrip(tmp_path):
     assert np.fromfile(default_bin_dir(d) / "shard_00000.bin", dtype=np.uint8)[12] == 4  # itemsize
     x, _ = next(loader(d, "bin", tok=big, prefetch=0))
     assert (x[:, 0] == 70000).all()
+
+
+# ------------------------------------------------------------------ damaged / mismatched data
+
+def corrupt_row_group(path, rg: int) -> None:
+    """Zero the start of one row group's first page: the footer stays valid, the group does not
+    decode (as with a disk error mid-file)."""
+    meta = pq.ParquetFile(path).metadata.row_group(rg).column(0)
+    start = meta.dictionary_page_offset or meta.data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start:start + 32] = bytes(32)
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_text_shards_are_data_errors_at_construction(tmp_path, corpus):
+    data_dir, _ = corpus
+    truncated = data_dir / "shard_00001.parquet"
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    with pytest.raises(DataError, match="shard_00001.parquet: not a readable parquet file"):
+        loader(data_dir)
+    nulls = write_shards(tmp_path / "nulls", [["a", None, "b"], ["c"]])
+    with pytest.raises(DataError, match=r"shard_00000.parquet: row group 0 has null 'text'"):
+        loader(nulls)
+
+
+def test_null_texts_without_statistics_fail_when_read(tmp_path):
+    d = tmp_path / "nostats"
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["ab", None]}), d / "shard_00000.parquet", write_statistics=False)
+    pq.write_table(pa.table({"text": ["cd"]}), d / "shard_00001.parquet")
+    dl = loader(d, prefetch=1)
+    with pytest.raises(DataError, match=r"shard_00000.parquet: row group 0 has null 'text'"):
+        next(dl)
+
+
+def test_row_group_that_does_not_decode_names_shard_and_group(tmp_path):
+    docs = [hashlib.sha256(str(i).encode()).hexdigest() * 8 for i in range(64)]
+    d = tmp_path / "mid"
+    d.mkdir()
+    pq.write_table(pa.table({"text": docs}), d / "shard_00000.parquet", row_group_size=16, compression="zstd")
+    pq.write_table(pa.table({"text": docs[:4]}), d / "shard_00001.parquet")
+    corrupt_row_group(d / "shard_00000.parquet", 2)
+    dl = loader(d, B=1, prefetch=0, buffer_size=1)
+    with pytest.raises(DataError, match=r"shard_00000.parquet: row group 2 is unreadable .*re-create") as e:
+        for _ in range(200):
+            next(dl)
+    assert "\n" not in str(e.value)  # printed as one line
+
+
+def test_split_of_empty_documents_is_an_error(tmp_path):
+    empty = write_shards(tmp_path / "empty", [["", ""], ["x"]])
+    with pytest.raises(MissingDataError, match=r"split 'train' .* has no non-empty documents"):
+        loader(empty)  # proven by the parquet statistics: before any batch
+    assert next(loader(empty, split="val"))[0].shape == (4, 64)  # the val split is fine
+    d = tmp_path / "nostats"  # without statistics only reading shows it: the first batch fails
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["", "", ""]}), d / "shard_00000.parquet", write_statistics=False)
+    pq.write_table(pa.table({"text": ["x"]}), d / "shard_00001.parquet")
+    with pytest.raises(MissingDataError, match="no non-empty documents"):
+        next(loader(d, prefetch=1))
+
+
+def test_damaged_binary_shards_are_data_errors(binned):
+    data_dir, _ = binned
+    bin_dir = default_bin_dir(data_dir)
+    shard = bin_dir / "shard_00000.bin"
+    good = shard.read_bytes()
+    shard.write_bytes(b"garbage!" + good[8:])
+    with pytest.raises(DataError, match="shard_00000.bin: not a nanochat binary token shard"):
+        loader(data_dir, "bin")
+    shard.write_bytes(good[:-100])
+    with pytest.raises(DataError, match="shard_00000.bin: truncated or corrupt"):
+        loader(data_dir, "bin")
+    raw = bytearray(good)
+    raw[-16:-8] = (10**6).to_bytes(8, "little")  # an offset past the end
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="shard_00000.bin: corrupt document offsets"):
+        loader(data_dir, "bin")
+    raw = bytearray(good)
+    raw[HEADER_SIZE + 2:HEADER_SIZE + 4] = (300).to_bytes(2, "little")  # doc 0, token 1: >= vocab 257
+    shard.write_bytes(bytes(raw))
+    dl = loader(data_dir, "bin", prefetch=1)  # ids are checked as documents are read
+    with pytest.raises(DataError, match="shard_00000.bin: document 0 has token id 300 >= the vocab size 257"):
+        for _ in range(100):
+            next(dl)
+    shard.write_bytes(good)
+    other_vocab = ByteTokenizer()
+    other_vocab.vocab_size = 300
+    with pytest.raises(DataError, match="made for vocab size 257, the tokenizer has 300"):
+        loader(data_dir, "bin", tok=other_vocab)
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        loader(data_dir, "bin", tok=ByteTokenizer("other"))
+
+
+def test_stale_binary_shards_are_refused_when_picked_automatically(binned):
+    data_dir, shards = binned
+    bin_dir = default_bin_dir(data_dir)
+    assert loader(data_dir, "auto").describe_source() == f"binary token shards {bin_dir}"
+    write_shards(data_dir, [shards[0], shards[1][:-3]] + shards[2:])  # shard 1 changed since
+    with pytest.raises(DataError) as e:
+        loader(data_dir, "auto")
+    msg = str(e.value)
+    assert f"{bin_dir} was made from other text shards than {data_dir}" in msg
+    assert "changed: shard_00001.parquet" in msg and "pretokenize" in msg and "--force" in msg
+    loader(data_dir, "bin")  # asked for explicitly: read as they are
+    meta = json.loads((bin_dir / META_NAME).read_text())
+    del meta["text_shards"]  # a directory made before the record existed: accepted
+    (bin_dir / META_NAME).write_text(json.dumps(meta))
+    loader(data_dir, "auto")
+    pretokenize(sorted(data_dir.glob("*.parquet")), bin_dir, ByteTokenizer(), log=lambda *a: None)
+    assert loader(data_dir, "auto").describe_source().startswith("binary token shards")
+    (data_dir / "shard_00004.parquet").write_bytes((data_dir / "shard_00003.parquet").read_bytes())
+    with pytest.raises(DataError, match="new: shard_00004.parquet"):
+        loader(data_dir, "auto")
+    assert loader(data_dir, "text").describe_source() == f"text shards {data_dir}"

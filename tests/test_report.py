@@ -118,3 +118,38 @@ def test_torn_metrics_line_is_skipped(base):
     assert report_mod.read_metrics()["mid"] == [json.loads((base / "report" / "metrics_mid.jsonl").read_text().splitlines()[0])]
     Report(base / "report").generate()
     assert (base / "report" / "plots" / "loss_vs_step.png").is_file()
+
+
+def test_corrupt_report_files_name_the_file(base):
+    from nanochat.errors import RequestError
+    rep = synthetic_run(base)
+    rdir = base / "report"
+    with open(rdir / "metrics_base.jsonl", "a") as f:
+        f.write("[1, 2]\n7\n")  # not objects: skipped
+    assert all(isinstance(r, dict) for r in report_mod.read_metrics(base)["base"])
+    rep.generate()
+    section = next((rdir / "sections").glob("*.json"))
+    for garbage in ("{nope", "[1, 2]", '{"section": "x", "entries": [1]}'):
+        section.write_text(garbage)
+        with pytest.raises(RequestError, match=f"{section}: corrupt report section .*nanochat.report reset"):
+            rep.generate()
+    section.unlink()
+    rep.reset()
+    (rdir / "header.json").write_text("{nope")
+    with pytest.raises(RequestError, match=f"{rdir / 'header.json'}: corrupt report header"):
+        rep.generate()
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    rdir = tmp_path / "report"
+    rdir.mkdir()
+    (rdir / "header.json").write_text("{nope")
+    r = subprocess.run([sys.executable, "-m", "nanochat.report", "generate", "--base-dir", str(tmp_path)],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.startswith("report: error: ") and "Traceback" not in r.stderr, r.stderr
+    assert str(rdir / "header.json") in r.stderr and len(r.stderr.strip().splitlines()) == 1

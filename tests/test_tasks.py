@@ -287,3 +287,48 @@ def test_chat_eval_end_to_end(tmp_path, monkeypatch, tok):
                              "-a", "GSM8K|HumanEval|SpellingBee", "--decode", "static", "--out", str(out_path)])
     for name, r in static["results"].items():
         assert r["passed"] == out["results"][name]["passed"], name
+
+
+# ------------------------------------------------------------------ broken / empty local files
+
+def test_broken_local_files_are_data_errors_when_the_task_loads(tmp_path):
+    from nanochat.errors import DataError, MissingDataError
+    arc = tmp_path / "arc_easy.jsonl"
+    good = json.dumps({"question": "2+2?", "choices": ["4", "5"], "answer": 0})
+    arc.write_text(good + "\n" + '{"question": "x", "choices": [\n')
+    with pytest.raises(DataError, match=f"{arc}:2: invalid JSON .*fix or delete that line"):
+        ARC("easy", data_dir=tmp_path)
+    arc.write_bytes(good.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(DataError, match=f"{arc}:2: not UTF-8"):
+        ARC("easy", data_dir=tmp_path)
+    arc.write_text(good + "\n" + json.dumps({"choices": ["a"], "answer": 0}) + "\n")
+    with pytest.raises(DataError, match=f"{arc}: row 2: missing 'question'"):  # at load, not at arc[1]
+        ARC("easy", data_dir=tmp_path)
+    arc.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 7}) + "\n")
+    with pytest.raises(DataError, match="'answer' must be an index 0..1"):
+        ARC("easy", data_dir=tmp_path)
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
+    with pytest.raises(DataError, match="gsm8k.jsonl: row 1: missing 'answer'"):
+        GSM8K(data_dir=tmp_path)
+    arc.write_text("\n\n")
+    with pytest.raises(MissingDataError, match=f"{arc}: empty"):
+        ARC("easy", data_dir=tmp_path)
+
+
+def test_broken_or_empty_conversation_files(tmp_path):
+    from nanochat.errors import DataError, MissingDataError
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    chat = sft / "chat.jsonl"
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    chat.write_text(json.dumps(ok) + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=f"{chat}:2: messages\\[0\\].role is 'robot'"):
+        LocalConversations("train", data_dir=sft)  # row 2 is a train row; the test split fails too
+    with pytest.raises(DataError, match=f"{chat}:2"):
+        LocalConversations("test", data_dir=sft)
+    chat.write_text(json.dumps({"messages": ["just a string"]}) + "\n")
+    with pytest.raises(DataError, match="every message must be an object"):
+        LocalConversations("train", data_dir=sft)
+    chat.write_text("")
+    with pytest.raises(MissingDataError, match=f"{chat}: empty"):
+        get_conversations("train", data_dir=sft)

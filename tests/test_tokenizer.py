@@ -454,3 +454,25 @@ def test_tok_eval_compares_with_available_references(tok, tiny_corpus, tmp_path,
     ours = {r["split"]: r for r in rows if r["tokenizer"] == "ours"}
     saving = 100.0 * (ours["val"]["bytes"] - ours["val"]["tokens"]) / ours["val"]["bytes"]
     assert table[3].startswith("val") and f"{saving:+.1f}%" in table[3]
+
+
+def test_tok_scripts_report_damaged_or_missing_data_as_one_line_exit_2(tmp_path, tiny_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"text": ["some text", None]}), data / "shard_00000.parquet")
+    pq.write_table(pa.table({"text": ["val text"]}), data / "shard_00001.parquet")
+    res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(data)], tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("tok_train: error: "), res.stderr
+    assert "shard_00000.parquet: row group 0 has null 'text'" in res.stderr and "Traceback" not in res.stderr
+    (data / "shard_00001.parquet").write_bytes(b"not parquet")
+    res = _run(["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "none"), "--data-dir", str(data)], tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("tok_eval: error: ") and "tokenizer.pkl" in res.stderr
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer.save(tok_dir)
+    res = _run(["scripts.tok_eval", "--tokenizer-dir", str(tok_dir), "--data-dir", str(data)], tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("tok_eval: error: "), res.stderr
+    assert "shard_00000.parquet: row group 0 has null" in res.stderr  # train split first
+    res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "nothing")], tmp_path)
+    assert res.returncode == 2 and "tok_train: error: no text shards" in res.stderr

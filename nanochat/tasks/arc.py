@@ -6,7 +6,7 @@ another split), rows {"id", "question", "choices": [...], "answer": index}. Hub:
 
 from __future__ import annotations
 
-from nanochat.tasks.common import LETTERS, Task, load_rows, render_mc
+from nanochat.tasks.common import LETTERS, Task, check_rows, load_rows, render_mc
 
 _SUBSETS = {"easy": ("arc_easy", "ARC-Easy"), "challenge": ("arc_challenge", "ARC-Challenge")}
 _SPLITS = ("train", "validation", "test")
@@ -28,6 +28,20 @@ def mc_conversation(question: str, choices: list[str], answer: int, **extra) -> 
             "letters": list(letters), **extra}
 
 
+def check_mc_row(row: dict) -> str | None:
+    """What is wrong with a multiple-choice row {"question", "choices", "answer"}, or None."""
+    choices, answer = row["choices"], row["answer"]
+    if not isinstance(choices, list) or not 1 <= len(choices) <= len(LETTERS):
+        return f"'choices' must be a list of 1..{len(LETTERS)} strings"
+    ok = not isinstance(answer, bool) and (isinstance(answer, int) or (isinstance(answer, str) and answer.isdigit()))
+    if not ok or not 0 <= int(answer) < len(choices):
+        return f"'answer' must be an index 0..{len(choices) - 1} into 'choices', got {answer!r}"
+    return None
+
+
+MC_KEYS = ("question", "choices", "answer")
+
+
 def evaluate_letter(conversation: dict, completion: str) -> bool:
     """True when the completion's first non-space character is the gold letter."""
     gold = conversation["messages"][-1]["content"]
@@ -47,6 +61,7 @@ class ARC(Task):
         names = [f"{stem}_{split}.jsonl"] + ([f"{stem}.jsonl"] if split == "test" else [])
         self.rows, self.source = load_rows("eval", names, data_dir=data_dir,
                                            hub=("allenai/ai2_arc", hub_config, split), convert_hub=_from_hub)
+        check_rows(self.rows, self.source, MC_KEYS, check_mc_row)
         self.name = "ARC-Easy" if subset == "easy" else "ARC-Challenge"
 
     def num_examples(self) -> int:

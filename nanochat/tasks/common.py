@@ -12,6 +12,11 @@ Data lookup order for every loader (see `find_local_file` / `load_rows`):
      else `<base_dir>/eval_data` (or `sft_data`) and then the repo's `../shared/data/<kind>`;
   2. the Hugging Face hub via `datasets` (imported lazily, only when step 1 found nothing);
   3. a `DataUnavailableError` naming every local path tried and the hub dataset + why it failed.
+
+A local file that is there but broken (not UTF-8, a line that is not JSON, a row without the
+fields its task needs, a conversation with a bad role) is a DataError naming the file and line,
+raised when the task is built (not when an example is first read); an empty file is a
+MissingDataError naming it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from nanochat.common import get_base_dir
-from nanochat.errors import MissingDataError
+from nanochat.errors import DataError, MissingDataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -70,14 +75,45 @@ def find_local_file(kind: str, filenames: Sequence[str], data_dir=None) -> tuple
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The JSON value of every non-blank line; DataError naming path:line for a line that is not
+    UTF-8 or not JSON."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e}); fix or delete that line") from None
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from e
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e}); fix or delete that line") from None
+    return rows
+
+
+def read_local_rows(path: Path) -> list[dict]:
+    """read_jsonl of a dataset file that must hold rows: an empty file is a MissingDataError."""
+    rows = read_jsonl(path)
+    if not rows:
+        raise MissingDataError(f"{path}: empty (no JSON lines); restore the file or delete it "
+                               "(then the next data location or the hub is used)")
+    return rows
+
+
+def check_rows(rows: list, source: str, required: Sequence[str], check: Callable[[dict], str | None] | None = None,
+               ) -> list:
+    """Every row is an object with the `required` keys (and passes `check`, which returns what is
+    wrong or None); DataError naming the source and row otherwise. Run when a task is built."""
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            problem = f"a JSON {type(row).__name__}, expected an object"
+        else:
+            missing = [k for k in required if k not in row]
+            problem = f"missing {', '.join(map(repr, missing))}" if missing else (check(row) if check else None)
+        if problem:
+            raise DataError(f"{source}: row {i + 1}: {problem} (needs {', '.join(required)}); fix or delete "
+                            "that row")
     return rows
 
 
@@ -103,7 +139,7 @@ def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
     """
     path, tried = find_local_file(kind, filenames, data_dir)
     if path is not None:
-        return read_jsonl(path), str(path)
+        return read_local_rows(path), str(path)
     hub_reason, hub_error = "no hub fallback for this dataset", None
     if hub is not None:
         try:
@@ -237,6 +273,8 @@ def validate_conversation(conv: dict, where: str = "conversation") -> dict:
     msgs = conv.get("messages") if isinstance(conv, dict) else None
     if not isinstance(msgs, list) or not msgs:
         raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    if not all(isinstance(m, dict) for m in msgs):
+        raise ValueError(f"{where}: every message must be an object with 'role' and 'content'")
     body = msgs[1:] if msgs[0].get("role") == "system" else msgs
     for i, m in enumerate(body):
         want = "user" if i % 2 == 0 else "assistant"

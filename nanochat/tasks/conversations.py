@@ -14,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanochat.common import print0
-from nanochat.tasks.common import (DataUnavailableError, Task, load_rows, local_dirs, read_jsonl,
-                                   validate_conversation)
+from nanochat.errors import DataError
+from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
+                                   read_local_rows, validate_conversation)
 
 _SPLITS = ("train", "test")
 TEST_EVERY = 20
@@ -61,9 +62,13 @@ class LocalConversations(_ConversationList):
                                        "Hub: use SmolTalk (source='smoltalk') for the hub dataset")
         self.rows, self.files = [], files
         for path in files:
-            for i, row in enumerate(read_jsonl(path)):
+            for i, row in enumerate(read_local_rows(path)):
+                try:  # every row, not only this split's: a broken file fails train and test alike
+                    validate_conversation(row, f"{path}:{i + 1}")
+                except ValueError as e:
+                    raise DataError(f"{e}; fix or delete that row") from None
                 if (i % TEST_EVERY == 0) == (split == "test"):
-                    self.rows.append(validate_conversation(row, f"{path.name}:{i + 1}"))
+                    self.rows.append(row)
         self.source = ", ".join(str(p) for p in files)
 
 
@@ -73,6 +78,7 @@ class SmolTalk(_ConversationList):
         _check_split(split)
         self.rows, self.source = load_rows("sft", [f"smoltalk_{split}.jsonl"], data_dir=data_dir,
                                            hub=("HuggingFaceTB/smol-smoltalk", None, split))
+        check_rows(self.rows, self.source, ("messages",))
 
 
 def get_conversations(split: str = "train", *, source: str = "auto", data_dir=None, **kw) -> Task:

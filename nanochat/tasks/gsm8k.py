@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from nanochat.tasks.common import Task, load_rows
+from nanochat.tasks.common import Task, check_rows, load_rows
 
 _CALL = re.compile(r"<<([^<>]*)>>")
 _ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
@@ -81,6 +81,8 @@ class GSM8K(Task):
             raise ValueError(f"GSM8K split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
         names = [f"gsm8k_{split}.jsonl"] + (["gsm8k.jsonl"] if split == "test" else [])
         self.rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=("openai/gsm8k", "main", split))
+        check_rows(self.rows, self.source, ("question", "answer"), lambda r: None if isinstance(r["answer"], str)
+                   and isinstance(r["question"], str) else "'question' and 'answer' must be strings")
 
     def num_examples(self) -> int:
         return len(self.rows)

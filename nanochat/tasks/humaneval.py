@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from nanochat.execution import execute_code
-from nanochat.tasks.common import Task, load_rows
+from nanochat.tasks.common import Task, check_rows, load_rows
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
@@ -37,6 +37,7 @@ class HumanEval(Task):
         super().__init__(**kw)
         self.rows, self.source = load_rows("eval", ["humaneval.jsonl"], data_dir=data_dir,
                                            hub=("openai/openai_humaneval", None, "test"))
+        check_rows(self.rows, self.source, ("task_id", "prompt", "canonical_solution", "test", "entry_point"))
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
 
     def num_examples(self) -> int:

@@ -7,8 +7,8 @@ Local file: `mmlu.jsonl` (test split; `mmlu_<split>.jsonl` otherwise), rows {"id
 
 from __future__ import annotations
 
-from nanochat.tasks.arc import evaluate_letter, mc_conversation
-from nanochat.tasks.common import Task, load_rows
+from nanochat.tasks.arc import MC_KEYS, check_mc_row, evaluate_letter, mc_conversation
+from nanochat.tasks.common import Task, check_rows, load_rows
 
 _SPLITS = ("auxiliary_train", "dev", "validation", "test")
 
@@ -31,6 +31,7 @@ class MMLU(Task):
         names = [f"mmlu_{split}.jsonl"] + (["mmlu.jsonl"] if split == "test" else [])
         hub = ("cais/mmlu", "auxiliary_train", "train") if split == "auxiliary_train" else ("cais/mmlu", "all", split)
         rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=hub, convert_hub=_from_hub)
+        check_rows(rows, self.source, MC_KEYS, check_mc_row)
         if subject is not None:
             rows = [r for r in rows if r.get("subject") == subject]
             if not rows:

