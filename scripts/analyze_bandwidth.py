@@ -16,7 +16,6 @@ GPU achieved against its own roofline for that op. It is a PREDICTION from datas
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from nanochat.common import script_main
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser, require_int
 from nanochat.platform import DEVICE_TABLE, DeviceSpec, detect_device
 
 BF16 = 2
@@ -142,10 +144,11 @@ def roofline_ms(op: dict, spec: DeviceSpec) -> tuple[float, str]:
     return 1e3 * max(t_c, t_b), ("compute" if t_c >= t_b else "bandwidth")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """Parse and validate every flag (no GPU work); a bad value raises ValueError naming the flag."""
+    p = FlagParser(prog="python -m scripts.analyze_bandwidth", description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
+    p.add_argument("--device-batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--kernel", default="current", choices=["current", "liger", "triton"])
@@ -153,14 +156,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.predict is not None and args.predict not in DEVICE_TABLE:
         raise ValueError(f"--predict: got {args.predict!r}; accepted: {'|'.join(DEVICE_TABLE)}")
+    for name in ("depth", "device_batch_size", "seq", "vocab"):
+        require_int(getattr(args, name), "--" + name.replace("_", "-"), 1)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from nanochat.common import init_runtime
     from nanochat.gpt import config_for_depth
     rt = init_runtime("auto", "auto")
     if rt.device.type != "cuda":
-        raise SystemExit("analyze_bandwidth measures on a CUDA GPU")
+        raise RequestError("measures on a CUDA GPU; none is visible")
     spec = detect_device(rt.device)
     if spec.bandwidth_gbs is None or "bf16" not in spec.peak_tflops:
-        raise SystemExit(f"{spec.name} is not in nanochat/platform.py's table (no peak/bandwidth)")
+        raise RequestError(f"{spec.name} is not in nanochat/platform.py's table (no peak/bandwidth)")
     cfg = config_for_depth(args.depth, args.vocab, args.seq)
     ops = op_table(cfg, args.device_batch_size, args.seq)
     measured = measure_ops(cfg, args.device_batch_size, args.seq, rt.device, args.kernel)
@@ -209,4 +219,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script_main("analyze_bandwidth", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -29,15 +29,18 @@ FLEX_TUNED_OPTIONS in nanochat/attention.py (keyed by compute capability).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from nanochat import attention as A
+from nanochat.common import script_main
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser
 
 ERR_FLAG = 2e-2
 
@@ -111,7 +114,7 @@ def _load_configs(text: str) -> dict:
 
 def parse_args(argv=None) -> BenchConfig:
     """Parse and validate every flag (no CUDA work); raises ValueError naming the flag."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m scripts.bench_attention", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--heads", type=int, default=10, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
@@ -250,7 +253,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention needs a CUDA GPU (--device cuda)")
+        raise RequestError("--device cuda: needs a CUDA GPU; none is visible")
     import triton
 
     device = torch.device(cfg.device)
@@ -304,4 +307,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    script_main("bench_attention", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -18,7 +18,6 @@ defaults otherwise. The end-to-end comparison with the compiled CUDA-graph step 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -46,7 +45,9 @@ def config_name(conf: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from nanochat.flags import FlagParser
+
+    p = FlagParser(prog="python -m scripts.bench_decode_kernel", description=__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
     p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=2048)
@@ -70,6 +71,9 @@ def parse_args(argv=None):
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if not 0 <= args.prompt_len < args.seq_len:
         raise ValueError(f"--prompt-len: got {args.prompt_len}; accepted: 0 <= prompt-len < --seq-len {args.seq_len}")
+    from scripts.bench_inference import check_model_flags
+
+    check_model_flags(args)  # --seed, --window-pattern
     return args
 
 
@@ -122,8 +126,10 @@ def main(argv=None) -> int:
     from scripts.bench_inference import build_model, visible_kv_bytes, weight_bytes_per_step
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench_decode_kernel: needs a CUDA GPU (it times the kernel in CUDA graphs); "
-                         "the CPU path of the kernel is tested under TRITON_INTERPRET=1 in tests/test_triton_decode.py")
+        from nanochat.errors import RequestError
+
+        raise RequestError("needs a CUDA GPU (it times the kernel in CUDA graphs); the CPU path of the kernel "
+                           "is tested under TRITON_INTERPRET=1 in tests/test_triton_decode.py")
     rt = init_runtime("cuda", "bf16", seed=args.seed)
     spec = detect_device(rt.device)
     model = build_model(args, rt)
@@ -173,4 +179,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_decode_kernel", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -25,15 +25,18 @@ such, with the error, instead of aborting the run.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
 import statistics
+import sys
 import time
 
 import torch
 
+from nanochat.common import script_main
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser, require_float
 from nanochat.platform import detect_device, peak_flops
 
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
@@ -290,13 +293,14 @@ def burn_in(seconds: float, shape, device, emit) -> None:
               "tflops": round(flops * count / (start.elapsed_time(end) * 1e-3) / 1e12, 1)})
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """Parse and validate every flag (no CUDA work); a bad value raises ValueError naming the flag."""
+    p = FlagParser(prog="python -m scripts.bench_gemm", description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default=None, help="default bf16,fp8,fp8-rowwise,nvfp4 (with --linears "
                    "or --mlp: bf16,fp8, the only ones those accept)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--burn-in", "--burn_in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
+    p.add_argument("--burn-in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
     p.add_argument("--linears", default="", help=f"M:INxOUT list (e.g. {DEFAULT_LINEARS}): "
                    "time fwd/dgrad/wgrad of training Linears instead of --shapes (dtypes bf16, fp8)")
     p.add_argument("--mlp", default="", help="M:C (e.g. 65536:1280): the MLP GEMMs with relu^2 "
@@ -309,22 +313,29 @@ def main(argv=None) -> int:
                    "product in its other free layouts (fwd_wt / dgrad_wt: a (K, N) weight copy; "
                    "wgrad_xg: (x^T g)^T)")
     args = p.parse_args(argv)
-    shapes = parse_shapes(args.shapes)
-    linears = parse_linears(args.linears) if args.linears else []
-    mlp = parse_mlp(args.mlp) if args.mlp else None
-    qk = parse_qk(args.qk) if args.qk else None
-    accepted = LINEAR_DTYPES if (linears or mlp) else DTYPES
-    dtypes = args.dtypes.split(",") if args.dtypes else list(accepted)
-    for d in dtypes:
+    args.shapes = parse_shapes(args.shapes)
+    args.linears = parse_linears(args.linears) if args.linears else []
+    args.mlp = parse_mlp(args.mlp) if args.mlp else None
+    args.qk = parse_qk(args.qk) if args.qk else None
+    accepted = LINEAR_DTYPES if (args.linears or args.mlp) else DTYPES
+    args.dtypes = args.dtypes.split(",") if args.dtypes else list(accepted)
+    for d in args.dtypes:
         if d not in accepted:
-            flag = "--dtypes (with --linears)" if linears else "--dtypes (with --mlp)" if mlp else "--dtypes"
+            flag = "--dtypes (with --linears)" if args.linears else "--dtypes (with --mlp)" if args.mlp else "--dtypes"
             raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
-    if args.layouts and not linears:
+    if args.layouts and not args.linears:
         raise ValueError("--layouts: only with --linears")
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
+    require_float(args.burn_in, "--burn-in", 0.0)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shapes, linears, mlp, qk, dtypes = args.shapes, args.linears, args.mlp, args.qk, args.dtypes
     if not torch.cuda.is_available():
-        raise SystemExit("bench_gemm needs a CUDA GPU")
+        raise RequestError("needs a CUDA GPU (it times the products with CUDA events); none is visible")
     device = torch.device("cuda")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -424,4 +435,4 @@ def _run_qk(m, c, reps, l2, spec, device) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    script_main("bench_gemm", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -25,7 +25,6 @@ Needs a CUDA GPU with cp.async (sm_80+; `tma`: sm_90+) and Triton's Gluon (Trito
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -33,6 +32,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser
 
 # Triton 3.9 renamed gluon's async copies to async_load (the old names now raise; same arguments)
 # and thread_barrier to barrier
@@ -221,7 +223,7 @@ def _choices(flag: str, text: str, accepted) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="python -m scripts.bench_gemv_ring", description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="cpasync", help="how bands reach shared memory: cpasync | tma")
     p.add_argument("--depths", default="1,4,10", help="bands in flight (ring slots), comma list")
     p.add_argument("--band-rows", dest="band_rows", type=int, default=8,
@@ -255,17 +257,18 @@ def _reference(weights, x):
     return cur[:K]
 
 
-def cuda_device(script: str, major: int = 0, need: str = ""):
-    """(device, properties) of the GPU, or SystemExit naming the script (and `need`, below cc `major`.0)."""
+def cuda_device(major: int = 0, need: str = ""):
+    """(device, properties) of the GPU; RequestError (one line from script_main, which names the
+    script) when there is none, or when it is below compute capability `major`.0 that `need` needs."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"{script}: needs a CUDA GPU")
+        raise RequestError("needs a CUDA GPU; none is visible")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     if props.major < major:
-        raise SystemExit(f"{script}: needs {need} (compute capability >= {major}.0); this GPU is "
-                         f"{props.major}.{props.minor}")
+        raise RequestError(f"needs {need} (compute capability >= {major}.0); this GPU is "
+                           f"{props.major}.{props.minor}")
     return dev, props
 
 
@@ -287,10 +290,10 @@ def main(argv=None) -> int:
 
     from scripts.benchmark_kernels import _timed  # median ms of back-to-back calls, CUDA events
 
-    dev, props = cuda_device("bench_gemv_ring", 9 if args.mode == "tma" else 0, "TMA for --mode tma")
+    dev, props = cuda_device(9 if args.mode == "tma" else 0, "TMA for --mode tma")
     P = props.multi_processor_count
     if P > min(ROWS):
-        raise SystemExit(f"bench_gemv_ring: {P} SMs; the chain gives every program rows of every GEMV only up to "
+        raise RequestError(f"{P} SMs; the chain gives every program rows of every GEMV only up to "
                          f"{min(ROWS)} programs")
     packed, x, ref = chain_weights(args.layers, dev)
     nbytes = packed.numel() * 2
@@ -344,4 +347,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_gemv_ring", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

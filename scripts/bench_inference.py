@@ -25,8 +25,10 @@ import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanochat.flags import FlagParser
+
+    p = FlagParser(prog="python -m scripts.bench_inference", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
     p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=2048, help="model context")
@@ -107,7 +109,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.prompt_len + args.decode_tokens + 1 > args.seq_len:
         raise ValueError(f"--prompt-len + --decode-tokens: {args.prompt_len} + {args.decode_tokens} + 1 exceeds "
                          f"--seq-len {args.seq_len}")
+    check_model_flags(args)
     return args
+
+
+def check_model_flags(args) -> None:
+    """--device, --dtype, --seed and --window-pattern, checked before anything is built (shared with
+    bench_serving and bench_decode_kernel, whose models build_model makes)."""
+    from nanochat.common import DEVICE_CHOICES, DTYPE_ALIASES
+    from nanochat.flags import require, require_int
+
+    if hasattr(args, "device"):
+        require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
+    if hasattr(args, "dtype"):
+        require(args.dtype in DTYPE_ALIASES, "--dtype", args.dtype, "|".join(DTYPE_ALIASES))
+    require_int(args.seed, "--seed", 0)
+    pattern = getattr(args, "window_pattern", "SSSL")
+    require(bool(pattern) and not set(pattern) - {"S", "L"}, "--window-pattern", pattern,
+            "a non-empty string of S (short window) and L (full) letters, e.g. SSSL")
 
 
 def build_model(args, rt):
@@ -411,4 +430,6 @@ def print_table(rows, spec, args, params, rt) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_inference", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
 
-from nanochat.common import destroy_runtime, init_runtime
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime, script_main
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import build_optimizer
-from nanochat.flags import FlagParser, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int
 
 
 def parse_args(argv=None):
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     require_int(a.warmup, "--warmup", 0)
     require_int(a.top, "--top", 0)
     require_float(a.weight_decay, "--weight-decay", 0.0)
+    require(a.device in DEVICE_CHOICES, "--device", a.device, "|".join(DEVICE_CHOICES))
     return a
 
 
@@ -120,4 +122,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    script_main("bench_optim", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

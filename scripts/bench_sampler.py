@@ -15,14 +15,15 @@ then a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from nanochat.flags import FlagParser
+
+    p = FlagParser(prog="python -m scripts.bench_sampler", description=__doc__.split("\n")[0])
     p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--calls", type=int, default=300)
@@ -102,7 +103,9 @@ def main(argv=None) -> int:
     from nanochat.sampling import kth_largest, sample_next
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_sampler: --device cuda needs a CUDA GPU; pass --device cpu")
+        from nanochat.errors import RequestError
+
+        raise RequestError("--device cuda: needs a CUDA GPU; none is visible (pass --device cpu)")
     gen = torch.Generator(device=args.device).manual_seed(0)
     logits = torch.randn(args.batch, args.vocab_size, device=args.device, generator=gen) * 3
     cases = {
@@ -143,4 +146,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_sampler", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

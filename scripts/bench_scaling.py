@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from nanochat.common import script_main
+from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require, require_float, require_int
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     require_float(a.fsdp_tol, "--fsdp-tol", 0.0)
     require_float(a.min_scaling, "--min-scaling", 0.0)
     require(a.worker in (None, "losses", "throughput"), "--worker", a.worker, "losses|throughput")
+    require_int(a.timeout, "--timeout", 1)
+    pattern = a.window_pattern
+    require(bool(pattern) and not set(pattern) - {"S", "L"}, "--window-pattern", pattern,
+            "a non-empty string of S (short window) and L (full) letters, e.g. SSSL")
     return a
 
 
@@ -236,7 +242,7 @@ def _loss_check(name: str, ref: dict, other: dict, tol: float) -> dict:
 
 def run_driver(a) -> int:
     if a.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < a.gpus:
-        raise ValueError(f"--gpus: got {a.gpus}; this machine has {torch.cuda.device_count()} GPU(s)")
+        raise RequestError(f"--gpus: got {a.gpus}; this machine has {torch.cuda.device_count()} GPU(s)")
     runs, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -297,9 +303,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        args = parse_args(sys.argv[1:])
-    except ValueError as e:
-        print(f"bench_scaling: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(worker_main(args) if args.worker else run_driver(args))
+    script_main("bench_scaling", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

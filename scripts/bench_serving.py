@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanochat.flags import FlagParser
+
+    p = FlagParser(prog="python -m scripts.bench_serving", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768)
     p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=2048, help="model context")
@@ -39,20 +42,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    try:
-        args.slots = [int(s) for s in args.slots.split(",")]
-        args.prompt_lens = [int(s) for s in args.prompt_lens.split(",")]
-    except ValueError:
-        raise ValueError("--slots / --prompt-lens: accepted: comma-separated integers") from None
+    args.slots = _ints("--slots", args.slots)
+    args.prompt_lens = _ints("--prompt-lens", args.prompt_lens)
     if min(args.slots) < 1:
-        raise ValueError(f"--slots: got {args.slots}; accepted: integers >= 1")
-    for name in ("clients", "requests", "max_tokens", "depth"):
+        raise ValueError(f"--slots: got {args.slots}; accepted: comma-separated integers >= 1")
+    for name in ("clients", "requests", "max_tokens", "depth", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if min(args.prompt_lens) < 1 or max(args.prompt_lens) + args.max_tokens >= args.seq_len:
         raise ValueError(f"--prompt-lens: got {args.prompt_lens}; accepted: integers >= 1 with prompt + "
                          f"--max-tokens ({args.max_tokens}) < --seq-len ({args.seq_len})")
+    from nanochat.engine import DECODE_MODES, GRAPH_STEPS
+    from scripts.bench_inference import check_model_flags
+
+    if args.decode not in DECODE_MODES:
+        raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
+    if args.graph_step not in GRAPH_STEPS:
+        raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
+    check_model_flags(args)
     return args
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: got {text!r}; accepted: comma-separated integers") from None
+    return values
 
 
 def pct(values: list[float], q: float) -> float:
@@ -139,4 +155,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_serving", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -28,7 +28,6 @@ Needs a CUDA GPU with cp.async (sm_80+) and Triton's Gluon (Triton >= 3.6).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -41,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 _cp_async_load = getattr(ac, "async_load", None) or ac.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser
 from scripts.bench_gemv_ring import CB, K, NCB, _choices, _grid_barrier, _ints, cuda_device
 
 RB = 8  # rows per band (one per warp)
@@ -201,7 +202,8 @@ def _chain_error(P, act, tagged, flags, times, w, depth, ll: bool, rounds: int =
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = FlagParser(prog="python -m scripts.bench_sync_under_stream",
+                   description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--streamers", default="66,99,120", help="programs that stream, comma list (1..SMs-2)")
     p.add_argument("--placement", default="halves,parity", help="comma list of halves | parity")
     p.add_argument("--x", default="live,none,ll",
@@ -231,11 +233,11 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    dev, props = cuda_device("bench_sync_under_stream")
+    dev, props = cuda_device()
     P = props.multi_processor_count
     bad = [s for s in args.streamers if not 1 <= s <= P - 2]
     if bad:
-        raise ValueError(f"--streamers: got {bad}; accepted: 1..{P - 2} on this GPU ({P} SMs, two syncers at least)")
+        raise RequestError(f"--streamers: got {bad}; accepted: 1..{P - 2} on this GPU ({P} SMs, two syncers at least)")
     R = args.stream_mb * 10**6 // (K * 2)
     w = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
     act = torch.zeros(2, K, device=dev, dtype=torch.float32)
@@ -302,4 +304,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_sync_under_stream", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -33,10 +33,13 @@ DEFAULT_DATA = Path(os.environ.get("NANOCHAT_SHARED_DATA", REPO.parent / "shared
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanochat.flags import FlagParser  # stdlib only: the worker's bare interpreter can import it
 
-    def add(name: str, **kw):  # accept --dash-names and --underscore_names
-        p.add_argument(f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else []), **kw)
+    p = FlagParser(prog="python -m scripts.bench_tokenizer", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add(name: str, **kw):  # FlagParser also accepts the --underscore_names spelling
+        p.add_argument(f"--{name}", **kw)
 
     add("data-dir", type=Path, default=DEFAULT_DATA / "pretrain" / "docs",
         help="folder of parquet shards with a `text` column; the last shard is used for encoding")
@@ -196,4 +199,9 @@ def main(argv=None) -> None:
                   f"{r['mb_per_s']:>8.1f}  {r['bytes_per_token']:.2f} bytes/token")
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv[1:]:   # a bare interpreter with rustbpe only (no torch): the worker's own exit path
+        main()
+    else:
+        from nanochat.common import script_main
+
+        script_main("bench_tokenizer", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

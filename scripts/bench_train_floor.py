@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from nanochat import attention as A
-from nanochat.common import destroy_runtime, init_runtime
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime, script_main
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.flags import FlagParser, require, require_float, require_int
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     require_int(a.warmup, "--warmup", 0)
     require_float(a.seconds, "--seconds", 0.0, 3600.0)
     require(a.parts in PARTS + ("all",), "--parts", a.parts, "|".join(PARTS + ("all",)))
+    require(a.device in DEVICE_CHOICES, "--device", a.device, "|".join(DEVICE_CHOICES))
+    require(a.attn_backend in A.BACKEND_CHOICES, "--attn-backend", a.attn_backend, "|".join(A.BACKEND_CHOICES))
+    config_for_depth(a.depth, a.vocab_size, a.seq, window_pattern=a.window_pattern)  # --window-pattern
     a.parts = PARTS if a.parts == "all" else (a.parts,)
     return a
 
@@ -197,4 +201,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    script_main("bench_train_floor", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -23,13 +23,13 @@ Needs an NVIDIA GPU with clusters and bulk copies (sm_90+).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import glob
 import json
 import sys
 from pathlib import Path
 
+from nanochat.flags import FlagParser
 from scripts.bench_gemv_ring import _ints, chain_weights, cuda_device
 
 K = 1280
@@ -145,7 +145,7 @@ class ClusterKernel:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="python -m scripts.bench_two_role_chain", description=__doc__.split("\n")[0])
     p.add_argument("--cluster", default="2,4,8", help="CTAs per cluster (one syncer + streamers), comma list, 2..8")
     p.add_argument("--inflight", default="1,2,3", help="bands (20 KB) in flight per streamer, comma list, 1..8")
     p.add_argument("--group", default="1,2", help="bands a consumer warp reduces together, comma list of 1, 2, 4")
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
 
     from scripts.benchmark_kernels import _timed  # median ms of back-to-back calls, CUDA events
 
-    dev, props = cuda_device("bench_two_role_chain", 9, "clusters and bulk copies")
+    dev, props = cuda_device(9, "clusters and bulk copies")
     packed, x, ref = chain_weights(args.layers, dev)
     nbytes = packed.numel() * 2
     act = torch.zeros(4, 5120, device=dev, dtype=torch.float32)
@@ -227,4 +227,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("bench_two_role_chain", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

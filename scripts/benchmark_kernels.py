@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+from nanochat.common import script_main
+from nanochat.flags import FlagParser, require, require_float
 from nanochat.kernels import build_loss_fn
 from nanochat.platform import apply_patches, detect_device, peak_flops
 
@@ -256,22 +258,26 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r.get('loss_rel_err'), '.1e'):>9} {fmt(grad, '.1e'):>9}  {r.get('error', '')}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """Parse and validate every flag (no GPU work); a bad value raises ValueError naming the flag."""
+    from nanochat.common import DEVICE_CHOICES
+    from nanochat.precision import BACKENDS, PRECISIONS
+
+    p = FlagParser(prog="python -m scripts.benchmark_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast", "rope"])
     p.add_argument("--kernels", default="current,liger,triton")
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
     p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
-    p.add_argument("--n-embd", "--n_embd", type=int, default=1280)
+    p.add_argument("--n-embd", type=int, default=1280)
     p.add_argument("--vocab", type=int, default=None,
                    help="default: 65536 in loss mode, 32768 (the tokenizer default) in model mode")
-    p.add_argument("--softcap", type=float, default=15.0)
+    p.add_argument("--softcap", type=float, default=15.0, help="0: no softcap")
     p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
+    p.add_argument("--device-batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="|".join(DEVICE_CHOICES))
     args = p.parse_args(argv)
     args.kernels = args.kernels.split(",")
     args.precisions = args.precisions.split(",")
@@ -279,11 +285,23 @@ def main(argv=None) -> int:
         base, _, chunk = k.partition("@")
         if base not in ("current", "liger", "triton") or (chunk and not chunk.isdigit()):
             raise ValueError(f"--kernels: got {k!r}; accepted: current|liger|triton (triton@ROWS sets the chunk)")
+    for entry in args.precisions:
+        precision, _, backend = entry.partition(":")
+        require(precision in PRECISIONS and (not backend or backend in BACKENDS), "--precisions", entry,
+                f"a comma list of PREC[:BACKEND], PREC {'|'.join(PRECISIONS)}, BACKEND {'|'.join(BACKENDS)}")
     vocab_check = 1 if args.vocab is None else args.vocab
     for name, v in (("--rows", args.rows), ("--n-embd", args.n_embd), ("--vocab", vocab_check),
-                    ("--reps", args.reps), ("--seq", args.seq)):
+                    ("--reps", args.reps), ("--seq", args.seq), ("--depth", args.depth),
+                    ("--device-batch-size", args.device_batch_size)):
         if v < 1:
             raise ValueError(f"{name}: got {v}; must be >= 1")
+    require_float(args.softcap, "--softcap", 0.0)
+    require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from nanochat.common import init_runtime
     rt = init_runtime(args.device, "auto")
     uses_liger = any(k.startswith("liger") for k in args.kernels)
@@ -303,4 +321,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script_main("benchmark_kernels", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -9,10 +9,12 @@ run vs a run resumed from a checkpoint: their losses from the resume point on mu
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
+
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser, require, require_float
 
 STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.eE+-]+|nan|inf) \|")
 VAL_RE = re.compile(r"^step (\d+) \| val bpb ([0-9.eE+-]+|nan|inf)")
@@ -21,7 +23,7 @@ VAL_RE = re.compile(r"^step (\d+) \| val bpb ([0-9.eE+-]+|nan|inf)")
 def parse_log(path: Path) -> dict[str, dict[int, float]]:
     """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}} from one log file."""
     if not path.is_file():
-        raise ValueError(f"log: {path} does not exist")
+        raise RequestError(f"log: {path} does not exist")
     out: dict[str, dict[int, float]] = {"loss": {}, "val_bpb": {}}
     for line in path.read_text(errors="replace").splitlines():
         line = line.strip()
@@ -42,15 +44,22 @@ def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, flo
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.compare_logs", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None):
+    """Parse and validate the command line; a bad value raises ValueError naming the flag."""
+    p = FlagParser(prog="python -m scripts.compare_logs", description=__doc__.splitlines()[0])
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--from-step", type=int, default=0, help="first step compared")
     p.add_argument("--tol", type=float, default=2e-3, help="max |difference| allowed (logs print 4 decimals)")
     args = p.parse_args(argv)
-    if args.tol < 0:
-        raise ValueError(f"--tol: must be >= 0, got {args.tol}")
+    require_float(args.tol, "--tol", 0.0)
+    for path in (args.a, args.b):
+        require(path.is_file(), "log", str(path), "an existing log file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rows = compare(parse_log(args.a), parse_log(args.b), args.from_step)
     if not rows:
         print(f"no common step >= {args.from_step} in {args.a} and {args.b}")
@@ -68,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        print(f"compare_logs: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from nanochat.common import script_main
+
+    script_main("compare_logs", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -26,8 +26,10 @@ SOURCES = ("random", "sft", "rl", "mid", "base")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanochat.flags import FlagParser, require, require_float, require_int
+
+    p = FlagParser(prog="python -m scripts.load_test", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None)
     p.add_argument("--requests", type=int, default=50)
@@ -50,7 +52,26 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    require_float(args.health_interval, "--health-interval", 0.0, low_inclusive=False)
+    require_float(args.timeout, "--timeout", 0.0, low_inclusive=False)
+    require_int(args.port, "--port", 0)
+    require(args.port <= 65535, "--port", args.port, "0 (a free one) .. 65535")
+    if args.url is not None:
+        require(args.url.startswith(("http://", "https://")), "--url", args.url, "an http:// or https:// URL")
+    elif args.source == "random":
+        corpus_shards(args.corpus)  # the started server's tokenizer text must be there
     return args
+
+
+def corpus_shards(corpus: str | None) -> list[Path]:
+    """The parquet text shards the random model's tokenizer trains on (--corpus, default: the
+    shared tiny Shakespeare shards); ValueError naming --corpus when there are none."""
+    shared = Path(os.environ.get("NANOCHAT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    corpus_dir = Path(corpus) if corpus else shared / "pretrain" / "tiny"
+    shards = sorted(corpus_dir.glob("*.parquet"))
+    if not shards:
+        raise ValueError(f"--corpus: no *.parquet files in {corpus_dir}; pass a directory of text shards")
+    return shards
 
 
 # ------------------------------------------------------------------------------------ server side
@@ -64,11 +85,7 @@ def random_tiny_engine(corpus: str | None):
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.tokenizer import Tokenizer
 
-    shared = Path(os.environ.get("NANOCHAT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    corpus_dir = Path(corpus) if corpus else shared / "pretrain" / "tiny"
-    shards = sorted(corpus_dir.glob("*.parquet"))
-    if not shards:
-        raise ValueError(f"--corpus: no *.parquet files in {corpus_dir}; pass a directory of text shards")
+    shards = corpus_shards(corpus)
     texts = pq.read_table(shards[0], columns=["text"]).column("text").to_pylist()[:200]
     tokenizer = Tokenizer.train(texts, vocab_size=512)
     torch.manual_seed(0)
@@ -247,4 +264,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("load_test", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

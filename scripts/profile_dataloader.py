@@ -14,10 +14,10 @@ load average before/after shows what else was running.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,35 +25,50 @@ import torch
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
-from nanochat.common import get_base_dir
+from nanochat.common import get_base_dir, script_main
 from nanochat.dataloader import DataLoader
+from nanochat.flags import FlagParser, require, require_float, require_int
 from scripts.pretokenize import pretokenize
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="dataloader throughput benchmark")
-    ap.add_argument("--data-dir", "--data_dir", type=Path, default=None)
-    ap.add_argument("--bin-dir", "--bin_dir", type=Path, default=None)
-    ap.add_argument("--tokenizer-dir", "--tokenizer_dir", type=Path, default=None)
-    ap.add_argument("-B", "--batch-size", "--batch_size", type=int, default=32)
-    ap.add_argument("-T", "--seq-len", "--seq_len", type=int, default=2048)
+    """Parse and validate every flag before any data is read; a bad value raises ValueError naming
+    the flag and the accepted values."""
+    ap = FlagParser(prog="python -m scripts.profile_dataloader", description="dataloader throughput benchmark")
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--bin-dir", type=Path, default=None)
+    ap.add_argument("--tokenizer-dir", type=Path, default=None)
+    ap.add_argument("-B", "--batch-size", type=int, default=32)
+    ap.add_argument("-T", "--seq-len", type=int, default=2048)
     ap.add_argument("--batches", type=int, default=40, help="timed batches per configuration (at least)")
-    ap.add_argument("--min-seconds", "--min_seconds", type=float, default=3.0,
-                    help="keep timing until this much time has passed")
+    ap.add_argument("--min-seconds", type=float, default=3.0, help="keep timing until this much time has passed")
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches first")
     ap.add_argument("--threads", default="1,2", help="encode threads to try on the text path")
     ap.add_argument("--sources", default="text,bin", help="text,bin or either")
     ap.add_argument("--prefetch", type=int, default=4)
-    ap.add_argument("--buffer-size", "--buffer_size", type=int, default=1000)
+    ap.add_argument("--buffer-size", type=int, default=1000)
     ap.add_argument("--cores", type=int, default=None, help="pin the process to this many CPUs")
     ap.add_argument("--device", default="cpu", help="where batches go: cpu | cuda (pinned, non_blocking)")
     args = ap.parse_args(argv)
-    args.threads = [int(t) for t in args.threads.split(",")]
+    try:
+        args.threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        raise ValueError(f"--threads: got {args.threads!r}; accepted: comma-separated integers >= 1") from None
     args.sources = args.sources.split(",")
     if any(s not in ("text", "bin") for s in args.sources):
         raise ValueError(f"--sources: got {args.sources}; accepted: text,bin or either")
-    if min(args.threads) < 1 or args.batches < 1 or args.warmup < 0:
-        raise ValueError("--threads/--batches must be >= 1 and --warmup >= 0")
+    if min(args.threads) < 1:
+        raise ValueError(f"--threads: got {args.threads}; accepted: comma-separated integers >= 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--batches", args.batches),
+                        ("--prefetch", args.prefetch), ("--buffer-size", args.buffer_size)):
+        require_int(value, flag, 1)
+    require_int(args.warmup, "--warmup", 0)
+    if args.cores is not None:
+        require_int(args.cores, "--cores", 1)
+    require_float(args.min_seconds, "--min-seconds", 0.0)
+    require(args.device in ("cpu", "cuda"), "--device", args.device, "cpu|cuda")
+    for flag, path in (("--data-dir", args.data_dir), ("--tokenizer-dir", args.tokenizer_dir)):
+        require(path is None or path.is_dir(), flag, str(path), "an existing directory")
     return args
 
 
@@ -131,6 +146,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.common import run_cli
-
-    run_cli(main)
+    script_main("profile_dataloader", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

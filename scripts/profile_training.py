@@ -211,34 +211,52 @@ def _device_us(e) -> float:
     return 0.0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """Parse and validate every flag before the model is built; a bad value raises ValueError
+    naming the flag and the accepted values."""
+    from nanochat.attention import BACKEND_CHOICES
+    from nanochat.common import DEVICE_CHOICES
+    from nanochat.flags import FlagParser, require, require_int
+    from nanochat.precision import BACKENDS, PRECISIONS
+
+    p = FlagParser(prog="python -m scripts.profile_training", description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--device-batch-size", "--device_batch_size", type=int, default=16)
+    p.add_argument("--device-batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--kernel", default="current", choices=["current", "liger", "triton"])
-    p.add_argument("--precision", default="auto")
-    p.add_argument("--precision-backend", "--precision_backend", default="auto")
-    p.add_argument("--attn-backend", "--attn_backend", default="auto",
+    p.add_argument("--precision", default="auto", help="|".join(PRECISIONS))
+    p.add_argument("--precision-backend", default="auto", help="|".join(BACKENDS))
+    p.add_argument("--attn-backend", default="auto",
                    help="auto|sdpa|flex|cudnn|cudnn_fa4|reference (nanochat/attention.py)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile-steps", "--profile_steps", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (base_train accumulates 16 at d20): the timings "
                         "and the kernel profile then include the gradient accumulation of micro-batches 2..n")
-    p.add_argument("--cast-once", "--cast_once", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--cast-once", action=argparse.BooleanOptionalAction, default=True,
                    help="as base_train's Trainer: with --accum > 1, cast the master weights once per step and sum "
                         "the weights' gradients in place (nanochat/weight_cache.py); --no-cast-once: the plain path")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="|".join(DEVICE_CHOICES))
     args = p.parse_args(argv)
     for name in ("depth", "device_batch_size", "seq", "steps", "profile_steps", "top", "accum"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1")
+    require_int(args.warmup, "--warmup", 0)
+    require_int(args.vocab, "--vocab", 1)
+    require(args.precision in PRECISIONS, "--precision", args.precision, "|".join(PRECISIONS))
+    require(args.precision_backend in BACKENDS, "--precision-backend", args.precision_backend, "|".join(BACKENDS))
+    require(args.attn_backend in BACKEND_CHOICES, "--attn-backend", args.attn_backend, "|".join(BACKEND_CHOICES))
+    require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from nanochat.common import init_runtime
     rt = init_runtime(args.device, "auto")
     model, run, optimizer, info = build(args, rt)
@@ -273,4 +291,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.common import script_main
+
+    script_main("profile_training", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

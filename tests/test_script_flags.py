@@ -1,0 +1,83 @@
+"""The benchmark and profiling scripts reject a bad flag value before any work: run as
+`python -m scripts.X`, they print ONE line `X: error: <message naming the flag>` on stderr, nothing
+on stdout, and exit 2 (nanochat.common.script_main), within seconds (no model is built first).
+
+Each case is a subprocess that imports torch (~3-5 s on a CI core), so the cases run two at a time
+in one module fixture and the parametrized tests check each result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (script, bad argv, the flag its one line must name); a spread of the audit's cases plus
+# argparse-level errors (a bad int, an unknown choice) and cross-flag checks
+CASES = [
+    ("bench_gemm", ["--dtypes", "foo"], "--dtypes"),
+    ("bench_inference", ["--decode-kernel", "foo"], "--decode-kernel"),
+    ("analyze_bandwidth", ["--predict", "foo"], "--predict"),
+    ("bench_serving", ["--slots", "0"], "--slots"),
+    ("benchmark_kernels", ["--kernels", "foo"], "--kernels"),
+    ("bench_train_floor", ["--parts", "foo"], "--parts"),
+    ("bench_optim", ["--depth", "0"], "--depth"),
+    ("profile_training", ["--precision", "foo"], "--precision"),
+    ("bench_sampler", ["--calls", "x"], "--calls"),
+    ("profile_dataloader", ["--threads", "1,x"], "--threads"),
+    ("compare_logs", ["a.log", "b.log", "--tol", "-1"], "--tol"),
+    ("load_test", ["--source", "foo"], "--source"),
+]
+MAX_SECONDS = 20.0
+# profile_training used to build the d20 model before rejecting --precision (21 s on a CPU)
+BEFORE_THE_MODEL_SECONDS = 15.0
+
+
+def _run(case, base_dir: Path):
+    script, argv, _ = case
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base_dir))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", f"scripts.{script}", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("nanochat_base")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip((c[0] for c in CASES), pool.map(lambda c: _run(c, base), CASES)))
+
+
+@pytest.mark.parametrize("script, argv, flag", CASES, ids=[c[0] for c in CASES])
+def test_bad_flag_is_one_line_and_exit_2(results, script, argv, flag):
+    proc, seconds = results[script]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"{script}: error: ") and flag in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout[-2000:]   # nothing ran: no header, no result line
+    assert seconds < MAX_SECONDS, seconds
+
+
+def test_profile_training_rejects_precision_before_building_the_model(results):
+    proc, seconds = results["profile_training"]
+    assert "accepted: auto|bf16|fp32|fp8|nvfp4" in proc.stderr
+    assert seconds < BEFORE_THE_MODEL_SECONDS, seconds
+
+
+def test_main_still_raises_for_programmatic_callers():
+    """main(argv) keeps raising ValueError naming the flag (tests and other scripts call it)."""
+    from scripts import bench_gemm, bench_optim, profile_training
+
+    for main, argv, flag in ((bench_gemm.main, ["--dtypes", "foo"], "--dtypes"),
+                             (bench_optim.main, ["--depth", "0"], "--depth"),
+                             (profile_training.main, ["--precision-backend", "x"], "--precision-backend")):
+        with pytest.raises(ValueError, match=flag):
+            main(argv)
