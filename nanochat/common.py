@@ -3,8 +3,7 @@
 Nothing here runs at import time; `init_runtime()` is the one explicit entry point that touches
 devices, seeds and the process group. `Runtime` is the one small object that carries the
 distributed state (rank, world size, device, compute dtype) through every recipe.
-`script_main()` / `run_cli()` are a script's `__main__`: a user error (a bad flag, a RequestError)
-is printed as one line and exits 2.
+A script's `__main__` (`script_main`, `run_cli`) lives in the torch-free nanochat/flags.py.
 """
 
 from __future__ import annotations
@@ -206,36 +205,3 @@ def barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def script_main(name: str, check, run) -> None:
-    """The `if __name__ == "__main__"` of a recipe script: check() parses and validates the command
-    line (any ValueError there is a bad flag), then run() does the work (a RequestError there is a
-    request that this machine or its files cannot meet: nanochat/errors.py). Either prints
-    `<name>: error: <message>` and exits 2, with no traceback; run()'s int return value is the
-    exit code (anything else: 0)."""
-    try:
-        check()
-    except ValueError as e:
-        _exit_with_error(name, e)
-    try:
-        code = run()
-    except RequestError as e:
-        _exit_with_error(name, e)
-    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
-
-
-def _exit_with_error(name: str, error: Exception) -> None:
-    print(f"{name}: error: {error}", file=sys.stderr)
-    sys.exit(2)
-
-
-def run_cli(main) -> None:
-    """Run a command-line `main()` and exit with its code; user errors print one line, exit 2."""
-    import sys
-
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from nanochat.common import get_base_dir, print0
-from nanochat.errors import MissingDataError
+from nanochat.errors import DataError, MissingDataError
 from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -185,13 +185,41 @@ def _offline_sources(data_dir=None) -> tuple[list[TaskSource], list[Path]]:
             first = read_jsonl_head(path)
             pre = first.get("preamble", "").strip()
             task = replace(task, preamble=pre + "\n\n" if pre else "")
-        sources.append((task, lambda p=path, c=convert: [c(r) for r in read_jsonl(p)]))
+        sources.append((task, lambda p=path, c=convert, t=task: _enough(t, p, _convert(p, c))))
     return sources, dirs
 
 
+def _enough(task: CoreTask, path: Path, records: list[dict]) -> list[dict]:
+    if len(records) <= task.num_fewshot:
+        raise DataError(f"CORE task {task.label} ({path}): {len(records)} records; its {task.num_fewshot}-shot "
+                        "prompts need more (an empty or truncated file? restore it, or delete it to skip the task)")
+    return records
+
+
+def _convert(path: Path, convert) -> list[dict]:
+    """The file's records in CORE's schema; DataError naming the file and record when one lacks a
+    field its task needs (e.g. a hellaswag line without 'endings')."""
+    out = []
+    for i, r in enumerate(read_jsonl(path), 1):
+        try:
+            out.append(convert(r))
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise DataError(f"{path}: record {i} does not have the fields this task needs "
+                            f"({type(e).__name__}: {e}); fix or delete that line") from None
+    return out
+
+
 def read_jsonl_head(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.loads(f.readline())
+    """The first record ({} for an empty file: its loader reports that); DataError if unreadable."""
+    with open(path, "rb") as f:
+        line = f.readline()
+    try:
+        head = json.loads(line) if line.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}:1: not a JSON object ({e}); fix or delete that line") from None
+    if not isinstance(head, dict):
+        raise DataError(f"{path}:1: not a JSON object; fix or delete that line")
+    return head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +247,7 @@ def _bundle_sources(bundle: Path) -> list[TaskSource]:
                              f"accepted: {'|'.join(TASK_TYPES)}")
         path = bundle / "eval_data" / task.dataset_uri
         # a task whose file is absent gets no loader: reported as missing, not an error
-        sources.append((task, (lambda p=path: read_jsonl(p)) if path.is_file() else None))
+        sources.append((task, (lambda p=path, t=task: _enough(t, p, read_jsonl(p))) if path.is_file() else None))
     return sources
 
 
@@ -487,42 +515,65 @@ def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource]
     return sources, "offline:" + ",".join(str(d) for d in dirs)
 
 
-def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, tasks=None, data_dir=None,
-                  bundle_dir=None, seed: int = 1234, batch_tokens: int = 16384, max_seq_len: int | None = None,
-                  scoring: str = "mean", log: Callable[..., None] = print0) -> dict:
-    """Evaluate CORE; returns per-task accuracy + centered accuracy, the CORE mean and coverage.
+@dataclass
+class CoreData:
+    """The records of every CORE task that will run, read before any model work."""
+    source: str                                   # "bundle:<dir>" or "offline:<dirs>"
+    wanted: list[str]                             # the labels asked for (the 22, or `tasks`)
+    tasks: list[tuple[CoreTask, list[dict]]]      # those with data, in CORE order
 
-    Keys: results, centered_results (label -> float), core_metric (mean over the tasks that ran),
-    available / missing (of the 22 CORE tasks, or of `tasks`), complete (all 22 ran),
-    num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>").
-    """
-    if max_per_task is not None and max_per_task < 1:
-        raise ValueError(f"--max-per-task: got {max_per_task}; accepted: None or >= 1")
-    if scoring not in ("mean", "sum"):
-        raise ValueError(f"--scoring: got {scoring!r}; accepted: mean|sum")
+
+def load_core_data(*, tasks=None, data_dir=None, bundle_dir=None) -> CoreData:
+    """Find and read the data of `tasks` (default: all 22) now, so that a missing, malformed or empty
+    file stops a run with one line (MissingDataError / DataError naming it) before the model loads;
+    a task whose file is absent is left out and reported as missing."""
     sources, source = resolve_sources(data_dir=data_dir, bundle_dir=bundle_dir)
     known = {t.label for t, _ in sources} | set(CORE_LABELS)
     wanted = list(CORE_LABELS) if tasks is None else list(tasks)
     bad = [t for t in wanted if t not in known]
     if bad:
         raise ValueError(f"--tasks: got {bad}; accepted: {'|'.join(sorted(known))}")
+    loaded = []
+    for task, load in sources:
+        if task.label not in wanted or load is None:
+            continue
+        loaded.append((task, load()))   # load(): DataError for a malformed or too short file
+    return CoreData(source, wanted, loaded)
+
+
+def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, tasks=None, data_dir=None,
+                  bundle_dir=None, data: CoreData | None = None, seed: int = 1234, batch_tokens: int = 16384,
+                  max_seq_len: int | None = None, scoring: str = "mean", log: Callable[..., None] = print0) -> dict:
+    """Evaluate CORE; returns per-task accuracy + centered accuracy, the CORE mean and coverage.
+
+    `data` is load_core_data()'s result when the caller read it first (then tasks / data_dir /
+    bundle_dir are ignored). Keys: results, centered_results (label -> float), core_metric (mean
+    over the tasks that ran), available / missing (of the 22 CORE tasks, or of `tasks`), complete
+    (all 22 ran), num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>").
+    """
+    if max_per_task is not None and max_per_task < 1:
+        raise ValueError(f"--max-per-task: got {max_per_task}; accepted: None or >= 1")
+    if scoring not in ("mean", "sum"):
+        raise ValueError(f"--scoring: got {scoring!r}; accepted: mean|sum")
+    if data is None:
+        data = load_core_data(tasks=tasks, data_dir=data_dir, bundle_dir=bundle_dir)
+    source, wanted = data.source, data.wanted
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "config", None), "sequence_len", 2048)
-    selected = [(t, load) for t, load in sources if t.label in wanted and load is not None]
     out = {"source": source, "results": {}, "centered_results": {}, "num_examples": {}, "seconds": {}}
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        for task, load in selected:
+        for task, records in data.tasks:
             t0 = time.time()
-            data = load()
-            random.Random(1337).shuffle(data)  # a fixed subset when max_per_task truncates
-            acc = evaluate_task(model, tokenizer, task, data, device, num_items=max_per_task, seed=seed,
+            items = list(records)
+            random.Random(1337).shuffle(items)  # a fixed subset when max_per_task truncates
+            acc = evaluate_task(model, tokenizer, task, items, device, num_items=max_per_task, seed=seed,
                                 max_seq_len=max_seq_len, batch_tokens=batch_tokens, scoring=scoring)
             label = task.label
             out["results"][label] = acc
             out["centered_results"][label] = centered_accuracy(acc, task.random_baseline)
-            out["num_examples"][label] = min(len(data), max_per_task or len(data))
+            out["num_examples"][label] = min(len(items), max_per_task or len(items))
             out["seconds"][label] = time.time() - t0
             log(f"{label:34s} acc {acc:.4f}  centered {out['centered_results'][label]:+.4f}  "
                 f"({out['num_examples'][label]} items, {task.num_fewshot}-shot, {out['seconds'][label]:.1f}s)")

@@ -534,6 +534,6 @@ def __getattr__(name: str):
 
 
 if __name__ == "__main__":
-    from nanochat.common import run_cli
+    from nanochat.flags import run_cli
 
     run_cli(main)

@@ -1,6 +1,8 @@
 """Command-line flags shared by every script: `FlagParser` (argparse that raises instead of
 exiting and accepts `--under_score` spellings) and the validation primitives `require`,
-`require_int`, `require_float`, which raise RequestError('--flag: got X; accepted: ...')."""
+`require_int`, `require_float`, which raise RequestError('--flag: got X; accepted: ...'); and a
+script's `__main__` (`script_main`, `run_cli`): a user error prints one line and exits 2. Nothing
+here imports torch, so a bad flag is reported before the seconds torch takes to import."""
 
 from __future__ import annotations
 
@@ -60,3 +62,36 @@ def require_float(value: Any, flag: str, low: float = 0.0, high: float = math.in
         and (value >= low if low_inclusive else value > low) and value <= high
     bound = ">=" if low_inclusive else ">"
     require(ok, flag, value, f"a finite number {bound} {low}" + (f" and <= {high}" if high < math.inf else ""))
+
+
+# ------------------------------------------------------------------------------------ __main__
+
+def script_main(name: str, check, run) -> None:
+    """The `if __name__ == "__main__"` of a recipe script: check() parses and validates the command
+    line (any ValueError there is a bad flag), then run() does the work (a RequestError there is a
+    request that this machine or its files cannot meet: nanochat/errors.py). Either prints
+    `<name>: error: <message>` and exits 2, with no traceback; run()'s int return value is the
+    exit code (anything else: 0)."""
+    try:
+        check()
+    except ValueError as e:
+        _exit_with_error(name, e)
+    try:
+        code = run()
+    except RequestError as e:
+        _exit_with_error(name, e)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def _exit_with_error(name: str, error: Exception) -> None:
+    print(f"{name}: error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_cli(main) -> None:
+    """Run a command-line `main()` and exit with its code; user errors print one line, exit 2."""
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -7,14 +7,18 @@ requests to http://127.0.0.1:8000. The browser's same-origin policy stops it fro
 answers, but two holes remain. (1) DNS rebinding: the page's own name (evil.example) is re-pointed
 at 127.0.0.1, so the browser treats the server as same-origin and lets the page read everything;
 its requests still say `Host: evil.example`, which `HostGuard` refuses. (2) A cross-site form or
-fetch can POST without a CORS preflight only with text/plain, form-urlencoded or multipart bodies;
-`require_json` refuses those, so such a page cannot make the server generate at all.
+fetch can POST without a CORS preflight only with text/plain, form-urlencoded or multipart bodies,
+or with no Content-Type at all (a Blob body); `require_json` refuses the first three, and
+`HostGuard` refuses a POST whose Origin header names a page that is neither on an allowed host nor a
+`--cors-origin`, so such a page cannot make the server generate at all. Browsers always send Origin
+on a cross-origin POST; curl and the openai client send none and are not affected.
 """
 
 import base64
 import hashlib
 import json
 import re
+from urllib.parse import urlsplit
 
 from nanochat.chat_api import ApiError
 
@@ -29,25 +33,51 @@ def host_of(header: str) -> str:
     return host.rstrip(".")              # "localhost." names the same host
 
 
-class HostGuard:
-    """ASGI middleware: every HTTP request whose Host header's host is not in `allowed` gets a 400
-    JSON error (one check for all routes, /health and the page included)."""
+def origin_allowed(origin: str, allowed_hosts, origins) -> bool:
+    """A page at `origin` may send requests that act (POST): it is a --cors-origin, or it is served
+    from one of the allowed hosts (the chat page itself, another app on this machine). An opaque
+    origin ("null": sandboxed frames, file:// pages) is not."""
+    if origin in origins:
+        return True
+    try:
+        host = urlsplit(origin).hostname
+    except ValueError:
+        return False
+    return host is not None and host_of(host) in allowed_hosts
 
-    def __init__(self, app, allowed):
-        self.app, self.allowed = app, frozenset(host_of(h) for h in allowed)
+
+class HostGuard:
+    """ASGI middleware, one check for all routes (/health and the page included): a request whose
+    Host header's host is not in `allowed` gets a 400 JSON error (DNS rebinding); a POST whose
+    Origin header fails `origin_allowed` gets a 403 (a cross-site page driving the model)."""
+
+    def __init__(self, app, allowed, origins=()):
+        self.app, self.allowed, self.origins = app, frozenset(host_of(h) for h in allowed), frozenset(origins)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            if host_of(header) not in self.allowed:
+            error = self._refusal(scope)
+            if error is not None:
                 from starlette.responses import JSONResponse
 
-                e = ApiError(400, f"Host header {header!r} is not allowed by this server (allowed: "
-                                  f"{', '.join(sorted(self.allowed))}; add a name with chat_web --allowed-host)",
-                             code="invalid_host")
-                await JSONResponse(e.body(), status_code=400)(scope, receive, send)
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> ApiError | None:
+        headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"host", b"origin")}
+        host = headers.get(b"host", "")
+        if host_of(host) not in self.allowed:
+            return ApiError(400, f"Host header {host!r} is not allowed by this server (allowed: "
+                                 f"{', '.join(sorted(self.allowed))}; add a name with chat_web --allowed-host)",
+                            code="invalid_host")
+        origin = headers.get(b"origin")
+        if scope["method"] not in ("GET", "HEAD", "OPTIONS") and origin is not None \
+                and not origin_allowed(origin, self.allowed, self.origins):
+            return ApiError(403, f"Origin {origin!r} may not send requests to this server (pages on "
+                                 f"{', '.join(sorted(self.allowed))} may; allow a web app with chat_web "
+                                 "--cors-origin)", code="invalid_origin")
+        return None
 
 
 def require_json(request) -> None:

@@ -423,6 +423,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("report", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

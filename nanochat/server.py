@@ -21,8 +21,8 @@ Limits (`ServerSettings`, nanochat/chat_api.py) are checked before any model wor
 in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving; 429
 and 503 carry `Retry-After`. A request's `model` may name anything: this local server has one model
 and reports its own name. For a server on a user's machine (nanochat/http_guard.py says why): an
-optional Host allow-list (DNS rebinding), JSON-only POST bodies (415 otherwise), and CORS only for
-origins listed in `ServerSettings.cors_origins`.
+optional Host allow-list (DNS rebinding) that also refuses POSTs from pages of other origins,
+JSON-only POST bodies (415 otherwise), and CORS only for origins listed in `ServerSettings.cors_origins`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
@@ -303,7 +303,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
     if settings.allowed_hosts is not None:  # added last = outermost: checked before CORS and routing
-        app.add_middleware(HostGuard, allowed=settings.allowed_hosts)
+        app.add_middleware(HostGuard, allowed=settings.allowed_hosts, origins=settings.cors_origins)
     stats: dict = defaultdict(int)
     started = time.time()
     slots = _ClientSlots(settings.max_concurrent_per_client)

@@ -23,9 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from nanochat.common import script_main
 from nanochat.errors import RequestError
-from nanochat.flags import FlagParser, require_int
+from nanochat.flags import FlagParser, require_int, script_main
 from nanochat.platform import DEVICE_TABLE, DeviceSpec, detect_device
 
 BF16 = 2

@@ -15,9 +15,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
-from nanochat.flags import FlagParser, require, require_int
+from nanochat.flags import FlagParser, require, require_int, script_main
 
 EVALS = ("core", "bpb", "sample")
 PHASES = ("base", "mid", "sft", "rl")
@@ -125,6 +125,8 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     base_dir = get_base_dir()
     step = int(cfg.step) if cfg.step.isdigit() else "latest"
     loaders = bpb_loaders(cfg, rt, base_dir, step)
+    # CORE's files are read now too: a malformed or empty one stops here, not after the model loads
+    core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
                                         base_dir=base_dir, compute_dtype=rt.dtype)
     seq_len = model.config.sequence_len
@@ -157,7 +159,8 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
 
     if "core" in cfg.evals:
         core = core_eval_module().run_core_eval(
-            model, tokenizer, rt.device, max_per_task=None if cfg.max_per_task == -1 else cfg.max_per_task)
+            model, tokenizer, rt.device, max_per_task=None if cfg.max_per_task == -1 else cfg.max_per_task,
+            data=core_data)
         results["core"] = core
 
     results["seconds"] = time.perf_counter() - t0

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop)
 from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
                                restore_rng_state, sample_prompts)
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")

@@ -38,9 +38,8 @@ from pathlib import Path
 import torch
 
 from nanochat import attention as A
-from nanochat.common import script_main
 from nanochat.errors import RequestError
-from nanochat.flags import FlagParser
+from nanochat.flags import FlagParser, script_main
 
 ERR_FLAG = 2e-2
 

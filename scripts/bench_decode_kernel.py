@@ -179,6 +179,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("bench_decode_kernel", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -34,9 +34,8 @@ import time
 
 import torch
 
-from nanochat.common import script_main
 from nanochat.errors import RequestError
-from nanochat.flags import FlagParser, require_float
+from nanochat.flags import FlagParser, require_float, script_main
 from nanochat.platform import detect_device, peak_flops
 
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"

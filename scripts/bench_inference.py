@@ -430,6 +430,6 @@ def print_table(rows, spec, args, params, rt) -> None:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("bench_inference", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

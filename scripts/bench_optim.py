@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime, script_main
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import build_optimizer
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 
 def parse_args(argv=None):

@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 
-from nanochat.common import script_main
 from nanochat.errors import RequestError
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("losses", "fsdp", "throughput")

@@ -202,6 +202,6 @@ if __name__ == "__main__":
     if "--worker" in sys.argv[1:]:   # a bare interpreter with rustbpe only (no torch): the worker's own exit path
         main()
     else:
-        from nanochat.common import script_main
+        from nanochat.flags import script_main
 
         script_main("bench_tokenizer", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.common import destroy_runtime, init_runtime, script_main
+from nanochat.common import destroy_runtime, init_runtime
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
-from nanochat.flags import FlagParser, require, require_int
+from nanochat.flags import FlagParser, require, require_int, script_main
 
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")

@@ -39,10 +39,10 @@ import time
 import torch
 
 from nanochat import attention as A
-from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime, script_main
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.gpu_monitor import GpuMonitor
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 PARTS = ("both", "gemm", "attn")
 LM_HEAD_CHUNK = 8192  # rows per lm_head chunk (the fused loss works in chunks too)

@@ -227,6 +227,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("bench_two_role_chain", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

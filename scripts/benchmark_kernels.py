@@ -28,8 +28,7 @@ import sys
 
 import torch
 
-from nanochat.common import script_main
-from nanochat.flags import FlagParser, require, require_float
+from nanochat.flags import FlagParser, require, require_float, script_main
 from nanochat.kernels import build_loss_fn
 from nanochat.platform import apply_patches, detect_device, peak_flops
 

@@ -18,8 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
-from nanochat.flags import FlagParser, require
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.flags import FlagParser, require, script_main
 
 SOURCES = ("base", "mid", "sft", "rl")
 

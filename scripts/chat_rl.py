@@ -20,10 +20,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0, script_main
+from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 SOURCES = ("sft", "mid")
 

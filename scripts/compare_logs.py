@@ -77,6 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("compare_logs", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

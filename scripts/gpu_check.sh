@@ -64,6 +64,9 @@
 #   optab      the optimizer step alone (bench_optim d20): this tree vs REF_TREE alternating in OPTAB_ORDER (default
 #              "new ref new ref"; the first run of each lists its top kernels; OPTAB_WD: Muon's weight decay, default 0),
 #              then pytest -m cuda tests/test_optim.py tests/test_training.py
+#   ckpt       checkpoint save / load of d20 with its optimizer state on the GPU (bench_checkpoint: plain
+#              torch.save / load vs save_checkpoint / load_checkpoint, whose sums are hashed alongside the IO),
+#              then tests/test_checkpoint.py
 #   profaccum  profile_training d20 with PROF_ACCUM (default 4) micro-batches per optimizer step: phases and top
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
@@ -257,6 +260,10 @@ if has optab; then
          --depth 20 --steps 30 --top $top --weight-decay "${OPTAB_WD:-0}"
   done
   step pytest_optim 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_optim.py tests/test_training.py
+fi
+if has ckpt; then
+  step bench_checkpoint 600 $PY -m scripts.bench_checkpoint --depth 20 --reps ${CKPT_REPS:-3}
+  step pytest_checkpoint 200 $PY -m pytest -q -p no:cacheprovider tests/test_checkpoint.py
 fi
 if has profaccum; then
   # where an accumulating step's time goes (base_train's shape: micro-batches 2..n add into .grad)

@@ -34,6 +34,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("mid_train", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -108,6 +108,6 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.common import run_cli
+    from nanochat.flags import run_cli
 
     run_cli(main)

@@ -25,9 +25,9 @@ import torch
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
-from nanochat.common import get_base_dir, script_main
+from nanochat.common import get_base_dir
 from nanochat.dataloader import DataLoader
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 from scripts.pretokenize import pretokenize
 
 

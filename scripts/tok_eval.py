@@ -152,6 +152,6 @@ def print_table(rows: list[dict], labels: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     script_main("tok_eval", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))

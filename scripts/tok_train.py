@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.common import script_main
+from nanochat.flags import script_main
 from nanochat.errors import RequestError
 from nanochat.tokenizer import MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
 

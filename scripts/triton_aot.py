@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from nanochat.common import script_main
-from nanochat.flags import FlagParser
+from nanochat.flags import FlagParser, script_main
 from nanochat.triton_aot import TARGETS, check, num_warps_of, resolve_cases, resolve_targets
 
 ARGS = None

@@ -388,6 +388,25 @@ def test_damaged_data_fails_before_the_model_is_built(env, base_dir, tiny_corpus
     with pytest.raises(MissingDataError, match="has no non-empty documents"):
         base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "bpb", "--splits", "train,val",
                         "--data-dir", str(data)])
+    # --eval core: every CORE file is read before the weights; a record without its task's fields
+    # or a file too short for its few-shot prompts is one DataError naming the file
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "copa.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n')
+    monkeypatch.setenv("NANOCHAT_EVAL_DIR", str(evals))
+    with pytest.raises(DataError, match=r"copa.jsonl: record 1 does not have the fields .*relation"):
+        base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "core"])
+    (evals / "copa.jsonl").unlink()   # an absent file: the task is reported missing, not an error
+    (evals / "hellaswag.jsonl").write_text('{"ctx": "c", "activity_label": "a", "endings": ["x", "y"], "label": 0}\n')
+    with pytest.raises(DataError, match=r"CORE task hellaswag \(.*/hellaswag.jsonl\): 1 records; its 10-shot"):
+        base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "core"])
+    (evals / "hellaswag.jsonl").unlink()
+    (evals / "bigbench_operators.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"CORE task bigbench_operators \(.*/bigbench_operators.jsonl\): 0 records"):
+        base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "core"])
+    (evals / "bigbench_operators.jsonl").write_text("not json\n")
+    with pytest.raises(DataError, match=r"bigbench_operators.jsonl:1: not a JSON object"):
+        base_eval.main(["--device", "cpu", "--model-tag", "bad", "--eval", "core"])
 
 
 def test_banner_names_the_data_it_reads(env, base_dir, tiny_corpus, tmp_path, capsys):

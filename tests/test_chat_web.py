@@ -342,6 +342,32 @@ def test_host_guard(serve, chat_model):
     assert httpx.get(anyhost + "/health", headers={"Host": "evil.example"}).status_code == 200
 
 
+def test_origin_guard(serve, chat_model):
+    """With a Host allow-list, a POST from a page of another origin is refused before any work (a
+    Blob-bodied cross-site fetch sends no Content-Type, so require_json alone cannot stop it); pages
+    on the allowed hosts, --cors-origin pages and clients that send no Origin (curl, openai) pass."""
+    engine = ScriptedEngine(chat_model[1], "ok")
+    app_origin = "http://app.example:3000"
+    url = serve(engine, allowed_hosts=("localhost", "127.0.0.1", "::1"), cors_origins=(app_origin,))
+    port = url.rsplit(":", 1)[1]
+    body = json.dumps({"messages": USER}).encode()
+    with httpx.Client() as client:
+        for origin in ("http://evil.example", "null", f"http://evil.example:{port}", "https://localhost.evil.example",
+                       "not a url"):
+            r = client.post(url + "/v1/chat/completions", content=body, headers={"Origin": origin})
+            err = assert_error(r, 403, code="invalid_origin")
+            assert origin in err["message"] and "--cors-origin" in err["message"]
+        assert not engine.calls
+        assert client.get(url + "/health", headers={"Origin": "http://evil.example"}).status_code == 200
+        for headers in ({"Origin": f"http://127.0.0.1:{port}"}, {"Origin": "http://localhost:5173"},
+                        {"Origin": "http://[::1]:8000"}, {"Origin": app_origin}, {}):
+            r = client.post(url + "/v1/chat/completions", content=body, headers=headers)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", headers
+    anyhost = serve(engine)   # no allow-list (a network bind): the Origin is not checked either
+    r = httpx.post(anyhost + "/v1/chat/completions", json={"messages": USER}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200
+
+
 def test_cors_is_opt_in(serve, chat_model):
     origin = "http://app.example:3000"
     preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",

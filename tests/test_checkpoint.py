@@ -1,5 +1,6 @@
 """Checkpoints: round trip, latest pointer, crash atomicity, schema version, load_model."""
 
+import hashlib
 import json
 import math
 import os
@@ -186,6 +187,30 @@ def test_a_file_damaged_on_disk_is_refused_not_loaded(tmp_path):
     ck.load_checkpoint(d, load_optimizer=True)
 
 
+def test_sums_are_hashed_alongside_the_io(tmp_path):
+    """The sums, hashed on a helper thread from the temp file during its fsync, equal a re-read of
+    each final file (an empty file included); a damaged file is refused even though torch.load,
+    running next to the hash, reads it without complaint."""
+    d = tmp_path / "ck"
+    big = {"w": torch.randn(3, 1 << 19), "b": torch.randn(7), "i": torch.arange(5)}   # 6 MB + tiny records
+    path = ck.save_checkpoint(d, 3, model_state=big, optimizer_state={"m": torch.randn(1 << 18)},
+                              loop_state={"step": 3}, meta={})
+    sums = json.loads((path / "sums_rank0.json").read_text())
+    for name, want in sums.items():
+        assert want == {"bytes": (path / name).stat().st_size, "sha256": ck._sha256(path / name)}, name
+    out = ck.load_checkpoint(d, load_optimizer=True)
+    assert all(torch.equal(out["model"][k], v) for k, v in big.items())
+    (tmp_path / "empty").write_bytes(b"")
+    assert ck._sha256(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
+    assert ck._sha256(path / "model.pt") == hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
+    raw = bytearray((path / "model.pt").read_bytes())
+    raw[len(raw) // 3] ^= 0x80        # inside w's data: torch.load itself reads it as a changed weight
+    (path / "model.pt").write_bytes(bytes(raw))
+    assert not torch.equal(torch.load(path / "model.pt", weights_only=True)["w"], big["w"])
+    with pytest.raises(ck.CheckpointError, match="model.pt: the file differs"):
+        ck.load_checkpoint(d)
+
+
 def test_missing_loop_state_and_bad_meta_are_checkpoint_errors(tmp_path):
     d = tmp_path / "ck"
     path = _save(d, 3)
@@ -275,3 +300,18 @@ def test_two_rank_save_and_load(tmp_path):
                      "sums_rank0.json", "sums_rank1.json"]
     sums1 = json.loads((tmp_path / "ck" / "step_000002" / "sums_rank1.json").read_text())
     assert set(sums1) == {"optim_rank1.pt", "state_rank1.pt"}   # each rank sums what it wrote
+
+
+def test_bench_checkpoint_cpu_smoke(tmp_path, capsys):
+    """scripts/bench_checkpoint times plain torch.save/load against save/load_checkpoint of the same
+    state (the sums' cost), prints a JSON row per kind and cleans up after itself."""
+    from scripts import bench_checkpoint
+
+    rows = bench_checkpoint.main(["--device", "cpu", "--depth", "1", "--vocab-size", "256", "--reps", "2",
+                                  "--dir", str(tmp_path)])
+    assert [r["kind"] for r in rows] == ["plain", "checkpoint"]
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["gb"] > 0 and r["reps"] == 2 for r in rows)
+    assert rows[1]["gb"] >= rows[0]["gb"]          # the same tensors plus the loop state
+    out = capsys.readouterr().out
+    assert out.count('"bench": "checkpoint"') == 2 and "the sums cost" in out
+    assert list(tmp_path.iterdir()) == []

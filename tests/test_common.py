@@ -127,7 +127,7 @@ def test_require_module_skips_where_missing_and_fails_under_strict_tests(monkeyp
 # ------------------------------------------------------------------ script_main (one-line errors)
 
 def _exit(capsys, check, run):
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
     with pytest.raises(SystemExit) as e:
         script_main("demo", check, run)
     return e.value.code, capsys.readouterr().err
@@ -154,7 +154,7 @@ def test_script_main_prints_user_errors_as_one_line(capsys):
 
 def test_script_main_keeps_the_traceback_of_a_bug():
     """A plain ValueError from the work itself is not the user's: it propagates (traceback)."""
-    from nanochat.common import script_main
+    from nanochat.flags import script_main
 
     def bug():
         raise ValueError("shapes do not match")

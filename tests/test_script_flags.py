@@ -33,6 +33,7 @@ CASES = [
     ("profile_dataloader", ["--threads", "1,x"], "--threads"),
     ("compare_logs", ["a.log", "b.log", "--tol", "-1"], "--tol"),
     ("load_test", ["--source", "foo"], "--source"),
+    ("bench_checkpoint", ["--reps", "0"], "--reps"),
 ]
 MAX_SECONDS = 20.0
 # profile_training used to build the d20 model before rejecting --precision (21 s on a CPU)
@@ -81,3 +82,19 @@ def test_main_still_raises_for_programmatic_callers():
                              (profile_training.main, ["--precision-backend", "x"], "--precision-backend")):
         with pytest.raises(ValueError, match=flag):
             main(argv)
+
+
+def test_torch_free_scripts_reject_a_flag_without_importing_torch():
+    """script_main lives in the torch-free nanochat/flags.py: compare_logs and bench_tokenizer
+    report a bad flag without paying torch's import (seconds on a CI core)."""
+    probe = ("import runpy, sys\n"
+             "sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
+             "try:\n    runpy.run_module(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    print('torch' in sys.modules, e.code)\n")
+    for script, argv in (("scripts.compare_logs", ["a.log", "b.log", "--tol", "-1"]),
+                         ("scripts.bench_tokenizer", ["--threads", "0"])):
+        proc = subprocess.run([sys.executable, "-c", probe, script, *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.split() == ["False", "2"], (script, proc.stdout, proc.stderr[-2000:])
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]

@@ -1,0 +1,124 @@
+"""Checkpoint save and load time: python -m scripts.bench_checkpoint --depth 20 [--reps 3]
+
+Builds a model of --depth with its MuonAdamW state filled by one step (as base_train holds them,
+on the device), then times, --reps times each, alternating:
+  plain:      torch.save of the model and optimizer state dicts, each written temp + fsync +
+              rename (checkpoint.atomic_write), and torch.load of both back onto the device;
+  checkpoint: checkpoint.save_checkpoint (the same files, plus the size + sha256 sums, the loop
+              state and meta.json) and load_checkpoint(load_optimizer=True), which verifies the sums.
+The difference is what the sums cost. Loads read files just written, so from the page cache as
+far as memory allows: a resume after a reboot also waits for the disk.
+
+Why it matters: a d20 checkpoint is ~9 GB, written at every --save-every step while training
+waits; on a DGX Spark the disk and the memory the page cache competes for are shared with training.
+
+CPU smoke run: python -m scripts.bench_checkpoint --device cpu --depth 1 --vocab-size 256 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nanochat import checkpoint as ck
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, get_base_dir, init_runtime
+from nanochat.flags import FlagParser, require, require_int, script_main
+
+
+def parse_args(argv=None):
+    p = FlagParser(prog="python -m scripts.bench_checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=20)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=3, help="timed saves and loads of each kind")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir in the base dir); removed after")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    require_int(a.depth, "--depth", 1)
+    require_int(a.vocab_size, "--vocab-size", 16)
+    require_int(a.reps, "--reps", 1)
+    require(a.device in DEVICE_CHOICES, "--device", a.device, "|".join(DEVICE_CHOICES))
+    return a
+
+
+def state_dicts(args, device) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts after one step on random gradients."""
+    from scripts.bench_optim import build
+
+    model, optimizer = build(argparse.Namespace(depth=args.depth, vocab_size=args.vocab_size, weight_decay=0.0),
+                             device)
+    optimizer.step()
+    return model.state_dict(), optimizer.state_dict()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_round(root: Path, model_state: dict, optim_state: dict, device) -> tuple[float, float]:
+    root.mkdir()
+    t0 = time.perf_counter()
+    for name, obj in (("model.pt", model_state), ("optim.pt", optim_state)):
+        ck.atomic_write(root / name, lambda f, obj=obj: torch.save(obj, f))
+    t1 = time.perf_counter()
+    for name in ("model.pt", "optim.pt"):
+        torch.load(root / name, map_location=device, weights_only=True)
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def checkpoint_round(root: Path, model_state: dict, optim_state: dict, device) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    ck.save_checkpoint(root, 1, model_state=model_state, optimizer_state=optim_state,
+                       loop_state={"step": 1}, meta={"bench": "bench_checkpoint"})
+    t1 = time.perf_counter()
+    ck.load_checkpoint(root, 1, device=device, load_optimizer=True)
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    rt = init_runtime(args.device, "fp32", seed=0)
+    parent = Path(args.dir) if args.dir else get_base_dir()
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=parent))
+    try:
+        model_state, optim_state = state_dicts(args, rt.device)
+        times = {"plain": [], "checkpoint": []}
+        for _ in range(args.reps):
+            for kind, round_ in (("plain", plain_round), ("checkpoint", checkpoint_round)):
+                times[kind].append(round_(root / kind, model_state, optim_state, rt.device))
+                size = sum(p.stat().st_size for p in (root / kind).rglob("*.pt"))
+                shutil.rmtree(root / kind)
+        results = [report(kind, t, size, args, rt) for kind, t in times.items()]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        destroy_runtime(rt)
+    save_extra = results[1]["save_s"] / results[0]["save_s"] - 1
+    load_extra = results[1]["load_s"] / results[0]["load_s"] - 1
+    print(f"the sums cost {save_extra:+.0%} on save and {load_extra:+.0%} on load (medians)")
+    return results
+
+
+def report(kind: str, rounds: list[tuple[float, float]], size: int, args, rt) -> dict:
+    save, load = statistics.median(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
+    row = {"bench": "checkpoint", "kind": kind, "depth": args.depth, "device": str(rt.device),
+           "torch": torch.__version__, "gb": round(size / 1e9, 3), "reps": args.reps, "save_s": round(save, 3),
+           "load_s": round(load, 3), "save_gbs": round(size / 1e9 / save, 2), "load_gbs": round(size / 1e9 / load, 2)}
+    print(json.dumps(row))
+    print(f"{kind:<11} {row['gb']:>7.2f} GB  save {save:7.2f} s ({row['save_gbs']:5.2f} GB/s)  "
+          f"load {load:7.2f} s ({row['load_gbs']:5.2f} GB/s)  median of {args.reps}", flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    script_main("bench_checkpoint", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))
