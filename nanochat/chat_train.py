@@ -182,7 +182,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
-    from nanochat.checkpoint import save_checkpoint
+    from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint
     from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                                resume_loop_state, run_training_loop)
     from nanochat.optim import build_optimizer
@@ -213,6 +213,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     if resume is not None:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
+    first_step = resume["step"] if resume is not None else 0
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every))
     eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
     loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
     loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
@@ -241,7 +243,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
-    print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir}")
+    print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk})")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
            f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")

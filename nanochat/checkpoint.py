@@ -26,6 +26,7 @@ the sums load unchecked.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -282,6 +283,88 @@ def _strip_compile_prefix(state: dict) -> dict:
     return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
 
 
+# ------------------------------------------------------------------------------------ disk space
+
+_SPACE_MARGIN = 1.02, 64 << 20   # a checkpoint needs its tensors' bytes, 2% + 64 MiB more (pickles, zip)
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensor storages in a nested state (dicts, lists, tuples), each storage once."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            key = (storage.data_ptr(), x.device)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would: its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def disk_plan(ckpt_dir, bytes_each: int, saves: int) -> str:
+    """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
+    training when not even one checkpoint fits, so a run never trains for hours towards a save that
+    cannot be written; when only some fit, says how many (a save that does not fit stops the run)."""
+    need = int(bytes_each * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
+    free = free_bytes(ckpt_dir)
+    if free < need:
+        raise CheckpointError(f"{ckpt_dir}: {_gb(free)} free on its disk, but one checkpoint of this run needs "
+                              f"~{_gb(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")
+    text = f"~{_gb(bytes_each)} each, {saves} save(s) planned (~{_gb(bytes_each * saves)}), {_gb(free)} free"
+    if free // need < saves:
+        text += (f"; room for {free // need}: a save that does not fit stops the run, keeping the last one "
+                 "(raise --save-every or free space)")
+    return text
+
+
+def checkpoint_bytes(model) -> int:
+    """Bytes of a training checkpoint of `model`: its state dict and the optimizer state (summed over
+    ranks); loader and loop state are small. A meta-device model is enough (no memory)."""
+    from nanochat.optim import optimizer_state_bytes
+
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + optimizer_state_bytes(model)
+
+
+def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:
+    """How many checkpoints run_training_loop writes from start_step: every save_every steps after
+    the start, and the final one (once, when it falls on the period)."""
+    if save_every <= 0:
+        return 1
+    first = (start_step // save_every + 1) * save_every     # the first multiple after the start
+    return len(range(first, num_iterations, save_every)) + 1
+
+
+def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
+    need = int(sum(tensor_bytes(s) for s in states) * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
+    free = free_bytes(staging)
+    if free < need:
+        raise CheckpointError(_no_room(staging, step, f"rank {rank} needs ~{_gb(need)}, {_gb(free)} free"))
+
+
+def _no_room(staging: Path, step: int, detail: str) -> str:
+    kept = [s for s in list_steps(staging.parent) if s != step]
+    return (f"checkpoint of step {step} not written to {staging.parent}: no room on its disk ({detail}); "
+            f"{'the checkpoint of step ' + str(kept[-1]) + ' is intact, ' if kept else ''}"
+            "free space and resume with --resume")
+
+
 # ------------------------------------------------------------------------------------ save
 
 def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: dict | None = None,
@@ -303,16 +386,17 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crashed save of this step
         staging.mkdir()
     barrier()
-    sums = {}   # sums_rank<R>.json: size and sha256 of each file this rank wrote, hashed alongside the IO
-    if rank == 0:
-        sums[MODEL_NAME] = _torch_save(staging / MODEL_NAME, _strip_compile_prefix(model_state))
-    if optimizer_state is not None:
-        sums[f"optim_rank{rank}.pt"] = _torch_save(staging / f"optim_rank{rank}.pt", optimizer_state)
-    if loader_state is not None or loop_state is not None:
-        sums[f"state_rank{rank}.pt"] = _torch_save(staging / f"state_rank{rank}.pt",
-                                                   {"loader": loader_state, "loop": loop_state})
-    if sums:
-        _write_json(staging / f"sums_rank{rank}.json", {name: f.result() for name, f in sums.items()})
+    try:
+        _write_rank_files(staging, step, rank, model_state if rank == 0 else None, optimizer_state,
+                          loader_state, loop_state)
+    except CheckpointError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(_no_room(staging, step, f"{e.strerror}; {_gb(free_bytes(ckpt_dir))} free now")) from e
     barrier()
     if rank == 0:
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
@@ -331,6 +415,23 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         _write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
     barrier()
     return final
+
+
+def _write_rank_files(staging: Path, step: int, rank: int, model_state, optimizer_state, loader_state,
+                      loop_state) -> None:
+    """This rank's files (model.pt: rank 0) and sums_rank<R>.json, after a free-space check."""
+    states = [s for s in (model_state, optimizer_state, loader_state, loop_state) if s is not None]
+    _check_space(staging, states, rank, step)
+    sums = {}   # size and sha256 of each file this rank wrote, hashed alongside the IO
+    if model_state is not None:
+        sums[MODEL_NAME] = _torch_save(staging / MODEL_NAME, _strip_compile_prefix(model_state))
+    if optimizer_state is not None:
+        sums[f"optim_rank{rank}.pt"] = _torch_save(staging / f"optim_rank{rank}.pt", optimizer_state)
+    if loader_state is not None or loop_state is not None:
+        sums[f"state_rank{rank}.pt"] = _torch_save(staging / f"state_rank{rank}.pt",
+                                                   {"loader": loader_state, "loop": loop_state})
+    if sums:
+        _write_json(staging / f"sums_rank{rank}.json", {name: f.result() for name, f in sums.items()})
 
 
 def _world_size() -> int:

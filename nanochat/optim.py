@@ -377,6 +377,15 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
     return opt
 
 
+def optimizer_state_bytes(model) -> int:
+    """Bytes of build_optimizer's state for `model` once every parameter has stepped, summed over
+    ranks (each rank saves its shard): one Muon momentum buffer per matrix, AdamW's two moments for
+    the rest. The model may live on the meta device (checkpoint.checkpoint_bytes plans disk space)."""
+    roles = model.param_groups()
+    return sum((1 if role == "matrix" else 2) * p.numel() * p.element_size()
+               for role, params in roles.items() for p in params)
+
+
 def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, warmdown_ratio: float = 0.4,
                   final_lr_frac: float = 0.0) -> float:
     """Linear warmup, constant, then linear warmdown to final_lr_frac at step == num_iterations."""

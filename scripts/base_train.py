@@ -181,7 +181,8 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
-    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, save_checkpoint
+    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
+                                     planned_saves, save_checkpoint)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -239,6 +240,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])
 
+    # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
+    first_step = resume["step"] if resume is not None else 0
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(meta_model), planned_saves(first_step, num_iterations, cfg.save_every))
+
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
     if resume is not None:
@@ -281,7 +286,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
                  wandb_mode, resume_step=step if resume is not None else None, cast_once=trainer.cast_once,
-                 data=train_loader.describe_source())
+                 data=train_loader.describe_source(), disk=disk)
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
@@ -328,7 +333,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step, cast_once: bool = False, data: str = "") -> None:
+                 wandb_mode, resume_step, cast_once: bool = False, data: str = "", disk: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     rows = [
@@ -353,7 +358,8 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
                      f"{cfg.final_lr_frac}, weight decay {cfg.weight_decay}, grad clip {cfg.grad_clip or 'off'}"),
         ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"),
         ("samples / saves", f"every {cfg.sample_every} / every {cfg.save_every} steps (+ final)"),
-        ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")),
+        ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
+                        + (f"; {disk}" if disk else "")),
         ("tracking", f"wandb {wandb_mode}" + (f", run {cfg.run}" if wandb_mode != "off" else "")),
         ("seed", str(cfg.seed)),
     ]

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import resolve_source
-    from nanochat.checkpoint import build_model, checkpoint_dir, load_checkpoint, load_model, save_checkpoint
+    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
+                                     load_model, planned_saves, save_checkpoint)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
@@ -143,6 +144,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     eval_task = GSM8K("test", data_dir=cfg.data_dir)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
     schedule = Schedule(num_iterations, 0.0, 1.0, 0.0).validate()  # linear decay to 0
+    first_step = resume["step"] if resume is not None else 0
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every))
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
@@ -166,7 +169,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                   "dtype": rt.dtype_name, "eval_problems": min(cfg.eval_examples, len(eval_task))}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project="nanochat-rl",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
-    print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir}; {num_iterations} iterations x "
+    print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
            f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
            f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")
 

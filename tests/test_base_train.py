@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -420,3 +421,24 @@ def test_banner_names_the_data_it_reads(env, base_dir, tiny_corpus, tmp_path, ca
     pretokenize(sorted(data.glob("*.parquet")), default_bin_dir(data), get_tokenizer(base_dir), log=lambda *a: None)
     _train(args)
     assert f": binary token shards {default_bin_dir(data)}\n" in capsys.readouterr().out
+
+
+def test_disk_space_is_planned_before_the_model_is_built(env, base_dir, tiny_corpus, monkeypatch, capsys):
+    """The banner gives a checkpoint's size (checkpoint_bytes of the meta model), the planned saves
+    and the free space; a disk that cannot hold one checkpoint stops the run before any weights."""
+    args = TINY + ["--data-dir", str(tiny_corpus), "--num-iterations", "4", "--save-every", "2",
+                   "--eval-every", "-1", "--model-tag", "disk"]
+    _train(args)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("checkpoints "))
+    assert re.search(r"; ~0\.0 GB each, 2 save\(s\) planned \(~0\.0 GB\), [\d.]+ GB free$", line), line
+    real_build = ck.build_model
+
+    def meta_only(config, device, **kw):
+        assert str(device) == "meta", "a model was built before the disk space was checked"
+        return real_build(config, device, **kw)
+
+    monkeypatch.setattr(ck, "build_model", meta_only)
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 1000)
+    with pytest.raises(ck.CheckpointError, match=r"checkpoints/base/disk2: 0.0 GB free on its disk, but one "
+                                                 r"checkpoint of this run needs ~0.1 GB"):
+        _train(args[:-1] + ["disk2"])

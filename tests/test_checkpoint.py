@@ -315,3 +315,76 @@ def test_bench_checkpoint_cpu_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count('"bench": "checkpoint"') == 2 and "the sums cost" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_bytes_predicts_a_real_save(tmp_path):
+    """checkpoint_bytes (meta-device arithmetic: the state dict + Muon's momentum + AdamW's two
+    moments) matches what save_checkpoint writes after an optimizer step, to within the zip's
+    per-record overhead; tensor_bytes counts a shared storage once."""
+    from nanochat.gpt import GPT, config_for_depth
+    from nanochat.optim import build_optimizer
+
+    config = config_for_depth(2, 256, 32, aspect_ratio=32, head_dim=32)
+    model = GPT(config)
+    model.init_weights()
+    optimizer = build_optimizer(model, compile=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    path = ck.save_checkpoint(tmp_path / "ck", 1, model_state=model.state_dict(),
+                              optimizer_state=optimizer.state_dict(), meta={})
+    written = sum((path / n).stat().st_size for n in ("model.pt", "optim_rank0.pt"))
+    with torch.device("meta"):
+        predicted = ck.checkpoint_bytes(GPT(config))
+    assert predicted <= written <= predicted * 1.02 + 200_000, (predicted, written)
+    assert predicted == ck.tensor_bytes(model.state_dict()) + ck.tensor_bytes(optimizer.state_dict()["state"]) \
+        - sum(s["step"].nbytes for s in optimizer.state_dict()["state"].values() if "step" in s)  # AdamW's counters
+    t = torch.zeros(10)
+    assert ck.tensor_bytes({"a": t, "b": [t[2:], (t,)], "c": 3}) == 40
+
+
+@pytest.mark.parametrize("start, n, every", [(0, 10, 3), (0, 9, 3), (4, 10, 3), (0, 5, -1), (6, 10, 3), (9, 10, 3),
+                                             (0, 1, 1), (3, 12, 4)])
+def test_planned_saves_counts_what_the_loop_saves(start, n, every):
+    """The loop saves at step % save_every == 0 after the start step, and at the end (once)."""
+    saved = {s for s in range(start, n + 1) if (every > 0 and s % every == 0 and s != start) or s == n}
+    assert ck.planned_saves(start, n, every) == len(saved)
+
+
+def test_disk_plan_refuses_a_run_whose_checkpoint_cannot_fit(tmp_path, monkeypatch):
+    gb = 10**9
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 20 * gb)
+    plan = ck.disk_plan(tmp_path / "not" / "yet", 9 * gb, 2)
+    assert plan == "~9.0 GB each, 2 save(s) planned (~18.0 GB), 20.0 GB free"
+    text = ck.disk_plan(tmp_path, 9 * gb, 5)
+    assert "room for 2: a save that does not fit stops the run" in text and "--save-every" in text
+    with pytest.raises(ck.CheckpointError, match=r"20.0 GB free on its disk, but one checkpoint .* needs ~25.6 GB"):
+        ck.disk_plan(tmp_path, 25 * gb, 1)
+    monkeypatch.undo()   # the real one: a path not created yet is measured at its nearest parent
+    assert abs(ck.free_bytes(tmp_path / "a" / "b") - ck.shutil.disk_usage(tmp_path).free) < gb
+
+
+def test_a_save_without_room_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """No room before writing (the free-space check) or the disk filling mid-write (ENOSPC): one
+    CheckpointError naming the step kept; no staging directory is left, latest still points at it."""
+    import errno
+
+    d = tmp_path / "ck"
+    _save(d, 2)
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 1000)
+    with pytest.raises(ck.CheckpointError, match=r"step 4 not written .* no room on its disk .* the checkpoint of "
+                                                 r"step 2 is intact, free space and resume with --resume"):
+        _save(d, 4)
+    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000002"]
+    monkeypatch.undo()
+    real_save = torch.save
+
+    def disk_fills(obj, f):
+        real_save(obj, f)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.torch, "save", disk_fills)
+    with pytest.raises(ck.CheckpointError, match=r"step 4 not written .*No space left on device; .* GB free now"):
+        _save(d, 4)
+    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000002"]
+    assert ck.load_checkpoint(d)["step"] == 2
