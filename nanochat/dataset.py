@@ -22,11 +22,13 @@ null texts) raise DataError naming the file (and row group) and how to re-create
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -39,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import get_base_dir
-from nanochat.errors import DataError, MissingDataError
+from nanochat.errors import DataError, DiskFullError, MissingDataError
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
 SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
@@ -343,9 +345,30 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                 return
             except _Retry as e:
                 last = str(e)
-            except requests.RequestException as e:  # the partial file is kept and resumed
-                last = f"{type(e).__name__}: {e}"
+            except OSError as e:  # requests' errors are OSErrors too
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
+                    raise DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
+                                        f"({_gb(shutil.disk_usage(dest.parent).free)} free); free space and "
+                                        "rerun: finished shards are kept and the partial one resumes") from e
+                if not isinstance(e, requests.RequestException):
+                    raise
+                last = f"{type(e).__name__}: {e}"  # the partial file is kept and resumed
     raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
+    """DiskFullError when the shards still to come (at the mean size of those finished) would not
+    fit: better to stop with the finished ones kept than to fill the disk to the last byte."""
+    each = sum(sizes) / len(sizes)
+    free = shutil.disk_usage(out_dir).free
+    if free < each * left:
+        raise DiskFullError(f"{out_dir}: {left} more shards need ~{_gb(each * left)} (~{each / 1e6:.0f} MB each), "
+                            f"{_gb(free)} free; free space (or ask for fewer with -n) and rerun: the "
+                            f"{len(sizes)} finished this time are kept")
 
 
 def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers: int = 4,
@@ -362,20 +385,29 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
         with lock:
             done_bytes[0] += n
 
-    failures = []
+    failures, sizes = [], []
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), unit="shard",
                disable=not progress, dynamic_ncols=True)
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {pool.submit(download_file, f"{base_url.rstrip('/')}/{shard_name(i)}",
                                out_dir / shard_name(i), retries=retries, backoff=backoff,
                                timeout=timeout, on_bytes=count): i for i in todo}
-        for fut in as_completed(futures):
-            try:
-                fut.result()
-            except DownloadError as e:
-                failures.append((futures[fut], str(e)))
-            bar.update(1)
-            bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
+        try:
+            for fut in as_completed(futures):
+                try:
+                    fut.result()
+                    sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
+                except DownloadError as e:
+                    failures.append((futures[fut], str(e)))
+                bar.update(1)
+                bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
+                left = sum(not f.done() for f in futures)
+                if sizes and left:
+                    _check_room(out_dir, sizes, left)
+        except DiskFullError:
+            for f in futures:  # the ones not started; those in flight finish (or fail) first
+                f.cancel()
+            raise
     return sorted(failures)
 
 

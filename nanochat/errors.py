@@ -1,5 +1,5 @@
 """The exception type the library raises for command-line requests and the scripts report as one
-line (nanochat.common.script_main). Imports nothing, so torch-free modules (tokenizer.py) can use it."""
+line (nanochat.flags.script_main). Imports nothing, so torch-free modules (tokenizer.py) can use it."""
 
 
 class RequestError(ValueError):
@@ -23,3 +23,8 @@ class DataError(RequestError):
     row group that does not decompress, a binary token shard with a bad header or made with another
     tokenizer, an invalid JSONL line); the message names the file and how to re-create it. Files
     that are not there, or hold nothing, are a MissingDataError instead."""
+
+
+class DiskFullError(RequestError):
+    """A disk has no room for what a request writes (downloaded shards); the message names the
+    directory, what is needed and what is free, and that finished work is kept for a rerun."""

@@ -360,3 +360,44 @@ def test_shakespeare_names_still_resolve_through_dataset():
     assert ds.split_scenes is shakespeare.split_scenes and ds.get_shakespeare is shakespeare.get_shakespeare
     with pytest.raises(AttributeError):
         ds.no_such_name
+
+
+def test_download_stops_when_the_remaining_shards_cannot_fit(server, tmp_path, monkeypatch, capsys):
+    """After each finished shard the ones left (at the mean size so far) must fit the free space;
+    otherwise the download stops with one line naming the numbers, the finished shards kept."""
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(ds.shutil, "disk_usage", lambda path: usage(10**12, 0, 1000))
+    with pytest.raises(ds.DiskFullError, match=r"3 more shards need ~0\.0 GB \(~0 MB each\), 0\.0 GB free; free "
+                                               r"space \(or ask for fewer with -n\) and rerun: the 1 finished"):
+        ds.download_shards([0, 1, 2, 6542], tmp_path, server.url, workers=1, retries=0, progress=False)
+    # shard 1 may have started before the check (the pool's worker takes the next one at once)
+    assert [p.name for p in ds.list_shards(tmp_path)][:1] == [ds.shard_name(0)]
+    assert not list(tmp_path.glob("*.partial"))
+    assert {n for n, _ in server.requests} <= {ds.shard_name(0), ds.shard_name(1)}   # the others never started
+    monkeypatch.setattr(ds.shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    assert ds.download_shards([0, 1, 2, 6542], tmp_path, server.url, workers=1, retries=0, progress=False) == []
+    assert len(ds.list_shards(tmp_path)) == 4
+
+
+def test_a_full_disk_mid_download_is_one_line_not_retried(server, tmp_path, monkeypatch, capsys):
+    import errno
+
+    calls = []
+
+    def disk_full(*args, **kwargs):
+        calls.append(args[1])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ds, "_attempt", disk_full)
+    from nanochat.flags import run_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: ds.main(["--base-url", server.url, "--out", str(tmp_path), "-n", "2", "--workers", "1",
+                                    "--retries", "3", "--no-progress"]))
+    rc = exit_.value.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "the disk filled while downloading" in err[0] and "finished shards are kept" in err[0], err
+    assert len(calls) == 1     # no retry, no other shard started
