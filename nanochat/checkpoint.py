@@ -27,7 +27,6 @@ the sums load unchecked.
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import mmap
@@ -156,9 +155,16 @@ def _write_json(path: Path, obj: dict) -> None:
 # to its load on an H200 box (scripts/bench_checkpoint.py).
 
 
-@functools.lru_cache(maxsize=1)
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def _hash_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-sha256")
+    """The helper threads, made on first use; a forked child makes its own (its copy of the
+    parent's executor has no threads, and would queue work that never runs)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-sha256"))
+    return _POOL[1]
 
 
 def _file_sum(f) -> dict:

@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -388,3 +389,32 @@ def test_a_save_without_room_stops_cleanly_and_keeps_the_last_checkpoint(tmp_pat
         _save(d, 4)
     assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000002"]
     assert ck.load_checkpoint(d)["step"] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_hash_pool_works_in_a_forked_child(tmp_path):
+    """A process forked after a checkpoint was hashed (its copy of the executor has no threads)
+    still saves and loads: the child makes its own helper threads instead of waiting forever."""
+    import warnings
+
+    _save(tmp_path / "parent", 1)                       # the parent's helper threads exist now
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # fork() of a multi-threaded process
+        pid = os.fork()
+    if pid == 0:
+        try:
+            _save(tmp_path / "child", 2)
+            ok = ck.load_checkpoint(tmp_path / "child", load_optimizer=True)["step"] == 2
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    for _ in range(300):                                  # 30 s, then the child is a hang
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's save/load hung")
+    assert os.waitstatus_to_exitcode(status) == 0
