@@ -147,14 +147,17 @@ case "$PRESET" in
     # SEQ 2048: Shakespeare scenes are ~1,600 tokens (p90 ~2,050), so 256 cropped 83% of the
     # tokens away (packing keeps documents BOS-aligned); 2048 drops ~6% for ~1.5x the step time.
     VOCAB=2048; DEPTH=2; SEQ=2048; DBS=2; TBS=4096; ITERS=250; PRECISION=fp32; KERNEL=current
-    EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile ;;
+    EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile; SAVE_EVERY=100 ;;
   spark)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
-    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
+    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=200 ;;
   h100)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=32; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
-    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile ;;
+    EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=1000 ;;
 esac
+# base_train saves every SAVE_EVERY steps (d20 on a GB10: ~200 x 31 s, under 2 h of work at risk; on an
+# H100 ~1000 x 2.8 s), keeps the newest 2, and a rerun of an interrupted stage resumes the latest
+# (--resume auto): a crash on day 5 of a Spark's week costs hours, not days
 [[ $DEPTH_GIVEN -eq 1 ]] && DEPTH=$((10#$DEPTH_FLAG))
 MODEL_TAG="d${DEPTH}"
 
@@ -223,7 +226,7 @@ stage_cmd() {  # prints the command of a stage, one argument per line
     base_train) printf '%s\n' python -m scripts.base_train --depth "$DEPTH" --max-seq-len "$SEQ" \
         --device-batch-size "$DBS" --total-batch-size "$TBS" --num-iterations "$ITERS" \
         --precision "$PRECISION" --kernel "$KERNEL" "$COMPILE" --eval-tokens "$EVAL_TOKENS" \
-        --run "$RUN_NAME" --model-tag "$MODEL_TAG" ;;
+        --save-every "$SAVE_EVERY" --keep-last 2 --resume auto --run "$RUN_NAME" --model-tag "$MODEL_TAG" ;;
     base_eval) printf '%s\n' python -m scripts.base_eval --model-tag "$MODEL_TAG" --eval core,bpb,sample \
         --max-per-task "$MAX_PROBLEMS" --eval-tokens "$EVAL_TOKENS" --device-batch-size "$DBS" ;;
     # offline (tiny) there are no train splits of MMLU/ARC/GSM8K: train on the local test files minus

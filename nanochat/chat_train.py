@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import get_base_dir, print0
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
@@ -69,7 +70,8 @@ class ChatTrainConfig:
     eval_every: int = 150                   # -1/0 = off (else also at the last step)
     eval_tokens: int = -1                   # -1 = 20 micro-batches
     save_every: int = -1
-    resume: str | None = None               # "latest" or a step of this stage's own checkpoints
+    keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
+    resume: str | None = None               # "latest", a step of this stage's own checkpoints, or "auto"
     device: str = "auto"
     dtype: str = "auto"
     kernel: str = "current"
@@ -98,8 +100,8 @@ class ChatTrainConfig:
         if self.total_batch_size != -1 and self.max_seq_len != -1:
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len,
                        int(os.environ.get("WORLD_SIZE", "1")))
-        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
-                self.resume, "latest or a step number")
+        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
@@ -160,12 +162,17 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
 
 def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
-    from nanochat.checkpoint import checkpoint_dir, load_checkpoint, load_model, model_from_meta, step_dirname
+    from nanochat.checkpoint import (checkpoint_dir, load_checkpoint, load_model, model_from_meta, resolve_resume,
+                                     step_dirname)
     from nanochat.tokenizer import get_tokenizer
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage.name, tag, base_dir)
-    if cfg.resume is not None:
-        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+    resume_at = resolve_resume(cfg.resume, ckpt_dir)
+    if cfg.resume == "auto":
+        print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
+               f" in {ckpt_dir}")
+    if resume_at is not None:
+        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
         model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]),
                                 rt.device, compute_dtype=rt.dtype)
@@ -182,7 +189,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
-    from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint
+    from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
     from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                                resume_loop_state, run_training_loop)
     from nanochat.optim import build_optimizer
@@ -214,7 +221,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     first_step = resume["step"] if resume is not None else 0
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every))
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
+                     cfg.keep_last)
     eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
     loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
     loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
@@ -267,7 +275,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                                loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
 
     spec = LoopSpec(stage.name, num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
-                    evaluate=evaluate, save=save, is_master=rt.is_master)
+                    evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "avg_tok_per_sec": meter.average_tok_per_sec(),

@@ -110,6 +110,33 @@ def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
     return step
 
 
+RESUME_HELP = "latest, a step number, or auto (latest when the model tag has a checkpoint, else a fresh start)"
+
+
+def valid_resume(value: str | None) -> bool:
+    return value is None or value in ("latest", "auto") or value.isdigit()
+
+
+def resolve_resume(value: str | None, ckpt_dir) -> str | None:
+    """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh): what
+    a rerun of an interrupted stage wants (setup.sh passes it). Other values are returned as given."""
+    if value != "auto":
+        return value
+    return "latest" if (Path(ckpt_dir) / LATEST_NAME).is_file() else None
+
+
+def remove_checkpoint(ckpt_dir, step: int) -> None:
+    """Delete one step's directory (renamed away first, so it vanishes at once). Never the step
+    latest.json points to: that is the one a resume takes."""
+    ckpt_dir = Path(ckpt_dir)
+    assert step != read_latest(ckpt_dir), f"refusing to remove the latest checkpoint {step} of {ckpt_dir}"
+    path = ckpt_dir / step_dirname(step)
+    trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
+    os.replace(path, trash)
+    _fsync_dir(ckpt_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------ atomic IO
 
 def _fsync_dir(path: Path) -> None:
@@ -324,19 +351,23 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def disk_plan(ckpt_dir, bytes_each: int, saves: int) -> str:
+def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
-    cannot be written; when only some fit, says how many (a save that does not fit stops the run)."""
+    cannot be written; when only some fit, says how many (a save that does not fit stops the run).
+    With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning)."""
     need = int(bytes_each * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
     free = free_bytes(ckpt_dir)
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {_gb(free)} free on its disk, but one checkpoint of this run needs "
                               f"~{_gb(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")
-    text = f"~{_gb(bytes_each)} each, {saves} save(s) planned (~{_gb(bytes_each * saves)}), {_gb(free)} free"
-    if free // need < saves:
+    at_once = saves if keep_last <= 0 else min(saves, keep_last + 1)
+    text = f"~{_gb(bytes_each)} each, {saves} save(s) planned"
+    text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
+    text += f" (~{_gb(bytes_each * at_once)}), {_gb(free)} free"
+    if free // need < at_once:
         text += (f"; room for {free // need}: a save that does not fit stops the run, keeping the last one "
-                 "(raise --save-every or free space)")
+                 "(raise --save-every, set --keep-last or free space)")
     return text
 
 

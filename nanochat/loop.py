@@ -41,6 +41,8 @@ class LoopSpec:
     save: Callable[[int, dict], Path] | None = None      # (step, loop_state) -> checkpoint path
     is_master: bool = True
     report: bool = True                          # per-step rows in <base_dir>/report/metrics_<stage>.jsonl
+    keep_last: int = 0                           # > 0: keep this run's newest N checkpoints, delete older ones
+    resumed_from: Path | None = None             # the checkpoint a resumed run started from (pruned like its own)
 
 
 @dataclass
@@ -52,6 +54,20 @@ class LoopResult:
     last_eval: dict = field(default_factory=dict)
     elapsed_s: float = 0.0                       # wall clock of the stage, resumed runs included
     last_checkpoint: str | None = None
+
+
+def _prune(spec: LoopSpec, kept: list[Path]) -> list[Path]:
+    """--keep-last: delete (rank 0) all but the newest keep_last of this run's checkpoints and the
+    one it resumed from; checkpoints that were on disk before are never touched."""
+    if spec.keep_last <= 0 or len(kept) <= spec.keep_last:
+        return kept
+    from nanochat.checkpoint import remove_checkpoint
+
+    for old in kept[:-spec.keep_last]:
+        if spec.is_master and old.is_dir():
+            remove_checkpoint(old.parent, int(old.name.split("_")[1]))
+            print0(f"removed checkpoint {old} (--keep-last {spec.keep_last})")
+    return kept[-spec.keep_last:]
 
 
 def _due(every: int, step: int, last: bool) -> bool:
@@ -71,6 +87,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
         res.elapsed_s = float(resume_state.get("elapsed_s", 0.0))
     t_start = time.perf_counter() - res.elapsed_s
     report = spec.report and spec.is_master
+    kept = [Path(spec.resumed_from)] if spec.resumed_from is not None else []   # candidates for --keep-last
     step = start_step
     while True:
         last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
@@ -91,6 +108,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
             trainer.note_checkpoint(path)
             res.last_checkpoint = str(path)
             print0(f"step {step:05d} | saved checkpoint {path}")
+            kept = _prune(spec, [k for k in kept if k != Path(path)] + [Path(path)])  # a re-saved step once
         if last:
             break
         try:

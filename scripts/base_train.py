@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from nanochat.attention import resolve_backend
+from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop)
@@ -73,7 +74,8 @@ class BaseTrainConfig:
     eval_tokens: int = 10 * 524288
     sample_every: int = 2000
     save_every: int = -1
-    resume: str | None = None               # "latest" or a step number
+    keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
+    resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
     model_tag: str | None = None            # default d<depth>
     # runtime
     device: str = "auto"
@@ -113,8 +115,8 @@ class BaseTrainConfig:
         require_int(self.eval_tokens, "--eval-tokens", per_micro)
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
-        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
-                self.resume, "latest or a step number")
+        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.precision in PRECISIONS, "--precision", self.precision, "|".join(PRECISIONS))
         precision_module(self.precision)  # fp8/nvfp4 need nanochat/precision.py
@@ -182,7 +184,7 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
-                                     planned_saves, save_checkpoint)
+                                     planned_saves, resolve_resume, save_checkpoint, step_dirname)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -232,9 +234,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
-    resume = None
-    if cfg.resume is not None:
-        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+    resume, resume_at = None, resolve_resume(cfg.resume, ckpt_dir)
+    if cfg.resume == "auto":
+        print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
+               f" in {ckpt_dir}")
+    if resume_at is not None:
+        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
         if resume["loader"] is not None:
@@ -242,7 +247,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(meta_model), planned_saves(first_step, num_iterations, cfg.save_every))
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(meta_model), planned_saves(first_step, num_iterations, cfg.save_every),
+                     cfg.keep_last)
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
@@ -315,7 +321,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- the loop (nanochat/loop.py): eval / sample / save at a step, then the step ----
     spec = LoopSpec("base", num_iterations, eval_every=cfg.eval_every, sample_every=cfg.sample_every,
                     save_every=cfg.save_every, evaluate=evaluate, sample=sample, save=save,
-                    is_master=rt.is_master)
+                    is_master=rt.is_master, keep_last=cfg.keep_last,
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=step, resume_state=resume_loop)
     val_bpb, min_val_bpb, losses = result.val_bpb, result.min_val_bpb, result.losses
 

@@ -20,6 +20,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields
 
+from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule
@@ -48,7 +49,8 @@ class ChatRLConfig:
     eval_every: int = 60
     eval_examples: int = 400
     save_every: int = 60
-    resume: str | None = None
+    keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
+    resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 42
@@ -77,8 +79,8 @@ class ChatRLConfig:
         for flag in ("eval_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         require_int(self.eval_examples, "--eval-examples", 1)
-        require(self.resume is None or self.resume == "latest" or self.resume.isdigit(), "--resume",
-                self.resume, "latest or a step number")
+        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        require_int(self.keep_last, "--keep-last", 0)
         require(self.device in ("auto", "cpu", "cuda", "mps"), "--device", self.device, "auto|cpu|cuda|mps")
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
         require_int(self.seed, "--seed", 0)
@@ -112,7 +114,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import resolve_source
     from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
-                                     load_model, planned_saves, save_checkpoint)
+                                     load_model, planned_saves, resolve_resume, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
@@ -127,9 +129,12 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     base_dir = get_base_dir()
     tag, src_dir = resolve_source("rl", cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir("rl", tag, base_dir)
-    resume = None
-    if cfg.resume is not None:
-        resume = load_checkpoint(ckpt_dir, cfg.resume, device=rt.device, rank=rt.rank, load_optimizer=True)
+    resume, resume_at = None, resolve_resume(cfg.resume, ckpt_dir)
+    if cfg.resume == "auto":
+        print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
+               f" in {ckpt_dir}")
+    if resume_at is not None:
+        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
         model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
         model.load_state_dict(resume["model"], strict=True)
@@ -145,7 +150,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
     schedule = Schedule(num_iterations, 0.0, 1.0, 0.0).validate()  # linear decay to 0
     first_step = resume["step"] if resume is not None else 0
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every))
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
+                     cfg.keep_last)
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
@@ -188,7 +194,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                                loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
 
     spec = LoopSpec("rl", num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
-                    evaluate=evaluate, save=save, is_master=rt.is_master)
+                    evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2)}

@@ -442,3 +442,27 @@ def test_disk_space_is_planned_before_the_model_is_built(env, base_dir, tiny_cor
     with pytest.raises(ck.CheckpointError, match=r"checkpoints/base/disk2: 0.0 GB free on its disk, but one "
                                                  r"checkpoint of this run needs ~0.1 GB"):
         _train(args[:-1] + ["disk2"])
+
+
+def test_resume_auto_and_keep_last(env, base_dir, tiny_corpus, capsys):
+    """--resume auto starts fresh without a checkpoint and resumes the latest with one (what a rerun
+    of setup.sh's interrupted base_train does); --keep-last 2 deletes this run's older saves and the
+    one it resumed from, never checkpoints that were on disk before."""
+    ckpt_dir = base_dir / "checkpoints" / "base" / "keep"
+    args = TINY + ["--data-dir", str(tiny_corpus), "--eval-every", "-1", "--save-every", "2", "--keep-last", "2",
+                   "--resume", "auto", "--model-tag", "keep"]
+    _train(args + ["--num-iterations", "8"])
+    out = capsys.readouterr().out
+    assert f"--resume auto: no checkpoint yet, starting in {ckpt_dir}" in out
+    assert "4 save(s) planned, at most 3 on disk at once (--keep-last 2)" in out
+    assert f"removed checkpoint {ckpt_dir / 'step_000002'} (--keep-last 2)" in out
+    assert ck.list_steps(ckpt_dir) == [6, 8]
+    summary = _train(args + ["--num-iterations", "12"])
+    out = capsys.readouterr().out
+    assert f"--resume auto: resuming the latest checkpoint in {ckpt_dir}" in out
+    assert sorted(summary["losses"]) == [8, 9, 10, 11]            # it continued at step 8
+    assert ck.list_steps(ckpt_dir) == [6, 10, 12]                 # 8 (resumed from) pruned, 6 (before) kept
+    with pytest.raises(ValueError, match="--keep-last: got -1"):
+        _train(args + ["--keep-last", "-1"])
+    with pytest.raises(ValueError, match="--resume: got 'newest'; accepted: latest, a step number, or auto"):
+        _train(args + ["--resume", "newest"])
