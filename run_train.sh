@@ -36,8 +36,10 @@ Run options (not passed to base_train):
 Modes:
   --status         report every run (or --model-tag's): running or not, pid, last step, log tail;
                    exit 0 if the (single) run asked about is running, 3 if not
-  --stop           SIGTERM the run's process group, wait --timeout seconds (default 30), then
-                   SIGKILL; without --model-tag, stops the only running run
+  --stop           SIGTERM the run's process group, wait --timeout seconds (default 600), then
+                   SIGKILL; without --model-tag, stops the only running run. On SIGTERM the
+                   training loop finishes its step and saves a checkpoint first (d20: seconds
+                   to a minute or two), so `--resume latest` continues where it stopped
   --lines N        log lines shown by --status (default 10)
   -h, --help       this text
 Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
@@ -51,7 +53,7 @@ die() { echo "run_train.sh: error: $*" >&2; exit 2; }
 say() { echo "run_train.sh: $*"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=30 LINES=10 TAG_GIVEN=0
+MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=600 LINES=10 TAG_GIVEN=0
 TRAIN_ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -151,7 +153,7 @@ if [[ "$MODE" == stop ]]; then
     [[ -n "$pid" ]] && rm -f "$dir/pid"
     say "[$TAG] is not running${pid:+ (removed the stale pid file of pid $pid)}"; exit 0
   fi
-  say "[$TAG] sending SIGTERM to process group $pid; waiting up to ${TIMEOUT} s"
+  say "[$TAG] sending SIGTERM to process group $pid; waiting up to ${TIMEOUT} s (the run saves a checkpoint first)"
   kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   deadline_ns=$(( $(date +%s%N) + TIMEOUT * 1000000000 ))
   while run_alive "$pid" && (( $(date +%s%N) < deadline_ns )); do sleep 0.2; done
@@ -213,9 +215,11 @@ printf '%q ' "${cmd[@]}" | sed 's/ $//' > "$dir/cmd"
 rm -f "$dir/exit_code"
 { echo "==> run_train.sh started at $(date -u +%FT%TZ) on $(hostname): $(cat "$dir/cmd")"; } >> "$dir/train.log"
 # setsid: the run leads its own process group (so --stop reaches torchrun's workers too) and the
-# wrapper shell writes its pid before exec'ing nothing else: `$$` is the group id we signal.
+# wrapper shell writes its pid before exec'ing nothing else: `$$` is the group id we signal. The
+# wrapper traps TERM (a no-op: children get the default back) so that it outlives the SIGTERM the
+# whole group gets and --stop waits while the training loop saves its checkpoint.
 cd "$REPO"
-nohup setsid bash -c 'echo $$ > "$0/pid.tmp" && mv -f "$0/pid.tmp" "$0/pid"; shift
+nohup setsid bash -c 'echo $$ > "$0/pid.tmp" && mv -f "$0/pid.tmp" "$0/pid"; shift; trap ":" TERM
   "$@"; rc=$?; echo $rc > "$0/exit_code"; echo "==> exited with code $rc at $(date -u +%FT%TZ)"; exit $rc' \
   "$dir" _ "${cmd[@]}" >> "$dir/train.log" 2>&1 < /dev/null 9>&- &
 for _ in $(seq 100); do [[ -f "$dir/pid" ]] && break; sleep 0.05; done

@@ -85,7 +85,7 @@ def script_main(name: str, check, run) -> None:
 
 def _exit_with_error(name: str, error: Exception) -> None:
     print(f"{name}: error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(getattr(error, "exit_code", 2))   # 2, or e.g. 143 for a run stopped by SIGTERM
 
 
 def run_cli(main) -> None:

@@ -11,11 +11,20 @@ Order within a step index s (kept stable: exact resume depends on it): evaluate 
 save -> trainer.step(s). At s == num_iterations only evaluate/sample/save run (eval and save
 always run there when enabled / when a save callback exists). A resumed run passes the loop
 state of its checkpoint and continues bit for bit.
+
+SIGTERM (run_train.sh --stop, torchrun passing a stop on, a scheduler) or a first Ctrl-C stops the
+run gracefully: the step in flight finishes, a checkpoint is saved at the next step index (as a
+periodic save would be; every rank agrees on the step), and StopRequested ends the script with one
+line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A
+second Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +65,51 @@ class LoopResult:
     last_checkpoint: str | None = None
 
 
+class StopRequested(RequestError):
+    """The run was stopped by a signal; the message says where it saved. Exit 128 + signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """While the loop runs: SIGTERM and a first SIGINT set the returned list to [signum] instead
+    of killing the process; the handlers in place before come back afterwards. A no-op outside
+    the main thread (signal handlers can only be set there)."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def handler(signum, frame):   # no printing here: it may interrupt a print (a reentrant write)
+        if got and signum == signal.SIGINT:   # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        got.append(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield got
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _agreed_stop(got: list[int]) -> int:
+    """The signal number every rank acts on (0: none): the largest any rank received, so all ranks
+    stop at the same step index (one small all-reduce per step under torch.distributed)."""
+    import torch.distributed as dist
+
+    mine = got[0] if got else 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([mine], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
 def _prune(spec: LoopSpec, kept: list[Path]) -> list[Path]:
     """--keep-last: delete (rank 0) all but the newest keep_last of this run's checkpoints and the
     one it resumed from; checkpoints that were on disk before are never touched."""
@@ -74,12 +128,45 @@ def _due(every: int, step: int, last: bool) -> bool:
     return every > 0 and (last or step % every == 0)
 
 
+def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool, tracker, report: bool,
+                         t_start: float) -> None:
+    from nanochat.report import log_metrics
+
+    if spec.evaluate is not None and _due(spec.eval_every, step, last):
+        _evaluate(spec, res, step, tracker)
+        if report:
+            log_metrics(spec.stage, {"step": step, **res.last_eval, "elapsed_s": time.perf_counter() - t_start})
+    if spec.sample is not None and spec.is_master and _due(spec.sample_every, step, last) and (last or step > 0):
+        for text in spec.sample(step):
+            print0(f"  sample: {text!r}")
+
+
+def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, tracker, report: bool,
+                t_start: float) -> None:
+    """One optimizer step, its log line, tracker and report rows."""
+    from nanochat.report import log_metrics
+
+    try:
+        result = trainer.step(step)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RequestError(out_of_memory_hint(trainer, step)) from e
+    res.losses[step] = result.loss
+    metrics = meter.update(result)
+    extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
+    print0(meter.log_line(metrics, spec.num_iterations) + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
+    if tracker is not None:
+        tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
+    if report:
+        log_metrics(spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
+                                 "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
+                                 "mfu": metrics["mfu"], "memory_gb": metrics["peak_mem_gib"] * 2**30 / 1e9,
+                                 "elapsed_s": time.perf_counter() - t_start, **extra})
+
+
 def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_step: int = 0,
                       resume_state: dict | None = None) -> LoopResult:
     """Run steps start_step..num_iterations-1 with evals/samples/saves; returns the LoopResult.
     `resume_state` is the checkpoint's loop state (min/last val bpb, elapsed time)."""
-    from nanochat.report import log_metrics
-
     res = LoopResult(step=start_step)
     if resume_state is not None:
         res.val_bpb = resume_state.get("val_bpb")
@@ -89,45 +176,34 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     report = spec.report and spec.is_master
     kept = [Path(spec.resumed_from)] if spec.resumed_from is not None else []   # candidates for --keep-last
     step = start_step
-    while True:
-        last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
-        if spec.evaluate is not None and _due(spec.eval_every, step, last):
-            _evaluate(spec, res, step, tracker)
-            if report:
-                log_metrics(spec.stage, {"step": step, **res.last_eval,
-                                         "elapsed_s": time.perf_counter() - t_start})
-        if spec.sample is not None and spec.is_master and _due(spec.sample_every, step, last) and (last or step > 0):
-            for text in spec.sample(step):
-                print0(f"  sample: {text!r}")
-        periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
-        if spec.save is not None and (last or periodic):
-            res.elapsed_s = time.perf_counter() - t_start
-            loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
-                                            elapsed_s=res.elapsed_s)
-            path = spec.save(step, loop_state)
-            trainer.note_checkpoint(path)
-            res.last_checkpoint = str(path)
-            print0(f"step {step:05d} | saved checkpoint {path}")
-            kept = _prune(spec, [k for k in kept if k != Path(path)] + [Path(path)])  # a re-saved step once
-        if last:
-            break
-        try:
-            result = trainer.step(step)
-        except torch.cuda.OutOfMemoryError as e:
-            raise RequestError(out_of_memory_hint(trainer, step)) from e
-        res.losses[step] = result.loss
-        metrics = meter.update(result)
-        extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
-        print0(meter.log_line(metrics, spec.num_iterations)
-               + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
-        if tracker is not None:
-            tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
-        if report:
-            log_metrics(spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
-                                     "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
-                                     "mfu": metrics["mfu"], "memory_gb": metrics["peak_mem_gib"] * 2**30 / 1e9,
-                                     "elapsed_s": time.perf_counter() - t_start, **extra})
-        step += 1
+    with _stop_signals() as signals:
+        while True:
+            last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
+            stop = 0 if last else _agreed_stop(signals)
+            if stop:
+                print0(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping "
+                       "(Ctrl-C again interrupts at once)")
+            if not stop:
+                _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
+            periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
+            if spec.save is not None and (last or periodic or stop):
+                res.elapsed_s = time.perf_counter() - t_start
+                loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
+                                                elapsed_s=res.elapsed_s)
+                path = spec.save(step, loop_state)
+                trainer.note_checkpoint(path)
+                res.last_checkpoint = str(path)
+                print0(f"step {step:05d} | saved checkpoint {path}")
+                kept = _prune(spec, [k for k in kept if k != Path(path)] + [Path(path)])  # a re-saved step once
+            if stop:
+                saved = f"checkpoint {res.last_checkpoint} saved; continue with --resume latest" \
+                    if spec.save is not None else "this stage saves no checkpoint"
+                raise StopRequested(f"stopped by {signal.Signals(stop).name} at step {step} of "
+                                    f"{spec.num_iterations}: {saved} (or rerun ./setup.sh)", stop)
+            if last:
+                break
+            _train_step(trainer, meter, spec, res, step, tracker, report, t_start)
+            step += 1
     res.step = step
     res.elapsed_s = time.perf_counter() - t_start
     return res

@@ -2,6 +2,10 @@
 flag to lower and keeps the total batch (RequestError, printed by common.script_main), not a
 traceback from deep inside the compiled step."""
 
+import os
+import signal
+import types
+
 import pytest
 import torch
 
@@ -77,3 +81,58 @@ def test_resume_mismatch_names_the_field_and_its_flag():
         check_resume_compatible(meta, {"n_layer": 3, "n_embd": 128}, plan, 1, "fp")
     with pytest.raises(RequestError, match="--total-batch-size 4096 but this run has 8192"):
         check_resume_compatible(meta, meta["model_config"], BatchPlan(8192, 4, 1024, 1, 2), 1, "fp")
+
+
+class _SignalTrainer:
+    """A trainer whose step `at` makes the process signal itself mid-step."""
+
+    def __init__(self, at, signum):
+        self.at, self.signum, self.steps = at, signum, []
+        self.meter = types.SimpleNamespace(update=lambda result: {}, log_line=lambda metrics, n: "step")
+
+    def step(self, step):
+        if step == self.at:
+            os.kill(os.getpid(), self.signum)
+        self.steps.append(step)
+        return types.SimpleNamespace(loss=1.0, extra=None, lrm=1.0)
+
+    def loop_state(self, step, meter, **kw):
+        return {"step": step, **kw}
+
+    def note_checkpoint(self, path):
+        pass
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_finishes_the_step_saves_and_stops(tmp_path, signame):
+    """SIGTERM (run_train.sh --stop) or a first Ctrl-C: the step in flight completes, a checkpoint
+    is saved at the next step index, and StopRequested carries exit code 128 + signal; the
+    handlers in place before the loop are back afterwards."""
+    from nanochat.loop import StopRequested
+
+    signum = getattr(signal, signame)
+    before = signal.getsignal(signum)
+    trainer = _SignalTrainer(at=3, signum=signum)
+    saves = []
+    spec = LoopSpec("base", num_iterations=10, report=False, save_every=100,
+                    save=lambda step, state: saves.append((step, state["step"])) or tmp_path / f"step_{step:06d}")
+    with pytest.raises(StopRequested) as info:
+        run_training_loop(trainer, meter=trainer.meter, spec=spec)
+    assert trainer.steps == [0, 1, 2, 3] and saves == [(4, 4)]
+    assert info.value.exit_code == 128 + signum
+    assert str(info.value) == (f"stopped by {signame} at step 4 of 10: checkpoint {tmp_path / 'step_000004'} saved; "
+                               "continue with --resume latest (or rerun ./setup.sh)")
+    assert signal.getsignal(signum) == before
+
+
+def test_a_stopped_script_exits_128_plus_the_signal(capsys):
+    from nanochat.flags import script_main
+    from nanochat.loop import StopRequested
+
+    def run():
+        raise StopRequested("stopped by SIGTERM at step 4 of 10: ...", signal.SIGTERM)
+
+    with pytest.raises(SystemExit) as info:
+        script_main("base_train", lambda: None, run)
+    assert info.value.code == 143
+    assert capsys.readouterr().err == "base_train: error: stopped by SIGTERM at step 4 of 10: ...\n"

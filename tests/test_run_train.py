@@ -104,6 +104,14 @@ def test_start_duplicate_status_stop(run, base_dir):
     st = run("--status", "--model-tag", tag)
     assert st.returncode == 3 and "not running" in st.stdout
     assert "stopped by run_train.sh --stop" in log.read_text()
+    # SIGTERM stopped it gracefully: the step finished, a checkpoint was saved at the next step index
+    text = log.read_text()
+    m = re.search(r"^base_train: error: stopped by SIGTERM at step (\d+) of 100000: checkpoint (\S+) saved; "
+                  r"continue with --resume latest", text, re.M)
+    assert m, text[-3000:]
+    assert f"received SIGTERM: saving a checkpoint at step {m.group(1)} and stopping" in text
+    assert Path(m.group(2)) == base_dir / "checkpoints" / "base" / tag / f"step_{int(m.group(1)):06d}"
+    assert (Path(m.group(2)) / "model.pt").is_file()
 
 
 def test_stop_escalates_to_sigkill(run, base_dir):
