@@ -125,6 +125,25 @@ def resolve_resume(value: str | None, ckpt_dir) -> str | None:
     return "latest" if (Path(ckpt_dir) / LATEST_NAME).is_file() else None
 
 
+def check_fresh_start(ckpt_dir, overwrite: bool, is_master: bool = True) -> None:
+    """A fresh base run into a model tag that holds checkpoints would replace them step by step (and
+    its final save the earlier run's model): refused unless --overwrite, which deletes them first."""
+    ckpt_dir = Path(ckpt_dir)
+    steps = list_steps(ckpt_dir)
+    if not steps:
+        return
+    if not overwrite:
+        raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
+                              "overwrite them: pass --resume latest (or auto) to continue it, another --model-tag "
+                              "to train a new one, or --overwrite to delete them")
+    if is_master:
+        for step in steps:
+            shutil.rmtree(ckpt_dir / step_dirname(step))
+        (ckpt_dir / LATEST_NAME).unlink(missing_ok=True)
+        print(f"--overwrite: deleted the checkpoints of steps {steps} in {ckpt_dir}")
+    barrier()
+
+
 def remove_checkpoint(ckpt_dir, step: int) -> None:
     """Delete one step's directory (renamed away first, so it vanishes at once). Never the step
     latest.json points to: that is the one a resume takes."""

@@ -75,6 +75,7 @@ class BaseTrainConfig:
     sample_every: int = 2000
     save_every: int = -1
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
+    overwrite: bool = False                 # a fresh run may delete the tag's existing checkpoints
     resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
     model_tag: str | None = None            # default d<depth>
     # runtime
@@ -183,8 +184,8 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
-    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
-                                     planned_saves, resolve_resume, save_checkpoint, step_dirname)
+    from nanochat.checkpoint import (build_model, check_fresh_start, checkpoint_bytes, checkpoint_dir, disk_plan,
+                                     load_checkpoint, planned_saves, resolve_resume, save_checkpoint, step_dirname)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -238,7 +239,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if cfg.resume == "auto":
         print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
                f" in {ckpt_dir}")
-    if resume_at is not None:
+    if resume_at is None:
+        check_fresh_start(ckpt_dir, cfg.overwrite, rt.is_master)
+    else:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
         check_resume_step(resume["step"], num_iterations, ckpt_dir)

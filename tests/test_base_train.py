@@ -419,8 +419,10 @@ def test_banner_names_the_data_it_reads(env, base_dir, tiny_corpus, tmp_path, ca
     _train(args)
     assert f"data                         : text shards {data}\n" in capsys.readouterr().out
     pretokenize(sorted(data.glob("*.parquet")), default_bin_dir(data), get_tokenizer(base_dir), log=lambda *a: None)
-    _train(args)
-    assert f": binary token shards {default_bin_dir(data)}\n" in capsys.readouterr().out
+    _train(args + ["--overwrite"])
+    out = capsys.readouterr().out
+    assert f": binary token shards {default_bin_dir(data)}\n" in out
+    assert "--overwrite: deleted the checkpoints of steps [1] in " in out
 
 
 def test_disk_space_is_planned_before_the_model_is_built(env, base_dir, tiny_corpus, monkeypatch, capsys):
@@ -466,3 +468,17 @@ def test_resume_auto_and_keep_last(env, base_dir, tiny_corpus, capsys):
         _train(args + ["--keep-last", "-1"])
     with pytest.raises(ValueError, match="--resume: got 'newest'; accepted: latest, a step number, or auto"):
         _train(args + ["--resume", "newest"])
+
+
+def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(env, base_dir, tiny_corpus):
+    """Days of training must not vanish under a rerun of the same command without --resume: refused,
+    naming the steps and the three ways on, before any model is built."""
+    args = TINY + ["--data-dir", str(tiny_corpus), "--num-iterations", "2", "--eval-every", "-1",
+                   "--model-tag", "mine"]
+    _train(args)
+    ckpt_dir = base_dir / "checkpoints" / "base" / "mine"
+    before = (ckpt_dir / "step_000002" / "model.pt").read_bytes()
+    with pytest.raises(ck.CheckpointError, match=r"holds checkpoints of an earlier run \(steps \[2\]\); a fresh run "
+                                                 r"would overwrite them: pass --resume latest \(or auto\) .* --overwrite"):
+        _train(args)
+    assert (ckpt_dir / "step_000002" / "model.pt").read_bytes() == before
