@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 import time
@@ -83,10 +84,13 @@ def _stop_signals():
         yield got
         return
 
-    def handler(signum, frame):   # no printing here: it may interrupt a print (a reentrant write)
+    def handler(signum, frame):
         if got and signum == signal.SIGINT:   # a second Ctrl-C: stop now
             raise KeyboardInterrupt
         got.append(signum)
+        if os.environ.get("RANK", "0") == "0":  # os.write, not print: this may interrupt a print
+            os.write(2, f"received {signal.Signals(signum).name}: the step in flight finishes, then a "
+                        "checkpoint is saved (Ctrl-C again to interrupt at once)\n".encode())
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
