@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat.common import barrier, get_base_dir
+from nanochat.common import barrier, fmt_bytes, get_base_dir
 from nanochat.errors import RequestError
 
 SCHEMA_VERSION = 1
@@ -366,9 +366,6 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
-
 
 def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
@@ -378,12 +375,12 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
     need = int(bytes_each * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
     free = free_bytes(ckpt_dir)
     if free < need:
-        raise CheckpointError(f"{ckpt_dir}: {_gb(free)} free on its disk, but one checkpoint of this run needs "
-                              f"~{_gb(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")
+        raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
+                              f"~{fmt_bytes(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")
     at_once = saves if keep_last <= 0 else min(saves, keep_last + 1)
-    text = f"~{_gb(bytes_each)} each, {saves} save(s) planned"
+    text = f"~{fmt_bytes(bytes_each)} each, {saves} save(s) planned"
     text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
-    text += f" (~{_gb(bytes_each * at_once)}), {_gb(free)} free"
+    text += f" (~{fmt_bytes(bytes_each * at_once)}), {fmt_bytes(free)} free"
     if free // need < at_once:
         text += (f"; room for {free // need}: a save that does not fit stops the run, keeping the last one "
                  "(raise --save-every, set --keep-last or free space)")
@@ -411,7 +408,7 @@ def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
     need = int(sum(tensor_bytes(s) for s in states) * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
     free = free_bytes(staging)
     if free < need:
-        raise CheckpointError(_no_room(staging, step, f"rank {rank} needs ~{_gb(need)}, {_gb(free)} free"))
+        raise CheckpointError(_no_room(staging, step, f"rank {rank} needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"))
 
 
 def _no_room(staging: Path, step: int, detail: str) -> str:
@@ -452,7 +449,7 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(_no_room(staging, step, f"{e.strerror}; {_gb(free_bytes(ckpt_dir))} free now")) from e
+        raise CheckpointError(_no_room(staging, step, f"{e.strerror}; {fmt_bytes(free_bytes(ckpt_dir))} free now")) from e
     barrier()
     if rank == 0:
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,

@@ -35,6 +35,14 @@ def get_base_dir() -> Path:
     return path
 
 
+def fmt_bytes(n: float) -> str:
+    """A size for people: "9.2 GB", "67 MB", "12 KB" (decimal units, as df -H and disk makers use)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if unit == "GB" else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
+
+
 def print0(*args, **kwargs) -> None:
     """print() on rank 0 only; safe before the process group exists (reads RANK)."""
     if int(os.environ.get("RANK", "0")) == 0:

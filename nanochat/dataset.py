@@ -40,7 +40,7 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import get_base_dir
+from nanochat.common import fmt_bytes, get_base_dir
 from nanochat.errors import DataError, DiskFullError, MissingDataError
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
@@ -348,16 +348,13 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
             except OSError as e:  # requests' errors are OSErrors too
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
                     raise DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
-                                        f"({_gb(shutil.disk_usage(dest.parent).free)} free); free space and "
+                                        f"({fmt_bytes(shutil.disk_usage(dest.parent).free)} free); free space and "
                                         "rerun: finished shards are kept and the partial one resumes") from e
                 if not isinstance(e, requests.RequestException):
                     raise
                 last = f"{type(e).__name__}: {e}"  # the partial file is kept and resumed
     raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}")
 
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
 
 
 def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
@@ -366,8 +363,8 @@ def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
     each = sum(sizes) / len(sizes)
     free = shutil.disk_usage(out_dir).free
     if free < each * left:
-        raise DiskFullError(f"{out_dir}: {left} more shards need ~{_gb(each * left)} (~{each / 1e6:.0f} MB each), "
-                            f"{_gb(free)} free; free space (or ask for fewer with -n) and rerun: the "
+        raise DiskFullError(f"{out_dir}: {left} more shards need ~{fmt_bytes(each * left)} (~{fmt_bytes(each)} each), "
+                            f"{fmt_bytes(free)} free; free space (or ask for fewer with -n) and rerun: the "
                             f"{len(sizes)} finished this time are kept")
 
 
@@ -385,13 +382,22 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
         with lock:
             done_bytes[0] += n
 
-    failures, sizes = [], []
+    failures, sizes, full = [], [], threading.Event()
+
+    def fetch(i: int) -> None:
+        if full.is_set():   # the disk is full: a worker that picks this shard up leaves it alone
+            return
+        try:
+            download_file(f"{base_url.rstrip('/')}/{shard_name(i)}", out_dir / shard_name(i), retries=retries,
+                          backoff=backoff, timeout=timeout, on_bytes=count)
+        except DiskFullError:
+            full.set()
+            raise
+
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), unit="shard",
                disable=not progress, dynamic_ncols=True)
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(download_file, f"{base_url.rstrip('/')}/{shard_name(i)}",
-                               out_dir / shard_name(i), retries=retries, backoff=backoff,
-                               timeout=timeout, on_bytes=count): i for i in todo}
+        futures = {pool.submit(fetch, i): i for i in todo}
         try:
             for fut in as_completed(futures):
                 try:
@@ -405,6 +411,7 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
                 if sizes and left:
                     _check_room(out_dir, sizes, left)
         except DiskFullError:
+            full.set()
             for f in futures:  # the ones not started; those in flight finish (or fail) first
                 f.cancel()
             raise

@@ -184,3 +184,9 @@ def test_library_request_errors_are_request_errors(tmp_path):
             case()
     with pytest.raises(FileNotFoundError):
         dataset.list_shards(tmp_path)
+
+
+def test_fmt_bytes_for_people():
+    from nanochat.common import fmt_bytes
+    assert [fmt_bytes(n) for n in (0, 999, 1000, 3_400_000, 9_186_000_000, 75.84e9)] == \
+        ["0 B", "999 B", "1 KB", "3 MB", "9.2 GB", "75.8 GB"]
