@@ -168,9 +168,6 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage.name, tag, base_dir)
     resume_at = resolve_resume(cfg.resume, ckpt_dir)
-    if cfg.resume == "auto":
-        print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
-               f" in {ckpt_dir}")
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)

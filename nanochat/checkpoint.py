@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat.common import barrier, fmt_bytes, get_base_dir
+from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 from nanochat.errors import RequestError
 
 SCHEMA_VERSION = 1
@@ -117,12 +117,15 @@ def valid_resume(value: str | None) -> bool:
     return value is None or value in ("latest", "auto") or value.isdigit()
 
 
-def resolve_resume(value: str | None, ckpt_dir) -> str | None:
-    """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh): what
-    a rerun of an interrupted stage wants (setup.sh passes it). Other values are returned as given."""
+def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:
+    """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh), and
+    says which: what a rerun of an interrupted stage wants (setup.sh passes it). Other values are
+    returned as given."""
     if value != "auto":
         return value
-    return "latest" if (Path(ckpt_dir) / LATEST_NAME).is_file() else None
+    found = (Path(ckpt_dir) / LATEST_NAME).is_file()
+    log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in {ckpt_dir}")
+    return "latest" if found else None
 
 
 def check_fresh_start(ckpt_dir, overwrite: bool, is_master: bool = True) -> None:

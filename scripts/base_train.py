@@ -236,9 +236,6 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
     resume, resume_at = None, resolve_resume(cfg.resume, ckpt_dir)
-    if cfg.resume == "auto":
-        print0(f"--resume auto: {'resuming the latest checkpoint' if resume_at else 'no checkpoint yet, starting'}"
-               f" in {ckpt_dir}")
     if resume_at is None:
         check_fresh_start(ckpt_dir, cfg.overwrite, rt.is_master)
     else:
