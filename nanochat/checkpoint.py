@@ -143,7 +143,7 @@ def check_fresh_start(ckpt_dir, overwrite: bool, is_master: bool = True) -> None
         for step in steps:
             shutil.rmtree(ckpt_dir / step_dirname(step))
         (ckpt_dir / LATEST_NAME).unlink(missing_ok=True)
-        print(f"--overwrite: deleted the checkpoints of steps {steps} in {ckpt_dir}")
+        print0(f"--overwrite: deleted the checkpoints of steps {steps} in {ckpt_dir}")
     barrier()
 
 
@@ -340,7 +340,9 @@ def _strip_compile_prefix(state: dict) -> dict:
 
 # ------------------------------------------------------------------------------------ disk space
 
-_SPACE_MARGIN = 1.02, 64 << 20   # a checkpoint needs its tensors' bytes, 2% + 64 MiB more (pickles, zip)
+def _needed(n: int) -> int:
+    """Disk a checkpoint of that many tensor bytes needs: 2% + 64 MiB more (pickles, zip records)."""
+    return int(n * 1.02) + (64 << 20)
 
 
 def tensor_bytes(obj) -> int:
@@ -375,7 +377,7 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
     cannot be written; when only some fit, says how many (a save that does not fit stops the run).
     With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning)."""
-    need = int(bytes_each * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
+    need = _needed(bytes_each)
     free = free_bytes(ckpt_dir)
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
@@ -408,7 +410,7 @@ def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:
 
 
 def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
-    need = int(sum(tensor_bytes(s) for s in states) * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]
+    need = _needed(sum(tensor_bytes(s) for s in states))
     free = free_bytes(staging)
     if free < need:
         raise CheckpointError(_no_room(staging, step, f"rank {rank} needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"))
