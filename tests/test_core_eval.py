@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanochat import core_eval
+from nanochat import core_data, core_eval
 from nanochat.core_eval import (CORE_LABELS, CORE_TASKS, CoreTask, centered_accuracy, core_metric,
                                 download_eval_bundle, evaluate_task, render_prompts, run_core_eval,
                                 score_sequences, tokenize_item)
@@ -68,7 +68,8 @@ def test_core_task_table_and_offline_coverage(shared_data):
     assert all(0 <= t.random_baseline < 1 for t in CORE_TASKS)
     by = {t.label: t for t in CORE_TASKS}
     assert by["boolq"].random_baseline == pytest.approx(0.62) and by["winogrande"].task_type == "schema"
-    sources, _ = core_eval._offline_sources(shared_data / "eval")
+    assert by["squad"].continuation_delimiter == by["coqa"].continuation_delimiter == " "  # as core.yaml
+    sources, _ = core_data._offline_sources(shared_data / "eval")
     offline = {t.label for t, _ in sources}
     assert set(CORE_LABELS) - offline == {"winograd", "agi_eval_lsat_ar"}
     for task, load in sources:  # every converted item has its type's fields
@@ -76,6 +77,11 @@ def test_core_task_table_and_offline_coverage(shared_data):
         need = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
                 "language_modeling": ("context", "continuation")}[task.task_type]
         assert all(k in item for k in need), task.label
+    for label in ("squad", "coqa"):  # offline prompts end "...\nAnswer: <answer>" like the bundle's
+        task, load = next((t, ld) for t, ld in sources if t.label == label)
+        item = load()[0]
+        ctx, cont = render_prompts(task, item, [])
+        assert (ctx[0] + cont[0]).endswith("\nAnswer: " + item["continuation"])
     lsid = next(t for t, _ in sources if t.label == "bigbench_language_identification")
     assert lsid.preamble.startswith("Given a sentence")
 
@@ -108,7 +114,7 @@ def test_tokenize_item_boundaries_and_truncation():
     (ids, start), = tokenize_item(tok, LM, ["hello there"], [" world"], max_len=100)
     assert ids[0] == 256 and bytes(ids[start:]).decode() == " world"
     seqs = tokenize_item(tok, SC, ["The sun", "The big moon"], [" shines."] * 2, max_len=100)
-    assert [bytes(i[s:]).decode() for i, s in seqs] == [" shines."] * 2
+    assert [bytes(i[s:]).decode() for i, s in seqs] == ["n shines."] * 2  # upstream: the whole common suffix
     (ids, start), = tokenize_item(tok, LM, ["x" * 50], [" tail"], max_len=20)
     assert len(ids) == 20 and bytes(ids[start:]).decode() == " tail"  # cut from the left
 
@@ -297,3 +303,47 @@ def test_bundle_download_and_eval(tmp_path, http_server):
     assert not (tmp_path / "b2").exists() and not (tmp_path / "b3").exists()
     with pytest.raises(FileNotFoundError, match="core.yaml"):
         run_core_eval(bigram({}), ByteTok(), "cpu", bundle_dir=tmp_path / "b2")
+
+
+# --- parity with upstream nanochat's CORE (each of these failed before the session-42 fixes) ---
+
+def test_lm_context_whitespace_is_trimmed():
+    """The bundle's squad/coqa contexts end in "Answer: " and use the " " delimiter: contexts are
+    trimmed (as upstream does) so one space, not two, precedes the answer, in shots and item."""
+    shot = {"context": "Q: 1+1?\nAnswer: ", "continuation": "2"}
+    ctx, cont = render_prompts(LM, {"context": " Q: 2+2?\nAnswer: ", "continuation": "4"}, [shot])
+    assert ctx[0] + cont[0] == "Q: 1+1?\nAnswer: 2\n\nQ: 2+2?\nAnswer: 4" and cont == [" 4"]
+
+
+def test_fewshot_examples_are_upstreams_draw(monkeypatch):
+    """Item idx's shots are random.Random(1234 + idx).sample(<the evaluated items but idx>, k)."""
+    import random
+
+    seen = []
+    real = core_eval.render_prompts
+    monkeypatch.setattr(core_eval, "render_prompts",
+                        lambda task, item, shots: seen.append((item, shots)) or real(task, item, shots))
+    data = [{"context": f"c{i}", "continuation": "x"} for i in range(40)]
+    task = CoreTask("lm", "language_modeling", 3, 0.0, " ")
+    evaluate_task(bigram({}), ByteTok(), task, data, "cpu", num_items=12)
+    assert len(seen) == 12
+    for item, shots in seen:
+        idx = int(item["context"][1:])
+        want = random.Random(1234 + idx).sample([j for j in range(12) if j != idx], 3)
+        assert [int(s["context"][1:]) for s in shots] == want
+    for n, idx in ((5000, 0), (5000, 4999), (7, 3)):  # the O(k) draw equals sampling the explicit list
+        assert core_eval.fewshot_indices(idx, n, 5) == random.Random(1234 + idx).sample(
+            [j for j in range(n) if j != idx], 5)
+    seen.clear()  # fewer items than shots: the shots come from the whole task (upstream would fail)
+    evaluate_task(bigram({}), ByteTok(), task, data, "cpu", num_items=2)
+    assert len(seen) == 2 and all(len(shots) == 3 and item not in shots for item, shots in seen)
+
+
+def test_mc_scores_after_the_choices_common_prefix():
+    """Tokens every choice shares after the context are not scored (upstream's common prefix), and
+    a choice that is a prefix of another still scores its last token."""
+    mc = CoreTask("mc", "multiple_choice", 0, 0.5, " ")
+    seqs = tokenize_item(ByteTok(), mc, ["Q:"] * 2, [" the sun", " the moon"], max_len=100)
+    assert [bytes(i[s:]).decode() for i, s in seqs] == ["sun", "moon"]
+    seqs = tokenize_item(ByteTok(), mc, ["Q:"] * 2, [" ab", " abc"], max_len=100)
+    assert [bytes(i[s:]).decode() for i, s in seqs] == ["b", "bc"]

@@ -1,0 +1,321 @@
+"""CORE's task table and data: the 22 DCLM tasks (type, shots, delimiter, random baseline), the DCLM
+eval bundle (download, core.yaml + eval_meta_data.csv), and the offline equivalents of 20 tasks built
+from the eval data dir (../shared/data/eval) with prompts of our own.
+
+`load_core_data()` reads every file before any model work, so a missing, malformed or empty file stops
+a run at once, naming it. Scoring lives in nanochat/core_eval.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.request
+import zipfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from nanochat.common import get_base_dir, print0
+from nanochat.errors import DataError, MissingDataError
+from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl
+
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+
+
+@dataclass(frozen=True)
+class CoreTask:
+    label: str
+    task_type: str                  # one of TASK_TYPES
+    num_fewshot: int
+    random_baseline: float          # fraction in [0, 1)
+    continuation_delimiter: str = " "
+    dataset_uri: str = ""           # path under the bundle's eval_data/
+    preamble: str = ""              # task instructions printed once before the few-shot examples
+
+
+def _t(label, kind, shots, baseline_pct, uri, delim=" "):
+    return CoreTask(label, kind, shots, baseline_pct / 100, delim, uri)
+
+
+_MC, _SC, _LM, _ANS = "multiple_choice", "schema", "language_modeling", "\nAnswer: "
+# The 22 CORE tasks: shots, delimiters and random baselines as in the DCLM core.yaml / eval_meta_data.csv.
+CORE_TASKS: tuple[CoreTask, ...] = (
+    _t("hellaswag_zeroshot", _MC, 0, 25, "language_understanding/hellaswag.jsonl"),
+    _t("jeopardy", _LM, 10, 0, "world_knowledge/jeopardy_all.jsonl", _ANS),
+    _t("bigbench_qa_wikidata", _LM, 10, 0, "world_knowledge/bigbench_qa_wikidata.jsonl"),
+    _t("arc_easy", _MC, 10, 25, "world_knowledge/arc_easy.jsonl", _ANS),
+    _t("arc_challenge", _MC, 10, 25, "world_knowledge/arc_challenge.jsonl", _ANS),
+    _t("copa", _MC, 0, 50, "commonsense_reasoning/copa.jsonl"),
+    _t("commonsense_qa", _MC, 10, 20, "commonsense_reasoning/commonsense_qa.jsonl"),
+    _t("piqa", _MC, 10, 50, "commonsense_reasoning/piqa.jsonl", _ANS),
+    _t("openbook_qa", _MC, 0, 25, "commonsense_reasoning/openbook_qa.jsonl"),
+    _t("lambada_openai", _LM, 0, 0, "language_understanding/lambada_openai.jsonl"),
+    _t("hellaswag", _MC, 10, 25, "language_understanding/hellaswag.jsonl"),
+    _t("winograd", _SC, 0, 50, "language_understanding/winograd_wsc.jsonl"),
+    _t("winogrande", _SC, 0, 50, "language_understanding/winogrande.jsonl"),
+    _t("bigbench_dyck_languages", _LM, 10, 0, "symbolic_problem_solving/bigbench_dyck_languages.jsonl"),
+    _t("agi_eval_lsat_ar", _MC, 3, 20, "symbolic_problem_solving/agi_eval_lsat_ar.jsonl"),
+    _t("bigbench_cs_algorithms", _LM, 10, 0, "symbolic_problem_solving/bigbench_cs_algorithms.jsonl"),
+    _t("bigbench_operators", _LM, 10, 0, "symbolic_problem_solving/bigbench_operators.jsonl"),
+    _t("bigbench_repeat_copy_logic", _LM, 10, 0, "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl"),
+    _t("squad", _LM, 10, 0, "reading_comprehension/squad.jsonl"),  # the bundle's contexts end in "Answer:"
+    _t("coqa", _LM, 0, 0, "reading_comprehension/coqa.jsonl"),
+    _t("boolq", _MC, 10, 62, "reading_comprehension/boolq.jsonl", _ANS),
+    _t("bigbench_language_identification", _MC, 10, 9.1, "language_understanding/bigbench_language_identification.jsonl"),
+)
+CORE_LABELS = tuple(t.label for t in CORE_TASKS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline tasks from ../shared/data/eval (schemas in ../shared/data/README.md)
+# ---------------------------------------------------------------------------------------------
+
+def _mc(query: str, choices, gold) -> dict:
+    return {"query": query, "choices": list(choices), "gold": int(gold)}
+
+
+def _lm(context: str, continuation: str) -> dict:
+    return {"context": context, "continuation": continuation}
+
+
+def _copa(r: dict) -> dict:
+    joiner = " because" if r["relation"] == "cause" else " therefore"
+    choices = [c[:1].lower() + c[1:] for c in r["choices"]]
+    return _mc(r["question"].rstrip(".") + joiner, choices, r["answer"])
+
+
+def _lambada(r: dict) -> dict:
+    context, _, last = r["text"].rstrip().rpartition(" ")
+    return _lm(context, last)
+
+
+def _winogrande(r: dict) -> dict:
+    before, _, after = r["question"].partition("_")
+    return {"context_options": [before + c for c in r["choices"]], "continuation": after.strip(), "gold": int(r["answer"])}
+
+
+def _coqa(r: dict) -> dict:
+    turns = "".join(f"Question: {h['question']}{_ANS}{h['answer']}\n\n" for h in r.get("history", []))
+    return _lm(f"{r['context']}\n\n{turns}Question: {r['question']}{_ANS.rstrip()}", r["answer"])
+
+
+def _bigbench_query(r: dict) -> str:
+    return (r.get("input_prefix", "").lstrip("\n") + r["input"] + r.get("output_prefix", "")).rstrip()
+
+
+def _bigbench_lm(r: dict) -> dict:
+    target = r["target"][0] if isinstance(r["target"], list) else r["target"]
+    return _lm(_bigbench_query(r), target)
+
+
+_HELLASWAG = ("hellaswag.jsonl", lambda r: _mc(f"{r['activity_label']}: {r['ctx']}", r["endings"], r["label"]))
+_OFFLINE: dict[str, tuple[str, Callable[[dict], dict]]] = {
+    "hellaswag_zeroshot": _HELLASWAG,
+    "hellaswag": _HELLASWAG,
+    "jeopardy": ("jeopardy.jsonl", lambda r: _lm(f"{r['category']}: {r['question']}", r["answer"])),
+    "bigbench_qa_wikidata": ("bigbench_qa_wikidata.jsonl", _bigbench_lm),
+    "arc_easy": ("arc_easy.jsonl", lambda r: _mc(f"Question: {r['question']}", r["choices"], r["answer"])),
+    "arc_challenge": ("arc_challenge.jsonl", lambda r: _mc(f"Question: {r['question']}", r["choices"], r["answer"])),
+    "copa": ("copa.jsonl", _copa),
+    "commonsense_qa": ("commonsenseqa.jsonl", lambda r: _mc(r["question"], r["choices"], r["answer"])),
+    "piqa": ("piqa.jsonl", lambda r: _mc(f"Question: {r['question']}", r["choices"], r["answer"])),
+    "openbook_qa": ("openbookqa.jsonl", lambda r: _mc(r["question"], r["choices"], r["answer"])),
+    "lambada_openai": ("lambada.jsonl", _lambada),
+    "winogrande": ("winogrande.jsonl", _winogrande),
+    "bigbench_dyck_languages": ("bigbench_dyck_languages.jsonl", _bigbench_lm),
+    "bigbench_cs_algorithms": ("bigbench_cs_algorithms.jsonl", _bigbench_lm),
+    "bigbench_operators": ("bigbench_operators.jsonl", _bigbench_lm),
+    "bigbench_repeat_copy_logic": ("bigbench_repeat_copy_logic.jsonl", _bigbench_lm),
+    "squad": ("squad.jsonl",
+              lambda r: _lm(f"Context: {r['context']}\nQuestion: {r['question']}{_ANS.rstrip()}", r["answer"])),
+    "coqa": ("coqa.jsonl", _coqa),
+    "boolq": ("boolq.jsonl", lambda r: _mc(f"Passage: {r['context']}\nQuestion: {r['question']}?", r["choices"], r["answer"])),
+    "bigbench_language_identification": ("bigbench_language_identification.jsonl",
+                                         lambda r: _mc(_bigbench_query(r), r["choices"], r["answer"])),
+}
+
+TaskSource = tuple[CoreTask, Callable[[], list[dict]] | None]  # None: listed but its data is absent
+
+
+def _offline_sources(data_dir=None) -> tuple[list[TaskSource], list[Path]]:
+    dirs = local_dirs("eval", data_dir)
+    sources = []
+    for task in CORE_TASKS:
+        if task.label not in _OFFLINE:
+            continue
+        filename, convert = _OFFLINE[task.label]
+        path = next((d / filename for d in dirs if (d / filename).is_file()), None)
+        if path is None:
+            continue
+        if task.label.startswith("bigbench"):  # the BIG-bench task instructions, once per prompt
+            first = read_jsonl_head(path)
+            pre = first.get("preamble", "").strip()
+            task = replace(task, preamble=pre + "\n\n" if pre else "")
+        sources.append((task, lambda p=path, c=convert, t=task: _enough(t, p, _convert(p, c))))
+    return sources, dirs
+
+
+def _enough(task: CoreTask, path: Path, records: list[dict]) -> list[dict]:
+    if len(records) <= task.num_fewshot:
+        raise DataError(f"CORE task {task.label} ({path}): {len(records)} records; its {task.num_fewshot}-shot "
+                        "prompts need more (an empty or truncated file? restore it, or delete it to skip the task)")
+    return records
+
+
+def _convert(path: Path, convert) -> list[dict]:
+    """The file's records in CORE's schema; DataError naming the file and record when one lacks a
+    field its task needs (e.g. a hellaswag line without 'endings')."""
+    out = []
+    for i, r in enumerate(read_jsonl(path), 1):
+        try:
+            out.append(convert(r))
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise DataError(f"{path}: record {i} does not have the fields this task needs "
+                            f"({type(e).__name__}: {e}); fix or delete that line") from None
+    return out
+
+
+def read_jsonl_head(path: Path) -> dict:
+    """The first record ({} for an empty file: its loader reports that); DataError if unreadable."""
+    with open(path, "rb") as f:
+        line = f.readline()
+    try:
+        head = json.loads(line) if line.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}:1: not a JSON object ({e}); fix or delete that line") from None
+    if not isinstance(head, dict):
+        raise DataError(f"{path}:1: not a JSON object; fix or delete that line")
+    return head
+
+
+# ---------------------------------------------------------------------------------------------
+# The DCLM bundle
+# ---------------------------------------------------------------------------------------------
+
+def _bundle_sources(bundle: Path) -> list[TaskSource]:
+    try:
+        import yaml  # noqa: PLC0415 - only needed for the bundle
+    except ImportError as e:
+        raise ImportError("reading the DCLM bundle's core.yaml needs PyYAML: pip install pyyaml") from e
+    config = yaml.safe_load((bundle / "core.yaml").read_text(encoding="utf-8"))
+    with open(bundle / "eval_meta_data.csv", encoding="utf-8") as f:
+        baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
+    sources = []
+    for entry in config["icl_tasks"]:
+        label = entry["label"]
+        if label not in baselines:
+            raise ValueError(f"{bundle}/eval_meta_data.csv has no 'Random baseline' for task {label!r}")
+        shots = entry["num_fewshot"]
+        task = CoreTask(label, entry["icl_task_type"], int(shots[0] if isinstance(shots, list) else shots),
+                        baselines[label], entry.get("continuation_delimiter", " "), entry["dataset_uri"])
+        if task.task_type not in TASK_TYPES:
+            raise ValueError(f"{bundle}/core.yaml task {label!r}: icl_task_type {task.task_type!r}; "
+                             f"accepted: {'|'.join(TASK_TYPES)}")
+        path = bundle / "eval_data" / task.dataset_uri
+        # a task whose file is absent gets no loader: reported as missing, not an error
+        sources.append((task, (lambda p=path, t=task: _enough(t, p, read_jsonl(p))) if path.is_file() else None))
+    return sources
+
+
+def default_bundle_dir() -> Path:
+    return Path(os.environ.get("NANOCHAT_EVAL_BUNDLE") or get_base_dir() / "eval_bundle")
+
+
+def _safe_extract(zf: zipfile.ZipFile, dest: Path) -> None:
+    root = dest.resolve()
+    for member in zf.namelist():
+        target = (dest / member).resolve()
+        if target != root and root not in target.parents:
+            raise ValueError(f"eval bundle zip: member {member!r} escapes the extraction dir")
+    zf.extractall(dest)
+
+
+def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = None, *,
+                         timeout: float = 60.0, retries: int = 3) -> Path:
+    """Download + unzip the DCLM eval bundle to dest (default <base_dir>/eval_bundle); atomic.
+
+    Returns dest when it already holds core.yaml. Raises RuntimeError after `retries` failed
+    downloads and ValueError for a zip that is not an eval bundle.
+    """
+    dest = Path(dest) if dest is not None else default_bundle_dir()
+    if (dest / "core.yaml").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".eval_bundle_") as tmp:
+        zpath = Path(tmp) / "bundle.zip"
+        for attempt in range(1, retries + 1):
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as resp, open(zpath, "wb") as f:
+                    shutil.copyfileobj(resp, f, length=1 << 20)
+                break
+            except OSError as e:  # URLError / HTTPError / timeouts are OSErrors
+                print0(f"eval bundle download attempt {attempt}/{retries} from {url} failed: {e}")
+                if attempt == retries:
+                    raise RuntimeError(f"could not download the eval bundle from {url}: {e}") from e
+                time.sleep(min(2 ** attempt, 10))
+        try:
+            with zipfile.ZipFile(zpath) as zf:
+                _safe_extract(zf, Path(tmp) / "x")
+        except zipfile.BadZipFile as e:
+            raise ValueError(f"eval bundle from {url} is not a zip file: {e}") from e
+        found = sorted(Path(tmp, "x").rglob("core.yaml"), key=lambda p: len(p.parts))
+        if not found or not (found[0].parent / "eval_meta_data.csv").is_file():
+            raise ValueError(f"eval bundle from {url} lacks core.yaml / eval_meta_data.csv")
+        if dest.exists():  # a partial earlier attempt without core.yaml
+            shutil.rmtree(dest)
+        os.replace(found[0].parent, dest)
+    print0(f"eval bundle ready at {dest}")
+    return dest
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and reading the data
+# ---------------------------------------------------------------------------------------------
+
+def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource], str]:
+    """The bundle when bundle_dir (or the default bundle dir) holds core.yaml, else offline files."""
+    bundle = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
+    if (bundle / "core.yaml").is_file():
+        return _bundle_sources(bundle), f"bundle:{bundle}"
+    if bundle_dir is not None:
+        raise MissingDataError(f"--bundle-dir: {bundle} has no core.yaml (run download_eval_bundle())")
+    sources, dirs = _offline_sources(data_dir)
+    if not sources:
+        raise DataUnavailableError(
+            f"no CORE data: no DCLM bundle at {bundle} (nanochat.core_eval.download_eval_bundle() fetches "
+            f"{EVAL_BUNDLE_URL}) and no offline eval files in {[str(d) for d in dirs]}")
+    return sources, "offline:" + ",".join(str(d) for d in dirs)
+
+
+@dataclass
+class CoreData:
+    """The records of every CORE task that will run, read before any model work."""
+    source: str                                   # "bundle:<dir>" or "offline:<dirs>"
+    wanted: list[str]                             # the labels asked for (the 22, or `tasks`)
+    tasks: list[tuple[CoreTask, list[dict]]]      # those with data, in CORE order
+
+
+def load_core_data(*, tasks=None, data_dir=None, bundle_dir=None) -> CoreData:
+    """Find and read the data of `tasks` (default: all 22) now, so that a missing, malformed or empty
+    file stops a run with one line (MissingDataError / DataError naming it) before the model loads;
+    a task whose file is absent is left out and reported as missing."""
+    sources, source = resolve_sources(data_dir=data_dir, bundle_dir=bundle_dir)
+    known = {t.label for t, _ in sources} | set(CORE_LABELS)
+    wanted = list(CORE_LABELS) if tasks is None else list(tasks)
+    bad = [t for t in wanted if t not in known]
+    if bad:
+        raise ValueError(f"--tasks: got {bad}; accepted: {'|'.join(sorted(known))}")
+    loaded = []
+    for task, load in sources:
+        if task.label not in wanted or load is None:
+            continue
+        loaded.append((task, load()))   # load(): DataError for a malformed or too short file
+    return CoreData(source, wanted, loaded)
