@@ -52,7 +52,7 @@ def test_gsm8k_tool_calls_and_answers(shared_data):
                      {"type": "python_output", "text": "18"}, {"type": "text", "text": "18 a day.\n#### 18"}]
     assert solution_to_parts("odd <<oops>> text")[0]["text"] == "odd <<oops>> text"  # no '=': kept as text
     assert extract_answer("so #### 1,234") == "1234" and extract_answer("#### -7.5.") == "-7.5"
-    assert extract_answer("#### 3 then #### 4") == "4" and extract_answer("no marker 5") is None
+    assert extract_answer("#### 3 then #### 4") == "3" and extract_answer("no marker 5") is None
     gsm = GSM8K(data_dir=shared_data)
     conv = gsm[0]
     kinds = [p["type"] for p in conv["messages"][1]["content"]]
@@ -100,6 +100,15 @@ def test_humaneval_through_the_sandbox(shared_data):
     program = extract_program("def has_close_elements(numbers, threshold):\n    return False\n", conv["prompt"],
                               "has_close_elements")
     assert program.startswith("from typing import List")  # imports kept when the model redefines
+
+
+def test_humaneval_keeps_the_prompts_helpers(shared_data):
+    """HumanEval/10's prompt defines is_palindrome, which make_palindrome needs: a completion that
+    writes only the entry point must still see the prompt's helper (and imports)."""
+    conv = HumanEval(data_dir=shared_data)[10]
+    assert conv["entry_point"] == "make_palindrome" and "def is_palindrome" in conv["prompt"]
+    solution = conv["messages"][1]["content"][len(conv["prompt"]):]
+    assert HumanEval(data_dir=shared_data).evaluate(conv, "def make_palindrome(string: str) -> str:\n" + solution)
 
 
 def test_spelling_bee_is_generated_deterministically(shared_data):

@@ -47,11 +47,11 @@ def solution_to_parts(solution: str) -> list[dict]:
 
 
 def extract_answer(text: str) -> str | None:
-    """The number after the last '####' (commas removed), or None when there is none."""
-    matches = _ANSWER.findall(text)
-    if not matches:
-        return None
-    return matches[-1].replace(",", "").rstrip(".")
+    """The number after the first '####' (commas removed), or None when there is none. The first,
+    as OpenAI's grade-school-math grader and upstream nanochat read it: a completion that runs on
+    past its answer (e.g. into another "#### N") is scored on the answer it gave first."""
+    m = _ANSWER.search(text)
+    return m.group(1).replace(",", "").rstrip(".") if m else None
 
 
 def answers_match(pred: str | None, gold: str | None) -> bool:

@@ -16,17 +16,17 @@ _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re
 
 
 def extract_program(completion: str, prompt: str, entry_point: str) -> str:
-    """The code to run: the first fenced block if any, else the raw completion.
+    """The code to run: the prompt, then the first fenced block if any, else the raw completion.
 
-    If the completion is only a function body (no `def entry_point`), the prompt is prepended; if it
-    defines the function itself, the prompt's imports are prepended (models often drop them).
+    The prompt always comes first (as in the official HumanEval harness): it carries the imports
+    and any helper functions the entry point uses (HumanEval/10, 32, 38, 50). A completion that
+    defines `entry_point` itself simply redefines the prompt's docstring-only stub.
     """
     m = _FENCE.search(completion)
     code = m.group(1) if m else completion
     if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE) is None:
-        return prompt + code
-    imports = [ln for ln in prompt.splitlines() if ln.startswith(("import ", "from "))]
-    return "\n".join(imports) + "\n\n" + code if imports else code
+        return prompt + code  # a function body continues the prompt's signature
+    return prompt.rstrip("\n") + "\n\n\n" + code
 
 
 class HumanEval(Task):
