@@ -30,16 +30,20 @@ on a tag whose run is alive is refused; a pid file of a dead run is cleaned up. 
 validated (scripts.base_train's own checks) before anything starts.
 
 Run options (not passed to base_train):
-  --nproc N        run under 'torchrun --standalone --nproc_per_node N' (default 1: plain python)
+  --nproc N        run under 'torchrun --standalone --nproc_per_node N' (default 1: plain python);
+                   TORCH_ELASTIC_SHUTDOWN_TIMEOUT defaults to 3600 there, so that a Ctrl-C or a
+                   scheduler's SIGTERM to torchrun leaves the workers time to save
   --base-dir DIR   artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat; exported
                    to the run as NANOCHAT_BASE_DIR)
 Modes:
   --status         report every run (or --model-tag's): running or not, pid, last step, log tail;
                    exit 0 if the (single) run asked about is running, 3 if not
-  --stop           SIGTERM the run's process group, wait --timeout seconds (default 600), then
-                   SIGKILL; without --model-tag, stops the only running run. On SIGTERM the
-                   training loop finishes its step and saves a checkpoint first (d20: seconds
-                   to a minute or two), so `--resume latest` continues where it stopped
+  --stop           SIGTERM the run (under torchrun: its worker processes, so that torchrun's own
+                   SIGTERM -> SIGKILL wait does not apply), wait --timeout seconds (default
+                   600), then SIGKILL everything the run started; without --model-tag, stops
+                   the only running run. On SIGTERM the training loop finishes its step and
+                   saves a checkpoint first (d20: seconds to a minute or two), so
+                   `--resume latest` continues where it stopped
   --lines N        log lines shown by --status (default 10)
   -h, --help       this text
 Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
@@ -97,6 +101,20 @@ run_alive() {  # pid -> 0 if that process exists and is one of our training runs
   [[ "$args" == *scripts.base_train* ]]
 }
 read_pid() { [[ -f "$1/pid" ]] && tr -dc '0-9' < "$1/pid" || true; }
+descendants() {  # pid -> every process below it, parents first (ps --ppid walks one level)
+  local todo=("$1") p c
+  while [[ ${#todo[@]} -gt 0 ]]; do
+    p="${todo[0]}"; todo=("${todo[@]:1}")
+    for c in $(ps -o pid= --ppid "$p" 2>/dev/null || true); do echo "$c"; todo+=("$c"); done
+  done
+}
+torchrun_workers() {  # pid -> the workers below it: torchrun starts each in a session of its own
+  local c
+  for c in $(descendants "$1"); do
+    [[ "$(ps -o sid= -p "$c" 2>/dev/null | tr -d ' ')" == "$c" ]] && echo "$c"
+  done
+  return 0
+}
 last_step() {  # log -> "step N/M" of the last step line, or "none yet"
   local line
   line="$(grep -aoE '^step [0-9]+/[0-9]+' "$1" 2>/dev/null | tail -n1 || true)"
@@ -153,13 +171,27 @@ if [[ "$MODE" == stop ]]; then
     [[ -n "$pid" ]] && rm -f "$dir/pid"
     say "[$TAG] is not running${pid:+ (removed the stale pid file of pid $pid)}"; exit 0
   fi
-  say "[$TAG] sending SIGTERM to process group $pid; waiting up to ${TIMEOUT} s (the run saves a checkpoint first)"
-  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  # Under torchrun the workers get the SIGTERM themselves: signalled, torchrun would pass it on
+  # and SIGKILL them 30 s later (its default), which a step plus a save can outlast. Once they
+  # have saved and exited, torchrun ends by itself. Without workers (one process, or torchrun
+  # still starting them) the process group gets it.
+  workers=($(torchrun_workers "$pid"))
+  if [[ ${#workers[@]} -gt 0 ]]; then
+    say "[$TAG] sending SIGTERM to the ${#workers[@]} torchrun workers (${workers[*]}); waiting up to ${TIMEOUT} s (the run saves a checkpoint first)"
+    kill -TERM "${workers[@]}" 2>/dev/null || true
+  else
+    say "[$TAG] sending SIGTERM to process group $pid; waiting up to ${TIMEOUT} s (the run saves a checkpoint first)"
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  fi
   deadline_ns=$(( $(date +%s%N) + TIMEOUT * 1000000000 ))
   while run_alive "$pid" && (( $(date +%s%N) < deadline_ns )); do sleep 0.2; done
   if run_alive "$pid"; then
     say "[$TAG] still alive after ${TIMEOUT} s: sending SIGKILL"
+    # the process group, and every process below the run (torchrun's workers sit in sessions of
+    # their own, and would outlive a dead torchrun holding their GPUs)
+    below=($(descendants "$pid"))
     kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+    [[ ${#below[@]} -gt 0 ]] && { kill -KILL "${below[@]}" 2>/dev/null || true; }
     for _ in $(seq 50); do run_alive "$pid" || break; sleep 0.1; done
     run_alive "$pid" && die "[$TAG] pid $pid survived SIGKILL"
   fi
@@ -206,6 +238,9 @@ if [[ -n "$pid" ]]; then
 fi
 
 if (( NPROC > 1 )); then
+  # torchrun SIGKILLs its workers this long after passing a Ctrl-C / SIGTERM on (torch versions
+  # with --shutdown-timeout; 30 s otherwise): the loop finishes its step and saves first
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}"
   launcher=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m scripts.base_train)
 else
   launcher=("$PYTHON" -m scripts.base_train)
@@ -214,7 +249,7 @@ cmd=("${launcher[@]}" "${TRAIN_ARGS[@]}")
 printf '%q ' "${cmd[@]}" | sed 's/ $//' > "$dir/cmd"
 rm -f "$dir/exit_code"
 { echo "==> run_train.sh started at $(date -u +%FT%TZ) on $(hostname): $(cat "$dir/cmd")"; } >> "$dir/train.log"
-# setsid: the run leads its own process group (so --stop reaches torchrun's workers too) and the
+# setsid: the run leads its own process group (--stop signals it, or torchrun's workers) and the
 # wrapper shell writes its pid before exec'ing nothing else: `$$` is the group id we signal. The
 # wrapper traps TERM (a no-op: children get the default back) so that it outlives the SIGTERM the
 # whole group gets and --stop waits while the training loop saves its checkpoint.

@@ -16,6 +16,8 @@ micro-batches.
   the root. MuonAdamW (optim.py) detects DTensor parameters, takes the already reduce-scattered
   gradients, and all-gathers each Muon stack for the orthogonalisation. `model.state_dict()`
   returns full (gathered) tensors, so rank 0 can save an ordinary model.pt.
+* `torchrun_stop_grace` says how long torchrun lets its workers run after passing a stop signal
+  on (then SIGKILL): a graceful stop (loop.py) needs the step in flight plus a checkpoint save.
 * `StridedMicroBatches` deals micro-batches of one global stream to ranks (rank r gets items
   r, r+W, ...): W ranks x accumulation k then see exactly the batches 1 rank x accumulation W*k
   sees, which makes loss-equivalence checks across world sizes exact up to float reordering.
@@ -34,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
+TORCHRUN_DEFAULT_GRACE_S = 30      # torchrun's SIGTERM -> SIGKILL wait when nothing sets it
+STOP_GRACE_S = 3600                # what run_train.sh / launch_multinode.sh ask torchrun for
 JUMBO_MTU = 9000
 _barrier_counter = itertools.count()
 
@@ -272,6 +276,52 @@ def _spawned_selftest(rank: int, world: int, port: int, sizes: list[int], timeou
             Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the last `--name V` / `--name=V` in argv (None: absent)."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def _parent_argv() -> list[str]:
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:                      # not Linux, or the parent is gone
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def torchrun_stop_grace(env: Mapping[str, str] | None = None,
+                        parent_argv: list[str] | None = None) -> tuple[int, str] | None:
+    """Under torchrun (None otherwise): the seconds torchrun waits after passing a SIGTERM or
+    Ctrl-C on to its workers before it SIGKILLs them, and where that number comes from.
+
+    A graceful stop finishes the step in flight, then saves: a d20 step on a Spark alone takes
+    ~30 s, torchrun's fixed wait until torch added `--shutdown-timeout` /
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT (pytorch/pytorch#172596; the installed torch is asked whether
+    its LaunchConfig has the field). The worker's parent is torchrun itself, so its command line
+    shows the flag; the environment variable is inherited."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return TORCHRUN_DEFAULT_GRACE_S, f"fixed in torch {torch.__version__}'s torchrun"
+    argv = _parent_argv() if parent_argv is None else parent_argv
+    for raw, source in ((_flag_value(argv, ("--shutdown-timeout", "--shutdown_timeout")), "torchrun --shutdown-timeout"),
+                        (env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")):
+        if raw is not None and raw.strip().isdigit():
+            return int(raw), source
+    return TORCHRUN_DEFAULT_GRACE_S, "torchrun's default"
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -84,7 +85,9 @@ def script_main(name: str, check, run) -> None:
 
 
 def _exit_with_error(name: str, error: Exception) -> None:
-    print(f"{name}: error: {error}", file=sys.stderr)
+    # a stop (exit_code set) is the same on every rank: say it once, from rank 0
+    if not hasattr(error, "exit_code") or os.environ.get("RANK", "0") == "0":
+        print(f"{name}: error: {error}", file=sys.stderr)
     sys.exit(getattr(error, "exit_code", 2))   # 2, or e.g. 143 for a run stopped by SIGTERM
 
 

@@ -16,7 +16,8 @@ SIGTERM (run_train.sh --stop, torchrun passing a stop on, a scheduler) or a firs
 run gracefully: the step in flight finishes, a checkpoint is saved at the next step index (as a
 periodic save would be; every rank agrees on the step), and StopRequested ends the script with one
 line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A
-second Ctrl-C interrupts at once.
+second Ctrl-C interrupts at once. Under torchrun, which SIGKILLs its workers a fixed time after
+passing a stop on (30 s unless set), the loop's first line says how long that is.
 """
 
 from __future__ import annotations
@@ -100,6 +101,27 @@ def _stop_signals():
             signal.signal(sig, old)
 
 
+def _announce_stop_grace() -> None:
+    """Under torchrun: one line with the time torchrun gives a stop before SIGKILL, and what to
+    set where that is torchrun's 30 s (a step plus a save can outlast it)."""
+    from nanochat.distributed import STOP_GRACE_S, TORCHRUN_DEFAULT_GRACE_S, torchrun_stop_grace
+
+    grace = torchrun_stop_grace()
+    if grace is None:
+        return
+    seconds, source = grace
+    line = f"stop signals: torchrun SIGKILLs the workers {seconds} s after passing one on ({source})"
+    if seconds <= TORCHRUN_DEFAULT_GRACE_S:
+        hint = ("; the stop's save may be cut short (the last periodic checkpoint stays): "
+                f"launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S} (run_train.sh and "
+                "launch_multinode.sh do)")
+        if source.startswith("fixed"):
+            hint = ("; the stop's save may be cut short (the last periodic checkpoint stays): "
+                    "`./run_train.sh --stop` signals the workers themselves and is not bound by it")
+        line += hint
+    print0(line)
+
+
 def _agreed_stop(got: list[int]) -> int:
     """The signal number every rank acts on (0: none): the largest any rank received, so all ranks
     stop at the same step index (one small all-reduce per step under torch.distributed)."""
@@ -180,6 +202,8 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     report = spec.report and spec.is_master
     kept = [Path(spec.resumed_from)] if spec.resumed_from is not None else []   # candidates for --keep-last
     step = start_step
+    if spec.is_master:
+        _announce_stop_grace()
     with _stop_signals() as signals:
         while True:
             last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)

@@ -120,7 +120,11 @@ PY=${PYTHON:-}
 if [[ -z $PY ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0)
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torchrun waits this long after passing a Ctrl-C / SIGTERM on
+# before it SIGKILLs the workers (30 s by default), and a graceful stop finishes a step (~30 s at
+# d20 on a Spark) and saves first
+ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0
+          TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}")
 [[ -n $HCA ]] && ENV_VARS+=(NCCL_IB_HCA="$HCA")
 [[ -n ${NCCL_DEBUG:-} ]] && ENV_VARS+=(NCCL_DEBUG="$NCCL_DEBUG")
 TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"

@@ -261,6 +261,7 @@ def test_launch_multinode_dry_run(tmp_path):
     lines = r.stdout.splitlines()
     assert "export NCCL_SOCKET_IFNAME=enp1s0f1np1" in lines and "export NCCL_NVLS_ENABLE=0" in lines
     assert "export NCCL_IB_HCA=roceP2p1s0f1,rocep1s0f1" in lines  # both halves; the down port left out
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=3600" in lines   # the stop's save outlasts torchrun's 30 s
     assert lines[-1].split() == ["python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1",
                                  "--nproc_per_node=1", "--master_addr=10.0.0.1", "--master_port=29500",
                                  "-m", "scripts.base_train", "--depth", "20"]
@@ -288,6 +289,36 @@ def test_launch_multinode_dry_run(tmp_path):
 def test_launch_multinode_argument_errors(tmp_path, args, message):
     r = _launch([*args, "--dry-run"], _fake_sysfs(tmp_path))
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_torchrun_stop_grace(monkeypatch):
+    """How long torchrun lets a stop run before SIGKILL: its flag (seen in the parent's command
+    line) before the environment before its 30 s default; None outside torchrun."""
+    from torch.distributed.launcher import api as launcher_api
+
+    from nanochat.distributed import torchrun_stop_grace
+    run = {"TORCHELASTIC_RUN_ID": "x"}
+    argv = ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "scripts.base_train"]
+    assert torchrun_stop_grace({}, argv) is None
+
+    @dataclasses.dataclass
+    class NewLaunchConfig:        # torch >= the one with --shutdown-timeout (pytorch#172596)
+        shutdown_timeout: int | None = None
+    monkeypatch.setattr(launcher_api, "LaunchConfig", NewLaunchConfig)
+    assert torchrun_stop_grace(run, argv) == (30, "torchrun's default")
+    assert torchrun_stop_grace({**run, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}, argv) == \
+        (900, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert torchrun_stop_grace({**run, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, argv) == (30, "torchrun's default")
+    for flag in (["--shutdown-timeout", "120"], ["--shutdown_timeout=120"]):
+        assert torchrun_stop_grace({**run, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}, argv[:3] + flag + argv[3:]) == \
+            (120, "torchrun --shutdown-timeout")
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:        # a torch whose torchrun has no shutdown timeout
+        min_nodes: int = 1
+    monkeypatch.setattr(launcher_api, "LaunchConfig", OldLaunchConfig)
+    seconds, source = torchrun_stop_grace({**run, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}, argv)
+    assert seconds == 30 and source.startswith("fixed in torch")
 
 
 # ------------------------------------------------------------------ CLIs under torchrun / spawn

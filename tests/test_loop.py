@@ -125,14 +125,25 @@ def test_a_stop_signal_finishes_the_step_saves_and_stops(tmp_path, signame):
     assert signal.getsignal(signum) == before
 
 
-def test_a_stopped_script_exits_128_plus_the_signal(capsys):
+def test_a_stopped_script_exits_128_plus_the_signal(capsys, monkeypatch):
+    """Exit 128 + signal; the line is said by rank 0 only (every rank stops at the same step),
+    while other errors are printed by whichever rank meets them."""
+    from nanochat.errors import RequestError
     from nanochat.flags import script_main
     from nanochat.loop import StopRequested
 
     def run():
         raise StopRequested("stopped by SIGTERM at step 4 of 10: ...", signal.SIGTERM)
 
+    for rank, said in (("0", "base_train: error: stopped by SIGTERM at step 4 of 10: ...\n"), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            script_main("base_train", lambda: None, run)
+        assert info.value.code == 143
+        assert capsys.readouterr().err == said
+
+    def bad():
+        raise RequestError("--device cuda: no GPU")
     with pytest.raises(SystemExit) as info:
-        script_main("base_train", lambda: None, run)
-    assert info.value.code == 143
-    assert capsys.readouterr().err == "base_train: error: stopped by SIGTERM at step 4 of 10: ...\n"
+        script_main("base_train", lambda: None, bad)
+    assert info.value.code == 2 and capsys.readouterr().err == "base_train: error: --device cuda: no GPU\n"

@@ -1,6 +1,7 @@
 """run_train.sh through bash, with real scripts.base_train runs (depth 1, CPU, the tiny corpus):
 start in the background, refuse a duplicate on the same tag, --status, --stop (SIGTERM then
-SIGKILL after --timeout), stale pid files, a run that finishes by itself, and bad flags."""
+SIGKILL after --timeout; under torchrun, its workers), stale pid files, a run that finishes by
+itself, and bad flags."""
 
 from __future__ import annotations
 
@@ -130,6 +131,77 @@ def test_stop_escalates_to_sigkill(run, base_dir):
     assert stop.returncode == 0, stop.stderr
     assert "SIGKILL" in stop.stdout and time.time() - t0 >= 2
     assert not _alive(pid)
+
+
+def _session_leaders_below(pid: int) -> list[int]:
+    """Processes below pid that lead a session of their own: torchrun's workers."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(fields[1]), int(fields[3]))   # ppid, session id
+    below, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [p for p, (ppid, _) in stats.items() if ppid == parent]
+        below += children
+        todo += children
+    return sorted(p for p in below if stats[p][1] == p)
+
+
+TORCHRUN = ["--nproc", "2", *TINY, "--total-batch-size", "512", "--eval-tokens", "512"]   # 2 ranks x 4 x 64 tokens
+
+
+def test_stop_under_torchrun(run, base_dir):
+    """--nproc 2: --stop sends SIGTERM to torchrun's workers themselves (not to torchrun, which
+    would SIGKILL them 30 s later by default); both ranks save at the same step and exit, and
+    torchrun ends by itself. The loop's first lines say how long torchrun would wait."""
+    tag = "tr"
+    log = base_dir / "runs" / tag / "train.log"
+    r = run(*TORCHRUN, *run.data, "--num-iterations", "100000", "--model-tag", tag)
+    assert r.returncode == 0, r.stderr
+    pid = _pid(base_dir, tag)
+    _wait_for(lambda: re.search(r"^step 0*3/", log.read_text(), re.M), 240, "step 3 in the log")
+    workers = _session_leaders_below(pid)
+    assert len(workers) == 2, workers
+    stop = run("--stop", "--model-tag", tag, "--timeout", "120")
+    assert stop.returncode == 0, stop.stderr
+    assert f"sending SIGTERM to the 2 torchrun workers ({' '.join(map(str, workers))})" in stop.stdout
+    assert not _alive(pid) and not any(_alive(w) for w in workers)
+    text = log.read_text()
+    assert ("stop signals: torchrun SIGKILLs the workers 3600 s after passing one on "
+            "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT)") in text
+    m = re.search(r"base_train: error: stopped by SIGTERM at step (\d+) of 100000: checkpoint (\S+) saved", text)
+    assert m, text[-3000:]
+    assert text.count("base_train: error: stopped by SIGTERM") == 1   # said once, by rank 0
+    assert "death signal" not in text           # torchrun itself was never signalled
+    names = {f.name for f in Path(m.group(2)).iterdir()}
+    assert {"model.pt", "optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"} <= names
+
+
+def test_sigkill_reaches_torchrun_workers(run, base_dir):
+    """A torchrun run whose workers do not stop is SIGKILLed after --timeout, workers included:
+    they lead sessions of their own, outside the run's process group, and would otherwise be
+    orphans holding their GPUs."""
+    tag = "tr_stuck"
+    r = run(*TORCHRUN, *run.data, "--num-iterations", "100000", "--model-tag", tag)
+    assert r.returncode == 0, r.stderr
+    pid = _pid(base_dir, tag)
+    workers = []
+
+    def started():
+        workers[:] = _session_leaders_below(pid)
+        return len(workers) == 2
+    _wait_for(started, 120, "torchrun's 2 workers")
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)              # signals stay pending: only SIGKILL ends them
+    stop = run("--stop", "--model-tag", tag, "--timeout", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert "SIGKILL" in stop.stdout
+    _wait_for(lambda: not any(_alive(w) for w in workers) and not _alive(pid), 10, "every process to end")
 
 
 def test_stale_pid_and_finished_run(run, base_dir):
