@@ -209,9 +209,11 @@ if [[ -z "$TAG" ]]; then
     TAG="d$DEPTH"
   else TAG="d20"; fi
 fi
-# base_train's own validation (flag names, batch arithmetic, devices) before anything starts.
+# base_train's own validation (flag names, batch arithmetic over --nproc ranks, devices) before
+# anything starts.
 export NANOCHAT_BASE_DIR="$BASE_DIR"
-(cd "$REPO" && "$PYTHON" - "${TRAIN_ARGS[@]}" <<'EOF'
+rank_env=(WORLD_SIZE="$NPROC"); (( NPROC > 1 )) && rank_env+=(RANK=0)   # as torchrun will set them
+(cd "$REPO" && env "${rank_env[@]}" "$PYTHON" - "${TRAIN_ARGS[@]}" <<'EOF'
 import sys
 from scripts.base_train import parse_config
 try:

@@ -233,6 +233,9 @@ def test_stale_pid_and_finished_run(run, base_dir):
 @pytest.mark.parametrize("args, flag", [
     (["--kernel", "cudnn"], "--kernel"),                 # base_train's own validation, before nohup
     (["--nproc", "0"], "--nproc"),
+    (["--nproc", "2", *TINY], "--eval-tokens"),          # 256 tokens: less than 2 ranks x 4 x 64
+    (["--nproc", "2", *TINY, "--eval-tokens", "512"], "--total-batch-size"),   # the same for the batch
+    (["--fsdp"], "--fsdp"),                              # needs torchrun: --nproc 2
     (["--stop", "--timeout", "soon"], "--timeout"),
     (["--status", "--lines", "-1"], "--lines"),
     (["--status", "--depth", "4"], "--status"),
