@@ -27,37 +27,29 @@ the sums load unchecked.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import mmap
 import os
-import pickle
 import platform as _pyplatform
 import re
 import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
-from nanochat.errors import RequestError
+# CheckpointError, list_steps and step_dirname are part of this module's interface too
+from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, start_check,
+                                    step_dirname, write_json)
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
 LATEST_NAME = "latest.json"
 META_NAME = "meta.json"
 MODEL_NAME = "model.pt"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RequestError):
-    """A checkpoint is missing, incomplete or incompatible; the message names the path: a
-    RequestError, so the scripts print it as one line."""
 
 
 # ------------------------------------------------------------------------------------ paths
@@ -70,19 +62,6 @@ def checkpoint_dir(phase: str, model_tag: str, base_dir: str | Path | None = Non
         raise ValueError(f"--model-tag: got {model_tag!r}; accepted: letters, digits, '_', '-', '.'")
     base = Path(base_dir) if base_dir is not None else get_base_dir()
     return base / "checkpoints" / phase / model_tag
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_steps(ckpt_dir: str | Path) -> list[int]:
-    """Complete checkpoint steps in ckpt_dir, ascending (partial directories are ignored)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in ckpt_dir.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
-    return sorted(steps)
 
 
 def read_latest(ckpt_dir: str | Path) -> int:
@@ -155,152 +134,8 @@ def remove_checkpoint(ckpt_dir, step: int) -> None:
     path = ckpt_dir / step_dirname(step)
     trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
     os.replace(path, trash)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
     shutil.rmtree(trash, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------ atomic IO
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems do not allow opening directories; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Any], None], *, written: Callable[[Path], Any] | None = None) -> None:
-    """Write `path` via a same-directory temp file, fsync, os.replace; the temp is removed on error.
-    `written(tmp)` is called once the bytes are in the file, before the fsync (e.g. to hash them)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if written is not None:
-                written(tmp)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True, default=str).encode()))
-
-
-# The sums are hashed on helper threads next to the IO that dominates a checkpoint: a save hashes
-# each file (from the page cache, through a read-only mmap: one hashlib call, which releases the
-# GIL for all of it) while fsync flushes it and the next file is written; a load hashes while
-# torch.load reads. Hashing after the IO, as before, added ~45% to a d20 save (9.2 GB) and ~130%
-# to its load on an H200 box (scripts/bench_checkpoint.py).
-
-
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """The helper threads, made on first use; a forked child makes its own (its copy of the
-    parent's executor has no threads, and would queue work that never runs)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-sha256"))
-    return _POOL[1]
-
-
-def _file_sum(f) -> dict:
-    """{"bytes", "sha256"} of an open binary file (closed after); the path may have moved since."""
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        sha = hashlib.sha256()
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                sha.update(view)
-        return {"bytes": size, "sha256": sha.hexdigest()}
-
-
-def _sha256(path: Path) -> str:
-    return _file_sum(open(path, "rb"))["sha256"]
-
-
-def _torch_save(path: Path, obj) -> Future:
-    """Write `obj` atomically; returns a future of its {"bytes", "sha256"}, hashed during the fsync."""
-    hashing = []
-    atomic_write(path, lambda f: torch.save(obj, f),
-                 written=lambda tmp: hashing.append(_hash_pool().submit(_file_sum, open(tmp, "rb"))))
-    return hashing[0]
-
-
-def _saved_sum(path: Path, rank: int) -> dict | None:
-    """What sums_rank<R>.json recorded for `path` (None: a checkpoint from before the sums)."""
-    sums_path = path.parent / f"sums_rank{rank}.json"
-    if not sums_path.is_file() or not path.is_file():
-        return None
-    try:
-        want = json.loads(sums_path.read_text())[path.name]
-        if not isinstance(want, dict):
-            raise TypeError(f"{path.name}: {want!r}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e})") from e
-    return want
-
-
-def _damaged(path: Path, want: dict) -> CheckpointError:
-    others = [s for s in list_steps(path.parent.parent) if step_dirname(s) != path.parent.name]
-    return CheckpointError(f"{path}: the file differs from the one saved ({path.stat().st_size:,} bytes, "
-                           f"{want.get('bytes'):,} when saved, or another sha256): damaged on disk; "
-                           f"use another step ({others or 'none on disk'})")
-
-
-def _start_check(path: Path, rank: int) -> tuple[dict, Future] | None:
-    """Refuse a file whose size differs from its sums and start hashing it on a helper thread
-    (None: a checkpoint from before the sums, or a missing file, which torch.load reports)."""
-    want = _saved_sum(path, rank)
-    if want is None:
-        return None
-    if path.stat().st_size != want.get("bytes"):
-        raise _damaged(path, want)
-    return want, _hash_pool().submit(_file_sum, open(path, "rb"))
-
-
-def _torch_load(path: Path, device, rank: int = 0, check: tuple[dict, Future] | None = None) -> Any:
-    """torch.load(weights_only=True) of a file that must match its saved size and sha256. The hash
-    runs on a helper thread while torch.load reads the same file (`check`: one started earlier,
-    by _start_check); what was loaded is returned only if the hash matches."""
-    check = check or _start_check(path, rank)
-    if check is None:
-        return _load(path, device)
-    want, hashing = check
-    try:
-        obj = _load(path, device)
-    except CheckpointError:
-        if hashing.result()["sha256"] != want.get("sha256"):
-            raise _damaged(path, want) from None   # the cause, not torch's view of its symptom
-        raise
-    if hashing.result()["sha256"] != want.get("sha256"):
-        del obj
-        raise _damaged(path, want)
-    return obj
-
-
-def _load(path: Path, device) -> Any:
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file missing from the checkpoint") from None
-    except pickle.UnpicklingError as e:  # weights_only refused a pickled global (or a corrupt file)
-        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
-        raise CheckpointError(f"{path}: cannot read with weights_only=True ({first})") from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -460,8 +295,8 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
                      "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "has_optimizer": optimizer_state is not None}
-        _write_json(staging / META_NAME, full_meta)
-        _fsync_dir(staging)
+        write_json(staging / META_NAME, full_meta)
+        fsync_dir(staging)
         if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
             trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
             os.replace(final, trash)
@@ -469,8 +304,8 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(staging, final)
-        _fsync_dir(ckpt_dir)
-        _write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
+        fsync_dir(ckpt_dir)
+        write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
     barrier()
     return final
 
@@ -482,14 +317,14 @@ def _write_rank_files(staging: Path, step: int, rank: int, model_state, optimize
     _check_space(staging, states, rank, step)
     sums = {}   # size and sha256 of each file this rank wrote, hashed alongside the IO
     if model_state is not None:
-        sums[MODEL_NAME] = _torch_save(staging / MODEL_NAME, _strip_compile_prefix(model_state))
+        sums[MODEL_NAME] = save_hashed(staging / MODEL_NAME, _strip_compile_prefix(model_state))
     if optimizer_state is not None:
-        sums[f"optim_rank{rank}.pt"] = _torch_save(staging / f"optim_rank{rank}.pt", optimizer_state)
+        sums[f"optim_rank{rank}.pt"] = save_hashed(staging / f"optim_rank{rank}.pt", optimizer_state)
     if loader_state is not None or loop_state is not None:
-        sums[f"state_rank{rank}.pt"] = _torch_save(staging / f"state_rank{rank}.pt",
+        sums[f"state_rank{rank}.pt"] = save_hashed(staging / f"state_rank{rank}.pt",
                                                    {"loader": loader_state, "loop": loop_state})
     if sums:
-        _write_json(staging / f"sums_rank{rank}.json", {name: f.result() for name, f in sums.items()})
+        write_json(staging / f"sums_rank{rank}.json", {name: f.result() for name, f in sums.items()})
 
 
 def _world_size() -> int:
@@ -541,15 +376,15 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     model_path = step_dir / MODEL_NAME
     optim_path, state_path = step_dir / f"optim_rank{rank}.pt", step_dir / f"state_rank{rank}.pt"
     # every file's hash starts now (model.pt's sum is rank 0's), so the optimizer's runs while the model loads
-    checks = {model_path: _start_check(model_path, 0), state_path: _start_check(state_path, rank)}
+    checks = {model_path: start_check(model_path, 0), state_path: start_check(state_path, rank)}
     if load_optimizer:
-        checks[optim_path] = _start_check(optim_path, rank)
-    out = {"step": step, "meta": meta, "model": _torch_load(model_path, device, check=checks[model_path]),
+        checks[optim_path] = start_check(optim_path, rank)
+    out = {"step": step, "meta": meta, "model": load_verified(model_path, device, check=checks[model_path]),
            "optimizer": None, "loader": None, "loop": None}
     if load_optimizer:
-        out["optimizer"] = _torch_load(optim_path, device, rank, check=checks[optim_path])
+        out["optimizer"] = load_verified(optim_path, device, rank, check=checks[optim_path])
     if state_path.exists():
-        state = _torch_load(state_path, "cpu", rank, check=checks[state_path])
+        state = load_verified(state_path, "cpu", rank, check=checks[state_path])
         if not isinstance(state, dict):
             raise CheckpointError(f"{state_path}: corrupt loop state (not a dict)")
         out["loader"], out["loop"] = state.get("loader"), state.get("loop")

@@ -118,7 +118,8 @@ def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, step) -> dict:
 
 
 def evaluate(cfg: BaseEvalConfig, rt) -> dict:
-    from nanochat.checkpoint import atomic_write, load_model
+    from nanochat.checkpoint import load_model
+    from nanochat.checkpoint_io import atomic_write
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from nanochat import checkpoint as ck
+from nanochat.checkpoint_io import atomic_write
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, get_base_dir, init_runtime
 from nanochat.flags import FlagParser, require, require_int, script_main
 
@@ -67,7 +68,7 @@ def plain_round(root: Path, model_state: dict, optim_state: dict, device) -> tup
     root.mkdir()
     t0 = time.perf_counter()
     for name, obj in (("model.pt", model_state), ("optim.pt", optim_state)):
-        ck.atomic_write(root / name, lambda f, obj=obj: torch.save(obj, f))
+        atomic_write(root / name, lambda f, obj=obj: torch.save(obj, f))
     t1 = time.perf_counter()
     for name in ("model.pt", "optim.pt"):
         torch.load(root / name, map_location=device, weights_only=True)

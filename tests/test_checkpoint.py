@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanochat import checkpoint as ck
+from nanochat import checkpoint_io as cio
 
 
 def _model_state(seed=0):
@@ -111,13 +112,13 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch, target
 def test_crash_during_pointer_update(tmp_path, monkeypatch):
     d = tmp_path / "ck"
     _save(d, 1)
-    real = ck._write_json
+    real = ck.write_json
 
     def boom(path, obj):
         if path.name == "latest.json":
             raise OSError("crash before pointer (simulated)")
         return real(path, obj)
-    monkeypatch.setattr(ck, "_write_json", boom)
+    monkeypatch.setattr(ck, "write_json", boom)
     with pytest.raises(OSError):
         _save(d, 2)
     monkeypatch.undo()
@@ -198,12 +199,12 @@ def test_sums_are_hashed_alongside_the_io(tmp_path):
                               loop_state={"step": 3}, meta={})
     sums = json.loads((path / "sums_rank0.json").read_text())
     for name, want in sums.items():
-        assert want == {"bytes": (path / name).stat().st_size, "sha256": ck._sha256(path / name)}, name
+        assert want == {"bytes": (path / name).stat().st_size, "sha256": cio.sha256_file(path / name)}, name
     out = ck.load_checkpoint(d, load_optimizer=True)
     assert all(torch.equal(out["model"][k], v) for k, v in big.items())
     (tmp_path / "empty").write_bytes(b"")
-    assert ck._sha256(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
-    assert ck._sha256(path / "model.pt") == hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
+    assert cio.sha256_file(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
+    assert cio.sha256_file(path / "model.pt") == hashlib.sha256((path / "model.pt").read_bytes()).hexdigest()
     raw = bytearray((path / "model.pt").read_bytes())
     raw[len(raw) // 3] ^= 0x80        # inside w's data: torch.load itself reads it as a changed weight
     (path / "model.pt").write_bytes(bytes(raw))
