@@ -101,6 +101,7 @@ class BaseTrainConfig:
         require_int(self.max_seq_len, "--max-seq-len", 8)
         require(bool(self.window_pattern) and set(self.window_pattern.upper()) <= {"S", "L"},
                 "--window-pattern", self.window_pattern, "a non-empty string of S and L (e.g. SSSL, L)")
+        self.window_pattern = self.window_pattern.upper()   # accepted in either case; GPTConfig wants S/L
         require(self.attn_backend in ATTN_BACKENDS, "--attn-backend", self.attn_backend, "|".join(ATTN_BACKENDS))
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
         require_float(self.target_param_data_ratio, "--target-param-data-ratio", 0.0, low_inclusive=False)

@@ -47,6 +47,18 @@ def test_parse_accepts_underscore_spellings():
     assert (cfg.run, cfg.model_tag, cfg.max_seq_len, cfg.compile, cfg.peak_flops) == ("myrun", "t", 128, False, 1e14)
 
 
+def test_lowercase_window_pattern_reaches_the_model():
+    """validate() accepts --window-pattern case-insensitively, so the model must get it too (it
+    raised in GPTConfig.validate after the data loaders were built)."""
+    from nanochat.gpt import config_for_depth, layer_windows
+    from scripts.base_train import parse_config
+    cfg = parse_config(["--window-pattern", "sl", "--max-seq-len", "64"])
+    assert cfg.window_pattern == "SL"
+    model_cfg = config_for_depth(4, 1024, cfg.max_seq_len, aspect_ratio=32, head_dim=32,
+                                 window_pattern=cfg.window_pattern)
+    assert layer_windows(model_cfg) == [16, None, 16, None]
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--depth", "0"], "--depth"),
     (["--depth", "two"], "--depth"),
