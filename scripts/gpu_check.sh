@@ -71,6 +71,9 @@
 #              kernels of an accumulating step, as base_train runs it
 #   prof20     profile_training at d20 dbs 32 --kernel triton: phase split and the top 40 kernels
 #              (PROF_PRECISION=fp8 profiles the fp8 step; PROF_ATTN="cudnn cudnn_fa4" one per attention backend)
+#   stop2      (2+ GPUs) a graceful stop under torchrun on NCCL: run_train.sh --nproc 2, --stop, both ranks
+#              save at the agreed step (tests/test_run_train.py's CUDA case); whether this torch's torchrun
+#              has --shutdown-timeout
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -133,6 +136,11 @@ if has quick; then
        --kernels current,liger,triton,triton@8192,triton@16384
   step bench_cast 120 $PY -m scripts.benchmark_kernels --mode cast --rows 65536 --reps 30
   step bench_rope 120 $PY -m scripts.benchmark_kernels --mode rope --device-batch-size 32 --reps 30
+fi
+if has stop2; then
+  step torchrun_grace 60 $PY -c "import dataclasses, torch; from torch.distributed.launcher.api import LaunchConfig as L
+print('torch', torch.__version__, 'torchrun --shutdown-timeout:', 'shutdown_timeout' in {f.name for f in dataclasses.fields(L)})"
+  step pytest_stop2 400 $PY -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_run_train.py
 fi
 if has tests; then
   # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint)

@@ -155,13 +155,18 @@ def _session_leaders_below(pid: int) -> list[int]:
 TORCHRUN = ["--nproc", "2", *TINY, "--total-batch-size", "512", "--eval-tokens", "512"]   # 2 ranks x 4 x 64 tokens
 
 
-def test_stop_under_torchrun(run, base_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_stop_under_torchrun(run, base_dir, device):
     """--nproc 2: --stop sends SIGTERM to torchrun's workers themselves (not to torchrun, which
     would SIGKILL them 30 s later by default); both ranks save at the same step and exit, and
-    torchrun ends by itself. The loop's first lines say how long torchrun would wait."""
-    tag = "tr"
+    torchrun ends by itself. The loop's first lines say how long torchrun would wait. On CUDA
+    (2 GPUs, NCCL) the ranks agree on the stop step through an NCCL all-reduce."""
+    if device == "cuda" and __import__("torch").cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    tag = f"tr_{device}"
     log = base_dir / "runs" / tag / "train.log"
-    r = run(*TORCHRUN, *run.data, "--num-iterations", "100000", "--model-tag", tag)
+    args = [a if a != "cpu" else device for a in TORCHRUN]
+    r = run(*args, *run.data, "--num-iterations", "100000", "--model-tag", tag)
     assert r.returncode == 0, r.stderr
     pid = _pid(base_dir, tag)
     _wait_for(lambda: re.search(r"^step 0*3/", log.read_text(), re.M), 240, "step 3 in the log")
