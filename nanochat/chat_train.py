@@ -160,25 +160,58 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
+_SOURCE_KEYS = ("phase", "model_tag", "step", "model_sha256")
+
+
+def _auto_resume(ckpt_dir, source: dict) -> str | None:
+    """--resume auto for a chat stage: the latest checkpoint, unless that run started from other
+    weights than --source names now (e.g. base was retrained under the same tag since): then a
+    fresh start, said in one line. Continuing would hand on a model of the old base."""
+    from nanochat.checkpoint import read_meta, resolve_resume
+
+    resume_at = resolve_resume("auto", ckpt_dir)
+    if resume_at is None:
+        return None
+    recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
+    changed = [k for k in _SOURCE_KEYS if k in recorded and recorded[k] != source.get(k)]
+    if not changed:
+        return resume_at
+    print0(f"--resume auto: that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
+           f"{recorded.get('step')}, and {source['phase']}/{source['model_tag']} is now step {source['step']}"
+           f"{' with other weights' if 'model_sha256' in changed else ''}: starting fresh instead (its "
+           "checkpoints stay on disk until this run's saves replace them)")
+    return None
+
+
+def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
+    """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
+    cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
+    with its model.pt's sha256), and --resume auto continues only a run that started from it."""
+    from nanochat.checkpoint import checkpoint_dir, model_digest, resolve_step
+
+    tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
+    src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
+    source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
+              "model_sha256": model_digest(src_dir, src_step)}
+    ckpt_dir = checkpoint_dir(stage, tag, base_dir)
+    resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
+    return tag, ckpt_dir, source, resume_at
+
+
 def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
-    from nanochat.checkpoint import (checkpoint_dir, load_checkpoint, load_model, model_from_meta, resolve_resume,
-                                     step_dirname)
+    from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, step_dirname
     from nanochat.tokenizer import get_tokenizer
-    tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
-    ckpt_dir = checkpoint_dir(stage.name, tag, base_dir)
-    resume_at = resolve_resume(cfg.resume, ckpt_dir)
+    tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
         model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]),
                                 rt.device, compute_dtype=rt.dtype)
         return model, tokenizer, tag, ckpt_dir, resume, resume["meta"]["source"]
-    step = "latest" if cfg.step == "latest" else int(cfg.step)
-    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
+    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"], base_dir=base_dir,
                                         compute_dtype=rt.dtype, for_training=True)
     model.train()
-    source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
     return model, tokenizer, tag, ckpt_dir, None, source
 
 

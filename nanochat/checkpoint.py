@@ -42,8 +42,8 @@ import torch
 
 from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, start_check,
-                                    step_dirname, write_json)
+from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, saved_sum,
+                                    start_check, step_dirname, write_json)
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
@@ -105,6 +105,12 @@ def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = prin
     found = (Path(ckpt_dir) / LATEST_NAME).is_file()
     log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in {ckpt_dir}")
     return "latest" if found else None
+
+
+def model_digest(ckpt_dir, step: int) -> str | None:
+    """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
+    which weights a later stage started from, without reading them."""
+    return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
 def check_fresh_start(ckpt_dir, overwrite: bool, is_master: bool = True) -> None:

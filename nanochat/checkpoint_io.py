@@ -118,7 +118,7 @@ def save_hashed(path: Path, obj) -> Future:
     return hashing[0]
 
 
-def _saved_sum(path: Path, rank: int) -> dict | None:
+def saved_sum(path: Path, rank: int) -> dict | None:
     """What sums_rank<R>.json recorded for `path` (None: a checkpoint from before the sums)."""
     sums_path = path.parent / f"sums_rank{rank}.json"
     if not sums_path.is_file() or not path.is_file():
@@ -142,7 +142,7 @@ def _damaged(path: Path, want: dict) -> CheckpointError:
 def start_check(path: Path, rank: int) -> tuple[dict, Future] | None:
     """Refuse a file whose size differs from its sums and start hashing it on a helper thread
     (None: a checkpoint from before the sums, or a missing file, which torch.load reports)."""
-    want = _saved_sum(path, rank)
+    want = saved_sum(path, rank)
     if want is None:
         return None
     if path.stat().st_size != want.get("bytes"):

@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
-    from nanochat.chat_train import resolve_source
-    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, load_checkpoint,
-                                     load_model, planned_saves, resolve_resume, save_checkpoint, step_dirname)
+    from nanochat.chat_train import start_point
+    from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, load_checkpoint, load_model,
+                                     planned_saves, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
@@ -127,9 +127,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.training import StepMeter, restore_rng_state
 
     base_dir = get_base_dir()
-    tag, src_dir = resolve_source("rl", cfg.source, cfg.model_tag, base_dir)
-    ckpt_dir = checkpoint_dir("rl", tag, base_dir)
-    resume, resume_at = None, resolve_resume(cfg.resume, ckpt_dir)
+    tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
+    resume = None
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
@@ -137,10 +136,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         model.load_state_dict(resume["model"], strict=True)
         source = resume["meta"]["source"]
     else:
-        step = "latest" if cfg.step == "latest" else int(cfg.step)
-        model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step, base_dir=base_dir,
-                                            compute_dtype=rt.dtype, for_training=True)
-        source = {"phase": cfg.source, "model_tag": tag, "step": meta["step"], "dir": str(src_dir)}
+        model, tokenizer, _ = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"],
+                                         base_dir=base_dir, compute_dtype=rt.dtype, for_training=True)
     model.train()
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     eval_task = GSM8K("test", data_dir=cfg.data_dir)

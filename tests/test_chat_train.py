@@ -226,6 +226,35 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
     assert all(math.isfinite(r["loss"]) for r in metrics["sft"] if "loss" in r)
 
 
+@pytest.mark.slow
+def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, capsys):
+    """mid --resume auto: an interrupted run from the same base checkpoint continues; once base has
+    been retrained under the tag (other weights at the same step), the old mid run is not
+    continued (it would hand on a model of the old base): a fresh start says so and records the
+    new base's model.pt sha256."""
+    from scripts import base_train, mid_train
+
+    base_args = BASE + env + ["--model-tag", "again", "--num-iterations", "4", "--eval-every", "-1"]
+    base_train.main(base_args)
+    mid_args = [*CHAT, "--model-tag", "again", "--num-iterations", "4", "--eval-every", "-1", "--save-every", "2"]
+    mid_dir = ck.checkpoint_dir("mid", "again")
+    mid_train.main(mid_args + ["--num-iterations", "2"])         # stands for a run stopped at step 2
+    digest = ck.model_digest(ck.checkpoint_dir("base", "again"), 4)
+    assert len(digest) == 64 and ck.read_meta(mid_dir)["source"]["model_sha256"] == digest
+    capsys.readouterr()
+    resumed = mid_train.main(mid_args + ["--resume", "auto"])
+    assert "resuming the latest checkpoint" in capsys.readouterr().out and sorted(resumed["losses"]) == [2, 3]
+
+    base_train.main(base_args + ["--overwrite", "--seed", "7"])  # base retrained: same tag, same step
+    fresh = mid_train.main(mid_args + ["--resume", "auto"])
+    out = capsys.readouterr().out
+    assert "that run started from base/again step 4, and base/again is now step 4 with other weights: " \
+           "starting fresh instead" in out
+    assert sorted(fresh["losses"]) == [0, 1, 2, 3]
+    new_digest = ck.model_digest(ck.checkpoint_dir("base", "again"), 4)
+    assert new_digest != digest and ck.read_meta(mid_dir)["source"]["model_sha256"] == new_digest
+
+
 def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):
     from nanochat import chat_train
     from nanochat.errors import DataError, MissingDataError
