@@ -148,15 +148,15 @@ case "$PRESET" in
     # tokens away (packing keeps documents BOS-aligned); 2048 drops ~6% for ~1.5x the step time.
     VOCAB=2048; DEPTH=2; SEQ=2048; DBS=2; TBS=4096; ITERS=250; PRECISION=fp32; KERNEL=current
     EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile; SAVE_EVERY=100
-    CHAT_SAVE_EVERY=20 ;;
+    CHAT_SAVE_EVERY=20; CHAT_TBS=$((DBS * SEQ)) ;;   # tiny: one micro-batch a step, minutes on a CPU
   spark)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=200
-    CHAT_SAVE_EVERY=1000 ;;
+    CHAT_SAVE_EVERY=1000; CHAT_TBS=-1 ;;   # -1: mid 524,288 tokens, SFT 32 rows a step (chat_train.py)
   h100)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=32; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=1000
-    CHAT_SAVE_EVERY=2000 ;;
+    CHAT_SAVE_EVERY=2000; CHAT_TBS=-1 ;;
 esac
 # base_train saves every SAVE_EVERY steps (d20 on a GB10: ~200 x 31 s, under 2 h of work at risk; on an
 # H100 ~1000 x 2.8 s), keeps the newest 2, and a rerun of an interrupted stage resumes the latest
@@ -240,7 +240,8 @@ stage_cmd() {  # prints the command of a stage, one argument per line
     mid_train|chat_sft) local offline=(); [[ "$PRESET" == tiny ]] && offline=(--test-holdout 100)
       local iters="$MID_ITERS"; [[ "$1" == chat_sft ]] && iters="$SFT_ITERS"
       printf '%s\n' python -m "scripts.$1" --model-tag "$MODEL_TAG" --num-iterations "$iters" \
-        --device-batch-size "$DBS" --max-seq-len "$SEQ" "$COMPILE" --save-every "$CHAT_SAVE_EVERY" --keep-last 2 \
+        --device-batch-size "$DBS" --total-batch-size "$CHAT_TBS" --max-seq-len "$SEQ" "$COMPILE" \
+        --save-every "$CHAT_SAVE_EVERY" --keep-last 2 \
         --resume auto --run "$RUN_NAME" "${offline[@]}" ;;
     chat_eval) printf '%s\n' python -m scripts.chat_eval -i sft --model-tag "$MODEL_TAG" --max-problems "$MAX_PROBLEMS" ;;
     report) printf '%s\n' python -m nanochat.report generate ;;

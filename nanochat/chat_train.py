@@ -32,12 +32,24 @@ class ChatStage:
     sources: tuple[str, ...]    # accepted --source phases (first = default)
     mask: str                   # chat_data mask: all | assistant
     fill: str                   # chat_data fill: crop | pad
+    step_tokens: int = 0        # --total-batch-size -1: this many tokens per step ...
+    step_rows: int = 0          # ... or this many rows of --max-seq-len tokens
     defaults: dict = field(default_factory=dict)  # flag defaults that differ from ChatTrainConfig's
+
+    def auto_batch(self, device_batch_size: int, seq_len: int, world_size: int) -> int:
+        """--total-batch-size -1: the stage's step size in tokens whatever the number of GPUs (upstream
+        nanochat's: mid 524,288 tokens, SFT 32 conversations), reached by gradient accumulation and
+        rounded up to whole micro-batches over all ranks. One GPU (a Spark) thus trains the model
+        8 GPUs would, not one with an 8x smaller batch at the same learning rates."""
+        want = self.step_tokens or self.step_rows * seq_len
+        per_micro = device_batch_size * seq_len * world_size
+        return max(1, -(-want // per_micro)) * per_micro
 
 
 MID = ChatStage("mid", "Midtraining", "python -m scripts.mid_train", ("base",), mask="all", fill="crop",
-                defaults={"warmdown_ratio": 0.2, "eval_every": 150})
+                step_tokens=524288, defaults={"warmdown_ratio": 0.2, "eval_every": 150})
 SFT = ChatStage("sft", "Chat SFT", "python -m scripts.chat_sft", ("mid", "base"), mask="assistant", fill="pad",
+                step_rows=32,
                 defaults={"init_lr_frac": 0.02, "warmdown_ratio": 1.0, "eval_every": 100, "device_batch_size": 4})
 DEVICES = ("auto", "cpu", "cuda", "mps")
 KERNELS = ("current", "liger", "triton")
@@ -56,7 +68,7 @@ class ChatTrainConfig:
     num_iterations: int = -1                # -1 = one epoch of the mixture
     device_batch_size: int = 32
     max_seq_len: int = -1                   # -1 = the source model's sequence length
-    total_batch_size: int = -1              # tokens per step; -1 = one micro-batch per rank
+    total_batch_size: int = -1              # tokens per step; -1 = the stage's (ChatStage.auto_batch)
     matrix_lr: float = 0.02
     embedding_lr: float = 0.2
     unembedding_lr: float = 0.004
@@ -239,7 +251,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
     require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
             f"<= the model's sequence length {model.config.sequence_len}")
-    total = cfg.total_batch_size if cfg.total_batch_size != -1 else cfg.device_batch_size * seq_len * rt.world_size
+    total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
+        stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
     plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
     if resume is not None:
         check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
@@ -282,6 +295,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
     print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk})")
+    if cfg.total_batch_size == -1:
+        want = f"{stage.step_tokens:,} tokens" if stage.step_tokens else f"{stage.step_rows} rows"
+        print0(f"  --total-batch-size -1: the {stage.name} step of {want} on any number of GPUs")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
            f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")

@@ -150,6 +150,22 @@ def test_bad_flags_name_the_flag(script, argv, flag):
         parse(argv)
 
 
+@pytest.mark.parametrize("stage, dbs, seq, world, total", [
+    ("mid", 32, 2048, 1, 524288), ("mid", 32, 2048, 8, 524288), ("mid", 16, 2048, 1, 524288),
+    ("mid", 32, 2048, 16, 1048576),          # one micro-batch over 16 ranks is already 2^20: rounded up
+    ("sft", 4, 2048, 1, 32 * 2048), ("sft", 4, 2048, 8, 32 * 2048),
+    ("sft", 4, 2048, 3, 36 * 2048),          # 32 rows do not split over 3 ranks x 4: 36
+])
+def test_auto_batch_is_the_stages_step_on_any_number_of_gpus(stage, dbs, seq, world, total):
+    """--total-batch-size -1: mid 524,288 tokens and SFT 32 conversations per step (upstream's), by
+    gradient accumulation: a lone GPU trains with the batch 8 GPUs use, not an 8x smaller one."""
+    from nanochat.chat_train import MID, SFT
+    from nanochat.training import plan_batch
+    got = {"mid": MID, "sft": SFT}[stage].auto_batch(dbs, seq, world)
+    assert got == total
+    assert plan_batch(got, dbs, seq, world).grad_accum_steps == total // (dbs * seq * world)
+
+
 def test_flag_defaults_and_spellings():
     from scripts import chat_sft, mid_train
     m = mid_train.parse(["--model_tag", "d2", "--num_iterations", "5", "--no-compile"])
@@ -177,7 +193,7 @@ BASE = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim",
         "--device-batch-size", "4", "--total-batch-size", "512", "--window-pattern", "SL", "--sample-every", "-1",
         "--eval-tokens", "2048", "--no-compile", "--model-tag", "pipe", "--matrix-lr", "0.04"]
 CHAT = ["--device", "cpu", "--model-tag", "pipe", "--device-batch-size", "4", "--max-seq-len", "128",
-        "--test-holdout", "50", "--eval-tokens", "2048", "--no-compile"]
+        "--total-batch-size", "512", "--test-holdout", "50", "--eval-tokens", "2048", "--no-compile"]
 
 
 @pytest.mark.slow

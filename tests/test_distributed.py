@@ -424,6 +424,8 @@ def test_torchrun_chat_sft_two_ranks(tmp_path, base_dir, tiny_corpus, monkeypatc
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "2 rank(s)" in r.stdout and "step 00001/00002 | loss" in r.stdout
+    # the default step is SFT's 32 rows on any number of ranks: 2 rows x 2 ranks x 8 micro-batches
+    assert "2,048 tokens/step = 2 seqs x 64 tokens x 2 rank(s) x 8 micro-batch(es)" in r.stdout
     assert (base_dir / "checkpoints" / "sft" / "sftsrc" / "step_000002" / "model.pt").is_file()
 
 
