@@ -38,7 +38,7 @@ class ChatStage:
 
     def auto_batch(self, device_batch_size: int, seq_len: int, world_size: int) -> int:
         """--total-batch-size -1: the stage's step size in tokens whatever the number of GPUs (upstream
-        nanochat's: mid 524,288 tokens, SFT 32 conversations), reached by gradient accumulation and
+        nanochat's 8-GPU step: mid 524,288 tokens, SFT 32 rows), reached by gradient accumulation and
         rounded up to whole micro-batches over all ranks. One GPU (a Spark) thus trains the model
         8 GPUs would, not one with an 8x smaller batch at the same learning rates."""
         want = self.step_tokens or self.step_rows * seq_len

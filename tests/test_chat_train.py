@@ -157,7 +157,7 @@ def test_bad_flags_name_the_flag(script, argv, flag):
     ("sft", 4, 2048, 3, 36 * 2048),          # 32 rows do not split over 3 ranks x 4: 36
 ])
 def test_auto_batch_is_the_stages_step_on_any_number_of_gpus(stage, dbs, seq, world, total):
-    """--total-batch-size -1: mid 524,288 tokens and SFT 32 conversations per step (upstream's), by
+    """--total-batch-size -1: mid 524,288 tokens and SFT 32 rows per step (the 8-GPU step), by
     gradient accumulation: a lone GPU trains with the batch 8 GPUs use, not an 8x smaller one."""
     from nanochat.chat_train import MID, SFT
     from nanochat.training import plan_batch
