@@ -112,13 +112,10 @@ def _announce_stop_grace() -> None:
     seconds, source = grace
     line = f"stop signals: torchrun SIGKILLs the workers {seconds} s after passing one on ({source})"
     if seconds <= TORCHRUN_DEFAULT_GRACE_S:
-        hint = ("; the stop's save may be cut short (the last periodic checkpoint stays): "
-                f"launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S} (run_train.sh and "
-                "launch_multinode.sh do)")
-        if source.startswith("fixed"):
-            hint = ("; the stop's save may be cut short (the last periodic checkpoint stays): "
-                    "`./run_train.sh --stop` signals the workers themselves and is not bound by it")
-        line += hint
+        way = ("`./run_train.sh --stop` signals the workers themselves and is not bound by it"
+               if source.startswith("fixed") else
+               f"launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S} (run_train.sh and launch_multinode.sh do)")
+        line += f"; the stop's save may be cut short (the last periodic checkpoint stays): {way}"
     print0(line)
 
 
