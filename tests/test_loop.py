@@ -147,3 +147,21 @@ def test_a_stopped_script_exits_128_plus_the_signal(capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         script_main("base_train", lambda: None, bad)
     assert info.value.code == 2 and capsys.readouterr().err == "base_train: error: --device cuda: no GPU\n"
+
+
+@pytest.mark.parametrize("grace, said", [
+    (None, ""),
+    ((3600, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "torchrun SIGKILLs the workers 3600 s after passing one on "
+                                              "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT)\n"),
+    ((30, "torchrun's default"), "launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=3600"),
+    ((30, "fixed in torch 2.11.0's torchrun"), "`./run_train.sh --stop` signals the workers themselves"),
+])
+def test_the_loop_says_how_long_torchrun_lets_a_stop_run(monkeypatch, capsys, grace, said):
+    """Under torchrun the loop's first line gives torchrun's SIGTERM -> SIGKILL wait, and where it is
+    torchrun's 30 s, the way around it; outside torchrun nothing."""
+    from nanochat import distributed, loop
+    monkeypatch.setattr(distributed, "torchrun_stop_grace", lambda: grace)
+    loop._announce_stop_grace()
+    out = capsys.readouterr().out
+    assert (said in out) and (bool(out) == (grace is not None))
+    assert ("may be cut short" in out) == (grace is not None and grace[0] == 30)
