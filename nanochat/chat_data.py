@@ -197,6 +197,9 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
     return [t for t in tasks if len(t) > 0]
 
 
+SFT_CONVERSATIONS = 10_000
+
+
 def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
     of test-split conversations for validation bits per byte (never trained on)."""
@@ -213,7 +216,10 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
         raise ValueError(f"split: got {split!r}; accepted: train|val")
     if stage == "rl":  # the GSM8K problems only
         return _train_split_tasks(("gsm8k",), data_dir, test_holdout)[0]
-    convs = get_conversations("train", data_dir=data_dir)
+    # SFT takes the first SFT_CONVERSATIONS of the general chat set (SmolTalk's train split is 460K,
+    # all of which mid-training has just seen): hours on a Spark for a second pass at 2% of the LR,
+    # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.
+    convs = get_conversations("train", data_dir=data_dir, **({"stop": SFT_CONVERSATIONS} if stage == "sft" else {}))
     identity = IdentityConversations(1000, seed=seed)
     if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling
         tasks = [convs, identity, identity, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),

@@ -292,3 +292,15 @@ def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path
     chat.write_text("")  # an empty SFT file: not "0 conversations trained"
     with pytest.raises(MissingDataError, match=f"{chat}: empty"):
         chat_sft.main(args)
+
+
+def test_sft_takes_a_slice_of_the_chat_conversations_mid_takes_all(shared_data, monkeypatch):
+    """SFT's general chat is the first SFT_CONVERSATIONS (10K: upstream's SFT, where SmolTalk's 460K
+    made it an hours-long second pass of mid-training's data); mid-training takes them all."""
+    from nanochat import chat_data
+    monkeypatch.setattr(chat_data, "SFT_CONVERSATIONS", 100)
+    mid = chat_data.build_mixture("mid", "train", data_dir=shared_data, test_holdout=100)
+    sft = chat_data.build_mixture("sft", "train", data_dir=shared_data, test_holdout=100)
+    assert len(mid.tasks[0]) > 1000 and len(sft.tasks[0]) == 100
+    assert [sft.tasks[0][i] for i in range(3)] == [mid.tasks[0][i] for i in range(3)]   # the first ones
+    assert chat_data.SFT_CONVERSATIONS == 100 and len(sft) < len(mid)
