@@ -152,18 +152,18 @@ case "$PRESET" in
   spark)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=200
-    CHAT_SAVE_EVERY=1000; CHAT_TBS=-1 ;;   # -1: mid 524,288 tokens, SFT 32 rows a step (chat_train.py)
+    CHAT_SAVE_EVERY=$SAVE_EVERY; CHAT_TBS=-1 ;;   # -1: mid 524,288 tokens, SFT 32 rows a step (chat_train.py)
   h100)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=32; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=1000
-    CHAT_SAVE_EVERY=2000; CHAT_TBS=-1 ;;
+    CHAT_SAVE_EVERY=$SAVE_EVERY; CHAT_TBS=-1 ;;
 esac
 # base_train saves every SAVE_EVERY steps (d20 on a GB10: ~200 x 31 s, under 2 h of work at risk; on an
 # H100 ~1000 x 2.8 s), keeps the newest 2, and a rerun of an interrupted stage resumes the latest
 # (--resume auto): a crash on day 5 of a Spark's week costs hours, not days. mid_train and chat_sft
-# do the same every CHAT_SAVE_EVERY steps (an epoch of their mixtures is hours on a GB10: a step of
-# 16 x 2048 tokens at the community ~15k tok/s is ~2 s, so 1000 steps ~35 min); their --resume auto
-# continues only a run that started from the same base / mid weights (nanochat/chat_train.py)
+# do the same every CHAT_SAVE_EVERY steps: mid's step is base's 524,288 tokens, and its epoch is
+# hours on a GB10; their --resume auto continues only a run that started from the same base / mid
+# weights (nanochat/chat_train.py)
 [[ $DEPTH_GIVEN -eq 1 ]] && DEPTH=$((10#$DEPTH_FLAG))
 MODEL_TAG="d${DEPTH}"
 
