@@ -203,7 +203,7 @@ SFT_CONVERSATIONS = 10_000
 def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
     of test-split conversations for validation bits per byte (never trained on)."""
-    from nanochat.tasks import (GSM8K, MMLU, IdentityConversations, SpellingBee, TaskMixture,
+    from nanochat.tasks import (GSM8K, MMLU, IdentityConversations, SimpleSpelling, SpellingBee, TaskMixture,
                                 get_conversations)
     if stage not in STAGES:
         raise ValueError(f"stage: got {stage!r}; accepted: {'|'.join(STAGES)}")
@@ -221,12 +221,13 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.
     convs = get_conversations("train", data_dir=data_dir, **({"stop": SFT_CONVERSATIONS} if stage == "sft" else {}))
     identity = IdentityConversations(1000, seed=seed)
-    if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling
+    spelling = dict(split="train", seed=seed, data_dir=data_dir)
+    if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling (upstream's sizes)
         tasks = [convs, identity, identity, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),
-                 SpellingBee(20000, "train", seed=seed, data_dir=data_dir)]
+                 SimpleSpelling(200_000, **spelling), SpellingBee(80_000, **spelling)]
     else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
         tasks = [convs, identity, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
-                 SpellingBee(600, "train", seed=seed, data_dir=data_dir)]
+                 SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
     return TaskMixture(tasks, seed=seed)
 
 

@@ -317,7 +317,8 @@ def torchrun_stop_grace(env: Mapping[str, str] | None = None,
     if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return TORCHRUN_DEFAULT_GRACE_S, f"fixed in torch {torch.__version__}'s torchrun"
     argv = _parent_argv() if parent_argv is None else parent_argv
-    for raw, source in ((_flag_value(argv, ("--shutdown-timeout", "--shutdown_timeout")), "torchrun --shutdown-timeout"),
+    flag = _flag_value(argv, ("--shutdown-timeout", "--shutdown_timeout"))
+    for raw, source in ((flag, "torchrun --shutdown-timeout"),
                         (env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")):
         if raw is not None and raw.strip().isdigit():
             return int(raw), source

@@ -181,7 +181,8 @@ def test_stop_under_torchrun(run, base_dir, device):
 
     from torch.distributed.launcher.api import LaunchConfig
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:   # torch with pytorch#172596
-        said = "stop signals: torchrun SIGKILLs the workers 3600 s after passing one on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
+        said = ("stop signals: torchrun SIGKILLs the workers 3600 s after passing one on "
+                "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")
     else:   # e.g. torch 2.11: torchrun's 30 s are fixed, so --stop signalling the workers is what helps
         said = "stop signals: torchrun SIGKILLs the workers 30 s after passing one on (fixed in torch"
     assert said in text

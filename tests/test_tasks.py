@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.tasks import (ARC, EVAL_TASKS, GSM8K, MMLU, DataUnavailableError, HumanEval,
-                            IdentityConversations, LocalConversations, SpellingBee, TaskMixture,
+                            IdentityConversations, LocalConversations, SimpleSpelling, SpellingBee, TaskMixture,
                             TaskSequence, get_conversations, get_task)
 from nanochat.tasks import common as tasks_common
 from nanochat.tasks.evaluate import chatcore, run_categorical, run_generative
@@ -124,6 +124,23 @@ def test_spelling_bee_is_generated_deterministically(shared_data):
         assert parts[2]["text"] == ex["answer"] and train.evaluate(ex, parts[-1]["text"])
     assert SpellingBee(size=50, seed=1, data_dir=shared_data)[0] != train[0] or \
         SpellingBee(size=50, seed=1, data_dir=shared_data)[1] != train[1]
+
+
+def test_simple_spelling_spells_the_word_and_keeps_the_split(shared_data):
+    """SimpleSpelling answers with the word's letters in order; reproducible per seed; train and
+    test words disjoint (SpellingBee's split); evaluate checks the letters."""
+    train = SimpleSpelling(size=40, data_dir=shared_data)
+    test = SimpleSpelling(size=40, split="test", data_dir=shared_data)
+    assert [train[i] for i in range(10)] == [SimpleSpelling(size=40, data_dir=shared_data)[i] for i in range(10)]
+    assert not {train[i]["word"] for i in range(40)} & {test[i]["word"] for i in range(40)}
+    for i in range(40):
+        ex = train[i]
+        answer = ex["messages"][1]["content"]
+        assert answer.split(" is spelled ")[1].rstrip(".").split(", ") == list(ex["word"])
+        assert ex["word"] in ex["messages"][0]["content"].lower() and train.evaluate(ex, answer)
+        assert not train.evaluate(ex, answer.replace(", ", ",", 1) if len(ex["word"]) > 1 else "nothing")
+    with pytest.raises(ValueError, match="SimpleSpelling split"):
+        SimpleSpelling(split="dev", data_dir=shared_data)
 
 
 def test_identity_conversations():

@@ -12,7 +12,7 @@ from nanochat.tasks.gsm8k import GSM8K
 from nanochat.tasks.humaneval import HumanEval
 from nanochat.tasks.identity import IdentityConversations
 from nanochat.tasks.mmlu import MMLU
-from nanochat.tasks.spelling import SpellingBee
+from nanochat.tasks.spelling import SimpleSpelling, SpellingBee
 
 # name -> (factory, random-guess baseline used for centering in ChatCORE)
 EVAL_TASKS = {
@@ -31,6 +31,6 @@ def get_task(name: str, **kw) -> Task:
     return EVAL_TASKS[name][0](**kw)
 
 
-__all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "IdentityConversations", "LocalConversations",
+__all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SimpleSpelling", "SpellingBee", "IdentityConversations", "LocalConversations",
            "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
            "EVAL_TASKS", "get_task"]

@@ -1,5 +1,7 @@
 """SpellingBee: "how many 'r' are in 'strawberry'?" answered by spelling the word out and checking
-with the calculator tool (`"strawberry".count("r")`), ending in '#### N' like GSM8K.
+with the calculator tool (`"strawberry".count("r")`), ending in '#### N' like GSM8K. SimpleSpelling:
+"spell 'apple'" answered letter by letter: the token -> letters map SpellingBee's counting needs, as
+plain practice (mid-training mixes 200K of it with 80K SpellingBee, as upstream nanochat's did).
 
 Examples are generated on the fly from a word list with a seed: example i always uses
 random.Random(f"{seed}/{split}/{i}"), so the task is reproducible and effectively unbounded. Train and
@@ -39,22 +41,47 @@ def load_words(data_dir=None) -> list[str]:
     return [w for w in words if w.isalpha() and w.islower() and w.isascii()]
 
 
-class SpellingBee(Task):
+class _WordTask(Task):
+    """`size` examples drawn from the split's words (train and test words are disjoint)."""
+
     eval_type = "generative"
-    name = "SpellingBee"
+    name = "words"
 
     def __init__(self, size: int = 1000, split: str = "train", *, seed: int = 0, data_dir=None, **kw):
         super().__init__(**kw)
         if split not in _SPLITS:
-            raise ValueError(f"SpellingBee split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+            raise ValueError(f"{self.name} split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
         if size < 1:
-            raise ValueError(f"SpellingBee size: got {size}; accepted: >= 1")
+            raise ValueError(f"{self.name} size: got {size}; accepted: >= 1")
         in_test = lambda w: zlib.crc32(w.encode()) % 10 == 0  # noqa: E731
         self.words = [w for w in load_words(data_dir) if in_test(w) == (split == "test")]
         self.size, self.split, self.seed = size, split, seed
 
     def num_examples(self) -> int:
         return self.size
+
+
+_SPELL = ("Spell the word {w}.", "How do you spell {w}?", "Spell \"{w}\" letter by letter.", "spell {w}",
+          "Can you spell out {W} for me?", "What are the letters of the word {w}?")
+
+
+class SimpleSpelling(_WordTask):
+    name = "SimpleSpelling"
+
+    def get_example(self, index: int) -> dict:
+        rng = random.Random(f"spell/{self.seed}/{self.split}/{index}")
+        word = rng.choice(self.words)
+        question = rng.choice(_SPELL).format(w=word, W=word.capitalize())
+        answer = f"{word} is spelled {', '.join(word)}."
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                "word": word}
+
+    def evaluate(self, conversation: dict, completion: str) -> bool:
+        return f"{', '.join(conversation['word'])}." in completion
+
+
+class SpellingBee(_WordTask):
+    name = "SpellingBee"
 
     def get_example(self, index: int) -> dict:
         rng = random.Random(f"{self.seed}/{self.split}/{index}")
