@@ -45,6 +45,9 @@ class ChatStage:
         per_micro = device_batch_size * seq_len * world_size
         return max(1, -(-want // per_micro)) * per_micro
 
+    def step_text(self) -> str:
+        return f"{self.step_tokens:,} tokens" if self.step_tokens else f"{self.step_rows} rows"
+
 
 MID = ChatStage("mid", "Midtraining", "python -m scripts.mid_train", ("base",), mask="all", fill="crop",
                 step_tokens=524288, defaults={"warmdown_ratio": 0.2, "eval_every": 150})
@@ -140,6 +143,8 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
                                 help="default: on for CUDA, off elsewhere")
         else:
             help_text = "|".join(stage.sources) if f.name == "source" else f"default: {defaults[f.name]}"
+            if f.name == "total_batch_size":
+                help_text += f" ({stage.step_text()} a step on any number of GPUs, by gradient accumulation)"
             parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=defaults[f.name], help=help_text)
     return ChatTrainConfig(**vars(parser.parse_args(argv))).validate(stage)
 
@@ -296,8 +301,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
     print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk})")
     if cfg.total_batch_size == -1:
-        want = f"{stage.step_tokens:,} tokens" if stage.step_tokens else f"{stage.step_rows} rows"
-        print0(f"  --total-batch-size -1: the {stage.name} step of {want} on any number of GPUs")
+        print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text()} on any number of GPUs")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
            f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")
