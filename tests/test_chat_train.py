@@ -119,6 +119,17 @@ def test_sft_loss_is_masked_mean_over_the_accumulated_batch(tiny_tokenizer):
     assert trainer.step(0).loss == pytest.approx(want, rel=1e-5)
 
 
+def test_rl_trains_only_sampled_tokens():
+    # upstream chat_rl's contract: prompt, tool-forced (Engine mask 0) and padding positions are
+    # never targets, so the policy gradient only reaches tokens the policy sampled
+    from nanochat.rl import rollout_batch
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 7]]
+    masks = [[0, 0, 1, 0, 0, 1], [0, 0, 1]]  # prompt [1, 2]; row 0's 4, 5 were forced by the tool
+    inputs, targets, adv = rollout_batch(seqs, masks, [0.5, -0.5], pad_id=0, device="cpu")
+    assert inputs.tolist() == [[1, 2, 3, 4, 5], [1, 2, 7, 0, 0]]
+    assert targets.tolist() == [[-1, 3, -1, -1, 6], [-1, 7, -1, -1, -1]] and adv.tolist() == [0.5, -0.5]
+
+
 # ------------------------------------------------------------------ flags and missing checkpoints
 
 @pytest.mark.parametrize("script, argv, flag", [

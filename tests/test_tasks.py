@@ -64,6 +64,22 @@ def test_gsm8k_tool_calls_and_answers(shared_data):
     assert n_calls > 50  # most solutions call the calculator
 
 
+def test_gsm8k_tool_output_is_what_the_engine_forces(shared_data):
+    # Training must render the tool output the Engine forces at inference (use_calculator's text),
+    # not the annotation's spelling of it: 155 of the 4,282 test-split calls write "16.00" where
+    # the calculator prints "16". A refused expression keeps the annotation (nothing is forced).
+    from nanochat.calculator import use_calculator
+    parts = solution_to_parts("4 at $4 is 4*4 = $<<4*4=16.00>>16.00, 3/4 = <<3/4=3/4>>0.75, <<2^3=8>>8")
+    outputs = [p["text"] for p in parts if p["type"] == "python_output"]
+    assert outputs == ["16", "0.75", "8"] and use_calculator("2^3") is None
+    gsm = GSM8K(data_dir=shared_data)
+    for i in range(len(gsm)):
+        content = gsm[i]["messages"][1]["content"]
+        for call, out in zip(content, content[1:]):
+            if call["type"] == "python" and use_calculator(call["text"]) is not None:
+                assert out == {"type": "python_output", "text": use_calculator(call["text"])}, (i, call)
+
+
 def test_render_conversation_masks(tok, shared_data):
     conv = GSM8K(data_dir=shared_data)[0]
     ids, mask = tok.render_conversation(conv)

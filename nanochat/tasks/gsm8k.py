@@ -3,7 +3,10 @@
 A solution line like `9 * 2 = $<<9*2=18>>18` turns into the assistant parts
   text "9 * 2 = $", python "9*2", python_output "18", text "18 ..."
 so the model learns to call the calculator (the Engine runs the python part and forces the
-output tokens; the tokenizer masks python_output out of the loss).
+output tokens; the tokenizer masks python_output out of the loss). The python_output text is the
+calculator's own (`use_calculator`, what the Engine forces), not the annotation's spelling of it
+("<<4*4=16.00>>" gives "16"), so training sees the tokens inference will; an expression the
+calculator refuses keeps the annotation's text.
 
 Local file: `gsm8k.jsonl` (test split; `gsm8k_<split>.jsonl` otherwise), rows {"question", "answer"}.
 Hub: openai/gsm8k, config "main".
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+from nanochat.calculator import use_calculator
 from nanochat.tasks.common import Task, check_rows, load_rows
 
 _CALL = re.compile(r"<<([^<>]*)>>")
@@ -37,8 +41,9 @@ def solution_to_parts(solution: str) -> list[dict]:
         add_text(solution[pos:m.start()])
         expr, eq, result = m.group(1).rpartition("=")
         if eq and expr.strip():
+            forced = use_calculator(expr.strip())  # what the Engine will force after this call
             parts.append({"type": "python", "text": expr.strip()})
-            parts.append({"type": "python_output", "text": result.strip()})
+            parts.append({"type": "python_output", "text": result.strip() if forced is None else forced})
         else:  # a malformed annotation without '=': keep it as plain text
             add_text(m.group(0))
         pos = m.end()
