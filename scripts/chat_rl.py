@@ -27,6 +27,7 @@ from nanochat.training import Schedule
 from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 
 SOURCES = ("sft", "mid")
+RL_MOMENTUM = 0.95   # Muon's, constant
 
 
 @dataclass
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
+def rl_schedule(num_iterations: int) -> Schedule:
+    """lr: linear decay to 0. Muon momentum held at RL_MOMENTUM from the first step, as upstream's
+    RL: a trained model needs no momentum warmup, and the shared 0.85 -> 0.95 ramp over 300 steps
+    would span ~2/3 of an epoch of GSM8K."""
+    return Schedule(num_iterations, 0.0, 1.0, 0.0, momentum_fn=lambda step: RL_MOMENTUM).validate()
+
+
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import start_point
@@ -142,7 +150,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     eval_task = GSM8K("test", data_dir=cfg.data_dir)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
-    schedule = Schedule(num_iterations, 0.0, 1.0, 0.0).validate()  # linear decay to 0
+    schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
                      cfg.keep_last)

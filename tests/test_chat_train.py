@@ -119,6 +119,12 @@ def test_sft_loss_is_masked_mean_over_the_accumulated_batch(tiny_tokenizer):
     assert trainer.step(0).loss == pytest.approx(want, rel=1e-5)
 
 
+def test_rl_schedule_holds_muon_momentum_and_decays_lr_linearly():
+    from scripts.chat_rl import rl_schedule
+    schedule = rl_schedule(10)
+    assert [schedule.multipliers(s)[:2] for s in (0, 5, 9)] == [(1.0, 0.95), (0.5, 0.95), (0.1, 0.95)]
+
+
 def test_rl_trains_only_sampled_tokens():
     # upstream chat_rl's contract: prompt, tool-forced (Engine mask 0) and padding positions are
     # never targets, so the policy gradient only reaches tokens the policy sampled
