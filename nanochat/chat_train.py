@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from nanochat.checkpoint import RESUME_HELP, valid_resume
@@ -232,13 +232,41 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     return model, tokenizer, tag, ckpt_dir, None, source
 
 
+def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
+    """_load_start + the sequence length and batch plan; a checkpoint --resume auto picked that
+    this run cannot continue (another --total-batch-size, world size, model or tokenizer: e.g. a
+    stage rerun by setup.sh after its flags changed) is left alone for a fresh start, said in one
+    line. An explicit --resume raises instead (check_resume_compatible names what differs)."""
+    from nanochat.checkpoint import CheckpointError
+    from nanochat.loop import check_resume_compatible
+
+    model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
+    seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
+    require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
+            f"<= the model's sequence length {model.config.sequence_len}")
+    total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
+        stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
+    plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
+    if resume is not None:
+        try:
+            check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+        except CheckpointError as e:
+            if cfg.resume != "auto":
+                raise
+            reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
+            print0(f"--resume auto: {ckpt_dir}'s latest checkpoint cannot be continued ({reason}): starting fresh "
+                   "instead (its checkpoints stay on disk until this run's saves replace them)")
+            del model, resume
+            return _start(replace(cfg, resume=None), stage, rt, base_dir)
+    return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
+
+
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
     from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
-    from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
-                               resume_loop_state, run_training_loop)
+    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
@@ -252,15 +280,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # MissingDataError name the file) before any weights are loaded ----
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
-    model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
-    seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
-    require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
-            f"<= the model's sequence length {model.config.sequence_len}")
-    total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
-        stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
-    plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
-    if resume is not None:
-        check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir)
 
     # ---- one epoch of the mixture = -1 iterations ----
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(

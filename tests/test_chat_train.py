@@ -287,6 +287,17 @@ def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, c
     new_digest = ck.model_digest(ck.checkpoint_dir("base", "again"), 4)
     assert new_digest != digest and ck.read_meta(mid_dir)["source"]["model_sha256"] == new_digest
 
+    # another batch (setup.sh reruns a stage whose flags changed): auto starts fresh, an explicit
+    # --resume still names what differs
+    bigger = [*mid_args, "--total-batch-size", "1024", "--num-iterations", "2"]
+    with pytest.raises(ck.CheckpointError, match="--total-batch-size 512 but this run has 1024"):
+        mid_train.main(bigger + ["--resume", "latest"])
+    capsys.readouterr()
+    again = mid_train.main(bigger + ["--resume", "auto"])
+    assert "latest checkpoint cannot be continued (the checkpoint has --total-batch-size 512 but this run has " \
+           "1024): starting fresh" in capsys.readouterr().out
+    assert sorted(again["losses"]) == [0, 1] and ck.read_meta(mid_dir)["train"]["total_batch_size"] == 1024
+
 
 def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):
     from nanochat import chat_train
