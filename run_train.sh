@@ -109,9 +109,11 @@ descendants() {  # pid -> every process below it, parents first (ps --ppid walks
   done
 }
 torchrun_workers() {  # pid -> the workers below it: torchrun starts each in a session of its own
-  local c
+  local c parent
   for c in $(descendants "$1"); do
-    [[ "$(ps -o sid= -p "$c" 2>/dev/null | tr -d ' ')" == "$c" ]] && echo "$c"
+    [[ "$(ps -o sid= -p "$c" 2>/dev/null | tr -d ' ')" == "$c" ]] || continue
+    parent="$(ps -o ppid= -p "$c" 2>/dev/null | tr -d ' ')"
+    [[ -n "$parent" && "$(ps -o args= -p "$parent" 2>/dev/null)" == *torch.distributed.run* ]] && echo "$c"
   done
   return 0
 }
