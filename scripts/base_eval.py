@@ -81,7 +81,9 @@ def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
     p.add_argument("--dtype", default=d.dtype)
     for name in ("device_batch_size", "eval_tokens", "max_per_task", "max_tokens", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="pretraining shards for bpb (default: <base dir>/base_data); CORE reads the DCLM bundle "
+                        "(NANOCHAT_EVAL_BUNDLE, default <base dir>/eval_bundle) or the offline files (NANOCHAT_EVAL_DIR)")
     p.add_argument("--output", default=None)
     return BaseEvalConfig(**vars(p.parse_args(argv))).validate()
 
