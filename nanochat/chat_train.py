@@ -180,6 +180,11 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
 _SOURCE_KEYS = ("phase", "model_tag", "step", "model_sha256")
 
 
+def _say_fresh_start(why: str) -> None:
+    print0(f"--resume auto: {why}: starting fresh instead (its checkpoints stay on disk until this run's "
+           "saves replace them)")
+
+
 def _auto_resume(ckpt_dir, source: dict) -> str | None:
     """--resume auto for a chat stage: the latest checkpoint, unless that run started from other
     weights than --source names now (e.g. base was retrained under the same tag since): then a
@@ -193,10 +198,9 @@ def _auto_resume(ckpt_dir, source: dict) -> str | None:
     changed = [k for k in _SOURCE_KEYS if k in recorded and recorded[k] != source.get(k)]
     if not changed:
         return resume_at
-    print0(f"--resume auto: that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
-           f"{recorded.get('step')}, and {source['phase']}/{source['model_tag']} is now step {source['step']}"
-           f"{' with other weights' if 'model_sha256' in changed else ''}: starting fresh instead (its "
-           "checkpoints stay on disk until this run's saves replace them)")
+    _say_fresh_start(f"that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
+                     f"{recorded.get('step')}, and {source['phase']}/{source['model_tag']} is now step "
+                     f"{source['step']}{' with other weights' if 'model_sha256' in changed else ''}")
     return None
 
 
@@ -254,8 +258,7 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
-            print0(f"--resume auto: {ckpt_dir}'s latest checkpoint cannot be continued ({reason}): starting fresh "
-                   "instead (its checkpoints stay on disk until this run's saves replace them)")
+            _say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
             del model, resume
             return _start(replace(cfg, resume=None), stage, rt, base_dir)
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
