@@ -141,6 +141,8 @@ fi
 # ---------------------------------------------------------------- presets
 export NANOCHAT_BASE_DIR="$BASE_DIR"
 RUN_NAME="${WANDB_RUN:-dummy}"
+BASE_EXTRA=()   # preset-only base_train flags (the GPU presets add none: their command, and so a
+                # finished run's stage stamp, stays what it was)
 case "$PRESET" in
   tiny)
     DATA_CMD=(python -m nanochat.dataset --source shakespeare)
@@ -148,7 +150,10 @@ case "$PRESET" in
     # tokens away (packing keeps documents BOS-aligned); 2048 drops ~6% for ~1.5x the step time.
     VOCAB=2048; DEPTH=2; SEQ=2048; DBS=2; TBS=4096; ITERS=250; PRECISION=fp32; KERNEL=current
     EVAL_TOKENS=65536; MID_ITERS=40; SFT_ITERS=40; MAX_PROBLEMS=8; COMPILE=--no-compile; SAVE_EVERY=100
-    CHAT_SAVE_EVERY=20; CHAT_TBS=$((DBS * SEQ)) ;;   # tiny: one micro-batch a step, minutes on a CPU
+    CHAT_SAVE_EVERY=20; CHAT_TBS=$((DBS * SEQ))   # tiny: one micro-batch a step, minutes on a CPU
+    # recipe v1: v2 scales the LRs by sqrt(4096 / 2^19) = 0.088 at this batch, and these 250 steps
+    # ended at val bpb 2.467 under v2 against 2.347 under v1 (CHANGELOG_GB10.md, session 43)
+    BASE_EXTRA=(--recipe v1) ;;
   spark)
     VOCAB=32768; DEPTH=20; SEQ=2048; DBS=16; TBS=524288; ITERS=-1; PRECISION=auto; KERNEL=triton
     EVAL_TOKENS=10485760; MID_ITERS=-1; SFT_ITERS=-1; MAX_PROBLEMS=-1; COMPILE=--compile; SAVE_EVERY=200
@@ -232,7 +237,8 @@ stage_cmd() {  # prints the command of a stage, one argument per line
     base_train) printf '%s\n' python -m scripts.base_train --depth "$DEPTH" --max-seq-len "$SEQ" \
         --device-batch-size "$DBS" --total-batch-size "$TBS" --num-iterations "$ITERS" \
         --precision "$PRECISION" --kernel "$KERNEL" "$COMPILE" --eval-tokens "$EVAL_TOKENS" \
-        --save-every "$SAVE_EVERY" --keep-last 2 --resume auto --run "$RUN_NAME" --model-tag "$MODEL_TAG" ;;
+        --save-every "$SAVE_EVERY" --keep-last 2 --resume auto --run "$RUN_NAME" --model-tag "$MODEL_TAG" \
+        "${BASE_EXTRA[@]}" ;;
     base_eval) printf '%s\n' python -m scripts.base_eval --model-tag "$MODEL_TAG" --eval core,bpb,sample \
         --max-per-task "$MAX_PROBLEMS" --eval-tokens "$EVAL_TOKENS" --device-batch-size "$DBS" ;;
     # offline (tiny) there are no train splits of MMLU/ARC/GSM8K: train on the local test files minus

@@ -3,8 +3,9 @@
 One optimizer class, single-process and distributed:
   * Muon groups hold same-shape matrices, updated as one stacked (K, m, n) tensor: Nesterov
     momentum (fp32 buffer), Polar Express orthogonalisation (bf16 on CUDA, fp32 elsewhere),
-    update scaled by max(1, m/n)^0.5, decoupled weight decay (optionally cautious: only where the
-    update and the weight agree in sign), step p -= lr * (update + wd * p [* mask]).
+    update scaled by max(1, m/n)^0.5, optionally NorMuon's per-neuron rescale (a factored second
+    moment, one fp32 value per row or column), decoupled weight decay (optionally cautious: only
+    where the update and the weight agree in sign), step p -= lr * (update + wd * p [* mask]).
   * AdamW groups (embedding, value_embeds, lm_head, scalars): bias-corrected AdamW, decoupled
     weight decay, eps 1e-10, each group its own LR.
   * world_size > 1 (torch.distributed initialised; no DDP wrapper needed): every rank calls
@@ -24,6 +25,7 @@ functions (compiled lazily, once per shape) never recompile when a schedule chan
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -75,13 +77,40 @@ def orthogonalize(G: torch.Tensor, steps: int = 5, scale: float = 1.0) -> torch.
     return (X.mT if transposed else X).reshape(*lead, m, n)
 
 
-def muon_update(grad, momentum_buffer, momentum, nesterov: bool, ns_steps: int):
+def muon_update(grad, momentum_buffer, momentum, nesterov: bool, ns_steps: int, second_moment=None, beta2=None):
     """Momentum (in place on the fp32 buffer) + orthogonalisation + shape scale, for a (K, m, n)
-    stack. `momentum` is a 0-dim tensor. Returns the update in the orthogonalisation dtype."""
+    stack, then NorMuon's rescale when `second_moment` is given. `momentum` and `beta2` are 0-dim
+    tensors. Returns the update in the orthogonalisation dtype."""
     momentum_buffer.mul_(momentum).add_(grad * (1 - momentum))
     g = grad * (1 - momentum) + momentum_buffer * momentum if nesterov else momentum_buffer
     scale = max(1.0, grad.size(-2) / grad.size(-1)) ** 0.5
-    return orthogonalize(g, ns_steps, scale)
+    update = orthogonalize(g, ns_steps, scale)
+    if second_moment is None:
+        return update
+    return normuon_rescale(update, second_moment, beta2)
+
+
+def normuon_shape(stack_shape) -> tuple[int, ...]:
+    """Shape of NorMuon's factored second moment for a (K, m, n) stack: one value per row of a
+    tall-or-square matrix (K, m, 1), one per column of a wide one (K, 1, n)."""
+    k, m, n = stack_shape
+    return (k, m, 1) if m >= n else (k, 1, n)
+
+
+def normuon_rescale(update, second_moment, beta2):
+    """NorMuon (Li et al. 2025, arXiv 2510.05491): after orthogonalisation, divide each neuron's
+    update (a row of a tall matrix, a column of a wide one) by the root of an EMA of its mean
+    square, then restore the matrix's Frobenius norm. Orthogonalised updates have uneven
+    per-neuron scales; this evens them out and keeps Muon's step size. `second_moment` (fp32,
+    `normuon_shape`) is updated in place; `beta2` is a 0-dim tensor. An all-zero update (a
+    padding slot of the distributed stack) stays zero."""
+    u = update.float()
+    reduce = -1 if second_moment.size(-1) == 1 else -2
+    second_moment.mul_(beta2).add_(u.square().mean(dim=reduce, keepdim=True) * (1 - beta2))
+    scaled = u * second_moment.clamp_min(1e-10).rsqrt()
+    before = u.norm(dim=(-2, -1), keepdim=True)
+    after = scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
+    return (scaled * (before / after)).to(update.dtype)
 
 
 def muon_momentum_step(grad, momentum_buffer, momentum, nesterov: bool):
@@ -164,11 +193,12 @@ class MuonAdamW(torch.optim.Optimizer):
     # -- step functions (compiled lazily on CUDA) ----------------------------------------------
     def _fn(self, name: str, device: torch.device):
         fn = {"muon": muon_update, "adamw": adamw_update, "momentum": muon_momentum_step,
-              "ortho": orthogonalize, "decay": muon_decay_step}[name]
+              "ortho": orthogonalize, "decay": muon_decay_step, "normuon": normuon_rescale}[name]
         use_compile = self._compile if self._compile is not None else device.type == "cuda"
         if not use_compile:
             return fn
         if name not in self._compiled:
+            _allow_step_recompiles()
             self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
         return self._compiled[name]
 
@@ -177,9 +207,22 @@ class MuonAdamW(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad_stack)
         momentum = torch.tensor(float(group["momentum"]))
+        second, beta2 = self._second_moment(group, state, grad_stack)
         fn = self._fn("muon", grad_stack.device)
         return fn(grad_stack, state["momentum_buffer"], momentum, bool(group.get("nesterov", True)),
-                  int(group.get("ns_steps", 5)))
+                  int(group.get("ns_steps", 5)), second, beta2)
+
+    @staticmethod
+    def _second_moment(group, state, stack: torch.Tensor):
+        """NorMuon's buffer for this rank's (K, m, n) stack and beta2 as a 0-dim tensor, or
+        (None, None) when the group's beta2 is 0 (plain Muon)."""
+        beta2 = float(group.get("beta2", 0.0))
+        if beta2 == 0.0:
+            return None, None
+        if "second_moment" not in state:
+            state["second_moment"] = torch.zeros(normuon_shape(stack.shape), device=stack.device,
+                                                 dtype=torch.float32)
+        return state["second_moment"], torch.tensor(beta2)
 
     def _apply_muon(self, group, params, update) -> None:
         """p -= lr * (update + wd * p * mask) for each param, from a stacked (>=K, m, n) update: one
@@ -309,10 +352,27 @@ class MuonAdamW(torch.optim.Optimizer):
             full = DTensor.from_local(g, p0.device_mesh, [Shard(1)], shape=torch.Size((K, m, n)),
                                       stride=(m * n, n, 1)).full_tensor()
             update = self._fn("ortho", full.device)(full, int(group.get("ns_steps", 5)), max(1.0, m / n) ** 0.5)
+            second, beta2 = self._second_moment(group, state, update)
+            if second is not None:  # every rank holds the whole (small) buffer, as it computes the whole update
+                update = self._fn("normuon", update.device)(update, second, beta2)
             rows = -(-m // p0.device_mesh.size())  # torch.chunk sizes, as Shard(0) uses
             start = min(p0.device_mesh.get_local_rank() * rows, m)
             assert local[0].size(0) == min(rows, m - start), "local shard is not a torch.chunk row range"
             self._apply_muon(group, local, update[:, start:start + local[0].size(0)])
+
+
+STEP_RECOMPILE_LIMIT = 64
+
+
+def _allow_step_recompiles() -> None:
+    """Each Muon stack shape, and NorMuon on or off, is a graph of its own for the same step
+    function, and dynamo counts them per function across every optimizer of the process: a process
+    that builds several models (the CUDA tests, compare_recipes) passed dynamo's default limit of 8,
+    which under fullgraph=True is a hard error (2026-11-28, torch 2.11, tests/test_optim.py then
+    test_base_train.py). Raise the per-function limit to STEP_RECOMPILE_LIMIT (never lower it)."""
+    import torch._dynamo.config as dynamo_config
+    if dynamo_config.recompile_limit < STEP_RECOMPILE_LIMIT:
+        dynamo_config.recompile_limit = STEP_RECOMPILE_LIMIT
 
 
 def _uses_dtensors(param_groups) -> bool:
@@ -333,19 +393,23 @@ def _uses_dtensors(param_groups) -> bool:
 
 def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3, unembedding_lr: float = 0.004,
                     scalar_lr: float = 0.5, weight_decay: float = 0.0, adam_betas=(0.8, 0.95),
-                    world_size: int = 1, rank: int = 0, compile: bool | None = None) -> MuonAdamW:
+                    normuon_beta2: float = 0.0, world_size: int = 1, rank: int = 0,
+                    compile: bool | None = None) -> MuonAdamW:
     """Muon for model.param_groups()["matrix"] (one group per shape), AdamW for the rest.
 
     Embedding, value-embedding and lm_head LRs are scaled by (n_embd / 768) ** -0.5. Scalars:
     x0_lambdas use scalar_lr with betas (0.96, 0.95); resid_lambdas use scalar_lr * 0.01 (they
     scale the whole residual stream, and Adam steps are ~lr in size whatever the gradient).
     weight_decay applies to the Muon groups (decoupled, cautious); AdamW groups use none.
+    normuon_beta2 > 0 turns on NorMuon's rescale in the Muon groups with that EMA rate (0 = plain Muon).
     """
     for flag, value in (("--matrix-lr", matrix_lr), ("--embedding-lr", embedding_lr),
                         ("--unembedding-lr", unembedding_lr), ("--scalar-lr", scalar_lr),
                         ("--weight-decay", weight_decay)):
         if not (value >= 0 and math.isfinite(value)):
             raise ValueError(f"{flag}: got {value}; accepted: a finite number >= 0")
+    if not 0 <= normuon_beta2 < 1:
+        raise ValueError(f"--normuon-beta2: got {normuon_beta2}; accepted: [0, 1) (0 = off)")
     if len(adam_betas) != 2 or not all(0 <= b < 1 for b in adam_betas):
         raise ValueError(f"--adam-betas: got {adam_betas}; accepted: two numbers in [0, 1)")
     roles = model.param_groups()
@@ -370,7 +434,7 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
         groups.append(dict(kind="muon", name=f"muon_{'x'.join(map(str, shape))}",
                            params=[p for p in matrix if tuple(p.shape) == shape], lr=matrix_lr,
                            momentum=0.95, nesterov=True, ns_steps=5, weight_decay=weight_decay,
-                           cautious_wd=True))
+                           cautious_wd=True, beta2=float(normuon_beta2)))
     opt = MuonAdamW(groups, world_size=world_size, rank=rank, compile=compile)
     counted = sum(len(g["params"]) for g in opt.param_groups)
     assert counted == len(list(model.parameters())), "param_groups() must cover every parameter once"
@@ -387,8 +451,10 @@ def optimizer_state_bytes(model) -> int:
 
 
 def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, warmdown_ratio: float = 0.4,
-                  final_lr_frac: float = 0.0) -> float:
-    """Linear warmup, constant, then linear warmdown to final_lr_frac at step == num_iterations."""
+                  final_lr_frac: float = 0.0, warmup_steps: int = 0) -> float:
+    """Linear warmup, constant, then linear warmdown to final_lr_frac at step == num_iterations.
+    The warmup is `warmup_steps` steps when > 0 (capped where the warmdown starts, so a short run
+    still warms down), else warmup_ratio x num_iterations."""
     if num_iterations < 1:
         raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
     if not (0 <= warmup_ratio <= 1 and 0 <= warmdown_ratio <= 1 and warmup_ratio + warmdown_ratio <= 1):
@@ -396,8 +462,10 @@ def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, 
                          "accepted: each in [0, 1], sum <= 1")
     if not 0 <= final_lr_frac <= 1:
         raise ValueError(f"--final-lr-frac: got {final_lr_frac}; accepted: [0, 1]")
-    warmup = round(warmup_ratio * num_iterations)
+    if warmup_steps < 0:
+        raise ValueError(f"--warmup-steps: got {warmup_steps}; accepted: an integer >= 0")
     warmdown = round(warmdown_ratio * num_iterations)
+    warmup = min(warmup_steps, num_iterations - warmdown) if warmup_steps > 0 else round(warmup_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
     if step <= num_iterations - warmdown:
@@ -412,8 +480,29 @@ def muon_momentum(step: int, *, start: float = 0.85, end: float = 0.95, ramp_ste
     return (1 - frac) * start + frac * end
 
 
+def muon_momentum_peaked(step: int, num_iterations: int, warmdown_ratio: float, *, start: float = 0.85,
+                         peak: float = 0.97, end: float = 0.90, ramp_steps: int = 400) -> float:
+    """Recipe v2's Muon momentum: the ramp from `start` to `peak` over `ramp_steps`, then during
+    the LR warmdown linear from wherever the ramp stands there down to `end` at the last step
+    (less momentum while the LR anneals: the update follows the recent gradients more closely)."""
+    ramp = functools.partial(muon_momentum, start=start, end=peak, ramp_steps=ramp_steps)
+    warmdown = round(warmdown_ratio * num_iterations)
+    begin = num_iterations - warmdown
+    if warmdown == 0 or step <= begin:
+        return ramp(step)
+    progress = min((step - begin) / warmdown, 1.0)
+    return (1 - progress) * ramp(begin) + progress * end
+
+
 def weight_decay_multiplier(step: int, num_iterations: int) -> float:
     """Weight decay decays linearly to 0 over the run (multiply initial_weight_decay by this)."""
     if num_iterations < 1:
         raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
     return max(0.0, 1.0 - step / num_iterations)
+
+
+def weight_decay_cosine(step: int, num_iterations: int) -> float:
+    """Recipe v2's weight decay: a half cosine from 1 at step 0 to 0 at the last step."""
+    if num_iterations < 1:
+        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
+    return 0.5 * (1 + math.cos(math.pi * min(max(step, 0), num_iterations) / num_iterations))

@@ -134,6 +134,7 @@ class Schedule:
     warmup_ratio: float = 0.0
     warmdown_ratio: float = 0.4
     final_lr_frac: float = 0.0
+    warmup_steps: int = 0                               # > 0: the warmup in steps (wins over the ratio)
     lr_fn: Callable[..., float] | None = None          # (step, num_iterations, **ratios) -> mult
     momentum_fn: Callable[[int], float] | None = None   # step -> Muon momentum
     wd_fn: Callable[[int, int], float] | None = None    # (step, num_iterations) -> mult
@@ -145,6 +146,9 @@ class Schedule:
         require(self.warmup_ratio + self.warmdown_ratio <= 1.0, "--warmup-ratio + --warmdown-ratio",
                 self.warmup_ratio + self.warmdown_ratio, "<= 1")
         require_float(self.final_lr_frac, "--final-lr-frac", 0.0, 1.0)
+        require_int(self.warmup_steps, "--warmup-steps", 0)
+        require(not (self.warmup_steps and self.warmup_ratio), "--warmup-steps and --warmup-ratio",
+                f"{self.warmup_steps} and {self.warmup_ratio}", "one of the two (the other 0)")
         return self
 
     def _defaults(self) -> None:
@@ -158,7 +162,8 @@ class Schedule:
         """(lr multiplier, Muon momentum, weight-decay multiplier) at `step`."""
         self._defaults()
         lrm = float(self.lr_fn(step, self.num_iterations, warmup_ratio=self.warmup_ratio,
-                               warmdown_ratio=self.warmdown_ratio, final_lr_frac=self.final_lr_frac))
+                               warmdown_ratio=self.warmdown_ratio, final_lr_frac=self.final_lr_frac,
+                               warmup_steps=self.warmup_steps))
         return lrm, float(self.momentum_fn(step)), float(self.wd_fn(step, self.num_iterations))
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:

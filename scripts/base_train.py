@@ -28,6 +28,8 @@ from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop)
+from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
+                             small_batch_hint)
 from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
@@ -59,16 +61,20 @@ class BaseTrainConfig:
     # batch: --total-batch-size -1 = auto from depth (training.auto_total_batch_size)
     device_batch_size: int = 32
     total_batch_size: int = -1
-    # optimizer (Muon for matrices, AdamW for the rest) and schedules
-    matrix_lr: float = 0.02
-    embedding_lr: float = 0.3
-    unembedding_lr: float = 0.004
-    scalar_lr: float = 0.5
-    weight_decay: float = 0.0
+    # optimizer (Muon for matrices, AdamW for the rest) and schedules: --recipe sets them
+    # (nanochat/recipe.py; a resumed run keeps its checkpoint's); a flag given overrides its value
+    recipe: str | None = None               # v1|v2; default recipe.DEFAULT_RECIPE
+    matrix_lr: float | None = None
+    embedding_lr: float | None = None
+    unembedding_lr: float | None = None
+    scalar_lr: float | None = None
+    weight_decay: float | None = None       # at d12 and 2^19 tokens a step (v2 scales it to the run)
+    warmup_ratio: float | None = None
+    warmup_steps: int | None = None
+    warmdown_ratio: float | None = None
+    final_lr_frac: float | None = None
+    normuon_beta2: float | None = None      # 0 = plain Muon
     grad_clip: float = 0.0                  # 0 = off
-    warmup_ratio: float = 0.0
-    warmdown_ratio: float = 0.4
-    final_lr_frac: float = 0.0
     # evaluation, sampling, checkpoints (-1 or 0 = off; eval/save always run at the last step)
     eval_every: int = 250
     eval_tokens: int = 10 * 524288
@@ -107,9 +113,18 @@ class BaseTrainConfig:
         require_float(self.target_param_data_ratio, "--target-param-data-ratio", 0.0, low_inclusive=False)
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.total_batch_size, "--total-batch-size", 1, allow=(-1,))
+        require(self.recipe is None or self.recipe in RECIPES, "--recipe", self.recipe, "|".join(RECIPES))
         for flag in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip"):
-            require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
-        Schedule(1, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac).validate()
+            if getattr(self, flag) is not None:
+                require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
+        if self.normuon_beta2 is not None:
+            require_float(self.normuon_beta2, "--normuon-beta2", 0.0)
+            require(self.normuon_beta2 < 1, "--normuon-beta2", self.normuon_beta2, "a number in [0, 1) (0 = off)")
+        if self.warmup_steps is not None:
+            require_int(self.warmup_steps, "--warmup-steps", 0)
+        sched = {k: getattr(self, k) for k in ("warmup_ratio", "warmdown_ratio", "final_lr_frac", "warmup_steps")
+                 if getattr(self, k) is not None}
+        Schedule(1, **sched).validate()
         for flag in ("eval_every", "sample_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,7 +159,19 @@ class BaseTrainConfig:
         return self
 
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float | None": float}
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float | None": float, "int | None": int}
+
+
+def _flag_help(name: str, default) -> str:
+    if name == "recipe":
+        return (f"optimizer recipe: {'|'.join(RECIPES)} (nanochat/recipe.py); default {DEFAULT_RECIPE}, "
+                "or the checkpoint's when resuming")
+    if name in RECIPE_FLAGS:
+        values = ", ".join(f"{r} {RECIPES[r][name]}" for r in RECIPES)
+        scaled = {"weight_decay": ", under v2 x sqrt(batch / 2^19) x d12's horizon / this run's"}.get(
+            name, ", under v2 x sqrt(batch / 2^19)" if name.endswith("_lr") else "")
+        return f"default: from --recipe ({values}){scaled}"
+    return f"default: {default}"
 
 
 def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
@@ -161,7 +188,7 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
                                 help=f"default: {getattr(defaults, f.name)}")
         else:
             default = getattr(defaults, f.name)
-            parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=f"default: {default}")
+            parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=_flag_help(f.name, default))
     return BaseTrainConfig(**vars(parser.parse_args(argv))).validate()
 
 
@@ -232,7 +259,6 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                                                 cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
-    schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
@@ -245,6 +271,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])
+
+    # ---- recipe: LRs, weight decay and schedules for this batch and horizon (nanochat/recipe.py) ----
+    cfg.recipe = recipe_for_resume(cfg.recipe, resume["meta"].get("config", {}) if resume is not None else None)
+    recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
+                            target_tokens=target_tokens, ref_tokens=ref_tokens)
+    schedule = recipe.schedule(num_iterations)
 
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
@@ -268,9 +300,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
 
     # ---- optimizer ----
-    optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                                unembedding_lr=cfg.unembedding_lr, scalar_lr=cfg.scalar_lr,
-                                weight_decay=cfg.weight_decay, world_size=rt.world_size, rank=rt.rank)
+    optimizer = build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank)
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
 
@@ -292,8 +322,11 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step=step if resume is not None else None, cast_once=trainer.cast_once,
+                 wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
+                 cast_once=trainer.cast_once,
                  data=train_loader.describe_source(), disk=disk)
+    if (hint := small_batch_hint(recipe, total_batch_size)) is not None:
+        print0(f"WARNING: {hint}")
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
@@ -341,7 +374,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
-                 wandb_mode, resume_step, cast_once: bool = False, data: str = "", disk: str = "") -> None:
+                 wandb_mode, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     rows = [
@@ -362,8 +395,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s (bf16)", f"{peak_bf16:.4e}" if peak_bf16 else "n/a (MFU not computed; --peak-flops)"),
-        ("schedule", f"warmup {cfg.warmup_ratio}, warmdown {cfg.warmdown_ratio}, final lr frac "
-                     f"{cfg.final_lr_frac}, weight decay {cfg.weight_decay}, grad clip {cfg.grad_clip or 'off'}"),
+        ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
         ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"),
         ("samples / saves", f"every {cfg.sample_every} / every {cfg.save_every} steps (+ final)"),
         ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
@@ -373,7 +405,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
     ]
     for i, group in enumerate(optimizer.param_groups):
         n = sum(p.numel() for p in group["params"])
-        extra = {k: group[k] for k in ("kind", "momentum", "weight_decay", "betas") if k in group}
+        extra = {k: group[k] for k in ("kind", "momentum", "weight_decay", "betas", "beta2") if k in group}
         rows.append((f"LR group {i}", f"lr {group['initial_lr']:.5g}, {len(group['params'])} tensors, "
                                       f"{n:,} params {extra}"))
     width = max(len(k) for k, _ in rows)

@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the step functions compile)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="Muon's (cautious) weight decay, as base_train's flag")
+    p.add_argument("--normuon-beta2", type=float, default=0.0, help="NorMuon's rescale in the Muon step (0 = off; "
+                   "base_train's default recipe v2 uses 0.95)")
     p.add_argument("--top", type=int, default=0, help="profile one step and list its N heaviest kernels")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
@@ -47,6 +49,7 @@ def parse_args(argv=None):
     require_int(a.warmup, "--warmup", 0)
     require_int(a.top, "--top", 0)
     require_float(a.weight_decay, "--weight-decay", 0.0)
+    require(0 <= a.normuon_beta2 < 1, "--normuon-beta2", a.normuon_beta2, "a number in [0, 1) (0 = off)")
     require(a.device in DEVICE_CHOICES, "--device", a.device, "|".join(DEVICE_CHOICES))
     return a
 
@@ -60,7 +63,8 @@ def build(args, device):
     gen = torch.Generator(device=device).manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, device=device, dtype=p.dtype, generator=gen) * 1e-3
-    return model, build_optimizer(model, weight_decay=args.weight_decay)
+    return model, build_optimizer(model, weight_decay=args.weight_decay,
+                                  normuon_beta2=getattr(args, "normuon_beta2", 0.0))
 
 
 def timed(rt, optimizer, steps: int) -> list[float]:
@@ -107,6 +111,7 @@ def main(argv=None) -> dict:
                  for k in ("muon", "adamw")}
         row = {"bench": "optim", "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else rt.device.type,
                "torch": torch.__version__, "depth": args.depth, "vocab_size": args.vocab_size, "weight_decay": args.weight_decay,
+               "normuon_beta2": args.normuon_beta2,
                "muon_params": kinds["muon"], "adamw_params": kinds["adamw"], "steps": args.steps,
                "ms_median": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3)}
         if args.top:

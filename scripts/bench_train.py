@@ -36,6 +36,7 @@ from nanochat.common import destroy_runtime, init_runtime
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
 from nanochat.flags import FlagParser, require, require_int, script_main
+from nanochat.recipe import DEFAULT_RECIPE, RECIPES, resolve_recipe
 
 MIN_GPU_STEPS = 20
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
@@ -67,6 +68,7 @@ class BenchConfig:
     head_dim: int = 128
     unfuse: tuple[str, ...] = ()
     precision_backends: tuple[str, ...] = ("auto",)
+    recipe: str = DEFAULT_RECIPE           # the optimizer base_train builds under it (NorMuon, weight decay)
 
 
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
@@ -98,6 +100,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--unfuse", default="", help=f"comma list of {'|'.join(UNFUSE)}: run --kernel triton "
                    "without that fusion (the A/B of one fusion)")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"optimizer recipe, as base_train's: {'|'.join(RECIPES)} "
+                   f"(default {DEFAULT_RECIPE})")
     a = p.parse_args(argv)
 
     def ints(text, flag):
@@ -113,7 +117,8 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
                       window_pattern=a.window_pattern, attn_backend=a.attn_backend, device=a.device,
                       peak_flops=a.peak_flops, aspect_ratio=a.aspect_ratio, head_dim=a.head_dim,
                       unfuse=tuple(v for v in a.unfuse.split(",") if v),
-                      precision_backends=tuple(a.precision_backend.split(",")))
+                      precision_backends=tuple(a.precision_backend.split(",")), recipe=a.recipe)
+    require(cfg.recipe in RECIPES, "--recipe", cfg.recipe, "|".join(RECIPES))
     for d in cfg.depths:
         require_int(d, "--depth", 1)
     for k in cfg.kernels:
@@ -176,27 +181,37 @@ class SyntheticBatches:
         return self.batches[self.i % len(self.batches)]
 
 
+def _scaling_params(cfg: BenchConfig, depth: int, vocab: int) -> int:
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+    conf = config_for_depth(depth, vocab, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
+                            window_pattern=cfg.window_pattern)
+    return build_model(conf, "meta").num_scaling_params()
+
+
 def total_batch_for(cfg: BenchConfig, depth: int, vocab: int, world_size: int) -> int:
     """Tokens per optimizer step: --total-batch-size, or base_train's auto rule for this depth
     (its target-param-data ratio cancels: the rule compares two horizons of the same ratio)."""
-    from nanochat.checkpoint import build_model
-    from nanochat.gpt import config_for_depth
     from nanochat.training import REF_DEPTH, resolve_total_batch_size
-
-    def scaling_params(d):
-        conf = config_for_depth(d, vocab, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
-                                window_pattern=cfg.window_pattern)
-        return build_model(conf, "meta").num_scaling_params()
 
     if cfg.total_batch_size != -1:
         return cfg.total_batch_size
-    return resolve_total_batch_size(-1, scaling_params(depth), scaling_params(REF_DEPTH), cfg.device_batch_size,
-                                    cfg.seq, world_size)
+    return resolve_total_batch_size(-1, _scaling_params(cfg, depth, vocab), _scaling_params(cfg, REF_DEPTH, vocab),
+                                    cfg.device_batch_size, cfg.seq, world_size)
+
+
+def recipe_optimizer(cfg: BenchConfig, model, depth: int, vocab: int, total_batch: int, rt):
+    """The optimizer base_train builds for this depth and batch under --recipe (the tokens:params
+    ratio cancels in v2's weight-decay scaling, as in the batch rule)."""
+    from nanochat.optim import build_optimizer
+    from nanochat.training import REF_DEPTH
+    recipe = resolve_recipe(cfg.recipe, {}, total_batch_size=total_batch, target_tokens=_scaling_params(cfg, depth, vocab),
+                            ref_tokens=_scaling_params(cfg, REF_DEPTH, vocab))
+    return build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank)
 
 
 def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, backend: str = "auto") -> dict:
     from nanochat.gpt import config_for_depth
-    from nanochat.optim import build_optimizer
     from nanochat.checkpoint import build_model
     from nanochat.training import (Schedule, StepMeter, Trainer, plan_batch, resolve_peak_flops,
                                    setup_precision_and_kernel)
@@ -224,9 +239,9 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
     if precision in ("fp8lean", "fp8plain", "fp8mlp0"):
         info = {**info, "precision": precision}
     train_model = torch.compile(model, dynamic=False) if compile_model else model
-    optimizer = build_optimizer(model, world_size=rt.world_size, rank=rt.rank)
-    plan = plan_batch(total_batch_for(cfg, depth, vocab, rt.world_size), cfg.device_batch_size, cfg.seq,
-                      rt.world_size)
+    total_batch = total_batch_for(cfg, depth, vocab, rt.world_size)
+    optimizer = recipe_optimizer(cfg, model, depth, vocab, total_batch, rt)
+    plan = plan_batch(total_batch, cfg.device_batch_size, cfg.seq, rt.world_size)
     total = cfg.warmup + cfg.steps
     schedule = Schedule(total, warmdown_ratio=0.0)  # constant lr: the benchmark measures speed only
     trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, cast_once="wcache" not in cfg.unfuse,
@@ -255,7 +270,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "precision": info["precision"], "precision_backend": info.get("backend"), "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
-            "data": cfg.data, "total_batch_size": plan.total_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+            "data": cfg.data, "recipe": cfg.recipe, "total_batch_size": plan.total_batch_size,
+            "grad_accum_steps": plan.grad_accum_steps,
             "cast_once": trainer.cast_once, "grad_sinks": trainer.cast_once and trainer.grad_sinks,
             "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,

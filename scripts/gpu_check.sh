@@ -5,7 +5,7 @@
 #              passes with the bf16 layout variants, the relu^2-epilogue MLP GEMMs), loss-kernel and
 #              fp8-cast and QK-norm + RoPE backward benchmarks
 #   tests      pytest -m cuda over tests/ (carry .whl/ with rustbpe, liger-kernel, cudnn-frontend, and
-#              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures)
+#              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures); TEST_PATHS narrows it to some files
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   alttests   pytest -m cuda over tests/ with the Triton carried by scripts/alt_triton.sh (.altta, then .alttb
@@ -74,6 +74,9 @@
 #   stop2      (2+ GPUs) a graceful stop under torchrun on NCCL: run_train.sh --nproc 2, --stop, both ranks
 #              save at the agreed step (tests/test_run_train.py's CUDA case); whether this torch's torchrun
 #              has --shutdown-timeout
+#   recipes    base_train under each --recipe on the docs corpus, final val bpb per run and seed
+#              (compare_recipes; RECIPE_RUNS "v1;v2" entries split on ';', RECIPE_SEEDS "1", RECIPE_DEPTH 4,
+#              RECIPE_RATIO 12 tokens per scaling parameter)
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -144,7 +147,7 @@ print('torch', torch.__version__, 'torchrun --shutdown-timeout:', 'shutdown_time
 fi
 if has tests; then
   # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint)
-  step pytest_cuda_all 540 $PY -m pytest -q -m cuda -p no:cacheprovider -rs tests/
+  step pytest_cuda_all 540 $PY -m pytest -q -m cuda -p no:cacheprovider -rs ${TEST_PATHS:-tests/}
 fi
 if has alttests; then
   # with scripts/alt_triton.sh's Triton: the CUDA tests of the files holding our Triton kernels (ALT_TESTS);
@@ -390,6 +393,17 @@ if has d12run; then
   step d12_chat_eval 420 $PY -m scripts.chat_eval -i sft --model-tag d12 --max-problems ${MAX_PROBLEMS:-50}
   step d12_report 60 $PY -m nanochat.report generate
   cp "$NANOCHAT_BASE_DIR/report/report.md" "$LOG/report.md" 2>/dev/null
+fi
+
+if has recipes; then
+  # base_train under each recipe on the docs corpus, final val bpb (scripts/compare_recipes.py).
+  # RECIPE_RUNS: entries separated by ';' (a recipe, then optional base_train flags)
+  IFS=';' read -ra RR <<< "${RECIPE_RUNS:-v1;v2}"
+  read -ra RS <<< "${RECIPE_SEEDS:-1}"
+  step recipes "${RECIPE_TIMEOUT:-560}" $PY -m scripts.compare_recipes --runs "${RR[@]}" --seeds "${RS[@]}" -- \
+       --depth "${RECIPE_DEPTH:-4}" --target-param-data-ratio "${RECIPE_RATIO:-12}" --max-seq-len 2048 \
+       --device-batch-size 32 --eval-tokens 1048576 --kernel triton
+  grep -A20 "^run " "$LOG/recipes.log" | tail -n +1
 fi
 
 if has fp8cmp; then

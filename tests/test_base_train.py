@@ -83,6 +83,10 @@ def test_lowercase_window_pattern_reaches_the_model():
     (["--fp8-wgrad", "recompute"], "--fp8-wgrad"),   # bf16 run: the mode would do nothing
     (["--precision", "fp8", "--precision-backend", "te", "--fp8-wgrad", "plain"], "--fp8-wgrad"),
     (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--recipe", "v3"], "--recipe"),
+    (["--warmup-steps", "5", "--warmup-ratio", "0.1"], "--warmup-steps"),
+    (["--warmup-steps", "-1"], "--warmup-steps"),
+    (["--normuon-beta2", "1"], "--normuon-beta2"),
 ])
 def test_bad_flags_name_the_flag(argv, flag):
     from scripts.base_train import parse_config
@@ -131,6 +135,13 @@ def test_exact_resume_bit_for_bit(env, base_dir):
         assert torch.equal(v, final_b["model"][k]), k
     assert final_a["loader"] == final_b["loader"]
     assert final_a["loop"]["meter"] == final_b["loop"]["meter"]
+    # the default recipe (v2: NorMuon's buffers are in the optimizer state) is recorded, resolved;
+    # a resume keeps it, and asking for another one is refused before anything is built
+    from nanochat.recipe import DEFAULT_RECIPE
+    assert final_b["meta"]["config"]["recipe"] == DEFAULT_RECIPE == "v2"
+    assert any("second_moment" in st for st in final_b["optimizer"]["state"].values())
+    with pytest.raises(ValueError, match="--recipe: got 'v1' but the checkpoint was trained with 'v2'"):
+        _train(args + ["--resume", "4", "--recipe", "v1"])
     # resuming with a different batch layout is refused with the reason
     with pytest.raises(ValueError, match="--total-batch-size 512 but this run has 1024"):
         _train(TINY[:-1] + env + ["--total-batch-size", "1024", "--num-iterations", "8", "--eval-every", "-1",
@@ -187,8 +198,10 @@ def unigram_bpb(tokenizer, train_texts, val_texts) -> float:
 def test_tiny_end_to_end(env, base_dir, tiny_corpus, tmp_path):
     from nanochat.tokenizer import get_tokenizer
     from scripts import base_eval
+    # recipe v1, as setup.sh's tiny preset: v2 would scale the LRs by sqrt(512 / 2^19) here
     summary = _train(TINY + env + ["--num-iterations", "40", "--eval-every", "40", "--eval-tokens", "16384",
-                                   "--model-tag", "e2e", "--sample-every", "40", "--matrix-lr", "0.04"])
+                                   "--model-tag", "e2e", "--sample-every", "40", "--matrix-lr", "0.04",
+                                   "--recipe", "v1"])
     tok = get_tokenizer()
     baseline = unigram_bpb(tok, _texts(tiny_corpus / "shard_00000.parquet"), _texts(tiny_corpus / "shard_00001.parquet"))
     losses = summary["losses"]

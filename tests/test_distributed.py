@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "scripts" / "launch_multinode.sh"
 LOSS_TOL = 1e-5
 STEPS, ACCUM_2RANK, B, T, VOCAB = 4, 2, 2, 32, 256
+NORMUON = 0.95  # the equivalence runs use NorMuon (recipe v2's Muon): its buffers follow each layout too
 
 
 def _torchrun_env(rank: int, world: int, port: int) -> None:
@@ -56,7 +57,8 @@ def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int 
     from nanochat.distributed import StridedMicroBatches
     from nanochat.optim import build_optimizer
     from nanochat.training import Schedule, Trainer, plan_batch
-    optimizer = optimizer or build_optimizer(model, world_size=world, rank=rt.rank if world > 1 else 0)
+    optimizer = optimizer or build_optimizer(model, normuon_beta2=NORMUON, world_size=world,
+                                             rank=rt.rank if world > 1 else 0)
     plan = plan_batch(ACCUM_2RANK * 2 * B * T, B, T, world)
     loader = StridedMicroBatches(batches, rt.rank, world) if world > 1 else iter(batches)
     trainer = Trainer(model, optimizer, loader, plan, Schedule(STEPS, warmdown_ratio=0.5), rt)
@@ -91,10 +93,10 @@ def _equivalence_worker(rank: int, world: int, port: int, out: str) -> None:
         model_b.load_state_dict(weights)
         apply_fsdp(model_b, rt)
         from nanochat.optim import build_optimizer
-        opt_b = build_optimizer(model_b, world_size=world, rank=rank)
+        opt_b = build_optimizer(model_b, normuon_beta2=NORMUON, world_size=world, rank=rank)
         opt_b.load_state_dict(opt_state)
         result["resumed"], _ = _run(model_b, rt, rest, half, half, optimizer=opt_b)
-        plain = build_optimizer(_tiny_model(), world_size=world, rank=rank)
+        plain = build_optimizer(_tiny_model(), normuon_beta2=NORMUON, world_size=world, rank=rank)
         try:
             plain.load_state_dict(opt_state)
             result["refused"] = ""

@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier,
-                            muon_decay_step, muon_momentum, orthogonalize, weight_decay_multiplier)
+                            muon_decay_step, muon_momentum, muon_momentum_peaked, normuon_rescale, normuon_shape,
+                            orthogonalize, weight_decay_cosine, weight_decay_multiplier)
 
 
 def tiny_model(vocab=256, seed=0) -> GPT:
@@ -77,9 +78,11 @@ def test_orthogonalize_compiled_bf16_on_cuda():
 
 
 @pytest.mark.cuda
-def test_muon_step_compiled_on_cuda_matches_cpu():
+@pytest.mark.parametrize("beta2", [0.0, 0.95])
+def test_muon_step_compiled_on_cuda_matches_cpu(beta2):
     """The CUDA step (compiled, bf16 Polar Express, the decay as one compiled pass per weight)
-    against the float32 CPU step on the same weights and gradients. Plain decay here: the cautious
+    against the float32 CPU step on the same weights and gradients, plain Muon and NorMuon (the
+    compiled graph then holds the rescale too). Plain decay here: the cautious
     mask flips wherever an update entry is within bf16 noise of 0, a 0.01 |p| step each."""
     torch.manual_seed(0)
     start = [torch.randn(shape) for shape in ((64, 192), (64, 192), (192, 64), (32, 32))]
@@ -88,7 +91,7 @@ def test_muon_step_compiled_on_cuda_matches_cpu():
     def run(device):
         params = [torch.nn.Parameter(p.clone().to(device)) for p in start]
         groups = [dict(kind="muon", params=[p for p in params if p.shape == shape], lr=0.05, momentum=0.9,
-                       nesterov=True, ns_steps=5, weight_decay=0.2, cautious_wd=False)
+                       nesterov=True, ns_steps=5, weight_decay=0.2, cautious_wd=False, beta2=beta2)
                   for shape in ((64, 192), (192, 64), (32, 32))]
         opt = MuonAdamW(groups)
         for _ in range(2):
@@ -268,6 +271,103 @@ def test_schedules():
     assert weight_decay_multiplier(200, 200) == 0.0
 
 
+def test_compiled_steps_raise_the_recompile_limit():
+    """A compiled optimizer raises dynamo's per-function limit, never lowers it. (torch's own
+    config.patch restores the value: pytest's monkeypatch deletes-then-hides config entries.)"""
+    import torch._dynamo.config as dynamo_config
+    from nanochat.optim import STEP_RECOMPILE_LIMIT
+    with dynamo_config.patch(recompile_limit=8):
+        build_optimizer(tiny_model(), compile=True)._fn("decay", torch.device("cpu"))
+        assert dynamo_config.recompile_limit == STEP_RECOMPILE_LIMIT
+    with dynamo_config.patch(recompile_limit=1000):
+        build_optimizer(tiny_model(), compile=True)._fn("ortho", torch.device("cpu"))
+        assert dynamo_config.recompile_limit == 1000
+
+
+def test_v2_schedules():
+    # warmup in steps: 40 steps, capped where the warmdown starts (a short run still warms down)
+    assert lr_multiplier(0, 1000, warmdown_ratio=0.65, warmup_steps=40) == pytest.approx(1 / 40)
+    assert lr_multiplier(39, 1000, warmdown_ratio=0.65, warmup_steps=40) == 1.0
+    assert lr_multiplier(1000, 1000, warmdown_ratio=0.65, final_lr_frac=0.05, warmup_steps=40) == pytest.approx(0.05)
+    assert lr_multiplier(5, 20, warmdown_ratio=0.65, warmup_steps=40) == pytest.approx(6 / 7)  # 20 - 13 = 7 steps
+    assert lr_multiplier(7, 20, warmdown_ratio=0.65, warmup_steps=40) == 1.0
+    with pytest.raises(ValueError, match="--warmup-steps"):
+        lr_multiplier(0, 10, warmup_steps=-1)
+    # momentum: 0.85 -> 0.97 over 400 steps, then from the warmdown's start down to 0.90 at the end
+    m = lambda step: muon_momentum_peaked(step, 1000, 0.5)  # noqa: E731
+    assert m(0) == pytest.approx(0.85) and m(200) == pytest.approx(0.91) and m(400) == pytest.approx(0.97)
+    assert m(500) == pytest.approx(0.97) and m(750) == pytest.approx(0.935) and m(1000) == pytest.approx(0.90)
+    # warmdown begins before the ramp ends: continuous from where the ramp stands
+    short = [muon_momentum_peaked(s, 300, 0.65) for s in range(301)]
+    assert short[105] == pytest.approx(0.85 + 0.12 * 105 / 400) and short[-1] == pytest.approx(0.90)
+    assert max(abs(a - b) for a, b in zip(short, short[1:])) < 0.002
+    assert muon_momentum_peaked(50, 100, 0.0) == muon_momentum(50, end=0.97, ramp_steps=400)
+    # weight decay: half cosine, 1 -> 0
+    assert weight_decay_cosine(0, 200) == 1.0 and weight_decay_cosine(100, 200) == pytest.approx(0.5)
+    assert weight_decay_cosine(200, 200) == pytest.approx(0.0, abs=1e-12) and weight_decay_cosine(300, 200) >= 0
+
+
+def test_normuon_rescale_evens_neurons_and_keeps_the_norm():
+    torch.manual_seed(0)
+    assert normuon_shape((3, 64, 16)) == (3, 64, 1) and normuon_shape((3, 16, 64)) == (3, 1, 16 * 4)
+    assert normuon_shape((2, 8, 8)) == (2, 8, 1)
+    for shape in [(3, 48, 16), (3, 16, 48)]:
+        # rows (tall) or columns (wide) of very different scales
+        u = torch.randn(shape)
+        neuron_dim = 1 if shape[1] >= shape[2] else 2
+        scales = torch.logspace(-1, 1, shape[neuron_dim]).view((1, -1, 1) if neuron_dim == 1 else (1, 1, -1))
+        u = u * scales
+        v = torch.zeros(normuon_shape(shape))
+        out = None
+        for _ in range(200):  # steady state of the EMA: each neuron divided by its own RMS
+            out = normuon_rescale(u, v, torch.tensor(0.9))
+        torch.testing.assert_close(out.norm(dim=(-2, -1)), u.norm(dim=(-2, -1)), rtol=1e-5, atol=1e-6)
+        rms = out.square().mean(dim=3 - neuron_dim).sqrt()
+        assert (rms.max(dim=-1).values / rms.min(dim=-1).values).max() < 1.01, "neurons not evened out"
+        assert (u.square().mean(dim=3 - neuron_dim).sqrt().amax(-1) / u.square().mean(dim=3 - neuron_dim)
+                .sqrt().amin(-1)).min() > 10
+    # a padding slot (all-zero update) stays exactly zero: no 0/0
+    u = torch.randn(2, 8, 4)
+    u[1] = 0
+    out = normuon_rescale(u, torch.zeros(2, 8, 1), torch.tensor(0.95))
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    assert out.dtype == u.dtype and normuon_rescale(u.bfloat16(), torch.zeros(2, 8, 1), torch.tensor(0.95)).dtype \
+        == torch.bfloat16
+
+
+def test_normuon_in_the_optimizer_step():
+    """beta2 > 0: the Muon step is orthogonalise -> NorMuon rescale -> decay, and the buffer is
+    saved and restored with the optimizer state (exact resume)."""
+    model, ref = tiny_model(), tiny_model()
+    opt = build_optimizer(model, normuon_beta2=0.9)
+    plain = build_optimizer(ref)
+    assert all(g["beta2"] == 0.9 for g in opt.param_groups if g["kind"] == "muon")
+    for s in range(3):
+        grads = fake_grads(model, s)
+        set_grads(model, grads)
+        set_grads(ref, grads)
+        opt.step()
+        plain.step()
+    buffers = [st["second_moment"] for st in opt.state.values() if "second_moment" in st]
+    assert buffers and all(b.dtype == torch.float32 and (b > 0).all() for b in buffers)
+    assert not any("second_moment" in st for st in plain.state.values())
+    diffs = [(p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()) if p.ndim == 2]
+    assert max(diffs) > 1e-4  # NorMuon changed the matrices' steps
+    # exact resume: a copy restored from the state dict takes the same next step
+    twin = copy.deepcopy(model)
+    opt_twin = build_optimizer(twin, normuon_beta2=0.9)
+    opt_twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    grads = fake_grads(model, 99)
+    set_grads(model, grads)
+    set_grads(twin, grads)
+    opt.step()
+    opt_twin.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="--normuon-beta2"):
+        build_optimizer(model, normuon_beta2=1.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed (gloo, 2 processes on CPU)
 
@@ -275,7 +375,7 @@ STEPS = 3
 VOCAB = 1024  # 1024 x 64 tables reach the AdamW sharding threshold (sharded path exercised)
 
 
-def _worker(rank, world_size, store_path, out_path):
+def _worker(rank, world_size, store_path, out_path, normuon=0.0):
     # a FileStore, not tcp://: with a TCPStore hosted by rank 0, rank 1 was once killed by SIGABRT
     # ("terminate called without an active exception") while the two tore gloo down after the
     # final barrier (CI, 1 run in 3); a file has no host process to go away first, nor a port to race for
@@ -283,7 +383,7 @@ def _worker(rank, world_size, store_path, out_path):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         model = tiny_model(VOCAB)
-        opt = build_optimizer(model, weight_decay=0.1, world_size=world_size, rank=rank)
+        opt = build_optimizer(model, weight_decay=0.1, normuon_beta2=normuon, world_size=world_size, rank=rank)
         for s in range(STEPS):
             set_grads(model, fake_grads(model, 100 * s + rank))
             opt.set_hparams(momentum=muon_momentum(s))
@@ -295,18 +395,19 @@ def _worker(rank, world_size, store_path, out_path):
         dist.destroy_process_group()
 
 
-def test_gloo_two_process_step_matches_single_process(tmp_path):
+@pytest.mark.parametrize("normuon", [0.0, 0.95])
+def test_gloo_two_process_step_matches_single_process(tmp_path, normuon):
     # Both sides run single-threaded: Polar Express's first iterations multiply a matrix's small
     # singular directions by ~8 each, so a BLAS that splits a batch-1 product across threads (a
     # rank's shard) and a batch-2 one by matrix (the reference) differed by 3e-4 on one CPU model
     # (2026-11-28, torch 2.15) from rounding alone; with one thread each they agree to the bit there.
     out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out), normuon), nprocs=2, join=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = tiny_model(VOCAB)
-        opt = build_optimizer(model, weight_decay=0.1)
+        opt = build_optimizer(model, weight_decay=0.1, normuon_beta2=normuon)
         for s in range(STEPS):
             per_rank = [fake_grads(model, 100 * s + r) for r in range(2)]
             set_grads(model, [(a + b) / 2 for a, b in zip(*per_rank)])  # the averaged gradient

@@ -1,0 +1,149 @@
+"""Pretraining recipes: what `base_train --recipe v1|v2` stands for, scaled to this run.
+
+A recipe is the optimizer's hyperparameters and schedules. Its values are stated for upstream
+nanochat's reference point, d12 at 2^19 tokens a step; `resolve_recipe` turns them into the numbers
+of this run (depth, batch) and the `Schedule` the trainer applies. Flags given explicitly override
+a recipe's value (then scaled the same way); the banner prints both.
+
+v1  what nanochat-spark trained with through session 42 (upstream nanochat of January 2026):
+    unembedding LR 0.004, no weight decay, no warmup, warmdown 40% of the run to 0, Muon momentum
+    0.85 -> 0.95 over 300 steps, plain Muon, no scaling with the batch size.
+v2  upstream nanochat's later recipe (karpathy/nanochat scripts/base_train.py and optim.py, 2026):
+    * LRs x sqrt(B / 2^19): the square-root rule for adaptive optimizers, applied to Muon too;
+    * cautious weight decay 0.28 at the reference, x sqrt(B / 2^19) x D_ref / D (D = the run's
+      token horizon), which keeps T_epoch = B / (lr x wd x D) of arXiv 2405.13698 constant; it
+      decays to 0 on a half cosine;
+    * warmup 40 steps, warmdown 65% of the run to 5% of the LR;
+    * Muon momentum 0.85 -> 0.97 over 400 steps, down to 0.90 over the warmdown;
+    * NorMuon (arXiv 2510.05491) with beta2 0.95; unembedding LR 0.008.
+A resumed run keeps the recipe its checkpoint was trained with (`recipe_for_resume`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from nanochat.errors import RequestError
+from nanochat.training import Schedule
+
+REF_BATCH_TOKENS = 2 ** 19     # the batch size the recipes' values are stated for (upstream's d12 optimum)
+DEFAULT_RECIPE = "v2"
+
+# Per recipe: the flag-level values (before scaling) and the mechanics around them.
+RECIPES: dict[str, dict] = {
+    "v1": dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.004, scalar_lr=0.5, weight_decay=0.0,
+               warmup_ratio=0.0, warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0, normuon_beta2=0.0,
+               scale_with_batch=False, momentum="ramp", weight_decay_shape="linear"),
+    "v2": dict(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, weight_decay=0.28,
+               warmup_ratio=0.0, warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05, normuon_beta2=0.95,
+               scale_with_batch=True, momentum="peaked", weight_decay_shape="cosine"),
+}
+# The flags a recipe sets (each overridable on the command line).
+RECIPE_FLAGS = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "warmup_ratio",
+                "warmup_steps", "warmdown_ratio", "final_lr_frac", "normuon_beta2")
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """A recipe's values for one run: LRs and weight decay already scaled, schedules named."""
+
+    name: str
+    matrix_lr: float
+    embedding_lr: float
+    unembedding_lr: float
+    scalar_lr: float
+    weight_decay: float          # this run's (scaled) peak weight decay
+    weight_decay_ref: float      # the value at the reference point (the flag or the recipe's)
+    lr_scale: float              # sqrt(B / 2^19) under v2, else 1
+    warmup_ratio: float
+    warmup_steps: int
+    warmdown_ratio: float
+    final_lr_frac: float
+    normuon_beta2: float
+    momentum: str                # "ramp" | "peaked"
+    weight_decay_shape: str      # "linear" | "cosine"
+    overridden: tuple[str, ...]  # flags given explicitly
+
+    def optimizer_kwargs(self) -> dict:
+        """build_optimizer's keyword arguments."""
+        return dict(matrix_lr=self.matrix_lr, embedding_lr=self.embedding_lr, unembedding_lr=self.unembedding_lr,
+                    scalar_lr=self.scalar_lr, weight_decay=self.weight_decay, normuon_beta2=self.normuon_beta2)
+
+    def schedule(self, num_iterations: int) -> Schedule:
+        from nanochat import optim
+        momentum_fn = (functools.partial(optim.muon_momentum_peaked, num_iterations=num_iterations,
+                                         warmdown_ratio=self.warmdown_ratio)
+                       if self.momentum == "peaked" else optim.muon_momentum)
+        wd_fn = optim.weight_decay_cosine if self.weight_decay_shape == "cosine" else optim.weight_decay_multiplier
+        return Schedule(num_iterations, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac,
+                        warmup_steps=self.warmup_steps, momentum_fn=momentum_fn, wd_fn=wd_fn).validate()
+
+    def describe(self, num_iterations: int) -> str:
+        """One banner line: what the recipe resolved to for a run of `num_iterations`, and which
+        flags overrode it."""
+        warmdown = round(self.warmdown_ratio * num_iterations)
+        warmup = (f"{min(self.warmup_steps, num_iterations - warmdown)} steps" if self.warmup_steps
+                  else f"{round(self.warmup_ratio * num_iterations)} steps")
+        parts = [f"{self.name}: LR scale {self.lr_scale:.4g} (sqrt(batch / 2^19))" if self.lr_scale != 1
+                 else f"{self.name}: LR scale 1",
+                 f"weight decay {self.weight_decay:.4g} (ref {self.weight_decay_ref:g}, {self.weight_decay_shape} to 0)",
+                 f"warmup {warmup}, warmdown {self.warmdown_ratio:g} to {self.final_lr_frac:g}",
+                 f"momentum {'0.85->0.97->0.90' if self.momentum == 'peaked' else '0.85->0.95'}",
+                 f"NorMuon beta2 {self.normuon_beta2:g}" if self.normuon_beta2 else "plain Muon"]
+        if self.overridden:
+            parts.append("flags: " + " ".join("--" + f.replace("_", "-") for f in self.overridden))
+        return ", ".join(parts)
+
+
+def small_batch_hint(recipe: ResolvedRecipe, total_batch_size: int) -> str | None:
+    """A warning when v2's square-root rule takes the LRs far below its reference (tiny CPU runs):
+    it is stated for batches near 2^19 tokens, and setup.sh's tiny preset (4,096 tokens, 250 steps)
+    ended 0.12 bpb worse under v2 than under v1."""
+    if recipe.lr_scale >= 0.25:
+        return None
+    return (f"--recipe {recipe.name} scales the LRs by {recipe.lr_scale:.3g} at {total_batch_size:,} tokens a step "
+            f"(its values are for ~{REF_BATCH_TOKENS:,}); short runs at small batches learn faster with --recipe v1")
+
+
+def resolve_recipe(name: str, overrides: dict, *, total_batch_size: int, target_tokens: float,
+                   ref_tokens: float) -> ResolvedRecipe:
+    """`name`'s values, `overrides` (flag -> value, None = not given) on top, scaled to a run of
+    `total_batch_size` tokens a step and a `target_tokens` horizon (`ref_tokens`: d12's horizon at
+    the same tokens:params ratio)."""
+    if name not in RECIPES:
+        raise RequestError(f"--recipe: got {name!r}; accepted: {'|'.join(RECIPES)}")
+    unknown = set(overrides) - set(RECIPE_FLAGS)
+    assert not unknown, f"not recipe flags: {sorted(unknown)}"
+    assert total_batch_size > 0 and target_tokens > 0 and ref_tokens > 0
+    base = RECIPES[name]
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values = {k: given.get(k, base[k]) for k in RECIPE_FLAGS}
+    if "warmup_ratio" in given and "warmup_steps" not in given:
+        values["warmup_steps"] = 0      # an explicit ratio replaces the recipe's step count
+    lr_scale, wd_scale = 1.0, 1.0
+    if base["scale_with_batch"]:
+        lr_scale = math.sqrt(total_batch_size / REF_BATCH_TOKENS)
+        wd_scale = lr_scale * ref_tokens / target_tokens
+    return ResolvedRecipe(
+        name=name, matrix_lr=values["matrix_lr"] * lr_scale, embedding_lr=values["embedding_lr"] * lr_scale,
+        unembedding_lr=values["unembedding_lr"] * lr_scale, scalar_lr=values["scalar_lr"] * lr_scale,
+        weight_decay=values["weight_decay"] * wd_scale, weight_decay_ref=values["weight_decay"], lr_scale=lr_scale,
+        warmup_ratio=values["warmup_ratio"], warmup_steps=int(values["warmup_steps"]),
+        warmdown_ratio=values["warmdown_ratio"], final_lr_frac=values["final_lr_frac"],
+        normuon_beta2=values["normuon_beta2"], momentum=base["momentum"],
+        weight_decay_shape=base["weight_decay_shape"], overridden=tuple(k for k in RECIPE_FLAGS if k in given))
+
+
+def recipe_for_resume(requested: str | None, saved_config: dict | None) -> str:
+    """The recipe of a run: the one asked for, else (resuming) the checkpoint's, else the default.
+    A checkpoint from before recipes existed was trained with v1. Asking for another recipe than
+    the checkpoint's raises: changing optimizer mechanics mid-run is not a resume."""
+    if saved_config is None:
+        return requested or DEFAULT_RECIPE
+    saved = saved_config.get("recipe") or "v1"
+    if requested is not None and requested != saved:
+        raise RequestError(f"--recipe: got {requested!r} but the checkpoint was trained with {saved!r}; "
+                         f"resume with --recipe {saved} (or leave the flag out), or start a new --model-tag")
+    return saved

@@ -1,0 +1,86 @@
+"""A/B the pretraining recipes: the same base_train run under each recipe (and seed), final val bpb.
+
+    python -m scripts.compare_recipes --runs v1 v2 "v2 --normuon-beta2 0" --seeds 1 2 -- \
+        --depth 4 --target-param-data-ratio 12 --eval-tokens 1048576
+
+Each --runs entry is a recipe name, optionally followed by base_train flags that override it. The
+flags after `--` are shared by every run. Runs go one after another in this process
+(scripts/base_train.py's `main`), each under its own model tag (cmp_<n>, overwritten), evaluated
+at the first and last step, never sampled. Prints one JSON line per run, then a table: per entry,
+the final val bpb of each seed, their mean, and the difference to the first entry's mean.
+Lower bpb is better; a difference smaller than the spread between seeds is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import time
+
+from nanochat.flags import RequestError, script_main
+from nanochat.recipe import RECIPES
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(prog="python -m scripts.compare_recipes", description=__doc__.split("\n")[0])
+    p.add_argument("--runs", nargs="+", default=["v1", "v2"], help="recipe [flags...] per entry (default: v1 v2)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[42], help="seeds, each run once per entry")
+    p.add_argument("--tag-prefix", default="cmp", help="model tags are <prefix>_<n> (overwritten)")
+    p.add_argument("shared", nargs=argparse.REMAINDER, help="-- then base_train flags for every run")
+    args = p.parse_args(argv)
+    args.shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
+    args.entries = [shlex.split(r) for r in args.runs]
+    for entry in args.entries:
+        if not entry or entry[0] not in RECIPES:
+            raise RequestError(f"--runs: got {' '.join(entry)!r}; accepted: a recipe ({'|'.join(RECIPES)}) "
+                               "then optional base_train flags")
+    for flag in ("--recipe", "--seed", "--model-tag", "--resume"):
+        if any(a.split("=")[0] in (flag, flag.replace("-", "_")) for a in args.shared + sum(args.entries, [])):
+            raise RequestError(f"{flag}: set by compare_recipes itself; leave it out of the base_train flags")
+    if any(s < 0 for s in args.seeds):
+        raise RequestError(f"--seeds: got {args.seeds}; accepted: integers >= 0")
+    return args
+
+
+def run_one(entry: list[str], seed: int, tag: str, shared: list[str]) -> dict:
+    from scripts import base_train
+    argv = [*shared, "--recipe", entry[0], *entry[1:], "--seed", str(seed), "--model-tag", tag, "--overwrite",
+            "--eval-every", str(10 ** 9), "--sample-every", "-1", "--save-every", "-1", "--wandb", "off"]
+    t0 = time.perf_counter()
+    summary = base_train.main(argv)
+    import torch
+    torch._dynamo.reset()  # each run compiles a new model: do not let them fill dynamo's recompile cache
+    return {"run": " ".join(entry), "seed": seed, "final_val_bpb": summary["final_val_bpb"],
+            "num_iterations": summary["num_iterations"], "avg_tok_per_sec": summary["avg_tok_per_sec"],
+            "seconds": round(time.perf_counter() - t0, 1), "argv": argv}
+
+
+def table(results: list[dict], labels: list[str]) -> str:
+    by = {label: [r["final_val_bpb"] for r in results if r["run"] == label] for label in labels}
+    ref = statistics.fmean(by[labels[0]])
+    width = max(len(label) for label in labels)
+    lines = [f"{'run':<{width}}  {'val bpb per seed':<28}  {'mean':>8}  {'vs first':>9}"]
+    for label in labels:
+        vals = by[label]
+        mean = statistics.fmean(vals)
+        lines.append(f"{label:<{width}}  {' '.join(f'{v:.4f}' for v in vals):<28}  {mean:8.4f}  {mean - ref:+9.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    results = []
+    for i, entry in enumerate(args.entries):
+        for seed in args.seeds:
+            result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared)
+            print("RESULT " + json.dumps(result), flush=True)
+            results.append(result)
+    print(table(results, [" ".join(e) for e in args.entries]))
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+    script_main("compare_recipes", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))
