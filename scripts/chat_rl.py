@@ -4,7 +4,9 @@ Loads the `sft` checkpoint (--source sft; mid also accepted), and per step sampl
 completions for each of --examples-per-step GSM8K problems with the Engine (calculator tool on),
 rewards a correct final answer with 1, uses reward - group mean as the advantage and takes a
 policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pass@1 on the first
---eval-examples GSM8K test problems at intervals; saves the `rl` checkpoint under the same tag.
+--eval-examples GSM8K test problems at intervals (with --eval-samples K also pass@1..K of K samples
+drawn as training draws them, the figure upstream nanochat reports); saves the `rl` checkpoint under
+the same tag.
 -1 iterations = one pass over the training problems. Loop: nanochat/loop.py.
 
 Offline (no hub): --test-holdout N trains on the local GSM8K test file minus its first N problems.
@@ -49,6 +51,7 @@ class ChatRLConfig:
     init_lr_frac: float = 0.05
     eval_every: int = 60
     eval_examples: int = 400
+    eval_samples: int = 0                   # > 0: also sampled pass@1..K (--temperature/--top-k), as upstream reports
     save_every: int = 60
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
@@ -80,6 +83,7 @@ class ChatRLConfig:
         for flag in ("eval_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         require_int(self.eval_examples, "--eval-examples", 1)
+        require_int(self.eval_samples, "--eval-samples", 0)
         require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in ("auto", "cpu", "cuda", "mps"), "--device", self.device, "auto|cpu|cuda|mps")
@@ -183,11 +187,19 @@ def train(cfg: ChatRLConfig, rt) -> dict:
 
     def evaluate(_step: int) -> dict:
         model.eval()
-        res = run_generative(Engine(model, tokenizer), tokenizer, eval_task, rt.device, num_samples=1,
+        engine = Engine(model, tokenizer)
+        res = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=1,
                              max_new_tokens=cfg.max_new_tokens, temperature=0.0, max_problems=cfg.eval_examples,
                              name="GSM8K")
+        metrics = {"gsm8k_pass@1": res.accuracy}
+        if cfg.eval_samples > 0:  # upstream's figure: pass@k of k samples drawn as training draws them
+            sampled = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=cfg.eval_samples,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     top_k=cfg.top_k or None, seed=cfg.seed, max_problems=cfg.eval_examples,
+                                     name="GSM8K")
+            metrics.update({f"gsm8k_sampled_pass@{k}": sampled.pass_at(k) for k in range(1, cfg.eval_samples + 1)})
         model.train()
-        return {"gsm8k_pass@1": res.accuracy}
+        return metrics
 
     def save(at: int, loop_state: dict):
         meta = {"phase": "rl", "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
@@ -200,7 +212,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
-               "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2)}
+               "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2),
+               **{f"final_{k}": v for k, v in result.last_eval.items() if k.startswith("gsm8k_sampled_pass@")}}
     print0("done: " + json.dumps(summary))
     log_stage_report("Chat RL", "rl", config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, "source": source}, is_master=rt.is_master)

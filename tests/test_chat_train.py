@@ -154,6 +154,7 @@ def test_rl_trains_only_sampled_tokens():
     ("chat_sft", ["--kernel", "fast"], "--kernel"),
     ("chat_sft", ["--bogus", "1"], "--bogus"),
     ("chat_rl", ["--num-samples", "1"], "--num-samples"),
+    ("chat_rl", ["--eval-samples", "-2"], "--eval-samples"),
     ("chat_rl", ["--max-new-tokens", "0"], "--max-new-tokens"),
     ("chat_rl", ["--source", "base"], "--source"),
     ("chat_rl", ["--temperature", "0"], "--temperature"),
@@ -235,8 +236,10 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
 
     rl = chat_rl.main(["--device", "cpu", "--model-tag", "pipe", "--num-iterations", "1", "--examples-per-step", "1",
                        "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "50", "--eval-examples", "2",
-                       "--eval-every", "1"])
+                       "--eval-every", "1", "--eval-samples", "3"])
     assert rl["final_gsm8k_pass@1"] is not None and ck.read_latest(ck.checkpoint_dir("rl", "pipe")) == 1
+    sampled = [rl[f"final_gsm8k_sampled_pass@{k}"] for k in (1, 2, 3)]   # upstream's figure, non-decreasing in k
+    assert all(0 <= a <= b <= 1 for a, b in zip(sampled, sampled[1:]))
 
     for source in ("sft", "rl"):
         out = chat_eval.main(["-i", source, "--model-tag", "pipe", "--device", "cpu", "--max-problems", "2",

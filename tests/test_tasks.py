@@ -278,6 +278,11 @@ def test_categorical_and_generative_loops(tok, shared_data):
     one = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=1, max_problems=1)
     two = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=2, max_problems=1)
     assert (one.passed, two.passed) == (0, 1)  # pass@k
+    assert two.passed_at == (0, 1) and (two.pass_at(1), two.pass_at(2)) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="pass@3: the evaluation drew 2 sample"):
+        two.pass_at(3)
+    with pytest.raises(ValueError, match="--num-samples"):
+        run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=0, max_problems=1)
     assert chatcore({"ARC-Easy": 0.25, "GSM8K": 0.5}, {n: b for n, (_, b) in EVAL_TASKS.items()}) == pytest.approx(0.25)
 
 

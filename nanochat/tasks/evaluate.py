@@ -16,10 +16,17 @@ class TaskResult:
     name: str
     passed: int
     total: int
+    passed_at: tuple[int, ...] = ()   # generative: [j] = problems one of whose first j + 1 samples passed
 
     @property
     def accuracy(self) -> float:
         return self.passed / self.total if self.total else 0.0
+
+    def pass_at(self, k: int) -> float:
+        """pass@k over the first k samples of each problem (k <= the samples drawn)."""
+        if not 1 <= k <= len(self.passed_at):
+            raise ValueError(f"pass@{k}: the evaluation drew {len(self.passed_at)} sample(s) per problem")
+        return self.passed_at[k - 1] / self.total if self.total else 0.0
 
 
 def _dist() -> tuple[int, int]:
@@ -30,17 +37,18 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_reduce_counts(passed: int, total: int, device) -> tuple[int, int]:
+def _all_reduce_counts(counts: list[int], device) -> list[int]:
+    """Sums of integer counts over the ranks (as they are on one process)."""
     import torch
 
     rank, world = _dist()
     if world == 1:
-        return passed, total
+        return list(counts)
     import torch.distributed as dist
 
-    t = torch.tensor([passed, total], dtype=torch.long, device=device)
+    t = torch.tensor(counts, dtype=torch.long, device=device)
     dist.all_reduce(t)
-    return int(t[0]), int(t[1])
+    return [int(v) for v in t]
 
 
 def _indices(task: Task, max_problems: int | None) -> range:
@@ -87,7 +95,7 @@ def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8
             choice_logits = logits[r, len(p) - 1, letter_token_ids(tokenizer, letters)]
             predicted = letters[int(choice_logits.argmax())]
             passed += int(task.evaluate(conv, predicted))
-    passed, total = _all_reduce_counts(passed, len(idx), device)
+    passed, total = _all_reduce_counts([passed, len(idx)], device)
     return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)
 
 
@@ -101,8 +109,12 @@ def completion_text(tokenizer, ids) -> str:
 def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 1, max_new_tokens: int = 512,
                    temperature: float = 0.0, top_k: int | None = 50, seed: int = 42,
                    max_problems: int | None = None, name: str | None = None, log=None) -> TaskResult:
-    """pass@num_samples: a problem passes when any sample's completion evaluates true."""
-    passed = total = 0
+    """pass@num_samples: a problem passes when any sample's completion evaluates true; the result's
+    `pass_at(k)` gives pass@k for every k up to num_samples (the first k samples of each problem)."""
+    if num_samples < 1:
+        raise ValueError(f"--num-samples: got {num_samples}; accepted: >= 1")
+    total = 0
+    passed_at = [0] * num_samples
     limit = engine.max_seq_len
     for k, i in enumerate(_indices(task, max_problems)):
         conv = task[i]
@@ -116,12 +128,14 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
                                         temperature=temperature, top_k=top_k, seed=seed + i)
         completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
-        ok = any(task.evaluate(conv, c) for c in completions)
-        passed += int(ok)
+        first = next((j for j, c in enumerate(completions) if task.evaluate(conv, c)), None)
+        if first is not None:  # passes pass@k for every k beyond its first correct sample
+            for j in range(first, num_samples):
+                passed_at[j] += 1
         if log and k < 2:
-            log(f"  example {i}: {'PASS' if ok else 'fail'} | {completions[0][:200]!r}")
-    passed, total = _all_reduce_counts(passed, total, device)
-    return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)
+            log(f"  example {i}: {'PASS' if first is not None else 'fail'} | {completions[0][:200]!r}")
+    *passed_at, total = _all_reduce_counts([*passed_at, total], device)
+    return TaskResult(name or getattr(task, "name", type(task).__name__), passed_at[-1], total, tuple(passed_at))
 
 
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
