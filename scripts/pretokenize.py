@@ -10,6 +10,9 @@ with another tokenizer is an error, before any work. Shards already present (sam
 from a text shard of the same name and size) are skipped, so an interrupted run resumes; `--force`
 rewrites them. A finished run records the text shards (names + sizes) in meta.json, so that the
 dataloader can refuse binary shards made from other text shards than those now in the data dir.
+Before any work, the shards still to write are sized from the text shards' parquet footers (at 3
+characters a token, fewer than the ~4 our tokenizers reach, so the estimate errs high): a disk
+without room for them is a DiskFullError naming both numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from pathlib import Path
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
+from nanochat.common import fmt_bytes
+from nanochat.errors import DiskFullError
+
+CHARS_PER_TOKEN_LOW = 3   # planning only: English text and code run ~4 characters a token at vocab 32K
 
 _worker_tokenizer = None
 
@@ -38,6 +45,27 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
     h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
     return {"shard": Path(out_path).name, "tokens": h.n_tokens, "docs": h.n_docs,
             "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def planned_bytes(text_shard: Path, itemsize: int) -> int:
+    """An upper estimate of the binary shard of `text_shard`: its text (the footer's uncompressed
+    size) at CHARS_PER_TOKEN_LOW characters a token, plus a BOS and an offset per document."""
+    meta = ds.open_text_shard(text_shard).metadata
+    chars = sum(meta.row_group(i).column(0).total_uncompressed_size for i in range(meta.num_row_groups))
+    return bs.HEADER_SIZE + (chars // CHARS_PER_TOKEN_LOW + meta.num_rows) * itemsize + 8 * (meta.num_rows + 2)
+
+
+def check_disk(out_dir: Path, shards: list[Path], itemsize: int, free: int | None = None) -> int:
+    """DiskFullError when out_dir's disk has no room for the binary shards of `shards`; returns the
+    bytes planned."""
+    import shutil
+    need = sum(planned_bytes(shard, itemsize) for shard in shards)
+    free = shutil.disk_usage(out_dir).free if free is None else free
+    if need > free:
+        raise DiskFullError(f"{out_dir}: {len(shards)} binary shards need up to ~{fmt_bytes(need)}, "
+                            f"{fmt_bytes(free)} free; free space or pass --out on a disk with room "
+                            "(shards already written are kept and skipped by a rerun)")
+    return need
 
 
 def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 1, threads: int = 1,
@@ -59,6 +87,7 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
                 pass
         ds.open_text_shard(shard)  # schema errors before any work
         jobs.append((str(shard), str(out), threads))
+    check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize)
     if workers == 1 or len(jobs) <= 1:
         _init_worker(tokenizer)
         results = [_tokenize_one(job) for job in jobs]

@@ -140,3 +140,24 @@ def test_damaged_bin_files_are_data_errors(text_dir, tmp_path):
     (out / "shard_00000.bin").write_bytes(b"")
     with pytest.raises(DataError, match="shard_00000.bin: not a nanochat binary token shard"):
         bs.BinShard(out / "shard_00000.bin")
+
+
+def test_no_room_fails_before_any_shard_is_written(text_dir, tmp_path, monkeypatch):
+    """The shards to write are sized from the parquet footers first; a disk without room for them
+    is a DiskFullError naming both numbers, and nothing is written."""
+    import shutil
+    from collections import namedtuple
+
+    from nanochat.errors import DiskFullError
+    shards = sorted(text_dir.glob("*.parquet"))
+    chars = sum(len(t) for t in all_docs(text_dir))
+    need = pt.check_disk(tmp_path, shards, 2, free=10**12)
+    assert 2 * chars // 3 <= need <= 2 * chars // 3 + 4096   # ~3 characters a token, uint16 (+ offsets)
+    with pytest.raises(DiskFullError, match=r"3 binary shards need up to ~.* free; free space or pass --out"):
+        pt.check_disk(tmp_path, shards, 2, free=need - 1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 100))
+    out = tmp_path / "bin"
+    with pytest.raises(DiskFullError):
+        pt.main(["--data-dir", str(text_dir), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
+    assert not list(out.glob("*.bin"))
