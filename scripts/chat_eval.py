@@ -7,7 +7,8 @@
 
 Recipe: flags -> runtime -> checkpoint (model + tokenizer) -> per task: categorical tasks read the
 answer-letter logits after <|assistant_start|>, generative tasks sample through Engine and score
-pass@num_samples -> table, JSON file, report section "Chat evaluation <source>".
+pass@num_samples (and pass@1..num_samples per generative task) -> table, JSON file, report
+section "Chat evaluation <source>".
 """
 
 from __future__ import annotations
@@ -121,7 +122,11 @@ def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=N
                                  name=name, log=print0)
         results[name] = {"accuracy": res.accuracy, "passed": res.passed, "total": res.total,
                          "baseline": EVAL_TASKS[name][1], "seconds": round(time.time() - t0, 1)}
-        print0(f"{name:14s} {res.accuracy:.4f}  ({res.passed}/{res.total}, {results[name]['seconds']}s)")
+        curve = ""
+        if len(res.passed_at) > 1:  # pass@k for every k up to --num-samples (accuracy is the last)
+            results[name]["pass_at"] = {str(k): res.pass_at(k) for k in range(1, len(res.passed_at) + 1)}
+            curve = "  pass@1..k " + " ".join(f"{v:.3f}" for v in results[name]["pass_at"].values())
+        print0(f"{name:14s} {res.accuracy:.4f}  ({res.passed}/{res.total}, {results[name]['seconds']}s){curve}")
     return results
 
 
