@@ -6,7 +6,8 @@
 Each --runs entry is a recipe name, optionally followed by base_train flags that override it. The
 flags after `--` are shared by every run. Runs go one after another in this process
 (scripts/base_train.py's `main`), each under its own model tag (cmp_<n>, overwritten), evaluated
-at the first and last step, never sampled. Prints one JSON line per run, then a table: per entry,
+at the first and last step, never sampled; its final checkpoint is deleted once read
+(--keep-checkpoints keeps it). Prints one JSON line per run, then a table: per entry,
 the final val bpb of each seed, their mean, and the difference to the first entry's mean.
 Lower bpb is better; a difference smaller than the spread between seeds is noise.
 """
@@ -28,6 +29,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--runs", nargs="+", default=["v1", "v2"], help="recipe [flags...] per entry (default: v1 v2)")
     p.add_argument("--seeds", nargs="+", type=int, default=[42], help="seeds, each run once per entry")
     p.add_argument("--tag-prefix", default="cmp", help="model tags are <prefix>_<n> (overwritten)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each run's final checkpoint (default: deleted once its val bpb is read)")
     p.add_argument("shared", nargs=argparse.REMAINDER, help="-- then base_train flags for every run")
     args = p.parse_args(argv)
     args.shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
@@ -44,7 +47,10 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def run_one(entry: list[str], seed: int, tag: str, shared: list[str]) -> dict:
+def run_one(entry: list[str], seed: int, tag: str, shared: list[str], keep: bool = False) -> dict:
+    import shutil
+
+    from nanochat.checkpoint import checkpoint_dir
     from scripts import base_train
     argv = [*shared, "--recipe", entry[0], *entry[1:], "--seed", str(seed), "--model-tag", tag, "--overwrite",
             "--eval-every", str(10 ** 9), "--sample-every", "-1", "--save-every", "-1", "--wandb", "off"]
@@ -52,6 +58,8 @@ def run_one(entry: list[str], seed: int, tag: str, shared: list[str]) -> dict:
     summary = base_train.main(argv)
     import torch
     torch._dynamo.reset()  # each run compiles a new model: do not let them fill dynamo's recompile cache
+    if not keep:  # a d12 checkpoint with its optimizer state is GBs: scratch once the bpb is read
+        shutil.rmtree(checkpoint_dir("base", tag), ignore_errors=True)
     return {"run": " ".join(entry), "seed": seed, "final_val_bpb": summary["final_val_bpb"],
             "num_iterations": summary["num_iterations"], "avg_tok_per_sec": summary["avg_tok_per_sec"],
             "seconds": round(time.perf_counter() - t0, 1), "argv": argv}
@@ -74,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for i, entry in enumerate(args.entries):
         for seed in args.seeds:
-            result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared)
+            result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared, args.keep_checkpoints)
             print("RESULT " + json.dumps(result), flush=True)
             results.append(result)
     print(table(results, [" ".join(e) for e in args.entries]))
