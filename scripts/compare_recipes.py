@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None):
             raise RequestError(f"--runs: got {' '.join(entry)!r}; accepted: a recipe ({'|'.join(RECIPES)}) "
                                "then optional base_train flags")
     for flag in ("--recipe", "--seed", "--model-tag", "--resume"):
-        if any(a.split("=")[0] in (flag, flag.replace("-", "_")) for a in args.shared + sum(args.entries, [])):
+        if any(a.split("=")[0].replace("_", "-") == flag for a in args.shared + sum(args.entries, [])):
             raise RequestError(f"{flag}: set by compare_recipes itself; leave it out of the base_train flags")
     if any(s < 0 for s in args.seeds):
         raise RequestError(f"--seeds: got {args.seeds}; accepted: integers >= 0")

@@ -403,7 +403,6 @@ if has recipes; then
   step recipes "${RECIPE_TIMEOUT:-560}" $PY -m scripts.compare_recipes --runs "${RR[@]}" --seeds "${RS[@]}" -- \
        --depth "${RECIPE_DEPTH:-4}" --target-param-data-ratio "${RECIPE_RATIO:-12}" --max-seq-len 2048 \
        --device-batch-size 32 --eval-tokens 1048576 --kernel triton
-  grep -A20 "^run " "$LOG/recipes.log" | tail -n +1
 fi
 
 if has fp8cmp; then
