@@ -192,6 +192,7 @@ class CausalSelfAttention(nn.Module):
         self.gate_channels = min(VE_GATE_CHANNELS, C)
         self.ve_gate = Linear(self.gate_channels, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
         self.qkv_weight: torch.Tensor | None = None  # set inside GPT.inference_weights() only
+        self.qkv_quant = None   # the fused int8 q/k/v Linear of a quantised model (nanochat/quantize.py)
         self._qkv_buffer: torch.Tensor | None = None  # its storage, kept (CUDA graphs hold its address)
         self.rotary_norm = rotary_norm   # GPT.set_rotary_norm
         self.qkv_projection = None   # fn(attn, x, cos, sin) -> (q, k, v, gate) (GPT.set_qkv_projection)
@@ -199,8 +200,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, ve, cos, sin, window, backend, kv_cache):
         B, T, _ = x.shape
         gate_logits = None   # the value-embedding gate's, when qkv_projection computed them
-        if self.qkv_weight is not None and not torch.is_grad_enabled():
-            qkv = F.linear(x, self.qkv_weight.to(x.dtype))  # one GEMM (a GEMV when decoding)
+        if (self.qkv_weight is not None or self.qkv_quant is not None) and not torch.is_grad_enabled():
+            # one GEMM (a GEMV when decoding): the inference copy, or the quantised fused rows
+            qkv = F.linear(x, self.qkv_weight.to(x.dtype)) if self.qkv_quant is None else self.qkv_quant(x)
             q, k, v = qkv.split((self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                  self.n_kv_head * self.head_dim), dim=-1)
         elif self.qkv_projection is not None and torch.is_grad_enabled():   # q, k come back normed
@@ -345,6 +347,8 @@ class GPT(nn.Module):
         dtype = self.runtime_dtype(self.wte.weight.device)
         for block in self.blocks:
             attn = block.attn
+            if attn.qkv_quant is not None:   # quantised: already one fused matrix
+                continue
             fused = torch.cat([attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]).to(dtype)
             buf = attn._qkv_buffer
             if buf is None or buf.shape != fused.shape or buf.dtype != dtype or buf.device != fused.device:
@@ -475,8 +479,11 @@ class GPT(nn.Module):
         x = norm(x + add)
         cfg = self.config
         if targets is not None:
-            loss = self.loss_fn(x.reshape(B * T, -1), weight_cache.weight_as(self.lm_head, dtype), targets.reshape(-1),
-                                cfg.softcap, cfg.vocab_size, loss_reduction)
+            # a quantised head (nanochat/quantize.py; evaluation only) hands the loss its dequantised rows
+            head = (self.lm_head.dequantize(dtype) if hasattr(self.lm_head, "dequantize")
+                    else weight_cache.weight_as(self.lm_head, dtype))
+            loss = self.loss_fn(x.reshape(B * T, -1), head, targets.reshape(-1), cfg.softcap, cfg.vocab_size,
+                                loss_reduction)
             return loss.view(B, T) if loss_reduction == "none" else loss
         if logits_at is not None:
             x = x.index_select(1, logits_at)

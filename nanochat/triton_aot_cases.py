@@ -156,5 +156,19 @@ def decode_step(target: AotTarget) -> list[Launch]:
     return [Launch("decode_step", decode_step_kernel, args, kwargs)]
 
 
+def int8_gemv(target: AotTarget) -> list[Launch]:
+    """--quantize int8's decode product (nanochat/triton_int8.py) at d20's matrices (fused q/k/v,
+    attention and MLP projections, lm_head) for 1, 8 and 64 input rows, bf16: every tile
+    gemv_config picks there."""
+    from nanochat import triton_int8
+
+    shapes = ((3 * C, C), (C, C), (4 * C, C), (C, 4 * C), (V, C))
+    with captured("int8_gemv") as launches:
+        for rows in (1, 8, 64):
+            for n, k in shapes:
+                triton_int8.launch(_empty(rows, k), torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=F32))
+    return launches
+
+
 CASES = {f.__name__: f for f in (ce_rows, mix_norm, rotary_norm_bwd, fp8_cast_transpose, decode_attention,
-                                 sampler, mlp_gemm, qk_gemm, decode_step)}
+                                 sampler, mlp_gemm, qk_gemm, int8_gemv, decode_step)}

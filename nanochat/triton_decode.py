@@ -57,6 +57,8 @@ def unsupported(model, cache, device_check: bool = True) -> str | None:
         return f"weights in {dtype}"
     linears = [model.lm_head] + [m for b in model.blocks for m in (b.attn.c_q, b.attn.c_k, b.attn.c_v,
                                                                     b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    if getattr(model, "quantization", "none") != "none":
+        return f"the model is quantised ({model.quantization} weights); the step reads float weights"
     if any(type(m) is not Linear for m in linears):
         return "precision.py swapped the Linear layers (fp8/nvfp4); the step reads plain weights"
     tensors = [m.weight for m in linears] + [e.weight for e in model.value_embeds.values()]

@@ -3,7 +3,9 @@
 - bpb:    bits per byte on the validation split (and the train split with --splits train,val)
 - sample: greedy continuations of a few prompts
 - core:   the CORE metric via nanochat/core_eval.py
-Results are written as JSON to --output (default <base_dir>/eval/<phase>_<tag>_step<N>.json).
+Results are written as JSON to --output (default <base_dir>/eval/<phase>_<tag>_step<N>.json;
+`--quantize int8` evaluates the int8-weight model chat_web --quantize int8 serves, into
+..._step<N>_int8.json).
 Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the file).
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
 from nanochat.flags import FlagParser, require, require_int, script_main
+from nanochat.quantize import QUANTIZE_MODES, check_quantize, quantize_model
 
 EVALS = ("core", "bpb", "sample")
 PHASES = ("base", "mid", "sft", "rl")
@@ -39,6 +42,7 @@ class BaseEvalConfig:
     data_dir: str | None = None
     output: str | None = None
     seed: int = 42
+    quantize: str = "none"                # int8: weight-only int8 matrices (nanochat/quantize.py)
 
     @property
     def evals(self) -> list[str]:
@@ -55,6 +59,7 @@ class BaseEvalConfig:
         require_int(self.max_per_task, "--max-per-task", 1, allow=(-1,))
         require_int(self.max_tokens, "--max-tokens", 1)
         require_int(self.seed, "--seed", 0)
+        check_quantize(self.quantize)
         if "core" in self.evals:
             core_eval_module()  # raises now, before a model is loaded, if CORE is not available
         return self
@@ -85,6 +90,8 @@ def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
                    help="pretraining shards for bpb (default: <base dir>/base_data); CORE reads the DCLM bundle "
                         "(NANOCHAT_EVAL_BUNDLE, default <base dir>/eval_bundle) or the offline files (NANOCHAT_EVAL_DIR)")
     p.add_argument("--output", default=None)
+    p.add_argument("--quantize", default=d.quantize, help="|".join(QUANTIZE_MODES) + ": evaluate the model as "
+                   "chat_web --quantize serves it (int8 weight-only matrices)")
     return BaseEvalConfig(**vars(p.parse_args(argv))).validate()
 
 
@@ -132,9 +139,11 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
                                         base_dir=base_dir, compute_dtype=rt.dtype)
+    quantize_model(model, cfg.quantize)
     seq_len = model.config.sequence_len
+    weights = "" if cfg.quantize == "none" else f", {cfg.quantize} weights"
     print0(f"evaluating {cfg.source}/{meta.get('model_tag')} step {meta['step']} on {rt.device} "
-           f"({rt.dtype_name}); evals: {','.join(cfg.evals)}")
+           f"({rt.dtype_name}{weights}); evals: {','.join(cfg.evals)}")
     results: dict = {"phase": cfg.source, "model_tag": meta.get("model_tag") or cfg.model_tag,
                      "step": meta["step"], "config": asdict(cfg), "model_config": meta.get("model_config"),
                      "device": str(rt.device), "world_size": rt.world_size}
@@ -168,8 +177,9 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
 
     results["seconds"] = time.perf_counter() - t0
     if rt.is_master:
+        suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
         out = Path(cfg.output) if cfg.output else (
-            base_dir / "eval" / f"{cfg.source}_{results['model_tag']}_step{meta['step']:06d}.json")
+            base_dir / "eval" / f"{cfg.source}_{results['model_tag']}_step{meta['step']:06d}{suffix}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, lambda f: f.write(json.dumps(results, indent=2, default=str).encode()))
         print0(f"results written to {out}")
@@ -192,6 +202,9 @@ def log_report(results: dict) -> None:
     if results.get("samples"):
         section["samples"] = [s["text"] for s in results["samples"]]
     title = "Base model evaluation" if results["phase"] == "base" else f"Evaluation {results['phase']}"
+    quantize = results["config"].get("quantize", "none")
+    if quantize != "none":
+        title += f" ({quantize} weights)"
     get_report().log(title, section)
 
 

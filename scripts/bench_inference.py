@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sampler", default="auto",
                    help="comma list of auto|torch|triton: how tokens are drawn (nanochat/sampling.py; auto: "
                         "the Triton kernel on CUDA); rows other than auto are labelled <mode>+<sampler>")
+    p.add_argument("--quantize", default="none",
+                   help="comma list of none|int8: the weights as served (nanochat/quantize.py); int8 runs after "
+                        "none (the model is quantised in place) and its rows are labelled <mode>+int8")
     p.add_argument("--profile", action="store_true",
                    help="static/graphs modes: print the top kernels of one decode step, and the GPU "
                         "timeline of generated tokens end to end (busy, idle, the largest gaps; torch.profiler)")
@@ -89,6 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.sampler or set(args.sampler) - set(SAMPLER_BACKENDS):
         raise ValueError(f"--sampler: got {','.join(args.sampler)!r}; accepted: comma-separated "
                          f"{'|'.join(SAMPLER_BACKENDS)}")
+    from nanochat.quantize import QUANTIZE_MODES
+
+    quantize = [v.strip() for v in args.quantize.split(",") if v.strip()]
+    if not quantize or set(quantize) - set(QUANTIZE_MODES) or len(set(quantize)) != len(quantize):
+        raise ValueError(f"--quantize: got {args.quantize!r}; accepted: comma-separated {'|'.join(QUANTIZE_MODES)}, "
+                         "each once")
+    args.quantize = sorted(quantize, key=QUANTIZE_MODES.index)   # none first: int8 quantises in place
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
@@ -146,9 +156,11 @@ def build_model(args, rt):
 
 
 def weight_bytes_per_step(model) -> int:
-    """Bytes of parameters a decode step reads: every matrix; embedding tables are row lookups."""
-    lookups = {id(model.wte.weight)} | {id(e.weight) for e in model.value_embeds.values()}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookups)
+    """Bytes of weights a decode step reads: every matrix (int8 ones with their scales);
+    embedding tables are row lookups."""
+    from nanochat.quantize import matrix_bytes
+
+    return matrix_bytes(model)
 
 
 def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
@@ -199,7 +211,9 @@ def label(engine) -> str:
     kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
     step = "" if engine.graph_step == "compiled" or engine.decode_mode not in ("static", "graphs") else f"/{engine.graph_step}"
     sampler = "" if engine.sampler == "auto" else f"+{engine.sampler}"
-    return engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step + sampler
+    quant = getattr(engine.model, "quantization", "none")
+    return (engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step + sampler
+            + ("" if quant == "none" else f"+{quant}"))
 
 
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
@@ -288,6 +302,7 @@ def main(argv=None) -> int:
     from nanochat.attention import DEFAULT_DECODE_KERNEL, set_decode_kernel
     from nanochat.common import init_runtime
     from nanochat.platform import detect_device
+    from nanochat.quantize import quantize_model
 
     rt = init_runtime(args.device, args.dtype, seed=args.seed)
     spec = detect_device(rt.device)
@@ -295,7 +310,7 @@ def main(argv=None) -> int:
     params = sum(p.numel() for p in model.parameters())
     header = {"bench": "config", "device": spec.name, "torch": torch.__version__, "dtype": rt.dtype_name,
               "decode": args.decode, "decode_kernel": args.decode_kernel, "graph_step": args.graph_step,
-              "sampler": args.sampler,
+              "sampler": args.sampler, "quantize": args.quantize,
               "decode_bucket": args.decode_bucket,
               "depth": args.depth, "n_embd": model.config.n_embd, "n_head": model.config.n_head,
               "vocab": args.vocab_size, "params_m": params / 1e6,
@@ -309,9 +324,14 @@ def main(argv=None) -> int:
             for k in (args.decode_kernel if m in static else args.decode_kernel[:1])
             for g in (args.graph_step if m in static else args.graph_step[:1]) for s in args.sampler]
     try:
-        for mode, fused, kernel, graph_step, sampler in runs:
-            set_decode_kernel(kernel)
-            _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows)
+        for quant in args.quantize:
+            quantize_model(model, quant)
+            for mode, fused, kernel, graph_step, sampler in runs:
+                if quant != "none" and graph_step == "persistent":   # it reads float weights (quantize.py)
+                    print(json.dumps({"bench": "skipped", "quantize": quant, "graph_step": graph_step}), flush=True)
+                    continue
+                set_decode_kernel(kernel)
+                _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows)
     finally:
         set_decode_kernel(DEFAULT_DECODE_KERNEL)
     print_table(rows, spec, args, params, rt)

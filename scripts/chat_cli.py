@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto|compiled|eager|persistent: what a graphed decode step runs (default auto: the "
                         "persistent Triton kernel where it was measured faster (H100/H200), else eager, the plain "
                         "model's kernels, with no torch.compile wait)")
+    p.add_argument("--quantize", default="none",
+                   help="none|int8: int8 weight-only matrices (nanochat/quantize.py): half the bytes a decode step "
+                        "reads, for memory-bound GPUs such as the DGX Spark")
     args = p.parse_args(argv)
     validate(args)
     return args
@@ -44,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS, validate_sampling
+    from nanochat.quantize import check_quantize
 
     if args.decode not in DECODE_MODES:
         raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
@@ -51,6 +55,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    check_quantize(args.quantize)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; accepted: an integer >= 1")
     if args.seed is not None and args.seed < 0:
@@ -92,6 +97,7 @@ def main(argv=None) -> int:
     from nanochat.checkpoint import load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
+    from nanochat.quantize import quantize_model
 
     rt = init_runtime(args.device, args.dtype)
     import torch
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
     model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
     if rt.dtype != torch.float32:  # inference keeps no fp32 master weights: half the bytes per step
         model = model.to(rt.dtype)
+    quantize_model(model, args.quantize)   # after the cast: the int8 scales stay float32
     # graphs replay a whole decode step per launch: an eager step is bound by launching its kernels
     # from Python. d20 on an H100 (CHANGELOG_GB10.md, sessions 25-26): 26 tok/s eager; graphs of the
     # plain kernels 349 tok/s after a 1.6-3.2 s warm-up; the persistent kernel ~1,500 tok/s after

@@ -41,6 +41,7 @@ class ChatEvalConfig:
     device: str = "auto"
     dtype: str = "auto"
     decode: str = "auto"               # Engine decode mode: auto = CUDA graphs on CUDA, eager elsewhere
+    quantize: str = "none"             # int8: score the int8-weight model chat_web --quantize int8 serves
     data_dir: str | None = None
     out: str | None = None
 
@@ -68,6 +69,8 @@ class ChatEvalConfig:
         require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, ">= 1")
         from nanochat.engine import DECODE_MODES
         require(self.decode in DECODE_MODES, "--decode", self.decode, "|".join(DECODE_MODES))
+        from nanochat.quantize import check_quantize
+        check_quantize(self.quantize)
         self.tasks()
         return self
 
@@ -89,6 +92,8 @@ def parse_args(argv=None) -> ChatEvalConfig:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--decode", default="auto", help="generative tasks' decode mode: auto|eager|compile|static|"
                    "graphs (auto: CUDA graphs on CUDA, ~30x eager there; eager elsewhere)")
+    p.add_argument("--quantize", default="none", help="none|int8: evaluate with int8 weight-only matrices, as "
+                   "chat_web --quantize int8 serves the model (nanochat/quantize.py)")
     p.add_argument("--data-dir", default=None, help="eval data dir (default: NANOCHAT_EVAL_DIR, then defaults)")
     p.add_argument("--out", default=None, help="JSON results path (default: <base_dir>/chat_eval/...)")
     return ChatEvalConfig(**vars(p.parse_args(argv))).validate()
@@ -133,6 +138,8 @@ def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=N
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     from nanochat.checkpoint import load_model
+    from nanochat.checkpoint_io import atomic_write
+    from nanochat.quantize import quantize_model
     from nanochat.report import get_report
     from nanochat.tasks import EVAL_TASKS
     from nanochat.tasks.evaluate import chatcore
@@ -144,8 +151,10 @@ def main(argv=None) -> dict:
         model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step)
         if hasattr(model, "compute_dtype"):  # honour --dtype (the model defaults to bf16 on CUDA)
             model.compute_dtype = rt.dtype
+        quantize_model(model, cfg.quantize)
+        weights = "" if cfg.quantize == "none" else f" ({cfg.quantize} weights)"
         print0(f"chat_eval: {cfg.source} model {cfg.model_tag or meta.get('model_tag', '')} step "
-               f"{meta.get('step', step)} on {rt.device}")
+               f"{meta.get('step', step)} on {rt.device}{weights}")
         results = evaluate(cfg, tasks, model, tokenizer, rt.device, rt.dtype)
         accuracies = {n: r["accuracy"] for n, r in results.items()}
         score = chatcore(accuracies, {n: EVAL_TASKS[n][1] for n in accuracies})
@@ -157,15 +166,16 @@ def main(argv=None) -> dict:
         out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,
                "ChatCORE": score, "complete": complete}
         if rt.is_master:
-            path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{cfg.model_tag or 'default'}.json")
+            suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
+            path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{cfg.model_tag or 'default'}{suffix}.json")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(out, indent=1))
+            atomic_write(Path(path), lambda f: f.write(json.dumps(out, indent=1).encode()))
             print0(f"results written to {path}")
             section = {"stage": cfg.source, "model_tag": cfg.model_tag, "step": out["step"],
                        "temperature": cfg.temperature, "num_samples": cfg.num_samples,
                        "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
                        "ChatCORE complete": complete}
-            get_report().log(f"Chat evaluation {cfg.source}", section)
+            get_report().log(f"Chat evaluation {cfg.source}" + (f" ({cfg.quantize} weights)" if suffix else ""), section)
         return out
     finally:
         destroy_runtime(rt)

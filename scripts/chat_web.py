@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
                    help="auto|compiled|eager|persistent: what a graphs/static decode step runs (auto: the persistent "
                         "batch-1 Triton kernel where it was measured faster and passes a probe, else compiled)")
+    p.add_argument("--quantize", default="none",
+                   help="none|int8: int8 weight-only matrices (nanochat/quantize.py): half the bytes a decode step "
+                        "reads, for memory-bound GPUs such as the DGX Spark")
     p.add_argument("--batch-slots", "--batch_slots", dest="batch_slots", type=int, default=8,
                    help="requests decoded together per replica (continuous batching, nanochat/batching.py); "
                         "1 = one request at a time; otherwise at least --max-n")
@@ -113,6 +116,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--port: got {args.port}; accepted: 1..65535")
     if args.num_gpus < 1:
         raise ValueError(f"--num-gpus: got {args.num_gpus}; accepted: an integer >= 1")
+    from nanochat.quantize import check_quantize
+
+    check_quantize(args.quantize)
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS
 
     if args.decode not in DECODE_MODES:
@@ -133,6 +139,7 @@ def load_replicas(args) -> tuple[list, dict]:
     from nanochat.checkpoint import find_model_tag, load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
+    from nanochat.quantize import quantize_model
     from nanochat.server import replica_workers
 
     rt = init_runtime(args.device, args.dtype)
@@ -150,6 +157,7 @@ def load_replicas(args) -> tuple[list, dict]:
         model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
         if rt.dtype != torch.float32:  # serve from compute-dtype weights: half the bytes per decode step
             model = model.to(rt.dtype)
+        quantize_model(model, args.quantize)   # after the cast: the int8 scales stay float32
         engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
         replica = replica_workers(engine, str(device), args.batch_slots)
         warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's
@@ -157,8 +165,9 @@ def load_replicas(args) -> tuple[list, dict]:
         mode = replica[0].engine.decode_mode
         graph_step = f", graph step {engine.graph_step}" if mode in ("static", "graphs") else ""
         batching = f", {args.batch_slots} batch slots" if args.batch_slots > 1 else ", one request at a time"
+        weights = "" if args.quantize == "none" else f", {args.quantize} weights"
         print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
-              f"(decode={mode}{graph_step}{batching}, warm-up {warm:.1f} s)")
+              f"(decode={mode}{graph_step}{batching}{weights}, warm-up {warm:.1f} s)")
         if engine.graph_step_note:
             print(f"  {engine.graph_step_note}")
     return workers, meta

@@ -74,6 +74,13 @@
 #   stop2      (2+ GPUs) a graceful stop under torchrun on NCCL: run_train.sh --nproc 2, --stop, both ranks
 #              save at the agreed step (tests/test_run_train.py's CUDA case); whether this torch's torchrun
 #              has --shutdown-timeout
+#   rcost      what the default recipe's optimizer costs a d20 step: bench_optim d20 with NorMuon + cautious weight
+#              decay (v2) vs neither (v1), then bench_train d20 triton bf16 at 2^20 under --recipe v1 and v2; with 2+
+#              GPUs the bench_train pairs run at once, GPU 0 in the order v1 v2, GPU 1 v2 v1 (RCOST_BATCH)
+#   int8       --quantize int8 (nanochat/quantize.py, triton_int8.py): its CUDA tests, bench_int8 (the kernel vs
+#              bf16 cuBLAS per d20 matrix at 1/8/32 rows, with a tile sweep), bench_inference d20 graphs bf16
+#              (compiled and persistent steps) vs int8 (compiled) at batch 1/8/32, and d32 at batch 1; with 2+ GPUs
+#              the d32 half runs on GPU 1 at the same time
 #   recipes    base_train under each --recipe on the docs corpus, final val bpb per run and seed
 #              (compare_recipes; RECIPE_RUNS "v1;v2" entries split on ';', RECIPE_SEEDS "1", RECIPE_DEPTH 4,
 #              RECIPE_RATIO 12 tokens per scaling parameter)
@@ -395,6 +402,42 @@ if has d12run; then
   cp "$NANOCHAT_BASE_DIR/report/report.md" "$LOG/report.md" 2>/dev/null
 fi
 
+if has rcost; then
+  for arm in v1 v2; do
+    nb=0; wd=0; [ "$arm" = v2 ] && nb=0.95 && wd=0.1
+    step "bench_optim_$arm" 300 $PY -m scripts.bench_optim --depth 20 --steps 30 --top 20 --normuon-beta2 $nb \
+         --weight-decay $wd
+  done
+  ngpu=$(nvidia-smi -L | wc -l)
+  rcost_pair() {  # rcost_pair GPU "ORDER": bench_train d20 per recipe in ORDER on one GPU, logs bench_train_rcost_*
+    local n=0 r
+    for r in $2; do
+      n=$((n + 1))
+      CUDA_VISIBLE_DEVICES=$1 timeout 420 $PY -m scripts.bench_train --depth 20 --kernel triton --precision bf16 \
+        --total-batch-size "${RCOST_BATCH:-1048576}" --recipe "$r" > "$LOG/bench_train_rcost_g$1_${r}_$n.log" 2>&1
+    done
+  }
+  t0=$SECONDS
+  rcost_pair 0 "v1 v2" &
+  [ "$ngpu" -ge 2 ] && rcost_pair 1 "v2 v1" &
+  wait
+  status+=("$(printf '%-22s %4ss' rcost_bench_train "$((SECONDS - t0))")")
+fi
+if has int8; then
+  int8_half2() {
+    CUDA_VISIBLE_DEVICES=$1 timeout 300 $PY -m scripts.bench_int8 --rows ${INT8_ROWS:-1,8,32} ${INT8_SWEEP:---sweep} \
+      > "$LOG/bench_int8.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$1 timeout 400 $PY -m scripts.bench_inference --depth 32 --batch-sizes 1 --decode graphs \
+      --graph-step compiled --quantize none,int8 --decode-tokens 128 > "$LOG/bench_inference_d32_int8.log" 2>&1
+  }
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -ge 2 ]; then int8_half2 1 & fi
+  step pytest_quantize 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quantize.py
+  step bench_inference_int8 500 $PY -m scripts.bench_inference --depth 20 --batch-sizes ${INT8_BATCHES:-1,8,32} \
+       --decode graphs --graph-step ${INT8_STEPS:-compiled,persistent} --quantize none,int8
+  if [ "$ngpu" -ge 2 ]; then wait; else int8_half2 0; fi
+  tail -25 "$LOG/bench_int8.log"; tail -6 "$LOG/bench_inference_d32_int8.log"
+fi
 if has recipes; then
   # base_train under each recipe on the docs corpus, final val bpb (scripts/compare_recipes.py).
   # RECIPE_RUNS: entries separated by ';' (a recipe, then optional base_train flags)

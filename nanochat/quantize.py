@@ -1,0 +1,158 @@
+"""Weight-only int8 quantisation of a trained GPT for inference (`--quantize int8` in chat_web,
+chat_cli, chat_eval and bench_inference).
+
+Decoding a few rows at a time is bound by the bytes of weights each step streams (a d20 step
+reads ~0.9 GB of bf16 matrices; a DGX Spark streams ~273 GB/s), so storing the matrices as int8
+with one float32 scale per output row halves that stream. Round-to-nearest per-row absmax
+(scale = max|w_row| / 127) is the plain recipe of LLM.int8()'s weight side (arXiv 2208.07339)
+and of gpt-fast's int8 mode; activations, the KV cache, embeddings and norms stay in the compute
+dtype.
+
+What is quantised: every block's q/k/v (stored as one fused (3C, C) matrix whose row slices are
+c_q / c_k / c_v, so the decode step runs one product per layer without the extra copy
+GPT.inference_weights makes for bf16), the attention output projection, both MLP matrices and
+the lm_head. The value-embedding gates (C=32 wide) and the lookup tables are left as they are:
+a lookup reads one row per token.
+
+How a product runs (`int8_linear`): up to GEMV_MAX_ROWS input rows on CUDA, the Triton kernel of
+nanochat/triton_int8.py (int8 tiles widened in registers, no dequantised copy); more rows (a
+prompt's prefill) or the CPU: the weight dequantised into the input's dtype, then the BLAS GEMM.
+A quantised model is for inference only: it has no float weights to train, and the persistent
+batch-1 decode kernel (nanochat/triton_decode.py) reads float weights, so Engine's graph_step
+auto uses the compiled step for it and says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+QUANTIZE_MODES = ("none", "int8")
+INT8_MAX = 127
+GEMV_MAX_ROWS = 64   # inputs with more rows (a prefill) are a GEMM: dequantise and use the BLAS
+
+
+def check_quantize(mode: str, flag: str = "--quantize") -> str:
+    """`mode` if it is one of QUANTIZE_MODES, else a ValueError naming the flag."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"{flag}: got {mode!r}; accepted: {'|'.join(QUANTIZE_MODES)}")
+    return mode
+
+
+@torch.no_grad()
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 q, float32 scale) with weight ~= q * scale[:, None]: per-row absmax, round to
+    nearest. An all-zero row gets scale 1 (its q is 0)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_rows: expected a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def _kernel_for(device: torch.device):
+    """The Triton product for tensors on `device`, or None (CPU without the interpreter, no
+    Triton): resolved once, when the model is quantised, not inside a compiled step."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from nanochat.triton_int8 import int8_gemv, register
+    except ImportError:   # no Triton on this platform: the dequantising path serves every size
+        return None
+    register()
+    return int8_gemv
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel=None) -> torch.Tensor:
+    """x (..., K) @ (q * scale[:, None]).T in x's dtype: `kernel` (triton_int8.int8_gemv) for
+    small inputs, else the weight dequantised into x's dtype and the BLAS."""
+    rows = x.numel() // x.shape[-1]
+    if kernel is not None and rows <= GEMV_MAX_ROWS:
+        return kernel(x, q, scale)
+    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A bias-free Linear holding int8 weights `qweight` (out, in) and float32 row scales `scale`
+    (out,) as buffers. Built by `from_weight` (quantising a float weight) or `view_rows` (a row
+    slice of another Int8Linear, sharing its storage)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, kernel=None):
+        super().__init__()
+        assert qweight.dtype == torch.int8 and qweight.dim() == 2 and scale.shape == qweight.shape[:1]
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scale", scale.float(), persistent=False)
+        self.kernel = kernel
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
+        q, scale = quantize_rows(weight)
+        return cls(q, scale, _kernel_for(weight.device))
+
+    def view_rows(self, start: int, stop: int) -> "Int8Linear":
+        return Int8Linear(self.qweight[start:stop], self.scale[start:stop], self.kernel)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.qweight, self.scale, self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
+
+
+def quantize_model(model, mode: str):
+    """Quantise `model` (a nanochat GPT, in place) for inference; returns it. mode "none" leaves
+    it as it is. Refuses models whose Linear layers precision.py swapped (fp8/nvfp4 training
+    modules) and models already quantised."""
+    from nanochat.gpt import GPT, Linear
+
+    check_quantize(mode)
+    if mode == "none":
+        return model
+    if not isinstance(model, GPT):
+        raise ValueError(f"--quantize {mode}: needs a nanochat GPT, got {type(model).__name__}")
+    if getattr(model, "quantization", "none") != "none":
+        raise ValueError(f"--quantize {mode}: the model is already quantised ({model.quantization})")
+    linears = [model.lm_head] + [m for b in model.blocks for m in (b.attn.c_q, b.attn.c_k, b.attn.c_v,
+                                                                    b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    swapped = sorted({type(m).__name__ for m in linears if type(m) is not Linear})
+    if swapped:
+        raise ValueError(f"--quantize {mode}: the model's matrices are {swapped} modules (precision.py's "
+                         "fp8/nvfp4 training layers); load it without --precision to quantise it")
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn
+            parts = (attn.c_q, attn.c_k, attn.c_v)
+            fused = Int8Linear.from_weight(torch.cat([m.weight for m in parts]))
+            attn.qkv_quant = fused   # one product per layer; c_q/c_k/c_v are views of its rows
+            start = 0
+            for name, m in zip(("c_q", "c_k", "c_v"), parts):
+                setattr(attn, name, fused.view_rows(start, start + m.out_features))
+                start += m.out_features
+            attn.c_proj = Int8Linear.from_weight(attn.c_proj.weight)
+            block.mlp.c_fc = Int8Linear.from_weight(block.mlp.c_fc.weight)
+            block.mlp.c_proj = Int8Linear.from_weight(block.mlp.c_proj.weight)
+        model.lm_head = Int8Linear.from_weight(model.lm_head.weight)
+    model.quantization = mode
+    return model
+
+
+def matrix_bytes(model) -> int:
+    """Bytes of matrices a decode step streams: float parameters other than the lookup tables
+    (wte, value embeddings), plus the int8 weights and scales of quantised layers."""
+    lookups = {id(model.wte.weight)} | {id(e.weight) for e in model.value_embeds.values()}
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookups)
+    storages = {}   # c_q/c_k/c_v are views of the fused q/k/v rows: each storage counts once
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            for t in (m.qweight, m.scale):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return total + sum(storages.values())
