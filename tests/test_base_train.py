@@ -215,6 +215,12 @@ def test_tiny_end_to_end(env, base_dir, tiny_corpus, tmp_path):
     assert written["step"] == 40 and written["bpb"]["val"] == pytest.approx(summary["final_val_bpb"], rel=1e-5)
     assert len(written["samples"]) == 5 and all(s["text"].startswith("<|bos|>") for s in written["samples"])
     assert res["bpb"]["val"] < baseline
+    # the int8 weight-only model (chat_web --quantize int8) scores within a hair of it, and its
+    # results go to a file of their own (default path: <name>_int8.json beside the first)
+    res8 = base_eval.main(["--model-tag", "e2e", "--eval", "bpb", "--device", "cpu", "--eval-tokens", "16384",
+                           "--device-batch-size", "8", "--quantize", "int8"] + env)
+    assert res8["output"].endswith("_int8.json") and res8["config"]["quantize"] == "int8"
+    assert res8["bpb"]["val"] != res["bpb"]["val"] and abs(res8["bpb"]["val"] - res["bpb"]["val"]) < 0.01
 
     model, tok2, meta = ck.load_model("base", "cpu", model_tag="e2e")
     assert not model.training and meta["tokenizer_fingerprint"] == tok2.fingerprint
