@@ -79,25 +79,9 @@ def parse_args(argv=None):
 
 def time_config(step, ids, pos, steps: int, repeats: int) -> float:
     """Median seconds per step of `steps` launches replayed from one CUDA graph."""
-    import torch
+    from nanochat.gpu_timing import graph_times
 
-    step.launch(ids, pos)  # compiles, checks residency
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            step.launch(ids, pos)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / steps)
-    return statistics.median(times)
+    return statistics.median(graph_times(lambda i: step.launch(ids, pos), steps, repeats))
 
 
 def trace_phases(step, ids, pos, launches: int) -> dict:

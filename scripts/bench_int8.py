@@ -56,30 +56,11 @@ def matrices(depth: int, vocab: int) -> dict[str, tuple[int, int]]:
 
 
 def time_us(fn, copies: int, launches: int, reps: int) -> float:
-    """Median microseconds per call of fn(i) over `reps` replays of a CUDA graph of `launches`
-    calls, i rotating over the weight copies: GPU time, as a decode step's graph runs them (a
-    Python loop of launches would time the host: ~30 us per call)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # compile, autotune and allocate before the capture
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
+    """Median GPU microseconds per call of fn(i), i rotating over the weight copies (a CUDA graph
+    of `launches` calls, as a decode step's graph runs them: nanochat/gpu_timing.py)."""
+    from nanochat.gpu_timing import graph_times
+
+    return statistics.median(graph_times(lambda i: fn(i % copies), launches, reps, warmup=copies)) * 1e6
 
 
 def bench_matrix(name: str, n: int, k: int, rows: list[int], args, l2_bytes: int, bandwidth_gbs) -> list[dict]:

@@ -70,30 +70,15 @@ def time_calls(fn, calls: int, device: str) -> float:
 
 def graph_us(fn, calls: int = 50) -> float | None:
     """GPU microseconds per call with no launch overhead: `calls` calls captured in one CUDA graph
-    and replayed. None where capture is refused (torch's RNG with a private generator)."""
-    import torch
+    and replayed (nanochat/gpu_timing.py). None where capture is refused (torch's RNG with a
+    private generator)."""
+    from nanochat.gpu_timing import graph_times
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        times = graph_times(lambda i: fn(), calls, 5)
     except RuntimeError:
         return None
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (5 * calls) * 1e3
+    return sum(times) / len(times) * 1e6
 
 
 def main(argv=None) -> int:
