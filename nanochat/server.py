@@ -283,6 +283,13 @@ def _release_unused(pool: WorkerPool, acq: asyncio.Future, job) -> None:
         acq.cancel()
 
 
+def weights_format(engine) -> str:
+    """How a replica's matrices are stored: 'int8' for a model quantised by nanochat/quantize.py
+    (chat_web --quantize int8), else 'none' (the compute dtype)."""
+    inner = getattr(engine, "engine", engine)   # a BatchedEngine wraps the Engine
+    return getattr(getattr(inner, "model", None), "quantization", "none")
+
+
 # ------------------------------------------------------------------------------------ the app
 
 def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
@@ -358,7 +365,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         return {"model": settings.model_name, "uptime_s": round(time.time() - started, 1),
                 "requests": dict(stats), "active_clients": len(slots.active), "waiting": pool.waiting,
                 "workers": [{"name": w.name, "device": str(w.engine.device), "busy": w.busy,
-                             "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2)}
+                             "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2),
+                             "weights": weights_format(w.engine)}
                             for w in pool.workers],
                 "batching": [{"slots": e.slots, "steps": e.steps, "rows_stepped": e.rows_stepped,
                               "mean_batch": round(e.rows_stepped / max(e.steps, 1), 2)}

@@ -598,3 +598,27 @@ def test_load_test_script():
     result = json.loads(proc.stdout.splitlines()[0])
     assert result["ok"] == 30 and result["errors"] == 0 and result["health_failures"] == 0
     assert result["health_checks"] >= 1 and result["latency_p95_s"] is not None
+
+
+def test_int8_replica_answers_and_says_so(chat_model, serve):
+    """A replica serving int8 weights (chat_web --quantize int8): the API answers through its
+    batched engine and /stats names the weights' format per worker."""
+    import copy
+
+    from nanochat.quantize import quantize_model
+    from nanochat.server import replica_workers
+
+    model, tokenizer = chat_model
+    quantised = quantize_model(copy.deepcopy(model), "int8")
+    workers = replica_workers(Engine(quantised, tokenizer, decode="static", decode_bucket=32), "cpu", 2)
+    server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(model_name="tiny")))
+    plain = serve(Engine(model, tokenizer))
+    try:
+        body = {"messages": USER, "temperature": 0, "max_tokens": 8}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert {w["weights"] for w in httpx.get(url + "/stats").json()["workers"]} == {"int8"}
+        assert httpx.get(plain + "/stats").json()["workers"][0]["weights"] == "none"
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
