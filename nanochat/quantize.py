@@ -95,6 +95,15 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(weight)
         return cls(q, scale, _kernel_for(weight.device))
 
+    def _apply(self, fn, recurse=True):
+        """After .to() / .cuda() / .half(): scales stay float32 and the product is re-chosen for the
+        new device. (Quantise after moving: a move copies c_q/c_k/c_v's row views apart.)"""
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32:
+            self.scale = self.scale.float()
+        self.kernel = _kernel_for(self.qweight.device)
+        return self
+
     def view_rows(self, start: int, stop: int) -> "Int8Linear":
         return Int8Linear(self.qweight[start:stop], self.scale[start:stop], self.kernel)
 

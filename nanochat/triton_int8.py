@@ -2,10 +2,13 @@
 
 A batch-1 (or small-batch) decode step is bound by the bytes of weights it streams, so reading
 1-byte weights instead of 2-byte ones is up to 2x on the matrices (on a DGX Spark's ~273 GB/s the
-whole step is that stream). The kernel reads each int8 weight tile once per block of up to
-`GEMV_MAX_ROWS` input rows, widens it to the input's dtype (every int8 value is exact in bf16 and
-fp16), multiplies on the tensor cores with float32 accumulation and applies the per-output-row
-scale once at the end; no dequantised copy of the weight is ever written. Larger inputs (prompt
+whole step is that stream). One input row runs `_int8_gemv_row_kernel` (float32 products in
+registers, 1-8 output rows per program, so even a 1280-row matrix spreads over hundreds of
+programs); 2..GEMV_MAX_ROWS rows run `_int8_gemv_kernel`, which reads each int8 weight tile once
+per block of rows, widens it to the input's dtype (every int8 value is exact in bf16 and fp16)
+and multiplies on the tensor cores. Both apply the per-output-row scale once at the end; no
+dequantised copy of the weight is ever written. H200 at d20's matrices, one row: 1.15-1.74x
+faster than cuBLAS on the bf16 weights (bench_int8; CHANGELOG_GB10.md, session 44). Larger inputs (prompt
 prefill) go through `quantize.int8_linear`'s dequantise-then-GEMM path instead, where the GEMM's
 FLOPs dominate.
 
@@ -56,8 +59,8 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 @triton.jit
 def _int8_gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One input row (batch-1 decode): no tensor cores, so a program can own as few as 2 output
-    rows and the grid spreads a 1280-row matrix over hundreds of programs, each streaming long
+    """One input row (batch-1 decode): no tensor cores, so a program can own as few as one output
+    row and the grid spreads a 1280-row matrix over hundreds of programs, each streaming long
     runs of int8; the products are summed in float32 registers and reduced once at the end."""
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -88,6 +88,13 @@ def test_quantised_kv_cache_decode_equals_recompute():
         assert tokens[0][len(prompt):] == ids[len(prompt):], mode
 
 
+def test_moving_a_quantised_model_keeps_float32_scales():
+    model = quantize_model(tiny_model(), "int8").to(torch.bfloat16)
+    lin = model.blocks[0].mlp.c_fc
+    assert lin.qweight.dtype == torch.int8 and lin.scale.dtype == torch.float32 and lin.kernel is None
+    assert model(torch.randint(0, 512, (1, 5))).dtype == torch.float32
+
+
 def test_quantize_refusals():
     from nanochat import precision
 
