@@ -603,13 +603,14 @@ def test_load_test_script():
 def test_int8_replica_answers_and_says_so(chat_model, serve):
     """A replica serving int8 weights (chat_web --quantize int8): the API answers through its
     batched engine and /stats names the weights' format per worker."""
-    import copy
-
+    from nanochat.checkpoint import build_model
     from nanochat.quantize import quantize_model
     from nanochat.server import replica_workers
 
     model, tokenizer = chat_model
-    quantised = quantize_model(copy.deepcopy(model), "int8")
+    twin = build_model(model.config, "cpu", for_training=False)   # the shared fixture stays unquantised
+    twin.load_state_dict(model.state_dict())
+    quantised = quantize_model(twin.eval(), "int8")
     workers = replica_workers(Engine(quantised, tokenizer, decode="static", decode_bucket=32), "cpu", 2)
     server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(model_name="tiny")))
     plain = serve(Engine(model, tokenizer))
