@@ -410,6 +410,12 @@ class GPT(nn.Module):
                                      f"{'|'.join(c.__name__ for c in replaces)}")
             block.mlp.fused = fn
 
+    def decode_matrices(self) -> list[nn.Module]:
+        """The matrix layers a decode step streams: lm_head, then each block's q, k, v, attention
+        projection, MLP in and out (the value-embedding gates are 32 columns wide and left out)."""
+        return [self.lm_head] + [m for b in self.blocks for m in (b.attn.c_q, b.attn.c_k, b.attn.c_v,
+                                                                  b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+
     def runtime_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype is not None:
             return self.compute_dtype

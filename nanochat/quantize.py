@@ -36,9 +36,10 @@ GEMV_MAX_ROWS = 64   # inputs with more rows (a prefill) are a GEMM: dequantise 
 
 
 def check_quantize(mode: str, flag: str = "--quantize") -> str:
-    """`mode` if it is one of QUANTIZE_MODES, else a ValueError naming the flag."""
-    if mode not in QUANTIZE_MODES:
-        raise ValueError(f"{flag}: got {mode!r}; accepted: {'|'.join(QUANTIZE_MODES)}")
+    """`mode` if it is one of QUANTIZE_MODES, else a RequestError (a ValueError) naming the flag."""
+    from nanochat.flags import require
+
+    require(mode in QUANTIZE_MODES, flag, mode, "|".join(QUANTIZE_MODES))
     return mode
 
 
@@ -130,8 +131,7 @@ def quantize_model(model, mode: str):
         raise ValueError(f"--quantize {mode}: needs a nanochat GPT, got {type(model).__name__}")
     if getattr(model, "quantization", "none") != "none":
         raise ValueError(f"--quantize {mode}: the model is already quantised ({model.quantization})")
-    linears = [model.lm_head] + [m for b in model.blocks for m in (b.attn.c_q, b.attn.c_k, b.attn.c_v,
-                                                                    b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    linears = model.decode_matrices()
     swapped = sorted({type(m).__name__ for m in linears if type(m) is not Linear})
     if swapped:
         raise ValueError(f"--quantize {mode}: the model's matrices are {swapped} modules (precision.py's "

@@ -55,8 +55,7 @@ def unsupported(model, cache, device_check: bool = True) -> str | None:
     dtype = model.wte.weight.dtype
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"weights in {dtype}"
-    linears = [model.lm_head] + [m for b in model.blocks for m in (b.attn.c_q, b.attn.c_k, b.attn.c_v,
-                                                                    b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    linears = model.decode_matrices()
     if getattr(model, "quantization", "none") != "none":
         return f"the model is quantised ({model.quantization} weights); the step reads float weights"
     if any(type(m) is not Linear for m in linears):
