@@ -41,8 +41,8 @@ Measured (H100, d20 bf16, bench_inference; history in CHANGELOG_GB10.md): "graph
 persistent batch-1 step and the Triton sampler, 0.66-0.67 ms per token (1,498-1,511 tok/s);
 "compile" 7.16 ms per step plus minutes of recompiles; graph_step="eager" 3.3 ms at batch 1.
 Many concurrent requests: nanochat/batching.py decodes them as rows of one step. A model with
-int8 weights (nanochat/quantize.py, `--quantize int8`) decodes through every mode but the
-persistent step, which reads float weights (graph_step auto then picks the fallback and says so).
+int8 weights (nanochat/quantize.py, `--quantize int8`) decodes through every mode, the
+persistent step included (it reads the int8 rows and their scales).
 The prompt prefill runs the plain model (`_prefill(compiled=True)`, what the continuous batcher
 uses under compiled graph steps, runs its dynamic compile instead). If a second
 generation with the same batch size runs while the first is still live (two open iterators), the

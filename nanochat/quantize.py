@@ -17,9 +17,9 @@ a lookup reads one row per token.
 How a product runs (`int8_linear`): up to GEMV_MAX_ROWS input rows on CUDA, the Triton kernel of
 nanochat/triton_int8.py (int8 tiles widened in registers, no dequantised copy); more rows (a
 prompt's prefill) or the CPU: the weight dequantised into the input's dtype, then the BLAS GEMM.
-A quantised model is for inference only: it has no float weights to train, and the persistent
-batch-1 decode kernel (nanochat/triton_decode.py) reads float weights, so Engine's graph_step
-auto uses the compiled step for it and says so.
+The persistent batch-1 decode kernel (nanochat/triton_decode.py) reads the same int8 rows and
+scales in its own GEMV phases. A quantised model is for inference only: it has no float weights
+to train.
 """
 
 from __future__ import annotations

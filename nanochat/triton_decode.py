@@ -42,7 +42,8 @@ def _interpreted() -> bool:
 def unsupported(model, cache, device_check: bool = True) -> str | None:
     """Why `PersistentDecodeStep(model, cache)` cannot run, or None. Needs: batch 1; the model's
     matrices as plain gpt.Linear weights (not precision.py's fp8/nvfp4 modules) stored in one
-    dtype (bf16, fp16 or fp32) that the cache also uses; a power-of-two head_dim in 16..1024; a
+    dtype (bf16, fp16 or fp32) that the cache also uses, or all of them int8 (nanochat/quantize.py,
+    the lookups, gates and cache in that one dtype); a power-of-two head_dim in 16..1024; a
     CUDA device of compute capability >= 8, or the Triton interpreter (`device_check=False`
     leaves the device out: nanochat/triton_aot builds the step on the CPU to compile it for
     another GPU, never to launch it)."""
@@ -56,11 +57,20 @@ def unsupported(model, cache, device_check: bool = True) -> str | None:
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"weights in {dtype}"
     linears = model.decode_matrices()
-    if getattr(model, "quantization", "none") != "none":
-        return f"the model is quantised ({model.quantization} weights); the step reads float weights"
-    if any(type(m) is not Linear for m in linears):
+    quant = getattr(model, "quantization", "none")
+    if quant not in ("none", "int8"):
+        return f"the model's weights are {quant} (the step reads float or int8 matrices)"
+    if quant == "int8":
+        from nanochat.quantize import Int8Linear
+
+        if any(type(m) is not Int8Linear for m in linears) or any(b.attn.qkv_quant is None for b in model.blocks):
+            return "quantised int8 but not by nanochat/quantize.quantize_model (a matrix is not an Int8Linear)"
+        tensors = [e.weight for e in model.value_embeds.values()]
+    elif any(type(m) is not Linear for m in linears):
         return "precision.py swapped the Linear layers (fp8/nvfp4); the step reads plain weights"
-    tensors = [m.weight for m in linears] + [e.weight for e in model.value_embeds.values()]
+    else:
+        tensors = [m.weight for m in linears] + [e.weight for e in model.value_embeds.values()]
+    tensors += [b.attn.ve_gate.weight for b in model.blocks if b.attn.ve_gate is not None]
     if any(t.dtype != dtype for t in tensors) or cache.k[0].dtype != dtype:
         return (f"weights and KV cache must share one dtype (wte {dtype}, cache {cache.k[0].dtype}); "
                 "load the model in its compute dtype (inference keeps no fp32 master copy)")
@@ -121,7 +131,8 @@ class PersistentDecodeStep:
         reason = unsupported(model, cache, device_check=not aot)
         if reason is not None:
             raise ValueError(f"persistent decode step: {reason}")
-        if any(b.attn.qkv_weight is None for b in model.blocks):
+        self.quant = getattr(model, "quantization", "none") == "int8"
+        if not self.quant and any(b.attn.qkv_weight is None for b in model.blocks):
             raise ValueError("persistent decode step: build it inside model.inference_weights() "
                              "(it reads the fused q/k/v weights made there)")
         cfg, dev = model.config, cache.k[0].device
@@ -142,18 +153,24 @@ class PersistentDecodeStep:
         self._meta = dict(C=C, H=H, HKV=Hkv, D=D, GATE=min(32, C), HKV_P2=p2(Hkv), NCH=self._nch, BN=block_rows,
                           BN_Q=block_rows_qkv, BN_FC=block_rows_fc, BK_C=block_k, BK_F=block_k_mlp, BKEY=key_block,
                           P_P2=p2(programs), UNROLL=unroll, TRACE=trace, num_warps=num_warps, PRE=preload,
-                          HS=head_stages)
+                          HS=head_stages, QUANT=self.quant)
 
     @staticmethod
     def _pointer_table(model, cache) -> torch.Tensor:
         """(n_layer, N_PTRS) int64 addresses: fused q/k/v, attention c_proj, c_fc, MLP c_proj, the
-        layer's k and v cache (row 0), its value-embedding table and gate weight (0 if none)."""
+        layer's k and v cache (row 0), its value-embedding table and gate weight (0 if none), then
+        the four matrices' row scales (int8 weights; else 0)."""
         rows = []
         for i, b in enumerate(model.blocks):
             ve = model.value_embeds[str(i)].weight if str(i) in model.value_embeds else None
             gate = b.attn.ve_gate.weight if b.attn.ve_gate is not None else None
-            tensors = (b.attn.qkv_weight, b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight,
-                       cache.k[i][0], cache.v[i][0], ve, gate)
+            if b.attn.qkv_quant is not None:   # int8 (nanochat/quantize.py): weights and row scales
+                mats = (b.attn.qkv_quant, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)
+                weights, scales = tuple(m.qweight for m in mats), tuple(m.scale for m in mats)
+            else:
+                weights = (b.attn.qkv_weight, b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight)
+                scales = (None,) * 4
+            tensors = weights + (cache.k[i][0], cache.v[i][0], ve, gate) + scales
             assert all(t is None or t.is_contiguous() for t in tensors), "persistent step needs contiguous tensors"
             rows.append([0 if t is None else t.data_ptr() for t in tensors])
             if any(a % 16 for a in rows[-1]):  # the kernel's loads assume it (_layer_ptr)
@@ -224,7 +241,8 @@ class PersistentDecodeStep:
         """(grid, positional arguments, keyword arguments) of the one-launch kernel (PHASE -1), as
         launch() passes them (and nanochat/triton_aot compiles them for another GPU)."""
         m, cfg = self.model, self.config
-        args = (ids, pos, m.wte.weight, m.lm_head.weight, m.cos, m.sin, m.resid_lambdas, m.x0_lambdas,
+        head = (m.lm_head.qweight, m.lm_head.scale) if self.quant else (m.lm_head.weight, m.lm_head.weight)
+        args = (ids, pos, m.wte.weight, *head, m.cos, m.sin, m.resid_lambdas, m.x0_lambdas,
                 self._table, self._windows, self._resid, self._qkv, self._gate, self._ynum, self._yden,
                 self._hidden, self._barrier, self.logits, self._trace)
         kwargs = dict(layer_arg=0, L=cfg.n_layer, V=cfg.vocab_size, T_CACHE=self.cache.seq_len,

@@ -29,7 +29,10 @@ TRITON_INTERPRET=1 (CPU tests) programs run one after another, so a barrier woul
 the host launches one phase at a time (`PHASE` >= 0); the GPU runs all in one launch (`PHASE` =
 -1). Accumulation is float32 throughout; weights and the KV cache are in the model's dtype, and
 so is every product's input (rounded to it, as the eager model's are) except the normed ones,
-which stay float32 (the norm's scale is applied after the dot products).
+which stay float32 (the norm's scale is applied after the dot products). With QUANT the four
+matrices per layer and the lm_head are int8 (nanochat/quantize.py): the same tiles, half the
+bytes, widened in registers, and each row's sum times its float32 scale (pointer table columns
+P_SQKV..P_SP2, `hscale_ptr` for the head); lookups, gates and the cache keep the model's dtype.
 """
 
 from __future__ import annotations
@@ -48,7 +51,11 @@ P_KC = tl.constexpr(4)
 P_VC = tl.constexpr(5)
 P_VE = tl.constexpr(6)
 P_GATE = tl.constexpr(7)
-N_PTRS = tl.constexpr(8)
+P_SQKV = tl.constexpr(8)   # int8 weights (QUANT): the float32 row scales of q/k/v, proj, fc, proj2
+P_SWO = tl.constexpr(9)
+P_SFC = tl.constexpr(10)
+P_SP2 = tl.constexpr(11)
+N_PTRS = tl.constexpr(12)
 PHASES = 7  # 0 x0, 1 qkv, 2 attention, 3 proj, 4 fc, 5 proj2, 6 lm_head (interpreter launches)
 
 
@@ -165,11 +172,12 @@ def _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, cols, K, MIX: tl.constexpr, NORM: tl.c
 
 @triton.jit
 def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, MIX: tl.constexpr,
-              NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr, FIRST: tl.constexpr):
+              NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr, FIRST: tl.constexpr,
+              wty: tl.constexpr):
     """(W[rows, :] . x, sum of x^2) in BK-column chunks, UNROLL chunks issued before the first is
     used (static_range): a decode GEMV is bound by the bytes each SM has in flight. FIRST: the
-    first UNROLL chunks are `ws` (_w_first), already loaded."""
-    wty = w_ptr.dtype.element_ty
+    first UNROLL chunks are `ws` (_w_first), already loaded. `wty`: the model's compute dtype,
+    what x is rounded to (W's own dtype unless W is int8)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     KU: tl.constexpr = NK if NK < UNROLL else UNROLL
     acc = tl.zeros([BN, BK], tl.float32)
@@ -204,6 +212,15 @@ def _residual(rows, n1, ra_ptr, rb_ptr, EPI: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(s_ptr, rows, n1, QUANT: tl.constexpr):
+    """The float32 scales of int8 rows (QUANT; loaded with _residual's, for the same reason), else 1."""
+    if QUANT:
+        return tl.load(s_ptr + rows, mask=rows < n1, other=0.0)
+    else:
+        return 1.0
+
+
+@triton.jit
 def _epilogue(out, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI: tl.constexpr):
     """0 store; 1 add the residual r_lam * ra + r_mu * rb (_residual's values); 2 relu^2;
     3 softcap * tanh(. / softcap)."""
@@ -219,26 +236,30 @@ def _epilogue(out, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI: tl.cons
 
 
 @triton.jit
-def _gemv(w_ptr, ws, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, eps, out_ptr, ra_ptr, rb_ptr, r_lam,
-          r_mu, softcap, pid, nprog, MIX: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, UNROLL: tl.constexpr):
+def _gemv(w_ptr, s_ptr, ws, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, eps, out_ptr, ra_ptr, rb_ptr,
+          r_lam, r_mu, softcap, pid, nprog, MIX: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr, QUANT: tl.constexpr, wty: tl.constexpr):
     """out[n] = _epilogue(W[n, :] . x) for this program's contiguous share of the N rows, with
     x = norm(s) (NORM) or s, s = _mix(xa, xb, x_lam, x_mu); `ws` is the first tile, from
     _w_first. Returns 1 / rms(s) (NORM; else 1). The norm costs no pass of its own: its sum of
     squares comes with the first row tile's dot products, which it then scales, so nothing waits
-    for it between the barrier and the first FMA."""
+    for it between the barrier and the first FMA. QUANT: W is int8 and W[n, :] . x is scaled by
+    s_ptr[n] (nanochat/quantize.py's per-row scales), like the 1/rms after the sums."""
     n0 = pid * N // nprog
     n1 = (pid + 1) * N // nprog
     rows = n0 + tl.arange(0, BN)
     ra, rb = _residual(rows, n1, ra_ptr, rb_ptr, EPI)
-    out, ss = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, True)
+    sc = _row_scale(s_ptr, rows, n1, QUANT)
+    out, ss = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, True, wty)
     rstd = tl.rsqrt(ss / K + eps) if NORM else 1.0
-    _epilogue(out * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
+    _epilogue(out * sc * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
     for n in range(n0 + BN, n1, BN):
         rows = n + tl.arange(0, BN)
         ra, rb = _residual(rows, n1, ra_ptr, rb_ptr, EPI)
-        out, _ = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, False)
-        _epilogue(out * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
+        sc = _row_scale(s_ptr, rows, n1, QUANT)
+        out, _ = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, False,
+                           wty)
+        _epilogue(out * sc * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
     return rstd
 
 
@@ -252,14 +273,15 @@ def _layer_ptr(table, layer, col, ty: tl.constexpr):
 
 @triton.jit
 def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid, nprog, ws,
-               wty: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-               GATE: tl.constexpr, HKV_P2: tl.constexpr, BN_Q: tl.constexpr, BK_C: tl.constexpr,
-               UNROLL: tl.constexpr):
+               wty: tl.constexpr, mty: tl.constexpr, QUANT: tl.constexpr, C: tl.constexpr, H: tl.constexpr,
+               HKV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr, HKV_P2: tl.constexpr, BN_Q: tl.constexpr,
+               BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r = resid + 2 * layer * C
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
-    rstd = _gemv(_layer_ptr(table, layer, P_QKV, wty), ws, (H + 2 * HKV) * D, C, r, resid, lam, mu, eps, qkv_ptr,
-                 r, r, 0.0, 0.0, 0.0, pid, nprog, True, True, 0, BN_Q, BK_C, UNROLL)
+    rstd = _gemv(_layer_ptr(table, layer, P_QKV, mty), _layer_ptr(table, layer, P_SQKV, tl.float32), ws,
+                 (H + 2 * HKV) * D, C, r, resid, lam, mu, eps, qkv_ptr, r, r, 0.0, 0.0, 0.0, pid, nprog, True, True, 0,
+                 BN_Q, BK_C, UNROLL, QUANT, wty)
     if pid == nprog - 1:  # the attention's sums start at zero (program 0 computes the gate below)
         zi = tl.arange(0, D)
         for z0 in range(0, H * D, D):
@@ -279,43 +301,49 @@ def _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr
 
 @triton.jit
 def _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty: tl.constexpr,
-                C: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+                mty: tl.constexpr, QUANT: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                BK_C: tl.constexpr, UNROLL: tl.constexpr):
     lam = tl.load(lam_ptr + layer).to(tl.float32)
     mu = tl.load(mu_ptr + layer).to(tl.float32)
     r = resid + 2 * layer * C
-    _gemv(_layer_ptr(table, layer, P_WO, wty), ws, C, C, ynum_ptr, yden_ptr, 1.0, 0.0, 0.0, r + C,
-          r, resid, lam, mu, 0.0, pid, nprog, D, False, 1, BN, BK_C, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_WO, mty), _layer_ptr(table, layer, P_SWO, tl.float32), ws, C, C, ynum_ptr,
+          yden_ptr, 1.0, 0.0, 0.0, r + C, r, resid, lam, mu, 0.0, pid, nprog, D, False, 1, BN, BK_C, UNROLL, QUANT,
+          wty)
 
 
 @triton.jit
-def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
-              BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
+def _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, ws, wty: tl.constexpr, mty: tl.constexpr,
+              QUANT: tl.constexpr, C: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
-    _gemv(_layer_ptr(table, layer, P_FC, wty), ws, 4 * C, C, r_mid, r_mid, 1.0, 0.0, eps, hid_ptr,
-          r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, True, 2, BN_FC, BK_C, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_FC, mty), _layer_ptr(table, layer, P_SFC, tl.float32), ws, 4 * C, C, r_mid,
+          r_mid, 1.0, 0.0, eps, hid_ptr, r_mid, r_mid, 0.0, 0.0, 0.0, pid, nprog, False, True, 2, BN_FC, BK_C, UNROLL,
+          QUANT, wty)
 
 
 @triton.jit
-def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, ws, wty: tl.constexpr, C: tl.constexpr,
-                 BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
+def _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, ws, wty: tl.constexpr, mty: tl.constexpr,
+                 QUANT: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
     r_mid = resid + (2 * layer + 1) * C
-    _gemv(_layer_ptr(table, layer, P_P2, wty), ws, C, 4 * C, hid_ptr, hid_ptr, 1.0, 0.0, 0.0, r_mid + C,
-          r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, False, 1, BN, BK_F, UNROLL)
+    _gemv(_layer_ptr(table, layer, P_P2, mty), _layer_ptr(table, layer, P_SP2, tl.float32), ws, C, 4 * C, hid_ptr,
+          hid_ptr, 1.0, 0.0, 0.0, r_mid + C, r_mid, r_mid, 1.0, 0.0, 0.0, pid, nprog, False, False, 1, BN, BK_F,
+          UNROLL, QUANT, wty)
 
 
 @triton.jit
-def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl.constexpr,
-                BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr, HS: tl.constexpr):
+def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, wty: tl.constexpr,
+                QUANT: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, BK_C: tl.constexpr, UNROLL: tl.constexpr,
+                HS: tl.constexpr):
     """logits = softcap * tanh(lm_head @ norm(r_L)), this program's ~V / nprog rows in tiles of
     BN (~16 tiles at d20). HS = 0: _gemv, whose loop issues a tile's loads only when the tile
     before it is reduced; otherwise x = norm's input is held in registers and HS = 1 issues the
     next tile's loads before this tile's sums (two tiles in registers; the default: lm_head 42.6
     -> 29.9 us per step at d20 on the H100), HS >= 2 software-pipelines the loop with tl.range
-    (33.2 us at 2 stages, 31.0 at 3). The same sums in the same order in every case."""
+    (33.2 us at 2 stages, 31.0 at 3). The same sums in the same order in every case. QUANT: an
+    int8 head, each row's sum scaled by hscale_ptr[row]."""
     if HS == 0:
         ws = _w_first(head_ptr, V, C, pid, nprog, BN, BK_C, UNROLL)
-        _gemv(head_ptr, ws, V, C, r_last, r_last, 1.0, 0.0, eps, logits_ptr, r_last, r_last, 0.0, 0.0,
-              softcap, pid, nprog, False, True, 3, BN, BK_C, UNROLL)
+        _gemv(head_ptr, hscale_ptr, ws, V, C, r_last, r_last, 1.0, 0.0, eps, logits_ptr, r_last, r_last, 0.0, 0.0,
+              softcap, pid, nprog, False, True, 3, BN, BK_C, UNROLL, QUANT, wty)
     else:
         NK: tl.constexpr = (C + BK_C - 1) // BK_C
         xs = ()
@@ -335,22 +363,24 @@ def _head_phase(head_ptr, r_last, logits_ptr, V, softcap, eps, pid, nprog, C: tl
                 wn = ()
                 for i in tl.static_range(NK):
                     wn = wn + (_w_cols(head_ptr, nxt, n1, C, i * BK_C, BK_C),)
+                sc = _row_scale(hscale_ptr, rows, n1, QUANT)
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += ws[i].to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * sc * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
                 ws = wn
         else:
             for n in tl.range(n0, n1, BN, num_stages=HS):
                 rows = n + tl.arange(0, BN)
+                sc = _row_scale(hscale_ptr, rows, n1, QUANT)
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
                     acc += _w_cols(head_ptr, rows, n1, C, i * BK_C, BK_C).to(tl.float32) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
+                _epilogue(tl.sum(acc, 1) * sc * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
 
 
 @triton.jit
-def _w_phase(table, layer, live, PHASE: tl.constexpr, wty: tl.constexpr, pid, nprog, C: tl.constexpr,
+def _w_phase(table, layer, live, PHASE: tl.constexpr, mty: tl.constexpr, pid, nprog, C: tl.constexpr,
              QKV_N: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
              BK_F: tl.constexpr, UNROLL: tl.constexpr):
     """_w_first of phase PHASE (1 qkv, 3 proj, 4 fc, 5 proj2) of `layer`; nothing is read unless `live`."""
@@ -359,12 +389,12 @@ def _w_phase(table, layer, live, PHASE: tl.constexpr, wty: tl.constexpr, pid, np
     K: tl.constexpr = 4 * C if PHASE == 5 else C
     BR: tl.constexpr = BN_Q if PHASE == 1 else (BN_FC if PHASE == 4 else BN)
     BK: tl.constexpr = BK_F if PHASE == 5 else BK_C
-    return _w_first(_layer_ptr(table, layer, col, wty), tl.where(live, N, 0), K, pid, nprog, BR, BK, UNROLL)
+    return _w_first(_layer_ptr(table, layer, col, mty), tl.where(live, N, 0), K, pid, nprog, BR, BK, UNROLL)
 
 
 @triton.jit
 def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHASE: tl.constexpr,
-            PRE: tl.constexpr, wty: tl.constexpr, C: tl.constexpr, QKV_N: tl.constexpr, BN: tl.constexpr,
+            PRE: tl.constexpr, mty: tl.constexpr, C: tl.constexpr, QKV_N: tl.constexpr, BN: tl.constexpr,
             BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
             UNROLL: tl.constexpr, P_P2: tl.constexpr, TRACE: tl.constexpr):
     """The grid barrier that opens phase PHASE, returning that phase's first weight tile: loaded
@@ -373,17 +403,17 @@ def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHA
     BIT: tl.constexpr = 1 if PHASE == 1 else (2 if PHASE == 3 else (4 if PHASE == 4 else 8))
     _arrive(bar_ptr, epoch, pid)
     if (PRE & BIT) != 0:
-        ws = _w_phase(table, layer, live, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer, live, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
         _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
     else:
         _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
-        ws = _w_phase(table, layer, live, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer, live, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
     return ws
 
 
 @triton.jit
 def decode_step_kernel(
-        tok_ptr, pos_ptr, wte_ptr, head_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
+        tok_ptr, pos_ptr, wte_ptr, head_ptr, hscale_ptr, cos_ptr, sin_ptr, lam_ptr, mu_ptr, table, windows_ptr,
         resid, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, hid_ptr, bar_ptr, logits_ptr, trace_ptr,
         layer_arg, L, V, T_CACHE, softcap, eps, sm_scale,
         C: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -391,10 +421,11 @@ def decode_step_kernel(
         PHASE: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
         BK_F: tl.constexpr,
         BKEY: tl.constexpr, P_P2: tl.constexpr, UNROLL: tl.constexpr, PRE: tl.constexpr, TRACE: tl.constexpr,
-        HS: tl.constexpr):
+        HS: tl.constexpr, QUANT: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    wty: tl.constexpr = wte_ptr.dtype.element_ty
+    wty: tl.constexpr = wte_ptr.dtype.element_ty   # the compute dtype (activations, cache, lookups)
+    mty: tl.constexpr = head_ptr.dtype.element_ty  # the matrices': wty, or int8 (QUANT)
     tok = tl.load(tok_ptr)
     pos = tl.load(pos_ptr)
     if PHASE < 0:
@@ -416,11 +447,11 @@ def decode_step_kernel(
     if PHASE < 0:
         # Each barrier: _arrive, then the next phase's first weight tile (or first K/V block),
         # which does not depend on the other programs, then _wait (_sync_w, _attn_prefetch).
-        ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, wty, C, QKV_N,
+        ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, mty, C, QKV_N,
                      BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         for layer in range(L):
             _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
-                       nprog, ws, wty, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+                       nprog, ws, wty, mty, QUANT, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
             kc = _layer_ptr(table, layer, P_KC, wty)
             vc = _layer_ptr(table, layer, P_VC, wty)
             window = tl.load(windows_ptr + layer)
@@ -432,22 +463,23 @@ def decode_step_kernel(
                              tl.load(table + layer * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
                              ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, BKEY)
             epoch += 1
-            wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, wty, C,
+            wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, mty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, C, D, BN,
-                        BK_C, UNROLL)
+            _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, mty, QUANT,
+                        C, D, BN, BK_C, UNROLL)
             epoch += 1
-            wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, wty, C,
+            wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, mty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wf, wty, C, BN_FC, BK_C, UNROLL)
+            _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wf, wty, mty, QUANT, C, BN_FC, BK_C, UNROLL)
             epoch += 1
-            wp = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 5, PRE, wty, C,
+            wp = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 5, PRE, mty, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wp, wty, C, BN, BK_F, UNROLL)
+            _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wp, wty, mty, QUANT, C, BN, BK_F, UNROLL)
             epoch += 1  # then the next layer's q/k/v tile (none after the last layer)
             ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, tl.minimum(layer + 1, L - 1),
-                         layer + 1 < L, 1, PRE, wty, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
-        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL, HS)
+                         layer + 1 < L, 1, PRE, mty, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
+        _head_phase(head_ptr, hscale_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, wty, QUANT, C, BN,
+                    BK_C, UNROLL, HS)
         if TRACE:
             tl.debug_barrier()
             if pid == 0:  # program 0's own lm_head share done (no barrier follows)
@@ -461,16 +493,17 @@ def decode_step_kernel(
                          tl.load(table + layer_arg * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
                          ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, BKEY)
     elif PHASE == 6:
-        _head_phase(head_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, C, BN, BK_C, UNROLL, HS)
+        _head_phase(head_ptr, hscale_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, wty, QUANT, C, BN,
+                    BK_C, UNROLL, HS)
     elif PHASE > 0:  # a GEMV phase of layer_arg: 1 qkv, 3 proj, 4 fc, 5 proj2
-        ws = _w_phase(table, layer_arg, True, PHASE, wty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer_arg, True, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
         if PHASE == 1:
             _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
-                       nprog, ws, wty, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
+                       nprog, ws, wty, mty, QUANT, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
         elif PHASE == 3:
-            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty, C, D,
-                        BN, BK_C, UNROLL)
+            _proj_phase(layer_arg, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, ws, wty, mty,
+                        QUANT, C, D, BN, BK_C, UNROLL)
         elif PHASE == 4:
-            _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, ws, wty, C, BN_FC, BK_C, UNROLL)
+            _fc_phase(layer_arg, table, resid, hid_ptr, eps, pid, nprog, ws, wty, mty, QUANT, C, BN_FC, BK_C, UNROLL)
         else:
-            _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, ws, wty, C, BN, BK_F, UNROLL)
+            _proj2_phase(layer_arg, table, resid, hid_ptr, pid, nprog, ws, wty, mty, QUANT, C, BN, BK_F, UNROLL)

@@ -8,6 +8,10 @@ per config, then a table. A config that cannot be resident on the GPU, or fails 
 reported and skipped.
 
     python -m scripts.bench_decode_kernel --depth 20 --trace --configs 16x256x512,16x256x512p0,16x256x1024
+    python -m scripts.bench_decode_kernel --quantize none,int8 --configs 16x256x512,32x512x1024
+
+--quantize int8 runs the configs again over the same model's matrices as int8 (nanochat/quantize.py;
+bytes per step count the int8 weights and their scales).
 
 Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES]: block_rows x
 block_k x block_k_mlp, then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc,
@@ -58,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=50, help="launches per CUDA graph")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", default="none",
+                   help="comma list of none|int8: the matrices as the step reads them (nanochat/quantize.py); "
+                        "every config runs for each, none first")
     p.add_argument("--trace", action="store_true",
                    help="also time each phase kind in-kernel (%%globaltimer at every grid barrier), "
                         "mean of --steps launches")
@@ -66,6 +73,13 @@ def parse_args(argv=None):
     if not args.configs:
         raise ValueError("--configs: empty; accepted: a comma list of "
                          "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]")
+    from nanochat.quantize import QUANTIZE_MODES
+
+    modes = [v.strip() for v in args.quantize.split(",") if v.strip()]
+    if not modes or set(modes) - set(QUANTIZE_MODES) or len(set(modes)) != len(modes):
+        raise ValueError(f"--quantize: got {args.quantize!r}; accepted: comma-separated {'|'.join(QUANTIZE_MODES)}, "
+                         "each once")
+    args.quantize = sorted(modes, key=QUANTIZE_MODES.index)   # none first: int8 quantises in place
     for name in ("depth", "steps", "repeats", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
@@ -98,6 +112,34 @@ def trace_phases(step, ids, pos, launches: int) -> dict:
     return {k: round(v, 1) for k, v in sums.items()}
 
 
+def time_configs(args, model, cache, ids, pos, quant: str, nbytes: int, spec) -> list[dict]:
+    """One JSON row per config of --configs: ms per step, registers, achieved GB/s (nbytes per
+    step), or the error that kept the config from running."""
+    import torch
+
+    from nanochat.triton_decode import PersistentDecodeStep
+
+    rows = []
+    with torch.no_grad(), model.inference_weights():
+        for conf in args.configs:
+            row = {"bench": "persistent_step", "quantize": quant, "bytes_per_step": nbytes, **conf}
+            try:
+                step = PersistentDecodeStep(model, cache, **conf)
+                t = time_config(step, ids, pos, args.steps, args.repeats)
+            except (ValueError, RuntimeError) as e:  # not resident, out of resources: report, go on
+                row["error"] = str(e).splitlines()[0][:200]
+            else:
+                gbs = nbytes / t / 1e9
+                row.update(step_ms=1e3 * t, registers=step.registers, achieved_gbs=gbs,
+                           bandwidth_util=gbs / spec.bandwidth_gbs if spec.bandwidth_gbs else None)
+                if args.trace:
+                    row["phase_us"] = trace_phases(PersistentDecodeStep(model, cache, trace=True, **conf), ids, pos,
+                                                   args.steps)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -106,7 +148,7 @@ def main(argv=None) -> int:
     from nanochat.attention import KVCache
     from nanochat.common import init_runtime
     from nanochat.platform import detect_device
-    from nanochat.triton_decode import PersistentDecodeStep
+    from nanochat.quantize import quantize_model
     from scripts.bench_inference import build_model, visible_kv_bytes, weight_bytes_per_step
 
     if not torch.cuda.is_available():
@@ -124,38 +166,24 @@ def main(argv=None) -> int:
         v.normal_()
     ids = torch.zeros(1, 1, dtype=torch.long, device=rt.device)
     pos = torch.full((1,), args.prompt_len, dtype=torch.long, device=rt.device)
-    nbytes = weight_bytes_per_step(model) + visible_kv_bytes(model, args.prompt_len, 2)
     print(json.dumps({"bench": "config", "device": spec.name, "torch": torch.__version__,
-                      "triton": triton.__version__, "depth": args.depth,
-                      "prompt_len": args.prompt_len, "bytes_per_step": nbytes,
-                      "bandwidth_gbs": spec.bandwidth_gbs}), flush=True)
+                      "triton": triton.__version__, "depth": args.depth, "prompt_len": args.prompt_len,
+                      "quantize": args.quantize, "bandwidth_gbs": spec.bandwidth_gbs}), flush=True)
     rows = []
-    with torch.no_grad(), model.inference_weights():
-        for conf in args.configs:
-            row = {"bench": "persistent_step", **conf}
-            try:
-                step = PersistentDecodeStep(model, cache, **conf)
-                t = time_config(step, ids, pos, args.steps, args.repeats)
-            except (ValueError, RuntimeError) as e:  # not resident, out of resources: report, go on
-                row["error"] = str(e).splitlines()[0][:200]
-            else:
-                gbs = nbytes / t / 1e9
-                row.update(step_ms=1e3 * t, registers=step.registers, achieved_gbs=gbs,
-                           bandwidth_util=gbs / spec.bandwidth_gbs if spec.bandwidth_gbs else None)
-                if args.trace:
-                    row["phase_us"] = trace_phases(PersistentDecodeStep(model, cache, trace=True, **conf), ids, pos,
-                                                   args.steps)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    print(f"\n{spec.name}, d{args.depth}, prompt {args.prompt_len}, {nbytes / 1e6:.0f} MB per step")
-    print(f"{'config':<24}{'step ms':>9}{'regs':>6}{'GB/s':>8}{'BW util':>8}")
+    for quant in args.quantize:
+        quantize_model(model, quant)
+        nbytes = weight_bytes_per_step(model) + visible_kv_bytes(model, args.prompt_len, 2)
+        rows += time_configs(args, model, cache, ids, pos, quant, nbytes, spec)
+    print(f"\n{spec.name}, d{args.depth}, prompt {args.prompt_len}")
+    print(f"{'weights':<8}{'config':<24}{'step ms':>9}{'regs':>6}{'GB/s':>8}{'BW util':>8}")
     for r in rows:
         name = config_name(r)
         if "error" in r:
-            print(f"{name:<24}  {r['error'][:60]}")
+            print(f"{r['quantize']:<8}{name:<24}  {r['error'][:60]}")
         else:
             util = f"{100 * r['bandwidth_util']:.0f}%" if r["bandwidth_util"] else "-"
-            print(f"{name:<24}{r['step_ms']:>9.3f}{r['registers']:>6}{r['achieved_gbs']:>8.0f}{util:>8}")
+            print(f"{r['quantize']:<8}{name:<24}{r['step_ms']:>9.3f}{r['registers']:>6}{r['achieved_gbs']:>8.0f}"
+                  f"{util:>8}")
             if "phase_us" in r:
                 print("    phases (us, summed over layers, each with its closing barrier): "
                       + ", ".join(f"{k} {v}" for k, v in r["phase_us"].items()))

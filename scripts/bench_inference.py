@@ -327,9 +327,6 @@ def main(argv=None) -> int:
         for quant in args.quantize:
             quantize_model(model, quant)
             for mode, fused, kernel, graph_step, sampler in runs:
-                if quant != "none" and graph_step == "persistent":   # it reads float weights (quantize.py)
-                    print(json.dumps({"bench": "skipped", "quantize": quant, "graph_step": graph_step}), flush=True)
-                    continue
                 set_decode_kernel(kernel)
                 _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows)
     finally:

@@ -81,6 +81,10 @@
 #              bf16 cuBLAS per d20 matrix at 1/8/32 rows, with a tile sweep), bench_inference d20 graphs bf16
 #              (compiled and persistent steps) vs int8 (compiled) at batch 1/8/32, and d32 at batch 1; with 2+ GPUs
 #              the d32 half runs on GPU 1 at the same time
+#   pint8      the persistent batch-1 step over int8 weights: CUDA tests (test_triton_decode's persistent ones,
+#              test_quantize, test_gpu_timing), bench_decode_kernel d20 none vs int8 over PINT8_CONFIGS, then
+#              bench_inference d20 batch 1 (persistent none/int8, compiled int8) and d32 batch 1 persistent
+#              none/int8; with 2+ GPUs the kernel sweep and d32 run on GPU 1 at the same time
 #   recipes    base_train under each --recipe on the docs corpus, final val bpb per run and seed
 #              (compare_recipes; RECIPE_RUNS "v1;v2" entries split on ';', RECIPE_SEEDS "1", RECIPE_DEPTH 4,
 #              RECIPE_RATIO 12 tokens per scaling parameter)
@@ -437,6 +441,23 @@ if has int8; then
        --decode graphs --graph-step ${INT8_STEPS:-compiled,persistent} --quantize none,int8
   if [ "$ngpu" -ge 2 ]; then wait; else int8_half2 0; fi
   tail -25 "$LOG/bench_int8.log"; tail -6 "$LOG/bench_inference_d32_int8.log"
+fi
+if has pint8; then
+  pint8_half2() {
+    CUDA_VISIBLE_DEVICES=$1 timeout 400 $PY -m scripts.bench_decode_kernel --depth 20 --quantize none,int8 --configs \
+      "${PINT8_CONFIGS:-16x256x512,16x256x1024,16x512x1024,32x256x1024q64f128,16x512x1024u3}" \
+      > "$LOG/bench_pdecode_int8.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$1 timeout 400 $PY -m scripts.bench_inference --depth 32 --batch-sizes 1 --decode graphs \
+      --graph-step persistent --quantize none,int8 --decode-tokens 128 > "$LOG/bench_inference_d32_pint8.log" 2>&1
+  }
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -ge 2 ]; then pint8_half2 1 & fi
+  step pytest_pint8 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py tests/test_quantize.py \
+       tests/test_gpu_timing.py -k "persistent or quantize or int8 or timing or graph"
+  step bench_inference_pint8 400 $PY -m scripts.bench_inference --depth 20 --batch-sizes 1 --decode graphs \
+       --graph-step persistent,compiled --quantize none,int8 --decode-tokens 128
+  if [ "$ngpu" -ge 2 ]; then wait; else pint8_half2 0; fi
+  tail -14 "$LOG/bench_pdecode_int8.log"; tail -6 "$LOG/bench_inference_d32_pint8.log"
 fi
 if has recipes; then
   # base_train under each recipe on the docs corpus, final val bpb (scripts/compare_recipes.py).

@@ -114,15 +114,24 @@ def test_quantize_refusals():
         quantize_model(swapped, "int8")
 
 
-def test_persistent_step_says_why_it_cannot_run_a_quantised_model():
+def test_persistent_step_takes_int8_models_and_says_why_not_others():
+    """The persistent batch-1 step (nanochat/triton_decode.py) reads quantize_model's int8 rows;
+    a model whose matrices are not all Int8Linear (one put back as float) or whose weights are
+    another format is refused with the reason."""
     from nanochat.attention import KVCache
+    from nanochat.gpt import Linear
     from nanochat.triton_decode import unsupported
 
     model = tiny_model()
     quantize_model(model, "int8")
     cfg = model.config
     cache = KVCache(1, cfg.n_kv_head, 64, cfg.head_dim, cfg.n_layer, torch.device("cpu"), torch.float32)
-    assert "quantised (int8 weights)" in unsupported(model, cache, device_check=False)
+    assert unsupported(model, cache, device_check=False) is None
+    head = model.lm_head
+    model.lm_head = Linear(cfg.n_embd, head.out_features)
+    assert "not an Int8Linear" in unsupported(model, cache, device_check=False)
+    model.lm_head, model.quantization = head, "int4"
+    assert "weights are int4" in unsupported(model, cache, device_check=False)
 
 
 def test_int8_kernel_interpreted(run_triton_interpreted):

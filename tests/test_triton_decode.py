@@ -72,6 +72,48 @@ def test_persistent_step_matches_static_decode_interpreted(run_triton_interprete
     run_triton_interpreted(STEP_SCRIPT, timeout=600)
 
 
+INT8_SCRIPT = """
+import torch
+from nanochat.attention import StaticKV
+from nanochat.engine import Engine
+from nanochat.quantize import quantize_model
+from tests.test_triton_decode import _model, _cache
+from nanochat.triton_decode import PersistentDecodeStep
+model = quantize_model(_model(seed=5), "int8")
+ref_cache, cache = _cache(model), _cache(model)
+tokens = torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(2))
+keys = torch.arange(32)
+with torch.no_grad(), model.inference_weights():
+    step = PersistentDecodeStep(model, cache, programs=3, key_block=4)
+    assert step.quant
+    pos = torch.zeros(1, dtype=torch.long)
+    for t in range(5):
+        pos.fill_(t)
+        ids = tokens[t].view(1, 1)
+        want = model(ids, kv_cache=StaticKV(ref_cache, pos, keys))[:, -1]
+        got = step(ids, kv_cache=StaticKV(cache, pos, keys))[:, -1]
+        err = (got - want).abs().max().item()
+        assert err < 1e-4 * want.abs().max().item(), (t, err)
+    for hs in (0, 2):   # every lm_head loop applies the row scales (1, the default, above)
+        other = PersistentDecodeStep(model, cache, programs=3, key_block=4, head_stages=hs)
+        assert torch.equal(other(ids, kv_cache=StaticKV(cache, pos, keys)), got.view(1, 1, -1)), hs
+prompt = [5, 17, 42]
+want = Engine(model, decode="eager").generate_batch(prompt, max_tokens=4, temperature=0.0)[0]
+engine = Engine(model, decode="static")   # graph_step auto picks the step for int8 weights too
+assert engine.graph_step == "persistent", engine.graph_step_note
+assert engine.generate_batch(prompt, max_tokens=4, temperature=0.0)[0] == want
+print("OK")
+"""
+
+
+def test_persistent_step_reads_int8_weights_interpreted(run_triton_interpreted):
+    """A model quantised by nanochat/quantize.py (int8 matrices, float32 row scales, fp32
+    lookups and cache): the step's logits are within 1e-4 of the quantised model's own static
+    decode at 5 positions, with every lm_head loop, and graph_step auto picks it and generates
+    the quantised model's eager greedy tokens."""
+    run_triton_interpreted(INT8_SCRIPT, timeout=600)
+
+
 ENGINE_SCRIPT = """
 import torch
 from nanochat.engine import Engine
@@ -175,25 +217,22 @@ def test_persistent_step_needs_inference_weights(monkeypatch):
         PersistentDecodeStep(model, _cache(model))
 
 
-@pytest.mark.cuda
-def test_persistent_step_on_gpu_beats_eager_bf16_accuracy():
-    """bf16 weights and cache on the GPU, one launch with grid barriers, replayed in a CUDA
-    graph: its logits are closer to a float32 model's than the eager bf16 step's (it keeps the
-    residual stream and every accumulation in float32), at every one of 40 positions, and 50
-    graph replays reproduce the direct launch exactly (run-to-run determinism)."""
+GPU_CFG = dict(sequence_len=256, vocab_size=1000, n_layer=4, n_head=4, n_kv_head=2, n_embd=256)
+
+
+def _closer_than_eager_and_replayed_exactly(model, ref, positions: int = 40) -> None:
+    """At each position the persistent step's logits are at least as close to `ref`'s (a float32
+    model) as `model`'s own eager step's; then 50 CUDA-graph replays reproduce the direct launch
+    exactly."""
     from nanochat.attention import StaticKV
 
-    cfg = dict(sequence_len=256, vocab_size=1000, n_layer=4, n_head=4, n_kv_head=2, n_embd=256)
-    model = _model(torch.bfloat16, "cuda", **cfg)
-    ref = _model(torch.float32, "cuda", **cfg)
-    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     caches = [_cache(model), _cache(model), _cache(ref)]
-    keys = torch.arange(256, device="cuda")
+    keys = torch.arange(GPU_CFG["sequence_len"], device="cuda")
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
-    tokens = torch.randint(0, 1000, (40,), device="cuda")
+    tokens = torch.randint(0, GPU_CFG["vocab_size"], (positions,), device="cuda")
     with torch.no_grad(), model.inference_weights():
         step = PersistentDecodeStep(model, caches[1])
-        for t in range(40):
+        for t in range(positions):
             pos.fill_(t)
             ids = tokens[t].view(1, 1)
             eager = model(ids, kv_cache=StaticKV(caches[0], pos, keys))[:, -1].float()
@@ -208,6 +247,35 @@ def test_persistent_step_on_gpu_beats_eager_bf16_accuracy():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(step.logits.view(1, -1), direct)
+
+
+@pytest.mark.cuda
+def test_persistent_step_on_gpu_beats_eager_bf16_accuracy():
+    """bf16 weights and cache on the GPU, one launch with grid barriers, replayed in a CUDA
+    graph: its logits are closer to a float32 model's than the eager bf16 step's (it keeps the
+    residual stream and every accumulation in float32), at every one of 40 positions, and 50
+    graph replays reproduce the direct launch exactly (run-to-run determinism)."""
+    model = _model(torch.bfloat16, "cuda", **GPU_CFG)
+    ref = _model(torch.float32, "cuda", **GPU_CFG)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    _closer_than_eager_and_replayed_exactly(model, ref)
+
+
+@pytest.mark.cuda
+def test_persistent_int8_step_on_gpu_beats_eager_int8_accuracy():
+    """The same with int8 matrices (nanochat/quantize.py) and a bf16 cache: the reference is a
+    float32 model holding the dequantised weights, so what is measured is the step's arithmetic,
+    not the quantisation error; the eager step it must match or beat is the int8 Triton GEMV's."""
+    from nanochat.quantize import quantize_model
+
+    model = _model(torch.bfloat16, "cuda", **GPU_CFG)
+    ref = _model(torch.float32, "cuda", **GPU_CFG)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    quantize_model(model, "int8")
+    with torch.no_grad():
+        for got, want in zip(model.decode_matrices(), ref.decode_matrices()):
+            want.weight.copy_(got.dequantize(torch.float32))
+    _closer_than_eager_and_replayed_exactly(model, ref)
 
 
 @pytest.mark.cuda
@@ -310,8 +378,10 @@ def test_bench_decode_kernel_configs_parse_and_bad_ones_raise():
     assert parse_config("8x256x256") == dict(block_rows=8, block_k=256, block_k_mlp=256)
     args = parse_args(["--configs", "16x512x512,32x256x256u5"])
     assert [config_name(c) for c in args.configs] == ["16x512x512", "32x256x256u5"]
+    assert args.quantize == ["none"] and parse_args(["--quantize", "int8,none"]).quantize == ["none", "int8"]
     for argv, flag in ((["--configs", "16x512"], "--configs"), (["--configs", ","], "--configs"),
-                       (["--prompt-len", "2048"], "--prompt-len"), (["--steps", "0"], "--steps")):
+                       (["--prompt-len", "2048"], "--prompt-len"), (["--steps", "0"], "--steps"),
+                       (["--quantize", "int4"], "--quantize"), (["--quantize", "int8,int8"], "--quantize")):
         with pytest.raises(ValueError, match=flag):
             parse_args(argv)
 
