@@ -139,21 +139,29 @@ def qk_gemm(target: AotTarget) -> list[Launch]:
 def decode_step(target: AotTarget) -> list[Launch]:
     """The persistent batch-1 decode kernel (one program per SM, grid barriers) at d20's width:
     its constexprs depend on the width, heads and tiles, not on depth, vocabulary or cache length
-    (runtime integers), so a 2-layer model with a small vocabulary compiles the same kernel."""
+    (runtime integers), so a 2-layer model with a small vocabulary compiles the same kernel. Twice:
+    over bf16 matrices, then over the same model quantised to int8 (nanochat/quantize.py)."""
     from nanochat.attention import KVCache
     from nanochat.gpt import GPT, GPTConfig
+    from nanochat.quantize import quantize_model
     from nanochat.triton_decode import PersistentDecodeStep
+    from nanochat.triton_decode_kernels import decode_step_kernel
 
     cfg = GPTConfig(sequence_len=T, vocab_size=256, n_layer=2, n_head=HEADS, n_kv_head=HEADS, n_embd=C)
     with torch.device("meta"):
         model = GPT(cfg, compute_dtype=BF16)
-    model = model.to_empty(device="cpu").to(BF16).eval()   # compiled, never run: no init needed
+    model = model.to_empty(device="cpu").to(BF16).eval()   # compiled, never run: zeros will do
+    for p in model.parameters():
+        p.data.zero_()
     cache = KVCache(1, HEADS, T, D, cfg.n_layer, torch.device("cpu"), BF16)
-    with torch.no_grad(), model.inference_weights():
-        step = PersistentDecodeStep(model, cache, programs=target.sms, aot=True)
-        grid, args, kwargs = step.launch_args(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    from nanochat.triton_decode_kernels import decode_step_kernel
-    return [Launch("decode_step", decode_step_kernel, args, kwargs)]
+    launches = []
+    for quant in ("none", "int8"):
+        quantize_model(model, quant)
+        with torch.no_grad(), model.inference_weights():
+            step = PersistentDecodeStep(model, cache, programs=target.sms, aot=True)
+            _, args, kwargs = step.launch_args(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        launches.append(Launch("decode_step", decode_step_kernel, args, kwargs))
+    return launches
 
 
 def int8_gemv(target: AotTarget) -> list[Launch]:

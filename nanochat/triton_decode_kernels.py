@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nanochat.triton_decode_attention import _attention_phase, _attn_prefetch
+from nanochat.triton_int8 import widen
 
 # Per-layer pointer table columns (int64 addresses).
 P_QKV = tl.constexpr(0)
@@ -185,13 +186,13 @@ def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu,
     if FIRST:
         for i in tl.static_range(KU):
             x = _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, i * BK + tl.arange(0, BK), K, MIX, NORM, wty)
-            acc += ws[i].to(tl.float32) * x[None, :]
+            acc += widen(ws[i]) * x[None, :]
             sq += x * x
     for k0 in range(BK * KU if FIRST else 0, K, BK * KU):
         for kk in tl.static_range(0, BK * KU, BK):
             w = _w_cols(w_ptr, rows, n1, K, k0 + kk, BK)
             x = _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, k0 + kk + tl.arange(0, BK), K, MIX, NORM, wty)
-            acc += w.to(tl.float32) * x[None, :]
+            acc += widen(w) * x[None, :]
             sq += x * x
     return tl.sum(acc, 1), tl.sum(sq, 0)
 
@@ -366,7 +367,7 @@ def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, 
                 sc = _row_scale(hscale_ptr, rows, n1, QUANT)
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
-                    acc += ws[i].to(tl.float32) * xs[i][None, :]
+                    acc += widen(ws[i]) * xs[i][None, :]
                 _epilogue(tl.sum(acc, 1) * sc * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
                 ws = wn
         else:
@@ -375,7 +376,7 @@ def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, 
                 sc = _row_scale(hscale_ptr, rows, n1, QUANT)
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
-                    acc += _w_cols(head_ptr, rows, n1, C, i * BK_C, BK_C).to(tl.float32) * xs[i][None, :]
+                    acc += widen(_w_cols(head_ptr, rows, n1, C, i * BK_C, BK_C)) * xs[i][None, :]
                 _epilogue(tl.sum(acc, 1) * sc * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
 
 

@@ -29,6 +29,22 @@ from nanochat.quantize import GEMV_MAX_ROWS
 
 
 @triton.jit
+def widen(w):
+    """w as float32, exactly. int8 by bit arithmetic instead of a conversion: the byte u (as
+    unsigned) XOR 0x4B000080 is the float 2^23 + 128 + q, so subtracting 2^23 + 128 leaves q
+    (every q in -128..127). That is a LOP3 and an FADD per value where `w.to(tl.float32)` is an
+    I2F, which sm_90 issues at 16 per clock per SM (CUDA programming guide, arithmetic
+    instruction throughput) against 64-128 for the integer and float units: in a GEMV streaming
+    int8 at HBM speed the I2Fs were the limit (H200, d20 batch-1 step: CHANGELOG_GB10.md,
+    session 45). Other dtypes: a plain cast."""
+    if w.dtype == tl.int8:
+        u = w.to(tl.uint8, bitcast=True).to(tl.int32)
+        return (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IEEE: tl.constexpr):
@@ -45,7 +61,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
         in_k = kk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=in_n[:, None] & in_k[None, :], other=0)
-        w = w.to(x.dtype)
+        w = widen(w).to(x.dtype)   # exact in bf16 / fp16 too (|q| <= 128)
         if IEEE:   # float32 inputs: no TF32 rounding of the activations
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -72,7 +88,7 @@ def _int8_gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn,
         in_k = kk < K
         x = tl.load(x_ptr + kk, mask=in_k, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=in_n[:, None] & in_k[None, :], other=0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += widen(w) * x[None, :]
     scale = tl.load(s_ptr + rn, mask=in_n, other=0.0)
     y = tl.sum(acc, axis=1) * scale
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=in_n)

@@ -204,7 +204,10 @@ def test_int8_kernel_cuda_bf16_d20_shapes():
 
 
 @pytest.mark.cuda
-def test_quantised_graphs_decode_matches_static():
+@pytest.mark.parametrize("graph_step", ["compiled", "auto"])
+def test_quantised_graphs_decode_matches_static(graph_step):
+    """CUDA-graph decoding of an int8 model (the compiled step, and auto: the persistent batch-1
+    kernel reading the int8 rows) greedily agrees with its eager static decode."""
     from nanochat.engine import Engine
 
     model = tiny_model("cuda", depth=4, vocab=1024, seq=512, seed=2)
@@ -215,8 +218,8 @@ def test_quantised_graphs_decode_matches_static():
     prompt = list(range(5, 40))
     static = Engine(model, None, decode="static", graph_step="eager").generate_batch(prompt, max_tokens=24,
                                                                                       temperature=0.0)[0]
-    engine = Engine(model, None, decode="graphs")
-    assert engine.graph_step == "compiled" and "quantised" in engine.graph_step_note
+    engine = Engine(model, None, decode="graphs", graph_step=graph_step)
+    assert engine.graph_step == {"auto": "persistent"}.get(graph_step, graph_step), engine.graph_step_note
     graphs = engine.generate_batch(prompt, max_tokens=24, temperature=0.0)[0]
     n = len(prompt)
     agree = sum(a == b for a, b in zip(static[0][n:], graphs[0][n:])) / max(1, len(static[0]) - n)
