@@ -144,18 +144,21 @@ def _w_cols(w_ptr, rows, n1, K, c0, BW: tl.constexpr):
 
 
 @triton.jit
-def _w_first(w_ptr, N, K: tl.constexpr, pid, nprog, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):
-    """This program's first weight tile of a GEMV: its first BN rows, as a tuple of the first
-    min(UNROLL, ceil(K / BK)) column chunks of BK (what _gemv's first K step uses). Weights do not
-    depend on the step's activations, so the tile is loaded between a barrier's _arrive and _wait
-    and its DRAM latency overlaps the barrier. At d20 that is a program's whole share of q/k/v,
-    proj and proj2. N = 0: nothing is read."""
+def _w_first(w_ptr, s_ptr, N, K: tl.constexpr, pid, nprog, BN: tl.constexpr, BK: tl.constexpr,
+             UNROLL: tl.constexpr, QUANT: tl.constexpr):
+    """This program's first weight tile of a GEMV: its first BN rows, as a tuple of their int8 row
+    scales (QUANT; else 1.0) and then the first min(UNROLL, ceil(K / BK)) column chunks of BK
+    (what _gemv's first K step uses). Weights do not depend on the step's activations, so the tile
+    is loaded between a barrier's _arrive and _wait and its DRAM latency overlaps the barrier. At
+    d20 that is a program's whole share of q/k/v, proj and proj2. The scales come with it: loaded
+    after the barrier they were a DRAM round trip per phase before the first tile's epilogue
+    (H200 d20 int8 step: CHANGELOG_GB10.md, session 45). N = 0: nothing is read."""
     NK: tl.constexpr = (K + BK - 1) // BK
     KU: tl.constexpr = NK if NK < UNROLL else UNROLL
     n0 = pid * N // nprog
     rows = n0 + tl.arange(0, BN)
     n1 = (pid + 1) * N // nprog
-    ws = ()
+    ws = (_row_scale(s_ptr, rows, n1, QUANT),)
     for kk in tl.static_range(0, BK * KU, BK):
         ws = ws + (_w_cols(w_ptr, rows, n1, K, kk, BK),)
     return ws
@@ -177,7 +180,7 @@ def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu,
               wty: tl.constexpr):
     """(W[rows, :] . x, sum of x^2) in BK-column chunks, UNROLL chunks issued before the first is
     used (static_range): a decode GEMV is bound by the bytes each SM has in flight. FIRST: the
-    first UNROLL chunks are `ws` (_w_first), already loaded. `wty`: the model's compute dtype,
+    first UNROLL chunks are `ws[1:]` (_w_first), already loaded. `wty`: the model's compute dtype,
     what x is rounded to (W's own dtype unless W is int8)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     KU: tl.constexpr = NK if NK < UNROLL else UNROLL
@@ -186,7 +189,7 @@ def _w_stream(w_ptr, ws, rows, n1, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu,
     if FIRST:
         for i in tl.static_range(KU):
             x = _x_chunk(xa_ptr, xb_ptr, x_lam, x_mu, i * BK + tl.arange(0, BK), K, MIX, NORM, wty)
-            acc += widen(ws[i]) * x[None, :]
+            acc += widen(ws[i + 1]) * x[None, :]
             sq += x * x
     for k0 in range(BK * KU if FIRST else 0, K, BK * KU):
         for kk in tl.static_range(0, BK * KU, BK):
@@ -250,7 +253,7 @@ def _gemv(w_ptr, s_ptr, ws, N, K: tl.constexpr, xa_ptr, xb_ptr, x_lam, x_mu, eps
     n1 = (pid + 1) * N // nprog
     rows = n0 + tl.arange(0, BN)
     ra, rb = _residual(rows, n1, ra_ptr, rb_ptr, EPI)
-    sc = _row_scale(s_ptr, rows, n1, QUANT)
+    sc = ws[0]   # the first tile's row scales came with its weights (_w_first)
     out, ss = _w_stream(w_ptr, ws, rows, n1, K, xa_ptr, xb_ptr, x_lam, x_mu, MIX, NORM, BN, BK, UNROLL, True, wty)
     rstd = tl.rsqrt(ss / K + eps) if NORM else 1.0
     _epilogue(out * sc * rstd, rows, n1, out_ptr, ra, rb, r_lam, r_mu, softcap, EPI)
@@ -342,7 +345,7 @@ def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, 
     (33.2 us at 2 stages, 31.0 at 3). The same sums in the same order in every case. QUANT: an
     int8 head, each row's sum scaled by hscale_ptr[row]."""
     if HS == 0:
-        ws = _w_first(head_ptr, V, C, pid, nprog, BN, BK_C, UNROLL)
+        ws = _w_first(head_ptr, hscale_ptr, V, C, pid, nprog, BN, BK_C, UNROLL, QUANT)
         _gemv(head_ptr, hscale_ptr, ws, V, C, r_last, r_last, 1.0, 0.0, eps, logits_ptr, r_last, r_last, 0.0, 0.0,
               softcap, pid, nprog, False, True, 3, BN, BK_C, UNROLL, QUANT, wty)
     else:
@@ -357,18 +360,17 @@ def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, 
         n0 = pid * V // nprog
         n1 = (pid + 1) * V // nprog
         if HS == 1:  # the next tile's loads issued before this one is reduced (registers)
-            ws = _w_first(head_ptr, V, C, pid, nprog, BN, BK_C, NK)
+            ws = _w_first(head_ptr, hscale_ptr, V, C, pid, nprog, BN, BK_C, NK, QUANT)
             for n in range(n0, n1, BN):
                 rows = n + tl.arange(0, BN)
                 nxt = n + BN + tl.arange(0, BN)
-                wn = ()
+                wn = (_row_scale(hscale_ptr, nxt, n1, QUANT),)
                 for i in tl.static_range(NK):
                     wn = wn + (_w_cols(head_ptr, nxt, n1, C, i * BK_C, BK_C),)
-                sc = _row_scale(hscale_ptr, rows, n1, QUANT)
                 acc = tl.zeros([BN, BK_C], tl.float32)
                 for i in tl.static_range(NK):
-                    acc += widen(ws[i]) * xs[i][None, :]
-                _epilogue(tl.sum(acc, 1) * sc * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
+                    acc += widen(ws[i + 1]) * xs[i][None, :]
+                _epilogue(tl.sum(acc, 1) * ws[0] * rstd, rows, n1, logits_ptr, 0.0, 0.0, 0.0, 0.0, softcap, 3)
                 ws = wn
         else:
             for n in tl.range(n0, n1, BN, num_stages=HS):
@@ -381,22 +383,24 @@ def _head_phase(head_ptr, hscale_ptr, r_last, logits_ptr, V, softcap, eps, pid, 
 
 
 @triton.jit
-def _w_phase(table, layer, live, PHASE: tl.constexpr, mty: tl.constexpr, pid, nprog, C: tl.constexpr,
-             QKV_N: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr,
-             BK_F: tl.constexpr, UNROLL: tl.constexpr):
+def _w_phase(table, layer, live, PHASE: tl.constexpr, mty: tl.constexpr, QUANT: tl.constexpr, pid, nprog,
+             C: tl.constexpr, QKV_N: tl.constexpr, BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr,
+             BK_C: tl.constexpr, BK_F: tl.constexpr, UNROLL: tl.constexpr):
     """_w_first of phase PHASE (1 qkv, 3 proj, 4 fc, 5 proj2) of `layer`; nothing is read unless `live`."""
     col: tl.constexpr = P_QKV if PHASE == 1 else (P_WO if PHASE == 3 else (P_FC if PHASE == 4 else P_P2))
+    scol: tl.constexpr = P_SQKV if PHASE == 1 else (P_SWO if PHASE == 3 else (P_SFC if PHASE == 4 else P_SP2))
     N: tl.constexpr = QKV_N if PHASE == 1 else (4 * C if PHASE == 4 else C)
     K: tl.constexpr = 4 * C if PHASE == 5 else C
     BR: tl.constexpr = BN_Q if PHASE == 1 else (BN_FC if PHASE == 4 else BN)
     BK: tl.constexpr = BK_F if PHASE == 5 else BK_C
-    return _w_first(_layer_ptr(table, layer, col, mty), tl.where(live, N, 0), K, pid, nprog, BR, BK, UNROLL)
+    return _w_first(_layer_ptr(table, layer, col, mty), _layer_ptr(table, layer, scol, tl.float32),
+                    tl.where(live, N, 0), K, pid, nprog, BR, BK, UNROLL, QUANT)
 
 
 @triton.jit
 def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHASE: tl.constexpr,
-            PRE: tl.constexpr, mty: tl.constexpr, C: tl.constexpr, QKV_N: tl.constexpr, BN: tl.constexpr,
-            BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
+            PRE: tl.constexpr, mty: tl.constexpr, QUANT: tl.constexpr, C: tl.constexpr, QKV_N: tl.constexpr,
+            BN: tl.constexpr, BN_Q: tl.constexpr, BN_FC: tl.constexpr, BK_C: tl.constexpr, BK_F: tl.constexpr,
             UNROLL: tl.constexpr, P_P2: tl.constexpr, TRACE: tl.constexpr):
     """The grid barrier that opens phase PHASE, returning that phase's first weight tile: loaded
     between _arrive and _wait if PRE has the phase's bit (1 qkv, 2 proj, 4 fc, 8 proj2), else
@@ -404,11 +408,11 @@ def _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, slot, table, layer, live, PHA
     BIT: tl.constexpr = 1 if PHASE == 1 else (2 if PHASE == 3 else (4 if PHASE == 4 else 8))
     _arrive(bar_ptr, epoch, pid)
     if (PRE & BIT) != 0:
-        ws = _w_phase(table, layer, live, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer, live, PHASE, mty, QUANT, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
         _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
     else:
         _wait(bar_ptr, epoch, pid, nprog, trace_ptr, slot, P_P2, TRACE)
-        ws = _w_phase(table, layer, live, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer, live, PHASE, mty, QUANT, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
     return ws
 
 
@@ -448,7 +452,7 @@ def decode_step_kernel(
     if PHASE < 0:
         # Each barrier: _arrive, then the next phase's first weight tile (or first K/V block),
         # which does not depend on the other programs, then _wait (_sync_w, _attn_prefetch).
-        ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, mty, C, QKV_N,
+        ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, 0, True, 1, PRE, mty, QUANT, C, QKV_N,
                      BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         for layer in range(L):
             _qkv_phase(layer, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
@@ -464,21 +468,21 @@ def decode_step_kernel(
                              tl.load(table + layer * N_PTRS + P_VE), tok, pos, window, T_CACHE, cos_ptr, sin_ptr,
                              ynum_ptr, yden_ptr, eps, sm_scale, pid, nprog, kt0, vt0, H, HKV, D, NCH, BKEY)
             epoch += 1
-            wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, mty, C,
+            wo = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 3, PRE, mty, QUANT, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
             _proj_phase(layer, table, resid, lam_ptr, mu_ptr, ynum_ptr, yden_ptr, pid, nprog, wo, wty, mty, QUANT,
                         C, D, BN, BK_C, UNROLL)
             epoch += 1
-            wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, mty, C,
+            wf = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 4, PRE, mty, QUANT, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
             _fc_phase(layer, table, resid, hid_ptr, eps, pid, nprog, wf, wty, mty, QUANT, C, BN_FC, BK_C, UNROLL)
             epoch += 1
-            wp = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 5, PRE, mty, C,
+            wp = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, layer, True, 5, PRE, mty, QUANT, C,
                          QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
             _proj2_phase(layer, table, resid, hid_ptr, pid, nprog, wp, wty, mty, QUANT, C, BN, BK_F, UNROLL)
             epoch += 1  # then the next layer's q/k/v tile (none after the last layer)
             ws = _sync_w(bar_ptr, epoch, pid, nprog, trace_ptr, epoch - base, table, tl.minimum(layer + 1, L - 1),
-                         layer + 1 < L, 1, PRE, mty, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
+                         layer + 1 < L, 1, PRE, mty, QUANT, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL, P_P2, TRACE)
         _head_phase(head_ptr, hscale_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, wty, QUANT, C, BN,
                     BK_C, UNROLL, HS)
         if TRACE:
@@ -497,7 +501,8 @@ def decode_step_kernel(
         _head_phase(head_ptr, hscale_ptr, resid + 2 * L * C, logits_ptr, V, softcap, eps, pid, nprog, wty, QUANT, C, BN,
                     BK_C, UNROLL, HS)
     elif PHASE > 0:  # a GEMV phase of layer_arg: 1 qkv, 3 proj, 4 fc, 5 proj2
-        ws = _w_phase(table, layer_arg, True, PHASE, mty, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F, UNROLL)
+        ws = _w_phase(table, layer_arg, True, PHASE, mty, QUANT, pid, nprog, C, QKV_N, BN, BN_Q, BN_FC, BK_C, BK_F,
+                      UNROLL)
         if PHASE == 1:
             _qkv_phase(layer_arg, table, resid, lam_ptr, mu_ptr, qkv_ptr, gate_ptr, ynum_ptr, yden_ptr, eps, pid,
                        nprog, ws, wty, mty, QUANT, C, H, HKV, D, GATE, HKV_P2, BN_Q, BK_C, UNROLL)
