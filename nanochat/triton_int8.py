@@ -4,10 +4,9 @@ A batch-1 (or small-batch) decode step is bound by the bytes of weights it strea
 1-byte weights instead of 2-byte ones is up to 2x on the matrices (on a DGX Spark's ~273 GB/s the
 whole step is that stream). One input row runs `_int8_gemv_row_kernel` (float32 products in
 registers, 1-8 output rows per program, so even a 1280-row matrix spreads over hundreds of
-programs); 2..SMALL_M rows run `_int8_gemv_rows_kernel`, the same streaming with each widened
-weight multiplied into every row; SMALL_M+1..GEMV_MAX_ROWS rows run `_int8_gemv_kernel`, which
-reads each int8 weight tile once per block of rows, widens it to the input's dtype (every int8
-value is exact in bf16 and fp16) and multiplies on the tensor cores. All apply the per-output-row scale once at the end; no
+programs); 2..GEMV_MAX_ROWS rows run `_int8_gemv_kernel`, which reads each int8 weight tile once
+per block of rows, widens it to the input's dtype (every int8 value is exact in bf16 and fp16)
+and multiplies on the tensor cores. Both apply the per-output-row scale once at the end; no
 dequantised copy of the weight is ever written. H200 at d20's matrices, one row: 1.15-1.74x
 faster than cuBLAS on the bf16 weights (bench_int8; CHANGELOG_GB10.md, session 44). Larger inputs (prompt
 prefill) go through `quantize.int8_linear`'s dequantise-then-GEMM path instead, where the GEMM's
@@ -96,49 +95,15 @@ def _int8_gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=in_n)
 
 
-@triton.jit
-def _int8_gemv_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A few input rows (batched decode, M <= SMALL_M): the row kernel's streaming, each weight
-    tile widened once and multiplied into all BLOCK_M rows in float32 registers (a (rows, out,
-    k) accumulator reduced once at the end). The tensor-core tiles need BLOCK_M >= 16, so at 8 rows
-    they did half their work on padding and ran at par with or slower than bf16 cuBLAS
-    (CHANGELOG_GB10.md, session 44)."""
-    pid_n = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    in_m = rm < M
-    in_n = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        in_k = kk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=in_n[:, None] & in_k[None, :], other=0)
-        acc += x.to(tl.float32)[:, None, :] * widen(w)[None, :, :]
-    scale = tl.load(s_ptr + rn, mask=in_n, other=0.0)
-    y = tl.sum(acc, axis=2) * scale[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=in_m[:, None] & in_n[None, :])
-
-
-SMALL_M = 8   # up to this many input rows: _int8_gemv_rows_kernel; more: the tensor-core tiles
-
-
 def gemv_config(M: int, N: int, K: int) -> dict:
     """Tile sizes for an (M rows) x (N x K int8) product. One row: the row kernel (ROW), BLOCK_N
-    output rows per program; up to SMALL_M rows: the rows kernel (ROWS). More: BLOCK_M covers the rows (one weight pass for M <= 64; tl.dot
+    output rows per program. More: BLOCK_M covers the rows (one weight pass for M <= 64; tl.dot
     needs >= 16), BLOCK_N small enough that a d20 layer's narrowest matrix (N = 1280) still
     spreads over ~80 programs, BLOCK_K a 128-byte run of int8 per weight row."""
     if M == 1:   # the fastest tiles of bench_int8 --sweep at d20's matrices (H200, CHANGELOG_GB10.md)
         block_n, block_k, warps = (1, 512, 4) if N <= 2048 else (2, 512, 2) if N <= 8192 else (8, 256, 4)
         return {"ROW": True, "BLOCK_N": block_n, "BLOCK_K": min(block_k, max(16, triton.next_power_of_2(K))),
                 "num_warps": warps, "num_stages": 3}
-    if M <= SMALL_M:
-        block_n, block_k, warps = (1, 512, 4) if N <= 2048 else (2, 512, 4) if N <= 8192 else (4, 256, 4)
-        return {"ROWS": True, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": block_n,
-                "BLOCK_K": min(block_k, max(16, triton.next_power_of_2(K))), "num_warps": warps, "num_stages": 3}
     block_m = max(16, min(GEMV_MAX_ROWS, triton.next_power_of_2(M)))
     block_n = 16 if N <= 8192 else 32
     block_k = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
@@ -156,11 +121,6 @@ def launch(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, config: dict 
     if cfg.pop("ROW", False):
         assert M == 1
         _int8_gemv_row_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x2, q, scale, y, N, K, q.stride(0), **cfg)
-        return y
-    if cfg.pop("ROWS", False):
-        assert M <= cfg["BLOCK_M"]
-        _int8_gemv_rows_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x2, q, scale, y, M, N, K, x2.stride(0), q.stride(0),
-                                                                  y.stride(0), **cfg)
         return y
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _int8_gemv_kernel[grid](x2, q, scale, y, M, N, K, x2.stride(0), q.stride(0), y.stride(0),

@@ -96,28 +96,24 @@ SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in (16, 
          for w in (2, 4, 8)]
 ROW_SWEEP = [dict(ROW=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in (1, 2, 4, 8, 16)
              for bk in (256, 512, 1024, 2048) for w in (1, 2, 4, 8) if bn * bk <= 8192]
-ROWS_SWEEP = [dict(ROWS=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in (1, 2, 4)
-              for bk in (256, 512, 1024) for w in (2, 4) if bn * bk <= 2048]
 
 
 def sweep(x, quant, copies: int, args) -> list[dict]:
-    """The int8 kernel at each tile of ROW_SWEEP (one row: the row kernel), ROWS_SWEEP (up to
-    triton_int8.SMALL_M rows: the rows kernel) or SWEEP (the tensor-core tiles), BLOCK_M from
-    gemv_config; fastest first (top 3)."""
+    """The int8 kernel at each tile of SWEEP (BLOCK_M from gemv_config) or, for one row, of
+    ROW_SWEEP (the row kernel), fastest first (top 3)."""
     from nanochat import triton_int8
 
-    m = x.shape[0]
-    base = triton_int8.gemv_config(m, quant[0][0].shape[0], x.shape[1])
-    tiles = ROW_SWEEP if m == 1 else ROWS_SWEEP if m <= triton_int8.SMALL_M else SWEEP
+    row = x.shape[0] == 1
+    base = {} if row else triton_int8.gemv_config(x.shape[0], quant[0][0].shape[0], x.shape[1])
     timed = []
-    for tile in tiles:
-        cfg = {k: v for k, v in base.items() if k not in ("ROW", "ROWS")} | tile
+    for tile in ROW_SWEEP if row else SWEEP:
+        cfg = base | tile
         try:
             us = time_us(lambda i: triton_int8.launch(x, *quant[i], config=cfg), copies, args.launches, args.reps)
         except Exception as e:  # noqa: BLE001 - a tile out of this GPU's resources is skipped, with its error
             print(json.dumps({"bench": "int8_sweep_skip", "tile": tile, "error": str(e)[:120]}))
             continue
-        timed.append({**{k: v for k, v in tile.items() if k not in ("ROW", "ROWS")}, "us": round(us, 2)})
+        timed.append({**{k: v for k, v in tile.items() if k != "ROW"}, "us": round(us, 2)})
     timed.sort(key=lambda t: t["us"])
     return timed[:3]
 
