@@ -32,34 +32,41 @@ def _cache(model, batch=1, dtype=None):
                    model.wte.weight.device, dtype or model.wte.weight.dtype)
 
 
+def _step_matches_static(model, positions: int, seed: int):
+    """Decode `positions` random tokens with a PersistentDecodeStep (three programs, key blocks of
+    4) beside the model's own static decode step, asserting the logits agree within 1e-4 of the
+    largest at each position, and that the lm_head loop plain (head_stages 0) and pipelined (2)
+    give the default's logits bit for bit. Returns (the step's cache, the model's cache)."""
+    from nanochat.attention import StaticKV
+
+    ref_cache, cache = _cache(model), _cache(model)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (positions,), generator=torch.Generator().manual_seed(seed))
+    keys = torch.arange(model.config.sequence_len)
+    with torch.no_grad(), model.inference_weights():
+        step = PersistentDecodeStep(model, cache, programs=3, key_block=4)
+        pos = torch.zeros(1, dtype=torch.long)
+        for t in range(positions):
+            pos.fill_(t)
+            ids = tokens[t].view(1, 1)
+            want = model(ids, kv_cache=StaticKV(ref_cache, pos, keys))[:, -1]
+            got = step(ids, kv_cache=StaticKV(cache, pos, keys))[:, -1]
+            assert got.shape == want.shape == (1, vocab), got.shape
+            err = (got - want).abs().max().item()
+            assert err < 1e-4 * want.abs().max().item(), (t, err)
+        for hs in (0, 2):   # the same sums in the same order, bit for bit
+            other = PersistentDecodeStep(model, cache, programs=3, key_block=4, head_stages=hs)
+            assert torch.equal(other(ids, kv_cache=StaticKV(cache, pos, keys)), got.view(1, 1, -1)), hs
+    return cache, ref_cache
+
+
 STEP_SCRIPT = """
 import torch
-from nanochat.attention import StaticKV
-from tests.test_triton_decode import _model, _cache
-from nanochat.triton_decode import PersistentDecodeStep
-model = _model()
-ref_cache, cache = _cache(model), _cache(model)
-tokens = torch.randint(0, 100, (20,), generator=torch.Generator().manual_seed(1))
-keys = torch.arange(32)
-with torch.no_grad(), model.inference_weights():
-    step = PersistentDecodeStep(model, cache, programs=3, key_block=4)
-    pos = torch.zeros(1, dtype=torch.long)
-    for t in range(20):
-        pos.fill_(t)
-        ids = tokens[t].view(1, 1)
-        want = model(ids, kv_cache=StaticKV(ref_cache, pos, keys))[:, -1]
-        got = step(ids, kv_cache=StaticKV(cache, pos, keys))[:, -1]
-        assert got.shape == want.shape == (1, 100), got.shape
-        err = (got - want).abs().max().item()
-        assert err < 1e-4 * want.abs().max().item(), (t, err)
-    for layer in range(3):
-        for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
-            assert torch.allclose(a[layer][:, :, :20], b[layer][:, :, :20], atol=1e-5), layer
-    # the lm_head's tile loop plain, prefetched (the default) or pipelined: the same sums in the
-    # same order, bit for bit
-    for hs in (0, 2):
-        other = PersistentDecodeStep(model, cache, programs=3, key_block=4, head_stages=hs)
-        assert torch.equal(other(ids, kv_cache=StaticKV(cache, pos, keys)), got.view(1, 1, -1)), hs
+from tests.test_triton_decode import _model, _step_matches_static
+cache, ref_cache = _step_matches_static(_model(), 20, seed=1)
+for layer in range(3):
+    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        assert torch.allclose(a[layer][:, :, :20], b[layer][:, :, :20], atol=1e-5), layer
 print("OK")
 """
 
@@ -73,30 +80,11 @@ def test_persistent_step_matches_static_decode_interpreted(run_triton_interprete
 
 
 INT8_SCRIPT = """
-import torch
-from nanochat.attention import StaticKV
 from nanochat.engine import Engine
 from nanochat.quantize import quantize_model
-from tests.test_triton_decode import _model, _cache
-from nanochat.triton_decode import PersistentDecodeStep
+from tests.test_triton_decode import _model, _step_matches_static
 model = quantize_model(_model(seed=5), "int8")
-ref_cache, cache = _cache(model), _cache(model)
-tokens = torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(2))
-keys = torch.arange(32)
-with torch.no_grad(), model.inference_weights():
-    step = PersistentDecodeStep(model, cache, programs=3, key_block=4)
-    assert step.quant
-    pos = torch.zeros(1, dtype=torch.long)
-    for t in range(5):
-        pos.fill_(t)
-        ids = tokens[t].view(1, 1)
-        want = model(ids, kv_cache=StaticKV(ref_cache, pos, keys))[:, -1]
-        got = step(ids, kv_cache=StaticKV(cache, pos, keys))[:, -1]
-        err = (got - want).abs().max().item()
-        assert err < 1e-4 * want.abs().max().item(), (t, err)
-    for hs in (0, 2):   # every lm_head loop applies the row scales (1, the default, above)
-        other = PersistentDecodeStep(model, cache, programs=3, key_block=4, head_stages=hs)
-        assert torch.equal(other(ids, kv_cache=StaticKV(cache, pos, keys)), got.view(1, 1, -1)), hs
+_step_matches_static(model, 5, seed=2)
 prompt = [5, 17, 42]
 want = Engine(model, decode="eager").generate_batch(prompt, max_tokens=4, temperature=0.0)[0]
 engine = Engine(model, decode="static")   # graph_step auto picks the step for int8 weights too
