@@ -197,6 +197,21 @@ def programs_per_sm(target, registers: int, shared: int, num_warps: int) -> int:
                target.smem_per_sm // max(1, shared))
 
 
+AST_RACE = "AST constructor recursion depth mismatch"
+
+
+def _compile(triton_compile, src, gpu, options: dict, attempts: int = 3):
+    """triton.compile, retried when CPython 3.11's AST constructor raises its spurious SystemError
+    (python/cpython#106905; seen only when several threads parse at once, as check()'s compile
+    threads do: one of ~1,100 CPU tests failed on it once, session 45). Other errors propagate."""
+    for attempt in range(attempts):
+        try:
+            return triton_compile(src, target=gpu, options=options)
+        except SystemError as exc:
+            if AST_RACE not in str(exc) or attempt == attempts - 1:
+                raise
+
+
 def compile_launch(launch: Launch, target: AotTarget) -> AotResult:
     """Bind the launch's arguments as Triton would for `target`, compile to a cubin, and read
     its resources. A compile error is a result (ok=False, error), not an exception."""
@@ -219,7 +234,7 @@ def compile_launch(launch: Launch, target: AotTarget) -> AotResult:
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     result = AotResult(launch.case, name, launch.label, target.key, ok=False, seconds=0.0)
     try:
-        kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+        kernel = _compile(triton_compile, ASTSource(fn, signature, constexprs, attrs), gpu, options.__dict__)
     except Exception as exc:  # noqa: BLE001 - any compiler failure is the result being reported
         last = (str(exc).strip().splitlines() or [""])[-1]
         result.error = f"{type(exc).__name__}: {last[:300]}"

@@ -129,6 +129,36 @@ def test_compile_error_is_a_result_not_an_exception():
     assert not res.ok and res.error and res.registers is None and not res.fits(GB10, 4)
 
 
+def test_cpython_ast_race_is_retried_other_system_errors_are_results(monkeypatch):
+    """CPython 3.11's spurious 'AST constructor recursion depth mismatch' SystemError (a race of
+    compile threads) is retried; any other SystemError is the launch's failed result."""
+    import triton
+    import triton.compiler
+    import triton.language as tl
+
+    @triton.jit
+    def fill(x, BLOCK: tl.constexpr):
+        tl.store(x + tl.arange(0, BLOCK), 1.0)
+
+    real, calls = triton.compiler.compile, []
+
+    def flaky(message):
+        def compile_(*args, **kwargs):
+            calls.append(message)
+            if len(calls) == 1:
+                raise SystemError(message)
+            return real(*args, **kwargs)
+        return compile_
+
+    monkeypatch.setattr(triton.compiler, "compile", flaky(ta.AST_RACE + " (before=135, after=90)"))
+    res = ta.compile_launch(ta.Launch("t", fill, (torch.empty(4),), {"BLOCK": 4}), H100)
+    assert res.ok and res.registers and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(triton.compiler, "compile", flaky("something else"))
+    res = ta.compile_launch(ta.Launch("t", fill, (torch.empty(4),), {"BLOCK": 4}), H100)
+    assert not res.ok and res.error == "SystemError: something else" and len(calls) == 1
+
+
 def test_targets_resolve_and_reject_unknown():
     assert [t.key for t in ta.resolve_targets("gb10,h100-sxm")] == ["gb10", "h100-sxm"]
     assert len(ta.resolve_targets("all")) == len(ta.TARGETS)
