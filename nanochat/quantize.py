@@ -43,6 +43,15 @@ def check_quantize(mode: str, flag: str = "--quantize") -> str:
     return mode
 
 
+def parse_quantize_list(text: str, flag: str = "--quantize") -> list[str]:
+    """A benchmark's comma list of QUANTIZE_MODES (each once), none first (int8 quantises the
+    model in place, so the float runs must come before it); a ValueError naming the flag otherwise."""
+    modes = [v.strip() for v in text.split(",") if v.strip()]
+    if not modes or set(modes) - set(QUANTIZE_MODES) or len(set(modes)) != len(modes):
+        raise ValueError(f"{flag}: got {text!r}; accepted: comma-separated {'|'.join(QUANTIZE_MODES)}, each once")
+    return sorted(modes, key=QUANTIZE_MODES.index)
+
+
 @torch.no_grad()
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 q, float32 scale) with weight ~= q * scale[:, None]: per-row absmax, round to

@@ -73,13 +73,9 @@ def parse_args(argv=None):
     if not args.configs:
         raise ValueError("--configs: empty; accepted: a comma list of "
                          "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]")
-    from nanochat.quantize import QUANTIZE_MODES
+    from nanochat.quantize import parse_quantize_list
 
-    modes = [v.strip() for v in args.quantize.split(",") if v.strip()]
-    if not modes or set(modes) - set(QUANTIZE_MODES) or len(set(modes)) != len(modes):
-        raise ValueError(f"--quantize: got {args.quantize!r}; accepted: comma-separated {'|'.join(QUANTIZE_MODES)}, "
-                         "each once")
-    args.quantize = sorted(modes, key=QUANTIZE_MODES.index)   # none first: int8 quantises in place
+    args.quantize = parse_quantize_list(args.quantize)
     for name in ("depth", "steps", "repeats", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")

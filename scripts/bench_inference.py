@@ -92,13 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.sampler or set(args.sampler) - set(SAMPLER_BACKENDS):
         raise ValueError(f"--sampler: got {','.join(args.sampler)!r}; accepted: comma-separated "
                          f"{'|'.join(SAMPLER_BACKENDS)}")
-    from nanochat.quantize import QUANTIZE_MODES
+    from nanochat.quantize import parse_quantize_list
 
-    quantize = [v.strip() for v in args.quantize.split(",") if v.strip()]
-    if not quantize or set(quantize) - set(QUANTIZE_MODES) or len(set(quantize)) != len(quantize):
-        raise ValueError(f"--quantize: got {args.quantize!r}; accepted: comma-separated {'|'.join(QUANTIZE_MODES)}, "
-                         "each once")
-    args.quantize = sorted(quantize, key=QUANTIZE_MODES.index)   # none first: int8 quantises in place
+    args.quantize = parse_quantize_list(args.quantize)
     args.decode = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not args.decode or set(args.decode) - set(DECODE_MODES):
         raise ValueError(f"--decode: got {','.join(args.decode)!r}; accepted: comma-separated {'|'.join(DECODE_MODES)}")
