@@ -5,7 +5,8 @@
 #              passes with the bf16 layout variants, the relu^2-epilogue MLP GEMMs), loss-kernel and
 #              fp8-cast and QK-norm + RoPE backward benchmarks
 #   tests      pytest -m cuda over tests/ (carry .whl/ with rustbpe, liger-kernel, cudnn-frontend, and
-#              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures); TEST_PATHS narrows it to some files
+#              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures); TEST_PATHS narrows it to some files,
+#              TEST_HALF=1 / 2 runs half of the files each (the whole set is ~620 s, over one device call)
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   alttests   pytest -m cuda over tests/ with the Triton carried by scripts/alt_triton.sh (.altta, then .alttb
@@ -88,6 +89,8 @@
 #   recipes    base_train under each --recipe on the docs corpus, final val bpb per run and seed
 #              (compare_recipes; RECIPE_RUNS "v1;v2" entries split on ';', RECIPE_SEEDS "1", RECIPE_DEPTH 4,
 #              RECIPE_RATIO 12 tokens per scaling parameter)
+#   q8eval     --quantize int8's quality cost: a short d12 base_train on the docs corpus (Q8_ITERS, default 150
+#              steps), then base_eval's validation bpb of that checkpoint with bf16 and with int8 matrices
 #   d12run     a ~5-minute d12 base_train on the docs corpus (val bpb curve), base_eval, mid, SFT,
 #              chat_eval and report.md (run it in the background and poll: see the README)
 # Data for real runs: NANOCHAT_BASE_DIR (default .devdata, holding base_data/ + tokenizer/);
@@ -157,8 +160,20 @@ print('torch', torch.__version__, 'torchrun --shutdown-timeout:', 'shutdown_time
   step pytest_stop2 400 $PY -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_run_train.py
 fi
 if has tests; then
-  # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint)
-  step pytest_cuda_all 540 $PY -m pytest -q -m cuda -p no:cacheprovider -rs ${TEST_PATHS:-tests/}
+  # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint).
+  # The whole set takes ~620 s on an H200 (2026-11-28), more than one device call may run: TEST_HALF=1
+  # and then TEST_HALF=2 run the test files holding CUDA tests in two halves (alphabetical order)
+  paths=${TEST_PATHS:-tests/}
+  if [[ -n "${TEST_HALF:-}" ]]; then
+    mapfile -t cuda_files < <(grep -l "mark.cuda\|pytestmark = .*cuda" tests/test_*.py | sort)
+    half=$(( (${#cuda_files[@]} + 1) / 2 ))
+    case "$TEST_HALF" in
+      1) paths="${cuda_files[*]:0:$half}" ;;
+      2) paths="${cuda_files[*]:$half}" ;;
+      *) echo "TEST_HALF: got '$TEST_HALF'; accepted: 1 or 2"; exit 2 ;;
+    esac
+  fi
+  step pytest_cuda_all 590 $PY -m pytest -q -m cuda -p no:cacheprovider -rs $paths
 fi
 if has alttests; then
   # with scripts/alt_triton.sh's Triton: the CUDA tests of the files holding our Triton kernels (ALT_TESTS);
@@ -404,6 +419,19 @@ if has d12run; then
   step d12_chat_eval 420 $PY -m scripts.chat_eval -i sft --model-tag d12 --max-problems ${MAX_PROBLEMS:-50}
   step d12_report 60 $PY -m nanochat.report generate
   cp "$NANOCHAT_BASE_DIR/report/report.md" "$LOG/report.md" 2>/dev/null
+fi
+
+if has q8eval; then
+  # what --quantize int8 costs in quality: a short d12 base_train on the docs corpus, then base_eval's
+  # validation bpb of the same checkpoint with bf16 and with int8 matrices (Q8_ITERS steps, default 150)
+  [[ -e "$NANOCHAT_BASE_DIR/base_data" && -e "$NANOCHAT_BASE_DIR/tokenizer/tokenizer.pkl" ]] \
+    || { echo "q8eval: missing $NANOCHAT_BASE_DIR/base_data or tokenizer (carry .devdata)"; exit 1; }
+  step q8_base 600 $PY -m scripts.base_train --depth 12 --device-batch-size 32 --total-batch-size 524288 \
+       --num-iterations ${Q8_ITERS:-150} --eval-every -1 --sample-every -1 --kernel triton --model-tag q8d12 \
+       --overwrite --wandb off
+  for q in none int8; do
+    step "q8_eval_$q" 300 $PY -m scripts.base_eval --model-tag q8d12 --eval bpb --quantize $q
+  done
 fi
 
 if has rcost; then

@@ -83,7 +83,11 @@ INT8_SCRIPT = """
 from nanochat.engine import Engine
 from nanochat.quantize import quantize_model
 from tests.test_triton_decode import _model, _step_matches_static
+from nanochat.quantize import Int8Linear
 model = quantize_model(_model(seed=5), "int8")
+for m in model.modules():   # the reference products dequantise (same sums; interpreted, the int8
+    if isinstance(m, Int8Linear):   # kernel would take most of the test: it has tests of its own)
+        m.kernel = None
 _step_matches_static(model, 5, seed=2)
 prompt = [5, 17, 42]
 want = Engine(model, decode="eager").generate_batch(prompt, max_tokens=4, temperature=0.0)[0]
