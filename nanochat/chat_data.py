@@ -200,11 +200,16 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
 SFT_CONVERSATIONS = 10_000
 
 
-def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42):
+def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42,
+                  extra: Sequence[str] = (), identity: bool = True):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
-    of test-split conversations for validation bits per byte (never trained on)."""
-    from nanochat.tasks import (GSM8K, MMLU, IdentityConversations, SimpleSpelling, SpellingBee, TaskMixture,
-                                get_conversations)
+    of test-split conversations for validation bits per byte (never trained on), the same whatever
+    `extra` and `identity` say, so val bpb stays comparable between runs. `extra`: JSONL files of
+    the user's own conversations mixed into mid / SFT training, a file named twice mixed in twice
+    (read once); identity=False leaves out the built-in "I am nanochat-spark" conversations (for
+    an identity of the user's own)."""
+    from nanochat.tasks import (GSM8K, MMLU, ConversationFile, IdentityConversations, SimpleSpelling, SpellingBee,
+                                TaskMixture, get_conversations)
     if stage not in STAGES:
         raise ValueError(f"stage: got {stage!r}; accepted: {'|'.join(STAGES)}")
     if split == "val":
@@ -219,16 +224,17 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     # SFT takes the first SFT_CONVERSATIONS of the general chat set (SmolTalk's train split is 460K,
     # all of which mid-training has just seen): hours on a Spark for a second pass at 2% of the LR,
     # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.
+    files = {path: ConversationFile(path) for path in dict.fromkeys(extra)}   # each read and checked once
     convs = get_conversations("train", data_dir=data_dir, **({"stop": SFT_CONVERSATIONS} if stage == "sft" else {}))
-    identity = IdentityConversations(1000, seed=seed)
+    own = [IdentityConversations(1000, seed=seed)] if identity else []
     spelling = dict(split="train", seed=seed, data_dir=data_dir)
     if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling (upstream's sizes)
-        tasks = [convs, identity, identity, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),
+        tasks = [convs, *own, *own, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(200_000, **spelling), SpellingBee(80_000, **spelling)]
     else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
-        tasks = [convs, identity, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
+        tasks = [convs, *own, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
-    return TaskMixture(tasks, seed=seed)
+    return TaskMixture(tasks + [files[path] for path in extra], seed=seed)
 
 
 def rows_per_step(total_batch_size: int, seq_len: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -94,6 +95,8 @@ class ChatTrainConfig:
     seed: int = 42
     data_dir: str | None = None             # root or folder of the local eval/sft/words files
     test_holdout: int = -1                  # >= 0: train MMLU/ARC/GSM8K on local test[N:] (offline)
+    extra_conversations: list[str] = field(default_factory=list)   # the user's JSONL files (repeatable flag)
+    identity: bool = True                   # --no-identity: without the built-in identity conversations
     run: str = "dummy"
     wandb: str | None = None
 
@@ -125,11 +128,21 @@ class ChatTrainConfig:
         if self.data_dir is not None:
             require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
                     "an existing directory (a data root with eval/ sft/ words/, or one of them)")
+        for path in self.extra_conversations:
+            require(Path(path).is_file(), "--extra-conversations", path,
+                    'an existing JSONL file, one {"messages": [...]} conversation per line')
         check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
         return self
 
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+EXTRA_HELP = {
+    "extra_conversations": 'a JSONL file of your own conversations, one {"messages": [{"role": "user", ...}, '
+                           '{"role": "assistant", ...}]} per line, mixed into training (e.g. an identity of '
+                           'your own); repeat the flag for more files, name a file twice to mix it in twice',
+    "identity": 'the built-in "I am nanochat-spark" identity conversations (--no-identity leaves them out; '
+                'default: on)',
+}
 
 
 def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainConfig:
@@ -141,6 +154,11 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
         if f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help="default: on for CUDA, off elsewhere")
+        elif f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[f.name],
+                                help=EXTRA_HELP.get(f.name, f"default: {defaults[f.name]}"))
+        elif f.type == "list[str]":
+            parser.add_argument(flag, action="append", default=[], metavar="PATH", help=EXTRA_HELP[f.name])
         else:
             help_text = "|".join(stage.sources) if f.name == "source" else f"default: {defaults[f.name]}"
             if f.name == "total_batch_size":
@@ -236,7 +254,32 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     return model, tokenizer, tag, ckpt_dir, None, source
 
 
-def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
+def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
+    """What a checkpoint records of the user's choices in its training mixture: the built-in identity
+    on or off and each --extra-conversations file with its sha256, in the order given."""
+    from nanochat.tasks import ConversationFile
+    files = [t for t in train_mix.tasks if isinstance(t, ConversationFile)]
+    return {"identity": cfg.identity,
+            "extra_conversations": [{"path": t.source, "sha256": t.sha256, "conversations": len(t)} for t in files]}
+
+
+def _check_same_mixture(meta: dict, mixture: dict) -> None:
+    """A resumed run continues the loader's place in its mixture, so the mixture must be the one the
+    checkpoint trained on (a checkpoint from before these flags: identity on, no extra files)."""
+    from nanochat.checkpoint import CheckpointError
+    saved = (meta.get("train") or {}).get("mixture") or {"identity": True, "extra_conversations": []}
+
+    def describe(m):
+        files = ", ".join(f"{Path(f['path']).name} ({f['sha256'][:12]})" for f in m["extra_conversations"])
+        return f"--extra-conversations [{files}], identity {'on' if m['identity'] else 'off'}"
+    key = lambda m: (m["identity"], [f["sha256"] for f in m["extra_conversations"]])   # noqa: E731
+    if key(saved) != key(mixture):
+        raise CheckpointError(f"--resume: the checkpoint was trained on another conversation mixture "
+                              f"({describe(saved)}) than this run's ({describe(mixture)}); use the flags of the "
+                              "original run (or start a new --model-tag)")
+
+
+def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict):
     """_load_start + the sequence length and batch plan; a checkpoint --resume auto picked that
     this run cannot continue (another --total-batch-size, world size, model or tokenizer: e.g. a
     stage rerun by setup.sh after its flags changed) is left alone for a fresh start, said in one
@@ -254,13 +297,14 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     if resume is not None:
         try:
             check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+            _check_same_mixture(resume["meta"], mixture)
         except CheckpointError as e:
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
             _say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
             del model, resume
-            return _start(replace(cfg, resume=None), stage, rt, base_dir)
+            return _start(replace(cfg, resume=None), stage, rt, base_dir, mixture)
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
 
 
@@ -281,9 +325,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)  # cheap: is there a checkpoint at all?
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
-    train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,
+                              extra=cfg.extra_conversations, identity=cfg.identity)
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
-    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir)
+    mixture = mixture_record(cfg, train_mix)
+    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture)
 
     # ---- one epoch of the mixture = -1 iterations ----
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
@@ -317,7 +363,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                       precision=precision_info["precision"], peak_memory=rt.peak_memory_bytes)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,
-                  "mixture_conversations": len(train_mix), "mask": stage.mask, "fill": stage.fill,
+                  "mixture_conversations": len(train_mix), "mixture": mixture, "mask": stage.mask, "fill": stage.fill,
                   "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
@@ -328,6 +374,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
            f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")
+    for path, count in Counter(cfg.extra_conversations).items():
+        n = next(f["conversations"] for f in mixture["extra_conversations"] if f["path"] == path)
+        print0(f"  --extra-conversations {path}: {n:,} conversations" + (f", mixed in {count}x" if count > 1 else ""))
+    if not cfg.identity:
+        print0("  --no-identity: without the built-in identity conversations")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nanochat.tasks.arc import ARC
 from nanochat.tasks.common import DataUnavailableError, Task, TaskMixture, TaskSequence
-from nanochat.tasks.conversations import LocalConversations, SmolTalk, get_conversations
+from nanochat.tasks.conversations import ConversationFile, LocalConversations, SmolTalk, get_conversations
 from nanochat.tasks.gsm8k import GSM8K
 from nanochat.tasks.humaneval import HumanEval
 from nanochat.tasks.identity import IdentityConversations
@@ -32,5 +32,5 @@ def get_task(name: str, **kw) -> Task:
 
 
 __all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SimpleSpelling", "SpellingBee", "IdentityConversations", "LocalConversations",
-           "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
+           "ConversationFile", "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
            "EVAL_TASKS", "get_task"]

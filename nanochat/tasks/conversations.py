@@ -7,16 +7,20 @@
 * `SmolTalk`: HuggingFaceTB/smol-smoltalk from the hub (or a local `smoltalk_<split>.jsonl`).
 * `get_conversations(split, source="auto")`: local files when any exist, else SmolTalk; the choice
   is printed, never silent.
+* `ConversationFile`: one JSONL file of the user's own conversations (mid_train / chat_sft
+  `--extra-conversations`, e.g. an identity of their own, as upstream nanochat's CustomJSON task),
+  all of it for training; every row must hold at least one assistant reply.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from nanochat.common import print0
 from nanochat.errors import DataError
 from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
-                                   read_local_rows, validate_conversation)
+                                   read_jsonl, read_local_rows, validate_conversation)
 
 _SPLITS = ("train", "test")
 TEST_EVERY = 20
@@ -70,6 +74,35 @@ class LocalConversations(_ConversationList):
                 if (i % TEST_EVERY == 0) == (split == "test"):
                     self.rows.append(row)
         self.source = ", ".join(str(p) for p in files)
+
+
+class ConversationFile(_ConversationList):
+    """Every conversation of one JSONL file, for training (no test split). A row that is not a
+    conversation, or one without an assistant reply (it would train nothing under SFT's
+    assistant-only loss), is a DataError naming `flag`, the file and the line."""
+
+    def __init__(self, path: str | Path, *, flag: str = "--extra-conversations", **kw):
+        super().__init__(**kw)
+        self.path = Path(path)
+        try:
+            data = self.path.read_bytes()
+            self.rows = read_jsonl(self.path)
+        except OSError as e:
+            raise DataError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+        except DataError as e:
+            raise DataError(f"{flag} {e}") from None
+        if not self.rows:
+            raise DataError(f"{flag} {path}: holds no conversations (accepted: one JSON object "
+                            '{"messages": [...]} per line)')
+        for i, row in enumerate(self.rows):
+            try:
+                validate_conversation(row, f"{flag} {path}:{i + 1}")
+                if not any(m.get("role") == "assistant" for m in row["messages"]):
+                    raise ValueError(f"{flag} {path}:{i + 1}: no assistant message (nothing to learn from)")
+            except ValueError as e:
+                raise DataError(f"{e}; fix or delete that row") from None
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.source = str(path)
 
 
 class SmolTalk(_ConversationList):
