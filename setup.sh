@@ -2,10 +2,12 @@
 # nanochat-spark set-up and main job: check the machine, build the environment, then run the
 # pipeline stage by stage (data -> tokenizer -> base -> eval -> mid -> SFT -> chat eval -> report).
 # Every stage writes a done-marker holding its exact command; a rerun skips stages whose command
-# is unchanged and reruns those whose configuration changed.  `./setup.sh --help` for options.
+# is unchanged and reruns those whose configuration changed, and every stage after a model stage
+# that ran (MODEL_MAKERS below).  `./setup.sh --help` for options.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CALLER_DIR="$PWD"   # relative paths in the flags are the caller's
 cd "$REPO"
 
 # chat_eval evaluates the SFT model; RL (python -m scripts.chat_rl) is optional and not a stage.
@@ -30,6 +32,9 @@ Options:
   --from STAGE       start at STAGE (earlier stages must already be done)
   --force            rerun stages even if their done-marker matches
   --install-rust     install a Rust toolchain with rustup if cargo is missing
+  --conversations F  a JSONL file of your own conversations ({"messages": [...]} per line) for
+                     mid_train and chat_sft (their --extra-conversations); repeat for more files
+  --no-identity      train mid / SFT without the built-in "I am nanochat-spark" conversations
   --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat)
   --dry-run          print what would run, run nothing
   --list-stages      print the stage names, one per line, and exit
@@ -42,7 +47,13 @@ die() { echo "setup.sh: error: $*" >&2; exit 2; }
 say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
-PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0
+PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0
+CONV_FILES=()
+add_conversations() {  # a --conversations value: an existing file, kept as an absolute path
+  local f="$1"; [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
+  [[ -f "$f" ]] || die "--conversations: got '$1'; accepted: an existing JSONL file of conversations"
+  CONV_FILES+=("$f")
+}
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -56,6 +67,9 @@ while [[ $# -gt 0 ]]; do
     --from=*) FROM="${1#*=}"; shift ;;
     --force) FORCE=1; shift ;;
     --install-rust) INSTALL_RUST=1; shift ;;
+    --conversations) [[ $# -ge 2 ]] || die "--conversations needs a JSONL file"; add_conversations "$2"; shift 2 ;;
+    --conversations=*) add_conversations "${1#*=}"; shift ;;
+    --no-identity) NO_IDENTITY=1; shift ;;
     --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
     --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
@@ -245,10 +259,12 @@ stage_cmd() {  # prints the command of a stage, one argument per line
     # their first 100 problems, which chat_eval (--max-problems <= 100) then scores unseen
     mid_train|chat_sft) local offline=(); [[ "$PRESET" == tiny ]] && offline=(--test-holdout 100)
       local iters="$MID_ITERS"; [[ "$1" == chat_sft ]] && iters="$SFT_ITERS"
+      local own=(); for f in "${CONV_FILES[@]}"; do own+=(--extra-conversations "$f"); done
+      [[ $NO_IDENTITY -eq 1 ]] && own+=(--no-identity)
       printf '%s\n' python -m "scripts.$1" --model-tag "$MODEL_TAG" --num-iterations "$iters" \
         --device-batch-size "$DBS" --total-batch-size "$CHAT_TBS" --max-seq-len "$SEQ" "$COMPILE" \
         --save-every "$CHAT_SAVE_EVERY" --keep-last 2 \
-        --resume auto --run "$RUN_NAME" "${offline[@]}" ;;
+        --resume auto --run "$RUN_NAME" "${offline[@]}" "${own[@]}" ;;
     chat_eval) printf '%s\n' python -m scripts.chat_eval -i sft --model-tag "$MODEL_TAG" --max-problems "$MAX_PROBLEMS" ;;
     report) printf '%s\n' python -m nanochat.report generate ;;
   esac
@@ -265,16 +281,29 @@ should_run() {  # stage -> 0 if selected by --only/--from
   return 0
 }
 marker_text() { echo "preset=$PRESET"; echo "base_dir=$BASE_DIR"; printf "%s\n" "$@"; }
+stage_inputs() {  # stage -> marker lines for inputs its command names only by path: the content of
+                  # the --conversations files, so that an edited file retrains mid / SFT
+  [[ ${#CONV_FILES[@]} -gt 0 && ( "$1" == mid_train || "$1" == chat_sft ) ]] || return 0
+  sha256sum "${CONV_FILES[@]}"
+}
+# The stages after base_train use the model an earlier one made: once a stage that makes a model
+# runs (its config changed, --force, or it had not finished), every later stage runs too, even when
+# its own command is unchanged, since a skipped one would keep results of the replaced model. The
+# report also follows any stage that ran before it (an eval's new results).
+MODEL_MAKERS=" base_train mid_train chat_sft "
+MODEL_RAN="" ANY_RAN=""
 
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
-  want="$(marker_text "$@")"
-  if [[ $FORCE -eq 0 && -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
-    say "[$stage] done already (same config): skipping"; return 0
-  fi
-  [[ -f "$marker" ]] && say "[$stage] config changed since last run: rerunning"
-  say "[$stage] $(tr '\n' ' ' <<< "$want" | sed 's/^preset=[^ ]* base_dir=[^ ]* //')"
+  want="$(marker_text "$@"; stage_inputs "$stage")"
+  local upstream="$MODEL_RAN"; [[ "$stage" == report ]] && upstream="$ANY_RAN"
+  if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
+    if [[ $FORCE -eq 0 && -z "$upstream" ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
+    if [[ -n "$upstream" ]]; then say "[$stage] rerunning: $upstream ran before it"; fi
+  elif [[ -f "$marker" ]]; then say "[$stage] config changed since last run: rerunning"; fi
+  ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
+  say "[$stage] $*"
   [[ $DRY_RUN -eq 1 ]] && return 0
   local t0=$SECONDS
   "$@" || { echo "setup.sh: stage '$stage' failed (exit $?). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1; }

@@ -6,6 +6,7 @@ stops the run before anything installs; and scripts/ensure_uv.sh, which gets uv 
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,8 +114,8 @@ def test_depth_sets_the_model_its_tokens_and_its_data(tmp_path, depth):
     assert rc == 0, out
     assert f"d{depth}: {total / 1e6:.0f}M parameters, base_train on {20 * scaling / 1e9:.1f}B tokens" in out, out
     shards = max(8, math.ceil(170 * scaling / 435_162_240 - 1e-4))  # d20: 170 shards
-    assert f"climbmix -n {shards} " in out and f"({shards} data shards)" in out
-    assert f"--depth {depth} " in out and out.count(f"--model-tag d{depth} ") == 2
+    assert f"climbmix -n {shards}\n" in out and f"({shards} data shards)" in out
+    assert f"--depth {depth} " in out and len(re.findall(rf"--model-tag d{depth}\b", out)) == 2
 
 
 @pytest.mark.parametrize("bad", ["0", "65", "twelve", "-3", ""])
@@ -228,3 +229,95 @@ def test_missing_cargo_is_named_before_any_download(tmp_path, with_cargo, flag):
                           *flag], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert ("cargo not found" in out.stderr and "--install-rust" in out.stderr) == (not with_cargo and not flag)
+
+
+# ------------------------------------------------------------------ the pipeline's done-markers
+
+PIPELINE = ("data", "tokenizer", "tok_eval", "base_train", "base_eval", "mid_train", "chat_sft", "chat_eval", "report")
+
+
+def _tiny(tmp_path, *args, cwd=None):
+    """setup.sh --dry-run --preset tiny [args] (base dir tmp_path/base) -> (exit code, output)."""
+    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--preset", "tiny", "--base-dir",
+                          str(tmp_path / "base"), *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    return out.returncode, out.stdout + out.stderr
+
+
+def _commands(output: str) -> dict[str, list[str]]:
+    """stage -> the command the dry run would run (a stage that is skipped has none)."""
+    cmds = {}
+    for line in output.splitlines():
+        for stage in PIPELINE:
+            if line.startswith(f"==> [{stage}] python "):
+                cmds[stage] = line.removeprefix(f"==> [{stage}] ").split(" ")
+    return cmds
+
+
+def _mark_done(tmp_path, cmds, extra=None):
+    """Done-markers as a finished run writes them (setup.sh's marker_text + stage_inputs)."""
+    state = tmp_path / "base" / "setup_state"
+    state.mkdir(parents=True, exist_ok=True)
+    for stage, cmd in cmds.items():
+        lines = ["preset=tiny", f"base_dir={tmp_path / 'base'}", *cmd, *(extra or {}).get(stage, [])]
+        (state / f"{stage}.done").write_text("\n".join(lines) + "\n")
+
+
+def _verdicts(output: str) -> dict[str, str]:
+    said = {}
+    for stage in PIPELINE:
+        if f"==> [{stage}] done already" in output:
+            said[stage] = "skip"
+        elif f"==> [{stage}] rerunning: " in output:
+            said[stage] = "cascade"
+        elif f"==> [{stage}] config changed" in output:
+            said[stage] = "changed"
+        else:
+            said[stage] = "new"
+    return said
+
+
+def test_own_conversations_reach_mid_and_sft(tmp_path):
+    """--conversations (relative to the caller's directory, kept absolute) and --no-identity go to
+    mid_train and chat_sft only; a missing file stops setup.sh before anything, naming the flag."""
+    (tmp_path / "own.jsonl").write_text('{"messages": []}\n')
+    rc, out = _tiny(tmp_path, "--conversations", "own.jsonl", "--no-identity", cwd=tmp_path)
+    assert rc == 0, out
+    cmds = _commands(out)
+    for stage in PIPELINE:
+        has = "--extra-conversations" in cmds[stage]
+        assert has == (stage in ("mid_train", "chat_sft")), (stage, cmds[stage])
+    own = cmds["chat_sft"]
+    assert own[own.index("--extra-conversations") + 1] == str(tmp_path / "own.jsonl") and "--no-identity" in own
+    rc, out = _tiny(tmp_path, "--conversations", "missing.jsonl", cwd=tmp_path)
+    assert rc == 2 and "--conversations: got 'missing.jsonl'" in out and "[data]" not in out
+
+
+def test_a_rerun_model_stage_reruns_every_later_one(tmp_path):
+    """All markers current: every stage is skipped. base_train's config changed: it and every later
+    stage run (their own commands are unchanged), data and the tokenizer do not; base_eval's: only
+    the report follows it. An edited --conversations file retrains from mid_train on."""
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    args = ("--conversations", str(own))
+    cmds = _commands(_tiny(tmp_path, *args)[1])
+    assert set(cmds) == set(PIPELINE)
+    digest = subprocess.run(["sha256sum", str(own)], capture_output=True, text=True).stdout.strip()
+    inputs = {"mid_train": [digest], "chat_sft": [digest]}
+    _mark_done(tmp_path, cmds, inputs)
+    assert set(_verdicts(_tiny(tmp_path, *args)[1]).values()) == {"skip"}
+
+    _mark_done(tmp_path, {"base_train": cmds["base_train"] + ["--seed", "1"]})   # an older config
+    said = _verdicts(_tiny(tmp_path, *args)[1])
+    assert [said[s] for s in PIPELINE] == ["skip"] * 3 + ["changed"] + ["cascade"] * 5
+
+    _mark_done(tmp_path, cmds, inputs)      # an eval that reruns makes no model: only the report follows
+    _mark_done(tmp_path, {"base_eval": cmds["base_eval"] + ["--seed", "1"]})
+    said = _verdicts(_tiny(tmp_path, *args)[1])
+    assert [said[s] for s in PIPELINE] == ["skip"] * 4 + ["changed"] + ["skip"] * 3 + ["cascade"]
+    rc, out = _tiny(tmp_path, *args, "--force", "--only", "chat_sft,chat_eval")
+    assert rc == 0 and "[chat_eval] rerunning: chat_sft ran before it" in out and "[chat_sft] python" in out
+
+    _mark_done(tmp_path, cmds, inputs)
+    own.write_text(own.read_text() * 2)                                         # the file was edited
+    said = _verdicts(_tiny(tmp_path, *args)[1])
+    assert [said[s] for s in PIPELINE] == ["skip"] * 5 + ["changed", "changed", "cascade", "cascade"]
