@@ -80,6 +80,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
+[[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
 if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#$DEPTH_FLAG >= 1 && 10#$DEPTH_FLAG <= 64 )); }; then
   die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
 fi

@@ -236,10 +236,11 @@ def test_missing_cargo_is_named_before_any_download(tmp_path, with_cargo, flag):
 PIPELINE = ("data", "tokenizer", "tok_eval", "base_train", "base_eval", "mid_train", "chat_sft", "chat_eval", "report")
 
 
-def _tiny(tmp_path, *args, cwd=None):
-    """setup.sh --dry-run --preset tiny [args] (base dir tmp_path/base) -> (exit code, output)."""
+def _tiny(tmp_path, *args, cwd=None, base=None):
+    """setup.sh --dry-run --preset tiny [args] (--base-dir `base`, default tmp_path/base) -> (exit code,
+    output)."""
     out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--preset", "tiny", "--base-dir",
-                          str(tmp_path / "base"), *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+                          str(base or tmp_path / "base"), *args], capture_output=True, text=True, timeout=60, cwd=cwd)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -253,12 +254,12 @@ def _commands(output: str) -> dict[str, list[str]]:
     return cmds
 
 
-def _mark_done(tmp_path, cmds, extra=None):
+def _mark_done(tmp_path, cmds, extra=None, base="base"):
     """Done-markers as a finished run writes them (setup.sh's marker_text + stage_inputs)."""
-    state = tmp_path / "base" / "setup_state"
+    state = tmp_path / base / "setup_state"
     state.mkdir(parents=True, exist_ok=True)
     for stage, cmd in cmds.items():
-        lines = ["preset=tiny", f"base_dir={tmp_path / 'base'}", *cmd, *(extra or {}).get(stage, [])]
+        lines = ["preset=tiny", f"base_dir={tmp_path / base}", *cmd, *(extra or {}).get(stage, [])]
         (state / f"{stage}.done").write_text("\n".join(lines) + "\n")
 
 
@@ -321,3 +322,12 @@ def test_a_rerun_model_stage_reruns_every_later_one(tmp_path):
     own.write_text(own.read_text() * 2)                                         # the file was edited
     said = _verdicts(_tiny(tmp_path, *args)[1])
     assert [said[s] for s in PIPELINE] == ["skip"] * 5 + ["changed", "changed", "cascade", "cascade"]
+
+
+def test_a_relative_base_dir_is_the_callers(tmp_path):
+    """--base-dir rel, given in tmp_path: the done-markers are read from tmp_path/rel (the stages run
+    in the repo, where a relative path would have pointed before)."""
+    cmds = _commands(_tiny(tmp_path, base=tmp_path / "rel")[1])
+    _mark_done(tmp_path, cmds, base="rel")
+    rc, out = _tiny(tmp_path, base="rel", cwd=tmp_path)
+    assert rc == 0 and set(_verdicts(out).values()) == {"skip"}, out
