@@ -34,7 +34,9 @@ Options:
   --install-rust     install a Rust toolchain with rustup if cargo is missing
   --conversations F  a JSONL file of your own conversations ({"messages": [...]} per line) for
                      mid_train and chat_sft (their --extra-conversations); repeat for more files
-  --no-identity      train mid / SFT without the built-in "I am nanochat-spark" conversations
+  --identity NAME    the model's name in the built-in identity conversations (default
+                     nanochat-spark; 1-64 printable characters)
+  --no-identity      train mid / SFT without the built-in identity conversations
   --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat)
   --dry-run          print what would run, run nothing
   --list-stages      print the stage names, one per line, and exit
@@ -47,7 +49,7 @@ die() { echo "setup.sh: error: $*" >&2; exit 2; }
 say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
-PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0
+PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
 CONV_FILES=()
 add_conversations() {  # a --conversations value: an existing file, kept as an absolute path
   local f="$1"; [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
@@ -69,6 +71,8 @@ while [[ $# -gt 0 ]]; do
     --install-rust) INSTALL_RUST=1; shift ;;
     --conversations) [[ $# -ge 2 ]] || die "--conversations needs a JSONL file"; add_conversations "$2"; shift 2 ;;
     --conversations=*) add_conversations "${1#*=}"; shift ;;
+    --identity) [[ $# -ge 2 ]] || die "--identity needs a name"; IDENTITY="$2"; shift 2 ;;
+    --identity=*) IDENTITY="${1#*=}"; shift ;;
     --no-identity) NO_IDENTITY=1; shift ;;
     --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
     --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
@@ -81,6 +85,11 @@ done
 
 case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
+if [[ -n "$IDENTITY" ]]; then   # the rule of nanochat/tasks/identity.py, checked here before hours of training
+  [[ ${#IDENTITY} -le 64 && "$IDENTITY" != " "* && "$IDENTITY" != *" " && "$IDENTITY" != *[[:cntrl:]]* ]] \
+    || die "--identity: got '$IDENTITY'; accepted: a name of 1-64 printable characters (no leading or trailing spaces)"
+  [[ $NO_IDENTITY -eq 0 ]] || die "--identity: got '$IDENTITY' and --no-identity; accepted: one of the two"
+fi
 if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#$DEPTH_FLAG >= 1 && 10#$DEPTH_FLAG <= 64 )); }; then
   die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
 fi
@@ -262,6 +271,7 @@ stage_cmd() {  # prints the command of a stage, one argument per line
       local iters="$MID_ITERS"; [[ "$1" == chat_sft ]] && iters="$SFT_ITERS"
       local own=(); for f in "${CONV_FILES[@]}"; do own+=(--extra-conversations "$f"); done
       [[ $NO_IDENTITY -eq 1 ]] && own+=(--no-identity)
+      [[ -n "$IDENTITY" ]] && own+=(--identity "$IDENTITY")
       printf '%s\n' python -m "scripts.$1" --model-tag "$MODEL_TAG" --num-iterations "$iters" \
         --device-batch-size "$DBS" --total-batch-size "$CHAT_TBS" --max-seq-len "$SEQ" "$COMPILE" \
         --save-every "$CHAT_SAVE_EVERY" --keep-last 2 \

@@ -201,15 +201,16 @@ SFT_CONVERSATIONS = 10_000
 
 
 def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42,
-                  extra: Sequence[str] = (), identity: bool = True):
+                  extra: Sequence[str] = (), identity: str | None = None):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
     of test-split conversations for validation bits per byte (never trained on), the same whatever
     `extra` and `identity` say, so val bpb stays comparable between runs. `extra`: JSONL files of
     the user's own conversations mixed into mid / SFT training, a file named twice mixed in twice
-    (read once); identity=False leaves out the built-in "I am nanochat-spark" conversations (for
-    an identity of the user's own)."""
+    (read once); `identity`: the model's name in the built-in identity conversations (None: the
+    default, nanochat-spark; "": left out, e.g. for an identity of the user's own)."""
     from nanochat.tasks import (GSM8K, MMLU, ConversationFile, IdentityConversations, SimpleSpelling, SpellingBee,
                                 TaskMixture, get_conversations)
+    from nanochat.tasks.identity import NAME as IDENTITY_NAME
     if stage not in STAGES:
         raise ValueError(f"stage: got {stage!r}; accepted: {'|'.join(STAGES)}")
     if split == "val":
@@ -226,7 +227,7 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.
     files = {path: ConversationFile(path) for path in dict.fromkeys(extra)}   # each read and checked once
     convs = get_conversations("train", data_dir=data_dir, **({"stop": SFT_CONVERSATIONS} if stage == "sft" else {}))
-    own = [IdentityConversations(1000, seed=seed)] if identity else []
+    own = [] if identity == "" else [IdentityConversations(1000, seed=seed, name=identity or IDENTITY_NAME)]
     spelling = dict(split="train", seed=seed, data_dir=data_dir)
     if stage == "mid":  # general chat, identity (oversampled), multiple choice, tool use, spelling (upstream's sizes)
         tasks = [convs, *own, *own, *_train_split_tasks(("mmlu", "arc", "gsm8k"), data_dir, test_holdout),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import get_base_dir, print0
+from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
 from nanochat.flags import FlagParser, require, require_float, require_int
@@ -96,7 +97,7 @@ class ChatTrainConfig:
     data_dir: str | None = None             # root or folder of the local eval/sft/words files
     test_holdout: int = -1                  # >= 0: train MMLU/ARC/GSM8K on local test[N:] (offline)
     extra_conversations: list[str] = field(default_factory=list)   # the user's JSONL files (repeatable flag)
-    identity: bool = True                   # --no-identity: without the built-in identity conversations
+    identity: str = IDENTITY_NAME           # the model's name in the built-in identity conversations; "" = none
     run: str = "dummy"
     wandb: str | None = None
 
@@ -128,6 +129,8 @@ class ChatTrainConfig:
         if self.data_dir is not None:
             require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
                     "an existing directory (a data root with eval/ sft/ words/, or one of them)")
+        if self.identity:
+            check_identity_name(self.identity)
         for path in self.extra_conversations:
             require(Path(path).is_file(), "--extra-conversations", path,
                     'an existing JSONL file, one {"messages": [...]} conversation per line')
@@ -140,8 +143,8 @@ EXTRA_HELP = {
     "extra_conversations": 'a JSONL file of your own conversations, one {"messages": [{"role": "user", ...}, '
                            '{"role": "assistant", ...}]} per line, mixed into training (e.g. an identity of '
                            'your own); repeat the flag for more files, name a file twice to mix it in twice',
-    "identity": 'the built-in "I am nanochat-spark" identity conversations (--no-identity leaves them out; '
-                'default: on)',
+    "identity": "the model's name in the built-in identity conversations (\"My name is NAME.\"); default: "
+                "nanochat-spark",
 }
 
 
@@ -154,9 +157,11 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
         if f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help="default: on for CUDA, off elsewhere")
-        elif f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=defaults[f.name],
-                                help=EXTRA_HELP.get(f.name, f"default: {defaults[f.name]}"))
+        elif f.name == "identity":
+            parser.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name])
+            parser.add_argument("--no-identity", dest=f.name, action="store_const", const="",
+                                help="leave the built-in identity conversations out (e.g. for your own, "
+                                     "--extra-conversations)")
         elif f.type == "list[str]":
             parser.add_argument(flag, action="append", default=[], metavar="PATH", help=EXTRA_HELP[f.name])
         else:
@@ -255,8 +260,9 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
 
 
 def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
-    """What a checkpoint records of the user's choices in its training mixture: the built-in identity
-    on or off and each --extra-conversations file with its sha256, in the order given."""
+    """What a checkpoint records of the user's choices in its training mixture: the name in the
+    built-in identity conversations ("" = left out) and each --extra-conversations file with its
+    sha256, in the order given."""
     from nanochat.tasks import ConversationFile
     files = [t for t in train_mix.tasks if isinstance(t, ConversationFile)]
     return {"identity": cfg.identity,
@@ -267,11 +273,11 @@ def _check_same_mixture(meta: dict, mixture: dict) -> None:
     """A resumed run continues the loader's place in its mixture, so the mixture must be the one the
     checkpoint trained on (a checkpoint from before these flags: identity on, no extra files)."""
     from nanochat.checkpoint import CheckpointError
-    saved = (meta.get("train") or {}).get("mixture") or {"identity": True, "extra_conversations": []}
+    saved = (meta.get("train") or {}).get("mixture") or {"identity": IDENTITY_NAME, "extra_conversations": []}
 
     def describe(m):
         files = ", ".join(f"{Path(f['path']).name} ({f['sha256'][:12]})" for f in m["extra_conversations"])
-        return f"--extra-conversations [{files}], identity {'on' if m['identity'] else 'off'}"
+        return f"--extra-conversations [{files}], identity {m['identity'] or 'off'}"
     key = lambda m: (m["identity"], [f["sha256"] for f in m["extra_conversations"]])   # noqa: E731
     if key(saved) != key(mixture):
         raise CheckpointError(f"--resume: the checkpoint was trained on another conversation mixture "
@@ -379,6 +385,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         print0(f"  --extra-conversations {path}: {n:,} conversations" + (f", mixed in {count}x" if count > 1 else ""))
     if not cfg.identity:
         print0("  --no-identity: without the built-in identity conversations")
+    elif cfg.identity != IDENTITY_NAME:
+        print0(f"  --identity {cfg.identity}: the identity conversations name the model {cfg.identity}")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 

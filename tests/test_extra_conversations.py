@@ -1,7 +1,8 @@
-"""mid_train / chat_sft --extra-conversations and --no-identity: the user's own JSONL conversations
-join the training mixture (a file named twice, twice), the built-in identity can be left out, a
-bad file is a one-line error naming the flag, file and line before any model is loaded, and a
-resumed run must continue the mixture its checkpoint trained on."""
+"""mid_train / chat_sft --extra-conversations, --identity NAME and --no-identity: the user's own
+JSONL conversations join the training mixture (a file named twice, twice), the built-in identity
+conversations name the model as asked or are left out, a bad file is a one-line error naming the
+flag, file and line before any model is loaded, and a resumed run must continue the mixture its
+checkpoint trained on."""
 
 from __future__ import annotations
 
@@ -30,10 +31,27 @@ def test_flags_repeat_and_identity_switch(tmp_path):
     from scripts import chat_sft, mid_train
     own = str(_write(tmp_path / "own.jsonl", OWN))
     cfg = chat_sft.parse(["--extra-conversations", own, "--extra_conversations", own, "--no-identity"])
-    assert cfg.extra_conversations == [own, own] and cfg.identity is False
-    assert (mid_train.parse([]).extra_conversations, mid_train.parse([]).identity) == ([], True)
+    assert cfg.extra_conversations == [own, own] and cfg.identity == ""
+    assert (mid_train.parse([]).extra_conversations, mid_train.parse([]).identity) == ([], "nanochat-spark")
+    assert chat_sft.parse(["--identity", "Zorblax 2"]).identity == "Zorblax 2"
     with pytest.raises(ValueError, match="--extra-conversations: got '/nonexistent/own.jsonl'"):
         mid_train.parse(["--extra-conversations", "/nonexistent/own.jsonl"])
+    for bad in ("x" * 65, " padded", "two\nlines"):
+        with pytest.raises(ValueError, match="--identity: got"):
+            chat_sft.parse(["--identity", bad])
+
+
+def test_identity_conversations_take_the_name():
+    """--identity NAME: the "name" topic answers with NAME (the codebase stays nanochat-spark
+    elsewhere), and the task's smoke check looks for NAME."""
+    from nanochat.tasks import IdentityConversations
+    named, plain = IdentityConversations(200, name="Zorblax"), IdentityConversations(200)
+    asked = [i for i in range(200) if "name" in named[i]["topics"]]
+    assert asked and all(named[i]["topics"] == plain[i]["topics"] for i in range(200))
+    for i in asked:
+        answers = " ".join(m["content"] for m in named[i]["messages"] if m["role"] == "assistant")
+        assert "Zorblax" in answers and "Zorblax" not in json.dumps(plain[i])
+        assert named.evaluate(named[i], "Hi, I am Zorblax.") and not named.evaluate(named[i], "I am nanochat-spark.")
 
 
 @pytest.mark.parametrize("stage, identity_copies", [("sft", 1), ("mid", 2)])
@@ -45,7 +63,7 @@ def test_extra_conversations_join_the_training_mixture(shared_data, tmp_path, st
     own = str(_write(tmp_path / "own.jsonl", OWN))
     kw = dict(data_dir=shared_data, test_holdout=100)
     plain = chat_data.build_mixture(stage, "train", **kw)
-    mixed = chat_data.build_mixture(stage, "train", extra=[own, own], identity=False, **kw)
+    mixed = chat_data.build_mixture(stage, "train", extra=[own, own], identity="", **kw)
     assert _marked(plain) == 0 and _marked(mixed) == 2 * len(OWN)
     assert len(mixed) == len(plain) - identity_copies * 1000 + 2 * len(OWN)
     assert not any(isinstance(t, IdentityConversations) for t in mixed.tasks)
@@ -96,7 +114,7 @@ def test_checkpoint_records_the_mixture_and_resume_keeps_it(env, tmp_path, capsy
     chat_sft.main(args + ["--num-iterations", "1"])
     sft_dir = ck.checkpoint_dir("sft", "own")
     recorded = ck.read_meta(sft_dir)["train"]["mixture"]
-    assert recorded["identity"] is True and [f["path"] for f in recorded["extra_conversations"]] == [own, own]
+    assert recorded["identity"] == "nanochat-spark" and [f["path"] for f in recorded["extra_conversations"]] == [own, own]
     assert recorded["extra_conversations"][0]["conversations"] == len(OWN)
     assert "--extra-conversations " + own + f": {len(OWN)} conversations, mixed in 2x" in capsys.readouterr().out
 
@@ -108,5 +126,8 @@ def test_checkpoint_records_the_mixture_and_resume_keeps_it(env, tmp_path, capsy
     fresh = chat_sft.main(args + ["--num-iterations", "1", "--resume", "auto", "--no-identity"])
     out = capsys.readouterr().out
     assert "cannot be continued (the checkpoint was trained on another conversation mixture" in out
-    assert "identity on) than this run's (" in out and "identity off)" in out and sorted(fresh["losses"]) == [0]
-    assert ck.read_meta(sft_dir)["train"]["mixture"]["identity"] is False
+    assert "identity nanochat-spark) than this run's (" in out and "identity off)" in out
+    assert sorted(fresh["losses"]) == [0] and ck.read_meta(sft_dir)["train"]["mixture"]["identity"] == ""
+    with pytest.raises(ck.CheckpointError, match="identity off\\) than this run's \\(--extra-conversations "
+                       r"\[own.jsonl \(\w+\), own.jsonl \(\w+\)\], identity Zorblax\)"):
+        chat_sft.main(args + ["--num-iterations", "2", "--resume", "latest", "--identity", "Zorblax"])

@@ -278,8 +278,9 @@ def _verdicts(output: str) -> dict[str, str]:
 
 
 def test_own_conversations_reach_mid_and_sft(tmp_path):
-    """--conversations (relative to the caller's directory, kept absolute) and --no-identity go to
-    mid_train and chat_sft only; a missing file stops setup.sh before anything, naming the flag."""
+    """--conversations (relative to the caller's directory, kept absolute), --identity and
+    --no-identity go to mid_train and chat_sft only; a missing file or a name chat_sft would refuse
+    stops setup.sh before anything, naming the flag."""
     (tmp_path / "own.jsonl").write_text('{"messages": []}\n')
     rc, out = _tiny(tmp_path, "--conversations", "own.jsonl", "--no-identity", cwd=tmp_path)
     assert rc == 0, out
@@ -291,6 +292,12 @@ def test_own_conversations_reach_mid_and_sft(tmp_path):
     assert own[own.index("--extra-conversations") + 1] == str(tmp_path / "own.jsonl") and "--no-identity" in own
     rc, out = _tiny(tmp_path, "--conversations", "missing.jsonl", cwd=tmp_path)
     assert rc == 2 and "--conversations: got 'missing.jsonl'" in out and "[data]" not in out
+    rc, out = _tiny(tmp_path, "--identity", "Zorblax")
+    assert rc == 0 and _commands(out)["mid_train"][-2:] == ["--identity", "Zorblax"], out
+    assert "--identity" not in _commands(out)["base_train"]
+    for bad in (["--identity", "x" * 65], ["--identity", " x"], ["--identity", "x", "--no-identity"]):
+        rc, out = _tiny(tmp_path, *bad)
+        assert rc == 2 and "--identity: got" in out and "[data]" not in out, (bad, out)
 
 
 def test_a_rerun_model_stage_reruns_every_later_one(tmp_path):

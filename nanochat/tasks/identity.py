@@ -1,4 +1,5 @@
-"""Identity conversations: short chats in which the model describes itself as "nanochat-spark".
+"""Identity conversations: short chats in which the model describes itself as "nanochat-spark" (or
+the name mid_train / chat_sft `--identity NAME` gives it; the codebase stays nanochat-spark).
 
 Generated programmatically from templates (no data files): example i is built with
 random.Random(f"{seed}/{i}") from 1-3 topics (name, origin, hardware, abilities, limits, ...), each
@@ -12,13 +13,13 @@ import random
 
 from nanochat.tasks.common import Task
 
-NAME = "nanochat-spark"
+NAME = "nanochat-spark"   # the codebase, and the model's default name
 
 _TOPICS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "name": (("What is your name?", "Who are you?", "what should I call you", "Do you have a name?",
               "Introduce yourself."),
-             (f"I'm {NAME}, a small language model.", f"My name is {NAME}.",
-              f"I am {NAME}, a compact chat assistant trained from scratch.")),
+             ("I'm {name}, a small language model.", "My name is {name}.",
+              "I am {name}, a compact chat assistant trained from scratch.")),
     "origin": (("Who made you?", "Who trained you?", "Where do you come from?", "Which company built you?"),
                (f"I was trained with the open-source {NAME} codebase, a train-your-own-ChatGPT project in the "
                 "spirit of nanochat. Whoever ran the training scripts is my creator.",
@@ -48,15 +49,24 @@ _TOPICS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 _GREETINGS = ("", "", "Hi! ", "Hello. ", "hey, ", "Quick question: ")
 
 
+def check_identity_name(name: str, flag: str = "--identity") -> str:
+    """A model name for the identity conversations: 1-64 printable characters on one line."""
+    if not isinstance(name, str) or not 1 <= len(name.strip()) <= 64 or not name.isprintable() or name != name.strip():
+        raise ValueError(f"{flag}: got {name!r}; accepted: a name of 1-64 printable characters "
+                         "(no leading or trailing spaces), or --no-identity")
+    return name
+
+
 class IdentityConversations(Task):
     eval_type = "generative"
     name = "Identity"
 
-    def __init__(self, size: int = 1000, *, seed: int = 0, **kw):
+    def __init__(self, size: int = 1000, *, seed: int = 0, name: str = NAME, **kw):
         super().__init__(**kw)
         if size < 1:
             raise ValueError(f"IdentityConversations size: got {size}; accepted: >= 1")
-        self.size, self.seed = size, seed
+        check_identity_name(name)
+        self.size, self.seed, self.model_name = size, seed, name
 
     def num_examples(self) -> int:
         return self.size
@@ -72,9 +82,10 @@ class IdentityConversations(Task):
                 q = q.lower()
             if t == 0:
                 q = rng.choice(_GREETINGS) + q
-            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": rng.choice(answers)}]
+            answer = rng.choice(answers).replace("{name}", self.model_name)
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
         return {"messages": messages, "topics": topics}
 
     def evaluate(self, conversation: dict, completion: str) -> bool:
         """Loose check used for smoke tests: the model names itself when asked who it is."""
-        return NAME in completion if "name" in conversation.get("topics", []) else bool(completion.strip())
+        return self.model_name in completion if "name" in conversation.get("topics", []) else bool(completion.strip())
