@@ -297,11 +297,12 @@ stage_inputs() {  # stage -> marker lines for inputs its command names only by p
   [[ ${#CONV_FILES[@]} -gt 0 && ( "$1" == mid_train || "$1" == chat_sft ) ]] || return 0
   sha256sum "${CONV_FILES[@]}"
 }
-# The stages after base_train use the model an earlier one made: once a stage that makes a model
-# runs (its config changed, --force, or it had not finished), every later stage runs too, even when
-# its own command is unchanged, since a skipped one would keep results of the replaced model. The
-# report also follows any stage that ran before it (an eval's new results).
-MODEL_MAKERS=" base_train mid_train chat_sft "
+# The stages after the tokenizer use what an earlier one made: once a stage that makes a tokenizer
+# or a model runs (its config changed, --force, or it had not finished), every later stage runs too,
+# even when its own command is unchanged, since a skipped one would keep results of what was
+# replaced. That costs little when nothing changed: the training stages' --resume auto finds their
+# last step done. The report also follows any stage that ran before it (an eval's new results).
+MODEL_MAKERS=" tokenizer base_train mid_train chat_sft "
 MODEL_RAN="" ANY_RAN=""
 
 run_stage() {  # stage: run its command unless its done-marker holds the same config

@@ -302,8 +302,8 @@ def test_own_conversations_reach_mid_and_sft(tmp_path):
 
 def test_a_rerun_model_stage_reruns_every_later_one(tmp_path):
     """All markers current: every stage is skipped. base_train's config changed: it and every later
-    stage run (their own commands are unchanged), data and the tokenizer do not; base_eval's: only
-    the report follows it. An edited --conversations file retrains from mid_train on."""
+    stage run (their own commands are unchanged), data and the tokenizer do not; the tokenizer's:
+    every stage after it; base_eval's: only the report follows it. An edited --conversations file retrains from mid_train on."""
     own = tmp_path / "own.jsonl"
     own.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
     args = ("--conversations", str(own))
@@ -317,6 +317,11 @@ def test_a_rerun_model_stage_reruns_every_later_one(tmp_path):
     _mark_done(tmp_path, {"base_train": cmds["base_train"] + ["--seed", "1"]})   # an older config
     said = _verdicts(_tiny(tmp_path, *args)[1])
     assert [said[s] for s in PIPELINE] == ["skip"] * 3 + ["changed"] + ["cascade"] * 5
+
+    _mark_done(tmp_path, cmds, inputs)      # a new tokenizer: every model after it
+    _mark_done(tmp_path, {"tokenizer": cmds["tokenizer"] + ["--max-chars", "1"]})
+    said = _verdicts(_tiny(tmp_path, *args)[1])
+    assert [said[s] for s in PIPELINE] == ["skip", "changed"] + ["cascade"] * 7
 
     _mark_done(tmp_path, cmds, inputs)      # an eval that reruns makes no model: only the report follows
     _mark_done(tmp_path, {"base_eval": cmds["base_eval"] + ["--seed", "1"]})
