@@ -8,6 +8,9 @@ real target tokens of the whole accumulated batch; saves the `sft` checkpoint un
 Defaults follow nanochat: lr x 0.02 (--init-lr-frac), linear decay to 0, -1 iterations = one epoch.
 The recipe lives in nanochat/chat_train.py (shared with mid_train); the loop in nanochat/loop.py.
 
+Your own data and name: `--extra-conversations my_chats.jsonl` (one {"messages": [...]} per line,
+repeatable) and `--identity NAME` (or `--no-identity`); mid_train takes the same flags.
+
 Tiny CPU example (after mid_train):
     python -m scripts.chat_sft --device cpu --num-iterations 10 --device-batch-size 4 \
         --max-seq-len 64 --test-holdout 100 --eval-every 5
