@@ -77,18 +77,23 @@ def find_local_file(kind: str, filenames: Sequence[str], data_dir=None) -> tuple
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON value of every non-blank line; DataError naming path:line for a line that is not
     UTF-8 or not JSON."""
-    rows = []
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        return parse_jsonl(f, path)
+
+
+def parse_jsonl(lines: Iterable[bytes], path) -> list[dict]:
+    """read_jsonl over lines already read (bytes); `path` names them in errors."""
+    rows = []
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text ({e}); fix or delete that line") from None
+        if line.strip():
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e}); fix or delete that line") from None
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({e}); fix or delete that line") from None
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e}); fix or delete that line") from None
     return rows
 
 

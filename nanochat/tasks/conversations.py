@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
 
 from nanochat.common import print0
 from nanochat.errors import DataError
 from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
-                                   read_jsonl, read_local_rows, validate_conversation)
+                                   parse_jsonl, read_local_rows, validate_conversation)
 
 _SPLITS = ("train", "test")
 TEST_EVERY = 20
@@ -86,7 +87,7 @@ class ConversationFile(_ConversationList):
         self.path = Path(path)
         try:
             data = self.path.read_bytes()
-            self.rows = read_jsonl(self.path)
+            self.rows = parse_jsonl(io.BytesIO(data), path)   # the lines a file read would give
         except OSError as e:
             raise DataError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except DataError as e:
