@@ -85,7 +85,7 @@ done
 
 case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
-if [[ -n "$IDENTITY" ]]; then   # the rule of nanochat/tasks/identity.py, checked here before hours of training
+if [[ -n "$IDENTITY" ]]; then   # nanochat/tasks/identity.py's rule (bar its Unicode cases), before hours of training
   [[ ${#IDENTITY} -le 64 && "$IDENTITY" != " "* && "$IDENTITY" != *" " && "$IDENTITY" != *[[:cntrl:]]* ]] \
     || die "--identity: got '$IDENTITY'; accepted: a name of 1-64 printable characters (no leading or trailing spaces)"
   [[ $NO_IDENTITY -eq 0 ]] || die "--identity: got '$IDENTITY' and --no-identity; accepted: one of the two"

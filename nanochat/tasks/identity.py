@@ -51,7 +51,7 @@ _GREETINGS = ("", "", "Hi! ", "Hello. ", "hey, ", "Quick question: ")
 
 def check_identity_name(name: str, flag: str = "--identity") -> str:
     """A model name for the identity conversations: 1-64 printable characters on one line."""
-    if not isinstance(name, str) or not 1 <= len(name.strip()) <= 64 or not name.isprintable() or name != name.strip():
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable() or name != name.strip():
         raise ValueError(f"{flag}: got {name!r}; accepted: a name of 1-64 printable characters "
                          "(no leading or trailing spaces), or --no-identity")
     return name
