@@ -158,8 +158,9 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help="default: on for CUDA, off elsewhere")
         elif f.name == "identity":
-            parser.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name])
-            parser.add_argument("--no-identity", dest=f.name, action="store_const", const="",
+            either = parser.add_mutually_exclusive_group()   # both at once: an error, not "last wins"
+            either.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name])
+            either.add_argument("--no-identity", dest=f.name, action="store_const", const="",
                                 help="leave the built-in identity conversations out (e.g. for your own, "
                                      "--extra-conversations)")
         elif f.type == "list[str]":

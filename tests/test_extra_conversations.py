@@ -39,6 +39,8 @@ def test_flags_repeat_and_identity_switch(tmp_path):
     for bad in ("x" * 65, " padded", "two\nlines"):
         with pytest.raises(ValueError, match="--identity: got"):
             chat_sft.parse(["--identity", bad])
+    with pytest.raises(ValueError, match="--no-identity: not allowed with argument --identity"):
+        mid_train.parse(["--identity", "Zorblax", "--no-identity"])
 
 
 def test_identity_conversations_take_the_name():
