@@ -60,16 +60,12 @@ def _check_number(value):
 
 def _pow(base, exp):
     """`base ** exp` with the cost bounded before computing it."""
-    if isinstance(exp, int) and isinstance(base, int):
-        if exp < 0:
-            if base == 0:
-                raise CalculatorError("division by zero")
-            return _check_number(float(base) ** exp)
+    if isinstance(exp, int) and isinstance(base, int) and exp >= 0:
         # the result has about bit_length(base) * exp bits: refuse before computing it
         if abs(base) > 1 and (abs(base).bit_length() - 1) * exp > MAX_INT_BITS:
             raise CalculatorError(f"integer result exceeds {MAX_INT_BITS} bits")
         return base ** exp
-    try:
+    try:  # float(base) itself overflows for ints near MAX_INT_BITS, e.g. (2**1023 * 2 - 1) ** -1
         result = float(base) ** float(exp)
     except OverflowError as e:
         raise CalculatorError("result is not finite") from e

@@ -1,5 +1,6 @@
 """The calculator tool: correct arithmetic, and no input can execute code, hang, or blow up memory."""
 
+import math
 import time
 
 import pytest
@@ -66,6 +67,7 @@ def test_arithmetic(expr, expected):
         "(-8) ** 0.5",
         "10.0 ** 400",
         "2 ** 2000",
+        "(2**1023 + (2**1023 - 1)) ** -1",  # float(base) overflows before the power
         "9" * 400,
     ],
 )
@@ -73,6 +75,27 @@ def test_refused(expr):
     with pytest.raises(CalculatorError):
         evaluate(expr)
     assert use_calculator(expr) is None
+
+
+EXTREMES = ("0", "-0.0", "1", "-1", "0.5", "-8", "1024", "-1024", "1e308", "-1e308", "5e-324",
+            "(2**1023 + (2**1023 - 1))", "-(2**1023 + (2**1023 - 1))")
+
+
+def test_extreme_operands_raise_only_calculator_errors():
+    """Every operator between extreme operands (the largest int allowed, the largest and smallest
+    floats, signed zeros) either gives a finite number or a CalculatorError: anything else would
+    escape use_calculator and fail every request decoding beside it in the server."""
+    for a in EXTREMES:
+        for b in EXTREMES:
+            for op in ("+", "-", "*", "/", "//", "%", "**"):
+                expr = f"({a}) {op} ({b})"
+                try:
+                    value = evaluate(expr)
+                except CalculatorError:
+                    assert use_calculator(expr) is None
+                    continue
+                assert isinstance(value, int) or math.isfinite(value), expr
+                assert use_calculator(expr) == format_result(value)
 
 
 def test_never_executes_code(tmp_path, monkeypatch):
