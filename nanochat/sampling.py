@@ -18,6 +18,14 @@ import torch
 
 TOPK_CHUNK = 512
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
+# Below this temperature sampling is greedy. Softcapped logits differ by far more than 1e-5 x the
+# float32 resolution, so the draw there is the argmax anyway; and logits / T overflows float32 to
+# inf once T < ~1e-37 (a request's 1e-39 drew token 0 over nan probabilities).
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
 
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -38,7 +46,7 @@ def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler)."""
-    if temperature == 0.0:
+    if is_greedy(temperature):
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
@@ -89,7 +97,8 @@ class Sampler:
         self.device = torch.device(device)
         self.request = backend
         self.backend = resolve_sampler(backend, self.device)
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.temperature = 0.0 if is_greedy(temperature) else temperature
+        self.top_k, self.top_p, self.seed = top_k, top_p, seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._max_vocab, self._triton = 0, None
         if self.backend == "triton":  # imported once here, not per token

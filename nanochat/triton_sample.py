@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanochat.sampling import is_greedy
+
 MAX_TRITON_VOCAB = 32768  # a row lives in registers: 32 float32 per thread at SAMPLE_WARPS
 SAMPLE_WARPS = 32
 TWO_STAGE_CHUNK = 1024    # stage 1's tokens per program (32 programs per row at V = 32768)
@@ -276,7 +278,7 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     if V > MAX_TRITON_VOCAB:
         raise ValueError(f"sample_triton: vocabulary {V} > {MAX_TRITON_VOCAB} (a row must fit in registers); "
                          "use sample_next")
-    if temperature == 0.0:
+    if is_greedy(temperature):
         return logits.argmax(dim=-1)
     if logits.stride(1) != 1:
         logits = logits.contiguous()

@@ -37,6 +37,18 @@ def test_sample_next_filters():
     assert torch.equal(draws[0], draws[1])  # seeded: reproducible
 
 
+def test_tiny_temperatures_are_greedy():
+    """A positive temperature far below any logit gap is the argmax in both samplers: 1e-39 used
+    to overflow logits / T to inf and draw token 0 (nan probabilities with top-p)."""
+    logits = torch.tensor([[0.1, 3.0, -2.0, 2.9]])
+    gen = torch.Generator().manual_seed(0)
+    for t in (1e-39, 5e-324, 1e-30, 1e-6):
+        for top_k, top_p in ((None, None), (2, None), (None, 0.9), (3, 0.5)):
+            assert sample_next(logits, t, top_k, top_p, gen).tolist() == [1], (t, top_k, top_p)
+        sampler = Sampler(torch.device("cpu"), t, 50, 0.9, seed=0)
+        assert sampler.temperature == 0.0 and sampler(logits, 0).tolist() == [1]
+
+
 def test_kth_largest_is_exact():
     """The chunked top-k equals torch.topk's k-th value: random rows, ties, -inf, a width that is
     not a multiple of the chunk, and k at the chunk size."""
@@ -125,6 +137,7 @@ for T, k, p in [(1.0, 50, None), (0.7, None, 0.9), (1.3, 40, 0.5), (0.9, 1, None
         above = torch.stack([probs[probs > v].sum() for v in probs])
         assert torch.equal(keep[1].bool(), above < p - 1e-6), (T, k, p)
 assert torch.equal(sample_triton(rows, 0.0, 5, 0.5, 1, 2), rows.argmax(-1))   # greedy
+assert torch.equal(sample_triton(rows, 5e-324, 5, 0.5, 1, 2), rows.argmax(-1))  # and below GREEDY_BELOW
 uniform = torch.zeros(32, 1000)
 a, b, c = (sample_triton(uniform, 1.0, None, None, 7, pos) for pos in (3, 3, 4))
 assert torch.equal(a, b) and not torch.equal(a, c)                             # keyed by position
