@@ -71,6 +71,13 @@ class ServerSettings:
                                  "without a path, e.g. http://localhost:3000")
         return self
 
+    def sampling(self) -> dict:
+        """The defaults a request gets for what it leaves out, and the largest values it may ask for."""
+        return {"defaults": {"temperature": self.default_temperature, "top_k": self.default_top_k,
+                             "max_tokens": self.default_max_tokens},
+                "limits": {"temperature": self.max_temperature, "top_k": self.max_top_k,
+                           "max_tokens": self.max_max_tokens}}
+
     def public(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "api_key"} | {"auth": self.api_key is not None}
 

@@ -357,7 +357,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers),
-                "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None}
+                "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None,
+                "sampling": settings.sampling()}   # the chat page's settings start from these
 
     @app.get("/stats")
     async def get_stats(request: Request):

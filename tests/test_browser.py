@@ -51,7 +51,9 @@ def browser():
 def site(tiny_corpus):
     tokenizer = tiny_chat_model(str(tiny_corpus))[1]
     engine = ScriptedEngine(tokenizer, REPLY, delay=0.03)
-    server, url = serve_in_thread(create_app(WorkerPool([Worker(engine, "w0")]), ServerSettings(model_name="tiny-test")))
+    settings = ServerSettings(model_name="tiny-test", default_temperature=0.3, default_top_k=7, max_top_k=20,
+                              default_max_tokens=400, max_max_tokens=450)   # not the page's old built-ins
+    server, url = serve_in_thread(create_app(WorkerPool([Worker(engine, "w0")]), settings))
     yield engine, url, tokenizer
     server.should_exit = True
     server.thread.join(timeout=10)
@@ -108,6 +110,10 @@ def test_chat_page(browser, site, tmp_path):
     wait(lambda: q(d, "#model-name") and q(d, "#model-name")[0].text == "tiny-test", what="model name from /health")
     assert q(d, "#empty")
     d.execute_script("document.getElementById('settings').open = true")
+    # the settings show the server's defaults and limits (/health), and requests leave them to the server
+    wait(lambda: q(d, "#max-tokens")[0].get_attribute("value") == "400", what="server defaults in the settings")
+    assert [q(d, "#" + i)[0].get_attribute("value") for i in ("temperature", "top-k")] == ["0.3", "7"]
+    assert [q(d, "#" + i)[0].get_attribute("max") for i in ("top-k", "max-tokens")] == ["20", "450"]
     d.save_screenshot(str(tmp_path / "chat_empty.png"))
 
     # send: tokens arrive while the reply is streaming, then it completes
@@ -118,6 +124,8 @@ def test_chat_page(browser, site, tmp_path):
     assert streaming(d), "the whole reply arrived at once: not streamed"
     wait(lambda: not streaming(d), what="the reply to finish")
     reply = last_reply(d)
+    sampling = lambda call: (call["temperature"], call["top_k"])  # noqa: E731
+    assert sampling(engine.calls[-1]) == (0.3, 7)
     assert "<script>window.__pwned = 1</script>" in reply and "<b>bold</b>" in reply
     assert d.execute_script("return window.__pwned === undefined")
     assert not q(d, "#thread script") and not q(d, "#thread img") and not q(d, "#thread b")
@@ -126,10 +134,17 @@ def test_chat_page(browser, site, tmp_path):
     assert "tokens" in q(d, ".msg.assistant .meta")[-1].text
     d.save_screenshot(str(tmp_path / "chat_desktop.png"))
 
-    # regenerate the answer: a second request with the same conversation
+    # regenerate the answer: a second request with the same conversation; a changed setting is sent,
+    # clamped to the server's limit, and "Server defaults" drops it again
+    box = q(d, "#top-k")[0]
+    box.clear()
+    box.send_keys("5000")
     calls = len(engine.calls)
     q(d, ".msg.assistant .regenerate")[-1].click()
     wait(lambda: len(engine.calls) == calls + 1 and not streaming(d), what="regeneration")
+    assert sampling(engine.calls[-1]) == (0.3, 20)
+    q(d, "#reset-settings")[0].click()
+    assert q(d, "#top-k")[0].get_attribute("value") == "7"
     assert len(q(d, ".msg")) == 2 and "Done." in last_reply(d)
 
     # edit the user message and resubmit: the prompt now holds the new text
@@ -139,6 +154,7 @@ def test_chat_page(browser, site, tmp_path):
     area.send_keys("Edited question")
     q(d, ".editor .save")[0].click()
     wait(lambda: len(engine.calls) == calls + 2 and not streaming(d), what="edited resubmission")
+    assert sampling(engine.calls[-1]) == (0.3, 7)
     assert q(d, ".msg.user .bubble")[0].text == "Edited question"
     assert "Edited question" in tokenizer.decode(engine.calls[-1]["prompt"])
 

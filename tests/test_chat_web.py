@@ -108,6 +108,8 @@ def assert_error(r, status, param="unset", code="unset"):
 def test_health_models_page(real_url):
     h = httpx.get(real_url + "/health").json()
     assert h["status"] == "ok" and h["workers"] == 1 and h["available"] == 1
+    assert h["sampling"] == {"defaults": {"temperature": 0.8, "top_k": 50, "max_tokens": 512},
+                             "limits": {"temperature": 2.0, "top_k": 1000, "max_tokens": 4096}}
     models = httpx.get(real_url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     page = httpx.get(real_url + "/")
