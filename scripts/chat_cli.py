@@ -66,15 +66,23 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
 
 
-def answer(engine, tokenizer, messages: list[dict], args, seed: int, out=sys.stdout) -> dict:
-    """Stream one assistant reply to `out`; return it as a message with tool calls kept as parts."""
-    from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
+def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
+    """The conversation's prompt tokens; RequestError (ending with `hint`) when it leaves the
+    model's context no room for a reply."""
+    from nanochat.errors import RequestError
 
     prompt = tokenizer.render_for_completion({"messages": messages})
+    if len(prompt) >= engine.max_seq_len:
+        raise RequestError(f"the conversation is {len(prompt)} tokens, the model's context is "
+                           f"{engine.max_seq_len}: {hint}")
+    return prompt
+
+
+def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=sys.stdout) -> dict:
+    """Stream one assistant reply to `prompt` to `out`; return it as a message with tool calls kept as parts."""
+    from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
+
     room = engine.max_seq_len - len(prompt)
-    if room < 1:
-        raise ValueError(f"the conversation is {len(prompt)} tokens, the model's context is "
-                         f"{engine.max_seq_len}: type /clear to start over")
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     stops = set(engine.default_stop_tokens)
     generated = []
@@ -112,6 +120,8 @@ def main(argv=None) -> int:
     # 21 s the first time (Triton compiles it into its cache) and 1.4 s after that. Where auto does
     # not pick persistent it falls back to eager, not compiled: no torch.compile wait at start-up.
     engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step, graph_fallback="eager")
+    if args.prompt is not None:   # before the warm-up: a prompt too long to answer ends the run at once
+        prompt = fit_prompt(engine, tokenizer, [{"role": "user", "content": args.prompt}], "shorten -p")
     warm = 0.0
     if engine.decode_mode == "graphs":   # stderr: -p prints the answer alone on stdout
         print(f"warming up the decode step (graph step {engine.graph_step}; a machine's first start compiles "
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
     next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
 
     if args.prompt is not None:
-        answer(engine, tokenizer, [{"role": "user", "content": args.prompt}], args, next_seed())
+        answer(engine, tokenizer, prompt, args, next_seed())
         return 0
 
     step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
@@ -144,7 +154,8 @@ def main(argv=None) -> int:
         messages.append({"role": "user", "content": text})
         print("\nAssistant: ", end="", flush=True)
         try:
-            messages.append(answer(engine, tokenizer, messages, args, next_seed()))
+            prompt = fit_prompt(engine, tokenizer, messages, "type /clear to start over")
+            messages.append(answer(engine, tokenizer, prompt, args, next_seed()))
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program
             print("\n(stopped)")
             messages.pop()

@@ -26,18 +26,24 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
     assert chat_cli.main(["-p", "Hello there, how are you?", "--device", "cpu", "-t", "0", "-m", "12",
                           "--decode", "static"]) == 0
     assert capsys.readouterr().out == printed
+    # a prompt with no room left for a reply: one line for script_main, naming the fix for -p
+    from nanochat.errors import RequestError
+    with pytest.raises(RequestError, match="the model's context is [0-9]+: shorten -p$"):
+        chat_cli.main(["-p", "ab " * 3000, "--device", "cpu", "-m", "5"])
 
-    lines = iter(["first question", "second question", "/clear", "third", "/quit"])
+    lines = iter(["first question", "ab " * 3000, "second question", "/clear", "third", "/quit"])
     prompts = []
     real_render = tokenizer.render_for_completion
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     monkeypatch.setattr(type(tokenizer), "render_for_completion",
                         lambda self, conv: prompts.append(list(conv["messages"])) or real_render(conv))
     assert chat_cli.main(["--device", "cpu", "-t", "0.7", "-m", "8", "--seed", "1"]) == 0
-    assert [len(p) for p in prompts] == [1, 3, 1]  # history grows, /clear resets it
-    assert prompts[1][0]["content"] == "first question" and prompts[2][0]["content"] == "third"
+    assert [len(p) for p in prompts] == [1, 3, 3, 1]  # history grows, /clear resets it
+    assert prompts[1][2]["content"] == ("ab " * 3000).strip()   # too long: refused, then dropped from the history
+    assert prompts[1][0]["content"] == "first question" and prompts[3][0]["content"] == "third"
     out = capsys.readouterr().out
     assert "(new conversation)" in out and "decode=eager" in out   # auto on a CPU
+    assert ": type /clear to start over]" in out
 
 
 @pytest.mark.cuda
