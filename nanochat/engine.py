@@ -51,6 +51,7 @@ second decodes eagerly with a private cache instead of sharing the persistent on
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -515,13 +516,13 @@ class Engine:
 class TextStream:
     """Token ids -> text deltas for streaming display.
 
-    Holds back a token whose bytes end in an incomplete UTF-8 sequence (until the next token
-    completes it), renders special tokens through `special_text` (unlisted specials show as
-    nothing), and, given `stop_strings`, cuts the text at the first stop string, holding back any
-    tail that could still become one. `feed` returns the new text; `finish` flushes the rest.
+    Decodes the tokens' bytes incrementally, so a character split across tokens (or across
+    several, as in large byte-level BPE vocabularies) appears once it is complete and never as
+    U+FFFD; bytes that cannot become UTF-8 show as U+FFFD as soon as that is known. Renders special
+    tokens through `special_text` (unlisted specials show as nothing), and, given `stop_strings`,
+    cuts the text at the first stop string, holding back any tail that could still become one.
+    `feed` returns the new text; `finish` flushes the rest.
     """
-
-    MAX_PENDING = 4  # a UTF-8 character spans at most 4 byte-level tokens
 
     def __init__(self, tokenizer, stop_strings: Sequence[str] = (), special_text: dict[int, str] | None = None):
         self.tokenizer = tokenizer
@@ -529,33 +530,28 @@ class TextStream:
         self.special_text = special_text or {}
         self._specials = {tokenizer.encode_special(name) for name in tokenizer.special_tokens} \
             if hasattr(tokenizer, "special_tokens") else set(self.special_text)
-        self._pending: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""        # everything decoded so far (cut at a stop string)
         self.emitted = 0      # how many characters of self.text were returned
         self.stopped = False  # a stop string was found
 
-    def _decode_pending(self, force: bool) -> str:
-        if not self._pending:
-            return ""
-        piece = self.tokenizer.decode(self._pending)
-        if piece.endswith("\ufffd") and not force and len(self._pending) < self.MAX_PENDING:
-            return ""
-        self._pending.clear()
-        return piece
+    def _flush(self) -> str:
+        """What an incomplete character held back so far comes to (U+FFFD) before a special token
+        or the end."""
+        return self._utf8.decode(b"", final=True)
 
     def feed(self, token: int) -> str:
         if self.stopped:
             return ""
         if token in self._specials:
-            self.text += self._decode_pending(force=True) + self.special_text.get(token, "")
+            self.text += self._flush() + self.special_text.get(token, "")
         else:
-            self._pending.append(token)
-            self.text += self._decode_pending(force=False)
+            self.text += self._utf8.decode(self.tokenizer.decode_bytes([token]))
         return self._release(final=False)
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text += self._decode_pending(force=True)
+            self.text += self._flush()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

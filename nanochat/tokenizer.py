@@ -329,6 +329,10 @@ class Tokenizer:
         """Ids back to text; special tokens appear by name, invalid UTF-8 as U+FFFD."""
         return self._enc.decode(self._check_ids(ids))
 
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """Ids back to their bytes, which need not end on a UTF-8 character boundary (streaming)."""
+        return self._enc.decode_bytes(self._check_ids(ids))
+
     def id_to_token(self, i: int) -> str:
         (i,) = self._check_ids([i])
         return self._enc.decode_single_token_bytes(i).decode("utf-8", errors="replace")

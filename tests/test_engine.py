@@ -303,6 +303,23 @@ def test_text_stream_utf8_and_specials(tok):
     assert out + stream.finish() == "<<1+1="
 
 
+class SplitBytesTokenizer:
+    """Tokens whose bytes cut characters anywhere, as large byte-level BPE vocabularies' do."""
+    TABLE = {0: b"\xe4", 1: b"\xb8", 2: b"\xad\xe6", 3: b"\x96", 4: b"\x87", 5: b"ok", 6: b"\xff", 7: b"\xf0\x9f"}
+
+    def decode_bytes(self, ids):
+        return b"".join(self.TABLE[i] for i in ids)
+
+
+def test_text_stream_characters_split_across_tokens():
+    """'中文' as 5 tokens that cut both characters: each appears once complete, no U+FFFD; bytes that
+    can never be UTF-8 show as U+FFFD at once; an incomplete character at the end, at finish."""
+    stream = TextStream(SplitBytesTokenizer())
+    assert [stream.feed(t) for t in [0, 1, 2, 3, 4]] + [stream.finish()] == ["", "", "中", "", "文", ""]
+    stream = TextStream(SplitBytesTokenizer())
+    assert [stream.feed(t) for t in [5, 6, 5, 7]] + [stream.finish()] == ["ok", "\ufffd", "ok", "", "\ufffd"]
+
+
 def test_text_stream_stop_strings(tok):
     stream = TextStream(tok, stop_strings=["STOP", "xyz"])
     ids = tok.encode("abc ST then STOP and more")
