@@ -23,13 +23,24 @@ from urllib.parse import urlsplit
 from nanochat.chat_api import ApiError
 
 
+_PORT = re.compile(r":[0-9]{1,5}")
+
+
 def host_of(header: str) -> str:
-    """The host part of a Host header, lowercased: "[::1]:8000" -> "::1", "LocalHost:80" -> "localhost"."""
+    """The host part of a Host header, lowercased: "[::1]:8000" -> "::1", "LocalHost:80" -> "localhost".
+    A port that is not digits ("127.0.0.1:80@evil.example") leaves the header whole, which names
+    no allowed host."""
     host = header.strip().lower()
     if host.startswith("[") and "]" in host:
-        host = host[1:host.index("]")]
+        end = host.index("]")
+        if end + 1 < len(host) and not _PORT.fullmatch(host[end + 1:]):
+            return host
+        host = host[1:end]
     elif host.count(":") == 1:           # name:port or v4:port (a bare IPv6 address has several colons)
-        host = host.split(":")[0]
+        name, port = host.split(":")
+        if not _PORT.fullmatch(":" + port):
+            return host
+        host = name
     return host.rstrip(".")              # "localhost." names the same host
 
 

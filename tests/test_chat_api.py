@@ -112,6 +112,7 @@ def test_api_error_types_follow_openai():
     ("localhost:8000", "localhost"), ("LOCALHOST", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
     ("::1", "::1"), ("127.0.0.1:80", "127.0.0.1"), ("localhost.", "localhost"), ("evil.example:8000", "evil.example"),
     ("", ""), ("[::1", "[::1"),
+    ("127.0.0.1:18438@evil.com", "127.0.0.1:18438@evil.com"), ("[::1]x", "[::1]x"), ("localhost:", "localhost:"),
 ])
 def test_host_of(header, host):
     assert host_of(header) == host
