@@ -113,21 +113,35 @@ def model_digest(ckpt_dir, step: int) -> str | None:
     return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
-def check_fresh_start(ckpt_dir, overwrite: bool, is_master: bool = True) -> None:
+def check_fresh_start(ckpt_dir, overwrite: bool) -> list[int]:
     """A fresh base run into a model tag that holds checkpoints would replace them step by step (and
-    its final save the earlier run's model): refused unless --overwrite, which deletes them first."""
+    its final save the earlier run's model): refused unless --overwrite. Returns the steps that
+    --overwrite replaces; `delete_earlier_run` deletes them at the new run's first save, so a run
+    that fails before it (a bad flag found late, an OOM at the first step) loses nothing."""
     ckpt_dir = Path(ckpt_dir)
     steps = list_steps(ckpt_dir)
-    if not steps:
-        return
-    if not overwrite:
+    if steps and not overwrite:
         raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
                               "overwrite them: pass --resume latest (or auto) to continue it, another --model-tag "
                               "to train a new one, or --overwrite to delete them")
-    if is_master:
-        for step in steps:
-            shutil.rmtree(ckpt_dir / step_dirname(step))
+    return steps
+
+
+def steps_bytes(ckpt_dir, steps: list[int]) -> int:
+    """Bytes the given steps' directories hold on disk."""
+    return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
+               if f.is_file())
+
+
+def delete_earlier_run(ckpt_dir, steps: list[int], is_master: bool = True) -> None:
+    """--overwrite: delete the earlier run's checkpoints (collective). latest.json goes first, so an
+    interruption midway never leaves it naming a deleted step."""
+    ckpt_dir = Path(ckpt_dir)
+    if is_master and steps:
         (ckpt_dir / LATEST_NAME).unlink(missing_ok=True)
+        for step in steps:
+            shutil.rmtree(ckpt_dir / step_dirname(step), ignore_errors=True)
+        fsync_dir(ckpt_dir)
         print0(f"--overwrite: deleted the checkpoints of steps {steps} in {ckpt_dir}")
     barrier()
 
@@ -213,13 +227,14 @@ def free_bytes(path: Path) -> int:
 
 
 
-def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
+def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: int = 0) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
     cannot be written; when only some fit, says how many (a save that does not fit stops the run).
-    With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning)."""
+    With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning).
+    `freed`: bytes deleted before the first save (--overwrite's earlier run), counted as free."""
     need = _needed(bytes_each)
-    free = free_bytes(ckpt_dir)
+    free = free_bytes(ckpt_dir) + freed
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
                               f"~{fmt_bytes(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")

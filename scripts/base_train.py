@@ -212,8 +212,9 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
-    from nanochat.checkpoint import (build_model, check_fresh_start, checkpoint_bytes, checkpoint_dir, disk_plan,
-                                     load_checkpoint, planned_saves, resolve_resume, save_checkpoint, step_dirname)
+    from nanochat.checkpoint import (build_model, check_fresh_start, checkpoint_bytes, checkpoint_dir,
+                                     delete_earlier_run, disk_plan, load_checkpoint, planned_saves, resolve_resume,
+                                     save_checkpoint, step_dirname, steps_bytes)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -262,9 +263,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
-    resume, resume_at = None, resolve_resume(cfg.resume, ckpt_dir)
+    resume, resume_at, overwritten = None, resolve_resume(cfg.resume, ckpt_dir), []
     if resume_at is None:
-        check_fresh_start(ckpt_dir, cfg.overwrite, rt.is_master)
+        overwritten = check_fresh_start(ckpt_dir, cfg.overwrite)   # deleted at this run's first save
     else:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
@@ -281,7 +282,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(meta_model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last)
+                     cfg.keep_last, freed=steps_bytes(ckpt_dir, overwritten))
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
@@ -345,6 +346,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         return texts
 
     def save(at: int, loop_state: dict):
+        if overwritten:   # --overwrite: the earlier run goes once this one has trained up to a save
+            delete_earlier_run(ckpt_dir, overwritten, rt.is_master)
+            overwritten.clear()
         meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
                 "train": train_meta, "config": asdict(cfg), "val_bpb": loop_state["val_bpb"],
                 "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}

@@ -513,3 +513,29 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(env, base_di
                                                  r"would overwrite them: pass --resume latest \(or auto\) .* --overwrite"):
         _train(args)
     assert (ckpt_dir / "step_000002" / "model.pt").read_bytes() == before
+
+
+def test_overwrite_deletes_the_earlier_run_only_at_its_first_save(env, base_dir, tiny_corpus, monkeypatch, capsys):
+    """--overwrite: a run that fails before its first save (here: building the model) leaves the
+    earlier run's checkpoints and latest.json as they were; one that reaches a save replaces them."""
+    args = TINY + ["--data-dir", str(tiny_corpus), "--num-iterations", "2", "--eval-every", "-1",
+                   "--model-tag", "again"]
+    _train(args)
+    ckpt_dir = base_dir / "checkpoints" / "base" / "again"
+    before = {p.relative_to(ckpt_dir): p.read_bytes() for p in sorted(ckpt_dir.rglob("*")) if p.is_file()}
+    real_build = ck.build_model
+
+    def fail_on_device(config, device, **kw):
+        if str(device) != "meta":
+            raise RuntimeError("the run failed while setting up")
+        return real_build(config, device, **kw)
+
+    monkeypatch.setattr(ck, "build_model", fail_on_device)
+    with pytest.raises(RuntimeError, match="while setting up"):
+        _train(args + ["--overwrite", "--num-iterations", "3"])
+    assert {p.relative_to(ckpt_dir): p.read_bytes() for p in sorted(ckpt_dir.rglob("*")) if p.is_file()} == before
+    monkeypatch.setattr(ck, "build_model", real_build)
+    capsys.readouterr()
+    _train(args + ["--overwrite", "--num-iterations", "3"])
+    assert "--overwrite: deleted the checkpoints of steps [2] in " in capsys.readouterr().out
+    assert ck.list_steps(ckpt_dir) == [3] and ck.read_latest(ckpt_dir) == 3
