@@ -23,7 +23,7 @@ from nanochat.common import get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
-from nanochat.flags import FlagParser, require, require_float, require_int
+from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class ChatTrainConfig:
     wandb: str | None = None
 
     def validate(self, stage: ChatStage) -> "ChatTrainConfig":
+        check_model_tag(self.model_tag)
         self.source = self.source or stage.sources[0]
         require(self.source in stage.sources, "--source", self.source, "|".join(stage.sources))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")

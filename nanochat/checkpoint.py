@@ -44,6 +44,7 @@ from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, saved_sum,
                                     start_check, step_dirname, write_json)
+from nanochat.flags import check_model_tag
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
@@ -58,8 +59,7 @@ def checkpoint_dir(phase: str, model_tag: str, base_dir: str | Path | None = Non
     """<base_dir>/checkpoints/<phase>/<model_tag> (not created)."""
     if phase not in PHASES:
         raise ValueError(f"phase: got {phase!r}; accepted: {'|'.join(PHASES)}")
-    if not model_tag or not re.fullmatch(r"[A-Za-z0-9_.\-]+", model_tag) or model_tag in (".", ".."):
-        raise ValueError(f"--model-tag: got {model_tag!r}; accepted: letters, digits, '_', '-', '.'")
+    check_model_tag(model_tag or "")
     base = Path(base_dir) if base_dir is not None else get_base_dir()
     return base / "checkpoints" / phase / model_tag
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -49,6 +50,13 @@ def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
     """The one validation primitive: ValueError('--flag: got X; accepted: ...')."""
     if not ok:
         raise RequestError(f"{flag}: got {got!r}; accepted: {accepted}")
+
+
+def check_model_tag(tag: str | None, flag: str = "--model-tag") -> None:
+    """A model tag names a directory under checkpoints/<phase>/: no path separators, no '.' or '..'.
+    None (the script's default) passes."""
+    ok = tag is None or (isinstance(tag, str) and tag not in (".", "..") and re.fullmatch(r"[A-Za-z0-9_.\-]+", tag))
+    require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name)")
 
 
 def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:

@@ -34,7 +34,7 @@ from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
                                restore_rng_state, sample_prompts)
-from nanochat.flags import FlagParser, require, require_float, require_int, script_main
+from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")
@@ -99,6 +99,7 @@ class BaseTrainConfig:
     wandb: str | None = None                # off|offline|online (default: offline iff --run given)
 
     def validate(self) -> "BaseTrainConfig":
+        check_model_tag(self.model_tag)
         require_int(self.depth, "--depth", 1)
         require(self.depth <= 256, "--depth", self.depth, "1..256")
         require_int(self.aspect_ratio, "--aspect-ratio", 1)

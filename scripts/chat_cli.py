@@ -47,8 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS, validate_sampling
+    from nanochat.flags import check_model_tag
     from nanochat.quantize import check_quantize
 
+    check_model_tag(args.model_tag)
     if args.decode not in DECODE_MODES:
         raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
     if args.graph_step not in GRAPH_STEPS:

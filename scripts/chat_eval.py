@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.flags import FlagParser, require, script_main
+from nanochat.flags import FlagParser, check_model_tag, require, script_main
 
 SOURCES = ("base", "mid", "sft", "rl")
 
@@ -56,6 +56,7 @@ class ChatEvalConfig:
         return names
 
     def validate(self) -> "ChatEvalConfig":
+        check_model_tag(self.model_tag)
         require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "an integer >= 0 or latest")
         require(self.max_problems is None or self.max_problems >= 1 or self.max_problems == -1, "--max-problems",

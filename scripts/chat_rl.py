@@ -26,7 +26,7 @@ from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_available, resolve_wandb_mode
 from nanochat.training import Schedule
-from nanochat.flags import FlagParser, require, require_float, require_int, script_main
+from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
 
 SOURCES = ("sft", "mid")
 RL_MOMENTUM = 0.95   # Muon's, constant
@@ -65,6 +65,7 @@ class ChatRLConfig:
 
     def validate(self) -> "ChatRLConfig":
         import os
+        check_model_tag(self.model_tag)
         require(self.source in SOURCES, "--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))

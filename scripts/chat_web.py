@@ -110,6 +110,9 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
 
 
 def validate(args: argparse.Namespace) -> None:
+    from nanochat.flags import check_model_tag
+
+    check_model_tag(args.model_tag)
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
     if not 0 < args.port < 65536:

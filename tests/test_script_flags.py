@@ -34,6 +34,7 @@ CASES = [
     ("compare_logs", ["a.log", "b.log", "--tol", "-1"], "--tol"),
     ("load_test", ["--source", "foo"], "--source"),
     ("bench_checkpoint", ["--reps", "0"], "--reps"),
+    ("base_train", ["--model-tag", "a b"], "--model-tag"),
 ]
 MAX_SECONDS = 20.0
 # profile_training used to build the d20 model before rejecting --precision (21 s on a CPU)
@@ -82,6 +83,21 @@ def test_main_still_raises_for_programmatic_callers():
                              (profile_training.main, ["--precision-backend", "x"], "--precision-backend")):
         with pytest.raises(ValueError, match=flag):
             main(argv)
+
+
+def test_every_recipe_checks_the_model_tag_with_its_flags():
+    """--model-tag names a directory: a path, '..' or a space is refused with the other flags,
+    before any checkpoint is looked for (it was a traceback from checkpoint_dir after torch loaded)."""
+    from scripts import base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web, mid_train
+
+    for parse in (base_train.parse_config, base_eval.parse_config, chat_eval.parse_args, chat_rl.parse_config,
+                  mid_train.parse, chat_sft.parse, chat_cli.parse_args,
+                  lambda argv: chat_web.validate(chat_web.parse_args(argv))):
+        required = ["-i", "sft"] if parse is chat_eval.parse_args else []
+        for bad in ("a b", "..", "a/b", "/abs", ""):
+            with pytest.raises(ValueError, match=f"--model-tag: got {bad!r}; accepted: letters, digits"):
+                parse(required + ["--model-tag", bad])
+    assert base_train.parse_config(["--model-tag", "d20.v2-x_1"]).model_tag == "d20.v2-x_1"
 
 
 def test_torch_free_scripts_reject_a_flag_without_importing_torch():
