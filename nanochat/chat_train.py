@@ -271,23 +271,34 @@ def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
             "extra_conversations": [{"path": t.source, "sha256": t.sha256, "conversations": len(t)} for t in files]}
 
 
-def _check_same_mixture(meta: dict, mixture: dict) -> None:
-    """A resumed run continues the loader's place in its mixture, so the mixture must be the one the
-    checkpoint trained on (a checkpoint from before these flags: identity on, no extra files)."""
+def _check_same_data(meta: dict, mixture: dict, conversations: int, seed: int, seq_len: int) -> None:
+    """A resumed run continues the loader's place in its shuffled mixture, so the mixture (its
+    conversations, their order, the rows they are cut into) must be the one the checkpoint trained
+    on. A checkpoint from before --identity / --extra-conversations: identity on, no extra files."""
     from nanochat.checkpoint import CheckpointError
-    saved = (meta.get("train") or {}).get("mixture") or {"identity": IDENTITY_NAME, "extra_conversations": []}
+    train, config = meta.get("train") or {}, meta.get("config") or {}
+    saved = train.get("mixture") or {"identity": IDENTITY_NAME, "extra_conversations": []}
+
+    def refuse(what: str):
+        raise CheckpointError(f"--resume: the checkpoint was trained on {what}; use the flags of the "
+                              "original run (or start a new --model-tag)")
 
     def describe(m):
         files = ", ".join(f"{Path(f['path']).name} ({f['sha256'][:12]})" for f in m["extra_conversations"])
         return f"--extra-conversations [{files}], identity {m['identity'] or 'off'}"
     key = lambda m: (m["identity"], [f["sha256"] for f in m["extra_conversations"]])   # noqa: E731
     if key(saved) != key(mixture):
-        raise CheckpointError(f"--resume: the checkpoint was trained on another conversation mixture "
-                              f"({describe(saved)}) than this run's ({describe(mixture)}); use the flags of the "
-                              "original run (or start a new --model-tag)")
+        refuse(f"another conversation mixture ({describe(saved)}) than this run's ({describe(mixture)})")
+    if train.get("mixture_conversations", conversations) != conversations:
+        refuse(f"a mixture of {train['mixture_conversations']:,} conversations, this run's has {conversations:,} "
+               "(set by --test-holdout, --data-dir and the task files)")
+    if config.get("seed", seed) != seed:
+        refuse(f"the mixture shuffled with --seed {config['seed']}, this run's with {seed}")
+    if train.get("seq_len", seq_len) != seq_len:
+        refuse(f"rows of --max-seq-len {train['seq_len']}, this run's are {seq_len}")
 
 
-def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict):
+def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, conversations: int):
     """_load_start + the sequence length and batch plan; a checkpoint --resume auto picked that
     this run cannot continue (another --total-batch-size, world size, model or tokenizer: e.g. a
     stage rerun by setup.sh after its flags changed) is left alone for a fresh start, said in one
@@ -305,14 +316,14 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict):
     if resume is not None:
         try:
             check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
-            _check_same_mixture(resume["meta"], mixture)
+            _check_same_data(resume["meta"], mixture, conversations, cfg.seed, seq_len)
         except CheckpointError as e:
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
             _say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
             del model, resume
-            return _start(replace(cfg, resume=None), stage, rt, base_dir, mixture)
+            return _start(replace(cfg, resume=None), stage, rt, base_dir, mixture, conversations)
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
 
 
@@ -337,7 +348,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                               extra=cfg.extra_conversations, identity=cfg.identity)
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     mixture = mixture_record(cfg, train_mix)
-    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture)
+    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture,
+                                                                            len(train_mix))
 
     # ---- one epoch of the mixture = -1 iterations ----
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(

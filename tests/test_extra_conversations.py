@@ -121,6 +121,13 @@ def test_checkpoint_records_the_mixture_and_resume_keeps_it(env, tmp_path, capsy
     assert "--extra-conversations " + own + f": {len(OWN)} conversations, mixed in 2x" in capsys.readouterr().out
 
     assert sorted(chat_sft.main(args + ["--num-iterations", "2", "--resume", "latest"])["losses"]) == [1]
+    # the loader's place is a place in this mixture, in this order, cut into rows of this length
+    for flag, value, why in (("--test-holdout", "40", r"a mixture of [0-9,]+ conversations, this run's has [0-9,]+ "
+                                                      r"\(set by --test-holdout"),
+                             ("--seed", "7", "the mixture shuffled with --seed 42, this run's with 7"),
+                             ("--max-seq-len", "64", "rows of --max-seq-len 128, this run's are 64")):
+        with pytest.raises(ck.CheckpointError, match=why):
+            chat_sft.main(args + ["--num-iterations", "3", "--resume", "latest", flag, value])
     _write(tmp_path / "own.jsonl", OWN[:2])                      # the file changed since
     with pytest.raises(ck.CheckpointError, match="another conversation mixture"):
         chat_sft.main(args + ["--num-iterations", "3", "--resume", "latest"])
