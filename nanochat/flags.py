@@ -59,6 +59,20 @@ def check_model_tag(tag: str | None, flag: str = "--model-tag") -> None:
     require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name)")
 
 
+def check_output_file(path: str | None, flag: str) -> None:
+    """A file a script writes when its work is done: checked before the work. Not a directory, and
+    its nearest existing parent is a writable directory (the rest is created). None passes."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    require(not os.path.isdir(target), flag, path, "a file path (this is a directory)")
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    require(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), flag, path,
+            f"a path in a writable directory ({parent} is not one)")
+
+
 def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:
     ok = (isinstance(value, int) and not isinstance(value, bool) and (value >= low or value in allow))
     extra = f" (or {'/'.join(map(str, allow))})" if allow else ""

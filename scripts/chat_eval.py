@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.flags import FlagParser, check_model_tag, require, script_main
+from nanochat.flags import FlagParser, check_model_tag, check_output_file, require, require_float, script_main
 
 SOURCES = ("base", "mid", "sft", "rl")
 
@@ -57,6 +57,7 @@ class ChatEvalConfig:
 
     def validate(self) -> "ChatEvalConfig":
         check_model_tag(self.model_tag)
+        check_output_file(self.out, "--out")
         require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "an integer >= 0 or latest")
         require(self.max_problems is None or self.max_problems >= 1 or self.max_problems == -1, "--max-problems",
@@ -64,7 +65,7 @@ class ChatEvalConfig:
         if self.max_problems == -1:  # setup.sh's full presets pass -1 = every problem
             self.max_problems = None
         require(self.batch_size >= 1, "--batch-size", self.batch_size, ">= 1")
-        require(self.temperature >= 0, "--temperature", self.temperature, ">= 0 (0 = greedy)")
+        require_float(self.temperature, "--temperature", 0.0)   # inf / nan too, not only negatives
         require(self.num_samples >= 1, "--num-samples", self.num_samples, ">= 1")
         require(self.top_k >= 0, "--top-k", self.top_k, ">= 0 (0 = off)")
         require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, ">= 1")

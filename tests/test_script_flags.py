@@ -100,6 +100,25 @@ def test_every_recipe_checks_the_model_tag_with_its_flags():
     assert base_train.parse_config(["--model-tag", "d20.v2-x_1"]).model_tag == "d20.v2-x_1"
 
 
+def test_result_files_and_sampling_are_checked_before_the_evals(tmp_path):
+    """base_eval --output / chat_eval --out that cannot be written (a directory, a path under a file)
+    are refused with the flags, not after the whole evaluation; chat_eval --temperature inf too."""
+    from scripts import base_eval, chat_eval
+
+    (tmp_path / "afile").write_text("")
+    for bad in (str(tmp_path), str(tmp_path / "afile" / "out.json")):
+        with pytest.raises(ValueError, match=f"--output: got '{bad}'; accepted: a "):
+            base_eval.parse_config(["--output", bad])
+        with pytest.raises(ValueError, match=f"--out: got '{bad}'; accepted: a "):
+            chat_eval.parse_args(["-i", "sft", "--out", bad])
+    fine = str(tmp_path / "new" / "dir" / "out.json")   # created when written
+    assert base_eval.parse_config(["--output", fine]).output == fine
+    assert chat_eval.parse_args(["-i", "sft", "--out", fine]).out == fine
+    for bad in ("inf", "nan", "-1"):
+        with pytest.raises(ValueError, match="--temperature: got"):
+            chat_eval.parse_args(["-i", "sft", "--temperature", bad])
+
+
 def test_torch_free_scripts_reject_a_flag_without_importing_torch():
     """script_main lives in the torch-free nanochat/flags.py: compare_logs and bench_tokenizer
     report a bad flag without paying torch's import (seconds on a CI core)."""
