@@ -29,7 +29,8 @@ Options:
                      training tokens (20 per scaling parameter), the data shards downloaded
                      and the device batch follow it; e.g. --depth 12 trains ~4x fewer tokens
   --only S1,S2       run only these stages (others are neither run nor checked)
-  --from STAGE       start at STAGE (earlier stages must already be done)
+  --from STAGE       start at STAGE (earlier stages must already be done: their done-markers
+                     are checked); not with --only
   --force            rerun stages even if their done-marker matches
   --install-rust     install a Rust toolchain with rustup if cargo is missing
   --conversations F  a JSONL file of your own conversations ({"messages": [...]} per line) for
@@ -50,6 +51,8 @@ say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
 PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
+# *_GIVEN: the flag was given, so an empty value is an error rather than "not given"
+ONLY_GIVEN=0 FROM_GIVEN=0 IDENTITY_GIVEN=0 BASE_DIR_GIVEN=0 LIST_STAGES=0
 CONV_FILES=()
 add_conversations() {  # a --conversations value: an existing file, kept as an absolute path
   local f="$1"; [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
@@ -63,30 +66,37 @@ while [[ $# -gt 0 ]]; do
     --preset=*) PRESET="${1#*=}"; shift ;;
     --depth) [[ $# -ge 2 ]] || die "--depth needs a value (an integer 1-64)"; DEPTH_FLAG="$2"; DEPTH_GIVEN=1; shift 2 ;;
     --depth=*) DEPTH_FLAG="${1#*=}"; DEPTH_GIVEN=1; shift ;;
-    --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; shift 2 ;;
-    --only=*) ONLY="${1#*=}"; shift ;;
-    --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; shift 2 ;;
-    --from=*) FROM="${1#*=}"; shift ;;
+    --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; ONLY_GIVEN=1; shift 2 ;;
+    --only=*) ONLY="${1#*=}"; ONLY_GIVEN=1; shift ;;
+    --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; FROM_GIVEN=1; shift 2 ;;
+    --from=*) FROM="${1#*=}"; FROM_GIVEN=1; shift ;;
     --force) FORCE=1; shift ;;
     --install-rust) INSTALL_RUST=1; shift ;;
     --conversations) [[ $# -ge 2 ]] || die "--conversations needs a JSONL file"; add_conversations "$2"; shift 2 ;;
     --conversations=*) add_conversations "${1#*=}"; shift ;;
-    --identity) [[ $# -ge 2 ]] || die "--identity needs a name"; IDENTITY="$2"; shift 2 ;;
-    --identity=*) IDENTITY="${1#*=}"; shift ;;
+    --identity) [[ $# -ge 2 ]] || die "--identity needs a name"; IDENTITY="$2"; IDENTITY_GIVEN=1; shift 2 ;;
+    --identity=*) IDENTITY="${1#*=}"; IDENTITY_GIVEN=1; shift ;;
     --no-identity) NO_IDENTITY=1; shift ;;
-    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
-    --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
+    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; BASE_DIR_GIVEN=1; shift 2 ;;
+    --base-dir=*) BASE_DIR="${1#*=}"; BASE_DIR_GIVEN=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    --list-stages) printf '%s\n' "${STAGES[@]}"; exit 0 ;;
+    --list-stages) LIST_STAGES=1; shift ;;   # after the checks below: a bad flag is not ignored
     -h|--help) usage; exit 0 ;;
     *) die "unknown option '$1' (see ./setup.sh --help)" ;;
   esac
 done
 
 case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; accepted: auto|tiny|spark|h100" ;; esac
+BASE_DIR_FROM=--base-dir; [[ $BASE_DIR_GIVEN -eq 1 ]] || BASE_DIR_FROM=NANOCHAT_BASE_DIR
+BASE_DIR_OK="accepted: a directory (made if missing), not an existing file or a path under one"
+[[ -n "$BASE_DIR" ]] || die "$BASE_DIR_FROM: got ''; $BASE_DIR_OK"   # "" would be the caller's directory
+BASE_DIR_ARG="$BASE_DIR"
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
-if [[ -n "$IDENTITY" ]]; then   # nanochat/tasks/identity.py's rule (bar its Unicode cases), before hours of training
-  [[ ${#IDENTITY} -le 64 && "$IDENTITY" != " "* && "$IDENTITY" != *" " && "$IDENTITY" != *[[:cntrl:]]* ]] \
+existing="$BASE_DIR"   # its nearest existing part must be a directory, or mkdir fails hours later
+while [[ ! -e "$existing" && "$existing" != / ]]; do existing="$(dirname "$existing")"; done
+[[ -d "$existing" ]] || die "$BASE_DIR_FROM: got '$BASE_DIR_ARG' ('$existing' is not a directory); $BASE_DIR_OK"
+if [[ $IDENTITY_GIVEN -eq 1 ]]; then   # nanochat/tasks/identity.py's rule (bar its Unicode cases), before hours of training
+  [[ ${#IDENTITY} -ge 1 && ${#IDENTITY} -le 64 && "$IDENTITY" != " "* && "$IDENTITY" != *" " && "$IDENTITY" != *[[:cntrl:]]* ]] \
     || die "--identity: got '$IDENTITY'; accepted: a name of 1-64 printable characters (no leading or trailing spaces)"
   [[ $NO_IDENTITY -eq 0 ]] || die "--identity: got '$IDENTITY' and --no-identity; accepted: one of the two"
 fi
@@ -94,9 +104,29 @@ if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#
   die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
 fi
 valid_stage() { local s; for s in "${STAGES[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
+# an empty --only / --from would otherwise read as "not given" and run every stage
+if [[ $ONLY_GIVEN -eq 1 && ! "$ONLY" =~ ^[^,]+(,[^,]+)*$ ]]; then
+  die "--only: got '$ONLY' (an empty stage name); accepted: a comma-separated list of: ${STAGES[*]}"
+fi
 IFS=',' read -r -a ONLY_LIST <<< "$ONLY"
 for s in "${ONLY_LIST[@]}"; do valid_stage "$s" || die "--only: unknown stage '$s'; accepted: ${STAGES[*]}"; done
-[[ -z "$FROM" ]] || valid_stage "$FROM" || die "--from: unknown stage '$FROM'; accepted: ${STAGES[*]}"
+[[ $FROM_GIVEN -eq 0 ]] || valid_stage "$FROM" || die "--from: got '$FROM'; accepted: one of ${STAGES[*]}"
+[[ $ONLY_GIVEN -eq 0 || $FROM_GIVEN -eq 0 ]] \
+  || die "--only and --from: got both (--only '$ONLY', --from '$FROM'); accepted: one of the two"
+if [[ $LIST_STAGES -eq 1 ]]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
+
+# --from skips the stages before it, so they must have finished (the env stage's marker lives in
+# .venv and is not checked). A dry run says so and still lists what would run.
+STATE_DIR="$BASE_DIR/setup_state"
+if [[ -n "$FROM" ]]; then
+  for s in "${STAGES[@]}"; do
+    [[ "$s" != "$FROM" ]] || break
+    [[ "$s" == env || -f "$STATE_DIR/$s.done" ]] && continue
+    msg="--from: got '$FROM', but the earlier stage '$s' has not finished (no $STATE_DIR/$s.done); accepted: a stage after finished ones, so rerun with --from $s (e.g. ./setup.sh --from $s) or without --from"
+    if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+    break
+  done
+fi
 
 # ---------------------------------------------------------------- machine checks (no installs)
 ARCH="$(uname -m)"; OS="$(uname -s)"
@@ -282,7 +312,6 @@ stage_cmd() {  # prints the command of a stage, one argument per line
 }
 
 # ---------------------------------------------------------------- stage bookkeeping
-STATE_DIR="$BASE_DIR/setup_state"
 should_run() {  # stage -> 0 if selected by --only/--from
   local s="$1"
   if [[ -n "$ONLY" ]]; then local o; for o in "${ONLY_LIST[@]}"; do [[ "$o" == "$s" ]] && return 0; done; return 1; fi

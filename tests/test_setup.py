@@ -343,3 +343,83 @@ def test_a_relative_base_dir_is_the_callers(tmp_path):
     _mark_done(tmp_path, cmds, base="rel")
     rc, out = _tiny(tmp_path, base="rel", cwd=tmp_path)
     assert rc == 0 and set(_verdicts(out).values()) == {"skip"}, out
+
+
+# ------------------------------------------------------------------ flag checks (before any work)
+
+STAGE_NAMES = "env data tokenizer tok_eval base_train base_eval mid_train chat_sft chat_eval report"
+
+
+def test_base_dir_must_name_a_directory(tmp_path):
+    """An empty --base-dir (which would have been the caller's directory) and a path that is, or lies
+    under, an existing file stop setup.sh before anything, naming the flag."""
+    (tmp_path / "afile").write_text("not a directory\n")
+    for bad in (["--base-dir", ""], ["--base-dir="], ["--base-dir", str(tmp_path / "afile")],
+                ["--base-dir", "afile"], ["--base-dir", "afile/sub"]):
+        rc, out = _tiny(tmp_path, *bad, cwd=tmp_path)
+        assert rc == 2 and "--base-dir: got '" in out and "accepted: a directory" in out, (bad, out)
+        assert "==>" not in out and len(out.strip().splitlines()) == 1, (bad, out)
+    rc, out = _tiny(tmp_path, "--only", "data", base=tmp_path / "new" / "dir")   # one still to be made is fine
+    assert rc == 0 and "[data]" in out, out
+
+
+def test_empty_identity_is_a_bad_name(tmp_path):
+    for bad in (["--identity", ""], ["--identity="], ["--identity", "", "--no-identity"]):
+        rc, out = _tiny(tmp_path, *bad)
+        assert rc == 2 and "--identity: got ''; accepted: a name of 1-64 printable characters" in out, (bad, out)
+        assert "==>" not in out
+
+
+def test_only_and_from_conflict_and_empty_stage_names(tmp_path):
+    """--only with --from names both flags; an empty --only / --from (or an empty name in the list)
+    lists the stages instead of silently running every one."""
+    for args in (["--only", "base_train", "--from", "data"], ["--from=data", "--only=base_train"]):
+        rc, out = _tiny(tmp_path, *args)
+        assert rc == 2 and "--only" in out and "--from" in out and "accepted: one of the two" in out, (args, out)
+        assert "==>" not in out
+    for flag, value in (("--only", ""), ("--only", "data,"), ("--only", "data,,tokenizer"), ("--from", "")):
+        rc, out = _tiny(tmp_path, f"{flag}={value}")
+        assert rc == 2 and f"{flag}: got '{value}'" in out and STAGE_NAMES in out, (flag, value, out)
+        assert "==>" not in out
+
+
+def test_from_needs_the_earlier_stages_done(tmp_path):
+    """--from STAGE skips the stages before it, so each must have its done-marker: the first missing
+    one is named with the way to run it; a dry run says so and still lists what would run, a real
+    run stops before the machine checks (here: before it finds no python3 on PATH)."""
+    rc, out = _tiny(tmp_path, "--from", "data")   # only env is before data, and its marker lives in .venv
+    assert rc == 0 and "--from: got" not in out and set(_commands(out)) == set(PIPELINE), out
+    cmds = _commands(out)
+    rc, out = _tiny(tmp_path, "--from", "base_train")
+    assert rc == 0 and "--from: got 'base_train'" in out and "stage 'data'" in out and "--from data" in out, out
+    assert set(_commands(out)) == set(PIPELINE[3:])
+    _mark_done(tmp_path, {s: cmds[s] for s in ("data", "tokenizer")})
+    rc, out = _tiny(tmp_path, "--from", "base_train")
+    assert rc == 0 and "stage 'tok_eval'" in out and "--from tok_eval" in out and "stage 'data'" not in out, out
+
+    bin_dir = tmp_path / "bin"   # no python3: before the check existed, the run stopped there
+    bin_dir.mkdir()
+    for tool in ("dirname", "uname", "df", "awk"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    run = subprocess.run([shutil.which("bash"), str(REPO / "setup.sh"), "--preset", "tiny", "--from", "base_train",
+                          "--base-dir", str(tmp_path / "base")], env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "error: --from: got 'base_train'" in run.stderr, run.stdout + run.stderr
+    assert "stage 'tok_eval'" in run.stderr and "==>" not in run.stdout, run.stdout + run.stderr
+
+    _mark_done(tmp_path, {"tok_eval": cmds["tok_eval"]})
+    rc, out = _tiny(tmp_path, "--from", "base_train")
+    assert rc == 0 and "--from: got" not in out and set(_commands(out)) == set(PIPELINE[3:]), out
+    rc, out = _tiny(tmp_path, "--from", "env", base=tmp_path / "empty")
+    assert rc == 0 and "--from: got" not in out and set(_commands(out)) == set(PIPELINE), out
+
+
+def test_list_stages_checks_the_other_flags_first(tmp_path):
+    rc, out = _tiny(tmp_path, "--list-stages")
+    assert rc == 0 and out.split() == STAGE_NAMES.split(), out
+    rc, out = _tiny(tmp_path, "--list-stages", "--from", "report")   # listing reads no done-markers
+    assert rc == 0 and out.split() == STAGE_NAMES.split(), out
+    for bad, said in ((["--bogus"], "unknown option '--bogus'"), (["--depth", "0"], "--depth: got '0'"),
+                      (["--only", "nope"], "--only: unknown stage 'nope'")):
+        rc, out = _tiny(tmp_path, "--list-stages", *bad)
+        assert rc == 2 and said in out and len(out.strip().splitlines()) == 1, (bad, out)
