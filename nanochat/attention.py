@@ -107,6 +107,16 @@ def resolve_backend(name: str, device) -> str:
     return name
 
 
+def check_training_backend(name: str, device) -> str:
+    """resolve_backend for a training run: flex has no backward on CPU (attention() raises at the
+    first step), so a CPU run that asks for it is refused with the flags."""
+    resolved = resolve_backend(name, device)
+    if resolved == "flex" and torch.device(device).type == "cpu":
+        raise RequestError("--attn-backend flex has no backward on CPU; accepted for CPU training: "
+                           "auto|sdpa|reference")
+    return resolved
+
+
 # ----------------------------------------------------------------------------------------------
 # KV cache
 

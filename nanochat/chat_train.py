@@ -332,6 +332,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
     from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
+    from nanochat.kernels import check_kernel
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
@@ -342,6 +343,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
     resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)  # cheap: is there a checkpoint at all?
+    check_kernel(cfg.kernel, rt.device)
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,

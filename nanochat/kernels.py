@@ -326,7 +326,7 @@ def _liger_module(softcap, reduction):
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except ImportError as exc:
-        raise RuntimeError(
+        raise RequestError(
             "--kernel liger needs liger-kernel: pip install 'liger-kernel>=0.6' (or the `gpu` "
             f"extra: pip install -e '.[gpu]'); or use --kernel triton|current ({exc})") from exc
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=softcap or None,
@@ -359,20 +359,28 @@ def make_liger_loss(inline: bool = False) -> LossFn:
 # entry point
 # --------------------------------------------------------------------------------------------
 
-def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,
-                  chunk_rows: int = 0) -> LossFn:
-    """The loss function for `--kernel name` on `device`; raises ValueError for a bad name and
-    RuntimeError with what to do when the backend cannot run there."""
+def check_kernel(name: str, device: torch.device | str) -> None:
+    """Can `--kernel name` run on `device`? A RequestError saying what to do instead: the recipes
+    call it with their other checks, before a model is built."""
     if name not in KERNELS:
         raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+    if name == "liger":
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise RequestError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
+                               "use --kernel triton (runs its CPU path) or --kernel current")
+        _liger_module(None, "mean")   # installed?
+
+
+def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,
+                  chunk_rows: int = 0) -> LossFn:
+    """The loss function for `--kernel name` on `device`; a RequestError (check_kernel) when it
+    cannot run there."""
+    check_kernel(name, device)
     dev = torch.device(device)
     if name == "current":
         return current_loss
     if name == "liger":
-        if dev.type != "cuda":
-            raise RuntimeError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
-                               "use --kernel triton (runs its CPU path) or --kernel current")
-        _liger_module(None, "mean")   # fail now, not at the first step, if it is missing
         return make_liger_loss(inline=liger_inline)
     if dev.type == "cuda":
         try:

@@ -220,6 +220,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
+    from nanochat.attention import check_training_backend
+    from nanochat.kernels import check_kernel
     from nanochat.training import check_precision, setup_precision_and_kernel
 
     base_dir = get_base_dir()
@@ -227,7 +229,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     model_tag = cfg.model_tag or f"d{cfg.depth}"
     ckpt_dir = checkpoint_dir("base", model_tag, base_dir)
 
-    check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run it? (raises)
+    check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run these? (raises)
+    check_kernel(cfg.kernel, rt.device)
+    check_training_backend(cfg.attn_backend, rt.device)
 
     # ---- tokenizer ----
     tokenizer = get_tokenizer(base_dir)

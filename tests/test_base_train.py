@@ -105,6 +105,9 @@ def test_impossible_batch_arithmetic_raises_with_numbers():
     (["--depth=-3"], "base_train: error: --depth: got -3"),                          # a bad flag
     (["--device", "cpu", "--precision", "nvfp4"], "base_train: error: --precision nvfp4: needs a Blackwell"),
     (["--device", "cpu"], "base_train: error: tokenizer at "),                      # nothing set up yet
+    # before the tokenizer, data and model (it was a traceback after the model was built / at step 0)
+    (["--device", "cpu", "--kernel", "liger"], "base_train: error: --kernel liger needs a CUDA GPU"),
+    (["--device", "cpu", "--attn-backend", "flex"], "base_train: error: --attn-backend flex has no backward on CPU"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
     """Bad flags, requests the machine cannot meet and missing files: one line naming the flag or

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanochat.errors import RequestError
 from nanochat.kernels import build_loss_fn, ce_rows_torch, current_loss, default_chunk_rows, triton_loss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def test_compiles_without_graph_break():
 def test_build_loss_fn_validation():
     with pytest.raises(ValueError, match="--kernel"):
         build_loss_fn("cudnn", "cpu")
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(RequestError, match="--kernel liger needs a CUDA GPU"):
         build_loss_fn("liger", "cpu")
     assert build_loss_fn("current", "cpu") is current_loss
     with pytest.raises(ValueError, match="reduction"):
