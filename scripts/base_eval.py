@@ -54,7 +54,9 @@ class BaseEvalConfig:
         require(self.source in PHASES, "-i/--source", self.source, "|".join(PHASES))
         require(bool(self.evals) and set(self.evals) <= set(EVALS), "--eval", self.eval,
                 "a comma list of " + "|".join(EVALS))
-        require(set(self.splits.split(",")) <= {"train", "val"}, "--splits", self.splits, "val, train or train,val")
+        splits = self.splits.split(",")
+        require(set(splits) <= {"train", "val"} and len(set(splits)) == len(splits), "--splits", self.splits,
+                "val, train or train,val")
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.eval_tokens, "--eval-tokens", 1)

@@ -169,7 +169,10 @@ def main(argv=None) -> dict:
                "ChatCORE": score, "complete": complete}
         if rt.is_master:
             suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
-            path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{cfg.model_tag or 'default'}{suffix}.json")
+            # one file per checkpoint (as base_eval's): evaluating another step keeps the earlier results
+            tag, at = cfg.model_tag or meta.get("model_tag") or "default", out["step"]
+            at = f"_step{at:06d}" if isinstance(at, int) else ""
+            path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{tag}{at}{suffix}.json")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(Path(path), lambda f: f.write(json.dumps(out, indent=1).encode()))
             print0(f"results written to {path}")

@@ -245,6 +245,8 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
         out = chat_eval.main(["-i", source, "--model-tag", "pipe", "--device", "cpu", "--max-problems", "2",
                               "--max-new-tokens", "8", "--batch-size", "2"])
         assert out["complete"] and all(0.0 <= r["accuracy"] <= 1.0 for r in out["results"].values())
+        saved = base_dir / "chat_eval" / f"{source}_pipe_step{out['step']:06d}.json"   # one file per checkpoint
+        assert json.loads(saved.read_text())["step"] == out["step"]
     sampled = chat_eval.main(["-i", "rl", "--model-tag", "pipe", "--device", "cpu", "--max-problems", "2",
                               "--max-new-tokens", "8", "-a", "GSM8K", "--num-samples", "3", "--temperature", "1.0"])
     curve = sampled["results"]["GSM8K"]["pass_at"]   # pass@1..3, the last one the task's accuracy

@@ -117,6 +117,8 @@ def test_result_files_and_sampling_are_checked_before_the_evals(tmp_path):
     for bad in ("inf", "nan", "-1"):
         with pytest.raises(ValueError, match="--temperature: got"):
             chat_eval.parse_args(["-i", "sft", "--temperature", bad])
+    with pytest.raises(ValueError, match="--splits: got 'val,val'"):   # it printed two different bpbs
+        base_eval.parse_config(["--splits", "val,val"])
 
 
 def test_torch_free_scripts_reject_a_flag_without_importing_torch():
