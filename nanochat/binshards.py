@@ -13,9 +13,16 @@ still the validation shard). Layout, little-endian:
 
 Offsets come after the tokens so a shard can be written in one streaming pass. A shard directory
 also holds `meta.json` (fingerprint, vocab size, dtype) so that a writer refuses to mix tokenizers
-before doing any work, and a reader can name the tokenizer the shards were made with; after a
-complete run it also records the text shards (names and sizes) the binary shards were made from,
-so that a reader can tell when the text shards changed since (`stale_reason`).
+before doing any work, and a reader can name the tokenizer the shards were made with. It also
+records what the directory is meant to hold: a run first writes `complete: false` with the text
+shards it plans to tokenize (`start_run`), records each shard as it lands (`record_shard`: the
+text shard name -> size a binary shard was made from, `text_shards`), and only at the end writes
+`complete: true` (`record_text_shards`). Readers call `check_complete` before anything else: an
+unfinished directory (an interrupted run leaves some shards, and its LAST one is then a train
+shard) or one whose binary shards differ from the recorded text shards is a DataError naming the
+directory and the command that finishes it; `stale_reason` then tells when the text shards changed
+since. Directories written before `complete` existed count as complete when they carry the
+`text_shards` record (older ones still: when their shards match the text shards by name).
 
 A damaged shard or meta.json (bad magic, truncated, inconsistent offsets, another tokenizer) is a
 DataError naming the file and how to re-create it.
@@ -224,6 +231,9 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
                 "instead (source='text')")
 
 
+_RUN_KEYS = ("text_shards", "planned", "complete", "data_dir")  # what a run records, see the docstring
+
+
 def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_token_id: int) -> None:
     """Create or confirm meta.json; refuses (ValueError) a directory made with another tokenizer."""
     bin_dir = Path(bin_dir)
@@ -233,8 +243,10 @@ def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_to
             "vocab_size": vocab_size, "bos_token_id": bos_token_id,
             "dtype": dtype_for_vocab(vocab_size).name}
     old = read_meta(bin_dir) or {}
-    if old.get("fingerprint") == fingerprint and "text_shards" in old:
-        meta["text_shards"] = old["text_shards"]  # kept until record_text_shards replaces it
+    if old.get("fingerprint") == fingerprint:
+        # kept as they are: dropping `complete: false` here would make an unfinished directory
+        # look finished to a reader if this run died before start_run
+        meta.update({k: old[k] for k in _RUN_KEYS if k in old})
     _write_meta_file(bin_dir, meta)
 
 
@@ -249,18 +261,130 @@ def text_shard_record(text_shards: Iterable[str | Path]) -> dict[str, int]:
     return {Path(p).name: Path(p).stat().st_size for p in text_shards}
 
 
-def record_text_shards(bin_dir: str | Path, text_shards: Iterable[str | Path]) -> None:
-    """Record in meta.json the text shards (names + sizes) the binary shards were made from."""
+def _meta_for_update(bin_dir: Path) -> dict:
     meta = read_meta(bin_dir)
     if meta is None:
-        raise DataError(f"{Path(bin_dir) / META_NAME}: missing; re-run `python -m scripts.pretokenize`")
-    _write_meta_file(Path(bin_dir), {**meta, "text_shards": text_shard_record(text_shards)})
+        raise DataError(f"{bin_dir / META_NAME}: missing; re-run `python -m scripts.pretokenize`")
+    return meta
+
+
+def _stems(names: Iterable[str]) -> set[str]:
+    return {Path(n).stem for n in names}
+
+
+def start_run(bin_dir: str | Path, text_shards: Sequence[str | Path], data_dir: str | Path | None = None) -> list[Path]:
+    """Mark bin_dir unfinished (`complete: false`) and record the text shards it is meant to hold,
+    BEFORE any shard is written, so that a reader never takes a half-made directory for a whole
+    one. Binary shards without a text shard in the plan are deleted (their text shard is gone: left
+    there they would shift the train/val split), as are temp files of writers no longer running.
+    Returns the binary shards deleted. write_meta must have run (tokenizer check, directory)."""
+    bin_dir = Path(bin_dir)
+    meta = _meta_for_update(bin_dir)
+    plan = text_shard_record(text_shards)
+    made = meta.get("text_shards") if isinstance(meta.get("text_shards"), dict) else {}
+    meta.update(complete=False, planned=plan, text_shards={n: v for n, v in made.items() if n in plan})
+    if data_dir is not None:
+        meta["data_dir"] = str(Path(data_dir).resolve())
+    _write_meta_file(bin_dir, meta)
+    strays = [p for p in list_bin_shards(bin_dir) if p.stem not in _stems(plan)]
+    for p in strays:
+        p.unlink()
+    _remove_dead_temps(bin_dir)
+    return strays
+
+
+def _remove_dead_temps(bin_dir: Path) -> None:
+    """Delete `.NAME.PID.tmp` files (write_shard, _write_meta_file) whose writer is gone: a run
+    killed by a signal does not reach write_shard's cleanup."""
+    for tmp in bin_dir.glob(".*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (another pretokenize on this directory): leave it alone
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        tmp.unlink(missing_ok=True)
+
+
+def record_shard(bin_dir: str | Path, text_name: str, size: int) -> None:
+    """Record that the binary shard of text shard `text_name` (`size` bytes) is written."""
+    meta = _meta_for_update(Path(bin_dir))
+    made = meta.get("text_shards") if isinstance(meta.get("text_shards"), dict) else {}
+    _write_meta_file(Path(bin_dir), {**meta, "text_shards": {**made, text_name: size}})
+
+
+def record_text_shards(bin_dir: str | Path, text_shards: Iterable[str | Path]) -> None:
+    """Mark bin_dir complete: every binary shard is written, made from `text_shards` (names +
+    sizes, recorded). DataError if one of them is missing."""
+    bin_dir = Path(bin_dir)
+    meta = _meta_for_update(bin_dir)
+    record = text_shard_record(text_shards)
+    missing = sorted(_stems(record) - {p.stem for p in list_bin_shards(bin_dir)})
+    if missing:
+        raise DataError(f"{bin_dir}: binary shards {', '.join(missing[:3])} missing at the end of the run; "
+                        f"{_rerun(bin_dir, meta)}")
+    meta = {k: v for k, v in meta.items() if k != "planned"}
+    _write_meta_file(bin_dir, {**meta, "text_shards": record, "complete": True})
+
+
+def _rerun(bin_dir: Path, meta: dict, data_dir: str | Path | None = None) -> str:
+    """The command that finishes or redoes bin_dir (finished shards are kept and skipped)."""
+    data_dir = data_dir or meta.get("data_dir")
+    if data_dir is None and bin_dir.name.endswith("_tokens"):  # default_bin_dir's naming
+        data_dir = bin_dir.parent / bin_dir.name[:-len("_tokens")]
+    return (f"re-run `python -m scripts.pretokenize --data-dir {data_dir or 'TEXT_SHARD_DIR'} --out {bin_dir}` "
+            f"(shards already written are kept), or delete {bin_dir} to read the text shards instead")
+
+
+def _names(stems: Iterable[str]) -> str:
+    names = sorted(s + BIN_SUFFIX for s in stems)
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+def check_complete(bin_dir: str | Path, text_shards: Sequence[Path] | None = None) -> None:
+    """DataError (naming bin_dir and the command to rerun) unless bin_dir holds every binary shard
+    it is meant to: not when its run did not finish (`complete: false`), nor when its binary shards
+    are not exactly those of the text shards recorded in meta.json, or, for a directory from before
+    that record, of `text_shards` (those now in the data directory; nothing to compare without).
+    An empty or missing directory passes: the caller reports that there are no shards."""
+    bin_dir = Path(bin_dir)
+    meta = read_meta(bin_dir)
+    have = {p.stem for p in list_bin_shards(bin_dir)}
+    if meta is None:
+        if have:
+            raise DataError(f"{bin_dir}: binary shards without {META_NAME}, so nothing says they are all "
+                            f"there; {_rerun(bin_dir, {})}")
+        return
+    data_dir = text_shards[0].parent if text_shards else None
+    if meta.get("complete") is False:
+        planned = _stems(meta.get("planned") or {})
+        missing = planned - have
+        raise DataError(f"{bin_dir} is incomplete: the pretokenize run writing it did not finish "
+                        f"({len(planned & have)} of {len(planned)} binary shards written"
+                        f"{'; missing: ' + _names(missing) if missing else ''}); {_rerun(bin_dir, meta, data_dir)}")
+    record = meta.get("text_shards")
+    if isinstance(record, dict):
+        want, where = _stems(record), f"the {len(record)} text shards recorded in its {META_NAME}"
+    elif text_shards:
+        want, where = _stems(p.name for p in text_shards), f"the {len(text_shards)} text shards in {data_dir}"
+    else:
+        return
+    if want != have:
+        diff = "; ".join(f"{what}: {_names(names)}" for what, names in
+                         (("missing", want - have), ("extra", have - want)) if names)
+        raise DataError(f"{bin_dir} holds {len(have)} binary shards, not one for each of {where} ({diff}); "
+                        f"{_rerun(bin_dir, meta, data_dir)}")
 
 
 def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     """Why the binary shards of bin_dir do not match `text_shards` (their names and sizes now), or
     None when they match, or when there is nothing to compare (an older directory without a
-    record, or no text shards at all: reading the binary shards alone is fine)."""
+    record, or no text shards at all: reading the binary shards alone is fine). Meaningful for a
+    finished directory only: call check_complete first."""
     meta = read_meta(bin_dir)
     recorded = meta.get("text_shards") if meta is not None else None
     if not isinstance(recorded, dict) or not text_shards:

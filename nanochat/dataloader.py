@@ -386,9 +386,11 @@ class DataLoader:
 
     @staticmethod
     def _check_fresh(bin_dir: Path, data_dir: Path) -> None:
-        """Binary shards picked automatically must have been made from the text shards now in
-        data_dir (when pretokenize recorded them, and data_dir has any)."""
+        """Binary shards picked automatically must be a finished pretokenize run (an interrupted
+        one would train on some shards and validate on a train shard) made from the text shards
+        now in data_dir (when pretokenize recorded them, and data_dir has any)."""
         text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
+        bs.check_complete(bin_dir, text)
         why = bs.stale_reason(bin_dir, text)
         if why is not None:
             raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
@@ -396,6 +398,7 @@ class DataLoader:
 
     @staticmethod
     def _bin_split(bin_dir: Path, split: str) -> list[Path]:
+        bs.check_complete(bin_dir)  # asked for explicitly too: an unfinished run's last shard is not val
         paths = bs.list_bin_shards(bin_dir)
         if len(paths) < 2:
             raise MissingDataError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "

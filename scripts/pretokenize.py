@@ -8,11 +8,16 @@ of worker processes, every document starting with BOS. The output directory is t
 tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
 with another tokenizer is an error, before any work. Shards already present (same tokenizer, made
 from a text shard of the same name and size) are skipped, so an interrupted run resumes; `--force`
-rewrites them. A finished run records the text shards (names + sizes) in meta.json, so that the
-dataloader can refuse binary shards made from other text shards than those now in the data dir.
-Before any work, the shards still to write are sized from the text shards' parquet footers (at 3
-characters a token, fewer than the ~4 our tokenizers reach, so the estimate errs high): a disk
-without room for them is a DiskFullError naming both numbers.
+rewrites them. Before the first shard is written, meta.json marks the directory unfinished and
+lists the text shards it is meant to hold (binary shards of text shards no longer there are
+deleted); each shard is recorded as it lands; only a run that wrote them all marks it complete. So
+the dataloader refuses a directory an interrupted run left behind (its last shard would be a train
+shard read as validation) and binary shards made from other text shards than those now in the
+data dir. Before any work, the shards still to write are sized from the text shards' parquet
+footers (at 3 characters a token, fewer than the ~4 our tokenizers reach, so the estimate errs
+high): a disk without room for them is a DiskFullError naming both numbers. A split (train = all
+but the last text shard, val = the last) with no non-empty document is a MissingDataError: before
+any work when the footers show it, else after tokenizing, the directory then left unfinished.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 from nanochat import binshards as bs
 from nanochat import dataset as ds
 from nanochat.common import fmt_bytes
-from nanochat.errors import DiskFullError
+from nanochat.errors import DiskFullError, MissingDataError
 
 CHARS_PER_TOKEN_LOW = 3   # planning only: English text and code run ~4 characters a token at vocab 32K
 
@@ -43,8 +48,8 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
     text_path, out_path, threads = job
     t0 = time.perf_counter()
     h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
-    return {"shard": Path(out_path).name, "tokens": h.n_tokens, "docs": h.n_docs,
-            "seconds": round(time.perf_counter() - t0, 3)}
+    return {"shard": Path(out_path).name, "text": Path(text_path).name, "tokens": h.n_tokens,
+            "docs": h.n_docs, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def planned_bytes(text_shard: Path, itemsize: int) -> int:
@@ -68,9 +73,32 @@ def check_disk(out_dir: Path, shards: list[Path], itemsize: int, free: int | Non
     return need
 
 
+def check_has_text(shards: list[Path], empty, when: str) -> None:
+    """MissingDataError when the train split (all shards but the last) or the val split (the last)
+    has no non-empty document, by `empty(shard) -> bool`: the dataloader would refuse it anyway,
+    and 0-token shards are no use to anyone."""
+    splits = [("train", shards[:-1]), ("val", shards[-1:])] if len(shards) > 1 else [("all", shards)]
+    for split, part in splits:
+        if all(empty(p) for p in part):
+            raise MissingDataError(
+                f"no text to tokenize: every document of the {split} split ({', '.join(p.name for p in part)}) "
+                f"in {part[0].parent} is empty ({when}); re-create the text shards with documents "
+                "(`python -m nanochat.dataset ...`)")
+
+
+def _bin_empty(out_dir: Path):
+    def empty(shard: Path) -> bool:   # BOS only: every document had no text
+        h = bs.read_header(out_dir / bs.bin_name_for(shard))
+        return h.n_tokens <= h.n_docs
+    return empty
+
+
 def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 1, threads: int = 1,
                 force: bool = False, log=print) -> list[dict]:
     """Tokenize `shards` into out_dir; returns one result dict per shard written."""
+    if not shards:
+        raise MissingDataError(f"no text shards to pretokenize into {out_dir}")
+    check_has_text(shards, lambda p: ds.all_texts_empty(ds.open_text_shard(p)), "its parquet footers say so")
     bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
                   bos_token_id=tokenizer.bos_token_id)  # refuses another tokenizer's directory
     recorded = (bs.read_meta(out_dir) or {}).get("text_shards") or {}
@@ -88,17 +116,29 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
         ds.open_text_shard(shard)  # schema errors before any work
         jobs.append((str(shard), str(out), threads))
     check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize)
+    sizes = {shard.name: shard.stat().st_size for shard in shards}  # before reading: what each bin is made from
+    for stray in bs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
+        log(f"removed {stray.name} (no text shard {stray.stem}.parquet any more)")
+    results = []
+    for r in _run_jobs(jobs, tokenizer, workers):
+        bs.record_shard(out_dir, r["text"], sizes[r["text"]])  # a rerun skips it even if this run dies
+        log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
+        results.append(r)
+    check_has_text(shards, _bin_empty(out_dir), "only BOS after tokenizing")  # footers without statistics
+    bs.record_text_shards(out_dir, shards)  # every shard is done: the directory is complete
+    return sorted(results, key=lambda r: r["shard"])
+
+
+def _run_jobs(jobs: list[tuple[str, str, int]], tokenizer, workers: int):
+    """Yield each job's result as it finishes (in this process, or a pool of `workers`)."""
     if workers == 1 or len(jobs) <= 1:
         _init_worker(tokenizer)
-        results = [_tokenize_one(job) for job in jobs]
-    else:
-        with mp.get_context().Pool(min(workers, len(jobs)), initializer=_init_worker,
-                                   initargs=(tokenizer,)) as pool:
-            results = list(pool.imap_unordered(_tokenize_one, jobs))
-    for r in sorted(results, key=lambda r: r["shard"]):
-        log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
-    bs.record_text_shards(out_dir, shards)  # every shard is done: what the directory was made from
-    return sorted(results, key=lambda r: r["shard"])
+        for job in jobs:
+            yield _tokenize_one(job)
+        return
+    with mp.get_context().Pool(min(workers, len(jobs)), initializer=_init_worker,
+                               initargs=(tokenizer,)) as pool:
+        yield from pool.imap_unordered(_tokenize_one, jobs)
 
 
 def main(argv: list[str] | None = None, tokenizer=None) -> int:
@@ -117,7 +157,7 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
             raise ValueError(f"{flag}: got {value}; accepted: an integer >= 1")
 
     data_dir = args.data_dir or ds.default_data_dir()
-    out_dir = args.out or bs.default_bin_dir(data_dir)
+    out_dir = ds.check_out_dir(args.out or bs.default_bin_dir(data_dir))
     shards = ds.list_shards(data_dir)
     if tokenizer is None:
         from nanochat.tokenizer import Tokenizer, get_tokenizer

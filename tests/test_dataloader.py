@@ -499,3 +499,47 @@ def test_stale_binary_shards_are_refused_when_picked_automatically(binned):
     with pytest.raises(DataError, match="new: shard_00004.parquet"):
         loader(data_dir, "auto")
     assert loader(data_dir, "text").describe_source() == f"text shards {data_dir}"
+
+
+def test_unfinished_binary_shard_directories_are_refused(binned):
+    """An interrupted pretokenize leaves some shards: read as a whole, its last one (a train shard)
+    would be the validation split. Refused, picked automatically or asked for, until a rerun."""
+    from nanochat import binshards as bs
+    data_dir, _ = binned
+    bin_dir = default_bin_dir(data_dir)
+    text = sorted(data_dir.glob("*.parquet"))
+    bs.start_run(bin_dir, text, data_dir)  # what a run records before its first shard
+    (bin_dir / "shard_00003.bin").unlink()
+    for source in ("auto", "bin"):
+        with pytest.raises(DataError) as e:
+            loader(data_dir, source)
+        msg = str(e.value)
+        assert f"{bin_dir} is incomplete" in msg and "3 of 4 binary shards written; missing: shard_00003.bin" in msg
+        assert f"python -m scripts.pretokenize --data-dir {data_dir}" in msg
+    with pytest.raises(DataError, match="is incomplete"):
+        loader(data_dir, "auto", split="val")
+    pretokenize(text, bin_dir, ByteTokenizer(), log=lambda *a: None)  # the rerun finishes it
+    assert loader(data_dir, "auto").describe_source() == f"binary token shards {bin_dir}"
+    meta = json.loads((bin_dir / META_NAME).read_text())
+    del meta["complete"]  # a finished directory from before `complete` existed: still read
+    (bin_dir / META_NAME).write_text(json.dumps(meta))
+    assert loader(data_dir, "auto").describe_source() == f"binary token shards {bin_dir}"
+    loader(data_dir, "bin", split="val")
+    # ... and one of those left by an interrupted run: no record at all
+    del meta["text_shards"]
+    (bin_dir / META_NAME).write_text(json.dumps(meta))
+    (bin_dir / "shard_00003.bin").unlink()
+    with pytest.raises(DataError, match=r"holds 3 binary shards, not one for each of the 4 text shards in .*"
+                                        r"\(missing: shard_00003.bin\); re-run `python -m scripts.pretokenize"):
+        loader(data_dir, "auto")
+
+
+def test_invalid_utf8_text_fails_the_first_batch_naming_the_shard(tmp_path):
+    d = write_shards(tmp_path / "d", [make_docs(20), make_docs(5, seed=1)])
+    texts = pa.array([t.encode() for t in make_docs(20)[:19]] + [b"bad \xff"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": texts}), d / "shard_00000.parquet", row_group_size=16)
+    dl = loader(d, prefetch=1)  # construction reads footers only (their max is not UTF-8 either)
+    with pytest.raises(DataError, match=r"shard_00000.parquet: row group 1 holds text that is not valid UTF-8 "
+                                        r"\(row 3, byte 4: invalid start byte\)"):
+        for _ in range(20):
+            next(dl)

@@ -401,3 +401,75 @@ def test_a_full_disk_mid_download_is_one_line_not_retried(server, tmp_path, monk
     assert rc == 2 and len(err) == 1, err
     assert "the disk filled while downloading" in err[0] and "finished shards are kept" in err[0], err
     assert len(calls) == 1     # no retry, no other shard started
+
+
+# ---------------------------------------------------------------- bad bytes, conflicting or bad flags
+
+def bad_utf8_parquet(path, **kw):
+    texts = pa.array([b"ok", b"\xff bad"], pa.binary()).view(pa.string())  # parquet does not check UTF-8
+    pq.write_table(pa.table({"text": texts}), path, **kw)
+
+
+def test_invalid_utf8_in_a_shard_is_a_data_error_naming_file_and_row_group(tmp_path, capsys):
+    from nanochat.errors import DataError
+    from nanochat.flags import run_cli
+    src = tmp_path / "src"
+    src.mkdir()
+    bad_utf8_parquet(src / "a.parquet")
+    pf = ds.open_text_shard(src / "a.parquet")
+    assert not ds.all_texts_empty(pf)  # the footer's max is not UTF-8 either: no UnicodeDecodeError
+    with pytest.raises(DataError, match=r"a.parquet: row group 0 holds text that is not valid UTF-8 "
+                                        r"\(row 1, byte 0: invalid start byte\); delete it and re-create"):
+        ds.read_row_group_texts(pf, 0, src / "a.parquet")
+    (src / "shard_00001.parquet").write_bytes(parquet_bytes(["fine"]))
+    with pytest.raises(DataError, match="a.parquet: row group 0"):
+        list(ds.iter_documents(src, "train"))   # what tok_train reads
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: ds.main(["--data-dir", str(src), "--out", str(tmp_path / "out")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"{src / 'a.parquet'}: row group 0" in err[0]
+
+
+def test_invalid_utf8_in_jsonl_names_file_and_line(tmp_path):
+    from nanochat.errors import DataError
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text":"a \xff"}\n')
+    with pytest.raises(DataError, match=r"a.jsonl:2: not valid UTF-8 \(byte 11: invalid start byte\)"):
+        ds.main(["--data-dir", str(src), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_of_another_source_conflict(tmp_path):
+    from nanochat.errors import RequestError
+    src = tmp_path / "src"
+    src.mkdir()
+    for argv, flag in ((["--source", "shakespeare", "--data-dir", str(src)], "--data-dir"),
+                       (["--source", "climbmix", "--data-dir", str(src)], "--data-dir"),
+                       (["--data-dir", str(src), "--from-sdist", "x.tar.gz"], "--from-sdist"),
+                       (["--source", "shakespeare", "--base-url", "http://127.0.0.1:9"], "--base-url")):
+        with pytest.raises(RequestError, match=rf"--source \S+ and {flag} .* conflict"):
+            ds.main([*argv, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()   # refused before any work
+
+
+@pytest.mark.parametrize("flag,value,accepted", [("--backoff", "-1", ">= 0.0"), ("--timeout", "0", "> 0.0"),
+                                                 ("--timeout", "-3", "> 0.0"), ("--backoff", "nan", ">= 0.0")])
+def test_backoff_and_timeout_are_checked_up_front(tmp_path, flag, value, accepted):
+    from nanochat.errors import RequestError
+    with pytest.raises(RequestError, match=rf"{flag}: got {float(value)}; accepted: a finite number {accepted}"):
+        ds.main([flag, value, "-n", "1", "--retries", "0", "--no-progress", "--base-url", "http://127.0.0.1:9",
+                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    from nanochat.flags import run_cli
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as e:
+            run_cli(lambda: ds.main(["--source", "shakespeare", "--out", str(out)]))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: --out: got '{out}'"), err
+    assert ds.check_out_dir(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"  # creatable: fine

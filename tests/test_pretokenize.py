@@ -161,3 +161,122 @@ def test_no_room_fails_before_any_shard_is_written(text_dir, tmp_path, monkeypat
     with pytest.raises(DiskFullError):
         pt.main(["--data-dir", str(text_dir), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
     assert not list(out.glob("*.bin"))
+
+
+# ---------------------------------------------------------------- unfinished directories, bad input
+
+def interrupted_run(shards, out, after: int):
+    """A pretokenize run that dies (like kill -TERM) once `after` shards are written: the worker
+    raises on the next one, leaving a temp file of a writer that is gone."""
+    real = pt._tokenize_one
+    done = []
+
+    def dying(job):
+        if len(done) == after:
+            (out / f".{bs.bin_name_for(job[0])}.{2**22 + 7}.tmp").write_bytes(b"half")  # no such pid
+            raise KeyboardInterrupt
+        done.append(job)
+        return real(job)
+
+    pt._tokenize_one = dying
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pt.pretokenize(shards, out, ByteTokenizer(), workers=1, log=quiet)
+    finally:
+        pt._tokenize_one = real
+
+
+def test_an_interrupted_run_is_marked_unfinished_and_a_rerun_finishes_it(text_dir, tmp_path):
+    from nanochat.errors import DataError
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    interrupted_run(shards, out, after=2)
+    from nanochat.dataloader import DataLoader
+    for split in ("train", "val"):  # was: train on shard 0, validate on shard 1 (a train shard)
+        with pytest.raises(DataError, match=f"{out} is incomplete"):
+            DataLoader(ByteTokenizer(), 2, 16, split, data_dir=text_dir, bin_dir=out)
+    meta = bs.read_meta(out)
+    assert meta["complete"] is False and sorted(meta["planned"]) == [p.name for p in shards]
+    assert [p.name for p in bs.list_bin_shards(out)] == ["shard_00000.bin", "shard_00001.bin"]
+    with pytest.raises(DataError) as e:
+        bs.check_complete(out)
+    msg = str(e.value)
+    assert f"{out} is incomplete" in msg and "2 of 3 binary shards written; missing: shard_00002.bin" in msg
+    assert f"python -m scripts.pretokenize --data-dir {text_dir.resolve()} --out {out}" in msg
+    written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)  # resumes: the missing one only
+    assert [r["shard"] for r in written] == ["shard_00002.bin"]
+    assert not list(out.glob(".*.tmp"))  # the dead writer's temp file is cleaned up
+    meta = bs.read_meta(out)
+    assert meta["complete"] is True and "planned" not in meta
+    assert meta["text_shards"] == {p.name: p.stat().st_size for p in shards}
+    bs.check_complete(out, shards)
+
+
+def test_a_rerun_drops_binary_shards_whose_text_shard_is_gone(text_dir, tmp_path):
+    from nanochat.errors import DataError
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    (out / "shard_00001.bin").unlink()  # a complete directory that lost a shard
+    with pytest.raises(DataError, match=r"holds 2 binary shards, not one for each of the 3 text shards "
+                                        r"recorded in its meta.json \(missing: shard_00001.bin\)"):
+        bs.check_complete(out)
+    shards[2].unlink()  # the text shard set shrank: its binary shard would be read as validation
+    logged = []
+    pt.pretokenize(shards[:2], out, ByteTokenizer(), log=logged.append)
+    assert [p.name for p in bs.list_bin_shards(out)] == ["shard_00000.bin", "shard_00001.bin"]
+    assert any("removed shard_00002.bin" in line for line in logged)
+    bs.check_complete(out, shards[:2])
+
+
+def test_invalid_utf8_text_names_the_shard(tmp_path, capsys):
+    from nanochat.errors import DataError
+    from nanochat.flags import run_cli
+    d = tmp_path / "data"
+    d.mkdir()
+    bad = pa.array([b"ok", b"\xff bad"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": bad}), d / "shard_00000.parquet")
+    pq.write_table(pa.table({"text": ["fine"]}), d / "shard_00001.parquet")
+    for workers in ("1", "2"):
+        with pytest.raises(DataError, match=r"shard_00000.parquet: row group 0 holds text that is not valid "
+                                            r"UTF-8 \(row 1, byte 0"):
+            pt.main(["--data-dir", str(d), "--out", str(tmp_path / "o"), "--workers", workers],
+                    tokenizer=ByteTokenizer())
+    with pytest.raises(SystemExit) as e:  # the command line: one line naming the file
+        run_cli(lambda: pt.main(["--data-dir", str(d), "--out", str(tmp_path / "o")], tokenizer=ByteTokenizer()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "shard_00000.parquet: row group 0" in err[0]
+
+
+def test_out_that_is_a_file_is_refused_up_front(text_dir, tmp_path):
+    from nanochat.errors import RequestError
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    with pytest.raises(RequestError, match=r"--out: got '.*afile', which is a file; accepted: a directory"):
+        pt.main(["--data-dir", str(text_dir), "--out", str(afile)], tokenizer=ByteTokenizer())
+    with pytest.raises(RequestError, match=r"--out: got '.*afile/sub', which cannot be created: .*afile is a file"):
+        pt.main(["--data-dir", str(text_dir), "--out", str(afile / "sub")], tokenizer=ByteTokenizer())
+    assert afile.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_all_empty_text_shards_are_refused(tmp_path, statistics):
+    """Footer statistics show it before any work; without them the tokens do (BOS only), and the
+    directory is left unfinished so that no reader takes it."""
+    from nanochat.errors import DataError, MissingDataError
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"text": ["", ""]}), d / f"shard_{i:05d}.parquet", write_statistics=statistics)
+    out = tmp_path / "bin"
+    with pytest.raises(MissingDataError, match=r"no text to tokenize: every document of the train split "
+                                               r"\(shard_00000.parquet, shard_00001.parquet\) .* is empty"):
+        pt.main(["--data-dir", str(d), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
+    if statistics:
+        assert not bs.list_bin_shards(out)
+    else:
+        with pytest.raises(DataError, match="is incomplete"):
+            bs.check_complete(out)
+    pq.write_table(pa.table({"text": ["some text", ""]}), d / "shard_00000.parquet", write_statistics=statistics)
+    with pytest.raises(MissingDataError, match=r"the val split \(shard_00002.parquet\)"):
+        pt.main(["--data-dir", str(d), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())

@@ -1,0 +1,86 @@
+"""A local directory of documents -> pretraining text shards: `python -m nanochat.dataset
+--data-dir SRC` (the command line lives in nanochat/dataset.py, which also resolves these names).
+
+Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a string field
+`text`) and *.txt (one document per file, split at blank lines when long) under SRC, sorted by
+path, becomes one document list; the last `val_fraction` of it is the validation shard. A file
+that does not read as what its suffix says (not UTF-8, not JSON, no `text`) is a DataError naming
+the file, and the line for JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from nanochat.dataset import (chunk_paragraphs, claim_data_dir, open_text_shard, read_row_group_texts,
+                              write_text_shards)
+from nanochat.errors import DataError
+
+SUFFIXES = (".parquet", ".jsonl", ".txt")
+
+
+def _split_long(text: str, max_chars: int) -> list[str]:
+    """Split text at blank lines into pieces of at most ~max_chars (a single huge paragraph stays
+    whole: the dataloader crops what does not fit a row)."""
+    if len(text) <= max_chars:
+        return [text]
+    return chunk_paragraphs(re.split(r"\n[ \t]*\n", text), max_chars)
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    """The non-empty `text` fields of a JSONL file. Lines are decoded one by one (not by opening
+    the file as UTF-8) so that a bad byte is reported with its line, like bad JSON."""
+    texts = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start}: {e.reason}); "
+                                "re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise DataError(f"{path}:{n}: expected an object with a string field 'text'")
+            if rec["text"]:
+                texts.append(rec["text"])
+    return texts
+
+
+def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]:
+    """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
+    document per file, split at blank lines when longer than max_doc_chars) under src, sorted."""
+    files = sorted(p for p in src.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+    if not files:
+        raise ValueError(f"--data-dir: no .parquet, .jsonl or .txt files under {src}")
+    docs = []
+    for path in files:
+        if path.suffix == ".parquet":
+            pf = open_text_shard(path)
+            docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg, path) if t]
+        elif path.suffix == ".jsonl":
+            docs += _jsonl_texts(path)
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace").strip()
+            if text:
+                docs += _split_long(text, max_doc_chars)
+    return docs
+
+
+def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
+                     shard_chars: int = 100_000_000) -> list[Path]:
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
+    docs = read_local_documents(src)
+    n_val = max(1, round(len(docs) * val_fraction))
+    if len(docs) - n_val < 1:
+        raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
+                         "(train + validation)")
+    claim_data_dir(out_dir, f"local:{src.resolve()}")
+    return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
