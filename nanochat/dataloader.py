@@ -57,7 +57,7 @@ import torch
 
 from nanochat import binshards as bs
 from nanochat import dataset as ds
-from nanochat.errors import DataError, MissingDataError
+from nanochat.errors import DataError, MissingDataError, RequestError
 
 STATE_VERSION = 1
 IGNORE_INDEX = -1
@@ -323,6 +323,19 @@ def _prefetch(gen, q: queue.Queue, stop: threading.Event) -> None:
         put(_Failure(e))
 
 
+# loader state fields and what sets them (a resume with other values is refused naming these)
+_STATE_FLAGS = {"batch_size": "--device-batch-size", "seq_len": "--max-seq-len", "world_size": "world size",
+                "shards": "the shards of --data-dir", "shard_bytes": "the shard sizes of --data-dir",
+                "source": "shards of kind (text / bin)", "fingerprint": "the tokenizer"}
+
+
+def _brief(value) -> str:
+    """A loader state value for a message: shard lists by count and ends, not in full."""
+    if isinstance(value, list) and len(value) > 3:
+        return f"[{value[0]!r}, ..., {value[-1]!r}] ({len(value)} shards)"
+    return repr(value)
+
+
 class DataLoader:
     """Iterator of (inputs, targets), LongTensor (B, T) on `device`. See the module docstring."""
 
@@ -437,8 +450,9 @@ class DataLoader:
             raise ValueError(f"state: got {type(state).__name__}; accepted: a dict from state_dict()")
         for key, want in self._config().items():
             if state.get(key) != want:
-                raise ValueError(f"loader state: {key} is {state.get(key)!r} in the checkpoint but "
-                                 f"{want!r} now; resume with the same data and settings")
+                raise RequestError(f"--resume: the checkpoint's data loader had {_STATE_FLAGS.get(key, key)} "
+                                   f"{_brief(state.get(key))}, this run's has {_brief(want)}; resume with the "
+                                   "original run's data and flags (or start a new --model-tag)")
         self.close()
         self._resume = self._state = {**state, "buffer": [list(k) for k in state["buffer"]]}
 
