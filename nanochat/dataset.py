@@ -52,8 +52,9 @@ SOURCE_FILE = "source.json"  # records which source filled a data directory, so 
 _HOW_TO_GET = ("get data with `python -m nanochat.dataset -n 8` (ClimbMix), "
                "`python -m nanochat.dataset --source shakespeare` (offline demo) or "
                "`python -m nanochat.dataset --data-dir YOUR_DIR`")
-_RECREATE = ("delete it and re-create the shards with the command that made them (e.g. `python -m "
-             "nanochat.dataset -n 8`, `--source shakespeare` or `--data-dir YOUR_DIR`)")
+_RECREATE = ("a shard this project made: delete it and re-create the shards with the command that made them "
+             "(e.g. `python -m nanochat.dataset -n 8`, `--source shakespeare` or `--data-dir YOUR_DIR`); "
+             "a file of your own: repair it")   # never advise deleting the user's only copy
 
 
 def shard_name(index: int) -> str:

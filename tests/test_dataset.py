@@ -419,7 +419,7 @@ def test_invalid_utf8_in_a_shard_is_a_data_error_naming_file_and_row_group(tmp_p
     pf = ds.open_text_shard(src / "a.parquet")
     assert not ds.all_texts_empty(pf)  # the footer's max is not UTF-8 either: no UnicodeDecodeError
     with pytest.raises(DataError, match=r"a.parquet: row group 0 holds text that is not valid UTF-8 "
-                                        r"\(row 1, byte 0: invalid start byte\); delete it and re-create"):
+                                        r"\(row 1, byte 0: invalid start byte\); a shard this project made: delete it and re-create"):
         ds.read_row_group_texts(pf, 0, src / "a.parquet")
     (src / "shard_00001.parquet").write_bytes(parquet_bytes(["fine"]))
     with pytest.raises(DataError, match="a.parquet: row group 0"):
