@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import operator
 import os
 import pickle
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -56,6 +58,12 @@ FORMAT_VERSION = 1
 PICKLE_NAME = "tokenizer.pkl"
 TOKEN_BYTES_NAME = "token_bytes.pt"
 MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
+# tiktoken's split regex (`\s+(?!\S)`) runs out of backtracking room on a whitespace run of ~1M
+# characters and panics (pyo3's PanicException, a BaseException that `except Exception` misses;
+# seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded in pieces of this many
+# characters: the bytes are the same, only the run's tokens change at the cuts.
+MAX_WHITESPACE_RUN = 100_000
+_LONG_WHITESPACE = re.compile(r"\s{%d,}" % MAX_WHITESPACE_RUN)
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
 
 
@@ -119,6 +127,29 @@ def _check_ranks(ranks: dict[bytes, int]) -> None:
     for b in range(256):
         if ranks.get(bytes([b])) != b:
             raise ValueError(f"mergeable ranks: byte {b} does not have rank {b}")
+
+
+def encode_ordinary(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """enc.encode_ordinary(text), with whitespace runs longer than MAX_WHITESPACE_RUN cut."""
+    if len(text) < MAX_WHITESPACE_RUN:   # the common case costs one length check
+        return enc.encode_ordinary(text)
+    ids, start = [], 0
+    for run in _LONG_WHITESPACE.finditer(text):
+        for cut in range(run.start() + MAX_WHITESPACE_RUN, run.end(), MAX_WHITESPACE_RUN):
+            ids += enc.encode_ordinary(text[start:cut])
+            start = cut
+    return ids + enc.encode_ordinary(text[start:])
+
+
+def encode_ordinary_batch(enc: tiktoken.Encoding, texts: Sequence[str], num_threads: int) -> list[list[int]]:
+    """enc.encode_ordinary_batch in threads; the few texts with a long whitespace run go through
+    encode_ordinary instead."""
+    long_runs = {i for i, t in enumerate(texts) if len(t) >= MAX_WHITESPACE_RUN and _LONG_WHITESPACE.search(t)}
+    rows = enc.encode_ordinary_batch(["" if i in long_runs else t for i, t in enumerate(texts)],
+                                     num_threads=num_threads)
+    for i in long_runs:
+        rows[i] = encode_ordinary(enc, texts[i])
+    return rows
 
 
 class Tokenizer:
@@ -308,9 +339,9 @@ class Tokenizer:
         else:
             raise TypeError(f"text: got {type(text).__name__}; accepted: str or list[str]")
         if single:
-            rows = [self._enc.encode_ordinary(text)]
+            rows = [self._encode_ordinary(text)]
         else:
-            rows = self._enc.encode_ordinary_batch(list(batch), num_threads=_positive_int(num_threads, "num_threads"))
+            rows = encode_ordinary_batch(self._enc, batch, _positive_int(num_threads, "num_threads"))
         if pre is not None:
             rows = [[pre] + row for row in rows]
         if post is not None:
@@ -318,8 +349,16 @@ class Tokenizer:
                 row.append(post)
         return rows[0] if single else rows
 
+    def _encode_ordinary(self, text: str) -> list[int]:
+        return encode_ordinary(self._enc, text)
+
     def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]  # accepts numpy ints and tensor elements
+        if isinstance(ids, (str, bytes)):   # a str is a sequence too: "12" decoded as ids 1 and 2
+            raise ValueError(f"ids: got {type(ids).__name__}; accepted: a sequence of token ids")
+        try:   # operator.index: ints, numpy ints and integer tensor elements; not 1.7 or "1"
+            ids = [operator.index(i) for i in ids]
+        except TypeError as e:
+            raise ValueError(f"ids: {e}; accepted: a sequence of integer token ids") from None
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
             raise ValueError(f"ids: got token id {bad}; accepted: 0..{self.vocab_size - 1}")
@@ -397,11 +436,11 @@ class Tokenizer:
         add([self.bos_token_id], 0)
         for i, role, content in messages:
             if role == "user":
-                add([sp["<|user_start|>"]] + self._enc.encode_ordinary(content) + [sp["<|user_end|>"]], 0)
+                add([sp["<|user_start|>"]] + self._encode_ordinary(content) + [sp["<|user_end|>"]], 0)
                 continue
             add([sp["<|assistant_start|>"]], 0)  # given by the prompt, never predicted
             for kind, text in self._assistant_parts(i, content):
-                tokens = self._enc.encode_ordinary(text)
+                tokens = self._encode_ordinary(text)
                 if kind == "text":
                     add(tokens, 1)
                 elif kind == "python":  # the model writes the tool call: trained on

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import tiktoken
 
-from nanochat.tokenizer import Tokenizer, tokenizer_dir
+from nanochat.tokenizer import Tokenizer, encode_ordinary_batch, tokenizer_dir
 
 REFERENCES = [("gpt2", "GPT-2"), ("cl100k_base", "GPT-4")]
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{label} ({name}) comparison skipped: {why}")
             continue
         encoders.append((label, enc.n_vocab,
-                         lambda docs, enc=enc: enc.encode_ordinary_batch(docs, num_threads=args.threads)))
+                         lambda docs, enc=enc: encode_ordinary_batch(enc, docs, args.threads)))
 
     rows = []
     for split, docs in texts.items():

@@ -166,6 +166,26 @@ def test_decode_rejects_out_of_range_ids(tok):
     with pytest.raises(ValueError, match="token id -1"):
         tok.id_to_token(-1)
     assert tok.decode(torch.tensor([104, 105])) == "hi"  # tensors and numpy ints are fine
+    for bad in ("12", [1.7], [None], torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="^ids: "):
+            tok.decode(bad)
+
+
+def test_long_whitespace_runs_encode_in_pieces(tok):
+    """tiktoken panics (a BaseException) on a whitespace run of ~1M characters: such runs are cut
+    into pieces of MAX_WHITESPACE_RUN, single and batched, in text and in chat rendering; the
+    bytes round-trip."""
+    from nanochat.tokenizer import MAX_WHITESPACE_RUN
+    text = "word" + " " * 1_000_001 + "end\t" + "\u3000" * (MAX_WHITESPACE_RUN + 5) + "x"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode(["short", text], num_threads=2) == [tok.encode("short"), ids]
+    assert tok.encode("a" + " " * (MAX_WHITESPACE_RUN - 1) + "b") == tok._enc.encode_ordinary(
+        "a" + " " * (MAX_WHITESPACE_RUN - 1) + "b")   # below the cut: tiktoken's own tokens
+    rendered, mask = tok.render_conversation({"messages": [{"role": "user", "content": text},
+                                                           {"role": "assistant", "content": "ok"}]},
+                                             max_tokens=10**7)
+    assert len(rendered) == len(mask) and ids == rendered[2:2 + len(ids)]
 
 
 def test_tiktoken_encoding_matches_rustbpe_reference_encoder(train_texts, val_texts):
