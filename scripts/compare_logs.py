@@ -9,6 +9,7 @@ run vs a run resumed from a checkpoint: their losses from the resume point on mu
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from pathlib import Path
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require, require_float
 
-STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.eE+-]+|nan|inf) \|")
-VAL_RE = re.compile(r"^step (\d+) \| val bpb ([0-9.eE+-]+|nan|inf)")
+NUMBER = r"(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|-?nan|-?inf)"   # what float() reads, no more
+STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss " + NUMBER + r" \|")
+VAL_RE = re.compile(r"^step (\d+) \| val bpb " + NUMBER + r"\b")
 
 
 def parse_log(path: Path) -> dict[str, dict[int, float]]:
@@ -35,12 +37,14 @@ def parse_log(path: Path) -> dict[str, dict[int, float]]:
 
 
 def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, float, float]]:
-    """Rows (metric, step, a, b, |a-b|) for every step both logs have, from from_step on."""
+    """Rows (metric, step, a, b, |a-b|) for every step both logs have, from from_step on. A value
+    that is not finite (a diverged run) makes the difference inf: it never passes a tolerance."""
     rows = []
     for key in ("loss", "val_bpb"):
         for step in sorted(set(a[key]) & set(b[key])):
             if step >= from_step:
-                rows.append((key, step, a[key][step], b[key][step], abs(a[key][step] - b[key][step])))
+                x, y = a[key][step], b[key][step]
+                rows.append((key, step, x, y, abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf))
     return rows
 
 
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'metric':>8} {'step':>6} {'A':>10} {'B':>10} {'|A-B|':>9} {'rel %':>7}")
     for key, step, x, y, d in rows:
-        rel = f"{100 * d / abs(x):7.3f}" if x else "    n/a"
+        rel = f"{100 * d / abs(x):7.3f}" if x and math.isfinite(d) else "    n/a"
         print(f"{key:>8} {step:>6} {x:>10.4f} {y:>10.4f} {d:>9.4f} {rel}")
     worst = max(r[4] for r in rows)
     exact = sum(r[4] == 0 for r in rows)

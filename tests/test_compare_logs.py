@@ -40,3 +40,15 @@ def test_no_common_step_fails(tmp_path):
     a = _write(tmp_path, "a.log", FULL)
     b = _write(tmp_path, "b.log", "nothing here\n")
     assert main([str(a), str(b)]) == 1
+
+
+def test_a_non_finite_value_fails_and_odd_lines_are_skipped(tmp_path, capsys):
+    """A NaN loss or val bpb in either log is a failure at any --tol (max() skipped NaNs: a diverged
+    run passed), and a line whose number is not one ("loss -") is not a number: skipped, no crash."""
+    a = _write(tmp_path, "a.log", FULL)
+    for bad in (FULL.replace("loss 8.5000", "loss nan"), FULL.replace("val bpb 2.0000", "val bpb nan"),
+                FULL.replace("loss 8.5000", "loss inf")):
+        assert main([str(a), str(_write(tmp_path, "b.log", bad)), "--tol", "100"]) == 1
+        assert "FAIL" in capsys.readouterr().out
+    odd = _write(tmp_path, "odd.log", "step 00012/00020 | loss - | x\nstep 00013/00020 | loss e | x\n" + FULL)
+    assert parse_log(odd)["loss"] == {9: 9.5, 10: 9.0, 11: 8.5}
