@@ -25,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from nanochat.errors import RequestError
+
 MASKS = ("assistant", "all")
 FILLS = ("pad", "crop")
 
@@ -221,7 +223,12 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     if split != "train":
         raise ValueError(f"split: got {split!r}; accepted: train|val")
     if stage == "rl":  # the GSM8K problems only
-        return _train_split_tasks(("gsm8k",), data_dir, test_holdout)[0]
+        gsm8k = _train_split_tasks(("gsm8k",), data_dir, test_holdout)
+        if not gsm8k:   # the holdout took every test problem
+            n = len(GSM8K("test", data_dir=data_dir))
+            raise RequestError(f"--test-holdout: got {test_holdout}; accepted: -1 or 0..{n - 1} (the GSM8K test "
+                               f"split has {n} problems, those past the holdout are trained on)")
+        return gsm8k[0]
     # SFT takes the first SFT_CONVERSATIONS of the general chat set (SmolTalk's train split is 460K,
     # all of which mid-training has just seen): hours on a Spark for a second pass at 2% of the LR,
     # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.

@@ -91,6 +91,9 @@ class ChatRLConfig:
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
         require_int(self.seed, "--seed", 0)
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
+        # the evaluation scores the first --test-holdout GSM8K test problems: 0 leaves it none
+        require(self.test_holdout != 0 or self.eval_every == -1, "--test-holdout", self.test_holdout,
+                "-1 or >= 1 (the evaluation's held-out problems), or --eval-every -1 to train without evaluating")
         check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
         return self
 
@@ -141,6 +144,11 @@ def train(cfg: ChatRLConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
+    # data before the model: the problems trained on, and the ones scored (never the same: with
+    # --test-holdout N training takes the test split from N on, so the evaluation takes at most N)
+    task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    eval_task = GSM8K("test", data_dir=cfg.data_dir)
+    eval_problems = min(cfg.eval_examples, len(eval_task), *([cfg.test_holdout] if cfg.test_holdout >= 0 else []))
     resume = None
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
@@ -152,8 +160,6 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         model, tokenizer, _ = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"],
                                          base_dir=base_dir, compute_dtype=rt.dtype, for_training=True)
     model.train()
-    task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
-    eval_task = GSM8K("test", data_dir=cfg.data_dir)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
@@ -179,24 +185,27 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         trainer.note_checkpoint(ckpt_dir / f"step_{start_step:06d}")
         restore_rng_state(resume_loop["rng"])
     train_meta = {"num_iterations": num_iterations, "problems": len(task), "world_size": rt.world_size,
-                  "dtype": rt.dtype_name, "eval_problems": min(cfg.eval_examples, len(eval_task))}
+                  "dtype": rt.dtype_name, "eval_problems": eval_problems}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project="nanochat-rl",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
     print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
            f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
            f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")
+    if eval_problems < cfg.eval_examples and cfg.test_holdout >= 0:
+        print0(f"  --eval-examples {cfg.eval_examples}: scoring the {eval_problems} held-out GSM8K test problems "
+               f"(--test-holdout {cfg.test_holdout}; the rest are trained on)")
 
     def evaluate(_step: int) -> dict:
         model.eval()
         engine = Engine(model, tokenizer)
         res = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=1,
-                             max_new_tokens=cfg.max_new_tokens, temperature=0.0, max_problems=cfg.eval_examples,
+                             max_new_tokens=cfg.max_new_tokens, temperature=0.0, max_problems=eval_problems,
                              name="GSM8K")
         metrics = {"gsm8k_pass@1": res.accuracy}
         if cfg.eval_samples > 0:  # upstream's figure: pass@k of k samples drawn as training draws them
             sampled = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=cfg.eval_samples,
                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     top_k=cfg.top_k or None, seed=cfg.seed, max_problems=cfg.eval_examples,
+                                     top_k=cfg.top_k or None, seed=cfg.seed, max_problems=eval_problems,
                                      name="GSM8K")
             metrics.update({f"gsm8k_sampled_pass@{k}": sampled.pass_at(k) for k in range(1, cfg.eval_samples + 1)})
         model.train()

@@ -159,6 +159,7 @@ def test_rl_trains_only_sampled_tokens():
     ("chat_rl", ["--source", "base"], "--source"),
     ("chat_rl", ["--temperature", "0"], "--temperature"),
     ("chat_rl", ["--device", "tpu"], "--device"),
+    ("chat_rl", ["--test-holdout", "0"], "--test-holdout"),   # no held-out problem left to score
 ])
 def test_bad_flags_name_the_flag(script, argv, flag):
     import importlib
@@ -166,6 +167,17 @@ def test_bad_flags_name_the_flag(script, argv, flag):
     parse = mod.parse_config if script == "chat_rl" else mod.parse
     with pytest.raises(ValueError, match=flag):
         parse(argv)
+
+
+def test_rl_holdout_bounds(shared_data):
+    """--test-holdout past the GSM8K test split leaves nothing to train on: one line naming the
+    flag and the range (it was an IndexError)."""
+    from nanochat import chat_data
+    from nanochat.errors import RequestError
+    n = len(chat_data.build_mixture("rl", "train", data_dir=shared_data, test_holdout=0))
+    assert len(chat_data.build_mixture("rl", "train", data_dir=shared_data, test_holdout=n - 1)) == 1
+    with pytest.raises(RequestError, match=rf"--test-holdout: got {n}; accepted: -1 or 0\.\.{n - 1} "):
+        chat_data.build_mixture("rl", "train", data_dir=shared_data, test_holdout=n)
 
 
 @pytest.mark.parametrize("stage, dbs, seq, world, total", [
@@ -235,9 +247,11 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
         == "assistant"
 
     rl = chat_rl.main(["--device", "cpu", "--model-tag", "pipe", "--num-iterations", "1", "--examples-per-step", "1",
-                       "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "50", "--eval-examples", "2",
+                       "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "1", "--eval-examples", "2",
                        "--eval-every", "1", "--eval-samples", "3"])
     assert rl["final_gsm8k_pass@1"] is not None and ck.read_latest(ck.checkpoint_dir("rl", "pipe")) == 1
+    # scored on held-out problems only: the first --test-holdout of the test split (training takes the rest)
+    assert ck.read_meta(ck.checkpoint_dir("rl", "pipe"))["train"]["eval_problems"] == 1
     sampled = [rl[f"final_gsm8k_sampled_pass@{k}"] for k in (1, 2, 3)]   # upstream's figure, non-decreasing in k
     assert all(0 <= a <= b <= 1 for a, b in zip(sampled, sampled[1:]))
 
