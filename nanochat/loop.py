@@ -212,6 +212,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
             periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
             if spec.save is not None and (last or periodic or stop):
+                _check_finite_before_save(trainer, res, step)   # never a NaN checkpoint as `latest`
                 res.elapsed_s = time.perf_counter() - t_start
                 loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
                                                 elapsed_s=res.elapsed_s)
@@ -232,6 +233,31 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     res.step = step
     res.elapsed_s = time.perf_counter() - t_start
     return res
+
+
+def _check_finite_before_save(trainer, res: LoopResult, step: int) -> None:
+    """A step's loss is checked before its update, so an update can leave non-finite weights behind a
+    finite loss (a learning rate far too high): the next save would record them as `latest` and the
+    NaN guard would then name that checkpoint the last good one. Raised instead, on every rank."""
+    from nanochat.training import DEFAULT_HINT, NonFiniteLossError
+
+    hint = getattr(trainer, "hint", DEFAULT_HINT)
+    if res.val_bpb is not None and not math.isfinite(res.val_bpb):
+        raise NonFiniteLossError(step, "val bpb", res.val_bpb, trainer.last_checkpoint, hint)
+    model = getattr(trainer, "model", None)
+    if model is None:
+        return
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(_local(p)).all())]
+    flag = torch.tensor(float(len(bad)), device=next(model.parameters()).device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag)   # a rank with bad shards (FSDP) stops them all
+    if flag.item():
+        raise NonFiniteLossError(step, "weights", float("nan"), trainer.last_checkpoint,
+                                 f"{', '.join(bad[:3]) or 'another rank'} after step {step - 1}'s update; {hint}")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p   # an FSDP shard (DTensor): this rank's part
 
 
 def out_of_memory_hint(trainer, step: int) -> str:

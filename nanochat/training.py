@@ -32,9 +32,13 @@ from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes
 
 # ------------------------------------------------------------------------------------ errors
 
-class NonFiniteLossError(RuntimeError):
-    """Training produced a nan/inf loss (or gradient norm). Names the step, the last good
-    checkpoint and what to try; weights in memory are not trusted after this."""
+class NonFiniteLossError(RequestError, RuntimeError):
+    """Training produced a nan/inf loss (or gradient norm, val bpb, weights). Names the step, the
+    last good checkpoint and what to try; weights in memory are not trusted after this. The scripts
+    print it as one line from rank 0 and exit 3 (a RequestError for script_main, not a traceback on
+    every rank)."""
+
+    exit_code = 3
 
     def __init__(self, step: int, what: str, value: float, last_checkpoint: str | None, hint: str):
         self.step, self.value, self.last_checkpoint = step, value, last_checkpoint

@@ -179,6 +179,17 @@ def test_nan_guard_in_the_loop(env, base_dir, monkeypatch):
     assert "at step 5" in str(e.value) and str(ckpt) in str(e.value) and "hint" in str(e.value)
 
 
+def test_non_finite_weights_are_never_saved(env, base_dir):
+    """Step 0's loss is finite, but its update (learning rates of 1e38) leaves non-finite weights:
+    the save at step 1 refuses them (the NaN guard named that NaN checkpoint the last good one and
+    latest.json pointed at it)."""
+    with pytest.raises(NonFiniteLossError, match=r"non-finite weights \(nan\) at step 1; no checkpoint was saved"):
+        _train(TINY + env + ["--num-iterations", "4", "--save-every", "1", "--eval-every", "-1", "--recipe", "v1",
+                             "--embedding-lr", "1e38", "--unembedding-lr", "1e38", "--scalar-lr", "1e38",
+                             "--model-tag", "blowup"])
+    assert ck.list_steps(ck.checkpoint_dir("base", "blowup", base_dir)) == []
+
+
 # ------------------------------------------------------------------ end to end
 
 def unigram_bpb(tokenizer, train_texts, val_texts) -> float:

@@ -207,6 +207,19 @@ def test_nan_guard_without_checkpoint_and_grad_norm(rt):
         trainer.step(0)
 
 
+def test_nan_stop_is_one_line_exit_3(capsys):
+    """script_main prints a NaN stop as one line (rank 0 only) and exits 3, not a traceback per rank."""
+    from nanochat.flags import script_main
+
+    def run():
+        raise tr.NonFiniteLossError(7, "loss", float("nan"), "/ckpt/step_000006", "lower the LR")
+    with pytest.raises(SystemExit) as e:
+        script_main("base_train", lambda: None, run)
+    assert e.value.code == 3
+    assert capsys.readouterr().err == ("base_train: error: non-finite loss (nan) at step 7; last good checkpoint: "
+                                       "/ckpt/step_000006 (resume from it with --resume); hint: lower the LR\n")
+
+
 def test_grad_clip_reports_norm(rt):
     model = ToyLM()
     trainer = tr.Trainer(model, _opt(model), ToyLoader(2), tr.plan_batch(2 * T, 2, T, 1), _schedule(), rt,
