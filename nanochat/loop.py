@@ -331,9 +331,11 @@ _CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth / --aspect-ratio", "n_
                  "window_pattern": "--window-pattern"}
 
 
-def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str) -> None:
-    """A resumed run must continue the same model, batch layout and tokenizer: a RequestError that
-    names what differs and the flag that sets it."""
+def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,
+                            fsdp: bool | None = None) -> None:
+    """A resumed run must continue the same model, batch layout, tokenizer and optimizer state
+    layout (`fsdp`: sharded or not; None: not checked): a RequestError that names what differs and
+    the flag that sets it."""
     from nanochat.checkpoint import CheckpointError
 
     def mismatch(what, saved, now):
@@ -345,10 +347,14 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
             flag = _CONFIG_FLAGS.get(key)
             mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
     train = meta.get("train", {})
+    if train.get("world_size", 1) != world_size:   # first: it also changes the batch arithmetic below
+        mismatch("a world size (torchrun processes)", train.get("world_size"), world_size)
     if train.get("total_batch_size") != plan.total_batch_size:
         mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
-    if train.get("world_size", 1) != world_size:
-        mismatch("a world size (torchrun processes)", train.get("world_size"), world_size)
+    saved_fsdp = (meta.get("config") or {}).get("fsdp")
+    if fsdp is not None and saved_fsdp is not None and bool(saved_fsdp) != fsdp:
+        mismatch("--fsdp (sharded optimizer state)" if saved_fsdp else "no --fsdp (whole optimizer state)",
+                 bool(saved_fsdp), fsdp)
     if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
         mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
 

@@ -273,7 +273,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         overwritten = check_fresh_start(ckpt_dir, cfg.overwrite)   # deleted at this run's first save
     else:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
-        check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint)
+        check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
+                                fsdp=cfg.fsdp)
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])

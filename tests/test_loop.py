@@ -81,6 +81,16 @@ def test_resume_mismatch_names_the_field_and_its_flag():
         check_resume_compatible(meta, {"n_layer": 3, "n_embd": 128}, plan, 1, "fp")
     with pytest.raises(RequestError, match="--total-batch-size 4096 but this run has 8192"):
         check_resume_compatible(meta, meta["model_config"], BatchPlan(8192, 4, 1024, 1, 2), 1, "fp")
+    # 2 -> 3 ranks: the world size is named, not the batch it changes
+    with pytest.raises(RequestError, match="world size \(torchrun processes\) 1 but this run has 3"):
+        check_resume_compatible(meta, meta["model_config"], BatchPlan(6144, 2, 1024, 3, 1), 3, "fp")
+    # sharded optimizer state (--fsdp) and whole state do not load into each other: said before the model
+    sharded = {**meta, "config": {"fsdp": True}}
+    with pytest.raises(RequestError, match="--fsdp \(sharded optimizer state\) True but this run has False"):
+        check_resume_compatible(sharded, meta["model_config"], plan, 1, "fp", fsdp=False)
+    with pytest.raises(RequestError, match="no --fsdp \(whole optimizer state\) False but this run has True"):
+        check_resume_compatible({**meta, "config": {"fsdp": False}}, meta["model_config"], plan, 1, "fp", fsdp=True)
+    check_resume_compatible(sharded, meta["model_config"], plan, 1, "fp", fsdp=True)
 
 
 class _SignalTrainer:
