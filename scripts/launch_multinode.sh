@@ -23,7 +23,8 @@ usage: scripts/launch_multinode.sh --node-rank N --master-addr ADDR [options] [-
   --hca LIST         NCCL_IB_HCA value, e.g. rocep1s0f1,roceP2p1s0f1 (default: active HCAs on --iface's port)
   --dry-run          print the environment and the torchrun command; do not run
   -h, --help         this text
-After --: what torchrun runs (default: -m scripts.base_train).
+After --: what torchrun runs (default: -m scripts.base_train), with the repo's .venv python and the
+repo on PYTHONPATH, from any directory (relative paths in it are the caller's). --flag=value works too.
 EOF
 }
 die() { echo "launch_multinode: error: $*" >&2; exit 2; }
@@ -33,6 +34,9 @@ is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
 NODE_RANK="" MASTER_ADDR_="" MASTER_PORT_=29500 NNODES=2 NPROC=1 IFACE="" HCA="" DRY_RUN=0
 need_value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || die "$1: needs a value"; }
 while [[ $# -gt 0 ]]; do
+  if [[ $1 == --?*=* ]]; then   # --flag=value: as --flag value
+    flag=${1%%=*} value=${1#*=}; shift; set -- "$flag" "$value" "$@"
+  fi
   case $1 in
     --node-rank) need_value "$@"; NODE_RANK=$2; shift 2 ;;
     --master-addr) need_value "$@"; MASTER_ADDR_=$2; shift 2 ;;
@@ -116,15 +120,19 @@ elif (( MTU < 9000 )); then
        "bandwidth; set 'sudo ip link set $IFACE mtu 9000' on BOTH nodes (and the switch, if any)"
 fi
 
+# from any directory: the repo's venv, and the repo on the import path for `-m scripts.X` (the
+# working directory stays the caller's, so relative paths in the command keep their meaning)
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY=${PYTHON:-}
 if [[ -z $PY ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+  if [[ -x $REPO/.venv/bin/python ]]; then PY=$REPO/.venv/bin/python; else PY=python3; fi
 fi
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torchrun waits this long after passing a Ctrl-C / SIGTERM on
 # before it SIGKILLs the workers (30 s by default), and a graceful stop finishes a step (~30 s at
 # d20 on a Spark) and saves first
 ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0
           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}")
+ENV_VARS+=(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}")
 [[ -n $HCA ]] && ENV_VARS+=(NCCL_IB_HCA="$HCA")
 [[ -n ${NCCL_DEBUG:-} ]] && ENV_VARS+=(NCCL_DEBUG="$NCCL_DEBUG")
 TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"

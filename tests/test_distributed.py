@@ -250,9 +250,14 @@ def test_check_nccl_env(tmp_path):
     assert nccl_env_defaults({"NCCL_NVLS_ENABLE": "0"}) == []
 
 
-def _launch(args, root: Path, ibdev: str = "/nonexistent"):
-    env = {**os.environ, "NANOCHAT_SYSFS_ROOT": str(root), "IBDEV2NETDEV": ibdev, "PYTHON": "python3"}
-    return subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+def _launch(args, root: Path, ibdev: str = "/nonexistent", python: str | None = "python3", cwd: Path = REPO):
+    env = {**os.environ, "NANOCHAT_SYSFS_ROOT": str(root), "IBDEV2NETDEV": ibdev}
+    env.pop("PYTHONPATH", None)
+    if python is not None:
+        env["PYTHON"] = python
+    else:
+        env.pop("PYTHON", None)
+    return subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
 
 
 def test_launch_multinode_dry_run(tmp_path):
@@ -277,6 +282,13 @@ def test_launch_multinode_dry_run(tmp_path):
     r = _launch(["--node-rank", "0", "--master-addr", "10.0.0.1", "--nproc", "2", "--dry-run"], root9, str(tool))
     assert r.returncode == 0 and "MTU" not in r.stderr, r.stderr
     assert "export NCCL_IB_HCA=" in r.stdout and "--nproc_per_node=2" in r.stdout and "scripts.base_train" in r.stdout
+    # from another directory, --flag=value spellings: the repo's venv and the repo on the import path
+    r = _launch(["--node-rank=0", "--master-addr=10.0.0.1", "--iface=enp1s0f1np1", "--dry-run"], root9,
+                python=None, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"export PYTHONPATH={REPO}" in r.stdout.splitlines()
+    venv = REPO / ".venv" / "bin" / "python"
+    assert r.stdout.splitlines()[-1].split()[0] == (str(venv) if venv.exists() else "python3")
 
 
 @pytest.mark.parametrize("args, message", [
