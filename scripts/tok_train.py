@@ -69,8 +69,9 @@ def validate(args: argparse.Namespace) -> None:
                         ("--tokenizer-threads", args.tokenizer_threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
-    if args.output_dir is not None and args.output_dir.exists() and not args.output_dir.is_dir():
-        raise ValueError(f"--output-dir: got {args.output_dir}, which is a file; accepted: a directory")
+    if args.output_dir is not None:   # a file, or a path under one: refused before training, not after
+        from nanochat.dataset import check_out_dir
+        check_out_dir(args.output_dir, "--output-dir")
 
 
 def training_text(data_dir: Path, max_chars: int, doc_cap: int, stats: dict) -> Iterator[str]:

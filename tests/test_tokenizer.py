@@ -496,3 +496,11 @@ def test_tok_scripts_report_damaged_or_missing_data_as_one_line_exit_2(tmp_path,
     assert "shard_00000.parquet: row group 0 has null" in res.stderr  # train split first
     res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "nothing")], tmp_path)
     assert res.returncode == 2 and "tok_train: error: no text shards" in res.stderr
+
+
+def test_tok_train_output_dir_under_a_file_fails_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    res = _run(["scripts.tok_train", "--vocab-size", "300", "--output-dir", str(tmp_path / "afile" / "sub"),
+                "--data-dir", str(tmp_path / "does_not_exist")], tmp_path)
+    assert res.returncode == 2 and "--output-dir: got" in res.stderr and "is a file" in res.stderr, res.stderr
+    assert "does_not_exist" not in res.stderr and "Traceback" not in res.stderr
