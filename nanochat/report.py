@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -324,12 +325,14 @@ class Report:
         return sorted(docs, key=lambda d: (d["entries"][0].get("t", 0.0) if d["entries"] else 0.0, d["section"]))
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """metric -> stage -> value (the latest entry wins)."""
+        """metric -> stage -> value (the latest entry wins). Evaluations of quantised weights
+        (`weights` in their data: base_eval / chat_eval --quantize) are the model served, not the
+        model trained: they keep their sections and stay out of the summary."""
         table: dict[str, dict[str, float]] = {row: {} for row in SUMMARY_ROWS}
         for doc in self.sections():
             for entry in doc["entries"]:
                 data = entry["data"]
-                if not isinstance(data, dict):
+                if not isinstance(data, dict) or data.get("weights", "none") != "none":
                     continue
                 stage = _stage_of(doc["section"], data)
                 if stage is None:
@@ -406,10 +409,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m nanochat.report", description="training report")
     parser.add_argument("command", choices=("generate", "reset"))
     parser.add_argument("--base-dir", "--base_dir", default=None, help="default: $NANOCHAT_BASE_DIR")
-    parser.add_argument("--hourly-cost", "--hourly_cost", type=float,
-                        default=float(os.environ["NANOCHAT_HOURLY_COST"]) if os.environ.get("NANOCHAT_HOURLY_COST") else None,
-                        help="USD per hour of the machine, for the cost estimate")
-    return parser.parse_args(argv)
+    parser.add_argument("--hourly-cost", "--hourly_cost", default=None,
+                        help="USD per hour of the machine, for the cost estimate (default: $NANOCHAT_HOURLY_COST)")
+    args = parser.parse_args(argv)
+    flag, value = ("--hourly-cost", args.hourly_cost) if args.hourly_cost is not None else \
+        ("NANOCHAT_HOURLY_COST", os.environ.get("NANOCHAT_HOURLY_COST") or None)
+    if value is not None:   # checked with the flags: a traceback after the plots, or "$nan/h", otherwise
+        try:
+            args.hourly_cost = float(value)
+        except ValueError:
+            args.hourly_cost = math.nan
+        if not (math.isfinite(args.hourly_cost) and args.hourly_cost >= 0):
+            raise RequestError(f"{flag}: got {value!r}; accepted: a number >= 0 (USD per hour)")
+    return args
 
 
 def main(argv=None) -> None:

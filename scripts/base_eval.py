@@ -209,6 +209,7 @@ def log_report(results: dict) -> None:
     quantize = results["config"].get("quantize", "none")
     if quantize != "none":
         title += f" ({quantize} weights)"
+        section["weights"] = quantize   # the report's summary keeps the model's own figures
     get_report().log(title, section)
 
 

@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
             section = {"stage": cfg.source, "model_tag": cfg.model_tag, "step": out["step"],
                        "temperature": cfg.temperature, "num_samples": cfg.num_samples,
                        "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
-                       "ChatCORE complete": complete}
+                       "ChatCORE complete": complete, **({"weights": cfg.quantize} if suffix else {})}
             get_report().log(f"Chat evaluation {cfg.source}" + (f" ({cfg.quantize} weights)" if suffix else ""), section)
         return out
     finally:

@@ -33,6 +33,10 @@ def synthetic_run(base):
                                     "GSM8K": 0.02, "HumanEval": 0.0, "SpellingBee": 0.5, "ChatCORE metric": 0.05})
     rep.log("Chat evaluation mid", {"ARC-Easy": 0.29})
     rep.log("Chat evaluation mid", {"ARC-Easy": 0.30, "note": "a rerun: latest entry wins"})
+    # the served int8 model's evaluations, logged after: their sections only, not the summary
+    rep.log("Base model evaluation (int8 weights)", {"stage": "base", "CORE metric": 0.1111, "weights": "int8"})
+    rep.log("Chat evaluation sft (int8 weights)", {"stage": "sft", "ARC-Easy": 0.11, "ChatCORE metric": 0.01,
+                                                   "weights": "int8"})
     return rep
 
 
@@ -101,6 +105,21 @@ def test_log_metrics_validation_and_serialization(base):
         get_report().log("!!!", {})
     with pytest.raises(ValueError, match="--hourly-cost"):
         get_report().generate(hourly_cost=-1)
+
+
+def test_hourly_cost_is_checked_with_the_flags(base, monkeypatch):
+    """--hourly-cost (or NANOCHAT_HOURLY_COST) that is not a number >= 0 is refused when the command
+    line is read, naming where it came from ("$nan/h" was printed, -1 a traceback after the plots)."""
+    from nanochat.errors import RequestError
+    for bad in ("-1", "nan", "inf", "abc"):
+        with pytest.raises(RequestError, match=f"--hourly-cost: got '{bad}'; accepted: a number >= 0"):
+            report_mod.parse_args(["generate", "--hourly-cost", bad])
+    monkeypatch.setenv("NANOCHAT_HOURLY_COST", "abc")
+    with pytest.raises(RequestError, match="NANOCHAT_HOURLY_COST: got 'abc'"):
+        report_mod.parse_args(["generate"])
+    assert report_mod.parse_args(["generate", "--hourly-cost", "2.5"]).hourly_cost == 2.5   # the flag wins
+    monkeypatch.setenv("NANOCHAT_HOURLY_COST", "3")
+    assert report_mod.parse_args(["generate"]).hourly_cost == 3.0
 
 
 def test_non_master_ranks_write_nothing(base, monkeypatch):
