@@ -161,6 +161,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.fsdp = _uses_dtensors(self.param_groups)
         self._compile = compile
         self._compiled: dict = {}
+        self.grad_norm: float | None = None   # the last step(max_norm=...)'s norm before clipping
 
     # -- per-rank state layout: a state saved by one layout must not load into another ---------
     def layout(self) -> dict:
@@ -248,18 +249,30 @@ class MuonAdamW(torch.optim.Optimizer):
         return self.world_size > 1 and p.numel() >= SHARD_MIN_NUMEL and p.size(0) % self.world_size == 0
 
     # -- step ----------------------------------------------------------------------------------
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether step() itself averages the gradients over ranks (multi-rank, not FSDP): a norm
+        taken before it is one rank's, so clipping goes through step(max_norm=...)."""
+        return self.world_size > 1 and not self.fsdp
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, max_norm: float | None = None):
+        """One update. `max_norm` (only where reduces_gradients): scale the averaged gradient to at
+        most this global L2 norm first, as clip_grad_norm_ does on one process; the norm before
+        clipping lands in self.grad_norm, and a non-finite one skips the update."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if max_norm is not None and not self.reduces_gradients:
+            raise ValueError("MuonAdamW.step: max_norm is for multi-rank non-FSDP runs; elsewhere clip the "
+                             "gradients before step() (torch.nn.utils.clip_grad_norm_)")
         if self.fsdp:
             self._step_fsdp()
         elif self.world_size == 1:
             self._step_local()
         else:
-            self._step_distributed()
+            self._step_distributed(max_norm)
         return loss
 
     def _step_local(self) -> None:
@@ -276,7 +289,7 @@ class MuonAdamW(torch.optim.Optimizer):
             update = self._muon_chunk(group, grads, params[0])
             self._apply_muon(group, params, update)
 
-    def _step_distributed(self) -> None:
+    def _step_distributed(self, max_norm: float | None = None) -> None:
         W, r = self.world_size, self.rank
         # 1) launch every gradient reduction (async) before any compute
         pending = []
@@ -298,11 +311,16 @@ class MuonAdamW(torch.optim.Optimizer):
                     out = g.clone()
                     work = dist.all_reduce(out, async_op=True)
                 pending.append(("adamw", group, p, out, work))
+        if max_norm is not None:   # the clip needs every averaged gradient first (no overlap then)
+            pending = self._clip_reduced(pending, max_norm)
+            if pending is None:
+                return
         # 2) as each reduction lands: compute this rank's part, launch its all-gather
         gathers = []
         for kind, group, p, grad, work in pending:
-            work.wait()
-            grad.div_(W)  # SUM then divide: portable across backends (gloo has no AVG everywhere)
+            if work is not None:
+                work.wait()
+                grad.div_(W)  # SUM then divide: portable across backends (gloo has no AVG everywhere)
             if kind == "muon":
                 params = group["params"]
                 upd = self._muon_chunk(group, grad, params[0]).contiguous()
@@ -321,6 +339,28 @@ class MuonAdamW(torch.optim.Optimizer):
             if group is not None:
                 self._apply_muon(group, group["params"], full)
 
+
+    def _clip_reduced(self, pending: list, max_norm: float) -> list | None:
+        """Wait for every reduction, take the global norm of the averaged gradient (this rank's
+        shards, plus its 1/W share of the gradients every rank holds whole), scale the gradients to
+        at most max_norm. Returns `pending` with its work done (None in place of each handle), or
+        None when the norm is not finite (no update: the caller stops the run)."""
+        W = self.world_size
+        sq = torch.zeros((), device=pending[0][3].device, dtype=torch.float32)
+        for kind, group, p, grad, work in pending:
+            work.wait()
+            grad.div_(W)
+            whole = kind == "adamw" and not self._sharded(p)   # all-reduced: the same on every rank
+            sq += grad.float().pow(2).sum() / (W if whole else 1)
+        dist.all_reduce(sq)
+        self.grad_norm = float(sq.sqrt())   # one host sync per step, only when clipping
+        if not math.isfinite(self.grad_norm):
+            return None
+        scale = min(1.0, max_norm / (self.grad_norm + 1e-6))   # clip_grad_norm_'s coefficient
+        if scale < 1.0:
+            for *_, grad, _ in pending:
+                grad.mul_(scale)
+        return [(kind, group, p, grad, None) for kind, group, p, grad, _ in pending]
 
     def _step_fsdp(self) -> None:
         """FSDP2 parameters (DTensor, Shard(0)): gradients are already reduce-scattered and averaged.

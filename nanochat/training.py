@@ -297,13 +297,20 @@ class Trainer:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss = loss / rt.world_size
         grad_norm = None
-        if self.grad_clip is not None:
-            norm_t = torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip)
-            grad_norm = float(norm_t)
-            if not math.isfinite(grad_norm):
-                raise NonFiniteLossError(step, "gradient norm", grad_norm, self.last_checkpoint, self.hint)
+        # MuonAdamW on several ranks (not FSDP) averages the gradients inside step(): a norm taken
+        # here would be this rank's alone, so it clips there, on the global norm
+        clip_in_step = self.grad_clip is not None and getattr(self.optimizer, "reduces_gradients", False)
+        if self.grad_clip is not None and not clip_in_step:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip))
         lrm = self.schedule.apply(self.optimizer, step)
-        self.optimizer.step()
+        if grad_norm is None or math.isfinite(grad_norm):
+            if clip_in_step:
+                self.optimizer.step(max_norm=self.grad_clip)
+                grad_norm = self.optimizer.grad_norm
+            else:
+                self.optimizer.step()
+        if grad_norm is not None and not math.isfinite(grad_norm):   # every rank sees the same norm
+            raise NonFiniteLossError(step, "gradient norm", grad_norm, self.last_checkpoint, self.hint)
         self.model.zero_grad(set_to_none=True)
         loss_f = float(loss)  # one host sync per step
         rt.synchronize()

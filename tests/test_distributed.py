@@ -65,6 +65,45 @@ def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int 
     return [trainer.step(s).loss for s in range(start, start + steps)], optimizer
 
 
+def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
+    """--grad-clip on 2 ranks (no FSDP) vs one process with the same total batch: the same norms
+    and losses only if the clip uses the global norm of the averaged gradient."""
+    _torchrun_env(rank, world, port)
+    from nanochat.common import destroy_runtime, init_runtime
+    from nanochat.distributed import StridedMicroBatches
+    from nanochat.optim import build_optimizer
+    from nanochat.training import Schedule, Trainer, plan_batch
+    rt = init_runtime("cpu", "fp32", seed=0)
+    data = _micro_batches(STEPS * ACCUM_2RANK * world)
+    result = {}
+
+    def run(rt_, w):
+        model = _tiny_model()
+        opt = build_optimizer(model, world_size=w, rank=rt_.rank if w > 1 else 0)
+        loader = StridedMicroBatches(data, rt_.rank, w) if w > 1 else iter(data)
+        trainer = Trainer(model, opt, loader, plan_batch(ACCUM_2RANK * 2 * B * T, B, T, w), Schedule(STEPS), rt_,
+                          grad_clip=0.05)   # well below the norms: every step clips
+        steps = [trainer.step(s) for s in range(STEPS)]
+        return [s.loss for s in steps], [s.grad_norm for s in steps]
+    try:
+        if rank == 0:
+            result["single"] = run(dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True), 1)
+        result["ddp"] = run(rt, world)
+        Path(out, f"clip{rank}.json").write_text(json.dumps(result))
+    finally:
+        destroy_runtime(rt)
+
+
+def test_grad_clip_uses_the_global_norm_across_ranks(tmp_path):
+    mp.spawn(_clip_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"clip{r}.json").read_text()) for r in (0, 1))
+    assert r0["ddp"] == r1["ddp"]   # every rank logs the same loss and norm
+    (single_loss, single_norm), (ddp_loss, ddp_norm) = r0["single"], r0["ddp"]
+    assert all(n > 0.05 for n in single_norm), single_norm   # the clip was active
+    assert max(abs(a - b) / a for a, b in zip(single_norm, ddp_norm)) < 1e-4, (single_norm, ddp_norm)
+    assert max(abs(a - b) for a, b in zip(single_loss, ddp_loss)) <= LOSS_TOL, (single_loss, ddp_loss)
+
+
 def _equivalence_worker(rank: int, world: int, port: int, out: str) -> None:
     _torchrun_env(rank, world, port)
     import torch.distributed as dist
