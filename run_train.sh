@@ -130,7 +130,10 @@ status_one() {  # dir -> prints the report; returns 0 if running, 3 if not
     state="running (pid $pid)"; rc=0
   else
     if [[ -n "$pid" ]]; then rm -f "$dir/pid"; fi   # stale: the process is gone
-    if [[ -f "$dir/exit_code" ]]; then state="not running (finished, exit code $(cat "$dir/exit_code"))"
+    if [[ -f "$dir/exit_code" ]] && tail -n 3 "$dir/train.log" 2>/dev/null | grep -q "^stopped by run_train.sh --stop"; then
+      # torchrun ends with 1 when its workers stop on a signal (they exit 143): not a crash
+      state="not running (stopped by --stop, exit code $(cat "$dir/exit_code"); continue with --resume latest)"
+    elif [[ -f "$dir/exit_code" ]]; then state="not running (finished, exit code $(cat "$dir/exit_code"))"
     else state="not running${pid:+ (pid $pid is gone; removed its stale pid file)}"; fi
   fi
   echo "[$tag] $state"

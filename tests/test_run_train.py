@@ -103,7 +103,8 @@ def test_start_duplicate_status_stop(run, base_dir):
     assert "stopped" in stop.stdout
     assert not _alive(pid) and not (base_dir / "runs" / tag / "pid").exists()
     st = run("--status", "--model-tag", tag)
-    assert st.returncode == 3 and "not running" in st.stdout
+    assert st.returncode == 3 and "not running (stopped by --stop, exit code 143; continue with --resume latest)" \
+        in st.stdout, st.stdout
     assert "stopped by run_train.sh --stop" in log.read_text()
     # SIGTERM stopped it gracefully: the step finished, a checkpoint was saved at the next step index
     text = log.read_text()
@@ -190,6 +191,8 @@ def test_stop_under_torchrun(run, base_dir, device):
     assert m, text[-3000:]
     assert text.count("base_train: error: stopped by SIGTERM") == 1   # said once, by rank 0
     assert "death signal" not in text           # torchrun itself was never signalled
+    # torchrun's own exit code after its workers stopped on SIGTERM is 1: --status says stopped
+    assert "not running (stopped by --stop, exit code " in run("--status", "--model-tag", tag).stdout
     names = {f.name for f in Path(m.group(2)).iterdir()}
     assert {"model.pt", "optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"} <= names
 
