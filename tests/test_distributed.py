@@ -52,8 +52,10 @@ def _micro_batches(n: int) -> list:
     return [(r[:, :-1], r[:, 1:]) for r in rows]
 
 
-def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int = 2):
-    """Train `steps` steps from index `start` with the shared Trainer; returns (losses, optimizer)."""
+def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int = 2, grad_clip: float | None = None,
+         norms: list | None = None):
+    """Train `steps` steps from index `start` with the shared Trainer; returns (losses, optimizer);
+    each step's gradient norm is appended to `norms` when given (with grad_clip)."""
     from nanochat.distributed import StridedMicroBatches
     from nanochat.optim import build_optimizer
     from nanochat.training import Schedule, Trainer, plan_batch
@@ -61,8 +63,11 @@ def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int 
                                              rank=rt.rank if world > 1 else 0)
     plan = plan_batch(ACCUM_2RANK * 2 * B * T, B, T, world)
     loader = StridedMicroBatches(batches, rt.rank, world) if world > 1 else iter(batches)
-    trainer = Trainer(model, optimizer, loader, plan, Schedule(STEPS, warmdown_ratio=0.5), rt)
-    return [trainer.step(s).loss for s in range(start, start + steps)], optimizer
+    trainer = Trainer(model, optimizer, loader, plan, Schedule(STEPS, warmdown_ratio=0.5), rt, grad_clip=grad_clip)
+    results = [trainer.step(s) for s in range(start, start + steps)]
+    if norms is not None:
+        norms += [r.grad_norm for r in results]
+    return [r.loss for r in results], optimizer
 
 
 def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -70,21 +75,14 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
     and losses only if the clip uses the global norm of the averaged gradient."""
     _torchrun_env(rank, world, port)
     from nanochat.common import destroy_runtime, init_runtime
-    from nanochat.distributed import StridedMicroBatches
-    from nanochat.optim import build_optimizer
-    from nanochat.training import Schedule, Trainer, plan_batch
     rt = init_runtime("cpu", "fp32", seed=0)
     data = _micro_batches(STEPS * ACCUM_2RANK * world)
     result = {}
 
     def run(rt_, w):
-        model = _tiny_model()
-        opt = build_optimizer(model, world_size=w, rank=rt_.rank if w > 1 else 0)
-        loader = StridedMicroBatches(data, rt_.rank, w) if w > 1 else iter(data)
-        trainer = Trainer(model, opt, loader, plan_batch(ACCUM_2RANK * 2 * B * T, B, T, w), Schedule(STEPS), rt_,
-                          grad_clip=0.05)   # well below the norms: every step clips
-        steps = [trainer.step(s) for s in range(STEPS)]
-        return [s.loss for s in steps], [s.grad_norm for s in steps]
+        norms = []   # a clip of 0.05 is well below the norms: every step clips
+        losses, _ = _run(_tiny_model(), rt_, data, 0, STEPS, world=w, grad_clip=0.05, norms=norms)
+        return losses, norms
     try:
         if rank == 0:
             result["single"] = run(dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True), 1)
