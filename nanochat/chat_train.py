@@ -205,7 +205,7 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
 _SOURCE_KEYS = ("phase", "model_tag", "step", "model_sha256")
 
 
-def _say_fresh_start(why: str) -> None:
+def say_fresh_start(why: str) -> None:
     print0(f"--resume auto: {why}: starting fresh instead (its checkpoints stay on disk until this run's "
            "saves replace them)")
 
@@ -223,7 +223,7 @@ def _auto_resume(ckpt_dir, source: dict) -> str | None:
     changed = [k for k in _SOURCE_KEYS if k in recorded and recorded[k] != source.get(k)]
     if not changed:
         return resume_at
-    _say_fresh_start(f"that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
+    say_fresh_start(f"that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
                      f"{recorded.get('step')}, and {source['phase']}/{source['model_tag']} is now step "
                      f"{source['step']}{' with other weights' if 'model_sha256' in changed else ''}")
     return None
@@ -321,7 +321,7 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
-            _say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
+            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
             del model, resume
             return _start(replace(cfg, resume=None), stage, rt, base_dir, mixture, conversations)
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan

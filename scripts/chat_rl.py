@@ -126,14 +126,30 @@ def rl_schedule(num_iterations: int) -> Schedule:
     return Schedule(num_iterations, 0.0, 1.0, 0.0, momentum_fn=lambda step: RL_MOMENTUM).validate()
 
 
+# what a checkpoint's loader position means: a count of problems of this task (--test-holdout,
+# --data-dir), in this order (--seed), taken this many at a time with this many samples each
+RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "seed": "--seed",
+                "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
+
+
+def resume_mismatch(meta: dict, cfg: ChatRLConfig) -> str | None:
+    """What keeps this run from continuing the checkpoint `meta` describes (None: nothing)."""
+    saved = meta.get("config") or {}
+    for key, flag in RESUME_FLAGS.items():
+        if key in saved and saved[key] != getattr(cfg, key):
+            return f"the checkpoint's run had {flag} {saved[key]!r}, this run has {getattr(cfg, key)!r}"
+    return None
+
+
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
-    from nanochat.chat_train import start_point
+    from nanochat.chat_train import say_fresh_start, start_point
+    from nanochat.checkpoint_io import CheckpointError
     from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, load_checkpoint, load_model,
                                      planned_saves, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
-    from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
+    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer
     from nanochat.tasks import GSM8K
@@ -152,6 +168,13 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     resume = None
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
+        why = resume_mismatch(resume["meta"], cfg)
+        if why is not None and cfg.resume != "auto":
+            raise CheckpointError(f"--resume: {why}; use the flags of the original run (or start a new --model-tag)")
+        if why is not None:
+            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({why})")
+            resume = None
+    if resume is not None:
         tokenizer = get_tokenizer(base_dir)
         model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
         model.load_state_dict(resume["model"], strict=True)
@@ -161,6 +184,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                                          base_dir=base_dir, compute_dtype=rt.dtype, for_training=True)
     model.train()
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
+    if resume is not None:
+        check_resume_step(resume["step"], num_iterations, ckpt_dir)
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),

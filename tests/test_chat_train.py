@@ -227,7 +227,7 @@ CHAT = ["--device", "cpu", "--model-tag", "pipe", "--device-batch-size", "4", "-
 
 
 @pytest.mark.slow
-def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
+def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir, capsys):
     from nanochat.report import Report, read_metrics, report_dir
     from scripts import base_train, chat_eval, chat_rl, chat_sft, mid_train
 
@@ -246,12 +246,23 @@ def test_tiny_pipeline_base_mid_sft_rl_eval_report(env, base_dir):
     assert math.isfinite(sft["final_val_bpb"]) and ck.read_meta(ck.checkpoint_dir("sft", "pipe"))["train"]["mask"] \
         == "assistant"
 
-    rl = chat_rl.main(["--device", "cpu", "--model-tag", "pipe", "--num-iterations", "1", "--examples-per-step", "1",
-                       "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "1", "--eval-examples", "2",
-                       "--eval-every", "1", "--eval-samples", "3"])
+    rl_args = ["--device", "cpu", "--model-tag", "pipe", "--num-iterations", "1", "--examples-per-step", "1",
+               "--num-samples", "2", "--max-new-tokens", "8", "--test-holdout", "1", "--eval-examples", "2",
+               "--eval-every", "1", "--eval-samples", "3"]
+    rl = chat_rl.main(rl_args)
     assert rl["final_gsm8k_pass@1"] is not None and ck.read_latest(ck.checkpoint_dir("rl", "pipe")) == 1
     # scored on held-out problems only: the first --test-holdout of the test split (training takes the rest)
     assert ck.read_meta(ck.checkpoint_dir("rl", "pipe"))["train"]["eval_problems"] == 1
+    # its loader position counts problems of that task, in that order, that many a step: a resume
+    # with other such flags is refused (it went on silently)
+    with pytest.raises(ck.CheckpointError, match="had --examples-per-step 1, this run has 2"):
+        chat_rl.main(rl_args + ["--resume", "latest", "--num-iterations", "2", "--examples-per-step", "2"])
+    with pytest.raises(ck.CheckpointError, match="had --test-holdout 1, this run has 2"):
+        chat_rl.main(rl_args + ["--resume", "latest", "--num-iterations", "2", "--test-holdout", "2"])
+    capsys.readouterr()
+    fresh = chat_rl.main(rl_args + ["--resume", "auto", "--seed", "7", "--eval-every", "-1"])   # auto: afresh
+    assert "cannot be continued (the checkpoint's run had --seed 42, this run has 7): starting fresh" \
+        in capsys.readouterr().out and sorted(fresh["losses"]) == [0]
     sampled = [rl[f"final_gsm8k_sampled_pass@{k}"] for k in (1, 2, 3)]   # upstream's figure, non-decreasing in k
     assert all(0 <= a <= b <= 1 for a, b in zip(sampled, sampled[1:]))
 
