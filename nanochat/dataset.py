@@ -247,23 +247,6 @@ def read_source_marker(marker: Path) -> str | None:
     return recorded.get("source")
 
 
-def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
-    """`out` if it is a directory or can be made one (RequestError naming the flag otherwise), so
-    that a command refuses a file given as --out before any work, not with a traceback after it."""
-    out = Path(out)
-    parent = out
-    while not parent.exists() and parent != parent.parent:  # the nearest part that exists
-        parent = parent.parent
-    if not parent.is_dir():
-        what = "is a file" if parent == out else f"cannot be created: {parent} is a file"
-        raise RequestError(f"{flag}: got {str(out)!r}, which {what}; accepted: a directory (existing "
-                           "or one that can be created)")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise RequestError(f"{flag}: got {str(out)!r}, but {parent} is not writable; accepted: a "
-                           "directory you can write to")
-    return out
-
-
 def claim_data_dir(out_dir: Path, source: str) -> None:
     """Refuse to mix shard sets: a directory holding shards from another source is an error."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -513,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     source = _check_flags(args)
+    from nanochat.flags import check_out_dir
+
     out = check_out_dir(args.out or default_data_dir())
     if source == "local":
         from nanochat.local_data import import_local_dir

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from nanochat.errors import RequestError
@@ -59,6 +60,17 @@ def check_model_tag(tag: str | None, flag: str = "--model-tag") -> None:
     require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name)")
 
 
+def _nearest_existing(path: str) -> str:
+    """The longest prefix of `path` (absolute) that exists: what creating the rest depends on."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _writable_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
 def check_output_file(path: str | None, flag: str) -> None:
     """A file a script writes when its work is done: checked before the work. Not a directory, and
     its nearest existing parent is a writable directory (the rest is created). None passes."""
@@ -66,11 +78,24 @@ def check_output_file(path: str | None, flag: str) -> None:
         return
     target = os.path.abspath(path)
     require(not os.path.isdir(target), flag, path, "a file path (this is a directory)")
-    parent = os.path.dirname(target)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    require(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), flag, path,
-            f"a path in a writable directory ({parent} is not one)")
+    parent = _nearest_existing(os.path.dirname(target))
+    require(_writable_dir(parent), flag, path, f"a path in a writable directory ({parent} is not one)")
+
+
+def check_out_dir(out: str | os.PathLike, flag: str = "--out") -> Path:
+    """`out` as a Path if it is a directory or can be made one (RequestError naming the flag
+    otherwise), so that a command refuses a file given as --out before any work, not with a
+    traceback after it."""
+    target = os.path.abspath(out)
+    parent = _nearest_existing(target)
+    if not os.path.isdir(parent):
+        what = "is a file" if parent == target else f"cannot be created: {parent} is a file"
+        raise RequestError(f"{flag}: got {str(out)!r}, which {what}; accepted: a directory (existing "
+                           "or one that can be created)")
+    if not _writable_dir(parent):
+        raise RequestError(f"{flag}: got {str(out)!r}, but {parent} is not writable; accepted: a "
+                           "directory you can write to")
+    return Path(out)
 
 
 def require_int(value: Any, flag: str, low: int = 1, allow: Sequence[int] = ()) -> None:

@@ -33,6 +33,7 @@ from nanochat import binshards as bs
 from nanochat import dataset as ds
 from nanochat.common import fmt_bytes
 from nanochat.errors import DiskFullError, MissingDataError
+from nanochat.flags import check_out_dir
 
 CHARS_PER_TOKEN_LOW = 3   # planning only: English text and code run ~4 characters a token at vocab 32K
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
             raise ValueError(f"{flag}: got {value}; accepted: an integer >= 1")
 
     data_dir = args.data_dir or ds.default_data_dir()
-    out_dir = ds.check_out_dir(args.out or bs.default_bin_dir(data_dir))
+    out_dir = check_out_dir(args.out or bs.default_bin_dir(data_dir))
     shards = ds.list_shards(data_dir)
     if tokenizer is None:
         from nanochat.tokenizer import Tokenizer, get_tokenizer

@@ -70,7 +70,7 @@ def validate(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
     if args.output_dir is not None:   # a file, or a path under one: refused before training, not after
-        from nanochat.dataset import check_out_dir
+        from nanochat.flags import check_out_dir
         check_out_dir(args.output_dir, "--output-dir")
 
 

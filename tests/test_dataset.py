@@ -464,7 +464,7 @@ def test_backoff_and_timeout_are_checked_up_front(tmp_path, flag, value, accepte
 
 
 def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
-    from nanochat.flags import run_cli
+    from nanochat.flags import check_out_dir, run_cli
     afile = tmp_path / "afile"
     afile.write_text("x")
     for out in (afile, afile / "sub"):
@@ -472,4 +472,4 @@ def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
             run_cli(lambda: ds.main(["--source", "shakespeare", "--out", str(out)]))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: --out: got '{out}'"), err
-    assert ds.check_out_dir(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"  # creatable: fine
+    assert check_out_dir(tmp_path / "new" / "dir") == tmp_path / "new" / "dir"  # creatable: fine
