@@ -369,7 +369,8 @@ def test_download_stops_when_the_remaining_shards_cannot_fit(server, tmp_path, m
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(ds.shutil, "disk_usage", lambda path: usage(10**12, 0, 1000))
-    with pytest.raises(ds.DiskFullError, match=r"3 more shards need ~\d+ KB \(~\d+ KB each\), 1 KB free; free "
+    # 3 more, or 2 when the pool's worker finished shard 1 before shard 0's check ran (a race seen in CI)
+    with pytest.raises(ds.DiskFullError, match=r"[23] more shards need ~\d+ KB \(~\d+ KB each\), 1 KB free; free "
                                                r"space \(or ask for fewer with -n\) and rerun: the 1 finished"):
         ds.download_shards([0, 1, 2, 6542], tmp_path, server.url, workers=1, retries=0, progress=False)
     # shard 1 may have started before the check (the pool's worker takes the next one at once)
