@@ -427,7 +427,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
-               "final_val_bpb": result.val_bpb, "avg_tok_per_sec": meter.average_tok_per_sec(),
+               "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
+               "avg_tok_per_sec": meter.average_tok_per_sec(),
                "row_fill": round(loader.fill_fraction, 4), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,

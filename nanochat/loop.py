@@ -61,10 +61,13 @@ class LoopResult:
     step: int                                    # the final step index (== num_iterations)
     losses: dict = field(default_factory=dict)   # step -> training loss (this process)
     val_bpb: float | None = None
+    val_bpb_step: int | None = None              # the step val_bpb was measured at (older when evals are off)
     min_val_bpb: float = math.inf
     last_eval: dict = field(default_factory=dict)
     elapsed_s: float = 0.0                       # wall clock of the stage, resumed runs included
     last_checkpoint: str | None = None
+    evaluated_at: int | None = None              # the step of the last evaluation / sample (saved with the
+    sampled_at: int | None = None                # loop state: a resume at that step does not repeat them)
 
 
 class StopRequested(RequestError):
@@ -153,15 +156,22 @@ def _due(every: int, step: int, last: bool) -> bool:
 
 def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool, tracker, report: bool,
                          t_start: float) -> None:
+    """Evaluate and sample where due, except what the checkpoint a run resumed from did at this very
+    step before it was saved (evaluated_at / sampled_at restored from its loop state): a resumed
+    run neither spends another evaluation on it nor writes a second metrics row for the step."""
     from nanochat.report import log_metrics
 
-    if spec.evaluate is not None and _due(spec.eval_every, step, last):
+    if spec.evaluate is not None and _due(spec.eval_every, step, last) and res.evaluated_at != step:
         _evaluate(spec, res, step, tracker)
+        res.evaluated_at = step
         if report:
             log_metrics(spec.stage, {"step": step, **res.last_eval, "elapsed_s": time.perf_counter() - t_start})
-    if spec.sample is not None and spec.is_master and _due(spec.sample_every, step, last) and (last or step > 0):
-        for text in spec.sample(step):
-            print0(f"  sample: {text!r}")
+    if spec.sample is not None and _due(spec.sample_every, step, last) and (last or step > 0) \
+            and res.sampled_at != step:
+        res.sampled_at = step   # on every rank: each saves it in its loop state
+        if spec.is_master:
+            for text in spec.sample(step):
+                print0(f"  sample: {text!r}")
 
 
 def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, tracker, report: bool,
@@ -193,8 +203,12 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     res = LoopResult(step=start_step)
     if resume_state is not None:
         res.val_bpb = resume_state.get("val_bpb")
+        res.val_bpb_step = resume_state.get("val_bpb_step")
         res.min_val_bpb = resume_state.get("min_val_bpb", math.inf)
         res.elapsed_s = float(resume_state.get("elapsed_s", 0.0))
+        res.last_eval = dict(resume_state.get("last_eval") or {})
+        res.evaluated_at = resume_state.get("evaluated_at")
+        res.sampled_at = resume_state.get("sampled_at")
     t_start = time.perf_counter() - res.elapsed_s
     report = spec.report and spec.is_master
     kept = [Path(spec.resumed_from)] if spec.resumed_from is not None else []   # candidates for --keep-last
@@ -215,7 +229,9 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 _check_finite_before_save(trainer, res, step)   # never a NaN checkpoint as `latest`
                 res.elapsed_s = time.perf_counter() - t_start
                 loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
-                                                elapsed_s=res.elapsed_s)
+                                                elapsed_s=res.elapsed_s, val_bpb_step=res.val_bpb_step,
+                                                last_eval=_plain(res.last_eval), evaluated_at=res.evaluated_at,
+                                                sampled_at=res.sampled_at)
                 path = spec.save(step, loop_state)
                 trainer.note_checkpoint(path)
                 res.last_checkpoint = str(path)
@@ -256,6 +272,21 @@ def _check_finite_before_save(trainer, res: LoopResult, step: int) -> None:
                                  f"{', '.join(bad[:3]) or 'another rank'} after step {step - 1}'s update; {hint}")
 
 
+def _plain(metrics: dict) -> dict:
+    """The evaluation's numbers as Python types (a checkpoint is loaded with weights_only=True,
+    which refuses numpy scalars); anything else is left out of the loop state."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or isinstance(v, str):
+            out[k] = v
+        elif isinstance(v, (int, float)) or hasattr(v, "item"):
+            try:
+                out[k] = v.item() if hasattr(v, "item") else (int(v) if isinstance(v, int) else float(v))
+            except (TypeError, ValueError):   # a tensor or array of several values
+                pass
+    return out
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p   # an FSDP shard (DTensor): this rank's part
 
@@ -284,7 +315,7 @@ def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:
     metrics = dict(spec.evaluate(step))
     res.last_eval = metrics
     if "val_bpb" in metrics:
-        res.val_bpb = metrics["val_bpb"]
+        res.val_bpb, res.val_bpb_step = metrics["val_bpb"], step
         res.min_val_bpb = min(res.min_val_bpb, res.val_bpb)
         print0(f"step {step:05d} | val bpb {res.val_bpb:.4f} (min {res.min_val_bpb:.4f})")
     others = {k: v for k, v in metrics.items() if k != "val_bpb"}
@@ -303,7 +334,7 @@ def log_stage_report(section: str, stage: str, *, config: dict, result: LoopResu
     from nanochat.report import get_report
 
     data = {"stage": stage, **(extra or {}), "final_step": result.step, "total_time_s": round(result.elapsed_s, 2),
-            "final_val_bpb": result.val_bpb,
+            "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
             "min_val_bpb": result.min_val_bpb if result.min_val_bpb < math.inf else None,
             "final_loss": result.losses[max(result.losses)] if result.losses else None,
             **{k: v for k, v in result.last_eval.items() if k != "val_bpb"}}

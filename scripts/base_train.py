@@ -371,7 +371,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     val_bpb, min_val_bpb, losses = result.val_bpb, result.min_val_bpb, result.losses
 
     summary = {"model_tag": model_tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
-               "final_val_bpb": val_bpb, "min_val_bpb": min_val_bpb if min_val_bpb < math.inf else None,
+               "final_val_bpb": val_bpb, "val_bpb_step": result.val_bpb_step,
+               "min_val_bpb": min_val_bpb if min_val_bpb < math.inf else None,
                "avg_tok_per_sec": meter.average_tok_per_sec(), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report("Base model training", "base", config=asdict(cfg), result=result, meter=meter,

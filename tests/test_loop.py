@@ -82,13 +82,13 @@ def test_resume_mismatch_names_the_field_and_its_flag():
     with pytest.raises(RequestError, match="--total-batch-size 4096 but this run has 8192"):
         check_resume_compatible(meta, meta["model_config"], BatchPlan(8192, 4, 1024, 1, 2), 1, "fp")
     # 2 -> 3 ranks: the world size is named, not the batch it changes
-    with pytest.raises(RequestError, match="world size \(torchrun processes\) 1 but this run has 3"):
+    with pytest.raises(RequestError, match=r"world size \(torchrun processes\) 1 but this run has 3"):
         check_resume_compatible(meta, meta["model_config"], BatchPlan(6144, 2, 1024, 3, 1), 3, "fp")
     # sharded optimizer state (--fsdp) and whole state do not load into each other: said before the model
     sharded = {**meta, "config": {"fsdp": True}}
-    with pytest.raises(RequestError, match="--fsdp \(sharded optimizer state\) True but this run has False"):
+    with pytest.raises(RequestError, match=r"--fsdp \(sharded optimizer state\) True but this run has False"):
         check_resume_compatible(sharded, meta["model_config"], plan, 1, "fp", fsdp=False)
-    with pytest.raises(RequestError, match="no --fsdp \(whole optimizer state\) False but this run has True"):
+    with pytest.raises(RequestError, match=r"no --fsdp \(whole optimizer state\) False but this run has True"):
         check_resume_compatible({**meta, "config": {"fsdp": False}}, meta["model_config"], plan, 1, "fp", fsdp=True)
     check_resume_compatible(sharded, meta["model_config"], plan, 1, "fp", fsdp=True)
 
@@ -175,3 +175,58 @@ def test_the_loop_says_how_long_torchrun_lets_a_stop_run(monkeypatch, capsys, gr
     out = capsys.readouterr().out
     assert (said in out) and (bool(out) == (grace is not None))
     assert ("may be cut short" in out) == (grace is not None and grace[0] == 30)
+
+
+class _CountingTrainer(_SignalTrainer):
+    def __init__(self):
+        super().__init__(at=-1, signum=0)
+        self.model = None   # no weights to check before a save
+
+
+def _eval_spec(tmp_path, evals, saves, num_iterations, eval_every):
+    def evaluate(step):
+        evals.append(step)
+        return {"val_bpb": 1.0 / (step + 1), "core": __import__("numpy").float64(0.25)}
+
+    def save(step, state):
+        saves[step] = state
+        return tmp_path / f"step_{step:06d}"
+    return LoopSpec("base", num_iterations=num_iterations, report=False, eval_every=eval_every, save_every=4,
+                    evaluate=evaluate, save=save)
+
+
+def test_a_resumed_run_does_not_repeat_the_evaluation_its_checkpoint_saw(tmp_path):
+    """The checkpoint at step 4 was saved after step 4's evaluation: resuming there goes on with the
+    step, without a second evaluation (time, and a second metrics row for step 4), and keeps what
+    that evaluation measured; the loop state holds plain numbers (weights_only loads refuse numpy)."""
+    evals, saves = [], {}
+    run_training_loop(_CountingTrainer(), meter=_CountingTrainer().meter,
+                      spec=_eval_spec(tmp_path, evals, saves, 6, eval_every=2))
+    assert evals == [0, 2, 4, 6] and saves[4]["evaluated_at"] == 4 and type(saves[4]["last_eval"]["core"]) is float
+    state = torch.load(_roundtrip(tmp_path, saves[4]), weights_only=True)
+    evals2, saves2 = [], {}
+    res = run_training_loop(_CountingTrainer(), meter=_CountingTrainer().meter,
+                            spec=_eval_spec(tmp_path, evals2, saves2, 6, eval_every=2),
+                            start_step=4, resume_state=state)
+    assert evals2 == [6] and res.val_bpb == 1 / 7 and res.val_bpb_step == 6
+
+
+def test_a_checkpoint_saved_by_a_stop_is_evaluated_on_resume_and_old_figures_say_their_step(tmp_path):
+    """A stop saves at a step without evaluating there: the resumed run evaluates it. A resumed run
+    with evaluations off reports the checkpoint's val bpb with the step it was measured at."""
+    evals, saves = [], {}
+    state = {"step": 4, "val_bpb": 0.5, "val_bpb_step": 2, "min_val_bpb": 0.5, "evaluated_at": 2}
+    run_training_loop(_CountingTrainer(), meter=_CountingTrainer().meter,
+                      spec=_eval_spec(tmp_path, evals, saves, 6, eval_every=2), start_step=4, resume_state=state)
+    assert evals == [4, 6]
+    evals = []
+    res = run_training_loop(_CountingTrainer(), meter=_CountingTrainer().meter,
+                            spec=_eval_spec(tmp_path, evals, saves, 6, eval_every=-1), start_step=4,
+                            resume_state=state)
+    assert evals == [] and (res.val_bpb, res.val_bpb_step) == (0.5, 2) and saves[6]["val_bpb_step"] == 2
+
+
+def _roundtrip(tmp_path, state):
+    path = tmp_path / "loop.pt"
+    torch.save(state, path)
+    return path
