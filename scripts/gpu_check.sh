@@ -6,7 +6,8 @@
 #              fp8-cast and QK-norm + RoPE backward benchmarks
 #   tests      pytest -m cuda over tests/ (carry .whl/ with rustbpe, liger-kernel, cudnn-frontend, and
 #              .devdata/shared/pretrain/tiny for the tiny-corpus fixtures); TEST_PATHS narrows it to some files,
-#              TEST_HALF=1 / 2 runs half of the files each (the whole set is ~620 s, over one device call)
+#              TEST_HALF=1 / 2 runs half of the files each (the whole set is ~620 s, over one device call);
+#              TEST_HALF=par both halves at once, one per GPU (2+ GPUs)
 #   train      bench_train: d12 and d20, bf16, kernels current and triton (dbs 32, seq 2048, base_train's batch)
 #   kernels    benchmark_kernels at d20 dbs 32: current/liger/triton x bf16/fp8
 #   alttests   pytest -m cuda over tests/ with the Triton carried by scripts/alt_triton.sh (.altta, then .alttb
@@ -108,8 +109,9 @@ export NANOCHAT_SHARED_DATA=${NANOCHAT_SHARED_DATA:-$PWD/.devdata/shared}
 
 # 1. wheels carried in .whl/ (liger-kernel, rustbpe, ...): installed into /tmp/site, never over the image
 if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
+  # under a lock: two gpu_check.sh runs at once (one per GPU) must not write /tmp/site together
+  ( flock 9 && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl ) 9>/tmp/site.lock && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
 fi
 # FlashAttention-4 for --attn-backend cudnn_fa4, carried in two halves (.fa4a, then .fa4b on the next
 # call while the box is warm: scripts/fa4_install.sh); unpacked into /tmp/site too
@@ -162,18 +164,33 @@ fi
 if has tests; then
   # every CUDA test in tests/ (a module whose optional dependency is missing skips with its install hint).
   # The whole set takes ~620 s on an H200 (2026-11-28), more than one device call may run: TEST_HALF=1
-  # and then TEST_HALF=2 run the test files holding CUDA tests in two halves (alphabetical order)
+  # and then TEST_HALF=2 run the test files holding CUDA tests in two halves (alphabetical order);
+  # TEST_HALF=par runs both halves at once, one per GPU (2+ GPUs; tests needing two GPUs skip there)
   paths=${TEST_PATHS:-tests/}
   if [[ -n "${TEST_HALF:-}" ]]; then
     mapfile -t cuda_files < <(grep -l "mark.cuda\|pytestmark = .*cuda" tests/test_*.py | sort)
     half=$(( (${#cuda_files[@]} + 1) / 2 ))
     case "$TEST_HALF" in
       1) paths="${cuda_files[*]:0:$half}" ;;
-      2) paths="${cuda_files[*]:$half}" ;;
-      *) echo "TEST_HALF: got '$TEST_HALF'; accepted: 1 or 2"; exit 2 ;;
+      2|par) paths="${cuda_files[*]:$half}" ;;
+      *) echo "TEST_HALF: got '$TEST_HALF'; accepted: 1, 2 or par"; exit 2 ;;
     esac
   fi
-  step pytest_cuda_all 590 $PY -m pytest -q -m cuda -p no:cacheprovider -rs $paths
+  if [[ "${TEST_HALF:-}" == par ]]; then
+    ngpu=$(nvidia-smi -L | wc -l)
+    (( ngpu >= 2 )) || { echo "TEST_HALF=par needs 2 GPUs; this box has $ngpu"; exit 2; }
+    t0=$SECONDS
+    CUDA_VISIBLE_DEVICES=0 timeout 590 $PY -m pytest -q -m cuda -p no:cacheprovider -rs ${cuda_files[*]:0:$half} \
+      > "$LOG/pytest_cuda_half1.log" 2>&1 & pid1=$!
+    CUDA_VISIBLE_DEVICES=1 timeout 590 $PY -m pytest -q -m cuda -p no:cacheprovider -rs $paths \
+      > "$LOG/pytest_cuda_half2.log" 2>&1 & pid2=$!
+    wait $pid1; rc1=$?; wait $pid2; rc2=$?
+    for h in 1 2; do echo "=== pytest_cuda_half$h (GPU $((h - 1)))"; tail -n 40 "$LOG/pytest_cuda_half$h.log"; done
+    status+=("$(printf '%-22s rc=%-4s %4ss' pytest_cuda_half1 "$rc1" "$((SECONDS - t0))")")
+    status+=("$(printf '%-22s rc=%-4s %4ss' pytest_cuda_half2 "$rc2" "$((SECONDS - t0))")")
+  else
+    step pytest_cuda_all 590 $PY -m pytest -q -m cuda -p no:cacheprovider -rs $paths
+  fi
 fi
 if has alttests; then
   # with scripts/alt_triton.sh's Triton: the CUDA tests of the files holding our Triton kernels (ALT_TESTS);
