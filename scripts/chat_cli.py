@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
     p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
     p.add_argument("-k", "--top-k", "--top_k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
-    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=None, help="nucleus sampling mass in [0, 1] (0 = greedy, as in the API)")
     p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one per answer)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
@@ -62,6 +62,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; accepted: an integer >= 1")
     if args.seed is not None and args.seed < 0:
         raise ValueError(f"--seed: got {args.seed}; accepted: an integer >= 0")
+    if args.top_p is not None and not 0.0 <= args.top_p <= 1.0:   # also nan
+        raise ValueError(f"--top-p: got {args.top_p}; accepted: a number in [0, 1] (0 = greedy)")
+    if args.top_p == 0:   # as the API takes it: the smallest nucleus holds only the likeliest token
+        args.temperature, args.top_p = 0.0, None
     try:
         validate_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:

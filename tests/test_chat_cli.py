@@ -72,6 +72,10 @@ def test_chat_cli_rejects_bad_flags():
         chat_cli.parse_args(["--decode", "fast"])
     with pytest.raises(ValueError, match="--graph-step.*persistent"):
         chat_cli.parse_args(["--graph-step", "cuda"])
+    with pytest.raises(ValueError, match="--top-p: got 1.5"):
+        chat_cli.parse_args(["--top-p", "1.5"])
+    greedy = chat_cli.parse_args(["--top-p", "0", "-t", "0.9"])   # the API's meaning of top_p 0
+    assert (greedy.temperature, greedy.top_p) == (0.0, None)
 
 
 def test_chat_cli_without_a_model_says_so_in_one_line(tmp_path):
