@@ -5,20 +5,33 @@ what was actually applied):
 
 * process: a new interpreter (`python -I`) in its own session / process group, killed as a group
   after the wall-clock limit; stdin closed; a minimal environment; a private temp working dir.
+  stdout / stderr are pipes the parent drains, keeping only their tails: any amount of output
+  costs the parent bounded memory and never changes the verdict. "pass" / "fail" also need the
+  harness's verdict, written to a separate pipe after the program returned, so a program that
+  ends the interpreter itself with exit code 0 (skipping the tests) is an "error".
 * rlimits: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE
-  (caps files incl. the captured stdout/stderr), RLIMIT_NPROC = 0 (no fork, for non-root),
+  (caps every file the program writes), RLIMIT_NPROC = 0 (no fork, for non-root),
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
-* namespaces ("netns", "readonly_fs"): unshare a network namespace (no interfaces up, so no
-  network at all) and a mount namespace in which every mount is read-only except the working dir.
+* namespaces ("netns", "readonly_fs", "pidns"): unshare a network namespace (no interfaces up, so
+  no network at all), a mount namespace in which every mount is read-only except the working dir,
+  and a PID namespace whose init is ours: when it exits or is killed, the kernel kills every
+  process the program started, even one that left the process group (setsid) or forked away.
   Uses CLONE_NEWUSER when not root. Needs Linux >= 5.12 for mount_setattr.
+* "no_caps": the program's process drops every capability (bounding set included) and sets
+  no_new_privs, so a program running as root, or as root of the user namespace, cannot undo the
+  namespaces (remount read-write, setns back out) or regain privileges through exec.
 * "uid_drop": when running as root and the interpreter is world-readable, the child switches to
   uid/gid 65534 (nobody) so root-owned files stay out of reach even without namespaces.
 * "python_guard": destructive / process / network functions are replaced by raisers (os.system,
   os.fork, os.kill, os.remove/unlink/rename, shutil.rmtree, subprocess, socket, ctypes, ...).
 
-The Python guard alone is not a security boundary against adversarial code; the rlimits, the
-process-group kill and the namespaces are the hard guarantees. The child half of this file runs
-as `python -I execution.py --sandbox-child CONFIG` and uses only the standard library.
+The Python guard alone is not a security boundary against adversarial code (it runs in the same
+interpreter as the program); the rlimits, the namespaces and the capability drop are the hard
+guarantees. Known gaps: as uid 0 RLIMIT_NPROC does not apply, so a fork bomb that gets past the
+guard is bounded only by the time limit (the PID namespace still kills it); filesystem Unix
+sockets stay connectable; the working dir has no total size cap (each file has one); code that
+deliberately writes the verdict pipe itself can forge a pass. The child half of this file runs as
+`python -I execution.py --sandbox-child CONFIG` and uses only the standard library.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +50,7 @@ from pathlib import Path
 
 STATUSES = ("pass", "fail", "timeout", "error")
 _EXIT_PASS, _EXIT_FAIL, _EXIT_ERROR = 0, 1, 2
+_VERDICTS = {_EXIT_PASS: "pass", _EXIT_FAIL: "fail", _EXIT_ERROR: "error"}
 _NOBODY = 65534
 
 
@@ -73,15 +88,32 @@ def _can_drop_to_nobody() -> bool:
             and _world_readable(Path(sysconfig.get_paths()["stdlib"])))
 
 
-def _tail(path: Path, n: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - n))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+class _TailReader:
+    """Drains one pipe in a thread and keeps only its last `keep` bytes: a program that prints
+    gigabytes costs the parent bounded memory, and its writes never fail (so output volume cannot
+    turn a passing program into an error)."""
+
+    def __init__(self, fd: int, keep: int):
+        self.fd, self.keep, self.buf = fd, keep, bytearray()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while chunk := os.read(self.fd, 1 << 16):
+                self.buf += chunk
+                if len(self.buf) > 2 * self.keep:  # trim in batches, not per chunk
+                    del self.buf[:-self.keep]
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def text(self, n_chars: int, wait_s: float) -> str:
+        # a writer that escaped the kill (only possible without the PID namespace) may hold the
+        # pipe open: report what arrived instead of waiting for it
+        self.thread.join(wait_s)
+        return bytes(self.buf[-self.keep:]).decode("utf-8", errors="replace")[-n_chars:] if n_chars else ""
 
 
 def _kill_group(pid: int) -> None:
@@ -96,10 +128,11 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
                  isolate: bool = True) -> ExecutionResult:
     """Run `code` in a sandboxed child process and classify the outcome.
 
-    timeout_s: wall clock (the process group is killed); cpu_time_s: RLIMIT_CPU (default
-    timeout_s + 1); memory_mb: RLIMIT_AS; max_output_bytes: RLIMIT_FSIZE for any file the program
-    writes, including its captured stdout/stderr. isolate=False skips namespaces and the uid drop
-    (rlimits and the Python guard stay).
+    timeout_s: wall clock (the process group, and the PID namespace with it, is killed);
+    cpu_time_s: RLIMIT_CPU (default timeout_s + 1); memory_mb: RLIMIT_AS; max_output_bytes:
+    RLIMIT_FSIZE for any file the program writes; tail_chars: how much of the end of stdout and
+    stderr is kept (the rest is read and dropped). isolate=False skips the namespaces, the
+    capability drop and the uid drop (rlimits and the Python guard stay).
     """
     if timeout_s <= 0 or memory_mb < 64 or max_output_bytes < 1024:
         raise ValueError(f"execute_code: got timeout_s={timeout_s} memory_mb={memory_mb} "
@@ -108,46 +141,72 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     drop = isolate and _can_drop_to_nobody()
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp:
         work = Path(tmp)
-        (work / "program.py").write_text(code, encoding="utf-8")
+        # surrogatepass: lone surrogates reach compile(), which rejects them as Python itself does
+        (work / "program.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
         config = {"workdir": str(work), "cpu_s": max(1, cpu), "memory_bytes": memory_mb << 20,
                   "fsize_bytes": max_output_bytes, "isolate": isolate, "drop_uid": drop}
-        (work / "config.json").write_text(json.dumps(config))
-        if drop:
-            for p in [work, *work.iterdir()]:
-                os.chown(p, _NOBODY, _NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-               "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-I", "-B", str(Path(__file__).resolve()), "--sandbox-child", str(work / "config.json")]
         t0 = time.monotonic()
-        with open(work / "stdout.txt", "wb") as out, open(work / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                    start_new_session=True, close_fds=True)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                rc = proc.wait()
-            _kill_group(proc.pid)  # anything the program left behind in its group
+        rc, timed_out, (stdout, stderr, verdict) = _run_child(work, config, timeout_s, tail_chars)
         duration = time.monotonic() - t0
         try:
             isolation = tuple(json.loads((work / "isolation.json").read_text()))
         except (OSError, ValueError):
             isolation = ()
-        stdout, stderr = _tail(work / "stdout.txt", tail_chars), _tail(work / "stderr.txt", tail_chars)
-    status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr)
+    status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
     return ExecutionResult(status, stdout, stderr, rc, duration, detail, isolation)
 
 
-def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, stderr: str) -> tuple[str, str]:
+def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> tuple[int, bool, tuple]:
+    """Start the sandbox child in `work`, wait (killing its group at the deadline), and return
+    (exit code, timed out, (stdout tail, stderr tail, verdict))."""
+    (out_r, out_w), (err_r, err_w), (ver_r, ver_w) = os.pipe(), os.pipe(), os.pipe()
+    try:
+        config["verdict_fd"] = ver_w  # pass_fds keeps the number in the child
+        (work / "config.json").write_text(json.dumps(config))
+        if config["drop_uid"]:
+            for p in [work, *work.iterdir()]:
+                os.chown(p, _NOBODY, _NOBODY)
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+               "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-I", "-B", str(Path(__file__).resolve()), "--sandbox-child", str(work / "config.json")]
+        proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
+                                start_new_session=True, close_fds=True, pass_fds=(ver_w,))
+    except BaseException:
+        for fd in (out_r, err_r, ver_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (out_w, err_w, ver_w):
+            os.close(fd)
+    keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
+    readers = _TailReader(out_r, keep), _TailReader(err_r, keep), _TailReader(ver_r, 16)
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        rc = proc.wait()
+    _kill_group(proc.pid)  # anything the program left behind in its group
+    return rc, timed_out, tuple(r.text(n, wait_s=2.0) for r, n in zip(readers, (tail_chars, tail_chars, 16)))
+
+
+def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, stderr: str, verdict: str) -> tuple[str, str]:
     if timed_out:
         return "timeout", f"wall-clock limit {timeout_s:g}s exceeded"
     if rc == -signal.SIGXCPU:
         return "timeout", f"CPU-time limit {cpu}s exceeded (SIGXCPU)"
     if rc < 0:
-        return "error", f"killed by signal {signal.Signals(-rc).name}"
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:  # real-time signals (SIGRTMIN+n) have no enum member
+            name = f"{-rc}"
+        return "error", f"killed by signal {name}"
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    # pass / fail need the harness's word, written after the program returned: an exit code alone
+    # can come from the program ending the interpreter early (posix._exit(0) skips the tests)
+    if rc in (_EXIT_PASS, _EXIT_FAIL) and verdict != _VERDICTS[rc]:
+        return "error", f"exit code {rc} without the harness's verdict: the program ended the interpreter itself"
     if rc == _EXIT_PASS:
         return "pass", ""
     if rc == _EXIT_FAIL:
@@ -166,14 +225,15 @@ def execute_many(programs: list[str], *, workers: int | None = None, **kw) -> li
 # Child side: everything below runs inside the sandboxed interpreter.
 # ---------------------------------------------------------------------------------------------
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 _SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64 (generic syscall table)
 
 
 def _unshare_namespaces(workdir: str, as_real_root: bool) -> list[str]:
-    """Enter new net + mount namespaces and make every mount read-only except workdir."""
+    """Enter new net + mount namespaces and make every mount read-only except workdir; then
+    unshare a PID namespace (it applies to the next fork: see _fork_pid_namespace)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -209,7 +269,83 @@ def _unshare_namespaces(workdir: str, as_real_root: bool) -> list[str]:
           and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY))
     if ok:
         applied.append("readonly_fs")
+    if libc.unshare(_CLONE_NEWPID) == 0:
+        applied.append("pidns")
     return applied
+
+
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+_CAP_VERSION_3 = 0x20080522
+
+
+def _drop_capabilities(drop_uid: bool) -> list[str]:
+    """Lose every capability for good (bounding set, ambient, effective / permitted / inheritable)
+    and set no_new_privs, switching to nobody first when asked. Capabilities are what would let a
+    root program (or the root of our user namespace) remount the filesystem read-write, setns back
+    into the host's namespaces or raise its own limits."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    cap = 0
+    while libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # EINVAL past the kernel's last cap
+        cap += 1
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    applied = []
+    if drop_uid and os.geteuid() == 0:  # needs CAP_SETUID, so before the capset below
+        os.setgroups([])
+        os.setgid(_NOBODY)
+        os.setuid(_NOBODY)
+        applied.append("uid_drop")
+    capset = getattr(libc, "capset", None)  # glibc and musl export it
+    header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
+    if capset is not None and capset(header, data) == 0 and cap > 0:
+        applied.append("no_caps")
+    return applied
+
+
+def _exit_like_init(status: int) -> None:
+    """End this process the way the program ended, from the wait status of init, which reports
+    a program killed by signal N as exit code 128 + N (or was killed itself)."""
+    import resource
+
+    code = os.waitstatus_to_exitcode(status)
+    sig = -code if code < 0 else code - 128 if code > 128 else 0
+    if not sig:
+        os._exit(code)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE / SIGXFSZ by default
+    except (OSError, ValueError):
+        pass
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal that did not end us (should not happen)
+
+
+def _fork_pid_namespace() -> None:
+    """Returns in the process that runs the program, as pid 2 of the new PID namespace.
+
+    This process waits and mirrors the outcome. Its child is the namespace's init (pid 1): it
+    reaps orphans and leaves with the program's status (as 128 + signal when killed: signals that
+    an init sends itself are ignored). When init exits, or the parent kills our process group
+    (init stays in it; the program may leave with setsid), the kernel kills the whole namespace."""
+    init = os.fork()
+    if init:
+        _exit_like_init(os.waitpid(init, 0)[1])
+    program = os.fork()
+    if program == 0:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # no KeyboardInterrupt in init
+    try:
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == program:
+                break
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+    except BaseException:  # noqa: BLE001 - init must never outlive its program
+        os._exit(_EXIT_ERROR)
 
 
 def _set_rlimits(cfg: dict) -> None:
@@ -226,7 +362,7 @@ def _set_rlimits(cfg: dict) -> None:
     limit(resource.RLIMIT_FSIZE, cfg["fsize_bytes"])
     limit(resource.RLIMIT_CORE, 0)
     limit(resource.RLIMIT_NOFILE, 64)
-    if os.getuid() != 0:  # root ignores RLIMIT_NPROC; the Python guard covers fork there
+    if os.getuid() != 0:  # uid 0 ignores RLIMIT_NPROC: there the guard and the PID namespace remain
         limit(resource.RLIMIT_NPROC, 0)
 
 
@@ -238,13 +374,13 @@ _OS_DISABLED = (
     "replace", "truncate", "ftruncate", "link", "symlink", "mkfifo", "mknod", "chmod", "fchmod",
     "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir", "setuid", "setgid",
     "seteuid", "setegid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
-    "putenv", "unsetenv", "plock", "register_at_fork", "pidfd_open",
-)
+    "plock", "register_at_fork", "pidfd_open",
+)  # putenv stays: it only touches this process's environment, and numpy's import calls it
 _BLOCKED_MODULES = (
     "subprocess", "_posixsubprocess", "multiprocessing", "_multiprocessing", "ctypes", "_ctypes",
-    "socket", "_socket", "ssl", "_ssl", "pty", "posix", "nt", "pdb", "webbrowser", "urllib.request",
+    "socket", "_socket", "ssl", "_ssl", "pty", "posix", "nt", "webbrowser", "urllib.request",
     "http.client", "ftplib", "smtplib", "telnetlib", "asyncio",
-)
+)  # not pdb: doctest imports it, and solutions often end with `doctest.testmod()` (stdin is closed)
 
 
 def _disabled(name: str):
@@ -271,32 +407,40 @@ def _python_guard() -> None:
 
 
 def _child_main(config_path: str) -> None:
-    import traceback
-
     cfg = json.loads(Path(config_path).read_text())
     workdir = cfg["workdir"]
-    source = Path(workdir, "program.py").read_text(encoding="utf-8")
+    source = Path(workdir, "program.py").read_bytes().decode("utf-8", errors="surrogatepass")
     applied: list[str] = []
     if cfg["isolate"]:
         try:
             applied += _unshare_namespaces(workdir, as_real_root=os.geteuid() == 0)
         except OSError:
             pass
-        if cfg["drop_uid"] and os.geteuid() == 0:
-            os.setgroups([])
-            os.setgid(_NOBODY)
-            os.setuid(_NOBODY)
-            applied.append("uid_drop")
+        if "pidns" in applied:
+            _fork_pid_namespace()  # from here on: the program's process, pid 2 in the namespace
+        applied += _drop_capabilities(cfg["drop_uid"])
     _set_rlimits(cfg)
     applied.append("rlimits")
     os.chdir(workdir)
     applied.append("python_guard")
     Path(workdir, "isolation.json").write_text(json.dumps(applied))
-    exit_now, flush = os._exit, (sys.stdout.flush, sys.stderr.flush)
+    _run_program(source, cfg["verdict_fd"])
+
+
+def _run_program(source: str, verdict_fd: int) -> None:
+    """Run the program as `__main__` (its own module, so pickle and typing find its classes) and
+    leave with the verdict's exit code."""
+    import traceback
+    import types
+
+    exit_now, write, flush = os._exit, os.write, (sys.stdout.flush, sys.stderr.flush)
     _python_guard()
+    main = types.ModuleType("__main__")
+    main.__file__ = "program.py"
+    harness, sys.modules["__main__"], sys.argv = sys.modules["__main__"], main, ["program.py"]
     code = _EXIT_PASS
     try:
-        exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(compile(source, "program.py", "exec"), main.__dict__)
     except AssertionError:
         traceback.print_exc()
         code = _EXIT_FAIL
@@ -311,6 +455,11 @@ def _child_main(config_path: str) -> None:
             f()
         except Exception:  # noqa: BLE001 - a broken stdout must not change the verdict
             pass
+    del harness
+    try:
+        write(verdict_fd, _VERDICTS[code].encode())
+    except OSError:  # the program closed it: no verdict, so the parent reports an error
+        pass
     exit_now(code)
 
 

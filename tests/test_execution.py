@@ -1,5 +1,7 @@
 """The code sandbox: verdicts, limits (wall, CPU, memory, output), and escapes that must fail."""
 
+import os
+import signal
 import socket
 import time
 
@@ -26,6 +28,27 @@ def test_common_modules_still_import():
     res = execute_code(code)
     assert res.passed, res.stderr
     assert res.stdout.strip() == "6"
+
+
+def test_numpy_and_environment_writes_work():
+    # numpy's import calls os.putenv; blocking it made every program that imports numpy an error
+    res = execute_code("import os\nos.environ['NANOCHAT_X'] = '1'\nprint(os.environ['NANOCHAT_X'])")
+    assert res.passed and res.stdout.strip() == "1", res.stderr
+    pytest.importorskip("numpy")
+    res = execute_code("import numpy as np\nassert np.arange(10).sum() == 45\nprint(np.mean([1, 2, 3]))")
+    assert res.passed and res.stdout.strip() == "2.0", res.stderr
+
+
+def test_solution_that_runs_its_doctests_passes():
+    """Model solutions often end with the doctest idiom; doctest imports pdb, which the guard used
+    to block, making a correct solution an error. testmod() must also find the program's own
+    functions in __main__."""
+    code = ('def double(x):\n    """\n    >>> double(2)\n    4\n    """\n    return 2 * x\n\n'
+            'if __name__ == "__main__":\n    import doctest\n    print(doctest.testmod())\n\n'
+            'assert double(3) == 6\n')
+    res = execute_code(code)
+    assert res.passed, res.stderr
+    assert "TestResults(failed=0, attempted=1)" in res.stdout
 
 
 def test_infinite_loop_hits_wall_clock():
@@ -124,8 +147,89 @@ def test_network_namespace_blocks_raw_sockets_when_available():
 
 def test_exit_and_large_output():
     assert execute_code("exit(0)").status == "error"  # must not skip the tests by exiting early
-    big = execute_code("print('x' * 5_000_000)", max_output_bytes=1 << 16, tail_chars=100)
-    assert big.status == "error" and len(big.stdout) <= 100
+    # files the program writes are capped by max_output_bytes ...
+    big_file = execute_code("open('big.bin', 'wb').write(b'x' * 5_000_000)", max_output_bytes=1 << 16)
+    assert big_file.status == "error" and "File too large" in big_file.detail
+    # ... but stdout / stderr are drained and only their tails kept: output never changes the verdict
+    chatty = execute_code("import sys\nfor i in range(200_000):\n    print('debug', i)\n"
+                          "    print('warn', i, file=sys.stderr)\nassert sum(range(10)) == 45",
+                          max_output_bytes=1 << 16, tail_chars=100)
+    assert chatty.status == "pass", (chatty.status, chatty.detail)
+    assert len(chatty.stdout) <= 100 and chatty.stdout.endswith("debug 199999\n")
+    assert len(chatty.stderr) <= 100 and chatty.stderr.endswith("warn 199999\n")
+
+
+def test_exiting_the_interpreter_is_never_a_pass():
+    """pass needs the harness's verdict after the program returned, not just exit code 0: the
+    guard's os._exit is one attribute away (os.stat.__self__ is the posix module)."""
+    res = execute_code("import os\nos.stat.__self__._exit(0)\nassert False, 'tests never ran'")
+    assert res.status == "error" and res.returncode == 0, (res.status, res.detail)
+    assert "verdict" in res.detail
+
+
+def test_realtime_signal_is_an_error_not_a_crash():
+    # signal.Signals has no member for SIGRTMIN+n: classifying it used to raise ValueError
+    res = execute_code("import signal\nsignal.raise_signal(signal.SIGRTMIN + 6)")
+    assert res.status == "error" and "signal" in res.detail, (res.status, res.detail)
+
+
+def test_lone_surrogate_in_the_source_is_an_error_not_a_crash():
+    res = execute_code("x = '\ud800'\nprint('ran')")
+    assert res.status == "error" and "ran" not in res.stdout
+
+
+def test_program_is_its_own_main_module():
+    """pickle (and typing.get_type_hints) look classes up in sys.modules['__main__']."""
+    code = ("import pickle, typing\nclass Point:\n    x: 'int' = 0\n"
+            "p = pickle.loads(pickle.dumps(Point()))\nassert typing.get_type_hints(Point) == {'x': int}\n"
+            "import sys\nassert sys.argv == ['program.py'] and not hasattr(sys.modules['__main__'], 'subprocess')")
+    res = execute_code(code)
+    assert res.passed, res.stderr
+
+
+# Escapes below use the harness frame's globals to reach the real subprocess module: the Python
+# guard is not a boundary, so what must hold is the kernel's side (namespaces, capabilities).
+_UNGUARDED = "import sys\nsub = sys._getframe(1).f_globals['subprocess']\n"
+
+
+def _processes_with(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@pytest.mark.parametrize("then", ["print('left it behind')", "import time\ntime.sleep(30)"])
+def test_processes_that_leave_the_group_die_with_the_sandbox(then):
+    if "netns" not in execute_code("pass").isolation:
+        pytest.skip("namespaces unavailable here")
+    marker = f"{os.getpid()}{len(then)}.25"  # a unique `sleep` duration to find it by
+    res = execute_code(_UNGUARDED + f"sub.Popen(['sleep', '{marker}'], start_new_session=True)\n" + then,
+                       timeout_s=2)
+    leftovers = _processes_with(f"sleep {marker}")
+    for line in leftovers:  # never leave them running, even when the test fails
+        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    assert leftovers == [] and "pidns" in res.isolation, (leftovers, res.isolation)
+
+
+def test_program_holds_no_capabilities(tmp_path):
+    """As root (or root of its user namespace) a program could otherwise remount the filesystem
+    read-write or setns back into the host's namespaces."""
+    probe = execute_code("pass")
+    if os.geteuid() != 0 and "netns" not in probe.isolation:
+        pytest.skip("not root and no user namespace: the program never had capabilities")
+    victim = tmp_path / "written_from_the_sandbox"
+    res = execute_code(_UNGUARDED + "print(open('/proc/self/status').read())\n"
+                       f"sub.run(['sh', '-c', 'mount -o remount,rw / ; touch {victim}'], capture_output=True)")
+    status = dict(line.split(":\t", 1) for line in res.stdout.splitlines() if ":\t" in line)
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, status
+    assert status["NoNewPrivs"].strip() == "1"
+    assert not victim.exists()
 
 
 def test_execute_many_keeps_order():
