@@ -2,8 +2,9 @@
 eval bundle (download, core.yaml + eval_meta_data.csv), and the offline equivalents of 20 tasks built
 from the eval data dir (../shared/data/eval) with prompts of our own.
 
-`load_core_data()` reads every file before any model work, so a missing, malformed or empty file stops
-a run at once, naming it. Scoring lives in nanochat/core_eval.py.
+`load_core_data()` reads every file before any model work, so a missing, malformed or empty file, or
+a record the scorer cannot use (an answer index out of range, no continuation), stops a run at once,
+naming path and line. Scoring lives in nanochat/core_eval.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 
 from nanochat.common import get_base_dir, print0
 from nanochat.errors import DataError, MissingDataError
-from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl
+from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl_numbered
 
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -77,12 +78,29 @@ CORE_LABELS = tuple(t.label for t in CORE_TASKS)
 # Offline tasks from ../shared/data/eval (schemas in ../shared/data/README.md)
 # ---------------------------------------------------------------------------------------------
 
+def _index(value) -> int:
+    """An answer index from a record: an int or a string of digits (some exports store "0");
+    ValueError for anything else (int() would truncate 1.7 and accept True)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ValueError(f"answer index {value!r} is not an integer")
+
+
+# Offline answers are stripped: the delimiter supplies the one space before them, and a stray edge
+# space (10 Jeopardy answers, 118 PIQA choices) is an extra token to predict (exact match) or score.
+def _strip(text):
+    return text.strip() if isinstance(text, str) else text   # a non-string: _item_problem names it
+
+
 def _mc(query: str, choices, gold) -> dict:
-    return {"query": query, "choices": list(choices), "gold": int(gold)}
+    return {"query": query, "choices": [_strip(c) for c in choices] if isinstance(choices, list) else choices,
+            "gold": _index(gold)}
 
 
 def _lm(context: str, continuation: str) -> dict:
-    return {"context": context, "continuation": continuation}
+    return {"context": context, "continuation": _strip(continuation)}
 
 
 def _copa(r: dict) -> dict:
@@ -98,7 +116,8 @@ def _lambada(r: dict) -> dict:
 
 def _winogrande(r: dict) -> dict:
     before, _, after = r["question"].partition("_")
-    return {"context_options": [before + c for c in r["choices"]], "continuation": after.strip(), "gold": int(r["answer"])}
+    return {"context_options": [before + c for c in r["choices"]], "continuation": after.strip(),
+            "gold": _index(r["answer"])}
 
 
 def _coqa(r: dict) -> dict:
@@ -110,9 +129,20 @@ def _bigbench_query(r: dict) -> str:
     return (r.get("input_prefix", "").lstrip("\n") + r["input"] + r.get("output_prefix", "")).rstrip()
 
 
+def _bigbench_preamble(r: dict) -> str:
+    """The task instructions, printed once before the shots. Per record, not per file:
+    cs_algorithms mixes subtasks (lcs, valid_parentheses) whose instructions differ."""
+    pre = r.get("preamble", "").strip()
+    return pre + "\n\n" if pre else ""
+
+
 def _bigbench_lm(r: dict) -> dict:
     target = r["target"][0] if isinstance(r["target"], list) else r["target"]
-    return _lm(_bigbench_query(r), target)
+    return {**_lm(_bigbench_query(r), target), "preamble": _bigbench_preamble(r)}
+
+
+def _bigbench_mc(r: dict) -> dict:
+    return {**_mc(_bigbench_query(r), r["choices"], r["answer"]), "preamble": _bigbench_preamble(r)}
 
 
 _HELLASWAG = ("hellaswag.jsonl", lambda r: _mc(f"{r['activity_label']}: {r['ctx']}", r["endings"], r["label"]))
@@ -137,8 +167,7 @@ _OFFLINE: dict[str, tuple[str, Callable[[dict], dict]]] = {
               lambda r: _lm(f"Context: {r['context']}\nQuestion: {r['question']}{_ANS.rstrip()}", r["answer"])),
     "coqa": ("coqa.jsonl", _coqa),
     "boolq": ("boolq.jsonl", lambda r: _mc(f"Passage: {r['context']}\nQuestion: {r['question']}?", r["choices"], r["answer"])),
-    "bigbench_language_identification": ("bigbench_language_identification.jsonl",
-                                         lambda r: _mc(_bigbench_query(r), r["choices"], r["answer"])),
+    "bigbench_language_identification": ("bigbench_language_identification.jsonl", _bigbench_mc),
 }
 
 TaskSource = tuple[CoreTask, Callable[[], list[dict]] | None]  # None: listed but its data is absent
@@ -154,11 +183,11 @@ def _offline_sources(data_dir=None) -> tuple[list[TaskSource], list[Path]]:
         path = next((d / filename for d in dirs if (d / filename).is_file()), None)
         if path is None:
             continue
-        if task.label.startswith("bigbench"):  # the BIG-bench task instructions, once per prompt
+        if task.label.startswith("bigbench"):  # the first record's instructions; items carry their own
             first = read_jsonl_head(path)
             pre = first.get("preamble", "").strip()
             task = replace(task, preamble=pre + "\n\n" if pre else "")
-        sources.append((task, lambda p=path, c=convert, t=task: _enough(t, p, _convert(p, c))))
+        sources.append((task, lambda p=path, c=convert, t=task: _enough(t, p, _convert(t, p, c))))
     return sources, dirs
 
 
@@ -169,16 +198,17 @@ def _enough(task: CoreTask, path: Path, records: list[dict]) -> list[dict]:
     return records
 
 
-def _convert(path: Path, convert) -> list[dict]:
-    """The file's records in CORE's schema; DataError naming the file and record when one lacks a
-    field its task needs (e.g. a hellaswag line without 'endings')."""
+def _convert(task: CoreTask, path: Path, convert) -> list[dict]:
+    """The file's records in CORE's schema; DataError naming path:line when one lacks a field its
+    task needs (e.g. a hellaswag line without 'endings') or converts to an unscorable item."""
     out = []
-    for i, r in enumerate(read_jsonl(path), 1):
+    for i, (lineno, r) in enumerate(read_jsonl_numbered(path), 1):
         try:
-            out.append(convert(r))
-        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            item = convert(r)
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
             raise DataError(f"{path}: record {i} does not have the fields this task needs "
-                            f"({type(e).__name__}: {e}); fix or delete that line") from None
+                            f"({type(e).__name__}: {e}); fix or delete line {lineno}") from None
+        out.append(_checked(task, path, lineno, item))
     return out
 
 
@@ -193,6 +223,36 @@ def read_jsonl_head(path: Path) -> dict:
     if not isinstance(head, dict):
         raise DataError(f"{path}:1: not a JSON object; fix or delete that line")
     return head
+
+
+def _item_problem(task_type: str, item) -> str | None:
+    """What makes a CORE item unscorable, or None. An answer index out of range loads silently
+    otherwise: the item can never be correct (or, negative, a shot shows the wrong choice)."""
+    if not isinstance(item, dict):
+        return f"a JSON {type(item).__name__}, expected an object"
+    if task_type == "language_modeling":
+        for key in ("context", "continuation"):
+            if not isinstance(item.get(key), str):
+                return f"'{key}' must be a string, got {item.get(key)!r}"
+        return None if item["continuation"].strip() else "'continuation' is empty: nothing to predict"
+    options = "choices" if task_type == "multiple_choice" else "context_options"
+    values = item.get(options)
+    if not isinstance(values, list) or len(values) < 2 or not all(isinstance(v, str) for v in values):
+        return f"'{options}' must be a list of at least 2 strings, got {values!r}"[:200]
+    text = "query" if task_type == "multiple_choice" else "continuation"
+    if not isinstance(item.get(text), str):
+        return f"'{text}' must be a string, got {item.get(text)!r}"[:200]
+    gold = item.get("gold")
+    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(values):
+        return f"'gold' (the answer) must be an index 0..{len(values) - 1} into '{options}', got {gold!r}"
+    return None
+
+
+def _checked(task: CoreTask, path: Path, lineno: int, item):
+    problem = _item_problem(task.task_type, item)
+    if problem:
+        raise DataError(f"{path}:{lineno}: {problem} (CORE task {task.label}); fix or delete that line")
+    return item
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +280,12 @@ def _bundle_sources(bundle: Path) -> list[TaskSource]:
                              f"accepted: {'|'.join(TASK_TYPES)}")
         path = bundle / "eval_data" / task.dataset_uri
         # a task whose file is absent gets no loader: reported as missing, not an error
-        sources.append((task, (lambda p=path, t=task: _enough(t, p, read_jsonl(p))) if path.is_file() else None))
+        sources.append((task, (lambda p=path, t=task: _enough(t, p, _read_bundle_file(t, p))) if path.is_file() else None))
     return sources
+
+
+def _read_bundle_file(task: CoreTask, path: Path) -> list[dict]:
+    return [_checked(task, path, lineno, r) for lineno, r in read_jsonl_numbered(path)]
 
 
 def default_bundle_dir() -> Path:

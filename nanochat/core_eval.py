@@ -9,6 +9,9 @@ Three task types, all scored from one teacher-forced forward pass per sequence:
   is not scored).
 * schema: several contexts, one shared continuation (Winograd-style); scored tokens are the longest
   token suffix all options share; lowest mean NLL wins.
+  Two departures from upstream, both only where it mis-scores: a non-finite score never wins (a
+  diverged model scored every gold-0 item), and a winning choice whose text equals the gold's
+  counts (CommonsenseQA lists some choices twice; exact ties went to the first copy).
 * language_modeling: correct when greedy decoding reproduces every continuation token exactly.
   Contexts are whitespace-trimmed before the delimiter (the bundle's squad/coqa contexts end in
   "Answer: ", their delimiter is " ").
@@ -24,6 +27,7 @@ Data (nanochat/core_data.py): the DCLM bundle when present, else offline equival
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Callable
@@ -75,7 +79,8 @@ def render_prompts(task: CoreTask, item: dict, fewshot: list[dict]) -> tuple[lis
         shots = [f"{ex['context_options'][ex['gold']]}{delim}{ex['continuation']}" for ex in fewshot]
     else:  # LM contexts are trimmed (as upstream): the bundle's squad/coqa ones end in "Answer: " + delim " "
         shots = [f"{ex['context'].strip()}{delim}{ex['continuation']}" for ex in fewshot]
-    prefix = task.preamble + "".join(s + "\n\n" for s in shots)
+    # the item's own instructions where its records carry them (offline BIG-bench), else the task's
+    prefix = item.get("preamble", task.preamble) + "".join(s + "\n\n" for s in shots)
     if task.task_type == _MC:
         n = len(item["choices"])
         return [prefix + item["query"] + d_ctx] * n, [d_ws + c for c in item["choices"]]
@@ -217,11 +222,20 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _item_correct(task: CoreTask, gold: int, scores: list[tuple[float, float, bool]], scoring: str) -> bool:
+def _item_correct(task: CoreTask, item: dict, scores: list[tuple[float, float, bool]], scoring: str) -> bool:
+    """LM: greedy exact match. MC / schema: the lowest NLL wins; a non-finite score (a diverged
+    model) never wins, and a winner whose text equals the gold's counts (some items list the same
+    choice twice: identical texts tie exactly, and the first copy is not more wrong than the
+    second)."""
     if task.task_type == _LM:
         return scores[0][2]
     key = 0 if scoring == "mean" else 1
-    return min(range(len(scores)), key=lambda c: scores[c][key]) == gold
+    finite = [c for c in range(len(scores)) if math.isfinite(scores[c][key])]
+    if not finite:
+        return False
+    pred, gold = min(finite, key=lambda c: scores[c][key]), item["gold"]
+    options = item["choices"] if task.task_type == _MC else item["context_options"]
+    return pred == gold or options[pred] == options[gold]
 
 
 def fewshot_indices(idx: int, pool_size: int, k: int, seed: int = 1234) -> list[int]:
@@ -266,7 +280,7 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
         scores = iter(score_sequences(model, flat, device, pad_id=tokenizer.bos_token_id,
                                       batch_tokens=batch_tokens, max_len=max_seq_len))
         for idx, seqs in zip(chunk, per_item):
-            correct += int(_item_correct(task, data[idx].get("gold", 0), [next(scores) for _ in seqs], scoring))
+            correct += int(_item_correct(task, data[idx], [next(scores) for _ in seqs], scoring))
     counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
     if world > 1:
         import torch.distributed as dist

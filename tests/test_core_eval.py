@@ -347,3 +347,126 @@ def test_mc_scores_after_the_choices_common_prefix():
     assert [bytes(i[s:]).decode() for i, s in seqs] == ["sun", "moon"]
     seqs = tokenize_item(ByteTok(), mc, ["Q:"] * 2, [" ab", " abc"], max_len=100)
     assert [bytes(i[s:]).decode() for i, s in seqs] == ["b", "bc"]
+
+
+# --- eval-score audit (each failed before its fix) ---
+
+def test_cs_algorithms_prompts_carry_their_own_subtasks_preamble(shared_data):
+    """bigbench_cs_algorithms mixes two subtasks with different instructions: each prompt starts
+    with its own item's preamble (it was the file's first record's, LCS, for all 1,320 items)."""
+    sources, _ = core_data._offline_sources(shared_data / "eval")
+    task, load = next((t, ld) for t, ld in sources if t.label == "bigbench_cs_algorithms")
+    items = load()
+    raw = [json.loads(line) for line in open(shared_data / "eval" / "bigbench_cs_algorithms.jsonl")]
+    seen = set()
+    for item, r in zip(items, raw):
+        ctx, _ = render_prompts(task, item, [])
+        assert ctx[0].startswith(r["preamble"].strip() + "\n\n"), r["subtask"]
+        seen.add(r["subtask"])
+    assert seen == {"lcs", "valid_parentheses"}
+    lang = next(ld for t, ld in sources if t.label == "bigbench_language_identification")()[0]
+    lsid = next(t for t, _ in sources if t.label == "bigbench_language_identification")
+    assert render_prompts(lsid, lang, [])[0][0].startswith("Given a sentence, select the correct language")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ({"question": "q", "choices": ["a", "b"], "answer": 2}, "answer"),      # past the last choice
+    ({"question": "q", "choices": ["a", "b"], "answer": -1}, "answer"),     # would score the last choice
+    ({"question": "q", "choices": ["a", "b"], "answer": 1.7}, "answer"),    # int() would truncate it
+    ({"question": "q", "choices": "ab", "answer": 0}, "choices"),           # a string, not a list
+    ({"question": "q", "choices": ["a", "b"], "answer": "x"}, "answer"),    # int("x"): ValueError
+])
+def test_offline_core_records_with_bad_answers_name_file_and_line(tmp_path, bad, problem):
+    """An answer index out of range (or not an index) used to load silently: the item could never
+    be scored correct, or a shot rendered the wrong choice. Now DataError names path:line."""
+    good = {"question": "q", "choices": ["a", "b"], "answer": 0}
+    path = tmp_path / "arc_easy.jsonl"
+    _write_jsonl(path, [good] * 3 + ["", bad] + [good] * 12)   # the bad record is on line 5
+    with pytest.raises(core_data.DataError) as e:
+        core_eval.load_core_data(tasks=["arc_easy"], data_dir=tmp_path)
+    msg = str(e.value)
+    assert (f"{path}:5: " in msg or (f"{path}: record 4 " in msg and "line 5" in msg)) and problem in msg, msg
+
+
+def test_offline_core_schema_and_lm_records_are_checked(tmp_path):
+    wino = tmp_path / "winogrande.jsonl"
+    _write_jsonl(wino, [{"question": "A _ b.", "choices": ["x", "y"], "answer": 1}] * 2
+                 + [{"question": "A _ b.", "choices": ["x", "y"], "answer": 2}])
+    with pytest.raises(core_data.DataError, match=rf"{wino}:3: .*answer"):
+        core_eval.load_core_data(tasks=["winogrande"], data_dir=tmp_path)
+    lam = tmp_path / "lambada.jsonl"
+    _write_jsonl(lam, [{"text": "one two three"}, {"text": "   "}])   # no word to predict
+    with pytest.raises(core_data.DataError, match=rf"{lam}:2: .*continuation"):
+        core_eval.load_core_data(tasks=["lambada_openai"], data_dir=tmp_path)
+    hs = tmp_path / "hellaswag.jsonl"
+    _write_jsonl(hs, [{"activity_label": "a", "ctx": "c", "endings": ["x", "y"], "label": ""}])
+    with pytest.raises(core_data.DataError, match=rf"{hs}: record 1 .*ValueError.*line 1"):  # unlabelled row
+        core_eval.load_core_data(tasks=["hellaswag"], data_dir=tmp_path)
+
+
+def test_bundle_records_are_checked_before_the_model(tmp_path):
+    pytest.importorskip("yaml")
+    bundle = tmp_path / "bundle"
+    (bundle / "eval_data" / "x").mkdir(parents=True)
+    (bundle / "core.yaml").write_text("icl_tasks:\n- label: t\n  dataset_uri: x/t.jsonl\n  num_fewshot: [0]\n"
+                                      "  icl_task_type: multiple_choice\n")
+    (bundle / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nt,50\n")
+    path = bundle / "eval_data" / "x" / "t.jsonl"
+    _write_jsonl(path, [{"query": "q", "choices": ["a", "b"], "gold": 0}, {"query": "q", "choices": ["a", "b"], "gold": 5}])
+    with pytest.raises(core_data.DataError, match=rf"{path}:2: .*gold"):
+        core_eval.load_core_data(tasks=["t"], bundle_dir=bundle)
+    _write_jsonl(path, [{"query": "q", "choices": ["a", "b"], "gold": 0}, {"query": "q", "gold": 1}])
+    with pytest.raises(core_data.DataError, match=rf"{path}:2: .*choices"):
+        core_eval.load_core_data(tasks=["t"], bundle_dir=bundle)
+
+
+def test_identical_choices_score_the_gold_text():
+    """CommonsenseQA has items whose gold choice repeats an earlier one (24 items with a repeated
+    choice, 2 with the gold on the later copy): identical texts tie exactly, and argmin took the
+    first copy, so such an item was always wrong whatever the model."""
+    model = bigram({("*", "x"): 5.0})
+    task = CoreTask("mc", "multiple_choice", 0, 0.2, " ")
+    item = {"query": "q", "choices": ["x", "y", "x"], "gold": 2}
+    assert evaluate_task(model, ByteTok(), task, [item], "cpu") == 1.0
+    other = {"query": "q", "choices": ["x", "y", "x"], "gold": 1}
+    assert evaluate_task(model, ByteTok(), task, [other], "cpu") == 0.0
+
+
+class NaNModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = type("Cfg", (), {"sequence_len": 64})()
+
+    def forward(self, idx, targets=None):
+        return torch.full((*idx.shape, 257), float("nan"))
+
+
+def test_non_finite_scores_never_count_as_correct():
+    """A diverged model (NaN logits) scored every multiple-choice item whose gold is choice 0 as
+    correct (min() keeps the first of incomparable keys): e.g. ~38% on BoolQ. Now it scores 0."""
+    task = CoreTask("mc", "multiple_choice", 0, 0.5, " ")
+    items = [{"query": "q", "choices": ["a", "b"], "gold": g} for g in (0, 0, 1)]
+    assert evaluate_task(NaNModel(), ByteTok(), task, items, "cpu") == 0.0
+    sc = CoreTask("sc", "schema", 0, 0.5, " ")
+    assert evaluate_task(NaNModel(), ByteTok(), sc, [{"context_options": ["a", "b"], "continuation": "c",
+                                                      "gold": 0}], "cpu") == 0.0
+
+
+def test_offline_answers_lose_stray_edge_whitespace(tmp_path):
+    """10 Jeopardy answers end in a space ("NATO "): exact match then needed a lone " " token after
+    the answer, so those items were always wrong; 118 PIQA items have a choice ending in a space,
+    an extra unlikely token scored against that choice. The delimiter supplies the only space."""
+    jeo = [{"category": "ORGS", "question": f"Alliance {i}", "answer": "NATO "} for i in range(11)]
+    _write_jsonl(tmp_path / "jeopardy.jsonl", jeo)
+    _write_jsonl(tmp_path / "piqa.jsonl", [{"question": "q", "choices": ["a pin ", " b"], "answer": 0}] * 11)
+    data = core_eval.load_core_data(tasks=["jeopardy", "piqa"], data_dir=tmp_path)
+    (jtask, jitems), (_, pitems) = data.tasks
+    assert jitems[0]["continuation"] == "NATO" and pitems[0]["choices"] == ["a pin", "b"]
+    # a model that answers exactly "NATO" (then a newline) now scores the item
+    model = bigram({(":", " "): 9.0, (" ", "N"): 9.0, ("N", "A"): 9.0, ("A", "T"): 9.0, ("T", "O"): 9.0,
+                    ("O", "\n"): 9.0})
+    assert evaluate_task(model, ByteTok(), jtask, jitems, "cpu", num_items=1) == 1.0

@@ -64,6 +64,14 @@ def test_gsm8k_tool_calls_and_answers(shared_data):
     assert n_calls > 50  # most solutions call the calculator
 
 
+def test_gsm8k_answers_compare_exactly():
+    from nanochat.tasks.gsm8k import answers_match
+    assert answers_match("18", "18.0") and answers_match("-7.50", "-7.5") and answers_match("1234", "1234")
+    # a float tolerance (or float rounding) used to accept near misses
+    assert not answers_match("123456789012345679", "123456789012345678")
+    assert not answers_match("0.1000001", "0.1") and not answers_match(None, "1")
+
+
 def test_gsm8k_tool_output_is_what_the_engine_forces(shared_data):
     # Training must render the tool output the Engine forces at inference (use_calculator's text),
     # not the annotation's spelling of it: 155 of the 4,282 test-split calls write "16.00" where
@@ -109,6 +117,9 @@ def test_humaneval_through_the_sandbox(shared_data):
         assert he.evaluate(conv, f"Here you go:\n```python\n{conv['messages'][1]['content']}```\nDone.")
         assert not he.evaluate(conv, "    return None\n")
     conv = he[0]
+    # the doctest idiom models often end with (doctest imports pdb: it must stay importable)
+    doctest_idiom = '\n\nif __name__ == "__main__":\n    import doctest\n    doctest.testmod()\n'
+    assert he.evaluate(conv, f"```python\n{conv['messages'][1]['content']}{doctest_idiom}```")
     assert not he.evaluate(conv, "    import os\n    os.system('rm -rf /')\n    return True\n")
     looping = "    while True:\n        pass\n"
     fast = HumanEval(data_dir=shared_data, timeout_s=1.0)
@@ -125,6 +136,27 @@ def test_humaneval_keeps_the_prompts_helpers(shared_data):
     assert conv["entry_point"] == "make_palindrome" and "def is_palindrome" in conv["prompt"]
     solution = conv["messages"][1]["content"][len(conv["prompt"]):]
     assert HumanEval(data_dir=shared_data).evaluate(conv, "def make_palindrome(string: str) -> str:\n" + solution)
+
+
+@pytest.mark.parametrize("completion", [
+    "Sure:\n```python3\ndef add(a, b):\n    return a + b\n```\nThat's it.",          # info string python3
+    "Example:\n```text\n>>> add(1, 2)\n3\n```\nCode:\n```python\ndef add(a, b):\n    return a + b\n```",
+    "Install:\n```bash\npip install nothing\n```\nThen:\n```\ndef add(a, b):\n    return a + b\n```",
+    "```python\r\ndef add(a, b):\r\n    return a + b\r\n```\r\n",                 # CRLF line ends
+    "Steps:\n1. Write it:\n   ```python\n   def add(a, b):\n       return a + b\n   ```\n",  # fence in a list
+    "```python\nfrom operator import mul\n```\nand\n```python\ndef add(a, b):\n    return a + b\n```",
+    "````python\ndef add(a, b):\n    fence = '```'\n    return a + b\n````",
+    "```python\n    return a + b\n```",                                                  # a body, fenced
+    "```python\ndef add(a, b):\n    return a + b\n",                                    # cut off, unclosed
+    "    return a + b\n",                                                               # a raw body
+])
+def test_humaneval_extracts_the_python_block(completion):
+    """The program is the prompt plus the completion's Python: never the prose or a block in another
+    language (a closing fence is not an opening one), whatever the fence's label or indentation."""
+    prompt = 'def add(a, b):\n    """Return a + b."""\n'
+    namespace: dict = {}
+    exec(compile(extract_program(completion, prompt, "add"), "program.py", "exec"), namespace)
+    assert namespace["add"](2, 3) == 5
 
 
 def test_spelling_bee_is_generated_deterministically(shared_data):
@@ -379,3 +411,53 @@ def test_broken_or_empty_conversation_files(tmp_path):
     chat.write_text("")
     with pytest.raises(MissingDataError, match=f"{chat}: empty"):
         get_conversations("train", data_dir=sft)
+
+
+# ------------------------------------------------------------------ eval-score audit (ARC / MMLU / evaluate)
+
+def test_mmlu_max_problems_is_not_the_first_subjects(shared_data):
+    """mmlu.jsonl is sorted by subject, so --max-problems 100 scored abstract algebra alone (and
+    500 five subjects). The rows are shuffled once with a fixed seed (upstream: shuffle(seed=42)):
+    the first N span the subjects, the same every run, and start/stop slices (the --test-holdout
+    split of mid/SFT training) still partition the same order."""
+    mmlu = MMLU(data_dir=shared_data)
+    first = [mmlu[i] for i in range(100)]
+    assert len({c["subject"] for c in first}) >= 30
+    again = MMLU(data_dir=shared_data)
+    assert first == [again[i] for i in range(100)]
+    assert len(mmlu) == 14042 and sorted(r["question"] for r in mmlu.rows) == sorted(
+        json.loads(line)["question"] for line in open(shared_data / "eval" / "mmlu.jsonl"))
+    held = MMLU(data_dir=shared_data, start=100)
+    assert held[0] == mmlu[100] and len(held) == len(mmlu) - 100
+
+
+@pytest.mark.parametrize("completion, gold, ok", [
+    ("B", "B", True), (" b", "B", True), ("B.", "B", True), ("(B)", "B", True), ("B) blue", "B", True),
+    ("The answer is C", "C", True), ("The answer is (C).", "C", True), ("answer: D", "D", True),
+    ("Answer: B", "A", False),            # read as "A" (its first character) before
+    ("Because it is blue", "B", False),   # read as "B" before
+    ("A", "B", False), ("I don't know", "B", False), ("", "A", False), ("E", "D", False),
+    ("a bird", "A", False), ("The answer is a bird", "A", False),
+])
+def test_letter_answers_are_read_like_a_grader(completion, gold, ok):
+    from nanochat.tasks.arc import evaluate_letter, mc_conversation
+
+    conv = mc_conversation("Sky colour?", ["green", "blue", "red", "black"], "ABCD".index(gold))
+    assert evaluate_letter(conv, completion) is ok
+
+
+class NaNLogits(torch.nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, idx, targets=None):
+        return torch.full((*idx.shape, self.vocab_size), float("nan"))
+
+
+def test_categorical_nan_logits_score_nothing(tok, shared_data):
+    """argmax over NaN letter logits picked "A", so a diverged model scored the share of
+    gold-A questions (~25%, ChatCORE ~0) instead of nothing."""
+    arc = ARC("easy", data_dir=shared_data)
+    res = run_categorical(NaNLogits(tok.vocab_size), tok, arc, "cpu", batch_size=8, max_problems=40)
+    assert res.total == 40 and res.passed == 0

@@ -6,6 +6,8 @@ another split), rows {"id", "question", "choices": [...], "answer": index}. Hub:
 
 from __future__ import annotations
 
+import re
+
 from nanochat.tasks.common import LETTERS, Task, check_rows, load_rows, render_mc
 
 _SUBSETS = {"easy": ("arc_easy", "ARC-Easy"), "challenge": ("arc_challenge", "ARC-Challenge")}
@@ -42,10 +44,29 @@ def check_mc_row(row: dict) -> str | None:
 MC_KEYS = ("question", "choices", "answer")
 
 
+# "B", "b", "B.", "(B)", "B) blue": a letter standing alone at the start of the answer (a lower-case
+# one only before punctuation or the end: "a bird" is an article, not choice A)
+_LEADING_LETTER = re.compile(r"\(?(?:([A-Z])(?=$|[\s.):,])|([a-z])(?=$|[.):,]))")
+# "The answer is C", "Answer: (D)": a capital letter named as the answer further on
+_NAMED_LETTER = re.compile(r"\b(?i:answer)\s*(?:is|:)?\s*\(?([A-Z])(?![A-Za-z])")
+
+
+def extract_letter(completion: str, letters) -> str | None:
+    """The answer letter (upper case) of a free-text completion, or None when it names none of
+    `letters`: a letter standing alone at the start, else one named after "answer (is|:)".
+    (Only the first character used to count, which read "Answer: B" as A, "Because..." as B.)"""
+    text = completion.strip()
+    for m in (_LEADING_LETTER.match(text), _NAMED_LETTER.search(text)):
+        letter = next((g for g in m.groups() if g), None) if m else None
+        if letter and letter.upper() in letters:
+            return letter.upper()
+    return None
+
+
 def evaluate_letter(conversation: dict, completion: str) -> bool:
-    """True when the completion's first non-space character is the gold letter."""
+    """True when the completion's answer letter (extract_letter) is the gold letter."""
     gold = conversation["messages"][-1]["content"]
-    return completion.strip()[:1].upper() == gold
+    return extract_letter(completion, conversation.get("letters", LETTERS)) == gold
 
 
 class ARC(Task):

@@ -81,8 +81,19 @@ def read_jsonl(path: Path) -> list[dict]:
         return parse_jsonl(f, path)
 
 
+def read_jsonl_numbered(path: Path) -> list[tuple[int, object]]:
+    """(line number, JSON value) of every non-blank line, so that a later schema check can name
+    path:line (blank lines make the record index differ from the line number)."""
+    with open(path, "rb") as f:
+        return _parse_numbered(f, path)
+
+
 def parse_jsonl(lines: Iterable[bytes], path) -> list[dict]:
     """read_jsonl over lines already read (bytes); `path` names them in errors."""
+    return [row for _, row in _parse_numbered(lines, path)]
+
+
+def _parse_numbered(lines: Iterable[bytes], path) -> list[tuple[int, object]]:
     rows = []
     for lineno, raw in enumerate(lines, 1):
         try:
@@ -91,7 +102,7 @@ def parse_jsonl(lines: Iterable[bytes], path) -> list[dict]:
             raise DataError(f"{path}:{lineno}: not UTF-8 text ({e}); fix or delete that line") from None
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e}); fix or delete that line") from None
     return rows

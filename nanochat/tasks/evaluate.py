@@ -92,8 +92,13 @@ def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8
             logits = model(x.to(device))
         for r, (conv, p) in enumerate(zip(convs, prompts)):
             letters = conv["letters"]
-            choice_logits = logits[r, len(p) - 1, letter_token_ids(tokenizer, letters)]
-            predicted = letters[int(choice_logits.argmax())]
+            choice_logits = logits[r, len(p) - 1, letter_token_ids(tokenizer, letters)].float()
+            # a NaN logit never wins (argmax takes NaN as the maximum: a diverged model would
+            # score every gold-"A" question); no finite letter logit = no answer
+            finite = torch.isfinite(choice_logits)
+            if not bool(finite.any()):
+                continue
+            predicted = letters[int(choice_logits.masked_fill(~finite, float("-inf")).argmax())]
             passed += int(task.evaluate(conv, predicted))
     passed, total = _all_reduce_counts([passed, len(idx)], device)
     return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)

@@ -15,6 +15,7 @@ Hub: openai/gsm8k, config "main".
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 
 from nanochat.calculator import use_calculator
 from nanochat.tasks.common import Task, check_rows, load_rows
@@ -60,11 +61,13 @@ def extract_answer(text: str) -> str | None:
 
 
 def answers_match(pred: str | None, gold: str | None) -> bool:
+    """Numeric equality of two answers ("18" == "18.0"), exact: both are decimal text, and a float
+    tolerance would accept 123456789012345679 for 123456789012345678 or 0.1000001 for 0.1."""
     if pred is None or gold is None:
         return False
     try:
-        return abs(float(pred) - float(gold)) < 1e-6
-    except ValueError:
+        return Decimal(pred.strip()) == Decimal(gold.strip())
+    except InvalidOperation:
         return pred.strip() == gold.strip()
 
 

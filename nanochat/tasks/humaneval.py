@@ -12,19 +12,49 @@ import re
 from nanochat.execution import execute_code
 from nanochat.tasks.common import Task, check_rows, load_rows
 
-_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})[ \t]*([^\s`]*)[^`]*")  # opening line: indent, fence, info string
+_PYTHON_LANGS = ("", "python", "py", "python3", "py3")
+
+
+def _code_blocks(text: str) -> list[tuple[str, str]]:
+    """Fenced blocks as (language, code), markdown style: a block closes at a line holding only a
+    fence of the same character at least as long; an unclosed block (a cut-off generation) runs to
+    the end. An indented opening fence (a block inside a list item) strips that indent from the
+    code, so the code does not start with an IndentationError."""
+    blocks, lines, i = [], text.splitlines(keepends=True), 0
+    while i < len(lines):
+        m = _FENCE.fullmatch(lines[i].rstrip("\r\n"))
+        i += 1
+        if m is None:
+            continue
+        fence, lang = m.group(1), m.group(2).lower()
+        indent = len(lines[i - 1]) - len(lines[i - 1].lstrip(" \t"))
+        body = []
+        while i < len(lines):
+            line = lines[i]
+            i += 1
+            stripped = line.strip()
+            if stripped.startswith(fence) and stripped == fence[0] * len(stripped):
+                break
+            body.append(line[min(indent, len(line) - len(line.lstrip(" \t"))):])
+        blocks.append((lang, "".join(body)))
+    return blocks
 
 
 def extract_program(completion: str, prompt: str, entry_point: str) -> str:
-    """The code to run: the prompt, then the first fenced block if any, else the raw completion.
+    """The code to run: the prompt, then the completion's code.
 
+    The code is the first Python (or unlabelled) fenced block that defines `entry_point`, else the
+    first Python block, else the raw completion (a body continuing the prompt). Blocks labelled
+    with another language (```text, ```bash, an example's output) are never run.
     The prompt always comes first (as in the official HumanEval harness): it carries the imports
     and any helper functions the entry point uses (HumanEval/10, 32, 38, 50). A completion that
     defines `entry_point` itself simply redefines the prompt's docstring-only stub.
     """
-    m = _FENCE.search(completion)
-    code = m.group(1) if m else completion
-    if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE) is None:
+    defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
+    python = [code for lang, code in _code_blocks(completion) if lang in _PYTHON_LANGS]
+    code = next((c for c in python if defines.search(c)), python[0] if python else completion)
+    if defines.search(code) is None:
         return prompt + code  # a function body continues the prompt's signature
     return prompt.rstrip("\n") + "\n\n\n" + code
 

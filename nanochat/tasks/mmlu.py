@@ -2,10 +2,13 @@
 
 Local file: `mmlu.jsonl` (test split; `mmlu_<split>.jsonl` otherwise), rows {"id", "question",
 "choices", "answer", "subject"}. Hub: cais/mmlu ("all" for test/validation/dev,
-"auxiliary_train" for the train split used in midtraining).
+"auxiliary_train" for the train split used in midtraining). Rows are shuffled once with a fixed
+seed (see MMLU.__init__), so a prefix (--max-problems) spans the subjects.
 """
 
 from __future__ import annotations
+
+import random
 
 from nanochat.tasks.arc import MC_KEYS, check_mc_row, evaluate_letter, mc_conversation
 from nanochat.tasks.common import Task, check_rows, load_rows
@@ -32,6 +35,12 @@ class MMLU(Task):
         hub = ("cais/mmlu", "auxiliary_train", "train") if split == "auxiliary_train" else ("cais/mmlu", "all", split)
         rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=hub, convert_hub=_from_hub)
         check_rows(rows, self.source, MC_KEYS, check_mc_row)
+        # The file (and the hub's "all") is sorted by subject, so the first N problems that
+        # --max-problems N scores would be the first subjects alone (N = 100: abstract algebra).
+        # One fixed shuffle (as upstream's shuffle(seed=42)) makes every prefix a spread of
+        # subjects, the same each run; start/stop slices (the --test-holdout training split)
+        # partition this same order.
+        random.Random(42).shuffle(rows)
         if subject is not None:
             rows = [r for r in rows if r.get("subject") == subject]
             if not rows:
