@@ -216,7 +216,9 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     if stage not in STAGES:
         raise ValueError(f"stage: got {stage!r}; accepted: {'|'.join(STAGES)}")
     if split == "val":
-        held = 200 if test_holdout < 0 else min(200, max(test_holdout, 1))
+        # MMLU / GSM8K test problems scored for val bpb: the first 200, or with --test-holdout N
+        # only the N that training leaves out (N = 0: none; test[0:] is all trained on)
+        held = 200 if test_holdout < 0 else min(200, test_holdout)
         tasks = [get_conversations("test", data_dir=data_dir), MMLU("test", data_dir=data_dir, stop=held),
                  GSM8K("test", data_dir=data_dir, stop=held), SpellingBee(200, "test", data_dir=data_dir)]
         return TaskMixture(tasks, seed=seed)

@@ -1,6 +1,7 @@
 """The BPE tokenizer: training (through the Rust `rustbpe` module), encoding and decoding (through
-tiktoken), special tokens, chat rendering with loss masks (and `assistant_parts`, generated ids back
-into a message's content parts), and the on-disk format.
+tiktoken), special tokens, chat rendering with loss masks (`check_conversation`: its contract, checked
+without a tokenizer; `assistant_parts`: generated ids back into a message's content parts), and the
+on-disk format.
 
 On disk a tokenizer is a directory holding
   tokenizer.pkl    {"format_version", "pattern", "mergeable_ranks" (bytes -> rank),
@@ -378,52 +379,6 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat rendering
 
-    def _normalized_messages(self, conversation: dict) -> list[tuple[int, str, object]]:
-        """Validate a conversation; return (original index, role, content) with the system
-        message folded into the first user message and roles alternating user/assistant."""
-        if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
-            raise ValueError("conversation: expected a dict with a 'messages' list")
-        messages = conversation["messages"]
-        if not messages:
-            raise ValueError("conversation['messages']: got an empty list; accepted: at least one user message")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                role = m.get("role") if isinstance(m, dict) else type(m).__name__
-                raise ValueError(f"messages[{i}].role: got {role!r}; accepted: system|user|assistant")
-        out = [(i, m["role"], m.get("content")) for i, m in enumerate(messages)]
-        if out[0][1] == "system":
-            if len(out) < 2 or out[1][1] != "user":
-                raise ValueError("messages[1].role: a system message must be followed by a user message")
-            system, user = out[0][2], out[1][2]
-            for idx, content in ((0, system), (1, user)):
-                if not isinstance(content, str):
-                    raise ValueError(f"messages[{idx}].content: got {type(content).__name__}; accepted: str")
-            out = [(1, "user", system + "\n\n" + user)] + out[2:]
-        for k, (i, role, content) in enumerate(out):
-            expected = "user" if k % 2 == 0 else "assistant"
-            if role != expected:
-                raise ValueError(f"messages[{i}].role: got {role!r}; expected {expected!r} "
-                                 "(roles must alternate user/assistant, starting with user; "
-                                 "system only first)")
-            if role == "user" and not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str")
-        return out
-
-    def _assistant_parts(self, i: int, content) -> list[tuple[str, str]]:
-        if isinstance(content, str):
-            return [("text", content)]
-        if not isinstance(content, list):
-            raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str or "
-                             "a list of {'type': text|python|python_output, 'text': str}")
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", "python", "python_output") or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content[{j}]: got {part!r}; accepted: "
-                                 "{'type': text|python|python_output, 'text': str}")
-            parts.append((kind, part["text"]))
-        return parts
-
     def _render(self, messages: list[tuple[int, str, object]]) -> tuple[list[int], list[int]]:
         ids: list[int] = []
         mask: list[int] = []
@@ -439,7 +394,7 @@ class Tokenizer:
                 add([sp["<|user_start|>"]] + self._encode_ordinary(content) + [sp["<|user_end|>"]], 0)
                 continue
             add([sp["<|assistant_start|>"]], 0)  # given by the prompt, never predicted
-            for kind, text in self._assistant_parts(i, content):
+            for kind, text in _assistant_parts(i, content):
                 tokens = self._encode_ordinary(text)
                 if kind == "text":
                     add(tokens, 1)
@@ -453,13 +408,13 @@ class Tokenizer:
     def render_conversation(self, conversation: dict, max_tokens: int = 2048) -> tuple[list[int], list[int]]:
         """Token ids and a 0/1 training mask (1 = assistant-written tokens), cut to max_tokens."""
         _positive_int(max_tokens, "max_tokens")
-        ids, mask = self._render(self._normalized_messages(conversation))
+        ids, mask = self._render(_normalized_messages(conversation))
         return ids[:max_tokens], mask[:max_tokens]
 
     def render_for_completion(self, conversation: dict) -> list[int]:
         """Prompt ids for the model to continue as the assistant: the last message is dropped when
         it is the assistant's (the answer to predict), and <|assistant_start|> is appended."""
-        messages = self._normalized_messages(conversation)
+        messages = _normalized_messages(conversation)
         if messages[-1][1] == "assistant":
             messages = messages[:-1]
         ids, _ = self._render(messages)
@@ -480,6 +435,63 @@ class Tokenizer:
             else:
                 pieces.append(f"[{text}]" if trained else text)
         return "|".join(pieces)
+
+
+def _normalized_messages(conversation: dict) -> list[tuple[int, str, object]]:
+    """Validate a conversation; return (original index, role, content) with the system
+    message folded into the first user message and roles alternating user/assistant."""
+    if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
+        raise ValueError("conversation: expected a dict with a 'messages' list")
+    messages = conversation["messages"]
+    if not messages:
+        raise ValueError("conversation['messages']: got an empty list; accepted: at least one user message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            role = m.get("role") if isinstance(m, dict) else type(m).__name__
+            raise ValueError(f"messages[{i}].role: got {role!r}; accepted: system|user|assistant")
+    out = [(i, m["role"], m.get("content")) for i, m in enumerate(messages)]
+    if out[0][1] == "system":
+        if len(out) < 2 or out[1][1] != "user":
+            raise ValueError("messages[1].role: a system message must be followed by a user message")
+        system, user = out[0][2], out[1][2]
+        for idx, content in ((0, system), (1, user)):
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{idx}].content: got {type(content).__name__}; accepted: str")
+        out = [(1, "user", system + "\n\n" + user)] + out[2:]
+    for k, (i, role, content) in enumerate(out):
+        expected = "user" if k % 2 == 0 else "assistant"
+        if role != expected:
+            raise ValueError(f"messages[{i}].role: got {role!r}; expected {expected!r} "
+                             "(roles must alternate user/assistant, starting with user; "
+                             "system only first)")
+        if role == "user" and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str")
+    return out
+
+
+def _assistant_parts(i: int, content) -> list[tuple[str, str]]:
+    if isinstance(content, str):
+        return [("text", content)]
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{i}].content: got {type(content).__name__}; accepted: str or "
+                         "a list of {'type': text|python|python_output, 'text': str}")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "python", "python_output") or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}]: got {part!r}; accepted: "
+                             "{'type': text|python|python_output, 'text': str}")
+        parts.append((kind, part["text"]))
+    return parts
+
+
+def check_conversation(conversation: dict) -> None:
+    """ValueError naming the message (its index in the file's list) unless render_conversation
+    would accept `conversation`. Needs no tokenizer, so conversation files are checked with it when
+    a task is built, not when the loader first renders a bad row hours into training."""
+    for i, role, content in _normalized_messages(conversation):
+        if role == "assistant":
+            _assistant_parts(i, content)
 
 
 def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:

@@ -7,6 +7,11 @@ checkpoint trained on."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +145,116 @@ def test_checkpoint_records_the_mixture_and_resume_keeps_it(env, tmp_path, capsy
     with pytest.raises(ck.CheckpointError, match="identity off\\) than this run's \\(--extra-conversations "
                        r"\[own.jsonl \(\w+\), own.jsonl \(\w+\)\], identity Zorblax\)"):
         chat_sft.main(args + ["--num-iterations", "2", "--resume", "latest", "--identity", "Zorblax"])
+
+
+# ------------------------------------------------ rows checked when the file is read (file:line)
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def _conversation_files(tmp_path, content: str):
+    """The same text as an --extra-conversations file and as a local SFT data file."""
+    from nanochat.tasks import ConversationFile, LocalConversations
+    own = tmp_path / "own.jsonl"
+    sft = tmp_path / "sft"
+    sft.mkdir(exist_ok=True)
+    own.write_text(content, encoding="utf-8")
+    (sft / "chat.jsonl").write_text(content, encoding="utf-8")
+    return [(lambda: ConversationFile(own), f"--extra-conversations {own}"),
+            (lambda: LocalConversations("train", data_dir=sft), str(sft / "chat.jsonl"))]
+
+
+def test_errors_name_the_line_in_the_file_past_blank_lines(tmp_path):
+    """Blank lines are skipped, so the bad row is row 2 but line 4 (was reported as line 2)."""
+    bad = {"messages": [{"role": "robot", "content": "x"}]}
+    for build, name in _conversation_files(tmp_path, f"{json.dumps(GOOD)}\n\n  \n{json.dumps(bad)}\n"):
+        with pytest.raises(DataError, match=f"^{name}:4: messages\\[0\\]\\.role is 'robot'"):
+            build()
+
+
+@pytest.mark.parametrize("messages, problem", [
+    # the format check let these through; render_conversation refused them hours into training
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "yo"}],
+     r"messages\[0\]\.content: got list; accepted: str"),
+    ([{"role": "system", "content": ["be terse"]}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "yo"}], r"messages\[0\]\.content: got list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+     r"messages\[1\]\.content\[0\]: got \{'type': 'image'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text"}]}],
+     r"messages\[1\]\.content\[0\]"),
+    # accepted by the renderer, but silently trains the wrong thing
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}],
+     r"messages\[1\] is an empty assistant reply"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": ""}]}],
+     r"messages\[1\] is an empty assistant reply"),
+    ([{"role": "user", "content": "bad \ud800 escape"}, {"role": "assistant", "content": "yo"}],
+     r"messages\[0\]\.content holds a lone surrogate '\\ud800'"),
+])
+def test_rows_the_renderer_would_refuse_or_mistrain_fail_when_the_file_is_read(tmp_path, tiny_tokenizer,
+                                                                                messages, problem):
+    row = {"messages": messages}
+    line = json.dumps(row)   # ensure_ascii: the surrogate is written as the escape \ud800
+    for build, name in _conversation_files(tmp_path, f"{json.dumps(GOOD)}\n{line}\n"):
+        with pytest.raises(DataError, match=f"^{name}:2: {problem}"):
+            build()
+    try:   # the first four would have stopped training when the loader reached them
+        tiny_tokenizer.render_conversation(row)
+    except ValueError as e:
+        assert re.search(problem, str(e))
+
+
+def test_smoltalk_rows_the_renderer_refuses_fail_when_the_task_is_built(tmp_path):
+    from nanochat.tasks import SmolTalk
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    (tmp_path / "smoltalk_train.jsonl").write_text(f"{json.dumps(GOOD)}\n{json.dumps(bad)}\n")
+    with pytest.raises(DataError, match=r"smoltalk_train.jsonl: row 2: messages\[1\]\.role"):
+        SmolTalk("train", data_dir=tmp_path)
+    (tmp_path / "smoltalk_train.jsonl").write_text(json.dumps(GOOD) + "\n")
+    assert len(SmolTalk("train", data_dir=tmp_path)) == 1
+
+
+# ------------------------------------------------ mixtures: what val scores, what each rank trains on
+
+@pytest.mark.parametrize("holdout", [0, 3])
+def test_val_never_scores_a_problem_training_sees(shared_data, holdout):
+    """--test-holdout N trains on test[N:]; val bpb scored test[:max(N, 1)], so with N = 0 the
+    first MMLU and GSM8K test problems were both trained on and scored."""
+    from nanochat import chat_data
+    from nanochat.tasks import GSM8K, MMLU
+    kw = dict(data_dir=shared_data, test_holdout=holdout)
+    val = chat_data.build_mixture("mid", "val", **kw)
+    trained = {json.dumps(t[i]["messages"]) for t in chat_data.build_mixture("mid", "train", **kw).tasks
+               if isinstance(t, (MMLU, GSM8K)) for i in range(len(t))}
+    scored = [json.dumps(val[i]["messages"]) for i in range(len(val)) if isinstance(val.task_of(i), (MMLU, GSM8K))]
+    assert len(scored) == 2 * holdout and not set(scored) & trained
+
+
+def test_ranks_take_disjoint_conversations_when_the_world_size_does_not_divide(tiny_tokenizer):
+    """11 conversations over 3 ranks (4, 4 and 3): every conversation trained exactly once."""
+    from nanochat.chat_data import ChatLoader
+    convs = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+             for i in range(11)]
+    start, end = (tiny_tokenizer.encode_special(f"<|user_{s}|>") for s in ("start", "end"))
+    seen = []
+    for rank in range(3):
+        for x, _ in ChatLoader(convs, tiny_tokenizer, 2, 24, rank=rank, world_size=3, buffer_size=2, loop=False):
+            ids = x.flatten().tolist()
+            seen += [tiny_tokenizer.decode(ids[k + 1:ids.index(end, k)]) for k, t in enumerate(ids) if t == start]
+    assert sorted(seen) == sorted(f"q{i}" for i in range(11))
+
+
+def test_every_rank_builds_the_same_mixture(shared_data):
+    """Ranks build the mixture each in its own process and take positions r, r + W, ... of it, so
+    it must not depend on anything per-process (str hashing: PYTHONHASHSEED) or they would
+    silently train on overlapping and missing conversations."""
+    script = ("import hashlib, json\nfrom nanochat import chat_data\n"
+              f"mix = chat_data.build_mixture('sft', 'train', data_dir={str(shared_data)!r}, test_holdout=100)\n"
+              "print(len(mix), hashlib.sha256(json.dumps([mix[i] for i in range(len(mix))]).encode()).hexdigest())")
+
+    def run(hash_seed: str) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                             timeout=120, cwd=Path(__file__).resolve().parents[1], env=env)
+        return res.stdout.splitlines()[-1]
+    out = {run("1"), run("2")}
+    assert len(out) == 1, out

@@ -10,6 +10,11 @@
 * `ConversationFile`: one JSONL file of the user's own conversations (mid_train / chat_sft
   `--extra-conversations`, e.g. an identity of their own, as upstream nanochat's CustomJSON task),
   all of it for training; every row must hold at least one assistant reply.
+
+Every row is checked when the task is built, so a bad one is a DataError naming file and line (the
+line in the file: blank lines count) before any model loads: the conversation format, what
+`tokenizer.render_conversation` accepts (else the loader would stop on it mid-training), and, in
+local files, text that trains what it says (no empty assistant reply, no lone surrogate escape).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from nanochat.common import print0
 from nanochat.errors import DataError
 from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
                                    parse_jsonl, read_local_rows, validate_conversation)
+from nanochat.tokenizer import check_conversation
 
 _SPLITS = ("train", "test")
 TEST_EVERY = 20
@@ -30,6 +36,36 @@ TEST_EVERY = 20
 def _check_split(split: str) -> None:
     if split not in _SPLITS:
         raise ValueError(f"conversations split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
+
+
+def _nonblank_line_numbers(data: bytes) -> list[int]:
+    """The file line number of each row parse_jsonl returns for `data` (it skips blank lines, so
+    row i + 1 is not line i + 1 once a blank line precedes it). Call after parse_jsonl succeeded."""
+    return [n for n, raw in enumerate(io.BytesIO(data), 1) if raw.decode("utf-8").strip()]
+
+
+def _check_row(row, where: str, *, text: bool = True) -> None:
+    """ValueError starting with `where` unless `row` is a conversation render_conversation accepts
+    (checked here because the loader renders rows lazily: a refused one would stop training when
+    first reached, naming no file). text=True (local files) also refuses text that would silently
+    train the wrong thing: an assistant reply with no text (teaches the model to answer nothing)
+    and a lone UTF-16 surrogate escape such as \\ud800 (tokenized as U+FFFD)."""
+    validate_conversation(row, where)
+    try:
+        check_conversation(row)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for i, m in enumerate(row["messages"] if text else ()):
+        texts = [m["content"]] if isinstance(m["content"], str) else [p["text"] for p in m["content"]]
+        for t in texts:
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where}: messages[{i}].content holds a lone surrogate "
+                                 f"{t[e.start]!r} (not text; it would train as U+FFFD)") from None
+        if m["role"] == "assistant" and not any(t.strip() for t in texts):
+            raise ValueError(f"{where}: messages[{i}] is an empty assistant reply (it would teach the "
+                             "model to answer nothing)")
 
 
 def find_local_conversation_files(names=None, data_dir=None) -> list[Path]:
@@ -67,9 +103,11 @@ class LocalConversations(_ConversationList):
                                        "Hub: use SmolTalk (source='smoltalk') for the hub dataset")
         self.rows, self.files = [], files
         for path in files:
-            for i, row in enumerate(read_local_rows(path)):
+            rows = read_local_rows(path)
+            lines = _nonblank_line_numbers(path.read_bytes())
+            for i, row in enumerate(rows):
                 try:  # every row, not only this split's: a broken file fails train and test alike
-                    validate_conversation(row, f"{path}:{i + 1}")
+                    _check_row(row, f"{path}:{lines[i]}")
                 except ValueError as e:
                     raise DataError(f"{e}; fix or delete that row") from None
                 if (i % TEST_EVERY == 0) == (split == "test"):
@@ -88,6 +126,7 @@ class ConversationFile(_ConversationList):
         try:
             data = self.path.read_bytes()
             self.rows = parse_jsonl(io.BytesIO(data), path)   # the lines a file read would give
+            lines = _nonblank_line_numbers(data)
         except OSError as e:
             raise DataError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except DataError as e:
@@ -97,9 +136,9 @@ class ConversationFile(_ConversationList):
                             '{"messages": [...]} per line)')
         for i, row in enumerate(self.rows):
             try:
-                validate_conversation(row, f"{flag} {path}:{i + 1}")
+                _check_row(row, f"{flag} {path}:{lines[i]}")
                 if not any(m.get("role") == "assistant" for m in row["messages"]):
-                    raise ValueError(f"{flag} {path}:{i + 1}: no assistant message (nothing to learn from)")
+                    raise ValueError(f"{flag} {path}:{lines[i]}: no assistant message (nothing to learn from)")
             except ValueError as e:
                 raise DataError(f"{e}; fix or delete that row") from None
         self.sha256 = hashlib.sha256(data).hexdigest()
@@ -113,6 +152,11 @@ class SmolTalk(_ConversationList):
         self.rows, self.source = load_rows("sft", [f"smoltalk_{split}.jsonl"], data_dir=data_dir,
                                            hub=("HuggingFaceTB/smol-smoltalk", None, split))
         check_rows(self.rows, self.source, ("messages",))
+        for i, row in enumerate(self.rows):   # hub rows too: one the renderer refuses would stop training
+            try:
+                _check_row(row, f"{self.source}: row {i + 1}", text=False)
+            except ValueError as e:
+                raise DataError(f"{e}; fix or delete that row") from None
 
 
 def get_conversations(split: str = "train", *, source: str = "auto", data_dir=None, **kw) -> Task:
