@@ -2,6 +2,7 @@
 scoring through the sandbox, generated tasks, mixtures, loader errors, the eval loops, chat_eval flags."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -461,3 +462,39 @@ def test_categorical_nan_logits_score_nothing(tok, shared_data):
     arc = ARC("easy", data_dir=shared_data)
     res = run_categorical(NaNLogits(tok.vocab_size), tok, arc, "cpu", batch_size=8, max_problems=40)
     assert res.total == 40 and res.passed == 0
+
+
+class _SeesInputs(torch.nn.Module):
+    """Records each batch and answers with flat logits (the scoring is not what is tested here)."""
+
+    def __init__(self, vocab_size, seq_len):
+        super().__init__()
+        self.vocab_size, self.config, self.seen = vocab_size, type("C", (), {"sequence_len": seq_len})(), []
+
+    def forward(self, idx, targets=None):
+        self.seen.append(idx.clone())
+        return torch.zeros((*idx.shape, self.vocab_size))
+
+
+def test_an_over_long_categorical_prompt_keeps_its_start_token(tok, shared_data):
+    """A prompt past the model's context was cut from the left, start token included: the model
+    was asked about a row unlike any it trained on. It keeps BOS and the end (choices, answer slot)."""
+    arc = ARC("easy", data_dir=shared_data)
+    model = _SeesInputs(tok.vocab_size, seq_len=24)
+    run_categorical(model, tok, arc, "cpu", batch_size=1, max_problems=3)
+    full = tok.render_for_completion(arc[0])
+    assert len(full) > 24
+    assert model.seen[0][0].tolist() == full[:1] + full[-23:] and full[0] == tok.bos_token_id
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "user", "content": "x"}],
+     "messages[2].role is 'user'; expected 'assistant'"),
+    ([{"role": "system", "content": "be brief"}], "a system message alone"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": 3}], "messages[1].content"),
+])
+def test_conversation_errors_index_the_message_as_the_file_lists_it(messages, says):
+    from nanochat.tasks.common import validate_conversation
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        validate_conversation({"messages": messages})

@@ -291,9 +291,11 @@ def validate_conversation(conv: dict, where: str = "conversation") -> dict:
         raise ValueError(f"{where}: 'messages' must be a non-empty list")
     if not all(isinstance(m, dict) for m in msgs):
         raise ValueError(f"{where}: every message must be an object with 'role' and 'content'")
-    body = msgs[1:] if msgs[0].get("role") == "system" else msgs
-    for i, m in enumerate(body):
-        want = "user" if i % 2 == 0 else "assistant"
+    first = 1 if msgs[0].get("role") == "system" else 0   # a system message may lead
+    if first == len(msgs):
+        raise ValueError(f"{where}: a system message alone; a user message must follow it")
+    for i, m in enumerate(msgs[first:], start=first):   # i: the index in the file's own list
+        want = "user" if (i - first) % 2 == 0 else "assistant"
         if m.get("role") != want:
             raise ValueError(f"{where}: messages[{i}].role is {m.get('role')!r}; expected {want!r}")
         content = m.get("content")

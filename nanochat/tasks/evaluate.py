@@ -69,6 +69,11 @@ def letter_token_ids(tokenizer, letters) -> list[int]:
     return ids
 
 
+def _keep_end(tokens: list[int], max_len: int) -> list[int]:
+    """The first token (BOS) and the last max_len - 1 tokens of an over-long prompt."""
+    return tokens if len(tokens) <= max_len else tokens[:1] + tokens[len(tokens) - max_len + 1:]
+
+
 def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8,
                     max_problems: int | None = None, name: str | None = None) -> TaskResult:
     """Accuracy of argmax over the answer letters' logits at the first assistant position."""
@@ -82,8 +87,9 @@ def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8
     passed = 0
     for b0 in range(0, len(idx), batch_size):
         convs = [task[i] for i in idx[b0: b0 + batch_size]]
-        # a prompt longer than the context keeps its end (the choices and the answer slot)
-        prompts = [tokenizer.render_for_completion(c)[-max_len:] for c in convs]
+        # a prompt longer than the context keeps its start token and its end (the choices and the
+        # answer slot), as the model saw every conversation in training
+        prompts = [_keep_end(tokenizer.render_for_completion(c), max_len) for c in convs]
         T = max(len(p) for p in prompts)
         x = torch.full((len(prompts), T), pad, dtype=torch.long)
         for r, p in enumerate(prompts):
