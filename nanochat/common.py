@@ -176,6 +176,9 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
                              f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")
         torch_device = torch.device("cuda", local_rank)
         torch.cuda.set_device(torch_device)
+        # ptxas / fp-fusion workarounds for every Triton launch, not only training's (platform.py)
+        from nanochat.platform import apply_runtime_patches, detect_device
+        apply_runtime_patches(detect_device(torch_device))
         # TF32 for the fp32 matmuls that remain (optimizer maths, fp32 runs); bf16 is unaffected.
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True

@@ -1,12 +1,15 @@
 """Platform layer: the device table and every torch/triton workaround, applied in one place.
 
 Owns:
-- `DeviceSpec` + `DEVICE_TABLE`: peak dense TFLOP/s per precision, memory bandwidth, unified
-  memory, SMs, compute capability for the GPUs this project targets (GB10 first).
-- `detect_device()` / `peak_flops()`: what the trainer uses for MFU (None = unknown, never 0).
+- `detect_device()`: the DeviceSpec of this process's device. The table itself (`DeviceSpec`,
+  `DEVICE_TABLE`, `spec_from_props`, `SimpleProps`) and `peak_flops()` (what the trainer uses for
+  MFU: None = unknown, never 0) live in nanochat/device_table.py and are re-exported here.
+  `check_benchmark_device()`: GPU-sized benchmarks refuse `--device auto` without CUDA.
 - `configure_env_before_cuda()` and `apply_patches()`: each workaround is a small function that
   takes the spec and a `PatchContext` (env mapping, dynamo/inductor config objects, version
-  probes) so tests can check on a CPU box exactly which patches a simulated device gets.
+  probes) so tests can check on a CPU box exactly which patches a simulated device gets; each
+  names the versions it targets, and applying them again reports the same names (the variables
+  they set are listed in NANOCHAT_PLATFORM_ENV).
 - `memory_budget_bytes()`: on unified memory the free memory comes from /proc/meminfo
   MemAvailable (cudaMemGetInfo counts the page cache as used there).
 - `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime) and `usable_sms()`
@@ -18,7 +21,6 @@ Nothing runs at import time: torch is imported, but no CUDA call happens until a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -31,116 +33,15 @@ from typing import Any, Callable, MutableMapping
 
 import torch
 
+from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,  # noqa: F401 (re-exported)
+                                   DeviceSpec, SimpleProps, peak_flops, spec_from_props)
 from nanochat.errors import RequestError
 
 log = logging.getLogger("nanochat.platform")
 
-PRECISIONS = ("bf16", "fp8", "nvfp4", "fp32")
-
 
 # --------------------------------------------------------------------------------------------
-# Device table
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator. `peak_tflops` holds dense (non-sparse) tensor-core peaks in TFLOP/s with
-    fp32 accumulation, keys "bf16", "fp8", "nvfp4", "fp32" ("fp32" = the TF32 tensor-core rate,
-    which is what fp32 matmuls run at with TF32 on). A missing key = the device has no such
-    path (fp8 before Ada, nvfp4 before Blackwell)."""
-
-    name: str
-    cc: tuple[int, int] | None
-    sms: int | None
-    memory_gb: float | None
-    bandwidth_gbs: float | None
-    unified_memory: bool = False
-    peak_tflops: dict[str, float] = field(default_factory=dict)
-    key: str = "unknown"          # table key ("gb10", "h100-sxm", ...), "cpu", "mps" or "unknown"
-    source: str = ""              # where the peak numbers come from
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.cc is not None
-
-    @property
-    def known(self) -> bool:
-        return self.key not in ("unknown", "cpu", "mps")
-
-
-def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor datasheet"):
-    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem, bandwidth_gbs=bw,
-                      unified_memory=unified, peak_tflops=peaks, key=key, source=source)
-
-
-# Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2, GeForce-class
-# half-rate fp32 accumulate) and labelled as such; measured GEMM rates are lower (DESIGN.md s3).
-DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
-    _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
-          {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
-          source="spec-derived from 1 PFLOP FP4 sparse; measured ~82 bf16 / ~180 fp8 / ~356 nvfp4"),
-    _spec("h100-sxm", "NVIDIA H100 SXM", (9, 0), 132, 80, 3350,
-          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
-    _spec("h100-pcie", "NVIDIA H100 PCIe", (9, 0), 114, 80, 2000,
-          {"bf16": 756.0, "fp8": 1513.0, "fp32": 378.0}),
-    _spec("h100-nvl", "NVIDIA H100 NVL", (9, 0), 132, 94, 3900,
-          {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
-    _spec("gh200", "NVIDIA GH200", (9, 0), 132, 96, 4000,
-          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
-    _spec("h200", "NVIDIA H200", (9, 0), 132, 141, 4800,
-          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
-    _spec("b200", "NVIDIA B200", (10, 0), 148, 180, 8000,
-          {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
-    _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
-          {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
-    _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
-          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 838.0, "fp32": 104.8},
-          source="spec-derived (GeForce half-rate fp32 accumulate)"),
-    _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
-          {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
-    _spec("a100", "NVIDIA A100", (8, 0), 108, 80, 2039,
-          {"bf16": 312.0, "fp32": 156.0}),
-    _spec("l40s", "NVIDIA L40S", (8, 9), 142, 48, 864,
-          {"bf16": 362.1, "fp8": 733.0, "fp32": 183.0}),
-    _spec("rtx-4090", "NVIDIA GeForce RTX 4090", (8, 9), 128, 24, 1008,
-          {"bf16": 165.2, "fp8": 330.3, "fp32": 82.6}),
-]}
-
-# (cc major, name regex) -> table key; first match wins, so specific names come first.
-_NAME_RULES: list[tuple[int | None, str, str]] = [
-    (12, r"\bGB10\b", "gb10"),
-    (9, r"H100.*NVL", "h100-nvl"),
-    (9, r"H100.*PCIe", "h100-pcie"),
-    (9, r"GH200", "gh200"),
-    (9, r"H100", "h100-sxm"),
-    (9, r"H200", "h200"),
-    (10, r"GB200", "gb200"),
-    (10, r"\bB200\b", "b200"),
-    (12, r"RTX 5090", "rtx-5090"),
-    (12, r"RTX PRO 6000", "rtx-pro-6000"),
-    (8, r"A100", "a100"),
-    (8, r"L40S", "l40s"),
-    (8, r"RTX 4090", "rtx-4090"),
-]
-
-CPU_SPEC = DeviceSpec(name="CPU", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None, key="cpu")
-MPS_SPEC = DeviceSpec(name="Apple MPS", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None,
-                      unified_memory=True, key="mps")
-
-
-def spec_from_props(props: Any) -> DeviceSpec:
-    """Match CUDA device properties (real or simulated) against the table."""
-    name = str(props.name)
-    cc = (int(props.major), int(props.minor))
-    sms = int(props.multi_processor_count)
-    mem_gb = round(int(props.total_memory) / 1e9, 1)
-    for major, pattern, key in _NAME_RULES:
-        if (major is None or major == cc[0]) and re.search(pattern, name, flags=re.IGNORECASE):
-            # The real SM count and memory win over the table (cut-down SKUs, MIG slices).
-            return dataclasses.replace(DEVICE_TABLE[key], name=name, cc=cc, sms=sms, memory_gb=mem_gb)
-    unified = bool(getattr(props, "is_integrated", False))
-    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem_gb, bandwidth_gbs=None,
-                      unified_memory=unified, peak_tflops={}, key="unknown", source="not in table")
-
+# Device detection (the table itself: nanochat/device_table.py)
 
 def detect_device(device: torch.device | str | None = None, props: Any = None) -> DeviceSpec:
     """The DeviceSpec of `device` (default: cuda if available, else mps, else cpu).
@@ -165,19 +66,15 @@ def detect_device(device: torch.device | str | None = None, props: Any = None) -
     return spec_from_props(torch.cuda.get_device_properties(index))
 
 
-def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None = None) -> float | None:
-    """Peak dense FLOP/s (not TFLOP/s) for `precision` on `spec`; `override` (FLOP/s, from
-    --peak-flops) wins. None for CPU/MPS/unknown GPUs and for precisions the device lacks:
-    the caller warns and asks for --peak-flops instead of printing 0% MFU."""
-    if override is not None:
-        if override <= 0:
-            raise RequestError(f"--peak-flops: got {override}; must be > 0 (FLOP/s, e.g. 989e12)")
-        return float(override)
-    key = {"tf32": "fp32", "nvfp4-emulated": "bf16", "auto": "bf16"}.get(precision, precision)
-    if key not in PRECISIONS:
-        raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
-    tflops = spec.peak_tflops.get(key)
-    return None if tflops is None else tflops * 1e12
+def check_benchmark_device(device: str, smoke_run: str) -> None:
+    """For the benchmarks whose defaults are sized for a GPU (d20, 2048-token rows): `--device auto`
+    on a machine with no CUDA GPU raises a RequestError saying so, instead of falling back to the CPU
+    and grinding through the GPU-sized defaults for many minutes without a word. An explicit
+    `--device cpu` (or mps) is a smoke run the user asked for and passes; `smoke_run` is the
+    script's documented small CPU command, quoted in the message."""
+    if device == "auto" and not torch.cuda.is_available():
+        raise RequestError("--device auto: no CUDA GPU is visible, and this benchmark's defaults are sized "
+                           f"for one; for a CPU smoke run pass --device cpu with small sizes: {smoke_run}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,6 +117,21 @@ class PatchContext:
 
 
 _LOGGED: set[str] = set()
+
+# The environment variables the patches below set, recorded in the environment itself (so torchrun
+# workers inherit the record): a patch applied again, in this process or a child, finds its own
+# setting and reports it under the same name, where a user's own setting is left alone and named so.
+PATCHED_ENV = "NANOCHAT_PLATFORM_ENV"
+
+
+def _set_env(env: MutableMapping[str, str], name: str, value: str) -> None:
+    env[name] = value
+    ours = {n for n in env.get(PATCHED_ENV, "").split(",") if n} | {name}
+    env[PATCHED_ENV] = ",".join(sorted(ours))
+
+
+def _set_by_us(env: MutableMapping[str, str], name: str) -> bool:
+    return name in env and name in env.get(PATCHED_ENV, "").split(",")
 
 
 def _log_once(name: str, message: str) -> None:
@@ -290,7 +202,9 @@ def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
 
 def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str | None:
     """Triton <= 3.5 bundles a ptxas that rejects sm_121a (DESIGN s4.1): point TRITON_PTXAS_PATH
-    (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas."""
+    (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas. Targets
+    Triton 3.x whose bundled ptxas (probed, or by version: Triton < 3.6 on cc >= 12.1) is older than
+    the arch needs; Triton 3.6+ bundles a Blackwell ptxas and gets nothing."""
     if not spec.is_cuda or ctx.triton_version is None or not uses_triton:
         return None
     need = required_ptxas(spec.cc)
@@ -302,6 +216,8 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
     if not too_old:
         return None
     if ctx.env.get("TRITON_PTXAS_PATH"):
+        if _set_by_us(ctx.env, "TRITON_PTXAS_PATH"):   # this patch, applied before
+            return "ptxas"
         _log_once("ptxas", f"bundled ptxas too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
                            f"TRITON_PTXAS_PATH={ctx.env['TRITON_PTXAS_PATH']} as set")
         return "ptxas(user)"
@@ -313,7 +229,8 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
             "toolkit (or pip install 'triton>=3.6') and/or set TRITON_PTXAS_PATH=/path/to/ptxas; "
             "or run with --kernel current and without --compile.")
     path = usable[0][0]
-    ctx.env["TRITON_PTXAS_PATH"] = ctx.env["TRITON_PTXAS_BLACKWELL_PATH"] = path
+    _set_env(ctx.env, "TRITON_PTXAS_PATH", path)
+    _set_env(ctx.env, "TRITON_PTXAS_BLACKWELL_PATH", path)
     _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas {bundled} < {need}: "
                        f"TRITON_PTXAS_PATH={path} (CUDA {usable[0][1]})")
     return "ptxas"
@@ -321,7 +238,9 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
 
 def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_autotune: bool) -> str | None:
     """Inductor's is_big_gpu() wants >= 68 SMs; GB10 has 48, so max-autotune GEMM templates are
-    skipped (DESIGN s4.2). Override it (and turn on max_autotune_gemm when asked)."""
+    skipped (DESIGN s4.2). Override it (and turn on max_autotune_gemm when asked). Targets torch
+    2.9-2.15 (`torch._inductor.utils.is_big_gpu`, min_sms = 68 as read in torch 2.15, called from
+    that module's own globals, so replacing the module attribute takes effect)."""
     if not spec.is_cuda or not compile or spec.sms is None or spec.sms >= 68:
         return None
     for module in ctx.inductor_modules:
@@ -349,13 +268,14 @@ def alloc_conf_with_expandable(env: MutableMapping[str, str]) -> str | None:
 
 def patch_expandable_segments(spec: DeviceSpec, ctx: PatchContext) -> str | None:
     """Unified memory (GB10): expandable segments avoid fragmentation that otherwise eats the
-    shared system RAM (DESIGN s4.3). Env before CUDA init; the allocator setter after."""
+    shared system RAM (DESIGN s4.3). Env before CUDA init; the allocator setter after. Targets
+    torch >= 2.9 (PYTORCH_ALLOC_CONF, which replaced PYTORCH_CUDA_ALLOC_CONF; both are read)."""
     if not (spec.is_cuda and spec.unified_memory):
         return None
     value = alloc_conf_with_expandable(ctx.env)
-    if value is None:
-        return None
-    ctx.env["PYTORCH_ALLOC_CONF"] = value
+    if value is None:   # decided already: by this patch (e.g. configure_env_before_cuda) or the user
+        return "expandable_segments" if _set_by_us(ctx.env, "PYTORCH_ALLOC_CONF") else None
+    _set_env(ctx.env, "PYTORCH_ALLOC_CONF", value)
     if ctx.cuda_initialized and ctx.set_allocator_settings is not None:
         ctx.set_allocator_settings("expandable_segments:True")
     _log_once("expandable_segments", f"unified memory: PYTORCH_ALLOC_CONF={value}")
@@ -420,7 +340,8 @@ def prepare_te_import(env: MutableMapping[str, str] | None = None, cudnn_dir: st
 
 
 def patch_capture_scalar_outputs(spec: DeviceSpec, ctx: PatchContext, kernel: str, compile: bool) -> str | None:
-    """Liger's fused CE calls .item() in forward: without this dynamo breaks the graph there."""
+    """Liger's fused CE calls .item() in forward: without this dynamo breaks the graph there.
+    Targets liger-kernel >= 0.6 (LigerFusedLinearCrossEntropyLoss) under torch >= 2.9's dynamo."""
     if not spec.is_cuda or kernel != "liger" or not compile or ctx.dynamo_config is None:
         return None
     ctx.dynamo_config.capture_scalar_outputs = True
@@ -428,14 +349,27 @@ def patch_capture_scalar_outputs(spec: DeviceSpec, ctx: PatchContext, kernel: st
     return "capture_scalar_outputs"
 
 
+# torch 2.9-2.10's warning on a GB10 with a wheel built up to sm_120 ("\n    Found GPU0 NVIDIA GB10
+# which is of cuda capability 12.1.\n    Minimum and Maximum cuda capability supported by this version
+# of PyTorch is\n    (8.0) - (12.0)\n"). A warnings filter is re.match'ed from the message's first
+# character, here a newline, hence the leading \s*; only a maximum of 12.0 is silenced (a build
+# without sm_12x code is really unsupported, and torch's "is not compatible" warning stays too).
+SM121_WARNING = (r"\s*Found GPU\d+ .* which is of cuda capability 12\.1\.\s+Minimum and Maximum cuda "
+                 r"capability supported by this version of PyTorch is\s+\(\d+\.\d+\) - \(12\.0\)")
+
+
 def patch_sm121_warning(spec: DeviceSpec, ctx: PatchContext) -> str | None:
-    """Wheels built up to sm_120 warn 'max supported capability 12.0' on 12.1; binary
-    compatible within the major, so the warning is a false positive (DESIGN s4.4)."""
+    """Wheels built up to sm_120 warn 'Minimum and Maximum cuda capability ... (12.0)' on 12.1;
+    binary compatible within the major, so the warning is a false positive (DESIGN s4.4).
+    Targets torch 2.9-2.10 (torch 2.11's cuda/__init__.py, read on the GPU box, has no such text;
+    2.15's check counts sm_120 code as runnable on 12.1). torch warns when CUDA initialises, so
+    configure_env_before_cuda installs the filter too."""
     if spec.cc != (12, 1):
         return None
     if ctx.filter_warning is not None:
-        ctx.filter_warning("ignore", message=r".*(capability|sm_121).*", category=UserWarning)
-    _log_once("sm121_warning", "silenced the false-positive 'max supported capability' warning on 12.1")
+        ctx.filter_warning("ignore", message=SM121_WARNING, category=UserWarning)
+    _log_once("sm121_warning", "cc 12.1: torch's false-positive 'Minimum and Maximum cuda capability ... "
+                               "(12.0)' warning filtered")
     return "sm121_warning"
 
 
@@ -443,9 +377,11 @@ def patch_triton_fp_fusion(spec: DeviceSpec, ctx: PatchContext, uses_triton: boo
     """Triton 3.9 warns that 3.10 turns multiply-add fusion off by default; our kernels were tested
     (bit-equality tests included) with it on: pin TRITON_DEFAULT_FP_FUSION=1 unless the user set it."""
     if (not spec.is_cuda or not uses_triton or ctx.triton_version is None
-            or _version_tuple(ctx.triton_version) < (3, 9) or "TRITON_DEFAULT_FP_FUSION" in ctx.env):
+            or _version_tuple(ctx.triton_version) < (3, 9)):
         return None
-    ctx.env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    if "TRITON_DEFAULT_FP_FUSION" in ctx.env:   # this patch, applied before, or the user's choice
+        return "fp_fusion" if _set_by_us(ctx.env, "TRITON_DEFAULT_FP_FUSION") else None
+    _set_env(ctx.env, "TRITON_DEFAULT_FP_FUSION", "1")
     _log_once("fp_fusion", f"Triton {ctx.triton_version}: TRITON_DEFAULT_FP_FUSION=1 (as tested)")
     return "fp_fusion"
 
@@ -472,10 +408,27 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
     return [name for name in applied if name]
 
 
+def apply_runtime_patches(spec: DeviceSpec, ctx: PatchContext | None = None) -> list[str]:
+    """The workarounds every CUDA process needs, whatever it runs (init_runtime calls this): chat,
+    evaluation and the benchmarks launch Triton kernels (decode, sampler, compiled steps) without
+    going through training's apply_patches, and on a Spark with Triton <= 3.5 the first one would
+    fail in ptxas. Training applies its own set later (the same state: the patches are idempotent).
+    A ptxas that cannot be found is a warning here, not an error: a process that launches no Triton
+    kernel still runs, and one that does fails with this line already said."""
+    try:
+        return apply_patches(spec, kernel="current", compile=True, ctx=ctx)
+    except RuntimeError as e:
+        _log_once("ptxas", str(e))
+        return []
+
+
 def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
-                              env: MutableMapping[str, str] | None = None) -> list[str]:
-    """Environment that must be set before CUDA initialises (call from init_runtime first).
-    `spec_hint`: a DeviceSpec, a table key ("gb10") or None = ask nvidia-smi (no CUDA context)."""
+                              env: MutableMapping[str, str] | None = None,
+                              filter_warning: Callable[..., None] | None = None) -> list[str]:
+    """What must be in place before CUDA initialises (call from init_runtime first): allocator
+    environment, and the filter for torch's warning at initialisation. `spec_hint`: a DeviceSpec,
+    a table key ("gb10") or None = ask nvidia-smi (no CUDA context); `filter_warning`: default
+    warnings.filterwarnings (tests pass a recorder)."""
     env = os.environ if env is None else env
     spec = spec_hint
     if isinstance(spec_hint, str):
@@ -486,7 +439,11 @@ def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
         spec = _spec_from_nvidia_smi()
     if spec is None:
         return []
-    return [n for n in [patch_expandable_segments(spec, PatchContext(env=env))] if n]
+    if filter_warning is None:
+        import warnings
+        filter_warning = warnings.filterwarnings
+    ctx = PatchContext(env=env, filter_warning=filter_warning)
+    return [n for n in [patch_expandable_segments(spec, ctx), patch_sm121_warning(spec, ctx)] if n]
 
 
 ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
@@ -558,18 +515,6 @@ def _spec_from_nvidia_smi() -> DeviceSpec | None:
     if not m:
         return None
     return spec_from_props(SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0))
-
-
-@dataclass
-class SimpleProps:
-    """Stand-in for torch.cuda device properties (tests and nvidia-smi parsing)."""
-
-    name: str
-    major: int
-    minor: int
-    multi_processor_count: int
-    total_memory: int
-    is_integrated: bool = False
 
 
 def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroom: float = 0.1) -> int | None:

@@ -98,6 +98,10 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
     spec = spec or detect_device()
     if precision == "auto":
         precision = compute_dtype
+    elif precision in ("bf16", "fp32") and precision != compute_dtype:
+        # the plan would name a dtype the model does not run in (and MFU its peak): refuse it
+        raise RequestError(f"--precision {precision}: this run computes in {compute_dtype} (its runtime "
+                           f"dtype); accepted here: auto|{compute_dtype}, or start the run in {precision}")
     if precision in ("bf16", "fp32"):
         if backend not in ("auto",):
             raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")

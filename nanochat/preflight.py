@@ -84,13 +84,21 @@ def triton_ptxas_in_use(spec: DeviceSpec) -> str:
     return f"bundled with triton (CUDA {version})" if version else "n/a"
 
 
+def _peak_source(spec: DeviceSpec) -> str:
+    """Where the MFU peaks come from; for a GPU outside the table, how to get MFU at all."""
+    if spec.is_cuda and not spec.peak_tflops:
+        return ("not in nanochat/device_table.py: training prints MFU n/a unless given "
+                "--peak-flops <dense bf16 FLOP/s per GPU>")
+    return spec.source or "n/a"
+
+
 def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
                      backend: str = "auto") -> dict[str, Any]:
     spec = detect_device()
     report: dict[str, Any] = {
         "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
         "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory,
-        "peak_tflops": spec.peak_tflops, "python": sys.version.split()[0],
+        "peak_tflops": spec.peak_tflops, "peak_source": _peak_source(spec), "python": sys.version.split()[0],
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
         "transformer_engine": _te_version(),
@@ -105,7 +113,8 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         report["attention"] = probe_attention_backends()
     from nanochat import precision as precision_mod
     try:
-        dtype = "bf16" if spec.is_cuda else "fp32"
+        # the compute dtype a run of this --precision starts in (base_train: runtime_dtype)
+        dtype = precision if precision in ("bf16", "fp32") else "bf16" if spec.is_cuda else "fp32"
         report["precision"] = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype).describe()
     except (ValueError, RuntimeError) as exc:
         report["precision"] = f"unavailable: {exc}"
@@ -113,19 +122,28 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the report; exit 2 when a --precision / --precision-backend asked for explicitly
+    cannot run here (the report says why), so `python -m nanochat.platform --precision fp8 && ...`
+    stops where the training run would."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(description="nanochat-spark preflight report")
-    parser.add_argument("--kernel", "--kernel_name", default="current", choices=KERNELS)
-    parser.add_argument("--precision", default="auto")
-    parser.add_argument("--precision-backend", "--precision_backend", default="auto")
-    parser.add_argument("--no-compile", "--no_compile", action="store_true")
+    from nanochat.flags import normalize_flags
+    from nanochat.precision import BACKENDS, PRECISIONS
+
+    parser = argparse.ArgumentParser(prog="python -m nanochat.platform", description="nanochat-spark preflight report")
+    parser.add_argument("--kernel", "--kernel-name", default="current", choices=KERNELS)
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS)
+    parser.add_argument("--precision-backend", default="auto", choices=BACKENDS)
+    parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     parser.add_argument("--nccl", action="store_true", help="NCCL env checks + all-reduce busbw self-test "
                         "(under torchrun: its ranks; else one process per GPU, 2 gloo processes on CPU)")
     parser.add_argument("--nccl-procs", type=int, default=None, help="--nccl without torchrun: processes to spawn")
-    args = parser.parse_args(argv)
+    # --under_score spellings of every flag, as the scripts accept them
+    args = parser.parse_args(normalize_flags(sys.argv[1:] if argv is None else argv))
+    if args.nccl_procs is not None and not args.nccl:
+        parser.error("--nccl-procs: only with --nccl")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.nccl:  # the logic lives in nanochat/distributed.py
         from nanochat.distributed import selftest_main
@@ -136,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key, value in report.items():
             print(f"{key:>20}: {value}")
+    if isinstance(report["precision"], str) and (args.precision != "auto" or args.precision_backend != "auto"):
+        print(f"preflight: error: {report['precision'].removeprefix('unavailable: ')}", file=sys.stderr)
+        return 2
     return 0
-
 
 
 if __name__ == "__main__":

@@ -433,8 +433,8 @@ def resolve_peak_flops(rt, precision: str, override: float | None = None,
     from nanochat.platform import detect_device, peak_flops
     spec = detect_device(rt.device)
     active = {"auto": "bf16"}.get(precision, precision)  # a precision name or precision.py's peak_key
-    if rt.device_type != "cuda":
-        return (float(override) if override else None), None, spec.name
+    if rt.device_type != "cuda":   # the override checked as on a GPU (0, nan, negatives refused)
+        return (peak_flops(spec, "bf16", override) if override is not None else None), None, spec.name
     bf16 = peak_flops(spec, "bf16", override)
     act = peak_flops(spec, active) if active != "bf16" else bf16
     if override is not None and active == "bf16":

@@ -32,6 +32,9 @@ from nanochat import checkpoint as ck
 from nanochat.checkpoint_io import atomic_write
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, get_base_dir, init_runtime
 from nanochat.flags import FlagParser, require, require_int, script_main
+from nanochat.platform import check_benchmark_device
+
+SMOKE_RUN = "python -m scripts.bench_checkpoint --device cpu --depth 1 --vocab-size 256 --reps 1"
 
 
 def parse_args(argv=None):
@@ -88,6 +91,7 @@ def checkpoint_round(root: Path, model_state: dict, optim_state: dict, device) -
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, "fp32", seed=0)
     parent = Path(args.dir) if args.dir else get_base_dir()
     parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require_float, script_main
-from nanochat.platform import detect_device, peak_flops
+from nanochat.platform import apply_patches, detect_device, peak_flops
 
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
 DTYPES = ("bf16", "fp8", "fp8-rowwise", "nvfp4")
@@ -292,6 +292,34 @@ def burn_in(seconds: float, shape, device, emit) -> None:
               "tflops": round(flops * count / (start.elapsed_time(end) * 1e-3) / 1e12, 1)})
 
 
+# what torch._scaled_mm requires of its operands (torch/_meta_registrations.py): a's columns and both
+# of b's dimensions multiples of 16 elements; fp4 packs two per byte, so K counts double there
+ALIGN = {"fp8": (16, 16), "fp8-rowwise": (16, 16), "nvfp4": (32, 16)}   # (K, N) multiples
+
+
+def check_alignment(args) -> None:
+    """A size the low-precision GEMM cannot take raises here, naming the flag, instead of an
+    'unsupported' row (--shapes) or a traceback after the bf16 rows ran (--linears, --mlp)."""
+    for dtype in args.dtypes:
+        if dtype not in ALIGN:
+            continue
+        k_mult, n_mult = ALIGN[dtype]
+        fix = f"multiples of {k_mult} (K) and {n_mult} (N) for {dtype}, or --dtypes bf16"
+        if args.mlp:
+            if args.mlp[1] % 16:
+                raise ValueError(f"--mlp: got {args.mlp[0]}:{args.mlp[1]}; C must be a multiple of 16 for {dtype} "
+                                 "(or --dtypes bf16)")
+        elif args.linears:   # fwd, dgrad and wgrad reduce over IN, OUT and M in turn
+            for m, k, n in args.linears:
+                if m % 16 or k % 16 or n % 16:
+                    raise ValueError(f"--linears: got {m}:{k}x{n}; M, IN and OUT must be multiples of 16 for "
+                                     f"{dtype} (or --dtypes bf16)")
+        elif not args.qk:
+            for m, n, k in args.shapes:
+                if k % k_mult or n % n_mult:
+                    raise ValueError(f"--shapes: got {m}x{n}x{k}; accepted: N and K {fix}")
+
+
 def parse_args(argv=None):
     """Parse and validate every flag (no CUDA work); a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.bench_gemm", description=__doc__.splitlines()[0])
@@ -317,13 +345,15 @@ def parse_args(argv=None):
     args.mlp = parse_mlp(args.mlp) if args.mlp else None
     args.qk = parse_qk(args.qk) if args.qk else None
     accepted = LINEAR_DTYPES if (args.linears or args.mlp) else DTYPES
-    args.dtypes = args.dtypes.split(",") if args.dtypes else list(accepted)
+    # None = the default list; an explicit "" is an empty list, refused below (it silently meant "all")
+    args.dtypes = args.dtypes.split(",") if args.dtypes is not None else list(accepted)
     for d in args.dtypes:
         if d not in accepted:
             flag = "--dtypes (with --linears)" if args.linears else "--dtypes (with --mlp)" if args.mlp else "--dtypes"
             raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
     if args.layouts and not args.linears:
         raise ValueError("--layouts: only with --linears")
+    check_alignment(args)
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
     require_float(args.burn_in, "--burn-in", 0.0)
@@ -346,6 +376,8 @@ def main(argv=None) -> int:
               "cublas": torch.backends.cuda.preferred_blas_library().name
               if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
     print(json.dumps({"header": True, **header}), flush=True)
+    if mlp or qk:   # Triton GEMMs and compiled passes: the workarounds training applies (ptxas on a GB10, ...)
+        apply_patches(spec, kernel="triton", compile=True)
     if linears:
         return _run_linears(linears, dtypes, args.reps, l2, spec, device, args.layouts)
     if mlp:

@@ -23,6 +23,9 @@ import statistics
 import sys
 import time
 
+SMOKE_RUN = ("python -m scripts.bench_inference --device cpu --depth 2 --prompt-len 64 --decode-tokens 16 "
+             "--batch-sizes 1,4 --vocab-size 4096")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     from nanochat.flags import FlagParser
@@ -297,9 +300,10 @@ def main(argv=None) -> int:
 
     from nanochat.attention import DEFAULT_DECODE_KERNEL, set_decode_kernel
     from nanochat.common import init_runtime
-    from nanochat.platform import detect_device
+    from nanochat.platform import check_benchmark_device, detect_device
     from nanochat.quantize import quantize_model
 
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, args.dtype, seed=args.seed)
     spec = detect_device(rt.device)
     model = build_model(args, rt)

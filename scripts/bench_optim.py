@@ -28,7 +28,10 @@ import torch
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.optim import build_optimizer
+from nanochat.platform import check_benchmark_device
 from nanochat.flags import FlagParser, require, require_float, require_int, script_main
+
+SMOKE_RUN = "python -m scripts.bench_optim --device cpu --depth 1 --vocab-size 256 --steps 2 --warmup 1"
 
 
 def parse_args(argv=None):
@@ -102,6 +105,7 @@ def profiled(rt, optimizer, n: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device)
     try:
         model, optimizer = build(args, rt.device)

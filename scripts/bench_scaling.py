@@ -37,6 +37,10 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require, require_float, require_int, script_main
+from nanochat.platform import check_benchmark_device
+
+SMOKE_RUN = ("python -m scripts.bench_scaling --device cpu --gpus 2 --loss-depth 2 --depth 2 --seq 64 "
+             "--device-batch-size 2 --steps 3 --tput-steps 2 --warmup 1 --vocab-size 256 --no-compile --min-scaling 0")
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("losses", "fsdp", "throughput")
@@ -80,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = build_parser().parse_args(argv)
     parts = [x for x in a.parts.split(",") if x]
+    # an empty list ran nothing and passed every (no) check with exit code 0
+    require(bool(parts), "--parts", a.parts, "a comma list of " + "|".join(PARTS))
     for x in parts:
         require(x in PARTS, "--parts", x, "|".join(PARTS))
     a.parts = parts
@@ -155,7 +161,7 @@ def run_worker(a, rt) -> dict:
     config = config_for_depth(depth, vocab, a.seq, window_pattern=a.window_pattern)
     rt.reset_peak_memory()
     model = build_model(config, rt.device, compute_dtype=rt.dtype)
-    precision = "bf16" if rt.device_type == "cuda" else "fp32"
+    precision = rt.dtype_name   # the runtime's own dtype (bf16 on CUDA, fp32 on a CPU)
     setup_precision_and_kernel(model, precision, "current", rt, compile=compile_model)
     if a.fsdp:
         apply_fsdp(model, rt)
@@ -240,6 +246,9 @@ def _loss_check(name: str, ref: dict, other: dict, tol: float) -> dict:
 
 
 def run_driver(a) -> int:
+    check_benchmark_device(a.device, SMOKE_RUN)
+    if a.device == "cuda" and not torch.cuda.is_available():   # every worker would fail the same way
+        raise RequestError("--device cuda: needs CUDA GPUs; none is visible")
     if a.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < a.gpus:
         raise RequestError(f"--gpus: got {a.gpus}; this machine has {torch.cuda.device_count()} GPU(s)")
     runs, checks = [], []

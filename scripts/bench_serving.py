@@ -22,6 +22,9 @@ import sys
 import threading
 import time
 
+SMOKE_RUN = ("python -m scripts.bench_serving --device cpu --depth 2 --seq-len 256 --prompt-lens 8,40 "
+             "--max-tokens 16")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     from nanochat.flags import FlagParser
@@ -127,9 +130,10 @@ def main(argv=None) -> int:
 
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
-    from nanochat.platform import detect_device
+    from nanochat.platform import check_benchmark_device, detect_device
     from scripts.bench_inference import build_model
 
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, args.dtype, seed=args.seed)
     args.window_pattern = "SSSL"
     model = build_model(args, rt)

@@ -16,13 +16,15 @@ Batches are synthetic random tokens by default (--data real reads the train spli
 DataLoader and the trained tokenizer).
 
 CPU smoke run:  python -m scripts.bench_train --device cpu --depth 1 --device-batch-size 2 \
-                    --seq 64 --steps 3 --warmup 1 --vocab-size 512 --no-compile
+                    --seq 64 --total-batch-size 128 --steps 3 --warmup 1 --vocab-size 512 --no-compile
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import os
 import itertools
 import json
 import statistics
@@ -31,19 +33,23 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.attention import resolve_backend
-from nanochat.common import destroy_runtime, init_runtime
+from nanochat.attention import BACKEND_CHOICES, resolve_backend
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
 from nanochat.gpu_monitor import GpuMonitor
+from nanochat.platform import check_benchmark_device
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
-from nanochat.flags import FlagParser, require, require_int, script_main
+from nanochat.errors import RequestError
+from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 from nanochat.recipe import DEFAULT_RECIPE, RECIPES, resolve_recipe
 
 MIN_GPU_STEPS = 20
+SMOKE_RUN = ("python -m scripts.bench_train --device cpu --depth 1 --device-batch-size 2 --seq 64 "
+             "--total-batch-size 128 --steps 3 --warmup 1 --vocab-size 512 --no-compile")
 # --precision values -> the fp8 wgrad mode they set (None: not an fp8 variant; plain fp8 = "save")
 UNFUSE = {"mlp": "relu2_mlp", "rope": "rotary_norm", "qkamax": "qk_amax",
           "ghcast": "gh_cast", "qkgemm": "qk_rope_gemm", "mixadd": "mix_add", "x0acc": "x0_grad_acc",
           "wcache": "cast_once", "gsink": "grad_sinks"}   # --unfuse name -> kernel_fusions entry (wcache: Trainer(cast_once=False))
-PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
+PRECISIONS = {"auto": None, "bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute", "fp8plain": "plain",
               "fp8mlp0": "save", "nvfp4": None}
 
 
@@ -51,7 +57,7 @@ PRECISIONS = {"bf16": None, "fp32": None, "fp8": "save", "fp8lean": "recompute",
 class BenchConfig:
     depths: list[int]
     kernels: list[str]
-    precisions: list[str]
+    precisions: list[str]                  # "auto" = the runtime's dtype (bf16 on a GPU, fp32 on a CPU)
     device_batch_size: int = 32
     seq: int = 2048
     total_batch_size: int = -1
@@ -75,8 +81,9 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p = FlagParser(prog="python -m scripts.bench_train", description="Benchmark training steps.")
     p.add_argument("--depth", default="12,20", help="comma list, e.g. 12,20")
     p.add_argument("--kernel", default="current", help="comma list of current|liger|triton")
-    p.add_argument("--precision", default="bf16",
-                   help="comma list of bf16|fp32|fp8|fp8lean|fp8plain|fp8mlp0|nvfp4 (fp8 variants: the "
+    p.add_argument("--precision", default="auto",
+                   help="comma list of auto|bf16|fp32|fp8|fp8lean|fp8plain|fp8mlp0|nvfp4 (auto: bf16 on a GPU, "
+                        "fp32 on a CPU; each runs in its own compute dtype; fp8 variants: the "
                         "weight-gradient input's transposed copy saved (fp8), recomputed (fp8lean) or made "
                         "by compiled copies (fp8plain): base_train --fp8-wgrad save|recompute|plain; "
                         "fp8mlp0: fp8 without --kernel triton's fused fp8 MLP)")
@@ -137,7 +144,37 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     require_int(cfg.vocab_size, "--vocab-size", 16)
     for name in cfg.unfuse:
         require(name in UNFUSE, "--unfuse", name, "|".join(UNFUSE))
+    _check_before_any_model(cfg)
     return cfg
+
+
+def _check_before_any_model(cfg: BenchConfig) -> None:
+    """What used to fail inside every configuration (an error row each, after the runtime and the
+    models were built) or, for --peak-flops, print MFU nan% / negative: checked with the flags."""
+    from nanochat.gpt import config_for_depth
+    from nanochat.training import plan_batch
+
+    require(bool(cfg.depths), "--depth", "", "a comma list of integers >= 1, e.g. 12,20")
+    require(cfg.device in DEVICE_CHOICES, "--device", cfg.device, "|".join(DEVICE_CHOICES))
+    require(cfg.attn_backend in BACKEND_CHOICES, "--attn-backend", cfg.attn_backend, "|".join(BACKEND_CHOICES))
+    require_int(cfg.aspect_ratio, "--aspect-ratio", 1)
+    require(isinstance(cfg.head_dim, int) and cfg.head_dim >= 2 and cfg.head_dim % 2 == 0, "--head-dim",
+            cfg.head_dim, "an even integer >= 2 (RoPE rotates pairs)")
+    if cfg.peak_flops is not None:   # FLOP/s per device; below 1e9 it was surely given in TFLOP/s
+        require_float(cfg.peak_flops, "--peak-flops", 1e9)
+    for depth in cfg.depths:   # --window-pattern and the head split, as the model will check them
+        config_for_depth(depth, cfg.vocab_size, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
+                         window_pattern=cfg.window_pattern)
+    if cfg.total_batch_size != -1:   # divisibility over this launch's ranks, with the numbers
+        plan_batch(cfg.total_batch_size, cfg.device_batch_size, cfg.seq, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def runtime_for(rt, precision: str):
+    """The runtime a configuration runs in: its own compute dtype (fp32 for --precision fp32, bf16
+    for bf16 and the fp8/nvfp4 variants, the runtime's for auto), as base_train starts its runtime
+    from --precision. One process measures several precisions, so the rows say what really ran."""
+    dtype = {"auto": rt.dtype, "fp32": torch.float32}.get(precision, torch.bfloat16)
+    return rt if dtype == rt.dtype else dataclasses.replace(rt, dtype=dtype)
 
 
 def unfuse_model(model, names: set[str], fusions: str) -> str:
@@ -211,6 +248,7 @@ def recipe_optimizer(cfg: BenchConfig, model, depth: int, vocab: int, total_batc
 
 
 def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, backend: str = "auto") -> dict:
+    rt = runtime_for(rt, precision)
     from nanochat.gpt import config_for_depth
     from nanochat.checkpoint import build_model
     from nanochat.training import (Schedule, StepMeter, Trainer, plan_batch, resolve_peak_flops,
@@ -306,9 +344,11 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     cfg = parse_config(argv)
+    check_benchmark_device(cfg.device, SMOKE_RUN)
     rt = init_runtime(cfg.device, "auto")
     if rt.device_type == "cuda" and cfg.steps < MIN_GPU_STEPS:
-        raise ValueError(f"--steps: got {cfg.steps}; accepted on GPU: >= {MIN_GPU_STEPS} (steady-state median)")
+        destroy_runtime(rt)
+        raise RequestError(f"--steps: got {cfg.steps}; accepted on GPU: >= {MIN_GPU_STEPS} (steady-state median)")
     rows = []
     try:
         for depth, kernel, precision, backend in itertools.product(cfg.depths, cfg.kernels, cfg.precisions,

@@ -42,7 +42,11 @@ from nanochat import attention as A
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.gpu_monitor import GpuMonitor
+from nanochat.platform import check_benchmark_device
 from nanochat.flags import FlagParser, require, require_float, require_int, script_main
+
+SMOKE_RUN = ("python -m scripts.bench_train_floor --device cpu --depth 1 --device-batch-size 1 --seq 64 "
+             "--vocab-size 256 --seconds 0 --warmup 0")
 
 PARTS = ("both", "gemm", "attn")
 LM_HEAD_CHUNK = 8192  # rows per lm_head chunk (the fused loss works in chunks too)
@@ -170,6 +174,7 @@ def measure(floor: Floor, part: str, warmup: int, seconds: float, device) -> dic
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(device=args.device, seed=0)
     try:
         cfg = config_for_depth(args.depth, args.vocab_size, args.seq, window_pattern=args.window_pattern)

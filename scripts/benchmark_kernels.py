@@ -30,7 +30,10 @@ import torch
 
 from nanochat.flags import FlagParser, require, require_float, script_main
 from nanochat.kernels import build_loss_fn
-from nanochat.platform import apply_patches, detect_device, peak_flops
+from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops
+
+SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --rows 256 --n-embd 64 --vocab 512 "
+             "--reps 3 --no-compile")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -302,9 +305,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from nanochat.common import init_runtime
+    check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, "auto")
-    uses_liger = any(k.startswith("liger") for k in args.kernels)
-    apply_patches(detect_device(rt.device), kernel="liger" if uses_liger else "current", compile=args.compile)
+    # each loss backend's workarounds before loss mode runs them (a `triton` list with --no-compile
+    # got kernel="current" here: no ptxas redirect for Triton <= 3.5 on a GB10); applying twice is a no-op
+    for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
+        apply_patches(detect_device(rt.device), kernel=kernel, compile=args.compile)
     print(json.dumps({"header": True, "device": detect_device(rt.device).name, "torch": torch.__version__}))
     rows = []
     if args.mode in ("loss", "both"):

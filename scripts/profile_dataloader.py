@@ -67,6 +67,9 @@ def parse_args(argv=None):
         require_int(args.cores, "--cores", 1)
     require_float(args.min_seconds, "--min-seconds", 0.0)
     require(args.device in ("cpu", "cuda"), "--device", args.device, "cpu|cuda")
+    # without a GPU the pinned buffers fail in the loader's thread, after any pretokenizing
+    require(args.device == "cpu" or torch.cuda.is_available(), "--device", args.device,
+            "cpu (no CUDA GPU is visible)")
     for flag, path in (("--data-dir", args.data_dir), ("--tokenizer-dir", args.tokenizer_dir)):
         require(path is None or path.is_dir(), flag, str(path), "an existing directory")
     return args

@@ -29,6 +29,9 @@ import sys
 
 import torch
 
+SMOKE_RUN = ("python -m scripts.profile_training --device cpu --depth 1 --device-batch-size 1 --seq 16 "
+             "--vocab 64 --no-compile --steps 1 --warmup 0 --profile-steps 1")
+
 
 def build(args, rt):
     from nanochat.gpt import config_for_depth
@@ -216,7 +219,7 @@ def parse_args(argv=None):
     naming the flag and the accepted values."""
     from nanochat.attention import BACKEND_CHOICES
     from nanochat.common import DEVICE_CHOICES
-    from nanochat.flags import FlagParser, require, require_int
+    from nanochat.flags import FlagParser, check_output_file, require, require_int
     from nanochat.precision import BACKENDS, PRECISIONS
 
     p = FlagParser(prog="python -m scripts.profile_training", description=__doc__.splitlines()[0])
@@ -252,13 +255,24 @@ def parse_args(argv=None):
     require(args.precision_backend in BACKENDS, "--precision-backend", args.precision_backend, "|".join(BACKENDS))
     require(args.attn_backend in BACKEND_CHOICES, "--attn-backend", args.attn_backend, "|".join(BACKEND_CHOICES))
     require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
+    check_output_file(args.trace, "--trace")   # written after the profile: a bad path failed only then
     return args
+
+
+def runtime_dtype(precision: str) -> str:
+    """The compute dtype a --precision runs in, as base_train starts its runtime (fp8/nvfp4 keep
+    their non-matmul work in bf16); auto: the device's default."""
+    return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from nanochat.common import init_runtime
-    rt = init_runtime(args.device, "auto")
+    from nanochat.platform import check_benchmark_device
+    from nanochat.training import check_precision
+    check_benchmark_device(args.device, SMOKE_RUN)
+    rt = init_runtime(args.device, runtime_dtype(args.precision))
+    check_precision(args.precision, rt, args.precision_backend)   # before the model: --precision fp8 on an A100
     model, run, optimizer, info = build(args, rt)
     print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,

@@ -76,3 +76,50 @@ def test_qk_variants_compute_the_same_rotary_norm_on_cpu():
     torch.manual_seed(0)
     fused = BG.make_qk_pass("fused", 2048, 128, "cpu")()[0].float()
     torch.testing.assert_close(fused, triton_qk.interleave(plain.t(), 128).t(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_empty_dtype_list_is_refused():
+    """`--dtypes ""` used to mean every dtype."""
+    with pytest.raises(ValueError, match="--dtypes: got ''"):
+        BG.parse_args(["--dtypes", ""])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--shapes", "4096x4096x4100"], "--shapes"),                          # K % 16: fp8 (default dtypes)
+    (["--shapes", "4096x4104x4096", "--dtypes", "fp8"], "--shapes"),       # N % 16
+    (["--shapes", "4096x4096x4112", "--dtypes", "nvfp4"], "--shapes"),     # K % 32 (two fp4 per byte)
+    (["--linears", "65536:1280x1288", "--dtypes", "fp8"], "--linears"),   # OUT % 16
+    (["--linears", "1000:1280x1280"], "--linears"),                        # M % 16 (the wgrad reduction)
+    (["--mlp", "65536:1288"], "--mlp"),                                    # C % 16 with fp8 in the defaults
+])
+def test_sizes_the_fp8_or_fp4_gemm_cannot_take_fail_with_the_flags(argv, flag):
+    """These raised inside torch._scaled_mm on the GPU: an 'unsupported' row for --shapes, a traceback
+    after the bf16 rows for --linears / --mlp."""
+    with pytest.raises(ValueError, match=f"^{flag}: got .*multiple"):
+        BG.parse_args(argv)
+
+
+def test_aligned_or_bf16_only_sizes_pass():
+    assert BG.parse_args(["--shapes", "1000x4096x4096", "--dtypes", "fp8"]).shapes == [(1000, 4096, 4096)]
+    assert BG.parse_args(["--shapes", "100x100x100", "--dtypes", "bf16"]).dtypes == ["bf16"]
+    assert BG.parse_args(["--mlp", "65536:1288", "--dtypes", "bf16"]).mlp == (65536, 1288)
+    assert BG.parse_args(["--linears", "1000:1280x1280", "--dtypes", "bf16"]).linears == [(1000, 1280, 1280)]
+    assert len(BG.parse_args([]).shapes) == 5   # the default shapes suit every dtype
+
+
+def test_triton_modes_get_the_platform_workarounds(monkeypatch):
+    """--mlp / --qk compile and launch Triton kernels, but bench_gemm never applied the platform
+    patches: on a GB10 with Triton <= 3.5 (torch 2.9's) the bundled ptxas fails on sm_121a."""
+    from types import SimpleNamespace
+
+    from nanochat.platform import SimpleProps, detect_device
+    gb10 = detect_device(props=SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * 10**9, is_integrated=True))
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(L2_cache_size=24 * 2**20))
+    monkeypatch.setattr(BG, "detect_device", lambda d: gb10)
+    monkeypatch.setattr(BG, "apply_patches", lambda spec, kernel, compile: seen.append((spec.key, kernel, compile)))
+    monkeypatch.setattr(BG, "_run_mlp", lambda *a: 0)
+    monkeypatch.setattr(BG, "_run_linears", lambda *a: 0)
+    assert BG.main(["--mlp", "64:16"]) == 0 and seen == [("gb10", "triton", True)]
+    assert BG.main(["--linears", "64:16x16"]) == 0 and len(seen) == 1   # cuBLAS only: nothing to patch

@@ -1,5 +1,6 @@
 """nanochat/platform.py: device table, peak FLOPs, and which workaround each simulated device gets."""
 
+import re
 import types
 from pathlib import Path
 
@@ -137,10 +138,11 @@ def test_max_autotune_and_real_config_restored():
 
 def test_configure_env_before_cuda():
     env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
-    assert P.configure_env_before_cuda("gb10", env) == ["expandable_segments"]
+    no_filter = lambda *a, **k: None   # noqa: E731
+    assert P.configure_env_before_cuda("gb10", env, no_filter) == ["expandable_segments", "sm121_warning"]
     assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
     env = {}
-    assert P.configure_env_before_cuda("h100-sxm", env) == [] and env == {}
+    assert P.configure_env_before_cuda("h100-sxm", env, no_filter) == [] and env == {}
     with pytest.raises(ValueError, match="spec_hint"):
         P.configure_env_before_cuda("gb11", {})
 
@@ -262,4 +264,148 @@ def test_triton_fp_fusion_pinned_from_39_unless_user_set():
     for quiet in (fake_ctx(triton_version="3.6.0"), fake_ctx(triton_version=None)):
         assert P.patch_triton_fp_fusion(gb10, quiet, uses_triton=True) is None and not quiet.env
     assert P.patch_triton_fp_fusion(gb10, fake_ctx(triton_version="3.9.0"), uses_triton=False) is None
-    assert P.patch_triton_fp_fusion(detect_device(props=None), fake_ctx(triton_version="3.9.0"), True) is None
+    # a CPU gets nothing (detect_device(props=None) was the real device: fp_fusion on the GPU box)
+    assert P.patch_triton_fp_fusion(detect_device("cpu"), fake_ctx(triton_version="3.9.0"), True) is None
+
+
+# ------------------------------------------------------------------ audit: MFU peaks, warnings, idempotence
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_peak_flops_override_must_be_a_finite_positive_number(bad):
+    """--peak-flops nan passed `<= 0` and printed MFU nan%; inf printed 0%: both are refused."""
+    with pytest.raises(ValueError, match="--peak-flops: got .*accepted: a finite number > 0"):
+        peak_flops(detect_device(props=UNKNOWN), "bf16", override=bad)
+
+
+def test_mig_slice_peaks_scale_with_its_sms():
+    """A MIG slice reports its own SMs (here 16 of an H100's 132): the peak it divides MFU by is the
+    slice's, not the whole board's (which would print an eighth of the real MFU)."""
+    full = detect_device(props=H100)
+    part = detect_device(props=SimpleProps("NVIDIA H100 80GB HBM3 MIG 2g.20gb", 9, 0, 16, 20 * 10**9))
+    assert part.key == "h100-sxm" and part.sms == 16
+    assert peak_flops(part, "bf16") == pytest.approx(peak_flops(full, "bf16") * 16 / 132, rel=1e-3)
+    assert peak_flops(part, "fp8") == pytest.approx(1978.9e12 * 16 / 132, rel=1e-3)
+    assert "16 of 132 SMs" in part.source
+    assert peak_flops(full, "bf16") == pytest.approx(989.4e12) and "SMs" not in full.source
+    # nvidia-smi parsing gives no SM count (0): the table's peaks stand
+    assert P.spec_from_props(SimpleProps("NVIDIA GB10", 12, 1, 0, 0)).peak_tflops == P.DEVICE_TABLE["gb10"].peak_tflops
+
+
+# torch 2.9-2.10's text for a GB10 with a wheel built up to sm_120 (torch/cuda/__init__.py, old_gpu_warn)
+TORCH_SM121_WARNING = ("\n    Found GPU0 NVIDIA GB10 which is of cuda capability 12.1.\n"
+                       "    Minimum and Maximum cuda capability supported by this version of PyTorch is\n"
+                       "    (8.0) - (12.0)\n    ")
+
+
+def _warns_after_patch(message: str) -> bool:
+    """Whether `message` still shows after patch_sm121_warning installed its filter (real warnings)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:   # restores the filters on exit
+        warnings.simplefilter("always")
+        ctx = fake_ctx()
+        ctx.filter_warning = warnings.filterwarnings
+        assert P.patch_sm121_warning(detect_device(props=GB10), ctx) == "sm121_warning"
+        warnings.warn(message, UserWarning)
+    return bool(seen)
+
+
+def test_sm121_filter_silences_torchs_multiline_false_positive_only():
+    """The filter is matched against the whole message from its first character (re.match): torch's
+    text starts with a newline, which the old `.*(capability|sm_121).*` could not cross, so the
+    warning still printed. A genuinely unsupported build (max 9.0, or no sm_12x code) keeps warning."""
+    assert not _warns_after_patch(TORCH_SM121_WARNING)
+    assert _warns_after_patch(TORCH_SM121_WARNING.replace("(12.0)", "(9.0)"))
+    assert _warns_after_patch("\nNVIDIA GB10 with CUDA capability sm_121 is not compatible with the current "
+                              "PyTorch installation.\n")
+
+
+def test_configure_env_before_cuda_filters_the_sm121_warning_before_cuda_starts():
+    """torch warns when CUDA initialises (init_runtime's set_device), before apply_patches runs: the
+    filter has to be in place from configure_env_before_cuda on."""
+    calls = []
+    env = {}
+    applied = P.configure_env_before_cuda("gb10", env, filter_warning=lambda *a, **k: calls.append(k))
+    assert applied == ["expandable_segments", "sm121_warning"] and len(calls) == 1
+    assert P.configure_env_before_cuda("h100-sxm", {}, filter_warning=lambda *a, **k: calls.append(k)) == []
+    assert len(calls) == 1
+
+
+def test_patches_applied_twice_report_and_leave_the_same_state():
+    """bench_train / benchmark_kernels set up every configuration with apply_patches: the second
+    call found its own TRITON_PTXAS_PATH and called it the user's, and dropped expandable_segments
+    and fp_fusion from the list (already in the environment), though all were in effect."""
+    ctx = fake_ctx("3.9.0", (12, 8), candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
+    gb10 = detect_device(props=GB10)
+    first = apply_patches(gb10, kernel="triton", compile=True, ctx=ctx)
+    env_after_first = dict(ctx.env)
+    assert first == ["expandable_segments", "ptxas", "is_big_gpu", "sm121_warning", "fp_fusion"]
+    assert apply_patches(gb10, kernel="triton", compile=True, ctx=ctx) == first
+    assert ctx.env == env_after_first
+    # init_runtime's configure_env_before_cuda sets the allocator first: the banner still lists it
+    env = {}
+    P.configure_env_before_cuda("gb10", env, filter_warning=lambda *a, **k: None)
+    assert "expandable_segments" in apply_patches(gb10, compile=False, ctx=fake_ctx(env=env))
+    # what the user set stays theirs
+    user = fake_ctx("3.4.0", None, env={"TRITON_PTXAS_PATH": "/opt/ptxas", "TRITON_DEFAULT_FP_FUSION": "1",
+                                         "PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    assert apply_patches(gb10, compile=True, ctx=user) == ["ptxas(user)", "is_big_gpu", "sm121_warning"]
+
+
+@pytest.mark.parametrize("patch", ["patch_ptxas", "patch_is_big_gpu", "patch_expandable_segments",
+                                   "patch_capture_scalar_outputs", "patch_sm121_warning",
+                                   "patch_triton_fp_fusion", "patch_cpu_amx", "prepare_te_import"])
+def test_each_patch_states_the_versions_it_targets(patch):
+    doc = getattr(P, patch).__doc__
+    assert re.search(r"(torch|Triton|TE|Liger|Transformer Engine)[^.]*\d+\.\d+", doc), doc
+
+
+# ------------------------------------------------------------------ audit: the preflight command line
+
+def test_preflight_rejects_unknown_values_and_stray_flags(capsys):
+    """`--precision bogus` printed a report and exited 0 ("unavailable: ..."): an unknown value is a
+    usage error naming the flag; --nccl-procs means nothing without --nccl; _ spellings work."""
+    for argv, flag in ((["--precision", "bogus"], "--precision"), (["--precision-backend", "x"], "--precision-backend"),
+                       (["--nccl-procs", "2"], "--nccl-procs"), (["--nccl_procs", "2"], "--nccl-procs")):
+        with pytest.raises(SystemExit) as exit_info:
+            preflight.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err.strip().splitlines()[-1], err
+
+
+def test_preflight_exit_code_says_whether_an_explicit_precision_can_run(monkeypatch, capsys):
+    """An explicit --precision the device cannot run: the report, then one error line and exit 2
+    (the GPU box's te_preflight step passed with TE missing); auto never fails."""
+    import json
+    monkeypatch.setattr(preflight, "detect_device", lambda: P.CPU_SPEC)
+    assert preflight.main(["--json", "--precision", "fp8", "--no_compile"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["precision"].startswith("unavailable: --precision fp8")
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("preflight: error: --precision fp8: needs")
+    assert preflight.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"]["precision"] == "fp32"   # auto on a CPU says what it chose
+    assert preflight.main(["--json", "--precision", "nvfp4", "--precision-backend", "emulated"]) == 0
+
+
+def test_preflight_says_where_the_mfu_peak_comes_from():
+    """An unknown GPU's report asks for --peak-flops; a MIG slice's says its peaks were scaled."""
+    assert "--peak-flops" in preflight._peak_source(detect_device(props=UNKNOWN))
+    mig = detect_device(props=SimpleProps("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 9, 0, 60, 40 * 10**9))
+    assert "60 of 132 SMs" in preflight._peak_source(mig)
+    assert preflight._peak_source(P.CPU_SPEC) == "n/a"
+
+
+def test_runtime_patches_cover_processes_that_do_not_train(caplog):
+    """init_runtime applies the Triton workarounds for chat / eval / benchmarks too (only training's
+    set-up did): a GB10 with Triton 3.5 gets the CUDA 13 ptxas; where none exists it is one warning,
+    not an error, since a process may launch no Triton kernel at all."""
+    ctx = fake_ctx("3.5.1", (12, 8), candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
+    assert "ptxas" in P.apply_runtime_patches(detect_device(props=GB10), ctx=ctx)
+    assert ctx.env["TRITON_PTXAS_PATH"] == "/usr/local/cuda-13.0/bin/ptxas"
+    P._LOGGED.discard("ptxas")
+    ctx = fake_ctx("3.5.1", (12, 8), candidates=[])
+    with caplog.at_level("WARNING"):
+        assert P.apply_runtime_patches(detect_device(props=GB10), ctx=ctx) == []
+    assert "cannot target sm_121" in caplog.text and "TRITON_PTXAS_PATH" not in ctx.env
+    with pytest.raises(RuntimeError, match="cannot target sm_121"):
+        P.apply_patches(detect_device(props=GB10), compile=True, ctx=fake_ctx("3.5.1", (12, 8)))

@@ -347,3 +347,47 @@ def test_fp8_wgrad_mode_choices():
         assert model[0].wgrad_mode == model[1].wgrad_mode == mode
     with pytest.raises(ValueError, match="--fp8-wgrad.*save|recompute|plain"):
         PR.set_fp8_wgrad_mode(model, "fast")
+
+
+# ------------------------------------------------------------------ audit: every device x every request
+
+DEVICES = {"gb10": GB10, "h100": H100, "b200": B200,
+           "h200": detect_device(props=SimpleProps("NVIDIA H200", 9, 0, 132, 141 * 10**9)),
+           "rtx5090": detect_device(props=SimpleProps("NVIDIA GeForce RTX 5090", 12, 0, 170, 32 * 10**9)),
+           "unknown-8.6": detect_device(props=SimpleProps("NVIDIA GeForce RTX 3090", 8, 6, 82, 24 * 10**9)),
+           "unknown-10.3": detect_device(props=SimpleProps("NVIDIA B300 SXM6 AC", 10, 3, 148, 288 * 10**9)),
+           "cpu": CPU}
+# what each request resolves to (precision/backend) with TE installed, or the flag its error names
+EXPECTED = {
+    "gb10": ("bf16/none", "bf16/none", "fp8/native", "nvfp4/te"),
+    "h100": ("bf16/none", "bf16/none", "fp8/native", "--precision nvfp4"),
+    "h200": ("bf16/none", "bf16/none", "fp8/native", "--precision nvfp4"),
+    "b200": ("bf16/none", "bf16/none", "fp8/native", "nvfp4/te"),
+    "rtx5090": ("bf16/none", "bf16/none", "fp8/native", "nvfp4/te"),
+    "unknown-8.6": ("bf16/none", "bf16/none", "--precision fp8", "--precision nvfp4"),
+    "unknown-10.3": ("bf16/none", "bf16/none", "fp8/native", "nvfp4/te"),
+    "cpu": ("fp32/none", "--precision bf16", "--precision fp8", "--precision nvfp4"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_every_request_on_every_device_resolves_or_names_the_flag(name):
+    spec, dtype = DEVICES[name], "fp32" if name == "cpu" else "bf16"
+    for request, want in zip(("auto", "bf16", "fp8", "nvfp4"), EXPECTED[name]):
+        if want.startswith("--"):
+            with pytest.raises(ValueError, match=f"^{want}: .*(accepted|[Uu]se) "):
+                PR.resolve(request, "auto", spec, compute_dtype=dtype, te_available=True)
+        else:
+            plan = PR.resolve(request, "auto", spec, compute_dtype=dtype, te_available=True)
+            assert f"{plan.precision}/{plan.backend}" == want, (name, request)
+
+
+def test_explicit_bf16_or_fp32_that_is_not_the_compute_dtype_raises():
+    """bench_train / profile_training ran `--precision fp32` on a GPU in bf16 (their runtime dtype)
+    and reported fp32, with utilisation against the TF32 peak; `--precision bf16` on a CPU ran fp32."""
+    with pytest.raises(ValueError, match=r"--precision fp32: this run computes in bf16.*accepted here: auto\|bf16"):
+        PR.resolve("fp32", "auto", H100, compute_dtype="bf16")
+    with pytest.raises(ValueError, match="--precision bf16: this run computes in fp32"):
+        PR.resolve("bf16", "auto", CPU, compute_dtype="fp32")
+    assert PR.resolve("fp32", "auto", H100, compute_dtype="fp32").peak_key == "fp32"
+    assert PR.resolve("auto", "auto", H100, compute_dtype="fp32").precision == "fp32"

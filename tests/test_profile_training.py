@@ -49,3 +49,28 @@ def test_accum_profiles_every_micro_batch_of_a_step(capsys):
         calls[accum] = {r["kernel"]: r["calls_per_step"] for r in rows}
     assert calls[3]["aten::embedding"] == 3 * calls[1]["aten::embedding"]
     assert calls[3]["Optimizer.step#MuonAdamW.step"] == calls[1]["Optimizer.step#MuonAdamW.step"] == 1
+
+
+def test_trace_path_and_precision_are_checked_before_any_model(tmp_path, monkeypatch):
+    """--trace was written after the whole profile (a directory: a traceback at the end), and a
+    --precision the device cannot run was found only after the model was built."""
+    import pytest
+
+    from scripts import profile_training as PT
+
+    with pytest.raises(ValueError, match="--trace: got"):
+        PT.parse_args(["--trace", str(tmp_path)])
+    assert PT.parse_args(["--trace", str(tmp_path / "new" / "t.json")]).trace.endswith("t.json")
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the precision check")
+    monkeypatch.setattr(PT, "build", no_model)
+    with pytest.raises(ValueError, match="--precision fp8: needs an NVIDIA GPU"):
+        PT.main(["--device", "cpu", "--precision", "fp8", "--depth", "1", "--no-compile"])
+
+
+def test_explicit_precision_runs_in_its_own_dtype():
+    """`--precision fp32` on a GPU ran the model in bf16 (the runtime's auto dtype) and labelled it fp32."""
+    from scripts.profile_training import runtime_dtype
+
+    assert [runtime_dtype(p) for p in ("auto", "bf16", "fp32", "fp8", "nvfp4")] == ["auto", "bf16", "fp32", "bf16", "bf16"]

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.common import init_runtime
+from nanochat.errors import RequestError
 from nanochat import training as tr
 
 V, T = 11, 8
@@ -280,6 +281,10 @@ def test_format_eta(seconds, text):
 def test_unknown_gpu_warns_once_and_cpu_has_no_peak(rt):
     bf16, act, name = tr.resolve_peak_flops(rt, "bf16")
     assert bf16 is None and act is None and name == "CPU"
+    assert tr.resolve_peak_flops(rt, "bf16", override=2e12)[0] == 2e12
+    for bad in (0.0, -1e12, float("nan")):   # 0 used to become "no peak" and nan passed through
+        with pytest.raises(RequestError, match="--peak-flops"):
+            tr.resolve_peak_flops(rt, "bf16", override=bad)
 
 
 # ------------------------------------------------------------------ flags, tracker

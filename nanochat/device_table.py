@@ -1,0 +1,173 @@
+"""The device table: what each accelerator this project targets can do, and the MFU peak lookup.
+
+Owns:
+- `DeviceSpec` + `DEVICE_TABLE`: peak dense TFLOP/s per precision, memory bandwidth, unified
+  memory, SMs and compute capability for the GPUs this project targets (GB10 first), and
+  `CPU_SPEC` / `MPS_SPEC` for the rest.
+- `spec_from_props()`: CUDA device properties (real, simulated with `SimpleProps`, or parsed
+  from nvidia-smi) -> the matching table entry, with the device's own SM count and memory.
+- `peak_flops()`: the FLOP/s an MFU figure divides by (None = unknown, never 0; `--peak-flops`
+  overrides it).
+
+Split out of nanochat/platform.py, which re-exports every name here (callers import them from
+`nanochat.platform`) and keeps the probing (`detect_device`) and the workarounds. Pure data and
+arithmetic: no torch import, no CUDA call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanochat.errors import RequestError
+
+PRECISIONS = ("bf16", "fp8", "nvfp4", "fp32")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator. `peak_tflops` holds dense (non-sparse) tensor-core peaks in TFLOP/s with
+    fp32 accumulation, keys "bf16", "fp8", "nvfp4", "fp32" ("fp32" = the TF32 tensor-core rate,
+    which is what fp32 matmuls run at with TF32 on). A missing key = the device has no such
+    path (fp8 before Ada, nvfp4 before Blackwell)."""
+
+    name: str
+    cc: tuple[int, int] | None
+    sms: int | None
+    memory_gb: float | None
+    bandwidth_gbs: float | None
+    unified_memory: bool = False
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    key: str = "unknown"          # table key ("gb10", "h100-sxm", ...), "cpu", "mps" or "unknown"
+    source: str = ""              # where the peak numbers come from
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cc is not None
+
+    @property
+    def known(self) -> bool:
+        return self.key not in ("unknown", "cpu", "mps")
+
+
+def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor datasheet"):
+    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem, bandwidth_gbs=bw,
+                      unified_memory=unified, peak_tflops=peaks, key=key, source=source)
+
+
+# Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2, GeForce-class
+# half-rate fp32 accumulate) and labelled as such; measured GEMM rates are lower (DESIGN.md s3).
+DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
+    _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
+          {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
+          source="spec-derived from 1 PFLOP FP4 sparse; measured ~82 bf16 / ~180 fp8 / ~356 nvfp4"),
+    _spec("h100-sxm", "NVIDIA H100 SXM", (9, 0), 132, 80, 3350,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("h100-pcie", "NVIDIA H100 PCIe", (9, 0), 114, 80, 2000,
+          {"bf16": 756.0, "fp8": 1513.0, "fp32": 378.0}),
+    _spec("h100-nvl", "NVIDIA H100 NVL", (9, 0), 132, 94, 3900,
+          {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
+    _spec("gh200", "NVIDIA GH200", (9, 0), 132, 96, 4000,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("h200", "NVIDIA H200", (9, 0), 132, 141, 4800,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    _spec("b200", "NVIDIA B200", (10, 0), 148, 180, 8000,
+          {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
+    _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
+          {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
+    _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
+          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 838.0, "fp32": 104.8},
+          source="spec-derived (GeForce half-rate fp32 accumulate)"),
+    _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
+          {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
+    _spec("a100", "NVIDIA A100", (8, 0), 108, 80, 2039,
+          {"bf16": 312.0, "fp32": 156.0}),
+    _spec("l40s", "NVIDIA L40S", (8, 9), 142, 48, 864,
+          {"bf16": 362.1, "fp8": 733.0, "fp32": 183.0}),
+    _spec("rtx-4090", "NVIDIA GeForce RTX 4090", (8, 9), 128, 24, 1008,
+          {"bf16": 165.2, "fp8": 330.3, "fp32": 82.6}),
+]}
+
+# (cc major, name regex) -> table key; first match wins, so specific names come first.
+_NAME_RULES: list[tuple[int | None, str, str]] = [
+    (12, r"\bGB10\b", "gb10"),
+    (9, r"H100.*NVL", "h100-nvl"),
+    (9, r"H100.*PCIe", "h100-pcie"),
+    (9, r"GH200", "gh200"),
+    (9, r"H100", "h100-sxm"),
+    (9, r"H200", "h200"),
+    (10, r"GB200", "gb200"),
+    (10, r"\bB200\b", "b200"),
+    (12, r"RTX 5090", "rtx-5090"),
+    (12, r"RTX PRO 6000", "rtx-pro-6000"),
+    (8, r"A100", "a100"),
+    (8, r"L40S", "l40s"),
+    (8, r"RTX 4090", "rtx-4090"),
+]
+
+CPU_SPEC = DeviceSpec(name="CPU", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None, key="cpu")
+MPS_SPEC = DeviceSpec(name="Apple MPS", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None,
+                      unified_memory=True, key="mps")
+
+
+@dataclass
+class SimpleProps:
+    """Stand-in for torch.cuda device properties (tests and nvidia-smi parsing)."""
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    is_integrated: bool = False
+
+
+def _scaled_to_sms(entry: DeviceSpec, sms: int) -> tuple[dict[str, float], str]:
+    """The entry's peaks for a device that has only `sms` of its SMs: a MIG slice (the device
+    properties then report the slice's SMs, e.g. 16 of an H100's 132) or a cut-down part. Peak
+    FLOP/s is SMs x per-SM rate x clock, so it scales with the SM count; left unscaled, a MIG slice
+    would report a fraction of its real MFU. Counts of 0 (nvidia-smi parsing) or at/above the
+    table's leave the entry as it is."""
+    if not sms or not entry.sms or sms >= entry.sms:
+        return entry.peak_tflops, entry.source
+    f = sms / entry.sms
+    peaks = {k: round(v * f, 1) for k, v in entry.peak_tflops.items()}
+    return peaks, f"{entry.source}; scaled to this device's {sms} of {entry.sms} SMs (MIG slice or cut-down part)"
+
+
+def spec_from_props(props: Any) -> DeviceSpec:
+    """Match CUDA device properties (real or simulated) against the table."""
+    name = str(props.name)
+    cc = (int(props.major), int(props.minor))
+    sms = int(props.multi_processor_count)
+    mem_gb = round(int(props.total_memory) / 1e9, 1)
+    for major, pattern, key in _NAME_RULES:
+        if (major is None or major == cc[0]) and re.search(pattern, name, flags=re.IGNORECASE):
+            # The real SM count and memory win over the table (cut-down SKUs, MIG slices).
+            entry = DEVICE_TABLE[key]
+            peaks, source = _scaled_to_sms(entry, sms)
+            return dataclasses.replace(entry, name=name, cc=cc, sms=sms, memory_gb=mem_gb,
+                                       peak_tflops=peaks, source=source)
+    unified = bool(getattr(props, "is_integrated", False))
+    return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem_gb, bandwidth_gbs=None,
+                      unified_memory=unified, peak_tflops={}, key="unknown", source="not in table")
+
+
+def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None = None) -> float | None:
+    """Peak dense FLOP/s (not TFLOP/s) for `precision` on `spec`; `override` (FLOP/s, from
+    --peak-flops) wins. None for CPU/MPS/unknown GPUs and for precisions the device lacks:
+    the caller warns and asks for --peak-flops instead of printing 0% MFU."""
+    if override is not None:
+        # nan passes a plain `<= 0` test and inf divides every figure to 0%: both refused here
+        if isinstance(override, bool) or not math.isfinite(override) or override <= 0:
+            raise RequestError(f"--peak-flops: got {override}; accepted: a finite number > 0 "
+                               "(FLOP/s per device, e.g. 989e12)")
+        return float(override)
+    key = {"tf32": "fp32", "nvfp4-emulated": "bf16", "auto": "bf16"}.get(precision, precision)
+    if key not in PRECISIONS:
+        raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
+    tflops = spec.peak_tflops.get(key)
+    return None if tflops is None else tflops * 1e12
