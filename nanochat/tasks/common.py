@@ -85,15 +85,16 @@ def read_jsonl_numbered(path: Path) -> list[tuple[int, object]]:
     """(line number, JSON value) of every non-blank line, so that a later schema check can name
     path:line (blank lines make the record index differ from the line number)."""
     with open(path, "rb") as f:
-        return _parse_numbered(f, path)
+        return parse_jsonl_numbered(f, path)
 
 
 def parse_jsonl(lines: Iterable[bytes], path) -> list[dict]:
     """read_jsonl over lines already read (bytes); `path` names them in errors."""
-    return [row for _, row in _parse_numbered(lines, path)]
+    return [row for _, row in parse_jsonl_numbered(lines, path)]
 
 
-def _parse_numbered(lines: Iterable[bytes], path) -> list[tuple[int, object]]:
+def parse_jsonl_numbered(lines: Iterable[bytes], path) -> list[tuple[int, object]]:
+    """parse_jsonl with each row's line number (as read_jsonl_numbered)."""
     rows = []
     for lineno, raw in enumerate(lines, 1):
         try:
@@ -108,13 +109,14 @@ def _parse_numbered(lines: Iterable[bytes], path) -> list[tuple[int, object]]:
     return rows
 
 
-def read_local_rows(path: Path) -> list[dict]:
-    """read_jsonl of a dataset file that must hold rows: an empty file is a MissingDataError."""
-    rows = read_jsonl(path)
+def read_local_rows(path: Path, *, numbered: bool = False) -> list:
+    """read_jsonl of a dataset file that must hold rows: an empty file is a MissingDataError.
+    numbered=True: (line number, row) pairs, as read_jsonl_numbered."""
+    rows = read_jsonl_numbered(path)
     if not rows:
         raise MissingDataError(f"{path}: empty (no JSON lines); restore the file or delete it "
                                "(then the next data location or the hub is used)")
-    return rows
+    return rows if numbered else [row for _, row in rows]
 
 
 def check_rows(rows: list, source: str, required: Sequence[str], check: Callable[[dict], str | None] | None = None,

@@ -26,7 +26,7 @@ from pathlib import Path
 from nanochat.common import print0
 from nanochat.errors import DataError
 from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
-                                   parse_jsonl, read_local_rows, validate_conversation)
+                                   parse_jsonl_numbered, read_local_rows, validate_conversation)
 from nanochat.tokenizer import check_conversation
 
 _SPLITS = ("train", "test")
@@ -36,12 +36,6 @@ TEST_EVERY = 20
 def _check_split(split: str) -> None:
     if split not in _SPLITS:
         raise ValueError(f"conversations split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
-
-
-def _nonblank_line_numbers(data: bytes) -> list[int]:
-    """The file line number of each row parse_jsonl returns for `data` (it skips blank lines, so
-    row i + 1 is not line i + 1 once a blank line precedes it). Call after parse_jsonl succeeded."""
-    return [n for n, raw in enumerate(io.BytesIO(data), 1) if raw.decode("utf-8").strip()]
 
 
 def _check_row(row, where: str, *, text: bool = True) -> None:
@@ -103,11 +97,10 @@ class LocalConversations(_ConversationList):
                                        "Hub: use SmolTalk (source='smoltalk') for the hub dataset")
         self.rows, self.files = [], files
         for path in files:
-            rows = read_local_rows(path)
-            lines = _nonblank_line_numbers(path.read_bytes())
-            for i, row in enumerate(rows):
+            # line numbers, not row indices, in errors: blank lines are skipped
+            for i, (line, row) in enumerate(read_local_rows(path, numbered=True)):
                 try:  # every row, not only this split's: a broken file fails train and test alike
-                    _check_row(row, f"{path}:{lines[i]}")
+                    _check_row(row, f"{path}:{line}")
                 except ValueError as e:
                     raise DataError(f"{e}; fix or delete that row") from None
                 if (i % TEST_EVERY == 0) == (split == "test"):
@@ -125,8 +118,8 @@ class ConversationFile(_ConversationList):
         self.path = Path(path)
         try:
             data = self.path.read_bytes()
-            self.rows = parse_jsonl(io.BytesIO(data), path)   # the lines a file read would give
-            lines = _nonblank_line_numbers(data)
+            numbered = parse_jsonl_numbered(io.BytesIO(data), path)   # the lines a file read would give
+            lines, self.rows = [n for n, _ in numbered], [row for _, row in numbered]
         except OSError as e:
             raise DataError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except DataError as e:
