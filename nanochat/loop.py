@@ -36,6 +36,7 @@ import torch
 
 from nanochat.common import print0
 from nanochat.errors import RequestError
+from nanochat.report import jsonable
 
 
 @dataclass
@@ -230,7 +231,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 res.elapsed_s = time.perf_counter() - t_start
                 loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
                                                 elapsed_s=res.elapsed_s, val_bpb_step=res.val_bpb_step,
-                                                last_eval=_plain(res.last_eval), evaluated_at=res.evaluated_at,
+                                                last_eval=jsonable(res.last_eval), evaluated_at=res.evaluated_at,
                                                 sampled_at=res.sampled_at)
                 path = spec.save(step, loop_state)
                 trainer.note_checkpoint(path)
@@ -270,21 +271,6 @@ def _check_finite_before_save(trainer, res: LoopResult, step: int) -> None:
     if flag.item():
         raise NonFiniteLossError(step, "weights", float("nan"), trainer.last_checkpoint,
                                  f"{', '.join(bad[:3]) or 'another rank'} after step {step - 1}'s update; {hint}")
-
-
-def _plain(metrics: dict) -> dict:
-    """The evaluation's numbers as Python types (a checkpoint is loaded with weights_only=True,
-    which refuses numpy scalars); anything else is left out of the loop state."""
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, bool) or isinstance(v, str):
-            out[k] = v
-        elif isinstance(v, (int, float)) or hasattr(v, "item"):
-            try:
-                out[k] = v.item() if hasattr(v, "item") else (int(v) if isinstance(v, int) else float(v))
-            except (TypeError, ValueError):   # a tensor or array of several values
-                pass
-    return out
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -71,13 +71,14 @@ def _is_master() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _jsonable(value):
-    """Plain JSON types (tensors / numpy scalars via .item(), paths and the rest via str)."""
+def jsonable(value):
+    """Plain Python / JSON types (tensors and numpy scalars via .item(), paths and the rest via
+    str): also what a checkpoint's loop state may hold (weights_only loads refuse numpy)."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
+        return [jsonable(v) for v in value]
+    if value is None or type(value) in (bool, int, float, str):   # type(): numpy's float64 is a float
         return value
     if hasattr(value, "item"):
         try:
@@ -99,7 +100,7 @@ def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
         raise ValueError(f"metrics: got {type(metrics).__name__}; accepted: a dict")
     if not _is_master():
         return
-    row = _jsonable(metrics)
+    row = jsonable(metrics)
     row.setdefault("time", time.time())
     path = report_dir(base_dir) / f"metrics_{stage}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +295,7 @@ class Report:
         self._mkdir(path.parent)
         doc = _read_json(path, "section", _valid_section) if path.is_file() else {"section": section, "entries": []}
         doc["entries"].append({"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(),
-                               "data": _jsonable(data)})
+                               "data": jsonable(data)})
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
         os.replace(tmp, path)
