@@ -263,8 +263,8 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
         _number(body, name, -2, 2, 0)
     temperature = float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature))
     top_p = _number(body, "top_p", 0, 1, None)
-    if top_p == 0:  # the smallest nucleus holds only the most likely token: greedy decoding
-        temperature, top_p = 0.0, None
+    from nanochat.sampling import greedy_if_top_p_zero   # torch: loaded by the server already
+    temperature, top_p = greedy_if_top_p_zero(temperature, top_p)
     seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)  # OpenAI's seed is any int64
     return ChatRequest(
         messages=messages, stream=stream, include_usage=include_usage, temperature=temperature,

@@ -28,6 +28,12 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
+def greedy_if_top_p_zero(temperature: float, top_p: float | None) -> tuple[float, float | None]:
+    """(temperature, top_p) with OpenAI's top_p 0 read as greedy decoding (the smallest nucleus
+    holds only the likeliest token); the API and chat_cli both take it so."""
+    return (0.0, None) if top_p == 0 else (temperature, top_p)
+
+
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest value of each row of x (B, V), as (B, 1). Over a whole vocabulary row
     torch.topk runs a multi-pass select that costs ~130 us per call on the H100; a top-k of

@@ -49,6 +49,7 @@ def validate(args: argparse.Namespace) -> None:
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS, validate_sampling
     from nanochat.flags import check_model_tag
     from nanochat.quantize import check_quantize
+    from nanochat.sampling import greedy_if_top_p_zero
 
     check_model_tag(args.model_tag)
     if args.decode not in DECODE_MODES:
@@ -64,8 +65,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed: got {args.seed}; accepted: an integer >= 0")
     if args.top_p is not None and not 0.0 <= args.top_p <= 1.0:   # also nan
         raise ValueError(f"--top-p: got {args.top_p}; accepted: a number in [0, 1] (0 = greedy)")
-    if args.top_p == 0:   # as the API takes it: the smallest nucleus holds only the likeliest token
-        args.temperature, args.top_p = 0.0, None
+    args.temperature, args.top_p = greedy_if_top_p_zero(args.temperature, args.top_p)
     try:
         validate_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
