@@ -293,6 +293,21 @@ class LetterModel(torch.nn.Module):
         return logits
 
 
+def test_pass_at_k_is_the_unbiased_estimator():
+    from itertools import combinations
+    from math import comb
+
+    from nanochat.tasks.evaluate import pass_at_k
+
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):   # the share of k-subsets of the n samples holding a correct one
+                subsets = list(combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    assert pass_at_k(200, 3, 10) == pytest.approx(1 - comb(197, 10) / comb(200, 10), rel=1e-12)
+
+
 def test_categorical_and_generative_loops(tok, shared_data):
     arc = ARC("easy", data_dir=shared_data)
     model = LetterModel(tok.vocab_size, tok.encode("B")[0])
@@ -311,7 +326,8 @@ def test_categorical_and_generative_loops(tok, shared_data):
     one = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=1, max_problems=1)
     two = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=2, max_problems=1)
     assert (one.passed, two.passed) == (0, 1)  # pass@k
-    assert two.passed_at == (0, 1) and (two.pass_at(1), two.pass_at(2)) == (0.0, 1.0)
+    # one sample of two right: pass@1 is 1/2 whichever sample it was (not 0 for "the first one failed")
+    assert two.passed_at == (0.5, 1.0) and (two.pass_at(1), two.pass_at(2)) == (0.5, 1.0)
     with pytest.raises(ValueError, match="pass@3: the evaluation drew 2 sample"):
         two.pass_at(3)
     with pytest.raises(ValueError, match="--num-samples"):

@@ -16,14 +16,16 @@ class TaskResult:
     name: str
     passed: int
     total: int
-    passed_at: tuple[int, ...] = ()   # generative: [j] = problems one of whose first j + 1 samples passed
+    # generative: [j] = expected number of problems solved by j + 1 samples drawn from the ones made
+    # (summed unbiased estimates, see pass_at_k); the last entry equals `passed`
+    passed_at: tuple[float, ...] = ()
 
     @property
     def accuracy(self) -> float:
         return self.passed / self.total if self.total else 0.0
 
     def pass_at(self, k: int) -> float:
-        """pass@k over the first k samples of each problem (k <= the samples drawn)."""
+        """pass@k, the unbiased estimate over all samples drawn (k <= the samples drawn)."""
         if not 1 <= k <= len(self.passed_at):
             raise ValueError(f"pass@{k}: the evaluation drew {len(self.passed_at)} sample(s) per problem")
         return self.passed_at[k - 1] / self.total if self.total else 0.0
@@ -37,8 +39,8 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_reduce_counts(counts: list[int], device) -> list[int]:
-    """Sums of integer counts over the ranks (as they are on one process)."""
+def _all_reduce_counts(counts: list, device, dtype=None) -> list:
+    """Sums of counts over the ranks (as they are on one process); integers unless dtype says."""
     import torch
 
     rank, world = _dist()
@@ -46,9 +48,22 @@ def _all_reduce_counts(counts: list[int], device) -> list[int]:
         return list(counts)
     import torch.distributed as dist
 
-    t = torch.tensor(counts, dtype=torch.long, device=device)
+    t = torch.tensor(counts, dtype=dtype or torch.long, device=device)
     dist.all_reduce(t)
-    return [int(v) for v in t]
+    return [v.item() for v in t]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that k of n samples, c of them correct, drawn without replacement include a
+    correct one: 1 - C(n-c, k) / C(n, k), the unbiased pass@k estimator of Chen et al. 2021
+    (https://arxiv.org/abs/2107.03374, section 2.1), as a product to stay exact for large n."""
+    assert 0 <= c <= n and 1 <= k <= n, (n, c, k)
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
 
 
 def _indices(task: Task, max_problems: int | None) -> range:
@@ -121,11 +136,12 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
                    temperature: float = 0.0, top_k: int | None = 50, seed: int = 42,
                    max_problems: int | None = None, name: str | None = None, log=None) -> TaskResult:
     """pass@num_samples: a problem passes when any sample's completion evaluates true; the result's
-    `pass_at(k)` gives pass@k for every k up to num_samples (the first k samples of each problem)."""
+    `pass_at(k)` gives pass@k for every k up to num_samples. Every sample is scored, so pass@k for
+    k < num_samples is the unbiased estimate from all of them, not the luck of the first k."""
     if num_samples < 1:
         raise ValueError(f"--num-samples: got {num_samples}; accepted: >= 1")
     total = 0
-    passed_at = [0] * num_samples
+    passed_at = [0.0] * num_samples
     limit = engine.max_seq_len
     for k, i in enumerate(_indices(task, max_problems)):
         conv = task[i]
@@ -139,14 +155,17 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
                                         temperature=temperature, top_k=top_k, seed=seed + i)
         completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
-        first = next((j for j, c in enumerate(completions) if task.evaluate(conv, c)), None)
-        if first is not None:  # passes pass@k for every k beyond its first correct sample
-            for j in range(first, num_samples):
-                passed_at[j] += 1
+        correct = sum(bool(task.evaluate(conv, c)) for c in completions)
+        for j in range(num_samples):
+            passed_at[j] += pass_at_k(num_samples, correct, j + 1)
         if log and k < 2:
-            log(f"  example {i}: {'PASS' if first is not None else 'fail'} | {completions[0][:200]!r}")
-    *passed_at, total = _all_reduce_counts([*passed_at, total], device)
-    return TaskResult(name or getattr(task, "name", type(task).__name__), passed_at[-1], total, tuple(passed_at))
+            log(f"  example {i}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
+    import torch
+
+    # float64 sums: the estimates are fractions, and float32 would round counts past 2^24
+    *passed_at, total = _all_reduce_counts([*passed_at, float(total)], device, dtype=torch.float64)
+    return TaskResult(name or getattr(task, "name", type(task).__name__), round(passed_at[-1]), round(total),
+                      tuple(passed_at))
 
 
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
