@@ -320,6 +320,33 @@ def check_alignment(args) -> None:
                     raise ValueError(f"--shapes: got {m}x{n}x{k}; accepted: N and K {fix}")
 
 
+def parse_peaks(text: str) -> dict[str, float]:
+    """--peak-flops DTYPE=FLOP/s,... -> {dtype: FLOP/s}, each value checked as bench_train checks its own."""
+    peaks = {}
+    for item in filter(None, text.split(",")):
+        dtype, sep, value = item.partition("=")
+        if not sep or dtype not in DTYPES:
+            raise ValueError(f"--peak-flops: got {item!r}; accepted: DTYPE=FLOP/s with DTYPE one of "
+                             f"{'|'.join(DTYPES)} (e.g. bf16=989e12,fp8=1979e12)")
+        try:
+            peaks[dtype] = float(value)
+        except ValueError:
+            raise ValueError(f"--peak-flops: got {item!r}; the value must be a number of FLOP/s") from None
+        require_float(peaks[dtype], "--peak-flops", 1e9)   # below 1e9 it was surely given in TFLOP/s
+    return peaks
+
+
+def resolve_peaks(spec, dtypes, overrides: dict[str, float]) -> dict[str, float | None]:
+    """Each dtype's dense peak (FLOP/s): --peak-flops first, then the device table. A dtype with
+    neither is named once, so its '% peak' column reads None for a reason the user can fix."""
+    peaks = {d: overrides.get(d) or peak_flops(spec, {"fp8-rowwise": "fp8"}.get(d, d)) for d in dtypes}
+    missing = [d for d, v in peaks.items() if v is None]
+    if missing:
+        print(f"% peak n/a for {','.join(missing)}: '{spec.name}' has no such peak in nanochat/device_table.py; "
+              f"pass --peak-flops {missing[0]}=<dense FLOP/s> to get it", flush=True)
+    return peaks
+
+
 def parse_args(argv=None):
     """Parse and validate every flag (no CUDA work); a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.bench_gemm", description=__doc__.splitlines()[0])
@@ -327,6 +354,8 @@ def parse_args(argv=None):
                    "or --mlp: bf16,fp8, the only ones those accept)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--peak-flops", default="", help="DTYPE=FLOP/s comma list (e.g. bf16=989e12,fp8=1979e12): "
+                   "the dense peak each '%% peak' is taken against, for GPUs not in the device table")
     p.add_argument("--burn-in", type=float, default=0.0, help="seconds of rolling bf16 TFLOP/s")
     p.add_argument("--linears", default="", help=f"M:INxOUT list (e.g. {DEFAULT_LINEARS}): "
                    "time fwd/dgrad/wgrad of training Linears instead of --shapes (dtypes bf16, fp8)")
@@ -357,6 +386,7 @@ def parse_args(argv=None):
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
     require_float(args.burn_in, "--burn-in", 0.0)
+    args.peak_flops = parse_peaks(args.peak_flops)
     return args
 
 
@@ -376,17 +406,18 @@ def main(argv=None) -> int:
               "cublas": torch.backends.cuda.preferred_blas_library().name
               if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
     print(json.dumps({"header": True, **header}), flush=True)
+    peaks = resolve_peaks(spec, dict.fromkeys(["bf16", *dtypes]) if qk else dtypes, args.peak_flops)
     if mlp or qk:   # Triton GEMMs and compiled passes: the workarounds training applies (ptxas on a GB10, ...)
         apply_patches(spec, kernel="triton", compile=True)
     if linears:
-        return _run_linears(linears, dtypes, args.reps, l2, spec, device, args.layouts)
+        return _run_linears(linears, dtypes, args.reps, l2, spec, peaks, device, args.layouts)
     if mlp:
-        return _run_mlp(*mlp, dtypes, args.reps, l2, spec, device)
+        return _run_mlp(*mlp, dtypes, args.reps, l2, spec, peaks, device)
     if qk:
-        return _run_qk(*qk, args.reps, l2, spec, device)
+        return _run_qk(*qk, args.reps, l2, spec, peaks, device)
     rows = []
     for dtype in dtypes:
-        peak = peak_flops(spec, {"fp8-rowwise": "fp8"}.get(dtype, dtype))
+        peak = peaks[dtype]
         for shape in shapes:
             rec = {"dtype": dtype, "shape": "x".join(map(str, shape)), "device": spec.name}
             try:
@@ -418,10 +449,10 @@ def _timed_row(rec: dict, dtype: str, shape, make, reps: int, l2: int, peak, dev
     return rec
 
 
-def _run_linears(linears, dtypes, reps, l2, spec, device, layouts: bool = False) -> int:
+def _run_linears(linears, dtypes, reps, l2, spec, peaks, device, layouts: bool = False) -> int:
     rows = []
     for dtype in dtypes:
-        peak = peak_flops(spec, dtype)
+        peak = peaks[dtype]
         for m, k, n in linears:
             for pass_ in (LAYOUT_PASSES if layouts and dtype == "bf16" else PASSES):
                 shape = linear_pass_shape(pass_, m, k, n)
@@ -436,12 +467,12 @@ def _run_linears(linears, dtypes, reps, l2, spec, device, layouts: bool = False)
     return 0
 
 
-def _run_mlp(m, c, dtypes, reps, l2, spec, device) -> int:
+def _run_mlp(m, c, dtypes, reps, l2, spec, peaks, device) -> int:
     """Time the four MLP variants per dtype; TFLOP/s counts the GEMM's FLOPs only, so the
     elementwise pass shows as lost throughput on the cuBLAS rows."""
     rows = []
     for dtype in dtypes:
-        peak = peak_flops(spec, dtype)
+        peak = peaks[dtype]
         for variant in ("fwd/cublas", "fwd/fused", "bwd/cublas", "bwd/fused"):
             rec = {"mlp": f"{m}:{c}", "dtype": dtype, "variant": variant, "shape": f"{m}x{4 * c}x{c}",
                    "device": spec.name}
@@ -453,12 +484,12 @@ def _run_mlp(m, c, dtypes, reps, l2, spec, device) -> int:
     return 0
 
 
-def _run_qk(m, c, reps, l2, spec, device) -> int:
+def _run_qk(m, c, reps, l2, spec, peaks, device) -> int:
     rows = []
     for variant in ("cublas", "cublas+rope", "fused"):
         rec = {"qk": f"{m}:{c}", "dtype": "bf16", "variant": variant, "shape": f"{m}x{c}x{c}", "device": spec.name}
         make = functools.partial(make_qk_pass, variant, m, c, device)
-        rows.append(_timed_row(rec, "bf16", (m, c, c), make, reps, l2, peak_flops(spec, "bf16"), device))
+        rows.append(_timed_row(rec, "bf16", (m, c, c), make, reps, l2, peaks["bf16"], device))
     print(f"\n{'qk M:C':<12} {'variant':<12} {'ms':>8} {'GEMM TFLOP/s':>13}")
     for r in rows:
         print(f"{r['qk']:<12} {r['variant']:<12} {r['ms']:>8} {r['tflops']:>13}")

@@ -137,6 +137,9 @@ def bench_model(args, rt) -> list[dict]:
     from nanochat.training import build_model, setup_precision_and_kernel
 
     spec = detect_device(rt.device)
+    if peak_flops(spec, "bf16", args.peak_flops) is None:
+        print(f"MFU n/a: '{spec.name}' is not in nanochat/device_table.py; pass --peak-flops <dense bf16 FLOP/s>",
+              flush=True)
     g = torch.Generator().manual_seed(0)
     vocab = args.vocab if args.vocab is not None else MODEL_VOCAB
     data = torch.randint(0, vocab, (args.device_batch_size, args.seq + 1), generator=g).to(rt.device)
@@ -172,7 +175,7 @@ def bench_model(args, rt) -> list[dict]:
                 loss = step()
                 head_grad = model.lm_head.weight.grad.detach().float().clone()
                 tok_s = args.device_batch_size * args.seq / (ms * 1e-3)
-                peak = peak_flops(spec, "bf16")
+                peak = peak_flops(spec, "bf16", args.peak_flops)
                 rec.update(ms=round(ms, 2), tok_per_sec=round(tok_s), loss=round(loss.item(), 5),
                            peak_mem_gib=round(rt.peak_memory_bytes() / 2**30, 2),
                            resolved=info.get("backend"),
@@ -278,6 +281,8 @@ def parse_args(argv=None):
     p.add_argument("--device-batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="model mode: dense bf16 FLOP/s per GPU for MFU (e.g. 989e12), for GPUs not in the device table")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default="auto", help="|".join(DEVICE_CHOICES))
     args = p.parse_args(argv)
@@ -298,6 +303,8 @@ def parse_args(argv=None):
         if v < 1:
             raise ValueError(f"{name}: got {v}; must be >= 1")
     require_float(args.softcap, "--softcap", 0.0)
+    if args.peak_flops is not None:   # FLOP/s; below 1e9 it was surely given in TFLOP/s
+        require_float(args.peak_flops, "--peak-flops", 1e9)
     require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
     return args
 

@@ -123,3 +123,19 @@ def test_triton_modes_get_the_platform_workarounds(monkeypatch):
     monkeypatch.setattr(BG, "_run_linears", lambda *a: 0)
     assert BG.main(["--mlp", "64:16"]) == 0 and seen == [("gb10", "triton", True)]
     assert BG.main(["--linears", "64:16x16"]) == 0 and len(seen) == 1   # cuBLAS only: nothing to patch
+
+
+def test_peak_flops_flag_gives_unknown_gpus_a_percentage(capsys):
+    from nanochat.device_table import DeviceSpec
+
+    assert BG.parse_peaks("bf16=989e12,fp8=1979e12") == {"bf16": 989e12, "fp8": 1979e12}
+    for bad in ("bf16", "fp16=1e14", "bf16=fast", "bf16=989", "bf16=nan"):
+        with pytest.raises(ValueError, match="--peak-flops"):
+            BG.main(["--peak-flops", bad])   # before any CUDA work
+    unknown = DeviceSpec("Mystery GPU", (9, 0), 100, 80, 3000)
+    peaks = BG.resolve_peaks(unknown, ["bf16", "fp8-rowwise", "nvfp4"], {"bf16": 5e14, "fp8-rowwise": 1e15})
+    assert peaks == {"bf16": 5e14, "fp8-rowwise": 1e15, "nvfp4": None}
+    assert "n/a for nvfp4" in capsys.readouterr().out   # the one without a peak is named, with the fix
+    known = DeviceSpec("H100", (9, 0), 132, 80, 3350, peak_tflops={"bf16": 989.0, "fp8": 1979.0})
+    assert BG.resolve_peaks(known, ["bf16", "fp8-rowwise"], {}) == {"bf16": 989e12, "fp8-rowwise": 1979e12}
+    assert capsys.readouterr().out == ""

@@ -76,9 +76,11 @@ def test_profile_training_rejects_precision_before_building_the_model(results):
 
 def test_main_still_raises_for_programmatic_callers():
     """main(argv) keeps raising ValueError naming the flag (tests and other scripts call it)."""
-    from scripts import bench_gemm, bench_optim, profile_training
+    from scripts import bench_gemm, bench_optim, benchmark_kernels, profile_training
 
     for main, argv, flag in ((bench_gemm.main, ["--dtypes", "foo"], "--dtypes"),
+                             (benchmark_kernels.parse_args, ["--peak-flops", "989"], "--peak-flops"),   # TFLOP/s
+                             (benchmark_kernels.parse_args, ["--peak-flops", "nan"], "--peak-flops"),
                              (bench_optim.main, ["--depth", "0"], "--depth"),
                              (profile_training.main, ["--precision-backend", "x"], "--precision-backend")):
         with pytest.raises(ValueError, match=flag):
