@@ -97,6 +97,23 @@ if [[ -z $IFACE ]]; then
   [[ -n $IFACE ]] || die "no active RoCE interface found (ibdev2netdev / $IB); pass --iface (and --hca)"
 fi
 [[ -d $NET/$IFACE ]] || die "--iface: '$IFACE' does not exist; available: $(ls "$NET" 2>/dev/null | tr '\n' ' ')"
+if [[ -n $HCA ]]; then
+  # an explicit list must name HCAs this node has (NCCL matches names as prefixes, '=' exactly,
+  # '^' excludes): a typo would leave NCCL on TCP sockets at a fraction of RoCE's bandwidth
+  known=$( { awk '{ print $1 }' <<< "$MAP"; ls "$IB" 2>/dev/null; } | LC_ALL=C sort -u | paste -sd' ' -)
+  mode=${HCA:0:1}
+  if [[ $mode != "^" ]]; then
+    IFS=, read -ra wanted <<< "${HCA#=}"
+    for name in "${wanted[@]}"; do
+      name=${name%%:*}
+      hit=0
+      for dev in $known; do
+        if [[ $mode == "=" && $dev == "$name" ]] || [[ $mode != "=" && -n $name && $dev == "$name"* ]]; then hit=1; fi
+      done
+      (( hit )) || die "--hca: '$name' names no HCA on this node; available: ${known:-none (no ibdev2netdev, $IB empty)}"
+    done
+  fi
+fi
 if [[ -z $HCA ]]; then
   # Both halves of a Spark's port: every active HCA whose netdev shares the interface's port
   # suffix (enp1s0f1np1 and enP2p1s0f1np1 -> ...s0f1np1); fall back to every active HCA.

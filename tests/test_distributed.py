@@ -310,6 +310,10 @@ def test_launch_multinode_dry_run(tmp_path):
                                  "--nproc_per_node=1", "--master_addr=10.0.0.1", "--master_port=29500",
                                  "-m", "scripts.base_train", "--depth", "20"]
     assert "MTU 1500 < 9000" in r.stderr
+    # an explicit --hca naming this node's HCAs (ports, prefixes, '^' exclusions) goes through as given
+    for hca in ("rocep1s0f1:1,roceP2p1s0f1:1", "rocep1", "^mlx5_9"):
+        r = _launch(["--node-rank", "0", "--master-addr", "h", "--iface", "enp1s0f1np1", "--hca", hca, "--dry-run"], root)
+        assert r.returncode == 0 and f"export NCCL_IB_HCA={hca}" in r.stdout.splitlines(), r.stderr
     # ibdev2netdev path (a fake tool), auto-detected interface, no MTU warning at 9000
     tool = tmp_path / "ibdev2netdev"
     tool.write_text("#!/bin/sh\necho 'rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)'\n"
@@ -336,6 +340,10 @@ def test_launch_multinode_dry_run(tmp_path):
     (["--node-rank", "0", "--master-addr", "h", "--nproc", "0"], "--nproc"),
     (["--node-rank", "0", "--master-addr", "h", "--iface", "eth9"], "--iface: 'eth9' does not exist"),
     (["--bogus"], "unknown option '--bogus'"),
+    (["--node-rank", "0", "--master-addr", "h", "--iface", "enp1s0f1np1", "--hca", "rocep1s0f1,mlx5_0"],
+     "--hca: 'mlx5_0' names no HCA on this node; available: roceP2p1s0f1 rocep1s0f0 rocep1s0f1"),
+    (["--node-rank", "0", "--master-addr", "h", "--iface", "enp1s0f1np1", "--hca", "=rocep1"],
+     "--hca: 'rocep1' names no HCA"),   # '=': exact names, not prefixes
 ])
 def test_launch_multinode_argument_errors(tmp_path, args, message):
     r = _launch([*args, "--dry-run"], _fake_sysfs(tmp_path))
