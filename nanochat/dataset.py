@@ -208,7 +208,9 @@ def iter_documents(data_dir: str | Path, split: str, *, rank: int = 0, world_siz
 
 def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str], *,
                       shard_chars: int = 100_000_000) -> list[Path]:
-    """Write train docs into shards of about `shard_chars`, then the val docs as the last shard."""
+    """Write train docs into shards of about `shard_chars`, then the val docs as the last shard.
+    Shards of an earlier, larger write into out_dir (numbered past the new val shard) are deleted:
+    left there, the last of them would stay the validation shard and the new one be trained on."""
     if not train_docs or not val_docs:
         raise ValueError(f"need at least one train and one validation document "
                          f"(got {len(train_docs)} train, {len(val_docs)} val)")
@@ -228,6 +230,10 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
         pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
         os.replace(tmp, path)
         paths.append(path)
+    for old in out_dir.glob("shard_*.parquet"):  # claim_data_dir made sure they are this source's
+        m = re.fullmatch(r"shard_(\d+)\.parquet", old.name)
+        if m and int(m.group(1)) >= len(paths):
+            old.unlink()
     return paths
 
 
@@ -328,7 +334,11 @@ def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None
 
 def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tuple[int | None, str | None]:
     have = partial.stat().st_size if partial.exists() else 0
-    headers = {"Range": f"bytes={have}-"} if have else {}
+    # identity: requests asks for gzip by default, and a server that takes up the offer sends a
+    # Content-Length and byte ranges of the compressed body while iter_content yields it
+    # decompressed, so the size check fails every attempt and a Range resume would splice
+    # decompressed bytes at a compressed offset
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
     with session.get(url, headers=headers, stream=True, timeout=timeout) as resp:
         if resp.status_code == 416:  # nothing left to fetch: the partial file may be complete
             m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))

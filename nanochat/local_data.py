@@ -5,7 +5,9 @@ Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a s
 `text`) and *.txt (one document per file, split at blank lines when long) under SRC, sorted by
 path, becomes one document list; the last `val_fraction` of it is the validation shard. A file
 that does not read as what its suffix says (not UTF-8, not JSON, no `text`) is a DataError naming
-the file, and the line for JSONL.
+the file, and the line for JSONL (a .txt file: the byte). The shards in the output directory are
+skipped, so that an --out inside SRC does not feed a rerun its own earlier shards (the old
+validation shard among them) as new training documents.
 """
 
 from __future__ import annotations
@@ -53,10 +55,24 @@ def _jsonl_texts(path: Path) -> list[str]:
     return texts
 
 
-def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]:
+def _txt_text(path: Path) -> str:
+    """A .txt file's text; a byte that is not UTF-8 is a DataError (decoding with replacement
+    would train on U+FFFD in place of every accented letter of, say, a Latin-1 file)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {e.reason}); re-encode the file "
+                        "as UTF-8") from None
+
+
+def read_local_documents(src: Path, *, max_doc_chars: int = 20_000, exclude: Path | None = None) -> list[str]:
     """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
-    document per file, split at blank lines when longer than max_doc_chars) under src, sorted."""
-    files = sorted(p for p in src.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+    document per file, split at blank lines when longer than max_doc_chars) under src, sorted;
+    the *.parquet directly in `exclude` (the output directory: the shards) are skipped."""
+    skip = exclude.resolve() if exclude is not None else None
+    files = sorted(p for p in src.rglob("*") if p.suffix in SUFFIXES and p.is_file()
+                   and not (p.suffix == ".parquet" and p.parent.resolve() == skip))
     if not files:
         raise ValueError(f"--data-dir: no .parquet, .jsonl or .txt files under {src}")
     docs = []
@@ -67,7 +83,7 @@ def read_local_documents(src: Path, *, max_doc_chars: int = 20_000) -> list[str]
         elif path.suffix == ".jsonl":
             docs += _jsonl_texts(path)
         else:
-            text = path.read_text(encoding="utf-8", errors="replace").strip()
+            text = _txt_text(path).strip()
             if text:
                 docs += _split_long(text, max_doc_chars)
     return docs
@@ -77,7 +93,7 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
                      shard_chars: int = 100_000_000) -> list[Path]:
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
-    docs = read_local_documents(src)
+    docs = read_local_documents(src, exclude=out_dir)
     n_val = max(1, round(len(docs) * val_fraction))
     if len(docs) - n_val < 1:
         raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "

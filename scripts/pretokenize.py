@@ -57,7 +57,8 @@ def planned_bytes(text_shard: Path, itemsize: int) -> int:
     """An upper estimate of the binary shard of `text_shard`: its text (the footer's uncompressed
     size) at CHARS_PER_TOKEN_LOW characters a token, plus a BOS and an offset per document."""
     meta = ds.open_text_shard(text_shard).metadata
-    chars = sum(meta.row_group(i).column(0).total_uncompressed_size for i in range(meta.num_row_groups))
+    text = [meta.schema.column(c).path for c in range(meta.num_columns)].index("text")  # not always column 0
+    chars = sum(meta.row_group(i).column(text).total_uncompressed_size for i in range(meta.num_row_groups))
     return bs.HEADER_SIZE + (chars // CHARS_PER_TOKEN_LOW + meta.num_rows) * itemsize + 8 * (meta.num_rows + 2)
 
 

@@ -1,6 +1,7 @@
 """Text shards: listing/splitting/iteration, downloads against a local HTTP server (resume,
 corrupt files, server errors, checksums), local directory import and the Shakespeare corpus."""
 
+import gzip
 import io
 import json
 import random
@@ -64,7 +65,8 @@ def test_iter_documents_ranks_and_resume(tmp_path):
 
 class FixtureServer:
     """Serves `files` over HTTP with Range support; `modes[name]` injects faults:
-    truncate_once (close mid-body on the first request), corrupt, 500, badsha."""
+    truncate_once (close mid-body on the first request), corrupt, 500, badsha, gzip (compress
+    the body when the client accepts gzip)."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.modes, self.requests = files, {}, []
@@ -85,6 +87,8 @@ class FixtureServer:
                 if name not in server.files:
                     return self.send_error(404)
                 data = b"this is not parquet" * 50 if mode == "corrupt" else server.files[name]
+                if mode == "gzip" and "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                    data = gzip.compress(data)  # what a mirror that compresses on the fly sends
                 start = int(rng[len("bytes="):].split("-")[0]) if rng else 0
                 if start >= len(data):
                     self.send_response(416)
@@ -96,6 +100,8 @@ class FixtureServer:
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 if mode == "badsha":
                     self.send_header("X-Linked-Etag", '"' + "0" * 64 + '"')
+                if mode == "gzip" and data is not server.files[name]:
+                    self.send_header("Content-Encoding", "gzip")
                 body = data[start:]
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -189,6 +195,17 @@ def test_server_error_is_retried_then_reported(server, tmp_path, capsys, monkeyp
     assert not (tmp_path / ds.shard_name(1)).exists() and (tmp_path / ds.shard_name(0)).exists()
 
 
+def test_download_asks_for_the_file_not_a_compressed_copy(server, tmp_path):
+    """A server compressing on the fly states the compressed size, while requests hands over the
+    decompressed bytes: the size check failed every attempt (and a resume spliced offsets)."""
+    name = ds.shard_name(0)
+    server.modes[name] = "gzip"
+    (tmp_path / (name + ".partial")).write_bytes(server.files[name][:1000])
+    ds.download_file(f"{server.url}/{name}", tmp_path / name, retries=0)
+    assert (tmp_path / name).read_bytes() == server.files[name]
+    assert (name, "bytes=1000-") in server.requests
+
+
 def test_missing_file_is_not_retried(server, tmp_path):
     with pytest.raises(ds.DownloadError, match="404"):
         ds.download_file(f"{server.url}/{ds.shard_name(7)}", tmp_path / "x.parquet", retries=3, backoff=0)
@@ -231,6 +248,41 @@ def test_import_local_directory(tmp_path):
     assert len(read_docs(shards[-1])) == round(len(docs) * 0.2)
     (src / "e.jsonl").write_text('{"title": "no text"}\n')
     with pytest.raises(ValueError, match=r"e.jsonl:1: expected an object with a string field 'text'"):
+        ds.read_local_documents(src)
+
+
+def test_reimport_deletes_shards_of_the_earlier_larger_import(tmp_path):
+    """A re-import that makes fewer shards (another --val-fraction, fewer files) must not leave the
+    old ones: the old last shard stayed the validation shard and the new one was trained on."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": f"doc{i:03d} " + "x" * 90}) + "\n"
+                                         for i in range(100)))
+    assert len(ds.import_local_dir(src, out, val_fraction=0.05, shard_chars=2000)) == 6
+    new = ds.import_local_dir(src, out, val_fraction=0.5, shard_chars=2000)
+    assert ds.list_shards(out) == new and len(new) == 4
+    val = [t for t, _ in ds.iter_documents(out, "val")]
+    train = [t for t, _ in ds.iter_documents(out, "train")]
+    assert len(val) == 50 and len(train) == 50 and not set(val) & set(train)
+
+
+def test_out_inside_the_data_dir_is_not_read_back_as_documents(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": f"doc{i:03d}"}) + "\n" for i in range(40)))
+    for _ in range(2):  # the rerun must not import the shards (and val shard) of the first run
+        assert ds.main(["--data-dir", str(src), "--out", str(src / "shards"), "--val-fraction", "0.25"]) == 0
+    train = [t for t, _ in ds.iter_documents(src / "shards", "train")]
+    val = [t for t, _ in ds.iter_documents(src / "shards", "val")]
+    assert sorted(train + val) == [f"doc{i:03d}" for i in range(40)] and len(val) == 10
+
+
+def test_txt_that_is_not_utf8_is_a_data_error_naming_the_file(tmp_path):
+    from nanochat.errors import DataError
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes("Caf\u00e9 cr\u00e8me".encode("latin-1"))  # was read as 'Caf\ufffd cr\ufffdme'
+    with pytest.raises(DataError, match=r"a.txt: not valid UTF-8 \(byte 3: invalid continuation byte\)"):
         ds.read_local_documents(src)
 
 

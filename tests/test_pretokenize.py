@@ -280,3 +280,14 @@ def test_all_empty_text_shards_are_refused(tmp_path, statistics):
     pq.write_table(pa.table({"text": ["some text", ""]}), d / "shard_00000.parquet", write_statistics=statistics)
     with pytest.raises(MissingDataError, match=r"the val split \(shard_00002.parquet\)"):
         pt.main(["--data-dir", str(d), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
+
+
+def test_disk_plan_sizes_the_text_column_not_the_first_one(tmp_path):
+    """The estimate read column 0: with an id column first it came out ~100x too small, so a disk
+    without room passed the check and filled up mid-run."""
+    from scripts.pretokenize import planned_bytes
+    texts = [f"{i} " + "word " * 600 for i in range(100)]
+    pq.write_table(pa.table({"id": list(range(100)), "text": texts}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet")
+    assert planned_bytes(tmp_path / "a.parquet", 2) == planned_bytes(tmp_path / "b.parquet", 2)
+    assert planned_bytes(tmp_path / "a.parquet", 2) > 2 * sum(map(len, texts)) // 3
