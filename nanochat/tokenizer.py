@@ -24,8 +24,8 @@ import operator
 import os
 import pickle
 import re
+import secrets
 import struct
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
@@ -65,6 +65,7 @@ MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
 # characters: the bytes are the same, only the run's tokens change at the cuts.
 MAX_WHITESPACE_RUN = 100_000
 _LONG_WHITESPACE = re.compile(r"\s{%d,}" % MAX_WHITESPACE_RUN)
+_NO_DOCUMENT = object()  # sentinel: a None item is a bad document, not the end
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
 
 
@@ -85,8 +86,11 @@ class _SafeUnpickler(pickle.Unpickler):
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same directory and os.replace, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write via a temp file in the same directory and os.replace, so readers never see half a file.
+    The temp file is created with mode 0o666 less the umask, like a plain open(): mkstemp's 0o600
+    would make the tokenizer unreadable to other users of a shared base dir."""
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -204,9 +208,12 @@ class Tokenizer:
         if not hasattr(rustbpe, "Tokenizer"):  # the bare rustbpe/ source dir imported as a namespace
             raise ImportError("the rustbpe extension is not built/installed: build it from rustbpe/ "
                               "with maturin (e.g. `maturin develop --release -m rustbpe/Cargo.toml`)")
+        if isinstance(texts, (str, bytes, bytearray)):  # iterable, but one "document" per character
+            raise ValueError(f"texts: got {type(texts).__name__} {texts[:40]!r}; accepted: an iterable "
+                             "of str documents (wrap a single text in a list)")
         texts = iter(texts)
-        first = next(texts, None)  # checked here so the message does not depend on the Rust side
-        if first is None:
+        first = next(texts, _NO_DOCUMENT)  # checked here so the message does not depend on the Rust side
+        if first is _NO_DOCUMENT:
             raise ValueError("texts: got no documents; accepted: a non-empty iterable of str")
         counter = _DocCounter(itertools.chain([first], texts))
         trainer = rustbpe.Tokenizer()

@@ -178,7 +178,9 @@ def main(argv=None) -> None:
                         "ranks_sha256": digest})
     if "pypi-0.1.0" in results:
         a, b = results["ours"]["ranks"], results["pypi-0.1.0"]["ranks"]
-        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        # A shorter list that is a prefix of the other differs at its end (zip alone would say None).
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                          None if len(a) == len(b) else min(len(a), len(b)))
         emit(rows, {"bench": "tokenizer_merges_identical", "identical": a == b, "first_difference": first_diff,
                     "speedup": round(results["pypi-0.1.0"]["seconds"] / results["ours"]["seconds"], 2), **common})
 

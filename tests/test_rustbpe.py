@@ -221,6 +221,7 @@ def test_untrained_encode_is_bytes():
         ({"vocab_size": True}, "vocab_size: got True (bool)"),
         ({"vocab_size": 300, "pattern": "(("}, 'pattern: invalid regex "(("'),
         ({"vocab_size": 300, "pattern": 5}, "pattern: got 5 (int)"),
+        ({"vocab_size": 300, "pattern": "\ud800"}, "pattern: not encodable as UTF-8"),
         ({"vocab_size": 300, "buffer_size": 0}, "buffer_size: got 0"),
         ({"vocab_size": 300, "buffer_size": -3}, "buffer_size: got -3"),
         ({"vocab_size": 300, "buffer_size": "8"}, "buffer_size: got '8' (str)"),
@@ -257,6 +258,21 @@ def test_bad_training_text(texts, message):
 def test_not_an_iterable():
     with pytest.raises(ValueError, match=r"iterator: got 5 \(int\); accepted: an iterable of str"):
         rustbpe.Tokenizer().train_from_iterator(5, 300)
+
+
+def test_a_bare_str_is_not_a_corpus():
+    """A str iterates as single characters: it must be refused, not trained on as one document
+    per character (which "succeeds" on non-ASCII text by merging UTF-8 byte pairs)."""
+    tok = rustbpe.Tokenizer()
+    for corpus in ("ééé ééé", b"abab"):
+        with pytest.raises(ValueError, match=r"iterator: got .* \((str|bytes)\); accepted: an iterable of str"):
+            tok.train_from_iterator(corpus, 258)
+    assert tok.get_merges() == []
+
+
+def test_pattern_matching_nothing_is_named():
+    with pytest.raises(ValueError, match="the split pattern matches none of it"):
+        rustbpe.Tokenizer().train_from_iterator(["abc def"], 300, pattern="x+")
 
 
 def test_iterator_exception_propagates():

@@ -102,6 +102,11 @@ def test_train_rejects_bad_texts():
         Tokenizer.train([], 300)
     with pytest.raises(ValueError, match=r"texts\[1\]: got int"):
         Tokenizer.train(["fine", 5, "x"], 300)
+    with pytest.raises(ValueError, match=r"texts\[0\]: got NoneType"):  # a bad item, not "no documents"
+        Tokenizer.train([None, "abc"], 300)
+    for corpus in ("a single text is not a corpus", b"nor are bytes"):  # would train one doc per char
+        with pytest.raises(ValueError, match=r"texts: got (str|bytes) .*wrap a single text in a list"):
+            Tokenizer.train(corpus, 300)
     with pytest.raises(ValueError, match="vocab_size: requested 1000 but 1 documents"):
         Tokenizer.train(["ab ab ab"], 1000)  # too little text for that many merges
     with pytest.raises(ValueError):  # bad regex (message comes from rustbpe)
@@ -216,6 +221,22 @@ def test_save_load_round_trip(tok, val_texts, tmp_path, monkeypatch):
     assert len(list((tmp_path / "tokenizer").iterdir())) == 2
     clone = pickle.loads(pickle.dumps(tok))  # e.g. sent to dataloader worker processes
     assert clone.encode(val_texts[0]) == tok.encode(val_texts[0]) and clone.fingerprint == tok.fingerprint
+
+
+def test_saved_files_follow_the_umask(tok, tmp_path):
+    """Like any plain open(): a 0o600 temp file renamed into place would hide the tokenizer
+    from other users of a shared base dir."""
+    old = os.umask(0o022)
+    try:
+        tok.save(tmp_path / "shared")
+        os.umask(0o077)
+        tok.save(tmp_path / "private")
+    finally:
+        os.umask(old)
+    for name, mode in (("shared", 0o644), ("private", 0o600)):
+        for f in ("tokenizer.pkl", "token_bytes.pt"):
+            assert (tmp_path / name / f).stat().st_mode & 0o777 == mode, (name, f)
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["token_bytes.pt", "tokenizer.pkl"]
 
 
 def test_fingerprint_distinguishes_tokenizers(tok, train_texts):

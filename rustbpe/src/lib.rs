@@ -58,8 +58,8 @@ impl fmt::Display for BpeError {
             BpeError::Matching { reason } => write!(f, "pattern: matching failed: {reason}"),
             BpeError::NoChunks => write!(
                 f,
-                "iterator: the training text is empty (no regex chunks); accepted: an iterable \
-                 of non-empty str"
+                "iterator: the training text is empty (no regex chunks: every text is empty, or \
+                 the split pattern matches none of it); accepted: an iterable of non-empty str"
             ),
             BpeError::Input(msg) => f.write_str(msg),
         }

@@ -196,12 +196,26 @@ impl PyTokenizer {
                         describe(p)
                     ))
                 })?
-                .to_str()?
+                .to_str()
+                .map_err(|e| {
+                    PyValueError::new_err(format!(
+                        "pattern: not encodable as UTF-8 ({e}); accepted: a regex str without \
+                         lone surrogates"
+                    ))
+                })?
                 .to_owned(),
             _ => GPT4_PATTERN.to_owned(),
         };
         let splitter = Arc::new(Splitter::new(&pattern).map_err(value_error)?);
         let pool = thread_pool()?;
+        // A str is iterable too, but as single characters: training "one text per char"
+        // would run and silently learn nothing useful (or only UTF-8 byte pairs).
+        if iterator.is_instance_of::<PyString>() || iterator.is_instance_of::<PyBytes>() {
+            return Err(PyValueError::new_err(format!(
+                "iterator: got {}; accepted: an iterable of str (wrap a single text in a list)",
+                describe(iterator)
+            )));
+        }
         let mut iter = iterator.try_iter().map_err(|_| {
             PyValueError::new_err(format!(
                 "iterator: got {}; accepted: an iterable of str",
