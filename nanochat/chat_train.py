@@ -381,7 +381,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                       token_weighted=stage.mask == "assistant")
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], None,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
-    meter = StepMeter(model.estimate_flops(), rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
+    # FLOPs of the rows trained (--max-seq-len may be shorter than the model's context: attention
+    # then sees fewer keys per query), not of the model's full sequence length
+    meter = StepMeter(model.estimate_flops(seq_len), rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
                       precision=precision_info["precision"], peak_memory=rt.peak_memory_bytes)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,

@@ -367,3 +367,22 @@ def test_sft_takes_a_slice_of_the_chat_conversations_mid_takes_all(shared_data, 
     assert len(mid.tasks[0]) > 1000 and len(sft.tasks[0]) == 100
     assert [sft.tasks[0][i] for i in range(3)] == [mid.tasks[0][i] for i in range(3)]   # the first ones
     assert chat_data.SFT_CONVERSATIONS == 100 and len(sft) < len(mid)
+
+
+def test_mfu_counts_the_rows_trained_not_the_models_context(env, base_dir, monkeypatch):
+    """--max-seq-len below the model's context: the meter's FLOPs/token (hence MFU) is the model's
+    estimate at the trained row length (its attention sees fewer keys per query). It used the
+    model's full sequence length (128 here: 4x the attention FLOPs of 32-token rows)."""
+    from nanochat import training
+    from nanochat.gpt import GPTConfig
+    from nanochat.checkpoint import build_model
+    from scripts import base_train, mid_train
+
+    base_train.main(BASE + env + ["--model-tag", "flops", "--num-iterations", "1", "--eval-every", "-1"])
+    seen, real = [], training.StepMeter
+    monkeypatch.setattr(training, "StepMeter", lambda fpt, *a, **kw: seen.append(fpt) or real(fpt, *a, **kw))
+    mid_train.main(CHAT + ["--model-tag", "flops", "--device-batch-size", "2", "--max-seq-len", "32",
+                           "--total-batch-size", "64", "--num-iterations", "1", "--eval-every", "-1"])
+    model = build_model(GPTConfig(**ck.read_meta(ck.checkpoint_dir("base", "flops"))["model_config"]), "meta")
+    assert model.config.sequence_len == 128
+    assert seen == [model.estimate_flops(32)] and model.estimate_flops(32) < model.estimate_flops()
