@@ -20,6 +20,7 @@ resumed run reproduces the batches exactly.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Sequence
 
@@ -245,6 +246,24 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
         tasks = [convs, *own, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
     return TaskMixture(tasks + [files[path] for path in extra], seed=seed)
+
+
+def _conversation_key(messages) -> str:
+    """Roles and contents only: other fields a file may carry do not make it another conversation."""
+    return json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)
+
+
+def validation_overlap(train_mix, val_mix) -> dict[str, int]:
+    """For each --extra-conversations file in `train_mix`, how many of its rows are conversations of
+    the validation mixture. Training on them makes val bpb read better than the model is (adding
+    the local sft/*.jsonl itself as an extra file does: its test split is validation)."""
+    from nanochat.tasks import ConversationFile
+    files = {t.source: t for t in train_mix.tasks if isinstance(t, ConversationFile)}
+    if not files:
+        return {}
+    held = {_conversation_key(val_mix[i]["messages"]) for i in range(len(val_mix))}
+    return {src: n for src, f in files.items()
+            if (n := sum(_conversation_key(row["messages"]) in held for row in f.rows))}
 
 
 def rows_per_step(total_batch_size: int, seq_len: int) -> int:

@@ -330,7 +330,7 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
-    from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations
+    from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations, validation_overlap
     from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
     from nanochat.kernels import check_kernel
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop
@@ -349,6 +349,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,
                               extra=cfg.extra_conversations, identity=cfg.identity)
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    for path, n in validation_overlap(train_mix, val_mix).items():
+        print0(f"WARNING: --extra-conversations {path}: {n} of its conversations are validation conversations; "
+               "training on them makes val bpb read better than the model is")
     mixture = mixture_record(cfg, train_mix)
     model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture,
                                                                             len(train_mix))

@@ -145,6 +145,14 @@ def test_checkpoint_records_the_mixture_and_resume_keeps_it(env, tmp_path, capsy
     with pytest.raises(ck.CheckpointError, match="identity off\\) than this run's \\(--extra-conversations "
                        r"\[own.jsonl \(\w+\), own.jsonl \(\w+\)\], identity Zorblax\)"):
         chat_sft.main(args + ["--num-iterations", "2", "--resume", "latest", "--identity", "Zorblax"])
+    # an extra file holding a validation conversation: trained on, and said so at the start
+    from nanochat.chat_data import build_mixture
+    held = build_mixture("sft", "val", test_holdout=50)[0]["messages"]
+    leaky = str(_write(tmp_path / "leaky.jsonl", OWN + [{"messages": held}]))
+    capsys.readouterr()
+    chat_sft.main(args[:-4] + ["--extra-conversations", leaky, "--num-iterations", "1", "--resume", "auto"])
+    assert (f"WARNING: --extra-conversations {leaky}: 1 of its conversations are validation conversations"
+            in capsys.readouterr().out)
 
 
 # ------------------------------------------------ rows checked when the file is read (file:line)
@@ -258,3 +266,18 @@ def test_every_rank_builds_the_same_mixture(shared_data):
         return res.stdout.splitlines()[-1]
     out = {run("1"), run("2")}
     assert len(out) == 1, out
+
+
+def test_extra_rows_that_are_validation_conversations_are_counted(shared_data, tmp_path):
+    """Adding the local sft/*.jsonl itself as an extra file trains on its test split, which is what
+    val bpb scores: the overlap is counted per file (roles and contents; other keys do not matter)."""
+    from nanochat.chat_data import build_mixture, validation_overlap
+    val = build_mixture("sft", "val", data_dir=shared_data, test_holdout=50)
+    held = [val[i]["messages"] for i in range(len(val))][:3]
+    leaky = _write(tmp_path / "leaky.jsonl", OWN + [{"messages": m, "source": "copied"} for m in held])
+    own = _write(tmp_path / "own.jsonl", OWN)
+    train = build_mixture("sft", "train", data_dir=shared_data, test_holdout=50, extra=[str(own), str(leaky)])
+    assert validation_overlap(train, val) == {str(leaky): 3}
+    whole = str(shared_data / "sft" / "chatterbot.jsonl")
+    train = build_mixture("sft", "train", data_dir=shared_data, test_holdout=50, extra=[whole])
+    assert validation_overlap(train, val)[whole] > 0
