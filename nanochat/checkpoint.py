@@ -355,12 +355,29 @@ def _world_size() -> int:
 
 # ------------------------------------------------------------------------------------ load
 
+def _restore_swapped_out(ckpt_dir: Path, step: int) -> None:
+    """A re-save of a step moves the old copy to step_N.old-PID, then the new one in: a crash
+    between the two renames leaves no step_N while latest.json names it. The old copy is a
+    complete checkpoint of that step: it is renamed back (by whichever rank gets there first)."""
+    final = ckpt_dir / step_dirname(step)
+    for old in sorted(ckpt_dir.glob(step_dirname(step) + ".old-*")):
+        if (old / META_NAME).is_file():
+            try:
+                os.replace(old, final)
+                print0(f"checkpoint: {final.name} was missing after an interrupted re-save; restored it from {old.name}")
+            except FileNotFoundError:   # another rank restored it a moment ago
+                pass
+            break
+
+
 def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
     """meta.json of a step, schema-checked."""
     ckpt_dir = Path(ckpt_dir)
     step = resolve_step(ckpt_dir, step)
     step_dir = ckpt_dir / step_dirname(step)
     path = step_dir / META_NAME
+    if not step_dir.is_dir():
+        _restore_swapped_out(ckpt_dir, step)
     if not path.is_file():
         if not step_dir.is_dir():
             have = list_steps(ckpt_dir)

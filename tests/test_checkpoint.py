@@ -134,6 +134,28 @@ def test_resave_same_step_replaces_it(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000004"]
 
 
+def test_a_crash_between_the_resave_renames_is_recovered(tmp_path, monkeypatch):
+    """The re-save moves the old copy aside, then the new one in: killed between the two renames,
+    latest.json named a step with no directory (and --resume failed) while the old copy sat in
+    step_N.old-PID. Loading it now renames that copy back."""
+    d = tmp_path / "ck"
+    _save(d, 4, seed=1)
+    real_replace = os.replace
+
+    def crash_before_moving_the_new_copy_in(src, dst):
+        if str(src).endswith(".partial"):   # the old copy is already aside
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", crash_before_moving_the_new_copy_in)
+    with pytest.raises(KeyboardInterrupt):
+        _save(d, 4, seed=2)
+    monkeypatch.setattr(ck.os, "replace", real_replace)
+    assert not (d / "step_000004").exists() and ck.read_latest(d) == 4
+    ckpt = ck.load_checkpoint(d, "latest", load_optimizer=True)
+    assert torch.equal(ckpt["model"]["w"], _model_state(1)["w"]) and ck.list_steps(d) == [4]
+
+
 def test_unknown_schema_version(tmp_path):
     d = tmp_path / "ck"
     path = _save(d, 3)
