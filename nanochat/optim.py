@@ -139,6 +139,10 @@ def muon_decay_step(p, u, lr, wd, cautious: bool) -> None:
     p.sub_((u + decay) * lr)
 
 
+# the group settings the flags set (base values: the schedules scale lr and weight_decay from them)
+RUN_HPARAMS = ("initial_lr", "initial_weight_decay", "betas", "beta2")
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Groups carry kind="muon" (same-shape matrices) or kind="adamw"; see build_optimizer."""
 
@@ -180,7 +184,19 @@ class MuonAdamW(torch.optim.Optimizer):
                              f"fsdp={saved['fsdp']} but this run has world_size={self.world_size}, fsdp={self.fsdp}; "
                              f"its per-rank shards cannot be resharded: resume with torchrun --nproc_per_node "
                              f"(x nodes) = {saved['world_size']} and {'--fsdp' if saved['fsdp'] else 'no --fsdp'}")
+        mine = [{k: g[k] for k in RUN_HPARAMS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        # torch restores every group's hyperparameters from the checkpoint, which silently dropped
+        # a resumed run's new --matrix-lr / --weight-decay / ...: this run's flags win, and say so
+        changed = []
+        for group, want in zip(self.param_groups, mine):
+            for key, value in want.items():
+                if group.get(key) != value:
+                    changed.append(f"{group.get('name', group['kind'])} {key} {group.get(key)} -> {value}")
+                group[key] = value
+        if changed:
+            from nanochat.common import print0
+            print0("--resume: this run's optimizer flags replace the checkpoint's: " + "; ".join(changed))
 
     # -- schedules -----------------------------------------------------------------------------
     def set_hparams(self, *, lr_mult: float = 1.0, momentum: float | None = None, wd_mult: float = 1.0) -> None:

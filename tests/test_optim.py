@@ -240,6 +240,34 @@ def test_state_dict_round_trip_is_exact():
             assert torch.equal(sd1[k][name], sd2[k][name])
 
 
+def test_a_resumed_run_takes_its_own_lr_flags(tmp_path, capsys):
+    """torch's load_state_dict puts the checkpoint's group settings back, so a resume with a new
+    --matrix-lr / --weight-decay / --adam-betas trained at the old ones, silently. The run's flags
+    win now (and the start says which changed); with the same flags the state is unchanged."""
+    import io
+
+    model = tiny_model()
+    opt = build_optimizer(model, weight_decay=0.1)
+    set_grads(model, fake_grads(model, 0))
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)   # as a checkpoint round-trips it (weights_only load)
+    same = build_optimizer(copy.deepcopy(model), weight_decay=0.1)
+    same.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert "--resume" not in capsys.readouterr().out
+    changed = build_optimizer(copy.deepcopy(model), matrix_lr=0.01, weight_decay=0.0, adam_betas=(0.9, 0.99))
+    changed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    muon = [g for g in changed.param_groups if g["kind"] == "muon"]
+    adamw = [g for g in changed.param_groups if g["kind"] == "adamw" and g["name"] != "scalars"]
+    assert muon and all(g["initial_lr"] == 0.01 and g["initial_weight_decay"] == 0.0 for g in muon)
+    assert adamw and all(tuple(g["betas"]) == (0.9, 0.99) for g in adamw)
+    out = capsys.readouterr().out
+    assert "--resume: this run's optimizer flags replace the checkpoint's" in out and "initial_lr 0.02 -> 0.01" in out
+    state = changed.state[muon[0]["params"][0]]   # the moments themselves still come from the checkpoint
+    assert torch.equal(state["momentum_buffer"], opt.state[[g for g in opt.param_groups if g["kind"] == "muon"][0]
+                                                           ["params"][0]]["momentum_buffer"])
+
+
 def test_set_hparams():
     model = tiny_model()
     opt = build_optimizer(model, weight_decay=0.2)
