@@ -6,14 +6,20 @@ nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size
 Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
 whose effect this server cannot honour (logprobs, tools, non-text response_format) are refused
 with 400 "unsupported_parameter" rather than silently ignored; any `model` name is accepted (a
-local server has one model; responses report the served name).
+local server has one model; responses report the served name). Assistant history comes back as
+the text the server streamed; its calculator calls ("<<expr=result>>") are rendered as the tool
+tokens the model generated (`prompt_messages`).
 """
 
 import json
 import re
 from dataclasses import asdict, dataclass
 
+from nanochat.calculator import use_calculator
+
 ROLES = ("system", "user", "assistant")
+# A calculator call as the server streams it (nanochat.engine.TOOL_TEXT): "<<expr=result>>"
+_TOOL_CALL = re.compile(r"<<([^<>]*)>>")
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -196,6 +202,38 @@ def _normalise(messages: list[dict]) -> list[dict]:
     if turns[0]["role"] == "assistant":
         turns.insert(0, {"role": "user", "content": ""})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
+
+
+def tool_call_parts(text: str) -> str | list[dict]:
+    """An assistant message as this server streamed it -> the content the model generated.
+
+    The stream shows a calculator call `<|python_start|>expr<|python_end|><|output_start|>result
+    <|output_end|>` as "<<expr=result>>" (TOOL_TEXT); a client sends that text back as history,
+    and rendered as plain text it is not what the model wrote nor what SFT trained on (GSM8K calls
+    are python / python_output parts). So every "<<expr=result>>" whose result is exactly what
+    the engine's calculator forces for expr becomes those parts again; anything else (a refused or
+    cut-off call, text that only looks like one) stays text. Returns `text` unchanged when it holds
+    no such call."""
+    parts, pos = [], 0
+    for m in _TOOL_CALL.finditer(text):
+        expr, eq, result = m.group(1).rpartition("=")
+        if not eq or not expr.strip() or use_calculator(expr) != result:
+            continue
+        if m.start() > pos:
+            parts.append({"type": "text", "text": text[pos:m.start()]})
+        parts += [{"type": "python", "text": expr}, {"type": "python_output", "text": result}]
+        pos = m.end()
+    if not parts:
+        return text
+    if pos < len(text):
+        parts.append({"type": "text", "text": text[pos:]})
+    return parts
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """A ChatRequest's messages for Tokenizer.render_for_completion: assistant turns with their
+    calculator calls as tool parts (`tool_call_parts`), the rest as they are."""
+    return [{**m, "content": tool_call_parts(m["content"])} if m["role"] == "assistant" else m for m in messages]
 
 
 def _refuse_unsupported(body: dict) -> None:

@@ -38,7 +38,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 
 from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_per_client,  # noqa: F401
-                               parse_chat_request)
+                               parse_chat_request, prompt_messages)
 from nanochat.engine import TOOL_TEXT, TextStream
 from nanochat.http_guard import HostGuard, csp, read_json, require_json
 
@@ -196,18 +196,19 @@ class _Job:
                 if self.cancel.is_set():
                     self.stats["cancelled"] += 1
                     return
-                deltas, ended = [], []
+                deltas, ended, step_tokens = [], [], 0
                 for i, token in enumerate(column):
-                    if finish[i]:
+                    if finish[i]:   # an ended choice's row repeats its stop token: not generated
                         continue
                     counts[i] += 1
+                    step_tokens += 1
                     text = streams[i].finish() if token in stops else streams[i].feed(token)
                     if token in stops or streams[i].stopped:
                         finish[i] = "stop"
                         ended.append((i, "stop"))
                     if text:
                         deltas.append((i, text))
-                self.worker.tokens += len(column)
+                self.worker.tokens += step_tokens
                 if deltas or ended:  # a stream sends a choice's finish as soon as it has one (n > 1)
                     self._emit("delta", deltas, ended)
                 if all(finish):
@@ -272,11 +273,14 @@ async def _wait_disconnect(request) -> None:
         pass
 
 
-def _release_unused(pool: WorkerPool, acq: asyncio.Future, job) -> None:
-    """Cleanup for a request leaving early: stop its job, or return / stop waiting for a worker."""
+def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict) -> None:
+    """Cleanup for a request leaving early: stop its job, or return / stop waiting for a worker.
+    A request that never got a job was cancelled while queued (a job counts its own cancels)."""
     if job is not None:
         job.cancel.set()
-    elif acq.done():
+        return
+    stats["cancelled"] += 1
+    if acq.done():
         if not acq.cancelled() and acq.exception() is None:
             pool.release(acq.result())
     else:
@@ -393,7 +397,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         require_json(request)
         req = parse_chat_request(await read_json(request, settings.max_body_bytes), settings)
         try:
-            prompt = tokenizer.render_for_completion({"messages": req.messages})
+            prompt = tokenizer.render_for_completion({"messages": prompt_messages(req.messages)})
         except ValueError as e:
             raise ApiError(400, f"'messages': {e}", param="messages") from None
         room = engine.max_seq_len - len(prompt)
@@ -432,7 +436,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             async for event in _sse_events(job, meta):
                 yield event
         finally:
-            _release_unused(pool, acq, job)
+            _release_unused(pool, acq, job, stats)
             release()
 
     async def complete(request: Request, req: ChatRequest, prompt, max_tokens, meta):
@@ -465,7 +469,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                     raise ApiError(500, event[1])
         finally:
             gone.cancel()
-            _release_unused(pool, acq, job)
+            _release_unused(pool, acq, job, stats)
 
     return app
 

@@ -90,10 +90,11 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=sys.stdout
 
     room = engine.max_seq_len - len(prompt)
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
-    stops = set(engine.default_stop_tokens)
+    # as the server (nanochat/server.py): a reply also ends where the model starts a user turn
+    stops = set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
     generated = []
     for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, seed=seed):
+                                     top_k=args.top_k, top_p=args.top_p, seed=seed, stop_tokens=stops):
         token = column[0]
         if token in stops:
             break

@@ -173,6 +173,34 @@ def test_message_order_is_normalised(srv, chat_model, messages, canonical):
     assert engine.calls[-1]["prompt"] == engine.calls[-2]["prompt"]
 
 
+def test_streamed_tool_calls_in_history_render_as_the_model_wrote_them(srv, chat_model):
+    """A reply with a calculator call streams as "<<12*3=36>>"; sent back as history it must render
+    as the tokens the model generated (python / python_output parts, as SFT trained), not as the
+    literal text. A refused or cut-off call, or text that only looks like one, stays text."""
+    from nanochat.chat_api import tool_call_parts
+    from nanochat.engine import TOOL_TEXT, TextStream
+    from nanochat.tokenizer import assistant_parts
+
+    tok = chat_model[1]
+    sp = tok.encode_special
+    generated = (tok.encode("12 boxes of 3 is ") + [sp("<|python_start|>")] + tok.encode("12*3")
+                 + [sp("<|python_end|>"), sp("<|output_start|>")] + tok.encode("36") + [sp("<|output_end|>")]
+                 + tok.encode(" apples, and <<a=b>> 1<<2 >> 3."))
+    stream = TextStream(tok, (), {sp(k): v for k, v in TOOL_TEXT.items()})
+    shown = "".join(stream.feed(t) for t in generated) + stream.finish()   # what the server streams
+    assert shown == "12 boxes of 3 is <<12*3=36>> apples, and <<a=b>> 1<<2 >> 3."
+    history = [m("user", "How many?"), m("assistant", shown), m("user", "Sure?")]
+    assert srv.post(json={"messages": history}).status_code == 200
+    want = tok.render_for_completion({"messages": [history[0], m("assistant", assistant_parts(tok, generated)),
+                                                   history[2]]})
+    assert srv.engine.calls[-1]["prompt"] == want
+    for text in ("no calls here", "<<2+2=5>> wrong result", "<<12*3=", "<<=4>>", "<<x=1>>"):
+        assert tool_call_parts(text) == text
+    assert tool_call_parts('<<"a=b".count("=")=1>>!') == [{"type": "python", "text": '"a=b".count("=")'},
+                                                         {"type": "python_output", "text": "1"},
+                                                         {"type": "text", "text": "!"}]
+
+
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 
 

@@ -90,3 +90,24 @@ def test_chat_cli_without_a_model_says_so_in_one_line(tmp_path):
                        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("chat_cli: error: no sft checkpoints under ") and str(tmp_path) in r.stderr
+
+
+def test_answer_ends_where_the_model_starts_a_user_turn(chat_model):
+    """A reply ends at <|user_start|> as the server's does: the model's invented next user turn is
+    neither printed nor kept in the history."""
+    import io
+    from types import SimpleNamespace
+
+    from scripts.chat_cli import answer
+    from tests.test_engine import scripted_engine, specials
+
+    tok = chat_model[1]
+    s = specials(tok)
+    prompt = prompt_for(tok)
+    script = tok.encode("Fine, thanks.") + [s.user_start] + tok.encode("And you?") + [s.assistant_end]
+    engine = scripted_engine(tok, lambda b, gen: script[len(gen)], prompt)
+    args = SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None)
+    out = io.StringIO()
+    message = answer(engine, tok, prompt, args, seed=0, out=out)
+    assert out.getvalue() == "Fine, thanks.\n"
+    assert message == {"role": "assistant", "content": [{"type": "text", "text": "Fine, thanks."}]}

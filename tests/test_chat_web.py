@@ -459,6 +459,29 @@ def test_queue_per_client_limit_and_busy(serve, chat_model):
     assert all(r.json()["choices"][0]["message"]["content"] == "slow " * 30 for r in results)
 
 
+def test_stats_count_generated_tokens_and_queued_cancels(serve, chat_model):
+    """/stats: a worker's tokens are the tokens its answers generated (with n > 1 an ended choice's
+    row repeats its stop token until the others end: not counted), the same sum as usage; a request
+    whose client leaves while it waits for a worker counts as cancelled."""
+    texts = ["Short.", "A much longer answer that keeps going for a while."]
+    url = serve(ScriptedEngine(chat_model[1], texts), max_concurrent_per_client=10)
+    usage = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "n": 2}, timeout=30).json()["usage"]
+    stats = httpx.get(url + "/stats").json()
+    assert usage["completion_tokens"] == sum(len(chat_model[1].encode(t)) + 1 for t in texts)
+    assert stats["workers"][0]["tokens"] == stats["requests"]["completion_tokens"] == usage["completion_tokens"]
+    url = serve(ScriptedEngine(chat_model[1], "slow " * 40, delay=0.02), max_concurrent_per_client=10)
+    busy = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
+                            kwargs={"json": {"messages": USER}, "timeout": 30})
+    busy.start()
+    assert wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0)
+    with pytest.raises(httpx.ReadTimeout):   # queued behind it, then gone
+        httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=0.3)
+    busy.join()
+    assert wait_until(lambda: httpx.get(url + "/stats").json()["requests"].get("cancelled") == 1, 3)
+    stats = httpx.get(url + "/stats").json()["requests"]
+    assert stats["chat_requests"] == 2 and stats["completed"] == 1
+
+
 def test_queue_full_is_503(serve, chat_model):
     engine = ScriptedEngine(chat_model[1], "wait " * 30, delay=0.02)
     url = serve(engine, max_queue=1, max_concurrent_per_client=10)
