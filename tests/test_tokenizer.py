@@ -331,6 +331,14 @@ def test_render_conversation_masks(tok):
     assert len(ids) == len(mask)
 
 
+def test_system_prompt_before_an_empty_user_turn_is_not_followed_by_a_blank_line(tok):
+    """The API puts an empty user turn before a chat opening with the assistant's greeting; with
+    a system prompt that folded into "system\n\n" and nothing after it."""
+    conv = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": ""},
+                         {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "hey"}]}
+    assert tok.decode(tok.render_for_completion(conv)).startswith("<|bos|><|user_start|>Be kind.<|user_end|>")
+
+
 def test_render_multi_turn(tok):
     conv = {"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
