@@ -373,6 +373,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     # ---- model set-up and optimizer (lrs scaled by --init-lr-frac) ----
     precision_info = setup_precision_and_kernel(model, "auto", cfg.kernel, rt, compile=compile_model)
+    if seq_len != model.config.sequence_len:   # load_model cached the masks of the model's own length
+        model.prepare_attention(seq_len)        # these rows' masks, cached before compile traces them
     train_model = torch.compile(model, dynamic=False) if compile_model else model
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,

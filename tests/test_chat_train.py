@@ -381,8 +381,13 @@ def test_mfu_counts_the_rows_trained_not_the_models_context(env, base_dir, monke
     base_train.main(BASE + env + ["--model-tag", "flops", "--num-iterations", "1", "--eval-every", "-1"])
     seen, real = [], training.StepMeter
     monkeypatch.setattr(training, "StepMeter", lambda fpt, *a, **kw: seen.append(fpt) or real(fpt, *a, **kw))
+    from nanochat.gpt import GPT
+    prepared, real_prepare = [], GPT.prepare_attention   # the rows' masks cached before compile, too
+    monkeypatch.setattr(GPT, "prepare_attention", lambda self, seq_len=None, **kw:
+                        prepared.append(seq_len) or real_prepare(self, seq_len, **kw))
     mid_train.main(CHAT + ["--model-tag", "flops", "--device-batch-size", "2", "--max-seq-len", "32",
                            "--total-batch-size", "64", "--num-iterations", "1", "--eval-every", "-1"])
     model = build_model(GPTConfig(**ck.read_meta(ck.checkpoint_dir("base", "flops"))["model_config"]), "meta")
     assert model.config.sequence_len == 128
     assert seen == [model.estimate_flops(32)] and model.estimate_flops(32) < model.estimate_flops()
+    assert prepared[-1] == 32
