@@ -17,7 +17,11 @@ and cost, PNG plots (loss and val bpb vs step and wall clock, tok/s, memory), th
 `python -m nanochat.report reset` clears the report and starts a new one.
 
 Summary values are read from section data: a "stage" key (else the stage named in the section
-title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy").
+title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy");
+the latest entry wins. A value logged before the latest training run of its stage (or of an earlier
+stage: a section with "final_step") is marked "(stale)", a CORE/ChatCORE of a subset of the tasks
+("<row> complete": false) "(partial)". Plots and the time table show each stage's current run: rows
+of an earlier run of the stage, or of steps a resumed run redid, are left out (and counted).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
 one line, exit 2); metrics lines that are not JSON objects (a torn write) are skipped.
 """
@@ -60,6 +64,11 @@ PLOTS = (  # (y metric, x metric, file name, title)
     ("tok_per_sec", "step", "tok_per_sec.png", "throughput (tokens/s)"),
     ("memory_gb", "step", "memory.png", "peak memory (GB)"),
 )
+NOTES = {
+    "stale": "- (stale): logged before the latest training run of this stage or an earlier one, so it may "
+             "describe an older model: rerun the evaluation",
+    "partial": "- (partial): computed from a subset of the tasks, not comparable with a complete score",
+}
 _STAGE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
@@ -139,10 +148,34 @@ def _series(rows: list[dict], y: str, x: str) -> tuple[list[float], list[float]]
         if xv is None and x == "elapsed_s" and t0 is not None and isinstance(r.get("time"), (int, float)):
             xv = r["time"] - t0
         yv = _get(r, y)
-        if xv is not None and yv is not None:
+        # a NaN/inf point draws nothing: an all-NaN series would give an empty chart
+        if xv is not None and yv is not None and math.isfinite(xv) and math.isfinite(yv):
             xs.append(xv)
             ys.append(yv)
     return xs, ys
+
+
+def _step_of(row: dict) -> float | None:
+    step = row.get("step")
+    return float(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def current_run(rows: list[dict]) -> tuple[list[dict], int]:
+    """(the rows of a stage's latest run, how many earlier rows were left out). metrics_<stage>.jsonl
+    is appended to by every run of the stage: a row whose step is below an earlier row's starts a
+    new run (a fresh rerun, or a resume from an earlier checkpoint), which supersedes the rows past
+    its first step, and a row re-logged for a step (training or evaluation) replaces the older one.
+    Otherwise a rerun's curve is drawn on top of the old one and the time table takes the old
+    run's last step and wall clock."""
+    kept: list[dict] = []
+    for row in rows:
+        step = _step_of(row)
+        if step is not None:
+            train = _get(row, "loss") is not None
+            kept = [r for r in kept if _step_of(r) is None or _step_of(r) < step
+                    or (_step_of(r) == step and (_get(r, "loss") is not None) != train)]
+        kept.append(row)
+    return kept, len(rows) - len(kept)
 
 
 def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str, Path]]:
@@ -231,6 +264,19 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _md_item(pad: str, head: str, value) -> list[str]:
+    """One list item `- head value`. A multi-line string (a generated sample) becomes a fenced block
+    inside the item: its lines as written, where raw they would be joined into one paragraph or
+    end the list ("# ..." a heading, "---" a rule, "| a |" a table)."""
+    if not (isinstance(value, str) and ("\n" in value or "\r" in value)):
+        return [f"{pad}- {head}{_fmt(value)}"]
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", value)), default=0))
+    inner = pad + "  "
+    lines = value.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    opening = [f"{pad}- {head.rstrip()}", f"{inner}{fence}text"] if head else [f"{pad}- {fence}text"]
+    return opening + [f"{inner}{line}" if line else "" for line in lines] + [f"{inner}{fence}"]
+
+
 def _md_data(data, indent: int = 0) -> list[str]:
     pad = "  " * indent
     if isinstance(data, dict):
@@ -240,12 +286,12 @@ def _md_data(data, indent: int = 0) -> list[str]:
                 lines.append(f"{pad}- {k}:")
                 lines += _md_data(v, indent + 1)
             else:
-                lines.append(f"{pad}- {k}: {_fmt(v)}")
+                lines += _md_item(pad, f"{k}: ", v)
         return lines
     if isinstance(data, list):
         lines = []
         for v in data:
-            lines += _md_data(v, indent) if isinstance(v, dict) else [f"{pad}- {_fmt(v)}"]
+            lines += _md_data(v, indent) if isinstance(v, dict) else _md_item(pad, "", v)
         return lines
     return [f"{pad}{data}"]
 
@@ -258,6 +304,23 @@ def _stage_of(section: str, data: dict) -> str | None:
         if any(w in names for w in words):
             return stage
     return None
+
+
+def _entry_time(entry: dict) -> float:
+    """When a section entry was logged (epoch seconds): "t", else its ISO "time" (older files)."""
+    if isinstance(entry.get("t"), (int, float)):
+        return float(entry["t"])
+    try:
+        return datetime.fromisoformat(str(entry.get("time"))).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Atomic (temp file + os.replace, a per-process temp name): a crash or a concurrent writer
+    never leaves a torn file, which the next `generate` would refuse as corrupt."""
+    from nanochat.checkpoint_io import atomic_write
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def _read_json(path: Path, what: str, valid) -> dict:
@@ -296,9 +359,7 @@ class Report:
         doc = _read_json(path, "section", _valid_section) if path.is_file() else {"section": section, "entries": []}
         doc["entries"].append({"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(),
                                "data": jsonable(data)})
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
+        _write_text(path, json.dumps(doc, indent=1))
         return path
 
     @staticmethod
@@ -318,7 +379,7 @@ class Report:
         self._mkdir(self.dir)
         header = {"start_time": time.time(), "start": datetime.now().isoformat(timespec="seconds"),
                   "system": system_info()}
-        (self.dir / "header.json").write_text(json.dumps(header, indent=1), encoding="utf-8")
+        _write_text(self.dir / "header.json", json.dumps(header, indent=1))
 
     def sections(self) -> list[dict]:
         docs = [_read_json(p, "section", _valid_section) for p in sorted((self.dir / "sections").glob("*.json"))]
@@ -329,19 +390,36 @@ class Report:
         """metric -> stage -> value (the latest entry wins). Evaluations of quantised weights
         (`weights` in their data: base_eval / chat_eval --quantize) are the model served, not the
         model trained: they keep their sections and stay out of the summary."""
-        table: dict[str, dict[str, float]] = {row: {} for row in SUMMARY_ROWS}
+        return {row: {stage: value for stage, (value, _) in cells.items()}
+                for row, cells in self.summary_cells().items()}
+
+    def summary_cells(self) -> dict[str, dict[str, tuple[float, list[str]]]]:
+        """metric -> stage -> (value, notes): the summary with what the reader must know about each
+        value: "stale" (logged before the latest training run of its stage or an earlier one: it
+        may describe an older model) and "partial" (a CORE/ChatCORE of a subset of the tasks)."""
+        entries = []   # (time, order, stage, data): every entry of every section, oldest first
         for doc in self.sections():
             for entry in doc["entries"]:
                 data = entry["data"]
-                if not isinstance(data, dict) or data.get("weights", "none") != "none":
-                    continue
-                stage = _stage_of(doc["section"], data)
-                if stage is None:
-                    continue
-                for row, keys in SUMMARY_ROWS.items():
-                    for key in keys:
-                        if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
-                            table[row][stage] = float(data[key])
+                stage = _stage_of(doc["section"], data) if isinstance(data, dict) else None
+                if stage is not None:
+                    entries.append((_entry_time(entry), len(entries), stage, data))
+        entries.sort(key=lambda e: e[:2])
+        trained = {}   # stage -> time of its latest training section entry (log_stage_report's)
+        for t, _, stage, data in entries:
+            if "final_step" in data:
+                trained[stage] = t
+        table: dict[str, dict[str, tuple[float, list[str]]]] = {row: {} for row in SUMMARY_ROWS}
+        for t, _, stage, data in entries:
+            if data.get("weights", "none") != "none":
+                continue
+            upstream = [trained[s] for s in STAGES[:STAGES.index(stage) + 1] if s in trained]
+            for row, keys in SUMMARY_ROWS.items():
+                for key in keys:
+                    if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
+                        notes = (["stale"] if any(t < tt for tt in upstream) else []) + \
+                            (["partial"] if data.get(f"{row} complete") is False else [])
+                        table[row][stage] = (float(data[key]), notes)
         return table
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
@@ -351,16 +429,17 @@ class Report:
         self._mkdir(self.dir)
         header_path = self.dir / "header.json"
         header = _read_json(header_path, "header", _valid_header) if header_path.is_file() else {"system": system_info()}
-        metrics = read_metrics(self.dir.parent)
+        runs = {stage: current_run(rows) for stage, rows in read_metrics(self.dir.parent).items()}
+        metrics = {stage: rows for stage, (rows, _) in runs.items()}
+        superseded = {stage: n for stage, (_, n) in runs.items() if n}
         plots = make_plots(metrics, self.dir / "plots") if metrics else []
         lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
                  + (f"; run started {header['start']}" if "start" in header else ""), "", "## Environment", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
-        lines += ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
-                  "|---|" + "---|" * len(STAGES)]
-        for row, values in self.summary().items():
-            lines.append(f"| {row} | " + " | ".join(f"{values[s]:.4f}" if s in values else "-" for s in STAGES) + " |")
-        lines += ["", *self._time_and_cost(metrics, header, hourly_cost)]
+        lines += self._summary_lines() + self._time_and_cost(metrics, header, hourly_cost)
+        if superseded:
+            lines += [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
+                      "redid) left out of the plots and this table" for stage, n in superseded.items()] + [""]
         if plots:
             lines += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
         for doc in self.sections():
@@ -368,8 +447,22 @@ class Report:
             for entry in doc["entries"]:
                 lines += [f"_{entry['time']}_", "", *_md_data(entry["data"]), ""]
         path = self.dir / "report.md"
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        _write_text(path, "\n".join(lines) + "\n")
         return path
+
+    def _summary_lines(self) -> list[str]:
+        """The summary table, each value with its notes ("0.3100 (stale)"), and what they mean."""
+        lines = ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
+                 "|---|" + "---|" * len(STAGES)]
+        noted = set()
+        for row, cells in self.summary_cells().items():
+            shown = []
+            for s in STAGES:
+                value, notes = cells.get(s, (None, []))
+                shown.append("-" if value is None else " ".join([f"{value:.4f}", *(f"({n})" for n in notes)]))
+                noted.update(notes)
+            lines.append(f"| {row} | " + " | ".join(shown) + " |")
+        return lines + [""] + [NOTES[n] for n in ("stale", "partial") if n in noted] + ([""] if noted else [])
 
     def _time_and_cost(self, metrics: dict[str, list[dict]], header: dict, hourly_cost: float | None) -> list[str]:
         lines = ["## Time and cost", "", "| Stage | steps | wall clock (h) |", "|---|---|---|"]

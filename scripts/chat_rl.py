@@ -251,7 +251,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                **{f"final_{k}": v for k, v in result.last_eval.items() if k.startswith("gsm8k_sampled_pass@")}}
     print0("done: " + json.dumps(summary))
     log_stage_report("Chat RL", "rl", config=asdict(cfg), result=result, meter=meter,
-                     extra={**train_meta, "source": source}, is_master=rt.is_master)
+                     extra={**train_meta, "model_tag": tag, "checkpoint_dir": str(ckpt_dir), "source": source},
+                     is_master=rt.is_master)
     tracker.finish()
     return {**summary, "losses": result.losses}
 

@@ -172,3 +172,100 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
                        env={**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path)})
     assert r.returncode == 2 and r.stderr.startswith("report: error: ") and "Traceback" not in r.stderr, r.stderr
     assert str(rdir / "header.json") in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def _rows_for(base, stage):
+    return [json.loads(line) for line in (base / "report" / f"metrics_{stage}.jsonl").read_text().splitlines()]
+
+
+def test_a_rerun_or_resumed_stage_replaces_the_old_runs_rows(base):
+    """metrics_<stage>.jsonl is appended to by every run: a fresh rerun of a stage was drawn on top of
+    the old curve (a line back from its last step to 0) and the time table showed the old run's last
+    step and wall clock; a resume from an earlier checkpoint drew the steps it redid twice."""
+    rep = get_report()
+    rep.reset()
+    for step in range(20):   # an old run of the stage, 2 s a step, evaluated every 10 steps
+        if step % 10 == 0:
+            log_metrics("sft", {"step": step, "val_bpb": 2.0, "elapsed_s": 2.0 * step})
+        log_metrics("sft", {"step": step, "loss": 5.0, "elapsed_s": 2.0 * step})
+    for step in range(6):    # a fresh rerun, 1 s a step, crashed after step 5 (checkpoint at step 3)
+        if step % 3 == 0:
+            log_metrics("sft", {"step": step, "val_bpb": 1.5, "elapsed_s": 1.0 * step})
+        log_metrics("sft", {"step": step, "loss": 1.0, "elapsed_s": 1.0 * step})
+    for step in range(3, 8):  # resumed from step 3 (evaluated there before the save): not evaluated again
+        log_metrics("sft", {"step": step, "loss": 0.5, "elapsed_s": 1.0 * step})
+    rows, dropped = report_mod.current_run(_rows_for(base, "sft"))
+    assert dropped == 22 + 3
+    assert report_mod._series(rows, "loss", "step") == ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+                                                       [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    assert report_mod._series(rows, "val_bpb", "step") == ([0.0, 3.0], [1.5, 1.5])   # step 3's eval kept
+    text = rep.generate().read_text()
+    stages = {r[0]: r for r in parse_table(text.splitlines(), "| Stage |")[2:]}
+    assert stages["sft"][1] == "7" and float(stages["sft"][2]) == pytest.approx(7 / 3600, abs=1e-3)
+    assert "- sft: 25 metrics rows of an earlier run" in text
+
+
+def test_summary_marks_values_older_than_the_model_and_partial_scores(base):
+    """A chat_eval logged before its stage (or an earlier one) was trained again describes the old
+    model: it was shown as the current figure; a ChatCORE of one task was shown as the ChatCORE."""
+    rep = get_report()
+    rep.reset()
+    rep.log("Chat SFT", {"stage": "sft", "final_step": 10})
+    rep.log("Chat evaluation sft", {"stage": "sft", "GSM8K": 0.1, "ChatCORE metric": 0.2, "ChatCORE complete": True})
+    rep.log("Chat RL", {"stage": "rl", "final_step": 5})
+    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.3, "ChatCORE metric": 0.25, "ChatCORE complete": True})
+    cells = rep.summary_cells()
+    assert cells["GSM8K"] == {"sft": (0.1, []), "rl": (0.3, [])} and cells["ChatCORE"]["rl"] == (0.25, [])
+    rep.log("Chat SFT", {"stage": "sft", "final_step": 20})     # SFT trained again, not re-evaluated
+    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.4, "ChatCORE metric": 0.3, "ChatCORE complete": False})
+    cells = rep.summary_cells()
+    assert cells["GSM8K"] == {"sft": (0.1, ["stale"]), "rl": (0.4, [])}
+    assert cells["ChatCORE"] == {"sft": (0.2, ["stale"]), "rl": (0.3, ["partial"])}
+    assert rep.summary()["GSM8K"] == {"sft": 0.1, "rl": 0.4}
+    text = rep.generate().read_text()
+    rows = {r[0]: r[1:] for r in parse_table(text.splitlines(), "| Metric |")[2:]}
+    assert rows["GSM8K"] == ["-", "-", "0.1000 (stale)", "0.4000"]
+    assert rows["ChatCORE"] == ["-", "-", "0.2000 (stale)", "0.3000 (partial)"]
+    assert "(stale): logged before the latest training run" in text and "(partial): computed from a subset" in text
+    rep.log("Chat RL", {"stage": "rl", "final_step": 9})         # RL on the new SFT: its old figures too
+    assert rep.summary_cells()["GSM8K"]["rl"] == (0.4, ["stale"])
+
+
+def test_summary_latest_entry_wins_across_sections(base):
+    rep = get_report()
+    rep.reset()
+    rep.log("Chat evaluation sft", {"stage": "sft", "MMLU": 0.1})
+    rep.log("Custom sft evaluation", {"stage": "sft", "MMLU": 0.2})
+    rep.log("Chat evaluation sft", {"stage": "sft", "MMLU": 0.3})   # the newest, in the older section
+    assert rep.summary()["MMLU"] == {"sft": 0.3}
+
+
+def test_multiline_strings_stay_inside_their_item(base):
+    """Generated samples hold newlines: written raw, a line "# x" became a report heading, "---" a
+    rule and "| a |" a table, and the sample's own lines were run together into one paragraph."""
+    rep = get_report()
+    rep.reset()
+    sample = "The king said:\n# not a heading\n---\n| not | a table |\n\nuse ``` fences"
+    rep.log("Base model evaluation", {"stage": "base", "samples": [sample, "one line"], "note": "a\nb"})
+    lines = rep.generate().read_text().splitlines()
+    start = lines.index("## Base model evaluation")
+    body = lines[start + 1:]
+    assert not any(ln.startswith(("#", "---", "|")) for ln in body)
+    fence = "````"   # longer than any run of backticks in the text
+    i = body.index(f"  - {fence}text")   # an item of the list under "- samples:"
+    assert body[i - 1] == "- samples:" and body[i + 1:i + 8] == [
+        "    The king said:", "    # not a heading", "    ---", "    | not | a table |", "", "    use ``` fences",
+        f"    {fence}"]
+    assert "  - one line" in body and body[body.index("- note:") + 1:body.index("- note:") + 5] == \
+        ["  ```text", "  a", "  b", "  ```"]
+
+
+def test_non_finite_values_draw_no_empty_chart(base):
+    rep = get_report()
+    rep.reset()
+    for step in range(3):
+        log_metrics("base", {"step": step, "loss": [3.0, math.nan, 2.0][step], "val_bpb": math.nan})
+    rep.generate()
+    plots = base / "report" / "plots"
+    assert (plots / "loss_vs_step.png").is_file() and not (plots / "val_bpb_vs_step.png").exists()
+    assert report_mod._series(report_mod.read_metrics()["base"], "loss", "step") == ([0.0, 2.0], [3.0, 2.0])

@@ -188,6 +188,9 @@ def test_simple_spelling_spells_the_word_and_keeps_the_split(shared_data):
         assert answer.split(" is spelled ")[1].rstrip(".").split(", ") == list(ex["word"])
         assert ex["word"] in ex["messages"][0]["content"].lower() and train.evaluate(ex, answer)
         assert not train.evaluate(ex, answer.replace(", ", ",", 1) if len(ex["word"]) > 1 else "nothing")
+    # the spelling of a longer word that ends in this one is not this word's ("c, a, t." is not "at")
+    assert train.evaluate({"word": "at"}, "at is spelled a, t.") and train.evaluate({"word": "at"}, "a, t.")
+    assert not train.evaluate({"word": "at"}, "cat is spelled c, a, t.")
     with pytest.raises(ValueError, match="SimpleSpelling split"):
         SimpleSpelling(split="dev", data_dir=shared_data)
 

@@ -12,6 +12,7 @@ Word list: `words.txt` (one lowercase word per line), local only (no hub fallbac
 from __future__ import annotations
 
 import random
+import re
 import string
 import zlib
 
@@ -77,7 +78,10 @@ class SimpleSpelling(_WordTask):
                 "word": word}
 
     def evaluate(self, conversation: dict, completion: str) -> bool:
-        return f"{', '.join(conversation['word'])}." in completion
+        """The word's letters, comma-separated and ending in '.', and not the tail of a longer
+        spelling: "c, a, t." spells "cat", not "at" (a plain substring test passed it)."""
+        spelled = re.escape(", ".join(conversation["word"]) + ".")
+        return re.search(r"(?<![A-Za-z], )(?<![A-Za-z])" + spelled, completion) is not None
 
 
 class SpellingBee(_WordTask):

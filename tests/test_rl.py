@@ -1,0 +1,129 @@
+"""RL (nanochat/rl.py, scripts/chat_rl.py) on CPU: the policy-gradient step's gradient against a
+hand-computed objective (group-relative advantages, sampled tokens only, per-problem token
+normalisation, micro-batches), zero gradient for a group with equal rewards, and a tiny chat_rl
+run: exact resume and a report section that names the checkpoint it describes.
+(The rollout masks and flag checks are tested in tests/test_chat_train.py.)"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_engine import tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_corpus):
+    return tiny_chat_model(str(tiny_corpus))   # cached: the same model as test_engine's (never modified here)
+
+
+class _Runtime:
+    rank, world_size, device = 0, 1, "cpu"
+
+    def synchronize(self):
+        pass
+
+
+class _Schedule:
+    def apply(self, optimizer, step):
+        return 1.0
+
+
+class _RecordGrads:
+    """An optimizer that keeps the gradients step() sees (the weights stay as they are)."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+class _Task:
+    def __init__(self, reward):
+        self.reward_fn = reward
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                             {"role": "assistant", "content": str(2 * i)}]}
+
+    def reward(self, conversation, completion):
+        return self.reward_fn(completion)
+
+
+def _trainer(chat_model, reward, **kw):
+    from nanochat.rl import PolicyGradientTrainer
+    model, tokenizer = chat_model
+    model = copy.deepcopy(model).train()
+    opt = _RecordGrads(model)
+    args = dict(examples_per_step=2, num_samples=4, max_new_tokens=6, device_batch_size=3, seed=5)
+    return PolicyGradientTrainer(model, model, opt, _Task(reward), tokenizer, _Schedule(), _Runtime(),
+                                 **{**args, **kw}), opt
+
+
+def _reference_grads(trainer, problems):
+    """-(1/P) sum_problems (1/tokens_p) sum_samples (r - mean r) sum_sampled_tokens log p, by hand."""
+    from nanochat.tasks.evaluate import completion_text
+    model, tok = trainer.model, trainer.tokenizer
+    model.zero_grad(set_to_none=True)
+    objective = 0.0
+    for index in problems:
+        conv = trainer.task[index]
+        prompt = tok.render_for_completion(conv)
+        seqs, masks = trainer.engine.generate_batch(prompt, num_samples=trainer.num_samples, max_tokens=6,
+                                                    temperature=1.0, top_k=50, seed=5 + index * 7919 + trainer.pos)
+        model.train()
+        rewards = [trainer.task.reward(conv, completion_text(tok, s[len(prompt):])) for s in seqs]
+        mean = sum(rewards) / len(rewards)
+        tokens = sum(sum(m[1:]) for m in masks)
+        for seq, mask, r in zip(seqs, masks, rewards):
+            logits = model(torch.tensor([seq[:-1]]))[0].float()
+            logp = F.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+            objective = objective + (r - mean) * (logp * torch.tensor(mask[1:], dtype=torch.float32)).sum() / tokens
+    loss = -objective / len(problems)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_policy_gradient_step_matches_the_hand_computed_objective(chat_model):
+    trainer, opt = _trainer(chat_model, lambda text: float(len(text) % 3))
+    res = trainer.step(0)
+    assert trainer.pos == 2 and res.extra["skipped"] == 0 and 0 < res.extra["reward"] < 2
+    trainer.pos = 0
+    loss, grads = _reference_grads(trainer, [0, 1])
+    assert res.loss == pytest.approx(loss, abs=1e-6)
+    assert set(grads) == set(opt.grads) and any(g.abs().max() > 0 for g in grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(opt.grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_group_with_equal_rewards_gives_zero_gradient(chat_model):
+    trainer, opt = _trainer(chat_model, lambda text: 1.0)
+    res = trainer.step(0)
+    assert res.loss == 0.0 and res.extra["reward"] == 1.0
+    assert all(bool((g == 0).all()) and math.isfinite(float(g.sum())) for g in opt.grads.values())
+
+
+def test_chat_rl_resumes_exactly_and_reports_its_checkpoint(sft_checkpoint, chat_model, monkeypatch):
+    from nanochat.report import Report, report_dir
+    from nanochat.tasks import GSM8K
+    from scripts import chat_rl
+    # a random model never solves GSM8K (every advantage 0, no update): a reward it can earn
+    monkeypatch.setattr(GSM8K, "reward", lambda self, conv, text: float(len(text) % 2))
+    args = ["--device", "cpu", "--model-tag", "d2", "--examples-per-step", "1", "--num-samples", "2",
+            "--max-new-tokens", "4", "--test-holdout", "1", "--eval-every", "-1", "--save-every", "1",
+            "--num-iterations", "2", "--matrix-lr", "0.5", "--init-lr-frac", "1"]
+    full = chat_rl.main(args)
+    resumed = chat_rl.main(args + ["--resume", "1"])
+    assert sorted(full["losses"]) == [0, 1] and sorted(resumed["losses"]) == [1]
+    assert resumed["losses"][1] == full["losses"][1] and all(v != 0 for v in full["losses"].values())
+    doc = next(d for d in Report(report_dir(sft_checkpoint)).sections() if d["section"] == "Chat RL")
+    data = doc["entries"][-1]["data"]
+    assert data["model_tag"] == "d2" and data["checkpoint_dir"].endswith("d2") and data["final_step"] == 2
