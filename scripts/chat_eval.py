@@ -176,7 +176,7 @@ def main(argv=None) -> dict:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(Path(path), lambda f: f.write(json.dumps(out, indent=1).encode()))
             print0(f"results written to {path}")
-            section = {"stage": cfg.source, "model_tag": cfg.model_tag, "step": out["step"],
+            section = {"stage": cfg.source, "model_tag": tag, "step": out["step"],   # resolved, as base_eval's
                        "temperature": cfg.temperature, "num_samples": cfg.num_samples,
                        "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
                        "ChatCORE complete": complete, **({"weights": cfg.quantize} if suffix else {})}

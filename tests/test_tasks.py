@@ -382,10 +382,13 @@ def test_chat_eval_end_to_end(tmp_path, monkeypatch, tok):
     section = json.loads((base / "report" / "sections" / "chat-evaluation-sft.json").read_text())
     assert section["entries"][0]["data"]["ChatCORE metric"] == pytest.approx(out["ChatCORE"])
     # the fixed-shape decode (what CUDA graphs replay) scores the greedy generations identically
-    static = chat_eval.main(["-i", "sft", "--model-tag", "d1", "-x", "2", "--max-new-tokens", "8", "--device", "cpu",
+    static = chat_eval.main(["-i", "sft", "-x", "2", "--max-new-tokens", "8", "--device", "cpu",
                              "-a", "GSM8K|HumanEval|SpellingBee", "--decode", "static", "--out", str(out_path)])
     for name, r in static["results"].items():
         assert r["passed"] == out["results"][name]["passed"], name
+    # without --model-tag the report still names the checkpoint evaluated (it said None)
+    section = json.loads((base / "report" / "sections" / "chat-evaluation-sft.json").read_text())
+    assert [e["data"]["model_tag"] for e in section["entries"]] == ["d1", "d1"]
 
 
 # ------------------------------------------------------------------ broken / empty local files
