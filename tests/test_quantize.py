@@ -89,9 +89,15 @@ def test_quantised_kv_cache_decode_equals_recompute():
 
 
 def test_moving_a_quantised_model_keeps_float32_scales():
-    model = quantize_model(tiny_model(), "int8").to(torch.bfloat16)
+    model = quantize_model(tiny_model(), "int8")
+    scales = {name: m.scale.clone() for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    model = model.to(torch.bfloat16)
     lin = model.blocks[0].mlp.c_fc
     assert lin.qweight.dtype == torch.int8 and lin.scale.dtype == torch.float32 and lin.kernel is None
+    # the values too, not their bf16 round trip (that rounded each row's scale by up to 0.4%)
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            assert torch.equal(m.scale, scales[name]), name
     assert model(torch.randint(0, 512, (1, 5))).dtype == torch.float32
 
 
