@@ -356,6 +356,8 @@ def _dense_mask(T: int, window: int, device: torch.device) -> torch.Tensor:
         pos = torch.arange(T, device=device)
         mask = _visible(pos, pos, window)
         if not torch.compiler.is_compiling():
+            if len(_DENSE_MASKS) >= 8:   # evals pad batches to many lengths: T^2 bytes each, bounded
+                _DENSE_MASKS.pop(next(iter(_DENSE_MASKS)))
             _DENSE_MASKS[key] = mask
     return mask
 

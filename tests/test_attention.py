@@ -165,6 +165,10 @@ def test_masks_are_cached():
     A.attention(q, k, v, window=5, backend="flex")
     A.attention(q, k, v, window=5, backend="sdpa")
     assert A._BLOCK_MASKS[(33, 5, "cpu")] is bm and A._DENSE_MASKS[(33, 5, "cpu")] is dm
+    for T in range(40, 60):   # batches padded to many lengths (an eval) keep a bounded set of T^2 masks
+        q, k, v = _qkv(T=T, dtype=torch.float32)
+        A.attention(q, k, v, window=5, backend="sdpa")
+    assert len(A._DENSE_MASKS) <= 8 and (59, 5, "cpu") in A._DENSE_MASKS
 
 
 # ----------------------------------------------------------------------------------------------
