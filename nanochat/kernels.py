@@ -35,7 +35,9 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 from typing import Callable
 
 import torch
@@ -80,7 +82,7 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, softcap: float, reduction: str):
-        z = softcap * torch.tanh(logits.to(_loss_dtype(logits)) / softcap)
+        z = _capped(logits.to(_loss_dtype(logits)), softcap)   # softcap 0: none, as current_loss
         lse = torch.logsumexp(z, dim=-1)
         valid = targets != -1
         target_z = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
@@ -96,14 +98,17 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, targets, lse, count = ctx.saved_tensors
-        t = torch.tanh(logits.to(_loss_dtype(logits)) / ctx.softcap)
-        probs = torch.exp(ctx.softcap * t - lse[:, None])
+        x = logits.to(_loss_dtype(logits))
+        t = torch.tanh(x / ctx.softcap) if ctx.softcap else None
+        probs = torch.exp((ctx.softcap * t if ctx.softcap else x) - lse[:, None])
         cols = torch.arange(logits.size(1), device=logits.device)
         dz = torch.where(cols[None, :] == targets[:, None], probs - 1.0, probs)
-        row_scale = (targets != -1).to(t.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
-        if ctx.reduction == "mean":
-            row_scale = row_scale / count
-        return (dz * row_scale[:, None] * (1.0 - t * t)).to(logits.dtype), None, None, None
+        row_scale = (targets != -1).to(x.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
+        if ctx.reduction == "mean":   # all ignored: zero gradient like F.cross_entropy, not 0/0
+            row_scale = row_scale / count.clamp(min=1)
+        if ctx.softcap:
+            dz = dz * (1.0 - t * t)
+        return (dz * row_scale[:, None]).to(logits.dtype), None, None, None
 
 
 def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str):
@@ -111,9 +116,10 @@ def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int,
 
     hidden (N, C) and weight (Vpad, C) arrive in the compute dtype; targets (N,) with -1 = ignore.
     The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
+    softcap 0 or None: no softcap (the same contract as current_loss and triton_loss).
     """
     logits = F.linear(hidden, weight)[:, :vocab_size]
-    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap), reduction)
+    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap or 0.0), reduction)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,7 +301,9 @@ def _custom_ops():
                 hidden, weight, targets, lse, rows, softcap, vocab_size, chunk_rows)
             return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None
         g = g_loss.float()
-        gh = (grad_h * g.to(grad_h.dtype)) if ctx.needs_input_grad[0] else None
+        # scale in float32, round once: g.to(bf16) would scale every hidden gradient by the
+        # rounding of g (e.g. 1/3 -> 0.33398, +0.2%) while the head's gradient got the exact g
+        gh = (grad_h.float() * g).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * g).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         return gh, gw, None, None, None, None, None, None
 
@@ -327,17 +335,55 @@ def _liger_module(softcap, reduction):
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except ImportError as exc:
         raise RequestError(
-            "--kernel liger needs liger-kernel: pip install 'liger-kernel>=0.6' (or the `gpu` "
+            "--kernel liger needs liger-kernel: pip install 'liger-kernel>=0.6.2' (or the `gpu` "
             f"extra: pip install -e '.[gpu]'); or use --kernel triton|current ({exc})") from exc
+    if "accum_dtype" not in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
+        # 0.6.0/0.6.1: no fp32 weight-gradient accumulation (and a TypeError for the keyword)
+        raise RequestError("--kernel liger needs liger-kernel >= 0.6.2 (accum_dtype, the fp32 weight-"
+                           "gradient accumulation): pip install -U liger-kernel; or use --kernel triton|current")
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=softcap or None,
                                             reduction=reduction, accum_dtype=torch.float32)
 
 
+def liger_per_token_support() -> tuple[bool, bool]:
+    """(reduction='none' returns per-token losses, its backward applies per-token upstream
+    gradients) for the installed Liger. Up to 0.6.2 'none' returned the summed loss; up to 0.8.1
+    the backward multiplied every row by the first token's upstream gradient only (its
+    element_mul_kernel loads one scalar); 0.8.2 recomputes the chunks with them
+    (`token_grad_output`)."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+    fwd = flce.fused_linear_cross_entropy_forward
+    backward_ok = "token_grad_output" in inspect.signature(fwd).parameters
+    try:
+        src = inspect.getsource(fwd)
+    except OSError:   # no source shipped: claim only what the signature shows
+        return backward_ok, backward_ok
+    # up to 0.6.2 the per-token branch is only a comment ("# if reduction == 'none':")
+    forward_ok = backward_ok or re.search(r'^\s*if reduction == "none":', src, re.MULTILINE) is not None
+    return forward_ok, backward_ok
+
+
+def _check_liger_reduction(reduction: str, needs_grad: bool, support: tuple[bool, bool]) -> None:
+    """Raise where the installed Liger (`support`: liger_per_token_support()) would return a
+    wrong per-token loss or gradient."""
+    if reduction != "none":
+        return
+    forward_ok, backward_ok = support
+    if not forward_ok or (needs_grad and not backward_ok):
+        what = "per-token losses" if not forward_ok else "per-token gradients (backward)"
+        raise RequestError(f"--kernel liger: the installed liger-kernel gets reduction='none' {what} "
+                           "wrong (fixed in liger-kernel 0.8.2): pip install -U 'liger-kernel>=0.8.2'; "
+                           "or use --kernel triton|current")
+
+
 def make_liger_loss(inline: bool = False) -> LossFn:
     modules: dict[tuple, torch.nn.Module] = {}
+    support = liger_per_token_support()   # read once here, never inside a traced call
 
     def liger_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
         key = (float(softcap or 0.0), reduction)
+        needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        _check_liger_reduction(reduction, needs_grad, support)
         if key not in modules:
             modules[key] = _liger_module(softcap, reduction)
         # Only the real vocab rows, in the activations' dtype (Liger matmuls in that dtype).

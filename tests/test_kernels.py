@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.errors import RequestError
-from nanochat.kernels import build_loss_fn, ce_rows_torch, current_loss, default_chunk_rows, triton_loss
+from nanochat import kernels
+from nanochat.kernels import (build_loss_fn, ce_rows_torch, cross_entropy_loss, current_loss, default_chunk_rows,
+                              triton_loss)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,6 +123,104 @@ def test_build_loss_fn_validation():
         triton_loss(*make_case(n=4), 15.0, 50, "avg")
     assert default_chunk_rows(65536, 65536) == 4096
     assert default_chunk_rows(100, 65536) == 100
+
+
+def _grad_scale_vs_float64(fn, upstream):
+    """Least-squares scale of fn's bf16 hidden / head gradients against float64 ones, both with
+    the same scalar upstream gradient (what the trainer's loss / count or loss / grad_accum gives)."""
+    hidden, weight, targets = make_case(n=96, c=32, vocab=50, vpad=64, dtype=torch.bfloat16, seed=3)
+    got = loss_and_grads(fn, hidden, weight, targets, 15.0, 50, "sum", torch.tensor(upstream))
+    ref = loss_and_grads(plain_ce, hidden.double(), weight.double(), targets, 15.0, 50, "sum",
+                         torch.tensor(upstream, dtype=torch.float64))
+    return [((g * r).sum() / (r * r).sum()).item() for g, r in zip(got[1:], ref[1:])]
+
+
+@pytest.mark.parametrize("fn", [triton_loss, current_loss, cross_entropy_loss], ids=lambda f: f.__name__)
+def test_upstream_gradient_scale_is_not_rounded_to_bf16(fn):
+    """An upstream gradient of 1/3 scales the bf16 hidden gradient by 1/3, not by bf16(1/3) =
+    0.33398 (+0.2% on every hidden gradient, while the head's got the exact 1/3)."""
+    for scale in _grad_scale_vs_float64(fn, 1.0 / 3.0):
+        assert abs(scale - 1.0) < 5e-4, scale
+
+
+@pytest.mark.parametrize("softcap", [15.0, 0.0, None])
+def test_default_loss_all_ignored_and_no_softcap_match_pytorch(softcap):
+    """The model's default loss: all targets ignored with mean gives a NaN loss and zero
+    gradients, as F.cross_entropy does (not NaN gradients); softcap 0/None means no softcap, as
+    in current_loss and triton_loss (not 0 * tanh(x / 0))."""
+    hidden, weight, targets = make_case(n=12)
+    for t in (targets, torch.full_like(targets, -1)):
+        for reduction in ("mean", "sum", "none"):
+            want = loss_and_grads(plain_ce, hidden, weight, t, softcap, 50, reduction)
+            got = loss_and_grads(cross_entropy_loss, hidden, weight, t, softcap, 50, reduction)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
+            assert torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()
+
+
+def _fake_liger(tmp_path, monkeypatch, *, accum_dtype=True, per_token="0.8.2"):
+    """A stand-in liger_kernel package on sys.path, shaped like the named release's API:
+    '0.6.2' (per-token branch only a comment), '0.8.1' (per-token losses, scalar-only backward),
+    '0.8.2' (token_grad_output)."""
+    root = tmp_path / "liger_kernel"
+    for sub in ("", "ops", "transformers"):
+        (root / sub).mkdir(exist_ok=True)
+        (root / sub / "__init__.py").write_text("")
+    extra = ", accum_dtype=None" if accum_dtype else ""
+    (root / "transformers" / "fused_linear_cross_entropy.py").write_text(
+        "import torch\n"
+        "class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):\n"
+        f"    def __init__(self, ignore_index=-100, reduction='mean', softcap=None{extra}):\n"
+        "        super().__init__()\n"
+        "        self.ignore_index, self.reduction, self.softcap = ignore_index, reduction, softcap\n"
+        "    def forward(self, lin_weight, _input, target, bias=None):\n"
+        "        z = _input @ lin_weight.t()\n"
+        "        z = self.softcap * torch.tanh(z / self.softcap) if self.softcap else z\n"
+        "        return torch.nn.functional.cross_entropy(z.float(), target, ignore_index=self.ignore_index,\n"
+        "                                                 reduction=self.reduction)\n")
+    body = {"0.6.2": "    # if reduction == \"none\":\n    #     loss = loss_1d\n    return None\n",
+            "0.8.1": "    if reduction == \"none\":\n        return None\n",
+            "0.8.2": "    if reduction == \"none\":\n        return token_grad_output\n"}[per_token]
+    args = "_input, weight, target, reduction='mean'" + (", token_grad_output=None" if per_token == "0.8.2" else "")
+    (root / "ops" / "fused_linear_cross_entropy.py").write_text(
+        f"def fused_linear_cross_entropy_forward({args}):\n{body}")
+    for name in [m for m in list(__import__("sys").modules) if m.split(".")[0] == "liger_kernel"]:
+        monkeypatch.delitem(__import__("sys").modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("release, forward_ok, backward_ok",
+                         [("0.6.2", False, False), ("0.8.1", True, False), ("0.8.2", True, True)])
+def test_liger_reduction_none_raises_where_the_installed_liger_is_wrong(tmp_path, monkeypatch, release,
+                                                                        forward_ok, backward_ok):
+    """Liger up to 0.8.1 multiplies every row's gradient by the first token's upstream gradient
+    under reduction='none' (up to 0.6.2 it returned the summed loss): such a request raises
+    instead of training on wrong gradients; a no-grad per-token forward (evaluate_bpb) still runs
+    where its forward is right; mean/sum are unaffected."""
+    _fake_liger(tmp_path, monkeypatch, per_token=release)
+    assert kernels.liger_per_token_support() == (forward_ok, backward_ok)
+    fn = kernels.make_liger_loss()
+    hidden, weight, targets = make_case(n=8, dtype=torch.float32)
+    assert fn(hidden, weight, targets, 15.0, 50, "mean").ndim == 0
+    if backward_ok:
+        assert fn(hidden, weight, targets, 15.0, 50, "none").shape == (8,)
+    else:
+        with pytest.raises(RequestError, match="reduction='none'.*0.8.2"):
+            fn(hidden, weight, targets, 15.0, 50, "none")
+    with torch.no_grad():
+        if forward_ok:
+            assert fn(hidden, weight, targets, 15.0, 50, "none").shape == (8,)
+        else:
+            with pytest.raises(RequestError, match="per-token losses"):
+                fn(hidden, weight, targets, 15.0, 50, "none")
+
+
+def test_liger_without_accum_dtype_raises_a_request_error(tmp_path, monkeypatch):
+    """liger-kernel 0.6.0/0.6.1 have no accum_dtype: a RequestError naming the version needed,
+    not a TypeError from inside the first loss call."""
+    _fake_liger(tmp_path, monkeypatch, accum_dtype=False)
+    with pytest.raises(RequestError, match="liger-kernel >= 0.6.2"):
+        kernels._liger_module(15.0, "mean")
 
 
 def test_triton_interpreter_runs_the_real_kernels(run_triton_interpreted):
