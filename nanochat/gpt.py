@@ -341,9 +341,12 @@ class GPT(nn.Module):
                 for block in self.blocks:
                     block.attn.qkv_weight = None
 
+    # inference_mode(False) first: a normal tensor even when entered under inference_mode (later
+    # refreshes copy into it from outside that mode); it turns grad mode back on, so no_grad inside
+    # it: the copy carried an autograd graph to the weights (and deepcopy of the model failed)
+    @torch.inference_mode(False)
     @torch.no_grad()
-    @torch.inference_mode(False)  # a normal tensor even when entered under inference_mode: later
-    def _refresh_qkv(self) -> None:  # refreshes copy into it from outside that mode
+    def _refresh_qkv(self) -> None:
         dtype = self.runtime_dtype(self.wte.weight.device)
         for block in self.blocks:
             attn = block.attn

@@ -468,3 +468,9 @@ def test_inference_weights_fused_qkv_matches_and_never_goes_stale():
     with model.inference_weights():  # grad enabled: the projections themselves, gradients flow
         model(idx, idx).backward()
     assert model.blocks[0].attn.c_q.weight.grad is not None
+    # the fused copy is plain data: no autograd graph back to the weights (entered with grad on, it
+    # had one: a CopyBackwards node, and copy.deepcopy of the model raised)
+    buf = model.blocks[0].attn._qkv_buffer
+    assert buf.is_leaf and not buf.requires_grad
+    import copy
+    copy.deepcopy(model)
