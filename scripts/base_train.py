@@ -145,6 +145,9 @@ class BaseTrainConfig:
         if self.fp8_wgrad != "save":
             require(self.precision == "fp8" and self.precision_backend in ("auto", "native"), "--fp8-wgrad",
                     self.fp8_wgrad, "save unless --precision fp8 with the native backend")
+        if self.precision == "fp8":   # the fp8 GEMMs take rows in multiples of 16: other micro-batches ran bf16
+            require(self.device_batch_size * self.max_seq_len % 16 == 0, "--max-seq-len", self.max_seq_len,
+                    "with --precision fp8, --device-batch-size x --max-seq-len a multiple of 16")
         if self.fsdp:  # FSDP2 needs a process group (torchrun, any WORLD_SIZE >= 1) and collective-only work
             require("RANK" in os.environ, "--fsdp", True, "a torchrun launch (torchrun --nproc_per_node=N ...)")
             require(self.sample_every <= 0, "--sample-every", self.sample_every,
