@@ -246,9 +246,17 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
 
 def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
-    from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, step_dirname
+    from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, read_meta, step_dirname
     from nanochat.tokenizer import get_tokenizer
     tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
+    if resume_at is not None and cfg.resume == "auto":
+        # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
+        # the checkpoint has no files for would fail alone while the others started fresh)
+        saved_world = int(read_meta(ckpt_dir, resume_at).get("world_size", 1))
+        if saved_world != rt.world_size:
+            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued (it was saved by {saved_world} "
+                            f"rank(s), this run has {rt.world_size})")
+            resume_at = None
     if resume_at is not None:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         tokenizer = get_tokenizer(base_dir)
