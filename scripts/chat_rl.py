@@ -132,8 +132,11 @@ RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "see
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
 
 
-def resume_mismatch(meta: dict, cfg: ChatRLConfig) -> str | None:
+def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1) -> str | None:
     """What keeps this run from continuing the checkpoint `meta` describes (None: nothing)."""
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != world_size:   # per-rank optimizer and sampler state
+        return f"it was saved by {saved_world} rank(s), this run has {world_size}"
     saved = meta.get("config") or {}
     for key, flag in RESUME_FLAGS.items():
         if key in saved and saved[key] != getattr(cfg, key):
@@ -146,7 +149,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
     from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, load_checkpoint, load_model,
-                                     planned_saves, save_checkpoint, step_dirname)
+                                     planned_saves, read_meta, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop
@@ -167,13 +170,15 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     eval_problems = min(cfg.eval_examples, len(eval_task), *([cfg.test_holdout] if cfg.test_holdout >= 0 else []))
     resume = None
     if resume_at is not None:
-        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
-        why = resume_mismatch(resume["meta"], cfg)
+        # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
+        # the checkpoint has no files for would fail alone while the others started fresh)
+        why = resume_mismatch(read_meta(ckpt_dir, resume_at), cfg, rt.world_size)
         if why is not None and cfg.resume != "auto":
             raise CheckpointError(f"--resume: {why}; use the flags of the original run (or start a new --model-tag)")
         if why is not None:
             say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({why})")
-            resume = None
+        else:
+            resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
         model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)

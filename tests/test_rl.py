@@ -127,3 +127,15 @@ def test_chat_rl_resumes_exactly_and_reports_its_checkpoint(sft_checkpoint, chat
     doc = next(d for d in Report(report_dir(sft_checkpoint)).sections() if d["section"] == "Chat RL")
     data = doc["entries"][-1]["data"]
     assert data["model_tag"] == "d2" and data["checkpoint_dir"].endswith("d2") and data["final_step"] == 2
+
+
+def test_rl_resume_names_another_world_size_before_loading():
+    """Checked from meta.json before any rank opens its own files: a rank the checkpoint has no files
+    for failed alone (auto should start afresh on every rank; an explicit resume names the sizes)."""
+    from scripts.chat_rl import parse_config, resume_mismatch
+    cfg = parse_config([])
+    meta = {"world_size": 1, "config": {"seed": cfg.seed}}
+    assert resume_mismatch(meta, cfg, 1) is None
+    assert resume_mismatch(meta, cfg, 2) == "it was saved by 1 rank(s), this run has 2"
+    assert resume_mismatch({"world_size": 2, "config": {"seed": cfg.seed + 1}}, cfg, 2).startswith(
+        "the checkpoint's run had --seed")
