@@ -117,9 +117,10 @@ torchrun_workers() {  # pid -> the workers below it: torchrun starts each in a s
   done
   return 0
 }
-last_step() {  # log -> "step N/M" of the last step line, or "none yet"
-  local line
-  line="$(grep -aoE '^step [0-9]+/[0-9]+' "$1" 2>/dev/null | tail -n1 || true)"
+last_step() {  # log -> "step N/M" of the last step line of the latest start, or "none yet"
+  local line   # (the log is appended to: a run just restarted must not show the one before's)
+  line="$(awk '/^==> run_train.sh started/ {s = ""} match($0, /^step [0-9]+\/[0-9]+/) {s = substr($0, 1, RLENGTH)}
+               END {print s}' "$1" 2>/dev/null || true)"
   echo "${line:-none yet}"
 }
 
@@ -133,7 +134,14 @@ status_one() {  # dir -> prints the report; returns 0 if running, 3 if not
     if [[ -f "$dir/exit_code" ]] && tail -n 3 "$dir/train.log" 2>/dev/null | grep -q "^stopped by run_train.sh --stop"; then
       # torchrun ends with 1 when its workers stop on a signal (they exit 143): not a crash
       state="not running (stopped by --stop, exit code $(cat "$dir/exit_code"); continue with --resume latest)"
-    elif [[ -f "$dir/exit_code" ]]; then state="not running (finished, exit code $(cat "$dir/exit_code"))"
+    elif [[ -f "$dir/exit_code" ]]; then
+      local code; code="$(cat "$dir/exit_code")"
+      case "$code" in   # not "finished" for a crash
+        0) state="not running (finished, exit code 0)" ;;
+        130|143) state="not running (stopped by a signal, exit code $code; continue with --resume latest)" ;;
+        137) state="not running (killed by SIGKILL, exit code 137: out of memory? see the log)" ;;
+        *) state="not running (failed, exit code $code: see the log)" ;;
+      esac
     else state="not running${pid:+ (pid $pid is gone; removed its stale pid file)}"; fi
   fi
   echo "[$tag] $state"

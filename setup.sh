@@ -25,9 +25,10 @@ Options:
                      tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
                      spark (DGX Spark defaults), h100 (one H100/H200; on a GPU with less
                      memory the device batch is lowered to fit, the total batch kept)
-  --depth N          model depth instead of the preset's (tiny 2, spark/h100 20), 1-64: the
-                     training tokens (20 per scaling parameter), the data shards downloaded
-                     and the device batch follow it; e.g. --depth 12 trains ~4x fewer tokens
+  --depth N          model depth instead of the preset's (tiny 2, spark/h100 20), 1-64: on
+                     spark/h100 the training tokens (20 per scaling parameter), the data shards
+                     downloaded and the device batch follow it; e.g. --depth 12 trains ~4x fewer
+                     tokens (tiny keeps its 250 steps of 4,096 tokens)
   --only S1,S2       run only these stages (others are neither run nor checked)
   --from STAGE       start at STAGE (earlier stages must already be done: their done-markers
                      are checked); not with --only
@@ -273,7 +274,10 @@ if [[ -n "$BUDGET_MIB" ]]; then
     DBS=$fitted
   fi
 fi
-if [[ "$PRESET" != tiny ]]; then
+if [[ "$PRESET" == tiny ]]; then   # a fixed demo budget: ITERS steps, not 20 tokens per parameter
+  say "d$DEPTH: $(awk -v p="$ALL_PARAMS" 'BEGIN {printf "%.1fM", p / 1e6}') parameters, base_train on" \
+      "$(awk -v t="$((ITERS * TBS))" 'BEGIN {printf "%.1fM", t / 1e6}') tokens ($ITERS steps of $TBS, the tiny preset's fixed demo budget)"
+else
   say "d$DEPTH: $(awk -v p="$ALL_PARAMS" 'BEGIN {printf "%.0fM", p / 1e6}') parameters, base_train on" \
       "$(awk -v t="$TRAIN_TOKENS" 'BEGIN {printf "%.1fB", t / 1e9}') tokens (${SHARDS} data shards); its step lines show the ETA"
   if [[ "$PRESET" == spark ]] && (( DEPTH >= 16 )); then
@@ -334,6 +338,18 @@ stage_inputs() {  # stage -> marker lines for inputs its command names only by p
 MODEL_MAKERS=" tokenizer base_train mid_train chat_sft "
 MODEL_RAN="" ANY_RAN=""
 
+# Ctrl-C reaches the stage too (one process group): a training stage finishes its step and saves
+# a checkpoint, then exits 130, which bash takes as handled and would carry on after; the trap
+# (run once the stage has ended) and run_stage's exit-code check stop here instead, saying so.
+CURRENT_STAGE=""
+stopped() {  # exit code (130: Ctrl-C, 143: SIGTERM) -> one line on how to continue, exit with it
+  local how="Ctrl-C"; [[ $1 -eq 130 ]] || how="SIGTERM"
+  echo "setup.sh: stopped by $how${CURRENT_STAGE:+ in stage '$CURRENT_STAGE'} (exit $1). Rerun ./setup.sh to" \
+       "continue: finished stages are skipped and training resumes from its last checkpoint." >&2
+  exit "$1"
+}
+trap 'stopped 130' INT
+
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
@@ -346,8 +362,18 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
   say "[$stage] $*"
   [[ $DRY_RUN -eq 1 ]] && return 0
-  local t0=$SECONDS
-  "$@" || { echo "setup.sh: stage '$stage' failed (exit $?). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1; }
+  local t0=$SECONDS rc=0
+  # the marker says the stage's latest run finished: a rerun (--force, a config change, or an
+  # upstream stage that ran) that is interrupted must not leave the old one saying "done"
+  rm -f "$marker"
+  CURRENT_STAGE="$stage"
+  "$@" || rc=$?
+  if (( rc == 130 || rc == 143 )); then   # a stage that caught Ctrl-C / SIGTERM (training saves first)
+    stopped "$rc"
+  elif (( rc != 0 )); then
+    echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1
+  fi
+  CURRENT_STAGE=""
   mkdir -p "$STATE_DIR"
   printf '%s\n' "$want" > "$marker.tmp" && mv -f "$marker.tmp" "$marker"
   say "[$stage] finished in $((SECONDS - t0)) s"
@@ -396,6 +422,7 @@ rust_ready() {  # cargo on PATH, or in rustup's ~/.cargo/bin (installed after th
 NO_CARGO="cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
+  CURRENT_STAGE=env
   rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
   local t0=$SECONDS
   source "$REPO/scripts/ensure_uv.sh"
@@ -430,6 +457,7 @@ env_stage() {
         "wheel index this driver can run (e.g. https://download.pytorch.org/whl/cu126) and rerun"
   fi
   env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
+  CURRENT_STAGE=""
   say "[env] finished in $((SECONDS - t0)) s"
 }
 
@@ -450,20 +478,25 @@ for stage in "${STAGES[@]:1}"; do
 done
 
 if should_run report && [[ $DRY_RUN -eq 0 ]]; then
-  CHAT_SOURCE=base   # the most finished phase that has a checkpoint (sft > mid > base)
-  for phase in sft mid; do
+  CHAT_SOURCE=""   # the most finished phase that has a checkpoint (sft > mid > base)
+  for phase in sft mid base; do
     if [[ -d "$BASE_DIR/checkpoints/$phase/$MODEL_TAG" ]]; then CHAT_SOURCE=$phase; break; fi
   done
-  cat <<EOF
-
-All stages done. Artefacts are in $BASE_DIR (report: $BASE_DIR/report/report.md).
+  unfinished=()   # e.g. after --only report: say which stages have not finished, not "All stages done"
+  for s in "${STAGES[@]:1}"; do [[ -f "$STATE_DIR/$s.done" ]] || unfinished+=("$s"); done
+  echo
+  if [[ ${#unfinished[@]} -eq 0 ]]; then echo "All stages done. Artefacts are in $BASE_DIR (report: $BASE_DIR/report/report.md)."
+  else echo "Report written to $BASE_DIR/report/report.md; stages not finished in $BASE_DIR: ${unfinished[*]}."; fi
+  if [[ -n "$CHAT_SOURCE" ]]; then
+    cat <<EOF
 Chat with your model ($CHAT_SOURCE checkpoint, tag $MODEL_TAG):
-  source .venv/bin/activate
-  export NANOCHAT_BASE_DIR=$BASE_DIR
+  source $(printf '%q' "$REPO/.venv/bin/activate")
+  export NANOCHAT_BASE_DIR=$(printf '%q' "$BASE_DIR")
   python -m scripts.chat_web -i $CHAT_SOURCE --model-tag $MODEL_TAG    # then open http://127.0.0.1:8000
   python -m scripts.chat_cli -i $CHAT_SOURCE --model-tag $MODEL_TAG -p "Why is the sky blue?"
 The page listens on this machine only (a Spark run headless, a cloud box): from your own computer,
   ssh -N -L 8000:127.0.0.1:8000 $(id -un)@$(hostname)
 then open http://127.0.0.1:8000 there.
 EOF
+  fi
 fi

@@ -267,3 +267,42 @@ def test_bad_flags_fail_before_starting(run, base_dir, args, flag):
 def test_help():
     r = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "--status" in r.stdout and "--stop" in r.stdout and "nohup" in r.stdout
+
+
+FAKE_PYTHON = """#!/bin/bash
+# stands in for python: passes the flag check ("python -"), then logs a step and {what}
+if [[ "$1" == "-" ]]; then cat > /dev/null; exit 0; fi
+echo "step 00001/00010 | loss 9.0"
+{action}
+"""
+
+
+def test_status_says_a_crash_failed_and_shows_only_the_latest_starts_steps(tmp_path):
+    """A run that ends with a non-zero code is "failed" (not "finished"), 137 hints at memory; after
+    a restart, "last step" is the new run's (none yet), not the crashed one's from the same log."""
+    fake = tmp_path / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["NANOCHAT_PYTHON"] = str(fake)
+
+    def call(*args):
+        return subprocess.run(["bash", str(SCRIPT), "--base-dir", str(tmp_path / "base"), *args], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=60)
+    d = tmp_path / "base" / "runs" / "t"
+    for n, (code, said) in enumerate(((1, "failed, exit code 1: see the log"), (137, "killed by SIGKILL, exit code 137: out of memory?"),
+                       (0, "finished, exit code 0"))):
+        fake.write_text(FAKE_PYTHON.format(what="exits", action=f"exit {code}"))
+        fake.chmod(0o755)
+        assert call("--model-tag", "t").returncode == 0
+        _wait_for(lambda: (d / "train.log").read_text().count("==> exited with code") == n + 1, 20, "the run to end")
+        st = call("--status", "--model-tag", "t")
+        assert st.returncode == 3 and f"[t] not running ({said}" in st.stdout, st.stdout
+        assert "last step: step 00001/00010" in st.stdout
+    fake.write_text(FAKE_PYTHON.format(what="hangs", action="echo loading; exec sleep 60").replace(
+        'echo "step 00001/00010 | loss 9.0"\n', ""))
+    assert call("--model-tag", "t").returncode == 0
+    try:
+        _wait_for(lambda: "loading" in (d / "train.log").read_text(), 20, "the new run's first line")
+        st = call("--status", "--model-tag", "t")
+        assert st.returncode == 0 and "[t] running (pid" in st.stdout and "last step: none yet" in st.stdout, st.stdout
+    finally:
+        call("--stop", "--model-tag", "t", "--timeout", "5")

@@ -423,3 +423,96 @@ def test_list_stages_checks_the_other_flags_first(tmp_path):
                       (["--only", "nope"], "--only: unknown stage 'nope'")):
         rc, out = _tiny(tmp_path, "--list-stages", *bad)
         assert rc == 2 and said in out and len(out.strip().splitlines()) == 1, (bad, out)
+
+
+# ------------------------------------------------------------------ real runs: markers, Ctrl-C, the end
+
+def _run_setup(base, *args, timeout=120):
+    """setup.sh --preset tiny --base-dir base [args], for real (no --dry-run) -> CompletedProcess."""
+    return subprocess.run(["bash", str(REPO / "setup.sh"), "--preset", "tiny", "--base-dir", str(base), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_rerun_stage_that_fails_loses_its_done_marker(tmp_path):
+    """The marker says the stage's latest run finished. A finished stage that runs again (--force,
+    a changed config, or a model stage before it that ran) and fails or is interrupted must not
+    keep its old marker: the next plain rerun would say "done already" and skip it, and every
+    later stage, on half-made results (e.g. a mid_train cut short while retraining on a new base)."""
+    cmds = _commands(_tiny(tmp_path)[1])
+    _mark_done(tmp_path, {s: cmds[s] for s in ("data", "tokenizer", "tok_eval")})
+    assert _verdicts(_tiny(tmp_path)[1])["tok_eval"] == "skip"
+    run = _run_setup(tmp_path / "base", "--only", "tok_eval", "--force")   # no tokenizer there: it fails
+    assert run.returncode == 1 and "stage 'tok_eval' failed (exit 2)" in run.stderr, run.stdout + run.stderr
+    assert not (tmp_path / "base" / "setup_state" / "tok_eval.done").exists()
+    said = _verdicts(_tiny(tmp_path)[1])
+    assert said["tok_eval"] == "new" and said["tokenizer"] == "skip", said
+
+
+def test_the_end_names_what_finished_and_a_venv_that_works_from_anywhere(tmp_path):
+    """The closing lines: `source` names the repo's .venv by its absolute path (setup.sh may be run
+    from another directory) and the base dir quoted; a report made before the other stages
+    finished (--only report) says which have not, not "All stages done", and offers no chat
+    with a checkpoint that does not exist."""
+    base = tmp_path / "my base"
+    run = _run_setup(base, "--only", "report")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "All stages done" not in run.stdout and "Chat with your model" not in run.stdout, run.stdout
+    assert f"stages not finished in {base}: data tokenizer tok_eval base_train" in run.stdout
+    (base / "checkpoints" / "mid" / "d2").mkdir(parents=True)   # as a finished mid_train leaves it
+    cmds = _commands(_tiny(tmp_path, base=base)[1])
+    _mark_done(tmp_path, {s: c for s, c in cmds.items() if s != "report"}, base="my base")
+    run = _run_setup(base, "--only", "report")
+    assert run.returncode == 0 and "All stages done." in run.stdout, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert f"  source {REPO}/.venv/bin/activate" in lines, run.stdout
+    assert f"  export NANOCHAT_BASE_DIR={str(base).replace(' ', chr(92) + ' ')}" in lines, run.stdout
+    assert "Chat with your model (mid checkpoint, tag d2):" in lines
+
+
+@pytest.mark.parametrize("depth", [None, 4])
+def test_tiny_start_says_what_base_train_trains(tmp_path, depth):
+    """The tiny preset trains a fixed 250 steps of 4,096 tokens at any depth (not 20 tokens per
+    parameter): the start line says so, with the model's parameter count (nanochat/gpt.py)."""
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+
+    total = sum(p.numel() for p in build_model(config_for_depth(depth or 2, 2048, 2048), "meta").parameters())
+    rc, out = _tiny(tmp_path, "--only", "base_train", *(("--depth", str(depth)) if depth else ()))
+    assert rc == 0, out
+    assert f"==> d{depth or 2}: {total / 1e6:.1f}M parameters, base_train on 1.0M tokens (250 steps of 4096," in out, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) during base_train: the
+    step finishes, a checkpoint is saved, and setup.sh stops at once with exit 130 and one line
+    saying how to continue (not "failed ... fix the problem", not carrying on), with no marker."""
+    import signal
+    import time
+
+    base = tmp_path / "base"
+    prep = _run_setup(base, "--only", "data,tokenizer")
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    log = tmp_path / "setup.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(["bash", str(REPO / "setup.sh"), "--preset", "tiny", "--only", "base_train,base_eval",
+                                 "--base-dir", str(base)], stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True,   # its own group: the signal reaches setup.sh and python
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 150
+        while not re.search(r"^step 00001/00250", log.read_text(errors="replace"), re.M):
+            assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    assert rc == 130, text[-2000:]
+    assert "setup.sh: stopped by Ctrl-C in stage 'base_train' (exit 130). Rerun ./setup.sh to continue" in text
+    assert "failed" not in text and "[base_eval]" not in text, text[-2000:]
+    m = re.search(r"^base_train: error: stopped by SIGINT at step (\d+) of 250: checkpoint (\S+) saved", text, re.M)
+    assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-2000:]
+    assert not (base / "setup_state" / "base_train.done").exists()
