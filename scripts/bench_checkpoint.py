@@ -99,12 +99,13 @@ def main(argv=None) -> list[dict]:
     try:
         model_state, optim_state = state_dicts(args, rt.device)
         times = {"plain": [], "checkpoint": []}
+        sizes = {}   # per kind: the plain row reported the checkpoint kind's bytes (the last measured)
         for _ in range(args.reps):
             for kind, round_ in (("plain", plain_round), ("checkpoint", checkpoint_round)):
                 times[kind].append(round_(root / kind, model_state, optim_state, rt.device))
-                size = sum(p.stat().st_size for p in (root / kind).rglob("*.pt"))
+                sizes[kind] = sum(p.stat().st_size for p in (root / kind).rglob("*.pt"))
                 shutil.rmtree(root / kind)
-        results = [report(kind, t, size, args, rt) for kind, t in times.items()]
+        results = [report(kind, t, sizes[kind], args, rt) for kind, t in times.items()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
         destroy_runtime(rt)
@@ -117,7 +118,7 @@ def main(argv=None) -> list[dict]:
 def report(kind: str, rounds: list[tuple[float, float]], size: int, args, rt) -> dict:
     save, load = statistics.median(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
     row = {"bench": "checkpoint", "kind": kind, "depth": args.depth, "device": str(rt.device),
-           "torch": torch.__version__, "gb": round(size / 1e9, 3), "reps": args.reps, "save_s": round(save, 3),
+           "torch": torch.__version__, "bytes": size, "gb": round(size / 1e9, 3), "reps": args.reps, "save_s": round(save, 3),
            "load_s": round(load, 3), "save_gbs": round(size / 1e9 / save, 2), "load_gbs": round(size / 1e9 / load, 2)}
     print(json.dumps(row))
     print(f"{kind:<11} {row['gb']:>7.2f} GB  save {save:7.2f} s ({row['save_gbs']:5.2f} GB/s)  "

@@ -9,10 +9,13 @@ decode memory-bandwidth utilisation, for a randomly initialised model (d20-sized
 Prints one JSON line per measurement and a table. Bandwidth utilisation = (bytes of the weights
 every decode step reads + bytes of KV cache it reads) / step time / the device's bandwidth from
 nanochat.platform's device table (absent for CPUs and unknown GPUs). The KV bytes are what the mode
-actually reads: eager/compile read the filled prefix (window layers only their window); the
-static/graphs steps read the whole length bucket in every layer (masked). `step_ms` is the
-engine's end-to-end step (model + sampling + the per-token Python); for static/graphs,
-`model_step_ms` is the decode step alone (input copy + graph replay), timed back to back.
+actually reads: eager/compile, the persistent batch-1 step and the static/graphs steps' Triton
+decode kernel (CUDA, --decode-kernel triton|triton_fused: its masked loads skip invisible keys)
+read the filled prefix (window layers only their window); the static/graphs steps through SDPA
+(--decode-kernel sdpa, and every CPU run) read the whole length bucket in every layer (masked).
+`step_ms` is the engine's end-to-end step (model + sampling + the per-token Python); for
+static/graphs, `model_step_ms` is the decode step alone (input copy + graph replay), timed back to
+back at one position, and its bandwidth uses the bytes of a step at that position.
 """
 
 from __future__ import annotations
@@ -164,22 +167,39 @@ def weight_bytes_per_step(model) -> int:
 
 def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
     """Mean bytes of K and V a decode step reads over the positions [first_pos, first_pos + n):
-    static/graphs steps read the whole length bucket in every layer; the dynamic paths, and the
-    persistent batch-1 step, read the filled prefix, window layers at most their window."""
+    static/graphs steps through SDPA read the whole length bucket in every layer; the dynamic
+    paths, the persistent batch-1 step and the Triton decode kernel read the filled prefix,
+    window layers at most their window."""
     from nanochat.decode import bucket_length
 
     model = engine.model
     cfg = model.config
     elem = torch_itemsize(engine.cache_dtype)
     per_token = 2 * cfg.n_kv_head * cfg.head_dim * elem * batch
+    reads_bucket = static_step_reads_bucket(engine, batch)
     total = 0
     for pos in range(first_pos, first_pos + n):
-        persistent = engine.graph_step == "persistent" and batch == 1
-        if engine.decode_mode in ("static", "graphs") and not persistent:
+        if reads_bucket:
             total += per_token * len(model.windows) * bucket_length(pos + 1, engine.max_seq_len, engine.decode_bucket)
         else:
             total += visible_kv_bytes(model, pos, elem) * batch
     return total / n
+
+
+def static_step_reads_bucket(engine, batch: int) -> bool:
+    """Whether this engine's decode step at `batch` reads the whole length bucket of every layer:
+    a static/graphs step (not the persistent batch-1 kernel) whose attention is SDPA with a mask.
+    The Triton decode kernel that attention._static_decode_attention picks on CUDA (its own test,
+    asked with a probe tensor) loads only the visible keys (masked loads read no memory), so
+    counting the bucket there overstated the bytes, and the bandwidth, by up to ~1.5x at d20."""
+    import torch
+
+    from nanochat import attention
+
+    if engine.decode_mode not in ("static", "graphs") or (engine.graph_step == "persistent" and batch == 1):
+        return False
+    probe = torch.empty((1, 1, 1, engine.model.config.head_dim), device=engine.device)
+    return not attention._triton_decode_ok(probe)
 
 
 def visible_kv_bytes(model, pos: int, elem: int) -> int:
@@ -268,9 +288,14 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     row.update(bandwidth(weights + kv, step, bandwidth_gbs))
     decoder = engine.decoders.get(batch)
     if decoder is not None:
-        model_step = bench_model_step(decoder, rt, len(prompt) + n // 2, repeats)
+        position = len(prompt) + n // 2
+        model_step = bench_model_step(decoder, rt, position, repeats)
+        # the bytes of a step at that one position (the generation's mean is over other buckets
+        # when the positions cross a bucket boundary)
+        model_bytes = weights + kv_bytes_per_step(engine, batch, position, 1)
         row["model_step_ms"] = model_step * 1e3
-        row.update({f"model_{k}": v for k, v in bandwidth(weights + kv, model_step, bandwidth_gbs).items()})
+        row["model_bytes_per_step"] = int(model_bytes)
+        row.update({f"model_{k}": v for k, v in bandwidth(model_bytes, model_step, bandwidth_gbs).items()})
         row["graph_captures"] = decoder.captures
         row["capture_s"] = decoder.capture_seconds
     return row

@@ -75,8 +75,14 @@ def _ints(flag: str, text: str) -> list[int]:
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-quantile, linear between the two nearest order statistics (numpy's default), so p50 is
+    the median. Rounding the rank to one sample made p50 of two latencies the smaller one and, by
+    round-half-to-even, the lower or upper middle sample depending on the count."""
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    rank = q * (len(values) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
 def run_mode(engine, slots: int, prompts: list[list[int]], args) -> dict:

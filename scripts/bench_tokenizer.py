@@ -84,6 +84,13 @@ def read_texts(shards: list[Path], limit: int) -> list[str]:
     return texts
 
 
+def rss_mb() -> float:
+    """Peak resident set size of this process in MB (1e6 bytes, as the other benchmarks' GB are
+    1e9): ru_maxrss is KiB on Linux and bytes on macOS. KiB / 1024 was MiB printed as MB (-4.6%)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
+
+
 def worker(texts_path: str, vocab_size: str, pattern_path: str, out_path: str) -> None:
     """Runs in a subprocess: train once, write timing, RSS and ranks to `out_path`."""
     import rustbpe
@@ -91,13 +98,13 @@ def worker(texts_path: str, vocab_size: str, pattern_path: str, out_path: str) -
     with open(texts_path, "rb") as f:
         texts = pickle.load(f)
     pattern = Path(pattern_path).read_text(encoding="utf-8")
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base_rss = rss_mb()
     tok = rustbpe.Tokenizer()
     cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     tok.train_from_iterator(iter(texts), int(vocab_size), pattern=pattern)
     seconds, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     cpu_seconds = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_rss = rss_mb()
     version = getattr(rustbpe, "__version__", None)
     if version is None:
         from importlib.metadata import version as dist_version

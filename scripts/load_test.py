@@ -195,10 +195,16 @@ async def poll_health(client, url: str, interval: float, stop: asyncio.Event, ou
 
 
 def pct(values: list[float], q: float) -> float | None:
+    """The q-quantile, linear between the two nearest order statistics (numpy's default), so p50 is
+    the median. Rounding the rank to one sample made p50 of two latencies the smaller one and, by
+    round-half-to-even, the lower or upper middle sample depending on the count."""
     if not values:
         return None
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    rank = q * (len(values) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
 async def run_load(args, url: str, proc) -> dict:

@@ -65,14 +65,18 @@ def step_block(args, rt, model):
     return weight_cache.step_weights(model, rt.dtype, enabled=enabled, sinks=True)
 
 
-def timed_steps(args, rt, model, run, optimizer) -> dict[str, float]:
+def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict[str, float]:
     """Median ms per phase of a step of --accum micro-batches (data, forward, backward summed over
-    them) and one optimizer step."""
+    them) and one optimizer step. `monitor` (a GpuMonitor) is started with the first timed step:
+    started before the warm-up, its clock and power figures were mostly the idle GPU of the
+    compilation (tens of seconds against a few seconds of timed steps)."""
     gen = torch.Generator().manual_seed(0)
     phases = ("data", "forward", "backward", "optimizer")
     samples = {p: [] for p in phases}
     cuda = rt.device.type == "cuda"
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and monitor is not None:
+            monitor.start()
         # (phase, event at its start) through the step, read after the step's one synchronisation
         marks = []
 
@@ -279,8 +283,11 @@ def main(argv=None) -> int:
                       "seq": args.seq, "kernel": args.kernel, "precision": info.get("precision"),
                       "compile": args.compile, "accum": args.accum, "cast_once": args.cast_once}), flush=True)
     from nanochat.gpu_monitor import GpuMonitor
-    with GpuMonitor(rt.device) as monitor:  # the GPU's clocks and power cap over the timed steps
-        split = timed_steps(args, rt, model, run, optimizer)
+    monitor = GpuMonitor(rt.device)  # the GPU's clocks and power cap over the timed steps only
+    try:
+        split = timed_steps(args, rt, model, run, optimizer, monitor)
+    finally:
+        monitor.stop()  # also when a step fails: no sampler left running
     print(json.dumps({"gpu": monitor.summary()}), flush=True)
     step_ms = sum(split.values())
     for phase, ms in split.items():
