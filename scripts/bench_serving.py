@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from scripts.load_test import pct   # the q-quantile, linear between order statistics (p50 = median)
+
 SMOKE_RUN = ("python -m scripts.bench_serving --device cpu --depth 2 --seq-len 256 --prompt-lens 8,40 "
              "--max-tokens 16")
 
@@ -72,17 +74,6 @@ def _ints(flag: str, text: str) -> list[int]:
     except ValueError:
         raise ValueError(f"{flag}: got {text!r}; accepted: comma-separated integers") from None
     return values
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile, linear between the two nearest order statistics (numpy's default), so p50 is
-    the median. Rounding the rank to one sample made p50 of two latencies the smaller one and, by
-    round-half-to-even, the lower or upper middle sample depending on the count."""
-    values = sorted(values)
-    rank = q * (len(values) - 1)
-    lo = int(rank)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
 def run_mode(engine, slots: int, prompts: list[list[int]], args) -> dict:
