@@ -49,6 +49,15 @@ def _group(rank: int, port: int):
     return init_runtime("cpu", "fp32", seed=0)   # joins the group above
 
 
+def _finish_together() -> None:
+    """A barrier before the group is torn down, as tests/test_distributed.py's workers do: without it a
+    rank can destroy its gloo group while the other still finishes the last collective, and gloo's
+    threads abort the slower process ("terminate called without an active exception", SIGABRT, seen
+    once in CI)."""
+    import torch.distributed as dist
+    dist.barrier()
+
+
 def _single(rt):
     return dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True)
 
@@ -126,6 +135,7 @@ def _training_worker(rank: int, port: int, out: str) -> None:
             result["nan"] = "no error"
         except NonFiniteLossError as e:
             result["nan"] = e.step
+        _finish_together()
         Path(out, f"train{rank}.json").write_text(json.dumps(result))
     finally:
         destroy_runtime(rt)
@@ -222,6 +232,7 @@ def _eval_worker(rank: int, port: int, out: str, n_problems: int) -> None:
                     b_r += float(tb.sum())
                 nats, nbytes = nats + n_r, nbytes + b_r
                 per_rank.append(n_r / (math.log(2) * b_r))
+        _finish_together()
         Path(out, f"eval{rank}.json").write_text(json.dumps({
             "cat": [cat.passed, cat.total], "gen": [gen.passed, gen.total, list(gen.passed_at)],
             "bpb": bpb, "pooled": nats / (math.log(2) * nbytes), "mean_of_ranks": sum(per_rank) / 2}))
