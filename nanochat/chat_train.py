@@ -168,6 +168,9 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
             parser.add_argument(flag, action="append", default=[], metavar="PATH", help=EXTRA_HELP[f.name])
         else:
             help_text = "|".join(stage.sources) if f.name == "source" else f"default: {defaults[f.name]}"
+            if f.name == "eval_every":
+                help_text = ("N: evaluate val bpb at step 0, every N steps and at the last step; -1 or 0: never, "
+                             f"not even at the last step; default: {defaults[f.name]}")
             if f.name == "total_batch_size":
                 help_text += f" ({stage.step_text()} a step on any number of GPUs, by gradient accumulation)"
             parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=defaults[f.name], help=help_text)

@@ -19,17 +19,31 @@ One optimizer class, single-process and distributed:
     group's first parameter, AdamW moments per parameter, sharded when the parameter is):
     save one optimizer state per rank and resume with the same world size.
 
+  * A parameter without a gradient is skipped, as torch's optimizers skip `.grad is None`: its
+    momentum / moments stay as they are and it gets no weight decay (in a Muon stack only the
+    slots with a gradient advance). On several ranks "without" means on every rank: a parameter
+    that has a gradient on some rank is averaged with zeros from the others and updated on all
+    (DistributedDataParallel's find_unused_parameters rule), which a small all-reduce of one flag
+    per parameter decides alike on every rank.
+
 Hyperparameters reach the step functions as 0-dim CPU tensors, so the CUDA-compiled step
 functions (compiled lazily, once per shape) never recompile when a schedule changes a value.
+The schedules (lr, momentum, weight decay multipliers) live in optim_schedules.py, re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.distributed as dist
+
+# the schedules live in optim_schedules.py; re-exported here (`as`: an explicit re-export)
+from nanochat.optim_schedules import lr_multiplier as lr_multiplier
+from nanochat.optim_schedules import muon_momentum as muon_momentum
+from nanochat.optim_schedules import muon_momentum_peaked as muon_momentum_peaked
+from nanochat.optim_schedules import weight_decay_cosine as weight_decay_cosine
+from nanochat.optim_schedules import weight_decay_multiplier as weight_decay_multiplier
 
 # Polar Express (Amsel et al. 2025, arXiv 2505.16932) 5-step coefficients, as used by
 # modded-nanogpt / nanochat; input pre-scaled by 1 / (1.02 * ||G||_F).
@@ -219,37 +233,54 @@ class MuonAdamW(torch.optim.Optimizer):
             self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
         return self._compiled[name]
 
-    def _muon_chunk(self, group, grad_stack: torch.Tensor, p0: torch.nn.Parameter) -> torch.Tensor:
+    def _muon_chunk(self, group, grad_stack: torch.Tensor, p0: torch.nn.Parameter, rows=None) -> torch.Tensor:
+        """Muon's update for a (K, m, n) gradient stack whose momentum (and NorMuon moment) lives in
+        p0's state. `rows`: the slots that have a gradient when not all do; only they advance their
+        state, the others keep it and get a zero update (a parameter with no gradient is skipped)."""
         state = self.state[p0]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad_stack)
         momentum = torch.tensor(float(group["momentum"]))
-        second, beta2 = self._second_moment(group, state, grad_stack)
+        second, beta2 = self._second_moment(group, state, grad_stack.shape, grad_stack.device)
         fn = self._fn("muon", grad_stack.device)
-        return fn(grad_stack, state["momentum_buffer"], momentum, bool(group.get("nesterov", True)),
-                  int(group.get("ns_steps", 5)), second, beta2)
+        how = (momentum, bool(group.get("nesterov", True)), int(group.get("ns_steps", 5)))
+        if rows is None:
+            return fn(grad_stack, state["momentum_buffer"], *how, second, beta2)
+        # orthogonalize's dtype: every rank's chunk of an all-gather must match, an empty one too
+        update = torch.zeros(grad_stack.shape, device=grad_stack.device,
+                             dtype=torch.bfloat16 if grad_stack.is_cuda else torch.float32)
+        if rows:   # the same per-matrix math on the slots that step (the stack's K changes)
+            idx = torch.tensor(rows, device=grad_stack.device)
+            buf = state["momentum_buffer"].index_select(0, idx)
+            sub = None if second is None else second.index_select(0, idx)
+            update.index_copy_(0, idx, fn(grad_stack.index_select(0, idx), buf, *how, sub, beta2))
+            state["momentum_buffer"].index_copy_(0, idx, buf)
+            if second is not None:
+                second.index_copy_(0, idx, sub)
+        return update
 
     @staticmethod
-    def _second_moment(group, state, stack: torch.Tensor):
+    def _second_moment(group, state, stack_shape, device):
         """NorMuon's buffer for this rank's (K, m, n) stack and beta2 as a 0-dim tensor, or
         (None, None) when the group's beta2 is 0 (plain Muon)."""
         beta2 = float(group.get("beta2", 0.0))
         if beta2 == 0.0:
             return None, None
         if "second_moment" not in state:
-            state["second_moment"] = torch.zeros(normuon_shape(stack.shape), device=stack.device,
-                                                 dtype=torch.float32)
+            state["second_moment"] = torch.zeros(normuon_shape(stack_shape), device=device, dtype=torch.float32)
         return state["second_moment"], torch.tensor(beta2)
 
-    def _apply_muon(self, group, params, update) -> None:
-        """p -= lr * (update + wd * p * mask) for each param, from a stacked (>=K, m, n) update: one
-        compiled pass per weight on CUDA. (`torch._foreach_add_` has no fast path for a bf16 update
-        into float32 weights: it launched an add per weight and ran slower, H100 d20: 2.0 vs 1.5 ms.)"""
+    def _apply_muon(self, group, params, update, active=None) -> None:
+        """p -= lr * (update + wd * p * mask) for each param (each with active[i], when given), from
+        a stacked (>=K, m, n) update: one compiled pass per weight on CUDA. (`torch._foreach_add_`
+        has no fast path for a bf16 update into float32 weights: it launched an add per weight and
+        ran slower, H100 d20: 2.0 vs 1.5 ms.)"""
         fn, wd = self._fn("decay", params[0].device), float(group["weight_decay"])
         cautious = bool(group.get("cautious_wd", True)) and wd != 0
         lr_t, wd_t = torch.tensor(float(group["lr"])), torch.tensor(wd)
-        for p, u in zip(params, update[: len(params)].unbind(0)):
-            fn(p, u, lr_t, wd_t, cautious)
+        for i, (p, u) in enumerate(zip(params, update[: len(params)].unbind(0))):
+            if active is None or active[i]:
+                fn(p, u, lr_t, wd_t, cautious)
 
     def _adamw_tensor(self, group, p_view, grad, state) -> None:
         if "step" not in state:
@@ -299,15 +330,18 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         self._adamw_tensor(group, p, p.grad, self.state[p])
                 continue
-            if all(p.grad is None for p in params):
+            active = [p.grad is not None for p in params]
+            if not any(active):
                 continue
             grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
-            update = self._muon_chunk(group, grads, params[0])
-            self._apply_muon(group, params, update)
+            rows = None if all(active) else [i for i, a in enumerate(active) if a]
+            update = self._muon_chunk(group, grads, params[0], rows)
+            self._apply_muon(group, params, update, None if rows is None else active)
 
     def _step_distributed(self, max_norm: float | None = None) -> None:
         W, r = self.world_size, self.rank
-        # 1) launch every gradient reduction (async) before any compute
+        # 1) launch the has-a-gradient flags, then every gradient reduction (async) before any compute
+        flags = self._launch_grad_flags()
         pending = []
         for group in self.param_groups:
             params = group["params"]
@@ -327,11 +361,13 @@ class MuonAdamW(torch.optim.Optimizer):
                     out = g.clone()
                     work = dist.all_reduce(out, async_op=True)
                 pending.append(("adamw", group, p, out, work))
+        active = self._wait_grad_flags(*flags)
         if max_norm is not None:   # the clip needs every averaged gradient first (no overlap then)
             pending = self._clip_reduced(pending, max_norm)
             if pending is None:
                 return
-        # 2) as each reduction lands: compute this rank's part, launch its all-gather
+        # 2) as each reduction lands: compute this rank's part, launch its all-gather; a parameter
+        # with no gradient on any rank is skipped (the same decision on every rank: `active`)
         gathers = []
         for kind, group, p, grad, work in pending:
             if work is not None:
@@ -339,22 +375,47 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad.div_(W)  # SUM then divide: portable across backends (gloo has no AVG everywhere)
             if kind == "muon":
                 params = group["params"]
-                upd = self._muon_chunk(group, grad, params[0]).contiguous()
+                act = [active[id(q)] for q in params]
+                if not any(act):
+                    continue
+                chunk, rows = grad.size(0), None
+                if not all(act):   # this rank's slots r*chunk.. that step (padding slots never do)
+                    rows = [j for j in range(chunk) if r * chunk + j < len(params) and act[r * chunk + j]]
+                upd = self._muon_chunk(group, grad, params[0], rows).contiguous()
                 full = torch.empty((upd.size(0) * W, *upd.shape[1:]), device=upd.device, dtype=upd.dtype)
-                gathers.append((group, full, dist.all_gather_into_tensor(full, upd, async_op=True)))
+                gathers.append((group, full, dist.all_gather_into_tensor(full, upd, async_op=True),
+                                None if rows is None else act))
+            elif not active[id(p)]:
+                continue
             elif self._sharded(p):
                 rows = p.size(0) // W
                 shard = p.data[r * rows:(r + 1) * rows]
                 self._adamw_tensor(group, shard, grad, self.state[p])
-                gathers.append((None, None, dist.all_gather_into_tensor(p.data, shard.clone(), async_op=True)))
+                gathers.append((None, None, dist.all_gather_into_tensor(p.data, shard.clone(), async_op=True), None))
             else:
                 self._adamw_tensor(group, p.data, grad, self.state[p])
         # 3) apply the gathered Muon updates (identical on every rank)
-        for group, full, work in gathers:
+        for group, full, work, act in gathers:
             work.wait()
             if group is not None:
-                self._apply_muon(group, group["params"], full)
+                self._apply_muon(group, group["params"], full, act)
 
+    def _launch_grad_flags(self):
+        """One int32 per parameter, 1 where this rank has a gradient, summed over ranks (async;
+        launched before the reductions, so it lands first). Returns (flags, work, params)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        if params[0].is_cuda:   # pinned + non_blocking: a plain copy would wait here for the backward
+            flags = flags.pin_memory().to(params[0].device, non_blocking=True)
+        return flags, dist.all_reduce(flags, async_op=True), params
+
+    @staticmethod
+    def _wait_grad_flags(flags, work, params) -> dict[int, bool]:
+        """id(param) -> whether any rank has its gradient. A host read, after every reduction is
+        launched: it waits for this rank's backward (which the reductions wait for anyway) and
+        the one small all-reduce, not for the reductions."""
+        work.wait()
+        return {id(p): n > 0 for p, n in zip(params, flags.tolist())}
 
     def _clip_reduced(self, pending: list, max_norm: float) -> list | None:
         """Wait for every reduction, take the global norm of the averaged gradient (this rank's
@@ -391,7 +452,10 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         self._adamw_tensor(group, p.to_local(), p.grad.to_local(), self.state[p])
                 continue
-            if all(p.grad is None for p in params):
+            # FSDP reduces every gradient it produces: a None one is None on every rank, so the
+            # slots that step (`keep`) agree across ranks without a flag exchange
+            keep = [i for i, p in enumerate(params) if p.grad is not None]
+            if not keep:
                 continue
             p0 = params[0]
             assert tuple(p0.placements) == (Shard(0),), f"FSDP Muon expects Shard(0), got {p0.placements}"
@@ -401,16 +465,25 @@ class MuonAdamW(torch.optim.Optimizer):
             state = self.state[p0]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grads)
+            second, beta2 = self._second_moment(group, state, (len(params), *p0.shape), grads.device)
+            buf, idx = state["momentum_buffer"], None
+            if len(keep) < len(params):   # only the slots with a gradient step (their rows of the state)
+                idx = torch.tensor(keep, device=grads.device)
+                grads, buf = grads.index_select(0, idx), buf.index_select(0, idx)
+                local = [local[i] for i in keep]
             momentum = torch.tensor(float(group["momentum"]))
-            g = self._fn("momentum", grads.device)(grads, state["momentum_buffer"], momentum,
-                                                   bool(group.get("nesterov", True)))
-            K, (m, n) = len(params), tuple(p0.shape)
+            g = self._fn("momentum", grads.device)(grads, buf, momentum, bool(group.get("nesterov", True)))
+            K, (m, n) = len(local), tuple(p0.shape)
             full = DTensor.from_local(g, p0.device_mesh, [Shard(1)], shape=torch.Size((K, m, n)),
                                       stride=(m * n, n, 1)).full_tensor()
             update = self._fn("ortho", full.device)(full, int(group.get("ns_steps", 5)), max(1.0, m / n) ** 0.5)
-            second, beta2 = self._second_moment(group, state, update)
             if second is not None:  # every rank holds the whole (small) buffer, as it computes the whole update
-                update = self._fn("normuon", update.device)(update, second, beta2)
+                sub = second if idx is None else second.index_select(0, idx.to(second.device))
+                update = self._fn("normuon", update.device)(update, sub, beta2)
+                if idx is not None:
+                    second.index_copy_(0, idx.to(second.device), sub)
+            if idx is not None:
+                state["momentum_buffer"].index_copy_(0, idx, buf)
             rows = -(-m // p0.device_mesh.size())  # torch.chunk sizes, as Shard(0) uses
             start = min(p0.device_mesh.get_local_rank() * rows, m)
             assert local[0].size(0) == min(rows, m - start), "local shard is not a torch.chunk row range"
@@ -504,61 +577,3 @@ def optimizer_state_bytes(model) -> int:
     roles = model.param_groups()
     return sum((1 if role == "matrix" else 2) * p.numel() * p.element_size()
                for role, params in roles.items() for p in params)
-
-
-def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, warmdown_ratio: float = 0.4,
-                  final_lr_frac: float = 0.0, warmup_steps: int = 0) -> float:
-    """Linear warmup, constant, then linear warmdown to final_lr_frac at step == num_iterations.
-    The warmup is `warmup_steps` steps when > 0 (capped where the warmdown starts, so a short run
-    still warms down), else warmup_ratio x num_iterations."""
-    if num_iterations < 1:
-        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
-    if not (0 <= warmup_ratio <= 1 and 0 <= warmdown_ratio <= 1 and warmup_ratio + warmdown_ratio <= 1):
-        raise ValueError(f"--warmup-ratio/--warmdown-ratio: got {warmup_ratio}/{warmdown_ratio}; "
-                         "accepted: each in [0, 1], sum <= 1")
-    if not 0 <= final_lr_frac <= 1:
-        raise ValueError(f"--final-lr-frac: got {final_lr_frac}; accepted: [0, 1]")
-    if warmup_steps < 0:
-        raise ValueError(f"--warmup-steps: got {warmup_steps}; accepted: an integer >= 0")
-    warmdown = round(warmdown_ratio * num_iterations)
-    warmup = min(warmup_steps, num_iterations - warmdown) if warmup_steps > 0 else round(warmup_ratio * num_iterations)
-    if step < warmup:
-        return (step + 1) / warmup
-    if step <= num_iterations - warmdown:
-        return 1.0
-    progress = max(0.0, (num_iterations - step) / warmdown)
-    return progress + (1 - progress) * final_lr_frac
-
-
-def muon_momentum(step: int, *, start: float = 0.85, end: float = 0.95, ramp_steps: int = 300) -> float:
-    """Muon momentum: linear from `start` to `end` over the first `ramp_steps` steps."""
-    frac = min(max(step, 0) / ramp_steps, 1.0)
-    return (1 - frac) * start + frac * end
-
-
-def muon_momentum_peaked(step: int, num_iterations: int, warmdown_ratio: float, *, start: float = 0.85,
-                         peak: float = 0.97, end: float = 0.90, ramp_steps: int = 400) -> float:
-    """Recipe v2's Muon momentum: the ramp from `start` to `peak` over `ramp_steps`, then during
-    the LR warmdown linear from wherever the ramp stands there down to `end` at the last step
-    (less momentum while the LR anneals: the update follows the recent gradients more closely)."""
-    ramp = functools.partial(muon_momentum, start=start, end=peak, ramp_steps=ramp_steps)
-    warmdown = round(warmdown_ratio * num_iterations)
-    begin = num_iterations - warmdown
-    if warmdown == 0 or step <= begin:
-        return ramp(step)
-    progress = min((step - begin) / warmdown, 1.0)
-    return (1 - progress) * ramp(begin) + progress * end
-
-
-def weight_decay_multiplier(step: int, num_iterations: int) -> float:
-    """Weight decay decays linearly to 0 over the run (multiply initial_weight_decay by this)."""
-    if num_iterations < 1:
-        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
-    return max(0.0, 1.0 - step / num_iterations)
-
-
-def weight_decay_cosine(step: int, num_iterations: int) -> float:
-    """Recipe v2's weight decay: a half cosine from 1 at step 0 to 0 at the last step."""
-    if num_iterations < 1:
-        raise ValueError(f"--num-iterations: got {num_iterations}; accepted: an integer >= 1")
-    return 0.5 * (1 + math.cos(math.pi * min(max(step, 0), num_iterations) / num_iterations))

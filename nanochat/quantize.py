@@ -20,6 +20,12 @@ prompt's prefill) or the CPU: the weight dequantised into the input's dtype, the
 The persistent batch-1 decode kernel (nanochat/triton_decode.py) reads the same int8 rows and
 scales in its own GEMV phases. A quantised model is for inference only: it has no float weights
 to train.
+
+Saving and loading: `qweight` and `scale` are persistent buffers, so a quantised model's
+state_dict holds every int8 matrix once (the fused q/k/v rows under `attn.qkv_quant`; the c_q /
+c_k / c_v views of them are not saved twice) with float32 scales. It loads strictly into a model
+of the same config that quantize_model has transformed (any weights: the load overwrites them);
+a float model refuses it (its keys are `weight`, not `qweight` / `scale`).
 """
 
 from __future__ import annotations
@@ -90,15 +96,20 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel=No
 class Int8Linear(nn.Module):
     """A bias-free Linear holding int8 weights `qweight` (out, in) and float32 row scales `scale`
     (out,) as buffers. Built by `from_weight` (quantising a float weight) or `view_rows` (a row
-    slice of another Int8Linear, sharing its storage)."""
+    slice of another Int8Linear, sharing its storage). The buffers are persistent (in
+    state_dict) except a view's: its rows are saved and loaded as part of its source."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, kernel=None):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, kernel=None, *, persistent: bool = True):
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.dim() == 2 and scale.shape == qweight.shape[:1]
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("scale", scale.float(), persistent=False)
+        self.register_buffer("qweight", qweight, persistent=persistent)
+        self.register_buffer("scale", scale.float(), persistent=persistent)
         self.kernel = kernel
+        # views of this module's rows, and (for a view) its (source, start, stop): plain attributes
+        # (a list, a tuple), so neither is registered as a submodule nor saved twice
+        self._views: list[Int8Linear] = []
+        self._rows: tuple | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
@@ -106,8 +117,10 @@ class Int8Linear(nn.Module):
         return cls(q, scale, _kernel_for(weight.device))
 
     def _apply(self, fn, recurse=True):
-        """After .to() / .cuda() / .half(): scales stay float32 and the product is re-chosen for the
-        new device. (Quantise after moving: a move copies c_q/c_k/c_v's row views apart.)"""
+        """After .to() / .cuda() / .half() / to_empty(): scales stay float32, the product is
+        re-chosen for the new device, and row views are re-sliced from their source (a move copies
+        each tensor on its own: c_q/c_k/c_v would otherwise become copies that a later
+        load_state_dict, which writes the fused rows, leaves stale)."""
         scale = self.scale
         super()._apply(fn, recurse)
         if self.scale.dtype != torch.float32:
@@ -115,10 +128,22 @@ class Int8Linear(nn.Module):
             # through fn's dtype (bf16 rounded every row's scale by up to 0.4%)
             self.scale = scale.to(self.scale.device)
         self.kernel = _kernel_for(self.qweight.device)
+        # whichever of source and view model._apply reaches last leaves them sharing storage
+        for view in self._views:
+            view._take_rows()
+        if self._rows is not None:
+            self._take_rows()
         return self
 
+    def _take_rows(self) -> None:
+        source, start, stop = self._rows
+        self.qweight, self.scale, self.kernel = source.qweight[start:stop], source.scale[start:stop], source.kernel
+
     def view_rows(self, start: int, stop: int) -> "Int8Linear":
-        return Int8Linear(self.qweight[start:stop], self.scale[start:stop], self.kernel)
+        view = Int8Linear(self.qweight[start:stop], self.scale[start:stop], self.kernel, persistent=False)
+        view._rows = (self, start, stop)
+        self._views.append(view)
+        return view
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(dtype)

@@ -8,7 +8,10 @@ sets advantage = reward - mean reward of the group (a group where every sample s
 teaches nothing and contributes zero gradient), and maximises sum(advantage x log p(token)) over
 the tokens the policy sampled: prompt tokens and tool outputs the Engine forced are target -1.
 The objective is normalised per problem by its number of sampled tokens, then averaged over the
-problems of the step on all ranks (the optimizer averages gradients across ranks).
+problems the step trains on all ranks (the optimizer averages gradients across ranks). A prompt
+that leaves no room to generate is skipped and left out of that average: the ranks first agree
+on how many problems the step trains (decided from prompt lengths, before any rollout), so a
+skip neither shrinks the step's effective learning rate nor weighs one rank's problems more.
 """
 
 from __future__ import annotations
@@ -85,15 +88,16 @@ class PolicyGradientTrainer:
         idx = [(self.pos + k) % len(self.task) for k in range(self.examples_per_step)]
         return idx[self.rt.rank::self.rt.world_size]
 
-    def _rollout(self, index: int):
-        """(sequences, masks, advantages, rewards) of one problem's group; None when the prompt
-        leaves no room to generate in the model's context (skipped, counted in the step's extra)."""
-        from nanochat.tasks.evaluate import completion_text
+    def _prompt(self, index: int) -> tuple[dict, list[int], int]:
+        """(conversation, prompt tokens, generation budget) of a problem; budget < 1: the prompt
+        leaves no room to generate in the model's context, and the problem is skipped."""
         conv = self.task[index]
         prompt = self.tokenizer.render_for_completion(conv)
-        budget = min(self.max_new_tokens, self.engine.max_seq_len - len(prompt))
-        if budget < 1:
-            return None
+        return conv, prompt, min(self.max_new_tokens, self.engine.max_seq_len - len(prompt))
+
+    def _rollout(self, index: int, conv: dict, prompt: list[int], budget: int):
+        """(sequences, masks, advantages, rewards) of one problem's group."""
+        from nanochat.tasks.evaluate import completion_text
         self.model.eval()
         seqs, masks = self.engine.generate_batch(
             prompt, num_samples=self.num_samples, max_tokens=budget, temperature=self.temperature,
@@ -104,19 +108,29 @@ class PolicyGradientTrainer:
         mean = sum(rewards) / len(rewards)
         return seqs, masks, [r - mean for r in rewards], rewards
 
+    def _sum_over_ranks(self, value: int) -> int:
+        """`value` summed over the ranks (a collective: every rank calls it at the same point)."""
+        if self.rt.world_size == 1:
+            return value
+        import torch.distributed as dist
+        total = torch.tensor([float(value)], dtype=torch.float64, device=self.rt.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return int(total.item())
+
     def step(self, step: int) -> RLStepResult:
         rt = self.rt
         rt.synchronize()
         t0 = time.perf_counter()
         problems = self._my_problems()
+        prompts = [self._prompt(index) for index in problems]
+        skipped = sum(1 for *_, budget in prompts if budget < 1)
+        # the step's mean runs over the problems trained on every rank, known before any backward
+        trained_all = self._sum_over_ranks(len(problems) - skipped)
         total_loss, rewards, tokens, lengths = 0.0, [], 0, []
-        skipped = 0
-        for index in problems:
-            rollout = self._rollout(index)
-            if rollout is None:
-                skipped += 1
+        for index, (conv, prompt, budget) in zip(problems, prompts):
+            if budget < 1:
                 continue
-            seqs, masks, advantages, rs = rollout
+            seqs, masks, advantages, rs = self._rollout(index, conv, prompt, budget)
             rewards += rs
             lengths += [len(s) for s in seqs]
             inputs, targets, adv = rollout_batch(seqs, masks, advantages, self.tokenizer.bos_token_id, rt.device)
@@ -124,7 +138,7 @@ class PolicyGradientTrainer:
             for b in range(0, inputs.size(0), self.device_batch_size):
                 sl = slice(b, b + self.device_batch_size)
                 loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl])
-                loss = loss_sum / count / self.examples_per_step * rt.world_size  # optimizer averages ranks
+                loss = loss_sum / count / trained_all * rt.world_size  # the optimizer averages ranks
                 loss.backward()
                 total_loss += float(loss.detach())
             tokens += inputs.numel()

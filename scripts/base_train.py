@@ -75,7 +75,7 @@ class BaseTrainConfig:
     final_lr_frac: float | None = None
     normuon_beta2: float | None = None      # 0 = plain Muon
     grad_clip: float = 0.0                  # 0 = off
-    # evaluation, sampling, checkpoints (-1 or 0 = off; eval/save always run at the last step)
+    # evaluation, sampling, checkpoints (-1 or 0 = off, also at the last step; the last step is always saved)
     eval_every: int = 250
     eval_tokens: int = 10 * 524288
     sample_every: int = 2000
@@ -167,6 +167,9 @@ _FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float
 
 
 def _flag_help(name: str, default) -> str:
+    if name == "eval_every":
+        return ("N: evaluate val bpb at step 0, every N steps and at the last step; -1 or 0: never, "
+                f"not even at the last step; default: {default}")
     if name == "recipe":
         return (f"optimizer recipe: {'|'.join(RECIPES)} (nanochat/recipe.py); default {DEFAULT_RECIPE}, "
                 "or the checkpoint's when resuming")
@@ -410,7 +413,8 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s (bf16)", f"{peak_bf16:.4e}" if peak_bf16 else "n/a (MFU not computed; --peak-flops)"),
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
-        ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"),
+        ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"
+                 if cfg.eval_every > 0 else "off (--eval-every <= 0)"),
         ("samples / saves", f"every {cfg.sample_every} / every {cfg.save_every} steps (+ final)"),
         ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
                         + (f"; {disk}" if disk else "")),

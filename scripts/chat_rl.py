@@ -4,9 +4,10 @@ Loads the `sft` checkpoint (--source sft; mid also accepted), and per step sampl
 completions for each of --examples-per-step GSM8K problems with the Engine (calculator tool on),
 rewards a correct final answer with 1, uses reward - group mean as the advantage and takes a
 policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pass@1 on the first
---eval-examples GSM8K test problems at intervals (with --eval-samples K also pass@1..K of K samples
+--eval-examples GSM8K test problems at step 0, every --eval-every steps and at the last step (-1 or
+0: never, as base_train / mid_train / chat_sft) (with --eval-samples K also pass@1..K of K samples
 drawn as training draws them, the figure upstream nanochat reports); saves the `rl` checkpoint under
-the same tag.
+the same tag (every --save-every steps and at the last step).
 -1 iterations = one pass over the training problems. Loop: nanochat/loop.py.
 
 Offline (no hub): --test-holdout N trains on the local GSM8K test file minus its first N problems.
@@ -92,21 +93,29 @@ class ChatRLConfig:
         require_int(self.seed, "--seed", 0)
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
         # the evaluation scores the first --test-holdout GSM8K test problems: 0 leaves it none
-        require(self.test_holdout != 0 or self.eval_every == -1, "--test-holdout", self.test_holdout,
-                "-1 or >= 1 (the evaluation's held-out problems), or --eval-every -1 to train without evaluating")
+        require(self.test_holdout != 0 or self.eval_every <= 0, "--test-holdout", self.test_holdout,
+                "-1 or >= 1 (the evaluation's held-out problems), or --eval-every -1 (or 0) to train without "
+                "evaluating")
         check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
         return self
 
 
 _TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+# what 0 / -1 mean (nanochat/loop.py's rule, as base_train / mid_train / chat_sft say it)
+FLAG_HELP = {
+    "eval_every": "N: evaluate GSM8K pass@1 at step 0, every N steps and at the last step; -1 or 0: never, "
+                  "not even at the last step",
+    "save_every": "N: save a checkpoint every N steps; -1 or 0: only the one at the last step (always saved)",
+}
 
 
 def parse_config(argv: list[str] | None = None) -> ChatRLConfig:
     parser = FlagParser(prog="python -m scripts.chat_rl", description="RL on GSM8K rewards.")
     d = ChatRLConfig()
     for f in fields(ChatRLConfig):
+        about = FLAG_HELP.get(f.name)
         parser.add_argument("--" + f.name.replace("_", "-"), type=_TYPES[f.type], default=getattr(d, f.name),
-                            help=f"default: {getattr(d, f.name)}")
+                            help=(f"{about}; " if about else "") + f"default: {getattr(d, f.name)}")
     return ChatRLConfig(**vars(parser.parse_args(argv))).validate()
 
 

@@ -101,6 +101,55 @@ def test_moving_a_quantised_model_keeps_float32_scales():
     assert model(torch.randint(0, 512, (1, 5))).dtype == torch.float32
 
 
+def test_quantised_state_dict_round_trips_strictly():
+    """A quantised model's state_dict holds every int8 matrix (once: c_q/c_k/c_v are views of the
+    fused rows) and float32 scales; saved and read back as checkpoints are (torch.save, then
+    torch.load(weights_only=True)), it loads strictly into a freshly quantised model of the same
+    config, which then gives the same outputs. A float model refuses it."""
+    import io
+
+    src = quantize_model(tiny_model(seed=3), "int8")
+    state = src.state_dict()
+    for name in ("blocks.0.attn.qkv_quant", "blocks.1.attn.c_proj", "blocks.0.mlp.c_fc", "blocks.1.mlp.c_proj",
+                 "lm_head"):
+        assert state[name + ".qweight"].dtype == torch.int8 and state[name + ".scale"].dtype == torch.float32, name
+    assert not any(k.startswith(("blocks.0.attn.c_q.", "blocks.0.attn.c_k.", "blocks.0.attn.c_v.")) for k in state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    dst = quantize_model(tiny_model(seed=4), "int8")
+    x = torch.randint(0, 512, (2, 11))
+    with torch.no_grad():
+        want = src(x)
+        assert not torch.equal(dst(x), want)   # other weights before the load
+        dst.load_state_dict(state, strict=True)
+        assert torch.equal(dst(x), want)
+        # the views read the loaded rows too (the training-mode path and the decode step use them)
+        attn, ref = dst.blocks[1].attn, src.blocks[1].attn
+        assert attn.c_v.qweight.data_ptr() == attn.qkv_quant.qweight.data_ptr() + \
+            (attn.c_q.out_features + attn.c_k.out_features) * attn.c_q.in_features
+        assert torch.equal(attn.c_k.qweight, ref.c_k.qweight) and torch.equal(attn.c_k.scale, ref.c_k.scale)
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*qkv_quant\.qweight"):
+        tiny_model().load_state_dict(state, strict=True)
+
+
+def test_moved_quantised_model_keeps_views_and_loads():
+    """A move after quantising (to_empty: new storage for every tensor, as .to(another device)
+    makes) re-slices c_q/c_k/c_v from the fused rows instead of leaving copies, so a state_dict
+    loaded afterwards reaches them too."""
+    src = quantize_model(tiny_model(seed=5), "int8")
+    dst = quantize_model(tiny_model(seed=6), "int8").to_empty(device="cpu")
+    attn = dst.blocks[0].attn
+    assert attn.c_q.qweight.data_ptr() == attn.qkv_quant.qweight.data_ptr()
+    assert attn.c_k.scale.data_ptr() == attn.qkv_quant.scale.data_ptr() + 4 * attn.c_q.out_features
+    dst.load_state_dict(src.state_dict(), strict=True)
+    x = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(dst(x), src(x))
+    assert torch.equal(attn.c_q.dequantize(), src.blocks[0].attn.c_q.dequantize())
+
+
 def test_quantize_refusals():
     from nanochat import precision
 

@@ -58,13 +58,34 @@ class _Task:
         return self.reward_fn(completion)
 
 
-def _trainer(chat_model, reward, **kw):
+class _LongTask(_Task):
+    """`size` problems; those in `long` have prompts longer than the model's context (skipped)."""
+
+    def __init__(self, reward, long, size):
+        super().__init__(reward)
+        self.long, self.size = set(long), size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        conv = super().__getitem__(i)
+        if i in self.long:   # ~600 tokens; the tiny model's context is 256
+            conv["messages"][0]["content"] = "What is " + " plus ".join(["1"] * 300) + "?"
+        return conv
+
+
+def _len_reward(text):
+    return float(len(text) % 3)
+
+
+def _trainer(chat_model, reward, task=None, rt=None, **kw):
     from nanochat.rl import PolicyGradientTrainer
     model, tokenizer = chat_model
     model = copy.deepcopy(model).train()
     opt = _RecordGrads(model)
     args = dict(examples_per_step=2, num_samples=4, max_new_tokens=6, device_batch_size=3, seed=5)
-    return PolicyGradientTrainer(model, model, opt, _Task(reward), tokenizer, _Schedule(), _Runtime(),
+    return PolicyGradientTrainer(model, model, opt, task or _Task(reward), tokenizer, _Schedule(), rt or _Runtime(),
                                  **{**args, **kw}), opt
 
 
@@ -109,6 +130,82 @@ def test_a_group_with_equal_rewards_gives_zero_gradient(chat_model):
     res = trainer.step(0)
     assert res.loss == 0.0 and res.extra["reward"] == 1.0
     assert all(bool((g == 0).all()) and math.isfinite(float(g.sum())) for g in opt.grads.values())
+
+
+def test_a_skipped_prompt_is_left_out_of_the_steps_mean(chat_model):
+    """A prompt too long for the context is skipped and not counted: the step's gradient and loss
+    are the mean over the problems it trained (2 of 3 here), not a sum divided by 3."""
+    task = _LongTask(_len_reward, long={1}, size=5)
+    trainer, opt = _trainer(chat_model, None, task=task, examples_per_step=3)
+    res = trainer.step(0)
+    assert res.extra["skipped"] == 1 and trainer.pos == 3
+    trainer.pos = 0
+    loss, grads = _reference_grads(trainer, [0, 2])
+    assert res.loss == pytest.approx(loss, abs=1e-6)
+    assert set(grads) == set(opt.grads) and any(g.abs().max() > 0 for g in grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(opt.grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _RankRuntime(_Runtime):
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
+# 8 problems, 4 a step over 2 ranks (rank 0: 0, 2 | 4, 6; rank 1: 1, 3 | 5, 7); long prompts: step 0
+# rank 1 trains one problem of its two, step 1 none (no backward at all on that rank)
+RL_LONG, RL_STEPS = {1, 5, 7}, 2
+
+
+def _rl_rank_worker(rank: int, store: str, corpus: str, out: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model, tokenizer = tiny_chat_model(corpus)
+        model.load_state_dict(torch.load(f"{out}/model.pt"))   # the parent's weights, to the bit
+        trainer, opt = _trainer((model, tokenizer), None, task=_LongTask(_len_reward, RL_LONG, 8),
+                                rt=_RankRuntime(rank, 2), examples_per_step=4)
+        steps = []
+        for step in range(RL_STEPS):
+            res = trainer.step(step)
+            steps.append({"loss": res.loss, "skipped": res.extra["skipped"], "grads": opt.grads})
+        torch.save(steps, f"{out}/rank{rank}.pt")
+        dist.barrier()   # no rank tears gloo down while the other still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_skipping_different_prompts_match_one_process(chat_model, tiny_corpus, tmp_path):
+    """The ranks agree on how many problems the step trains: the gradient the optimizer averages
+    over 2 ranks (a rank with no gradient counts zero) equals one process running the same
+    problems, and both equal the hand-computed mean over the trained problems, when one rank
+    skips some of its prompts and when one skips all of them."""
+    import torch.multiprocessing as mp
+    torch.save(chat_model[0].state_dict(), tmp_path / "model.pt")
+    mp.spawn(_rl_rank_worker, args=(str(tmp_path / "store"), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer, opt = _trainer(chat_model, None, task=_LongTask(_len_reward, RL_LONG, 8), examples_per_step=4)
+        for step, trained in enumerate([[0, 2, 3], [4, 6]]):
+            res = trainer.step(step)
+            trainer.pos = 4 * step
+            loss, want = _reference_grads(trainer, trained)
+            trainer.pos = 4 * (step + 1)
+            trainer.model.zero_grad(set_to_none=True)   # the next step starts without the reference's
+            assert [r[step]["skipped"] for r in ranks] == [res.extra["skipped"]] * 2 == [[1, 2][step]] * 2
+            assert ranks[0][step]["loss"] == ranks[1][step]["loss"] == pytest.approx(res.loss, abs=1e-6)
+            assert res.loss == pytest.approx(loss, abs=1e-6)
+            assert (ranks[1][step]["grads"] == {}) == (step == 1)   # step 1: rank 1 ran no backward
+            assert set(want) == set(opt.grads)
+            for name, g in want.items():
+                averaged = sum(r[step]["grads"].get(name, torch.zeros_like(g)) for r in ranks) / 2
+                torch.testing.assert_close(opt.grads[name], g, rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+                torch.testing.assert_close(averaged, g, rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_chat_rl_resumes_exactly_and_reports_its_checkpoint(sft_checkpoint, chat_model, monkeypatch):
