@@ -44,6 +44,8 @@ Options:
   --list-stages      print the stage names, one per line, and exit
   -h, --help         this text
 Environment: WANDB_RUN=name turns on wandb logging; TORCH_INDEX_URL overrides the torch wheel index.
+Ctrl-C, or a hangup (the ssh connection drops; the output then goes to <base dir>/hangup.log), stops
+a training stage after its step and a checkpoint (exit 130 / 129); rerun ./setup.sh to continue.
 EOF
 }
 
@@ -339,16 +341,56 @@ MODEL_MAKERS=" tokenizer base_train mid_train chat_sft "
 MODEL_RAN="" ANY_RAN=""
 
 # Ctrl-C reaches the stage too (one process group): a training stage finishes its step and saves
-# a checkpoint, then exits 130, which bash takes as handled and would carry on after; the trap
-# (run once the stage has ended) and run_stage's exit-code check stop here instead, saying so.
-CURRENT_STAGE=""
-stopped() {  # exit code (130: Ctrl-C, 143: SIGTERM) -> one line on how to continue, exit with it
-  local how="Ctrl-C"; [[ $1 -eq 130 ]] || how="SIGTERM"
+# a checkpoint, then exits 130, which bash takes as handled and would carry on after; the trap and
+# run_stage's exit-code check stop here instead, saying so, once the stage has ended.
+# A hangup (SIGHUP: the ssh connection or terminal closed) does the same, exit 129. The stage may
+# not have had it (the kernel signals only the session's leader, e.g. setup.sh run by `ssh -t`; a
+# login shell passes it on to its jobs), so the trap passes it on; and since bash runs traps only
+# once a foreground command ends, stages run as a child that setup.sh waits for (run_child). The
+# terminal is gone, so from then on setup.sh's output (unless it goes to a file) is appended to
+# $BASE_DIR/hangup.log, where a training stage's own output goes too (nanochat/loop.py).
+CURRENT_STAGE="" STAGE_PID="" STOP_CODE=0 HUNG_UP=0
+stopped() {  # exit code (129: SIGHUP, 130: Ctrl-C, 143: SIGTERM) -> one line on how to continue, exit with it
+  local how="Ctrl-C"
+  case "$1" in 129) how="SIGHUP (the terminal hung up)" ;; 130) ;; *) how="SIGTERM" ;; esac
   echo "setup.sh: stopped by $how${CURRENT_STAGE:+ in stage '$CURRENT_STAGE'} (exit $1). Rerun ./setup.sh to" \
        "continue: finished stages are skipped and training resumes from its last checkpoint." >&2
   exit "$1"
 }
-trap 'stopped 130' INT
+kept_output() { [[ -f "$1" || "$1" -ef /dev/null ]]; }   # a file or /dev/null outlives the terminal
+hangup_output() {  # the terminal is gone: writes to it fail (and would end setup.sh under set -e), so
+                   # stdout and stderr, where not a file or /dev/null, go to $BASE_DIR/hangup.log
+  local log="$BASE_DIR/hangup.log"
+  kept_output /dev/fd/1 && kept_output /dev/fd/2 && return 0
+  mkdir -p "$BASE_DIR" 2>/dev/null && : 2>/dev/null >>"$log" || log=/dev/null
+  kept_output /dev/fd/2 || exec 2>>"$log"
+  kept_output /dev/fd/1 || exec >>"$log"
+  echo "==> $(date '+%F %T') setup.sh (pid $$): the terminal hung up (SIGHUP); its output continues here" >>"$log"
+}
+on_stop_signal() {  # 129 (SIGHUP) | 130 (Ctrl-C): stop now, or once the running stage has ended
+  if (( $1 == 129 )); then
+    (( HUNG_UP )) || hangup_output
+    HUNG_UP=1
+    [[ -z "$STAGE_PID" ]] || kill -HUP "$STAGE_PID" 2>/dev/null || true
+  fi
+  (( STOP_CODE != 0 )) || STOP_CODE=$1
+  [[ -n "$STAGE_PID" ]] || stopped "$STOP_CODE"
+}
+trap 'on_stop_signal 130' INT
+trap 'on_stop_signal 129' HUP
+run_child() {  # command... -> its exit code. A trapped signal ends `wait` early (128 + its number)
+               # while the stage runs on: wait again. In the child, Ctrl-C and SIGQUIT act as in a
+               # foreground command (a background one would ignore them) and it keeps stdin.
+  ( trap - INT QUIT HUP; exec "$@" ) <&0 &
+  STAGE_PID=$!
+  local rc
+  while :; do
+    rc=0; wait "$STAGE_PID" || rc=$?
+    (( rc > 128 )) && kill -0 "$STAGE_PID" 2>/dev/null || break
+  done
+  STAGE_PID=""
+  return "$rc"
+}
 
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
@@ -367,8 +409,9 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   # upstream stage that ran) that is interrupted must not leave the old one saying "done"
   rm -f "$marker"
   CURRENT_STAGE="$stage"
-  "$@" || rc=$?
-  if (( rc == 130 || rc == 143 )); then   # a stage that caught Ctrl-C / SIGTERM (training saves first)
+  run_child "$@" || rc=$?
+  (( STOP_CODE == 0 )) || stopped "$STOP_CODE"   # Ctrl-C or a hangup while the stage ran
+  if (( rc == 129 || rc == 130 || rc == 143 )); then   # a stage stopped by SIGHUP / Ctrl-C / SIGTERM (training saves first)
     stopped "$rc"
   elif (( rc != 0 )); then
     echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1

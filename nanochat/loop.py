@@ -18,14 +18,26 @@ periodic save would be; every rank agrees on the step), and StopRequested ends t
 line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A
 second Ctrl-C interrupts at once. Under torchrun, which SIGKILLs its workers a fixed time after
 passing a stop on (30 s unless set), the loop's first line says how long that is.
+
+A hangup (SIGHUP: the ssh connection or terminal closed under a foreground run; torchrun passes it
+on) stops the run the same way, exit 129. The terminal is gone by then (writes to it fail with EIO,
+to a pipe whose reader died with EPIPE), so the process's stdout and stderr, where they are not a
+file or /dev/null, move to <base dir>/hangup.log (appended, after a header line), and everything
+after (the stop line, the save, the script's last line) is there to read after reconnecting. A
+failed write to the terminal without a SIGHUP moves the output the same way and the run goes on. A
+run started with SIGHUP ignored (nohup, run_train.sh) keeps ignoring it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import math
 import os
 import signal
+import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from nanochat.common import print0
+from nanochat.common import get_base_dir, print0
 from nanochat.errors import RequestError
 from nanochat.report import jsonable
 
@@ -79,11 +91,66 @@ class StopRequested(RequestError):
         self.exit_code = 128 + signum
 
 
+HANGUP_LOG = "hangup.log"   # in the base dir: this process's output once its terminal is gone
+
+
+def _keeps_output(fd: int) -> bool:
+    """A file or /dev/null outlives the terminal: output sent there stays there."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) or (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev)
+
+
+def move_output_off_terminal(why: str) -> Path | None:
+    """Point fds 1 and 2, where they are a terminal or a pipe, at <base dir>/hangup.log (appending;
+    /dev/null where it cannot be opened) and write a header line there; returns the path, or None
+    when there was nothing to move (already moved, or a file). os calls only on the streams: this
+    runs in a signal handler, which may have interrupted a print (Python's streams write to the fds,
+    so they follow)."""
+    fds = [fd for fd in (1, 2) if not _keeps_output(fd)]
+    if not fds:
+        return None
+    try:
+        path = get_base_dir() / HANGUP_LOG
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        path, target = Path(os.devnull), os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(target, fd)
+    os.close(target)
+    rank = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""
+    with contextlib.suppress(OSError):   # a full disk: the run goes on without the header
+        os.write(fds[0], f"==> {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}{rank}: {why}; its output "
+                         "continues here\n".encode())
+    return path
+
+
+def _say(text: str) -> None:
+    """print0, except that a terminal gone (hung up: EIO; a pipe whose reader died: EPIPE) moves the
+    output to the hangup log instead of ending the run with the line unsaid; a SIGHUP, if one
+    comes, then stops it."""
+    try:
+        print0(text)
+    except OSError as e:
+        if e.errno not in (errno.EIO, errno.EPIPE):
+            raise
+        move_output_off_terminal(f"writing to the terminal failed ({errno.errorcode[e.errno]})")
+        if isinstance(getattr(sys.stdout, "buffer", None), io.BufferedIOBase):
+            sys.stdout.flush()   # the text that failed is still in the buffer: to the log now
+        else:
+            print0(text)         # unbuffered (python -u, PYTHONUNBUFFERED): that write's text was dropped
+
+
 @contextlib.contextmanager
 def _stop_signals():
-    """While the loop runs: SIGTERM and a first SIGINT set the returned list to [signum] instead
-    of killing the process; the handlers in place before come back afterwards. A no-op outside
-    the main thread (signal handlers can only be set there)."""
+    """While the loop runs: SIGTERM, a first SIGINT and SIGHUP set the returned list to [signum]
+    instead of killing the process (SIGHUP also moves the output off the terminal, which is gone);
+    the handlers in place before come back afterwards, except that after a hangup SIGHUP stays
+    ignored (a second one, e.g. the kernel's when the session leader exits, must not cut the
+    stop's last lines). SIGHUP is left alone where it is ignored (nohup). A no-op outside the main
+    thread (signal handlers can only be set there)."""
     got: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield got
@@ -92,17 +159,28 @@ def _stop_signals():
     def handler(signum, frame):
         if got and signum == signal.SIGINT:   # a second Ctrl-C: stop now
             raise KeyboardInterrupt
+        if signum == signal.SIGHUP:
+            move_output_off_terminal("the terminal hung up (SIGHUP)")
+        if signum in got:   # e.g. a hangup both from the shell and passed on by setup.sh
+            return
         got.append(signum)
         if os.environ.get("RANK", "0") == "0":  # os.write, not print: this may interrupt a print
-            os.write(2, f"received {signal.Signals(signum).name}: the step in flight finishes, then a "
-                        "checkpoint is saved (Ctrl-C again to interrupt at once)\n".encode())
+            how = "" if signum == signal.SIGHUP else " (Ctrl-C again to interrupt at once)"
+            try:
+                os.write(2, f"received {signal.Signals(signum).name}: the step in flight finishes, then a "
+                            f"checkpoint is saved{how}\n".encode())
+            except OSError:   # a terminal gone without a SIGHUP: the stop goes on without this line
+                pass
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    sigs = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        sigs.append(signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
     try:
         yield got
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP and sig in got else old)
 
 
 def _announce_stop_grace() -> None:
@@ -120,7 +198,7 @@ def _announce_stop_grace() -> None:
                if source.startswith("fixed") else
                f"launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S} (run_train.sh and launch_multinode.sh do)")
         line += f"; the stop's save may be cut short (the last periodic checkpoint stays): {way}"
-    print0(line)
+    _say(line)
 
 
 def _agreed_stop(got: list[int]) -> int:
@@ -147,7 +225,7 @@ def _prune(spec: LoopSpec, kept: list[Path]) -> list[Path]:
     for old in kept[:-spec.keep_last]:
         if spec.is_master and old.is_dir():
             remove_checkpoint(old.parent, int(old.name.split("_")[1]))
-            print0(f"removed checkpoint {old} (--keep-last {spec.keep_last})")
+            _say(f"removed checkpoint {old} (--keep-last {spec.keep_last})")
     return kept[-spec.keep_last:]
 
 
@@ -172,7 +250,7 @@ def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool,
         res.sampled_at = step   # on every rank: each saves it in its loop state
         if spec.is_master:
             for text in spec.sample(step):
-                print0(f"  sample: {text!r}")
+                _say(f"  sample: {text!r}")
 
 
 def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, tracker, report: bool,
@@ -187,7 +265,7 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     res.losses[step] = result.loss
     metrics = meter.update(result)
     extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
-    print0(meter.log_line(metrics, spec.num_iterations) + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
+    _say(meter.log_line(metrics, spec.num_iterations) + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
     if tracker is not None:
         tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
     if report:
@@ -221,8 +299,8 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
             last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
             stop = 0 if last else _agreed_stop(signals)
             if stop:
-                print0(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping "
-                       "(Ctrl-C again interrupts at once)")
+                how = "" if stop == signal.SIGHUP else " (Ctrl-C again interrupts at once)"
+                _say(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping{how}")
             if not stop:
                 _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
             periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
@@ -236,7 +314,7 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 path = spec.save(step, loop_state)
                 trainer.note_checkpoint(path)
                 res.last_checkpoint = str(path)
-                print0(f"step {step:05d} | saved checkpoint {path}")
+                _say(f"step {step:05d} | saved checkpoint {path}")
                 kept = _prune(spec, [k for k in kept if k != Path(path)] + [Path(path)])  # a re-saved step once
             if stop:
                 saved = f"checkpoint {res.last_checkpoint} saved; continue with --resume latest" \
@@ -303,10 +381,10 @@ def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:
     if "val_bpb" in metrics:
         res.val_bpb, res.val_bpb_step = metrics["val_bpb"], step
         res.min_val_bpb = min(res.min_val_bpb, res.val_bpb)
-        print0(f"step {step:05d} | val bpb {res.val_bpb:.4f} (min {res.min_val_bpb:.4f})")
+        _say(f"step {step:05d} | val bpb {res.val_bpb:.4f} (min {res.min_val_bpb:.4f})")
     others = {k: v for k, v in metrics.items() if k != "val_bpb"}
     if others:
-        print0(f"step {step:05d} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+        _say(f"step {step:05d} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in others.items()))
     if tracker is not None:
         tracker.log({f"val/{k.removeprefix('val_')}": v for k, v in metrics.items()}, step)

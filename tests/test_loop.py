@@ -230,3 +230,39 @@ def _roundtrip(tmp_path, state):
     path = tmp_path / "loop.pt"
     torch.save(state, path)
     return path
+
+
+def test_a_hangup_stops_like_sigterm_and_moves_the_output(tmp_path, monkeypatch, capsys):
+    """SIGHUP (the terminal hung up; here twice, as from the login shell and again from setup.sh):
+    the output moves off the gone terminal once, the step finishes, a checkpoint is saved at the
+    next step index, and the script exits 129 with the stop line. Afterwards SIGHUP stays ignored
+    (the process is about to exit and has no terminal). Before: SIGHUP was not the loop's, so the
+    test's own handler got it and the run went on to the end."""
+    from nanochat import loop
+    from nanochat.flags import script_main
+
+    moved, outside = [], []
+    monkeypatch.setattr(loop, "move_output_off_terminal", lambda why: moved.append(why), raising=False)
+    before = signal.signal(signal.SIGHUP, lambda signum, frame: outside.append(signum))
+
+    class Trainer(_SignalTrainer):
+        def step(self, step):
+            if step == self.at:
+                os.kill(os.getpid(), signal.SIGHUP)
+            return super().step(step)
+
+    trainer = Trainer(at=3, signum=signal.SIGHUP)
+    saves = []
+    spec = LoopSpec("base", num_iterations=10, report=False,
+                    save=lambda step, state: saves.append(step) or tmp_path / f"step_{step:06d}")
+    try:
+        with pytest.raises(SystemExit) as info:
+            script_main("base_train", lambda: None, lambda: run_training_loop(trainer, meter=trainer.meter, spec=spec))
+        after = signal.getsignal(signal.SIGHUP)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert info.value.code == 129 and trainer.steps == [0, 1, 2, 3] and saves == [4] and not outside
+    assert moved == ["the terminal hung up (SIGHUP)"] * 2 and after is signal.SIG_IGN
+    assert capsys.readouterr().err.endswith(
+        f"base_train: error: stopped by SIGHUP at step 4 of 10: checkpoint {tmp_path / 'step_000004'} saved; "
+        "continue with --resume latest (or rerun ./setup.sh)\n")
