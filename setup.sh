@@ -44,8 +44,9 @@ Options:
   --list-stages      print the stage names, one per line, and exit
   -h, --help         this text
 Environment: WANDB_RUN=name turns on wandb logging; TORCH_INDEX_URL overrides the torch wheel index.
-Ctrl-C, or a hangup (the ssh connection drops; the output then goes to <base dir>/hangup.log), stops
-a training stage after its step and a checkpoint (exit 130 / 129); rerun ./setup.sh to continue.
+Ctrl-C, a hangup (the ssh connection drops; the output then goes to <base dir>/hangup.log) or a
+SIGTERM stops a training stage after its step and a checkpoint (exit 130 / 129 / 143); rerun
+./setup.sh to continue.
 EOF
 }
 
@@ -367,21 +368,24 @@ hangup_output() {  # the terminal is gone: writes to it fail (and would end setu
   kept_output /dev/fd/1 || exec >>"$log"
   echo "==> $(date '+%F %T') setup.sh (pid $$): the terminal hung up (SIGHUP); its output continues here" >>"$log"
 }
-on_stop_signal() {  # 129 (SIGHUP) | 130 (Ctrl-C): stop now, or once the running stage has ended
+on_stop_signal() {  # 129 (SIGHUP) | 130 (Ctrl-C) | 143 (SIGTERM): stop now, or once the running stage has ended
   if (( $1 == 129 )); then
     (( HUNG_UP )) || hangup_output
     HUNG_UP=1
     [[ -z "$STAGE_PID" ]] || kill -HUP "$STAGE_PID" 2>/dev/null || true
+  elif (( $1 == 143 )); then   # sent to setup.sh alone (a scheduler, `timeout`, kill PID): the stage saves too
+    [[ -z "$STAGE_PID" ]] || kill -TERM "$STAGE_PID" 2>/dev/null || true
   fi
   (( STOP_CODE != 0 )) || STOP_CODE=$1
   [[ -n "$STAGE_PID" ]] || stopped "$STOP_CODE"
 }
 trap 'on_stop_signal 130' INT
 trap 'on_stop_signal 129' HUP
+trap 'on_stop_signal 143' TERM
 run_child() {  # command... -> its exit code. A trapped signal ends `wait` early (128 + its number)
                # while the stage runs on: wait again. In the child, Ctrl-C and SIGQUIT act as in a
                # foreground command (a background one would ignore them) and it keeps stdin.
-  ( trap - INT QUIT HUP; exec "$@" ) <&0 &
+  ( trap - INT QUIT HUP TERM; exec "$@" ) <&0 &
   STAGE_PID=$!
   local rc
   while :; do

@@ -483,12 +483,18 @@ def test_tiny_start_says_what_base_train_trains(tmp_path, depth):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm_to_setup"])
+def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path, how):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) during base_train: the
     step finishes, a checkpoint is saved, and setup.sh stops at once with exit 130 and one line
-    saying how to continue (not "failed ... fix the problem", not carrying on), with no marker."""
+    saying how to continue (not "failed ... fix the problem", not carrying on), with no marker.
+    A SIGTERM sent to setup.sh alone (a scheduler, `timeout`, `kill PID`) does the same, exit 143:
+    setup.sh passes it on to the stage and waits for its save (it used to die at once and leave
+    the stage training on its own)."""
     import signal
     import time
+
+    sig, code, name = ((signal.SIGINT, 130, "Ctrl-C") if how == "ctrl_c" else (signal.SIGTERM, 143, "SIGTERM"))
 
     base = tmp_path / "base"
     prep = _run_setup(base, "--only", "data,tokenizer")
@@ -504,15 +510,18 @@ def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path):
         while not re.search(r"^step 00001/00250", log.read_text(errors="replace"), re.M):
             assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)   # setup.sh only
         rc = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text(errors="replace")
-    assert rc == 130, text[-2000:]
-    assert "setup.sh: stopped by Ctrl-C in stage 'base_train' (exit 130). Rerun ./setup.sh to continue" in text
+    assert rc == code, text[-2000:]
+    assert f"setup.sh: stopped by {name} in stage 'base_train' (exit {code}). Rerun ./setup.sh to continue" in text
     assert "failed" not in text and "[base_eval]" not in text, text[-2000:]
-    m = re.search(r"^base_train: error: stopped by SIGINT at step (\d+) of 250: checkpoint (\S+) saved", text, re.M)
+    m = re.search(rf"^base_train: error: stopped by {sig.name} at step (\d+) of 250: checkpoint (\S+) saved", text, re.M)
     assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-2000:]
     assert not (base / "setup_state" / "base_train.done").exists()
