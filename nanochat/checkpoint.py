@@ -148,14 +148,18 @@ def delete_earlier_run(ckpt_dir, steps: list[int], is_master: bool = True) -> No
 
 def remove_checkpoint(ckpt_dir, step: int) -> None:
     """Delete one step's directory (renamed away first, so it vanishes at once). Never the step
-    latest.json points to: that is the one a resume takes."""
+    latest.json points to: that is the one a resume takes. The name it is renamed to, step_N.del-PID,
+    is not a re-save's step_N.old-PID: a removal killed halfway through its rmtree leaves a partial
+    directory that a later read of step N must not restore (_restore_swapped_out); leftovers of
+    such removals are swept here."""
     ckpt_dir = Path(ckpt_dir)
     assert step != read_latest(ckpt_dir), f"refusing to remove the latest checkpoint {step} of {ckpt_dir}"
     path = ckpt_dir / step_dirname(step)
-    trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
+    trash = ckpt_dir / (step_dirname(step) + f".del-{os.getpid()}")
     os.replace(path, trash)
     fsync_dir(ckpt_dir)
-    shutil.rmtree(trash, ignore_errors=True)
+    for leftover in [trash, *ckpt_dir.glob("step_*.del-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ metadata

@@ -166,15 +166,26 @@ def current_run(rows: list[dict]) -> tuple[list[dict], int]:
     new run (a fresh rerun, or a resume from an earlier checkpoint), which supersedes the rows past
     its first step, and a row re-logged for a step (training or evaluation) replaces the older one.
     Otherwise a rerun's curve is drawn on top of the old one and the time table takes the old
-    run's last step and wall clock."""
-    kept: list[dict] = []
-    for row in rows:
+    run's last step and wall clock. Linear in the rows (a run logs one per step: filtering every
+    kept row at each new one took ~90 s for a 20k-step run)."""
+    keep = [True] * len(rows)
+    # (step, train row?, index) of the kept rows that have a step, in file order: their steps never
+    # decrease (each row drops the kept ones past its step), so those are on top, and at most one
+    # training and one evaluation row share the top step
+    stack: list[tuple[float, bool, int]] = []
+    for i, row in enumerate(rows):
         step = _step_of(row)
-        if step is not None:
-            train = _get(row, "loss") is not None
-            kept = [r for r in kept if _step_of(r) is None or _step_of(r) < step
-                    or (_step_of(r) == step and (_get(r, "loss") is not None) != train)]
-        kept.append(row)
+        if step is None:
+            continue
+        train = _get(row, "loss") is not None
+        while stack and stack[-1][0] > step:
+            keep[stack.pop()[2]] = False
+        for j in range(len(stack) - 1, max(len(stack) - 3, -1), -1):
+            if stack[j][0] == step and stack[j][1] == train:
+                keep[stack.pop(j)[2]] = False
+                break
+        stack.append((step, train, i))
+    kept = [row for row, k in zip(rows, keep) if k]
     return kept, len(rows) - len(kept)
 
 

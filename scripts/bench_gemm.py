@@ -339,7 +339,8 @@ def parse_peaks(text: str) -> dict[str, float]:
 def resolve_peaks(spec, dtypes, overrides: dict[str, float]) -> dict[str, float | None]:
     """Each dtype's dense peak (FLOP/s): --peak-flops first, then the device table. A dtype with
     neither is named once, so its '% peak' column reads None for a reason the user can fix."""
-    peaks = {d: overrides.get(d) or peak_flops(spec, {"fp8-rowwise": "fp8"}.get(d, d)) for d in dtypes}
+    alias = {"fp8-rowwise": "fp8"}   # the same tensor-core peak; --peak-flops fp8=X covers both
+    peaks = {d: overrides.get(d) or overrides.get(alias.get(d, d)) or peak_flops(spec, alias.get(d, d)) for d in dtypes}
     missing = [d for d, v in peaks.items() if v is None]
     if missing:
         print(f"% peak n/a for {','.join(missing)}: '{spec.name}' has no such peak in nanochat/device_table.py; "

@@ -183,7 +183,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         # the checkpoint has no files for would fail alone while the others started fresh)
         why = resume_mismatch(read_meta(ckpt_dir, resume_at), cfg, rt.world_size)
         if why is not None and cfg.resume != "auto":
-            raise CheckpointError(f"--resume: {why}; use the flags of the original run (or start a new --model-tag)")
+            raise CheckpointError(f"--resume: {why}; run it as the original run was (its flags and number of "
+                                  "processes), or start a new --model-tag")
         if why is not None:
             say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({why})")
         else:

@@ -139,3 +139,5 @@ def test_peak_flops_flag_gives_unknown_gpus_a_percentage(capsys):
     known = DeviceSpec("H100", (9, 0), 132, 80, 3350, peak_tflops={"bf16": 989.0, "fp8": 1979.0})
     assert BG.resolve_peaks(known, ["bf16", "fp8-rowwise"], {}) == {"bf16": 989e12, "fp8-rowwise": 1979e12}
     assert capsys.readouterr().out == ""
+    # fp8=X also covers the fp8-rowwise row (the table maps it to fp8 the same way)
+    assert BG.resolve_peaks(unknown, ["fp8", "fp8-rowwise"], {"fp8": 2e15}) == {"fp8": 2e15, "fp8-rowwise": 2e15}

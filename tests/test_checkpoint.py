@@ -6,6 +6,8 @@ import math
 import os
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -154,6 +156,31 @@ def test_a_crash_between_the_resave_renames_is_recovered(tmp_path, monkeypatch):
     assert not (d / "step_000004").exists() and ck.read_latest(d) == 4
     ckpt = ck.load_checkpoint(d, "latest", load_optimizer=True)
     assert torch.equal(ckpt["model"]["w"], _model_state(1)["w"]) and ck.list_steps(d) == [4]
+
+
+def test_a_removal_killed_halfway_is_not_restored(tmp_path, monkeypatch):
+    """--keep-last pruning renames a step away, then deletes it. Killed during the delete, it left a
+    partial directory under the re-save's name (step_N.old-PID), which a later read of step N
+    restored as if it were a complete checkpoint. Now it is step_N.del-PID: never restored, and
+    swept by the next removal."""
+    d = tmp_path / "ck"
+    for step in (2, 4, 6):
+        _save(d, step, seed=step)
+    real_rmtree = ck.shutil.rmtree
+
+    def killed_after_the_first_file(path, ignore_errors=False):
+        (Path(path) / "model.pt").unlink()   # meta.json still there: it looks like a checkpoint
+        raise KeyboardInterrupt("killed while deleting")
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed_after_the_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        ck.remove_checkpoint(d, 2)
+    monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
+    with pytest.raises(Exception):
+        ck.load_checkpoint(d, 2)
+    assert not (d / "step_000002").exists() and ck.list_steps(d) == [4, 6]
+    ck.remove_checkpoint(d, 4)
+    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000006"]
 
 
 def test_unknown_schema_version(tmp_path):

@@ -205,6 +205,45 @@ def test_a_rerun_or_resumed_stage_replaces_the_old_runs_rows(base):
     assert "- sft: 25 metrics rows of an earlier run" in text
 
 
+def _current_run_by_definition(rows):
+    """current_run as its docstring defines it: every row with a step drops the kept rows past that
+    step and the one of its kind (training / evaluation) at it (quadratic: small inputs only)."""
+    kept = []
+    for row in rows:
+        step = report_mod._step_of(row)
+        if step is not None:
+            train = "loss" in row
+            kept = [r for r in kept if "step" not in r or r["step"] < step
+                    or (r["step"] == step and ("loss" in r) != train)]
+        kept.append(row)
+    return kept, len(rows) - len(kept)
+
+
+def test_current_run_is_linear_and_keeps_its_definition(monkeypatch):
+    """A run logs a metrics row every step: current_run filtered all kept rows at each new one, so a
+    20k-step run's report took ~90 s to generate (22 s at 10k steps, quadratic)."""
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(300):   # runs, fresh reruns and resumes, eval rows, rows without a step, re-logged steps
+        rows, step = [], 0
+        for _ in range(rnd.randrange(40)):
+            kind = rnd.random()
+            step = rnd.randrange(step + 1) if kind < 0.1 else step + (kind < 0.8)
+            rows.append({"note": 1} if kind > 0.95 else {"step": step, ("loss" if kind < 0.7 else "val_bpb"): 1.0})
+        got, dropped = report_mod.current_run(rows)
+        want, want_dropped = _current_run_by_definition(rows)
+        assert dropped == want_dropped and [id(r) for r in got] == [id(r) for r in want], rows
+    calls, step_of = [0], report_mod._step_of
+    monkeypatch.setattr(report_mod, "_step_of", lambda row: calls.__setitem__(0, calls[0] + 1) or step_of(row))
+    rows = []   # a 3000-step run evaluated every 100 steps, resumed from its step-2000 checkpoint
+    for first, last in ((0, 3000), (2000, 3000)):
+        for s in range(first, last):
+            evaluated = s % 100 == 0 and (first == 0 or s > first)   # a resume does not re-evaluate its step
+            rows += [{"step": s, "val_bpb": 1.0}] * evaluated + [{"step": s, "loss": 1.0}]
+    assert report_mod.current_run(rows)[1] == 999 + 9 + 1 and calls[0] <= 2 * len(rows)   # it made 14.3M calls
+
+
 def test_summary_marks_values_older_than_the_model_and_partial_scores(base):
     """A chat_eval logged before its stage (or an earlier one) was trained again describes the old
     model: it was shown as the current figure; a ChatCORE of one task was shown as the ChatCORE."""
