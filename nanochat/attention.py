@@ -74,6 +74,7 @@ RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "cudnn_fa4", "sdpa", "flex", "re
 # graph input; adding keys later does not trigger a recompile (checked on torch 2.15).
 _BLOCK_MASKS: dict = {}
 _DENSE_MASKS: dict = {}
+_PREPARED_DENSE: set = set()   # keys prepare_masks built: a compiled graph may hold them, never evicted
 _COMPILED_FLEX = None  # torch.compile(flex_attention), created on first eager CUDA use
 
 
@@ -232,16 +233,22 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     return ok
 
 
-def _dense_mask(T: int, window: int, device: torch.device) -> torch.Tensor:
-    """Cached dense (T, T) boolean window mask for the SDPA backend (never used by sdpa_flex)."""
+def _dense_mask(T: int, window: int, device: torch.device, prepared: bool = False) -> torch.Tensor:
+    """Cached dense (T, T) boolean window mask for the SDPA backend (never used by sdpa_flex).
+    Evals pad batches to many lengths (T^2 bytes each), so at most 8 other lengths are kept, the
+    oldest evicted first; masks prepare_masks built (`prepared`) stay, since a compiled graph
+    that found one cached would recompile once it is gone."""
     key = (T, window, str(device))
+    if prepared:
+        _PREPARED_DENSE.add(key)
     mask = _DENSE_MASKS.get(key)
     if mask is None:
         pos = torch.arange(T, device=device)
         mask = _visible(pos, pos, window)
         if not torch.compiler.is_compiling():
-            if len(_DENSE_MASKS) >= 8:   # evals pad batches to many lengths: T^2 bytes each, bounded
-                _DENSE_MASKS.pop(next(iter(_DENSE_MASKS)))
+            others = [k for k in _DENSE_MASKS if k not in _PREPARED_DENSE]
+            if key not in _PREPARED_DENSE and len(others) >= 8:
+                _DENSE_MASKS.pop(others[0])
             _DENSE_MASKS[key] = mask
     return mask
 
@@ -292,7 +299,7 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
         if backend == "flex" or (backend == "sdpa_flex" and window is not None):
             _block_mask(seq_len, window, device, block_size)
         elif backend == "sdpa" and window is not None:
-            _dense_mask(seq_len, window, device)
+            _dense_mask(seq_len, window, device, prepared=True)
     return backend
 
 

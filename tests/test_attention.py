@@ -171,6 +171,18 @@ def test_masks_are_cached():
     assert len(A._DENSE_MASKS) <= 8 and (59, 5, "cpu") in A._DENSE_MASKS
 
 
+def test_prepared_dense_masks_outlive_the_eval_lengths():
+    """A mask prepare_masks built for training (a compiled graph looked it up) is never evicted by
+    the bounded cache of other lengths: evicted, the graph would recompile at its next step."""
+    A.prepare_masks(97, [7, None], "cpu", "sdpa")
+    prepared = A._DENSE_MASKS[(97, 7, "cpu")]
+    for T in range(60, 80):
+        q, k, v = _qkv(T=T, dtype=torch.float32)
+        A.attention(q, k, v, window=7, backend="sdpa")
+    assert A._DENSE_MASKS[(97, 7, "cpu")] is prepared
+    assert len([key for key in A._DENSE_MASKS if key not in A._PREPARED_DENSE]) <= 8
+
+
 # ----------------------------------------------------------------------------------------------
 # KV cache
 
