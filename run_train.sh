@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Base training in the background: start (nohup, one run per model tag), --status, --stop.
 #
-#   ./run_train.sh --depth 20 --run d20-spark            start: the flags go to scripts.base_train
+#   ./run_train.sh --depth 20 --model-tag d20             start: the flags go to scripts.base_train
 #   ./run_train.sh --status [--model-tag d20]             running or not, pid, last step, log tail
 #   ./run_train.sh --stop [--model-tag d20] [--timeout 60]  SIGTERM, wait, then SIGKILL
 #
@@ -42,14 +42,15 @@ Modes:
                    SIGTERM -> SIGKILL wait does not apply), wait --timeout seconds (default
                    600), then SIGKILL everything the run started; without --model-tag, stops
                    the only running run. On SIGTERM the training loop finishes its step and
-                   saves a checkpoint first (d20: seconds to a minute or two), so
-                   `--resume latest` continues where it stopped
+                   saves a checkpoint first (d20: seconds to a minute or two), so the
+                   same flags plus --resume latest continue where it stopped
   --lines N        log lines shown by --status (default 10)
   -h, --help       this text
 Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
 Examples:
-  ./run_train.sh --depth 12 --run d12 && tail -f ~/.cache/nanochat/runs/d12/train.log
-  ./run_train.sh --nproc 8 --depth 20 --model-tag d20 --run d20
+  ./run_train.sh --depth 12 && tail -f ~/.cache/nanochat/runs/d12/train.log
+  ./run_train.sh --nproc 8 --depth 20 --model-tag d20
+  (--run NAME logs to wandb: it needs the wandb extra, which WANDB_RUN=NAME ./setup.sh installs)
 EOF
 }
 

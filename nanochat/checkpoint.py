@@ -473,13 +473,16 @@ def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: to
     return model
 
 
+_MAKES_PHASE = {"base": "base_train", "mid": "mid_train", "sft": "chat_sft", "rl": "chat_rl"}   # its recipe
+
+
 def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     """The model tag to use when none is given: the only one, or the deepest `d<N>`."""
     root = checkpoint_dir(phase, "x", base_dir).parent
     tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     if not tags:
         raise CheckpointError(f"no {phase} checkpoints under {root}; train one first "
-                              f"(e.g. python -m scripts.base_train)")
+                              f"(python -m scripts.{_MAKES_PHASE.get(phase, 'base_train')}, or ./setup.sh)")
     if len(tags) == 1:
         return tags[0]
     depth_tags = [(int(t[1:]), t) for t in tags if re.fullmatch(r"d\d+", t)]

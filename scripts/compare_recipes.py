@@ -44,7 +44,16 @@ def parse_args(argv: list[str] | None = None):
             raise RequestError(f"{flag}: set by compare_recipes itself; leave it out of the base_train flags")
     if any(s < 0 for s in args.seeds):
         raise RequestError(f"--seeds: got {args.seeds}; accepted: integers >= 0")
+    from scripts import base_train   # every run's base_train flags, before the first run trains (a
+    for i, entry in enumerate(args.entries):   # typo in the last entry stopped the comparison hours in)
+        base_train.parse_config(run_argv(entry, args.seeds[0], f"{args.tag_prefix}_{i}", args.shared))
     return args
+
+
+def run_argv(entry: list[str], seed: int, tag: str, shared: list[str]) -> list[str]:
+    """The base_train command line of one run."""
+    return [*shared, "--recipe", entry[0], *entry[1:], "--seed", str(seed), "--model-tag", tag, "--overwrite",
+            "--eval-every", str(10 ** 9), "--sample-every", "-1", "--save-every", "-1", "--wandb", "off"]
 
 
 def run_one(entry: list[str], seed: int, tag: str, shared: list[str], keep: bool = False) -> dict:
@@ -52,8 +61,7 @@ def run_one(entry: list[str], seed: int, tag: str, shared: list[str], keep: bool
 
     from nanochat.checkpoint import checkpoint_dir
     from scripts import base_train
-    argv = [*shared, "--recipe", entry[0], *entry[1:], "--seed", str(seed), "--model-tag", tag, "--overwrite",
-            "--eval-every", str(10 ** 9), "--sample-every", "-1", "--save-every", "-1", "--wandb", "off"]
+    argv = run_argv(entry, seed, tag, shared)
     t0 = time.perf_counter()
     summary = base_train.main(argv)
     import torch

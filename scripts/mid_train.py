@@ -11,9 +11,10 @@ with chat_sft); the loop in nanochat/loop.py.
 Offline (no hub): --test-holdout N trains MMLU/ARC/GSM8K on the local test files minus their
 first N problems, so `chat_eval --max-problems N` still scores unseen problems.
 
-Tiny CPU example (after the base_train example):
+Tiny CPU example (after the base_train example; --total-batch-size: the default -1 is the 524,288-token
+mid step, 2,048 micro-batches of 4 x 64 here):
     python -m scripts.mid_train --device cpu --num-iterations 20 --device-batch-size 4 \
-        --max-seq-len 64 --test-holdout 100 --eval-every 10
+        --total-batch-size 256 --max-seq-len 64 --test-holdout 100 --eval-every 10
 """
 
 from __future__ import annotations

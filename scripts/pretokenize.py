@@ -33,7 +33,7 @@ from nanochat import binshards as bs
 from nanochat import dataset as ds
 from nanochat.common import fmt_bytes
 from nanochat.errors import DiskFullError, MissingDataError
-from nanochat.flags import check_out_dir
+from nanochat.flags import FlagParser, check_out_dir, require_int, script_main
 
 CHARS_PER_TOKEN_LOW = 3   # planning only: English text and code run ~4 characters a token at vocab 32K
 
@@ -143,21 +143,29 @@ def _run_jobs(jobs: list[tuple[str, str, int]], tokenizer, workers: int):
         yield from pool.imap_unordered(_tokenize_one, jobs)
 
 
-def main(argv: list[str] | None = None, tokenizer=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", "--data_dir", type=Path, default=None,
+def build_parser() -> FlagParser:
+    ap = FlagParser(prog="python -m scripts.pretokenize", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", type=Path, default=None,
                     help="text shard directory (default $NANOCHAT_BASE_DIR/base_data)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default <data-dir>_tokens)")
-    ap.add_argument("--tokenizer-dir", "--tokenizer_dir", type=Path, default=None,
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
     ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker")
     ap.add_argument("--force", action="store_true", help="rewrite shards that already exist")
-    args = ap.parse_args(argv)
-    for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
-        if value < 1:
-            raise ValueError(f"{flag}: got {value}; accepted: an integer >= 1")
+    return ap
 
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, validated (ValueError naming the flag) before any shard is read."""
+    args = build_parser().parse_args(argv)
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
+        require_int(value, flag)
+    return args
+
+
+def main(argv: list[str] | None = None, tokenizer=None) -> int:
+    args = parse(argv)
     data_dir = args.data_dir or ds.default_data_dir()
     out_dir = check_out_dir(args.out or bs.default_bin_dir(data_dir))
     shards = ds.list_shards(data_dir)
@@ -179,6 +187,6 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanochat.flags import run_cli
+    import sys
 
-    run_cli(main)
+    script_main("pretokenize", lambda: parse(sys.argv[1:]), lambda: main(sys.argv[1:]))
