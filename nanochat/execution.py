@@ -6,32 +6,42 @@ what was actually applied):
 * process: a new interpreter (`python -I`) in its own session / process group, killed as a group
   after the wall-clock limit; stdin closed; a minimal environment; a private temp working dir.
   stdout / stderr are pipes the parent drains, keeping only their tails: any amount of output
-  costs the parent bounded memory and never changes the verdict. "pass" / "fail" also need the
-  harness's verdict, written to a separate pipe after the program returned, so a program that
-  ends the interpreter itself with exit code 0 (skipping the tests) is an "error".
+  costs the parent bounded memory and never changes the verdict. A third pipe carries the
+  harness's report: the layers applied (before the program starts) and the verdict (after it
+  returned); "pass" / "fail" need that verdict, so a program that ends the interpreter itself
+  with exit code 0 (skipping the tests) is an "error".
 * rlimits: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE
   (caps every file the program writes), RLIMIT_NPROC = 0 (no fork, for non-root),
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
-* namespaces ("netns", "readonly_fs", "pidns"): unshare a network namespace (no interfaces up, so
-  no network at all), a mount namespace in which every mount is read-only except the working dir,
-  and a PID namespace whose init is ours: when it exits or is killed, the kernel kills every
-  process the program started, even one that left the process group (setsid) or forked away.
-  Uses CLONE_NEWUSER when not root. Needs Linux >= 5.12 for mount_setattr.
+* namespaces ("netns", "readonly_fs", "workdir_cap", "pidns"): unshare a network namespace (no
+  interfaces up, so no network at all), a mount namespace in which every mount is read-only and
+  the working dir is a fresh tmpfs of `max_workdir_bytes` (all files together: a program cannot
+  fill the host disk, and its files vanish with the namespace), and a PID namespace whose init is
+  ours: when it exits or is killed, the kernel kills every process the program started, even one
+  that left the process group (setsid) or forked away. Uses CLONE_NEWUSER when not root. Needs
+  Linux >= 5.12 for mount_setattr.
 * "no_caps": the program's process drops every capability (bounding set included) and sets
   no_new_privs, so a program running as root, or as root of the user namespace, cannot undo the
   namespaces (remount read-write, setns back out) or regain privileges through exec.
 * "uid_drop": when running as root and the interpreter is world-readable, the child switches to
   uid/gid 65534 (nobody) so root-owned files stay out of reach even without namespaces.
+* "seccomp" (x86_64 and aarch64): a seccomp-BPF filter, installed last, denies (EACCES / EPERM, no
+  kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
+  socketpairs and io_uring: filesystem Unix sockets (docker.sock, D-Bus, X11) and AF_VSOCK (a
+  VM's host) cross every namespace. See nanochat/sandbox_seccomp.py.
 * "python_guard": destructive / process / network functions are replaced by raisers (os.system,
   os.fork, os.kill, os.remove/unlink/rename, shutil.rmtree, subprocess, socket, ctypes, ...).
 
 The Python guard alone is not a security boundary against adversarial code (it runs in the same
-interpreter as the program); the rlimits, the namespaces and the capability drop are the hard
-guarantees. Known gaps: as uid 0 RLIMIT_NPROC does not apply, so a fork bomb that gets past the
-guard is bounded only by the time limit (the PID namespace still kills it); filesystem Unix
-sockets stay connectable; the working dir has no total size cap (each file has one); code that
-deliberately writes the verdict pipe itself can forge a pass. The child half of this file runs as
-`python -I execution.py --sandbox-child CONFIG` and uses only the standard library.
+interpreter as the program); the rlimits, the namespaces, the capability drop and the seccomp
+filter are the hard guarantees. Known gaps: as uid 0 RLIMIT_NPROC does not apply, so a fork bomb
+that gets past the guard is bounded only by the time limit (the PID namespace still kills it);
+without the mount namespace the working dir is on the host disk with no total size cap (each
+file has one); the tmpfs is RAM outside RLIMIT_AS (up to max_workdir_bytes per running program);
+on other architectures (and with isolate=False) Unix sockets stay connectable; code that
+deliberately writes the report pipe itself can forge a pass (or its isolation list). The child
+half of this file runs as `python -I execution.py --sandbox-child CONFIG` and uses only the
+standard library (it gets the seccomp filter as bytes: it cannot import the nanochat package).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ STATUSES = ("pass", "fail", "timeout", "error")
 _EXIT_PASS, _EXIT_FAIL, _EXIT_ERROR = 0, 1, 2
 _VERDICTS = {_EXIT_PASS: "pass", _EXIT_FAIL: "fail", _EXIT_ERROR: "error"}
 _NOBODY = 65534
+_REPORT_BYTES = 4096  # the harness pipe: the isolation line, then the verdict
 
 
 @dataclass
@@ -125,18 +136,23 @@ def _kill_group(pid: int) -> None:
 
 def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None = None,
                  memory_mb: int = 1024, max_output_bytes: int = 1 << 20, tail_chars: int = 4000,
-                 isolate: bool = True) -> ExecutionResult:
+                 max_workdir_bytes: int = 64 << 20, isolate: bool = True) -> ExecutionResult:
     """Run `code` in a sandboxed child process and classify the outcome.
 
     timeout_s: wall clock (the process group, and the PID namespace with it, is killed);
     cpu_time_s: RLIMIT_CPU (default timeout_s + 1); memory_mb: RLIMIT_AS; max_output_bytes:
     RLIMIT_FSIZE for any file the program writes; tail_chars: how much of the end of stdout and
-    stderr is kept (the rest is read and dropped). isolate=False skips the namespaces, the
-    capability drop and the uid drop (rlimits and the Python guard stay).
+    stderr is kept (the rest is read and dropped); max_workdir_bytes: size of the tmpfs that
+    holds the working dir (all files together; it is RAM, freed when the program ends).
+    isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
+    (rlimits and the Python guard stay).
     """
     if timeout_s <= 0 or memory_mb < 64 or max_output_bytes < 1024:
         raise ValueError(f"execute_code: got timeout_s={timeout_s} memory_mb={memory_mb} "
                          f"max_output_bytes={max_output_bytes}; accepted: > 0, >= 64, >= 1024")
+    if not isinstance(max_workdir_bytes, int) or max_workdir_bytes < 1 << 20:
+        raise ValueError(f"execute_code: got max_workdir_bytes={max_workdir_bytes!r}; "
+                         f"accepted: an int >= {1 << 20} (1 MiB)")
     cpu = int(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
     drop = isolate and _can_drop_to_nobody()
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp:
@@ -144,16 +160,36 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         # surrogatepass: lone surrogates reach compile(), which rejects them as Python itself does
         (work / "program.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
         config = {"workdir": str(work), "cpu_s": max(1, cpu), "memory_bytes": memory_mb << 20,
-                  "fsize_bytes": max_output_bytes, "isolate": isolate, "drop_uid": drop}
+                  "fsize_bytes": max_output_bytes, "workdir_bytes": max_workdir_bytes, "isolate": isolate,
+                  "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {}}
         t0 = time.monotonic()
-        rc, timed_out, (stdout, stderr, verdict) = _run_child(work, config, timeout_s, tail_chars)
+        rc, timed_out, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars)
         duration = time.monotonic() - t0
-        try:
-            isolation = tuple(json.loads((work / "isolation.json").read_text()))
-        except (OSError, ValueError):
-            isolation = ()
+    isolation, verdict = _parse_report(report)
     status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
-    return ExecutionResult(status, stdout, stderr, rc, duration, detail, isolation)
+    return ExecutionResult(status, stdout, stderr, rc, duration, detail, tuple(isolation))
+
+
+def _seccomp_filters() -> dict[str, str]:
+    """The child's seccomp filters (hex), keyed by whether its network namespace came up: without
+    one AF_INET / AF_INET6 are denied too. Built here because the child cannot import nanochat."""
+    from nanochat.sandbox_seccomp import native_filter
+
+    return {k: f.hex() for k in ("netns", "no_netns") if (f := native_filter(allow_inet=k == "netns"))}
+
+
+def _parse_report(report: str) -> tuple[list, str]:
+    """The harness pipe carries one JSON line (the layers applied, written before the program
+    runs: the working dir may be a tmpfs the parent cannot see) and, after the program returned,
+    the verdict."""
+    first, _, _ = report.partition("\n")
+    try:
+        isolation = json.loads(first)
+    except ValueError:
+        isolation = []
+    if not isinstance(isolation, list):
+        isolation = []
+    return [x for x in isolation if isinstance(x, str)], report.rpartition("\n")[2]
 
 
 def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> tuple[int, bool, tuple]:
@@ -179,7 +215,7 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> t
         for fd in (out_w, err_w, ver_w):
             os.close(fd)
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
-    readers = _TailReader(out_r, keep), _TailReader(err_r, keep), _TailReader(ver_r, 16)
+    readers = _TailReader(out_r, keep), _TailReader(err_r, keep), _TailReader(ver_r, _REPORT_BYTES)
     timed_out = False
     try:
         rc = proc.wait(timeout=timeout_s)
@@ -188,7 +224,7 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> t
         _kill_group(proc.pid)
         rc = proc.wait()
     _kill_group(proc.pid)  # anything the program left behind in its group
-    return rc, timed_out, tuple(r.text(n, wait_s=2.0) for r, n in zip(readers, (tail_chars, tail_chars, 16)))
+    return rc, timed_out, tuple(r.text(n, 2.0) for r, n in zip(readers, (tail_chars, tail_chars, _REPORT_BYTES)))
 
 
 def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, stderr: str, verdict: str) -> tuple[str, str]:
@@ -226,14 +262,15 @@ def execute_many(programs: list[str], *, workers: int | None = None, **kw) -> li
 # ---------------------------------------------------------------------------------------------
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 _SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64 (generic syscall table)
 
 
-def _unshare_namespaces(workdir: str, as_real_root: bool) -> list[str]:
-    """Enter new net + mount namespaces and make every mount read-only except workdir; then
-    unshare a PID namespace (it applies to the next fork: see _fork_pid_namespace)."""
+def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner: int | None) -> list[str]:
+    """Enter new net + mount namespaces, mount a tmpfs of cap_bytes (owned by `owner` when the
+    program will run as that uid) over workdir and make every other mount read-only; then unshare
+    a PID namespace (it applies to the next fork: see _fork_pid_namespace)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -263,12 +300,18 @@ def _unshare_namespaces(workdir: str, as_real_root: bool) -> list[str]:
                             ctypes.byref(attr), ctypes.sizeof(attr)) == 0
 
     wd = workdir.encode()
-    ok = (libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0
-          and libc.mount(wd, wd, None, _MS_BIND | _MS_REC, None) == 0
-          and setattr_("/", _MOUNT_ATTR_RDONLY, 0)
-          and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY))
-    if ok:
+    # private first: a mount made in a shared tree would propagate to the host's namespace
+    ok = libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0
+    # the tmpfs caps all the program's files together (RLIMIT_FSIZE caps each one) and keeps them
+    # off the host disk; nr_inodes bounds empty files too (their inodes are kernel memory)
+    opts = f"size={cap_bytes},nr_inodes={max(256, cap_bytes >> 12)},mode=0700"
+    opts += f",uid={owner},gid={owner}" if owner is not None else ""
+    capped = ok and libc.mount(b"tmpfs", wd, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) == 0
+    ok = ok and (capped or libc.mount(wd, wd, None, _MS_BIND | _MS_REC, None) == 0)
+    if ok and setattr_("/", _MOUNT_ATTR_RDONLY, 0) and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY):
         applied.append("readonly_fs")
+    if capped:
+        applied.append("workdir_cap")
     if libc.unshare(_CLONE_NEWPID) == 0:
         applied.append("pidns")
     return applied
@@ -303,6 +346,27 @@ def _drop_capabilities(drop_uid: bool) -> list[str]:
     if capset is not None and capset(header, data) == 0 and cap > 0:
         applied.append("no_caps")
     return applied
+
+
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+
+
+def _install_seccomp(program: bytes) -> list[str]:
+    """Install the parent's seccomp-BPF filter (nanochat/sandbox_seccomp.py: no sockets but
+    AF_INET / AF_INET6, no io_uring) on this process and everything it starts; it stays for good."""
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    # a filter needs no_new_privs (or CAP_SYS_ADMIN): set here too, not only by the capability drop
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return []
+    installed = libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) == 0
+    return ["seccomp"] if installed else []
 
 
 def _exit_like_init(status: int) -> None:
@@ -409,22 +473,36 @@ def _python_guard() -> None:
 def _child_main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     workdir = cfg["workdir"]
-    source = Path(workdir, "program.py").read_bytes().decode("utf-8", errors="surrogatepass")
+    raw = Path(workdir, "program.py").read_bytes()  # before the tmpfs hides the host's copy
     applied: list[str] = []
     if cfg["isolate"]:
         try:
-            applied += _unshare_namespaces(workdir, as_real_root=os.geteuid() == 0)
+            applied += _unshare_namespaces(workdir, os.geteuid() == 0, cfg["workdir_bytes"],
+                                           _NOBODY if cfg["drop_uid"] else None)
         except OSError:
             pass
+        if "workdir_cap" in applied:  # tracebacks and inspect.getsource read program.py from cwd
+            try:
+                Path(workdir, "program.py").write_bytes(raw)
+            except OSError:  # larger than the cap: the program still runs, without source lines
+                pass
         if "pidns" in applied:
             _fork_pid_namespace()  # from here on: the program's process, pid 2 in the namespace
         applied += _drop_capabilities(cfg["drop_uid"])
     _set_rlimits(cfg)
     applied.append("rlimits")
     os.chdir(workdir)
+    # last before the program: nothing the harness does from here on needs a socket (its pipes
+    # are inherited fds). Without a network namespace the filter denies AF_INET / AF_INET6 too.
+    filter_hex = cfg["seccomp"].get("netns" if "netns" in applied else "no_netns")
+    if filter_hex:
+        try:
+            applied += _install_seccomp(bytes.fromhex(filter_hex))
+        except OSError:  # no libc to call: the layer is simply not claimed
+            pass
     applied.append("python_guard")
-    Path(workdir, "isolation.json").write_text(json.dumps(applied))
-    _run_program(source, cfg["verdict_fd"])
+    os.write(cfg["verdict_fd"], (json.dumps(applied) + "\n").encode())
+    _run_program(raw.decode("utf-8", errors="surrogatepass"), cfg["verdict_fd"])
 
 
 def _run_program(source: str, verdict_fd: int) -> None:

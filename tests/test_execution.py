@@ -1,12 +1,20 @@
 """The code sandbox: verdicts, limits (wall, CPU, memory, output), and escapes that must fail."""
 
+import errno
 import os
 import signal
 import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import pytest
 
+from nanochat import execution
+from nanochat import sandbox_seccomp as sc
 from nanochat.execution import execute_code, execute_many
 
 
@@ -244,3 +252,206 @@ def test_bad_arguments_raise():
         execute_code("pass", timeout_s=0)
     with pytest.raises(ValueError, match="memory_mb"):
         execute_code("pass", memory_mb=1)
+    with pytest.raises(ValueError, match="max_workdir_bytes"):
+        execute_code("pass", max_workdir_bytes=4096)
+
+
+# --- seccomp: sockets that cross namespaces ---------------------------------------------------
+# A program past the Python guard loads the C modules straight from their files (sys.modules holds
+# None for them): what must stop it is the kernel's filter.
+_LOAD = ("import sys, importlib.machinery as m, importlib.util as u\n"
+         "def load(name):\n"
+         "    spec = m.PathFinder.find_spec(name) or m.BuiltinImporter.find_spec(name)\n"
+         "    mod = u.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
+         "    return mod\n"
+         "S = load('_socket')\n")
+
+
+# an allow-all filter installed by a throwaway interpreter, independently of the code under test
+_PROBE = ("import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "class P(ctypes.Structure):\n    _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n"
+          "ret = ctypes.create_string_buffer(bytes.fromhex('060000000000ff7f'))\n"  # BPF_RET_K ALLOW
+          "libc.prctl(38, 1, 0, 0, 0)\n"  # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP FILTER
+          "sys.exit(libc.prctl(22, 2, ctypes.byref(P(1, ctypes.cast(ret, ctypes.c_void_p))), 0, 0) != 0)")
+
+
+def _seccomp_expected() -> None:
+    """Skip only where the filter cannot exist: an ABI it does not know, or an OS that refuses
+    any seccomp filter (a kernel without it, or an outer sandbox that forbids stacking)."""
+    if sc.native_filter() is None:
+        pytest.skip(f"no seccomp filter for this ABI ({os.uname().machine}, 64-bit: {sys.maxsize > 2**32})")
+    if subprocess.run([sys.executable, "-I", "-c", _PROBE], check=False).returncode != 0:
+        pytest.skip("this OS refuses seccomp filters (prctl(PR_SET_SECCOMP) failed)")
+
+
+def test_unix_socket_files_are_unreachable(tmp_path, monkeypatch):
+    """A socket file the program can see (docker.sock, D-Bus, X11) must not be connectable, even
+    by code past the Python guard: no namespace covers it, the seccomp filter does."""
+    _seccomp_expected()
+    # uid 0 in the sandbox (its capabilities are gone, the owner's bits still apply) so that the
+    # path under tmp_path stays reachable: the test is of the filter, not of the uid drop
+    monkeypatch.setattr(execution, "_can_drop_to_nobody", lambda: False)
+    path = str(tmp_path / "host.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    server.settimeout(0.5)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as outside:  # the socket is real
+            outside.connect(path)
+            server.accept()[0].close()
+        res = execute_code(_LOAD + f"import os, stat\nprint('visible', stat.S_ISSOCK(os.stat({path!r}).st_mode))\n"
+                           "try:\n    s = S.socket(S.AF_UNIX, S.SOCK_STREAM)\n"
+                           "except OSError as e:\n    print('socket denied', e.errno)\n"
+                           f"else:\n    s.connect({path!r})\n    s.sendall(b'escaped')\n    print('connected')\n")
+        with pytest.raises(socket.timeout):
+            server.accept()  # nothing connected from the sandbox
+    finally:
+        server.close()
+    assert res.passed and "visible True" in res.stdout, (res.status, res.stdout, res.stderr)
+    assert f"socket denied {errno.EACCES}" in res.stdout and "connected" not in res.stdout, res.stdout
+    assert "seccomp" in res.isolation, res.isolation
+
+
+def test_seccomp_leaves_inet_and_stream_pairs_and_denies_the_rest():
+    _seccomp_expected()
+    code = _LOAD + (
+        "def try_(name, make):\n"
+        "    try:\n        make().close(); print(name, 'ok')\n"
+        "    except OSError as e:\n        print(name, e.errno)\n"
+        "for fam, typ in [('INET', 'STREAM'), ('INET6', 'DGRAM'), ('NETLINK', 'RAW'), ('VSOCK', 'STREAM'), ('PACKET', 'RAW')]:\n"
+        "    try_(fam, lambda: S.socket(getattr(S, 'AF_' + fam), getattr(S, 'SOCK_' + typ)))\n"
+        "for typ in ('STREAM', 'SEQPACKET', 'DGRAM'):\n"
+        "    try_('pair_' + typ, lambda: S.socketpair(S.AF_UNIX, getattr(S, 'SOCK_' + typ))[0])\n"
+        "load('_ctypes'); C = load('ctypes')\n"
+        "libc = C.CDLL(None, use_errno=True)\n"
+        "fd = libc.syscall(425, 1, C.create_string_buffer(120))\n"  # io_uring_setup, same on both ABIs
+        "print('io_uring', 'ok' if fd >= 0 else C.get_errno())\n")
+    if sc.native_abi() == "x86_64":  # getpid through the x32 ABI's numbering
+        code += "print('x32_getpid', 'ok' if libc.syscall(0x40000000 | 39) >= 0 else C.get_errno())\n"
+    res = execute_code(code)
+    got = dict(line.split() for line in res.stdout.splitlines())
+    assert res.passed, (res.stdout, res.stderr)
+    eacces, eperm = str(errno.EACCES), str(errno.EPERM)
+    inet = "ok" if "netns" in res.isolation else eacces  # no network namespace: no INET sockets either
+    want = {"INET": inet, "INET6": inet, "NETLINK": eacces, "VSOCK": eacces, "PACKET": eacces,
+            "pair_STREAM": "ok", "pair_SEQPACKET": "ok", "pair_DGRAM": eacces, "io_uring": eperm}
+    if sc.native_abi() == "x86_64":
+        want["x32_getpid"] = eperm  # not ENOSYS: the filter answers before the kernel looks
+    assert got == want, got
+
+
+def _run_bpf(program: bytes, nr: int, arch: int, args=()) -> int:
+    """A classic-BPF interpreter for the opcodes a seccomp filter may use here, on a struct
+    seccomp_data; returns the action. Checks the kernel's rules: forward jumps inside the program."""
+    insns = list(struct.iter_unpack("<HBBI", program))
+    data = struct.pack("<IIQ6Q", nr & 0xFFFFFFFF, arch, 0, *(list(args) + [0] * (6 - len(args))))
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        pc += 1
+        if code == sc.BPF_LD_W_ABS:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == sc.BPF_AND_K:
+            acc &= k
+        elif code == sc.BPF_RET_K:
+            return k
+        elif code in (sc.BPF_JEQ_K, sc.BPF_JGE_K, sc.BPF_JGT_K):
+            taken = {sc.BPF_JEQ_K: acc == k, sc.BPF_JGE_K: acc >= k, sc.BPF_JGT_K: acc > k}[code]
+            pc += jt if taken else jf
+            assert pc < len(insns)
+        else:
+            raise AssertionError(f"opcode {code:#x} at {pc - 1}")
+
+
+def _decide(abi: str, nr: int, *args: int, arch: str | None = None, allow_inet: bool = True) -> int:
+    """The action of `abi`'s filter for one call, made on `arch`'s ABI (default: the same)."""
+    prog = sc.build_filter(abi, allow_inet=allow_inet)
+    return _run_bpf(prog, nr, sc.ABIS[arch or abi].audit_arch, args)
+
+
+def test_seccomp_filter_decisions_per_abi():
+    EACCES, EPERM = sc.SECCOMP_RET_ERRNO | errno.EACCES, sc.SECCOMP_RET_ERRNO | errno.EPERM
+    ALLOW, KILL = sc.SECCOMP_RET_ALLOW, sc.SECCOMP_RET_KILL_PROCESS
+    for abi, a in sc.ABIS.items():
+        assert _decide(abi, a.socket, sc.AF_UNIX, 1) == EACCES
+        assert _decide(abi, a.socket, sc.AF_UNIX | 1 << 32, 1) == EACCES  # the kernel reads an int: low word
+        assert _decide(abi, a.socket, 40, 1) == EACCES and _decide(abi, a.socket, 16, 3) == EACCES  # vsock, netlink
+        assert _decide(abi, a.socket, sc.AF_INET, 1) == ALLOW and _decide(abi, a.socket, sc.AF_INET6, 2) == ALLOW
+        assert _decide(abi, a.socketpair, sc.AF_UNIX, 1 | 0o2000000) == ALLOW  # SOCK_STREAM | SOCK_CLOEXEC
+        assert _decide(abi, a.socketpair, sc.AF_UNIX, 5) == ALLOW  # SOCK_SEQPACKET
+        assert _decide(abi, a.socketpair, sc.AF_UNIX, 2) == EACCES  # SOCK_DGRAM: sendto() any path
+        assert _decide(abi, a.socketpair, sc.AF_INET, 1) == EACCES
+        assert [_decide(abi, nr) for nr in range(424, 429)] == [ALLOW, EPERM, EPERM, EPERM, ALLOW]
+        assert _decide(abi, 0) == ALLOW and _decide(abi, 63) == ALLOW  # read on one ABI or the other
+        # a foreign ABI (here i386's int 0x80) is killed: its numbers mean other calls
+        assert _run_bpf(sc.build_filter(abi), a.socket, 0x40000003, (sc.AF_INET,)) == KILL
+        assert _decide(abi, a.socket, sc.AF_INET, allow_inet=False) == EACCES
+        assert _decide(abi, a.socketpair, sc.AF_UNIX, 1, allow_inet=False) == ALLOW
+    # x32 calls arrive with AUDIT_ARCH_X86_64 and bit 30 set: denied whatever they are
+    assert _decide("x86_64", sc.X32_SYSCALL_BIT | 41, sc.AF_UNIX) == EPERM
+    assert _decide("x86_64", 198, sc.AF_UNIX) == ALLOW and _decide("aarch64", 41, sc.AF_UNIX) == ALLOW
+    assert _decide("aarch64", 198, sc.AF_UNIX, arch="x86_64") == KILL
+    with pytest.raises(ValueError, match="abi"):
+        sc.build_filter("riscv64")
+
+
+# --- the working dir: a size-capped tmpfs, not the host disk ----------------------------------
+
+def _tree_bytes(root: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def test_working_dir_is_capped_and_off_the_host_disk(monkeypatch):
+    if "netns" not in execute_code("pass").isolation:
+        pytest.skip("namespaces unavailable here: the working dir stays on the host disk")
+    workdirs, real = [], tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):  # learn the host-side working dir to watch it
+        d = real(*args, **kwargs)
+        workdirs.append(d.name)
+        return d
+
+    monkeypatch.setattr(execution.tempfile, "TemporaryDirectory", recording)
+    code = ("import errno, os, time\nst = os.statvfs('.')\nprint('fs', st.f_blocks * st.f_frsize)\n"
+            "chunk, written = b'x' * (512 << 10), 0\n"
+            "try:\n    for i in range(200):\n        with open(f'f{i}.bin', 'wb') as f:\n"
+            "            f.write(chunk)\n        written += len(chunk)\n"
+            "except OSError as e:\n    print('stopped', errno.errorcode[e.errno], written)\n"
+            "time.sleep(0.8)\n")  # full: the test watches the host side meanwhile
+    box = []
+    runner = threading.Thread(target=lambda: box.append(execute_code(code, timeout_s=20)))
+    runner.start()
+    host_max = 0
+    while runner.is_alive():
+        if workdirs:
+            host_max = max(host_max, _tree_bytes(workdirs[0]))
+        time.sleep(0.02)
+    runner.join()
+    res, cap = box[0], 64 << 20
+    assert res.passed, (res.status, res.stderr)
+    fs, stopped = res.stdout.split("\n")[:2]
+    assert fs == f"fs {cap}" and stopped.startswith("stopped ENOSPC "), res.stdout
+    assert cap // 2 < int(stopped.split()[-1]) <= cap
+    assert host_max < 1 << 20, f"{host_max} bytes reached the host disk"
+    assert "workdir_cap" in res.isolation
+
+
+def test_capped_working_dir_keeps_normal_programs_working():
+    res = execute_code("open('scratch.txt', 'w').write('ok')\nimport os\nst = os.statvfs('.')\n"
+                       "print(open('scratch.txt').read(), st.f_blocks * st.f_frsize, sorted(os.listdir('.')))\n"
+                       "assert 1 == 2, 'shown with its source line'", max_workdir_bytes=4 << 20)
+    assert res.status == "fail", (res.status, res.stderr)
+    if "workdir_cap" not in res.isolation:
+        assert "netns" not in res.isolation, res.isolation  # only where the OS refuses namespaces
+        pytest.skip("namespaces unavailable here")
+    assert res.stdout.split() == ["ok", str(4 << 20), "['program.py',", "'scratch.txt']"], res.stdout
+    # program.py is put back in the tmpfs: tracebacks (and inspect.getsource) still read it
+    assert "assert 1 == 2, 'shown with its source line'" in res.stderr

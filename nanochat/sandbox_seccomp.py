@@ -1,0 +1,133 @@
+"""The code sandbox's seccomp-BPF filter: which sockets a sandboxed program may create.
+
+`nanochat.execution` builds the filter here, in the parent (pure Python, no kernel calls), and
+its sandbox child installs the bytes with prctl(PR_SET_SECCOMP) just before the program runs; the
+child cannot import this module (it runs as `python -I execution.py`), so it receives bytes.
+
+Why: the network namespace leaves no network, but it does not cover the filesystem. A Unix
+socket file the program can see (/var/run/docker.sock, a D-Bus or X11 socket, nscd) is connectable
+from any namespace, and a read-only mount does not stop connect(). So socket() is allowed only for
+AF_INET / AF_INET6 (which the empty network namespace already cuts off; without that namespace
+they are denied too), and every other domain (AF_UNIX, AF_NETLINK, AF_VSOCK, AF_PACKET, ...)
+fails with EACCES, as a kernel that forbids it would answer: no kill, so libraries that try a
+socket and fall back (glibc's nscd client) keep working. socketpair() is allowed only for AF_UNIX
+stream / seqpacket pairs: they are born connected to each other and cannot be re-connected, while
+a datagram socket can sendto() any socket path. io_uring_setup / _enter / _register fail with
+EPERM: IORING_OP_SOCKET (Linux 5.19+) creates sockets without the socket() system call.
+
+The filter checks the audit architecture first (as the kernel's seccomp docs require: the same
+number means another call on another ABI) and kills the process on a foreign one (a 32-bit
+int 0x80 or compat call). On x86_64 it also denies the x32 ABI (numbers with bit 0x40000000),
+whose socket() would otherwise pass a check on the number 41. Only x86_64 and aarch64 (the DGX
+Spark) are known here; elsewhere `native_filter` returns None and the layer is not claimed.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import platform
+import struct
+import sys
+from dataclasses import dataclass
+
+AUDIT_ARCH_X86_64 = 0xC000003E   # EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
+AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
+X32_SYSCALL_BIT = 0x40000000
+IO_URING_SETUP, IO_URING_REGISTER = 425, 427  # setup, enter, register: same numbers on both ABIs
+
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+SOCK_STREAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 5, 0xF  # the type argument also carries NONBLOCK / CLOEXEC
+
+# classic BPF opcodes used below (linux/filter.h, linux/bpf_common.h)
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JGT_K, BPF_AND_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x25, 0x54, 0x06
+# struct seccomp_data offsets (little-endian: an int argument is the low word of its u64 slot)
+OFF_NR, OFF_ARCH, OFF_ARG0, OFF_ARG1 = 0, 4, 16, 24
+
+
+@dataclass(frozen=True)
+class Abi:
+    audit_arch: int
+    socket: int
+    socketpair: int
+    x32_trap: bool  # x86_64: also the x32 ABI's numbers reach a filter with AUDIT_ARCH_X86_64
+
+
+ABIS = {
+    "x86_64": Abi(AUDIT_ARCH_X86_64, socket=41, socketpair=53, x32_trap=True),
+    "aarch64": Abi(AUDIT_ARCH_AARCH64, socket=198, socketpair=199, x32_trap=False),
+}
+
+
+def _assemble(program: list) -> bytes:
+    """Encode [label str | (code, k, jump_true, jump_false)] as struct sock_filter[]; jumps name a
+    later label (or None: the next instruction) and become the relative offsets BPF wants."""
+    labels, index = {}, 0
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = index
+        else:
+            index += 1
+    out, index = [], 0
+    for item in program:
+        if isinstance(item, str):
+            continue
+        code, k, jt, jf = item
+        offsets = [0 if j is None else labels[j] - index - 1 for j in (jt, jf)]
+        assert all(0 <= off < 256 for off in offsets), (item, offsets)  # BPF jumps only forward
+        out.append(struct.pack("<HBBI", code, *offsets, k))
+        index += 1
+    return b"".join(out)
+
+
+def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
+    """The filter for one ABI ("x86_64" | "aarch64"). allow_inet=False also denies AF_INET and
+    AF_INET6 sockets: for a child whose network namespace could not be created."""
+    if abi not in ABIS:
+        raise ValueError(f"build_filter: abi={abi!r}; accepted: {sorted(ABIS)}")
+    a = ABIS[abi]
+    deny_socket = SECCOMP_RET_ERRNO | errno.EACCES
+    deny_call = SECCOMP_RET_ERRNO | errno.EPERM
+    inet = [(BPF_JEQ_K, AF_INET, "allow", None), (BPF_JEQ_K, AF_INET6, "allow", "deny_socket")]
+    program = [
+        (BPF_LD_W_ABS, OFF_ARCH, None, None),
+        (BPF_JEQ_K, a.audit_arch, None, "kill"),
+        (BPF_LD_W_ABS, OFF_NR, None, None),
+        *([(BPF_JGE_K, X32_SYSCALL_BIT, "deny_call", None)] if a.x32_trap else []),
+        (BPF_JEQ_K, a.socket, "socket", None),
+        (BPF_JEQ_K, a.socketpair, "socketpair", None),
+        (BPF_JGE_K, IO_URING_SETUP, None, "allow"),
+        (BPF_JGT_K, IO_URING_REGISTER, "allow", "deny_call"),
+        "socket",
+        *([(BPF_LD_W_ABS, OFF_ARG0, None, None), *inet] if allow_inet else
+          [(BPF_RET_K, deny_socket, None, None)]),  # no network namespace: no domain at all
+        "socketpair",
+        (BPF_LD_W_ABS, OFF_ARG0, None, None),
+        (BPF_JEQ_K, AF_UNIX, None, "deny_socket"),
+        (BPF_LD_W_ABS, OFF_ARG1, None, None),
+        (BPF_AND_K, SOCK_TYPE_MASK, None, None),
+        (BPF_JEQ_K, SOCK_STREAM, "allow", None),
+        (BPF_JEQ_K, SOCK_SEQPACKET, "allow", "deny_socket"),
+        "allow", (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
+        "deny_socket", (BPF_RET_K, deny_socket, None, None),
+        "deny_call", (BPF_RET_K, deny_call, None, None),
+        "kill", (BPF_RET_K, SECCOMP_RET_KILL_PROCESS, None, None),
+    ]
+    return _assemble(program)
+
+
+def native_abi() -> str | None:
+    """The ABI of this interpreter's own system calls when the filter knows it, else None. The
+    kernel's machine name is not enough: a 32-bit interpreter on a 64-bit kernel reports x86_64
+    or aarch64 from uname but makes 32-bit calls, which the filter would kill."""
+    machine = platform.machine()
+    if sys.platform != "linux" or sys.byteorder != "little" or sys.maxsize <= 2**32 or machine not in ABIS:
+        return None
+    return machine
+
+
+@functools.lru_cache(maxsize=2)
+def native_filter(allow_inet: bool = True) -> bytes | None:
+    abi = native_abi()
+    return build_filter(abi, allow_inet=allow_inet) if abi else None
