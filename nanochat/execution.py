@@ -23,8 +23,10 @@ what was actually applied):
 * "no_caps": the program's process drops every capability (bounding set included) and sets
   no_new_privs, so a program running as root, or as root of the user namespace, cannot undo the
   namespaces (remount read-write, setns back out) or regain privileges through exec.
-* "uid_drop": when running as root and the interpreter is world-readable, the child switches to
-  uid/gid 65534 (nobody) so root-owned files stay out of reach even without namespaces.
+* "uid_drop": when running as root with CAP_CHOWN / CAP_SETUID / CAP_SETGID and the interpreter is
+  world-readable, the child switches to uid/gid 65534 (nobody) so root-owned files stay out of
+  reach even without namespaces (which such a root makes only with CAP_SYS_ADMIN: a user
+  namespace of root's maps uid 0 alone, where the switch cannot happen).
 * "seccomp" (x86_64 and aarch64): a seccomp-BPF filter, installed last, denies (EACCES / EPERM, no
   kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
   socketpairs and io_uring: filesystem Unix sockets (docker.sock, D-Bus, X11) and AF_VSOCK (a
@@ -92,10 +94,31 @@ def _world_readable(path: Path) -> bool:
         return False
 
 
+_CAP_CHOWN, _CAP_SETGID, _CAP_SETUID = 0, 6, 7
+
+
+def _has_capabilities(*caps: int) -> bool:
+    """Whether this process's effective capability set holds all of `caps` (Linux; elsewhere a
+    root process is assumed to hold them)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return True
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            effective = int(line.split()[1], 16)
+            return all(effective >> cap & 1 for cap in caps)
+    return True
+
+
 def _can_drop_to_nobody() -> bool:
+    """Root with a world-readable interpreter and the capabilities the switch needs: chown (the
+    working dir, here) and setuid / setgid (in the child). A root without them (a container run
+    with --cap-drop) keeps its uid, as without a readable interpreter, instead of failing."""
     import sysconfig
 
-    return (os.geteuid() == 0 and _world_readable(Path(sys.executable))
+    return (os.geteuid() == 0 and _has_capabilities(_CAP_CHOWN, _CAP_SETGID, _CAP_SETUID)
+            and _world_readable(Path(sys.executable))
             and _world_readable(Path(sysconfig.get_paths()["stdlib"])))
 
 
@@ -275,7 +298,13 @@ def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner:
 
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
-    attempts = ([_CLONE_NEWNS | _CLONE_NEWNET] if as_real_root else []) + [_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET]
+    attempts = [_CLONE_NEWNS | _CLONE_NEWNET] if as_real_root else []
+    # not for a root about to become `owner` (nobody): a user namespace made by root maps uid 0
+    # alone, so the switch would fail in it and the working dir (owner's, 0700) be closed to it;
+    # where the plain namespaces are refused (no CAP_SYS_ADMIN: most containers), the program runs
+    # as nobody outside namespaces instead
+    if owner is None:
+        attempts.append(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET)
     for flags in attempts:
         if libc.unshare(flags) == 0:
             break

@@ -1,6 +1,7 @@
 """The code sandbox: verdicts, limits (wall, CPU, memory, output), and escapes that must fail."""
 
 import errno
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -455,3 +457,48 @@ def test_capped_working_dir_keeps_normal_programs_working():
     assert res.stdout.split() == ["ok", str(4 << 20), "['program.py',", "'scratch.txt']"], res.stdout
     # program.py is put back in the tmpfs: tracebacks (and inspect.getsource) still read it
     assert "assert 1 == 2, 'shown with its source line'" in res.stderr
+
+
+# --- root with some capabilities missing (containers): programs still run -------------------
+REPO = Path(__file__).resolve().parents[1]
+_ROOT_RUN = ("import json\nfrom nanochat import execution\n"
+             "if {probe}:\n    print(json.dumps(execution._can_drop_to_nobody()))\n    raise SystemExit\n"
+             "r = execution.execute_code('import os\\nprint(os.getuid())\\nassert 1 + 1 == 2')\n"
+             "print(json.dumps([r.status, list(r.isolation), r.stdout, r.stderr[-2000:]]))\n")
+
+
+def _root_python() -> list[str]:
+    """An interpreter the uid drop applies to (root, every capability, world-readable files), run
+    with PYTHONPATH at this checkout; skips where there is none or setpriv is missing."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux)")
+    for python in dict.fromkeys([sys.executable, shutil.which("python3"), "/usr/bin/python3"]):
+        if python and subprocess.run([python, "-I", "-c", "import sys; sys.exit(sys.version_info < (3, 10))"],
+                                     capture_output=True).returncode == 0:
+            out = subprocess.run([python, "-c", _ROOT_RUN.format(probe=True)], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+            if out.stdout.strip() == "true":
+                return [python, "-c", _ROOT_RUN.format(probe=False)]
+    pytest.skip("no world-readable Python >= 3.10 to switch to nobody with")
+
+
+@pytest.mark.parametrize("dropped, becomes_nobody", [("-sys_admin", True), ("-setuid,-setgid", False),
+                                                     ("-chown", False)])
+def test_root_without_some_capabilities_still_runs_programs(dropped, becomes_nobody):
+    """Root in a container often lacks CAP_SYS_ADMIN (and some run with --cap-drop). Before: without
+    CAP_SYS_ADMIN the child entered a user namespace mapping uid 0 alone, where the switch to
+    nobody failed (setgroups: EPERM) and nobody's working dir was closed to it; without
+    CAP_SETUID / CAP_SETGID the switch failed the same way: every program was an "error" (and
+    without CAP_CHOWN execute_code itself raised). Now the program runs, as nobody outside
+    namespaces where root cannot make them without a user namespace, else as root (no uid_drop)."""
+    cmd = _root_python()
+    out = subprocess.run(["setpriv", "--bounding-set", dropped, "--inh-caps", dropped, "--", *cmd],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    status, isolation, stdout, stderr = json.loads(out.stdout)
+    assert status == "pass", (isolation, stderr)
+    assert ("uid_drop" in isolation) == becomes_nobody and stdout.split() == ["65534" if becomes_nobody else "0"]
+    assert "no_caps" in isolation and "python_guard" in isolation, isolation
