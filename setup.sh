@@ -385,7 +385,8 @@ trap 'on_stop_signal 143' TERM
 run_child() {  # command... -> its exit code. A trapped signal ends `wait` early (128 + its number)
                # while the stage runs on: wait again. In the child, Ctrl-C and SIGQUIT act as in a
                # foreground command (a background one would ignore them) and it keeps stdin.
-  ( trap - INT QUIT HUP TERM; exec "$@" ) <&0 &
+  # NANOCHAT_SETUP_STAGE: the stage knows setup.sh runs it (a stopped training run says "or rerun ./setup.sh")
+  ( trap - INT QUIT HUP TERM; export NANOCHAT_SETUP_STAGE="${CURRENT_STAGE:-setup}"; exec "$@" ) <&0 &
   STAGE_PID=$!
   local rc
   while :; do

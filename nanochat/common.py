@@ -134,14 +134,16 @@ def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
     requested = DTYPE_ALIASES[dtype]
     from_env = DTYPE_ALIASES[env_value] if env_value else None
     if requested is not None and from_env is not None and requested != from_env:
-        raise RequestError(f"--dtype {dtype} conflicts with {DTYPE_ENV}={env_value}; drop one of them")
+        raise RequestError(f"--dtype {dtype} conflicts with {DTYPE_ENV}={env_value}; drop one of them (base_train and "
+                           "profile_training set the dtype from --precision)")
     chosen = requested or from_env
     bf16_gpu = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if chosen is None:
         return torch.bfloat16 if bf16_gpu else torch.float32
     if chosen == torch.bfloat16 and device_type == "cuda" and not bf16_gpu:
         name = torch.cuda.get_device_name()
-        raise RequestError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32")
+        raise RequestError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32 (base_train and "
+                           "profile_training: --precision fp32)")
     return chosen
 
 

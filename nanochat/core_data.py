@@ -350,7 +350,7 @@ def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource]
     if (bundle / "core.yaml").is_file():
         return _bundle_sources(bundle), f"bundle:{bundle}"
     if bundle_dir is not None:
-        raise MissingDataError(f"--bundle-dir: {bundle} has no core.yaml (run download_eval_bundle())")
+        raise MissingDataError(f"bundle_dir: {bundle} has no core.yaml (run download_eval_bundle())")
     sources, dirs = _offline_sources(data_dir)
     if not sources:
         raise DataUnavailableError(
@@ -376,7 +376,7 @@ def load_core_data(*, tasks=None, data_dir=None, bundle_dir=None) -> CoreData:
     wanted = list(CORE_LABELS) if tasks is None else list(tasks)
     bad = [t for t in wanted if t not in known]
     if bad:
-        raise ValueError(f"--tasks: got {bad}; accepted: {'|'.join(sorted(known))}")
+        raise ValueError(f"CORE tasks: got {bad}; accepted: {'|'.join(sorted(known))}")
     loaded = []
     for task, load in sources:
         if task.label not in wanted or load is None:

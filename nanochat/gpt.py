@@ -77,7 +77,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd: {self.n_embd} must split into n_head={self.n_head} "
                              "heads of an even head_dim (RoPE rotates pairs)")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"--n-kv-head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
+            raise ValueError(f"GPTConfig.n_kv_head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
         if not self.window_pattern or set(self.window_pattern) - {"S", "L"}:
             raise ValueError(f"--window-pattern: got {self.window_pattern!r}; accepted: a non-empty "
                              "string of S (window T/4) and L (full), e.g. SSSL or L")

@@ -35,6 +35,7 @@ import errno
 import io
 import math
 import os
+import select
 import signal
 import stat
 import sys
@@ -92,6 +93,7 @@ class StopRequested(RequestError):
 
 
 HANGUP_LOG = "hangup.log"   # in the base dir: this process's output once its terminal is gone
+SETUP_STAGE_ENV = "NANOCHAT_SETUP_STAGE"   # set by setup.sh for the stage it runs: its rerun continues it
 
 
 def _keeps_output(fd: int) -> bool:
@@ -103,13 +105,21 @@ def _keeps_output(fd: int) -> bool:
     return stat.S_ISREG(st.st_mode) or (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev)
 
 
-def move_output_off_terminal(why: str) -> Path | None:
-    """Point fds 1 and 2, where they are a terminal or a pipe, at <base dir>/hangup.log (appending;
-    /dev/null where it cannot be opened) and write a header line there; returns the path, or None
-    when there was nothing to move (already moved, or a file). os calls only on the streams: this
-    runs in a signal handler, which may have interrupted a print (Python's streams write to the fds,
-    so they follow)."""
-    fds = [fd for fd in (1, 2) if not _keeps_output(fd)]
+def _gone(fd: int) -> bool:
+    """Whether writes to fd fail now: a hung-up terminal or a pipe whose reader died (poll reports
+    an error or a hangup on it)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
+
+
+def move_output_off_terminal(why: str, fds: tuple[int, ...] = (1, 2)) -> Path | None:
+    """Point `fds` (default 1 and 2), where they are a terminal or a pipe, at <base dir>/hangup.log
+    (appending; /dev/null where it cannot be opened) and write a header line there; returns the
+    path, or None when there was nothing to move (already moved, or a file). os calls only on the
+    streams: this runs in a signal handler, which may have interrupted a print (Python's streams
+    write to the fds, so they follow)."""
+    fds = [fd for fd in fds if not _keeps_output(fd)]
     if not fds:
         return None
     try:
@@ -136,7 +146,10 @@ def _say(text: str) -> None:
     except OSError as e:
         if e.errno not in (errno.EIO, errno.EPIPE):
             raise
-        move_output_off_terminal(f"writing to the terminal failed ({errno.errorcode[e.errno]})")
+        # stdout failed; stderr follows only when it is gone too (the same hung-up terminal), not
+        # when it is a live terminal and stdout a pipe whose reader quit (`| head`, a killed `| tee`)
+        move_output_off_terminal(f"writing to the terminal failed ({errno.errorcode[e.errno]})",
+                                 fds=(1, 2) if _gone(2) else (1,))
         if isinstance(getattr(sys.stdout, "buffer", None), io.BufferedIOBase):
             sys.stdout.flush()   # the text that failed is still in the buffer: to the log now
         else:
@@ -319,8 +332,9 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
             if stop:
                 saved = f"checkpoint {res.last_checkpoint} saved; continue with --resume latest" \
                     if spec.save is not None else "this stage saves no checkpoint"
+                rerun = " (or rerun ./setup.sh)" if os.environ.get(SETUP_STAGE_ENV) else ""
                 raise StopRequested(f"stopped by {signal.Signals(stop).name} at step {step} of "
-                                    f"{spec.num_iterations}: {saved} (or rerun ./setup.sh)", stop)
+                                    f"{spec.num_iterations}: {saved}{rerun}", stop)
             if last:
                 break
             _train_step(trainer, meter, spec, res, step, tracker, report, t_start)
@@ -372,7 +386,7 @@ def out_of_memory_hint(trainer, step: int) -> str:
     if plan.device_batch_size > 1:
         return (f"{head}; lower --device-batch-size (e.g. {plan.device_batch_size // 2}): gradient accumulation "
                 f"keeps the total batch of {plan.total_batch_size:,} tokens per step")
-    return f"{head}; lower --max-seq-len or --depth"
+    return f"{head}; lower --max-seq-len (or base_train's --depth)"
 
 
 def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:
@@ -421,9 +435,10 @@ def resume_loop_state(resume: dict | None, meter, trainer, ckpt_dir) -> tuple[in
 
 
 # model_config fields and the flags that set them (base_train; mid/SFT take them from the checkpoint)
-_CONFIG_FLAGS = {"n_layer": "--depth", "n_embd": "--depth / --aspect-ratio", "n_head": "--head-dim",
-                 "n_kv_head": "--head-dim", "sequence_len": "--max-seq-len", "vocab_size": "the tokenizer",
-                 "window_pattern": "--window-pattern"}
+_CONFIG_FLAGS = {"n_layer": "base_train --depth", "n_embd": "base_train --depth / --aspect-ratio",
+                 "n_head": "base_train --head-dim", "n_kv_head": "base_train --head-dim",
+                 "sequence_len": "base_train --max-seq-len", "vocab_size": "the tokenizer",
+                 "window_pattern": "base_train --window-pattern"}
 
 
 def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,

@@ -197,7 +197,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"--resume: the optimizer state was saved with world_size={saved['world_size']}, "
                              f"fsdp={saved['fsdp']} but this run has world_size={self.world_size}, fsdp={self.fsdp}; "
                              f"its per-rank shards cannot be resharded: resume with torchrun --nproc_per_node "
-                             f"(x nodes) = {saved['world_size']} and {'--fsdp' if saved['fsdp'] else 'no --fsdp'}")
+                             f"(x nodes) = {saved['world_size']}{' and base_train --fsdp' if saved['fsdp'] else ''}")
         mine = [{k: g[k] for k in RUN_HPARAMS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
         # torch restores every group's hyperparameters from the checkpoint, which silently dropped
@@ -540,7 +540,7 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
     if not 0 <= normuon_beta2 < 1:
         raise ValueError(f"--normuon-beta2: got {normuon_beta2}; accepted: [0, 1) (0 = off)")
     if len(adam_betas) != 2 or not all(0 <= b < 1 for b in adam_betas):
-        raise ValueError(f"--adam-betas: got {adam_betas}; accepted: two numbers in [0, 1)")
+        raise ValueError(f"adam_betas: got {adam_betas}; accepted: two numbers in [0, 1)")   # no script sets it
     roles = model.param_groups()
     lr_scale = (model.config.n_embd / 768) ** -0.5
     betas = tuple(float(b) for b in adam_betas)

@@ -227,7 +227,7 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
             f"Triton {ctx.triton_version}'s bundled ptxas ({bundled}) cannot target "
             f"sm_{spec.cc[0]}{spec.cc[1]} and no CUDA >= 13.0 ptxas was found. Install the CUDA 13 "
             "toolkit (or pip install 'triton>=3.6') and/or set TRITON_PTXAS_PATH=/path/to/ptxas; "
-            "or run with --kernel current and without --compile.")
+            "or run base_train / mid_train / chat_sft with --kernel current --no-compile.")
     path = usable[0][0]
     _set_env(ctx.env, "TRITON_PTXAS_PATH", path)
     _set_env(ctx.env, "TRITON_PTXAS_BLACKWELL_PATH", path)
@@ -556,4 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.flags import script_main
+    from nanochat.preflight import parse_args
+
+    script_main("preflight", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

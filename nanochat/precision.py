@@ -501,8 +501,9 @@ def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "a
     plan = resolve(precision, backend, spec, compute_dtype=getattr(rt, "dtype_name", "bf16"))
     native_fp8 = plan.precision == "fp8" and plan.backend == "native"
     if fp8_wgrad != "save" and not native_fp8:
-        raise RequestError(f"--fp8-wgrad {fp8_wgrad}: applies to native fp8 only (--precision fp8 "
-                         f"--precision-backend native); this run resolved to {plan.precision} via {plan.backend}")
+        raise RequestError(f"--fp8-wgrad {fp8_wgrad} (base_train; bench_train's fp8lean|fp8plain): applies to "
+                           f"native fp8 only (--precision fp8 --precision-backend native); this run resolved to "
+                           f"{plan.precision} via {plan.backend}")
     info: dict[str, Any] = {}
     if plan.backend != "none":
         info["startup_rel_err"] = round(startup_check(plan, spec, rt.device, rt.dtype, compile), 4)

@@ -87,8 +87,8 @@ def triton_ptxas_in_use(spec: DeviceSpec) -> str:
 def _peak_source(spec: DeviceSpec) -> str:
     """Where the MFU peaks come from; for a GPU outside the table, how to get MFU at all."""
     if spec.is_cuda and not spec.peak_tflops:
-        return ("not in nanochat/device_table.py: training prints MFU n/a unless given "
-                "--peak-flops <dense bf16 FLOP/s per GPU>")
+        return ("not in nanochat/device_table.py: training prints MFU n/a unless base_train / bench_train "
+                "get --peak-flops <dense bf16 FLOP/s per GPU>")
     return spec.source or "n/a"
 
 
@@ -121,17 +121,12 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the report; exit 2 when a --precision / --precision-backend asked for explicitly
-    cannot run here (the report says why), so `python -m nanochat.platform --precision fp8 && ...`
-    stops where the training run would."""
-    import argparse
-    import json
-
-    from nanochat.flags import normalize_flags
+def parse_args(argv: list[str] | None = None):
+    """The command line: a ValueError names a bad flag (FlagParser: each flag in its underscore spelling too)."""
+    from nanochat.flags import FlagParser
     from nanochat.precision import BACKENDS, PRECISIONS
 
-    parser = argparse.ArgumentParser(prog="python -m nanochat.platform", description="nanochat-spark preflight report")
+    parser = FlagParser(prog="python -m nanochat.platform", description="nanochat-spark preflight report")
     parser.add_argument("--kernel", "--kernel-name", default="current", choices=KERNELS)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--precision-backend", default="auto", choices=BACKENDS)
@@ -140,10 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nccl", action="store_true", help="NCCL env checks + all-reduce busbw self-test "
                         "(under torchrun: its ranks; else one process per GPU, 2 gloo processes on CPU)")
     parser.add_argument("--nccl-procs", type=int, default=None, help="--nccl without torchrun: processes to spawn")
-    # --under_score spellings of every flag, as the scripts accept them
-    args = parser.parse_args(normalize_flags(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.nccl_procs is not None and not args.nccl:
-        parser.error("--nccl-procs: only with --nccl")
+        raise ValueError("--nccl-procs: only with --nccl")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report; exit 2 when a --precision / --precision-backend asked for explicitly
+    cannot run here (the report says why), so `python -m nanochat.platform --precision fp8 && ...`
+    stops where the training run would. A bad flag raises ValueError (script_main: one line)."""
+    import json
+
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.nccl:  # the logic lives in nanochat/distributed.py
         from nanochat.distributed import selftest_main
@@ -161,4 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanochat.flags import script_main
+
+    script_main("preflight", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))

@@ -172,7 +172,7 @@ def quantize_model(model, mode: str):
     swapped = sorted({type(m).__name__ for m in linears if type(m) is not Linear})
     if swapped:
         raise ValueError(f"--quantize {mode}: the model's matrices are {swapped} modules (precision.py's "
-                         "fp8/nvfp4 training layers); load it without --precision to quantise it")
+                         "fp8/nvfp4 training layers); quantise the model as loaded from its checkpoint instead")
     with torch.no_grad():
         for block in model.blocks:
             attn = block.attn

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
+from nanochat.flags import FlagParser
 
 STAGES = ("base", "mid", "sft", "rl")
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
@@ -379,7 +380,8 @@ class Report:
             path.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise RequestError(f"{path}: exists and is not a directory; move it away (the report lives "
-                               "there) or set NANOCHAT_BASE_DIR / --base-dir elsewhere") from None
+                               "there) or point NANOCHAT_BASE_DIR (python -m nanochat.report: --base-dir) "
+                               "elsewhere") from None
 
     def reset(self) -> None:
         """Delete sections, metrics, plots and report.md; record system info and the start time."""
@@ -511,10 +513,10 @@ def get_report(base_dir=None) -> Report | DummyReport:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m nanochat.report", description="training report")
+    parser = FlagParser(prog="python -m nanochat.report", description="training report")
     parser.add_argument("command", choices=("generate", "reset"))
-    parser.add_argument("--base-dir", "--base_dir", default=None, help="default: $NANOCHAT_BASE_DIR")
-    parser.add_argument("--hourly-cost", "--hourly_cost", default=None,
+    parser.add_argument("--base-dir", default=None, help="default: $NANOCHAT_BASE_DIR")
+    parser.add_argument("--hourly-cost", default=None,
                         help="USD per hour of the machine, for the cost estimate (default: $NANOCHAT_HOURLY_COST)")
     args = parser.parse_args(argv)
     flag, value = ("--hourly-cost", args.hourly_cost) if args.hourly_cost is not None else \

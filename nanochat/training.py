@@ -47,8 +47,10 @@ class NonFiniteLossError(RequestError, RuntimeError):
         super().__init__(f"non-finite {what} ({value}) at step {step}; {where}; hint: {hint}")
 
 
-DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr), set --grad-clip 1.0, "
-                "try --precision bf16 if running fp8/nvfp4, and check the data for broken shards")
+# names the scripts of each flag: the hint is shared by base_train, mid_train, chat_sft and chat_rl
+DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr of base_train, mid_train, chat_sft, "
+                "chat_rl), set --grad-clip 1.0 (base_train, mid_train, chat_sft), try base_train --precision bf16 "
+                "if the run used fp8/nvfp4, and check the data for broken shards")
 
 
 # ------------------------------------------------------------------------------------ batch arithmetic
@@ -441,7 +443,7 @@ def resolve_peak_flops(rt, precision: str, override: float | None = None,
         act = bf16
     if bf16 is None:
         (warn or _warn)(f"GPU '{spec.name}' is not in nanochat/platform.py's table: MFU cannot be computed; "
-                        "pass --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> to get it")
+                        "base_train and bench_train take --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
     return bf16, act, spec.name
 
 

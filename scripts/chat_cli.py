@@ -13,27 +13,29 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nanochat.flags import FlagParser   # torch-free: a bad flag is reported at once
+
 SOURCES = ("sft", "rl", "mid", "base")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(prog="python -m scripts.chat_cli", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base (default sft)")
-    p.add_argument("-g", "--model-tag", "--model_tag", dest="model_tag", default=None,
+    p.add_argument("-g", "--model-tag", dest="model_tag", default=None,
                    help="model tag, e.g. d20 (default: the only / deepest one)")
     p.add_argument("-s", "--step", default="latest", help="checkpoint step (default: latest)")
     p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
     p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
-    p.add_argument("-k", "--top-k", "--top_k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
-    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=None, help="nucleus sampling mass in [0, 1] (0 = greedy, as in the API)")
-    p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=512)
+    p.add_argument("-k", "--top-k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
+    p.add_argument("--top-p", dest="top_p", type=float, default=None, help="nucleus sampling mass in [0, 1] (0 = greedy, as in the API)")
+    p.add_argument("-m", "--max-tokens", dest="max_tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one per answer)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--decode", default="auto",
                    help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
-    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
+    p.add_argument("--graph-step", dest="graph_step", default="auto",
                    help="auto|compiled|eager|persistent: what a graphed decode step runs (default auto: the "
                         "persistent Triton kernel where it was measured faster (H100/H200), else eager, the plain "
                         "model's kernels, with no torch.compile wait)")
@@ -84,8 +86,11 @@ def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
     return prompt
 
 
-def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=sys.stdout) -> dict:
-    """Stream one assistant reply to `prompt` to `out`; return it as a message with tool calls kept as parts."""
+def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None) -> dict:
+    """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
+    at import, which a redirect since then would miss); return it as a message with tool calls kept
+    as parts."""
+    out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
 
     room = engine.max_seq_len - len(prompt)

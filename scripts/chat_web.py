@@ -24,6 +24,7 @@ import ipaddress
 import os
 import sys
 
+from nanochat.flags import FlagParser
 from nanochat.server import ServerSettings
 
 SOURCES = ("sft", "rl", "mid", "base")
@@ -34,52 +35,53 @@ LIMITS = ("max_messages", "max_message_chars", "max_total_chars", "max_max_token
 
 def parse_args(argv=None) -> argparse.Namespace:
     d = ServerSettings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # FlagParser: a bad flag is one line naming it (script_main); it accepts --a_b for every --a-b
+    p = FlagParser(prog="python -m scripts.chat_web", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base")
-    p.add_argument("-g", "--model-tag", "--model_tag", dest="model_tag", default=None)
+    p.add_argument("-g", "--model-tag", dest="model_tag", default=None)
     p.add_argument("-s", "--step", default="latest")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
-    p.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=1,
+    p.add_argument("--num-gpus", dest="num_gpus", type=int, default=1,
                    help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
     p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
-    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
+    p.add_argument("--graph-step", dest="graph_step", default="auto",
                    help="auto|compiled|eager|persistent: what a graphs/static decode step runs (auto: the persistent "
                         "batch-1 Triton kernel where it was measured faster and passes a probe, else compiled)")
     p.add_argument("--quantize", default="none",
                    help="none|int8: int8 weight-only matrices (nanochat/quantize.py): half the bytes a decode step "
                         "reads, for memory-bound GPUs such as the DGX Spark")
-    p.add_argument("--batch-slots", "--batch_slots", dest="batch_slots", type=int, default=8,
+    p.add_argument("--batch-slots", dest="batch_slots", type=int, default=8,
                    help="requests decoded together per replica (continuous batching, nanochat/batching.py); "
                         "1 = one request at a time; otherwise at least --max-n")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--allowed-host", "--allowed_host", dest="allowed_hosts", action="append", default=[],
+    p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
                    metavar="NAME", help="also answer requests whose Host header names NAME (repeatable; e.g. a "
                    "reverse proxy's name). A loopback --host answers only localhost/127.0.0.1/::1 otherwise "
                    "(DNS-rebinding guard); a network --host answers any Host unless this flag is given (then "
                    "only the names listed)")
-    p.add_argument("--cors-origin", "--cors_origin", dest="cors_origins", action="append", default=[],
+    p.add_argument("--cors-origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let web pages of ORIGIN (exact, e.g. http://localhost:3000) call "
                    "the API cross-origin (repeatable; default: no cross-origin access)")
-    p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the API (default: $NANOCHAT_API_KEY)")
-    p.add_argument("--model-name", "--model_name", dest="model_name", default=None,
+    p.add_argument("--model-name", dest="model_name", default=None,
                    help="the model id reported by the API (default: nanochat-<source>-<tag>)")
     p.add_argument("-t", "--temperature", type=float, default=d.default_temperature, help="default temperature")
-    p.add_argument("-k", "--top-k", "--top_k", dest="top_k", type=int, default=d.default_top_k, help="default top-k")
-    p.add_argument("-m", "--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=d.default_max_tokens,
+    p.add_argument("-k", "--top-k", dest="top_k", type=int, default=d.default_top_k, help="default top-k")
+    p.add_argument("-m", "--max-tokens", dest="max_tokens", type=int, default=d.default_max_tokens,
                    help="default max_tokens of a reply")
     limits = p.add_argument_group("limits (each violation is a 4xx error)")
     for name in LIMITS:
-        limits.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, default=getattr(d, name))
-    limits.add_argument("--max-concurrent-per-client", "--max_concurrent_per_client", dest="max_concurrent_per_client",
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name))
+    limits.add_argument("--max-concurrent-per-client", dest="max_concurrent_per_client",
                         type=int, default=None, help="concurrent requests per client address (default: the "
                         "number of batch slots x replicas, at least 4, so one client can use every slot)")
-    limits.add_argument("--max-temperature", "--max_temperature", dest="max_temperature", type=float,
+    limits.add_argument("--max-temperature", dest="max_temperature", type=float,
                         default=d.max_temperature)
-    p.add_argument("--log-level", "--log_level", dest="log_level", default="info")
+    p.add_argument("--log-level", dest="log_level", default="info")
     return p.parse_args(argv)
 
 

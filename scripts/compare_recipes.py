@@ -20,12 +20,12 @@ import shlex
 import statistics
 import time
 
-from nanochat.flags import RequestError, script_main
+from nanochat.flags import FlagParser, RequestError, script_main
 from nanochat.recipe import RECIPES
 
 
 def parse_args(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="python -m scripts.compare_recipes", description=__doc__.split("\n")[0])
+    p = FlagParser(prog="python -m scripts.compare_recipes", description=__doc__.split("\n")[0])
     p.add_argument("--runs", nargs="+", default=["v1", "v2"], help="recipe [flags...] per entry (default: v1 v2)")
     p.add_argument("--seeds", nargs="+", type=int, default=[42], help="seeds, each run once per entry")
     p.add_argument("--tag-prefix", default="cmp", help="model tags are <prefix>_<n> (overwritten)")

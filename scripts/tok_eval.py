@@ -21,6 +21,7 @@ from pathlib import Path
 
 import tiktoken
 
+from nanochat.flags import FlagParser
 from nanochat.tokenizer import Tokenizer, encode_ordinary_batch, tokenizer_dir
 
 REFERENCES = [("gpt2", "GPT-2"), ("cl100k_base", "GPT-4")]
@@ -77,23 +78,22 @@ def first_docs(data_dir: Path, split: str, n: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.tok_eval", description=__doc__.split("\n")[0])
-    p.add_argument("--num-docs", "--num_docs", dest="num_docs", type=int, default=1000,
+    p = FlagParser(prog="python -m scripts.tok_eval", description=__doc__.split("\n")[0])
+    p.add_argument("--num-docs", dest="num_docs", type=int, default=1000,
                    help="documents per split to encode (default 1000)")
-    p.add_argument("--data-dir", "--data_dir", dest="data_dir", type=Path, default=None,
+    p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
                    help="directory of parquet shards (default: <base dir>/base_data)")
-    p.add_argument("--tokenizer-dir", "--tokenizer_dir", dest="tokenizer_dir", type=Path, default=None,
+    p.add_argument("--tokenizer-dir", dest="tokenizer_dir", type=Path, default=None,
                    help="directory holding tokenizer.pkl (default: <base dir>/tokenizer)")
     p.add_argument("--threads", type=int, default=8, help="encoding threads (default 8)")
     return p
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     for flag, value in (("--num-docs", args.num_docs), ("--threads", args.threads)):
         if value < 1:
-            parser.error(f"{flag}: got {value}; accepted: a positive integer")
+            raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
     return args
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.flags import script_main
+from nanochat.flags import FlagParser, script_main
 from nanochat.errors import RequestError
 from nanochat.tokenizer import MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
 
@@ -41,20 +41,20 @@ def count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.tok_train", description=__doc__.split("\n")[0])
-    p.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=int, default=32768,
+    p = FlagParser(prog="python -m scripts.tok_train", description=__doc__.split("\n")[0])
+    p.add_argument("--vocab-size", dest="vocab_size", type=int, default=32768,
                    help="total vocabulary including the special tokens (default 32768)")
-    p.add_argument("--max-chars", "--max_chars", dest="max_chars", type=count, default=2_000_000_000,
+    p.add_argument("--max-chars", dest="max_chars", type=count, default=2_000_000_000,
                    help="stop after this many characters of training text (default 2e9)")
-    p.add_argument("--doc-cap", "--doc_cap", dest="doc_cap", type=count, default=10_000,
+    p.add_argument("--doc-cap", dest="doc_cap", type=count, default=10_000,
                    help="use at most this many characters of each document (default 10000)")
-    p.add_argument("--tokenizer-threads", "--tokenizer_threads", dest="tokenizer_threads", type=int,
+    p.add_argument("--tokenizer-threads", dest="tokenizer_threads", type=int,
                    default=None, help="rayon threads for training (default: all cores)")
-    p.add_argument("--tokenizer-batch-size", "--tokenizer_batch_size", dest="tokenizer_batch_size",
+    p.add_argument("--tokenizer-batch-size", dest="tokenizer_batch_size",
                    type=int, default=8192, help="documents handed to Rust per batch (default 8192)")
-    p.add_argument("--data-dir", "--data_dir", dest="data_dir", type=Path, default=None,
+    p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
                    help="directory of parquet shards (default: <base dir>/base_data)")
-    p.add_argument("--output-dir", "--output_dir", dest="output_dir", type=Path, default=None,
+    p.add_argument("--output-dir", dest="output_dir", type=Path, default=None,
                    help="where to write the tokenizer (default: <base dir>/tokenizer)")
     return p
 
@@ -99,13 +99,10 @@ def sanity_check(tok: Tokenizer) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Flags, validated (a bad one exits 2 with argparse's usage line, before any data is read)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        validate(args)
-    except ValueError as e:
-        parser.error(str(e))
+    """Flags, validated before any data is read: a bad one raises ValueError naming it (under
+    script_main one line, exit 2)."""
+    args = build_parser().parse_args(argv)
+    validate(args)
     return args
 
 

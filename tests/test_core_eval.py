@@ -215,7 +215,7 @@ def test_run_core_eval_offline_tiny_model(shared_data, small_tokenizer):
     sub = run_core_eval(model, small_tokenizer, "cpu", max_per_task=1, tasks=["copa", "winograd"],
                         data_dir=shared_data / "eval", log=lambda *a: None)
     assert list(sub["results"]) == ["copa"] and sub["missing"] == ["winograd"]
-    with pytest.raises(ValueError, match="--tasks"):
+    with pytest.raises(ValueError, match="CORE tasks: got"):
         run_core_eval(model, small_tokenizer, "cpu", tasks=["nope"], data_dir=shared_data / "eval")
     with pytest.raises(ValueError, match="--max-per-task"):
         run_core_eval(model, small_tokenizer, "cpu", max_per_task=0, data_dir=shared_data / "eval")

@@ -199,7 +199,7 @@ def test_barrier_timeout_names_missing_rank_and_bandwidth(tmp_path):
 def test_timed_barrier_and_strided_batches_single_process():
     from nanochat.distributed import StridedMicroBatches, bus_bandwidth, timed_barrier
     assert timed_barrier(1.0) == 0.0  # no process group: no-op
-    with pytest.raises(ValueError, match="--barrier-timeout"):
+    with pytest.raises(ValueError, match="timed_barrier timeout_s: got 0"):
         timed_barrier(0)
     stream = list(range(12))
     assert list(StridedMicroBatches(stream, 1, 3)) == [1, 4, 7, 10]

@@ -53,7 +53,7 @@ def test_config_for_depth():
     assert config_for_depth(20, 32768, 2048, n_kv_head=5).n_kv_head == 5
     with pytest.raises(ValueError, match="--depth"):
         config_for_depth(0, 100, 64)
-    with pytest.raises(ValueError, match="--n-kv-head"):
+    with pytest.raises(ValueError, match=r"GPTConfig\.n_kv_head: got 3"):
         config_for_depth(20, 100, 64, n_kv_head=3)
     with pytest.raises(ValueError, match="--window-pattern"):
         config_for_depth(4, 100, 64, window_pattern="SXL")

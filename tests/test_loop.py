@@ -44,7 +44,7 @@ def test_out_of_memory_names_the_device_batch_and_keeps_the_total():
 def test_out_of_memory_at_one_sequence_points_at_length_or_depth():
     plan = BatchPlan(total_batch_size=2048, device_batch_size=1, seq_len=2048, world_size=1, grad_accum_steps=1)
     msg = _run(_OomTrainer(plan, fail_at=2))
-    assert msg.endswith("lower --max-seq-len or --depth") and "e.g." not in msg
+    assert msg.endswith("lower --max-seq-len (or base_train's --depth)") and "e.g." not in msg
 
 
 def test_out_of_memory_without_a_batch_plan():
@@ -77,7 +77,7 @@ def test_resume_mismatch_names_the_field_and_its_flag():
     from nanochat.loop import check_resume_compatible
     plan = BatchPlan(total_batch_size=4096, device_batch_size=2, seq_len=1024, world_size=1, grad_accum_steps=2)
     meta = {"model_config": {"n_layer": 2, "n_embd": 128}, "train": {"total_batch_size": 4096, "world_size": 1}}
-    with pytest.raises(RequestError, match="n_layer \\(set by --depth\\) 2 but this run has 3"):
+    with pytest.raises(RequestError, match="n_layer \\(set by base_train --depth\\) 2 but this run has 3"):
         check_resume_compatible(meta, {"n_layer": 3, "n_embd": 128}, plan, 1, "fp")
     with pytest.raises(RequestError, match="--total-batch-size 4096 but this run has 8192"):
         check_resume_compatible(meta, meta["model_config"], BatchPlan(8192, 4, 1024, 1, 2), 1, "fp")
@@ -114,12 +114,13 @@ class _SignalTrainer:
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_saves_and_stops(tmp_path, signame):
+def test_a_stop_signal_finishes_the_step_saves_and_stops(tmp_path, signame, monkeypatch):
     """SIGTERM (run_train.sh --stop) or a first Ctrl-C: the step in flight completes, a checkpoint
     is saved at the next step index, and StopRequested carries exit code 128 + signal; the
     handlers in place before the loop are back afterwards."""
-    from nanochat.loop import StopRequested
+    from nanochat.loop import SETUP_STAGE_ENV, StopRequested
 
+    monkeypatch.delenv(SETUP_STAGE_ENV, raising=False)   # not started by setup.sh: no "rerun ./setup.sh"
     signum = getattr(signal, signame)
     before = signal.getsignal(signum)
     trainer = _SignalTrainer(at=3, signum=signum)
@@ -131,8 +132,28 @@ def test_a_stop_signal_finishes_the_step_saves_and_stops(tmp_path, signame):
     assert trainer.steps == [0, 1, 2, 3] and saves == [(4, 4)]
     assert info.value.exit_code == 128 + signum
     assert str(info.value) == (f"stopped by {signame} at step 4 of 10: checkpoint {tmp_path / 'step_000004'} saved; "
-                               "continue with --resume latest (or rerun ./setup.sh)")
+                               "continue with --resume latest")
     assert signal.getsignal(signum) == before
+
+
+def test_the_stop_line_names_setup_sh_only_for_a_stage_setup_sh_runs(tmp_path, monkeypatch):
+    """setup.sh exports NANOCHAT_SETUP_STAGE to the stage it runs (its run_child): then a rerun of
+    setup.sh is a way to continue; a run started by hand or by run_train.sh is not told about it."""
+    from nanochat.loop import SETUP_STAGE_ENV, StopRequested
+
+    def stop_line():
+        trainer = _SignalTrainer(at=1, signum=signal.SIGTERM)
+        spec = LoopSpec("base", num_iterations=5, report=False, save=lambda step, state: tmp_path / f"step_{step:06d}")
+        with pytest.raises(StopRequested) as info:
+            run_training_loop(trainer, meter=trainer.meter, spec=spec)
+        return str(info.value)
+
+    monkeypatch.setenv(SETUP_STAGE_ENV, "base_train")
+    assert stop_line().endswith("saved; continue with --resume latest (or rerun ./setup.sh)")
+    monkeypatch.setenv(SETUP_STAGE_ENV, "")
+    assert stop_line().endswith("saved; continue with --resume latest")
+    monkeypatch.delenv(SETUP_STAGE_ENV)
+    assert "setup.sh" not in stop_line()
 
 
 def test_a_stopped_script_exits_128_plus_the_signal(capsys, monkeypatch):
@@ -243,6 +264,7 @@ def test_a_hangup_stops_like_sigterm_and_moves_the_output(tmp_path, monkeypatch,
 
     moved, outside = [], []
     monkeypatch.setattr(loop, "move_output_off_terminal", lambda why: moved.append(why), raising=False)
+    monkeypatch.setenv(loop.SETUP_STAGE_ENV, "base_train")   # a stage run by setup.sh, as its docstring says
     before = signal.signal(signal.SIGHUP, lambda signum, frame: outside.append(signum))
 
     class Trainer(_SignalTrainer):

@@ -194,7 +194,7 @@ def test_build_optimizer_groups_and_lrs():
     assert all(g["initial_lr"] == g["lr"] for g in opt.param_groups)
     with pytest.raises(ValueError, match="--matrix-lr"):
         build_optimizer(model, matrix_lr=-1)
-    with pytest.raises(ValueError, match="--adam-betas"):
+    with pytest.raises(ValueError, match="adam_betas: got"):
         build_optimizer(model, adam_betas=(0.9, 1.0))
 
 

@@ -7,6 +7,7 @@ in one module fixture and the parametrized tests check each result."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,72 @@ def test_bad_flag_is_one_line_and_exit_2(results, script, argv, flag):
     assert len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"{script}: error: ") and flag in lines[0], lines[0]
     assert proc.stdout == "", proc.stdout[-2000:]   # nothing ran: no header, no result line
+    assert seconds < MAX_SECONDS, seconds
+
+
+# The entry points that were on plain argparse (a usage block above an unknown flag or a value of
+# the wrong type) and now go through FlagParser + script_main like the rest: (module, the name on
+# their error line, the argv they need anyway, a bad value and the flag it must name). Some bad
+# values are --under_score spellings: the line names the --dash-name.
+MOVED = [
+    ("scripts.chat_web", "chat_web", [], ["--graph_step", "cuda"], "--graph-step"),
+    ("scripts.chat_cli", "chat_cli", [], ["--top-k", "x"], "--top-k"),                 # argparse's type check
+    ("scripts.tok_train", "tok_train", [], ["--vocab_size", "100"], "--vocab-size"),
+    ("scripts.tok_eval", "tok_eval", [], ["--num-docs", "0"], "--num-docs"),
+    ("scripts.compare_recipes", "compare_recipes", [], ["--seeds", "x"], "--seeds"),
+    ("nanochat.dataset", "dataset", [], ["--source", "c4"], "--source"),
+    ("nanochat.platform", "preflight", [], ["--precision", "bogus"], "--precision"),  # argparse's choices
+    ("nanochat.report", "report", ["generate"], ["--hourly_cost", "x"], "--hourly-cost"),
+]
+UNKNOWN_FLAG = ["--no-such-flag", "1"]
+# one subprocess per entry point runs both of its command lines as `python -m` does (runpy,
+# run_name="__main__"), each with its own stderr/stdout and exit code: torch is imported once
+PROBE = ("import contextlib, io, json, runpy, sys, warnings\n"
+         "warnings.filterwarnings('ignore', '.*found in sys.modules', RuntimeWarning)  # the 2nd run's re-import\n"
+         "module, runs = sys.argv[1], json.loads(sys.argv[2])\n"
+         "results = []\n"
+         "for argv in runs:\n"
+         "    sys.argv, err, out, code = [module, *argv], io.StringIO(), io.StringIO(), 0\n"
+         "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):\n"
+         "        try:\n"
+         "            runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+         "        except SystemExit as e:\n"
+         "            code = e.code\n"
+         "    results.append([code, err.getvalue(), out.getvalue()])\n"
+         "print(json.dumps(results))\n")
+
+
+@pytest.fixture(scope="module")
+def moved_results(tmp_path_factory):
+    """module -> [(exit code, stderr, stdout) of the unknown flag, of the bad value], and the
+    seconds its subprocess took; two subprocesses at a time."""
+    base = tmp_path_factory.mktemp("nanochat_base")
+
+    def run(entry):
+        module, _, needed, bad, _ = entry
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", PROBE, module, json.dumps([[*needed, *UNKNOWN_FLAG],
+                                                                               [*needed, *bad]])],
+                              cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, NANOCHAT_BASE_DIR=str(base)))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return module, (json.loads(proc.stdout.splitlines()[-1]), time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, MOVED))
+
+
+@pytest.mark.parametrize("module, name, needed, bad, flag", MOVED, ids=[m[1] for m in MOVED])
+def test_formerly_plain_argparse_entry_points_say_one_line(moved_results, module, name, needed, bad, flag):
+    """An unknown flag and a bad value each: one line `NAME: error: ...` naming the flag, exit 2, no
+    usage block, nothing on stdout (before: argparse's usage block above the error)."""
+    runs, seconds = moved_results[module]
+    for (code, err, out), named in zip(runs, (UNKNOWN_FLAG[0], flag)):
+        lines = err.strip().splitlines()
+        assert code == 2, (module, named, code, err[-2000:])
+        assert len(lines) == 1 and "usage:" not in err, err[-2000:]
+        assert lines[0].startswith(f"{name}: error: ") and named in lines[0], lines[0]
+        assert out == "", out[-2000:]
     assert seconds < MAX_SECONDS, seconds
 
 

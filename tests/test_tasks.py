@@ -279,7 +279,7 @@ def test_env_dir_override_and_local_conversations(tmp_path, monkeypatch, shared_
     (bad / "x.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="x.jsonl:1"):
         LocalConversations("test", data_dir=bad)
-    with pytest.raises(ValueError, match="--conversations"):
+    with pytest.raises(ValueError, match="get_conversations source: got 'web'"):
         get_conversations("train", source="web")
 
 

@@ -229,7 +229,7 @@ class TaskMixture(Task):
         if not tasks:
             raise ValueError("TaskMixture: got no tasks; accepted: a non-empty list of Task")
         if epochs < 1:
-            raise ValueError(f"--epochs: got {epochs}; accepted: >= 1")
+            raise ValueError(f"TaskMixture epochs: got {epochs}; accepted: >= 1")
         self.tasks = list(tasks)
         base = [(t, j) for t, task in enumerate(self.tasks) for j in range(len(task))]
         self.index: list[tuple[int, int]] = []

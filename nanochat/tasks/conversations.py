@@ -155,7 +155,7 @@ class SmolTalk(_ConversationList):
 def get_conversations(split: str = "train", *, source: str = "auto", data_dir=None, **kw) -> Task:
     """source: "auto" (local files if any, else SmolTalk) | "local" | "smoltalk"."""
     if source not in ("auto", "local", "smoltalk"):
-        raise ValueError(f"--conversations: got {source!r}; accepted: auto|local|smoltalk")
+        raise ValueError(f"get_conversations source: got {source!r}; accepted: auto|local|smoltalk")
     if source == "local" or (source == "auto" and find_local_conversation_files(None, data_dir)):
         task = LocalConversations(split, data_dir=data_dir, **kw)
     else:
