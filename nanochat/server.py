@@ -32,6 +32,7 @@ import dataclasses
 import hmac
 import json
 import secrets
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -274,12 +275,15 @@ async def _wait_disconnect(request) -> None:
 
 
 def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict) -> None:
-    """Cleanup for a request leaving early: stop its job, or return / stop waiting for a worker.
-    A request that never got a job was cancelled while queued (a job counts its own cancels)."""
+    """Cleanup for a request leaving early (called from a `finally`): stop its job, or return / stop
+    waiting for a worker. A request that never got a job was cancelled while queued (a job counts
+    its own cancels), unless an error is what ends it (e.g. building the job raised): an error."""
     if job is not None:
         job.cancel.set()
         return
-    stats["cancelled"] += 1
+    ending = sys.exc_info()[1]   # the exception this `finally` propagates, if any
+    failed = ending is not None and not isinstance(ending, (GeneratorExit, asyncio.CancelledError))
+    stats["errors" if failed else "cancelled"] += 1
     if acq.done():
         if not acq.cancelled() and acq.exception() is None:
             pool.release(acq.result())

@@ -482,6 +482,26 @@ def test_stats_count_generated_tokens_and_queued_cancels(serve, chat_model):
     assert stats["chat_requests"] == 2 and stats["completed"] == 1
 
 
+def test_a_job_that_fails_to_start_counts_as_an_error_not_a_cancel(serve, chat_model, monkeypatch):
+    """A request whose job cannot be built (it holds a worker; nothing was generated) is a server
+    error in /stats, not a request its client cancelled; the worker goes back to the pool."""
+    import nanochat.server as server
+
+    url = serve(ScriptedEngine(chat_model[1], "fine"), max_concurrent_per_client=10)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no job today")
+
+    monkeypatch.setattr(server, "_Job", broken)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, timeout=30)
+    assert r.status_code == 500, (r.status_code, r.text[:300])
+    with pytest.raises(httpx.RemoteProtocolError):   # a stream already begun can only be cut
+        httpx.post(url + "/v1/chat/completions", json={"messages": USER, "stream": True}, timeout=30)
+    stats = httpx.get(url + "/stats").json()["requests"]
+    assert stats.get("cancelled", 0) == 0 and stats["errors"] == 2, stats
+    assert httpx.get(url + "/health").json()["available"] == 1
+
+
 def test_queue_full_is_503(serve, chat_model):
     engine = ScriptedEngine(chat_model[1], "wait " * 30, delay=0.02)
     url = serve(engine, max_queue=1, max_concurrent_per_client=10)
