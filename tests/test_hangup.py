@@ -111,28 +111,36 @@ def test_a_hangup_stops_base_train_with_a_checkpoint_and_its_log(base_dir, tiny_
     assert ck.read_latest(ckpt_dir) == step + 2
 
 
-LOST_TERMINAL_RUN = """
+def _loop_program(setup: str, suffix: str, sleep_s: float, finish: str) -> str:
+    """A 30-step run_training_loop with a stand-in trainer (each step logs `step N` + suffix,
+    sleeping `sleep_s`), started by `setup` and ended by the statement `finish`."""
+    return f"""
 import signal, sys, time, types
 from nanochat.loop import LoopSpec, run_training_loop
-signal.signal(signal.SIGHUP, signal.SIG_IGN)   # as under nohup: the run outlives its terminal
+{setup}
 
 class Trainer:
-    meter = types.SimpleNamespace(update=lambda result: {}, log_line=lambda metrics, n: f"step {len(T.steps)}")
+    meter = types.SimpleNamespace(update=lambda result: {{}}, log_line=lambda metrics, n: f"step {{len(T.steps)}}{suffix}")
     steps = []
     def step(self, step):
         self.steps.append(step)
-        time.sleep(0.05)
+        time.sleep({sleep_s})
         return types.SimpleNamespace(loss=1.0, extra=None, lrm=1.0)
     def loop_state(self, step, meter, **kw):
-        return {}
+        return {{}}
     def note_checkpoint(self, path):
         pass
 
 T = Trainer()
-spec = LoopSpec("base", num_iterations=30, report=False, save=lambda step, state: f"saved-{step}")
+spec = LoopSpec("base", num_iterations=30, report=False, save=lambda step, state: f"saved-{{step}}")
 res = run_training_loop(T, meter=T.meter, spec=spec)
-print(f"finished at step {res.step} after {len(T.steps)} steps", flush=True)
+{finish}
 """
+
+
+LOST_TERMINAL_RUN = _loop_program(
+    "signal.signal(signal.SIGHUP, signal.SIG_IGN)   # as under nohup: the run outlives its terminal", "", 0.05,
+    'print(f"finished at step {res.step} after {len(T.steps)} steps", flush=True)')
 
 
 @pytest.mark.parametrize("unbuffered", [False, True])
@@ -190,26 +198,8 @@ def test_a_hangup_stops_setup_after_the_stages_save(tmp_path):
     assert not (base / "setup_state" / "base_train.done").exists()
 
 
-PIPED_RUN = """
-import sys, types
-from nanochat.loop import LoopSpec, run_training_loop
-
-class Trainer:
-    meter = types.SimpleNamespace(update=lambda result: {}, log_line=lambda metrics, n: f"step {len(T.steps)} " + "x" * 5000)
-    steps = []
-    def step(self, step):
-        self.steps.append(step)
-        return types.SimpleNamespace(loss=1.0, extra=None, lrm=1.0)
-    def loop_state(self, step, meter, **kw):
-        return {}
-    def note_checkpoint(self, path):
-        pass
-
-T = Trainer()
-spec = LoopSpec("base", num_iterations=30, report=False, save=lambda step, state: f"saved-{step}")
-res = run_training_loop(T, meter=T.meter, spec=spec)
-print(f"finished at step {res.step}", file=sys.stderr, flush=True)
-"""
+PIPED_RUN = _loop_program("", ' " + "x" * 5000 + "', 0.0,
+                          'print(f"finished at step {res.step}", file=sys.stderr, flush=True)')
 
 
 def test_a_pipe_whose_reader_quit_moves_stdout_alone(tmp_path):
