@@ -10,6 +10,9 @@ what was actually applied):
   harness's report: the layers applied (before the program starts) and the verdict (after it
   returned); "pass" / "fail" need that verdict, so a program that ends the interpreter itself
   with exit code 0 (skipping the tests) is an "error".
+* "pids_cap", "memory_cap": a cgroup per run (nanochat/sandbox_cgroup.py), joined by the child
+  first of all: at most `max_processes` tasks and `memory_mb` + `max_workdir_bytes` of memory for
+  all its processes together (tmpfs files included), binding root too, unlike RLIMIT_NPROC.
 * rlimits: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE
   (caps every file the program writes), RLIMIT_NPROC = 0 (no fork, for non-root),
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
@@ -35,11 +38,12 @@ what was actually applied):
   os.fork, os.kill, os.remove/unlink/rename, shutil.rmtree, subprocess, socket, ctypes, ...).
 
 The Python guard alone is not a security boundary against adversarial code (it runs in the same
-interpreter as the program); the rlimits, the namespaces, the capability drop and the seccomp
-filter are the hard guarantees. Known gaps: as uid 0 RLIMIT_NPROC does not apply, so a fork bomb
-that gets past the guard is bounded only by the time limit (the PID namespace still kills it);
-without the mount namespace the working dir is on the host disk with no total size cap (each
-file has one); the tmpfs is RAM outside RLIMIT_AS (up to max_workdir_bytes per running program);
+interpreter as the program); the rlimits, the cgroup, the namespaces, the capability drop and the
+seccomp filter are the hard guarantees. Known gaps: without "pids_cap" a fork bomb as uid 0 (exempt
+from RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and
+without "memory_cap" memory is capped per process only, the tmpfs outside it; a root program
+left with its uid and without the mount namespace could rewrite its cgroup's limits; without the
+mount namespace the working dir is on the host disk with no total size cap (each file has one);
 on other architectures (and with isolate=False) Unix sockets stay connectable; code that
 deliberately writes the report pipe itself can forge a pass (or its isolation list). The child
 half of this file runs as `python -I execution.py --sandbox-child CONFIG` and uses only the
@@ -48,6 +52,7 @@ standard library (it gets the seccomp filter as bytes: it cannot import the nano
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -151,24 +156,26 @@ class _TailReader:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None = None,
                  memory_mb: int = 1024, max_output_bytes: int = 1 << 20, tail_chars: int = 4000,
-                 max_workdir_bytes: int = 64 << 20, isolate: bool = True) -> ExecutionResult:
+                 max_workdir_bytes: int = 64 << 20, max_processes: int = 64,
+                 cgroup_root: str | os.PathLike | None = "/sys/fs/cgroup", isolate: bool = True) -> ExecutionResult:
     """Run `code` in a sandboxed child process and classify the outcome.
 
     timeout_s: wall clock (the process group, and the PID namespace with it, is killed);
-    cpu_time_s: RLIMIT_CPU (default timeout_s + 1); memory_mb: RLIMIT_AS; max_output_bytes:
-    RLIMIT_FSIZE for any file the program writes; tail_chars: how much of the end of stdout and
-    stderr is kept (the rest is read and dropped); max_workdir_bytes: size of the tmpfs that
-    holds the working dir (all files together; it is RAM, freed when the program ends).
+    cpu_time_s: RLIMIT_CPU (default timeout_s + 1); memory_mb: RLIMIT_AS, and with
+    max_workdir_bytes added the cgroup's cap on all the program's processes together;
+    max_output_bytes: RLIMIT_FSIZE for any file the program writes; tail_chars: how much of the
+    end of stdout and stderr is kept (the rest is read and dropped); max_workdir_bytes: size of the
+    tmpfs that holds the working dir (all files together; RAM, freed when the program ends);
+    max_processes: the cgroup's pids.max (tasks: processes and threads, the sandbox's own up to 3
+    included); cgroup_root: where cgroup hierarchies are looked for (None: no cgroup).
     isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
-    (rlimits and the Python guard stay).
+    (rlimits, the cgroup and the Python guard stay).
     """
     if timeout_s <= 0 or memory_mb < 64 or max_output_bytes < 1024:
         raise ValueError(f"execute_code: got timeout_s={timeout_s} memory_mb={memory_mb} "
@@ -176,20 +183,29 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     if not isinstance(max_workdir_bytes, int) or max_workdir_bytes < 1 << 20:
         raise ValueError(f"execute_code: got max_workdir_bytes={max_workdir_bytes!r}; "
                          f"accepted: an int >= {1 << 20} (1 MiB)")
+    from nanochat.sandbox_cgroup import program_cgroup, validate  # not at top: the child cannot import it
+
+    validate("execute_code", max_processes, cgroup_root)
     cpu = int(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
     drop = isolate and _can_drop_to_nobody()
-    with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp:
+    # the cgroup is left (its leftovers killed) before the working dir is deleted
+    with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp, \
+            program_cgroup(cgroup_root, max_processes, (memory_mb << 20) + max_workdir_bytes) as cgroup:
         work = Path(tmp)
         # surrogatepass: lone surrogates reach compile(), which rejects them as Python itself does
         (work / "program.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
         config = {"workdir": str(work), "cpu_s": max(1, cpu), "memory_bytes": memory_mb << 20,
                   "fsize_bytes": max_output_bytes, "workdir_bytes": max_workdir_bytes, "isolate": isolate,
-                  "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {}}
+                  "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {},
+                  "cgroups": cgroup.join_paths()}
         t0 = time.monotonic()
-        rc, timed_out, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars)
+        rc, timed_out, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars, cgroup.kill)
         duration = time.monotonic() - t0
+        caps_hit = cgroup.limits_hit()
     isolation, verdict = _parse_report(report)
     status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
+    if caps_hit and status != "pass":
+        detail = "; ".join([detail, *caps_hit])
     return ExecutionResult(status, stdout, stderr, rc, duration, detail, tuple(isolation))
 
 
@@ -215,9 +231,9 @@ def _parse_report(report: str) -> tuple[list, str]:
     return [x for x in isolation if isinstance(x, str)], report.rpartition("\n")[2]
 
 
-def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> tuple[int, bool, tuple]:
-    """Start the sandbox child in `work`, wait (killing its group at the deadline), and return
-    (exit code, timed out, (stdout tail, stderr tail, verdict))."""
+def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill_cgroup) -> tuple[int, bool, tuple]:
+    """Start the sandbox child in `work`, wait (killing its group at the deadline, then what is
+    left in its cgroup), and return (exit code, timed out, (stdout tail, stderr tail, verdict))."""
     (out_r, out_w), (err_r, err_w), (ver_r, ver_w) = os.pipe(), os.pipe(), os.pipe()
     try:
         config["verdict_fd"] = ver_w  # pass_fds keeps the number in the child
@@ -246,7 +262,9 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int) -> t
         timed_out = True
         _kill_group(proc.pid)
         rc = proc.wait()
-    _kill_group(proc.pid)  # anything the program left behind in its group
+    finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
+        _kill_group(proc.pid)  # anything the program left behind in its group
+        kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
     return rc, timed_out, tuple(r.text(n, 2.0) for r, n in zip(readers, (tail_chars, tail_chars, _REPORT_BYTES)))
 
 
@@ -408,10 +426,8 @@ def _exit_like_init(status: int) -> None:
     if not sig:
         os._exit(code)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
+    with contextlib.suppress(OSError, ValueError):
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE / SIGXFSZ by default
-    except (OSError, ValueError):
-        pass
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal that did not end us (should not happen)
 
@@ -445,10 +461,8 @@ def _set_rlimits(cfg: dict) -> None:
     import resource
 
     def limit(which, soft, hard=None):
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(which, (soft, soft if hard is None else hard))
-        except (ValueError, OSError):
-            pass
 
     limit(resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1)
     limit(resource.RLIMIT_AS, cfg["memory_bytes"])
@@ -499,11 +513,22 @@ def _python_guard() -> None:
         sys.modules[mod] = None  # `import mod` now raises ImportError
 
 
+def _join_cgroups(paths: dict[str, list[str]]) -> list[str]:
+    """Enter the run's cgroup(s) (cgroup.procs path -> its layers) first of all: every process the
+    program starts is then born under their caps. A refused one is simply not claimed."""
+    applied = []
+    for procs, layers in paths.items():
+        with contextlib.suppress(OSError):
+            Path(procs).write_text(str(os.getpid()))
+            applied += layers
+    return applied
+
+
 def _child_main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    applied = _join_cgroups(cfg["cgroups"])
     workdir = cfg["workdir"]
     raw = Path(workdir, "program.py").read_bytes()  # before the tmpfs hides the host's copy
-    applied: list[str] = []
     if cfg["isolate"]:
         try:
             applied += _unshare_namespaces(workdir, os.geteuid() == 0, cfg["workdir_bytes"],

@@ -256,6 +256,11 @@ def test_bad_arguments_raise():
         execute_code("pass", memory_mb=1)
     with pytest.raises(ValueError, match="max_workdir_bytes"):
         execute_code("pass", max_workdir_bytes=4096)
+    for bad in (2, "64", 64.0, True):
+        with pytest.raises(ValueError, match=r"max_processes=.*accepted: an int >= 3"):
+            execute_code("pass", max_processes=bad)
+    with pytest.raises(ValueError, match="cgroup_root=5; accepted: a path"):
+        execute_code("pass", cgroup_root=5)
 
 
 # --- seccomp: sockets that cross namespaces ---------------------------------------------------

@@ -1,0 +1,272 @@
+"""The code sandbox's per-program cgroup: caps on processes ("pids_cap") and on the memory of all
+of a program's processes together ("memory_cap"), which bind root too.
+
+Why: the kernel exempts uid 0 from RLIMIT_NPROC, so as root a fork bomb that gets past the Python
+guard is otherwise bounded only by the wall clock (the PID namespace kills it at the end), and
+RLIMIT_AS is per process, so N processes may hold N times `memory_mb`. A cgroup's `pids.max` and
+memory limit count every task of the program, whatever its uid.
+
+This module owns finding a cgroup the caller may use, making one per program run and removing it.
+`nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
+its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
+program: every process the program starts is born inside), and removes it after the run, also on
+timeout or exception: whatever is still inside is killed first, nested cgroups go bottom-up. Each
+new cgroup also sweeps away empty ones that an earlier, killed caller left behind.
+
+Where (never moving the caller or enabling controllers anywhere): cgroup v2 for the controllers
+the caller's own cgroup already delegates to its children (its cgroup.subtree_control lists `pids`
+/ `memory`), the cgroup v1 `pids` / `memory` hierarchies for the rest, always under the caller's
+own cgroup, so that the caller's own limits still apply on top. Only hierarchies mounted at or below
+`root` (default /sys/fs/cgroup) are used; when none is writable (most containers mount it
+read-only; a user without a delegated v2 subtree) the layer is simply not applied. Linux only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+_PREFIX = "nanochat_exec_"
+_STALE_S = 60.0  # an empty cgroup of a dead caller this old is a leftover, not a run starting up
+
+
+def validate(who: str, max_processes: int, root) -> None:
+    """ValueError naming the field for a bad process cap or cgroup root (before any work)."""
+    if isinstance(max_processes, bool) or not isinstance(max_processes, int) or max_processes < 3:
+        raise ValueError(f"{who}: got max_processes={max_processes!r}; accepted: an int >= 3 (processes "
+                         "and threads together, the sandbox's own included: harness, PID-namespace init, program)")
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"{who}: got cgroup_root={root!r}; accepted: a path (str or os.PathLike) or None")
+
+
+def _mounts(root: Path) -> list[tuple[str, Path, str, set[str]]]:
+    """(fstype, mount point, mounted root in the hierarchy, super options) of each cgroup mount at
+    or below `root`, from /proc/self/mountinfo."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    unescape = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), s)  # noqa: E731
+    found = []
+    for line in lines:
+        fields = line.split()
+        sep = fields.index("-") if "-" in fields else -1
+        if sep < 0 or len(fields) < sep + 4 or fields[sep + 1] not in ("cgroup", "cgroup2"):
+            continue
+        point = Path(unescape(fields[4]))
+        if point == root or root in point.parents:
+            found.append((fields[sep + 1], point, unescape(fields[3]), set(fields[sep + 3].split(","))))
+    return found
+
+
+def _own_dir(point: Path, mount_root: str, controller: str | None) -> Path | None:
+    """This process's cgroup directory in a hierarchy: the v2 one (controller None) or the v1 one
+    that holds `controller`. A container may mount only its own subtree (mount_root)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if (controller is None and controllers == "") or (controller in controllers.split(",")):
+            if mount_root != "/" and (path + "/").startswith(mount_root.rstrip("/") + "/"):
+                path = path[len(mount_root.rstrip("/")):]
+            own = point / path.lstrip("/")
+            return own if own.is_dir() else None
+    return None
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        path.write_text(value)
+        return True
+    except OSError:
+        return False
+
+
+def _kill_members(cgroup: Path) -> None:
+    """SIGKILL every process in `cgroup`. The pid is pinned with a pidfd and its cgroup checked
+    after, so a pid reused since cgroup.procs was read is never signalled."""
+    try:
+        pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone already (or a kernel without pidfds: the check below still holds)
+            fd = None
+        try:
+            if f"/{cgroup.name}\n" in Path(f"/proc/{pid}/cgroup").read_text() + "\n":
+                signal.pidfd_send_signal(fd, signal.SIGKILL) if fd is not None else os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _remove(cgroup: Path, timeout_s: float = 5.0) -> bool:
+    """Kill what is left in `cgroup` (and any cgroup made inside it) and remove it; retries while
+    the kernel is still reaping (rmdir says EBUSY). True when it is gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _write(cgroup / "cgroup.kill", "1")  # v2, Linux >= 5.14: the whole subtree at once
+        try:
+            for d, _, _ in sorted(os.walk(cgroup), key=lambda w: -len(w[0])):  # deepest first
+                _kill_members(Path(d))
+                os.rmdir(d)
+            return True
+        except FileNotFoundError:
+            if not cgroup.exists():
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _sweep(parent: Path) -> None:
+    """Remove empty cgroups left by callers that died mid-run (their pid is in the name). Only
+    rmdir, which the kernel refuses for a cgroup with processes: nothing running is touched."""
+    try:
+        entries = list(parent.glob(_PREFIX + "*"))
+    except OSError:
+        return
+    for d in entries:
+        try:
+            pid = int(d.name[len(_PREFIX):].split("_")[0])
+            if time.time() - d.stat().st_mtime < _STALE_S:
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        except (OSError, ValueError):
+            pass
+
+
+# (layer, counters file, counter, note): v1 and v2 name the pids counter alike, not the OOM kills
+_EVENTS = (("pids_cap", "pids.events", "max", "process cap {} reached"),
+           ("memory_cap", "memory.events", "oom_kill", "memory cap {} MiB hit (OOM kill)"),
+           ("memory_cap", "memory.oom_control", "oom_kill", "memory cap {} MiB hit (OOM kill)"))
+
+
+class ProgramCgroup:
+    """One program run's cgroup directories, keyed by the layer each gives."""
+
+    def __init__(self, dirs: dict[str, Path], limits: dict[str, int]):
+        self.dirs, self.limits = dirs, limits
+
+    def join_paths(self) -> dict[str, list[str]]:
+        """cgroup.procs path -> layers, for the sandbox child (v2: one path, both layers)."""
+        out: dict[str, list[str]] = {}
+        for layer, d in self.dirs.items():
+            out.setdefault(str(d / "cgroup.procs"), []).append(layer)
+        return out
+
+    def limits_hit(self) -> list[str]:
+        """The caps the program ran into (the kernel's event counters), for the verdict's detail."""
+        hit, shown = [], {"pids_cap": self.limits.get("pids_cap"),
+                          "memory_cap": f"{self.limits.get('memory_cap', 0) / (1 << 20):g}"}
+        for layer, file, key, what in _EVENTS:
+            try:
+                counters = dict(ln.split()[:2] for ln in (self.dirs[layer] / file).read_text().splitlines())
+                if int(counters.get(key, "0")) > 0 and what.format(shown[layer]) not in hit:
+                    hit.append(what.format(shown[layer]))
+            except (KeyError, OSError, ValueError):
+                pass
+        return hit
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still inside: processes that left the program's process group
+        (setsid) outside a PID namespace, which would otherwise outlive the run."""
+        for d in dict.fromkeys(self.dirs.values()):
+            _write(d / "cgroup.kill", "1")
+            _kill_members(d)
+
+    def remove(self) -> list[str]:
+        """Remove every directory; returns those that could not be removed (should stay empty)."""
+        return [str(d) for d in dict.fromkeys(self.dirs.values()) if not _remove(d)]
+
+
+def _make(parent: Path, name: str, settings: list[tuple[str, str, bool]]) -> Path | None:
+    """mkdir parent/name and write its settings (file, value, required); None, with nothing left
+    behind, when the directory or a required setting cannot be made."""
+    _sweep(parent)
+    d = parent / name
+    try:
+        d.mkdir()
+    except OSError:
+        return None
+    for file, value, required in settings:
+        if not _write(d / file, value) and required:
+            _remove(d)
+            return None
+    return d
+
+
+def _v2_dir(mounts: list, name: str, max_processes: int, memory_bytes: int) -> dict[str, Path]:
+    """A cgroup v2 directory for the layers our own cgroup delegates (cgroup.subtree_control)."""
+    for fstype, point, mount_root, _ in mounts:
+        own = _own_dir(point, mount_root, None) if fstype == "cgroup2" else None
+        try:
+            delegated = set((own / "cgroup.subtree_control").read_text().split()) if own else set()
+        except OSError:
+            continue
+        wanted = [(layer, f, v) for c, layer, f, v in (("pids", "pids_cap", "pids.max", str(max_processes)),
+                                                       ("memory", "memory_cap", "memory.max", str(memory_bytes)))
+                  if c in delegated]
+        optional = [("memory.swap.max", "0", False), ("memory.oom.group", "1", False)]  # OOM: all at once
+        if wanted and (d := _make(own, name, [(f, v, True) for _, f, v in wanted] + optional)):
+            return {layer: d for layer, _, _ in wanted}
+    return {}
+
+
+def create(root: str | os.PathLike, max_processes: int, memory_bytes: int) -> ProgramCgroup:
+    """A fresh cgroup for one program run with pids.max = max_processes and a memory limit of
+    memory_bytes (no swap); no layer where no usable hierarchy is found. v2 first (one directory
+    for both caps), then v1 for what v2 does not give."""
+    name = f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+    mounts = _mounts(Path(os.path.abspath(root)))
+    cgroup = ProgramCgroup({}, {"pids_cap": max_processes, "memory_cap": memory_bytes})
+    try:
+        cgroup.dirs.update(_v2_dir(mounts, name, max_processes, memory_bytes))
+        for controller, layer, settings in (
+                ("pids", "pids_cap", [("pids.max", str(max_processes), True)]),
+                ("memory", "memory_cap", [("memory.limit_in_bytes", str(memory_bytes), True),
+                                          ("memory.memsw.limit_in_bytes", str(memory_bytes), False)])):
+            for fstype, point, mount_root, options in mounts:
+                if layer in cgroup.dirs or fstype != "cgroup" or controller not in options:
+                    continue
+                own = _own_dir(point, mount_root, controller)
+                if own and (d := _make(own, name, settings)):
+                    cgroup.dirs[layer] = d
+    except BaseException:  # interrupted half-way: nothing made may stay
+        cgroup.remove()
+        raise
+    return cgroup
+
+
+@contextlib.contextmanager
+def program_cgroup(root: str | os.PathLike | None, max_processes: int, memory_bytes: int) -> Iterator[ProgramCgroup]:
+    """`create` (nothing when root is None), yielded, and removed on the way out whatever happened."""
+    cgroup = create(root, max_processes, memory_bytes) if root is not None else ProgramCgroup({}, {})
+    try:
+        yield cgroup
+    finally:
+        left = cgroup.remove()
+        if left:  # only a process stuck in the kernel (D state) can keep one busy for 5 s
+            import warnings
+
+            warnings.warn(f"nanochat sandbox: could not remove cgroup(s) {left}; the next run sweeps "
+                          "them once empty", RuntimeWarning, stacklevel=3)
