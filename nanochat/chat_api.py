@@ -4,11 +4,11 @@ model work. Split out of server.py, which owns the app, the replica pool and gen
 nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size).
 
 Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
-whose effect this server cannot honour (logprobs, tools, non-text response_format) are refused
-with 400 "unsupported_parameter" rather than silently ignored; any `model` name is accepted (a
-local server has one model; responses report the served name). Assistant history comes back as
-the text the server streamed; its calculator calls ("<<expr=result>>") are rendered as the tool
-tokens the model generated (`prompt_messages`).
+whose effect this server cannot honour (logprobs, tools, non-text response_format, logit_bias,
+audio output, web search) are refused with 400 "unsupported_parameter" rather than silently
+ignored; any `model` name is accepted (a local server has one model; responses report the
+served name). Assistant history comes back as the text the server streamed; its calculator calls
+("<<expr=result>>") are rendered as the tool tokens the model generated (`prompt_messages`).
 """
 
 import json
@@ -238,7 +238,8 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose effect this server cannot produce: ignoring them would hand the client an
-    answer that means something else (no log-probabilities, no tool call, no JSON guarantee)."""
+    answer that means something else (no log-probabilities, no tool call, no JSON guarantee, a
+    token the client banned, no audio, no search)."""
     def refuse(name: str, what: str):
         raise ApiError(400, f"'{name}': {what} is not supported by this server; leave '{name}' out",
                        param=name, code="unsupported_parameter")
@@ -256,6 +257,14 @@ def _refuse_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         refuse("response_format", "a response format other than {\"type\": \"text\"}")
+    if body.get("logit_bias") not in (None, {}):   # e.g. {id: -100} bans a token; ignoring that is not harmless
+        refuse("logit_bias", "biasing token probabilities")
+    if body.get("modalities") not in (None, ["text"]):
+        refuse("modalities", "an output other than [\"text\"]")
+    if body.get("audio") is not None:
+        refuse("audio", "audio output")
+    if body.get("web_search_options") is not None:
+        refuse("web_search_options", "searching the web")
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -265,9 +274,10 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream': accepted: true|false|null", param="stream")
     opts = body.get("stream_options")
-    if opts is not None and not stream:
+    if opts is None:
+        return stream, False
+    if not stream:
         raise ApiError(400, "'stream_options': only allowed when 'stream' is true", param="stream_options")
-    opts = opts or {}
     if not isinstance(opts, dict) or opts.get("include_usage") not in (None, True, False):
         raise ApiError(400, "'stream_options': accepted: {\"include_usage\": true|false}", param="stream_options")
     return stream, bool(opts.get("include_usage"))
@@ -278,7 +288,8 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
 
     Accepted but ignored: `presence_penalty` / `frequency_penalty` (validated as numbers in [-2, 2];
     the sampler has no penalties), `user`, `metadata`, `store`, `parallel_tool_calls`,
-    `service_tier` and unknown fields. Refused (unsupported_parameter): see `_refuse_unsupported`.
+    `service_tier`, `prediction` (a latency hint), `reasoning_effort`, `verbosity` and unknown
+    fields. Refused (unsupported_parameter): see `_refuse_unsupported`.
     `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: accepted: a JSON object")

@@ -147,8 +147,10 @@ class _ClientSlots:
 
 class _Job:
     """One request's generation in a worker thread; events reach the event loop via a queue:
-    ("delta", [(index, text)], [(index, finish_reason)] of the choices that ended in this step),
-    ("done", finish_reasons of all choices, usage), ("error", message)."""
+    ("delta", [(index, text)], [(index, finish_reason)] of the choices that ended in this step
+    while others go on), ("done", finish_reasons of all choices, usage), ("error", message). The
+    choices that end last finish only with "done", sent after the engine's generator closed
+    cleanly: a failure there is an "error", never a stream that already said "stop"."""
 
     def __init__(self, pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int],
                  max_tokens: int, stats: dict):
@@ -210,6 +212,8 @@ class _Job:
                     if text:
                         deltas.append((i, text))
                 self.worker.tokens += step_tokens
+                if all(finish):
+                    ended = []  # the last to end finish with "done", once the generator has closed
                 if deltas or ended:  # a stream sends a choice's finish as soon as it has one (n > 1)
                     self._emit("delta", deltas, ended)
                 if all(finish):
@@ -274,15 +278,30 @@ async def _wait_disconnect(request) -> None:
         pass
 
 
-def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict) -> None:
+def _start_job(pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int], max_tokens: int,
+               stats: dict) -> _Job:
+    """A request's job, started on `worker`. If building or starting it fails (no thread ran, so
+    nothing will release the worker) it raises ApiError(500); the caller still holds the worker
+    and `_release_unused` returns it and counts the error."""
+    try:
+        job = _Job(pool, worker, req, prompt, max_tokens, stats)
+        job.start()
+    except Exception as e:
+        raise ApiError(500, f"generation failed to start: {type(e).__name__}: {e}") from e
+    worker.requests += 1
+    return job
+
+
+def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict, failed: bool = False) -> None:
     """Cleanup for a request leaving early (called from a `finally`): stop its job, or return / stop
     waiting for a worker. A request that never got a job was cancelled while queued (a job counts
-    its own cancels), unless an error is what ends it (e.g. building the job raised): an error."""
+    its own cancels), unless an error is what ends it (`failed`, or the exception this `finally`
+    propagates: e.g. the job failed to start): an error."""
     if job is not None:
         job.cancel.set()
         return
     ending = sys.exc_info()[1]   # the exception this `finally` propagates, if any
-    failed = ending is not None and not isinstance(ending, (GeneratorExit, asyncio.CancelledError))
+    failed = failed or (ending is not None and not isinstance(ending, (GeneratorExit, asyncio.CancelledError)))
     stats["errors" if failed else "cancelled"] += 1
     if acq.done():
         if not acq.cancelled() and acq.exception() is None:
@@ -430,17 +449,21 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
     async def stream(req: ChatRequest, prompt, max_tokens, meta, release):
-        acq, job = asyncio.ensure_future(pool.acquire()), None
+        acq, job, failed = asyncio.ensure_future(pool.acquire()), None, False
         try:
             while not (await asyncio.wait({acq}, timeout=2.0))[0]:
                 yield ": waiting for a free model replica\n\n"  # SSE comment; also detects a gone client
-            job = _Job(pool, acq.result(), req, prompt, max_tokens, stats)
-            job.worker.requests += 1
-            job.start()
+            try:
+                job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
+            except ApiError as e:  # the 200 is sent: an error event, as OpenAI reports errors mid-stream
+                failed = True
+                yield _sse(e.body())
+                yield "data: [DONE]\n\n"
+                return
             async for event in _sse_events(job, meta):
                 yield event
         finally:
-            _release_unused(pool, acq, job, stats)
+            _release_unused(pool, acq, job, stats, failed)
             release()
 
     async def complete(request: Request, req: ChatRequest, prompt, max_tokens, meta):
@@ -450,9 +473,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             await asyncio.wait({acq, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not acq.done():
                 return None
-            job = _Job(pool, acq.result(), req, prompt, max_tokens, stats)
-            job.worker.requests += 1
-            job.start()
+            job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
             texts = [[] for _ in range(req.n)]
             while True:
                 getter = asyncio.ensure_future(job.events.get())

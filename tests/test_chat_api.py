@@ -60,6 +60,8 @@ def test_message_errors_name_the_problem():
     ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"functions": [{"name": "f"}], "function_call": "auto"}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"response_format": "json"}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"), ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"web_search_options": {}}, "web_search_options"),
 ])
 def test_unsupported_fields_are_refused(extra, param):
     e = refused({"messages": [m("user", "q")], **extra})
@@ -79,6 +81,9 @@ def test_nullable_and_mapped_fields():
     assert parse(messages=q, seed=-3).seed == 2**63 - 3 and parse(messages=q, seed=-2**63).seed == 0
     assert parse(messages=q, stream=True, stream_options={"include_usage": True}).include_usage
     assert refused({"messages": q, "stream": False, "stream_options": {}}).param == "stream_options"
+    for bad in ([], 0, False, "", {"include_usage": "yes"}):   # falsy or malformed: not "no options"
+        assert refused({"messages": q, "stream": True, "stream_options": bad}).param == "stream_options", bad
+    assert not parse(messages=q, stream=True, stream_options={}).include_usage
     for name in ("presence_penalty", "frequency_penalty"):
         assert parse(messages=q, **{name: 2}).messages == q        # validated, then ignored
         e = refused({"messages": q, name: -2.01})
@@ -214,6 +219,10 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ({"functions": [TOOL["function"]], "function_call": {"name": "get_weather"}}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"3": -100}}, "logit_bias"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
 ])
 def test_unsupported_parameters_are_refused(srv, extra, param):
     engine = srv.engine
@@ -229,7 +238,9 @@ def test_harmless_parameters_are_ignored(srv):
     ignored = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True,
                "service_tier": "auto", "logprobs": False, "top_logprobs": None, "tools": [TOOL], "tool_choice": "none",
                "functions": [TOOL["function"]], "function_call": "none", "response_format": {"type": "text"},
-               "presence_penalty": -2, "frequency_penalty": 1.5, "an_unknown_field": 1}
+               "presence_penalty": -2, "frequency_penalty": 1.5, "an_unknown_field": 1, "logit_bias": {},
+               "modalities": ["text"], "audio": None, "web_search_options": None, "reasoning_effort": "low",
+               "prediction": {"type": "content", "content": "ok"}}
     plain = srv.post(json={"messages": USER, "seed": 4})
     r = srv.post(json={"messages": USER, "seed": 4, **ignored})
     assert r.status_code == 200, r.text
