@@ -7,7 +7,8 @@ A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string 
   hub, downloaded by index range with parallel workers, HTTP Range resume of partial files,
   retries with exponential backoff, verification (size, sha256 when the hub states it, readable
   parquet with a `text` column) before an atomic rename, a tqdm bar, and a non-zero exit naming
-  every shard that failed;
+  every shard that failed. The mechanics live in nanochat/dataset_download.py; this file keeps
+  the source registry (SOURCES) and the command line;
 * a local directory of parquet/jsonl/txt files (`--data-dir SRC`), converted into shards by
   nanochat/local_data.py (a parquet directory can also be read in place: pass it as `data_dir` to
   the dataloader);
@@ -17,8 +18,12 @@ A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string 
 Damaged shards (unreadable, truncated, no string `text` column, a row group that does not decode,
 null texts, text that is not valid UTF-8) raise DataError naming the file (and row group) and how
 to re-create it. The command line checks its flags before any work: one source's flags with
-another source, --backoff < 0, --timeout <= 0, an --out that cannot be a directory are errors
-naming the flag.
+another source, --backoff < 0, --timeout <= 0, a --base-url that is not an http(s) URL, an --out
+that cannot be a directory are errors naming the flag.
+
+This file owns what the other data modules build on (shard names, listing, splitting, reading,
+writing, the source marker); nanochat/dataset_download.py, local_data.py and shakespeare.py import
+it, so it imports none of them at the top: their public names resolve here lazily (__getattr__).
 
 `python -m nanochat.dataset -n 8` downloads 8 ClimbMix train shards plus the validation shard.
 """
@@ -26,17 +31,11 @@ naming the flag.
 from __future__ import annotations
 
 import argparse
-import errno
-import hashlib
 import json
 import math
 import os
 import re
-import shutil
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -44,8 +43,8 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import fmt_bytes, get_base_dir
-from nanochat.errors import DataError, DiskFullError, MissingDataError, RequestError
+from nanochat.common import get_base_dir
+from nanochat.errors import DataError, MissingDataError, RequestError
 from nanochat.flags import FlagParser, check_out_dir
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
@@ -287,179 +286,6 @@ SOURCES = {
     "fineweb-edu": RemoteSource("fineweb-edu", "https://huggingface.co/datasets/karpathy/"
                                 "fineweb-edu-100b-shuffle/resolve/main", 1823),
 }
-_RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
-
-
-class DownloadError(RuntimeError):
-    pass
-
-
-class _Retry(Exception):
-    """A failed attempt that may succeed if tried again (network error, 5xx, bad content)."""
-
-
-def _expected_from(resp) -> tuple[int | None, str | None]:
-    """(total size, sha256) as the server states them. The hub reports an LFS file's sha256 as
-    X-Linked-Etag on the redirect response, so look through the redirect history too."""
-    total = sha = None
-    for r in [*resp.history, resp]:
-        etag = (r.headers.get("X-Linked-Etag") or "").strip('W/"')
-        if re.fullmatch(r"[0-9a-f]{64}", etag):
-            sha = etag
-        if r.headers.get("X-Linked-Size", "").isdigit():
-            total = int(r.headers["X-Linked-Size"])
-    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", resp.headers.get("Content-Range", ""))
-    if m:
-        total = int(m.group(3))
-    elif resp.status_code == 200 and resp.headers.get("Content-Length", "").isdigit():
-        total = int(resp.headers["Content-Length"])
-    return total, sha
-
-
-def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
-    """ValueError unless `path` has the expected size/checksum and is a parquet text shard."""
-    got = path.stat().st_size
-    if size is not None and got != size:
-        raise ValueError(f"size {got} bytes, expected {size}")
-    if sha256 is not None:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        if h.hexdigest() != sha256:
-            raise ValueError(f"sha256 {h.hexdigest()}, expected {sha256}")
-    pf = open_text_shard(path)
-    if pf.num_row_groups:  # decoding one row group catches corrupt pages behind a valid footer
-        read_row_group_texts(pf, 0, path)
-
-
-def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tuple[int | None, str | None]:
-    have = partial.stat().st_size if partial.exists() else 0
-    # identity: requests asks for gzip by default, and a server that takes up the offer sends a
-    # Content-Length and byte ranges of the compressed body while iter_content yields it
-    # decompressed, so the size check fails every attempt and a Range resume would splice
-    # decompressed bytes at a compressed offset
-    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
-    with session.get(url, headers=headers, stream=True, timeout=timeout) as resp:
-        if resp.status_code == 416:  # nothing left to fetch: the partial file may be complete
-            m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
-            return (int(m.group(1)) if m else have), None
-        if resp.status_code in _RETRYABLE_STATUS:
-            raise _Retry(f"HTTP {resp.status_code}")
-        if resp.status_code not in (200, 206):
-            raise DownloadError(f"HTTP {resp.status_code} for {url}")
-        total, sha = _expected_from(resp)
-        start = 0
-        if resp.status_code == 206:
-            m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
-            start = int(m.group(1)) if m else -1
-            if start != have:
-                partial.unlink(missing_ok=True)
-                raise _Retry(f"server resumed at byte {start}, wanted {have}")
-        with open(partial, "ab" if start else "wb") as f:
-            for chunk in resp.iter_content(chunk_size=1 << 16):  # small: less lost on a drop
-                f.write(chunk)
-                on_bytes(len(chunk))
-    got = partial.stat().st_size
-    if total is not None and got < total:
-        raise _Retry(f"connection closed at byte {got} of {total}")
-    return total, sha
-
-
-def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.0,
-                  timeout: float = 60.0, on_bytes=lambda n: None) -> None:
-    """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff,
-    verify, then atomically rename. Raises DownloadError after the last attempt."""
-    import requests
-
-    partial = dest.with_name(dest.name + ".partial")
-    last = "no attempt made"
-    with requests.Session() as session:
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(min(backoff * 2 ** (attempt - 1), 60.0))
-            try:
-                total, sha = _attempt(session, url, partial, timeout, on_bytes)
-                try:
-                    verify_text_shard(partial, size=total, sha256=sha)
-                except ValueError as e:  # corrupt content: start over from byte 0
-                    partial.unlink(missing_ok=True)
-                    raise _Retry(f"verification failed: {e}") from e
-                os.replace(partial, dest)
-                return
-            except _Retry as e:
-                last = str(e)
-            except OSError as e:  # requests' errors are OSErrors too
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
-                    raise DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
-                                        f"({fmt_bytes(shutil.disk_usage(dest.parent).free)} free); free space and "
-                                        "rerun: finished shards are kept and the partial one resumes") from e
-                if not isinstance(e, requests.RequestException):
-                    raise
-                last = f"{type(e).__name__}: {e}"  # the partial file is kept and resumed
-    raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}")
-
-
-
-def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
-    """DiskFullError when the shards still to come (at the mean size of those finished) would not
-    fit: better to stop with the finished ones kept than to fill the disk to the last byte."""
-    each = sum(sizes) / len(sizes)
-    free = shutil.disk_usage(out_dir).free
-    if free < each * left:
-        raise DiskFullError(f"{out_dir}: {left} more shards need ~{fmt_bytes(each * left)} (~{fmt_bytes(each)} each), "
-                            f"{fmt_bytes(free)} free; free space (or ask for fewer with -n) and rerun: the "
-                            f"{len(sizes)} finished this time are kept")
-
-
-def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers: int = 4,
-                    retries: int = 5, backoff: float = 2.0, timeout: float = 60.0,
-                    progress: bool = True) -> list[tuple[int, str]]:
-    """Download shard indices into out_dir in parallel; returns [(index, error)] for failures."""
-    from tqdm import tqdm
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in indices if not (out_dir / shard_name(i)).exists()]
-    lock, done_bytes = threading.Lock(), [0]
-
-    def count(n):
-        with lock:
-            done_bytes[0] += n
-
-    failures, sizes, full = [], [], threading.Event()
-
-    def fetch(i: int) -> None:
-        if full.is_set():   # the disk is full: a worker that picks this shard up leaves it alone
-            return
-        try:
-            download_file(f"{base_url.rstrip('/')}/{shard_name(i)}", out_dir / shard_name(i), retries=retries,
-                          backoff=backoff, timeout=timeout, on_bytes=count)
-        except DiskFullError:
-            full.set()
-            raise
-
-    bar = tqdm(total=len(indices), initial=len(indices) - len(todo), unit="shard",
-               disable=not progress, dynamic_ncols=True)
-    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(fetch, i): i for i in todo}
-        try:
-            for fut in as_completed(futures):
-                try:
-                    fut.result()
-                    sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
-                except DownloadError as e:
-                    failures.append((futures[fut], str(e)))
-                bar.update(1)
-                bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
-                left = sum(not f.done() for f in futures)
-                if sizes and left:
-                    _check_room(out_dir, sizes, left)
-        except DiskFullError:
-            full.set()
-            for f in futures:  # the ones not started; those in flight finish (or fail) first
-                f.cancel()
-            raise
-    return sorted(failures)
 
 
 # ---------------------------------------------------------------- text chunking (local files, Shakespeare)
@@ -510,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nanochat.dataset_download import download_shards
+
     args = parse_args(argv)
     source = args.source
     out = check_out_dir(args.out or default_data_dir())
@@ -554,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
 def _check_flags(args) -> str:
     """Validate the command line before any work; returns the source. A flag that only one source
     reads, given with another source, is an error: ignoring it silently did other work than asked."""
-    from nanochat.flags import require_float
+    from urllib.parse import urlsplit
+
+    from nanochat.flags import require, require_float
 
     source = args.source or ("local" if args.data_dir else "climbmix")
     accepted = [*SOURCES, "shakespeare", "local"]
@@ -572,17 +402,28 @@ def _check_flags(args) -> str:
             raise ValueError(f"{flag}: got {value}; accepted: an integer >= {low}")
     require_float(args.backoff, "--backoff", 0.0)  # seconds before the first retry (0: at once)
     require_float(args.timeout, "--timeout", 0.0, low_inclusive=False)  # requests: 0 never connects
+    if args.base_url is not None:  # else requests fails on every shard, each after all its retries
+        url = urlsplit(args.base_url)
+        require(url.scheme in ("http", "https") and bool(url.netloc), "--base-url", args.base_url,
+                "an http:// or https:// URL with a host (the directory holding shard_NNNNN.parquet)")
     return source
 
 
+_DOWNLOAD_NAMES = ("DownloadError", "DiskFullError", "download_file", "download_shards", "verify_text_shard")
 _LOCAL_NAMES = ("read_local_documents", "import_local_dir")
 _SHAKESPEARE_NAMES = ("SHAKESPEARE_PIN", "SHAKESPEARE_VAL", "SHAKESPEARE_POEMS", "split_scenes", "split_poem",
                       "shakespeare_documents", "get_shakespeare")
 
 
 def __getattr__(name: str):
-    """The Shakespeare corpus moved to nanochat/shakespeare.py and the local-directory import to
-    nanochat/local_data.py; their names still resolve here."""
+    """The downloads moved to nanochat/dataset_download.py, the Shakespeare corpus to
+    nanochat/shakespeare.py and the local-directory import to nanochat/local_data.py; their names
+    still resolve here. Lazily: those modules import this one, so importing them at the top would
+    be circular (and break whichever of them is imported first)."""
+    if name in _DOWNLOAD_NAMES:
+        from nanochat import dataset_download
+
+        return getattr(dataset_download, name)
     if name in _LOCAL_NAMES:
         from nanochat import local_data
 

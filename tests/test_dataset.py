@@ -1,13 +1,11 @@
-"""Text shards: listing/splitting/iteration, downloads against a local HTTP server (resume,
-corrupt files, server errors, checksums), local directory import and the Shakespeare corpus."""
+"""Text shards: listing/splitting/iteration, the command line's checks, local directory import,
+the Shakespeare corpus, damaged shards and the names nanochat.dataset re-exports. Downloads (a
+local HTTP server) are in tests/test_dataset_download.py."""
 
-import gzip
 import io
 import json
-import random
+import sys
 import tarfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -61,156 +59,7 @@ def test_iter_documents_ranks_and_resume(tmp_path):
     assert [t for t, _ in ds.iter_documents(tmp_path, "val")] == docs[45:]
 
 
-# ---------------------------------------------------------------- downloads (local server)
-
-class FixtureServer:
-    """Serves `files` over HTTP with Range support; `modes[name]` injects faults:
-    truncate_once (close mid-body on the first request), corrupt, 500, badsha, gzip (compress
-    the body when the client accepts gzip)."""
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files, self.modes, self.requests = files, {}, []
-        self._truncated = set()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                name = self.path.rsplit("/", 1)[-1]
-                rng = self.headers.get("Range")
-                server.requests.append((name, rng))
-                mode = server.modes.get(name)
-                if mode == "500":
-                    return self.send_error(500)
-                if name not in server.files:
-                    return self.send_error(404)
-                data = b"this is not parquet" * 50 if mode == "corrupt" else server.files[name]
-                if mode == "gzip" and "gzip" in (self.headers.get("Accept-Encoding") or ""):
-                    data = gzip.compress(data)  # what a mirror that compresses on the fly sends
-                start = int(rng[len("bytes="):].split("-")[0]) if rng else 0
-                if start >= len(data):
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
-                    self.end_headers()
-                    return
-                self.send_response(206 if start else 200)
-                if start:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                if mode == "badsha":
-                    self.send_header("X-Linked-Etag", '"' + "0" * 64 + '"')
-                if mode == "gzip" and data is not server.files[name]:
-                    self.send_header("Content-Encoding", "gzip")
-                body = data[start:]
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if mode == "truncate_once" and name not in server._truncated:
-                    server._truncated.add(name)
-                    self.wfile.write(body[: len(body) // 2])
-                    self.wfile.flush()
-                    self.close_connection = True
-                    return
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/data"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def server():
-    rng = random.Random(0)  # ~300 kB per shard, uncompressed: several 64 kB download chunks
-    files = {ds.shard_name(i): parquet_bytes(["".join(rng.choices("abcdefgh ", k=5000)) for _ in range(60)],
-                                             compression="none") for i in (0, 1, 2, 6542)}
-    srv = FixtureServer(files)
-    yield srv
-    srv.close()
-
-
-def cli(srv, out, *extra):
-    return ds.main(["--base-url", srv.url, "--out", str(out), "--retries", "2", "--backoff", "0",
-                    "--timeout", "10", "--no-progress", *extra])
-
-
-def test_download_resumes_truncated_file(server, tmp_path):
-    server.modes[ds.shard_name(1)] = "truncate_once"
-    assert cli(server, tmp_path, "-n", "3", "--workers", "3") == 0
-    for name in (ds.shard_name(i) for i in (0, 1, 2, 6542)):  # 3 train + the validation shard
-        assert (tmp_path / name).read_bytes() == server.files[name]
-    ranges = [r for n, r in server.requests if n == ds.shard_name(1)]
-    assert len(ranges) == 2 and ranges[0] is None, ranges
-    resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))  # whole chunks kept from try 1
-    assert 0 < resumed_at <= len(server.files[ds.shard_name(1)]) // 2
-    assert not list(tmp_path.glob("*.partial"))
-    assert ds.split_shards(ds.list_shards(tmp_path), "val")[0].name == ds.shard_name(6542)
-    n_req = len(server.requests)
-    assert cli(server, tmp_path, "-n", "3") == 0 and len(server.requests) == n_req, "done shards are skipped"
-
-
-def test_partial_file_from_earlier_run_is_resumed(server, tmp_path):
-    name = ds.shard_name(0)
-    (tmp_path / (name + ".partial")).write_bytes(server.files[name][:1000])
-    (tmp_path / (ds.shard_name(1) + ".partial")).write_bytes(server.files[ds.shard_name(1)])  # complete
-    url = server.url + "/"
-    ds.download_file(url + name, tmp_path / name, retries=0)
-    ds.download_file(url + ds.shard_name(1), tmp_path / ds.shard_name(1), retries=0)  # server says 416
-    assert (tmp_path / name).read_bytes() == server.files[name]
-    assert (tmp_path / ds.shard_name(1)).read_bytes() == server.files[ds.shard_name(1)]
-    assert (name, "bytes=1000-") in server.requests
-
-
-def test_corrupt_file_is_rejected_not_renamed(server, tmp_path):
-    server.modes[ds.shard_name(0)] = "corrupt"
-    failures = ds.download_shards([0, 1], tmp_path, server.url, retries=1, backoff=0, progress=False)
-    assert [i for i, _ in failures] == [0] and "not a readable parquet" in failures[0][1]
-    assert not (tmp_path / ds.shard_name(0)).exists()
-    assert not list(tmp_path.glob("*.partial"))
-    assert (tmp_path / ds.shard_name(1)).exists()
-
-
-def test_checksum_mismatch_is_rejected(server, tmp_path):
-    server.modes[ds.shard_name(2)] = "badsha"
-    with pytest.raises(ds.DownloadError, match="sha256"):
-        ds.download_file(f"{server.url}/{ds.shard_name(2)}", tmp_path / "x.parquet", retries=0)
-    assert not (tmp_path / "x.parquet").exists()
-
-
-def test_server_error_is_retried_then_reported(server, tmp_path, capsys, monkeypatch):
-    sleeps = []
-    monkeypatch.setattr(ds.time, "sleep", sleeps.append)
-    server.modes[ds.shard_name(1)] = "500"
-    rc = ds.main(["--base-url", server.url, "--out", str(tmp_path), "-n", "2", "--retries", "3",
-                  "--backoff", "0.5", "--no-progress"])
-    assert rc == 1
-    assert [n for n, _ in server.requests].count(ds.shard_name(1)) == 4  # 1 try + 3 retries
-    assert sorted(sleeps)[-3:] == [0.5, 1.0, 2.0] and sleeps.count(0.5) == 1  # exponential backoff
-    err = capsys.readouterr().err
-    assert "1 of 3 shards FAILED" in err and ds.shard_name(1) in err and "HTTP 500" in err
-    assert not (tmp_path / ds.shard_name(1)).exists() and (tmp_path / ds.shard_name(0)).exists()
-
-
-def test_download_asks_for_the_file_not_a_compressed_copy(server, tmp_path):
-    """A server compressing on the fly states the compressed size, while requests hands over the
-    decompressed bytes: the size check failed every attempt (and a resume spliced offsets)."""
-    name = ds.shard_name(0)
-    server.modes[name] = "gzip"
-    (tmp_path / (name + ".partial")).write_bytes(server.files[name][:1000])
-    ds.download_file(f"{server.url}/{name}", tmp_path / name, retries=0)
-    assert (tmp_path / name).read_bytes() == server.files[name]
-    assert (name, "bytes=1000-") in server.requests
-
-
-def test_missing_file_is_not_retried(server, tmp_path):
-    with pytest.raises(ds.DownloadError, match="404"):
-        ds.download_file(f"{server.url}/{ds.shard_name(7)}", tmp_path / "x.parquet", retries=3, backoff=0)
-    assert [n for n, _ in server.requests].count(ds.shard_name(7)) == 1
-
+# ---------------------------------------------------------------- command line
 
 def test_cli_validates_before_work(tmp_path):
     with pytest.raises(ValueError, match="--source: got 'c4'"):
@@ -219,13 +68,6 @@ def test_cli_validates_before_work(tmp_path):
         ds.main(["--workers", "0", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="accepted: train shards 0..1821"):
         ds.main(["--source", "fineweb-edu", "--start", "1800", "-n", "30", "--out", str(tmp_path)])
-
-
-def test_sources_never_mix(tmp_path, server):
-    ds.claim_data_dir(tmp_path, "shakespeare")
-    (tmp_path / ds.shard_name(0)).write_bytes(parquet_bytes(["x"]))
-    with pytest.raises(ValueError, match="already holds 1 shards from shakespeare"):
-        cli(server, tmp_path, "-n", "1")
 
 
 # ---------------------------------------------------------------- local directory
@@ -407,53 +249,31 @@ def test_garbage_source_json_names_the_file(tmp_path, capsys):
     assert e.value.code == 2 and str(out / ds.SOURCE_FILE) in err and len(err.strip().splitlines()) == 1
 
 
-def test_shakespeare_names_still_resolve_through_dataset():
-    from nanochat import shakespeare
+def test_moved_names_still_resolve_through_dataset():
+    from nanochat import dataset_download, local_data, shakespeare
     assert ds.split_scenes is shakespeare.split_scenes and ds.get_shakespeare is shakespeare.get_shakespeare
+    assert ds.import_local_dir is local_data.import_local_dir
+    for name in ("DownloadError", "DiskFullError", "download_file", "download_shards", "verify_text_shard"):
+        assert getattr(ds, name) is getattr(dataset_download, name)
     with pytest.raises(AttributeError):
         ds.no_such_name
 
 
-def test_download_stops_when_the_remaining_shards_cannot_fit(server, tmp_path, monkeypatch, capsys):
-    """After each finished shard the ones left (at the mean size so far) must fit the free space;
-    otherwise the download stops with one line naming the numbers, the finished shards kept."""
-    import collections
+def test_the_split_modules_import_in_any_order(monkeypatch):
+    """dataset_download, local_data and shakespeare import nanochat.dataset, which resolves their
+    names lazily: a top-level import back would fail for whichever module is imported first."""
+    import importlib
 
-    usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(ds.shutil, "disk_usage", lambda path: usage(10**12, 0, 1000))
-    # 3 more, or 2 when the pool's worker finished shard 1 before shard 0's check ran (a race seen in CI)
-    with pytest.raises(ds.DiskFullError, match=r"[23] more shards need ~\d+ KB \(~\d+ KB each\), 1 KB free; free "
-                                               r"space \(or ask for fewer with -n\) and rerun: the 1 finished"):
-        ds.download_shards([0, 1, 2, 6542], tmp_path, server.url, workers=1, retries=0, progress=False)
-    # shard 1 may have started before the check (the pool's worker takes the next one at once)
-    assert [p.name for p in ds.list_shards(tmp_path)][:1] == [ds.shard_name(0)]
-    assert not list(tmp_path.glob("*.partial"))
-    assert {n for n, _ in server.requests} <= {ds.shard_name(0), ds.shard_name(1)}   # the others never started
-    monkeypatch.setattr(ds.shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
-    assert ds.download_shards([0, 1, 2, 6542], tmp_path, server.url, workers=1, retries=0, progress=False) == []
-    assert len(ds.list_shards(tmp_path)) == 4
-
-
-def test_a_full_disk_mid_download_is_one_line_not_retried(server, tmp_path, monkeypatch, capsys):
-    import errno
-
-    calls = []
-
-    def disk_full(*args, **kwargs):
-        calls.append(args[1])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ds, "_attempt", disk_full)
-    from nanochat.flags import run_cli
-
-    with pytest.raises(SystemExit) as exit_:
-        run_cli(lambda: ds.main(["--base-url", server.url, "--out", str(tmp_path), "-n", "2", "--workers", "1",
-                                    "--retries", "3", "--no-progress"]))
-    rc = exit_.value.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
-    assert "the disk filled while downloading" in err[0] and "finished shards are kept" in err[0], err
-    assert len(calls) == 1     # no retry, no other shard started
+    import nanochat
+    mods = ("dataset", "dataset_download", "local_data", "shakespeare")
+    for first in ("dataset_download", "shakespeare", "local_data"):
+        for mod in mods:   # a fresh import of each; monkeypatch puts the originals back afterwards
+            monkeypatch.delitem(sys.modules, f"nanochat.{mod}", raising=False)
+            monkeypatch.delattr(nanochat, mod, raising=False)
+        importlib.import_module(f"nanochat.{first}")
+        fresh = importlib.import_module("nanochat.dataset")
+        assert fresh.DownloadError is sys.modules["nanochat.dataset_download"].DownloadError
+        assert fresh.get_shakespeare is importlib.import_module("nanochat.shakespeare").get_shakespeare
 
 
 # ---------------------------------------------------------------- bad bytes, conflicting or bad flags
