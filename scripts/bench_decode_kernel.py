@@ -13,9 +13,10 @@ reported and skipped.
 --quantize int8 runs the configs again over the same model's matrices as int8 (nanochat/quantize.py;
 bytes per step count the int8 weights and their scales).
 
-Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES]: block_rows x
+Config syntax: ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES][nPROGRAMS]: block_rows x
 block_k x block_k_mlp, then optionally num_warps, unroll, key_block, block_rows_qkv, block_rows_fc,
-preload (a phase bit mask: 1 q/k/v, 2 proj, 4 fc, 8 MLP proj), head_stages; PersistentDecodeStep's
+preload (a phase bit mask: 1 q/k/v, 2 proj, 4 fc, 8 MLP proj), head_stages, programs (the grid;
+default one per SM); PersistentDecodeStep's
 defaults otherwise. The end-to-end comparison with the compiled CUDA-graph step is
 `scripts/bench_inference.py --graph-step persistent,compiled`.
 """
@@ -28,16 +29,16 @@ import statistics
 import sys
 
 CONFIG_RE = re.compile(r"^(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:u(\d+))?(?:k(\d+))?(?:q(\d+))?(?:f(\d+))?(?:p(\d+))?"
-                       r"(?:h(\d+))?$")
+                       r"(?:h(\d+))?(?:n(\d+))?$")
 FIELDS = (("w", "num_warps"), ("u", "unroll"), ("k", "key_block"), ("q", "block_rows_qkv"), ("f", "block_rows_fc"),
-          ("p", "preload"), ("h", "head_stages"))
+          ("p", "preload"), ("h", "head_stages"), ("n", "programs"))
 
 
 def parse_config(text: str) -> dict:
     m = CONFIG_RE.match(text.strip())
     if m is None:
         raise ValueError(f"--configs: got {text!r}; accepted: "
-                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES], e.g. 16x512x512w8u10k64q32p1h1")
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES][nPROGRAMS], e.g. 16x512x512w8u10k64q32p1h1n100")
     rows, k, kmlp, *rest = m.groups()
     conf = dict(block_rows=int(rows), block_k=int(k), block_k_mlp=int(kmlp))
     return conf | {name: int(v) for (_, name), v in zip(FIELDS, rest) if v is not None}
@@ -72,7 +73,7 @@ def parse_args(argv=None):
     args.configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
     if not args.configs:
         raise ValueError("--configs: empty; accepted: a comma list of "
-                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK]")
+                         "ROWSxKxKMLP[wWARPS][uUNROLL][kKEYS][qROWS][fROWS][pMASK][hSTAGES][nPROGRAMS]")
     from nanochat.quantize import parse_quantize_list
 
     args.quantize = parse_quantize_list(args.quantize)

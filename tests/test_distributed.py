@@ -88,6 +88,8 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
             result["single"] = run(dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True), 1)
         result["ddp"] = run(rt, world)
         Path(out, f"clip{rank}.json").write_text(json.dumps(result))
+        import torch.distributed as dist
+        dist.barrier()  # no rank tears the group down while the other is still in a collective
     finally:
         destroy_runtime(rt)
 
