@@ -327,8 +327,11 @@ def test_categorical_and_generative_loops(tok, shared_data):
 
     gsm = GSM8K(data_dir=shared_data)
     one = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=1, max_problems=1)
-    two = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=2, max_problems=1)
+    lines = []
+    two = run_generative(FakeEngine(), tok, gsm, "cpu", num_samples=2, max_problems=1, name="GSM8K", log=lines.append)
     assert (one.passed, two.passed) == (0, 1)  # pass@k
+    # chat_eval prints a task's score line after its examples: each example names its task
+    assert lines == ["  GSM8K example 0: 1/2 passed | '#### 17'"], lines
     # one sample of two right: pass@1 is 1/2 whichever sample it was (not 0 for "the first one failed")
     assert two.passed_at == (0.5, 1.0) and (two.pass_at(1), two.pass_at(2)) == (0.5, 1.0)
     with pytest.raises(ValueError, match="pass@3: the evaluation drew 2 sample"):

@@ -140,6 +140,7 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     k < num_samples is the unbiased estimate from all of them, not the luck of the first k."""
     if num_samples < 1:
         raise ValueError(f"--num-samples: got {num_samples}; accepted: >= 1")
+    label = name or getattr(task, "name", type(task).__name__)
     total = 0
     passed_at = [0.0] * num_samples
     limit = engine.max_seq_len
@@ -150,7 +151,7 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         budget = min(max_new_tokens, limit - len(prompt))
         if budget < 1:  # the prompt alone fills the context: counts as a failure, visibly
             if log:
-                log(f"  problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
+                log(f"  {label} problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
             continue
         seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
                                         temperature=temperature, top_k=top_k, seed=seed + i)
@@ -158,14 +159,13 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         correct = sum(bool(task.evaluate(conv, c)) for c in completions)
         for j in range(num_samples):
             passed_at[j] += pass_at_k(num_samples, correct, j + 1)
-        if log and k < 2:
-            log(f"  example {i}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
+        if log and k < 2:  # named: chat_eval prints a task's score line only after its examples
+            log(f"  {label} example {i}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
     import torch
 
     # float64 sums: the estimates are fractions, and float32 would round counts past 2^24
     *passed_at, total = _all_reduce_counts([*passed_at, float(total)], device, dtype=torch.float64)
-    return TaskResult(name or getattr(task, "name", type(task).__name__), round(passed_at[-1]), round(total),
-                      tuple(passed_at))
+    return TaskResult(label, round(passed_at[-1]), round(total), tuple(passed_at))
 
 
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
