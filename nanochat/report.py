@@ -5,23 +5,24 @@ Writers (rank 0 only; other ranks get a no-op report):
     log_metrics("base", {"step": 100, "loss": 3.21, "val_bpb": 0.98, "tok_per_sec": 1.5e5,
                          "memory_gb": 41.2, "elapsed_s": 812.0})
 
-Files under <base_dir>/report/:
-    header.json                 system info + start time, written by `reset`
-    sections/<slug>.json        a section's entries, in logging order ({"time", "data"} each)
-    metrics_<stage>.jsonl       one JSON object per line (log_metrics adds "time" when absent)
-    plots/*.png, report.md      written by `generate`
+Files under <base_dir>/report/: header.json (system info + start time, by `reset`),
+sections/<slug>.json (a section's entries in logging order, {"time", "t", "data"} each),
+metrics_<stage>.jsonl (one JSON object per line; "time" added when absent), plots/*.png and
+report.md (by `generate`). `python -m nanochat.report reset` clears the report and starts a new one.
 
-`python -m nanochat.report generate [--hourly-cost USD]` builds report.md: environment, a summary
-table (CORE, ARC, MMLU, GSM8K, HumanEval, SpellingBee, ChatCORE per stage base/mid/sft/rl), time
-and cost, PNG plots (loss and val bpb vs step and wall clock, tok/s, memory), then every section.
-`python -m nanochat.report reset` clears the report and starts a new one.
+`python -m nanochat.report generate [--hourly-cost USD]` writes: environment; a summary table per
+stage base/mid/sft/rl (val bpb, each stage's own final val bpb, CORE, ARC, MMLU, GSM8K, HumanEval,
+SpellingBee, ChatCORE); time and cost (training stages and evaluations); plots (loss and val bpb vs
+step and wall clock, tok/s, memory); every section in pipeline order (stage, training before its
+evaluations, then time), the precision plan's fields grouped under `precision`.
 
 Summary values are read from section data: a "stage" key (else the stage named in the section
 title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy");
 the latest entry wins. A value logged before the latest training run of its stage (or of an earlier
 stage: a section with "final_step") is marked "(stale)", a CORE/ChatCORE of a subset of the tasks
-("<row> complete": false) "(partial)". Plots and the time table show each stage's current run: rows
-of an earlier run of the stage, or of steps a resumed run redid, are left out (and counted).
+("<row> complete": false) "(partial)" (it does not replace a complete, current one). Plots and the
+time table show each stage's current run: rows of an earlier run of the stage, or of steps a
+resumed run redid, are left out (and counted).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
 one line, exit 2); metrics lines that are not JSON objects (a torn write) are skipped.
 """
@@ -44,9 +45,13 @@ from pathlib import Path
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
+from nanochat.report_md import _entries_md, _hms
 
 STAGES = ("base", "mid", "sft", "rl")
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
+    # base_eval's bpb on the pretraining val split (of any stage's checkpoint: comparable); training
+    # sections' own last val bpb (mid/SFT on their conversation mixtures: not comparable)
+    "val bpb": ("val_bpb",), "val bpb (own data)": ("final_val_bpb",),
     "CORE": ("CORE", "CORE metric", "core_metric"),
     "ARC-Easy": ("ARC-Easy",), "ARC-Challenge": ("ARC-Challenge",), "MMLU": ("MMLU",),
     "GSM8K": ("GSM8K",), "HumanEval": ("HumanEval",), "SpellingBee": ("SpellingBee",),
@@ -66,6 +71,10 @@ PLOTS = (  # (y metric, x metric, file name, title)
     ("memory_gb", "step", "memory.png", "peak memory (GB)"),
 )
 NOTES = {
+    "val bpb": "- val bpb: base_eval's bits per byte on the pretraining validation text, comparable across stages",
+    "val bpb (own data)": "- val bpb (own data): each training stage's last validation, on its own data (base: "
+                         "pretraining text; mid: held-out conversations of its mixture; SFT: the assistant tokens of "
+                         "held-out conversations), so not comparable across stages or with the row above",
     "stale": "- (stale): logged before the latest training run of this stage or an earlier one, so it may "
              "describe an older model: rerun the evaluation",
     "partial": "- (partial): computed from a subset of the tasks, not comparable with a complete score",
@@ -118,10 +127,17 @@ def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _stage_rank(stage: str | None) -> int:
+    """Pipeline position (base < mid < sft < rl), other stages after them."""
+    return STAGES.index(stage) if stage in STAGES else len(STAGES)
+
+
 def read_metrics(base_dir=None) -> dict[str, list[dict]]:
-    """stage -> rows of every metrics_<stage>.jsonl (unparseable lines, e.g. a torn write, skipped)."""
+    """stage -> rows of every metrics_<stage>.jsonl, in pipeline order (by file name, rl came before
+    sft in the time table and the plots' legends); unparseable lines (a torn write) skipped."""
     out = {}
-    for path in sorted(report_dir(base_dir).glob("metrics_*.jsonl")):
+    paths = report_dir(base_dir).glob("metrics_*.jsonl")
+    for path in sorted(paths, key=lambda p: (_stage_rank(p.stem[len("metrics_"):]), p.name)):
         rows = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
@@ -208,9 +224,7 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
         for stage, (xs, ys) in series.items():
             xs_plot = [v / 60 for v in xs] if x == "elapsed_s" else xs
             ax.plot(xs_plot, ys, label=stage, marker="." if len(xs) < 50 else None)
-        ax.set_xlabel("wall clock (min)" if x == "elapsed_s" else "step")
-        ax.set_ylabel(y)
-        ax.set_title(title)
+        ax.set(xlabel="wall clock (min)" if x == "elapsed_s" else "step", ylabel=y, title=title)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -221,15 +235,8 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
 
 def system_info() -> dict:
     """Git sha, versions, device, CPU and memory (called by reset/generate, never at import)."""
-    info = {"python": platform.python_version(), "platform": platform.platform()}
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10)
-        info["git_sha"] = sha.stdout.strip() or "unknown (no commits)"
-        info["git_dirty"] = bool(dirty.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        info["git_sha"] = "unknown (git not available)"
+    info = {"python": platform.python_version(), "platform": platform.platform(),
+            **git_info(Path(__file__).resolve().parents[1])}
     import torch
 
     info["torch"] = torch.__version__
@@ -251,6 +258,20 @@ def system_info() -> dict:
     return info
 
 
+def git_info(repo: Path) -> dict:
+    """git_sha, git_dirty and what makes it dirty (git_changes: the first files' porcelain status;
+    untracked files count): a bare `git_dirty: True` left the reader guessing whether it mattered."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"git_sha": "unknown (git not available)"}
+    changes = [line.strip() for line in dirty.stdout.splitlines() if line.strip()]
+    more = f", and {len(changes) - 5} more" if len(changes) > 5 else ""
+    return {"git_sha": sha.stdout.strip() or "unknown (no commits)", "git_dirty": bool(changes),
+            **({"git_changes": f"{len(changes)} file(s): {', '.join(changes[:5])}{more}"} if changes else {})}
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -266,46 +287,6 @@ def _slug(section: str) -> str:
     if not slug:
         raise ValueError(f"section: got {section!r}; accepted: a title with letters or digits")
     return slug
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:,.0f}"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10000:
-        return f"{value:,}"
-    return str(value)
-
-
-def _md_item(pad: str, head: str, value) -> list[str]:
-    """One list item `- head value`. A multi-line string (a generated sample) becomes a fenced block
-    inside the item: its lines as written, where raw they would be joined into one paragraph or
-    end the list ("# ..." a heading, "---" a rule, "| a |" a table)."""
-    if not (isinstance(value, str) and ("\n" in value or "\r" in value)):
-        return [f"{pad}- {head}{_fmt(value)}"]
-    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", value)), default=0))
-    inner = pad + "  "
-    lines = value.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    opening = [f"{pad}- {head.rstrip()}", f"{inner}{fence}text"] if head else [f"{pad}- {fence}text"]
-    return opening + [f"{inner}{line}" if line else "" for line in lines] + [f"{inner}{fence}"]
-
-
-def _md_data(data, indent: int = 0) -> list[str]:
-    pad = "  " * indent
-    if isinstance(data, dict):
-        lines = []
-        for k, v in data.items():
-            if isinstance(v, (dict, list)) and v:
-                lines.append(f"{pad}- {k}:")
-                lines += _md_data(v, indent + 1)
-            else:
-                lines += _md_item(pad, f"{k}: ", v)
-        return lines
-    if isinstance(data, list):
-        lines = []
-        for v in data:
-            lines += _md_data(v, indent) if isinstance(v, dict) else _md_item(pad, "", v)
-        return lines
-    return [f"{pad}{data}"]
 
 
 def _stage_of(section: str, data: dict) -> str | None:
@@ -395,9 +376,9 @@ class Report:
         _write_text(self.dir / "header.json", json.dumps(header, indent=1))
 
     def sections(self) -> list[dict]:
+        """Every section in pipeline order (see _section_key)."""
         docs = [_read_json(p, "section", _valid_section) for p in sorted((self.dir / "sections").glob("*.json"))]
-        # logging order: by the time of each section's first entry, then title
-        return sorted(docs, key=lambda d: (d["entries"][0].get("t", 0.0) if d["entries"] else 0.0, d["section"]))
+        return sorted(docs, key=_section_key)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """metric -> stage -> value (the latest entry wins). Evaluations of quantised weights
@@ -432,7 +413,9 @@ class Report:
                     if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
                         notes = (["stale"] if any(t < tt for tt in upstream) else []) + \
                             (["partial"] if data.get(f"{row} complete") is False else [])
-                        table[row][stage] = (float(data[key]), notes)
+                        # a partial score (one task evaluated again) keeps a complete, current one
+                        if notes != ["partial"] or table[row].get(stage, (0, ["partial"]))[1]:
+                            table[row][stage] = (float(data[key]), notes)
         return table
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
@@ -448,17 +431,18 @@ class Report:
         plots = make_plots(metrics, self.dir / "plots") if metrics else []
         lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
                  + (f"; run started {header['start']}" if "start" in header else ""), "", "## Environment", ""]
+        if "start" not in header:
+            lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
-        lines += self._summary_lines() + self._time_and_cost(metrics, header, hourly_cost)
+        sections = self.sections()
+        lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost)
         if superseded:
             lines += [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
                       "redid) left out of the plots and this table" for stage, n in superseded.items()] + [""]
         if plots:
             lines += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
-        for doc in self.sections():
-            lines += [f"## {doc['section']}", ""]
-            for entry in doc["entries"]:
-                lines += [f"_{entry['time']}_", "", *_md_data(entry["data"]), ""]
+        for doc in sections:
+            lines += [f"## {doc['section']}", "", *_entries_md(doc["entries"])]
         path = self.dir / "report.md"
         _write_text(path, "\n".join(lines) + "\n")
         return path
@@ -467,45 +451,87 @@ class Report:
         """The summary table, each value with its notes ("0.3100 (stale)"), and what they mean."""
         lines = ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
                  "|---|" + "---|" * len(STAGES)]
-        noted = set()
+        noted = set()   # what the notes under the table explain: a row (its data) or a value's note
         for row, cells in self.summary_cells().items():
-            shown = []
-            for s in STAGES:
-                value, notes = cells.get(s, (None, []))
-                shown.append("-" if value is None else " ".join([f"{value:.4f}", *(f"({n})" for n in notes)]))
-                noted.update(notes)
+            shown = ["-" if s not in cells else " ".join([f"{cells[s][0]:.4f}", *(f"({n})" for n in cells[s][1])])
+                     for s in STAGES]
+            noted.update([n for _, notes in cells.values() for n in notes] + ([row] if cells and row in NOTES else []))
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
-        return lines + [""] + [NOTES[n] for n in ("stale", "partial") if n in noted] + ([""] if noted else [])
+        return lines + [""] + [NOTES[n] for n in NOTES if n in noted] + ([""] if noted else [])
 
-    def _time_and_cost(self, metrics: dict[str, list[dict]], header: dict, hourly_cost: float | None) -> list[str]:
-        lines = ["## Time and cost", "", "| Stage | steps | wall clock (h) |", "|---|---|---|"]
-        total = 0.0
-        for stage, rows in metrics.items():
-            xs, _ = _series(rows, "step", "elapsed_s")
-            seconds = max(xs) if xs else 0.0
-            steps = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=0)
-            total += seconds
-            lines.append(f"| {stage} | {steps} | {seconds / 3600:.3f} |")
-        lines.append(f"| total | | {total / 3600:.3f} |")
-        lines.append("")
-        if "start_time" in header:
-            lines.append(f"- wall clock since `reset`: {(time.time() - header['start_time']) / 3600:.3f} h")
-        if hourly_cost is not None:
-            lines.append(f"- estimated cost: ${total / 3600 * hourly_cost:.2f} at ${hourly_cost:.2f}/h (logged stages)")
-        return lines + [""]
+
+def _section_key(doc: dict) -> tuple:
+    """Pipeline order: stage (sections of none first: tokenizer), a stage's training before its
+    evaluations, then first-entry time (time alone put a chat_eval of mid run late after SFT)."""
+    entries = doc["entries"]
+    first = entries[0]["data"] if entries and isinstance(entries[0]["data"], dict) else {}
+    stage = _stage_of(doc["section"], first)
+    trained = any(isinstance(e["data"], dict) and "final_step" in e["data"] for e in entries)
+    return (-1 if stage is None else _stage_rank(stage), not trained,
+            _entry_time(entries[0]) if entries else 0.0, doc["section"])
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None]]:
+    """(label, steps, seconds or None: not logged): each stage's current run, then its evaluations
+    (a section's latest entry; base_eval logs "seconds"): without them the cost fell short."""
+    rows = []
+    for stage, stage_rows in metrics.items():
+        xs, _ = _series(stage_rows, "step", "elapsed_s")
+        # steps done: a training row's step is the one it trained (0-based), an evaluation's the count
+        steps = max((r["step"] + (_get(r, "loss") is not None) for r in stage_rows if _num(r.get("step"))), default=0)
+        rows.append(((_stage_rank(stage), 0), stage, str(steps), max(xs) if xs else 0.0))
+    for doc in sections:
+        data = doc["entries"][-1]["data"] if doc["entries"] else None
+        if isinstance(data, dict) and "final_step" not in data and _stage_of(doc["section"], data) is not None \
+                and ("seconds" in data or "evaluation" in doc["section"].lower()):
+            seconds = float(data["seconds"]) if _num(data.get("seconds")) else None
+            rows.append(((_stage_rank(_stage_of(doc["section"], data)), 1), doc["section"], "", seconds))
+    return [r[1:] for r in sorted(rows, key=lambda r: r[0])]   # stable: sections are in pipeline order
+
+
+def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict) -> tuple[float, str] | None:
+    """(seconds, since what): from `reset` (else the first stage's start: its first metrics row's time
+    less elapsed_s) to the last logged entry (not to `generate`: that grew while nobody ran it)."""
+    ends = [t for d in sections for t in map(_entry_time, d["entries"]) if t > 0]
+    ends += [r["time"] for rows in metrics.values() for r in rows if _num(r.get("time"))]
+    starts = [r["time"] - (_get(r, "elapsed_s") or 0.0) for rows in metrics.values() for r in rows[:1]
+              if _num(r.get("time"))]
+    if _num(header.get("start_time")):
+        return (max(ends) - header["start_time"], "`reset`") if ends else None
+    return (max(ends) - min(starts), "the first training stage's start") if ends and starts else None
+
+
+def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header: dict,
+                   hourly_cost: float | None) -> list[str]:
+    rows, span = _time_rows(metrics, sections), _run_span(metrics, sections, header)
+    total = sum(seconds for *_, seconds in rows if seconds is not None)
+    lines = ["## Time and cost", "", "| Stage | steps | wall clock |", "|---|---|---|",
+             *(f"| {label} | {steps} | {'not logged' if s is None else _hms(s)} |" for label, steps, s in rows),
+             f"| total | | {_hms(total)} |", ""]
+    untimed = [label for label, _, seconds in rows if seconds is None]
+    if untimed:
+        lines.append(f"- not in the total (their time was not logged): {', '.join(untimed)}")
+    if span is not None:
+        lines.append(f"- wall clock of the whole run, from {span[1]} to the last logged entry: {_hms(span[0])} "
+                     "(with start-up, compilation and the gaps between stages)")
+    if hourly_cost is not None:
+        whole = f", ${span[0] / 3600 * hourly_cost:.2f} for the whole run" if span is not None else ""
+        lines.append(f"- estimated cost at ${hourly_cost:.2f}/h: ${total / 3600 * hourly_cost:.2f} for the "
+                     f"table's total{whole}")
+    return lines + [""]
 
 
 class DummyReport:
-    """What non-master ranks get: every method is a no-op."""
+    """What non-master ranks get: log, reset and generate are no-ops."""
 
     def log(self, *args, **kwargs):
         return None
 
-    def reset(self, *args, **kwargs):
-        return None
-
-    def generate(self, *args, **kwargs):
-        return None
+    reset = generate = log
 
 
 def get_report(base_dir=None) -> Report | DummyReport:

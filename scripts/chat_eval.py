@@ -179,7 +179,8 @@ def main(argv=None) -> dict:
             section = {"stage": cfg.source, "model_tag": tag, "step": out["step"],   # resolved, as base_eval's
                        "temperature": cfg.temperature, "num_samples": cfg.num_samples,
                        "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
-                       "ChatCORE complete": complete, **({"weights": cfg.quantize} if suffix else {})}
+                       "ChatCORE complete": complete, "seconds": round(sum(r["seconds"] for r in results.values()), 1),
+                       **({"weights": cfg.quantize} if suffix else {})}
             get_report().log(f"Chat evaluation {cfg.source}" + (f" ({cfg.quantize} weights)" if suffix else ""), section)
         return out
     finally:

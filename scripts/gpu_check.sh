@@ -425,6 +425,7 @@ if has d12run; then
   # d12 on the docs corpus (seq 2048, dbs 32, 2**19 tokens/step; ~1 s/step on an H100), then the chat
   # stages on the offline conversation/eval files (train on test files minus the first 500 problems;
   # chat_eval scores only those first problems). CORE needs the full eval folder: not carried here.
+  step d12_report_reset 30 $PY -m nanochat.report reset  # this run's environment and start; no earlier sections
   step d12_base 600 $PY -m scripts.base_train --depth 12 --device-batch-size 32 --total-batch-size 524288 \
        --num-iterations ${D12_ITERS:-150} --eval-every 40 --eval-tokens 2097152 --sample-every -1 --kernel triton \
        --model-tag d12 --wandb off

@@ -66,14 +66,16 @@ def test_generate_with_plots_and_summary(base):
     assert set(table[1]) == {"---"}
     assert all(len(r) == 5 for r in table)
     rows = {r[0]: r[1:] for r in table[2:]}
-    assert list(rows) == ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
+    assert list(rows) == ["val bpb", "val bpb (own data)", "CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K",
+                          "HumanEval", "SpellingBee", "ChatCORE"]
+    assert rows["val bpb"] == ["1.3000", "-", "-", "-"] and rows["val bpb (own data)"] == ["-"] * 4
     assert rows["CORE"] == ["0.1234", "-", "-", "-"]
     assert rows["ARC-Easy"] == ["-", "0.3000", "0.3100", "-"]  # arc_easy (a CORE subtask) is not ARC-Easy
     assert rows["ChatCORE"] == ["-", "-", "0.0500", "-"]
     timing = parse_table(text.splitlines(), "| Stage |")
     stages = {r[0]: r for r in timing[2:]}
-    assert stages["base"][1] == "190" and float(stages["base"][2]) == pytest.approx(380 / 3600, abs=1e-3)
-    assert "estimated cost: $" in text
+    assert stages["base"][1] == "191" and stages["base"][2] == "0:06:20"
+    assert "- estimated cost at $3.00/h: $0.35 for the table's total" in text   # 380 s of base + 35 of sft
     for key in ("git_sha", "torch", "device", "cpu", "memory_gb"):
         assert f"- {key}: " in text
     assert "## Base model training" in text and "- num_params: 123,456" in text
@@ -201,7 +203,7 @@ def test_a_rerun_or_resumed_stage_replaces_the_old_runs_rows(base):
     assert report_mod._series(rows, "val_bpb", "step") == ([0.0, 3.0], [1.5, 1.5])   # step 3's eval kept
     text = rep.generate().read_text()
     stages = {r[0]: r for r in parse_table(text.splitlines(), "| Stage |")[2:]}
-    assert stages["sft"][1] == "7" and float(stages["sft"][2]) == pytest.approx(7 / 3600, abs=1e-3)
+    assert stages["sft"][1] == "8" and stages["sft"][2] == "0:00:07"
     assert "- sft: 25 metrics rows of an earlier run" in text
 
 
@@ -295,7 +297,8 @@ def test_multiline_strings_stay_inside_their_item(base):
     assert body[i - 1] == "- samples:" and body[i + 1:i + 8] == [
         "    The king said:", "    # not a heading", "    ---", "    | not | a table |", "", "    use ``` fences",
         f"    {fence}"]
-    assert "  - one line" in body and body[body.index("- note:") + 1:body.index("- note:") + 5] == \
+    assert body[i + 8:i + 11] == ["  - ```text", "    one line", "    ```"]   # its list looks alike
+    assert body[body.index("- note:") + 1:body.index("- note:") + 5] == \
         ["  ```text", "  a", "  b", "  ```"]
 
 
@@ -308,3 +311,202 @@ def test_non_finite_values_draw_no_empty_chart(base):
     plots = base / "report" / "plots"
     assert (plots / "loss_vs_step.png").is_file() and not (plots / "val_bpb_vs_step.png").exists()
     assert report_mod._series(report_mod.read_metrics()["base"], "loss", "step") == ([0.0, 2.0], [3.0, 2.0])
+
+
+PRECISION_BF16 = {"precision": "bf16", "backend": "none", "recipe": {}, "converted": 0, "kept_high_precision": [],
+                  "peak_key": "bf16", "kernel": "triton", "kernel_fusions": "linear_ce,mix_norm", "patches": []}
+
+
+def gpu_like_run(base, clock):
+    """The sections and metrics the d12 GPU run logged (base 60 -> base_eval -> mid 30 -> SFT 30 ->
+    chat_eval sft), as the scripts log them, on a fake clock (clock[0]: epoch seconds)."""
+    rep = get_report()
+    for stage, steps, dt, bpb in (("base", 60, 2.0, 1.7602), ("mid", 30, 3.5, 1.5682), ("sft", 30, 2.2, 1.5387)):
+        for step in range(steps + 1):
+            clock[0] += dt
+            if step < steps:
+                log_metrics(stage, {"step": step, "loss": 4.0 - step / 100, "elapsed_s": dt * (step + 1)})
+        log_metrics(stage, {"step": steps, "val_bpb": bpb, "elapsed_s": dt * (steps + 1)})
+        clock[0] += 7
+        title = {"base": "Base model training", "mid": "Midtraining", "sft": "Chat SFT"}[stage]
+        rep.log(title, {"stage": stage, "num_iterations": steps, **PRECISION_BF16, "final_val_bpb": bpb,
+                        "val_bpb_step": steps, "min_val_bpb": bpb, "final_step": steps,
+                        "total_time_s": round(dt * (steps + 1) + 7, 2), "final_loss": 3.6,
+                        "config": {"recipe": "v2", "grad_clip": 0.0, "matrix_lr": 0.02, "num_iterations": steps,
+                                   "target_param_data_ratio": 20.0, "resume": None}})
+        if stage == "base":
+            clock[0] += 20
+            rep.log("Base model evaluation", {"stage": "base", "model_tag": "d12", "step": 60, "seconds": 15.0,
+                                              "val_bpb": 1.7458})
+    clock[0] += 54
+    rep.log("Chat evaluation sft", {"stage": "sft", "step": 30, "temperature": 0.0, "ARC-Easy": 0.3, "GSM8K": 0.0,
+                                    "ChatCORE metric": 0.0694, "ChatCORE complete": True})
+    return rep
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    """The report's clock (section entries' "t", metrics rows' "time"), moved by hand; and no plots
+    (these tests read the text; matplotlib took most of their time)."""
+    from types import SimpleNamespace
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(report_mod, "time", SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(report_mod, "make_plots", lambda metrics, out_dir: [])
+    return now
+
+
+def section_body(text: str, title: str) -> list[str]:
+    lines = text.splitlines()
+    start = lines.index(f"## {title}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
+def test_precision_fields_are_grouped_and_an_empty_recipe_left_out(base, clock):
+    """A training section showed the precision plan's `recipe: {}` (bf16 has none) next to config's
+    `recipe: v2` (the optimizer recipe): a reader could not tell what `recipe: {}` meant."""
+    rep = gpu_like_run(base, clock)
+    rep.log("Base model training", {"stage": "base", "final_step": 10, "precision": "fp8", "backend": "te",
+                                    "recipe": {"recipe": "Float8CurrentScaling", "fp8_format": "HYBRID"},
+                                    "converted": 72, "kept_high_precision": ["lm_head"], "peak_key": "fp8",
+                                    "startup_rel_err": 0.0123, "config": {"recipe": "v2"}})
+    body = section_body(rep.generate().read_text(), "Base model training")
+    first = body[:body.index("- final_val_bpb: 1.7602") + 1]
+    assert "- precision: bf16 (backend none)" in first and "- kernel: triton" in first
+    assert not any(ln.lstrip().startswith(("- recipe: {}", "- converted:", "- kept_high_precision:", "- backend:",
+                                           "- peak_key:")) for ln in first)
+    assert body.count("  - recipe: v2") == 2   # config's, in both runs
+    fp8 = body[body.index("- precision: fp8 (backend te)"):]
+    assert fp8[1:6] == ["  - recipe: recipe=Float8CurrentScaling, fp8_format=HYBRID", "  - converted: 72",
+                        "  - kept_high_precision:", "    - lm_head", "  - startup_rel_err: 0.0123"]
+    logged = rep.sections()[0]["entries"][0]["data"]   # the logged data keeps describe()'s flat keys
+    assert logged["recipe"] == {} and logged["backend"] == "none" and logged["peak_key"] == "bf16"
+
+
+def test_summary_has_val_bpb_rows_without_core(base, clock):
+    """Without CORE (it needs the eval bundle) the summary's BASE column was all "-", though base_eval
+    measured val bpb and every training stage logged its final val bpb."""
+    text = gpu_like_run(base, clock).generate().read_text()
+    rows = {r[0]: r[1:] for r in parse_table(text.splitlines(), "| Metric |")[2:]}
+    assert rows["val bpb"] == ["1.7458", "-", "-", "-"]
+    assert rows["val bpb (own data)"] == ["1.7602", "1.5682", "1.5387", "-"]
+    assert rows["CORE"] == ["-"] * 4 and rows["ChatCORE"] == ["-", "-", "0.0694", "-"]
+    assert "- val bpb (own data): each training stage's last validation, on its own data" in text
+    assert "not comparable across stages or with the row above" in text
+
+
+def test_numbers_are_formatted_for_reading(base, clock):
+    """Every float had 4 decimals (`seconds: 15.0000`, `grad_clip: 0.0000`, a 3e-5 learning rate as
+    0.0000), and a list of dicts ran their keys together into one list."""
+    from nanochat.report_md import _fmt as fmt
+
+    assert [fmt(v) for v in (15.0, 129.63, 0.0, 20.0, 0.02, 1.76018, 3e-5, 0.00412, -0.5, 627077.86)] == \
+        ["15.0", "129.63", "0.0", "20.0", "0.02", "1.7602", "3e-05", "0.00412", "-0.5", "627,078"]
+    assert [fmt(v) for v in (6844, 524288, True, None, math.nan)] == ["6844", "524,288", "True", "None", "nan"]
+    rep = gpu_like_run(base, clock)
+    rep.log("Midtraining", {"stage": "mid", "mixture": {"extra_conversations": [
+        {"path": "a.jsonl", "conversations": 12}, {"path": "b.jsonl", "conversations": 30000}]}})
+    text = rep.generate().read_text()
+    for line in ("- seconds: 15.0", "- total_time_s: 129.0", "  - grad_clip: 0.0", "  - matrix_lr: 0.02",
+                 "  - target_param_data_ratio: 20.0", "- temperature: 0.0", "- ChatCORE metric: 0.0694",
+                 "    - path: a.jsonl, conversations: 12", "    - path: b.jsonl, conversations: 30,000"):
+        assert line in text.splitlines(), line
+
+
+def test_sections_are_in_pipeline_order(base, clock):
+    """Sections came in logging order: a chat_eval of mid run after SFT, or a CORE evaluation run at
+    the end, landed after the stages that follow them."""
+    rep = get_report()
+    for title, data in (("Chat SFT", {"stage": "sft", "final_step": 3}), ("Chat RL", {"stage": "rl", "final_step": 2}),
+                        ("Chat evaluation mid", {"stage": "mid", "MMLU": 0.3}),
+                        ("Midtraining", {"stage": "mid", "final_step": 5}),
+                        ("Base model evaluation", {"stage": "base", "CORE metric": 0.2}),
+                        ("Base model training", {"stage": "base", "final_step": 9}), ("Tokenizer", {"vocab": 10})):
+        clock[0] += 1
+        rep.log(title, data)
+    heads = [ln[3:] for ln in rep.generate().read_text().splitlines() if ln.startswith("## ")]
+    assert heads[heads.index("Time and cost") + 1:] == [
+        "Tokenizer", "Base model training", "Base model evaluation", "Midtraining", "Chat evaluation mid",
+        "Chat SFT", "Chat RL"]
+
+
+def test_time_table_has_evaluations_rl_after_sft_and_the_whole_run(base, clock):
+    """The time table left evaluations out (the cost fell short), listed rl before sft (file-name
+    order, also the plots' legends), and measured "since reset" up to `generate`."""
+    rep = gpu_like_run(base, clock)
+    for step in range(5):
+        clock[0] += 10
+        log_metrics("rl", {"step": step, "loss": 0.1, "elapsed_s": 10.0 * (step + 1)})
+    rep.log("Chat RL", {"stage": "rl", "final_step": 5, "final_val_bpb": None})
+    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.05, "ChatCORE metric": 0.01})
+    clock[0] += 86400   # generated a day later
+    text = rep.generate(hourly_cost=3.6).read_text()
+    rows = parse_table(text.splitlines(), "| Stage |")[2:]
+    assert rows == [["base", "60", "0:02:02"], ["Base model evaluation", "", "0:00:15"], ["mid", "30", "0:01:48"],
+                    ["sft", "30", "0:01:08"], ["Chat evaluation sft", "", "not logged"], ["rl", "5", "0:00:50"],
+                    ["Chat evaluation rl", "", "not logged"], ["total", "", "0:06:04"]]
+    assert "- not in the total (their time was not logged): Chat evaluation sft, Chat evaluation rl" in text
+    # 129 + 20 + 115.5 + 75.2 + 54 + 50 s: from the first stage's start to the RL evaluation
+    assert "from the first training stage's start to the last logged entry: 0:07:24" in text
+    assert "- estimated cost at $3.60/h: $0.36 for the table's total, $0.44 for the whole run" in text
+    summary = {r[0]: r[1:] for r in parse_table(text.splitlines(), "| Metric |")[2:]}
+    assert summary["GSM8K"] == ["-", "-", "0.0000", "0.0500"] and summary["val bpb (own data)"][3] == "-"
+    assert list(report_mod.read_metrics()) == ["base", "mid", "sft", "rl"]
+    clock[0] = 1_700_000_000.0
+    rep.reset()   # the whole run from `reset`: to its last entry, not to `generate` an hour later
+    clock[0] += 100
+    rep.log("Base model evaluation", {"stage": "base", "seconds": 40.0})
+    clock[0] += 3600
+    assert "from `reset` to the last logged entry: 0:01:40" in rep.generate().read_text()
+
+
+def test_runs_of_a_stage_say_which_is_current_and_what_changed(base, clock):
+    """A stage run twice (or resumed) showed two full entries alike: which one the summary, plots and
+    time table describe, and what differed, was left to the reader."""
+    rep = gpu_like_run(base, clock)
+    clock[0] += 100
+    rep.log("Midtraining", {"stage": "mid", "final_step": 60, "final_val_bpb": 1.5,
+                            "config": {"recipe": "v2", "grad_clip": 0.0, "matrix_lr": 0.03, "num_iterations": 60,
+                                       "target_param_data_ratio": 20.0, "resume": 30}})
+    body = section_body(rep.generate().read_text(), "Midtraining")
+    notes = [ln for ln in body if ln.startswith("Run ")]
+    assert notes == ["Run 1 of 2 of this stage: superseded by the latest below (the summary, plots and time table "
+                     "describe that one).",
+                     "Run 2 of 2 of this stage (the latest); flags changed since run 1: `matrix_lr` 0.02 -> 0.03, "
+                     "`num_iterations` 30 -> 60, `resume` None -> 30."]
+    assert body.index(notes[0]) < body.index("- final_val_bpb: 1.5682") < body.index(notes[1])
+
+
+def test_git_info_names_what_makes_the_tree_dirty(tmp_path):
+    """`git_dirty: True` alone left the reader guessing what differed from the recorded sha."""
+    import shutil
+    import subprocess
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    subprocess.run([*git, "add", "."], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=tmp_path, check=True)
+    clean = report_mod.git_info(tmp_path)
+    assert clean["git_dirty"] is False and "git_changes" not in clean and len(clean["git_sha"]) == 40
+    (tmp_path / "a.py").write_text("x = 2\n")
+    for i in range(6):
+        (tmp_path / f"new{i}.txt").write_text("")
+    info = report_mod.git_info(tmp_path)
+    assert info["git_dirty"] is True
+    assert info["git_changes"] == "7 file(s): M a.py, ?? new0.txt, ?? new1.txt, ?? new2.txt, ?? new3.txt, and 2 more"
+
+
+def test_a_partial_score_keeps_the_complete_current_one(base, clock):
+    """chat_eval -a GSM8K after a full chat_eval of the same model replaced its ChatCORE with the
+    one-task "ChatCORE (partial)" of the second run."""
+    rep = gpu_like_run(base, clock)
+    rep.log("Chat evaluation sft", {"stage": "sft", "GSM8K": 0.1, "ChatCORE metric": 0.0, "ChatCORE complete": False})
+    cells = rep.summary_cells()
+    assert cells["ChatCORE"]["sft"] == (0.0694, []) and cells["GSM8K"]["sft"] == (0.1, [])
+    clock[0] += 1
+    rep.log("Chat SFT", {"stage": "sft", "final_step": 30})   # retrained: the complete score is stale now
+    rep.log("Chat evaluation sft", {"stage": "sft", "ChatCORE metric": 0.02, "ChatCORE complete": False})
+    assert rep.summary_cells()["ChatCORE"]["sft"] == (0.02, ["partial"])

@@ -1,0 +1,119 @@
+"""Markdown rendering of the report's section entries (nanochat/report.py owns the files, the
+summary and the time table): values formatted for reading, nested data as lists, multi-line samples
+fenced, the precision plan's fields grouped under `precision`, and the runs of a stage labelled."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import namedtuple
+
+
+def _fmt(value) -> str:
+    """A value as shown: floats to 4 decimals less trailing zeros (15.0, 0.02, 1.7602: "15.0000" and,
+    for a small learning rate, "0.0000" said nothing), 3 digits below 0.01, separators from 10,000."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return str(value)
+    if abs(value) >= 1e4:
+        return f"{value:,.0f}" if isinstance(value, float) else f"{value:,}"
+    if isinstance(value, int) or value == 0:
+        return str(value)
+    if abs(value) < 0.01:
+        return f"{value:.3g}"
+    text = f"{value:.4f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
+def _multiline(value) -> bool:
+    return isinstance(value, str) and ("\n" in value or "\r" in value)
+
+
+_Head = namedtuple("_Head", "value items")   # an item with a value and items under it: `- precision: bf16`
+
+
+def _md_item(pad: str, head: str, value, fence: bool = False) -> list[str]:
+    """One list item `- head value`. A multi-line string (a generated sample; or any string with
+    fence=True: a list of samples looks alike) becomes a fenced block inside the item: its lines as
+    written, where raw they would be joined into one paragraph or end the list ("# ..." a heading,
+    "---" a rule, "| a |" a table)."""
+    if not (_multiline(value) or (fence and isinstance(value, str))):
+        return [f"{pad}- {head}{_fmt(value)}"]
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", value)), default=0))
+    inner = pad + "  "
+    lines = value.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    opening = [f"{pad}- {head.rstrip()}", f"{inner}{fence}text"] if head else [f"{pad}- {fence}text"]
+    return opening + [f"{inner}{line}" if line else "" for line in lines] + [f"{inner}{fence}"]
+
+
+def _md_data(data, indent: int = 0) -> list[str]:
+    pad, lines = "  " * indent, []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if isinstance(v, _Head):
+                lines += _md_item(pad, f"{k}: ", v.value) + _md_data(v.items, indent + 1)
+            elif isinstance(v, (dict, list)) and v:
+                lines += [f"{pad}- {k}:", *_md_data(v, indent + 1)]
+            else:
+                lines += _md_item(pad, f"{k}: ", v)
+        return lines
+    if not isinstance(data, list):
+        return [f"{pad}{data}"]
+    fence = any(_multiline(v) for v in data)   # one sample fenced, the next one not, looked broken
+    for i, v in enumerate(data):
+        if isinstance(v, dict) and v and not any(isinstance(x, (dict, list)) or _multiline(x) for x in v.values()):
+            lines.append(f"{pad}- " + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()))   # keys ran together
+        elif isinstance(v, (dict, list)) and v:
+            lines += [f"{pad}- [{i}]:", *_md_data(v, indent + 1)]
+        else:
+            lines += _md_item(pad, "", v, fence)
+    return lines
+
+
+# PrecisionPlan.describe() keys (+ apply_precision's), logged flat in a training section
+PRECISION_KEYS = ("backend", "recipe", "converted", "kept_high_precision", "peak_key", "startup_rel_err",
+                  "fp8_wgrad")
+
+
+def _present(data):
+    """A training entry as shown: the precision plan's fields (flat in the data: checkpoints and tests
+    read them there) under `precision: <p> (backend <b>)`, so its recipe is not taken for config's
+    optimizer recipe ("recipe: {}" sat next to "recipe: v2"); empty ones, nothing converted with no
+    backend, and a peak_key that is the precision itself are left out."""
+    if not (isinstance(data, dict) and "final_step" in data and isinstance(data.get("precision"), str)
+            and "backend" in data and "peak_key" in data):
+        return data
+    details = {k: data[k] for k in PRECISION_KEYS[1:] if k in data and data[k] not in ({}, [], None, "")}
+    if isinstance(details.get("recipe"), dict):
+        details["recipe"] = ", ".join(f"{k}={_fmt(v)}" for k, v in details["recipe"].items())
+    if data["backend"] == "none" and data.get("converted") == 0:
+        details.pop("converted")
+    if data["peak_key"] == data["precision"]:
+        details.pop("peak_key")
+    return {k: _Head(f"{v} (backend {data['backend']})", details) if k == "precision" else v
+            for k, v in data.items() if k not in PRECISION_KEYS}
+
+
+def _entries_md(entries: list[dict]) -> list[str]:
+    """A section's entries, oldest first; runs of a training stage say which one the summary, plots
+    and time table describe (the latest) and what flags changed (two full entries looked alike)."""
+    runs = [i for i, e in enumerate(entries) if isinstance(e["data"], dict) and "final_step" in e["data"]]
+    lines = []
+    for i, entry in enumerate(entries):
+        lines += [f"_{entry['time']}_", ""]
+        if len(runs) > 1 and i in runs[:-1]:
+            lines += [f"Run {runs.index(i) + 1} of {len(runs)} of this stage: superseded by the latest below "
+                      "(the summary, plots and time table describe that one).", ""]
+        elif len(runs) > 1 and i == runs[-1]:
+            old, new = entries[runs[-2]]["data"].get("config"), entry["data"].get("config")
+            changes = "unknown (no config logged)" if not (isinstance(old, dict) and isinstance(new, dict)) else \
+                ", ".join(f"`{k}` {_fmt(old.get(k, 'unset'))} -> {_fmt(new.get(k, 'unset'))}"
+                          for k in {**old, **new} if old.get(k, "unset") != new.get(k, "unset")) or "none"
+            lines += [f"Run {len(runs)} of {len(runs)} of this stage (the latest); flags changed since run "
+                      f"{len(runs) - 1}: {changes}.", ""]
+        lines += [*_md_data(_present(entry["data"])), ""]
+    return lines
+
+
+def _hms(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
