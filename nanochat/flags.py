@@ -1,8 +1,9 @@
 """Command-line flags shared by every script: `FlagParser` (argparse that raises instead of
 exiting and accepts `--under_score` spellings) and the validation primitives `require`,
 `require_int`, `require_float`, which raise RequestError('--flag: got X; accepted: ...'); and a
-script's `__main__` (`script_main`, `run_cli`): a user error prints one line and exits 2. Nothing
-here imports torch, so a bad flag is reported before the seconds torch takes to import."""
+script's `__main__` (`script_main`, `run_cli`): a user error prints one line and exits 2, a Ctrl-C
+one line too (exit 130, by SIGINT). Nothing here imports torch, so a bad flag is reported before
+the seconds torch takes to import."""
 
 from __future__ import annotations
 
@@ -119,23 +120,71 @@ def script_main(name: str, check, run) -> None:
     line (any ValueError there is a bad flag), then run() does the work (a RequestError there is a
     request that this machine or its files cannot meet: nanochat/errors.py). Either prints
     `<name>: error: <message>` and exits 2, with no traceback; run()'s int return value is the
-    exit code (anything else: 0)."""
+    exit code (anything else: 0).
+
+    Ctrl-C (a KeyboardInterrupt reaching here: any script's first one, or a training run's second,
+    nanochat/loop.py) prints `<name>: interrupted` instead of a traceback, and the process then
+    ends as Python ends it on an uncaught Ctrl-C: after its normal shutdown (buffered output
+    flushed, atexit handlers run), killed by SIGINT, which a shell reports as exit code 130. Not
+    sys.exit(130): bash carries on with the next command of a script or `a; b` after a child
+    that exited, even with 130, but stops after one that died of SIGINT."""
     try:
-        check()
-    except ValueError as e:
-        _exit_with_error(name, e)
-    try:
-        code = run()
-    except RequestError as e:
-        _exit_with_error(name, e)
-    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+        try:
+            check()
+        except ValueError as e:
+            _exit_with_error(name, e)
+        try:
+            code = run()
+        except RequestError as e:
+            _exit_with_error(name, e)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+    except KeyboardInterrupt as interrupt:
+        _say_interrupted(name, interrupt)
+        raise   # no traceback (_say_interrupted's hook); Python exits by SIGINT
+
+
+_SAID = "_nanochat_said"   # set on an error once _exit_with_error has printed it
 
 
 def _exit_with_error(name: str, error: Exception) -> None:
     # a stop (exit_code set) is the same on every rank: say it once, from rank 0
+    # marked first: a Ctrl-C that lands during the print is handled once it returns (_say_interrupted)
+    setattr(error, _SAID, True)
     if not hasattr(error, "exit_code") or os.environ.get("RANK", "0") == "0":
         print(f"{name}: error: {error}", file=sys.stderr)
     sys.exit(getattr(error, "exit_code", 2))   # 2, or e.g. 143 for a run stopped by SIGTERM
+
+
+def _say_interrupted(name: str, interrupt: KeyboardInterrupt) -> None:
+    """One line for a Ctrl-C, from rank 0 (the terminal sends it to every rank), after what the
+    script printed; and a sys.excepthook that prints nothing for this interrupt, so that it can
+    still end the process the way Python ends an uncaught one (by SIGINT, after the shutdown).
+
+    A training run ends with a stop, a RequestError with an exit_code: StopRequested (a first
+    Ctrl-C or a SIGTERM, raised after the checkpoint is saved) or NonFiniteLossError. A second
+    Ctrl-C that arrives before the stop's line is said (nanochat/loop.py restoring its handlers, or
+    _exit_with_error printing) has the stop as its context, and the line (where it saved, how to
+    continue) is said here instead."""
+    stop = interrupt.__context__
+    while stop is not None and not (isinstance(stop, RequestError) and hasattr(stop, "exit_code")):
+        stop = stop.__context__
+    try:
+        sys.stdout.flush()   # stdout first: in a log that holds both, the line comes last
+    except (OSError, ValueError):   # a terminal gone (EIO, EPIPE) or a closed stream: say it anyway
+        pass
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            if stop is not None and not getattr(stop, _SAID, False):
+                print(f"{name}: error: {stop}", file=sys.stderr)
+            print(f"{name}: interrupted", file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+    previous = sys.excepthook
+
+    def quiet(kind, value, tb):
+        if value is not interrupt:
+            previous(kind, value, tb)
+    sys.excepthook = quiet
 
 
 def run_cli(main) -> None:

