@@ -34,7 +34,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.common import fmt_bytes
 from nanochat.dataset import open_text_shard, read_row_group_texts, shard_name
 from nanochat.errors import DataError, DiskFullError
 
@@ -229,6 +228,7 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                 last = str(e)
             except OSError as e:  # requests' errors are OSErrors too
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
+                    from nanochat.common import fmt_bytes  # not at the top: nanochat.common imports torch
                     raise DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
                                         f"({fmt_bytes(shutil.disk_usage(dest.parent).free)} free); free space and "
                                         "rerun: finished shards are kept and the partial one resumes") from e
@@ -244,6 +244,7 @@ def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
     each = sum(sizes) / len(sizes)
     free = shutil.disk_usage(out_dir).free
     if free < each * left:
+        from nanochat.common import fmt_bytes  # not at the top: nanochat.common imports torch
         raise DiskFullError(f"{out_dir}: {left} more shards need ~{fmt_bytes(each * left)} (~{fmt_bytes(each)} each), "
                             f"{fmt_bytes(free)} free; free space (or ask for fewer with -n) and rerun: the "
                             f"{len(sizes)} finished this time are kept")

@@ -375,10 +375,10 @@ def test_a_refused_flag_is_one_line_exit_2_from_the_command_line(tmp_path):
 
 
 def test_the_command_line_is_checked_without_importing_torch():
-    """nanochat.dataset needs no torch (only the download path's helpers import it): a bad flag is
-    reported in well under a second instead of after torch's seconds-long import."""
+    """nanochat.dataset and its downloader need no torch (only a disk-full message imports it): a bad
+    flag is reported in well under a second instead of after torch's seconds-long import."""
     import subprocess
-    probe = ("import sys\nfrom nanochat import dataset\ntry:\n    dataset.parse_args(['--source', 'shakespeare', '-n', '4'])\n"
+    probe = ("import sys\nfrom nanochat import dataset, dataset_download\ntry:\n    dataset.parse_args(['--source', 'shakespeare', '-n', '4'])\n"
              "except ValueError:\n    print('torch' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout == "False\n", (proc.stdout, proc.stderr)
