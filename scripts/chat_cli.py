@@ -4,18 +4,26 @@
     python -m scripts.chat_cli -i mid --model-tag d20 --step 800
     python -m scripts.chat_cli -p "Why is the sky blue?" --temperature 0   # one answer, then exit
 
-Interactive commands: /clear starts a new conversation, /quit (or Ctrl-D) exits. Tokens are printed
-as they are generated; calculator tool calls show as <<expr=result>>.
+Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-D) exits, /help lists
+them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
+answer being written. Tokens are printed as they are generated; calculator tool calls show as
+<<expr=result>>; on a terminal, control characters the model writes show as U+FFFD.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 from nanochat.flags import FlagParser   # torch-free: a bad flag is reported at once
 
 SOURCES = ("sft", "rl", "mid", "base")
+HELP = "commands: /clear = new conversation, /quit or /exit = exit (or Ctrl-D), /help = this; //text sends /text"
+# C0 controls but tab, newline and carriage return; DEL; C1 controls. Written raw to a terminal, a
+# generated ESC sequence would drive it (clear the screen, retitle the window, hide text).
+CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +62,10 @@ def validate(args: argparse.Namespace) -> None:
     from nanochat.sampling import greedy_if_top_p_zero
 
     check_model_tag(args.model_tag)
+    if args.step != "latest" and not re.fullmatch("[0-9]+", args.step):   # not isdigit(): "²" is a digit
+        raise ValueError(f"-s/--step: got {args.step!r}; accepted: latest or an integer >= 0")
+    if args.prompt is not None and not args.prompt.strip():   # as the interactive loop skips empty lines
+        raise ValueError("-p/--prompt: got an empty prompt; accepted: the text to answer")
     if args.decode not in DECODE_MODES:
         raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
     if args.graph_step not in GRAPH_STEPS:
@@ -72,6 +84,22 @@ def validate(args: argparse.Namespace) -> None:
         validate_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
+
+
+def check_model_tag_exists(source: str, model_tag: str | None) -> None:
+    """An explicit --model-tag that has no directory: one line naming the flag and the tags there
+    are, before the runtime starts and the model loads."""
+    from nanochat.checkpoint import checkpoint_dir, find_model_tag
+    from nanochat.errors import RequestError
+
+    if model_tag is None:   # load_model picks one, or says there is none
+        return
+    root = checkpoint_dir(source, model_tag).parent
+    if not (root / model_tag).is_dir():
+        find_model_tag(source)   # no tags at all: says so, with how to train one
+        tags = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise RequestError(f"-g/--model-tag: got {model_tag!r}; accepted: {'|'.join(tags)} (the {source} models "
+                           f"under {root})")
 
 
 def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
@@ -93,25 +121,58 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None) -> d
     out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
 
+    terminal = bool(getattr(out, "isatty", lambda: False)())
+
+    def show(text: str) -> str:
+        return CONTROL_CHARS.sub("\ufffd", text) if terminal else text
+
     room = engine.max_seq_len - len(prompt)
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     # as the server (nanochat/server.py): a reply also ends where the model starts a user turn
     stops = set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
     generated = []
-    for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, seed=seed, stop_tokens=stops):
-        token = column[0]
-        if token in stops:
-            break
-        generated.append(token)
-        out.write(stream.feed(token))
+    try:
+        for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+                                         top_k=args.top_k, top_p=args.top_p, seed=seed, stop_tokens=stops):
+            token = column[0]
+            if token in stops:
+                break
+            generated.append(token)
+            out.write(show(stream.feed(token)))
+            out.flush()
+    except KeyboardInterrupt:   # end the cut-off line: what follows (the prompt, a message) starts on its own
+        out.write("\n")
         out.flush()
-    out.write(stream.finish() + "\n")
+        raise
+    out.write(show(stream.finish()) + "\n")
     return {"role": "assistant", "content": assistant_parts(tokenizer, generated)}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        code = chat(args)
+        sys.stdout.flush()    # here, not at exit, where a closed pipe is reported as an ignored exception
+        return code
+    except BrokenPipeError:   # stdout's reader went away (`-p ... | head`): stop quietly, as `git log | head`
+        silence_stdout()
+        return 141            # what a shell reports for a writer ended by SIGPIPE
+
+
+def silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null: the flush at exit then has nowhere broken to
+    write, and raises no second BrokenPipeError. A stream without one (a test's capture) is left."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both of the latter
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def chat(args: argparse.Namespace) -> int:
+    """Load the model, then answer -p, or chat until /quit or Ctrl-D."""
     import random
 
     from nanochat.checkpoint import load_model
@@ -119,6 +180,7 @@ def main(argv=None) -> int:
     from nanochat.engine import Engine
     from nanochat.quantize import quantize_model
 
+    check_model_tag_exists(args.source, args.model_tag)
     rt = init_runtime(args.device, args.dtype)
     import torch
 
@@ -147,11 +209,21 @@ def main(argv=None) -> int:
 
     step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
     print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
-          f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit")
+          f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit, /help = commands")
+    return converse(engine, tokenizer, args, next_seed)
+
+
+def converse(engine, tokenizer, args, next_seed) -> int:
+    """The interactive loop: read a line, run a command or answer it with the conversation so far."""
+    try:   # input() then edits the line (arrow keys, history) instead of typing their escape codes into it
+        import readline  # noqa: F401
+    except ImportError:   # a Python built without it
+        pass
     messages: list[dict] = []
     while True:
         try:
-            text = input("\nUser: ").strip()
+            print()
+            text = input("User: ").strip()
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
@@ -161,15 +233,21 @@ def main(argv=None) -> int:
             messages = []
             print("(new conversation)")
             continue
+        if text == "/help":
+            print(HELP)
+            continue
+        if text.startswith("/") and not text.startswith("//"):   # a mistyped command is not a message
+            print(f"unknown command {text.split()[0]}; {HELP}")
+            continue
         if not text:
             continue
-        messages.append({"role": "user", "content": text})
-        print("\nAssistant: ", end="", flush=True)
+        messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         try:
+            print("\nAssistant: ", end="", flush=True)
             prompt = fit_prompt(engine, tokenizer, messages, "type /clear to start over")
             messages.append(answer(engine, tokenizer, prompt, args, next_seed()))
-        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program
-            print("\n(stopped)")
+        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)
+            print("(stopped)")
             messages.pop()
         except ValueError as e:
             print(f"\n[{e}]")

@@ -1,5 +1,19 @@
 """scripts/chat_cli.py: a one-shot answer equals the engine's greedy generation, the interactive loop
-keeps and clears history, bad flags raise, and on CUDA the default graph decode answers as eager."""
+keeps and clears history, bad flags raise, and on CUDA the default graph decode answers as eager. The
+real script at a terminal (a pty: commands, Ctrl-C, line editing) and piped into `head`; streaming of
+split UTF-8, calculator calls and control characters."""
+
+import importlib.util
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,3 +125,247 @@ def test_answer_ends_where_the_model_starts_a_user_turn(chat_model):
     message = answer(engine, tok, prompt, args, seed=0, out=out)
     assert out.getvalue() == "Fine, thanks.\n"
     assert message == {"role": "assistant", "content": [{"type": "text", "text": "Fine, thanks."}]}
+
+
+# ------------------------------------------------------------------------------ the real script, as a user runs it
+
+# Runs scripts/chat_cli.py as `python -m` does, with its first answer slowed to 5 tokens/s: room to cut it
+# off mid-way. On a terminal (a pty) it becomes the controlling one, so that a typed Ctrl-C sends SIGINT.
+# nn.Embedding's random init is skipped: on the meta device (build_model) its normal_ imports torch._dynamo,
+# ~3.7 s of the start-up here, for weights the checkpoint then replaces.
+SLOW_FIRST_ANSWER = """
+import itertools, os, runpy, sys, time
+if os.isatty(0):
+    import fcntl, termios
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+import torch
+torch.nn.Embedding.reset_parameters = lambda self: None
+from nanochat import engine
+calls, generate = itertools.count(), engine.Engine.generate
+def slowed(self, *args, **kwargs):
+    slow = next(calls) == 0
+    for step in generate(self, *args, **kwargs):
+        yield step
+        if slow:
+            time.sleep(0.2)
+engine.Engine.generate = slowed
+runpy.run_module("scripts.chat_cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def chat_cli_command(*flags):
+    return [sys.executable, "-c", SLOW_FIRST_ANSWER, "--device", "cpu", *flags]
+
+
+class Terminal:
+    """The master side of a pty the child runs in: send keys, wait for text."""
+
+    def __init__(self, fd):
+        self.fd, self.seen, self.pos = fd, b"", 0
+
+    def read(self, timeout: float) -> bool:
+        if not select.select([self.fd], [], [], timeout)[0]:
+            return True
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:   # EIO: the child has gone
+            return False
+        self.seen += data
+        return bool(data)
+
+    def expect(self, text: str, timeout: float = 60) -> bytes:
+        """Everything after the previous expect up to and including the next `text`."""
+        end = time.monotonic() + timeout
+        while (at := self.seen.find(text.encode(), self.pos)) < 0:
+            assert time.monotonic() < end and self.read(0.05), f"no {text!r} in {self.seen[self.pos:]!r}"
+        start, self.pos = self.pos, at + len(text)
+        return self.seen[start:self.pos]
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+
+def test_chat_cli_at_a_terminal(sft_checkpoint):
+    """A session at a real terminal (a pty): a mistyped /command and an empty line send nothing; Ctrl-C in an
+    answer stops it and returns to the prompt, the cut-off turn forgotten; /clear forgets the conversation;
+    arrow keys edit the line; Ctrl-C at the prompt exits 0; no traceback anywhere."""
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(sft_checkpoint), "TERM": "dumb"}
+    child = subprocess.Popen(chat_cli_command("-t", "0", "-m", "12"), stdin=slave, stdout=slave, stderr=slave,
+                             cwd=Path(__file__).resolve().parents[1], env=env, start_new_session=True)
+    os.close(slave)
+    term = Terminal(master)
+    try:
+        term.expect("User: ")
+        term.send("/fo bar\r")
+        assert "unknown command /fo; commands: /clear" in term.expect("User: ").decode()
+        term.send("\r")
+        assert b"Assistant" not in term.expect("User: ")
+        term.send("hello there\r")   # the slowed answer: cut off after its first token
+        term.expect("Assistant: ")
+        term.read(10)
+        term.send("\x03")
+        assert b"(stopped)" in term.expect("User: ")
+        answers = []
+        keys = "hello thre\x1b[D\x1b[De\r" if importlib.util.find_spec("readline") else "hello there\r"
+        for line in ("hello there\r", "hello there\r", "/clear\r", keys):
+            term.send(line)
+            answers.append(term.expect("\r\n\r\nUser: ").decode(errors="replace"))
+        first, _, _, edited = (re.search("Assistant: (.*)\r\n\r\nUser: ", a, re.S) for a in answers)
+        assert "(new conversation)" in answers[2]
+        assert len(first[1]) > 3 and edited[1] == first[1]   # as the first turn of a conversation: no history
+        time.sleep(0.3)
+        for _ in range(3):   # a Ctrl-C the instant the prompt is written can land before input() reads (CPython)
+            term.send("\x03")
+            try:
+                child.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        assert child.wait(timeout=5) == 0
+        while term.read(0.1):
+            pass
+        assert b"Traceback" not in term.seen, term.seen.decode(errors="replace")
+    finally:
+        child.kill()
+        child.wait()
+        os.close(master)
+
+
+def test_chat_cli_piped_into_head_ends_quietly(sft_checkpoint):
+    """`chat_cli -p ... | head -c 1` (stdin not a terminal either): the reader goes away mid-answer and the
+    script ends as other Unix tools do there: exit 141, nothing on stderr (it was a BrokenPipeError
+    traceback)."""
+
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(sft_checkpoint)}
+    child = subprocess.Popen(chat_cli_command("-p", "hello there", "-t", "0", "-m", "50"), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
+                             env=env)
+    try:
+        assert child.stdout.read(1)
+        child.stdout.close()   # as head does once it has its bytes
+        assert child.wait(timeout=60) == 141
+        assert child.stderr.read() == b""
+    finally:
+        child.kill()
+        child.wait()
+        child.stderr.close()
+
+
+def test_chat_cli_commands_are_not_messages(sft_checkpoint, chat_model, capsys, monkeypatch):
+    """An unknown /command prints the command list instead of going to the model; /help lists them; //text
+    sends /text; end of input (Ctrl-D, or a piped stdin running out) exits 0."""
+    from scripts import chat_cli
+
+    tokenizer = chat_model[1]
+    lines = iter(["/reset", "/help", "//etc/hosts is what?"])
+
+    def typed(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    sent = []
+    real_render = tokenizer.render_for_completion
+    monkeypatch.setattr("builtins.input", typed)
+    monkeypatch.setattr(type(tokenizer), "render_for_completion",
+                        lambda self, conv: sent.append(list(conv["messages"])) or real_render(conv))
+    assert chat_cli.main(["--device", "cpu", "-t", "0", "-m", "4"]) == 0
+    assert sent == [[{"role": "user", "content": "/etc/hosts is what?"}]]
+    out = capsys.readouterr().out
+    assert f"unknown command /reset; {chat_cli.HELP}" in out and out.count(chat_cli.HELP) == 2
+
+
+def test_chat_cli_checks_step_prompt_and_model_tag_before_loading(sft_checkpoint, monkeypatch):
+    """--step abc was a ValueError traceback from the loader; -p "" an answer to nothing; a --model-tag with no
+    checkpoints a message naming neither the flag nor the tags there are. Each is one line, before loading."""
+    from scripts import chat_cli
+
+    with pytest.raises(ValueError, match="^-s/--step: got 'abc'; accepted: latest or an integer >= 0$"):
+        chat_cli.parse_args(["--step", "abc"])
+    with pytest.raises(ValueError, match="^-p/--prompt: got an empty prompt"):
+        chat_cli.parse_args(["-p", "  "])
+    assert chat_cli.parse_args(["--step", "7"]).step == "7"
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded")
+    monkeypatch.setattr("nanochat.checkpoint.load_model", no_loading)
+    from nanochat.errors import RequestError
+    with pytest.raises(RequestError, match=r"^-g/--model-tag: got 'd20'; accepted: d2 \(the sft models under "):
+        chat_cli.main(["-p", "hi", "--device", "cpu", "--model-tag", "d20"])
+    with pytest.raises(RequestError, match="^no rl checkpoints under .*; train one first"):
+        chat_cli.main(["-p", "hi", "--device", "cpu", "-i", "rl", "--model-tag", "d2"])
+
+
+class FakeTerminal:
+    """A StringIO that says it is a terminal and records each write."""
+
+    def __init__(self, tty=True):
+        self.buffer, self.tty, self.writes = io.StringIO(), tty, []
+
+    def write(self, text):
+        self.writes.append(text)
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+
+def byte_tokens(tok, data: bytes) -> list[int]:
+    """One token per byte (the byte-level BPE's first 256 ids)."""
+    by_byte = {tok.decode_bytes([i]): i for i in range(256)}
+    return [by_byte[bytes([b])] for b in data]
+
+
+def test_answer_streams_utf8_tools_and_no_terminal_escapes(chat_model):
+    """Characters split across byte tokens print whole, as they complete; a calculator call shows as
+    <<expr=result>>; on a terminal, control characters the model writes show as U+FFFD (an ESC sequence
+    once cleared the screen), while a pipe gets the text as generated."""
+    from scripts.chat_cli import answer
+    from tests.test_engine import scripted_engine, specials
+
+    tok = chat_model[1]
+    s = specials(tok)
+    prompt = prompt_for(tok)
+    call = byte_tokens(tok, "é ✓ 😀\x1b[2J".encode()) + [s.python_start, *tok.encode("2+3"), s.python_end]
+    tail = tok.encode(" ok") + [s.assistant_end]
+
+    def plan(b, gen):
+        if s.output_end in gen:
+            return tail[len(gen) - gen.index(s.output_end) - 1]
+        return call[len(gen)] if len(gen) < len(call) else 7   # then the calculator's forced tokens
+    args = SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None)
+    shown = {}
+    for tty in (True, False):
+        out = FakeTerminal(tty)
+        message = answer(scripted_engine(tok, plan, prompt), tok, prompt, args, seed=0, out=out)
+        shown[tty] = out.buffer.getvalue()
+        assert [w for w in out.writes if w][:5] == ["é", " ", "✓", " ", "😀"]   # each once it is complete
+    assert shown[True] == "é ✓ 😀\ufffd[2J<<2+3=5>> ok\n"
+    assert shown[False] == "é ✓ 😀\x1b[2J<<2+3=5>> ok\n"
+    assert message["content"][0] == {"type": "text", "text": "é ✓ 😀\x1b[2J"}   # the history keeps the text
+
+
+def test_answer_cut_off_by_ctrl_c_ends_its_line(chat_model):
+    """Ctrl-C in an answer (-p or interactive) ends the cut-off line before the interrupt goes on, so the
+    next output (the prompt, `chat_cli: interrupted`) does not run on after the partial answer."""
+    from scripts.chat_cli import answer
+    from tests.test_engine import scripted_engine
+
+    tok = chat_model[1]
+    prompt = prompt_for(tok)
+    words = tok.encode("Fine, thanks and you")
+
+    def plan(b, gen):
+        if len(gen) == 3:
+            raise KeyboardInterrupt
+        return words[len(gen)]
+    out = FakeTerminal()
+    with pytest.raises(KeyboardInterrupt):
+        answer(scripted_engine(tok, plan, prompt), tok, prompt,
+               SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None), seed=0, out=out)
+    assert out.buffer.getvalue() == tok.decode(words[:3]) + "\n"
