@@ -468,3 +468,17 @@ def test_hash_pool_works_in_a_forked_child(tmp_path):
         os.waitpid(pid, 0)
         pytest.fail("the forked child's save/load hung")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_build_model_for_inference_imports_neither_dynamo_nor_sympy():
+    """Built on the meta device and materialised, an inference model pulls in neither torch._dynamo
+    (nn.init.normal_ of a meta embedding table did: ~4 s) nor sympy (empty_like of a meta tensor:
+    ~1.7 s), seconds of every chat_cli / chat_web / chat_eval start-up. Its tables are initialised."""
+    import subprocess
+    import sys
+    probe = ("import sys\nfrom nanochat.checkpoint import build_model\nfrom nanochat.gpt import config_for_depth\n"
+             "m = build_model(config_for_depth(2, 128, 32, aspect_ratio=32, head_dim=32), 'cpu', for_training=False)\n"
+             "print(sorted(k for k in ('torch._dynamo', 'sympy') if k in sys.modules), "
+             "round(m.wte.weight.std().item(), 1), m.wte.weight.requires_grad)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[] 1.0 True", (proc.stdout, proc.stderr[-2000:])
