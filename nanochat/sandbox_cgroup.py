@@ -19,6 +19,13 @@ the caller's own cgroup already delegates to its children (its cgroup.subtree_co
 own cgroup, so that the caller's own limits still apply on top. Only hierarchies mounted at or below
 `root` (default /sys/fs/cgroup) are used; when none is writable (most containers mount it
 read-only; a user without a delegated v2 subtree) the layer is simply not applied. Linux only.
+
+What v2 can give in practice: a non-root cgroup that holds processes (ours: the caller) may enable
+only threaded controllers such as `pids` in its subtree_control; `memory` is refused with EBUSY
+(the kernel's no-internal-process rule, Documentation/admin-guide/cgroup-v2.rst; only the root
+cgroup is exempt). So outside the root cgroup v2 yields at most `pids_cap`. Seen on a GPU box (a
+container on v2, as root, its cgroup offering `memory` alone): no layer; the uid drop to nobody
+(execution.py) is what makes RLIMIT_NPROC bind there.
 """
 
 from __future__ import annotations

@@ -131,15 +131,11 @@ def test_answer_ends_where_the_model_starts_a_user_turn(chat_model):
 
 # Runs scripts/chat_cli.py as `python -m` does, with its first answer slowed to 5 tokens/s: room to cut it
 # off mid-way. On a terminal (a pty) it becomes the controlling one, so that a typed Ctrl-C sends SIGINT.
-# nn.Embedding's random init is skipped: on the meta device (build_model) its normal_ imports torch._dynamo,
-# ~3.7 s of the start-up here, for weights the checkpoint then replaces.
 SLOW_FIRST_ANSWER = """
 import itertools, os, runpy, sys, time
 if os.isatty(0):
     import fcntl, termios
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-import torch
-torch.nn.Embedding.reset_parameters = lambda self: None
 from nanochat import engine
 calls, generate = itertools.count(), engine.Engine.generate
 def slowed(self, *args, **kwargs):
@@ -153,8 +149,8 @@ runpy.run_module("scripts.chat_cli", run_name="__main__", alter_sys=True)
 """
 
 
-def chat_cli_command(*flags):
-    return [sys.executable, "-c", SLOW_FIRST_ANSWER, "--device", "cpu", *flags]
+def chat_cli_command(*flags, device="cpu"):
+    return [sys.executable, "-c", SLOW_FIRST_ANSWER, "--device", device, *flags]
 
 
 class Terminal:
@@ -185,14 +181,16 @@ class Terminal:
         os.write(self.fd, keys.encode())
 
 
-def test_chat_cli_at_a_terminal(sft_checkpoint):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_chat_cli_at_a_terminal(sft_checkpoint, device):
     """A session at a real terminal (a pty): a mistyped /command and an empty line send nothing; Ctrl-C in an
     answer stops it and returns to the prompt, the cut-off turn forgotten; /clear forgets the conversation;
-    arrow keys edit the line; Ctrl-C at the prompt exits 0; no traceback anywhere."""
+    arrow keys edit the line; Ctrl-C at the prompt exits 0; no traceback anywhere. On CUDA the answers come
+    from the CUDA-graph decode (the persistent kernel on an H100/H200), cut off mid-replay the same way."""
 
     master, slave = pty.openpty()
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(sft_checkpoint), "TERM": "dumb"}
-    child = subprocess.Popen(chat_cli_command("-t", "0", "-m", "12"), stdin=slave, stdout=slave, stderr=slave,
+    child = subprocess.Popen(chat_cli_command("-t", "0", "-m", "12", device=device), stdin=slave, stdout=slave, stderr=slave,
                              cwd=Path(__file__).resolve().parents[1], env=env, start_new_session=True)
     os.close(slave)
     term = Terminal(master)
