@@ -10,12 +10,11 @@ naming path and line. Scoring lives in nanochat/core_eval.py.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-import time
-import urllib.request
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -301,29 +300,100 @@ def _safe_extract(zf: zipfile.ZipFile, dest: Path) -> None:
     zf.extractall(dest)
 
 
+class _NotAZip(ValueError):
+    """What the server sent is not a zip file (after every attempt: the URL names something else)."""
+
+
+def _verify_bundle_zip(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
+    """download_file's check before the zip takes its final name: the size / sha256 the server
+    states, then every member's CRC, so a body cut short (a close without a Content-Length) or
+    damaged is fetched again and never unpacked as if complete."""
+    from nanochat.dataset_download import check_size_sha
+
+    check_size_sha(path, size=size, sha256=sha256)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except zipfile.BadZipFile as e:
+        raise _NotAZip(f"not a zip file: {e}") from e
+    if bad is not None:
+        raise ValueError(f"zip member {bad!r} fails its CRC check")
+
+
 def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = None, *,
-                         timeout: float = 60.0, retries: int = 3) -> Path:
+                         timeout: float = 60.0, retries: int = 3, backoff: float = 2.0,
+                         stall_window: float | None = None, progress: bool = True) -> Path:
     """Download + unzip the DCLM eval bundle to dest (default <base_dir>/eval_bundle); atomic.
 
-    Returns dest when it already holds core.yaml. Raises RuntimeError after `retries` failed
-    downloads and ValueError for a zip that is not an eval bundle.
+    Returns dest when it already holds core.yaml. The zip is fetched by dataset_download.download_file
+    (resume from a .partial, `retries` attempts in all with exponential backoff from `backoff` s,
+    the stall rule with `stall_window`, size and CRC checks, fsync + rename) into a hidden sibling
+    of dest named after the URL, then unpacked and moved into place; a lock on dest makes a second
+    process (another rank) wait and keep the first one's bundle. Raises RuntimeError (a
+    DownloadError) after `retries` failed downloads and ValueError for a zip that is not an eval
+    bundle.
     """
+    from nanochat.dataset_download import file_lock
+
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
+        raise ValueError(f"retries: got {retries!r}; accepted: an integer >= 1 (attempts in all)")
     dest = Path(dest) if dest is not None else default_bundle_dir()
     if (dest / "core.yaml").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    said = False
+
+    def on_wait():   # called every 0.1 s while another process holds the lock: say it once
+        nonlocal said
+        if not said:
+            said = True
+            print0(f"waiting for another process downloading the eval bundle to {dest}")
+
+    with file_lock(dest, on_wait=on_wait):
+        if (dest / "core.yaml").is_file():  # the process we waited for finished it
+            return dest
+        digest = hashlib.sha256(url.encode()).hexdigest()[:12]  # another URL's zip is never reused
+        zpath = dest.with_name(f".{dest.name}-{digest}.zip")
+        _fetch_bundle_zip(url, zpath, timeout=timeout, retries=retries, backoff=backoff,
+                          stall_window=stall_window, progress=progress)
+        try:
+            _unpack_bundle(zpath, dest, url)
+        except ValueError:   # not a bundle: a rerun must download again, not reuse it
+            zpath.unlink(missing_ok=True)
+            raise
+        zpath.unlink()
+    print0(f"eval bundle ready at {dest}")
+    return dest
+
+
+def _fetch_bundle_zip(url: str, zpath: Path, *, timeout, retries, backoff, stall_window, progress) -> None:
+    from tqdm import tqdm
+
+    from nanochat.dataset_download import DownloadError, download_file
+
+    if zpath.exists():   # verified and renamed by a run that stopped before unpacking it
+        try:
+            _verify_bundle_zip(zpath)
+            return
+        except ValueError:
+            zpath.unlink()
+    partial = zpath.with_name(zpath.name + ".partial")
+    print0(f"downloading the eval bundle from {url}")
+    bar = tqdm(unit="B", unit_scale=True, initial=partial.stat().st_size if partial.exists() else 0,
+               disable=not progress or os.environ.get("RANK", "0") != "0", dynamic_ncols=True)
+    try:
+        with bar:
+            download_file(url, zpath, retries=retries - 1, backoff=backoff, timeout=timeout,
+                          stall_window=stall_window, on_bytes=bar.update, verify=_verify_bundle_zip)
+    except DownloadError as e:
+        if isinstance(e.__cause__, _NotAZip):
+            raise ValueError(f"eval bundle from {url} is {e.__cause__}") from e
+        raise DownloadError(f"could not download the eval bundle: {e}") from e
+
+
+def _unpack_bundle(zpath: Path, dest: Path, url: str) -> None:
+    """Unzip into a temporary dir next to dest, check it is a bundle, move its root to dest."""
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".eval_bundle_") as tmp:
-        zpath = Path(tmp) / "bundle.zip"
-        for attempt in range(1, retries + 1):
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as resp, open(zpath, "wb") as f:
-                    shutil.copyfileobj(resp, f, length=1 << 20)
-                break
-            except OSError as e:  # URLError / HTTPError / timeouts are OSErrors
-                print0(f"eval bundle download attempt {attempt}/{retries} from {url} failed: {e}")
-                if attempt == retries:
-                    raise RuntimeError(f"could not download the eval bundle from {url}: {e}") from e
-                time.sleep(min(2 ** attempt, 10))
         try:
             with zipfile.ZipFile(zpath) as zf:
                 _safe_extract(zf, Path(tmp) / "x")
@@ -335,9 +405,6 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
         if dest.exists():  # a partial earlier attempt without core.yaml
             shutil.rmtree(dest)
         os.replace(found[0].parent, dest)
-    print0(f"eval bundle ready at {dest}")
-    return dest
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,22 +1,35 @@
-"""Downloading text shards over HTTP: the mechanics behind `python -m nanochat.dataset`'s remote
-sources (the source registry and the command line stay in nanochat/dataset.py, which re-exports
-DownloadError, DiskFullError, download_file, download_shards and verify_text_shard).
+"""Downloading over HTTP: the mechanics behind `python -m nanochat.dataset`'s remote sources (the
+source registry and the command line stay in nanochat/dataset.py, which re-exports DownloadError,
+DiskFullError, download_file, download_shards and verify_text_shard), and the one download mechanism
+other files reuse (nanochat/core_data.py fetches the CORE eval bundle with download_file).
 
 One file (download_file): bytes go to `NAME.partial`, resumed with an HTTP Range request after a
 dropped connection or an earlier run; retryable failures (network errors, 408/425/429/5xx, a
-short body, bad content) are retried with exponential backoff, others (404, 403) fail at once.
-The result is verified (the size and sha256 the server states, a readable parquet file with a
-string `text` column, the first row group decoding), fsynced, then renamed into place: a shard
-name only ever holds a complete, verified file. A per-shard lock file (`NAME.lock`, POSIX flock)
-keeps two processes that fetch the same shard (torchrun ranks, two shells) off one .partial file;
-the second waits and keeps the first one's result (a filesystem without locks gets a warning and
-no guard). A full disk (ENOSPC) is a DiskFullError, not retried, with the partial file kept for a
-resume.
+short body, a stall, bad content) are retried with exponential backoff, others (404, 403) fail at
+once. The result is verified (the size and sha256 the server states, then `verify`: by default a
+readable parquet file with a string `text` column, the first row group decoding), fsynced, then
+renamed into place: a final name only ever holds a complete, verified file. A per-file lock file
+(`NAME.lock`, POSIX flock) keeps two processes that fetch the same file (torchrun ranks, two
+shells) off one .partial file; the second waits and keeps the first one's result (a filesystem
+without locks gets a warning and no guard). A full disk (ENOSPC) is a DiskFullError, not retried,
+with the partial file kept for a resume.
+
+Stalls: requests' timeout bounds each recv, not the download, so a server that trickles a few bytes
+at a time (100 B/s: 11 minutes per 64 KiB read, a day per shard) kept an attempt alive for ever.
+A watcher thread per attempt abandons one that gets no full 64 KiB read within `stall_window`
+seconds (default: the timeout, 60 s, i.e. under ~1 KiB/s): far below any usable link, so a slow but
+working connection is never cut, while a fresh connection (another CDN node) is the likelier way
+out. The watcher shuts the socket down, since the reading thread cannot notice anything while
+it blocks; the attempt is retried and resumes from the .partial file.
 
 Many files (download_shards): a thread pool, a tqdm bar, existing shards kept unless their footer
 does not read (then fetched again), a free-space check after each finished shard, failures
-returned per shard; Ctrl-C or an unexpected error stops the queued shards and the ones in flight
-(their .partial files resume on the next run) instead of downloading the rest first.
+returned per shard. Ctrl-C or an unexpected error stops the queued shards and the ones in flight
+at once: a shared Cancel shuts down every connection being read (a worker blocked on a trickling
+server returns from recv now, not after its next 64 KiB) and cuts short the backoff and lock waits;
+their .partial files resume on the next run, and no final file is written by a stopped worker.
+A worker still waiting for a server's first response is bounded by `timeout` (there is no socket
+to shut yet).
 """
 
 from __future__ import annotations
@@ -26,19 +39,21 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from nanochat.dataset import open_text_shard, read_row_group_texts, shard_name
 from nanochat.errors import DataError, DiskFullError
 
 _RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # e.g. Lustre mounted without flock
+_CHUNK = 1 << 16   # bytes per read: small, so a drop loses little; also the stall rule's unit
 _warned_no_locks: set[Path] = set()
 
 
@@ -46,12 +61,105 @@ class DownloadError(RuntimeError):
     pass
 
 
+class DownloadCancelled(Exception):
+    """A download stopped because its Cancel was set (download_shards stopping on Ctrl-C or an
+    error); its .partial file is kept for a resume and no final file was written."""
+
+
 class _Retry(Exception):
-    """A failed attempt that may succeed if tried again (network error, 5xx, bad content)."""
+    """A failed attempt that may succeed if tried again (network error, 5xx, a stall, bad content)."""
 
 
-class _Stopped(Exception):
-    """Raised from a worker's byte counter once download_shards is stopping (Ctrl-C, an error)."""
+class Cancel:
+    """A stop shared by downloads running in other threads. set() (from any thread: download_shards'
+    main thread on Ctrl-C) marks it and shuts down the connection of every body being read, so a
+    worker blocked in recv returns at once; downloads check it between reads, in backoff sleeps and
+    while waiting for another downloader's lock, and then raise DownloadCancelled."""
+
+    def __init__(self):
+        self._event, self._lock = threading.Event(), threading.Lock()
+        self._closers: set[Callable[[], None]] = set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            closers = list(self._closers)
+        for close in closers:
+            close()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise DownloadCancelled("download cancelled")
+
+    def sleep(self, seconds: float) -> None:
+        if self._event.wait(seconds):
+            raise DownloadCancelled("download cancelled")
+
+    @contextmanager
+    def closing(self, close: Callable[[], None]) -> Iterator[None]:
+        """Run close() if the cancel comes while the block runs (at once if it already came)."""
+        with self._lock:
+            cancelled = self._event.is_set()
+            if not cancelled:
+                self._closers.add(close)
+        if cancelled:
+            raise DownloadCancelled("download cancelled")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._closers.discard(close)
+
+
+def _pause(seconds: float, cancel: Cancel | None) -> None:
+    """The backoff before a retry (up to 60 s): cut short by a cancel."""
+    if cancel is None:
+        time.sleep(seconds)
+    else:
+        cancel.sleep(seconds)
+
+
+def _body_closer(resp) -> Callable[[], None]:
+    """A function that makes a read blocked on resp's body, in another thread, return at once."""
+    raw = resp.raw
+    # the socket under http.client's reader, found now (the connection may have let go of it)
+    sock = getattr(getattr(getattr(getattr(raw, "_fp", None), "fp", None), "raw", None), "_sock", None)
+
+    def close():
+        try:
+            raw.shutdown()   # urllib3 >= 2.3: a shutdown of the socket for reading
+            return
+        except Exception:   # noqa: BLE001 - older urllib3, or a response that cannot: the socket
+            pass            # itself (a closer runs in Cancel.set(), under a Ctrl-C: it never raises)
+        if sock is not None:
+            try:   # socket.socket's own shutdown: ssl's also drops the TLS state under the reader
+                socket.socket.shutdown(sock, socket.SHUT_RD)
+            except OSError:   # already closed
+                pass
+    return close
+
+
+class _BodyWatch:
+    """The stall rule for one response body (module docstring): a thread that wakes `window` s after
+    the last full read and, if no read came since, marks the attempt stalled and shuts its socket."""
+
+    def __init__(self, close: Callable[[], None], window: float):
+        self.close, self.window = close, window
+        self.last, self.stalled = time.monotonic(), False
+        self.done = threading.Event()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+    def run(self) -> None:
+        while not self.done.wait(max(0.0, self.last + self.window - time.monotonic())):
+            if time.monotonic() - self.last >= self.window:
+                self.stalled = True
+                self.close()
+                return
 
 
 def _expected_from(resp) -> tuple[int | None, str | None]:
@@ -72,8 +180,8 @@ def _expected_from(resp) -> tuple[int | None, str | None]:
     return total, sha
 
 
-def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
-    """ValueError unless `path` has the expected size/checksum and is a parquet text shard."""
+def check_size_sha(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
+    """ValueError unless `path` has the expected size and sha256 (None: not checked)."""
     got = path.stat().st_size
     if size is not None and got != size:
         raise ValueError(f"size {got} bytes, expected {size}")
@@ -84,12 +192,18 @@ def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None
                 h.update(block)
         if h.hexdigest() != sha256:
             raise ValueError(f"sha256 {h.hexdigest()}, expected {sha256}")
+
+
+def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
+    """ValueError unless `path` has the expected size/checksum and is a parquet text shard."""
+    check_size_sha(path, size=size, sha256=sha256)
     pf = open_text_shard(path)
     if pf.num_row_groups:  # decoding one row group catches corrupt pages behind a valid footer
         read_row_group_texts(pf, 0, path)
 
 
-def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tuple[int | None, str | None]:
+def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_window: float,
+             cancel: Cancel | None) -> tuple[int | None, str | None]:
     have = partial.stat().st_size if partial.exists() else 0
     # identity: requests asks for gzip by default, and a server that takes up the offer sends a
     # Content-Length and byte ranges of the compressed body while iter_content yields it
@@ -114,9 +228,7 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tupl
                 partial.unlink(missing_ok=True)
                 raise _Retry(f"server resumed at byte {start}, wanted {have}")
         with open(partial, "ab" if start else "wb") as f:
-            for chunk in resp.iter_content(chunk_size=1 << 16):  # small: less lost on a drop
-                f.write(chunk)
-                on_bytes(len(chunk))
+            _read_body(resp, f, on_bytes, stall_window, cancel)
             f.flush()
             # on disk before the rename makes it a shard: after a power cut a renamed file whose
             # data never reached the disk would be an empty or short shard under a final name
@@ -127,10 +239,44 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes) -> tupl
     return total, sha
 
 
+def _read_body(resp, f, on_bytes, stall_window: float, cancel: Cancel | None) -> None:
+    """Append resp's body to f under the stall rule; a cancel shuts the connection down at once.
+    A shut socket ends the read with an error (or, without a Content-Length, as a normal end of
+    the body), so what stopped it is checked after the loop either way: never taken as complete."""
+    close = _body_closer(resp)
+    watch = _BodyWatch(close, stall_window)
+    watcher = threading.Thread(target=watch.run, name="download-stall-watch", daemon=True)
+    with cancel.closing(close) if cancel is not None else nullcontext():
+        watcher.start()
+        try:
+            for chunk in resp.iter_content(chunk_size=_CHUNK):
+                f.write(chunk)
+                watch.tick()
+                on_bytes(len(chunk))
+        except Exception as e:   # noqa: BLE001 - re-raised unless a stall or cancel caused it
+            _raise_if_stopped(watch, cancel, f, e)
+            raise
+        finally:
+            watch.done.set()
+            watcher.join()
+        _raise_if_stopped(watch, cancel, f, None)
+
+
+def _raise_if_stopped(watch: _BodyWatch, cancel: Cancel | None, f, cause: Exception | None) -> None:
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return   # a full disk says more than a stall at the same moment: download_file reports it
+    if cancel is not None and cancel.is_set():
+        raise DownloadCancelled(f"download cancelled at byte {f.tell()}") from cause
+    if watch.stalled:
+        raise _Retry(f"stalled: less than {_CHUNK // 1024} KiB arrived in {watch.window:g} s "
+                     f"(at byte {f.tell()}); the partial file is kept") from cause
+
+
 @contextmanager
-def _shard_lock(dest: Path, on_wait=lambda: None) -> Iterator[bool]:
-    """Hold an exclusive lock for downloading `dest`; yields True when another holder (a process
-    or thread downloading the same shard) had it first and may have finished the shard meanwhile.
+def file_lock(dest: Path, on_wait=lambda: None) -> Iterator[bool]:
+    """Hold an exclusive lock for writing `dest` (a file or a directory: the lock is a sibling
+    `NAME.lock`); yields True when another holder (a process or thread writing the same dest) had
+    it first and may have finished dest meanwhile.
     flock is dropped by the kernel when its holder dies, so a crash leaves no stale lock."""
     path = dest.with_name(dest.name + ".lock")
     fd, waited = _acquire(path, on_wait)
@@ -199,43 +345,73 @@ def _readable_shard(path: Path) -> bool:
     return True
 
 
+def _finished(dest: Path, verify) -> bool:
+    """True when dest is there and passes `verify` (what another downloader we waited for left)."""
+    if not dest.exists():
+        return False
+    try:
+        verify(dest)
+    except ValueError:
+        return False
+    return True
+
+
 def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.0,
-                  timeout: float = 60.0, on_bytes=lambda n: None) -> None:
+                  timeout: float = 60.0, on_bytes=lambda n: None, stall_window: float | None = None,
+                  cancel: Cancel | None = None, verify=verify_text_shard) -> None:
     """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff,
-    verify, then atomically rename. Raises DownloadError after the last attempt. Another process
-    downloading the same dest is waited for, and its finished shard kept."""
+    verify, then atomically rename. Raises DownloadError (naming url, chained to the last
+    attempt's error) after the last attempt. Another process downloading the same dest is waited
+    for, and its finished file kept.
+
+    stall_window: seconds an attempt may go without a full 64 KiB read before it is abandoned and
+    retried (default: timeout; module docstring). cancel: a Cancel that stops this download from
+    another thread (DownloadCancelled). verify(path, size=, sha256=): raises ValueError for a file
+    that must not be kept (it is deleted and fetched again from byte 0); default: a text shard."""
     import requests
 
+    window = timeout if stall_window is None else stall_window
+    if not (isinstance(window, (int, float)) and window > 0):
+        raise ValueError(f"stall_window: got {stall_window!r}; accepted: seconds > 0 (or None: the timeout)")
     partial = dest.with_name(dest.name + ".partial")
-    last = "no attempt made"
-    # on_bytes(0) while waiting for another downloader: download_shards' counter raises to stop
-    with _shard_lock(dest, on_wait=lambda: on_bytes(0)) as waited, requests.Session() as session:
-        if waited and _readable_shard(dest):  # the holder we waited for finished it
+    last, cause = "no attempt made", None
+
+    def on_wait():   # while another downloader holds the lock: download_shards' counter raises to stop
+        on_bytes(0)
+        if cancel is not None:
+            cancel.check()
+
+    with file_lock(dest, on_wait=on_wait) as waited, requests.Session() as session:
+        if waited and _finished(dest, verify):  # the holder we waited for finished it
             return
         for attempt in range(retries + 1):
             if attempt:
-                time.sleep(min(backoff * 2 ** (attempt - 1), 60.0))
+                _pause(min(backoff * 2 ** (attempt - 1), 60.0), cancel)
             try:
-                total, sha = _attempt(session, url, partial, timeout, on_bytes)
+                total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
                 try:
-                    verify_text_shard(partial, size=total, sha256=sha)
+                    verify(partial, size=total, sha256=sha)
                 except ValueError as e:  # corrupt content: start over from byte 0
                     partial.unlink(missing_ok=True)
                     raise _Retry(f"verification failed: {e}") from e
                 os.replace(partial, dest)
                 return
             except _Retry as e:
-                last = str(e)
+                last, cause = str(e), e.__cause__ or e
             except OSError as e:  # requests' errors are OSErrors too
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
-                    from nanochat.common import fmt_bytes  # not at the top: nanochat.common imports torch
-                    raise DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
-                                        f"({fmt_bytes(shutil.disk_usage(dest.parent).free)} free); free space and "
-                                        "rerun: finished shards are kept and the partial one resumes") from e
+                    raise _disk_full(dest) from e
                 if not isinstance(e, requests.RequestException):
                     raise
-                last = f"{type(e).__name__}: {e}"  # the partial file is kept and resumed
-    raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}")
+                last, cause = f"{type(e).__name__}: {e}", e  # the partial file is kept and resumed
+    raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}") from cause
+
+
+def _disk_full(dest: Path) -> DiskFullError:
+    from nanochat.common import fmt_bytes  # not at the top: nanochat.common imports torch
+    return DiskFullError(f"{dest.parent}: the disk filled while downloading {dest.name} "
+                         f"({fmt_bytes(shutil.disk_usage(dest.parent).free)} free); free space and "
+                         "rerun: finished files are kept and the partial one resumes")
 
 
 def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
@@ -266,20 +442,20 @@ def _to_fetch(indices: list[int], out_dir: Path) -> list[int]:
 
 def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers: int = 4,
                     retries: int = 5, backoff: float = 2.0, timeout: float = 60.0,
-                    progress: bool = True) -> list[tuple[int, str]]:
-    """Download shard indices into out_dir in parallel; returns [(index, error)] for failures."""
+                    progress: bool = True, stall_window: float | None = None) -> list[tuple[int, str]]:
+    """Download shard indices into out_dir in parallel; returns [(index, error)] for failures.
+    stall_window: as download_file's (default: timeout)."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = _to_fetch(indices, out_dir)
     lock, done_bytes = threading.Lock(), [0]
-    # stop: start no more shards (the disk is full, or we are stopping); abort: also drop the ones
-    # in flight at their next chunk (Ctrl-C), their .partial files kept for a resume
-    stop, abort = threading.Event(), threading.Event()
+    # stop: start no more shards (the disk is full, or we are stopping); cancel: also stop the ones
+    # in flight now (Ctrl-C: their connections are shut), their .partial files kept for a resume
+    stop, cancel = threading.Event(), Cancel()
 
     def count(n):
-        if abort.is_set():
-            raise _Stopped()
+        cancel.check()
         with lock:
             done_bytes[0] += n
 
@@ -290,7 +466,8 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
             return
         try:
             download_file(f"{base_url.rstrip('/')}/{shard_name(i)}", out_dir / shard_name(i), retries=retries,
-                          backoff=backoff, timeout=timeout, on_bytes=count)
+                          backoff=backoff, timeout=timeout, on_bytes=count, stall_window=stall_window,
+                          cancel=cancel)
         except DiskFullError:
             stop.set()
             raise
@@ -316,7 +493,7 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
             # Ctrl-C) surfaced; a full disk lets the shards in flight finish, anything else stops them
             stop.set()
             if not isinstance(e, DiskFullError):
-                abort.set()
+                cancel.set()   # from this thread: workers blocked in recv return now, not at their next chunk
             for f in futures:
                 f.cancel()
             raise

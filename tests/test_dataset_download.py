@@ -1,6 +1,7 @@
 """Shard downloads (nanochat/dataset_download.py, and `python -m nanochat.dataset` driving it)
 against a local HTTP server on 127.0.0.1: resume, retries, verification, corrupt and damaged
-files, server faults, a full disk, two downloaders of one shard, and stopping on Ctrl-C."""
+files, server faults, a full disk, two downloaders of one shard, Ctrl-C; stalls and the CORE eval
+bundle are in tests/test_download_stall.py."""
 
 import errno
 import gzip
@@ -32,11 +33,14 @@ class FixtureServer:
     truncate_once (close mid-body on the first request), corrupt, 500, badsha, gzip (compress
     the body when the client accepts gzip), short_body (a Content-Length and body 1000 bytes
     short), close_no_length (no Content-Length, close mid-body), hold (the first request sends
-    half, sets `half_sent` and waits for `release_first`; Range requests wait for `release_ranged`)."""
+    half, sets `half_sent` and waits for `release_first`; Range requests wait for `release_ranged`),
+    trickle (the full Content-Length, 100 kB at once, then 100 B/s until the client goes or
+    `trickle_for` seconds pass), trickle_once (trickle the first request only)."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.modes, self.requests = files, {}, []
-        self._truncated = set()
+        self._truncated, self._trickled = set(), set()
+        self.trickle_for, self.closing = 5.0, threading.Event()
         self.half_sent, self.release_first, self.release_ranged = (threading.Event() for _ in range(3))
         server = self
 
@@ -86,6 +90,9 @@ class FixtureServer:
                     server.half_sent.set()
                     server.release_first.wait(10)
                     body = body[len(body) // 2:]
+                if mode == "trickle" or (mode == "trickle_once" and name not in server._trickled):
+                    server._trickled.add(name)
+                    return self._trickle(body)
                 if mode == "truncate_once" and name not in server._truncated:
                     server._truncated.add(name)
                     self.wfile.write(body[: len(body) // 2])
@@ -94,22 +101,41 @@ class FixtureServer:
                     return
                 self.wfile.write(body)
 
+            def _trickle(self, body: bytes):
+                """What a stalled mirror does: a good start, then 10 bytes every 0.1 s."""
+                self.close_connection = True
+                self.wfile.write(body[:100_000])
+                self.wfile.flush()
+                pos, until = 100_000, time.monotonic() + server.trickle_for
+                try:
+                    while pos < len(body) and time.monotonic() < until and not server.closing.wait(0.1):
+                        self.wfile.write(body[pos:pos + 10])
+                        self.wfile.flush()
+                        pos += 10
+                except OSError:   # the client shut the connection: what these tests want
+                    pass
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_port}/data"
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def close(self):
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
 
-@pytest.fixture
-def server():
+def shard_server() -> FixtureServer:
     rng = random.Random(0)  # ~300 kB per shard, uncompressed: several 64 kB download chunks
     files = {ds.shard_name(i): parquet_bytes(["".join(rng.choices("abcdefgh ", k=5000)) for _ in range(60)],
                                              compression="none") for i in (0, 1, 2, 6542)}
-    srv = FixtureServer(files)
+    return FixtureServer(files)
+
+
+@pytest.fixture
+def server():
+    srv = shard_server()
     yield srv
     srv.close()
 
@@ -166,7 +192,7 @@ def test_checksum_mismatch_is_rejected(server, tmp_path):
 
 def test_server_error_is_retried_then_reported(server, tmp_path, capsys, monkeypatch):
     sleeps = []
-    monkeypatch.setattr(dl.time, "sleep", sleeps.append)
+    monkeypatch.setattr(dl, "_pause", lambda seconds, cancel: sleeps.append(seconds))
     server.modes[ds.shard_name(1)] = "500"
     rc = ds.main(["--base-url", server.url, "--out", str(tmp_path), "-n", "2", "--retries", "3",
                   "--backoff", "0.5", "--no-progress"])
@@ -240,7 +266,7 @@ def test_a_full_disk_mid_download_is_one_line_not_retried(server, tmp_path, monk
     rc = exit_.value.code
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert "the disk filled while downloading" in err[0] and "finished shards are kept" in err[0], err
+    assert "the disk filled while downloading" in err[0] and "finished files are kept" in err[0], err
     assert len(calls) == 1     # no retry, no other shard started
 
 
@@ -336,27 +362,35 @@ def test_two_downloaders_of_one_shard_do_not_corrupt_it(server, tmp_path):
     second renamed away). Now the second waits for the first and keeps its result."""
     name = ds.shard_name(0)
     server.modes[name] = "hold"
-    dest, errors = tmp_path / name, {}
+    dest = tmp_path / name
+    results = two_at_once(server, lambda: dl.download_file(f"{server.url}/{name}", dest, retries=0, timeout=10))
+    assert results == {"first": None, "second": None} and dest.read_bytes() == server.files[name]
+    assert server.requests == [(name, None)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]   # no .partial, no .lock left
 
-    def fetch(who):
+
+def two_at_once(server, fetch) -> dict:
+    """fetch() in two threads: the second starts while the server holds the first's response
+    half sent ('hold' mode). {'first'|'second': fetch()'s result, or repr of its error}."""
+    results = {}
+
+    def run(who):
         try:
-            dl.download_file(f"{server.url}/{name}", dest, retries=0, timeout=10)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            errors[who] = repr(e)
+            results[who] = fetch()
+        except Exception as e:  # noqa: BLE001 - reported by the caller's assertion
+            results[who] = repr(e)
 
-    first = threading.Thread(target=fetch, args=("first",))
+    first = threading.Thread(target=run, args=("first",))
     first.start()
     assert server.half_sent.wait(10)
-    second = threading.Thread(target=fetch, args=("second",))
+    second = threading.Thread(target=run, args=("second",))
     second.start()
     time.sleep(0.3)               # the second is now waiting: for the lock, or (before) for the server
     server.release_first.set()
     first.join(10)
     server.release_ranged.set()
     second.join(10)
-    assert errors == {} and dest.read_bytes() == server.files[name]
-    assert server.requests == [(name, None)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]   # no .partial, no .lock left
+    return results
 
 
 def test_ctrl_c_stops_the_queued_and_running_shards(tmp_path, monkeypatch):
@@ -388,7 +422,7 @@ def test_a_downloader_waiting_for_another_can_be_stopped(server, tmp_path):
     def stop(n):
         raise RuntimeError("stopping")
 
-    with dl._shard_lock(dest):   # another downloader holds the shard
+    with dl.file_lock(dest):   # another downloader holds the shard
         with pytest.raises(RuntimeError, match="stopping"):
             dl.download_file(f"{server.url}/{dest.name}", dest, retries=0, on_bytes=stop)
     assert server.requests == [] and list(tmp_path.iterdir()) == []
