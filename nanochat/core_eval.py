@@ -301,7 +301,8 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
     `data` is load_core_data()'s result when the caller read it first (then tasks / data_dir /
     bundle_dir are ignored). Keys: results, centered_results (label -> float), core_metric (mean
     over the tasks that ran), available / missing (of the 22 CORE tasks, or of `tasks`), complete
-    (all 22 ran), num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>").
+    (all 22 ran), all_items (no task cut by max_per_task: a CORE of 8 items a task is a noisy
+    estimate, not the score), num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>").
     """
     if max_per_task is not None and max_per_task < 1:
         raise ValueError(f"--max-per-task: got {max_per_task}; accepted: None or >= 1")
@@ -312,7 +313,8 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
     source, wanted = data.source, data.wanted
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "config", None), "sequence_len", 2048)
-    out = {"source": source, "results": {}, "centered_results": {}, "num_examples": {}, "seconds": {}}
+    out = {"source": source, "results": {}, "centered_results": {}, "num_examples": {}, "seconds": {},
+           "all_items": True}
     was_training = getattr(model, "training", False)
     model.eval()
     try:
@@ -326,6 +328,7 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
             out["results"][label] = acc
             out["centered_results"][label] = centered_accuracy(acc, task.random_baseline)
             out["num_examples"][label] = min(len(items), max_per_task or len(items))
+            out["all_items"] &= out["num_examples"][label] == len(items)
             out["seconds"][label] = time.time() - t0
             log(f"{label:34s} acc {acc:.4f}  centered {out['centered_results'][label]:+.4f}  "
                 f"({out['num_examples'][label]} items, {task.num_fewshot}-shot, {out['seconds'][label]:.1f}s)")
@@ -336,5 +339,6 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
     out["missing"] = [t for t in wanted if t not in ran]
     out["complete"] = all(label in ran for label in CORE_LABELS)
     out["core_metric"] = core_metric(out["centered_results"]) if ran else float("nan")
-    log(f"CORE {out['core_metric']:.4f} over {len(ran)} tasks ({source}); missing: {out['missing'] or 'none'}")
+    cut = "" if out["all_items"] else f", at most {max_per_task} items a task (--max-per-task)"
+    log(f"CORE {out['core_metric']:.4f} over {len(ran)} tasks ({source}{cut}); missing: {out['missing'] or 'none'}")
     return out

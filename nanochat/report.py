@@ -3,7 +3,7 @@
 Writers (rank 0 only; other ranks get a no-op report):
     get_report().log("Base model training", {"depth": 20, "total_time_s": 3600.0, ...})
     log_metrics("base", {"step": 100, "loss": 3.21, "val_bpb": 0.98, "tok_per_sec": 1.5e5,
-                         "memory_gb": 41.2, "elapsed_s": 812.0})
+                         "peak_mem_gib": 38.4, "elapsed_s": 812.0})
 
 Files under <base_dir>/report/: header.json (system info + start time, by `reset`),
 sections/<slug>.json (a section's entries in logging order, {"time", "t", "data"} each),
@@ -19,8 +19,11 @@ evaluations, then time), the precision plan's fields grouped under `precision`.
 Summary values are read from section data: a "stage" key (else the stage named in the section
 title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy");
 the latest entry wins. A value logged before the latest training run of its stage (or of an earlier
-stage: a section with "final_step") is marked "(stale)", a CORE/ChatCORE of a subset of the tasks
-("<row> complete": false) "(partial)" (it does not replace a complete, current one). Plots and the
+stage: a section with "final_step") is marked "(stale)"; one of a subset of the tasks or of their
+problems ("<row> complete": false: a CORE/ChatCORE without every task, a chat_eval --max-problems
+or base_eval --max-per-task run) "(partial)", and it does not replace a complete, current one; a
+generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(pass@k)". Memory
+is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots and the
 time table show each stage's current run: rows of an earlier run of the stage, or of steps a
 resumed run redid, are left out (and counted).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
@@ -30,6 +33,7 @@ one line, exit 2); metrics lines that are not JSON objects (a torn write) are sk
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -45,7 +49,7 @@ from pathlib import Path
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
-from nanochat.report_md import _entries_md, _hms
+from nanochat.report_md import NOTES, _entries_md, _hms, _value_notes
 
 STAGES = ("base", "mid", "sft", "rl")
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
@@ -60,7 +64,12 @@ SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
 # metric name -> accepted keys in metrics_<stage>.jsonl
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss"), "val_bpb": ("val_bpb",), "tok_per_sec": ("tok_per_sec", "tokens_per_sec"),
-    "memory_gb": ("memory_gb", "peak_memory_gb", "mem_gb"), "elapsed_s": ("elapsed_s", "wall_s"),
+    "memory_gib": ("peak_mem_gib", "memory_gib"), "elapsed_s": ("elapsed_s", "wall_s"),
+}
+# keys in another unit: (key, factor to the metric's unit). loop.py logs memory_gb in GB (1e9 bytes):
+# drawn as GB under a "GB" label while the log line and the sections said GiB, 7% apart at 40 GiB
+METRIC_SCALED: dict[str, tuple[tuple[str, float], ...]] = {
+    "memory_gib": tuple((k, 1e9 / 2**30) for k in ("memory_gb", "peak_memory_gb", "mem_gb")),
 }
 PLOTS = (  # (y metric, x metric, file name, title)
     ("loss", "step", "loss_vs_step.png", "training loss vs step"),
@@ -68,17 +77,8 @@ PLOTS = (  # (y metric, x metric, file name, title)
     ("val_bpb", "step", "val_bpb_vs_step.png", "validation bits per byte vs step"),
     ("val_bpb", "elapsed_s", "val_bpb_vs_time.png", "validation bits per byte vs wall clock"),
     ("tok_per_sec", "step", "tok_per_sec.png", "throughput (tokens/s)"),
-    ("memory_gb", "step", "memory.png", "peak memory (GB)"),
+    ("memory_gib", "step", "memory.png", "peak memory (GiB)"),
 )
-NOTES = {
-    "val bpb": "- val bpb: base_eval's bits per byte on the pretraining validation text, comparable across stages",
-    "val bpb (own data)": "- val bpb (own data): each training stage's last validation, on its own data (base: "
-                         "pretraining text; mid: held-out conversations of its mixture; SFT: the assistant tokens of "
-                         "held-out conversations), so not comparable across stages or with the row above",
-    "stale": "- (stale): logged before the latest training run of this stage or an earlier one, so it may "
-             "describe an older model: rerun the evaluation",
-    "partial": "- (partial): computed from a subset of the tasks, not comparable with a complete score",
-}
 _STAGE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
@@ -110,8 +110,9 @@ def jsonable(value):
 def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
     """Append one line to <base_dir>/report/metrics_<stage>.jsonl (rank 0 only; cheap: one write).
 
-    Keys the plots read: step, loss, val_bpb, tok_per_sec, memory_gb, elapsed_s (wall-clock seconds
-    since the stage started; "time" is the epoch time, added when absent). Other keys are kept.
+    Keys the plots read: step, loss, val_bpb, tok_per_sec, peak_mem_gib (GiB; memory_gb in GB is
+    converted), elapsed_s (wall-clock seconds since the stage started; "time" is the epoch time,
+    added when absent). Other keys are kept.
     """
     if not isinstance(stage, str) or not _STAGE_RE.match(stage):
         raise ValueError(f"stage: got {stage!r}; accepted: lowercase letters/digits/_/- (e.g. base|mid|sft|rl)")
@@ -151,9 +152,9 @@ def read_metrics(base_dir=None) -> dict[str, list[dict]]:
 
 
 def _get(row: dict, metric: str):
-    for key in METRIC_KEYS.get(metric, (metric,)):
+    for key, factor in [(k, 1.0) for k in METRIC_KEYS.get(metric, (metric,))] + list(METRIC_SCALED.get(metric, ())):
         if isinstance(row.get(key), (int, float)):
-            return float(row[key])
+            return float(row[key]) * factor
     return None
 
 
@@ -228,7 +229,9 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / name, format="png")
+        png = io.BytesIO()   # then an atomic write: a crash mid-save left a torn PNG that report.md showed
+        fig.savefig(png, format="png")
+        _write_bytes(out_dir / name, png.getvalue())
         made.append((title, out_dir / name))
     return made
 
@@ -244,7 +247,7 @@ def system_info() -> dict:
         n = torch.cuda.device_count()
         info["device"] = f"{n} x {torch.cuda.get_device_name(0)}"
         info["cuda"] = torch.version.cuda
-        info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     else:
         info["device"] = "cpu"
     info["cpu"] = _cpu_name()
@@ -252,7 +255,7 @@ def system_info() -> dict:
     try:
         import psutil
 
-        info["memory_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
     return info
@@ -309,11 +312,15 @@ def _entry_time(entry: dict) -> float:
         return 0.0
 
 
-def _write_text(path: Path, text: str) -> None:
+def _write_bytes(path: Path, data: bytes) -> None:
     """Atomic (temp file + os.replace, a per-process temp name): a crash or a concurrent writer
     never leaves a torn file, which the next `generate` would refuse as corrupt."""
     from nanochat.checkpoint_io import atomic_write
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode("utf-8"))
 
 
 def _read_json(path: Path, what: str, valid) -> dict:
@@ -390,7 +397,8 @@ class Report:
     def summary_cells(self) -> dict[str, dict[str, tuple[float, list[str]]]]:
         """metric -> stage -> (value, notes): the summary with what the reader must know about each
         value: "stale" (logged before the latest training run of its stage or an earlier one: it
-        may describe an older model) and "partial" (a CORE/ChatCORE of a subset of the tasks)."""
+        may describe an older model), "partial" (of a subset of the tasks or of their problems) and
+        "pass@k" (the best of k sampled answers), see _value_notes."""
         entries = []   # (time, order, stage, data): every entry of every section, oldest first
         for doc in self.sections():
             for entry in doc["entries"]:
@@ -411,11 +419,14 @@ class Report:
             for row, keys in SUMMARY_ROWS.items():
                 for key in keys:
                     if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
-                        notes = (["stale"] if any(t < tt for tt in upstream) else []) + \
-                            (["partial"] if data.get(f"{row} complete") is False else [])
-                        # a partial score (one task evaluated again) keeps a complete, current one
-                        if notes != ["partial"] or table[row].get(stage, (0, ["partial"]))[1]:
-                            table[row][stage] = (float(data[key]), notes)
+                        notes = (["stale"] if any(t < tt for tt in upstream) else []) + _value_notes(row, data)
+                        # a partial score (one task, or a few problems, evaluated again) keeps a
+                        # complete, current one
+                        old = table[row].get(stage)
+                        if "partial" in notes and "stale" not in notes and old is not None \
+                                and not {"stale", "partial"} & set(old[1]):
+                            continue
+                        table[row][stage] = (float(data[key]), notes)
         return table
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
@@ -455,7 +466,8 @@ class Report:
         for row, cells in self.summary_cells().items():
             shown = ["-" if s not in cells else " ".join([f"{cells[s][0]:.4f}", *(f"({n})" for n in cells[s][1])])
                      for s in STAGES]
-            noted.update([n for _, notes in cells.values() for n in notes] + ([row] if cells and row in NOTES else []))
+            noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes in cells.values() for n in notes]
+                         + ([row] if cells and row in NOTES else []))
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
         return lines + [""] + [NOTES[n] for n in NOTES if n in noted] + ([""] if noted else [])
 

@@ -1,6 +1,7 @@
 """Markdown rendering of the report's section entries (nanochat/report.py owns the files, the
 summary and the time table): values formatted for reading, nested data as lists, multi-line samples
-fenced, the precision plan's fields grouped under `precision`, and the runs of a stage labelled."""
+fenced, the precision plan's fields grouped under `precision`, the runs of a stage labelled, and the
+notes a summary value carries ("(partial)", "(pass@k)") with what they mean."""
 
 from __future__ import annotations
 
@@ -117,3 +118,36 @@ def _entries_md(entries: list[dict]) -> list[str]:
 def _hms(seconds: float) -> str:
     s = round(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+# ---------------------------------------------------------------- the summary's value notes
+
+NOTES = {
+    "val bpb": "- val bpb: base_eval's bits per byte on the pretraining validation text, comparable across stages",
+    "val bpb (own data)": "- val bpb (own data): each training stage's last validation, on its own data (base: "
+                         "pretraining text; mid: held-out conversations of its mixture; SFT: the assistant tokens of "
+                         "held-out conversations), so not comparable across stages or with the row above",
+    "stale": "- (stale): logged before the latest training run of this stage or an earlier one, so it may "
+             "describe an older model: rerun the evaluation",
+    "partial": "- (partial): computed from a subset of the tasks or of their problems (chat_eval --max-problems, "
+               "base_eval --max-per-task), not comparable with a complete score",
+    "pass@k": "- (pass@k): a generative task counted as solved when any of k sampled answers is right (chat_eval "
+              "--num-samples k), higher than the one-answer score",
+}
+# summary rows of chat_eval's tasks, and those of its generative ones (pass@k with --num-samples k)
+CHAT_ROWS = ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE")
+GENERATIVE_ROWS = ("GSM8K", "HumanEval", "SpellingBee", "ChatCORE")
+
+
+def _value_notes(row: str, data: dict) -> list[str]:
+    """"partial" and "pass@k" for a summary row's value in a section entry (see summary_cells).
+    chat_eval entries logged before it wrote "<task> complete" / "<task> scored as" name only their
+    max_problems / num_samples: a cap then marks every chat row partial, k > 1 the generative rows."""
+    legacy = isinstance(data.get("max_problems"), int) or data.get("num_samples", 1) != 1
+    legacy = legacy and not any(f"{r} complete" in data for r in CHAT_ROWS[:-1])
+    partial = data.get(f"{row} complete") is False or (legacy and row in CHAT_ROWS and isinstance(
+        data.get("max_problems"), int) and data["max_problems"] > 0)
+    scored = data.get(f"{row} scored as")
+    if legacy and row in GENERATIVE_ROWS and isinstance(data.get("num_samples"), int) and data["num_samples"] > 1:
+        scored = f"pass@{data['num_samples']}"
+    return (["partial"] if partial else []) + ([scored] if isinstance(scored, str) and scored != "pass@1" else [])

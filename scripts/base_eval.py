@@ -165,6 +165,7 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
             bpb = evaluate_bpb(model, loader, steps, token_bytes)
             loader.close()
             results["bpb"][split] = bpb
+            results["bpb_tokens"] = steps * per_step   # at least one batch: may exceed --eval-tokens
             print0(f"{split} bpb: {bpb:.4f} ({steps} x {per_step:,} tokens)")
 
     if "sample" in cfg.evals and rt.is_master:
@@ -198,9 +199,15 @@ def log_report(results: dict) -> None:
     section = {"stage": results["phase"], "model_tag": results["model_tag"], "step": results["step"],
                "seconds": round(results["seconds"], 1)}
     section.update({f"{split}_bpb": v for split, v in results.get("bpb", {}).items()})
+    if "bpb_tokens" in results:   # how many tokens the bpb above is over (--eval-tokens, rounded to batches)
+        section["bpb_tokens"] = results["bpb_tokens"]
     core = results.get("core")
     if core is not None:
-        section.update({"CORE metric": core.get("core_metric"), "CORE complete": core.get("complete"),
+        # complete: every CORE task and all of its items (a --max-per-task run is an estimate: the
+        # report's summary labels it "(partial)" and keeps a complete score of the same model)
+        section.update({"CORE metric": core.get("core_metric"),
+                        "CORE complete": bool(core.get("complete")) and core.get("all_items", True),
+                        "CORE max_per_task": results["config"].get("max_per_task", -1),
                         "CORE tasks": len(core.get("centered_results", {})),
                         "centered": core.get("centered_results")})
     if results.get("samples"):

@@ -67,6 +67,10 @@ class ChatEvalConfig:
         require(self.batch_size >= 1, "--batch-size", self.batch_size, ">= 1")
         require_float(self.temperature, "--temperature", 0.0)   # inf / nan too, not only negatives
         require(self.num_samples >= 1, "--num-samples", self.num_samples, ">= 1")
+        # greedy samples are identical: pass@k would equal pass@1 at k times the generation time
+        require(self.num_samples == 1 or self.temperature > 0, "--num-samples", self.num_samples,
+                "1 with --temperature 0 (greedy decoding draws the same answer every time; pass "
+                "--temperature > 0, e.g. 0.8, for pass@k)")
         require(self.top_k >= 0, "--top-k", self.top_k, ">= 0 (0 = off)")
         require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, ">= 1")
         from nanochat.engine import DECODE_MODES
@@ -127,14 +131,23 @@ def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=N
                                  max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                  top_k=cfg.top_k or None, seed=cfg.seed, max_problems=cfg.max_problems,
                                  name=name, log=print0)
+        # "problems": the task's size; total < problems is a subset (--max-problems), not the score
         results[name] = {"accuracy": res.accuracy, "passed": res.passed, "total": res.total,
-                         "baseline": EVAL_TASKS[name][1], "seconds": round(time.time() - t0, 1)}
+                         "problems": len(task), "baseline": EVAL_TASKS[name][1],
+                         "seconds": round(time.time() - t0, 1)}
         curve = ""
         if len(res.passed_at) > 1:  # pass@k for every k up to --num-samples (accuracy is the last)
             results[name]["pass_at"] = {str(k): res.pass_at(k) for k in range(1, len(res.passed_at) + 1)}
             curve = "  pass@1..k " + " ".join(f"{v:.3f}" for v in results[name]["pass_at"].values())
-        print0(f"{name:14s} {res.accuracy:.4f}  ({res.passed}/{res.total}, {results[name]['seconds']}s){curve}")
+        subset = f" of {len(task)}" if res.total < len(task) else ""
+        print0(f"{name:14s} {res.accuracy:.4f}  ({res.passed}/{res.total}{subset}, "
+               f"{results[name]['seconds']}s){curve}")
     return results
+
+
+def subset_tasks(results: dict[str, dict]) -> list[str]:
+    """The tasks scored on only some of their problems (--max-problems below the task's size)."""
+    return [n for n, r in results.items() if r["total"] < r["problems"]]
 
 
 def main(argv=None) -> dict:
@@ -160,13 +173,20 @@ def main(argv=None) -> dict:
         results = evaluate(cfg, tasks, model, tokenizer, rt.device, rt.dtype)
         accuracies = {n: r["accuracy"] for n, r in results.items()}
         score = chatcore(accuracies, {n: EVAL_TASKS[n][1] for n in accuracies})
-        complete = set(accuracies) == set(EVAL_TASKS)
+        complete = set(accuracies) == set(EVAL_TASKS)   # every task (JSON "complete", as before)
+        cut = subset_tasks(results)                      # ... and every problem of each
+        scored = f"pass@{cfg.num_samples}" if cfg.num_samples > 1 else ""
         print0("\n| Task | Accuracy |\n|---|---|")
         for n, a in accuracies.items():
-            print0(f"| {n} | {a:.4f} |")
-        print0(f"| ChatCORE{'' if complete else ' (partial)'} | {score:.4f} |")
+            r = results[n]
+            notes = ([f"{r['total']} of {r['problems']} problems"] if n in cut else []) + \
+                ([scored] if scored and tasks[n].eval_type == "generative" else [])
+            print0(f"| {n}{''.join(f' ({x})' for x in notes)} | {a:.4f} |")
+        why = ([] if complete else ["a subset of the tasks"]) + (["a subset of the problems"] if cut else [])
+        partial = f" (partial: {' and '.join(why)})" if why else ""
+        print0(f"| ChatCORE{partial} | {score:.4f} |")
         out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,
-               "ChatCORE": score, "complete": complete}
+               "ChatCORE": score, "complete": complete, "all_problems": not cut}
         if rt.is_master:
             suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
             # one file per checkpoint (as base_eval's): evaluating another step keeps the earlier results
@@ -176,15 +196,35 @@ def main(argv=None) -> dict:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(Path(path), lambda f: f.write(json.dumps(out, indent=1).encode()))
             print0(f"results written to {path}")
-            section = {"stage": cfg.source, "model_tag": tag, "step": out["step"],   # resolved, as base_eval's
-                       "temperature": cfg.temperature, "num_samples": cfg.num_samples,
-                       "max_problems": cfg.max_problems, **accuracies, "ChatCORE metric": score,
-                       "ChatCORE complete": complete, "seconds": round(sum(r["seconds"] for r in results.values()), 1),
-                       **({"weights": cfg.quantize} if suffix else {})}
+            section = report_section(cfg, tag, out, tasks)
             get_report().log(f"Chat evaluation {cfg.source}" + (f" ({cfg.quantize} weights)" if suffix else ""), section)
         return out
     finally:
         destroy_runtime(rt)
+
+
+def report_section(cfg: ChatEvalConfig, tag: str, out: dict, tasks: dict) -> dict:
+    """The report entry. The summary table shows the latest entry of a stage, so what makes a score
+    not comparable with a full greedy run is said per value: "<task> complete" (False for a task
+    scored on a subset of its problems) (a --max-problems run's score was shown as the task's),
+    "ChatCORE complete" only for every problem of every task, and "<task> scored as": "pass@k"
+    for a generative task scored over --num-samples k (the best of k answers, not one)."""
+    results = out["results"]
+    cut = subset_tasks(results)
+    section = {"stage": cfg.source, "model_tag": tag, "step": out["step"],   # resolved, as base_eval's
+               "temperature": cfg.temperature, "num_samples": cfg.num_samples, "max_problems": cfg.max_problems,
+               **{n: r["accuracy"] for n, r in results.items()},
+               **{f"{n} complete": n not in cut for n in results},
+               "ChatCORE metric": out["ChatCORE"], "ChatCORE complete": out["complete"] and not cut,
+               "seconds": round(sum(r["seconds"] for r in results.values()), 1)}
+    if cfg.num_samples > 1:
+        generative = [n for n, task in tasks.items() if task.eval_type == "generative"]
+        section.update({f"{n} scored as": f"pass@{cfg.num_samples}" for n in generative})
+        if generative:
+            section["ChatCORE scored as"] = f"pass@{cfg.num_samples}"
+    if cfg.quantize != "none":
+        section["weights"] = cfg.quantize
+    return section
 
 
 if __name__ == "__main__":

@@ -147,7 +147,9 @@ def build_parser() -> FlagParser:
     ap = FlagParser(prog="python -m scripts.pretokenize", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="text shard directory (default $NANOCHAT_BASE_DIR/base_data)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default <data-dir>_tokens)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output directory (default <data-dir>_tokens, the only place the dataloader looks: "
+                         "shards written elsewhere are not used by training until moved there)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
     print(f"pretokenizing {len(shards)} shards from {data_dir} into {out_dir} "
           f"(vocab {tokenizer.vocab_size}, {bs.dtype_for_vocab(tokenizer.vocab_size).name}, "
           f"tokenizer {tokenizer.fingerprint[:12]}, {args.workers} workers)")
+    if out_dir.resolve() != bs.default_bin_dir(data_dir).resolve():   # --out was accepted, then unused
+        print(f"note: training reads binary shards only from {bs.default_bin_dir(data_dir)} (<data-dir>_tokens); "
+              f"move {out_dir} there for base_train to use them, or it tokenizes {data_dir} on the fly")
     t0 = time.perf_counter()
     results = pretokenize(shards, out_dir, tokenizer, workers=args.workers, threads=args.threads,
                           force=args.force)

@@ -98,6 +98,17 @@ def sanity_check(tok: Tokenizer) -> None:
           f"({nbytes / len(ids):.2f} bytes/token), no special tokens from typed text")
 
 
+def previous_fingerprint(output_dir: Path) -> str | None:
+    """The fingerprint of the tokenizer already in output_dir, None when there is none (or it is
+    unreadable: then nothing that depends on it loads either)."""
+    from nanochat.tokenizer import TokenizerError
+
+    try:
+        return Tokenizer.load(output_dir).fingerprint
+    except TokenizerError:
+        return None
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, validated before any data is read: a bad one raises ValueError naming it (under
     script_main one line, exit 2)."""
@@ -138,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
           f"+ {len(SPECIAL_TOKENS)} special)")
 
     sanity_check(tok)
+    replaced = previous_fingerprint(output_dir)
     tok.save(output_dir)
+    if replaced not in (None, tok.fingerprint):   # silently, checkpoints of the old one stopped loading
+        print(f"replaced the tokenizer {replaced[:12]} that was in {output_dir}: checkpoints and binary token "
+              "shards made with it no longer match (retrain / re-run pretokenize)")
     print(f"saved {output_dir / 'tokenizer.pkl'} and {output_dir / 'token_bytes.pt'}")
     print(f"fingerprint {tok.fingerprint}")
 

@@ -76,7 +76,7 @@ def test_generate_with_plots_and_summary(base):
     stages = {r[0]: r for r in timing[2:]}
     assert stages["base"][1] == "191" and stages["base"][2] == "0:06:20"
     assert "- estimated cost at $3.00/h: $0.35 for the table's total" in text   # 380 s of base + 35 of sft
-    for key in ("git_sha", "torch", "device", "cpu", "memory_gb"):
+    for key in ("git_sha", "torch", "device", "cpu", "memory_gib"):
         assert f"- {key}: " in text
     assert "## Base model training" in text and "- num_params: 123,456" in text
 

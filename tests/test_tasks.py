@@ -347,7 +347,7 @@ def test_get_task_and_chat_eval_flags():
     assert set(EVAL_TASKS) == {"ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"}
     with pytest.raises(ValueError, match="--task-name"):
         get_task("TriviaQA")
-    cfg = parse_args(["-i", "sft", "-a", "ARC-Easy|GSM8K", "--max_problems", "5", "--num-samples", "2"])
+    cfg = parse_args(["-i", "sft", "-a", "ARC-Easy|GSM8K", "--max_problems", "5", "--num-samples", "2", "-t", "0.8"])
     assert cfg.tasks() == ["ARC-Easy", "GSM8K"] and cfg.max_problems == 5 and cfg.num_samples == 2
     for argv, flag in ((["-i", "pretrain"], "--source"), (["-i", "sft", "-a", "ARC"], "--task-name"),
                        (["-i", "sft", "--temperature", "-1"], "--temperature"), (["-i", "sft", "--step", "x"], "--step"),

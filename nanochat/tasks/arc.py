@@ -31,9 +31,14 @@ def mc_conversation(question: str, choices: list[str], answer: int, **extra) -> 
 
 
 def check_mc_row(row: dict) -> str | None:
-    """What is wrong with a multiple-choice row {"question", "choices", "answer"}, or None."""
+    """What is wrong with a multiple-choice row {"question", "choices", "answer"}, or None. The
+    texts are checked too: a null question or choice passed here and stopped the evaluation with
+    an AttributeError after the model had loaded (or was shown as "None" in the prompt)."""
     choices, answer = row["choices"], row["answer"]
-    if not isinstance(choices, list) or not 1 <= len(choices) <= len(LETTERS):
+    if not isinstance(row["question"], str):
+        return f"'question' must be a string, got {type(row['question']).__name__}"
+    if not isinstance(choices, list) or not 1 <= len(choices) <= len(LETTERS) \
+            or not all(isinstance(c, str) for c in choices):
         return f"'choices' must be a list of 1..{len(LETTERS)} strings"
     ok = not isinstance(answer, bool) and (isinstance(answer, int) or (isinstance(answer, str) and answer.isdigit()))
     if not ok or not 0 <= int(answer) < len(choices):

@@ -79,6 +79,17 @@ def assistant_text(conversation: dict) -> str:
     return "".join(p["text"] for p in content)
 
 
+def check_row(row: dict) -> str | None:
+    """What is wrong with a GSM8K row, or None. An answer without its final '#### N' has no gold
+    number: every completion would score as wrong (and SFT would train on a solution that never
+    states its answer), silently."""
+    if not (isinstance(row["answer"], str) and isinstance(row["question"], str)):
+        return "'question' and 'answer' must be strings"
+    if extract_answer(row["answer"]) is None:
+        return f"'answer' must end in '#### N' (the final number), got ...{row['answer'][-40:]!r}"
+    return None
+
+
 class GSM8K(Task):
     eval_type = "generative"
     name = "GSM8K"
@@ -89,8 +100,7 @@ class GSM8K(Task):
             raise ValueError(f"GSM8K split: got {split!r}; accepted: {'|'.join(_SPLITS)}")
         names = [f"gsm8k_{split}.jsonl"] + (["gsm8k.jsonl"] if split == "test" else [])
         self.rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=("openai/gsm8k", "main", split))
-        check_rows(self.rows, self.source, ("question", "answer"), lambda r: None if isinstance(r["answer"], str)
-                   and isinstance(r["question"], str) else "'question' and 'answer' must be strings")
+        check_rows(self.rows, self.source, ("question", "answer"), check_row)
 
     def num_examples(self) -> int:
         return len(self.rows)

@@ -59,6 +59,20 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     return prompt.rstrip("\n") + "\n\n\n" + code
 
 
+_KEYS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+
+
+def _check_row(row: dict) -> str | None:
+    """Every field is text and entry_point a Python name: a null or numeric one stopped the run
+    with a TypeError after the model had loaded, or ran a program that could never pass."""
+    bad = [k for k in _KEYS if not isinstance(row[k], str)]
+    if bad:
+        return f"{', '.join(map(repr, bad))} must be text (a JSON string)"
+    if not row["entry_point"].isidentifier():
+        return f"'entry_point' must be a Python function name, got {row['entry_point']!r}"
+    return None
+
+
 class HumanEval(Task):
     eval_type = "generative"
     name = "HumanEval"
@@ -67,7 +81,7 @@ class HumanEval(Task):
         super().__init__(**kw)
         self.rows, self.source = load_rows("eval", ["humaneval.jsonl"], data_dir=data_dir,
                                            hub=("openai/openai_humaneval", None, "test"))
-        check_rows(self.rows, self.source, ("task_id", "prompt", "canonical_solution", "test", "entry_point"))
+        check_rows(self.rows, self.source, _KEYS, _check_row)
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
 
     def num_examples(self) -> int:

@@ -16,6 +16,7 @@ import re
 import string
 import zlib
 
+from nanochat.errors import DataError, MissingDataError
 from nanochat.tasks.common import DataUnavailableError, Task, find_local_file
 from nanochat.tasks.gsm8k import answers_match, extract_answer
 
@@ -38,8 +39,14 @@ def load_words(data_dir=None) -> list[str]:
         where = "\n  ".join(map(str, tried))
         raise DataUnavailableError(f"word list 'words.txt' not found.\nLocal files tried (set "
                                    f"NANOCHAT_EVAL_DIR or pass data_dir):\n  {where}\nHub: no hub fallback")
-    words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines()]
-    return [w for w in words if w.isalpha() and w.islower() and w.isascii()]
+    try:
+        words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e}); re-create the word list") from None
+    words = [w for w in words if w.isalpha() and w.islower() and w.isascii()]
+    if not words:   # rng.choice([]) stopped the evaluation with an IndexError after the model loaded
+        raise MissingDataError(f"{path}: no usable words (lowercase a-z, one per line); re-create the word list")
+    return words
 
 
 class _WordTask(Task):
@@ -55,7 +62,11 @@ class _WordTask(Task):
         if size < 1:
             raise ValueError(f"{self.name} size: got {size}; accepted: >= 1")
         in_test = lambda w: zlib.crc32(w.encode()) % 10 == 0  # noqa: E731
-        self.words = [w for w in load_words(data_dir) if in_test(w) == (split == "test")]
+        words = load_words(data_dir)
+        self.words = [w for w in words if in_test(w) == (split == "test")]
+        if not self.words:   # a short list can leave a split without words (1 in 10 go to test)
+            raise MissingDataError(f"{self.name}: none of the {len(words)} words of the word list falls in the "
+                                   f"{split} split (crc32(word) % 10 == 0 is test); use a longer word list")
         self.size, self.split, self.seed = size, split, seed
 
     def num_examples(self) -> int:
