@@ -21,9 +21,10 @@ from pathlib import Path
 from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
-from nanochat.tracker import check_wandb_available, resolve_wandb_mode
+from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
 from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int
+from nanochat.loop import TRAIN_FLAG_HELP
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class ChatTrainConfig:
         for path in self.extra_conversations:
             require(Path(path).is_file(), "--extra-conversations", path,
                     'an existing JSONL file, one {"messages": [...]} conversation per line')
-        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        check_wandb_flags(self.wandb, self.run)
         return self
 
 
@@ -146,6 +147,21 @@ EXTRA_HELP = {
                            'your own); repeat the flag for more files, name a file twice to mix it in twice',
     "identity": "the model's name in the built-in identity conversations (\"My name is NAME.\"); default: "
                 "nanochat-spark",
+}
+
+
+CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
+    **TRAIN_FLAG_HELP,
+    "model_tag": "the model tag of the --source checkpoint, and of this stage's own; not given: the --source "
+                 "phase's only tag, or its deepest d<N>",
+    "num_iterations": "optimizer steps; -1: one epoch of the conversation mixture",
+    "max_seq_len": "tokens per row; -1: the model's sequence length",
+    "init_lr_frac": "every learning rate above is multiplied by this",
+    "eval_tokens": "validation tokens per evaluation; -1: 20 micro-batches",
+    "data_dir": "a data root holding eval/ sft/ words/ (or one of them); not given: $NANOCHAT_EVAL_DIR / "
+                "$NANOCHAT_SFT_DIR, else eval_data/ / sft_data/ in the base dir, else ../shared/data",
+    "test_holdout": "N >= 0: also train on the local MMLU / ARC / GSM8K test files minus their first N problems "
+                    "(offline, no train splits); -1: off",
 }
 
 
@@ -167,7 +183,11 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
         elif f.type == "list[str]":
             parser.add_argument(flag, action="append", default=[], metavar="PATH", help=EXTRA_HELP[f.name])
         else:
-            help_text = "|".join(stage.sources) if f.name == "source" else f"default: {defaults[f.name]}"
+            about = CHAT_FLAG_HELP.get(f.name)
+            help_text = (f"{about}; " if about else "") + f"default: {defaults[f.name]}"
+            if f.name == "source":
+                help_text = (f"{'|'.join(stage.sources)}: the checkpoint phase to start from; "
+                             f"default: {stage.sources[0]}")
             if f.name == "eval_every":
                 help_text = ("N: evaluate val bpb at step 0, every N steps and at the last step; -1 or 0: never, "
                              f"not even at the last step; default: {defaults[f.name]}")
@@ -338,13 +358,32 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
 
 
+def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> None:
+    """Is there a checkpoint to start from, and do --max-seq-len and --total-batch-size fit its model
+    (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
+    (seconds to minutes at d20); `_start` checks the model it loaded again."""
+    from nanochat.checkpoint import CheckpointError, read_meta
+    _, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    try:
+        model_len = (read_meta(src_dir, cfg.step).get("model_config") or {}).get("sequence_len")
+    except CheckpointError:   # a step that is not there, a damaged meta.json: the load names it, in full
+        return
+    if not isinstance(model_len, int):
+        return
+    seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model_len
+    require(seq_len <= model_len, "--max-seq-len", seq_len, f"<= the model's sequence length {model_len}")
+    if cfg.total_batch_size != -1:
+        plan_batch(cfg.total_batch_size, cfg.device_batch_size, seq_len, world_size)
+
+
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations, validation_overlap
     from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
     from nanochat.kernels import check_kernel
-    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop
+    from nanochat.loop import (LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop,
+                               say_schedule_changes)
     from nanochat.optim import build_optimizer
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
@@ -353,7 +392,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
-    resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)  # cheap: is there a checkpoint at all?
+    check_rows(cfg, stage, base_dir, rt.world_size)  # cheap: a checkpoint to start from, rows that fit it
     check_kernel(cfg.kernel, rt.device)
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
@@ -372,6 +411,10 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         train_mix, tokenizer, seq_len, plan.total_batch_size, mask=stage.mask, fill=stage.fill)
     if resume is not None:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
+        saved_cfg = {**(resume["meta"].get("config") or {}),
+                     "num_iterations": (resume["meta"].get("train") or {}).get("num_iterations")}
+        say_schedule_changes(saved_cfg, {"num_iterations": num_iterations, "warmup_ratio": cfg.warmup_ratio,
+                                         "warmdown_ratio": cfg.warmdown_ratio, "final_lr_frac": cfg.final_lr_frac})
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),

@@ -103,7 +103,13 @@ def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = prin
     if value != "auto":
         return value
     found = (Path(ckpt_dir) / LATEST_NAME).is_file()
-    log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in {ckpt_dir}")
+    steps = [] if found else list_steps(ckpt_dir)
+    if steps:   # checkpoints, but no record of the newest (e.g. an --overwrite cut short): not guessed
+        log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
+            "fresh (--resume STEP continues one of them)")
+    else:
+        log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in "
+            f"{ckpt_dir}")
     return "latest" if found else None
 
 
@@ -121,8 +127,10 @@ def check_fresh_start(ckpt_dir, overwrite: bool) -> list[int]:
     ckpt_dir = Path(ckpt_dir)
     steps = list_steps(ckpt_dir)
     if steps and not overwrite:
+        how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
+               f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
         raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
-                              "overwrite them: pass --resume latest (or auto) to continue it, another --model-tag "
+                              f"overwrite them: pass {how} to continue it, another --model-tag "
                               "to train a new one, or --overwrite to delete them")
     return steps
 
@@ -301,7 +309,10 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
     world_size = _world_size()
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a crashed save of this step
+        # leftovers of saves cut short (a second Ctrl-C, a SIGKILL, a crash), of this step or any other:
+        # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
+        for leftover in ckpt_dir.glob("step_*.partial"):
+            shutil.rmtree(leftover, ignore_errors=True)
         staging.mkdir()
     barrier()
     try:

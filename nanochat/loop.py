@@ -15,7 +15,10 @@ state of its checkpoint and continues bit for bit.
 SIGTERM (run_train.sh --stop, torchrun passing a stop on, a scheduler) or a first Ctrl-C stops the
 run gracefully: the step in flight finishes, a checkpoint is saved at the next step index (as a
 periodic save would be; every rank agrees on the step), and StopRequested ends the script with one
-line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A
+line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A stop
+that arrives during an evaluation or a save stops at that step: no step more, and no second save
+(the save in flight is the stop's checkpoint; a step more plus a save could outlast torchrun's
+grace). A
 second Ctrl-C interrupts at once. Under torchrun, which SIGKILLs its workers a fixed time after
 passing a stop on (30 s unless set), the loop's first line says how long that is.
 
@@ -50,6 +53,26 @@ import torch
 from nanochat.common import get_base_dir, print0
 from nanochat.errors import RequestError
 from nanochat.report import jsonable
+
+
+# --help text of the flags every training recipe shares (base_train, mid_train, chat_sft, chat_rl);
+# each script appends "; default: X"
+TRAIN_FLAG_HELP = {
+    "save_every": "N: save a checkpoint every N steps; -1 or 0: only the one at the last step (always saved)",
+    "keep_last": "N > 0: keep this run's newest N checkpoints, deleting its older ones; 0: keep all",
+    "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when there is one, else "
+              "a fresh start); not given: a fresh start",
+    "device": "auto|cpu|cuda|mps (auto: CUDA, else MPS, else the CPU)",
+    "dtype": "auto|bf16|fp32 (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
+    "kernel": "current|liger|triton: the loss (and, triton, fused ops) backend",
+    "compile": "torch.compile the model",
+    "run": "wandb run name: any name but 'dummy' turns wandb logging on (--wandb says how)",
+    "wandb": "off|offline|online (not given: offline when --run names a run, else off)",
+    "model_tag": "the checkpoint directory's name under checkpoints/<phase>/",
+    "grad_clip": "clip the global gradient norm to this; 0: off",
+    "num_iterations": "optimizer steps; -1: the stage's own horizon",
+    "step": "the step of the checkpoint to start from: latest or a number",
+}
 
 
 @dataclass
@@ -247,13 +270,16 @@ def _due(every: int, step: int, last: bool) -> bool:
 
 
 def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool, tracker, report: bool,
-                         t_start: float) -> None:
+                         t_start: float) -> bool:
     """Evaluate and sample where due, except what the checkpoint a run resumed from did at this very
     step before it was saved (evaluated_at / sampled_at restored from its loop state): a resumed
-    run neither spends another evaluation on it nor writes a second metrics row for the step."""
+    run neither spends another evaluation on it nor writes a second metrics row for the step.
+    Returns whether either ran (alike on every rank)."""
     from nanochat.report import log_metrics
 
+    ran = False
     if spec.evaluate is not None and _due(spec.eval_every, step, last) and res.evaluated_at != step:
+        ran = True
         _evaluate(spec, res, step, tracker)
         res.evaluated_at = step
         if report:
@@ -261,9 +287,11 @@ def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool,
     if spec.sample is not None and _due(spec.sample_every, step, last) and (last or step > 0) \
             and res.sampled_at != step:
         res.sampled_at = step   # on every rank: each saves it in its loop state
+        ran = True
         if spec.is_master:
             for text in spec.sample(step):
                 _say(f"  sample: {text!r}")
+    return ran
 
 
 def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, tracker, report: bool,
@@ -284,7 +312,7 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     if report:
         log_metrics(spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
                                  "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
-                                 "mfu": metrics["mfu"], "memory_gb": metrics["peak_mem_gib"] * 2**30 / 1e9,
+                                 "mfu": metrics["mfu"], "peak_mem_gib": metrics["peak_mem_gib"],
                                  "elapsed_s": time.perf_counter() - t_start, **extra})
 
 
@@ -315,7 +343,10 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 how = "" if stop == signal.SIGHUP else " (Ctrl-C again interrupts at once)"
                 _say(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping{how}")
             if not stop:
-                _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
+                ran = _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
+                if ran and not last and (stop := _agreed_stop(signals)):   # it came during the eval: save here
+                    _say(f"received {signal.Signals(stop).name} during the evaluation: saving a checkpoint at "
+                         f"step {step} and stopping")
             periodic = spec.save_every > 0 and step % spec.save_every == 0 and step != start_step
             if spec.save is not None and (last or periodic or stop):
                 _check_finite_before_save(trainer, res, step)   # never a NaN checkpoint as `latest`
@@ -329,6 +360,9 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 res.last_checkpoint = str(path)
                 _say(f"step {step:05d} | saved checkpoint {path}")
                 kept = _prune(spec, [k for k in kept if k != Path(path)] + [Path(path)])  # a re-saved step once
+                if not (last or stop) and (stop := _agreed_stop(signals)):
+                    # it came during this save: that checkpoint is the stop's (no step more, no second save)
+                    _say(f"received {signal.Signals(stop).name} during the save: stopping at step {step}")
             if stop:
                 saved = f"checkpoint {res.last_checkpoint} saved; continue with --resume latest" \
                     if spec.save is not None else "this stage saves no checkpoint"
@@ -467,6 +501,18 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
                  bool(saved_fsdp), fsdp)
     if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
         mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
+
+
+def say_schedule_changes(saved: dict, now: dict) -> list[str]:
+    """A resumed run's schedules are computed from this run's flags: one line naming each value
+    (flag -> number; None: unknown) that differs from the checkpoint's run, e.g. an extended
+    --num-iterations, or a flag of the original run left off the resume (its default then
+    applies). The optimizer names its own LR / weight-decay changes (MuonAdamW.load_state_dict)."""
+    changed = [f"--{k.replace('_', '-')} {saved[k]:g} -> {v:g}" for k, v in now.items()
+               if saved.get(k) is not None and v is not None and saved[k] != v]
+    if changed:
+        _say("--resume: the LR schedule follows this run's flags, not the checkpoint's: " + ", ".join(changed))
+    return changed
 
 
 def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:

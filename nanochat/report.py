@@ -66,7 +66,7 @@ METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss"), "val_bpb": ("val_bpb",), "tok_per_sec": ("tok_per_sec", "tokens_per_sec"),
     "memory_gib": ("peak_mem_gib", "memory_gib"), "elapsed_s": ("elapsed_s", "wall_s"),
 }
-# keys in another unit: (key, factor to the metric's unit). loop.py logs memory_gb in GB (1e9 bytes):
+# keys in another unit: (key, factor to the metric's unit). loop.py logged memory_gb in GB (1e9 bytes):
 # drawn as GB under a "GB" label while the log line and the sections said GiB, 7% apart at 40 GiB
 METRIC_SCALED: dict[str, tuple[tuple[str, float], ...]] = {
     "memory_gib": tuple((k, 1e9 / 2**30) for k in ("memory_gb", "peak_memory_gb", "mem_gb")),

@@ -26,6 +26,21 @@ def check_wandb_available(mode: str) -> None:
                          "`uv pip install wandb` (extra [wandb]) or use --wandb off")
 
 
+def check_wandb_flags(wandb_flag: str | None, run: str) -> str:
+    """The wandb mode of --wandb / --run, checked before any expensive work; the error names the
+    flag the user gave (a --run name alone turns logging on, so the fault is not a --wandb flag)."""
+    mode = resolve_wandb_mode(wandb_flag, run)
+    try:
+        check_wandb_available(mode)
+    except ValueError:
+        if wandb_flag is not None:
+            raise
+        raise ValueError(f"--run {run}: a run name turns on wandb logging ({mode}), and the wandb package is not "
+                         "installed; `uv pip install wandb` (extra [wandb]), or add --wandb off to train "
+                         "without it") from None
+    return mode
+
+
 class Tracker:
     """wandb when on (imported only then), otherwise a no-op; only rank 0 ever logs."""
 

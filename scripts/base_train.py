@@ -26,11 +26,11 @@ import torch
 from nanochat.attention import resolve_backend
 from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.loop import (LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
-                           resume_loop_state, run_training_loop)
+from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
+                           resume_loop_state, run_training_loop, say_schedule_changes)
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
                              small_batch_hint)
-from nanochat.tracker import Tracker, check_wandb_available, resolve_wandb_mode
+from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
                                restore_rng_state, sample_prompts)
@@ -42,6 +42,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 FP8_WGRAD = ("save", "recompute", "plain")   # precision.FP8_WGRAD_MODES
+SCHEDULE_FLAGS = ("warmup_ratio", "warmup_steps", "warmdown_ratio", "final_lr_frac")
 
 
 @dataclass
@@ -134,6 +135,9 @@ class BaseTrainConfig:
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
         require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        # --overwrite is for a fresh start; --resume latest|N continues the run it would delete
+        require(not self.overwrite or self.resume in (None, "auto"), "--overwrite", True,
+                f"only for a fresh run (or --resume auto, when it starts fresh), not with --resume {self.resume}")
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.precision in PRECISIONS, "--precision", self.precision, "|".join(PRECISIONS))
@@ -159,11 +163,32 @@ class BaseTrainConfig:
             require_float(self.peak_flops, "--peak-flops", 1e9)
         if self.data_dir is not None:
             require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir, "an existing directory of *.parquet shards")
-        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        check_wandb_flags(self.wandb, self.run)
         return self
 
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float | None": float, "int | None": int}
+
+
+BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it (nanochat/loop.py: the shared ones)
+    **TRAIN_FLAG_HELP,
+    "aspect_ratio": "model dim = --depth x this, rounded to --head-dim",
+    "window_pattern": "per-layer attention, repeated over the layers: S = sliding window, L = full (e.g. SSSL, L)",
+    "attn_backend": f"{'|'.join(ATTN_BACKENDS)} (auto: the best that passes its probe on this device)",
+    "num_iterations": "optimizer steps; -1: --target-param-data-ratio x scaling params / --total-batch-size",
+    "target_param_data_ratio": "training tokens per scaling parameter when --num-iterations is -1",
+    "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: auto from --depth",
+    "eval_tokens": "validation tokens per evaluation (whole micro-batches of all ranks)",
+    "sample_every": "N: print samples every N steps and at the last step; -1 or 0: never",
+    "overwrite": "let a fresh run replace the checkpoints of this --model-tag (deleted at its first save)",
+    "model_tag": "the checkpoint directory's name under checkpoints/base/; not given: d<depth>",
+    "precision": f"{'|'.join(PRECISIONS)} (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
+    "precision_backend": f"{'|'.join(PRECISION_BACKENDS)}: the fp8 / nvfp4 implementation",
+    "fp8_wgrad": f"{'|'.join(FP8_WGRAD)}: how native fp8 keeps what its weight gradient needs (recompute, "
+                 "plain: ~10 GiB less at d20, a little slower)",
+    "peak_flops": "dense bf16 FLOP/s of one device, for MFU on a GPU not in the device table",
+    "data_dir": "a directory of *.parquet text shards; not given: <base dir>/base_data",
+}
 
 
 def _flag_help(name: str, default) -> str:
@@ -175,10 +200,12 @@ def _flag_help(name: str, default) -> str:
                 "or the checkpoint's when resuming")
     if name in RECIPE_FLAGS:
         values = ", ".join(f"{r} {RECIPES[r][name]}" for r in RECIPES)
-        scaled = {"weight_decay": ", under v2 x sqrt(batch / 2^19) x d12's horizon / this run's"}.get(
+        scaled = {"weight_decay": ", under v2 x sqrt(batch / 2^19) x d12's horizon / this depth's (both "
+                                  "--target-param-data-ratio x scaling params, whatever --num-iterations says)"}.get(
             name, ", under v2 x sqrt(batch / 2^19)" if name.endswith("_lr") else "")
         return f"default: from --recipe ({values}){scaled}"
-    return f"default: {default}"
+    about = BASE_FLAG_HELP.get(name)
+    return (f"{about}; " if about else "") + f"default: {default}"
 
 
 def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
@@ -192,7 +219,7 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
                                 help="default: on for CUDA, off elsewhere")
         elif f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(defaults, f.name),
-                                help=f"default: {getattr(defaults, f.name)}")
+                                help=_flag_help(f.name, getattr(defaults, f.name)))
         else:
             default = getattr(defaults, f.name)
             parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=_flag_help(f.name, default))
@@ -290,6 +317,13 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
                             target_tokens=target_tokens, ref_tokens=ref_tokens)
     schedule = recipe.schedule(num_iterations)
+    if resume is not None:   # the schedule is this run's: say where it departs from the checkpoint's run
+        saved_cfg = resume["meta"].get("config") or {}
+        saved = resolve_recipe(cfg.recipe, {k: saved_cfg.get(k) for k in RECIPE_FLAGS},
+                               total_batch_size=total_batch_size, target_tokens=target_tokens, ref_tokens=ref_tokens)
+        say_schedule_changes({"num_iterations": (resume["meta"].get("train") or {}).get("num_iterations"),
+                              **{k: getattr(saved, k) for k in SCHEDULE_FLAGS}},
+                             {"num_iterations": num_iterations, **{k: getattr(recipe, k) for k in SCHEDULE_FLAGS}})
 
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
@@ -415,7 +449,9 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
         ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"
                  if cfg.eval_every > 0 else "off (--eval-every <= 0)"),
-        ("samples / saves", f"every {cfg.sample_every} / every {cfg.save_every} steps (+ final)"),
+        ("samples / saves", (f"every {cfg.sample_every} steps (+ last)" if cfg.sample_every > 0 else "off") + " / "
+                            + (f"every {cfg.save_every} steps (+ last)" if cfg.save_every > 0
+                               else "at the last step only")),
         ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
                         + (f"; {disk}" if disk else "")),
         ("tracking", f"wandb {wandb_mode}" + (f", run {cfg.run}" if wandb_mode != "off" else "")),

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, fields
 
 from nanochat.checkpoint import RESUME_HELP, valid_resume
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
-from nanochat.tracker import check_wandb_available, resolve_wandb_mode
+from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
 from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
+from nanochat.loop import TRAIN_FLAG_HELP
 
 SOURCES = ("sft", "mid")
 RL_MOMENTUM = 0.95   # Muon's, constant
@@ -96,13 +97,30 @@ class ChatRLConfig:
         require(self.test_holdout != 0 or self.eval_every <= 0, "--test-holdout", self.test_holdout,
                 "-1 or >= 1 (the evaluation's held-out problems), or --eval-every -1 (or 0) to train without "
                 "evaluating")
-        check_wandb_available(resolve_wandb_mode(self.wandb, self.run))
+        check_wandb_flags(self.wandb, self.run)
         return self
 
 
 _TYPES = {"int": int, "float": float, "str": str, "str | None": str}
 # what 0 / -1 mean (nanochat/loop.py's rule, as base_train / mid_train / chat_sft say it)
 FLAG_HELP = {
+    **TRAIN_FLAG_HELP,
+    "source": f"{'|'.join(SOURCES)}: the checkpoint phase to start from",
+    "model_tag": "the model tag of the --source checkpoint, and of the rl checkpoint; not given: the --source "
+                 "phase's only tag, or its deepest d<N>",
+    "num_iterations": "optimizer steps; -1: one pass over the training problems",
+    "examples_per_step": "GSM8K problems per optimizer step (over all ranks)",
+    "num_samples": "completions sampled per problem: the group its advantage is taken in",
+    "max_new_tokens": "the most tokens a completion may have",
+    "eval_samples": "K > 0: also sampled pass@1..K of K samples drawn as training draws them; 0: greedy only",
+    "top_k": "sample from the k most likely tokens; 0: all",
+    "device_batch_size": "sequences per forward/backward chunk",
+    "init_lr_frac": "every learning rate above is multiplied by this",
+    "eval_examples": "GSM8K test problems scored (at most --test-holdout of them)",
+    "test_holdout": "N >= 0: train on the local GSM8K test file minus its first N problems, evaluate on those "
+                    "(offline, no train split); -1: the train split",
+    "data_dir": "a data root holding eval/ (or eval/ itself); not given: $NANOCHAT_EVAL_DIR, else eval_data/ in "
+                "the base dir, else ../shared/data/eval",
     "eval_every": "N: evaluate GSM8K pass@1 at step 0, every N steps and at the last step; -1 or 0: never, "
                   "not even at the last step",
     "save_every": "N: save a checkpoint every N steps; -1 or 0: only the one at the last step (always saved)",
@@ -161,7 +179,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                                      planned_saves, read_meta, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
-    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop
+    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer
     from nanochat.tasks import GSM8K
@@ -200,7 +218,9 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     model.train()
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
     if resume is not None:
-        check_resume_step(resume["step"], num_iterations, ckpt_dir)
+        check_resume_step(resume["step"], num_iterations, ckpt_dir)   # the LR decays over this run's horizon:
+        say_schedule_changes({"num_iterations": (resume["meta"].get("train") or {}).get("num_iterations")},
+                             {"num_iterations": num_iterations})
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),

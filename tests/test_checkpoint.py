@@ -111,6 +111,25 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch, target
     assert ck.read_latest(d) == 20 and not (d / "step_000020.partial").exists()
 
 
+def test_a_save_cut_short_leaves_no_partial_directory_behind_the_next_save(tmp_path, monkeypatch):
+    """A save interrupted mid-write (a second Ctrl-C is a KeyboardInterrupt, not an OSError) leaves
+    step_N.partial; the run resumed from the checkpoint before trains past N without saving N again
+    (a stop's save is at an odd step), so only a sweep of every step's leftover frees its space
+    (~9 GB at d20)."""
+    d = tmp_path / "ck"
+    _save(d, 10, seed=10)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ck, "save_hashed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _save(d, 13, seed=13)
+    monkeypatch.undo()
+    assert (d / "step_000013.partial").is_dir() and ck.read_latest(d) == 10
+    _save(d, 20, seed=20)
+    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000010", "step_000020"]
+
+
 def test_crash_during_pointer_update(tmp_path, monkeypatch):
     d = tmp_path / "ck"
     _save(d, 1)

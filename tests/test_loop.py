@@ -288,3 +288,33 @@ def test_a_hangup_stops_like_sigterm_and_moves_the_output(tmp_path, monkeypatch,
     assert capsys.readouterr().err.endswith(
         f"base_train: error: stopped by SIGHUP at step 4 of 10: checkpoint {tmp_path / 'step_000004'} saved; "
         "continue with --resume latest (or rerun ./setup.sh)\n")
+
+
+@pytest.mark.parametrize("during", ["save", "evaluation"])
+def test_a_stop_during_a_save_or_an_evaluation_stops_at_that_step(tmp_path, during, monkeypatch):
+    """A SIGTERM that lands while step 4's periodic save (or its evaluation) runs: that step's
+    checkpoint is the stop's. The loop used to train step 4 as well and save step 5 a second time:
+    on a d20 a step plus a ~9 GB save, which torchrun's 30 s grace can cut short."""
+    from nanochat.loop import SETUP_STAGE_ENV, StopRequested
+
+    monkeypatch.delenv(SETUP_STAGE_ENV, raising=False)
+    trainer = _SignalTrainer(at=-1, signum=signal.SIGTERM)   # no signal from a step
+    saves = []
+
+    def save(step, state):
+        saves.append(step)
+        if during == "save" and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return tmp_path / f"step_{step:06d}"
+
+    def evaluate(step):
+        if during == "evaluation" and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"val_bpb": 1.0}
+
+    spec = LoopSpec("base", num_iterations=10, report=False, save_every=4, eval_every=2, save=save,
+                    evaluate=evaluate)
+    with pytest.raises(StopRequested) as info:
+        run_training_loop(trainer, meter=trainer.meter, spec=spec)
+    assert trainer.steps == [0, 1, 2, 3] and saves == [4]
+    assert str(info.value).startswith(f"stopped by SIGTERM at step 4 of 10: checkpoint {tmp_path / 'step_000004'}")
