@@ -77,7 +77,12 @@ class ChatEvalConfig:
         require(self.decode in DECODE_MODES, "--decode", self.decode, "|".join(DECODE_MODES))
         from nanochat.quantize import check_quantize
         check_quantize(self.quantize)
-        self.tasks()
+        from nanochat.tasks import EVAL_TASK_CLASSES
+        names = self.tasks()
+        generative = [n for n in EVAL_TASK_CLASSES if EVAL_TASK_CLASSES[n].eval_type == "generative"]
+        # a categorical task scores the answer letter's logit once: samples would be ignored
+        require(self.num_samples == 1 or any(n in generative for n in names), "--num-samples", self.num_samples,
+                f"1 for categorical tasks only ({'|'.join(names)}); pass@k applies to {'|'.join(generative)}")
         return self
 
 

@@ -98,6 +98,16 @@ def sft_d1(base, tiny_tokenizer):
     return base
 
 
+def test_chat_eval_refuses_samples_for_categorical_tasks_only():
+    """-n 4 with only ARC / MMLU was accepted and ignored: a categorical task scores one logit."""
+    from scripts.chat_eval import parse_args
+
+    with pytest.raises(ValueError, match=r"--num-samples: got 4; accepted: 1 for categorical tasks only "
+                                         r"\(ARC-Easy\|MMLU\); pass@k applies to GSM8K\|HumanEval\|SpellingBee"):
+        parse_args(["-i", "sft", "-a", "ARC-Easy|MMLU", "-n", "4", "-t", "0.8"])
+    assert parse_args(["-i", "sft", "-a", "ARC-Easy|GSM8K", "-n", "4", "-t", "0.8"]).num_samples == 4
+
+
 def test_chat_eval_max_problems_is_a_labelled_partial_score(sft_d1, tmp_path, shared_data, capsys):
     """chat_eval -x N logged its scores (and "ChatCORE complete": true) as the tasks' own: the
     report's summary showed setup.sh's 8-problem figures, or a quick run after a full one, as the score."""

@@ -23,6 +23,10 @@ EVAL_TASKS = {
     "HumanEval": (lambda **kw: HumanEval(**kw), 0.0),
     "SpellingBee": (lambda **kw: SpellingBee(size=256, split="test", **kw), 0.0),
 }
+# each eval task's class, for what is known before its data loads (eval_type: chat_eval's -n applies to
+# generative tasks only)
+EVAL_TASK_CLASSES = {"ARC-Easy": ARC, "ARC-Challenge": ARC, "MMLU": MMLU, "GSM8K": GSM8K, "HumanEval": HumanEval,
+                     "SpellingBee": SpellingBee}
 
 
 def get_task(name: str, **kw) -> Task:
@@ -33,4 +37,4 @@ def get_task(name: str, **kw) -> Task:
 
 __all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SimpleSpelling", "SpellingBee", "IdentityConversations", "LocalConversations",
            "ConversationFile", "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
-           "EVAL_TASKS", "get_task"]
+           "EVAL_TASKS", "EVAL_TASK_CLASSES", "get_task"]
