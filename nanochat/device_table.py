@@ -74,6 +74,9 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
           {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
     _spec("h200", "NVIDIA H200", (9, 0), 132, 141, 4800,
           {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    # the NVL (PCIe, 600 W) part: same die and 4.8 TB/s, the H100 NVL's lower clocks and peaks
+    _spec("h200-nvl", "NVIDIA H200 NVL", (9, 0), 132, 141, 4800,
+          {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
     _spec("b200", "NVIDIA B200", (10, 0), 148, 180, 8000,
           {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
     _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
@@ -83,7 +86,16 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
           source="spec-derived (GeForce half-rate fp32 accumulate)"),
     _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
           {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
+    # the 300 W Max-Q: the same 188 SMs at lower clocks (3511 vs 4000 AI TOPS in NVIDIA's datasheets)
+    _spec("rtx-pro-6000-maxq", "NVIDIA RTX PRO 6000 Blackwell Max-Q", (12, 0), 188, 96, 1792,
+          {"bf16": 442.2, "fp8": 884.4, "nvfp4": 1768.8, "fp32": 221.1},
+          source="spec-derived (the Workstation Edition's peaks x 3511/4000 AI TOPS)"),
     _spec("a100", "NVIDIA A100", (8, 0), 108, 80, 2039,
+          {"bf16": 312.0, "fp32": 156.0}),
+    # same peaks, slower memory: the 40 GB parts (HBM2, SXM4 and PCIe) and the 80 GB PCIe card
+    _spec("a100-40gb", "NVIDIA A100 40GB", (8, 0), 108, 40, 1555,
+          {"bf16": 312.0, "fp32": 156.0}),
+    _spec("a100-pcie", "NVIDIA A100 80GB PCIe", (8, 0), 108, 80, 1935,
           {"bf16": 312.0, "fp32": 156.0}),
     _spec("l40s", "NVIDIA L40S", (8, 9), 142, 48, 864,
           {"bf16": 362.1, "fp8": 733.0, "fp32": 183.0}),
@@ -98,14 +110,20 @@ _NAME_RULES: list[tuple[int | None, str, str]] = [
     (9, r"H100.*PCIe", "h100-pcie"),
     (9, r"GH200", "gh200"),
     (9, r"H100", "h100-sxm"),
+    (9, r"H200.*NVL", "h200-nvl"),
     (9, r"H200", "h200"),
     (10, r"GB200", "gb200"),
     (10, r"\bB200\b", "b200"),
-    (12, r"RTX 5090", "rtx-5090"),
-    (12, r"RTX PRO 6000", "rtx-pro-6000"),
+    # a laptop GPU of the same name is another, smaller chip at laptop clocks and bandwidth: not
+    # in the table (MFU n/a + --peak-flops), rather than the desktop card's numbers scaled by SMs
+    (12, r"RTX 5090(?!.*Laptop)", "rtx-5090"),
+    (12, r"RTX PRO 6000.*Max-Q", "rtx-pro-6000-maxq"),
+    (12, r"RTX PRO 6000(?!.*Laptop)", "rtx-pro-6000"),
+    (8, r"A100.*40GB", "a100-40gb"),
+    (8, r"A100.*PCIe", "a100-pcie"),
     (8, r"A100", "a100"),
     (8, r"L40S", "l40s"),
-    (8, r"RTX 4090", "rtx-4090"),
+    (8, r"RTX 4090(?!.*Laptop)", "rtx-4090"),
 ]
 
 CPU_SPEC = DeviceSpec(name="CPU", cc=None, sms=None, memory_gb=None, bandwidth_gbs=None, key="cpu")

@@ -95,6 +95,7 @@ class PatchContext:
     cuda_initialized: bool = False
     set_allocator_settings: Callable[[str], None] | None = None
     filter_warning: Callable[..., None] | None = None   # warnings.filterwarnings in real runs
+    torch_version: str = torch.__version__     # what version-gated patches read
 
     @classmethod
     def real(cls, spec: DeviceSpec) -> "PatchContext":
@@ -192,7 +193,10 @@ def find_system_ptxas() -> list[tuple[str, tuple[int, int]]]:
 
 
 def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
-    """Oldest CUDA ptxas that can target this arch (sm_120: 12.8; sm_121/sm_103: 12.9)."""
+    """Oldest CUDA ptxas that can target this arch (sm_120: 12.8; sm_121/sm_103: 12.9; sm_110,
+    Thor's arch since CUDA 13.0 renamed sm_101: 13.0)."""
+    if cc[0] == 11:
+        return (13, 0)
     if cc >= (12, 1) or cc == (10, 3):
         return (12, 9)
     if cc[0] >= 10:
@@ -203,37 +207,54 @@ def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
 def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str | None:
     """Triton <= 3.5 bundles a ptxas that rejects sm_121a (DESIGN s4.1): point TRITON_PTXAS_PATH
     (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas. Targets
-    Triton 3.x whose bundled ptxas (probed, or by version: Triton < 3.6 on cc >= 12.1) is older than
-    the arch needs; Triton 3.6+ bundles a Blackwell ptxas and gets nothing."""
+    Triton 3.x whose bundled ptxas (probed, or by release: `_bundled_ptxas_by_triton`) is older than
+    the arch needs (`required_ptxas`); Triton 3.6+ bundles a Blackwell ptxas and gets nothing.
+    A user's value of either variable is left alone."""
     if not spec.is_cuda or ctx.triton_version is None or not uses_triton:
         return None
     need = required_ptxas(spec.cc)
     bundled = ctx.bundled_ptxas_version
-    if bundled is None:   # no probe: fall back on the version rule (3.6 bundles a Blackwell ptxas)
-        too_old = spec.cc >= (12, 1) and _version_tuple(ctx.triton_version) < (3, 6)
-    else:
-        too_old = bundled < need
-    if not too_old:
+    # not probed (no bundled binary found): what that Triton release ships, by its version
+    expected = bundled or _bundled_ptxas_by_triton(ctx.triton_version)
+    if expected >= need:
         return None
-    if ctx.env.get("TRITON_PTXAS_PATH"):
-        if _set_by_us(ctx.env, "TRITON_PTXAS_PATH"):   # this patch, applied before
-            return "ptxas"
-        _log_once("ptxas", f"bundled ptxas too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
-                           f"TRITON_PTXAS_PATH={ctx.env['TRITON_PTXAS_PATH']} as set")
+    said = (f"{bundled[0]}.{bundled[1]}" if bundled
+            else f"not probed; Triton {ctx.triton_version} ships <= {expected[0]}.{expected[1]}")
+    user = {n: ctx.env[n] for n in PTXAS_ENV if ctx.env.get(n) and not _set_by_us(ctx.env, n)}
+    if user:   # the user's choice, either name (Triton >= 3.5 reads the Blackwell one for sm_100+)
+        _log_once("ptxas", f"bundled ptxas ({said}) too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
+                           + ", ".join(f"{n}={v}" for n, v in user.items()) + " as set")
         return "ptxas(user)"
+    if all(_set_by_us(ctx.env, n) for n in PTXAS_ENV):   # this patch, applied before
+        return "ptxas"
     usable = [(p, v) for p, v in ctx.ptxas_candidates if v >= max(need, (13, 0))]
     if not usable:
-        raise RuntimeError(
-            f"Triton {ctx.triton_version}'s bundled ptxas ({bundled}) cannot target "
+        raise PtxasMissing(
+            f"Triton {ctx.triton_version}'s bundled ptxas ({said}) cannot target "
             f"sm_{spec.cc[0]}{spec.cc[1]} and no CUDA >= 13.0 ptxas was found. Install the CUDA 13 "
             "toolkit (or pip install 'triton>=3.6') and/or set TRITON_PTXAS_PATH=/path/to/ptxas; "
             "or run base_train / mid_train / chat_sft with --kernel current --no-compile.")
     path = usable[0][0]
     _set_env(ctx.env, "TRITON_PTXAS_PATH", path)
     _set_env(ctx.env, "TRITON_PTXAS_BLACKWELL_PATH", path)
-    _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas {bundled} < {need}: "
-                       f"TRITON_PTXAS_PATH={path} (CUDA {usable[0][1]})")
+    _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas ({said}) < {need[0]}.{need[1]} needed by "
+                       f"sm_{spec.cc[0]}{spec.cc[1]}: TRITON_PTXAS_PATH={path} (CUDA {usable[0][1][0]}.{usable[0][1][1]})")
     return "ptxas"
+
+
+PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+
+
+class PtxasMissing(RequestError, RuntimeError):
+    """No ptxas can target this GPU for a run that uses Triton: a request this machine cannot meet
+    (scripts print it as one line), and a RuntimeError for callers that catch those."""
+
+
+def _bundled_ptxas_by_triton(version: str) -> tuple[int, int]:
+    """The CUDA release of the ptxas a Triton release bundles, when the binary cannot be probed:
+    3.3-3.5 ship 12.8 (no sm_121, DESIGN s4.1), 3.6+ a Blackwell one (13.x), older ones < 12.8."""
+    v = _version_tuple(version)
+    return (13, 0) if v >= (3, 6) else (12, 8) if v >= (3, 3) else (12, 4)
 
 
 def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_autotune: bool) -> str | None:
@@ -364,7 +385,7 @@ def patch_sm121_warning(spec: DeviceSpec, ctx: PatchContext) -> str | None:
     Targets torch 2.9-2.10 (torch 2.11's cuda/__init__.py, read on the GPU box, has no such text;
     2.15's check counts sm_120 code as runnable on 12.1). torch warns when CUDA initialises, so
     configure_env_before_cuda installs the filter too."""
-    if spec.cc != (12, 1):
+    if spec.cc != (12, 1) or _version_tuple(ctx.torch_version) >= (2, 11):
         return None
     if ctx.filter_warning is not None:
         ctx.filter_warning("ignore", message=SM121_WARNING, category=UserWarning)
@@ -424,11 +445,12 @@ def apply_runtime_patches(spec: DeviceSpec, ctx: PatchContext | None = None) -> 
 
 def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
                               env: MutableMapping[str, str] | None = None,
-                              filter_warning: Callable[..., None] | None = None) -> list[str]:
+                              filter_warning: Callable[..., None] | None = None,
+                              torch_version: str = torch.__version__) -> list[str]:
     """What must be in place before CUDA initialises (call from init_runtime first): allocator
     environment, and the filter for torch's warning at initialisation. `spec_hint`: a DeviceSpec,
     a table key ("gb10") or None = ask nvidia-smi (no CUDA context); `filter_warning`: default
-    warnings.filterwarnings (tests pass a recorder)."""
+    warnings.filterwarnings (tests pass a recorder); `torch_version`: tests simulate others."""
     env = os.environ if env is None else env
     spec = spec_hint
     if isinstance(spec_hint, str):
@@ -442,7 +464,7 @@ def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
     if filter_warning is None:
         import warnings
         filter_warning = warnings.filterwarnings
-    ctx = PatchContext(env=env, filter_warning=filter_warning)
+    ctx = PatchContext(env=env, filter_warning=filter_warning, torch_version=torch_version)
     return [n for n in [patch_expandable_segments(spec, ctx), patch_sm121_warning(spec, ctx)] if n]
 
 
@@ -519,8 +541,11 @@ def _spec_from_nvidia_smi() -> DeviceSpec | None:
 
 def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroom: float = 0.1) -> int | None:
     """Bytes a run may plan to use. Unified memory: MemAvailable minus `headroom` of it (memory
-    pressure can hang the host); discrete GPU: cudaMemGetInfo free; CPU/MPS: None."""
-    if spec.unified_memory:
+    pressure can hang the host); discrete GPU: cudaMemGetInfo free; CPU/MPS: None (Apple's MPS
+    is unified too, but macOS has no /proc/meminfo)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom: got {headroom!r}; accepted: a fraction in [0, 1)")
+    if spec.is_cuda and spec.unified_memory:
         text = meminfo if meminfo is not None else Path("/proc/meminfo").read_text()
         m = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, flags=re.MULTILINE)
         if m is None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from nanochat.errors import RequestError
 from nanochat.platform import DeviceSpec, detect_device
-from nanochat.precision_te import build_te_recipe, te_factory
+from nanochat.precision_te import build_te_recipe, te_factory, te_nvfp4_problem
 from nanochat.precision_te import te_available as _te_importable
 
 
@@ -89,8 +89,10 @@ def _torchao_available() -> bool:
 
 def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = None, *,
             compute_dtype: str = "bf16", te_available: bool | None = None,
-            torchao_available: bool | None = None) -> PrecisionPlan:
-    """Validate `precision` x `backend` against the device; raise ValueError saying what to do."""
+            torchao_available: bool | None = None, te_recipe: Any = None) -> PrecisionPlan:
+    """Validate `precision` x `backend` against the device; raise ValueError saying what to do.
+    `te_available` / `torchao_available` / `te_recipe` (TE's recipe module) simulate installs;
+    with `te_available` given and no `te_recipe`, TE's nvfp4 recipe is taken to be complete."""
     if precision not in PRECISIONS:
         raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
     if backend not in BACKENDS:
@@ -109,7 +111,11 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
     te_ok = _te_importable() if te_available is None else te_available
     ao_ok = _torchao_available() if torchao_available is None else torchao_available
     if precision == "nvfp4":
-        return _resolve_nvfp4(spec, backend, te_ok)
+        plan = _resolve_nvfp4(spec, backend, te_ok)
+        if plan.backend == "te" and (te_recipe is not None or te_available is None):
+            if (problem := te_nvfp4_problem(spec, te_recipe)) is not None:   # before any model is built
+                raise RequestError(problem)
+        return plan
     return _resolve_fp8(spec, backend, te_ok, ao_ok)
 
 

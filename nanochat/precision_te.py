@@ -39,6 +39,27 @@ def recipe_fields(cls) -> set[str]:
     return set(inspect.signature(cls).parameters)
 
 
+SM12X_NVFP4_FIELDS = ("disable_rht", "disable_stochastic_rounding")   # RHT crashes, SR wrote zeros
+
+
+def te_nvfp4_problem(spec: DeviceSpec, te_recipe: Any = None) -> str | None:
+    """Why the installed TE cannot build the nvfp4 recipe `spec` needs (None = it can): no
+    NVFP4BlockScaling (TE < 2.8; the attribute lookup failed with an AttributeError after the
+    model was built), or, on sm_12x, a recipe without the fields that turn the crashing random
+    Hadamard transform and the all-zero stochastic rounding off (DESIGN s4.7)."""
+    if te_recipe is None:
+        import transformer_engine.common.recipe as te_recipe
+    cls = getattr(te_recipe, "NVFP4BlockScaling", None)
+    if cls is None:
+        return ("--precision nvfp4: the installed Transformer Engine has no NVFP4BlockScaling recipe (needs TE "
+                ">= 2.8: pip install -U 'transformer-engine[pytorch]'); or use --precision fp8")
+    missing = [n for n in SM12X_NVFP4_FIELDS if n not in recipe_fields(cls)]
+    if spec.cc is not None and spec.cc[0] == 12 and missing:
+        return (f"--precision nvfp4: the installed Transformer Engine's NVFP4BlockScaling has no {missing} "
+                "field(s), required on sm_12x (DESIGN s4.7): upgrade TE; or use --precision fp8")
+    return None
+
+
 def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile: bool = True,
                     fp8_recipe: str = "current") -> tuple[Any, dict[str, Any]]:
     """Construct and verify the TE recipe; returns (recipe, the fields we asserted)."""
@@ -52,15 +73,13 @@ def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile
             cls = te_recipe.Float8CurrentScaling
         wanted = {"fp8_format": te_recipe.Format.HYBRID}
     elif precision == "nvfp4":
+        if (problem := te_nvfp4_problem(spec, te_recipe)) is not None:
+            raise RequestError(problem)
         cls = te_recipe.NVFP4BlockScaling
         wanted = {}
         fields = recipe_fields(cls)
         if spec.cc is not None and spec.cc[0] == 12:   # sm_12x: RHT crashes, SR wrote zeros
-            for name in ("disable_rht", "disable_stochastic_rounding"):
-                if name not in fields:
-                    raise RuntimeError(f"Transformer Engine's NVFP4BlockScaling has no {name!r} field; "
-                                       "it is required on sm_12x (DESIGN s4.7): upgrade TE")
-                wanted[name] = True
+            wanted.update(dict.fromkeys(SM12X_NVFP4_FIELDS, True))
         if "backward_override" in fields:
             wanted["backward_override"] = "high_precision"
         else:

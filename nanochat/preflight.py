@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
-from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, detect_device,
-                               memory_budget_bytes)
+from nanochat.errors import RequestError
+from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, configure_env_before_cuda,
+                               detect_device, memory_budget_bytes)
+
+UNAVAILABLE = "unavailable: "   # a report value that starts with it: what a run with these flags would hit
 
 
 def _te_version() -> str:
@@ -77,11 +80,53 @@ def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
 
 
 def triton_ptxas_in_use(spec: DeviceSpec) -> str:
-    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH"):
+    """The ptxas Triton would run for this GPU's arch, as Triton itself picks it (`get_ptxas`:
+    which of its two bundled binaries, e.g. Triton 3.9 takes `ptxas-blackwell` from sm_90 on and
+    3.5-3.7 from sm_100, or the TRITON_PTXAS*_PATH variable that overrides it); older Triton
+    releases without that function: the variables, else the bundled binary."""
+    if spec.cc is None:
+        return "n/a"
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        tool = get_ptxas(spec.cc[0] * 10 + spec.cc[1])
+        return f"{tool.path} (CUDA {tool.version})"
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        pass
+    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH") if spec.cc[0] >= 10 else ("TRITON_PTXAS_PATH",):
         if os.environ.get(var):
             return f"{os.environ[var]} (from {var})"
-    version = bundled_ptxas_version(spec.cc) if spec.cc else None
-    return f"bundled with triton (CUDA {version})" if version else "n/a"
+    version = bundled_ptxas_version(spec.cc)
+    return f"bundled with triton (CUDA {version[0]}.{version[1]})" if version else "n/a"
+
+
+def run_dtype(precision: str, spec: DeviceSpec) -> str:
+    """The compute dtype base_train starts a --precision run in (fp8/nvfp4 keep their non-matmul
+    work in bf16; auto: bf16 on a GPU with native bf16, cc >= 8.0, else fp32, as init_runtime)."""
+    if precision == "fp32" or (precision == "auto" and not (spec.cc is not None and spec.cc >= (8, 0))):
+        return "fp32"
+    return "bf16"
+
+
+def check_dtype(dtype: str, precision: str, spec: DeviceSpec) -> None:
+    """init_runtime refuses bf16 on a GPU without native bf16 (cc < 8.0): so does the report."""
+    if dtype == "bf16" and spec.is_cuda and spec.cc < (8, 0):
+        raise RequestError(f"--precision {precision}: {spec.name} (cc {spec.cc[0]}.{spec.cc[1]}) has no native "
+                           "bf16 (compute capability >= 8.0), which this precision computes in; use --precision fp32")
+
+
+def check_kernel_here(kernel: str, spec: DeviceSpec) -> str:
+    """`kernel`, or why it cannot run on this device (as training would refuse or fail on it)."""
+    from nanochat.kernels import check_kernel
+    device = "cuda" if spec.is_cuda else "mps" if spec.key == "mps" else "cpu"
+    try:
+        check_kernel(kernel, device)
+    except ValueError as exc:   # RequestError: not installed, wrong device
+        return f"{UNAVAILABLE}{exc}"
+    if kernel == "triton" and device == "mps":
+        return f"{UNAVAILABLE}--kernel triton runs on cuda and cpu, not mps; use --kernel current"
+    if kernel == "triton" and device == "cuda" and _module_version("triton") == "not installed":
+        return f"{UNAVAILABLE}--kernel triton needs Triton on a GPU (pip install triton); or use --kernel current"
+    return kernel
 
 
 def _peak_source(spec: DeviceSpec) -> str:
@@ -94,17 +139,24 @@ def _peak_source(spec: DeviceSpec) -> str:
 
 def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
                      backend: str = "auto") -> dict[str, Any]:
+    # as init_runtime does: allocator settings and torch's sm_121 warning filter before CUDA starts
+    # (detect_device initialises CUDA; on a GB10 with torch 2.9-2.10 the warning printed first)
+    configure_env_before_cuda()
     spec = detect_device()
     report: dict[str, Any] = {
         "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
-        "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory,
+        "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory, "bandwidth_gbs": spec.bandwidth_gbs,
         "peak_tflops": spec.peak_tflops, "peak_source": _peak_source(spec), "python": sys.version.split()[0],
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
         "transformer_engine": _te_version(),
         "torchao": _module_version("torchao"),
     }
-    report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
+    try:
+        report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
+    except RuntimeError as exc:   # platform.PtxasMissing: a run with these flags stops there too
+        report["patches"] = f"{UNAVAILABLE}{exc}"
+    report["kernel"] = check_kernel_here(kernel, spec)
     if spec.is_cuda:
         report["cudnn"] = torch.backends.cudnn.version()
         report["arch_list"] = torch.cuda.get_arch_list()
@@ -113,12 +165,25 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         report["attention"] = probe_attention_backends()
     from nanochat import precision as precision_mod
     try:
-        # the compute dtype a run of this --precision starts in (base_train: runtime_dtype)
-        dtype = precision if precision in ("bf16", "fp32") else "bf16" if spec.is_cuda else "fp32"
-        report["precision"] = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype).describe()
+        dtype = run_dtype(precision, spec)
+        plan = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype)
+        check_dtype(dtype, precision, spec)
+        report["precision"] = plan.describe()
     except (ValueError, RuntimeError) as exc:
-        report["precision"] = f"unavailable: {exc}"
+        report["precision"] = f"{UNAVAILABLE}{exc}"
     return report
+
+
+def failures(report: dict[str, Any], args) -> list[str]:
+    """What a run with these flags would stop on: an explicit --precision / --precision-backend or
+    --kernel this machine cannot serve, or a workaround that cannot be applied (no usable ptxas)."""
+    found = []
+    for key, explicit in (("patches", True), ("kernel", args.kernel != "current"),
+                          ("precision", args.precision != "auto" or args.precision_backend != "auto")):
+        value = report.get(key)
+        if explicit and isinstance(value, str) and value.startswith(UNAVAILABLE):
+            found.append(value.removeprefix(UNAVAILABLE))
+    return found
 
 
 def parse_args(argv: list[str] | None = None):
@@ -142,9 +207,10 @@ def parse_args(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the report; exit 2 when a --precision / --precision-backend asked for explicitly
-    cannot run here (the report says why), so `python -m nanochat.platform --precision fp8 && ...`
-    stops where the training run would. A bad flag raises ValueError (script_main: one line)."""
+    """Print the report; exit 2 when a --precision / --precision-backend or --kernel asked for
+    explicitly cannot run here, or a needed workaround cannot be applied (the report says why), so
+    `python -m nanochat.platform --precision fp8 && ...` stops where the training run would. A bad
+    flag raises ValueError (script_main: one line)."""
     import json
 
     args = parse_args(argv)
@@ -158,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key, value in report.items():
             print(f"{key:>20}: {value}")
-    if isinstance(report["precision"], str) and (args.precision != "auto" or args.precision_backend != "auto"):
-        print(f"preflight: error: {report['precision'].removeprefix('unavailable: ')}", file=sys.stderr)
-        return 2
-    return 0
+    problems = failures(report, args)
+    for problem in problems:
+        print(f"preflight: error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 if __name__ == "__main__":

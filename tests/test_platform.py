@@ -19,8 +19,9 @@ A100 = SimpleProps("NVIDIA A100-SXM4-80GB", 8, 0, 108, 80 * 10**9)
 UNKNOWN = SimpleProps("NVIDIA Imaginary X1", 9, 0, 100, 40 * 10**9)
 
 
-def fake_ctx(triton_version="3.6.0", bundled=(13, 0), candidates=(), env=None):
-    """A PatchContext over plain objects: nothing global is touched."""
+def fake_ctx(triton_version="3.6.0", bundled=(13, 0), candidates=(), env=None, torch_version="2.10.0"):
+    """A PatchContext over plain objects: nothing global is touched. torch 2.10 by default: the last
+    release whose false-positive sm_121 warning sm121_warning filters (2.11+ get no such patch)."""
     inductor_utils = types.SimpleNamespace(is_big_gpu=lambda *_: False)
     return PatchContext(
         env={} if env is None else env,
@@ -31,6 +32,7 @@ def fake_ctx(triton_version="3.6.0", bundled=(13, 0), candidates=(), env=None):
         bundled_ptxas_version=bundled,
         ptxas_candidates=list(candidates),
         filter_warning=lambda *a, **k: None,
+        torch_version=torch_version,
     )
 
 
@@ -139,7 +141,7 @@ def test_max_autotune_and_real_config_restored():
 def test_configure_env_before_cuda():
     env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
     no_filter = lambda *a, **k: None   # noqa: E731
-    assert P.configure_env_before_cuda("gb10", env, no_filter) == ["expandable_segments", "sm121_warning"]
+    assert P.configure_env_before_cuda("gb10", env, no_filter, "2.10.0") == ["expandable_segments", "sm121_warning"]
     assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
     env = {}
     assert P.configure_env_before_cuda("h100-sxm", env, no_filter) == [] and env == {}
@@ -324,7 +326,8 @@ def test_configure_env_before_cuda_filters_the_sm121_warning_before_cuda_starts(
     filter has to be in place from configure_env_before_cuda on."""
     calls = []
     env = {}
-    applied = P.configure_env_before_cuda("gb10", env, filter_warning=lambda *a, **k: calls.append(k))
+    applied = P.configure_env_before_cuda("gb10", env, filter_warning=lambda *a, **k: calls.append(k),
+                                          torch_version="2.10.0")
     assert applied == ["expandable_segments", "sm121_warning"] and len(calls) == 1
     assert P.configure_env_before_cuda("h100-sxm", {}, filter_warning=lambda *a, **k: calls.append(k)) == []
     assert len(calls) == 1
