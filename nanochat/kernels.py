@@ -416,6 +416,14 @@ def check_kernel(name: str, device: torch.device | str) -> None:
             raise RequestError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
                                "use --kernel triton (runs its CPU path) or --kernel current")
         _liger_module(None, "mean")   # installed?
+    if name == "triton":
+        dev = torch.device(device)
+        if dev.type not in ("cuda", "cpu"):
+            raise RequestError(f"--kernel triton runs on cuda and cpu, not {dev.type}; use --kernel current")
+        import importlib.util
+        if dev.type == "cuda" and importlib.util.find_spec("triton") is None:   # found, not imported
+            raise RequestError("--kernel triton needs the triton package on CUDA: pip install triton, "
+                               "or use --kernel current")
 
 
 def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,
@@ -429,12 +437,7 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
     if name == "liger":
         return make_liger_loss(inline=liger_inline)
     if dev.type == "cuda":
-        try:
-            import nanochat.triton_kernels  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError(f"--kernel triton needs triton on CUDA: pip install triton ({exc})") from exc
-    elif dev.type != "cpu":
-        raise RuntimeError(f"--kernel triton supports cuda and cpu, not {dev.type}; use --kernel current")
+        import nanochat.triton_kernels  # noqa: F401  (triton is there: check_kernel)
     _custom_ops()
     return functools.partial(triton_loss, chunk_rows=chunk_rows)
 

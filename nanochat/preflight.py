@@ -122,10 +122,6 @@ def check_kernel_here(kernel: str, spec: DeviceSpec) -> str:
         check_kernel(kernel, device)
     except ValueError as exc:   # RequestError: not installed, wrong device
         return f"{UNAVAILABLE}{exc}"
-    if kernel == "triton" and device == "mps":
-        return f"{UNAVAILABLE}--kernel triton runs on cuda and cpu, not mps; use --kernel current"
-    if kernel == "triton" and device == "cuda" and _module_version("triton") == "not installed":
-        return f"{UNAVAILABLE}--kernel triton needs Triton on a GPU (pip install triton); or use --kernel current"
     return kernel
 
 

@@ -355,7 +355,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
     meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
-                      precision=precision_info["precision"], peak_memory=rt.peak_memory_bytes)
+                      precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes)
     trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
     wandb_mode = resolve_wandb_mode(cfg.wandb, cfg.run)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,

@@ -559,3 +559,12 @@ def test_overwrite_deletes_the_earlier_run_only_at_its_first_save(env, base_dir,
     _train(args + ["--overwrite", "--num-iterations", "3"])
     assert "--overwrite: deleted the checkpoints of steps [2] in " in capsys.readouterr().out
     assert ck.list_steps(ckpt_dir) == [3] and ck.read_latest(ckpt_dir) == 3
+
+
+def test_emulated_nvfp4_utilisation_is_labelled_by_the_matmuls_it_runs(env, capsys):
+    """Emulated nvfp4 runs bf16 matmuls and its util is taken against the bf16 peak; the log line
+    said util(nvfp4) over that number."""
+    _train(TINY + env + ["--precision", "nvfp4", "--precision-backend", "emulated", "--num-iterations", "2",
+                         "--eval-every", "-1", "--model-tag", "emu"])
+    steps = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 0000") and "| loss" in ln]
+    assert steps and all("util(bf16)" in ln for ln in steps), steps

@@ -286,3 +286,20 @@ def test_liger_matches_current_under_compile_with_ignored_targets():
         got = loss_and_grads(f, hidden, weight, targets, 15.0, 32000, "mean")
         assert _rel(got[0], ref[0]) < 1e-3
         assert _rel(got[1], ref[1]) < 2e-2 and _rel(got[2], ref[2]) < 2e-2
+
+
+def test_check_kernel_refuses_triton_where_it_cannot_run(monkeypatch):
+    """--kernel triton on MPS, or on CUDA without the triton package, passed the recipes' early check
+    and failed later in build_loss_fn with a plain RuntimeError (after the model was built)."""
+    import importlib.util
+
+    from nanochat.errors import RequestError
+    from nanochat.kernels import check_kernel
+
+    with pytest.raises(RequestError, match="^--kernel triton runs on cuda and cpu, not mps; use --kernel current"):
+        check_kernel("triton", "mps")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(RequestError, match="^--kernel triton needs the triton package on CUDA"):
+        check_kernel("triton", "cuda")
+    check_kernel("triton", "cpu")   # the CPU path needs no triton
