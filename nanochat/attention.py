@@ -287,10 +287,12 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
         if (backward and torch.cuda.get_device_capability(device) in FA4_AUTO_CAPABILITIES
                 and fa4_attention.available() is None):
             fa4_attention.probe(device)  # and cuDNN forward + FA4 backward
-    elif backend == "cudnn_fa4" and device.type == "cuda":
-        reason = fa4_attention.probe(device)
+    elif backend in ("cudnn", "cudnn_fa4") and device.type == "cuda":
+        # an explicit choice is proven by a real launch too (an import check alone proves nothing,
+        # DESIGN.md 4.6): cuDNN's window kernels for both, FA4's backward for cudnn_fa4
+        reason = cudnn_attention.probe(device) or (fa4_attention.probe(device) if backend == "cudnn_fa4" else None)
         if reason is not None:
-            raise RequestError(f"--attn-backend cudnn_fa4: {reason}")
+            raise RequestError(f"--attn-backend {backend}: {reason}")
     backend = resolve_backend(backend, device)
     block_size = _split_flex_options(flex_options_for(device))[0] if backend in ("flex", "sdpa_flex") else None
     for window in set(windows):

@@ -494,3 +494,20 @@ def test_fa4_backward_glue_with_a_stand_in_package(monkeypatch):
         assert seen["dq"].data_ptr() == dq.data_ptr() and seen["lse"].shape == (B, H, T)
         assert torch.all(dq == 1.0)
     assert fa4_attention._QUIET and any("aux_data" in str(f[1].pattern) for f in warnings.filters if f[1])
+
+
+def test_explicit_cudnn_backend_is_proven_by_a_launch(monkeypatch):
+    """--attn-backend cudnn was only import-checked: a cuDNN that imports and then fails at its first
+    launch got through to the first training step (DESIGN.md 4.6). prepare_masks now runs the probe
+    launch for an explicit cudnn / cudnn_fa4 and refuses with its reason."""
+    from nanochat import attention as A
+    from nanochat import cudnn_attention, fa4_attention
+    from nanochat.errors import RequestError
+
+    launched = []
+    monkeypatch.setattr(cudnn_attention, "probe", lambda dev: launched.append(dev) or "launch failed: bad arch")
+    monkeypatch.setattr(fa4_attention, "probe", lambda dev: None)
+    for backend in ("cudnn", "cudnn_fa4"):
+        with pytest.raises(RequestError, match=f"^--attn-backend {backend}: launch failed: bad arch"):
+            A.prepare_masks(256, [128, None], "cuda", backend)
+    assert len(launched) == 2
