@@ -451,6 +451,9 @@ def test_prepare_masks_probes_fa4_only_for_training_on_hopper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 1))  # GB10: unmeasured
     A.prepare_masks(256, [None], "cuda:3", "auto")
     assert calls == ["cudnn", "cudnn", "fa4", "cudnn"]
+    with pytest.raises(ValueError, match="--attn-backend cudnn_fa4: no cuDNN here"):   # its forward is cuDNN's
+        A.prepare_masks(256, [None], "cuda:3", "cudnn_fa4")
+    monkeypatch.setattr(cudnn_attention, "probe", lambda device: None)
     with pytest.raises(ValueError, match="--attn-backend cudnn_fa4: not probed for real"):
         A.prepare_masks(256, [None], "cuda:3", "cudnn_fa4")
 
