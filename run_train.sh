@@ -46,6 +46,8 @@ Modes:
                    same flags plus --resume latest continue where it stopped
   --lines N        log lines shown by --status (default 10)
   -h, --help       this text
+An option of another mode is refused, not ignored: --nproc starts a run, --lines goes with --status,
+--timeout with --stop. A relative --base-dir (or NANOCHAT_BASE_DIR) is the caller's directory's.
 Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
 Examples:
   ./run_train.sh --depth 12 && tail -f ~/.cache/nanochat/runs/d12/train.log
@@ -59,18 +61,19 @@ say() { echo "run_train.sh: $*"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=600 LINES=10 TAG_GIVEN=0
+MODES_GIVEN=() RUN_OPTS=()   # --status / --stop given; the run options given, as "flag mode-they-belong-to"
 TRAIN_ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --status) MODE=status; shift ;;
-    --stop) MODE=stop; shift ;;
-    --timeout) [[ $# -ge 2 ]] || die "--timeout needs a value (seconds)"; TIMEOUT="$2"; shift 2 ;;
-    --timeout=*) TIMEOUT="${1#*=}"; shift ;;
-    --lines) [[ $# -ge 2 ]] || die "--lines needs a value"; LINES="$2"; shift 2 ;;
-    --lines=*) LINES="${1#*=}"; shift ;;
-    --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value (GPUs on this host)"; NPROC="$2"; shift 2 ;;
-    --nproc=*) NPROC="${1#*=}"; shift ;;
+    --status) MODE=status; MODES_GIVEN+=(--status); shift ;;
+    --stop) MODE=stop; MODES_GIVEN+=(--stop); shift ;;
+    --timeout) [[ $# -ge 2 ]] || die "--timeout needs a value (seconds)"; TIMEOUT="$2"; RUN_OPTS+=("--timeout stop"); shift 2 ;;
+    --timeout=*) TIMEOUT="${1#*=}"; RUN_OPTS+=("--timeout stop"); shift ;;
+    --lines) [[ $# -ge 2 ]] || die "--lines needs a value"; LINES="$2"; RUN_OPTS+=("--lines status"); shift 2 ;;
+    --lines=*) LINES="${1#*=}"; RUN_OPTS+=("--lines status"); shift ;;
+    --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value (GPUs on this host)"; NPROC="$2"; RUN_OPTS+=("--nproc start"); shift 2 ;;
+    --nproc=*) NPROC="${1#*=}"; RUN_OPTS+=("--nproc start"); shift ;;
     --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
     --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
     --model-tag|--model_tag) [[ $# -ge 2 ]] || die "$1 needs a value"
@@ -82,9 +85,22 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-is_uint "$TIMEOUT" && (( TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer >= 1 (seconds)"
+# a run option of another mode would be ignored: --timeout is --stop's, --lines --status's, --nproc a start's
+if [[ " ${MODES_GIVEN[*]} " == *" --status "* && " ${MODES_GIVEN[*]} " == *" --stop "* ]]; then
+  die "--status and --stop: got both; accepted: one of the two"
+fi
+for opt in "${RUN_OPTS[@]}"; do
+  flag="${opt% *}" belongs="${opt#* }"
+  [[ "$belongs" == "$MODE" ]] || die "$flag: got it $([[ $MODE == start ]] && echo "to start a run" || echo "with --$MODE");" \
+    "accepted: $flag $([[ $belongs == start ]] && echo "when starting a run (not with --status / --stop)" || echo "with --$belongs only")"
+done
+[[ -n "$BASE_DIR" ]] || die "--base-dir: got ''; accepted: a directory"
+# absolute: the run starts in the repo (cd below), where a relative path would name another directory
+[[ "$BASE_DIR" == /* ]] || BASE_DIR="$PWD/$BASE_DIR"
+is_uint "$TIMEOUT" && (( 10#$TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer >= 1 (seconds)"
 is_uint "$LINES" || die "--lines: got '$LINES'; accepted: an integer >= 0"
-is_uint "$NPROC" && (( NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+is_uint "$NPROC" && (( 10#$NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+TIMEOUT=$((10#$TIMEOUT)) LINES=$((10#$LINES)) NPROC=$((10#$NPROC))   # "08" is not octal here
 if [[ -n "$TAG" && ! "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
   die "--model-tag: got '$TAG'; accepted: letters, digits, '.', '_' and '-'"
 fi
@@ -220,7 +236,7 @@ fi
 if [[ -z "$TAG" ]]; then
   if [[ -n "$DEPTH" ]]; then
     is_uint "$DEPTH" || die "--depth: got '$DEPTH'; accepted: an integer 1..256"
-    TAG="d$DEPTH"
+    TAG="d$((10#$DEPTH))"   # base_train's own default: --depth 012 trains d12
   else TAG="d20"; fi
 fi
 # base_train's own validation (flag names, batch arithmetic over --nproc ranks, devices) before

@@ -3,7 +3,8 @@
 # pipeline stage by stage (data -> tokenizer -> base -> eval -> mid -> SFT -> chat eval -> report).
 # Every stage writes a done-marker holding its exact command; a rerun skips stages whose command
 # is unchanged and reruns those whose configuration changed, and every stage after a model stage
-# that ran (MODEL_MAKERS below).  `./setup.sh --help` for options.
+# that ran, in that run or (stopped, or under --only) the next (MODEL_MAKERS below).
+# `./setup.sh --help` for options.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,7 +22,8 @@ Builds .venv (uv, torch for this machine, the project, the Rust tokenizer) and r
   ${STAGES[*]}
 
 Options:
-  --preset NAME      auto (default: spark on a GB10, h100 on Hopper, tiny without a GPU),
+  --preset NAME      auto (default: spark on a GB10, h100 on Hopper and other GPUs, tiny
+                     without a GPU),
                      tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
                      spark (DGX Spark defaults), h100 (one H100/H200; on a GPU with less
                      memory the device batch is lowered to fit, the total batch kept)
@@ -96,6 +98,9 @@ BASE_DIR_OK="accepted: a directory (made if missing), not an existing file or a 
 [[ -n "$BASE_DIR" ]] || die "$BASE_DIR_FROM: got ''; $BASE_DIR_OK"   # "" would be the caller's directory
 BASE_DIR_ARG="$BASE_DIR"
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
+# one spelling per directory (the done-markers record it): "dir/", "dir//" or "./dir" must not read
+# as another base dir and rerun every stage. Lexical (-s): a symlinked home keeps the path it had.
+BASE_DIR="$(realpath -ms -- "$BASE_DIR" 2>/dev/null || printf '%s' "$BASE_DIR")"
 existing="$BASE_DIR"   # its nearest existing part must be a directory, or mkdir fails hours later
 while [[ ! -e "$existing" && "$existing" != / ]]; do existing="$(dirname "$existing")"; done
 [[ -d "$existing" ]] || die "$BASE_DIR_FROM: got '$BASE_DIR_ARG' ('$existing' is not a directory); $BASE_DIR_OK"
@@ -174,7 +179,14 @@ FREE_DISK_GB="$(df -Pk "$REPO" | awk 'NR==2 {printf "%d", $4/1048576}')"
 MEMINFO="${SETUP_MEMINFO:-/proc/meminfo}"  # SETUP_MEMINFO: the tests' simulated GB10
 MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' "$MEMINFO" 2>/dev/null || echo 0)"
 MEM_TOTAL_MIB="$(awk '/MemTotal/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
-PY="$(command -v python3 || true)"
+# python3 on PATH, passing over this repo's .venv (activated, as the closing lines suggest): taken
+# for another interpreter, it redid the env stage's installs on every switch in and out of it
+PY=""
+IFS=: read -r -a path_dirs <<< "$PATH"
+for d in "${path_dirs[@]}"; do
+  [[ -n "$d" && -x "$d/python3" && ! "$d" -ef "$REPO/.venv/bin" ]] && { PY="$d/python3"; break; }
+done
+[[ -n "$PY" ]] || PY="$(command -v python3 || true)"
 [[ -n "$PY" ]] || die "python3 not found: install Python >= 3.10 (e.g. 'apt-get install python3 python3-venv')"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
   || die "Python >= 3.10 is required, found $("$PY" --version 2>&1)"
@@ -186,7 +198,7 @@ if [[ "$PRESET" == auto ]]; then
 fi
 
 say "machine: $OS/$ARCH, GPU: ${GPU_NAME:-none}${GPU_CC:+ (cc $GPU_CC)}${DRIVER:+, driver $DRIVER, CUDA $CUDA_DRIVER_VERSION}"
-say "free disk ${FREE_DISK_GB} GB, available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1), preset $PRESET"
+say "free disk ${FREE_DISK_GB} GB, available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1) ($PY), preset $PRESET"
 NEED_DISK=5; [[ "$PRESET" == tiny ]] || NEED_DISK=60
 if (( FREE_DISK_GB < NEED_DISK )); then
   msg="only ${FREE_DISK_GB} GB free at $REPO; preset $PRESET needs about ${NEED_DISK} GB"
@@ -340,6 +352,17 @@ stage_inputs() {  # stage -> marker lines for inputs its command names only by p
 # last step done. The report also follows any stage that ran before it (an eval's new results).
 MODEL_MAKERS=" tokenizer base_train mid_train chat_sft "
 MODEL_RAN="" ANY_RAN=""
+# ... and across runs: a stage that starts for real removes the done-markers of the stages that use
+# what it makes (after a model maker, every later one; after any stage, the report's), so that a
+# run cut short after it (Ctrl-C, a failure) or limited by --only leaves them to rerun next time,
+# not "done already" on results of what was replaced.
+forget_later() {  # stage
+  local s later=0
+  for s in "${STAGES[@]}"; do
+    if (( later )) && [[ "$MODEL_MAKERS" == *" $1 "* || "$s" == report ]]; then rm -f "$STATE_DIR/$s.done"; fi
+    [[ "$s" != "$1" ]] || later=1
+  done
+}
 
 # Ctrl-C reaches the stage too (one process group): a training stage finishes its step and saves
 # a checkpoint, then exits 130, which bash takes as handled and would carry on after; the trap and
@@ -397,6 +420,13 @@ run_child() {  # command... -> its exit code. A trapped signal ends `wait` early
   return "$rc"
 }
 
+shell_words() {  # args -> one line a shell reads back as them (a path with a space stays one argument)
+  local a out=()
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_./:,=@+%^-]+$ ]]; then out+=("$a"); else out+=("$(printf '%q' "$a")"); fi
+  done
+  echo "${out[*]}"
+}
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
@@ -407,12 +437,13 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
     if [[ -n "$upstream" ]]; then say "[$stage] rerunning: $upstream ran before it"; fi
   elif [[ -f "$marker" ]]; then say "[$stage] config changed since last run: rerunning"; fi
   ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
-  say "[$stage] $*"
+  say "[$stage] $(shell_words "$@")"
   [[ $DRY_RUN -eq 1 ]] && return 0
   local t0=$SECONDS rc=0
   # the marker says the stage's latest run finished: a rerun (--force, a config change, or an
   # upstream stage that ran) that is interrupted must not leave the old one saying "done"
   rm -f "$marker"
+  forget_later "$stage"
   CURRENT_STAGE="$stage"
   run_child "$@" || rc=$?
   (( STOP_CODE == 0 )) || stopped "$STOP_CODE"   # Ctrl-C or a hangup while the stage ran
@@ -468,10 +499,14 @@ rust_ready() {  # cargo on PATH, or in rustup's ~/.cargo/bin (installed after th
   command -v cargo >/dev/null 2>&1
 }
 NO_CARGO="cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
+# Rust links with the system's C compiler driver, absent from minimal cloud images: without it the
+# tokenizer's build failed ("linker `cc` not found") after the torch download
+NO_CC="cc (a C compiler, the linker Rust uses) not found: install one (Debian/Ubuntu: sudo apt-get install build-essential) and rerun"
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
   CURRENT_STAGE=env
   rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
+  command -v cc >/dev/null 2>&1 || die "$NO_CC"
   local t0=$SECONDS
   source "$REPO/scripts/ensure_uv.sh"
   ensure_uv "$PY" || exit 2
@@ -515,9 +550,40 @@ if should_run env; then
   else
     say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"
     rust_ready || [[ $INSTALL_RUST -eq 1 ]] || warn "$NO_CARGO"
+    command -v cc >/dev/null 2>&1 || warn "$NO_CC"
   fi
 fi
 export PATH="$REPO/.venv/bin:$PATH"
+
+# The --conversations files' rows and the --identity name, checked by mid_train / chat_sft's own
+# code (the shell's check above misses e.g. a row without an assistant reply, or a zero-width
+# space in the name) now, before data and base training, not days later when mid_train starts.
+check_chat_inputs() {
+  [[ ${#CONV_FILES[@]} -gt 0 || -n "$IDENTITY" ]] || return 0
+  should_run mid_train || should_run chat_sft || return 0
+  [[ $DRY_RUN -eq 0 && -x .venv/bin/python ]] || return 0   # (a stage without the venv fails anyway)
+  .venv/bin/python - "$IDENTITY" "${CONV_FILES[@]}" <<'PY' || exit 2
+import sys
+
+from nanochat.tasks.conversations import ConversationFile
+from nanochat.tasks.identity import check_identity_name
+
+try:
+    if sys.argv[1]:
+        check_identity_name(sys.argv[1])
+    for path in sys.argv[2:]:
+        ConversationFile(path, flag="--conversations")
+except ValueError as e:   # DataError and RequestError are ValueErrors
+    sys.exit(f"setup.sh: error: {e}")
+PY
+}
+check_chat_inputs
+if [[ $DRY_RUN -eq 0 && ! -x .venv/bin/python ]]; then   # (--only / --from without the env stage)
+  for s in "${STAGES[@]:1}"; do
+    should_run "$s" && die "stage '$s' runs in $REPO/.venv, which does not exist (or has no python): build it" \
+      "first with ./setup.sh --only env (with the rest of your flags), then rerun this"
+  done
+fi
 
 for stage in "${STAGES[@]:1}"; do
   should_run "$stage" || continue

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by setup.sh: `ensure_uv PYTHON` puts uv (the package manager the env stage uses) on PATH,
 # installing it into ~/.local/bin when it is missing. Returns 2 with a message when it cannot.
 #

@@ -62,16 +62,18 @@ is_uint "$MASTER_PORT_" && (( MASTER_PORT_ >= 1 && MASTER_PORT_ <= 65535 )) \
   || die "--master-port: got '$MASTER_PORT_'; accepted: 1..65535"
 is_uint "$NPROC" && (( NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
 
-SYSFS=${NANOCHAT_SYSFS_ROOT:-/}
+SYSFS=${NANOCHAT_SYSFS_ROOT:-}; SYSFS=${SYSFS%/}   # "" (the default): /sys/...
 NET=$SYSFS/sys/class/net
 IB=$SYSFS/sys/class/infiniband
 
 # ---- HCA -> netdev map, "hca netdev state" per line ----
 hca_map() {
   local tool=${IBDEV2NETDEV:-ibdev2netdev}
-  if command -v "$tool" > /dev/null 2>&1; then
-    # "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)"
-    "$tool" | awk '$4 == "==>" { s = $6; gsub(/[()]/, "", s); print $1, $5, s }'
+  local out
+  # "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)"; a tool that fails falls back to sysfs (under set -e
+  # and pipefail its failure would otherwise end the script without a word)
+  if command -v "$tool" > /dev/null 2>&1 && out=$("$tool" 2>/dev/null); then
+    awk '$4 == "==>" { s = $6; gsub(/[()]/, "", s); print $1, $5, s }' <<< "$out"
     return
   fi
   [[ -d $IB ]] || return 0
@@ -100,7 +102,8 @@ fi
 if [[ -n $HCA ]]; then
   # an explicit list must name HCAs this node has (NCCL matches names as prefixes, '=' exactly,
   # '^' excludes): a typo would leave NCCL on TCP sockets at a fraction of RoCE's bandwidth
-  known=$( { awk '{ print $1 }' <<< "$MAP"; ls "$IB" 2>/dev/null; } | LC_ALL=C sort -u | paste -sd' ' -)
+  # (no $IB is no HCA: under pipefail a failing ls would end the script here without a word)
+  known=$( { awk '{ print $1 }' <<< "$MAP"; ls "$IB" 2>/dev/null || true; } | LC_ALL=C sort -u | paste -sd' ' -)
   mode=${HCA:0:1}
   if [[ $mode != "^" ]]; then
     IFS=, read -ra wanted <<< "${HCA#=}"
@@ -157,7 +160,10 @@ TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_R
 
 if (( DRY_RUN )); then
   echo "# node $NODE_RANK of $NNODES, $NPROC process(es), interface $IFACE (MTU ${MTU:-?}), HCAs ${HCA:-none}"
-  for kv in "${ENV_VARS[@]}"; do echo "export $kv"; done
+  for kv in "${ENV_VARS[@]}"; do   # as a shell reads it back (a repo path with a space in PYTHONPATH)
+    v=${kv#*=}; [[ $v =~ ^[A-Za-z0-9_./:,=^@+%-]*$ ]] || v=$(printf '%q' "$v")
+    echo "export ${kv%%=*}=$v"
+  done
   printf '%q ' "${TORCHRUN[@]}"; echo
   exit 0
 fi
