@@ -200,16 +200,44 @@ def programs_per_sm(target, registers: int, shared: int, num_warps: int) -> int:
 AST_RACE = "AST constructor recursion depth mismatch"
 
 
+def _causes(exc: BaseException):
+    """exc and the exceptions it was raised from, outermost first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ if exc.__cause__ is not None else (
+            None if exc.__suppress_context__ else exc.__context__)
+
+
+def _is_ast_race(exc: BaseException) -> bool:
+    return any(isinstance(e, SystemError) and AST_RACE in str(e) for e in _causes(exc))
+
+
 def _compile(triton_compile, src, gpu, options: dict, attempts: int = 3):
     """triton.compile, retried when CPython 3.11's AST constructor raises its spurious SystemError
     (python/cpython#106905; seen only when several threads parse at once, as check()'s compile
-    threads do: one of ~1,100 CPU tests failed on it once, session 45). Other errors propagate."""
+    threads do: one of ~1,100 CPU tests failed on it once, session 45). The race may surface
+    bare or, when it hits a callee's parse, wrapped in Triton's CompilationError (its message
+    then ends in the caret line alone: CI failed on that once, session 52). Other errors propagate."""
     for attempt in range(attempts):
         try:
             return triton_compile(src, target=gpu, options=options)
-        except SystemError as exc:
-            if AST_RACE not in str(exc) or attempt == attempts - 1:
+        except Exception as exc:  # noqa: BLE001 - only the race is retried; the rest re-raised
+            if not _is_ast_race(exc) or attempt == attempts - 1:
                 raise
+
+
+def _describe(exc: BaseException) -> str:
+    """'Type: last line' of each exception in the chain, caret lines left out, so a CompilationError
+    wrapping a callee's failure (message: source excerpt and a caret) names the call and the real
+    error."""
+    parts = []
+    for e in _causes(exc):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+        if lines:
+            parts.append(f"{type(e).__name__}: {lines[-1][:300]}")
+    return " <- ".join(parts) or type(exc).__name__
 
 
 def compile_launch(launch: Launch, target: AotTarget) -> AotResult:
@@ -236,8 +264,7 @@ def compile_launch(launch: Launch, target: AotTarget) -> AotResult:
     try:
         kernel = _compile(triton_compile, ASTSource(fn, signature, constexprs, attrs), gpu, options.__dict__)
     except Exception as exc:  # noqa: BLE001 - any compiler failure is the result being reported
-        last = (str(exc).strip().splitlines() or [""])[-1]
-        result.error = f"{type(exc).__name__}: {last[:300]}"
+        result.error = _describe(exc)
         result.seconds = time.perf_counter() - t0
         return result
     result.ok, result.shared = True, int(kernel.metadata.shared)

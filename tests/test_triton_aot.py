@@ -159,6 +159,46 @@ def test_cpython_ast_race_is_retried_other_system_errors_are_results(monkeypatch
     assert not res.ok and res.error == "SystemError: something else" and len(calls) == 1
 
 
+def test_ast_race_wrapped_in_a_compilation_error_is_retried_and_errors_name_their_cause(monkeypatch):
+    """The race hit inside a callee's parse reaches us wrapped in Triton's CompilationError, whose
+    message is the caller's source and a caret line (CI failed on `CompilationError: ^` once)."""
+    import ast
+
+    import triton
+    import triton.compiler
+    import triton.language as tl
+    from triton.compiler.errors import CompilationError
+
+    @triton.jit
+    def fill(x, BLOCK: tl.constexpr):
+        tl.store(x + tl.arange(0, BLOCK), 1.0)
+
+    src = "def k():\n    helper()\n"
+    node = ast.parse(src).body[0].body[0]
+    real, calls = triton.compiler.compile, []
+
+    def wrapped(message, fail_times):
+        def compile_(*args, **kwargs):
+            calls.append(message)
+            if len(calls) <= fail_times:
+                try:
+                    raise SystemError(message)
+                except SystemError as exc:
+                    raise CompilationError(src, node, None) from exc
+            return real(*args, **kwargs)
+        return compile_
+
+    launch = ta.Launch("t", fill, (torch.empty(4),), {"BLOCK": 4})
+    monkeypatch.setattr(triton.compiler, "compile", wrapped(ta.AST_RACE + " (before=1, after=2)", 2))
+    res = ta.compile_launch(launch, H100)
+    assert res.ok and res.registers and len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(triton.compiler, "compile", wrapped("an unsupported op", 1))
+    res = ta.compile_launch(launch, H100)
+    assert not res.ok and len(calls) == 1
+    assert res.error == "CompilationError: helper() <- SystemError: an unsupported op", res.error
+
+
 def test_targets_resolve_and_reject_unknown():
     assert [t.key for t in ta.resolve_targets("gb10,h100-sxm")] == ["gb10", "h100-sxm"]
     assert len(ta.resolve_targets("all")) == len(ta.TARGETS)
