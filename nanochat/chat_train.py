@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from nanochat.checkpoint import RESUME_HELP, valid_resume
+from nanochat.checkpoint import check_resume_flags
 from nanochat.common import get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
@@ -90,6 +90,7 @@ class ChatTrainConfig:
     save_every: int = -1
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step of this stage's own checkpoints, or "auto"
+    overwrite: bool = False                 # a fresh run may delete the tag's existing checkpoints of this stage
     device: str = "auto"
     dtype: str = "auto"
     kernel: str = "current"
@@ -121,7 +122,7 @@ class ChatTrainConfig:
         if self.total_batch_size != -1 and self.max_seq_len != -1:
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len,
                        int(os.environ.get("WORLD_SIZE", "1")))
-        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        check_resume_flags(self.resume, self.overwrite)
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
@@ -171,7 +172,9 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
     defaults = {**asdict(ChatTrainConfig()), **stage.defaults}
     for f in fields(ChatTrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool | None":
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=CHAT_FLAG_HELP[f.name])
+        elif f.type == "bool | None":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help="default: on for CUDA, off elsewhere")
         elif f.name == "identity":
@@ -229,8 +232,8 @@ _SOURCE_KEYS = ("phase", "model_tag", "step", "model_sha256")
 
 
 def say_fresh_start(why: str) -> None:
-    print0(f"--resume auto: {why}: starting fresh instead (its checkpoints stay on disk until this run's "
-           "saves replace them)")
+    print0(f"--resume auto: {why}: starting fresh instead (its checkpoints are moved to earlier_runs/ at this "
+           "run's first save)")
 
 
 def _auto_resume(ckpt_dir, source: dict) -> str | None:
@@ -359,11 +362,13 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
 
 
 def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> None:
-    """Is there a checkpoint to start from, and do --max-seq-len and --total-batch-size fit its model
+    """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
     (seconds to minutes at d20); `_start` checks the model it loaded again."""
-    from nanochat.checkpoint import CheckpointError, read_meta
-    _, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
+    tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
+        fresh_start(checkpoint_dir(stage.name, tag, base_dir), None, cfg.overwrite)
     try:
         model_len = (read_meta(src_dir, cfg.step).get("model_config") or {}).get("sequence_len")
     except CheckpointError:   # a step that is not there, a damaged meta.json: the load names it, in full
@@ -380,7 +385,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
     from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations, validation_overlap
-    from nanochat.checkpoint import checkpoint_bytes, disk_plan, planned_saves, save_checkpoint, step_dirname
+    from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, planned_saves, save_checkpoint,
+                                     step_dirname)
     from nanochat.kernels import check_kernel
     from nanochat.loop import (LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop,
                                say_schedule_changes)
@@ -405,6 +411,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     mixture = mixture_record(cfg, train_mix)
     model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture,
                                                                             len(train_mix))
+    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None
 
     # ---- one epoch of the mixture = -1 iterations ----
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
@@ -418,7 +425,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last)
+                     cfg.keep_last, freed=earlier.bytes_freed() if earlier is not None else 0)
+    if earlier is not None:
+        disk += f"; {earlier.describe()}"
     eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
     loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
     loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
@@ -477,6 +486,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         return {"val_bpb": bpb}
 
     def save(at: int, loop_state: dict):
+        if earlier is not None:   # the earlier run goes once this one has trained up to a save
+            earlier.settle(rt.is_master)
         meta = {"phase": stage.name, "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
                 "config": asdict(cfg), "source": source, "val_bpb": loop_state["val_bpb"],
                 "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}

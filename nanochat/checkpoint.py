@@ -44,11 +44,12 @@ from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, saved_sum,
                                     start_check, step_dirname, write_json)
-from nanochat.flags import check_model_tag
+from nanochat.flags import check_model_tag, require
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
 LATEST_NAME = "latest.json"
+EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
 META_NAME = "meta.json"
 MODEL_NAME = "model.pt"
 
@@ -96,6 +97,14 @@ def valid_resume(value: str | None) -> bool:
     return value is None or value in ("latest", "auto") or value.isdigit()
 
 
+def check_resume_flags(resume: str | None, overwrite: bool) -> None:
+    """--resume's value, and --overwrite only for a fresh start: --resume latest|N continues the
+    run it would delete (every training recipe's flags)."""
+    require(valid_resume(resume), "--resume", resume, RESUME_HELP)
+    require(not overwrite or resume in (None, "auto"), "--overwrite", True,
+            f"only for a fresh run (or --resume auto, when it starts fresh), not with --resume {resume}")
+
+
 def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:
     """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh), and
     says which: what a rerun of an interrupted stage wants (setup.sh passes it). Other values are
@@ -106,7 +115,8 @@ def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = prin
     steps = [] if found else list_steps(ckpt_dir)
     if steps:   # checkpoints, but no record of the newest (e.g. an --overwrite cut short): not guessed
         log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
-            "fresh (--resume STEP continues one of them)")
+            f"fresh; they are moved to {EARLIER_RUNS}/ at this run's first save (--resume STEP continues one of "
+            "them instead)")
     else:
         log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in "
             f"{ckpt_dir}")
@@ -119,39 +129,82 @@ def model_digest(ckpt_dir, step: int) -> str | None:
     return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
-def check_fresh_start(ckpt_dir, overwrite: bool) -> list[int]:
-    """A fresh base run into a model tag that holds checkpoints would replace them step by step (and
-    its final save the earlier run's model): refused unless --overwrite. Returns the steps that
-    --overwrite replaces; `delete_earlier_run` deletes them at the new run's first save, so a run
-    that fails before it (a bad flag found late, an OOM at the first step) loses nothing."""
+class EarlierRun:
+    """The checkpoints of an earlier run in the directory a fresh run saves to. Left as they are
+    until the new run's first save (a run that fails before it, a bad flag found late or an OOM at
+    the first step, loses nothing), then deleted (--overwrite) or moved into earlier_runs/<N>/
+    (--resume auto starting fresh over a run it cannot continue). Never left to mix with the new
+    run's saves: --keep-last's pruning, a later --resume STEP and a re-save at a step both wrote
+    would each take the other run's checkpoints for this one's."""
+
+    def __init__(self, ckpt_dir, steps: list[int], delete: bool):
+        self.ckpt_dir, self.steps, self.delete = Path(ckpt_dir), list(steps), delete
+
+    def bytes_freed(self) -> int:
+        """Bytes the settling frees on the checkpoints' disk (disk_plan counts them as free)."""
+        return steps_bytes(self.ckpt_dir, self.steps) if self.delete else 0
+
+    def describe(self) -> str:
+        what = f"the earlier run's checkpoints (steps {self.steps}) in {self.ckpt_dir}"
+        if self.delete:
+            return f"--overwrite: {what} are deleted at this run's first save"
+        return f"{what} are moved to {self.ckpt_dir / EARLIER_RUNS}/<N>/ at this run's first save"
+
+    def settle(self, is_master: bool = True) -> Path | None:
+        """Delete or move the earlier run (collective; once). latest.json goes first, so an
+        interruption midway never leaves it naming a step that is gone. Returns where they went."""
+        if not self.steps:
+            return None
+        steps, self.steps, moved_to = self.steps, [], None
+        if is_master:
+            latest = self.ckpt_dir / LATEST_NAME
+            if self.delete:
+                latest.unlink(missing_ok=True)
+                for step in steps:
+                    shutil.rmtree(self.ckpt_dir / step_dirname(step), ignore_errors=True)
+                print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
+            else:
+                moved_to = _next_earlier_run_dir(self.ckpt_dir)
+                moved_to.mkdir(parents=True)
+                if latest.is_file():
+                    os.replace(latest, moved_to / LATEST_NAME)
+                for step in steps:
+                    os.replace(self.ckpt_dir / step_dirname(step), moved_to / step_dirname(step))
+                fsync_dir(moved_to)
+                print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
+                       "delete it when you no longer need them")
+            fsync_dir(self.ckpt_dir)
+        barrier()
+        return moved_to
+
+
+def _next_earlier_run_dir(ckpt_dir: Path) -> Path:
+    taken = [int(p.name) for p in (ckpt_dir / EARLIER_RUNS).glob("*") if p.name.isdigit()]
+    return ckpt_dir / EARLIER_RUNS / str(max(taken, default=0) + 1)
+
+
+def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:
+    """A fresh run into a model tag that holds checkpoints would replace them step by step (and its
+    final save the earlier run's model). --overwrite: they are deleted at this run's first save;
+    --resume auto (which chose to start fresh): moved aside then; otherwise refused, naming the
+    ways on. None: the directory holds no checkpoints."""
     ckpt_dir = Path(ckpt_dir)
     steps = list_steps(ckpt_dir)
-    if steps and not overwrite:
-        how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
-               f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
-        raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
-                              f"overwrite them: pass {how} to continue it, another --model-tag "
-                              "to train a new one, or --overwrite to delete them")
-    return steps
+    if not steps:
+        return None
+    if overwrite or resume == "auto":
+        return EarlierRun(ckpt_dir, steps, delete=overwrite)
+    how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
+           f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
+    raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
+                          f"overwrite them: pass {how} to continue it, another --model-tag "
+                          "to train a new one, or --overwrite to delete them")
 
 
 def steps_bytes(ckpt_dir, steps: list[int]) -> int:
     """Bytes the given steps' directories hold on disk."""
     return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
                if f.is_file())
-
-
-def delete_earlier_run(ckpt_dir, steps: list[int], is_master: bool = True) -> None:
-    """--overwrite: delete the earlier run's checkpoints (collective). latest.json goes first, so an
-    interruption midway never leaves it naming a deleted step."""
-    ckpt_dir = Path(ckpt_dir)
-    if is_master and steps:
-        (ckpt_dir / LATEST_NAME).unlink(missing_ok=True)
-        for step in steps:
-            shutil.rmtree(ckpt_dir / step_dirname(step), ignore_errors=True)
-        fsync_dir(ckpt_dir)
-        print0(f"--overwrite: deleted the checkpoints of steps {steps} in {ckpt_dir}")
-    barrier()
 
 
 def remove_checkpoint(ckpt_dir, step: int) -> None:

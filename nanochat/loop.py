@@ -60,8 +60,10 @@ from nanochat.report import jsonable
 TRAIN_FLAG_HELP = {
     "save_every": "N: save a checkpoint every N steps; -1 or 0: only the one at the last step (always saved)",
     "keep_last": "N > 0: keep this run's newest N checkpoints, deleting its older ones; 0: keep all",
-    "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when there is one, else "
-              "a fresh start); not given: a fresh start",
+    "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when there is one it can "
+              "continue, else a fresh start that moves the earlier run's checkpoints to earlier_runs/); not "
+              "given: a fresh start",
+    "overwrite": "let a fresh run replace the checkpoints of this --model-tag (deleted at its first save)",
     "device": "auto|cpu|cuda|mps (auto: CUDA, else MPS, else the CPU)",
     "dtype": "auto|bf16|fp32 (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
     "kernel": "current|liger|triton: the loss (and, triton, fused ops) backend",

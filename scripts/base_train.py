@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.checkpoint import RESUME_HELP, valid_resume
+from nanochat.checkpoint import check_resume_flags
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop, say_schedule_changes)
@@ -134,10 +134,7 @@ class BaseTrainConfig:
         require_int(self.eval_tokens, "--eval-tokens", per_micro)
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
-        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
-        # --overwrite is for a fresh start; --resume latest|N continues the run it would delete
-        require(not self.overwrite or self.resume in (None, "auto"), "--overwrite", True,
-                f"only for a fresh run (or --resume auto, when it starts fresh), not with --resume {self.resume}")
+        check_resume_flags(self.resume, self.overwrite)
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.precision in PRECISIONS, "--precision", self.precision, "|".join(PRECISIONS))
@@ -180,7 +177,6 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: auto from --depth",
     "eval_tokens": "validation tokens per evaluation (whole micro-batches of all ranks)",
     "sample_every": "N: print samples every N steps and at the last step; -1 or 0: never",
-    "overwrite": "let a fresh run replace the checkpoints of this --model-tag (deleted at its first save)",
     "model_tag": "the checkpoint directory's name under checkpoints/base/; not given: d<depth>",
     "precision": f"{'|'.join(PRECISIONS)} (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
     "precision_backend": f"{'|'.join(PRECISION_BACKENDS)}: the fp8 / nvfp4 implementation",
@@ -246,9 +242,8 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
-    from nanochat.checkpoint import (build_model, check_fresh_start, checkpoint_bytes, checkpoint_dir,
-                                     delete_earlier_run, disk_plan, load_checkpoint, planned_saves, resolve_resume,
-                                     save_checkpoint, step_dirname, steps_bytes)
+    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, fresh_start,
+                                     load_checkpoint, planned_saves, resolve_resume, save_checkpoint, step_dirname)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -301,9 +296,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
-    resume, resume_at, overwritten = None, resolve_resume(cfg.resume, ckpt_dir), []
+    resume, resume_at, earlier = None, resolve_resume(cfg.resume, ckpt_dir), None
     if resume_at is None:
-        overwritten = check_fresh_start(ckpt_dir, cfg.overwrite)   # deleted at this run's first save
+        earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # deleted / moved aside at the first save
     else:
         resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
         check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
@@ -328,7 +323,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(meta_model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last, freed=steps_bytes(ckpt_dir, overwritten))
+                     cfg.keep_last, freed=earlier.bytes_freed() if earlier is not None else 0)
+    if earlier is not None:
+        disk += f"; {earlier.describe()}"
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
@@ -392,9 +389,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         return texts
 
     def save(at: int, loop_state: dict):
-        if overwritten:   # --overwrite: the earlier run goes once this one has trained up to a save
-            delete_earlier_run(ckpt_dir, overwritten, rt.is_master)
-            overwritten.clear()
+        if earlier is not None:   # the earlier run goes once this one has trained up to a save
+            earlier.settle(rt.is_master)
         meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
                 "train": train_meta, "config": asdict(cfg), "val_bpb": loop_state["val_bpb"],
                 "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}

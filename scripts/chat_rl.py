@@ -23,7 +23,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields
 
-from nanochat.checkpoint import RESUME_HELP, valid_resume
+from nanochat.checkpoint import check_resume_flags
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
@@ -57,6 +57,7 @@ class ChatRLConfig:
     save_every: int = 60
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
+    overwrite: bool = False                 # a fresh run may delete the tag's existing rl checkpoints
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 42
@@ -87,7 +88,7 @@ class ChatRLConfig:
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         require_int(self.eval_examples, "--eval-examples", 1)
         require_int(self.eval_samples, "--eval-samples", 0)
-        require(valid_resume(self.resume), "--resume", self.resume, RESUME_HELP)
+        check_resume_flags(self.resume, self.overwrite)
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in ("auto", "cpu", "cuda", "mps"), "--device", self.device, "auto|cpu|cuda|mps")
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
@@ -132,6 +133,9 @@ def parse_config(argv: list[str] | None = None) -> ChatRLConfig:
     d = ChatRLConfig()
     for f in fields(ChatRLConfig):
         about = FLAG_HELP.get(f.name)
+        if f.type == "bool":
+            parser.add_argument("--" + f.name, action="store_true", help=about)
+            continue
         parser.add_argument("--" + f.name.replace("_", "-"), type=_TYPES[f.type], default=getattr(d, f.name),
                             help=(f"{about}; " if about else "") + f"default: {getattr(d, f.name)}")
     return ChatRLConfig(**vars(parser.parse_args(argv))).validate()
@@ -175,8 +179,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
-    from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, load_checkpoint, load_model,
-                                     planned_saves, read_meta, save_checkpoint, step_dirname)
+    from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, fresh_start, load_checkpoint,
+                                     load_model, planned_saves, read_meta, save_checkpoint, step_dirname)
     from nanochat.gpt import GPTConfig
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
@@ -190,6 +194,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
+    if resume_at is None:   # a fresh run into a tag holding rl checkpoints: refused now, not after the load
+        fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)
     # data before the model: the problems trained on, and the ones scored (never the same: with
     # --test-holdout N training takes the test split from N on, so the evaluation takes at most N)
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
@@ -223,8 +229,11 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                              {"num_iterations": num_iterations})
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
+    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last)
+                     cfg.keep_last, freed=earlier.bytes_freed() if earlier is not None else 0)
+    if earlier is not None:
+        disk += f"; {earlier.describe()}"
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
@@ -272,6 +281,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         return metrics
 
     def save(at: int, loop_state: dict):
+        if earlier is not None:   # the earlier run goes once this one has trained up to a save
+            earlier.settle(rt.is_master)
         meta = {"phase": "rl", "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
                 "config": asdict(cfg), "source": source, "tokenizer_fingerprint": tokenizer.fingerprint}
         return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),

@@ -321,6 +321,9 @@ def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, c
     assert sorted(fresh["losses"]) == [0, 1, 2, 3]
     new_digest = ck.model_digest(ck.checkpoint_dir("base", "again"), 4)
     assert new_digest != digest and ck.read_meta(mid_dir)["source"]["model_sha256"] == new_digest
+    # the old base's mid run (steps 2 and 4) is kept aside, not mixed with this one's saves
+    assert f"moved the earlier run's checkpoints (steps [2, 4]) to {mid_dir / 'earlier_runs' / '1'}" in out
+    assert ck.read_meta(mid_dir / "earlier_runs" / "1")["source"]["model_sha256"] == digest
 
     # another batch (setup.sh reruns a stage whose flags changed): auto starts fresh, an explicit
     # --resume still names what differs
@@ -332,6 +335,24 @@ def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, c
     assert "latest checkpoint cannot be continued (the checkpoint has --total-batch-size 512 but this run has " \
            "1024): starting fresh" in capsys.readouterr().out
     assert sorted(again["losses"]) == [0, 1] and ck.read_meta(mid_dir)["train"]["total_batch_size"] == 1024
+    # the 4-step run's step 4 no longer outlives it in the tag: a --resume 4 would have taken it
+    assert ck.list_steps(mid_dir) == [2] and ck.list_steps(mid_dir / "earlier_runs" / "2") == [2, 4]
+
+    # no --resume: a fresh run into the tag is refused before the model loads; --overwrite deletes
+    # the earlier run at its first save (earlier_runs/ is left alone)
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "load_model", no_load)
+        with pytest.raises(ck.CheckpointError, match=r"holds checkpoints of an earlier run \(steps \[2\]\); .* "
+                                                     r"--overwrite to delete them"):
+            mid_train.main(mid_args)
+    capsys.readouterr()
+    mid_train.main(mid_args + ["--num-iterations", "1", "--overwrite"])
+    out = capsys.readouterr().out
+    assert f"--overwrite: the earlier run's checkpoints (steps [2]) in {mid_dir} are deleted at this run's first " \
+           "save" in out and f"--overwrite: deleted the checkpoints of steps [2] in {mid_dir}" in out
+    assert ck.list_steps(mid_dir) == [1] and sorted(p.name for p in (mid_dir / "earlier_runs").iterdir()) == ["1", "2"]
 
 
 def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):

@@ -501,3 +501,43 @@ def test_build_model_for_inference_imports_neither_dynamo_nor_sympy():
              "round(m.wte.weight.std().item(), 1), m.wte.weight.requires_grad)\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "[] 1.0 True", (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_fresh_run_over_an_earlier_one_refuses_deletes_or_moves_it_aside(tmp_path, capsys):
+    """fresh_start: no flag -> refused (naming the ways on); --overwrite -> deleted at the first save;
+    --resume auto (which chose a fresh start) -> moved to earlier_runs/<N>/ with its latest.json, a
+    new number each time. Before settle() nothing is touched (a run that fails early loses nothing)."""
+    d = tmp_path / "ck"
+    assert ck.fresh_start(d, None, False) is None   # nothing there yet
+    for step in (2, 4):
+        _save(d, step)
+    with pytest.raises(ck.CheckpointError, match=r"steps \[2, 4\]\); .* --resume latest \(or auto\) .* --overwrite"):
+        ck.fresh_start(d, None, False)
+    aside = ck.fresh_start(d, "auto", False)
+    assert ck.list_steps(d) == [2, 4] and aside.bytes_freed() == 0 and "moved to" in aside.describe()
+    assert aside.settle() == d / "earlier_runs" / "1" and aside.settle() is None   # once
+    assert ck.list_steps(d) == [] and not (d / "latest.json").exists()
+    assert ck.list_steps(d / "earlier_runs" / "1") == [2, 4] and ck.read_latest(d / "earlier_runs" / "1") == 4
+    ck.load_checkpoint(d / "earlier_runs" / "1", "latest")   # still whole and verifiable where it went
+    _save(d, 3)
+    assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "2"
+    _save(d, 5)
+    gone = ck.fresh_start(d, "auto", True)   # --overwrite wins over auto's moving aside
+    size = gone.bytes_freed()
+    assert size > 0 and "deleted at this run's first save" in gone.describe()
+    assert gone.settle() is None and ck.list_steps(d) == [] and not (d / "latest.json").exists()
+    assert "--overwrite: deleted the checkpoints of steps [5]" in capsys.readouterr().out
+    assert sorted(p.name for p in (d / "earlier_runs").iterdir()) == ["1", "2"]
+
+
+@pytest.mark.parametrize("resume", ["latest", "7"])
+def test_overwrite_is_refused_with_a_resume_of_every_training_recipe(resume):
+    from nanochat.chat_train import MID, SFT, parse_config as chat_parse
+    from scripts.chat_rl import parse_config as rl_parse
+
+    for parse in (lambda a: chat_parse(MID, a), lambda a: chat_parse(SFT, a), rl_parse):
+        assert parse(["--overwrite"]).overwrite and not parse([]).overwrite
+        assert parse(["--overwrite", "--resume", "auto"]).overwrite
+        with pytest.raises(ValueError, match=f"--overwrite: got True; accepted: only for a fresh run .* not with "
+                                             f"--resume {resume}"):
+            parse(["--overwrite", "--resume", resume])

@@ -96,9 +96,15 @@ def test_banner_resume_schedule_and_a_lost_latest_pointer(env, base_dir, capsys)
     (ckpt_dir / "latest.json").unlink()
     with pytest.raises(ck.CheckpointError, match=r"pass --resume STEP \(one of them; no latest.json records the "
                                                  r"latest\) to continue it"):
-        base_train.main(args + ["--num-iterations", "6", "--resume", "auto"])
-    assert (f"--resume auto: {ckpt_dir} holds steps [3, 4, 5] but no latest.json naming the latest: starting fresh "
-            "(--resume STEP continues one of them)") in capsys.readouterr().out
+        base_train.main(args + ["--num-iterations", "6"])
+    # --resume auto (setup.sh's reruns) starts fresh and moves those steps aside, not mixed with its own
+    base_train.main(args + ["--num-iterations", "2", "--resume", "auto"])
+    out = capsys.readouterr().out
+    assert (f"--resume auto: {ckpt_dir} holds steps [3, 4, 5] but no latest.json naming the latest: starting fresh; "
+            "they are moved to earlier_runs/ at this run's first save") in out
+    assert f"moved the earlier run's checkpoints (steps [3, 4, 5]) to {ckpt_dir / 'earlier_runs' / '1'}" in out
+    assert ck.list_steps(ckpt_dir) == [2] and ck.read_latest(ckpt_dir) == 2
+    assert ck.list_steps(ckpt_dir / "earlier_runs" / "1") == [3, 4, 5]
 
 
 def test_chat_rows_that_cannot_fit_the_model_fail_before_the_mixture_and_the_model(env, base_dir, monkeypatch):
