@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> None:
 
     data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
     texts = {split: first_docs(data_dir, split, args.num_docs) for split in ("train", "val")}
+    for split, docs in texts.items():   # bytes per token of no bytes: a table of NaNs, not a measurement
+        if not any(docs):
+            from nanochat.errors import DataError
+            what = f"the first {len(docs)} {split} document(s) hold no text" if docs else f"no {split} documents"
+            raise DataError(f"{data_dir}: {what} (column 'text'), so there is nothing to measure; check the "
+                            "shards (e.g. re-download them)")
 
     # Each encoder as (label, vocab size, batch encode function).
     encoders = [("ours", ours.vocab_size, lambda docs: ours.encode(docs, num_threads=args.threads))]

@@ -490,6 +490,20 @@ def test_tok_eval_errors(tiny_corpus, tmp_path):
     assert str(tmp_path / "none" / "tokenizer.pkl") in res.stderr
 
 
+def test_tok_eval_refuses_a_split_without_text(tok, tmp_path):
+    """A split whose documents are all empty strings printed a table of NaN bytes/token and exited 0."""
+    from nanochat.dataset import write_text_shards
+    from nanochat.errors import DataError
+    from scripts import tok_eval
+
+    tok.save(tmp_path / "tok")
+    (tmp_path / "data").mkdir()
+    write_text_shards(tmp_path / "data", ["some text", "more text"], ["", ""])
+    with pytest.raises(DataError, match=r"data: the first 2 val document\(s\) hold no text \(column 'text'\)"):
+        tok_eval.main(["--num-docs", "5", "--data-dir", str(tmp_path / "data"), "--tokenizer-dir",
+                       str(tmp_path / "tok")])
+
+
 def test_tok_eval_reference_loading_never_downloads(tmp_path, monkeypatch):
     import tiktoken.load
 
