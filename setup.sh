@@ -31,6 +31,10 @@ Options:
                      spark/h100 the training tokens (20 per scaling parameter), the data shards
                      downloaded and the device batch follow it; e.g. --depth 12 trains ~4x fewer
                      tokens (tiny keeps its 250 steps of 4,096 tokens)
+  --device-batch-size N
+                     sequences per GPU micro-batch instead of the preset's (fitted to the GPU's
+                     memory); the total batch is kept by gradient accumulation, so lower it after
+                     an out-of-memory stop and rerun: the stage resumes from its last checkpoint
   --only S1,S2       run only these stages (others are neither run nor checked)
   --from STAGE       start at STAGE (earlier stages must already be done: their done-markers
                      are checked); not with --only
@@ -56,7 +60,7 @@ die() { echo "setup.sh: error: $*" >&2; exit 2; }
 say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
-PRESET=auto ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
+PRESET=auto DBS_FLAG="-" ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
 # *_GIVEN: the flag was given, so an empty value is an error rather than "not given"
 ONLY_GIVEN=0 FROM_GIVEN=0 IDENTITY_GIVEN=0 BASE_DIR_GIVEN=0 LIST_STAGES=0
 CONV_FILES=()
@@ -72,6 +76,8 @@ while [[ $# -gt 0 ]]; do
     --preset=*) PRESET="${1#*=}"; shift ;;
     --depth) [[ $# -ge 2 ]] || die "--depth needs a value (an integer 1-64)"; DEPTH_FLAG="$2"; DEPTH_GIVEN=1; shift 2 ;;
     --depth=*) DEPTH_FLAG="${1#*=}"; DEPTH_GIVEN=1; shift ;;
+    --device-batch-size) [[ $# -ge 2 ]] || die "--device-batch-size needs a value (an integer 1-1024)"; DBS_FLAG="$2"; shift 2 ;;
+    --device-batch-size=*) DBS_FLAG="${1#*=}"; shift ;;
     --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; ONLY_GIVEN=1; shift 2 ;;
     --only=*) ONLY="${1#*=}"; ONLY_GIVEN=1; shift ;;
     --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; FROM_GIVEN=1; shift 2 ;;
@@ -111,6 +117,9 @@ if [[ $IDENTITY_GIVEN -eq 1 ]]; then   # nanochat/tasks/identity.py's rule (bar 
 fi
 if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#$DEPTH_FLAG >= 1 && 10#$DEPTH_FLAG <= 64 )); }; then
   die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
+fi
+if [[ "$DBS_FLAG" != - ]] && ! { [[ "$DBS_FLAG" =~ ^[0-9]{1,4}$ ]] && (( 10#$DBS_FLAG >= 1 && 10#$DBS_FLAG <= 1024 )); }; then
+  die "--device-batch-size: got '$DBS_FLAG'; accepted: an integer 1-1024"
 fi
 valid_stage() { local s; for s in "${STAGES[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
 # an empty --only / --from would otherwise read as "not given" and run every stage
@@ -279,7 +288,13 @@ fit_device_batch() {  # budget_mib cap -> the largest power-of-two batch <= cap 
 BUDGET_MIB=""
 if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then BUDGET_MIB=$GPU_MEM_MIB
 elif [[ "$PRESET" == spark ]]; then BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )); fi
-if [[ -n "$BUDGET_MIB" ]]; then
+if [[ "$DBS_FLAG" != - ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
+  DBS_FLAG=$((10#$DBS_FLAG))
+  (( TBS % (DBS_FLAG * SEQ) == 0 )) || die "--device-batch-size: got $DBS_FLAG; accepted: a divisor of" \
+    "$((TBS / SEQ)) (the total batch of $TBS tokens is $((TBS / SEQ)) rows of $SEQ tokens)"
+  say "device batch $DBS_FLAG (--device-batch-size; the preset's is $DBS); the total batch stays $TBS tokens"
+  DBS=$DBS_FLAG   # (tiny's mid / SFT step stays the preset's rows: a changed total could not resume)
+elif [[ -n "$BUDGET_MIB" ]]; then
   fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
   where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"; [[ "$PRESET" == spark ]] && where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
   [[ -n "$fitted" ]] || die "d$DEPTH needs about $(( $(need_cgib 1) / 100 )) GiB at a device batch of 1; $where is not" \

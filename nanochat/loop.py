@@ -419,10 +419,16 @@ def out_of_memory_hint(trainer, step: int) -> str:
         return f"out of GPU memory in step {step}{peak}: lower the device batch size"
     head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of GPU memory in "
             f"step {step}{peak}")
+    # under setup.sh the stage's flags are setup.sh's to set: say its own flag and that a rerun resumes
+    setup = bool(os.environ.get(SETUP_STAGE_ENV))
     if plan.device_batch_size > 1:
-        return (f"{head}; lower --device-batch-size (e.g. {plan.device_batch_size // 2}): gradient accumulation "
-                f"keeps the total batch of {plan.total_batch_size:,} tokens per step")
-    return f"{head}; lower --max-seq-len (or base_train's --depth)"
+        lower = (f"rerun ./setup.sh with --device-batch-size {plan.device_batch_size // 2} added to its flags "
+                 "(the stage resumes from its last checkpoint)" if setup else
+                 f"lower --device-batch-size (e.g. {plan.device_batch_size // 2})")
+        return (f"{head}; {lower}: gradient accumulation keeps the total batch of {plan.total_batch_size:,} "
+                "tokens per step")
+    return f"{head}; " + ("rerun ./setup.sh with a smaller --depth" if setup else
+                          "lower --max-seq-len (or base_train's --depth)")
 
 
 def _evaluate(spec: LoopSpec, res: LoopResult, step: int, tracker) -> None:

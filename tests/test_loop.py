@@ -41,6 +41,21 @@ def test_out_of_memory_names_the_device_batch_and_keeps_the_total():
     assert "lower --device-batch-size (e.g. 16)" in msg and "524,288 tokens per step" in msg
 
 
+def test_out_of_memory_under_setup_sh_names_setup_sh_s_flag(monkeypatch):
+    """setup.sh runs the stage with its own flags: the hint named --device-batch-size, which setup.sh
+    did not have; now it says how to rerun setup.sh."""
+    from nanochat.loop import SETUP_STAGE_ENV
+
+    monkeypatch.setenv(SETUP_STAGE_ENV, "base_train")
+    plan = BatchPlan(total_batch_size=524_288, device_batch_size=16, seq_len=2048, world_size=1,
+                     grad_accum_steps=16)
+    msg = _run(_OomTrainer(plan, fail_at=2))
+    assert "; rerun ./setup.sh with --device-batch-size 8 added to its flags (the stage resumes from its last " \
+           "checkpoint): gradient accumulation keeps the total batch of 524,288 tokens per step" in msg
+    one = BatchPlan(total_batch_size=2048, device_batch_size=1, seq_len=2048, world_size=1, grad_accum_steps=1)
+    assert _run(_OomTrainer(one, fail_at=2)).endswith("; rerun ./setup.sh with a smaller --depth")
+
+
 def test_out_of_memory_at_one_sequence_points_at_length_or_depth():
     plan = BatchPlan(total_batch_size=2048, device_batch_size=1, seq_len=2048, world_size=1, grad_accum_steps=1)
     msg = _run(_OomTrainer(plan, fail_at=2))

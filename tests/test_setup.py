@@ -94,6 +94,25 @@ def test_h100_preset_fits_the_device_batch_to_the_gpus_memory(tmp_path, mem_mib,
     assert out.count("--save-every 1000 --keep-last 2 --resume auto ") == 2, out   # base_train and mid_train
 
 
+def test_device_batch_flag_overrides_the_fit_and_keeps_the_total(tmp_path):
+    """An out-of-memory stop's hint says: rerun ./setup.sh with --device-batch-size N. It replaces the
+    preset's fitted device batch in every stage that takes one, the total batches staying the same
+    (so the stage's --resume auto can continue); one that does not split the total is refused."""
+    rc, out = _dry_run(tmp_path, "13.0", args=("--only", "base_train,base_eval,mid_train,chat_sft",
+                                               "--preset", "h100", "--device-batch-size", "8"))
+    assert rc == 0, out
+    assert "device batch 8 (--device-batch-size; the preset's is 32); the total batch stays 524288 tokens" in out
+    assert out.count("--device-batch-size 8 ") == 3 and out.count("--device-batch-size 8\n") == 1, out
+    assert "--total-batch-size 524288" in out and out.count("--total-batch-size -1") == 2
+    rc, out = _dry_run(tmp_path, None, args=("--only", "mid_train", "--preset", "tiny", "--device-batch-size=1"))
+    assert rc == 0 and "--device-batch-size 1 --total-batch-size 4096 " in out, out
+    for bad, said in (("0", "got '0'; accepted: an integer 1-1024"), ("x8", "got 'x8'"), ("2000", "got '2000'"),
+                      ("3", "got 3; accepted: a divisor of 256 (the total batch of 524288 tokens is 256 rows of "
+                            "2048 tokens)")):
+        rc, out = _dry_run(tmp_path, "13.0", args=("--preset", "h100", "--device-batch-size", bad))
+        assert rc == 2 and f"--device-batch-size: {said}" in out and "[env]" not in out, out
+
+
 def test_h100_preset_on_a_16_gb_gpu_points_at_a_smaller_depth(tmp_path):
     rc, out = _dry_run(tmp_path, "13.0", mem_mib=16384, args=("--only", "base_train", "--preset", "h100"))
     assert rc == 2 and "d20 needs about 18 GiB at a device batch of 1" in out and "'s 16 GiB is not enough" in out
