@@ -599,6 +599,18 @@ if [[ $DRY_RUN -eq 0 && ! -x .venv/bin/python ]]; then   # (--only / --from with
       "first with ./setup.sh --only env (with the rest of your flags), then rerun this"
   done
 fi
+# WANDB_RUN: the env stage installs wandb; without it (--only / --from) a venv that lacks it would
+# fail at the first training stage, after the stages before it (data, tokenizer) had run
+if [[ -n "${WANDB_RUN:-}" ]] && ! should_run env && [[ -x .venv/bin/python ]] \
+   && ! .venv/bin/python -c 'import wandb' >/dev/null 2>&1; then
+  for s in base_train mid_train chat_sft; do
+    should_run "$s" || continue
+    msg="WANDB_RUN=$WANDB_RUN: the wandb package is not in $REPO/.venv, which stage '$s' logs to; install it"
+    msg+=" with WANDB_RUN=$WANDB_RUN ./setup.sh --only env, or unset WANDB_RUN"
+    if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+    break
+  done
+fi
 
 for stage in "${STAGES[@]:1}"; do
   should_run "$stage" || continue

@@ -113,6 +113,21 @@ def test_device_batch_flag_overrides_the_fit_and_keeps_the_total(tmp_path):
         assert rc == 2 and f"--device-batch-size: {said}" in out and "[env]" not in out, out
 
 
+def test_wandb_run_without_wandb_in_the_venv_is_said_before_the_first_stage(tmp_path, monkeypatch):
+    """WANDB_RUN with --only / --from (no env stage to install wandb): a venv without wandb failed at
+    base_train, after the data and tokenizer stages; now before any stage (a dry run warns)."""
+    has_wandb = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", "import wandb"],
+                               capture_output=True).returncode == 0
+    monkeypatch.setenv("WANDB_RUN", "myrun")
+    said = "WANDB_RUN=myrun: the wandb package is not in"
+    rc, out = _dry_run(tmp_path, None, args=("--preset", "tiny", "--only", "data,base_train"))
+    assert rc == 0 and (said in out) != has_wandb, out
+    if not has_wandb:
+        assert "which stage 'base_train' logs to; install it with WANDB_RUN=myrun ./setup.sh --only env" in out
+    rc, out = _dry_run(tmp_path, None, args=("--preset", "tiny", "--only", "data,tokenizer"))
+    assert rc == 0 and said not in out   # no training stage runs
+
+
 def test_h100_preset_on_a_16_gb_gpu_points_at_a_smaller_depth(tmp_path):
     rc, out = _dry_run(tmp_path, "13.0", mem_mib=16384, args=("--only", "base_train", "--preset", "h100"))
     assert rc == 2 and "d20 needs about 18 GiB at a device batch of 1" in out and "'s 16 GiB is not enough" in out
