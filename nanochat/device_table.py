@@ -184,8 +184,34 @@ def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None
             raise RequestError(f"--peak-flops: got {override}; accepted: a finite number > 0 "
                                "(FLOP/s per device, e.g. 989e12)")
         return float(override)
+    tflops = spec.peak_tflops.get(peak_key(precision))
+    return None if tflops is None else tflops * 1e12
+
+
+def peak_key(precision: str) -> str:
+    """The table key whose peak a precision runs at (emulated nvfp4 computes in bf16, tf32 is the
+    fp32 row)."""
     key = {"tf32": "fp32", "nvfp4-emulated": "bf16", "auto": "bf16"}.get(precision, precision)
     if key not in PRECISIONS:
         raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
-    tflops = spec.peak_tflops.get(key)
-    return None if tflops is None else tflops * 1e12
+    return key
+
+
+# Dense tensor-core rate of a precision relative to bf16, as on every GPU in the table that has it
+# (Hopper, Blackwell, GB10): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
+DENSE_RATIO = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "fp32": 0.5}
+
+
+def peaks(spec: DeviceSpec, precision: str, override: float | None = None) -> tuple[float | None, float | None]:
+    """(bf16 peak, `precision`'s peak) in FLOP/s. --peak-flops (`override`) is the bf16 dense peak,
+    and the active precision's peak follows it: by this GPU's own ratio in the table (a measured
+    bf16 figure moves the fp8 one alike; fp8 util against the datasheet while MFU is against a
+    measured bf16 peak mixed two bases), or by DENSE_RATIO for a GPU the table lacks."""
+    key = peak_key(precision)
+    bf16 = peak_flops(spec, "bf16", override)
+    if override is None:
+        return bf16, peak_flops(spec, key)
+    table_bf16, table_act = peak_flops(spec, "bf16"), peak_flops(spec, key)
+    if table_bf16 and table_act:
+        return bf16, bf16 * table_act / table_bf16
+    return bf16, bf16 * DENSE_RATIO[key]

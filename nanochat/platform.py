@@ -34,7 +34,8 @@ from typing import Any, Callable, MutableMapping
 import torch
 
 from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,  # noqa: F401 (re-exported)
-                                   DeviceSpec, SimpleProps, peak_flops, spec_from_props)
+                                   DeviceSpec, SimpleProps, peak_flops, peak_key, peaks,
+                                   spec_from_props)
 from nanochat.errors import RequestError
 
 log = logging.getLogger("nanochat.platform")

@@ -432,19 +432,28 @@ def resolve_peak_flops(rt, precision: str, override: float | None = None,
 
     CPU/MPS -> (None, None). An unknown GPU without --peak-flops warns once and returns None, so
     the log says "mfu n/a" instead of a silent 0%."""
-    from nanochat.platform import detect_device, peak_flops
+    from nanochat.platform import detect_device, peak_flops, peaks
     spec = detect_device(rt.device)
-    active = {"auto": "bf16"}.get(precision, precision)  # a precision name or precision.py's peak_key
     if rt.device_type != "cuda":   # the override checked as on a GPU (0, nan, negatives refused)
         return (peak_flops(spec, "bf16", override) if override is not None else None), None, spec.name
-    bf16 = peak_flops(spec, "bf16", override)
-    act = peak_flops(spec, active) if active != "bf16" else bf16
-    if override is not None and active == "bf16":
-        act = bf16
+    bf16, act = peaks(spec, precision, override)   # a precision name or precision.py's peak_key
     if bf16 is None:
         (warn or _warn)(f"GPU '{spec.name}' is not in nanochat/platform.py's table: MFU cannot be computed; "
                         "base_train and bench_train take --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
     return bf16, act, spec.name
+
+
+def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, override: float | None) -> str:
+    """The banner's peak line: the bf16 peak MFU divides by, the active precision's (util), and
+    where they come from (--peak-flops, the vendor datasheet, or spec-derived, as GB10's are)."""
+    from nanochat.platform import detect_device, peak_key
+    if bf16 is None:
+        return "n/a (MFU not computed; --peak-flops)"
+    key = peak_key(precision)
+    text = f"bf16 {bf16:.4e}" + (f", {key} {act:.4e}" if key != "bf16" and act else "")
+    if override is not None:
+        return text + " (--peak-flops" + (f"; {key} by the dense ratio to bf16)" if key != "bf16" else ")")
+    return text + f" ({detect_device(rt.device).source})"
 
 
 def _warn(msg: str) -> None:

@@ -32,8 +32,8 @@ from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_r
                              small_batch_hint)
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
-                               plan_batch, precision_module, resolve_peak_flops, resolve_total_batch_size,
-                               restore_rng_state, sample_prompts)
+                               describe_peaks, plan_batch, precision_module, resolve_peak_flops,
+                               resolve_total_batch_size, restore_rng_state, sample_prompts)
 from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
@@ -182,7 +182,8 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "precision_backend": f"{'|'.join(PRECISION_BACKENDS)}: the fp8 / nvfp4 implementation",
     "fp8_wgrad": f"{'|'.join(FP8_WGRAD)}: how native fp8 keeps what its weight gradient needs (recompute, "
                  "plain: ~10 GiB less at d20, a little slower)",
-    "peak_flops": "dense bf16 FLOP/s of one device, for MFU on a GPU not in the device table",
+    "peak_flops": "dense bf16 FLOP/s of one device that MFU divides by (a GPU not in the device table, or a "
+                  "measured figure); the fp8 / nvfp4 peak follows it by the dense ratio",
     "data_dir": "a directory of *.parquet text shards; not given: <base dir>/base_data",
 }
 
@@ -365,7 +366,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
-                 num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
+                 num_iterations, eval_steps, compile_model, precision_info,
+                 describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops), ckpt_dir,
+                 optimizer,
                  wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,
                  data=train_loader.describe_source(), disk=disk)
@@ -420,7 +423,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
-                 num_iterations, eval_steps, compile_model, precision_info, peak_bf16, ckpt_dir, optimizer,
+                 num_iterations, eval_steps, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
                  wandb_mode, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
@@ -441,7 +444,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
                                                  else f" (ratio {cfg.target_param_data_ratio} x scaling params)")),
         ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
-        ("peak FLOP/s (bf16)", f"{peak_bf16:.4e}" if peak_bf16 else "n/a (MFU not computed; --peak-flops)"),
+        ("peak FLOP/s", peaks),
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
         ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"
                  if cfg.eval_every > 0 else "off (--eval-every <= 0)"),

@@ -287,6 +287,35 @@ def test_unknown_gpu_warns_once_and_cpu_has_no_peak(rt):
             tr.resolve_peak_flops(rt, "bf16", override=bad)
 
 
+def test_peak_flops_override_carries_to_the_active_precision():
+    """--peak-flops is the bf16 dense peak; the fp8 / nvfp4 peak (util) used to stay the datasheet's
+    on a known GPU (util and MFU then against two bases) and n/a on an unknown one."""
+    from nanochat import platform as pf
+    h100, gb10 = pf.DEVICE_TABLE["h100-sxm"], pf.DEVICE_TABLE["gb10"]
+    unknown = pf.DeviceSpec(name="Some GPU", cc=(9, 0), sms=100, memory_gb=80, bandwidth_gbs=3000)
+    assert pf.peaks(h100, "fp8") == (989.4e12, 1978.9e12)
+    assert pf.peaks(h100, "fp8", 790e12) == (790e12, pytest.approx(790e12 * 1978.9 / 989.4))
+    assert pf.peaks(gb10, "nvfp4", 82e12) == (82e12, pytest.approx(328e12))
+    assert pf.peaks(gb10, "nvfp4-emulated", 82e12) == (82e12, 82e12)   # computes in bf16
+    assert pf.peaks(unknown, "fp8") == (None, None)
+    assert pf.peaks(unknown, "fp8", 500e12) == (500e12, 1000e12)
+    assert pf.peaks(unknown, "bf16", 500e12) == (500e12, 500e12)
+    with pytest.raises(RequestError, match="--precision: got 'fp6'"):
+        pf.peaks(h100, "fp6")
+
+
+def test_the_banner_names_both_peaks_and_their_source(rt, monkeypatch):
+    from nanochat import platform as pf
+    monkeypatch.setattr(pf, "detect_device", lambda device: pf.DEVICE_TABLE["gb10"])
+    bf16, act = pf.peaks(pf.DEVICE_TABLE["gb10"], "fp8")
+    text = tr.describe_peaks(rt, "fp8", bf16, act, None)
+    assert text.startswith("bf16 1.2500e+14, fp8 2.5000e+14 (spec-derived from 1 PFLOP FP4 sparse")
+    assert tr.describe_peaks(rt, "fp8", 82e12, 164e12, 82e12) == \
+        "bf16 8.2000e+13, fp8 1.6400e+14 (--peak-flops; fp8 by the dense ratio to bf16)"
+    assert tr.describe_peaks(rt, "bf16", 82e12, 82e12, 82e12) == "bf16 8.2000e+13 (--peak-flops)"
+    assert tr.describe_peaks(rt, "bf16", None, None, None) == "n/a (MFU not computed; --peak-flops)"
+
+
 # ------------------------------------------------------------------ flags, tracker
 
 def test_flag_parser_accepts_underscores_and_raises_valueerror():
