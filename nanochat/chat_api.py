@@ -50,18 +50,22 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()      # browser origins allowed to call the API cross-site; (): none
 
     def validate(self) -> "ServerSettings":
+        """Errors name chat_web's flags: default_X is -X (e.g. --max-tokens), a limit max_X is --max-X."""
         for name, value in asdict(self).items():
             if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k",
                         "allowed_hosts", "cors_origins") or name == "max_concurrent_per_client" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: got {value!r}; accepted: an integer >= 1")
-        if not 0 <= self.default_temperature <= self.max_temperature:
-            raise ValueError(f"--temperature: got {self.default_temperature}; accepted: 0..{self.max_temperature}")
-        if not 0 <= self.default_top_k <= self.max_top_k:
-            raise ValueError(f"--top-k: got {self.default_top_k}; accepted: 0..{self.max_top_k} (0 = off)")
-        if self.default_max_tokens > self.max_max_tokens:
-            raise ValueError(f"--max-tokens: got {self.default_max_tokens}; accepted: 1..{self.max_max_tokens}")
+                flag = name.removeprefix("default_").replace("_", "-")
+                raise ValueError(f"--{flag}: got {value!r}; accepted: an integer >= 1")
+        if not 0 <= self.max_temperature < float("inf"):   # NaN fails this too
+            raise ValueError(f"--max-temperature: got {self.max_temperature}; accepted: a number >= 0")
+        for flag, value, high, low in (("temperature", self.default_temperature, self.max_temperature, 0),
+                                       ("top-k", self.default_top_k, self.max_top_k, 0),
+                                       ("max-tokens", self.default_max_tokens, self.max_max_tokens, 1)):
+            if not low <= value <= high:   # either flag may be the one the user set
+                off = "0 = off; " if flag == "top-k" else ""
+                raise ValueError(f"--{flag}: got {value}; accepted: {low}..{high} ({off}the limit --max-{flag})")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError("--api-key: got a key shorter than 8 characters; accepted: >= 8 characters")
         if isinstance(self.allowed_hosts, str) or isinstance(self.cors_origins, str):
@@ -252,8 +256,11 @@ def _refuse_unsupported(body: dict) -> None:
         refuse("tools", "calling tools (use tool_choice \"none\" to send tools that must not be called)")
     if not tools and choice not in (None, "none", "auto"):
         refuse("tool_choice", "forcing a tool call")
-    if body.get("functions") not in (None, []) and body.get("function_call") != "none":
+    functions, call = body.get("functions"), body.get("function_call")   # the deprecated tools/tool_choice
+    if functions not in (None, []) and call != "none":
         refuse("functions", "calling functions")
+    if not functions and call not in (None, "none", "auto"):
+        refuse("function_call", "forcing a function call")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         refuse("response_format", "a response format other than {\"type\": \"text\"}")
@@ -302,8 +309,8 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     # max_completion_tokens replaced max_tokens in OpenAI's API; a null one defers to max_tokens
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, key, 1, s.max_max_tokens, None, integer=True)
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
+    stop = body.get("stop")   # null, a string or a list; {} / 0 / false are client bugs, not "none"
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > s.max_stop or \
             not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
         raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "

@@ -232,8 +232,15 @@ class _Job:
 
 # ------------------------------------------------------------------------------------ HTTP helpers
 
+# Characters str.splitlines() ends a line at that JSON leaves raw (it escapes the C0 controls): a
+# line-based client (httpx's iter_lines, requests' iter_lines(decode_unicode=True)) would cut a
+# `data:` line there. SSE itself ends lines only at CR/LF; escaped, the JSON means the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    data = json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 def _choice(i: int, delta: dict, finish: str | None = None) -> dict:
@@ -241,27 +248,31 @@ def _choice(i: int, delta: dict, finish: str | None = None) -> dict:
 
 
 async def _sse_events(job: _Job, meta: dict):
-    """A started job's events as SSE chunks, ending with [DONE]. A choice's finish chunk is sent
-    as soon as it ends (n > 1: the others go on); "done" finishes the rest (length)."""
+    """A started job's events as SSE chunks, ending with [DONE]. As OpenAI streams n > 1, a chunk
+    carries one choice (a client may read only `choices[0]` and its index). A choice's finish
+    chunk is sent as soon as it ends (n > 1: the others go on); "done" finishes the rest (length)."""
+    def chunks(choices: list) -> str:
+        return "".join(chunk([c]) for c in choices)
+
     def chunk(choices: list, usage=None) -> str:
         out = {**meta, "object": "chat.completion.chunk", "choices": choices}
         if job.req.include_usage:  # as OpenAI: "usage" on every chunk, null but on the last
             out["usage"] = usage
         return _sse(out)
-    yield chunk([_choice(i, {"role": "assistant", "content": ""}) for i in range(job.req.n)])
+    yield chunks([_choice(i, {"role": "assistant", "content": ""}) for i in range(job.req.n)])
     ended = set()
     while True:
         event = await job.events.get()
         if event[0] == "delta":
             if event[1]:
-                yield chunk([_choice(i, {"content": t}) for i, t in event[1]])
+                yield chunks([_choice(i, {"content": t}) for i, t in event[1]])
             if event[2]:
-                yield chunk([_choice(i, {}, f) for i, f in event[2]])
+                yield chunks([_choice(i, {}, f) for i, f in event[2]])
                 ended.update(i for i, _ in event[2])
         elif event[0] == "done":
             left = [_choice(i, {}, f) for i, f in enumerate(event[1]) if i not in ended]
             if left:
-                yield chunk(left)
+                yield chunks(left)
             if job.req.include_usage:
                 yield chunk([], event[2])
             job.stats["completed"] += 1
@@ -334,8 +345,13 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     if settings.cors_origins:  # opt-in: lets pages of exactly these origins call the API
         from starlette.middleware.cors import CORSMiddleware
 
+        # Any request header (the openai JS SDK adds x-stainless-*, others their own; a fixed list
+        # fails their preflight), a public listed page calling a local server (Chrome's Private
+        # Network Access preflight), and Retry-After readable by the page (429 / 503 back-off).
+        # Safe: only the listed origins get any of it, and no credentials (cookies) are allowed.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           allow_private_network=True, expose_headers=["Retry-After"])
     if settings.allowed_hosts is not None:  # added last = outermost: checked before CORS and routing
         app.add_middleware(HostGuard, allowed=settings.allowed_hosts, origins=settings.cors_origins)
     stats: dict = defaultdict(int)
@@ -377,11 +393,12 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
-    @app.get("/")
+    # HEAD too: uptime monitors and `curl -I` probe with it (a 405 reads as "down")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def index():
         return HTMLResponse(html, headers=page_headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers),
                 "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None,

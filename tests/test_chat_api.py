@@ -59,6 +59,7 @@ def test_message_errors_name_the_problem():
     ({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"functions": [{"name": "f"}], "function_call": "auto"}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"), ({"function_call": "required"}, "function_call"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"response_format": "json"}, "response_format"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"), ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"web_search_options": {}}, "web_search_options"),
@@ -89,6 +90,27 @@ def test_nullable_and_mapped_fields():
         e = refused({"messages": q, name: -2.01})
         assert e.param == name and e.code == "invalid_value"
         assert refused({"messages": q, name: True}).param == name
+
+
+def test_stop_must_be_a_string_or_a_list():
+    q = [m("user", "q")]
+    assert parse(messages=q, stop=None).stop == () and parse(messages=q, stop=[]).stop == ()
+    assert parse(messages=q, stop="x").stop == ("x",) and parse(messages=q, function_call="auto").stop == ()
+    for bad in ({}, 0, False, {"a": 1}, 5):      # not "no stop sequences": a client bug, said so
+        assert refused({"messages": q, "stop": bad}).param == "stop", bad
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"default_max_tokens": 0}, "--max-tokens"), ({"max_temperature": -1.0}, "--max-temperature"),
+    ({"max_temperature": float("nan")}, "--max-temperature"), ({"max_temperature": float("inf")}, "--max-temperature"),
+    ({"max_temperature": 0.5}, "--max-temperature"),
+    ({"max_top_k": 10}, "--max-top-k"), ({"max_max_tokens": 100}, "--max-max-tokens"),
+])
+def test_settings_errors_name_the_flag_that_was_given(fields, flag):
+    """chat_web's flags: -m/--max-tokens sets default_max_tokens (there is no --default-max-tokens),
+    and a limit below the default it bounds names the limit's flag too."""
+    with pytest.raises(ValueError, match=flag):
+        ServerSettings(**fields).validate()
 
 
 def test_settings_validation():
@@ -143,7 +165,7 @@ def srv(chat_model):
 
     engine = ScriptedEngine(chat_model[1], "ok")
     server, url = serve_in_thread(create_app(WorkerPool([Worker(engine, "w0")]), ServerSettings()))
-    yield SimpleNamespace(engine=engine, post=lambda **kw: httpx.post(url + "/v1/chat/completions", **kw))
+    yield SimpleNamespace(engine=engine, url=url, post=lambda **kw: httpx.post(url + "/v1/chat/completions", **kw))
     server.should_exit = True
     server.thread.join(timeout=10)
 
@@ -276,9 +298,61 @@ def test_non_json_content_type_is_415(srv, ctype):
     assert "Content-Type: application/json" in err["message"] and len(srv.engine.calls) == before
 
 
+def test_head_probes_of_health_and_page(srv):
+    """Uptime monitors and `curl -I` probe with HEAD: 200 with the GET's headers, no body."""
+    httpx = require_module("httpx", "the dev extra: uv pip install -e '.[dev]'")
+    for path in ("/health", "/"):
+        r, get = httpx.head(srv.url + path), httpx.get(srv.url + path)
+        assert r.status_code == 200 and r.content == b"" and r.headers["content-type"] == get.headers["content-type"]
+
+
 def test_json_content_type_variants_accepted(srv):
     body = json.dumps({"messages": USER}).encode()
     for headers in ({"Content-Type": "application/json; charset=utf-8"}, {"Content-Type": "Application/JSON"}, {}):
         r = srv.post(content=body, headers=headers)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", headers
     assert "content-type" not in r.request.headers   # the last one really sent none (minimal clients)
+
+
+# ------------------------------------------------------------------------------------ stream framing
+
+def stream_lines(tokenizer, text, **body) -> list[str]:
+    """The non-empty lines of a streamed answer whose model replies `text` (str or list, as
+    ScriptedEngine), read as line-based clients do (httpx's iter_lines)."""
+    httpx = require_module("httpx", "the dev extra: uv pip install -e '.[dev]'")
+    from nanochat.server import Worker, WorkerPool, create_app, serve_in_thread
+    from test_chat_web import ScriptedEngine
+
+    server, url = serve_in_thread(create_app(WorkerPool([Worker(ScriptedEngine(tokenizer, text), "w0")])))
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": USER, "stream": True, **body}) as r:
+            return [ln for ln in r.iter_lines() if ln]
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
+
+
+def test_stream_lines_survive_line_based_clients(chat_model):
+    """U+2028/U+2029/U+0085 in a reply: str.splitlines (httpx's iter_lines, requests' decode_unicode)
+    breaks lines there, so a raw one in a `data:` line cut its JSON in two; escaped, every line parses."""
+    text = "a\u2028b\x85c\u2029d"
+    lines = stream_lines(chat_model[1], text)
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: {") for ln in lines[:-1]), lines
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+
+
+def test_stream_n_sends_one_choice_per_chunk(chat_model):
+    """As OpenAI streams n > 1: each chunk carries one choice, so a client reading
+    `chunk.choices[0]` (and its index) gets every choice's text and finish."""
+    texts = ["Short.", "A longer answer."]
+    lines = stream_lines(chat_model[1], texts, n=2, stream_options={"include_usage": True})
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    assert all(len(e["choices"]) == 1 for e in events[:-1]) and events[-1]["choices"] == []
+    got, finish = ["", ""], [None, None]
+    for e in events[:-1]:
+        c = e["choices"][0]
+        got[c["index"]] += c["delta"].get("content") or ""
+        finish[c["index"]] = c["finish_reason"] or finish[c["index"]]
+    assert got == texts and finish == ["stop", "stop"]
+    assert [e["choices"][0]["delta"].get("role") for e in events[:2]] == ["assistant", "assistant"]

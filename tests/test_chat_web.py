@@ -118,6 +118,8 @@ def test_health_models_page(real_url):
     assert "script-src 'sha256-" in csp and "unsafe-inline" not in csp and "default-src 'none'" in csp
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page.text)  # nothing external
     assert "innerHTML" not in page.text
+    # relative requests: behind a reverse proxy at a sub-path (/chat/ -> /) they stay under it
+    assert sorted(re.findall(r'fetch\("([^"]+)"', page.text)) == ["./health", "./v1/chat/completions"]
 
 
 def test_completion_schema(real_url):
@@ -372,9 +374,17 @@ def test_cors_is_opt_in(serve, chat_model):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
     assert "POST" in r.headers["access-control-allow-methods"]
     assert {"authorization", "content-type"} <= set(r.headers["access-control-allow-headers"].lower().split(", "))
+    # the openai JS SDK in a browser adds x-stainless-* headers; a public page calling a local server
+    # gets a Private Network Access preflight; a 429/503's Retry-After must be readable by the page
+    sdk = {**preflight, "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,"
+           "x-stainless-retry-count,x-stainless-timeout", "Access-Control-Request-Private-Network": "true"}
+    r = httpx.options(on + "/v1/chat/completions", headers=sdk)
+    assert r.status_code == 200 and "x-stainless-timeout" in r.headers["access-control-allow-headers"], r.text
+    assert r.headers["access-control-allow-private-network"] == "true"
     r = httpx.post(on + "/v1/chat/completions", json={"messages": USER}, headers={"Origin": origin})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
-    r = httpx.options(on + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert "retry-after" in r.headers["access-control-expose-headers"].lower()
+    r = httpx.options(on + "/v1/chat/completions", headers={**sdk, "Origin": "http://evil.example"})
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
