@@ -44,6 +44,12 @@ def host_of(header: str) -> str:
     return host.rstrip(".")              # "localhost." names the same host
 
 
+def server_url(host: str, port: int) -> str:
+    """The address to open for a bind host: an IPv6 literal in brackets ("::1" -> "http://[::1]:8000";
+    "http://::1:8000" is not a URL a browser or curl reads)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def origin_allowed(origin: str, allowed_hosts, origins) -> bool:
     """A page at `origin` may send requests that act (POST): it is a --cors-origin, or it is served
     from one of the allowed hosts (the chat page itself, another app on this machine). An opaque

@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from nanochat.chat_api import default_per_client
+    from nanochat.http_guard import server_url
     from nanochat.server import WorkerPool, create_app
 
     workers, meta = load_replicas(args)
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     app = create_app(WorkerPool(workers), settings)
     replicas = len({id(w.engine) for w in workers})
     per_client = settings.max_concurrent_per_client or default_per_client(len(workers))  # what create_app uses
-    print(f"serving {settings.model_name} on http://{args.host}:{args.port} ({replicas} replica(s), "
+    print(f"serving {settings.model_name} on {server_url(args.host, args.port)} ({replicas} replica(s), "
           f"{len(workers)} generation slot(s), up to {per_client} concurrent request(s) per client)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -376,6 +376,30 @@ def test_stream_cut_without_done_is_an_error(browser, quick):
     assert "Done." in chat_once(d, engine, "again")   # and the page goes on
 
 
+def test_an_answer_cut_at_max_tokens_says_so(browser, quick):
+    """finish_reason "length": the reply stops mid-sentence and looked finished; its line now says so."""
+    engine, url, _ = quick
+    d = browser
+    fresh_page(d, url)
+    d.execute_script("""const realFetch = window.fetch; window.__len = true;
+      window.fetch = (u, o) => {
+        if (!String(u).includes('/v1/chat') || !window.__len) return realFetch(u, o);
+        const lines = ['{"choices":[{"index":0,"delta":{"content":"The sky is blue bec"}}]}',
+                       '{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}',
+                       '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}'];
+        const body = new ReadableStream({ start(c) {
+          for (const l of lines) c.enqueue(new TextEncoder().encode('data: ' + l + '\\n\\n'));
+          c.enqueue(new TextEncoder().encode('data: [DONE]\\n\\n')); c.close(); } });
+        return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } }));
+      };""")
+    send(d, "why blue?")
+    meta = wait(lambda: [m.text for m in q(d, ".msg.assistant .meta") if "tokens" in m.text], what="the reply's line")
+    assert meta[-1].startswith("4 tokens") and meta[-1].endswith("cut off at the max tokens limit"), meta
+    d.execute_script("window.__len = false")
+    assert "Done." in chat_once(d, engine, "again")
+    assert not any("cut off" in m.text for m in q(d, ".msg.assistant .meta")[-1:])   # a finished one does not
+
+
 def test_settings_show_what_is_sent(browser, quick):
     engine, _, _ = quick
     d = browser

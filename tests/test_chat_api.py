@@ -356,3 +356,10 @@ def test_stream_n_sends_one_choice_per_chunk(chat_model):
         finish[c["index"]] = c["finish_reason"] or finish[c["index"]]
     assert got == texts and finish == ["stop", "stop"]
     assert [e["choices"][0]["delta"].get("role") for e in events[:2]] == ["assistant", "assistant"]
+
+
+def test_server_url_brackets_an_ipv6_bind_host():
+    from nanochat.http_guard import server_url
+    assert server_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert server_url("::1", 8000) == "http://[::1]:8000" and server_url("::", 80) == "http://[::]:80"
+    assert server_url("localhost", 9) == "http://localhost:9"
