@@ -11,65 +11,14 @@ otherwise, so this script never touches the network.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
-import tempfile
 from itertools import islice
 from pathlib import Path
 
-import tiktoken
-
 from nanochat.flags import FlagParser
+from nanochat.tiktoken_offline import REFERENCES, load_reference
 from nanochat.tokenizer import Tokenizer, encode_ordinary_batch, tokenizer_dir
-
-REFERENCES = [("gpt2", "GPT-2"), ("cl100k_base", "GPT-4")]
-
-
-class _DownloadBlocked(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _no_downloads():
-    """Make tiktoken's file reader refuse URLs, so only its on-disk cache can satisfy a load.
-    read_file is the single function tiktoken's cache falls back to for fetching."""
-    import tiktoken.load as tl
-
-    original = tl.read_file
-
-    def offline_read(blobpath: str) -> bytes:
-        if "://" in blobpath:
-            raise _DownloadBlocked(blobpath)
-        return original(blobpath)
-
-    tl.read_file = offline_read
-    try:
-        yield
-    finally:
-        tl.read_file = original
-
-
-def tiktoken_cache_dir() -> str:
-    """The directory tiktoken reads cached encoding files from (same rule as tiktoken.load)."""
-    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
-        if var in os.environ:
-            return os.environ[var]
-    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
-
-
-def load_reference(name: str) -> tuple[tiktoken.Encoding | None, str | None]:
-    """(encoding, None) when tiktoken can build it offline, else (None, why it was skipped)."""
-    cache = tiktoken_cache_dir()
-    if cache == "":
-        return None, "TIKTOKEN_CACHE_DIR is empty (caching off), so loading would download"
-    try:
-        with _no_downloads():
-            return tiktoken.get_encoding(name), None
-    except _DownloadBlocked as e:
-        return None, f"not in tiktoken's cache {cache} (loading would download {e.args[0]})"
-
 
 def first_docs(data_dir: Path, split: str, n: int) -> list[str]:
     from nanochat.dataset import iter_documents

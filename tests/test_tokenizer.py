@@ -504,14 +504,14 @@ def test_tok_eval_refuses_a_split_without_text(tok, tmp_path):
                        str(tmp_path / "tok")])
 
 
-def test_tok_eval_reference_loading_never_downloads(tmp_path, monkeypatch):
+def test_reference_tokenizers_load_only_from_the_cache(tmp_path, monkeypatch):
     import tiktoken.load
 
-    from scripts import tok_eval
+    from nanochat import tiktoken_offline as offline
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    with tok_eval._no_downloads():
-        with pytest.raises(tok_eval._DownloadBlocked):
+    with offline.no_downloads():
+        with pytest.raises(offline.DownloadBlocked):
             tiktoken.load.read_file_cached("https://example.invalid/never.tiktoken")
         # a file already in the cache is served without any fetch
         import hashlib
@@ -520,10 +520,10 @@ def test_tok_eval_reference_loading_never_downloads(tmp_path, monkeypatch):
         (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_bytes(b"cached bytes")
         assert tiktoken.load.read_file_cached(url) == b"cached bytes"
     assert tiktoken.load.read_file is not None and tiktoken.load.read_file.__name__ == "read_file"
-    enc, why = tok_eval.load_reference("cl100k_base")
+    enc, why = offline.load_reference("cl100k_base")
     assert enc is None and str(tmp_path) in why
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
-    assert "caching off" in tok_eval.load_reference("gpt2")[1]
+    assert "caching off" in offline.load_reference("gpt2")[1]
 
 
 def test_tok_eval_compares_with_available_references(tok, tiny_corpus, tmp_path, monkeypatch, capsys):
