@@ -50,7 +50,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()      # browser origins allowed to call the API cross-site; (): none
 
     def validate(self) -> "ServerSettings":
-        """Errors name chat_web's flags: default_X is -X (e.g. --max-tokens), a limit max_X is --max-X."""
+        """Errors name chat_web's flags: default_max_tokens is --max-tokens, max_max_tokens --max-max-tokens."""
         for name, value in asdict(self).items():
             if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k",
                         "allowed_hosts", "cors_origins") or name == "max_concurrent_per_client" and value is None:
@@ -60,12 +60,13 @@ class ServerSettings:
                 raise ValueError(f"--{flag}: got {value!r}; accepted: an integer >= 1")
         if not 0 <= self.max_temperature < float("inf"):   # NaN fails this too
             raise ValueError(f"--max-temperature: got {self.max_temperature}; accepted: a number >= 0")
-        for flag, value, high, low in (("temperature", self.default_temperature, self.max_temperature, 0),
-                                       ("top-k", self.default_top_k, self.max_top_k, 0),
-                                       ("max-tokens", self.default_max_tokens, self.max_max_tokens, 1)):
+        for flag, limit, value, high, low in (
+                ("--temperature", "--max-temperature", self.default_temperature, self.max_temperature, 0),
+                ("--top-k", "--max-top-k", self.default_top_k, self.max_top_k, 0),
+                ("--max-tokens", "--max-max-tokens", self.default_max_tokens, self.max_max_tokens, 1)):
             if not low <= value <= high:   # either flag may be the one the user set
-                off = "0 = off; " if flag == "top-k" else ""
-                raise ValueError(f"--{flag}: got {value}; accepted: {low}..{high} ({off}the limit --max-{flag})")
+                off = "0 = off; " if flag == "--top-k" else ""
+                raise ValueError(f"{flag}: got {value}; accepted: {low}..{high} ({off}the limit {limit})")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError("--api-key: got a key shorter than 8 characters; accepted: >= 8 characters")
         if isinstance(self.allowed_hosts, str) or isinstance(self.cors_origins, str):
