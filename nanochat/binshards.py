@@ -52,9 +52,10 @@ _RECREATE = "delete it and re-create it with `python -m scripts.pretokenize --fo
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (vocab <= 65536), else uint32."""
-    if vocab_size < 1 or vocab_size > 2**32:
-        raise ValueError(f"vocab_size: got {vocab_size}; accepted: 1..{2**32}")
+    """uint16 when every id fits (vocab <= 65536), else uint32. The header stores vocab_size
+    as a u32, so 2**32 - 1 is the largest vocab a shard can hold."""
+    if vocab_size < 1 or vocab_size > 2**32 - 1:
+        raise ValueError(f"vocab_size: got {vocab_size}; accepted: 1..{2**32 - 1}")
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
@@ -226,28 +227,55 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
         if other != fingerprint:
             raise DataError(
                 f"tokenizer mismatch: {what} in {bin_dir} were made with tokenizer "
-                f"{str(other)[:12]}, the current tokenizer is {fingerprint[:12]}; delete that "
-                "directory and re-run `python -m scripts.pretokenize`, or read the text shards "
-                "instead (source='text')")
+                f"{str(other)[:12]}, the current tokenizer is {fingerprint[:12]}; re-run "
+                "`python -m scripts.pretokenize` with --force to replace them (or delete that "
+                "directory), or read the text shards instead (source='text')")
 
 
 _RUN_KEYS = ("text_shards", "planned", "complete", "data_dir")  # what a run records, see the docstring
 
 
-def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_token_id: int) -> None:
-    """Create or confirm meta.json; refuses (ValueError) a directory made with another tokenizer."""
+def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_token_id: int,
+               replace: bool = False) -> list[Path]:
+    """Create or confirm meta.json; refuses (DataError) a directory made with another tokenizer,
+    unless `replace` (pretokenize --force): then that tokenizer's shards and record are deleted
+    first. Returns the binary shards deleted."""
     bin_dir = Path(bin_dir)
+    dtype = dtype_for_vocab(vocab_size)  # a vocab no shard can hold: before anything is touched
     bin_dir.mkdir(parents=True, exist_ok=True)
+    before = read_meta(bin_dir) or {}
+    removed = _remove_other_tokenizer(bin_dir, fingerprint) if replace else []
+    replaced = replace and before.get("fingerprint", fingerprint) != fingerprint
     check_tokenizer(bin_dir, fingerprint, "existing shards")
     meta = {"format": "nanochat-tokens", "version": VERSION, "fingerprint": fingerprint,
-            "vocab_size": vocab_size, "bos_token_id": bos_token_id,
-            "dtype": dtype_for_vocab(vocab_size).name}
+            "vocab_size": vocab_size, "bos_token_id": bos_token_id, "dtype": dtype.name}
     old = read_meta(bin_dir) or {}
     if old.get("fingerprint") == fingerprint:
         # kept as they are: dropping `complete: false` here would make an unfinished directory
         # look finished to a reader if this run died before start_run
         meta.update({k: old[k] for k in _RUN_KEYS if k in old})
+    if removed or replaced:  # unfinished until this run's start_run records what it will write
+        meta.update(complete=False, planned={})
     _write_meta_file(bin_dir, meta)
+    return removed
+
+
+def _remove_other_tokenizer(bin_dir: Path, fingerprint: str) -> list[Path]:
+    """Delete the binary shards (and meta.json) made with another tokenizer than `fingerprint`;
+    shards whose header does not read are left to the run, which rewrites them."""
+    removed = []
+    for p in list_bin_shards(bin_dir):
+        try:
+            other = read_header(p).fingerprint != fingerprint
+        except ValueError:
+            continue
+        if other:
+            p.unlink()
+            removed.append(p)
+    meta = read_meta(bin_dir)
+    if meta is not None and meta.get("fingerprint") != fingerprint:
+        (bin_dir / META_NAME).unlink()
+    return removed
 
 
 def _write_meta_file(bin_dir: Path, meta: dict) -> None:

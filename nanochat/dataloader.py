@@ -14,7 +14,8 @@ batch of a finite pass (`repeat=False`), whose padded inputs are BOS.
 Sources. Text shards (parquet, tokenized on the fly with the tokenizer's threaded batch encode) or
 binary token shards from `scripts/pretokenize.py` (memory-mapped; `source="auto"` picks them when
 `<data_dir>_tokens/` holds any, and refuses shards made with another tokenizer or from other text
-shards than those now in data_dir).
+shards than those now in data_dir). Every shard is checked at construction, but only those being
+read stay open, so a split may hold more shards than the open-file limit.
 
 Checks. Construction opens every shard of the split, so damaged data fails there, before a model
 is built: DataError (nanochat/errors.py) for a file that is there but broken (unreadable parquet,
@@ -35,7 +36,8 @@ cursor after the last document pulled from the stream, the identities (not token
 documents in insertion order, and the counters. `state_dict()` returns the snapshot of the last
 batch HANDED OUT (not the last one produced, which may be several batches ahead in the queue);
 `load_state_dict()` re-reads (text: re-tokenizes) the buffered documents and continues the
-stream, so a resumed loader yields exactly the batches an uninterrupted one would have.
+stream, so a resumed loader yields exactly the batches an uninterrupted one would have. With
+`source="auto"`, a state from text shards resumes on them even when binary shards were made since.
 
 Validation. `split="val"` reads the last shard. With `repeat=True` (default) the stream cycles
 forever, starting from the beginning for every new loader (deterministic: take a fixed number of
@@ -50,6 +52,7 @@ import bisect
 import os
 import queue
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -73,31 +76,54 @@ def _positive_int(value, name: str) -> int:
 
 class _TextSource:
     """This rank's documents from parquet text shards, tokenized in batches (BOS prepended).
-    A document's key is (shard, row group, row); cursors point just after a document."""
+    A document's key is (shard, row group, row); cursors point just after a document.
+    Only the shard being read is open: a split may hold more shards than the open-file limit."""
 
     kind = "text"
 
     def __init__(self, shards: list[Path], tokenizer, rank: int, world_size: int, threads: int,
                  encode_batch: int):
-        self.files = [ds.open_text_shard(p) for p in shards]  # schema errors surface here
         self.paths = list(shards)
+        self.metas, self.empty = [], []
+        for p in self.paths:  # schema errors surface here
+            pf = ds.open_text_shard(p)
+            self.metas.append(pf.metadata)
+            self.empty.append(ds.all_texts_empty(pf))
+            pf.close()
         self.names = [p.name for p in shards]
         self.sizes = [p.stat().st_size for p in shards]
         self.tok, self.rank, self.world = tokenizer, rank, world_size
         self.threads, self.encode_batch = threads, encode_batch
         self.start = (0, 0, 0)
+        self._open: tuple[int, object] | None = None  # (shard index, ParquetFile) being read
 
     def _column(self, si: int, rg: int):
-        return ds.read_text_column(self.files[si], rg, self.paths[si])
+        if self._open is None or self._open[0] != si:
+            if self._open is not None:
+                self._open[1].close()
+            self._open = None
+            pf = ds.open_text_shard(self.paths[si])
+            if not pf.metadata.equals(self.metas[si]):  # row groups must be those the cursor counts
+                pf.close()
+                raise DataError(f"{self.paths[si]}: changed since the data loader opened it; re-run "
+                                "with the shards left as they are")
+            self._open = (si, pf)
+        return ds.read_text_column(self._open[1], rg, self.paths[si])
+
+    def _groups(self, si: int) -> int:
+        return self.metas[si].num_row_groups
+
+    def _rows(self, si: int, rg: int) -> int:
+        return self.metas[si].row_group(rg).num_rows
 
     def rank_doc_count(self) -> int:
         """This rank's documents in one pass, from the parquet footers (no data read)."""
-        return sum(len(ds.rank_rows(f.metadata.row_group(rg).num_rows, si, rg, self.rank, self.world))
-                   for si, f in enumerate(self.files) for rg in range(f.num_row_groups))
+        return sum(len(ds.rank_rows(self._rows(si, rg), si, rg, self.rank, self.world))
+                   for si in range(len(self.paths)) for rg in range(self._groups(si)))
 
     def all_empty(self) -> bool:
         """True when the footer statistics prove every text of the split is empty."""
-        return all(ds.all_texts_empty(f) for f in self.files)
+        return all(self.empty)
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         ids = self.tok.encode(texts, prepend=self.tok.bos_token_id, num_threads=self.threads)
@@ -106,10 +132,10 @@ class _TextSource:
     def docs(self, cursor):
         """Yield (key, next_cursor, length, tokens) from cursor to the end of one pass."""
         s0, g0, r0 = cursor
-        for si in range(s0, len(self.files)):
-            for rg in range(g0 if si == s0 else 0, self.files[si].num_row_groups):
-                n = self.files[si].metadata.row_group(rg).num_rows
-                rows = ds.rank_rows(n, si, rg, self.rank, self.world, r0 if (si, rg) == (s0, g0) else 0)
+        for si in range(s0, len(self.paths)):
+            for rg in range(g0 if si == s0 else 0, self._groups(si)):
+                rows = ds.rank_rows(self._rows(si, rg), si, rg, self.rank, self.world,
+                                    r0 if (si, rg) == (s0, g0) else 0)
                 col = self._column(si, rg) if len(rows) else None
                 for i in range(0, len(rows), self.encode_batch):
                     chunk = rows[i:i + self.encode_batch]
@@ -123,7 +149,7 @@ class _TextSource:
         for si, rg, row in keys:
             groups.setdefault((si, rg), []).append(row)
         found = {}
-        for (si, rg), rows in groups.items():
+        for (si, rg), rows in sorted(groups.items()):  # shard by shard: each is opened once
             rows = sorted(set(rows))
             for row, toks in zip(rows, self._encode(self._column(si, rg).take(rows).to_pylist())):
                 found[(si, rg, row)] = toks
@@ -133,14 +159,21 @@ class _TextSource:
         return payload
 
 
+_OPEN_BIN_SHARDS = 8  # memory maps kept open: the shards the packing buffer's documents come from
+
+
 class _BinSource:
-    """This rank's documents from memory-mapped binary shards; key = (shard, document)."""
+    """This rank's documents from memory-mapped binary shards; key = (shard, document). Every
+    shard is checked at construction; only the few being read stay mapped (each map holds a file
+    descriptor, and a split may hold more shards than the open-file limit)."""
 
     kind = "bin"
 
     def __init__(self, paths: list[Path], tokenizer, rank: int, world_size: int):
-        self.shards = [bs.BinShard(p) for p in paths]
-        for sh in self.shards:
+        self.paths = list(paths)
+        self.headers, self.lengths = [], []
+        for p in self.paths:
+            sh = bs.BinShard(p)
             if sh.header.fingerprint != tokenizer.fingerprint:
                 raise DataError(f"tokenizer mismatch: {sh.path} was made with tokenizer "
                                 f"{sh.header.fingerprint[:12]}, the current tokenizer is "
@@ -149,16 +182,30 @@ class _BinSource:
             if sh.header.vocab_size != tokenizer.vocab_size:
                 raise DataError(f"{sh.path}: made for vocab size {sh.header.vocab_size}, the tokenizer has "
                                 f"{tokenizer.vocab_size}; re-run `python -m scripts.pretokenize --force`")
+            self.headers.append(sh.header)
+            self.lengths.append(sh.doc_lengths())
         self.vocab_size = tokenizer.vocab_size
-        self.lengths = [sh.doc_lengths() for sh in self.shards]
         self.names = [p.name for p in paths]
         self.sizes = [p.stat().st_size for p in paths]
         self.rank, self.world = rank, world_size
         self.start = (0, 0)
+        self._open: OrderedDict[int, bs.BinShard] = OrderedDict()  # least recently used first
+
+    def _shard(self, si: int) -> bs.BinShard:
+        sh = self._open.pop(si, None)
+        if sh is None:
+            sh = bs.BinShard(self.paths[si], check_bos=False)  # checked at construction
+            if sh.header != self.headers[si]:
+                raise DataError(f"{self.paths[si]}: changed since the data loader opened it; re-run "
+                                "with the shards left as they are")
+        self._open[si] = sh
+        if len(self._open) > _OPEN_BIN_SHARDS:
+            self._open.popitem(last=False)
+        return sh
 
     def docs(self, cursor):
         s0, d0 = cursor
-        for si in range(s0, len(self.shards)):
+        for si in range(s0, len(self.paths)):
             lengths = self.lengths[si]
             for d in ds.rank_rows(len(lengths), si, 0, self.rank, self.world, d0 if si == s0 else 0):
                 yield (si, d), (si, d + 1), int(lengths[d]), None
@@ -167,9 +214,9 @@ class _BinSource:
         return [(int(self.lengths[si][d]), None) for si, d in keys]
 
     def tokens(self, key, payload) -> np.ndarray:
-        t = self.shards[key[0]].doc(key[1])
+        t = self._shard(key[0]).doc(key[1])
         if t.size and int(t.max()) >= self.vocab_size:  # cheap; the embedding would fail cryptically
-            raise DataError(f"{self.shards[key[0]].path}: document {key[1]} has token id {int(t.max())} >= "
+            raise DataError(f"{self.paths[key[0]]}: document {key[1]} has token id {int(t.max())} >= "
                             f"the vocab size {self.vocab_size} (corrupt shard); delete it and re-create it "
                             "with `python -m scripts.pretokenize --force`")
         return t
@@ -365,36 +412,50 @@ class DataLoader:
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
         self.bos = int(tokenizer.bos_token_id)
 
-        data_dir = Path(data_dir) if data_dir is not None else ds.default_data_dir()
-        bin_dir = Path(bin_dir) if bin_dir is not None else bs.default_bin_dir(data_dir)
+        self._data_dir = Path(data_dir) if data_dir is not None else ds.default_data_dir()
+        self._bin_dir = Path(bin_dir) if bin_dir is not None else bs.default_bin_dir(self._data_dir)
+        self._threads, self._encode_batch = threads, encode_batch
+        self._auto = source == "auto"  # then a resume may go back to the kind its checkpoint read
         if source == "auto":
-            source = "bin" if bs.list_bin_shards(bin_dir) else "text"
+            source = "bin" if bs.list_bin_shards(self._bin_dir) else "text"
             if source == "bin":
-                self._check_fresh(bin_dir, data_dir)
-        self.source_dir = bin_dir if source == "bin" else data_dir
-        if source == "bin":
-            self._source = _BinSource(self._bin_split(bin_dir, split), tokenizer, rank, world_size)
-        else:
-            shards = ds.split_shards(ds.list_shards(data_dir), split)
-            self._source = _TextSource(shards, tokenizer, rank, world_size, threads, encode_batch)
-        who = f"split {split!r} (rank {rank} of {world_size})"
-        self._check_documents(who)
-        self._packer = _Packer(self._source, batch_size=self.B, seq_len=self.T,
-                               buffer_size=self.buffer_size, bos=self.bos, repeat=self.repeat,
-                               pin_memory=self.pin_memory, config=self._config(), who=who)
-        self._resume = self._initial_state()
-        self._state = self._resume
+                self._check_fresh(self._bin_dir, self._data_dir)
         self._gen = self._thread = None
+        self._use(self._make_source(source))
 
-    def _check_documents(self, who: str) -> None:
+    def _make_source(self, kind: str):
+        """A checked document source of `kind` for this loader's split and rank."""
+        if kind == "bin":
+            source = _BinSource(self._bin_split(self._bin_dir, self.split), self.tokenizer, self.rank,
+                                self.world_size)
+        else:
+            shards = ds.split_shards(ds.list_shards(self._data_dir), self.split)
+            source = _TextSource(shards, self.tokenizer, self.rank, self.world_size, self._threads,
+                                 self._encode_batch)
+        self._check_documents(source)
+        return source
+
+    def _use(self, source) -> None:
+        """Read from `source`, from the start (the loader must be closed)."""
+        self._source = source
+        self.source_dir = self._bin_dir if source.kind == "bin" else self._data_dir
+        self._packer = _Packer(source, batch_size=self.B, seq_len=self.T, buffer_size=self.buffer_size,
+                               bos=self.bos, repeat=self.repeat, pin_memory=self.pin_memory,
+                               config=self._config(source), who=self._who())
+        self._resume = self._state = self._initial_state()
+
+    def _who(self) -> str:
+        return f"split {self.split!r} (rank {self.rank} of {self.world_size})"
+
+    def _check_documents(self, source) -> None:
         """Up front, from footers and headers: a split with nothing to read is an error now, not
         after a model was built (the stream repeats the check for what only reading shows)."""
-        where = ", ".join(self._source.names)
-        if self._source.rank_doc_count() == 0:
-            raise MissingDataError(f"{who} has no documents (shards: {where}); re-create the data with "
-                                   "more documents or use fewer ranks")
-        if self._source.all_empty():
-            raise MissingDataError(f"{who} has no non-empty documents (every text is empty; shards: "
+        where = ", ".join(source.names)
+        if source.rank_doc_count() == 0:
+            raise MissingDataError(f"{self._who()} has no documents (shards: {where}); re-create the data "
+                                   "with more documents or use fewer ranks")
+        if source.all_empty():
+            raise MissingDataError(f"{self._who()} has no non-empty documents (every text is empty; shards: "
                                    f"{where}); re-create the data")
 
     @staticmethod
@@ -426,12 +487,13 @@ class DataLoader:
 
     # ------------------------------------------------------------------ state
 
-    def _config(self) -> dict:
-        return {"version": STATE_VERSION, "source": self._source.kind, "split": self.split,
+    def _config(self, source=None) -> dict:
+        source = source or self._source
+        return {"version": STATE_VERSION, "source": source.kind, "split": self.split,
                 "batch_size": self.B, "seq_len": self.T, "rank": self.rank,
                 "world_size": self.world_size, "buffer_size": self.buffer_size,
-                "repeat": self.repeat, "shards": list(self._source.names),
-                "shard_bytes": list(self._source.sizes), "fingerprint": self.tokenizer.fingerprint}
+                "repeat": self.repeat, "shards": list(source.names),
+                "shard_bytes": list(source.sizes), "fingerprint": self.tokenizer.fingerprint}
 
     def _initial_state(self) -> dict:
         return {**self._config(), "epoch": 0, "cursor": list(self._source.start), "buffer": [],
@@ -448,13 +510,30 @@ class DataLoader:
         a different configuration (batch size, ranks, shards, tokenizer, ...)."""
         if not isinstance(state, dict):
             raise ValueError(f"state: got {type(state).__name__}; accepted: a dict from state_dict()")
-        for key, want in self._config().items():
+        source = self._source_for(state.get("source"))
+        for key, want in self._config(source).items():
             if state.get(key) != want:
                 raise RequestError(f"--resume: the checkpoint's data loader had {_STATE_FLAGS.get(key, key)} "
                                    f"{_brief(state.get(key))}, this run's has {_brief(want)}; resume with the "
                                    "original run's data and flags (or start a new --model-tag)")
         self.close()
+        if source is not self._source:
+            self._use(source)
         self._resume = self._state = {**state, "buffer": [list(k) for k in state["buffer"]]}
+
+    def _source_for(self, kind):
+        """The source a checkpoint's state continues on. Picked automatically, it is the kind the
+        checkpoint read: a run started on text shards and pretokenized since resumes on the text
+        shards (its exact stream; there is no flag to pick the kind). Binary shards gone since
+        cannot be replaced by the text shards: their stream differs across ranks."""
+        if not self._auto or kind == self._source.kind or kind not in ("text", "bin"):
+            return self._source
+        if kind == "bin":
+            raise RequestError(f"--resume: the checkpoint's data loader read binary token shards, and "
+                               f"{self._bin_dir} holds none now; re-create them with `python -m "
+                               f"scripts.pretokenize --data-dir {self._data_dir}` (same tokenizer and text "
+                               "shards), or start a new --model-tag")
+        return self._make_source(kind)
 
     @property
     def dropped_fraction(self) -> float:

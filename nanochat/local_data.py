@@ -2,12 +2,13 @@
 --data-dir SRC` (the command line lives in nanochat/dataset.py, which also resolves these names).
 
 Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a string field
-`text`) and *.txt (one document per file, split at blank lines when long) under SRC, sorted by
-path, becomes one document list; the last `val_fraction` of it is the validation shard. A file
-that does not read as what its suffix says (not UTF-8, not JSON, no `text`) is a DataError naming
-the file, and the line for JSONL (a .txt file: the byte). The shards in the output directory are
-skipped, so that an --out inside SRC does not feed a rerun its own earlier shards (the old
-validation shard among them) as new training documents.
+`text`) and *.txt (one document per file, split at blank lines when long; line ends read as
+Python's text mode reads them) under SRC, sorted by path, becomes one document list; the last
+`val_fraction` of it is the validation shard. A file that does not read as what its suffix says
+(not UTF-8, not JSON, no `text`) is a DataError naming the file, and the line for JSONL (a .txt
+file: the byte). The shards in the output directory are skipped, so that an --out inside SRC
+does not feed a rerun its own earlier shards (the old validation shard among them) as new
+training documents.
 """
 
 from __future__ import annotations
@@ -56,14 +57,18 @@ def _jsonl_texts(path: Path) -> list[str]:
 
 
 def _txt_text(path: Path) -> str:
-    """A .txt file's text; a byte that is not UTF-8 is a DataError (decoding with replacement
-    would train on U+FFFD in place of every accented letter of, say, a Latin-1 file)."""
+    """A .txt file's text with its line ends as Python's text mode reads them (\r\n and \r ->
+    \n): a Windows / Project Gutenberg file then splits at its blank lines too, instead of staying
+    one document the dataloader crops to a single row. A byte that is not UTF-8 is a DataError
+    (decoding with replacement would train on U+FFFD in place of every accented letter of, say, a
+    Latin-1 file)."""
     raw = path.read_bytes()
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {e.reason}); re-encode the file "
                         "as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_local_documents(src: Path, *, max_doc_chars: int = 20_000, exclude: Path | None = None) -> list[str]:

@@ -6,18 +6,20 @@
 One text shard -> one `.bin` shard (format: nanochat/binshards.py), written atomically by a pool
 of worker processes, every document starting with BOS. The output directory is tied to one
 tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
-with another tokenizer is an error, before any work. Shards already present (same tokenizer, made
-from a text shard of the same name and size) are skipped, so an interrupted run resumes; `--force`
-rewrites them. Before the first shard is written, meta.json marks the directory unfinished and
-lists the text shards it is meant to hold (binary shards of text shards no longer there are
-deleted); each shard is recorded as it lands; only a run that wrote them all marks it complete. So
-the dataloader refuses a directory an interrupted run left behind (its last shard would be a train
-shard read as validation) and binary shards made from other text shards than those now in the
-data dir. Before any work, the shards still to write are sized from the text shards' parquet
-footers (at 3 characters a token, fewer than the ~4 our tokenizers reach, so the estimate errs
-high): a disk without room for them is a DiskFullError naming both numbers. A split (train = all
-but the last text shard, val = the last) with no non-empty document is a MissingDataError: before
-any work when the footers show it, else after tokenizing, the directory then left unfinished.
+with another tokenizer is an error, before any work, unless --force (which deletes that
+tokenizer's shards first, as the dataloader's advice for them assumes). Shards already present
+(same tokenizer, made from a text shard of the same name and size, offsets intact) are skipped, so
+an interrupted run resumes; `--force` rewrites them. Before the first shard is written, meta.json
+marks the directory unfinished and lists the text shards it is meant to hold (binary shards of
+text shards no longer there are deleted); each shard is recorded as it lands; only a run that
+wrote them all marks it complete. So the dataloader refuses a directory an interrupted run left
+behind (its last shard would be a train shard read as validation) and binary shards made from
+other text shards than those now in the data dir. Before any work, the shards still to write are
+sized from the text shards' parquet footers (at 3 characters a token, fewer than the ~4 our
+tokenizers reach, so the estimate errs high): a disk without room for them is a DiskFullError
+naming both numbers. A split (train = all but the last text shard, val = the last) with no
+non-empty document is a MissingDataError: before any work when the footers show it, else after
+tokenizing, the directory then left unfinished.
 """
 
 from __future__ import annotations
@@ -101,16 +103,19 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
     if not shards:
         raise MissingDataError(f"no text shards to pretokenize into {out_dir}")
     check_has_text(shards, lambda p: ds.all_texts_empty(ds.open_text_shard(p)), "its parquet footers say so")
-    bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
-                  bos_token_id=tokenizer.bos_token_id)  # refuses another tokenizer's directory
+    # refuses a directory of another tokenizer, unless --force: then its shards are deleted first
+    replaced = bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
+                             bos_token_id=tokenizer.bos_token_id, replace=force)
+    if replaced:
+        log(f"removed {len(replaced)} binary shards made with another tokenizer (--force)")
     recorded = (bs.read_meta(out_dir) or {}).get("text_shards") or {}
     jobs = []
     for shard in shards:
         out = out_dir / bs.bin_name_for(shard)
         same_text = recorded.get(shard.name, shard.stat().st_size) == shard.stat().st_size
         if out.exists() and not force and same_text:
-            try:
-                if bs.read_header(out).fingerprint == tokenizer.fingerprint:
+            try:  # header, size and offsets, as a reader checks them (the BOS check reads the whole file)
+                if bs.BinShard(out, check_bos=False).header.fingerprint == tokenizer.fingerprint:
                     log(f"skip {out.name} (done)")
                     continue
             except ValueError:  # a corrupt leftover is simply rewritten
@@ -154,7 +159,8 @@ def build_parser() -> FlagParser:
                     help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
     ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker")
-    ap.add_argument("--force", action="store_true", help="rewrite shards that already exist")
+    ap.add_argument("--force", action="store_true",
+                    help="rewrite shards that already exist (those of another tokenizer: deleted first)")
     return ap
 
 

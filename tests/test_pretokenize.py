@@ -291,3 +291,41 @@ def test_disk_plan_sizes_the_text_column_not_the_first_one(tmp_path):
     pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet")
     assert planned_bytes(tmp_path / "a.parquet", 2) == planned_bytes(tmp_path / "b.parquet", 2)
     assert planned_bytes(tmp_path / "a.parquet", 2) > 2 * sum(map(len, texts)) // 3
+
+
+def test_force_replaces_the_shards_of_another_tokenizer(text_dir, tmp_path):
+    """The loader's advice for binary shards of another tokenizer is `pretokenize --force`; it
+    failed with 'tokenizer mismatch ... delete that directory'. Without --force it still refuses."""
+    from nanochat.dataloader import DataLoader
+    from nanochat.errors import DataError
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    new = ByteTokenizer("retrained")
+    with pytest.raises(DataError, match="re-run `python -m scripts.pretokenize --force`"):
+        DataLoader(new, 2, 16, "train", data_dir=text_dir, bin_dir=out, source="bin")
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        pt.pretokenize(shards, out, new, log=quiet)
+    logged = []
+    assert len(pt.pretokenize(shards, out, new, force=True, log=logged.append)) == 3
+    assert any("another tokenizer" in line for line in logged)
+    assert {bs.read_header(p).fingerprint for p in bs.list_bin_shards(out)} == {new.fingerprint}
+    meta = bs.read_meta(out)
+    assert meta["fingerprint"] == new.fingerprint and meta["complete"] is True
+    x, _ = next(DataLoader(new, 2, 16, "train", data_dir=text_dir, bin_dir=out, source="bin", prefetch=0))
+    assert (x[:, 0] == 256).all()
+
+
+def test_rerun_rewrites_a_shard_damaged_behind_a_valid_header(text_dir, tmp_path):
+    """A shard of the right size whose offsets are damaged was skipped as done (only its header
+    was read) and the directory marked complete, though every reader refuses it."""
+    out = tmp_path / "bin"
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    path = out / "shard_00001.bin"
+    good = path.read_bytes()
+    raw = bytearray(good)
+    raw[-16:-8] = (10**6).to_bytes(8, "little")  # an offset past the end, size unchanged
+    path.write_bytes(bytes(raw))
+    written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
+    assert [r["shard"] for r in written] == ["shard_00001.bin"] and path.read_bytes() == good
