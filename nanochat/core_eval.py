@@ -281,12 +281,15 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
                                       batch_tokens=batch_tokens, max_len=max_seq_len))
         for idx, seqs in zip(chunk, per_item):
             correct += int(_item_correct(task, data[idx], [next(scores) for _ in seqs], scoring))
-    counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
-    if world > 1:
-        import torch.distributed as dist
+    if world == 1:
+        return correct / len(mine) if mine else 0.0
+    import torch.distributed as dist
 
-        dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item() if counts[1] > 0 else 0.0
+    # integer counts: exact, and a dtype every backend has (MPS has no float64 tensors)
+    counts = torch.tensor([correct, len(mine)], dtype=torch.long, device=device)
+    dist.all_reduce(counts)
+    correct, total = counts.tolist()
+    return correct / total if total > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from nanochat.calculator import use_calculator
 from nanochat.tasks.common import Task, check_rows, load_rows
 
 _CALL = re.compile(r"<<([^<>]*)>>")
-_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
+# after '####': an optional sign before the dollar ("-$5") or after it ("$-5"), then the number
+_ANSWER = re.compile(r"####\s*(?:(-)\s*\$|\$)?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
 _SPLITS = ("train", "test")
 
 
@@ -57,7 +58,7 @@ def extract_answer(text: str) -> str | None:
     as OpenAI's grade-school-math grader and upstream nanochat read it: a completion that runs on
     past its answer (e.g. into another "#### N") is scored on the answer it gave first."""
     m = _ANSWER.search(text)
-    return m.group(1).replace(",", "").rstrip(".") if m else None
+    return (m.group(1) or "") + m.group(2).replace(",", "").rstrip(".") if m else None
 
 
 def answers_match(pred: str | None, gold: str | None) -> bool:

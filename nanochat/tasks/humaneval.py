@@ -12,6 +12,13 @@ import re
 from nanochat.execution import execute_code
 from nanochat.tasks.common import Task, check_rows, load_rows
 
+# `if __name__ == "__main__":` (either order, any indentation, `elif` too): the condition only. The
+# official harness (and upstream nanochat) exec()s the program in a fresh dict, where __name__ is
+# "builtins", so a demo block a model appends never runs there; our sandbox runs the program as
+# __main__ (pickle needs that), where such a block ran: unittest.main() / sys.exit() ended the run
+# before the tests and input() failed on the closed stdin, scoring correct solutions as failures.
+_MAIN_GUARD = re.compile(r"""^([ \t]*(?:el)?if[ \t(]+)(?:__name__[ \t]*==[ \t]*(['"])__main__\2"""
+                         r"""|(['"])__main__\3[ \t]*==[ \t]*__name__)""", re.MULTILINE)
 _FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})[ \t]*([^\s`]*)[^`]*")  # opening line: indent, fence, info string
 _PYTHON_LANGS = ("", "python", "py", "python3", "py3")
 
@@ -49,11 +56,13 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     with another language (```text, ```bash, an example's output) are never run.
     The prompt always comes first (as in the official HumanEval harness): it carries the imports
     and any helper functions the entry point uses (HumanEval/10, 32, 38, 50). A completion that
-    defines `entry_point` itself simply redefines the prompt's docstring-only stub.
+    defines `entry_point` itself simply redefines the prompt's docstring-only stub. The code's
+    `if __name__ == "__main__":` conditions become False, as that harness evaluates them.
     """
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
     python = [code for lang, code in _code_blocks(completion) if lang in _PYTHON_LANGS]
     code = next((c for c in python if defines.search(c)), python[0] if python else completion)
+    code = _MAIN_GUARD.sub(r"\1False", code)   # a main block is compiled, never run (see _MAIN_GUARD)
     if defines.search(code) is None:
         return prompt + code  # a function body continues the prompt's signature
     return prompt.rstrip("\n") + "\n\n\n" + code
