@@ -131,3 +131,18 @@ def test_core_sharding_scores_every_item_once_over_two_processes(tmp_path):
     assert not set(r0["seen"]) & set(r1["seen"])
     single = sum(i % 3 != 0 for i in range(n)) / n
     assert r0["acc"] == r1["acc"] == pytest.approx(single, abs=1e-12)
+
+
+def test_a_data_dir_naming_the_eval_folder_finds_the_sibling_word_list(tmp_path):
+    """--data-dir .../eval (the help allows naming one of the folders): SpellingBee's words.txt in the
+    sibling words/ folder was not found, and chat_eval stopped naming every path it tried."""
+    from nanochat.tasks.common import find_local_file, local_dirs
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "words").mkdir()
+    (tmp_path / "words" / "words.txt").write_text("apple\n")
+    path, _ = find_local_file("words", ["words.txt"], tmp_path / "eval")
+    assert path == tmp_path / "words" / "words.txt"
+    assert find_local_file("words", ["words.txt"], tmp_path)[0] == path              # the data root
+    assert find_local_file("words", ["words.txt"], tmp_path / "words")[0] == path    # the folder itself
+    assert local_dirs("eval", tmp_path / "eval")[0] == tmp_path / "eval"

@@ -50,12 +50,11 @@ def local_dirs(kind: str, data_dir: str | Path | None = None) -> list[Path]:
     if kind not in _KINDS:
         raise ValueError(f"kind: got {kind!r}; accepted: {'|'.join(_KINDS)}")
     env, base_sub, shared_sub = _KINDS[kind]
-    if data_dir is not None:
-        root = Path(data_dir)
-        return [root, root / shared_sub]  # accept the folder itself or a data root holding it
-    if os.environ.get(env):
-        root = Path(os.environ[env])
-        return [root, root / shared_sub]
+    if data_dir is not None or os.environ.get(env):
+        root = Path(data_dir if data_dir is not None else os.environ[env])
+        # the folder itself, a data root holding it, or a sibling of it (--data-dir .../eval, as the
+        # help allows, must still find SpellingBee's .../words/words.txt)
+        return list(dict.fromkeys([root, root / shared_sub, root.parent / shared_sub]))
     dirs = [get_base_dir() / base_sub]
     if SHARED_DATA.is_dir():
         dirs.append(SHARED_DATA / shared_sub)
