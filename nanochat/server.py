@@ -328,6 +328,32 @@ def weights_format(engine) -> str:
     return getattr(getattr(inner, "model", None), "quantization", "none")
 
 
+class _UnexpectedAsJson:
+    """ASGI middleware: an unexpected exception as the API's JSON 500, answered inside the CORS
+    layer. Starlette runs an `Exception` handler in its outermost middleware, outside CORS, so a
+    cross-origin page got that 500 without Access-Control-Allow-Origin: a bare network error in
+    place of the error JSON. A response already started is left to end as it does."""
+
+    def __init__(self, app, respond):
+        self.app, self.respond = app, respond
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_seen(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_seen)
+        except Exception as e:  # noqa: BLE001 - the catch-all that turns any failure into a 500 answer
+            if started:
+                raise
+            await self.respond(e)(scope, receive, send)
+
+
 # ------------------------------------------------------------------------------------ the app
 
 def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
@@ -342,6 +368,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     if settings.max_concurrent_per_client is None:  # one client may fill every slot, and queue a few
         settings = dataclasses.replace(settings, max_concurrent_per_client=default_per_client(len(pool.workers)))
     app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None)
+    # added first = innermost of ours: its 500 passes through CORS (error_response is defined below)
+    app.add_middleware(_UnexpectedAsJson, respond=lambda e: error_response(internal_error(e)))
     if settings.cors_origins:  # opt-in: lets pages of exactly these origins call the API
         from starlette.middleware.cors import CORSMiddleware
 
@@ -381,9 +409,12 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     async def _validation_error(request, e):
         return error_response(ApiError(400, f"invalid request: {e.errors()[:1]}"))
 
-    @app.exception_handler(Exception)
+    def internal_error(e: Exception) -> ApiError:
+        return ApiError(500, f"internal error: {type(e).__name__}")
+
+    @app.exception_handler(Exception)   # (a fallback: _UnexpectedAsJson answers first)
     async def _unexpected(request, e: Exception):
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}"))
+        return error_response(internal_error(e))
 
     def check_auth(request: Request) -> None:
         if settings.api_key is None:

@@ -363,3 +363,26 @@ def test_server_url_brackets_an_ipv6_bind_host():
     assert server_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
     assert server_url("::1", 8000) == "http://[::1]:8000" and server_url("::", 80) == "http://[::]:80"
     assert server_url("localhost", 9) == "http://localhost:9"
+
+
+def test_an_unexpected_error_is_a_json_500_that_a_cors_page_can_read(chat_model):
+    """Starlette answers an Exception handler's 500 outside the CORS middleware: a listed page got it
+    without Access-Control-Allow-Origin (a network error in the browser, not the error JSON)."""
+    from fastapi.testclient import TestClient
+    from test_chat_web import ScriptedEngine
+
+    from nanochat.server import Worker, WorkerPool, create_app
+
+    class BrokenPool(WorkerPool):
+        @property
+        def available(self):
+            raise RuntimeError("boom")
+
+    origin = "http://app.example:3000"
+    app = create_app(BrokenPool([Worker(ScriptedEngine(chat_model[1], "ok"), "w0")]),
+                     ServerSettings(cors_origins=(origin,)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/health", headers={"Origin": origin})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
+        assert r.headers["access-control-allow-origin"] == origin
+        assert client.get("/stats").json()["requests"]["http_500"] == 1

@@ -10,7 +10,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from nanochat import core_eval
