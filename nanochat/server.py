@@ -35,6 +35,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from pathlib import Path
 
@@ -91,31 +92,30 @@ class WorkerPool:
     def waiting(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
-    async def acquire(self) -> Worker:
+    def claim(self) -> asyncio.Future:
+        """A place in line for the next free worker, taken now: a future of the worker (done at once
+        when one is idle), counted by `waiting` from this call on, so an admission check just after
+        sees it (a burst of requests cannot all pass a `waiting < max_queue` check before any of
+        them queues). Its holder releases the worker or cancels the future (_release_unused)."""
+        fut = asyncio.get_running_loop().create_future()
         if self._idle and not self.waiting:
             worker = self._idle.popleft()
+            worker.busy = True
+            fut.set_result(worker)
         else:
-            fut = asyncio.get_running_loop().create_future()
+            while self._waiters and self._waiters[0].done():   # places given up (cancelled) at the front
+                self._waiters.popleft()
             self._waiters.append(fut)
-            try:
-                worker = await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self.release(fut.result())
-                raise
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-        worker.busy = True
-        return worker
+        return fut
 
     def release(self, worker: Worker) -> None:
-        worker.busy = False
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
+                worker.busy = True   # handed on
                 fut.set_result(worker)
                 return
+        worker.busy = False
         self._idle.append(worker)
 
 
@@ -321,6 +321,13 @@ def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict, fai
         acq.cancel()
 
 
+def _unstarted_cleanup(pool: WorkerPool, acq: asyncio.Future, stats: dict, release, started: list) -> None:
+    """weakref.finalize of a stream's generator: the request's cleanup when it never ran."""
+    if not started:
+        _release_unused(pool, acq, None, stats)
+        release()
+
+
 def weights_format(engine) -> str:
     """How a replica's matrices are stored: 'int8' for a model quantised by nanochat/quantize.py
     (chat_web --quantize int8), else 'none' (the compute dtype)."""
@@ -481,13 +488,20 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             release()
             raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy",
                            headers={"Retry-After": "1"})
+        acq = pool.claim()   # in line now, with no await since the check: the next request's check counts it
         stats["chat_requests"] += 1
         max_tokens = min(req.max_tokens or settings.default_max_tokens, room)
         meta = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()),
                 "model": settings.model_name}
-        args = (req, prompt, max_tokens, meta)
+        args = (req, prompt, max_tokens, meta, acq)
         if req.stream:
-            return StreamingResponse(stream(*args, release), media_type="text/event-stream",
+            started = []
+            events = stream(*args, release, started)
+            # a client gone before the response starts leaves the generator unstarted: its `finally`
+            # never runs, so its place in line (or the worker it was given) is given back when the
+            # generator object goes; a started one gives it back itself
+            weakref.finalize(events, _unstarted_cleanup, pool, acq, stats, release, started)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(release))
         try:
@@ -496,8 +510,9 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             release()
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
-    async def stream(req: ChatRequest, prompt, max_tokens, meta, release):
-        acq, job, failed = asyncio.ensure_future(pool.acquire()), None, False
+    async def stream(req: ChatRequest, prompt, max_tokens, meta, acq, release, started: list):
+        started.append(True)
+        job, failed = None, False
         try:
             while not (await asyncio.wait({acq}, timeout=2.0))[0]:
                 yield ": waiting for a free model replica\n\n"  # SSE comment; also detects a gone client
@@ -514,9 +529,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             _release_unused(pool, acq, job, stats, failed)
             release()
 
-    async def complete(request: Request, req: ChatRequest, prompt, max_tokens, meta):
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        acq, job = asyncio.ensure_future(pool.acquire()), None
+    async def complete(request: Request, req: ChatRequest, prompt, max_tokens, meta, acq):
+        gone, job = asyncio.ensure_future(_wait_disconnect(request)), None
         try:
             await asyncio.wait({acq, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not acq.done():

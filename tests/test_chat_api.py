@@ -386,3 +386,48 @@ def test_an_unexpected_error_is_a_json_500_that_a_cors_page_can_read(chat_model)
         assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
         assert r.headers["access-control-allow-origin"] == origin
         assert client.get("/stats").json()["requests"]["http_500"] == 1
+
+
+def test_a_burst_of_streams_cannot_overrun_the_queue(chat_model):
+    """max_queue: a streaming request took its place in line only once its response had started, so
+    a burst of them all passed the `waiting < max_queue` check. Now the place is taken at admission,
+    and one left before its response started gives it back (the worker is not lost)."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+    from test_chat_web import ScriptedEngine
+
+    from nanochat.server import Worker, WorkerPool, create_app, serve_in_thread
+
+    engine = ScriptedEngine(chat_model[1], "slow " * 20, delay=0.03)
+    server, url = serve_in_thread(create_app(WorkerPool([Worker(engine, "w0")]),
+                                             ServerSettings(max_queue=1, max_concurrent_per_client=10)))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        busy = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
+                                kwargs={"json": body, "timeout": 30})
+        busy.start()
+        deadline = time.time() + 10
+        while httpx.get(url + "/health").json()["available"] != 0 and time.time() < deadline:
+            time.sleep(0.01)
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=30) as client:
+                async def one():
+                    async with client.stream("POST", url + "/v1/chat/completions",
+                                             json={**body, "stream": True}) as r:
+                        text = "".join([chunk async for chunk in r.aiter_text()])
+                        return r.status_code, text
+                return await asyncio.gather(*[one() for _ in range(5)])
+        results = asyncio.run(burst())
+        busy.join()
+        codes = sorted(code for code, _ in results)
+        assert codes == [200, 503, 503, 503, 503], codes
+        assert next(text for code, text in results if code == 200).rstrip().endswith("data: [DONE]")
+        health = httpx.get(url + "/health").json()
+        assert health["available"] == 1 and health["waiting"] == 0   # every place and worker given back
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
