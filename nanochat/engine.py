@@ -8,7 +8,7 @@ calculator tool.
 How a call runs: the prompt is prefilled once with batch 1, the cache is then replicated into
 `num_samples` rows (`KVCache.prefill_from`) and every decode step feeds one token per row.
 Sampling (temperature / top-k / top-p, nanochat/sampling.py) is seeded per call, so a call is
-reproducible; temperature 0 is greedy. On CUDA a step's draw is one Triton launch.
+reproducible; temperature 0 (or top-k 1) is greedy. On CUDA a step's draw is one Triton launch.
 
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -62,7 +63,7 @@ import torch
 
 from nanochat.calculator import use_calculator
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
-from nanochat.sampling import Sampler, resolve_sampler
+from nanochat.sampling import MAX_SEED, Sampler, resolve_sampler
 from nanochat.tokenizer import assistant_parts  # noqa: F401  (lives with the chat rendering it inverts)
 
 DECODE_MODES = ("auto", "eager", "compile", "static", "graphs")
@@ -105,6 +106,17 @@ def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, flo
             raise ValueError(f"top_p: got {top_p!r}; accepted: None or a number in (0, 1]")
         top_p = None if float(top_p) >= 1.0 else float(top_p)
     return float(temperature), top_k, top_p
+
+
+def _stop_ids(stop_tokens) -> list[int]:
+    """stop_tokens as ints; ValueError naming the argument for anything else (a token's text, None)."""
+    try:
+        if isinstance(stop_tokens, (str, bytes)):
+            raise TypeError("text")
+        return [operator.index(t) for t in stop_tokens]
+    except (TypeError, ValueError):
+        raise ValueError(f"stop_tokens: got {stop_tokens!r}; accepted: None or an iterable of token ids (ints)") \
+            from None
 
 
 def _model_device(model) -> torch.device:
@@ -381,9 +393,11 @@ class Engine:
         tokens = self._check_prompt(tokens)
         _check_int(num_samples, "num_samples", 1, "an integer >= 1")
         _check_int(max_tokens, "max_tokens", 1, "an integer >= 1")
-        _check_int(seed, "seed", 0, "an integer >= 0")
+        _check_int(seed, "seed", 0, f"an integer in 0..{MAX_SEED}")
+        if seed > MAX_SEED:   # here, not at the first token inside the generator (manual_seed's overflow)
+            raise ValueError(f"seed: got {seed}; accepted: an integer in 0..{MAX_SEED}")
         temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
-        stops = frozenset(self.default_stop_tokens if stop_tokens is None else (int(t) for t in stop_tokens))
+        stops = frozenset(self.default_stop_tokens if stop_tokens is None else _stop_ids(stop_tokens))
         return tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops
 
     def inference_weights(self):
@@ -499,8 +513,9 @@ class Engine:
         results = [list(prompt) for _ in range(num_samples)]
         masks = [[0] * len(prompt) for _ in range(num_samples)]
         done = [False] * num_samples
-        stops = kw.get("stop_tokens")
-        stops = frozenset(self.default_stop_tokens if stops is None else stops)
+        if kw.get("stop_tokens") is not None:   # read once: an iterator read here would reach generate empty
+            kw["stop_tokens"] = _stop_ids(kw["stop_tokens"])
+        stops = frozenset(self.default_stop_tokens if kw.get("stop_tokens") is None else kw["stop_tokens"])
         for column, mask_column in self.generate(prompt, **kw):
             for i, (token, mask) in enumerate(zip(column, mask_column)):
                 if done[i]:

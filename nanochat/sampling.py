@@ -22,6 +22,9 @@ SAMPLER_BACKENDS = ("auto", "torch", "triton")
 # float32 resolution, so the draw there is the argmax anyway; and logits / T overflows float32 to
 # inf once T < ~1e-37 (a request's 1e-39 drew token 0 over nan probabilities).
 GREEDY_BELOW = 1e-5
+# Seeds a torch.Generator takes (manual_seed reads a uint64; 2**64 raised "Overflow when unpacking
+# long long" at the first token, inside the generation).
+MAX_SEED = 2**64 - 1
 
 
 def is_greedy(temperature: float) -> bool:
@@ -65,6 +68,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     # drop a token when the tokens ranked above it already cover top_p (the first always stays)
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    # the first always stays, explicitly: a top_p below float32's smallest subnormal (~1.4e-45)
+    # compares as 0, which dropped it too, and the all-zero row then drew token 0
+    drop[..., 0] = False
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return (probs / noise).argmax(dim=-1)
 
@@ -96,14 +102,17 @@ def resolve_sampler(request: str, device: torch.device, vocab_size: int | None =
 class Sampler:
     """The sampler of one generation: `sampler(logits, position)` -> (B,) long token ids for the
     tokens that will sit at `position`. `backend`: auto|torch|triton (resolve_sampler); with auto,
-    logits wider than the Triton kernel's limit are drawn by torch, with triton they raise."""
+    logits wider than the Triton kernel's limit are drawn by torch, with triton they raise.
+    Temperatures below GREEDY_BELOW and top-k 1 are greedy (the argmax, ties to the lowest id)."""
 
     def __init__(self, device: torch.device, temperature: float, top_k: int | None, top_p: float | None,
                  seed: int, backend: str = "auto"):
         self.device = torch.device(device)
         self.request = backend
         self.backend = resolve_sampler(backend, self.device)
-        self.temperature = 0.0 if is_greedy(temperature) else temperature
+        # top-k 1 is greedy decoding: as a race it drew any of the tokens tied for the top logit
+        # (bf16 logits tie often), so the answer depended on the seed; both backends keep ties
+        self.temperature = 0.0 if is_greedy(temperature) or top_k == 1 else temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._max_vocab, self._triton = 0, None
@@ -119,9 +128,11 @@ class Sampler:
         return self._triton is not None and vocab_size <= self._max_vocab and self.temperature > 0
 
     def warmup(self, vocab_size: int) -> None:
-        """Compile the Triton kernel now (~1 s), not in a first request; torch needs nothing."""
-        if self._triton is not None:
-            self(torch.zeros(1, vocab_size, device=self.device), 0)
+        """Compile the Triton kernels now (~1 s), not in a first request; torch needs nothing. The
+        warm-up draw is at top-k 1, top-p 0.5 (the two-stage top-k path and the nucleus cut; k and
+        p are not specialised on) whatever this sampler's settings: a greedy one compiles nothing."""
+        if self._triton is not None and vocab_size <= self._max_vocab:
+            self._triton(torch.zeros(1, vocab_size, device=self.device), 1.0, 1, 0.5, self.seed, 0)
 
     def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         if self._triton is not None and logits.size(-1) <= self._max_vocab:

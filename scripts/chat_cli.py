@@ -7,7 +7,8 @@
 Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-D) exits, /help lists
 them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
 answer being written. Tokens are printed as they are generated; calculator tool calls show as
-<<expr=result>>; on a terminal, control characters the model writes show as U+FFFD.
+<<expr=result>>; on a terminal, control characters the model writes show as U+FFFD. A reply cut off
+because the conversation filled the model's context says so on stderr.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def validate(args: argparse.Namespace) -> None:
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS, validate_sampling
     from nanochat.flags import check_model_tag
     from nanochat.quantize import check_quantize
-    from nanochat.sampling import greedy_if_top_p_zero
+    from nanochat.sampling import MAX_SEED, greedy_if_top_p_zero
 
     check_model_tag(args.model_tag)
     if args.step != "latest" and not re.fullmatch("[0-9]+", args.step):   # not isdigit(): "²" is a digit
@@ -75,8 +76,8 @@ def validate(args: argparse.Namespace) -> None:
     check_quantize(args.quantize)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens: got {args.max_tokens}; accepted: an integer >= 1")
-    if args.seed is not None and args.seed < 0:
-        raise ValueError(f"--seed: got {args.seed}; accepted: an integer >= 0")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:   # the sampler's torch.Generator takes a uint64
+        raise ValueError(f"--seed: got {args.seed}; accepted: an integer in 0..{MAX_SEED}")
     if args.top_p is not None and not 0.0 <= args.top_p <= 1.0:   # also nan
         raise ValueError(f"--top-p: got {args.top_p}; accepted: a number in [0, 1] (0 = greedy)")
     args.temperature, args.top_p = greedy_if_top_p_zero(args.temperature, args.top_p)
@@ -102,6 +103,22 @@ def check_model_tag_exists(source: str, model_tag: str | None) -> None:
                            f"under {root})")
 
 
+def check_decode_device(args: argparse.Namespace, device) -> None:
+    """--decode graphs and --graph-step persistent (which only static and graphs decoding run) need
+    a CUDA device: said once the runtime has its device, before the model loads (the Engine says it
+    after loading, and for persistent only at the first answer)."""
+    from nanochat.errors import RequestError
+
+    if device.type == "cuda":
+        return
+    if args.decode == "graphs":
+        raise RequestError(f"--decode: 'graphs' needs a CUDA device, this run is on {device.type}; "
+                           "accepted here: auto|eager|compile|static")
+    if args.graph_step == "persistent" and args.decode == "static":
+        raise RequestError(f"--graph-step: 'persistent' needs a CUDA device, this run is on {device.type}; "
+                           "accepted here: auto|compiled|eager")
+
+
 def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
     """The conversation's prompt tokens; RequestError (ending with `hint`) when it leaves the
     model's context no room for a reply."""
@@ -114,10 +131,11 @@ def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
     return prompt
 
 
-def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None) -> dict:
+def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "") -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
-    as parts."""
+    as parts. A reply cut off because the context is full gets a note on stderr, ending with
+    `full_hint` (what to do about it)."""
     out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
 
@@ -130,12 +148,13 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None) -> d
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     # as the server (nanochat/server.py): a reply also ends where the model starts a user turn
     stops = set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
-    generated = []
+    generated, stopped = [], False
     try:
         for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
                                          top_k=args.top_k, top_p=args.top_p, seed=seed, stop_tokens=stops):
             token = column[0]
             if token in stops:
+                stopped = True
                 break
             generated.append(token)
             out.write(show(stream.feed(token)))
@@ -145,6 +164,10 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None) -> d
         out.flush()
         raise
     out.write(show(stream.finish()) + "\n")
+    if not stopped and len(generated) >= room:   # mid-sentence, and the next turn has no room either
+        out.flush()
+        print(f"[cut off: the conversation filled the model's context of {engine.max_seq_len} tokens{full_hint}]",
+              file=sys.stderr, flush=True)
     return {"role": "assistant", "content": assistant_parts(tokenizer, generated)}
 
 
@@ -182,6 +205,7 @@ def chat(args: argparse.Namespace) -> int:
 
     check_model_tag_exists(args.source, args.model_tag)
     rt = init_runtime(args.device, args.dtype)
+    check_decode_device(args, rt.device)
     import torch
 
     model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
@@ -245,7 +269,8 @@ def converse(engine, tokenizer, args, next_seed) -> int:
         try:
             print("\nAssistant: ", end="", flush=True)
             prompt = fit_prompt(engine, tokenizer, messages, "type /clear to start over")
-            messages.append(answer(engine, tokenizer, prompt, args, next_seed()))
+            messages.append(answer(engine, tokenizer, prompt, args, next_seed(),
+                                   full_hint="; type /clear to start over"))
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)
             print("(stopped)")
             messages.pop()

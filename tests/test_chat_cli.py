@@ -367,3 +367,55 @@ def test_answer_cut_off_by_ctrl_c_ends_its_line(chat_model):
         answer(scripted_engine(tok, plan, prompt), tok, prompt,
                SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None), seed=0, out=out)
     assert out.buffer.getvalue() == tok.decode(words[:3]) + "\n"
+
+
+def test_chat_cli_refuses_a_seed_the_sampler_cannot_take():
+    """--seed 2**64 passed the flag check and failed at every answer with 'Overflow when unpacking long
+    long' (interactively: printed for each message) after the model had loaded."""
+    from scripts import chat_cli
+
+    with pytest.raises(ValueError, match=r"^--seed: got 18446744073709551616; accepted: an integer in 0\.\."):
+        chat_cli.parse_args(["--seed", str(2**64)])
+    assert chat_cli.parse_args(["--seed", str(2**64 - 1)]).seed == 2**64 - 1
+
+
+def test_answer_cut_off_by_the_context_says_so(chat_model, capsys):
+    """A reply that fills the model's context ends mid-sentence: a note on stderr says why (stdout keeps the
+    answer alone for -p), with what to do about it in the interactive loop; a reply that ends at its stop
+    token, or at -m, gets no note."""
+    from scripts.chat_cli import answer
+    from tests.test_engine import scripted_engine, specials
+
+    tok = chat_model[1]
+    s = specials(tok)
+    words = tok.encode(" and so on and so forth")
+    engine = scripted_engine(tok, lambda b, gen: words[len(gen) % len(words)], [0] * 125)   # context 128
+    args = SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None)
+    out = io.StringIO()
+    answer(engine, tok, [tok.bos_token_id] * 125, args, seed=0, out=out, full_hint="; /clear starts over")
+    assert out.getvalue() == tok.decode(words[:3]) + "\n"
+    assert capsys.readouterr().err == "[cut off: the conversation filled the model's context of 128 tokens; " \
+                                      "/clear starts over]\n"
+    args.max_tokens = 2
+    answer(engine, tok, [tok.bos_token_id] * 125, args, seed=0, out=io.StringIO())
+    ends = scripted_engine(tok, lambda b, gen: [words[0], words[1], s.assistant_end][len(gen)], [0] * 125)
+    args.max_tokens = 40
+    answer(ends, tok, [tok.bos_token_id] * 125, args, seed=0, out=io.StringIO())
+    assert capsys.readouterr().err == ""
+
+
+def test_chat_cli_refuses_decode_paths_the_device_lacks_before_loading(monkeypatch):
+    """--decode graphs or --graph-step persistent on a CPU: said before the model loads, naming the flag
+    (it was the Engine's 'decode: ...' traceback after loading, and for persistent a message at every answer)."""
+    from nanochat.errors import RequestError
+    from scripts import chat_cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded")
+    monkeypatch.setattr("nanochat.checkpoint.load_model", no_loading)
+    with pytest.raises(RequestError, match=r"^--decode: 'graphs' needs a CUDA device, this run is on cpu; accepted"):
+        chat_cli.main(["-p", "hi", "--device", "cpu", "--decode", "graphs"])
+    with pytest.raises(RequestError, match=r"^--graph-step: 'persistent' needs a CUDA device, this run is on cpu"):
+        chat_cli.main(["-p", "hi", "--device", "cpu", "--decode", "static", "--graph-step", "persistent"])
+    with pytest.raises(AssertionError, match="the model loaded"):   # persistent is unused by eager decoding
+        chat_cli.main(["-p", "hi", "--device", "cpu", "--graph-step", "persistent"])
