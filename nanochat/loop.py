@@ -305,6 +305,10 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
         result = trainer.step(step)
     except torch.cuda.OutOfMemoryError as e:
         raise RequestError(out_of_memory_hint(trainer, step)) from e
+    except RuntimeError as e:   # the CPU allocator's failure is a plain RuntimeError: the same hint, not a traceback
+        if CPU_OUT_OF_MEMORY not in str(e):
+            raise
+        raise RequestError(out_of_memory_hint(trainer, step, memory="CPU memory")) from e
     res.losses[step] = result.loss
     metrics = meter.update(result)
     extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
@@ -346,6 +350,8 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 _say(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping{how}")
             if not stop:
                 ran = _evaluate_and_sample(spec, res, step, last, tracker, report, t_start)
+                if ran:   # a NaN evaluation stops the run now, not at a save (with --save-every -1, the end)
+                    _check_finite_val_bpb(trainer, res, step)
                 if ran and not last and (stop := _agreed_stop(signals)):   # it came during the eval: save here
                     _say(f"received {signal.Signals(stop).name} during the evaluation: saving a checkpoint at "
                          f"step {step} and stopping")
@@ -387,8 +393,7 @@ def _check_finite_before_save(trainer, res: LoopResult, step: int) -> None:
     from nanochat.training import DEFAULT_HINT, NonFiniteLossError
 
     hint = getattr(trainer, "hint", DEFAULT_HINT)
-    if res.val_bpb is not None and not math.isfinite(res.val_bpb):
-        raise NonFiniteLossError(step, "val bpb", res.val_bpb, trainer.last_checkpoint, hint)
+    _check_finite_val_bpb(trainer, res, step)
     model = getattr(trainer, "model", None)
     if model is None:
         return
@@ -401,23 +406,37 @@ def _check_finite_before_save(trainer, res: LoopResult, step: int) -> None:
                                  f"{', '.join(bad[:3]) or 'another rank'} after step {step - 1}'s update; {hint}")
 
 
+def _check_finite_val_bpb(trainer, res: LoopResult, step: int) -> None:
+    """NonFiniteLossError for a nan/inf val bpb (alike on every rank: it is all-reduced). Checked
+    where it is measured: checked only before saves, a NaN evaluation went unnoticed when the save's
+    own evaluation came out finite, and with --save-every -1 the run trained on to its end."""
+    from nanochat.training import DEFAULT_HINT, NonFiniteLossError
+
+    if res.val_bpb is not None and not math.isfinite(res.val_bpb):
+        raise NonFiniteLossError(step, "val bpb", res.val_bpb, getattr(trainer, "last_checkpoint", None),
+                                 getattr(trainer, "hint", DEFAULT_HINT))
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p   # an FSDP shard (DTensor): this rank's part
 
 
-def out_of_memory_hint(trainer, step: int) -> str:
-    """What to change when a step runs out of GPU memory: the device batch (gradient accumulation
-    keeps the total batch), or at one sequence per micro-batch the sequence length or depth. The
-    last checkpoint stays as it was."""
+CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"   # in the RuntimeError torch raises
+
+
+def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
+    """What to change when a step runs out of GPU (or CPU) memory: the device batch (gradient
+    accumulation keeps the total batch), or at one sequence per micro-batch the sequence length or
+    depth. The last checkpoint stays as it was."""
     plan = getattr(trainer, "plan", None)
     peak = ""
-    if torch.cuda.is_available():
+    if memory == "GPU memory" and torch.cuda.is_available():
         dev = torch.cuda.current_device()
         peak = (f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of "
                 f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB)")
     if plan is None:
-        return f"out of GPU memory in step {step}{peak}: lower the device batch size"
-    head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of GPU memory in "
+        return f"out of {memory} in step {step}{peak}: lower the device batch size"
+    head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of {memory} in "
             f"step {step}{peak}")
     # under setup.sh the stage's flags are setup.sh's to set: say its own flag and that a rerun resumes
     setup = bool(os.environ.get(SETUP_STAGE_ENV))

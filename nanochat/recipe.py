@@ -77,6 +77,13 @@ class ResolvedRecipe:
                                          warmdown_ratio=self.warmdown_ratio)
                        if self.momentum == "peaked" else optim.muon_momentum)
         wd_fn = optim.weight_decay_cosine if self.weight_decay_shape == "cosine" else optim.weight_decay_multiplier
+        if self.warmup_ratio + self.warmdown_ratio > 1:   # Schedule's message named flags the user never gave
+            def said(k):
+                return f"--{k.replace('_', '-')} {getattr(self, k):g}" + (
+                    "" if k in self.overridden else f" (recipe {self.name}'s)")
+            raise RequestError(f"{said('warmup_ratio')} + {said('warmdown_ratio')} = "
+                               f"{self.warmup_ratio + self.warmdown_ratio:g}; accepted: a sum <= 1 "
+                               f"(e.g. --warmdown-ratio {1 - self.warmup_ratio:g}, or --warmup-steps)")
         return Schedule(num_iterations, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac,
                         warmup_steps=self.warmup_steps, momentum_fn=momentum_fn, wd_fn=wd_fn).validate()
 

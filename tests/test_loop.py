@@ -67,6 +67,33 @@ def test_out_of_memory_without_a_batch_plan():
     assert msg.startswith("out of GPU memory in step 2") and msg.endswith("lower the device batch size")
 
 
+
+def test_out_of_cpu_memory_gets_the_same_hint_and_other_errors_pass_through():
+    """On the CPU an allocation that cannot be met is a plain RuntimeError from torch's allocator:
+    it ended the run with a traceback from deep inside the model instead of the one-line hint a GPU
+    run gets. Any other RuntimeError (a NaN stop included) still passes through unchanged."""
+    from nanochat.training import NonFiniteLossError
+
+    plan = BatchPlan(total_batch_size=16_384, device_batch_size=8, seq_len=1024, world_size=1, grad_accum_steps=2)
+
+    class CpuOom(_OomTrainer):
+        def step(self, step):
+            raise self.error
+
+    spec = LoopSpec("base", num_iterations=4, report=False)
+    trainer = CpuOom(plan, fail_at=2)
+    trainer.error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                 "memory: you tried to allocate 68719476736 bytes. Error code 12")
+    with pytest.raises(RequestError) as info:
+        run_training_loop(trainer, meter=None, spec=spec, start_step=2)
+    assert str(info.value).startswith("--device-batch-size 8 x --max-seq-len 1024: out of CPU memory in step 2; ")
+    assert "lower --device-batch-size (e.g. 4)" in str(info.value) and info.value.__cause__ is trainer.error
+    for other in (RuntimeError("shape mismatch"), NonFiniteLossError(2, "loss", float("nan"), None, "hint")):
+        trainer.error = other
+        with pytest.raises(type(other)) as info:
+            run_training_loop(trainer, meter=None, spec=spec, start_step=2)
+        assert info.value is other
+
 def test_resume_past_the_last_step_is_refused_before_anything_runs(tmp_path):
     """A checkpoint at step 6 with --num-iterations 4 used to loop forever (step 310/4...): now a
     one-line error naming the steps that can be resumed; at exactly the last step it is allowed."""
@@ -333,3 +360,29 @@ def test_a_stop_during_a_save_or_an_evaluation_stops_at_that_step(tmp_path, duri
         run_training_loop(trainer, meter=trainer.meter, spec=spec)
     assert trainer.steps == [0, 1, 2, 3] and saves == [4]
     assert str(info.value).startswith(f"stopped by SIGTERM at step 4 of 10: checkpoint {tmp_path / 'step_000004'}")
+
+
+@pytest.mark.parametrize("save_every", [-1, 3])
+def test_a_non_finite_val_bpb_stops_the_run_at_its_evaluation(tmp_path, save_every):
+    """NonFiniteLossError guards val bpb too, but it was only looked at before a save: with the
+    default --save-every -1 a NaN evaluation at step 2 let the run train on to its end (where a
+    finite last evaluation then saved as if nothing had happened), and with saves it stopped at the
+    next save naming that step. It stops at the evaluation, naming its step and the last save."""
+    from nanochat.training import NonFiniteLossError
+
+    trainer, saves = _CountingTrainer(), []
+    trainer.last_checkpoint = None
+
+    def save(step, state):
+        saves.append(step)
+        trainer.last_checkpoint = str(tmp_path / f"step_{step:06d}")
+        return tmp_path / f"step_{step:06d}"
+
+    spec = LoopSpec("base", num_iterations=8, report=False, eval_every=2, save_every=save_every, save=save,
+                    evaluate=lambda step: {"val_bpb": float("nan") if step == 4 else 1.0})
+    with pytest.raises(NonFiniteLossError) as info:
+        run_training_loop(trainer, meter=trainer.meter, spec=spec)
+    assert trainer.steps == [0, 1, 2, 3] and info.value.step == 4
+    assert saves == ([3] if save_every == 3 else [])
+    assert info.value.last_checkpoint == (str(tmp_path / "step_000003") if save_every == 3 else None)
+    assert "non-finite val bpb (nan) at step 4" in str(info.value)

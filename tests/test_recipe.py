@@ -61,6 +61,22 @@ def test_flags_override_the_recipe_and_are_scaled_the_same_way():
         resolve_recipe("v3", NONE, total_batch_size=REF, target_tokens=1, ref_tokens=1)
 
 
+
+def test_a_warmup_that_overlaps_the_recipes_warmdown_names_the_recipes_value():
+    """--warmup-ratio 0.5 under v2 (warmdown 0.65) sums past 1: it said "--warmup-ratio +
+    --warmdown-ratio: got 1.15", naming a flag the user never gave, and only once the schedule was
+    built (after the data loaders and the checkpoint). The schedule now says whose value is whose."""
+    with pytest.raises(RequestError, match=r"--warmup-ratio 0\.5 \+ --warmdown-ratio 0\.65 \(recipe v2's\) = 1\.15; "
+                                           r"accepted: a sum <= 1 \(e\.g\. --warmdown-ratio 0\.5"):
+        resolve_recipe("v2", {**NONE, "warmup_ratio": 0.5}, total_batch_size=REF, target_tokens=1,
+                       ref_tokens=1).schedule(9)
+    with pytest.raises(RequestError, match=r"--warmup-ratio 0\.7 \+ --warmdown-ratio 0\.4 = 1\.1;"):
+        resolve_recipe("v1", {**NONE, "warmup_ratio": 0.7, "warmdown_ratio": 0.4}, total_batch_size=REF,
+                       target_tokens=1, ref_tokens=1).schedule(9)
+    fits = resolve_recipe("v2", {**NONE, "warmup_ratio": 0.35}, total_batch_size=REF, target_tokens=1, ref_tokens=1)
+    assert fits.schedule(100).multipliers(0)[0] == pytest.approx(1 / 35)
+
+
 def test_short_runs_warm_up_and_still_warm_down():
     r = resolve_recipe("v2", NONE, total_batch_size=REF, target_tokens=1e9, ref_tokens=1e9)
     lrms = [r.schedule(20).multipliers(s)[0] for s in range(21)]
