@@ -127,6 +127,9 @@ class BaseTrainConfig:
         sched = {k: getattr(self, k) for k in ("warmup_ratio", "warmdown_ratio", "final_lr_frac", "warmup_steps")
                  if getattr(self, k) is not None}
         Schedule(1, **sched).validate()
+        if self.resume is None:   # a fresh run's recipe + flags (a resume takes its checkpoint's recipe, later)
+            resolve_recipe(self.recipe or DEFAULT_RECIPE, {k: getattr(self, k) for k in RECIPE_FLAGS},
+                           total_batch_size=1, target_tokens=1, ref_tokens=1).schedule(1)
         for flag in ("eval_every", "sample_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -127,3 +127,14 @@ def test_chat_rows_that_cannot_fit_the_model_fail_before_the_mixture_and_the_mod
     with pytest.raises(RequestError, match=r"--total-batch-size: got 1,000 tokens, which is not a multiple of "
                                            r"--device-batch-size x --max-seq-len x world size = 2 x 64 x 1"):
         chat_sft.main(sft + ["--device-batch-size", "2", "--total-batch-size", "1000"])
+
+
+def test_a_warmup_overlapping_the_recipes_warmdown_is_refused_at_parse():
+    """--warmup-ratio 0.5 under v2 (warmdown 0.65) was refused only after the tokenizer, the data
+    loaders and a resume's checkpoint had loaded: now by the flags' validation, for a fresh run."""
+    from scripts.base_train import parse_config
+
+    with pytest.raises(RequestError, match=r"--warmup-ratio 0\.5 \+ --warmdown-ratio 0\.65 \(recipe v2's\)"):
+        parse_config(["--warmup-ratio", "0.5"])
+    assert parse_config(["--warmup-ratio", "0.5", "--recipe", "v1"]).warmup_ratio == 0.5   # v1 warms down 0.2
+    assert parse_config(["--warmup-ratio", "0.5", "--resume", "latest"]).resume == "latest"   # its checkpoint's recipe
