@@ -237,12 +237,22 @@ def chat(args: argparse.Namespace) -> int:
     return converse(engine, tokenizer, args, next_seed)
 
 
+def _is_utf8(text: str) -> bool:
+    try:   # surrogateescape turned the bytes that were not UTF-8 into lone surrogates
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def converse(engine, tokenizer, args, next_seed) -> int:
     """The interactive loop: read a line, run a command or answer it with the conversation so far."""
     try:   # input() then edits the line (arrow keys, history) instead of typing their escape codes into it
         import readline  # noqa: F401
     except ImportError:   # a Python built without it
         pass
+    if hasattr(sys.stdin, "reconfigure"):   # a line that is not UTF-8 (a Latin-1 file piped in) is said, not a traceback
+        sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
     while True:
         try:
@@ -251,6 +261,9 @@ def converse(engine, tokenizer, args, next_seed) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        if not _is_utf8(text):
+            print("(that line is not UTF-8 text; send it as UTF-8)")
+            continue
         if text in ("/quit", "/exit"):
             return 0
         if text == "/clear":

@@ -419,3 +419,15 @@ def test_chat_cli_refuses_decode_paths_the_device_lacks_before_loading(monkeypat
         chat_cli.main(["-p", "hi", "--device", "cpu", "--decode", "static", "--graph-step", "persistent"])
     with pytest.raises(AssertionError, match="the model loaded"):   # persistent is unused by eager decoding
         chat_cli.main(["-p", "hi", "--device", "cpu", "--graph-step", "persistent"])
+
+
+def test_a_piped_line_that_is_not_utf8_is_said_and_the_chat_goes_on(sft_checkpoint):
+    """`chat_cli < latin1.txt`: input() raised UnicodeDecodeError, a traceback that ended the chat."""
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(sft_checkpoint)}
+    res = subprocess.run([sys.executable, "-m", "scripts.chat_cli", "--device", "cpu", "-t", "0", "-m", "3"],
+                         input="caf\xe9 au lait\nhello\n/quit\n".encode("latin-1"), capture_output=True,
+                         cwd=Path(__file__).resolve().parents[1], env=env, timeout=120)
+    out = res.stdout.decode("utf-8", "replace")
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr[-800:]
+    assert out.count("(that line is not UTF-8 text; send it as UTF-8)") == 1
+    assert out.count("Assistant: ") == 1   # "hello" is answered
