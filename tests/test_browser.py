@@ -356,23 +356,33 @@ def test_keyboard_and_ime(browser, quick):
     assert "konnichiwa\nline two<|user_end|>" in tokenizer.decode(engine.calls[-1]["prompt"])
 
 
+def fake_stream(driver, data: list[str]) -> None:
+    """Until `window.__fake = null`, the page's chat requests get a 200 event stream of these `data:`
+    lines (a proxy's or a restarted server's answer, say), then the end of the response."""
+    driver.execute_script("""window.__fake = arguments[0];
+      if (!window.__realFetch) {
+        window.__realFetch = window.fetch;
+        window.fetch = (u, o) => {
+          if (!String(u).includes('/v1/chat') || !window.__fake) return window.__realFetch(u, o);
+          const lines = window.__fake;
+          const body = new ReadableStream({ start(c) {
+            for (const l of lines) c.enqueue(new TextEncoder().encode('data: ' + l + '\\n\\n'));
+            c.close(); } });
+          return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } }));
+        };
+      }""", data)
+
+
 def test_stream_cut_without_done_is_an_error(browser, quick):
     engine, url, _ = quick
     d = browser
     fresh_page(d, url)
     # a proxy or a restarted server can end the response cleanly but early: no [DONE]
-    d.execute_script("""const realFetch = window.fetch; window.__cut = true;
-      window.fetch = (u, o) => {
-        if (!String(u).includes('/v1/chat') || !window.__cut) return realFetch(u, o);
-        const body = new ReadableStream({ start(c) {
-          c.enqueue(new TextEncoder().encode('data: {"choices":[{"index":0,"delta":{"content":"Half an"}}]}\\n\\n'));
-          c.close(); } });
-        return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } }));
-      };""")
+    fake_stream(d, ['{"choices":[{"index":0,"delta":{"content":"Half an"}}]}'])
     send(d, "hello")
     wait(lambda: q(d, ".msg.assistant.error"), what="the cut reply shown as failed")
     assert "Half an" in last_reply(d) and "closed before the reply was complete" in last_reply(d)
-    d.execute_script("window.__cut = false")
+    d.execute_script("window.__fake = null")
     assert "Done." in chat_once(d, engine, "again")   # and the page goes on
 
 
@@ -381,21 +391,13 @@ def test_an_answer_cut_at_max_tokens_says_so(browser, quick):
     engine, url, _ = quick
     d = browser
     fresh_page(d, url)
-    d.execute_script("""const realFetch = window.fetch; window.__len = true;
-      window.fetch = (u, o) => {
-        if (!String(u).includes('/v1/chat') || !window.__len) return realFetch(u, o);
-        const lines = ['{"choices":[{"index":0,"delta":{"content":"The sky is blue bec"}}]}',
-                       '{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}',
-                       '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}'];
-        const body = new ReadableStream({ start(c) {
-          for (const l of lines) c.enqueue(new TextEncoder().encode('data: ' + l + '\\n\\n'));
-          c.enqueue(new TextEncoder().encode('data: [DONE]\\n\\n')); c.close(); } });
-        return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } }));
-      };""")
+    fake_stream(d, ['{"choices":[{"index":0,"delta":{"content":"The sky is blue bec"}}]}',
+                    '{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}',
+                    '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}', "[DONE]"])
     send(d, "why blue?")
     meta = wait(lambda: [m.text for m in q(d, ".msg.assistant .meta") if "tokens" in m.text], what="the reply's line")
     assert meta[-1].startswith("4 tokens") and meta[-1].endswith("cut off at the max tokens limit"), meta
-    d.execute_script("window.__len = false")
+    d.execute_script("window.__fake = null")
     assert "Done." in chat_once(d, engine, "again")
     assert not any("cut off" in m.text for m in q(d, ".msg.assistant .meta")[-1:])   # a finished one does not
 
