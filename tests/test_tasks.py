@@ -464,6 +464,9 @@ def test_mmlu_max_problems_is_not_the_first_subjects(shared_data):
     ("Because it is blue", "B", False),   # read as "B" before
     ("A", "B", False), ("I don't know", "B", False), ("", "A", False), ("E", "D", False),
     ("a bird", "A", False), ("The answer is a bird", "A", False),
+    ("**B**", "B", True), ("**B.** blue", "B", True), ("*(c)*", "C", True),    # markdown: None before
+    ("The answer is **C**.", "C", True), ("**Answer:** D", "D", True), ("__Answer__: (A)", "A", True),
+    ("**Because** it is blue", "B", False), ("The answer is **a bird**", "A", False),
 ])
 def test_letter_answers_are_read_like_a_grader(completion, gold, ok):
     from nanochat.tasks.arc import evaluate_letter, mc_conversation

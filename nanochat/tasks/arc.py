@@ -49,11 +49,12 @@ def check_mc_row(row: dict) -> str | None:
 MC_KEYS = ("question", "choices", "answer")
 
 
-# "B", "b", "B.", "(B)", "B) blue": a letter standing alone at the start of the answer (a lower-case
-# one only before punctuation or the end: "a bird" is an article, not choice A)
-_LEADING_LETTER = re.compile(r"\(?(?:([A-Z])(?=$|[\s.):,])|([a-z])(?=$|[.):,]))")
-# "The answer is C", "Answer: (D)": a capital letter named as the answer further on
-_NAMED_LETTER = re.compile(r"\b(?i:answer)\s*(?:is|:)?\s*\(?([A-Z])(?![A-Za-z])")
+# "B", "b", "B.", "(B)", "B) blue", "**B**": a letter standing alone at the start of the answer (a
+# lower-case one only before punctuation or the end: "a bird" is an article, not choice A). Markdown
+# emphasis counts as punctuation: chat models write "**B**" and "**Answer:** C".
+_LEADING_LETTER = re.compile(r"[*_]*\(?[*_]*(?:([A-Z])(?=$|[\s.):,*_])|([a-z])(?=$|[.):,*_]))")
+# "The answer is C", "Answer: (D)", "The answer is **C**": a capital letter named as the answer further on
+_NAMED_LETTER = re.compile(r"(?<![A-Za-z0-9])(?i:answer)[*_]*\s*(?:is|:)?[\s*_]*\(?[*_]*([A-Z])(?![A-Za-z])")
 
 
 def extract_letter(completion: str, letters) -> str | None:
