@@ -48,9 +48,17 @@ class NonFiniteLossError(RequestError, RuntimeError):
 
 
 # names the scripts of each flag: the hint is shared by base_train, mid_train, chat_sft and chat_rl
-DEFAULT_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr of base_train, mid_train, chat_sft, "
-                "chat_rl), set --grad-clip 1.0 (base_train, mid_train, chat_sft), try base_train --precision bf16 "
-                "if the run used fp8/nvfp4, and check the data for broken shards")
+_LR_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr of base_train, mid_train, chat_sft, "
+            "chat_rl)")
+_REST_HINT = "try base_train --precision bf16 if the run used fp8/nvfp4, and check the data for broken shards"
+DEFAULT_HINT = f"{_LR_HINT}, set --grad-clip 1.0 (base_train, mid_train, chat_sft), {_REST_HINT}"
+
+
+def nonfinite_hint(grad_clip: float | None) -> str:
+    """DEFAULT_HINT for a run without clipping; a run that clipped is told to lower it, not to set 1.0."""
+    if not grad_clip:
+        return DEFAULT_HINT
+    return f"{_LR_HINT}, lower --grad-clip (this run: {grad_clip:g}), {_REST_HINT}"
 
 
 # ------------------------------------------------------------------------------------ batch arithmetic
@@ -246,12 +254,12 @@ class Trainer:
     """
 
     def __init__(self, model, optimizer, loader: Iterable, plan: BatchPlan, schedule: Schedule, rt, *,
-                 grad_clip: float | None = None, token_weighted: bool = False, hint: str = DEFAULT_HINT,
+                 grad_clip: float | None = None, token_weighted: bool = False, hint: str | None = None,
                  cast_once: bool = True, grad_sinks: bool = True):
         self.model, self.optimizer, self.plan, self.schedule, self.rt = model, optimizer, plan, schedule, rt
         self.loader, self._iter = loader, iter(loader)
         self.grad_clip = grad_clip if grad_clip and grad_clip > 0 else None
-        self.token_weighted, self.hint = token_weighted, hint
+        self.token_weighted, self.hint = token_weighted, hint or nonfinite_hint(self.grad_clip)
         self.last_checkpoint: str | None = None
         self._held = self._held_state = None  # prefetched (x, y) for the next step; loader state before it
         self._params = [p for p in model.parameters() if p.requires_grad]

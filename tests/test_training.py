@@ -204,8 +204,16 @@ def test_nan_guard_without_checkpoint_and_grad_norm(rt):
     model.poison_at_call = 1
     trainer = tr.Trainer(model, _opt(model), ToyLoader(2), tr.plan_batch(2 * T, 2, T, 1), _schedule(), rt,
                          grad_clip=1.0)
-    with pytest.raises(tr.NonFiniteLossError, match="gradient norm.*step 0.*no checkpoint was saved"):
+    with pytest.raises(tr.NonFiniteLossError, match="gradient norm.*step 0.*no checkpoint was saved") as e:
         trainer.step(0)
+    # this run already clipped: the hint says lower it, not "set --grad-clip 1.0"
+    assert "lower --grad-clip (this run: 1)" in str(e.value) and "set --grad-clip" not in str(e.value)
+
+
+def test_nan_hint_without_clipping_suggests_it(rt):
+    model = ToyLM()
+    trainer = tr.Trainer(model, _opt(model), ToyLoader(2), tr.plan_batch(2 * T, 2, T, 1), _schedule(), rt)
+    assert "set --grad-clip 1.0" in trainer.hint and trainer.hint == tr.DEFAULT_HINT
 
 
 def test_nan_stop_is_one_line_exit_3(capsys):
