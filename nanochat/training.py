@@ -48,8 +48,7 @@ class NonFiniteLossError(RequestError, RuntimeError):
 
 
 # names the scripts of each flag: the hint is shared by base_train, mid_train, chat_sft and chat_rl
-_LR_HINT = ("lower the learning rates (e.g. --matrix-lr, --embedding-lr of base_train, mid_train, chat_sft, "
-            "chat_rl)")
+_LR_HINT = "lower the learning rates (e.g. --matrix-lr, --embedding-lr of base_train, mid_train, chat_sft, chat_rl)"
 _REST_HINT = "try base_train --precision bf16 if the run used fp8/nvfp4, and check the data for broken shards"
 DEFAULT_HINT = f"{_LR_HINT}, set --grad-clip 1.0 (base_train, mid_train, chat_sft), {_REST_HINT}"
 
