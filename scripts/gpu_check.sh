@@ -216,7 +216,7 @@ if has infer; then
 fi
 if has aot; then
   step pytest_aot 400 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_aot.py tests/test_triton_decode.py \
-       tests/test_triton_mlp.py tests/test_triton_qk.py tests/test_engine.py
+       tests/test_triton_mlp.py tests/test_triton_qk.py tests/test_engine.py tests/test_engine_static.py
   step triton_aot 400 $PY -m scripts.triton_aot --targets h100-sxm,gb10
 fi
 if has tiles; then
@@ -226,7 +226,7 @@ fi
 if has pdecode; then
   # the persistent batch-1 kernel: its CUDA tests, a tile sweep of the kernel alone
   # (PDECODE_CONFIGS overrides the list), then end to end against the compiled graph step
-  step pytest_pdecode 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py tests/test_engine.py \
+  step pytest_pdecode 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_triton_decode.py tests/test_engine.py tests/test_engine_static.py \
        -k "persistent or auto or trace"
   step bench_pdecode 300 $PY -m scripts.bench_decode_kernel --depth 20 \
        --trace --configs "${PDECODE_CONFIGS:-16x256x512,16x256x512p0,16x256x1024,16x256x512u6,16x256x512f32,16x512x512}"
@@ -340,7 +340,7 @@ if has ring; then
   step bench_ring 240 $PY -m scripts.bench_gemv_ring --mode cpasync --depths 1,4,10 --x live,const,none
 fi
 if has sampler; then
-  step pytest_sampler 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_sampling.py tests/test_engine.py \
+  step pytest_sampler 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_sampling.py tests/test_engine.py tests/test_engine_static.py \
        tests/test_triton_decode.py
   step bench_sampler 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 1
   step bench_sampler_b32 120 $PY -m scripts.bench_sampler --vocab-size 32768 --batch 32 --calls 100
