@@ -1,0 +1,88 @@
+# shellcheck shell=bash
+# The env stage of setup.sh (sourced by it; uses its globals: REPO, PY, GPU_NAME, GPU_CC, DRIVER,
+# CUDA_DRIVER_VERSION, TORCH_INDEX, FORCE, INSTALL_RUST, CURRENT_STAGE and its say/die helpers):
+# uv, .venv, torch for this machine's driver, the project with its extras, and the Rust tokenizer.
+# The env stage's done-marker lives in .venv (deleting .venv forgets it) and holds the interpreter,
+# the torch index, the extras and a hash of the files that define the install (pyproject.toml and
+# the Rust crate); a rerun skips the installs when all match and the venv imports torch + rustbpe.
+ENV_MARKER="$REPO/.venv/.setup-env.done"
+env_torch_args() {
+  [[ -z "$TORCH_INDEX" ]] || printf '%s\n' --index-url "$TORCH_INDEX"
+}
+TORCH_MARKER="$REPO/.venv/.setup-torch"
+torch_ok() {  # keep the venv's torch: it imports and came from this index, or (installed before the
+              # index was recorded, and no index named) it sees the GPU; the end of the stage checks it
+  .venv/bin/python -c 'import torch' >/dev/null 2>&1 || return 1
+  if [[ -f "$TORCH_MARKER" ]]; then [[ "$(cat "$TORCH_MARKER")" == "${TORCH_INDEX:-PyPI}" ]] && return 0; return 1; fi
+  [[ -z "${TORCH_INDEX_URL:-}" ]] || return 1
+  [[ -z "$GPU_NAME" ]] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1
+}
+env_extras() {
+  local extras="web,dev"
+  [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
+  # Hopper (cc 9.0) with a CUDA 13 driver: FlashAttention-4's backward, which --attn-backend auto picks
+  # there after a probe launch (nanochat/fa4_attention.py); its CuTe DSL libraries are the cu13 build
+  [[ "$GPU_CC" == 9.0 && "${CUDA_DRIVER_VERSION%%.*}" -ge 13 ]] 2>/dev/null && extras="$extras,fa4"
+  [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
+  echo "$extras"
+}
+env_marker_text() {
+  echo "python=$PY ($("$PY" --version 2>&1))"
+  echo "torch_args=$(env_torch_args | tr '\n' ' ')"
+  echo "extras=$(env_extras)"
+  (cd "$REPO" && find pyproject.toml rustbpe -type f \( -name '*.toml' -o -name '*.rs' \) \
+     -not -path 'rustbpe/target/*' -print0 | sort -z | xargs -0 sha256sum)
+}
+env_done() {
+  [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text)" ]] \
+    && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
+}
+rust_ready() {  # cargo on PATH, or in rustup's ~/.cargo/bin (installed after this shell started)
+  [[ -x "$HOME/.cargo/bin/cargo" ]] && export PATH="$HOME/.cargo/bin:$PATH"
+  command -v cargo >/dev/null 2>&1
+}
+NO_CARGO="cargo not found: the tokenizer is built from Rust. Install Rust (https://rustup.rs) or rerun with --install-rust"
+# Rust links with the system's C compiler driver, absent from minimal cloud images: without it the
+# tokenizer's build failed ("linker `cc` not found") after the torch download
+NO_CC="cc (a C compiler, the linker Rust uses) not found: install one (Debian/Ubuntu: sudo apt-get install build-essential) and rerun"
+env_stage() {
+  if env_done; then say "[env] done already (same config): skipping"; return 0; fi
+  CURRENT_STAGE=env
+  rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
+  command -v cc >/dev/null 2>&1 || die "$NO_CC"
+  local t0=$SECONDS
+  source "$REPO/scripts/ensure_uv.sh"
+  ensure_uv "$PY" || exit 2
+  [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
+  local torch_args=()
+  mapfile -t torch_args < <(env_torch_args)
+  if ! torch_ok; then
+    if .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+      say "the installed torch is from another index or cannot use this GPU: reinstalling it"
+      uv pip uninstall --quiet -p .venv/bin/python torch
+    fi
+    say "installing torch from ${TORCH_INDEX:-PyPI}"
+    uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
+    printf '%s\n' "${TORCH_INDEX:-PyPI}" > "$TORCH_MARKER"
+  fi
+  local extras
+  extras="$(env_extras)"
+  say "installing nanochat-spark[$extras]"
+  uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
+  if ! rust_ready; then
+    say "installing a Rust toolchain with rustup (--install-rust)"
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+    export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+  say "building the Rust tokenizer (rustbpe) with maturin"
+  uv pip install --quiet -p .venv/bin/python ./rustbpe
+  .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  if [[ -n "$GPU_NAME" ]] && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    die "torch $(.venv/bin/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda)'))" \
+        "cannot use the $GPU_NAME with driver $DRIVER (CUDA $CUDA_DRIVER_VERSION): set TORCH_INDEX_URL to a torch" \
+        "wheel index this driver can run (e.g. https://download.pytorch.org/whl/cu126) and rerun"
+  fi
+  env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
+  CURRENT_STAGE=""
+  say "[env] finished in $((SECONDS - t0)) s"
+}
