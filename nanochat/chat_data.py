@@ -12,7 +12,11 @@ starting with <|bos|>. When no buffered conversation fits the rest of a row:
 * fill="pad" (SFT): the row is padded; padded positions get target -1.
 
 Targets are the next tokens; with mask="assistant" only tokens the assistant writes are targets
-(tool outputs, user turns and padding are -1), with mask="all" every real token is.
+(tool outputs, user turns and padding are -1), with mask="all" every real token is. With
+mask="assistant" a conversation whose row holds no assistant token (a prompt longer than the row
+cuts the reply off) is skipped, not packed: it would train nothing, and rows of such conversations
+made steps of no target at all (a loss of 0 in the log, an evaluation with nothing to score).
+`trainable_share` probes a task for them before training.
 
 State = the next stream position + the positions held in the buffer (re-rendered on load), so a
 resumed run reproduces the batches exactly.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -54,6 +59,8 @@ class ChatLoader:
         self.pos = rank                 # next stream position to render
         self.buffer: list[tuple[int, list[int], list[int]]] = []  # (position, ids, trained-token mask)
         self.conversations_used = 0     # whole or cropped conversations placed into rows
+        self.skipped = 0                # conversations with no trained token in a row (mask "assistant")
+        self._skip_run = 0              # ... in a row on this rank: a whole cycle of them trains nothing ever
         self.tokens_real = self.tokens_total = 0
 
     # -- stream ---------------------------------------------------------------------------------
@@ -69,8 +76,23 @@ class ChatLoader:
 
     def _refill(self) -> None:
         while len(self.buffer) < self.buffer_size and (self.loop or self.pos < self.limit):
-            self.buffer.append(self._render(self.pos))
+            entry = self._render(self.pos)
             self.pos += self.world_size
+            if self.mask == "assistant" and not any(entry[2][1:]):   # ids[0] (<|bos|>) is never a target
+                self._skip()
+                continue
+            self._skip_run = 0
+            self.buffer.append(entry)
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        self._skip_run += 1
+        # this rank's positions revisit the same conversations after at most `limit` of them: that
+        # many skipped in a row means none it will ever read trains anything (it would spin forever)
+        if self.loop and self._skip_run >= self.limit:
+            raise RequestError(f"--max-seq-len {self.seq_len}: {self._skip_run:,} conversations in a row had no "
+                               f"assistant token within a row of {self.seq_len + 1} tokens (the prompt cuts the "
+                               "reply off), so none this rank reads trains anything; raise --max-seq-len")
 
     # -- packing --------------------------------------------------------------------------------
     def _take_best_fit(self, room: int) -> int | None:
@@ -139,7 +161,8 @@ class ChatLoader:
     # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"pos": self.pos, "buffer": [p for p, _, _ in self.buffer], "rank": self.rank,
-                "world_size": self.world_size, "conversations_used": self.conversations_used}
+                "world_size": self.world_size, "conversations_used": self.conversations_used,
+                "skipped": self.skipped, "tokens_real": self.tokens_real, "tokens_total": self.tokens_total}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
@@ -148,6 +171,9 @@ class ChatLoader:
         self.pos = int(state["pos"])
         self.buffer = [self._render(int(p)) for p in state["buffer"]]
         self.conversations_used = int(state.get("conversations_used", 0))
+        self.skipped = int(state.get("skipped", 0))
+        # the run's row fill so far (a resumed run's summary is the whole run's, not its tail's)
+        self.tokens_real, self.tokens_total = int(state.get("tokens_real", 0)), int(state.get("tokens_total", 0))
 
     def close(self) -> None:  # API parity with the pretraining DataLoader
         pass
@@ -163,6 +189,91 @@ def estimate_epoch_rows(task, tokenizer, seq_len: int, *, mask: str, fill: str, 
     while probe._row() is not None:
         rows += 1
     return rows * n / used
+
+
+def first_trained_index(tokenizer, conversation: dict) -> int | None:
+    """Index of the first trained token (mask 1) of the conversation's rendering, None if none:
+    rows of seq_len + 1 tokens train it (mask "assistant") iff this is <= seq_len."""
+    _, mask = tokenizer.render_conversation(conversation, max_tokens=2**62)
+    return next((k for k in range(1, len(mask)) if mask[k]), None)
+
+
+@dataclass
+class Reach:
+    """What trainable_share found: `cut` of `probed` conversations have no assistant token within a
+    row (first_cut: the index in the task of the first such one); `need`: the --max-seq-len the
+    shortest prompt among them needs (None: none has an assistant token)."""
+    probed: int
+    cut: int
+    first_cut: int | None
+    need: int | None
+
+
+def trainable_share(task, tokenizer, seq_len: int, *, sample: int = 512) -> Reach:
+    """Probe the first `sample` conversations of `task` for rows of seq_len + 1 tokens under
+    mask "assistant": how many the loader would skip (their replies start past the row)."""
+    probed = min(len(task), sample)
+    cut, first_cut, need = 0, None, None
+    for i in range(probed):
+        first = first_trained_index(tokenizer, task[i])
+        if first is not None:
+            need = first if need is None else min(need, first)
+        if first is None or first > seq_len:
+            cut += 1
+            first_cut = i if first_cut is None else first_cut
+    return Reach(probed, cut, first_cut, need)
+
+
+def _line_of(path, row: int) -> int:
+    """The line number of the file's row-th (0-based) non-blank line, as its reader counts them."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.decode("utf-8").strip():
+                if row == 0:
+                    return lineno
+                row -= 1
+    raise AssertionError(f"{path} has fewer rows than it was read with")
+
+
+def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: int = 512,
+                      file_sample: int = 10_000) -> list[str]:
+    """SFT trains, and its val bpb scores, assistant tokens only: a conversation whose prompt fills
+    a row of seq_len + 1 tokens is skipped by the loader. Before the model loads: a RequestError
+    naming --max-seq-len when none of the first `sample` training (or validation) conversations
+    reaches its reply, or naming an --extra-conversations file none of whose rows does (the
+    user's own data would be left out whole, silently); the warnings it printed (rows skipped)."""
+    from nanochat.common import print0
+    from nanochat.tasks import ConversationFile
+
+    said = []
+    for what, task in (("training", train_mix), ("validation", val_mix)):
+        reach = trainable_share(task, tokenizer, seq_len, sample=sample)
+        if reach.cut == reach.probed:
+            need = f">= {reach.need}" if reach.need is not None else "a longer row"
+            raise RequestError(f"--max-seq-len: got {seq_len}; accepted: {need} for this mixture: none of the first "
+                               f"{reach.probed} {what} conversations has an assistant token within a row of "
+                               f"{seq_len + 1} tokens (the prompts fill the row), so SFT would "
+                               f"{'train' if what == 'training' else 'score'} nothing")
+        if reach.cut and what == "training":   # a few very long prompts are normal; a tenth is worth a WARNING
+            said.append(("WARNING: " if reach.cut * 10 >= reach.probed else "") +
+                        f"--max-seq-len {seq_len}: {reach.cut} of the first {reach.probed} training conversations "
+                        "have their reply cut off by the prompt; such conversations are skipped (they train nothing)")
+    files = {t.source: t for t in train_mix.tasks if isinstance(t, ConversationFile)}
+    for path, task in files.items():
+        reach = trainable_share(task, tokenizer, seq_len, sample=file_sample)
+        if not reach.cut:
+            continue
+        where = f"--extra-conversations {path}:{_line_of(path, reach.first_cut)}"
+        if reach.cut == reach.probed:
+            raise RequestError(f"{where}: no conversation of the file (the first {reach.probed:,} checked) has an "
+                               f"assistant token within a row of {seq_len + 1} tokens, so none would train; "
+                               f"--max-seq-len: got {seq_len}; accepted: >= {reach.need} for this file")
+        said.append(f"WARNING: {where}: its reply starts past a row of {seq_len + 1} tokens (--max-seq-len "
+                    f"{seq_len}); it and {reach.cut - 1} more of the first {reach.probed:,} conversations of the "
+                    "file are skipped (they would train nothing)")
+    for line in said:
+        print0(line)
+    return said
 
 
 # ------------------------------------------------------------------------------------ mixtures

@@ -48,8 +48,14 @@ class ChatStage:
         per_micro = device_batch_size * seq_len * world_size
         return max(1, -(-want // per_micro)) * per_micro
 
-    def step_text(self) -> str:
-        return f"{self.step_tokens:,} tokens" if self.step_tokens else f"{self.step_rows} rows"
+    def step_text(self, total: int | None = None, seq_len: int | None = None) -> str:
+        """The stage's step ("524,288 tokens", "32 rows"); given the total auto_batch made of it,
+        also what that rounds it up to when the micro-batches do not divide it (the banner's figure)."""
+        text = f"{self.step_tokens:,} tokens" if self.step_tokens else f"{self.step_rows} rows"
+        if total is None or total == (self.step_tokens or self.step_rows * seq_len):
+            return text
+        got = f"{total:,} tokens" if self.step_tokens else f"{total // seq_len} rows"
+        return f"{text}, rounded up to {got} (whole micro-batches on every rank)"
 
 
 MID = ChatStage("mid", "Midtraining", "python -m scripts.mid_train", ("base",), mask="all", fill="crop",
@@ -128,6 +134,7 @@ class ChatTrainConfig:
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
         require_int(self.seed, "--seed", 0)
+        require(self.seed < 2**64, "--seed", self.seed, "an integer >= 0 and < 2**64 (what torch.manual_seed takes)")
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
         if self.data_dir is not None:
             require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
@@ -361,10 +368,11 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
     return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
 
 
-def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> None:
+def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> int | None:
     """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
-    (seconds to minutes at d20); `_start` checks the model it loaded again."""
+    (seconds to minutes at d20); `_start` checks the model it loaded again. Returns the rows'
+    length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
@@ -372,19 +380,20 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     try:
         model_len = (read_meta(src_dir, cfg.step).get("model_config") or {}).get("sequence_len")
     except CheckpointError:   # a step that is not there, a damaged meta.json: the load names it, in full
-        return
+        return None
     if not isinstance(model_len, int):
-        return
+        return None
     seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model_len
     require(seq_len <= model_len, "--max-seq-len", seq_len, f"<= the model's sequence length {model_len}")
     if cfg.total_batch_size != -1:
         plan_batch(cfg.total_batch_size, cfg.device_batch_size, seq_len, world_size)
+    return seq_len
 
 
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
-    from nanochat.chat_data import ChatLoader, build_mixture, epoch_iterations, validation_overlap
+    from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, epoch_iterations, validation_overlap
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, planned_saves, save_checkpoint,
                                      step_dirname)
     from nanochat.kernels import check_kernel
@@ -398,7 +407,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
-    check_rows(cfg, stage, base_dir, rt.world_size)  # cheap: a checkpoint to start from, rows that fit it
+    rows_len = check_rows(cfg, stage, base_dir, rt.world_size)  # cheap: a checkpoint to start from, rows that fit it
     check_kernel(cfg.kernel, rt.device)
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
@@ -408,6 +417,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     for path, n in validation_overlap(train_mix, val_mix).items():
         print0(f"WARNING: --extra-conversations {path}: {n} of its conversations are validation conversations; "
                "training on them makes val bpb read better than the model is")
+    if stage.mask == "assistant" and rows_len is not None:   # replies a prompt cuts off train nothing
+        from nanochat.tokenizer import get_tokenizer
+        check_replies_fit(train_mix, val_mix, get_tokenizer(base_dir), rows_len)
     mixture = mixture_record(cfg, train_mix)
     model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture,
                                                                             len(train_mix))
@@ -462,7 +474,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
     print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk})")
     if cfg.total_batch_size == -1:
-        print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text()} on any number of GPUs")
+        print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text(plan.total_batch_size, seq_len)} "
+               "on any number of GPUs")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
            f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
            f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")
@@ -501,7 +514,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
                "avg_tok_per_sec": meter.average_tok_per_sec(),
-               "row_fill": round(loader.fill_fraction, 4), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
+               "row_fill": round(loader.fill_fraction, 4), "conversations_skipped": loader.skipped,
+               "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, **summary, "source": source}, is_master=rt.is_master)

@@ -159,8 +159,8 @@ def _seed_everything(seed: int, device_type: str) -> None:
 
 def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> Runtime:
     """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:   # torch.manual_seed's range
+        raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0 and < 2**64")
     device_type = _resolve_device_type(device)
     compute_dtype = _resolve_dtype(dtype, device_type)
     # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).

@@ -55,7 +55,7 @@ def test_explicit_and_env_dtype(monkeypatch):
         init_runtime("cpu")
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, "3", True])
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", True, 2**64])   # 2**64: torch.manual_seed's traceback before
 def test_bad_seed(seed):
     with pytest.raises(ValueError, match="--seed"):
         init_runtime("cpu", seed=seed)

@@ -195,6 +195,9 @@ def test_errors_name_the_line_in_the_file_past_blank_lines(tmp_path):
      r"messages\[1\] is an empty assistant reply"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": ""}]}],
      r"messages\[1\] is an empty assistant reply"),
+    ([{"role": "user", "content": "hi"},     # the tool's output is not written by the assistant: trains nothing
+      {"role": "assistant", "content": [{"type": "python_output", "text": "42"}]}],
+     r"messages\[1\] is an empty assistant reply"),
     ([{"role": "user", "content": "bad \ud800 escape"}, {"role": "assistant", "content": "yo"}],
      r"messages\[0\]\.content holds a lone surrogate '\\ud800'"),
 ])

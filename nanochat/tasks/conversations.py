@@ -57,7 +57,9 @@ def _check_row(row, where: str, *, text: bool = True) -> None:
             except UnicodeEncodeError as e:
                 raise ValueError(f"{where}: messages[{i}].content holds a lone surrogate "
                                  f"{t[e.start]!r} (not text; it would train as U+FFFD)") from None
-        if m["role"] == "assistant" and not any(t.strip() for t in texts):
+        written = texts if isinstance(m["content"], str) else \
+            [p["text"] for p in m["content"] if p["type"] != "python_output"]   # the tool's output is not the reply
+        if m["role"] == "assistant" and not any(t.strip() for t in written):
             raise ValueError(f"{where}: messages[{i}] is an empty assistant reply (it would teach the "
                              "model to answer nothing)")
 
