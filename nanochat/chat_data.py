@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -308,7 +309,11 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
         except DataUnavailableError as e:
             raise _unavailable_hint(e) from e
         tasks += made if isinstance(made, list) else [made]
-    return [t for t in tasks if len(t) > 0]
+    if held and any(len(t) == 0 for t in tasks):   # a whole test split held out: it would leave the mixture silently
+        sizes = {Path(str(t.source)).name: t.num_examples() for t in tasks}
+        raise RequestError(f"--test-holdout: got {test_holdout}; accepted: -1 or 0..{min(sizes.values()) - 1} (training "
+                           f"takes the test problems past the holdout: {', '.join(f'{k} has {v}' for k, v in sizes.items())})")
+    return tasks
 
 
 SFT_CONVERSATIONS = 10_000
@@ -337,12 +342,7 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     if split != "train":
         raise ValueError(f"split: got {split!r}; accepted: train|val")
     if stage == "rl":  # the GSM8K problems only
-        gsm8k = _train_split_tasks(("gsm8k",), data_dir, test_holdout)
-        if not gsm8k:   # the holdout took every test problem
-            n = len(GSM8K("test", data_dir=data_dir))
-            raise RequestError(f"--test-holdout: got {test_holdout}; accepted: -1 or 0..{n - 1} (the GSM8K test "
-                               f"split has {n} problems, those past the holdout are trained on)")
-        return gsm8k[0]
+        return _train_split_tasks(("gsm8k",), data_dir, test_holdout)[0]   # a holdout of all of it: refused there
     # SFT takes the first SFT_CONVERSATIONS of the general chat set (SmolTalk's train split is 460K,
     # all of which mid-training has just seen): hours on a Spark for a second pass at 2% of the LR,
     # where upstream nanochat's SFT used 10K. Local conversation files are smaller than the cap.

@@ -180,6 +180,18 @@ def test_rl_holdout_bounds(shared_data):
         chat_data.build_mixture("rl", "train", data_dir=shared_data, test_holdout=n)
 
 
+@pytest.mark.parametrize("stage", ["mid", "sft"])
+def test_holdout_of_a_whole_test_split_is_refused(shared_data, stage):
+    """A holdout past ARC-Challenge's 1,172 test problems left it (and past 1,319, GSM8K) out of the
+    mixture without a word; now it is refused, naming the largest holdout every split survives."""
+    from nanochat import chat_data
+    from nanochat.errors import RequestError
+    chat_data.build_mixture(stage, "train", data_dir=shared_data, test_holdout=1171)
+    with pytest.raises(RequestError, match=r"--test-holdout: got 1172; accepted: -1 or 0\.\.1171 .*"
+                                           r"arc_challenge\.jsonl has 1172"):
+        chat_data.build_mixture(stage, "train", data_dir=shared_data, test_holdout=1172)
+
+
 @pytest.mark.parametrize("stage, dbs, seq, world, total", [
     ("mid", 32, 2048, 1, 524288), ("mid", 32, 2048, 8, 524288), ("mid", 16, 2048, 1, 524288),
     ("mid", 32, 2048, 16, 1048576),          # one micro-batch over 16 ranks is already 2^20: rounded up
