@@ -59,6 +59,7 @@ FORMAT_VERSION = 1
 PICKLE_NAME = "tokenizer.pkl"
 TOKEN_BYTES_NAME = "token_bytes.pt"
 MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
+MAX_TRAIN_THREADS = 1024  # rustbpe's limit: beyond it thread start-up dominates (a typo, not a setting)
 # tiktoken's split regex (`\s+(?!\S)`) runs out of backtracking room on a whitespace run of ~1M
 # characters and panics (pyo3's PanicException, a BaseException that `except Exception` misses;
 # seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded in pieces of this many
@@ -66,6 +67,16 @@ MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
 MAX_WHITESPACE_RUN = 100_000
 _LONG_WHITESPACE = re.compile(r"\s{%d,}" % MAX_WHITESPACE_RUN)
 _NO_DOCUMENT = object()  # sentinel: a None item is a bad document, not the end
+# A split pattern must cover every character: tiktoken's encode_ordinary keeps only the regex's
+# matches (unmatched text vanishes from the ids, silently), and a pattern that matches the empty
+# string makes it panic (pyo3's PanicException, a BaseException) on ordinary text. Checked on these
+# (each category alone, at the start and end of a text, and mixed) before training and on load.
+_PATTERN_PROBES = (
+    "a", "Z", "\u00e9", "\u4e2d", "7", "\u0663", "\u00bd", " ", "\t", "\n", "\r", "\r\n", "\u00a0", "\u3000",
+    "\u2028", ".", "'", "'s", "'LL", "\U0001f600", "\x00", "\x1c", "\u0301", "\u200d", "\ufeff", "  lead", "trail  ",
+    " a", "a ", "a b", "ab  cd", "x\n\n\ty", "1234567", "-1.5e9", "Hello, world! It's 2024-06-01.\n\n"
+    "  def f(x):\n\treturn {'a': [x ** 2]}  # ok\r\n\u6771\u4eac \u041f\u0440\u0438 \U0001f642\u200d \u3000 ?!",
+)
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
 
 
@@ -134,6 +145,30 @@ def _check_ranks(ranks: dict[bytes, int]) -> None:
             raise ValueError(f"mergeable ranks: byte {b} does not have rank {b}")
 
 
+def _check_pattern(pattern: str, enc: tiktoken.Encoding | None = None) -> None:
+    """ValueError naming `pattern` unless tiktoken compiles it and round-trips every probe text with
+    it (through `enc`, whose split regex it is, or a bytes-only Encoding: before training)."""
+    if enc is None:
+        try:
+            enc = tiktoken.Encoding(name="pattern-check", pat_str=pattern,
+                                    mergeable_ranks={bytes([b]): b for b in range(256)}, special_tokens={})
+        except ValueError as e:  # tiktoken's regex compile error, without the argument's name
+            raise ValueError(f"pattern: invalid regex {pattern!r} ({e}); accepted: a regex tiktoken "
+                             "compiles (default: SPLIT_PATTERN)") from None
+    for probe in _PATTERN_PROBES:
+        try:
+            got = enc.decode_bytes(enc.encode_ordinary(probe))
+        except BaseException as e:  # PanicException derives from BaseException only
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            raise ValueError(f"pattern: {pattern!r} breaks tiktoken on {probe!r} ({type(e).__name__}: "
+                             f"{e}); accepted: a regex that never matches the empty string") from None
+        if got != probe.encode("utf-8"):
+            raise ValueError(f"pattern: {pattern!r} leaves part of {probe!r} unmatched (tiktoken keeps "
+                             f"{got.decode('utf-8', 'replace')!r}, dropping the rest); accepted: a regex whose "
+                             "matches cover every character, e.g. ending in |\\s+|.")
+
+
 def encode_ordinary(enc: tiktoken.Encoding, text: str) -> list[int]:
     """enc.encode_ordinary(text), with whitespace runs longer than MAX_WHITESPACE_RUN cut."""
     if len(text) < MAX_WHITESPACE_RUN:   # the common case costs one length check
@@ -177,6 +212,7 @@ class Tokenizer:
             name="nanochat", pat_str=pattern, mergeable_ranks=self._ranks,
             special_tokens=self._special_ids, explicit_n_vocab=n + len(specials),
         )
+        _check_pattern(pattern, self._enc)
         self._fingerprint = _compute_fingerprint(pattern, self._ranks, specials)
 
     # Rebuild the tiktoken object after unpickling (e.g. in DataLoader worker processes).
@@ -195,19 +231,27 @@ class Tokenizer:
     def train(cls, texts: Iterable[str], vocab_size: int, *, pattern: str = SPLIT_PATTERN,
               threads: int | None = None, batch_size: int = 8192) -> "Tokenizer":
         """Train on `texts` (streamed; never held in memory at once). `vocab_size` counts the 256
-        byte tokens, the merges and the special tokens."""
+        byte tokens, the merges and the special tokens. `threads`: 1..MAX_TRAIN_THREADS rustbpe
+        workers (None: RAYON_NUM_THREADS, else all cores). `pattern` must be a regex whose matches
+        cover all text and are never empty (checked first: tiktoken drops unmatched text)."""
         min_vocab = 256 + len(SPECIAL_TOKENS)
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
                 or not min_vocab <= vocab_size <= MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size: got {vocab_size!r}; accepted: {min_vocab}..{MAX_VOCAB_SIZE}")
         _positive_int(batch_size, "batch_size")
-        if threads is not None:
-            _positive_int(threads, "threads")
+        if threads is not None and (_positive_int(threads, "threads") > MAX_TRAIN_THREADS):
+            raise ValueError(f"threads: got {threads}; accepted: 1..{MAX_TRAIN_THREADS} or None (all cores)")
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"pattern: got {pattern!r}; accepted: a non-empty regex str")
+        _check_pattern(pattern)  # before the text is read, not after hours of training
         import rustbpe  # the in-tree Rust extension (rustbpe/), built with maturin
 
         if not hasattr(rustbpe, "Tokenizer"):  # the bare rustbpe/ source dir imported as a namespace
             raise ImportError("the rustbpe extension is not built/installed: build it from rustbpe/ "
                               "with maturin (e.g. `maturin develop --release -m rustbpe/Cargo.toml`)")
+        if "threads" not in (rustbpe.Tokenizer.train_from_iterator.__text_signature__ or ""):
+            raise ImportError("the installed rustbpe extension is older than rustbpe/ (no `threads` argument): "
+                              "rebuild it (e.g. `uv pip install -p .venv/bin/python ./rustbpe`)")
         if isinstance(texts, (str, bytes, bytearray)):  # iterable, but one "document" per character
             raise ValueError(f"texts: got {type(texts).__name__} {texts[:40]!r}; accepted: an iterable "
                              "of str documents (wrap a single text in a list)")
@@ -217,20 +261,10 @@ class Tokenizer:
             raise ValueError("texts: got no documents; accepted: a non-empty iterable of str")
         counter = _DocCounter(itertools.chain([first], texts))
         trainer = rustbpe.Tokenizer()
-        # rayon sizes its global pool from RAYON_NUM_THREADS when the pool is first used, which in
-        # a training process is this call.
-        saved = os.environ.get("RAYON_NUM_THREADS")
-        if threads is not None:
-            os.environ["RAYON_NUM_THREADS"] = str(threads)
-        try:
-            trainer.train_from_iterator(counter, vocab_size - len(SPECIAL_TOKENS),
-                                        buffer_size=batch_size, pattern=pattern)
-        finally:
-            if threads is not None:
-                if saved is None:
-                    os.environ.pop("RAYON_NUM_THREADS", None)
-                else:
-                    os.environ["RAYON_NUM_THREADS"] = saved
+        # threads as an argument, not RAYON_NUM_THREADS set around the call: os.environ is process-wide
+        # (other threads saw it; two concurrent calls could leave it set for good)
+        trainer.train_from_iterator(counter, vocab_size - len(SPECIAL_TOKENS), buffer_size=batch_size,
+                                    pattern=pattern, threads=threads)
         ranks_list = trainer.get_mergeable_ranks()
         ranks = {bytes(tok): int(rank) for tok, rank in ranks_list}
         # Duplicate token bytes would collapse in the dict and leave a hole in the ranks.

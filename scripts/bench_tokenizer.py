@@ -6,7 +6,8 @@ Recipe:
   3. optionally train the same text with the same pattern under --compare-python (an
      interpreter with `rustbpe==0.1.0`) and check the merges are identical;
   4. build a tiktoken Encoding from our ranks and measure encode throughput on the
-     validation shard, single-threaded and with encode_ordinary_batch(num_threads=--threads).
+     validation shard, single-threaded and with encode_ordinary_batch(num_threads=--threads);
+     then rustbpe's own (reference) encoder on the same text, checking it gives tiktoken's ids.
 
 Each training runs in its own subprocess (`--worker`) so peak RSS is that run's alone; the
 worker needs only the standard library and rustbpe, so a bare venv works for the reference:
@@ -58,8 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("chars", "threads", "buffer_size", "encode_chars", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an int >= 1")
-    if args.vocab_size < 256:
-        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: an int >= 256")
+    if not 256 <= args.vocab_size <= 2**32 - 1:   # rustbpe's range: refused here, not in the worker
+        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: an int from 256 to {2**32 - 1}")
+    if args.threads > 1024:
+        raise ValueError(f"--threads: got {args.threads}; accepted: an int from 1 to 1024")
     if not args.data_dir.is_dir() or not sorted(args.data_dir.glob("*.parquet")):
         raise ValueError(f"--data-dir: no *.parquet under {args.data_dir}; accepted: a folder of parquet shards")
     if args.compare_python and not Path(args.compare_python).exists():
@@ -111,9 +114,11 @@ def worker(texts_path: str, vocab_size: str, pattern_path: str, out_path: str) -
 
         version = dist_version("rustbpe")
     ranks = tok.get_mergeable_ranks()
+    # the trainer's own state, to rebuild it for the encode benchmark (rustbpe 0.1.0 has none)
+    state = tok.__getstate__() if "__setstate__" in type(tok).__dict__ else None
     with open(out_path, "wb") as f:
         pickle.dump({"seconds": seconds, "cpu_seconds": cpu_seconds, "base_rss_mb": base_rss, "peak_rss_mb": peak_rss,
-                     "version": version, "ranks": ranks}, f)
+                     "version": version, "ranks": ranks, "state": state}, f)
 
 
 def train_in_subprocess(python: str, texts_path: Path, pattern_path: Path, args, out: Path) -> dict:
@@ -142,6 +147,24 @@ def encode_throughput(ranks: list, pattern: str, docs: list[str], threads: int) 
     results.append({"mode": "batch", "threads": threads, "seconds": dt, "mb_per_s": n_bytes / dt / 1e6,
                     "bytes": n_bytes, "tokens": n_tokens, "bytes_per_token": n_bytes / n_tokens})
     return results
+
+
+def rustbpe_encode_throughput(state, enc_ranks: list, pattern: str, docs: list[str]) -> dict:
+    """rustbpe's reference encoder (one thread, GIL released) on `docs`; checks it against tiktoken."""
+    import rustbpe
+    import tiktoken
+
+    tok = rustbpe.Tokenizer()
+    tok.__setstate__(state)
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    t0 = time.perf_counter()
+    rows = [tok.encode(d) for d in docs]
+    dt = time.perf_counter() - t0
+    enc = tiktoken.Encoding("bench", pat_str=pattern, mergeable_ranks=dict(enc_ranks), special_tokens={})
+    n_tokens = sum(map(len, rows))
+    return {"mode": "single", "threads": 1, "seconds": dt, "mb_per_s": n_bytes / dt / 1e6, "bytes": n_bytes,
+            "tokens": n_tokens, "bytes_per_token": n_bytes / n_tokens,
+            "same_ids_as_tiktoken": rows == [enc.encode_ordinary(d) for d in docs]}
 
 
 def emit(rows: list, record: dict) -> None:
@@ -194,6 +217,9 @@ def main(argv=None) -> None:
     docs = read_texts(shards[-1:], args.encode_chars)
     for r in encode_throughput(results["ours"]["ranks"], pattern, docs, args.threads):
         emit(rows, {"bench": "tokenizer_encode", "impl": "tiktoken", **r, "vocab_size": args.vocab_size})
+    if results["ours"].get("state") is not None:
+        r = rustbpe_encode_throughput(results["ours"]["state"], results["ours"]["ranks"], pattern, docs)
+        emit(rows, {"bench": "tokenizer_encode", "impl": "rustbpe", **r, "vocab_size": args.vocab_size})
 
     print(f"\n{'benchmark':<26}{'impl / mode':<14}{'seconds':>9}{'cpu s':>8}{'peak RSS MB':>13}{'MB/s':>8}  notes")
     for r in rows:
@@ -204,8 +230,9 @@ def main(argv=None) -> None:
         elif r["bench"] == "tokenizer_merges_identical":
             print(f"{'merges identical':<26}{str(r['identical']):<14}{'':>38}  time 0.1.0 / ours = {r['speedup']}")
         else:
-            print(f"{'encode (tiktoken)':<26}{r['mode'] + ' x' + str(r['threads']):<14}{r['seconds']:>9.2f}{'':>21}"
-                  f"{r['mb_per_s']:>8.1f}  {r['bytes_per_token']:.2f} bytes/token")
+            same = "" if "same_ids_as_tiktoken" not in r else f", same ids as tiktoken: {r['same_ids_as_tiktoken']}"
+            print(f"{'encode (' + r['impl'] + ')':<26}{r['mode'] + ' x' + str(r['threads']):<14}{r['seconds']:>9.2f}"
+                  f"{'':>21}{r['mb_per_s']:>8.1f}  {r['bytes_per_token']:.2f} bytes/token{same}")
 
 if __name__ == "__main__":
     if "--worker" in sys.argv[1:]:   # a bare interpreter with rustbpe only (no torch): the worker's own exit path

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from nanochat.flags import FlagParser, script_main
 from nanochat.errors import RequestError
-from nanochat.tokenizer import MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
+from nanochat.tokenizer import MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
 
 # Text the sanity check round-trips: prose, code, digits, whitespace runs, non-ASCII, and a typed
 # special-token string that must come back as plain text.
@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many characters of training text (default 2e9)")
     p.add_argument("--doc-cap", dest="doc_cap", type=count, default=10_000,
                    help="use at most this many characters of each document (default 10000)")
-    p.add_argument("--tokenizer-threads", dest="tokenizer_threads", type=int,
-                   default=None, help="rayon threads for training (default: all cores)")
+    p.add_argument("--tokenizer-threads", dest="tokenizer_threads", type=int, default=None,
+                   help=f"rayon threads for training, 1..{MAX_TRAIN_THREADS} (default: all cores)")
     p.add_argument("--tokenizer-batch-size", dest="tokenizer_batch_size",
                    type=int, default=8192, help="documents handed to Rust per batch (default 8192)")
     p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
@@ -69,6 +69,8 @@ def validate(args: argparse.Namespace) -> None:
                         ("--tokenizer-threads", args.tokenizer_threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
+    if args.tokenizer_threads is not None and args.tokenizer_threads > MAX_TRAIN_THREADS:
+        raise ValueError(f"--tokenizer-threads: got {args.tokenizer_threads}; accepted: 1..{MAX_TRAIN_THREADS}")
     if args.output_dir is not None:   # a file, or a path under one: refused before training, not after
         from nanochat.flags import check_out_dir
         check_out_dir(args.output_dir, "--output-dir")
@@ -85,6 +87,15 @@ def training_text(data_dir: Path, max_chars: int, doc_cap: int, stats: dict) -> 
         yield text
         if stats["chars"] >= max_chars:
             return
+
+
+def check_shards(shards: list[Path]) -> None:
+    """Open every train shard (its footer only: milliseconds each), so a truncated or foreign file
+    raises DataError naming it now, not after training has read every shard before it."""
+    from nanochat.dataset import open_text_shard
+
+    for shard in shards:
+        open_text_shard(shard)
 
 
 def sanity_check(tok: Tokenizer) -> None:
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
     output_dir = args.output_dir if args.output_dir is not None else tokenizer_dir()
     shards = split_shards(list_shards(data_dir), "train")
+    check_shards(shards)
 
     print("tok_train config:")
     for key, value in (("vocab_size", args.vocab_size), ("max_chars", f"{args.max_chars:,}"),

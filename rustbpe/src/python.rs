@@ -4,16 +4,31 @@
 //! [`BpeError`] into `ValueError`, and releases the GIL for the heavy parts. Ingestion is
 //! pipelined: while rayon workers split and count batch k (GIL released), this thread holds
 //! the GIL to pull batch k+1 from the Python iterator.
+//!
+//! The class is `frozen`: the trained model sits behind a mutex as an `Arc<Bpe>` that calls
+//! clone (encode, getters) or swap whole (training, unpickling). No call holds a PyO3 borrow
+//! while Python code runs, so the training iterator, or another thread, may use the same
+//! object meanwhile (it sees the previous model) instead of getting "Already borrowed".
 
 use crate::model::{merges_for_vocab_size, Bpe};
 use crate::split::{Splitter, GPT4_PATTERN};
 use crate::{BpeError, ChunkCounts};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyIterator, PyString};
+use pyo3::types::{PyBool, PyBytes, PyIterator, PyString, PyType};
 use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
+
+/// Most worker threads accepted. Beyond this rayon's start-up and wake-ups dominate (1,024
+/// threads cost ~3 s per call on a 2-core machine, 5,000 ~50 s): a typo, not a setting.
+const MAX_THREADS: usize = 1024;
+
+/// Version tag of the pickled state `(tag, pattern, [(left, right), ...])`.
+const STATE_VERSION: u32 = 1;
+
+/// The pickled state: `(STATE_VERSION, pattern, merges as (left id, right id))`.
+type State = (u32, String, Vec<(u32, u32)>);
 
 fn value_error(e: BpeError) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -47,14 +62,41 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str, accepted: &str) -> PyResult<i64> 
     obj.extract::<i64>().map_err(|_| bad())
 }
 
-/// Worker threads: RAYON_NUM_THREADS, read at every call (0 or unset: all cores).
-fn thread_pool() -> PyResult<Arc<rayon::ThreadPool>> {
-    let threads = match std::env::var("RAYON_NUM_THREADS") {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
-            PyValueError::new_err(format!(
-                "RAYON_NUM_THREADS: got {v:?}; accepted: a non-negative int (0 or unset = all cores)"
-            ))
-        })?,
+/// The `threads` argument: None, or an int from 1 to MAX_THREADS.
+fn threads_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let accepted =
+        format!("an int from 1 to {MAX_THREADS}, or None (RAYON_NUM_THREADS, else all cores)");
+    match obj {
+        None => Ok(None),
+        Some(o) if o.is_none() => Ok(None),
+        Some(o) => {
+            let v = int_arg(o, "threads", &accepted)?;
+            match usize::try_from(v) {
+                Ok(n) if (1..=MAX_THREADS).contains(&n) => Ok(Some(n)),
+                _ => Err(PyValueError::new_err(format!(
+                    "threads: got {v}; accepted: {accepted}"
+                ))),
+            }
+        }
+    }
+}
+
+/// Worker threads: `threads`, else RAYON_NUM_THREADS read at every call (0 or unset: all
+/// cores). Checked before the iterator is read.
+fn thread_pool(threads: Option<usize>) -> PyResult<Arc<rayon::ThreadPool>> {
+    let threads = match (threads, std::env::var("RAYON_NUM_THREADS")) {
+        (Some(n), _) => n,
+        (None, Ok(v)) if !v.trim().is_empty() => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n <= MAX_THREADS)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "RAYON_NUM_THREADS: got {v:?}; accepted: an int from 0 to {MAX_THREADS} (0 or \
+                     unset = all cores)"
+                ))
+            })?,
         _ => 0,
     };
     rayon::ThreadPoolBuilder::new()
@@ -143,9 +185,22 @@ fn count_iterator(
 }
 
 /// Byte-level BPE tokenizer trainer (GPT-4 style split, incremental merges).
-#[pyclass(name = "Tokenizer", module = "rustbpe")]
+#[pyclass(name = "Tokenizer", module = "rustbpe", frozen)]
 struct PyTokenizer {
-    bpe: Bpe,
+    /// The current model; replaced whole, never mutated in place (see the module docs).
+    bpe: Mutex<Arc<Bpe>>,
+}
+
+impl PyTokenizer {
+    /// The current model. The lock is held only to clone the Arc (never across Python code
+    /// or heavy work); a poisoned lock still holds a whole model, so it is used as is.
+    fn model(&self) -> Arc<Bpe> {
+        Arc::clone(&self.bpe.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn set_model(&self, bpe: Bpe) {
+        *self.bpe.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(bpe);
+    }
 }
 
 #[pymethods]
@@ -154,27 +209,32 @@ impl PyTokenizer {
     fn new() -> PyResult<Self> {
         let splitter = Splitter::new(GPT4_PATTERN).map_err(value_error)?;
         Ok(PyTokenizer {
-            bpe: Bpe::new(Arc::new(splitter)),
+            bpe: Mutex::new(Arc::new(Bpe::new(Arc::new(splitter)))),
         })
     }
 
     /// Train from an iterable of str (consumed in batches of `buffer_size`), replacing any
     /// previous training. `vocab_size` counts the 256 byte tokens; `pattern` defaults to the
-    /// GPT-4 split pattern. Threads: RAYON_NUM_THREADS (0 or unset = all cores).
+    /// GPT-4 split pattern. `threads`: worker threads (None: RAYON_NUM_THREADS, 0 or unset =
+    /// all cores).
     #[pyo3(
-        signature = (iterator, vocab_size, buffer_size = None, pattern = None),
-        text_signature = "(self, iterator, vocab_size, buffer_size=8192, pattern=None)"
+        signature = (iterator, vocab_size, buffer_size = None, pattern = None, threads = None),
+        text_signature = "(self, iterator, vocab_size, buffer_size=8192, pattern=None, threads=None)"
     )]
     fn train_from_iterator(
-        &mut self,
+        &self,
         py: Python<'_>,
         iterator: &Bound<'_, PyAny>,
         vocab_size: &Bound<'_, PyAny>,
         buffer_size: Option<&Bound<'_, PyAny>>,
         pattern: Option<&Bound<'_, PyAny>>,
+        threads: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         // Validate everything before reading a single item.
-        let accepted = format!("an int from 256 to {}", crate::model::MAX_VOCAB_SIZE);
+        let accepted = format!(
+            "an int from 256 (the 256 byte tokens, no merges) to {}",
+            crate::model::MAX_VOCAB_SIZE
+        );
         let vocab_size = int_arg(vocab_size, "vocab_size", &accepted)?;
         merges_for_vocab_size(vocab_size).map_err(value_error)?;
         let buffer_size = match buffer_size {
@@ -207,7 +267,7 @@ impl PyTokenizer {
             _ => GPT4_PATTERN.to_owned(),
         };
         let splitter = Arc::new(Splitter::new(&pattern).map_err(value_error)?);
-        let pool = thread_pool()?;
+        let pool = thread_pool(threads_arg(threads)?)?;
         // A str is iterable too, but as single characters: training "one text per char"
         // would run and silently learn nothing useful (or only UTF-8 byte pairs).
         if iterator.is_instance_of::<PyString>() || iterator.is_instance_of::<PyBytes>() {
@@ -243,18 +303,18 @@ impl PyTokenizer {
                 t1.elapsed().as_secs_f64()
             );
         }
-        self.bpe = bpe;
+        self.set_model(bpe);
         Ok(())
     }
 
     /// The split regex in use (the GPT-4 pattern until trained with another).
     fn get_pattern(&self) -> String {
-        self.bpe.pattern().to_owned()
+        self.model().pattern().to_owned()
     }
 
     /// `[(token bytes, rank)]`: the 256 single bytes, then merges in rank order.
     fn get_mergeable_ranks<'py>(&self, py: Python<'py>) -> Vec<(Bound<'py, PyBytes>, u32)> {
-        self.bpe
+        self.model()
             .mergeable_ranks()
             .into_iter()
             .map(|(bytes, rank)| (PyBytes::new(py, &bytes), rank))
@@ -274,13 +334,50 @@ impl PyTokenizer {
                     "text: not encodable as UTF-8 ({e}); accepted: str without lone surrogates"
                 ))
             })?;
-        let bpe = &self.bpe;
+        let bpe = self.model();
         py.detach(|| bpe.encode(text)).map_err(value_error)
     }
 
     /// `[(left id, right id, new id)]` in merge order.
     fn get_merges(&self) -> Vec<(u32, u32, u32)> {
-        self.bpe.merges()
+        self.model().merges()
+    }
+
+    /// Pickle state: `(version, pattern, [(left id, right id), ...])`. With `__setstate__`
+    /// this makes the trainer picklable and copyable (multiprocessing, `copy.deepcopy`).
+    fn __getstate__(&self) -> State {
+        let bpe = self.model();
+        (
+            STATE_VERSION,
+            bpe.pattern().to_owned(),
+            bpe.merge_pairs().to_vec(),
+        )
+    }
+
+    /// `(Tokenizer, (), state)`: pickling through `__setstate__` under every protocol (the
+    /// default reduction refuses this extension type for protocols 0 and 1).
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, PyType>, (), State) {
+        (slf.get_type(), (), slf.get().__getstate__())
+    }
+
+    /// Restores `__getstate__`'s tuple. A pickle is data from outside, so the state is
+    /// checked (shape, version, pattern, every merge's ids): ValueError, never a panic.
+    fn __setstate__(&self, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bad = |why: &str| {
+            PyValueError::new_err(format!(
+                "state: {why}; accepted: the (version {STATE_VERSION}, pattern, merges) tuple \
+                 of Tokenizer.__getstate__"
+            ))
+        };
+        let (version, pattern, merges) = state
+            .extract::<State>()
+            .map_err(|_| bad(&format!("got {}", describe(state))))?;
+        if version != STATE_VERSION {
+            return Err(bad(&format!("version {version} is not supported")));
+        }
+        let bpe = Bpe::from_parts(&pattern, merges).map_err(value_error)?;
+        self.set_model(bpe);
+        Ok(())
     }
 }
 
