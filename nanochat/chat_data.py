@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from nanochat.errors import RequestError
+from nanochat.errors import MissingDataError, RequestError
 
 MASKS = ("assistant", "all")
 FILLS = ("pad", "crop")
@@ -282,12 +282,14 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
 STAGES = ("mid", "sft", "rl")
 
 
-def _unavailable_hint(e: Exception) -> ValueError:
+def _unavailable_hint(e: Exception) -> MissingDataError:
     from nanochat.tasks import DataUnavailableError
     assert isinstance(e, DataUnavailableError)
-    return ValueError(f"{e}\n--test-holdout: no train split is available; pass --test-holdout N to train on "
-                      "the local test files minus their first N problems (chat_eval --max-problems <= N then "
-                      "scores unseen problems), or make the train split available (hub or *_train.jsonl)")
+    # a MissingDataError: the scripts print it as one line and exit 2 (a ValueError was a traceback)
+    return MissingDataError(f"{e}\n--test-holdout: no train split is available; pass --test-holdout N to "
+                            "train on the local test files minus their first N problems (chat_eval "
+                            "--max-problems <= N then scores unseen problems), or make the train split "
+                            "available (hub or *_train.jsonl)")
 
 
 def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> list:

@@ -61,11 +61,16 @@ def parse_quantize_list(text: str, flag: str = "--quantize") -> list[str]:
 @torch.no_grad()
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 q, float32 scale) with weight ~= q * scale[:, None]: per-row absmax, round to
-    nearest. An all-zero row gets scale 1 (its q is 0)."""
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"quantize_rows: expected a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
+    nearest. An all-zero row gets scale 1 (its q is 0). A non-finite value is refused: a NaN row
+    came out as finite integers at scale 1, an inf row as NaN."""
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] == 0:
+        raise ValueError(f"quantize_rows: expected a 2-D float weight with at least one column, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
+    if w.device.type != "meta" and not bool(torch.isfinite(absmax).all()):
+        bad = int((~torch.isfinite(absmax)).sum())
+        raise ValueError(f"quantize_rows: {bad} of {w.shape[0]} rows hold NaN or inf; quantise finite weights")
     scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
@@ -86,11 +91,13 @@ def _kernel_for(device: torch.device):
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel=None) -> torch.Tensor:
     """x (..., K) @ (q * scale[:, None]).T in x's dtype: `kernel` (triton_int8.int8_gemv) for
-    small inputs, else the weight dequantised into x's dtype and the BLAS."""
+    small inputs, else the int8 weight in x's dtype through the BLAS, its rows then scaled in
+    float32 as the kernel scales them (a bf16 copy of the scales put a systematic error of up to
+    0.4% on every output row of a prefill, which the decode kernel's rows did not have)."""
     rows = x.numel() // x.shape[-1]
     if kernel is not None and rows <= GEMV_MAX_ROWS:
         return kernel(x, q, scale)
-    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    return (F.linear(x, q.to(x.dtype)) * scale.float()).to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -173,9 +180,13 @@ def quantize_model(model, mode: str):
     if swapped:
         raise ValueError(f"--quantize {mode}: the model's matrices are {swapped} modules (precision.py's "
                          "fp8/nvfp4 training layers); quantise the model as loaded from its checkpoint instead")
+    _check_finite(model, linears, mode)   # before any layer changes: a refusal leaves the model as it was
     with torch.no_grad():
         for block in model.blocks:
             attn = block.attn
+            # the float q/k/v copy GPT.inference_weights made for an earlier (float) Engine: the
+            # quantised layer never reads it, and it held as many bytes as c_q/c_k/c_v in float
+            attn.qkv_weight = attn._qkv_buffer = None
             parts = (attn.c_q, attn.c_k, attn.c_v)
             fused = Int8Linear.from_weight(torch.cat([m.weight for m in parts]))
             attn.qkv_quant = fused   # one product per layer; c_q/c_k/c_v are views of its rows
@@ -189,6 +200,18 @@ def quantize_model(model, mode: str):
         model.lm_head = Int8Linear.from_weight(model.lm_head.weight)
     model.quantization = mode
     return model
+
+
+def _check_finite(model, linears, mode: str) -> None:
+    """A ValueError naming the matrices holding NaN or inf (a diverged checkpoint): quantising
+    them would hide the damage (a NaN row came out finite)."""
+    ids = {id(m) for m in linears}
+    bad = [name for name, m in model.named_modules() if id(m) in ids and m.weight.device.type != "meta"
+           and not bool(torch.isfinite(m.weight).all())]
+    if bad:
+        raise ValueError(f"--quantize {mode}: non-finite weights in {', '.join(bad[:4])}"
+                         f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; the checkpoint is damaged "
+                         "(a diverged run): load an earlier step")
 
 
 def matrix_bytes(model) -> int:

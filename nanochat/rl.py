@@ -5,8 +5,9 @@ runs it through the shared loop (nanochat/loop.py).
 One step: each rank takes its share of `examples_per_step` problems; per problem it samples
 `num_samples` completions (Engine, KV cache, calculator tool), scores them with `task.reward`,
 sets advantage = reward - mean reward of the group (a group where every sample scores the same
-teaches nothing and contributes zero gradient), and maximises sum(advantage x log p(token)) over
-the tokens the policy sampled: prompt tokens and tool outputs the Engine forced are target -1.
+teaches nothing and contributes exactly zero gradient), and maximises sum(advantage x log p(token))
+over the tokens the policy sampled, the stop token a sample ended on included (ending the answer
+is an action too); prompt tokens and tool outputs the Engine forced are target -1.
 The objective is normalised per problem by its number of sampled tokens, then averaged over the
 problems the step trains on all ranks (the optimizer averages gradients across ranks). A prompt
 that leaves no room to generate is skipped and left out of that average: the ranks first agree
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
+
+SEED_RANGE = 2**64   # Engine seeds are 0..2**64-1 (nanochat/sampling.MAX_SEED): a rollout's seed wraps
 
 
 @dataclass
@@ -44,6 +47,16 @@ def rollout_batch(sequences: list[list[int]], masks: list[list[int]], advantages
     targets = torch.where(keep[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], -1))
     adv = torch.tensor(advantages, dtype=torch.float32)
     return ids[:, :-1].to(device), targets.to(device), adv.to(device)
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """reward - the group's mean reward; exactly 0 when every reward is the same (the rounded mean
+    of e.g. three rewards of 0.1 differs from 0.1 by ~1e-17, an advantage that Adam's
+    normalisation turns into a real update)."""
+    if max(rewards) == min(rewards):
+        return [0.0] * len(rewards)
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
 
 
 def policy_gradient_loss(model, inputs: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor
@@ -95,18 +108,38 @@ class PolicyGradientTrainer:
         prompt = self.tokenizer.render_for_completion(conv)
         return conv, prompt, min(self.max_new_tokens, self.engine.max_seq_len - len(prompt))
 
+    def _sample_group(self, index: int, prompt: list[int], budget: int):
+        """(sequences, masks, completions) of `num_samples` samples of a prompt. Unlike
+        Engine.generate_batch, a sequence keeps the stop token its sample drew (mask 1): stopping
+        is the policy's choice and is trained with the sample's advantage (without it a rewarded
+        answer never reinforced ending there, and only the tokens of longer answers were trained).
+        A completion (the text scored) leaves the stop token out."""
+        stops = frozenset(self.engine.default_stop_tokens)
+        n = self.num_samples
+        seqs, masks, done = [list(prompt) for _ in range(n)], [[0] * len(prompt) for _ in range(n)], [False] * n
+        for column, mask_column in self.engine.generate(
+                prompt, num_samples=n, max_tokens=budget, temperature=self.temperature, top_k=self.top_k,
+                seed=(self.seed + index * 7919 + self.pos) % SEED_RANGE):
+            for i, (token, mask) in enumerate(zip(column, mask_column)):
+                if not done[i]:
+                    seqs[i].append(token)
+                    masks[i].append(mask)
+                    done[i] = token in stops
+        return seqs, masks, [s[len(prompt):len(s) - int(d)] for s, d in zip(seqs, done)]
+
     def _rollout(self, index: int, conv: dict, prompt: list[int], budget: int):
         """(sequences, masks, advantages, rewards) of one problem's group."""
         from nanochat.tasks.evaluate import completion_text
         self.model.eval()
-        seqs, masks = self.engine.generate_batch(
-            prompt, num_samples=self.num_samples, max_tokens=budget, temperature=self.temperature,
-            top_k=self.top_k, seed=self.seed + index * 7919 + self.pos)
+        seqs, masks, completions = self._sample_group(index, prompt, budget)
         self.model.train()
         # scored like chat_eval: text and calculator outputs, python source dropped
-        rewards = [float(self.task.reward(conv, completion_text(self.tokenizer, s[len(prompt):]))) for s in seqs]
-        mean = sum(rewards) / len(rewards)
-        return seqs, masks, [r - mean for r in rewards], rewards
+        rewards = [float(self.task.reward(conv, completion_text(self.tokenizer, c))) for c in completions]
+        bad = [r for r in rewards if not math.isfinite(r)]
+        if bad:   # a task's bug, not a training instability: NonFiniteLossError's hint would mislead
+            raise ValueError(f"{type(self.task).__name__}.reward returned {bad[0]} for problem {index}; "
+                             "rewards must be finite numbers")
+        return seqs, masks, group_advantages(rewards), rewards
 
     def _sum_over_ranks(self, value: int) -> int:
         """`value` summed over the ranks (a collective: every rank calls it at the same point)."""

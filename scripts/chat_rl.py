@@ -32,6 +32,7 @@ from nanochat.loop import TRAIN_FLAG_HELP
 
 SOURCES = ("sft", "mid")
 RL_MOMENTUM = 0.95   # Muon's, constant
+MAX_SEED = 2**64 - 1  # torch.manual_seed's and the Engine's range (nanochat/sampling.MAX_SEED)
 
 
 @dataclass
@@ -92,7 +93,8 @@ class ChatRLConfig:
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in ("auto", "cpu", "cuda", "mps"), "--device", self.device, "auto|cpu|cuda|mps")
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
-        require_int(self.seed, "--seed", 0)
+        require(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "--seed", self.seed,
+                f"an integer in 0..{MAX_SEED}")
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
         # the evaluation scores the first --test-holdout GSM8K test problems: 0 leaves it none
         require(self.test_holdout != 0 or self.eval_every <= 0, "--test-holdout", self.test_holdout,
@@ -163,11 +165,17 @@ RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "see
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
 
 
-def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1) -> str | None:
-    """What keeps this run from continuing the checkpoint `meta` describes (None: nothing)."""
+def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerprint: str | None = None
+                    ) -> str | None:
+    """What keeps this run from continuing the checkpoint `meta` describes (None: nothing);
+    `fingerprint`: the base dir's tokenizer's (None: not checked)."""
     saved_world = int(meta.get("world_size", 1))
     if saved_world != world_size:   # per-rank optimizer and sampler state
         return f"it was saved by {saved_world} rank(s), this run has {world_size}"
+    saved_tokenizer = meta.get("tokenizer_fingerprint")
+    if fingerprint is not None and saved_tokenizer not in (None, fingerprint):
+        return (f"it was trained with tokenizer {saved_tokenizer[:16]}..., the base dir's tokenizer is "
+                f"{fingerprint[:16]}... (restore the tokenizer it was trained with)")
     saved = meta.get("config") or {}
     for key, flag in RESUME_FLAGS.items():
         if key in saved and saved[key] != getattr(cfg, key):
@@ -179,9 +187,9 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
-    from nanochat.checkpoint import (build_model, checkpoint_bytes, disk_plan, fresh_start, load_checkpoint,
-                                     load_model, planned_saves, read_meta, save_checkpoint, step_dirname)
-    from nanochat.gpt import GPTConfig
+    from nanochat.errors import RequestError
+    from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
+                                     model_from_meta, planned_saves, read_meta, save_checkpoint, step_dirname)
     from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
     from nanochat.optim import build_optimizer
@@ -201,11 +209,17 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     eval_task = GSM8K("test", data_dir=cfg.data_dir)
     eval_problems = min(cfg.eval_examples, len(eval_task), *([cfg.test_holdout] if cfg.test_holdout >= 0 else []))
+    # more than one pass a step would draw a problem twice with the same seed (the same samples),
+    # and a huge value rendered that many prompts before the first rollout (all of the memory)
+    if cfg.examples_per_step > len(task):
+        raise RequestError(f"--examples-per-step: got {cfg.examples_per_step}; accepted: 1..{len(task)} (the "
+                           "training problems" + (f" left by --test-holdout {cfg.test_holdout})" if
+                                                  cfg.test_holdout >= 0 else ")"))
     resume = None
     if resume_at is not None:
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)
-        why = resume_mismatch(read_meta(ckpt_dir, resume_at), cfg, rt.world_size)
+        why = resume_mismatch(read_meta(ckpt_dir, resume_at), cfg, rt.world_size, get_tokenizer(base_dir).fingerprint)
         if why is not None and cfg.resume != "auto":
             raise CheckpointError(f"--resume: {why}; run it as the original run was (its flags and number of "
                                   "processes), or start a new --model-tag")
@@ -215,8 +229,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
             resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
-        model = build_model(GPTConfig(**resume["meta"]["model_config"]), rt.device, compute_dtype=rt.dtype)
-        model.load_state_dict(resume["model"], strict=True)
+        model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]), rt.device,
+                                compute_dtype=rt.dtype)
         source = resume["meta"]["source"]
     else:
         model, tokenizer, _ = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"],

@@ -424,3 +424,17 @@ def test_mfu_counts_the_rows_trained_not_the_models_context(env, base_dir, monke
     assert model.config.sequence_len == 128
     assert seen == [model.estimate_flops(32)] and model.estimate_flops(32) < model.estimate_flops()
     assert prepared[-1] == 32
+
+
+def test_missing_train_split_is_one_line_naming_test_holdout(shared_data, monkeypatch):
+    """No GSM8K train split here (no hub): a MissingDataError (one line from the scripts, exit 2)
+    naming --test-holdout; it was a plain ValueError, a traceback."""
+    from nanochat import chat_data
+    from nanochat.errors import MissingDataError
+    from nanochat.tasks import common as tasks_common
+
+    def no_datasets():
+        raise ImportError("No module named 'datasets'")
+    monkeypatch.setattr(tasks_common, "_import_datasets", no_datasets)
+    with pytest.raises(MissingDataError, match="pass --test-holdout N"):
+        chat_data.build_mixture("rl", "train", data_dir=shared_data)

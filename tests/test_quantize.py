@@ -189,6 +189,61 @@ def test_persistent_step_takes_int8_models_and_says_why_not_others():
     assert "weights are int4" in unsupported(model, cache, device_check=False)
 
 
+def test_non_finite_and_columnless_weights_are_refused():
+    """A NaN row came out as finite integers at scale 1 and an inf row as NaN, so a diverged
+    checkpoint quantised into a model that hid the damage; a (N, 0) weight was an IndexError.
+    quantize_model names the matrices and leaves the model as it was."""
+    for bad in (float("nan"), float("inf")):
+        w = torch.randn(4, 8)
+        w[1, 2] = bad
+        with pytest.raises(ValueError, match="1 of 4 rows hold NaN or inf"):
+            quantize_rows(w)
+    with pytest.raises(ValueError, match=r"at least one column, got \(3, 0\)"):
+        quantize_rows(torch.ones(3, 0))
+    for shape in ((1, 1), (1, 9), (9, 1)):   # edge shapes round-trip within half a step per row
+        w = torch.randn(shape)
+        q, s = quantize_rows(w)
+        assert bool(((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-7).all()), shape
+    model = tiny_model()
+    with torch.no_grad():
+        model.blocks[1].mlp.c_fc.weight[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"--quantize int8: non-finite weights in blocks\.1\.mlp\.c_fc;"):
+        quantize_model(model, "int8")
+    assert not hasattr(model, "quantization") and not any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def test_prefill_path_scales_rows_in_float32():
+    """The dequantising path (CPU, and prefills on CUDA) multiplied by a bf16 copy of the float32
+    row scales: a systematic per-row gain error of up to 0.4%, ten times the float32 kernel's."""
+    torch.manual_seed(0)
+    q, s = quantize_rows(torch.randn(256, 512))
+    x = torch.randn(4096, 512).to(torch.bfloat16)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    got = int8_linear(x, q, s)
+    assert got.dtype == torch.bfloat16
+    gain = (got.double() * ref).sum(0) / (ref * ref).sum(0)   # each output row's least-squares gain
+    assert (gain - 1).abs().max() < 1e-3, (gain - 1).abs().max()
+
+
+def test_quantising_frees_the_float_qkv_copy_of_an_earlier_engine():
+    """A float Engine run before quantising (bench_inference --quantize none,int8) left each
+    layer's fused float q/k/v copy (GPT.inference_weights) alive on the int8 model."""
+    import gc
+    import weakref
+
+    from nanochat.engine import Engine
+
+    model = tiny_model(seed=2)
+    Engine(model, None).generate_batch([3, 4, 5], max_tokens=2, temperature=0.0)
+    copies = [weakref.ref(b.attn._qkv_buffer) for b in model.blocks]
+    assert all(c() is not None for c in copies)
+    quantize_model(model, "int8")
+    gc.collect()
+    assert all(c() is None for c in copies)
+    tokens, _ = Engine(model, None).generate_batch([3, 4, 5], max_tokens=4, temperature=0.0)
+    assert len(tokens[0]) == 7
+
+
 def test_int8_kernel_interpreted(run_triton_interpreted):
     run_triton_interpreted(f"""
 import torch

@@ -90,18 +90,27 @@ def _trainer(chat_model, reward, task=None, rt=None, **kw):
 
 
 def _reference_grads(trainer, problems):
-    """-(1/P) sum_problems (1/tokens_p) sum_samples (r - mean r) sum_sampled_tokens log p, by hand."""
+    """-(1/P) sum_problems (1/tokens_p) sum_samples (r - mean r) sum_sampled_tokens log p, by hand;
+    a sample's sampled tokens run up to and including the stop token it drew (not scored as text)."""
     from nanochat.tasks.evaluate import completion_text
     model, tok = trainer.model, trainer.tokenizer
+    stops = set(trainer.engine.default_stop_tokens)
     model.zero_grad(set_to_none=True)
     objective = 0.0
     for index in problems:
         conv = trainer.task[index]
         prompt = tok.render_for_completion(conv)
-        seqs, masks = trainer.engine.generate_batch(prompt, num_samples=trainer.num_samples, max_tokens=6,
-                                                    temperature=1.0, top_k=50, seed=5 + index * 7919 + trainer.pos)
+        steps = list(trainer.engine.generate(prompt, num_samples=trainer.num_samples, max_tokens=6, temperature=1.0,
+                                             top_k=50, seed=5 + index * 7919 + trainer.pos))
         model.train()
-        rewards = [trainer.task.reward(conv, completion_text(tok, s[len(prompt):])) for s in seqs]
+        seqs, masks, rewards = [], [], []
+        for i in range(trainer.num_samples):
+            drawn, drawn_masks = [col[i] for col, _ in steps], [m[i] for _, m in steps]
+            end = next((t + 1 for t, token in enumerate(drawn) if token in stops), len(drawn))
+            stopped = drawn[end - 1] in stops
+            seqs.append(prompt + drawn[:end])
+            masks.append([0] * len(prompt) + drawn_masks[:end])
+            rewards.append(trainer.task.reward(conv, completion_text(tok, drawn[:end - stopped])))
         mean = sum(rewards) / len(rewards)
         tokens = sum(sum(m[1:]) for m in masks)
         for seq, mask, r in zip(seqs, masks, rewards):
