@@ -59,7 +59,8 @@ def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor data
 
 
 # Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2, GeForce-class
-# half-rate fp32 accumulate) and labelled as such; measured GEMM rates are lower (DESIGN.md s3).
+# half-rate fp32 accumulate for bf16/fp8) and labelled as such; measured GEMM rates are lower
+# (DESIGN.md s3).
 DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
           {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
@@ -72,6 +73,10 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
           {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
     _spec("gh200", "NVIDIA GH200", (9, 0), 132, 96, 4000,
           {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
+    # the HBM3e part ("NVIDIA GH200 144G HBM3e"): same H100 die and peaks, 144 GB at 4.9 TB/s; it
+    # matched the 96 GB HBM3 entry and its decode/roofline bandwidth was 4.0 TB/s (utilisation 22% high)
+    _spec("gh200-hbm3e", "NVIDIA GH200 144G HBM3e", (9, 0), 132, 144, 4900,
+          {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
     _spec("h200", "NVIDIA H200", (9, 0), 132, 141, 4800,
           {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
     # the NVL (PCIe, 600 W) part: same die and 4.8 TB/s, the H100 NVL's lower clocks and peaks
@@ -81,9 +86,13 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
           {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
     _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
           {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
+    # GeForce halves bf16 and fp8 with fp32 accumulate, not fp4 (whose products always accumulate in
+    # fp32): NVIDIA's 3352 "AI TOPS" are fp4 with sparsity, 1676 dense = 170 SMs x 4096 fp4 ops per
+    # clock at 2.41 GHz, the per-SM rate of the RTX PRO 6000's 2015 and GB10's 500. 838 (the fp4 rate
+    # halved as well) printed nvfp4 % of peak twice too high
     _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
-          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 838.0, "fp32": 104.8},
-          source="spec-derived (GeForce half-rate fp32 accumulate)"),
+          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 1676.0, "fp32": 104.8},
+          source="spec-derived (GeForce half-rate fp32 accumulate for bf16/fp8; fp4 = 3352 AI TOPS sparse / 2)"),
     _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
           {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
     # the 300 W Max-Q: the same 188 SMs at lower clocks (3511 vs 4000 AI TOPS in NVIDIA's datasheets)
@@ -108,6 +117,7 @@ _NAME_RULES: list[tuple[int | None, str, str]] = [
     (12, r"\bGB10\b", "gb10"),
     (9, r"H100.*NVL", "h100-nvl"),
     (9, r"H100.*PCIe", "h100-pcie"),
+    (9, r"GH200.*HBM3e", "gh200-hbm3e"),
     (9, r"GH200", "gh200"),
     (9, r"H100", "h100-sxm"),
     (9, r"H200.*NVL", "h200-nvl"),
@@ -156,6 +166,24 @@ def _scaled_to_sms(entry: DeviceSpec, sms: int) -> tuple[dict[str, float], str]:
     return peaks, f"{entry.source}; scaled to this device's {sms} of {entry.sms} SMs (MIG slice or cut-down part)"
 
 
+_MIG_PROFILE = re.compile(r"\bMIG (\d+)g\.(\d+)gb\b", flags=re.IGNORECASE)
+
+
+def _mig_bandwidth(entry: DeviceSpec, name: str) -> tuple[float | None, str]:
+    """(bandwidth GB/s, note) of a MIG slice, whose name ends in its profile ("... MIG 2g.20gb"): a
+    GPU instance owns a share of the memory controllers, so its bandwidth is the board's times its
+    memory share (1g.10gb of an 80 GB H100: 1/8, ~419 GB/s). The board's full 3350 GB/s made decode
+    and roofline bandwidth utilisation up to 8x too low there. A name with no profile: as is."""
+    m = _MIG_PROFILE.search(name)
+    if m is None or not entry.bandwidth_gbs or not entry.memory_gb:
+        return entry.bandwidth_gbs, ""
+    share = min(1.0, int(m.group(2)) / entry.memory_gb)
+    if share >= 1.0:
+        return entry.bandwidth_gbs, ""
+    return (round(entry.bandwidth_gbs * share, 1),
+            f"; bandwidth scaled to the MIG profile's {m.group(2)} of {entry.memory_gb:g} GB")
+
+
 def spec_from_props(props: Any) -> DeviceSpec:
     """Match CUDA device properties (real or simulated) against the table."""
     name = str(props.name)
@@ -167,8 +195,9 @@ def spec_from_props(props: Any) -> DeviceSpec:
             # The real SM count and memory win over the table (cut-down SKUs, MIG slices).
             entry = DEVICE_TABLE[key]
             peaks, source = _scaled_to_sms(entry, sms)
-            return dataclasses.replace(entry, name=name, cc=cc, sms=sms, memory_gb=mem_gb,
-                                       peak_tflops=peaks, source=source)
+            bandwidth, note = _mig_bandwidth(entry, name)
+            return dataclasses.replace(entry, name=name, cc=cc, sms=sms, memory_gb=mem_gb, bandwidth_gbs=bandwidth,
+                                       peak_tflops=peaks, source=source + note)
     unified = bool(getattr(props, "is_integrated", False))
     return DeviceSpec(name=name, cc=cc, sms=sms, memory_gb=mem_gb, bandwidth_gbs=None,
                       unified_memory=unified, peak_tflops={}, key="unknown", source="not in table")
@@ -197,8 +226,9 @@ def peak_key(precision: str) -> str:
     return key
 
 
-# Dense tensor-core rate of a precision relative to bf16, as on every GPU in the table that has it
-# (Hopper, Blackwell, GB10): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
+# Dense tensor-core rate of a precision relative to bf16, as on the GPUs in the table that have it
+# (Hopper, Blackwell, GB10; GeForce cards, with their half-rate bf16/fp8 fp32 accumulate, have an
+# fp4 ratio of 8): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
 DENSE_RATIO = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "fp32": 0.5}
 
 

@@ -21,7 +21,6 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require_int, script_main
@@ -37,8 +36,41 @@ def gemm_train(m: int, n: int, k: int, count: int = 1) -> tuple[float, float]:
     return flops * count, bytes_ * count
 
 
-def op_table(cfg, batch: int, seq: int) -> dict[str, dict]:
-    """Analytic FLOPs/bytes per op class for one step (what is actually computed)."""
+def visible_pairs(seq: int, window: int | None) -> int:
+    """(query, key) pairs causal attention over `seq` tokens scores, a query seeing the last `window`
+    keys up to itself (nanochat/attention.py's semantics; None = all of them)."""
+    w = seq if window is None else min(window, seq)
+    return w * (w + 1) // 2 + (seq - w) * w
+
+
+def attention_op(cfg, batch: int, seq: int) -> dict:
+    """FLOPs and minimum bytes of every layer's attention, forward + backward, at the model's own
+    windows (nanochat.gpt.layer_windows; SSSL at d12: 9 of 12 layers see 512 keys, not 2048).
+    FLOPs: QK^T and PV, 2 * 2 * head_dim per visible (query, key) pair and head, forward; a
+    flash-style backward runs five such products (QK^T recomputed, dV, dP, dQ, dK): 3.5x forward.
+    Bytes, each operand once in bf16: forward reads q, k, v and writes o (+ the fp32 log-sum-exp
+    per query row and head); backward reads q, k, v, o, dO and the log-sum-exp and writes dq, dk,
+    dv: three times the forward's q/k/v/o traffic (it was charged 3.5x, the FLOP ratio)."""
+    from nanochat.gpt import layer_windows
+
+    N, H, Hkv, D = batch * seq, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    pairs = sum(visible_pairs(seq, w) for w in layer_windows(cfg))
+    per_layer_bytes = 3 * BF16 * N * D * (2 * H + 2 * Hkv) + 2 * 4 * N * H
+    return {"flops": 3.5 * 4.0 * batch * H * D * pairs, "bytes": cfg.n_layer * per_layer_bytes}
+
+
+# Bytes per logit the loss itself moves beyond the head's three GEMMs (which write the logits once
+# and read their gradient twice, in gemm_train): `current` (the model's compiled softcap + CE) reads
+# the bf16 logits in the forward, reads them again and writes their gradient in the backward;
+# `liger` / `triton` (chunked) read each chunk's logits once and overwrite them with the gradient.
+# It was 20 for every kernel (an fp32 chain: the reference `current_loss`, not what a step runs),
+# which made the loss look bandwidth-bound at d12 (28 GB against a 13 GB minimum).
+LOSS_BYTES_PER_LOGIT = {"current": 2 + 2 + 2, "liger": 2 + 2, "triton": 2 + 2}
+
+
+def op_table(cfg, batch: int, seq: int, kernel: str = "current") -> dict[str, dict]:
+    """Analytic FLOPs/bytes per op class for one step (what is actually computed), the loss as
+    --kernel computes it."""
     N, C, L = batch * seq, cfg.n_embd, cfg.n_layer
     H, Hkv, D, V = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.padded_vocab_size
     ops = {}
@@ -49,13 +81,9 @@ def op_table(cfg, batch: int, seq: int) -> dict[str, dict]:
     f4, b4 = gemm_train(N, 4 * C, C)
     f5, b5 = gemm_train(N, C, 4 * C)
     ops["mlp_gemms"] = {"flops": L * (f4 + f5), "bytes": L * (b4 + b5)}
-    # causal flash attention (windows counted as full: an upper bound); bwd ~ 2.5x fwd
-    attn_fwd = 4.0 * batch * H * seq * seq * D * 0.5
-    ops["attention"] = {"flops": L * 3.5 * attn_fwd,
-                        "bytes": L * BF16 * N * D * (H * 2 + Hkv * 2) * 3.5}
+    ops["attention"] = attention_op(cfg, batch, seq)
     fl, bl = gemm_train(N, V, C)
-    # + the logits passes of an unfused loss: write bf16, read, fp32 softcap/CE and its grad
-    ops["lm_head_loss"] = {"flops": fl + 10.0 * N * V, "bytes": bl + N * V * (2 + 2 + 4 * 4)}
+    ops["lm_head_loss"] = {"flops": fl + 10.0 * N * V, "bytes": bl + N * V * LOSS_BYTES_PER_LOGIT[kernel]}
     params = L * (C * H * D * 2 + C * Hkv * D * 2 + 8 * C * C)
     ns_flops = 0.0
     for m, n in [(H * D, C), (Hkv * D, C), (Hkv * D, C), (C, H * D), (4 * C, C), (C, 4 * C)]:
@@ -95,24 +123,52 @@ def _gemm_fn(shapes: list[tuple[int, int, int]], dev):
     return run
 
 
+def step_loss_fn(kernel: str, dev):
+    """The loss a training step runs for --kernel (training.setup_precision_and_kernel): the model's
+    default `cross_entropy_loss` for current (build_loss_fn("current") is the reference chain that
+    tests compare with: fp32 logits, separate softcap and CE; it was what the op was timed as)."""
+    from nanochat.kernels import build_loss_fn, cross_entropy_loss
+    return cross_entropy_loss if kernel == "current" else build_loss_fn(kernel, dev)
+
+
 def measure_ops(cfg, batch: int, seq: int, dev, kernel: str) -> dict[str, float]:
-    from nanochat.kernels import build_loss_fn
     N, C, L = batch * seq, cfg.n_embd, cfg.n_layer
     H, Hkv, D, V = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.padded_vocab_size
     ms = {"attn_proj_gemms": L * _median_ms(_gemm_fn([(N, H * D, C), (N, 2 * Hkv * D, C), (N, C, H * D)], dev)),
           "mlp_gemms": L * _median_ms(_gemm_fn([(N, 4 * C, C), (N, C, 4 * C)], dev))}
-    q = torch.randn(batch, H, seq, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(batch, Hkv, seq, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    gqa = {"enable_gqa": True} if H != Hkv else {}
-    ms["attention"] = L * _median_ms(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).sum().backward())
-    loss_fn = build_loss_fn(kernel, dev)
+    ms["attention"] = attention_ms(cfg, batch, seq, dev)
+    loss_fn = torch.compile(step_loss_fn(kernel, dev), dynamic=False)   # compiled with the model in a step
     h = torch.randn(N, C, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(V, C, device=dev) / C**0.5).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, cfg.vocab_size, (N,), device=dev)
-    ms["lm_head_loss"] = _median_ms(lambda: loss_fn(h, w, t, cfg.softcap, cfg.vocab_size, "mean").backward())
+
+    def loss_step():
+        h.grad = w.grad = None   # no gradient accumulation pass inside the timing
+        loss_fn(h, w, t, cfg.softcap, cfg.vocab_size, "mean").backward()
+    ms["lm_head_loss"] = _median_ms(loss_step)
     return ms
+
+
+def attention_ms(cfg, batch: int, seq: int, dev) -> float:
+    """Forward + backward ms of every layer's attention as the model runs it: nanochat.attention
+    with the backend the model resolves on this GPU, each distinct window timed once and counted
+    per layer. (It timed full causal SDPA for every layer: at SSSL the window layers cost ~half
+    that, so the residual below was squeezed by the difference.)"""
+    from nanochat.attention import attention, prepare_masks
+    from nanochat.gpt import layer_windows
+
+    windows = layer_windows(cfg)
+    backend = prepare_masks(seq, windows, dev, "auto")
+    shape = (batch, cfg.n_head, seq, cfg.head_dim)
+    q = torch.randn(shape, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, cfg.n_kv_head, seq, cfg.head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+
+    def run(window):
+        q.grad = k.grad = v.grad = None   # no gradient accumulation pass inside the timing
+        attention(q, k, v, window=window, backend=backend).sum().backward()
+
+    return sum(windows.count(w) * _median_ms(lambda w=w: run(w)) for w in dict.fromkeys(windows))
 
 
 def measure_step(cfg, args, rt) -> tuple[float, float]:
@@ -143,6 +199,13 @@ def roofline_ms(op: dict, spec: DeviceSpec) -> tuple[float, str]:
     return 1e3 * max(t_c, t_b), ("compute" if t_c >= t_b else "bandwidth")
 
 
+def prediction_label(target: DeviceSpec) -> str:
+    """What a --predict figure is: the target's table roofline (whose peaks may be spec-derived, as
+    GB10's are, above what its GEMMs reach) times the efficiency measured here. Not a measurement."""
+    return (f"PREDICTION, not a measurement: {target.key}'s table roofline (bf16 {target.peak_tflops['bf16']:g} "
+            f"TFLOP/s, {target.bandwidth_gbs:g} GB/s; {target.source}) x this GPU's measured efficiency")
+
+
 def parse_args(argv=None):
     """Parse and validate every flag (no GPU work); a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.analyze_bandwidth", description=__doc__.splitlines()[0])
@@ -171,7 +234,7 @@ def main(argv=None) -> int:
     if spec.bandwidth_gbs is None or "bf16" not in spec.peak_tflops:
         raise RequestError(f"{spec.name} is not in nanochat/platform.py's table (no peak/bandwidth)")
     cfg = config_for_depth(args.depth, args.vocab, args.seq)
-    ops = op_table(cfg, args.device_batch_size, args.seq)
+    ops = op_table(cfg, args.device_batch_size, args.seq, args.kernel)
     measured = measure_ops(cfg, args.device_batch_size, args.seq, rt.device, args.kernel)
     step_ms, measured["optimizer"] = measure_step(cfg, args, rt)
     target = DEVICE_TABLE[args.predict] if args.predict else None
@@ -187,7 +250,7 @@ def main(argv=None) -> int:
         if target is not None:
             t_floor, t_bound = roofline_ms(op, target)
             row.update({"predicted_device": target.key, "predicted_ms": round(t_floor * measured[name] / floor, 3),
-                        "predicted_bound": t_bound, "label": "PREDICTION (datasheet roofline x measured efficiency)"})
+                        "predicted_bound": t_bound, "label": prediction_label(target)})
         rows.append(row)
     residual = max(0.0, step_ms - sum(measured.values()))
     rows.append({"op": "residual (norms, rope, act, glue)", "measured_ms": round(residual, 3), "bound": "bandwidth"})
@@ -203,7 +266,7 @@ def main(argv=None) -> int:
         pred += residual * spec.bandwidth_gbs / target.bandwidth_gbs
         summary.update({"predicted_step_ms": round(pred, 1), "predicted_device": target.key,
                         "predicted_tok_per_sec": round(args.device_batch_size * args.seq / (pred * 1e-3)),
-                        "label": "PREDICTION"})
+                        "label": prediction_label(target)})
     print(json.dumps(summary))
     print(f"\n{'op':<34} {'GFLOP':>9} {'GB':>7} {'AI':>6} {'bound':>9} {'roof ms':>8} {'meas ms':>8} {'eff%':>5}"
           + (f" {'pred ms':>8}" if target else ""))
@@ -213,7 +276,7 @@ def main(argv=None) -> int:
               f"{str(r.get('roofline_ms', '')):>8} {r['measured_ms']:>8} {str(r.get('efficiency_pct', '')):>5}"
               + (f" {str(r.get('predicted_ms', '')):>8}" if target else ""))
     print(f"ridge point {ridge:.0f} FLOP/byte; step {step_ms:.1f} ms; verdict: {summary['verdict']}"
-          + (f"; predicted on {target.key}: {summary['predicted_step_ms']} ms (PREDICTION)" if target else ""))
+          + (f"\npredicted on {target.key}: {summary['predicted_step_ms']} ms ({summary['label']})" if target else ""))
     return 0
 
 

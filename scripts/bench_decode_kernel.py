@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     rows = []
     for quant in args.quantize:
         quantize_model(model, quant)
-        nbytes = weight_bytes_per_step(model) + visible_kv_bytes(model, args.prompt_len, 2)
+        nbytes = weight_bytes_per_step(model, 1) + visible_kv_bytes(model, args.prompt_len, 2)
         rows += time_configs(args, model, cache, ids, pos, quant, nbytes, spec)
     print(f"\n{spec.name}, d{args.depth}, prompt {args.prompt_len}")
     print(f"{'weights':<8}{'config':<24}{'step ms':>9}{'regs':>6}{'GB/s':>8}{'BW util':>8}")

@@ -238,9 +238,9 @@ def make_operands(dtype: str, m: int, n: int, k: int, device):
     raise ValueError(f"--dtypes: got {dtype!r}; accepted: {'|'.join(DTYPES)}")
 
 
-def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device, make=None) -> dict:
-    """Median ms and TFLOP/s of C (m x n) = A (m x k) @ B (k x n); `make()` builds one operand set
-    (default: make_operands(dtype, m, n, k))."""
+def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device, make=None, peak: float | None = None) -> dict:
+    """Median ms and TFLOP/s of C (m x n) = A (m x k) @ B (k x n), and its % of `peak` (FLOP/s;
+    None: None); `make()` builds one operand set (default: make_operands(dtype, m, n, k))."""
     m, n, k = shape
     elem = {"bf16": 2, "fp8": 1, "fp8-rowwise": 1, "nvfp4": 0.5}[dtype]
     set_bytes = (m * k + n * k) * elem
@@ -268,8 +268,16 @@ def time_gemm(dtype: str, shape, *, reps: int, l2_bytes: int, device, make=None)
         end.synchronize()   # the clock is read only once the products are done
         samples.append(start.elapsed_time(end) / iters)
     ms = statistics.median(samples)
-    return {"ms": round(ms, 4), "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "iters": iters,
-            "input_sets": n_sets, "spread_pct": round(100 * (max(samples) - min(samples)) / ms, 1)}
+    return gemm_figures(flops, ms, samples, peak) | {"iters": iters, "input_sets": n_sets}
+
+
+def gemm_figures(flops: float, ms: float, samples: list[float], peak: float | None) -> dict:
+    """ms, TFLOP/s, % of peak and spread of one timed product. The % is taken from the unrounded
+    rate: it was taken from the TFLOP/s rounded to 0.1 (a 0.04 TFLOP/s row read 0% of any peak)."""
+    rate = flops / (ms * 1e-3)
+    return {"ms": round(ms, 4), "tflops": round(rate / 1e12, 1),
+            "pct_of_peak": round(100 * rate / peak, 1) if peak else None,
+            "spread_pct": round(100 * (max(samples) - min(samples)) / ms, 1)}
 
 
 def burn_in(seconds: float, shape, device, emit) -> None:
@@ -374,15 +382,20 @@ def parse_args(argv=None):
     args.linears = parse_linears(args.linears) if args.linears else []
     args.mlp = parse_mlp(args.mlp) if args.mlp else None
     args.qk = parse_qk(args.qk) if args.qk else None
-    accepted = LINEAR_DTYPES if (args.linears or args.mlp) else DTYPES
+    # --qk times bf16 only: another dtype was accepted and silently not run
+    accepted = LINEAR_DTYPES if (args.linears or args.mlp) else ("bf16",) if args.qk else DTYPES
     # None = the default list; an explicit "" is an empty list, refused below (it silently meant "all")
     args.dtypes = args.dtypes.split(",") if args.dtypes is not None else list(accepted)
     for d in args.dtypes:
         if d not in accepted:
-            flag = "--dtypes (with --linears)" if args.linears else "--dtypes (with --mlp)" if args.mlp else "--dtypes"
+            mode = "--linears" if args.linears else "--mlp" if args.mlp else "--qk" if args.qk else None
+            flag = f"--dtypes (with {mode})" if mode else "--dtypes"
             raise ValueError(f"{flag}: got {d!r}; accepted: {'|'.join(accepted)}")
     if args.layouts and not args.linears:
         raise ValueError("--layouts: only with --linears")
+    if args.burn_in and (args.linears or args.mlp or args.qk):   # it was ignored without a word
+        raise ValueError(f"--burn-in: got {args.burn_in}; accepted: 0 with --linears, --mlp or --qk "
+                         "(the burn-in follows the --shapes table)")
     check_alignment(args)
     if args.reps < 3:
         raise ValueError(f"--reps: got {args.reps}; need >= 3 for a median")
@@ -407,7 +420,7 @@ def main(argv=None) -> int:
               "cublas": torch.backends.cuda.preferred_blas_library().name
               if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
     print(json.dumps({"header": True, **header}), flush=True)
-    peaks = resolve_peaks(spec, dict.fromkeys(["bf16", *dtypes]) if qk else dtypes, args.peak_flops)
+    peaks = resolve_peaks(spec, dtypes, args.peak_flops)
     if mlp or qk:   # Triton GEMMs and compiled passes: the workarounds training applies (ptxas on a GB10, ...)
         apply_patches(spec, kernel="triton", compile=True)
     if linears:
@@ -422,8 +435,7 @@ def main(argv=None) -> int:
         for shape in shapes:
             rec = {"dtype": dtype, "shape": "x".join(map(str, shape)), "device": spec.name}
             try:
-                rec.update(time_gemm(dtype, shape, reps=args.reps, l2_bytes=l2, device=device))
-                rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+                rec.update(time_gemm(dtype, shape, reps=args.reps, l2_bytes=l2, device=device, peak=peak))
             except (RuntimeError, TypeError, ValueError) as exc:
                 rec["unsupported"] = str(exc).splitlines()[0][:160]
             print(json.dumps(rec), flush=True)
@@ -443,8 +455,7 @@ def main(argv=None) -> int:
 
 def _timed_row(rec: dict, dtype: str, shape, make, reps: int, l2: int, peak, device) -> dict:
     """rec + time_gemm's figures + pct_of_peak, printed as one JSON line."""
-    rec.update(time_gemm(dtype, shape, reps=reps, l2_bytes=l2, device=device, make=make))
-    rec["pct_of_peak"] = round(100 * rec["tflops"] * 1e12 / peak, 1) if peak else None
+    rec.update(time_gemm(dtype, shape, reps=reps, l2_bytes=l2, device=device, make=make, peak=peak))
     print(json.dumps(rec), flush=True)
     torch.cuda.empty_cache()
     return rec

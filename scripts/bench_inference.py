@@ -7,7 +7,8 @@ decode memory-bandwidth utilisation, for a randomly initialised model (d20-sized
         --batch-sizes 1,4 --vocab-size 4096                              # a CPU smoke run
 
 Prints one JSON line per measurement and a table. Bandwidth utilisation = (bytes of the weights
-every decode step reads + bytes of KV cache it reads) / step time / the device's bandwidth from
+every decode step reads (every matrix whole, the embedding rows it gathers) + bytes of KV cache it
+reads) / step time / the device's bandwidth from
 nanochat.platform's device table (absent for CPUs and unknown GPUs). The KV bytes are what the mode
 actually reads: eager/compile, the persistent batch-1 step and the static/graphs steps' Triton
 decode kernel (CUDA, --decode-kernel triton|triton_fused: its masked loads skip invisible keys)
@@ -108,6 +109,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.graph_step or set(args.graph_step) - set(GRAPH_STEPS):
         raise ValueError(f"--graph-step: got {','.join(args.graph_step)!r}; accepted: comma-separated "
                          f"{'|'.join(GRAPH_STEPS)}")
+    # combinations the Engine refuses, refused here: they raised after the model was built (d20 on
+    # a CPU: minutes), or in the middle of a run after the rows before them
+    if "persistent" in args.graph_step and "off" in args.fused_qkv:
+        raise ValueError("--graph-step persistent: reads the fused q/k/v weights; it cannot run with "
+                         "--fused-qkv off (accepted: --fused-qkv on, or a --graph-step list without persistent)")
+    if "graphs" in args.decode and args.device in ("cpu", "mps"):
+        raise ValueError(f"--decode graphs: needs a CUDA device, got --device {args.device}; accepted there: "
+                         "auto|eager|compile|static")
     try:
         args.ttft_lengths = [int(n) for n in args.ttft_lengths.split(",") if n.strip()]
     except ValueError:
@@ -157,12 +166,21 @@ def build_model(args, rt):
     return model.to(rt.dtype).eval()
 
 
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every matrix (int8 ones with their scales);
-    embedding tables are row lookups."""
+def weight_bytes_per_step(model, batch: int = 0) -> int:
+    """Bytes of weights a decode step of `batch` rows reads: every matrix, read whole (lm_head
+    included; int8 ones with their scales) and the per-layer scalars, plus the embedding rows it
+    gathers: one row of the token table and one of each value-embedding table per row (the tables
+    themselves are never streamed). RMSNorm has no weights. batch 0: the matrices alone."""
     from nanochat.quantize import matrix_bytes
 
-    return matrix_bytes(model)
+    return matrix_bytes(model) + batch * lookup_row_bytes(model)
+
+
+def lookup_row_bytes(model) -> int:
+    """Bytes one row's decode step gathers from the embedding tables: a token-table row and, per
+    value-embedding layer, a row of its table."""
+    tables = [model.wte.weight] + [e.weight for e in model.value_embeds.values()]
+    return sum(t.shape[1] * t.element_size() for t in tables)
 
 
 def kv_bytes_per_step(engine, batch: int, first_pos: int, n: int) -> float:
@@ -278,7 +296,7 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
             firsts.append(t1 - t0)
             decodes.append(t2 - t1)
     step = statistics.median(decodes) / n
-    weights = weight_bytes_per_step(engine.model)
+    weights = weight_bytes_per_step(engine.model, batch)
     kv = kv_bytes_per_step(engine, batch, len(prompt), n)
     row = {"bench": "decode", "decode": label(engine), "batch": batch, "prompt_len": len(prompt),
            "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,

@@ -1,9 +1,10 @@
 """Loss-kernel and precision benchmark: python -m scripts.benchmark_kernels [--mode loss|model|both|cast|rope]
 
 loss mode: the fused linear + softcap + cross-entropy alone at (--rows, --n-embd, --vocab):
-  for each --kernels backend, forward+backward time (CUDA events, median of --reps), peak memory
-  above the inputs, and loss / grad agreement against `current` (relative L2 error). --compile
-  also compiles each loss function (how the model uses it).
+  for each --kernels backend (current: the model's default loss, as --kernel current trains),
+  forward+backward time (CUDA events, median of --reps), peak memory above the inputs, and loss /
+  grad agreement against `current` (relative L2 error). --compile also compiles each loss
+  function (how the model uses it).
 model mode: the real GPT (nanochat.gpt via nanochat.training.build_model) at --depth and
   --device-batch-size x --seq: for each kernel x precision, the same initial weights and batch;
   median forward+backward time -> tok/s and MFU (estimate_flops vs the dense bf16 peak), peak
@@ -29,7 +30,7 @@ import sys
 import torch
 
 from nanochat.flags import FlagParser, require, require_float, script_main
-from nanochat.kernels import build_loss_fn
+from nanochat.kernels import build_loss_fn, cross_entropy_loss
 from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops
 
 SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --rows 256 --n-embd 64 --vocab 512 "
@@ -41,8 +42,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _timed(fn, reps: int, device, inner: int = 1) -> float:
-    """Median milliseconds of fn() (CUDA events; wall clock after the work on CPU). `inner` > 1
-    times that many back-to-back calls per sample and divides: for kernels of ~0.1 ms, whose
+    """Median milliseconds of fn() (CUDA events; elsewhere the wall clock between synchronisations).
+    `inner` > 1 times that many back-to-back calls per sample and divides: for kernels of ~0.1 ms, whose
     launch from Python (~20-40 us) would otherwise sit inside a single call's events while the
     GPU waits; queued back to back, the launches overlap the previous call's work, as in training."""
     import time
@@ -57,10 +58,20 @@ def _timed(fn, reps: int, device, inner: int = 1) -> float:
             end.synchronize()
             samples.append(start.elapsed_time(end) / inner)
         else:
+            # MPS queues its work like CUDA: without a synchronize on either side the clock timed
+            # the launches (model mode on a Mac printed a tok/s and MFU of the host's Python alone)
+            _sync(device)
             t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            samples.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(samples)
+
+
+def _sync(device) -> None:
+    if device.type == "mps":
+        torch.mps.synchronize()
 
 
 LOSS_VOCAB = 65536    # loss mode: a large head, where fusing the loss matters most
@@ -83,7 +94,10 @@ def bench_loss(args, device) -> list[dict]:
                "compile": args.compile, "dtype": str(dtype).replace("torch.", "")}
         try:
             base, _, chunk = name.partition("@")   # triton@8192: rows per chunk
-            fn = build_loss_fn(base, device, chunk_rows=int(chunk or 0))
+            # `current` = what --kernel current trains with (the model's cross_entropy_loss, saving
+            # bf16 logits); build_loss_fn("current") is the fp32 reference chain the tests compare
+            # with, whose time and memory (two fp32 (N, V) tensors kept) this row used to print
+            fn = cross_entropy_loss if base == "current" else build_loss_fn(base, device, chunk_rows=int(chunk or 0))
             if args.compile:
                 fn = torch.compile(fn)
             h = hidden.clone().requires_grad_()
@@ -217,7 +231,7 @@ def bench_cast(args, device) -> list[dict]:
                         args.reps, device, inner=20)
             name = "x".join(map(str, tile[:2])) + f"w{tile[2]}" + ("n" if tile[3] else "m")   # n: row-band order
             rows.append({"mode": "cast", "kernel": name, "shape": [m, n],
-                         "ms": ms, "tflops": f"{4 * m * n / ms / 1e6:.0f}GB/s", "bit_equal": same})
+                         "ms": ms, "gbs": traffic_gbs(4 * m * n, ms), "bit_equal": same})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -246,20 +260,27 @@ def bench_rope(args, device) -> list[dict]:
             diff = (fn().float() - ref.float()).abs().max().item()
             ms = _timed(fn, args.reps, device, inner=20)
             rows.append({"mode": "rope", "kernel": name, "layout": layout, "shape": [B, T, H, D], "ms": ms,
-                         "tflops": f"{3 * y.numel() * 2 / ms / 1e6:.0f}GB/s", "max_abs_diff": diff})
+                         "gbs": traffic_gbs(3 * 2 * y.numel(), ms), "max_abs_diff": diff})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
+def traffic_gbs(num_bytes: float, ms: float) -> float:
+    """GB/s (10^9 bytes per second) of `num_bytes` moved in `ms` milliseconds. The cast and rope rows
+    printed this as a string ("850GB/s") under the key "tflops": a JSON reader comparing TFLOP/s
+    across rows took a bandwidth for a FLOP rate."""
+    return round(num_bytes / (ms * 1e-3) / 1e9, 1)
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF':>10} {'MFU%':>6} {'memGiB':>7} "
+    print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF|GB/s':>14} {'MFU%':>6} {'memGiB':>7} "
           f"{'loss_err':>9} {'grad_err':>9}  error")
     for r in rows:
-        speed = r.get("tok_per_sec", r.get("tflops", ""))
+        speed = r.get("tok_per_sec", r.get("tflops", f"{r['gbs']} GB/s" if "gbs" in r else ""))
         grad = r.get("grad_hidden_rel_err", r.get("head_grad_rel_err"))
         fmt = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "n/a"  # noqa: E731
         print(f"{r['mode']:<6} {r['kernel']:<8} {r.get('precision', '-'):<6} {fmt(r.get('ms'), '.2f'):>9} "
-              f"{str(speed):>10} {fmt(r.get('mfu_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.2f'):>7} "
+              f"{str(speed):>14} {fmt(r.get('mfu_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.2f'):>7} "
               f"{fmt(r.get('loss_rel_err'), '.1e'):>9} {fmt(grad, '.1e'):>9}  {r.get('error', '')}")
 
 
@@ -290,7 +311,8 @@ def parse_args(argv=None):
     args.precisions = args.precisions.split(",")
     for k in args.kernels:
         base, _, chunk = k.partition("@")
-        if base not in ("current", "liger", "triton") or (chunk and not chunk.isdigit()):
+        if base not in ("current", "liger", "triton") or (chunk and not chunk.isdigit()) or \
+                ("@" in k and (base != "triton" or not chunk)):   # current@N / liger@N: the chunk was silently ignored
             raise ValueError(f"--kernels: got {k!r}; accepted: current|liger|triton (triton@ROWS sets the chunk)")
     for entry in args.precisions:
         precision, _, backend = entry.partition(":")

@@ -3,10 +3,12 @@
 Builds the model as training does (precision recipe, loss kernel, torch.compile, MuonAdamW),
 warms up, then
 1. times --steps steps of --accum micro-batches each (default 1; base_train accumulates 16 at d20)
-   split into data / forward / backward / optimizer with CUDA events (median per phase; the phases
-   are serialised by the events, so their sum is the step); with --accum > 1 the timings and the
-   kernel profile include the gradient accumulation of micro-batches 2..n, inside the Trainer's
-   block (master weights cast once, gradients summed in place: --no-cast-once for the plain path);
+   split into weights (the once-per-step cast, with --accum > 1) / data / forward / backward /
+   optimizer with CUDA events: the median of each phase, its share of their sum, and the step as
+   the median of the steps' own totals (tok/s is taken from that); with --accum > 1 the timings
+   and the kernel profile include the gradient accumulation of micro-batches 2..n, inside the
+   Trainer's block (master weights cast once, gradients summed in place: --no-cast-once for the
+   plain path);
 2. (CUDA) measures memory per phase of one more step: the allocated bytes before it (weights
    and optimizer state), after the forward (+ what autograd saved for backward) and the peak of
    each phase, once for a first micro-batch (no gradients yet) and once for an accumulating one
@@ -55,24 +57,34 @@ def make_batch(args, device, gen):
     return data[:, :-1], data[:, 1:]
 
 
+def casts_once(args, rt) -> bool:
+    """Whether a step starts by casting the master weights (step_block enabled)."""
+    from nanochat.training import casts_pay
+    return args.cast_once and casts_pay(args.accum, rt.dtype)
+
+
 def step_block(args, rt, model):
     """What nanochat.training.Trainer wraps a step's micro-batches in: the master weights cast once
     and the weights' gradients summed in place (nanochat/weight_cache.py), when it accumulates;
     --no-cast-once profiles the plain path (per-use casts, autograd's accumulation)."""
     from nanochat import weight_cache
-    from nanochat.training import casts_pay
-    enabled = args.cast_once and casts_pay(args.accum, rt.dtype)
-    return weight_cache.step_weights(model, rt.dtype, enabled=enabled, sinks=True)
+    return weight_cache.step_weights(model, rt.dtype, enabled=casts_once(args, rt), sinks=True)
 
 
-def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict[str, float]:
-    """Median ms per phase of a step of --accum micro-batches (data, forward, backward summed over
-    them) and one optimizer step. `monitor` (a GpuMonitor) is started with the first timed step:
-    started before the warm-up, its clock and power figures were mostly the idle GPU of the
+def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict:
+    """{"phases": median ms per phase, "step_ms": median of the steps' totals} for steps of --accum
+    micro-batches (data, forward, backward summed over them), one optimizer step and, when the step
+    casts its weights once (casts_once), that cast ("weights", before the first micro-batch: it
+    was left out of every phase, and of the step). {} off CUDA. The step is the median of whole
+    steps: the sum of the phase medians (what tok/s was taken from) is no step's time when the slow
+    steps are slow in different phases. `monitor` (a GpuMonitor) is started with the first timed
+    step: started before the warm-up, its clock and power figures were mostly the idle GPU of the
     compilation (tens of seconds against a few seconds of timed steps)."""
     gen = torch.Generator().manual_seed(0)
-    phases = ("data", "forward", "backward", "optimizer")
+    casting = casts_once(args, rt)
+    phases = (("weights",) if casting else ()) + ("data", "forward", "backward", "optimizer")
     samples = {p: [] for p in phases}
+    totals = []
     cuda = rt.device.type == "cuda"
     for i in range(args.warmup + args.steps):
         if i == args.warmup and monitor is not None:
@@ -86,6 +98,8 @@ def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict[str, floa
                 ev.record()
                 marks.append((phase, ev))
 
+        if casting:
+            mark("weights")
         with step_block(args, rt, model):
             for _ in range(args.accum):
                 mark("data")
@@ -106,7 +120,10 @@ def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict[str, floa
                     ms[phase] += a.elapsed_time(b)
                 for p in phases:
                     samples[p].append(ms[p])
-    return {p: statistics.median(v) for p, v in samples.items()} if cuda else {}
+                totals.append(sum(ms.values()))
+    if not cuda:
+        return {}
+    return {"phases": {p: statistics.median(v) for p, v in samples.items()}, "step_ms": statistics.median(totals)}
 
 
 def memory_phases(args, rt, model, run, optimizer) -> dict[str, float]:
@@ -285,13 +302,18 @@ def main(argv=None) -> int:
     from nanochat.gpu_monitor import GpuMonitor
     monitor = GpuMonitor(rt.device)  # the GPU's clocks and power cap over the timed steps only
     try:
-        split = timed_steps(args, rt, model, run, optimizer, monitor)
+        timing = timed_steps(args, rt, model, run, optimizer, monitor)
     finally:
         monitor.stop()  # also when a step fails: no sampler left running
     print(json.dumps({"gpu": monitor.summary()}), flush=True)
-    step_ms = sum(split.values())
+    split, step_ms = timing.get("phases", {}), timing.get("step_ms")
+    phase_sum = sum(split.values())   # the shares add up to 100% of the phase medians' sum
     for phase, ms in split.items():
-        print(json.dumps({"phase": phase, "ms": round(ms, 3), "share_pct": round(100 * ms / step_ms, 1)}))
+        print(json.dumps({"phase": phase, "ms": round(ms, 3), "share_pct": round(100 * ms / phase_sum, 1)}))
+    if split:
+        tok_s = args.accum * args.device_batch_size * args.seq / (step_ms * 1e-3)
+        print(json.dumps({"step_ms": round(step_ms, 3), "tok_per_s": round(tok_s), "steps": args.steps,
+                          "phase_medians_sum_ms": round(phase_sum, 3)}), flush=True)
     memory = memory_phases(args, rt, model, run, optimizer) if rt.device.type == "cuda" else {}
     if memory:
         print(json.dumps({"memory_gib": memory}), flush=True)
@@ -299,9 +321,8 @@ def main(argv=None) -> int:
     for row in top:
         print(json.dumps(row))
     if split:
-        tok_s = args.accum * args.device_batch_size * args.seq / (step_ms * 1e-3)
-        print(f"\nstep {step_ms:.1f} ms ({tok_s:,.0f} tok/s): " +
-              ", ".join(f"{k} {v:.1f} ms ({100 * v / step_ms:.0f}%)" for k, v in split.items()))
+        print(f"\nstep {step_ms:.1f} ms (median of {args.steps}; {tok_s:,.0f} tok/s); phase medians: " +
+              ", ".join(f"{k} {v:.1f} ms ({100 * v / phase_sum:.0f}%)" for k, v in split.items()))
     if memory:
         print("memory GiB: " + ", ".join(f"{k} {v}" for k, v in memory.items()))
     print(f"\n{'share%':>6} {'ms/step':>8} {'calls':>6} {'mean us':>8}  kernel")
