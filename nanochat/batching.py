@@ -19,7 +19,9 @@ every live request as rows of one step:
     highest occupied slot: a lone request keeps the batch-1 step (on an H100 the persistent
     kernel). When rows finish, the highest live rows move down into the free slots
     (`KVCache.copy_row`, only when that shrinks the step).
-  * Admission: FIFO; a request waits until `num_samples` slots are free. Between two decode
+  * Admission: FIFO; a request waits until `num_samples` slots are free (a head needing more
+    slots than are free holds back smaller requests behind it: no starvation of large `n`; a long
+    request holds only its own rows, so short ones keep flowing through the others). Between two decode
     steps its prompt is prefilled alone (batch 1) and copied into its slots; the other rows pause
     for that prefill (no chunked prefill). Where the engine's graph steps are compiled the
     prefill is the model's dynamic compile too: an eager d20 prefill is host-bound, 20-26 ms for
@@ -30,12 +32,18 @@ every live request as rows of one step:
   * Sampling: each request keeps its own Sampler (seed, temperature, top-k, top-p) over its own
     rows' logits, so its draws do not depend on what else runs; only the batched step's float
     roundings can differ from a lone run.
-  * Cancellation: closing a request's generator (a client that went away) frees its slots
-    before the next step. Errors: an exception in a step is raised in the generator of every
-    request in flight; the scheduler then serves the next ones.
+  * Cancellation: `generate` returns a `RequestStream`; its `cancel()` (any thread, e.g. the
+    server's event loop while the consumer thread is blocked waiting for a token) or `close()`
+    ends the consumer's iteration at once, takes a queued request out of the queue, and frees a
+    live one's slots at the next admission (before the next step). Errors: an exception in a
+    request's prefill is raised in that request's stream alone; one in a decode step in every
+    request in flight; the scheduler then serves the next ones. If the scheduler thread itself
+    dies (e.g. entering inference_weights() fails), every waiting request gets the error and the
+    next request starts a new thread, so no caller waits forever.
 
 The scheduler thread holds `engine.inference_weights()` for its life (the fused q/k/v copy
-stays allocated), so do not train or call the same Engine's generate from another thread.
+stays allocated), so do not train or call the same Engine's generate from another thread;
+`close()` ends it once idle and frees the cache (a later request starts it again).
 """
 
 from __future__ import annotations
@@ -81,6 +89,52 @@ def batch_sizes(slots: int) -> list[int]:
     return sizes + [slots]
 
 
+class RequestStream:
+    """What `BatchedEngine.generate` returns: an iterator of (column, masks) steps, as
+    Engine.generate's generator, that joins the scheduler's queue at its first `next()`.
+    `cancel()` may be called from any thread, also while the consumer is blocked in `next()` (a
+    generator cannot be closed from another thread while it runs): the consumer's read returns at
+    once and ends the iteration, the request leaves the queue or frees its slots before the next
+    step. `close()` is `cancel()`; so is dropping an unfinished stream."""
+
+    def __init__(self, batched: "BatchedEngine", req: _Request):
+        self._batched, self._req = batched, req
+        self._submitted = self._finished = False
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        if not self._submitted:
+            self._submitted = True
+            self._batched._submit(self._req)
+        item = self._req.out.get()
+        if item is _DONE or isinstance(item, BaseException):
+            self._finished = True
+            self._req.cancelled = True   # a no-op for the scheduler: the request has left it
+            if item is _DONE:
+                raise StopIteration
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        if not self._req.cancelled:
+            self._batched._cancel(self._req)
+
+    def close(self) -> None:
+        self._finished = True
+        self.cancel()
+
+    def __del__(self):
+        if self._submitted and not self._finished:
+            try:
+                self.cancel()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: module globals may be gone
+                pass
+
+
 class BatchedEngine:
     """Continuous batching over `engine`'s model (module docstring); `slots` rows at most, which
     also bounds one request's num_samples."""
@@ -99,6 +153,7 @@ class BatchedEngine:
         self._pending: deque[_Request] = deque()
         self._live: list[_Request] = []
         self._thread: threading.Thread | None = None
+        self._closing = False
         self.steps = self.rows_stepped = 0   # mean batch = rows_stepped / steps
         self.moves = 0                       # rows moved down by _compact
 
@@ -151,27 +206,28 @@ class BatchedEngine:
         eng = self.engine
         sampler = Sampler(eng.device, temperature, top_k, top_p, seed, eng.sampler_backend)
         req = _Request(tokens, n, min(max_tokens, eng.max_seq_len - len(tokens)), sampler, stops)
-        return self._stream(req)
+        return RequestStream(self, req)
 
-    def _stream(self, req: _Request):
+    def _submit(self, req: _Request) -> None:
         with self._wake:
+            if req.cancelled:   # cancelled before its first step was asked for
+                req.out.put(_DONE)
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="batching", daemon=True)
                 self._thread.start()
             self._pending.append(req)
             self._wake.notify()
-        try:
-            while True:
-                item = req.out.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            req.cancelled = True  # no-op once finished; otherwise the scheduler drops it
-            with self._wake:
-                self._wake.notify()
+
+    def _cancel(self, req: _Request) -> None:
+        """Any thread: a queued request leaves the queue now, a live one at the next admission;
+        the consumer's next (or current, blocked) read ends the stream."""
+        with self._wake:
+            req.cancelled = True
+            with contextlib.suppress(ValueError):
+                self._pending.remove(req)
+            self._wake.notify()
+        req.out.put(_DONE)
 
     @property
     def decode_mode(self) -> str:
@@ -202,43 +258,92 @@ class BatchedEngine:
         device = self.engine.device
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the scheduler thread once the requests it holds or queues are done, and free the
+        cache and decoders (a benchmark builds one BatchedEngine per mode: each kept its thread,
+        its inference_weights() and its whole-context cache). A later request starts again."""
+        with self._wake:
+            thread = self._thread
+            if thread is not None:
+                self._closing = True
+                self._wake.notify()
+        if thread is not None:
+            thread.join(timeout)
+        with self._wake:
+            if self._thread is None:
+                self._cache, self._decoders = None, {}
+                self._indices.clear()
+
     def _loop(self) -> None:
-        with self._on_device(), torch.inference_mode(), self.engine.inference_weights():
-            while True:
-                with self._wake:
-                    while not self._pending and not self._live:
-                        self._wake.wait()
-                try:
-                    self._ensure_decoders()
-                except Exception as e:  # no decoders (e.g. out of memory): nobody can be served
-                    with self._wake:
-                        failed, self._pending = list(self._pending), deque()
-                    for req in failed + self._live:
-                        req.out.put(e)
-                    self._live.clear()
-                    continue
-                try:
-                    self._admit()
-                    if self._live:
-                        self._step()
-                except Exception as e:  # the requests in flight see it; the scheduler goes on
-                    for req in self._live:
-                        req.out.put(e)
-                    self._live.clear()
+        """The scheduler thread. Whatever kills it (an exception outside a step, e.g. entering
+        inference_weights() runs out of memory) is raised in every request it holds or that is
+        waiting, and the next request starts a new thread: a dead scheduler left them waiting
+        forever."""
+        me = threading.current_thread()
+        try:
+            with self._on_device(), torch.inference_mode(), self.engine.inference_weights():
+                while self._serve_once():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - handed to the callers below, never swallowed
+            with self._wake:   # under the lock: a request submitted from now on starts a new thread
+                stranded = list(self._pending) + self._live if self._thread is me else []
+                if self._thread is me:
+                    self._pending.clear()
+                    self._live, self._thread, self._closing = [], None, False
+            for req in stranded:
+                req.out.put(e)
+
+    def _serve_once(self) -> bool:
+        """Admit and step once; False when close() asked this idle thread to stop."""
+        with self._wake:
+            while not self._pending and not self._live:
+                if self._closing:
+                    self._closing, self._thread = False, None
+                    return False
+                self._wake.wait()
+        try:
+            self._ensure_decoders()
+        except Exception as e:  # no decoders (e.g. out of memory): nobody can be served
+            with self._wake:
+                failed, self._pending = list(self._pending), deque()
+            for req in failed + self._live:
+                req.out.put(e)
+            self._live.clear()
+            return True
+        try:
+            self._admit()
+            if self._live:
+                self._step()
+        except Exception as e:  # the requests in flight see it; the scheduler goes on
+            for req in self._live:
+                req.out.put(e)
+            self._live.clear()
+        return True
 
     def _admit(self) -> None:
+        """Drop cancelled live requests (their slots are free from here on), then prefill the
+        queue's head while its slots are free. A failing prefill fails its own request only: it
+        wrote its prompt cache and its not-yet-live slots, nothing another request reads."""
+        for req in [r for r in self._live if r.cancelled]:
+            self._live.remove(req)
+            req.out.put(_DONE)
         while True:
             with self._wake:
-                while self._pending and self._pending[0].cancelled:
-                    self._pending.popleft().out.put(_DONE)
                 used = {s for r in self._live for s in r.slots}
                 free = [s for s in range(self.slots) if s not in used]
                 if not self._pending or len(free) < self._pending[0].num_samples:
                     return
                 req = self._pending.popleft()
             req.slots = free[:req.num_samples]
+            try:
+                self._prefill(req)
+            except Exception as e:  # e.g. out of memory for a long prompt: that request's error
+                req.out.put(e)
+                continue
+            if req.cancelled:   # its client left during the prefill: no step for it
+                req.out.put(_DONE)
+                continue
             self._live.append(req)
-            self._prefill(req)
 
     def _prefill(self, req: _Request) -> None:
         eng = self.engine

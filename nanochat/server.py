@@ -13,9 +13,9 @@ Concurrency: a `Worker` per generation slot; a request waits in a FIFO for a fre
 (`WorkerPool`), then generation runs in a thread (`_Job`) so the event loop stays free. With
 continuous batching (`replica_workers(engine, name, slots)`, slots > 1: chat_web's default) a
 replica's `slots` workers share one BatchedEngine (nanochat/batching.py), which decodes all their
-requests as rows of one step; with slots = 1 a replica serves one request at a time. The thread
-checks a cancel flag every token: a client that disconnects stops generation and frees its slot
-within one decode step.
+requests as rows of one step; with slots = 1 a replica serves one request at a time. A client that
+disconnects stops its generation (a flag checked every token; a batched request waiting for rows or
+its prefill leaves at once). /stats counts each request once: completed, errors or cancelled.
 
 Limits (`ServerSettings`, nanochat/chat_api.py) are checked before any model work; every violation is a 4xx JSON error
 in OpenAI's shape {"error": {"message", "type", "param", "code"}} and the server keeps serving; 429
@@ -150,7 +150,8 @@ class _Job:
     ("delta", [(index, text)], [(index, finish_reason)] of the choices that ended in this step
     while others go on), ("done", finish_reasons of all choices, usage), ("error", message). The
     choices that end last finish only with "done", sent after the engine's generator closed
-    cleanly: a failure there is an "error", never a stream that already said "stop"."""
+    cleanly: a failure there is an "error", never a stream that already said "stop". A stopped job
+    sends nothing more; the request side counts the outcome (_count_end, _release_unused)."""
 
     def __init__(self, pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int],
                  max_tokens: int, stats: dict):
@@ -159,6 +160,14 @@ class _Job:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        self.ended = False         # the request side read the final event ("done" / "error")
+        self._stop_engine = None   # the engine stream's cancel(), where it has one (BatchedEngine)
+
+    def stop(self) -> None:
+        """The client is gone (event loop): stop; a batched request waiting for rows leaves at once."""
+        self.cancel.set()
+        if self._stop_engine is not None:   # read after the set: _generate checks the flag after assigning it
+            self._stop_engine()
 
     def start(self) -> None:
         threading.Thread(target=self._run, name=f"gen-{self.worker.name}", daemon=True).start()
@@ -174,7 +183,6 @@ class _Job:
         try:
             self._generate()
         except Exception as e:  # reported to the client as a server_error; the server keeps serving
-            self.stats["errors"] += 1
             self._emit("error", f"generation failed: {type(e).__name__}: {e}")
         finally:
             self.worker.busy_seconds += time.perf_counter() - t0
@@ -194,10 +202,12 @@ class _Job:
         counts = [0] * n
         gen = engine.generate(self.prompt, num_samples=n, max_tokens=self.max_tokens, temperature=req.temperature,
                               top_k=req.top_k, top_p=req.top_p, seed=seed, stop_tokens=stops)
+        self._stop_engine = getattr(gen, "cancel", None)
         try:
+            if self.cancel.is_set():   # stopped before the engine's stream existed (stop() saw no _stop_engine)
+                return
             for column, _ in gen:
                 if self.cancel.is_set():
-                    self.stats["cancelled"] += 1
                     return
                 deltas, ended, step_tokens = [], [], 0
                 for i, token in enumerate(column):
@@ -220,13 +230,14 @@ class _Job:
                     break
         finally:
             gen.close()
+        if self.cancel.is_set():   # a cancelled batched stream ends like a finished one: no answer to send
+            return
         tails = [(i, streams[i].finish()) for i in range(n) if not finish[i]]
         if any(text for _, text in tails):
             self._emit("delta", [(i, t) for i, t in tails if t], [])
         finish = [f or "length" for f in finish]
         usage = {"prompt_tokens": len(self.prompt), "completion_tokens": sum(counts),
                  "total_tokens": len(self.prompt) + sum(counts)}
-        self.stats["completion_tokens"] += sum(counts)
         self._emit("done", finish, usage)
 
 
@@ -245,6 +256,14 @@ def _sse(obj) -> str:
 
 def _choice(i: int, delta: dict, finish: str | None = None) -> dict:
     return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _count_end(job: _Job, event: tuple) -> None:
+    """The request side read `job`'s final event: its outcome, counted once (event loop)."""
+    job.ended = True
+    job.stats["completed" if event[0] == "done" else "errors"] += 1
+    if event[0] == "done":
+        job.stats["completion_tokens"] += event[2]["completion_tokens"]
 
 
 async def _sse_events(job: _Job, meta: dict):
@@ -270,14 +289,15 @@ async def _sse_events(job: _Job, meta: dict):
                 yield chunks([_choice(i, {}, f) for i, f in event[2]])
                 ended.update(i for i, _ in event[2])
         elif event[0] == "done":
+            _count_end(job, event)
             left = [_choice(i, {}, f) for i, f in enumerate(event[1]) if i not in ended]
             if left:
                 yield chunks(left)
             if job.req.include_usage:
                 yield chunk([], event[2])
-            job.stats["completed"] += 1
             break
         else:
+            _count_end(job, event)
             yield _sse(ApiError(500, event[1]).body())
             break
     yield "data: [DONE]\n\n"
@@ -304,12 +324,13 @@ def _start_job(pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[
 
 
 def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict, failed: bool = False) -> None:
-    """Cleanup for a request leaving early (called from a `finally`): stop its job, or return / stop
-    waiting for a worker. A request that never got a job was cancelled while queued (a job counts
-    its own cancels), unless an error is what ends it (`failed`, or the exception this `finally`
-    propagates: e.g. the job failed to start): an error."""
+    """Cleanup as a request's response ends (from a `finally`): stop its job, or return / stop waiting
+    for a worker. A job whose final event was not read was cancelled (also right at completion), a
+    request without one while queued, unless an error ends it (`failed`, or the exception propagating)."""
     if job is not None:
-        job.cancel.set()
+        job.stop()
+        if not job.ended:
+            stats["cancelled"] += 1
         return
     ending = sys.exc_info()[1]   # the exception this `finally` propagates, if any
     failed = failed or (ending is not None and not isinstance(ending, (GeneratorExit, asyncio.CancelledError)))
@@ -451,8 +472,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                              "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2),
                              "weights": weights_format(w.engine)}
                             for w in pool.workers],
-                "batching": [{"slots": e.slots, "steps": e.steps, "rows_stepped": e.rows_stepped,
-                              "mean_batch": round(e.rows_stepped / max(e.steps, 1), 2)}
+                "batching": [{"slots": e.slots, "live_rows": e.live_rows, "waiting": e.waiting, "steps": e.steps,
+                              "rows_stepped": e.rows_stepped, "mean_batch": round(e.rows_stepped / max(e.steps, 1), 2)}
                              for e in {id(w.engine): w.engine for w in pool.workers}.values() if hasattr(e, "slots")],
                 "context_len": engine.max_seq_len, "limits": settings.public()}
 
@@ -548,11 +569,12 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                     for i, t in event[1]:
                         texts[i].append(t)
                 elif event[0] == "done":
-                    stats["completed"] += 1
+                    _count_end(job, event)
                     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                                 "logprobs": None, "finish_reason": f} for i, f in enumerate(event[1])]
                     return {**meta, "object": "chat.completion", "choices": choices, "usage": event[2]}
                 else:
+                    _count_end(job, event)
                     raise ApiError(500, event[1])
         finally:
             gone.cancel()

@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.graph_step not in GRAPH_STEPS:
         raise ValueError(f"--graph-step: got {args.graph_step!r}; accepted: {'|'.join(GRAPH_STEPS)}")
     check_model_flags(args)
+    if args.decode == "graphs" and args.device in ("cpu", "mps"):   # else the Engine refuses after the model
+        raise ValueError(f"--decode: got 'graphs' with --device {args.device}; accepted there: "
+                         "auto|eager|compile|static (graphs needs CUDA)")
     return args
 
 
@@ -82,12 +85,18 @@ def run_mode(engine, slots: int, prompts: list[list[int]], args) -> dict:
 
     batched = BatchedEngine(engine, slots) if slots > 1 else None
     warm = batched.warmup() if batched else engine.warmup(batch_sizes=(1,))
-    lock, todo, results = threading.Lock(), list(range(len(prompts))), []
+    lock, todo, results, errors = threading.Lock(), list(range(len(prompts))), [], []
 
     def client():
+        try:
+            serve_requests()
+        except Exception as e:  # noqa: BLE001 - re-raised by run_mode: figures over fewer requests were printed
+            errors.append(e)
+
+    def serve_requests():
         while True:
             with lock:
-                if not todo:
+                if not todo or errors:
                     return
                 i = todo.pop(0)
             t0, first, n = time.perf_counter(), None, 0
@@ -111,6 +120,11 @@ def run_mode(engine, slots: int, prompts: list[list[int]], args) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if batched is not None:
+        batched.close()   # its thread, cache and decoders would stay for the next mode
+    if errors:
+        raise RuntimeError(f"bench_serving: slots {slots}: a request failed ({len(results)} of {len(prompts)} "
+                           f"done): {type(errors[0]).__name__}: {errors[0]}") from errors[0]
     lat, ttft = [r[0] for r in results], [r[1] for r in results]
     tokens = sum(r[2] for r in results)
     return {"bench": "serving", "slots": slots, "clients": args.clients, "requests": len(results),

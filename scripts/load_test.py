@@ -58,7 +58,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     require(args.port <= 65535, "--port", args.port, "0 (a free one) .. 65535")
     if args.url is not None:
         require(args.url.startswith(("http://", "https://")), "--url", args.url, "an http:// or https:// URL")
-    elif args.source == "random":
+        return args
+    # the server this script starts: what it would refuse (the child died before, or every
+    # request failed with a 400) is refused here, before the model is built
+    from nanochat.chat_api import ServerSettings
+
+    limit = ServerSettings().max_max_tokens
+    require(args.max_tokens <= limit, "--max-tokens", args.max_tokens, f"1..{limit} (the started server's limit)")
+    if args.api_key is not None and len(args.api_key) < 8:
+        raise ValueError("--api-key ($NANOCHAT_API_KEY): got a key shorter than 8 characters; accepted: >= 8 "
+                         "characters (the started server's minimum)")
+    if args.source == "random":
         corpus_shards(args.corpus)  # the started server's tokenizer text must be there
     return args
 
@@ -115,7 +125,7 @@ def serve(args) -> int:
     workers = replica_workers(engine, "cpu", args.batch_slots)
     workers[0].engine.warmup()
     app = create_app(WorkerPool(workers), settings)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
 
 
@@ -207,6 +217,22 @@ def pct(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
+async def server_counters(client, url: str) -> dict | None:
+    """The server's /stats request counters (None where /stats is not readable, e.g. another key)."""
+    try:
+        r = await client.get(url + "/stats", timeout=10)
+        return r.json()["requests"] if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an optional figure: a server without /stats still gets load-tested
+        return None
+
+
+def counters_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What the load added to the server's counters (chat_requests, completed, cancelled, ...)."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
 async def run_load(args, url: str, proc) -> dict:
     import httpx
 
@@ -215,6 +241,7 @@ async def run_load(args, url: str, proc) -> dict:
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client, \
             httpx.AsyncClient(timeout=10) as health_client:
         await wait_healthy(health_client, url, proc)
+        counters = await server_counters(client, url)
         stop, health = asyncio.Event(), []
         poller = asyncio.create_task(poll_health(health_client, url, args.health_interval, stop, health))
         gate = asyncio.Semaphore(args.concurrency)
@@ -228,6 +255,7 @@ async def run_load(args, url: str, proc) -> dict:
         wall = time.perf_counter() - t0
         stop.set()
         await poller
+        counters = counters_delta(counters, await server_counters(client, url))
     ok = [r for r in results if r["error"] is None]
     errors = [r["error"] for r in results if r["error"] is not None]
     lat, ttft = [r["latency"] for r in ok], [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -240,7 +268,7 @@ async def run_load(args, url: str, proc) -> dict:
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
             "health_checks": len(health), "health_failures": sum(1 for _, good in health if not good),
             "health_p50_ms": pct(health_ms, 0.5), "health_p95_ms": pct(health_ms, 0.95),
-            "health_max_ms": max(health_ms, default=None)}
+            "health_max_ms": max(health_ms, default=None), "server_counters": counters}
 
 
 def main(argv=None) -> int:
@@ -253,7 +281,11 @@ def main(argv=None) -> int:
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:   # a server stuck in shutdown must not outlive the test
+                proc.kill()
+                proc.wait()
     print(json.dumps(result), flush=True)
     f = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.1f}"  # noqa: E731
     print(f"\n{result['requests']} streaming requests, concurrency {result['concurrency']}, "
@@ -266,7 +298,17 @@ def main(argv=None) -> int:
     print(f"{'/health (ms)':<22}{f(result['health_p50_ms']):>10}{f(result['health_p95_ms']):>10}"
           f"{f(result['health_max_ms']):>10}   ({result['health_checks']} checks, "
           f"{result['health_failures']} failed)")
-    return 0 if result["errors"] == 0 and result["health_failures"] == 0 else 1
+    counted = result["server_counters"]
+    consistent = True
+    if counted is not None:
+        print(f"server /stats added: {', '.join(f'{k} {v}' for k, v in sorted(counted.items()))}")
+        # the server this script started served only this load: its counts must be exactly it
+        consistent = args.url is not None or (
+            counted.get("chat_requests", 0) == result["requests"] and counted.get("completed", 0) == result["ok"]
+            and counted.get("completion_tokens", 0) == result["tokens"])
+        if not consistent:
+            print("server /stats disagree with what the clients saw", file=sys.stderr)
+    return 0 if result["errors"] == 0 and result["health_failures"] == 0 and consistent else 1
 
 
 if __name__ == "__main__":
