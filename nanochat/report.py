@@ -26,8 +26,11 @@ generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(
 is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots and the
 time table show each stage's current run: rows of an earlier run of the stage, or of steps a
 resumed run redid, are left out (and counted).
+A stage whose latest metrics run logged no training section after it is marked "(unfinished)";
+RL's mean reward per step is summarised (a run rewarded 0 at every step said nothing of it).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
-one line, exit 2); metrics lines that are not JSON objects (a torn write) are skipped.
+one line, exit 2); metrics lines that are not JSON objects (a torn write) are skipped and counted in
+report.md. Without matplotlib report.md is written without plots and says why.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ from pathlib import Path
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
-from nanochat.report_md import NOTES, _entries_md, _hms, _value_notes
+from nanochat.report_md import (NOTES, STAGES, _entries_md, _entry_time, _hms, _num, _reward_notes,
+                                _stage_of, _stage_rank, _unfinished_runs, _value_notes)
 
-STAGES = ("base", "mid", "sft", "rl")
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     # base_eval's bpb on the pretraining val split (of any stage's checkpoint: comparable); training
     # sections' own last val bpb (mid/SFT on their conversation mixtures: not comparable)
@@ -128,26 +131,26 @@ def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _stage_rank(stage: str | None) -> int:
-    """Pipeline position (base < mid < sft < rl), other stages after them."""
-    return STAGES.index(stage) if stage in STAGES else len(STAGES)
-
-
-def read_metrics(base_dir=None) -> dict[str, list[dict]]:
+def read_metrics(base_dir=None, bad: dict[str, int] | None = None) -> dict[str, list[dict]]:
     """stage -> rows of every metrics_<stage>.jsonl, in pipeline order (by file name, rl came before
-    sft in the time table and the plots' legends); unparseable lines (a torn write) skipped."""
+    sft in the time table and the plots' legends); lines that are not JSON objects (a torn write)
+    skipped and counted in `bad` (file name -> lines), which report.md names: they were dropped silently."""
     out = {}
     paths = report_dir(base_dir).glob("metrics_*.jsonl")
     for path in sorted(paths, key=lambda p: (_stage_rank(p.stem[len("metrics_"):]), p.name)):
-        rows = []
+        rows, skipped = [], 0
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                row = None
             if isinstance(row, dict):
                 rows.append(row)
+            else:
+                skipped += bool(line.strip())
         out[path.stem[len("metrics_"):]] = rows
+        if skipped and bad is not None:
+            bad[path.name] = skipped
     return out
 
 
@@ -292,26 +295,6 @@ def _slug(section: str) -> str:
     return slug
 
 
-def _stage_of(section: str, data: dict) -> str | None:
-    if isinstance(data.get("stage"), str) and data["stage"] in STAGES:
-        return data["stage"]
-    words = re.findall(r"[a-z]+", section.lower())
-    for stage, names in (("base", ("base",)), ("mid", ("mid", "midtraining")), ("sft", ("sft",)), ("rl", ("rl",))):
-        if any(w in names for w in words):
-            return stage
-    return None
-
-
-def _entry_time(entry: dict) -> float:
-    """When a section entry was logged (epoch seconds): "t", else its ISO "time" (older files)."""
-    if isinstance(entry.get("t"), (int, float)):
-        return float(entry["t"])
-    try:
-        return datetime.fromisoformat(str(entry.get("time"))).timestamp()
-    except ValueError:
-        return 0.0
-
-
 def _write_bytes(path: Path, data: bytes) -> None:
     """Atomic (temp file + os.replace, a per-process temp name): a crash or a concurrent writer
     never leaves a torn file, which the next `generate` would refuse as corrupt."""
@@ -436,21 +419,34 @@ class Report:
         self._mkdir(self.dir)
         header_path = self.dir / "header.json"
         header = _read_json(header_path, "header", _valid_header) if header_path.is_file() else {"system": system_info()}
-        runs = {stage: current_run(rows) for stage, rows in read_metrics(self.dir.parent).items()}
+        bad: dict[str, int] = {}
+        runs = {stage: current_run(rows) for stage, rows in read_metrics(self.dir.parent, bad).items()}
         metrics = {stage: rows for stage, (rows, _) in runs.items()}
         superseded = {stage: n for stage, (_, n) in runs.items() if n}
-        plots = make_plots(metrics, self.dir / "plots") if metrics else []
+        try:
+            plots = make_plots(metrics, self.dir / "plots") if metrics else []
+        except ImportError as e:   # a report without plots, not a traceback after the whole pipeline
+            plots = f"_No plots: matplotlib could not be imported ({e}); `uv pip install matplotlib`, then rerun " \
+                    "`python -m nanochat.report generate`._"
         lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
                  + (f"; run started {header['start']}" if "start" in header else ""), "", "## Environment", ""]
         if "start" not in header:
             lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
         sections = self.sections()
-        lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost)
-        if superseded:
-            lines += [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
-                      "redid) left out of the plots and this table" for stage, n in superseded.items()] + [""]
-        if plots:
+        unfinished = _unfinished_runs(metrics, sections)
+        lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost, unfinished)
+        notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
+                 "redid) left out of the plots and this table" for stage, n in superseded.items()]
+        notes += [f"- {stage} (unfinished): its latest run {why}: it was interrupted, failed or is still running; the "
+                  "plots and this table show that run, the stage's section and summary values an earlier one, if any"
+                  for stage, why in unfinished.items()]
+        notes += _reward_notes(metrics)
+        notes += [f"- {name}: {n} line(s) that are not JSON objects (a torn write) skipped" for name, n in bad.items()]
+        lines += notes + ([""] if notes else [])
+        if isinstance(plots, str):
+            lines += ["## Plots", "", plots, ""]
+        elif plots:
             lines += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
         for doc in sections:
             lines += [f"## {doc['section']}", "", *_entries_md(doc["entries"])]
@@ -481,10 +477,6 @@ def _section_key(doc: dict) -> tuple:
     trained = any(isinstance(e["data"], dict) and "final_step" in e["data"] for e in entries)
     return (-1 if stage is None else _stage_rank(stage), not trained,
             _entry_time(entries[0]) if entries else 0.0, doc["section"])
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None]]:
@@ -518,11 +510,13 @@ def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict
 
 
 def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header: dict,
-                   hourly_cost: float | None) -> list[str]:
+                   hourly_cost: float | None, unfinished: dict[str, str] | None = None) -> list[str]:
     rows, span = _time_rows(metrics, sections), _run_span(metrics, sections, header)
     total = sum(seconds for *_, seconds in rows if seconds is not None)
+    mark = {stage: f"{stage} (unfinished)" for stage in unfinished or {}}
     lines = ["## Time and cost", "", "| Stage | steps | wall clock |", "|---|---|---|",
-             *(f"| {label} | {steps} | {'not logged' if s is None else _hms(s)} |" for label, steps, s in rows),
+             *(f"| {mark.get(label, label)} | {steps} | {'not logged' if s is None else _hms(s)} |"
+               for label, steps, s in rows),
              f"| total | | {_hms(total)} |", ""]
     untimed = [label for label, _, seconds in rows if seconds is None]
     if untimed:

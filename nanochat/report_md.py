@@ -1,13 +1,15 @@
 """Markdown rendering of the report's section entries (nanochat/report.py owns the files, the
 summary and the time table): values formatted for reading, nested data as lists, multi-line samples
 fenced, the precision plan's fields grouped under `precision`, the runs of a stage labelled, and the
-notes a summary value carries ("(partial)", "(pass@k)") with what they mean."""
+notes a summary value carries ("(partial)", "(pass@k)") with what they mean; and what a section and a
+metrics run belong to (stage, entry time, a run left without its section, RL's rewards)."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections import namedtuple
+from datetime import datetime
 
 
 def _fmt(value) -> str:
@@ -151,3 +153,78 @@ def _value_notes(row: str, data: dict) -> list[str]:
     if legacy and row in GENERATIVE_ROWS and isinstance(data.get("num_samples"), int) and data["num_samples"] > 1:
         scored = f"pass@{data['num_samples']}"
     return (["partial"] if partial else []) + ([scored] if isinstance(scored, str) and scored != "pass@1" else [])
+
+
+# ---------------------------------------------------------------- sections, stages and runs
+
+STAGES = ("base", "mid", "sft", "rl")
+
+
+def _stage_rank(stage: str | None) -> int:
+    """Pipeline position (base < mid < sft < rl), other stages after them."""
+    return STAGES.index(stage) if stage in STAGES else len(STAGES)
+
+
+def _stage_of(section: str, data: dict) -> str | None:
+    if isinstance(data.get("stage"), str) and data["stage"] in STAGES:
+        return data["stage"]
+    words = re.findall(r"[a-z]+", section.lower())
+    for stage, names in (("base", ("base",)), ("mid", ("mid", "midtraining")), ("sft", ("sft",)), ("rl", ("rl",))):
+        if any(w in names for w in words):
+            return stage
+    return None
+
+
+def _entry_time(entry: dict) -> float:
+    """When a section entry was logged (epoch seconds): "t", else its ISO "time" (older files)."""
+    if isinstance(entry.get("t"), (int, float)):
+        return float(entry["t"])
+    try:
+        return datetime.fromisoformat(str(entry.get("time"))).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _unfinished_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> dict[str, str]:
+    """stage -> why its current metrics run has no training section: log_stage_report writes one
+    after a run's last metrics row, so a run without one after it was interrupted, failed or is still
+    running. The time table showed such a run's steps under the stage's name with nothing to say so,
+    next to the section (and summary) of the earlier run that finished."""
+    done = {}   # stage -> time of its latest training section entry
+    for doc in sections:
+        for entry in doc["entries"]:
+            data = entry["data"]
+            # total_time_s: a training section of an older format (log_stage_report writes both)
+            if isinstance(data, dict) and ("final_step" in data or "total_time_s" in data) \
+                    and _stage_of(doc["section"], data) is not None:
+                stage = _stage_of(doc["section"], data)
+                done[stage] = max(done.get(stage, 0.0), _entry_time(entry))
+    out = {}
+    for stage, rows in metrics.items():
+        times = [r["time"] for r in rows if _num(r.get("time"))]
+        if stage not in STAGES or not times or (stage in done and done[stage] >= max(times)):
+            continue
+        out[stage] = "logged no training section after its metrics" + ("" if stage in done else
+                                                                       " (no run of the stage logged one)")
+    return out
+
+
+def _reward_notes(metrics: dict[str, list[dict]]) -> list[str]:
+    """RL's per-step mean reward (the loop's "reward" rows), which no section shows: a run whose
+    reward was 0 at every step learned nothing (every advantage 0, loss 0) yet read as a normal run."""
+    notes = []
+    for stage, rows in metrics.items():
+        rewards = [float(r["reward"]) for r in rows if _num(r.get("reward")) and math.isfinite(r["reward"])]
+        if not rewards:
+            continue
+        if not any(rewards):
+            notes.append(f"- {stage}: the mean reward was 0 at every one of its {len(rewards)} logged steps: no "
+                         "sampled answer was rewarded, so every advantage was 0: the policy got no learning signal")
+        else:
+            notes.append(f"- {stage}: mean reward per step: first {_fmt(rewards[0])}, last {_fmt(rewards[-1])}, "
+                         f"mean {_fmt(sum(rewards) / len(rewards))} over {len(rewards)} logged steps")
+    return notes
