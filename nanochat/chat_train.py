@@ -511,10 +511,16 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
+    # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
+    counts = torch.tensor([loader.skipped, loader.tokens_real, loader.tokens_total], dtype=torch.int64,
+                          device=rt.device)
+    if rt.world_size > 1:
+        torch.distributed.all_reduce(counts)
+    skipped, real, total = (int(v) for v in counts.tolist())
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
                "avg_tok_per_sec": meter.average_tok_per_sec(),
-               "row_fill": round(loader.fill_fraction, 4), "conversations_skipped": loader.skipped,
+               "row_fill": round(real / total, 4) if total else 0.0, "conversations_skipped": skipped,
                "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,

@@ -168,6 +168,15 @@ def main(argv: list[str] | None = None) -> None:
               "shards made with it no longer match (retrain / re-run pretokenize)")
     print(f"saved {output_dir / 'tokenizer.pkl'} and {output_dir / 'token_bytes.pt'}")
     print(f"fingerprint {tok.fingerprint}")
+    if Path(output_dir).resolve() != tokenizer_dir().resolve():
+        return   # not the base dir's tokenizer: its report is not about this one
+    from nanochat.report import get_report   # report.md's tokenizer section (it had none)
+    get_report().log("Tokenizer training", {
+        "vocab_size": tok.vocab_size, "merges": tok.vocab_size - 256 - len(SPECIAL_TOKENS),
+        "documents": stats["docs"], "characters": stats["chars"], "train_time_s": round(elapsed, 2),
+        "max_chars": args.max_chars, "doc_cap": args.doc_cap, "data_dir": str(data_dir),
+        "output_dir": str(output_dir), "fingerprint": tok.fingerprint[:16],
+        **({"replaced": replaced[:16]} if replaced not in (None, tok.fingerprint) else {})})
 
 
 if __name__ == "__main__":

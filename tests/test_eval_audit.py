@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanochat.errors import DataError, MissingDataError
+from nanochat.tokenizer import SPECIAL_TOKENS
 
 
 @pytest.fixture
@@ -217,6 +218,23 @@ def test_tok_train_says_when_it_replaces_another_tokenizer(tmp_path, capsys):
     assert "replaced the tokenizer" not in capsys.readouterr().out
     tok_train.main(argv + ["--vocab-size", "275"])
     assert "replaced the tokenizer" in capsys.readouterr().out
+
+
+def test_tok_train_logs_the_report_section_of_the_base_dirs_tokenizer(tmp_path, monkeypatch):
+    """report.md had no tokenizer section; a tokenizer written elsewhere (--output-dir) stays out."""
+    from nanochat.report import Report
+    from scripts import tok_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    data = text_shards(tmp_path / "data")
+    tok_train.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "elsewhere"), "--vocab-size", "280"])
+    assert not (tmp_path / "base" / "report" / "sections").exists()
+    tok_train.main(["--data-dir", str(data), "--vocab-size", "280"])
+    section = json.loads((tmp_path / "base" / "report" / "sections" / "tokenizer-training.json").read_text())
+    entry = section["entries"][-1]["data"]
+    assert entry["vocab_size"] == 280 and entry["merges"] == 280 - 256 - len(SPECIAL_TOKENS) and entry["documents"] > 0
+    text = Report(tmp_path / "base" / "report").generate().read_text()
+    assert "Tokenizer training" in text and "vocab_size" in text
 
 
 def test_pretokenize_out_elsewhere_says_training_will_not_read_it(tmp_path, tiny_tokenizer, capsys):
