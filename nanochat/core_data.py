@@ -264,7 +264,10 @@ def _bundle_sources(bundle: Path) -> list[TaskSource]:
     except ImportError as e:
         raise ImportError("reading the DCLM bundle's core.yaml needs PyYAML: pip install pyyaml") from e
     config = yaml.safe_load((bundle / "core.yaml").read_text(encoding="utf-8"))
-    with open(bundle / "eval_meta_data.csv", encoding="utf-8") as f:
+    meta = bundle / "eval_meta_data.csv"
+    if not meta.is_file():   # a hand-copied or half-extracted bundle: without it nothing can be centered
+        raise MissingDataError(f"{meta} is missing (the random baselines CORE centers against); {_REFETCH}")
+    with open(meta, encoding="utf-8") as f:
         baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
     sources = []
     for entry in config["icl_tasks"]:
@@ -285,6 +288,10 @@ def _bundle_sources(bundle: Path) -> list[TaskSource]:
 
 def _read_bundle_file(task: CoreTask, path: Path) -> list[dict]:
     return [_checked(task, path, lineno, r) for lineno, r in read_jsonl_numbered(path)]
+
+
+_REFETCH = (f"delete the folder and run nanochat.core_eval.download_eval_bundle() (fetches {EVAL_BUNDLE_URL}), "
+            "or unset NANOCHAT_EVAL_BUNDLE to use the offline eval files")
 
 
 def default_bundle_dir() -> Path:
@@ -418,6 +425,8 @@ def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource]
         return _bundle_sources(bundle), f"bundle:{bundle}"
     if bundle_dir is not None:
         raise MissingDataError(f"bundle_dir: {bundle} has no core.yaml (run download_eval_bundle())")
+    if os.environ.get("NANOCHAT_EVAL_BUNDLE"):   # asked for by name: never fall back to other data silently
+        raise MissingDataError(f"NANOCHAT_EVAL_BUNDLE={bundle} has no core.yaml; {_REFETCH}")
     sources, dirs = _offline_sources(data_dir)
     if not sources:
         raise DataUnavailableError(
@@ -437,7 +446,8 @@ class CoreData:
 def load_core_data(*, tasks=None, data_dir=None, bundle_dir=None) -> CoreData:
     """Find and read the data of `tasks` (default: all 22) now, so that a missing, malformed or empty
     file stops a run with one line (MissingDataError / DataError naming it) before the model loads;
-    a task whose file is absent is left out and reported as missing."""
+    a task whose file is absent is left out and reported as missing, but none present at all (a bundle
+    without eval_data/) is a MissingDataError: a CORE over zero tasks is NaN, not a score."""
     sources, source = resolve_sources(data_dir=data_dir, bundle_dir=bundle_dir)
     known = {t.label for t, _ in sources} | set(CORE_LABELS)
     wanted = list(CORE_LABELS) if tasks is None else list(tasks)
@@ -449,4 +459,8 @@ def load_core_data(*, tasks=None, data_dir=None, bundle_dir=None) -> CoreData:
         if task.label not in wanted or load is None:
             continue
         loaded.append((task, load()))   # load(): DataError for a malformed or too short file
+    if not loaded:   # CORE over zero tasks is NaN, not a score: a bundle without its eval_data/, say
+        where = f"{source[len('bundle:'):]}/eval_data" if source.startswith("bundle:") else source
+        hint = _REFETCH if source.startswith("bundle:") else "choose tasks that have data"
+        raise MissingDataError(f"CORE: none of the tasks {wanted} has a data file in {where}; {hint}")
     return CoreData(source, wanted, loaded)

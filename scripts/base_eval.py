@@ -108,18 +108,24 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
-def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, step) -> dict:
+def checkpoint_meta(cfg: BaseEvalConfig, base_dir, step) -> dict:
+    """The checkpoint's meta.json, read first of all: a wrong --model-tag or --step stops the run
+    (CheckpointError naming the folder and the steps on disk) before any eval data is read."""
+    from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
+
+    tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
+    return read_meta(checkpoint_dir(cfg.source, tag, base_dir), step)
+
+
+def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
     """{split: DataLoader} for --eval bpb, built BEFORE the model is loaded: constructing a loader
     opens and checks every shard of its split (DataError / MissingDataError name the file), so
     damaged data fails in seconds. The sequence length is read from the checkpoint's meta.json."""
     if "bpb" not in cfg.evals:
         return {}
-    from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
     from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_tokenizer
 
-    tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
-    meta = read_meta(checkpoint_dir(cfg.source, tag, base_dir), step)
     model_config, tokenizer = meta.get("model_config"), get_tokenizer(base_dir)
     want = meta.get("tokenizer_fingerprint")
     if not isinstance(model_config, dict) or not isinstance(model_config.get("sequence_len"), int) \
@@ -138,7 +144,7 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     step = int(cfg.step) if cfg.step.isdigit() else "latest"
-    loaders = bpb_loaders(cfg, rt, base_dir, step)
+    loaders = bpb_loaders(cfg, rt, base_dir, checkpoint_meta(cfg, base_dir, step))
     # CORE's files are read now too: a malformed or empty one stops here, not after the model loads
     core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None
     model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
