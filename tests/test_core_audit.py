@@ -13,6 +13,7 @@ import torch.nn as nn
 from nanochat import core_data, core_eval
 from nanochat.core_eval import (CORE_TASKS, CoreData, CoreTask, evaluate_task, fewshot_indices, render_prompts,
                                 run_core_eval, tokenize_item)
+from tests.test_eval_edge import ByteTok
 
 
 class WordTok:
@@ -38,15 +39,6 @@ class WordTok:
 
     def decode(self, ids):
         return "".join(self.words[i] for i in ids)
-
-
-class ByteTok:
-    bos_token_id = 256
-
-    def encode(self, text, prepend=None):
-        if isinstance(text, list):
-            return [self.encode(t, prepend) for t in text]
-        return ([prepend] if prepend is not None else []) + list(text.encode())
 
 
 class NextByte(nn.Module):
