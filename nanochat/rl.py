@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanochat.sampling import MAX_SEED
 from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
 
-SEED_RANGE = 2**64   # Engine seeds are 0..2**64-1 (nanochat/sampling.MAX_SEED): a rollout's seed wraps
+SEED_RANGE = MAX_SEED + 1   # a rollout's seed wraps into the Engine's seeds
 
 
 @dataclass

@@ -29,10 +29,10 @@ from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
 from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
 from nanochat.loop import TRAIN_FLAG_HELP
+from nanochat.sampling import MAX_SEED   # torch.manual_seed's and the Engine's range
 
 SOURCES = ("sft", "mid")
 RL_MOMENTUM = 0.95   # Muon's, constant
-MAX_SEED = 2**64 - 1  # torch.manual_seed's and the Engine's range (nanochat/sampling.MAX_SEED)
 
 
 @dataclass
