@@ -1,7 +1,7 @@
 """Training mechanics shared by every recipe (base, mid, SFT, RL): the step, batch arithmetic,
-schedules, the throughput/MFU meter, the non-finite-loss guard, the per-step log line,
-validation bits-per-byte and loop-state/RNG capture (flag parsing: nanochat/flags.py; the
-optional wandb tracker: nanochat/tracker.py).
+schedules, the non-finite-loss guard, validation bits-per-byte and loop-state/RNG capture (the
+throughput/MFU meter and the per-step log line: nanochat/step_meter.py, re-exported here; flag
+parsing: nanochat/flags.py; the optional wandb tracker: nanochat/tracker.py).
 
 A recipe (scripts/*.py) builds a model, an optimizer and a loader, then:
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -29,6 +28,8 @@ from nanochat import weight_cache
 from nanochat.errors import RequestError
 from nanochat.flags import require, require_float, require_int
 from nanochat.checkpoint import build_model  # noqa: F401  (re-exported: recipes import it from here)
+from nanochat.step_meter import (  # noqa: F401  (re-exported: recipes, scripts and tests import them from here)
+    StepMeter, describe_peaks, format_eta, resolve_peak_flops)
 
 # ------------------------------------------------------------------------------------ errors
 
@@ -429,127 +430,6 @@ def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile
             raise RequestError(f"--fp8-wgrad {fp8_wgrad}: applies to --precision fp8 only (got {precision})")
         return {"precision": rt.dtype_name, "backend": "none", "peak_key": rt.dtype_name}
     return P.apply_precision(model, precision, rt, backend, compile=compile, fp8_wgrad=fp8_wgrad)
-
-
-# ------------------------------------------------------------------------------------ meter + log line
-
-def resolve_peak_flops(rt, precision: str, override: float | None = None,
-                       warn: Callable[[str], None] | None = None) -> tuple[float | None, float | None, str]:
-    """(bf16 dense peak, active-precision peak, device name) in FLOP/s per device.
-
-    CPU/MPS -> (None, None). An unknown GPU without --peak-flops warns once and returns None, so
-    the log says "mfu n/a" instead of a silent 0%."""
-    from nanochat.platform import detect_device, peak_flops, peaks
-    spec = detect_device(rt.device)
-    if rt.device_type != "cuda":   # the override checked as on a GPU (0, nan, negatives refused)
-        return (peak_flops(spec, "bf16", override) if override is not None else None), None, spec.name
-    bf16, act = peaks(spec, precision, override)   # a precision name or precision.py's peak_key
-    if bf16 is None:
-        (warn or _warn)(f"GPU '{spec.name}' is not in nanochat/platform.py's table: MFU cannot be computed; "
-                        "base_train and bench_train take --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
-    return bf16, act, spec.name
-
-
-def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, override: float | None) -> str:
-    """The banner's peak line: the bf16 peak MFU divides by, the active precision's (util), and
-    where they come from (--peak-flops, the vendor datasheet, or spec-derived, as GB10's are)."""
-    from nanochat.platform import detect_device, peak_key
-    if bf16 is None:
-        return "n/a (MFU not computed; --peak-flops)"
-    key = peak_key(precision)
-    text = f"bf16 {bf16:.4e}" + (f", {key} {act:.4e}" if key != "bf16" and act else "")
-    if override is not None:
-        return text + " (--peak-flops" + (f"; {key} by the dense ratio to bf16)" if key != "bf16" else ")")
-    return text + f" ({detect_device(rt.device).source})"
-
-
-def _warn(msg: str) -> None:
-    warnings.warn(msg, stacklevel=3)
-
-
-class StepMeter:
-    """Throughput, MFU and an EMA-smoothed loss. MFU is against the dense bf16 peak (comparable
-    across precisions); `util` is against the active precision's own peak. The first
-    `warmup_steps` of every process (compilation, allocator warm-up; also after a resume) are
-    left out of the cumulative time. The ETA is wall-clock time per step since the warm-up (so
-    evals, samples and checkpoints between steps count) times the steps left: a d20 run on a
-    GB10 takes days, and its user should know how many after a few minutes."""
-
-    def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
-                 peak_active: float | None = None, precision: str = "bf16", ema_beta: float = 0.9,
-                 warmup_steps: int = 10, peak_memory: Callable[[], int] | None = None):
-        self.flops_per_token, self.world_size = float(flops_per_token), world_size
-        self.peak_bf16, self.peak_active, self.precision = peak_bf16, peak_active, precision
-        self.ema_beta, self.warmup_steps = ema_beta, warmup_steps
-        self.peak_memory = peak_memory or (lambda: 0)
-        self.smooth_loss = 0.0
-        self.updates = 0              # EMA updates so far (debias)
-        self.total_time = 0.0         # seconds of timed (post-warm-up) steps
-        self.timed_steps = 0
-        self.timed_tokens = 0
-        self._steps_this_process = 0  # warm-up counts from this process's start (also after resume)
-        self._wall_start: float | None = None  # perf_counter at the start of the first timed step
-        self._wall_steps = 0                   # steps since then (this process)
-
-    def update(self, r: StepResult) -> dict:
-        b = self.ema_beta
-        self.smooth_loss = b * self.smooth_loss + (1 - b) * r.loss
-        self.updates += 1
-        self._steps_this_process += 1
-        if self._steps_this_process > self.warmup_steps:
-            self.total_time += r.dt
-            self.timed_steps += 1
-            self.timed_tokens += r.tokens
-            if self._wall_start is None:
-                self._wall_start = time.perf_counter() - r.dt
-            self._wall_steps += 1
-        wall_per_step = ((time.perf_counter() - self._wall_start) / self._wall_steps
-                         if self._wall_steps else None)
-        tok_s = r.tokens / r.dt if r.dt > 0 else float("inf")
-        flops_s = self.flops_per_token * tok_s
-        return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),
-                "lrm": r.lrm, "dt": r.dt, "tok_per_sec": tok_s, "grad_norm": r.grad_norm,
-                "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_active),
-                "peak_mem_gib": self.peak_memory() / 2**30, "wall_per_step": wall_per_step}
-
-    def _frac(self, flops_s: float, peak: float | None) -> float | None:
-        return None if not peak else 100.0 * flops_s / (peak * self.world_size)
-
-    def log_line(self, m: dict, num_iterations: int) -> str:
-        """The one fixed-field line per step (fields never appear or disappear)."""
-        mfu = f"{m['mfu']:5.2f}%" if m["mfu"] is not None else "  n/a"
-        util = f"{m['util']:5.2f}%" if m["util"] is not None else "  n/a"
-        width = max(5, len(str(num_iterations)))
-        per_step = m.get("wall_per_step")
-        eta = format_eta(per_step * (num_iterations - m["step"] - 1)) if per_step is not None else "-"
-        return (f"step {m['step']:0{width}d}/{num_iterations:0{width}d} | loss {m['smooth_loss']:.4f} | "
-                f"lrm {m['lrm']:.3f} | dt {m['dt'] * 1e3:8.1f}ms | tok/s {m['tok_per_sec']:>11,.0f} | "
-                f"mfu {mfu} | util({self.precision}) {util} | mem {m['peak_mem_gib']:6.2f}GiB | eta {eta:>6}")
-
-    def average_tok_per_sec(self) -> float | None:
-        return self.timed_tokens / self.total_time if self.total_time > 0 else None
-
-    def state_dict(self) -> dict:
-        return {"smooth_loss": self.smooth_loss, "updates": self.updates, "total_time": self.total_time,
-                "timed_steps": self.timed_steps, "timed_tokens": self.timed_tokens}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.smooth_loss, self.updates = float(s["smooth_loss"]), int(s["updates"])
-        self.total_time, self.timed_steps = float(s["total_time"]), int(s["timed_steps"])
-        self.timed_tokens = int(s["timed_tokens"])
-
-
-def format_eta(seconds: float) -> str:
-    """At most 6 characters, coarsest two units: '6d03h', '13h05m', '4m07s', '9s'."""
-    s = max(0, int(round(seconds)))
-    d, rem = divmod(s, 86400)
-    h, rem = divmod(rem, 3600)
-    mins, secs = divmod(rem, 60)
-    if d:
-        return f"{d}d{h:02d}h" if d < 100 else f"{d}d"
-    if h:
-        return f"{h}h{mins:02d}m"
-    return f"{mins}m{secs:02d}s" if mins else f"{secs}s"
 
 
 # ------------------------------------------------------------------------------------ evaluation

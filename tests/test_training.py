@@ -322,6 +322,8 @@ def test_the_banner_names_both_peaks_and_their_source(rt, monkeypatch):
         "bf16 8.2000e+13, fp8 1.6400e+14 (--peak-flops; fp8 by the dense ratio to bf16)"
     assert tr.describe_peaks(rt, "bf16", 82e12, 82e12, 82e12) == "bf16 8.2000e+13 (--peak-flops)"
     assert tr.describe_peaks(rt, "bf16", None, None, None) == "n/a (MFU not computed; --peak-flops)"
+    # fp32 on a CPU has no peak of its own (util n/a): no ratio is claimed for it
+    assert tr.describe_peaks(rt, "fp32", 1e12, None, 1e12) == "bf16 1.0000e+12 (--peak-flops)"
 
 
 # ------------------------------------------------------------------ flags, tracker
