@@ -39,6 +39,9 @@ pub enum BpeError {
     NoChunks,
     /// Anything else the caller passed that cannot be used (named in the message).
     Input(String),
+    /// Training was stopped through its cancel flag (the Python layer raises the
+    /// KeyboardInterrupt that set the flag, not this).
+    Cancelled,
 }
 
 impl fmt::Display for BpeError {
@@ -62,6 +65,7 @@ impl fmt::Display for BpeError {
                  the split pattern matches none of it); accepted: an iterable of non-empty str"
             ),
             BpeError::Input(msg) => f.write_str(msg),
+            BpeError::Cancelled => f.write_str("training was cancelled before it finished"),
         }
     }
 }

@@ -3,11 +3,12 @@
 
 use crate::count::ChunkCounts;
 use crate::split::Splitter;
-use crate::train::train_merges;
+use crate::train::train_merges_cancellable;
 use crate::BpeError;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// Largest accepted vocab size: token ids are u32.
@@ -46,11 +47,22 @@ impl Bpe {
         counts: ChunkCounts,
         vocab_size: i64,
     ) -> Result<Self, BpeError> {
+        Self::train_cancellable(splitter, counts, vocab_size, &AtomicBool::new(false))
+    }
+
+    /// [`Bpe::train`] that returns [`BpeError::Cancelled`] soon after `cancel` is set
+    /// (see [`crate::train::train_merges_cancellable`]); no partial model comes back.
+    pub fn train_cancellable(
+        splitter: Arc<Splitter>,
+        counts: ChunkCounts,
+        vocab_size: i64,
+        cancel: &AtomicBool,
+    ) -> Result<Self, BpeError> {
         let num_merges = merges_for_vocab_size(vocab_size)?;
         if counts.is_empty() {
             return Err(BpeError::NoChunks);
         }
-        let merges = train_merges(counts, num_merges)?;
+        let merges = train_merges_cancellable(counts, num_merges, cancel)?;
         Ok(Self::from_merges(splitter, merges))
     }
 

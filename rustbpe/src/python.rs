@@ -3,7 +3,9 @@
 //! This layer validates every argument before consuming the iterator, turns each
 //! [`BpeError`] into `ValueError`, and releases the GIL for the heavy parts. Ingestion is
 //! pipelined: while rayon workers split and count batch k (GIL released), this thread holds
-//! the GIL to pull batch k+1 from the Python iterator.
+//! the GIL to pull batch k+1 from the Python iterator. Ctrl-C is noticed in both phases:
+//! between batches while counting, and every 50 ms while merging (the merge loop runs in a
+//! helper thread and stops at its next cancel check); the KeyboardInterrupt propagates.
 //!
 //! The class is `frozen`: the trained model sits behind a mutex as an `Arc<Bpe>` that calls
 //! clone (encode, getters) or swap whole (training, unpickling). No call holds a PyO3 borrow
@@ -16,13 +18,18 @@ use crate::{BpeError, ChunkCounts};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyIterator, PyString, PyType};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Most worker threads accepted. Beyond this rayon's start-up and wake-ups dominate (1,024
 /// threads cost ~3 s per call on a 2-core machine, 5,000 ~50 s): a typo, not a setting.
 const MAX_THREADS: usize = 1024;
+
+/// How often the calling thread takes the GIL back to run Python's signal handlers while
+/// the merge loop runs: Ctrl-C is noticed within this (plus one merge).
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 /// Version tag of the pickled state `(tag, pattern, [(left, right), ...])`.
 const STATE_VERSION: u32 = 1;
@@ -148,6 +155,9 @@ fn feed(
         if exhausted {
             break;
         }
+        // An iterator implemented in C (a list, a file) runs no bytecode, so Python would not
+        // run its signal handlers on its own: Ctrl-C while counting is raised here.
+        py.check_signals()?;
     }
     Ok(n)
 }
@@ -182,6 +192,66 @@ fn count_iterator(
         .map_err(|_| PyValueError::new_err("internal error: the counting thread panicked"))?
         .map_err(value_error)?;
     Ok((counts, n))
+}
+
+/// Trains on `pool` in a helper thread while this thread waits with the GIL released,
+/// taking it back every [`SIGNAL_POLL`] to run Python's signal handlers (only the main thread
+/// may, and rayon workers never hold the GIL). If a handler raises (KeyboardInterrupt on
+/// Ctrl-C), the merge loop is told to stop, joined, and that exception is returned unchanged:
+/// no partial model is kept.
+fn train_interruptibly(
+    py: Python<'_>,
+    splitter: Arc<Splitter>,
+    counts: ChunkCounts,
+    vocab_size: i64,
+    pool: &Arc<rayon::ThreadPool>,
+) -> PyResult<Bpe> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (tx, mut rx) = sync_channel(1);
+    let worker = {
+        let (cancel, pool) = (Arc::clone(&cancel), Arc::clone(pool));
+        std::thread::Builder::new()
+            .name("rustbpe-train".into())
+            .spawn(move || {
+                let trained =
+                    pool.install(|| Bpe::train_cancellable(splitter, counts, vocab_size, &cancel));
+                // Err only if the receiver is gone, i.e. nobody wants the result any more.
+                let _ = tx.send(trained);
+            })
+            .map_err(|e| {
+                PyValueError::new_err(format!("could not start the training thread: {e}"))
+            })?
+    };
+    loop {
+        // The receiver is not Sync, so it travels into the GIL-free closure and back.
+        let (back, got) = py.detach(move || {
+            let got = rx.recv_timeout(SIGNAL_POLL);
+            (rx, got)
+        });
+        rx = back;
+        match got {
+            Ok(trained) => {
+                // Already finished sending: the join returns at once.
+                let _ = py.detach(move || worker.join());
+                return trained.map_err(value_error);
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if let Err(raised) = py.check_signals() {
+                    cancel.store(true, Ordering::Relaxed);
+                    // The loop checks the flag before every merge, so this is quick; a panic
+                    // there changes nothing for the caller, who gets the interrupt.
+                    let _ = py.detach(move || worker.join());
+                    return Err(raised);
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let _ = py.detach(move || worker.join());
+                return Err(PyValueError::new_err(
+                    "internal error: the training thread panicked",
+                ));
+            }
+        }
+    }
 }
 
 /// Byte-level BPE tokenizer trainer (GPT-4 style split, incremental merges).
@@ -288,9 +358,14 @@ impl PyTokenizer {
         let (counts, n_texts) = count_iterator(py, &mut iter, buffer_size, &splitter, &pool)?;
         let t1 = Instant::now();
         let (n_unique, n_bytes) = (counts.len(), counts.unique_bytes());
-        let bpe = py
-            .detach(|| pool.install(|| Bpe::train(splitter, counts, vocab_size)))
-            .map_err(value_error)?;
+        if verbose {
+            eprintln!(
+                "rustbpe: counted {n_texts} texts in {:.2}s; merging up to vocab_size \
+                 {vocab_size}",
+                (t1 - t0).as_secs_f64()
+            );
+        }
+        let bpe = train_interruptibly(py, splitter, counts, vocab_size, &pool)?;
         if verbose {
             eprintln!(
                 "rustbpe: {n_texts} texts -> {} unique chunks ({} bytes) in {:.2}s on {} threads; \

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A pair of token ids packed as `left << 32 | right`: the u64 order is the pair order.
 type PairKey = u64;
@@ -215,9 +216,29 @@ fn pop_best(heap: &mut BinaryHeap<Candidate>, stats: &mut PairStats) -> Option<P
 /// Learns up to `num_merges` merges from the chunk counts (fewer if the text runs out of
 /// pairs). Runs on the current rayon pool. Merge `i` creates token id `256 + i`.
 pub fn train_merges(counts: ChunkCounts, num_merges: usize) -> Result<Vec<(u32, u32)>, BpeError> {
+    train_merges_cancellable(counts, num_merges, &AtomicBool::new(false))
+}
+
+/// [`train_merges`] that gives up with [`BpeError::Cancelled`] soon after `cancel` is set
+/// (checked before and after the initial pair count and before every merge). The Python
+/// binding sets it from the calling thread on Ctrl-C: only that thread may run Python's
+/// signal handlers, and it waits on this loop with the GIL released.
+pub fn train_merges_cancellable(
+    counts: ChunkCounts,
+    num_merges: usize,
+    cancel: &AtomicBool,
+) -> Result<Vec<(u32, u32)>, BpeError> {
+    // Relaxed is enough: the flag carries no data, and one merge later is still "soon".
+    let cancelled = || cancel.load(Ordering::Relaxed);
+    if cancelled() {
+        return Err(BpeError::Cancelled);
+    }
     let mut words = Words::from_counts(&counts)?;
     drop(counts); // the words hold everything training needs from here on
     let stats = initial_stats(&words);
+    if cancelled() {
+        return Err(BpeError::Cancelled);
+    }
     let mut heap: BinaryHeap<Candidate> = stats
         .iter()
         .map(|(&key, s)| Candidate {
@@ -231,6 +252,10 @@ pub fn train_merges(counts: ChunkCounts, num_merges: usize) -> Result<Vec<(u32, 
     };
     let mut merges = Vec::new();
     while merges.len() < num_merges {
+        // One relaxed load per merge: noise next to the merge itself.
+        if cancelled() {
+            return Err(BpeError::Cancelled);
+        }
         let Some(best) = pop_best(&mut heap, &mut state.stats) else {
             break;
         };
@@ -303,6 +328,16 @@ mod tests {
         assert_eq!(merges, [(id('a'), id('a')), (256, 256)]);
         let merges = train_merges(counts_of(&[("x", 5)]), 10).expect("train");
         assert!(merges.is_empty());
+    }
+
+    #[test]
+    fn a_set_cancel_flag_stops_training() {
+        let cancel = AtomicBool::new(true);
+        let got = train_merges_cancellable(counts_of(&[("abab", 2)]), 5, &cancel);
+        assert_eq!(got, Err(BpeError::Cancelled));
+        cancel.store(false, Ordering::Relaxed);
+        let got = train_merges_cancellable(counts_of(&[("abab", 2)]), 1, &cancel);
+        assert_eq!(got, Ok(vec![(id('a'), id('b'))]));
     }
 
     #[test]
