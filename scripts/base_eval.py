@@ -123,7 +123,6 @@ def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
     damaged data fails in seconds. The sequence length is read from the checkpoint's meta.json."""
     if "bpb" not in cfg.evals:
         return {}
-    from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_tokenizer
 
     model_config, tokenizer = meta.get("model_config"), get_tokenizer(base_dir)
@@ -131,15 +130,44 @@ def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
     if not isinstance(model_config, dict) or not isinstance(model_config.get("sequence_len"), int) \
             or (want is not None and want != tokenizer.fingerprint):
         return {}  # load_model reports the broken checkpoint / other tokenizer (loaders come after it)
-    return {split: DataLoader(tokenizer, cfg.device_batch_size, model_config["sequence_len"], split,
-                              device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
+    return {split: bpb_loader(cfg, rt, tokenizer, model_config["sequence_len"], split)
             for split in cfg.splits.split(",")}
+
+
+def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str):
+    """One finite pass over `split` (repeat=False): an --eval-tokens larger than the split stops at
+    its end instead of cycling back and counting the same tokens again (the padded tail of the last
+    batch has targets -1, which evaluate_bpb skips). Ranks may then get different batch counts;
+    evaluate_bpb only reduces once, at the end, so that cannot hang."""
+    from nanochat.dataloader import DataLoader
+
+    return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=cfg.data_dir,
+                      rank=rt.rank, world_size=rt.world_size, repeat=False)
+
+
+class CountedBatches:
+    """Wraps a loader for evaluate_bpb and counts the target tokens it actually scores (targets >= 0),
+    on the device (no sync per batch). `total()` sums over ranks."""
+
+    def __init__(self, loader, device):
+        import torch
+        self.loader, self.count = loader, torch.zeros((), dtype=torch.int64, device=device)
+
+    def __iter__(self):
+        for x, y in self.loader:
+            self.count += (y >= 0).sum()
+            yield x, y
+
+    def total(self) -> int:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.count)
+        return int(self.count.item())
 
 
 def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     from nanochat.checkpoint import load_model
     from nanochat.checkpoint_io import atomic_write
-    from nanochat.dataloader import DataLoader
     from nanochat.tokenizer import get_token_bytes
 
     base_dir = get_base_dir()
@@ -163,16 +191,18 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
         token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
         per_step = cfg.device_batch_size * seq_len * rt.world_size
         steps = max(1, cfg.eval_tokens // per_step)
-        results["bpb"] = {}
+        results["bpb"], results["bpb_tokens_by_split"] = {}, {}
         for split in cfg.splits.split(","):
-            loader = loaders.get(split) or DataLoader(tokenizer, cfg.device_batch_size, seq_len, split,
-                                                      device=rt.device, data_dir=cfg.data_dir, rank=rt.rank,
-                                                      world_size=rt.world_size)
-            bpb = evaluate_bpb(model, loader, steps, token_bytes)
+            loader = loaders.get(split) or bpb_loader(cfg, rt, tokenizer, seq_len, split)
+            batches = CountedBatches(loader, rt.device)
+            bpb = evaluate_bpb(model, batches, steps, token_bytes)
             loader.close()
+            covered = batches.total()   # each token of the split at most once (a finite pass)
             results["bpb"][split] = bpb
-            results["bpb_tokens"] = steps * per_step   # at least one batch: may exceed --eval-tokens
-            print0(f"{split} bpb: {bpb:.4f} ({steps} x {per_step:,} tokens)")
+            results["bpb_tokens_by_split"][split] = covered
+            print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, steps * per_step, cfg)}")
+        # what the bpb figures are over: the largest split's count (val alone by default)
+        results["bpb_tokens"] = max(results["bpb_tokens_by_split"].values())
 
     if "sample" in cfg.evals and rt.is_master:
         texts = sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=cfg.max_tokens, seed=cfg.seed)
@@ -199,14 +229,25 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     return results
 
 
+def bpb_shortfall(covered: int, planned: int, cfg: BaseEvalConfig) -> str:
+    """The banner's note when the split ran out before the planned batches: it is smaller than asked."""
+    if covered >= planned:
+        return f" (--eval-tokens {cfg.eval_tokens:,} in whole batches)"
+    return (f" (the whole split: it holds fewer than the {planned:,} asked with --eval-tokens "
+            f"{cfg.eval_tokens:,}; each token counted once)")
+
+
 def log_report(results: dict) -> None:
     """The report section of this evaluation (rank 0): bpb per split, CORE, timing."""
     from nanochat.report import get_report
     section = {"stage": results["phase"], "model_tag": results["model_tag"], "step": results["step"],
                "seconds": round(results["seconds"], 1)}
     section.update({f"{split}_bpb": v for split, v in results.get("bpb", {}).items()})
-    if "bpb_tokens" in results:   # how many tokens the bpb above is over (--eval-tokens, rounded to batches)
+    if "bpb_tokens" in results:   # the tokens the bpb above is over: each counted once, a split may hold fewer
         section["bpb_tokens"] = results["bpb_tokens"]
+        asked = results["config"].get("eval_tokens")
+        if isinstance(asked, int) and results["bpb_tokens"] < asked:
+            section["bpb_tokens_asked"] = asked   # --eval-tokens was more than the split holds (or rounded down)
     core = results.get("core")
     if core is not None:
         # complete: every CORE task and all of its items (a --max-per-task run is an estimate: the

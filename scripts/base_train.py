@@ -274,8 +274,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
     train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
 
-    def val_batches():
-        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", **loader_kwargs)
+    def val_batches():   # one finite pass: a --eval-tokens past the split scores each token once (as base_eval)
+        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False, **loader_kwargs)
 
     val_batches().close()  # the val split is checked now too (each evaluation reads a fresh loader)
 
