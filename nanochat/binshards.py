@@ -26,10 +26,17 @@ since. Directories written before `complete` existed count as complete when they
 
 A damaged shard or meta.json (bad magic, truncated, inconsistent offsets, another tokenizer) is a
 DataError naming the file and how to re-create it.
+
+Resume. A run records each shard's size and `shard_digest` (sha256 of the header, the offsets
+table and the first and last 64 KiB of tokens; milliseconds per shard). `check_resume` compares
+them with the shards on disk when a checkpoint resumes: a shard truncated, grown or rewritten since
+(even at the same size, e.g. re-made from other text) is a DataError naming the file, saying what
+changed and how to get the original back. `split_paths` is the train/val split of a directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -39,7 +46,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from nanochat.errors import DataError
+from nanochat.errors import DataError, MissingDataError
 
 MAGIC = b"NCTOKENS"
 VERSION = 1
@@ -49,6 +56,7 @@ assert _HEADER.size <= HEADER_SIZE
 META_NAME = "meta.json"
 BIN_SUFFIX = ".bin"
 _RECREATE = "delete it and re-create it with `python -m scripts.pretokenize --force`"
+DIGEST_SAMPLE = 1 << 16  # token bytes hashed at each end of a shard's token area
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -190,7 +198,67 @@ class BinShard:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
+def shard_digest(path: str | Path) -> str:
+    """A content check cheap enough for every loader start: sha256 (first 32 hex digits) over the
+    header, the offsets table (every document's length) and the first and last DIGEST_SAMPLE bytes
+    of tokens. A shard re-made from other text or with another tokenizer changes it even at the
+    same size; a flipped byte deep inside the tokens does not (hashing it all would read GBs)."""
+    path = Path(path)
+    h = read_header(path)  # DataError naming the file if it is no shard (or truncated)
+    n = h.n_tokens * h.dtype.itemsize
+    head = min(DIGEST_SAMPLE, n)
+    spans = [(0, HEADER_SIZE + head), (HEADER_SIZE + max(head, n - DIGEST_SAMPLE), HEADER_SIZE + n),
+             (h.offsets_offset, h.file_size)]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for start, end in spans:
+            f.seek(start)
+            while start < end:
+                chunk = f.read(min(end - start, 1 << 20))
+                if not chunk:  # shrunk while being read
+                    raise DataError(f"{path}: truncated while being read; {_RECREATE}")
+                digest.update(chunk)
+                start += len(chunk)
+    return digest.hexdigest()[:32]
+
+
+def check_resume(paths: Sequence[Path], state: dict) -> None:
+    """DataError naming the first of `paths` that is not what `state` (a data loader state with
+    `shards`, `shard_bytes`, `shard_digests`) recorded when the run read it: gone, truncated,
+    grown, or rewritten at the same size. Nothing to check (returns) for a state from before
+    digests were recorded, or for other shard names (the loader's own comparison names those)."""
+    names, sizes, digests = state.get("shards"), state.get("shard_bytes"), state.get("shard_digests")
+    if not (isinstance(digests, list) and isinstance(sizes, list) and names == [p.name for p in paths]
+            and len(sizes) == len(digests) == len(paths)):
+        return
+    for path, size, digest in zip(paths, sizes, digests):
+        now = path.stat().st_size if path.is_file() else None
+        if now is None:
+            what = "is gone"
+        elif now != size:
+            what = f"was {'truncated' if now < size else 'grown'} from {size} to {now} bytes"
+        elif shard_digest(path) != digest:
+            what = "was rewritten (same size, other content: header, document lengths or tokens differ)"
+        else:
+            continue
+        raise DataError(f"{path} {what} since the checkpoint's run read it; a resumed run must read the shards "
+                        "it started on: put the original back (`python -m scripts.pretokenize` with the run's "
+                        "tokenizer and text shards writes it again byte for byte), or start a new --model-tag "
+                        "to train on the shards as they are now")
+
+
 # ---------------------------------------------------------------- directory-level helpers
+
+def split_paths(bin_dir: Path, split: str) -> list[Path]:
+    """The binary shards of `split` in a finished directory: the last one is val, the others train."""
+    check_complete(bin_dir)  # asked for explicitly too: an unfinished run's last shard is not val
+    paths = list_bin_shards(bin_dir)
+    if len(paths) < 2:
+        raise MissingDataError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "
+                               f"found {len(paths)}; create them with `python -m scripts.pretokenize` "
+                               "or read text shards (source='text')")
+    return paths[:-1] if split == "train" else paths[-1:]
+
 
 def list_bin_shards(bin_dir: str | Path) -> list[Path]:
     bin_dir = Path(bin_dir)

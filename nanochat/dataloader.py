@@ -42,7 +42,8 @@ stream, so a resumed loader yields exactly the batches an uninterrupted one woul
 Validation. `split="val"` reads the last shard. With `repeat=True` (default) the stream cycles
 forever, starting from the beginning for every new loader (deterministic: take a fixed number of
 steps on every rank). With `repeat=False` it is one finite pass: the last batch is padded (targets
--1) and iteration then stops; ranks may get different batch counts, so use it on one process.
+-1) and iteration then stops; ranks may get different batch counts, so a loop over it must not
+run collectives per batch (training.evaluate_bpb reduces once, at the end).
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ class _BinSource:
         self.vocab_size = tokenizer.vocab_size
         self.names = [p.name for p in paths]
         self.sizes = [p.stat().st_size for p in paths]
+        self.digests = [bs.shard_digest(p) for p in self.paths]  # a resume checks them (bs.check_resume)
         self.rank, self.world = rank, world_size
         self.start = (0, 0)
         self._open: OrderedDict[int, bs.BinShard] = OrderedDict()  # least recently used first
@@ -426,7 +428,7 @@ class DataLoader:
     def _make_source(self, kind: str):
         """A checked document source of `kind` for this loader's split and rank."""
         if kind == "bin":
-            source = _BinSource(self._bin_split(self._bin_dir, self.split), self.tokenizer, self.rank,
+            source = _BinSource(bs.split_paths(self._bin_dir, self.split), self.tokenizer, self.rank,
                                 self.world_size)
         else:
             shards = ds.split_shards(ds.list_shards(self._data_dir), self.split)
@@ -470,16 +472,6 @@ class DataLoader:
             raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
                             f"`python -m scripts.pretokenize --data-dir {data_dir} --force` (or delete {bin_dir})")
 
-    @staticmethod
-    def _bin_split(bin_dir: Path, split: str) -> list[Path]:
-        bs.check_complete(bin_dir)  # asked for explicitly too: an unfinished run's last shard is not val
-        paths = bs.list_bin_shards(bin_dir)
-        if len(paths) < 2:
-            raise MissingDataError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "
-                                    f"found {len(paths)}; create them with `python -m scripts.pretokenize` "
-                                    "or read text shards (source='text')")
-        return paths[:-1] if split == "train" else paths[-1:]
-
     def describe_source(self) -> str:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""
         kind = "binary token shards" if self._source.kind == "bin" else "text shards"
@@ -493,7 +485,8 @@ class DataLoader:
                 "batch_size": self.B, "seq_len": self.T, "rank": self.rank,
                 "world_size": self.world_size, "buffer_size": self.buffer_size,
                 "repeat": self.repeat, "shards": list(source.names),
-                "shard_bytes": list(source.sizes), "fingerprint": self.tokenizer.fingerprint}
+                "shard_bytes": list(source.sizes), "fingerprint": self.tokenizer.fingerprint,
+                "shard_digests": list(getattr(source, "digests", []))}
 
     def _initial_state(self) -> dict:
         return {**self._config(), "epoch": 0, "cursor": list(self._source.start), "buffer": [],
@@ -511,8 +504,10 @@ class DataLoader:
         if not isinstance(state, dict):
             raise ValueError(f"state: got {type(state).__name__}; accepted: a dict from state_dict()")
         source = self._source_for(state.get("source"))
+        if source.kind == "bin":  # a shard truncated or rewritten since: DataError naming it
+            bs.check_resume(source.paths, state)
         for key, want in self._config(source).items():
-            if state.get(key) != want:
+            if key != "shard_digests" and state.get(key) != want:  # checked above (absent in older states)
                 raise RequestError(f"--resume: the checkpoint's data loader had {_STATE_FLAGS.get(key, key)} "
                                    f"{_brief(state.get(key))}, this run's has {_brief(want)}; resume with the "
                                    "original run's data and flags (or start a new --model-tag)")
