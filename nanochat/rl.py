@@ -10,9 +10,16 @@ over the tokens the policy sampled, the stop token a sample ended on included (e
 is an action too); prompt tokens and tool outputs the Engine forced are target -1.
 The objective is normalised per problem by its number of sampled tokens, then averaged over the
 problems the step trains on all ranks (the optimizer averages gradients across ranks). A prompt
-that leaves no room to generate is skipped and left out of that average: the ranks first agree
-on how many problems the step trains (decided from prompt lengths, before any rollout), so a
-skip neither shrinks the step's effective learning rate nor weighs one rank's problems more.
+that leaves no room for `max_new_tokens` in the model's context is skipped (counted, as SFT skips
+a conversation whose reply the row cuts off; `check_prompts_fit` says it before training) and left
+out of that average: the ranks first agree on how many problems the step trains (decided from
+prompt lengths, before any rollout), so a skip neither shrinks the step's effective learning rate
+nor weighs one rank's problems more.
+A group is sampled in one Engine call, or in chunks of at most `sample_batch_size` rows when that
+is set (the KV cache of one call then holds a chunk, not all `num_samples`), chunk k with its own
+seed derived from the problem's. `decode` is the Engine's decode mode: "graphs" replays CUDA graphs
+of the plain model (graph step eager: no compile wait), which reads the weights in place, so the
+optimizer's updates are seen by the next rollout without a new capture.
 """
 
 from __future__ import annotations
@@ -27,6 +34,59 @@ from nanochat.sampling import MAX_SEED
 from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
 
 SEED_RANGE = MAX_SEED + 1   # a rollout's seed wraps into the Engine's seeds
+# chunk k of a group samples with the problem's seed + k x this (a prime: chunk seeds of one
+# problem never equal another problem's seed of the same step, index x 7919, in a task of fewer
+# than this many problems); chunk 0 keeps the problem's seed, as the single-call group had
+CHUNK_SEED_STRIDE = 104729
+
+
+def rollout_seed(seed: int, index: int, pos: int, chunk: int = 0) -> int:
+    """The Engine seed of chunk `chunk` of problem `index`'s group, `pos` problems into the run."""
+    return (seed + index * 7919 + pos + chunk * CHUNK_SEED_STRIDE) % SEED_RANGE
+
+
+@dataclass
+class PromptFit:
+    """What probe_prompts found: `too_long` of `probed` prompts leave no room for max_new_tokens
+    (first_too_long: the task index of the first); `room`: the most new tokens the shortest probed
+    prompt leaves (< 1: not even one)."""
+    probed: int
+    too_long: int
+    first_too_long: int | None
+    room: int
+
+
+def probe_prompts(task, tokenizer, context: int, max_new_tokens: int, *, sample: int = 512) -> PromptFit:
+    """Probe the first `sample` problems of `task`: how many prompts the trainer would skip."""
+    probed = min(len(task), sample)
+    too_long, first, shortest = 0, None, None
+    for i in range(probed):
+        n = len(tokenizer.render_for_completion(task[i]))
+        shortest = n if shortest is None else min(shortest, n)
+        if n + max_new_tokens > context:
+            too_long += 1
+            first = i if first is None else first
+    return PromptFit(probed, too_long, first, context - (shortest or 0))
+
+
+def check_prompts_fit(task, tokenizer, context: int, max_new_tokens: int, *, sample: int = 512) -> str | None:
+    """Before the model loads (chat_rl): a RequestError naming --max-new-tokens when none of the
+    first `sample` prompts leaves room for it in the model's `context` (RL would train nothing);
+    else the line to print when some are skipped (None: none)."""
+    from nanochat.errors import RequestError
+    fit = probe_prompts(task, tokenizer, context, max_new_tokens, sample=sample)
+    if fit.probed and fit.too_long == fit.probed:
+        accepted = (f"1..{fit.room} (the room the shortest of them leaves)" if fit.room >= 1 else
+                    "none: even the shortest prompt fills the context")
+        raise RequestError(f"--max-new-tokens: got {max_new_tokens}; accepted: {accepted}: none of the first "
+                           f"{fit.probed} training prompts plus {max_new_tokens} new tokens fits the model's context "
+                           f"of {context} tokens, so RL would train nothing")
+    if not fit.too_long:
+        return None
+    return (("WARNING: " if fit.too_long * 10 >= fit.probed else "") +
+            f"--max-new-tokens {max_new_tokens}: {fit.too_long} of the first {fit.probed} training prompts (the first: "
+            f"problem {fit.first_too_long}) leave no room for it in the model's context of {context} tokens; such "
+            "prompts are skipped (they train nothing; counted in the summary's prompts_skipped)")
 
 
 @dataclass
@@ -74,22 +134,26 @@ class PolicyGradientTrainer:
 
     def __init__(self, model, train_model, optimizer, task, tokenizer, schedule, rt, *, examples_per_step: int,
                  num_samples: int, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = 50,
-                 device_batch_size: int = 8, seed: int = 42, pos: int = 0):
+                 device_batch_size: int = 8, seed: int = 42, pos: int = 0, sample_batch_size: int = 0,
+                 decode: str = "eager"):
         from nanochat.engine import Engine
         self.model, self.train_model, self.optimizer, self.task = model, train_model, optimizer, task
         self.tokenizer, self.schedule, self.rt = tokenizer, schedule, rt
-        self.engine = Engine(model, tokenizer)
+        self.engine = Engine(model, tokenizer, decode=decode, graph_step="eager")
         self.examples_per_step, self.num_samples = examples_per_step, num_samples
+        self.sample_rows = sample_batch_size or num_samples   # rows per sampling call (0: the whole group)
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
         self.device_batch_size, self.seed = device_batch_size, seed
         self.pos = pos                     # problems consumed so far (all ranks)
+        self.skipped = 0                   # prompts skipped so far (all ranks): the summary's count
         self.last_checkpoint: str | None = None
 
     def loader_state(self) -> dict:
-        return {"pos": self.pos}
+        return {"pos": self.pos, "skipped": self.skipped}
 
     def load_loader_state(self, state: dict) -> None:
         self.pos = int(state["pos"])
+        self.skipped = int(state.get("skipped", 0))   # checkpoints written before the count have none
 
     def note_checkpoint(self, path) -> None:
         self.last_checkpoint = str(path)
@@ -103,24 +167,36 @@ class PolicyGradientTrainer:
         return idx[self.rt.rank::self.rt.world_size]
 
     def _prompt(self, index: int) -> tuple[dict, list[int], int]:
-        """(conversation, prompt tokens, generation budget) of a problem; budget < 1: the prompt
-        leaves no room to generate in the model's context, and the problem is skipped."""
+        """(conversation, prompt tokens, generation budget) of a problem; budget 0: the prompt
+        leaves no room for max_new_tokens in the model's context, and the problem is skipped
+        (generating fewer would make --max-new-tokens a promise kept to some prompts only)."""
         conv = self.task[index]
         prompt = self.tokenizer.render_for_completion(conv)
-        return conv, prompt, min(self.max_new_tokens, self.engine.max_seq_len - len(prompt))
+        fits = len(prompt) + self.max_new_tokens <= self.engine.max_seq_len
+        return conv, prompt, self.max_new_tokens if fits else 0
 
     def _sample_group(self, index: int, prompt: list[int], budget: int):
-        """(sequences, masks, completions) of `num_samples` samples of a prompt. Unlike
-        Engine.generate_batch, a sequence keeps the stop token its sample drew (mask 1): stopping
-        is the policy's choice and is trained with the sample's advantage (without it a rewarded
-        answer never reinforced ending there, and only the tokens of longer answers were trained).
-        A completion (the text scored) leaves the stop token out."""
+        """(sequences, masks, completions) of `num_samples` samples of a prompt, drawn in chunks of
+        at most sample_rows rows (rollout_seed's chunk seeds; one chunk, the default: the same call,
+        seed and samples as one batch of them all). Unlike Engine.generate_batch, a sequence keeps the
+        stop token its sample drew (mask 1): stopping is the policy's choice and is trained with
+        the sample's advantage (without it a rewarded answer never reinforced ending there, and
+        only the tokens of longer answers were trained). A completion (the text scored) leaves the
+        stop token out."""
+        seqs, masks, completions = [], [], []
+        for chunk, start in enumerate(range(0, self.num_samples, self.sample_rows)):
+            n = min(self.sample_rows, self.num_samples - start)
+            part = self._sample_rows(prompt, budget, n, rollout_seed(self.seed, index, self.pos, chunk))
+            for whole, piece in zip((seqs, masks, completions), part):
+                whole += piece
+        return seqs, masks, completions
+
+    def _sample_rows(self, prompt: list[int], budget: int, n: int, seed: int):
+        """_sample_group's (sequences, masks, completions) of one Engine call of `n` rows."""
         stops = frozenset(self.engine.default_stop_tokens)
-        n = self.num_samples
         seqs, masks, done = [list(prompt) for _ in range(n)], [[0] * len(prompt) for _ in range(n)], [False] * n
-        for column, mask_column in self.engine.generate(
-                prompt, num_samples=n, max_tokens=budget, temperature=self.temperature, top_k=self.top_k,
-                seed=(self.seed + index * 7919 + self.pos) % SEED_RANGE):
+        for column, mask_column in self.engine.generate(prompt, num_samples=n, max_tokens=budget,
+                                                        temperature=self.temperature, top_k=self.top_k, seed=seed):
             for i, (token, mask) in enumerate(zip(column, mask_column)):
                 if not done[i]:
                     seqs[i].append(token)
@@ -182,6 +258,7 @@ class PolicyGradientTrainer:
             import torch.distributed as dist
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         loss_f, reward_sum, n, len_sum, skipped_all = (float(v) for v in stats)
+        self.skipped += int(skipped_all)
         loss_f /= rt.world_size
         if not math.isfinite(loss_f):
             raise NonFiniteLossError(step, "policy-gradient loss", loss_f, self.last_checkpoint, DEFAULT_HINT)

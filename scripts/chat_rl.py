@@ -1,7 +1,9 @@
 """Reinforcement learning on GSM8K: python -m scripts.chat_rl [flags]   (or torchrun ...)
 
 Loads the `sft` checkpoint (--source sft; mid also accepted), and per step samples --num-samples
-completions for each of --examples-per-step GSM8K problems with the Engine (calculator tool on),
+completions for each of --examples-per-step GSM8K problems with the Engine (calculator tool on;
+CUDA graphs on a GPU (--decode); --sample-batch-size rows per call, default all; a prompt with no
+room for --max-new-tokens is skipped and counted),
 rewards a correct final answer with 1, uses reward - group mean as the advantage and takes a
 policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pass@1 on the first
 --eval-examples GSM8K test problems at step 0, every --eval-every steps and at the last step (-1 or
@@ -27,7 +29,8 @@ from nanochat.checkpoint import check_resume_flags
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
-from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
+from nanochat.flags import (FlagParser, check_model_tag, normalize_flags, require, require_float, require_int,
+                            script_main)
 from nanochat.loop import TRAIN_FLAG_HELP
 from nanochat.sampling import MAX_SEED   # torch.manual_seed's and the Engine's range
 
@@ -47,6 +50,8 @@ class ChatRLConfig:
     temperature: float = 1.0
     top_k: int = 50                         # 0 = off
     device_batch_size: int = 8              # sequences per forward/backward chunk
+    sample_batch_size: int = 0              # rows per sampling call; 0 = a problem's whole group at once
+    decode: str = "auto"                    # rollouts' Engine decode: auto = CUDA graphs on CUDA, else eager
     matrix_lr: float = 0.02
     embedding_lr: float = 0.2
     unembedding_lr: float = 0.004
@@ -82,6 +87,9 @@ class ChatRLConfig:
         require_float(self.temperature, "--temperature", 0.0, low_inclusive=False)
         require_int(self.top_k, "--top-k", 0)
         require_int(self.device_batch_size, "--device-batch-size", 1)
+        require_int(self.sample_batch_size, "--sample-batch-size", 0)
+        from nanochat.engine import DECODE_MODES
+        require(self.decode in DECODE_MODES, "--decode", self.decode, "|".join(DECODE_MODES))
         for flag in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"):
             require_float(getattr(self, flag), "--" + flag.replace("_", "-"), 0.0)
         require_float(self.init_lr_frac, "--init-lr-frac", 0.0, low_inclusive=False)
@@ -114,10 +122,15 @@ FLAG_HELP = {
     "num_iterations": "optimizer steps; -1: one pass over the training problems",
     "examples_per_step": "GSM8K problems per optimizer step (over all ranks)",
     "num_samples": "completions sampled per problem: the group its advantage is taken in",
-    "max_new_tokens": "the most tokens a completion may have",
+    "max_new_tokens": "the most tokens a completion may have; a training prompt that leaves less room in the "
+                      "model's context is skipped (counted: the start-up line and the summary's prompts_skipped)",
     "eval_samples": "K > 0: also sampled pass@1..K of K samples drawn as training draws them; 0: greedy only",
     "top_k": "sample from the k most likely tokens; 0: all",
     "device_batch_size": "sequences per forward/backward chunk",
+    "sample_batch_size": "N > 0: a problem's --num-samples are drawn N at a time (the KV cache holds N rows; "
+                         "lower it if sampling runs out of memory); 0: all in one call",
+    "decode": "the Engine's decode mode for rollouts and the GSM8K eval: auto (CUDA graphs of the plain model on "
+              "a GPU, eager elsewhere)|eager|compile|static|graphs",
     "init_lr_frac": "every learning rate above is multiplied by this",
     "eval_examples": "GSM8K test problems scored (at most --test-holdout of them)",
     "test_holdout": "N >= 0: train on the local GSM8K test file minus its first N problems, evaluate on those "
@@ -140,7 +153,27 @@ def parse_config(argv: list[str] | None = None) -> ChatRLConfig:
             continue
         parser.add_argument("--" + f.name.replace("_", "-"), type=_TYPES[f.type], default=getattr(d, f.name),
                             help=(f"{about}; " if about else "") + f"default: {getattr(d, f.name)}")
-    return ChatRLConfig(**vars(parser.parse_args(argv))).validate()
+    cfg = ChatRLConfig(**vars(parser.parse_args(argv))).validate()
+    # the flags the command line named (not a field: kept out of the checkpoint's config)
+    cfg.given_flags = frozenset(a.partition("=")[0][2:].replace("-", "_")
+                                for a in normalize_flags(sys.argv[1:] if argv is None else argv) if a.startswith("--"))
+    return cfg
+
+
+def unused_eval_flags(cfg: ChatRLConfig) -> str | None:
+    """The notice for --eval-examples / --eval-samples given while --eval-every never evaluates
+    (a notice, not an error: a run that turns the evaluation off keeps its other flags, as chat_sft
+    keeps an --eval-tokens); None when they take effect or were not given. A config built without
+    parse_config counts a value other than the default as given."""
+    if cfg.eval_every > 0:
+        return None
+    given = getattr(cfg, "given_flags", None)
+    named = [f for f in ("eval_examples", "eval_samples")
+             if (f in given if given is not None else getattr(cfg, f) != getattr(ChatRLConfig, f))]
+    if not named:
+        return None
+    flags = ", ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)}" for f in named)
+    return f"  {flags}: no effect, --eval-every {cfg.eval_every} never evaluates (no GSM8K pass@k this run)"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -183,6 +216,19 @@ def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerpr
     return None
 
 
+def _source_context(source: dict) -> int | None:
+    """The context length of the model RL starts from, read from its meta.json (None: it does not
+    say; the trainer still skips what does not fit, the model's own length deciding)."""
+    from pathlib import Path
+    from nanochat.checkpoint import read_meta
+    from nanochat.checkpoint_io import CheckpointError
+    try:
+        length = (read_meta(Path(source["dir"]), source["step"]).get("model_config") or {}).get("sequence_len")
+    except CheckpointError:   # the load names a damaged checkpoint, in full
+        return None
+    return length if isinstance(length, int) else None
+
+
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import say_fresh_start, start_point
@@ -190,16 +236,18 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.errors import RequestError
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
                                      model_from_meta, planned_saves, read_meta, save_checkpoint, step_dirname)
-    from nanochat.engine import Engine
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
     from nanochat.optim import build_optimizer
-    from nanochat.rl import PolicyGradientTrainer
+    from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
     from nanochat.tasks import GSM8K
     from nanochat.tasks.evaluate import run_generative
     from nanochat.tokenizer import get_tokenizer
     from nanochat.tracker import Tracker
     from nanochat.training import StepMeter, restore_rng_state
 
+    if cfg.decode == "graphs" and rt.device.type != "cuda":   # the Engine would refuse it after the load
+        raise RequestError(f"--decode graphs: needs a CUDA device, this run's is {rt.device.type}; accepted here: "
+                           "auto|eager|compile|static")
     base_dir = get_base_dir()
     tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
     if resume_at is None:   # a fresh run into a tag holding rl checkpoints: refused now, not after the load
@@ -215,6 +263,10 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         raise RequestError(f"--examples-per-step: got {cfg.examples_per_step}; accepted: 1..{len(task)} (the "
                            "training problems" + (f" left by --test-holdout {cfg.test_holdout})" if
                                                   cfg.test_holdout >= 0 else ")"))
+    # prompts with no room for --max-new-tokens are skipped: said (or, none fitting, refused) now,
+    # from meta.json's context, before any weights load
+    context = _source_context(source)
+    fit_notice = check_prompts_fit(task, get_tokenizer(base_dir), context, cfg.max_new_tokens) if context else None
     resume = None
     if resume_at is not None:
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
@@ -255,7 +307,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     trainer = PolicyGradientTrainer(model, model, optimizer, task, tokenizer, schedule, rt,
                                     examples_per_step=cfg.examples_per_step, num_samples=cfg.num_samples,
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    top_k=cfg.top_k or None, device_batch_size=cfg.device_batch_size, seed=cfg.seed)
+                                    top_k=cfg.top_k or None, device_batch_size=cfg.device_batch_size, seed=cfg.seed,
+                                    sample_batch_size=cfg.sample_batch_size, decode=cfg.decode)
     meter = StepMeter(model.estimate_flops(), rt.world_size, peak_bf16=None, precision=rt.dtype_name,
                       warmup_steps=1, peak_memory=rt.peak_memory_bytes)
     start_step, resume_loop = 0, None
@@ -274,13 +327,19 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
            f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
            f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")
-    if eval_problems < cfg.eval_examples and cfg.test_holdout >= 0:
+    chunks = -(-cfg.num_samples // trainer.sample_rows)
+    print0(f"  rollouts: decode {trainer.engine.decode_mode}" + (" (--decode auto)" if cfg.decode == "auto" else "") +
+           f", {chunks} sampling call(s) of up to {trainer.sample_rows} rows per problem")
+    for notice in (fit_notice, unused_eval_flags(cfg)):
+        if notice:
+            print0(notice)
+    if cfg.eval_every > 0 and eval_problems < cfg.eval_examples and cfg.test_holdout >= 0:
         print0(f"  --eval-examples {cfg.eval_examples}: scoring the {eval_problems} held-out GSM8K test problems "
                f"(--test-holdout {cfg.test_holdout}; the rest are trained on)")
 
     def evaluate(_step: int) -> dict:
         model.eval()
-        engine = Engine(model, tokenizer)
+        engine = trainer.engine   # its decoders (CUDA graphs under --decode graphs) serve the eval too
         res = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=1,
                              max_new_tokens=cfg.max_new_tokens, temperature=0.0, max_problems=eval_problems,
                              name="GSM8K")
@@ -308,6 +367,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2),
+               "prompts_skipped": trainer.skipped,
                **{f"final_{k}": v for k, v in result.last_eval.items() if k.startswith("gsm8k_sampled_pass@")}}
     print0("done: " + json.dumps(summary))
     log_stage_report("Chat RL", "rl", config=asdict(cfg), result=result, meter=meter,

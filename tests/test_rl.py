@@ -100,12 +100,16 @@ def _reference_grads(trainer, problems):
     for index in problems:
         conv = trainer.task[index]
         prompt = tok.render_for_completion(conv)
-        steps = list(trainer.engine.generate(prompt, num_samples=trainer.num_samples, max_tokens=6, temperature=1.0,
-                                             top_k=50, seed=5 + index * 7919 + trainer.pos))
+        # the group in chunks of sample_rows rows, chunk k seeded seed + index x 7919 + pos + k x 104729
+        chunks, b = [], trainer.sample_rows
+        for k, start in enumerate(range(0, trainer.num_samples, b)):
+            steps = list(trainer.engine.generate(prompt, num_samples=min(b, trainer.num_samples - start), max_tokens=6,
+                                                 temperature=1.0, top_k=50,
+                                                 seed=5 + index * 7919 + trainer.pos + k * 104729))
+            chunks += [([col[i] for col, _ in steps], [m[i] for _, m in steps]) for i in range(len(steps[0][0]))]
         model.train()
         seqs, masks, rewards = [], [], []
-        for i in range(trainer.num_samples):
-            drawn, drawn_masks = [col[i] for col, _ in steps], [m[i] for _, m in steps]
+        for drawn, drawn_masks in chunks:
             end = next((t + 1 for t, token in enumerate(drawn) if token in stops), len(drawn))
             stopped = drawn[end - 1] in stops
             seqs.append(prompt + drawn[:end])
