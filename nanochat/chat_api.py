@@ -68,7 +68,8 @@ class ServerSettings:
                 off = "0 = off; " if flag == "--top-k" else ""
                 raise ValueError(f"{flag}: got {value}; accepted: {low}..{high} ({off}the limit {limit})")
         if self.api_key is not None and len(self.api_key) < 8:
-            raise ValueError("--api-key: got a key shorter than 8 characters; accepted: >= 8 characters")
+            raise ValueError("--api-key (or $NANOCHAT_API_KEY): got a key shorter than 8 characters; accepted: >= 8 "
+                             "characters")
         if isinstance(self.allowed_hosts, str) or isinstance(self.cors_origins, str):
             raise ValueError("allowed_hosts / cors_origins: got a string; accepted: a tuple of strings")
         for host in self.allowed_hosts or ():

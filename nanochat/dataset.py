@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanochat.dataset_download import download_shards
 
     src = SOURCES[source]
+    if args.num_shards != -1 and args.num_shards < 1:
+        raise ValueError(f"-n/--num-shards: got {args.num_shards}; accepted: -1 (every train shard) or an integer >= 1")
     num_train = src.val_index - args.start if args.num_shards == -1 else args.num_shards
     if num_train < 1 or args.start + num_train > src.val_index:
         raise ValueError(f"-n/--start: shards {args.start}..{args.start + num_train - 1} requested; "

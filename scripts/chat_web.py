@@ -135,6 +135,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.batch_slots != 1 and args.batch_slots < max(args.max_n, 2):
         raise ValueError(f"--batch-slots: got {args.batch_slots}; accepted: 1 (no batching) or an integer >= "
                          f"--max-n ({args.max_n}) and >= 2: a request's n samples share one replica's slots")
+    settings_from_args(args, args.model_name or "pending")   # the limits, before any model loads
 
 
 def load_replicas(args) -> tuple[list, dict]:
@@ -168,7 +169,9 @@ def load_replicas(args) -> tuple[list, dict]:
         warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's
         workers += replica
         mode = replica[0].engine.decode_mode
-        graph_step = f", graph step {engine.graph_step}" if mode in ("static", "graphs") else ""
+        # outside CUDA graphs a non-persistent step is the plain model (Engine.new_decoder)
+        step = engine.graph_step if mode == "graphs" or engine.graph_step == "persistent" else "eager"
+        graph_step = f", graph step {step}" if mode in ("static", "graphs") else ""
         batching = f", {args.batch_slots} batch slots" if args.batch_slots > 1 else ", one request at a time"
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
         print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
         auth = "API key required" if args.api_key else "NO API KEY: anyone who can reach it can use it (--api-key)"
         print(f"WARNING: binding {args.host}:{args.port} makes the server reachable from the network; {auth}",
               file=sys.stderr)
-    settings = settings_from_args(args, args.model_name or "pending")  # validate limits before loading models
+    settings = settings_from_args(args, args.model_name or "pending")
 
     import uvicorn
 

@@ -560,6 +560,26 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
             chat_web.main(["--device", "cpu", *argv])
 
 
+def test_a_bad_server_setting_is_refused_by_the_command_line_check(tmp_path):
+    """The limits (ServerSettings) are checked with the other flags, before any model loads: from
+    the command line a bad one is one line `chat_web: error: ...` and exit 2, not a traceback;
+    a short key from $NANOCHAT_API_KEY names the variable too."""
+    import os
+    import subprocess
+    import sys
+
+    from scripts import chat_web
+    for argv, flag in [(["-t", "9"], "--temperature"), (["--max-messages", "0"], "--max-messages"),
+                       (["--cors-origin", "notaurl"], "--cors-origin"), (["-m", "999999"], "--max-tokens")]:
+        with pytest.raises(ValueError, match=flag):
+            chat_web.validate(chat_web.parse_args(argv))
+    proc = subprocess.run([sys.executable, "-m", "scripts.chat_web"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, NANOCHAT_API_KEY="short", NANOCHAT_BASE_DIR=str(tmp_path)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == ["chat_web: error: --api-key (or $NANOCHAT_API_KEY): got a key shorter than 8 "
+                                        "characters; accepted: >= 8 characters"]
+
+
 @pytest.mark.slow
 def test_load_test_script():
     import subprocess

@@ -360,6 +360,16 @@ def test_a_flag_the_source_does_not_read_is_refused(tmp_path, monkeypatch, sourc
     assert not (tmp_path / "out").exists()   # refused before any work
 
 
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_a_shard_count_below_one_is_refused_by_name(tmp_path, n):
+    """-n 0 / -2 named the flag with a shard range like 0..-3; now the accepted values, before any
+    download (the base URL is unreachable: a download attempt would fail differently)."""
+    with pytest.raises(ValueError) as info:
+        ds.main(["--source", "climbmix", "-n", n, "--base-url", "http://127.0.0.1:9", "--retries", "0",
+                 "--no-progress", "--out", str(tmp_path / "out")])
+    assert str(info.value) == f"-n/--num-shards: got {n}; accepted: -1 (every train shard) or an integer >= 1"
+
+
 def test_a_refused_flag_is_one_line_exit_2_from_the_command_line(tmp_path):
     """What a user sees: `python -m nanochat.dataset --source shakespeare -n 4` is one line, exit 2."""
     import os
