@@ -40,7 +40,8 @@ MIN_COMMANDS = 40          # README.md held 48 script commands (a|b expanded) wh
 MIN_SHELL_COMMANDS = 8     # ./setup.sh and ./run_train.sh commands and flag mentions
 # a check may refuse for the machine, not the command (bench_int8 times CUDA kernels only)
 MACHINE_ONLY = re.compile(r"no CUDA GPU")
-PLACEHOLDERS = {"N": "2", "K": "2", "STEP": "10", "ORIGIN": "http://localhost:3000"}
+PLACEHOLDERS = {"N": "2", "K": "2", "STEP": "10", "ORIGIN": "http://localhost:3000",
+                "KEY": "an-api-key"}   # chat_web refuses keys under 8 characters
 
 
 # ------------------------------------------------------------------------------ extraction
