@@ -438,23 +438,37 @@ def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile
 def evaluate_bpb(model, batches: Iterable, steps: int, token_bytes: torch.Tensor) -> float:
     """Validation bits per byte: summed nats of targets that are text (token_bytes > 0, target
     != -1), divided by ln 2 x their UTF-8 byte count. Tokenizer-independent, unlike loss.
-    Reduced across ranks when a process group is up. Stops early if `batches` runs out."""
+    Reduced across ranks when a process group is up. Stops early if `batches` runs out; with a
+    process group, only once every rank has run out (a finite val pass gives ranks different batch
+    counts): until then a rank that ran out re-runs its last batch unscored, because an FSDP
+    forward all-gathers, and a rank that left the loop would pair its final all_reduce with another
+    rank's all-gather."""
+    import torch.distributed as dist
+    distributed = dist.is_available() and dist.is_initialized()
     device = token_bytes.device
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.float64, device=device)
-    it = iter(batches)
+    it, last = iter(batches), None
     for _ in range(steps):
-        try:
-            x, y = next(it)
-        except StopIteration:
+        batch = next(it, None)
+        if distributed:   # one tiny collective per eval batch: every rank takes the same number of steps
+            have = torch.tensor(int(batch is not None), device=device)
+            dist.all_reduce(have, op=dist.ReduceOp.MAX)
+            if not have.item():
+                break
+            if batch is None:
+                if last is not None:
+                    model(*last, loss_reduction="none")   # the forward's collectives only; not scored
+                continue
+        elif batch is None:
             break
+        x, y = last = batch
         loss = model(x, y, loss_reduction="none").reshape(-1).double()
         y = y.reshape(-1)
         tb = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y)).to(torch.float64)
         nats += (loss * (tb > 0)).sum()
         nbytes += tb.sum()
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.all_reduce(nats)
         dist.all_reduce(nbytes)
     if nbytes.item() == 0:

@@ -205,6 +205,21 @@ class _Engine:
         return [prompt + [100 + (i + j) % 2] for j in range(num_samples)], None
 
 
+class _Gathering(torch.nn.Module):
+    """A model whose forward runs a collective first (FSDP all-gathers each block): ranks must
+    take the same number of forwards, or the collectives pair up wrongly."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args, **kwargs):
+        import torch.distributed as dist
+        self.calls += 1
+        dist.all_reduce(torch.ones(1))
+        return self.inner(*args, **kwargs)
+
+
 def _eval_worker(rank: int, port: int, out: str, n_problems: int) -> None:
     import nanochat.tasks.evaluate as ev
     from nanochat.common import destroy_runtime
@@ -219,7 +234,8 @@ def _eval_worker(rank: int, port: int, out: str, n_problems: int) -> None:
         token_bytes = (torch.arange(VOCAB) % 4).to(torch.long)   # some tokens have 0 bytes (specials)
         batches = _masked_batches(4)
         mine = batches[:1] if rank == 0 else batches[1:]
-        bpb = evaluate_bpb(model, iter(mine), 10, token_bytes)
+        gathering = _Gathering(model)   # a collective in every forward, as FSDP's all-gathers
+        bpb = evaluate_bpb(gathering, iter(mine), 10, token_bytes)
         nats = nbytes = 0.0
         per_rank = []
         with torch.no_grad():
@@ -235,7 +251,8 @@ def _eval_worker(rank: int, port: int, out: str, n_problems: int) -> None:
         _finish_together()
         Path(out, f"eval{rank}.json").write_text(json.dumps({
             "cat": [cat.passed, cat.total], "gen": [gen.passed, gen.total, list(gen.passed_at)],
-            "bpb": bpb, "pooled": nats / (math.log(2) * nbytes), "mean_of_ranks": sum(per_rank) / 2}))
+            "bpb": bpb, "pooled": nats / (math.log(2) * nbytes), "mean_of_ranks": sum(per_rank) / 2,
+            "forwards": gathering.calls}))
     finally:
         destroy_runtime(rt)
 
@@ -250,6 +267,7 @@ def test_eval_sharding_counts_every_problem_once_and_pools_bpb(tmp_path):
     passed, total, passed_at = r0["gen"]
     assert total == n and passed == n and passed_at == pytest.approx([n / 2, n])
     assert r0["bpb"] == pytest.approx(r0["pooled"], rel=1e-9)
+    assert r0["forwards"] == 3   # rank 0 (one batch) re-ran it unscored while rank 1 had more (r0 == r1)
     assert abs(r0["pooled"] - r0["mean_of_ranks"]) > 1e-6   # the check can tell the two apart
 
 
