@@ -222,22 +222,23 @@ def shard_digest(path: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def check_resume(paths: Sequence[Path], state: dict) -> None:
+def check_resume(paths: Sequence[Path], state: dict, digests_now: Sequence[str] | None = None) -> None:
     """DataError naming the first of `paths` that is not what `state` (a data loader state with
     `shards`, `shard_bytes`, `shard_digests`) recorded when the run read it: gone, truncated,
     grown, or rewritten at the same size. Nothing to check (returns) for a state from before
-    digests were recorded, or for other shard names (the loader's own comparison names those)."""
+    digests were recorded, or for other shard names (the loader's own comparison names those).
+    `digests_now`: the shards' digests as the caller already computed them (else read here)."""
     names, sizes, digests = state.get("shards"), state.get("shard_bytes"), state.get("shard_digests")
     if not (isinstance(digests, list) and isinstance(sizes, list) and names == [p.name for p in paths]
             and len(sizes) == len(digests) == len(paths)):
         return
-    for path, size, digest in zip(paths, sizes, digests):
+    for i, (path, size, digest) in enumerate(zip(paths, sizes, digests)):
         now = path.stat().st_size if path.is_file() else None
         if now is None:
             what = "is gone"
         elif now != size:
             what = f"was {'truncated' if now < size else 'grown'} from {size} to {now} bytes"
-        elif shard_digest(path) != digest:
+        elif (digests_now[i] if digests_now is not None else shard_digest(path)) != digest:
             what = "was rewritten (same size, other content: header, document lengths or tokens differ)"
         else:
             continue

@@ -505,7 +505,7 @@ class DataLoader:
             raise ValueError(f"state: got {type(state).__name__}; accepted: a dict from state_dict()")
         source = self._source_for(state.get("source"))
         if source.kind == "bin":  # a shard truncated or rewritten since: DataError naming it
-            bs.check_resume(source.paths, state)
+            bs.check_resume(source.paths, state, source.digests)
         for key, want in self._config(source).items():
             if key != "shard_digests" and state.get(key) != want:  # checked above (absent in older states)
                 raise RequestError(f"--resume: the checkpoint's data loader had {_STATE_FLAGS.get(key, key)} "
