@@ -201,8 +201,10 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
             results["bpb"][split] = bpb
             results["bpb_tokens_by_split"][split] = covered
             print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, steps * per_step, cfg)}")
-        # what the bpb figures are over: the largest split's count (val alone by default)
+        # what the bpb figures are over: the largest split's count (val alone by default; the report
+        # names each split's when there are several)
         results["bpb_tokens"] = max(results["bpb_tokens_by_split"].values())
+        results["bpb_tokens_planned"] = steps * per_step
 
     if "sample" in cfg.evals and rt.is_master:
         texts = sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=cfg.max_tokens, seed=cfg.seed)
@@ -245,9 +247,11 @@ def log_report(results: dict) -> None:
     section.update({f"{split}_bpb": v for split, v in results.get("bpb", {}).items()})
     if "bpb_tokens" in results:   # the tokens the bpb above is over: each counted once, a split may hold fewer
         section["bpb_tokens"] = results["bpb_tokens"]
-        asked = results["config"].get("eval_tokens")
-        if isinstance(asked, int) and results["bpb_tokens"] < asked:
-            section["bpb_tokens_asked"] = asked   # --eval-tokens was more than the split holds (or rounded down)
+        by_split = results.get("bpb_tokens_by_split", {})
+        if len(by_split) > 1:
+            section.update({f"{split}_bpb_tokens": n for split, n in by_split.items()})
+        if results.get("bpb_tokens_planned", 0) > min(by_split.values(), default=0):
+            section["bpb_tokens_asked"] = results["config"].get("eval_tokens")   # a split ran out first
     core = results.get("core")
     if core is not None:
         # complete: every CORE task and all of its items (a --max-per-task run is an estimate: the
