@@ -127,8 +127,9 @@ FLAG_HELP = {
     "eval_samples": "K > 0: also sampled pass@1..K of K samples drawn as training draws them; 0: greedy only",
     "top_k": "sample from the k most likely tokens; 0: all",
     "device_batch_size": "sequences per forward/backward chunk",
-    "sample_batch_size": "N > 0: a problem's --num-samples are drawn N at a time (the KV cache holds N rows; "
-                         "lower it if sampling runs out of memory); 0: all in one call",
+    "sample_batch_size": "N > 0: a problem's --num-samples are drawn N at a time (a KV cache of N rows; under "
+                         "--decode graphs each call size keeps a cache over the whole context for the run, so pick "
+                         "N dividing --num-samples); lower it if sampling runs out of memory; 0: all in one call",
     "decode": "the Engine's decode mode for rollouts and the GSM8K eval: auto (CUDA graphs of the plain model on "
               "a GPU, eager elsewhere)|eager|compile|static|graphs",
     "init_lr_frac": "every learning rate above is multiplied by this",
@@ -327,9 +328,9 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
            f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
            f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")
-    chunks = -(-cfg.num_samples // trainer.sample_rows)
+    rows = min(trainer.sample_rows, cfg.num_samples)
     print0(f"  rollouts: decode {trainer.engine.decode_mode}" + (" (--decode auto)" if cfg.decode == "auto" else "") +
-           f", {chunks} sampling call(s) of up to {trainer.sample_rows} rows per problem")
+           f", {-(-cfg.num_samples // rows)} sampling call(s) of up to {rows} rows per problem")
     for notice in (fit_notice, unused_eval_flags(cfg)):
         if notice:
             print0(notice)

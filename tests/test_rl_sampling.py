@@ -178,3 +178,37 @@ def test_chat_rl_says_skips_at_the_start_and_in_the_summary(sft_checkpoint, chat
     assert "WARNING: --max-new-tokens 4: 1 of the first 4 training prompts" in said
     assert "--eval-examples 3: no effect, --eval-every -1 never evaluates" in said
     assert out["prompts_skipped"] == 1 and '"prompts_skipped": 1' in said
+
+
+def _rollouts_follow_the_weights(chat_model, decode):
+    """A rollout Engine built once (static decoders, CUDA graphs under "graphs") decodes with the
+    weights as the optimizer left them (its fused q/k/v copy refreshed): after an in-place update
+    its greedy tokens equal a fresh eager Engine's on the new weights (and differ from before)."""
+    import torch
+
+    from nanochat.engine import Engine
+    trainer, _ = _trainer(chat_model, _len_reward, num_samples=2, decode=decode)
+    model, tok = trainer.model, trainer.tokenizer
+    prompt = tok.render_for_completion(trainer.task[1])
+    greedy = dict(num_samples=2, max_tokens=12, temperature=0.0, seed=1)
+    before, _ = trainer.engine.generate_batch(prompt, **greedy)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():   # in place, as MuonAdamW updates parameters
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+            p.add_(noise * 0.5 * p.float().std().to(p.dtype))
+    after, _ = trainer.engine.generate_batch(prompt, **greedy)
+    # the reference reads the live c_q / c_k / c_v (no fused copy that could be stale)
+    assert after == Engine(model, tok, fused_qkv=False).generate_batch(prompt, **greedy)[0]
+    assert after != before
+
+
+def test_static_rollouts_follow_in_place_weight_updates(chat_model):
+    _rollouts_follow_the_weights(chat_model, "static")
+
+
+@pytest.mark.cuda
+def test_graph_rollouts_follow_in_place_weight_updates(chat_model):
+    import copy
+    model, tok = chat_model
+    _rollouts_follow_the_weights((copy.deepcopy(model).cuda(), tok), "graphs")
