@@ -80,9 +80,12 @@ def test_uninterrupted_training_is_unchanged_by_the_polling(threads):
     short trainings: a 2-merge training returns at once, not after a poll period."""
     rustbpe = require_module("rustbpe", "build it: uv pip install -p .venv/bin/python ./rustbpe")
     tok = rustbpe.Tokenizer()
-    t = time.perf_counter()
+    times = []
     for _ in range(20):
+        t = time.perf_counter()
         tok.train_from_iterator(["abab cdcd abab"], 258, threads=threads)
-    per_call = (time.perf_counter() - t) / 20
+        times.append(time.perf_counter() - t)
     assert tok.get_merges() == [(97, 98, 256), (99, 100, 257)]
-    assert per_call < 0.04, f"{per_call * 1000:.1f} ms per tiny training"
+    # the fastest call: a result that waited for a poll period would take >= 50 ms every time, while
+    # a loaded CI machine only slows some calls
+    assert min(times) < 0.04, f"{min(times) * 1000:.1f} ms for the fastest tiny training"
