@@ -532,3 +532,6 @@ for f in "$LOG"/bench_train_*_[0-9]*.log; do   # the A/B sections' runs, in the 
 done
 grep -h -A40 "^dtype " "$LOG/bench_gemm.log" 2>/dev/null | head -30
 grep -h -A12 "^mode " "$LOG/bench_loss.log" "$LOG/bench_model.log" "$LOG/bench_kernels_d20.log" 2>/dev/null
+# the exit code says whether every step passed (not what the last grep above found)
+for s in "${status[@]}"; do [[ "$s" =~ rc=[1-9] ]] && exit 1; done
+exit 0
