@@ -109,13 +109,18 @@ def test_split_paths_is_the_last_shard_for_val(binned):
     assert [p.name for p in bs.split_paths(bin_dir, "train")] == names[:-1]
 
 
-def test_truncated_shard_on_resume_is_named_at_construction(binned):
-    """Already true without the patch: a shard cut short no longer matches its header's size."""
-    data_dir, _ = binned
+def _state_after_one_batch(data_dir) -> dict:
     dl = loader(data_dir, "bin", prefetch=0)
     next(dl)
     state = dl.state_dict()
     dl.close()
+    return state
+
+
+def test_truncated_shard_on_resume_is_named_at_construction(binned):
+    """A shard cut short no longer matches its header's size: refused when the loader opens it."""
+    data_dir, _ = binned
+    state = _state_after_one_batch(data_dir)
     path = bs.default_bin_dir(data_dir) / "shard_00001.bin"
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises(DataError, match=r"shard_00001\.bin: truncated or corrupt .*scripts\.pretokenize --force"):
@@ -124,10 +129,7 @@ def test_truncated_shard_on_resume_is_named_at_construction(binned):
 
 def test_shard_rewritten_at_the_same_size_is_refused_on_resume(binned):
     data_dir, _ = binned
-    dl = loader(data_dir, "bin", prefetch=0)
-    next(dl)
-    state = dl.state_dict()
-    dl.close()
+    state = _state_after_one_batch(data_dir)
     path = bs.default_bin_dir(data_dir) / "shard_00001.bin"   # a train shard the run has not reached yet
     flip_token(path, 3)
     resumed = loader(data_dir, "bin", prefetch=0)

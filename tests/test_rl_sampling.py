@@ -34,21 +34,12 @@ def _group(trainer, index=1):
 
 
 def _single_call_group(trainer, index=1):
-    """The group as rl.py sampled it before chunking: one Engine call of all num_samples rows."""
+    """The group as rl.py sampled it before chunking: one Engine call of all num_samples rows with
+    the problem's seed (written out here, not rollout_seed's)."""
     from nanochat.rl import SEED_RANGE
     prompt = trainer.tokenizer.render_for_completion(trainer.task[index])
-    stops = set(trainer.engine.default_stop_tokens)
-    n = trainer.num_samples
-    seqs, masks, done = [list(prompt) for _ in range(n)], [[0] * len(prompt) for _ in range(n)], [False] * n
-    for column, mask_column in trainer.engine.generate(
-            prompt, num_samples=n, max_tokens=trainer.max_new_tokens, temperature=1.0, top_k=50,
-            seed=(trainer.seed + index * 7919 + trainer.pos) % SEED_RANGE):
-        for i, (token, mask) in enumerate(zip(column, mask_column)):
-            if not done[i]:
-                seqs[i].append(token)
-                masks[i].append(mask)
-                done[i] = token in stops
-    return seqs, masks, [s[len(prompt):len(s) - int(d)] for s, d in zip(seqs, done)]
+    return trainer._sample_rows(prompt, trainer.max_new_tokens, trainer.num_samples,
+                                (trainer.seed + index * 7919 + trainer.pos) % SEED_RANGE)
 
 
 def test_a_group_is_sampled_in_chunks_of_sample_batch_size(chat_model, monkeypatch):
