@@ -461,9 +461,10 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
 
     failures, sizes = [], []
 
-    def fetch(i: int) -> None:
+    def fetch(i: int) -> bool:
+        """True when the shard is now in out_dir; False when a stop came before it started."""
         if stop.is_set():   # a worker that picks this shard up leaves it alone
-            return
+            return False
         try:
             download_file(f"{base_url.rstrip('/')}/{shard_name(i)}", out_dir / shard_name(i), retries=retries,
                           backoff=backoff, timeout=timeout, on_bytes=count, stall_window=stall_window,
@@ -471,6 +472,7 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
         except DiskFullError:
             stop.set()
             raise
+        return True
 
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), unit="shard",
                disable=not progress, dynamic_ncols=True)
@@ -479,8 +481,10 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
         try:
             for fut in as_completed(futures):
                 try:
-                    fut.result()
-                    sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
+                    # a shard skipped after a full disk elsewhere has no file: its future can come
+                    # before the DiskFullError's (stat() then raised FileNotFoundError instead)
+                    if fut.result():
+                        sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
                 except DownloadError as e:
                     failures.append((futures[fut], str(e)))
                 bar.update(1)

@@ -43,6 +43,8 @@ def _jsonl_texts(path: Path) -> list[str]:
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start}: {e.reason}); "
                                 "re-encode the file as UTF-8") from None
+            if n == 1:   # a byte-order mark (Windows editors write one): json.loads refuses it
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
@@ -68,7 +70,8 @@ def _txt_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {e.reason}); re-encode the file "
                         "as UTF-8") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    # a leading byte-order mark (Windows editors write one) is not text: it would train as U+FEFF
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_local_documents(src: Path, *, max_doc_chars: int = 20_000, exclude: Path | None = None) -> list[str]:

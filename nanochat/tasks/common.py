@@ -100,6 +100,8 @@ def parse_jsonl_numbered(lines: Iterable[bytes], path) -> list[tuple[int, object
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{lineno}: not UTF-8 text ({e}); fix or delete that line") from None
+        if lineno == 1:   # a byte-order mark (Windows editors write one): json.loads refuses it
+            line = line.removeprefix("\ufeff")
         if line.strip():
             try:
                 rows.append((lineno, json.loads(line)))
