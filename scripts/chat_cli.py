@@ -281,7 +281,9 @@ def converse(engine, tokenizer, args, next_seed) -> int:
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         try:
             print("\nAssistant: ", end="", flush=True)
-            prompt = fit_prompt(engine, tokenizer, messages, "type /clear to start over")
+            # /clear cannot help a message that is too long on its own
+            prompt = fit_prompt(engine, tokenizer, messages,
+                                "type /clear to start over" if len(messages) > 1 else "shorten the message")
             messages.append(answer(engine, tokenizer, prompt, args, next_seed(),
                                    full_hint="; type /clear to start over"))
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)

@@ -29,6 +29,8 @@ from nanochat.server import ServerSettings
 
 SOURCES = ("sft", "rl", "mid", "base")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")   # the names a loopback-bound server answers to
+# uvicorn's log levels (a name it does not know was a KeyError traceback after the model had loaded)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 LIMITS = ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
           "max_body_bytes", "max_queue")
 
@@ -81,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "number of batch slots x replicas, at least 4, so one client can use every slot)")
     limits.add_argument("--max-temperature", dest="max_temperature", type=float,
                         default=d.max_temperature)
-    p.add_argument("--log-level", dest="log_level", default="info")
+    p.add_argument("--log-level", dest="log_level", default="info", help="|".join(LOG_LEVELS))
     return p.parse_args(argv)
 
 
@@ -119,6 +121,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port: got {args.port}; accepted: 1..65535")
+    if args.log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"--log-level: got {args.log_level!r}; accepted: {'|'.join(LOG_LEVELS)}")
     if args.num_gpus < 1:
         raise ValueError(f"--num-gpus: got {args.num_gpus}; accepted: an integer >= 1")
     from nanochat.quantize import check_quantize
@@ -136,6 +140,22 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-slots: got {args.batch_slots}; accepted: 1 (no batching) or an integer >= "
                          f"--max-n ({args.max_n}) and >= 2: a request's n samples share one replica's slots")
     settings_from_args(args, args.model_name or "pending")   # the limits, before any model loads
+
+
+def check_port_free(host: str, port: int) -> None:
+    """RequestError naming --host/--port when nothing can listen on host:port (another server has it):
+    said before the model loads and warms up (minutes on a GPU), not after, as uvicorn would."""
+    import socket
+
+    from nanochat.errors import RequestError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:   # create_server sets SO_REUSEADDR as uvicorn does: a port in TIME_WAIT is not "in use"
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        why = str(e.strerror or e).split(" (while")[0]   # create_server appends the address again
+        raise RequestError(f"--host/--port: cannot listen on {host}:{port} ({why}); stop the server using that "
+                           "port, choose another --port, or a --host address of this machine") from None
 
 
 def load_replicas(args) -> tuple[list, dict]:
@@ -196,6 +216,7 @@ def main(argv=None) -> int:
     from nanochat.http_guard import server_url
     from nanochat.server import WorkerPool, create_app
 
+    check_port_free(args.host, args.port)
     workers, meta = load_replicas(args)
     settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
     app = create_app(WorkerPool(workers), settings)

@@ -509,14 +509,22 @@ def test_batched_replica_serves_concurrent_streams(chat_model):
 
 # ------------------------------------------------------------------------------------ the recipe
 
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.create_server((host, 0)) as sock:
+        return sock.getsockname()[1]
+
+
 def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
     from scripts import chat_web
 
     served = {}
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: served.update(app=app, **kw))
-    assert chat_web.main(["--device", "cpu", "--port", "8123", "--max-n", "2", "--allowed-host", "chat.example.com",
+    port = free_port()   # main checks that it can listen there before loading the model
+    assert chat_web.main(["--device", "cpu", "--port", str(port), "--max-n", "2", "--allowed-host", "chat.example.com",
                           "--cors-origin", "http://localhost:3000"]) == 0
-    assert served["host"] == "127.0.0.1" and served["port"] == 8123
+    assert served["host"] == "127.0.0.1" and served["port"] == port
     printed = capsys.readouterr()
     assert "WARNING" not in printed.err and "up to 8 concurrent request(s) per client" in printed.out
     server, url = serve_in_thread(served["app"])
@@ -525,8 +533,8 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
         assert out["model"] == "nanochat-sft-d2" and out["usage"]["completion_tokens"] >= 1
         assert_error(httpx.post(url + "/v1/chat/completions", json={"messages": USER, "n": 3}), 400, "n")
         # loopback bind: the DNS-rebinding guard answers loopback names and --allowed-host only
-        assert_error(httpx.get(url + "/health", headers={"Host": "rebind.example:8123"}), 400, code="invalid_host")
-        for host in ("localhost:8123", "chat.example.com"):
+        assert_error(httpx.get(url + "/health", headers={"Host": f"rebind.example:{port}"}), 400, code="invalid_host")
+        for host in (f"localhost:{port}", "chat.example.com"):
             assert httpx.get(url + "/health", headers={"Host": host}).status_code == 200
         limits = httpx.get(url + "/stats").json()["limits"]
         assert limits["max_concurrent_per_client"] == 8  # default: the 8 batch slots x 1 replica
@@ -537,7 +545,7 @@ def test_chat_web_recipe(sft_checkpoint, monkeypatch, capsys):
     finally:
         server.should_exit = True
         server.thread.join(timeout=10)
-    assert chat_web.main(["--device", "cpu", "--host", "0.0.0.0"]) == 0
+    assert chat_web.main(["--device", "cpu", "--host", "0.0.0.0", "--port", str(free_port("0.0.0.0"))]) == 0
     assert "WARNING: binding 0.0.0.0" in capsys.readouterr().err and served["host"] == "0.0.0.0"
     args = chat_web.parse_args(["--host", "0.0.0.0"])
     assert chat_web.settings_from_args(args, "m").allowed_hosts is None   # network bind: any Host...
