@@ -6,6 +6,7 @@ the non-streamed answer). nanochat/server.py runs the jobs (`_Job`) and the app;
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
 # line-based client (httpx's iter_lines, requests' iter_lines(decode_unicode=True)) would cut a
 # `data:` line there. SSE itself ends lines only at CR/LF; escaped, the JSON means the same.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+# Seconds of silence after which a stream sends an SSE comment: a request waiting for a replica,
+# or (batching) for free rows, or a long prefill, still gets bytes, so a client's or proxy's read
+# timeout does not end it (and a gone client is noticed when the write fails).
+KEEPALIVE_S = 2.0
 
 
 def _sse(obj) -> str:
@@ -53,7 +60,14 @@ async def _sse_events(job: _Job, meta: dict):
     yield chunks([_choice(i, {"role": "assistant", "content": ""}) for i in range(job.req.n)])
     ended = set()
     while True:
-        event = await job.events.get()
+        getter = asyncio.ensure_future(job.events.get())
+        try:
+            while not (await asyncio.wait({getter}, timeout=KEEPALIVE_S))[0]:
+                yield ": waiting for the model\n\n"   # SSE comment (KEEPALIVE_S)
+        finally:
+            if not getter.done():   # the stream was closed while it waited
+                getter.cancel()
+        event = getter.result()
         if event[0] == "delta":
             if event[1]:
                 yield chunks([_choice(i, {"content": t}) for i, t in event[1]])

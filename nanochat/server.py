@@ -41,7 +41,7 @@ from pathlib import Path
 
 from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_per_client,  # noqa: F401
                                parse_chat_request, prompt_messages)
-from nanochat.chat_sse import _count_end, _sse, _sse_events
+from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT, TextStream
 from nanochat.http_guard import HostGuard, csp, read_json, require_json
 
@@ -476,7 +476,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         started.append(True)
         job, failed = None, False
         try:
-            while not (await asyncio.wait({acq}, timeout=2.0))[0]:
+            while not (await asyncio.wait({acq}, timeout=KEEPALIVE_S))[0]:
                 yield ": waiting for a free model replica\n\n"  # SSE comment; also detects a gone client
             try:
                 job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)

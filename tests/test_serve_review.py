@@ -52,3 +52,39 @@ def test_chat_cli_too_long_first_message_says_shorten_it(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "[the conversation is 100 tokens, the model's context is 50: shorten the message]" in out
     assert "/clear to start over" not in out
+
+
+def test_a_silent_stream_sends_keepalive_comments(monkeypatch):
+    """A started stream waiting for its first token (a batched request waiting for free rows, a long
+    prefill) sent no bytes after the role chunk until the token came: a client or proxy read timeout
+    could end it. Now an SSE comment goes out every KEEPALIVE_S of silence, and the stream closed
+    while it waits leaves no pending read on the job's queue."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanochat import chat_sse
+
+    monkeypatch.setattr(chat_sse, "KEEPALIVE_S", 0.02)
+
+    async def run(close_early: bool):
+        job = SimpleNamespace(req=SimpleNamespace(n=1, include_usage=False), events=asyncio.Queue(), stats={
+            "completed": 0, "completion_tokens": 0, "errors": 0})
+        gen = chat_sse._sse_events(job, {"id": "x", "created": 0, "model": "m"})
+        out = [await gen.__anext__()]   # the role chunk
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.15, job.events.put_nowait, ("delta", [(0, "hi")], []))
+        loop.call_later(0.16, job.events.put_nowait, ("done", ["stop"], {"completion_tokens": 1}))
+        if close_early:
+            out.append(await gen.__anext__())
+            await gen.aclose()
+            await asyncio.sleep(0.2)   # the put lands in the queue: nobody took it
+            return out, job.events.qsize()
+        return out + [e async for e in gen], job.events.qsize()
+
+    out, left = asyncio.run(run(close_early=False))
+    waits = [e for e in out if e == ": waiting for the model\n\n"]
+    assert len(waits) >= 3, out   # ~0.15 s of silence at 0.02 s
+    assert '"content":"hi"' in "".join(out) and out[-1] == "data: [DONE]\n\n" and left == 0
+    assert out.index(waits[0]) > 0 and all(e.startswith((":", "data: ")) for e in out)
+    out, left = asyncio.run(run(close_early=True))
+    assert out[1] == ": waiting for the model\n\n" and left == 2   # both events stayed queued
