@@ -135,7 +135,7 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
     as parts. A reply cut off because the context is full gets a note on stderr, ending with
-    `full_hint` (what to do about it)."""
+    `full_hint` (what to do about it), and one cut off at --max-tokens a note saying so."""
     out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
 
@@ -168,6 +168,9 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
         out.flush()
         print(f"[cut off: the conversation filled the model's context of {engine.max_seq_len} tokens{full_hint}]",
               file=sys.stderr, flush=True)
+    elif not stopped and len(generated) >= args.max_tokens:   # as the web page says "length"
+        out.flush()
+        print(f"[cut off at --max-tokens {args.max_tokens}]", file=sys.stderr, flush=True)
     return {"role": "assistant", "content": assistant_parts(tokenizer, generated)}
 
 

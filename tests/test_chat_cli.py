@@ -381,8 +381,8 @@ def test_chat_cli_refuses_a_seed_the_sampler_cannot_take():
 
 def test_answer_cut_off_by_the_context_says_so(chat_model, capsys):
     """A reply that fills the model's context ends mid-sentence: a note on stderr says why (stdout keeps the
-    answer alone for -p), with what to do about it in the interactive loop; a reply that ends at its stop
-    token, or at -m, gets no note."""
+    answer alone for -p), with what to do about it in the interactive loop; one cut at -m says that (it
+    said nothing, where the web page shows "length"); a reply that ends at its stop token gets no note."""
     from scripts.chat_cli import answer
     from tests.test_engine import scripted_engine, specials
 
@@ -398,6 +398,7 @@ def test_answer_cut_off_by_the_context_says_so(chat_model, capsys):
                                       "/clear starts over]\n"
     args.max_tokens = 2
     answer(engine, tok, [tok.bos_token_id] * 125, args, seed=0, out=io.StringIO())
+    assert capsys.readouterr().err == "[cut off at --max-tokens 2]\n"
     ends = scripted_engine(tok, lambda b, gen: [words[0], words[1], s.assistant_end][len(gen)], [0] * 125)
     args.max_tokens = 40
     answer(ends, tok, [tok.bos_token_id] * 125, args, seed=0, out=io.StringIO())
