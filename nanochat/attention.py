@@ -19,6 +19,7 @@ Backends (the names `resolve_backend` returns):
   * "sdpa_cudnn" (`cudnn`; auto on CUDA once prepare_masks' probe launch passed): full layers as
     in sdpa_flex, window layers through cuDNN's fused kernel with a diagonal band
     (nanochat/cudnn_attention.py; needs nvidia-cudnn-frontend). H100, same shapes: 1.80 ms.
+    That kernel takes bf16/fp16 only: fp32 window layers run flex_attention, as in sdpa_flex.
   * "cudnn_fa4" (auto on an H100-class GPU, cc 9.0, once fa4_attention's probe launch passed;
     needs flash-attn-4): every layer, full and window, through cuDNN's forward (the kernel
     above; full layers without a band) and FlashAttention-4's backward on that forward's output
@@ -491,10 +492,15 @@ def attention(q, k, v, *, window: int | None, backend: str, kv_cache: KVCache | 
         return reference_attention(q, k, v, window=window)
     if backend == "flex" or (backend == "sdpa_flex" and window is not None):
         return _flex(q, k, v, window)
-    if backend == "cudnn_fa4" and q.dtype in (torch.bfloat16, torch.float16):
+    cudnn_dtype = q.dtype in (torch.bfloat16, torch.float16)   # all cuDNN's window kernel takes
+    if backend == "cudnn_fa4" and cudnn_dtype:
         return cudnn_attention.window_attention(q, k, v, window or 0, bwd="fa4")
     if backend in ("sdpa_cudnn", "cudnn_fa4") and window is not None:
-        return cudnn_attention.window_attention(q, k, v, window)
+        if cudnn_dtype:
+            return cudnn_attention.window_attention(q, k, v, window)
+        # an fp32 run (--precision fp32 on a GPU where auto proved cuDNN): sdpa_flex's window path,
+        # block-sparse, where the cuDNN kernel raised "dtype torch.float32 is not supported"
+        return _flex(q, k, v, window)
     if window is None:
         return _sdpa(q, k, v, is_causal=True)
     return _sdpa(q, k, v, is_causal=False, attn_mask=_dense_mask(T, window, q.device))

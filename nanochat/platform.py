@@ -223,8 +223,16 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
             else f"not probed; Triton {ctx.triton_version} ships <= {expected[0]}.{expected[1]}")
     user = {n: ctx.env[n] for n in PTXAS_ENV if ctx.env.get(n) and not _set_by_us(ctx.env, n)}
     if user:   # the user's choice, either name (Triton >= 3.5 reads the Blackwell one for sm_100+)
+        # Triton reads only one of the two names for a given arch (3.5-3.8: the Blackwell one from
+        # sm_100 on, older releases: TRITON_PTXAS_PATH for every arch), so a user who set only the
+        # other one (DESIGN s4.1 says TRITON_PTXAS_PATH) still got the bundled ptxas on sm_121:
+        # carry their path to the unset name, never over a value of its own.
+        for name in PTXAS_ENV:
+            if not ctx.env.get(name) or _set_by_us(ctx.env, name):
+                _set_env(ctx.env, name, next(iter(user.values())))
         _log_once("ptxas", f"bundled ptxas ({said}) too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
-                           + ", ".join(f"{n}={v}" for n, v in user.items()) + " as set")
+                           + ", ".join(f"{n}={v}" for n, v in user.items()) + " as set"
+                           + ("" if len(user) == len(PTXAS_ENV) else " (for both TRITON_PTXAS*_PATH names)"))
         return "ptxas(user)"
     if all(_set_by_us(ctx.env, n) for n in PTXAS_ENV):   # this patch, applied before
         return "ptxas"

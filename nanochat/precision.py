@@ -108,8 +108,11 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         if backend not in ("auto",):
             raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
         return PrecisionPlan(precision, "none")
-    te_ok = _te_importable() if te_available is None else te_available
-    ao_ok = _torchao_available() if torchao_available is None else torchao_available
+    # Probed only where the request can use them: importing TE (with ~1 GB of cuDNN libraries) for
+    # a native fp8 run cost start-up time, and a broken TE install stopped a run that never used it
+    needs_te = backend == "te" or (backend == "auto" and precision == "nvfp4")
+    te_ok = needs_te and (_te_importable() if te_available is None else te_available)
+    ao_ok = backend == "torchao" and (_torchao_available() if torchao_available is None else torchao_available)
     if precision == "nvfp4":
         plan = _resolve_nvfp4(spec, backend, te_ok)
         if plan.backend == "te" and (te_recipe is not None or te_available is None):

@@ -119,7 +119,8 @@ def test_ptxas_user_blackwell_variable_is_kept():
     env = {"TRITON_PTXAS_BLACKWELL_PATH": "/opt/cuda-13.1/bin/ptxas"}
     c = ctx(env=env, candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
     assert P.patch_ptxas(detect_device(props=GB10), c, uses_triton=True) == "ptxas(user)"
-    assert env == {"TRITON_PTXAS_BLACKWELL_PATH": "/opt/cuda-13.1/bin/ptxas"}
+    assert env["TRITON_PTXAS_BLACKWELL_PATH"] == "/opt/cuda-13.1/bin/ptxas"   # the user's, not the one found
+    assert env["TRITON_PTXAS_PATH"] == "/opt/cuda-13.1/bin/ptxas"   # carried to the other name (test_platform_review)
     # ours, applied again, is still ours
     c = ctx(candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
     assert P.patch_ptxas(detect_device(props=GB10), c, True) == P.patch_ptxas(detect_device(props=GB10), c, True) == "ptxas"
