@@ -212,6 +212,11 @@ def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None
     """(model tag, checkpoint dir) of the checkpoint a stage starts from; CheckpointError naming
     the flag and the command that creates it when there is none."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, find_model_tag, read_latest
+    tags_dir = checkpoint_dir(source, "x", base_dir).parent
+    if model_tag is None and tags_dir.is_dir() and any(p.is_dir() for p in tags_dir.iterdir()):
+        # tags there but none picked (several, no d<N>): find_model_tag's "pass --model-tag" is the
+        # answer; wrapped below it read "none was found (several ... tags ...)" and told to train one
+        model_tag = find_model_tag(source, base_dir)
     try:
         tag = model_tag or find_model_tag(source, base_dir)
         ckpt_dir = checkpoint_dir(source, tag, base_dir)

@@ -44,6 +44,7 @@ from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, saved_sum,
                                     start_check, step_dirname, write_json)
+from nanochat.errors import RequestError
 from nanochat.flags import check_model_tag, require
 
 SCHEMA_VERSION = 1
@@ -101,8 +102,10 @@ def check_resume_flags(resume: str | None, overwrite: bool) -> None:
     """--resume's value, and --overwrite only for a fresh start: --resume latest|N continues the
     run it would delete (every training recipe's flags)."""
     require(valid_resume(resume), "--resume", resume, RESUME_HELP)
-    require(not overwrite or resume in (None, "auto"), "--overwrite", True,
-            f"only for a fresh run (or --resume auto, when it starts fresh), not with --resume {resume}")
+    if overwrite and resume not in (None, "auto"):   # not require(): "got True" tells a user nothing
+        raise RequestError(f"--overwrite cannot be combined with --resume {resume}: --overwrite deletes this "
+                           f"model tag's checkpoints and starts a fresh run, --resume {resume} continues them; "
+                           "drop one of the two (--overwrite is accepted with --resume auto, when it starts fresh)")
 
 
 def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:

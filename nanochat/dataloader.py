@@ -500,21 +500,23 @@ class DataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batch `state` was taken at. ValueError if it was made with
-        a different configuration (batch size, ranks, shards, tokenizer, ...)."""
+        a different configuration (ranks, shards, tokenizer, ...). The batch size may differ: rows
+        are packed one after another whatever it is (a state falls between rows), so a resume at a
+        lower --device-batch-size (what an out-of-memory stop advises) reads the very same rows."""
         if not isinstance(state, dict):
             raise ValueError(f"state: got {type(state).__name__}; accepted: a dict from state_dict()")
         source = self._source_for(state.get("source"))
         if source.kind == "bin":  # a shard truncated or rewritten since: DataError naming it
             bs.check_resume(source.paths, state, source.digests)
         for key, want in self._config(source).items():
-            if key != "shard_digests" and state.get(key) != want:  # checked above (absent in older states)
+            if key not in ("shard_digests", "batch_size") and state.get(key) != want:  # digests: checked above
                 raise RequestError(f"--resume: the checkpoint's data loader had {_STATE_FLAGS.get(key, key)} "
                                    f"{_brief(state.get(key))}, this run's has {_brief(want)}; resume with the "
                                    "original run's data and flags (or start a new --model-tag)")
         self.close()
         if source is not self._source:
             self._use(source)
-        self._resume = self._state = {**state, "buffer": [list(k) for k in state["buffer"]]}
+        self._resume = self._state = {**state, "batch_size": self.B, "buffer": [list(k) for k in state["buffer"]]}
 
     def _source_for(self, kind):
         """The source a checkpoint's state continues on. Picked automatically, it is the kind the

@@ -26,6 +26,7 @@ import torch
 from nanochat.attention import resolve_backend
 from nanochat.checkpoint import check_resume_flags
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.errors import RequestError
 from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop, say_schedule_changes)
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
@@ -153,7 +154,10 @@ class BaseTrainConfig:
             require(self.device_batch_size * self.max_seq_len % 16 == 0, "--max-seq-len", self.max_seq_len,
                     "with --precision fp8, --device-batch-size x --max-seq-len a multiple of 16")
         if self.fsdp:  # FSDP2 needs a process group (torchrun, any WORLD_SIZE >= 1) and collective-only work
-            require("RANK" in os.environ, "--fsdp", True, "a torchrun launch (torchrun --nproc_per_node=N ...)")
+            if "RANK" not in os.environ:   # not require(): its "got True" says nothing
+                raise RequestError("--fsdp needs a torchrun launch (torchrun --nproc_per_node=N -m scripts.base_train "
+                                   "--fsdp ...): it shards the model over that run's processes; without torchrun, "
+                                   "leave --fsdp out")
             require(self.sample_every <= 0, "--sample-every", self.sample_every,
                     "-1 with --fsdp (sampling runs on rank 0 alone; sharded weights need every rank)")
             require(self.precision in ("auto", "bf16", "fp32"), "--precision", self.precision,
@@ -178,6 +182,10 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "num_iterations": "optimizer steps; -1: --target-param-data-ratio x scaling params / --total-batch-size",
     "target_param_data_ratio": "training tokens per scaling parameter when --num-iterations is -1",
     "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: auto from --depth",
+    # not the shared text: base_train's auto never sets a run aside because its flags differ (days of
+    # pretraining): such a resume is refused as with latest, naming the flag
+    "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when the tag has one, "
+              "refused like latest when these flags cannot continue it; else a fresh start); not given: a fresh start",
     "eval_tokens": "validation tokens per evaluation (whole micro-batches of all ranks)",
     "sample_every": "N: print samples every N steps and at the last step; -1 or 0: never",
     "model_tag": "the checkpoint directory's name under checkpoints/base/; not given: d<depth>",

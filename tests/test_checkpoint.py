@@ -538,6 +538,6 @@ def test_overwrite_is_refused_with_a_resume_of_every_training_recipe(resume):
     for parse in (lambda a: chat_parse(MID, a), lambda a: chat_parse(SFT, a), rl_parse):
         assert parse(["--overwrite"]).overwrite and not parse([]).overwrite
         assert parse(["--overwrite", "--resume", "auto"]).overwrite
-        with pytest.raises(ValueError, match=f"--overwrite: got True; accepted: only for a fresh run .* not with "
-                                             f"--resume {resume}"):
+        with pytest.raises(ValueError, match=f"^--overwrite cannot be combined with --resume {resume}: --overwrite "
+                                             "deletes .* starts a fresh run"):
             parse(["--overwrite", "--resume", resume])

@@ -55,8 +55,8 @@ def test_overwrite_with_a_resume_is_refused(resume, refused):
 
     argv = ["--overwrite"] + (["--resume", resume] if resume else [])
     if refused:
-        with pytest.raises(ValueError, match=f"--overwrite: got True; accepted: only for a fresh run .* not with "
-                                             f"--resume {resume}"):
+        with pytest.raises(ValueError, match=f"^--overwrite cannot be combined with --resume {resume}: --overwrite "
+                                             "deletes .* starts a fresh run"):
             parse_config(argv)
     else:
         assert parse_config(argv).overwrite
