@@ -110,7 +110,9 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         return PrecisionPlan(precision, "none")
     # Probed only where the request can use them: importing TE (with ~1 GB of cuDNN libraries) for
     # a native fp8 run cost start-up time, and a broken TE install stopped a run that never used it
-    needs_te = backend == "te" or (backend == "auto" and precision == "nvfp4")
+    # (or, on a GPU too old for the precision, hid the message that says so behind TE's OSError)
+    eligible = spec.cc is not None and spec.cc >= ((10, 0) if precision == "nvfp4" else (8, 9))
+    needs_te = eligible and (backend == "te" or (backend == "auto" and precision == "nvfp4"))
     te_ok = needs_te and (_te_importable() if te_available is None else te_available)
     ao_ok = backend == "torchao" and (_torchao_available() if torchao_available is None else torchao_available)
     if precision == "nvfp4":

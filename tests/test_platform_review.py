@@ -10,6 +10,7 @@ import torch
 from nanochat import attention as A
 from nanochat import platform as P
 from nanochat import precision as PR
+from nanochat.errors import RequestError
 from nanochat.platform import PatchContext, SimpleProps, detect_device
 
 GB = 10**9
@@ -67,6 +68,9 @@ def test_fp8_native_does_not_import_transformer_engine(monkeypatch):
             plan = PR.resolve("fp8", backend, spec)
             assert (plan.precision, plan.backend) == ("fp8", "native")
         assert PR.resolve("nvfp4", "emulated", spec).backend == "emulated"
+    for backend in ("auto", "te"):   # a GPU too old for nvfp4: said so, TE's state does not matter
+        with pytest.raises(RequestError, match="--precision nvfp4: needs a Blackwell GPU"):
+            PR.resolve("nvfp4", backend, H100)
     with pytest.raises(OSError):   # asked for TE: its breakage is the answer
         PR.resolve("fp8", "te", H100)
     with pytest.raises(OSError):
