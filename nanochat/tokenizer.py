@@ -9,8 +9,9 @@ On disk a tokenizer is a directory holding
                     "special_tokens" (names, in id order after the merges), "fingerprint"}
   token_bytes.pt   int32 tensor (vocab_size,): UTF-8 byte length of each token, 0 for special
                    tokens (bits-per-byte evaluation divides summed loss by summed bytes)
-Both are written atomically (temp file + os.replace). The pickle is read with an unpickler that
-refuses every global, so a tampered file cannot run code; it holds only builtin types.
+Both are written to temp files first, then put in place with os.replace, so a failed save leaves
+the previous pair intact. The pickle is read with an unpickler that refuses every global, so a
+tampered file cannot run code; it holds only builtin types.
 
 Ids: 0..255 are the raw bytes, then the merges in rank order, then SPECIAL_TOKENS in list order.
 Plain text never produces a special token: "<|bos|>" typed by a user encodes as ordinary bytes.
@@ -99,10 +100,10 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected global {module}.{name} in tokenizer file")
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same directory and os.replace, so readers never see half a file.
-    The temp file is created with mode 0o666 less the umask, like a plain open(): mkstemp's 0o600
-    would make the tokenizer unreadable to other users of a shared base dir."""
+def _stage(path: Path, write) -> str:
+    """Write a temp file beside `path` (flushed and fsynced) and return its name; os.replace puts it
+    in place. The temp file is created with mode 0o666 less the umask, like a plain open(): mkstemp's
+    0o600 would make the tokenizer unreadable to other users of a shared base dir."""
     tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -110,11 +111,28 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.unlink(tmp)
         raise
+    return tmp
+
+
+def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
+    """Write every (path, write) pair through temp files and os.replace. All temp files are written
+    before the first replace: a failure while writing (disk full, Ctrl-C) leaves the previous files
+    as they were, never a new tokenizer.pkl beside the old token_bytes.pt."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, write in files:
+            staged.append((_stage(path, write), path))
+        while staged:
+            tmp, path = staged[0]
+            os.replace(tmp, path)
+            staged.pop(0)
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def _positive_int(value, name: str) -> int:
@@ -258,7 +276,10 @@ class Tokenizer:
         if isinstance(texts, (str, bytes, bytearray)):  # iterable, but one "document" per character
             raise ValueError(f"texts: got {type(texts).__name__} {texts[:40]!r}; accepted: an iterable "
                              "of str documents (wrap a single text in a list)")
-        texts = iter(texts)
+        try:
+            texts = iter(texts)
+        except TypeError:
+            raise ValueError(f"texts: got {type(texts).__name__}; accepted: an iterable of str documents") from None
         first = next(texts, _NO_DOCUMENT)  # checked here so the message does not depend on the Rust side
         if first is _NO_DOCUMENT:
             raise ValueError("texts: got no documents; accepted: a non-empty iterable of str")
@@ -292,9 +313,10 @@ class Tokenizer:
         payload = {"format_version": FORMAT_VERSION, "pattern": self._pattern,
                    "mergeable_ranks": self._ranks, "special_tokens": list(self._specials),
                    "fingerprint": self._fingerprint}
-        _atomic_write(directory / PICKLE_NAME, lambda f: pickle.dump(payload, f, protocol=4))
         token_bytes = self.token_bytes()
-        _atomic_write(directory / TOKEN_BYTES_NAME, lambda f: torch.save(token_bytes, f))
+        # tokenizer.pkl is replaced last: it says which tokenizer the directory holds
+        _atomic_write_all([(directory / TOKEN_BYTES_NAME, lambda f: torch.save(token_bytes, f)),
+                           (directory / PICKLE_NAME, lambda f: pickle.dump(payload, f, protocol=4))])
 
     @classmethod
     def load(cls, directory: str | Path) -> "Tokenizer":
