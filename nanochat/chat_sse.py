@@ -60,14 +60,17 @@ async def _sse_events(job: _Job, meta: dict):
     yield chunks([_choice(i, {"role": "assistant", "content": ""}) for i in range(job.req.n)])
     ended = set()
     while True:
-        getter = asyncio.ensure_future(job.events.get())
-        try:
-            while not (await asyncio.wait({getter}, timeout=KEEPALIVE_S))[0]:
-                yield ": waiting for the model\n\n"   # SSE comment (KEEPALIVE_S)
-        finally:
-            if not getter.done():   # the stream was closed while it waited
-                getter.cancel()
-        event = getter.result()
+        if not job.events.empty():   # the common case mid-stream: no task, no timer (~1 vs ~40 us)
+            event = job.events.get_nowait()
+        else:
+            getter = asyncio.ensure_future(job.events.get())
+            try:
+                while not (await asyncio.wait({getter}, timeout=KEEPALIVE_S))[0]:
+                    yield ": waiting for the model\n\n"   # SSE comment (KEEPALIVE_S)
+            finally:
+                if not getter.done():   # the stream was closed while it waited
+                    getter.cancel()
+            event = getter.result()
         if event[0] == "delta":
             if event[1]:
                 yield chunks([_choice(i, {"content": t}) for i, t in event[1]])

@@ -150,8 +150,10 @@ def check_port_free(host: str, port: int) -> None:
     from nanochat.errors import RequestError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # uvicorn's "::" socket is dual-stack (no IPV6_V6ONLY): it also collides with IPv4 listeners
+    dual = host == "::" and socket.has_dualstack_ipv6()
     try:   # create_server sets SO_REUSEADDR as uvicorn does: a port in TIME_WAIT is not "in use"
-        socket.create_server((host, port), family=family).close()
+        socket.create_server((host, port), family=family, dualstack_ipv6=dual).close()
     except OSError as e:
         why = str(e.strerror or e).split(" (while")[0]   # create_server appends the address again
         raise RequestError(f"--host/--port: cannot listen on {host}:{port} ({why}); stop the server using that "

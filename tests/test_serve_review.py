@@ -34,6 +34,12 @@ def test_chat_web_port_in_use_is_said_before_the_model_loads(tmp_path, monkeypat
         with pytest.raises(RequestError, match=f"--host/--port: cannot listen on 127.0.0.1:{port} "):
             chat_web.main(["--device", "cpu", "--port", str(port)])
     chat_web.check_port_free("127.0.0.1", port)   # free again: no error
+    if socket.has_dualstack_ipv6():   # "::" binds dual-stack like uvicorn: an IPv4 listener collides
+        with socket.create_server(("0.0.0.0", 0)) as busy:
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(RequestError, match=f"cannot listen on :::{port} "):
+                chat_web.check_port_free("::", port)
 
 
 def test_chat_cli_too_long_first_message_says_shorten_it(monkeypatch, capsys):
