@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, MutableMapping
@@ -127,13 +128,22 @@ PATCHED_ENV = "NANOCHAT_PLATFORM_ENV"
 
 
 def _set_env(env: MutableMapping[str, str], name: str, value: str) -> None:
+    """env[name] = value, recorded as ours with a checksum of the value: a child process whose
+    launcher set its own value of that variable then finds a value that is not ours, and keeps it."""
     env[name] = value
-    ours = {n for n in env.get(PATCHED_ENV, "").split(",") if n} | {name}
-    env[PATCHED_ENV] = ",".join(sorted(ours))
+    ours = {e.split("=")[0]: e for e in env.get(PATCHED_ENV, "").split(",") if e}
+    ours[name] = f"{name}={zlib.crc32(value.encode()):08x}"
+    env[PATCHED_ENV] = ",".join(sorted(ours.values()))
 
 
 def _set_by_us(env: MutableMapping[str, str], name: str) -> bool:
-    return name in env and name in env.get(PATCHED_ENV, "").split(",")
+    if name not in env:
+        return False
+    for entry in env.get(PATCHED_ENV, "").split(","):
+        n, _, crc = entry.partition("=")
+        if n == name:   # a bare name: the record of an earlier release, which kept no checksum
+            return not crc or crc == f"{zlib.crc32(env[name].encode()):08x}"
+    return False
 
 
 def _log_once(name: str, message: str) -> None:
@@ -210,7 +220,8 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
     (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas. Targets
     Triton 3.x whose bundled ptxas (probed, or by release: `_bundled_ptxas_by_triton`) is older than
     the arch needs (`required_ptxas`); Triton 3.6+ bundles a Blackwell ptxas and gets nothing.
-    A user's value of either variable is left alone."""
+    A user's value of either variable is kept, and carried to the other name when that one is unset
+    (or holds only our earlier copy)."""
     if not spec.is_cuda or ctx.triton_version is None or not uses_triton:
         return None
     need = required_ptxas(spec.cc)

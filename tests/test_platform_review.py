@@ -102,3 +102,25 @@ def test_fp32_window_layers_on_the_cudnn_backends_run_flex_not_cudnn(monkeypatch
     A.attention(qb, kb, vb, window=8, backend="sdpa_cudnn")
     A.attention(qb, kb, vb, window=8, backend="cudnn_fa4")
     assert calls == [(torch.bfloat16, 8, "cudnn"), (torch.bfloat16, 8, "fa4")]
+
+
+def test_a_child_process_own_value_of_a_patched_variable_is_kept():
+    """The record of what the platform patches set (NANOCHAT_PLATFORM_ENV, inherited by children)
+    held names only: a child launched with its own value of such a variable (e.g. its own
+    TRITON_PTXAS_BLACKWELL_PATH beside the parent's TRITON_PTXAS_PATH that the parent had copied
+    there) had that value taken for ours and replaced. The record now carries a checksum of the
+    value, so a different value is the user's."""
+    env = {"TRITON_PTXAS_PATH": "/opt/cuda-13.1/bin/ptxas"}
+    P.patch_ptxas(GB10, ctx(env), uses_triton=True)   # the parent: copied to the Blackwell name
+    assert env["TRITON_PTXAS_BLACKWELL_PATH"] == "/opt/cuda-13.1/bin/ptxas"
+    child = dict(env, TRITON_PTXAS_BLACKWELL_PATH="/opt/cuda-13.2/bin/ptxas")   # its launcher's own
+    assert P.patch_ptxas(GB10, ctx(child), uses_triton=True) == "ptxas(user)"
+    assert child["TRITON_PTXAS_BLACKWELL_PATH"] == "/opt/cuda-13.2/bin/ptxas"
+    assert child["TRITON_PTXAS_PATH"] == "/opt/cuda-13.1/bin/ptxas"
+    # the same for a patch's own setting: ours is recognised, another value is not
+    env = {}
+    P._set_env(env, "PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert P._set_by_us(env, "PYTORCH_ALLOC_CONF")
+    env["PYTORCH_ALLOC_CONF"] = "max_split_size_mb:512"
+    assert not P._set_by_us(env, "PYTORCH_ALLOC_CONF")
+    assert P._set_by_us({"X": "v", P.PATCHED_ENV: "X"}, "X")   # an earlier release's bare record
