@@ -441,9 +441,13 @@ def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
     # under setup.sh the stage's flags are setup.sh's to set: say its own flag and that a rerun resumes
     setup = bool(os.environ.get(SETUP_STAGE_ENV))
     if plan.device_batch_size > 1:
-        lower = (f"rerun ./setup.sh with --device-batch-size {plan.device_batch_size // 2} added to its flags "
+        # a device batch whose micro-batches divide the total (it must, to keep it): about half
+        fits = [d for d in range(plan.device_batch_size - 1, 0, -1)
+                if plan.total_batch_size % (d * plan.seq_len * plan.world_size) == 0]
+        half = next(d for d in fits if d <= max(1, plan.device_batch_size // 2))
+        lower = (f"rerun ./setup.sh with --device-batch-size {half} added to its flags "
                  "(the stage resumes from its last checkpoint)" if setup else
-                 f"lower --device-batch-size (e.g. {plan.device_batch_size // 2})")
+                 f"lower --device-batch-size (e.g. {half})")
         return (f"{head}; {lower}: gradient accumulation keeps the total batch of {plan.total_batch_size:,} "
                 "tokens per step")
     return f"{head}; " + ("rerun ./setup.sh with a smaller --depth" if setup else

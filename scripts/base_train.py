@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nanochat.attention import resolve_backend
-from nanochat.checkpoint import check_resume_flags
+from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
 from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
@@ -234,6 +234,26 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
     return BaseTrainConfig(**vars(parser.parse_args(argv))).validate()
 
 
+def resumed_total(cfg: BaseTrainConfig, ckpt_dir, resume_at, world_size: int) -> int:
+    """--total-batch-size for this run: as given, but auto (-1) on a resume keeps the checkpoint's
+    total when this run's micro-batches divide it. Auto rounds up to whole micro-batches of the
+    --device-batch-size, so the rerun at a lower one that an out-of-memory stop advises would
+    otherwise compute another total and be refused."""
+    if cfg.total_batch_size != -1 or resume_at is None:
+        return cfg.total_batch_size
+    saved = (read_meta(ckpt_dir, resume_at).get("train") or {}).get("total_batch_size")
+    row = cfg.max_seq_len * world_size
+    if not isinstance(saved, int) or saved <= 0 or saved % row:   # another seq len / world size: refused later
+        return -1
+    if saved % (cfg.device_batch_size * row):
+        fits = [d for d in range(1, saved // row + 1) if saved // row % d == 0][:8]
+        raise RequestError(f"--device-batch-size {cfg.device_batch_size}: the checkpoint's total batch of "
+                           f"{saved:,} tokens per step is not a whole number of this run's micro-batches "
+                           f"({cfg.device_batch_size} x {cfg.max_seq_len} tokens x {world_size} rank(s)); "
+                           f"resume with a --device-batch-size that divides it: {', '.join(map(str, fits))}, ...")
+    return saved
+
+
 def runtime_dtype(precision: str) -> str:
     """Compute dtype for init_runtime: fp8/nvfp4 run their non-matmul work in bf16."""
     return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
@@ -301,14 +321,16 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- horizon and batch arithmetic (raises before any weights exist) ----
     target_tokens = cfg.target_param_data_ratio * scaling_params
     ref_tokens = cfg.target_param_data_ratio * build_model(config_at(REF_DEPTH), "meta").num_scaling_params()
-    total_batch_size = resolve_total_batch_size(cfg.total_batch_size, target_tokens, ref_tokens,
-                                                cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
+    resume_at = resolve_resume(cfg.resume, ckpt_dir)
+    total_batch_size = resolve_total_batch_size(resumed_total(cfg, ckpt_dir, resume_at, rt.world_size),
+                                                target_tokens, ref_tokens, cfg.device_batch_size, cfg.max_seq_len,
+                                                rt.world_size)
     plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: read the checkpoint first so a mismatch fails before building ----
-    resume, resume_at, earlier = None, resolve_resume(cfg.resume, ckpt_dir), None
+    resume, earlier = None, None
     if resume_at is None:
         earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # deleted / moved aside at the first save
     else:

@@ -56,6 +56,21 @@ def test_out_of_memory_under_setup_sh_names_setup_sh_s_flag(monkeypatch):
     assert _run(_OomTrainer(one, fail_at=2)).endswith("; rerun ./setup.sh with a smaller --depth")
 
 
+def test_out_of_memory_suggests_a_device_batch_that_keeps_the_total():
+    """The hint said dbs // 2, which need not divide the total (5 -> 2 with a total of 5 x 2048 x 103
+    tokens): the resume it advises could not keep the total. It now names the largest device batch
+    up to half whose micro-batches divide the total."""
+    plan = BatchPlan(total_batch_size=5 * 2048 * 103, device_batch_size=5, seq_len=2048, world_size=1,
+                     grad_accum_steps=103)
+    assert "lower --device-batch-size (e.g. 1)" in _run(_OomTrainer(plan, fail_at=2))
+    plan = BatchPlan(total_batch_size=12 * 1024 * 2 * 4, device_batch_size=12, seq_len=1024, world_size=2,
+                     grad_accum_steps=4)
+    assert "lower --device-batch-size (e.g. 6)" in _run(_OomTrainer(plan, fail_at=2))
+    plan = BatchPlan(total_batch_size=10 * 512 * 3, device_batch_size=10, seq_len=512, world_size=1,
+                     grad_accum_steps=3)   # 30 rows per step: 5 divides it, and is half
+    assert "lower --device-batch-size (e.g. 5)" in _run(_OomTrainer(plan, fail_at=2))
+
+
 def test_out_of_memory_at_one_sequence_points_at_length_or_depth():
     plan = BatchPlan(total_batch_size=2048, device_batch_size=1, seq_len=2048, world_size=1, grad_accum_steps=1)
     msg = _run(_OomTrainer(plan, fail_at=2))
