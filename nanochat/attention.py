@@ -295,11 +295,15 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
         if reason is not None:
             raise RequestError(f"--attn-backend {backend}: {reason}")
     backend = resolve_backend(backend, device)
-    block_size = _split_flex_options(flex_options_for(device))[0] if backend in ("flex", "sdpa_flex") else None
+    # the cuDNN backends' window layers run flex only in an fp32 run (attention()): its masks too (tiny)
+    cudnn = backend in ("sdpa_cudnn", "cudnn_fa4")
+    flexible = ("flex", "sdpa_flex", "sdpa_cudnn", "cudnn_fa4")
+    block_size = (_split_flex_options(flex_options_for(device, dtype=torch.float32 if cudnn else None))[0]
+                  if backend in flexible else None)
     for window in set(windows):
         if window is not None and window >= seq_len:
             window = None
-        if backend == "flex" or (backend == "sdpa_flex" and window is not None):
+        if backend == "flex" or (backend in flexible and window is not None):
             _block_mask(seq_len, window, device, block_size)
         elif backend == "sdpa" and window is not None:
             _dense_mask(seq_len, window, device, prepared=True)

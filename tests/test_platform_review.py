@@ -124,3 +124,15 @@ def test_a_child_process_own_value_of_a_patched_variable_is_kept():
     env["PYTORCH_ALLOC_CONF"] = "max_split_size_mb:512"
     assert not P._set_by_us(env, "PYTORCH_ALLOC_CONF")
     assert P._set_by_us({"X": "v", P.PATCHED_ENV: "X"}, "X")   # an earlier release's bare record
+
+
+def test_prepare_masks_builds_the_fp32_window_masks_of_the_cudnn_backends(monkeypatch):
+    """fp32 window layers on sdpa_cudnn / cudnn_fa4 run flex (above), but prepare_masks built block
+    masks for the flex backends only: under compile each forward built the mask in-graph. It now
+    builds them with the block size the fp32 flex call uses (checked on CPU by naming the backend)."""
+    monkeypatch.setattr(A, "_BLOCK_MASKS", {})
+    monkeypatch.setattr(A, "resolve_backend", lambda backend, device: backend)
+    for backend in ("sdpa_cudnn", "cudnn_fa4"):
+        A._BLOCK_MASKS.clear()
+        assert A.prepare_masks(64, [16, None], "cpu", backend) == backend
+        assert set(A._BLOCK_MASKS) == {(64, 16, "cpu")}   # the window layer's, block size as _flex asks
