@@ -243,11 +243,38 @@ fi
 # anything starts.
 export NANOCHAT_BASE_DIR="$BASE_DIR"
 rank_env=(WORLD_SIZE="$NPROC"); (( NPROC > 1 )) && rank_env+=(RANK=0)   # as torchrun will set them
-(cd "$REPO" && env "${rank_env[@]}" "$PYTHON" - "${TRAIN_ARGS[@]}" <<'EOF'
+(cd "$REPO" && env "${rank_env[@]}" "$PYTHON" - "$NPROC" "${TRAIN_ARGS[@]}" <<'EOF'
+import os
 import sys
+
+import torch
+
 from scripts.base_train import parse_config
+
+
+def check_device(device: str, nproc: int) -> None:
+    """The device for --nproc processes, as each worker's init_runtime will resolve it: found here,
+    not after torchrun has started nproc workers that each fail (or fight over one GPU) in the log."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ValueError("--device cuda: no CUDA device is visible; use --device cpu or auto")
+        if nproc > gpus:
+            raise ValueError(f"--nproc: got {nproc} with {gpus} GPU(s) visible; accepted: 1..{gpus} "
+                             "(one process per GPU; CUDA_VISIBLE_DEVICES narrows the set)")
+    elif device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: the MPS backend is not available on this machine; use --device cpu or auto")
+    elif device == "mps" and nproc > 1:
+        raise ValueError(f"--nproc: got {nproc} on --device mps; accepted: 1 (torchrun is not supported on MPS)")
+    elif device == "cpu" and nproc > (os.cpu_count() or 1):
+        print(f"run_train.sh: WARNING: --nproc {nproc} on --device cpu with {os.cpu_count()} CPU core(s): "
+              "each process gets less than a core", file=sys.stderr)
+
+
 try:
-    parse_config(sys.argv[1:])
+    check_device(parse_config(sys.argv[2:]).device, int(sys.argv[1]))
 except ValueError as e:
     print(f"run_train.sh: error: {e}", file=sys.stderr)
     sys.exit(2)

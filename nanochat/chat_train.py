@@ -285,8 +285,10 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
 def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
     from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, read_meta, step_dirname
+    from nanochat.distributed import check_shared_dir
     from nanochat.tokenizer import get_tokenizer
     tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
+    check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
     if resume_at is not None and cfg.resume == "auto":
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)

@@ -5,6 +5,8 @@ micro-batches.
 * `timed_barrier` is a host-side barrier through the process group's TCPStore: every rank marks
   its arrival; a rank that waits longer than the timeout raises `BarrierTimeout` naming the ranks
   that never arrived (a crashed rank, or one still compiling: warm up on every rank first).
+* `check_shared_dir` checks at start-up that every rank sees the same checkpoint directory: two
+  nodes with separate disks otherwise train until the first save (by default the last) and fail.
 * `check_nccl_env` validates NCCL_* variables against the machine (interfaces in
   /sys/class/net, HCAs in /sys/class/infiniband, MTU) and refuses NCCL_NVLS_ENABLE != 0:
   NVLink multicast stays off in this project (`nccl_env_defaults` sets it to 0).
@@ -82,6 +84,61 @@ def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "
         time.sleep(poll_s)
         arrived = store.add(f"{key}/count", 0)
     return time.monotonic() - t0
+
+
+def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
+                     timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+    """Raise RequestError (a ValueError; scripts print `<name>: error: ...` and exit 2) on every
+    rank unless every rank sees the same directory `path` (collective; a no-op without a process
+    group). Call it at start-up, before training.
+
+    A checkpoint is written by every rank into one staging directory that rank 0 then renames
+    (checkpoint.py). Two nodes with their own disks (two Sparks without NFS) train normally and
+    fail only at the first save, which is the final one by default: a rank on node 1 finds no
+    staging directory (FileNotFoundError) after the whole run. Rank 0 writes a marker file with a
+    unique token here; each rank looks for it; the message names the ranks and hosts that did not
+    see it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import socket
+
+    from nanochat.errors import RequestError
+    world, rank, host = dist.get_world_size(), dist.get_rank(), socket.gethostname()
+    store, path = _default_store(), Path(path)
+    key = f"nanochat/shared_dir/{next(_barrier_counter)}"
+    marker = None
+    if rank == 0:
+        token = f"{host}:{os.getpid()}:{time.time_ns()}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            marker = path / f".shared-check-{os.getpid()}-{time.time_ns()}"
+            marker.write_text(token)
+        except OSError as e:   # the others wait on the store: tell them before raising
+            store.set(f"{key}/marker", "")
+            raise RequestError(f"{what} {path}: rank 0 cannot write there ({e.strerror})") from e
+        store.set(f"{key}/marker", f"{marker.name}\n{token}")
+    name, _, token = store.get(f"{key}/marker").decode().partition("\n")
+    if not name:
+        raise RequestError(f"{what} {path}: rank 0 cannot write there (see rank 0's log)")
+    try:
+        seen = (path / name).read_text() == token
+    except OSError:
+        seen = False
+    store.set(f"{key}/rank{rank}", "" if seen else host)
+    try:
+        timed_barrier(timeout_s, name=f"shared {what} check")
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    blind = {r: store.get(f"{key}/rank{r}").decode() for r in range(world)}
+    blind = {r: h for r, h in blind.items() if h}
+    if blind:
+        hosts = ", ".join(sorted(set(blind.values())))
+        raise RequestError(
+            f"{what} {path}: rank(s) {sorted(blind)} of {world} (host {hosts}) do not see the file rank 0 "
+            f"(host {token.split(':')[0]}) wrote there. Every rank must see the same directory: on several "
+            "nodes put NANOCHAT_BASE_DIR (or the checkpoint directory) on a filesystem shared by all of them "
+            "(e.g. NFS), mounted at the same path on each")
 
 
 def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, device, *,

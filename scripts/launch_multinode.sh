@@ -19,8 +19,10 @@ usage: scripts/launch_multinode.sh --node-rank N --master-addr ADDR [options] [-
   --master-port P    rendezvous TCP port on node 0 (default 29500)
   --nnodes N         number of nodes (default 2)
   --nproc N          processes (GPUs) per node (default 1: one GB10 per Spark)
-  --iface IF         network interface for NCCL/Gloo sockets (default: detected RoCE interface)
-  --hca LIST         NCCL_IB_HCA value, e.g. rocep1s0f1,roceP2p1s0f1 (default: active HCAs on --iface's port)
+  --iface IF         network interface for NCCL/Gloo sockets (default: an exported NCCL_SOCKET_IFNAME,
+                     else the detected RoCE interface)
+  --hca LIST         NCCL_IB_HCA value, e.g. rocep1s0f1,roceP2p1s0f1 (default: an exported NCCL_IB_HCA,
+                     else the active HCAs on --iface's port)
   --dry-run          print the environment and the torchrun command; do not run
   -h, --help         this text
 After --: what torchrun runs (default: -m scripts.base_train), with the repo's .venv python and the
@@ -54,13 +56,29 @@ done
 CMD=("$@")
 [[ ${#CMD[@]} -gt 0 ]] || CMD=(-m scripts.base_train)
 
-is_uint "$NNODES" && (( NNODES >= 1 )) || die "--nnodes: got '$NNODES'; accepted: an integer >= 1"
+# 10#: a leading zero is not octal here ("08" is 8, "010" is 10, as torchrun's int() reads them)
+is_uint "$NNODES" && (( 10#$NNODES >= 1 )) || die "--nnodes: got '$NNODES'; accepted: an integer >= 1"
+NNODES=$((10#$NNODES))
 [[ -n $NODE_RANK ]] || die "--node-rank: required (0..$((NNODES - 1)))"
-is_uint "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "--node-rank: got '$NODE_RANK'; accepted: 0..$((NNODES - 1))"
+is_uint "$NODE_RANK" && (( 10#$NODE_RANK < NNODES )) || die "--node-rank: got '$NODE_RANK'; accepted: 0..$((NNODES - 1))"
+NODE_RANK=$((10#$NODE_RANK))
 [[ -n $MASTER_ADDR_ ]] || die "--master-addr: required (node 0's address on the fast link)"
-is_uint "$MASTER_PORT_" && (( MASTER_PORT_ >= 1 && MASTER_PORT_ <= 65535 )) \
+is_uint "$MASTER_PORT_" && (( 10#$MASTER_PORT_ >= 1 && 10#$MASTER_PORT_ <= 65535 )) \
   || die "--master-port: got '$MASTER_PORT_'; accepted: 1..65535"
-is_uint "$NPROC" && (( NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+MASTER_PORT_=$((10#$MASTER_PORT_))
+is_uint "$NPROC" && (( 10#$NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+NPROC=$((10#$NPROC))
+
+# An exported NCCL_SOCKET_IFNAME / NCCL_IB_HCA stands for --iface / --hca (checked the same way): the
+# detected values would otherwise replace it without a word, or the dry run would show "HCAs none"
+# while the run used the caller's NCCL_IB_HCA unchecked. The flags win.
+IFACE_SRC=--iface HCA_SRC=--hca
+if [[ -z $IFACE && -n ${NCCL_SOCKET_IFNAME:-} ]]; then
+  IFACE=$NCCL_SOCKET_IFNAME IFACE_SRC="NCCL_SOCKET_IFNAME (from the environment; --iface overrides it)"
+fi
+if [[ -z $HCA && -n ${NCCL_IB_HCA:-} ]]; then
+  HCA=$NCCL_IB_HCA HCA_SRC="NCCL_IB_HCA (from the environment; --hca overrides it)"
+fi
 
 SYSFS=${NANOCHAT_SYSFS_ROOT:-}; SYSFS=${SYSFS%/}   # "" (the default): /sys/...
 NET=$SYSFS/sys/class/net
@@ -98,7 +116,8 @@ if [[ -z $IFACE ]]; then
   [[ -n $IFACE ]] || IFACE=$(awk '$3 == "Up" { print $2; exit }' <<< "$MAP")
   [[ -n $IFACE ]] || die "no active RoCE interface found (ibdev2netdev / $IB); pass --iface (and --hca)"
 fi
-[[ -d $NET/$IFACE ]] || die "--iface: '$IFACE' does not exist; available: $(ls "$NET" 2>/dev/null | tr '\n' ' ')"
+[[ $IFACE != */* && -d $NET/$IFACE ]] \
+  || die "$IFACE_SRC: '$IFACE' does not exist; available: $(ls "$NET" 2>/dev/null | tr '\n' ' ')(one interface name)"
 if [[ -n $HCA ]]; then
   # an explicit list must name HCAs this node has (NCCL matches names as prefixes, '=' exactly,
   # '^' excludes): a typo would leave NCCL on TCP sockets at a fraction of RoCE's bandwidth
@@ -113,7 +132,7 @@ if [[ -n $HCA ]]; then
       for dev in $known; do
         if [[ $mode == "=" && $dev == "$name" ]] || [[ $mode != "=" && -n $name && $dev == "$name"* ]]; then hit=1; fi
       done
-      (( hit )) || die "--hca: '$name' names no HCA on this node; available: ${known:-none (no ibdev2netdev, $IB empty)}"
+      (( hit )) || die "$HCA_SRC: '$name' names no HCA on this node; available: ${known:-none (no ibdev2netdev, $IB empty)}"
     done
   fi
 fi
@@ -167,5 +186,9 @@ if (( DRY_RUN )); then
   printf '%q ' "${TORCHRUN[@]}"; echo
   exit 0
 fi
+# torchrun's static rendezvous waits silently (600 s, then "Timed out ... waiting for clients. 1/2
+# clients joined") for a node that was never started or cannot reach node 0: say what it waits for
+(( NNODES > 1 )) && echo "launch_multinode: node $NODE_RANK of $NNODES: waiting for all $NNODES nodes at" \
+  "$MASTER_ADDR_:$MASTER_PORT_ (torchrun gives up after 600 s); run this on every node with its --node-rank" >&2
 export "${ENV_VARS[@]}"
 exec "${TORCHRUN[@]}"

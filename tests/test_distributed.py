@@ -291,7 +291,8 @@ def test_check_nccl_env(tmp_path):
 
 def _launch(args, root: Path, ibdev: str = "/nonexistent", python: str | None = "python3", cwd: Path = REPO):
     env = {**os.environ, "NANOCHAT_SYSFS_ROOT": str(root), "IBDEV2NETDEV": ibdev}
-    env.pop("PYTHONPATH", None)
+    for var in ("PYTHONPATH", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"):   # the last two stand for --hca / --iface
+        env.pop(var, None)
     if python is not None:
         env["PYTHON"] = python
     else:

@@ -26,6 +26,9 @@ def _sysfs(root: Path, iface: str = "eth7") -> Path:
 def _launch(tmp_path, *args, ibdev2netdev="none", extra_env=None):
     env = dict(os.environ, NANOCHAT_SYSFS_ROOT=str(_sysfs(tmp_path / "fs")), IBDEV2NETDEV=ibdev2netdev,
                PYTHON="python3", **(extra_env or {}))
+    for var in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"):   # an exported one stands for --hca / --iface
+        if var not in (extra_env or {}):
+            env.pop(var, None)
     return subprocess.run(["bash", str(LAUNCH), "--node-rank", "0", "--master-addr", "10.0.0.1", "--iface", "eth7",
                            *args, "--dry-run"], capture_output=True, text=True, env=env, timeout=30)
 
