@@ -206,6 +206,14 @@ def prediction_label(target: DeviceSpec) -> str:
             f"TFLOP/s, {target.bandwidth_gbs:g} GB/s; {target.source}) x this GPU's measured efficiency")
 
 
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def parse_args(argv=None):
     """Parse and validate every flag (no GPU work); a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.analyze_bandwidth", description=__doc__.splitlines()[0])
@@ -229,7 +237,9 @@ def main(argv=None) -> int:
     from nanochat.gpt import config_for_depth
     rt = init_runtime("auto", "auto")
     if rt.device.type != "cuda":
-        raise RequestError("measures on a CUDA GPU; none is visible")
+        raise RequestError("measures on a CUDA GPU; none is visible. It has no CPU variant (its efficiencies and "
+                           "--predict figures scale times measured on the GPU): run it on the GPU machine, e.g. "
+                           "python -m scripts.analyze_bandwidth --depth 12 --predict gb10")
     spec = detect_device(rt.device)
     if spec.bandwidth_gbs is None or "bf16" not in spec.peak_tflops:
         raise RequestError(f"{spec.name} is not in nanochat/platform.py's table (no peak/bandwidth)")
@@ -258,7 +268,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(json.dumps(r))
     verdict = max(bound_ms, key=bound_ms.get)
-    summary = {"step_ms": round(step_ms, 2), "device": spec.name, "compute_bound_ms": round(bound_ms["compute"], 2),
+    # what ran, as the other benchmarks' lines carry it: the rows said neither the versions nor the config
+    summary = {"step_ms": round(step_ms, 2), "device": spec.name, "torch": torch.__version__,
+               "triton": triton_version(), "depth": args.depth, "device_batch_size": args.device_batch_size,
+               "seq": args.seq, "vocab": args.vocab, "kernel": args.kernel,
+               "compute_bound_ms": round(bound_ms["compute"], 2),
                "bandwidth_bound_ms": round(bound_ms["bandwidth"], 2), "verdict": f"{verdict}-bound step"}
     if target is not None:
         pred = sum(r.get("predicted_ms", 0.0) for r in rows)

@@ -30,6 +30,7 @@ FLEX_TUNED_OPTIONS in nanochat/attention.py (keyed by compute capability).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -226,10 +227,14 @@ def run_row(cfg: BenchConfig, name: str, kind: str, options, window, backend, te
     rec.update(ms=round(ms, 4), ms_fwd=round(ms_fwd, 4), ms_bwd=round(ms - ms_fwd, 4),
                tflops=round(fwd_bwd_flops(cfg, window) / (ms * 1e-3) / 1e12, 1))
     if ref is not None:
-        errs = max_errors(out, grads, ref)
-        rec["max_err"] = max(errs.values())
-        rec["errs"] = {n: float(f"{e:.3g}") for n, e in errs.items()}
-        rec["err_flag"] = rec["max_err"] > ERR_FLAG
+        # a NaN error (a config computing garbage) compared False with ERR_FLAG and Python's max()
+        # dropped it unless it came first, so the row was not flagged, and json.dumps printed a
+        # NaN literal that strict JSON readers reject: non-finite errors are null and flagged
+        errs = {n: e if math.isfinite(e) else None for n, e in max_errors(out, grads, ref).items()}
+        finite = [e for e in errs.values() if e is not None]
+        rec["max_err"] = max(finite) if len(finite) == len(errs) else None
+        rec["errs"] = {n: None if e is None else float(f"{e:.3g}") for n, e in errs.items()}
+        rec["err_flag"] = rec["max_err"] is None or rec["max_err"] > ERR_FLAG
     return rec, (out, *grads)
 
 
@@ -240,7 +245,8 @@ def print_table(rows: list[dict]) -> None:
           f"{'max err':>9}  config")
     for r in ok:
         speed = f"{base / r['ms']:.3f}x" if base and r["kind"] == "window" else "-"
-        err = f"{r['max_err']:.2e}" + (" !" if r.get("err_flag") else "") if "max_err" in r else "-"
+        shown = "non-finite" if r.get("max_err", 0) is None else f"{r.get('max_err', 0):.2e}"
+        err = shown + (" !" if r.get("err_flag") else "") if "max_err" in r else "-"
         print(f"{r['name']:<20} {r['ms']:>10.3f} {r['ms_fwd']:>7.3f} {r['ms_bwd']:>7.3f} "
               f"{r['tflops']:>8.1f} {speed:>8} {err:>9}  {json.dumps(r['config'])}")
     for r in rows:
@@ -252,7 +258,9 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     if not torch.cuda.is_available():
-        raise RequestError("--device cuda: needs a CUDA GPU; none is visible")
+        raise RequestError("--device cuda: needs a CUDA GPU; none is visible. It has no CPU variant (it times the "
+                           "GPU attention kernels): run it on the GPU machine, e.g. python -m scripts.bench_attention "
+                           "--no-sweep")
     import triton
 
     device = torch.device(cfg.device)

@@ -32,7 +32,7 @@ from nanochat import checkpoint as ck
 from nanochat.checkpoint_io import atomic_write
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, get_base_dir, init_runtime
 from nanochat.flags import FlagParser, require, require_int, script_main
-from nanochat.platform import check_benchmark_device
+from nanochat.platform import check_benchmark_device, detect_device
 
 SMOKE_RUN = "python -m scripts.bench_checkpoint --device cpu --depth 1 --vocab-size 256 --reps 1"
 
@@ -117,7 +117,8 @@ def main(argv=None) -> list[dict]:
 
 def report(kind: str, rounds: list[tuple[float, float]], size: int, args, rt) -> dict:
     save, load = statistics.median(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
-    row = {"bench": "checkpoint", "kind": kind, "depth": args.depth, "device": str(rt.device),
+    # the device's name, as the other benchmarks print it (str(rt.device) said "cuda" on every GPU)
+    row = {"bench": "checkpoint", "kind": kind, "depth": args.depth, "device": detect_device(rt.device).name,
            "torch": torch.__version__, "bytes": size, "gb": round(size / 1e9, 3), "reps": args.reps, "save_s": round(save, 3),
            "load_s": round(load, 3), "save_gbs": round(size / 1e9 / save, 2), "load_gbs": round(size / 1e9 / load, 2)}
     print(json.dumps(row))

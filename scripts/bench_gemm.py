@@ -408,7 +408,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     shapes, linears, mlp, qk, dtypes = args.shapes, args.linears, args.mlp, args.qk, args.dtypes
     if not torch.cuda.is_available():
-        raise RequestError("needs a CUDA GPU (it times the products with CUDA events); none is visible")
+        raise RequestError("needs a CUDA GPU (it times the products with CUDA events); none is visible. It has no "
+                           "CPU variant: run it on the GPU machine, e.g. python -m scripts.bench_gemm --dtypes bf16,fp8")
     device = torch.device("cuda")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 
@@ -111,6 +112,9 @@ def bench_loss(args, device) -> list[dict]:
 
             for _ in range(3):
                 loss = step()   # warm-up: compile, autotune
+            # the warm-up's gradients were counted in the baseline and freed by the first timed
+            # step: the peak "above the inputs" came out short by the size of h and w
+            h.grad = w.grad = None
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -130,9 +134,21 @@ def bench_loss(args, device) -> list[dict]:
                            grad_weight_rel_err=_rel(result[2], ref[2]))
         except (RuntimeError, ValueError) as exc:
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(finite_row(rec)), flush=True)
         rows.append(rec)
     return rows
+
+
+def finite_row(rec: dict) -> dict:
+    """`rec` with its non-finite figures (a kernel returning NaN or inf: the loss, an error against
+    current) set to null and named in its error: json.dumps wrote them as NaN / Infinity literals,
+    which strict JSON readers reject, and the row read as a result."""
+    bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+    for k in bad:
+        rec[k] = None
+    if bad:
+        rec.setdefault("error", f"non-finite {', '.join(bad)}")
+    return rec
 
 
 @torch.no_grad()
@@ -200,7 +216,7 @@ def bench_model(args, rt) -> list[dict]:
                 model = run = None   # free before the next configuration is built
             except (RuntimeError, ValueError) as exc:
                 rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            print(json.dumps(rec), flush=True)
+            print(json.dumps(finite_row(rec)), flush=True)
             rows.append(rec)
             if rt.device_type == "cuda":
                 torch.cuda.empty_cache()
@@ -261,8 +277,17 @@ def bench_rope(args, device) -> list[dict]:
             ms = _timed(fn, args.reps, device, inner=20)
             rows.append({"mode": "rope", "kernel": name, "layout": layout, "shape": [B, T, H, D], "ms": ms,
                          "gbs": traffic_gbs(3 * 2 * y.numel(), ms), "max_abs_diff": diff})
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(finite_row(rows[-1])), flush=True)
     return rows
+
+
+def triton_version() -> str | None:
+    """The Triton these kernels ran under (the header printed torch's only, as bench_train does both)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def traffic_gbs(num_bytes: float, ms: float) -> float:
@@ -340,7 +365,8 @@ def main(argv=None) -> int:
     # got kernel="current" here: no ptxas redirect for Triton <= 3.5 on a GB10); applying twice is a no-op
     for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
         apply_patches(detect_device(rt.device), kernel=kernel, compile=args.compile)
-    print(json.dumps({"header": True, "device": detect_device(rt.device).name, "torch": torch.__version__}))
+    print(json.dumps({"header": True, "device": detect_device(rt.device).name, "torch": torch.__version__,
+                      "triton": triton_version()}))
     rows = []
     if args.mode in ("loss", "both"):
         rows += bench_loss(args, rt.device)
