@@ -6,9 +6,13 @@
 # that ran, in that run or (stopped, or under --only) the next (MODEL_MAKERS below).
 # `./setup.sh --help` for options.
 set -euo pipefail
+# bash reads a script as it runs it: the braces make it read all of it first, so an edit to this file
+# during a days-long run (saved in place) cannot have the run go on from an old offset in the new text
+{
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CALLER_DIR="$PWD"   # relative paths in the flags are the caller's
+ORIG_ARGS=("$@")    # for the "rerun" hints: a plain ./setup.sh would drop e.g. --depth 12 and train another model
 cd "$REPO"
 
 # chat_eval evaluates the SFT model; RL (python -m scripts.chat_rl) is optional and not a stage.
@@ -52,7 +56,7 @@ Options:
 Environment: WANDB_RUN=name turns on wandb logging; TORCH_INDEX_URL overrides the torch wheel index.
 Ctrl-C, a hangup (the ssh connection drops; the output then goes to <base dir>/hangup.log) or a
 SIGTERM stops a training stage after its step and a checkpoint (exit 130 / 129 / 143); rerun
-./setup.sh to continue.
+the command it prints (yours, flags and all) to continue.
 EOF
 }
 
@@ -392,7 +396,7 @@ CURRENT_STAGE="" STAGE_PID="" STOP_CODE=0 HUNG_UP=0
 stopped() {  # exit code (129: SIGHUP, 130: Ctrl-C, 143: SIGTERM) -> one line on how to continue, exit with it
   local how="Ctrl-C"
   case "$1" in 129) how="SIGHUP (the terminal hung up)" ;; 130) ;; *) how="SIGTERM" ;; esac
-  echo "setup.sh: stopped by $how${CURRENT_STAGE:+ in stage '$CURRENT_STAGE'} (exit $1). Rerun ./setup.sh to" \
+  echo "setup.sh: stopped by $how${CURRENT_STAGE:+ in stage '$CURRENT_STAGE'} (exit $1). Rerun $(rerun_cmd) to" \
        "continue: finished stages are skipped and training resumes from its last checkpoint." >&2
   exit "$1"
 }
@@ -442,6 +446,13 @@ shell_words() {  # args -> one line a shell reads back as them (a path with a sp
   done
   echo "${out[*]}"
 }
+rerun_cmd() {  # the command line this run was started with, as a shell reads it back, less --force
+               # (the stages this run finished have fresh markers; --force would redo them)
+  local self="$0" a args=()
+  [[ "$self" == */* ]] || self="./$self"   # `bash setup.sh`: as a command it needs the ./
+  for a in "${ORIG_ARGS[@]}"; do [[ "$a" == --force ]] || args+=("$a"); done
+  shell_words "$self" "${args[@]}"
+}
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
@@ -465,7 +476,7 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   if (( rc == 129 || rc == 130 || rc == 143 )); then   # a stage stopped by SIGHUP / Ctrl-C / SIGTERM (training saves first)
     stopped "$rc"
   elif (( rc != 0 )); then
-    echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun ./setup.sh: finished stages are skipped." >&2; exit 1
+    echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun $(rerun_cmd): finished stages are skipped." >&2; exit 1
   fi
   CURRENT_STAGE=""
   mkdir -p "$STATE_DIR"
@@ -529,6 +540,14 @@ if [[ -n "${WANDB_RUN:-}" ]] && ! should_run env && [[ -x .venv/bin/python ]] \
   done
 fi
 
+# A fresh pipeline (no stage after env has finished) starts its report: the machine and the start
+# time, which report.md's header and total time read (without it: "no report reset started this run")
+fresh=1
+for s in "${STAGES[@]:1}"; do [[ -f "$STATE_DIR/$s.done" ]] && fresh=0; done
+if (( fresh )) && should_run data && [[ $DRY_RUN -eq 0 ]]; then
+  .venv/bin/python -m nanochat.report reset || die "python -m nanochat.report reset failed (see above)"
+fi
+
 for stage in "${STAGES[@]:1}"; do
   should_run "$stage" || continue
   mapfile -t cmd < <(stage_cmd "$stage")
@@ -558,3 +577,5 @@ then open http://127.0.0.1:8000 there.
 EOF
   fi
 fi
+exit
+}

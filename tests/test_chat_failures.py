@@ -76,7 +76,8 @@ def test_real_engine_failing_mid_stream_ends_with_an_error_event(serve, chat_mod
     assert "".join(c["delta"].get("content", "") for e in chunks[1:] for c in e["choices"])   # what came first stays
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError, match="illegal memory access"):
-        for _ in client.chat.completions.create(model="m", messages=USER, max_tokens=40, stream=True):
+        # greedy, as the first request: a sampled reply could reach its stop token before the failing step
+        for _ in client.chat.completions.create(model="m", messages=USER, max_tokens=40, stream=True, temperature=0):
             pass
     stats = httpx.get(url + "/stats").json()["requests"]
     assert stats["errors"] == 2 and stats.get("completed", 0) == 0 and stats.get("cancelled", 0) == 0

@@ -239,8 +239,8 @@ def test_resume_of_a_text_run_after_pretokenizing(corpus):
         assert torch.equal(x, batches[j][0]) and torch.equal(y, batches[j][1])
     assert dl.state_dict() == state
     dl.close()
-    with pytest.raises(RequestError, match="--device-batch-size"):  # other settings: still refused
-        loader(data_dir, "auto", B=5).load_state_dict(state)
+    with pytest.raises(RequestError, match="--max-seq-len"):  # other settings: still refused
+        loader(data_dir, "auto", T=48).load_state_dict(state)
     bin_state = loader(data_dir, "bin").state_dict()
     for p in default_bin_dir(data_dir).iterdir():
         p.unlink()

@@ -554,7 +554,8 @@ def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path, how):
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text(errors="replace")
     assert rc == code, text[-2000:]
-    assert f"setup.sh: stopped by {name} in stage 'base_train' (exit {code}). Rerun ./setup.sh to continue" in text
+    assert (f"setup.sh: stopped by {name} in stage 'base_train' (exit {code}). Rerun {REPO}/setup.sh --preset tiny "
+            f"--only base_train,base_eval --base-dir {base} to continue") in text, text[-2000:]
     assert "failed" not in text and "[base_eval]" not in text, text[-2000:]
     m = re.search(rf"^base_train: error: stopped by {sig.name} at step (\d+) of 250: checkpoint (\S+) saved", text, re.M)
     assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-2000:]
