@@ -431,16 +431,26 @@ KERNELS = ("current", "liger", "triton")
 
 
 def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = True,
-                  max_autotune: bool = False, ctx: PatchContext | None = None) -> list[str]:
+                  max_autotune: bool = False, ctx: PatchContext | None = None,
+                  ptxas_missing_ok: bool = False) -> list[str]:
     """Apply the workarounds `spec` needs and return their names (each logged once).
-    Tests pass a fake `ctx`; the default touches the real process."""
+    Tests pass a fake `ctx`; the default touches the real process. `ptxas_missing_ok`: no usable
+    ptxas is a logged warning and the other patches still apply (else PtxasMissing)."""
     if kernel not in KERNELS:
         raise RequestError(f"--kernel: got {kernel!r}; accepted: {'|'.join(KERNELS)}")
     ctx = ctx or PatchContext.real(spec)
     uses_triton = compile or kernel in ("liger", "triton")
+    segments = patch_expandable_segments(spec, ctx)
+    try:
+        ptxas = patch_ptxas(spec, ctx, uses_triton)
+    except PtxasMissing as e:
+        if not ptxas_missing_ok:
+            raise
+        _log_once("ptxas", str(e))
+        ptxas = None
     applied = [
-        patch_expandable_segments(spec, ctx),
-        patch_ptxas(spec, ctx, uses_triton),
+        segments,
+        ptxas,
         patch_is_big_gpu(spec, ctx, compile, max_autotune),
         patch_capture_scalar_outputs(spec, ctx, kernel, compile),
         patch_sm121_warning(spec, ctx),
@@ -456,11 +466,7 @@ def apply_runtime_patches(spec: DeviceSpec, ctx: PatchContext | None = None) -> 
     fail in ptxas. Training applies its own set later (the same state: the patches are idempotent).
     A ptxas that cannot be found is a warning here, not an error: a process that launches no Triton
     kernel still runs, and one that does fails with this line already said."""
-    try:
-        return apply_patches(spec, kernel="current", compile=True, ctx=ctx)
-    except RuntimeError as e:
-        _log_once("ptxas", str(e))
-        return []
+    return apply_patches(spec, kernel="current", compile=True, ctx=ctx, ptxas_missing_ok=True)
 
 
 def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
