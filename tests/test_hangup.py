@@ -192,7 +192,8 @@ def test_a_hangup_stops_setup_after_the_stages_save(tmp_path):
                   r"continue with --resume latest \(or rerun \./setup\.sh\)$", text, re.M)
     assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-3000:]
     assert text.rstrip().endswith("setup.sh: stopped by SIGHUP (the terminal hung up) in stage 'base_train' (exit "
-                                  "129). Rerun ./setup.sh to continue: finished stages are skipped and training "
+                                  f"129). Rerun {REPO}/setup.sh --preset tiny --base-dir {base} --only "
+                                  "base_train,base_eval to continue: finished stages are skipped and training "
                                   "resumes from its last checkpoint."), text[-3000:]
     assert "[base_eval]" not in text and "stage 'base_train' failed" not in text, text[-3000:]
     assert not (base / "setup_state" / "base_train.done").exists()
