@@ -1,7 +1,7 @@
 """Review of the benchmark scripts as a DGX Spark user runs them: non-finite results (a kernel
 config or precision computing NaN) stay valid JSON and are flagged, the loss benchmark's memory
 baseline, the versions and config a result line carries, and what a CUDA-only script says on a
-machine without a GPU. Everything runs on the CPU with the GPU parts stubbed."""
+machine without a GPU. Everything runs on the CPU; the GPU timing calls are test doubles."""
 
 from __future__ import annotations
 
