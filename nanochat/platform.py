@@ -112,7 +112,7 @@ class PatchContext:
             ctx.inductor_modules = [inductor_utils]
             ctx.cuda_initialized = torch.cuda.is_initialized()
             ctx.set_allocator_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-        ctx.triton_version = _triton_version()
+        ctx.triton_version = triton_version()
         if spec.cc is not None and ctx.triton_version is not None:
             ctx.bundled_ptxas_version = bundled_ptxas_version(spec.cc)
             ctx.ptxas_candidates = find_system_ptxas()
@@ -156,7 +156,8 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
 
-def _triton_version() -> str | None:
+def triton_version() -> str | None:
+    """The installed Triton's version, None without Triton (the benchmarks' JSON lines carry it)."""
     try:
         import triton
     except ImportError:

@@ -24,7 +24,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require_int, script_main
-from nanochat.platform import DEVICE_TABLE, DeviceSpec, detect_device
+from nanochat.platform import DEVICE_TABLE, DeviceSpec, detect_device, triton_version
 
 BF16 = 2
 
@@ -204,14 +204,6 @@ def prediction_label(target: DeviceSpec) -> str:
     GB10's are, above what its GEMMs reach) times the efficiency measured here. Not a measurement."""
     return (f"PREDICTION, not a measurement: {target.key}'s table roofline (bf16 {target.peak_tflops['bf16']:g} "
             f"TFLOP/s, {target.bandwidth_gbs:g} GB/s; {target.source}) x this GPU's measured efficiency")
-
-
-def triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def parse_args(argv=None):

@@ -32,7 +32,7 @@ import torch
 
 from nanochat.flags import FlagParser, require, require_float, script_main
 from nanochat.kernels import build_loss_fn, cross_entropy_loss
-from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops
+from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops, triton_version
 
 SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --rows 256 --n-embd 64 --vocab 512 "
              "--reps 3 --no-compile")
@@ -279,15 +279,6 @@ def bench_rope(args, device) -> list[dict]:
                          "gbs": traffic_gbs(3 * 2 * y.numel(), ms), "max_abs_diff": diff})
             print(json.dumps(finite_row(rows[-1])), flush=True)
     return rows
-
-
-def triton_version() -> str | None:
-    """The Triton these kernels ran under (the header printed torch's only, as bench_train does both)."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def traffic_gbs(num_bytes: float, ms: float) -> float:
