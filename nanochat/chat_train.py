@@ -211,16 +211,13 @@ def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None
                    flag: str = "--source") -> tuple[str, Path]:
     """(model tag, checkpoint dir) of the checkpoint a stage starts from; CheckpointError naming
     the flag and the command that creates it when there is none."""
-    from nanochat.checkpoint import CheckpointError, checkpoint_dir, find_model_tag, read_latest
-    tags_dir = checkpoint_dir(source, "x", base_dir).parent
-    if model_tag is None and tags_dir.is_dir() and any(p.is_dir() for p in tags_dir.iterdir()):
-        # tags there but none picked (several, no d<N>): find_model_tag's "pass --model-tag" is the
-        # answer; wrapped below it read "none was found (several ... tags ...)" and told to train one
-        model_tag = find_model_tag(source, base_dir)
+    from nanochat.checkpoint import AmbiguousModelTag, CheckpointError, checkpoint_dir, find_model_tag, read_latest
     try:
         tag = model_tag or find_model_tag(source, base_dir)
         ckpt_dir = checkpoint_dir(source, tag, base_dir)
         read_latest(ckpt_dir)
+    except AmbiguousModelTag:   # checkpoints exist: the answer is --model-tag, not "create one"
+        raise
     except CheckpointError as e:
         tag_text = model_tag or "<tag>"
         raise CheckpointError(

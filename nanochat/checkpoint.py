@@ -545,8 +545,13 @@ def build_model(config, device, *, attn_backend: str = "auto", compute_dtype: to
 _MAKES_PHASE = {"base": "base_train", "mid": "mid_train", "sft": "chat_sft", "rl": "chat_rl"}   # its recipe
 
 
+class AmbiguousModelTag(CheckpointError):
+    """Several model tags and no rule to pick one: the answer is --model-tag, not training one."""
+
+
 def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
-    """The model tag to use when none is given: the only one, or the deepest `d<N>`."""
+    """The model tag to use when none is given: the only one, or the deepest `d<N>`
+    (AmbiguousModelTag when several tags exist and none is a `d<N>`)."""
     root = checkpoint_dir(phase, "x", base_dir).parent
     tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     if not tags:
@@ -556,7 +561,7 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
         return tags[0]
     depth_tags = [(int(t[1:]), t) for t in tags if re.fullmatch(r"d\d+", t)]
     if not depth_tags:
-        raise CheckpointError(f"several {phase} model tags under {root}: {tags}; pass --model-tag")
+        raise AmbiguousModelTag(f"several {phase} model tags under {root}: {tags}; pass --model-tag")
     return max(depth_tags)[1]
 
 
