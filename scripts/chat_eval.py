@@ -8,7 +8,8 @@
 Recipe: flags -> runtime -> checkpoint (model + tokenizer) -> per task: categorical tasks read the
 answer-letter logits after <|assistant_start|>, generative tasks sample through Engine and score
 pass@num_samples (and pass@1..num_samples per generative task) -> table, JSON file, report
-section "Chat evaluation <source>".
+section "Chat evaluation <source>". A model trained with --test-holdout N (offline: on the local test
+files of ARC / MMLU / GSM8K past their first N problems) is scored on those first N only.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ChatEvalConfig:
     def tasks(self) -> list[str]:
         from nanochat.tasks import EVAL_TASKS
 
-        if not self.task_name:
+        if self.task_name is None:   # not given; -a "" (an unset shell variable) names no task
             return list(EVAL_TASKS)
         names = [n.strip() for n in self.task_name.replace(",", "|").split("|") if n.strip()]
         bad = [n for n in names if n not in EVAL_TASKS]
@@ -119,7 +120,64 @@ def load_tasks(cfg: ChatEvalConfig) -> dict:
             for name in cfg.tasks()}
 
 
-def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=None) -> dict[str, dict]:
+# The chat_eval tasks whose local test files a stage trains on past their first N problems under
+# --test-holdout N (nanochat/chat_data.py's mixtures: offline there are no train splits of these).
+TEST_TRAINED = {"mid": ("MMLU", "ARC-Easy", "ARC-Challenge", "GSM8K"), "sft": ("ARC-Easy", "ARC-Challenge", "GSM8K"),
+                "rl": ("GSM8K",)}
+HOLDOUT_FLAG = {"mid": "mid_train --test-holdout", "sft": "chat_sft --test-holdout", "rl": "chat_rl --test-holdout"}
+
+
+def held_out_problems(cfg: ChatEvalConfig, base_dir) -> dict[str, tuple[int, str]]:
+    """task -> (N, stage): the evaluated checkpoint, or one it was trained from (meta "source", followed
+    back to base), trained on that task's test problems past the first N; the smallest N wins. Read
+    from meta.json (seconds), before the model loads."""
+    from nanochat.checkpoint import CheckpointError, checkpoint_dir, find_model_tag, read_meta
+
+    tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
+    meta = read_meta(checkpoint_dir(cfg.source, tag, base_dir), "latest" if cfg.step == "latest" else int(cfg.step))
+    held: dict[str, tuple[int, str]] = {}
+    phase = cfg.source
+    for _ in range(len(SOURCES)):   # rl <- sft <- mid <- base at most
+        stage, n = meta.get("phase") or phase, (meta.get("config") or {}).get("test_holdout", -1)
+        if isinstance(n, int) and n >= 0:
+            for name in TEST_TRAINED.get(stage, ()):
+                if name not in held or n < held[name][0]:
+                    held[name] = (n, stage)
+        src = meta.get("source")
+        if not (isinstance(src, dict) and src.get("phase") in SOURCES and isinstance(src.get("step"), int)):
+            break
+        phase = src["phase"]
+        try:
+            meta = read_meta(checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"])
+        except CheckpointError as e:   # removed since: what it trained on is unknown, say so
+            print0(f"chat_eval: cannot read the checkpoint the model was trained from ({e}); the test "
+                   "problems it may have trained on (mid_train / chat_sft / chat_rl's test holdout) are not known")
+            break
+    return held
+
+
+def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """task -> the problems to score where training saw the rest: at most the held-out first N
+    (--max-problems is a maximum; the cut is printed, and the score labelled partial), since a score
+    over trained-on test problems reads as the model's own. A task with none held out is a ValueError."""
+    names = [n for n in cfg.tasks() if n in held]
+    none_left = [n for n in names if held[n][0] == 0]
+    require(not none_left, "-a/--task-name", cfg.task_name or "(all)",
+            f"tasks other than {'|'.join(none_left)}: the model trained on every one of its test problems "
+            f"({HOLDOUT_FLAG[held[none_left[0]][1]] if none_left else ''} 0)")
+    limits = {}
+    for name in names:
+        n, stage = held[name]
+        if cfg.max_problems is None or cfg.max_problems > n:
+            limits[name] = n
+            print0(f"{name}: scoring its first {n} problems only: the {stage} model trained on the rest "
+                   f"({HOLDOUT_FLAG[stage]} {n})")
+    return limits
+
+
+def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=None,
+             limits: dict[str, int] | None = None) -> dict[str, dict]:
+    """Every task's result; `limits` (problem_limits) caps the problems of a task below --max-problems."""
     from nanochat.engine import Engine
     from nanochat.tasks import EVAL_TASKS
     from nanochat.tasks.evaluate import run_categorical, run_generative
@@ -128,13 +186,14 @@ def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=N
     results = {}
     for name, task in tasks.items():
         t0 = time.time()
+        max_problems = (limits or {}).get(name, cfg.max_problems)
         if task.eval_type == "categorical":
             res = run_categorical(model, tokenizer, task, device, batch_size=cfg.batch_size,
-                                  max_problems=cfg.max_problems, name=name)
+                                  max_problems=max_problems, name=name)
         else:
             res = run_generative(engine, tokenizer, task, device, num_samples=cfg.num_samples,
                                  max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                 top_k=cfg.top_k or None, seed=cfg.seed, max_problems=cfg.max_problems,
+                                 top_k=cfg.top_k or None, seed=cfg.seed, max_problems=max_problems,
                                  name=name, log=print0)
         # "problems": the task's size; total < problems is a subset (--max-problems), not the score
         results[name] = {"accuracy": res.accuracy, "passed": res.passed, "total": res.total,
@@ -165,6 +224,8 @@ def main(argv=None) -> dict:
     from nanochat.tasks.evaluate import chatcore
 
     tasks = load_tasks(cfg)
+    # the test problems training saw are never scored: read from meta.json before the model loads
+    limits = problem_limits(cfg, held_out_problems(cfg, get_base_dir()))
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
     try:
         step = "latest" if cfg.step == "latest" else int(cfg.step)
@@ -175,7 +236,7 @@ def main(argv=None) -> dict:
         weights = "" if cfg.quantize == "none" else f" ({cfg.quantize} weights)"
         print0(f"chat_eval: {cfg.source} model {cfg.model_tag or meta.get('model_tag', '')} step "
                f"{meta.get('step', step)} on {rt.device}{weights}")
-        results = evaluate(cfg, tasks, model, tokenizer, rt.device, rt.dtype)
+        results = evaluate(cfg, tasks, model, tokenizer, rt.device, rt.dtype, limits)
         accuracies = {n: r["accuracy"] for n, r in results.items()}
         score = chatcore(accuracies, {n: EVAL_TASKS[n][1] for n in accuracies})
         complete = set(accuracies) == set(EVAL_TASKS)   # every task (JSON "complete", as before)

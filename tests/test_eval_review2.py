@@ -1,0 +1,117 @@
+"""Evaluation review 2: defects found by running base_eval / chat_eval / report as a user would.
+
+* chat_eval scored test problems the model was trained on: mid / SFT / RL with --test-holdout N
+  (setup.sh's tiny preset, or any offline run: there are no train splits of ARC / MMLU / GSM8K) train
+  on the local test files past their first N problems, yet `chat_eval -i sft` scored every problem
+  and reported the contaminated accuracy as the model's complete score. Now only the unseen first N
+  are scored (--max-problems is a maximum), said on the console and labelled partial; a holdout of 0 (no
+  unseen problem) is refused naming -a.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "base"
+
+
+def save(base, tokenizer, phase: str, step: int, **meta) -> dict:
+    """A 1-layer GPT saved as <phase>/d1 <step>, with `meta` (config, source) as chat_train writes it."""
+    from nanochat import gpt
+    from nanochat.checkpoint import checkpoint_dir, save_checkpoint
+    from nanochat.tokenizer import tokenizer_dir
+
+    tokenizer.save(tokenizer_dir(base))
+    cfg = gpt.GPTConfig(sequence_len=512, vocab_size=tokenizer.vocab_size, n_layer=1, n_head=2, n_kv_head=2,
+                        n_embd=32, window_pattern="L")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    model.init_weights()
+    save_checkpoint(checkpoint_dir(phase, "d1", base), step, model_state=model.state_dict(),
+                    meta={"phase": phase, "model_tag": "d1", "model_config": asdict(cfg),
+                          "tokenizer_fingerprint": tokenizer.fingerprint, **meta})
+    return {"phase": phase, "model_tag": "d1", "step": step}
+
+
+@pytest.fixture
+def arc5(tmp_path, shared_data):
+    """An eval dir whose ARC-Easy file holds 5 problems (and MMLU 5)."""
+    d = tmp_path / "eval"
+    d.mkdir()
+    for name in ("arc_easy.jsonl", "mmlu.jsonl"):
+        lines = (shared_data / "eval" / name).read_text().splitlines()[:5]
+        (d / name).write_text("\n".join(lines) + "\n")
+    return d
+
+
+def chat_eval(arc5, tmp_path, *extra):
+    from scripts import chat_eval as script
+
+    return script.main(["-i", "sft", "--device", "cpu", "--data-dir", str(arc5), "--out", str(tmp_path / "r.json"),
+                        *extra])
+
+
+def test_chat_eval_scores_only_the_test_problems_training_held_out(base, tiny_tokenizer, arc5, tmp_path, capsys):
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 2})
+    out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy")
+    arc = out["results"]["ARC-Easy"]
+    assert (arc["total"], arc["problems"]) == (2, 5), arc           # problems 2..4 were trained on
+    assert out["all_problems"] is False                              # a partial score, labelled so
+    printed = capsys.readouterr().out
+    assert "--test-holdout 2" in printed and "| ARC-Easy (2 of 5 problems) |" in printed, printed
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["ARC-Easy"]["total"] == 2
+    # fewer than the held-out problems: as asked
+    assert chat_eval(arc5, tmp_path, "-a", "ARC-Easy", "-x", "1")["results"]["ARC-Easy"]["total"] == 1
+
+
+def test_max_problems_past_the_holdout_scores_the_held_out_ones(base, tiny_tokenizer, arc5, tmp_path, capsys):
+    """--max-problems is a maximum: past the holdout, the held-out problems (said), never the rest."""
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 2})
+    out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy", "-x", "4")
+    assert out["results"]["ARC-Easy"]["total"] == 2
+    assert "ARC-Easy: scoring its first 2 problems only" in capsys.readouterr().out
+
+
+def test_a_holdout_of_zero_names_the_tasks_it_trained_on_entirely(base, tiny_tokenizer, arc5, tmp_path):
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 0})
+    with pytest.raises(ValueError, match=r"-a/--task-name: .*ARC-Easy.*every one of its test problems"):
+        chat_eval(arc5, tmp_path, "-a", "ARC-Easy")
+
+
+def test_the_holdout_of_the_checkpoint_it_was_trained_from_counts(base, tiny_tokenizer, arc5, tmp_path):
+    """SFT held out 4 problems, but the mid checkpoint it started from held out 1 (and mid trains on
+    MMLU, which SFT does not): problem 1.. of ARC and MMLU were trained on by mid."""
+    mid = save(base, tiny_tokenizer, "mid", 5, config={"test_holdout": 1})
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 4}, source=mid)
+    out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy|MMLU")
+    assert out["results"]["ARC-Easy"]["total"] == 1 and out["results"]["MMLU"]["total"] == 1
+
+
+def test_no_holdout_scores_every_problem(base, tiny_tokenizer, arc5, tmp_path):
+    """Trained on the train splits (--test-holdout -1, the default), or SFT's holdout leaving MMLU
+    out of its mixture: every problem is unseen."""
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": -1})
+    assert chat_eval(arc5, tmp_path, "-a", "ARC-Easy")["results"]["ARC-Easy"]["total"] == 5
+    save(base, tiny_tokenizer, "sft", 4, config={"test_holdout": 2})
+    assert chat_eval(arc5, tmp_path, "-a", "MMLU")["results"]["MMLU"]["total"] == 5
+
+
+@pytest.mark.parametrize("value", ["", " ", "|", ", "])
+def test_an_empty_task_list_is_refused_not_every_task(value):
+    """-a "" (an unset shell variable: -a "$TASKS") ran all six tasks, hours of generation, where
+    -a " " was refused: an empty list names no task."""
+    from scripts.chat_eval import parse_args
+
+    with pytest.raises(ValueError, match=r"-a/--task-name: got '.*'; accepted: ARC-Easy\|"):
+        parse_args(["-i", "sft", "-a", value])
+    assert parse_args(["-i", "sft"]).tasks()[0] == "ARC-Easy"   # not given: every task
