@@ -26,6 +26,7 @@ the sums load unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -42,8 +43,8 @@ import torch
 
 from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, save_hashed, saved_sum,
-                                    start_check, step_dirname, write_json)
+from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, restore_swapped_out,
+                                    save_hashed, saved_sum, start_check, step_dirname, sweep_superseded, write_json)
 from nanochat.errors import RequestError
 from nanochat.flags import check_model_tag, require
 
@@ -75,9 +76,13 @@ def read_latest(ckpt_dir: str | Path) -> int:
         raise CheckpointError(f"no checkpoint recorded in {ckpt_dir} ({LATEST_NAME} missing){extra}")
     try:
         record = json.loads(path.read_text())
-        return int(record["step"])
+        step = record["step"]
+        if type(step) is not int or step < 0:   # int() took 1.5 and true as step 1
+            raise ValueError(f"step {step!r} is not a whole number >= 0")
+        return step
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: corrupt latest pointer ({e})") from e
+        raise CheckpointError(f"{path}: corrupt latest pointer ({e}); steps on disk: "
+                              f"{list_steps(ckpt_dir) or 'none'} (pass one as --resume STEP)") from e
 
 
 def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
@@ -161,6 +166,7 @@ class EarlierRun:
         steps, self.steps, moved_to = self.steps, [], None
         if is_master:
             latest = self.ckpt_dir / LATEST_NAME
+            sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
             if self.delete:
                 latest.unlink(missing_ok=True)
                 for step in steps:
@@ -214,12 +220,13 @@ def remove_checkpoint(ckpt_dir, step: int) -> None:
     """Delete one step's directory (renamed away first, so it vanishes at once). Never the step
     latest.json points to: that is the one a resume takes. The name it is renamed to, step_N.del-PID,
     is not a re-save's step_N.old-PID: a removal killed halfway through its rmtree leaves a partial
-    directory that a later read of step N must not restore (_restore_swapped_out); leftovers of
+    directory that a later read of step N must not restore (restore_swapped_out); leftovers of
     such removals are swept here."""
     ckpt_dir = Path(ckpt_dir)
     assert step != read_latest(ckpt_dir), f"refusing to remove the latest checkpoint {step} of {ckpt_dir}"
     path = ckpt_dir / step_dirname(step)
     trash = ckpt_dir / (step_dirname(step) + f".del-{os.getpid()}")
+    sweep_superseded(ckpt_dir, step)   # else a read of step N would restore one of them
     os.replace(path, trash)
     fsync_dir(ckpt_dir)
     for leftover in [trash, *ckpt_dir.glob("step_*.del-*")]:
@@ -257,8 +264,10 @@ def environment_meta(device: torch.device | str | None = None) -> dict:
 
 def _strip_compile_prefix(state: dict) -> dict:
     # torch.compile wraps the module; its state_dict keys carry "_orig_mod." which must not leak
-    # into checkpoints (the eval side loads into a plain module).
-    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    # into checkpoints (the eval side loads into a plain module). Transformer Engine's layers
+    # (--precision-backend te) add "<layer>._extra_state" (fp8 metadata that the current / block
+    # scaling recipes built here do not carry across steps): every reader loads into the plain GPT.
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items() if not k.endswith("._extra_state")}
 
 
 # ------------------------------------------------------------------------------------ disk space
@@ -369,25 +378,19 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
         for leftover in ckpt_dir.glob("step_*.partial"):
             shutil.rmtree(leftover, ignore_errors=True)
+        sweep_superseded(ckpt_dir)
         staging.mkdir()
     barrier()
-    try:
+    with _no_room_is_a_checkpoint_error(staging, step):
         _write_rank_files(staging, step, rank, model_state if rank == 0 else None, optimizer_state,
                           loader_state, loop_state)
-    except CheckpointError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(_no_room(staging, step, f"{e.strerror}; {fmt_bytes(free_bytes(ckpt_dir))} free now")) from e
     barrier()
     if rank == 0:
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
                      "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "has_optimizer": optimizer_state is not None}
-        write_json(staging / META_NAME, full_meta)
+        with _no_room_is_a_checkpoint_error(staging, step):   # the tensors fitted, the disk filled since
+            write_json(staging / META_NAME, full_meta)
         fsync_dir(staging)
         if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
             trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
@@ -400,6 +403,23 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
     barrier()
     return final
+
+
+@contextlib.contextmanager
+def _no_room_is_a_checkpoint_error(staging: Path, step: int):
+    """A save refused for room, or the disk filling mid-write: the staging directory goes, and
+    ENOSPC / EDQUOT become the CheckpointError naming the step kept."""
+    try:
+        yield
+    except CheckpointError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        detail = f"{e.strerror}; {fmt_bytes(free_bytes(staging.parent))} free now"
+        raise CheckpointError(_no_room(staging, step, detail)) from e
 
 
 def _write_rank_files(staging: Path, step: int, rank: int, model_state, optimizer_state, loader_state,
@@ -426,21 +446,6 @@ def _world_size() -> int:
 
 # ------------------------------------------------------------------------------------ load
 
-def _restore_swapped_out(ckpt_dir: Path, step: int) -> None:
-    """A re-save of a step moves the old copy to step_N.old-PID, then the new one in: a crash
-    between the two renames leaves no step_N while latest.json names it. The old copy is a
-    complete checkpoint of that step: it is renamed back (by whichever rank gets there first)."""
-    final = ckpt_dir / step_dirname(step)
-    for old in sorted(ckpt_dir.glob(step_dirname(step) + ".old-*")):
-        if (old / META_NAME).is_file():
-            try:
-                os.replace(old, final)
-                print0(f"checkpoint: {final.name} was missing after an interrupted re-save; restored it from {old.name}")
-            except FileNotFoundError:   # another rank restored it a moment ago
-                pass
-            break
-
-
 def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
     """meta.json of a step, schema-checked."""
     ckpt_dir = Path(ckpt_dir)
@@ -448,7 +453,7 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
     step_dir = ckpt_dir / step_dirname(step)
     path = step_dir / META_NAME
     if not step_dir.is_dir():
-        _restore_swapped_out(ckpt_dir, step)
+        restore_swapped_out(ckpt_dir, step, META_NAME)
     if not path.is_file():
         if not step_dir.is_dir():
             have = list_steps(ckpt_dir)
@@ -488,7 +493,8 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     checks = {model_path: start_check(model_path, 0), state_path: start_check(state_path, rank)}
     if load_optimizer:
         checks[optim_path] = start_check(optim_path, rank)
-    out = {"step": step, "meta": meta, "model": load_verified(model_path, device, check=checks[model_path]),
+    model = load_verified(model_path, device, check=checks[model_path])
+    out = {"step": step, "meta": meta, "model": _strip_compile_prefix(model) if isinstance(model, dict) else model,
            "optimizer": None, "loader": None, "loop": None}
     if load_optimizer:
         out["optimizer"] = load_verified(optim_path, device, rank, check=checks[optim_path])

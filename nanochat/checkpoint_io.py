@@ -11,6 +11,7 @@ import mmap
 import os
 import pickle
 import re
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -125,18 +126,24 @@ def saved_sum(path: Path, rank: int) -> dict | None:
         return None
     try:
         want = json.loads(sums_path.read_text())[path.name]
-        if not isinstance(want, dict):
+        # both fields, of their types: the checks below compare and format them
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int and isinstance(want.get("sha256"), str)):
             raise TypeError(f"{path.name}: {want!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e})") from e
     return want
 
 
-def _damaged(path: Path, want: dict) -> CheckpointError:
+def _use_another_step(path: Path) -> str:
+    """What to do about a damaged or missing file of a step: the other steps on disk."""
     others = [s for s in list_steps(path.parent.parent) if step_dirname(s) != path.parent.name]
+    return f"use another step ({others or 'none on disk'})"
+
+
+def _damaged(path: Path, want: dict) -> CheckpointError:
     return CheckpointError(f"{path}: the file differs from the one saved ({path.stat().st_size:,} bytes, "
-                           f"{want.get('bytes'):,} when saved, or another sha256): damaged on disk; "
-                           f"use another step ({others or 'none on disk'})")
+                           f"{want['bytes']:,} when saved, or another sha256): damaged on disk; "
+                           f"{_use_another_step(path)}")
 
 
 def start_check(path: Path, rank: int) -> tuple[dict, Future] | None:
@@ -174,9 +181,41 @@ def _load(path: Path, device) -> Any:
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file missing from the checkpoint") from None
+        raise CheckpointError(f"{path}: file missing from the checkpoint; {_use_another_step(path)}") from None
     except pickle.UnpicklingError as e:  # weights_only refused a pickled global (or a corrupt file)
         first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
         raise CheckpointError(f"{path}: cannot read with weights_only=True ({first})") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+
+
+# ------------------------------------------------------------------------------------ re-saves
+# A re-save of step N moves the old copy to step_N.old-PID, the new one in, then deletes the old.
+
+
+def restore_swapped_out(ckpt_dir: Path, step: int, meta_name: str) -> None:
+    """Killed between the two renames, a re-save leaves no step_N (latest.json may name it) and a
+    complete old copy: it is renamed back (by whichever rank gets there first). Call it only when
+    step_N is absent; the copies of a deletion cut short are swept while it exists (sweep_superseded)."""
+    from nanochat.common import print0
+
+    final = ckpt_dir / step_dirname(step)
+    for old in sorted(ckpt_dir.glob(step_dirname(step) + ".old-*")):
+        if (old / meta_name).is_file():
+            try:
+                os.replace(old, final)
+                print0(f"checkpoint: {final.name} was missing after an interrupted re-save; restored it from {old.name}")
+            except FileNotFoundError:   # another rank restored it a moment ago
+                pass
+            break
+
+
+def sweep_superseded(ckpt_dir: Path, step: int | None = None) -> None:
+    """Delete the step_N.old-* copies (of `step`, or of every step) whose step_N is in place: a
+    re-save killed while deleting one leaves it, possibly partial (up to a whole checkpoint that
+    nothing else frees). Call before step_N is removed or moved: restore_swapped_out would
+    otherwise bring that superseded copy back as step N."""
+    pattern = (step_dirname(step) if step is not None else "step_*") + ".old-*"
+    for old in Path(ckpt_dir).glob(pattern):
+        if (old.parent / old.name.split(".old-")[0]).is_dir():
+            shutil.rmtree(old, ignore_errors=True)
