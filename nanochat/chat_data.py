@@ -319,15 +319,18 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
 
 
 SFT_CONVERSATIONS = 10_000
+VAL_SEED = 42   # the validation mixture's order, whatever --seed is (--seed's default: val bpb as before)
 
 
 def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42,
                   extra: Sequence[str] = (), identity: str | None = None):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
     of test-split conversations for validation bits per byte (never trained on), the same whatever
-    `extra` and `identity` say, so val bpb stays comparable between runs. `extra`: JSONL files of
-    the user's own conversations mixed into mid / SFT training, a file named twice mixed in twice
-    (read once); `identity`: the model's name in the built-in identity conversations (None: the
+    `seed`, `extra` and `identity` say, so val bpb stays comparable between runs (`seed` shuffles
+    training only: an evaluation scores the first rows of the val mixture, and mid-training's crops
+    depend on its order, so a val order that followed --seed scored other conversations per seed).
+    `extra`: JSONL files of the user's own conversations mixed into mid / SFT training, a file named
+    twice mixed in twice (read once); `identity`: the model's name in the built-in identity conversations (None: the
     default, nanochat-spark; "": left out, e.g. for an identity of the user's own)."""
     from nanochat.tasks import (GSM8K, MMLU, ConversationFile, IdentityConversations, SimpleSpelling, SpellingBee,
                                 TaskMixture, get_conversations)
@@ -340,7 +343,7 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
         held = 200 if test_holdout < 0 else min(200, test_holdout)
         tasks = [get_conversations("test", data_dir=data_dir), MMLU("test", data_dir=data_dir, stop=held),
                  GSM8K("test", data_dir=data_dir, stop=held), SpellingBee(200, "test", data_dir=data_dir)]
-        return TaskMixture(tasks, seed=seed)
+        return TaskMixture(tasks, seed=VAL_SEED)
     if split != "train":
         raise ValueError(f"split: got {split!r}; accepted: train|val")
     if stage == "rl":  # the GSM8K problems only
@@ -385,6 +388,7 @@ def rows_per_step(total_batch_size: int, seq_len: int) -> int:
 
 
 def epoch_iterations(task, tokenizer, seq_len: int, total_batch_size: int, *, mask: str, fill: str) -> int:
-    """Optimizer steps for one epoch of `task` (at least 1)."""
+    """Optimizer steps for one epoch of `task` (at least 1), rounded up: the training loader loops,
+    so the last step's rows past the epoch are the next epoch's first conversations."""
     rows = estimate_epoch_rows(task, tokenizer, seq_len, mask=mask, fill=fill)
     return max(1, math.ceil(rows / rows_per_step(total_batch_size, seq_len)))

@@ -162,7 +162,8 @@ CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     **TRAIN_FLAG_HELP,
     "model_tag": "the model tag of the --source checkpoint, and of this stage's own; not given: the --source "
                  "phase's only tag, or its deepest d<N>",
-    "num_iterations": "optimizer steps; -1: one epoch of the conversation mixture",
+    "num_iterations": "optimizer steps; -1: one epoch of the conversation mixture, rounded up to a whole step (the "
+                      "last one continues into the next epoch)",
     "max_seq_len": "tokens per row; -1: the model's sequence length",
     "init_lr_frac": "every learning rate above is multiplied by this",
     "eval_tokens": "validation tokens per evaluation; -1: 20 micro-batches",
@@ -171,6 +172,15 @@ CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "test_holdout": "N >= 0: also train on the local MMLU / ARC / GSM8K test files minus their first N problems "
                     "(offline, no train splits); -1: off",
 }
+
+
+def _identity_flag(text: str) -> str:
+    """--identity's value, checked as it is parsed: "" is --no-identity's value in the config, and
+    an empty --identity (e.g. "$NAME" with NAME unset) left the identity out as if it were."""
+    try:
+        return check_identity_name(text)
+    except ValueError as e:   # argparse words it "argument --identity: <message>"
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--identity: ")) from None
 
 
 def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainConfig:
@@ -186,7 +196,8 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
                                 help="default: on for CUDA, off elsewhere")
         elif f.name == "identity":
             either = parser.add_mutually_exclusive_group()   # both at once: an error, not "last wins"
-            either.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name])
+            either.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name],
+                                type=_identity_flag)
             either.add_argument("--no-identity", dest=f.name, action="store_const", const="",
                                 help="leave the built-in identity conversations out (e.g. for your own, "
                                      "--extra-conversations)")
@@ -264,6 +275,22 @@ def _auto_resume(ckpt_dir, source: dict) -> str | None:
     return None
 
 
+def check_named_steps(cfg, src_dir, ckpt_dir) -> None:
+    """A --step of the --source checkpoint, and an explicit --resume latest|N of this stage's own
+    run, name checkpoints on disk: else a CheckpointError naming the flag (and the steps there),
+    said before any data is read or weights load. The load said it later (after the whole mixture
+    was read; in chat_rl, after the prompt-fit check had been skipped for want of the step's
+    meta.json), naming neither flag."""
+    from nanochat.checkpoint import CheckpointError, read_meta
+    for flag, value, where in (("--step", cfg.step, src_dir), ("--resume", cfg.resume, ckpt_dir)):
+        if value in (None, "auto") or (flag == "--step" and value == "latest"):   # resolve_source read it
+            continue
+        try:
+            read_meta(where, value)
+        except CheckpointError as e:
+            raise CheckpointError(f"{flag} {value}: {e}") from None
+
+
 def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
     """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
     cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
@@ -271,10 +298,11 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
     from nanochat.checkpoint import checkpoint_dir, model_digest, resolve_step
 
     tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
+    ckpt_dir = checkpoint_dir(stage, tag, base_dir)
+    check_named_steps(cfg, src_dir, ckpt_dir)
     src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
     source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
               "model_sha256": model_digest(src_dir, src_step)}
-    ckpt_dir = checkpoint_dir(stage, tag, base_dir)
     resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
     return tag, ckpt_dir, source, resume_at
 
@@ -379,11 +407,12 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
         fresh_start(checkpoint_dir(stage.name, tag, base_dir), None, cfg.overwrite)
     try:
         model_len = (read_meta(src_dir, cfg.step).get("model_config") or {}).get("sequence_len")
-    except CheckpointError:   # a step that is not there, a damaged meta.json: the load names it, in full
+    except CheckpointError:   # a damaged meta.json of the latest step: the load names it, in full
         return None
     if not isinstance(model_len, int):
         return None
@@ -417,7 +446,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # MissingDataError name the file) before any weights are loaded ----
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,
                               extra=cfg.extra_conversations, identity=cfg.identity)
-    val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
+    val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout)  # not --seed's
     for path, n in validation_overlap(train_mix, val_mix).items():
         print0(f"WARNING: --extra-conversations {path}: {n} of its conversations are validation conversations; "
                "training on them makes val bpb read better than the model is")

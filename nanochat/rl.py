@@ -252,12 +252,14 @@ class PolicyGradientTrainer:
                 loss.backward()
                 total_loss += float(loss.detach())
             tokens += inputs.numel()
-        stats = torch.tensor([total_loss, sum(rewards), len(rewards), sum(lengths), skipped],
+        # tokens too: ranks roll out different lengths (and skip different prompts), so a rank's own
+        # count x world size is not the step's, and each rank's tok/s would say another figure
+        stats = torch.tensor([total_loss, sum(rewards), len(rewards), sum(lengths), skipped, tokens],
                              dtype=torch.float64, device=rt.device)
         if rt.world_size > 1:
             import torch.distributed as dist
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        loss_f, reward_sum, n, len_sum, skipped_all = (float(v) for v in stats)
+        loss_f, reward_sum, n, len_sum, skipped_all, tokens_all = (float(v) for v in stats)
         self.skipped += int(skipped_all)
         loss_f /= rt.world_size
         if not math.isfinite(loss_f):
@@ -268,4 +270,4 @@ class PolicyGradientTrainer:
         self.pos += self.examples_per_step
         rt.synchronize()
         extra = {"reward": reward_sum / max(n, 1), "seq_len": len_sum / max(n, 1), "skipped": skipped_all}
-        return RLStepResult(step, loss_f, lrm, time.perf_counter() - t0, tokens * rt.world_size, None, extra)
+        return RLStepResult(step, loss_f, lrm, time.perf_counter() - t0, int(tokens_all), None, extra)

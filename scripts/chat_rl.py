@@ -10,7 +10,8 @@ policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pa
 0: never, as base_train / mid_train / chat_sft) (with --eval-samples K also pass@1..K of K samples
 drawn as training draws them, the figure upstream nanochat reports); saves the `rl` checkpoint under
 the same tag (every --save-every steps and at the last step).
--1 iterations = one pass over the training problems. Loop: nanochat/loop.py.
+-1 iterations = one pass over the training problems in whole steps (the last len % --examples-per-step
+are left out). Loop: nanochat/loop.py.
 
 Offline (no hub): --test-holdout N trains on the local GSM8K test file minus its first N problems.
 
@@ -119,7 +120,8 @@ FLAG_HELP = {
     "source": f"{'|'.join(SOURCES)}: the checkpoint phase to start from",
     "model_tag": "the model tag of the --source checkpoint, and of the rl checkpoint; not given: the --source "
                  "phase's only tag, or its deepest d<N>",
-    "num_iterations": "optimizer steps; -1: one pass over the training problems",
+    "num_iterations": "optimizer steps; -1: one pass over the training problems in whole steps (the last problems "
+                      "that do not fill a step are left out)",
     "examples_per_step": "GSM8K problems per optimizer step (over all ranks)",
     "num_samples": "completions sampled per problem: the group its advantage is taken in",
     "max_new_tokens": "the most tokens a completion may have; a training prompt that leaves less room in the "

@@ -182,7 +182,7 @@ def _rl_rank_worker(rank: int, store: str, corpus: str, out: str) -> None:
         steps = []
         for step in range(RL_STEPS):
             res = trainer.step(step)
-            steps.append({"loss": res.loss, "skipped": res.extra["skipped"], "grads": opt.grads})
+            steps.append({"loss": res.loss, "skipped": res.extra["skipped"], "grads": opt.grads, "tokens": res.tokens})
         torch.save(steps, f"{out}/rank{rank}.pt")
         dist.barrier()   # no rank tears gloo down while the other still talks to it
     finally:
@@ -193,7 +193,7 @@ def test_two_ranks_skipping_different_prompts_match_one_process(chat_model, tiny
     """The ranks agree on how many problems the step trains: the gradient the optimizer averages
     over 2 ranks (a rank with no gradient counts zero) equals one process running the same
     problems, and both equal the hand-computed mean over the trained problems, when one rank
-    skips some of its prompts and when one skips all of them."""
+    skips some of its prompts and when one skips all of them; the step's token count is the same."""
     import torch.multiprocessing as mp
     torch.save(chat_model[0].state_dict(), tmp_path / "model.pt")
     mp.spawn(_rl_rank_worker, args=(str(tmp_path / "store"), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
@@ -210,6 +210,9 @@ def test_two_ranks_skipping_different_prompts_match_one_process(chat_model, tiny
             trainer.model.zero_grad(set_to_none=True)   # the next step starts without the reference's
             assert [r[step]["skipped"] for r in ranks] == [res.extra["skipped"]] * 2 == [[1, 2][step]] * 2
             assert ranks[0][step]["loss"] == ranks[1][step]["loss"] == pytest.approx(res.loss, abs=1e-6)
+            # tokens (tok/s in the log line) are the step's over all ranks, alike on each: rank 0 logged
+            # its own count x 2 (step 1: twice rank 0's, rank 1 having trained nothing)
+            assert ranks[0][step]["tokens"] == ranks[1][step]["tokens"] == res.tokens > 0
             assert res.loss == pytest.approx(loss, abs=1e-6)
             assert (ranks[1][step]["grads"] == {}) == (step == 1)   # step 1: rank 1 ran no backward
             assert set(want) == set(opt.grads)
