@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
     p.add_argument("-k", "--top-k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
     p.add_argument("--top-p", dest="top_p", type=float, default=None, help="nucleus sampling mass in [0, 1] (0 = greedy, as in the API)")
-    p.add_argument("-m", "--max-tokens", dest="max_tokens", type=int, default=512)
+    p.add_argument("-m", "--max-tokens", dest="max_tokens", type=int, default=512,
+                   help="most tokens per reply (default 512; the model's context also ends a reply)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one per answer)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
@@ -67,6 +68,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"-s/--step: got {args.step!r}; accepted: latest or an integer >= 0")
     if args.prompt is not None and not args.prompt.strip():   # as the interactive loop skips empty lines
         raise ValueError("-p/--prompt: got an empty prompt; accepted: the text to answer")
+    if args.prompt is not None and not _is_utf8(args.prompt):   # as the interactive loop refuses such a line
+        # a non-UTF-8 argument arrives with lone surrogates, which the tokenizer turned into U+FFFD
+        raise ValueError(f"-p/--prompt: got {args.prompt!r}; accepted: UTF-8 text")
     if args.decode not in DECODE_MODES:
         raise ValueError(f"--decode: got {args.decode!r}; accepted: {'|'.join(DECODE_MODES)}")
     if args.graph_step not in GRAPH_STEPS:
@@ -80,11 +84,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed: got {args.seed}; accepted: an integer in 0..{MAX_SEED}")
     if args.top_p is not None and not 0.0 <= args.top_p <= 1.0:   # also nan
         raise ValueError(f"--top-p: got {args.top_p}; accepted: a number in [0, 1] (0 = greedy)")
-    args.temperature, args.top_p = greedy_if_top_p_zero(args.temperature, args.top_p)
-    try:
-        validate_sampling(args.temperature, args.top_k, args.top_p)
+    try:   # the flags as given: the greedy rewrite of --top-p 0 below would hide a bad --temperature
+        validate_sampling(args.temperature, args.top_k, args.top_p or None)
     except ValueError as e:
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
+    args.temperature, args.top_p = greedy_if_top_p_zero(args.temperature, args.top_p)
 
 
 def check_model_tag_exists(source: str, model_tag: str | None) -> None:
@@ -176,6 +180,11 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # a terminal whose encoding lacks a character of the reply (LC_ALL=C, a Latin-1 locale) shows it
+    # as '?': strict, the first one raised UnicodeEncodeError mid-answer (a traceback for -p; in the
+    # chat a ValueError that replaced every reply by an error line)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
     try:
         code = chat(args)
         sys.stdout.flush()    # here, not at exit, where a closed pipe is reported as an ignored exception
