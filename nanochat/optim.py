@@ -5,7 +5,8 @@ One optimizer class, single-process and distributed:
     momentum (fp32 buffer), Polar Express orthogonalisation (bf16 on CUDA, fp32 elsewhere),
     update scaled by max(1, m/n)^0.5, optionally NorMuon's per-neuron rescale (a factored second
     moment, one fp32 value per row or column), decoupled weight decay (optionally cautious: only
-    where the update and the weight agree in sign), step p -= lr * (update + wd * p [* mask]).
+    where the update and the weight agree in sign), step p -= lr * (update + s * wd * p [* mask])
+    with s = max(1, m/n)^0.5 (upstream's LR carries s, and its decay is that LR x wd).
   * AdamW groups (embedding, value_embeds, lm_head, scalars): bias-corrected AdamW, decoupled
     weight decay, eps 1e-10, each group its own LR.
   * world_size > 1 (torch.distributed initialised; no DDP wrapper needed): every rank calls
@@ -15,6 +16,7 @@ One optimizer class, single-process and distributed:
     reduce-scattered, each rank updates its row shard (sharded Adam state), then all-gathered;
     small ones are all-reduced. Gradients are averaged (the DDP convention). All collectives are
     launched async up front so communication overlaps the per-group compute.
+  * State is fp32 for bf16/fp16 parameters too (a bf16 EMA drops small gradients), after a load too.
   * Optimizer state is per rank (Muon momentum lives as a stacked buffer in the state of the
     group's first parameter, AdamW moments per parameter, sharded when the parameter is):
     save one optimizer state per rank and resume with the same world size.
@@ -95,6 +97,7 @@ def muon_update(grad, momentum_buffer, momentum, nesterov: bool, ns_steps: int, 
     """Momentum (in place on the fp32 buffer) + orthogonalisation + shape scale, for a (K, m, n)
     stack, then NorMuon's rescale when `second_moment` is given. `momentum` and `beta2` are 0-dim
     tensors. Returns the update in the orthogonalisation dtype."""
+    grad = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(momentum).add_(grad * (1 - momentum))
     g = grad * (1 - momentum) + momentum_buffer * momentum if nesterov else momentum_buffer
     scale = max(1.0, grad.size(-2) / grad.size(-1)) ** 0.5
@@ -129,12 +132,14 @@ def normuon_rescale(update, second_moment, beta2):
 
 def muon_momentum_step(grad, momentum_buffer, momentum, nesterov: bool):
     """The momentum half of muon_update (in place on the buffer); returns the direction to orthogonalise."""
+    grad = grad.to(momentum_buffer.dtype)
     momentum_buffer.mul_(momentum).add_(grad * (1 - momentum))
     return grad * (1 - momentum) + momentum_buffer * momentum if nesterov else momentum_buffer.clone()
 
 
 def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd) -> None:
     """In-place AdamW on one tensor; step/lr/betas/eps/wd are 0-dim tensors."""
+    grad = grad.to(exp_avg.dtype)
     p.mul_(1 - lr * wd)
     exp_avg.mul_(beta1).add_(grad * (1 - beta1))
     exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
@@ -151,6 +156,11 @@ def muon_decay_step(p, u, lr, wd, cautious: bool) -> None:
     if cautious:  # decay only coordinates the update also shrinks (sign agreement)
         decay = decay * ((u * p) >= 0)
     p.sub_((u + decay) * lr)
+
+
+def state_zeros(t: torch.Tensor) -> torch.Tensor:
+    """Zeros for optimizer state shaped like t: fp32 for a bf16/fp16 t, t's dtype otherwise."""
+    return torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32))
 
 
 # the group settings the flags set (base values: the schedules scale lr and weight_decay from them)
@@ -173,6 +183,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"MuonAdamW: group kind must be muon|adamw, got {group.get('kind')!r}")
             if group["kind"] == "muon" and len({tuple(p.shape) for p in group["params"]}) != 1:
                 raise ValueError("MuonAdamW: a muon group must hold params of one shape")
+            _check_group(group)
             group.setdefault("initial_lr", group["lr"])
             group.setdefault("initial_weight_decay", group.get("weight_decay", 0.0))
         self.world_size, self.rank = world_size, rank
@@ -200,6 +211,12 @@ class MuonAdamW(torch.optim.Optimizer):
                              f"(x nodes) = {saved['world_size']}{' and base_train --fsdp' if saved['fsdp'] else ''}")
         mine = [{k: g[k] for k in RUN_HPARAMS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        # torch casts state to its parameter's dtype (a bf16 param's fp32 state came back bf16): undo
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(saved_ids, [p for g in self.param_groups for p in g["params"]]):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if torch.is_tensor(value) and value.dtype != self.state[p][key].dtype:
+                    self.state[p][key] = value.to(self.state[p][key].device)
         # torch restores every group's hyperparameters from the checkpoint, which silently dropped
         # a resumed run's new --matrix-lr / --weight-decay / ...: this run's flags win, and say so
         changed = []
@@ -239,7 +256,7 @@ class MuonAdamW(torch.optim.Optimizer):
         state, the others keep it and get a zero update (a parameter with no gradient is skipped)."""
         state = self.state[p0]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad_stack)
+            state["momentum_buffer"] = state_zeros(grad_stack)
         momentum = torch.tensor(float(group["momentum"]))
         second, beta2 = self._second_moment(group, state, grad_stack.shape, grad_stack.device)
         fn = self._fn("muon", grad_stack.device)
@@ -277,7 +294,9 @@ class MuonAdamW(torch.optim.Optimizer):
         ran slower, H100 d20: 2.0 vs 1.5 ms.)"""
         fn, wd = self._fn("decay", params[0].device), float(group["weight_decay"])
         cautious = bool(group.get("cautious_wd", True)) and wd != 0
-        lr_t, wd_t = torch.tensor(float(group["lr"])), torch.tensor(wd)
+        # `update` carries s (orthogonalize's scale), upstream's decay too; m, n: the whole matrix (not FSDP's rows)
+        m, n = group["params"][0].shape
+        lr_t, wd_t = torch.tensor(float(group["lr"])), torch.tensor(wd * max(1.0, m / n) ** 0.5)
         for i, (p, u) in enumerate(zip(params, update[: len(params)].unbind(0))):
             if active is None or active[i]:
                 fn(p, u, lr_t, wd_t, cautious)
@@ -285,8 +304,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def _adamw_tensor(self, group, p_view, grad, state) -> None:
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p_view)
-            state["exp_avg_sq"] = torch.zeros_like(p_view)
+            state["exp_avg"], state["exp_avg_sq"] = state_zeros(p_view), state_zeros(p_view)
         state["step"] += 1
         beta1, beta2 = group["betas"]
         hp = [torch.tensor(float(x)) for x in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])]
@@ -464,7 +482,7 @@ class MuonAdamW(torch.optim.Optimizer):
                                  for p, l in zip(params, local)])
             state = self.state[p0]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grads)
+                state["momentum_buffer"] = state_zeros(grads)
             second, beta2 = self._second_moment(group, state, (len(params), *p0.shape), grads.device)
             buf, idx = state["momentum_buffer"], None
             if len(keep) < len(params):   # only the slots with a gradient step (their rows of the state)
@@ -488,6 +506,18 @@ class MuonAdamW(torch.optim.Optimizer):
             start = min(p0.device_mesh.get_local_rank() * rows, m)
             assert local[0].size(0) == min(rows, m - start), "local shard is not a torch.chunk row range"
             self._apply_muon(group, local, update[:, start:start + local[0].size(0)])
+
+
+def _check_group(group) -> None:
+    """A group's hyperparameters, refused as torch's optimizers refuse theirs (build_optimizer names the flags)."""
+    rules = [(k, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0) for k in ("lr", "weight_decay")]
+    rules += [(k, "[0, 1)", lambda v: 0 <= v < 1) for k in ("momentum", "beta2")] + [
+        ("betas", "two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)),
+        ("eps", "a number > 0", lambda v: v > 0)]
+    for key, accepted, ok in rules:
+        if key in group and not ok(group[key]):
+            got = tuple(group[key]) if key == "betas" else group[key]
+            raise ValueError(f"MuonAdamW {group.get('name', group['kind'])!r}: {key}: got {got}; accepted: {accepted}")
 
 
 STEP_RECOMPILE_LIMIT = 64
@@ -573,7 +603,8 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
 def optimizer_state_bytes(model) -> int:
     """Bytes of build_optimizer's state for `model` once every parameter has stepped, summed over
     ranks (each rank saves its shard): one Muon momentum buffer per matrix, AdamW's two moments for
-    the rest. The model may live on the meta device (checkpoint.checkpoint_bytes plans disk space)."""
+    the rest, fp32 at least (state_zeros). The model may live on the meta device
+    (checkpoint.checkpoint_bytes plans disk space)."""
     roles = model.param_groups()
-    return sum((1 if role == "matrix" else 2) * p.numel() * p.element_size()
+    return sum((1 if role == "matrix" else 2) * p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
                for role, params in roles.items() for p in params)

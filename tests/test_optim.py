@@ -137,10 +137,11 @@ def _reference_muon(params, grads_per_step, lr, momentum, wd):
             for a, b, c in POLAR_EXPRESS_COEFFS:
                 A = x @ x.T
                 x = a * x + (b * A + c * A @ A) @ x
-            u = (x.T if tall else x) * max(1.0, p.size(0) / p.size(1)) ** 0.5
+            s = max(1.0, p.size(0) / p.size(1)) ** 0.5   # upstream's LR factor: on the decay too
+            u = (x.T if tall else x) * s
             mask = ((u * p) >= 0).double()
             ambiguous[i] |= u.abs() < 1e-5
-            params[i] = p - lr * (u + wd * p * mask)
+            params[i] = p - lr * (u + s * wd * p * mask)
     return params, ambiguous
 
 
