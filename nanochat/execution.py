@@ -16,10 +16,11 @@ what was actually applied):
 * rlimits: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE
   (caps every file the program writes), RLIMIT_NPROC = 0 (no fork, for non-root),
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
-* namespaces ("netns", "readonly_fs", "workdir_cap", "pidns"): unshare a network namespace (no
+* namespaces ("netns", "readonly_fs", "workdir_cap", "ipcns", "pidns"): unshare a network namespace (no
   interfaces up, so no network at all), a mount namespace in which every mount is read-only and
   the working dir is a fresh tmpfs of `max_workdir_bytes` (all files together: a program cannot
-  fill the host disk, and its files vanish with the namespace), and a PID namespace whose init is
+  fill the host disk, and its files vanish with the namespace), an IPC namespace (its SysV / POSIX
+  IPC objects vanish with it, the host's are out of reach), and a PID namespace whose init is
   ours: when it exits or is killed, the kernel kills every process the program started, even one
   that left the process group (setsid) or forked away. Uses CLONE_NEWUSER when not root. Needs
   Linux >= 5.12 for mount_setattr.
@@ -32,15 +33,17 @@ what was actually applied):
   namespace of root's maps uid 0 alone, where the switch cannot happen).
 * "seccomp" (x86_64 and aarch64): a seccomp-BPF filter, installed last, denies (EACCES / EPERM, no
   kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
-  socketpairs and io_uring: filesystem Unix sockets (docker.sock, D-Bus, X11) and AF_VSOCK (a
-  VM's host) cross every namespace. See nanochat/sandbox_seccomp.py.
+  socketpairs, io_uring, keyrings, SysV shmget / msgget and new namespaces (a user namespace gives
+  capabilities back): Unix socket files (docker.sock, D-Bus, X11), AF_VSOCK (a VM's host) and
+  keyrings cross every namespace. See nanochat/sandbox_seccomp.py.
 * "python_guard": destructive / process / network functions are replaced by raisers (os.system,
   os.fork, os.kill, os.remove/unlink/rename, shutil.rmtree, subprocess, socket, ctypes, ...).
 
 The Python guard alone is not a security boundary against adversarial code (it runs in the same
 interpreter as the program); the rlimits, the cgroup, the namespaces, the capability drop and the
-seccomp filter are the hard guarantees. Known gaps: without "pids_cap" a fork bomb as uid 0 (exempt
-from RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and
+seccomp filter are the hard guarantees (a layer the OS refuses is missing from `isolation`, and
+a RuntimeWarning says so once per process). Known gaps: without "pids_cap" a fork bomb as uid 0
+(exempt from RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and
 without "memory_cap" memory is capped per process only, the tmpfs outside it; a root program
 left with its uid and without the mount namespace could rewrite its cgroup's limits; without the
 mount namespace the working dir is on the host disk with no total size cap (each file has one);
@@ -177,16 +180,12 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
     (rlimits, the cgroup and the Python guard stay).
     """
-    if timeout_s <= 0 or memory_mb < 64 or max_output_bytes < 1024:
-        raise ValueError(f"execute_code: got timeout_s={timeout_s} memory_mb={memory_mb} "
-                         f"max_output_bytes={max_output_bytes}; accepted: > 0, >= 64, >= 1024")
-    if not isinstance(max_workdir_bytes, int) or max_workdir_bytes < 1 << 20:
-        raise ValueError(f"execute_code: got max_workdir_bytes={max_workdir_bytes!r}; "
-                         f"accepted: an int >= {1 << 20} (1 MiB)")
-    from nanochat.sandbox_cgroup import program_cgroup, validate  # not at top: the child cannot import it
+    from nanochat.sandbox_cgroup import program_cgroup, validate, warn_refused  # the child can't import it
 
-    validate("execute_code", max_processes, cgroup_root)
-    cpu = int(cpu_time_s if cpu_time_s is not None else timeout_s + 1)
+    validate("execute_code", max_processes, cgroup_root, timeout_s=timeout_s, cpu_time_s=cpu_time_s,
+             memory_mb=memory_mb, tail_chars=tail_chars, max_output_bytes=max_output_bytes,
+             max_workdir_bytes=max_workdir_bytes)
+    cpu = min(int(cpu_time_s if cpu_time_s is not None else timeout_s + 1), 1 << 31)  # setrlimit: a C long
     drop = isolate and _can_drop_to_nobody()
     # the cgroup is left (its leftovers killed) before the working dir is deleted
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp, \
@@ -203,6 +202,8 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         duration = time.monotonic() - t0
         caps_hit = cgroup.limits_hit()
     isolation, verdict = _parse_report(report)
+    warn_refused(isolation, ["pids_cap", "memory_cap"] * (cgroup_root is not None) + ["netns", "readonly_fs",
+                 "workdir_cap", "ipcns", "pidns", "no_caps"] * isolate + ["seccomp"] * bool(config["seccomp"]))
     status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
     if caps_hit and status != "pass":
         detail = "; ".join([detail, *caps_hit])
@@ -210,11 +211,9 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
 
 
 def _seccomp_filters() -> dict[str, str]:
-    """The child's seccomp filters (hex), keyed by whether its network namespace came up: without
-    one AF_INET / AF_INET6 are denied too. Built here because the child cannot import nanochat."""
-    from nanochat.sandbox_seccomp import native_filter
+    from nanochat.sandbox_seccomp import child_filters  # built here: the child cannot import nanochat
 
-    return {k: f.hex() for k in ("netns", "no_netns") if (f := native_filter(allow_inet=k == "netns"))}
+    return child_filters()
 
 
 def _parse_report(report: str) -> tuple[list, str]:
@@ -302,7 +301,8 @@ def execute_many(programs: list[str], *, workers: int | None = None, **kw) -> li
 # Child side: everything below runs inside the sandboxed interpreter.
 # ---------------------------------------------------------------------------------------------
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 _SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64 (generic syscall table)
@@ -359,6 +359,8 @@ def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner:
         applied.append("readonly_fs")
     if capped:
         applied.append("workdir_cap")
+    if libc.unshare(_CLONE_NEWIPC) == 0:  # SysV / POSIX IPC objects: the program's die with the run
+        applied.append("ipcns")
     if libc.unshare(_CLONE_NEWPID) == 0:
         applied.append("pidns")
     return applied

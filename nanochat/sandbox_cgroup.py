@@ -6,7 +6,9 @@ guard is otherwise bounded only by the wall clock (the PID namespace kills it at
 RLIMIT_AS is per process, so N processes may hold N times `memory_mb`. A cgroup's `pids.max` and
 memory limit count every task of the program, whatever its uid.
 
-This module owns finding a cgroup the caller may use, making one per program run and removing it.
+This module owns finding a cgroup the caller may use, making one per program run and removing it;
+also `execute_code`'s argument checks (`validate`) and its once-per-process warning about layers
+the OS refused (`warn_refused`): parent-side code moved here to keep execution.py short.
 `nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
 its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
 program: every process the program starts is born inside), and removes it after the run, also on
@@ -31,6 +33,7 @@ container on v2, as root, its cgroup offering `memory` alone): no layer; the uid
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import secrets
@@ -43,13 +46,55 @@ _PREFIX = "nanochat_exec_"
 _STALE_S = 60.0  # an empty cgroup of a dead caller this old is a leftover, not a run starting up
 
 
-def validate(who: str, max_processes: int, root) -> None:
-    """ValueError naming the field for a bad process cap or cgroup root (before any work)."""
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# execute_code's other limits (the cgroup's memory cap is memory_mb + max_workdir_bytes): accepted
+# values as the error names them, and the test. NaN / inf used to crash in int(), a float memory_mb
+# in `<<`, a float max_output_bytes in the child's setrlimit (every run an "error").
+_LIMITS = {"timeout_s": ("a finite number > 0", lambda v: _real(v) and v > 0),
+           "cpu_time_s": ("None or a finite number > 0", lambda v: v is None or _real(v) and v > 0),
+           "memory_mb": ("an int >= 64", lambda v: _whole(v) and v >= 64),
+           "tail_chars": ("an int >= 0", lambda v: _whole(v) and v >= 0),
+           "max_output_bytes": ("an int >= 1024", lambda v: _whole(v) and v >= 1024),
+           "max_workdir_bytes": (f"an int >= {1 << 20} (1 MiB)", lambda v: _whole(v) and v >= 1 << 20)}
+
+
+def validate(who: str, max_processes: int, root, **limits) -> None:
+    """ValueError naming the field for a bad process cap, cgroup root or one of `_LIMITS` (before
+    any work)."""
+    for name, value in limits.items():
+        accepted, ok = _LIMITS[name]
+        if not ok(value):
+            raise ValueError(f"{who}: got {name}={value!r}; accepted: {accepted}")
     if isinstance(max_processes, bool) or not isinstance(max_processes, int) or max_processes < 3:
         raise ValueError(f"{who}: got max_processes={max_processes!r}; accepted: an int >= 3 (processes "
                          "and threads together, the sandbox's own included: harness, PID-namespace init, program)")
     if root is not None and not isinstance(root, (str, os.PathLike)):
         raise ValueError(f"{who}: got cgroup_root={root!r}; accepted: a path (str or os.PathLike) or None")
+
+
+_warned: set = set()  # the refused-layer sets this process has already warned about
+
+
+def warn_refused(isolation: list, asked: list) -> None:
+    """Warn once per process (per set of refused layers) when the OS refused sandbox layers a call
+    asked for (its cgroup caps, namespaces, seccomp: `asked`): callers such as HumanEval keep only
+    the verdict, which the layers do not change, so nothing else would tell."""
+    missing = tuple(x for x in asked if x not in isolation)
+    # no isolation at all: the run ended before the child reported (a tiny timeout), nothing known
+    if isolation and missing and missing not in _warned:
+        _warned.add(missing)
+        import warnings
+
+        warnings.warn(f"nanochat sandbox: the OS refused isolation layer(s) {', '.join(missing)} (applied: "
+                      f"{', '.join(isolation)}); verdicts are unaffected, programs are less confined: see "
+                      "nanochat/execution.py for what each layer stops", RuntimeWarning, stacklevel=3)
 
 
 def _mounts(root: Path) -> list[tuple[str, Path, str, set[str]]]:

@@ -14,6 +14,16 @@ socket and fall back (glibc's nscd client) keep working. socketpair() is allowed
 stream / seqpacket pairs: they are born connected to each other and cannot be re-connected, while
 a datagram socket can sendto() any socket path. io_uring_setup / _enter / _register fail with
 EPERM: IORING_OP_SOCKET (Linux 5.19+) creates sockets without the socket() system call.
+add_key / request_key / keyctl fail with EPERM (as in Docker's default profile): kernel keyrings
+are not namespaced, so the program would reach the caller's session and user keyrings (read keys,
+link new ones). shmget / msgget fail with EPERM: a SysV segment or message queue holds memory that
+RLIMIT_AS stops counting once it is detached, so without the memory cgroup a shmget / shmat /
+shmdt loop could fill host RAM (the IPC namespace, execution.py's "ipcns", frees them after the
+run; semaphores, a few bytes each, stay allowed). unshare() and a clone() with a namespace flag
+fail with EPERM, clone3 with ENOSYS (its flags are in memory a filter cannot read; glibc then falls
+back to clone for threads and fork): a new user namespace hands back a full capability set (the
+dropped bounding set included) in it, and with it the kernel's namespace-only attack surface
+(nf_tables, mounts of its own), as in Docker's default profile.
 
 The filter checks the audit architecture first (as the kernel's seccomp docs require: the same
 number means another call on another ABI) and kills the process on a foreign one (a 32-bit
@@ -35,6 +45,9 @@ AUDIT_ARCH_X86_64 = 0xC000003E   # EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH
 AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
 X32_SYSCALL_BIT = 0x40000000
 IO_URING_SETUP, IO_URING_REGISTER = 425, 427  # setup, enter, register: same numbers on both ABIs
+CLONE3 = 435  # same number on both ABIs
+# CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (NEWTIME: only unshare / clone3)
+CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x7E000000
 
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
@@ -52,11 +65,17 @@ class Abi:
     socket: int
     socketpair: int
     x32_trap: bool  # x86_64: also the x32 ABI's numbers reach a filter with AUDIT_ARCH_X86_64
+    add_key: int  # add_key, request_key, keyctl: consecutive on both ABIs
+    ipc_gets: tuple[int, int]  # shmget, msgget
+    clone: int
+    unshare: int
 
 
 ABIS = {
-    "x86_64": Abi(AUDIT_ARCH_X86_64, socket=41, socketpair=53, x32_trap=True),
-    "aarch64": Abi(AUDIT_ARCH_AARCH64, socket=198, socketpair=199, x32_trap=False),
+    "x86_64": Abi(AUDIT_ARCH_X86_64, socket=41, socketpair=53, x32_trap=True, add_key=248, ipc_gets=(29, 68),
+                  clone=56, unshare=272),
+    "aarch64": Abi(AUDIT_ARCH_AARCH64, socket=198, socketpair=199, x32_trap=False, add_key=217,
+                   ipc_gets=(194, 186), clone=220, unshare=97),
 }
 
 
@@ -89,6 +108,7 @@ def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
     a = ABIS[abi]
     deny_socket = SECCOMP_RET_ERRNO | errno.EACCES
     deny_call = SECCOMP_RET_ERRNO | errno.EPERM
+    no_call = SECCOMP_RET_ERRNO | errno.ENOSYS
     inet = [(BPF_JEQ_K, AF_INET, "allow", None), (BPF_JEQ_K, AF_INET6, "allow", "deny_socket")]
     program = [
         (BPF_LD_W_ABS, OFF_ARCH, None, None),
@@ -97,6 +117,12 @@ def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
         *([(BPF_JGE_K, X32_SYSCALL_BIT, "deny_call", None)] if a.x32_trap else []),
         (BPF_JEQ_K, a.socket, "socket", None),
         (BPF_JEQ_K, a.socketpair, "socketpair", None),
+        *[(BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.ipc_gets, a.unshare)],
+        (BPF_JEQ_K, CLONE3, "no_call", None),
+        (BPF_JEQ_K, a.clone, "clone", None),
+        (BPF_JGE_K, a.add_key, None, "io_uring"),
+        (BPF_JGT_K, a.add_key + 2, None, "deny_call"),  # add_key .. keyctl
+        "io_uring",
         (BPF_JGE_K, IO_URING_SETUP, None, "allow"),
         (BPF_JGT_K, IO_URING_REGISTER, "allow", "deny_call"),
         "socket",
@@ -109,9 +135,14 @@ def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
         (BPF_AND_K, SOCK_TYPE_MASK, None, None),
         (BPF_JEQ_K, SOCK_STREAM, "allow", None),
         (BPF_JEQ_K, SOCK_SEQPACKET, "allow", "deny_socket"),
+        "clone",  # flags: the first argument on both ABIs
+        (BPF_LD_W_ABS, OFF_ARG0, None, None),
+        (BPF_AND_K, CLONE_NAMESPACE_FLAGS, None, None),
+        (BPF_JEQ_K, 0, "allow", "deny_call"),
         "allow", (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
         "deny_socket", (BPF_RET_K, deny_socket, None, None),
         "deny_call", (BPF_RET_K, deny_call, None, None),
+        "no_call", (BPF_RET_K, no_call, None, None),
         "kill", (BPF_RET_K, SECCOMP_RET_KILL_PROCESS, None, None),
     ]
     return _assemble(program)
@@ -131,3 +162,9 @@ def native_abi() -> str | None:
 def native_filter(allow_inet: bool = True) -> bytes | None:
     abi = native_abi()
     return build_filter(abi, allow_inet=allow_inet) if abi else None
+
+
+def child_filters() -> dict[str, str]:
+    """The sandbox child's filters (hex), keyed by whether its network namespace came up: without
+    one AF_INET / AF_INET6 are denied too. Empty where the ABI is not known here."""
+    return {k: f.hex() for k in ("netns", "no_netns") if (f := native_filter(allow_inet=k == "netns"))}
