@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +71,24 @@ class GPTConfig:
         return ((self.vocab_size + 63) // 64) * 64
 
     def validate(self) -> None:
+        # types too: a meta.json's model_config lands here unconverted (a float layer count failed
+        # inside nn.ModuleList; softcap inf made every logit inf * tanh(0) = NaN)
         for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            if int(getattr(self, field)) < 1:
-                raise ValueError(f"GPTConfig.{field}: got {getattr(self, field)}; accepted: an integer >= 1")
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"GPTConfig.{field}: got {value!r}; accepted: an integer >= 1")
         if self.n_embd % self.n_head or self.head_dim % 2:
             raise ValueError(f"GPTConfig.n_embd: {self.n_embd} must split into n_head={self.n_head} "
                              "heads of an even head_dim (RoPE rotates pairs)")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
-        if not self.window_pattern or set(self.window_pattern) - {"S", "L"}:
+        pattern = self.window_pattern
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "L"}:
             raise ValueError(f"--window-pattern: got {self.window_pattern!r}; accepted: a non-empty "
                              "string of S (window T/4) and L (full), e.g. SSSL or L")
-        if not self.softcap > 0:
-            raise ValueError(f"GPTConfig.softcap: got {self.softcap}; accepted: a number > 0")
+        cap = self.softcap
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap < math.inf:
+            raise ValueError(f"GPTConfig.softcap: got {self.softcap!r}; accepted: a finite number > 0")
 
 
 def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_ratio: int = 64,
@@ -467,6 +473,9 @@ class GPT(nn.Module):
             raise ValueError(f"loss_reduction: got {loss_reduction!r}; accepted: mean|sum|none")
         if logits_at is not None and (targets is not None or logits_at.dim() != 1):
             raise ValueError("GPT.forward logits_at: a 1-D tensor of positions, and only without targets")
+        if idx.dim() != 2 or 0 in idx.shape:   # else a reshape deep inside attention failed
+            raise ValueError(f"GPT.forward idx: expected (B, T) token ids with B, T >= 1; "
+                             f"got shape {tuple(idx.shape)}")
         B, T = idx.shape
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile

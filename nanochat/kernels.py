@@ -85,7 +85,9 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
         z = _capped(logits.to(_loss_dtype(logits)), softcap)   # softcap 0: none, as current_loss
         lse = torch.logsumexp(z, dim=-1)
         valid = targets != -1
-        target_z = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        # where, not clamp(min=0): a target below -1 (-100, another library's ignore_index) was
+        # read as token 0, a finite wrong loss; gather refuses it (and ids >= vocab_size) instead
+        target_z = z.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
         losses = torch.where(valid, lse - target_z, 0.0)
         count = valid.sum()
         ctx.save_for_backward(logits, targets, lse, count)
@@ -198,8 +200,22 @@ def _accumulate_wgrad(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> No
         acc.add_(torch.mm(g.t(), h).float())
 
 
+def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
+    """The Triton row kernels read logits[row, target] unchecked: a target below -1 or >= vocab_size
+    read other memory and gave a finite, wrong loss. CPU: a ValueError; CUDA: an asynchronous
+    device assert (no host sync per step). Runs in the custom op's eager body, also under compile."""
+    bad = ((targets < IGNORE_INDEX) | (targets >= vocab_size)).any()
+    msg = f"loss targets: accepted -1 (ignored) or a token id in 0..{vocab_size - 1}"
+    if not targets.is_cuda:
+        if bad:
+            raise ValueError(f"{msg}; got {targets[(targets < IGNORE_INDEX) | (targets >= vocab_size)][:4].tolist()}")
+        return
+    torch._assert_async(~bad, msg)
+
+
 def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows):
     n, c = hidden.shape
+    _check_targets(targets, vocab_size)
     w = weight[:vocab_size].to(hidden.dtype)
     rows_fn, _ = _row_kernels(hidden)
     loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
