@@ -5,10 +5,11 @@ nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size
 
 Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
 whose effect this server cannot honour (logprobs, tools, non-text response_format, logit_bias,
-audio output, web search) are refused with 400 "unsupported_parameter" rather than silently
-ignored; any `model` name is accepted (a local server has one model; responses report the
-served name). Assistant history comes back as the text the server streamed; its calculator calls
-("<<expr=result>>") are rendered as the tool tokens the model generated (`prompt_messages`).
+audio output, web search, non-zero penalties) are refused with 400 "unsupported_parameter", and
+fields it does not know with "unknown_parameter", rather than silently ignored; any `model` name
+is accepted (a local server has one model; responses report the served name). Assistant history
+comes back as the text the server streamed; its calculator calls ("<<expr=result>>") are rendered
+as the tool tokens the model generated (`prompt_messages`).
 """
 
 import json
@@ -242,6 +243,33 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return [{**m, "content": tool_call_parts(m["content"])} if m["role"] == "assistant" else m for m in messages]
 
 
+# Every top-level field a request may carry. Read by parse_chat_request (top_k is this server's
+# extension: the sampler's top-k, 0 = off):
+_FIELDS_USED = frozenset({"messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                          "stop", "temperature", "top_p", "top_k", "n", "seed", "presence_penalty",
+                          "frequency_penalty"})
+# refused when they ask for something (_refuse_unsupported):
+_FIELDS_REFUSED = frozenset({"logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                             "response_format", "logit_bias", "modalities", "audio", "web_search_options"})
+# OpenAI's that do not change what the answer says (bookkeeping, caching, latency and reasoning hints):
+# accepted, no effect.
+_FIELDS_WITHOUT_EFFECT = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prediction",
+                                    "reasoning_effort", "verbosity", "safety_identifier", "prompt_cache_key",
+                                    "prompt_cache_retention"})
+FIELDS = _FIELDS_USED | _FIELDS_REFUSED | _FIELDS_WITHOUT_EFFECT
+
+
+def _refuse_unknown(body: dict) -> None:
+    """A field this server does not know would be ignored: a typo ("max_token": 5 would give the
+    default length) or another server's sampling extension (repetition_penalty, min_p) changes
+    nothing, silently. OpenAI refuses unrecognized arguments too; a null one asks for nothing."""
+    for name, value in body.items():
+        if name not in FIELDS and value is not None:
+            raise ApiError(400, f"{name!r}: not a parameter this server knows (misspelt, or another server's "
+                                f"extension?); leave it out. Accepted: {', '.join(sorted(FIELDS))}",
+                           param=name, code="unknown_parameter")
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose effect this server cannot produce: ignoring them would hand the client an
     answer that means something else (no log-probabilities, no tool call, no JSON guarantee, a
@@ -274,6 +302,11 @@ def _refuse_unsupported(body: dict) -> None:
         refuse("audio", "audio output")
     if body.get("web_search_options") is not None:
         refuse("web_search_options", "searching the web")
+    for name in ("presence_penalty", "frequency_penalty"):   # 0 (OpenAI's default) is what the sampler does
+        if _number(body, name, -2, 2, 0) != 0:
+            raise ApiError(400, f"'{name}': got {json.dumps(body[name])}; penalising repeated tokens is not "
+                                f"supported by this server; accepted: 0 or leave '{name}' out",
+                           param=name, code="unsupported_parameter")
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -287,24 +320,29 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         return stream, False
     if not stream:
         raise ApiError(400, "'stream_options': only allowed when 'stream' is true", param="stream_options")
-    if not isinstance(opts, dict) or opts.get("include_usage") not in (None, True, False):
-        raise ApiError(400, "'stream_options': accepted: {\"include_usage\": true|false}", param="stream_options")
+    # include_obfuscation: OpenAI's random padding of deltas, which this server never adds; any other
+    # key (a typo like "include_usag") would silently drop what the client asked for
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"} or \
+            any(opts.get(k) not in (None, True, False) for k in ("include_usage", "include_obfuscation")):
+        raise ApiError(400, f"'stream_options': got {json.dumps(opts)[:200]}; accepted: {{\"include_usage\": "
+                            "true|false, \"include_obfuscation\": true|false}", param="stream_options")
     return stream, bool(opts.get("include_usage"))
 
 
 def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     """Validate a /v1/chat/completions body against the limits; ApiError(400) names the field.
 
-    Accepted but ignored: `presence_penalty` / `frequency_penalty` (validated as numbers in [-2, 2];
-    the sampler has no penalties), `user`, `metadata`, `store`, `parallel_tool_calls`,
-    `service_tier`, `prediction` (a latency hint), `reasoning_effort`, `verbosity` and unknown
-    fields. Refused (unsupported_parameter): see `_refuse_unsupported`.
+    Accepted, without effect on the answer: `_FIELDS_WITHOUT_EFFECT` (`user`, `metadata`, `store`,
+    `prediction` (a latency hint), `reasoning_effort`, ...) and a null unknown field. Refused
+    (unsupported_parameter): see `_refuse_unsupported`, including a non-zero `presence_penalty` /
+    `frequency_penalty` (the sampler has no penalties); any other field: unknown_parameter.
     `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: accepted: a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model': accepted: a string", param="model")
+    _refuse_unknown(body)
     messages = _normalise(_raw_messages(body.get("messages"), s))
     _refuse_unsupported(body)
     stream, include_usage = _stream_flags(body)
@@ -317,8 +355,6 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
             not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
         raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "
                             "of <= 100 characters", param="stop")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _number(body, name, -2, 2, 0)
     temperature = float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature))
     top_p = _number(body, "top_p", 0, 1, None)
     from nanochat.sampling import greedy_if_top_p_zero   # torch: loaded by the server already

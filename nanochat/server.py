@@ -371,7 +371,16 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
+        # routing's 404 / 405 say what was asked and what is served (a client pointed at an endpoint
+        # this server lacks, e.g. the legacy /v1/completions, learns which one to use), as OpenAI's
+        # "Invalid URL (POST /v1/x)"
+        asked, message = f"{request.method} {request.url.path[:200]}", str(e.detail)
+        if e.status_code == 404:
+            message = (f"Invalid URL ({asked}): this server serves POST /v1/chat/completions, GET /v1/models, "
+                       "GET /health, GET /stats and the chat page at GET /")
+        elif e.status_code == 405 and e.headers and "Allow" in e.headers:
+            message = f"Method not allowed ({asked}); allowed: {e.headers['Allow']}"
+        return error_response(ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None,
                                        headers=e.headers))  # e.g. a 405's Allow
 
     @app.exception_handler(RequestValidationError)

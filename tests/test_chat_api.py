@@ -86,7 +86,8 @@ def test_nullable_and_mapped_fields():
         assert refused({"messages": q, "stream": True, "stream_options": bad}).param == "stream_options", bad
     assert not parse(messages=q, stream=True, stream_options={}).include_usage
     for name in ("presence_penalty", "frequency_penalty"):
-        assert parse(messages=q, **{name: 2}).messages == q        # validated, then ignored
+        assert parse(messages=q, **{name: 0}).messages == q        # 0: what the sampler does (no penalty)
+        assert refused({"messages": q, name: 2}).code == "unsupported_parameter"   # not silently ignored
         e = refused({"messages": q, name: -2.01})
         assert e.param == name and e.code == "invalid_value"
         assert refused({"messages": q, name: True}).param == name
@@ -255,12 +256,13 @@ def test_unsupported_parameters_are_refused(srv, extra, param):
 
 
 def test_harmless_parameters_are_ignored(srv):
-    """Fields that do not change what the answer means are accepted (and have no effect)."""
+    """Fields that do not change what the answer means are accepted (and have no effect); penalties
+    only at 0, unknown fields only as null (tests/test_api_review2.py: otherwise refused)."""
     engine = srv.engine
     ignored = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "parallel_tool_calls": True,
                "service_tier": "auto", "logprobs": False, "top_logprobs": None, "tools": [TOOL], "tool_choice": "none",
                "functions": [TOOL["function"]], "function_call": "none", "response_format": {"type": "text"},
-               "presence_penalty": -2, "frequency_penalty": 1.5, "an_unknown_field": 1, "logit_bias": {},
+               "presence_penalty": 0, "frequency_penalty": 0.0, "an_unknown_field": None, "logit_bias": {},
                "modalities": ["text"], "audio": None, "web_search_options": None, "reasoning_effort": "low",
                "prediction": {"type": "content", "content": "ok"}}
     plain = srv.post(json={"messages": USER, "seed": 4})
