@@ -24,7 +24,8 @@ Layers that stay in the compute dtype (documented rule, `keep_high_precision`): 
 in/out features are not multiples of 16 (fp8) / 32 (nvfp4) - the GEMM/block-scale alignment.
 Evaluation and sampling (grad disabled) run the plain bf16 matmul in every swapped layer, so
 no recompilation for a different recipe happens mid-run. Requests the device cannot serve raise
-ValueError naming --precision / --precision-backend and what to use instead.
+ValueError naming --precision / --precision-backend and what this device can run instead
+(`accepted_here`); what an `auto` resolved to, and why, is the plan's `chosen` (banner, checkpoint).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class PrecisionPlan:
     recipe: dict[str, Any] = field(default_factory=dict)
     kept_high_precision: list[str] = field(default_factory=list)
     converted: list[str] = field(default_factory=list)
+    chosen: str = ""                 # what an `auto` resolved to and why (the banner prints it)
 
     @property
     def peak_key(self) -> str:
@@ -75,8 +77,9 @@ class PrecisionPlan:
         return "bf16" if self.backend == "emulated" else self.precision
 
     def describe(self) -> dict[str, Any]:
-        return {"precision": self.precision, "backend": self.backend, "recipe": self.recipe,
+        desc = {"precision": self.precision, "backend": self.backend, "recipe": self.recipe,
                 "converted": len(self.converted), "kept_high_precision": self.kept_high_precision}
+        return {**desc, "chosen": self.chosen} if self.chosen else desc
 
 
 def _torchao_available() -> bool:
@@ -85,6 +88,23 @@ def _torchao_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def accepted_here(spec: DeviceSpec, te_ok: bool = False) -> str:
+    """The --precision values this device runs, for the refusals below: an alternative it cannot
+    run either (fp8 offered to an A100 refused nvfp4, bf16 to a V100 refused fp8) only led to the
+    next refusal. CPU/MPS compute bf16 (slowly); a CUDA GPU needs cc 8.0 for it (common.py)."""
+    opts = ["auto"] + (["bf16"] if spec.cc is None or spec.cc >= (8, 0) else []) + ["fp32"]
+    if spec.cc is not None and spec.cc >= (8, 9):
+        opts.append("fp8")
+    if spec.cc is not None and spec.cc >= (10, 0) and te_ok:
+        opts.append("nvfp4")
+    return (f"accepted on this device: --precision {'|'.join(opts)}, or --precision nvfp4 "
+            "--precision-backend emulated (numerics only)")
+
+
+AUTO_DTYPE = ("the run's compute dtype ($NANOCHAT_DTYPE if set, else bf16 on a GPU that has it, else fp32); "
+              "fp8 and nvfp4 run only when asked for (--precision fp8|nvfp4)")
 
 
 def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = None, *,
@@ -98,6 +118,7 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
     if backend not in BACKENDS:
         raise RequestError(f"--precision-backend: got {backend!r}; accepted: {'|'.join(BACKENDS)}")
     spec = spec or detect_device()
+    requested = precision
     if precision == "auto":
         precision = compute_dtype
     elif precision in ("bf16", "fp32") and precision != compute_dtype:
@@ -106,8 +127,10 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
                            f"dtype); accepted here: auto|{compute_dtype}, or start the run in {precision}")
     if precision in ("bf16", "fp32"):
         if backend not in ("auto",):
-            raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4")
-        return PrecisionPlan(precision, "none")
+            raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4; with "
+                               f"--precision {requested} leave it at auto ({accepted_here(spec)})")
+        return PrecisionPlan(precision, "none",
+                             chosen=f"--precision auto -> {precision}: {AUTO_DTYPE}" if requested == "auto" else "")
     # Probed only where the request can use them: importing TE (with ~1 GB of cuDNN libraries) for
     # a native fp8 run cost start-up time, and a broken TE install stopped a run that never used it
     # (or, on a GPU too old for the precision, hid the message that says so behind TE's OSError)
@@ -120,18 +143,25 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         if plan.backend == "te" and (te_recipe is not None or te_available is None):
             if (problem := te_nvfp4_problem(spec, te_recipe)) is not None:   # before any model is built
                 raise RequestError(problem)
-        return plan
-    return _resolve_fp8(spec, backend, te_ok, ao_ok)
+    else:
+        plan = _resolve_fp8(spec, backend, te_ok, ao_ok)
+    if backend == "auto":
+        plan.chosen = f"--precision-backend auto -> {plan.backend}: " + (
+            "tensor-wise scaled torch._scaled_mm (row-wise scaling fails on sm_12x), no extra package, one "
+            "compiled graph; te|torchao on request" if plan.precision == "fp8" else
+            "Transformer Engine is the only nvfp4 training path (emulated: numerics only, on request)")
+    return plan
 
 
 def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
-    if backend == "emulated":
-        raise RequestError("--precision-backend emulated: only for --precision nvfp4; "
-                         "fp8 runs natively (--precision-backend native|te|torchao)")
+    # the device first: "fp8 runs natively (native|te|torchao)" to a CPU named nothing it can run
     if spec.cc is None or spec.cc < (8, 9):
         where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
         raise RequestError(f"--precision fp8: needs an NVIDIA GPU with compute capability >= 8.9 "
-                         f"(Ada, Hopper, Blackwell); this is {where}. Use --precision bf16.")
+                         f"(Ada, Hopper, Blackwell); this is {where}; {accepted_here(spec)}")
+    if backend == "emulated":   # TE / torchao are not probed for this refusal: their condition is named
+        raise RequestError("--precision-backend emulated: only for --precision nvfp4; accepted for fp8: "
+                         "auto|native, or te|torchao when Transformer Engine / torchao are installed")
     if backend == "auto":
         backend = "native"   # no extra dependency, compiles into one graph
     if backend == "te" and not te_ok:
@@ -151,17 +181,17 @@ def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
         return PrecisionPlan("nvfp4", "emulated", {"elem": "e2m1", "block": 16,
                                                    "block_scale": "e4m3", "tensor_scale": "fp32",
                                                    "backward": "bf16 (straight-through)"})
-    hint = "use --precision fp8 or bf16, or --precision nvfp4 --precision-backend emulated (numerics only)"
     if spec.cc is None or spec.cc[0] < 10:
         where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
         raise RequestError(f"--precision nvfp4: needs a Blackwell GPU (compute capability >= 10.0); "
-                         f"this is {where}. {hint}")
-    if backend in ("native", "torchao"):
+                         f"this is {where}; {accepted_here(spec)}")
+    if backend in ("native", "torchao"):   # TE is not probed here, so its condition is named
         raise RequestError(f"--precision-backend {backend}: nvfp4 training is only wired through "
-                         "Transformer Engine here; accepted for nvfp4: auto|te|emulated")
+                         "Transformer Engine here; accepted for nvfp4: auto|te (with Transformer Engine "
+                         ">= 2.8 installed) or emulated (numerics only)")
     if not te_ok:
         raise RequestError("--precision nvfp4: needs Transformer Engine >= 2.8 "
-                         "(pip install 'transformer-engine[pytorch]'); " + hint)
+                         f"(pip install 'transformer-engine[pytorch]'); {accepted_here(spec)}")
     return PrecisionPlan("nvfp4", "te", {"recipe": "NVFP4BlockScaling"})
 
 

@@ -40,6 +40,7 @@ def recipe_fields(cls) -> set[str]:
 
 
 SM12X_NVFP4_FIELDS = ("disable_rht", "disable_stochastic_rounding")   # RHT crashes, SR wrote zeros
+REPORTED_FIELDS = ("fp8_format", "backward_override", *SM12X_NVFP4_FIELDS, "disable_2d_quantization")
 
 
 def te_nvfp4_problem(spec: DeviceSpec, te_recipe: Any = None) -> str | None:
@@ -95,7 +96,11 @@ def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile
         got = getattr(recipe, name, None)
         if got != value:
             raise RuntimeError(f"TE {cls.__name__}.{name} = {got!r} after construction, wanted {value!r}")
-    return recipe, {"recipe": cls.__name__, **{k: str(v) for k, v in wanted.items()}}
+    # the fields we leave at TE's defaults are reported as built: TE takes their defaults from the
+    # environment (NVTE_BACKWARD_OVERRIDE, NVTE_NVFP4_DISABLE_RHT, ...), so a shell variable changed
+    # the backward or the transform while the banner showed only what we had set
+    effective = {n: str(getattr(recipe, n)) for n in REPORTED_FIELDS if n in recipe_fields(cls) and hasattr(recipe, n)}
+    return recipe, {"recipe": cls.__name__, **effective, **{k: str(v) for k, v in wanted.items()}}
 
 
 def make_te_linear_class(te: Any, recipe: Any) -> type:

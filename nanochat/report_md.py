@@ -74,7 +74,7 @@ def _md_data(data, indent: int = 0) -> list[str]:
 
 # PrecisionPlan.describe() keys (+ apply_precision's), logged flat in a training section
 PRECISION_KEYS = ("backend", "recipe", "converted", "kept_high_precision", "peak_key", "startup_rel_err",
-                  "fp8_wgrad")
+                  "fp8_wgrad", "chosen")
 
 
 def _present(data):

@@ -150,9 +150,11 @@ class BaseTrainConfig:
         if self.fp8_wgrad != "save":
             require(self.precision == "fp8" and self.precision_backend in ("auto", "native"), "--fp8-wgrad",
                     self.fp8_wgrad, "save unless --precision fp8 with the native backend")
-        if self.precision == "fp8":   # the fp8 GEMMs take rows in multiples of 16: other micro-batches ran bf16
+        if self.precision == "fp8" or (self.precision == "nvfp4" and self.precision_backend != "emulated"):
+            # fp8 GEMMs (other micro-batches ran bf16) and TE's nvfp4 quantiser take rows in multiples
+            # of 16; the emulation quantises along K only
             require(self.device_batch_size * self.max_seq_len % 16 == 0, "--max-seq-len", self.max_seq_len,
-                    "with --precision fp8, --device-batch-size x --max-seq-len a multiple of 16")
+                    f"with --precision {self.precision}, --device-batch-size x --max-seq-len a multiple of 16")
         if self.fsdp:  # FSDP2 needs a process group (torchrun, any WORLD_SIZE >= 1) and collective-only work
             if "RANK" not in os.environ:   # not require(): its "got True" says nothing
                 raise RequestError("--fsdp needs a torchrun launch (torchrun --nproc_per_node=N -m scripts.base_train "

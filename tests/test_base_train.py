@@ -89,11 +89,21 @@ def test_lowercase_window_pattern_reaches_the_model():
     (["--normuon-beta2", "1"], "--normuon-beta2"),
     # fp8 GEMMs take rows in multiples of 16: a 1 x 100 micro-batch ran bf16 while labelled fp8
     (["--precision", "fp8", "--device-batch-size", "1", "--max-seq-len", "100"], "--max-seq-len"),
+    # so does TE's nvfp4 quantiser (emulation quantises along K only: any row count)
+    (["--precision", "nvfp4", "--precision-backend", "te", "--device-batch-size", "1", "--max-seq-len", "100"],
+     "--max-seq-len"),
 ])
 def test_bad_flags_name_the_flag(argv, flag):
     from scripts.base_train import parse_config
     with pytest.raises(ValueError, match=flag):
         parse_config(argv)
+
+
+def test_emulated_nvfp4_takes_any_row_count():
+    from scripts.base_train import parse_config
+    cfg = parse_config(["--precision", "nvfp4", "--precision-backend", "emulated", "--device-batch-size", "1",
+                        "--max-seq-len", "100"])
+    assert cfg.max_seq_len == 100
 
 
 def test_impossible_batch_arithmetic_raises_with_numbers():
