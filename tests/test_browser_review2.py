@@ -198,3 +198,22 @@ def test_full_storage_makes_room_for_new_chats(browser, quick):
         assert titles[0].startswith("new hello") and titles[1:] == ["old 1"], titles
     finally:
         d.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
+
+
+def test_a_message_refused_for_its_size_does_not_lock_up_the_chat(browser, quick):
+    """A message over the server's size limit failed, and stayed in the history: merged into the next
+    user message, it made every later one fail too until the user edited it or started a new chat.
+    It is now left out of what the page sends, and its error says so."""
+    engine, url, tokenizer = quick
+    d = browser
+    fresh_page(d, url)
+    chat_once(d, engine, "first")
+    calls = len(engine.calls)
+    box = q(d, "#input")[0]
+    d.execute_script("arguments[0].value = 'x'.repeat(16001); arguments[0].dispatchEvent(new Event('input'))", box)
+    q(d, "#send")[0].click()
+    wait(lambda: q(d, ".msg.assistant.error"), what="the refusal shown")
+    assert "left out of this chat" in last_reply(d) and len(engine.calls) == calls   # never reached the model
+    assert "Done." in chat_once(d, engine, "second")
+    prompt = tokenizer.decode(engine.calls[-1]["prompt"])
+    assert "second" in prompt and "first" in prompt and "xxxxxxxx" not in prompt
