@@ -35,8 +35,9 @@ def _normalized_messages(conversation: dict) -> list[tuple[int, str, object]]:
             if not isinstance(content, str):
                 raise ValueError(f"messages[{idx}].content: got {type(content).__name__}; accepted: str")
         # an empty user turn (the API puts one before a chat that opens with the assistant's
-        # greeting) leaves the system text alone, not followed by a dangling blank line
-        out = [(1, "user", system + "\n\n" + user if user else system)] + out[2:]
+        # greeting) leaves the system text alone, not followed by a dangling blank line; an empty
+        # system message (what some clients send for "none") leaves the user text alone
+        out = [(1, "user", "\n\n".join(t for t in (system, user) if t))] + out[2:]
     for k, (i, role, content) in enumerate(out):
         expected = "user" if k % 2 == 0 else "assistant"
         if role != expected:

@@ -69,7 +69,9 @@ MAX_TRAIN_THREADS = 1024  # rustbpe's limit: beyond it thread start-up dominates
 # seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded in pieces of this many
 # characters: the bytes are the same, only the run's tokens change at the cuts.
 MAX_WHITESPACE_RUN = 100_000
-_LONG_WHITESPACE = re.compile(r"\s{%d,}" % MAX_WHITESPACE_RUN)
+# (?<!\s): a run is tried only from its first character. Bare \s{N,} was tried again at every
+# position of a shorter run, quadratic in its length (a 99,999-space run: ~12 s to encode).
+_LONG_WHITESPACE = re.compile(r"(?<!\s)\s{%d,}" % MAX_WHITESPACE_RUN)
 _NO_DOCUMENT = object()  # sentinel: a None item is a bad document, not the end
 # A split pattern must cover every character: tiktoken's encode_ordinary keeps only the regex's
 # matches (unmatched text vanishes from the ids, silently), and a pattern that matches the empty
@@ -396,7 +398,9 @@ class Tokenizer:
     def encode(self, text: str | list[str], prepend: int | str | None = None,
                append: int | str | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
         """Encode ordinary text (special-token strings in it are just text). A list is encoded in
-        parallel with `num_threads` threads and gives a list of id lists."""
+        parallel with `num_threads` threads and gives a list of id lists. A lone surrogate (not
+        UTF-8) encodes as U+FFFD, not an error: the calculator's output is encoded mid-generation;
+        the boundaries that take text from users (chat_cli, conversation files) refuse it first."""
         pre = self._resolve_token(prepend, "prepend")
         post = self._resolve_token(append, "append")
         if isinstance(text, str):

@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
 
     data_dir = args.data_dir if args.data_dir is not None else default_data_dir()
     output_dir = args.output_dir if args.output_dir is not None else tokenizer_dir()
+    if args.output_dir is None:   # validate checked an explicit one; the default can be a file too
+        from nanochat.flags import check_out_dir
+        check_out_dir(output_dir, "--output-dir (default <base dir>/tokenizer)")
     shards = split_shards(list_shards(data_dir), "train")
     check_shards(shards)
 
