@@ -102,9 +102,41 @@ def _torchrun_position() -> tuple[bool, int, int, int]:
     except ValueError as e:
         raise RequestError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): {e}") from None
     ddp = world_size > 1 or "RANK" in env
-    if world_size < 1 or not (0 <= rank < world_size):
-        raise RequestError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size}")
+    if world_size > 1 and "RANK" not in env:   # else it would run as rank 0 and wait for ranks nobody started
+        raise RequestError(f"WORLD_SIZE={world_size} is set but RANK is not: {_TORCHRUN_HINT}")
+    if world_size < 1 or not (0 <= rank < world_size) or not (0 <= local_rank < world_size):
+        raise RequestError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size} "
+                           f"LOCAL_RANK={local_rank} (accepted: 0 <= RANK, LOCAL_RANK < WORLD_SIZE)")
     return ddp, rank, local_rank, world_size
+
+
+_TORCHRUN_HINT = ("torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process it "
+                  "starts; launch with torchrun --nproc_per_node=N -m scripts.<name> ..., or unset RANK and "
+                  "WORLD_SIZE for a single process")
+
+
+def _init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> None:
+    """dist.init_process_group over env:// with the failures a user can cause said in one line:
+    torchrun's variables set by hand without the rendezvous ones, and a MASTER_PORT that another
+    process holds or a MASTER_ADDR where no rank 0 listens (torch raises tracebacks for both)."""
+    import torch.distributed as dist
+    env = os.environ
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if missing:
+        raise RequestError(f"RANK={env.get('RANK')} WORLD_SIZE={env.get('WORLD_SIZE')} are set but "
+                           f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: {_TORCHRUN_HINT}")
+    where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    except dist.DistError as e:   # DistNetworkError (bind/connect), DistStoreError (rendezvous timeout)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        busy = "EADDRINUSE" in str(e) or "address already in use" in str(e)
+        hint = ("another process holds that port (an earlier run still alive?): pick a free one "
+                "(torchrun --master_port N, or MASTER_PORT)" if busy else
+                "check that rank 0 runs there and that every rank was started with the same MASTER_ADDR, "
+                "MASTER_PORT and WORLD_SIZE")
+        raise RequestError(f"rank {rank} of {world_size}: the process-group rendezvous at {where} failed "
+                           f"({'address already in use' if busy else first}); {hint}") from e
 
 
 def _resolve_device_type(device: str) -> str:
@@ -197,7 +229,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
             if backend == "nccl":  # NVLink multicast stays off unless the user set it (distributed.py)
                 from nanochat.distributed import nccl_env_defaults
                 nccl_env_defaults()
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+            _init_process_group(backend, rank, world_size, **kwargs)
     # Every rank gets the same seed: the model must initialise identically on all ranks
     # (data differs by rank through the loader's sharding, not through the RNG).
     _seed_everything(seed, device_type)
