@@ -4,10 +4,11 @@ Packing. Every row holds T+1 tokens and starts at a document start (every docume
 BOS). A buffer of `buffer_size` tokenized documents is kept full; a row is filled by repeatedly
 taking the LARGEST buffered document that fits the remaining space; when none fits, the SHORTEST
 one is cropped to fill the row exactly and its tail is dropped (counted in `dropped_fraction`).
-A document longer than a whole row can never fit, so it is cropped to T+1 tokens as it enters
-the buffer: it then fills a row on its own instead of lingering until it is cropped at the end
-of some row (on the offline docs corpus at T=2048 that drops 32% of tokens instead of 40%; 25%
-is unavoidable there, since 30% of its documents are longer than a row).
+A document longer than a whole row can never fit, so it is cropped to T+1 tokens as it enters the
+buffer (so the buffer holds at most buffer_size rows of tokens): it then fills a row on its own
+instead of lingering until it is cropped at the end of some row (on the offline docs corpus at
+T=2048 that drops 32% of tokens instead of 40%; 25% is unavoidable there, since 30% of its
+documents are longer than a row).
 inputs = row[:-1], targets = row[1:]. Targets are -1 (ignore) only in the padding of the final
 batch of a finite pass (`repeat=False`), whose padded inputs are BOS.
 
@@ -30,6 +31,7 @@ ranks never share a document; every rank reads the same shards.
 
 Prefetch. A background thread packs batches into a bounded queue (pinned memory when the device
 is CUDA; the host->device copy is non_blocking), so the trainer does not wait on tokenization.
+close() stops it between documents (not after the batch it is packing, which can take seconds).
 
 Exact resume. Each produced batch carries a snapshot of the packer state AFTER it: the epoch, the
 cursor after the last document pulled from the stream, the identities (not tokens) of the buffered
@@ -42,14 +44,13 @@ stream, so a resumed loader yields exactly the batches an uninterrupted one woul
 Validation. `split="val"` reads the last shard. With `repeat=True` (default) the stream cycles
 forever, starting from the beginning for every new loader (deterministic: take a fixed number of
 steps on every rank). With `repeat=False` it is one finite pass: the last batch is padded (targets
--1) and iteration then stops; ranks may get different batch counts, so a loop over it must not
-run collectives per batch (training.evaluate_bpb reduces once, at the end).
+-1) and iteration then stops; ranks may get different batch counts, so a loop over it must keep
+ranks in step (training.evaluate_bpb agrees per batch whether any rank still has one).
 """
 
 from __future__ import annotations
 
 import atexit
-import bisect
 import os
 import queue
 import threading
@@ -62,6 +63,7 @@ import torch
 from nanochat import binshards as bs
 from nanochat import dataset as ds
 from nanochat.errors import DataError, MissingDataError, RequestError
+from nanochat.packing import BestFitBuffer
 
 STATE_VERSION = 1
 IGNORE_INDEX = -1
@@ -230,33 +232,6 @@ class _BinSource:
         return all(bool(np.all(n <= 1)) for n in self.lengths)
 
 
-class _Buffer:
-    """Buffered documents: sorted (length, seq) for best-fit lookups plus insertion order (the
-    order a snapshot records, so a restored buffer breaks ties identically)."""
-
-    def __init__(self):
-        self.order: list[tuple[int, int]] = []
-        self.items: dict[int, tuple] = {}
-        self.seq = 0
-
-    def __len__(self):
-        return len(self.items)
-
-    def add(self, key, length: int, payload) -> None:
-        bisect.insort(self.order, (length, self.seq))
-        self.items[self.seq] = (key, length, payload)
-        self.seq += 1
-
-    def take(self, room: int) -> tuple:
-        """The largest document of length <= room (the newest among equals), else the shortest."""
-        i = bisect.bisect_right(self.order, (room, float("inf"))) - 1
-        _, seq = self.order.pop(max(i, 0))
-        return self.items.pop(seq)
-
-    def keys(self) -> list[list[int]]:
-        return [list(key) for key, _, _ in self.items.values()]
-
-
 # ---------------------------------------------------------------- the loader
 
 class _Failure:
@@ -292,12 +267,13 @@ class _Packer:
                 return
             epoch, cursor = epoch + 1, self.src.start
 
-    def batches(self, state: dict):
-        """Generator of (batch: (2, B, T) int64 tensor of inputs and targets, state after it)."""
+    def batches(self, state: dict, stop: threading.Event | None = None):
+        """Generator of (batch: (2, B, T) int64 tensor of inputs and targets, state after it);
+        returns early once `stop` is set (the prefetch thread's close() signal)."""
         src, B, cap = self.src, self.B, self.T + 1
         epoch, cursor = state["epoch"], tuple(state["cursor"])
         read, dropped, batches = state["tokens_read"], state["tokens_dropped"], state["batches"]
-        buf = _Buffer()
+        buf = BestFitBuffer()
         keys = [tuple(k) for k in state["buffer"]]
         for key, (length, payload) in zip(keys, src.fetch(keys)):
             buf.add(key, min(length, cap), payload)
@@ -309,6 +285,8 @@ class _Packer:
                 pos = 0
                 while pos < cap:
                     while len(buf) < self.buffer_size and not exhausted:
+                        if stop is not None and stop.is_set():  # close(): between documents, not
+                            return                              # after a whole (slow) batch
                         try:
                             epoch, key, cursor, length, payload = next(stream)
                         except StopIteration:
@@ -545,10 +523,12 @@ class DataLoader:
     # ------------------------------------------------------------------ producing batches
 
     def _start(self) -> None:
-        self._gen = self._packer.batches(self._resume)
-        if self.prefetch:
+        if not self.prefetch:
+            self._gen = self._packer.batches(self._resume)
+        else:
             self._queue = queue.Queue(maxsize=self.prefetch)
             self._stop = threading.Event()
+            self._gen = self._packer.batches(self._resume, self._stop)
             # The thread holds the packer, not the loader, so a loader that is dropped without
             # close() is still garbage-collected and its __del__ stops the thread.
             self._thread = threading.Thread(target=_prefetch, args=(self._gen, self._queue, self._stop),
@@ -563,7 +543,7 @@ class DataLoader:
         """Stop the prefetch thread (if any) and drop batches produced but not handed out."""
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()  # the producer checks the flag at least once per batch
+            self._thread.join()  # the producer checks the flag between documents and batches
             _RUNNING.discard((self._stop, self._thread))
         self._gen = self._thread = None
 
@@ -580,7 +560,11 @@ class DataLoader:
         if self._gen is None:
             self._start()
         if self._thread is None:
-            batch, state = next(self._gen)
+            try:
+                batch, state = next(self._gen)
+            except BaseException:  # the generator is dead now: a next call would say "the end";
+                self._gen = None   # it starts again after the last batch handed out instead
+                raise
         else:
             item = self._queue.get()
             if item is _END:

@@ -138,7 +138,7 @@ def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str):
     """One finite pass over `split` (repeat=False): an --eval-tokens larger than the split stops at
     its end instead of cycling back and counting the same tokens again (the padded tail of the last
     batch has targets -1, which evaluate_bpb skips). Ranks may then get different batch counts;
-    evaluate_bpb only reduces once, at the end, so that cannot hang."""
+    evaluate_bpb agrees per batch whether any rank still has one, so that cannot hang."""
     from nanochat.dataloader import DataLoader
 
     return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=cfg.data_dir,
