@@ -9,34 +9,9 @@ import math
 import pytest
 import torch
 
-from nanochat.optim import (POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier, muon_momentum_peaked,
+from nanochat.optim import (MuonAdamW, build_optimizer, lr_multiplier, muon_momentum_peaked,
                             weight_decay_cosine, weight_decay_multiplier)
-from tests.test_optim import fake_grads, set_grads, tiny_model
-
-
-def _upstream_muon(params, grads_per_step, lr, momentum, wd):
-    """Upstream nanochat's Muon step in float64, one matrix at a time: the shape factor
-    sqrt(max(1, m/n)) is part of the learning rate, so the weight decay rides on it too:
-    p -= lr * s * (O + wd * p * mask). Returns the params and the entries where O ~ 0 (there the
-    cautious mask's sign test can flip between fp32 and fp64)."""
-    params = [p.detach().double().clone() for p in params]
-    bufs = [torch.zeros_like(p) for p in params]
-    ambiguous = [torch.zeros_like(p, dtype=torch.bool) for p in params]
-    for grads in grads_per_step:
-        for i, (p, g) in enumerate(zip(params, grads)):
-            bufs[i] = momentum * bufs[i] + (1 - momentum) * g.double()
-            x = (1 - momentum) * g.double() + momentum * bufs[i]
-            tall = x.size(0) > x.size(1)
-            x = x.T if tall else x
-            x = x / (x.norm() * 1.02 + 1e-6)
-            for a, b, c in POLAR_EXPRESS_COEFFS:
-                A = x @ x.T
-                x = a * x + (b * A + c * A @ A) @ x
-            o = x.T if tall else x
-            mask = ((o * p) >= 0).double()
-            ambiguous[i] |= o.abs() < 1e-5
-            params[i] = p - lr * max(1.0, p.size(0) / p.size(1)) ** 0.5 * (o + wd * p * mask)
-    return params, ambiguous
+from tests.test_optim import _reference_muon, fake_grads, set_grads, tiny_model  # upstream's formula
 
 
 @pytest.mark.parametrize("shape", [(48, 16), (16, 48)])   # tall: s = sqrt(3); wide: s = 1
@@ -55,7 +30,7 @@ def test_muon_weight_decay_rides_on_the_shape_scaled_lr(shape):
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
-    ref, ambiguous = _upstream_muon(start, steps, lr=0.05, momentum=0.9, wd=0.5)
+    ref, ambiguous = _reference_muon(start, steps, lr=0.05, momentum=0.9, wd=0.5)
     for p, r, skip in zip(params, ref, ambiguous):
         assert skip.float().mean() < 0.01
         assert (p.double() - r).abs()[~skip].max() < 1e-5
