@@ -82,7 +82,8 @@ def read_latest(ckpt_dir: str | Path) -> int:
         return step
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: corrupt latest pointer ({e}); steps on disk: "
-                              f"{list_steps(ckpt_dir) or 'none'} (pass one as --resume STEP)") from e
+                              f"{list_steps(ckpt_dir) or 'none'} (name one: --step N to load it, --resume N to continue "
+                              "training from it)") from e
 
 
 def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
@@ -167,10 +168,13 @@ class EarlierRun:
         if is_master:
             latest = self.ckpt_dir / LATEST_NAME
             sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
+            # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
+            # the run (else a later read of this run's step N would restore the earlier run's copy)
+            orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
             if self.delete:
                 latest.unlink(missing_ok=True)
-                for step in steps:
-                    shutil.rmtree(self.ckpt_dir / step_dirname(step), ignore_errors=True)
+                for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
+                    shutil.rmtree(path, ignore_errors=True)
                 print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
             else:
                 moved_to = _next_earlier_run_dir(self.ckpt_dir)
@@ -179,6 +183,8 @@ class EarlierRun:
                     os.replace(latest, moved_to / LATEST_NAME)
                 for step in steps:
                     os.replace(self.ckpt_dir / step_dirname(step), moved_to / step_dirname(step))
+                for path in orphans:   # restorable there, as here
+                    os.replace(path, moved_to / path.name)
                 fsync_dir(moved_to)
                 print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
                        "delete it when you no longer need them")

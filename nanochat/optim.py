@@ -211,12 +211,15 @@ class MuonAdamW(torch.optim.Optimizer):
                              f"(x nodes) = {saved['world_size']}{' and base_train --fsdp' if saved['fsdp'] else ''}")
         mine = [{k: g[k] for k in RUN_HPARAMS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        # torch casts state to its parameter's dtype (a bf16 param's fp32 state came back bf16): undo
+        # torch casts state to its parameter's dtype (a bf16 param's fp32 state came back bf16): the
+        # state's dtype is state_zeros' (fp32 at least), also for a state saved in bf16 before that
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for i, p in zip(saved_ids, [p for g in self.param_groups for p in g["params"]]):
+            want = torch.promote_types(p.dtype, torch.float32)
             for key, value in state_dict["state"].get(i, {}).items():
-                if torch.is_tensor(value) and value.dtype != self.state[p][key].dtype:
-                    self.state[p][key] = value.to(self.state[p][key].device)
+                if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 \
+                        and self.state[p][key].dtype != want:
+                    self.state[p][key] = value.to(self.state[p][key].device, want)
         # torch restores every group's hyperparameters from the checkpoint, which silently dropped
         # a resumed run's new --matrix-lr / --weight-decay / ...: this run's flags win, and say so
         changed = []

@@ -200,6 +200,52 @@ def test_full_storage_makes_room_for_new_chats(browser, quick):
         d.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
 
 
+NO_ROOM_FOR_BIG = """const realSet = Storage.prototype.setItem;
+  Storage.prototype.setItem = function (k, v) {
+    if (k === 'nanochat.conversations' && String(v).includes('BIGCHAT'))
+      throw new DOMException('full', 'QuotaExceededError');
+    return realSet.call(this, k, v);
+  };"""
+
+
+def test_an_open_chat_too_big_to_store_alone_keeps_the_others(browser, quick):
+    """The room-making loop dropped every other chat when the open one alone exceeded the quota:
+    they vanished from the sidebar, and the next save that fitted made the loss permanent."""
+    engine, url, _ = quick
+    d = browser
+    old = [{"id": f"old{i}", "title": f"old {i}", "updated": 1000 + i,
+            "messages": [{"role": "user", "content": "x" * 100}]} for i in range(2)]
+    fresh_page(d, url, {"nanochat.conversations": json.dumps(old)})
+    hook = d.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": NO_ROOM_FOR_BIG})
+    try:
+        d.refresh()
+        wait(lambda: len(q(d, "#history .conv")) == 2, what="the old chats")
+        q(d, "#new-chat")[0].click()
+        chat_once(d, engine, "BIGCHAT: this one never fits, whatever else is dropped")
+        assert len(q(d, "#history .conv")) == 3   # the old ones stay listed
+        stored = json.loads(d.execute_script("return localStorage.getItem('nanochat.conversations')"))
+        assert {"old0", "old1"} <= {c["id"] for c in stored}   # and stored, as they were
+    finally:
+        d.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
+
+
+def test_a_chat_too_long_for_the_server_leaves_the_message_out_and_says_what_next(browser, quick):
+    """A refusal of the whole chat's size (context_length_exceeded, ...): the new message is left
+    out too (merged into the next it failed that one), and the page says a new chat is the way on
+    if the next message is refused as well."""
+    engine, url, tokenizer = quick
+    d = browser
+    fresh_page(d, url)
+    chat_once(d, engine, "first")
+    d.execute_script("arguments[0].value = 'y'.repeat(600); arguments[0].dispatchEvent(new Event('input'))",
+                     q(d, "#input")[0])   # 600 tokens: over the tiny model's 256-token context
+    q(d, "#send")[0].click()
+    wait(lambda: q(d, ".msg.assistant.error"), what="the refusal shown")
+    assert "start a new chat" in last_reply(d) and "left out" in last_reply(d)
+    assert "Done." in chat_once(d, engine, "second")
+    assert "yyyyyyyy" not in tokenizer.decode(engine.calls[-1]["prompt"])
+
+
 def test_a_message_refused_for_its_size_does_not_lock_up_the_chat(browser, quick):
     """A message over the server's size limit failed, and stayed in the history: merged into the next
     user message, it made every later one fail too until the user edited it or started a new chat.

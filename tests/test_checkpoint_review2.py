@@ -4,6 +4,7 @@ its deletion is cut short."""
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_a_damaged_latest_pointer_is_refused_naming_it_and_the_steps_on_disk(tmp
     with pytest.raises(ck.CheckpointError) as e:
         ck.load_checkpoint(d)
     msg = str(e.value)
-    assert str(d / "latest.json") in msg and "[1, 2]" in msg and "--resume STEP" in msg, msg
+    assert str(d / "latest.json") in msg and "[1, 2]" in msg and "--resume N" in msg and "--step N" in msg, msg
 
 
 def test_a_sums_entry_without_size_or_hash_is_a_checkpoint_error(tmp_path):
@@ -129,6 +130,22 @@ def test_an_earlier_run_is_settled_with_its_superseded_copies(tmp_path, monkeypa
     _resave_killed_while_deleting_the_old_copy(d, monkeypatch, 3)
     moved = ck.fresh_start(d, "auto", overwrite=False).settle()
     assert not list(d.glob("step_*")) and (moved / "step_000003").is_dir()
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_an_earlier_runs_step_left_only_as_its_old_copy_goes_with_the_run(tmp_path, overwrite):
+    """A re-save cut between its two renames leaves step N only as step_N.old-PID (latest.json names
+    N). Settling the earlier run left that copy behind: --overwrite kept up to a whole checkpoint,
+    and a moved run's archive named a step it lacked; a later read of the new run's step N could
+    restore the earlier run's copy."""
+    d = tmp_path / "ck"
+    _save(d, 1, seed=1)
+    _save(d, 2, seed=2)
+    os.replace(d / "step_000002", d / "step_000002.old-123")
+    moved = ck.fresh_start(d, None if overwrite else "auto", overwrite=overwrite).settle()
+    assert not list(d.glob("step_*"))
+    if not overwrite:   # the archive holds it, restorable there as in the run's own directory
+        assert ck.read_meta(moved, "latest")["step"] == 2
 
 
 # ------------------------------------------------------------------ base_train, as a user

@@ -69,6 +69,24 @@ def test_low_precision_params_keep_fp32_state_through_a_resume():
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
 
 
+def test_a_bf16_state_saved_earlier_loads_as_fp32():
+    """A state saved in bf16 (before state_zeros) loaded into fp32 parameters: torch upcast it, and
+    the dtype restore put bf16 back, so the steps ran in bf16 from then on."""
+    model = tiny_model()
+    opt = build_optimizer(model, weight_decay=0.1)
+    set_grads(model, fake_grads(model, 0))
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for st in saved["state"].values():
+        for k, v in st.items():
+            if k != "step":
+                st[k] = v.bfloat16()
+    opt2 = build_optimizer(copy.deepcopy(model), weight_decay=0.1)
+    opt2.load_state_dict(saved)
+    dtypes = {v.dtype for st in opt2.state.values() for k, v in st.items() if k != "step"}
+    assert dtypes == {torch.float32}, dtypes
+
+
 def test_bf16_adamw_moments_match_the_fp32_reference():
     """Adam's moments of a bf16 parameter in fp32: they equal torch's AdamW moments for an fp32
     copy fed the same gradients (moments depend on the gradients alone). In bf16 (8-bit mantissa)
