@@ -364,6 +364,45 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     return TaskMixture(tasks + [files[path] for path in extra], seed=seed)
 
 
+# The chat_eval tasks whose local test files a stage's mixture trains on past their first N problems
+# under --test-holdout N (build_mixture above: offline there are no train splits of these).
+TEST_TRAINED = {"mid": ("MMLU", "ARC-Easy", "ARC-Challenge", "GSM8K"), "sft": ("ARC-Easy", "ARC-Challenge", "GSM8K"),
+                "rl": ("GSM8K",)}
+
+
+def test_holdouts(meta: dict, read_source, phase: str | None = None) -> tuple[dict[str, tuple[int, str]], bool]:
+    """(task -> (N, stage), complete) for the checkpoint whose meta.json is `meta`: it, or one it was
+    trained from, trained on that task's local test problems past the first N (the smallest N wins).
+    A chat stage records its source's map as meta "source" -> "test_holdouts" when it starts, so the
+    map survives the source's deletion; an older checkpoint's sources are read back with
+    `read_source(source dict) -> meta` (CheckpointError: gone, and the map is not complete)."""
+    from nanochat.checkpoint import CheckpointError
+    held: dict[str, tuple[int, str]] = {}
+
+    def add(name, n, stage):
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0 and (name not in held or n < held[name][0]):
+            held[name] = (n, stage)
+
+    for _ in range(len(TEST_TRAINED) + 1):   # rl <- sft <- mid <- base at most
+        stage = meta.get("phase") or phase
+        for name in TEST_TRAINED.get(stage, ()):
+            add(name, (meta.get("config") or {}).get("test_holdout", -1), stage)
+        src = meta.get("source")
+        if not (isinstance(src, dict) and src.get("phase") in ("base", *TEST_TRAINED) and isinstance(src.get("step"), int)):
+            return held, True
+        recorded = src.get("test_holdouts")
+        if isinstance(recorded, dict):
+            for name, entry in recorded.items():
+                if isinstance(entry, (list, tuple)) and len(entry) == 2:
+                    add(name, entry[0], entry[1])
+            return held, True
+        try:
+            meta, phase = read_source(src), src["phase"]
+        except CheckpointError:
+            return held, False
+    return held, True
+
+
 def _conversation_key(messages) -> str:
     """Roles and contents only: other fields a file may carry do not make it another conversation."""
     return json.dumps([[m.get("role"), m.get("content")] for m in messages], ensure_ascii=False)

@@ -294,8 +294,11 @@ def check_named_steps(cfg, src_dir, ckpt_dir) -> None:
 def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
     """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
     cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
-    with its model.pt's sha256), and --resume auto continues only a run that started from it."""
-    from nanochat.checkpoint import checkpoint_dir, model_digest, resolve_step
+    with its model.pt's sha256, and the test problems it or its own sources trained on: chat_eval
+    scores only held-out ones, even after those checkpoints are removed), and --resume auto
+    continues only a run that started from it."""
+    from nanochat.chat_data import test_holdouts
+    from nanochat.checkpoint import checkpoint_dir, model_digest, read_meta, resolve_step
 
     tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage, tag, base_dir)
@@ -303,6 +306,10 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
     src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
     source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
               "model_sha256": model_digest(src_dir, src_step)}
+    held, complete = test_holdouts(read_meta(src_dir, src_step), lambda src: read_meta(
+        checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
+    if complete:   # else left out: chat_eval then walks the chain itself and says what it cannot know
+        source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
     resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
     return tag, ckpt_dir, source, resume_at
 

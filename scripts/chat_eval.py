@@ -120,39 +120,23 @@ def load_tasks(cfg: ChatEvalConfig) -> dict:
             for name in cfg.tasks()}
 
 
-# The chat_eval tasks whose local test files a stage trains on past their first N problems under
-# --test-holdout N (nanochat/chat_data.py's mixtures: offline there are no train splits of these).
-TEST_TRAINED = {"mid": ("MMLU", "ARC-Easy", "ARC-Challenge", "GSM8K"), "sft": ("ARC-Easy", "ARC-Challenge", "GSM8K"),
-                "rl": ("GSM8K",)}
 HOLDOUT_FLAG = {"mid": "mid_train --test-holdout", "sft": "chat_sft --test-holdout", "rl": "chat_rl --test-holdout"}
 
 
 def held_out_problems(cfg: ChatEvalConfig, base_dir) -> dict[str, tuple[int, str]]:
-    """task -> (N, stage): the evaluated checkpoint, or one it was trained from (meta "source", followed
-    back to base), trained on that task's test problems past the first N; the smallest N wins. Read
+    """task -> (N, stage): the evaluated checkpoint, or one it was trained from, trained on that task's
+    test problems past the first N (nanochat/chat_data.py's test_holdouts); the smallest N wins. Read
     from meta.json (seconds), before the model loads."""
-    from nanochat.checkpoint import CheckpointError, checkpoint_dir, find_model_tag, read_meta
+    from nanochat.chat_data import test_holdouts
+    from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
 
     tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
     meta = read_meta(checkpoint_dir(cfg.source, tag, base_dir), "latest" if cfg.step == "latest" else int(cfg.step))
-    held: dict[str, tuple[int, str]] = {}
-    phase = cfg.source
-    for _ in range(len(SOURCES)):   # rl <- sft <- mid <- base at most
-        stage, n = meta.get("phase") or phase, (meta.get("config") or {}).get("test_holdout", -1)
-        if isinstance(n, int) and n >= 0:
-            for name in TEST_TRAINED.get(stage, ()):
-                if name not in held or n < held[name][0]:
-                    held[name] = (n, stage)
-        src = meta.get("source")
-        if not (isinstance(src, dict) and src.get("phase") in SOURCES and isinstance(src.get("step"), int)):
-            break
-        phase = src["phase"]
-        try:
-            meta = read_meta(checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"])
-        except CheckpointError as e:   # removed since: what it trained on is unknown, say so
-            print0(f"chat_eval: cannot read the checkpoint the model was trained from ({e}); the test "
-                   "problems it may have trained on (mid_train / chat_sft / chat_rl's test holdout) are not known")
-            break
+    held, complete = test_holdouts(meta, lambda src: read_meta(
+        checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
+    if not complete:   # a checkpoint from before sources were recorded, whose source is removed since
+        print0("chat_eval: cannot read a checkpoint the model was trained from (removed since?); the test "
+               "problems it may have trained on (mid_train / chat_sft / chat_rl's test holdout) are not known")
     return held
 
 

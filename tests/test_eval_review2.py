@@ -115,3 +115,39 @@ def test_an_empty_task_list_is_refused_not_every_task(value):
     with pytest.raises(ValueError, match=r"-a/--task-name: got '.*'; accepted: ARC-Easy\|"):
         parse_args(["-i", "sft", "-a", value])
     assert parse_args(["-i", "sft"]).tasks()[0] == "ARC-Easy"   # not given: every task
+
+
+def test_the_sources_holdouts_are_recorded_so_removing_the_source_loses_nothing(base, tiny_tokenizer, arc5,
+                                                                                 tmp_path, capsys):
+    """A chat stage records, when it starts, the test problems its source chain trained on: after the
+    mid checkpoint is removed, chat_eval of the SFT model still scores only mid's held-out problem
+    (it used to say it could not know and score the rest, which mid had trained on)."""
+    import shutil
+    from types import SimpleNamespace
+    from nanochat.chat_train import start_point
+    from nanochat.checkpoint import checkpoint_dir
+
+    save(base, tiny_tokenizer, "base", 7)
+    mid = save(base, tiny_tokenizer, "mid", 5, config={"test_holdout": 1}, source=save(base, tiny_tokenizer, "base", 7))
+    cfg = SimpleNamespace(source="mid", model_tag="d1", step="latest", resume=None)
+    _, _, source, _ = start_point("sft", cfg, base)
+    assert source["test_holdouts"] == {"MMLU": [1, "mid"], "ARC-Easy": [1, "mid"], "ARC-Challenge": [1, "mid"],
+                                       "GSM8K": [1, "mid"]}
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 4}, source={**mid, **source})
+    shutil.rmtree(checkpoint_dir("mid", "d1", base))
+    out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy|MMLU")
+    assert out["results"]["ARC-Easy"]["total"] == 1 and out["results"]["MMLU"]["total"] == 1
+    assert "not known" not in capsys.readouterr().out
+
+
+def test_a_removed_source_without_a_record_is_said(base, tiny_tokenizer, arc5, tmp_path, capsys):
+    """A checkpoint from before the record whose source is gone: what it trained on is unknown, said."""
+    import shutil
+    from nanochat.checkpoint import checkpoint_dir
+
+    mid = save(base, tiny_tokenizer, "mid", 5, config={"test_holdout": 1})
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": 4}, source=mid)
+    shutil.rmtree(checkpoint_dir("mid", "d1", base))
+    out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy")
+    assert out["results"]["ARC-Easy"]["total"] == 4              # its own holdout still counts
+    assert "are not known" in capsys.readouterr().out
