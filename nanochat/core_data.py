@@ -13,6 +13,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -114,6 +115,8 @@ def _lambada(r: dict) -> dict:
 
 
 def _winogrande(r: dict) -> dict:
+    if r["question"].count("_") != 1:   # else one option alone (no blank) scored its last token, silently
+        raise ValueError(f"'question' must hold one '_' (the blank the choices fill), got {r['question'][:80]!r}")
     before, _, after = r["question"].partition("_")
     return {"context_options": [before + c for c in r["choices"]], "continuation": after.strip(),
             "gold": _index(r["answer"])}
@@ -144,7 +147,26 @@ def _bigbench_mc(r: dict) -> dict:
     return {**_mc(_bigbench_query(r), r["choices"], r["answer"]), "preamble": _bigbench_preamble(r)}
 
 
-_HELLASWAG = ("hellaswag.jsonl", lambda r: _mc(f"{r['activity_label']}: {r['ctx']}", r["endings"], r["label"]))
+# HellaSwag's WikiHow items (2/3 of them) carry the source's markup: "[header] How to cook [title] Prepare
+# it. [step] Mix", endings starting "[substeps]" or "[title]". Scored raw, every such choice's mean NLL
+# includes tokens no prose holds; the DCLM bundle (and lm-eval's HellaSwag) clean it: a "[title]" ends
+# a sentence ("How to cook. Prepare it."), every other bracketed tag goes.
+_HS_TITLE_AFTER_STOP = re.compile(r"(?<=[.!?])\s*\[title\]")
+_HS_TITLE = re.compile(r"(?<=\S)\s*\[title\]")
+_HS_TAG = re.compile(r"\[[^\[\]]*\]")
+
+
+def _hellaswag_text(text: str) -> str:
+    text = _HS_TITLE.sub(". ", _HS_TITLE_AFTER_STOP.sub(" ", text))
+    return " ".join(_HS_TAG.sub(" ", text).split())
+
+
+def _hellaswag(r: dict) -> dict:
+    endings = [_hellaswag_text(e) for e in r["endings"]] if isinstance(r["endings"], list) else r["endings"]
+    return _mc(f"{r['activity_label']}: {_hellaswag_text(r['ctx'])}", endings, r["label"])
+
+
+_HELLASWAG = ("hellaswag.jsonl", _hellaswag)
 _OFFLINE: dict[str, tuple[str, Callable[[dict], dict]]] = {
     "hellaswag_zeroshot": _HELLASWAG,
     "hellaswag": _HELLASWAG,

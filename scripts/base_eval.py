@@ -108,13 +108,21 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
+def model_tag(cfg: BaseEvalConfig, base_dir) -> str:
+    """The checkpoint folder evaluated: --model-tag, else the only / deepest d<N>. Results and their
+    file are named after it, not after meta.json's "model_tag": a folder copied or renamed
+    (d20 -> d20_old) still holds the old name there, and a checkpoint without one named None."""
+    from nanochat.checkpoint import find_model_tag
+
+    return cfg.model_tag or find_model_tag(cfg.source, base_dir)
+
+
 def checkpoint_meta(cfg: BaseEvalConfig, base_dir, step) -> dict:
     """The checkpoint's meta.json, read first of all: a wrong --model-tag or --step stops the run
     (CheckpointError naming the folder and the steps on disk) before any eval data is read."""
-    from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
+    from nanochat.checkpoint import checkpoint_dir, read_meta
 
-    tag = cfg.model_tag or find_model_tag(cfg.source, base_dir)
-    return read_meta(checkpoint_dir(cfg.source, tag, base_dir), step)
+    return read_meta(checkpoint_dir(cfg.source, model_tag(cfg, base_dir), base_dir), step)
 
 
 def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
@@ -175,14 +183,15 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     loaders = bpb_loaders(cfg, rt, base_dir, checkpoint_meta(cfg, base_dir, step))
     # CORE's files are read now too: a malformed or empty one stops here, not after the model loads
     core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None
-    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step,
+    tag = model_tag(cfg, base_dir)
+    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step,
                                         base_dir=base_dir, compute_dtype=rt.dtype)
     quantize_model(model, cfg.quantize)
     seq_len = model.config.sequence_len
     weights = "" if cfg.quantize == "none" else f", {cfg.quantize} weights"
-    print0(f"evaluating {cfg.source}/{meta.get('model_tag')} step {meta['step']} on {rt.device} "
+    print0(f"evaluating {cfg.source}/{tag} step {meta['step']} on {rt.device} "
            f"({rt.dtype_name}{weights}); evals: {','.join(cfg.evals)}")
-    results: dict = {"phase": cfg.source, "model_tag": meta.get("model_tag") or cfg.model_tag,
+    results: dict = {"phase": cfg.source, "model_tag": tag,
                      "step": meta["step"], "config": asdict(cfg), "model_config": meta.get("model_config"),
                      "device": str(rt.device), "world_size": rt.world_size}
     t0 = time.perf_counter()

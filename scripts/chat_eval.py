@@ -200,7 +200,7 @@ def subset_tasks(results: dict[str, dict]) -> list[str]:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    from nanochat.checkpoint import load_model
+    from nanochat.checkpoint import find_model_tag, load_model
     from nanochat.checkpoint_io import atomic_write
     from nanochat.quantize import quantize_model
     from nanochat.report import get_report
@@ -210,15 +210,18 @@ def main(argv=None) -> dict:
     tasks = load_tasks(cfg)
     # the test problems training saw are never scored: read from meta.json before the model loads
     limits = problem_limits(cfg, held_out_problems(cfg, get_base_dir()))
+    # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
+    # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
+    tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
     try:
         step = "latest" if cfg.step == "latest" else int(cfg.step)
-        model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=cfg.model_tag, step=step)
+        model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step)
         if hasattr(model, "compute_dtype"):  # honour --dtype (the model defaults to bf16 on CUDA)
             model.compute_dtype = rt.dtype
         quantize_model(model, cfg.quantize)
         weights = "" if cfg.quantize == "none" else f" ({cfg.quantize} weights)"
-        print0(f"chat_eval: {cfg.source} model {cfg.model_tag or meta.get('model_tag', '')} step "
+        print0(f"chat_eval: {cfg.source} model {tag} step "
                f"{meta.get('step', step)} on {rt.device}{weights}")
         results = evaluate(cfg, tasks, model, tokenizer, rt.device, rt.dtype, limits)
         accuracies = {n: r["accuracy"] for n, r in results.items()}
@@ -240,8 +243,7 @@ def main(argv=None) -> dict:
         if rt.is_master:
             suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
             # one file per checkpoint (as base_eval's): evaluating another step keeps the earlier results
-            tag, at = cfg.model_tag or meta.get("model_tag") or "default", out["step"]
-            at = f"_step{at:06d}" if isinstance(at, int) else ""
+            at = f"_step{out['step']:06d}" if isinstance(out["step"], int) else ""
             path = cfg.out or (get_base_dir() / "chat_eval" / f"{cfg.source}_{tag}{at}{suffix}.json")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(Path(path), lambda f: f.write(json.dumps(out, indent=1).encode()))

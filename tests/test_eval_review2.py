@@ -151,3 +151,17 @@ def test_a_removed_source_without_a_record_is_said(base, tiny_tokenizer, arc5, t
     out = chat_eval(arc5, tmp_path, "-a", "ARC-Easy")
     assert out["results"]["ARC-Easy"]["total"] == 4              # its own holdout still counts
     assert "are not known" in capsys.readouterr().out
+
+
+def test_results_are_named_after_the_folder_evaluated_not_meta(base, tiny_tokenizer, arc5, tmp_path):
+    """A checkpoint whose meta.json has no model_tag (or another folder's, after a copy aside) was
+    written as sft_default_step*.json / reported under that name: the folder evaluated names it."""
+    import shutil
+    from nanochat.checkpoint import checkpoint_dir
+    from scripts import chat_eval as script
+
+    save(base, tiny_tokenizer, "sft", 3, config={"test_holdout": -1})
+    shutil.move(checkpoint_dir("sft", "d1", base), checkpoint_dir("sft", "d1_old", base))   # meta still says d1
+    script.main(["-i", "sft", "--device", "cpu", "--data-dir", str(arc5), "-a", "ARC-Easy", "-x", "1"])
+    names = sorted(p.name for p in (base / "chat_eval").iterdir())
+    assert names == ["sft_d1_old_step000003.json"], names
