@@ -25,7 +25,9 @@ or base_eval --max-per-task run) "(partial)", and it does not replace a complete
 generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(pass@k)". Memory
 is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots and the
 time table show each stage's current run: rows of an earlier run of the stage, or of steps a
-resumed run redid, are left out (and counted).
+resumed run redid, are left out (and counted); a stage's run or an evaluation logged before the
+latest training run of an earlier stage (an evaluation: or of its own) is "(stale)" there, as in the
+summary, and left out of the total.
 A stage whose latest metrics run logged no training section after it is marked "(unfinished)";
 RL's mean reward per step is summarised (a run rewarded 0 at every step said nothing of it).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
@@ -52,8 +54,8 @@ from pathlib import Path
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
-from nanochat.report_md import (NOTES, STAGES, _entries_md, _entry_time, _hms, _num, _reward_notes,
-                                _stage_of, _stage_rank, _unfinished_runs, _value_notes)
+from nanochat.report_md import (NOTES, STAGES, _entries_md, _entry_time, _hms, _is_stale, _num, _reward_notes,
+                                _stage_of, _stage_rank, _stale_runs, _trained_at, _unfinished_runs, _value_notes)
 
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     # base_eval's bpb on the pretraining val split (of any stage's checkpoint: comparable); training
@@ -86,6 +88,10 @@ _STAGE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
 def report_dir(base_dir=None) -> Path:
+    """<base_dir>/report; without base_dir $NANOCHAT_REPORT_DIR when set (scripts.compare_recipes: its
+    A/B runs of base_train must not become the pipeline's base stage in report.md)."""
+    if base_dir is None and os.environ.get("NANOCHAT_REPORT_DIR"):
+        return Path(os.environ["NANOCHAT_REPORT_DIR"])
     return Path(base_dir or get_base_dir()) / "report"
 
 
@@ -131,12 +137,12 @@ def log_metrics(stage: str, metrics: dict, *, base_dir=None) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_metrics(base_dir=None, bad: dict[str, int] | None = None) -> dict[str, list[dict]]:
+def read_metrics(base_dir=None, bad: dict[str, int] | None = None, *, directory=None) -> dict[str, list[dict]]:
     """stage -> rows of every metrics_<stage>.jsonl, in pipeline order (by file name, rl came before
     sft in the time table and the plots' legends); lines that are not JSON objects (a torn write)
     skipped and counted in `bad` (file name -> lines), which report.md names: they were dropped silently."""
     out = {}
-    paths = report_dir(base_dir).glob("metrics_*.jsonl")
+    paths = Path(directory or report_dir(base_dir)).glob("metrics_*.jsonl")
     for path in sorted(paths, key=lambda p: (_stage_rank(p.stem[len("metrics_"):]), p.name)):
         rows, skipped = [], 0
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -420,11 +426,14 @@ class Report:
         header_path = self.dir / "header.json"
         header = _read_json(header_path, "header", _valid_header) if header_path.is_file() else {"system": system_info()}
         bad: dict[str, int] = {}
-        runs = {stage: current_run(rows) for stage, rows in read_metrics(self.dir.parent, bad).items()}
+        runs = {stage: current_run(rows) for stage, rows in read_metrics(bad=bad, directory=self.dir).items()}
         metrics = {stage: rows for stage, (rows, _) in runs.items()}
         superseded = {stage: n for stage, (_, n) in runs.items() if n}
+        sections = self.sections()
+        stale = _stale_runs(metrics, sections)   # drawn, but not as the stage's current model
         try:
-            plots = make_plots(metrics, self.dir / "plots") if metrics else []
+            plots = make_plots({f"{k} (stale)" if k in stale else k: v for k, v in metrics.items()},
+                               self.dir / "plots") if metrics else []
         except ImportError as e:   # a report without plots, not a traceback after the whole pipeline
             plots = f"_No plots: matplotlib could not be imported ({e}); `uv pip install matplotlib`, then rerun " \
                     "`python -m nanochat.report generate`._"
@@ -433,7 +442,6 @@ class Report:
         if "start" not in header:
             lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
-        sections = self.sections()
         unfinished = _unfinished_runs(metrics, sections)
         lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost, unfinished)
         notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
@@ -479,21 +487,24 @@ def _section_key(doc: dict) -> tuple:
             _entry_time(entries[0]) if entries else 0.0, doc["section"])
 
 
-def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None]]:
-    """(label, steps, seconds or None: not logged): each stage's current run, then its evaluations
-    (a section's latest entry; base_eval logs "seconds"): without them the cost fell short."""
-    rows = []
+def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None, bool]]:
+    """(label, steps, seconds or None: not logged, stale): each stage's current run, then its
+    evaluations (a section's latest entry; base_eval logs "seconds"): without them the cost fell short."""
+    rows, trained, stale = [], _trained_at(sections), _stale_runs(metrics, sections)
     for stage, stage_rows in metrics.items():
         xs, _ = _series(stage_rows, "step", "elapsed_s")
         # steps done: a training row's step is the one it trained (0-based), an evaluation's the count
         steps = max((r["step"] + (_get(r, "loss") is not None) for r in stage_rows if _num(r.get("step"))), default=0)
-        rows.append(((_stage_rank(stage), 0), stage, str(steps), max(xs) if xs else 0.0))
+        rows.append(((_stage_rank(stage), 0), stage, str(steps), max(xs) if xs else 0.0, stage in stale))
     for doc in sections:
         data = doc["entries"][-1]["data"] if doc["entries"] else None
-        if isinstance(data, dict) and "final_step" not in data and _stage_of(doc["section"], data) is not None \
+        stage = _stage_of(doc["section"], data) if isinstance(data, dict) else None
+        if stage is not None and "final_step" not in data \
                 and ("seconds" in data or "evaluation" in doc["section"].lower()):
-            seconds = float(data["seconds"]) if _num(data.get("seconds")) else None
-            rows.append(((_stage_rank(_stage_of(doc["section"], data)), 1), doc["section"], "", seconds))
+            # a NaN or inf (not a time) is "not logged": _hms could not print it and generate died
+            seconds = float(data["seconds"]) if _num(data.get("seconds")) and math.isfinite(data["seconds"]) else None
+            rows.append(((_stage_rank(stage), 1), doc["section"], "", seconds,
+                         _is_stale(_entry_time(doc["entries"][-1]), stage, trained, own=True)))
     return [r[1:] for r in sorted(rows, key=lambda r: r[0])]   # stable: sections are in pipeline order
 
 
@@ -512,15 +523,20 @@ def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict
 def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header: dict,
                    hourly_cost: float | None, unfinished: dict[str, str] | None = None) -> list[str]:
     rows, span = _time_rows(metrics, sections), _run_span(metrics, sections, header)
-    total = sum(seconds for *_, seconds in rows if seconds is not None)
+    total = sum(seconds for _, _, seconds, stale in rows if seconds is not None and not stale)
     mark = {stage: f"{stage} (unfinished)" for stage in unfinished or {}}
+    label_of = {label: mark.get(label, label) + (" (stale)" if stale else "") for label, _, _, stale in rows}
     lines = ["## Time and cost", "", "| Stage | steps | wall clock |", "|---|---|---|",
-             *(f"| {mark.get(label, label)} | {steps} | {'not logged' if s is None else _hms(s)} |"
-               for label, steps, s in rows),
+             *(f"| {label_of[label]} | {steps} | {'not logged' if s is None else _hms(s)} |"
+               for label, steps, s, _ in rows),
              f"| total | | {_hms(total)} |", ""]
-    untimed = [label for label, _, seconds in rows if seconds is None]
+    untimed = [label for label, _, seconds, stale in rows if seconds is None and not stale]
     if untimed:
         lines.append(f"- not in the total (their time was not logged): {', '.join(untimed)}")
+    stale = [label_of[label] for label, _, _, stale in rows if stale]
+    if stale:
+        lines.append(f"- not in the total: {', '.join(stale)}: run before the latest training run of an earlier "
+                     "stage (an evaluation: or of its own), so of an older model; rerun them")
     if span is not None:
         lines.append(f"- wall clock of the whole run, from {span[1]} to the last logged entry: {_hms(span[0])} "
                      "(with start-up, compilation and the gaps between stages)")

@@ -2,7 +2,8 @@
 summary and the time table): values formatted for reading, nested data as lists, multi-line samples
 fenced, the precision plan's fields grouped under `precision`, the runs of a stage labelled, and the
 notes a summary value carries ("(partial)", "(pass@k)") with what they mean; and what a section and a
-metrics run belong to (stage, entry time, a run left without its section, RL's rewards)."""
+metrics run belong to (stage, entry time, a run left without its section or older than an earlier
+stage's latest training run, RL's rewards)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,37 @@ def _unfinished_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> di
         out[stage] = "logged no training section after its metrics" + ("" if stage in done else
                                                                        " (no run of the stage logged one)")
     return out
+
+
+def _trained_at(sections: list[dict]) -> dict[str, float]:
+    """stage -> time of its latest training section entry (log_stage_report's, "final_step")."""
+    trained: dict[str, float] = {}
+    for doc in sections:
+        for entry in doc["entries"]:
+            data = entry["data"]
+            stage = _stage_of(doc["section"], data) if isinstance(data, dict) and "final_step" in data else None
+            if stage is not None:
+                trained[stage] = max(trained.get(stage, 0.0), _entry_time(entry))
+    return trained
+
+
+def _is_stale(t: float, stage: str, trained: dict[str, float], own: bool) -> bool:
+    """Logged (ended) before the latest training run of an earlier stage (own: or of its stage), as
+    the summary's "(stale)": it describes an older model."""
+    if stage not in STAGES:
+        return False
+    upstream = STAGES[:STAGES.index(stage) + own]
+    return any(t < trained[s] for s in upstream if s in trained)
+
+
+def _stale_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> set[str]:
+    """Stages whose current metrics run ended before an earlier stage was trained again (base retrained
+    after a config change, mid not yet): the time table summed it with the new runs, unmarked, and
+    the plots drew its curve as the stage's."""
+    trained = _trained_at(sections)
+    return {stage for stage, rows in metrics.items()
+            if (times := [r["time"] for r in rows if _num(r.get("time"))])
+            and _is_stale(max(times), stage, trained, own=False)}
 
 
 def _reward_notes(metrics: dict[str, list[dict]]) -> list[str]:

@@ -3,7 +3,9 @@
 Reads the fixed-field step lines ("step 00011/00020 | loss 9.1234 | ...") and the validation lines
 ("step 00020 | val bpb 1.2345 ...") that every recipe prints, keeps the steps both logs have (from
 --from-step on), prints one row per step and the largest absolute difference, and exits 1 when a
-difference exceeds --tol or the logs share no step. Used by the GPU resume check (an uninterrupted
+difference exceeds --tol, the logs share no step, or a step (from --from-step on) is in one log
+only: a run that stopped early (or a log of another length) is named, not passed on the steps both
+happen to have. Used by the GPU resume check (an uninterrupted
 run vs a run resumed from a checkpoint: their losses from the resume point on must agree).
 """
 
@@ -48,6 +50,18 @@ def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, flo
     return rows
 
 
+def unmatched(a: dict, b: dict, from_step: int) -> list[str]:
+    """One line per metric and log with steps (from from_step on) the other log lacks."""
+    out = []
+    for key in ("loss", "val_bpb"):
+        for name, mine, other in (("A", a[key], b[key]), ("B", b[key], a[key])):
+            only = sorted(s for s in set(mine) - set(other) if s >= from_step)
+            if only:
+                shown = ", ".join(map(str, only[:5])) + (f", ... {only[-1]}" if len(only) > 5 else "")
+                out.append(f"{key}: {len(only)} step(s) only in {name}: {shown}")
+    return out
+
+
 def parse_args(argv: list[str] | None = None):
     """Parse and validate the command line; a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.compare_logs", description=__doc__.splitlines()[0])
@@ -57,6 +71,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--tol", type=float, default=2e-3, help="max |difference| allowed (logs print 4 decimals)")
     args = p.parse_args(argv)
     require_float(args.tol, "--tol", 0.0)
+    require(args.from_step >= 0, "--from-step", args.from_step, "an integer >= 0")
     for path in (args.a, args.b):
         require(path.is_file(), "log", str(path), "an existing log file")
     return args
@@ -64,7 +79,11 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = compare(parse_log(args.a), parse_log(args.b), args.from_step)
+    a, b = parse_log(args.a), parse_log(args.b)
+    for path, log in ((args.a, a), (args.b, b)):
+        if not any(log.values()):   # a wrong file (or a run that died before its first step)
+            print(f"{path}: no step lines ('step N/M | loss X |' or 'step N | val bpb X') in it")
+    rows = compare(a, b, args.from_step)
     if not rows:
         print(f"no common step >= {args.from_step} in {args.a} and {args.b}")
         return 1
@@ -74,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:>8} {step:>6} {x:>10.4f} {y:>10.4f} {d:>9.4f} {rel}")
     worst = max(r[4] for r in rows)
     exact = sum(r[4] == 0 for r in rows)
-    ok = worst <= args.tol
+    missing = unmatched(a, b, args.from_step)
+    for line in missing:
+        print(line)
+    ok = worst <= args.tol and not missing
+    tail = f"; {len(missing)} metric(s) with steps in one log only (a run that stopped early?)" if missing else ""
     print(f"{'PASS' if ok else 'FAIL'}: {len(rows)} values compared, {exact} identical, max |diff| {worst:.4g} "
-          f"(tol {args.tol:g})")
+          f"(tol {args.tol:g}){tail}")
     return 0 if ok else 1
 
 

@@ -7,7 +7,9 @@ Each --runs entry is a recipe name, optionally followed by base_train flags that
 flags after `--` are shared by every run. Runs go one after another in this process
 (scripts/base_train.py's `main`), each under its own model tag (cmp_<n>, overwritten), evaluated
 at the first and last step, never sampled; its final checkpoint is deleted once read
-(--keep-checkpoints keeps it). Prints one JSON line per run, then a table: per entry,
+(--keep-checkpoints keeps it). Their report rows and sections go to <base dir>/compare_recipes/report
+(reset at the start), not to the pipeline's report: a comparison run is not the pipeline's base
+model (report.md took it for one, and every later stage for stale). Prints one JSON line per run, then a table: per entry,
 the final val bpb of each seed, their mean, and the difference to the first entry's mean.
 Lower bpb is better; a difference smaller than the spread between seeds is noise.
 """
@@ -42,8 +44,10 @@ def parse_args(argv: list[str] | None = None):
     for flag in ("--recipe", "--seed", "--model-tag", "--resume"):
         if any(a.split("=")[0].replace("_", "-") == flag for a in args.shared + sum(args.entries, [])):
             raise RequestError(f"{flag}: set by compare_recipes itself; leave it out of the base_train flags")
-    if any(s < 0 for s in args.seeds):
-        raise RequestError(f"--seeds: got {args.seeds}; accepted: integers >= 0")
+    if any(s < 0 for s in args.seeds) or len(set(args.seeds)) < len(args.seeds):
+        raise RequestError(f"--seeds: got {args.seeds}; accepted: distinct integers >= 0")
+    if len({" ".join(e) for e in args.entries}) < len(args.entries):   # the table merged their results
+        raise RequestError(f"--runs: got {args.runs}; accepted: distinct entries (repeat a run with --seeds)")
     from scripts import base_train   # every run's base_train flags, before the first run trains (a
     for i, entry in enumerate(args.entries):   # typo in the last entry stopped the comparison hours in)
         base_train.parse_config(run_argv(entry, args.seeds[0], f"{args.tag_prefix}_{i}", args.shared))
@@ -86,13 +90,27 @@ def table(results: list[dict], labels: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    import os
+
+    from nanochat.common import get_base_dir
+    from nanochat.report import get_report
     args = parse_args(argv)
     results = []
-    for i, entry in enumerate(args.entries):
-        for seed in args.seeds:
-            result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared, args.keep_checkpoints)
-            print("RESULT " + json.dumps(result), flush=True)
-            results.append(result)
+    report = get_base_dir() / "compare_recipes" / "report"
+    old = os.environ.get("NANOCHAT_REPORT_DIR")
+    os.environ["NANOCHAT_REPORT_DIR"] = str(report)   # base_train's report rows and sections go there
+    try:
+        get_report().reset()   # rank 0; a no-op elsewhere
+        for i, entry in enumerate(args.entries):
+            for seed in args.seeds:
+                result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared, args.keep_checkpoints)
+                print("RESULT " + json.dumps(result), flush=True)
+                results.append(result)
+    finally:
+        if old is None:
+            os.environ.pop("NANOCHAT_REPORT_DIR")
+        else:
+            os.environ["NANOCHAT_REPORT_DIR"] = old
     print(table(results, [" ".join(e) for e in args.entries]))
     return results
 
