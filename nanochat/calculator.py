@@ -144,7 +144,9 @@ def format_result(value: int | float) -> str:
     if isinstance(value, float):
         if value.is_integer() and abs(value) < 1e15:
             return str(int(value))  # 6/2 -> "3", like a person would write it
-        return format(value, ".12g")
+        # 15 significant digits: every decimal a double holds exactly enough to print back (0.1 + 0.2
+        # shows as 0.3, not 0.30000000000000004), where 12 wrote 100000000000.5 + 1 as 100000000002
+        return format(value, ".15g")
     return str(value)
 
 

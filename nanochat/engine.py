@@ -95,17 +95,26 @@ def _check_int(value, name: str, low: int, accepted: str) -> int:
 
 def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
     """Checked sampling parameters; top_k 0 and top_p 1.0 mean 'off'."""
+    # an int past float's range (10**400) compares as finite but float() raised OverflowError
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0.0 <= float(temperature) < float("inf"):
+            or not 0.0 <= temperature < float("inf") or not _fits_float(temperature):
         raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= 0 (0 = greedy)")
     if top_k is not None:
         _check_int(top_k, "top_k", 0, "None or an integer >= 0 (0 = off)")
         top_k = top_k or None
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < float(top_p) <= 1.0:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p: got {top_p!r}; accepted: None or a number in (0, 1]")
         top_p = None if float(top_p) >= 1.0 else float(top_p)
     return float(temperature), top_k, top_p
+
+
+def _fits_float(value) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _stop_ids(stop_tokens) -> list[int]:
@@ -509,14 +518,15 @@ class Engine:
         """Run `generate` to the end. Returns, per sample, the prompt followed by the generated
         tokens (stop token excluded) and the matching masks (0 for the prompt)."""
         prompt = self._check_prompt(tokens)
+        if kw.get("stop_tokens") is not None:   # read once: an iterator read here would reach generate empty
+            kw["stop_tokens"] = _stop_ids(kw["stop_tokens"])
+        steps = self.generate(prompt, **kw)   # checks every argument first (num_samples "2" was a TypeError)
         num_samples = kw.get("num_samples", 1)
         results = [list(prompt) for _ in range(num_samples)]
         masks = [[0] * len(prompt) for _ in range(num_samples)]
         done = [False] * num_samples
-        if kw.get("stop_tokens") is not None:   # read once: an iterator read here would reach generate empty
-            kw["stop_tokens"] = _stop_ids(kw["stop_tokens"])
         stops = frozenset(self.default_stop_tokens if kw.get("stop_tokens") is None else kw["stop_tokens"])
-        for column, mask_column in self.generate(prompt, **kw):
+        for column, mask_column in steps:
             for i, (token, mask) in enumerate(zip(column, mask_column)):
                 if done[i]:
                     continue

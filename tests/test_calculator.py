@@ -134,7 +134,9 @@ def test_big_but_allowed():
 
 def test_format_result():
     assert format_result(3.0) == "3"
-    assert format_result(1 / 3) == "0.333333333333"
+    assert format_result(1 / 3) == "0.333333333333333"
+    assert format_result(0.1 + 0.2) == "0.3"                       # no float noise
+    assert use_calculator("100000000000.5+1") == "100000000001.5"  # 12 digits wrote 100000000002
     assert format_result(1e20) == "1e+20"
     assert format_result(-5) == "-5"
 
