@@ -410,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         print("rerun the same command to retry (finished shards are kept, partial ones resume)",
               file=sys.stderr)
         return 1
-    print(f"done: {len(indices)} shards in {out}")
+    held = list_shards(out)   # shards of earlier runs count too: training reads every one
+    print(f"done: {len(indices)} shards in {out}" + (
+        f"; it holds {len(held)} shards in all ({len(held) - 1} train + {held[-1].name} for validation), "
+        "all of which training reads" if len(held) != len(indices) else ""))
     return 0
 
 

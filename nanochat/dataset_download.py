@@ -6,8 +6,9 @@ other files reuse (nanochat/core_data.py fetches the CORE eval bundle with downl
 One file (download_file): bytes go to `NAME.partial`, resumed with an HTTP Range request after a
 dropped connection or an earlier run; retryable failures (network errors, 408/425/429/5xx, a
 short body, a stall, bad content) are retried with exponential backoff, others (404, 403) fail at
-once. The result is verified (the size and sha256 the server states, then `verify`: by default a
-readable parquet file with a string `text` column, the first row group decoding), fsynced, then
+once (a 429 / 503 waits at least the Retry-After the server states). The result is verified (the
+size and sha256 the server states, then `verify`: by default a readable parquet file with a string
+`text` column, the first row group decoding, every one when no sha256 was stated), fsynced, then
 renamed into place: a final name only ever holds a complete, verified file. A per-file lock file
 (`NAME.lock`, POSIX flock) keeps two processes that fetch the same file (torchrun ranks, two
 shells) off one .partial file; the second waits and keeps the first one's result (a filesystem
@@ -45,15 +46,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager, nullcontext
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Callable, Iterator
 
-from nanochat.dataset import open_text_shard, read_row_group_texts, shard_name
+from nanochat.dataset import open_text_shard, read_text_column, shard_name
 from nanochat.errors import DataError, DiskFullError
 
 _RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # e.g. Lustre mounted without flock
 _CHUNK = 1 << 16   # bytes per read: small, so a drop loses little; also the stall rule's unit
+MAX_RETRY_AFTER = 300.0   # the longest Retry-After honoured: the hub's rate limits count over 5 minutes
 _warned_no_locks: set[Path] = set()
 
 
@@ -67,7 +70,12 @@ class DownloadCancelled(Exception):
 
 
 class _Retry(Exception):
-    """A failed attempt that may succeed if tried again (network error, 5xx, a stall, bad content)."""
+    """A failed attempt that may succeed if tried again (network error, 5xx, a stall, bad content);
+    `wait`: the seconds the server asked for before the next try (Retry-After), else 0."""
+
+    def __init__(self, message: str, wait: float = 0.0):
+        super().__init__(message)
+        self.wait = wait
 
 
 class Cancel:
@@ -195,11 +203,14 @@ def check_size_sha(path: Path, *, size: int | None = None, sha256: str | None = 
 
 
 def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None = None) -> None:
-    """ValueError unless `path` has the expected size/checksum and is a parquet text shard."""
+    """ValueError unless `path` has the expected size/checksum and is a parquet text shard. With a
+    sha256 the first row group is decoded (corrupt pages behind a valid footer); without one (a
+    mirror that states none) every row group is: a Range resume of a file the server replaced
+    since is the old file's head spliced to the new one's tail, whose first row group may decode."""
     check_size_sha(path, size=size, sha256=sha256)
     pf = open_text_shard(path)
-    if pf.num_row_groups:  # decoding one row group catches corrupt pages behind a valid footer
-        read_row_group_texts(pf, 0, path)
+    for rg in range(min(pf.num_row_groups, 1 if sha256 else pf.num_row_groups)):
+        read_text_column(pf, rg, path)   # decodes and checks UTF-8 in C++: no Python strings made
 
 
 def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_window: float,
@@ -216,7 +227,8 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_w
             # the sha256 still counts: the hub states it on the redirect before the 416
             return (int(m.group(1)) if m else have), _expected_from(resp)[1]
         if resp.status_code in _RETRYABLE_STATUS:
-            raise _Retry(f"HTTP {resp.status_code}")
+            wait = _retry_after(resp.headers) or 0.0
+            raise _Retry(f"HTTP {resp.status_code}" + (f" (asked to wait {wait:g} s)" if wait else ""), wait)
         if resp.status_code not in (200, 206):
             raise DownloadError(f"HTTP {resp.status_code} for {url}")
         total, sha = _expected_from(resp)
@@ -237,6 +249,24 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_w
     if total is not None and got < total:
         raise _Retry(f"connection closed at byte {got} of {total}")
     return total, sha
+
+
+def _retry_after(headers) -> float | None:
+    """The seconds a 429 / 503 asks us to wait (Retry-After: seconds or an HTTP date; else the
+    hub's `RateLimit: "...";r=0;t=SECONDS`), at most MAX_RETRY_AFTER; None when it says nothing.
+    Retrying sooner, inside the server's window, is refused again and spends the retries."""
+    value, wait = (headers.get("Retry-After") or "").strip(), None
+    if value.isdigit():
+        wait = float(value)
+    elif value:
+        try:
+            wait = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):   # neither form: ignored, as the RFC allows
+            wait = None
+    if wait is None:
+        m = re.search(r";\s*t=(\d+)", headers.get("RateLimit") or "")
+        wait = float(m.group(1)) if m else None
+    return None if wait is None else min(max(wait, 0.0), MAX_RETRY_AFTER)
 
 
 def _read_body(resp, f, on_bytes, stall_window: float, cancel: Cancel | None) -> None:
@@ -384,9 +414,11 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
     with file_lock(dest, on_wait=on_wait) as waited, requests.Session() as session:
         if waited and _finished(dest, verify):  # the holder we waited for finished it
             return
+        wait = 0.0   # what the server asked for after the last attempt (Retry-After)
         for attempt in range(retries + 1):
             if attempt:
-                _pause(min(backoff * 2 ** (attempt - 1), 60.0), cancel)
+                _pause(max(min(backoff * 2 ** (attempt - 1), 60.0), wait), cancel)
+            wait = 0.0
             try:
                 total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
                 try:
@@ -397,7 +429,7 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                 os.replace(partial, dest)
                 return
             except _Retry as e:
-                last, cause = str(e), e.__cause__ or e
+                last, cause, wait = str(e), e.__cause__ or e, e.wait
             except OSError as e:  # requests' errors are OSErrors too
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
                     raise _disk_full(dest) from e

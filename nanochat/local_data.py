@@ -3,7 +3,9 @@
 
 Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a string field
 `text`) and *.txt (one document per file, split at blank lines when long; line ends read as
-Python's text mode reads them) under SRC, sorted by path, becomes one document list; the last
+Python's text mode reads them) under SRC, suffixes in any case, sorted by path, becomes one
+document list (hidden files and directories, such as macOS `._NAME` resource forks and
+`.ipynb_checkpoints/`, are not read; the command says how many files it read and skipped); the last
 `val_fraction` of it is the validation shard. A file that does not read as what its suffix says
 (not UTF-8, not JSON, no `text`) is a DataError naming the file, and the line for JSONL (a .txt
 file: the byte). The shards in the output directory are skipped, so that an --out inside SRC
@@ -17,11 +19,12 @@ import json
 import re
 from pathlib import Path
 
-from nanochat.dataset import (chunk_paragraphs, claim_data_dir, open_text_shard, read_row_group_texts,
-                              write_text_shards)
+from nanochat.dataset import (SOURCE_FILE, chunk_paragraphs, claim_data_dir, open_text_shard,
+                              read_row_group_texts, write_text_shards)
 from nanochat.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl", ".txt")
+MAX_DOC_CHARS = 20_000   # a .txt file longer than this is split at blank lines
 
 
 def _split_long(text: str, max_chars: int) -> list[str]:
@@ -74,21 +77,40 @@ def _txt_text(path: Path) -> str:
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_local_documents(src: Path, *, max_doc_chars: int = 20_000, exclude: Path | None = None) -> list[str]:
-    """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
-    document per file, split at blank lines when longer than max_doc_chars) under src, sorted;
-    the *.parquet directly in `exclude` (the output directory: the shards) are skipped."""
+def local_files(src: Path, exclude: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(files to read, other files) under src, sorted by path. To read: *.parquet, *.jsonl, *.txt,
+    the suffix in any case (`NOTES.TXT` from Windows), except the shards and source marker directly
+    in `exclude` (the output directory). Hidden files and directories are neither: a `._NAME.txt`
+    resource fork (in any tar made on a Mac) is binary, a `.ipynb_checkpoints/` copy a duplicate."""
     skip = exclude.resolve() if exclude is not None else None
-    files = sorted(p for p in src.rglob("*") if p.suffix in SUFFIXES and p.is_file()
-                   and not (p.suffix == ".parquet" and p.parent.resolve() == skip))
+    read, other = [], []
+    for p in sorted(src.rglob("*")):
+        if any(part.startswith(".") for part in p.relative_to(src).parts) or not p.is_file():
+            continue
+        suffix = p.suffix.lower()
+        if skip is not None and (suffix == ".parquet" or p.name == SOURCE_FILE) and p.parent.resolve() == skip:
+            continue
+        (read if suffix in SUFFIXES else other).append(p)
+    return read, other
+
+
+def read_local_documents(src: Path, *, max_doc_chars: int = MAX_DOC_CHARS, exclude: Path | None = None) -> list[str]:
+    """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
+    document per file, split at blank lines when longer than max_doc_chars) under src, sorted
+    (local_files says which files: not the shards in `exclude`, the output directory)."""
+    return _read_files(src, local_files(src, exclude)[0], max_doc_chars)
+
+
+def _read_files(src: Path, files: list[Path], max_doc_chars: int) -> list[str]:
     if not files:
         raise ValueError(f"--data-dir: no .parquet, .jsonl or .txt files under {src}")
     docs = []
     for path in files:
-        if path.suffix == ".parquet":
+        suffix = path.suffix.lower()
+        if suffix == ".parquet":
             pf = open_text_shard(path)
             docs += [t for rg in range(pf.num_row_groups) for t in read_row_group_texts(pf, rg, path) if t]
-        elif path.suffix == ".jsonl":
+        elif suffix == ".jsonl":
             docs += _jsonl_texts(path)
         else:
             text = _txt_text(path).strip()
@@ -98,10 +120,15 @@ def read_local_documents(src: Path, *, max_doc_chars: int = 20_000, exclude: Pat
 
 
 def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
-                     shard_chars: int = 100_000_000) -> list[Path]:
+                     shard_chars: int = 100_000_000, log=print) -> list[Path]:
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
-    docs = read_local_documents(src, exclude=out_dir)
+    files, other = local_files(src, exclude=out_dir)
+    docs = _read_files(src, files, MAX_DOC_CHARS)
+    skipped = (f"; skipped {len(other)} file{'s' * (len(other) != 1)} that {'is' if len(other) == 1 else 'are'} "
+               f"not .parquet/.jsonl/.txt: {', '.join(str(p.relative_to(src)) for p in other[:5])}"
+               f"{' ...' if len(other) > 5 else ''}") if other else ""
+    log(f"read {len(docs)} documents from {len(files)} files under {src}{skipped}")
     n_val = max(1, round(len(docs) * val_fraction))
     if len(docs) - n_val < 1:
         raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
