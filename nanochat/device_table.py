@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,10 +209,13 @@ def peak_flops(spec: DeviceSpec, precision: str = "bf16", override: float | None
     --peak-flops) wins. None for CPU/MPS/unknown GPUs and for precisions the device lacks:
     the caller warns and asks for --peak-flops instead of printing 0% MFU."""
     if override is not None:
-        # nan passes a plain `<= 0` test and inf divides every figure to 0%: both refused here
-        if isinstance(override, bool) or not math.isfinite(override) or override <= 0:
-            raise RequestError(f"--peak-flops: got {override}; accepted: a finite number > 0 "
-                               "(FLOP/s per device, e.g. 989e12)")
+        # nan passes a plain `<= 0` test and inf divides every figure to 0%: both refused here; so
+        # are non-numbers (math.isfinite's TypeError) and figures below 1e9, surely TFLOP/s (989
+        # taken as FLOP/s printed MFU ~1e13 %), as the scripts' own --peak-flops checks refuse them
+        if (isinstance(override, bool) or not isinstance(override, numbers.Real)
+                or not math.isfinite(override) or override < 1e9):
+            raise RequestError(f"--peak-flops: got {override!r}; accepted: a finite number > 0 of FLOP/s "
+                               "per device, >= 1e9 (e.g. 989e12; 989 would be TFLOP/s)")
         return float(override)
     tflops = spec.peak_tflops.get(peak_key(precision))
     return None if tflops is None else tflops * 1e12

@@ -303,7 +303,9 @@ def _always_big_gpu(index_or_device=0) -> bool:
 def alloc_conf_with_expandable(env: MutableMapping[str, str]) -> str | None:
     """New PYTORCH_ALLOC_CONF value with expandable_segments:True, None if already decided."""
     current = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    if "expandable_segments" in current:
+    # the option's own key, not a substring: torch 2.15's expandable_segments_handle_type and
+    # expandable_segments_reserve say nothing about whether expandable segments are on
+    if "expandable_segments" in (part.split(":")[0].strip() for part in current.split(",")):
         return None
     return ",".join(p for p in (current, "expandable_segments:True") if p)
 

@@ -101,10 +101,21 @@ def triton_ptxas_in_use(spec: DeviceSpec) -> str:
 
 def run_dtype(precision: str, spec: DeviceSpec) -> str:
     """The compute dtype base_train starts a --precision run in (fp8/nvfp4 keep their non-matmul
-    work in bf16; auto: bf16 on a GPU with native bf16, cc >= 8.0, else fp32, as init_runtime)."""
-    if precision == "fp32" or (precision == "auto" and not (spec.cc is not None and spec.cc >= (8, 0))):
-        return "fp32"
-    return "bf16"
+    work in bf16; auto: $NANOCHAT_DTYPE, else bf16 on a GPU with native bf16, cc >= 8.0, else fp32),
+    refusing what init_runtime refuses: a bad $NANOCHAT_DTYPE, or one that conflicts with the dtype
+    an explicit --precision sets."""
+    from nanochat.common import DTYPE_ALIASES, DTYPE_ENV
+    env_value = os.environ.get(DTYPE_ENV, "").strip()
+    if env_value and env_value not in DTYPE_ALIASES:
+        raise RequestError(f"{DTYPE_ENV}: got {env_value!r}; accepted: auto|bf16|fp32")
+    from_env = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(DTYPE_ALIASES.get(env_value))
+    wanted = None if precision == "auto" else "fp32" if precision == "fp32" else "bf16"
+    if wanted is not None and from_env is not None and wanted != from_env:
+        raise RequestError(f"--precision {precision} computes in {wanted}, which conflicts with "
+                           f"{DTYPE_ENV}={env_value}; drop one of them")
+    if wanted or from_env:
+        return wanted or from_env
+    return "bf16" if spec.cc is not None and spec.cc >= (8, 0) else "fp32"
 
 
 def check_dtype(dtype: str, precision: str, spec: DeviceSpec) -> None:
@@ -148,8 +159,13 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         "transformer_engine": _te_version(),
         "torchao": _module_version("torchao"),
     }
+    # init_runtime gives every CUDA process the runtime set first (apply_runtime_patches: Triton's
+    # ptxas, is_big_gpu, ... whatever the flags; a missing ptxas only warns there), then training
+    # its own: the report names both, as a run with these flags gets them
+    runtime = apply_patches(spec, kernel="current", compile=True, ptxas_missing_ok=True) if spec.is_cuda else []
     try:
-        report["patches"] = apply_patches(spec, kernel=kernel, compile=compile)
+        asked = apply_patches(spec, kernel=kernel, compile=compile)
+        report["patches"] = asked + [name for name in runtime if name not in asked]
     except RuntimeError as exc:   # platform.PtxasMissing: a run with these flags stops there too
         report["patches"] = f"{UNAVAILABLE}{exc}"
     report["kernel"] = check_kernel_here(kernel, spec)
@@ -174,8 +190,9 @@ def failures(report: dict[str, Any], args) -> list[str]:
     """What a run with these flags would stop on: an explicit --precision / --precision-backend or
     --kernel this machine cannot serve, or a workaround that cannot be applied (no usable ptxas)."""
     found = []
+    dtype_env = bool(os.environ.get("NANOCHAT_DTYPE", "").strip())   # asked for too (init_runtime reads it)
     for key, explicit in (("patches", True), ("kernel", args.kernel != "current"),
-                          ("precision", args.precision != "auto" or args.precision_backend != "auto")):
+                          ("precision", args.precision != "auto" or args.precision_backend != "auto" or dtype_env)):
         value = report.get(key)
         if explicit and isinstance(value, str) and value.startswith(UNAVAILABLE):
             found.append(value.removeprefix(UNAVAILABLE))

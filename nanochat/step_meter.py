@@ -20,16 +20,39 @@ def resolve_peak_flops(rt, precision: str, override: float | None = None,
     """(bf16 dense peak, active-precision peak, device name) in FLOP/s per device.
 
     CPU/MPS -> (None, None). An unknown GPU without --peak-flops warns once and returns None, so
-    the log says "mfu n/a" instead of a silent 0%."""
+    the log says "mfu n/a" instead of a silent 0%. Under torchrun every rank must call it (it
+    gathers the ranks' peaks): an unknown GPU on any rank makes MFU n/a everywhere, and GPUs of
+    different kinds give the ranks' mean peak (MFU then divides by the sum of their peaks)."""
     from nanochat.platform import detect_device, peak_flops, peaks
     spec = detect_device(rt.device)
     if rt.device_type != "cuda":   # the override checked as on a GPU (0, nan, negatives refused)
         return (peak_flops(spec, "bf16", override) if override is not None else None), None, spec.name
     bf16, act = peaks(spec, precision, override)   # a precision name or precision.py's peak_key
-    if bf16 is None:
-        (warn or _warn)(f"GPU '{spec.name}' is not in nanochat/platform.py's table: MFU cannot be computed; "
-                        "base_train and bench_train take --peak-flops <dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
-    return bf16, act, spec.name
+    ranks = _every_rank((bf16, act, spec.name), getattr(rt, "world_size", 1))
+    unknown = sorted({name for b, _, name in ranks if b is None})
+    if unknown:   # on any rank: rank 0 (the one that prints, print0) says so, naming every such GPU
+        (warn or _warn)(f"GPU {', '.join(repr(n) for n in unknown)} is not in nanochat/platform.py's table: "
+                        "MFU cannot be computed; base_train and bench_train take --peak-flops "
+                        "<dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
+        return None, None, spec.name
+    if len({(b, a) for b, a, _ in ranks}) > 1:
+        # GPUs of different kinds: the meter divides by peak x world size, so the ranks' mean peak
+        # makes that the sum of every GPU's own (rank 0's peak alone overstated or understated MFU)
+        bf16 = sum(b for b, _, _ in ranks) / len(ranks)
+        act = None if any(a is None for _, a, _ in ranks) else sum(a for _, a, _ in ranks) / len(ranks)
+    names = list(dict.fromkeys(name for _, _, name in ranks))
+    return bf16, act, " + ".join(names)
+
+
+def _every_rank(own: tuple, world_size: int) -> list[tuple]:
+    """`own` (bf16 peak, active peak, device name) of every rank of a torchrun launch (a collective:
+    every rank calls resolve_peak_flops), or just `own` in a single process."""
+    import torch.distributed as dist
+    if world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return [own]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, own)
+    return out
 
 
 def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, override: float | None) -> str:
