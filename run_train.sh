@@ -95,14 +95,16 @@ for opt in "${RUN_OPTS[@]}"; do
     "accepted: $flag $([[ $belongs == start ]] && echo "when starting a run (not with --status / --stop)" || echo "with --$belongs only")"
 done
 [[ -n "$BASE_DIR" ]] || die "--base-dir: got ''; accepted: a directory"
+# `--base-dir=~/nc` arrives unexpanded (the shell expands ~ only at a word's start): not ./~/nc
+[[ "$BASE_DIR" != "~" && "$BASE_DIR" != "~/"* ]] || BASE_DIR="$HOME${BASE_DIR:1}"
 # absolute: the run starts in the repo (cd below), where a relative path would name another directory
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$PWD/$BASE_DIR"
 is_uint "$TIMEOUT" && (( 10#$TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer >= 1 (seconds)"
 is_uint "$LINES" || die "--lines: got '$LINES'; accepted: an integer >= 0"
 is_uint "$NPROC" && (( 10#$NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
 TIMEOUT=$((10#$TIMEOUT)) LINES=$((10#$LINES)) NPROC=$((10#$NPROC))   # "08" is not octal here
-if [[ -n "$TAG" && ! "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
-  die "--model-tag: got '$TAG'; accepted: letters, digits, '.', '_' and '-'"
+if [[ -n "$TAG" && ( ! "$TAG" =~ ^[A-Za-z0-9._-]+$ || "$TAG" == . || "$TAG" == .. ) ]]; then   # '..': the base dir
+  die "--model-tag: got '$TAG'; accepted: letters, digits, '.', '_' and '-' (not '.' or '..')"
 fi
 if [[ "$MODE" != start && ${#TRAIN_ARGS[@]} -gt $((2 * TAG_GIVEN)) ]]; then
   die "--$MODE: takes only --model-tag, --base-dir, --lines (status) and --timeout (stop); got: ${TRAIN_ARGS[*]}"

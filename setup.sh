@@ -74,6 +74,7 @@ add_conversations() {  # a --conversations value: an existing file, kept as an a
   CONV_FILES+=("$f")
 }
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+ENV_BASE_DIR="${NANOCHAT_BASE_DIR:-}"   # given in the environment (the rerun hints repeat it)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --preset) [[ $# -ge 2 ]] || die "--preset needs a value (auto|tiny|spark|h100)"; PRESET="$2"; shift 2 ;;
@@ -107,6 +108,9 @@ BASE_DIR_FROM=--base-dir; [[ $BASE_DIR_GIVEN -eq 1 ]] || BASE_DIR_FROM=NANOCHAT_
 BASE_DIR_OK="accepted: a directory (made if missing), not an existing file or a path under one"
 [[ -n "$BASE_DIR" ]] || die "$BASE_DIR_FROM: got ''; $BASE_DIR_OK"   # "" would be the caller's directory
 BASE_DIR_ARG="$BASE_DIR"
+# the shell expands ~ only at a word's start: `--base-dir=~/nc` (or a quoted "~/nc") arrives as is,
+# and read as relative it made a directory named '~' in the caller's directory
+[[ "$BASE_DIR" != "~" && "$BASE_DIR" != "~/"* ]] || BASE_DIR="$HOME${BASE_DIR:1}"
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$CALLER_DIR/$BASE_DIR"   # the stages run in the repo, not where you are
 # one spelling per directory (the done-markers record it): "dir/", "dir//" or "./dir" must not read
 # as another base dir and rerun every stage. Lexical (-s): a symlinked home keeps the path it had.
@@ -188,7 +192,10 @@ elif [[ -n "$GPU_NAME" ]]; then
     die "the NVIDIA driver ($DRIVER) runs CUDA up to $CUDA_DRIVER_VERSION; torch >= 2.9 needs CUDA 12 or newer: update the driver, or set TORCH_INDEX_URL to a torch wheel index this driver can run"
   fi
 fi
-FREE_DISK_GB="$(df -Pk "$REPO" | awk 'NR==2 {printf "%d", $4/1048576}')"
+free_gb() { df -Pk "$1" | awk 'NR==2 {printf "%d", $4/1048576}'; }
+mount_of() { df -Pk "$1" | awk 'NR==2 {print $6}'; }
+# at the base dir (its nearest existing part): the data and the checkpoints go there, not to the repo
+FREE_DISK_GB="$(free_gb "$existing")"
 MEMINFO="${SETUP_MEMINFO:-/proc/meminfo}"  # SETUP_MEMINFO: the tests' simulated GB10
 MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' "$MEMINFO" 2>/dev/null || echo 0)"
 MEM_TOTAL_MIB="$(awk '/MemTotal/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
@@ -211,10 +218,15 @@ if [[ "$PRESET" == auto ]]; then
 fi
 
 say "machine: $OS/$ARCH, GPU: ${GPU_NAME:-none}${GPU_CC:+ (cc $GPU_CC)}${DRIVER:+, driver $DRIVER, CUDA $CUDA_DRIVER_VERSION}"
-say "free disk ${FREE_DISK_GB} GB, available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1) ($PY), preset $PRESET"
+say "free disk ${FREE_DISK_GB} GB (base dir), available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1) ($PY), preset $PRESET"
 NEED_DISK=5; [[ "$PRESET" == tiny ]] || NEED_DISK=60
 if (( FREE_DISK_GB < NEED_DISK )); then
-  msg="only ${FREE_DISK_GB} GB free at $REPO; preset $PRESET needs about ${NEED_DISK} GB"
+  msg="only ${FREE_DISK_GB} GB free at $BASE_DIR (the base dir: data, checkpoints); preset $PRESET needs about ${NEED_DISK} GB"
+  if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+fi
+# the repo's own disk holds the .venv: a check while there is none yet (the env stage builds it)
+if [[ ! -x .venv/bin/python && "$(mount_of "$REPO")" != "$(mount_of "$existing")" ]] && (( $(free_gb "$REPO") < 5 )); then
+  msg="only $(free_gb "$REPO") GB free at $REPO; its .venv (torch and the project) needs about 5 GB"
   if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
 fi
 if [[ "$PRESET" != tiny && -z "$GPU_NAME" ]]; then
@@ -448,10 +460,15 @@ shell_words() {  # args -> one line a shell reads back as them (a path with a sp
 }
 rerun_cmd() {  # the command line this run was started with, as a shell reads it back, less --force
                # (the stages this run finished have fresh markers; --force would redo them)
-  local self="$0" a args=()
+  local self="$0" a args=() envs=()
   [[ "$self" == */* ]] || self="./$self"   # `bash setup.sh`: as a command it needs the ./
   for a in "${ORIG_ARGS[@]}"; do [[ "$a" == --force ]] || args+=("$a"); done
-  shell_words "$self" "${args[@]}"
+  # and the settings it took from the environment: typed in a new shell (the terminal hung up) without
+  # an inline `NANOCHAT_BASE_DIR=/data/nc ./setup.sh`'s, it started over in ~/.cache/nanochat
+  [[ $BASE_DIR_GIVEN -eq 1 || -z "$ENV_BASE_DIR" ]] || envs+=("NANOCHAT_BASE_DIR=$BASE_DIR")
+  [[ -z "${WANDB_RUN:-}" ]] || envs+=("WANDB_RUN=$WANDB_RUN")
+  [[ -z "${TORCH_INDEX_URL:-}" ]] || envs+=("TORCH_INDEX_URL=$TORCH_INDEX_URL")
+  shell_words "${envs[@]}" "$self" "${args[@]}"
 }
 run_stage() {  # stage: run its command unless its done-marker holds the same config
   local stage="$1"; shift
@@ -483,6 +500,17 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   printf '%s\n' "$want" > "$marker.tmp" && mv -f "$marker.tmp" "$marker"
   say "[$stage] finished in $((SECONDS - t0)) s"
 }
+
+# One setup.sh per base dir: a second one (another terminal, a forgotten tmux window) ran the same
+# stages at the same time, two base_trains saving into one checkpoint directory. The stages inherit
+# the lock, so one still running after its setup.sh was killed holds it too.
+if [[ $DRY_RUN -eq 0 ]] && command -v flock >/dev/null 2>&1; then
+  mkdir -p "$STATE_DIR" && exec 8>>"$STATE_DIR/lock" \
+    || die "$BASE_DIR_FROM: cannot write to $STATE_DIR; $BASE_DIR_OK, writable"
+  flock -n 8 || die "another ./setup.sh (pid $(tr -dc '0-9' < "$STATE_DIR/lock")) is running on $BASE_DIR: let it" \
+    "finish, or stop it (Ctrl-C in its terminal, or kill -TERM its pid: a training stage saves first), then rerun"
+  printf '%s\n' "$$" > "$STATE_DIR/lock"
+fi
 
 # ---------------------------------------------------------------- env stage
 source "$REPO/scripts/setup_env.sh"   # env_stage, env_done, rust_ready and their messages

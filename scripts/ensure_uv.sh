@@ -18,7 +18,11 @@ ensure_uv() {
       echo "==> pip refused a --user install (PEP 668?): retrying with --break-system-packages (uv only)"
       "$py" -m pip install --quiet --user --break-system-packages uv || true
     fi
-  elif command -v curl >/dev/null 2>&1; then
+    [[ -x "$HOME/.local/bin/uv" ]] && export PATH="$HOME/.local/bin:$PATH"
+  fi
+  # pip can refuse both ways (a python3 of another virtualenv has no user site), or put uv where
+  # PATH does not look: uv's own installer then, not an error that says curl failed untried
+  if ! command -v uv >/dev/null 2>&1 && command -v curl >/dev/null 2>&1; then
     curl -LsSf https://astral.sh/uv/install.sh | env UV_NO_MODIFY_PATH=1 sh || true
   fi
   [[ -x "$HOME/.local/bin/uv" ]] && export PATH="$HOME/.local/bin:$PATH"
