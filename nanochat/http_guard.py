@@ -14,6 +14,7 @@ or with no Content-Type at all (a Blob body); `require_json` refuses the first t
 on a cross-origin POST; curl and the openai client send none and are not affected.
 """
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -24,6 +25,14 @@ from nanochat.chat_api import ApiError
 
 
 _PORT = re.compile(r":[0-9]{1,5}")
+
+# Seconds a client has to send a whole request body once its headers came: a client that declares
+# a body and then trickles it (or stalls, slowloris-style) gets a 408 and its connection back,
+# instead of holding a connection and a handler for as long as it likes.
+BODY_TIMEOUT_S = 30.0
+# On an answer given before the body was read (408, 413): the connection ends with it, so the server
+# does not go on reading (and discarding) the rest of an oversized or trickled body.
+_CLOSE = {"Connection": "close"}
 
 
 def host_of(header: str) -> str:
@@ -110,18 +119,34 @@ def require_json(request) -> None:
 
 
 async def read_json(request, limit: int):
-    """The body as JSON, refusing more than `limit` bytes before reading them all."""
+    """The body as JSON, refusing more than `limit` bytes before reading them all (413), and a body
+    not received within BODY_TIMEOUT_S (408)."""
     length = request.headers.get("content-length", "0")
     if not length.isdigit():
         raise ApiError(400, "invalid Content-Length header")
     if int(length) > limit:
-        raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+        raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large",
+                       headers=_CLOSE)
+    chunks = []
+
+    async def receive():
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large",
+                               headers=_CLOSE)
+            chunks.append(chunk)
+    from starlette.requests import ClientDisconnect
+
+    try:
+        await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {BODY_TIMEOUT_S:g} s; send it whole, "
+                            "without pauses", code="request_timeout", headers=_CLOSE) from None
+    except ClientDisconnect:   # the client left mid-body: nobody reads the answer, and no server error
+        raise ApiError(499, "the client closed the connection before sending the whole body",
+                       code="client_disconnected") from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -336,6 +336,11 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     settings = (settings or ServerSettings()).validate()
     if settings.max_concurrent_per_client is None:  # one client may fill every slot, and queue a few
         settings = dataclasses.replace(settings, max_concurrent_per_client=default_per_client(len(pool.workers)))
+    # a request's n samples are rows of one replica's batch (BatchedEngine): more than its slots
+    # never run (a 500 after the request was queued); refused as any n over the limit, and /stats says so
+    slots_n = [w.engine.slots for w in pool.workers if hasattr(w.engine, "slots")]
+    if slots_n and min(slots_n) < settings.max_n:
+        settings = dataclasses.replace(settings, max_n=min(slots_n))
     app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None)
     # added first = innermost of ours: its 500 passes through CORS (error_response is defined below)
     app.add_middleware(_UnexpectedAsJson, respond=lambda e: error_response(internal_error(e)))
