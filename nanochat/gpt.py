@@ -261,6 +261,12 @@ class Block(nn.Module):
 
 
 def _rebuild_rotary_after_load(module: "GPT", incompatible_keys) -> None:
+    device = module.wte.weight.device
+    if module.cos.device != device:
+        # built on meta, loaded with assign=True: the weights moved, the (unsaved) tables stayed on
+        # meta and the first forward failed ("Tensor on device meta is not on the expected device")
+        module.cos = torch.empty(module.cos.shape, device=device)
+        module.sin = torch.empty(module.sin.shape, device=device)
     module._init_rotary()
 
 
@@ -476,6 +482,9 @@ class GPT(nn.Module):
         if idx.dim() != 2 or 0 in idx.shape:   # else a reshape deep inside attention failed
             raise ValueError(f"GPT.forward idx: expected (B, T) token ids with B, T >= 1; "
                              f"got shape {tuple(idx.shape)}")
+        if targets is not None and targets.shape != idx.shape:   # (T, B) targets lined up silently
+            raise ValueError(f"GPT.forward targets: expected the shape of idx {tuple(idx.shape)}; "
+                             f"got {tuple(targets.shape)}")
         B, T = idx.shape
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile

@@ -142,6 +142,13 @@ class Int8Linear(nn.Module):
             self._take_rows()
         return self
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        """A load with assign=True replaces the source's tensors: re-slice the row views (c_q / c_k /
+        c_v kept the old rows, which grad-enabled forwards and the loss read)."""
+        super()._load_from_state_dict(*args, **kwargs)
+        for view in self._views:
+            view._take_rows()
+
     def _take_rows(self) -> None:
         source, start, stop = self._rows
         self.qweight, self.scale, self.kernel = source.qweight[start:stop], source.scale[start:stop], source.kernel
