@@ -17,6 +17,7 @@ Everything here is device-agnostic (CPU/CUDA/MPS, torchrun or not) and imports n
 from __future__ import annotations
 
 import math
+import re
 import random
 import time
 from dataclasses import dataclass
@@ -43,7 +44,10 @@ class NonFiniteLossError(RequestError, RuntimeError):
 
     def __init__(self, step: int, what: str, value: float, last_checkpoint: str | None, hint: str):
         self.step, self.value, self.last_checkpoint = step, value, last_checkpoint
-        where = (f"last good checkpoint: {last_checkpoint} (resume from it with --resume)"
+        # its step named: after a resume from an older step, `latest` may be another checkpoint
+        saved = re.search(r"step_0*(\d+)$", str(last_checkpoint or ""))
+        how = f"--resume {saved.group(1)}" if saved else "--resume"
+        where = (f"last good checkpoint: {last_checkpoint} (resume from it with {how})"
                  if last_checkpoint else "no checkpoint was saved in this run yet (use --save-every)")
         super().__init__(f"non-finite {what} ({value}) at step {step}; {where}; hint: {hint}")
 

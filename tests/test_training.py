@@ -226,7 +226,7 @@ def test_nan_stop_is_one_line_exit_3(capsys):
         script_main("base_train", lambda: None, run)
     assert e.value.code == 3
     assert capsys.readouterr().err == ("base_train: error: non-finite loss (nan) at step 7; last good checkpoint: "
-                                       "/ckpt/step_000006 (resume from it with --resume); hint: lower the LR\n")
+                                       "/ckpt/step_000006 (resume from it with --resume 6); hint: lower the LR\n")
 
 
 def test_grad_clip_reports_norm(rt):
