@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from nanochat.checkpoint import check_resume_flags
-from nanochat.common import get_base_dir, print0
+from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
@@ -127,7 +126,7 @@ class ChatTrainConfig:
         require_int(self.eval_tokens, "--eval-tokens", 1, allow=(-1,))
         if self.total_batch_size != -1 and self.max_seq_len != -1:
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len,
-                       int(os.environ.get("WORLD_SIZE", "1")))
+                       env_world_size())
         check_resume_flags(self.resume, self.overwrite)
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))

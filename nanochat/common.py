@@ -110,6 +110,13 @@ def _torchrun_position() -> tuple[bool, int, int, int]:
     return ddp, rank, local_rank, world_size
 
 
+def env_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 without torchrun), checked as init_runtime checks it: for a
+    script's flag validation (batch sizes that must divide by it), which runs before the runtime,
+    so that WORLD_SIZE=0 or "two" is named, not a ZeroDivisionError or int()'s message."""
+    return _torchrun_position()[3]
+
+
 _TORCHRUN_HINT = ("torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process it "
                   "starts; launch with torchrun --nproc_per_node=N -m scripts.<name> ..., or unset RANK and "
                   "WORLD_SIZE for a single process")

@@ -25,7 +25,7 @@ import torch
 
 from nanochat.attention import resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
 from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
                            resume_loop_state, run_training_loop, say_schedule_changes)
@@ -133,7 +133,7 @@ class BaseTrainConfig:
                            total_batch_size=1, target_tokens=1, ref_tokens=1).schedule(1)
         for flag in ("eval_every", "sample_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_world_size()   # a malformed WORLD_SIZE / RANK named
         per_micro = self.device_batch_size * self.max_seq_len * world
         require_int(self.eval_tokens, "--eval-tokens", per_micro)
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)

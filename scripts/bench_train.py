@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import itertools
 import json
 import statistics
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.attention import BACKEND_CHOICES, resolve_backend
-from nanochat.common import DEVICE_CHOICES, destroy_runtime, init_runtime
+from nanochat.common import DEVICE_CHOICES, destroy_runtime, env_world_size, init_runtime
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.platform import check_benchmark_device
 from nanochat.precision import BACKENDS as PRECISION_BACKENDS
@@ -166,7 +165,7 @@ def _check_before_any_model(cfg: BenchConfig) -> None:
         config_for_depth(depth, cfg.vocab_size, cfg.seq, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim,
                          window_pattern=cfg.window_pattern)
     if cfg.total_batch_size != -1:   # divisibility over this launch's ranks, with the numbers
-        plan_batch(cfg.total_batch_size, cfg.device_batch_size, cfg.seq, int(os.environ.get("WORLD_SIZE", "1")))
+        plan_batch(cfg.total_batch_size, cfg.device_batch_size, cfg.seq, env_world_size())
 
 
 def runtime_for(rt, precision: str):

@@ -27,7 +27,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 
 from nanochat.checkpoint import check_resume_flags
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
 from nanochat.flags import (FlagParser, check_model_tag, normalize_flags, require, require_float, require_int,
@@ -74,12 +74,11 @@ class ChatRLConfig:
     wandb: str | None = None
 
     def validate(self) -> "ChatRLConfig":
-        import os
         check_model_tag(self.model_tag)
         require(self.source in SOURCES, "--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_world_size()   # a RequestError naming a malformed WORLD_SIZE / RANK
         require_int(self.examples_per_step, "--examples-per-step", 1)
         require(self.examples_per_step % world == 0, "--examples-per-step", self.examples_per_step,
                 f"a multiple of the world size {world}")

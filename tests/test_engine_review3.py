@@ -33,7 +33,7 @@ def test_sampling_values_past_float_range_are_value_errors(args, name):
         engine.generate([1, 2], temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def test_nested_and_unclosed_tool_blocks(tok):
+def test_nested_and_unclosed_tool_blocks(tok):  # noqa: F811  (the imported fixture)
     """A second <|python_start|> inside a block starts the expression over (the inner call is the one
     evaluated, once); a block the reply never closes forces nothing and ends at the stop token."""
     s, prompt = specials(tok), [tok.bos_token_id, 3]

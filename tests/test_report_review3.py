@@ -14,10 +14,10 @@ from nanochat import report as report_mod
 from nanochat.errors import RequestError
 from nanochat.report import get_report, log_metrics
 from scripts import compare_logs
-from test_report_audit import clock, stage_section, table, train, whole_pipeline  # noqa: F401 (fixture)
+from test_report_audit import clock, stage_section, table, train, whole_pipeline  # noqa: F401  (fixtures)
 
 
-def test_a_retrained_upstream_stage_marks_later_runs_stale(clock, monkeypatch):
+def test_a_retrained_upstream_stage_marks_later_runs_stale(clock, monkeypatch):  # noqa: F811
     """base retrained after the whole pipeline (a config change), nothing after it yet: the summary
     said "(stale)" but the time table listed mid/SFT/RL and the evaluations as current runs, summed
     them with the new base run, and the plots drew their curves as the stages'."""
@@ -42,7 +42,7 @@ def test_a_retrained_upstream_stage_marks_later_runs_stale(clock, monkeypatch):
     assert "mid" in times and "sft (stale)" in times and "Base model evaluation (stale)" in times
 
 
-def test_a_non_finite_evaluation_time_is_not_logged_not_a_crash(clock):
+def test_a_non_finite_evaluation_time_is_not_logged_not_a_crash(clock):  # noqa: F811
     """_hms(nan) raised "cannot convert float NaN to integer": no report.md at all."""
     rep = whole_pipeline(clock)
     clock[0] += 1

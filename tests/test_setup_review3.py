@@ -17,7 +17,6 @@ script), so the file runs in seconds.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
