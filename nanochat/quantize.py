@@ -1,5 +1,5 @@
 """Weight-only int8 quantisation of a trained GPT for inference (`--quantize int8` in chat_web,
-chat_cli, chat_eval and bench_inference).
+chat_cli, chat_eval, base_eval and bench_inference).
 
 Decoding a few rows at a time is bound by the bytes of weights each step streams (a d20 step
 reads ~0.9 GB of bf16 matrices; a DGX Spark streams ~273 GB/s), so storing the matrices as int8
