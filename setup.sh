@@ -507,9 +507,23 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
 if [[ $DRY_RUN -eq 0 ]] && command -v flock >/dev/null 2>&1; then
   mkdir -p "$STATE_DIR" && exec 8>>"$STATE_DIR/lock" \
     || die "$BASE_DIR_FROM: cannot write to $STATE_DIR; $BASE_DIR_OK, writable"
-  flock -n 8 || die "another ./setup.sh (pid $(tr -dc '0-9' < "$STATE_DIR/lock")) is running on $BASE_DIR: let it" \
-    "finish, or stop it (Ctrl-C in its terminal, or kill -TERM its pid: a training stage saves first), then rerun"
-  printf '%s\n' "$$" > "$STATE_DIR/lock"
+  # -E 75: "held by another" apart from a filesystem without locks (Lustre without flock: ENOSYS),
+  # where setup.sh goes on unlocked, as the downloads do (nanochat/dataset_download.py)
+  lock_rc=0; flock -n -E 75 8 || lock_rc=$?   # set -e: the status kept, not an exit
+  if [[ $lock_rc -eq 75 ]]; then
+    holder="$(tr -dc '0-9' < "$STATE_DIR/lock")"
+    if [[ -n "$holder" ]] && kill -0 "$holder" 2>/dev/null; then
+      die "another ./setup.sh (pid $holder) is running on $BASE_DIR: let it finish, or stop it (Ctrl-C in" \
+        "its terminal, or kill -TERM $holder: a training stage saves first), then rerun"
+    fi
+    # the setup.sh that took it is gone (kill -9), a stage or a tool it started still holds it
+    die "a process an earlier ./setup.sh started still holds $STATE_DIR/lock (that setup.sh, pid" \
+      "${holder:-?}, is gone); find it with \`fuser -v $STATE_DIR/lock\`, let it finish or stop it, then rerun"
+  elif [[ $lock_rc -ne 0 ]]; then
+    warn "cannot lock $STATE_DIR/lock on this filesystem (flock exit $lock_rc): going on without the one-run-per-base-dir check"
+  else
+    printf '%s\n' "$$" > "$STATE_DIR/lock"
+  fi
 fi
 
 # ---------------------------------------------------------------- env stage

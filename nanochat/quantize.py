@@ -146,6 +146,7 @@ class Int8Linear(nn.Module):
         """A load with assign=True replaces the source's tensors: re-slice the row views (c_q / c_k /
         c_v kept the old rows, which grad-enabled forwards and the loss read)."""
         super()._load_from_state_dict(*args, **kwargs)
+        self.kernel = _kernel_for(self.qweight.device)   # from meta: the kernel chosen there was none
         for view in self._views:
             view._take_rows()
 

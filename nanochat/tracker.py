@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import sys
 
+from nanochat.errors import RequestError
 from nanochat.flags import require
 
 WANDB_MODES = ("off", "offline", "online")
+
+
+class WandbInitError(RequestError, RuntimeError):
+    """wandb.init refused what --wandb asked for: the scripts print it as one line (script_main)."""
 
 
 def resolve_wandb_mode(wandb_flag: str | None, run: str) -> str:
@@ -62,7 +67,7 @@ class Tracker:
         except Exception as e:   # wandb's own errors (UsageError, CommError, ...) share no base class
             # asked for and not met, before the first step: said now (nothing is lost yet), not hours
             # later as a run without its tracking
-            raise RuntimeError(f"--wandb {mode}: wandb.init failed ({type(e).__name__}: {e}); fix that (e.g. "
+            raise WandbInitError(f"--wandb {mode}: wandb.init failed ({type(e).__name__}: {e}); fix that (e.g. "
                                "`wandb login` for online), or pass --wandb off to train without it") from e
 
     @property

@@ -91,16 +91,17 @@ def table(results: list[dict], labels: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     import os
+    import shutil
 
     from nanochat.common import get_base_dir
-    from nanochat.report import get_report
     args = parse_args(argv)
     results = []
     report = get_base_dir() / "compare_recipes" / "report"
     old = os.environ.get("NANOCHAT_REPORT_DIR")
     os.environ["NANOCHAT_REPORT_DIR"] = str(report)   # base_train's report rows and sections go there
     try:
-        get_report().reset()   # rank 0; a no-op elsewhere
+        if int(os.environ.get("RANK", "0")) == 0:   # cleared, no header: reset's system_info would start
+            shutil.rmtree(report, ignore_errors=True)   # CUDA before base_train's init_runtime set it up
         for i, entry in enumerate(args.entries):
             for seed in args.seeds:
                 result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared, args.keep_checkpoints)

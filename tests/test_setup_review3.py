@@ -182,3 +182,30 @@ def test_run_train_refuses_a_dot_model_tag(clone, tag):
     """--model-tag .. named the base dir itself (--status reported it as a run)."""
     rc, out = _run(clone, "./run_train.sh", "--status", "--model-tag", tag, NANOCHAT_BASE_DIR=clone.parent / "b")
     assert rc == 2 and f"--model-tag: got '{tag}'" in out, out
+
+
+def test_a_lock_left_to_an_orphan_or_unsupported_is_said_so(clone, tmp_path):
+    """The setup.sh that took the lock is gone (kill -9) while a process it started holds it: the
+    message no longer sends the user to kill a dead (maybe reused) pid. A filesystem without locks
+    (flock's other exit codes) warns and goes on, instead of reading as "another setup.sh"."""
+    base = tmp_path / "base"
+    lock = base / "setup_state" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("999999999\n")   # no such pid
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "30"])
+    try:
+        for _ in range(100):   # until the holder has it
+            if subprocess.run(["flock", "-n", str(lock), "true"]).returncode != 0:
+                break
+            time.sleep(0.05)
+        rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--only", "data", "--base-dir", str(base))
+        assert rc == 2 and "a process an earlier ./setup.sh started still holds" in out and "fuser -v" in out, out
+    finally:
+        holder.kill()
+        holder.wait()
+    fake = tmp_path / "nolock"
+    fake.mkdir()
+    (fake / "flock").write_text("#!/bin/sh\nexit 71\n")   # util-linux: a lock the filesystem refuses
+    (fake / "flock").chmod(0o755)
+    rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--only", "data", "--base-dir", str(base), bin_dir=fake)
+    assert rc == 0 and "cannot lock" in out and "[data] finished" in out, out
