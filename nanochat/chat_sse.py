@@ -48,7 +48,8 @@ def _count_end(job: _Job, event: tuple) -> None:
 async def _sse_events(job: _Job, meta: dict):
     """A started job's events as SSE chunks, ending with [DONE]. As OpenAI streams n > 1, a chunk
     carries one choice (a client may read only `choices[0]` and its index). A choice's finish
-    chunk is sent as soon as it ends (n > 1: the others go on); "done" finishes the rest (length)."""
+    chunk is sent as soon as it ends (n > 1: the others go on); "done" finishes the rest (length);
+    an "error" or "abort" ends it with an error event in OpenAI's shape."""
     def chunks(choices: list) -> str:
         return "".join(chunk([c]) for c in choices)
 
@@ -84,6 +85,9 @@ async def _sse_events(job: _Job, meta: dict):
                 yield chunks(left)
             if job.req.include_usage:
                 yield chunk([], event[2])
+            break
+        elif event[0] == "abort":   # stopped by the server (shutting down): its error, counted as cancelled
+            yield _sse(event[1].body())
             break
         else:
             _count_end(job, event)

@@ -16,6 +16,9 @@ replica's `slots` workers share one BatchedEngine (nanochat/batching.py), which 
 requests as rows of one step; with slots = 1 a replica serves one request at a time. A client that
 disconnects stops its generation (a flag checked every token; a batched request waiting for rows or
 its prefill leaves at once). /stats counts each request once: completed, errors or cancelled.
+Shutting down (`app.state.drain`, which scripts/chat_web.py calls on Ctrl-C / SIGTERM): new and
+queued requests get a 503 `server_shutting_down` at once, running ones a short grace, then the
+same error (a stream: as an error event and [DONE]), never a connection cut mid-answer.
 A streamed answer's SSE events in OpenAI's chunk shape are nanochat/chat_sse.py's.
 
 Limits (`ServerSettings`, nanochat/chat_api.py) are checked before any model work; every violation is a 4xx JSON error
@@ -119,6 +122,14 @@ class WorkerPool:
         worker.busy = False
         self._idle.append(worker)
 
+    def fail_waiting(self, error) -> None:
+        """Ends every place in line with the exception `error()` (shutting down): each holder answers
+        its request with it; no worker is handed to them."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error())
+
 
 class _ClientSlots:
     """Concurrent requests per client address; acquire() returns an idempotent release."""
@@ -149,10 +160,11 @@ class _ClientSlots:
 class _Job:
     """One request's generation in a worker thread; events reach the event loop via a queue:
     ("delta", [(index, text)], [(index, finish_reason)] of the choices that ended in this step
-    while others go on), ("done", finish_reasons of all choices, usage), ("error", message). The
-    choices that end last finish only with "done", sent after the engine's generator closed
-    cleanly: a failure there is an "error", never a stream that already said "stop". A stopped job
-    sends nothing more; the request side counts the outcome (_count_end, _release_unused)."""
+    while others go on), ("done", finish_reasons of all choices, usage), ("error", message), and
+    ("abort", ApiError), put by the server as it stops a running job (shutting down). The choices
+    that end last finish only with "done", sent after the engine's generator closed cleanly: a
+    failure there is an "error", never a stream that already said "stop". A stopped job sends
+    nothing more; the request side counts the outcome (_count_end, _release_unused)."""
 
     def __init__(self, pool: WorkerPool, worker: Worker, req: ChatRequest, prompt: list[int],
                  max_tokens: int, stats: dict):
@@ -357,6 +369,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     if settings.allowed_hosts is not None:  # added last = outermost: checked before CORS and routing
         app.add_middleware(HostGuard, allowed=settings.allowed_hosts, origins=settings.cors_origins)
     stats: dict = defaultdict(int)
+    live: set[_Job] = set()       # the running jobs: stopped when shutting down (drain)
+    draining = False              # drain() was called: no new requests
     started = time.time()
     slots = _ClientSlots(settings.max_concurrent_per_client)
     html = UI_PATH.read_text(encoding="utf-8")
@@ -459,6 +473,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             raise ApiError(400, f"the conversation is {len(prompt)} tokens; the model's context is "
                                 f"{engine.max_seq_len} tokens: shorten it or start a new chat",
                            param="messages", code="context_length_exceeded")
+        if draining:   # no await from here to the claim: nothing joins the line after drain() emptied it
+            raise shutting_down("the server is shutting down; retry once it is back")
         release = slots.acquire(request.client.host if request.client else "unknown")
         if pool.waiting >= settings.max_queue:
             release()
@@ -494,6 +510,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                 yield ": waiting for a free model replica\n\n"  # SSE comment; also detects a gone client
             try:
                 job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
+                live.add(job)
             except ApiError as e:  # the 200 is sent: an error event, as OpenAI reports errors mid-stream
                 failed = True
                 yield _sse(e.body())
@@ -502,6 +519,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             async for event in _sse_events(job, meta):
                 yield event
         finally:
+            live.discard(job)
             _release_unused(pool, acq, job, stats, failed)
             release()
 
@@ -512,6 +530,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             if not acq.done():
                 return None
             job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
+            live.add(job)
             texts = [[] for _ in range(req.n)]
             while True:
                 getter = asyncio.ensure_future(job.events.get())
@@ -528,13 +547,39 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
                                 "logprobs": None, "finish_reason": f} for i, f in enumerate(event[1])]
                     return {**meta, "object": "chat.completion", "choices": choices, "usage": event[2]}
+                elif event[0] == "abort":
+                    raise event[1]
                 else:
                     _count_end(job, event)
                     raise ApiError(500, event[1])
         finally:
             gone.cancel()
+            live.discard(job)
             _release_unused(pool, acq, job, stats)
 
+    def shutting_down(message: str) -> ApiError:
+        return ApiError(503, message, code="server_shutting_down", headers={"Retry-After": "1"})
+
+    def stop_running() -> None:
+        for job in list(live):   # as a gone client stops it; its request answers the "abort"
+            job.stop()
+            job.events.put_nowait(("abort", shutting_down(
+                "the server is shutting down: this reply was stopped before it finished; retry once it is back")))
+        live.clear()
+
+    def drain(stop_after: float = 0.0) -> None:
+        """Shut down in order (call on the event loop, as the server starts its graceful shutdown):
+        new requests and those waiting for a replica are answered now, running generations get
+        `stop_after` seconds to finish and are then stopped; each ends with a 503
+        `server_shutting_down` (a stream: that error event and [DONE]). Left to uvicorn alone, they
+        would be cancelled when its grace period ends: a connection cut mid-answer. A second call can
+        only bring the stop forward."""
+        nonlocal draining
+        draining = True
+        pool.fail_waiting(lambda: shutting_down("the server is shutting down; retry once it is back"))
+        asyncio.get_running_loop().call_later(max(stop_after, 0.0), stop_running)
+
+    app.state.drain = drain
     return app
 
 

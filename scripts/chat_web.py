@@ -15,14 +15,22 @@ The API key can also come from $NANOCHAT_API_KEY. Every request is bounded by th
 On a loopback bind it answers only requests addressed to localhost / 127.0.0.1 / ::1 (plus
 --allowed-host names), so a web page cannot reach it through DNS rebinding; POST bodies must be
 JSON; other web origins may call the API only when listed with --cors-origin.
+
+Ctrl-C or SIGTERM shuts it down in order (exit code 0): new and queued requests are answered with a
+503 `server_shutting_down` at once, answers in progress get GRACE_S - STOP_EARLY_S seconds to
+finish, then are stopped and end with that error (a stream: an error event and [DONE]).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import ipaddress
 import os
+import signal
 import sys
+import threading
 
 from nanochat.flags import FlagParser
 from nanochat.server import ServerSettings
@@ -31,6 +39,8 @@ SOURCES = ("sft", "rl", "mid", "base")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")   # the names a loopback-bound server answers to
 # uvicorn's log levels (a name it does not know was a KeyError traceback after the model had loaded)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+GRACE_S = 5         # uvicorn's graceful shutdown: how long answers in progress get after Ctrl-C / SIGTERM
+STOP_EARLY_S = 1.0  # running generations are stopped this long before it ends, so each ends properly
 LIMITS = ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
           "max_body_bytes", "max_queue")
 
@@ -160,6 +170,41 @@ def check_port_free(host: str, port: int) -> None:
                            "port, choose another --port, or a --host address of this machine") from None
 
 
+class DrainOnSignal:
+    """The app as uvicorn.run serves it: Ctrl-C / SIGTERM first drains it (create_app's
+    app.state.drain, STOP_EARLY_S before uvicorn's grace period ends; a second signal: at once),
+    then uvicorn's own handler stops the server. Without it uvicorn cancels the answers still
+    running when its grace period ends: their clients see a connection cut mid-answer. uvicorn
+    installs its handlers as it starts serving, before it calls the app (lifespan startup): the
+    first call wraps them (main thread only: signals are delivered there); uvicorn restores its
+    predecessors when it stops."""
+
+    def __init__(self, app, grace_s: float = GRACE_S):
+        self.app, self.grace_s, self.hooked, self.signals = app, grace_s, False, 0
+
+    async def __call__(self, scope, receive, send):
+        if not self.hooked and threading.current_thread() is threading.main_thread():
+            self.hooked = True
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(sig)
+                if callable(handler):
+                    signal.signal(sig, functools.partial(self._on_signal, loop, handler))
+        await self.app(scope, receive, send)
+
+    def _on_signal(self, loop, handler, sig, frame) -> None:
+        self.signals += 1
+        stop_after = max(self.grace_s - STOP_EARLY_S, 0.0) if self.signals == 1 else 0.0
+        loop.call_soon_threadsafe(self.app.state.drain, stop_after)   # the loop's thread, not mid-callback
+        handler(sig, frame)
+
+
+def _after_shutdown(sig, frame) -> None:
+    """SIGINT's and SIGTERM's handler around uvicorn.run: uvicorn raises the signals that stopped it
+    again once it has shut down, for the handlers it found; the default ones would end a clean
+    shutdown as killed by SIGTERM, or with a KeyboardInterrupt traceback after a second Ctrl-C."""
+
+
 def load_replicas(args) -> tuple[list, dict]:
     """One Engine per device: cuda:0..num_gpus-1, or a single CPU / MPS replica."""
     import torch
@@ -226,7 +271,15 @@ def main(argv=None) -> int:
     per_client = settings.max_concurrent_per_client or default_per_client(len(workers))  # what create_app uses
     print(f"serving {settings.model_name} on {server_url(args.host, args.port)} ({replicas} replica(s), "
           f"{len(workers)} generation slot(s), up to {per_client} concurrent request(s) per client)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # signal handlers can be set only in the main thread; uvicorn replaces these while it serves
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        uvicorn.run(DrainOnSignal(app, GRACE_S), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACE_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
