@@ -61,11 +61,12 @@ def chat_model(tiny_corpus):
 
 @pytest.fixture
 def serve():
-    """serve(engine, **settings) -> base URL of a live uvicorn server; all stopped at teardown."""
+    """serve(engine, **settings) -> base URL of a live uvicorn server; all stopped at teardown.
+    An argument that is already a Worker (e.g. a batched replica's slots) is served as it is."""
     servers = []
 
     def start(*engines, **settings):
-        workers = [Worker(e, name=f"w{i}") for i, e in enumerate(engines)]
+        workers = [e if isinstance(e, Worker) else Worker(e, name=f"w{i}") for i, e in enumerate(engines)]
         server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(**settings)))
         servers.append(server)
         return url
