@@ -103,9 +103,11 @@ class PatchContext:
     def real(cls, spec: DeviceSpec) -> "PatchContext":
         import warnings
         ctx = cls(env=os.environ, filter_warning=warnings.filterwarnings)
-        import torch._dynamo.config as dynamo_config
-        ctx.dynamo_config = dynamo_config
         if spec.is_cuda:
+            # only GPU patches touch these, and importing torch._dynamo costs ~6 s of CPU (torch
+            # 2.15): every CPU run (the tests' subprocesses, tiny runs) would pay it for nothing
+            import torch._dynamo.config as dynamo_config
+            ctx.dynamo_config = dynamo_config
             import torch._inductor.config as inductor_config
             import torch._inductor.utils as inductor_utils
             ctx.inductor_config = inductor_config
