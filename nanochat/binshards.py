@@ -21,7 +21,13 @@ text shard name -> size a binary shard was made from, `text_shards`), and only a
 unfinished directory (an interrupted run leaves some shards, and its LAST one is then a train
 shard) or one whose binary shards differ from the recorded text shards is a DataError naming the
 directory and the command that finishes it; `stale_reason` then tells when the text shards changed
-since. Directories written before `complete` existed count as complete when they carry the
+since. Besides each text shard's size, a run records its mtime_ns (`text_mtime_ns`) and sha256
+(`text_sha256`, hashed by the worker as it tokenizes: ~0.1 s a 100 MB shard against its tokenizing
+time): a reader compares size + mtime_ns (a stat per shard: cheap at every loader start, where
+hashing 100+ shards of ~100 MB would read 10+ GB), so a shard rewritten at the same size is stale;
+pretokenize, when only the mtime moved (a copy, `touch`), compares the sha256 and keeps the binary
+shard if the content is the same. A directory recorded before these keys has its sizes compared
+only. Directories written before `complete` existed count as complete when they carry the
 `text_shards` record (older ones still: when their shards match the text shards by name).
 
 A damaged shard or meta.json (bad magic, truncated, inconsistent offsets, another tokenizer) is a
@@ -301,7 +307,7 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
                 "directory), or read the text shards instead (source='text')")
 
 
-_RUN_KEYS = ("text_shards", "planned", "complete", "data_dir")  # what a run records, see the docstring
+_RUN_KEYS = ("text_shards", "text_mtime_ns", "text_sha256", "planned", "complete", "data_dir")  # what a run records, see the docstring
 
 
 def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_token_id: int,
@@ -358,6 +364,19 @@ def text_shard_record(text_shards: Iterable[str | Path]) -> dict[str, int]:
     return {Path(p).name: Path(p).stat().st_size for p in text_shards}
 
 
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex of a file's bytes (a text shard's content, read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _record(meta: dict, key: str) -> dict:
+    return meta.get(key) if isinstance(meta.get(key), dict) else {}
+
+
 def _meta_for_update(bin_dir: Path) -> dict:
     meta = read_meta(bin_dir)
     if meta is None:
@@ -378,8 +397,9 @@ def start_run(bin_dir: str | Path, text_shards: Sequence[str | Path], data_dir: 
     bin_dir = Path(bin_dir)
     meta = _meta_for_update(bin_dir)
     plan = text_shard_record(text_shards)
-    made = meta.get("text_shards") if isinstance(meta.get("text_shards"), dict) else {}
-    meta.update(complete=False, planned=plan, text_shards={n: v for n, v in made.items() if n in plan})
+    meta.update(complete=False, planned=plan)
+    for key in ("text_shards", "text_mtime_ns", "text_sha256"):  # kept for the shards still planned
+        meta[key] = {n: v for n, v in _record(meta, key).items() if n in plan}
     if data_dir is not None:
         meta["data_dir"] = str(Path(data_dir).resolve())
     _write_meta_file(bin_dir, meta)
@@ -407,11 +427,15 @@ def _remove_dead_temps(bin_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def record_shard(bin_dir: str | Path, text_name: str, size: int) -> None:
-    """Record that the binary shard of text shard `text_name` (`size` bytes) is written."""
+def record_shard(bin_dir: str | Path, text_name: str, size: int, mtime_ns: int | None = None,
+                 sha256: str | None = None) -> None:
+    """Record that the binary shard of text shard `text_name` (`size` bytes, modified at
+    `mtime_ns`, content `sha256`, as stat-ed and hashed before it was read) is written."""
     meta = _meta_for_update(Path(bin_dir))
-    made = meta.get("text_shards") if isinstance(meta.get("text_shards"), dict) else {}
-    _write_meta_file(Path(bin_dir), {**meta, "text_shards": {**made, text_name: size}})
+    for key, value in (("text_shards", size), ("text_mtime_ns", mtime_ns), ("text_sha256", sha256)):
+        made = {n: v for n, v in _record(meta, key).items() if n != text_name}
+        meta[key] = {**made, text_name: value} if value is not None else made
+    _write_meta_file(Path(bin_dir), meta)
 
 
 def record_text_shards(bin_dir: str | Path, text_shards: Iterable[str | Path]) -> None:
@@ -478,7 +502,8 @@ def check_complete(bin_dir: str | Path, text_shards: Sequence[Path] | None = Non
 
 
 def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
-    """Why the binary shards of bin_dir do not match `text_shards` (their names and sizes now), or
+    """Why the binary shards of bin_dir do not match `text_shards` (their names, sizes and, when
+    recorded, mtime_ns now: a shard rewritten at the same size is "modified since"), or
     None when they match, or when there is nothing to compare (an older directory without a
     record, or no text shards at all: reading the binary shards alone is fine). Meaningful for a
     finished directory only: call check_complete first."""
@@ -487,12 +512,16 @@ def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     if not isinstance(recorded, dict) or not text_shards:
         return None
     now = text_shard_record(text_shards)
+    mtimes, now_mtimes = _record(meta, "text_mtime_ns"), {Path(p).name: Path(p).stat().st_mtime_ns for p in text_shards}
     strays = sorted(p.name for p in list_bin_shards(bin_dir) if p.stem not in {Path(n).stem for n in now})
-    if now == recorded and not strays:
-        return None
     changed = sorted(n for n in now.keys() & recorded.keys() if now[n] != recorded[n])
+    touched = sorted(n for n in now.keys() & recorded.keys()   # rewritten at the same size: the mtime moved
+                     if now[n] == recorded[n] and mtimes.get(n, now_mtimes[n]) != now_mtimes[n])
+    if now == recorded and not strays and not touched:
+        return None
     parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-             for what, names in (("changed", changed), ("new", sorted(now.keys() - recorded.keys())),
+             for what, names in (("changed", changed), ("modified since at the same size", touched),
+                                 ("new", sorted(now.keys() - recorded.keys())),
                                  ("gone", sorted(recorded.keys() - now.keys())),
                                  ("binary shards without a text shard", strays)) if names]
     return "; ".join(parts)

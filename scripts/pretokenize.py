@@ -8,8 +8,10 @@ of worker processes, every document starting with BOS. The output directory is t
 tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
 with another tokenizer is an error, before any work, unless --force (which deletes that
 tokenizer's shards first, as the dataloader's advice for them assumes). Shards already present
-(same tokenizer, made from a text shard of the same name and size, offsets intact) are skipped, so
-an interrupted run resumes; `--force` rewrites them. Before the first shard is written, meta.json
+(same tokenizer, made from a text shard of the same name, size and mtime, offsets intact; or, when
+only the mtime moved, of the same sha256, recorded as it was tokenized) are skipped, so an
+interrupted run resumes and a rerun redoes just the text shards that changed, even at the same
+size; `--force` rewrites them all. Before the first shard is written, meta.json
 marks the directory unfinished and lists the text shards it is meant to hold (binary shards of
 text shards no longer there are deleted); each shard is recorded as it lands; only a run that
 wrote them all marks it complete. So the dataloader refuses a directory an interrupted run left
@@ -50,9 +52,32 @@ def _init_worker(tokenizer) -> None:
 def _tokenize_one(job: tuple[str, str, int]) -> dict:
     text_path, out_path, threads = job
     t0 = time.perf_counter()
+    st = os.stat(text_path)  # before reading: what the binary shard is made from
+    sha = bs.file_sha256(text_path)
     h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
     return {"shard": Path(out_path).name, "text": Path(text_path).name, "tokens": h.n_tokens,
-            "docs": h.n_docs, "seconds": round(time.perf_counter() - t0, 3)}
+            "docs": h.n_docs, "seconds": round(time.perf_counter() - t0, 3),
+            "text_bytes": st.st_size, "text_mtime_ns": st.st_mtime_ns, "text_sha256": sha}
+
+
+def _unchanged(shard: Path, meta: dict, log) -> tuple[int, int, str | None] | None:
+    """(size, mtime_ns, sha256) of a text shard that is the one its recorded binary shard was made
+    from, else None. Same size and mtime: unchanged (no read). Same size, the mtime moved: unchanged
+    when its sha256 is the recorded one. No mtime recorded (a directory from before the record):
+    the size decides, as it did then, and the shard's stat and hash are recorded from now on."""
+    st = shard.stat()
+    sizes, mtimes, shas = (meta.get(k) if isinstance(meta.get(k), dict) else {}
+                           for k in ("text_shards", "text_mtime_ns", "text_sha256"))
+    if sizes.get(shard.name, st.st_size) != st.st_size:
+        return None
+    if mtimes.get(shard.name) == st.st_mtime_ns:
+        return st.st_size, st.st_mtime_ns, shas.get(shard.name)
+    sha = bs.file_sha256(shard)
+    if shard.name in mtimes:
+        if shas.get(shard.name) != sha:
+            return None
+        log(f"{shard.name}: modified time changed, content did not (same sha256): its binary shard is kept")
+    return st.st_size, st.st_mtime_ns, sha
 
 
 def planned_bytes(text_shard: Path, itemsize: int) -> int:
@@ -108,27 +133,30 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
                              bos_token_id=tokenizer.bos_token_id, replace=force)
     if replaced:
         log(f"removed {len(replaced)} binary shards made with another tokenizer (--force)")
-    recorded = (bs.read_meta(out_dir) or {}).get("text_shards") or {}
-    jobs = []
+    meta = bs.read_meta(out_dir) or {}
+    jobs, kept = [], {}
     for shard in shards:
         out = out_dir / bs.bin_name_for(shard)
-        same_text = recorded.get(shard.name, shard.stat().st_size) == shard.stat().st_size
-        if out.exists() and not force and same_text:
+        same_text = _unchanged(shard, meta, log) if out.exists() and not force else None
+        if same_text is not None:
             try:  # header, size and offsets, as a reader checks them (the BOS check reads the whole file)
                 if bs.BinShard(out, check_bos=False).header.fingerprint == tokenizer.fingerprint:
                     log(f"skip {out.name} (done)")
+                    kept[shard.name] = same_text
                     continue
             except ValueError:  # a corrupt leftover is simply rewritten
                 pass
         ds.open_text_shard(shard)  # schema errors before any work
         jobs.append((str(shard), str(out), threads))
     check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize)
-    sizes = {shard.name: shard.stat().st_size for shard in shards}  # before reading: what each bin is made from
     for stray in bs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
         log(f"removed {stray.name} (no text shard {stray.stem}.parquet any more)")
+    for name, (size, mtime_ns, sha) in kept.items():  # a moved mtime / an older record: refreshed
+        if (meta.get("text_mtime_ns") or {}).get(name) != mtime_ns:
+            bs.record_shard(out_dir, name, size, mtime_ns, sha)
     results = []
-    for r in _run_jobs(jobs, tokenizer, workers):
-        bs.record_shard(out_dir, r["text"], sizes[r["text"]])  # a rerun skips it even if this run dies
+    for r in _run_jobs(jobs, tokenizer, workers):  # recorded as it lands: a rerun skips it even if this run dies
+        bs.record_shard(out_dir, r["text"], r["text_bytes"], r["text_mtime_ns"], r["text_sha256"])
         log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
         results.append(r)
     check_has_text(shards, _bin_empty(out_dir), "only BOS after tokenizing")  # footers without statistics
@@ -150,12 +178,12 @@ def _run_jobs(jobs: list[tuple[str, str, int]], tokenizer, workers: int):
 
 def build_parser() -> FlagParser:
     ap = FlagParser(prog="python -m scripts.pretokenize", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, default=None,
+    ap.add_argument("--data-dir", type=ds.path_flag, default=None,
                     help="text shard directory (default $NANOCHAT_BASE_DIR/base_data)")
-    ap.add_argument("--out", type=Path, default=None,
+    ap.add_argument("--out", type=ds.path_flag, default=None,
                     help="output directory (default <data-dir>_tokens, the only place the dataloader looks: "
                          "shards written elsewhere are not used by training until moved there)")
-    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+    ap.add_argument("--tokenizer-dir", type=ds.path_flag, default=None,
                     help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
     ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker")
