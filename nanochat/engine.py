@@ -30,7 +30,8 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
     compiles and captures every bucket for batch 1 and 2, so no request pays for it (a new batch
     size captures on first use).
   * "static": the same fixed-shape step without capture, on any device (tests compare it with
-    eager decoding and with full recomputation on CPU).
+    eager decoding and with full recomputation on CPU). Its step is the plain model (or the
+    persistent kernel): only graphs compile theirs, so `graph_step` says "eager" here.
   * "compile": the dynamic-shape `torch.compile(model, dynamic=True)` of the cached forward.
   * "eager" (the default, what "auto" picks elsewhere): the plain model; no compile surprises
     inside training or eval loops.
@@ -143,7 +144,7 @@ class Engine:
     persistent Triton kernel, nanochat/triton_decode.py, other batch sizes compiled; auto:
     persistent where it can run on a GPU it was measured faster on and passes a one-step probe
     against the model, else `graph_fallback`: compiled, or eager for a quick start (chat_cli);
-    `graph_step_note` says what auto chose and why);
+    compiled only under graphs, eager elsewhere; the attribute says what runs, `graph_step_note` why);
     `fused_qkv`: generate inside the model's inference_weights() (one q/k/v matmul per layer;
     False for A/B benchmarks; persistent needs it); `sampler`: auto|torch|triton, how tokens are
     drawn (nanochat/sampling.py; auto: the Triton sampler on CUDA, `sampler_backend`
@@ -159,6 +160,11 @@ class Engine:
         if graph_fallback not in ("compiled", "eager"):
             raise ValueError(f"graph_fallback: got {graph_fallback!r}; accepted: compiled|eager")
         _check_int(decode_bucket, "decode_bucket", 1, "an integer >= 1")
+        if not isinstance(fused_qkv, bool):   # "off" was truthy: fused, and labelled so
+            raise ValueError(f"fused_qkv: got {fused_qkv!r}; accepted: True|False")
+        if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
+            raise ValueError(f"cache_dtype: got {cache_dtype!r}; accepted: None or a floating-point torch dtype "
+                             "(e.g. torch.bfloat16)")
         if graph_step == "persistent" and not fused_qkv:
             raise ValueError("graph_step: 'persistent' reads the fused q/k/v weights; it needs fused_qkv=True")
         self.model = model
@@ -172,11 +178,12 @@ class Engine:
         self.decode_mode = decode
         self.sampler = sampler
         self.sampler_backend = resolve_sampler(sampler, self.device, int(model.config.vocab_size))
-        self.decode_bucket, self.fused_qkv = decode_bucket, bool(fused_qkv)
+        self.decode_bucket, self.fused_qkv = decode_bucket, fused_qkv
         self.cache_dtype = cache_dtype or self._default_cache_dtype()
         self.graph_step_auto = graph_step == "auto"
-        # what runs where the persistent kernel does not (other batch sizes, a failed probe)
-        self.other_step = graph_fallback if self.graph_step_auto else "compiled"
+        # what runs where the persistent kernel does not (other batch sizes, a failed probe): the
+        # compiled step only inside CUDA graphs; every other mode's static steps run the plain model
+        self.other_step = "eager" if decode != "graphs" else graph_fallback if self.graph_step_auto else "compiled"
         self.graph_step, self.graph_step_note = self._resolve_graph_step(graph_step)
         if self.graph_step != "persistent":
             self.other_step = self.graph_step
@@ -197,6 +204,9 @@ class Engine:
     def _resolve_graph_step(self, request: str) -> tuple[str, str]:
         """(graph step, note): an explicit request as is; auto -> persistent where the batch-1
         kernel can run on this model and device and was measured faster, else other_step."""
+        if request == "compiled" and self.decode_mode != "graphs":
+            return "eager", (f"graph_step compiled: decode={self.decode_mode} runs its static steps on the plain "
+                             "model (only decode='graphs' compiles the step): eager")
         if request != "auto" or self.decode_mode not in ("static", "graphs"):
             return (self.other_step if request == "auto" else request), ""
         try:

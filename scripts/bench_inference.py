@@ -48,9 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated decode modes to compare: auto|graphs|compile|eager|static "
                         "(auto: graphs on CUDA, eager elsewhere)")
     p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="compiled",
-                   help="comma list of compiled|eager|persistent: what a static/graphs step runs "
-                        "(persistent: batch 1 as one persistent Triton kernel, nanochat/triton_decode.py); "
-                        "rows other than compiled are labelled <mode>/<graph step>")
+                   help="comma list of auto|compiled|eager|persistent: what a graphs step runs (persistent: "
+                        "batch 1 as one persistent Triton kernel, nanochat/triton_decode.py); static runs the plain "
+                        "model (compiled is eager there) or persistent; rows whose step is not the mode's own "
+                        "(graphs: compiled, static: eager) are labelled <mode>/<graph step>; warmup and decode rows "
+                        "name the step in graph_step")
     p.add_argument("--decode-bucket", "--decode_bucket", dest="decode_bucket", type=int, default=256,
                    help="attention length bucket of the static/graphs steps")
     p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
@@ -246,11 +248,18 @@ def label(engine) -> str:
     from nanochat.attention import DECODE_KERNEL, DEFAULT_DECODE_KERNEL
 
     kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
-    step = "" if engine.graph_step == "compiled" or engine.decode_mode not in ("static", "graphs") else f"/{engine.graph_step}"
+    own_step = {"graphs": "compiled", "static": "eager"}.get(engine.decode_mode)   # what the bare mode name means
+    step = "" if own_step in (None, engine.graph_step) else f"/{engine.graph_step}"
     sampler = "" if engine.sampler == "auto" else f"+{engine.sampler}"
     quant = getattr(engine.model, "quantization", "none")
     return (engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step + sampler
             + ("" if quant == "none" else f"+{quant}"))
+
+
+def graph_step_of(engine) -> str | None:
+    """What the engine's static/graphs steps run (Engine.graph_step); None for eager/compile decoding,
+    which has no such step (its Engine still says eager: what a BatchedEngine's rows would run)."""
+    return engine.graph_step if engine.decode_mode in ("static", "graphs") else None
 
 
 def bench_prefill(engine, rt, prompt, repeats) -> dict:
@@ -298,7 +307,8 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     step = statistics.median(decodes) / n
     weights = weight_bytes_per_step(engine.model, batch)
     kv = kv_bytes_per_step(engine, batch, len(prompt), n)
-    row = {"bench": "decode", "decode": label(engine), "batch": batch, "prompt_len": len(prompt),
+    row = {"bench": "decode", "decode": label(engine), "graph_step": graph_step_of(engine), "batch": batch,
+           "prompt_len": len(prompt),
            "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,
            "tok_per_s": batch / step, "weight_bytes": weights, "kv_bytes": int(kv),
            "bytes_per_step": int(weights + kv), "peak_mem_gb": rt.peak_memory_bytes() / 1e9,
@@ -365,7 +375,7 @@ def main(argv=None) -> int:
     static = ("static", "graphs") + (("auto",) if rt.device_type == "cuda" else ())
     runs = [(m, f, k, g, s) for m in args.decode for f in args.fused_qkv
             for k in (args.decode_kernel if m in static else args.decode_kernel[:1])
-            for g in (args.graph_step if m in static else args.graph_step[:1]) for s in args.sampler]
+            for g in graph_steps(m, args.graph_step, static) for s in args.sampler]
     try:
         for quant in args.quantize:
             quantize_model(model, quant)
@@ -378,6 +388,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def graph_steps(mode: str, requested: list[str], static: tuple) -> list[str]:
+    """The --graph-step values worth a run of `mode`: each one for graphs; for static, whose step
+    is the plain model unless persistent (Engine), compiled runs as eager, once; the first for the
+    modes without a static step (it does not matter there)."""
+    if mode == "static":
+        return list(dict.fromkeys("eager" if g == "compiled" else g for g in requested))
+    return requested if mode in static else requested[:1]
+
+
 def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows) -> None:
     """Warm up one Engine configuration, then time prefill and decode at every batch size."""
     from nanochat.engine import Engine
@@ -387,8 +406,9 @@ def _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler,
     t0 = time.perf_counter()
     warm = engine.warmup(all_buckets=False)  # the benchmark's buckets capture on first use
     first = first_request_ttft(engine, rt, prompt)   # what a server's first user sees after warmup
-    print(json.dumps({"bench": "warmup", "decode": label(engine), "seconds": warm, "first_ttft_s": first}),
-          flush=True)
+    print(json.dumps({"bench": "warmup", "decode": label(engine), "graph_step": graph_step_of(engine),
+                      "graph_step_note": graph_step_of(engine) and engine.graph_step_note, "seconds": warm,
+                      "first_ttft_s": first}), flush=True)
     for n in args.ttft_lengths:   # prompts of n distinct-from-earlier lengths, tokens 1..n
         ttft = first_request_ttft(engine, rt, [1 + i % (args.vocab_size - 1) for i in range(n)])
         print(json.dumps({"bench": "ttft_length", "decode": label(engine), "prompt_len": n, "ttft_s": ttft}),

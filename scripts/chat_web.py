@@ -24,23 +24,18 @@ finish, then are stopped and end with that error (a stream: an error event and [
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
 import ipaddress
 import os
-import signal
 import sys
-import threading
 
 from nanochat.flags import FlagParser
+from nanochat.serve_lifecycle import GRACE_S, check_port_free, run_server   # tests set chat_web.GRACE_S
 from nanochat.server import ServerSettings
 
 SOURCES = ("sft", "rl", "mid", "base")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")   # the names a loopback-bound server answers to
 # uvicorn's log levels (a name it does not know was a KeyError traceback after the model had loaded)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-GRACE_S = 5         # uvicorn's graceful shutdown: how long answers in progress get after Ctrl-C / SIGTERM
-STOP_EARLY_S = 1.0  # running generations are stopped this long before it ends, so each ends properly
 LIMITS = ("max_messages", "max_message_chars", "max_total_chars", "max_max_tokens", "max_top_k", "max_n",
           "max_body_bytes", "max_queue")
 
@@ -152,59 +147,6 @@ def validate(args: argparse.Namespace) -> None:
     settings_from_args(args, args.model_name or "pending")   # the limits, before any model loads
 
 
-def check_port_free(host: str, port: int) -> None:
-    """RequestError naming --host/--port when nothing can listen on host:port (another server has it):
-    said before the model loads and warms up (minutes on a GPU), not after, as uvicorn would."""
-    import socket
-
-    from nanochat.errors import RequestError
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # uvicorn's "::" socket is dual-stack (no IPV6_V6ONLY): it also collides with IPv4 listeners
-    dual = host == "::" and socket.has_dualstack_ipv6()
-    try:   # create_server sets SO_REUSEADDR as uvicorn does: a port in TIME_WAIT is not "in use"
-        socket.create_server((host, port), family=family, dualstack_ipv6=dual).close()
-    except OSError as e:
-        why = str(e.strerror or e).split(" (while")[0]   # create_server appends the address again
-        raise RequestError(f"--host/--port: cannot listen on {host}:{port} ({why}); stop the server using that "
-                           "port, choose another --port, or a --host address of this machine") from None
-
-
-class DrainOnSignal:
-    """The app as uvicorn.run serves it: Ctrl-C / SIGTERM first drains it (create_app's
-    app.state.drain, STOP_EARLY_S before uvicorn's grace period ends; a second signal: at once),
-    then uvicorn's own handler stops the server. Without it uvicorn cancels the answers still
-    running when its grace period ends: their clients see a connection cut mid-answer. uvicorn
-    installs its handlers as it starts serving, before it calls the app (lifespan startup): the
-    first call wraps them (main thread only: signals are delivered there); uvicorn restores its
-    predecessors when it stops."""
-
-    def __init__(self, app, grace_s: float = GRACE_S):
-        self.app, self.grace_s, self.hooked, self.signals = app, grace_s, False, 0
-
-    async def __call__(self, scope, receive, send):
-        if not self.hooked and threading.current_thread() is threading.main_thread():
-            self.hooked = True
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                handler = signal.getsignal(sig)
-                if callable(handler):
-                    signal.signal(sig, functools.partial(self._on_signal, loop, handler))
-        await self.app(scope, receive, send)
-
-    def _on_signal(self, loop, handler, sig, frame) -> None:
-        self.signals += 1
-        stop_after = max(self.grace_s - STOP_EARLY_S, 0.0) if self.signals == 1 else 0.0
-        loop.call_soon_threadsafe(self.app.state.drain, stop_after)   # the loop's thread, not mid-callback
-        handler(sig, frame)
-
-
-def _after_shutdown(sig, frame) -> None:
-    """SIGINT's and SIGTERM's handler around uvicorn.run: uvicorn raises the signals that stopped it
-    again once it has shut down, for the handlers it found; the default ones would end a clean
-    shutdown as killed by SIGTERM, or with a KeyboardInterrupt traceback after a second Ctrl-C."""
-
-
 def load_replicas(args) -> tuple[list, dict]:
     """One Engine per device: cuda:0..num_gpus-1, or a single CPU / MPS replica."""
     import torch
@@ -236,9 +178,7 @@ def load_replicas(args) -> tuple[list, dict]:
         warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's
         workers += replica
         mode = replica[0].engine.decode_mode
-        # outside CUDA graphs a non-persistent step is the plain model (Engine.new_decoder)
-        step = engine.graph_step if mode == "graphs" or engine.graph_step == "persistent" else "eager"
-        graph_step = f", graph step {step}" if mode in ("static", "graphs") else ""
+        graph_step = f", graph step {engine.graph_step}" if mode in ("static", "graphs") else ""
         batching = f", {args.batch_slots} batch slots" if args.batch_slots > 1 else ", one request at a time"
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
         print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
@@ -257,8 +197,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
     settings = settings_from_args(args, args.model_name or "pending")
 
-    import uvicorn
-
     from nanochat.chat_api import default_per_client
     from nanochat.http_guard import server_url
     from nanochat.server import WorkerPool, create_app
@@ -271,15 +209,7 @@ def main(argv=None) -> int:
     per_client = settings.max_concurrent_per_client or default_per_client(len(workers))  # what create_app uses
     print(f"serving {settings.model_name} on {server_url(args.host, args.port)} ({replicas} replica(s), "
           f"{len(workers)} generation slot(s), up to {per_client} concurrent request(s) per client)")
-    # signal handlers can be set only in the main thread; uvicorn replaces these while it serves
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-    try:
-        uvicorn.run(DrainOnSignal(app, GRACE_S), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=GRACE_S)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    run_server(app, args.host, args.port, args.log_level, grace_s=GRACE_S)
     return 0
 
 

@@ -8,7 +8,9 @@ latency (p50 / p95), as JSON lines and a table; exits 1 if any request or health
 
 Without --url the server runs in a subprocess (`--serve` mode of this script) so the load
 generator and the server do not share an interpreter; its per-client and queue limits are raised
-to the concurrency, since every request comes from 127.0.0.1.
+to the concurrency, since every request comes from 127.0.0.1. It stops as chat_web does on Ctrl-C /
+SIGTERM (queued requests answered server_shutting_down at once, running ones ended with that error,
+exit code 0).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    if args.source == "random" and args.model_tag is not None:   # it served the random model, the tag unread
+        raise ValueError(f"-g/--model-tag: got {args.model_tag!r} with the random model; accepted: a tag with "
+                         f"-i/--source {'|'.join(SOURCES[1:])}")
     require_float(args.health_interval, "--health-interval", 0.0, low_inclusive=False)
     require_float(args.timeout, "--timeout", 0.0, low_inclusive=False)
     require_int(args.port, "--port", 0)
@@ -106,9 +111,11 @@ def random_tiny_engine(corpus: str | None):
 
 
 def serve(args) -> int:
-    """Run the server in this process until killed (what the load test starts as a subprocess)."""
-    import uvicorn
-
+    """Run the server in this process (what the load test starts as a subprocess) until Ctrl-C /
+    SIGTERM, which shut it down in order as they do chat_web's (its DrainOnSignal: queued requests
+    get the server_shutting_down error at once, running answers after a short grace, never a cut
+    connection) and return 0, not a death by the re-raised signal."""
+    from nanochat.serve_lifecycle import run_server
     from nanochat.server import ServerSettings, WorkerPool, create_app, replica_workers
 
     if args.source == "random":
@@ -125,16 +132,23 @@ def serve(args) -> int:
     workers = replica_workers(engine, "cpu", args.batch_slots)
     workers[0].engine.warmup()
     app = create_app(WorkerPool(workers), settings)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    run_server(app, "127.0.0.1", args.port)
     return 0
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
+    """The --serve child on --port (0: a free one); returns it and its URL."""
     import socket
 
-    with socket.socket() as s:  # pick a free port, then hand it to the child
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from nanochat.serve_lifecycle import check_port_free
+
+    port = args.port
+    if port:   # in use: its /health could answer for another server, which would be load-tested
+        check_port_free("127.0.0.1", port, flag="--port")
+    else:
+        with socket.socket() as s:  # pick a free port, then hand it to the child
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "scripts.load_test", "--serve", "--port", str(port), "-i", args.source,
            "--concurrency", str(args.concurrency), "--batch-slots", str(args.batch_slots)]
     cmd += ["--model-tag", args.model_tag] if args.model_tag else []

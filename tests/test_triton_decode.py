@@ -147,12 +147,12 @@ buf[1:].copy_(saved.flatten())
 w.data = buf[1:].view(w.shape)
 engine = Engine(model, decode="static")
 assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
-assert engine.graph_step == "compiled" and "16 bytes" in engine.graph_step_note, engine.graph_step_note
+assert engine.graph_step == "eager" and "16 bytes" in engine.graph_step_note, engine.graph_step_note
 w.data = saved
 PersistentDecodeStep.launch = lambda self, ids, pos: self.logits.zero_()  # a kernel gone wrong
 engine = Engine(model, decode="static")
 assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
-assert engine.graph_step == "compiled" and "failed its probe" in engine.graph_step_note, engine.graph_step_note
+assert engine.graph_step == "eager" and "failed its probe" in engine.graph_step_note, engine.graph_step_note
 assert not isinstance(engine.decoders[1].step_model, PersistentDecodeStep)
 engine = Engine(model, decode="static", graph_fallback="eager")  # chat_cli's: the plain model's kernels
 assert engine.generate_batch(prompt, max_tokens=8, temperature=0.0)[0] == want
@@ -165,15 +165,15 @@ print("OK")
 def test_engine_auto_graph_step_probes_then_falls_back_interpreted(run_triton_interpreted):
     """graph_step auto (the default) picks the persistent step where it can run (here: the
     interpreter) and generates what eager does; a step that refuses the model, or whose logits do
-    not match the model's at the start-up probe, is dropped for the compiled step, with the
-    reason in graph_step_note."""
+    not match the model's at the start-up probe, is dropped for the other step (static decoding:
+    the plain model), with the reason in graph_step_note."""
     run_triton_interpreted(AUTO_SCRIPT, timeout=600)
 
 
-def test_engine_auto_graph_step_without_a_gpu_is_compiled(monkeypatch):
+def test_engine_auto_graph_step_without_a_gpu_is_the_plain_model(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    engine = Engine(_model(), decode="static")
-    assert engine.graph_step == "compiled" and "needs a CUDA GPU" in engine.graph_step_note
+    engine = Engine(_model(), decode="static")   # static steps compile nothing: the plain model
+    assert engine.graph_step == "eager" and "needs a CUDA GPU" in engine.graph_step_note
     assert Engine(_model()).graph_step_note == ""  # eager decoding: no step to choose
     model = _model()
     engine = Engine(model, decode="static", graph_fallback="eager")   # chat_cli's fallback
