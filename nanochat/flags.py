@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -120,7 +121,8 @@ def script_main(name: str, check, run) -> None:
     line (any ValueError there is a bad flag), then run() does the work (a RequestError there is a
     request that this machine or its files cannot meet: nanochat/errors.py). Either prints
     `<name>: error: <message>` and exits 2, with no traceback; run()'s int return value is the
-    exit code (anything else: 0).
+    exit code (anything else: 0). Under torchrun every rank exits so, and the line is said once
+    per node, not once per rank (_exit_with_error).
 
     Ctrl-C (a KeyboardInterrupt reaching here: any script's first one, or a training run's second,
     nanochat/loop.py) prints `<name>: interrupted` instead of a traceback, and the process then
@@ -132,7 +134,7 @@ def script_main(name: str, check, run) -> None:
         try:
             check()
         except ValueError as e:
-            _exit_with_error(name, e)
+            _exit_with_error(name, e, same_on_every_rank=True)
         try:
             code = run()
         except RequestError as e:
@@ -144,13 +146,46 @@ def script_main(name: str, check, run) -> None:
 
 
 _SAID = "_nanochat_said"   # set on an error once _exit_with_error has printed it
+# How long a torchrun rank that is not its node's speaker waits before its error exit: torchrun
+# tears the job down (SIGTERM) within its 0.1 s monitor interval of the speaker's exit, so the
+# speaker's line is the one said. A rank that exited at once could instead get the speaker
+# killed before it printed, and the user would see no line at all.
+SPEAKER_GRACE_S = 3.0
 
 
-def _exit_with_error(name: str, error: Exception) -> None:
-    # a stop (exit_code set) is the same on every rank: say it once, from rank 0
+def _speaks_for_its_node() -> bool:
+    """Whether this process says an error that every rank may share: every process outside
+    torchrun, and under it LOCAL_RANK 0 (so each node's own log gets the line). The variables are
+    read as nanochat.common's _torchrun_position reads them, without importing torch; where they
+    are malformed or inconsistent (which that function refuses, maybe on this rank alone) this
+    process speaks, so that no error goes unsaid."""
+    env = os.environ
+    if "LOCAL_RANK" not in env:
+        return True
+    try:
+        world, rank, local = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0")), int(env["LOCAL_RANK"])
+    except ValueError:
+        return True
+    consistent = "RANK" in env and 0 <= rank < world and 0 <= local < world
+    return local == 0 or not consistent
+
+
+def _exit_with_error(name: str, error: Exception, same_on_every_rank: bool = False) -> None:
+    """Print `<name>: error: <message>` and exit 2 (or the stop's exit_code). Under torchrun a stop
+    (exit_code set) is said by rank 0; a bad flag (`same_on_every_rank`: every rank checks the same
+    command line) by each node's speaker, the others waiting SPEAKER_GRACE_S and exiting 2 unsaid;
+    any other error by the speaker at once and by the other ranks after that wait, if torchrun has
+    not ended them by then (the error was theirs alone, e.g. a damaged shard of theirs)."""
     # marked first: a Ctrl-C that lands during the print is handled once it returns (_say_interrupted)
     setattr(error, _SAID, True)
-    if not hasattr(error, "exit_code") or os.environ.get("RANK", "0") == "0":
+    if hasattr(error, "exit_code"):
+        say = os.environ.get("RANK", "0") == "0"
+    elif _speaks_for_its_node():
+        say = True
+    else:
+        time.sleep(SPEAKER_GRACE_S)
+        say = not same_on_every_rank
+    if say:
         print(f"{name}: error: {error}", file=sys.stderr)
     sys.exit(getattr(error, "exit_code", 2))   # 2, or e.g. 143 for a run stopped by SIGTERM
 
