@@ -207,7 +207,8 @@ def test_shakespeare_copied_from_shared_data(tiny_corpus, tmp_path):
     paths = ds.get_shakespeare(tmp_path / "out", shared_dir=tiny_corpus)
     assert [p.name for p in paths] == ["shard_00000.parquet", "shard_00001.parquet"]
     assert read_docs(paths[1])[0].startswith("MACBETH")
-    assert json.loads((tmp_path / "out" / ds.SOURCE_FILE).read_text()) == {"source": "shakespeare"}
+    assert json.loads((tmp_path / "out" / ds.SOURCE_FILE).read_text()) == {
+        "source": "shakespeare", "complete": True, "shards": ["shard_00000.parquet", "shard_00001.parquet"]}
 
 
 # ---------------------------------------------------------------- damaged data: DataError / MissingDataError
