@@ -99,7 +99,16 @@
 # device tool (they are git-ignored). Logs go to $OUT (device tool) or ./out/gpu_check; a summary
 # table is printed last.
 set -uo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then   # the comment above, before any install
+  sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 SECTIONS=${1:-quick}
+# every section this script runs (each is tested by `has NAME` below): a misspelt one ran nothing
+KNOWN_SECTIONS=$(grep -o '\bhas [a-z0-9_]\+' "$0" | awk '{print $2}' | sort -u | tr '\n' ' ')
+for section in ${SECTIONS//,/ }; do
+  [[ " $KNOWN_SECTIONS" == *" $section "* ]] \
+    || { echo "gpu_check.sh: unknown section '$section'; accepted: $KNOWN_SECTIONS(--help)" >&2; exit 2; }
+done
 LOG=${OUT:-out/gpu_check}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1

@@ -8,6 +8,10 @@
 #                    16 cores), or transformer_engine_torch-*.whl built so on an earlier call
 # Everything goes into ${TE_SITE:-/tmp/te-site}; prints the PYTHONPATH entry to use.
 set -euo pipefail
+if [[ $# -gt 0 ]]; then   # it takes no arguments: --help (or anything) prints the comment above
+  sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ "$1" == -h || "$1" == --help ]]; exit $?
+fi
+[[ -f .te/core.whl.name ]] || { echo "te_install.sh: .te/core.whl.name not found: carry .te/ (see --help)" >&2; exit 2; }
 SITE=${TE_SITE:-/tmp/te-site}
 PY=${PYTHON:-python3}
 mkdir -p "$SITE" .te/wheels
