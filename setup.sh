@@ -532,6 +532,7 @@ source "$REPO/scripts/setup_env.sh"   # env_stage, env_done, rust_ready and thei
 if should_run env; then
   if [[ $DRY_RUN -eq 0 ]]; then env_stage
   elif env_done; then say "[env] done already (same config): skipping"
+  elif env_only_needs_bytecode; then say "[env] would compile the venv's packages to bytecode (no reinstall)"
   else
     say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"
     rust_ready || [[ $INSTALL_RUST -eq 1 ]] || warn "$NO_CARGO"

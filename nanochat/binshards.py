@@ -503,7 +503,8 @@ def check_complete(bin_dir: str | Path, text_shards: Sequence[Path] | None = Non
 
 def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     """Why the binary shards of bin_dir do not match `text_shards` (their names, sizes and, when
-    recorded, mtime_ns now: a shard rewritten at the same size is "modified since"), or
+    recorded, mtime_ns now, then sha256 where the mtime moved: a shard rewritten at the same size
+    is "modified since", a copy of the same bytes is not), or
     None when they match, or when there is nothing to compare (an older directory without a
     record, or no text shards at all: reading the binary shards alone is fine). Meaningful for a
     finished directory only: call check_complete first."""
@@ -515,8 +516,12 @@ def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     mtimes, now_mtimes = _record(meta, "text_mtime_ns"), {Path(p).name: Path(p).stat().st_mtime_ns for p in text_shards}
     strays = sorted(p.name for p in list_bin_shards(bin_dir) if p.stem not in {Path(n).stem for n in now})
     changed = sorted(n for n in now.keys() & recorded.keys() if now[n] != recorded[n])
-    touched = sorted(n for n in now.keys() & recorded.keys()   # rewritten at the same size: the mtime moved
-                     if now[n] == recorded[n] and mtimes.get(n, now_mtimes[n]) != now_mtimes[n])
+    shas, paths = _record(meta, "text_sha256"), {Path(p).name: Path(p) for p in text_shards}
+    # the mtime moved at the same size: rewritten, or copied without its times (cp -r, scp, a second
+    # node's copy); only those shards are hashed, and the recorded content passes
+    touched = sorted(n for n in now.keys() & recorded.keys()
+                     if now[n] == recorded[n] and mtimes.get(n, now_mtimes[n]) != now_mtimes[n]
+                     and shas.get(n) != file_sha256(paths[n]))
     if now == recorded and not strays and not touched:
         return None
     parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"

@@ -87,7 +87,10 @@ def list_shards(data_dir: str | Path) -> list[Path]:
     data_dir = Path(data_dir)
     shards = sorted(p for p in data_dir.glob("*.parquet") if not p.name.startswith(".")) \
         if data_dir.is_dir() else []
-    recorded = _read_marker(data_dir / SOURCE_FILE) if data_dir.is_dir() else None
+    try:
+        recorded = _read_marker(data_dir / SOURCE_FILE) if data_dir.is_dir() else None
+    except DataError:   # a torn marker of an older writer, or someone else's file: no record to check
+        recorded = None
     if recorded is not None:
         _check_shard_set(data_dir, recorded, shards)
     if not shards:

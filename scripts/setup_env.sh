@@ -60,8 +60,17 @@ compile_bytecode() {
   say "bytecode: the venv's packages compiled in $((SECONDS - t0)) s ($failed file(s) skipped, see $log)"
 }
 NO_CC="cc (a C compiler, the linker Rust uses) not found: install one (Debian/Ubuntu: sudo apt-get install build-essential) and rerun"
+env_only_needs_bytecode() {  # a venv set up before compile_bytecode existed, the same otherwise
+  [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text | grep -vx 'bytecode=compiled')" ]] \
+    && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
+}
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
+  if env_only_needs_bytecode; then   # no reinstall (which would need the network, cargo and cc)
+    compile_bytecode
+    env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
+    say "[env] done already (same config; its packages compiled to bytecode now)"; return 0
+  fi
   CURRENT_STAGE=env
   rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
   command -v cc >/dev/null 2>&1 || die "$NO_CC"

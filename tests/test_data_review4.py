@@ -63,14 +63,14 @@ def test_text_shard_changed_at_the_same_size_is_stale_and_redone(text_dir, tmp_p
 
 
 def test_touched_but_unchanged_text_shard_is_not_retokenized(text_dir, tmp_path):
-    """mtime moved (a copy without -p, `touch`), content the same: the loader calls it stale (it
-    only stats), and a plain rerun compares the recorded sha256 instead of tokenizing again."""
+    """mtime moved (a copy without -p, `touch`), content the same: the loader hashes that shard and
+    takes it, and a plain rerun compares the recorded sha256 instead of tokenizing again."""
     out = tmp_path / "bin"
     shards = sorted(text_dir.glob("*.parquet"))
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     st = shards[2].stat()
     os.utime(shards[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert bs.stale_reason(out, shards) == "modified since at the same size: shard_00002.parquet"
+    assert bs.stale_reason(out, shards) is None
     logged = []
     assert pt.pretokenize(shards, out, ByteTokenizer(), log=logged.append) == []
     assert any("shard_00002" in line and "sha256" in line for line in logged)
@@ -92,6 +92,32 @@ def test_loader_refuses_binary_shards_of_a_text_shard_changed_at_the_same_size(t
     pt.pretokenize(shards, bin_dir, ByteTokenizer(), log=quiet)
     dl = DataLoader(ByteTokenizer(), 2, 16, "train", data_dir=text_dir, prefetch=0)
     assert dl.describe_source().startswith("binary token shards")
+
+
+def test_loader_takes_text_shards_copied_without_their_times(text_dir):
+    """A copy that does not keep mtimes (cp -r, scp, a second node's copy) has the same bytes: the
+    loader hashes the shards whose mtime moved and reads the binary shards (read-only review)."""
+    from nanochat.dataloader import DataLoader
+    bin_dir = bs.default_bin_dir(text_dir)
+    shards = sorted(text_dir.glob("*.parquet"))
+    pt.pretokenize(shards, bin_dir, ByteTokenizer(), log=quiet)
+    for shard in shards:
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    dl = DataLoader(ByteTokenizer(), 2, 16, "train", data_dir=text_dir, prefetch=0)
+    assert dl.describe_source().startswith("binary token shards")
+
+
+def test_a_source_marker_that_is_not_ours_does_not_stop_reading(tmp_path):
+    """list_shards reads source.json for the shard-set record: a torn marker of an older writer (or
+    another tool's file) is no record, not a stop (read-only review)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    ds.write_text_shards(d, ["a", "b"], ["c"], shard_chars=1)
+    want = ds.list_shards(d)
+    for junk in ("", "[1, 2]", '{"source": "x"'):
+        (d / ds.SOURCE_FILE).write_text(junk)
+        assert ds.list_shards(d) == want
 
 
 # ---------------------------------------------------------------- defect 2: interrupted import
