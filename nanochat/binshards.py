@@ -24,9 +24,9 @@ directory and the command that finishes it; `stale_reason` then tells when the t
 since. Besides each text shard's size, a run records its mtime_ns (`text_mtime_ns`) and sha256
 (`text_sha256`, hashed by the worker as it tokenizes: ~0.1 s a 100 MB shard against its tokenizing
 time): a reader compares size + mtime_ns (a stat per shard: cheap at every loader start, where
-hashing 100+ shards of ~100 MB would read 10+ GB), so a shard rewritten at the same size is stale;
-pretokenize, when only the mtime moved (a copy, `touch`), compares the sha256 and keeps the binary
-shard if the content is the same. A directory recorded before these keys has its sizes compared
+hashing 100+ shards of ~100 MB would read 10+ GB) and hashes only the shards whose mtime moved (a
+rewrite at the same size is stale; a copy without its times, or `touch`, has the recorded sha256
+and is not); pretokenize does the same, keeping such a binary shard and recording the new mtime. A directory recorded before these keys has its sizes compared
 only. Directories written before `complete` existed count as complete when they carry the
 `text_shards` record (older ones still: when their shards match the text shards by name).
 
