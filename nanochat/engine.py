@@ -52,7 +52,6 @@ second decodes eagerly with a private cache instead of sharing the persistent on
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import operator
 from collections import deque
@@ -306,6 +305,13 @@ class Engine:
         decoder.busy = True
         return decoder
 
+    def step_at(self, batch_size: int) -> str | None:
+        """What a static/graphs step of `batch_size` rows runs: graph_step, except that the persistent
+        kernel runs batch 1 only (other batches run other_step); None when this mode has no such step."""
+        if self.decode_mode not in ("static", "graphs"):
+            return None
+        return self.graph_step if self.graph_step != "persistent" or batch_size == 1 else self.other_step
+
     def new_decoder(self, cache, *, per_row: bool = False) -> StaticDecoder:
         """A static decoder over `cache` running this engine's graph step (the persistent kernel
         at batch 1 when chosen, else other_step), captured as CUDA graphs under decode="graphs"."""
@@ -546,67 +552,3 @@ class Engine:
                 results[i].append(token)
                 masks[i].append(mask)
         return results, masks
-
-
-class TextStream:
-    """Token ids -> text deltas for streaming display.
-
-    Decodes the tokens' bytes incrementally, so a character split across tokens (or across
-    several, as in large byte-level BPE vocabularies) appears once it is complete and never as
-    U+FFFD; bytes that cannot become UTF-8 show as U+FFFD as soon as that is known. Renders special
-    tokens through `special_text` (unlisted specials show as nothing), and, given `stop_strings`,
-    cuts the text at the first stop string, holding back any tail that could still become one.
-    `feed` returns the new text; `finish` flushes the rest.
-    """
-
-    def __init__(self, tokenizer, stop_strings: Sequence[str] = (), special_text: dict[int, str] | None = None):
-        self.tokenizer = tokenizer
-        self.stop_strings = [s for s in stop_strings if s]
-        self.special_text = special_text or {}
-        self._specials = {tokenizer.encode_special(name) for name in tokenizer.special_tokens} \
-            if hasattr(tokenizer, "special_tokens") else set(self.special_text)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""        # everything decoded so far (cut at a stop string)
-        self.emitted = 0      # how many characters of self.text were returned
-        self.stopped = False  # a stop string was found
-
-    def _flush(self) -> str:
-        """What an incomplete character held back so far comes to (U+FFFD) before a special token
-        or the end."""
-        return self._utf8.decode(b"", final=True)
-
-    def feed(self, token: int) -> str:
-        if self.stopped:
-            return ""
-        if token in self._specials:
-            self.text += self._flush() + self.special_text.get(token, "")
-        else:
-            self.text += self._utf8.decode(self.tokenizer.decode_bytes([token]))
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self._flush()
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
-        if self.stop_strings and not self.stopped:
-            longest = max(len(s) for s in self.stop_strings)
-            start = max(0, self.emitted - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
-        end = len(self.text)
-        if self.stop_strings and not self.stopped and not final:
-            end -= self._held_tail()
-        out = self.text[self.emitted:end]
-        self.emitted = max(self.emitted, end)
-        return out
-
-    def _held_tail(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        for n in range(min(max(len(s) for s in self.stop_strings) - 1, len(self.text) - self.emitted), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop_strings):
-                return n
-        return 0

@@ -45,8 +45,9 @@ from pathlib import Path
 from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_per_client,  # noqa: F401
                                parse_chat_request, prompt_messages)
 from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
-from nanochat.engine import TOOL_TEXT, TextStream
+from nanochat.engine import TOOL_TEXT
 from nanochat.http_guard import HostGuard, csp, read_json, require_json
+from nanochat.text_stream import TextStream
 
 UI_PATH = Path(__file__).with_name("ui.html")
 

@@ -244,12 +244,17 @@ def timed(rt, fn) -> float:
     return time.perf_counter() - t0
 
 
-def label(engine) -> str:
+def label(engine, batch: int | None = None) -> str:
+    """The engine's configuration as a row label; with `batch`, the step that batch really runs
+    (the persistent kernel runs batch 1 only: a batch-8 row of a persistent engine says so)."""
     from nanochat.attention import DECODE_KERNEL, DEFAULT_DECODE_KERNEL
 
     kernel = "" if DECODE_KERNEL == DEFAULT_DECODE_KERNEL or engine.decode_mode not in ("static", "graphs") else f"/{DECODE_KERNEL}"
     own_step = {"graphs": "compiled", "static": "eager"}.get(engine.decode_mode)   # what the bare mode name means
-    step = "" if own_step in (None, engine.graph_step) else f"/{engine.graph_step}"
+    runs = engine.graph_step if batch is None or own_step is None else engine.step_at(batch)
+    step = "" if own_step in (None, runs) else f"/{runs}"
+    if own_step and runs != engine.graph_step:
+        step += f"(not {engine.graph_step})"
     sampler = "" if engine.sampler == "auto" else f"+{engine.sampler}"
     quant = getattr(engine.model, "quantization", "none")
     return (engine.decode_mode + ("" if engine.fused_qkv else "/unfused") + kernel + step + sampler
@@ -307,7 +312,7 @@ def bench_decode(engine, rt, prompt, batch, n, repeats, bandwidth_gbs) -> dict:
     step = statistics.median(decodes) / n
     weights = weight_bytes_per_step(engine.model, batch)
     kv = kv_bytes_per_step(engine, batch, len(prompt), n)
-    row = {"bench": "decode", "decode": label(engine), "graph_step": graph_step_of(engine), "batch": batch,
+    row = {"bench": "decode", "decode": label(engine, batch), "graph_step": engine.step_at(batch), "batch": batch,
            "prompt_len": len(prompt),
            "decode_tokens": n, "ttft_s": statistics.median(firsts), "step_ms": step * 1e3,
            "tok_per_s": batch / step, "weight_bytes": weights, "kv_bytes": int(kv),

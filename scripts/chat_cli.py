@@ -141,7 +141,8 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     as parts. A reply cut off because the context is full gets a note on stderr, ending with
     `full_hint` (what to do about it), and one cut off at --max-tokens a note saying so."""
     out = sys.stdout if out is None else out
-    from nanochat.engine import TOOL_TEXT, TextStream, assistant_parts
+    from nanochat.engine import TOOL_TEXT, assistant_parts
+    from nanochat.text_stream import TextStream
 
     terminal = bool(getattr(out, "isatty", lambda: False)())
 

@@ -206,7 +206,8 @@ def test_streamed_tool_calls_in_history_render_as_the_model_wrote_them(srv, chat
     as the tokens the model generated (python / python_output parts, as SFT trained), not as the
     literal text. A refused or cut-off call, or text that only looks like one, stays text."""
     from nanochat.chat_api import tool_call_parts
-    from nanochat.engine import TOOL_TEXT, TextStream
+    from nanochat.engine import TOOL_TEXT
+    from nanochat.text_stream import TextStream
     from nanochat.tokenizer import assistant_parts
 
     tok = chat_model[1]

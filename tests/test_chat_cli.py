@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanochat.engine import TOOL_TEXT, Engine, TextStream
+from nanochat.engine import TOOL_TEXT, Engine
+from nanochat.text_stream import TextStream
 from tests.test_engine import prompt_for, tiny_chat_model
 
 

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat.engine import Engine, TextStream, assistant_parts
+from nanochat.engine import Engine, assistant_parts
+from nanochat.text_stream import TextStream
 
 SEQ_LEN = 256
 

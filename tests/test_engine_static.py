@@ -251,3 +251,18 @@ def test_bench_inference_timeline_busy_and_idle_gaps():
     assert busy == 100.0 + 7.0 + 88.0
     assert gaps == {"step -> sample": [1, 3.0], "sample -> step": [1, 2.0]}
     assert timeline([]) == (0.0, {})
+
+
+def test_step_at_says_the_persistent_kernel_runs_batch_one_only():
+    """A persistent engine's batch-8 rows ran the fallback step but bench_inference labelled them
+    persistent (JSON graph_step and the table's decode column)."""
+    from scripts.bench_inference import label
+
+    model = random_model("cpu")
+    persistent = Engine(model, None, decode="static", graph_step="persistent")
+    assert persistent.step_at(1) == "persistent" and persistent.step_at(8) == "eager"
+    assert label(persistent) == "static/persistent" and label(persistent, 1) == "static/persistent"
+    assert label(persistent, 8) == "static(not persistent)"
+    plain = Engine(model, None, decode="static")
+    assert plain.step_at(8) == "eager" and label(plain, 8) == "static"
+    assert Engine(model, None, decode="eager").step_at(1) is None
