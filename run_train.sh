@@ -275,8 +275,29 @@ def check_device(device: str, nproc: int) -> None:
               "each process gets less than a core", file=sys.stderr)
 
 
+def check_free(cfg) -> None:
+    """A run already saving into this tag's checkpoint directory (./setup.sh's pretrain stage, a
+    base_train in another terminal) would refuse this one in the log only: say it here."""
+    from nanochat.checkpoint import checkpoint_dir
+    from nanochat.common import get_base_dir
+    from nanochat.writer_lock import holder, refusal
+
+    tag = cfg.model_tag or f"d{cfg.depth}"
+    try:   # a run this script started: the check below names its pid, log and --stop
+        os.kill(int((get_base_dir() / "runs" / tag / "pid").read_text()), 0)
+        return
+    except (OSError, ValueError):
+        pass
+    ckpt_dir = checkpoint_dir("base", tag, get_base_dir())
+    who = holder(ckpt_dir)
+    if who:
+        raise ValueError(refusal(ckpt_dir, who))
+
+
 try:
-    check_device(parse_config(sys.argv[2:]).device, int(sys.argv[1]))
+    cfg = parse_config(sys.argv[2:])
+    check_device(cfg.device, int(sys.argv[1]))
+    check_free(cfg)
 except ValueError as e:
     print(f"run_train.sh: error: {e}", file=sys.stderr)
     sys.exit(2)

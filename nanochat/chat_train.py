@@ -318,8 +318,10 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
     from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, read_meta, step_dirname
     from nanochat.distributed import check_shared_dir
     from nanochat.tokenizer import get_tokenizer
+    from nanochat.writer_lock import claim_checkpoint_dir
     tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
+    claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
     if resume_at is not None and cfg.resume == "auto":
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)

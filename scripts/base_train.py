@@ -286,12 +286,14 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.kernels import check_kernel
     from nanochat.distributed import check_shared_dir
     from nanochat.training import check_precision, setup_precision_and_kernel
+    from nanochat.writer_lock import claim_checkpoint_dir
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
     model_tag = cfg.model_tag or f"d{cfg.depth}"
     ckpt_dir = checkpoint_dir("base", model_tag, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
+    claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
 
     check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run these? (raises)
     check_kernel(cfg.kernel, rt.device)

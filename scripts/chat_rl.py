@@ -244,7 +244,9 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.tasks import GSM8K
     from nanochat.tasks.evaluate import run_generative
     from nanochat.tokenizer import get_tokenizer
+    from nanochat.distributed import check_shared_dir
     from nanochat.tracker import Tracker
+    from nanochat.writer_lock import claim_checkpoint_dir
     from nanochat.training import StepMeter, restore_rng_state
 
     if cfg.decode == "graphs" and rt.device.type != "cuda":   # the Engine would refuse it after the load
@@ -252,6 +254,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                            "auto|eager|compile|static")
     base_dir = get_base_dir()
     tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
+    check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
+    claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
     if resume_at is None:   # a fresh run into a tag holding rl checkpoints: refused now, not after the load
         fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)
     # data before the model: the problems trained on, and the ones scored (never the same: with

@@ -148,3 +148,12 @@ def sft_checkpoint(chat_model, tmp_path, monkeypatch):
     save_checkpoint(checkpoint_dir("sft", "d2", tmp_path), 7, model_state=model.state_dict(),
                     meta={"model_config": asdict(model.config), "tokenizer_fingerprint": tokenizer.fingerprint})
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _release_writer_locks():
+    """In-process training runs hold their checkpoint directory's writer lock for the process's
+    life (nanochat/writer_lock.py): a test's run must not keep its tmp dir's lock (and fd) open."""
+    yield
+    from nanochat import writer_lock
+    writer_lock.release_all()

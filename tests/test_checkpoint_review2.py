@@ -179,7 +179,7 @@ def test_a_run_killed_mid_save_resumes_exactly_from_the_last_complete_checkpoint
     resumed = base_train.main(TINY + env + ["--model-tag", "cut", "--keep-last", "1", "--resume", "auto"])
     assert sorted(resumed["losses"]) == [4, 5, 6, 7]
     assert all(resumed["losses"][s] == straight["losses"][s] for s in range(4, 8))   # exact, not approx
-    assert sorted(p.name for p in d.iterdir()) == ["latest.json", "step_000008"]
+    assert sorted(p.name for p in d.iterdir()) == [".writer.lock", "latest.json", "step_000008"]
     a = ck.load_checkpoint(ck.checkpoint_dir("base", "straight", base_dir), 8, load_optimizer=True)
     b = ck.load_checkpoint(d, 8, load_optimizer=True)
     assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
