@@ -60,3 +60,6 @@ def load_reference(name: str) -> tuple[tiktoken.Encoding | None, str | None]:
             return tiktoken.get_encoding(name), None
     except DownloadBlocked as e:
         return None, f"not in tiktoken's cache {cache} (loading would download {e.args[0]})"
+    except OSError as e:  # tiktoken opens a cached entry unguarded: another user's 0600 file in a
+        # shared /tmp/data-gym-cache, or a directory in its place, ended tok_eval with a traceback
+        return None, f"cannot read tiktoken's cache {cache} ({type(e).__name__}: {e})"

@@ -95,6 +95,15 @@ class TokenizerError(RequestError):
         super().__init__(f"tokenizer at {self.path}: {problem}; {_HOW_TO_CREATE}")
 
 
+class VocabTooLargeError(ValueError):
+    """Tokenizer.train: the text runs out of pairs to merge before `vocab_size`; `supported` is the
+    largest vocab_size it gives (callers with flags, e.g. tok_train, name their own)."""
+
+    def __init__(self, message: str, supported: int):
+        super().__init__(message)
+        self.supported = supported
+
+
 class _SafeUnpickler(pickle.Unpickler):
     """tokenizer.pkl holds only dict/list/str/bytes/int, so any global lookup means tampering."""
 
@@ -297,10 +306,10 @@ class Tokenizer:
         assert len(ranks) == len(ranks_list), "rustbpe returned duplicate tokens"
         got = len(ranks) + len(SPECIAL_TOKENS)
         if got != vocab_size:
-            raise ValueError(
+            raise VocabTooLargeError(
                 f"vocab_size: requested {vocab_size} but {counter.docs} documents "
                 f"({counter.chars:,} chars) only support {got}; accepted: a smaller vocab_size "
-                "or more training text")
+                "or more training text", got)
         assert trainer.get_pattern() == pattern, "rustbpe changed the split pattern"
         return cls(pattern, ranks)
 
@@ -405,7 +414,11 @@ class Tokenizer:
         post = self._resolve_token(append, "append")
         if isinstance(text, str):
             batch, single = [text], True
-        elif isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+        elif isinstance(text, (list, tuple)):
+            bad = next((i for i, t in enumerate(text) if not isinstance(t, str)), None)
+            if bad is not None:   # "got list; accepted: list[str]" did not say which item was wrong
+                raise TypeError(f"text[{bad}]: got {type(text[bad]).__name__} {text[bad]!r:.40}; accepted: "
+                                "str or list[str]")
             batch, single = text, False
         else:
             raise TypeError(f"text: got {type(text).__name__}; accepted: str or list[str]")

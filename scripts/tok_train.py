@@ -5,12 +5,15 @@
 
 Reads documents from the train split (nanochat.dataset), caps each at --doc-cap characters and
 stops after --max-chars in total, trains with rustbpe, checks an encode/decode round trip and
-writes tokenizer.pkl + token_bytes.pt to --output-dir (default: <base dir>/tokenizer).
+writes tokenizer.pkl + token_bytes.pt to --output-dir (default: <base dir>/tokenizer). A different
+tokenizer already there is kept in <output dir>/replaced/<its fingerprint>/ (checkpoints made with
+it need it back).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +21,8 @@ from typing import Iterator
 
 from nanochat.flags import FlagParser, script_main
 from nanochat.errors import RequestError
-from nanochat.tokenizer import MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, tokenizer_dir
+from nanochat.tokenizer import (MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, VocabTooLargeError,
+                                tokenizer_dir)
 
 # Text the sanity check round-trips: prose, code, digits, whitespace runs, non-ASCII, and a typed
 # special-token string that must come back as plain text.
@@ -49,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-cap", dest="doc_cap", type=count, default=10_000,
                    help="use at most this many characters of each document (default 10000)")
     p.add_argument("--tokenizer-threads", dest="tokenizer_threads", type=int, default=None,
-                   help=f"rayon threads for training, 1..{MAX_TRAIN_THREADS} (default: all cores)")
+                   help=f"rayon threads for training, 1..{MAX_TRAIN_THREADS} (default: RAYON_NUM_THREADS if set "
+                        "and not 0, else all cores)")
     p.add_argument("--tokenizer-batch-size", dest="tokenizer_batch_size",
                    type=int, default=8192, help="documents handed to Rust per batch (default 8192)")
     p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
@@ -81,6 +86,7 @@ def training_text(data_dir: Path, max_chars: int, doc_cap: int, stats: dict) -> 
     from nanochat.dataset import iter_documents
 
     for text, _cursor in iter_documents(data_dir, "train"):
+        stats["capped"] += len(text) > doc_cap
         text = text[: min(doc_cap, max_chars - stats["chars"])]
         stats["docs"] += 1
         stats["chars"] += len(text)
@@ -120,6 +126,41 @@ def previous_fingerprint(output_dir: Path) -> str | None:
         return None
 
 
+def threads_label(threads: int | None) -> str:
+    """What the training threads will be: --tokenizer-threads, else RAYON_NUM_THREADS (rustbpe
+    reads it; 0 or empty = all cores), else all cores."""
+    env = os.environ.get("RAYON_NUM_THREADS", "").strip()
+    return str(threads) if threads else f"RAYON_NUM_THREADS={env}" if env not in ("", "0") else "all"
+
+
+def too_little_text(args: argparse.Namespace, stats: dict, data_dir: Path, supported: int) -> RequestError:
+    """The error for a --vocab-size the text read cannot reach, naming the flag(s) that limited it."""
+    raise_flags = (["--max-chars"] if stats["chars"] >= args.max_chars else []) + \
+        (["--doc-cap"] if stats["capped"] else [])
+    more = f"raise {' / '.join(raise_flags)}" if raise_flags else \
+        "more documents (the whole train split was read)"
+    return RequestError(
+        f"--vocab-size: got {args.vocab_size}, but the {stats['docs']:,} documents ({stats['chars']:,} chars) read "
+        f"from the train split of {data_dir} support at most {supported} (then no pair is left to merge); "
+        f"accepted: --vocab-size {supported} or less, or more text: {more}")
+
+
+def keep_replaced(output_dir: Path, fingerprint: str) -> Path:
+    """Copy the tokenizer about to be replaced into output_dir/replaced/<fingerprint[:16]>/: checkpoints
+    made with it load only beside it ("restore the original tokenizer"), and retraining it needs the
+    same text and flags. Copied, not moved: output_dir holds a whole tokenizer throughout."""
+    import shutil
+
+    from nanochat.tokenizer import PICKLE_NAME, TOKEN_BYTES_NAME
+
+    kept = Path(output_dir) / "replaced" / fingerprint[:16]
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in (TOKEN_BYTES_NAME, PICKLE_NAME):   # the pickle last: it names what the folder holds
+        if (Path(output_dir) / name).is_file():
+            shutil.copy2(Path(output_dir) / name, kept / name)
+    return kept
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, validated before any data is read: a bad one raises ValueError naming it (under
     script_main one line, exit 2)."""
@@ -144,19 +185,21 @@ def main(argv: list[str] | None = None) -> None:
 
     print("tok_train config:")
     for key, value in (("vocab_size", args.vocab_size), ("max_chars", f"{args.max_chars:,}"),
-                       ("doc_cap", f"{args.doc_cap:,}"), ("tokenizer_threads", args.tokenizer_threads or "all"),
+                       ("doc_cap", f"{args.doc_cap:,}"), ("tokenizer_threads", threads_label(args.tokenizer_threads)),
                        ("tokenizer_batch_size", args.tokenizer_batch_size), ("data_dir", data_dir),
                        ("train_shards", len(shards)), ("output_dir", output_dir)):
         print(f"  {key:<22} {value}")
 
-    stats = {"docs": 0, "chars": 0}
+    stats = {"docs": 0, "chars": 0, "capped": 0}
     t0 = time.perf_counter()
     try:
         tok = Tokenizer.train(training_text(data_dir, args.max_chars, args.doc_cap, stats), args.vocab_size,
                               threads=args.tokenizer_threads, batch_size=args.tokenizer_batch_size)
     except RequestError:  # a damaged shard (DataError): already names the file
         raise
-    except ValueError as e:  # no text in the train split, or too little for --vocab-size
+    except VocabTooLargeError as e:
+        raise too_little_text(args, stats, data_dir, e.supported) from e
+    except ValueError as e:  # e.g. no text in the train split
         raise RequestError(f"cannot train a tokenizer on the train split of {data_dir}: {e}") from e
     elapsed = time.perf_counter() - t0
     print(f"trained on {stats['docs']:,} documents ({stats['chars']:,} chars) in {elapsed:.2f} s: "
@@ -165,10 +208,12 @@ def main(argv: list[str] | None = None) -> None:
 
     sanity_check(tok)
     replaced = previous_fingerprint(output_dir)
+    kept = keep_replaced(output_dir, replaced) if replaced not in (None, tok.fingerprint) else None
     tok.save(output_dir)
-    if replaced not in (None, tok.fingerprint):   # silently, checkpoints of the old one stopped loading
+    if kept is not None:   # silently, checkpoints of the old one stopped loading
         print(f"replaced the tokenizer {replaced[:12]} that was in {output_dir}: checkpoints and binary token "
-              "shards made with it no longer match (retrain / re-run pretokenize)")
+              f"shards made with it no longer match (retrain / re-run pretokenize); it is kept in {kept}: copy "
+              f"its two files back into {output_dir} to restore it")
     print(f"saved {output_dir / 'tokenizer.pkl'} and {output_dir / 'token_bytes.pt'}")
     print(f"fingerprint {tok.fingerprint}")
     if Path(output_dir).resolve() != tokenizer_dir().resolve():
