@@ -117,6 +117,13 @@ def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
             store.set(f"{key}/marker", "")
             raise RequestError(f"{what} {path}: rank 0 cannot write there ({e.strerror})") from e
         store.set(f"{key}/marker", f"{marker.name}\n{token}")
+    else:   # store.get alone would wait the store's own timeout (30 min on gloo), not timeout_s
+        try:
+            store.wait([f"{key}/marker"], timedelta(seconds=timeout_s))
+        except dist.DistError:
+            raise BarrierTimeout(
+                f"shared {what} check: rank(s) [0] of {world} did not arrive within {timeout_s:.0f}s (seen from "
+                f"rank {rank}). Rank 0 crashed (see its log), hangs, or cannot reach {path}") from None
     name, _, token = store.get(f"{key}/marker").decode().partition("\n")
     if not name:
         raise RequestError(f"{what} {path}: rank 0 cannot write there (see rank 0's log)")
@@ -218,8 +225,13 @@ def check_nccl_env(env: Mapping[str, str] | None = None, *, sys_root: str | Path
         raise ValueError(f"NCCL_NVLS_ENABLE={nvls}: NVLink multicast must stay off in this project; "
                          "unset it or set NCCL_NVLS_ENABLE=0")
     if multi_node is None:
-        world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-        multi_node = world > local
+        sizes = {}
+        for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):   # torchrun sets both; int()'s message names neither
+            raw = env.get(var, env.get("WORLD_SIZE", "1"))
+            if not raw.strip().isdigit():
+                raise ValueError(f"{var}={raw}: accepted: an integer >= 1 (torchrun sets it; unset it without torchrun)")
+            sizes[var] = int(raw)
+        multi_node = sizes["WORLD_SIZE"] > sizes["LOCAL_WORLD_SIZE"]
     ifaces = list_net_interfaces(sys_root)
     if env.get("NCCL_SOCKET_IFNAME"):
         mode, names = _split_list(env["NCCL_SOCKET_IFNAME"])
@@ -294,8 +306,9 @@ def allreduce_bandwidth(sizes_bytes: Iterable[int], *, device: torch.device | st
 
 def format_bandwidth_table(rows: list[dict]) -> str:
     lines = [f"{'size':>10} {'time ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
-    for r in rows:
-        lines.append(f"{r['bytes'] / 2**20:>8.1f}Mi {r['seconds'] * 1e3:>10.3f} {r['algbw_gbs']:>11.2f} "
+    for r in rows:   # KiB below 1 MiB: the CPU default 64 KiB read "0.1Mi"
+        size = f"{r['bytes'] / 2**20:>8.1f}Mi" if r["bytes"] >= 2**20 else f"{r['bytes'] / 2**10:>8.1f}Ki"
+        lines.append(f"{size} {r['seconds'] * 1e3:>10.3f} {r['algbw_gbs']:>11.2f} "
                      f"{r['busbw_gbs']:>11.2f}")
     return "\n".join(lines)
 
@@ -404,6 +417,9 @@ def run_selftest(*, nproc: int | None = None, sizes_bytes: list[int] | None = No
 
     import torch.multiprocessing as mp
 
+    if "RANK" in os.environ and nproc is not None:   # it would test the launch's ranks without a word
+        raise ValueError(f"--nccl-procs: got {nproc}; accepted: only without torchrun (under torchrun its "
+                         "--nproc_per_node sets the processes)")
     cuda = torch.cuda.is_available()
     nccl_env_defaults()
     warnings = check_nccl_env()

@@ -63,6 +63,10 @@ NNODES=$((10#$NNODES))
 is_uint "$NODE_RANK" && (( 10#$NODE_RANK < NNODES )) || die "--node-rank: got '$NODE_RANK'; accepted: 0..$((NNODES - 1))"
 NODE_RANK=$((10#$NODE_RANK))
 [[ -n $MASTER_ADDR_ ]] || die "--master-addr: required (node 0's address on the fast link)"
+# "10.0.0.1:29500" (one colon: a port; an IPv6 address has several) resolves nowhere: node 0 waits
+# while every other node retries it with a gai warning until torchrun's 600 s rendezvous timeout
+[[ ! $MASTER_ADDR_ =~ ^[^:]*:[^:]*$ && ! $MASTER_ADDR_ =~ [[:space:]] ]] \
+  || die "--master-addr: got '$MASTER_ADDR_'; accepted: node 0's host name or IP address alone (the port is --master-port)"
 is_uint "$MASTER_PORT_" && (( 10#$MASTER_PORT_ >= 1 && 10#$MASTER_PORT_ <= 65535 )) \
   || die "--master-port: got '$MASTER_PORT_'; accepted: 1..65535"
 MASTER_PORT_=$((10#$MASTER_PORT_))
@@ -118,6 +122,12 @@ if [[ -z $IFACE ]]; then
 fi
 [[ $IFACE != */* && -d $NET/$IFACE ]] \
   || die "$IFACE_SRC: '$IFACE' does not exist; available: $(ls "$NET" 2>/dev/null | tr '\n' ' ')(one interface name)"
+# a port without link (a Spark's other, unplugged ConnectX-7 port): Gloo and NCCL cannot use it and
+# fail only after the rendezvous, with "no usable interface"-style errors on every node
+if [[ $(cat "$NET/$IFACE/operstate" 2>/dev/null) == down ]]; then
+  up=$(for nd in "$NET"/*; do [[ $(cat "$nd/operstate" 2>/dev/null) != up ]] || printf '%s ' "${nd##*/}"; done)
+  die "$IFACE_SRC: '$IFACE' is down (no link: cable, or the other port?); interfaces up: ${up:-none}"
+fi
 if [[ -n $HCA ]]; then
   # an explicit list must name HCAs this node has (NCCL matches names as prefixes, '=' exactly,
   # '^' excludes): a typo would leave NCCL on TCP sockets at a fraction of RoCE's bandwidth
