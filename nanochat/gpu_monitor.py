@@ -55,9 +55,12 @@ def parse_sample(line: str) -> dict | None:
     clock, clock_max, power, limit, temp = (num(p) for p in parts[:5])
     if clock is None:
         return None
-    flags = [p.lower() == "active" for p in parts[5:]]
+    # a reason the board does not report ("[N/A]", "[Not Supported]") is unknown, not inactive: read
+    # as inactive, such a GPU printed "capped 0%" for a cap nobody could see
+    flags = [{"active": True, "not active": False}.get(p.lower()) for p in parts[5:]]
+    thermal = True if True in flags[1:] else None if None in flags[1:] else False
     return {"clock": clock, "clock_max": clock_max, "power": power, "limit": limit, "temp": temp,
-            "power_capped": flags[0], "thermal": flags[1] or flags[2]}
+            "power_capped": flags[0], "thermal": thermal}
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -69,7 +72,9 @@ def summarize(samples: list[dict]) -> dict:
         values = [s[key] for s in samples if s[key] is not None]
         return round(statistics.median(values), 1) if values else None
 
-    def pct(key):
+    def pct(key):   # None when a sample could not tell (the field is not reported on this board)
+        if any(s[key] is None for s in samples):
+            return None
         return round(100.0 * sum(s[key] for s in samples) / len(samples), 1)
 
     temps = [s["temp"] for s in samples if s["temp"] is not None]

@@ -109,6 +109,10 @@ def _load_configs(text: str) -> dict:
             items.append((str(opts.pop("name", f"cfg{i}")), opts))
     else:
         raise ValueError("--configs: expected a JSON list of option objects or a {name: options} object")
+    names = [name for name, _ in items]
+    if len(set(names)) < len(names):   # dict(items) kept the last of them: a config silently not run
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"--configs: got the name {dup!r} twice; accepted: a distinct \"name\" per config")
     return dict(items)
 
 

@@ -31,7 +31,7 @@ import torch
 from nanochat import checkpoint as ck
 from nanochat.checkpoint_io import atomic_write
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, get_base_dir, init_runtime
-from nanochat.flags import FlagParser, require, require_int, script_main
+from nanochat.flags import FlagParser, check_out_dir, require, require_int, script_main
 from nanochat.platform import check_benchmark_device, detect_device
 
 SMOKE_RUN = "python -m scripts.bench_checkpoint --device cpu --depth 1 --vocab-size 256 --reps 1"
@@ -49,6 +49,8 @@ def parse_args(argv=None):
     require_int(a.vocab_size, "--vocab-size", 16)
     require_int(a.reps, "--reps", 1)
     require(a.device in DEVICE_CHOICES, "--device", a.device, "|".join(DEVICE_CHOICES))
+    if a.dir is not None:   # a file or an unwritable place: a FileExistsError traceback from mkdir
+        check_out_dir(a.dir, "--dir")
     return a
 
 
@@ -109,14 +111,21 @@ def main(argv=None) -> list[dict]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         destroy_runtime(rt)
-    save_extra = results[1]["save_s"] / results[0]["save_s"] - 1
-    load_extra = results[1]["load_s"] / results[0]["load_s"] - 1
+    # from the unrounded medians: the rows' seconds are rounded to 1 ms, which made the share of a
+    # small model's few-ms rounds tens of percent off (and a 0.000 s plain load divided by zero)
+    (save_p, load_p), (save_c, load_c) = (medians(times[kind]) for kind in ("plain", "checkpoint"))
+    save_extra, load_extra = save_c / save_p - 1, load_c / load_p - 1
     print(f"the sums cost {save_extra:+.0%} on save and {load_extra:+.0%} on load (medians)")
     return results
 
 
+def medians(rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """(save, load) seconds: the median of each over the rounds."""
+    return statistics.median(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
+
+
 def report(kind: str, rounds: list[tuple[float, float]], size: int, args, rt) -> dict:
-    save, load = statistics.median(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
+    save, load = medians(rounds)
     # the device's name, as the other benchmarks print it (str(rt.device) said "cuda" on every GPU)
     row = {"bench": "checkpoint", "kind": kind, "depth": args.depth, "device": detect_device(rt.device).name,
            "torch": torch.__version__, "bytes": size, "gb": round(size / 1e9, 3), "reps": args.reps, "save_s": round(save, 3),

@@ -71,7 +71,8 @@ def build(args, device):
 
 
 def timed(rt, optimizer, steps: int) -> list[float]:
-    """ms per optimizer step: CUDA events around each (the GPU's time), wall clock elsewhere."""
+    """ms per optimizer step: CUDA events around each (the GPU's time), wall clock elsewhere (between
+    synchronisations, for MPS)."""
     out = []
     for _ in range(steps):
         if rt.device.type == "cuda":
@@ -81,9 +82,11 @@ def timed(rt, optimizer, steps: int) -> list[float]:
             stop.record()
             stop.synchronize()
             out.append(start.elapsed_time(stop))
-        else:
+        else:   # MPS queues its work as CUDA does: unsynchronised, the clock timed the launches only
+            rt.synchronize()
             t0 = time.perf_counter()
             optimizer.step()
+            rt.synchronize()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
 

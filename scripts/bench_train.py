@@ -352,13 +352,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         for depth, kernel, precision, backend in itertools.product(cfg.depths, cfg.kernels, cfg.precisions,
                                                                    cfg.precision_backends):
+            # an error row names its backend too: with --precision-backend te,native the two failed
+            # rows of a configuration were indistinguishable (and the table's "fp8/te" lost its "/te")
+            what = {"depth": depth, "kernel": kernel, "precision": precision, "precision_backend": backend}
             try:
                 row = bench_one(cfg, rt, depth, kernel, precision, backend)
             except torch.cuda.OutOfMemoryError:
-                row = {"depth": depth, "kernel": kernel, "precision": precision, "error": "out of memory"}
+                row = {**what, "error": "out of memory"}
             except (ValueError, RuntimeError) as e:  # e.g. a precision the device cannot run
-                row = {"depth": depth, "kernel": kernel, "precision": precision,
-                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                row = {**what, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             if rt.is_master:
                 print(json.dumps(row), flush=True)
             rows.append(row)

@@ -148,6 +148,11 @@ class Floor:
             self._lm_head()
 
 
+def _sync(device) -> None:
+    if device.type == "mps":
+        torch.mps.synchronize()
+
+
 def measure(floor: Floor, part: str, warmup: int, seconds: float, device) -> dict:
     cuda = device.type == "cuda"
     for _ in range(warmup):
@@ -163,9 +168,11 @@ def measure(floor: Floor, part: str, warmup: int, seconds: float, device) -> dic
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
-            else:
+            else:   # MPS queues its work as CUDA does: unsynchronised, the clock timed the launches only
+                _sync(device)
                 t0 = time.perf_counter()
                 floor.run(part)
+                _sync(device)
                 times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
     return {"part": part, "micro_batches": len(times), "ms_median": round(ms, 3), "ms_min": round(min(times), 3),
@@ -196,7 +203,9 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
         print(f"\n{'part':<6} {'ms/mb':>9} {'min':>9} {'tok/s floor':>12} {'SM MHz':>7} {'W':>6} {'capped%':>8}")
         for r in rows:
-            g = r["gpu"]
+            # a figure the board does not report is None in the summary (power on some boards): "-" too,
+            # as format(None, ">7") raised TypeError after the whole measurement
+            g = {k: "-" if v is None else v for k, v in r["gpu"].items()}
             print(f"{r['part']:<6} {r['ms_median']:>9.2f} {r['ms_min']:>9.2f} {r['tok_per_s_floor']:>12,} "
                   f"{g.get('sm_clock_mhz_median', '-'):>7} {g.get('power_w_median', '-'):>6} "
                   f"{g.get('power_capped_pct', '-'):>8}")

@@ -177,17 +177,22 @@ def bench_model(args, rt) -> list[dict]:
     y[:, : args.seq // 8] = -1   # an ignored prefix, as in SFT batches
     config = config_for_depth(args.depth, vocab, args.seq)
     rows, ref = [], None
+    from scripts.bench_train import runtime_for
     for entry in args.precisions:
         precision, _, backend = entry.partition(":")   # e.g. nvfp4:emulated
+        # each precision in its own compute dtype, as base_train starts its runtime from --precision:
+        # in the process's one dtype, bf16 failed on a CPU (fp32) and fp32 on a GPU (bf16), with a
+        # hint to "start the run in bf16" that no flag of this script can follow
+        prt = runtime_for(rt, precision)
         for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
             rec = {"mode": "model", "depth": args.depth, "vocab": vocab, "kernel": kernel, "precision": entry,
                    "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
                    "device": spec.name}
             try:
                 torch.manual_seed(0)
-                model = build_model(config, rt.device, compute_dtype=rt.dtype)
+                model = build_model(config, rt.device, compute_dtype=prt.dtype)
                 _perturb_zero_init(model)
-                info = setup_precision_and_kernel(model, precision, kernel, rt, compile=args.compile,
+                info = setup_precision_and_kernel(model, precision, kernel, prt, compile=args.compile,
                                                   precision_backend=backend or "auto")
                 run = torch.compile(model, dynamic=False) if args.compile else model
 

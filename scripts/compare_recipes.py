@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None):
         if not entry or entry[0] not in RECIPES:
             raise RequestError(f"--runs: got {' '.join(entry)!r}; accepted: a recipe ({'|'.join(RECIPES)}) "
                                "then optional base_train flags")
-    for flag in ("--recipe", "--seed", "--model-tag", "--resume"):
+    # run_argv appends these after the user's flags, so a value given here was silently overridden
+    # (an --eval-every or --wandb online asked for and never done)
+    for flag in ("--recipe", "--seed", "--model-tag", "--resume", "--eval-every", "--sample-every", "--save-every",
+                 "--wandb"):
         if any(a.split("=")[0].replace("_", "-") == flag for a in args.shared + sum(args.entries, [])):
             raise RequestError(f"{flag}: set by compare_recipes itself; leave it out of the base_train flags")
     if any(s < 0 for s in args.seeds) or len(set(args.seeds)) < len(args.seeds):

@@ -72,6 +72,10 @@ def parse_args(argv=None):
             "cpu (no CUDA GPU is visible)")
     for flag, path in (("--data-dir", args.data_dir), ("--tokenizer-dir", args.tokenizer_dir)):
         require(path is None or path.is_dir(), flag, str(path), "an existing directory")
+    # shards are read from (or pretokenized into) it: a file failed in pretokenize's mkdir, after the
+    # tokenizer was loaded, with a traceback (it need not exist yet, nor be writable when it holds shards)
+    require(args.bin_dir is None or not args.bin_dir.is_file(), "--bin-dir", str(args.bin_dir),
+            "a directory (existing, or one to create)")
     return args
 
 

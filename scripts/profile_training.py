@@ -4,7 +4,7 @@ Builds the model as training does (precision recipe, loss kernel, torch.compile,
 warms up, then
 1. times --steps steps of --accum micro-batches each (default 1; base_train accumulates 16 at d20)
    split into weights (the once-per-step cast, with --accum > 1) / data / forward / backward /
-   optimizer with CUDA events: the median of each phase, its share of their sum, and the step as
+   optimizer with CUDA events (the wall clock on a CPU): the median of each phase, its share of their sum, and the step as
    the median of the steps' own totals (tok/s is taken from that); with --accum > 1 the timings
    and the kernel profile include the gradient accumulation of micro-batches 2..n, inside the
    Trainer's block (master weights cast once, gradients summed in place: --no-cast-once for the
@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -75,7 +76,8 @@ def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict:
     """{"phases": median ms per phase, "step_ms": median of the steps' totals} for steps of --accum
     micro-batches (data, forward, backward summed over them), one optimizer step and, when the step
     casts its weights once (casts_once), that cast ("weights", before the first micro-batch: it
-    was left out of every phase, and of the step). {} off CUDA. The step is the median of whole
+    was left out of every phase, and of the step). Off CUDA the marks are the wall clock after a
+    synchronisation (it returned {} there: a CPU run printed no phase and no step time). The step is the median of whole
     steps: the sum of the phase medians (what tok/s was taken from) is no step's time when the slow
     steps are slow in different phases. `monitor` (a GpuMonitor) is started with the first timed
     step: started before the warm-up, its clock and power figures were mostly the idle GPU of the
@@ -97,6 +99,9 @@ def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
                 marks.append((phase, ev))
+            else:
+                rt.synchronize()   # a no-op on a CPU; MPS queues its work as CUDA does
+                marks.append((phase, time.perf_counter()))
 
         if casting:
             mark("weights")
@@ -114,15 +119,13 @@ def timed_steps(args, rt, model, run, optimizer, monitor=None) -> dict:
         mark("end")
         if cuda:
             marks[-1][1].synchronize()
-            if i >= args.warmup:
-                ms = dict.fromkeys(phases, 0.0)
-                for (phase, a), (_, b) in zip(marks, marks[1:]):
-                    ms[phase] += a.elapsed_time(b)
-                for p in phases:
-                    samples[p].append(ms[p])
-                totals.append(sum(ms.values()))
-    if not cuda:
-        return {}
+        if i >= args.warmup:
+            ms = dict.fromkeys(phases, 0.0)
+            for (phase, a), (_, b) in zip(marks, marks[1:]):
+                ms[phase] += a.elapsed_time(b) if cuda else 1e3 * (b - a)
+            for p in phases:
+                samples[p].append(ms[p])
+            totals.append(sum(ms.values()))
     return {"phases": {p: statistics.median(v) for p, v in samples.items()}, "step_ms": statistics.median(totals)}
 
 
