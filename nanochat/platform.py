@@ -15,6 +15,8 @@ Owns:
 - `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime) and `usable_sms()`
   (the SMs a process may hold, e.g. under CUDA MPS).
 - `python -m nanochat.platform`: a preflight report, built by nanochat/preflight.py.
+The toolchain's version probes (Triton, the ptxas binaries and what an arch needs) live in
+nanochat/toolchain.py and are re-exported here; the ptxas patch that acts on them stays here.
 
 Nothing runs at import time: torch is imported, but no CUDA call happens until a function asks.
 """
@@ -38,6 +40,8 @@ from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,
                                    DeviceSpec, SimpleProps, peak_flops, peak_key, peaks,
                                    spec_from_props)
 from nanochat.errors import RequestError
+from nanochat.toolchain import (_bundled_ptxas_by_triton, _version_tuple, bundled_ptxas_version,  # noqa: F401
+                                find_system_ptxas, ptxas_version, required_ptxas, triton_version)
 
 log = logging.getLogger("nanochat.platform")
 
@@ -154,70 +158,6 @@ def _log_once(name: str, message: str) -> None:
         log.warning("[platform] %s: %s", name, message)
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
-
-
-def triton_version() -> str | None:
-    """The installed Triton's version, None without Triton (the benchmarks' JSON lines carry it)."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
-def ptxas_version(path: str) -> tuple[int, int] | None:
-    """`ptxas --version` -> (major, minor), None if it does not run."""
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"release (\d+)\.(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def bundled_ptxas_version(cc: tuple[int, int]) -> tuple[int, int] | None:
-    """Version of the ptxas Triton ships for this arch (Triton >= 3.5 ships a second
-    `ptxas-blackwell` used for newer archs)."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name in (["ptxas-blackwell", "ptxas"] if cc[0] >= 10 else ["ptxas"]):
-        if (bin_dir / name).exists():
-            return ptxas_version(str(bin_dir / name))
-    return None
-
-
-def find_system_ptxas() -> list[tuple[str, tuple[int, int]]]:
-    """ptxas binaries on disk (CUDA toolkits, PATH), newest first."""
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    paths = [os.path.join(home, "bin", "ptxas") for home in homes if home]
-    paths += sorted(str(p) for p in Path("/usr/local").glob("cuda*/bin/ptxas"))
-    if shutil.which("ptxas"):
-        paths.append(shutil.which("ptxas"))
-    found = {}
-    for p in paths:
-        real = os.path.realpath(p)
-        if real not in found and os.path.exists(real) and (v := ptxas_version(real)):
-            found[real] = v
-    return sorted(found.items(), key=lambda kv: kv[1], reverse=True)
-
-
-def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
-    """Oldest CUDA ptxas that can target this arch (sm_120: 12.8; sm_121/sm_103: 12.9; sm_110,
-    Thor's arch since CUDA 13.0 renamed sm_101: 13.0)."""
-    if cc[0] == 11:
-        return (13, 0)
-    if cc >= (12, 1) or cc == (10, 3):
-        return (12, 9)
-    if cc[0] >= 10:
-        return (12, 8)
-    return (11, 8)
-
-
 def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str | None:
     """Triton <= 3.5 bundles a ptxas that rejects sm_121a (DESIGN s4.1): point TRITON_PTXAS_PATH
     (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas. Targets
@@ -271,13 +211,6 @@ PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 class PtxasMissing(RequestError, RuntimeError):
     """No ptxas can target this GPU for a run that uses Triton: a request this machine cannot meet
     (scripts print it as one line), and a RuntimeError for callers that catch those."""
-
-
-def _bundled_ptxas_by_triton(version: str) -> tuple[int, int]:
-    """The CUDA release of the ptxas a Triton release bundles, when the binary cannot be probed:
-    3.3-3.5 ship 12.8 (no sm_121, DESIGN s4.1), 3.6+ a Blackwell one (13.x), older ones < 12.8."""
-    v = _version_tuple(version)
-    return (13, 0) if v >= (3, 6) else (12, 8) if v >= (3, 3) else (12, 4)
 
 
 def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_autotune: bool) -> str | None:
