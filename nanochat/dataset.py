@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,7 @@ def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None
     (write_text_shards: local import, Shakespeare) did not finish, or that is not the set it
     finished (a shard deleted or added since): read as it is, its last shard (a train shard, or a
     stray) would be the validation split. Sets without the record (downloads, older runs) pass."""
-    rerun = _rerun_command(data_dir, recorded.get("source"))
+    rerun = _rerun_command(data_dir, recorded.get("source"), recorded.get("options"))
     if recorded.get("complete") is False:
         raise DataError(f"{data_dir} is incomplete: the run writing its shards did not finish "
                         f"({len(shards)} shards on disk); {rerun}")
@@ -119,12 +120,16 @@ def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None
                             f"({diff}); {rerun}")
 
 
-def _rerun_command(data_dir: Path, source) -> str:
-    """How to re-create the shard set of data_dir, from the source its marker records."""
+def _rerun_command(data_dir: Path, source, options=None) -> str:
+    """How to re-create the shard set of data_dir, from the source (and the options that shape the
+    set, e.g. a local import's --val-fraction) its marker records."""
+    q = shlex.quote
     if isinstance(source, str) and source.startswith("local:"):
-        cmd = f"python -m nanochat.dataset --data-dir {source[len('local:'):]} --out {data_dir}"
+        frac = options.get("val_fraction") if isinstance(options, dict) else None
+        extra = f" --val-fraction {frac}" if isinstance(frac, (int, float)) and frac != SOURCE_FLAGS["val_fraction"][2] else ""
+        cmd = f"python -m nanochat.dataset --data-dir {q(source[len('local:'):])}{extra} --out {q(str(data_dir))}"
     elif source == "shakespeare":
-        cmd = f"python -m nanochat.dataset --source shakespeare --out {data_dir}"
+        cmd = f"python -m nanochat.dataset --source shakespeare --out {q(str(data_dir))}"
     else:
         return f"re-create it with the command that made it ({_HOW_TO_GET}), or delete {data_dir}"
     return f"rerun `{cmd}` (it rewrites the whole set), or delete {data_dir}"
@@ -337,8 +342,9 @@ def _read_marker(marker: Path) -> dict | None:
     return recorded
 
 
-def claim_data_dir(out_dir: Path, source: str) -> None:
-    """Refuse to mix shard sets: a directory holding shards from another source is an error."""
+def claim_data_dir(out_dir: Path, source: str, options: dict | None = None) -> None:
+    """Refuse to mix shard sets: a directory holding shards from another source is an error.
+    `options`: the flags that shaped the set, recorded so a refusal can name the exact rerun."""
     out_dir.mkdir(parents=True, exist_ok=True)
     marker = out_dir / SOURCE_FILE
     existing = sorted(out_dir.glob("*.parquet"))
@@ -348,7 +354,7 @@ def claim_data_dir(out_dir: Path, source: str) -> None:
                          f"{recorded or 'an unknown source'}; accepted: an empty directory or one "
                          f"filled by --source {source} (pass another --out or delete it)")
     # a fresh record: a writer that finishes its set records that (mark_shard_set_complete)
-    _write_marker(out_dir, {"source": source})
+    _write_marker(out_dir, {"source": source, **({"options": options} if options else {})})
 
 
 # ---------------------------------------------------------------- remote sources

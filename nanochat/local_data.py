@@ -133,5 +133,5 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
     if len(docs) - n_val < 1:
         raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
                          "(train + validation)")
-    claim_data_dir(out_dir, f"local:{src.resolve()}")
+    claim_data_dir(out_dir, f"local:{src.resolve()}", {"val_fraction": val_fraction})
     return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)

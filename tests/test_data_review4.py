@@ -152,9 +152,18 @@ def test_interrupted_local_import_is_visibly_incomplete(tmp_path, monkeypatch):
         ds.list_shards(out)
     msg = str(e.value)
     assert f"{out} is incomplete" in msg
-    assert f"python -m nanochat.dataset --data-dir {src.resolve()} --out {out}" in msg
+    # the rerun named in full: the set's --val-fraction 0.1 too (it moved the validation split)
+    assert f"python -m nanochat.dataset --data-dir {src.resolve()} --val-fraction 0.1 --out {out}" in msg
     paths = ds.import_local_dir(src, out, val_fraction=0.1, shard_chars=1000, log=quiet)  # the rerun
     assert ds.list_shards(out) == paths and len(paths) == 7
+    # the default fraction is not spelled out; a path with a space is quoted for the shell
+    spaced = tmp_path / "my out"
+    interrupt_after(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        ds.import_local_dir(src, spaced, shard_chars=1000, log=quiet)
+    monkeypatch.undo()
+    with pytest.raises(DataError, match=f"--data-dir {src.resolve()} --out '{spaced}'`"):
+        ds.list_shards(spaced)
 
 
 def test_interrupted_reimport_does_not_mix_with_the_earlier_set(tmp_path, monkeypatch):
