@@ -377,6 +377,23 @@ def _record(meta: dict, key: str) -> dict:
     return meta.get(key) if isinstance(meta.get(key), dict) else {}
 
 
+def text_shard_unchanged(path: str | Path, meta: dict) -> tuple[bool, str | None]:
+    """(whether the text shard at `path` is the one `meta` recorded, its sha256 when this call had
+    to hash it). Another size: no. Same size and mtime_ns: yes, unread. Same size, the mtime moved
+    (rewritten, or copied without its times: cp -r, scp, a second node's copy): yes when its
+    sha256 is the recorded one. No mtime recorded (a directory from before the record): the size
+    decides. The one freshness rule of pretokenize (what to redo) and the loader (stale_reason)."""
+    path = Path(path)
+    st, name = path.stat(), path.name
+    sizes, mtimes = _record(meta, "text_shards"), _record(meta, "text_mtime_ns")
+    if name in sizes and sizes[name] != st.st_size:
+        return False, None
+    if name not in mtimes or mtimes[name] == st.st_mtime_ns:
+        return True, None
+    sha = file_sha256(path)
+    return sha == _record(meta, "text_sha256").get(name), sha
+
+
 def _meta_for_update(bin_dir: Path) -> dict:
     meta = read_meta(bin_dir)
     if meta is None:
@@ -513,15 +530,12 @@ def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     if not isinstance(recorded, dict) or not text_shards:
         return None
     now = text_shard_record(text_shards)
-    mtimes, now_mtimes = _record(meta, "text_mtime_ns"), {Path(p).name: Path(p).stat().st_mtime_ns for p in text_shards}
     strays = sorted(p.name for p in list_bin_shards(bin_dir) if p.stem not in {Path(n).stem for n in now})
     changed = sorted(n for n in now.keys() & recorded.keys() if now[n] != recorded[n])
-    shas, paths = _record(meta, "text_sha256"), {Path(p).name: Path(p) for p in text_shards}
-    # the mtime moved at the same size: rewritten, or copied without its times (cp -r, scp, a second
-    # node's copy); only those shards are hashed, and the recorded content passes
+    paths = {Path(p).name: Path(p) for p in text_shards}
+    # same size, yet not the recorded content (only shards whose mtime moved are hashed)
     touched = sorted(n for n in now.keys() & recorded.keys()
-                     if now[n] == recorded[n] and mtimes.get(n, now_mtimes[n]) != now_mtimes[n]
-                     and shas.get(n) != file_sha256(paths[n]))
+                     if now[n] == recorded[n] and not text_shard_unchanged(paths[n], meta)[0])
     if now == recorded and not strays and not touched:
         return None
     parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"

@@ -62,21 +62,19 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
 
 def _unchanged(shard: Path, meta: dict, log) -> tuple[int, int, str | None] | None:
     """(size, mtime_ns, sha256) of a text shard that is the one its recorded binary shard was made
-    from, else None. Same size and mtime: unchanged (no read). Same size, the mtime moved: unchanged
-    when its sha256 is the recorded one. No mtime recorded (a directory from before the record):
-    the size decides, as it did then, and the shard's stat and hash are recorded from now on."""
+    from (binshards.text_shard_unchanged: the loader's rule), else None. A directory from before
+    the mtime record gets the shard's stat and hash recorded from now on."""
     st = shard.stat()
-    sizes, mtimes, shas = (meta.get(k) if isinstance(meta.get(k), dict) else {}
-                           for k in ("text_shards", "text_mtime_ns", "text_sha256"))
-    if sizes.get(shard.name, st.st_size) != st.st_size:
+    same, sha = bs.text_shard_unchanged(shard, meta)
+    if not same:
         return None
-    if mtimes.get(shard.name) == st.st_mtime_ns:
-        return st.st_size, st.st_mtime_ns, shas.get(shard.name)
-    sha = bs.file_sha256(shard)
-    if shard.name in mtimes:
-        if shas.get(shard.name) != sha:
-            return None
+    recorded = meta.get("text_sha256") if isinstance(meta.get("text_sha256"), dict) else {}
+    if sha is not None:
         log(f"{shard.name}: modified time changed, content did not (same sha256): its binary shard is kept")
+    elif isinstance(meta.get("text_mtime_ns"), dict) and shard.name in meta["text_mtime_ns"]:
+        sha = recorded.get(shard.name)
+    else:
+        sha = bs.file_sha256(shard)
     return st.st_size, st.st_mtime_ns, sha
 
 
