@@ -48,7 +48,7 @@ OUTSIDE = {
     "--untracked-files": ("git status: is the worktree dirty", {"nanochat/checkpoint.py"}),
     "--query-gpu": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),
     "--format": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),
-    "--version": ("ptxas --version", {"nanochat/platform.py"}),
+    "--version": ("ptxas --version", {"nanochat/toolchain.py"}),
     "--gpu-architecture": ("nvcc", {"scripts/bench_two_role_chain.py"}),
     "--release": ("maturin develop --release, the hint to build rustbpe", {"nanochat/tokenizer.py"}),
     "--cap-drop": ("docker run --cap-drop: a container without the capabilities the sandbox needs",
