@@ -30,7 +30,8 @@ what was actually applied):
 * "uid_drop": when running as root with CAP_CHOWN / CAP_SETUID / CAP_SETGID and the interpreter is
   world-readable, the child switches to uid/gid 65534 (nobody) so root-owned files stay out of
   reach even without namespaces (which such a root makes only with CAP_SYS_ADMIN: a user
-  namespace of root's maps uid 0 alone, where the switch cannot happen).
+  namespace of root's maps uid 0 alone, where the switch cannot happen). A root caller whose
+  program keeps uid 0 is warned: the read-only mounts and the capability drop hide no root file.
 * "seccomp" (x86_64 and aarch64): a seccomp-BPF filter, installed last, denies (EACCES / EPERM, no
   kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
   socketpairs, io_uring, keyrings, SysV shmget / msgget and new namespaces (a user namespace gives
@@ -42,8 +43,10 @@ what was actually applied):
 The Python guard alone is not a security boundary against adversarial code (it runs in the same
 interpreter as the program); the rlimits, the cgroup, the namespaces, the capability drop and the
 seccomp filter are the hard guarantees (a layer the OS refuses is missing from `isolation`, and
-a RuntimeWarning says so once per process). Known gaps: without "pids_cap" a fork bomb as uid 0
-(exempt from RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and
+a RuntimeWarning says so once per process). Known gaps: the program may read every file its uid may
+(the mounts are read-only, not hidden); without "pids_cap" a fork bomb as uid 0 (exempt from
+RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and without
+both, a uid-0 process that escaped the guard and left the process group (setsid) outlives the run;
 without "memory_cap" memory is capped per process only, the tmpfs outside it; a root program
 left with its uid and without the mount namespace could rewrite its cgroup's limits; without the
 mount namespace the working dir is on the host disk with no total size cap (each file has one);
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -73,6 +77,7 @@ _EXIT_PASS, _EXIT_FAIL, _EXIT_ERROR = 0, 1, 2
 _VERDICTS = {_EXIT_PASS: "pass", _EXIT_FAIL: "fail", _EXIT_ERROR: "error"}
 _NOBODY = 65534
 _REPORT_BYTES = 4096  # the harness pipe: the isolation line, then the verdict
+_DRAIN_WAIT_S = 2.0  # how long the pipes may stay open after the run (held by a process that escaped)
 
 
 @dataclass
@@ -90,44 +95,12 @@ class ExecutionResult:
         return self.status == "pass"
 
 
-def _world_readable(path: Path) -> bool:
-    """True when 'other' can traverse every ancestor of path and read path itself."""
-    try:
-        path = path.resolve()
-        for parent in list(path.parents)[::-1]:
-            if not os.stat(parent).st_mode & 0o001:
-                return False
-        return bool(os.stat(path).st_mode & 0o004)
-    except OSError:
-        return False
-
-
-_CAP_CHOWN, _CAP_SETGID, _CAP_SETUID = 0, 6, 7
-
-
-def _has_capabilities(*caps: int) -> bool:
-    """Whether this process's effective capability set holds all of `caps` (Linux; elsewhere a
-    root process is assumed to hold them)."""
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return True
-    for line in status.splitlines():
-        if line.startswith("CapEff:"):
-            effective = int(line.split()[1], 16)
-            return all(effective >> cap & 1 for cap in caps)
-    return True
-
-
 def _can_drop_to_nobody() -> bool:
-    """Root with a world-readable interpreter and the capabilities the switch needs: chown (the
-    working dir, here) and setuid / setgid (in the child). A root without them (a container run
-    with --cap-drop) keeps its uid, as without a readable interpreter, instead of failing."""
-    import sysconfig
+    """Whether the child may switch to nobody (nanochat/sandbox_privileges.py; imported here, not at
+    the top: the child runs this file without the nanochat package)."""
+    from nanochat.sandbox_privileges import can_drop_to_nobody
 
-    return (os.geteuid() == 0 and _has_capabilities(_CAP_CHOWN, _CAP_SETGID, _CAP_SETUID)
-            and _world_readable(Path(sys.executable))
-            and _world_readable(Path(sysconfig.get_paths()["stdlib"])))
+    return can_drop_to_nobody()
 
 
 class _TailReader:
@@ -185,7 +158,9 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     validate("execute_code", max_processes, cgroup_root, timeout_s=timeout_s, cpu_time_s=cpu_time_s,
              memory_mb=memory_mb, tail_chars=tail_chars, max_output_bytes=max_output_bytes,
              max_workdir_bytes=max_workdir_bytes)
-    cpu = min(int(cpu_time_s if cpu_time_s is not None else timeout_s + 1), 1 << 31)  # setrlimit: a C long
+    # RLIMIT_CPU is whole seconds: rounded up (never less than the caller allowed), and this figure
+    # is the one the timeout message names; setrlimit takes a C long
+    cpu = max(1, min(math.ceil(cpu_time_s if cpu_time_s is not None else timeout_s + 1), 1 << 31))
     drop = isolate and _can_drop_to_nobody()
     # the cgroup is left (its leftovers killed) before the working dir is deleted
     with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp, \
@@ -193,7 +168,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         work = Path(tmp)
         # surrogatepass: lone surrogates reach compile(), which rejects them as Python itself does
         (work / "program.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
-        config = {"workdir": str(work), "cpu_s": max(1, cpu), "memory_bytes": memory_mb << 20,
+        config = {"workdir": str(work), "cpu_s": cpu, "memory_bytes": memory_mb << 20,
                   "fsize_bytes": max_output_bytes, "workdir_bytes": max_workdir_bytes, "isolate": isolate,
                   "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {},
                   "cgroups": cgroup.join_paths()}
@@ -203,7 +178,8 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         caps_hit = cgroup.limits_hit()
     isolation, verdict = _parse_report(report)
     warn_refused(isolation, ["pids_cap", "memory_cap"] * (cgroup_root is not None) + ["netns", "readonly_fs",
-                 "workdir_cap", "ipcns", "pidns", "no_caps"] * isolate + ["seccomp"] * bool(config["seccomp"]))
+                 "workdir_cap", "ipcns", "pidns", "no_caps"] * isolate + ["seccomp"] * bool(config["seccomp"])
+                 + ["uid_drop"] * (isolate and os.geteuid() == 0))
     status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
     if caps_hit and status != "pass":
         detail = "; ".join([detail, *caps_hit])
@@ -264,7 +240,9 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
         _kill_group(proc.pid)  # anything the program left behind in its group
         kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
-    return rc, timed_out, tuple(r.text(n, 2.0) for r, n in zip(readers, (tail_chars, tail_chars, _REPORT_BYTES)))
+    deadline = time.monotonic() + _DRAIN_WAIT_S  # one wait for all three pipes, not one each
+    return rc, timed_out, tuple(r.text(n, max(0.0, deadline - time.monotonic()))
+                                for r, n in zip(readers, (tail_chars, tail_chars, _REPORT_BYTES)))
 
 
 def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, stderr: str, verdict: str) -> tuple[str, str]:

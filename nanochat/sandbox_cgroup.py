@@ -80,11 +80,16 @@ def validate(who: str, max_processes: int, root, **limits) -> None:
 
 
 _warned: set = set()  # the refused-layer sets this process has already warned about
+# as root without the switch to nobody, neither the read-only mounts nor the capability drop keep
+# root-owned files (keys, tokens) from being read: the caller should know why, and what would help
+_UID_DROP_HINT = ("; uid_drop refused: the program runs as root and can read every file root owns; "
+                  "the switch to nobody needs CAP_CHOWN, CAP_SETUID and CAP_SETGID and a Python whose "
+                  "interpreter and standard library every user can read (not one under /root)")
 
 
 def warn_refused(isolation: list, asked: list) -> None:
     """Warn once per process (per set of refused layers) when the OS refused sandbox layers a call
-    asked for (its cgroup caps, namespaces, seccomp: `asked`): callers such as HumanEval keep only
+    asked for (its cgroup caps, namespaces, seccomp, a root caller's uid drop: `asked`): callers such as HumanEval keep only
     the verdict, which the layers do not change, so nothing else would tell."""
     missing = tuple(x for x in asked if x not in isolation)
     # no isolation at all: the run ended before the child reported (a tiny timeout), nothing known
@@ -94,7 +99,8 @@ def warn_refused(isolation: list, asked: list) -> None:
 
         warnings.warn(f"nanochat sandbox: the OS refused isolation layer(s) {', '.join(missing)} (applied: "
                       f"{', '.join(isolation)}); verdicts are unaffected, programs are less confined: see "
-                      "nanochat/execution.py for what each layer stops", RuntimeWarning, stacklevel=3)
+                      "nanochat/execution.py for what each layer stops" + _UID_DROP_HINT * ("uid_drop" in missing),
+                      RuntimeWarning, stacklevel=3)
 
 
 def _mounts(root: Path) -> list[tuple[str, Path, str, set[str]]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from nanochat.execution import execute_code
+from nanochat.sandbox_cgroup import validate
 from nanochat.tasks.common import Task, check_rows, load_rows
 
 # `if __name__ == "__main__":` (either order, any indentation, `elif` too): the condition only. The
@@ -88,6 +89,8 @@ class HumanEval(Task):
 
     def __init__(self, *, data_dir=None, timeout_s: float = 10.0, memory_mb: int = 1024, **kw):
         super().__init__(**kw)
+        # the sandbox's own checks, here: not at the first evaluate(), after the model has loaded
+        validate("HumanEval", 64, None, timeout_s=timeout_s, memory_mb=memory_mb)
         self.rows, self.source = load_rows("eval", ["humaneval.jsonl"], data_dir=data_dir,
                                            hub=("openai/openai_humaneval", None, "test"))
         check_rows(self.rows, self.source, _KEYS, _check_row)
