@@ -43,15 +43,16 @@ import torch
 
 from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (CheckpointError, fsync_dir, list_steps, load_verified, restore_swapped_out,
-                                    save_hashed, saved_sum, start_check, step_dirname, sweep_superseded, write_json)
+from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, load_verified,
+                                    restore_swapped_out, save_hashed, saved_sum, start_check, step_dirname,
+                                    sweep_superseded, write_json)
+# EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
+from nanochat.checkpoint_runs import EARLIER_RUNS, EarlierRun, fresh_start  # noqa: F401
 from nanochat.errors import RequestError
 from nanochat.flags import check_model_tag, require
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
-LATEST_NAME = "latest.json"
-EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
 META_NAME = "meta.json"
 MODEL_NAME = "model.pt"
 
@@ -136,90 +137,6 @@ def model_digest(ckpt_dir, step: int) -> str | None:
     """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
     which weights a later stage started from, without reading them."""
     return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
-
-
-class EarlierRun:
-    """The checkpoints of an earlier run in the directory a fresh run saves to. Left as they are
-    until the new run's first save (a run that fails before it, a bad flag found late or an OOM at
-    the first step, loses nothing), then deleted (--overwrite) or moved into earlier_runs/<N>/
-    (--resume auto starting fresh over a run it cannot continue). Never left to mix with the new
-    run's saves: --keep-last's pruning, a later --resume STEP and a re-save at a step both wrote
-    would each take the other run's checkpoints for this one's."""
-
-    def __init__(self, ckpt_dir, steps: list[int], delete: bool):
-        self.ckpt_dir, self.steps, self.delete = Path(ckpt_dir), list(steps), delete
-
-    def bytes_freed(self) -> int:
-        """Bytes the settling frees on the checkpoints' disk (disk_plan counts them as free)."""
-        return steps_bytes(self.ckpt_dir, self.steps) if self.delete else 0
-
-    def describe(self) -> str:
-        what = f"the earlier run's checkpoints (steps {self.steps}) in {self.ckpt_dir}"
-        if self.delete:
-            return f"--overwrite: {what} are deleted at this run's first save"
-        return f"{what} are moved to {self.ckpt_dir / EARLIER_RUNS}/<N>/ at this run's first save"
-
-    def settle(self, is_master: bool = True) -> Path | None:
-        """Delete or move the earlier run (collective; once). latest.json goes first, so an
-        interruption midway never leaves it naming a step that is gone. Returns where they went."""
-        if not self.steps:
-            return None
-        steps, self.steps, moved_to = self.steps, [], None
-        if is_master:
-            latest = self.ckpt_dir / LATEST_NAME
-            sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
-            # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
-            # the run (else a later read of this run's step N would restore the earlier run's copy)
-            orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
-            if self.delete:
-                latest.unlink(missing_ok=True)
-                for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
-                    shutil.rmtree(path, ignore_errors=True)
-                print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
-            else:
-                moved_to = _next_earlier_run_dir(self.ckpt_dir)
-                moved_to.mkdir(parents=True)
-                if latest.is_file():
-                    os.replace(latest, moved_to / LATEST_NAME)
-                for step in steps:
-                    os.replace(self.ckpt_dir / step_dirname(step), moved_to / step_dirname(step))
-                for path in orphans:   # restorable there, as here
-                    os.replace(path, moved_to / path.name)
-                fsync_dir(moved_to)
-                print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
-                       "delete it when you no longer need them")
-            fsync_dir(self.ckpt_dir)
-        barrier()
-        return moved_to
-
-
-def _next_earlier_run_dir(ckpt_dir: Path) -> Path:
-    taken = [int(p.name) for p in (ckpt_dir / EARLIER_RUNS).glob("*") if p.name.isdigit()]
-    return ckpt_dir / EARLIER_RUNS / str(max(taken, default=0) + 1)
-
-
-def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:
-    """A fresh run into a model tag that holds checkpoints would replace them step by step (and its
-    final save the earlier run's model). --overwrite: they are deleted at this run's first save;
-    --resume auto (which chose to start fresh): moved aside then; otherwise refused, naming the
-    ways on. None: the directory holds no checkpoints."""
-    ckpt_dir = Path(ckpt_dir)
-    steps = list_steps(ckpt_dir)
-    if not steps:
-        return None
-    if overwrite or resume == "auto":
-        return EarlierRun(ckpt_dir, steps, delete=overwrite)
-    how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
-           f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
-    raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
-                          f"overwrite them: pass {how} to continue it, another --model-tag "
-                          "to train a new one, or --overwrite to delete them")
-
-
-def steps_bytes(ckpt_dir, steps: list[int]) -> int:
-    """Bytes the given steps' directories hold on disk."""
-    return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
-               if f.is_file())
 
 
 def remove_checkpoint(ckpt_dir, step: int) -> None:
@@ -326,8 +243,10 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: 
     text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
     text += f" (~{fmt_bytes(bytes_each * at_once)}), {fmt_bytes(free)} free"
     if free // need < at_once:
-        text += (f"; room for {free // need}: a save that does not fit stops the run, keeping the last one "
-                 "(raise --save-every, set --keep-last or free space)")
+        room = free // need   # --keep-last K holds K + 1 at once (a save, then the pruning)
+        keep = f"{'lower' if keep_last > 0 else 'set'} --keep-last to {room - 1}, " if room >= 2 else ""
+        text += (f"; room for {room}: a save that does not fit stops the run, keeping the last one "
+                 f"(raise --save-every, {keep}or free space)")
     return text
 
 
@@ -356,9 +275,16 @@ def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
 
 
 def _no_room(staging: Path, step: int, detail: str) -> str:
-    kept = [s for s in list_steps(staging.parent) if s != step]
+    """The refusal, naming the step a --resume latest takes (latest.json's: after a --resume STEP
+    of an older step, the newest on disk can be another branch's; a failed re-save of step N
+    leaves the earlier copy of N in place)."""
+    on_disk = list_steps(staging.parent)
+    try:
+        latest = read_latest(staging.parent)
+    except CheckpointError:
+        latest = ([s for s in on_disk if s != step] or [None])[-1]
     return (f"checkpoint of step {step} not written to {staging.parent}: no room on its disk ({detail}); "
-            f"{'the checkpoint of step ' + str(kept[-1]) + ' is intact, ' if kept else ''}"
+            f"{'the checkpoint of step ' + str(latest) + ' is intact, ' if latest in on_disk else ''}"
             "free space and resume with --resume")
 
 
@@ -563,9 +489,13 @@ class AmbiguousModelTag(CheckpointError):
 
 def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     """The model tag to use when none is given: the only one, or the deepest `d<N>`
-    (AmbiguousModelTag when several tags exist and none is a `d<N>`)."""
+    (AmbiguousModelTag when several tags exist and none is a `d<N>`). Tags with a checkpoint
+    count; the others only when none has one: a run that stopped before its first save leaves
+    its directory behind (its .writer.lock, nanochat/writer_lock.py)."""
     root = checkpoint_dir(phase, "x", base_dir).parent
     tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    saved = [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)]
+    tags = saved or tags
     if not tags:
         raise CheckpointError(f"no {phase} checkpoints under {root}; train one first "
                               f"(python -m scripts.{_MAKES_PHASE.get(phase, 'base_train')}, or ./setup.sh)")

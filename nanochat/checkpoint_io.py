@@ -21,6 +21,7 @@ import torch
 from nanochat.errors import RequestError
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+LATEST_NAME = "latest.json"   # {"step": N, "dir": "step_00000N"}, written after the step is complete
 
 
 class CheckpointError(RequestError):

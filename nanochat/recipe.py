@@ -87,6 +87,18 @@ class ResolvedRecipe:
         return Schedule(num_iterations, self.warmup_ratio, self.warmdown_ratio, self.final_lr_frac,
                         warmup_steps=self.warmup_steps, momentum_fn=momentum_fn, wd_fn=wd_fn).validate()
 
+    def _momentum_path(self, num_iterations: int) -> str:
+        """Muon's momentum at the start, where the warmdown begins (v2) and at the end of this run:
+        a run shorter than the ramp (v1 300 steps, v2 400) never reaches its nominal peak."""
+        from nanochat import optim
+        if self.momentum != "peaked":
+            values = [optim.muon_momentum(0), optim.muon_momentum(num_iterations)]
+        else:
+            begin = num_iterations - round(self.warmdown_ratio * num_iterations)
+            steps = [0, begin, num_iterations] if begin < num_iterations else [0, num_iterations]
+            values = [optim.muon_momentum_peaked(s, num_iterations, self.warmdown_ratio) for s in steps]
+        return "->".join(f"{v:.3g}" for v in values)
+
     def describe(self, num_iterations: int) -> str:
         """One banner line: what the recipe resolved to for a run of `num_iterations`, and which
         flags overrode it."""
@@ -97,7 +109,7 @@ class ResolvedRecipe:
                  else f"{self.name}: LR scale 1",
                  f"weight decay {self.weight_decay:.4g} (ref {self.weight_decay_ref:g}, {self.weight_decay_shape} to 0)",
                  f"warmup {warmup}, warmdown {self.warmdown_ratio:g} to {self.final_lr_frac:g}",
-                 f"momentum {'0.85->0.97->0.90' if self.momentum == 'peaked' else '0.85->0.95'}",
+                 f"momentum {self._momentum_path(num_iterations)}",
                  f"NorMuon beta2 {self.normuon_beta2:g}" if self.normuon_beta2 else "plain Muon"]
         if self.overridden:
             parts.append("flags: " + " ".join("--" + f.replace("_", "-") for f in self.overridden))

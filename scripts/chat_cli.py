@@ -94,7 +94,7 @@ def validate(args: argparse.Namespace) -> None:
 def check_model_tag_exists(source: str, model_tag: str | None) -> None:
     """An explicit --model-tag that has no directory: one line naming the flag and the tags there
     are, before the runtime starts and the model loads."""
-    from nanochat.checkpoint import checkpoint_dir, find_model_tag
+    from nanochat.checkpoint import LATEST_NAME, checkpoint_dir, find_model_tag, list_steps
     from nanochat.errors import RequestError
 
     if model_tag is None:   # load_model picks one, or says there is none
@@ -103,6 +103,8 @@ def check_model_tag_exists(source: str, model_tag: str | None) -> None:
     if not (root / model_tag).is_dir():
         find_model_tag(source)   # no tags at all: says so, with how to train one
         tags = sorted(p.name for p in root.iterdir() if p.is_dir())
+        # a run that stopped before its first save leaves a directory holding only its writer lock
+        tags = [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)] or tags
         raise RequestError(f"-g/--model-tag: got {model_tag!r}; accepted: {'|'.join(tags)} (the {source} models "
                            f"under {root})")
 

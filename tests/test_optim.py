@@ -10,9 +10,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanochat.gpt import GPT, config_for_depth
-from nanochat.optim import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer, lr_multiplier,
-                            muon_decay_step, muon_momentum, muon_momentum_peaked, normuon_rescale, normuon_shape,
-                            orthogonalize, weight_decay_cosine, weight_decay_multiplier)
+from nanochat.optim import (MuonAdamW, build_optimizer, lr_multiplier, muon_momentum, muon_momentum_peaked,
+                            weight_decay_cosine, weight_decay_multiplier)
+from nanochat.optim_updates import (ORTHO_SV_BAND, POLAR_EXPRESS_COEFFS, muon_decay_step, normuon_rescale,
+                                    normuon_shape, orthogonalize)
 
 
 def tiny_model(vocab=256, seed=0) -> GPT:

@@ -1,0 +1,102 @@
+"""A fresh run in a checkpoint directory that holds an earlier run's checkpoints: refused, or that
+run deleted (--overwrite) or moved into earlier_runs/<N>/ (--resume auto starting fresh) at the new
+run's first save, so two runs' steps never mix. checkpoint.py re-exports EarlierRun and fresh_start.
+Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
+in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
+                                    sweep_superseded)
+from nanochat.common import barrier, print0
+
+EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
+
+
+class EarlierRun:
+    """The checkpoints of an earlier run in the directory a fresh run saves to. Left as they are
+    until the new run's first save (a run that fails before it, a bad flag found late or an OOM at
+    the first step, loses nothing), then deleted (--overwrite) or moved into earlier_runs/<N>/
+    (--resume auto starting fresh over a run it cannot continue). Never left to mix with the new
+    run's saves: --keep-last's pruning, a later --resume STEP and a re-save at a step both wrote
+    would each take the other run's checkpoints for this one's."""
+
+    def __init__(self, ckpt_dir, steps: list[int], delete: bool):
+        self.ckpt_dir, self.steps, self.delete = Path(ckpt_dir), list(steps), delete
+
+    def bytes_freed(self) -> int:
+        """Bytes the settling frees on the checkpoints' disk (disk_plan counts them as free)."""
+        return steps_bytes(self.ckpt_dir, self.steps) if self.delete else 0
+
+    def describe(self) -> str:
+        what = f"the earlier run's checkpoints (steps {self.steps}) in {self.ckpt_dir}"
+        if self.delete:
+            return f"--overwrite: {what} are deleted at this run's first save"
+        return f"{what} are moved to {self.ckpt_dir / EARLIER_RUNS}/<N>/ at this run's first save"
+
+    def settle(self, is_master: bool = True) -> Path | None:
+        """Delete or move the earlier run (collective; once). latest.json goes first, so an
+        interruption midway never leaves it naming a step that is gone. Returns where they went."""
+        if not self.steps:
+            return None
+        steps, self.steps, moved_to = self.steps, [], None
+        if is_master:
+            latest = self.ckpt_dir / LATEST_NAME
+            sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
+            # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
+            # the run (else a later read of this run's step N would restore the earlier run's copy)
+            orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
+            if self.delete:
+                latest.unlink(missing_ok=True)
+                for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
+                    shutil.rmtree(path, ignore_errors=True)
+                print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
+            else:
+                moved_to = _next_earlier_run_dir(self.ckpt_dir)
+                moved_to.mkdir(parents=True)
+                if latest.is_file():
+                    os.replace(latest, moved_to / LATEST_NAME)
+                for step in steps:
+                    os.replace(self.ckpt_dir / step_dirname(step), moved_to / step_dirname(step))
+                for path in orphans:   # restorable there, as here
+                    os.replace(path, moved_to / path.name)
+                fsync_dir(moved_to)
+                print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
+                       "delete it when you no longer need them")
+            fsync_dir(self.ckpt_dir)
+        barrier()
+        return moved_to
+
+
+def _next_earlier_run_dir(ckpt_dir: Path) -> Path:
+    taken = [int(p.name) for p in (ckpt_dir / EARLIER_RUNS).glob("*") if p.name.isdigit()]
+    return ckpt_dir / EARLIER_RUNS / str(max(taken, default=0) + 1)
+
+
+def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:
+    """A fresh run into a model tag that holds checkpoints would replace them step by step (and its
+    final save the earlier run's model). --overwrite: they are deleted at this run's first save;
+    --resume auto (which chose to start fresh): moved aside then; otherwise refused, naming the
+    ways on. None: the directory holds no checkpoints."""
+    ckpt_dir = Path(ckpt_dir)
+    steps = list_steps(ckpt_dir)
+    if not steps:
+        return None
+    if overwrite or resume == "auto":
+        return EarlierRun(ckpt_dir, steps, delete=overwrite)
+    how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
+           f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
+    raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
+                          f"overwrite them: pass {how} to continue it, another --model-tag "
+                          "to train a new one, or --overwrite to delete them")
+
+
+def steps_bytes(ckpt_dir, steps: list[int]) -> int:
+    """Bytes the given steps' directories hold on disk."""
+    return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
+               if f.is_file())
