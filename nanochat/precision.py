@@ -41,9 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat import weight_cache
 from nanochat.errors import RequestError
 from nanochat.platform import DeviceSpec, detect_device
-from nanochat.precision_te import build_te_recipe, te_factory, te_nvfp4_problem
+from nanochat.precision_te import build_te_recipe, te_factory, te_fp8_problem, te_nvfp4_problem
 from nanochat.precision_te import te_available as _te_importable
 
 
@@ -112,7 +113,7 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
             torchao_available: bool | None = None, te_recipe: Any = None) -> PrecisionPlan:
     """Validate `precision` x `backend` against the device; raise ValueError saying what to do.
     `te_available` / `torchao_available` / `te_recipe` (TE's recipe module) simulate installs;
-    with `te_available` given and no `te_recipe`, TE's nvfp4 recipe is taken to be complete."""
+    with `te_available` given and no `te_recipe`, TE's fp8 and nvfp4 recipes are taken to be complete."""
     if precision not in PRECISIONS:
         raise RequestError(f"--precision: got {precision!r}; accepted: {'|'.join(PRECISIONS)}")
     if backend not in BACKENDS:
@@ -145,6 +146,9 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
                 raise RequestError(problem)
     else:
         plan = _resolve_fp8(spec, backend, te_ok, ao_ok)
+        if plan.backend == "te" and (te_recipe is not None or te_available is None):
+            if (problem := te_fp8_problem(te_recipe)) is not None:   # before any model is built
+                raise RequestError(problem)
     if backend == "auto":
         plan.chosen = f"--precision-backend auto -> {plan.backend}: " + (
             "tensor-wise scaled torch._scaled_mm (row-wise scaling fails on sm_12x), no extra package, one "
@@ -394,6 +398,18 @@ def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
     return torch.copysign(grid[idx], y.float())
 
 
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 0 <= v <= 448 to the nearest e4m3 value (ties to even), as the float8_e4m3fn
+    cast does, in float32 arithmetic: MPS had no float8 dtypes up to torch 2.11 at least (pytorch
+    #132624), and the emulation is meant to run there. 3 mantissa bits: steps of 2^(e-3) in
+    [2^e, 2^(e+1)), 2^-9 below 2^-6."""
+    e = torch.floor(torch.log2(v.clamp(min=2.0**-9)))
+    p = torch.exp2(e)   # log2 may round across a power of two: fix e so that 2^e <= v < 2^(e+1)
+    e = torch.where(p > v, e - 1, torch.where(2 * p <= v, e + 1, e)).clamp(min=-6)
+    step = torch.exp2(e - 3)
+    return torch.round(v / step) * step
+
+
 def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e2m1 values as float, e4m3 block scales as float, fp32 tensor scale) along the last dim;
     x ~= values * block_scale[..., None] * tensor_scale."""
@@ -404,7 +420,7 @@ def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torc
     tensor_scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
     block_amax = xb.detach().abs().amax(dim=-1)
     block_scale = (block_amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX)
-    block_scale = block_scale.to(torch.float8_e4m3fn).float()
+    block_scale = round_to_e4m3(block_scale)
     denom = block_scale * tensor_scale
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     values = torch.where(denom[..., None] > 0, round_to_e2m1(xb / safe[..., None]), 0.0)
@@ -460,9 +476,13 @@ def swap_linears(model: nn.Module, precision: str, factory) -> tuple[list[str], 
 
 
 def _rebuild(cls: type, old: nn.Linear) -> nn.Linear:
-    """Same weight Parameter, new class (no re-initialisation, no copy)."""
+    """Same weight Parameter, new class (no re-initialisation, no copy). gpt.Linear's weight_cache
+    slot and sink are dropped: these layers cast their own master weight, and with the slot every
+    accumulating step also cast a copy of it nobody read (and the fused fp8 MLP quantised that
+    bf16-rounded copy instead of the master)."""
     new = cls.__new__(cls)
     new.__dict__.update(old.__dict__)   # parameters, buffers, hooks, in/out features
+    new._buffers = {k: v for k, v in old._buffers.items() if k not in (weight_cache.SLOT, weight_cache.SINK)}
     return new
 
 
@@ -549,6 +569,13 @@ def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "a
     if plan.backend != "none":
         info["startup_rel_err"] = round(startup_check(plan, spec, rt.device, rt.dtype, compile), 4)
         convert_model(model, plan, spec, compile=compile)
+        if not plan.converted:   # a bf16 run that banner, checkpoint and util() would call fp8/nvfp4
+            raise RequestError(
+                f"--precision {plan.precision}: no Linear layer of this model can run in {plan.precision} "
+                f"(dims must be multiples of {ALIGN[plan.precision]}; kept: {', '.join(plan.kept_high_precision[:3])}"
+                f"{', ...' if len(plan.kept_high_precision) > 3 else ''}); accepted: --precision auto|"
+                f"{getattr(rt, 'dtype_name', 'bf16')}, or a model width (--depth x --aspect-ratio, rounded to "
+                f"--head-dim) that is a multiple of {ALIGN[plan.precision]}")
         if native_fp8:
             set_fp8_wgrad_mode(model, fp8_wgrad)
             info["fp8_wgrad"] = fp8_wgrad

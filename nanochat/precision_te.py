@@ -61,6 +61,18 @@ def te_nvfp4_problem(spec: DeviceSpec, te_recipe: Any = None) -> str | None:
     return None
 
 
+def te_fp8_problem(te_recipe: Any = None) -> str | None:
+    """Why the installed TE cannot build the fp8 recipe (None = it can): no Float8CurrentScaling
+    (older TEs, e.g. the 1.x of 2024 NGC containers), which failed with an AttributeError in
+    build_te_recipe after the model was built (DelayedScaling alone errors under torch.compile)."""
+    if te_recipe is None:
+        import transformer_engine.common.recipe as te_recipe
+    if getattr(te_recipe, "Float8CurrentScaling", None) is None:
+        return ("--precision-backend te: the installed Transformer Engine has no Float8CurrentScaling recipe "
+                "(an older TE; pip install -U 'transformer-engine[pytorch]'); or use --precision-backend native")
+    return None
+
+
 def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile: bool = True,
                     fp8_recipe: str = "current") -> tuple[Any, dict[str, Any]]:
     """Construct and verify the TE recipe; returns (recipe, the fields we asserted)."""
@@ -71,6 +83,8 @@ def build_te_recipe(precision: str, spec: DeviceSpec, te_recipe: Any, *, compile
                                  "use the default Float8CurrentScaling or turn compile off")
             cls = te_recipe.DelayedScaling
         else:
+            if (problem := te_fp8_problem(te_recipe)) is not None:
+                raise RequestError(problem)
             cls = te_recipe.Float8CurrentScaling
         wanted = {"fp8_format": te_recipe.Format.HYBRID}
     elif precision == "nvfp4":
