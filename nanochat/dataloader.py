@@ -276,7 +276,7 @@ class _Packer:
         buf = BestFitBuffer()
         keys = [tuple(k) for k in state["buffer"]]
         for key, (length, payload) in zip(keys, src.fetch(keys)):
-            buf.add(key, min(length, cap), payload)
+            buf.add(key, min(length, cap), payload, length)
         stream, exhausted = self.stream(epoch, cursor), False
         rows = np.empty((B, cap), dtype=np.int64)
         while True:
@@ -292,7 +292,7 @@ class _Packer:
                         except StopIteration:
                             exhausted = True
                             break
-                        buf.add(key, min(length, cap), payload)  # longer than a row: cropped now
+                        buf.add(key, min(length, cap), payload, length)  # longer than a row: cropped now
                         read += length
                         dropped += max(length - cap, 0)
                     if not buf:
@@ -314,7 +314,8 @@ class _Packer:
                 arr[1, b, max(valid[b] - 1, 0):] = IGNORE_INDEX
             batches += 1
             yield out, {**self.config, "epoch": epoch, "cursor": list(cursor), "buffer": buf.keys(),
-                        "tokens_read": read, "tokens_dropped": dropped, "batches": batches}
+                        "tokens_read": read, "tokens_dropped": dropped, "batches": batches,
+                        "tokens_buffered": [buf.held, buf.cropped]}
 
 
 _RUNNING: set[tuple[threading.Event, threading.Thread]] = set()  # live prefetch threads
@@ -354,6 +355,14 @@ def _prefetch(gen, q: queue.Queue, stop: threading.Event) -> None:
 _STATE_FLAGS = {"batch_size": "--device-batch-size", "seq_len": "--max-seq-len", "world_size": "world size",
                 "shards": "the shards of --data-dir", "shard_bytes": "the shard sizes of --data-dir",
                 "source": "shards of kind (text / bin)", "fingerprint": "the tokenizer"}
+
+
+_FRESH: set[tuple] = set()  # binary shard directories found fresh, with the stats of every file checked
+
+
+def _stat_key(path: Path) -> tuple:
+    st = path.stat() if path.exists() else None
+    return (st.st_size, st.st_mtime_ns, st.st_ino) if st else (None,)
 
 
 def _brief(value) -> str:
@@ -445,6 +454,12 @@ class DataLoader:
         now in data_dir (when pretokenize recorded them, and data_dir has any): same names, sizes
         and mtimes (a stat per shard, so a shard rewritten at the same size is stale too)."""
         text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
+        # text shards whose mtime moved (a copy without its times) are hashed whole: once per process,
+        # not for every loader (base_train makes one per evaluation; a full data dir takes minutes)
+        files = [bin_dir / bs.META_NAME, *bs.list_bin_shards(bin_dir), *text]
+        seen = (str(bin_dir.resolve()), tuple((str(p), *_stat_key(p)) for p in files))
+        if seen in _FRESH:
+            return
         bs.check_complete(bin_dir, text)
         why = bs.stale_reason(bin_dir, text)
         if why is not None:
@@ -452,6 +467,7 @@ class DataLoader:
                             f"`python -m scripts.pretokenize --data-dir {data_dir} --out {bin_dir}` (it redoes "
                             "only the text shards that changed; --force redoes all), or delete "
                             f"{bin_dir} to read the text shards")
+        _FRESH.add(seen)
 
     def describe_source(self) -> str:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""
@@ -472,6 +488,11 @@ class DataLoader:
     def _initial_state(self) -> dict:
         return {**self._config(), "epoch": 0, "cursor": list(self._source.start), "buffer": [],
                 "tokens_read": 0, "tokens_dropped": 0, "batches": 0}
+
+    @property
+    def source_kind(self) -> str:
+        """"text" or "bin": what this loader reads now (a resume may switch it back to its checkpoint's)."""
+        return self._source.kind
 
     def state_dict(self) -> dict:
         """Plain-python state after the last batch handed out (prefetched batches excluded)."""
@@ -515,9 +536,12 @@ class DataLoader:
 
     @property
     def dropped_fraction(self) -> float:
-        """Tokens cropped away by packing / tokens read, as of the last batch handed out."""
-        read = self._state["tokens_read"]
-        return self._state["tokens_dropped"] / read if read else 0.0
+        """Tokens cropped away by packing / tokens of the documents packed so far (into the batches
+        handed out). Documents still in the packing buffer count in neither: they are read but not
+        yet packed, and early on (a profile, a short run) they would dilute the figure severalfold."""
+        held, cropped = self._state.get("tokens_buffered", (0, 0))  # absent: a state from before it
+        read = self._state["tokens_read"] - held
+        return (self._state["tokens_dropped"] - cropped) / read if read > 0 else 0.0
 
     @property
     def epoch(self) -> int:

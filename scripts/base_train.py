@@ -309,7 +309,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
 
     def val_batches():   # one finite pass: a --eval-tokens past the split scores each token once (as base_eval)
-        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False, **loader_kwargs)
+        # the kind the train loader reads: a pretokenize started during the run (its directory still
+        # unfinished, then finished) must not fail an evaluation or switch val's source mid-run
+        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
+                          source=train_loader.source_kind, **loader_kwargs)
 
     val_batches().close()  # the val split is checked now too (each evaluation reads a fresh loader)
 
