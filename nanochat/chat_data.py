@@ -16,7 +16,9 @@ Targets are the next tokens; with mask="assistant" only tokens the assistant wri
 mask="assistant" a conversation whose row holds no assistant token (a prompt longer than the row
 cuts the reply off) is skipped, not packed: it would train nothing, and rows of such conversations
 made steps of no target at all (a loss of 0 in the log, an evaluation with nothing to score).
-`trainable_share` probes a task for them before training.
+A conversation longer than a row is cut at the row's end (its rest is not trained) and counted
+(`truncated`, the run summary's conversations_truncated). `trainable_share` probes a task for
+both before training.
 
 State = the next stream position + the positions held in the buffer (re-rendered on load), so a
 resumed run reproduces the batches exactly.
@@ -61,6 +63,7 @@ class ChatLoader:
         self.buffer: list[tuple[int, list[int], list[int]]] = []  # (position, ids, trained-token mask)
         self.conversations_used = 0     # whole or cropped conversations placed into rows
         self.skipped = 0                # conversations with no trained token in a row (mask "assistant")
+        self.truncated = 0              # conversations longer than a row, cut at its end (the rest not trained)
         self._skip_run = 0              # ... in a row on this rank: a whole cycle of them trains nothing ever
         self.tokens_real = self.tokens_total = 0
 
@@ -69,20 +72,23 @@ class ChatLoader:
     def epoch(self) -> int:
         return self.pos // self.limit
 
-    def _render(self, pos: int) -> tuple[int, list[int], list[int]]:
-        ids, mask = self.tokenizer.render_conversation(self.task[pos % self.limit], max_tokens=self.seq_len + 1)
+    def _render(self, pos: int) -> tuple[tuple[int, list[int], list[int]], bool]:
+        """((pos, ids, mask) cut to a row of seq_len + 1 tokens, whether the conversation was longer)."""
+        row = self.seq_len + 1
+        ids, mask = self.tokenizer.render_conversation(self.task[pos % self.limit], max_tokens=row + 1)
         if self.mask == "all":
             mask = [1] * len(ids)
-        return pos, ids, mask
+        return (pos, ids[:row], mask[:row]), len(ids) > row
 
     def _refill(self) -> None:
         while len(self.buffer) < self.buffer_size and (self.loop or self.pos < self.limit):
-            entry = self._render(self.pos)
+            entry, cut = self._render(self.pos)
             self.pos += self.world_size
             if self.mask == "assistant" and not any(entry[2][1:]):   # ids[0] (<|bos|>) is never a target
                 self._skip()
                 continue
             self._skip_run = 0
+            self.truncated += cut
             self.buffer.append(entry)
 
     def _skip(self) -> None:
@@ -163,16 +169,18 @@ class ChatLoader:
     def state_dict(self) -> dict:
         return {"pos": self.pos, "buffer": [p for p, _, _ in self.buffer], "rank": self.rank,
                 "world_size": self.world_size, "conversations_used": self.conversations_used,
-                "skipped": self.skipped, "tokens_real": self.tokens_real, "tokens_total": self.tokens_total}
+                "skipped": self.skipped, "truncated": self.truncated, "tokens_real": self.tokens_real,
+                "tokens_total": self.tokens_total}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
             raise ValueError(f"--resume: the loader state was saved by rank {state.get('rank')} of "
                              f"{state.get('world_size')}; this is rank {self.rank} of {self.world_size}")
         self.pos = int(state["pos"])
-        self.buffer = [self._render(int(p)) for p in state["buffer"]]
+        self.buffer = [self._render(int(p))[0] for p in state["buffer"]]
         self.conversations_used = int(state.get("conversations_used", 0))
         self.skipped = int(state.get("skipped", 0))
+        self.truncated = int(state.get("truncated", 0))
         # the run's row fill so far (a resumed run's summary is the whole run's, not its tail's)
         self.tokens_real, self.tokens_total = int(state.get("tokens_real", 0)), int(state.get("tokens_total", 0))
 
@@ -203,26 +211,31 @@ def first_trained_index(tokenizer, conversation: dict) -> int | None:
 class Reach:
     """What trainable_share found: `cut` of `probed` conversations have no assistant token within a
     row (first_cut: the index in the task of the first such one); `need`: the --max-seq-len the
-    shortest prompt among them needs (None: none has an assistant token)."""
+    shortest prompt among them needs (None: none has an assistant token); `long`: trainable ones
+    longer than a row (cut at its end: the rest of their reply is not trained)."""
     probed: int
     cut: int
     first_cut: int | None
     need: int | None
+    long: int = 0
 
 
 def trainable_share(task, tokenizer, seq_len: int, *, sample: int = 512) -> Reach:
     """Probe the first `sample` conversations of `task` for rows of seq_len + 1 tokens under
     mask "assistant": how many the loader would skip (their replies start past the row)."""
     probed = min(len(task), sample)
-    cut, first_cut, need = 0, None, None
+    cut, first_cut, need, long = 0, None, None, 0
     for i in range(probed):
-        first = first_trained_index(tokenizer, task[i])
+        ids, mask = tokenizer.render_conversation(task[i], max_tokens=2**62)
+        first = next((k for k in range(1, len(mask)) if mask[k]), None)   # as first_trained_index
         if first is not None:
             need = first if need is None else min(need, first)
         if first is None or first > seq_len:
             cut += 1
             first_cut = i if first_cut is None else first_cut
-    return Reach(probed, cut, first_cut, need)
+        elif len(ids) > seq_len + 1:
+            long += 1
+    return Reach(probed, cut, first_cut, need, long)
 
 
 def _line_of(path, row: int) -> int:
@@ -259,6 +272,11 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
             said.append(("WARNING: " if reach.cut * 10 >= reach.probed else "") +
                         f"--max-seq-len {seq_len}: {reach.cut} of the first {reach.probed} training conversations "
                         "have their reply cut off by the prompt; such conversations are skipped (they train nothing)")
+        if reach.long and what == "training":
+            said.append(("WARNING: " if reach.long * 10 >= reach.probed else "") +
+                        f"--max-seq-len {seq_len}: {reach.long} of the first {reach.probed} training conversations "
+                        f"are longer than a row of {seq_len + 1} tokens; they train up to the row's end (the rest "
+                        "of the reply is not trained)")
     files = {t.source: t for t in train_mix.tasks if isinstance(t, ConversationFile)}
     for path, task in files.items():
         reach = trainable_share(task, tokenizer, seq_len, sample=file_sample)
@@ -282,10 +300,14 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
 STAGES = ("mid", "sft", "rl")
 
 
-def _unavailable_hint(e: Exception) -> MissingDataError:
+def _unavailable_hint(e: Exception, test_holdout: int = -1) -> MissingDataError:
     from nanochat.tasks import DataUnavailableError
     assert isinstance(e, DataUnavailableError)
     # a MissingDataError: the scripts print it as one line and exit 2 (a ValueError was a traceback)
+    if test_holdout >= 0:   # the test file --test-holdout trains on is what is missing: "pass --test-holdout N" misled
+        return MissingDataError(f"{e}\n--test-holdout {test_holdout}: trains on this local test file past its first "
+                                f"{test_holdout} problems, and it is missing; restore it, or point --data-dir at a "
+                                "data root whose eval/ holds it")
     return MissingDataError(f"{e}\n--test-holdout: no train split is available; pass --test-holdout N to "
                             "train on the local test files minus their first N problems (chat_eval "
                             "--max-problems <= N then scores unseen problems), or make the train split "
@@ -309,7 +331,7 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
         try:
             made = factories[name]()
         except DataUnavailableError as e:
-            raise _unavailable_hint(e) from e
+            raise _unavailable_hint(e, test_holdout) from e
         tasks += made if isinstance(made, list) else [made]
     if held and any(len(t) == 0 for t in tasks):   # a whole test split held out: it would leave the mixture silently
         sizes = {Path(str(t.source)).name: t.num_examples() for t in tasks}

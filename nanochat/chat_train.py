@@ -62,6 +62,7 @@ MID = ChatStage("mid", "Midtraining", "python -m scripts.mid_train", ("base",), 
 SFT = ChatStage("sft", "Chat SFT", "python -m scripts.chat_sft", ("mid", "base"), mask="assistant", fill="pad",
                 step_rows=32,
                 defaults={"init_lr_frac": 0.02, "warmdown_ratio": 1.0, "eval_every": 100, "device_batch_size": 4})
+_STAGE_SOURCES = {MID.name: MID.sources, SFT.name: SFT.sources}   # chat_rl's own are its script's
 DEVICES = ("auto", "cpu", "cuda", "mps")
 KERNELS = ("current", "liger", "triton")
 HOW_TO_MAKE = {"base": "python -m scripts.base_train --model-tag {tag}",
@@ -230,10 +231,13 @@ def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None
         raise
     except CheckpointError as e:
         tag_text = model_tag or "<tag>"
+        # mid_train takes --source base only: "or pick another --source" sent its user looking for one
+        others = [s for s in _STAGE_SOURCES.get(stage, ()) if s != source]
         raise CheckpointError(
             f"{flag} {source}: {stage} starts from a {source} checkpoint, and none was found ({e}); create it "
             f"with `{HOW_TO_MAKE[source].format(tag=tag_text)}`" + (
-                f", or pick another {flag}" if flag == "--source" else "")) from None
+                f", or pick another {flag}" + (f" ({'|'.join(others)})" if others else "")
+                if flag == "--source" and (others or stage not in _STAGE_SOURCES) else "")) from None
     return tag, ckpt_dir
 
 
@@ -396,8 +400,10 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
     plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
     if resume is not None:
         try:
-            check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+            # the data first: --total-batch-size -1 follows --max-seq-len, so another --max-seq-len was
+            # named as "--total-batch-size", a flag the user never passed
             _check_same_data(resume["meta"], mixture, conversations, cfg.seed, seq_len)
+            check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
         except CheckpointError as e:
             if cfg.resume != "auto":
                 raise
@@ -518,8 +524,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text(plan.total_batch_size, seq_len)} "
                "on any number of GPUs")
     print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
-           f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; eval every {cfg.eval_every} "
-           f"({eval_steps} batches); device {rt.device} ({device_name}, {rt.dtype_name})")
+           f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; "
+           + (f"eval every {cfg.eval_every} ({eval_steps} batches)" if cfg.eval_every > 0 else "eval off") +
+           f"; device {rt.device} ({device_name}, {rt.dtype_name})")
     for path, count in Counter(cfg.extra_conversations).items():
         n = next(f["conversations"] for f in mixture["extra_conversations"] if f["path"] == path)
         print0(f"  --extra-conversations {path}: {n:,} conversations" + (f", mixed in {count}x" if count > 1 else ""))
@@ -553,15 +560,18 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
-    counts = torch.tensor([loader.skipped, loader.tokens_real, loader.tokens_total], dtype=torch.int64,
-                          device=rt.device)
+    # as of the batches trained: the loader has read one more (the trainer's prefetch) past the last step
+    done = trainer.loader_state()
+    counts = torch.tensor([done["skipped"], done["truncated"], done["tokens_real"], done["tokens_total"]],
+                          dtype=torch.int64, device=rt.device)
     if rt.world_size > 1:
         torch.distributed.all_reduce(counts)
-    skipped, real, total = (int(v) for v in counts.tolist())
+    skipped, truncated, real, total = (int(v) for v in counts.tolist())
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
                "avg_tok_per_sec": meter.average_tok_per_sec(),
                "row_fill": round(real / total, 4) if total else 0.0, "conversations_skipped": skipped,
+               "conversations_truncated": truncated,
                "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,
