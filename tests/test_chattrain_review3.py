@@ -134,3 +134,17 @@ def test_a_missing_source_offers_only_sources_the_stage_takes(tmp_path):
                                  "--source (base)")
     with pytest.raises(CheckpointError, match=r", or pick another --source$"):   # chat_rl: its sources are its own
         resolve_source("rl", "sft", None, tmp_path)
+
+
+def test_an_eval_folder_given_as_data_dir_is_not_read_as_conversations(tmp_path):
+    """`--data-dir .../eval` (the help allows it, so that the sibling sft/ is found) read ARC's rows
+    as conversations and failed on `arc_challenge.jsonl:1`; the sibling sft/ is what it means."""
+    from nanochat.tasks.conversations import find_local_conversation_files
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "arc_challenge.jsonl").write_text('{"question": "q", "choices": []}\n')
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "mine.jsonl").write_text('{"messages": []}\n')
+    assert find_local_conversation_files(data_dir=tmp_path / "eval") == [tmp_path / "sft" / "mine.jsonl"]
+    assert find_local_conversation_files(data_dir=tmp_path) == [tmp_path / "sft" / "mine.jsonl"]
+    assert find_local_conversation_files(data_dir=tmp_path / "sft") == [tmp_path / "sft" / "mine.jsonl"]

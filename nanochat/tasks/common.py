@@ -175,7 +175,7 @@ def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
     hub_name = f"hub dataset {hub[0]!r} (config {hub[1]!r}, split {hub[2]!r})" if hub else "the hub"
     env = _KINDS[kind][0]
     raise DataUnavailableError(
-        f"dataset {filenames[0]!r} not found.\nLocal files tried (set {env} or pass data_dir):\n  {where}\n"
+        f"dataset {filenames[0]!r} not found.\nLocal files tried (set {env} or pass --data-dir):\n  {where}\n"
         f"Hub: {hub_name} failed: {hub_reason}") from hub_error
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nanochat.common import print0
 from nanochat.errors import DataError
-from nanochat.tasks.common import (DataUnavailableError, Task, check_rows, load_rows, local_dirs,
+from nanochat.tasks.common import (_KINDS, DataUnavailableError, Task, check_rows, load_rows, local_dirs,
                                    parse_jsonl_numbered, read_local_rows, validate_conversation)
 from nanochat.tokenizer import check_conversation
 
@@ -65,8 +65,13 @@ def _check_row(row, where: str, *, text: bool = True) -> None:
 
 
 def find_local_conversation_files(names=None, data_dir=None) -> list[Path]:
-    """The *.jsonl files of the first SFT dir that has any (or the named stems, all required)."""
+    """The *.jsonl files of the first SFT dir that has any (or the named stems, all required). An
+    eval or words folder (`--data-dir .../eval`, which local_dirs allows so that its sibling sft/ is
+    found) is never read as conversations: its ARC/MMLU rows are not."""
+    others = {sub for kind, (_, base_sub, shared_sub) in _KINDS.items() if kind != "sft" for sub in (base_sub, shared_sub)}
     for d in local_dirs("sft", data_dir):
+        if names is None and d.name in others:
+            continue
         if names is None:
             files = sorted(p for p in d.glob("*.jsonl") if not p.name.startswith("smoltalk"))
         else:

@@ -38,7 +38,7 @@ def load_words(data_dir=None) -> list[str]:
     if path is None:
         where = "\n  ".join(map(str, tried))
         raise DataUnavailableError(f"word list 'words.txt' not found.\nLocal files tried (set "
-                                   f"NANOCHAT_EVAL_DIR or pass data_dir):\n  {where}\nHub: no hub fallback")
+                                   f"NANOCHAT_EVAL_DIR or pass --data-dir):\n  {where}\nHub: no hub fallback")
     try:
         words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines()]
     except UnicodeDecodeError as e:
