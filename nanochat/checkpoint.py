@@ -493,9 +493,7 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     count; the others only when none has one: a run that stopped before its first save leaves
     its directory behind (its .writer.lock, nanochat/writer_lock.py)."""
     root = checkpoint_dir(phase, "x", base_dir).parent
-    tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    saved = [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)]
-    tags = saved or tags
+    tags = _model_tags(root)
     if not tags:
         raise CheckpointError(f"no {phase} checkpoints under {root}; train one first "
                               f"(python -m scripts.{_MAKES_PHASE.get(phase, 'base_train')}, or ./setup.sh)")
@@ -505,6 +503,24 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     if not depth_tags:
         raise AmbiguousModelTag(f"several {phase} model tags under {root}: {tags}; pass --model-tag")
     return max(depth_tags)[1]
+
+
+def _model_tags(root: Path) -> list[str]:
+    """The tag directories under `root`: those holding a checkpoint, or all when none does."""
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)] or tags
+
+
+def check_model_tag_exists(phase: str, model_tag: str | None, base_dir=None, flag: str = "-g/--model-tag") -> None:
+    """An explicit model tag that has no directory: a RequestError naming `flag` and the tags there
+    are, before a runtime starts and a model loads (chat_cli, chat_web). None: nothing to check."""
+    if model_tag is None:   # load_model picks one, or says there is none
+        return
+    root = checkpoint_dir(phase, model_tag, base_dir).parent
+    if not (root / model_tag).is_dir():
+        find_model_tag(phase, base_dir)   # no tags at all: says so, with how to train one
+        raise RequestError(f"{flag}: got {model_tag!r}; accepted: {'|'.join(_model_tags(root))} (the {phase} "
+                           f"models under {root})")
 
 
 def load_model(phase: str, device, *, model_tag: str | None = None, step: int | str = "latest",

@@ -328,7 +328,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     async def health():
         return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers),
                 "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None,
-                "sampling": settings.sampling()}   # the chat page's settings start from these
+                "sampling": settings.sampling(),   # the chat page's settings start from these
+                "context_len": engine.max_seq_len}   # the page tells a context cut-off from a max_tokens one
 
     @app.get("/stats")
     async def get_stats(request: Request):

@@ -86,27 +86,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p: got {args.top_p}; accepted: a number in [0, 1] (0 = greedy)")
     try:   # the flags as given: the greedy rewrite of --top-p 0 below would hide a bad --temperature
         validate_sampling(args.temperature, args.top_k, args.top_p or None)
-    except ValueError as e:
-        raise ValueError(f"--{str(e).replace('_', '-')}") from None
+    except ValueError as e:   # the engine's "None or ..." is its API's: a flag cannot be given None
+        raise ValueError(f"--{str(e).replace('_', '-').replace('None or ', '')}") from None
     args.temperature, args.top_p = greedy_if_top_p_zero(args.temperature, args.top_p)
-
-
-def check_model_tag_exists(source: str, model_tag: str | None) -> None:
-    """An explicit --model-tag that has no directory: one line naming the flag and the tags there
-    are, before the runtime starts and the model loads."""
-    from nanochat.checkpoint import LATEST_NAME, checkpoint_dir, find_model_tag, list_steps
-    from nanochat.errors import RequestError
-
-    if model_tag is None:   # load_model picks one, or says there is none
-        return
-    root = checkpoint_dir(source, model_tag).parent
-    if not (root / model_tag).is_dir():
-        find_model_tag(source)   # no tags at all: says so, with how to train one
-        tags = sorted(p.name for p in root.iterdir() if p.is_dir())
-        # a run that stopped before its first save leaves a directory holding only its writer lock
-        tags = [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)] or tags
-        raise RequestError(f"-g/--model-tag: got {model_tag!r}; accepted: {'|'.join(tags)} (the {source} models "
-                           f"under {root})")
 
 
 def check_decode_device(args: argparse.Namespace, device) -> None:
@@ -213,7 +195,7 @@ def chat(args: argparse.Namespace) -> int:
     """Load the model, then answer -p, or chat until /quit or Ctrl-D."""
     import random
 
-    from nanochat.checkpoint import load_model
+    from nanochat.checkpoint import check_model_tag_exists, load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
     from nanochat.quantize import quantize_model

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import sys
 
 from nanochat.flags import FlagParser
@@ -122,6 +123,8 @@ def validate(args: argparse.Namespace) -> None:
     from nanochat.flags import check_model_tag
 
     check_model_tag(args.model_tag)
+    if args.step != "latest" and not re.fullmatch("[0-9]+", args.step):   # as chat_cli: was a traceback at loading
+        raise ValueError(f"-s/--step: got {args.step!r}; accepted: latest or an integer >= 0")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
     if not 0 < args.port < 65536:
@@ -145,6 +148,20 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-slots: got {args.batch_slots}; accepted: 1 (no batching) or an integer >= "
                          f"--max-n ({args.max_n}) and >= 2: a request's n samples share one replica's slots")
     settings_from_args(args, args.model_name or "pending")   # the limits, before any model loads
+    # a client's "Authorization: Bearer KEY" reaches the server with its ends trimmed (HTTP strips them),
+    # and curl and the openai client send ASCII only: a key ending in a newline (a $NANOCHAT_API_KEY read
+    # from a file) or holding "é" was refused for every client, a 401 that no retyping could pass
+    if args.api_key is not None and not re.fullmatch(r"[!-~]([ -~]*[!-~])?", args.api_key):
+        raise ValueError(f"--api-key (or $NANOCHAT_API_KEY): got a key with {_key_problem(args.api_key)}; accepted: "
+                         "printable ASCII characters, not starting or ending with a space")
+
+
+def _key_problem(key: str) -> str:
+    """What in an API key no client can send, said without printing the key."""
+    if key != key.strip():
+        return "a space or line break at its start or end"
+    bad = next(c for c in key if not " " <= c <= "~")
+    return f"the character {bad!r}"
 
 
 def load_replicas(args) -> tuple[list, dict]:
@@ -154,13 +171,15 @@ def load_replicas(args) -> tuple[list, dict]:
     from nanochat.checkpoint import find_model_tag, load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
+    from nanochat.errors import RequestError
     from nanochat.quantize import quantize_model
     from nanochat.server import replica_workers
 
     rt = init_runtime(args.device, args.dtype)
     if rt.device_type == "cuda":
-        if args.num_gpus > torch.cuda.device_count():
-            raise ValueError(f"--num-gpus: got {args.num_gpus}; this machine has {torch.cuda.device_count()} GPU(s)")
+        if args.num_gpus > torch.cuda.device_count():   # RequestError: one line (script_main), not a traceback
+            raise RequestError(f"--num-gpus: got {args.num_gpus}; this machine has {torch.cuda.device_count()} "
+                               "GPU(s)")
         devices = [torch.device(f"cuda:{i}") for i in range(args.num_gpus)]
     else:
         if args.num_gpus != 1:
@@ -200,7 +219,10 @@ def main(argv=None) -> int:
     from nanochat.chat_api import default_per_client
     from nanochat.http_guard import server_url
     from nanochat.server import WorkerPool, create_app
+    from nanochat.checkpoint import check_model_tag_exists
 
+    # a --model-tag with no checkpoints: named with the tags there are (was "latest.json missing")
+    check_model_tag_exists(args.source, args.model_tag)
     check_port_free(args.host, args.port)
     workers, meta = load_replicas(args)
     settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
