@@ -6,7 +6,8 @@ CUDA graphs on a GPU (--decode); --sample-batch-size rows per call, default all;
 room for --max-new-tokens is skipped and counted),
 rewards a correct final answer with 1, uses reward - group mean as the advantage and takes a
 policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pass@1 on the first
---eval-examples GSM8K test problems at step 0, every --eval-every steps and at the last step (-1 or
+--eval-examples GSM8K test problems (never one trained on: at most --test-holdout, and the --source
+model's own --test-holdout) at step 0, every --eval-every steps and at the last step (-1 or
 0: never, as base_train / mid_train / chat_sft) (with --eval-samples K also pass@1..K of K samples
 drawn as training draws them, the figure upstream nanochat reports); saves the `rl` checkpoint under
 the same tag (every --save-every steps and at the last step).
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 
 from nanochat.checkpoint import check_resume_flags
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
+from nanochat.errors import RequestError
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
 from nanochat.flags import (FlagParser, check_model_tag, normalize_flags, require, require_float, require_int,
@@ -134,7 +136,8 @@ FLAG_HELP = {
     "decode": "the Engine's decode mode for rollouts and the GSM8K eval: auto (CUDA graphs of the plain model on "
               "a GPU, eager elsewhere)|eager|compile|static|graphs",
     "init_lr_frac": "every learning rate above is multiplied by this",
-    "eval_examples": "GSM8K test problems scored (at most --test-holdout of them)",
+    "eval_examples": "GSM8K test problems scored (at most --test-holdout of them, and of the --source model's "
+                     "own held-out ones: it trained on the rest)",
     "test_holdout": "N >= 0: train on the local GSM8K test file minus its first N problems, evaluate on those "
                     "(offline, no train split); -1: the train split",
     "data_dir": "a data root holding eval/ (or eval/ itself); not given: $NANOCHAT_EVAL_DIR, else eval_data/ in "
@@ -218,6 +221,33 @@ def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerpr
     return None
 
 
+HOLDOUT_FLAGS = {"mid": "mid_train --test-holdout", "sft": "chat_sft --test-holdout"}
+
+
+def eval_plan(cfg: ChatRLConfig, test_problems: int, source: dict) -> tuple[int, str | None]:
+    """(how many of the first GSM8K test problems the evaluation scores, the line saying why fewer
+    than --eval-examples; None: nothing to say). Never one a model was trained on: this run trains on
+    test[N:] under --test-holdout N, and the --source checkpoint (or one it was trained from: meta
+    "source" -> "test_holdouts") on test[M:] under its own --test-holdout M, so a score past either
+    would read as the model's own (as chat_eval cuts it). None left while evaluating: a RequestError."""
+    cuts = [(cfg.test_holdout, f"the {cfg.test_holdout} held-out GSM8K test problems (--test-holdout "
+                               f"{cfg.test_holdout}; the rest are trained on)")] if cfg.test_holdout >= 0 else []
+    held = (source.get("test_holdouts") or {}).get("GSM8K")
+    if isinstance(held, (list, tuple)) and len(held) == 2 and isinstance(held[0], int) and held[0] >= 0:
+        flag = f"{HOLDOUT_FLAGS.get(held[1], str(held[1]) + ' --test-holdout')} {held[0]}"
+        cuts.append((held[0], f"the first {held[0]} GSM8K test problems only: the {held[1]} model it starts from "
+                              f"trained on the rest ({flag})"))
+        if held[0] == 0 and cfg.eval_every > 0:
+            raise RequestError(f"--eval-every: got {cfg.eval_every}; accepted: -1 or 0 (train without evaluating): the "
+                               f"{held[1]} model it starts from trained on every GSM8K test problem ({flag}), so "
+                               "none is left to score")
+    problems = min(cfg.eval_examples, test_problems, *(n for n, _ in cuts))
+    why = next((about for n, about in cuts if n == problems), None)
+    if cfg.eval_every <= 0 or problems >= cfg.eval_examples or why is None:
+        return problems, None
+    return problems, f"  --eval-examples {cfg.eval_examples}: scoring {why}"
+
+
 def _source_context(source: dict) -> int | None:
     """The context length of the model RL starts from, read from its meta.json (None: it does not
     say; the trainer still skips what does not fit, the model's own length deciding)."""
@@ -235,7 +265,6 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
-    from nanochat.errors import RequestError
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
                                      model_from_meta, planned_saves, read_meta, save_checkpoint, step_dirname)
     from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
@@ -262,7 +291,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     # --test-holdout N training takes the test split from N on, so the evaluation takes at most N)
     task = build_mixture("rl", "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed)
     eval_task = GSM8K("test", data_dir=cfg.data_dir)
-    eval_problems = min(cfg.eval_examples, len(eval_task), *([cfg.test_holdout] if cfg.test_holdout >= 0 else []))
+    eval_problems, eval_notice = eval_plan(cfg, len(eval_task), source)
     # more than one pass a step would draw a problem twice with the same seed (the same samples),
     # and a huge value rendered that many prompts before the first rollout (all of the memory)
     if cfg.examples_per_step > len(task):
@@ -277,13 +306,16 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     if resume_at is not None:
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)
-        why = resume_mismatch(read_meta(ckpt_dir, resume_at), cfg, rt.world_size, get_tokenizer(base_dir).fingerprint)
+        saved = read_meta(ckpt_dir, resume_at)
+        why = resume_mismatch(saved, cfg, rt.world_size, get_tokenizer(base_dir).fingerprint)
         if why is not None and cfg.resume != "auto":
             raise CheckpointError(f"--resume: {why}; run it as the original run was (its flags and number of "
                                   "processes), or start a new --model-tag")
         if why is not None:
             say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({why})")
         else:
+            if "test_holdouts" in (saved.get("source") or {}):   # the weights descend from that run's source
+                eval_problems, eval_notice = eval_plan(cfg, len(eval_task), saved["source"])
             resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
@@ -336,12 +368,12 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     rows = min(trainer.sample_rows, cfg.num_samples)
     print0(f"  rollouts: decode {trainer.engine.decode_mode}" + (" (--decode auto)" if cfg.decode == "auto" else "") +
            f", {-(-cfg.num_samples // rows)} sampling call(s) of up to {rows} rows per problem")
-    for notice in (fit_notice, unused_eval_flags(cfg)):
+    for notice in (fit_notice, unused_eval_flags(cfg), eval_notice):
         if notice:
             print0(notice)
-    if cfg.eval_every > 0 and eval_problems < cfg.eval_examples and cfg.test_holdout >= 0:
-        print0(f"  --eval-examples {cfg.eval_examples}: scoring the {eval_problems} held-out GSM8K test problems "
-               f"(--test-holdout {cfg.test_holdout}; the rest are trained on)")
+
+    # problem i samples with seed + i (run_generative): kept in the Engine's range for any --seed
+    eval_seed = min(cfg.seed, MAX_SEED + 1 - max(eval_problems, 1))
 
     def evaluate(_step: int) -> dict:
         model.eval()
@@ -353,7 +385,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         if cfg.eval_samples > 0:  # upstream's figure: pass@k of k samples drawn as training draws them
             sampled = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=cfg.eval_samples,
                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     top_k=cfg.top_k or None, seed=cfg.seed, max_problems=eval_problems,
+                                     top_k=cfg.top_k or None, seed=eval_seed, max_problems=eval_problems,
                                      name="GSM8K")
             metrics.update({f"gsm8k_sampled_pass@{k}": sampled.pass_at(k) for k in range(1, cfg.eval_samples + 1)})
         model.train()
