@@ -281,31 +281,57 @@ def _checked(task: CoreTask, path: Path, lineno: int, item):
 # ---------------------------------------------------------------------------------------------
 
 def _bundle_sources(bundle: Path) -> list[TaskSource]:
-    try:
-        import yaml  # noqa: PLC0415 - only needed for the bundle
-    except ImportError as e:
-        raise ImportError("reading the DCLM bundle's core.yaml needs PyYAML: pip install pyyaml") from e
-    config = yaml.safe_load((bundle / "core.yaml").read_text(encoding="utf-8"))
     meta = bundle / "eval_meta_data.csv"
     if not meta.is_file():   # a hand-copied or half-extracted bundle: without it nothing can be centered
         raise MissingDataError(f"{meta} is missing (the random baselines CORE centers against); {_REFETCH}")
-    with open(meta, encoding="utf-8") as f:
-        baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
+    baselines = _bundle_baselines(meta)
     sources = []
-    for entry in config["icl_tasks"]:
-        label = entry["label"]
-        if label not in baselines:
-            raise ValueError(f"{bundle}/eval_meta_data.csv has no 'Random baseline' for task {label!r}")
-        shots = entry["num_fewshot"]
-        task = CoreTask(label, entry["icl_task_type"], int(shots[0] if isinstance(shots, list) else shots),
-                        baselines[label], entry.get("continuation_delimiter", " "), entry["dataset_uri"])
-        if task.task_type not in TASK_TYPES:
-            raise ValueError(f"{bundle}/core.yaml task {label!r}: icl_task_type {task.task_type!r}; "
-                             f"accepted: {'|'.join(TASK_TYPES)}")
+    for task in _bundle_tasks(bundle / "core.yaml"):
+        if task.label not in baselines:
+            raise DataError(f"{meta} has no 'Random baseline' for task {task.label!r}; {_REFETCH}")
+        if not 0.0 <= baselines[task.label] < 1.0:   # else centering raised after the whole evaluation
+            raise DataError(f"{meta}: task {task.label!r} has 'Random baseline' {baselines[task.label] * 100:g}; "
+                            f"accepted: a percentage 0 <= b < 100; {_REFETCH}")
+        task = replace(task, random_baseline=baselines[task.label])
         path = bundle / "eval_data" / task.dataset_uri
         # a task whose file is absent gets no loader: reported as missing, not an error
         sources.append((task, (lambda p=path, t=task: _enough(t, p, _read_bundle_file(t, p))) if path.is_file() else None))
     return sources
+
+
+def _bundle_tasks(path: Path) -> list[CoreTask]:
+    """core.yaml's icl_tasks (random baselines still 0); DataError naming the file when it is not
+    the bundle's YAML (damaged, or hand-edited to drop tasks with a slip): a traceback before."""
+    try:
+        import yaml  # noqa: PLC0415 - only needed for the bundle
+    except ImportError as e:
+        raise ImportError("reading the DCLM bundle's core.yaml needs PyYAML: pip install pyyaml") from e
+    try:
+        entries = yaml.safe_load(path.read_text(encoding="utf-8"))["icl_tasks"]
+        tasks = []
+        for entry in entries:
+            shots = entry["num_fewshot"]
+            tasks.append(CoreTask(str(entry["label"]), entry["icl_task_type"],
+                                  int(shots[0] if isinstance(shots, list) else shots), 0.0,
+                                  str(entry.get("continuation_delimiter", " ")), str(entry["dataset_uri"])))
+    except (yaml.YAMLError, UnicodeDecodeError, KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+        raise DataError(f"{path}: not the eval bundle's task list ({type(e).__name__}: {str(e)[:200]}); "
+                        f"{_REFETCH}") from None
+    bad = [t for t in tasks if t.task_type not in TASK_TYPES]
+    if bad:
+        raise DataError(f"{path}: task {bad[0].label!r} has icl_task_type {bad[0].task_type!r}; accepted: "
+                        f"{'|'.join(TASK_TYPES)}; {_REFETCH}")
+    return tasks
+
+
+def _bundle_baselines(path: Path) -> dict[str, float]:
+    """eval_meta_data.csv's random baselines as fractions (the file holds percentages)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: not the eval bundle's task table (columns 'Eval Task', 'Random baseline'; "
+                        f"{type(e).__name__}: {str(e)[:200]}); {_REFETCH}") from None
 
 
 def _read_bundle_file(task: CoreTask, path: Path) -> list[dict]:

@@ -22,7 +22,8 @@ the latest entry wins. A value logged before the latest training run of its stag
 stage: a section with "final_step") is marked "(stale)"; one of a subset of the tasks or of their
 problems ("<row> complete": false: a CORE/ChatCORE without every task, a chat_eval --max-problems
 or base_eval --max-per-task run) "(partial)", and it does not replace a complete, current one; a
-generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(pass@k)". Memory
+generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(pass@k)". Under the
+table, each stage's values name the section entry (model tag, step, time) they come from. Memory
 is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots and the
 time table show each stage's current run: rows of an earlier run of the stage, or of steps a
 resumed run redid, are left out (and counted); a stage's run or an evaluation logged before the
@@ -42,10 +43,8 @@ import io
 import json
 import math
 import os
-import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -54,8 +53,10 @@ from pathlib import Path
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
+from nanochat.report_env import git_info, system_info  # noqa: F401 (git_info: report's interface)
 from nanochat.report_md import (NOTES, STAGES, _entries_md, _entry_time, _hms, _is_stale, _num, _reward_notes,
-                                _stage_of, _stage_rank, _stale_runs, _trained_at, _unfinished_runs, _value_notes)
+                                _source, _source_lines, _stage_of, _stage_rank, _stale_runs, _trained_at,
+                                _unfinished_runs, _value_notes)
 
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     # base_eval's bpb on the pretraining val split (of any stage's checkpoint: comparable); training
@@ -245,55 +246,6 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
     return made
 
 
-def system_info() -> dict:
-    """Git sha, versions, device, CPU and memory (called by reset/generate, never at import)."""
-    info = {"python": platform.python_version(), "platform": platform.platform(),
-            **git_info(Path(__file__).resolve().parents[1])}
-    import torch
-
-    info["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        info["device"] = f"{n} x {torch.cuda.get_device_name(0)}"
-        info["cuda"] = torch.version.cuda
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    else:
-        info["device"] = "cpu"
-    info["cpu"] = _cpu_name()
-    info["cpu_count"] = os.cpu_count()
-    try:
-        import psutil
-
-        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
-    return info
-
-
-def git_info(repo: Path) -> dict:
-    """git_sha, git_dirty and what makes it dirty (git_changes: the first files' porcelain status;
-    untracked files count): a bare `git_dirty: True` left the reader guessing whether it mattered."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return {"git_sha": "unknown (git not available)"}
-    changes = [line.strip() for line in dirty.stdout.splitlines() if line.strip()]
-    more = f", and {len(changes) - 5} more" if len(changes) > 5 else ""
-    return {"git_sha": sha.stdout.strip() or "unknown (no commits)", "git_dirty": bool(changes),
-            **({"git_changes": f"{len(changes)} file(s): {', '.join(changes[:5])}{more}"} if changes else {})}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _slug(section: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
     if not slug:
@@ -388,20 +340,25 @@ class Report:
         value: "stale" (logged before the latest training run of its stage or an earlier one: it
         may describe an older model), "partial" (of a subset of the tasks or of their problems) and
         "pass@k" (the best of k sampled answers), see _value_notes."""
+        return {row: {stage: cell[:2] for stage, cell in cells.items()}
+                for row, cells in self._summary_table().items()}
+
+    def _summary_table(self) -> dict[str, dict[str, tuple[float, list[str], tuple]]]:
+        """summary_cells with each value's source: its section, checkpoint (model tag, step) and entry time."""
         entries = []   # (time, order, stage, data): every entry of every section, oldest first
         for doc in self.sections():
             for entry in doc["entries"]:
                 data = entry["data"]
                 stage = _stage_of(doc["section"], data) if isinstance(data, dict) else None
                 if stage is not None:
-                    entries.append((_entry_time(entry), len(entries), stage, data))
+                    entries.append((_entry_time(entry), len(entries), stage, data, _source(doc["section"], entry)))
         entries.sort(key=lambda e: e[:2])
         trained = {}   # stage -> time of its latest training section entry (log_stage_report's)
-        for t, _, stage, data in entries:
+        for t, _, stage, data, _ in entries:
             if "final_step" in data:
                 trained[stage] = t
-        table: dict[str, dict[str, tuple[float, list[str]]]] = {row: {} for row in SUMMARY_ROWS}
-        for t, _, stage, data in entries:
+        table: dict[str, dict[str, tuple[float, list[str], tuple]]] = {row: {} for row in SUMMARY_ROWS}
+        for t, _, stage, data, source in entries:
             if data.get("weights", "none") != "none":
                 continue
             upstream = [trained[s] for s in STAGES[:STAGES.index(stage) + 1] if s in trained]
@@ -415,7 +372,7 @@ class Report:
                         if "partial" in notes and "stale" not in notes and old is not None \
                                 and not {"stale", "partial"} & set(old[1]):
                             continue
-                        table[row][stage] = (float(data[key]), notes)
+                        table[row][stage] = (float(data[key]), notes, source)
         return table
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
@@ -467,13 +424,14 @@ class Report:
         lines = ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
                  "|---|" + "---|" * len(STAGES)]
         noted = set()   # what the notes under the table explain: a row (its data) or a value's note
-        for row, cells in self.summary_cells().items():
+        table = self._summary_table()
+        for row, cells in table.items():
             shown = ["-" if s not in cells else " ".join([f"{cells[s][0]:.4f}", *(f"({n})" for n in cells[s][1])])
                      for s in STAGES]
-            noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes in cells.values() for n in notes]
+            noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes, _ in cells.values() for n in notes]
                          + ([row] if cells and row in NOTES else []))
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
-        return lines + [""] + [NOTES[n] for n in NOTES if n in noted] + ([""] if noted else [])
+        return lines + [""] + _source_lines(table) + [NOTES[n] for n in NOTES if n in noted] + ([""] if noted else [])
 
 
 def _section_key(doc: dict) -> tuple:
@@ -567,6 +525,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hourly-cost", default=None,
                         help="USD per hour of the machine, for the cost estimate (default: $NANOCHAT_HOURLY_COST)")
     args = parser.parse_args(argv)
+    if args.base_dir is not None:   # `--base-dir=~/nc`: no shell expands a ~ after "="
+        args.base_dir = os.path.expanduser(args.base_dir)
+        # generate reads what the stages logged there: a typo wrote an empty report into a new folder
+        if args.command == "generate" and not Path(args.base_dir).is_dir():
+            raise RequestError(f"--base-dir: {args.base_dir} does not exist; accepted: the base dir the stages "
+                               "wrote to (their NANOCHAT_BASE_DIR)")
     flag, value = ("--hourly-cost", args.hourly_cost) if args.hourly_cost is not None else \
         ("NANOCHAT_HOURLY_COST", os.environ.get("NANOCHAT_HOURLY_COST") or None)
     if value is not None:   # checked with the flags: a traceback after the plots, or "$nan/h", otherwise

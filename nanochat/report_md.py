@@ -1,9 +1,9 @@
 """Markdown rendering of the report's section entries (nanochat/report.py owns the files, the
 summary and the time table): values formatted for reading, nested data as lists, multi-line samples
 fenced, the precision plan's fields grouped under `precision`, the runs of a stage labelled, and the
-notes a summary value carries ("(partial)", "(pass@k)") with what they mean; and what a section and a
-metrics run belong to (stage, entry time, a run left without its section or older than an earlier
-stage's latest training run, RL's rewards)."""
+notes a summary value carries ("(partial)", "(pass@k)") with what they mean and the section entry it
+comes from; and what a section and a metrics run belong to (stage, entry time, a run left without its
+section or older than an earlier stage's latest training run, RL's rewards)."""
 
 from __future__ import annotations
 
@@ -154,6 +154,33 @@ def _value_notes(row: str, data: dict) -> list[str]:
     if legacy and row in GENERATIVE_ROWS and isinstance(data.get("num_samples"), int) and data["num_samples"] > 1:
         scored = f"pass@{data['num_samples']}"
     return (["partial"] if partial else []) + ([scored] if isinstance(scored, str) and scored != "pass@1" else [])
+
+
+def _source(section: str, entry: dict) -> tuple[str, str, str]:
+    """Where a summary value was logged: section, checkpoint (model tag, step) when it names them, time."""
+    data = entry["data"]
+    step = data.get("step", data.get("final_step"))
+    model = " ".join(([str(data["model_tag"])] if data.get("model_tag") is not None else [])
+                     + ([f"step {step}"] if _num(step) else []))
+    return section, model, str(entry.get("time"))
+
+
+def _source_lines(table: dict[str, dict[str, tuple[float, list[str], tuple[str, str, str]]]]) -> list[str]:
+    """Per stage, the section entries its summary values come from (each value is the latest of its
+    key, so one column can hold the figures of two checkpoints: a later eval of another tag or step)."""
+    lines = []
+    for stage in STAGES:
+        rows: dict[tuple[str, str, str], list[str]] = {}   # source -> the rows it gave, in table order
+        for row, cells in table.items():
+            if stage in cells:
+                rows.setdefault(cells[stage][2], []).append(row)
+        if not rows:
+            continue
+        models = {model for _, model, _ in rows if model}
+        several = f" (values of {len(models)} checkpoints)" if len(models) > 1 else ""
+        lines.append(f"- {stage.upper()}: " + "; ".join(f"{', '.join(r)} from " + ", ".join(filter(None, src))
+                                                         for src, r in rows.items()) + several)
+    return lines + ([""] if lines else [])
 
 
 # ---------------------------------------------------------------- sections, stages and runs

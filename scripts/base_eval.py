@@ -248,6 +248,17 @@ def bpb_shortfall(covered: int, planned: int, cfg: BaseEvalConfig) -> str:
             f"{cfg.eval_tokens:,}; each token counted once)")
 
 
+def core_data_label(source: str) -> str:
+    """What a CORE score was computed on, for the report: the DCLM bundle (upstream's score) or the
+    offline files, whose prompts are our own (core_data.py): the two do not compare."""
+    kind, _, where = source.partition(":")
+    if kind == "bundle":
+        return f"DCLM bundle ({where})"
+    if kind == "offline":
+        return f"offline files ({where}): prompts of our own, not comparable with a DCLM-bundle CORE"
+    return source or "unknown"
+
+
 def log_report(results: dict) -> None:
     """The report section of this evaluation (rank 0): bpb per split, CORE, timing."""
     from nanochat.report import get_report
@@ -269,7 +280,10 @@ def log_report(results: dict) -> None:
                         "CORE complete": bool(core.get("complete")) and core.get("all_items", True),
                         "CORE max_per_task": results["config"].get("max_per_task", -1),
                         "CORE tasks": len(core.get("centered_results", {})),
+                        "CORE data": core_data_label(core.get("source", "")),
                         "centered": core.get("centered_results")})
+        if core.get("missing"):   # tasks without data, left out of the mean
+            section["CORE missing"] = core["missing"]
     if results.get("samples"):
         section["samples"] = [s["text"] for s in results["samples"]]
     title = "Base model evaluation" if results["phase"] == "base" else f"Evaluation {results['phase']}"

@@ -237,6 +237,8 @@ def main(argv=None) -> dict:
             print0(f"| {n}{''.join(f' ({x})' for x in notes)} | {a:.4f} |")
         why = ([] if complete else ["a subset of the tasks"]) + (["a subset of the problems"] if cut else [])
         partial = f" (partial: {' and '.join(why)})" if why else ""
+        if scored and any(tasks[n].eval_type == "generative" for n in accuracies):   # averaged from pass@k
+            partial += f" ({scored})"
         print0(f"| ChatCORE{partial} | {score:.4f} |")
         out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,
                "ChatCORE": score, "complete": complete, "all_problems": not cut}
