@@ -161,6 +161,8 @@ status_one() {  # dir -> prints the report; returns 0 if running, 3 if not
         137) state="not running (killed by SIGKILL, exit code 137: out of memory? see the log)" ;;
         *) state="not running (failed, exit code $code: see the log)" ;;
       esac
+    elif tail -n 1 "$dir/train.log" 2>/dev/null | grep -q "^killed by run_train.sh --stop"; then
+      state="not running (killed by --stop after its --timeout, maybe before its save: --resume latest takes the newest checkpoint saved)"
     else state="not running${pid:+ (pid $pid is gone; removed its stale pid file)}"; fi
   fi
   echo "[$tag] $state"
@@ -217,7 +219,9 @@ if [[ "$MODE" == stop ]]; then
   fi
   deadline_ns=$(( $(date +%s%N) + TIMEOUT * 1000000000 ))
   while run_alive "$pid" && (( $(date +%s%N) < deadline_ns )); do sleep 0.2; done
+  killed=0
   if run_alive "$pid"; then
+    killed=1
     say "[$TAG] still alive after ${TIMEOUT} s: sending SIGKILL"
     # the process group, and every process below the run (torchrun's workers sit in sessions of
     # their own, and would outlive a dead torchrun holding their GPUs)
@@ -228,8 +232,15 @@ if [[ "$MODE" == stop ]]; then
     run_alive "$pid" && die "[$TAG] pid $pid survived SIGKILL"
   fi
   rm -f "$dir/pid"
-  echo "stopped by run_train.sh --stop at $(date -u +%FT%TZ)" >> "$dir/train.log"
-  say "[$TAG] stopped (last step: $(last_step "$dir/train.log"))"
+  if (( killed )); then   # maybe no save at the stop: not "stopped" as if it had saved
+    echo "killed by run_train.sh --stop (SIGKILL after ${TIMEOUT} s) at $(date -u +%FT%TZ)" >> "$dir/train.log"
+    say "[$TAG] killed (last step logged: $(last_step "$dir/train.log")) before it finished stopping: --resume" \
+        "latest continues from the newest checkpoint it saved (the stop's if it got to save it, else its last" \
+        "--save-every one, if any)"
+  else
+    echo "stopped by run_train.sh --stop at $(date -u +%FT%TZ)" >> "$dir/train.log"
+    say "[$TAG] stopped (last step: $(last_step "$dir/train.log"))"
+  fi
   exit 0
 fi
 

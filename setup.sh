@@ -157,12 +157,24 @@ fi
 # ---------------------------------------------------------------- machine checks (no installs)
 ARCH="$(uname -m)"; OS="$(uname -s)"
 [[ "$OS" == "Linux" ]] || warn "only Linux is tested (found $OS)"
-GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB=""
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
-  GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 || true)"
-  DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n1)"
-  GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n1 || true)"
+GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB="" GPU_COUNT=0
+# nvidia-smi there but failing (a driver not loaded after a reboot or a kernel update, a GPU fallen off
+# the bus) is not "no GPU": --preset auto took it for a CPU machine and a rerun meant to continue a
+# GPU run went on as the tiny preset, its tokenizer stage overwriting the run's tokenizer
+SMI_ERROR=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  smi_rc=0; smi_out="$(nvidia-smi 2>&1)" || smi_rc=$?
+  if (( smi_rc == 0 )); then
+    # one line per GPU: `sed -n 1p` reads them all, where `head -n1` could end first and a nvidia-smi
+    # still writing died of SIGPIPE, which pipefail + set -e made the end of setup.sh (exit 141)
+    GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | sed -n 1p)"
+    GPU_COUNT="$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c . || true)"
+    GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n 1p || true)"
+    DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed -n 1p)"
+    GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sed -n 1p || true)"
+  else
+    SMI_ERROR="exit $smi_rc: $(printf '%s\n' "$smi_out" | grep -m1 . || true)"
+  fi
 fi
 CUDA_DRIVER_VERSION=""
 if [[ -n "$GPU_NAME" ]]; then
@@ -214,23 +226,24 @@ done
 if [[ "$PRESET" == auto ]]; then
   if [[ "$GPU_CC" == 12.1 || "$GPU_NAME" == *GB10* ]]; then PRESET=spark
   elif [[ -n "$GPU_NAME" ]]; then PRESET=h100
+  elif [[ -n "$SMI_ERROR" ]]; then
+    die "--preset auto: nvidia-smi failed ('$SMI_ERROR'), so this machine's GPU cannot be seen: fix the" \
+      "NVIDIA driver (a reboot, or reinstall it for the running kernel) and rerun, or pass --preset tiny for the CPU demo"
   else PRESET=tiny; echo "No NVIDIA GPU found: using --preset tiny (offline Shakespeare demo on the CPU)."; fi
 fi
 
 say "machine: $OS/$ARCH, GPU: ${GPU_NAME:-none}${GPU_CC:+ (cc $GPU_CC)}${DRIVER:+, driver $DRIVER, CUDA $CUDA_DRIVER_VERSION}"
+# one process: the stages train on the first GPU, which a user of an 8-GPU box was not told
+(( GPU_COUNT <= 1 )) || say "$GPU_COUNT GPUs: the stages below train on one of them; base training on all" \
+  "$GPU_COUNT runs under torchrun, e.g. ./run_train.sh --nproc $GPU_COUNT (README: Multi-GPU)"
 say "free disk ${FREE_DISK_GB} GB (base dir), available memory ${MEM_AVAIL_GB} GB, $("$PY" --version 2>&1) ($PY), preset $PRESET"
-NEED_DISK=5; [[ "$PRESET" == tiny ]] || NEED_DISK=60
-if (( FREE_DISK_GB < NEED_DISK )); then
-  msg="only ${FREE_DISK_GB} GB free at $BASE_DIR (the base dir: data, checkpoints); preset $PRESET needs about ${NEED_DISK} GB"
-  if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
-fi
 # the repo's own disk holds the .venv: a check while there is none yet (the env stage builds it)
 if [[ ! -x .venv/bin/python && "$(mount_of "$REPO")" != "$(mount_of "$existing")" ]] && (( $(free_gb "$REPO") < 5 )); then
   msg="only $(free_gb "$REPO") GB free at $REPO; its .venv (torch and the project) needs about 5 GB"
   if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
 fi
 if [[ "$PRESET" != tiny && -z "$GPU_NAME" ]]; then
-  die "--preset $PRESET needs an NVIDIA GPU but nvidia-smi found none (use --preset tiny on a CPU)"
+  die "--preset $PRESET needs an NVIDIA GPU but nvidia-smi found none${SMI_ERROR:+ (it failed: '$SMI_ERROR')} (use --preset tiny on a CPU)"
 fi
 
 # ---------------------------------------------------------------- presets
@@ -281,6 +294,23 @@ if [[ "$PRESET" != tiny ]]; then
   SHARDS=$(( (170 * SCALING_PARAMS + D20_SCALING - 1) / D20_SCALING )); (( SHARDS >= 8 )) || SHARDS=8
   DATA_CMD=(python -m nanochat.dataset --source climbmix -n "$SHARDS")
 fi
+
+# The disk the run fills at the base dir: the data shards (~0.12 GB each, an estimate: FineWeb-edu's
+# are ~100 MB for ~55M tokens, ClimbMix's hold ~61M) and, for each of base, mid and SFT, --keep-last 2
+# checkpoints plus the one saved before the oldest goes (d20 with its optimizer state ~9.2 GB each,
+# other depths in proportion to their parameters), + 5 GB (eval data, tokenizer, report). What this
+# pipeline already made there (a rerun after a crash) is room: it is reused or replaced, not added.
+NEED_DISK=5 NEED_WHAT="the tiny preset"
+if [[ "$PRESET" != tiny ]]; then
+  CKPT_MB=$((9200 * ALL_PARAMS / (12 * 1280 * 1280 * 20 + 12 * VOCAB * 1280)))
+  NEED_DISK=$(( (7 * CKPT_MB + 120 * SHARDS + 999) / 1000 + 5 ))
+  NEED_WHAT="d$DEPTH ($SHARDS data shards and up to 7 checkpoints of ~$(( (CKPT_MB + 500) / 1000 )) GB: base, mid and SFT keep 2 each, +1 while saving)"
+fi
+HAVE_KB=0
+for d in "$BASE_DIR/base_data" "$BASE_DIR/checkpoints"/{base,mid,sft}/"$MODEL_TAG"; do
+  if [[ -d "$d" ]]; then kb="$(du -sk "$d" 2>/dev/null | awk '{print $1}')"; HAVE_KB=$((HAVE_KB + ${kb:-0})); fi
+done
+HAVE_GB=$((HAVE_KB / 1048576))
 
 # The device batch that fits: d20 bf16 (--kernel triton, compiled) on an H100, bench_train
 # 2026-11-28: 18.5 / 22.5 / 30.4 / 46.4 GiB allocated at device batch 4 / 8 / 16 / 32, i.e. ~14.5 GiB
@@ -362,144 +392,16 @@ stage_cmd() {  # prints the command of a stage, one argument per line
 }
 
 # ---------------------------------------------------------------- stage bookkeeping
-should_run() {  # stage -> 0 if selected by --only/--from
-  local s="$1"
-  if [[ -n "$ONLY" ]]; then local o; for o in "${ONLY_LIST[@]}"; do [[ "$o" == "$s" ]] && return 0; done; return 1; fi
-  if [[ -n "$FROM" ]]; then
-    local seen=0 x; for x in "${STAGES[@]}"; do [[ "$x" == "$FROM" ]] && seen=1; [[ "$x" == "$s" ]] && return $((1 - seen)); done
-  fi
-  return 0
-}
-marker_text() { echo "preset=$PRESET"; echo "base_dir=$BASE_DIR"; printf "%s\n" "$@"; }
-stage_inputs() {  # stage -> marker lines for inputs its command names only by path: the content of
-                  # the --conversations files, so that an edited file retrains mid / SFT
-  [[ ${#CONV_FILES[@]} -gt 0 && ( "$1" == mid_train || "$1" == chat_sft ) ]] || return 0
-  sha256sum "${CONV_FILES[@]}"
-}
-# The stages after the tokenizer use what an earlier one made: once a stage that makes a tokenizer
-# or a model runs (its config changed, --force, or it had not finished), every later stage runs too,
-# even when its own command is unchanged, since a skipped one would keep results of what was
-# replaced. That costs little when nothing changed: the training stages' --resume auto finds their
-# last step done. The report also follows any stage that ran before it (an eval's new results).
-MODEL_MAKERS=" tokenizer base_train mid_train chat_sft "
-MODEL_RAN="" ANY_RAN=""
-# ... and across runs: a stage that starts for real removes the done-markers of the stages that use
-# what it makes (after a model maker, every later one; after any stage, the report's), so that a
-# run cut short after it (Ctrl-C, a failure) or limited by --only leaves them to rerun next time,
-# not "done already" on results of what was replaced.
-forget_later() {  # stage
-  local s later=0
-  for s in "${STAGES[@]}"; do
-    if (( later )) && [[ "$MODEL_MAKERS" == *" $1 "* || "$s" == report ]]; then rm -f "$STATE_DIR/$s.done"; fi
-    [[ "$s" != "$1" ]] || later=1
-  done
-}
+source "$REPO/scripts/setup_stages.sh"   # should_run, run_stage, rerun_cmd, the signal handling they use
 
-# Ctrl-C reaches the stage too (one process group): a training stage finishes its step and saves
-# a checkpoint, then exits 130, which bash takes as handled and would carry on after; the trap and
-# run_stage's exit-code check stop here instead, saying so, once the stage has ended.
-# A hangup (SIGHUP: the ssh connection or terminal closed) does the same, exit 129. The stage may
-# not have had it (the kernel signals only the session's leader, e.g. setup.sh run by `ssh -t`; a
-# login shell passes it on to its jobs), so the trap passes it on; and since bash runs traps only
-# once a foreground command ends, stages run as a child that setup.sh waits for (run_child). The
-# terminal is gone, so from then on setup.sh's output (unless it goes to a file) is appended to
-# $BASE_DIR/hangup.log, where a training stage's own output goes too (nanochat/loop.py).
-CURRENT_STAGE="" STAGE_PID="" STOP_CODE=0 HUNG_UP=0
-stopped() {  # exit code (129: SIGHUP, 130: Ctrl-C, 143: SIGTERM) -> one line on how to continue, exit with it
-  local how="Ctrl-C"
-  case "$1" in 129) how="SIGHUP (the terminal hung up)" ;; 130) ;; *) how="SIGTERM" ;; esac
-  echo "setup.sh: stopped by $how${CURRENT_STAGE:+ in stage '$CURRENT_STAGE'} (exit $1). Rerun $(rerun_cmd) to" \
-       "continue: finished stages are skipped and training resumes from its last checkpoint." >&2
-  exit "$1"
-}
-kept_output() { [[ -f "$1" || "$1" -ef /dev/null ]]; }   # a file or /dev/null outlives the terminal
-hangup_output() {  # the terminal is gone: writes to it fail (and would end setup.sh under set -e), so
-                   # stdout and stderr, where not a file or /dev/null, go to $BASE_DIR/hangup.log
-  local log="$BASE_DIR/hangup.log"
-  kept_output /dev/fd/1 && kept_output /dev/fd/2 && return 0
-  mkdir -p "$BASE_DIR" 2>/dev/null && : 2>/dev/null >>"$log" || log=/dev/null
-  kept_output /dev/fd/2 || exec 2>>"$log"
-  kept_output /dev/fd/1 || exec >>"$log"
-  echo "==> $(date '+%F %T') setup.sh (pid $$): the terminal hung up (SIGHUP); its output continues here" >>"$log"
-}
-on_stop_signal() {  # 129 (SIGHUP) | 130 (Ctrl-C) | 143 (SIGTERM): stop now, or once the running stage has ended
-  if (( $1 == 129 )); then
-    (( HUNG_UP )) || hangup_output
-    HUNG_UP=1
-    [[ -z "$STAGE_PID" ]] || kill -HUP "$STAGE_PID" 2>/dev/null || true
-  elif (( $1 == 143 )); then   # sent to setup.sh alone (a scheduler, `timeout`, kill PID): the stage saves too
-    [[ -z "$STAGE_PID" ]] || kill -TERM "$STAGE_PID" 2>/dev/null || true
-  fi
-  (( STOP_CODE != 0 )) || STOP_CODE=$1
-  [[ -n "$STAGE_PID" ]] || stopped "$STOP_CODE"
-}
-trap 'on_stop_signal 130' INT
-trap 'on_stop_signal 129' HUP
-trap 'on_stop_signal 143' TERM
-run_child() {  # command... -> its exit code. A trapped signal ends `wait` early (128 + its number)
-               # while the stage runs on: wait again. In the child, Ctrl-C and SIGQUIT act as in a
-               # foreground command (a background one would ignore them) and it keeps stdin.
-  # NANOCHAT_SETUP_STAGE: the stage knows setup.sh runs it (a stopped training run says "or rerun ./setup.sh")
-  ( trap - INT QUIT HUP TERM; export NANOCHAT_SETUP_STAGE="${CURRENT_STAGE:-setup}"; exec "$@" ) <&0 &
-  STAGE_PID=$!
-  local rc
-  while :; do
-    rc=0; wait "$STAGE_PID" || rc=$?
-    (( rc > 128 )) && kill -0 "$STAGE_PID" 2>/dev/null || break
-  done
-  STAGE_PID=""
-  return "$rc"
-}
-
-shell_words() {  # args -> one line a shell reads back as them (a path with a space stays one argument)
-  local a out=()
-  for a in "$@"; do
-    if [[ "$a" =~ ^[A-Za-z0-9_./:,=@+%^-]+$ ]]; then out+=("$a"); else out+=("$(printf '%q' "$a")"); fi
-  done
-  echo "${out[*]}"
-}
-rerun_cmd() {  # the command line this run was started with, as a shell reads it back, less --force
-               # (the stages this run finished have fresh markers; --force would redo them)
-  local self="$0" a args=() envs=()
-  [[ "$self" == */* ]] || self="./$self"   # `bash setup.sh`: as a command it needs the ./
-  for a in "${ORIG_ARGS[@]}"; do [[ "$a" == --force ]] || args+=("$a"); done
-  # and the settings it took from the environment: typed in a new shell (the terminal hung up) without
-  # an inline `NANOCHAT_BASE_DIR=/data/nc ./setup.sh`'s, it started over in ~/.cache/nanochat
-  [[ $BASE_DIR_GIVEN -eq 1 || -z "$ENV_BASE_DIR" ]] || envs+=("NANOCHAT_BASE_DIR=$BASE_DIR")
-  [[ -z "${WANDB_RUN:-}" ]] || envs+=("WANDB_RUN=$WANDB_RUN")
-  [[ -z "${TORCH_INDEX_URL:-}" ]] || envs+=("TORCH_INDEX_URL=$TORCH_INDEX_URL")
-  shell_words "${envs[@]}" "$self" "${args[@]}"
-}
-run_stage() {  # stage: run its command unless its done-marker holds the same config
-  local stage="$1"; shift
-  local marker="$STATE_DIR/$stage.done" want
-  want="$(marker_text "$@"; stage_inputs "$stage")"
-  local upstream="$MODEL_RAN"; [[ "$stage" == report ]] && upstream="$ANY_RAN"
-  if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
-    if [[ $FORCE -eq 0 && -z "$upstream" ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
-    if [[ -n "$upstream" ]]; then say "[$stage] rerunning: $upstream ran before it"; fi
-  elif [[ -f "$marker" ]]; then say "[$stage] config changed since last run: rerunning"; fi
-  ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
-  say "[$stage] $(shell_words "$@")"
-  [[ $DRY_RUN -eq 1 ]] && return 0
-  local t0=$SECONDS rc=0
-  # the marker says the stage's latest run finished: a rerun (--force, a config change, or an
-  # upstream stage that ran) that is interrupted must not leave the old one saying "done"
-  rm -f "$marker"
-  forget_later "$stage"
-  CURRENT_STAGE="$stage"
-  run_child "$@" || rc=$?
-  (( STOP_CODE == 0 )) || stopped "$STOP_CODE"   # Ctrl-C or a hangup while the stage ran
-  if (( rc == 129 || rc == 130 || rc == 143 )); then   # a stage stopped by SIGHUP / Ctrl-C / SIGTERM (training saves first)
-    stopped "$rc"
-  elif (( rc != 0 )); then
-    echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun $(rerun_cmd): finished stages are skipped." >&2; exit 1
-  fi
-  CURRENT_STAGE=""
-  mkdir -p "$STATE_DIR"
-  printf '%s\n' "$want" > "$marker.tmp" && mv -f "$marker.tmp" "$marker"
-  say "[$stage] finished in $((SECONDS - t0)) s"
-}
+# checked for the stages that fill it (not e.g. --only env, report or an eval)
+if (( FREE_DISK_GB + HAVE_GB < NEED_DISK )) \
+   && { should_run data || should_run base_train || should_run mid_train || should_run chat_sft; }; then
+  msg="only ${FREE_DISK_GB} GB free at $BASE_DIR (the base dir: data, checkpoints)"
+  (( HAVE_GB == 0 )) || msg+=", + ${HAVE_GB} GB of this pipeline's data and checkpoints there already"
+  msg+="; $NEED_WHAT needs about ${NEED_DISK} GB"
+  if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+fi
 
 # One setup.sh per base dir: a second one (another terminal, a forgotten tmux window) ran the same
 # stages at the same time, two base_trains saving into one checkpoint directory. The stages inherit
@@ -598,9 +500,15 @@ for stage in "${STAGES[@]:1}"; do
 done
 
 if should_run report && [[ $DRY_RUN -eq 0 ]]; then
-  CHAT_SOURCE=""   # the most finished phase that has a checkpoint (sft > mid > base)
+  CHAT_SOURCE=""   # the most finished phase that has a checkpoint (sft > mid > base): one whose
+  # latest.json records a step. A stage makes its directory as it starts (.writer.lock), so one that
+  # stopped before its first save left a directory the chat would fail on; a bare directory only counts
+  # when no phase records a step.
   for phase in sft mid base; do
-    if [[ -d "$BASE_DIR/checkpoints/$phase/$MODEL_TAG" ]]; then CHAT_SOURCE=$phase; break; fi
+    if [[ -f "$BASE_DIR/checkpoints/$phase/$MODEL_TAG/latest.json" ]]; then CHAT_SOURCE=$phase; break; fi
+  done
+  for phase in sft mid base; do
+    if [[ -z "$CHAT_SOURCE" && -d "$BASE_DIR/checkpoints/$phase/$MODEL_TAG" ]]; then CHAT_SOURCE=$phase; fi
   done
   unfinished=()   # e.g. after --only report: say which stages have not finished, not "All stages done"
   for s in "${STAGES[@]:1}"; do [[ -f "$STATE_DIR/$s.done" ]] || unfinished+=("$s"); done

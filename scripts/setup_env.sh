@@ -64,6 +64,15 @@ env_only_needs_bytecode() {  # a venv set up before compile_bytecode existed, th
   [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text | grep -vx 'bytecode=compiled')" ]] \
     && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
 }
+env_run() {  # command... -> run it; a failure (uv's resolver, a download, the Rust build) ends setup.sh
+            # with a line naming the step and the command to rerun, not silently under set -e
+  local rc=0
+  "$@" || rc=$?
+  (( rc == 0 )) && return 0
+  echo "setup.sh: stage 'env' failed (exit $rc) running: $(shell_words "$@"). Fix the problem (see the" \
+       "lines above) and rerun $(rerun_cmd): the packages already installed are kept." >&2
+  exit 1
+}
 env_stage() {
   if env_done; then say "[env] done already (same config): skipping"; return 0; fi
   if env_only_needs_bytecode; then   # no reinstall (which would need the network, cargo and cc)
@@ -77,29 +86,29 @@ env_stage() {
   local t0=$SECONDS
   source "$REPO/scripts/ensure_uv.sh"
   ensure_uv "$PY" || exit 2
-  [[ -x .venv/bin/python ]] || uv venv --quiet --python "$PY" .venv
+  [[ -x .venv/bin/python ]] || env_run uv venv --quiet --python "$PY" .venv
   local torch_args=()
   mapfile -t torch_args < <(env_torch_args)
   if ! torch_ok; then
     if .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
       say "the installed torch is from another index or cannot use this GPU: reinstalling it"
-      uv pip uninstall --quiet -p .venv/bin/python torch
+      env_run uv pip uninstall --quiet -p .venv/bin/python torch
     fi
     say "installing torch from ${TORCH_INDEX:-PyPI}"
-    uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
+    env_run uv pip install --quiet -p .venv/bin/python "${torch_args[@]}" "torch>=2.9"
     printf '%s\n' "${TORCH_INDEX:-PyPI}" > "$TORCH_MARKER"
   fi
   local extras
   extras="$(env_extras)"
   say "installing nanochat-spark[$extras]"
-  uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
+  env_run uv pip install --quiet -p .venv/bin/python -e ".[$extras]"
   if ! rust_ready; then
     say "installing a Rust toolchain with rustup (--install-rust)"
-    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+    env_run bash -o pipefail -c "curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal"
     export PATH="$HOME/.cargo/bin:$PATH"
   fi
   say "building the Rust tokenizer (rustbpe) with maturin"
-  uv pip install --quiet -p .venv/bin/python ./rustbpe
+  env_run uv pip install --quiet -p .venv/bin/python ./rustbpe
   compile_bytecode
   .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
   if [[ -n "$GPU_NAME" ]] && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then

@@ -65,15 +65,16 @@ def _dry_run_warns_about_disk(tmp_path: Path, preset: str, free_gb: int) -> bool
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_INDEX_URL", "WANDB_RUN")}
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
-    proc = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--preset", preset, "--only", "report",
+    proc = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--preset", preset, "--only", "data",
                            "--base-dir", str(tmp_path / "base")], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return "GB free at" in proc.stdout + proc.stderr
 
 
 def test_the_free_disk_check_asks_what_the_readme_says(tmp_path):
-    tiny, other = map(int, quoted(r"the free-disk check \((\d+) GB for tiny, (\d+) GB otherwise\)").groups())
+    tiny = int(quoted(r"(\d+) GB for tiny").group(1))
+    d20 = int(quoted(r"d20 about (\d+) GB in all").group(1))   # "about": within 10%
     assert _dry_run_warns_about_disk(tmp_path, "tiny", tiny - 1)
     assert not _dry_run_warns_about_disk(tmp_path, "tiny", tiny)
-    assert _dry_run_warns_about_disk(tmp_path, "h100", other - 1)
-    assert not _dry_run_warns_about_disk(tmp_path, "h100", other)
+    assert _dry_run_warns_about_disk(tmp_path, "h100", int(0.9 * d20))   # the h100 preset trains d20
+    assert not _dry_run_warns_about_disk(tmp_path, "h100", int(1.1 * d20) + 1)

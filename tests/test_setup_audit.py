@@ -135,7 +135,7 @@ def test_stages_without_a_venv_say_to_build_it(tmp_path):
     repo = tmp_path / "clone"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "setup.sh", repo / "setup.sh")
-    for helper in ("ensure_uv.sh", "setup_env.sh"):
+    for helper in ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh"):
         shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
     rc, out = _setup("--only", "data", base=tmp_path / "base", repo=repo)
     assert rc == 2 and "error: stage 'data' runs in" in out and "./setup.sh --only env" in out, out

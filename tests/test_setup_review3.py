@@ -43,7 +43,7 @@ def clone(tmp_path) -> Path:
     (repo / "scripts").mkdir(parents=True)
     for name in ("setup.sh", "run_train.sh"):
         shutil.copy(REPO / name, repo / name)
-    for helper in ("ensure_uv.sh", "setup_env.sh"):
+    for helper in ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh"):
         shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
     py = repo / ".venv" / "bin" / "python"
     py.parent.mkdir(parents=True)
