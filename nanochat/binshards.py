@@ -546,6 +546,34 @@ def stale_reason(bin_dir: str | Path, text_shards: list[Path]) -> str | None:
     return "; ".join(parts)
 
 
+_FRESH: set[tuple] = set()  # binary shard directories found fresh, with the stats of every file checked
+
+
+def _stat_key(path: Path) -> tuple:
+    st = path.stat() if path.exists() else None
+    return (st.st_size, st.st_mtime_ns, st.st_ino) if st else (None,)
+
+
+def check_fresh(bin_dir: Path, text_shards: list[Path], data_dir: Path) -> None:
+    """DataError unless bin_dir is a finished pretokenize run (an interrupted one would train on some
+    shards and validate on a train shard) made from `text_shards` (those of data_dir, when pretokenize
+    recorded them and there are any): stale_reason's rule. Text shards whose mtime moved (a copy
+    without its times) are hashed whole: once per process while nothing changes, not for every
+    loader (base_train makes one per evaluation; a full data dir takes minutes)."""
+    files = [bin_dir / META_NAME, *list_bin_shards(bin_dir), *text_shards]
+    seen = (str(bin_dir.resolve()), tuple((str(p), *_stat_key(p)) for p in files))
+    if seen in _FRESH:
+        return
+    check_complete(bin_dir, text_shards)
+    why = stale_reason(bin_dir, text_shards)
+    if why is not None:
+        raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
+                        f"`python -m scripts.pretokenize --data-dir {data_dir} --out {bin_dir}` (it redoes "
+                        "only the text shards that changed; --force redoes all), or delete "
+                        f"{bin_dir} to read the text shards")
+    _FRESH.add(seen)
+
+
 def tokenize_text_shard(text_shard: str | Path, out_path: str | Path, tokenizer, *,
                         threads: int = 1, batch_docs: int = 256) -> ShardHeader:
     """Tokenize every document of a parquet text shard (BOS prepended) into one binary shard."""

@@ -357,14 +357,6 @@ _STATE_FLAGS = {"batch_size": "--device-batch-size", "seq_len": "--max-seq-len",
                 "source": "shards of kind (text / bin)", "fingerprint": "the tokenizer"}
 
 
-_FRESH: set[tuple] = set()  # binary shard directories found fresh, with the stats of every file checked
-
-
-def _stat_key(path: Path) -> tuple:
-    st = path.stat() if path.exists() else None
-    return (st.st_size, st.st_mtime_ns, st.st_ino) if st else (None,)
-
-
 def _brief(value) -> str:
     """A loader state value for a message: shard lists by count and ends, not in full."""
     if isinstance(value, list) and len(value) > 3:
@@ -449,25 +441,10 @@ class DataLoader:
 
     @staticmethod
     def _check_fresh(bin_dir: Path, data_dir: Path) -> None:
-        """Binary shards picked automatically must be a finished pretokenize run (an interrupted
-        one would train on some shards and validate on a train shard) made from the text shards
-        now in data_dir (when pretokenize recorded them, and data_dir has any): same names, sizes
-        and mtimes (a stat per shard, so a shard rewritten at the same size is stale too)."""
+        """Binary shards picked automatically must be a finished pretokenize run made from the text
+        shards now in data_dir (binshards.check_fresh)."""
         text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
-        # text shards whose mtime moved (a copy without its times) are hashed whole: once per process,
-        # not for every loader (base_train makes one per evaluation; a full data dir takes minutes)
-        files = [bin_dir / bs.META_NAME, *bs.list_bin_shards(bin_dir), *text]
-        seen = (str(bin_dir.resolve()), tuple((str(p), *_stat_key(p)) for p in files))
-        if seen in _FRESH:
-            return
-        bs.check_complete(bin_dir, text)
-        why = bs.stale_reason(bin_dir, text)
-        if why is not None:
-            raise DataError(f"{bin_dir} was made from other text shards than {data_dir} ({why}); re-run "
-                            f"`python -m scripts.pretokenize --data-dir {data_dir} --out {bin_dir}` (it redoes "
-                            "only the text shards that changed; --force redoes all), or delete "
-                            f"{bin_dir} to read the text shards")
-        _FRESH.add(seen)
+        bs.check_fresh(bin_dir, text, data_dir)
 
     def describe_source(self) -> str:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""

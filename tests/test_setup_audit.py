@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.setup_clone import make_clone
+
 from tests.test_setup import PIPELINE, _commands, _mark_done, _verdicts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,11 +134,7 @@ def test_no_c_compiler_is_named_before_any_download(tmp_path):
 def test_stages_without_a_venv_say_to_build_it(tmp_path):
     """--only / --from without the env stage on a clone with no .venv: one line naming
     `./setup.sh --only env`, not each stage failing with "python: command not found"."""
-    repo = tmp_path / "clone"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "setup.sh", repo / "setup.sh")
-    for helper in ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh"):
-        shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
+    repo = make_clone(tmp_path)
     rc, out = _setup("--only", "data", base=tmp_path / "base", repo=repo)
     assert rc == 2 and "error: stage 'data' runs in" in out and "./setup.sh --only env" in out, out
     assert "failed" not in out

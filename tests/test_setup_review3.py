@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.setup_clone import make_clone
+
 REPO = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
 
@@ -39,18 +41,7 @@ exit 0
 @pytest.fixture
 def clone(tmp_path) -> Path:
     """A repo with setup.sh, run_train.sh, their helpers and a fake .venv whose python is FAKE_PYTHON."""
-    repo = tmp_path / "clone"
-    (repo / "scripts").mkdir(parents=True)
-    for name in ("setup.sh", "run_train.sh"):
-        shutil.copy(REPO / name, repo / name)
-    for helper in ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh"):
-        shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
-    py = repo / ".venv" / "bin" / "python"
-    py.parent.mkdir(parents=True)
-    py.write_text(FAKE_PYTHON)
-    py.chmod(0o755)
-    (tmp_path / "home").mkdir()
-    return repo
+    return make_clone(tmp_path, FAKE_PYTHON, names=("setup.sh", "run_train.sh"), home=True)
 
 
 def _run(repo: Path, *args, cwd: Path | None = None, bin_dir: Path | None = None, **env):

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.setup_clone import make_clone
+
 REPO = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
 
@@ -42,17 +44,7 @@ exit 0
 @pytest.fixture
 def clone(tmp_path) -> Path:
     """A repo with setup.sh, its helpers and a fake .venv whose python is FAKE_PYTHON."""
-    repo = tmp_path / "clone"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "setup.sh", repo / "setup.sh")
-    for helper in ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh"):
-        shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
-    py = repo / ".venv" / "bin" / "python"
-    py.parent.mkdir(parents=True)
-    py.write_text(FAKE_PYTHON)
-    py.chmod(0o755)
-    (tmp_path / "home").mkdir()
-    return repo
+    return make_clone(tmp_path, FAKE_PYTHON, home=True)
 
 
 def _tools(tmp_path, **scripts) -> Path:

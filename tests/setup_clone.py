@@ -1,0 +1,30 @@
+"""A throwaway copy of setup.sh (and run_train.sh) with the helper scripts they source, and
+optionally a fake .venv python: what the setup tests run instead of the real pipeline. One place
+names the sourced helpers, so a new one (setup_stages.sh) is one edit, not one per test file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCED = ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh")   # what setup.sh sources from scripts/
+
+
+def make_clone(tmp_path: Path, fake_python: str | None = None, *, names=("setup.sh",), home: bool = False) -> Path:
+    """tmp_path/clone with `names` from the repo root and scripts/SOURCED; `fake_python`: the text of
+    an executable .venv/bin/python; `home`: make tmp_path/home too."""
+    repo = tmp_path / "clone"
+    (repo / "scripts").mkdir(parents=True)
+    for name in names:
+        shutil.copy(REPO / name, repo / name)
+    for helper in SOURCED:
+        shutil.copy(REPO / "scripts" / helper, repo / "scripts" / helper)
+    if fake_python is not None:
+        py = repo / ".venv" / "bin" / "python"
+        py.parent.mkdir(parents=True)
+        py.write_text(fake_python)
+        py.chmod(0o755)
+    if home:
+        (tmp_path / "home").mkdir()
+    return repo
