@@ -81,6 +81,7 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
     try:
         uvicorn.run(DrainOnSignal(app, grace_s), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=grace_s)
+        app.state.finish()   # the generation threads drain stopped end before the process does
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

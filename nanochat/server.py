@@ -81,7 +81,8 @@ class _Job:
             self._stop_engine()
 
     def start(self) -> None:
-        threading.Thread(target=self._run, name=f"gen-{self.worker.name}", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=f"gen-{self.worker.name}", daemon=True)
+        self.thread.start()
 
     def _emit(self, *event) -> None:
         try:
@@ -268,6 +269,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         app.add_middleware(HostGuard, allowed=settings.allowed_hosts, origins=settings.cors_origins)
     stats: dict = defaultdict(int)
     live: set[_Job] = set()       # the running jobs: stopped when shutting down (drain)
+    ran: weakref.WeakSet = weakref.WeakSet()   # every job whose thread may still run (finish)
     draining = False              # drain() was called: no new requests
     started = time.time()
     slots = _ClientSlots(settings.max_concurrent_per_client)
@@ -410,6 +412,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             try:
                 job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
                 live.add(job)
+                ran.add(job)
             except ApiError as e:  # the 200 is sent: an error event, as OpenAI reports errors mid-stream
                 failed = True
                 yield _sse(e.body())
@@ -430,6 +433,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                 return None
             job = _start_job(pool, acq.result(), req, prompt, max_tokens, stats)
             live.add(job)
+            ran.add(job)
             texts = [[] for _ in range(req.n)]
             while True:
                 getter = asyncio.ensure_future(job.events.get())
@@ -478,7 +482,19 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         pool.fail_waiting(lambda: shutting_down("the server is shutting down; retry once it is back"))
         asyncio.get_running_loop().call_later(max(stop_after, 0.0), stop_running)
 
-    app.state.drain = drain
+    def finish(timeout: float = 10.0) -> None:
+        """After the server stopped (its drain stopped every generation): wait for the generation
+        threads and the batching schedulers to end. Left running, a model step still in flight as
+        the interpreter exits can abort the process ("terminate called without an active
+        exception", exit -6) instead of the clean exit 0."""
+        deadline = time.monotonic() + timeout
+        for job in list(ran):
+            job.thread.join(max(0.0, deadline - time.monotonic()))
+        for engine in {id(w.engine): w.engine for w in pool.workers}.values():
+            if hasattr(engine, "slots"):   # a BatchedEngine: its scheduler thread
+                engine.close(max(0.0, deadline - time.monotonic()))
+
+    app.state.drain, app.state.finish = drain, finish
     return app
 
 

@@ -197,3 +197,27 @@ def test_chat_web_sigterm_ends_every_answer_properly_and_exits_0(sft_checkpoint)
     assert_error(out["queued"][1], 503, code=SHUTTING_DOWN)
     assert "stopped before it finished" in assert_error(out["running"][1], 503, code=SHUTTING_DOWN)["message"]
     assert len(assert_shutdown_event(out["running_stream"][1], stopped=True)) > 2   # role chunk + some answer
+
+
+def test_finish_waits_for_the_generation_threads_drain_stopped(chat_model):
+    """chat_web once exited -6 ("terminate called without an active exception") instead of 0: the
+    process ended while a generation thread (a daemon) was still inside a model step. run_server
+    now calls app.state.finish() after uvicorn returns: it joins every generation thread."""
+    _, tokenizer = chat_model
+    engine = ScriptedEngine(tokenizer, "word " * 200, delay=0.05)
+    app = _LoopOf(create_app(WorkerPool([Worker(engine, "w0")]), ServerSettings(max_concurrent_per_client=8)))
+    server, url = serve_in_thread(app)
+    out = {}
+    try:
+        t = _start(_stream, url, {"messages": USER, "max_tokens": 200}, out, "running")
+        assert wait_until(lambda: engine.steps > 2)
+        gen = [th for th in threading.enumerate() if th.name.startswith("gen-w0")]
+        assert len(gen) == 1 and gen[0].is_alive()
+        app.loop.call_soon_threadsafe(app.state.drain, 0.0)
+        t.join(timeout=5)
+    finally:
+        server.should_exit = True
+        server.thread.join(timeout=10)
+    app.state.finish(5.0)
+    assert not gen[0].is_alive()
+    assert_shutdown_event(out["running"][1], stopped=True)
