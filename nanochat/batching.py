@@ -120,11 +120,13 @@ class RequestStream:
         return item
 
     def cancel(self) -> None:
+        # the consumer's next read ends the stream even where steps are already queued for it
+        # (a consumer slower than the scheduler read them all after a cancel)
+        self._finished = True
         if not self._req.cancelled:
             self._batched._cancel(self._req)
 
     def close(self) -> None:
-        self._finished = True
         self.cancel()
 
     def __del__(self):
@@ -181,8 +183,9 @@ class BatchedEngine:
         # Short requests through the scheduler thread: the prefill (compiled there) before and past
         # the shortest window, and pairs that share one sampler launch (the one-program and the
         # top-k two-stage kernels with per-row draws compile on first use, ~1-2 s each)
-        lengths = [min(37, eng.max_seq_len - 2)] + [w + 1 for w in set(getattr(eng.model, "windows", None) or ())
-                          if w is not None and w + 4 < eng.max_seq_len]
+        windows = set(getattr(eng.model, "windows", None) or ())
+        lengths = [max(1, min(37, eng.max_seq_len - 2))] + [w + 1 for w in windows
+                                                            if w is not None and w + 4 < eng.max_seq_len]
         for n in lengths:
             for top_k in (None, 50):
                 gens = [self.generate([0] * n, max_tokens=8, top_k=top_k, stop_tokens=(), seed=i)

@@ -353,7 +353,8 @@ class Engine:
         # (plain causal; past the shortest window, masked) pays cuBLAS / attention kernel loading
         # that the first user request would otherwise see as time to first token (H100, d20,
         # graphs: 1.3 s before this, CHANGELOG_GB10.md); "compile" also compiles there
-        lengths = [4] + [w + 1 for w in set(getattr(self.model, "windows", None) or ())
+        # (a 4-token prompt would not fit a context of 4 or less: the shortest that generates then)
+        lengths = [min(4, self.max_seq_len - 1)] + [w + 1 for w in set(getattr(self.model, "windows", None) or ())
                          if w is not None and w + 4 < self.max_seq_len]
         self._short_requests(batch_sizes, lengths)
         return time.perf_counter() - t0

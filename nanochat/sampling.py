@@ -22,6 +22,10 @@ SAMPLER_BACKENDS = ("auto", "torch", "triton")
 # float32 resolution, so the draw there is the argmax anyway; and logits / T overflows float32 to
 # inf once T < ~1e-37 (a request's 1e-39 drew token 0 over nan probabilities).
 GREEDY_BELOW = 1e-5
+# Above this temperature the draw is already uniform over the kept tokens (tempered logits differ by
+# far less than the noise's float32 resolution), so sample_next caps T here: past float32's range
+# (~3.4e38) T itself became inf, every tempered logit 0 or nan, and top-k / top-p kept every token.
+MAX_TEMPERATURE = 1e30
 # Seeds a torch.Generator takes (manual_seed reads a uint64; 2**64 raised "Overflow when unpacking
 # long long" at the first token, inside the generation).
 MAX_SEED = 2**64 - 1
@@ -57,9 +61,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler)."""
     if is_greedy(temperature):
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # top-k on the raw logits (dividing by T > 0 keeps their order; the Triton sampler does the same)
     if top_k is not None and top_k < logits.size(-1):
         logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
+    logits = logits / min(temperature, MAX_TEMPERATURE)
     # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
     noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
     if top_p is None:
