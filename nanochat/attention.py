@@ -448,6 +448,9 @@ def _static_decode_attention(q, k, v, window, kv: StaticKV, layer_idx: int):
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
     if k.size(0) != k_cache.size(0):
         raise ValueError(f"attention: batch {k.size(0)} != cache batch {k_cache.size(0)}")
+    if (k.size(1), D) != (k_cache.size(1), k_cache.size(3)):   # else torch's index_copy_ slice-shape error
+        raise ValueError(f"attention: {k.size(1)} kv heads x head dim {D} given, the cache holds "
+                         f"{k_cache.size(1)} x {k_cache.size(3)}; create it with the model's n_kv_head and head_dim")
     if kv.pos.numel() == 1:
         k_cache.index_copy_(2, kv.pos, k.to(k_cache.dtype))
         v_cache.index_copy_(2, kv.pos, v.to(v_cache.dtype))

@@ -395,6 +395,10 @@ class GPT(nn.Module):
         x0 gradients add up inside fn's backward (fused_norm.mix_norm); False for A/B runs."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_mix_norm: expected a callable or None, got {type(fn).__name__}")
+        if chain_x0 and (fn is None or fn is plain_mix_norm):
+            # else the first training forward failed with a TypeError (unexpected x0_chain)
+            raise ValueError("set_mix_norm: chain_x0=True needs a fn that takes x0_chain (e.g. "
+                             "fused_norm.mix_norm); plain_mix_norm does not")
         self.mix_norm = plain_mix_norm if fn is None else fn
         self.mix_norm_fuses_add = fuse_add
         self.mix_norm_chains_x0 = getattr(fn, "chains_x0", False) if chain_x0 is None else chain_x0
@@ -402,6 +406,8 @@ class GPT(nn.Module):
     def set_rotary_norm(self, fn) -> None:
         """fn(x, cos, sin) -> rotary_norm(x, cos, sin) (same contract and values, e.g. another
         backward) for q and k in every layer; None restores rotary_norm."""
+        if fn is not None and not callable(fn):   # else a TypeError inside the first forward
+            raise ValueError(f"set_rotary_norm: expected a callable or None, got {type(fn).__name__}")
         for block in self.blocks:
             block.attn.rotary_norm = rotary_norm if fn is None else fn
 
@@ -449,8 +455,17 @@ class GPT(nn.Module):
         on its device (and, for "auto" on CUDA, probe cuDNN's window kernel, plus FA4's backward
         if `backward`). Call once before torch.compile so the compiled graph reuses them. Returns
         the resolved backend."""
-        return prepare_masks(seq_len or self.config.sequence_len, self.windows, self.wte.weight.device,
+        return prepare_masks(self._seq_len(seq_len, "prepare_attention"), self.windows, self.wte.weight.device,
                              self.attn_backend, backward=backward)
+
+    def _seq_len(self, seq_len, caller: str) -> int:
+        """seq_len, or config.sequence_len for None. 0 used to mean the default and a negative
+        length gave a negative attention term (a wrong FLOPs figure, hence a wrong MFU)."""
+        if seq_len is None:
+            return self.config.sequence_len
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+            raise ValueError(f"GPT.{caller} seq_len: got {seq_len!r}; accepted: None or an integer >= 1")
+        return int(seq_len)
 
     def _rotary(self, T: int, kv_cache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [pos, pos + T) (pos = 0 without a cache)."""
@@ -559,7 +574,7 @@ class GPT(nn.Module):
         config, so precision.py's Linear swaps do not change it.
         """
         cfg = self.config
-        T = seq_len or cfg.sequence_len
+        T = self._seq_len(seq_len, "estimate_flops")
         attn = sum(12 * cfg.n_head * cfg.head_dim * (T if w is None else min(w, T)) for w in self.windows)
         return float(6 * self.num_scaling_params() + attn)
 

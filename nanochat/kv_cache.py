@@ -6,6 +6,8 @@ from there (docs/INTERFACES.md)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -23,8 +25,9 @@ class KVCache:
                  num_layers: int, device, dtype: torch.dtype):
         for field, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                              ("seq_len", seq_len), ("head_dim", head_dim), ("num_layers", num_layers)):
-            if int(value) < 1:
-                raise ValueError(f"KVCache {field}: got {value}; accepted: an integer >= 1")
+            # int(value) let 2.5 and "8" through to a TypeError inside torch.zeros, and True as 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"KVCache {field}: got {value!r}; accepted: an integer >= 1")
         shape = (batch_size, num_kv_heads, seq_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -55,8 +58,10 @@ class KVCache:
         """Slots [0, length) of row `src` of `src_cache` -> row `dst` of this cache."""
         if not (0 <= dst < self.batch_size and 0 <= src < src_cache.batch_size):
             raise ValueError(f"KVCache.copy_row: rows {src} -> {dst} outside the caches' batches")
-        if length > min(self.seq_len, src_cache.seq_len) or src_cache.num_layers != self.num_layers:
+        if not 0 <= length <= min(self.seq_len, src_cache.seq_len) or src_cache.num_layers != self.num_layers:
             raise ValueError(f"KVCache.copy_row: {length} slots or {src_cache.num_layers} layers do not fit")
+        # copy_ broadcasts: a 1-head row went into every head of another cache without a word
+        self._check_heads("copy_row", src_cache.k[0].shape)
         for mine, theirs in zip(self.k + self.v, src_cache.k + src_cache.v):
             mine[dst, :, :length].copy_(theirs[src, :, :length])
 
@@ -75,9 +80,18 @@ class KVCache:
                              "create the cache with a larger seq_len")
         if k.size(0) != self.batch_size:
             raise ValueError(f"KVCache: batch {k.size(0)} != cache batch {self.batch_size}")
+        self._check_heads("insert", k.shape)
         self.k[layer_idx][:, :, self.pos:end].copy_(k)
         self.v[layer_idx][:, :, self.pos:end].copy_(v)
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def _check_heads(self, caller: str, shape) -> None:
+        """k/v of `shape` (B, Hkv, T, D) must have this cache's kv heads and head dim (copy_ would
+        broadcast one kv head into all of them, or fail with torch's slice-shape message)."""
+        mine = self.k[0].shape
+        if (shape[1], shape[3]) != (mine[1], mine[3]):
+            raise ValueError(f"KVCache.{caller}: {shape[1]} kv heads x head dim {shape[3]} given, the cache "
+                             f"holds {mine[1]} x {mine[3]}; create it with the model's n_kv_head and head_dim")
 
     def prefill_from(self, other: "KVCache") -> None:
         """Copy a batch-1 cache (e.g. a prompt prefill) into every row of this cache."""
