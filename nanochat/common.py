@@ -28,10 +28,19 @@ DTYPE_ENV = "NANOCHAT_DTYPE"
 
 
 def get_base_dir() -> Path:
-    """Where artefacts live: $NANOCHAT_BASE_DIR or ~/.cache/nanochat (created on demand)."""
-    base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    """Where artefacts live: $NANOCHAT_BASE_DIR or ~/.cache/nanochat (created on demand). A leading
+    `~` in the variable is expanded: set quoted ("~/runs", a .env file, a unit file) it reached
+    here as is, and the run's data went to a folder named `~` under whatever the current directory
+    was. A path that cannot be a directory is a RequestError naming the variable, not a traceback."""
+    given = os.environ.get("NANOCHAT_BASE_DIR")
+    base = os.path.expanduser(given or os.path.join("~", ".cache", "nanochat"))
     path = Path(base)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a file in the way, no permission, a read-only file system
+        what = f"NANOCHAT_BASE_DIR: got {given!r}" if given else f"the base directory {base} (NANOCHAT_BASE_DIR unset)"
+        raise RequestError(f"{what}, which cannot be used ({e.strerror or e}); accepted: a directory you can "
+                           "write to, existing or one that can be created (set NANOCHAT_BASE_DIR)") from None
     return path
 
 
@@ -201,6 +210,12 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:   # torch.manual_seed's range
         raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0 and < 2**64")
     device_type = _resolve_device_type(device)
+    if device_type == "cuda":
+        # Before CUDA initialises, which _resolve_dtype's bf16 check does (torch.cuda.current_device):
+        # torch reads the allocator settings (expandable segments on unified memory) and prints its
+        # sm_121 capability warning then, so the env and the warning filter set after it came too late.
+        from nanochat.platform import configure_env_before_cuda
+        configure_env_before_cuda()
     compute_dtype = _resolve_dtype(dtype, device_type)
     # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
     from nanochat.platform import patch_cpu_amx
@@ -208,10 +223,6 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
     ddp, rank, local_rank, world_size = _torchrun_position()
 
     if device_type == "cuda":
-        # Allocator settings (e.g. expandable segments on unified memory) must be in the
-        # environment before the first CUDA allocation; platform.py owns which ones apply.
-        from nanochat.platform import configure_env_before_cuda
-        configure_env_before_cuda()
         if local_rank >= torch.cuda.device_count():
             raise RequestError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
                              f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")

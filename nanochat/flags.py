@@ -41,12 +41,49 @@ class FlagParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # no silent prefix matching of flag names
         super().__init__(*args, **kwargs)
 
+    def add_argument(self, *names, **kwargs):
+        return super().add_argument(*_dashed(names), **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        return _dash_declarations(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return _dash_declarations(super().add_mutually_exclusive_group(**kwargs))
+
     def error(self, message: str):
-        raise ValueError(message)
+        raise ValueError(message + _accepted_hint(message))
 
     def parse_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         return super().parse_args(normalize_flags(args), namespace)
+
+
+def _dashed(names: tuple) -> tuple:
+    """Declared long flags in their dash spelling: the command line reaches argparse with dashes
+    (normalize_flags), so a flag declared with an underscore ("--" + field.name) could be given in
+    neither spelling. argparse derives the same dest from either."""
+    return tuple(n.replace("_", "-") if isinstance(n, str) and n.startswith("--") else n for n in names)
+
+
+def _dash_declarations(group):
+    """An argument group whose add_argument (and nested groups) declare flags as FlagParser does."""
+    add, nested = group.add_argument, group.add_mutually_exclusive_group
+    group.add_argument = lambda *names, **kwargs: add(*_dashed(names), **kwargs)
+    group.add_mutually_exclusive_group = lambda **kwargs: _dash_declarations(nested(**kwargs))
+    return group
+
+
+def _accepted_hint(message: str) -> str:
+    """What argparse's own messages leave out: the accepted values. `--compile=1` (a flag that takes
+    no value: store_true, or a BooleanOptionalAction pair) said only 'ignored explicit argument',
+    `--steps ten` only 'invalid int value'; the flag's name is already in argparse's message."""
+    m = re.match(r"argument (\S+): ignored explicit argument", message)
+    if m:
+        return f"; accepted: {' or '.join(m.group(1).split('/'))} alone, with no value"
+    for kind, accepted in (("int", "an integer"), ("float", "a number")):
+        if re.match(rf"argument \S+: invalid {kind} value", message):
+            return f"; accepted: {accepted}"
+    return ""
 
 
 def require(ok: bool, flag: str, got: Any, accepted: str) -> None:

@@ -217,8 +217,16 @@ def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_aut
     """Inductor's is_big_gpu() wants >= 68 SMs; GB10 has 48, so max-autotune GEMM templates are
     skipped (DESIGN s4.2). Override it (and turn on max_autotune_gemm when asked). Targets torch
     2.9-2.15 (`torch._inductor.utils.is_big_gpu`, min_sms = 68 as read in torch 2.15, called from
-    that module's own globals, so replacing the module attribute takes effect)."""
+    that module's own globals, so replacing the module attribute takes effect). Outside those
+    releases it is skipped, and said: a torch whose inductor calls it from elsewhere would ignore
+    the replacement while the log claimed it applied."""
     if not spec.is_cuda or not compile or spec.sms is None or spec.sms >= 68:
+        return None
+    low, high = IS_BIG_GPU_TORCH
+    if not low <= _version_tuple(ctx.torch_version)[:2] <= high:
+        _log_once("is_big_gpu", f"{spec.sms} SMs < 68 and torch {ctx.torch_version} is outside the releases "
+                                f"this patch was checked against ({low[0]}.{low[1]}-{high[0]}.{high[1]}): inductor's "
+                                "is_big_gpu() left alone, so max-autotune GEMM templates are skipped")
         return None
     for module in ctx.inductor_modules:
         if hasattr(module, "is_big_gpu"):
@@ -229,6 +237,9 @@ def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_aut
                             + (" and max_autotune_gemm on" if max_autotune else
                                " (takes effect with max-autotune GEMM)"))
     return "is_big_gpu"
+
+
+IS_BIG_GPU_TORCH = ((2, 9), (2, 15))   # the torch releases whose inductor source patch_is_big_gpu was read in
 
 
 def _always_big_gpu(index_or_device=0) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, configure_env_before_cuda,
-                               detect_device, memory_budget_bytes)
+                               detect_device, memory_budget_bytes, patch_cpu_amx)
 
 UNAVAILABLE = "unavailable: "   # a report value that starts with it: what a run with these flags would hit
 
@@ -163,6 +163,9 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
     # ptxas, is_big_gpu, ... whatever the flags; a missing ptxas only warns there), then training
     # its own: the report names both, as a run with these flags gets them
     runtime = apply_patches(spec, kernel="current", compile=True, ptxas_missing_ok=True) if spec.is_cuda else []
+    # and on every device, init_runtime's CPU one: bf16 matmuls capped below AMX on a CPU where AMX
+    # kernels crash (the report said "patches: []" on such a VM while every run there applied it)
+    runtime += [name for name in [patch_cpu_amx()] if name]
     try:
         asked = apply_patches(spec, kernel=kernel, compile=compile)
         report["patches"] = asked + [name for name in runtime if name not in asked]
