@@ -79,14 +79,27 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _kernel_for(device: torch.device):
     """The Triton product for tensors on `device`, or None (CPU without the interpreter, no
     Triton): resolved once, when the model is quantised, not inside a compiled step."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
         return None
     try:
         from nanochat.triton_int8 import int8_gemv, register
     except ImportError:   # no Triton on this platform: the dequantising path serves every size
         return None
     register()
-    return int8_gemv
+    return _interpreted_gemv if interpreted else int8_gemv
+
+
+def _interpreted_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_gemv under TRITON_INTERPRET=1 for float32 / float16 inputs; bfloat16 ones take the
+    dequantising path: the interpreter (numpy underneath) mishandles bf16 (an int8 -> bf16 cast
+    came out as inf / NaN / denormals, a bf16 tl.dot off by 1e10), so a bf16 model quantised
+    under it decoded garbage while the kernel is right on the GPU."""
+    if x.dtype == torch.bfloat16:
+        return int8_linear(x, q, scale)
+    from nanochat.triton_int8 import int8_gemv
+
+    return int8_gemv(x, q, scale)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel=None) -> torch.Tensor:

@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention length bucket of the static/graphs steps")
     p.add_argument("--fused-qkv", "--fused_qkv", dest="fused_qkv", default="on",
                    help="on|off|on,off: decode with one q/k/v matmul per layer (GPT.inference_weights) "
-                        "or three; 'off' rows are labelled <mode>/unfused")
+                        "or three; 'off' rows are labelled <mode>/unfused (none only: int8 is always fused)")
     p.add_argument("--decode-kernel", "--decode_kernel", dest="decode_kernel", default="triton_fused",
                    help="comma list of triton|triton_fused|sdpa: the static/graphs step's attention "
                         "(attention.set_decode_kernel); rows other than the default (triton_fused) are labelled <mode>/<kernel>")
@@ -116,6 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "persistent" in args.graph_step and "off" in args.fused_qkv:
         raise ValueError("--graph-step persistent: reads the fused q/k/v weights; it cannot run with "
                          "--fused-qkv off (accepted: --fused-qkv on, or a --graph-step list without persistent)")
+    if "int8" in args.quantize and "on" not in args.fused_qkv:
+        # an int8 model's q/k/v is always one fused product (quantize.py): its rows would be
+        # labelled /unfused while running fused
+        raise ValueError("--fused-qkv off: an int8 model always runs q/k/v as one fused product "
+                         "(nanochat/quantize.py); accepted with --quantize int8: --fused-qkv on or on,off "
+                         "(int8 then runs the on rows only)")
     if "graphs" in args.decode and args.device in ("cpu", "mps"):
         raise ValueError(f"--decode graphs: needs a CUDA device, got --device {args.device}; accepted there: "
                          "auto|eager|compile|static")
@@ -385,6 +391,8 @@ def main(argv=None) -> int:
         for quant in args.quantize:
             quantize_model(model, quant)
             for mode, fused, kernel, graph_step, sampler in runs:
+                if quant != "none" and fused == "off":   # the int8 q/k/v is fused either way (parse_args)
+                    continue
                 set_decode_kernel(kernel)
                 _bench_mode(args, model, rt, spec, prompt, mode, fused, graph_step, sampler, rows)
     finally:
