@@ -206,14 +206,14 @@ class Engine:
         if request == "compiled" and self.decode_mode != "graphs":
             return "eager", (f"graph_step compiled: decode={self.decode_mode} runs its static steps on the plain "
                              "model (only decode='graphs' compiles the step): eager")
-        if request != "auto" or self.decode_mode not in ("static", "graphs"):
+        if request not in ("auto", "persistent") or self.decode_mode not in ("static", "graphs"):
             return (self.other_step if request == "auto" else request), ""
-        try:
-            from nanochat.triton_decode import unsupported
-        except ImportError as e:  # no Triton on this platform
-            reason = f"Triton is not importable ({e})"
-        else:
-            reason = "fused_qkv is off" if not self.fused_qkv else unsupported(self.model, self.new_cache(1, 1))
+        reason = self._persistent_unsupported()
+        if request == "persistent":
+            if reason is not None:   # an explicit request refused up front, not at the first answer
+                raise ValueError(f"graph_step: 'persistent' cannot run here: {reason}; accepted here: "
+                                 "auto|compiled|eager")
+            return "persistent", ""
         if reason is None and self.device.type == "cuda":
             cc = torch.cuda.get_device_capability(self.device)
             if cc not in PERSISTENT_MEASURED_CC:
@@ -223,6 +223,14 @@ class Engine:
             return self.other_step, f"graph_step auto: {self.other_step} ({reason})"
         return "persistent", (f"graph_step auto: persistent batch-1 kernel (nanochat/triton_decode.py), "
                               f"others {self.other_step}")
+
+    def _persistent_unsupported(self) -> str | None:
+        """Why the persistent batch-1 step cannot run on this engine's model and device, or None."""
+        try:
+            from nanochat.triton_decode import unsupported
+        except ImportError as e:  # no Triton on this platform
+            return f"Triton is not importable ({e})"
+        return "fused_qkv is off" if not self.fused_qkv else unsupported(self.model, self.new_cache(1, 1))
 
     def _persistent_step(self, cache):
         """The persistent batch-1 step over `cache`; under graph_step auto it must first match the

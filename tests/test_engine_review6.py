@@ -14,6 +14,7 @@ from nanochat.engine import Engine
 from nanochat.sampling import Sampler, sample_next
 from tests.test_engine import scripted_engine, specials, tok  # noqa: F401  (fixtures)
 from tests.test_engine import chat_model  # noqa: F401  (the session fixture tok needs)
+from tests.test_engine import random_model
 from tests.test_engine_review2 import greedy_without_cache, windowed_model
 
 
@@ -127,3 +128,16 @@ def test_tool_output_running_into_the_context_end(tok, decode):  # noqa: F811  (
     assert masks == [1] * len(call) + [0] * (room - len(call))
     if decode == "batched":
         source.close()
+
+
+def test_explicit_persistent_step_that_cannot_run_is_refused_when_the_engine_is_built(monkeypatch):
+    """graph_step='persistent' on a model/device the persistent kernel cannot serve failed only at
+    the first answer, with a message that did not name graph_step; it is refused up front now,
+    naming the reason and the accepted values. Eager decoding, which never runs the step, still
+    takes the request as before."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = random_model("cpu")
+    with pytest.raises(ValueError, match=r"graph_step: 'persistent' cannot run here: needs a CUDA GPU.*"
+                                         r"accepted here: auto\|compiled\|eager"):
+        Engine(model, None, decode="static", graph_step="persistent")
+    assert Engine(model, None, decode="eager", graph_step="persistent").decode_mode == "eager"

@@ -253,16 +253,19 @@ def test_bench_inference_timeline_busy_and_idle_gaps():
     assert timeline([]) == (0.0, {})
 
 
-def test_step_at_says_the_persistent_kernel_runs_batch_one_only():
+def test_step_at_says_the_persistent_kernel_runs_batch_one_only(monkeypatch):
     """A persistent engine's batch-8 rows ran the fallback step but bench_inference labelled them
-    persistent (JSON graph_step and the table's decode column)."""
+    persistent (JSON graph_step and the table's decode column). (Under the interpreter: on a plain
+    CPU an explicit persistent request is refused when the engine is built.)"""
     from scripts.bench_inference import label
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = random_model("cpu")
     persistent = Engine(model, None, decode="static", graph_step="persistent")
     assert persistent.step_at(1) == "persistent" and persistent.step_at(8) == "eager"
     assert label(persistent) == "static/persistent" and label(persistent, 1) == "static/persistent"
     assert label(persistent, 8) == "static(not persistent)"
+    monkeypatch.delenv("TRITON_INTERPRET")   # else auto takes the interpreted persistent step too
     plain = Engine(model, None, decode="static")
     assert plain.step_at(8) == "eager" and label(plain, 8) == "static"
     assert Engine(model, None, decode="eager").step_at(1) is None
