@@ -55,8 +55,14 @@ LossFn = Callable[..., torch.Tensor]
 # current: plain PyTorch
 # --------------------------------------------------------------------------------------------
 
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: got {reduction!r}; accepted: {'|'.join(REDUCTIONS)}")
+
+
 def current_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
     """Reference: logits in the compute dtype, upcast to fp32, softcap, cross-entropy."""
+    _check_reduction(reduction)
     logits = F.linear(hidden, weight[:vocab_size].to(hidden.dtype)).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
@@ -120,6 +126,7 @@ def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int,
     The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
     softcap 0 or None: no softcap (the same contract as current_loss and triton_loss).
     """
+    _check_reduction(reduction)   # else any unknown name ("avg") silently returned the sum
     logits = F.linear(hidden, weight)[:, :vocab_size]
     return _SoftcapCrossEntropy.apply(logits, targets, float(softcap or 0.0), reduction)
 
@@ -327,10 +334,27 @@ def _custom_ops():
     return torch.ops.nanochat.fused_linear_ce
 
 
+def _check_chunk_rows(chunk_rows: int) -> None:
+    if chunk_rows < 0:
+        raise ValueError(f"chunk_rows: got {chunk_rows}; accepted: 0 (automatic) or a positive row count")
+
+
+def _check_loss_shapes(hidden, weight, targets, vocab_size: int) -> None:
+    """The chunk loop and the Triton kernels index by these shapes unchecked: targets longer than
+    hidden's rows gave a finite loss whose mean also counted the extra targets; a vocab_size above
+    the head's rows let target ids past the logits through _check_targets (a read out of bounds)."""
+    if hidden.ndim != 2 or weight.ndim != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"loss shapes: accepted hidden (N, C), weight (V, C), targets (N,); got hidden "
+                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}")
+    if not 0 < vocab_size <= weight.shape[0]:
+        raise ValueError(f"vocab_size: got {vocab_size}; accepted: 1..{weight.shape[0]} (the head's rows)")
+
+
 def triton_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", chunk_rows: int = 0):
     """The fused loss; same signature as current_loss."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: got {reduction!r}; accepted: {'|'.join(REDUCTIONS)}")
+    _check_reduction(reduction)
+    _check_chunk_rows(chunk_rows)
+    _check_loss_shapes(hidden, weight, targets, vocab_size)
     if not torch.compiler.is_compiling():
         _custom_ops()   # registered on first eager use; under compile it already exists
     op = torch.ops.nanochat.fused_linear_ce
@@ -399,7 +423,10 @@ def make_liger_loss(inline: bool = False) -> LossFn:
     def liger_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
         key = (float(softcap or 0.0), reduction)
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        _check_reduction(reduction)
         _check_liger_reduction(reduction, needs_grad, support)
+        # Liger's kernel reads logits[row, target] unchecked, like ours: the same target check
+        _check_targets(targets, vocab_size)
         if key not in modules:
             modules[key] = _liger_module(softcap, reduction)
         # Only the real vocab rows, in the activations' dtype (Liger matmuls in that dtype).
@@ -447,6 +474,7 @@ def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline
     """The loss function for `--kernel name` on `device`; a RequestError (check_kernel) when it
     cannot run there."""
     check_kernel(name, device)
+    _check_chunk_rows(chunk_rows)
     dev = torch.device(device)
     if name == "current":
         return current_loss

@@ -149,6 +149,7 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, softcap: float |
     """Per-row loss and lse (float32) of softcapped logits (rows, V). With `grad_scale` (a
     1-element float32 tensor) the logits buffer is overwritten with grad_scale * dL/dlogits."""
     assert logits.ndim == 2 and logits.stride(1) == 1 and targets.shape == logits.shape[:1]
+    targets = targets.contiguous()   # the kernel reads targets[row] at row; a strided view read others
     rows, n_cols = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -170,6 +171,8 @@ def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
                         row_scale: torch.Tensor, softcap: float | None) -> None:
     """Overwrite logits (rows, V) with row_scale[r] * dL_r/dlogits[r] given the saved lse."""
     assert logits.ndim == 2 and logits.stride(1) == 1
+    assert targets.shape == lse.shape == logits.shape[:1]
+    targets, lse = targets.contiguous(), lse.contiguous()   # read at [row]: strided views read others
     rows, n_cols = logits.shape
     if rows == 0:
         return

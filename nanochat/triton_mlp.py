@@ -263,8 +263,9 @@ def mm_epilogue(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", aux: t
     contiguous for relu2_grad. `scale`: a float32 one-element tensor (fp8 operands: the product
     of their inverse scales). `amax`: a float32 one-element tensor that receives
     max(amax, max |output|). `saturate` > 0 clamps the result to +-saturate before the cast (an
-    fp8 output). `transposed` also writes the output's (N, M) transpose and returns both. Rows of
-    16 bytes or more (TMA). `gpu`: its SMs (the persistent grid) and shared memory (the tile set);
+    fp8 output). `transposed` also writes the output's (N, M) transpose and returns both. TMA
+    needs every row a multiple of 16 bytes: K and N elements (and M with `transposed`); Triton's
+    TensorDescriptor asserts it. `gpu`: its SMs (the persistent grid) and shared memory (the tile set);
     default the tensors' GPU; nanochat/triton_aot passes a target to record the CUDA launch from
     CPU tensors."""
     if epilogue not in EPILOGUES:
