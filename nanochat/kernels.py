@@ -503,7 +503,7 @@ def build_mlp(name: str, device: torch.device | str, precision: str, *, layer: t
         from nanochat import triton_mlp   # kernel_fusions then lacks relu2_mlp)
     except ImportError:
         return None
-    reason = triton_mlp.probe(device, fp8=fp8)
+    reason = _unaligned_mlp(layer, 1 if fp8 else 2) or triton_mlp.probe(device, fp8=fp8)
     if reason is not None:
         from nanochat.common import print0
         print0(f"[kernels] --kernel triton: the fused relu^2 {precision} MLP is off ({reason}); the MLP "
@@ -516,6 +516,19 @@ def build_mlp(name: str, device: torch.device | str, precision: str, *, layer: t
     fn = functools.partial(triton_mlp.fp8_relu2_mlp, grad_dtype=layer.grad_dtype)
     fn.replaces = (Fp8Linear,)   # GPT.set_mlp_fn: the layer class this fused MLP stands in for
     return fn
+
+
+def _unaligned_mlp(layer, elem_bytes: int) -> str | None:
+    """Why the fused MLP's TMA descriptors cannot take `layer`'s (c_fc's) shapes, or None: every
+    row of x, h and both weights must be a multiple of 16 bytes, else Triton's TensorDescriptor
+    asserted at the first training step (e.g. a width of 12 at bf16)."""
+    if layer is None or getattr(layer, "weight", None) is None:
+        return None
+    hidden, n_embd = layer.weight.shape
+    if (n_embd * elem_bytes) % 16 or (hidden * elem_bytes) % 16:
+        return (f"width {n_embd} / hidden {hidden} at {elem_bytes} byte(s) per element: TMA needs rows of a "
+                "multiple of 16 bytes")
+    return None
 
 
 def _is_fp8_save_layer(layer) -> bool:

@@ -95,3 +95,33 @@ def test_row_kernels_interpreted_with_strided_targets_and_odd_shapes(run_triton_
         "print('OK')\n"
     )
     run_triton_interpreted(script)
+
+
+@pytest.mark.cuda
+def test_cuda_triton_kernel_trains_a_width_whose_rows_tma_cannot_take(capsys):
+    """--kernel triton on a model of width 12 (bf16 rows of 24 bytes): the fused relu^2 MLP's TMA
+    descriptors need 16-byte multiples, and Triton asserted at the first step. The MLP now stays on
+    the Linear path, says why, and a forward + backward gives finite gradients."""
+    from nanochat.common import init_runtime
+    from nanochat.gpt import config_for_depth
+    from nanochat.training import build_model, setup_precision_and_kernel
+
+    rt = init_runtime("cuda", "bf16")
+    config = config_for_depth(1, 256, 32, aspect_ratio=12, head_dim=12, window_pattern="L")
+    assert config.n_embd == 12
+    model = build_model(config, rt.device, compute_dtype=torch.bfloat16)
+    info = setup_precision_and_kernel(model, "bf16", "triton", rt, compile=False, precision_backend="auto")
+    assert "TMA needs rows of a multiple of 16 bytes" in capsys.readouterr().out
+    assert model.blocks[0].mlp.fused is None, info
+    x = torch.randint(0, 256, (2, 32), device="cuda")
+    loss = model(x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_fused_mlp_alignment_reason_names_the_width():
+    """The check build_mlp makes before the fused MLP's probe (its TMA rows: 16-byte multiples)."""
+    from nanochat.gpt import Linear
+    assert "width 12 / hidden 48" in kernels._unaligned_mlp(Linear(12, 48), 2)
+    assert kernels._unaligned_mlp(Linear(16, 64), 1) is None and kernels._unaligned_mlp(Linear(8, 32), 2) is None
+    assert "1 byte(s)" in kernels._unaligned_mlp(Linear(8, 32), 1)
