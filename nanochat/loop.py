@@ -548,7 +548,8 @@ def say_schedule_changes(saved: dict, now: dict) -> list[str]:
 
 def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:
     """A checkpoint past the run's last step cannot be continued (the loop would never reach its
-    end): say so before anything is built. At exactly the last step the rerun only re-evaluates."""
+    end): say so before anything is built. At exactly the last step the rerun trains no step: it saves
+    that step again (evaluating and sampling there only where the checkpoint had not)."""
     from nanochat.checkpoint import CheckpointError, list_steps
 
     if step > num_iterations:

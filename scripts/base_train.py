@@ -135,7 +135,10 @@ class BaseTrainConfig:
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         world = env_world_size()   # a malformed WORLD_SIZE / RANK named
         per_micro = self.device_batch_size * self.max_seq_len * world
-        require_int(self.eval_tokens, "--eval-tokens", per_micro)
+        require_int(self.eval_tokens, "--eval-tokens", 1)
+        require(self.eval_tokens >= per_micro, "--eval-tokens", self.eval_tokens,
+                f"at least one micro-batch of every rank, --device-batch-size x --max-seq-len x world size = "
+                f"{self.device_batch_size} x {self.max_seq_len} x {world} = {per_micro:,}")
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
         check_resume_flags(self.resume, self.overwrite)
@@ -402,7 +405,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
                   "world_size": rt.world_size, "dtype": rt.dtype_name, "cast_once": trainer.cast_once,
-                  **precision_info}
+                  **precision_info,
+                  # the LRs and weight decay this run applied (scaled to its batch and horizon): its
+                  # flags alone do not say them ("recipe" above is precision.py's)
+                  "optimizer_recipe": asdict(recipe)}
     tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
                       directory=str(base_dir))
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
@@ -498,9 +504,15 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("tracking", f"wandb {wandb_mode}" + (f", run {cfg.run}" if wandb_mode != "off" else "")),
         ("seed", str(cfg.seed)),
     ]
+    # a group's own momentum / weight_decay are build_optimizer's defaults (a fresh run: momentum 0.95,
+    # never applied) or the checkpoint's last applied values (a resume, also under a new --weight-decay):
+    # print the momentum the first step applies and the peak weight decay the schedule scales
+    momentum = recipe.schedule(num_iterations).multipliers(resume_step or 0)[1]
     for i, group in enumerate(optimizer.param_groups):
         n = sum(p.numel() for p in group["params"])
-        extra = {k: group[k] for k in ("kind", "momentum", "weight_decay", "betas", "beta2") if k in group}
+        now = {**group, "momentum": round(momentum, 6), "weight_decay": group.get("initial_weight_decay",
+                                                                                group.get("weight_decay"))}
+        extra = {k: now[k] for k in ("kind", "momentum", "weight_decay", "betas", "beta2") if k in group}
         rows.append((f"LR group {i}", f"lr {group['initial_lr']:.5g}, {len(group['params'])} tensors, "
                                       f"{n:,} params {extra}"))
     width = max(len(k) for k, _ in rows)
