@@ -1,4 +1,4 @@
-"""The exception type the library raises for command-line requests and the scripts report as one
+"""The exception types the library raises for command-line requests and the scripts report as one
 line (nanochat.flags.script_main). Imports nothing, so torch-free modules (tokenizer.py) can use it."""
 
 
