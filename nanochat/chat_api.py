@@ -115,7 +115,30 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": _encodable(self.message), "type": kind, "param": _encodable(self.param),
+                          "code": self.code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """`text` with lone surrogates written as escapes ("\\udc00"): an error may echo a client's
+    string (an unknown field's name as `param`), and JSON "\\udc00" parses to one, which cannot be
+    encoded as UTF-8: the JSON error became a 500 UnicodeEncodeError."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogate(text: str, field: str) -> str:
+    """A lone UTF-16 surrogate (JSON "\\ud800" without its pair) is no character: the tokenizer
+    would read it as U+FFFD (a prompt other than the one sent), and a stop string holding one can
+    never match the model's UTF-8 text, so the reply would silently run on."""
+    found = _LONE_SURROGATE.search(text)
+    if found:
+        raise ApiError(400, f"'{field}': holds a lone UTF-16 surrogate {found.group()!r} at character "
+                            f"{found.start()}; accepted: valid Unicode text (send surrogate pairs whole)",
+                       param=field, code="invalid_value")
+    return text
 
 
 @dataclass
@@ -173,7 +196,7 @@ def _raw_messages(raw, s: ServerSettings) -> list[dict]:
         if role not in ROLES:
             raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: "
                                 "system|developer|user|assistant", param=f"messages[{i}].role")
-        text = _content_text(m.get("content"), i)
+        text = _no_surrogate(_content_text(m.get("content"), i), f"messages[{i}].content")
         if len(text) > s.max_message_chars:
             raise ApiError(400, f"'messages[{i}].content': {len(text)} characters; the limit is "
                                 f"{s.max_message_chars}", param=f"messages[{i}].content", code="message_too_long")
@@ -336,7 +359,8 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     `prediction` (a latency hint), `reasoning_effort`, ...) and a null unknown field. Refused
     (unsupported_parameter): see `_refuse_unsupported`, including a non-zero `presence_penalty` /
     `frequency_penalty` (the sampler has no penalties); any other field: unknown_parameter.
-    `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63)."""
+    `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63).
+    Message contents and stop strings holding a lone UTF-16 surrogate are refused (`_no_surrogate`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: accepted: a JSON object")
     model = body.get("model")
@@ -346,15 +370,19 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     messages = _normalise(_raw_messages(body.get("messages"), s))
     _refuse_unsupported(body)
     stream, include_usage = _stream_flags(body)
-    # max_completion_tokens replaced max_tokens in OpenAI's API; a null one defers to max_tokens
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, 1, s.max_max_tokens, None, integer=True)
+    # max_completion_tokens replaced max_tokens in OpenAI's API and wins; a null one defers to
+    # max_tokens. Both are checked: a bad max_tokens next to a good max_completion_tokens was
+    # accepted unread, the client's bug unreported.
+    legacy = _number(body, "max_tokens", 1, s.max_max_tokens, None, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", 1, s.max_max_tokens, legacy, integer=True)
     stop = body.get("stop")   # null, a string or a list; {} / 0 / false are client bugs, not "none"
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > s.max_stop or \
             not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
         raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "
                             "of <= 100 characters", param="stop")
+    for x in stop:
+        _no_surrogate(x, "stop")
     temperature = float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature))
     top_p = _number(body, "top_p", 0, 1, None)
     from nanochat.sampling import greedy_if_top_p_zero   # torch: loaded by the server already

@@ -1,6 +1,7 @@
 """HTTP-level guards of the chat server (nanochat/server.py), checked before a request reaches the
 model: the Host header (DNS rebinding), the Content-Type of a POST (cross-site "simple" requests),
-the body size and JSON, and the chat page's Content-Security-Policy.
+the body size and JSON, the chat page's Content-Security-Policy, and the CORS middleware
+(refused preflights as the API's JSON errors).
 
 Why they matter for a server on a user's own machine: any web page the user opens can send
 requests to http://127.0.0.1:8000. The browser's same-origin policy stops it from reading the
@@ -104,6 +105,30 @@ class HostGuard:
                                  f"{', '.join(sorted(self.allowed))} may; allow a web app with chat_web "
                                  "--cors-origin)", code="invalid_origin")
         return None
+
+
+def json_cors_middleware():
+    """Starlette's CORSMiddleware, but a refused preflight is the API's JSON 400 (code
+    "cors_preflight_refused", naming what was refused and what is allowed) instead of its plain-text
+    "Disallowed CORS origin": every 4xx of this server is OpenAI-shaped. Built on first use (starlette
+    is the web extra's; no import at module load)."""
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import JSONResponse
+
+    class JsonCORSMiddleware(CORSMiddleware):
+        def preflight_response(self, request_headers):
+            response = super().preflight_response(request_headers)
+            if response.status_code != 400:
+                return response
+            refused = response.body.decode().removeprefix("Disallowed CORS ")
+            origin, method = request_headers["origin"], request_headers["access-control-request-method"]
+            error = ApiError(400, f"CORS preflight refused ({refused}) for origin {origin!r}, method {method!r}: "
+                                  f"this server lets the origins {', '.join(sorted(self.allow_origins)) or '(none)'} "
+                                  f"(chat_web --cors-origin) use the methods {', '.join(self.allow_methods)}",
+                             code="cors_preflight_refused")
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+            return JSONResponse(error.body(), status_code=400, headers=headers)
+    return JsonCORSMiddleware
 
 
 def require_json(request) -> None:

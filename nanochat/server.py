@@ -46,7 +46,7 @@ from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_pe
                                parse_chat_request, prompt_messages)
 from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT
-from nanochat.http_guard import HostGuard, csp, read_json, require_json
+from nanochat.http_guard import HostGuard, csp, json_cors_middleware, read_json, require_json
 from nanochat.text_stream import TextStream
 from nanochat.worker_pool import Worker, WorkerPool, _ClientSlots, replica_workers  # noqa: F401 (the server's API)
 
@@ -256,13 +256,11 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     # added first = innermost of ours: its 500 passes through CORS (error_response is defined below)
     app.add_middleware(_UnexpectedAsJson, respond=lambda e: error_response(internal_error(e)))
     if settings.cors_origins:  # opt-in: lets pages of exactly these origins call the API
-        from starlette.middleware.cors import CORSMiddleware
-
         # Any request header (the openai JS SDK adds x-stainless-*, others their own; a fixed list
         # fails their preflight), a public listed page calling a local server (Chrome's Private
         # Network Access preflight), and Retry-After readable by the page (429 / 503 back-off).
         # Safe: only the listed origins get any of it, and no credentials (cookies) are allowed.
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+        app.add_middleware(json_cors_middleware(), allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
                            allow_private_network=True, expose_headers=["Retry-After"])
     if settings.allowed_hosts is not None:  # added last = outermost: checked before CORS and routing
