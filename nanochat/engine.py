@@ -211,8 +211,10 @@ class Engine:
         reason = self._persistent_unsupported()
         if request == "persistent":
             if reason is not None:   # an explicit request refused up front, not at the first answer
-                raise ValueError(f"graph_step: 'persistent' cannot run here: {reason}; accepted here: "
-                                 "auto|compiled|eager")
+                # a RequestError (a ValueError): the scripts print it as one line, not a traceback
+                from nanochat.errors import RequestError
+                raise RequestError(f"graph_step (--graph-step): 'persistent' cannot run here: {reason}; "
+                                   "accepted here: auto|compiled|eager")
             return "persistent", ""
         if reason is None and self.device.type == "cuda":
             cc = torch.cuda.get_device_capability(self.device)

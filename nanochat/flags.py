@@ -62,7 +62,10 @@ def _dashed(names: tuple) -> tuple:
     """Declared long flags in their dash spelling: the command line reaches argparse with dashes
     (normalize_flags), so a flag declared with an underscore ("--" + field.name) could be given in
     neither spelling. argparse derives the same dest from either."""
-    return tuple(n.replace("_", "-") if isinstance(n, str) and n.startswith("--") else n for n in names)
+    # dict.fromkeys: a flag declared in both spellings ("--seq-len", "--seq_len") is one name, not
+    # two identical ones in --help and in argparse's messages
+    return tuple(dict.fromkeys(n.replace("_", "-") if isinstance(n, str) and n.startswith("--") else n
+                               for n in names))
 
 
 def _dash_declarations(group):

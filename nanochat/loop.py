@@ -150,7 +150,7 @@ def move_output_off_terminal(why: str, fds: tuple[int, ...] = (1, 2)) -> Path | 
     try:
         path = get_base_dir() / HANGUP_LOG
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError:
+    except (OSError, RequestError):   # get_base_dir: a directory that cannot be made is a RequestError
         path, target = Path(os.devnull), os.open(os.devnull, os.O_WRONLY)
     for fd in fds:
         os.dup2(target, fd)

@@ -94,7 +94,7 @@ def validate(args: argparse.Namespace) -> None:
 def check_decode_device(args: argparse.Namespace, device) -> None:
     """--decode graphs and --graph-step persistent (which only static and graphs decoding run) need
     a CUDA device: said once the runtime has its device, before the model loads (the Engine says it
-    after loading, and for persistent only at the first answer)."""
+    after loading)."""
     from nanochat.errors import RequestError
 
     if device.type == "cuda":

@@ -137,7 +137,8 @@ def test_explicit_persistent_step_that_cannot_run_is_refused_when_the_engine_is_
     takes the request as before."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = random_model("cpu")
-    with pytest.raises(ValueError, match=r"graph_step: 'persistent' cannot run here: needs a CUDA GPU.*"
+    from nanochat.errors import RequestError
+    with pytest.raises(RequestError, match=r"graph_step \(--graph-step\): 'persistent' cannot run here: needs a CUDA GPU.*"
                                          r"accepted here: auto\|compiled\|eager"):
         Engine(model, None, decode="static", graph_step="persistent")
     assert Engine(model, None, decode="eager", graph_step="persistent").decode_mode == "eager"

@@ -115,3 +115,19 @@ def test_preflight_names_the_cpu_amx_patch_a_run_gets(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "patch_cpu_amx", lambda: "cpu_amx")
     assert preflight.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["patches"] == ["cpu_amx"]
+
+
+def test_a_flag_declared_in_both_spellings_is_named_once():
+    """("--seq-len", "--seq_len") dashed to two identical names: --help showed `--seq-len SEQ_LEN,
+    --seq-len SEQ_LEN` and errors said `argument --seq-len/--seq-len`."""
+    p = FlagParser(prog="x")
+    p.add_argument("--seq-len", "--seq_len", type=int, default=1)
+    p.add_argument("--dry-run", "--dry_run", action="store_true")
+    assert p.format_help().count("--seq-len") == 2   # usage line + options line, not 4
+    assert p.parse_args(["--seq_len", "5"]).seq_len == 5
+    with pytest.raises(ValueError) as e:
+        p.parse_args(["--seq-len", "ten"])
+    assert "--seq-len/--seq-len" not in str(e.value) and "accepted: an integer" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        p.parse_args(["--dry-run=1"])
+    assert str(e.value).count("--dry-run") == 2, str(e.value)   # "argument --dry-run: ...; accepted: --dry-run alone"

@@ -56,3 +56,22 @@ def test_eval_tokens_below_one_micro_batch_names_the_product():
         parse_config(["--eval-tokens", "100", "--device-batch-size", "4", "--max-seq-len", "256"])
     assert re.search(r"^--eval-tokens: got 100; accepted: at least one micro-batch of every rank, "
                      r"--device-batch-size x --max-seq-len x world size = 4 x 256 x 1 = 1,024$", str(e.value))
+
+
+def test_hangup_fallback_survives_a_base_dir_that_cannot_be_made(tmp_path, monkeypatch):
+    """move_output_off_terminal (run in the SIGHUP / broken-pipe handlers) falls back to /dev/null
+    when <base dir>/hangup.log cannot be opened; get_base_dir now raises a RequestError for a
+    directory that cannot be made, which the fallback did not catch: the handler crashed the run."""
+    import os
+
+    from nanochat.loop import move_output_off_terminal
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(blocker / "base"))
+    r, w = os.pipe()
+    try:
+        assert move_output_off_terminal("test", fds=(w,)) == __import__("pathlib").Path(os.devnull)
+    finally:
+        os.close(r)
+        os.close(w)
