@@ -252,7 +252,9 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     slots_n = [w.engine.slots for w in pool.workers if hasattr(w.engine, "slots")]
     if slots_n and min(slots_n) < settings.max_n:
         settings = dataclasses.replace(settings, max_n=min(slots_n))
-    app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: "POST /v1/chat/completions/" got a 307 to an absolute URL built from the
+    # Host header (wrong behind a reverse proxy); now the JSON 404 that names the served endpoints
+    app = FastAPI(title="nanochat", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     # added first = innermost of ours: its 500 passes through CORS (error_response is defined below)
     app.add_middleware(_UnexpectedAsJson, respond=lambda e: error_response(internal_error(e)))
     if settings.cors_origins:  # opt-in: lets pages of exactly these origins call the API

@@ -146,3 +146,18 @@ def test_hostile_requests_on_one_connection_then_it_still_serves(serve, chat_mod
             r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "n": 2})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     assert httpx.get(url + "/health").json()["available"] == 1
+
+
+def test_a_trailing_slash_is_a_json_404_naming_the_endpoints_not_a_redirect(chat_model):
+    """POST /v1/chat/completions/ got a 307 whose Location was an absolute URL built from the Host
+    header, wrong behind a reverse proxy; now the JSON 404 that names the served endpoints."""
+    from fastapi.testclient import TestClient
+
+    from nanochat.server import Worker, WorkerPool, create_app
+
+    app = create_app(WorkerPool([Worker(ScriptedEngine(chat_model[1], "ok"), "w0")]), ServerSettings())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions/", json={"messages": USER}, follow_redirects=False)
+        assert r.status_code == 404, r.headers
+        assert "POST /v1/chat/completions" in r.json()["error"]["message"] and "location" not in r.headers
+        assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
