@@ -36,12 +36,14 @@ it, so it imports none of them at the top: their public names resolve here lazil
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
 import re
 import shlex
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -49,7 +51,7 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.errors import DataError, MissingDataError, RequestError
+from nanochat.errors import DataError, DiskFullError, MissingDataError, RequestError
 from nanochat.flags import FlagParser, check_out_dir
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
@@ -286,10 +288,7 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
     paths = []
     for i, docs in enumerate(groups):
         path = out_dir / shard_name(i)
-        tmp = path.with_name(f".{path.name}.tmp")
-        table = pa.table({"text": pa.array(docs, type=pa.string())})
-        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
-        os.replace(tmp, path)
+        _write_shard_file(path, pa.table({"text": pa.array(docs, type=pa.string())}))
         paths.append(path)
     for old in out_dir.glob("shard_*.parquet"):  # claim_data_dir made sure they are this source's
         m = re.fullmatch(r"shard_(\d+)\.parquet", old.name)
@@ -313,10 +312,32 @@ def mark_shard_set_complete(out_dir: Path, paths: list[Path]) -> None:
     _write_marker(out_dir, {**recorded, "complete": True, "shards": [Path(p).name for p in paths]})
 
 
+def _write_shard_file(path: Path, table: pa.Table) -> None:
+    """Write a text shard atomically. A failed write removes its temp file (of up to a shard's
+    size: it stayed on the full disk), and a full disk is a DiskFullError, not pyarrow's traceback."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"{path.parent}: the disk filled while writing {path.name}; free space "
+                                "and rerun the command (it rewrites the whole set)") from e
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _write_marker(out_dir: Path, record: dict) -> None:
-    tmp = out_dir / f".{SOURCE_FILE}.tmp"   # atomic: a torn marker would read as corrupt
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, out_dir / SOURCE_FILE)
+    # atomic: a torn marker reads as corrupt. One temp name per process and thread: two downloads
+    # into one directory (torchrun ranks, two shells) sharing one truncated each other's temp file,
+    # renamed a torn one into place or failed on one the other had renamed (FileNotFoundError)
+    tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, out_dir / SOURCE_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_source_marker(marker: Path) -> str | None:

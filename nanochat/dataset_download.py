@@ -50,7 +50,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Callable, Iterator
 
-from nanochat.dataset import open_text_shard, read_text_column, shard_name
+from nanochat.dataset import _RECREATE, open_text_shard, read_text_column, shard_name
 from nanochat.errors import DataError, DiskFullError
 
 _RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
@@ -417,15 +417,17 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
         wait = 0.0   # what the server asked for after the last attempt (Retry-After)
         for attempt in range(retries + 1):
             if attempt:
-                _pause(max(min(backoff * 2 ** (attempt - 1), 60.0), wait), cancel)
+                # the exponent capped: 2 ** 1024 overflows a float (a crash after 1024 retries)
+                _pause(max(min(backoff * 2 ** min(attempt - 1, 16), 60.0), wait), cancel)
             wait = 0.0
             try:
                 total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
                 try:
                     verify(partial, size=total, sha256=sha)
                 except ValueError as e:  # corrupt content: start over from byte 0
+                    why = _what_came(partial, e)
                     partial.unlink(missing_ok=True)
-                    raise _Retry(f"verification failed: {e}") from e
+                    raise _Retry(f"verification failed: {why}") from e
                 os.replace(partial, dest)
                 return
             except _Retry as e:
@@ -437,6 +439,22 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                     raise
                 last, cause = f"{type(e).__name__}: {e}", e  # the partial file is kept and resumed
     raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}") from cause
+
+
+def _what_came(partial: Path, error: ValueError) -> str:
+    """Why a download was rejected, for the message: the check's own text, without the advice for
+    a shard already on disk (delete it, re-create it: this file is deleted and fetched again), and,
+    when the body is not parquet at all (an HTML error page or a proxy's login page sent with 200),
+    how it starts: what the user needs to see what the server sent."""
+    why = str(error).removesuffix(f"; {_RECREATE}")
+    try:
+        with open(partial, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return why
+    if head[:4] != b"PAR1":
+        why += f" (the server sent {partial.stat().st_size} bytes starting {head!r}, not a parquet file)"
+    return why
 
 
 def _disk_full(dest: Path) -> DiskFullError:

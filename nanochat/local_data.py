@@ -130,8 +130,12 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
                f"{' ...' if len(other) > 5 else ''}") if other else ""
     log(f"read {len(docs)} documents from {len(files)} files under {src}{skipped}")
     n_val = max(1, round(len(docs) * val_fraction))
-    if len(docs) - n_val < 1:
+    if len(docs) < 2:
         raise ValueError(f"--data-dir: {src} holds {len(docs)} document(s); need at least 2 "
                          "(train + validation)")
+    if len(docs) - n_val < 1:   # enough documents, but the fraction takes them all: say which flag
+        raise ValueError(f"--val-fraction: got {val_fraction}, which holds out all {len(docs)} documents of "
+                         f"{src} and leaves none to train on; accepted: 0 < x < {(len(docs) - 0.5) / len(docs):.3g} "
+                         "for this many documents")
     claim_data_dir(out_dir, f"local:{src.resolve()}", {"val_fraction": val_fraction})
     return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
