@@ -74,6 +74,10 @@ class ChatEvalConfig:
                 "--temperature > 0, e.g. 0.8, for pass@k)")
         require(self.top_k >= 0, "--top-k", self.top_k, ">= 0 (0 = off)")
         require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, ">= 1")
+        from nanochat.sampling import MAX_SEED
+        # the sampler's generator takes a uint64: -1 passed here and stopped the run at the first
+        # generative task, after the model had loaded and the categorical tasks had run
+        require(0 <= self.seed <= MAX_SEED, "--seed", self.seed, f"an integer in 0..{MAX_SEED}")
         from nanochat.engine import DECODE_MODES
         require(self.decode in DECODE_MODES, "--decode", self.decode, "|".join(DECODE_MODES))
         from nanochat.quantize import check_quantize

@@ -49,22 +49,32 @@ def check_mc_row(row: dict) -> str | None:
 MC_KEYS = ("question", "choices", "answer")
 
 
-# "B", "b", "B.", "(B)", "B) blue", "**B**": a letter standing alone at the start of the answer (a
-# lower-case one only before punctuation or the end: "a bird" is an article, not choice A). Markdown
-# emphasis counts as punctuation: chat models write "**B**" and "**Answer:** C".
-_LEADING_LETTER = re.compile(r"[*_]*\(?[*_]*(?:([A-Z])(?=$|[\s.):,*_])|([a-z])(?=$|[.):,*_]))")
-# "The answer is C", "Answer: (D)", "The answer is **C**": a capital letter named as the answer further on
-_NAMED_LETTER = re.compile(r"(?<![A-Za-z0-9])(?i:answer)[*_]*\s*(?:is|:)?[\s*_]*\(?[*_]*([A-Z])(?![A-Za-z])")
+# "B", "b", "B.", "(B)", "B) blue", "**B**": a letter standing alone (a lower-case one only before
+# punctuation or the end: "a bird" is an article, not choice A). Markdown emphasis counts as
+# punctuation: chat models write "**B**" and "**Answer:** C".
+_LETTER = r"[*_]*\(?[*_]*(?:([A-Z])(?![A-Za-z0-9'])|([a-z])(?=$|[.):,*_]))"
+_LEADING_LETTER = re.compile(_LETTER)
+# "The answer is C", "Answer: (D)", "The answer is: **C**", "my answer is c.": a letter named as the
+# answer further on ("is" and ":" in either order or both, any case)
+_NAMED_LETTER = re.compile(r"(?<![A-Za-z0-9])(?i:answer)[*_]*\s*(?i:is\b)?[*_]*\s*:?[\s*_]*" + _LETTER)
+# "A or B", "A, B", "A/B", "(A) and (B)": a second letter right after the first, a hedge naming two
+_ANOTHER_LETTER = re.compile(r"[*_)]*\s*(?:,|/|&|\bor\b|\band\b)\s*" + _LETTER)
 
 
 def extract_letter(completion: str, letters) -> str | None:
     """The answer letter (upper case) of a free-text completion, or None when it names none of
-    `letters`: a letter standing alone at the start, else one named after "answer (is|:)".
-    (Only the first character used to count, which read "Answer: B" as A, "Because..." as B.)"""
+    `letters`: a letter standing alone at the start, else one named after "answer (is|:)". A
+    hedge between two choices ("A or B", "The answer is A, B") names none: it was scored as its
+    first letter. (Only the first character used to count, which read "Answer: B" as A,
+    "Because..." as B.)"""
     text = completion.strip()
     for m in (_LEADING_LETTER.match(text), _NAMED_LETTER.search(text)):
         letter = next((g for g in m.groups() if g), None) if m else None
         if letter and letter.upper() in letters:
+            other = _ANOTHER_LETTER.match(text, m.end())
+            second = next((g for g in other.groups() if g), None) if other else None
+            if second and second.upper() in letters and second.upper() != letter.upper():
+                return None
             return letter.upper()
     return None
 

@@ -138,6 +138,8 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     """pass@num_samples: a problem passes when any sample's completion evaluates true; the result's
     `pass_at(k)` gives pass@k for every k up to num_samples. Every sample is scored, so pass@k for
     k < num_samples is the unbiased estimate from all of them, not the luck of the first k."""
+    from nanochat.sampling import MAX_SEED
+
     if num_samples < 1:
         raise ValueError(f"--num-samples: got {num_samples}; accepted: >= 1")
     label = name or getattr(task, "name", type(task).__name__)
@@ -153,8 +155,9 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
             if log:
                 log(f"  {label} problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
             continue
+        # seed + i wraps into the sampler's uint64 range (a --seed near its top stopped the run midway)
         seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
-                                        temperature=temperature, top_k=top_k, seed=seed + i)
+                                        temperature=temperature, top_k=top_k, seed=(seed + i) % (MAX_SEED + 1))
         completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
         correct = sum(bool(task.evaluate(conv, c)) for c in completions)
         for j in range(num_samples):

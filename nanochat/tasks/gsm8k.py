@@ -21,8 +21,10 @@ from nanochat.calculator import use_calculator
 from nanochat.tasks.common import Task, check_rows, load_rows
 
 _CALL = re.compile(r"<<([^<>]*)>>")
-# after '####': an optional sign before the dollar ("-$5") or after it ("$-5"), then the number
-_ANSWER = re.compile(r"####\s*(?:(-)\s*\$|\$)?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
+# after '####': an optional sign before the dollar ("-$5") or after it ("$-5"), then the number, whole:
+# not the head of a fraction or exponent ("12/5" was read as 12, "1e3" as 1)
+_ANSWER = re.compile(r"####\s*(?:(-)\s*\$|\$)?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)"
+                     r"(?![.,]?[0-9]|\s*/\s*[0-9]|[eE][+-]?[0-9])")
 _SPLITS = ("train", "test")
 
 

@@ -37,8 +37,11 @@ def load_words(data_dir=None) -> list[str]:
     path, tried = find_local_file("words", ["words.txt"], data_dir)
     if path is None:
         where = "\n  ".join(map(str, tried))
+        # no hub copy exists: say how to make one, not only where it was looked for
         raise DataUnavailableError(f"word list 'words.txt' not found.\nLocal files tried (set "
-                                   f"NANOCHAT_EVAL_DIR or pass --data-dir):\n  {where}\nHub: no hub fallback")
+                                   f"NANOCHAT_EVAL_DIR or pass --data-dir):\n  {where}\nHub: no hub fallback; "
+                                   f"create words.txt with one lowercase a-z word per line in one of those "
+                                   f"folders, e.g. grep -x '[a-z]*' /usr/share/dict/words > words.txt")
     try:
         words = [w.strip() for w in path.read_text(encoding="utf-8").splitlines()]
     except UnicodeDecodeError as e:
