@@ -5,8 +5,11 @@ Reads the fixed-field step lines ("step 00011/00020 | loss 9.1234 | ...") and th
 --from-step on), prints one row per step and the largest absolute difference, and exits 1 when a
 difference exceeds --tol, the logs share no step, or a step (from --from-step on) is in one log
 only: a run that stopped early (or a log of another length) is named, not passed on the steps both
-happen to have. Used by the GPU resume check (an uninterrupted
-run vs a run resumed from a checkpoint: their losses from the resume point on must agree).
+happen to have. A run the NaN guard stopped ("non-finite loss (nan) at step N", its last line,
+when stderr went to the log) fails too: it diverged, even where the steps both logs have agree. A
+step logged more than once (a resumed run appended to its log) is compared at its last line, and
+said so. Used by the GPU resume check (an uninterrupted run vs a run resumed from a checkpoint:
+their losses from the resume point on must agree).
 """
 
 from __future__ import annotations
@@ -21,28 +24,62 @@ from nanochat.flags import FlagParser, require, require_float
 
 NUMBER = r"(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|-?nan|-?inf)"   # what float() reads, no more
 STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss " + NUMBER + r" \|")
-VAL_RE = re.compile(r"^step (\d+) \| val bpb " + NUMBER + r"\b")
+# the "(min" that follows the value is required, as the " |" after a loss is: a line cut inside its
+# number (a truncated log, "val bpb 3.16") read as a value it never had
+VAL_RE = re.compile(r"^step (\d+) \| val bpb " + NUMBER + r" \(min ")
+# the NaN guard's stop (nanochat.training.NonFiniteLossError), after the script's "NAME: error: "
+STOP_RE = re.compile(r"non-finite (.+?) \(([^)]*)\) at step (\d+);")
+METRICS = ("loss", "val_bpb")
 
 
-def parse_log(path: Path) -> dict[str, dict[int, float]]:
-    """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}} from one log file."""
+def parse_log(path: Path) -> dict:
+    """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}, "repeated": {metric: steps logged
+    more than once}, "stopped": the NaN guard's stop line or None} from one log file. A repeated
+    step keeps its last value (a resumed run's), and a stop followed by more step lines belonged
+    to an earlier attempt that was resumed: it is dropped."""
     if not path.is_file():
         raise RequestError(f"log: {path} does not exist")
-    out: dict[str, dict[int, float]] = {"loss": {}, "val_bpb": {}}
+    out: dict = {"loss": {}, "val_bpb": {}, "repeated": {"loss": set(), "val_bpb": set()}, "stopped": None}
     for line in path.read_text(errors="replace").splitlines():
         line = line.strip()
         for key, rx in (("loss", STEP_RE), ("val_bpb", VAL_RE)):
             m = rx.match(line)
             if m:
-                out[key][int(m.group(1))] = float(m.group(2))
+                step = int(m.group(1))
+                if step in out[key]:
+                    out["repeated"][key].add(step)
+                out[key][step] = float(m.group(2))
+                out["stopped"] = None
+        stop = STOP_RE.search(line)
+        if stop:
+            out["stopped"] = f"non-finite {stop.group(1)} ({stop.group(2)}) at step {int(stop.group(3))}"
     return out
+
+
+def notes(path: Path, log: dict) -> list[str]:
+    """What the table does not show about one log: repeated steps, a NaN-guard stop, no lines."""
+    out = []
+    if not any(log[k] for k in METRICS):   # a wrong file (or a run that died before its first step)
+        out.append(f"{path}: no step lines ('step N/M | loss X |' or 'step N | val bpb X (min') in it")
+    for key in METRICS:
+        steps = sorted(log["repeated"][key])
+        if steps:
+            out.append(f"{path}: {len(steps)} {key} step(s) logged more than once ({_shown(steps)}; a resumed "
+                       "run appended to the log?): the last line of each is compared")
+    if log["stopped"]:
+        out.append(f"{path}: the run stopped on {log['stopped']} (the NaN guard): it diverged")
+    return out
+
+
+def _shown(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (f", ... {steps[-1]}" if len(steps) > 5 else "")
 
 
 def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, float, float]]:
     """Rows (metric, step, a, b, |a-b|) for every step both logs have, from from_step on. A value
     that is not finite (a diverged run) makes the difference inf: it never passes a tolerance."""
     rows = []
-    for key in ("loss", "val_bpb"):
+    for key in METRICS:
         for step in sorted(set(a[key]) & set(b[key])):
             if step >= from_step:
                 x, y = a[key][step], b[key][step]
@@ -53,12 +90,11 @@ def compare(a: dict, b: dict, from_step: int) -> list[tuple[str, int, float, flo
 def unmatched(a: dict, b: dict, from_step: int) -> list[str]:
     """One line per metric and log with steps (from from_step on) the other log lacks."""
     out = []
-    for key in ("loss", "val_bpb"):
+    for key in METRICS:
         for name, mine, other in (("A", a[key], b[key]), ("B", b[key], a[key])):
             only = sorted(s for s in set(mine) - set(other) if s >= from_step)
             if only:
-                shown = ", ".join(map(str, only[:5])) + (f", ... {only[-1]}" if len(only) > 5 else "")
-                out.append(f"{key}: {len(only)} step(s) only in {name}: {shown}")
+                out.append(f"{key}: {len(only)} step(s) only in {name}: {_shown(only)}")
     return out
 
 
@@ -81,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     a, b = parse_log(args.a), parse_log(args.b)
     for path, log in ((args.a, a), (args.b, b)):
-        if not any(log.values()):   # a wrong file (or a run that died before its first step)
-            print(f"{path}: no step lines ('step N/M | loss X |' or 'step N | val bpb X') in it")
+        for line in notes(path, log):
+            print(line)
     rows = compare(a, b, args.from_step)
     if not rows:
         print(f"no common step >= {args.from_step} in {args.a} and {args.b}")
@@ -96,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = unmatched(a, b, args.from_step)
     for line in missing:
         print(line)
-    ok = worst <= args.tol and not missing
+    stopped = [name for name, log in (("A", a), ("B", b)) if log["stopped"]]
+    ok = worst <= args.tol and not missing and not stopped
     tail = f"; {len(missing)} metric(s) with steps in one log only (a run that stopped early?)" if missing else ""
+    tail += f"; {' and '.join(stopped)} stopped on a non-finite value" if stopped else ""
     print(f"{'PASS' if ok else 'FAIL'}: {len(rows)} values compared, {exact} identical, max |diff| {worst:.4g} "
           f"(tol {args.tol:g}){tail}")
     return 0 if ok else 1

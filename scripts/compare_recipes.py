@@ -22,7 +22,7 @@ import shlex
 import statistics
 import time
 
-from nanochat.flags import FlagParser, RequestError, script_main
+from nanochat.flags import FlagParser, RequestError, check_model_tag, script_main
 from nanochat.recipe import RECIPES
 
 
@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("shared", nargs=argparse.REMAINDER, help="-- then base_train flags for every run")
     args = p.parse_args(argv)
     args.shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
+    # checked here, by its own name: base_train's check of the tag it becomes named --model-tag,
+    # a flag this script sets itself and refuses from the user
+    check_model_tag(args.tag_prefix, "--tag-prefix")
     args.entries = [shlex.split(r) for r in args.runs]
     for entry in args.entries:
         if not entry or entry[0] not in RECIPES:

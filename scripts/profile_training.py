@@ -180,10 +180,23 @@ def profile_kernels(args, rt, model, run, optimizer) -> list[dict]:
                 model.zero_grad(set_to_none=True)
         rt.synchronize()
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        write_trace(prof, args.trace)
     if rt.device.type == "cuda":
         print(json.dumps({"device_busy": device_busy(prof.events(), args.profile_steps)}), flush=True)
     return top_kernels(prof, args.profile_steps, args.top, skip=("data", "forward", "backward", "optimizer"))
+
+
+def write_trace(prof, path: str) -> None:
+    """The Chrome trace at `path`, its missing directories created (parse_args accepted them as "to
+    be created"). The profiler only logs a failed write: a --trace in a new directory ended the run
+    with exit 0 and no trace, so the file is checked."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(path)
+    if not Path(path).is_file():
+        from nanochat.errors import RequestError
+        raise RequestError(f"--trace: the profiler wrote no trace to {path} (see its error above)")
 
 
 def top_kernels(prof, steps: int, top: int, skip=()) -> list[dict]:
@@ -297,6 +310,9 @@ def main(argv=None) -> int:
     check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, runtime_dtype(args.precision))
     check_precision(args.precision, rt, args.precision_backend)   # before the model: --precision fp8 on an A100
+    from nanochat.attention import check_training_backend
+    # as base_train: flex has no backward on a CPU, which raised a RuntimeError traceback at the first step
+    check_training_backend(args.attn_backend, rt.device)
     model, run, optimizer, info = build(args, rt)
     print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,
