@@ -77,10 +77,15 @@ def check_conversation(conversation: dict) -> None:
 def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
     """Generated ids (without the stop token) -> an assistant message's content parts
     [{"type": "text"|"python"|"python_output", "text": ...}], so a conversation can be rendered
-    again with its tool calls intact (the CLI keeps history this way; nanochat.engine re-exports it)."""
+    again with its tool calls intact (the CLI keeps history this way; nanochat.engine re-exports it).
+    Other special tokens the model wrote (<|user_end|>, <|assistant_start|>) are dropped, as a
+    stream shows them (nanochat/text_stream.py): decoded, they were their names as text, which the
+    next turn then rendered as ordinary tokens that the user never saw."""
     kinds = {tokenizer.encode_special("<|python_start|>"): "python",
              tokenizer.encode_special("<|output_start|>"): "python_output"}
     ends = {tokenizer.encode_special("<|python_end|>"), tokenizer.encode_special("<|output_end|>")}
+    others = {tokenizer.encode_special(name) for name in getattr(tokenizer, "special_tokens", ())}
+    others -= set(kinds) | ends
     parts, kind, buf = [], "text", []
 
     def flush():
@@ -94,6 +99,8 @@ def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
         elif t in ends:
             flush()
             kind = "text"
+        elif t in others:
+            continue
         else:
             buf.append(t)
     flush()

@@ -3,6 +3,7 @@
     python -m scripts.chat_cli                      # interactive, the latest SFT model
     python -m scripts.chat_cli -i mid --model-tag d20 --step 800
     python -m scripts.chat_cli -p "Why is the sky blue?" --temperature 0   # one answer, then exit
+    cat question.txt | python -m scripts.chat_cli -p -                      # the prompt from stdin
 
 Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-D) exits, /help lists
 them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
@@ -21,6 +22,7 @@ import sys
 from nanochat.flags import FlagParser   # torch-free: a bad flag is reported at once
 
 SOURCES = ("sft", "rl", "mid", "base")
+COMMANDS = ("/clear", "/quit", "/exit", "/help")
 HELP = "commands: /clear = new conversation, /quit or /exit = exit (or Ctrl-D), /help = this; //text sends /text"
 # C0 controls but tab, newline and carriage return; DEL; C1 controls. Written raw to a terminal, a
 # generated ESC sequence would drive it (clear the screen, retitle the window, hide text).
@@ -34,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-g", "--model-tag", dest="model_tag", default=None,
                    help="model tag, e.g. d20 (default: the only / deepest one)")
     p.add_argument("-s", "--step", default="latest", help="checkpoint step (default: latest)")
-    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit")
+    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit ('-': read it from stdin)")
     p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
     p.add_argument("-k", "--top-k", dest="top_k", type=int, default=50, help="0 = off (default 50)")
     p.add_argument("--top-p", dest="top_p", type=float, default=None, help="nucleus sampling mass in [0, 1] (0 = greedy, as in the API)")
@@ -53,8 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="none|int8: int8 weight-only matrices (nanochat/quantize.py): half the bytes a decode step "
                         "reads, for memory-bound GPUs such as the DGX Spark")
     args = p.parse_args(argv)
+    if args.prompt == "-":   # the Unix convention; it answered the one-character prompt "-"
+        args.prompt = read_stdin_prompt()
     validate(args)
     return args
+
+
+def read_stdin_prompt() -> str:
+    """The whole of stdin, as -p - gives it (blank lines around it dropped, as the chat strips a line).
+    Bytes that are not UTF-8 arrive as lone surrogates, which validate() then refuses by name."""
+    if sys.stdin is None:   # started with stdin closed
+        raise ValueError("-p/--prompt: got '-' (read the prompt from stdin), but there is no stdin")
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin.read().strip()
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -119,6 +133,21 @@ def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
     return prompt
 
 
+def fit_conversation(engine, tokenizer, messages: list[dict]) -> list[int]:
+    """fit_prompt for the chat, whose hint is what would help: /clear when the history is what
+    does not fit, "shorten the message" when the newest message alone leaves no room (/clear
+    cannot help that; it was told to type /clear, and after it to shorten the message)."""
+    from nanochat.errors import RequestError
+
+    try:
+        return fit_prompt(engine, tokenizer, messages,
+                          "type /clear to start over" if len(messages) > 1 else "shorten the message")
+    except RequestError:
+        if len(messages) > 1:   # raises, with the message's own length, when it alone is too long
+            fit_prompt(engine, tokenizer, messages[-1:], "shorten the message")
+        raise
+
+
 def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "") -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
@@ -164,7 +193,9 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """Run the chat for command-line `argv`, or for flags parse_args has already read (a Namespace):
+    the script's checked flags are reused, as `-p -` can read its stdin only once."""
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     # a terminal whose encoding lacks a character of the reply (LC_ALL=C, a Latin-1 locale) shows it
     # as '?': strict, the first one raised UnicodeEncodeError mid-answer (a traceback for -p; in the
     # chat a ValueError that replaced every reply by an error line)
@@ -242,6 +273,13 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
+def command_mistake(word: str) -> str:
+    """What to say for a line starting with `/` that is not a command alone."""
+    if word in COMMANDS:   # "/clear all" said "unknown command /clear", then listed /clear
+        return f"{word} takes nothing after it: type {word} alone; {HELP}"
+    return f"unknown command {word}; {HELP}"
+
+
 def converse(engine, tokenizer, args, next_seed) -> int:
     """The interactive loop: read a line, run a command or answer it with the conversation so far."""
     try:   # input() then edits the line (arrow keys, history) instead of typing their escape codes into it
@@ -271,16 +309,14 @@ def converse(engine, tokenizer, args, next_seed) -> int:
             print(HELP)
             continue
         if text.startswith("/") and not text.startswith("//"):   # a mistyped command is not a message
-            print(f"unknown command {text.split()[0]}; {HELP}")
+            print(command_mistake(text.split()[0]))
             continue
         if not text:
             continue
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         try:
             print("\nAssistant: ", end="", flush=True)
-            # /clear cannot help a message that is too long on its own
-            prompt = fit_prompt(engine, tokenizer, messages,
-                                "type /clear to start over" if len(messages) > 1 else "shorten the message")
+            prompt = fit_conversation(engine, tokenizer, messages)
             messages.append(answer(engine, tokenizer, prompt, args, next_seed(),
                                    full_hint="; type /clear to start over"))
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)
@@ -294,4 +330,5 @@ def converse(engine, tokenizer, args, next_seed) -> int:
 if __name__ == "__main__":
     from nanochat.flags import script_main
 
-    script_main("chat_cli", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))
+    parsed = []   # parse_args once: with -p - it reads stdin
+    script_main("chat_cli", lambda: parsed.append(parse_args(sys.argv[1:])), lambda: main(parsed[0]))

@@ -53,12 +53,13 @@ def test_chat_cli_one_shot_and_interactive(sft_checkpoint, chat_model, capsys, m
     monkeypatch.setattr(type(tokenizer), "render_for_completion",
                         lambda self, conv: prompts.append(list(conv["messages"])) or real_render(conv))
     assert chat_cli.main(["--device", "cpu", "-t", "0.7", "-m", "8", "--seed", "1"]) == 0
-    assert [len(p) for p in prompts] == [1, 3, 3, 1]  # history grows, /clear resets it
+    # history grows, /clear resets it; the too-long message is also measured alone (which hint helps)
+    assert [len(p) for p in prompts] == [1, 3, 1, 3, 1]
     assert prompts[1][2]["content"] == ("ab " * 3000).strip()   # too long: refused, then dropped from the history
-    assert prompts[1][0]["content"] == "first question" and prompts[3][0]["content"] == "third"
+    assert prompts[1][0]["content"] == "first question" and prompts[4][0]["content"] == "third"
     out = capsys.readouterr().out
     assert "(new conversation)" in out and "decode=eager" in out   # auto on a CPU
-    assert ": type /clear to start over]" in out
+    assert ": shorten the message]" in out   # too long on its own: /clear would not help (test_chat_cli_review6)
 
 
 @pytest.mark.cuda
