@@ -49,8 +49,8 @@ from nanochat.optim_schedules import weight_decay_cosine as weight_decay_cosine
 from nanochat.optim_schedules import weight_decay_multiplier as weight_decay_multiplier
 
 # the per-tensor update math lives in optim_updates.py
-from nanochat.optim_updates import (adamw_update, muon_decay_step, muon_momentum_step, muon_update,
-                                    normuon_rescale, normuon_shape, orthogonalize, state_zeros)
+from nanochat.optim_updates import (POLAR_EXPRESS_COEFFS, adamw_update, muon_decay_step, muon_momentum_step,
+                                    muon_update, normuon_rescale, normuon_shape, orthogonalize, state_zeros)
 
 SHARD_MIN_NUMEL = 1 << 16  # AdamW tensors smaller than this are all-reduced, not sharded
 
@@ -73,11 +73,10 @@ class MuonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group.get("kind") not in ("muon", "adamw"):
                 raise ValueError(f"MuonAdamW: group kind must be muon|adamw, got {group.get('kind')!r}")
-            if group["kind"] == "muon" and len({tuple(p.shape) for p in group["params"]}) != 1:
-                raise ValueError("MuonAdamW: a muon group must hold params of one shape")
             _check_group(group)
+            group.setdefault("weight_decay", 0.0)   # optional (0), as initial_weight_decay: step() reads it
             group.setdefault("initial_lr", group["lr"])
-            group.setdefault("initial_weight_decay", group.get("weight_decay", 0.0))
+            group.setdefault("initial_weight_decay", group["weight_decay"])
         self.world_size, self.rank = world_size, rank
         self.fsdp = _uses_dtensors(self.param_groups)
         self._compile = compile
@@ -403,8 +402,26 @@ class MuonAdamW(torch.optim.Optimizer):
             self._apply_muon(group, local, update[:, start:start + local[0].size(0)])
 
 
+# the keys a group must carry (the others have defaults: weight_decay 0, nesterov, ns_steps 5, beta2 0, ...)
+REQUIRED_KEYS = {"muon": ("lr", "momentum"), "adamw": ("lr", "betas", "eps")}
+
+
 def _check_group(group) -> None:
-    """A group's hyperparameters, refused as torch's optimizers refuse theirs (build_optimizer names the flags)."""
+    """A group's keys and hyperparameters, refused as torch's optimizers refuse theirs (build_optimizer
+    names the flags): at construction, not as a KeyError or a shape error inside the first step()
+    (a bad ns_steps raised there only after the momentum buffer had advanced)."""
+    kind, name = group["kind"], group.get("name", group["kind"])
+    missing = [k for k in REQUIRED_KEYS[kind] if k not in group]
+    if missing:
+        raise ValueError(f"MuonAdamW {name!r}: missing {', '.join(missing)}; accepted: {kind} groups that set "
+                         f"{', '.join(REQUIRED_KEYS[kind])}")
+    shapes = sorted({tuple(p.shape) for p in group["params"]})
+    if kind == "muon" and (len(shapes) != 1 or len(shapes[0]) != 2):
+        raise ValueError(f"MuonAdamW {name!r}: params: got shapes {shapes}; accepted: 2-D matrices of one shape "
+                         "(Muon orthogonalises matrices: put other tensors in an adamw group)")
+    if kind == "muon" and group.get("ns_steps", 5) not in range(1, len(POLAR_EXPRESS_COEFFS) + 1):
+        raise ValueError(f"MuonAdamW {name!r}: ns_steps: got {group['ns_steps']}; "
+                         f"accepted: an integer in 1..{len(POLAR_EXPRESS_COEFFS)}")
     rules = [(k, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0) for k in ("lr", "weight_decay")]
     rules += [(k, "[0, 1)", lambda v: 0 <= v < 1) for k in ("momentum", "beta2")] + [
         ("betas", "two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)),

@@ -28,15 +28,17 @@ def lr_multiplier(step: int, num_iterations: int, *, warmup_ratio: float = 0.0, 
     warmup = min(warmup_steps, num_iterations - warmdown) if warmup_steps > 0 else round(warmup_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
-    if step <= num_iterations - warmdown:
+    if step <= num_iterations - warmdown or warmdown == 0:   # no warmdown: full LR past the end too
         return 1.0
     progress = max(0.0, (num_iterations - step) / warmdown)
     return progress + (1 - progress) * final_lr_frac
 
 
 def muon_momentum(step: int, *, start: float = 0.85, end: float = 0.95, ramp_steps: int = 300) -> float:
-    """Muon momentum: linear from `start` to `end` over the first `ramp_steps` steps."""
-    frac = min(max(step, 0) / ramp_steps, 1.0)
+    """Muon momentum: linear from `start` to `end` over the first `ramp_steps` steps (0: `end` throughout)."""
+    if ramp_steps < 0:
+        raise ValueError(f"muon_momentum ramp_steps: got {ramp_steps}; accepted: an integer >= 0 (0 = no ramp)")
+    frac = 1.0 if ramp_steps == 0 else min(max(step, 0) / ramp_steps, 1.0)
     return (1 - frac) * start + frac * end
 
 
