@@ -45,7 +45,7 @@ from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, load_verified,
                                     restore_swapped_out, save_hashed, saved_sum, start_check, step_dirname,
-                                    sweep_superseded, write_json)
+                                    sweep_superseded, write_json, _use_another_step)
 # EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
 from nanochat.checkpoint_runs import EARLIER_RUNS, EarlierRun, fresh_start  # noqa: F401
 from nanochat.errors import RequestError
@@ -91,7 +91,7 @@ def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
     """'latest' -> the recorded step; an int or digit string -> that step."""
     if step == "latest":
         return read_latest(ckpt_dir)
-    if isinstance(step, str) and step.isdigit():
+    if isinstance(step, str) and _is_step_number(step):
         step = int(step)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: got {step!r}; accepted: 'latest' or an integer >= 0")
@@ -101,8 +101,13 @@ def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
 RESUME_HELP = "latest, a step number, or auto (latest when the model tag has a checkpoint, else a fresh start)"
 
 
+def _is_step_number(text: str) -> bool:
+    # not str.isdigit() alone: "²" is a digit that int() refuses with a message naming no flag
+    return text.isascii() and text.isdigit()
+
+
 def valid_resume(value: str | None) -> bool:
-    return value is None or value in ("latest", "auto") or value.isdigit()
+    return value is None or value in ("latest", "auto") or _is_step_number(value)
 
 
 def check_resume_flags(resume: str | None, overwrite: bool) -> None:
@@ -274,7 +279,8 @@ def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
         raise CheckpointError(_no_room(staging, step, f"rank {rank} needs ~{fmt_bytes(need)}, {fmt_bytes(free)} free"))
 
 
-def _no_room(staging: Path, step: int, detail: str) -> str:
+def _no_room(staging: Path, step: int, detail: str, why: str = "no room on its disk",
+             remedy: str = "free space") -> str:
     """The refusal, naming the step a --resume latest takes (latest.json's: after a --resume STEP
     of an older step, the newest on disk can be another branch's; a failed re-save of step N
     leaves the earlier copy of N in place)."""
@@ -283,9 +289,9 @@ def _no_room(staging: Path, step: int, detail: str) -> str:
         latest = read_latest(staging.parent)
     except CheckpointError:
         latest = ([s for s in on_disk if s != step] or [None])[-1]
-    return (f"checkpoint of step {step} not written to {staging.parent}: no room on its disk ({detail}); "
+    return (f"checkpoint of step {step} not written to {staging.parent}: {why} ({detail}); "
             f"{'the checkpoint of step ' + str(latest) + ' is intact, ' if latest in on_disk else ''}"
-            "free space and resume with --resume")
+            f"{remedy} and resume with --resume")
 
 
 # ------------------------------------------------------------------------------------ save
@@ -305,15 +311,16 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
     staging = ckpt_dir / (step_dirname(step) + ".partial")
     world_size = _world_size()
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        # leftovers of saves cut short (a second Ctrl-C, a SIGKILL, a crash), of this step or any other:
-        # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
-        for leftover in ckpt_dir.glob("step_*.partial"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        sweep_superseded(ckpt_dir)
-        staging.mkdir()
+        with _unwritable_is_a_checkpoint_error(staging, step):   # a disk remounted read-only mid-run
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            # leftovers of saves cut short (a second Ctrl-C, a SIGKILL, a crash), of this step or any other:
+            # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
+            for leftover in ckpt_dir.glob("step_*.partial"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            sweep_superseded(ckpt_dir)
+            staging.mkdir()
     barrier()
-    with _no_room_is_a_checkpoint_error(staging, step):
+    with _unwritable_is_a_checkpoint_error(staging, step):
         _write_rank_files(staging, step, rank, model_state if rank == 0 else None, optimizer_state,
                           loader_state, loop_state)
     barrier()
@@ -321,7 +328,7 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
                      "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "has_optimizer": optimizer_state is not None}
-        with _no_room_is_a_checkpoint_error(staging, step):   # the tensors fitted, the disk filled since
+        with _unwritable_is_a_checkpoint_error(staging, step):   # the tensors fitted, the disk filled since
             write_json(staging / META_NAME, full_meta)
         fsync_dir(staging)
         if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
@@ -337,21 +344,40 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
     return final
 
 
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError of a failed write behind `e`, when it is one a user can act on (no room, not
+    writable): `e` itself, or the one torch.save met: its zip writer turns the file's ENOSPC into a
+    RuntimeError ("unexpected pos ...") that carries the OSError only as its __context__."""
+    if isinstance(e, RuntimeError):
+        e = e.__cause__ or e.__context__
+    return e if isinstance(e, OSError) and e.errno in _NO_ROOM + _NOT_WRITABLE else None
+
+
 @contextlib.contextmanager
-def _no_room_is_a_checkpoint_error(staging: Path, step: int):
-    """A save refused for room, or the disk filling mid-write: the staging directory goes, and
-    ENOSPC / EDQUOT become the CheckpointError naming the step kept."""
+def _unwritable_is_a_checkpoint_error(staging: Path, step: int):
+    """A save refused for room, the disk filling mid-write, or a disk that refuses writes (remounted
+    read-only after errors, permissions changed): the staging directory goes, and the error becomes
+    one CheckpointError naming the step kept and what to do."""
     try:
         yield
     except CheckpointError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except (OSError, RuntimeError) as e:
+        cause = _write_error(e)
+        if cause is None:
             raise
         shutil.rmtree(staging, ignore_errors=True)
-        detail = f"{e.strerror}; {fmt_bytes(free_bytes(staging.parent))} free now"
-        raise CheckpointError(_no_room(staging, step, detail)) from e
+        if cause.errno in _NO_ROOM:
+            detail = f"{cause.strerror}; {fmt_bytes(free_bytes(staging.parent))} free now"
+            raise CheckpointError(_no_room(staging, step, detail)) from e
+        detail = f"{cause.strerror}: {cause.filename or staging}"
+        raise CheckpointError(_no_room(staging, step, detail, why="its disk refused the write", remedy="make it "
+                                       "writable (a disk remounted read-only after errors: see `dmesg`)")) from e
 
 
 def _write_rank_files(staging: Path, step: int, rank: int, model_state, optimizer_state, loader_state,
@@ -390,13 +416,14 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
         if not step_dir.is_dir():
             have = list_steps(ckpt_dir)
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; steps on disk: {have or 'none'}")
-        raise CheckpointError(f"{step_dir}: incomplete checkpoint ({META_NAME} missing)")
+        raise CheckpointError(f"{step_dir}: incomplete checkpoint ({META_NAME} missing); {_use_another_step(path)}")
     try:
         meta = json.loads(path.read_text())
     except ValueError as e:
-        raise CheckpointError(f"{path}: corrupt metadata ({e})") from e
+        raise CheckpointError(f"{path}: corrupt metadata ({e}); {_use_another_step(path)}") from e
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: corrupt metadata (a JSON {type(meta).__name__}, not an object)")
+        raise CheckpointError(f"{path}: corrupt metadata (a JSON {type(meta).__name__}, not an object); "
+                              f"{_use_another_step(path)}")
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         raise CheckpointError(f"{path}: checkpoint schema version {version!r} is not supported by this code "

@@ -131,7 +131,7 @@ def saved_sum(path: Path, rank: int) -> dict | None:
         if not (isinstance(want, dict) and type(want.get("bytes")) is int and isinstance(want.get("sha256"), str)):
             raise TypeError(f"{path.name}: {want!r}")
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e})") from e
+        raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e}); {_use_another_step(path)}") from e
     return want
 
 
@@ -142,8 +142,11 @@ def _use_another_step(path: Path) -> str:
 
 
 def _damaged(path: Path, want: dict) -> CheckpointError:
-    return CheckpointError(f"{path}: the file differs from the one saved ({path.stat().st_size:,} bytes, "
-                           f"{want['bytes']:,} when saved, or another sha256): damaged on disk; "
+    size = path.stat().st_size
+    # which check failed: "N bytes, N when saved" alone reads as if the sizes differed
+    how = (f"{size:,} bytes, {want['bytes']:,} when saved" if size != want["bytes"] else
+           f"its sha256 is not the {want['sha256'][:16]}... recorded in sums_rank*.json")
+    return CheckpointError(f"{path}: the file differs from the one saved ({how}): damaged on disk; "
                            f"{_use_another_step(path)}")
 
 

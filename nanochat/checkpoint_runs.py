@@ -3,11 +3,14 @@ run deleted (--overwrite) or moved into earlier_runs/<N>/ (--resume auto startin
 run's first save, so two runs' steps never mix. checkpoint.py re-exports EarlierRun and fresh_start.
 Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
 in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
+A move goes through earlier_runs/<N>.moving, renamed to <N> once complete (a move cut short is
+finished by the next one).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -57,15 +60,17 @@ class EarlierRun:
                     shutil.rmtree(path, ignore_errors=True)
                 print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
             else:
-                moved_to = _next_earlier_run_dir(self.ckpt_dir)
-                moved_to.mkdir(parents=True)
+                moving, moved_to = _earlier_run_dirs(self.ckpt_dir)
+                moving.mkdir(parents=True, exist_ok=True)
                 if latest.is_file():
-                    os.replace(latest, moved_to / LATEST_NAME)
+                    os.replace(latest, moving / LATEST_NAME)
                 for step in steps:
-                    os.replace(self.ckpt_dir / step_dirname(step), moved_to / step_dirname(step))
+                    os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
                 for path in orphans:   # restorable there, as here
-                    os.replace(path, moved_to / path.name)
-                fsync_dir(moved_to)
+                    os.replace(path, moving / path.name)
+                fsync_dir(moving)
+                os.replace(moving, moved_to)   # earlier_runs/<N> appears whole, or not at all
+                fsync_dir(moved_to.parent)
                 print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
                        "delete it when you no longer need them")
             fsync_dir(self.ckpt_dir)
@@ -73,9 +78,16 @@ class EarlierRun:
         return moved_to
 
 
-def _next_earlier_run_dir(ckpt_dir: Path) -> Path:
-    taken = [int(p.name) for p in (ckpt_dir / EARLIER_RUNS).glob("*") if p.name.isdigit()]
-    return ckpt_dir / EARLIER_RUNS / str(max(taken, default=0) + 1)
+def _earlier_run_dirs(ckpt_dir: Path) -> tuple[Path, Path]:
+    """(where the files move, then its final name earlier_runs/<N>). A move cut short (a kill between
+    its renames) left earlier_runs/<N>.moving with the run's latest.json and first steps, and its
+    other steps here, with no latest.json (the first thing moved): they are that run's, and join it
+    (they are what a --resume auto moves next), instead of splitting it over two earlier_runs/<N>."""
+    root = ckpt_dir / EARLIER_RUNS
+    numbered = {p: int(m.group(1)) for p in root.glob("*") if (m := re.fullmatch(r"([0-9]+)(\.moving)?", p.name))}
+    cut_short = sorted((n, p) for p, n in numbered.items() if p.name.endswith(".moving"))
+    n = cut_short[0][0] if cut_short else max(numbered.values(), default=0) + 1
+    return root / f"{n}.moving", root / str(n)
 
 
 def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:
