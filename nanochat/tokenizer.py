@@ -111,6 +111,19 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected global {module}.{name} in tokenizer file")
 
 
+def _check_pickle_bounds(data: bytes) -> None:
+    """ValueError unless every opcode in `data` is whole and every memo index is below the number of
+    opcodes before it. The C unpickler trusts both fields: one flipped byte in a length or memo index
+    made it allocate what the field says before noticing the file is short (MemoryError, or a
+    zero-filled memo table of up to 32 GB that got the process OOM-killed). pickletools reads each
+    length against the bytes it has, so checking costs time in the file's size and no memory."""
+    import pickletools  # only loads need it (it builds its opcode tables at import)
+
+    for n, (op, arg, pos) in enumerate(pickletools.genops(data)):  # ValueError on a cut-off opcode
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg <= n:
+            raise ValueError(f"memo index {arg} at byte {pos} is beyond the {n} opcodes before it")
+
+
 def _stage(path: Path, write) -> str:
     """Write a temp file beside `path` (flushed and fsynced) and return its name; os.replace puts it
     in place. The temp file is created with mode 0o666 less the umask, like a plain open(): mkstemp's
@@ -271,8 +284,9 @@ class Tokenizer:
                 or not min_vocab <= vocab_size <= MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size: got {vocab_size!r}; accepted: {min_vocab}..{MAX_VOCAB_SIZE}")
         _positive_int(batch_size, "batch_size")
-        if threads is not None and (_positive_int(threads, "threads") > MAX_TRAIN_THREADS):
-            raise ValueError(f"threads: got {threads}; accepted: 1..{MAX_TRAIN_THREADS} or None (all cores)")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or not 1 <= threads <= MAX_TRAIN_THREADS):
+            raise ValueError(f"threads: got {threads!r}; accepted: 1..{MAX_TRAIN_THREADS} or None (all cores)")
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern: got {pattern!r}; accepted: a non-empty regex str")
         _check_pattern(pattern)  # before the text is read, not after hours of training
@@ -298,8 +312,13 @@ class Tokenizer:
         trainer = rustbpe.Tokenizer()
         # threads as an argument, not RAYON_NUM_THREADS set around the call: os.environ is process-wide
         # (other threads saw it; two concurrent calls could leave it set for good)
-        trainer.train_from_iterator(counter, vocab_size - len(SPECIAL_TOKENS), buffer_size=batch_size,
-                                    pattern=pattern, threads=threads)
+        try:
+            trainer.train_from_iterator(counter, vocab_size - len(SPECIAL_TOKENS), buffer_size=batch_size,
+                                        pattern=pattern, threads=threads)
+        except ValueError as e:  # rustbpe names its own parameter, `iterator`; this caller passed `texts`
+            if not str(e).startswith("iterator: "):
+                raise
+            raise ValueError("texts: " + str(e).removeprefix("iterator: ")) from None
         ranks_list = trainer.get_mergeable_ranks()
         ranks = {bytes(tok): int(rank) for tok, rank in ranks_list}
         # Duplicate token bytes would collapse in the dict and leave a hole in the ranks.
@@ -336,7 +355,9 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(path, "file not found")
         try:
-            payload = _SafeUnpickler(io.BytesIO(path.read_bytes())).load()
+            data = path.read_bytes()
+            _check_pickle_bounds(data)
+            payload = _SafeUnpickler(io.BytesIO(data)).load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
                 AttributeError, OverflowError) as e:
             raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e

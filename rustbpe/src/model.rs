@@ -14,6 +14,13 @@ use std::sync::Arc;
 /// Largest accepted vocab size: token ids are u32.
 pub const MAX_VOCAB_SIZE: u64 = u32::MAX as u64;
 
+/// Most bytes the tokens of a rebuilt model ([`Bpe::from_parts`]) may hold together. The merges
+/// there are data from outside (a pickle), where 41 doubling merges ("a" + "a", then each new
+/// token with itself) describe a 2^41-byte token that `mergeable_ranks` then tried to build: an
+/// allocation failure, which aborts the whole Python process. Real vocabularies hold well under
+/// a megabyte; training rejects chunks over 4 GiB, so this is the same order of limit.
+pub const MAX_TOKEN_BYTES: u64 = 1 << 32;
+
 /// Checks a requested vocab size and returns the number of merges it asks for.
 pub fn merges_for_vocab_size(vocab_size: i64) -> Result<usize, BpeError> {
     if !(256..=MAX_VOCAB_SIZE as i64).contains(&vocab_size) {
@@ -80,12 +87,17 @@ impl Bpe {
     }
 
     /// Rebuilds a tokenizer from its split pattern and merge list (e.g. when unpickling),
-    /// checking that merge `i` joins tokens that exist before it (ids below `256 + i`) and
-    /// that no pair is merged twice: a bad list is a [`BpeError::Input`], never a panic.
+    /// checking that merge `i` joins tokens that exist before it (ids below `256 + i`), that
+    /// no pair is merged twice and that the tokens hold at most [`MAX_TOKEN_BYTES`] together:
+    /// a bad list is a [`BpeError::Input`], never a panic or an allocation abort.
     pub fn from_parts(pattern: &str, merges: Vec<(u32, u32)>) -> Result<Self, BpeError> {
         let n = i64::try_from(merges.len()).unwrap_or(i64::MAX);
         merges_for_vocab_size(n.saturating_add(256))?;
         let mut seen = FxHashSet::default();
+        // Byte length of every token so far; the total stays <= MAX_TOKEN_BYTES, so no sum
+        // below can overflow.
+        let mut lens: Vec<u64> = vec![1; 256];
+        let mut total: u64 = 256;
         for (i, &(left, right)) in merges.iter().enumerate() {
             let next_id = 256 + i as u64;
             if u64::from(left) >= next_id || u64::from(right) >= next_id {
@@ -100,6 +112,16 @@ impl Bpe {
                      each pair merged once"
                 )));
             }
+            let len = lens[left as usize] + lens[right as usize];
+            total += len;
+            if total > MAX_TOKEN_BYTES {
+                return Err(BpeError::Input(format!(
+                    "merges: merge {i} ({left}, {right}) makes a {len}-byte token and the tokens \
+                     more than {MAX_TOKEN_BYTES} bytes together; accepted: the merges of a \
+                     trained tokenizer (tokens of real text)"
+                )));
+            }
+            lens.push(len);
         }
         let splitter = Arc::new(Splitter::new(pattern)?);
         Ok(Self::from_merges(splitter, merges))
@@ -364,6 +386,26 @@ mod tests {
         ));
         // Merge 0 may use only the bytes; merge 1 may use id 256.
         assert!(Bpe::from_parts(GPT4_PATTERN, vec![(97, 98), (256, 256)]).is_ok());
+    }
+
+    #[test]
+    fn from_parts_rejects_merges_that_describe_huge_tokens() {
+        // Each merge doubles the last token: merge i makes a 2^(i+1)-byte token, so 41
+        // merges ask for 2^41 bytes, which token_bytes() used to try (an allocation abort).
+        let doubling = |n: u32| -> Vec<(u32, u32)> {
+            std::iter::once((97, 97))
+                .chain((0..n - 1).map(|i| (256 + i, 256 + i)))
+                .collect()
+        };
+        match Bpe::from_parts(GPT4_PATTERN, doubling(41)) {
+            Err(BpeError::Input(msg)) => {
+                assert!(msg.contains("merges: merge 30 (285, 285)"), "{msg}")
+            }
+            other => panic!("expected an input error, got {:?}", other.map(|_| ())),
+        }
+        // 2 + 4 + ... + 2^20 bytes is fine, and every token is built.
+        let bpe = Bpe::from_parts(GPT4_PATTERN, doubling(20)).expect("small enough");
+        assert_eq!(bpe.token_bytes()[256 + 19].len(), 1 << 20);
     }
 
     #[test]
