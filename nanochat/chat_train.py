@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -113,7 +114,7 @@ class ChatTrainConfig:
         check_model_tag(self.model_tag)
         self.source = self.source or stage.sources[0]
         require(self.source in stage.sources, "--source", self.source, "|".join(stage.sources))
-        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "latest or a step number")
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.max_seq_len, "--max-seq-len", 8, allow=(-1,))

@@ -60,7 +60,7 @@ class EarlierRun:
                     shutil.rmtree(path, ignore_errors=True)
                 print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
             else:
-                moving, moved_to = _earlier_run_dirs(self.ckpt_dir)
+                moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
                 moving.mkdir(parents=True, exist_ok=True)
                 if latest.is_file():
                     os.replace(latest, moving / LATEST_NAME)
@@ -78,15 +78,21 @@ class EarlierRun:
         return moved_to
 
 
-def _earlier_run_dirs(ckpt_dir: Path) -> tuple[Path, Path]:
+def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
     """(where the files move, then its final name earlier_runs/<N>). A move cut short (a kill between
     its renames) left earlier_runs/<N>.moving with the run's latest.json and first steps, and its
     other steps here, with no latest.json (the first thing moved): they are that run's, and join it
-    (they are what a --resume auto moves next), instead of splitting it over two earlier_runs/<N>."""
+    (they are what a --resume auto moves next), instead of splitting it over two earlier_runs/<N>.
+    Only then: a run that has its own latest.json (one saved since, e.g. under --overwrite, which
+    deletes only the steps here) or a step the leftover already holds goes to a new <N>."""
     root = ckpt_dir / EARLIER_RUNS
     numbered = {p: int(m.group(1)) for p in root.glob("*") if (m := re.fullmatch(r"([0-9]+)(\.moving)?", p.name))}
     cut_short = sorted((n, p) for p, n in numbered.items() if p.name.endswith(".moving"))
-    n = cut_short[0][0] if cut_short else max(numbered.values(), default=0) + 1
+    if cut_short and not (ckpt_dir / LATEST_NAME).exists() and \
+            not any((cut_short[0][1] / step_dirname(step)).exists() for step in steps):
+        n = cut_short[0][0]
+    else:
+        n = max(numbered.values(), default=0) + 1
     return root / f"{n}.moving", root / str(n)
 
 

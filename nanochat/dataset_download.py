@@ -425,7 +425,7 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                 try:
                     verify(partial, size=total, sha256=sha)
                 except ValueError as e:  # corrupt content: start over from byte 0
-                    why = _what_came(partial, e)
+                    why = _what_came(partial, e) if verify is verify_text_shard else str(e)
                     partial.unlink(missing_ok=True)
                     raise _Retry(f"verification failed: {why}") from e
                 os.replace(partial, dest)
@@ -442,7 +442,8 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
 
 
 def _what_came(partial: Path, error: ValueError) -> str:
-    """Why a download was rejected, for the message: the check's own text, without the advice for
+    """Why a text shard's download was rejected (verify_text_shard's; other files, e.g. the eval
+    bundle's zip, keep their own check's words), for the message: the check's own text, without the advice for
     a shard already on disk (delete it, re-create it: this file is deleted and fetched again), and,
     when the body is not parquet at all (an HTML error page or a proxy's login page sent with 200),
     how it starts: what the user needs to see what the server sent."""

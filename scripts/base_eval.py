@@ -12,6 +12,7 @@ Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the fil
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -57,7 +58,7 @@ class BaseEvalConfig:
         splits = self.splits.split(",")
         require(set(splits) <= {"train", "val"} and len(set(splits)) == len(splits), "--splits", self.splits,
                 "val, train or train,val")
-        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "latest or a step number")
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.eval_tokens, "--eval-tokens", 1)
         require_int(self.max_per_task, "--max-per-task", 1, allow=(-1,))
@@ -179,7 +180,7 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     from nanochat.tokenizer import get_token_bytes
 
     base_dir = get_base_dir()
-    step = int(cfg.step) if cfg.step.isdigit() else "latest"
+    step = "latest" if cfg.step == "latest" else int(cfg.step)   # validate: digits 0-9 only
     loaders = bpb_loaders(cfg, rt, base_dir, checkpoint_meta(cfg, base_dir, step))
     # CORE's files are read now too: a malformed or empty one stops here, not after the model loads
     core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None

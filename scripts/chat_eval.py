@@ -15,6 +15,7 @@ files of ARC / MMLU / GSM8K past their first N problems) is scored on those firs
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -60,7 +61,7 @@ class ChatEvalConfig:
         check_model_tag(self.model_tag)
         check_output_file(self.out, "--out")
         require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
-        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "an integer >= 0 or latest")
+        require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "an integer >= 0 or latest")
         require(self.max_problems is None or self.max_problems >= 1 or self.max_problems == -1, "--max-problems",
                 self.max_problems, ">= 1, or -1 for all")
         if self.max_problems == -1:  # setup.sh's full presets pass -1 = every problem

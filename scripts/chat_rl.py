@@ -24,6 +24,7 @@ Tiny CPU example:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, fields
 
@@ -78,7 +79,7 @@ class ChatRLConfig:
     def validate(self) -> "ChatRLConfig":
         check_model_tag(self.model_tag)
         require(self.source in SOURCES, "--source", self.source, "|".join(SOURCES))
-        require(self.step == "latest" or self.step.isdigit(), "--step", self.step, "latest or a step number")
+        require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "latest or a step number")
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
         world = env_world_size()   # a RequestError naming a malformed WORLD_SIZE / RANK
         require_int(self.examples_per_step, "--examples-per-step", 1)

@@ -35,11 +35,14 @@ METRICS = ("loss", "val_bpb")
 def parse_log(path: Path) -> dict:
     """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}, "repeated": {metric: steps logged
     more than once}, "stopped": the NaN guard's stop line or None} from one log file. A repeated
-    step keeps its last value (a resumed run's), and a stop followed by more step lines belonged
-    to an earlier attempt that was resumed: it is dropped."""
+    step keeps its last value (a resumed run's), and a stop followed by a step line past the stop's
+    step belonged to an earlier attempt that was resumed: it is dropped. (Step lines up to that step
+    after it are the same run's: without PYTHONUNBUFFERED, stdout's buffered lines reach a shared
+    log after the error stderr wrote first.)"""
     if not path.is_file():
         raise RequestError(f"log: {path} does not exist")
     out: dict = {"loss": {}, "val_bpb": {}, "repeated": {"loss": set(), "val_bpb": set()}, "stopped": None}
+    stopped_at = None
     for line in path.read_text(errors="replace").splitlines():
         line = line.strip()
         for key, rx in (("loss", STEP_RE), ("val_bpb", VAL_RE)):
@@ -49,10 +52,12 @@ def parse_log(path: Path) -> dict:
                 if step in out[key]:
                     out["repeated"][key].add(step)
                 out[key][step] = float(m.group(2))
-                out["stopped"] = None
+                if stopped_at is not None and step > stopped_at:
+                    out["stopped"], stopped_at = None, None
         stop = STOP_RE.search(line)
         if stop:
-            out["stopped"] = f"non-finite {stop.group(1)} ({stop.group(2)}) at step {int(stop.group(3))}"
+            stopped_at = int(stop.group(3))
+            out["stopped"] = f"non-finite {stop.group(1)} ({stop.group(2)}) at step {stopped_at}"
     return out
 
 

@@ -52,6 +52,10 @@ def test_runs_the_nan_guard_stopped_never_pass(tmp_path, capsys):
     resumed = _log(tmp_path, "resumed.log", RUN + [STOP] + REST[:5] + [FULL[-5]] + REST[5:] + FULL[-2:])
     assert compare_logs.parse_log(tmp_path / "resumed.log")["stopped"] is None
     assert compare_logs.main([_log(tmp_path, "full.log", FULL), resumed]) == 0
+    # stdout's buffered step lines written after stderr's stop line (no PYTHONUNBUFFERED, one log file):
+    # still this run's stop, not a resumed attempt's
+    late = _log(tmp_path, "late.log", RUN[:-2] + [STOP] + RUN[-2:])
+    assert compare_logs.parse_log(tmp_path / "late.log")["stopped"] is not None
 
 
 def test_steps_logged_twice_are_named(tmp_path, capsys):

@@ -181,3 +181,32 @@ def test_a_move_to_earlier_runs_cut_short_is_finished_whole_not_split(tmp_path, 
     assert ck.load_checkpoint(run, load_optimizer=True)["step"] == 3
     _save(d, 1)   # a later move takes the next number
     assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "2"
+
+
+def test_a_leftover_moving_folder_takes_only_the_run_it_was_cut_from(tmp_path, monkeypatch):
+    """A run saved since a cut-short move (under --overwrite, which deletes only the steps here) has its
+    own latest.json and may share step numbers with the leftover earlier_runs/<N>.moving: joining it
+    replaced the old run's latest.json and failed on the shared step mid-move (ENOTEMPTY). It goes to
+    a new number; the leftover stays as it is."""
+    d = tmp_path / "ck"
+    for step in (1, 2):
+        _save(d, step, seed=step)
+    real, calls = os.replace, []
+
+    def killed(src, dst):
+        calls.append(src)
+        if len(calls) == 3:   # latest.json and step 1 moved
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(cr.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ck.fresh_start(d, "auto", False).settle()
+    monkeypatch.undo()
+    leftover = d / "earlier_runs" / "1.moving"
+    assert ck.list_steps(leftover) == [1]
+    ck.fresh_start(d, None, True).settle()   # --overwrite deletes step 2 here, the leftover stays
+    for step in (1, 2):
+        _save(d, step, seed=10 + step)       # the overwrite run: its own latest.json, step 1 again
+    assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "2"
+    assert ck.list_steps(d / "earlier_runs" / "2") == [1, 2] and ck.list_steps(leftover) == [1]

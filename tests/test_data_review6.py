@@ -151,3 +151,16 @@ def test_a_val_fraction_that_leaves_no_train_document_names_the_flag(tmp_path):
     (src2 / "a.txt").write_text("only one document\n")
     with pytest.raises(ValueError, match="--data-dir: .* holds 1 document"):   # too few: still the dir
         ds.main(["--data-dir", str(src2), "--out", str(tmp_path / "out2")])
+
+
+def test_another_files_check_keeps_its_own_words(server, tmp_path):
+    """download_file's verify for other files (the eval bundle's zip check): its rejection said
+    '(the server sent N bytes starting ..., not a parquet file)', wrong for a zip."""
+    url, _, _ = server
+
+    def zip_check(path, size=None, sha256=None):
+        raise ValueError("not a readable zip archive")
+
+    with pytest.raises(dl.DownloadError) as e:
+        dl.download_file(f"{url}/bundle.zip", tmp_path / "bundle.zip", retries=0, backoff=0, verify=zip_check)
+    assert "not a readable zip archive" in str(e.value) and "parquet" not in str(e.value)

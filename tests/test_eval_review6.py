@@ -242,3 +242,23 @@ def test_a_missing_word_list_says_how_to_make_one(tmp_path):
         SpellingBee(data_dir=tmp_path)
     msg = str(e.value)
     assert str(tmp_path / "words.txt") in msg and "one lowercase a-z word per line" in msg, msg
+
+
+@pytest.mark.parametrize("script", ["chat_eval", "base_eval", "chat_rl", "chat_sft"])
+def test_a_step_that_is_a_unicode_digit_is_refused_by_flag(script, tmp_path, monkeypatch):
+    """`--step ²` passed str.isdigit() and failed later at int() (a traceback naming no flag)."""
+    import importlib
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    module = importlib.import_module(f"scripts.{script}")
+    with pytest.raises(ValueError, match=r"--step: got '²'"):
+        module.main(["--device", "cpu", "--step", "²"] + (["-i", "sft"] if script == "chat_eval" else []))
+
+
+def test_the_last_named_answer_counts():
+    """With lower-case letters read after "answer:", an earlier "To answer: a, b and c ..." was taken
+    (or made a hedge) over the final "The answer is B"."""
+    from nanochat.tasks.arc import extract_letter
+    assert extract_letter("To answer: a, b and c are animals. The answer is B", "ABCD") == "B"
+    assert extract_letter("Answer: C. On reflection, the answer is D.", "ABCD") == "D"
+    assert extract_letter("The answer is A or B", "ABCD") is None

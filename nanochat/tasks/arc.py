@@ -63,12 +63,13 @@ _ANOTHER_LETTER = re.compile(r"[*_)]*\s*(?:,|/|&|\bor\b|\band\b)\s*" + _LETTER)
 
 def extract_letter(completion: str, letters) -> str | None:
     """The answer letter (upper case) of a free-text completion, or None when it names none of
-    `letters`: a letter standing alone at the start, else one named after "answer (is|:)". A
+    `letters`: a letter standing alone at the start, else the last one named after "answer (is|:)". A
     hedge between two choices ("A or B", "The answer is A, B") names none: it was scored as its
     first letter. (Only the first character used to count, which read "Answer: B" as A,
     "Because..." as B.)"""
     text = completion.strip()
-    for m in (_LEADING_LETTER.match(text), _NAMED_LETTER.search(text)):
+    # the last "answer is X" counts: "To answer: a, b and c are animals. The answer is B" is B
+    for m in (_LEADING_LETTER.match(text), *reversed(list(_NAMED_LETTER.finditer(text)))):
         letter = next((g for g in m.groups() if g), None) if m else None
         if letter and letter.upper() in letters:
             other = _ANOTHER_LETTER.match(text, m.end())
