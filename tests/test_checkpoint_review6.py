@@ -152,6 +152,23 @@ def test_damaged_metadata_and_sums_say_which_steps_to_use_instead(tmp_path):
         ck.load_checkpoint(d)
 
 
+def _move_killed_after_two_renames(d, monkeypatch) -> None:
+    """A --resume auto move of d's run to earlier_runs/ killed after its first two renames
+    (latest.json and step 1)."""
+    real, calls = os.replace, []
+
+    def killed(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(cr.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ck.fresh_start(d, "auto", False).settle()
+    monkeypatch.undo()
+
+
 def test_a_move_to_earlier_runs_cut_short_is_finished_whole_not_split(tmp_path, monkeypatch):
     """A kill between the renames of a move to earlier_runs/ left earlier_runs/1 with the run's
     latest.json and first step, and its other steps here: the next move put them in earlier_runs/2,
@@ -160,18 +177,7 @@ def test_a_move_to_earlier_runs_cut_short_is_finished_whole_not_split(tmp_path, 
     d = tmp_path / "ck"
     for step in (1, 2, 3):
         _save(d, step, seed=step)
-    real, calls = os.replace, []
-
-    def killed(src, dst):
-        calls.append(src)
-        if len(calls) == 3:   # latest.json and step 1 moved
-            raise KeyboardInterrupt
-        return real(src, dst)
-
-    monkeypatch.setattr(cr.os, "replace", killed)
-    with pytest.raises(KeyboardInterrupt):
-        ck.fresh_start(d, "auto", False).settle()
-    monkeypatch.undo()
+    _move_killed_after_two_renames(d, monkeypatch)
     assert not (d / "earlier_runs" / "1").exists() and ck.list_steps(d) == [2, 3]
     assert ck.resolve_resume("auto", d, log=lambda s: None) is None   # no latest.json here: a fresh start
     assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "1"
@@ -191,18 +197,7 @@ def test_a_leftover_moving_folder_takes_only_the_run_it_was_cut_from(tmp_path, m
     d = tmp_path / "ck"
     for step in (1, 2):
         _save(d, step, seed=step)
-    real, calls = os.replace, []
-
-    def killed(src, dst):
-        calls.append(src)
-        if len(calls) == 3:   # latest.json and step 1 moved
-            raise KeyboardInterrupt
-        return real(src, dst)
-
-    monkeypatch.setattr(cr.os, "replace", killed)
-    with pytest.raises(KeyboardInterrupt):
-        ck.fresh_start(d, "auto", False).settle()
-    monkeypatch.undo()
+    _move_killed_after_two_renames(d, monkeypatch)
     leftover = d / "earlier_runs" / "1.moving"
     assert ck.list_steps(leftover) == [1]
     ck.fresh_start(d, None, True).settle()   # --overwrite deletes step 2 here, the leftover stays
