@@ -32,7 +32,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
@@ -497,13 +497,28 @@ def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | 
     return "cpu_amx"
 
 
-def _spec_from_nvidia_smi() -> DeviceSpec | None:
-    """Identify GPU 0 without creating a CUDA context (so allocator env still takes effect)."""
+def _first_visible_gpu(env: Mapping[str, str]) -> str | None:
+    """nvidia-smi's -i (GPU id) for the one CUDA will call device 0: the first entry of
+    CUDA_VISIBLE_DEVICES (an index or a GPU-/MIG- UUID), "0" when unset, None when it hides every
+    GPU ("", "-1", or a first entry that names no device)."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return "0"
+    first = value.split(",")[0].strip()
+    if re.fullmatch(r"[0-9]+|(GPU|MIG)-[0-9A-Za-z/-]+", first):
+        return first
+    return None   # CUDA stops at the first invalid entry: nothing before it is visible
+
+
+def _spec_from_nvidia_smi(env: Mapping[str, str] | None = None) -> DeviceSpec | None:
+    """Identify the process's device 0 (CUDA_VISIBLE_DEVICES' first GPU) without creating a
+    CUDA context (so allocator env still takes effect)."""
+    gpu = _first_visible_gpu(os.environ if env is None else env)
     smi = shutil.which("nvidia-smi")
-    if smi is None:
+    if smi is None or gpu is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+        out = subprocess.run([smi, "-i", gpu, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return None
