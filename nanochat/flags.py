@@ -169,7 +169,9 @@ def script_main(name: str, check, run) -> None:
     ends as Python ends it on an uncaught Ctrl-C: after its normal shutdown (buffered output
     flushed, atexit handlers run), killed by SIGINT, which a shell reports as exit code 130. Not
     sys.exit(130): bash carries on with the next command of a script or `a; b` after a child
-    that exited, even with 130, but stops after one that died of SIGINT."""
+    that exited, even with 130, but stops after one that died of SIGINT.
+
+    A closed stdout (`... | head`) ends run() quietly with exit code 141, as SIGPIPE would."""
     try:
         try:
             check()
@@ -177,12 +179,28 @@ def script_main(name: str, check, run) -> None:
             _exit_with_error(name, e, same_on_every_rank=True)
         try:
             code = run()
+            sys.stdout.flush()   # here, not at exit, where a closed pipe is an "Exception ignored" message
         except RequestError as e:
             _exit_with_error(name, e)
+        except BrokenPipeError:   # stdout's reader went away (`... | head`): stop quietly, as `git log | head`
+            _silence_stdout()
+            code = 141            # what a shell reports for a writer ended by SIGPIPE
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
     except KeyboardInterrupt as interrupt:
         _say_interrupted(name, interrupt)
         raise   # no traceback (_say_interrupted's hook); Python exits by SIGINT
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null: the flush at exit then has nowhere broken to
+    write, and raises no second BrokenPipeError. A stream without one (a test's capture) is left."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both of the latter
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 _SAID = "_nanochat_said"   # set on an error once _exit_with_error has printed it

@@ -201,25 +201,9 @@ def main(argv=None) -> int:
     # chat a ValueError that replaced every reply by an error line)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
-    try:
-        code = chat(args)
-        sys.stdout.flush()    # here, not at exit, where a closed pipe is reported as an ignored exception
-        return code
-    except BrokenPipeError:   # stdout's reader went away (`-p ... | head`): stop quietly, as `git log | head`
-        silence_stdout()
-        return 141            # what a shell reports for a writer ended by SIGPIPE
-
-
-def silence_stdout() -> None:
-    """Point stdout's file descriptor at /dev/null: the flush at exit then has nowhere broken to
-    write, and raises no second BrokenPipeError. A stream without one (a test's capture) is left."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both of the latter
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
+    code = chat(args)
+    sys.stdout.flush()    # here, where script_main stops quietly on a closed pipe (`-p ... | head`)
+    return code
 
 
 def chat(args: argparse.Namespace) -> int:

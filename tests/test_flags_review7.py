@@ -1,0 +1,29 @@
+"""script_main and a closed stdout: any recipe script piped into `head` ends as Unix tools do
+(exit 141, nothing on stderr), not with a BrokenPipeError traceback (compare_logs here)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = ("step {s:05d}/20000 | loss {l:.4f} | lrm 1.000 | dt    100.0ms | tok/s      10,000 | mfu   n/a "
+        "| util(bf16)   n/a | mem   1.00GiB\n")
+
+
+def test_compare_logs_piped_into_head_ends_quietly(tmp_path):
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("".join(LINE.format(s=s, l=5.0) for s in range(20000)))
+    b.write_text("".join(LINE.format(s=s, l=5.5) for s in range(20000)))   # a row per step: far over a pipe
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-m", "scripts.compare_logs", str(a), str(b)], cwd=ROOT, env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.read(1)
+        child.stdout.close()   # as head does once it has its lines
+        assert child.wait(timeout=60) == 141
+        assert child.stderr.read() == b""
+    finally:
+        child.kill()
+        child.wait()
+        child.stderr.close()
