@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import math
 import os
 import re
 import shlex
@@ -46,7 +45,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -400,26 +399,6 @@ SOURCES = {
 }
 
 
-# ---------------------------------------------------------------- text chunking (local files, Shakespeare)
-
-def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
-    """Join paragraphs (with a blank line) into n = ceil(len / target) chunks of about equal
-    size: a chunk closes once it passes len / n characters (the last takes the rest)."""
-    paras = list(paragraphs)
-    total = len("\n\n".join(paras))
-    n = max(1, math.ceil(total / target))
-    chunks, cur, size = [], [], -2  # size = len("\n\n".join(cur))
-    for p in paras:
-        cur.append(p)
-        size += len(p) + 2
-        if size > total / n and len(chunks) < n - 1:
-            chunks.append("\n\n".join(cur))
-            cur, size = [], -2
-    if cur:
-        chunks.append("\n\n".join(cur))
-    return chunks
-
-
 # ---------------------------------------------------------------- command line
 
 _REMOTE = tuple(SOURCES)
@@ -498,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(paths)} Shakespeare shards to {out} (last = validation)")
         return 0
 
-    from nanochat.dataset_download import download_shards
+    from nanochat.dataset_download import download_shards, say_failures
 
     src = SOURCES[source]
     if args.num_shards != -1 and args.num_shards < 1:
@@ -515,11 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                                retries=args.retries, backoff=args.backoff, timeout=args.timeout,
                                progress=not args.no_progress)
     if failures:
-        print(f"{len(failures)} of {len(indices)} shards FAILED:", file=sys.stderr)
-        for i, err in failures:
-            print(f"  {shard_name(i)}: {err}", file=sys.stderr)
-        print("rerun the same command to retry (finished shards are kept, partial ones resume)",
-              file=sys.stderr)
+        say_failures(failures, len(indices), source)
         return 1
     held = list_shards(out)   # shards of earlier runs count too: training reads every one
     print(f"done: {len(indices)} shards in {out}" + (
@@ -572,7 +547,7 @@ def _refuse_other_sources_flags(args, source: str) -> None:
 
 
 _DOWNLOAD_NAMES = ("DownloadError", "DiskFullError", "download_file", "download_shards", "verify_text_shard")
-_LOCAL_NAMES = ("read_local_documents", "import_local_dir")
+_LOCAL_NAMES = ("read_local_documents", "import_local_dir", "chunk_paragraphs")
 _SHAKESPEARE_NAMES = ("SHAKESPEARE_PIN", "SHAKESPEARE_VAL", "SHAKESPEARE_POEMS", "split_scenes", "split_poem",
                       "shakespeare_documents", "get_shakespeare")
 

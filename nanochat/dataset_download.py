@@ -61,7 +61,12 @@ _warned_no_locks: set[Path] = set()
 
 
 class DownloadError(RuntimeError):
-    pass
+    """A download that failed for good. `permanent`: the server refused the file itself (a 4xx
+    status outside _RETRYABLE_STATUS, e.g. 404), so running the same command again cannot fetch it."""
+
+    def __init__(self, message: str, *, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class DownloadCancelled(Exception):
@@ -230,7 +235,7 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_w
             wait = _retry_after(resp.headers) or 0.0
             raise _Retry(f"HTTP {resp.status_code}" + (f" (asked to wait {wait:g} s)" if wait else ""), wait)
         if resp.status_code not in (200, 206):
-            raise DownloadError(f"HTTP {resp.status_code} for {url}")
+            raise DownloadError(f"HTTP {resp.status_code} for {url}", permanent=400 <= resp.status_code < 500)
         total, sha = _expected_from(resp)
         start = 0
         if resp.status_code == 206:
@@ -494,7 +499,7 @@ def _to_fetch(indices: list[int], out_dir: Path) -> list[int]:
 def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers: int = 4,
                     retries: int = 5, backoff: float = 2.0, timeout: float = 60.0,
                     progress: bool = True, stall_window: float | None = None) -> list[tuple[int, str]]:
-    """Download shard indices into out_dir in parallel; returns [(index, error)] for failures.
+    """Download shard indices into out_dir in parallel; returns [(index, DownloadError)] for failures.
     stall_window: as download_file's (default: timeout)."""
     from tqdm import tqdm
 
@@ -537,7 +542,7 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
                     if fut.result():
                         sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
                 except DownloadError as e:
-                    failures.append((futures[fut], str(e)))
+                    failures.append((futures[fut], e))
                 bar.update(1)
                 bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
                 left = sum(not f.done() for f in futures)
@@ -553,3 +558,20 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
                 f.cancel()
             raise
     return sorted(failures)
+
+
+def say_failures(failures: list[tuple[int, DownloadError]], total: int, source: str) -> None:
+    """Print download_shards' failures to stderr, and what would fetch them: a rerun for the ones
+    that may succeed another time; for those the server refused (DownloadError.permanent, e.g. a
+    404) a rerun only asks again, so the hint is to check the URL and the source's shard range."""
+    print(f"{len(failures)} of {total} shards FAILED:", file=sys.stderr)
+    for i, err in failures:
+        print(f"  {shard_name(i)}: {err}", file=sys.stderr)
+    refused = [i for i, err in failures if err.permanent]
+    if refused:
+        print(f"{len(refused)} of them the server refused (not there or not allowed): a rerun will not fetch them; "
+              f"check --base-url and that {source} has shards {shard_name(min(refused))}..{shard_name(max(refused))}",
+              file=sys.stderr)
+    if len(refused) < len(failures):
+        print("rerun the same command to retry" + (" the others" if refused else "")
+              + " (finished shards are kept, partial ones resume)", file=sys.stderr)

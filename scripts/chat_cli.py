@@ -15,7 +15,6 @@ because the conversation filled the model's context says so on stderr.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 

@@ -177,7 +177,7 @@ def test_partial_file_from_earlier_run_is_resumed(server, tmp_path):
 def test_corrupt_file_is_rejected_not_renamed(server, tmp_path):
     server.modes[ds.shard_name(0)] = "corrupt"
     failures = ds.download_shards([0, 1], tmp_path, server.url, retries=1, backoff=0, progress=False)
-    assert [i for i, _ in failures] == [0] and "not a readable parquet" in failures[0][1]
+    assert [i for i, _ in failures] == [0] and "not a readable parquet" in str(failures[0][1])
     assert not (tmp_path / ds.shard_name(0)).exists()
     assert not list(tmp_path.glob("*.partial"))
     assert (tmp_path / ds.shard_name(1)).exists()
