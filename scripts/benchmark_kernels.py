@@ -34,6 +34,7 @@ from nanochat.flags import FlagParser, require, require_float, script_main
 from nanochat.kernels import build_loss_fn, cross_entropy_loss
 from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops, triton_version
 
+COMPILE_MODES = ("default", "reduce-overhead")
 SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --rows 256 --n-embd 64 --vocab 512 "
              "--reps 3 --no-compile")
 
@@ -187,6 +188,7 @@ def bench_model(args, rt) -> list[dict]:
         for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
             rec = {"mode": "model", "depth": args.depth, "vocab": vocab, "kernel": kernel, "precision": entry,
                    "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
+                   "compile_mode": args.compile_mode,
                    "device": spec.name}
             try:
                 torch.manual_seed(0)
@@ -194,20 +196,28 @@ def bench_model(args, rt) -> list[dict]:
                 _perturb_zero_init(model)
                 info = setup_precision_and_kernel(model, precision, kernel, prt, compile=args.compile,
                                                   precision_backend=backend or "auto")
-                run = torch.compile(model, dynamic=False) if args.compile else model
+                mode = None if args.compile_mode == "default" else args.compile_mode
+                run = torch.compile(model, dynamic=False, mode=mode) if args.compile else model
 
                 def step():
                     model.zero_grad(set_to_none=True)
+                    if mode == "reduce-overhead":   # a new iteration: the last one's graph outputs may be reused
+                        torch.compiler.cudagraph_mark_step_begin()
                     loss = run(x, y)
                     loss.backward()
                     return loss
 
+                if mode == "reduce-overhead":   # the graphs' memory pool is allocated while they are recorded
+                    rt.reset_peak_memory()
                 for _ in range(3):
                     step()
                 rt.synchronize()
-                rt.reset_peak_memory()
+                if mode != "reduce-overhead":
+                    rt.reset_peak_memory()
                 ms = _timed(step, args.reps, rt.device)
-                loss = step()
+                # copies: a CUDA graph's outputs are overwritten by its next replay (and by the next
+                # configuration's graphs, which share the pool) while `ref` is still compared against
+                loss = step().detach().clone()
                 head_grad = model.lm_head.weight.grad.detach().float().clone()
                 tok_s = args.device_batch_size * args.seq / (ms * 1e-3)
                 peak = peak_flops(spec, "bf16", args.peak_flops)
@@ -216,8 +226,8 @@ def bench_model(args, rt) -> list[dict]:
                            resolved=info.get("backend"),
                            mfu_pct=round(100 * model.estimate_flops() * tok_s / peak, 1) if peak else None)
                 if ref is None:
-                    ref = (loss.detach(), head_grad)
-                rec.update(loss_rel_err=_rel(loss.detach(), ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]))
+                    ref = (loss, head_grad)
+                rec.update(loss_rel_err=_rel(loss, ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]))
                 model = run = None   # free before the next configuration is built
             except (RuntimeError, ValueError) as exc:
                 rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -326,6 +336,9 @@ def parse_args(argv=None):
     p.add_argument("--peak-flops", type=float, default=None,
                    help="model mode: dense bf16 FLOP/s per GPU for MFU (e.g. 989e12), for GPUs not in the device table")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compile-mode", default="default", choices=list(COMPILE_MODES),
+                   help="model mode: torch.compile's mode; reduce-overhead replays forward and backward as CUDA "
+                        "graphs (no per-kernel launch cost from Python)")
     p.add_argument("--device", default="auto", help="|".join(DEVICE_CHOICES))
     args = p.parse_args(argv)
     args.kernels = args.kernels.split(",")
@@ -349,6 +362,9 @@ def parse_args(argv=None):
     if args.peak_flops is not None:   # FLOP/s; below 1e9 it was surely given in TFLOP/s
         require_float(args.peak_flops, "--peak-flops", 1e9)
     require(args.device in DEVICE_CHOICES, "--device", args.device, "|".join(DEVICE_CHOICES))
+    if args.compile_mode != "default" and not args.compile:
+        raise ValueError(f"--compile-mode: got {args.compile_mode!r} with --no-compile; accepted: default there "
+                         "(a mode is how torch.compile compiles)")
     return args
 
 
@@ -357,6 +373,9 @@ def main(argv=None) -> int:
     from nanochat.common import init_runtime
     check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, "auto")
+    if args.compile_mode == "reduce-overhead" and rt.device_type != "cuda":
+        raise ValueError(f"--compile-mode: 'reduce-overhead' replays CUDA graphs, this run is on {rt.device_type}; "
+                         "accepted there: default")
     # each loss backend's workarounds before loss mode runs them (a `triton` list with --no-compile
     # got kernel="current" here: no ptxas redirect for Triton <= 3.5 on a GB10); applying twice is a no-op
     for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
