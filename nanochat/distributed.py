@@ -228,9 +228,12 @@ def check_nccl_env(env: Mapping[str, str] | None = None, *, sys_root: str | Path
         sizes = {}
         for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):   # torchrun sets both; int()'s message names neither
             raw = env.get(var, env.get("WORLD_SIZE", "1"))
-            if not raw.strip().isdigit():
+            try:   # "0" passed an isdigit() check the message says it refuses; "²" passed it to int()'s error
+                sizes[var] = int(raw)
+            except ValueError:
+                sizes[var] = 0
+            if sizes[var] < 1:
                 raise ValueError(f"{var}={raw}: accepted: an integer >= 1 (torchrun sets it; unset it without torchrun)")
-            sizes[var] = int(raw)
         multi_node = sizes["WORLD_SIZE"] > sizes["LOCAL_WORLD_SIZE"]
     ifaces = list_net_interfaces(sys_root)
     if env.get("NCCL_SOCKET_IFNAME"):

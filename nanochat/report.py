@@ -47,6 +47,7 @@ import re
 import shutil
 import sys
 import time
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 
@@ -169,11 +170,11 @@ def _get(row: dict, metric: str):
 
 
 def _series(rows: list[dict], y: str, x: str) -> tuple[list[float], list[float]]:
-    t0 = next((r["time"] for r in rows if isinstance(r.get("time"), (int, float))), None)
+    t0 = next((r["time"] for r in rows if _num(r.get("time"))), None)
     xs, ys = [], []
     for r in rows:
         xv = _get(r, x)
-        if xv is None and x == "elapsed_s" and t0 is not None and isinstance(r.get("time"), (int, float)):
+        if xv is None and x == "elapsed_s" and t0 is not None and _num(r.get("time")):
             xv = r["time"] - t0
         yv = _get(r, y)
         # a NaN/inf point draws nothing: an all-NaN series would give an empty chart
@@ -247,7 +248,10 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
 
 
 def _slug(section: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+    """The section's file name: its letters and digits, lowercased, runs of anything else one "-".
+    Any script's letters count ([\\W_]: ASCII titles slug as before): "[^a-z0-9]" refused a Chinese
+    title ("accepted: a title with letters") and cut "Évaluation" to "valuation"."""
+    slug = re.sub(r"[\W_]+", "-", unicodedata.normalize("NFC", section).lower()).strip("-")
     if not slug:
         raise ValueError(f"section: got {section!r}; accepted: a title with letters or digits")
     return slug
@@ -460,7 +464,7 @@ def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tup
         if stage is not None and "final_step" not in data \
                 and ("seconds" in data or "evaluation" in doc["section"].lower()):
             # a NaN or inf (not a time) is "not logged": _hms could not print it and generate died
-            seconds = float(data["seconds"]) if _num(data.get("seconds")) and math.isfinite(data["seconds"]) else None
+            seconds = float(data["seconds"]) if _num(data.get("seconds")) else None
             rows.append(((_stage_rank(stage), 1), doc["section"], "", seconds,
                          _is_stale(_entry_time(doc["entries"][-1]), stage, trained, own=True)))
     return [r[1:] for r in sorted(rows, key=lambda r: r[0])]   # stable: sections are in pipeline order
@@ -471,8 +475,8 @@ def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict
     less elapsed_s) to the last logged entry (not to `generate`: that grew while nobody ran it)."""
     ends = [t for d in sections for t in map(_entry_time, d["entries"]) if t > 0]
     ends += [r["time"] for rows in metrics.values() for r in rows if _num(r.get("time"))]
-    starts = [r["time"] - (_get(r, "elapsed_s") or 0.0) for rows in metrics.values() for r in rows[:1]
-              if _num(r.get("time"))]
+    starts = [r["time"] - (elapsed if _num(elapsed := _get(r, "elapsed_s")) else 0.0)
+              for rows in metrics.values() for r in rows[:1] if _num(r.get("time"))]
     if _num(header.get("start_time")):
         return (max(ends) - header["start_time"], "`reset`") if ends else None
     return (max(ends) - min(starts), "the first training stage's start") if ends and starts else None

@@ -36,15 +36,26 @@ def system_info() -> dict:
 
 def git_info(repo: Path) -> dict:
     """git_sha, git_dirty and what makes it dirty (git_changes: the first files' porcelain status;
-    untracked files count): a bare `git_dirty: True` left the reader guessing whether it mattered."""
+    untracked files count): a bare `git_dirty: True` left the reader guessing whether it mattered.
+    A git that fails says why in git_sha and gives no git_dirty: outside a repository (or one git
+    refuses: "dubious ownership") the report said "unknown (no commits)" and "git_dirty: False",
+    and a repository without commits recorded rev-parse's echo "HEAD" as the sha. File names are
+    shown as they are (core.quotePath=false: "é.py", not "\\303\\251.py")."""
+    git = ["git", "-c", "core.quotePath=false"]
+    # names as bytes git does not quote now: one that is not UTF-8 is replaced, not a UnicodeDecodeError
+    text = {"cwd": repo, "capture_output": True, "encoding": "utf-8", "errors": "replace", "timeout": 10}
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=10)
+        sha = subprocess.run([*git, "rev-parse", "--verify", "-q", "HEAD"], **text)
+        dirty = subprocess.run([*git, "status", "--porcelain"], **text)
     except (OSError, subprocess.SubprocessError):
         return {"git_sha": "unknown (git not available)"}
+    if dirty.returncode != 0:   # not a repository, or one git will not read: nothing is known of it
+        why = (dirty.stderr.strip().splitlines() or [f"git status exit {dirty.returncode}"])[0]
+        return {"git_sha": f"unknown ({why.removeprefix('fatal: ')})"}
     changes = [line.strip() for line in dirty.stdout.splitlines() if line.strip()]
     more = f", and {len(changes) - 5} more" if len(changes) > 5 else ""
-    return {"git_sha": sha.stdout.strip() or "unknown (no commits)", "git_dirty": bool(changes),
+    return {"git_sha": sha.stdout.strip() if sha.returncode == 0 else "unknown (no commits)",
+            "git_dirty": bool(changes),
             **({"git_changes": f"{len(changes)} file(s): {', '.join(changes[:5])}{more}"} if changes else {})}
 
 

