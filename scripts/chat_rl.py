@@ -166,6 +166,13 @@ def parse_config(argv: list[str] | None = None) -> ChatRLConfig:
     return cfg
 
 
+def _given(cfg: ChatRLConfig, name: str) -> bool:
+    """Whether the command line named flag `name` (a config built without parse_config: whether it
+    differs from the default)."""
+    given = getattr(cfg, "given_flags", None)
+    return name in given if given is not None else getattr(cfg, name) != getattr(ChatRLConfig, name)
+
+
 def unused_eval_flags(cfg: ChatRLConfig) -> str | None:
     """The notice for --eval-examples / --eval-samples given while --eval-every never evaluates
     (a notice, not an error: a run that turns the evaluation off keeps its other flags, as chat_sft
@@ -173,9 +180,7 @@ def unused_eval_flags(cfg: ChatRLConfig) -> str | None:
     parse_config counts a value other than the default as given."""
     if cfg.eval_every > 0:
         return None
-    given = getattr(cfg, "given_flags", None)
-    named = [f for f in ("eval_examples", "eval_samples")
-             if (f in given if given is not None else getattr(cfg, f) != getattr(ChatRLConfig, f))]
+    named = [f for f in ("eval_examples", "eval_samples") if _given(cfg, f)]
     if not named:
         return None
     flags = ", ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)}" for f in named)
@@ -204,10 +209,13 @@ RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "see
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
 
 
-def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerprint: str | None = None
-                    ) -> str | None:
+def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerprint: str | None = None,
+                    data_source: str | None = None) -> str | None:
     """What keeps this run from continuing the checkpoint `meta` describes (None: nothing);
-    `fingerprint`: the base dir's tokenizer's (None: not checked)."""
+    `fingerprint`: the base dir's tokenizer's (None: not checked); `data_source`: the file this
+    run's training problems were read from (compared with the checkpoint's, when it recorded one,
+    in place of the --data-dir text: None and the path it resolves to are the same data, and one
+    relative path run from two directories is not)."""
     saved_world = int(meta.get("world_size", 1))
     if saved_world != world_size:   # per-rank optimizer and sampler state
         return f"it was saved by {saved_world} rank(s), this run has {world_size}"
@@ -215,11 +223,28 @@ def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerpr
     if fingerprint is not None and saved_tokenizer not in (None, fingerprint):
         return (f"it was trained with tokenizer {saved_tokenizer[:16]}..., the base dir's tokenizer is "
                 f"{fingerprint[:16]}... (restore the tokenizer it was trained with)")
+    # a resume keeps the weights of the phase its run started from: a --source naming another
+    # phase was silently ignored (and recorded in the new checkpoint's config as if it applied)
+    saved_phase = (meta.get("source") or {}).get("phase")
+    if saved_phase is not None and saved_phase != cfg.source and _given(cfg, "source"):
+        return f"its run started from --source {saved_phase}, this run has --source {cfg.source}"
     saved = meta.get("config") or {}
+    saved_data = (meta.get("train") or {}).get("data_source")
     for key, flag in RESUME_FLAGS.items():
-        if key in saved and saved[key] != getattr(cfg, key):
+        if key == "data_dir" and data_source is not None and saved_data is not None:
+            if saved_data != data_source:
+                return f"the checkpoint's run trained on {saved_data}, this run's --data-dir gives {data_source}"
+        elif key in saved and saved[key] != getattr(cfg, key):
             return f"the checkpoint's run had {flag} {saved[key]!r}, this run has {getattr(cfg, key)!r}"
     return None
+
+
+def training_source(task) -> str:
+    """The file the training problems come from, as resume_mismatch compares it: a local file's
+    real path (a relative --data-dir names other files from another directory), or the hub's name."""
+    import os
+    source = str(task.source)
+    return source if source.startswith("hub:") else os.path.realpath(source)
 
 
 HOLDOUT_FLAGS = {"mid": "mid_train --test-holdout", "sft": "chat_sft --test-holdout"}
@@ -308,7 +333,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)
         saved = read_meta(ckpt_dir, resume_at)
-        why = resume_mismatch(saved, cfg, rt.world_size, get_tokenizer(base_dir).fingerprint)
+        why = resume_mismatch(saved, cfg, rt.world_size, get_tokenizer(base_dir).fingerprint,
+                              training_source(task))
         if why is not None and cfg.resume != "auto":
             raise CheckpointError(f"--resume: {why}; run it as the original run was (its flags and number of "
                                   "processes), or start a new --model-tag")
@@ -360,7 +386,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         trainer.note_checkpoint(ckpt_dir / f"step_{start_step:06d}")
         restore_rng_state(resume_loop["rng"])
     train_meta = {"num_iterations": num_iterations, "problems": len(task), "world_size": rt.world_size,
-                  "dtype": rt.dtype_name, "eval_problems": eval_problems}
+                  "dtype": rt.dtype_name, "eval_problems": eval_problems, "data_source": training_source(task)}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project="nanochat-rl",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
     print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
