@@ -110,6 +110,14 @@ if [[ "$MODE" != start && ${#TRAIN_ARGS[@]} -gt $((2 * TAG_GIVEN)) ]]; then
   die "--$MODE: takes only --model-tag, --base-dir, --lines (status) and --timeout (stop); got: ${TRAIN_ARGS[*]}"
 fi
 RUNS_DIR="$BASE_DIR/runs"
+self_cmd() {  # this script as typed from here, with --base-dir unless it is the default: the --status /
+              # --stop commands it prints (without it they looked in ~/.cache/nanochat, and --stop said
+              # "not running" while the run went on; ./run_train.sh names nothing outside the repo)
+  local self="$0" where=""
+  [[ "$self" == */* ]] || self="./$self"
+  [[ "$BASE_DIR" -ef "$HOME/.cache/nanochat" ]] || where=" --base-dir $(printf '%q' "$BASE_DIR")"
+  echo "$(printf '%q' "$self")$where"
+}
 
 # ---------------------------------------------------------------- pid bookkeeping
 run_alive() {  # pid -> 0 if that process exists and is one of our training runs
@@ -203,7 +211,7 @@ if [[ "$MODE" == stop ]]; then
   dir="$RUNS_DIR/$TAG"; pid="$(read_pid "$dir")"
   if [[ -z "$pid" ]] || ! run_alive "$pid"; then
     [[ -n "$pid" ]] && rm -f "$dir/pid"
-    say "[$TAG] is not running${pid:+ (removed the stale pid file of pid $pid)}"; exit 0
+    say "[$TAG] is not running in $RUNS_DIR${pid:+ (removed the stale pid file of pid $pid)}"; exit 0
   fi
   # Under torchrun the workers get the SIGTERM themselves: signalled, torchrun would pass it on
   # and SIGKILL them 30 s later (its default), which a step plus a save can outlast. Once they
@@ -323,7 +331,7 @@ pid="$(read_pid "$dir")"
 if [[ -n "$pid" ]]; then
   if run_alive "$pid"; then
     echo "run_train.sh: error: [$TAG] a run is already running (pid $pid, log $dir/train.log); stop it with" \
-         "'./run_train.sh --stop --model-tag $TAG' or pick another --model-tag" >&2
+         "'$(self_cmd) --stop --model-tag $TAG' or pick another --model-tag" >&2
     exit 1
   fi
   say "[$TAG] removing the stale pid file of pid $pid (that process is gone)"
@@ -355,5 +363,5 @@ pid="$(read_pid "$dir")"
 [[ -n "$pid" ]] || die "[$TAG] the run did not start (no pid file after 5 s); see $dir/train.log"
 say "[$TAG] started pid $pid"
 say "  log:    $dir/train.log   (tail -f it)"
-say "  status: ./run_train.sh --status --model-tag $TAG"
-say "  stop:   ./run_train.sh --stop --model-tag $TAG"
+say "  status: $(self_cmd) --status --model-tag $TAG"
+say "  stop:   $(self_cmd) --stop --model-tag $TAG"

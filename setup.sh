@@ -64,12 +64,18 @@ die() { echo "setup.sh: error: $*" >&2; exit 2; }
 say() { echo "==> $*"; }
 warn() { echo "setup.sh: warning: $*" >&2; }
 
-PRESET=auto DBS_FLAG="-" ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
-# *_GIVEN: the flag was given, so an empty value is an error rather than "not given"
+PRESET=auto DBS_FLAG="" DBS_GIVEN=0 ONLY="" FROM="" FORCE=0 INSTALL_RUST=0 DRY_RUN=0 DEPTH_FLAG="" DEPTH_GIVEN=0 NO_IDENTITY=0 IDENTITY=""
+# *_GIVEN: the flag was given, so its value is checked whatever it is (an empty one is an error, not "not given")
 ONLY_GIVEN=0 FROM_GIVEN=0 IDENTITY_GIVEN=0 BASE_DIR_GIVEN=0 LIST_STAGES=0
 CONV_FILES=()
 add_conversations() {  # a --conversations value: an existing file, kept as an absolute path
-  local f="$1"; [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
+  local f="$1"
+  # as --base-dir: `--conversations=~/c.jsonl` arrives with its ~ (a home file said not to exist), and
+  # one spelling per file, since the mid / SFT done-markers record it (./c.jsonl or c.jsonl, or the
+  # same file named from another directory, must not read as a changed config and rerun the chat stages)
+  [[ "$f" != "~/"* ]] || f="$HOME/${f:2}"
+  [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
+  f="$(realpath -ms -- "$f" 2>/dev/null || printf '%s' "$f")"
   [[ -f "$f" ]] || die "--conversations: got '$1'; accepted: an existing JSONL file of conversations"
   CONV_FILES+=("$f")
 }
@@ -81,8 +87,8 @@ while [[ $# -gt 0 ]]; do
     --preset=*) PRESET="${1#*=}"; shift ;;
     --depth) [[ $# -ge 2 ]] || die "--depth needs a value (an integer 1-64)"; DEPTH_FLAG="$2"; DEPTH_GIVEN=1; shift 2 ;;
     --depth=*) DEPTH_FLAG="${1#*=}"; DEPTH_GIVEN=1; shift ;;
-    --device-batch-size) [[ $# -ge 2 ]] || die "--device-batch-size needs a value (an integer 1-1024)"; DBS_FLAG="$2"; shift 2 ;;
-    --device-batch-size=*) DBS_FLAG="${1#*=}"; shift ;;
+    --device-batch-size) [[ $# -ge 2 ]] || die "--device-batch-size needs a value (an integer 1-1024)"; DBS_FLAG="$2"; DBS_GIVEN=1; shift 2 ;;
+    --device-batch-size=*) DBS_FLAG="${1#*=}"; DBS_GIVEN=1; shift ;;
     --only) [[ $# -ge 2 ]] || die "--only needs a comma-separated list of stages"; ONLY="$2"; ONLY_GIVEN=1; shift 2 ;;
     --only=*) ONLY="${1#*=}"; ONLY_GIVEN=1; shift ;;
     --from) [[ $# -ge 2 ]] || die "--from needs a stage name"; FROM="$2"; FROM_GIVEN=1; shift 2 ;;
@@ -126,7 +132,7 @@ fi
 if [[ $DEPTH_GIVEN -eq 1 ]] && ! { [[ "$DEPTH_FLAG" =~ ^[0-9]{1,3}$ ]] && (( 10#$DEPTH_FLAG >= 1 && 10#$DEPTH_FLAG <= 64 )); }; then
   die "--depth: got '$DEPTH_FLAG'; accepted: an integer 1-64"
 fi
-if [[ "$DBS_FLAG" != - ]] && ! { [[ "$DBS_FLAG" =~ ^[0-9]{1,4}$ ]] && (( 10#$DBS_FLAG >= 1 && 10#$DBS_FLAG <= 1024 )); }; then
+if [[ $DBS_GIVEN -eq 1 ]] && ! { [[ "$DBS_FLAG" =~ ^[0-9]{1,4}$ ]] && (( 10#$DBS_FLAG >= 1 && 10#$DBS_FLAG <= 1024 )); }; then
   die "--device-batch-size: got '$DBS_FLAG'; accepted: an integer 1-1024"
 fi
 valid_stage() { local s; for s in "${STAGES[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
@@ -141,14 +147,19 @@ for s in "${ONLY_LIST[@]}"; do valid_stage "$s" || die "--only: unknown stage '$
   || die "--only and --from: got both (--only '$ONLY', --from '$FROM'); accepted: one of the two"
 if [[ $LIST_STAGES -eq 1 ]]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 
+# ---------------------------------------------------------------- stage bookkeeping
+source "$REPO/scripts/setup_stages.sh"   # should_run, run_stage, rerun_cmd, the signal handling they use
+
 # --from skips the stages before it, so they must have finished (the env stage's marker lives in
-# .venv and is not checked). A dry run says so and still lists what would run.
+# .venv and is not checked). A dry run says so and still lists what would run. The way on is the
+# user's own command with another --from: a bare `./setup.sh --from data` dropped e.g. --base-dir and
+# --preset, and looked for that stage in another base dir.
 STATE_DIR="$BASE_DIR/setup_state"
 if [[ -n "$FROM" ]]; then
   for s in "${STAGES[@]}"; do
     [[ "$s" != "$FROM" ]] || break
     [[ "$s" == env || -f "$STATE_DIR/$s.done" ]] && continue
-    msg="--from: got '$FROM', but the earlier stage '$s' has not finished (no $STATE_DIR/$s.done); accepted: a stage after finished ones, so rerun with --from $s (e.g. ./setup.sh --from $s) or without --from"
+    msg="--from: got '$FROM', but the earlier stage '$s' has not finished (no $STATE_DIR/$s.done); accepted: a stage after finished ones, so rerun with --from $s ($(rerun_cmd "$s")) or without --from"
     if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
     break
   done
@@ -334,7 +345,7 @@ fit_device_batch() {  # budget_mib cap -> the largest power-of-two batch <= cap 
 BUDGET_MIB=""
 if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then BUDGET_MIB=$GPU_MEM_MIB
 elif [[ "$PRESET" == spark ]]; then BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )); fi
-if [[ "$DBS_FLAG" != - ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
+if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
   DBS_FLAG=$((10#$DBS_FLAG))
   (( TBS % (DBS_FLAG * SEQ) == 0 )) || die "--device-batch-size: got $DBS_FLAG; accepted: a divisor of" \
     "$((TBS / SEQ)) (the total batch of $TBS tokens is $((TBS / SEQ)) rows of $SEQ tokens)"
@@ -391,9 +402,6 @@ stage_cmd() {  # prints the command of a stage, one argument per line
   esac
 }
 
-# ---------------------------------------------------------------- stage bookkeeping
-source "$REPO/scripts/setup_stages.sh"   # should_run, run_stage, rerun_cmd, the signal handling they use
-
 # checked for the stages that fill it (not e.g. --only env, report or an eval)
 if (( FREE_DISK_GB + HAVE_GB < NEED_DISK )) \
    && { should_run data || should_run base_train || should_run mid_train || should_run chat_sft; }; then
@@ -420,7 +428,7 @@ if [[ $DRY_RUN -eq 0 ]] && command -v flock >/dev/null 2>&1; then
     fi
     # the setup.sh that took it is gone (kill -9), a stage or a tool it started still holds it
     die "a process an earlier ./setup.sh started still holds $STATE_DIR/lock (that setup.sh, pid" \
-      "${holder:-?}, is gone); find it with \`fuser -v $STATE_DIR/lock\`, let it finish or stop it, then rerun"
+      "${holder:-?}, is gone); find it with \`fuser -v $(printf "%q" "$STATE_DIR/lock")\`, let it finish or stop it, then rerun"
   elif [[ $lock_rc -ne 0 ]]; then
     warn "cannot lock $STATE_DIR/lock on this filesystem (flock exit $lock_rc): going on without the one-run-per-base-dir check"
   else

@@ -110,7 +110,9 @@ env_stage() {
   say "building the Rust tokenizer (rustbpe) with maturin"
   env_run uv pip install --quiet -p .venv/bin/python ./rustbpe
   compile_bytecode
-  .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
+  # the installs said nothing wrong, yet the venv may not import them (a rustbpe built for another
+  # Python): named as the env stage's failure, not a bare traceback that set -e ends setup.sh on
+  env_run .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
   if [[ -n "$GPU_NAME" ]] && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     die "torch $(.venv/bin/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda)'))" \
         "cannot use the $GPU_NAME with driver $DRIVER (CUDA $CUDA_DRIVER_VERSION): set TORCH_INDEX_URL to a torch" \

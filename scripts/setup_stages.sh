@@ -100,11 +100,22 @@ shell_words() {  # args -> one line a shell reads back as them (a path with a sp
   done
   echo "${out[*]}"
 }
-rerun_cmd() {  # the command line this run was started with, as a shell reads it back, less --force
-               # (the stages this run finished have fresh markers; --force would redo them)
-  local self="$0" a args=() envs=()
+VALUE_FLAGS=" --preset --depth --device-batch-size --only --from --conversations --identity --base-dir "
+rerun_cmd() {  # [stage] -> the command line this run was started with, as a shell reads it back, less
+               # --force (the stages this run finished have fresh markers; --force would redo them);
+               # with a stage, its --from is that stage (the way on after a --from refused)
+  local self="$0" a args=() envs=() keep=0 skip=0 from="${1:-}"
   [[ "$self" == */* ]] || self="./$self"   # `bash setup.sh`: as a command it needs the ./
-  for a in "${ORIG_ARGS[@]}"; do [[ "$a" == --force ]] || args+=("$a"); done
+  for a in "${ORIG_ARGS[@]}"; do
+    if (( keep )); then keep=0; args+=("$a"); continue; fi   # a flag's value as is (--identity --force names a model)
+    if (( skip )); then skip=0; continue; fi                  # the --from value replaced
+    [[ "$a" == --force ]] && continue
+    if [[ -n "$from" && ( "$a" == --from || "$a" == --from=* ) ]]; then
+      args+=(--from "$from"); [[ "$a" == --from ]] && skip=1; continue
+    fi
+    [[ "$VALUE_FLAGS" == *" $a "* ]] && keep=1
+    args+=("$a")
+  done
   # and the settings it took from the environment: typed in a new shell (the terminal hung up) without
   # an inline `NANOCHAT_BASE_DIR=/data/nc ./setup.sh`'s, it started over in ~/.cache/nanochat
   [[ $BASE_DIR_GIVEN -eq 1 || -z "$ENV_BASE_DIR" ]] || envs+=("NANOCHAT_BASE_DIR=$BASE_DIR")
