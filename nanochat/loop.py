@@ -312,7 +312,7 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     res.losses[step] = result.loss
     metrics = meter.update(result)
     extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
-    _say(meter.log_line(metrics, spec.num_iterations) + "".join(f" | {k} {v:.4f}" for k, v in extra.items()))
+    _say(meter.log_line(metrics, spec.num_iterations) + format_extra(extra))
     if tracker is not None:
         tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
     if report:
@@ -320,6 +320,13 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
                                  "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
                                  "mfu": metrics["mfu"], "peak_mem_gib": metrics["peak_mem_gib"],
                                  "elapsed_s": time.perf_counter() - t_start, **extra})
+
+
+def format_extra(extra: dict) -> str:
+    """A step's stage-specific values as the log line's tail: " | reward 0.5000 | skipped 2". A count
+    (an int: RL's skipped prompts) as a count; "skipped 0.0000" read as a rate."""
+    return "".join(f" | {k} {v}" if isinstance(v, int) and not isinstance(v, bool) else f" | {k} {v:.4f}"
+                   for k, v in extra.items())
 
 
 def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_step: int = 0,

@@ -269,5 +269,8 @@ class PolicyGradientTrainer:
         self.model.zero_grad(set_to_none=True)
         self.pos += self.examples_per_step
         rt.synchronize()
-        extra = {"reward": reward_sum / max(n, 1), "seq_len": len_sum / max(n, 1), "skipped": skipped_all}
+        # no rollout (every problem of the step skipped): no reward or length to report, not a 0 that
+        # reads as a step that earned nothing
+        extra = {"reward": reward_sum / n, "seq_len": len_sum / n} if n else {}
+        extra["skipped"] = int(skipped_all)
         return RLStepResult(step, loss_f, lrm, time.perf_counter() - t0, int(tokens_all), None, extra)
