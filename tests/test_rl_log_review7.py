@@ -1,8 +1,16 @@
 """RL's per-step log values: a step whose every problem was skipped reports no reward or length
 (a 0 there read as a step that earned nothing), and the skipped count prints as a count."""
 
+import pytest
+
 from nanochat.loop import format_extra
-from tests.test_rl import _len_reward, _LongTask, _trainer, chat_model  # noqa: F401  (fixture)
+from tests.test_engine import tiny_chat_model
+from tests.test_rl import _len_reward, _LongTask, _trainer
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_corpus):
+    return tiny_chat_model(str(tiny_corpus))   # cached: test_rl's model (never modified)
 
 
 def test_a_step_with_every_problem_skipped_reports_no_reward(chat_model):
