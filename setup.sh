@@ -342,9 +342,18 @@ fit_device_batch() {  # budget_mib cap -> the largest power-of-two batch <= cap 
 # spark: unified memory, so 3/4 of the host's total, the rest left to the OS, page cache, loader
 # and eval (DESIGN.md pitfall 3). Total, not MemAvailable: the choice must not change between
 # runs, since a changed base_train command reruns a finished stage.
-BUDGET_MIB=""
-if [[ "$PRESET" == h100 && "$GPU_MEM_MIB" =~ ^[0-9]+$ ]]; then BUDGET_MIB=$GPU_MEM_MIB
-elif [[ "$PRESET" == spark ]]; then BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )); fi
+# A GPU whose memory nvidia-smi does not report ("[N/A]": GB10 and other unified-memory parts) is
+# budgeted as unified under either preset (h100 kept its batch of 32 there); a discrete GPU under
+# --preset spark by the smaller of the two (3/4 of the host's memory sized the batch of a 24 GB card).
+BUDGET_MIB="" where=""
+if [[ "$PRESET" != tiny && "$GPU_MEM_MIB" =~ ^[0-9]+$ && "$GPU_CC" != 12.1 && "$GPU_NAME" != *GB10* ]]; then
+  BUDGET_MIB=$GPU_MEM_MIB where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"
+  if [[ "$PRESET" == spark ]] && (( MEM_TOTAL_MIB * 3 / 4 < GPU_MEM_MIB )); then
+    BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the host's $((MEM_TOTAL_MIB / 1024)) GiB"
+  fi
+elif [[ "$PRESET" != tiny ]]; then
+  BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
+fi
 if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
   DBS_FLAG=$((10#$DBS_FLAG))
   (( TBS % (DBS_FLAG * SEQ) == 0 )) || die "--device-batch-size: got $DBS_FLAG; accepted: a divisor of" \
@@ -353,7 +362,6 @@ if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it 
   DBS=$DBS_FLAG   # (tiny's mid / SFT step stays the preset's rows: a changed total could not resume)
 elif [[ -n "$BUDGET_MIB" ]]; then
   fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
-  where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"; [[ "$PRESET" == spark ]] && where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
   [[ -n "$fitted" ]] || die "d$DEPTH needs about $(( $(need_cgib 1) / 100 )) GiB at a device batch of 1; $where is not" \
     "enough: rerun with a smaller --depth (e.g. $(( DEPTH * 3 / 5 > 0 ? DEPTH * 3 / 5 : 1 )))"
   if (( fitted != DBS )); then

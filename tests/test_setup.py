@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 FAKE_SMI = """#!/usr/bin/env bash
 case "$*" in
-  *--query-gpu=name*) echo "NVIDIA H100 80GB HBM3" ;;
-  *--query-gpu=compute_cap*) echo "9.0" ;;
+  *--query-gpu=name*) echo "{name}" ;;
+  *--query-gpu=compute_cap*) echo "{cc}" ;;
   *--query-gpu=driver_version*) echo "535.183.01" ;;
   *--query-gpu=memory.total*) echo "{mem_mib}" ;;
   "") echo "| NVIDIA-SMI 535.183.01   Driver Version: 535.183.01   {version} |" ;;
@@ -27,15 +27,20 @@ esac
 """
 
 
+GB10_SMI = ("NVIDIA GB10", "12.1")   # its memory.total: "[N/A]" (unified), or a figure: either is the host's
+
+
 def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | None = None,
-             mem_mib: int = 81559, args=("--only", "env", "--preset", "tiny"), mem_total_gib: int | None = None):
+             mem_mib: int | str = 81559, args=("--only", "env", "--preset", "tiny"), mem_total_gib: int | None = None,
+             gpu: tuple[str, str] = ("NVIDIA H100 80GB HBM3", "9.0")):
     """setup.sh --dry-run (default: --only env --preset tiny) on a fake GPU whose driver reports
     CUDA `cuda` (None: no version in nvidia-smi's banner) and `mem_mib` of memory -> (exit code,
-    output)."""
+    output). `gpu`: (name, compute capability)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
-    smi.write_text(FAKE_SMI.format(version=f"CUDA Version: {cuda}" if cuda else "", mem_mib=mem_mib))
+    smi.write_text(FAKE_SMI.format(version=f"CUDA Version: {cuda}" if cuda else "", mem_mib=mem_mib, name=gpu[0],
+                                   cc=gpu[1]))
     uname = bin_dir / "uname"
     uname.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo {arch} || echo Linux\n')
     for f in (smi, uname):
@@ -164,7 +169,7 @@ def test_spark_preset_budgets_the_unified_memory(tmp_path, total_gib, depth, dbs
     """On a GB10 the GPU's memory is the host's: the device batch fits 3/4 of MemTotal (a stable
     figure, so a rerun's commands match), and a d16+ run says it takes days there (and what
     --depth 12 costs)."""
-    rc, out = _dry_run(tmp_path, "13.0", arch="aarch64", mem_total_gib=total_gib,
+    rc, out = _dry_run(tmp_path, "13.0", arch="aarch64", mem_total_gib=total_gib, mem_mib="[N/A]", gpu=GB10_SMI,
                        args=("--only", "base_train", "--preset", "spark", "--depth", str(depth)))
     if dbs is None:
         assert rc == 2 and f"3/4 of the {total_gib} GiB of unified memory is not enough" in out, out
