@@ -315,18 +315,26 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
     if complete:   # else left out: chat_eval then walks the chain itself and says what it cannot know
         source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
     resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
-    if resume_at is not None and cfg.resume != "auto" and cfg.step != "latest":
-        _check_step_of_resumed_run(cfg, ckpt_dir, resume_at)
+    if resume_at is not None and cfg.resume != "auto":
+        _check_source_of_resumed_run(cfg, ckpt_dir, resume_at)
     return tag, ckpt_dir, source, resume_at
 
 
-def _check_step_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
+def _check_source_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
     """An explicit --resume continues this stage's own checkpoint, whose weights came from the source
-    step its run started from; a --step naming another source step was silently ignored (the user
-    believed the run now built on that step): a CheckpointError naming both."""
+    phase and step its run started from. A --source (given, or its default) naming another phase
+    went on with the resumed weights but recorded this source: chat_eval then took the held-out test
+    problems of the wrong lineage. A --step naming another source step was silently ignored (the
+    user believed the run now built on that step). Either: a CheckpointError naming both."""
     from nanochat.checkpoint import CheckpointError, read_meta
     recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
-    if recorded.get("step") is not None and int(cfg.step) != int(recorded["step"]):
+    if recorded.get("phase") not in (None, cfg.source):
+        raise CheckpointError(
+            f"--source {cfg.source}: the run --resume {resume_at} continues started from --source "
+            f"{recorded['phase']} ({recorded['phase']}/{recorded.get('model_tag')} step {recorded.get('step')}); "
+            f"accepted: --source {recorded['phase']} (to build on a {cfg.source} checkpoint instead, start afresh: "
+            "drop --resume and add --overwrite)")
+    if cfg.step != "latest" and recorded.get("step") is not None and int(cfg.step) != int(recorded["step"]):
         raise CheckpointError(
             f"--step {cfg.step}: the run --resume {resume_at} continues started from {recorded.get('phase')}/"
             f"{recorded.get('model_tag')} step {recorded['step']}, and a resume keeps its own weights; accepted: "

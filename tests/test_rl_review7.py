@@ -33,7 +33,7 @@ def test_a_resume_refuses_another_source_and_reads_data_dir_as_the_file(sft_chec
     # a mid checkpoint under the same tag: --source mid resolves, and the resume must not take it as its start
     save_checkpoint(checkpoint_dir("mid", "d2", sft_checkpoint), 3, model_state=model.state_dict(),
                     meta={"model_config": asdict(model.config), "tokenizer_fingerprint": tokenizer.fingerprint})
-    with pytest.raises(CheckpointError, match="started from --source sft, this run has --source mid"):
+    with pytest.raises(CheckpointError, match="--source mid: the run --resume latest continues started from --source sft"):
         chat_rl.main(ARGS + ["--resume", "latest", "--source", "mid"])
     # the same problems named explicitly: continued (was refused: "had --data-dir None, this run has ...")
     done = chat_rl.main(ARGS + ["--resume", "latest", "--data-dir", str(shared_data)])
