@@ -263,6 +263,12 @@ def _item_problem(task_type: str, item) -> str | None:
     text = "query" if task_type == "multiple_choice" else "continuation"
     if not isinstance(item.get(text), str):
         return f"'{text}' must be a string, got {item.get(text)!r}"[:200]
+    # an empty answer leaves only the delimiter's space (or a context token) to score: the item
+    # would be decided by text that is no answer at all
+    if task_type == "schema" and not item["continuation"].strip():
+        return "'continuation' is empty: nothing to score under each context option"
+    if task_type == "multiple_choice" and not all(v.strip() for v in values):
+        return f"'choices' holds an empty choice: nothing to score for it, got {values!r}"[:200]
     gold = item.get("gold")
     if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(values):
         return f"'gold' (the answer) must be an index 0..{len(values) - 1} into '{options}', got {gold!r}"

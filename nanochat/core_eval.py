@@ -18,8 +18,10 @@ Three task types, all scored from one teacher-forced forward pass per sequence:
 
 Few-shot examples for item i are random.Random(seed + i).sample(<the evaluated items but i>, k),
 seed 1234; the task's items are shuffled with random.Random(1337) and cut to max_per_task first.
-Sequences longer than the model's sequence_len lose tokens from the left. Accuracy is centered
-against the random baseline, (acc - b) / (1 - b), and CORE is the mean of the centered accuracies.
+Sequences longer than the model's sequence_len lose tokens from the left (an answer that does not
+fit on its own is scored on the part that does; a language-modeling one counts wrong). Accuracy is
+centered against the random baseline, (acc - b) / (1 - b), and CORE is the mean of the centered
+accuracies.
 
 Data (nanochat/core_data.py): the DCLM bundle when present, else offline equivalents of 20 of the
 22 tasks with prompts of our own, comparable only with other offline runs.
@@ -120,12 +122,24 @@ def _scored_starts(task: CoreTask, fulls: list[list[int]], context_ids: list[int
     return [_common_prefix([context_ids, fulls[0]])]
 
 
+def _crop(ids: list[int], start: int, max_len: int) -> tuple[list[int], int, bool]:
+    """The newest max_len tokens of ids, where the scored ones start among them, and whether some
+    scored tokens were lost: the first one kept needs a token before it to be predicted from, so a
+    scored span of max_len tokens or more cannot fit whole."""
+    if len(ids) <= max_len:
+        return ids, start, False
+    cut = len(ids) - max_len
+    return ids[cut:], max(1, start - cut), start - cut < 1
+
+
 def tokenize_items(tokenizer, task: CoreTask, rendered: list[tuple[list[str], list[str]]],
-                   max_len: int) -> list[list[tuple[list[int], int]]]:
+                   max_len: int, answer_cut: list[bool] | None = None) -> list[list[tuple[list[int], int]]]:
     """Per item, (ids, start) per sequence: ids[start:] is scored (see _scored_starts); BOS first.
 
-    Too-long sequences lose tokens from the left (the scored tokens are kept). All texts of all
-    items go through the tokenizer in at most two batched calls.
+    Too-long sequences lose tokens from the left: the context's first, then, only where the scored
+    tokens alone exceed max_len - 1, the scored span's own first tokens (only the rest is scored).
+    `answer_cut`, when given, gets one bool per item: True where that happened to any of its
+    sequences. All texts of all items go through the tokenizer in at most two batched calls.
     """
     bos = tokenizer.bos_token_id
     flat_full = [c + k for contexts, conts in rendered for c, k in zip(contexts, conts)]
@@ -138,14 +152,14 @@ def tokenize_items(tokenizer, task: CoreTask, rendered: list[tuple[list[str], li
     for contexts, _ in rendered:
         fulls = [next(ids_full) for _ in contexts]
         starts = _scored_starts(task, fulls, ctx_ids.get(contexts[0]))
-        seqs = []
+        seqs, lost = [], False
         for ids, start in zip(fulls, starts):
-            start = min(max(start, 1), len(ids) - 1)
-            if len(ids) > max_len:
-                cut = len(ids) - max_len
-                ids, start = ids[cut:], max(1, start - cut)
+            ids, start, cut = _crop(ids, min(max(start, 1), len(ids) - 1), max_len)
             seqs.append((ids, start))
+            lost |= cut
         out.append(seqs)
+        if answer_cut is not None:
+            answer_cut.append(lost)
     return out
 
 
@@ -259,6 +273,10 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
     Items are rendered, tokenized and scored `chunk_items` at a time (bounded memory on tasks with
     tens of thousands of items). Under torch.distributed, items are split across ranks and the
     counts all-reduced.
+
+    An item whose answer tokens alone do not fit in max_seq_len (see tokenize_items) is scored on
+    the tokens that fit for multiple choice / schema, and counted wrong for language modeling (an
+    exact match of part of the answer is not an exact match); a warning says how many there were.
     """
     import torch
 
@@ -268,27 +286,34 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
     pool = n if n > task.num_fewshot else len(data)
     rank, world = _dist()
     mine = list(range(rank, n, world))
-    correct = 0
+    correct = cut = 0
     for c0 in range(0, len(mine), chunk_items):
         chunk = mine[c0: c0 + chunk_items]
         rendered = []
         for idx in chunk:
             shots = [data[j] for j in fewshot_indices(idx, pool, task.num_fewshot, seed)]
             rendered.append(render_prompts(task, data[idx], shots))
-        per_item = tokenize_items(tokenizer, task, rendered, max_seq_len)
+        answer_cut: list[bool] = []
+        per_item = tokenize_items(tokenizer, task, rendered, max_seq_len, answer_cut)
         flat = [s for seqs in per_item for s in seqs]
         scores = iter(score_sequences(model, flat, device, pad_id=tokenizer.bos_token_id,
                                       batch_tokens=batch_tokens, max_len=max_seq_len))
-        for idx, seqs in zip(chunk, per_item):
-            correct += int(_item_correct(task, data[idx], [next(scores) for _ in seqs], scoring))
-    if world == 1:
-        return correct / len(mine) if mine else 0.0
-    import torch.distributed as dist
+        for idx, seqs, lost in zip(chunk, per_item, answer_cut):
+            ok = _item_correct(task, data[idx], [next(scores) for _ in seqs], scoring)
+            correct += int(ok and not (lost and task.task_type == _LM))
+            cut += int(lost)
+    total = len(mine)
+    if world > 1:
+        import torch.distributed as dist
 
-    # integer counts: exact, and a dtype every backend has (MPS has no float64 tensors)
-    counts = torch.tensor([correct, len(mine)], dtype=torch.long, device=device)
-    dist.all_reduce(counts)
-    correct, total = counts.tolist()
+        # integer counts: exact, and a dtype every backend has (MPS has no float64 tensors)
+        counts = torch.tensor([correct, total, cut], dtype=torch.long, device=device)
+        dist.all_reduce(counts)
+        correct, total, cut = counts.tolist()
+    if cut:
+        how = "counted wrong" if task.task_type == _LM else "scored on the tokens that fit"
+        print0(f"warning: task {task.label}: {cut} of {total} items have answers longer than the model's "
+               f"{max_seq_len}-token window ({how})")
     return correct / total if total > 0 else 0.0
 
 
