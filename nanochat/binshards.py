@@ -75,7 +75,8 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 def default_bin_dir(data_dir: str | Path) -> Path:
     """Where the binary shards of a text shard directory live: a sibling `<name>_tokens`."""
-    data_dir = Path(data_dir)
+    # absolute first ("." has no name: "./_tokens"); lexically, so a symlinked dir keeps its tokens by the link
+    data_dir = Path(os.path.abspath(data_dir))
     return data_dir.parent / f"{data_dir.name}_tokens"
 
 
@@ -271,7 +272,9 @@ def list_bin_shards(bin_dir: str | Path) -> list[Path]:
     bin_dir = Path(bin_dir)
     if not bin_dir.is_dir():
         return []
-    return sorted(p for p in bin_dir.iterdir() if p.suffix == BIN_SUFFIX and not p.name.startswith("."))
+    # their text shards' order, so both paths validate on the same shard ("a.c.parquet" < "a.parquet")
+    return sorted((p for p in bin_dir.iterdir() if p.suffix == BIN_SUFFIX and not p.name.startswith(".")),
+                  key=lambda p: p.stem + ".parquet")
 
 
 def read_meta(bin_dir: str | Path) -> dict | None:
@@ -409,11 +412,16 @@ def start_run(bin_dir: str | Path, text_shards: Sequence[str | Path], data_dir: 
     """Mark bin_dir unfinished (`complete: false`) and record the text shards it is meant to hold,
     BEFORE any shard is written, so that a reader never takes a half-made directory for a whole
     one. Binary shards without a text shard in the plan are deleted (their text shard is gone: left
-    there they would shift the train/val split), as are temp files of writers no longer running.
-    Returns the binary shards deleted. write_meta must have run (tokenizer check, directory)."""
+    there they would shift the train/val split), as are temp files of writers no longer running;
+    other `.bin` files (foreign_bin_files) are a ValueError, before anything changes. Returns the
+    binary shards deleted. write_meta must have run (tokenizer check, directory)."""
     bin_dir = Path(bin_dir)
     meta = _meta_for_update(bin_dir)
     plan = text_shard_record(text_shards)
+    foreign = foreign_bin_files(bin_dir, text_shards)
+    if foreign:  # pretokenize refuses these before any work; deleting them would lose someone's data
+        raise ValueError(f"{bin_dir} holds {_names(p.stem for p in foreign)}, not binary token shards; "
+                         "accepted: a directory of binary token shards only")
     meta.update(complete=False, planned=plan)
     for key in ("text_shards", "text_mtime_ns", "text_sha256"):  # kept for the shards still planned
         meta[key] = {n: v for n, v in _record(meta, key).items() if n in plan}
@@ -425,6 +433,19 @@ def start_run(bin_dir: str | Path, text_shards: Sequence[str | Path], data_dir: 
         p.unlink()
     _remove_dead_temps(bin_dir)
     return strays
+
+
+def foreign_bin_files(bin_dir: str | Path, text_shards: Iterable[str | Path]) -> list[Path]:
+    """`.bin` files of bin_dir that a run would delete as strays (no text shard of that name) but
+    that lack MAGIC: someone else's files (an --out that held e.g. pytorch_model.bin)."""
+    def ours(path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(MAGIC)) == MAGIC
+        except OSError:  # unreadable, or a directory named *.bin: not ours to delete
+            return False
+    stems = _stems(Path(p).name for p in text_shards)
+    return [p for p in list_bin_shards(bin_dir) if p.stem not in stems and not ours(p)]
 
 
 def _remove_dead_temps(bin_dir: Path) -> None:

@@ -13,8 +13,8 @@ only the mtime moved, of the same sha256, recorded as it was tokenized) are skip
 interrupted run resumes and a rerun redoes just the text shards that changed, even at the same
 size; `--force` rewrites them all. Before the first shard is written, meta.json
 marks the directory unfinished and lists the text shards it is meant to hold (binary shards of
-text shards no longer there are deleted); each shard is recorded as it lands; only a run that
-wrote them all marks it complete. So the dataloader refuses a directory an interrupted run left
+text shards no longer there are deleted; other `.bin` files in --out are refused up front); each
+shard is recorded as it lands; only a run that wrote them all marks it complete. So the dataloader refuses a directory an interrupted run left
 behind (its last shard would be a train shard read as validation) and binary shards made from
 other text shards than those now in the data dir. Before any work, the shards still to write are
 sized from the text shards' parquet footers (at 3 characters a token, fewer than the ~4 our
@@ -36,7 +36,7 @@ from pathlib import Path
 from nanochat import binshards as bs
 from nanochat import dataset as ds
 from nanochat.common import fmt_bytes
-from nanochat.errors import DiskFullError, MissingDataError
+from nanochat.errors import DiskFullError, MissingDataError, RequestError
 from nanochat.flags import FlagParser, check_out_dir, require_int, script_main
 
 CHARS_PER_TOKEN_LOW = 3   # planning only: English text and code run ~4 characters a token at vocab 32K
@@ -126,6 +126,11 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
     if not shards:
         raise MissingDataError(f"no text shards to pretokenize into {out_dir}")
     check_has_text(shards, lambda p: ds.all_texts_empty(ds.open_text_shard(p)), "its parquet footers say so")
+    foreign = bs.foreign_bin_files(out_dir, shards)  # a run deletes stray .bin files: only ours
+    if foreign:
+        raise RequestError(f"--out: {out_dir} holds {', '.join(p.name for p in foreign[:3])}, which "
+                           f"{'is' if len(foreign) == 1 else 'are'} not binary token shards; accepted: a new or "
+                           "empty directory, or one pretokenize wrote (pass another --out)")
     # refuses a directory of another tokenizer, unless --force: then its shards are deleted first
     replaced = bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
                              bos_token_id=tokenizer.bos_token_id, replace=force)
