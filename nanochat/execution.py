@@ -151,7 +151,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     max_processes: the cgroup's pids.max (tasks: processes and threads, the sandbox's own up to 3
     included); cgroup_root: where cgroup hierarchies are looked for (None: no cgroup).
     isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
-    (rlimits, the cgroup and the Python guard stay).
+    (rlimits, the cgroup and the Python guard stay). A harness failing before the program ran raises RuntimeError.
     """
     from nanochat.sandbox_cgroup import program_cgroup, validate, warn_refused  # the child can't import it
 
@@ -173,14 +173,17 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
                   "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {},
                   "cgroups": cgroup.join_paths()}
         t0 = time.monotonic()
-        rc, timed_out, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars, cgroup.kill)
+        rc, timed_out, cpu_used, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars, cgroup.kill)
         duration = time.monotonic() - t0
         caps_hit = cgroup.limits_hit()
+    if not (report or timed_out):  # its first write precedes the program: a sandbox fault, not the model's
+        raise RuntimeError(f"nanochat sandbox: the harness failed before the program ran (exit code {rc}): "
+                           f"{stderr.strip()[-2000:] or 'no output'}")
     isolation, verdict = _parse_report(report)
     warn_refused(isolation, ["pids_cap", "memory_cap"] * (cgroup_root is not None) + ["netns", "readonly_fs",
                  "workdir_cap", "ipcns", "pidns", "no_caps"] * isolate + ["seccomp"] * bool(config["seccomp"])
                  + ["uid_drop"] * (isolate and os.geteuid() == 0))
-    status, detail = _classify(rc, timed_out, timeout_s, cpu, stderr, verdict)
+    status, detail = _classify(rc, timed_out, timeout_s, cpu, cpu_used, stderr, verdict)
     if caps_hit and status != "pass":
         detail = "; ".join([detail, *caps_hit])
     return ExecutionResult(status, stdout, stderr, rc, duration, detail, tuple(isolation))
@@ -196,19 +199,30 @@ def _parse_report(report: str) -> tuple[list, str]:
     """The harness pipe carries one JSON line (the layers applied, written before the program
     runs: the working dir may be a tmpfs the parent cannot see) and, after the program returned,
     the verdict."""
-    first, _, _ = report.partition("\n")
-    try:
-        isolation = json.loads(first)
-    except ValueError:
-        isolation = []
+    isolation = []
+    with contextlib.suppress(ValueError):
+        isolation = json.loads(report.partition("\n")[0])
     if not isinstance(isolation, list):
         isolation = []
     return [x for x in isolation if isinstance(x, str)], report.rpartition("\n")[2]
 
 
-def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill_cgroup) -> tuple[int, bool, tuple]:
-    """Start the sandbox child in `work`, wait (killing its group at the deadline, then what is
-    left in its cgroup), and return (exit code, timed out, (stdout tail, stderr tail, verdict))."""
+def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[bool, float]:
+    """proc.wait(timeout_s), killing its group at the deadline, through wait4, whose rusage counts the CPU
+    time of the child and all it reaped (init, the program): (timed out, CPU seconds)."""
+    deadline, delay = time.monotonic() + timeout_s, 0.0005
+    while not (done := os.wait4(proc.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(delay := min(2 * delay, 0.05, max(0.0, deadline - time.monotonic())))
+    if timed_out := not done[0]:  # the group dies, then a blocking wait reaps it
+        _kill_group(proc.pid)
+        done = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(done[1])  # reaped: Popen must not wait for the pid again
+    return timed_out, done[2].ru_utime + done[2].ru_stime
+
+
+def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill_cgroup) -> tuple:
+    """Start the sandbox child in `work`, wait (killing its group at the deadline, then what is left in
+    its cgroup): (exit code, timed out, CPU seconds used, (stdout tail, stderr tail, harness report))."""
     (out_r, out_w), (err_r, err_w), (ver_r, ver_w) = os.pipe(), os.pipe(), os.pipe()
     try:
         config["verdict_fd"] = ver_w  # pass_fds keeps the number in the child
@@ -230,26 +244,22 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
             os.close(fd)
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
     readers = _TailReader(out_r, keep), _TailReader(err_r, keep), _TailReader(ver_r, _REPORT_BYTES)
-    timed_out = False
     try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        rc = proc.wait()
+        timed_out, cpu_used = _wait(proc, timeout_s)
     finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
         _kill_group(proc.pid)  # anything the program left behind in its group
         kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
     deadline = time.monotonic() + _DRAIN_WAIT_S  # one wait for all three pipes, not one each
-    return rc, timed_out, tuple(r.text(n, max(0.0, deadline - time.monotonic()))
-                                for r, n in zip(readers, (tail_chars, tail_chars, _REPORT_BYTES)))
+    tails = (r.text(n, max(0.0, deadline - time.monotonic())) for r, n in zip(readers, (*[tail_chars] * 2, _REPORT_BYTES)))
+    return proc.returncode, timed_out, cpu_used, tuple(tails)
 
 
-def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, stderr: str, verdict: str) -> tuple[str, str]:
+def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, cpu_s: float, stderr: str, verdict: str):
     if timed_out:
         return "timeout", f"wall-clock limit {timeout_s:g}s exceeded"
-    if rc == -signal.SIGXCPU:
-        return "timeout", f"CPU-time limit {cpu}s exceeded (SIGXCPU)"
+    # SIGKILL after the limit's CPU time: the hard limit (cpu + 1 s) of a program that ignored SIGXCPU
+    if rc == -signal.SIGXCPU or rc == -signal.SIGKILL and cpu_s >= cpu:
+        return "timeout", f"CPU-time limit {cpu}s exceeded ({signal.Signals(-rc).name})"
     if rc < 0:
         try:
             name = signal.Signals(-rc).name

@@ -23,7 +23,7 @@ def _fake_child(monkeypatch, rc: int, applied: list, verdict: str = ""):
 
     def run_child(work, config, timeout_s, tail_chars, kill_cgroup):
         configs.append(dict(config))
-        return rc, False, ("", "", json.dumps(applied) + "\n" + verdict)
+        return rc, False, 0.0, ("", "", json.dumps(applied) + "\n" + verdict)
 
     monkeypatch.setattr(execution, "_run_child", run_child)
     monkeypatch.setattr(execution, "_seccomp_filters", lambda: {"netns": "00", "no_netns": "00"})
@@ -140,7 +140,7 @@ def test_pipes_held_by_an_escaped_process_cost_one_wait_not_three(tmp_path, monk
     monkeypatch.setattr(execution, "_DRAIN_WAIT_S", 0.4)
     t0 = time.monotonic()
     try:
-        rc, timed_out, _ = execution._run_child(tmp_path, {"drop_uid": False}, 5.0, 100, lambda: None)
+        rc, timed_out, _, _ = execution._run_child(tmp_path, {"drop_uid": False}, 5.0, 100, lambda: None)
     finally:
         for fd in held:
             os.close(fd)
