@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
     data_dir = args.data_dir or ds.default_data_dir()
     out_dir = check_out_dir(args.out or bs.default_bin_dir(data_dir))
     shards = ds.list_shards(data_dir)
+    ds.split_shards(shards, "val")   # one shard: training would refuse the result (no train + val split)
     if tokenizer is None:
         from nanochat.tokenizer import Tokenizer, get_tokenizer
 

@@ -78,3 +78,21 @@ def test_val_is_the_same_shard_for_text_and_binary_when_names_hold_dots(tmp_path
         dl = DataLoader(ByteTokenizer(), 4, 32, "val", data_dir=d, source=source, repeat=False, buffer_size=4)
         rows[source] = [x.tolist() for x, _ in dl]
     assert rows["text"] == rows["bin"]
+
+
+def test_pretokenize_refuses_a_single_text_shard_before_work(tmp_path):
+    """One text shard: the loader refuses its binary shards (no train + val split), so pretokenize
+    does too, up front (it wrote the shard and exited 0)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nanochat.errors import MissingDataError
+    from scripts import pretokenize as pt
+    from tests.test_dataloader import ByteTokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"text": ["one document", "another"]}), data / "shard_00000.parquet")
+    with pytest.raises(MissingDataError, match="need at least 2 shards"):
+        pt.main(["--data-dir", str(data), "--workers", "1"], tokenizer=ByteTokenizer())
+    assert not (tmp_path / "data_tokens").exists()

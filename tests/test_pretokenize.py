@@ -106,7 +106,8 @@ def test_writer_and_reader_errors(tmp_path):
         bs.read_header(tmp_path / "junk.bin")
     bad = tmp_path / "bad"
     bad.mkdir()
-    pq.write_table(pa.table({"body": ["x"]}), bad / "shard_00000.parquet")
+    for i in range(2):   # train + val, so the schema is what fails
+        pq.write_table(pa.table({"body": ["x"]}), bad / f"shard_0000{i}.parquet")
     with pytest.raises(ValueError, match="wrong schema"):
         pt.main(["--data-dir", str(bad), "--out", str(tmp_path / "o")], tokenizer=ByteTokenizer())
     with pytest.raises(ValueError, match="--workers"):
