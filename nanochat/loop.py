@@ -18,9 +18,10 @@ periodic save would be; every rank agrees on the step), and StopRequested ends t
 line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A stop
 that arrives during an evaluation or a save stops at that step: no step more, and no second save
 (the save in flight is the stop's checkpoint; a step more plus a save could outlast torchrun's
-grace). A
-second Ctrl-C interrupts at once. Under torchrun, which SIGKILLs its workers a fixed time after
-passing a stop on (30 s unless set), the loop's first line says how long that is.
+grace). A stop during the last step saves at num_iterations before the final evaluation and
+sample, which the resume then runs (check_resume_step). A second Ctrl-C interrupts at once. Under
+torchrun, which SIGKILLs its workers a fixed time after passing a stop on (30 s unless set), the
+loop's first line says how long that is.
 
 A hangup (SIGHUP: the ssh connection or terminal closed under a foreground run; torchrun passes it
 on) stops the run the same way, exit 129. The terminal is gone by then (writes to it fail with EIO,
@@ -351,7 +352,10 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
     with _stop_signals() as signals:
         while True:
             last = step >= spec.num_iterations  # >=: never loop past the end (check_resume_step)
-            stop = 0 if last else _agreed_stop(signals)
+            # a stop in the last step saves before the final evaluation too: that evaluation (minutes at
+            # d20) outlasted torchrun's grace and the SIGKILL took the only save of a --save-every -1 run;
+            # the resume evaluates there (check_resume_step). A stage that saves nothing just finishes.
+            stop = _agreed_stop(signals) if not last or spec.save is not None else 0
             if stop:
                 how = "" if stop == signal.SIGHUP else " (Ctrl-C again interrupts at once)"
                 _say(f"received {signal.Signals(stop).name}: saving a checkpoint at step {step} and stopping{how}")
@@ -524,7 +528,11 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
         raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
                               "use the flags of the original run (or start a new --model-tag)")
     saved_config = meta.get("model_config") or {}
-    for key in sorted(set(saved_config) | set(model_config)):
+    # the fields flags set first, in _CONFIG_FLAGS' order: a new --depth is named as n_layer, not as the
+    # n_embd it also changes (sorted, n_embd came first and the error read as an --aspect-ratio change)
+    order = list(_CONFIG_FLAGS)
+    for key in sorted(set(saved_config) | set(model_config),
+                      key=lambda k: (order.index(k) if k in order else len(order), k)):
         if saved_config.get(key) != model_config.get(key):
             flag = _CONFIG_FLAGS.get(key)
             mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))

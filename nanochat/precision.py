@@ -127,8 +127,9 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         raise RequestError(f"--precision {precision}: this run computes in {compute_dtype} (its runtime "
                            f"dtype); accepted here: auto|{compute_dtype}, or start the run in {precision}")
     if precision in ("bf16", "fp32"):
-        if backend not in ("auto",):
-            raise RequestError(f"--precision-backend {backend}: only applies to --precision fp8|nvfp4; with "
+        if backend not in ("auto",):   # named per backend: "emulated applies to fp8|nvfp4" led to a refusal of fp8
+            applies = {"emulated": "nvfp4", "native": "fp8", "torchao": "fp8"}.get(backend, "fp8|nvfp4")
+            raise RequestError(f"--precision-backend {backend}: only applies to --precision {applies}; with "
                                f"--precision {requested} leave it at auto ({accepted_here(spec)})")
         return PrecisionPlan(precision, "none",
                              chosen=f"--precision auto -> {precision}: {AUTO_DTYPE}" if requested == "auto" else "")

@@ -501,3 +501,24 @@ DEFAULT_PROMPTS = [
     "The opposite of hot is",
     "The planets of the solar system are:",
 ]
+
+
+def resume_precision(saved_train: dict, now: dict, step: int) -> tuple[list[dict], str | None]:
+    """A resume may change the precision (finish a diverging nvfp4 run in bf16: the master weights
+    and optimizer state are the same in every precision), but it went unsaid and the next meta
+    named only the new one. Returns the history ([{from_step, precision, backend}], the last this
+    run's) and the line saying what changed (None: nothing). `saved_train`: the checkpoint's
+    meta["train"]; `now`: apply_precision()'s description; `step`: where this run resumes."""
+    def entry(d: dict, at: int) -> dict:
+        return {"from_step": at, "precision": d.get("precision"), "backend": d.get("backend")}
+
+    if saved_train.get("precision") is None:   # a checkpoint from before the field: nothing to compare
+        return [entry(now, step)], None
+    history = list(saved_train.get("precision_history") or [entry(saved_train, 0)])
+    last = history[-1]
+    if (last["precision"], last["backend"]) == (now.get("precision"), now.get("backend")):
+        return history, None
+    history = [h for h in history if h["from_step"] < step] + [entry(now, step)]
+    return history, (f"--resume: steps {last['from_step']}-{step} of the checkpoint trained in --precision "
+                     f"{last['precision']} (backend {last['backend']}); this run continues in --precision "
+                     f"{now.get('precision')} (backend {now.get('backend')}) (train.precision_history in its meta)")

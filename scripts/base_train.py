@@ -34,7 +34,7 @@ from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_r
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                describe_peaks, plan_batch, precision_module, resolve_peak_flops,
-                               resolve_total_batch_size, restore_rng_state, sample_prompts)
+                               resolve_total_batch_size, restore_rng_state, resume_precision, sample_prompts)
 from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
@@ -246,9 +246,13 @@ def resumed_total(cfg: BaseTrainConfig, ckpt_dir, resume_at, world_size: int) ->
     otherwise compute another total and be refused."""
     if cfg.total_batch_size != -1 or resume_at is None:
         return cfg.total_batch_size
-    saved = (read_meta(ckpt_dir, resume_at).get("train") or {}).get("total_batch_size")
+    meta = read_meta(ckpt_dir, resume_at)
+    saved = (meta.get("train") or {}).get("total_batch_size")
+    saved_seq = (meta.get("model_config") or {}).get("sequence_len")
     row = cfg.max_seq_len * world_size
-    if not isinstance(saved, int) or saved <= 0 or saved % row:   # another seq len / world size: refused later
+    # another seq len / world size: refused later, naming that flag (a seq len that happened to divide
+    # the total used to be refused here as a --device-batch-size the user never changed)
+    if not isinstance(saved, int) or saved <= 0 or saved % row or saved_seq != cfg.max_seq_len:
         return -1
     if saved % (cfg.device_batch_size * row):
         fits = [d for d in range(1, saved // row + 1) if saved // row % d == 0][:8]
@@ -380,6 +384,11 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     precision_info = setup_precision_and_kernel(model, cfg.precision, cfg.kernel, rt, compile=compile_model,
                                                 precision_backend=cfg.precision_backend,
                                                 fp8_wgrad=cfg.fp8_wgrad)
+    precision_history = None   # which precision trained which steps, once a resume changed it
+    if resume is not None:
+        precision_history, note = resume_precision(resume["meta"].get("train") or {}, precision_info, resume["step"])
+        if note is not None:
+            print0(note)
     if cfg.fsdp:  # shard before compile and before the optimizer (it must see the DTensor params)
         from nanochat.distributed import apply_fsdp
         apply_fsdp(model, rt)
@@ -406,6 +415,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
                   "world_size": rt.world_size, "dtype": rt.dtype_name, "cast_once": trainer.cast_once,
                   **precision_info,
+                  **({"precision_history": precision_history} if precision_history and len(precision_history) > 1
+                     else {}),
                   # the LRs and weight decay this run applied (scaled to its batch and horizon): its
                   # flags alone do not say them ("recipe" above is precision.py's)
                   "optimizer_recipe": asdict(recipe)}
