@@ -337,7 +337,38 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
         sizes = {Path(str(t.source)).name: t.num_examples() for t in tasks}
         raise RequestError(f"--test-holdout: got {test_holdout}; accepted: -1 or 0..{min(sizes.values()) - 1} (training "
                            f"takes the test problems past the holdout: {', '.join(f'{k} has {v}' for k, v in sizes.items())})")
+    if held:
+        _drop_held_out_twins(tasks, test_holdout)
+        emptied = [Path(str(t.source)).name for t in tasks if len(t) == 0]
+        if emptied:
+            raise RequestError(f"--test-holdout: got {test_holdout}; accepted: -1 or a smaller N (every problem of "
+                               f"{', '.join(emptied)} past the first {test_holdout} repeats a held-out one, so none "
+                               "is left to train on)")
     return tasks
+
+
+def problem_key(row: dict) -> str:
+    """A test problem as the model reads it (question and choices, whitespace-normalised), whatever
+    its id, subject or file: the same problem under two ids or two tasks is one problem."""
+    norm = lambda text: " ".join(str(text).split()).casefold()   # noqa: E731
+    return json.dumps([norm(row.get("question", "")), [norm(c) for c in row.get("choices") or ()]])
+
+
+def _drop_held_out_twins(tasks: list, holdout: int) -> None:
+    """Leave out of test[holdout:] (trained) every problem that repeats one of any task's first
+    `holdout` (scored by chat_eval): MMLU's test file holds 105 problems twice (same question and
+    choices, often under another subject), so with --test-holdout 1000 the 1000 scored problems had
+    21 twins among the trained ones (2% of the score was read off training data)."""
+    from nanochat.common import print0
+    scored = {problem_key(r) for t in tasks for r in t.rows[:holdout]}
+    for t in tasks:
+        assert t.start == holdout, "the training task must start where the held-out problems end"
+        tail = [r for r in t.rows[holdout:] if problem_key(r) not in scored]
+        dropped = len(t.rows[holdout:]) - len(tail)
+        t.rows = t.rows[:holdout] + tail   # get_example reads self.rows: test[holdout:] is now the tail
+        if dropped:
+            print0(f"--test-holdout {holdout}: {dropped} {getattr(t, 'name', type(t).__name__)} test problems past "
+                   f"the first {holdout} repeat a held-out one; left out of training (chat_eval scores those)")
 
 
 SFT_CONVERSATIONS = 10_000
@@ -396,8 +427,10 @@ def test_holdouts(meta: dict, read_source, phase: str | None = None) -> tuple[di
     """(task -> (N, stage), complete) for the checkpoint whose meta.json is `meta`: it, or one it was
     trained from, trained on that task's local test problems past the first N (the smallest N wins).
     A chat stage records its source's map as meta "source" -> "test_holdouts" when it starts, so the
-    map survives the source's deletion; an older checkpoint's sources are read back with
-    `read_source(source dict) -> meta` (CheckpointError: gone, and the map is not complete)."""
+    map survives the source's deletion (with "test_holdouts_complete": False when the chain was not
+    known then); an older checkpoint's sources are read back with `read_source(source dict) -> meta`
+    (CheckpointError: gone, and the map is not complete). An SFT or RL checkpoint without a source
+    record is not complete either: it was trained from a checkpoint no one can name."""
     from nanochat.checkpoint import CheckpointError
     held: dict[str, tuple[int, str]] = {}
 
@@ -411,13 +444,15 @@ def test_holdouts(meta: dict, read_source, phase: str | None = None) -> tuple[di
             add(name, (meta.get("config") or {}).get("test_holdout", -1), stage)
         src = meta.get("source")
         if not (isinstance(src, dict) and src.get("phase") in ("base", *TEST_TRAINED) and isinstance(src.get("step"), int)):
-            return held, True
+            # mid starts from base, which trains on no test problem; SFT and RL start from a chat
+            # checkpoint, and one with no source recorded (older, or converted) hides what it trained on
+            return held, stage not in ("sft", "rl")
         recorded = src.get("test_holdouts")
         if isinstance(recorded, dict):
             for name, entry in recorded.items():
                 if isinstance(entry, (list, tuple)) and len(entry) == 2:
                     add(name, entry[0], entry[1])
-            return held, True
+            return held, src.get("test_holdouts_complete", True) is not False
         try:
             meta, phase = read_source(src), src["phase"]
         except CheckpointError:

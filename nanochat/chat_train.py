@@ -312,8 +312,11 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
               "model_sha256": model_digest(src_dir, src_step)}
     held, complete = test_holdouts(read_meta(src_dir, src_step), lambda src: read_meta(
         checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
-    if complete:   # else left out: chat_eval then walks the chain itself and says what it cannot know
-        source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
+    # what is known is recorded even when the chain is not (chat_rl's evaluation cuts to it); chat_eval
+    # then says what it cannot know
+    source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
+    if not complete:
+        source["test_holdouts_complete"] = False
     resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
     if resume_at is not None and cfg.resume != "auto":
         _check_source_of_resumed_run(cfg, ckpt_dir, resume_at)

@@ -128,10 +128,11 @@ def load_tasks(cfg: ChatEvalConfig) -> dict:
 HOLDOUT_FLAG = {"mid": "mid_train --test-holdout", "sft": "chat_sft --test-holdout", "rl": "chat_rl --test-holdout"}
 
 
-def held_out_problems(cfg: ChatEvalConfig, base_dir) -> dict[str, tuple[int, str]]:
-    """task -> (N, stage): the evaluated checkpoint, or one it was trained from, trained on that task's
-    test problems past the first N (nanochat/chat_data.py's test_holdouts); the smallest N wins. Read
-    from meta.json (seconds), before the model loads."""
+def held_out_problems(cfg: ChatEvalConfig, base_dir) -> tuple[dict[str, tuple[int, str]], bool]:
+    """(task -> (N, stage), known): the evaluated checkpoint, or one it was trained from, trained on that
+    task's test problems past the first N (nanochat/chat_data.py's test_holdouts); the smallest N wins.
+    known=False: a checkpoint of the chain cannot be read (said here, and recorded in the results).
+    Read from meta.json (seconds), before the model loads."""
     from nanochat.chat_data import test_holdouts
     from nanochat.checkpoint import checkpoint_dir, find_model_tag, read_meta
 
@@ -139,10 +140,11 @@ def held_out_problems(cfg: ChatEvalConfig, base_dir) -> dict[str, tuple[int, str
     meta = read_meta(checkpoint_dir(cfg.source, tag, base_dir), "latest" if cfg.step == "latest" else int(cfg.step))
     held, complete = test_holdouts(meta, lambda src: read_meta(
         checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
-    if not complete:   # a checkpoint from before sources were recorded, whose source is removed since
-        print0("chat_eval: cannot read a checkpoint the model was trained from (removed since?); the test "
-               "problems it may have trained on (mid_train / chat_sft / chat_rl's test holdout) are not known")
-    return held
+    if not complete:   # a source removed since (and not recorded), or an SFT / RL checkpoint naming no source
+        print0("chat_eval: cannot read a checkpoint the model was trained from (removed since, or not recorded in "
+               "meta.json's \"source\"); the test problems it may have trained on (mid_train / chat_sft / chat_rl's "
+               "test holdout) are not known: the scores may include problems it trained on")
+    return held, complete
 
 
 def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]]) -> dict[str, int]:
@@ -214,7 +216,8 @@ def main(argv=None) -> dict:
 
     tasks = load_tasks(cfg)
     # the test problems training saw are never scored: read from meta.json before the model loads
-    limits = problem_limits(cfg, held_out_problems(cfg, get_base_dir()))
+    held, lineage_known = held_out_problems(cfg, get_base_dir())
+    limits = problem_limits(cfg, held)
     # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
     # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
     tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
@@ -246,7 +249,8 @@ def main(argv=None) -> dict:
             partial += f" ({scored})"
         print0(f"| ChatCORE{partial} | {score:.4f} |")
         out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,
-               "ChatCORE": score, "complete": complete, "all_problems": not cut}
+               "ChatCORE": score, "complete": complete, "all_problems": not cut,
+               "training_problems_known": lineage_known}   # False: scores may include trained-on problems
         if rt.is_master:
             suffix = "" if cfg.quantize == "none" else f"_{cfg.quantize}"   # next to the unquantised results
             # one file per checkpoint (as base_eval's): evaluating another step keeps the earlier results
@@ -281,6 +285,8 @@ def report_section(cfg: ChatEvalConfig, tag: str, out: dict, tasks: dict) -> dic
         section.update({f"{n} scored as": f"pass@{cfg.num_samples}" for n in generative})
         if generative:
             section["ChatCORE scored as"] = f"pass@{cfg.num_samples}"
+    if out.get("training_problems_known") is False:   # the console's warning, kept with the scores
+        section["test problems trained on"] = "unknown (a source checkpoint is missing)"
     if cfg.quantize != "none":
         section["weights"] = cfg.quantize
     return section

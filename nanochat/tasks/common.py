@@ -131,9 +131,21 @@ def check_rows(rows: list, source: str, required: Sequence[str], check: Callable
             missing = [k for k in required if k not in row]
             problem = f"missing {', '.join(map(repr, missing))}" if missing else (check(row) if check else None)
         if problem:
+            line = line_of_row(source, i)
             raise DataError(f"{source}: row {i + 1}: {problem} (needs {', '.join(required)}); fix or delete "
-                            "that row")
+                            + ("that row" if line is None else f"that row (line {line} of the file)"))
     return rows
+
+
+def line_of_row(source: str, index: int) -> int | None:
+    """The line number of the index-th (0-based) row of a local file, counting blank lines as an
+    editor does (a file with blank lines has "row 6" on another line); None for rows from the hub."""
+    path = Path(source)
+    if source.startswith("hub:") or not path.is_file():
+        return None
+    with open(path, "rb") as f:   # the rows parse_jsonl_numbered read, with their line numbers
+        numbered = parse_jsonl_numbered(f, path)
+    return numbered[index][0] if index < len(numbered) else None
 
 
 def _import_datasets():
@@ -176,7 +188,10 @@ def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
     env = _KINDS[kind][0]
     raise DataUnavailableError(
         f"dataset {filenames[0]!r} not found.\nLocal files tried (set {env} or pass --data-dir):\n  {where}\n"
-        f"Hub: {hub_name} failed: {hub_reason}") from hub_error
+        f"Hub: {hub_name} failed: {hub_reason}\n"
+        # offline (this project's usual case) the hub cannot help: say what can
+        f"Offline: put {' or '.join(filenames)} (one JSON object per line) in one of the folders tried above"
+    ) from hub_error
 
 
 class Task:

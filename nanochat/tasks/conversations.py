@@ -26,7 +26,8 @@ from pathlib import Path
 from nanochat.common import print0
 from nanochat.errors import DataError
 from nanochat.tasks.common import (_KINDS, DataUnavailableError, Task, check_rows, load_rows, local_dirs,
-                                   parse_jsonl_numbered, read_local_rows, validate_conversation)
+                                   parse_jsonl_numbered, read_local_rows, line_of_row,
+                                   validate_conversation)
 from nanochat.tokenizer import check_conversation
 
 _SPLITS = ("train", "test")
@@ -156,7 +157,8 @@ class SmolTalk(_ConversationList):
             try:
                 _check_row(row, f"{self.source}: row {i + 1}", text=False)
             except ValueError as e:
-                raise DataError(f"{e}; fix or delete that row") from None
+                line = line_of_row(self.source, i)   # blank lines make it another line than row i + 1
+                raise DataError(f"{e}; fix or delete that row" + (f" (line {line} of the file)" if line else "")) from None
 
 
 def get_conversations(split: str = "train", *, source: str = "auto", data_dir=None, **kw) -> Task:
