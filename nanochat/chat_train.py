@@ -312,8 +312,7 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
               "model_sha256": model_digest(src_dir, src_step)}
     held, complete = test_holdouts(read_meta(src_dir, src_step), lambda src: read_meta(
         checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
-    # what is known is recorded even when the chain is not (chat_rl's evaluation cuts to it); chat_eval
-    # then says what it cannot know
+    # recorded even when the chain is not known (chat_rl's eval cuts to it; chat_eval says what it cannot know)
     source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
     if not complete:
         source["test_holdouts_complete"] = False
@@ -324,11 +323,9 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
 
 
 def _check_source_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
-    """An explicit --resume continues this stage's own checkpoint, whose weights came from the source
-    phase and step its run started from. A --source (given, or its default) naming another phase
-    went on with the resumed weights but recorded this source: chat_eval then took the held-out test
-    problems of the wrong lineage. A --step naming another source step was silently ignored (the
-    user believed the run now built on that step). Either: a CheckpointError naming both."""
+    """An explicit --resume keeps the weights its run started from: a --source of another phase
+    (chat_eval then read the wrong lineage's held-out problems) or a --step of another source step
+    (silently ignored) is a CheckpointError naming both."""
     from nanochat.checkpoint import CheckpointError, read_meta
     recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
     if recorded.get("phase") not in (None, cfg.source):
