@@ -263,8 +263,8 @@ def split_paths(bin_dir: Path, split: str) -> list[Path]:
     paths = list_bin_shards(bin_dir)
     if len(paths) < 2:
         raise MissingDataError(f"need at least 2 binary token shards (train + val) in {bin_dir}, "
-                               f"found {len(paths)}; create them with `python -m scripts.pretokenize` "
-                               "or read text shards (source='text')")
+                               f"found {len(paths)}; create them with `python -m scripts.pretokenize`, or move {bin_dir} "
+                               "aside (training then tokenizes the text shards as it reads them)")
     return paths[:-1] if split == "train" else paths[-1:]
 
 
@@ -306,8 +306,8 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
             raise DataError(
                 f"tokenizer mismatch: {what} in {bin_dir} were made with tokenizer "
                 f"{str(other)[:12]}, the current tokenizer is {fingerprint[:12]}; re-run "
-                "`python -m scripts.pretokenize` with --force to replace them (or delete that "
-                "directory), or read the text shards instead (source='text')")
+                "`python -m scripts.pretokenize` with --force to replace them, or move that directory "
+                "aside (training then tokenizes the text shards as it reads them)")
 
 
 _RUN_KEYS = ("text_shards", "text_mtime_ns", "text_sha256", "planned", "complete", "data_dir")  # what a run records, see the docstring

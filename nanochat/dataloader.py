@@ -181,7 +181,7 @@ class _BinSource:
                 raise DataError(f"tokenizer mismatch: {sh.path} was made with tokenizer "
                                 f"{sh.header.fingerprint[:12]}, the current tokenizer is "
                                 f"{tokenizer.fingerprint[:12]}; re-run `python -m scripts.pretokenize "
-                                f"--force` (or delete {sh.path.parent}, or read the text shards: source='text')")
+                                f"--force` (or move {sh.path.parent} aside: training then tokenizes the text shards)")
             if sh.header.vocab_size != tokenizer.vocab_size:
                 raise DataError(f"{sh.path}: made for vocab size {sh.header.vocab_size}, the tokenizer has "
                                 f"{tokenizer.vocab_size}; re-run `python -m scripts.pretokenize --force`")

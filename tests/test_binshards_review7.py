@@ -96,3 +96,23 @@ def test_pretokenize_refuses_a_single_text_shard_before_work(tmp_path):
     with pytest.raises(MissingDataError, match="need at least 2 shards"):
         pt.main(["--data-dir", str(data), "--workers", "1"], tokenizer=ByteTokenizer())
     assert not (tmp_path / "data_tokens").exists()
+
+
+def test_a_tokenizer_mismatch_names_a_remedy_the_command_line_has(tmp_path):
+    """The hint said "read the text shards (source='text')": no flag of any script sets that (the
+    loader's source is auto); moving the directory aside is what makes training read the text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from scripts import pretokenize as pt
+    from tests.test_dataloader import ByteTokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": [f"document {i} " * 20] * 4}), data / f"shard_0000{i}.parquet")
+    assert pt.main(["--data-dir", str(data), "--workers", "1"], tokenizer=ByteTokenizer()) == 0
+    from nanochat.dataloader import DataLoader
+    with pytest.raises(ValueError, match="tokenizer mismatch") as err:
+        DataLoader(ByteTokenizer("other"), 2, 32, "train", data_dir=data)
+    assert "source=" not in str(err.value) and "aside" in str(err.value)
