@@ -241,13 +241,14 @@ def tool_call_parts(text: str) -> str | list[dict]:
     <|output_end|>` as "<<expr=result>>" (TOOL_TEXT); a client sends that text back as history,
     and rendered as plain text it is not what the model wrote nor what SFT trained on (GSM8K calls
     are python / python_output parts). So every "<<expr=result>>" whose result is exactly what
-    the engine's calculator forces for expr becomes those parts again; anything else (a refused or
-    cut-off call, text that only looks like one) stays text. Returns `text` unchanged when it holds
-    no such call."""
+    the engine's calculator forces for expr becomes those parts again, as does "<<expr=>>" for an
+    expr the calculator refuses (the engine forces an empty output there); anything else (a
+    cut-off call, a wrong result, text that only looks like one) stays text. Returns `text`
+    unchanged when it holds no such call."""
     parts, pos = [], 0
     for m in _TOOL_CALL.finditer(text):
         expr, eq, result = m.group(1).rpartition("=")
-        if not eq or not expr.strip() or use_calculator(expr) != result:
+        if not eq or (use_calculator(expr) or "") != result:
             continue
         if m.start() > pos:
             parts.append({"type": "text", "text": text[pos:m.start()]})

@@ -88,8 +88,10 @@ def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
     others -= set(kinds) | ends
     parts, kind, buf = [], "text", []
 
-    def flush():
-        if buf:
+    def flush(closed: bool = False):
+        # a closed tool block is kept even when empty (a refused call's output, an empty call):
+        # dropped, the next render would lose its start / end tokens
+        if buf or (closed and kind != "text"):
             parts.append({"type": kind, "text": tokenizer.decode(buf)})
             buf.clear()
     for t in ids:
@@ -97,7 +99,7 @@ def assistant_parts(tokenizer, ids: Sequence[int]) -> list[dict]:
             flush()
             kind = kinds[t]
         elif t in ends:
-            flush()
+            flush(closed=True)
             kind = "text"
         elif t in others:
             continue

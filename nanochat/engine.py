@@ -13,6 +13,7 @@ reproducible; temperature 0 (or top-k 1) is greedy. On CUDA a step's draw is one
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
 `<|output_start|> result <|output_end|>` is forced into that row, one token per step, with mask 0.
+A call the calculator refuses gets an empty `<|output_start|><|output_end|>` (shown "<<expr=>>").
 
 A row finishes at its first stop token (default `<|assistant_end|>` and `<|bos|>`); the stop
 token is yielded, and after it the row repeats that token with mask 0 until every row is done.
@@ -395,8 +396,11 @@ class Engine:
         elif token == self._python_end and row.in_python:
             row.in_python = False
             result = use_calculator(self.tokenizer.decode(row.expr))
-            if result is not None:
-                row.forced.extend([self._output_start, *self.tokenizer.encode(result), self._output_end])
+            # a refused call gets an empty output block: left open, a model that learned output
+            # blocks (midtraining trains on them) writes one itself, a made-up result that streams as
+            # "<<expr=7>>" like a real one and that RL then trains on (mask 1)
+            body = self.tokenizer.encode(result) if result is not None else []
+            row.forced.extend([self._output_start, *body, self._output_end])
         elif row.in_python:
             row.expr.append(token)
         return token, mask
