@@ -17,7 +17,7 @@ mask="assistant" a conversation whose row holds no assistant token (a prompt lon
 cuts the reply off) is skipped, not packed: it would train nothing, and rows of such conversations
 made steps of no target at all (a loss of 0 in the log, an evaluation with nothing to score).
 A conversation longer than a row is cut at the row's end (its rest is not trained) and counted
-(`truncated`, the run summary's conversations_truncated). `trainable_share` probes a task for
+when packed (`truncated`, the run summary's conversations_truncated). `trainable_share` probes a task for
 both before training.
 
 State = the next stream position + the positions held in the buffer (re-rendered on load), so a
@@ -60,10 +60,12 @@ class ChatLoader:
         self.limit = len(task) if limit is None else min(limit, len(task))  # positions of one epoch used
         self.pad_id = tokenizer.bos_token_id
         self.pos = rank                 # next stream position to render
-        self.buffer: list[tuple[int, list[int], list[int]]] = []  # (position, ids, trained-token mask)
+        # (position, ids, trained-token mask, whether the conversation is longer than a row)
+        self.buffer: list[tuple[int, list[int], list[int], bool]] = []
         self.conversations_used = 0     # whole or cropped conversations placed into rows
         self.skipped = 0                # conversations with no trained token in a row (mask "assistant")
-        self.truncated = 0              # conversations longer than a row, cut at its end (the rest not trained)
+        self.truncated = 0              # packed conversations longer than a row, cut at its end (the rest
+        #                                 not trained); counted when packed, not when read into the buffer
         self._skip_run = 0              # ... in a row on this rank: a whole cycle of them trains nothing ever
         self.tokens_real = self.tokens_total = 0
 
@@ -72,23 +74,22 @@ class ChatLoader:
     def epoch(self) -> int:
         return self.pos // self.limit
 
-    def _render(self, pos: int) -> tuple[tuple[int, list[int], list[int]], bool]:
-        """((pos, ids, mask) cut to a row of seq_len + 1 tokens, whether the conversation was longer)."""
+    def _render(self, pos: int) -> tuple[int, list[int], list[int], bool]:
+        """(pos, ids, mask) cut to a row of seq_len + 1 tokens, and whether the conversation was longer."""
         row = self.seq_len + 1
         ids, mask = self.tokenizer.render_conversation(self.task[pos % self.limit], max_tokens=row + 1)
         if self.mask == "all":
             mask = [1] * len(ids)
-        return (pos, ids[:row], mask[:row]), len(ids) > row
+        return pos, ids[:row], mask[:row], len(ids) > row
 
     def _refill(self) -> None:
         while len(self.buffer) < self.buffer_size and (self.loop or self.pos < self.limit):
-            entry, cut = self._render(self.pos)
+            entry = self._render(self.pos)
             self.pos += self.world_size
             if self.mask == "assistant" and not any(entry[2][1:]):   # ids[0] (<|bos|>) is never a target
                 self._skip()
                 continue
             self._skip_run = 0
-            self.truncated += cut
             self.buffer.append(entry)
 
     def _skip(self) -> None:
@@ -104,7 +105,7 @@ class ChatLoader:
     # -- packing --------------------------------------------------------------------------------
     def _take_best_fit(self, room: int) -> int | None:
         best = None
-        for i, (_, ids, _) in enumerate(self.buffer):
+        for i, (_, ids, _, _) in enumerate(self.buffer):
             if len(ids) <= room and (best is None or len(ids) > len(self.buffer[best][1])):
                 best = i
         return best
@@ -125,7 +126,10 @@ class ChatLoader:
                 # crop: the shortest conversation fills the rest (an empty row takes the oldest one,
                 # which only happens when a conversation alone is longer than the row)
                 i = min(range(len(self.buffer)), key=lambda k: len(self.buffer[k][1])) if ids else 0
-            _, cids, cmask = self.buffer.pop(i)
+            _, cids, cmask, cut = self.buffer.pop(i)
+            # counted here, not when read: the up to buffer_size conversations read ahead of the last
+            # row have trained nothing yet (the summary's figure is as of the batches trained)
+            self.truncated += cut
             room = length - len(ids)
             ids += cids[:room]
             mask += cmask[:room]
@@ -167,7 +171,7 @@ class ChatLoader:
 
     # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"pos": self.pos, "buffer": [p for p, _, _ in self.buffer], "rank": self.rank,
+        return {"pos": self.pos, "buffer": [entry[0] for entry in self.buffer], "rank": self.rank,
                 "world_size": self.world_size, "conversations_used": self.conversations_used,
                 "skipped": self.skipped, "truncated": self.truncated, "tokens_real": self.tokens_real,
                 "tokens_total": self.tokens_total}
@@ -177,7 +181,7 @@ class ChatLoader:
             raise ValueError(f"--resume: the loader state was saved by rank {state.get('rank')} of "
                              f"{state.get('world_size')}; this is rank {self.rank} of {self.world_size}")
         self.pos = int(state["pos"])
-        self.buffer = [self._render(int(p))[0] for p in state["buffer"]]
+        self.buffer = [self._render(int(p)) for p in state["buffer"]]
         self.conversations_used = int(state.get("conversations_used", 0))
         self.skipped = int(state.get("skipped", 0))
         self.truncated = int(state.get("truncated", 0))
@@ -238,17 +242,6 @@ def trainable_share(task, tokenizer, seq_len: int, *, sample: int = 512) -> Reac
     return Reach(probed, cut, first_cut, need, long)
 
 
-def _line_of(path, row: int) -> int:
-    """The line number of the file's row-th (0-based) non-blank line, as its reader counts them."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.decode("utf-8").strip():
-                if row == 0:
-                    return lineno
-                row -= 1
-    raise AssertionError(f"{path} has fewer rows than it was read with")
-
-
 def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: int = 512,
                       file_sample: int = 10_000) -> list[str]:
     """SFT trains, and its val bpb scores, assistant tokens only: a conversation whose prompt fills
@@ -258,6 +251,7 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
     user's own data would be left out whole, silently); the warnings it printed (rows skipped)."""
     from nanochat.common import print0
     from nanochat.tasks import ConversationFile
+    from nanochat.tasks.common import line_of_row
 
     said = []
     for what, task in (("training", train_mix), ("validation", val_mix)):
@@ -282,7 +276,11 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
         reach = trainable_share(task, tokenizer, seq_len, sample=file_sample)
         if not reach.cut:
             continue
-        where = f"--extra-conversations {path}:{_line_of(path, reach.first_cut)}"
+        # the file's reader's own line count (a leading byte-order mark, blank lines): a copy of it
+        # here counted a line holding only a BOM as a row and named the line before the bad one
+        line = line_of_row(path, reach.first_cut)
+        assert line is not None, f"{path} has fewer rows than it was read with"
+        where = f"--extra-conversations {path}:{line}"
         if reach.cut == reach.probed:
             raise RequestError(f"{where}: no conversation of the file (the first {reach.probed:,} checked) has an "
                                f"assistant token within a row of {seq_len + 1} tokens, so none would train; "
