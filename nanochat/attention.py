@@ -65,7 +65,7 @@ from nanochat import cudnn_attention  # defines two custom ops; imports nothing 
 from nanochat import fa4_attention  # imports nothing from flash-attn-4
 from nanochat.errors import RequestError
 from nanochat.fa4_attention import FA4_AUTO_CAPABILITIES  # where auto may pick cudnn_fa4
-from nanochat.kv_cache import KVCache, StaticKV  # read here; also re-exported (callers import them from here)
+from nanochat.kv_cache import KVCache, StaticKV, check_layer  # read here; also re-exported (callers import them from here)
 
 BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "cudnn_fa4", "sdpa", "flex", "reference")
@@ -98,7 +98,7 @@ def resolve_backend(name: str, device) -> str:
     if name in ("cudnn", "cudnn_fa4"):
         if device_type != "cuda":
             raise RequestError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
-                             "accepted here: auto|sdpa|flex|reference")
+                               f"accepted here: {_accepted_off_cuda(device_type)}")
         if not torch.compiler.is_compiling():  # eager check
             reason = cudnn_attention.available() or (fa4_attention.available() if name == "cudnn_fa4" else None)
             if reason is not None:
@@ -106,18 +106,24 @@ def resolve_backend(name: str, device) -> str:
         return "sdpa_cudnn" if name == "cudnn" else name
     if name == "flex" and device_type not in ("cuda", "cpu"):
         raise RequestError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
-                         "accepted here: auto|sdpa|reference")
+                           f"accepted here: {_accepted_off_cuda(device_type)}")
     return name
+
+
+def _accepted_off_cuda(device_type: str, training: bool = False) -> str:
+    """The --attn-backend choices a non-CUDA device takes: flex runs on CPU only, forward only.
+    (The cudnn error listed flex on any device, so MPS and CPU-training users met a second refusal.)"""
+    return "auto|sdpa|flex|reference" if device_type == "cpu" and not training else "auto|sdpa|reference"
 
 
 def check_training_backend(name: str, device) -> str:
     """resolve_backend for a training run: flex has no backward on CPU (attention() raises at the
     first step), so a CPU run that asks for it is refused with the flags."""
-    resolved = resolve_backend(name, device)
-    if resolved == "flex" and torch.device(device).type == "cpu":
-        raise RequestError("--attn-backend flex has no backward on CPU; accepted for CPU training: "
-                           "auto|sdpa|reference")
-    return resolved
+    if torch.device(device).type == "cpu" and name in ("flex", "cudnn", "cudnn_fa4"):
+        why = "has no backward on CPU" if name == "flex" else "needs a CUDA device"
+        raise RequestError(f"--attn-backend {name} {why}; accepted for CPU training: "
+                           f"{_accepted_off_cuda('cpu', training=True)}")
+    return resolve_backend(name, device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,6 +451,7 @@ def _static_decode_attention(q, k, v, window, kv: StaticKV, layer_idx: int):
     B, Hq, T, D = q.shape
     if T != 1:
         raise ValueError(f"attention: a StaticKV step feeds one token per row, got {T}")
+    check_layer(kv.k, layer_idx)
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
     if k.size(0) != k_cache.size(0):
         raise ValueError(f"attention: batch {k.size(0)} != cache batch {k_cache.size(0)}")

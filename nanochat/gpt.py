@@ -82,13 +82,17 @@ class GPTConfig:
                              "heads of an even head_dim (RoPE rotates pairs)")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
-        pattern = self.window_pattern
-        if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "L"}:
-            raise ValueError(f"--window-pattern: got {self.window_pattern!r}; accepted: a non-empty "
-                             "string of S (window T/4) and L (full), e.g. SSSL or L")
+        check_window_pattern(self.window_pattern)
         cap = self.softcap
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap < math.inf:
             raise ValueError(f"GPTConfig.softcap: got {self.softcap!r}; accepted: a finite number > 0")
+
+
+def check_window_pattern(pattern) -> None:
+    """Raise unless `pattern` is a non-empty string of S and L (--window-pattern)."""
+    if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "L"}:
+        raise ValueError(f"--window-pattern: got {pattern!r}; accepted: a non-empty "
+                         "string of S (window T/4) and L (full), e.g. SSSL or L")
 
 
 def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_ratio: int = 64,
@@ -111,6 +115,9 @@ def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_r
 
 def layer_windows(config: GPTConfig) -> list[int | None]:
     """Per-layer attention window in tokens (None = full). S = sequence_len // 4; last layer full."""
+    # checked here too: callers pass configs that never met validate() (a config edited after it),
+    # and every letter but "L" (a lowercase "l" included) became a window, "" a ZeroDivisionError
+    check_window_pattern(config.window_pattern)
     short = max(1, config.sequence_len // 4)
     pattern = config.window_pattern
     windows = [None if pattern[i % len(pattern)] == "L" else short for i in range(config.n_layer)]

@@ -11,6 +11,14 @@ import numbers
 import torch
 
 
+def check_layer(layers: list, layer_idx: int) -> None:
+    """A layer index must name one of the cache's layers: a cache made for fewer layers than the
+    model failed with a bare IndexError, and a negative index wrote another layer's slots."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or not 0 <= layer_idx < len(layers):
+        raise ValueError(f"KVCache: layer {layer_idx!r} outside 0..{len(layers) - 1} (num_layers="
+                         f"{len(layers)}); create the cache with the model's n_layer")
+
+
 class KVCache:
     """Preallocated k/v buffers for incremental decoding: per layer one (B, Hkv, Tmax, D) tensor.
 
@@ -74,6 +82,7 @@ class KVCache:
 
     def insert(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v (B, Hkv, T, D) at [pos, pos+T) of `layer_idx`; return k/v over [0, pos+T)."""
+        check_layer(self.k, layer_idx)
         end = self.pos + k.size(2)
         if end > self.seq_len:
             raise ValueError(f"KVCache: {end} tokens exceed the cache length {self.seq_len}; "
