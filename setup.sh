@@ -75,7 +75,7 @@ add_conversations() {  # a --conversations value: an existing file, kept as an a
   # same file named from another directory, must not read as a changed config and rerun the chat stages)
   [[ "$f" != "~/"* ]] || f="$HOME/${f:2}"
   [[ "$f" == /* ]] || f="$CALLER_DIR/$f"
-  f="$(realpath -ms -- "$f" 2>/dev/null || printf '%s' "$f")"
+  f="$(realpath -m -- "$f" 2>/dev/null || printf '%s' "$f")"   # symlinks first: "link/.." is where the OS goes
   [[ -f "$f" ]] || die "--conversations: got '$1'; accepted: an existing JSONL file of conversations"
   CONV_FILES+=("$f")
 }

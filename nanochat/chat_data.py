@@ -174,7 +174,7 @@ class ChatLoader:
         return {"pos": self.pos, "buffer": [entry[0] for entry in self.buffer], "rank": self.rank,
                 "world_size": self.world_size, "conversations_used": self.conversations_used,
                 "skipped": self.skipped, "truncated": self.truncated, "tokens_real": self.tokens_real,
-                "tokens_total": self.tokens_total}
+                "tokens_total": self.tokens_total, "truncated_when": "packed"}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
@@ -185,6 +185,8 @@ class ChatLoader:
         self.conversations_used = int(state.get("conversations_used", 0))
         self.skipped = int(state.get("skipped", 0))
         self.truncated = int(state.get("truncated", 0))
+        if state.get("truncated_when") != "packed":   # an older state counted its buffer when read
+            self.truncated -= sum(entry[3] for entry in self.buffer)
         # the run's row fill so far (a resumed run's summary is the whole run's, not its tail's)
         self.tokens_real, self.tokens_total = int(state.get("tokens_real", 0)), int(state.get("tokens_total", 0))
 

@@ -329,8 +329,10 @@ def _check_source_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
     from nanochat.checkpoint import CheckpointError, read_meta
     recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
     if recorded.get("phase") not in (None, cfg.source):
+        given = getattr(cfg, "given_flags", None)   # chat_rl records which flags were typed
+        default = " (its default)" if given is not None and "source" not in given else ""
         raise CheckpointError(
-            f"--source {cfg.source}: the run --resume {resume_at} continues started from --source "
+            f"--source {cfg.source}{default}: the run --resume {resume_at} continues started from --source "
             f"{recorded['phase']} ({recorded['phase']}/{recorded.get('model_tag')} step {recorded.get('step')}); "
             f"accepted: --source {recorded['phase']} (to build on a {cfg.source} checkpoint instead, start afresh: "
             "drop --resume and add --overwrite)")

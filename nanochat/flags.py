@@ -183,12 +183,29 @@ def script_main(name: str, check, run) -> None:
         except RequestError as e:
             _exit_with_error(name, e)
         except BrokenPipeError:   # stdout's reader went away (`... | head`): stop quietly, as `git log | head`
+            if not _stdout_gone():
+                raise   # another pipe (a worker's, a subprocess's): a real error, with its traceback
             _silence_stdout()
             code = 141            # what a shell reports for a writer ended by SIGPIPE
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
     except KeyboardInterrupt as interrupt:
         _say_interrupted(name, interrupt)
         raise   # no traceback (_say_interrupted's hook); Python exits by SIGINT
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports POLLERR on its write end): only
+    then is a BrokenPipeError the closed-stdout case; elsewhere poll is missing and it counts as gone."""
+    import select
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # a test's capture: no descriptor to ask
+        return False
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def _silence_stdout() -> None:

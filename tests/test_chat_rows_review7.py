@@ -107,6 +107,22 @@ def test_truncated_counts_packed_conversations_not_the_read_ahead_buffer(tiny_to
         assert rest.truncated == loader.truncated == 2
 
 
+def test_a_state_saved_before_packed_counting_is_not_counted_twice(tiny_tokenizer):
+    """A loader state written before the count moved to packing already counted its buffered long
+    conversations; resumed, they were counted again when packed."""
+    tok, seq_len = tiny_tokenizer, 24
+    long = [conv(f"q{i}", "and so it goes on " * 10) for i in range(2)]
+    data = long + [conv(f"s{i}", f"a{i}") for i in range(3)]
+    loader = ChatLoader(data, tok, 1, seq_len, mask="all", fill="crop", buffer_size=5, loop=False)
+    next(loader)
+    old = dict(loader.state_dict(), truncated=2)   # the old rule: both long ones counted when read
+    del old["truncated_when"]
+    rest = ChatLoader(data, tok, 1, seq_len, mask="all", fill="crop", buffer_size=5, loop=False)
+    rest.load_state_dict(old)
+    list(rest)
+    assert rest.truncated == 2
+
+
 def test_extra_file_warning_names_the_line_after_a_byte_order_mark(tiny_tokenizer, tmp_path, capsys):
     """A file whose first line is only a byte-order mark (an editor's), then a conversation whose
     prompt fills the row: its reader skips the BOM line, and the warning named line 1 (the BOM),

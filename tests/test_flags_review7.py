@@ -27,3 +27,16 @@ def test_compare_logs_piped_into_head_ends_quietly(tmp_path):
         child.kill()
         child.wait()
         child.stderr.close()
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error(tmp_path):
+    """Only a closed stdout is the quiet `| head` case: a BrokenPipeError from another pipe (a dead
+    worker's, a subprocess's) keeps its traceback and is no exit 141."""
+    script = tmp_path / "t.py"
+    script.write_text("import os\nfrom nanochat.flags import script_main\n\n"
+                      "def run():\n    print('working', flush=True)\n"
+                      "    r, w = os.pipe()\n    os.close(r)\n    os.write(w, b'x')\n\n"
+                      "script_main('t', lambda: None, run)\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode not in (0, 141) and "BrokenPipeError" in out.stderr and out.stdout == "working\n"
