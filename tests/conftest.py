@@ -115,6 +115,15 @@ def tiny_tokenizer(tiny_corpus):
     return Tokenizer.train(texts, TINY_VOCAB)
 
 
+@pytest.fixture
+def base(tmp_path, monkeypatch):
+    """NANOCHAT_BASE_DIR -> tmp_path/base (not created), single-process env (some files define their own)."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "base"
+
+
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory, tiny_tokenizer):
     """A fresh base dir (per test module) holding the tiny tokenizer."""

@@ -242,9 +242,15 @@ def test_chat_cli_piped_into_head_ends_quietly(sft_checkpoint):
     child = subprocess.Popen(chat_cli_command("-p", "hello there", "-t", "0", "-m", "50"), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
                              env=env)
+    assert_quiet_after_head(child)
+
+
+def assert_quiet_after_head(child: subprocess.Popen) -> None:
+    """Read one byte of `child`'s stdout and close it, as `head -c 1` does: the child must end with exit
+    141 and nothing on stderr."""
     try:
         assert child.stdout.read(1)
-        child.stdout.close()   # as head does once it has its bytes
+        child.stdout.close()
         assert child.wait(timeout=60) == 141
         assert child.stderr.read() == b""
     finally:

@@ -17,14 +17,6 @@ import pytest
 import torch
 
 
-@pytest.fixture
-def base(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "base"
-
-
 def save(base, tokenizer, phase: str, step: int, **meta) -> dict:
     """A 1-layer GPT saved as <phase>/d1 <step>, with `meta` (config, source) as chat_train writes it."""
     from nanochat import gpt

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_chat_cli import assert_quiet_after_head
+
 ROOT = Path(__file__).resolve().parents[1]
 LINE = ("step {s:05d}/20000 | loss {l:.4f} | lrm 1.000 | dt    100.0ms | tok/s      10,000 | mfu   n/a "
         "| util(bf16)   n/a | mem   1.00GiB\n")
@@ -18,15 +20,7 @@ def test_compare_logs_piped_into_head_ends_quietly(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-m", "scripts.compare_logs", str(a), str(b)], cwd=ROOT, env=env,
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert child.stdout.read(1)
-        child.stdout.close()   # as head does once it has its lines
-        assert child.wait(timeout=60) == 141
-        assert child.stderr.read() == b""
-    finally:
-        child.kill()
-        child.wait()
-        child.stderr.close()
+    assert_quiet_after_head(child)
 
 
 def test_a_broken_pipe_that_is_not_stdout_stays_an_error(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import types
 from dataclasses import asdict
 
 import pytest
@@ -14,30 +13,16 @@ import torch
 
 from nanochat import checkpoint as ck
 from nanochat.loop import LoopSpec, StopRequested, check_resume_compatible, run_training_loop
+from tests.test_loop import _SignalTrainer
 
 TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
         "--device-batch-size", "4", "--total-batch-size", "512", "--window-pattern", "SL",   # 2 micro-batches
         "--sample-every", "-1", "--eval-tokens", "256", "--no-compile", "--warmdown-ratio", "0.5"]
 
 
-class _Trainer:
-    """A trainer whose step `at` signals the process mid-step."""
-
-    def __init__(self, at: int):
-        self.at, self.steps = at, []
-        self.meter = types.SimpleNamespace(update=lambda result: {}, log_line=lambda metrics, n: "step")
-
-    def step(self, step):
-        if step == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.steps.append(step)
-        return types.SimpleNamespace(loss=1.0, extra=None, lrm=1.0)
-
-    def loop_state(self, step, meter, **kw):
-        return {"step": step, **kw}
-
-    def note_checkpoint(self, path):
-        pass
+def _Trainer(at: int):
+    """A trainer whose step `at` sends the process SIGTERM mid-step (test_loop's)."""
+    return _SignalTrainer(at, signal.SIGTERM)
 
 
 def test_a_stop_in_the_last_step_saves_before_the_final_evaluation(tmp_path, monkeypatch):

@@ -23,13 +23,13 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.setup_clone import make_clone
+from tests.test_setup_review3 import _run
 
 REPO = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
@@ -44,15 +44,6 @@ exit 0
 @pytest.fixture
 def clone(tmp_path) -> Path:
     return make_clone(tmp_path, FAKE_PYTHON, home=True)
-
-
-def _run(repo: Path, *args, bin_dir: Path | None = None, cwd: Path | None = None, **env):
-    path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
-    if bin_dir is not None:
-        path = f"{bin_dir}:{path}"
-    e = {"PATH": path, "HOME": str(repo.parent / "home"), **{k: str(v) for k, v in env.items()}}
-    out = subprocess.run([BASH, *args], capture_output=True, text=True, timeout=60, cwd=cwd or repo, env=e)
-    return out.returncode, out.stdout + out.stderr
 
 
 def _commands(out: str) -> dict[str, list[str]]:

@@ -135,14 +135,6 @@ def test_an_sft_or_rl_checkpoint_without_a_source_is_an_unknown_lineage():
     assert test_holdouts({"phase": "rl", "source": recorded}, unreadable) == ({"GSM8K": (4, "mid")}, False)
 
 
-@pytest.fixture
-def base(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "base"
-
-
 def test_chat_eval_says_an_unknown_lineage_in_its_results(base, tiny_tokenizer, tmp_path, capsys):
     """An RL model started from an SFT checkpoint that names no source: SFT's own holdout (2) is
     recorded and still cuts the score, and the rest of the chain is unknown, said where the scores go."""
