@@ -19,6 +19,7 @@ import ast
 import math
 import operator
 import re
+from decimal import Decimal
 
 MAX_EXPR_CHARS = 300        # the model's tool calls are short; longer text is not arithmetic
 MAX_NODES = 100             # bounds the work of the tree walk
@@ -146,7 +147,12 @@ def format_result(value: int | float) -> str:
             return str(int(value))  # 6/2 -> "3", like a person would write it
         # 15 significant digits: every decimal a double holds exactly enough to print back (0.1 + 0.2
         # shows as 0.3, not 0.30000000000000004), where 12 wrote 100000000000.5 + 1 as 100000000002
-        return format(value, ".15g")
+        text = format(value, ".15g")
+        if "e-" in text and abs(value) >= 1e-9:
+            # .15g switches to exponent form below 1e-4 ("3e-05"); a model trained on worked
+            # arithmetic reads and copies positional decimals, so write 0.00003 down to 1e-9
+            text = format(Decimal(text), "f")
+        return text
     return str(value)
 
 

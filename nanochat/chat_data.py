@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
@@ -414,7 +415,50 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
         tasks = [convs, *own, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
+    drop_eval_questions([convs, *files.values()], data_dir)   # before the mixture counts rows
     return TaskMixture(tasks + [files[path] for path in extra], seed=seed)
+
+
+# chat_eval's multiple-choice and math test files (local names), for the decontamination below
+EVAL_QUESTION_FILES = {"MMLU": ("mmlu_test.jsonl", "mmlu.jsonl"), "ARC-Easy": ("arc_easy_test.jsonl", "arc_easy.jsonl"),
+                       "ARC-Challenge": ("arc_challenge_test.jsonl", "arc_challenge.jsonl"),
+                       "GSM8K": ("gsm8k_test.jsonl", "gsm8k.jsonl")}
+
+
+def _question_text(text) -> str:
+    """Case, punctuation and spacing folded: "What is X?" and "what is x" are one question."""
+    return " ".join(re.sub(r"[\W_]+", " ", str(text).casefold()).split())
+
+
+def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
+    """Leave out of each general-chat task in `tasks` (rows of {"messages"}) every conversation a
+    user turn of which IS a chat_eval test question (MMLU, ARC, GSM8K; compared after folding case,
+    punctuation and spacing). The local sft/chatterbot.jsonl asks three MMLU test questions word for
+    word ("What is the only metal that is a liquid at normal atmospheric pressure and temperature?"),
+    answered: trained on, they are read back as MMLU accuracy. Only local eval files are read (no
+    download at training time); a missing one is named. Returns {source: conversations left out}."""
+    from nanochat.common import print0
+    from nanochat.tasks.common import find_local_file, read_jsonl
+    questions, missing = set(), []
+    for name, filenames in EVAL_QUESTION_FILES.items():
+        path, _ = find_local_file("eval", filenames, data_dir)
+        if path is None:
+            missing.append(name)
+            continue
+        questions.update(q for row in read_jsonl(path) if len(q := _question_text(row.get("question", ""))) >= 12)
+    if missing:
+        print0(f"decontamination: no local test file of {', '.join(missing)}; conversations not checked against it")
+    dropped = {}
+    for task in tasks:
+        keep = [row for row in task.rows if not any(
+            m.get("role") == "user" and isinstance(m.get("content"), str) and _question_text(m["content"]) in questions
+            for m in row["messages"])]
+        if len(keep) < len(task.rows):
+            dropped[task.source] = len(task.rows) - len(keep)
+            print0(f"decontamination: {dropped[task.source]} conversations of {task.source} ask a chat_eval test "
+                   "question word for word; left out of training")
+            task.rows = keep
+    return dropped
 
 
 # The chat_eval tasks whose local test files a stage's mixture trains on past their first N problems

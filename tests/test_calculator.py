@@ -144,3 +144,13 @@ def test_format_result():
 def test_non_str_input():
     with pytest.raises(CalculatorError):
         evaluate(12)  # type: ignore[arg-type]
+
+
+def test_small_floats_are_written_positionally():
+    """Results below 1e-4 used to come back as "3e-05": positional down to 1e-9, exponent below."""
+    assert format_result(3e-05) == "0.00003"
+    assert use_calculator("1/30000") == "0.0000333333333333333"
+    assert use_calculator("-2**-20") == "-0.00000095367431640625"
+    assert format_result(0.0001) == "0.0001"
+    assert format_result(1e-300) == "1e-300"          # far below: positional would be 300 digits
+    assert float(use_calculator("1/30000")) == float(format_result(1 / 30000))

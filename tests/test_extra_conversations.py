@@ -276,7 +276,8 @@ def test_extra_rows_that_are_validation_conversations_are_counted(shared_data, t
     val bpb scores: the overlap is counted per file (roles and contents; other keys do not matter)."""
     from nanochat.chat_data import build_mixture, validation_overlap
     val = build_mixture("sft", "val", data_dir=shared_data, test_holdout=50)
-    held = [val[i]["messages"] for i in range(len(val))][:3]
+    # general-chat validation rows: a copied GSM8K one is left out of training as an eval question
+    held = [val.tasks[0][i]["messages"] for i in range(3)]
     leaky = _write(tmp_path / "leaky.jsonl", OWN + [{"messages": m, "source": "copied"} for m in held])
     own = _write(tmp_path / "own.jsonl", OWN)
     train = build_mixture("sft", "train", data_dir=shared_data, test_holdout=50, extra=[str(own), str(leaky)])
