@@ -538,7 +538,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # FLOPs of the rows trained (--max-seq-len may be shorter than the model's context: attention
     # then sees fewer keys per query), not of the model's full sequence length
     meter = StepMeter(model.estimate_flops(seq_len), rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
-                      precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes)
+                      precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes,
+                      low_precision_flops=precision_info.get("low_precision_flops"))
     train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,
                   "mixture_conversations": len(train_mix), "mixture": mixture, "mask": stage.mask, "fill": stage.fill,

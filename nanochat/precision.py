@@ -15,9 +15,8 @@ Parameter (optimizer groups, init and checkpoint keys are unchanged). Backends:
            dataclass's real fields and read back after construction (TE drops unknown keys);
            that half lives in precision_te.py.
 - torchao  fp8: torchao.float8 tensor-wise training conversion.
-- emulated nvfp4: `EmulatedNVFP4Linear` fake-quantises activations and weights to e2m1 with
-           16-element e4m3 block scales and a per-tensor fp32 scale; straight-through gradients
-           (bf16 backward). Runs on any GPU or CPU: for numerics studies, not for speed.
+- emulated nvfp4: `EmulatedNVFP4Linear` (nvfp4_emulated.py) fake-quantises activations and
+           weights to e2m1 with e4m3 block scales; bf16 backward. Any device: numerics, not speed.
 
 Layers that stay in the compute dtype (documented rule, `keep_high_precision`): the lm_head
 (precision-sensitive, and the loss kernels take its weight directly), and any Linear whose
@@ -43,6 +42,8 @@ import torch.nn.functional as F
 
 from nanochat import weight_cache
 from nanochat.errors import RequestError
+from nanochat.nvfp4_emulated import (E2M1_GRID, E2M1_MAX, E4M3_MAX, EmulatedNVFP4Linear,  # noqa: F401 (re-exported)
+                                     fake_quant_nvfp4, quantize_nvfp4, round_to_e2m1, round_to_e4m3)
 from nanochat.platform import DeviceSpec, detect_device
 from nanochat.precision_te import build_te_recipe, te_factory, te_fp8_problem, te_nvfp4_problem
 from nanochat.precision_te import te_available as _te_importable
@@ -53,10 +54,7 @@ log = logging.getLogger("nanochat.precision")
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 ALIGN = {"fp8": 16, "nvfp4": 32}
-E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
-E2M1_MAX = 6.0
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,6 +74,14 @@ class PrecisionPlan:
     def peak_key(self) -> str:
         """Which peak_flops() entry this run's matmuls use (emulation runs bf16 matmuls)."""
         return "bf16" if self.backend == "emulated" else self.precision
+
+    @property
+    def backward_low(self) -> bool:
+        """Whether the converted layers' backward GEMMs run at peak_key's rate too: TE NVFP4 with a
+        backward_override (high_precision / dequantized) runs them in bf16, as emulation does."""
+        if self.peak_key == "bf16":
+            return False
+        return self.recipe.get("backward_override", "None") in ("None", None)
 
     def describe(self) -> dict[str, Any]:
         desc = {"precision": self.precision, "backend": self.backend, "recipe": self.recipe,
@@ -384,68 +390,6 @@ class Fp8Linear(nn.Linear):
 
 
 # --------------------------------------------------------------------------------------------
-# Emulated nvfp4: fake quantisation to e2m1 with e4m3 block scales
-# --------------------------------------------------------------------------------------------
-
-def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (as hardware does)."""
-    grid = torch.tensor(E2M1_GRID, device=y.device, dtype=torch.float32)
-    mids = (grid[1:] + grid[:-1]) / 2
-    a = y.abs().float().clamp(max=E2M1_MAX)
-    idx = torch.bucketize(a, mids)                   # a == mid -> lower neighbour
-    odd_lower = torch.tensor([0, 1, 0, 1, 0, 1, 0], device=y.device, dtype=torch.bool)
-    tie = a == mids[idx.clamp(max=len(mids) - 1)]
-    idx = idx + (tie & odd_lower[idx.clamp(max=len(mids) - 1)]).long()   # round up to the even one
-    return torch.copysign(grid[idx], y.float())
-
-
-def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """Round float32 0 <= v <= 448 to the nearest e4m3 value (ties to even), as the float8_e4m3fn
-    cast does, in float32 arithmetic: MPS had no float8 dtypes up to torch 2.11 at least (pytorch
-    #132624), and the emulation is meant to run there. 3 mantissa bits: steps of 2^(e-3) in
-    [2^e, 2^(e+1)), 2^-9 below 2^-6."""
-    e = torch.floor(torch.log2(v.clamp(min=2.0**-9)))
-    p = torch.exp2(e)   # log2 may round across a power of two: fix e so that 2^e <= v < 2^(e+1)
-    e = torch.where(p > v, e - 1, torch.where(2 * p <= v, e + 1, e)).clamp(min=-6)
-    step = torch.exp2(e - 3)
-    return torch.round(v / step) * step
-
-
-def quantize_nvfp4(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e2m1 values as float, e4m3 block scales as float, fp32 tensor scale) along the last dim;
-    x ~= values * block_scale[..., None] * tensor_scale."""
-    if x.shape[-1] % block:
-        raise ValueError(f"nvfp4 needs the last dim ({x.shape[-1]}) divisible by {block}")
-    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
-    amax = x.detach().abs().amax().float()
-    tensor_scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
-    block_amax = xb.detach().abs().amax(dim=-1)
-    block_scale = (block_amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX)
-    block_scale = round_to_e4m3(block_scale)
-    denom = block_scale * tensor_scale
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    values = torch.where(denom[..., None] > 0, round_to_e2m1(xb / safe[..., None]), 0.0)
-    return values, block_scale, tensor_scale
-
-
-def fake_quant_nvfp4(x: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """Dequantised nvfp4 with straight-through gradient (identity in backward)."""
-    values, block_scale, tensor_scale = quantize_nvfp4(x, block)
-    deq = (values * block_scale[..., None] * tensor_scale).reshape(x.shape).to(x.dtype)
-    return x + (deq - x).detach()
-
-
-class EmulatedNVFP4Linear(nn.Linear):
-    """nn.Linear whose training forward sees nvfp4-quantised x and w (16-blocks along K)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to(x.dtype)
-        if torch.is_grad_enabled():
-            x, w = fake_quant_nvfp4(x), fake_quant_nvfp4(w)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-
-
-# --------------------------------------------------------------------------------------------
 # Module swapping
 # --------------------------------------------------------------------------------------------
 
@@ -582,7 +526,21 @@ def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "a
             info["fp8_wgrad"] = fp8_wgrad
         log.warning("[precision] %s via %s: %d linears converted, kept: %s", plan.precision,
                     plan.backend, len(plan.converted), plan.kept_high_precision)
+        info["low_precision_flops"] = low_precision_flops(model, plan)
     return {**plan.describe(), **info, "peak_key": plan.peak_key}
+
+
+def low_precision_flops(model: nn.Module, plan: PrecisionPlan) -> int:
+    """Training FLOPs per token that run at the active precision's peak: the converted Linears'
+    forward (2 per weight) and, when `plan.backward_low`, their backward (4 per weight). The rest of
+    gpt.estimate_flops (lm_head and other kept layers, attention) runs at bf16, so the meter's
+    util() divides by a peak blended from the two (step_meter.blended_peak): against the nvfp4 peak
+    for every FLOP, an nvfp4 run with TE's bf16 backward topped out near 30% on a GB10."""
+    if plan.peak_key == "bf16":
+        return 0
+    names = set(plan.converted)
+    weights = sum(m.weight.numel() for name, m in model.named_modules() if name in names)
+    return (6 if plan.backward_low else 2) * weights
 
 
 @contextlib.contextmanager

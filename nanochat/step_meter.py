@@ -1,5 +1,5 @@
 """The training step meter: throughput, MFU against the device's dense bf16 peak, utilisation of
-the active precision's peak, an EMA-smoothed loss, the fixed-field per-step log line and its ETA.
+the active precision's peak (blended with bf16 for the FLOPs that run in bf16), an EMA-smoothed loss, the fixed-field per-step log line and its ETA.
 Also where the peak FLOP/s come from (`resolve_peak_flops`, `describe_peaks`: nanochat/platform.py's
 table or --peak-flops). nanochat/training.py re-exports every name here (recipes import them from
 there).
@@ -55,14 +55,30 @@ def _every_rank(own: tuple, world_size: int) -> list[tuple]:
     return out
 
 
-def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, override: float | None) -> str:
-    """The banner's peak line: the bf16 peak MFU divides by, the active precision's (util), and
-    where they come from (--peak-flops, the vendor datasheet, or spec-derived, as GB10's are)."""
+def blended_peak(bf16: float | None, act: float | None, flops_per_token: float,
+                 low_flops: float | None) -> float | None:
+    """The peak util() divides by: a token's FLOPs over the time they take at their own peaks,
+    `low_flops` of them (precision.low_precision_flops: the converted layers' GEMMs) at `act` and
+    the rest (attention, lm_head, a bf16 backward) at bf16. `act` itself when either peak is
+    unknown or the caller does not know the split (low_flops None)."""
+    if not bf16 or not act or low_flops is None or flops_per_token <= 0:
+        return act
+    low = min(max(float(low_flops), 0.0), flops_per_token)
+    return flops_per_token / (low / act + (flops_per_token - low) / bf16)
+
+
+def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, override: float | None,
+                   blended: float | None = None, low_share: float | None = None) -> str:
+    """The banner's peak line: the bf16 peak MFU divides by, the active precision's, the blend of
+    the two util() divides by (`blended`, with `low_share` of the FLOPs at the active precision), and
+    where the peaks come from (--peak-flops, the vendor datasheet, or spec-derived, as GB10's are)."""
     from nanochat.platform import detect_device, peak_key
     if bf16 is None:
         return "n/a (MFU not computed; --peak-flops)"
     key = peak_key(precision)
     text = f"bf16 {bf16:.4e}" + (f", {key} {act:.4e}" if key != "bf16" and act else "")
+    if key != "bf16" and act and blended and low_share is not None:
+        text += f", util() against {blended:.4e} ({low_share:.0%} of the FLOPs at {key}, the rest at bf16)"
     if override is not None:
         return text + " (--peak-flops" + (f"; {key} by the dense ratio to bf16)" if key != "bf16" and act else ")")
     return text + f" ({detect_device(rt.device).source})"
@@ -74,7 +90,8 @@ def _warn(msg: str) -> None:
 
 class StepMeter:
     """Throughput, MFU and an EMA-smoothed loss. MFU is against the dense bf16 peak (comparable
-    across precisions); `util` is against the active precision's own peak. The first
+    across precisions); `util` is against `peak_util`: the active precision's own peak, blended
+    with bf16 by `low_precision_flops` when given (blended_peak). The first
     `warmup_steps` of every process (compilation, allocator warm-up; also after a resume) are
     left out of the cumulative time. The ETA is wall-clock time per step since the warm-up (so
     evals, samples and checkpoints between steps count) times the steps left: a d20 run on a
@@ -82,9 +99,13 @@ class StepMeter:
 
     def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
                  peak_active: float | None = None, precision: str = "bf16", ema_beta: float = 0.9,
-                 warmup_steps: int = 10, peak_memory: Callable[[], int] | None = None):
+                 warmup_steps: int = 10, peak_memory: Callable[[], int] | None = None,
+                 low_precision_flops: float | None = None):
         self.flops_per_token, self.world_size = float(flops_per_token), world_size
         self.peak_bf16, self.peak_active, self.precision = peak_bf16, peak_active, precision
+        self.peak_util = blended_peak(peak_bf16, peak_active, self.flops_per_token, low_precision_flops)
+        self.low_share = (None if low_precision_flops is None or self.flops_per_token <= 0
+                          else min(1.0, max(0.0, low_precision_flops / self.flops_per_token)))
         self.ema_beta, self.warmup_steps = ema_beta, warmup_steps
         self.peak_memory = peak_memory or (lambda: 0)
         self.smooth_loss = 0.0
@@ -114,7 +135,7 @@ class StepMeter:
         flops_s = self.flops_per_token * tok_s
         return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),
                 "lrm": r.lrm, "dt": r.dt, "tok_per_sec": tok_s, "grad_norm": r.grad_norm,
-                "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_active),
+                "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_util),
                 "peak_mem_gib": self.peak_memory() / 2**30, "wall_per_step": wall_per_step}
 
     def _frac(self, flops_s: float, peak: float | None) -> float | None:

@@ -407,7 +407,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
     meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
-                      precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes)
+                      precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes,
+                      low_precision_flops=precision_info.get("low_precision_flops"))
     trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
     wandb_mode = resolve_wandb_mode(cfg.wandb, cfg.run)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
@@ -426,7 +427,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info,
-                 describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops), ckpt_dir,
+                 describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops,
+                                meter.peak_util, meter.low_share), ckpt_dir,
                  optimizer,
                  wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,

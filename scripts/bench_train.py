@@ -300,8 +300,9 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
         gpu = monitor.stop()  # also when a step fails (out of memory): no sampler left running
     dt = statistics.median(dts)
     tok_s = plan.total_batch_size / dt
-    meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active)
-    mfu, util = meter._frac(flops_per_token * tok_s, peak_bf16), meter._frac(flops_per_token * tok_s, peak_active)
+    meter = StepMeter(flops_per_token, rt.world_size, peak_bf16=peak_bf16, peak_active=peak_active,
+                      low_precision_flops=info.get("low_precision_flops"))
+    mfu, util = meter._frac(flops_per_token * tok_s, peak_bf16), meter._frac(flops_per_token * tok_s, meter.peak_util)
     return {"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
             "depth": depth, "kernel": kernel, "kernel_fusions": info["kernel_fusions"],
             "precision": info["precision"], "precision_backend": info.get("backend"), "compile": compile_model,
