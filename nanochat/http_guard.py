@@ -172,10 +172,28 @@ async def read_json(request, limit: int):
     except ClientDisconnect:   # the client left mid-body: nobody reads the answer, and no server error
         raise ApiError(499, "the client closed the connection before sending the whole body",
                        code="client_disconnected") from None
+    return parse_json_body(b"".join(chunks))
+
+
+def parse_json_body(raw: bytes):
+    """`raw` as JSON; ApiError(400, invalid_json) that says what is wrong and where: a bare "could
+    not parse JSON" left a client with a hand-written body (a trailing comma, a quote lost to shell
+    quoting, an empty `curl -X POST`) to guess which of its bytes the server meant."""
+    def refuse(why: str):
+        raise ApiError(400, f"request body: could not parse JSON: {why}; accepted: a JSON object "
+                            "(e.g. {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]})", code="invalid_json")
+    if not raw.strip():
+        refuse("the body is empty")
     try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise ApiError(400, "request body: could not parse JSON", code="invalid_json") from None
+        return json.loads(raw)
+    except json.JSONDecodeError as e:   # a ValueError: first
+        refuse(f"{e.msg} at line {e.lineno} column {e.colno}")
+    except UnicodeDecodeError as e:
+        refuse(f"byte {e.start} is not UTF-8 (send the body UTF-8 encoded)")
+    except RecursionError:
+        refuse("nested too deeply")
+    except ValueError as e:   # e.g. an integer literal longer than Python's 4300-digit limit
+        refuse(str(e).split("; use")[0])
 
 
 def csp(html: str) -> str:

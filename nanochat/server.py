@@ -6,7 +6,7 @@ models and runs it with uvicorn):
     GET  /                      the chat page (nanochat/ui.html, self-contained, strict CSP)
     POST /v1/chat/completions   OpenAI chat completions: stream true (SSE) / false, n, stop, usage
     GET  /v1/models             the served model (and /v1/models/{id}: it, or 404 model_not_found)
-    GET  /health                liveness + free replicas (never needs the API key)
+    GET  /health                liveness, free generation slots, sampling defaults (never needs the API key)
     GET  /stats                 counters and per-replica state
 
 Concurrency: a `Worker` per generation slot; a request waits in a FIFO for a free one
