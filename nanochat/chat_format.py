@@ -17,18 +17,26 @@ from typing import Sequence
 def _normalized_messages(conversation: dict) -> list[tuple[int, str, object]]:
     """Validate a conversation; return (original index, role, content) with the system
     message folded into the first user message and roles alternating user/assistant."""
-    if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
-        raise ValueError("conversation: expected a dict with a 'messages' list")
-    messages = conversation["messages"]
+    if not isinstance(conversation, dict):
+        raise ValueError(f"conversation: got {type(conversation).__name__}; accepted: a dict with a "
+                         "'messages' list")
+    messages = conversation.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError(f"conversation['messages']: got {type(messages).__name__}; accepted: a list of "
+                         "{'role', 'content'} dicts")
     if not messages:
         raise ValueError("conversation['messages']: got an empty list; accepted: at least one user message")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            role = m.get("role") if isinstance(m, dict) else type(m).__name__
-            raise ValueError(f"messages[{i}].role: got {role!r}; accepted: system|user|assistant")
+        if not isinstance(m, dict):  # not reported as a bad role: the message itself is wrong
+            raise ValueError(f"messages[{i}]: got {type(m).__name__} {m!r:.60}; accepted: a dict with "
+                             "'role' and 'content'")
+        if m.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}].role: got {m.get('role')!r}; accepted: system|user|assistant")
     out = [(i, m["role"], m.get("content")) for i, m in enumerate(messages)]
     if out[0][1] == "system":
-        if len(out) < 2 or out[1][1] != "user":
+        if len(out) < 2:  # there is no messages[1] to blame
+            raise ValueError("messages: got only a system message; accepted: a user message after it")
+        if out[1][1] != "user":
             raise ValueError("messages[1].role: a system message must be followed by a user message")
         system, user = out[0][2], out[1][2]
         for idx, content in ((0, system), (1, user)):

@@ -64,6 +64,7 @@ PICKLE_NAME = "tokenizer.pkl"
 TOKEN_BYTES_NAME = "token_bytes.pt"
 MAX_VOCAB_SIZE = 2**32  # ids must fit in uint32 (tiktoken's Rank type)
 MAX_TRAIN_THREADS = 1024  # rustbpe's limit: beyond it thread start-up dominates (a typo, not a setting)
+MAX_TRAIN_BATCH_SIZE = 2**63 - 1  # rustbpe reads the batch size as a signed 64-bit int
 # tiktoken's split regex (`\s+(?!\S)`) runs out of backtracking room on a whitespace run of ~1M
 # characters and panics (pyo3's PanicException, a BaseException that `except Exception` misses;
 # seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded in pieces of this many
@@ -159,10 +160,24 @@ def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
                 os.unlink(tmp)
 
 
+def _shown(value) -> str:  # with its type unless an int: 300.0, True and "8" print like accepted values
+    return repr(value) if type(value) is int else f"{value!r:.60} ({type(value).__name__})"
+
+
+def _int_in(value, name: str, lo: int, hi: int | None, accepted: str | None = None) -> int:
+    """`value` as an int in lo..hi (hi None: unbounded), else ValueError naming `name`. numpy and
+    torch integers count (operator.index, as in decode: an id read from an array); bools do not."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < lo or (hi is not None and n > hi):
+        raise ValueError(f"{name}: got {_shown(value)}; accepted: {accepted or f'{lo}..{hi}'}")
+    return n
+
+
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: got {value!r}; accepted: a positive integer")
-    return value
+    return _int_in(value, name, 1, None, "a positive integer")
 
 
 def _compute_fingerprint(pattern: str, ranks: dict[bytes, int], specials: Sequence[str]) -> str:
@@ -246,6 +261,9 @@ class Tokenizer:
             raise ValueError("pattern: expected a non-empty regex string")
         _check_ranks(mergeable_ranks)
         specials = list(special_tokens)
+        bad = next((k for k, name in enumerate(specials) if not isinstance(name, str) or not name), None)
+        if bad is not None:  # tiktoken's TypeError named no argument; an empty name decodes as nothing
+            raise ValueError(f"special_tokens[{bad}]: got {_shown(specials[bad])}; accepted: a non-empty str")
         if len(set(specials)) != len(specials) or not set(SPECIAL_TOKENS) <= set(specials):
             raise ValueError(f"special_tokens: must be unique and include all of {SPECIAL_TOKENS}")
         n = len(mergeable_ranks)
@@ -279,14 +297,12 @@ class Tokenizer:
         byte tokens, the merges and the special tokens. `threads`: 1..MAX_TRAIN_THREADS rustbpe
         workers (None: RAYON_NUM_THREADS, else all cores). `pattern` must be a regex whose matches
         cover all text and are never empty (checked first: tiktoken drops unmatched text)."""
-        min_vocab = 256 + len(SPECIAL_TOKENS)
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
-                or not min_vocab <= vocab_size <= MAX_VOCAB_SIZE:
-            raise ValueError(f"vocab_size: got {vocab_size!r}; accepted: {min_vocab}..{MAX_VOCAB_SIZE}")
-        _positive_int(batch_size, "batch_size")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or not 1 <= threads <= MAX_TRAIN_THREADS):
-            raise ValueError(f"threads: got {threads!r}; accepted: 1..{MAX_TRAIN_THREADS} or None (all cores)")
+        vocab_size = _int_in(vocab_size, "vocab_size", 256 + len(SPECIAL_TOKENS), MAX_VOCAB_SIZE)
+        # bounded here: beyond it rustbpe refused it under its own name, after the first text was read
+        batch_size = _int_in(batch_size, "batch_size", 1, MAX_TRAIN_BATCH_SIZE)
+        if threads is not None:
+            threads = _int_in(threads, "threads", 1, MAX_TRAIN_THREADS,
+                              f"1..{MAX_TRAIN_THREADS} or None (all cores)")
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern: got {pattern!r}; accepted: a non-empty regex str")
         _check_pattern(pattern)  # before the text is read, not after hours of training
@@ -420,10 +436,8 @@ class Tokenizer:
             return None
         if isinstance(token, str):
             return self.encode_special(token)
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-            raise ValueError(f"{arg}: got {token!r}; accepted: a token id in 0..{self.vocab_size - 1} "
-                             "or a special-token name")
-        return token
+        return _int_in(token, arg, 0, self.vocab_size - 1,
+                       f"a token id in 0..{self.vocab_size - 1} or a special-token name")
 
     def encode(self, text: str | list[str], prepend: int | str | None = None,
                append: int | str | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
@@ -511,7 +525,7 @@ class Tokenizer:
 
     def render_conversation(self, conversation: dict, max_tokens: int = 2048) -> tuple[list[int], list[int]]:
         """Token ids and a 0/1 training mask (1 = assistant-written tokens), cut to max_tokens."""
-        _positive_int(max_tokens, "max_tokens")
+        max_tokens = _positive_int(max_tokens, "max_tokens")
         ids, mask = self._render(_normalized_messages(conversation))
         return ids[:max_tokens], mask[:max_tokens]
 

@@ -21,8 +21,8 @@ from typing import Iterator
 
 from nanochat.flags import FlagParser, script_main
 from nanochat.errors import RequestError
-from nanochat.tokenizer import (MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, VocabTooLargeError,
-                                tokenizer_dir)
+from nanochat.tokenizer import (MAX_TRAIN_BATCH_SIZE, MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer,
+                                VocabTooLargeError, tokenizer_dir)
 
 # Text the sanity check round-trips: prose, code, digits, whitespace runs, non-ASCII, and a typed
 # special-token string that must come back as plain text.
@@ -76,6 +76,9 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
     if args.tokenizer_threads is not None and args.tokenizer_threads > MAX_TRAIN_THREADS:
         raise ValueError(f"--tokenizer-threads: got {args.tokenizer_threads}; accepted: 1..{MAX_TRAIN_THREADS}")
+    if args.tokenizer_batch_size > MAX_TRAIN_BATCH_SIZE:   # else refused only once the data was opened
+        raise ValueError(f"--tokenizer-batch-size: got {args.tokenizer_batch_size}; accepted: "
+                         f"1..{MAX_TRAIN_BATCH_SIZE}")
     if args.output_dir is not None:   # a file, or a path under one: refused before training, not after
         from nanochat.flags import check_out_dir
         check_out_dir(args.output_dir, "--output-dir")
