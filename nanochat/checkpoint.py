@@ -255,12 +255,14 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: 
     return text
 
 
-def checkpoint_bytes(model) -> int:
+def checkpoint_bytes(model, *, normuon: bool = False) -> int:
     """Bytes of a training checkpoint of `model`: its state dict and the optimizer state (summed over
-    ranks); loader and loop state are small. A meta-device model is enough (no memory)."""
+    ranks; `normuon`: optim.optimizer_state_bytes'); loader and loop state are small. A meta-device
+    model is enough (no memory)."""
     from nanochat.optim import optimizer_state_bytes
 
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + optimizer_state_bytes(model)
+    return (sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            + optimizer_state_bytes(model, normuon=normuon))
 
 
 def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:

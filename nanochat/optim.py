@@ -512,11 +512,18 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
     return opt
 
 
-def optimizer_state_bytes(model) -> int:
+def optimizer_state_bytes(model, *, normuon: bool = False) -> int:
     """Bytes of build_optimizer's state for `model` once every parameter has stepped, summed over
     ranks (each rank saves its shard): one Muon momentum buffer per matrix, AdamW's two moments for
-    the rest, fp32 at least (state_zeros). The model may live on the meta device
-    (checkpoint.checkpoint_bytes plans disk space)."""
+    the rest, fp32 at least (state_zeros), and with `normuon` (build_optimizer's normuon_beta2 > 0,
+    recipe v2's default) NorMuon's factored second moment, one fp32 value per row of a tall Muon
+    matrix or column of a wide one (left out, a v2 checkpoint came out larger than planned). Not
+    counted: AdamW's step counters, and the zero padding a multi-rank Muon stack adds to the ranks'
+    momentum chunks. The model may live on the meta device (checkpoint.checkpoint_bytes plans disk
+    space)."""
     roles = model.param_groups()
-    return sum((1 if role == "matrix" else 2) * p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
-               for role, params in roles.items() for p in params)
+    total = sum((1 if role == "matrix" else 2) * p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
+                for role, params in roles.items() for p in params)
+    if normuon:   # normuon_shape of each matrix: (m, 1) if m >= n else (1, n), float32
+        total += sum(max(p.shape) * 4 for p in roles["matrix"])
+    return total
