@@ -25,6 +25,12 @@ def check_port_free(host: str, port: int, flag: str = "--host/--port") -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # uvicorn's "::" socket is dual-stack (no IPV6_V6ONLY): it also collides with IPv4 listeners
     dual = host == "::" and socket.has_dualstack_ipv6()
+    try:   # resolved first: create_server reports a name that does not resolve like any bind failure
+        socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except socket.gaierror as e:   # not a taken port ("Name or service not known" read as one)
+        raise RequestError(f"{flag}: cannot listen on {host}:{port}: {host!r} is not an address of this machine or "
+                           f"a name that resolves ({e.strerror or e}); accepted: 127.0.0.1, ::1, 0.0.0.0, :: or "
+                           "another address of this machine, or a host name that resolves to one") from None
     try:   # create_server sets SO_REUSEADDR as uvicorn does: a port in TIME_WAIT is not "in use"
         socket.create_server((host, port), family=family, dualstack_ipv6=dual).close()
     except OSError as e:

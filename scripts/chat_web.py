@@ -127,6 +127,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"-s/--step: got {args.step!r}; accepted: latest or an integer >= 0")
     if args.source not in SOURCES:
         raise ValueError(f"-i/--source: got {args.source!r}; accepted: {'|'.join(SOURCES)}")
+    if len(args.host) > 2 and args.host[0] == "[" and args.host[-1] == "]":
+        args.host = args.host[1:-1]   # [::1], the URL form the server prints, is the address ::1
     if not 0 < args.port < 65536:
         raise ValueError(f"--port: got {args.port}; accepted: 1..65535")
     if args.log_level.lower() not in LOG_LEVELS:

@@ -37,3 +37,20 @@ def test_a_body_that_is_not_json_is_refused_saying_what_and_where(serve, chat_mo
     ok = httpx.post(url + "/v1/chat/completions", headers=JSON, timeout=30,
                     content=b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}')
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+def test_host_in_url_brackets_and_unresolvable_names():
+    """`--host [::1]` (the form the server prints its URL in) was refused as "Name or service not
+    known; stop the server using that port", which reads as a port clash; it is ::1. A name that
+    does not resolve is said to be that, not a taken port."""
+    from nanochat.errors import RequestError
+    from nanochat.serve_lifecycle import check_port_free
+    from scripts import chat_web
+
+    args = chat_web.parse_args(["--host", "[::1]"])
+    chat_web.validate(args)
+    assert args.host == "::1" and chat_web.is_loopback(args.host)
+    with pytest.raises(RequestError, match=r"'no-such-host\.invalid' is not an address of this machine or a name "
+                                           r"that resolves .*accepted: 127\.0\.0\.1, ::1") as e:
+        check_port_free("no-such-host.invalid", 8000)
+    assert "stop the server using that port" not in str(e.value)
