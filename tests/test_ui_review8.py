@@ -154,3 +154,39 @@ def test_a_phone_shows_unbroken_words_and_html_in_code_in_place(browser, quick):
     finally:
         d.execute_script("window.__fake = null")
         d.set_window_size(1280, 860)
+
+
+def _fake_raw(driver, chunks: list[str], content_type: str) -> None:
+    """Until `window.__raw = null`, chat requests get a 200 of exactly these body chunks."""
+    driver.execute_script("""window.__raw = [arguments[0], arguments[1]];
+      const real = window.fetch;
+      window.fetch = (u, o) => {
+        if (!String(u).includes('/v1/chat') || !window.__raw) return real(u, o);
+        const [chunks, type] = window.__raw;
+        const body = new ReadableStream({ start(c) {
+          for (const x of chunks) c.enqueue(new TextEncoder().encode(x));
+          c.close(); } });
+        return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": type } }));
+      };""", chunks, content_type)
+
+
+def test_crlf_event_streams_are_read_and_a_page_that_is_no_stream_is_named(browser, quick):
+    """SSE allows \\r\\n and \\r line ends (a proxy may rewrite them): the page split events on
+    \\n\\n only and called every such reply "closed before the reply was complete". A 200 that is
+    no event stream (a proxy's login page) got that same message."""
+    engine, url, _ = quick
+    d = browser
+    fresh_page(d, url)
+    event = lambda text: json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]})  # noqa: E731
+    # the \r\n of one line end split across two chunks, and a bare-\r event
+    _fake_raw(d, [f"data: {event('Hello')}\r", f"\n\r\ndata: {event(' there')}\r\r", "data: [DONE]\r\n\r\n"],
+              "text/event-stream; charset=utf-8")
+    send(d, "hi")
+    wait(lambda: not streaming(d) and last_reply(d), what="the reply")
+    assert last_reply(d) == "Hello there" and not q(d, ".msg.assistant.error")
+    _fake_raw(d, ["<html><body>Please log in</body></html>"], "text/html; charset=utf-8")
+    send(d, "again")
+    wait(lambda: q(d, ".msg.assistant.error"), what="the refusal shown")
+    assert "answered with text/html, not a reply stream" in last_reply(d)
+    d.execute_script("window.__raw = null")
+    assert "Done." in chat_once(d, engine, "and on")
