@@ -57,7 +57,7 @@ import contextlib
 import operator
 from collections import deque
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -89,22 +89,24 @@ class _Row:
 
 
 def _check_int(value, name: str, low: int, accepted: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    # any Integral (numpy's int64 from a sweep, as token ids already are): int only refused
+    # np.int64(2) with "accepted: an integer >= 1"; returned as a plain int
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
         raise ValueError(f"{name}: got {value!r}; accepted: {accepted}")
-    return value
+    return int(value)
 
 
 def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
     """Checked sampling parameters; top_k 0 and top_p 1.0 mean 'off'."""
     # an int past float's range (10**400) compares as finite but float() raised OverflowError
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+    # Real, not (int, float): np.float32(0.7) was refused as "not a finite number >= 0"
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
             or not 0.0 <= temperature < float("inf") or not _fits_float(temperature):
         raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= 0 (0 = greedy)")
     if top_k is not None:
-        _check_int(top_k, "top_k", 0, "None or an integer >= 0 (0 = off)")
-        top_k = top_k or None
+        top_k = _check_int(top_k, "top_k", 0, "None or an integer >= 0 (0 = off)") or None
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        if isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p: got {top_p!r}; accepted: None or a number in (0, 1]")
         top_p = None if float(top_p) >= 1.0 else float(top_p)
     return float(temperature), top_k, top_p
@@ -431,9 +433,9 @@ class Engine:
         """generate's arguments checked and normalised: (tokens, num_samples, max_tokens,
         temperature, top_k, top_p, seed, stops); raises ValueError naming the bad one."""
         tokens = self._check_prompt(tokens)
-        _check_int(num_samples, "num_samples", 1, "an integer >= 1")
-        _check_int(max_tokens, "max_tokens", 1, "an integer >= 1")
-        _check_int(seed, "seed", 0, f"an integer in 0..{MAX_SEED}")
+        num_samples = _check_int(num_samples, "num_samples", 1, "an integer >= 1")
+        max_tokens = _check_int(max_tokens, "max_tokens", 1, "an integer >= 1")
+        seed = _check_int(seed, "seed", 0, f"an integer in 0..{MAX_SEED}")
         if seed > MAX_SEED:   # here, not at the first token inside the generator (manual_seed's overflow)
             raise ValueError(f"seed: got {seed}; accepted: an integer in 0..{MAX_SEED}")
         temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
