@@ -61,7 +61,6 @@ _HEADER = struct.Struct("<8sIIQQII64s")
 assert _HEADER.size <= HEADER_SIZE
 META_NAME = "meta.json"
 BIN_SUFFIX = ".bin"
-_RECREATE = "delete it and re-create it with `python -m scripts.pretokenize --force`"
 DIGEST_SAMPLE = 1 << 16  # token bytes hashed at each end of a shard's token area
 
 
@@ -124,23 +123,26 @@ def read_header(path: str | Path) -> ShardHeader:
         with open(path, "rb") as f:
             raw = f.read(HEADER_SIZE)
     except OSError as e:
-        raise DataError(f"{path}: unreadable ({e}); {_RECREATE}") from e
+        raise DataError(f"{path}: unreadable ({e}); {recreate_advice(path)}") from e
     if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
-        raise DataError(f"{path}: not a nanochat binary token shard (bad magic); {_RECREATE}")
+        raise DataError(f"{path}: not a nanochat binary token shard (bad magic); {recreate_advice(path)}")
     magic, version, itemsize, n_tokens, n_docs, vocab, bos, fp = _HEADER.unpack(raw[:_HEADER.size])
     if version != VERSION:
-        raise DataError(f"{path}: format version {version}; this code reads version {VERSION}; {_RECREATE}")
+        raise DataError(f"{path}: format version {version}; this code reads version {VERSION}; "
+                        f"{recreate_advice(path)}")
     if itemsize not in (2, 4):
-        raise DataError(f"{path}: corrupt header (itemsize {itemsize}); {_RECREATE}")
+        raise DataError(f"{path}: corrupt header (itemsize {itemsize}); {recreate_advice(path)}")
     try:
         fingerprint = fp.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
-        raise DataError(f"{path}: corrupt header (tokenizer fingerprint is not ASCII); {_RECREATE}") from None
+        raise DataError(f"{path}: corrupt header (tokenizer fingerprint is not ASCII); "
+                        f"{recreate_advice(path)}") from None
     h = ShardHeader(version, np.dtype(np.uint16 if itemsize == 2 else np.uint32), n_tokens, n_docs,
                     vocab, bos, fingerprint)
     size = path.stat().st_size
     if size != h.file_size:
-        raise DataError(f"{path}: truncated or corrupt ({size} bytes, header says {h.file_size}); {_RECREATE}")
+        raise DataError(f"{path}: truncated or corrupt ({size} bytes, header says {h.file_size}); "
+                        f"{recreate_advice(path)}")
     return h
 
 
@@ -190,9 +192,10 @@ class BinShard:
                                             offset=h.offsets_offset, shape=(h.n_docs + 1,)),
                                   dtype=np.int64)
         if self.offsets[0] != 0 or self.offsets[-1] != h.n_tokens or np.any(np.diff(self.offsets) <= 0):
-            raise DataError(f"{self.path}: corrupt document offsets; {_RECREATE}")
+            raise DataError(f"{self.path}: corrupt document offsets; {recreate_advice(self.path)}")
         if check_bos and h.n_docs and np.any(self.tokens[self.offsets[:-1]] != h.bos_token_id):
-            raise DataError(f"{self.path}: corrupt shard (a document does not start with BOS); {_RECREATE}")
+            raise DataError(f"{self.path}: corrupt shard (a document does not start with BOS); "
+                            f"{recreate_advice(self.path)}")
 
     @property
     def num_docs(self) -> int:
@@ -223,7 +226,7 @@ def shard_digest(path: str | Path) -> str:
             while start < end:
                 chunk = f.read(min(end - start, 1 << 20))
                 if not chunk:  # shrunk while being read
-                    raise DataError(f"{path}: truncated while being read; {_RECREATE}")
+                    raise DataError(f"{path}: truncated while being read; {recreate_advice(path)}")
                 digest.update(chunk)
                 start += len(chunk)
     return digest.hexdigest()[:32]
@@ -385,11 +388,16 @@ def text_shard_unchanged(path: str | Path, meta: dict) -> tuple[bool, str | None
     to hash it). Another size: no. Same size and mtime_ns: yes, unread. Same size, the mtime moved
     (rewritten, or copied without its times: cp -r, scp, a second node's copy): yes when its
     sha256 is the recorded one. No mtime recorded (a directory from before the record): the size
-    decides. The one freshness rule of pretokenize (what to redo) and the loader (stale_reason)."""
+    decides. Not recorded in a directory that records its shards: no (a run that died between
+    writing the binary shard and recording it leaves one that nothing ties to this text, which may
+    have changed since). The one freshness rule of pretokenize (what to redo) and the loader
+    (stale_reason)."""
     path = Path(path)
     st, name = path.stat(), path.name
     sizes, mtimes = _record(meta, "text_shards"), _record(meta, "text_mtime_ns")
-    if name in sizes and sizes[name] != st.st_size:
+    if name not in sizes:  # no record at all: a directory from before records, taken as it is
+        return not isinstance(meta.get("text_shards"), dict), None
+    if sizes[name] != st.st_size:
         return False, None
     if name not in mtimes or mtimes[name] == st.st_mtime_ns:
         return True, None
@@ -490,13 +498,30 @@ def record_text_shards(bin_dir: str | Path, text_shards: Iterable[str | Path]) -
     _write_meta_file(bin_dir, {**meta, "text_shards": record, "complete": True})
 
 
+def _text_dir_of(bin_dir: Path, meta: dict) -> str | Path:
+    """The text shard directory bin_dir was made from: recorded, else by default_bin_dir's naming."""
+    data_dir = meta.get("data_dir")
+    if data_dir is None and bin_dir.name.endswith("_tokens"):
+        data_dir = bin_dir.parent / bin_dir.name[:-len("_tokens")]
+    return data_dir or "TEXT_SHARD_DIR"
+
+
 def _rerun(bin_dir: Path, meta: dict, data_dir: str | Path | None = None) -> str:
     """The command that finishes or redoes bin_dir (finished shards are kept and skipped)."""
-    data_dir = data_dir or meta.get("data_dir")
-    if data_dir is None and bin_dir.name.endswith("_tokens"):  # default_bin_dir's naming
-        data_dir = bin_dir.parent / bin_dir.name[:-len("_tokens")]
-    return (f"re-run `python -m scripts.pretokenize --data-dir {data_dir or 'TEXT_SHARD_DIR'} --out {bin_dir}` "
-            f"(shards already written are kept), or delete {bin_dir} to read the text shards instead")
+    return (f"re-run `python -m scripts.pretokenize --data-dir {data_dir or _text_dir_of(bin_dir, meta)} --out "
+            f"{bin_dir}` (shards already written are kept), or delete {bin_dir} to read the text shards instead")
+
+
+def recreate_advice(path: str | Path) -> str:
+    """How to re-create the damaged binary shard at `path`: the command for ITS directory (a bare
+    `pretokenize --force` writes $NANOCHAT_BASE_DIR/base_data_tokens, not a --data-dir's shards)."""
+    bin_dir = Path(path).parent
+    try:
+        meta = read_meta(bin_dir) or {}
+    except DataError:  # a corrupt meta.json: the naming rule alone
+        meta = {}
+    return (f"delete it and re-create it with `python -m scripts.pretokenize --force --data-dir "
+            f"{_text_dir_of(bin_dir, meta)} --out {bin_dir}`")
 
 
 def _names(stems: Iterable[str]) -> str:

@@ -221,8 +221,7 @@ class _BinSource:
         t = self._shard(key[0]).doc(key[1])
         if t.size and int(t.max()) >= self.vocab_size:  # cheap; the embedding would fail cryptically
             raise DataError(f"{self.paths[key[0]]}: document {key[1]} has token id {int(t.max())} >= "
-                            f"the vocab size {self.vocab_size} (corrupt shard); delete it and re-create it "
-                            "with `python -m scripts.pretokenize --force`")
+                            f"the vocab size {self.vocab_size} (corrupt shard); {bs.recreate_advice(self.paths[key[0]])}")
         return t
 
     def rank_doc_count(self) -> int:

@@ -2,8 +2,8 @@
 --data-dir SRC` (the command line lives in nanochat/dataset.py, which also resolves these names).
 
 Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a string field
-`text`) and *.txt (one document per file, split at blank lines when long; line ends read as
-Python's text mode reads them) under SRC, suffixes in any case, sorted by path, becomes one
+`text`) and *.txt (one document per file, split when long: at blank lines, else at line ends;
+line ends read as Python's text mode reads them) under SRC, suffixes in any case, sorted by path, becomes one
 document list (hidden files and directories, such as macOS `._NAME` resource forks and
 `.ipynb_checkpoints/`, are not read; the command says how many files it read and skipped); the last
 `val_fraction` of it is the validation shard. A file that does not read as what its suffix says
@@ -25,33 +25,53 @@ from nanochat.dataset import SOURCE_FILE, claim_data_dir, open_text_shard, read_
 from nanochat.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl", ".txt")
-MAX_DOC_CHARS = 20_000   # a .txt file longer than this is split at blank lines
+MAX_DOC_CHARS = 20_000   # a .txt file longer than this is split (_split_long)
 
 
-def chunk_paragraphs(paragraphs: Iterable[str], target: int) -> list[str]:
-    """Join paragraphs (with a blank line) into n = ceil(len / target) chunks of about equal
+def chunk_paragraphs(paragraphs: Iterable[str], target: int, sep: str = "\n\n") -> list[str]:
+    """Join paragraphs (with `sep`, a blank line) into n = ceil(len / target) chunks of about equal
     size: a chunk closes once it passes len / n characters (the last takes the rest)."""
     paras = list(paragraphs)
-    total = len("\n\n".join(paras))
+    total = len(sep.join(paras))
     n = max(1, math.ceil(total / target))
-    chunks, cur, size = [], [], -2  # size = len("\n\n".join(cur))
+    chunks, cur, size = [], [], -len(sep)  # size = len(sep.join(cur))
     for p in paras:
         cur.append(p)
-        size += len(p) + 2
+        size += len(p) + len(sep)
         if size > total / n and len(chunks) < n - 1:
-            chunks.append("\n\n".join(cur))
-            cur, size = [], -2
+            chunks.append(sep.join(cur))
+            cur, size = [], -len(sep)
     if cur:
-        chunks.append("\n\n".join(cur))
+        chunks.append(sep.join(cur))
     return chunks
 
 
 def _split_long(text: str, max_chars: int) -> list[str]:
-    """Split text at blank lines into pieces of at most ~max_chars (a single huge paragraph stays
-    whole: the dataloader crops what does not fit a row)."""
+    """Split text into pieces of about max_chars: at blank lines; a piece still over twice that (a
+    file whose paragraphs are single lines, or that has no blank line at all) at line ends, then a
+    line still over it at spaces (or anywhere). Kept whole, such a piece would be one document, of
+    which the dataloader trains on one row (~8 KB) and drops the rest (a whole book)."""
     if len(text) <= max_chars:
         return [text]
-    return chunk_paragraphs(re.split(r"\n[ \t]*\n", text), max_chars)
+    out = []
+    for chunk in chunk_paragraphs(re.split(r"\n[ \t]*\n", text), max_chars):
+        lines = chunk_paragraphs(chunk.split("\n"), max_chars, "\n") if len(chunk) > 2 * max_chars else [chunk]
+        out += [piece for line in lines for piece in _cut(line, max_chars)]
+    return out
+
+
+def _cut(text: str, max_chars: int) -> list[str]:
+    """text in pieces of at most max_chars when it is over twice that, each cut after the last
+    space of its window when there is one (a hard cut otherwise); "".join gives text back."""
+    if len(text) <= 2 * max_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        space = text.rfind(" ", start + max_chars // 2, start + max_chars)
+        end = space + 1 if space >= 0 else start + max_chars
+        pieces.append(text[start:end])
+        start = end
+    return pieces + [text[start:]]
 
 
 def _jsonl_texts(path: Path) -> list[str]:
@@ -115,7 +135,7 @@ def local_files(src: Path, exclude: Path | None = None) -> tuple[list[Path], lis
 
 def read_local_documents(src: Path, *, max_doc_chars: int = MAX_DOC_CHARS, exclude: Path | None = None) -> list[str]:
     """Documents from every *.parquet (`text` column), *.jsonl (`text` field) and *.txt (one
-    document per file, split at blank lines when longer than max_doc_chars) under src, sorted
+    document per file, split (_split_long) when longer than max_doc_chars) under src, sorted
     (local_files says which files: not the shards in `exclude`, the output directory)."""
     return _read_files(src, local_files(src, exclude)[0], max_doc_chars)
 

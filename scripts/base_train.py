@@ -171,7 +171,9 @@ class BaseTrainConfig:
         if self.peak_flops is not None:
             require_float(self.peak_flops, "--peak-flops", 1e9)
         if self.data_dir is not None:
-            require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir, "an existing directory of *.parquet shards")
+            # strip(): Path("") is ".", so `--data-dir "$DATA"` with DATA unset would read the current directory
+            require(bool(self.data_dir.strip()) and Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
+                    "an existing directory of *.parquet shards (an empty value is not the current directory)")
         check_wandb_flags(self.wandb, self.run)
         return self
 
