@@ -23,7 +23,7 @@ from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
-from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int
+from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int
 from nanochat.loop import TRAIN_FLAG_HELP
 
 
@@ -137,9 +137,8 @@ class ChatTrainConfig:
         require_int(self.seed, "--seed", 0)
         require(self.seed < 2**64, "--seed", self.seed, "an integer >= 0 and < 2**64 (what torch.manual_seed takes)")
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
-        if self.data_dir is not None:
-            require(Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
-                    "an existing directory (a data root with eval/ sft/ words/, or one of them)")
+        check_dir_flag(self.data_dir, "--data-dir", "an existing directory (a data root with eval/ sft/ words/, "
+                       "or one of them)")
         if self.identity:
             check_identity_name(self.identity)
         for path in self.extra_conversations:

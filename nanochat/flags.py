@@ -113,11 +113,24 @@ def _writable_dir(path: str) -> bool:
     return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
+# Path("") is ".": `--out "$DIR"` with DIR unset wrote into (or read) the current directory
+_NOT_EMPTY = "a path; an empty value (an unset shell variable?) is not the current directory"
+
+
+def check_dir_flag(path: str | os.PathLike | None, flag: str, accepted: str) -> None:
+    """An input directory flag: None passes; an empty value or anything but an existing directory
+    is a RequestError naming `flag` and `accepted`."""
+    if path is not None:
+        require(bool(str(path).strip()), flag, str(path), f"{accepted} ({_NOT_EMPTY})")
+        require(Path(path).is_dir(), flag, str(path), accepted)
+
+
 def check_output_file(path: str | None, flag: str) -> None:
     """A file a script writes when its work is done: checked before the work. Not a directory, and
     its nearest existing parent is a writable directory (the rest is created). None passes."""
     if path is None:
         return
+    require(bool(str(path).strip()), flag, path, _NOT_EMPTY)
     target = os.path.abspath(path)
     require(not os.path.isdir(target), flag, path, "a file path (this is a directory)")
     parent = _nearest_existing(os.path.dirname(target))
@@ -128,6 +141,7 @@ def check_out_dir(out: str | os.PathLike, flag: str = "--out") -> Path:
     """`out` as a Path if it is a directory or can be made one (RequestError naming the flag
     otherwise), so that a command refuses a file given as --out before any work, not with a
     traceback after it."""
+    require(bool(str(out).strip()), flag, str(out), f"a directory ({_NOT_EMPTY})")
     target = os.path.abspath(out)
     parent = _nearest_existing(target)
     if not os.path.isdir(parent):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
 from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
-from nanochat.flags import FlagParser, check_model_tag, check_output_file, require, require_int, script_main
+from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, check_output_file, require, require_int, script_main
 from nanochat.quantize import QUANTIZE_MODES, check_quantize, quantize_model
 
 EVALS = ("core", "bpb", "sample")
@@ -52,6 +52,7 @@ class BaseEvalConfig:
     def validate(self) -> "BaseEvalConfig":
         check_model_tag(self.model_tag)
         check_output_file(self.output, "--output")
+        check_dir_flag(self.data_dir, "--data-dir", "an existing directory of *.parquet shards")
         require(self.source in PHASES, "-i/--source", self.source, "|".join(PHASES))
         require(bool(self.evals) and set(self.evals) <= set(EVALS), "--eval", self.eval,
                 "a comma list of " + "|".join(EVALS))

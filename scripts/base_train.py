@@ -19,7 +19,6 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 
@@ -35,7 +34,7 @@ from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                describe_peaks, plan_batch, precision_module, resolve_peak_flops,
                                resolve_total_batch_size, restore_rng_state, resume_precision, sample_prompts)
-from nanochat.flags import FlagParser, check_model_tag, require, require_float, require_int, script_main
+from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
 KERNELS = ("current", "liger", "triton")
@@ -171,9 +170,7 @@ class BaseTrainConfig:
         if self.peak_flops is not None:
             require_float(self.peak_flops, "--peak-flops", 1e9)
         if self.data_dir is not None:
-            # strip(): Path("") is ".", so `--data-dir "$DATA"` with DATA unset would read the current directory
-            require(bool(self.data_dir.strip()) and Path(self.data_dir).is_dir(), "--data-dir", self.data_dir,
-                    "an existing directory of *.parquet shards (an empty value is not the current directory)")
+            check_dir_flag(self.data_dir, "--data-dir", "an existing directory of *.parquet shards")
         check_wandb_flags(self.wandb, self.run)
         return self
 

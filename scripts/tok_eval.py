@@ -16,6 +16,7 @@ import sys
 from itertools import islice
 from pathlib import Path
 
+from nanochat.dataset import path_flag
 from nanochat.flags import FlagParser
 from nanochat.tiktoken_offline import REFERENCES, load_reference
 from nanochat.tokenizer import Tokenizer, encode_ordinary_batch, tokenizer_dir
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(prog="python -m scripts.tok_eval", description=__doc__.split("\n")[0])
     p.add_argument("--num-docs", dest="num_docs", type=int, default=1000,
                    help="documents per split to encode (default 1000)")
-    p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
+    p.add_argument("--data-dir", dest="data_dir", type=path_flag, default=None,
                    help="directory of parquet shards (default: <base dir>/base_data)")
     p.add_argument("--tokenizer-dir", dest="tokenizer_dir", type=Path, default=None,
                    help="directory holding tokenizer.pkl (default: <base dir>/tokenizer)")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from nanochat.dataset import path_flag
 from nanochat.flags import FlagParser, script_main
 from nanochat.errors import RequestError
 from nanochat.tokenizer import (MAX_TRAIN_BATCH_SIZE, MAX_TRAIN_THREADS, MAX_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer,
@@ -57,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and not 0, else all cores)")
     p.add_argument("--tokenizer-batch-size", dest="tokenizer_batch_size",
                    type=int, default=8192, help="documents handed to Rust per batch (default 8192)")
-    p.add_argument("--data-dir", dest="data_dir", type=Path, default=None,
+    p.add_argument("--data-dir", dest="data_dir", type=path_flag, default=None,
                    help="directory of parquet shards (default: <base dir>/base_data)")
-    p.add_argument("--output-dir", dest="output_dir", type=Path, default=None,
+    p.add_argument("--output-dir", dest="output_dir", type=path_flag, default=None,
                    help="where to write the tokenizer (default: <base dir>/tokenizer)")
     return p
 
