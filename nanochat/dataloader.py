@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat import dataset as ds
 from nanochat.errors import DataError, MissingDataError, RequestError
 from nanochat.packing import BestFitBuffer
@@ -406,7 +407,7 @@ class DataLoader:
     def _make_source(self, kind: str):
         """A checked document source of `kind` for this loader's split and rank."""
         if kind == "bin":
-            source = _BinSource(bs.split_paths(self._bin_dir, self.split), self.tokenizer, self.rank,
+            source = _BinSource(runs.split_paths(self._bin_dir, self.split), self.tokenizer, self.rank,
                                 self.world_size)
         else:
             shards = ds.split_shards(ds.list_shards(self._data_dir), self.split)
@@ -441,9 +442,9 @@ class DataLoader:
     @staticmethod
     def _check_fresh(bin_dir: Path, data_dir: Path) -> None:
         """Binary shards picked automatically must be a finished pretokenize run made from the text
-        shards now in data_dir (binshards.check_fresh)."""
+        shards now in data_dir (binshards_runs.check_fresh)."""
         text = ds.list_shards(data_dir) if data_dir.is_dir() and any(data_dir.glob("*.parquet")) else []
-        bs.check_fresh(bin_dir, text, data_dir)
+        runs.check_fresh(bin_dir, text, data_dir)
 
     def describe_source(self) -> str:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""

@@ -3,11 +3,12 @@
     python -m scripts.pretokenize                      # base_data -> base_data_tokens
     python -m scripts.pretokenize --data-dir DIR --out OUT --workers 2
 
-One text shard -> one `.bin` shard (format: nanochat/binshards.py), written atomically by a pool
-of worker processes, every document starting with BOS. The output directory is tied to one
-tokenizer (meta.json + every shard header carry its fingerprint): pointing it at a directory made
-with another tokenizer is an error, before any work, unless --force (which deletes that
-tokenizer's shards first, as the dataloader's advice for them assumes). Shards already present
+One text shard -> one `.bin` shard (format: nanochat/binshards.py; run record in meta.json:
+nanochat/binshards_runs.py), written atomically by a pool of worker processes, every document
+starting with BOS. The output directory is tied to one tokenizer (meta.json + every shard header
+carry its fingerprint): pointing it at a directory made with another tokenizer is an error, before
+any work, unless --force (which deletes that tokenizer's shards first, as the dataloader's advice
+for them assumes). Shards already present
 (same tokenizer, made from a text shard of the same name, size and mtime, offsets intact; or, when
 only the mtime moved, of the same sha256, recorded as it was tokenized) are skipped, so an
 interrupted run resumes and a rerun redoes just the text shards that changed, even at the same
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat import dataset as ds
 from nanochat.common import fmt_bytes
 from nanochat.errors import DiskFullError, MissingDataError, RequestError
@@ -53,7 +55,7 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
     text_path, out_path, threads = job
     t0 = time.perf_counter()
     st = os.stat(text_path)  # before reading: what the binary shard is made from
-    sha = bs.file_sha256(text_path)
+    sha = runs.file_sha256(text_path)
     h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
     return {"shard": Path(out_path).name, "text": Path(text_path).name, "tokens": h.n_tokens,
             "docs": h.n_docs, "seconds": round(time.perf_counter() - t0, 3),
@@ -62,10 +64,10 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
 
 def _unchanged(shard: Path, meta: dict, log) -> tuple[int, int, str | None] | None:
     """(size, mtime_ns, sha256) of a text shard that is the one its recorded binary shard was made
-    from (binshards.text_shard_unchanged: the loader's rule), else None. A directory from before
+    from (binshards_runs.text_shard_unchanged: the loader's rule), else None. A directory from before
     the mtime record gets the shard's stat and hash recorded from now on."""
     st = shard.stat()
-    same, sha = bs.text_shard_unchanged(shard, meta)
+    same, sha = runs.text_shard_unchanged(shard, meta)
     if not same:
         return None
     recorded = meta.get("text_sha256") if isinstance(meta.get("text_sha256"), dict) else {}
@@ -74,7 +76,7 @@ def _unchanged(shard: Path, meta: dict, log) -> tuple[int, int, str | None] | No
     elif isinstance(meta.get("text_mtime_ns"), dict) and shard.name in meta["text_mtime_ns"]:
         sha = recorded.get(shard.name)
     else:
-        sha = bs.file_sha256(shard)
+        sha = runs.file_sha256(shard)
     return st.st_size, st.st_mtime_ns, sha
 
 
@@ -126,14 +128,14 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
     if not shards:
         raise MissingDataError(f"no text shards to pretokenize into {out_dir}")
     check_has_text(shards, lambda p: ds.all_texts_empty(ds.open_text_shard(p)), "its parquet footers say so")
-    foreign = bs.foreign_bin_files(out_dir, shards)  # a run deletes stray .bin files: only ours
+    foreign = runs.foreign_bin_files(out_dir, shards)  # a run deletes stray .bin files: only ours
     if foreign:
         raise RequestError(f"--out: {out_dir} holds {', '.join(p.name for p in foreign[:3])}, which "
                            f"{'is' if len(foreign) == 1 else 'are'} not binary token shards; accepted: a new or "
                            "empty directory, or one pretokenize wrote (pass another --out)")
     # refuses a directory of another tokenizer, unless --force: then its shards are deleted first
-    replaced = bs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
-                             bos_token_id=tokenizer.bos_token_id, replace=force)
+    replaced = runs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
+                               bos_token_id=tokenizer.bos_token_id, replace=force)
     if replaced:
         log(f"removed {len(replaced)} binary shards made with another tokenizer (--force)")
     meta = bs.read_meta(out_dir) or {}
@@ -152,18 +154,18 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
         ds.open_text_shard(shard)  # schema errors before any work
         jobs.append((str(shard), str(out), threads))
     check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize)
-    for stray in bs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
+    for stray in runs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
         log(f"removed {stray.name} (no text shard {stray.stem}.parquet any more)")
     for name, (size, mtime_ns, sha) in kept.items():  # a moved mtime / an older record: refreshed
         if (meta.get("text_mtime_ns") or {}).get(name) != mtime_ns:
-            bs.record_shard(out_dir, name, size, mtime_ns, sha)
+            runs.record_shard(out_dir, name, size, mtime_ns, sha)
     results = []
     for r in _run_jobs(jobs, tokenizer, workers):  # recorded as it lands: a rerun skips it even if this run dies
-        bs.record_shard(out_dir, r["text"], r["text_bytes"], r["text_mtime_ns"], r["text_sha256"])
+        runs.record_shard(out_dir, r["text"], r["text_bytes"], r["text_mtime_ns"], r["text_sha256"])
         log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
         results.append(r)
     check_has_text(shards, _bin_empty(out_dir), "only BOS after tokenizing")  # footers without statistics
-    bs.record_text_shards(out_dir, shards)  # every shard is done: the directory is complete
+    runs.record_text_shards(out_dir, shards)  # every shard is done: the directory is complete
     return sorted(results, key=lambda r: r["shard"])
 
 

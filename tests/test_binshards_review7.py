@@ -6,6 +6,7 @@ import os
 import pytest
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat.dataloader import DataLoader
 from scripts import pretokenize as pt
 from tests.test_dataloader import ByteTokenizer, make_docs, write_shards
@@ -46,9 +47,9 @@ def test_out_holding_other_bin_files_is_refused_not_emptied(text_dir, tmp_path):
     assert precious.read_bytes() == b"weights, not tokens"
     assert sorted(os.listdir(out)) == ["pytorch_model.bin"]  # refused before any work: no meta.json
     # the library call below pretokenize refuses too, before it records or deletes anything
-    bs.write_meta(out, fingerprint=ByteTokenizer().fingerprint, vocab_size=257, bos_token_id=256)
+    runs.write_meta(out, fingerprint=ByteTokenizer().fingerprint, vocab_size=257, bos_token_id=256)
     with pytest.raises(ValueError, match="pytorch_model.bin, not binary token shards"):
-        bs.start_run(out, sorted(text_dir.glob("*.parquet")))
+        runs.start_run(out, sorted(text_dir.glob("*.parquet")))
     assert precious.exists()
 
 
@@ -58,7 +59,7 @@ def test_our_own_stray_shards_are_still_removed(text_dir, tmp_path):
     shards = sorted(text_dir.glob("*.parquet"))
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     (out / "shard_00000.bin").rename(out / "shard_00007.bin")
-    assert bs.foreign_bin_files(out, shards) == []
+    assert runs.foreign_bin_files(out, shards) == []
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     assert [p.name for p in bs.list_bin_shards(out)] == ["shard_00000.bin", "shard_00001.bin"]
 
@@ -72,7 +73,7 @@ def test_val_is_the_same_shard_for_text_and_binary_when_names_hold_dots(tmp_path
     (d / "shard_00000.parquet").rename(d / "a.c.parquet")
     (d / "shard_00001.parquet").rename(d / "a.parquet")
     pt.pretokenize(sorted(d.glob("*.parquet")), bs.default_bin_dir(d), ByteTokenizer(), log=quiet)
-    assert [p.name for p in bs.split_paths(bs.default_bin_dir(d), "val")] == ["a.bin"]
+    assert [p.name for p in runs.split_paths(bs.default_bin_dir(d), "val")] == ["a.bin"]
     rows = {}
     for source in ("text", "bin"):
         dl = DataLoader(ByteTokenizer(), 4, 32, "val", data_dir=d, source=source, repeat=False, buffer_size=4)

@@ -10,6 +10,7 @@ import pytest
 
 import tests.test_dataloader as base
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat.errors import DataError
 from tests.test_dataloader import ByteTokenizer, loader
 
@@ -105,8 +106,8 @@ def test_split_paths_is_the_last_shard_for_val(binned):
     data_dir, _ = binned
     bin_dir = bs.default_bin_dir(data_dir)
     names = [p.name for p in bs.list_bin_shards(bin_dir)]
-    assert [p.name for p in bs.split_paths(bin_dir, "val")] == names[-1:]
-    assert [p.name for p in bs.split_paths(bin_dir, "train")] == names[:-1]
+    assert [p.name for p in runs.split_paths(bin_dir, "val")] == names[-1:]
+    assert [p.name for p in runs.split_paths(bin_dir, "train")] == names[:-1]
 
 
 def _state_after_one_batch(data_dir) -> dict:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat import dataset as ds
 from nanochat.errors import DataError
 from scripts import pretokenize as pt
@@ -53,13 +54,13 @@ def test_text_shard_changed_at_the_same_size_is_stale_and_redone(text_dir, tmp_p
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     old = (out / "shard_00001.bin").read_bytes()
     rewrite_same_size(shards[1], "abcdefgh", "ABCDEFGH")
-    assert bs.stale_reason(out, shards) == "modified since at the same size: shard_00001.parquet"
+    assert runs.stale_reason(out, shards) == "modified since at the same size: shard_00001.parquet"
     written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)  # no --force
     assert [r["shard"] for r in written] == ["shard_00001.bin"]
     new = bs.BinShard(out / "shard_00001.bin")
     assert (out / "shard_00001.bin").read_bytes() != old
     assert ByteTokenizer().decode(new.doc(0)[1:].tolist()).endswith("ABCDEFGH")
-    assert bs.stale_reason(out, shards) is None
+    assert runs.stale_reason(out, shards) is None
 
 
 def test_touched_but_unchanged_text_shard_is_not_retokenized(text_dir, tmp_path):
@@ -70,12 +71,12 @@ def test_touched_but_unchanged_text_shard_is_not_retokenized(text_dir, tmp_path)
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     st = shards[2].stat()
     os.utime(shards[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert bs.stale_reason(out, shards) is None
+    assert runs.stale_reason(out, shards) is None
     logged = []
     assert pt.pretokenize(shards, out, ByteTokenizer(), log=logged.append) == []
     assert any("shard_00002" in line and "sha256" in line for line in logged)
-    assert bs.stale_reason(out, shards) is None
-    bs.check_complete(out, shards)
+    assert runs.stale_reason(out, shards) is None
+    runs.check_complete(out, shards)
 
 
 def test_loader_refuses_binary_shards_of_a_text_shard_changed_at_the_same_size(text_dir):

@@ -11,7 +11,8 @@ import pytest
 import tiktoken
 import torch
 
-from nanochat.binshards import default_bin_dir, write_meta
+from nanochat.binshards import default_bin_dir
+from nanochat.binshards_runs import write_meta
 from nanochat.dataloader import DataLoader
 from nanochat.errors import MissingDataError, RequestError
 from scripts.pretokenize import pretokenize

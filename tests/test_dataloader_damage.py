@@ -136,11 +136,11 @@ def test_stale_binary_shards_are_refused_when_picked_automatically(binned):
 def test_unfinished_binary_shard_directories_are_refused(binned):
     """An interrupted pretokenize leaves some shards: read as a whole, its last one (a train shard)
     would be the validation split. Refused, picked automatically or asked for, until a rerun."""
-    from nanochat import binshards as bs
+    from nanochat import binshards_runs as runs
     data_dir, _ = binned
     bin_dir = default_bin_dir(data_dir)
     text = sorted(data_dir.glob("*.parquet"))
-    bs.start_run(bin_dir, text, data_dir)  # what a run records before its first shard
+    runs.start_run(bin_dir, text, data_dir)  # what a run records before its first shard
     (bin_dir / "shard_00003.bin").unlink()
     for source in ("auto", "bin"):
         with pytest.raises(DataError) as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat.binshards import default_bin_dir
 from nanochat.dataloader import DataLoader
 from nanochat.errors import DataError
@@ -70,8 +70,8 @@ def test_text_shards_copied_without_their_times_are_hashed_once_not_per_loader(t
         st = p.stat()
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     hashed = []
-    real = bs.file_sha256
-    monkeypatch.setattr(bs, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    real = runs.file_sha256
+    monkeypatch.setattr(runs, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     for split in ("train", "val", "val", "val"):
         dl = DataLoader(ByteTokenizer(), 2, 32, split, data_dir=d, buffer_size=8)
         assert dl.describe_source().startswith("binary token shards")

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from scripts import pretokenize as pt
 from tests.test_dataloader import ByteTokenizer   # one stand-in tokenizer for both files
 
@@ -119,13 +120,13 @@ def test_records_its_text_shards_and_redoes_changed_ones(text_dir, tmp_path):
     shards = sorted(text_dir.glob("*.parquet"))
     pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)
     assert bs.read_meta(out)["text_shards"] == {p.name: p.stat().st_size for p in shards}
-    assert bs.stale_reason(out, shards) is None
+    assert runs.stale_reason(out, shards) is None
     pq.write_table(pa.table({"text": ["changed since"]}), shards[1])
-    assert bs.stale_reason(out, shards) == "changed: shard_00001.parquet"
+    assert runs.stale_reason(out, shards) == "changed: shard_00001.parquet"
     written = pt.pretokenize(shards, out, ByteTokenizer(), log=quiet)  # no --force: the changed one only
     assert [r["shard"] for r in written] == ["shard_00001.bin"]
-    assert bs.BinShard(out / "shard_00001.bin").num_docs == 1 and bs.stale_reason(out, shards) is None
-    assert "binary shards without a text shard: shard_00002.bin" in bs.stale_reason(out, shards[:2])
+    assert bs.BinShard(out / "shard_00001.bin").num_docs == 1 and runs.stale_reason(out, shards) is None
+    assert "binary shards without a text shard: shard_00002.bin" in runs.stale_reason(out, shards[:2])
 
 
 def test_damaged_bin_files_are_data_errors(text_dir, tmp_path):
@@ -200,7 +201,7 @@ def test_an_interrupted_run_is_marked_unfinished_and_a_rerun_finishes_it(text_di
     assert meta["complete"] is False and sorted(meta["planned"]) == [p.name for p in shards]
     assert [p.name for p in bs.list_bin_shards(out)] == ["shard_00000.bin", "shard_00001.bin"]
     with pytest.raises(DataError) as e:
-        bs.check_complete(out)
+        runs.check_complete(out)
     msg = str(e.value)
     assert f"{out} is incomplete" in msg and "2 of 3 binary shards written; missing: shard_00002.bin" in msg
     assert f"python -m scripts.pretokenize --data-dir {text_dir.resolve()} --out {out}" in msg
@@ -210,7 +211,7 @@ def test_an_interrupted_run_is_marked_unfinished_and_a_rerun_finishes_it(text_di
     meta = bs.read_meta(out)
     assert meta["complete"] is True and "planned" not in meta
     assert meta["text_shards"] == {p.name: p.stat().st_size for p in shards}
-    bs.check_complete(out, shards)
+    runs.check_complete(out, shards)
 
 
 def test_a_rerun_drops_binary_shards_whose_text_shard_is_gone(text_dir, tmp_path):
@@ -221,13 +222,13 @@ def test_a_rerun_drops_binary_shards_whose_text_shard_is_gone(text_dir, tmp_path
     (out / "shard_00001.bin").unlink()  # a complete directory that lost a shard
     with pytest.raises(DataError, match=r"holds 2 binary shards, not one for each of the 3 text shards "
                                         r"recorded in its meta.json \(missing: shard_00001.bin\)"):
-        bs.check_complete(out)
+        runs.check_complete(out)
     shards[2].unlink()  # the text shard set shrank: its binary shard would be read as validation
     logged = []
     pt.pretokenize(shards[:2], out, ByteTokenizer(), log=logged.append)
     assert [p.name for p in bs.list_bin_shards(out)] == ["shard_00000.bin", "shard_00001.bin"]
     assert any("removed shard_00002.bin" in line for line in logged)
-    bs.check_complete(out, shards[:2])
+    runs.check_complete(out, shards[:2])
 
 
 def test_invalid_utf8_text_names_the_shard(tmp_path, capsys):
@@ -277,7 +278,7 @@ def test_all_empty_text_shards_are_refused(tmp_path, statistics):
         assert not bs.list_bin_shards(out)
     else:
         with pytest.raises(DataError, match="is incomplete"):
-            bs.check_complete(out)
+            runs.check_complete(out)
     pq.write_table(pa.table({"text": ["some text", ""]}), d / "shard_00000.parquet", write_statistics=statistics)
     with pytest.raises(MissingDataError, match=r"the val split \(shard_00002.parquet\)"):
         pt.main(["--data-dir", str(d), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
