@@ -9,7 +9,7 @@ Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-
 them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
 answer being written. Tokens are printed as they are generated; calculator tool calls show as
 <<expr=result>>; on a terminal, control characters the model writes show as U+FFFD. A reply cut off
-because the conversation filled the model's context says so on stderr.
+because the conversation filled the model's context says so on stderr, as does a reply with no text.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
     as parts. A reply cut off because the context is full gets a note on stderr, ending with
-    `full_hint` (what to do about it), and one cut off at --max-tokens a note saying so."""
+    `full_hint` (what to do about it), one cut off at --max-tokens a note saying so, and one that
+    ends with no text (nothing but whitespace, or special tokens shown as nothing) a note saying that."""
     out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, assistant_parts
     from nanochat.text_stream import TextStream
@@ -165,7 +166,7 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     # as the server (nanochat/server.py): a reply also ends where the model starts a user turn
     stops = set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
-    generated, stopped = [], False
+    generated, stopped, shown = [], False, []
     try:
         for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
                                          top_k=args.top_k, top_p=args.top_p, seed=seed, stop_tokens=stops):
@@ -174,14 +175,19 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
                 stopped = True
                 break
             generated.append(token)
-            out.write(show(stream.feed(token)))
+            shown.append(stream.feed(token))
+            out.write(show(shown[-1]))
             out.flush()
     except KeyboardInterrupt:   # end the cut-off line: what follows (the prompt, a message) starts on its own
         out.write("\n")
         out.flush()
         raise
-    out.write(show(stream.finish()) + "\n")
-    if not stopped and len(generated) >= room:   # mid-sentence, and the next turn has no room either
+    shown.append(stream.finish())
+    out.write(show(shown[-1]) + "\n")
+    if stopped and not "".join(shown).strip():   # a blank line alone (exit 0 for -p) read as a hang or a bug
+        out.flush()
+        print("[empty reply: the model ended its turn without writing any text]", file=sys.stderr, flush=True)
+    elif not stopped and len(generated) >= room:   # mid-sentence, and the next turn has no room either
         out.flush()
         print(f"[cut off: the conversation filled the model's context of {engine.max_seq_len} tokens{full_hint}]",
               file=sys.stderr, flush=True)

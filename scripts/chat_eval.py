@@ -147,10 +147,13 @@ def held_out_problems(cfg: ChatEvalConfig, base_dir) -> tuple[dict[str, tuple[in
     return held, complete
 
 
-def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]]) -> dict[str, int]:
+def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]],
+                   sizes: dict[str, int] | None = None) -> dict[str, int]:
     """task -> the problems to score where training saw the rest: at most the held-out first N
     (--max-problems is a maximum; the cut is printed, and the score labelled partial), since a score
-    over trained-on test problems reads as the model's own. A task with none held out is a ValueError."""
+    over trained-on test problems reads as the model's own. A task with none held out is a ValueError.
+    `sizes` (task -> its problems here): a task of at most N problems (--data-dir a smaller file) had
+    no rest to train on, and is not said to be cut."""
     names = [n for n in cfg.tasks() if n in held]
     none_left = [n for n in names if held[n][0] == 0]
     require(not none_left, "-a/--task-name", cfg.task_name or "(all)",
@@ -159,6 +162,8 @@ def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]]) -> dic
     limits = {}
     for name in names:
         n, stage = held[name]
+        if sizes is not None and sizes.get(name, n + 1) <= n:
+            continue
         if cfg.max_problems is None or cfg.max_problems > n:
             limits[name] = n
             print0(f"{name}: scoring its first {n} problems only: the {stage} model trained on the rest "
@@ -217,7 +222,7 @@ def main(argv=None) -> dict:
     tasks = load_tasks(cfg)
     # the test problems training saw are never scored: read from meta.json before the model loads
     held, lineage_known = held_out_problems(cfg, get_base_dir())
-    limits = problem_limits(cfg, held)
+    limits = problem_limits(cfg, held, {name: len(task) for name, task in tasks.items()})
     # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
     # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
     tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
@@ -271,7 +276,8 @@ def report_section(cfg: ChatEvalConfig, tag: str, out: dict, tasks: dict) -> dic
     not comparable with a full greedy run is said per value: "<task> complete" (False for a task
     scored on a subset of its problems) (a --max-problems run's score was shown as the task's),
     "ChatCORE complete" only for every problem of every task, and "<task> scored as": "pass@k"
-    for a generative task scored over --num-samples k (the best of k answers, not one)."""
+    for a generative task scored over --num-samples k (the best of k answers, not one). With a
+    generative task, the settings its answers were sampled with (--max-new-tokens; sampled: --top-k, --seed)."""
     results = out["results"]
     cut = subset_tasks(results)
     section = {"stage": cfg.source, "model_tag": tag, "step": out["step"],   # resolved, as base_eval's
@@ -280,8 +286,12 @@ def report_section(cfg: ChatEvalConfig, tag: str, out: dict, tasks: dict) -> dic
                **{f"{n} complete": n not in cut for n in results},
                "ChatCORE metric": out["ChatCORE"], "ChatCORE complete": out["complete"] and not cut,
                "seconds": round(sum(r["seconds"] for r in results.values()), 1)}
+    generative = [n for n, task in tasks.items() if task.eval_type == "generative"]
+    if generative:   # what cuts and shapes the answers: two entries of one stage differed in nothing shown
+        section["max_new_tokens"] = cfg.max_new_tokens
+        if cfg.temperature > 0:
+            section.update(top_k=cfg.top_k, seed=cfg.seed)
     if cfg.num_samples > 1:
-        generative = [n for n, task in tasks.items() if task.eval_type == "generative"]
         section.update({f"{n} scored as": f"pass@{cfg.num_samples}" for n in generative})
         if generative:
             section["ChatCORE scored as"] = f"pass@{cfg.num_samples}"

@@ -51,8 +51,11 @@ MC_KEYS = ("question", "choices", "answer")
 
 # "B", "b", "B.", "(B)", "B) blue", "**B**": a letter standing alone (a lower-case one only before
 # punctuation or the end: "a bird" is an article, not choice A). Markdown emphasis counts as
-# punctuation: chat models write "**B**" and "**Answer:** C".
-_LETTER = r"[*_]*\(?[*_]*(?:([A-Z])(?![A-Za-z0-9'])|([a-z])(?=$|[.):,*_]))"
+# punctuation: chat models write "**B**" and "**Answer:** C". A letter in quotes, backticks or
+# brackets ('The answer is "B"', "`C`", "[D]") is one too, either case: the closing quote failed the
+# lookahead that keeps "A's" from being choice A, so they named no answer.
+_LETTER = (r"[*_]*(?:[\"'`\u2018\u201c\[][*_]*([A-Za-z])[*_]*[\"'`\u2019\u201d\]]"
+           r"|\(?[*_]*(?:([A-Z])(?![A-Za-z0-9'])|([a-z])(?=$|[.):,*_])))")
 _LEADING_LETTER = re.compile(_LETTER)
 # "The answer is C", "Answer: (D)", "The answer is: **C**", "my answer is c.": a letter named as the
 # answer further on ("is" and ":" in either order or both, any case)
