@@ -102,6 +102,8 @@ class PatchContext:
     set_allocator_settings: Callable[[str], None] | None = None
     filter_warning: Callable[..., None] | None = None   # warnings.filterwarnings in real runs
     torch_version: str = torch.__version__     # what version-gated patches read
+    # `ptxas --version` of a user's TRITON_PTXAS*_PATH (None = not checked, as in tests' contexts)
+    ptxas_version_of: Callable[[str], tuple[int, int] | None] | None = None
 
     @classmethod
     def real(cls, spec: DeviceSpec) -> "PatchContext":
@@ -122,6 +124,7 @@ class PatchContext:
         if spec.cc is not None and ctx.triton_version is not None:
             ctx.bundled_ptxas_version = bundled_ptxas_version(spec.cc)
             ctx.ptxas_candidates = find_system_ptxas()
+            ctx.ptxas_version_of = ptxas_version
         return ctx
 
 
@@ -177,6 +180,7 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
             else f"not probed; Triton {ctx.triton_version} ships <= {expected[0]}.{expected[1]}")
     user = {n: ctx.env[n] for n in PTXAS_ENV if ctx.env.get(n) and not _set_by_us(ctx.env, n)}
     if user:   # the user's choice, either name (Triton >= 3.5 reads the Blackwell one for sm_100+)
+        _check_user_ptxas(spec, ctx, user, need, said)
         # Triton reads only one of the two names for a given arch (3.5-3.8: the Blackwell one from
         # sm_100 on, older releases: TRITON_PTXAS_PATH for every arch), so a user who set only the
         # other one (DESIGN s4.1 says TRITON_PTXAS_PATH) still got the bundled ptxas on sm_121:
@@ -206,6 +210,26 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
 
 
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+
+
+def _check_user_ptxas(spec: DeviceSpec, ctx: PatchContext, user: Mapping[str, str],
+                      need: tuple[int, int], said: str) -> None:
+    """A user's TRITON_PTXAS*_PATH is never replaced, but Triton skips one that does not run (its bundled
+    ptxas then meets the sm_121a error anyway) and a CUDA 12.8 one fails alike, after a log line
+    said it was in use: raise PtxasMissing naming the variable (a warning in apply_runtime_patches)."""
+    if ctx.ptxas_version_of is None:
+        return
+    for name, path in user.items():
+        version = ctx.ptxas_version_of(path)
+        if version is None:
+            problem = "does not run (no such file, not executable, or its version query failed)"
+        elif version < need:
+            problem = f"is CUDA {version[0]}.{version[1]}'s ptxas, older than the {need[0]}.{need[1]} it needs"
+        else:
+            continue
+        raise PtxasMissing(f"{name}={path} {problem}; sm_{spec.cc[0]}{spec.cc[1]} cannot use Triton "
+                           f"{ctx.triton_version}'s bundled ptxas ({said}) either. Point {name} at a CUDA "
+                           ">= 13.0 ptxas (or unset it to let nanochat look for one), or pip install 'triton>=3.6'.")
 
 
 class PtxasMissing(RequestError, RuntimeError):
@@ -529,17 +553,25 @@ def _spec_from_nvidia_smi(env: Mapping[str, str] | None = None) -> DeviceSpec | 
     return spec_from_props(SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0))
 
 
+MEMINFO = "/proc/meminfo"   # tests point it elsewhere
+
+
 def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroom: float = 0.1) -> int | None:
     """Bytes a run may plan to use. Unified memory: MemAvailable minus `headroom` of it (memory
     pressure can hang the host); discrete GPU: cudaMemGetInfo free; CPU/MPS: None (Apple's MPS
-    is unified too, but macOS has no /proc/meminfo)."""
+    is unified too, but macOS has no /proc/meminfo). An unreadable meminfo or one without MemAvailable
+    is a RuntimeError naming the file (cudaMemGetInfo, counting the page cache as used, is no stand-in)."""
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom: got {headroom!r}; accepted: a fraction in [0, 1)")
     if spec.is_cuda and spec.unified_memory:
-        text = meminfo if meminfo is not None else Path("/proc/meminfo").read_text()
+        try:
+            text = meminfo if meminfo is not None else Path(MEMINFO).read_text()
+        except OSError as exc:
+            raise RuntimeError(f"{MEMINFO}: cannot be read ({exc.strerror or exc}); the unified-memory "
+                               "budget comes from its MemAvailable line") from exc
         m = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, flags=re.MULTILINE)
         if m is None:
-            raise RuntimeError("/proc/meminfo has no MemAvailable line")
+            raise RuntimeError(f"{MEMINFO} has no 'MemAvailable: <n> kB' line (Linux >= 3.14 writes one)")
         return int(int(m.group(1)) * 1024 * (1 - headroom))
     if spec.is_cuda:
         free, _total = torch.cuda.mem_get_info()

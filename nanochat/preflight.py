@@ -17,7 +17,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, configure_env_before_cuda,
-                               detect_device, memory_budget_bytes, patch_cpu_amx)
+                               detect_device, memory_budget_bytes, patch_cpu_amx, spec_from_props)
 
 UNAVAILABLE = "unavailable: "   # a report value that starts with it: what a run with these flags would hit
 
@@ -144,6 +144,24 @@ def _peak_source(spec: DeviceSpec) -> str:
     return spec.source or "n/a"
 
 
+def visible_gpus() -> list[str] | None:
+    """Every visible GPU when there are several (None for one): the rest of the report describes the
+    current one (GPU 0) only, while a torchrun launch gives each rank its own, and on a machine with
+    GPUs of different kinds the others' arch, SMs and peaks (hence patches and MFU) differ."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        return None
+    rows = []
+    for index in range(count):
+        spec = spec_from_props(torch.cuda.get_device_properties(index))
+        rows.append(f"{index}: {spec.name} (cc {spec.cc[0]}.{spec.cc[1]}, {spec.sms} SMs, {spec.key})")
+    kinds = {row.split(": ", 1)[1] for row in rows}
+    if len(kinds) > 1:
+        rows.append("GPUs of different kinds: the device, peak and patch rows describe GPU 0; each torchrun "
+                    "rank applies its own GPU's patches and MFU divides by the sum of the GPUs' peaks")
+    return rows
+
+
 def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
                      backend: str = "auto") -> dict[str, Any]:
     # as init_runtime does: allocator settings and torch's sm_121 warning filter before CUDA starts
@@ -173,10 +191,15 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         report["patches"] = f"{UNAVAILABLE}{exc}"
     report["kernel"] = check_kernel_here(kernel, spec)
     if spec.is_cuda:
+        if (gpus := visible_gpus()) is not None:
+            report["gpus"] = gpus
         report["cudnn"] = torch.backends.cudnn.version()
         report["arch_list"] = torch.cuda.get_arch_list()
         report["ptxas"] = triton_ptxas_in_use(spec)
-        report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
+        try:   # an unreadable /proc/meminfo (unified memory) or a failing cudaMemGetInfo: said, not a traceback
+            report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
+        except RuntimeError as exc:
+            report["memory_budget_gb"] = f"{UNAVAILABLE}{exc}"
         report["attention"] = probe_attention_backends()
     from nanochat import precision as precision_mod
     try:
