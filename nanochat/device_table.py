@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, MutableMapping
 
 from nanochat.errors import RequestError
 
@@ -249,3 +250,20 @@ def peaks(spec: DeviceSpec, precision: str, override: float | None = None) -> tu
     if table_bf16 and table_act:
         return bf16, bf16 * table_act / table_bf16
     return bf16, bf16 * DENSE_RATIO[key]
+
+
+def usable_sms(sm_count: int, env: MutableMapping[str, str] | None = None) -> int:
+    """SMs this process can hold at once: all of them, or under CUDA MPS with
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE that share, rounded down to whole TPCs (pairs of SMs).
+    A grid whose programs wait for each other (the persistent decode kernel's grid barrier) must
+    not be larger, or it waits forever; device properties still report every SM under MPS."""
+    value = (os.environ if env is None else env).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if value is None or not value.strip():
+        return sm_count
+    try:
+        pct = float(value)
+    except ValueError:
+        pct = -1.0
+    if not 0 < pct <= 100:
+        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: got {value!r}; accepted: a number in (0, 100]")
+    return min(sm_count, max(1, int(sm_count * pct / 100) // 2 * 2))

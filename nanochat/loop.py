@@ -442,9 +442,11 @@ def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
     plan = getattr(trainer, "plan", None)
     peak = ""
     if memory == "GPU memory" and torch.cuda.is_available():
-        dev = torch.cuda.current_device()
-        peak = (f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of "
-                f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB)")
+        from nanochat.platform import MEMORY_CAP_ENV, memory_cap_bytes
+        dev, cap = torch.cuda.current_device(), memory_cap_bytes()
+        limit = (f"the unified-memory cap of {cap / 2**30:.1f} GiB ({MEMORY_CAP_ENV})" if cap is not None else
+                 f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB")
+        peak = f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit})"
     if plan is None:
         return f"out of {memory} in step {step}{peak}: lower the device batch size"
     head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of {memory} in "

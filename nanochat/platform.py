@@ -11,9 +11,11 @@ Owns:
   names the versions it targets, and applying them again reports the same names (the variables
   they set are listed in NANOCHAT_PLATFORM_ENV).
 - `memory_budget_bytes()`: on unified memory the free memory comes from /proc/meminfo
-  MemAvailable (cudaMemGetInfo counts the page cache as used there).
-- `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime) and `usable_sms()`
-  (the SMs a process may hold, e.g. under CUDA MPS).
+  MemAvailable (cudaMemGetInfo counts the page cache as used there); `patch_memory_cap` caps
+  the allocator at it, so that a batch too big fails instead of hanging the host.
+- `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime; in
+  nanochat/cpu_patches.py) and `usable_sms()` (the SMs a process may hold, e.g. under CUDA MPS;
+  in device_table.py).
 - `python -m nanochat.platform`: a preflight report, built by nanochat/preflight.py.
 The toolchain's version probes (Triton, the ptxas binaries and what an arch needs) live in
 nanochat/toolchain.py and are re-exported here; the ptxas patch that acts on them stays here.
@@ -38,7 +40,8 @@ import torch
 
 from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,  # noqa: F401 (re-exported)
                                    DeviceSpec, SimpleProps, peak_flops, peak_key, peaks,
-                                   spec_from_props)
+                                   spec_from_props, usable_sms)
+from nanochat.cpu_patches import AMX_FALLBACK_ISA, ONEDNN_ISA_ENV, _bf16_matmul_in_child, patch_cpu_amx  # noqa: F401
 from nanochat.errors import RequestError
 from nanochat.toolchain import (_bundled_ptxas_by_triton, _version_tuple, bundled_ptxas_version,  # noqa: F401
                                 find_system_ptxas, ptxas_version, required_ptxas, triton_version)
@@ -104,6 +107,10 @@ class PatchContext:
     torch_version: str = torch.__version__     # what version-gated patches read
     # `ptxas --version` of a user's TRITON_PTXAS*_PATH (None = not checked, as in tests' contexts)
     ptxas_version_of: Callable[[str], tuple[int, int] | None] | None = None
+    # unified memory's allocator cap (patch_memory_cap): None = not capped, as in tests' contexts
+    set_memory_fraction: Callable[[float], None] | None = None
+    total_memory: Callable[[], int] | None = None
+    meminfo: str | None = None                 # /proc/meminfo's text (None: read MEMINFO)
 
     @classmethod
     def real(cls, spec: DeviceSpec) -> "PatchContext":
@@ -120,6 +127,9 @@ class PatchContext:
             ctx.inductor_modules = [inductor_utils]
             ctx.cuda_initialized = torch.cuda.is_initialized()
             ctx.set_allocator_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+            if spec.unified_memory:   # called by the patch, after CUDA is up (init_runtime)
+                ctx.set_memory_fraction = torch.cuda.set_per_process_memory_fraction
+                ctx.total_memory = lambda: torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         ctx.triton_version = triton_version()
         if spec.cc is not None and ctx.triton_version is not None:
             ctx.bundled_ptxas_version = bundled_ptxas_version(spec.cc)
@@ -296,6 +306,53 @@ def patch_expandable_segments(spec: DeviceSpec, ctx: PatchContext) -> str | None
     return "expandable_segments"
 
 
+MEMORY_CAP_ENV = "NANOCHAT_GPU_MEMORY_CAP"
+_MEMORY_CAP: list[int] = []   # the cap this process set, in bytes (once: MemAvailable then includes no run)
+
+
+def patch_memory_cap(spec: DeviceSpec, ctx: PatchContext) -> str | None:
+    """Unified memory (GB10): the caching allocator can grow into all of the host's RAM, and memory
+    pressure there can hang the whole machine instead of failing (DESIGN s4.3). Capped once per
+    process, at MemAvailable at its start less 10% (memory_budget_bytes), by
+    torch.cuda.set_per_process_memory_fraction (torch >= 2.9; applies with expandable segments):
+    a batch too big then raises torch's OutOfMemoryError, which training turns into a
+    --device-batch-size hint. NANOCHAT_GPU_MEMORY_CAP: a size in GB instead, or off."""
+    if not (spec.is_cuda and spec.unified_memory) or ctx.set_memory_fraction is None or ctx.total_memory is None:
+        return None
+    if _MEMORY_CAP:
+        return "memory_cap"
+    value = ctx.env.get(MEMORY_CAP_ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        try:
+            cap = float(value) * 1e9
+        except ValueError:
+            cap = float("nan")
+        if not 0 < cap < float("inf"):
+            raise RequestError(f"{MEMORY_CAP_ENV}={value!r}: accepted: a size in GB (> 0, e.g. 100) or off")
+        why = f"{MEMORY_CAP_ENV}={value}"
+    else:
+        try:
+            cap = memory_budget_bytes(spec, meminfo=ctx.meminfo)
+        except RuntimeError as exc:   # no MemAvailable to go by: say so, run uncapped
+            _log_once("memory_cap", f"unified memory: the allocator is not capped ({exc})")
+            return None
+        why = f"MemAvailable at start less 10%; {MEMORY_CAP_ENV}=<GB>|off overrides"
+    total = ctx.total_memory()
+    ctx.set_memory_fraction(min(1.0, cap / total))
+    _MEMORY_CAP.append(int(min(cap, total)))
+    _log_once("memory_cap", f"unified memory: PyTorch's allocator capped at {min(cap, total) / 1e9:.1f} GB of "
+                            f"{total / 1e9:.1f} ({why}): a batch too big raises out-of-memory instead of "
+                            "pushing the host into swap or a hang")
+    return "memory_cap"
+
+
+def memory_cap_bytes() -> int | None:
+    """The cap patch_memory_cap set in this process (None: none), for out-of-memory hints."""
+    return _MEMORY_CAP[0] if _MEMORY_CAP else None
+
+
 def torch_cudnn_dir() -> str | None:
     """The folder of the cuDNN that torch's wheel depends on (pip package nvidia-cudnn-*), or None."""
     import importlib.util
@@ -428,6 +485,7 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
         patch_capture_scalar_outputs(spec, ctx, kernel, compile),
         patch_sm121_warning(spec, ctx),
         patch_triton_fp_fusion(spec, ctx, uses_triton),
+        patch_memory_cap(spec, ctx),
     ]
     return [name for name in applied if name]
 
@@ -465,60 +523,6 @@ def configure_env_before_cuda(spec_hint: DeviceSpec | str | None = None,
         filter_warning = warnings.filterwarnings
     ctx = PatchContext(env=env, filter_warning=filter_warning, torch_version=torch_version)
     return [n for n in [patch_expandable_segments(spec, ctx), patch_sm121_warning(spec, ctx)] if n]
-
-
-ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
-AMX_FALLBACK_ISA = "AVX512_CORE_BF16"  # the best ISA below AMX: bf16 dot products, no tiles
-
-
-def _bf16_matmul_in_child(timeout_s: float = 20.0) -> int | None:
-    """Fork, run one small bf16 matmul in the child; return the signal that killed it (0 = ran
-    fine, None = could not tell: no fork, or it did not finish in time)."""
-    import time
-    if not hasattr(os, "fork"):
-        return None
-    pid = os.fork()
-    if pid == 0:  # child: one thread (no OpenMP pool inherited across fork), then exit hard
-        try:
-            torch.set_num_threads(1)
-            a = torch.ones(32, 64, dtype=torch.bfloat16)
-            (a @ a.T).sum().item()
-        finally:
-            os._exit(0)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return None
-
-
-def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | None = None,
-                  probe: Callable[[], int | None] = _bf16_matmul_in_child) -> str | None:
-    """CPU bf16 matmuls die with SIGILL on VMs that advertise AMX (cpuinfo `amx_tile`) without
-    enabling its register state: torch >= 2.12 CPU builds' oneDNN then picks AMX kernels (seen
-    with torch 2.15.0 on Firecracker guests). Probe once in a forked child; if it dies, cap
-    oneDNN at AVX512_CORE_BF16. Must run before this process's first oneDNN matmul (oneDNN
-    reads the cap once); init_runtime and tests/conftest.py call it first. A user-set cap wins."""
-    env = os.environ if env is None else env
-    if ONEDNN_ISA_ENV in env:
-        return None
-    if cpu_flags is None:
-        try:
-            cpu_flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    if "amx_tile" not in cpu_flags.split():
-        return None
-    if probe() != 4:  # 4 = SIGILL; anything else (fine, no fork, timeout): leave oneDNN alone
-        return None
-    env[ONEDNN_ISA_ENV] = AMX_FALLBACK_ISA
-    _log_once("cpu_amx", f"bf16 AMX kernels crash on this CPU (SIGILL in a probe): "
-                         f"{ONEDNN_ISA_ENV}={AMX_FALLBACK_ISA}")
-    return "cpu_amx"
 
 
 def _first_visible_gpu(env: Mapping[str, str]) -> str | None:
@@ -577,23 +581,6 @@ def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroo
         free, _total = torch.cuda.mem_get_info()
         return int(free * (1 - headroom))
     return None
-
-
-def usable_sms(sm_count: int, env: MutableMapping[str, str] | None = None) -> int:
-    """SMs this process can hold at once: all of them, or under CUDA MPS with
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE that share, rounded down to whole TPCs (pairs of SMs).
-    A grid whose programs wait for each other (the persistent decode kernel's grid barrier) must
-    not be larger, or it waits forever; device properties still report every SM under MPS."""
-    value = (os.environ if env is None else env).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    if value is None or not value.strip():
-        return sm_count
-    try:
-        pct = float(value)
-    except ValueError:
-        pct = -1.0
-    if not 0 < pct <= 100:
-        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: got {value!r}; accepted: a number in (0, 100]")
-    return min(sm_count, max(1, int(sm_count * pct / 100) // 2 * 2))
 
 
 def main(argv: list[str] | None = None) -> int:
