@@ -231,7 +231,6 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-
 def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: int = 0) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
@@ -327,8 +326,9 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
                           loader_state, loop_state)
     barrier()
     if rank == 0:
-        full_meta = {**environment_meta(), **meta, "schema_version": SCHEMA_VERSION, "step": step,
-                     "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # the weights' device: a meta that names none (chat_rl's) recorded None
+        full_meta = {**environment_meta(_state_device(model_state)), **meta, "schema_version": SCHEMA_VERSION,
+                     "step": step, "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "has_optimizer": optimizer_state is not None}
         with _unwritable_is_a_checkpoint_error(staging, step):   # the tensors fitted, the disk filled since
             write_json(staging / META_NAME, full_meta)
@@ -341,9 +341,34 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
         else:
             os.replace(staging, final)
         fsync_dir(ckpt_dir)
-        write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
+        _point_latest(ckpt_dir, final, step)
     barrier()
     return final
+
+
+def _state_device(state: dict | None) -> torch.device | None:
+    return next((v.device for v in (state or {}).values() if isinstance(v, torch.Tensor)), None)
+
+
+def _point_latest(ckpt_dir: Path, final: Path, step: int) -> None:
+    """latest.json -> `final` (complete by now). The disk filling (or refusing writes) here left a
+    traceback while latest.json still named an older step, which --resume latest|auto then took
+    (no latest.json at all: auto started afresh and moved this run aside): one CheckpointError
+    naming the step to pass to --resume instead."""
+    for stale in ckpt_dir.glob(f".{LATEST_NAME}.tmp-*"):   # left by a process killed mid-write
+        stale.unlink(missing_ok=True)
+    try:
+        write_json(ckpt_dir / LATEST_NAME, {"step": step, "dir": final.name})
+    except OSError as e:
+        if _write_error(e) is None:
+            raise
+        try:
+            pointed = f"still names step {read_latest(ckpt_dir)}"
+        except CheckpointError:
+            pointed = "is missing"
+        raise CheckpointError(f"checkpoint of step {step} saved to {final}, but {ckpt_dir / LATEST_NAME} could not "
+                              f"be updated ({e.strerror}) and {pointed}: free space (or make the disk writable) and "
+                              f"continue with --resume {step}, not latest or auto") from e
 
 
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)

@@ -444,7 +444,9 @@ def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
     if memory == "GPU memory" and torch.cuda.is_available():
         from nanochat.platform import MEMORY_CAP_ENV, memory_cap_bytes
         dev, cap = torch.cuda.current_device(), memory_cap_bytes()
-        limit = (f"the unified-memory cap of {cap / 2**30:.1f} GiB ({MEMORY_CAP_ENV})" if cap is not None else
+        # the cap in GB too: the unit MEMORY_CAP_ENV takes and platform's start-up line prints
+        limit = (f"the unified-memory cap of {cap / 2**30:.1f} GiB = {cap / 1e9:.1f} GB ({MEMORY_CAP_ENV}=<GB> "
+                 "sets it)" if cap is not None else
                  f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB")
         peak = f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit})"
     if plan is None:

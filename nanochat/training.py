@@ -47,8 +47,9 @@ class NonFiniteLossError(RequestError, RuntimeError):
         # its step named: after a resume from an older step, `latest` may be another checkpoint
         saved = re.search(r"step_0*(\d+)$", str(last_checkpoint or ""))
         how = f"--resume {saved.group(1)}" if saved else "--resume"
-        where = (f"last good checkpoint: {last_checkpoint} (resume from it with {how})"
-                 if last_checkpoint else "no checkpoint was saved in this run yet (use --save-every)")
+        # not "use --save-every": a run that used it and diverged before its first save was told to
+        where = (f"last good checkpoint: {last_checkpoint} (resume from it with {how})" if last_checkpoint
+                 else "no checkpoint was saved in this run yet (--save-every N saves one every N steps)")
         super().__init__(f"non-finite {what} ({value}) at step {step}; {where}; hint: {hint}")
 
 
