@@ -60,7 +60,7 @@ die() { echo "run_train.sh: error: $*" >&2; exit 2; }
 say() { echo "run_train.sh: $*"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=600 LINES=10 TAG_GIVEN=0
+MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=600 LINES=10 TAG_GIVEN=0 BASE_DIR_GIVEN=0
 MODES_GIVEN=() RUN_OPTS=()   # --status / --stop given; the run options given, as "flag mode-they-belong-to"
 TRAIN_ARGS=()
 while [[ $# -gt 0 ]]; do
@@ -74,8 +74,8 @@ while [[ $# -gt 0 ]]; do
     --lines=*) LINES="${1#*=}"; RUN_OPTS+=("--lines status"); shift ;;
     --nproc) [[ $# -ge 2 ]] || die "--nproc needs a value (GPUs on this host)"; NPROC="$2"; RUN_OPTS+=("--nproc start"); shift 2 ;;
     --nproc=*) NPROC="${1#*=}"; RUN_OPTS+=("--nproc start"); shift ;;
-    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; shift 2 ;;
-    --base-dir=*) BASE_DIR="${1#*=}"; shift ;;
+    --base-dir) [[ $# -ge 2 ]] || die "--base-dir needs a directory"; BASE_DIR="$2"; BASE_DIR_GIVEN=1; shift 2 ;;
+    --base-dir=*) BASE_DIR="${1#*=}"; BASE_DIR_GIVEN=1; shift ;;
     --model-tag|--model_tag) [[ $# -ge 2 ]] || die "$1 needs a value"
       TAG="$2"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$2"); shift 2 ;;
     --model-tag=*|--model_tag=*) TAG="${1#*=}"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$TAG"); shift ;;
@@ -85,6 +85,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+# a value left out (`--base-dir $UNSET_VAR --status`) took the next flag as the directory, and a
+# --status or --stop started a training run in ./--status instead
+[[ $BASE_DIR_GIVEN -eq 0 || "$BASE_DIR" != -* ]] || die "--base-dir: got '$BASE_DIR' (a flag, not a directory: its value left out?);" \
+  "accepted: a directory (./$BASE_DIR for a name starting with '-')"
 # a run option of another mode would be ignored: --timeout is --stop's, --lines --status's, --nproc a start's
 if [[ " ${MODES_GIVEN[*]} " == *" --status "* && " ${MODES_GIVEN[*]} " == *" --stop "* ]]; then
   die "--status and --stop: got both; accepted: one of the two"
@@ -343,6 +347,11 @@ if (( NPROC > 1 )); then
   # with --shutdown-timeout; 30 s otherwise): the loop finishes its step and saves first
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}"
   launcher=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m scripts.base_train)
+  # torchrun (Python 3.11's argparse) reads the script's --run as an ambiguous prefix of its own
+  # --run-path and exits 2 in the log after "started": base_train takes --run-name for it (nanochat/flags.py)
+  for i in "${!TRAIN_ARGS[@]}"; do
+    case "${TRAIN_ARGS[$i]}" in --run) TRAIN_ARGS[$i]=--run-name ;; --run=*) TRAIN_ARGS[$i]="--run-name=${TRAIN_ARGS[$i]#--run=}" ;; esac
+  done
 else
   launcher=("$PYTHON" -m scripts.base_train)
 fi

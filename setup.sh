@@ -113,6 +113,10 @@ case "$PRESET" in auto|tiny|spark|h100) ;; *) die "--preset: got '$PRESET'; acce
 BASE_DIR_FROM=--base-dir; [[ $BASE_DIR_GIVEN -eq 1 ]] || BASE_DIR_FROM=NANOCHAT_BASE_DIR
 BASE_DIR_OK="accepted: a directory (made if missing), not an existing file or a path under one"
 [[ -n "$BASE_DIR" ]] || die "$BASE_DIR_FROM: got ''; $BASE_DIR_OK"   # "" would be the caller's directory
+# a value left out (`--base-dir $UNSET_VAR --dry-run`) took the next flag as the directory: a real run
+# began in ./--dry-run instead of the dry run asked for
+[[ $BASE_DIR_GIVEN -eq 0 || "$BASE_DIR" != -* ]] \
+  || die "--base-dir: got '$BASE_DIR' (a flag, not a directory: its value left out?); $BASE_DIR_OK (./$BASE_DIR for a name starting with '-')"
 BASE_DIR_ARG="$BASE_DIR"
 # the shell expands ~ only at a word's start: `--base-dir=~/nc` (or a quoted "~/nc") arrives as is,
 # and read as relative it made a directory named '~' in the caller's directory
@@ -358,7 +362,12 @@ if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it 
   DBS_FLAG=$((10#$DBS_FLAG))
   (( TBS % (DBS_FLAG * SEQ) == 0 )) || die "--device-batch-size: got $DBS_FLAG; accepted: a divisor of" \
     "$((TBS / SEQ)) (the total batch of $TBS tokens is $((TBS / SEQ)) rows of $SEQ tokens)"
-  say "device batch $DBS_FLAG (--device-batch-size; the preset's is $DBS); the total batch stays $TBS tokens"
+  # the preset's as fitted to this GPU: after an out-of-memory stop at a fitted 4, "the preset's is 32" misled
+  fitted=""; [[ -z "$BUDGET_MIB" ]] || fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
+  preset_dbs="$DBS"
+  if [[ -n "$BUDGET_MIB" && -z "$fitted" ]]; then preset_dbs="$DBS; by the estimate, d$DEPTH fits $where at none"
+  elif [[ -n "$fitted" ]] && (( fitted != DBS )); then preset_dbs="$fitted for d$DEPTH in $where"; fi
+  say "device batch $DBS_FLAG (--device-batch-size; the preset's is $preset_dbs); the total batch stays $TBS tokens"
   DBS=$DBS_FLAG   # (tiny's mid / SFT step stays the preset's rows: a changed total could not resume)
 elif [[ -n "$BUDGET_MIB" ]]; then
   fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
