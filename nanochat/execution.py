@@ -4,7 +4,8 @@ Layers, strongest first (each applied when the OS allows it; `ExecutionResult.is
 what was actually applied):
 
 * process: a new interpreter (`python -I`) in its own session / process group, killed as a group
-  after the wall-clock limit; stdin closed; a minimal environment; a private temp working dir.
+  after the wall-clock limit, and killed with its caller (parent-death signal: a caller killed
+  mid-run leaves no program running); stdin closed; a minimal environment; a private temp dir.
   stdout / stderr are pipes the parent drains, keeping only their tails: any amount of output
   costs the parent bounded memory and never changes the verdict. A third pipe carries the
   harness's report: the layers applied (before the program starts) and the verdict (after it
@@ -66,7 +67,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,34 +103,6 @@ def _can_drop_to_nobody() -> bool:
     return can_drop_to_nobody()
 
 
-class _TailReader:
-    """Drains one pipe in a thread and keeps only its last `keep` bytes: a program that prints
-    gigabytes costs the parent bounded memory, and its writes never fail (so output volume cannot
-    turn a passing program into an error)."""
-
-    def __init__(self, fd: int, keep: int):
-        self.fd, self.keep, self.buf = fd, keep, bytearray()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while chunk := os.read(self.fd, 1 << 16):
-                self.buf += chunk
-                if len(self.buf) > 2 * self.keep:  # trim in batches, not per chunk
-                    del self.buf[:-self.keep]
-        except OSError:
-            pass
-        finally:
-            os.close(self.fd)
-
-    def text(self, n_chars: int, wait_s: float) -> str:
-        # a writer that escaped the kill (only possible without the PID namespace) may hold the
-        # pipe open: report what arrived instead of waiting for it
-        self.thread.join(wait_s)
-        return bytes(self.buf[-self.keep:]).decode("utf-8", errors="replace")[-n_chars:] if n_chars else ""
-
-
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -153,7 +125,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
     (rlimits, the cgroup and the Python guard stay). A harness failing before the program ran raises RuntimeError.
     """
-    from nanochat.sandbox_cgroup import program_cgroup, validate, warn_refused  # the child can't import it
+    from nanochat.sandbox_cgroup import parse_report, program_cgroup, validate, warn_refused  # not in the child
 
     validate("execute_code", max_processes, cgroup_root, timeout_s=timeout_s, cpu_time_s=cpu_time_s,
              memory_mb=memory_mb, tail_chars=tail_chars, max_output_bytes=max_output_bytes,
@@ -171,7 +143,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         config = {"workdir": str(work), "cpu_s": cpu, "memory_bytes": memory_mb << 20,
                   "fsize_bytes": max_output_bytes, "workdir_bytes": max_workdir_bytes, "isolate": isolate,
                   "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {},
-                  "cgroups": cgroup.join_paths()}
+                  "cgroups": cgroup.join_paths(), "parent_pid": os.getpid()}
         t0 = time.monotonic()
         rc, timed_out, cpu_used, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars, cgroup.kill)
         duration = time.monotonic() - t0
@@ -179,7 +151,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     if not (report or timed_out):  # its first write precedes the program: a sandbox fault, not the model's
         raise RuntimeError(f"nanochat sandbox: the harness failed before the program ran (exit code {rc}): "
                            f"{stderr.strip()[-2000:] or 'no output'}")
-    isolation, verdict = _parse_report(report)
+    isolation, verdict = parse_report(report)
     warn_refused(isolation, ["pids_cap", "memory_cap"] * (cgroup_root is not None) + ["netns", "readonly_fs",
                  "workdir_cap", "ipcns", "pidns", "no_caps"] * isolate + ["seccomp"] * bool(config["seccomp"])
                  + ["uid_drop"] * (isolate and os.geteuid() == 0))
@@ -193,18 +165,6 @@ def _seccomp_filters() -> dict[str, str]:
     from nanochat.sandbox_seccomp import child_filters  # built here: the child cannot import nanochat
 
     return child_filters()
-
-
-def _parse_report(report: str) -> tuple[list, str]:
-    """The harness pipe carries one JSON line (the layers applied, written before the program
-    runs: the working dir may be a tmpfs the parent cannot see) and, after the program returned,
-    the verdict."""
-    isolation = []
-    with contextlib.suppress(ValueError):
-        isolation = json.loads(report.partition("\n")[0])
-    if not isinstance(isolation, list):
-        isolation = []
-    return [x for x in isolation if isinstance(x, str)], report.rpartition("\n")[2]
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[bool, float]:
@@ -242,8 +202,10 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:
         for fd in (out_w, err_w, ver_w):
             os.close(fd)
+    from nanochat.sandbox_cgroup import TailReader
+
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
-    readers = _TailReader(out_r, keep), _TailReader(err_r, keep), _TailReader(ver_r, _REPORT_BYTES)
+    readers = TailReader(out_r, keep), TailReader(err_r, keep), TailReader(ver_r, _REPORT_BYTES)
     try:
         timed_out, cpu_used = _wait(proc, timeout_s)
     finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
@@ -422,6 +384,24 @@ def _exit_like_init(status: int) -> None:
     os._exit(128 + sig)  # a signal that did not end us (should not happen)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(*, pid: int | None = None, pipe: int | None = None) -> None:
+    """SIGKILL this process when its parent dies: a caller killed mid-run (OOM killer, a SIGKILLed
+    rank) left the program running with no wall clock at all. Fork and a uid change clear it, so
+    each process sets its own. A parent already gone is no race: `pid` is the one it must still
+    have, or `pipe` a pipe whose write end only the parent holds (EOF: gone; a PID namespace's init
+    sees no parent pid)."""
+    import ctypes
+    import select
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if (pid is not None and os.getppid() != pid) or (pipe is not None and select.select([pipe], [], [], 0)[0]):
+        os._exit(_EXIT_ERROR)
+
+
 def _fork_pid_namespace() -> None:
     """Returns in the process that runs the program, as pid 2 of the new PID namespace.
 
@@ -429,9 +409,14 @@ def _fork_pid_namespace() -> None:
     reaps orphans and leaves with the program's status (as 128 + signal when killed: signals that
     an init sends itself are ignored). When init exits, or the parent kills our process group
     (init stays in it; the program may leave with setsid), the kernel kills the whole namespace."""
+    alive_r, alive_w = os.pipe()  # the harness's end closes only when it dies: init's check for a parent
     init = os.fork()
     if init:
+        os.close(alive_r)
         _exit_like_init(os.waitpid(init, 0)[1])
+    os.close(alive_w)
+    _die_with_parent(pipe=alive_r)
+    os.close(alive_r)
     program = os.fork()
     if program == 0:
         return
@@ -516,6 +501,7 @@ def _join_cgroups(paths: dict[str, list[str]]) -> list[str]:
 
 def _child_main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    _die_with_parent(pid=cfg["parent_pid"])  # the caller's wall clock is the program's only one
     applied = _join_cgroups(cfg["cgroups"])
     workdir = cfg["workdir"]
     raw = Path(workdir, "program.py").read_bytes()  # before the tmpfs hides the host's copy
@@ -533,6 +519,8 @@ def _child_main(config_path: str) -> None:
         if "pidns" in applied:
             _fork_pid_namespace()  # from here on: the program's process, pid 2 in the namespace
         applied += _drop_capabilities(cfg["drop_uid"])
+        if "pidns" not in applied:  # the uid drop cleared it (in the namespace, init's death kills all)
+            _die_with_parent(pid=cfg["parent_pid"])
     _set_rlimits(cfg)
     applied.append("rlimits")
     os.chdir(workdir)

@@ -7,8 +7,9 @@ RLIMIT_AS is per process, so N processes may hold N times `memory_mb`. A cgroup'
 memory limit count every task of the program, whatever its uid.
 
 This module owns finding a cgroup the caller may use, making one per program run and removing it;
-also `execute_code`'s argument checks (`validate`) and its once-per-process warning about layers
-the OS refused (`warn_refused`): parent-side code moved here to keep execution.py short.
+also `execute_code`'s argument checks (`validate`), its once-per-process warning about layers
+the OS refused (`warn_refused`), its pipe drains (`TailReader`) and the reading of its harness's
+report (`parse_report`): parent-side code moved here to keep execution.py short.
 `nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
 its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
 program: every process the program starts is born inside), and removes it after the run, also on
@@ -33,11 +34,13 @@ container on v2, as root, its cgroup offering `memory` alone): no layer; the uid
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -101,6 +104,46 @@ def warn_refused(isolation: list, asked: list) -> None:
                       f"{', '.join(isolation)}); verdicts are unaffected, programs are less confined: see "
                       "nanochat/execution.py for what each layer stops" + _UID_DROP_HINT * ("uid_drop" in missing),
                       RuntimeWarning, stacklevel=3)
+
+
+class TailReader:
+    """Drains one pipe in a thread and keeps only its last `keep` bytes: a program that prints
+    gigabytes costs the parent bounded memory, and its writes never fail (so output volume cannot
+    turn a passing program into an error)."""
+
+    def __init__(self, fd: int, keep: int):
+        self.fd, self.keep, self.buf = fd, keep, bytearray()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while chunk := os.read(self.fd, 1 << 16):
+                self.buf += chunk
+                if len(self.buf) > 2 * self.keep:  # trim in batches, not per chunk
+                    del self.buf[:-self.keep]
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def text(self, n_chars: int, wait_s: float) -> str:
+        # a writer that escaped the kill (only possible without the PID namespace) may hold the
+        # pipe open: report what arrived instead of waiting for it
+        self.thread.join(wait_s)
+        return bytes(self.buf[-self.keep:]).decode("utf-8", errors="replace")[-n_chars:] if n_chars else ""
+
+
+def parse_report(report: str) -> tuple[list, str]:
+    """(layers applied, verdict) from execute_code's harness pipe: one JSON line (the layers applied,
+    written before the program runs: the working dir may be a tmpfs the parent cannot see) and,
+    after the program returned, the verdict."""
+    isolation = []
+    with contextlib.suppress(ValueError):
+        isolation = json.loads(report.partition("\n")[0])
+    if not isinstance(isolation, list):
+        isolation = []
+    return [x for x in isolation if isinstance(x, str)], report.rpartition("\n")[2]
 
 
 def _mounts(root: Path) -> list[tuple[str, Path, str, set[str]]]:

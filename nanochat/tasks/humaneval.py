@@ -24,16 +24,18 @@ _FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})[ \t]*([^\s`]*)[^`]*")  # opening line:
 _PYTHON_LANGS = ("", "python", "py", "python3", "py3")
 
 
-def _code_blocks(text: str) -> list[tuple[str, str]]:
-    """Fenced blocks as (language, code), markdown style: a block closes at a line holding only a
-    fence of the same character at least as long; an unclosed block (a cut-off generation) runs to
-    the end. An indented opening fence (a block inside a list item) strips that indent from the
-    code, so the code does not start with an IndentationError."""
-    blocks, lines, i = [], text.splitlines(keepends=True), 0
+def _code_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
+    """(fenced blocks as (language, code), the text outside every block), markdown style: a block
+    closes at a line holding only a fence of the same character at least as long; an unclosed
+    block (a cut-off generation) runs to the end. An indented opening fence (a block inside a list
+    item) strips that indent from the code, so the code does not start with an IndentationError.
+    Fence lines belong to no side: they are markdown, never Python."""
+    blocks, outside, lines, i = [], [], text.splitlines(keepends=True), 0
     while i < len(lines):
         m = _FENCE.fullmatch(lines[i].rstrip("\r\n"))
         i += 1
         if m is None:
+            outside.append(lines[i - 1])
             continue
         fence, lang = m.group(1), m.group(2).lower()
         indent = len(lines[i - 1]) - len(lines[i - 1].lstrip(" \t"))
@@ -46,23 +48,27 @@ def _code_blocks(text: str) -> list[tuple[str, str]]:
                 break
             body.append(line[min(indent, len(line) - len(line.lstrip(" \t"))):])
         blocks.append((lang, "".join(body)))
-    return blocks
+    return blocks, "".join(outside)
 
 
 def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     """The code to run: the prompt, then the completion's code.
 
     The code is the first Python (or unlabelled) fenced block that defines `entry_point`, else the
-    first Python block, else the raw completion (a body continuing the prompt). Blocks labelled
-    with another language (```text, ```bash, an example's output) are never run.
+    first Python block, else the completion's text outside any block (a body continuing the
+    prompt; a stray fence line, such as a closing fence after a body, dropped). A block with no
+    code in it is no block: a body followed by a lone closing fence read as an unclosed, empty
+    block and was chosen over the body, running the prompt's stub alone. Blocks labelled with
+    another language (```text, ```bash, an example's output) are never run.
     The prompt always comes first (as in the official HumanEval harness): it carries the imports
     and any helper functions the entry point uses (HumanEval/10, 32, 38, 50). A completion that
     defines `entry_point` itself simply redefines the prompt's docstring-only stub. The code's
     `if __name__ == "__main__":` conditions become False, as that harness evaluates them.
     """
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
-    python = [code for lang, code in _code_blocks(completion) if lang in _PYTHON_LANGS]
-    code = next((c for c in python if defines.search(c)), python[0] if python else completion)
+    blocks, outside = _code_blocks(completion)
+    python = [code for lang, code in blocks if lang in _PYTHON_LANGS and code.strip()]
+    code = next((c for c in python if defines.search(c)), python[0] if python else outside)
     code = _MAIN_GUARD.sub(r"\1False", code)   # a main block is compiled, never run (see _MAIN_GUARD)
     if defines.search(code) is None:
         return prompt + code  # a function body continues the prompt's signature
