@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass, replace
@@ -392,7 +391,7 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
     of dest named after the URL, then unpacked and moved into place; a lock on dest makes a second
     process (another rank) wait and keep the first one's bundle. Raises RuntimeError (a
     DownloadError) after `retries` failed downloads and ValueError for a zip that is not an eval
-    bundle.
+    bundle, or (before any download) for a dest that holds something else (_check_bundle_dest).
     """
     from nanochat.dataset_download import file_lock
 
@@ -413,6 +412,7 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
     with file_lock(dest, on_wait=on_wait):
         if (dest / "core.yaml").is_file():  # the process we waited for finished it
             return dest
+        _check_bundle_dest(dest)   # under the lock: a bundle another process just moved in is not "the user's"
         digest = hashlib.sha256(url.encode()).hexdigest()[:12]  # another URL's zip is never reused
         zpath = dest.with_name(f".{dest.name}-{digest}.zip")
         _fetch_bundle_zip(url, zpath, timeout=timeout, retries=retries, backoff=backoff,
@@ -425,6 +425,17 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
         zpath.unlink()
     print0(f"eval bundle ready at {dest}")
     return dest
+
+
+def _check_bundle_dest(dest: Path) -> None:
+    """ValueError (before any download) for a dest that is neither absent nor an empty directory:
+    the bundle replaces dest as a whole, and this module never leaves a dest without core.yaml (it
+    is unpacked aside and moved in at once), so what is there is the user's (NANOCHAT_EVAL_BUNDLE
+    set to a folder of their own): deleting it, as an earlier version did, lost their files."""
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        what = "a directory holding files but no core.yaml" if dest.is_dir() else "a file"
+        raise ValueError(f"eval bundle dest (NANOCHAT_EVAL_BUNDLE or dest=): {dest} is {what}; accepted: a "
+                         "path that does not exist yet or an empty directory (move it away, or pick another)")
 
 
 def _fetch_bundle_zip(url: str, zpath: Path, *, timeout, retries, backoff, stall_window, progress) -> None:
@@ -463,8 +474,8 @@ def _unpack_bundle(zpath: Path, dest: Path, url: str) -> None:
         found = sorted(Path(tmp, "x").rglob("core.yaml"), key=lambda p: len(p.parts))
         if not found or not (found[0].parent / "eval_meta_data.csv").is_file():
             raise ValueError(f"eval bundle from {url} lacks core.yaml / eval_meta_data.csv")
-        if dest.exists():  # a partial earlier attempt without core.yaml
-            shutil.rmtree(dest)
+        if dest.exists():  # an empty directory (_check_bundle_dest refused anything else)
+            dest.rmdir()
         os.replace(found[0].parent, dest)
 
 

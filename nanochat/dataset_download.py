@@ -381,7 +381,7 @@ def _readable_shard(path: Path) -> bool:
 
 
 def _finished(dest: Path, verify) -> bool:
-    """True when dest is there and passes `verify` (what another downloader we waited for left)."""
+    """True when dest is there and passes `verify` (what another downloader left)."""
     if not dest.exists():
         return False
     try:
@@ -397,7 +397,7 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
     """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff,
     verify, then atomically rename. Raises DownloadError (naming url, chained to the last
     attempt's error) after the last attempt. Another process downloading the same dest is waited
-    for, and its finished file kept.
+    for, and its finished file kept; so is a dest already there that passes `verify`.
 
     stall_window: seconds an attempt may go without a full 64 KiB read before it is abandoned and
     retried (default: timeout; module docstring). cancel: a Cancel that stops this download from
@@ -416,8 +416,10 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
         if cancel is not None:
             cancel.check()
 
-    with file_lock(dest, on_wait=on_wait) as waited, requests.Session() as session:
-        if waited and _finished(dest, verify):  # the holder we waited for finished it
+    with file_lock(dest, on_wait=on_wait), requests.Session() as session:
+        # not only after a wait: another process can finish dest between the caller's look
+        # (download_shards' listing) and this lock; fetching it again cost a whole shard per rank
+        if _finished(dest, verify):
             return
         wait = 0.0   # what the server asked for after the last attempt (Retry-After)
         for attempt in range(retries + 1):

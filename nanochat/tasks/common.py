@@ -180,9 +180,9 @@ def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
         except Exception as e:  # noqa: BLE001 - any hub failure (offline, 404, auth) is re-raised below
             hub_reason, hub_error = f"{type(e).__name__}: {e}", e
         else:
-            if convert_hub is not None:
-                rows = [convert_hub(r) for r in rows]
-            return rows, f"hub:{hub[0]}/{hub[1] or ''}:{hub[2]}"
+            source = f"hub:{hub[0]}/{hub[1] or ''}:{hub[2]}"
+            local = f"put {filenames[0]} (one JSON object per line) in {tried[0].parent}" if tried else "use a local file"
+            return (_convert_hub_rows(rows, convert_hub, source, local) if convert_hub else rows), source
     where = "\n  ".join(str(p) for p in tried)
     hub_name = f"hub dataset {hub[0]!r} (config {hub[1]!r}, split {hub[2]!r})" if hub else "the hub"
     env = _KINDS[kind][0]
@@ -192,6 +192,19 @@ def load_rows(kind: str, filenames: Sequence[str], *, data_dir=None,
         # offline (this project's usual case) the hub cannot help: say what can
         f"Offline: put {' or '.join(filenames)} (one JSON object per line) in one of the folders tried above"
     ) from hub_error
+
+
+def _convert_hub_rows(rows: list[dict], convert: Callable[[dict], dict], source: str, local: str) -> list[dict]:
+    """convert() over the hub's rows; a row it cannot convert (the hub's schema changed, a null
+    field) is a DataError naming the hub dataset and row, not a bare KeyError from the task."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(convert(row))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise DataError(f"{source}: row {i + 1} does not have the fields this task reads "
+                            f"({type(e).__name__}: {e}); {local} instead") from e
+    return out
 
 
 class Task:
