@@ -30,11 +30,8 @@ import contextlib
 import errno
 import json
 import os
-import platform as _pyplatform
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +46,7 @@ from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, lis
 # EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
 from nanochat.checkpoint_runs import EARLIER_RUNS, EarlierRun, fresh_start  # noqa: F401
 from nanochat.errors import RequestError
+from nanochat.report_env import environment_meta, git_sha  # noqa: F401 (re-exported: checkpoint metadata)
 from nanochat.flags import check_model_tag, require
 
 SCHEMA_VERSION = 1
@@ -73,7 +71,7 @@ def read_latest(ckpt_dir: str | Path) -> int:
     path = Path(ckpt_dir) / LATEST_NAME
     if not path.is_file():
         have = list_steps(ckpt_dir)
-        extra = f"; steps on disk: {have} (pass one explicitly)" if have else ""
+        extra = f"; steps on disk: {have} (pass one explicitly)" if have else _other_tags(ckpt_dir)
         raise CheckpointError(f"no checkpoint recorded in {ckpt_dir} ({LATEST_NAME} missing){extra}")
     try:
         record = json.loads(path.read_text())
@@ -85,6 +83,17 @@ def read_latest(ckpt_dir: str | Path) -> int:
         raise CheckpointError(f"{path}: corrupt latest pointer ({e}); steps on disk: "
                               f"{list_steps(ckpt_dir) or 'none'} (name one: --step N to load it, --resume N to continue "
                               "training from it)") from e
+
+
+def _other_tags(ckpt_dir) -> str:
+    """For a <phase>/<tag> checkpoint directory that does not exist (a mistyped --model-tag): the
+    tags that phase does have. base_eval and chat_eval said only "latest.json missing"."""
+    ckpt_dir = Path(ckpt_dir)
+    root = ckpt_dir.parent
+    if ckpt_dir.is_dir() or root.name not in PHASES or root.parent.name != "checkpoints":
+        return ""
+    return (f"; there is no model tag {ckpt_dir.name!r}: the {root.name} model tags are "
+            f"{'|'.join(_model_tags(root)) or 'none'} (--model-tag)")
 
 
 def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
@@ -162,33 +171,6 @@ def remove_checkpoint(ckpt_dir, step: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ metadata
-
-def git_sha(repo: Path | None = None) -> str | None:
-    """HEAD commit of the source tree (None outside a git checkout); '+dirty' if modified."""
-    repo = repo or Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (sha + ("+dirty" if dirty else "")) if sha else None
-
-
-def environment_meta(device: torch.device | str | None = None) -> dict:
-    """Versions and device name recorded in every checkpoint."""
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    elif device is not None:
-        device_name = f"{device.type} ({_pyplatform.processor() or _pyplatform.machine()})"
-    else:
-        device_name = None
-    return {"git_sha": git_sha(), "torch_version": torch.__version__,
-            "python_version": sys.version.split()[0], "cuda_version": torch.version.cuda,
-            "device_name": device_name, "hostname": _pyplatform.node()}
-
 
 def _strip_compile_prefix(state: dict) -> dict:
     # torch.compile wraps the module; its state_dict keys carry "_orig_mod." which must not leak
@@ -442,7 +424,8 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
     if not path.is_file():
         if not step_dir.is_dir():
             have = list_steps(ckpt_dir)
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; steps on disk: {have or 'none'}")
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; steps on disk: {have or 'none'}"
+                                  f"{_other_tags(ckpt_dir)}")
         raise CheckpointError(f"{step_dir}: incomplete checkpoint ({META_NAME} missing); {_use_another_step(path)}")
     try:
         meta = json.loads(path.read_text())
@@ -505,6 +488,13 @@ def model_from_meta(meta: dict, state: dict, step_dir, device, **build_kwargs):
         config = GPTConfig(**meta["model_config"])
     except TypeError as e:
         raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
+    if not isinstance(state, dict):   # load_state_dict's bare TypeError named no file
+        raise CheckpointError(f"{step_dir}: model.pt holds a {type(state).__name__}, not a model state_dict; "
+                              "it is not a nanochat checkpoint's model file")
+    if any(isinstance(k, str) and k.endswith(".qweight") for k in state):
+        # the missing-keys message listed c_q.weight... and never said why
+        raise CheckpointError(f"{step_dir}: model.pt holds int8-quantised weights (nanochat/quantize.py), which "
+                              "cannot be loaded back; load the float checkpoint and pass --quantize int8")
     model = build_model(config, device, **build_kwargs)
     try:
         model.load_state_dict(state, strict=True)

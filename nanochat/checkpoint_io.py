@@ -191,6 +191,10 @@ def _load(path: Path, device) -> Any:
         raise CheckpointError(f"{path}: cannot read with weights_only=True ({first})") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
+        # a file that is no torch.save output (text, another format) failed inside the unpickler
+        # with a bare KeyError: 101 that named no file
+        raise CheckpointError(f"{path}: not a file torch.load can read ({type(e).__name__}: {e})") from e
 
 
 # ------------------------------------------------------------------------------------ re-saves

@@ -1,11 +1,13 @@
 """What a report's header says about the machine and the code: git sha and what makes the tree
 dirty, Python / torch / CUDA versions, device, CPU and memory (nanochat/report.py calls it at
-reset and generate, never at import)."""
+reset and generate, never at import); and environment_meta, what every checkpoint records of them
+(nanochat/checkpoint.py re-exports it)."""
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -67,3 +69,34 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# ------------------------------------------------------------------------------------ checkpoint metadata
+
+def git_sha(repo: Path | None = None) -> str | None:
+    """HEAD commit of the source tree (None outside a git checkout); '+dirty' if modified."""
+    repo = repo or Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("+dirty" if dirty else "")) if sha else None
+
+
+def environment_meta(device=None) -> dict:
+    """Versions and device name recorded in every checkpoint (nanochat/checkpoint.py)."""
+    import torch   # here: the report's header needs no torch
+
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    elif device is not None:
+        device_name = f"{device.type} ({platform.processor() or platform.machine()})"
+    else:
+        device_name = None
+    return {"git_sha": git_sha(), "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0], "cuda_version": torch.version.cuda,
+            "device_name": device_name, "hostname": platform.node()}

@@ -226,9 +226,11 @@ def chat(args: argparse.Namespace) -> int:
     import torch
 
     model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
+    # from the float32 weights, before the cast (the int8 scales stay float32 through it): the int8
+    # model chat_eval / base_eval --quantize int8 score, not one rounded through bf16 first
+    quantize_model(model, args.quantize)
     if rt.dtype != torch.float32:  # inference keeps no fp32 master weights: half the bytes per step
         model = model.to(rt.dtype)
-    quantize_model(model, args.quantize)   # after the cast: the int8 scales stay float32
     # graphs replay a whole decode step per launch: an eager step is bound by launching its kernels
     # from Python. d20 on an H100 (CHANGELOG_GB10.md, sessions 25-26): 26 tok/s eager; graphs of the
     # plain kernels 349 tok/s after a 1.6-3.2 s warm-up; the persistent kernel ~1,500 tok/s after
