@@ -100,14 +100,22 @@ def resolve_backend(name: str, device) -> str:
             raise RequestError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
                                f"accepted here: {_accepted_off_cuda(device_type)}")
         if not torch.compiler.is_compiling():  # eager check
-            reason = cudnn_attention.available() or (fa4_attention.available() if name == "cudnn_fa4" else None)
+            cudnn_reason = cudnn_attention.available()
+            reason = cudnn_reason or (fa4_attention.available() if name == "cudnn_fa4" else None)
             if reason is not None:
-                raise RequestError(f"--attn-backend {name}: {reason}")
+                raise RequestError(f"--attn-backend {name}: {reason}; accepted here: "
+                                   f"{_accepted_on_cuda(cudnn_ok=cudnn_reason is None)}")
         return "sdpa_cudnn" if name == "cudnn" else name
     if name == "flex" and device_type not in ("cuda", "cpu"):
         raise RequestError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
                            f"accepted here: {_accepted_off_cuda(device_type)}")
     return name
+
+
+def _accepted_on_cuda(cudnn_ok: bool) -> str:
+    """The --attn-backend choices left on a GPU that refused cudnn or cudnn_fa4 (cudnn stays when
+    only FA4's backward failed). The refusals named the fix but no choice that runs meanwhile."""
+    return "auto|sdpa|flex|cudnn|reference" if cudnn_ok else "auto|sdpa|flex|reference"
 
 
 def _accepted_off_cuda(device_type: str, training: bool = False) -> str:
@@ -297,9 +305,11 @@ def prepare_masks(seq_len: int, windows, device, backend: str, *, backward: bool
     elif backend in ("cudnn", "cudnn_fa4") and device.type == "cuda":
         # an explicit choice is proven by a real launch too (an import check alone proves nothing,
         # DESIGN.md 4.6): cuDNN's window kernels for both, FA4's backward for cudnn_fa4
-        reason = cudnn_attention.probe(device) or (fa4_attention.probe(device) if backend == "cudnn_fa4" else None)
+        cudnn_reason = cudnn_attention.probe(device)
+        reason = cudnn_reason or (fa4_attention.probe(device) if backend == "cudnn_fa4" else None)
         if reason is not None:
-            raise RequestError(f"--attn-backend {backend}: {reason}")
+            raise RequestError(f"--attn-backend {backend}: {reason}; accepted here: "
+                               f"{_accepted_on_cuda(cudnn_ok=cudnn_reason is None)}")
     backend = resolve_backend(backend, device)
     # the cuDNN backends' window layers run flex only in an fp32 run (attention()): its masks too (tiny)
     cudnn = backend in ("sdpa_cudnn", "cudnn_fa4")

@@ -430,7 +430,13 @@ def make_liger_loss(inline: bool = False) -> LossFn:
         if key not in modules:
             modules[key] = _liger_module(softcap, reduction)
         # Only the real vocab rows, in the activations' dtype (Liger matmuls in that dtype).
-        return modules[key](weight[:vocab_size].to(hidden.dtype), hidden, targets)
+        loss = modules[key](weight[:vocab_size].to(hidden.dtype), hidden, targets)
+        if reduction == "mean":
+            # Liger sums rows it pre-divided by the kept count, so an all-ignored batch gave 0.0
+            # (0.8.5) where current/triton give NaN (F.cross_entropy's mean over no tokens): the
+            # same NaN for every --kernel (the trainer's non-finite guard); gradients stay zero
+            loss = torch.where((targets != IGNORE_INDEX).any(), loss, float("nan"))
+        return loss
 
     if inline:
         return liger_loss
