@@ -15,24 +15,15 @@ nvidia-smi for the dry runs, a fake interpreter for run_train.sh), so the file r
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 import pytest
 
-from tests.setup_clone import make_clone
 from tests.test_run_train_audit import call  # noqa: F401  (a fixture: run_train.sh with a fake python)
 from tests.test_setup import _dry_run
+import tests.test_setup_review4 as _review4
 from tests.test_setup_review3 import _run
 
-FAKE_PYTHON = """#!/usr/bin/env bash
-echo "fake python $*"
-exit 0
-"""
-
-
-@pytest.fixture
-def clone(tmp_path) -> Path:
-    return make_clone(tmp_path, FAKE_PYTHON, home=True)
+clone = _review4.clone   # a fixture (assigned: an import would read as redefined by the tests' arguments)
 
 
 # ---------------------------------------------------------------- a --base-dir without its value
