@@ -8,23 +8,11 @@ import json
 
 import pytest
 import test_browser
-from test_browser import (
-    RECORD_BODIES,
-    chat_once,
-    fake_stream,
-    fresh_page,
-    last_reply,
-    q,
-    replying,
-    send,
-    streaming,
-    wait,
-)
+from test_browser import (RECORD_BODIES, chat_once, fake_stream, fresh_page, last_reply, q, replying, send,
+                          streaming, wait)
 
 pytestmark = pytest.mark.browser
-
-# the same fixtures (assigned, not imported: linters would read the tests' arguments as redefinitions)
-browser, site, quick = test_browser.browser, test_browser.site, test_browser.quick
+browser, site, quick = test_browser.browser, test_browser.site, test_browser.quick   # fixtures, as test_ui_review8
 
 PATH = ("return [...document.querySelectorAll('#thread .msg')].map((m) => ({role: m.classList.contains('user') ? "
         "'user' : 'assistant', content: m.querySelector('.bubble').textContent}))")
