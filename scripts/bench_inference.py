@@ -81,9 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--batch-sizes: got {args.batch_sizes!r}; accepted: comma-separated integers >= 1") from None
-    for name in ("depth", "prompt_len", "decode_tokens", "repeats", "vocab_size", "seq_len"):
+    for name in ("depth", "prompt_len", "decode_tokens", "repeats", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
+    if args.vocab_size < 2:   # the --ttft-lengths prompts cycle through tokens 1..vocab-1 (a modulo by zero)
+        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: an integer >= 2")
     from nanochat.engine import DECODE_MODES, GRAPH_STEPS
 
     args.fused_qkv = [v.strip() for v in args.fused_qkv.split(",") if v.strip()]

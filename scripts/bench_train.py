@@ -3,9 +3,11 @@
 For every (depth, kernel, precision) it builds the model exactly as base_train does (precision
 recipe, loss kernel, torch.compile, MuonAdamW, the shared Trainer step), runs --warmup steps
 (compilation, autotuning), then times --steps steps and prints one JSON line: the median
-steady-state tok/s, MFU against the dense bf16 peak, utilisation of the active precision's peak,
-FLOPs/token, peak memory and, on NVIDIA GPUs, the median SM clock, power and the share of the
-timed steps spent at the power cap (nanochat/gpu_monitor.py). A table follows.
+steady-state tok/s, MFU against the dense bf16 peak, utilisation of the active precision's peak
+blended with bf16 for the FLOPs that stay in bf16 (util_peak_flops, low_precision_share: StepMeter's
+peak_util and low_share, as base_train's banner prints them), FLOPs/token, peak memory and, on
+NVIDIA GPUs, the median SM clock, power and the share of the timed steps spent at the power cap
+(nanochat/gpu_monitor.py). A table follows.
 
 A step is one optimizer step of --total-batch-size tokens, as in base_train: the default (-1) is
 base_train's own auto batch for the depth (`training.resolve_total_batch_size`: 2**20 tokens = 16
@@ -313,6 +315,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "cast_once": trainer.cast_once, "grad_sinks": trainer.cast_once and trainer.grad_sinks,
             "timed_steps": len(dts),
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
+            # what util_pct divides by: an fp8/nvfp4 row's peak is a blend, not the datasheet figure
+            "util_peak_flops": meter.peak_util, "low_precision_share": meter.low_share,
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
             "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1], "gpu": gpu}
 
