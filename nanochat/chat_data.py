@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from nanochat.errors import MissingDataError, RequestError
+from nanochat.errors import DataError, MissingDataError, RequestError
 
 MASKS = ("assistant", "all")
 FILLS = ("pad", "crop")
@@ -416,8 +416,16 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
         tasks = [convs, *own, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
-    drop_eval_questions([convs, *files.values()], data_dir)   # before the mixture counts rows
-    return TaskMixture(tasks + [files[path] for path in extra], seed=seed)
+    dropped = drop_eval_questions([convs, *files.values()], data_dir)   # before the mixture counts rows
+    for path, task in files.items():
+        if not task.rows:   # the user's own data left out whole: said once among start-up lines, then gone
+            raise DataError(f"--extra-conversations {path}: every conversation of it ({dropped[task.source]:,}) asks "
+                            "a chat_eval test question (MMLU / ARC / GSM8K) word for word, so none would train "
+                            "(they are left out: chat_eval would score them as the model's own); drop the file or "
+                            "give it other conversations")
+    mix = TaskMixture(tasks + [files[path] for path in extra], seed=seed)
+    mix.decontaminated = dropped   # {source: conversations left out}: the checkpoint records it (chat_train)
+    return mix
 
 
 # chat_eval's multiple-choice and math test files (local names), for the decontamination below
@@ -434,10 +442,18 @@ def _question_text(text) -> str:
     return " ".join(_WORD.findall(str(text).casefold()))
 
 
+def _asks_something(question: str) -> bool:
+    """A folded test question that a chat turn equal to it would really ask: 12+ characters and
+    3+ words. MMLU has 30-odd stems of two words ("Neural networks", "Milton Friedman", "Business
+    cycles") whose question lives in the choices; a user turn naming such a topic (a reply to
+    "what shall we talk about?") asks no test problem, and its conversation was left out."""
+    return len(question) >= 12 and len(question.split()) >= 3
+
+
 def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
     """Leave out of each general-chat task in `tasks` (rows of {"messages"}) every conversation a
     user turn of which IS a chat_eval test question (MMLU, ARC, GSM8K; compared after folding case,
-    punctuation and spacing). The local sft/chatterbot.jsonl asks three MMLU test questions word for
+    punctuation and spacing; questions of 12+ characters and 3+ words, see _asks_something). The local sft/chatterbot.jsonl asks three MMLU test questions word for
     word ("What is the only metal that is a liquid at normal atmospheric pressure and temperature?"),
     answered: trained on, they are read back as MMLU accuracy. Only local eval files are read (no
     download at training time); a missing one is named. Returns {source: conversations left out}."""
@@ -449,7 +465,7 @@ def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
         if path is None:
             missing.append(name)
             continue
-        questions.update(q for row in read_jsonl(path) if len(q := _question_text(row.get("question", ""))) >= 12)
+        questions.update(q for row in read_jsonl(path) if _asks_something(q := _question_text(row.get("question", ""))))
     if missing:
         print0(f"decontamination: no local test file of {', '.join(missing)}; conversations not checked against it")
     # a user turn far longer than every question (a pasted document) cannot fold down to one: not folded
@@ -464,8 +480,9 @@ def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
         keep = [row for row in task.rows if not any(map(asks, row["messages"]))]
         if len(keep) < len(task.rows):
             dropped[task.source] = len(task.rows) - len(keep)
-            print0(f"decontamination: {dropped[task.source]} conversations of {task.source} ask a chat_eval test "
-                   "question word for word; left out of training")
+            n = dropped[task.source]
+            print0(f"decontamination: {n} conversation{'s' if n != 1 else ''} of {task.source} "
+                   f"ask{'s' if n == 1 else ''} a chat_eval test question word for word; left out of training")
             task.rows = keep
     if (took := time.perf_counter() - began) > 2:   # the hub's 460K conversations: ~10-20 s at start-up
         print0(f"decontamination: {sum(len(t.rows) for t in tasks):,} conversations checked against "

@@ -11,11 +11,10 @@ default learning rates and schedule.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nanochat.checkpoint import check_resume_flags
@@ -23,8 +22,7 @@ from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule, plan_batch
-from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int
-from nanochat.loop import TRAIN_FLAG_HELP
+from nanochat.flags import check_dir_flag, check_model_tag, require, require_float, require_int
 
 
 @dataclass(frozen=True)
@@ -148,76 +146,6 @@ class ChatTrainConfig:
         return self
 
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
-EXTRA_HELP = {
-    "extra_conversations": 'a JSONL file of your own conversations, one {"messages": [{"role": "user", ...}, '
-                           '{"role": "assistant", ...}]} per line, mixed into training (e.g. an identity of '
-                           'your own); repeat the flag for more files, name a file twice to mix it in twice',
-    "identity": "the model's name in the built-in identity conversations (\"My name is NAME.\"); default: "
-                "nanochat-spark",
-}
-
-
-CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
-    **TRAIN_FLAG_HELP,
-    "model_tag": "the model tag of the --source checkpoint, and of this stage's own; not given: the --source "
-                 "phase's only tag, or its deepest d<N>",
-    "num_iterations": "optimizer steps; -1: one epoch of the conversation mixture, rounded up to a whole step (the "
-                      "last one continues into the next epoch)",
-    "max_seq_len": "tokens per row; -1: the model's sequence length",
-    "init_lr_frac": "every learning rate above is multiplied by this",
-    "eval_tokens": "validation tokens per evaluation; -1: 20 micro-batches",
-    "data_dir": "a data root holding eval/ sft/ words/ (or one of them); not given: $NANOCHAT_EVAL_DIR / "
-                "$NANOCHAT_SFT_DIR, else eval_data/ / sft_data/ in the base dir, else ../shared/data",
-    "test_holdout": "N >= 0: also train on the local MMLU / ARC / GSM8K test files minus their first N problems "
-                    "(offline, no train splits); -1: off",
-}
-
-
-def _identity_flag(text: str) -> str:
-    """--identity's value, checked as it is parsed: "" is --no-identity's value in the config, and
-    an empty --identity (e.g. "$NAME" with NAME unset) left the identity out as if it were."""
-    try:
-        return check_identity_name(text)
-    except ValueError as e:   # argparse words it "argument --identity: <message>"
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--identity: ")) from None
-
-
-def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainConfig:
-    """Flags (dash or underscore spellings) -> a validated config; ValueError names the flag."""
-    parser = FlagParser(prog=stage.prog, description=f"{stage.title}: train the {stage.name} checkpoint.")
-    defaults = {**asdict(ChatTrainConfig()), **stage.defaults}
-    for f in fields(ChatTrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            parser.add_argument(flag, action="store_true", help=CHAT_FLAG_HELP[f.name])
-        elif f.type == "bool | None":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help="default: on for CUDA, off elsewhere")
-        elif f.name == "identity":
-            either = parser.add_mutually_exclusive_group()   # both at once: an error, not "last wins"
-            either.add_argument(flag, default=defaults[f.name], metavar="NAME", help=EXTRA_HELP[f.name],
-                                type=_identity_flag)
-            either.add_argument("--no-identity", dest=f.name, action="store_const", const="",
-                                help="leave the built-in identity conversations out (e.g. for your own, "
-                                     "--extra-conversations)")
-        elif f.type == "list[str]":
-            parser.add_argument(flag, action="append", default=[], metavar="PATH", help=EXTRA_HELP[f.name])
-        else:
-            about = CHAT_FLAG_HELP.get(f.name)
-            help_text = (f"{about}; " if about else "") + f"default: {defaults[f.name]}"
-            if f.name == "source":
-                help_text = (f"{'|'.join(stage.sources)}: the checkpoint phase to start from; "
-                             f"default: {stage.sources[0]}")
-            if f.name == "eval_every":
-                help_text = ("N: evaluate val bpb at step 0, every N steps and at the last step; -1 or 0: never, "
-                             f"not even at the last step; default: {defaults[f.name]}")
-            if f.name == "total_batch_size":
-                help_text += f" ({stage.step_text()} a step on any number of GPUs, by gradient accumulation)"
-            parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=defaults[f.name], help=help_text)
-    return ChatTrainConfig(**vars(parser.parse_args(argv))).validate(stage)
-
-
 def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None,
                    flag: str = "--source") -> tuple[str, Path]:
     """(model tag, checkpoint dir) of the checkpoint a stage starts from; CheckpointError naming
@@ -243,6 +171,7 @@ def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None
 
 def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
     from nanochat.common import destroy_runtime, init_runtime
+    from nanochat.chat_flags import parse_config   # it imports this module
     cfg = parse_config(stage, argv)
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
     try:
@@ -375,11 +304,13 @@ def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
 def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
     """What a checkpoint records of the user's choices in its training mixture: the name in the
     built-in identity conversations ("" = left out) and each --extra-conversations file with its
-    sha256, in the order given."""
+    sha256, in the order given; and, per source, the conversations decontamination left out (they
+    ask a chat_eval test question: a start-up line alone was gone with the terminal)."""
     from nanochat.tasks import ConversationFile
     files = [t for t in train_mix.tasks if isinstance(t, ConversationFile)]
     return {"identity": cfg.identity,
-            "extra_conversations": [{"path": t.source, "sha256": t.sha256, "conversations": len(t)} for t in files]}
+            "extra_conversations": [{"path": t.source, "sha256": t.sha256, "conversations": len(t)} for t in files],
+            "decontaminated": dict(getattr(train_mix, "decontaminated", {}))}
 
 
 def _check_same_data(meta: dict, mixture: dict, conversations: int, seed: int, seq_len: int) -> None:
@@ -556,7 +487,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
            f"; device {rt.device} ({device_name}, {rt.dtype_name})")
     for path, count in Counter(cfg.extra_conversations).items():
         n = next(f["conversations"] for f in mixture["extra_conversations"] if f["path"] == path)
-        print0(f"  --extra-conversations {path}: {n:,} conversations" + (f", mixed in {count}x" if count > 1 else ""))
+        print0(f"  --extra-conversations {path}: {n:,} conversation{'s' if n != 1 else ''}"
+               + (f", mixed in {count}x" if count > 1 else ""))
     if not cfg.identity:
         print0("  --no-identity: without the built-in identity conversations")
     elif cfg.identity != IDENTITY_NAME:
@@ -599,6 +531,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                "avg_tok_per_sec": meter.average_tok_per_sec(),
                "row_fill": round(real / total, 4) if total else 0.0, "conversations_skipped": skipped,
                "conversations_truncated": truncated,
+               "conversations_decontaminated": sum(mixture["decontaminated"].values()),
                "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import sys
 
-from nanochat.chat_train import SFT, ChatTrainConfig, parse_config
+from nanochat.chat_flags import parse_config
+from nanochat.chat_train import SFT, ChatTrainConfig
 from nanochat.chat_train import main as run_stage
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import sys
 
-from nanochat.chat_train import MID, ChatTrainConfig, parse_config
+from nanochat.chat_flags import parse_config
+from nanochat.chat_train import MID, ChatTrainConfig
 from nanochat.chat_train import main as run_stage
 
 

@@ -532,7 +532,8 @@ def test_a_fresh_run_over_an_earlier_one_refuses_deletes_or_moves_it_aside(tmp_p
 
 @pytest.mark.parametrize("resume", ["latest", "7"])
 def test_overwrite_is_refused_with_a_resume_of_every_training_recipe(resume):
-    from nanochat.chat_train import MID, SFT, parse_config as chat_parse
+    from nanochat.chat_flags import parse_config as chat_parse
+    from nanochat.chat_train import MID, SFT
     from scripts.chat_rl import parse_config as rl_parse
 
     for parse in (lambda a: chat_parse(MID, a), lambda a: chat_parse(SFT, a), rl_parse):

@@ -27,7 +27,8 @@ def _help(parse, capsys) -> str:
 def test_help_says_what_each_choice_flag_accepts(capsys):
     """`--resume RESUME default: None` told nobody it takes latest|STEP|auto; --precision, --kernel,
     --device, --wandb ... listed no values either."""
-    from nanochat.chat_train import SFT, parse_config as chat_parse
+    from nanochat.chat_flags import parse_config as chat_parse
+    from nanochat.chat_train import SFT
     from scripts import base_train, chat_rl
 
     text = _help(base_train.parse_config, capsys)
