@@ -224,22 +224,28 @@ PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 def _check_user_ptxas(spec: DeviceSpec, ctx: PatchContext, user: Mapping[str, str],
                       need: tuple[int, int], said: str) -> None:
-    """A user's TRITON_PTXAS*_PATH is never replaced, but Triton skips one that does not run (its bundled
-    ptxas then meets the sm_121a error anyway) and a CUDA 12.8 one fails alike, after a log line
-    said it was in use: raise PtxasMissing naming the variable (a warning in apply_runtime_patches)."""
+    """A user's TRITON_PTXAS*_PATH is kept, but one that does not run (Triton skips it) or is too old
+    met the sm_121a error after a log line said it was used: PtxasMissing naming the variable (a
+    warning in apply_runtime_patches). Only the name this Triton reads is checked (3.5+: the
+    Blackwell one from sm_100 on); a ptxas that runs but prints no version is a warning."""
     if ctx.ptxas_version_of is None:
         return
-    for name, path in user.items():
-        version = ctx.ptxas_version_of(path)
-        if version is None:
-            problem = "does not run (no such file, not executable, or its version query failed)"
-        elif version < need:
-            problem = f"is CUDA {version[0]}.{version[1]}'s ptxas, older than the {need[0]}.{need[1]} it needs"
-        else:
-            continue
-        raise PtxasMissing(f"{name}={path} {problem}; sm_{spec.cc[0]}{spec.cc[1]} cannot use Triton "
-                           f"{ctx.triton_version}'s bundled ptxas ({said}) either. Point {name} at a CUDA "
-                           ">= 13.0 ptxas (or unset it to let nanochat look for one), or pip install 'triton>=3.6'.")
+    blackwell = _version_tuple(ctx.triton_version or "0")[:2] >= (3, 5) and spec.cc[0] >= 10
+    name = PTXAS_ENV[1] if blackwell else PTXAS_ENV[0]
+    name = name if name in user else next(iter(user))   # the other one is carried to it
+    path, want = user[name], need   # 12.8 serves sm_120: the auto-search's 13.0 floor is for sm_121
+    version = ctx.ptxas_version_of(path)
+    if version is None and os.path.isfile(path) and os.access(path, os.X_OK):
+        _log_once("ptxas_version", f"{name}={path}: its --version names no CUDA release; used as set")
+        return
+    if version is not None and version >= want:
+        return
+    problem = ("does not run (no such file, or not executable)" if version is None else
+               f"is CUDA {version[0]}.{version[1]}'s ptxas, older than the {want[0]}.{want[1]} it needs")
+    raise PtxasMissing(f"{name}={path} {problem}; sm_{spec.cc[0]}{spec.cc[1]} cannot use Triton "
+                       f"{ctx.triton_version}'s bundled ptxas ({said}) either. Point {name} at a CUDA "
+                       f">= {want[0]}.{want[1]} ptxas (or unset it to let nanochat look for one), or pip install "
+                       "'triton>=3.6'.")
 
 
 class PtxasMissing(RequestError, RuntimeError):
