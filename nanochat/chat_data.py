@@ -378,7 +378,7 @@ VAL_SEED = 42   # the validation mixture's order, whatever --seed is (--seed's d
 
 
 def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = -1, seed: int = 42,
-                  extra: Sequence[str] = (), identity: str | None = None):
+                  extra: Sequence[str] = (), identity: str | None = None, decontaminate: bool = True):
     """The conversation mixture of a stage. split "train" trains; "val" is a small fixed mixture
     of test-split conversations for validation bits per byte (never trained on), the same whatever
     `seed`, `extra` and `identity` say, so val bpb stays comparable between runs (`seed` shuffles
@@ -416,7 +416,8 @@ def build_mixture(stage: str, split: str, *, data_dir=None, test_holdout: int = 
     else:  # sft: a smaller, cleaner mixture: chat, identity, ARC, GSM8K, a little spelling
         tasks = [convs, *own, *_train_split_tasks(("arc", "gsm8k"), data_dir, test_holdout),
                  SimpleSpelling(300, **spelling), SpellingBee(300, **spelling)]
-    dropped = drop_eval_questions([convs, *files.values()], data_dir)   # before the mixture counts rows
+    # before the mixture counts rows; off: a run resumed from before the check (--no-decontaminate)
+    dropped = drop_eval_questions([convs, *files.values()], data_dir) if decontaminate else {}
     for path, task in files.items():
         if not task.rows:   # the user's own data left out whole: said once among start-up lines, then gone
             raise DataError(f"--extra-conversations {path}: every conversation of it ({dropped[task.source]:,}) asks "
@@ -450,22 +451,36 @@ def _asks_something(question: str) -> bool:
     return len(question) >= 12 and len(question.split()) >= 3
 
 
-def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
-    """Leave out of each general-chat task in `tasks` (rows of {"messages"}) every conversation a
-    user turn of which IS a chat_eval test question (MMLU, ARC, GSM8K; compared after folding case,
-    punctuation and spacing; questions of 12+ characters and 3+ words, see _asks_something). The local sft/chatterbot.jsonl asks three MMLU test questions word for
-    word ("What is the only metal that is a liquid at normal atmospheric pressure and temperature?"),
-    answered: trained on, they are read back as MMLU accuracy. Only local eval files are read (no
-    download at training time); a missing one is named. Returns {source: conversations left out}."""
-    from nanochat.common import print0
+def _eval_questions(data_dir) -> tuple[set[str], list[str]]:
+    """The folded questions of the local MMLU / ARC / GSM8K test files that a chat turn equal to one
+    would really ask (_asks_something), but not a stem several problems share with other choices
+    ("which of the following is true": 8 MMLU problems; their question is in the choices); and the
+    tasks with no local file."""
     from nanochat.tasks.common import find_local_file, read_jsonl
-    questions, missing = set(), []
+    problems: dict[str, set] = {}
+    missing = []
     for name, filenames in EVAL_QUESTION_FILES.items():
         path, _ = find_local_file("eval", filenames, data_dir)
         if path is None:
             missing.append(name)
             continue
-        questions.update(q for row in read_jsonl(path) if _asks_something(q := _question_text(row.get("question", ""))))
+        for row in read_jsonl(path):
+            if _asks_something(q := _question_text(row.get("question", ""))):
+                problems.setdefault(q, set()).add(problem_key(row))   # a repeated problem is one problem
+    return {q for q, keys in problems.items() if len(keys) == 1}, missing
+
+
+def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
+    """Leave out of each general-chat task in `tasks` (rows of {"messages"}) every conversation a
+    user turn of which IS a chat_eval test question (MMLU, ARC, GSM8K; compared after folding case,
+    punctuation and spacing; _eval_questions says which). The local sft/chatterbot.jsonl asks three
+    MMLU test questions word for word ("What is the only metal that is a liquid at normal
+    atmospheric pressure and temperature?"), answered: trained on, they are read back as MMLU
+    accuracy. Only local eval files are read (no download at training time); a missing one is
+    named. A task sliced to its first `stop` rows (SFT's 10K of SmolTalk's 460K) is checked only
+    until that many are kept. Returns {source: conversations left out}."""
+    from nanochat.common import print0
+    questions, missing = _eval_questions(data_dir)
     if missing:
         print0(f"decontamination: no local test file of {', '.join(missing)}; conversations not checked against it")
     # a user turn far longer than every question (a pasted document) cannot fold down to one: not folded
@@ -475,18 +490,24 @@ def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
         text = m.get("content")
         return (m.get("role") == "user" and isinstance(text, str) and len(text) <= longest
                 and _question_text(text) in questions)
-    dropped, began = {}, time.perf_counter()
+    dropped, began, checked = {}, time.perf_counter(), 0
     for task in tasks:
-        keep = [row for row in task.rows if not any(map(asks, row["messages"]))]
-        if len(keep) < len(task.rows):
-            dropped[task.source] = len(task.rows) - len(keep)
-            n = dropped[task.source]
+        keep, limit = [], getattr(task, "stop", None)
+        for i, row in enumerate(task.rows):
+            if limit is not None and len(keep) >= limit:   # the rest is never read: kept unchecked
+                keep += task.rows[i:]
+                break
+            checked += 1
+            if not any(map(asks, row["messages"])):
+                keep.append(row)
+        if n := len(task.rows) - len(keep):
+            dropped[task.source] = n
             print0(f"decontamination: {n} conversation{'s' if n != 1 else ''} of {task.source} "
                    f"ask{'s' if n == 1 else ''} a chat_eval test question word for word; left out of training")
             task.rows = keep
-    if (took := time.perf_counter() - began) > 2:   # the hub's 460K conversations: ~10-20 s at start-up
-        print0(f"decontamination: {sum(len(t.rows) for t in tasks):,} conversations checked against "
-               f"{len(questions):,} test questions in {took:.0f} s")
+    if (took := time.perf_counter() - began) > 2:   # the hub's 460K conversations (mid): ~10-20 s at start-up
+        print0(f"decontamination: {checked:,} conversations checked against {len(questions):,} test questions "
+               f"in {took:.0f} s")
     return dropped
 
 

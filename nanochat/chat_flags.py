@@ -33,6 +33,8 @@ CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "eval_tokens": "validation tokens per evaluation; -1: 20 micro-batches",
     "data_dir": "a data root holding eval/ sft/ words/ (or one of them); not given: $NANOCHAT_EVAL_DIR / "
                 "$NANOCHAT_SFT_DIR, else eval_data/ / sft_data/ in the base dir, else ../shared/data",
+    "no_decontaminate": "keep the conversations whose user turn is word for word a local MMLU / ARC / GSM8K test "
+                        "question (left out by default): to resume a run started before that check",
     "test_holdout": "N >= 0: also train on the local MMLU / ARC / GSM8K test files minus their first N problems "
                     "(offline, no train splits); -1: off",
 }

@@ -105,6 +105,7 @@ class ChatTrainConfig:
     test_holdout: int = -1                  # >= 0: train MMLU/ARC/GSM8K on local test[N:] (offline)
     extra_conversations: list[str] = field(default_factory=list)   # the user's JSONL files (repeatable flag)
     identity: str = IDENTITY_NAME           # the model's name in the built-in identity conversations; "" = none
+    no_decontaminate: bool = False          # keep chats that ask a chat_eval test question (a run from before)
     run: str = "dummy"
     wandb: str | None = None
 
@@ -331,6 +332,12 @@ def _check_same_data(meta: dict, mixture: dict, conversations: int, seed: int, s
     key = lambda m: (m["identity"], [f["sha256"] for f in m["extra_conversations"]])   # noqa: E731
     if key(saved) != key(mixture):
         refuse(f"another conversation mixture ({describe(saved)}) than this run's ({describe(mixture)})")
+    was = saved.get("decontaminated")   # None: a run from before decontamination (it kept every row)
+    if (was or {}) != mixture.get("decontaminated", {}):
+        now = sum(mixture.get("decontaminated", {}).values())
+        refuse(f"a mixture from before decontamination, which this run applies (it leaves out {now:,} conversations "
+               "asking a chat_eval test question); pass --no-decontaminate to continue it as it was" if was is None
+               else f"a mixture decontaminated of {sum(was.values()):,} conversations, this run's of {now:,}")
     if train.get("mixture_conversations", conversations) != conversations:
         refuse(f"a mixture of {train['mixture_conversations']:,} conversations, this run's has {conversations:,} "
                "(set by --test-holdout, --data-dir and the task files)")
@@ -416,7 +423,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,
-                              extra=cfg.extra_conversations, identity=cfg.identity)
+                              extra=cfg.extra_conversations, identity=cfg.identity,
+                              decontaminate=not cfg.no_decontaminate)
     val_mix = build_mixture(stage.name, "val", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout)  # not --seed's
     for path, n in validation_overlap(train_mix, val_mix).items():
         print0(f"WARNING: --extra-conversations {path}: {n} of its conversations are validation conversations; "

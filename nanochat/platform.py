@@ -236,7 +236,7 @@ def _check_user_ptxas(spec: DeviceSpec, ctx: PatchContext, user: Mapping[str, st
     path, want = user[name], need   # 12.8 serves sm_120: the auto-search's 13.0 floor is for sm_121
     version = ctx.ptxas_version_of(path)
     if version is None and os.path.isfile(path) and os.access(path, os.X_OK):
-        _log_once("ptxas_version", f"{name}={path}: its --version names no CUDA release; used as set")
+        _log_once("ptxas_version", f"{name}={path}: its version query names no CUDA release; used as set")
         return
     if version is not None and version >= want:
         return
