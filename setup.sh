@@ -357,6 +357,14 @@ if [[ "$PRESET" != tiny && "$GPU_MEM_MIB" =~ ^[0-9]+$ && "$GPU_CC" != 12.1 && "$
   fi
 elif [[ "$PRESET" != tiny ]]; then
   BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
+  # each stage caps PyTorch's allocator at 90% of MemAvailable at its start (nanochat/platform.py):
+  # with other programs holding memory now, a batch fitted to 3/4 of the total can run out at step 0
+  MEM_AVAIL_MIB="$(awk '/MemAvailable/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
+  if [[ "$MEM_AVAIL_MIB" =~ ^[0-9]+$ ]] && (( MEM_AVAIL_MIB > 0 && MEM_AVAIL_MIB * 9 / 10 < BUDGET_MIB )); then
+    say "note: $((MEM_AVAIL_MIB / 1024)) GiB of the unified memory is available now; each stage caps its memory at" \
+        "90% of what is available when it starts: close other programs first, or add --device-batch-size N" \
+        "if a stage runs out of memory (NANOCHAT_GPU_MEMORY_CAP=<GB>|off overrides the cap)"
+  fi
 fi
 if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
   DBS_FLAG=$((10#$DBS_FLAG))

@@ -88,3 +88,25 @@ def test_device_batch_flag_names_the_batch_fitted_to_the_gpu(tmp_path, mem_mib, 
     assert rc == 0, out
     assert f"device batch 2 (--device-batch-size; {said}" in out, out
     assert "--device-batch-size 2 --total-batch-size 524288" in out
+
+
+def test_spark_says_when_memory_in_use_is_below_the_fitted_batch(tmp_path):
+    """Each stage caps PyTorch's allocator at 90% of MemAvailable at its start (platform.patch_memory_cap),
+    while the batch is fitted to 3/4 of MemTotal (stable across reruns): with memory in use, setup
+    says so up front instead of a stage stopping out of memory at step 0."""
+    import os
+    import subprocess
+    from tests.test_setup import GB10_SMI, REPO, _dry_run
+    rc, out = _dry_run(tmp_path, "13.0", arch="aarch64", mem_total_gib=122, mem_mib="[N/A]", gpu=GB10_SMI,
+                       args=("--only", "base_train", "--preset", "spark", "--depth", "12"))
+    assert rc == 0 and "GiB of the unified memory is available now" not in out, out   # 86% available: fine
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {122 * 1048576} kB\nMemAvailable: {40 * 1048576} kB\n")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SETUP_MEMINFO": str(meminfo)}
+    env.pop("TORCH_INDEX_URL", None)
+    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--only", "base_train", "--preset", "spark",
+                          "--depth", "12", "--base-dir", str(tmp_path / "base")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "40 GiB of the unified memory is available now" in said, said
+    assert "NANOCHAT_GPU_MEMORY_CAP" in said
