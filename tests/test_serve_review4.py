@@ -141,12 +141,14 @@ def test_load_test_server_drains_on_sigterm(tiny_corpus, monkeypatch):
         try:
             if not wait_until(up, timeout=30):
                 return
-            threads = [threading.Thread(target=_stream, args=(url, out, n), daemon=True)
-                       for n in ("running", "queued")]
+            # the running answer may take 450 tokens (>= 13.5 s at the slowed step): still running at
+            # the signal however slowly a loaded 2-core CI machine gets the queued one waiting
+            threads = [threading.Thread(target=_stream, args=(url, out, n, m), daemon=True)
+                       for n, m in (("running", 450), ("queued", 200))]
             threads[0].start()
-            wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0)
+            result["busy"] = wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0, 20)
             threads[1].start()
-            wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
+            result["waiting"] = wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1, 20)
             time.sleep(0.2)
             result["t0"] = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)   # delivered to the main thread, as a kill would be
@@ -166,7 +168,7 @@ def test_load_test_server_drains_on_sigterm(tiny_corpus, monkeypatch):
         restored = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert rc == 0 and "t0" in result, (rc, result, out)
+    assert rc == 0 and "t0" in result and result["busy"] and result["waiting"], (rc, result, out)
     assert restored is not None and restored.__name__ == "<lambda>", restored   # serve() put ours back
     assert not seen, "the re-raised SIGTERM reached the handler in place before serve(): not drained"
     status, events, queued_at = out["queued"]   # a stream still waiting for the one slot: the error event at once
