@@ -69,6 +69,7 @@ from nanochat.kv_cache import KVCache, StaticKV, check_layer  # read here; also 
 
 BACKEND_CHOICES = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 RESOLVED_BACKENDS = ("sdpa_flex", "sdpa_cudnn", "cudnn_fa4", "sdpa", "flex", "reference")
+CUDNN_DTYPES = (torch.bfloat16, torch.float16)   # all cuDNN's window kernel (and FA4's backward) take
 
 # Caches keyed by (T, window, device). Filled in eager mode only: under torch.compile a cache miss
 # builds the mask inside the graph (correct, a few tiny kernels per step) and a hit is lifted as a
@@ -124,14 +125,26 @@ def _accepted_off_cuda(device_type: str, training: bool = False) -> str:
     return "auto|sdpa|flex|reference" if device_type == "cpu" and not training else "auto|sdpa|reference"
 
 
-def check_training_backend(name: str, device) -> str:
+def check_training_backend(name: str, device, dtype: torch.dtype | None = None) -> str:
     """resolve_backend for a training run: flex has no backward on CPU (attention() raises at the
-    first step), so a CPU run that asks for it is refused with the flags."""
+    first step), so a CPU run that asks for it is refused with the flags. So is an explicit cudnn
+    or cudnn_fa4 in an fp32 run: neither kernel takes fp32, and attention() would run flex instead
+    (an explicit request is met or refused; only auto falls back)."""
     if torch.device(device).type == "cpu" and name in ("flex", "cudnn", "cudnn_fa4"):
         why = "has no backward on CPU" if name == "flex" else "needs a CUDA device"
         raise RequestError(f"--attn-backend {name} {why}; accepted for CPU training: "
                            f"{_accepted_off_cuda('cpu', training=True)}")
+    if name in ("cudnn", "cudnn_fa4") and dtype is not None and dtype not in CUDNN_DTYPES:
+        raise RequestError(f"--attn-backend {name}: cuDNN's attention takes bf16/fp16, this run computes in "
+                           f"{str(dtype).removeprefix('torch.')} (--precision); accepted with it: auto|sdpa|flex|reference")
     return resolve_backend(name, device)
+
+
+def effective_backend(resolved: str, dtype: torch.dtype) -> str:
+    """The backend attention() runs for `dtype` inputs: the cuDNN backends' kernels take bf16/fp16
+    only, so an fp32 run of either is sdpa_flex's (SDPA full layers, flex window layers). What the
+    banner and checkpoint name, so an fp32 run is not labelled as a cuDNN one."""
+    return "sdpa_flex" if resolved in ("sdpa_cudnn", "cudnn_fa4") and dtype not in CUDNN_DTYPES else resolved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,7 +529,7 @@ def attention(q, k, v, *, window: int | None, backend: str, kv_cache: KVCache | 
         return reference_attention(q, k, v, window=window)
     if backend == "flex" or (backend == "sdpa_flex" and window is not None):
         return _flex(q, k, v, window)
-    cudnn_dtype = q.dtype in (torch.bfloat16, torch.float16)   # all cuDNN's window kernel takes
+    cudnn_dtype = q.dtype in CUDNN_DTYPES
     if backend == "cudnn_fa4" and cudnn_dtype:
         return cudnn_attention.window_attention(q, k, v, window or 0, bwd="fa4")
     if backend in ("sdpa_cudnn", "cudnn_fa4") and window is not None:

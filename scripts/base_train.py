@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from nanochat.attention import resolve_backend
+from nanochat.attention import effective_backend, resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
@@ -303,7 +303,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     check_precision(cfg.precision, rt, cfg.precision_backend)  # can this device run these? (raises)
     check_kernel(cfg.kernel, rt.device)
-    check_training_backend(cfg.attn_backend, rt.device)
+    check_training_backend(cfg.attn_backend, rt.device, rt.dtype)
 
     # ---- tokenizer ----
     tokenizer = get_tokenizer(base_dir)
@@ -415,6 +415,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
                   "world_size": rt.world_size, "dtype": rt.dtype_name, "cast_once": trainer.cast_once,
+                  # what auto chose (probe-dependent, so not in the flags): a slower resume is explainable
+                  "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype),
                   **precision_info,
                   **({"precision_history": precision_history} if precision_history and len(precision_history) > 1
                      else {}),
@@ -494,7 +496,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("compute dtype", rt.dtype_name),
         ("precision", json.dumps(precision_info)),
         ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend} -> "
-                                         f"{resolve_backend(cfg.attn_backend, rt.device)}"),
+                                         f"{effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype)}"),
         ("model", ", ".join(f"{k}={v}" for k, v in asdict(model_config).items())),
         ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
         ("FLOPs / token", f"{flops_per_token:.4e}"),

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.attention import BACKEND_CHOICES, resolve_backend
+from nanochat.attention import BACKEND_CHOICES, effective_backend, resolve_backend
 from nanochat.common import DEVICE_CHOICES, destroy_runtime, env_world_size, init_runtime
 from nanochat.gpu_monitor import GpuMonitor
 from nanochat.platform import check_benchmark_device
@@ -309,7 +309,8 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "depth": depth, "kernel": kernel, "kernel_fusions": info["kernel_fusions"],
             "precision": info["precision"], "precision_backend": info.get("backend"), "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
-            "window_pattern": cfg.window_pattern, "attention": resolve_backend(cfg.attn_backend, rt.device),
+            "window_pattern": cfg.window_pattern,
+            "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype),
             "data": cfg.data, "recipe": cfg.recipe, "total_batch_size": plan.total_batch_size,
             "grad_accum_steps": plan.grad_accum_steps,
             "cast_once": trainer.cast_once, "grad_sinks": trainer.cast_once and trainer.grad_sinks,

@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     check_precision(args.precision, rt, args.precision_backend)   # before the model: --precision fp8 on an A100
     from nanochat.attention import check_training_backend
     # as base_train: flex has no backward on a CPU, which raised a RuntimeError traceback at the first step
-    check_training_backend(args.attn_backend, rt.device)
+    check_training_backend(args.attn_backend, rt.device, rt.dtype)
     model, run, optimizer, info = build(args, rt)
     print(json.dumps({"header": True, "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "depth": args.depth, "batch": args.device_batch_size,

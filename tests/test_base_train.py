@@ -251,6 +251,7 @@ def test_tiny_end_to_end(env, base_dir, tiny_corpus, tmp_path):
     model, tok2, meta = ck.load_model("base", "cpu", model_tag="e2e")
     assert not model.training and meta["tokenizer_fingerprint"] == tok2.fingerprint
     assert meta["train"]["num_iterations"] == 40 and meta["model_config"]["n_layer"] == 2
+    assert meta["train"]["attention"] == "sdpa"   # what --attn-backend auto ran (probe-dependent on a GPU)
 
 
 def test_load_model_refuses_other_tokenizer(env, base_dir, tmp_path):
