@@ -440,6 +440,9 @@ class Engine:
             raise ValueError(f"seed: got {seed}; accepted: an integer in 0..{MAX_SEED}")
         temperature, top_k, top_p = validate_sampling(temperature, top_k, top_p)
         stops = frozenset(self.default_stop_tokens if stop_tokens is None else _stop_ids(stop_tokens))
+        vocab = int(self.model.config.vocab_size)
+        if any(not 0 <= t < vocab for t in stops):   # an id the model never samples: it would never stop
+            raise ValueError(f"stop_tokens: got {sorted(stops)}; accepted: token ids in 0..{vocab - 1}")
         return tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops
 
     def inference_weights(self):

@@ -1,5 +1,6 @@
 """An explicit cuDNN attention backend in an fp32 training run is refused (attention() would run
-flex for its window layers), and what a run reports as its attention is what runs for its dtype."""
+flex for its window layers), and what a run reports as its attention is what runs for its dtype;
+Engine refuses stop ids its model can never sample."""
 
 import pytest
 import torch
@@ -42,3 +43,20 @@ def test_effective_backend_matches_attention_dispatch(monkeypatch):
     q = torch.randn(1, 2, 8, 4)
     A.attention(q, q, q, window=4, backend="sdpa_cudnn")
     assert ran == [("flex", 4)] and effective_backend("sdpa_cudnn", q.dtype) == "sdpa_flex"
+
+
+# ------------------------------------------------------------------ engine stop ids
+
+@pytest.mark.parametrize("stops", [[-1], [10**6], [3, 64]])
+def test_stop_ids_outside_the_vocabulary_are_refused(stops):
+    """A stop id the model can never sample (a typo, another tokenizer's id) was accepted and the
+    generation ran to max_tokens without a word."""
+    from nanochat.engine import Engine
+    from tests.test_engine import random_model
+
+    engine = Engine(random_model("cpu"), None)
+    vocab = engine.model.config.vocab_size
+    stops = [vocab if s == 64 else s for s in stops]
+    with pytest.raises(ValueError, match=rf"^stop_tokens: got .*; accepted: token ids in 0\.\.{vocab - 1}$"):
+        engine.generate_batch([1, 2], max_tokens=2, stop_tokens=stops)
+    assert len(engine.generate_batch([1, 2], max_tokens=2, stop_tokens=[vocab - 1])[0][0]) <= 4
