@@ -173,6 +173,27 @@ fi
 ARCH="$(uname -m)"; OS="$(uname -s)"
 [[ "$OS" == "Linux" ]] || warn "only Linux is tested (found $OS)"
 GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB="" GPU_COUNT=0
+# nvidia-smi's row (1-based) of the GPU CUDA calls device 0: CUDA_VISIBLE_DEVICES' first entry, an
+# index or a (prefix of a) GPU- UUID, as CUDA reads it; nothing when it hides every GPU ("", "-1").
+# An entry naming no GPU stops here: CUDA would see none and a GPU preset would train on the CPU.
+# (An index is nvidia-smi's, i.e. CUDA's under CUDA_DEVICE_ORDER=PCI_BUS_ID.)
+visible_gpu_row() {
+  [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]] || { echo 1; return; }
+  local first="${CUDA_VISIBLE_DEVICES%%,*}" row
+  first="${first//[[:space:]]/}"
+  [[ -n "$first" && "$first" != -* ]] || return 0
+  if [[ "$first" =~ ^[0-9]+$ ]] && (( 10#$first < GPU_COUNT )); then echo $((10#$first + 1)); return; fi
+  if [[ "$first" == GPU-* ]]; then
+    row="$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | awk -v p="$first" 'index($1, p) == 1 {print NR; exit}')"
+    [[ -z "$row" ]] || { echo "$row"; return; }
+  fi
+  [[ "$first" == MIG-* ]] && { warn "CUDA_VISIBLE_DEVICES=$first: a MIG slice; sizing for the first GPU's memory (add --device-batch-size N to fit the slice)"; echo 1; return; }
+  die "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES': its first entry '$first' names no GPU here; accepted: an index 0..$((GPU_COUNT - 1)) or a GPU UUID (nvidia-smi -L lists them), '' or -1 for none"
+}
+visible_gpu_count() {  # the entries of CUDA_VISIBLE_DEVICES, at most the GPUs there are
+  local n; n="$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)"
+  echo $(( n < GPU_COUNT ? n : GPU_COUNT ))
+}
 # nvidia-smi there but failing (a driver not loaded after a reboot or a kernel update, a GPU fallen off
 # the bus) is not "no GPU": --preset auto took it for a CPU machine and a rerun meant to continue a
 # GPU run went on as the tiny preset, its tokenizer stage overwriting the run's tokenizer
@@ -182,11 +203,17 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   if (( smi_rc == 0 )); then
     # one line per GPU: `sed -n 1p` reads them all, where `head -n1` could end first and a nvidia-smi
     # still writing died of SIGPIPE, which pipefail + set -e made the end of setup.sh (exit 141)
-    GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | sed -n 1p)"
     GPU_COUNT="$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c . || true)"
-    GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n 1p || true)"
+    GPU_ROW="$(visible_gpu_row)"   # the stages run on CUDA's device 0: size for it, not nvidia-smi's first GPU
+    if [[ -n "$GPU_ROW" ]]; then
+      GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | sed -n "${GPU_ROW}p")"
+      GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
+      GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
+      [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || GPU_COUNT="$(visible_gpu_count)"
+    else
+      say "CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES}' hides every GPU: the stages run on the CPU"; GPU_COUNT=0
+    fi
     DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed -n 1p)"
-    GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sed -n 1p || true)"
   else
     SMI_ERROR="exit $smi_rc: $(printf '%s\n' "$smi_out" | grep -m1 . || true)"
   fi
@@ -224,7 +251,7 @@ mount_of() { df -Pk "$1" | awk 'NR==2 {print $6}'; }
 # at the base dir (its nearest existing part): the data and the checkpoints go there, not to the repo
 FREE_DISK_GB="$(free_gb "$existing")"
 MEMINFO="${SETUP_MEMINFO:-/proc/meminfo}"  # SETUP_MEMINFO: the tests' simulated GB10
-MEM_AVAIL_GB="$(awk '/MemAvailable/ {printf "%d", $2/1048576}' "$MEMINFO" 2>/dev/null || echo 0)"
+MEM_AVAIL_MIB="$(awk '/MemAvailable/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
 MEM_TOTAL_MIB="$(awk '/MemTotal/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
 # python3 on PATH, passing over this repo's .venv (activated, as the closing lines suggest): taken
 # for another interpreter, it redid the env stage's installs on every switch in and out of it
@@ -237,6 +264,20 @@ done
 [[ -n "$PY" ]] || die "python3 not found: install Python >= 3.10 (e.g. 'apt-get install python3 python3-venv')"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
   || die "Python >= 3.10 is required, found $("$PY" --version 2>&1)"
+# A cgroup memory limit (docker --memory, a systemd MemoryMax, a job scheduler's): /proc/meminfo
+# shows the host's memory inside it, so a 32 GB container on a 128 GB Spark was sized for 96 GB and
+# OOM-killed. Its limit bounds the total and its free part the available (nanochat/memory_limits.py,
+# which the stages' allocator cap reads too). SETUP_CGROUP_ROOT / SETUP_PROC_CGROUP: the tests' fakes.
+HOST_MEM="the host's" CG_NOTE="" cg_limit="" cg_free="" CGROUP_FILE=""
+read -r cg_limit cg_free CGROUP_FILE < <("$PY" -m nanochat.memory_limits "${SETUP_CGROUP_ROOT:-/sys/fs/cgroup}" \
+  "${SETUP_PROC_CGROUP:-/proc/self/cgroup}" 2>/dev/null || true) || true
+if [[ "$cg_limit" =~ ^[0-9]+$ && "$cg_free" =~ ^[0-9]+$ ]]; then
+  if (( cg_limit / 1048576 < MEM_TOTAL_MIB )); then
+    MEM_TOTAL_MIB=$((cg_limit / 1048576)) HOST_MEM="the container's" CG_NOTE=" (the cgroup memory limit in $CGROUP_FILE)"
+  fi
+  (( cg_free / 1048576 >= MEM_AVAIL_MIB )) || MEM_AVAIL_MIB=$((cg_free / 1048576))
+fi
+MEM_AVAIL_GB=$(( ${MEM_AVAIL_MIB:-0} / 1024 ))
 
 if [[ "$PRESET" == auto ]]; then
   if [[ "$GPU_CC" == 12.1 || "$GPU_NAME" == *GB10* ]]; then PRESET=spark
@@ -353,13 +394,13 @@ BUDGET_MIB="" where=""
 if [[ "$PRESET" != tiny && "$GPU_MEM_MIB" =~ ^[0-9]+$ && "$GPU_CC" != 12.1 && "$GPU_NAME" != *GB10* ]]; then
   BUDGET_MIB=$GPU_MEM_MIB where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"
   if [[ "$PRESET" == spark ]] && (( MEM_TOTAL_MIB * 3 / 4 < GPU_MEM_MIB )); then
-    BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the host's $((MEM_TOTAL_MIB / 1024)) GiB"
+    BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of $HOST_MEM $((MEM_TOTAL_MIB / 1024)) GiB$CG_NOTE"
   fi
 elif [[ "$PRESET" != tiny ]]; then
-  BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory"
-  # each stage caps PyTorch's allocator at 90% of MemAvailable at its start (nanochat/platform.py):
-  # with other programs holding memory now, a batch fitted to 3/4 of the total can run out at step 0
-  MEM_AVAIL_MIB="$(awk '/MemAvailable/ {printf "%d", $2/1024}' "$MEMINFO" 2>/dev/null || echo 0)"
+  BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory$CG_NOTE"
+  # each stage caps PyTorch's allocator at 90% of MemAvailable (or the cgroup's free part) at its start
+  # (nanochat/platform.py): with other programs holding memory now, a batch fitted to 3/4 of the
+  # total can run out at step 0
   if [[ "$MEM_AVAIL_MIB" =~ ^[0-9]+$ ]] && (( MEM_AVAIL_MIB > 0 && MEM_AVAIL_MIB * 9 / 10 < BUDGET_MIB )); then
     say "note: $((MEM_AVAIL_MIB / 1024)) GiB of the unified memory is available now; each stage caps its memory at" \
         "90% of what is available when it starts: close other programs first, or add --device-batch-size N" \

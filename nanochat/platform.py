@@ -11,8 +11,9 @@ Owns:
   names the versions it targets, and applying them again reports the same names (the variables
   they set are listed in NANOCHAT_PLATFORM_ENV).
 - `memory_budget_bytes()`: on unified memory the free memory comes from /proc/meminfo
-  MemAvailable (cudaMemGetInfo counts the page cache as used there); `patch_memory_cap` caps
-  the allocator at it, so that a batch too big fails instead of hanging the host.
+  MemAvailable (cudaMemGetInfo counts the page cache as used there), bounded by a container's
+  cgroup memory limit (nanochat/memory_limits.py); `patch_memory_cap` caps the allocator at it,
+  so that a batch too big fails instead of hanging the host or being OOM-killed.
 - `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime; in
   nanochat/cpu_patches.py) and `usable_sms()` (the SMs a process may hold, e.g. under CUDA MPS;
   in device_table.py).
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
@@ -43,6 +43,8 @@ from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,
                                    spec_from_props, usable_sms)
 from nanochat.cpu_patches import AMX_FALLBACK_ISA, ONEDNN_ISA_ENV, _bf16_matmul_in_child, patch_cpu_amx  # noqa: F401
 from nanochat.errors import RequestError
+from nanochat.memory_limits import (CGROUP_ROOT, MEMINFO, PROC_SELF_CGROUP, memory_budget_bytes,  # noqa: F401
+                                    unified_memory_budget)
 from nanochat.toolchain import (_bundled_ptxas_by_triton, _version_tuple, bundled_ptxas_version,  # noqa: F401
                                 find_system_ptxas, ptxas_version, required_ptxas, triton_version)
 
@@ -111,11 +113,13 @@ class PatchContext:
     set_memory_fraction: Callable[[float], None] | None = None
     total_memory: Callable[[], int] | None = None
     meminfo: str | None = None                 # /proc/meminfo's text (None: read MEMINFO)
+    cgroup_root: str | None = None             # its memory limit's cgroup fs (None: none read, as in tests)
+    self_cgroup: str = PROC_SELF_CGROUP
 
     @classmethod
     def real(cls, spec: DeviceSpec) -> "PatchContext":
         import warnings
-        ctx = cls(env=os.environ, filter_warning=warnings.filterwarnings)
+        ctx = cls(env=os.environ, filter_warning=warnings.filterwarnings, cgroup_root=CGROUP_ROOT)
         if spec.is_cuda:
             # only GPU patches touch these, and importing torch._dynamo costs ~6 s of CPU (torch
             # 2.15): every CPU run (the tests' subprocesses, tiny runs) would pay it for nothing
@@ -319,7 +323,8 @@ _MEMORY_CAP: list[int] = []   # the cap this process set, in bytes (once: MemAva
 def patch_memory_cap(spec: DeviceSpec, ctx: PatchContext) -> str | None:
     """Unified memory (GB10): the caching allocator can grow into all of the host's RAM, and memory
     pressure there can hang the whole machine instead of failing (DESIGN s4.3). Capped once per
-    process, at MemAvailable at its start less 10% (memory_budget_bytes), by
+    process, at MemAvailable (or what a cgroup's memory limit leaves, if less) at its start less
+    10% (unified_memory_budget), by
     torch.cuda.set_per_process_memory_fraction (torch >= 2.9; applies with expandable segments):
     a batch too big then raises torch's OutOfMemoryError, which training turns into a
     --device-batch-size hint. NANOCHAT_GPU_MEMORY_CAP: a size in GB instead, or off."""
@@ -340,11 +345,12 @@ def patch_memory_cap(spec: DeviceSpec, ctx: PatchContext) -> str | None:
         why = f"{MEMORY_CAP_ENV}={value}"
     else:
         try:
-            cap = memory_budget_bytes(spec, meminfo=ctx.meminfo)
+            cap, source = unified_memory_budget(meminfo=ctx.meminfo, cgroup_root=ctx.cgroup_root,
+                                                self_cgroup=ctx.self_cgroup)
         except RuntimeError as exc:   # no MemAvailable to go by: say so, run uncapped
             _log_once("memory_cap", f"unified memory: the allocator is not capped ({exc})")
             return None
-        why = f"MemAvailable at start less 10%; {MEMORY_CAP_ENV}=<GB>|off overrides"
+        why = f"{source} at start less 10%; {MEMORY_CAP_ENV}=<GB>|off overrides"
     total = ctx.total_memory()
     ctx.set_memory_fraction(min(1.0, cap / total))
     _MEMORY_CAP.append(int(min(cap, total)))
@@ -561,32 +567,6 @@ def _spec_from_nvidia_smi(env: Mapping[str, str] | None = None) -> DeviceSpec | 
     if not m:
         return None
     return spec_from_props(SimpleProps(m.group(1).strip(), int(m.group(2)), int(m.group(3)), 0, 0))
-
-
-MEMINFO = "/proc/meminfo"   # tests point it elsewhere
-
-
-def memory_budget_bytes(spec: DeviceSpec, *, meminfo: str | None = None, headroom: float = 0.1) -> int | None:
-    """Bytes a run may plan to use. Unified memory: MemAvailable minus `headroom` of it (memory
-    pressure can hang the host); discrete GPU: cudaMemGetInfo free; CPU/MPS: None (Apple's MPS
-    is unified too, but macOS has no /proc/meminfo). An unreadable meminfo or one without MemAvailable
-    is a RuntimeError naming the file (cudaMemGetInfo, counting the page cache as used, is no stand-in)."""
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: got {headroom!r}; accepted: a fraction in [0, 1)")
-    if spec.is_cuda and spec.unified_memory:
-        try:
-            text = meminfo if meminfo is not None else Path(MEMINFO).read_text()
-        except OSError as exc:
-            raise RuntimeError(f"{MEMINFO}: cannot be read ({exc.strerror or exc}); the unified-memory "
-                               "budget comes from its MemAvailable line") from exc
-        m = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, flags=re.MULTILINE)
-        if m is None:
-            raise RuntimeError(f"{MEMINFO} has no 'MemAvailable: <n> kB' line (Linux >= 3.14 writes one)")
-        return int(int(m.group(1)) * 1024 * (1 - headroom))
-    if spec.is_cuda:
-        free, _total = torch.cuda.mem_get_info()
-        return int(free * (1 - headroom))
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from nanochat import memory_limits
 from nanochat import platform as P
 from nanochat import preflight
 from nanochat.platform import PatchContext, PtxasMissing, SimpleProps, apply_patches, detect_device
@@ -57,7 +58,7 @@ def test_unreadable_meminfo_is_named_and_the_report_still_prints(simulated, monk
     a bare FileNotFoundError, and it and a meminfo without MemAvailable ended the preflight report
     with a traceback. Now a RuntimeError names the file, and the report shows it in its row."""
     gb10 = detect_device(props=GB10)
-    monkeypatch.setattr(P, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(memory_limits, "MEMINFO", str(tmp_path / "meminfo"))   # where the budget reads it
     with pytest.raises(RuntimeError, match=r"meminfo: cannot be read .*MemAvailable"):
         P.memory_budget_bytes(gb10)
     simulated(GB10)
