@@ -14,9 +14,11 @@ Layout (one directory per phase and model tag):
 
 A step is written into `step_00000N.partial/` by every rank and renamed to `step_00000N/` by rank 0
 once all ranks are done, so a step directory is either complete or absent; `latest.json` then
-moves to it. A crash at any point leaves the previous checkpoint and pointer intact. Every
-individual file is also written temp + fsync + os.replace. Multi-node runs need a shared
-filesystem for the checkpoint directory. Files are read with torch.load(weights_only=True) and
+moves to it. A part that fails on one rank (no room for its optimizer shard) fails the save on
+every rank, each told which rank failed and why (never a rank left waiting at a barrier). A crash
+at any point leaves the previous checkpoint and pointer intact. Every individual file is also
+written temp + fsync + os.replace. Multi-node runs need a shared filesystem for the checkpoint
+directory. Files are read with torch.load(weights_only=True) and
 their size and sha256 checked against the sums written with them (hashed on helper threads while
 the IO runs: during a save's fsync, during a load's torch.load): a file changed or
 damaged on disk since (a bad block, a partial copy) is refused with its path, never loaded as
@@ -38,13 +40,16 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat.common import barrier, fmt_bytes, get_base_dir, print0
+from nanochat.common import fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, load_verified,
                                     restore_swapped_out, save_hashed, saved_sum, start_check, step_dirname,
                                     sweep_superseded, write_json, _use_another_step)
+# sizes: re-exported for the recipes' disk plans
+from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
 # EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
 from nanochat.checkpoint_runs import EARLIER_RUNS, EarlierRun, fresh_start  # noqa: F401
+from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
 from nanochat.report_env import environment_meta, git_sha  # noqa: F401 (re-exported: checkpoint metadata)
 from nanochat.flags import check_model_tag, require
@@ -187,24 +192,6 @@ def _needed(n: int) -> int:
     return int(n * 1.02) + (64 << 20)
 
 
-def tensor_bytes(obj) -> int:
-    """Bytes of the tensor storages in a nested state (dicts, lists, tuples), each storage once."""
-    seen, total, stack = set(), 0, [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            key = (storage.data_ptr(), x.device)
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return total
-
-
 def free_bytes(path: Path) -> int:
     """Free bytes on the filesystem that holds `path` (or would: its nearest existing parent)."""
     path = Path(path).absolute()
@@ -234,25 +221,6 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: 
         text += (f"; room for {room}: a save that does not fit stops the run, keeping the last one "
                  f"(raise --save-every, {keep}or free space)")
     return text
-
-
-def checkpoint_bytes(model, *, normuon: bool = False) -> int:
-    """Bytes of a training checkpoint of `model`: its state dict and the optimizer state (summed over
-    ranks; `normuon`: optim.optimizer_state_bytes'); loader and loop state are small. A meta-device
-    model is enough (no memory)."""
-    from nanochat.optim import optimizer_state_bytes
-
-    return (sum(t.numel() * t.element_size() for t in model.state_dict().values())
-            + optimizer_state_bytes(model, normuon=normuon))
-
-
-def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:
-    """How many checkpoints run_training_loop writes from start_step: every save_every steps after
-    the start, and the final one (once, when it falls on the period)."""
-    if save_every <= 0:
-        return 1
-    first = (start_step // save_every + 1) * save_every     # the first multiple after the start
-    return len(range(first, num_iterations, save_every)) + 1
 
 
 def _check_space(staging: Path, states: list, rank: int, step: int) -> None:
@@ -293,8 +261,8 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
     final = ckpt_dir / step_dirname(step)
     staging = ckpt_dir / (step_dirname(step) + ".partial")
     world_size = _world_size()
-    if rank == 0:
-        with _unwritable_is_a_checkpoint_error(staging, step):   # a disk remounted read-only mid-run
+    with _on_every_rank(staging, step, rank):   # rank 0 sets up; the others learn whether it could
+        if rank == 0:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             # leftovers of saves cut short (a second Ctrl-C, a SIGKILL, a crash), of this step or any other:
             # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
@@ -302,30 +270,61 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
                 shutil.rmtree(leftover, ignore_errors=True)
             sweep_superseded(ckpt_dir)
             staging.mkdir()
-    barrier()
-    with _unwritable_is_a_checkpoint_error(staging, step):
+    with _on_every_rank(staging, step, rank):
         _write_rank_files(staging, step, rank, model_state if rank == 0 else None, optimizer_state,
                           loader_state, loop_state)
-    barrier()
-    if rank == 0:
-        # the weights' device: a meta that names none (chat_rl's) recorded None
-        full_meta = {**environment_meta(_state_device(model_state)), **meta, "schema_version": SCHEMA_VERSION,
-                     "step": step, "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                     "has_optimizer": optimizer_state is not None}
-        with _unwritable_is_a_checkpoint_error(staging, step):   # the tensors fitted, the disk filled since
-            write_json(staging / META_NAME, full_meta)
-        fsync_dir(staging)
-        if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
-            trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
-            os.replace(final, trash)
-            os.replace(staging, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-        fsync_dir(ckpt_dir)
-        _point_latest(ckpt_dir, final, step)
-    barrier()
+    with _on_every_rank(staging, step, rank):   # only once every rank's files are in: latest.json
+        if rank == 0:
+            _finish(ckpt_dir, staging, final, step, _full_meta(model_state, optimizer_state, meta, step, world_size))
     return final
+
+
+def _full_meta(model_state, optimizer_state, meta: dict, step: int, world_size: int) -> dict:
+    # the weights' device: a meta that names none (chat_rl's) recorded None
+    return {**environment_meta(_state_device(model_state)), **meta, "schema_version": SCHEMA_VERSION,
+            "step": step, "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "has_optimizer": optimizer_state is not None}
+
+
+def _finish(ckpt_dir: Path, staging: Path, final: Path, step: int, full_meta: dict) -> None:
+    """Rank 0, every rank's files in staging: meta.json, staging -> final, latest.json -> final."""
+    write_json(staging / META_NAME, full_meta)   # the tensors fitted, the disk may have filled since
+    fsync_dir(staging)
+    if final.exists():  # re-saving a step: move the old copy aside, swap, then delete it
+        trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_dir(ckpt_dir)
+    _point_latest(ckpt_dir, final, step)
+
+
+@contextlib.contextmanager
+def _on_every_rank(staging: Path, step: int, rank: int):
+    """One part of a save, then (collective) whether it went well on every rank. A rank that failed
+    (no room for its optimizer shard, a disk refusing its writes) raised alone, and the others hung at
+    the save's next barrier; now the failing rank raises its own error and every other rank a
+    CheckpointError naming it and what went wrong. The staging directory is removed (by rank 0, once
+    no rank writes into it any more), so latest.json never names the step."""
+    error = None
+    try:
+        with _unwritable_is_a_checkpoint_error(staging, step):
+            yield
+    except Exception as e:   # a bug too (a tensor torch.save refuses): the other ranks must not wait for it
+        error = e
+    own = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error} (saving the checkpoint of step {step} into {staging})"
+    failed = rank_failures(own)
+    if failed and rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    if error is not None:
+        raise error
+    if failed:
+        said = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointError(f"checkpoint save of step {step} failed on rank(s) {', '.join(map(str, failed))} of "
+                              f"{_world_size()}, so every rank stops: {said}")
 
 
 def _state_device(state: dict | None) -> torch.device | None:
@@ -369,18 +368,14 @@ def _write_error(e: BaseException) -> OSError | None:
 @contextlib.contextmanager
 def _unwritable_is_a_checkpoint_error(staging: Path, step: int):
     """A save refused for room, the disk filling mid-write, or a disk that refuses writes (remounted
-    read-only after errors, permissions changed): the staging directory goes, and the error becomes
-    one CheckpointError naming the step kept and what to do."""
+    read-only after errors, permissions changed): one CheckpointError naming the step kept and what
+    to do (_on_every_rank removes the staging directory, once no rank writes into it)."""
     try:
         yield
-    except CheckpointError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     except (OSError, RuntimeError) as e:
         cause = _write_error(e)
         if cause is None:
             raise
-        shutil.rmtree(staging, ignore_errors=True)
         if cause.errno in _NO_ROOM:
             detail = f"{cause.strerror}; {fmt_bytes(free_bytes(staging.parent))} free now"
             raise CheckpointError(_no_room(staging, step, detail)) from e

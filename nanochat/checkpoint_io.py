@@ -1,6 +1,6 @@
 """The files of a checkpoint: step directory names, atomic writes (temp file + fsync +
-os.replace), size + sha256 sums hashed alongside the IO, and torch.load(weights_only=True) that
-returns only what matches its sums. checkpoint.py builds saves, loads and resumes on these.
+os.replace), size + sha256 sums hashed alongside the IO, torch.load(weights_only=True) that
+returns only what matches its sums, and the sizes of states (the disk plans). checkpoint.py builds saves, loads and resumes on these.
 """
 
 from __future__ import annotations
@@ -195,6 +195,45 @@ def _load(path: Path, device) -> Any:
         # a file that is no torch.save output (text, another format) failed inside the unpickler
         # with a bare KeyError: 101 that named no file
         raise CheckpointError(f"{path}: not a file torch.load can read ({type(e).__name__}: {e})") from e
+
+
+# ------------------------------------------------------------------------------------ sizes
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensor storages in a nested state (dicts, lists, tuples), each storage once."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            key = (storage.data_ptr(), x.device)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def checkpoint_bytes(model, *, normuon: bool = False) -> int:
+    """Bytes of a training checkpoint of `model`: its state dict and the optimizer state (summed over
+    ranks; `normuon`: optim.optimizer_state_bytes'); loader and loop state are small. A meta-device
+    model is enough (no memory)."""
+    from nanochat.optim import optimizer_state_bytes
+
+    return (sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            + optimizer_state_bytes(model, normuon=normuon))
+
+
+def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:
+    """How many checkpoints run_training_loop writes from start_step: every save_every steps after
+    the start, and the final one (once, when it falls on the period)."""
+    if save_every <= 0:
+        return 1
+    first = (start_step // save_every + 1) * save_every     # the first multiple after the start
+    return len(range(first, num_iterations, save_every)) + 1
 
 
 # ------------------------------------------------------------------------------------ re-saves

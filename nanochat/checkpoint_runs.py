@@ -16,7 +16,8 @@ from pathlib import Path
 
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
                                     sweep_superseded)
-from nanochat.common import barrier, print0
+from nanochat.common import print0
+from nanochat.distributed import rank_failures
 
 EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
 
@@ -47,34 +48,48 @@ class EarlierRun:
         interruption midway never leaves it naming a step that is gone. Returns where they went."""
         if not self.steps:
             return None
-        steps, self.steps, moved_to = self.steps, [], None
+        steps, self.steps, moved_to, error = self.steps, [], None, None
         if is_master:
-            latest = self.ckpt_dir / LATEST_NAME
-            sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
-            # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
-            # the run (else a later read of this run's step N would restore the earlier run's copy)
-            orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
-            if self.delete:
-                latest.unlink(missing_ok=True)
-                for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
-                    shutil.rmtree(path, ignore_errors=True)
-                print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
-            else:
-                moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
-                moving.mkdir(parents=True, exist_ok=True)
-                if latest.is_file():
-                    os.replace(latest, moving / LATEST_NAME)
-                for step in steps:
-                    os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
-                for path in orphans:   # restorable there, as here
-                    os.replace(path, moving / path.name)
-                fsync_dir(moving)
-                os.replace(moving, moved_to)   # earlier_runs/<N> appears whole, or not at all
-                fsync_dir(moved_to.parent)
-                print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
-                       "delete it when you no longer need them")
-            fsync_dir(self.ckpt_dir)
-        barrier()
+            try:
+                moved_to = self._settle_here(steps)
+            except Exception as e:   # the other ranks waited at a barrier for it (a hang): they are told
+                error = e
+        failed = rank_failures(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"rank 0 could not {'delete' if self.delete else 'move'} the earlier run's "
+                                  f"checkpoints (steps {steps}) in {self.ckpt_dir}: {failed[0]}")
+        return moved_to
+
+    def _settle_here(self, steps: list[int]) -> Path | None:
+        """settle()'s work, on rank 0."""
+        moved_to = None
+        latest = self.ckpt_dir / LATEST_NAME
+        sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
+        # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
+        # the run (else a later read of this run's step N would restore the earlier run's copy)
+        orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
+        if self.delete:
+            latest.unlink(missing_ok=True)
+            for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
+                shutil.rmtree(path, ignore_errors=True)
+            print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
+        else:
+            moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
+            moving.mkdir(parents=True, exist_ok=True)
+            if latest.is_file():
+                os.replace(latest, moving / LATEST_NAME)
+            for step in steps:
+                os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
+            for path in orphans:   # restorable there, as here
+                os.replace(path, moving / path.name)
+            fsync_dir(moving)
+            os.replace(moving, moved_to)   # earlier_runs/<N> appears whole, or not at all
+            fsync_dir(moved_to.parent)
+            print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
+                   "delete it when you no longer need them")
+        fsync_dir(self.ckpt_dir)
         return moved_to
 
 

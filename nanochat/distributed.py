@@ -5,6 +5,8 @@ micro-batches.
 * `timed_barrier` is a host-side barrier through the process group's TCPStore: every rank marks
   its arrival; a rank that waits longer than the timeout raises `BarrierTimeout` naming the ranks
   that never arrived (a crashed rank, or one still compiling: warm up on every rank first).
+* `rank_failures` gathers what failed where in a task every rank does its part of (a checkpoint
+  save), so every rank raises together instead of the others waiting for the failed one.
 * `check_shared_dir` checks at start-up that every rank sees the same checkpoint directory: two
   nodes with separate disks otherwise train until the first save (by default the last) and fail.
 * `check_nccl_env` validates NCCL_* variables against the machine (interfaces in
@@ -84,6 +86,19 @@ def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "
         time.sleep(poll_s)
         arrived = store.add(f"{key}/count", 0)
     return time.monotonic() - t0
+
+
+def rank_failures(message: str | None) -> dict[int, str]:
+    """Collective: every rank passes what went wrong in its part of a shared task (None: nothing);
+    returns {rank: message} of the ranks that failed, alike on every rank ({} when none did). A rank
+    that raised alone left the others waiting at the task's next barrier (until the process group's
+    timeout, or torchrun's SIGKILL after its grace): with this, every rank raises together. Without
+    a process group: this process's own ({0: message}, or {})."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {} if message is None else {0: message}
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)   # NCCL: through the current CUDA device (init_runtime's)
+    return {r: m for r, m in enumerate(gathered) if m is not None}
 
 
 def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
