@@ -90,7 +90,10 @@ def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
     p.add_argument("--splits", default=d.splits)
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype)
-    for name in ("device_batch_size", "eval_tokens", "max_per_task", "max_tokens", "seed"):
+    p.add_argument("--device-batch-size", type=int, default=d.device_batch_size,
+                   help="rows per forward pass: bpb's batches, and CORE's of up to this many x sequence_len "
+                        "tokens; lower it when the eval runs out of memory")
+    for name in ("eval_tokens", "max_per_task", "max_tokens", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--data-dir", default=None,
                    help="pretraining shards for bpb (default: <base dir>/base_data); CORE reads the DCLM bundle "
@@ -178,7 +181,7 @@ class CountedBatches:
 def evaluate(cfg: BaseEvalConfig, rt) -> dict:
     from nanochat.checkpoint import load_model
     from nanochat.checkpoint_io import atomic_write
-    from nanochat.tokenizer import get_token_bytes
+    from nanochat.tasks.evaluate import out_of_memory_hint
 
     base_dir = get_base_dir()
     step = "latest" if cfg.step == "latest" else int(cfg.step)   # validate: digits 0-9 only
@@ -198,24 +201,9 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
                      "device": str(rt.device), "world_size": rt.world_size}
     t0 = time.perf_counter()
 
-    if "bpb" in cfg.evals:
-        token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
-        per_step = cfg.device_batch_size * seq_len * rt.world_size
-        steps = max(1, cfg.eval_tokens // per_step)
-        results["bpb"], results["bpb_tokens_by_split"] = {}, {}
-        for split in cfg.splits.split(","):
-            loader = loaders.get(split) or bpb_loader(cfg, rt, tokenizer, seq_len, split)
-            batches = CountedBatches(loader, rt.device)
-            bpb = evaluate_bpb(model, batches, steps, token_bytes)
-            loader.close()
-            covered = batches.total()   # each token of the split at most once (a finite pass)
-            results["bpb"][split] = bpb
-            results["bpb_tokens_by_split"][split] = covered
-            print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, steps * per_step, cfg)}")
-        # what the bpb figures are over: the largest split's count (val alone by default; the report
-        # names each split's when there are several)
-        results["bpb_tokens"] = max(results["bpb_tokens_by_split"].values())
-        results["bpb_tokens_planned"] = steps * per_step
+    # out of memory in bpb or CORE: one line naming --device-batch-size, which sizes both, not a traceback
+    with out_of_memory_hint("base_eval bpb", "--device-batch-size", cfg.device_batch_size):
+        evaluate_bpb_splits(cfg, rt, model, tokenizer, loaders, results, base_dir)
 
     if "sample" in cfg.evals and rt.is_master:
         texts = sample_prompts(model, tokenizer, DEFAULT_PROMPTS, max_tokens=cfg.max_tokens, seed=cfg.seed)
@@ -224,10 +212,11 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
             print0(f"  sample: {t!r}")
 
     if "core" in cfg.evals:
-        core = core_eval_module().run_core_eval(
-            model, tokenizer, rt.device, max_per_task=None if cfg.max_per_task == -1 else cfg.max_per_task,
-            data=core_data)
-        results["core"] = core
+        with out_of_memory_hint("base_eval CORE", "--device-batch-size", cfg.device_batch_size):
+            # CORE's batches hold --device-batch-size full-length rows (upstream: 8 x 2048 tokens)
+            results["core"] = core_eval_module().run_core_eval(
+                model, tokenizer, rt.device, max_per_task=None if cfg.max_per_task == -1 else cfg.max_per_task,
+                data=core_data, batch_tokens=cfg.device_batch_size * seq_len)
 
     results["seconds"] = time.perf_counter() - t0
     if rt.is_master:
@@ -240,6 +229,34 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
         results["output"] = str(out)
         log_report(results)
     return results
+
+
+def evaluate_bpb_splits(cfg: BaseEvalConfig, rt, model, tokenizer, loaders: dict, results: dict, base_dir) -> None:
+    """--eval bpb: bits per byte of each --splits split into `results` (bpb, bpb_tokens_by_split, ...)."""
+    if "bpb" not in cfg.evals:
+        return
+    from nanochat.tokenizer import get_token_bytes
+
+    seq_len = model.config.sequence_len
+    token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
+    per_step = cfg.device_batch_size * seq_len * rt.world_size
+    steps = max(1, cfg.eval_tokens // per_step)
+    results["bpb"], results["bpb_tokens_by_split"] = {}, {}
+    for split in cfg.splits.split(","):
+        loader = loaders.get(split) or bpb_loader(cfg, rt, tokenizer, seq_len, split)
+        batches = CountedBatches(loader, rt.device)
+        try:
+            bpb = evaluate_bpb(model, batches, steps, token_bytes)
+        finally:   # out of memory mid-split too: its reader threads must not outlive the run
+            loader.close()
+        covered = batches.total()   # each token of the split at most once (a finite pass)
+        results["bpb"][split] = bpb
+        results["bpb_tokens_by_split"][split] = covered
+        print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, steps * per_step, cfg)}")
+    # what the bpb figures are over: the largest split's count (val alone by default; the report
+    # names each split's when there are several)
+    results["bpb_tokens"] = max(results["bpb_tokens_by_split"].values())
+    results["bpb_tokens_planned"] = steps * per_step
 
 
 def bpb_shortfall(covered: int, planned: int, cfg: BaseEvalConfig) -> str:

@@ -17,7 +17,7 @@ rope mode: the QK-norm + RoPE backward of one (--device-batch-size, --seq, n_emb
   gradient layouts: ms, GB/s and the max difference (CUDA only).
 
 Output: one JSON line per result, then a table. Needs a CUDA GPU (loss mode also runs on CPU,
-slowly, for a smoke test: --device cpu).
+slowly, for a smoke test: --device cpu). Exit status: 1 when any row failed (EXIT_STATUS, shown by --help).
 """
 
 from __future__ import annotations
@@ -35,8 +35,14 @@ from nanochat.kernels import build_loss_fn, cross_entropy_loss
 from nanochat.platform import apply_patches, check_benchmark_device, detect_device, peak_flops, triton_version
 
 COMPILE_MODES = ("default", "reduce-overhead")
-SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --rows 256 --n-embd 64 --vocab 512 "
-             "--reps 3 --no-compile")
+EXIT_STATUS = """exit status: 0 when every requested row was measured; 1 when any row failed (a kernel or
+precision that cannot run here, a non-finite loss, cast / rope without a CUDA GPU): the measured rows
+are still printed, each failed one carries an "error" field, and stderr says how many failed, or
+"nothing measured" when none was; 2 for a bad flag or a request this machine cannot meet. Leave out of
+--kernels / --precisions what this machine cannot run (liger on a CPU) for a CI check to pass."""
+# --kernels without liger, which needs a CUDA GPU: its error row made the smoke run exit 1
+SMOKE_RUN = ("python -m scripts.benchmark_kernels --device cpu --mode loss --kernels current,triton --rows 256 "
+             "--n-embd 64 --vocab 512 --reps 3 --no-compile")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -320,7 +326,8 @@ def parse_args(argv=None):
     from nanochat.common import DEVICE_CHOICES
     from nanochat.precision import BACKENDS, PRECISIONS
 
-    p = FlagParser(prog="python -m scripts.benchmark_kernels", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m scripts.benchmark_kernels", description=__doc__.splitlines()[0],
+                   epilog=EXIT_STATUS)
     p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast", "rope"])
     p.add_argument("--kernels", default="current,liger,triton")
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
@@ -392,7 +399,23 @@ def main(argv=None) -> int:
     if args.mode == "rope":
         rows += bench_rope(args, rt.device)
     print_table(rows)
-    return 0
+    return exit_status(rows)
+
+
+def exit_status(rows: list[dict]) -> int:
+    """EXIT_STATUS: 1 (and a line on stderr naming the failed rows) when any row has an error, else 0.
+    Every row failing exited 0 too, so a CI job whose GPU could run nothing passed."""
+    failed = [r for r in rows if "error" in r]
+    if rows and not failed:
+        return 0
+    names = ", ".join("/".join(str(r[k]) for k in ("mode", "kernel", "precision") if k in r) for r in failed)
+    if len(failed) == len(rows):
+        print(f"benchmark_kernels: nothing measured: all {len(rows)} row(s) failed ({names}); see each row's "
+              "error", file=sys.stderr, flush=True)
+    else:
+        print(f"benchmark_kernels: {len(failed)} of {len(rows)} rows failed ({names}); see each row's error, "
+              "or leave those kernels / precisions out", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -176,21 +176,25 @@ def evaluate(cfg: ChatEvalConfig, tasks: dict, model, tokenizer, device, dtype=N
     """Every task's result; `limits` (problem_limits) caps the problems of a task below --max-problems."""
     from nanochat.engine import Engine
     from nanochat.tasks import EVAL_TASKS
-    from nanochat.tasks.evaluate import run_categorical, run_generative
+    from nanochat.tasks.evaluate import out_of_memory_hint, run_categorical, run_generative
 
     engine = Engine(model, tokenizer, cache_dtype=dtype, decode=cfg.decode)
     results = {}
     for name, task in tasks.items():
         t0 = time.time()
         max_problems = (limits or {}).get(name, cfg.max_problems)
+        # out of memory: one line naming the flag that sizes the batch, not a traceback
         if task.eval_type == "categorical":
-            res = run_categorical(model, tokenizer, task, device, batch_size=cfg.batch_size,
-                                  max_problems=max_problems, name=name)
-        else:
-            res = run_generative(engine, tokenizer, task, device, num_samples=cfg.num_samples,
-                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                 top_k=cfg.top_k or None, seed=cfg.seed, max_problems=max_problems,
-                                 name=name, log=print0)
+            with out_of_memory_hint(f"chat_eval {name}", "--batch-size", cfg.batch_size):
+                res = run_categorical(model, tokenizer, task, device, batch_size=cfg.batch_size,
+                                      max_problems=max_problems, name=name)
+        else:   # a problem's samples decode as one batch, each with a cache of prompt + --max-new-tokens
+            with out_of_memory_hint(f"chat_eval {name}", "--num-samples", cfg.num_samples,
+                                    f"a smaller --max-new-tokens (now {cfg.max_new_tokens})"):
+                res = run_generative(engine, tokenizer, task, device, num_samples=cfg.num_samples,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     top_k=cfg.top_k or None, seed=cfg.seed, max_problems=max_problems,
+                                     name=name, log=print0)
         # "problems": the task's size; total < problems is a subset (--max-problems), not the score
         results[name] = {"accuracy": res.accuracy, "passed": res.passed, "total": res.total,
                          "problems": len(task), "baseline": EVAL_TASKS[name][1],

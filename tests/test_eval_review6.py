@@ -47,7 +47,7 @@ def test_named_and_lower_case_letters_are_read(completion, gold):
     assert not evaluate_letter(mc(wrong), completion)
 
 
-@pytest.mark.parametrize("completion", ["The answer is a bird", "I think B", "Answer: Because", "Option C"])
+@pytest.mark.parametrize("completion", ["The answer is a bird", "I think B", "Answer: Because", "Optional C"])
 def test_text_that_names_no_letter_scores_nothing(completion):
     assert not any(evaluate_letter(mc(g), completion) for g in "ABCD")
 

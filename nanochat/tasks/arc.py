@@ -58,29 +58,51 @@ _LETTER = (r"[*_]*(?:[\"'`\u2018\u201c\[][*_]*([A-Za-z])[*_]*[\"'`\u2019\u201d\]
            r"|\(?[*_]*(?:([A-Z])(?![A-Za-z0-9'])|([a-z])(?=$|[.):,*_])))")
 _LEADING_LETTER = re.compile(_LETTER)
 # "The answer is C", "Answer: (D)", "The answer is: **C**", "my answer is c.": a letter named as the
-# answer further on ("is" and ":" in either order or both, any case)
-_NAMED_LETTER = re.compile(r"(?<![A-Za-z0-9])(?i:answer)[*_]*\s*(?i:is\b)?[*_]*\s*:?[\s*_]*" + _LETTER)
-# "A or B", "A, B", "A/B", "(A) and (B)": a second letter right after the first, a hedge naming two
-_ANOTHER_LETTER = re.compile(r"[*_)]*\s*(?:,|/|&|\bor\b|\band\b)\s*" + _LETTER)
+# answer further on ("is" and ":" in either order or both, any case). "option B", "Option (B)", "The
+# correct choice is C": the same after "option" / "choice", which chat models write as often; read
+# only when no "answer" names a letter ("The answer is C. Option A is wrong." is C).
+_CUE = r"(?<![A-Za-z0-9])(?i:{})(?![A-Za-z0-9])[*_]*\s*(?i:is\b)?[*_]*\s*:?[\s*_]*"
+_NAMED_LETTER = re.compile(_CUE.format("answer") + _LETTER)
+_OPTION_LETTER = re.compile(_CUE.format("option|choice") + _LETTER)
+# "A or B", "A, B", "A/B", "(A) and (B)", "option B or option C": a second letter right after the
+# first, a hedge naming two
+_ANOTHER_LETTER = re.compile(r"[*_)]*\s*(?:,|/|&|\bor\b|\band\b)\s*(?:(?i:option|choice)(?![A-Za-z0-9])\s*)?" + _LETTER)
+# "A lot of ...", "I think ...": a leading "A" or "I" followed by a lower-case word is the English
+# word, not a choice ("A lot of people pick option B" was read as A)
+_WORD_LETTER = re.compile(r"[AI][ \t]+[a-z]")
 
 
 def extract_letter(completion: str, letters) -> str | None:
     """The answer letter (upper case) of a free-text completion, or None when it names none of
-    `letters`: a letter standing alone at the start, else the last one named after "answer (is|:)". A
-    hedge between two choices ("A or B", "The answer is A, B") names none: it was scored as its
-    first letter. (Only the first character used to count, which read "Answer: B" as A,
-    "Because..." as B.)"""
+    `letters`: a letter standing alone at the start (not the words "A" / "I" starting a sentence),
+    else the last one named after "answer (is|:)", else the last one after "option" / "choice". A
+    hedge between two choices ("A or B", "The answer is A, B", "option B or option C") names none:
+    it was scored as its first letter (or, named twice, its last). (Only the first character used
+    to count, which read "Answer: B" as A, "Because..." as B.)"""
     text = completion.strip()
+    leading = _LEADING_LETTER.match(text)
+    if leading and _WORD_LETTER.match(text):
+        leading = None
     # the last "answer is X" counts: "To answer: a, b and c are animals. The answer is B" is B
-    for m in (_LEADING_LETTER.match(text), *reversed(list(_NAMED_LETTER.finditer(text)))):
-        letter = next((g for g in m.groups() if g), None) if m else None
-        if letter and letter.upper() in letters:
-            other = _ANOTHER_LETTER.match(text, m.end())
-            second = next((g for g in other.groups() if g), None) if other else None
-            if second and second.upper() in letters and second.upper() != letter.upper():
+    for found in ([leading], list(_NAMED_LETTER.finditer(text)), list(_OPTION_LETTER.finditer(text))):
+        for i in reversed(range(len(found))):
+            letter = _letter_of(found[i], letters)
+            if letter is None:
+                continue
+            # a hedge: another letter right after this one, or this one right after the previous one
+            after = _letter_of(_ANOTHER_LETTER.match(text, found[i].end()), letters)
+            prior = _ANOTHER_LETTER.match(text, found[i - 1].end()) if i > 0 else None
+            before = _letter_of(found[i - 1], letters) if prior and prior.end() >= found[i].end() else None
+            if any(other not in (None, letter) for other in (after, before)):
                 return None
-            return letter.upper()
+            return letter
     return None
+
+
+def _letter_of(m, letters) -> str | None:
+    """The upper-case letter a match of _LETTER (or a pattern ending in it) read, if one of `letters`."""
+    letter = next((g for g in m.groups() if g), None) if m else None
+    return letter.upper() if letter and letter.upper() in letters else None
 
 
 def evaluate_letter(conversation: dict, completion: str) -> bool:

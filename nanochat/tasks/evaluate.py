@@ -6,8 +6,10 @@ Used by scripts/chat_eval.py and, for periodic evals, by the SFT / RL recipes.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from nanochat.errors import RequestError
 from nanochat.tasks.common import Task
 
 
@@ -169,6 +171,30 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     # float64 sums: the estimates are fractions, and float32 would round counts past 2^24
     *passed_at, total = _all_reduce_counts([*passed_at, float(total)], device, dtype=torch.float64)
     return TaskResult(label, round(passed_at[-1]), round(total), tuple(passed_at))
+
+
+# what torch's other allocators raise as a plain RuntimeError when memory runs out
+_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
+
+
+@contextmanager
+def out_of_memory_hint(what: str, flag: str, value: int, also: str | None = None):
+    """An evaluation that runs out of memory inside this block raises a RequestError (scripts print it
+    as one line, exit 2) naming what ran out and the flag that sets its memory with the value it had,
+    instead of torch's page of traceback and allocator statistics. `also`: another remedy, e.g.
+    "a smaller --max-new-tokens (now 512)". torch.OutOfMemoryError is torch.cuda.OutOfMemoryError;
+    the CPU and MPS allocators raise a plain RuntimeError."""
+    import torch
+
+    try:
+        yield
+    except RuntimeError as e:
+        if not isinstance(e, torch.OutOfMemoryError) and not any(m in str(e) for m in _OUT_OF_MEMORY):
+            raise
+        remedies = ([f"a smaller {flag} (e.g. {value // 2})"] if value > 1 else []) + ([also] if also else [])
+        advice = ("pass " + " or ".join(remedies) if remedies else
+                  f"{flag} is at its smallest: the model leaves too little memory on this device")
+        raise RequestError(f"{what}: out of memory at {flag} {value}; {advice}") from e
 
 
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
