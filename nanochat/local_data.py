@@ -5,9 +5,10 @@ Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a s
 `text`) and *.txt (one document per file, split when long: at blank lines, else at line ends;
 line ends read as Python's text mode reads them) under SRC, suffixes in any case, sorted by path, becomes one
 document list (hidden files and directories, such as macOS `._NAME` resource forks and
-`.ipynb_checkpoints/`, are not read; the command says how many files it read and skipped); the last
-`val_fraction` of it is the validation shard. A file that does not read as what its suffix says
-(not UTF-8, not JSON, no `text`) is a DataError naming the file, and the line for JSONL (a .txt
+`.ipynb_checkpoints/`, are not read, nor a byte-identical copy of an earlier file; the command
+says how many files it read and skipped, naming the copies); the last `val_fraction` of it is the
+validation shard. A file that does not read as what its suffix says (not UTF-8, not JSON, no
+`text`, a lone surrogate escape) is a DataError naming the file, and the line for JSONL (a .txt
 file: the byte). The shards in the output directory are skipped, so that an --out inside SRC
 does not feed a rerun its own earlier shards (the old validation shard among them) as new
 training documents.
@@ -21,11 +22,13 @@ import re
 from pathlib import Path
 from typing import Iterable
 
+from nanochat.binshards_runs import file_sha256
 from nanochat.dataset import SOURCE_FILE, claim_data_dir, open_text_shard, read_row_group_texts, write_text_shards
 from nanochat.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl", ".txt")
 MAX_DOC_CHARS = 20_000   # a .txt file longer than this is split (_split_long)
+_SHARD_NAME = re.compile(r"shard_\d{5,}\.parquet")   # dataset.shard_name's: what an --out holds of ours
 
 
 def chunk_paragraphs(paragraphs: Iterable[str], target: int, sep: str = "\n\n") -> list[str]:
@@ -95,9 +98,21 @@ def _jsonl_texts(path: Path) -> list[str]:
                 raise DataError(f"{path}:{n}: not valid JSON ({e})") from e
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"{path}:{n}: expected an object with a string field 'text'")
+            if "\\u" in line:   # only a \uXXXX escape can make a lone surrogate (json.loads allows it)
+                _check_encodable(rec["text"], path, n)
             if rec["text"]:
                 texts.append(rec["text"])
     return texts
+
+
+def _check_encodable(text: str, path: Path, line: int) -> None:
+    """DataError naming the line for a text holding a lone surrogate (JSON's "\\ud800"): no UTF-8
+    has it, so writing the shard failed later with an encode error that named no file."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{path}:{line}: 'text' holds a lone surrogate escape ({text[e.start]!r} at character "
+                        f"{e.start}), which is not valid Unicode; fix or drop that record") from None
 
 
 def _txt_text(path: Path) -> str:
@@ -119,18 +134,42 @@ def _txt_text(path: Path) -> str:
 def local_files(src: Path, exclude: Path | None = None) -> tuple[list[Path], list[Path]]:
     """(files to read, other files) under src, sorted by path. To read: *.parquet, *.jsonl, *.txt,
     the suffix in any case (`NOTES.TXT` from Windows), except the shards and source marker directly
-    in `exclude` (the output directory). Hidden files and directories are neither: a `._NAME.txt`
-    resource fork (in any tar made on a Mac) is binary, a `.ipynb_checkpoints/` copy a duplicate."""
+    in `exclude` (the output directory; by name, shard_NNNNN.parquet). Hidden files and directories
+    are neither: a `._NAME.txt` resource fork (in any tar made on a Mac) is binary, a `.ipynb_checkpoints/` copy a duplicate."""
     skip = exclude.resolve() if exclude is not None else None
     read, other = [], []
     for p in sorted(src.rglob("*")):
         if any(part.startswith(".") for part in p.relative_to(src).parts) or not p.is_file():
             continue
         suffix = p.suffix.lower()
-        if skip is not None and (suffix == ".parquet" or p.name == SOURCE_FILE) and p.parent.resolve() == skip:
+        # only the names write_text_shards gives: a user's own mydata.parquet in --out (--out = SRC)
+        # was skipped too, and the import said there were no .parquet files under SRC
+        ours = _SHARD_NAME.fullmatch(p.name) is not None or p.name == SOURCE_FILE
+        if skip is not None and ours and p.parent.resolve() == skip:
             continue
         (read if suffix in SUFFIXES else other).append(p)
     return read, other
+
+
+def drop_copies(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
+    """(files without byte-identical copies of an earlier one, [(copy, the file it copies)]). A
+    folder holding `corpus.jsonl` and `corpus (1).jsonl` (a second download, a backup) read every
+    document twice, and with the copy's documents at the end of the order, validated on training
+    documents. Only non-empty files of equal size are hashed."""
+    by_size: dict[int, list[Path]] = {}
+    for p in files:
+        by_size.setdefault(p.stat().st_size, []).append(p)
+    first: dict[str, Path] = {}
+    copies = []
+    for size, same in by_size.items():
+        if size == 0 or len(same) < 2:
+            continue
+        for p in same:
+            original = first.setdefault(file_sha256(p), p)
+            if original is not p:
+                copies.append((p, original))
+    dropped = {c for c, _ in copies}
+    return [p for p in files if p not in dropped], copies
 
 
 def read_local_documents(src: Path, *, max_doc_chars: int = MAX_DOC_CHARS, exclude: Path | None = None) -> list[str]:
@@ -163,10 +202,14 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
     files, other = local_files(src, exclude=out_dir)
+    files, copies = drop_copies(files)
     docs = _read_files(src, files, MAX_DOC_CHARS)
     skipped = (f"; skipped {len(other)} file{'s' * (len(other) != 1)} that {'is' if len(other) == 1 else 'are'} "
                f"not .parquet/.jsonl/.txt: {', '.join(str(p.relative_to(src)) for p in other[:5])}"
                f"{' ...' if len(other) > 5 else ''}") if other else ""
+    skipped += (f"; skipped {len(copies)} exact cop{'ies' if len(copies) != 1 else 'y'} of another file: "
+                + ", ".join(f"{c.relative_to(src)} (= {o.relative_to(src)})" for c, o in copies[:5])
+                + (" ..." if len(copies) > 5 else "")) if copies else ""
     log(f"read {len(docs)} documents from {len(files)} files under {src}{skipped}")
     n_val = max(1, round(len(docs) * val_fraction))
     if len(docs) < 2:
