@@ -370,11 +370,20 @@ def claim_data_dir(out_dir: Path, source: str, options: dict | None = None) -> N
     existing = sorted(out_dir.glob("*.parquet"))
     recorded = read_source_marker(marker)
     if existing and recorded != source:
-        raise ValueError(f"--out: {out_dir} already holds {len(existing)} shards from "
-                         f"{recorded or 'an unknown source'}; accepted: an empty directory or one "
-                         f"filled by --source {source} (pass another --out or delete it)")
+        # a local import's source is "local:<dir>", which the flags spell --data-dir <dir>; and .parquet
+        # files no run of ours recorded may be the user's own data: never advise deleting those
+        filled_by = _source_flag(source) if source.startswith("local:") else f"--source {source}"
+        had = (f"shards from {_source_flag(recorded)} (delete it or pass another --out)" if recorded else
+               ".parquet files no nanochat run recorded (yours? they are left alone: pass another --out)")
+        raise ValueError(f"--out: {out_dir} already holds {len(existing)} {had}; accepted: an empty "
+                         f"directory or one filled by {filled_by}")
     # a fresh record: a writer that finishes its set records that (mark_shard_set_complete)
     _write_marker(out_dir, {"source": source, **({"options": options} if options else {})})
+
+
+def _source_flag(source: str) -> str:
+    """A recorded source as the flag that fills it: "local:<dir>" is --data-dir <dir>."""
+    return f"--data-dir {source[6:]}" if source.startswith("local:") else source
 
 
 # ---------------------------------------------------------------- remote sources

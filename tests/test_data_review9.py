@@ -5,10 +5,12 @@ read once, not double-counted (nor split across train and validation); a user's 
 in --out (= SRC) is read, not skipped as if it were one of our shards."""
 
 import json
+import re
 import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 import pytest
 
 from nanochat import dataset as ds
@@ -78,11 +80,30 @@ def test_a_users_own_parquet_in_out_is_read_not_skipped_as_our_shard(tmp_path):
     pq.write_table(pa.table({"text": [f"doc {i}" for i in range(20)]}), src / "mydata.parquet")
     assert len(read_local_documents(src, exclude=src)) == 20
     # the import itself then refuses the directory by its flag: it holds files that are not ours
-    with pytest.raises(ValueError, match="--out: .* already holds 1 shards"):
+    with pytest.raises(ValueError, match=r"--out: .* already holds 1 \.parquet files no nanochat run recorded "
+                                         r"\(yours\? they are left alone: pass another --out\); accepted: an empty "
+                                         r"directory or one filled by --data-dir .*mine$") as e:
         ds.import_local_dir(src, src, log=quiet)
+    assert "delete" not in str(e.value) and "--source local:" not in str(e.value)
     assert (src / "mydata.parquet").exists()
     # our own shards in --out are still skipped on a rerun
     (src / "mydata.parquet").rename(tmp_path / "mydata.parquet")
     (src / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(20)))
     ds.import_local_dir(src, src, val_fraction=0.1, log=quiet)
     assert len(read_local_documents(src, exclude=src)) == 20
+
+
+def test_a_local_import_refused_over_another_source_names_the_flags(tmp_path):
+    """The refusal of a directory filled by a local import wrote "--source local:/path", not a
+    value --source takes: it names --data-dir now, on both sides."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "x.txt").write_text(f"one document of {d.name}\n")
+        (d / "y.txt").write_text(f"another document of {d.name}\n")
+    out = tmp_path / "out"
+    ds.import_local_dir(a, out, val_fraction=0.3, log=quiet)
+    with pytest.raises(ValueError, match=rf"shards from --data-dir {re.escape(str(a.resolve()))} \(delete it or "
+                                         rf"pass another --out\); accepted: an empty directory or one filled by "
+                                         rf"--data-dir {re.escape(str(b.resolve()))}$"):
+        ds.import_local_dir(b, out, log=quiet)
