@@ -12,9 +12,9 @@ report.md (by `generate`). `python -m nanochat.report reset` clears the report a
 
 `python -m nanochat.report generate [--hourly-cost USD]` writes: environment; a summary table per
 stage base/mid/sft/rl (val bpb, each stage's own final val bpb, CORE, ARC, MMLU, GSM8K, HumanEval,
-SpellingBee, ChatCORE); time and cost (training stages and evaluations); plots (loss and val bpb vs
-step and wall clock, tok/s, memory); every section in pipeline order (stage, training before its
-evaluations, then time), the precision plan's fields grouped under `precision`.
+SpellingBee, ChatCORE); time and cost (tokenizer, training stages and evaluations); plots (loss and
+val bpb vs step and wall clock, tok/s, memory); every section in pipeline order (stage, training
+before its evaluations, then time), the precision plan's fields grouped under `precision`.
 
 Summary values are read from section data: a "stage" key (else the stage named in the section
 title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy");
@@ -220,9 +220,7 @@ def current_run(rows: list[dict]) -> tuple[list[dict], int]:
 
 def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str, Path]]:
     """One PNG per plot spec that has data; lines per stage. Returns (title, path) pairs."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg directly: no pyplot state
-    from matplotlib.figure import Figure
-
+    Figure, FigureCanvasAgg = _agg()
     out_dir.mkdir(parents=True, exist_ok=True)
     made = []
     for y, x, name, title in PLOTS:
@@ -245,6 +243,20 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
         _write_bytes(out_dir / name, png.getvalue())
         made.append((title, out_dir / name))
     return made
+
+
+def _agg():
+    """matplotlib's Figure and Agg canvas, used directly (no pyplot state, no display). So the shell's
+    MPLBACKEND plays no part, yet matplotlib checks it on its first import: a value it does not know
+    (a typo, one meant for another install) was a ValueError, and `generate` died without report.md."""
+    saved = os.environ.pop("MPLBACKEND", None) if "matplotlib" not in sys.modules else None
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    finally:
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
+    return Figure, FigureCanvasAgg
 
 
 def _slug(section: str) -> str:
@@ -327,6 +339,10 @@ class Report:
                   "system": system_info()}
         _write_text(self.dir / "header.json", json.dumps(header, indent=1))
 
+    def is_empty(self) -> bool:
+        """Nothing logged: no section and no metrics file (a mistyped base dir, which get_base_dir creates)."""
+        return not any((self.dir / "sections").glob("*.json")) and not any(self.dir.glob("metrics_*.jsonl"))
+
     def sections(self) -> list[dict]:
         """Every section in pipeline order (see _section_key)."""
         docs = [_read_json(p, "section", _valid_section) for p in sorted((self.dir / "sections").glob("*.json"))]
@@ -381,8 +397,8 @@ class Report:
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
         """Write plots and report.md; returns the report path."""
-        if hourly_cost is not None and hourly_cost < 0:
-            raise ValueError(f"--hourly-cost: got {hourly_cost}; accepted: >= 0 (USD per hour)")
+        if hourly_cost is not None and not (_num(hourly_cost) and hourly_cost >= 0):   # a NaN printed "$nan/h"
+            raise ValueError(f"--hourly-cost: got {hourly_cost}; accepted: a number >= 0 (USD per hour)")
         self._mkdir(self.dir)
         header_path = self.dir / "header.json"
         header = _read_json(header_path, "header", _valid_header) if header_path.is_file() else {"system": system_info()}
@@ -400,6 +416,10 @@ class Report:
                     "`python -m nanochat.report generate`._"
         lines = ["# nanochat-spark report", "", f"Generated {datetime.now().isoformat(timespec='seconds')}"
                  + (f"; run started {header['start']}" if "start" in header else ""), "", "## Environment", ""]
+        if self.is_empty():
+            lines += [f"_Nothing has been logged in {self.dir}: no stage wrote a section or metrics there. If "
+                      "the stages ran, they wrote to another base dir: rerun with its --base-dir "
+                      "(or NANOCHAT_BASE_DIR)._", ""]
         if "start" not in header:
             lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
@@ -450,8 +470,9 @@ def _section_key(doc: dict) -> tuple:
 
 
 def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None, bool]]:
-    """(label, steps, seconds or None: not logged, stale): each stage's current run, then its
-    evaluations (a section's latest entry; base_eval logs "seconds"): without them the cost fell short."""
+    """(label, steps, seconds or None: not logged, stale): the tokenizer's training, then each stage's
+    current run and its evaluations (a section's latest entry; base_eval logs "seconds"): without
+    them the cost fell short."""
     rows, trained, stale = [], _trained_at(sections), _stale_runs(metrics, sections)
     for stage, stage_rows in metrics.items():
         xs, _ = _series(stage_rows, "step", "elapsed_s")
@@ -461,7 +482,11 @@ def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tup
     for doc in sections:
         data = doc["entries"][-1]["data"] if doc["entries"] else None
         stage = _stage_of(doc["section"], data) if isinstance(data, dict) else None
-        if stage is not None and "final_step" not in data \
+        if stage is None and isinstance(data, dict) and _num(data.get("train_time_s")):
+            # tok_train's section (no stage, before them all): its time was shown there but left out
+            # of this table's total and the cost estimate
+            rows.append(((-1, 0), doc["section"], "", float(data["train_time_s"]), False))
+        elif stage is not None and "final_step" not in data \
                 and ("seconds" in data or "evaluation" in doc["section"].lower()):
             # a NaN or inf (not a time) is "not logged": _hms could not print it and generate died
             seconds = float(data["seconds"]) if _num(data.get("seconds")) else None
@@ -555,6 +580,9 @@ def main(argv=None) -> None:
         print(f"report reset: {report.dir}")
     else:
         print(f"report written: {report.generate(hourly_cost=args.hourly_cost)}")
+        if report.is_empty():   # "report written" alone read as a finished, empty run
+            print(f"WARNING: nothing has been logged in {report.dir}: if the stages ran, they wrote to another "
+                  "base dir; pass it as --base-dir (or set NANOCHAT_BASE_DIR)", file=sys.stderr)
 
 
 if __name__ == "__main__":

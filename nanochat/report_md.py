@@ -60,8 +60,8 @@ def _md_data(data, indent: int = 0) -> list[str]:
             else:
                 lines += _md_item(pad, f"{k}: ", v)
         return lines
-    if not isinstance(data, list):
-        return [f"{pad}{data}"]
+    if not isinstance(data, list):   # a text entry: raw, its "# ..." line was a heading of report.md
+        return _md_item(pad, "", data)
     fence = any(_multiline(v) for v in data)   # one sample fenced, the next one not, looked broken
     for i, v in enumerate(data):
         if isinstance(v, dict) and v and not any(isinstance(x, (dict, list)) or _multiline(x) for x in v.values()):
