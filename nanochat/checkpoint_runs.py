@@ -133,3 +133,26 @@ def steps_bytes(ckpt_dir, steps: list[int]) -> int:
     """Bytes the given steps' directories hold on disk."""
     return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
                if f.is_file())
+
+
+def remove_old_step(old: Path, newest: Path, keep_last: int, say=print0) -> None:
+    """Delete (rank 0) one old step_N directory beside the newest save (never earlier_runs/<N>/step_N
+    or a step_N.partial), unless it is the newest or latest.json names it; a failure is a warning
+    (a permission error, a busy NFS file: the old checkpoint is only disk space). loop.py's
+    --keep-last; `say` prints (the loop's survives a hung-up terminal)."""
+    from nanochat.checkpoint import read_latest, remove_checkpoint   # here: checkpoint imports this module
+    from nanochat.errors import RequestError
+
+    match = re.fullmatch(r"step_(\d+)", old.name)
+    if old == newest or match is None or old.parent != newest.parent or not old.is_dir():
+        return   # not this run's step directory, or gone already (deleted by hand)
+    try:
+        if read_latest(old.parent) == int(match.group(1)):   # a resume takes it, whatever `kept` says
+            say(f"warning: not removing checkpoint {old}: {old.parent / 'latest.json'} names it (--keep-last)")
+            return
+        remove_checkpoint(old.parent, int(match.group(1)))
+    except (OSError, RequestError) as e:   # RequestError: a latest.json that cannot be read
+        say(f"warning: could not remove old checkpoint {old} (--keep-last {keep_last}): {type(e).__name__}: "
+            f"{e}; training goes on (delete it by hand)")
+        return
+    say(f"removed checkpoint {old} (--keep-last {keep_last})")

@@ -256,15 +256,25 @@ def _agreed_stop(got: list[int]) -> int:
 
 def _prune(spec: LoopSpec, kept: list[Path]) -> list[Path]:
     """--keep-last: delete (rank 0) all but the newest keep_last of this run's checkpoints and the
-    one it resumed from; checkpoints that were on disk before are never touched."""
+    one it resumed from; checkpoints that were on disk before are never touched. A delete that fails
+    warns and the run goes on (rank 0 dying there left the other ranks waiting at the next step's
+    collective); anything else is raised on every rank together (rank_failures)."""
     if spec.keep_last <= 0 or len(kept) <= spec.keep_last:
         return kept
-    from nanochat.checkpoint import remove_checkpoint
+    from nanochat.checkpoint_runs import remove_old_step
+    from nanochat.distributed import rank_failures
 
-    for old in kept[:-spec.keep_last]:
-        if spec.is_master and old.is_dir():
-            remove_checkpoint(old.parent, int(old.name.split("_")[1]))
-            _say(f"removed checkpoint {old} (--keep-last {spec.keep_last})")
+    error = None
+    try:
+        for old in kept[:-spec.keep_last] if spec.is_master else []:
+            remove_old_step(old, kept[-1], spec.keep_last, _say)
+    except Exception as e:   # a bug, not the disk: every rank stops, none waits for rank 0
+        error = e
+    failed = rank_failures(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"--keep-last's pruning failed on rank 0: {failed[min(failed)]}")
     return kept[-spec.keep_last:]
 
 
