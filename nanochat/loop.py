@@ -506,8 +506,11 @@ def log_stage_report(section: str, stage: str, *, config: dict, result: LoopResu
             "min_val_bpb": result.min_val_bpb if result.min_val_bpb < math.inf else None,
             "final_loss": result.losses[max(result.losses)] if result.losses else None,
             **{k: v for k, v in result.last_eval.items() if k != "val_bpb"}}
-    if meter is not None:
+    if meter is not None:   # the run's average rate and its MFU: report.md's summary shows them
         data["avg_tok_per_sec"] = meter.average_tok_per_sec()
+        data["avg_mfu"], data[f"avg_util_{meter.precision}"] = meter.average_mfu()
+    if isinstance(data.get("total_batch_size"), int) and result.step:   # steps x tokens per step
+        data["tokens_trained"] = result.step * data["total_batch_size"]
     data["config"] = config
     get_report().log(section, data)
 

@@ -12,7 +12,7 @@ report.md (by `generate`). `python -m nanochat.report reset` clears the report a
 
 `python -m nanochat.report generate [--hourly-cost USD]` writes: environment; a summary table per
 stage base/mid/sft/rl (val bpb, each stage's own final val bpb, CORE, ARC, MMLU, GSM8K, HumanEval,
-SpellingBee, ChatCORE); time and cost (tokenizer, training stages and evaluations); plots (loss and
+SpellingBee, ChatCORE; tokens trained, average tok/s and MFU); time and cost (tokenizer, training stages and evaluations); plots (loss and
 val bpb vs step and wall clock, tok/s, memory); every section in pipeline order (stage, training
 before its evaluations, then time), the precision plan's fields grouped under `precision`.
 
@@ -67,7 +67,12 @@ SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     "ARC-Easy": ("ARC-Easy",), "ARC-Challenge": ("ARC-Challenge",), "MMLU": ("MMLU",),
     "GSM8K": ("GSM8K",), "HumanEval": ("HumanEval",), "SpellingBee": ("SpellingBee",),
     "ChatCORE": ("ChatCORE", "ChatCORE metric", "chatcore_metric"),
+    # the training run (log_stage_report): what it cost, next to what it scored
+    "tokens trained": ("tokens_trained",), "tok/s (average)": ("avg_tok_per_sec",),
+    "MFU % (bf16 peak)": ("avg_mfu",),
 }
+# how a summary row's values print (default: 4 decimals, the scores')
+ROW_FORMATS = {"tokens trained": "{:,.0f}", "tok/s (average)": "{:,.0f}", "MFU % (bf16 peak)": "{:.1f}"}
 # metric name -> accepted keys in metrics_<stage>.jsonl
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss"), "val_bpb": ("val_bpb",), "tok_per_sec": ("tok_per_sec", "tokens_per_sec"),
@@ -450,7 +455,8 @@ class Report:
         noted = set()   # what the notes under the table explain: a row (its data) or a value's note
         table = self._summary_table()
         for row, cells in table.items():
-            shown = ["-" if s not in cells else " ".join([f"{cells[s][0]:.4f}", *(f"({n})" for n in cells[s][1])])
+            fmt = ROW_FORMATS.get(row, "{:.4f}")
+            shown = ["-" if s not in cells else " ".join([fmt.format(cells[s][0]), *(f"({n})" for n in cells[s][1])])
                      for s in STAGES]
             noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes, _ in cells.values() for n in notes]
                          + ([row] if cells and row in NOTES else []))

@@ -130,6 +130,9 @@ NOTES = {
     "val bpb (own data)": "- val bpb (own data): each training stage's last validation, on its own data (base: "
                          "pretraining text; mid: held-out conversations of its mixture; SFT: the assistant tokens of "
                          "held-out conversations), so not comparable across stages or with the row above",
+    "tokens trained": "- tokens trained: optimizer steps x tokens per step (mid/SFT: row positions, padding "
+                      "included); tok/s and MFU: the average over the timed steps (the first 10 of each process "
+                      "left out), MFU against the GPU's dense bf16 peak",
     "stale": "- (stale): logged before the latest training run of this stage or an earlier one, so it may "
              "describe an older model: rerun the evaluation",
     "partial": "- (partial): computed from a subset of the tasks or of their problems (chat_eval --max-problems, "

@@ -155,6 +155,15 @@ class StepMeter:
     def average_tok_per_sec(self) -> float | None:
         return self.timed_tokens / self.total_time if self.total_time > 0 else None
 
+    def average_mfu(self) -> tuple[float | None, float | None]:
+        """(MFU %, util %) of the timed steps' average throughput (the report's figures; the log
+        line's are per step), None where the rate or the peak is unknown."""
+        tok_s = self.average_tok_per_sec()
+        if tok_s is None:
+            return None, None
+        flops_s = self.flops_per_token * tok_s
+        return self._frac(flops_s, self.peak_bf16), self._frac(flops_s, self.peak_util)
+
     def state_dict(self) -> dict:
         return {"smooth_loss": self.smooth_loss, "updates": self.updates, "total_time": self.total_time,
                 "timed_steps": self.timed_steps, "timed_tokens": self.timed_tokens}

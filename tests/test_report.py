@@ -67,7 +67,8 @@ def test_generate_with_plots_and_summary(base):
     assert all(len(r) == 5 for r in table)
     rows = {r[0]: r[1:] for r in table[2:]}
     assert list(rows) == ["val bpb", "val bpb (own data)", "CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K",
-                          "HumanEval", "SpellingBee", "ChatCORE"]
+                          "HumanEval", "SpellingBee", "ChatCORE", "tokens trained", "tok/s (average)",
+                          "MFU % (bf16 peak)"]
     assert rows["val bpb"] == ["1.3000", "-", "-", "-"] and rows["val bpb (own data)"] == ["-"] * 4
     assert rows["CORE"] == ["0.1234", "-", "-", "-"]
     assert rows["ARC-Easy"] == ["-", "0.3000", "0.3100", "-"]  # arc_easy (a CORE subtask) is not ARC-Easy

@@ -119,3 +119,26 @@ def test_generate_refuses_a_cost_that_is_not_a_price(base, cost):
     """Report.generate checked only < 0: a NaN printed "$nan/h" (the CLI checks its flag, callers did not)."""
     with pytest.raises(ValueError, match="--hourly-cost: got .*; accepted: a number >= 0"):
         get_report().generate(hourly_cost=cost)
+
+
+def test_the_summary_shows_each_training_run_s_tokens_rate_and_mfu(base):
+    """report.md named no MFU and no token count (only metrics_*.jsonl's per-step rows had them):
+    log_stage_report now logs the run's average MFU and steps x tokens per step, and the summary
+    prints them in their own units."""
+    from nanochat.loop import LoopResult, log_stage_report
+    from nanochat.step_meter import StepMeter
+    from nanochat.training import StepResult
+
+    meter = StepMeter(6e9, 1, peak_bf16=989e12, warmup_steps=1)
+    for step in range(3):   # 100k tokens a second after the warm-up step
+        meter.update(StepResult(step=step, loss=3.0, dt=5.24288, tokens=524288, lrm=1.0, grad_norm=1.0))
+    log_stage_report("Base model training", "base", config={}, result=LoopResult(step=400), meter=meter,
+                     extra={"total_batch_size": 524288})
+    text = get_report().generate().read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and "|" in line[2:]}
+    assert rows["tokens trained"][0] == "209,715,200"   # 400 x 524,288
+    assert rows["tok/s (average)"][0] == "100,000"
+    assert rows["MFU % (bf16 peak)"][0] == f"{100 * 6e9 * 1e5 / 989e12:.1f}" == "60.7"
+    assert rows["tokens trained"][1:] == ["-"] * (len(rows["tokens trained"]) - 1)
+    assert "tokens trained: optimizer steps x tokens per step" in text
