@@ -195,10 +195,24 @@ def _release_unused(pool: WorkerPool, acq: asyncio.Future, job, stats: dict, fai
 
 
 def _unstarted_cleanup(pool: WorkerPool, acq: asyncio.Future, stats: dict, release, started: list) -> None:
-    """weakref.finalize of a stream's generator: the request's cleanup when it never ran."""
-    if not started:
+    """weakref.finalize of a stream's generator: the request's cleanup when it never ran. The
+    collector may run it on any thread (a generation thread's allocation): asyncio futures (the
+    worker claim, the next waiter's) are not thread-safe, so it runs on the event loop's thread."""
+    if started:
+        return
+
+    def cleanup():
         _release_unused(pool, acq, None, stats)
         release()
+    loop = acq.get_loop()
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop or loop.is_closed():   # closed: no loop left to race with
+        cleanup()
+    else:
+        loop.call_soon_threadsafe(cleanup)
 
 
 def weights_format(engine) -> str:
