@@ -128,6 +128,9 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
     r = subprocess.run([sys.executable, "-m", "scripts.base_train", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if "--kernel" in args or "--precision" in args or "--attn-backend" in args:
+        # refused before the checkpoint directory is made (it was left holding only its writer lock)
+        assert not (tmp_path / "checkpoints").exists(), list(tmp_path.rglob("*"))
 
 
 # ------------------------------------------------------------------ exact resume
