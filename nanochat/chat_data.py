@@ -255,7 +255,6 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
     user's own data would be left out whole, silently); the warnings it printed (rows skipped)."""
     from nanochat.common import print0
     from nanochat.tasks import ConversationFile
-    from nanochat.tasks.common import line_of_row
 
     said = []
     for what, task in (("training", train_mix), ("validation", val_mix)):
@@ -280,10 +279,9 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
         reach = trainable_share(task, tokenizer, seq_len, sample=file_sample)
         if not reach.cut:
             continue
-        # the file's reader's own line count (a leading byte-order mark, blank lines): a copy of it
-        # here counted a line holding only a BOM as a row and named the line before the bad one
-        line = line_of_row(path, reach.first_cut)
-        assert line is not None, f"{path} has fewer rows than it was read with"
+        # the line the file's reader recorded for the row (a leading byte-order mark, blank lines and
+        # rows decontamination left out all make it another line than row index + 1)
+        line = task.lines[reach.first_cut]
         where = f"--extra-conversations {path}:{line}"
         if reach.cut == reach.probed:
             raise RequestError(f"{where}: no conversation of the file (the first {reach.probed:,} checked) has an "
@@ -492,19 +490,21 @@ def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:
                 and _question_text(text) in questions)
     dropped, began, checked = {}, time.perf_counter(), 0
     for task in tasks:
-        keep, limit = [], getattr(task, "stop", None)
+        kept, limit = [], getattr(task, "stop", None)   # indices of the rows kept
         for i, row in enumerate(task.rows):
-            if limit is not None and len(keep) >= limit:   # the rest is never read: kept unchecked
-                keep += task.rows[i:]
+            if limit is not None and len(kept) >= limit:   # the rest is never read: kept unchecked
+                kept += range(i, len(task.rows))
                 break
             checked += 1
             if not any(map(asks, row["messages"])):
-                keep.append(row)
-        if n := len(task.rows) - len(keep):
+                kept.append(i)
+        if n := len(task.rows) - len(kept):
             dropped[task.source] = n
             print0(f"decontamination: {n} conversation{'s' if n != 1 else ''} of {task.source} "
                    f"ask{'s' if n == 1 else ''} a chat_eval test question word for word; left out of training")
-            task.rows = keep
+            task.rows = [task.rows[i] for i in kept]
+            if getattr(task, "lines", None) is not None:   # a ConversationFile's line of each row, kept in step
+                task.lines = [task.lines[i] for i in kept]
     if (took := time.perf_counter() - began) > 2:   # the hub's 460K conversations (mid): ~10-20 s at start-up
         print0(f"decontamination: {checked:,} conversations checked against {len(questions):,} test questions "
                f"in {took:.0f} s")

@@ -317,7 +317,10 @@ def render_mc(question: str, choices: Iterable[str], letters: str = LETTERS) -> 
 
 def validate_conversation(conv: dict, where: str = "conversation") -> dict:
     """Check the INTERFACES.md conversation format; raises ValueError naming the bad field."""
-    msgs = conv.get("messages") if isinstance(conv, dict) else None
+    if not isinstance(conv, dict):   # e.g. a whole file pasted as one JSON list: say what the line is
+        raise ValueError(f"{where}: 'messages' must be a non-empty list, in a JSON object per line; got a JSON "
+                         f"{type(conv).__name__}; accepted: an object " '{"messages": [...]}')
+    msgs = conv.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ValueError(f"{where}: 'messages' must be a non-empty list")
     if not all(isinstance(m, dict) for m in msgs):

@@ -127,7 +127,9 @@ class ConversationFile(_ConversationList):
         try:
             data = self.path.read_bytes()
             numbered = parse_jsonl_numbered(io.BytesIO(data), path)   # the lines a file read would give
-            lines, self.rows = [n for n, _ in numbered], [row for _, row in numbered]
+            # each row's line in the file, kept alongside the rows (decontamination leaves rows out:
+            # reading the file back by row index then named another conversation's line)
+            self.lines, self.rows = [n for n, _ in numbered], [row for _, row in numbered]
         except OSError as e:
             raise DataError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except DataError as e:
@@ -137,9 +139,9 @@ class ConversationFile(_ConversationList):
                             '{"messages": [...]} per line)')
         for i, row in enumerate(self.rows):
             try:
-                _check_row(row, f"{flag} {path}:{lines[i]}")
+                _check_row(row, f"{flag} {path}:{self.lines[i]}")
                 if not any(m.get("role") == "assistant" for m in row["messages"]):
-                    raise ValueError(f"{flag} {path}:{lines[i]}: no assistant message (nothing to learn from)")
+                    raise ValueError(f"{flag} {path}:{self.lines[i]}: no assistant message (nothing to learn from)")
             except ValueError as e:
                 raise DataError(f"{e}; fix or delete that row") from None
         self.sha256 = hashlib.sha256(data).hexdigest()
