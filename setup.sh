@@ -264,7 +264,7 @@ done
 [[ -n "$PY" ]] || die "python3 not found: install Python >= 3.10 (e.g. 'apt-get install python3 python3-venv')"
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
   || die "Python >= 3.10 is required, found $("$PY" --version 2>&1)"
-# A cgroup memory limit (docker --memory, a systemd MemoryMax, a job scheduler's): /proc/meminfo
+# A cgroup memory limit (docker run -m, a systemd MemoryMax, a job scheduler's): /proc/meminfo
 # shows the host's memory inside it, so a 32 GB container on a 128 GB Spark was sized for 96 GB and
 # OOM-killed. Its limit bounds the total and its free part the available (nanochat/memory_limits.py,
 # which the stages' allocator cap reads too). SETUP_CGROUP_ROOT / SETUP_PROC_CGROUP: the tests' fakes.

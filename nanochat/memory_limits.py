@@ -1,10 +1,10 @@
 """The memory a run may plan to use (memory_budget_bytes, re-exported by nanochat.platform):
 /proc/meminfo's MemAvailable on unified memory (GB10), bounded by the memory cgroup limit the
-process runs under (a container's `docker run --memory`, a systemd `MemoryMax=`, a batch
+process runs under (a container's memory limit (docker run -m), a systemd `MemoryMax=`, a batch
 scheduler's job limit); cudaMemGetInfo's free memory on a discrete GPU.
 
 /proc/meminfo shows the host's memory even inside a container: on a 128 GB DGX Spark in a
-`--memory=32g` container MemAvailable says ~120 GB while the kernel OOM-kills the container at
+32 GB container (docker run -m 32g) MemAvailable says ~120 GB while the kernel OOM-kills the container at
 32 GB. nanochat.platform's budget (and so the allocator cap) and setup.sh's batch sizing take the
 smaller of MemAvailable and what the tightest limit leaves. Stdlib only: setup.sh runs
 `python3 -m nanochat.memory_limits` before any environment exists.
@@ -148,7 +148,7 @@ def memory_budget_bytes(spec, *, meminfo: str | None = None, headroom: float = 0
 def unified_memory_budget(*, meminfo: str | None = None, headroom: float = 0.1, cgroup_root: str | None = CGROUP_ROOT,
                           self_cgroup: str = PROC_SELF_CGROUP) -> tuple[int, str]:
     """(bytes, what bounded them) on unified memory: the smaller of MemAvailable and what the
-    tightest cgroup memory limit leaves (a container's --memory: /proc/meminfo shows the host's),
+    tightest cgroup memory limit leaves (a container's memory limit: /proc/meminfo shows the host's),
     less `headroom` of it. `meminfo`: the text (None: read MEMINFO); `cgroup_root` None: no cgroup.
     An unreadable meminfo or one without MemAvailable is a RuntimeError naming the file
     (cudaMemGetInfo, counting the page cache as used, is no stand-in)."""
