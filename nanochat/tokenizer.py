@@ -23,10 +23,8 @@ import hashlib
 import io
 import itertools
 import operator
-import os
 import pickle
 import re
-import secrets
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -36,6 +34,7 @@ import tiktoken
 from nanochat.chat_format import (  # noqa: F401  (re-exported: tasks, engine and tests import them from here)
     _assistant_parts, _normalized_messages, assistant_parts, check_conversation)
 from nanochat.errors import RequestError
+from nanochat.tokenizer_io import _SafeUnpickler, _atomic_write_all, _check_pickle_bounds
 
 if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
     import torch
@@ -67,7 +66,7 @@ MAX_TRAIN_THREADS = 1024  # rustbpe's limit: beyond it thread start-up dominates
 MAX_TRAIN_BATCH_SIZE = 2**63 - 1  # rustbpe reads the batch size as a signed 64-bit int
 # tiktoken's split regex (`\s+(?!\S)`) runs out of backtracking room on a whitespace run of ~1M
 # characters and panics (pyo3's PanicException, a BaseException that `except Exception` misses;
-# seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded in pieces of this many
+# seen with tiktoken 0.14 at 999,999 spaces). Longer runs are encoded, and trained on, in pieces of this many
 # characters: the bytes are the same, only the run's tokens change at the cuts.
 MAX_WHITESPACE_RUN = 100_000
 # (?<!\s): a run is tried only from its first character. Bare \s{N,} was tried again at every
@@ -103,61 +102,6 @@ class VocabTooLargeError(ValueError):
     def __init__(self, message: str, supported: int):
         super().__init__(message)
         self.supported = supported
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """tokenizer.pkl holds only dict/list/str/bytes/int, so any global lookup means tampering."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in tokenizer file")
-
-
-def _check_pickle_bounds(data: bytes) -> None:
-    """ValueError unless every opcode in `data` is whole and every memo index is below the number of
-    opcodes before it. The C unpickler trusts both fields: one flipped byte in a length or memo index
-    made it allocate what the field says before noticing the file is short (MemoryError, or a
-    zero-filled memo table of up to 32 GB that got the process OOM-killed). pickletools reads each
-    length against the bytes it has, so checking costs time in the file's size and no memory."""
-    import pickletools  # only loads need it (it builds its opcode tables at import)
-
-    for n, (op, arg, pos) in enumerate(pickletools.genops(data)):  # ValueError on a cut-off opcode
-        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg <= n:
-            raise ValueError(f"memo index {arg} at byte {pos} is beyond the {n} opcodes before it")
-
-
-def _stage(path: Path, write) -> str:
-    """Write a temp file beside `path` (flushed and fsynced) and return its name; os.replace puts it
-    in place. The temp file is created with mode 0o666 less the umask, like a plain open(): mkstemp's
-    0o600 would make the tokenizer unreadable to other users of a shared base dir."""
-    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return tmp
-
-
-def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
-    """Write every (path, write) pair through temp files and os.replace. All temp files are written
-    before the first replace: a failure while writing (disk full, Ctrl-C) leaves the previous files
-    as they were, never a new tokenizer.pkl beside the old token_bytes.pt."""
-    staged: list[tuple[str, Path]] = []
-    try:
-        for path, write in files:
-            staged.append((_stage(path, write), path))
-        while staged:
-            tmp, path = staged[0]
-            os.replace(tmp, path)
-            staged.pop(0)
-    finally:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 def _shown(value) -> str:  # with its type unless an int: 300.0, True and "8" print like accepted values
@@ -229,16 +173,23 @@ def _check_pattern(pattern: str, enc: tiktoken.Encoding | None = None) -> None:
                              "matches cover every character, e.g. ending in |\\s+|.")
 
 
-def encode_ordinary(enc: tiktoken.Encoding, text: str) -> list[int]:
-    """enc.encode_ordinary(text), with whitespace runs longer than MAX_WHITESPACE_RUN cut."""
+def whitespace_pieces(text: str) -> list[str]:
+    """`text` cut inside whitespace runs longer than MAX_WHITESPACE_RUN, every MAX_WHITESPACE_RUN
+    characters of the run; the pieces are encoded (and trained on) separately."""
     if len(text) < MAX_WHITESPACE_RUN:   # the common case costs one length check
-        return enc.encode_ordinary(text)
-    ids, start = [], 0
+        return [text]
+    pieces, start = [], 0
     for run in _LONG_WHITESPACE.finditer(text):
         for cut in range(run.start() + MAX_WHITESPACE_RUN, run.end(), MAX_WHITESPACE_RUN):
-            ids += enc.encode_ordinary(text[start:cut])
+            pieces.append(text[start:cut])
             start = cut
-    return ids + enc.encode_ordinary(text[start:])
+    return pieces + [text[start:]]
+
+
+def encode_ordinary(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """enc.encode_ordinary(text), with whitespace runs longer than MAX_WHITESPACE_RUN cut."""
+    pieces = whitespace_pieces(text)
+    return enc.encode_ordinary(text) if len(pieces) == 1 else [i for p in pieces for i in enc.encode_ordinary(p)]
 
 
 def encode_ordinary_batch(enc: tiktoken.Encoding, texts: Sequence[str], num_threads: int) -> list[list[int]]:
@@ -334,7 +285,9 @@ class Tokenizer:
         except ValueError as e:  # rustbpe names its own parameter, `iterator`; this caller passed `texts`
             if not str(e).startswith("iterator: "):
                 raise
-            raise ValueError("texts: " + str(e).removeprefix("iterator: ")) from None
+            # rustbpe numbers the pieces it was handed; the item it refused is the last document read
+            why = re.sub(r"^item \d+ ", f"item {counter.docs - 1} ", str(e).removeprefix("iterator: "))
+            raise ValueError("texts: " + why) from None
         ranks_list = trainer.get_mergeable_ranks()
         ranks = {bytes(tok): int(rank) for tok, rank in ranks_list}
         # Duplicate token bytes would collapse in the dict and leave a hole in the ranks.
@@ -434,10 +387,12 @@ class Tokenizer:
     def _resolve_token(self, token, arg: str) -> int | None:
         if token is None:
             return None
-        if isinstance(token, str):
-            return self.encode_special(token)
-        return _int_in(token, arg, 0, self.vocab_size - 1,
-                       f"a token id in 0..{self.vocab_size - 1} or a special-token name")
+        accepted = f"a token id in 0..{self.vocab_size - 1} or a special-token name"
+        if isinstance(token, str):   # encode_special's message named no argument
+            if token not in self._special_ids:
+                raise ValueError(f"{arg}: got {token!r}; accepted: {accepted} ({', '.join(self._specials)})")
+            return self._special_ids[token]
+        return _int_in(token, arg, 0, self.vocab_size - 1, accepted)
 
     def encode(self, text: str | list[str], prepend: int | str | None = None,
                append: int | str | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
@@ -556,20 +511,27 @@ class Tokenizer:
 
 
 class _DocCounter(Iterator[str]):
-    """Wraps the training texts: counts documents and characters, rejects non-str items early."""
+    """Wraps the training texts: counts documents and characters, rejects non-str items early, and
+    yields each document as encode()'s whitespace_pieces: training sees the chunks encoding makes, and
+    a custom pattern (fancy-regex in rustbpe) no longer hits its backtracking limit on a ~1M run."""
 
     def __init__(self, texts: Iterable[str]):
         self._it = iter(texts)
+        self._pending: list[str] = []   # the rest of the current document's pieces, reversed
         self.docs = 0
         self.chars = 0
 
     def __next__(self) -> str:
+        if self._pending:
+            return self._pending.pop()
         text = next(self._it)
         if not isinstance(text, str):
             raise ValueError(f"texts[{self.docs}]: got {type(text).__name__}; accepted: str")
         self.docs += 1
         self.chars += len(text)
-        return text
+        first, *rest = whitespace_pieces(text)
+        self._pending = rest[::-1]
+        return first
 
 
 def tokenizer_dir(base_dir: Path | None = None) -> Path:

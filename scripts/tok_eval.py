@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="documents per split to encode (default 1000)")
     p.add_argument("--data-dir", dest="data_dir", type=path_flag, default=None,
                    help="directory of parquet shards (default: <base dir>/base_data)")
-    p.add_argument("--tokenizer-dir", dest="tokenizer_dir", type=Path, default=None,
+    p.add_argument("--tokenizer-dir", dest="tokenizer_dir", type=path_flag, default=None,
                    help="directory holding tokenizer.pkl (default: <base dir>/tokenizer)")
     p.add_argument("--threads", type=int, default=8, help="encoding threads (default 8)")
     return p

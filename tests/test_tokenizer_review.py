@@ -4,13 +4,13 @@ Tiny in-memory corpora only (CPU, well under a second each)."""
 
 from __future__ import annotations
 
+import os
 import errno
 import pickle
 
 import pytest
 import torch
 
-from nanochat import tokenizer as tokmod
 from nanochat.tokenizer import Tokenizer, get_token_bytes, tokenizer_dir
 
 TEXT_A = ["the cat sat on the mat, the cat ran. " * 30, "hello world, hello there " * 20]
@@ -57,7 +57,7 @@ def test_failed_save_leaves_the_previous_tokenizer_usable(pair, tmp_path, monkey
 
 def test_failed_replace_cleans_up_its_temp_files(pair, tmp_path, monkeypatch):
     directory = tmp_path / "tok"
-    real_replace = tokmod.os.replace
+    real_replace = os.replace
     calls = []
 
     def replace_once_then_fail(src, dst):
@@ -65,7 +65,7 @@ def test_failed_replace_cleans_up_its_temp_files(pair, tmp_path, monkeypatch):
         if len(calls) > 1:
             raise OSError(errno.EIO, "I/O error")
         real_replace(src, dst)
-    monkeypatch.setattr(tokmod.os, "replace", replace_once_then_fail)
+    monkeypatch.setattr(os, "replace", replace_once_then_fail)
     with pytest.raises(OSError, match="I/O error"):
         pair[0].save(directory)
     monkeypatch.undo()
