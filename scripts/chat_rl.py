@@ -36,7 +36,7 @@ from nanochat.training import Schedule
 from nanochat.flags import (FlagParser, check_model_tag, normalize_flags, require, require_float, require_int,
                             script_main)
 from nanochat.loop import TRAIN_FLAG_HELP
-from nanochat.sampling import MAX_SEED   # torch.manual_seed's and the Engine's range
+from nanochat.sampling import GREEDY_BELOW, MAX_SEED   # the greedy cut; manual_seed's and the Engine's range
 
 SOURCES = ("sft", "mid")
 RL_MOMENTUM = 0.95   # Muon's, constant
@@ -87,8 +87,14 @@ class ChatRLConfig:
                 f"a multiple of the world size {world}")
         require_int(self.num_samples, "--num-samples", 2)  # a group of one has zero advantage
         require_int(self.max_new_tokens, "--max-new-tokens", 1)
+        # greedy sampling (a temperature below GREEDY_BELOW, or top-k 1) draws every sample of a
+        # group alike: every advantage is 0 and RL trains nothing, silently (as --num-samples 1 would)
         require_float(self.temperature, "--temperature", 0.0, low_inclusive=False)
+        require(self.temperature >= GREEDY_BELOW, "--temperature", self.temperature, f"a finite number >= "
+                f"{GREEDY_BELOW} (below it sampling is greedy: every sample of a group alike, nothing trained)")
         require_int(self.top_k, "--top-k", 0)
+        require(self.top_k != 1, "--top-k", self.top_k, "0 (off) or an integer >= 2 (top-k 1 samples greedily: "
+                "every sample of a group alike, every advantage 0, nothing trained)")
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.sample_batch_size, "--sample-batch-size", 0)
         from nanochat.engine import DECODE_MODES
@@ -129,7 +135,8 @@ FLAG_HELP = {
     "max_new_tokens": "the most tokens a completion may have; a training prompt that leaves less room in the "
                       "model's context is skipped (counted: the start-up line and the summary's prompts_skipped)",
     "eval_samples": "K > 0: also sampled pass@1..K of K samples drawn as training draws them; 0: greedy only",
-    "top_k": "sample from the k most likely tokens; 0: all",
+    "top_k": "sample from the k most likely tokens (k >= 2: 1 is greedy, every sample of a group alike); 0: all",
+    "temperature": f"the sampling temperature of rollouts and --eval-samples (>= {GREEDY_BELOW}: below it, greedy)",
     "device_batch_size": "sequences per forward/backward chunk",
     "sample_batch_size": "N > 0: a problem's --num-samples are drawn N at a time (a KV cache of N rows; under "
                          "--decode graphs each call size keeps a cache over the whole context for the run, so pick "

@@ -22,9 +22,14 @@ from nanochat.tasks.common import Task, check_rows, load_rows
 
 _CALL = re.compile(r"<<([^<>]*)>>")
 # after '####': an optional sign before the dollar ("-$5") or after it ("$-5"), then the number, whole:
-# not the head of a fraction or exponent ("12/5" was read as 12, "1e3" as 1)
-_ANSWER = re.compile(r"####\s*(?:(-)\s*\$|\$)?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)"
-                     r"(?![.,]?[0-9]|\s*/\s*[0-9]|[eE][+-]?[0-9])")
+# not the head of a fraction or exponent ("12/5" was read as 12, "1e3" as 1). In a completion a comma
+# only between groups of three digits ("1,250"): stripped anywhere, a decimal comma "2,5" read as 25
+# and a list "1,2" as 12, both scored right against a gold 25 / 12 (they are now no answer). A gold
+# answer (the dataset's own text, trusted) drops its commas wherever they stand: no row is refused for that.
+_ANSWER_FORM = (r"####\s*(?:(-)\s*\$|\$)?\s*(-?{digits}(?:\.[0-9]+)?|-?\.[0-9]+)"
+                r"(?![.,]?[0-9]|\s*/\s*[0-9]|[eE][+-]?[0-9])")
+_ANSWER = re.compile(_ANSWER_FORM.replace("{digits}", r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"))
+_GOLD_ANSWER = re.compile(_ANSWER_FORM.replace("{digits}", r"[0-9][0-9,]*"))
 _SPLITS = ("train", "test")
 
 
@@ -55,11 +60,12 @@ def solution_to_parts(solution: str) -> list[dict]:
     return parts
 
 
-def extract_answer(text: str) -> str | None:
-    """The number after the first '####' (commas removed), or None when there is none. The first,
-    as OpenAI's grade-school-math grader and upstream nanochat read it: a completion that runs on
-    past its answer (e.g. into another "#### N") is scored on the answer it gave first."""
-    m = _ANSWER.search(text)
+def extract_answer(text: str, *, gold: bool = False) -> str | None:
+    """The number after the first '####' (thousands commas removed), or None when there is none. The
+    first, as OpenAI's grade-school-math grader and upstream nanochat read it: a completion that runs
+    on past its answer (e.g. into another "#### N") is scored on the answer it gave first. `gold`:
+    the dataset's answer, whose commas are all dropped wherever they stand."""
+    m = (_GOLD_ANSWER if gold else _ANSWER).search(text)
     return (m.group(1) or "") + m.group(2).replace(",", "").rstrip(".") if m else None
 
 
@@ -88,7 +94,7 @@ def check_row(row: dict) -> str | None:
     states its answer), silently."""
     if not (isinstance(row["answer"], str) and isinstance(row["question"], str)):
         return "'question' and 'answer' must be strings"
-    if extract_answer(row["answer"]) is None:
+    if extract_answer(row["answer"], gold=True) is None:
         return f"'answer' must end in '#### N' (the final number), got ...{row['answer'][-40:]!r}"
     return None
 
@@ -112,10 +118,10 @@ class GSM8K(Task):
         r = self.rows[index]
         return {"messages": [{"role": "user", "content": r["question"]},
                              {"role": "assistant", "content": solution_to_parts(r["answer"])}],
-                "answer": extract_answer(r["answer"])}
+                "answer": extract_answer(r["answer"], gold=True)}
 
     def evaluate(self, conversation: dict, completion: str) -> bool:
-        gold = conversation.get("answer") or extract_answer(assistant_text(conversation))
+        gold = conversation.get("answer") or extract_answer(assistant_text(conversation), gold=True)
         return answers_match(extract_answer(completion), gold)
 
     def reward(self, conversation: dict, completion: str) -> float:
