@@ -209,6 +209,11 @@ class Engine:
         if request == "compiled" and self.decode_mode != "graphs":
             return "eager", (f"graph_step compiled: decode={self.decode_mode} runs its static steps on the plain "
                              "model (only decode='graphs' compiles the step): eager")
+        if request == "persistent" and self.decode_mode not in ("static", "graphs"):
+            # no static step to run it (it was kept as the attribute, and banners said "persistent")
+            return self.other_step, (f"graph_step persistent: decode={self.decode_mode} has no static decode step "
+                                     f"(only decode='static' or 'graphs' runs the persistent kernel): "
+                                     f"{self.other_step}")
         if request not in ("auto", "persistent") or self.decode_mode not in ("static", "graphs"):
             return (self.other_step if request == "auto" else request), ""
         reason = self._persistent_unsupported()

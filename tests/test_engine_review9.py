@@ -1,11 +1,13 @@
-"""Ninth review of inference as a demanding CLI user meets it (regression guards; the review found
-no defect to fix): streamed text equals the one-shot decode of the same tokens whatever the byte
+"""Ninth review of inference as a demanding CLI user meets it (regression guards, and one fix:
+graph_step "persistent" where no static step runs it): streamed text equals the one-shot decode of the same tokens whatever the byte
 splits, special tokens and stop strings, and a reply cut off by Ctrl-C mid-stream hands the static
 decoder back, so the next answer is the one a fresh engine gives."""
 
 import io
 import random
 from types import SimpleNamespace
+
+import pytest
 
 from nanochat.engine import Engine
 from nanochat.text_stream import TextStream
@@ -96,3 +98,14 @@ def test_ctrl_c_mid_reply_hands_the_static_decoder_back(chat_model):  # noqa: F8
     again = io.StringIO()
     assert answer(used, tok, prompt, args, 0, out=again) == answer(engine(), tok, prompt, args, 0, out=io.StringIO())
     assert again.getvalue() == fresh.getvalue() == "a long enough reply to interrupt\n"
+
+
+@pytest.mark.parametrize("decode", ["eager", "compile"])
+def test_persistent_graph_step_in_a_mode_without_static_steps_says_what_runs(decode):
+    """graph_step="persistent" under decode eager/compile (no static step runs it) was kept as the
+    attribute, so chat_cli's banner and bench rows said "persistent" for a plain decode."""
+    from tests.test_engine import random_model
+
+    engine = Engine(random_model("cpu"), None, decode=decode, graph_step="persistent")
+    assert engine.graph_step == "eager" and engine.step_at(1) is None
+    assert "persistent" in engine.graph_step_note and f"decode={decode}" in engine.graph_step_note
