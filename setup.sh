@@ -268,9 +268,13 @@ done
 # shows the host's memory inside it, so a 32 GB container on a 128 GB Spark was sized for 96 GB and
 # OOM-killed. Its limit bounds the total and its free part the available (nanochat/memory_limits.py,
 # which the stages' allocator cap reads too). SETUP_CGROUP_ROOT / SETUP_PROC_CGROUP: the tests' fakes.
+# A simulated machine (SETUP_MEMINFO) has no cgroup but SETUP_CGROUP_ROOT's: the test machine's own
+# limit is not the simulated one's.
 HOST_MEM="the host's" CG_NOTE="" cg_limit="" cg_free="" CGROUP_FILE=""
-read -r cg_limit cg_free CGROUP_FILE < <("$PY" -m nanochat.memory_limits "${SETUP_CGROUP_ROOT:-/sys/fs/cgroup}" \
-  "${SETUP_PROC_CGROUP:-/proc/self/cgroup}" 2>/dev/null || true) || true
+if [[ -z "${SETUP_MEMINFO:-}" || -n "${SETUP_CGROUP_ROOT:-}" ]]; then
+  read -r cg_limit cg_free CGROUP_FILE < <("$PY" -m nanochat.memory_limits "${SETUP_CGROUP_ROOT:-/sys/fs/cgroup}" \
+    "${SETUP_PROC_CGROUP:-/proc/self/cgroup}" 2>/dev/null || true) || true
+fi
 if [[ "$cg_limit" =~ ^[0-9]+$ && "$cg_free" =~ ^[0-9]+$ ]]; then
   if (( cg_limit / 1048576 < MEM_TOTAL_MIB )); then
     MEM_TOTAL_MIB=$((cg_limit / 1048576)) HOST_MEM="the container's" CG_NOTE=" (the cgroup memory limit in $CGROUP_FILE)"

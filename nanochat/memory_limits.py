@@ -93,11 +93,11 @@ def _levels(mount: Path, own: str) -> list[Path]:
     return [here, *[p for p in here.parents if p == mount or mount in p.parents]]
 
 
-def cgroup_memory(root: str = CGROUP_ROOT, self_cgroup: str = PROC_SELF_CGROUP) -> CgroupMemory | None:
-    """The memory limit that leaves this process the least (v2 and v1, own cgroup and ancestors),
-    or None when none is set (or no cgroup filesystem is there: macOS, a bare chroot)."""
+def cgroup_levels(root: str = CGROUP_ROOT, self_cgroup: str = PROC_SELF_CGROUP) -> list[CgroupMemory]:
+    """Every memory limit set on this process's cgroups (v2 and v1, its own and each ancestor's);
+    [] when none is set (or no cgroup filesystem is there: macOS, a bare chroot)."""
     own = _own_paths(self_cgroup)
-    best = None
+    found = []
     for version, sub, limit_file, usage_file, inactive_key in _LAYOUTS:
         mount = Path(root) / sub if sub else Path(root)
         if version not in own or not mount.is_dir():
@@ -108,10 +108,13 @@ def cgroup_memory(root: str = CGROUP_ROOT, self_cgroup: str = PROC_SELF_CGROUP) 
                 continue
             used = _read_int(level / usage_file) or 0
             usage = max(0, used - _inactive_file(level / "memory.stat", inactive_key))
-            found = CgroupMemory(limit, usage, str(level / limit_file))
-            if best is None or found.free < best.free:
-                best = found
-    return best
+            found.append(CgroupMemory(limit, usage, str(level / limit_file)))
+    return found
+
+
+def cgroup_memory(root: str = CGROUP_ROOT, self_cgroup: str = PROC_SELF_CGROUP) -> CgroupMemory | None:
+    """The memory limit that leaves this process the least free memory, or None when none is set."""
+    return min(cgroup_levels(root, self_cgroup), key=lambda c: c.free, default=None)
 
 
 def bounded_by_cgroup(mem_available: int, root: str | None = CGROUP_ROOT,
@@ -168,10 +171,13 @@ def unified_memory_budget(*, meminfo: str | None = None, headroom: float = 0.1, 
 
 def main(argv: list[str]) -> int:
     """setup.sh's reader: `python3 -m nanochat.memory_limits [ROOT [SELF_CGROUP]]` prints
-    "LIMIT_BYTES FREE_BYTES PATH" of the binding limit, or nothing when there is none."""
-    found = cgroup_memory(*argv[:2])
-    if found is not None:
-        print(found.limit, found.free, found.path)
+    "LIMIT_BYTES FREE_BYTES PATH": the smallest limit (the most memory a run here can ever have: a
+    parent's looser limit with less free now bounds only the free part) with its file, and the least
+    free memory any limit leaves; nothing when no limit is set."""
+    levels = cgroup_levels(*argv[:2])
+    if levels:
+        tightest = min(levels, key=lambda c: c.limit)
+        print(tightest.limit, min(c.free for c in levels), tightest.path)
     return 0
 
 

@@ -61,7 +61,8 @@ def _md_data(data, indent: int = 0) -> list[str]:
                 lines += _md_item(pad, f"{k}: ", v)
         return lines
     if not isinstance(data, list):   # a text entry: raw, its "# ..." line was a heading of report.md
-        return _md_item(pad, "", data)
+        # fenced when it could read as markdown ("- # x" is still a heading inside the list item)
+        return _md_item(pad, "", data, fence=isinstance(data, str) and bool(re.match(r"\s*[#>|=*+-]|\s*\d+[.)]", data)))
     fence = any(_multiline(v) for v in data)   # one sample fenced, the next one not, looked broken
     for i, v in enumerate(data):
         if isinstance(v, dict) and v and not any(isinstance(x, (dict, list)) or _multiline(x) for x in v.values()):

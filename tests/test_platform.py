@@ -151,7 +151,7 @@ def test_configure_env_before_cuda():
 
 def test_memory_budget_reads_memavailable_on_unified():
     meminfo = "MemTotal:       131072000 kB\nMemFree:  1000 kB\nMemAvailable:   100000000 kB\n"
-    budget = P.memory_budget_bytes(detect_device(props=GB10), meminfo=meminfo, headroom=0.1)
+    budget = P.memory_budget_bytes(detect_device(props=GB10), meminfo=meminfo, headroom=0.1, cgroup_root=None)  # not this machine's limit
     assert budget == int(100000000 * 1024 * 0.9)
     assert P.memory_budget_bytes(detect_device("cpu")) is None
 

@@ -166,9 +166,9 @@ MEMINFO = "MemTotal:       131072000 kB\nMemFree:        1000 kB\nMemAvailable: 
 
 def test_memory_budget_edges():
     gb10 = detect_device(props=GB10)
-    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(0)) == 0
-    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(1000), headroom=0.0) == 1000 * 1024
-    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(1000), headroom=0.5) == 512000
+    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(0), cgroup_root=None) == 0
+    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(1000), cgroup_root=None, headroom=0.0) == 1000 * 1024
+    assert P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(1000), cgroup_root=None, headroom=0.5) == 512000
     for bad in (1.0, 1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match="headroom"):
             P.memory_budget_bytes(gb10, meminfo=MEMINFO.format(1000), headroom=bad)

@@ -142,3 +142,13 @@ def test_the_summary_shows_each_training_run_s_tokens_rate_and_mfu(base):
     assert rows["MFU % (bf16 peak)"][0] == f"{100 * 6e9 * 1e5 / 989e12:.1f}" == "60.7"
     assert rows["tokens trained"][1:] == ["-"] * (len(rows["tokens trained"]) - 1)
     assert "tokens trained: optimizer steps x tokens per step" in text
+
+
+def test_a_one_line_text_entry_that_reads_as_markdown_is_fenced():
+    """"- # x" is still a heading (inside the list item) in CommonMark: a one-line text entry that
+    markdown would read as a heading, quote, table, rule or list is fenced; plain text stays a line."""
+    from nanochat.report_md import _md_data
+
+    for text in ("# not a heading", "> quoted", "| a | b |", "--- rule", "1. item"):
+        assert _md_data(text) == ["- ```text", f"  {text}", "  ```"], text
+    assert _md_data("plain text") == ["- plain text"]

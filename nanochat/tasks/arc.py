@@ -67,24 +67,28 @@ _OPTION_LETTER = re.compile(_CUE.format("option|choice") + _LETTER)
 # "A or B", "A, B", "A/B", "(A) and (B)", "option B or option C": a second letter right after the
 # first, a hedge naming two
 _ANOTHER_LETTER = re.compile(r"[*_)]*\s*(?:,|/|&|\bor\b|\band\b)\s*(?:(?i:option|choice)(?![A-Za-z0-9])\s*)?" + _LETTER)
-# "A lot of ...", "I think ...": a leading "A" or "I" followed by a lower-case word is the English
-# word, not a choice ("A lot of people pick option B" was read as A)
+# "A lot of ...", "A is correct": a leading "A" followed by a lower-case word may be the article or
+# the answer. It gives way to a letter named later ("A lot of people pick option B" is B) and is the
+# answer otherwise ("A is correct.", "A because ...")
 _WORD_LETTER = re.compile(r"[AI][ \t]+[a-z]")
 
 
 def extract_letter(completion: str, letters) -> str | None:
     """The answer letter (upper case) of a free-text completion, or None when it names none of
-    `letters`: a letter standing alone at the start (not the words "A" / "I" starting a sentence),
-    else the last one named after "answer (is|:)", else the last one after "option" / "choice". A
-    hedge between two choices ("A or B", "The answer is A, B", "option B or option C") names none:
-    it was scored as its first letter (or, named twice, its last). (Only the first character used
-    to count, which read "Answer: B" as A, "Because..." as B.)"""
+    `letters`: a letter standing alone at the start (a leading "A <word>" only when no letter is named
+    later), else the last one named after "answer (is|:)", else the one after "option" / "choice"
+    (None when those name several: "Option C is right ... option D is wrong"). A hedge between two
+    choices ("A or B", "The answer is A, B", "option B or option C") names none: it was scored as its
+    first letter (or, named twice, its last). (Only the first character used to count, which read
+    "Answer: B" as A, "Because..." as B.)"""
     text = completion.strip()
-    leading = _LEADING_LETTER.match(text)
-    if leading and _WORD_LETTER.match(text):
-        leading = None
+    leading = [_LEADING_LETTER.match(text)]
+    named, options = list(_NAMED_LETTER.finditer(text)), list(_OPTION_LETTER.finditer(text))
+    if len({_letter_of(m, letters) for m in options} - {None}) > 1:
+        options = []   # a walk through the options: which one it settles on is not for a regex to say
+    groups = [named, options, leading] if _WORD_LETTER.match(text) else [leading, named, options]
     # the last "answer is X" counts: "To answer: a, b and c are animals. The answer is B" is B
-    for found in ([leading], list(_NAMED_LETTER.finditer(text)), list(_OPTION_LETTER.finditer(text))):
+    for found in groups:
         for i in reversed(range(len(found))):
             letter = _letter_of(found[i], letters)
             if letter is None:
