@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -134,23 +133,11 @@ def test_the_cpu_allocator_failure_is_one_line_too_and_other_errors_are_not(monk
 SEQ_LEN = 64
 
 
-@pytest.fixture(scope="module")
-def checkpoint(base_dir, tiny_tokenizer):
-    """A 1-layer GPT (random weights) saved as base/d1 step 1 in the module's base dir."""
-    from nanochat.checkpoint import checkpoint_dir, save_checkpoint
-    from nanochat.gpt import GPT, GPTConfig
-
-    config = GPTConfig(sequence_len=SEQ_LEN, vocab_size=tiny_tokenizer.vocab_size, n_layer=1, n_head=2,
-                       n_kv_head=2, n_embd=32, window_pattern="L")
-    torch.manual_seed(0)
-    model = GPT(config)
-    model.init_weights()
-    save_checkpoint(checkpoint_dir("base", "d1", base_dir), 1, model_state=model.state_dict(),
-                    meta={"model_config": asdict(config), "tokenizer_fingerprint": tiny_tokenizer.fingerprint})
-    return base_dir
+from tests.test_base_eval import checkpoint  # noqa: E402,F401  (fixture: base/d1, a 1-layer GPT of SEQ_LEN 64)
 
 
-def test_base_eval_bpb_out_of_memory_is_one_line_naming_the_flag(checkpoint, env, tmp_path, monkeypatch, capsys):
+@pytest.mark.usefixtures("checkpoint")
+def test_base_eval_bpb_out_of_memory_is_one_line_naming_the_flag(env, tmp_path, monkeypatch, capsys):
     from nanochat.flags import script_main
     from scripts import base_eval
 
@@ -164,7 +151,8 @@ def test_base_eval_bpb_out_of_memory_is_one_line_naming_the_flag(checkpoint, env
                    "pass a smaller --device-batch-size (e.g. 3)"]
 
 
-def test_base_eval_core_batches_follow_the_device_batch_size(checkpoint, env, tmp_path, monkeypatch):
+@pytest.mark.usefixtures("checkpoint")
+def test_base_eval_core_batches_follow_the_device_batch_size(env, tmp_path, monkeypatch):
     """CORE's batches were a fixed 16,384 tokens: no flag lowered them when CORE ran out of memory."""
     from nanochat import core_eval
     from scripts import base_eval
