@@ -109,3 +109,24 @@ def test_persistent_graph_step_in_a_mode_without_static_steps_says_what_runs(dec
     engine = Engine(random_model("cpu"), None, decode=decode, graph_step="persistent")
     assert engine.graph_step == "eager" and engine.step_at(1) is None
     assert "persistent" in engine.graph_step_note and f"decode={decode}" in engine.graph_step_note
+
+
+def test_bench_prefill_warms_up_past_the_gpu_s_idle_clock(monkeypatch):
+    """One warm-up call left bench_inference's first timed prefills at an idle GPU clock (31.7 ms on
+    an H200 where TTFT, which includes the prefill, was 23 ms): it now warms up for >= 3 calls and
+    0.3 s before timing."""
+    import contextlib
+
+    from scripts import bench_inference as BI
+
+    calls, clock = [], [0.0]
+
+    def prefill(prompt):
+        calls.append(clock[0])
+        clock[0] += 0.05   # 50 ms a call on the fake clock
+    engine = SimpleNamespace(prefill=prefill, inference_weights=contextlib.nullcontext)
+    rt = SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(BI, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(BI, "timed", lambda rt, fn: (fn(), 0.05)[1])
+    row = BI.bench_prefill(engine, rt, [1, 2, 3, 4], repeats=2)
+    assert len(calls) == 6 + 2 and row["tok_per_s"] == pytest.approx(4 / 0.05)   # 0.3 s of warm-up, then 2
