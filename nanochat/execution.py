@@ -47,7 +47,8 @@ seccomp filter are the hard guarantees (a layer the OS refuses is missing from `
 a RuntimeWarning says so once per process). Known gaps: the program may read every file its uid may
 (the mounts are read-only, not hidden); without "pids_cap" a fork bomb as uid 0 (exempt from
 RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and without
-both, a uid-0 process that escaped the guard and left the process group (setsid) outlives the run;
+both, a uid-0 process that escaped the guard, left the process group (setsid) and the working dir
+(its cwd: those still in it are killed) outlives the run;
 without "memory_cap" memory is capped per process only, the tmpfs outside it; a root program
 left with its uid and without the mount namespace could rewrite its cgroup's limits; without the
 mount namespace the working dir is on the host disk with no total size cap (each file has one);
@@ -125,7 +126,8 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     isolate=False skips the namespaces, the capability drop, the uid drop and the seccomp filter
     (rlimits, the cgroup and the Python guard stay). A harness failing before the program ran raises RuntimeError.
     """
-    from nanochat.sandbox_cgroup import parse_report, program_cgroup, validate, warn_refused  # not in the child
+    from nanochat.sandbox_cgroup import (parse_report, program_cgroup, remove_workdir, validate,  # not in the child
+                                         warn_refused)
 
     validate("execute_code", max_processes, cgroup_root, timeout_s=timeout_s, cpu_time_s=cpu_time_s,
              memory_mb=memory_mb, tail_chars=tail_chars, max_output_bytes=max_output_bytes,
@@ -134,10 +136,13 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     # is the one the timeout message names; setrlimit takes a C long
     cpu = max(1, min(math.ceil(cpu_time_s if cpu_time_s is not None else timeout_s + 1), 1 << 31))
     drop = isolate and _can_drop_to_nobody()
-    # the cgroup is left (its leftovers killed) before the working dir is deleted
-    with tempfile.TemporaryDirectory(prefix="nanochat_exec_") as tmp, \
-            program_cgroup(cgroup_root, max_processes, (memory_mb << 20) + max_workdir_bytes) as cgroup:
-        work = Path(tmp)
+    # the cgroup is left (its leftovers killed) before the working dir is deleted; a failed deletion
+    # (a leftover still writing there) must not raise: one program would end the whole evaluation
+    workdir = tempfile.TemporaryDirectory(prefix="nanochat_exec_", ignore_cleanup_errors=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(remove_workdir, workdir)
+        cgroup = stack.enter_context(program_cgroup(cgroup_root, max_processes, (memory_mb << 20) + max_workdir_bytes))
+        work = Path(workdir.name)
         # surrogatepass: lone surrogates reach compile(), which rejects them as Python itself does
         (work / "program.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
         config = {"workdir": str(work), "cpu_s": cpu, "memory_bytes": memory_mb << 20,
@@ -202,7 +207,7 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:
         for fd in (out_w, err_w, ver_w):
             os.close(fd)
-    from nanochat.sandbox_cgroup import TailReader
+    from nanochat.sandbox_cgroup import TailReader, kill_inside
 
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
     readers = TailReader(out_r, keep), TailReader(err_r, keep), TailReader(ver_r, _REPORT_BYTES)
@@ -211,6 +216,8 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
         _kill_group(proc.pid)  # anything the program left behind in its group
         kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
+        with contextlib.suppress(OSError):  # and those no cgroup holds either, by their working dir
+            kill_inside(work)
     deadline = time.monotonic() + _DRAIN_WAIT_S  # one wait for all three pipes, not one each
     tails = (r.text(n, max(0.0, deadline - time.monotonic())) for r, n in zip(readers, (*[tail_chars] * 2, _REPORT_BYTES)))
     return proc.returncode, timed_out, cpu_used, tuple(tails)

@@ -8,8 +8,9 @@ memory limit count every task of the program, whatever its uid.
 
 This module owns finding a cgroup the caller may use, making one per program run and removing it;
 also `execute_code`'s argument checks (`validate`), its once-per-process warning about layers
-the OS refused (`warn_refused`), its pipe drains (`TailReader`) and the reading of its harness's
-report (`parse_report`): parent-side code moved here to keep execution.py short.
+the OS refused (`warn_refused`), its pipe drains (`TailReader`), the reading of its harness's
+report (`parse_report`) and the end of a run's working dir (`kill_inside`, `remove_workdir`):
+parent-side code moved here to keep execution.py short.
 `nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
 its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
 program: every process the program starts is born inside), and removes it after the run, also on
@@ -132,6 +133,44 @@ class TailReader:
         # pipe open: report what arrived instead of waiting for it
         self.thread.join(wait_s)
         return bytes(self.buf[-self.keep:]).decode("utf-8", errors="replace")[-n_chars:] if n_chars else ""
+
+
+def kill_inside(work: Path) -> None:
+    """SIGKILL every process whose working dir is `work` or below it: leftovers of a program that
+    escaped the Python guard and left its process group where neither a PID namespace nor a
+    cgroup killed them (uid 0 without either): they held the output pipes open (the drain waited for
+    them) and kept writing there. The pid is pinned with a pidfd before the check."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone, or a kernel without pidfds (< 5.3): nothing is signalled unpinned
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")  # EACCES for another user's process: not ours
+            if cwd == str(work) or cwd.startswith(f"{work}/"):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def remove_workdir(workdir) -> None:
+    """Delete a run's working dir (a tempfile.TemporaryDirectory made with ignore_cleanup_errors):
+    a leftover process still writing there made the deletion raise ("Directory not empty") out of
+    execute_code, ending the whole evaluation, and left the dir behind. It is killed and the
+    deletion retried; a dir that still cannot go is named in a warning, never raised."""
+    for _ in range(3):
+        workdir.cleanup()
+        if not os.path.lexists(workdir.name):
+            return
+        with contextlib.suppress(OSError):
+            kill_inside(Path(workdir.name))
+        time.sleep(0.05)  # the kernel reaps what was killed
+    import warnings
+
+    warnings.warn(f"nanochat sandbox: could not remove the working dir {workdir.name} (a process the program "
+                  "started still writes there)", RuntimeWarning, stacklevel=4)
 
 
 def parse_report(report: str) -> tuple[list, str]:

@@ -64,15 +64,36 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     and any helper functions the entry point uses (HumanEval/10, 32, 38, 50). A completion that
     defines `entry_point` itself simply redefines the prompt's docstring-only stub. The code's
     `if __name__ == "__main__":` conditions become False, as that harness evaluates them.
+    Of these choices the first that compiles (with the prompt) wins: text after a stray closing
+    fence (`    return x\n```\nThis returns x.`) is prose, not the code to run.
     """
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
     blocks, outside = _code_blocks(completion)
     python = [code for lang, code in blocks if lang in _PYTHON_LANGS and code.strip()]
-    code = next((c for c in python if defines.search(c)), python[0] if python else outside)
-    code = _MAIN_GUARD.sub(r"\1False", code)   # a main block is compiled, never run (see _MAIN_GUARD)
+    # in that order of preference, the first that compiles: a body (or a function) followed by a
+    # stray closing fence and an explanation read as code, then prose, which was chosen and failed
+    candidates = [c for c in python if defines.search(c)] + python + [outside]
+    programs = [_join(prompt, _MAIN_GUARD.sub(r"\1False", c), defines) for c in candidates]
+    return next((p for p in programs if _compiles(p)), programs[0])
+
+
+def _join(prompt: str, code: str, defines: re.Pattern) -> str:
     if defines.search(code) is None:
         return prompt + code  # a function body continues the prompt's signature
     return prompt.rstrip("\n") + "\n\n\n" + code
+
+
+def _compiles(program: str) -> bool:
+    """Whether `program` is valid Python (compiled only, never run; its SyntaxWarnings stay quiet)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            compile(program, "program.py", "exec", dont_inherit=True)
+        except Exception:  # noqa: BLE001 - SyntaxError, ValueError (NUL), RecursionError, MemoryError
+            return False
+    return True
 
 
 _KEYS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
