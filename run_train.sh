@@ -258,6 +258,12 @@ fi
 
 # ---------------------------------------------------------------- start
 [[ -n "$PYTHON" ]] || die "no Python found: run ./setup.sh --only env first (or set NANOCHAT_PYTHON)"
+# the base dir's flag named as the user gave it: base_train's own check below blames NANOCHAT_BASE_DIR
+# (which this script sets from --base-dir) and says "set NANOCHAT_BASE_DIR" to a --base-dir user
+existing="$BASE_DIR" from=--base-dir; [[ $BASE_DIR_GIVEN -eq 1 ]] || from=NANOCHAT_BASE_DIR
+while [[ ! -e "$existing" && "$existing" != / ]]; do existing="$(dirname "$existing")"; done
+[[ -d "$existing" && -w "$existing" ]] || die "$from: got '$BASE_DIR' ('$existing' is not a directory you can" \
+  "write to); accepted: a writable directory, existing or one that can be made"
 if [[ -z "$TAG" ]]; then
   if [[ -n "$DEPTH" ]]; then
     is_uint "$DEPTH" || die "--depth: got '$DEPTH'; accepted: an integer 1..256"

@@ -27,7 +27,8 @@ Builds .venv (uv, torch for this machine, the project, the Rust tokenizer) and r
 
 Options:
   --preset NAME      auto (default: spark on a GB10, h100 on Hopper and other GPUs, tiny
-                     without a GPU),
+                     without a GPU; GPUs all hidden by CUDA_VISIBLE_DEVICES are refused: name
+                     --preset tiny to run on the CPU),
                      tiny (offline demo: Shakespeare, a tiny model, minutes on a CPU),
                      spark (DGX Spark defaults), h100 (one H100/H200; on a GPU with less
                      memory the device batch is lowered to fit, the total batch kept)
@@ -153,6 +154,7 @@ if [[ $LIST_STAGES -eq 1 ]]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 
 # ---------------------------------------------------------------- stage bookkeeping
 source "$REPO/scripts/setup_stages.sh"   # should_run, run_stage, rerun_cmd, the signal handling they use
+source "$REPO/scripts/setup_gpus.sh"     # visible_gpu_row, visible_gpu_count, hidden_gpus: the GPU CUDA will use
 
 # --from skips the stages before it, so they must have finished (the env stage's marker lives in
 # .venv and is not checked). A dry run says so and still lists what would run. The way on is the
@@ -172,28 +174,7 @@ fi
 # ---------------------------------------------------------------- machine checks (no installs)
 ARCH="$(uname -m)"; OS="$(uname -s)"
 [[ "$OS" == "Linux" ]] || warn "only Linux is tested (found $OS)"
-GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB="" GPU_COUNT=0
-# nvidia-smi's row (1-based) of the GPU CUDA calls device 0: CUDA_VISIBLE_DEVICES' first entry, an
-# index or a (prefix of a) GPU- UUID, as CUDA reads it; nothing when it hides every GPU ("", "-1").
-# An entry naming no GPU stops here: CUDA would see none and a GPU preset would train on the CPU.
-# (An index is nvidia-smi's, i.e. CUDA's under CUDA_DEVICE_ORDER=PCI_BUS_ID.)
-visible_gpu_row() {
-  [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]] || { echo 1; return; }
-  local first="${CUDA_VISIBLE_DEVICES%%,*}" row
-  first="${first//[[:space:]]/}"
-  [[ -n "$first" && "$first" != -* ]] || return 0
-  if [[ "$first" =~ ^[0-9]+$ ]] && (( 10#$first < GPU_COUNT )); then echo $((10#$first + 1)); return; fi
-  if [[ "$first" == GPU-* ]]; then
-    row="$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | awk -v p="$first" 'index($1, p) == 1 {print NR; exit}')"
-    [[ -z "$row" ]] || { echo "$row"; return; }
-  fi
-  [[ "$first" == MIG-* ]] && { warn "CUDA_VISIBLE_DEVICES=$first: a MIG slice; sizing for the first GPU's memory (add --device-batch-size N to fit the slice)"; echo 1; return; }
-  die "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES': its first entry '$first' names no GPU here; accepted: an index 0..$((GPU_COUNT - 1)) or a GPU UUID (nvidia-smi -L lists them), '' or -1 for none"
-}
-visible_gpu_count() {  # the entries of CUDA_VISIBLE_DEVICES, at most the GPUs there are
-  local n; n="$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)"
-  echo $(( n < GPU_COUNT ? n : GPU_COUNT ))
-}
+GPU_NAME="" GPU_CC="" DRIVER="" GPU_MEM_MIB="" GPU_COUNT=0 HIDDEN_GPUS=0   # HIDDEN_GPUS: listed, all hidden by CUDA_VISIBLE_DEVICES
 # nvidia-smi there but failing (a driver not loaded after a reboot or a kernel update, a GPU fallen off
 # the bus) is not "no GPU": --preset auto took it for a CPU machine and a rerun meant to continue a
 # GPU run went on as the tiny preset, its tokenizer stage overwriting the run's tokenizer
@@ -210,8 +191,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
       GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
       GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
       [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || GPU_COUNT="$(visible_gpu_count)"
-    else
-      say "CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES}' hides every GPU: the stages run on the CPU"; GPU_COUNT=0
+    else   # (said, or refused, with the preset below)
+      HIDDEN_GPUS=$GPU_COUNT GPU_COUNT=0
     fi
     DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed -n 1p)"
   else
@@ -219,7 +200,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   fi
 fi
 CUDA_DRIVER_VERSION=""
-if [[ -n "$GPU_NAME" ]]; then
+if [[ -n "$DRIVER" ]]; then   # (with every GPU hidden too: the machine line said a blank "CUDA ")
   CUDA_DRIVER_VERSION="$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n1)"
 fi
 # The torch wheel index: a driver runs CUDA runtimes of its own major version up to the "CUDA
@@ -237,7 +218,15 @@ elif [[ -n "$GPU_NAME" ]]; then
     warn "could not read the driver's CUDA version from nvidia-smi; installing torch for CUDA 13 (set TORCH_INDEX_URL to choose)"
     drv_major=13
   fi
-  if (( drv_major >= 13 )); then
+  # A GPU older than Turing (cc < 7.5: V100, P100, GTX 10xx) has no kernels in the CUDA 13 and cu128
+  # builds (torch 2.15+cu132 lists sm_75..sm_120), where is_available() still says True and the first
+  # kernel fails ("no kernel image is available"), days into the pipeline; cu126 keeps sm_50..sm_70.
+  pre_turing=0
+  [[ "$GPU_CC" =~ ^([0-9]+)\.([0-9])$ ]] && (( BASH_REMATCH[1] * 10 + BASH_REMATCH[2] < 75 )) && pre_turing=1
+  if (( drv_major >= 12 && pre_turing )); then
+    TORCH_INDEX=https://download.pytorch.org/whl/cu126
+    say "the $GPU_NAME (cc $GPU_CC) predates the sm_75 floor of torch's CUDA 12.8+ builds: torch from $TORCH_INDEX"
+  elif (( drv_major >= 13 )); then
     # DGX Spark (aarch64): PyTorch's CUDA 13 (cu130) aarch64 wheels (DESIGN.md pitfall 4); x86-64: PyPI
     [[ "$ARCH" == aarch64 ]] && TORCH_INDEX=https://download.pytorch.org/whl/cu130
   elif (( drv_major == 12 && drv_minor >= 8 )); then TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -286,6 +275,9 @@ MEM_AVAIL_GB=$(( ${MEM_AVAIL_MIB:-0} / 1024 ))
 if [[ "$PRESET" == auto ]]; then
   if [[ "$GPU_CC" == 12.1 || "$GPU_NAME" == *GB10* ]]; then PRESET=spark
   elif [[ -n "$GPU_NAME" ]]; then PRESET=h100
+  elif (( HIDDEN_GPUS )); then   # as a failing nvidia-smi: tiny over a GPU run's base dir retrains its tokenizer
+    die "--preset auto: $(hidden_gpus); accepted: --preset tiny for the CPU demo, or CUDA_VISIBLE_DEVICES" \
+      "unset or naming a GPU (an index 0..$((HIDDEN_GPUS - 1)) or a UUID) for a GPU preset"
   elif [[ -n "$SMI_ERROR" ]]; then
     die "--preset auto: nvidia-smi failed ('$SMI_ERROR'), so this machine's GPU cannot be seen: fix the" \
       "NVIDIA driver (a reboot, or reinstall it for the running kernel) and rerun, or pass --preset tiny for the CPU demo"
@@ -301,6 +293,11 @@ say "free disk ${FREE_DISK_GB} GB (base dir), available memory ${MEM_AVAIL_GB} G
 if [[ ! -x .venv/bin/python && "$(mount_of "$REPO")" != "$(mount_of "$existing")" ]] && (( $(free_gb "$REPO") < 5 )); then
   msg="only $(free_gb "$REPO") GB free at $REPO; its .venv (torch and the project) needs about 5 GB"
   if [[ $DRY_RUN -eq 1 ]]; then warn "$msg"; else die "$msg"; fi
+fi
+if [[ "$PRESET" != tiny ]] && (( HIDDEN_GPUS )); then
+  die "--preset $PRESET: $(hidden_gpus); accepted: CUDA_VISIBLE_DEVICES unset or naming a GPU (an index" \
+    "0..$((HIDDEN_GPUS - 1)) or a UUID), or --preset tiny on the CPU"
+elif (( HIDDEN_GPUS )); then say "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' hides every GPU: the stages run on the CPU"
 fi
 if [[ "$PRESET" != tiny && -z "$GPU_NAME" ]]; then
   die "--preset $PRESET needs an NVIDIA GPU but nvidia-smi found none${SMI_ERROR:+ (it failed: '$SMI_ERROR')} (use --preset tiny on a CPU)"

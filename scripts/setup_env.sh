@@ -15,8 +15,14 @@ torch_ok() {  # keep the venv's torch: it imports and came from this index, or (
   .venv/bin/python -c 'import torch' >/dev/null 2>&1 || return 1
   if [[ -f "$TORCH_MARKER" ]]; then [[ "$(cat "$TORCH_MARKER")" == "${TORCH_INDEX:-PyPI}" ]] && return 0; return 1; fi
   [[ -z "${TORCH_INDEX_URL:-}" ]] || return 1
-  [[ -z "$GPU_NAME" ]] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1
+  [[ -z "$GPU_NAME" ]] || gpu_runs
 }
+# A kernel launch, not is_available(): that says True for a GPU the build has no kernels for (a V100
+# under an sm_75+ build), whose first real kernel then fails in base_train, after data and tokenizer
+GPU_LAUNCH='import sys, torch
+torch.cuda.is_available() or sys.exit(1)
+torch.ones(1, device="cuda").add_(1).item()'
+gpu_runs() { .venv/bin/python -c "$GPU_LAUNCH" >/dev/null 2>&1; }
 env_extras() {
   local extras="web,dev"
   [[ -n "$GPU_NAME" ]] && extras="web,dev,gpu"
@@ -113,10 +119,14 @@ env_stage() {
   # the installs said nothing wrong, yet the venv may not import them (a rustbpe built for another
   # Python): named as the env stage's failure, not a bare traceback that set -e ends setup.sh on
   env_run .venv/bin/python -c 'import rustbpe, torch; print("env ok: torch", torch.__version__, "cuda", torch.cuda.is_available())'
-  if [[ -n "$GPU_NAME" ]] && ! .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
-    die "torch $(.venv/bin/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda)'))" \
-        "cannot use the $GPU_NAME with driver $DRIVER (CUDA $CUDA_DRIVER_VERSION): set TORCH_INDEX_URL to a torch" \
-        "wheel index this driver can run (e.g. https://download.pytorch.org/whl/cu126) and rerun"
+  if [[ -n "$GPU_NAME" ]] && ! gpu_runs; then
+    .venv/bin/python -c "$GPU_LAUNCH" 2>&1 | tail -n 1 >&2 || true   # torch's own reason, for the record
+    local built
+    built="$(.venv/bin/python -c 'import torch; a = " ".join(torch.cuda.get_arch_list())
+print(f"{torch.__version__} (CUDA {torch.version.cuda}, kernels for {a})")')" || built="(version unknown)"
+    die "torch $built cannot run a kernel on the $GPU_NAME (cc ${GPU_CC:-?}) with driver $DRIVER" \
+        "(CUDA $CUDA_DRIVER_VERSION): set TORCH_INDEX_URL to a torch wheel index this driver can run and" \
+        "that has this GPU's kernels (e.g. https://download.pytorch.org/whl/cu126) and rerun"
   fi
   env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
   CURRENT_STAGE=""

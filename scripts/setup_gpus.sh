@@ -1,0 +1,26 @@
+# Sourced by setup.sh: which GPU the stages will run on, as CUDA_VISIBLE_DEVICES names it (setup.sh
+# sizes the batch and picks the preset for that one, not nvidia-smi's first). Uses setup.sh's
+# GPU_COUNT, HIDDEN_GPUS, warn and die.
+
+# nvidia-smi's row (1-based) of the GPU CUDA calls device 0: CUDA_VISIBLE_DEVICES' first entry, an
+# index or a (prefix of a) GPU- UUID, as CUDA reads it; nothing when it hides every GPU ("", "-1").
+# An entry naming no GPU stops here: CUDA would see none and a GPU preset would train on the CPU.
+# (An index is nvidia-smi's, i.e. CUDA's under CUDA_DEVICE_ORDER=PCI_BUS_ID.)
+visible_gpu_row() {
+  [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]] || { echo 1; return; }
+  local first="${CUDA_VISIBLE_DEVICES%%,*}" row
+  first="${first//[[:space:]]/}"
+  [[ -n "$first" && "$first" != -* ]] || return 0
+  if [[ "$first" =~ ^[0-9]+$ ]] && (( 10#$first < GPU_COUNT )); then echo $((10#$first + 1)); return; fi
+  if [[ "$first" == GPU-* ]]; then
+    row="$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | awk -v p="$first" 'index($1, p) == 1 {print NR; exit}')"
+    [[ -z "$row" ]] || { echo "$row"; return; }
+  fi
+  [[ "$first" == MIG-* ]] && { warn "CUDA_VISIBLE_DEVICES=$first: a MIG slice; sizing for the first GPU's memory (add --device-batch-size N to fit the slice)"; echo 1; return; }
+  die "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES': its first entry '$first' names no GPU here; accepted: an index 0..$((GPU_COUNT - 1)) or a GPU UUID (nvidia-smi -L lists them), '' or -1 for none"
+}
+visible_gpu_count() {  # the entries of CUDA_VISIBLE_DEVICES, at most the GPUs there are
+  local n; n="$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)"
+  echo $(( n < GPU_COUNT ? n : GPU_COUNT ))
+}
+hidden_gpus() { echo "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' hides the $HIDDEN_GPUS GPU$( ((HIDDEN_GPUS == 1)) || echo s) nvidia-smi lists"; }
