@@ -28,3 +28,20 @@ def make_clone(tmp_path: Path, fake_python: str | None = None, *, names=("setup.
     if home:
         (tmp_path / "home").mkdir()
     return repo
+
+
+def fake_env_tools(tmp_path: Path, venv_python: str, extra: dict[str, str] | None = None) -> Path:
+    """tmp_path/bin holding the env stage's tools as fakes: cargo and cc succeed, `uv venv` makes a
+    .venv whose python is the script `venv_python`; `extra`: {name: bash body} (e.g. nvidia-smi)."""
+    venv_py = tmp_path / "venv_python"
+    venv_py.write_text(venv_python)
+    venv_py.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tools = {"cargo": "exit 0\n", "cc": "exit 0\n",
+             "uv": f'case "$*" in venv*) mkdir -p .venv/bin && cp {venv_py} .venv/bin/python ;; esac\nexit 0\n',
+             **(extra or {})}
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir

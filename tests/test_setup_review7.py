@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.setup_clone import make_clone
+from tests.setup_clone import fake_env_tools, make_clone
 from tests.test_setup_review3 import _run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,18 +151,10 @@ def test_env_stage_whose_venv_cannot_import_names_the_stage(clone, tmp_path):
     """The installs pass, but the venv cannot import rustbpe: one line naming the env stage and the
     rerun, exit 1 (was: set -e ended setup.sh on the traceback alone)."""
     shutil.rmtree(clone / ".venv")
-    venv_py = tmp_path / "venv_python"   # what `uv venv` makes: a python whose closing import check fails
-    venv_py.write_text("#!/usr/bin/env bash\n"
-                       "case \"$*\" in *'import rustbpe, torch; print'*) echo 'No module named rustbpe' >&2; exit 1 ;;\n"
-                       "  *sysconfig*) echo /nonexistent ;; esac\nexit 0\n")
-    venv_py.chmod(0o755)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    tools = {"cargo": "exit 0\n", "cc": "exit 0\n",
-             "uv": f'case "$*" in venv*) mkdir -p .venv/bin && cp {venv_py} .venv/bin/python ;; esac\nexit 0\n'}
-    for name, body in tools.items():
-        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
-        (bin_dir / name).chmod(0o755)
+    # what `uv venv` makes: a python whose closing import check fails
+    bin_dir = fake_env_tools(tmp_path, "#!/usr/bin/env bash\n"
+                             "case \"$*\" in *'import rustbpe, torch; print'*) echo 'No module named rustbpe' >&2; exit 1 ;;\n"
+                             "  *sysconfig*) echo /nonexistent ;; esac\nexit 0\n")
     t0 = time.time()
     rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--only", "env", "--base-dir", tmp_path / "base",
                    bin_dir=bin_dir)

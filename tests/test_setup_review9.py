@@ -27,6 +27,7 @@ import pytest
 import tests.test_setup_review4 as _review4
 from tests.test_memory_review9 import TWO_SMI
 from tests.test_run_train_audit import call  # noqa: F401  (a fixture: run_train.sh with a fake python)
+from tests.setup_clone import fake_env_tools
 from tests.test_setup import REPO, _dry_run
 from tests.test_setup_review3 import _run
 
@@ -58,24 +59,15 @@ def _env_stage(clone, tmp_path, gpu=V100):
     """setup.sh --only env in the clone on a fake GPU: uv, cargo and cc succeed; the venv's python
     imports torch and says CUDA is available, but a kernel launch fails (a build without this GPU's
     kernels)."""
-    venv_py = tmp_path / "venv_python"
-    venv_py.write_text("#!/usr/bin/env bash\n"
-                       "case \"$*\" in\n"
-                       "  *'device=\"cuda\"'*) echo 'RuntimeError: CUDA error: no kernel image is available' >&2; exit 1 ;;\n"
-                       "  *get_arch_list*) echo \"2.15.0 (CUDA 13.2, kernels for sm_75 sm_80 sm_90)\" ;;\n"
-                       "  *sysconfig*) echo /nonexistent ;;\nesac\nexit 0\n")
-    venv_py.chmod(0o755)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    tools = {"cargo": "exit 0\n", "cc": "exit 0\n",
-             "uv": f'case "$*" in venv*) mkdir -p .venv/bin && cp {venv_py} .venv/bin/python ;; esac\nexit 0\n',
-             "nvidia-smi": ('case "$*" in\n'
-                            f'  *--query-gpu=name*) echo "{gpu[0]}" ;;\n  *--query-gpu=compute_cap*) echo {gpu[1]} ;;\n'
-                            '  *--query-gpu=driver_version*) echo 580.1 ;;\n  *--query-gpu=memory.total*) echo 32768 ;;\n'
-                            '  "") echo "| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: 13.0 |" ;;\nesac\n')}
-    for name, body in tools.items():
-        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
-        (bin_dir / name).chmod(0o755)
+    venv_python = ("#!/usr/bin/env bash\ncase \"$*\" in\n"
+                   "  *'device=\"cuda\"'*) echo 'RuntimeError: CUDA error: no kernel image is available' >&2; exit 1 ;;\n"
+                   "  *get_arch_list*) echo \"2.15.0 (CUDA 13.2, kernels for sm_75 sm_80 sm_90)\" ;;\n"
+                   "  *sysconfig*) echo /nonexistent ;;\nesac\nexit 0\n")
+    smi = ('case "$*" in\n'
+           f'  *--query-gpu=name*) echo "{gpu[0]}" ;;\n  *--query-gpu=compute_cap*) echo {gpu[1]} ;;\n'
+           '  *--query-gpu=driver_version*) echo 580.1 ;;\n  *--query-gpu=memory.total*) echo 32768 ;;\n'
+           '  "") echo "| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: 13.0 |" ;;\nesac\n')
+    bin_dir = fake_env_tools(tmp_path, venv_python, {"nvidia-smi": smi})
     shutil.rmtree(clone / ".venv")
     return _run(clone, "./setup.sh", "--preset", "h100", "--only", "env", "--base-dir", tmp_path / "base",
                 bin_dir=bin_dir)
