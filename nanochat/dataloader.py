@@ -509,7 +509,14 @@ class DataLoader:
                                f"{self._bin_dir} holds none now; re-create them with `python -m "
                                f"scripts.pretokenize --data-dir {self._data_dir}` (same tokenizer and text "
                                "shards), or start a new --model-tag")
-        return self._make_source(kind)
+        try:
+            return self._make_source(kind)
+        except MissingDataError as e:  # text shards deleted after pretokenizing: say why they are needed
+            # (its own advice, to download data, would make other shards: the resume refuses those too)
+            raise MissingDataError(f"--resume: the checkpoint's data loader read the text shards of "
+                                   f"{self._data_dir}, which are not there now ({str(e).split(';')[0]}); the "
+                                   f"binary token shards in {self._bin_dir} cannot continue its stream: put "
+                                   "the text shards it read back, or start a new --model-tag") from None
 
     @property
     def dropped_fraction(self) -> float:

@@ -49,6 +49,8 @@ from nanochat.norms import (ROTARY_BASE, _RMSNorm, _RotaryNorm, _rms, _rms_backw
 LOSS_REDUCTIONS = ("mean", "sum", "none")
 VE_GATE_CHANNELS = 32
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10 x sequence_len (generation past training T)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+TOKEN_DTYPES = (torch.int64, torch.int32)   # what the embedding lookup and the loss's gather take
 
 
 @dataclass
@@ -293,6 +295,10 @@ class GPT(nn.Module):
         if attn_backend not in BACKEND_CHOICES + RESOLVED_BACKENDS:
             raise ValueError(f"--attn-backend: got {attn_backend!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
         self.config = config
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            # else a name ("bf16": precision.py's compute_dtype) failed in the first forward
+            raise ValueError(f"GPT compute_dtype: got {compute_dtype!r}; accepted: None (bf16 on CUDA, fp32 "
+                             f"elsewhere) or a torch dtype: {'|'.join(map(str, COMPUTE_DTYPES))} (Runtime.dtype)")
         self.attn_backend = attn_backend  # resolved per device at forward time (may build on meta)
         self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
         self.windows = layer_windows(config)
@@ -507,6 +513,10 @@ class GPT(nn.Module):
         if targets is not None and targets.shape != idx.shape:   # (T, B) targets lined up silently
             raise ValueError(f"GPT.forward targets: expected the shape of idx {tuple(idx.shape)}; "
                              f"got {tuple(targets.shape)}")
+        for name, t in (("idx", idx), ("targets", targets)):
+            # float targets failed only in the loss (after the whole forward) as a gather() error
+            if t is not None and t.dtype not in TOKEN_DTYPES:
+                raise ValueError(f"GPT.forward {name}: got dtype {t.dtype}; accepted: torch.int64|torch.int32")
         B, T = idx.shape
         dtype = self.runtime_dtype(idx.device)
         backend = resolve_backend(self.attn_backend, idx.device)  # string ops: constant under compile
