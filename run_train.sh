@@ -270,6 +270,14 @@ if [[ -z "$TAG" ]]; then
     TAG="d$((10#$DEPTH))"   # base_train's own default: --depth 012 trains d12
   else TAG="d20"; fi
 fi
+# --fsdp shards over torchrun's processes, and --nproc 1 runs plain python: base_train's own refusal
+# told the user to launch torchrun by hand, not that this script's --nproc is the way to it
+if (( NPROC == 1 )); then
+  for a in "${TRAIN_ARGS[@]}"; do
+    [[ "$a" != --fsdp ]] || die "--fsdp: got it with --nproc 1 (one plain python process, no torchrun);" \
+      "accepted: --fsdp with --nproc 2 or more (it shards the model over the run's processes), or leave --fsdp out"
+  done
+fi
 # base_train's own validation (flag names, batch arithmetic over --nproc ranks, devices) before
 # anything starts.
 export NANOCHAT_BASE_DIR="$BASE_DIR"

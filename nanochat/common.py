@@ -104,12 +104,8 @@ class Runtime:
 def _torchrun_position() -> tuple[bool, int, int, int]:
     """(ddp, rank, local_rank, world_size) from the torchrun environment variables."""
     env = os.environ
-    try:
-        world_size = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-    except ValueError as e:
-        raise RequestError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): {e}") from None
+    world_size, rank, local_rank = (_env_int(var, default) for var, default in
+                                    (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")))
     ddp = world_size > 1 or "RANK" in env
     if world_size > 1 and "RANK" not in env:   # else it would run as rank 0 and wait for ranks nobody started
         raise RequestError(f"WORLD_SIZE={world_size} is set but RANK is not: {_TORCHRUN_HINT}")
@@ -117,6 +113,17 @@ def _torchrun_position() -> tuple[bool, int, int, int]:
         raise RequestError(f"torchrun environment is inconsistent: RANK={rank} WORLD_SIZE={world_size} "
                            f"LOCAL_RANK={local_rank} (accepted: 0 <= RANK, LOCAL_RANK < WORLD_SIZE)")
     return ddp, rank, local_rank, world_size
+
+
+def _env_int(var: str, default: str) -> int:
+    """An integer torchrun variable; a malformed one is named with its value (int()'s own message,
+    "invalid literal ... ''", said neither which variable nor, for an empty one, that it was set)."""
+    raw = os.environ.get(var, default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise RequestError(f"torchrun environment is malformed (RANK/LOCAL_RANK/WORLD_SIZE must be integers): "
+                           f"got {var}={raw!r}; accepted: an integer. {_TORCHRUN_HINT}") from None
 
 
 def env_world_size() -> int:
@@ -139,8 +146,10 @@ def _init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> N
     env = os.environ
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
     if missing:
-        raise RequestError(f"RANK={env.get('RANK')} WORLD_SIZE={env.get('WORLD_SIZE')} are set but "
-                           f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: {_TORCHRUN_HINT}")
+        given = [f"{v}={env[v]}" for v in ("RANK", "WORLD_SIZE") if v in env]   # not "WORLD_SIZE=None"
+        raise RequestError(f"{' '.join(given)} {'is' if len(given) == 1 else 'are'} set but {' and '.join(missing)} "
+                           f"{'is' if len(missing) == 1 else 'are'} not: {_TORCHRUN_HINT}")
+    _check_master_env(env["MASTER_ADDR"], env["MASTER_PORT"], world_size)
     where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
@@ -153,6 +162,27 @@ def _init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> N
                 "MASTER_PORT and WORLD_SIZE")
         raise RequestError(f"rank {rank} of {world_size}: the process-group rendezvous at {where} failed "
                            f"({'address already in use' if busy else first}); {hint}") from e
+
+
+def _check_master_env(addr: str, port: str, world_size: int) -> None:
+    """MASTER_PORT and MASTER_ADDR as the rendezvous will use them. torch raised a bare ValueError
+    traceback for a port that is not a number in 0..65535 ("invalid literal for int()"), and for a
+    host name that does not resolve it retried with a warning a few seconds apart until the group's
+    timeout (30 minutes on gloo). Port 0 (any free port) only for one process: no other rank could
+    find the port rank 0 picked."""
+    import socket
+    lowest = 0 if world_size == 1 else 1
+    if not (port.strip().isascii() and port.strip().isdigit() and lowest <= int(port) <= 65535):
+        raise RequestError(f"MASTER_PORT: got {port!r}; accepted: a TCP port {lowest}..65535 "
+                           f"(torchrun --master_port N sets it). {_TORCHRUN_HINT}")
+    try:
+        socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno == socket.EAI_AGAIN:   # DNS briefly unreachable: torch's own retries may yet get through
+            return
+        raise RequestError(f"MASTER_ADDR: got {addr!r}, which does not resolve to an address ({e.strerror}); "
+                           "accepted: rank 0's host name or IP address, as every rank reaches it (alone, "
+                           "without the port: that is MASTER_PORT)") from None
 
 
 def _resolve_device_type(device: str) -> str:

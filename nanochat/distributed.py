@@ -445,13 +445,16 @@ def run_selftest(*, nproc: int | None = None, sizes_bytes: list[int] | None = No
     if "RANK" in os.environ:  # torchrun: every rank runs this function
         created = not dist.is_initialized()
         if created:
+            # init_runtime's checks of the torchrun variables: a bare init_process_group hung for
+            # RANK=1 WORLD_SIZE=1 and named no variable for a MASTER_PORT that is not a number
+            from nanochat.common import _init_process_group, _torchrun_position
+            _, rank, local, world = _torchrun_position()
             backend = "nccl" if cuda else "gloo"
             kwargs = {}
             if cuda:
-                local = int(os.environ.get("LOCAL_RANK", "0"))
                 torch.cuda.set_device(local)
                 kwargs["device_id"] = torch.device("cuda", local)
-            dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, timeout_s)), **kwargs)
+            _init_process_group(backend, rank, world, timeout=timedelta(seconds=max(60.0, timeout_s)), **kwargs)
         try:
             result = _selftest_rank(sizes, timeout_s, iters)
         finally:
