@@ -138,7 +138,7 @@ FLAG_HELP = {
     "top_k": "sample from the k most likely tokens (k >= 2: 1 is greedy, every sample of a group alike); 0: all",
     "temperature": f"the sampling temperature of rollouts and --eval-samples (>= {GREEDY_BELOW}: below it, greedy)",
     "device_batch_size": "sequences per forward/backward chunk",
-    "sample_batch_size": "N > 0: a problem's --num-samples are drawn N at a time (a KV cache of N rows; under "
+    "sample_batch_size": "N > 0: a problem's --num-samples (and --eval-samples) are drawn N at a time (a KV cache of N rows; under "
                          "--decode graphs each call size keeps a cache over the whole context for the run, so pick "
                          "N dividing --num-samples); lower it if sampling runs out of memory; 0: all in one call",
     "decode": "the Engine's decode mode for rollouts and the GSM8K eval: auto (CUDA graphs of the plain model on "
@@ -304,7 +304,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
     from nanochat.tasks import GSM8K
-    from nanochat.tasks.evaluate import run_generative
+    from nanochat.tasks.evaluate import out_of_memory_hint, run_generative
     from nanochat.tokenizer import get_tokenizer
     from nanochat.distributed import check_shared_dir
     from nanochat.tracker import Tracker
@@ -417,10 +417,15 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                              name="GSM8K")
         metrics = {"gsm8k_pass@1": res.accuracy}
         if cfg.eval_samples > 0:  # upstream's figure: pass@k of k samples drawn as training draws them
-            sampled = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=cfg.eval_samples,
-                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     top_k=cfg.top_k or None, seed=eval_seed, max_problems=eval_problems,
-                                     name="GSM8K")
+            # in chunks of --sample-batch-size rows, as rollouts are (one call of K rows ignored the
+            # flag a user set to fit the KV cache in memory)
+            rows = cfg.sample_batch_size
+            with out_of_memory_hint("chat_rl --eval-samples", "--sample-batch-size" if rows else "--eval-samples",
+                                    rows or cfg.eval_samples):
+                sampled = run_generative(engine, tokenizer, eval_task, rt.device, num_samples=cfg.eval_samples,
+                                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                         top_k=cfg.top_k or None, seed=eval_seed, max_problems=eval_problems,
+                                         name="GSM8K", rows_per_call=rows)
             metrics.update({f"gsm8k_sampled_pass@{k}": sampled.pass_at(k) for k in range(1, cfg.eval_samples + 1)})
         model.train()
         return metrics

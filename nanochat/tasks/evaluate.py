@@ -136,14 +136,17 @@ def completion_text(tokenizer, ids) -> str:
 
 def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 1, max_new_tokens: int = 512,
                    temperature: float = 0.0, top_k: int | None = 50, seed: int = 42,
-                   max_problems: int | None = None, name: str | None = None, log=None) -> TaskResult:
+                   max_problems: int | None = None, name: str | None = None, log=None,
+                   rows_per_call: int = 0) -> TaskResult:
     """pass@num_samples: a problem passes when any sample's completion evaluates true; the result's
     `pass_at(k)` gives pass@k for every k up to num_samples. Every sample is scored, so pass@k for
-    k < num_samples is the unbiased estimate from all of them, not the luck of the first k."""
-    from nanochat.sampling import MAX_SEED
-
+    k < num_samples is the unbiased estimate from all of them, not the luck of the first k.
+    rows_per_call > 0 draws a problem's samples that many at a time (a KV cache of that many rows:
+    chat_rl's --sample-batch-size); 0 draws them all in one call."""
     if num_samples < 1:
         raise ValueError(f"--num-samples: got {num_samples}; accepted: >= 1")
+    if rows_per_call < 0:
+        raise ValueError(f"rows_per_call: got {rows_per_call}; accepted: >= 0 (0 = all samples in one call)")
     label = name or getattr(task, "name", type(task).__name__)
     total = 0
     passed_at = [0.0] * num_samples
@@ -157,9 +160,8 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
             if log:
                 log(f"  {label} problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
             continue
-        # seed + i wraps into the sampler's uint64 range (a --seed near its top stopped the run midway)
-        seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=budget,
-                                        temperature=temperature, top_k=top_k, seed=(seed + i) % (MAX_SEED + 1))
+        seqs = _draw(engine, prompt, num_samples, rows_per_call or num_samples, budget, temperature, top_k,
+                     seed + i)
         completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
         correct = sum(bool(task.evaluate(conv, c)) for c in completions)
         for j in range(num_samples):
@@ -171,6 +173,25 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     # float64 sums: the estimates are fractions, and float32 would round counts past 2^24
     *passed_at, total = _all_reduce_counts([*passed_at, float(total)], device, dtype=torch.float64)
     return TaskResult(label, round(passed_at[-1]), round(total), tuple(passed_at))
+
+
+# a later chunk's seed: apart from every problem's first-chunk seed (seed + i) in any real task
+_CHUNK_SEED_STRIDE = 1_000_003
+
+
+def _draw(engine, prompt, num_samples: int, rows: int, budget: int, temperature, top_k, seed: int) -> list:
+    """num_samples sequences of one prompt, generated `rows` at a time. The first chunk's seed is
+    `seed` (one chunk: exactly the single call it always was); the sampler's seed range is uint64,
+    so seeds wrap into it (a --seed near its top stopped the run midway)."""
+    from nanochat.sampling import MAX_SEED
+
+    seqs = []
+    for chunk, start in enumerate(range(0, num_samples, rows)):
+        part, _ = engine.generate_batch(prompt, num_samples=min(rows, num_samples - start), max_tokens=budget,
+                                        temperature=temperature, top_k=top_k,
+                                        seed=(seed + chunk * _CHUNK_SEED_STRIDE) % (MAX_SEED + 1))
+        seqs += part
+    return seqs
 
 
 # what torch's other allocators raise as a plain RuntimeError when memory runs out
