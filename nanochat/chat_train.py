@@ -421,10 +421,18 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     (seconds to minutes at d20); `_start` checks the model it loaded again. Returns the rows'
     length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
+    from nanochat.loop import check_resume_world
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
         fresh_start(checkpoint_dir(stage.name, tag, base_dir), None, cfg.overwrite)
+    elif cfg.resume != "auto":   # another world size: refused now, not after the mixture is read (auto starts fresh)
+        try:
+            resumed = read_meta(checkpoint_dir(stage.name, tag, base_dir), cfg.resume)
+        except CheckpointError:   # a missing or damaged meta.json: the load names it in full
+            resumed = None
+        if resumed is not None:
+            check_resume_world(resumed, world_size)
     try:
         model_len = (read_meta(src_dir, cfg.step).get("model_config") or {}).get("sequence_len")
     except CheckpointError:   # a damaged meta.json of the latest step: the load names it, in full

@@ -534,16 +534,26 @@ _CONFIG_FLAGS = {"n_layer": "base_train --depth", "n_embd": "base_train --depth 
                  "window_pattern": "base_train --window-pattern"}
 
 
+def _resume_mismatch(what, saved, now):
+    from nanochat.checkpoint import CheckpointError
+    raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
+                          "use the flags of the original run (or start a new --model-tag)")
+
+
+def check_resume_world(meta: dict, world_size: int) -> None:
+    """The checkpoint's world size (meta.json) is this run's: a CheckpointError naming both, which
+    a stage can raise from meta.json alone, before it reads data or loads weights."""
+    saved = (meta.get("train") or {}).get("world_size", 1)
+    if saved != world_size:
+        _resume_mismatch("a world size (torchrun processes)", saved, world_size)
+
+
 def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,
                             fsdp: bool | None = None) -> None:
     """A resumed run must continue the same model, batch layout, tokenizer and optimizer state
     layout (`fsdp`: sharded or not; None: not checked): a RequestError that names what differs and
     the flag that sets it."""
-    from nanochat.checkpoint import CheckpointError
-
-    def mismatch(what, saved, now):
-        raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
-                              "use the flags of the original run (or start a new --model-tag)")
+    mismatch = _resume_mismatch
     saved_config = meta.get("model_config") or {}
     # the fields flags set first, in _CONFIG_FLAGS' order: a new --depth is named as n_layer, not as the
     # n_embd it also changes (sorted, n_embd came first and the error read as an --aspect-ratio change)
@@ -553,9 +563,8 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
         if saved_config.get(key) != model_config.get(key):
             flag = _CONFIG_FLAGS.get(key)
             mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
+    check_resume_world(meta, world_size)   # first: it also changes the batch arithmetic below
     train = meta.get("train", {})
-    if train.get("world_size", 1) != world_size:   # first: it also changes the batch arithmetic below
-        mismatch("a world size (torchrun processes)", train.get("world_size"), world_size)
     if train.get("total_batch_size") != plan.total_batch_size:
         mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
     saved_fsdp = (meta.get("config") or {}).get("fsdp")
