@@ -19,6 +19,9 @@ import json
 import sys
 import time
 
+TOP_K = 50              # the k of the top-k cases on every device
+TRITON_TOP_K_MAX = 200  # the largest k of the Triton cases (CUDA only)
+
 
 def parse_args(argv=None):
     from nanochat.flags import FlagParser
@@ -34,7 +37,26 @@ def parse_args(argv=None):
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}; accepted: an integer >= 1")
     if args.device not in ("cuda", "cpu"):
         raise ValueError(f"--device: got {args.device!r}; accepted: cuda, cpu")
+    # a top-k case needs more tokens than k: torch.topk crashed the run ("selected index k out of
+    # range") below it, and at k == V sample_next skips the mask, so a "top-k" row timed plain sampling
+    k_max = TRITON_TOP_K_MAX if args.device == "cuda" else TOP_K
+    if args.vocab_size <= k_max:
+        raise ValueError(f"--vocab-size: got {args.vocab_size}; accepted: an integer > {k_max} with --device "
+                         f"{args.device} (the largest top-k its cases sample from)")
     return args
+
+
+def triton_skip_reason(device: str, vocab_size: int) -> str | None:
+    """Why the Triton sampler cases do not run on `device` at `vocab_size` (None: they run). On CUDA
+    above the kernel's vocabulary limit they were left out silently: the table lacked the rows the
+    Engine would not use either, and nothing said so."""
+    if device != "cuda":
+        return None   # CUDA-only by design (module docstring); a CPU run never lists them
+    from nanochat.triton_sample import MAX_TRITON_VOCAB
+    if vocab_size > MAX_TRITON_VOCAB:
+        return (f"--vocab-size {vocab_size} > {MAX_TRITON_VOCAB}, the Triton sampler's limit: the Engine "
+                "samples with torch here, so the triton cases are not timed")
+    return None
 
 
 def multinomial_sampler(logits, temperature, top_k, generator):
@@ -96,19 +118,22 @@ def main(argv=None) -> int:
     cases = {
         "greedy": lambda: sample_next(logits, 0.0, None, None, None),
         "t1": lambda: sample_next(logits, 1.0, None, None, gen),
-        "t1 top-k 50": lambda: sample_next(logits, 1.0, 50, None, gen),
+        "t1 top-k 50": lambda: sample_next(logits, 1.0, TOP_K, None, gen),
         "t1 top-p 0.9": lambda: sample_next(logits, 1.0, None, 0.9, gen),
         "multinomial t1": lambda: multinomial_sampler(logits, 1.0, None, gen),
-        "multinomial t1 top-k 50": lambda: multinomial_sampler(logits, 1.0, 50, gen),
-        "topk k-th value (k 50)": lambda: torch.topk(logits, 50, dim=-1).values[:, -1:],
-        "kth_largest (k 50)": lambda: kth_largest(logits, 50),
-        "t1 top-k 50 top-p 0.9": lambda: sample_next(logits, 1.0, 50, 0.9, gen),
+        "multinomial t1 top-k 50": lambda: multinomial_sampler(logits, 1.0, TOP_K, gen),
+        "topk k-th value (k 50)": lambda: torch.topk(logits, TOP_K, dim=-1).values[:, -1:],
+        "kth_largest (k 50)": lambda: kth_largest(logits, TOP_K),
+        "t1 top-k 50 top-p 0.9": lambda: sample_next(logits, 1.0, TOP_K, 0.9, gen),
     }
-    if args.device == "cuda" and args.vocab_size <= 32768:
+    skipped = triton_skip_reason(args.device, args.vocab_size)
+    if skipped:
+        print(json.dumps({"bench": "sampler", "case": "triton", "device": args.device, "skipped": skipped}), flush=True)
+    elif args.device == "cuda":
         from nanochat.triton_sample import sample_triton
 
-        for name, (k, p) in {"t1": (None, None), "t1 top-k 50": (50, None), "t1 top-p 0.9": (None, 0.9),
-                             "t1 top-k 50 top-p 0.9": (50, 0.9), "t1 top-k 200": (200, None)}.items():
+        for name, (k, p) in {"t1": (None, None), "t1 top-k 50": (TOP_K, None), "t1 top-p 0.9": (None, 0.9),
+                             "t1 top-k 50 top-p 0.9": (TOP_K, 0.9), "t1 top-k 200": (TRITON_TOP_K_MAX, None)}.items():
             cases[f"triton {name}"] = lambda k=k, p=p: sample_triton(logits, 1.0, k, p, 0, 1)
             if k is not None:  # the one-program path next to the two-stage one it replaced
                 cases[f"triton 1-program {name}"] = lambda k=k, p=p: sample_triton(logits, 1.0, k, p, 0, 1, chunk=0)
@@ -127,6 +152,8 @@ def main(argv=None) -> int:
     for r in rows:
         gpu = "-" if r["gpu_us_per_call"] is None else f"{r['gpu_us_per_call']:.1f}"
         print(f"{r['case']:<42}{r['us_per_call']:>10.1f}{gpu:>10}")
+    if skipped:
+        print(f"(triton cases skipped: {skipped})")
     return 0
 
 

@@ -140,10 +140,21 @@ def bench_loss(args, device) -> list[dict]:
                 rec.update(loss_rel_err=_rel(result[0], ref[0]), grad_hidden_rel_err=_rel(result[1], ref[1]),
                            grad_weight_rel_err=_rel(result[2], ref[2]))
         except (RuntimeError, ValueError) as exc:
-            rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            rec["error"] = error_text(exc)
         print(json.dumps(finite_row(rec)), flush=True)
         rows.append(rec)
     return rows
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed row's error: the exception's type and first line, whole up to ERROR_CHARS. It was cut at
+    160 characters, which ended precision.py's refusals mid-list ("accepted on this device: --precision
+    auto|bf16|fp32, "): the part saying what this machine can run was lost."""
+    lines = str(exc).splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0][:ERROR_CHARS]}"
+
+
+ERROR_CHARS = 400
 
 
 def finite_row(rec: dict) -> dict:
@@ -236,7 +247,7 @@ def bench_model(args, rt) -> list[dict]:
                 rec.update(loss_rel_err=_rel(loss, ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]))
                 model = run = None   # free before the next configuration is built
             except (RuntimeError, ValueError) as exc:
-                rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                rec["error"] = error_text(exc)
             print(json.dumps(finite_row(rec)), flush=True)
             rows.append(rec)
             if rt.device_type == "cuda":
