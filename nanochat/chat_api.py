@@ -25,6 +25,11 @@ _TOOL_CALL = re.compile(r"<<([^<>]*)>>")
 
 # ------------------------------------------------------------------------------------ settings
 
+# ServerSettings fields that scripts/chat_web.py does not expose as flags (every other limit is
+# --NAME with dashes; default_max_tokens is --max-tokens)
+_NOT_FLAGS = frozenset({"max_stop"})
+
+
 @dataclass
 class ServerSettings:
     """Everything a client can influence is bounded by one of these."""
@@ -57,10 +62,12 @@ class ServerSettings:
                         "allowed_hosts", "cors_origins") or name == "max_concurrent_per_client" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                flag = name.removeprefix("default_").replace("_", "-")
-                raise ValueError(f"--{flag}: got {value!r}; accepted: an integer >= 1")
+                # max_stop has no chat_web flag: named as the field, not as a flag no one can pass
+                flag = f"ServerSettings.{name}" if name in _NOT_FLAGS else \
+                    "--" + name.removeprefix("default_").replace("_", "-")
+                raise ValueError(f"{flag}: got {value!r}; accepted: an integer >= 1")
         if not 0 <= self.max_temperature < float("inf"):   # NaN fails this too
-            raise ValueError(f"--max-temperature: got {self.max_temperature}; accepted: a number >= 0")
+            raise ValueError(f"--max-temperature: got {self.max_temperature}; accepted: a finite number >= 0")
         for flag, limit, value, high, low in (
                 ("--temperature", "--max-temperature", self.default_temperature, self.max_temperature, 0),
                 ("--top-k", "--max-top-k", self.default_top_k, self.max_top_k, 0),

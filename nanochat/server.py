@@ -361,12 +361,13 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                              for e in {id(w.engine): w.engine for w in pool.workers}.values() if hasattr(e, "slots")],
                 "context_len": engine.max_seq_len, "limits": settings.public()}
 
-    @app.get("/v1/models")
+    # HEAD too, as / and /health: monitors of an OpenAI-compatible server probe /v1/models (a 405 reads as "down")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         check_auth(request)
         return {"object": "list", "data": [model_card]}
 
-    @app.get("/v1/models/{model_id:path}")  # :path: a --model-name may contain "/"
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])  # :path: a --model-name may contain "/"
     async def model(model_id: str, request: Request):
         check_auth(request)
         if model_id != settings.model_name:
