@@ -492,12 +492,27 @@ def resolve_sources(*, data_dir=None, bundle_dir=None) -> tuple[list[TaskSource]
         raise MissingDataError(f"bundle_dir: {bundle} has no core.yaml (run download_eval_bundle())")
     if os.environ.get("NANOCHAT_EVAL_BUNDLE"):   # asked for by name: never fall back to other data silently
         raise MissingDataError(f"NANOCHAT_EVAL_BUNDLE={bundle} has no core.yaml; {_REFETCH}")
+    _check_default_bundle_dir(bundle)
     sources, dirs = _offline_sources(data_dir)
     if not sources:
         raise DataUnavailableError(
             f"no CORE data: no DCLM bundle at {bundle} (nanochat.core_eval.download_eval_bundle() fetches "
             f"{EVAL_BUNDLE_URL}) and no offline eval files in {[str(d) for d in dirs]}")
     return sources, "offline:" + ",".join(str(d) for d in dirs)
+
+
+def _check_default_bundle_dir(bundle: Path) -> None:
+    """MissingDataError for a default bundle dir that holds files but no core.yaml: the bundle
+    unzipped one level too deep (eval_bundle/eval_bundle/core.yaml) or copied in part. It is the
+    user's (download_eval_bundle moves a whole bundle in at once), and falling back to the offline
+    files scored a CORE that does not compare with the bundle's with nothing but its label to say so."""
+    if not bundle.is_dir() or not any(bundle.iterdir()):
+        return
+    nested = sorted(bundle.rglob("core.yaml"), key=lambda p: len(p.parts))
+    where = f"; its core.yaml is at {nested[0]}: move that folder's contents up to {bundle}" if nested else ""
+    raise MissingDataError(f"eval bundle dir {bundle} holds files but no core.yaml{where}; or move the folder "
+                           f"aside: then nanochat.core_eval.download_eval_bundle() fetches {EVAL_BUNDLE_URL} into "
+                           "it, and without it base_eval scores the offline eval files")
 
 
 @dataclass

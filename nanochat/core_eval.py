@@ -280,6 +280,12 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
     """
     import torch
 
+    # checked here too (run_core_eval checks its own): -1, base_eval's "all", or 0 returned an
+    # accuracy of 0.0 over no items, and any scoring but "mean" silently ranked by the sum
+    if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 1):
+        raise ValueError(f"evaluate_task num_items: got {num_items!r}; accepted: None (all) or an integer >= 1")
+    if scoring not in ("mean", "sum"):
+        raise ValueError(f"evaluate_task scoring: got {scoring!r}; accepted: mean|sum")
     n = len(data) if num_items is None else min(num_items, len(data))
     if task.num_fewshot >= len(data):
         raise ValueError(f"task {task.label}: {task.num_fewshot}-shot needs more than {len(data)} examples")
