@@ -78,6 +78,7 @@ EOF
 }
 
 case ${1:-} in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
   pack) shift; pack "$@" ;;
   install) install ;;
   *) echo "usage: bash scripts/alt_triton.sh pack [VERSION] | install" >&2; exit 2 ;;

@@ -56,6 +56,7 @@ install() {
 }
 
 case ${1:-} in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
   pack) pack ;;
   install) install ;;
   *) echo "usage: bash scripts/fa4_install.sh pack|install" >&2; exit 2 ;;
