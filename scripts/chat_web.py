@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--num-gpus", dest="num_gpus", type=int, default=1,
                    help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
-    p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere)")
+    p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere; with "
+                   "--batch-slots > 1 the batched steps run as graphs where the engine captures, else as fixed-shape "
+                   "static steps: the banner's decode=)")
     p.add_argument("--graph-step", dest="graph_step", default="auto",
                    help="auto|compiled|eager|persistent: what a graphs/static decode step runs (auto: the persistent "
                         "batch-1 Triton kernel where it was measured faster and passes a probe, else compiled)")
