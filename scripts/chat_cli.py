@@ -10,6 +10,9 @@ them; a line starting with // sends the rest, from its second /, as a message. C
 answer being written. Tokens are printed as they are generated; calculator tool calls show as
 <<expr=result>>; on a terminal, control characters the model writes show as U+FFFD. A reply cut off
 because the conversation filled the model's context says so on stderr, as does a reply with no text.
+-i base (a pretrained model, which never saw the chat template) continues the text itself: the
+prompt is <|bos|> + the text, the reply runs until --max-tokens or a <|bos|>, and each interactive
+line is a prompt of its own (no history).
 """
 
 from __future__ import annotations
@@ -120,19 +123,28 @@ def check_decode_device(args: argparse.Namespace, device) -> None:
                            "accepted here: auto|compiled|eager")
 
 
-def fit_prompt(engine, tokenizer, messages: list[dict], hint: str) -> list[int]:
-    """The conversation's prompt tokens; RequestError (ending with `hint`) when it leaves the
-    model's context no room for a reply."""
+def render_prompt(tokenizer, messages: list[dict], plain: bool = False) -> list[int]:
+    """The tokens the model continues: the chat template with <|assistant_start|> appended, or,
+    `plain` (-i base), <|bos|> + the last message's text, as a base model was trained and as
+    base_eval samples it: in the template its special tokens are ones that model never learned."""
+    if plain:
+        return tokenizer.encode(messages[-1]["content"], prepend="<|bos|>")
+    return tokenizer.render_for_completion({"messages": messages})
+
+
+def fit_prompt(engine, tokenizer, messages: list[dict], hint: str, plain: bool = False) -> list[int]:
+    """The conversation's prompt tokens (render_prompt); RequestError (ending with `hint`) when it
+    leaves the model's context no room for a reply."""
     from nanochat.errors import RequestError
 
-    prompt = tokenizer.render_for_completion({"messages": messages})
+    prompt = render_prompt(tokenizer, messages, plain)
     if len(prompt) >= engine.max_seq_len:
-        raise RequestError(f"the conversation is {len(prompt)} tokens, the model's context is "
-                           f"{engine.max_seq_len}: {hint}")
+        what = "text" if plain else "conversation"
+        raise RequestError(f"the {what} is {len(prompt)} tokens, the model's context is {engine.max_seq_len}: {hint}")
     return prompt
 
 
-def fit_conversation(engine, tokenizer, messages: list[dict]) -> list[int]:
+def fit_conversation(engine, tokenizer, messages: list[dict], plain: bool = False) -> list[int]:
     """fit_prompt for the chat, whose hint is what would help: /clear when the history is what
     does not fit, "shorten the message" when the newest message alone leaves no room (/clear
     cannot help that; it was told to type /clear, and after it to shorten the message)."""
@@ -140,19 +152,21 @@ def fit_conversation(engine, tokenizer, messages: list[dict]) -> list[int]:
 
     try:
         return fit_prompt(engine, tokenizer, messages,
-                          "type /clear to start over" if len(messages) > 1 else "shorten the message")
+                          "type /clear to start over" if len(messages) > 1 else "shorten the message", plain)
     except RequestError:
         if len(messages) > 1:   # raises, with the message's own length, when it alone is too long
-            fit_prompt(engine, tokenizer, messages[-1:], "shorten the message")
+            fit_prompt(engine, tokenizer, messages[-1:], "shorten the message", plain)
         raise
 
 
-def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "") -> dict:
+def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "",
+           plain: bool = False) -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
     as parts. A reply cut off because the context is full gets a note on stderr, ending with
     `full_hint` (what to do about it), one cut off at --max-tokens a note saying so, and one that
-    ends with no text (nothing but whitespace, or special tokens shown as nothing) a note saying that."""
+    ends with no text (nothing but whitespace, or special tokens shown as nothing) a note saying that.
+    `plain` (-i base): a text continuation, which only <|bos|> (a new document) ends."""
     out = sys.stdout if out is None else out
     from nanochat.engine import TOOL_TEXT, assistant_parts
     from nanochat.text_stream import TextStream
@@ -165,7 +179,8 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     room = engine.max_seq_len - len(prompt)
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
     # as the server (nanochat/server.py): a reply also ends where the model starts a user turn
-    stops = set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
+    stops = {tokenizer.bos_token_id} if plain else \
+        set(engine.default_stop_tokens) | {tokenizer.encode_special("<|user_start|>")}
     generated, stopped, shown = [], False, []
     try:
         for column, _ in engine.generate(prompt, max_tokens=min(args.max_tokens, room), temperature=args.temperature,
@@ -213,7 +228,7 @@ def main(argv=None) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     """Load the model, then answer -p, or chat until /quit or Ctrl-D."""
-    import random
+    import secrets
 
     from nanochat.checkpoint import check_model_tag_exists, load_model
     from nanochat.common import init_runtime
@@ -238,21 +253,26 @@ def chat(args: argparse.Namespace) -> int:
     # not pick persistent it falls back to eager, not compiled: no torch.compile wait at start-up.
     engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step, graph_fallback="eager")
     if args.prompt is not None:   # before the warm-up: a prompt too long to answer ends the run at once
-        prompt = fit_prompt(engine, tokenizer, [{"role": "user", "content": args.prompt}], "shorten -p")
+        prompt = fit_prompt(engine, tokenizer, [{"role": "user", "content": args.prompt}], "shorten -p",
+                            plain=args.source == "base")
     warm = 0.0
     if engine.decode_mode == "graphs":   # stderr: -p prints the answer alone on stdout
         print(f"warming up the decode step (graph step {engine.graph_step}; a machine's first start compiles "
               "its kernels, up to ~20 s on an H100)...", file=sys.stderr, flush=True)
         warm = engine.warmup(batch_sizes=(1,), all_buckets=False)
-    next_seed = (lambda: args.seed) if args.seed is not None else (lambda: random.randrange(2**31))
+    # not the `random` module: init_runtime seeds it (42), so every session drew the same seeds and
+    # a sampled -p gave the same answer run after run (the server draws its seeds so too)
+    next_seed = (lambda: args.seed) if args.seed is not None else (lambda: secrets.randbelow(2**31))
 
     if args.prompt is not None:
-        answer(engine, tokenizer, prompt, args, next_seed())
+        answer(engine, tokenizer, prompt, args, next_seed(), plain=args.source == "base")
         return 0
 
     step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
     print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
           f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit, /help = commands")
+    if args.source == "base":
+        print("a base model: each line is continued as plain text (no chat template, no history)")
     return converse(engine, tokenizer, args, next_seed)
 
 
@@ -280,6 +300,7 @@ def converse(engine, tokenizer, args, next_seed) -> int:
     if hasattr(sys.stdin, "reconfigure"):   # a line that is not UTF-8 (a Latin-1 file piped in) is said, not a traceback
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
+    plain = getattr(args, "source", "sft") == "base"   # each line its own text to continue
     while True:
         try:
             print()
@@ -304,12 +325,14 @@ def converse(engine, tokenizer, args, next_seed) -> int:
             continue
         if not text:
             continue
+        if plain:   # a base model continues text: the previous line and its continuation are no context
+            messages = []
         messages.append({"role": "user", "content": text[1:] if text.startswith("//") else text})
         try:
             print("\nAssistant: ", end="", flush=True)
-            prompt = fit_conversation(engine, tokenizer, messages)
-            messages.append(answer(engine, tokenizer, prompt, args, next_seed(),
-                                   full_hint="; type /clear to start over"))
+            prompt = fit_conversation(engine, tokenizer, messages, plain)
+            messages.append(answer(engine, tokenizer, prompt, args, next_seed(), plain=plain,
+                                   full_hint="" if plain else "; type /clear to start over"))
         except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)
             print("(stopped)")
             messages.pop()
