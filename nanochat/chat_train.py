@@ -389,7 +389,7 @@ def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, 
     stage rerun by setup.sh after its flags changed) is left alone for a fresh start, said in one
     line. An explicit --resume raises instead (check_resume_compatible names what differs)."""
     from nanochat.checkpoint import CheckpointError
-    from nanochat.loop import check_resume_compatible
+    from nanochat.resume_checks import check_resume_compatible
 
     model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
     seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
@@ -421,7 +421,7 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     (seconds to minutes at d20); `_start` checks the model it loaded again. Returns the rows'
     length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
-    from nanochat.loop import check_resume_world
+    from nanochat.resume_checks import check_resume_world
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
@@ -453,9 +453,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, planned_saves, save_checkpoint,
                                      step_dirname)
     from nanochat.kernels import check_kernel
-    from nanochat.loop import (LoopSpec, check_resume_step, log_stage_report, resume_loop_state, run_training_loop,
-                               say_schedule_changes)
+    from nanochat.loop import LoopSpec, log_stage_report, resume_loop_state, run_training_loop
     from nanochat.optim import build_optimizer
+    from nanochat.resume_checks import check_resume_step, say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
     from nanochat.training import (StepMeter, Trainer, evaluate_bpb, resolve_peak_flops, restore_rng_state,
@@ -569,7 +569,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     spec = LoopSpec(stage.name, num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
-                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
+                    model_tag=tag)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
     # as of the batches trained: the loader has read one more (the trainer's prefetch) past the last step

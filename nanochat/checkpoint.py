@@ -91,14 +91,23 @@ def read_latest(ckpt_dir: str | Path) -> int:
 
 
 def _other_tags(ckpt_dir) -> str:
-    """For a <phase>/<tag> checkpoint directory that does not exist (a mistyped --model-tag): the
+    """For a <phase>/<tag> checkpoint directory that does not exist or holds no checkpoint (a mistyped
+    --model-tag; a training run has claimed it, .writer.lock, before it reads --resume's step): the
     tags that phase does have. base_eval and chat_eval said only "latest.json missing"."""
     ckpt_dir = Path(ckpt_dir)
     root = ckpt_dir.parent
-    if ckpt_dir.is_dir() or root.name not in PHASES or root.parent.name != "checkpoints":
+    if root.name not in PHASES or root.parent.name != "checkpoints" or _has_checkpoint(ckpt_dir):
         return ""
+    if ckpt_dir.is_dir():
+        others = "|".join(t for t in _model_tags(root) if t != ckpt_dir.name and _has_checkpoint(root / t))
+        return f"; model tag {ckpt_dir.name!r} holds no checkpoint: the {root.name} model tags that do are " \
+               f"{others or 'none'} (--model-tag)"
     return (f"; there is no model tag {ckpt_dir.name!r}: the {root.name} model tags are "
             f"{'|'.join(_model_tags(root)) or 'none'} (--model-tag)")
+
+
+def _has_checkpoint(tag_dir: Path) -> bool:
+    return (tag_dir / LATEST_NAME).is_file() or bool(list_steps(tag_dir))
 
 
 def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
@@ -547,7 +556,7 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
 def _model_tags(root: Path) -> list[str]:
     """The tag directories under `root`: those holding a checkpoint, or all when none does."""
     tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    return [t for t in tags if (root / t / LATEST_NAME).is_file() or list_steps(root / t)] or tags
+    return [t for t in tags if _has_checkpoint(root / t)] or tags
 
 
 def check_model_tag_exists(phase: str, model_tag: str | None, base_dir=None, flag: str = "-g/--model-tag") -> None:

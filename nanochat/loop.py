@@ -94,6 +94,7 @@ class LoopSpec:
     report: bool = True                          # per-step rows in <base_dir>/report/metrics_<stage>.jsonl
     keep_last: int = 0                           # > 0: keep this run's newest N checkpoints, delete older ones
     resumed_from: Path | None = None             # the checkpoint a resumed run started from (pruned like its own)
+    model_tag: str | None = None                 # in its metrics rows: the report keeps the latest run's tag's
 
 
 @dataclass
@@ -108,6 +109,7 @@ class LoopResult:
     last_checkpoint: str | None = None
     evaluated_at: int | None = None              # the step of the last evaluation / sample (saved with the
     sampled_at: int | None = None                # loop state: a resume at that step does not repeat them)
+    report_error: str | None = None              # why metrics rows stopped (a full disk: the run goes on)
 
 
 class StopRequested(RequestError):
@@ -288,15 +290,14 @@ def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool,
     step before it was saved (evaluated_at / sampled_at restored from its loop state): a resumed
     run neither spends another evaluation on it nor writes a second metrics row for the step.
     Returns whether either ran (alike on every rank)."""
-    from nanochat.report import log_metrics
-
     ran = False
     if spec.evaluate is not None and _due(spec.eval_every, step, last) and res.evaluated_at != step:
         ran = True
         _evaluate(spec, res, step, tracker)
         res.evaluated_at = step
         if report:
-            log_metrics(spec.stage, {"step": step, **res.last_eval, "elapsed_s": time.perf_counter() - t_start})
+            _report_row(res, spec.stage, {"step": step, **res.last_eval,
+                                          "elapsed_s": time.perf_counter() - t_start, "model_tag": spec.model_tag})
     if spec.sample is not None and _due(spec.sample_every, step, last) and (last or step > 0) \
             and res.sampled_at != step:
         res.sampled_at = step   # on every rank: each saves it in its loop state
@@ -310,8 +311,6 @@ def _evaluate_and_sample(spec: LoopSpec, res: LoopResult, step: int, last: bool,
 def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, tracker, report: bool,
                 t_start: float) -> None:
     """One optimizer step, its log line, tracker and report rows."""
-    from nanochat.report import log_metrics
-
     try:
         result = trainer.step(step)
     except torch.cuda.OutOfMemoryError as e:
@@ -327,10 +326,28 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     if tracker is not None:
         tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
     if report:
-        log_metrics(spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
-                                 "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
-                                 "mfu": metrics["mfu"], "peak_mem_gib": metrics["peak_mem_gib"],
-                                 "elapsed_s": time.perf_counter() - t_start, **extra})
+        _report_row(res, spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
+                                      "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
+                                      "mfu": metrics["mfu"], "peak_mem_gib": metrics["peak_mem_gib"],
+                                      "elapsed_s": time.perf_counter() - t_start, "model_tag": spec.model_tag,
+                                      **extra})
+
+
+def _report_row(res: LoopResult, stage: str, row: dict) -> None:
+    """One metrics row (rank 0). A disk filling mid-run ended rank 0 alone here with a bare OSError (the
+    other ranks waiting at the next collective): now one warning and no more rows; the next save stops
+    the run on every rank, naming the checkpoint kept, unless room was made by then."""
+    from nanochat.report import log_metrics
+
+    if res.report_error is None:
+        try:
+            log_metrics(stage, row)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise
+            res.report_error = f"{e.strerror}: {e.filename or 'metrics_' + stage + '.jsonl'}"
+            _say(f"warning: step {row.get('step')}: the report's metrics rows stop ({res.report_error}); training "
+                 "goes on (its next checkpoint save needs room on that disk)")
 
 
 def format_extra(extra: dict) -> str:
@@ -525,76 +542,3 @@ def resume_loop_state(resume: dict | None, meter, trainer, ckpt_dir) -> tuple[in
     meter.load_state_dict(loop["meter"])
     trainer.note_checkpoint(Path(ckpt_dir) / f"step_{loop['step']:06d}")
     return loop["step"], loop
-
-
-# model_config fields and the flags that set them (base_train; mid/SFT take them from the checkpoint)
-_CONFIG_FLAGS = {"n_layer": "base_train --depth", "n_embd": "base_train --depth / --aspect-ratio",
-                 "n_head": "base_train --head-dim", "n_kv_head": "base_train --head-dim",
-                 "sequence_len": "base_train --max-seq-len", "vocab_size": "the tokenizer",
-                 "window_pattern": "base_train --window-pattern"}
-
-
-def _resume_mismatch(what, saved, now):
-    from nanochat.checkpoint import CheckpointError
-    raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
-                          "use the flags of the original run (or start a new --model-tag)")
-
-
-def check_resume_world(meta: dict, world_size: int) -> None:
-    """The checkpoint's world size (meta.json) is this run's: a CheckpointError naming both, which
-    a stage can raise from meta.json alone, before it reads data or loads weights."""
-    saved = (meta.get("train") or {}).get("world_size", 1)
-    if saved != world_size:
-        _resume_mismatch("a world size (torchrun processes)", saved, world_size)
-
-
-def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,
-                            fsdp: bool | None = None) -> None:
-    """A resumed run must continue the same model, batch layout, tokenizer and optimizer state
-    layout (`fsdp`: sharded or not; None: not checked): a RequestError that names what differs and
-    the flag that sets it."""
-    mismatch = _resume_mismatch
-    saved_config = meta.get("model_config") or {}
-    # the fields flags set first, in _CONFIG_FLAGS' order: a new --depth is named as n_layer, not as the
-    # n_embd it also changes (sorted, n_embd came first and the error read as an --aspect-ratio change)
-    order = list(_CONFIG_FLAGS)
-    for key in sorted(set(saved_config) | set(model_config),
-                      key=lambda k: (order.index(k) if k in order else len(order), k)):
-        if saved_config.get(key) != model_config.get(key):
-            flag = _CONFIG_FLAGS.get(key)
-            mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
-    check_resume_world(meta, world_size)   # first: it also changes the batch arithmetic below
-    train = meta.get("train", {})
-    if train.get("total_batch_size") != plan.total_batch_size:
-        mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
-    saved_fsdp = (meta.get("config") or {}).get("fsdp")
-    if fsdp is not None and saved_fsdp is not None and bool(saved_fsdp) != fsdp:
-        mismatch("--fsdp (sharded optimizer state)" if saved_fsdp else "no --fsdp (whole optimizer state)",
-                 bool(saved_fsdp), fsdp)
-    if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
-        mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
-
-
-def say_schedule_changes(saved: dict, now: dict) -> list[str]:
-    """A resumed run's schedules are computed from this run's flags: one line naming each value
-    (flag -> number; None: unknown) that differs from the checkpoint's run, e.g. an extended
-    --num-iterations, or a flag of the original run left off the resume (its default then
-    applies). The optimizer names its own LR / weight-decay changes (MuonAdamW.load_state_dict)."""
-    changed = [f"--{k.replace('_', '-')} {saved[k]:g} -> {v:g}" for k, v in now.items()
-               if saved.get(k) is not None and v is not None and saved[k] != v]
-    if changed:
-        _say("--resume: the LR schedule follows this run's flags, not the checkpoint's: " + ", ".join(changed))
-    return changed
-
-
-def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:
-    """A checkpoint past the run's last step cannot be continued (the loop would never reach its
-    end): say so before anything is built. At exactly the last step the rerun trains no step: it saves
-    that step again (evaluating and sampling there only where the checkpoint had not)."""
-    from nanochat.checkpoint import CheckpointError, list_steps
-
-    if step > num_iterations:
-        earlier = [s for s in list_steps(ckpt_dir) if s <= num_iterations]
-        raise CheckpointError(f"--resume: {ckpt_dir} is at step {step}, past --num-iterations {num_iterations}; "
-                              f"pass --num-iterations > {step} to train on, or resume an earlier step "
-                              f"({earlier or 'none on disk'})")

@@ -16,19 +16,20 @@ SpellingBee, ChatCORE; tokens trained, average tok/s and MFU); time and cost (to
 val bpb vs step and wall clock, tok/s, memory); every section in pipeline order (stage, training
 before its evaluations, then time), the precision plan's fields grouped under `precision`.
 
-Summary values are read from section data: a "stage" key (else the stage named in the section
-title) and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy");
-the latest entry wins. A value logged before the latest training run of its stage (or of an earlier
-stage: a section with "final_step") is marked "(stale)"; one of a subset of the tasks or of their
-problems ("<row> complete": false: a CORE/ChatCORE without every task, a chat_eval --max-problems
-or base_eval --max-per-task run) "(partial)", and it does not replace a complete, current one; a
-generative task scored as pass@k over k samples ("<row> scored as": "pass@k") "(pass@k)". Under the
-table, each stage's values name the section entry (model tag, step, time) they come from. Memory
-is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots and the
-time table show each stage's current run: rows of an earlier run of the stage, or of steps a
-resumed run redid, are left out (and counted); a stage's run or an evaluation logged before the
-latest training run of an earlier stage (an evaluation: or of its own) is "(stale)" there, as in the
-summary, and left out of the total.
+Summary values are read from section data: a "stage" key (else the stage named in the section title)
+and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy"); the
+latest entry wins (a training run's own rows, tokens to MFU and own val bpb: its latest run's entry
+only, "-" where that run has none). A value logged before the latest training run of its stage (or
+of an earlier stage: a section with "final_step") is marked "(stale)"; one of a subset of the tasks
+or of their problems ("<row> complete": false: a CORE/ChatCORE without every task, a chat_eval
+--max-problems or base_eval --max-per-task run) "(partial)", and it does not replace a complete,
+current one; a generative task scored as pass@k over k samples ("<row> scored as": "pass@k")
+"(pass@k)". Under the table, each stage's values name the section entry (model tag, step, time) they
+come from. Memory is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots
+and the time table show each stage's current run (of the latest row's model tag): rows of an earlier
+run of the stage, of another tag, or of steps a resumed run redid, are left out (and counted); a
+stage's run or an evaluation logged before the latest training run of an earlier stage (an
+evaluation: or of its own) is "(stale)" there, as in the summary, and left out of the total.
 A stage whose latest metrics run logged no training section after it is marked "(unfinished)";
 RL's mean reward per step is summarised (a run rewarded 0 at every step said nothing of it).
 A section or header file that is not the JSON we write is a RequestError naming it (the CLI prints
@@ -71,6 +72,8 @@ SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     "tokens trained": ("tokens_trained",), "tok/s (average)": ("avg_tok_per_sec",),
     "MFU % (bf16 peak)": ("avg_mfu",),
 }
+# the rows a training run's own section gives (log_stage_report): of no other run than the stage's latest
+RUN_ROWS = ("val bpb (own data)", "tokens trained", "tok/s (average)", "MFU % (bf16 peak)")
 # how a summary row's values print (default: 4 decimals, the scores')
 ROW_FORMATS = {"tokens trained": "{:,.0f}", "tok/s (average)": "{:,.0f}", "MFU % (bf16 peak)": "{:.1f}"}
 # metric name -> accepted keys in metrics_<stage>.jsonl
@@ -201,15 +204,20 @@ def current_run(rows: list[dict]) -> tuple[list[dict], int]:
     its first step, and a row re-logged for a step (training or evaluation) replaces the older one.
     Otherwise a rerun's curve is drawn on top of the old one and the time table takes the old
     run's last step and wall clock. Linear in the rows (a run logs one per step: filtering every
-    kept row at each new one took ~90 s for a 20k-step run)."""
-    keep = [True] * len(rows)
+    kept row at each new one took ~90 s for a 20k-step run).
+
+    Every --model-tag of a stage appends to the same file: the latest run is of the last row's
+    "model_tag" (rows of older files have none: kept), and rows of other tags are left out. By steps
+    alone, a resume of tag a after a run of tag b drew b's first steps joined to a's later ones."""
+    tag = next((r["model_tag"] for r in reversed(rows) if r.get("model_tag") is not None), None)
+    keep = [tag is None or row.get("model_tag") in (None, tag) for row in rows]
     # (step, train row?, index) of the kept rows that have a step, in file order: their steps never
     # decrease (each row drops the kept ones past its step), so those are on top, and at most one
     # training and one evaluation row share the top step
     stack: list[tuple[float, bool, int]] = []
     for i, row in enumerate(rows):
         step = _step_of(row)
-        if step is None:
+        if step is None or not keep[i]:
             continue
         train = _get(row, "loss") is not None
         while stack and stack[-1][0] > step:
@@ -378,16 +386,20 @@ class Report:
                 if stage is not None:
                     entries.append((_entry_time(entry), len(entries), stage, data, _source(doc["section"], entry)))
         entries.sort(key=lambda e: e[:2])
-        trained = {}   # stage -> time of its latest training section entry (log_stage_report's)
-        for t, _, stage, data, _ in entries:
+        trained, latest = {}, {}   # stage -> time / order of its latest training entry (log_stage_report's)
+        for t, order, stage, data, _ in entries:
             if "final_step" in data:
-                trained[stage] = t
+                trained[stage], latest[stage] = t, order
         table: dict[str, dict[str, tuple[float, list[str], tuple]]] = {row: {} for row in SUMMARY_ROWS}
-        for t, _, stage, data, source in entries:
+        for t, order, stage, data, source in entries:
             if data.get("weights", "none") != "none":
                 continue
             upstream = [trained[s] for s in STAGES[:STAGES.index(stage) + 1] if s in trained]
             for row, keys in SUMMARY_ROWS.items():
+                # a run's own figures come from the stage's latest run only: a rerun that timed no step
+                # (< 11 steps in a process) showed the old run's tok/s "(stale)" next to its own tokens
+                if row in RUN_ROWS and "final_step" in data and order != latest[stage]:
+                    continue
                 for key in keys:
                     if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool):
                         notes = (["stale"] if any(t < tt for tt in upstream) else []) + _value_notes(row, data)
@@ -430,8 +442,8 @@ class Report:
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
         unfinished = _unfinished_runs(metrics, sections)
         lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost, unfinished)
-        notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (or of steps a resumed run "
-                 "redid) left out of the plots and this table" for stage, n in superseded.items()]
+        notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (of another --model-tag, or of steps "
+                 "a resumed run redid) left out of the plots and this table" for stage, n in superseded.items()]
         notes += [f"- {stage} (unfinished): its latest run {why}: it was interrupted, failed or is still running; the "
                   "plots and this table show that run, the stage's section and summary values an earlier one, if any"
                   for stage, why in unfinished.items()]

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 
@@ -19,10 +20,7 @@ def system_info() -> dict:
 
     info["torch"] = torch.__version__
     if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        info["device"] = f"{n} x {torch.cuda.get_device_name(0)}"
-        info["cuda"] = torch.version.cuda
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        info.update(_gpu_info(torch))
     else:
         info["device"] = "cpu"
     info["cpu"] = _cpu_name()
@@ -33,6 +31,26 @@ def system_info() -> dict:
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
+    return info
+
+
+def _gpu_info(torch) -> dict:
+    """Each kind of GPU with its count and compute capability (GB10's pitfalls are sm_121's, not
+    sm_120's: "1 x NVIDIA GB10" did not say which), the CUDA and Triton versions the GB10 workarounds
+    depend on, and whether the GPU memory is the host's (unified: "gpu_memory_gib" next to
+    "memory_gib" read as two pools, twice the memory there is)."""
+    from importlib import metadata
+
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    kinds = Counter(f"{p.name} (cc {p.major}.{p.minor})" for p in props)
+    info = {"device": ", ".join(f"{n} x {kind}" for kind, n in kinds.items()), "cuda": torch.version.cuda}
+    try:
+        info["triton"] = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        pass
+    info["gpu_memory_gib"] = round(props[0].total_memory / 2**30, 1)
+    if getattr(props[0], "is_integrated", False):
+        info["unified_memory"] = "yes: gpu_memory_gib is the host's memory, shared with the CPU"
     return info
 
 

@@ -26,10 +26,10 @@ from nanochat.attention import effective_backend, resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
-from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, check_resume_compatible, check_resume_step, log_stage_report,
-                           resume_loop_state, run_training_loop, say_schedule_changes)
+from nanochat.loop import TRAIN_FLAG_HELP, LoopSpec, log_stage_report, resume_loop_state, run_training_loop
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
                              small_batch_hint)
+from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                describe_peaks, plan_batch, precision_module, resolve_peak_flops,
@@ -262,6 +262,19 @@ def resumed_total(cfg: BaseTrainConfig, ckpt_dir, resume_at, world_size: int) ->
     return saved
 
 
+def say_grad_clip_change(saved, now: float) -> str | None:
+    """A resume clips as this run's --grad-clip says: one line when that differs from the checkpoint's
+    run (a --grad-clip left off the resume turned clipping off without a word, and the losses parted
+    from the uninterrupted run's). None: the same (or a checkpoint that recorded none)."""
+    if not isinstance(saved, (int, float)) or float(saved or 0) == float(now or 0):
+        return None
+    line = (f"--resume: gradient clipping follows this run's flags, not the checkpoint's: --grad-clip "
+            f"{saved:g} -> {now:g}" + (" (off)" if not now else "")
+            + (f"; pass --grad-clip {saved:g} to continue as before" if saved else ""))
+    print0(line)
+    return line
+
+
 def runtime_dtype(precision: str) -> str:
     """Compute dtype for init_runtime: fp8/nvfp4 run their non-matmul work in bf16."""
     return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
@@ -370,6 +383,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         say_schedule_changes({"num_iterations": (resume["meta"].get("train") or {}).get("num_iterations"),
                               **{k: getattr(saved, k) for k in SCHEDULE_FLAGS}},
                              {"num_iterations": num_iterations, **{k: getattr(recipe, k) for k in SCHEDULE_FLAGS}})
+        say_grad_clip_change(saved_cfg.get("grad_clip"), cfg.grad_clip)
 
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
@@ -470,7 +484,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     spec = LoopSpec("base", num_iterations, eval_every=cfg.eval_every, sample_every=cfg.sample_every,
                     save_every=cfg.save_every, evaluate=evaluate, sample=sample, save=save,
                     is_master=rt.is_master, keep_last=cfg.keep_last,
-                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
+                    model_tag=model_tag)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=step, resume_state=resume_loop)
     val_bpb, min_val_bpb, losses = result.val_bpb, result.min_val_bpb, result.losses
 

@@ -300,7 +300,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.checkpoint_io import CheckpointError
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
                                      model_from_meta, planned_saves, read_meta, save_checkpoint, step_dirname)
-    from nanochat.loop import LoopSpec, check_resume_step, log_stage_report, run_training_loop, say_schedule_changes
+    from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
+    from nanochat.resume_checks import check_resume_step, say_schedule_changes
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
     from nanochat.tasks import GSM8K
@@ -440,7 +441,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
 
     spec = LoopSpec("rl", num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
-                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None)
+                    resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
+                    model_tag=tag)
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2),

@@ -113,7 +113,7 @@ def test_resume_past_the_last_step_is_refused_before_anything_runs(tmp_path):
     """A checkpoint at step 6 with --num-iterations 4 used to loop forever (step 310/4...): now a
     one-line error naming the steps that can be resumed; at exactly the last step it is allowed."""
     from nanochat import checkpoint as ck
-    from nanochat.loop import check_resume_step
+    from nanochat.resume_checks import check_resume_step
     for step in (2, 6):
         ck.save_checkpoint(tmp_path, step, model_state={"w": torch.zeros(1)}, meta={})
     with pytest.raises(RequestError, match="at step 6, past --num-iterations 4.*> 6.*\\[2\\]"):
@@ -131,7 +131,7 @@ def test_the_loop_never_runs_past_its_last_step():
 
 
 def test_resume_mismatch_names_the_field_and_its_flag():
-    from nanochat.loop import check_resume_compatible
+    from nanochat.resume_checks import check_resume_compatible
     plan = BatchPlan(total_batch_size=4096, device_batch_size=2, seq_len=1024, world_size=1, grad_accum_steps=2)
     meta = {"model_config": {"n_layer": 2, "n_embd": 128}, "train": {"total_batch_size": 4096, "world_size": 1}}
     with pytest.raises(RequestError, match="n_layer \\(set by base_train --depth\\) 2 but this run has 3"):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nanochat import checkpoint as ck
-from nanochat.loop import LoopSpec, StopRequested, check_resume_compatible, run_training_loop
+from nanochat.loop import LoopSpec, StopRequested, run_training_loop
+from nanochat.resume_checks import check_resume_compatible
 from tests.test_loop import _SignalTrainer
 
 TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",

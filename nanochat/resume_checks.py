@@ -1,0 +1,81 @@
+"""What a resumed training run may continue (base, mid, SFT, RL): the checkpoint's model, world
+size, batch, optimizer layout and tokenizer against this run's (check_resume_compatible, and
+check_resume_world from meta.json alone, before data or weights load), a checkpoint past the run's
+last step (check_resume_step), and the schedule values that changed (say_schedule_changes). Each
+refusal is a CheckpointError naming what differs and the flag that sets it."""
+
+from __future__ import annotations
+
+
+# model_config fields and the flags that set them (base_train; mid/SFT take them from the checkpoint)
+_CONFIG_FLAGS = {"n_layer": "base_train --depth", "n_embd": "base_train --depth / --aspect-ratio",
+                 "n_head": "base_train --head-dim", "n_kv_head": "base_train --head-dim",
+                 "sequence_len": "base_train --max-seq-len", "vocab_size": "the tokenizer",
+                 "window_pattern": "base_train --window-pattern"}
+
+
+def _resume_mismatch(what, saved, now):
+    from nanochat.checkpoint import CheckpointError
+    raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
+                          "use the flags of the original run (or start a new --model-tag)")
+
+
+def check_resume_world(meta: dict, world_size: int) -> None:
+    """The checkpoint's world size (meta.json) is this run's: a CheckpointError naming both, which
+    a stage can raise from meta.json alone, before it reads data or loads weights."""
+    saved = (meta.get("train") or {}).get("world_size", 1)
+    if saved != world_size:
+        _resume_mismatch("a world size (torchrun processes)", saved, world_size)
+
+
+def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,
+                            fsdp: bool | None = None) -> None:
+    """A resumed run must continue the same model, batch layout, tokenizer and optimizer state
+    layout (`fsdp`: sharded or not; None: not checked): a RequestError that names what differs and
+    the flag that sets it."""
+    mismatch = _resume_mismatch
+    saved_config = meta.get("model_config") or {}
+    # the fields flags set first, in _CONFIG_FLAGS' order: a new --depth is named as n_layer, not as the
+    # n_embd it also changes (sorted, n_embd came first and the error read as an --aspect-ratio change)
+    order = list(_CONFIG_FLAGS)
+    for key in sorted(set(saved_config) | set(model_config),
+                      key=lambda k: (order.index(k) if k in order else len(order), k)):
+        if saved_config.get(key) != model_config.get(key):
+            flag = _CONFIG_FLAGS.get(key)
+            mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
+    check_resume_world(meta, world_size)   # first: it also changes the batch arithmetic below
+    train = meta.get("train", {})
+    if train.get("total_batch_size") != plan.total_batch_size:
+        mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
+    saved_fsdp = (meta.get("config") or {}).get("fsdp")
+    if fsdp is not None and saved_fsdp is not None and bool(saved_fsdp) != fsdp:
+        mismatch("--fsdp (sharded optimizer state)" if saved_fsdp else "no --fsdp (whole optimizer state)",
+                 bool(saved_fsdp), fsdp)
+    if meta.get("tokenizer_fingerprint") not in (None, fingerprint):
+        mismatch("tokenizer fingerprint", meta.get("tokenizer_fingerprint"), fingerprint)
+
+
+def say_schedule_changes(saved: dict, now: dict) -> list[str]:
+    """A resumed run's schedules are computed from this run's flags: one line naming each value
+    (flag -> number; None: unknown) that differs from the checkpoint's run, e.g. an extended
+    --num-iterations, or a flag of the original run left off the resume (its default then
+    applies). The optimizer names its own LR / weight-decay changes (MuonAdamW.load_state_dict)."""
+    changed = [f"--{k.replace('_', '-')} {saved[k]:g} -> {v:g}" for k, v in now.items()
+               if saved.get(k) is not None and v is not None and saved[k] != v]
+    if changed:
+        from nanochat.loop import _say   # print0 that survives a terminal gone (a hung-up ssh session)
+        _say("--resume: the LR schedule follows this run's flags, not the checkpoint's: " + ", ".join(changed))
+    return changed
+
+
+def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:
+    """A checkpoint past the run's last step cannot be continued (the loop would never reach its
+    end): say so before anything is built. At exactly the last step the rerun trains no step: it saves
+    that step again (evaluating and sampling there only where the checkpoint had not)."""
+    from nanochat.checkpoint import CheckpointError, list_steps
+
+    if step > num_iterations:
+        earlier = [s for s in list_steps(ckpt_dir) if s <= num_iterations]
+        raise CheckpointError(f"--resume: {ckpt_dir} is at step {step}, past --num-iterations {num_iterations}; "
+                              f"pass --num-iterations > {step} to train on, or resume an earlier step "
+                              f"({earlier or 'none on disk'})")
