@@ -473,6 +473,13 @@ def check_kernel(name: str, device: torch.device | str) -> None:
         if dev.type == "cuda" and importlib.util.find_spec("triton") is None:   # found, not imported
             raise RequestError("--kernel triton needs the triton package on CUDA: pip install triton, "
                                "or use --kernel current")
+    if name in ("liger", "triton") and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        # both launch Triton kernels whatever --compile says: a ptxas that cannot target this GPU
+        # (GB10 with Triton <= 3.5, no CUDA 13 toolkit) stopped training's apply_patches only after
+        # the checkpoint directory, the data and the model existed
+        from nanochat.platform import PtxasMissing, detect_device, ptxas_problem
+        if (problem := ptxas_problem(detect_device(device))) is not None:
+            raise PtxasMissing(f"--kernel {name}: {problem}")
 
 
 def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,

@@ -226,6 +226,24 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 
+def ptxas_problem(spec: DeviceSpec, env: Mapping[str, str] | None = None) -> str | None:
+    """Why patch_ptxas would stop a run that launches Triton kernels on `spec` (None: it would not),
+    from a dry run on a copy of the environment: kernels.check_kernel asks it with the recipes' other
+    checks (training applies the patch once data, checkpoint directory and model exist)."""
+    version = triton_version() if spec.is_cuda else None
+    if version is None:
+        return None
+    ctx = PatchContext(env=dict(os.environ if env is None else env), triton_version=version,
+                       bundled_ptxas_version=bundled_ptxas_version(spec.cc))
+    if (ctx.bundled_ptxas_version or _bundled_ptxas_by_triton(version)) < required_ptxas(spec.cc):
+        ctx.ptxas_candidates, ctx.ptxas_version_of = find_system_ptxas(), ptxas_version
+    try:
+        patch_ptxas(spec, ctx, uses_triton=True)
+    except PtxasMissing as exc:
+        return str(exc)
+    return None
+
+
 def _check_user_ptxas(spec: DeviceSpec, ctx: PatchContext, user: Mapping[str, str],
                       need: tuple[int, int], said: str) -> None:
     """A user's TRITON_PTXAS*_PATH is kept, but one that does not run (Triton skips it) or is too old

@@ -379,9 +379,13 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
     from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qkv_projection, build_rotary_norm
-    from nanochat.platform import apply_patches, detect_device
+    from nanochat.platform import apply_patches, apply_runtime_patches, detect_device
 
-    patches = apply_patches(detect_device(rt.device), kernel=kernel, compile=compile)
+    spec = detect_device(rt.device)
+    patches = apply_patches(spec, kernel=kernel, compile=compile)
+    if spec.is_cuda:   # and init_runtime's set, whatever the flags (as the preflight report names them):
+        # with --no-compile the banner and checkpoint left out the ptxas and is_big_gpu it had applied
+        patches += [name for name in apply_runtime_patches(spec) if name not in patches]
     resolved = apply_precision(model, precision, rt, backend=precision_backend, compile=compile,
                                fp8_wgrad=fp8_wgrad)
     if kernel != "current":
