@@ -464,7 +464,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
     rows_len = check_rows(cfg, stage, base_dir, rt.world_size)  # cheap: a checkpoint to start from, rows that fit it
-    check_kernel(cfg.kernel, rt.device)
+    check_kernel(cfg.kernel, rt.device, compile=compile_model)
     # ---- data before the model: the mixtures read and check every task file (DataError /
     # MissingDataError name the file) before any weights are loaded ----
     train_mix = build_mixture(stage.name, "train", data_dir=cfg.data_dir, test_holdout=cfg.test_holdout, seed=cfg.seed,

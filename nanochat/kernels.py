@@ -454,9 +454,10 @@ def make_liger_loss(inline: bool = False) -> LossFn:
 # entry point
 # --------------------------------------------------------------------------------------------
 
-def check_kernel(name: str, device: torch.device | str) -> None:
-    """Can `--kernel name` run on `device`? A RequestError saying what to do instead: the recipes
-    call it with their other checks, before a model is built."""
+def check_kernel(name: str, device: torch.device | str, compile: bool = False) -> None:
+    """Can `--kernel name` run on `device` (`compile`: under torch.compile, whose inductor kernels are
+    Triton's whatever the kernel)? A RequestError saying what to do instead: the recipes call it
+    with their other checks, before a model is built."""
     if name not in KERNELS:
         raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     if name == "liger":
@@ -473,13 +474,14 @@ def check_kernel(name: str, device: torch.device | str) -> None:
         if dev.type == "cuda" and importlib.util.find_spec("triton") is None:   # found, not imported
             raise RequestError("--kernel triton needs the triton package on CUDA: pip install triton, "
                                "or use --kernel current")
-    if name in ("liger", "triton") and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        # both launch Triton kernels whatever --compile says: a ptxas that cannot target this GPU
-        # (GB10 with Triton <= 3.5, no CUDA 13 toolkit) stopped training's apply_patches only after
-        # the checkpoint directory, the data and the model existed
+    if (compile or name in ("liger", "triton")) and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        # liger and triton launch Triton kernels whatever --compile says, and a compiled model's are
+        # inductor's: a ptxas that cannot target this GPU (GB10 with Triton <= 3.5, no CUDA 13 toolkit)
+        # stopped training's apply_patches only after the checkpoint directory, data and model existed
         from nanochat.platform import PtxasMissing, detect_device, ptxas_problem
         if (problem := ptxas_problem(detect_device(device))) is not None:
-            raise PtxasMissing(f"--kernel {name}: {problem}")
+            what = f"--kernel {name}" if name != "current" else "the compiled model (--no-compile avoids it)"
+            raise PtxasMissing(f"{what}: {problem}")
 
 
 def build_loss_fn(name: str, device: torch.device | str = "cpu", *, liger_inline: bool = False,

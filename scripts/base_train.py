@@ -309,12 +309,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # can this device run these? (raises; before the checkpoint directory exists: a refused run left
     # one holding only its writer lock)
+    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
     check_precision(cfg.precision, rt, cfg.precision_backend)
-    check_kernel(cfg.kernel, rt.device)
+    check_kernel(cfg.kernel, rt.device, compile=compile_model)
     check_training_backend(cfg.attn_backend, rt.device, rt.dtype)
 
     base_dir = get_base_dir()
-    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
     model_tag = cfg.model_tag or f"d{cfg.depth}"
     ckpt_dir = checkpoint_dir("base", model_tag, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)

@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from nanochat import platform as P
+import nanochat.precision  # noqa: F401  (imported before a test patches platform.detect_device: it binds the name
+from nanochat import platform as P  # at import, and a first import under the patch kept the simulated GB10 for good)
 from nanochat.platform import PatchContext, PtxasMissing, SimpleProps, detect_device
 
 GB = 10**9
