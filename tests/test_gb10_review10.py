@@ -4,7 +4,6 @@ checks (before the checkpoint directory, data and model exist), and the patch li
 checkpoint record names every workaround the process applied. Plus the MFU peaks per precision of
 the simulated GB10 / H100 / H200 / B200 / RTX 5090 rows (DESIGN.md s3), as a guard."""
 
-import sys
 import types
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import nanochat.precision  # noqa: F401  (imported before a test patches platform.detect_device: it binds the name
 from nanochat import platform as P  # at import, and a first import under the patch kept the simulated GB10 for good)
 from nanochat.platform import PatchContext, PtxasMissing, SimpleProps, detect_device
+from tests.test_precision_review2 import fake_liger
 
 GB = 10**9
 GB10 = SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * GB, is_integrated=True)
@@ -41,17 +41,6 @@ def old_triton(monkeypatch):
     return use
 
 
-def _fake_liger(monkeypatch):
-    class Loss:
-        def __init__(self, ignore_index=-100, softcap=None, reduction="mean", accum_dtype=None):
-            pass
-    mod = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
-    mod.LigerFusedLinearCrossEntropyLoss = Loss
-    for name in ("liger_kernel", "liger_kernel.transformers"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-
-
 @pytest.mark.parametrize("kernel", ["triton", "liger"])
 def test_kernel_that_no_ptxas_serves_is_refused_in_the_early_check(old_triton, monkeypatch, kernel):
     """GB10 + Triton 3.5 + no CUDA 13 ptxas: check_kernel (base_train's check before it claims the
@@ -60,7 +49,7 @@ def test_kernel_that_no_ptxas_serves_is_refused_in_the_early_check(old_triton, m
     import os
 
     from nanochat.kernels import check_kernel
-    _fake_liger(monkeypatch)
+    fake_liger(monkeypatch)
     old_triton(GB10)
     with pytest.raises(PtxasMissing, match=rf"^--kernel {kernel}: Triton 3\.5\.1's bundled ptxas \(12\.8\) cannot "
                                            r"target sm_121 .*--kernel current --no-compile"):

@@ -278,6 +278,18 @@ def test_unknown_gpu_warns_instead_of_printing_zero(monkeypatch):
 
 # ------------------------------------------------------------------------------------ loss kernels
 
+def fake_liger(monkeypatch) -> None:
+    """A stand-in liger-kernel whose fused linear cross-entropy takes the arguments we pass."""
+    class Loss:
+        def __init__(self, ignore_index=-100, softcap=None, reduction="mean", accum_dtype=None):
+            pass
+    mod = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+    mod.LigerFusedLinearCrossEntropyLoss = Loss
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+
 @pytest.mark.parametrize("kernel,device,liger,want", [
     ("current", "cpu", False, None), ("current", "cuda", False, None),
     ("triton", "cpu", False, None), ("triton", "cuda", False, None),
@@ -291,14 +303,7 @@ def test_kernel_matrix(monkeypatch, kernel, device, liger, want):
     needed for the check) with liger-kernel present (a stand-in module) or missing."""
     from nanochat.kernels import check_kernel
     if liger:
-        class Loss:
-            def __init__(self, ignore_index=-100, softcap=None, reduction="mean", accum_dtype=None):
-                pass
-        mod = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
-        mod.LigerFusedLinearCrossEntropyLoss = Loss
-        for name in ("liger_kernel", "liger_kernel.transformers"):
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        fake_liger(monkeypatch)
     else:   # import fails as if not installed, also where another test imported the real one (CI)
         for name in [n for n in sys.modules if n.startswith("liger_kernel.")] + ["liger_kernel"]:
             monkeypatch.setitem(sys.modules, name, None)
