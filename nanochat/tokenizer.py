@@ -80,7 +80,7 @@ _NO_DOCUMENT = object()  # sentinel: a None item is a bad document, not the end
 _PATTERN_PROBES = (
     "a", "Z", "\u00e9", "\u4e2d", "7", "\u0663", "\u00bd", " ", "\t", "\n", "\r", "\r\n", "\u00a0", "\u3000",
     "\u2028", ".", "'", "'s", "'LL", "\U0001f600", "\x00", "\x1c", "\u0301", "\u200d", "\ufeff", "  lead", "trail  ",
-    " a", "a ", "a b", "ab  cd", "x\n\n\ty", "1234567", "-1.5e9", "Hello, world! It's 2024-06-01.\n\n"
+    "_", "snake_case", " a", "a ", "a b", "ab  cd", "x\n\n\ty", "1234567", "-1.5e9", "Hello, world! It's 2024-06-01.\n\n"
     "  def f(x):\n\treturn {'a': [x ** 2]}  # ok\r\n\u6771\u4eac \u041f\u0440\u0438 \U0001f642\u200d \u3000 ?!",
 )
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"

@@ -35,7 +35,8 @@ pub enum BpeError {
     Pattern { pattern: String, reason: String },
     /// The pattern failed while matching (e.g. fancy-regex's backtrack limit).
     Matching { reason: String },
-    /// Training input produced no regex chunks at all.
+    /// Training input produced no regex chunks at all (every text was empty: text the
+    /// pattern leaves unmatched is an [`BpeError::Input`] of its own).
     NoChunks,
     /// Anything else the caller passed that cannot be used (named in the message).
     Input(String),
@@ -61,8 +62,8 @@ impl fmt::Display for BpeError {
             BpeError::Matching { reason } => write!(f, "pattern: matching failed: {reason}"),
             BpeError::NoChunks => write!(
                 f,
-                "iterator: the training text is empty (no regex chunks: every text is empty, or \
-                 the split pattern matches none of it); accepted: an iterable of non-empty str"
+                "iterator: the training text is empty (no regex chunks: every text is empty); \
+                 accepted: an iterable of non-empty str"
             ),
             BpeError::Input(msg) => f.write_str(msg),
             BpeError::Cancelled => f.write_str("training was cancelled before it finished"),

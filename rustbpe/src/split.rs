@@ -45,7 +45,9 @@ impl Splitter {
     }
 
     /// Calls `f` on every non-empty chunk of `text`, in order. Empty matches (possible
-    /// with a custom pattern) carry no bytes and are skipped.
+    /// with a custom pattern) carry no bytes and are skipped. Text that no match covers is a
+    /// [`BpeError::Input`]: tiktoken encodes only the matches, so a custom pattern that skips a
+    /// character (e.g. `_`) silently dropped it from training and from every later encode.
     pub fn for_each_chunk<'t>(
         &self,
         text: &'t str,
@@ -66,15 +68,32 @@ impl Splitter {
         text: &'t str,
         mut f: impl FnMut(&'t str),
     ) -> Result<(), BpeError> {
+        let mut covered = 0; // end of the text the matches so far cover
         for m in self.regex.find_iter(text) {
             let m = m.map_err(|e| BpeError::Matching {
                 reason: e.to_string(),
             })?;
+            if m.start() > covered {
+                return Err(self.uncovered(&text[covered..m.start()]));
+            }
             if !m.as_str().is_empty() {
                 f(m.as_str());
             }
+            covered = m.end();
+        }
+        if covered < text.len() {
+            return Err(self.uncovered(&text[covered..]));
         }
         Ok(())
+    }
+
+    fn uncovered(&self, gap: &str) -> BpeError {
+        let shown: String = gap.chars().take(40).collect();
+        BpeError::Input(format!(
+            "pattern: {:?} leaves {shown:?} of the text unmatched (tiktoken would drop it); \
+             accepted: a regex whose matches cover every character, e.g. ending in |\\s+|.",
+            self.pattern
+        ))
     }
 }
 
@@ -346,9 +365,22 @@ mod tests {
 
     #[test]
     fn custom_pattern_skips_empty_matches() {
-        let s = Splitter::new(r"a*").expect("compile");
+        // `a*` matches the empty string at the end of "baab"
+        let s = Splitter::new(r"b|a*").expect("compile");
         assert!(s.fast.is_none());
-        assert_eq!(chunks(&s, "baab", false), ["aa"]);
+        assert_eq!(chunks(&s, "baab", false), ["b", "aa", "b"]);
+    }
+
+    #[test]
+    fn uncovered_text_is_an_error() {
+        let s = Splitter::new(r"[^~]+").expect("compile");
+        for text in ["a~b", "~ab", "ab~"] {
+            match s.for_each_chunk(text, |_| {}) {
+                Err(BpeError::Input(msg)) => assert!(msg.contains(r#""~""#), "{msg}"),
+                other => panic!("expected an input error for {text:?}, got {other:?}"),
+            }
+        }
+        assert!(s.for_each_chunk("abc", |_| {}).is_ok());
     }
 
     #[test]
