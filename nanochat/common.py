@@ -177,10 +177,11 @@ def _check_master_env(addr: str, port: str, world_size: int) -> None:
                            f"(torchrun --master_port N sets it). {_TORCHRUN_HINT}")
     try:
         socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        if e.errno == socket.EAI_AGAIN:   # DNS briefly unreachable: torch's own retries may yet get through
+    except (socket.gaierror, UnicodeError) as e:   # UnicodeError: an empty or over-long label ("10.0..1")
+        if getattr(e, "errno", None) == socket.EAI_AGAIN:   # DNS briefly unreachable: torch's retries may get through
             return
-        raise RequestError(f"MASTER_ADDR: got {addr!r}, which does not resolve to an address ({e.strerror}); "
+        raise RequestError(f"MASTER_ADDR: got {addr!r}, which does not resolve to an address "
+                           f"({getattr(e, 'strerror', None) or e}); "
                            "accepted: rank 0's host name or IP address, as every rank reaches it (alone, "
                            "without the port: that is MASTER_PORT)") from None
 
