@@ -104,8 +104,10 @@ def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None
     """DataError (naming the directory and the command to rerun) for a shard set that its writer
     (write_text_shards: local import, Shakespeare) did not finish, or that is not the set it
     finished (a shard deleted or added since): read as it is, its last shard (a train shard, or a
-    stray) would be the validation split. Sets without the record (downloads, older runs) pass."""
+    stray) would be the validation split. A download's set has no such record; there the last
+    shard must be the source's validation shard (_check_download_set). Older sets pass."""
     rerun = _rerun_command(data_dir, recorded.get("source"), recorded.get("options"))
+    _check_download_set(data_dir, recorded, shards, rerun)
     if recorded.get("complete") is False:
         raise DataError(f"{data_dir} is incomplete: the run writing its shards did not finish "
                         f"({len(shards)} shards on disk); {rerun}")
@@ -121,6 +123,18 @@ def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None
                             f"({diff}); {rerun}")
 
 
+def _check_download_set(data_dir: Path, recorded: dict, shards: list[Path], rerun: str) -> None:
+    """DataError when a download's set (main records its -n/--start as options; older markers have
+    none and pass) does not end with the source's validation shard: a download whose validation
+    shard failed (or a first one stopped before it came) left train shards only, and the last of
+    them was then trained on and read as validation without a word."""
+    src = SOURCES.get(recorded.get("source")) if isinstance(recorded.get("source"), str) else None
+    if src is not None and isinstance(recorded.get("options"), dict) and shards \
+            and shards[-1].name != shard_name(src.val_index):
+        raise DataError(f"{data_dir}: the last shard is {shards[-1].name}, not {src.name}'s validation shard "
+                        f"{shard_name(src.val_index)} (the download failed or was stopped); {rerun}")
+
+
 def _rerun_command(data_dir: Path, source, options=None) -> str:
     """How to re-create the shard set of data_dir, from the source (and the options that shape the
     set, e.g. a local import's --val-fraction) its marker records."""
@@ -129,6 +143,10 @@ def _rerun_command(data_dir: Path, source, options=None) -> str:
         frac = options.get("val_fraction") if isinstance(options, dict) else None
         extra = f" --val-fraction {frac}" if isinstance(frac, (int, float)) and frac != SOURCE_FLAGS["val_fraction"][2] else ""
         cmd = f"python -m nanochat.dataset --data-dir {q(source[len('local:'):])}{extra} --out {q(str(data_dir))}"
+    elif isinstance(source, str) and source in SOURCES and isinstance(options, dict):   # main's -n/--start
+        start = f" --start {options.get('start')}" if options.get("start") else ""
+        cmd = f"python -m nanochat.dataset --source {source} -n {options.get('num_shards')}{start} --out {q(str(data_dir))}"
+        return f"rerun `{cmd}` (finished shards are kept, partial ones resume)"
     elif source == "shakespeare":
         cmd = f"python -m nanochat.dataset --source shakespeare --out {q(str(data_dir))}"
     else:
@@ -495,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     if num_train < 1 or args.start + num_train > src.val_index:
         raise ValueError(f"-n/--start: shards {args.start}..{args.start + num_train - 1} requested; "
                          f"accepted: train shards 0..{src.val_index - 1} of {source}")
-    indices = list(range(args.start, args.start + num_train)) + [src.val_index]
-    claim_data_dir(out, source)
+    # the validation shard first: a download stopped or failing part way then leaves a usable set
+    indices = [src.val_index] + list(range(args.start, args.start + num_train))
+    # the range asked for, recorded: list_shards then refuses a set whose validation shard never came
+    claim_data_dir(out, source, {"num_shards": args.num_shards, "start": args.start})
     print(f"downloading {num_train} {source} train shards + validation shard {src.val_index} "
           f"to {out} with {args.workers} workers")
     failures = download_shards(indices, out, args.base_url or src.base_url, workers=args.workers,

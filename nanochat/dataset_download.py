@@ -425,7 +425,11 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
         for attempt in range(retries + 1):
             if attempt:
                 # the exponent capped: 2 ** 1024 overflows a float (a crash after 1024 retries)
-                _pause(max(min(backoff * 2 ** min(attempt - 1, 16), 60.0), wait), cancel)
+                delay = max(min(backoff * 2 ** min(attempt - 1, 16), 60.0), wait)
+                # said, not only waited: a 429's Retry-After (up to 5 min) per retry was minutes of
+                # a frozen progress bar that looked like a hang, and the cause came only at the end
+                print(f"{dest.name}: {last}; retry {attempt} of {retries} in {delay:g} s", file=sys.stderr)
+                _pause(delay, cancel)
             wait = 0.0
             try:
                 total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
