@@ -240,9 +240,8 @@ def matrix_bytes(model) -> int:
     (wte, value embeddings), plus the int8 weights and scales of quantised layers."""
     lookups = {id(model.wte.weight)} | {id(e.weight) for e in model.value_embeds.values()}
     total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookups)
-    storages = {}   # c_q/c_k/c_v are views of the fused q/k/v rows: each storage counts once
-    for m in model.modules():
-        if isinstance(m, Int8Linear):
-            for t in (m.qweight, m.scale):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return total + sum(storages.values())
+    # c_q/c_k/c_v are views of the fused q/k/v rows: only layers that are no view count. Not keyed
+    # by storage address: on the meta device every storage's is 0, so a quantised meta model (a
+    # size estimate) counted one layer's bytes (2 KB of a 0.47 MB d2)
+    return total + sum(t.numel() * t.element_size() for m in model.modules()
+                       if isinstance(m, Int8Linear) and m._rows is None for t in (m.qweight, m.scale))

@@ -240,7 +240,11 @@ def chat(args: argparse.Namespace) -> int:
     check_decode_device(args, rt.device)
     import torch
 
-    model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step)
+    # compute_dtype: --dtype is the dtype the model computes in, as chat_eval / base_eval score it
+    # (without it the GPT's default, bf16 on CUDA / fp32 elsewhere, won: --dtype bf16 on a CPU
+    # computed in fp32 and --dtype fp32 on CUDA in bf16, whatever the flag said)
+    model, tokenizer, meta = load_model(args.source, rt.device, model_tag=args.model_tag, step=args.step,
+                                        compute_dtype=rt.dtype)
     # from the float32 weights, before the cast (the int8 scales stay float32 through it): the int8
     # model chat_eval / base_eval --quantize int8 score, not one rounded through bf16 first
     quantize_model(model, args.quantize)

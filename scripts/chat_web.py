@@ -192,7 +192,10 @@ def load_replicas(args) -> tuple[list, dict]:
     args.model_tag = args.model_tag or find_model_tag(args.source)
     workers, meta = [], {}
     for device in devices:
-        model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
+        # compute_dtype: --dtype, as chat_eval / base_eval score the model (the GPT's default, bf16 on
+        # CUDA / fp32 elsewhere, overrode an explicit --dtype fp32 on CUDA or bf16 on a CPU)
+        model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step,
+                                            compute_dtype=rt.dtype)
         # from the float32 weights, before the cast (the int8 scales stay float32 through it): the
         # int8 model chat_eval / base_eval --quantize int8 score; from bf16 copies ~6% of the int8
         # values and the row scales (by up to 0.4%) came out different
