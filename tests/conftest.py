@@ -1,8 +1,10 @@
 """Shared pytest setup: CUDA tests skip cleanly without a GPU; paths to the offline data; a base dir
-with a tokenizer trained on the tiny corpus and the env pointing the code at it."""
+with a tokenizer trained on the tiny corpus and the env pointing the code at it; a failed test's
+leftover child processes are killed (so one failure cannot slow or break the tests after it)."""
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +168,39 @@ def _release_writer_locks():
     yield
     from nanochat import writer_lock
     writer_lock.release_all()
+
+
+def leftover_processes(nodeid: str) -> list[int]:
+    """Pids of live processes started during test `nodeid`: pytest sets PYTEST_CURRENT_TEST to
+    "<nodeid> (<phase>)" while a test runs, and a child started with os.environ inherits it, even
+    after it is orphaned (a torchrun worker, run_train.sh's nohup'd run). Linux only (/proc)."""
+    marker = f"PYTEST_CURRENT_TEST={nodeid} (".encode()
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc/self/environ").exists() else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if any(var.startswith(marker) for var in (entry / "environ").read_bytes().split(b"\0")):
+                found.append(int(entry.name))
+        except OSError:   # gone already, or another user's
+            continue
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """After a test phase fails, kill what it left running: a failed signal test once left three
+    base_train processes burning both CI cores for 20 minutes, failing the timing-sensitive tests
+    after it. Passing tests are not scanned (the scan reads every /proc/*/environ)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    pids = leftover_processes(item.nodeid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if pids:
+        report.sections.append(("leftover processes", f"killed {len(pids)} process(es) this test left running: {pids}"))
