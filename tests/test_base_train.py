@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -113,24 +114,38 @@ def test_impossible_batch_arithmetic_raises_with_numbers():
     assert "--total-batch-size" in str(e.value) and "8 x 64 x 1 = 512" in str(e.value)
 
 
-@pytest.mark.parametrize("args, message", [
+USER_ERRORS = [
     (["--depth=-3"], "base_train: error: --depth: got -3"),                          # a bad flag
     (["--device", "cpu", "--precision", "nvfp4"], "base_train: error: --precision nvfp4: needs a Blackwell"),
     (["--device", "cpu"], "base_train: error: tokenizer at "),                      # nothing set up yet
     # before the tokenizer, data and model (it was a traceback after the model was built / at step 0)
     (["--device", "cpu", "--kernel", "liger"], "base_train: error: --kernel liger needs a CUDA GPU"),
     (["--device", "cpu", "--attn-backend", "flex"], "base_train: error: --attn-backend flex has no backward on CPU"),
-])
-def test_user_errors_exit_2_with_one_line(tmp_path, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def user_error_runs(tmp_path_factory):
+    """Each case's subprocess (each imports torch, ~3 s on a CI core), two at a time, each with
+    its own empty base dir: case index -> (CompletedProcess, base dir)."""
+    def run(i):
+        base = tmp_path_factory.mktemp(f"user_error{i}")
+        env = {**os.environ, "NANOCHAT_BASE_DIR": str(base)}
+        return subprocess.run([sys.executable, "-m", "scripts.base_train", *USER_ERRORS[i][0]], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120), base
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(run, range(len(USER_ERRORS))))
+
+
+@pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=[" ".join(a) for a, _ in USER_ERRORS])
+def test_user_errors_exit_2_with_one_line(user_error_runs, case):
     """Bad flags, requests the machine cannot meet and missing files: one line naming the flag or
     the path (and what to do), exit 2, no traceback (nanochat.common.script_main)."""
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "scripts.base_train", *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    (args, message), (r, base) = USER_ERRORS[case], user_error_runs[case]
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     if "--kernel" in args or "--precision" in args or "--attn-backend" in args:
         # refused before the checkpoint directory is made (it was left holding only its writer lock)
-        assert not (tmp_path / "checkpoints").exists(), list(tmp_path.rglob("*"))
+        assert not (base / "checkpoints").exists(), list(base.rglob("*"))
 
 
 # ------------------------------------------------------------------ exact resume
