@@ -64,6 +64,20 @@ def _read_until(master: int, pattern: str, timeout: float) -> str:
     return seen.decode(errors="replace")
 
 
+def _read_or_kill(pid: int, master: int, pattern: str, timeout: float) -> str:
+    """_read_until, and should it fail, the run's session killed (no run left training after a failed test)."""
+    try:
+        return _read_until(master, pattern, timeout)
+    except BaseException:
+        os.close(master)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        raise
+
+
 def _hang_up_and_wait(pid: int, master: int, timeout: float) -> int:
     """Close the master side (the kernel hangs the terminal up) -> the run's exit code (-N: killed
     by signal N)."""
@@ -86,7 +100,7 @@ def test_a_hangup_stops_base_train_with_a_checkpoint_and_its_log(base_dir, tiny_
     args = TINY + ["--data-dir", str(tiny_corpus), "--model-tag", "hup"]
     pid, master = _start_on_terminal([sys.executable, "-m", "scripts.base_train", *args, "--num-iterations", "200"],
                                      _clean_env(base_dir))
-    shown = _read_until(master, r"^step 0000[1-9]/00200 ", timeout=120)
+    shown = _read_or_kill(pid, master, r"^step 0000[1-9]/00200 ", timeout=120)
     assert "saved checkpoint" not in shown   # nothing saved yet: --save-every is off
     rc = _hang_up_and_wait(pid, master, timeout=120)
     text = log.read_text() if log.exists() else "(no hangup.log)"
@@ -152,7 +166,7 @@ def test_a_terminal_lost_without_sighup_moves_the_output_and_the_run_goes_on(tmp
     env = {k: v for k, v in _clean_env(tmp_path).items() if k != "PYTHONUNBUFFERED"}
     pid, master = _start_on_terminal([sys.executable, "-c", LOST_TERMINAL_RUN],
                                      {**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env)
-    _read_until(master, r"^step 3\r\n", timeout=60)   # the whole line (python -u writes its end apart)
+    _read_or_kill(pid, master, r"^step 3\r\n", timeout=60)   # the whole line (python -u writes its end apart)
     rc = _hang_up_and_wait(pid, master, timeout=60)
     log = tmp_path / "hangup.log"
     text = log.read_text() if log.exists() else "(no hangup.log)"
@@ -171,17 +185,16 @@ def _setup_on_terminal(base: Path, *args: str) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_a_hangup_stops_setup_after_the_stages_save(tmp_path):
+def test_a_hangup_stops_setup_after_the_stages_save(tmp_path, tmp_path_factory):
     """setup.sh leads the session (as under `ssh -t host ./setup.sh`): the kernel signals only it,
     so it passes the hangup on, waits for base_train's save, writes no done-marker, runs no later
     stage and exits 129; its lines and the stage's are in <base dir>/hangup.log. Before: setup.sh
     died at once (exit -1) and its stage, signalled as it did, died unsaved."""
-    base = tmp_path / "base"
-    prep = subprocess.run(["bash", str(REPO / "setup.sh"), "--preset", "tiny", "--base-dir", str(base),
-                           "--only", "data,tokenizer"], capture_output=True, text=True, timeout=150)
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    pid, master = _setup_on_terminal(base, "--only", "base_train,base_eval")
-    _read_until(master, r"^step 00001/00250 ", timeout=150)
+    from test_setup import prepared_base   # setup.sh's data and tokenizer stages, run once per session
+
+    base = prepared_base(tmp_path_factory, tmp_path / "base")
+    pid, master = _setup_on_terminal(base, "--only", "base_train,base_eval", "--depth", "1")   # d1: the smallest
+    _read_or_kill(pid, master, r"^step 00000/00250 ", timeout=150)   # training: the hangup lands in a later step
     rc = _hang_up_and_wait(pid, master, timeout=120)
     log = base / "hangup.log"
     text = log.read_text() if log.exists() else "(no hangup.log)"
@@ -193,7 +206,7 @@ def test_a_hangup_stops_setup_after_the_stages_save(tmp_path):
     assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-3000:]
     assert text.rstrip().endswith("setup.sh: stopped by SIGHUP (the terminal hung up) in stage 'base_train' (exit "
                                   f"129). Rerun {REPO}/setup.sh --preset tiny --base-dir {base} --only "
-                                  "base_train,base_eval to continue: finished stages are skipped and training "
+                                  "base_train,base_eval --depth 1 to continue: finished stages are skipped and training "
                                   "resumes from its last checkpoint."), text[-3000:]
     assert "[base_eval]" not in text and "stage 'base_train' failed" not in text, text[-3000:]
     assert not (base / "setup_state" / "base_train.done").exists()

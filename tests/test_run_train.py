@@ -5,6 +5,7 @@ itself, and bad flags."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -34,22 +35,31 @@ def base_dir(tmp_path_factory, tiny_corpus):
 
 @pytest.fixture
 def run(base_dir, tiny_corpus):
-    """run(*args) -> CompletedProcess of run_train.sh; every run started here is stopped at teardown."""
+    """run(*args) -> CompletedProcess of run_train.sh; every run started here is stopped at teardown:
+    by --stop, then SIGKILL to whatever of it is left (its process group and torchrun's workers, which
+    lead sessions of their own), so a failed test leaves no run training (or stopped) behind."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["NANOCHAT_BASE_DIR"] = str(base_dir)
-    tags = []
+    started = {}   # tag -> pid of the run's wrapper (its process group's leader)
 
     def call(*args, timeout=120):
+        out = subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=timeout)
         if "--model-tag" in args and "--status" not in args and "--stop" not in args:
-            tags.append(args[args.index("--model-tag") + 1])
-        return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+            pid_file = base_dir / "runs" / args[args.index("--model-tag") + 1] / "pid"
+            if out.returncode == 0 and pid_file.exists():
+                started[pid_file.parent.name] = int(pid_file.read_text())
+        return out
     call.data = ["--data-dir", str(tiny_corpus)]
     yield call
-    for tag in tags:
-        pid_file = base_dir / "runs" / tag / "pid"
-        if pid_file.exists():
+    for tag, pid in started.items():
+        workers = _session_leaders_below(pid) if _alive(pid) else []
+        if (base_dir / "runs" / tag / "pid").exists():
             call("--stop", "--model-tag", tag, "--timeout", "5")
+        for p in (pid, *workers):
+            if _alive(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p, signal.SIGKILL)
 
 
 def _pid(base_dir: Path, tag: str) -> int:
@@ -69,7 +79,7 @@ def _wait_for(predicate, timeout: float, what: str):
     while time.time() < deadline:
         if predicate():
             return
-        time.sleep(0.25)
+        time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
@@ -128,9 +138,9 @@ def test_stop_escalates_to_sigkill(run, base_dir):
     # stopped process does not act on SIGTERM until continued, so only SIGKILL ends it)
     os.killpg(pid, signal.SIGSTOP)
     t0 = time.time()
-    stop = run("--stop", "--model-tag", tag, "--timeout", "2")
+    stop = run("--stop", "--model-tag", tag, "--timeout", "1")
     assert stop.returncode == 0, stop.stderr
-    assert "SIGKILL" in stop.stdout and time.time() - t0 >= 2
+    assert "SIGKILL" in stop.stdout and time.time() - t0 >= 1
     assert not _alive(pid)
 
 
@@ -213,7 +223,7 @@ def test_sigkill_reaches_torchrun_workers(run, base_dir):
     _wait_for(started, 120, "torchrun's 2 workers")
     for w in workers:
         os.kill(w, signal.SIGSTOP)              # signals stay pending: only SIGKILL ends them
-    stop = run("--stop", "--model-tag", tag, "--timeout", "2")
+    stop = run("--stop", "--model-tag", tag, "--timeout", "1")
     assert stop.returncode == 0, stop.stderr
     assert "SIGKILL" in stop.stdout
     _wait_for(lambda: not any(_alive(w) for w in workers) and not _alive(pid), 10, "every process to end")

@@ -8,8 +8,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -472,6 +474,29 @@ def _run_setup(base, *args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def prepared_base(tmp_path_factory, base: Path) -> Path:
+    """`base` holding what `setup.sh --preset tiny --only data,tokenizer` makes (the Shakespeare shards,
+    the tokenizer, their done-markers), for a test that runs base_train through setup.sh: the real
+    stages run once per session (into the session's temp dir, shared with tests/test_hangup.py) and
+    are copied, the markers' base dir rewritten, as they are the same for every tiny run."""
+    cache = tmp_path_factory.getbasetemp() / "setup_tiny_data_tokenizer"
+    if not (cache / "setup_state" / "tokenizer.done").exists():
+        shutil.rmtree(cache, ignore_errors=True)
+        prep = _run_setup(cache, "--only", "data,tokenizer", timeout=150)
+        assert prep.returncode == 0, prep.stdout + prep.stderr
+    shutil.copytree(cache, base, ignore=shutil.ignore_patterns("lock", "hangup.log"))
+    for marker in (base / "setup_state").glob("*.done"):
+        marker.write_text(marker.read_text().replace(f"base_dir={cache}\n", f"base_dir={base}\n"))
+    return base
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """A test's setup.sh (the leader of its own process group) and everything it started, gone."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 def test_a_rerun_stage_that_fails_loses_its_done_marker(tmp_path):
     """The marker says the stage's latest run finished. A finished stage that runs again (--force,
     a changed config, or a model stage before it that ran) and fails or is interrupted must not
@@ -521,46 +546,58 @@ def test_tiny_start_says_what_base_train_trains(tmp_path, depth):
     assert f"==> d{depth or 2}: {total / 1e6:.1f}M parameters, base_train on 1.0M tokens (250 steps of 4096," in out, out
 
 
+STOPS = {"ctrl_c": (signal.SIGINT, 130, "Ctrl-C"), "sigterm_to_setup": (signal.SIGTERM, 143, "SIGTERM")}
+STOPPED_ARGS = ("--only", "base_train,base_eval", "--depth", "1")   # d1: the smallest model setup.sh trains
+
+
+@pytest.fixture(scope="module")
+def stopped_setups(tmp_path_factory):
+    """Both stops of test_ctrl_c_in_base_train_saves_and_stops_setup, run side by side (each is mostly
+    a python start-up and base_train's first eval, one core's work): how -> (exit code, output, base
+    dir). Each setup.sh leads its own process group, killed at teardown if it is still there."""
+    runs = {}
+    try:
+        for how in STOPS:
+            tmp = tmp_path_factory.mktemp(how)
+            base = prepared_base(tmp_path_factory, tmp / "base")
+            with open(tmp / "setup.log", "wb") as f:
+                proc = subprocess.Popen(["bash", str(REPO / "setup.sh"), "--preset", "tiny", *STOPPED_ARGS,
+                                         "--base-dir", str(base)], stdout=f, stderr=subprocess.STDOUT,
+                                        start_new_session=True,   # its own group: the signal reaches setup.sh and python
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            runs[how] = (proc, tmp / "setup.log", base)
+        deadline = time.time() + 150
+        for how, (proc, log, _) in runs.items():
+            sig = STOPS[how][0]
+            # the first step's line: base_train is training (the signal lands in a later step)
+            while not re.search(r"^step 00000/00250", log.read_text(errors="replace"), re.M):
+                assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
+                time.sleep(0.05)
+            if sig == signal.SIGINT:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(proc.pid, sig)   # setup.sh only
+        yield {how: (proc.wait(timeout=60), log.read_text(errors="replace"), base)
+               for how, (proc, log, base) in runs.items()}
+    finally:
+        for proc, _, _ in runs.values():
+            _kill_group(proc)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm_to_setup"])
-def test_ctrl_c_in_base_train_saves_and_stops_setup(tmp_path, how):
+@pytest.mark.parametrize("how", list(STOPS))
+def test_ctrl_c_in_base_train_saves_and_stops_setup(stopped_setups, how):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) during base_train: the
     step finishes, a checkpoint is saved, and setup.sh stops at once with exit 130 and one line
     saying how to continue (not "failed ... fix the problem", not carrying on), with no marker.
     A SIGTERM sent to setup.sh alone (a scheduler, `timeout`, `kill PID`) does the same, exit 143:
     setup.sh passes it on to the stage and waits for its save (it used to die at once and leave
     the stage training on its own)."""
-    import signal
-    import time
-
-    sig, code, name = ((signal.SIGINT, 130, "Ctrl-C") if how == "ctrl_c" else (signal.SIGTERM, 143, "SIGTERM"))
-
-    base = tmp_path / "base"
-    prep = _run_setup(base, "--only", "data,tokenizer")
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    log = tmp_path / "setup.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(["bash", str(REPO / "setup.sh"), "--preset", "tiny", "--only", "base_train,base_eval",
-                                 "--base-dir", str(base)], stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True,   # its own group: the signal reaches setup.sh and python
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.time() + 150
-        while not re.search(r"^step 00001/00250", log.read_text(errors="replace"), re.M):
-            assert proc.poll() is None and time.time() < deadline, log.read_text(errors="replace")
-            time.sleep(0.2)
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            os.kill(proc.pid, sig)   # setup.sh only
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text(errors="replace")
+    sig, code, name = STOPS[how]
+    rc, text, base = stopped_setups[how]
     assert rc == code, text[-2000:]
     assert (f"setup.sh: stopped by {name} in stage 'base_train' (exit {code}). Rerun {REPO}/setup.sh --preset tiny "
-            f"--only base_train,base_eval --base-dir {base} to continue") in text, text[-2000:]
+            f"{' '.join(STOPPED_ARGS)} --base-dir {base} to continue") in text, text[-2000:]
     assert "failed" not in text and "[base_eval]" not in text, text[-2000:]
     m = re.search(rf"^base_train: error: stopped by {sig.name} at step (\d+) of 250: checkpoint (\S+) saved", text, re.M)
     assert m and (Path(m.group(2)) / "model.pt").is_file(), text[-2000:]
