@@ -135,6 +135,7 @@ def test_chat_page(browser, site, tmp_path):
     first = wait(lambda: len(last_reply(d)) > 5 and last_reply(d), what="first tokens")
     wait(lambda: len(last_reply(d)) > len(first) + 5, what="more tokens")
     assert streaming(d), "the whole reply arrived at once: not streamed"
+    engine.delay = 0.0   # streaming is shown: the rest of this reply and the next two come at once
     wait(lambda: not streaming(d), what="the reply to finish")
     reply = last_reply(d)
     sampling = lambda call: (call["temperature"], call["top_k"])  # noqa: E731
@@ -296,7 +297,9 @@ def test_reload_mid_stream_keeps_the_partial_reply_and_scrolling_is_left_to_the_
     engine, url, tokenizer = site
     d = browser
     fresh_page(d, url)
-    with replying(engine, "line\n" * 90, delay=0.03):
+    # ~30 lines (3 tokens each) overflow the box: at 0.01 s a token they come in ~1 s, and the 120 lines
+    # after them leave ~3.6 s for the switch to slow below (at 0.03 s, 90 lines took 2.6 s to fill)
+    with replying(engine, "line\n" * 150, delay=0.01):
         send(d, "count lines")
         box = "document.getElementById('messages')"
         wait(lambda: d.execute_script(f"return {box}.scrollHeight > {box}.clientHeight + 300"), what="a long reply")
@@ -308,7 +311,7 @@ def test_reload_mid_stream_keeps_the_partial_reply_and_scrolling_is_left_to_the_
         d.refresh()
     wait(lambda: q(d, ".msg.assistant .meta"), what="the reloaded conversation")
     saved = json.loads(d.execute_script("return localStorage.getItem('nanochat.conversations')"))[0]["messages"][-1]
-    assert saved["content"].startswith("line\nline\n") and saved["content"] != "line\n" * 90
+    assert saved["content"].startswith("line\nline\n") and saved["content"] != "line\n" * 150
     assert q(d, ".msg.assistant .meta")[-1].text == "interrupted" and not q(d, ".msg.error")
     with replying(engine, "Done.", delay=0.0):
         chat_once(d, engine, "go on")   # the cut-off reply is history, as streamed

@@ -25,15 +25,17 @@ USER = [{"role": "user", "content": "Hello there"}]
 
 class ScriptedEngine:
     """Engine stand-in for server tests: replies with a fixed text (or, given a list, sample k with
-    text k mod len), optionally slowly or failing. Records its calls, how many steps ran and
-    whether its generator was closed (cancellation)."""
+    text k mod len), optionally slowly or failing, or holding its first token until `gate` is set
+    (a request that stays busy for exactly as long as a test needs, however slow the host). Records
+    its calls, how many steps ran and whether its generator was closed (cancellation)."""
 
-    def __init__(self, tokenizer, text: str | list[str], delay: float = 0.0, fail_at: int | None = None):
+    def __init__(self, tokenizer, text: str | list[str], delay: float = 0.0, fail_at: int | None = None,
+                 gate: threading.Event | None = None):
         self.tokenizer, self.device, self.max_seq_len = tokenizer, torch.device("cpu"), 256
         self.default_stop_tokens = (tokenizer.encode_special("<|assistant_end|>"), tokenizer.bos_token_id)
         texts = [text] if isinstance(text, str) else text
         self.rows = [tokenizer.encode(t) + [self.default_stop_tokens[0]] for t in texts]
-        self.delay, self.fail_at = delay, fail_at
+        self.delay, self.fail_at, self.gate = delay, fail_at, gate
         self.steps, self.finished, self.calls = 0, threading.Event(), []
 
     def generate(self, prompt, *, num_samples=1, max_tokens=256, stop_tokens=None, **kw):
@@ -42,6 +44,8 @@ class ScriptedEngine:
 
         def steps():
             try:
+                if self.gate is not None:
+                    assert self.gate.wait(timeout=30), "the test never opened the gate"
                 for i in range(max_tokens):
                     if i == self.fail_at:
                         raise RuntimeError("scripted failure")
@@ -410,7 +414,8 @@ def wait_until(cond, timeout=5.0):
 
 def test_queue_per_client_limit_and_busy(serve, chat_model):
     tok = chat_model[1]
-    engine = ScriptedEngine(tok, "slow " * 30, delay=0.02)
+    gate = threading.Event()   # the first request holds the only worker until the 429 is seen
+    engine = ScriptedEngine(tok, "slow " * 5, gate=gate)
     url = serve(engine, max_concurrent_per_client=2, max_queue=1)
     results = []
 
@@ -427,14 +432,16 @@ def test_queue_per_client_limit_and_busy(serve, chat_model):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
     assert_error(r, 429, code="too_many_concurrent_requests")
     assert r.headers["retry-after"] == "1"
+    gate.set()
     first.join()
     second.join()
     assert [r.status_code for r in results] == [200, 200]
-    assert all(r.json()["choices"][0]["message"]["content"] == "slow " * 30 for r in results)
+    assert all(r.json()["choices"][0]["message"]["content"] == "slow " * 5 for r in results)
 
 
 def test_queue_full_is_503(serve, chat_model):
-    engine = ScriptedEngine(chat_model[1], "wait " * 30, delay=0.02)
+    gate = threading.Event()   # the first request holds the only worker until the 503 is seen
+    engine = ScriptedEngine(chat_model[1], "wait " * 5, gate=gate)
     url = serve(engine, max_queue=1, max_concurrent_per_client=10)
     threads = [threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
                                 kwargs={"json": {"messages": USER}, "timeout": 30}) for _ in range(2)]
@@ -445,12 +452,14 @@ def test_queue_full_is_503(serve, chat_model):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
     assert_error(r, 503, code="server_busy")
     assert r.headers["retry-after"] == "1"
+    gate.set()
     for t in threads:
         t.join()
 
 
 def test_two_replicas_serve_in_parallel(serve, chat_model):
-    engines = [ScriptedEngine(chat_model[1], "par " * 20, delay=0.02) for _ in range(2)]
+    gate = threading.Event()   # each replica's first request holds it until both are seen busy
+    engines = [ScriptedEngine(chat_model[1], "par " * 20, gate=gate) for _ in range(2)]
     url = serve(*engines, max_concurrent_per_client=10)
     results = []
     threads = [threading.Thread(target=lambda: results.append(httpx.post(
@@ -458,6 +467,7 @@ def test_two_replicas_serve_in_parallel(serve, chat_model):
     for t in threads:
         t.start()
     both_busy = wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0)
+    gate.set()
     for t in threads:
         t.join()
     assert both_busy and [r.status_code for r in results] == [200] * 4

@@ -2,8 +2,9 @@
 `python -m scripts.X`, they print ONE line `X: error: <message naming the flag>` on stderr, nothing
 on stdout, and exit 2 (nanochat.common.script_main), within seconds (no model is built first).
 
-Each case is a subprocess that imports torch (~3-5 s on a CI core), so the cases run two at a time
-in one module fixture and the parametrized tests check each result."""
+A subprocess that imports torch costs ~3-5 s on a CI core, so every command line of this file runs
+as `python -m` would (runpy) inside two probe processes, one per core, in one module fixture, and
+the parametrized tests check each result."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,45 +41,9 @@ MAX_SECONDS = 20.0
 # profile_training used to build the d20 model before rejecting --precision (21 s on a CPU)
 BEFORE_THE_MODEL_SECONDS = 15.0
 # The limits are for a quiet 2-core machine; under load (other jobs on the CI host) every process
-# is slower alike, so each limit grows with a bare `import torch` timed once per module: a failure
-# means this script did far more than a torch import, not that the host was busy.
+# is slower alike, so each limit grows with a bare `import torch` timed in each probe process: a
+# failure means this script did far more than a torch import, not that the host was busy.
 LOAD_FACTOR = 3.0
-
-
-@pytest.fixture(scope="module")
-def limit():
-    """seconds -> the limit on this host now: `seconds`, or LOAD_FACTOR bare torch imports if more."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], cwd=REPO, check=True, timeout=120)
-    torch_import = time.perf_counter() - t0
-    return lambda seconds: max(seconds, LOAD_FACTOR * torch_import)
-
-
-def _run(case, base_dir: Path):
-    script, argv, _ = case
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base_dir))
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", f"scripts.{script}", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    return proc, time.perf_counter() - t0
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("nanochat_base")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip((c[0] for c in CASES), pool.map(lambda c: _run(c, base), CASES)))
-
-
-@pytest.mark.parametrize("script, argv, flag", CASES, ids=[c[0] for c in CASES])
-def test_bad_flag_is_one_line_and_exit_2(results, limit, script, argv, flag):
-    proc, seconds = results[script]
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith(f"{script}: error: ") and flag in lines[0], lines[0]
-    assert proc.stdout == "", proc.stdout[-2000:]   # nothing ran: no header, no result line
-    assert seconds < limit(MAX_SECONDS), seconds
-
 
 # The entry points that were on plain argparse (a usage block above an unknown flag or a value of
 # the wrong type) and now go through FlagParser + script_main like the rest: (module, the name on
@@ -96,60 +60,97 @@ MOVED = [
     ("nanochat.report", "report", ["generate"], ["--hourly_cost", "x"], "--hourly-cost"),
 ]
 UNKNOWN_FLAG = ["--no-such-flag", "1"]
-# one subprocess per entry point runs both of its command lines as `python -m` does (runpy,
-# run_name="__main__"), each with its own stderr/stdout and exit code: torch is imported once
-PROBE = ("import contextlib, io, json, runpy, sys, warnings\n"
-         "warnings.filterwarnings('ignore', '.*found in sys.modules', RuntimeWarning)  # the 2nd run's re-import\n"
-         "module, runs = sys.argv[1], json.loads(sys.argv[2])\n"
-         "results = []\n"
-         "for argv in runs:\n"
+# Every command line above runs as `python -m` does (runpy, run_name="__main__"), each with its own
+# stderr/stdout, exit code and seconds, inside two probe processes (one per CI core): torch is
+# imported once per probe instead of once per command line (~3 s each on a CI core). Whatever a
+# script writes past the redirection (a handler holding the real stderr) lands on the probe's own
+# stderr, which must stay empty.
+PROBE = ("import contextlib, io, json, runpy, sys, time, traceback, warnings\n"
+         "warnings.filterwarnings('ignore', '.*found in sys.modules', RuntimeWarning)  # a re-import\n"
+         "t0 = time.perf_counter()\n"
+         "import torch  # noqa: F401\n"
+         "results = {'import torch': time.perf_counter() - t0}\n"
+         "for key, module, argv in json.loads(sys.argv[1]):\n"
          "    sys.argv, err, out, code = [module, *argv], io.StringIO(), io.StringIO(), 0\n"
+         "    t0 = time.perf_counter()\n"
          "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):\n"
          "        try:\n"
          "            runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
          "        except SystemExit as e:\n"
          "            code = e.code\n"
-         "    results.append([code, err.getvalue(), out.getvalue()])\n"
+         "        except BaseException:\n"
+         "            code, _ = 'raised', traceback.print_exc()\n"
+         "    results.setdefault(key, []).append([code, err.getvalue(), out.getvalue(), time.perf_counter() - t0])\n"
+         "sys.stdout = sys.__stdout__\n"
          "print(json.dumps(results))\n")
 
 
 @pytest.fixture(scope="module")
-def moved_results(tmp_path_factory):
-    """module -> [(exit code, stderr, stdout) of the unknown flag, of the bad value], and the
-    seconds its subprocess took; two subprocesses at a time."""
+def probed(tmp_path_factory):
+    """key (a CASES script or a MOVED module) -> [[exit code, stderr, stdout, seconds] per command
+    line], plus 'import torch' -> the slowest bare torch import of the probes."""
     base = tmp_path_factory.mktemp("nanochat_base")
+    runs = [(script, f"scripts.{script}", argv) for script, argv, _ in CASES]
+    runs += [(module, module, [*needed, *argv]) for module, _, needed, bad, _ in MOVED
+             for argv in (UNKNOWN_FLAG, bad)]
 
-    def run(entry):
-        module, _, needed, bad, _ = entry
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", PROBE, module, json.dumps([[*needed, *UNKNOWN_FLAG],
-                                                                               [*needed, *bad]])],
-                              cwd=REPO, capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, NANOCHAT_BASE_DIR=str(base)))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return module, (json.loads(proc.stdout.splitlines()[-1]), time.perf_counter() - t0)
+    def probe(chunk):
+        proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(chunk)], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env=dict(os.environ, NANOCHAT_BASE_DIR=str(base)))
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
 
+    merged = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, MOVED))
+        keys = list(dict.fromkeys(key for key, _, _ in runs))   # a MOVED module's two runs share a probe
+        halves = ([r for r in runs if keys.index(r[0]) % 2 == i] for i in (0, 1))
+        for part in pool.map(probe, halves):
+            merged["import torch"] = max(merged.get("import torch", 0.0), part.pop("import torch"))
+            merged.update(part)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def limit(probed):
+    """seconds -> the limit on this host now: `seconds`, or LOAD_FACTOR bare torch imports if more."""
+    return lambda seconds: max(seconds, LOAD_FACTOR * probed["import torch"])
+
+
+@pytest.fixture(scope="module")
+def results(probed):
+    """script -> (exit code, stderr, stdout, seconds) of its bad command line in CASES."""
+    return {script: probed[script][0] for script, _, _ in CASES}
+
+
+@pytest.mark.parametrize("script, argv, flag", CASES, ids=[c[0] for c in CASES])
+def test_bad_flag_is_one_line_and_exit_2(results, limit, script, argv, flag):
+    code, err, out, seconds = results[script]
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err[-2000:])
+    assert len(lines) == 1, err[-2000:]
+    assert lines[0].startswith(f"{script}: error: ") and flag in lines[0], lines[0]
+    assert out == "", out[-2000:]   # nothing ran: no header, no result line
+    assert seconds < limit(MAX_SECONDS), seconds
 
 
 @pytest.mark.parametrize("module, name, needed, bad, flag", MOVED, ids=[m[1] for m in MOVED])
-def test_formerly_plain_argparse_entry_points_say_one_line(moved_results, limit, module, name, needed, bad, flag):
+def test_formerly_plain_argparse_entry_points_say_one_line(probed, limit, module, name, needed, bad, flag):
     """An unknown flag and a bad value each: one line `NAME: error: ...` naming the flag, exit 2, no
     usage block, nothing on stdout (before: argparse's usage block above the error)."""
-    runs, seconds = moved_results[module]
-    for (code, err, out), named in zip(runs, (UNKNOWN_FLAG[0], flag)):
+    runs = probed[module]
+    assert len(runs) == 2, runs
+    for (code, err, out, seconds), named in zip(runs, (UNKNOWN_FLAG[0], flag)):
         lines = err.strip().splitlines()
         assert code == 2, (module, named, code, err[-2000:])
         assert len(lines) == 1 and "usage:" not in err, err[-2000:]
         assert lines[0].startswith(f"{name}: error: ") and named in lines[0], lines[0]
         assert out == "", out[-2000:]
-    assert seconds < limit(MAX_SECONDS), seconds
+        assert seconds < limit(MAX_SECONDS), seconds
 
 
 def test_profile_training_rejects_precision_before_building_the_model(results, limit):
-    proc, seconds = results["profile_training"]
-    assert "accepted: auto|bf16|fp32|fp8|nvfp4" in proc.stderr
+    _, err, _, seconds = results["profile_training"]
+    assert "accepted: auto|bf16|fp32|fp8|nvfp4" in err
     assert seconds < limit(BEFORE_THE_MODEL_SECONDS), seconds
 
 

@@ -81,18 +81,39 @@ def test_printed_commands_keep_their_quoting(tmp_path):
     assert argv[argv.index("--identity") + 1] == "Ada Lovelace", line
 
 
-@pytest.mark.parametrize("what", ["conversations", "identity"])
-def test_mid_and_sft_inputs_are_checked_before_data(tmp_path, what):
+BAD_INPUTS = ["conversations", "identity"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """what -> (its tmp dir, exit code, output) of setup.sh with that bad input; each run starts a
+    Python check (~2.5 s on a CI core), so the two run side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(what):
+        tmp = tmp_path_factory.mktemp(what)
+        if what == "conversations":
+            bad = tmp / "no reply.jsonl"
+            bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+            args = ["--conversations", str(bad)]
+        else:
+            args = ["--identity", "Zorb\u200blax"]
+        return (tmp, *_setup("--only", "data,mid_train", *args, base=tmp / "base", timeout=120))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(BAD_INPUTS, pool.map(run, BAD_INPUTS)))
+
+
+@pytest.mark.parametrize("what", BAD_INPUTS)
+def test_mid_and_sft_inputs_are_checked_before_data(bad_input_runs, what):
     """A --conversations row without an assistant reply, or a name with a zero-width space (the
     shell's own check passes it, chat_sft's refuses it), stops setup.sh before the first stage:
     it used to surface when mid_train started, after base training."""
+    tmp_path, rc, out = bad_input_runs[what]
     if what == "conversations":
-        bad = tmp_path / "no reply.jsonl"
-        bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-        args, said = ["--conversations", str(bad)], f"error: --conversations {bad}:1: no assistant message"
+        said = f"error: --conversations {tmp_path / 'no reply.jsonl'}:1: no assistant message"
     else:
-        args, said = ["--identity", "Zorb\u200blax"], "error: --identity: got 'Zorb\\u200blax'"
-    rc, out = _setup("--only", "data,mid_train", *args, base=tmp_path / "base", timeout=120)
+        said = "error: --identity: got 'Zorb\\u200blax'"
     assert rc == 2 and said in out, out
     assert "[data]" not in out and not (tmp_path / "base" / "base_data").exists(), out
 

@@ -437,7 +437,12 @@ def _run(args: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_tok_train_and_tok_eval_end_to_end(tiny_corpus, tmp_path):
+def test_tok_train_and_tok_eval_end_to_end(tiny_corpus, tmp_path, monkeypatch, capsys):
+    """tok_train as a command writes the tokenizer under $NANOCHAT_BASE_DIR; tok_eval finds it there
+    and fetches no reference tokenizer. tok_eval runs in-process (its command line, one line and exit
+    2, is run as a process in the tests below): a second torch-importing process cost ~2-3 s."""
+    from scripts import tok_eval
+
     res = _run(["scripts.tok_train", "--vocab-size", "512", "--max_chars", "3e5", "--doc-cap", "5000",
                 "--tokenizer-threads", "2", "--data-dir", str(tiny_corpus)], tmp_path)
     assert res.returncode == 0, res.stderr
@@ -449,13 +454,15 @@ def test_tok_train_and_tok_eval_end_to_end(tiny_corpus, tmp_path):
 
     cache = tmp_path / "empty_tiktoken_cache"
     cache.mkdir()
-    res = _run(["scripts.tok_eval", "--num-docs", "15", "--data-dir", str(tiny_corpus)], tmp_path,
-               TIKTOKEN_CACHE_DIR=str(cache))
-    assert res.returncode == 0, res.stderr
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    capsys.readouterr()
+    tok_eval.main(["--num-docs", "15", "--data-dir", str(tiny_corpus)])
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert {(r["split"], r["tokenizer"]) for r in rows} == {("train", "ours"), ("val", "ours")}
     assert all(r["docs"] == 15 and 1.5 < r["bytes_per_token"] < 6 for r in rows)
-    assert "GPT-2 (gpt2) comparison skipped" in res.stdout and "GPT-4 (cl100k_base) comparison skipped" in res.stdout
+    assert "GPT-2 (gpt2) comparison skipped" in out and "GPT-4 (cl100k_base) comparison skipped" in out
     assert list(cache.iterdir()) == []  # nothing was fetched
 
 
@@ -477,7 +484,8 @@ def test_tok_train_bad_flags_fail_before_reading_data(args, flag, tmp_path):
 
 def test_tok_train_missing_data_dir(tmp_path):
     res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "no_data")], tmp_path)
-    assert res.returncode != 0 and "no_data" in res.stderr
+    assert res.returncode == 2 and res.stderr.startswith("tok_train: error: no text shards"), res.stderr
+    assert "no_data" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "base" / "tokenizer" / "tokenizer.pkl").exists()
 
 
@@ -552,25 +560,34 @@ def test_tok_eval_compares_with_available_references(tok, tiny_corpus, tmp_path,
 
 
 def test_tok_scripts_report_damaged_or_missing_data_as_one_line_exit_2(tmp_path, tiny_tokenizer):
+    """A null text row and an unreadable shard: one line, exit 2, no traceback (a missing data dir:
+    test_tok_train_missing_data_dir). The three commands are independent, so they run two at a
+    time (each imports torch, ~2-3 s on a CI core)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    data = tmp_path / "data"
-    data.mkdir()
-    pq.write_table(pa.table({"text": ["some text", None]}), data / "shard_00000.parquet")
-    pq.write_table(pa.table({"text": ["val text"]}), data / "shard_00001.parquet")
-    res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(data)], tmp_path)
-    assert res.returncode == 2 and res.stderr.startswith("tok_train: error: "), res.stderr
-    assert "shard_00000.parquet: row group 0 has null 'text'" in res.stderr and "Traceback" not in res.stderr
-    (data / "shard_00001.parquet").write_bytes(b"not parquet")
-    res = _run(["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "none"), "--data-dir", str(data)], tmp_path)
-    assert res.returncode == 2 and res.stderr.startswith("tok_eval: error: ") and "tokenizer.pkl" in res.stderr
+    data, damaged = tmp_path / "data", tmp_path / "damaged"   # damaged: data with an unreadable val shard
+    for folder in (data, damaged):
+        folder.mkdir()
+        pq.write_table(pa.table({"text": ["some text", None]}), folder / "shard_00000.parquet")
+        pq.write_table(pa.table({"text": ["val text"]}), folder / "shard_00001.parquet")
+    (damaged / "shard_00001.parquet").write_bytes(b"not parquet")
     tok_dir = tmp_path / "tok"
     tiny_tokenizer.save(tok_dir)
-    res = _run(["scripts.tok_eval", "--tokenizer-dir", str(tok_dir), "--data-dir", str(data)], tmp_path)
+    runs = [["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(data)],
+            ["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "none"), "--data-dir", str(damaged)],
+            ["scripts.tok_eval", "--tokenizer-dir", str(tok_dir), "--data-dir", str(damaged)]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        train, no_tokenizer, eval_damaged = pool.map(lambda args: _run(args, tmp_path), runs)
+    assert train.returncode == 2 and train.stderr.startswith("tok_train: error: "), train.stderr
+    assert "shard_00000.parquet: row group 0 has null 'text'" in train.stderr and "Traceback" not in train.stderr
+    res = no_tokenizer
+    assert res.returncode == 2 and res.stderr.startswith("tok_eval: error: ") and "tokenizer.pkl" in res.stderr
+    res = eval_damaged
     assert res.returncode == 2 and res.stderr.startswith("tok_eval: error: "), res.stderr
     assert "shard_00000.parquet: row group 0 has null" in res.stderr  # train split first
-    res = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "nothing")], tmp_path)
-    assert res.returncode == 2 and "tok_train: error: no text shards" in res.stderr
+    for res in (train, no_tokenizer, eval_damaged):
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_tok_train_output_dir_under_a_file_fails_before_training(tmp_path):
