@@ -3,6 +3,7 @@ with a tokenizer trained on the tiny corpus and the env pointing the code at it;
 leftover child processes are killed (so one failure cannot slow or break the tests after it)."""
 
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -62,6 +63,35 @@ def run_triton_interpreted(tmp_path):
                              timeout=timeout, cwd=tmp_path)
         assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
     return run
+
+
+_INTERPRETED_RUNNER = r"""
+import json, sys, traceback
+results = {}
+for name, src in json.load(open(sys.argv[1])).items():
+    try:
+        exec(compile(src, name, "exec"), {"__name__": "__main__"})
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()[-3000:]
+print("\nRESULTS " + json.dumps(results))
+"""
+
+
+def run_scripts_interpreted(scripts: dict[str, str], tmp_path_factory) -> dict[str, str | None]:
+    """{name: None, or the traceback} of each script, all run in ONE subprocess under
+    TRITON_INTERPRET=1 (set before triton is imported): a python importing torch + triton costs
+    seconds on a CI core, so a module's interpreter scripts share one (a module-scoped fixture
+    calls this) rather than one run_triton_interpreted each."""
+    pytest.importorskip("triton")
+    d = tmp_path_factory.mktemp("interpreted")
+    (d / "scripts.json").write_text(json.dumps(scripts))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED_RUNNER, str(d / "scripts.json")], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=d)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    return json.loads(line[len("RESULTS "):])
 
 
 @pytest.fixture

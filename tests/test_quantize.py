@@ -9,6 +9,7 @@ import torch
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.quantize import (GEMV_MAX_ROWS, Int8Linear, check_quantize, int8_linear, matrix_bytes,
                                quantize_model, quantize_rows)
+from tests.conftest import run_scripts_interpreted
 
 
 def tiny_model(device="cpu", depth=2, vocab=512, seq=128, seed=0):
@@ -244,8 +245,7 @@ def test_quantising_frees_the_float_qkv_copy_of_an_earlier_engine():
     assert len(tokens[0]) == 7
 
 
-def test_int8_kernel_interpreted(run_triton_interpreted):
-    run_triton_interpreted(f"""
+KERNEL_SCRIPT = f"""
 import torch
 from nanochat.quantize import quantize_rows
 from nanochat.triton_int8 import int8_gemv, gemv_config, register
@@ -260,24 +260,41 @@ for M, N, K in [(1, 40, 96), (1, 7, 1500), (3, 70, 200), (17, 33, 130), ({GEMV_M
 assert gemv_config(1, 1280, 1280)["ROW"] and gemv_config(2, 32768, 1280)["BLOCK_N"] == 32
 assert gemv_config(40, 1280, 1280)["BLOCK_M"] == 64
 print("OK")
-""")
+"""
 
-
-def test_quantised_model_runs_the_kernel_interpreted(run_triton_interpreted):
-    """Under the interpreter the quantised layers pick the Triton product (as on CUDA) for decode
-    rows and the dequantising GEMM for a long prefill; both agree with the CPU path."""
-    run_triton_interpreted("""
+MODEL_SCRIPT = """
 import torch
 from tests.test_quantize import tiny_model
 from nanochat.quantize import quantize_model, int8_linear
 model = quantize_model(tiny_model(depth=1, vocab=128, seq=96), "int8")
-lin = model.blocks[0].mlp.c_fc
+lin = model.blocks[0].mlp.c_proj   # 128 output rows: 128 interpreted programs (c_fc: 512)
 assert lin.kernel is not None
 for rows in (1, 70):
     x = torch.randn(rows, lin.in_features)
     assert (lin(x) - int8_linear(x, lin.qweight, lin.scale, kernel=None)).abs().max() < 1e-4
 print("OK")
-""")
+"""
+
+# Both scripts run in one interpreted subprocess (the `interpreted` fixture).
+
+
+SCRIPTS = {"KERNEL_SCRIPT": KERNEL_SCRIPT, "MODEL_SCRIPT": MODEL_SCRIPT}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """{name: None, or the traceback} of each script in SCRIPTS, run in one interpreted subprocess."""
+    return run_scripts_interpreted(SCRIPTS, tmp_path_factory)
+
+
+def test_int8_kernel_interpreted(interpreted):
+    assert interpreted["KERNEL_SCRIPT"] is None, interpreted["KERNEL_SCRIPT"]
+
+
+def test_quantised_model_runs_the_kernel_interpreted(interpreted):
+    """Under the interpreter the quantised layers pick the Triton product (as on CUDA) for decode
+    rows and the dequantising GEMM for a long prefill; both agree with the CPU path."""
+    assert interpreted["MODEL_SCRIPT"] is None, interpreted["MODEL_SCRIPT"]
 
 
 def test_script_quantize_flags_fail_fast(tmp_path, monkeypatch):

@@ -3,8 +3,9 @@
 the resource arithmetic; launch capture; the command line."""
 
 import functools
-import subprocess
+import runpy
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,24 +212,33 @@ def test_targets_resolve_and_reject_unknown():
         ta.resolve_cases(",")
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "scripts.triton_aot", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+def _cli(capsys, monkeypatch, *args):
+    """`python -m scripts.triton_aot ARGS`, its __main__ block run in this process (a new python
+    would spend seconds importing torch and triton): (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["scripts/triton_aot.py", *args])
+    capsys.readouterr()
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as stop:
+        warnings.simplefilter("ignore", RuntimeWarning)   # runpy: the module is imported already
+        runpy.run_module("scripts.triton_aot", run_name="__main__")
+    out = capsys.readouterr()
+    return stop.value.code, out.out, out.err
 
 
-def test_cli_prints_table_json_and_verdicts():
-    out = _cli("--targets", "gb10", "--cases", "mix_norm,ce_rows", "--json")
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+def test_cli_prints_table_json_and_verdicts(capsys, monkeypatch):
+    code, stdout, stderr = _cli(capsys, monkeypatch, "--targets", "gb10", "--cases", "mix_norm,ce_rows", "--json")
+    assert code == 0, stderr[-2000:]
+    lines = stdout.splitlines()
     rows = [line for line in lines if line.startswith("{")]
     assert len(rows) == 6 and '"target": "gb10"' in rows[0]
     assert any(line.startswith("ok   gb10      _mix_norm_bwd_kernel       2 of 2 launches fit") for line in lines)
 
 
-def test_cli_bad_flags_name_the_flag():
+def test_cli_bad_flags_name_the_flag(capsys, monkeypatch):
+    """Exit 2 with one line naming the flag (script_main), no traceback: any other exception
+    would propagate out of _cli instead of SystemExit(2)."""
     for args, flag in ((["--targets", "gb11"], "--targets"), (["--cases", "nope"], "--cases")):
-        out = _cli(*args)
-        assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out.stderr
+        code, _, stderr = _cli(capsys, monkeypatch, *args)
+        assert code == 2 and flag in stderr and "Traceback" not in stderr, stderr
 
 
 @pytest.mark.cuda
