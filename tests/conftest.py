@@ -94,6 +94,13 @@ def run_scripts_interpreted(scripts: dict[str, str], tmp_path_factory) -> dict[s
     return json.loads(line[len("RESULTS "):])
 
 
+@pytest.fixture(scope="module")
+def interpreted(request, tmp_path_factory):
+    """{name: None, or the traceback} of each script in the requesting module's SCRIPTS dict, all
+    run in one TRITON_INTERPRET=1 subprocess (run_scripts_interpreted)."""
+    return run_scripts_interpreted(request.module.SCRIPTS, tmp_path_factory)
+
+
 @pytest.fixture
 def each_tile_on_gpu():
     """run(calls, gpu): record the persistent-GEMM launches `calls()` makes for `gpu`

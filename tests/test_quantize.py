@@ -9,7 +9,6 @@ import torch
 from nanochat.gpt import GPT, config_for_depth
 from nanochat.quantize import (GEMV_MAX_ROWS, Int8Linear, check_quantize, int8_linear, matrix_bytes,
                                quantize_model, quantize_rows)
-from tests.conftest import run_scripts_interpreted
 
 
 def tiny_model(device="cpu", depth=2, vocab=512, seq=128, seed=0):
@@ -275,16 +274,8 @@ for rows in (1, 70):
 print("OK")
 """
 
-# Both scripts run in one interpreted subprocess (the `interpreted` fixture).
-
-
+# Both scripts run in one interpreted subprocess (conftest's `interpreted` fixture).
 SCRIPTS = {"KERNEL_SCRIPT": KERNEL_SCRIPT, "MODEL_SCRIPT": MODEL_SCRIPT}
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """{name: None, or the traceback} of each script in SCRIPTS, run in one interpreted subprocess."""
-    return run_scripts_interpreted(SCRIPTS, tmp_path_factory)
 
 
 def test_int8_kernel_interpreted(interpreted):

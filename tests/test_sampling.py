@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from nanochat.sampling import Sampler, kth_largest, resolve_sampler, sample_next
-from tests.conftest import run_scripts_interpreted
 
 
 def reference_support(logits, temperature, top_k, top_p):
@@ -201,16 +200,8 @@ print("OK")
 """
 
 
-# Both scripts run in one interpreted subprocess (the `interpreted` fixture).
-
-
+# Both scripts run in one interpreted subprocess (conftest's `interpreted` fixture).
 SCRIPTS = {"TRITON_SAMPLER_SCRIPT": TRITON_SAMPLER_SCRIPT, "TWO_STAGE_SCRIPT": TWO_STAGE_SCRIPT}
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """{name: None, or the traceback} of each script in SCRIPTS, run in one interpreted subprocess."""
-    return run_scripts_interpreted(SCRIPTS, tmp_path_factory)
 
 
 def test_triton_two_stage_sampler_in_interpreter(interpreted):

@@ -9,7 +9,6 @@ from nanochat.attention import KVCache
 from nanochat.engine import Engine
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.triton_decode import PersistentDecodeStep, unsupported
-from tests.conftest import run_scripts_interpreted
 
 
 # GQA (4 q heads on 2 kv heads), head_dim 16, value embeddings on layers 0 and 2, layer 0 a
@@ -175,16 +174,8 @@ def test_engine_auto_graph_step_probes_then_falls_back_interpreted(interpreted):
 # The four scripts above run in one interpreted subprocess (the `interpreted` fixture), in this
 # order: AUTO_SCRIPT last, as it replaces PersistentDecodeStep.launch for good. Decode lengths are
 # the fewest that still cross layer 0's window of 8 and span several key blocks of 4 per chunk.
-
-
 SCRIPTS = {"STEP_SCRIPT": STEP_SCRIPT, "INT8_SCRIPT": INT8_SCRIPT, "ENGINE_SCRIPT": ENGINE_SCRIPT,
            "AUTO_SCRIPT": AUTO_SCRIPT}
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """{name: None, or the traceback} of each script in SCRIPTS, run in one interpreted subprocess."""
-    return run_scripts_interpreted(SCRIPTS, tmp_path_factory)
 
 
 def test_engine_auto_graph_step_without_a_gpu_is_the_plain_model(monkeypatch):
