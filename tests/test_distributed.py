@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -74,12 +73,9 @@ def _run(model, rt, batches, start: int, steps: int, optimizer=None, world: int 
     return [r.loss for r in results], optimizer
 
 
-def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
+def _clip_part(rt, world: int) -> dict:
     """--grad-clip on 2 ranks (no FSDP) vs one process with the same total batch: the same norms
     and losses only if the clip uses the global norm of the averaged gradient."""
-    _torchrun_env(rank, world, port)
-    from nanochat.common import destroy_runtime, init_runtime
-    rt = init_runtime("cpu", "fp32", seed=0)
     data = _micro_batches(STEPS * ACCUM_2RANK * world)
     result = {}
 
@@ -87,20 +83,101 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
         norms = []   # a clip of 0.05 is well below the norms: every step clips
         losses, _ = _run(_tiny_model(), rt_, data, 0, STEPS, world=w, grad_clip=0.05, norms=norms)
         return losses, norms
+    if rt.rank == 0:
+        result["single"] = run(dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True), 1)
+    result["ddp"] = run(rt, world)
+    return result
+
+
+def _equivalence_part(rt, world: int) -> dict:
+    import torch.distributed as dist
+    from nanochat.distributed import apply_fsdp
+    assert dist.get_backend() == "gloo"
+    rank = rt.rank
+    data = _micro_batches(STEPS * ACCUM_2RANK * world)
+    result = {}
+    ddp_model = _tiny_model()
+    if rank == 0:  # reference: one process, accumulation 2k, no process group involved
+        single = dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True)
+        single_model = _tiny_model()
+        result["single"], _ = _run(single_model, single, data, 0, STEPS, world=1)
+    result["ddp"], _ = _run(ddp_model, rt, data, 0, STEPS)
+    if rank == 0:   # the final weights too, not only the losses (the last step's update shows in no loss)
+        result["weight_diff"] = max(float((a - b).norm() / a.norm()) for a, b in
+                                    zip(single_model.parameters(), ddp_model.parameters(), strict=True))
+    fsdp_model = apply_fsdp(_tiny_model(), rt)
+    result["fsdp"], opt = _run(fsdp_model, rt, data, 0, STEPS)
+    # exact resume of FSDP-sharded optimizer state: 2 steps, snapshot, 2 more; rebuild, reload, 2 more
+    half = STEPS // 2
+    model_a = apply_fsdp(_tiny_model(), rt)
+    _, opt_a = _run(model_a, rt, data, 0, half)
+    weights, opt_state = model_a.state_dict(), copy.deepcopy(opt_a.state_dict())
+    result["full_weights"] = all(not hasattr(v, "placements") for v in weights.values())
+    rest = data[half * ACCUM_2RANK * world:]
+    result["continued"], _ = _run(model_a, rt, rest, half, half, optimizer=opt_a)
+    model_b = _tiny_model()
+    model_b.load_state_dict(weights)
+    apply_fsdp(model_b, rt)
+    from nanochat.optim import build_optimizer
+    opt_b = build_optimizer(model_b, normuon_beta2=NORMUON, world_size=world, rank=rank)
+    opt_b.load_state_dict(opt_state)
+    result["resumed"], _ = _run(model_b, rt, rest, half, half, optimizer=opt_b)
+    plain = build_optimizer(_tiny_model(), normuon_beta2=NORMUON, world_size=world, rank=rank)
     try:
-        if rank == 0:
-            result["single"] = run(dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True), 1)
-        result["ddp"] = run(rt, world)
-        Path(out, f"clip{rank}.json").write_text(json.dumps(result))
-        import torch.distributed as dist
+        plain.load_state_dict(opt_state)
+        result["refused"] = ""
+    except ValueError as e:
+        result["refused"] = str(e)
+    return result
+
+
+def _barrier_part(rank: int) -> dict:
+    import time
+    from nanochat.distributed import BarrierTimeout, allreduce_bandwidth, timed_barrier
+    result = {"ok_wait": timed_barrier(30, name="first")}
+    if rank == 1:
+        time.sleep(2.5)  # late: rank 0 gives up first, then this rank completes the same barrier
+    try:
+        timed_barrier(1.0, name="late")
+        result["late"] = "passed"
+    except BarrierTimeout as e:
+        result["late"] = str(e)
+    rows = allreduce_bandwidth([1 << 12, 1 << 16], iters=2, warmup=1)
+    result["busbw"] = [r["busbw_gbs"] for r in rows]
+    result["ratio"] = [r["busbw_gbs"] / r["algbw_gbs"] for r in rows]
+    return result
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One 2-process gloo group for the three tests below (each spawn of 2 processes that import
+    torch and build an optimizer costs seconds): the equivalence runs, the clip runs, then the
+    barrier (whose late rank would only delay the others). The group times out in 120 s, so a rank
+    that fails leaves the other waiting that long at most."""
+    from datetime import timedelta
+    _torchrun_env(rank, world, port)
+    import torch.distributed as dist
+    from nanochat.common import destroy_runtime, init_runtime
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    rt = init_runtime("cpu", "fp32", seed=0)   # joins the group above
+    try:
+        result = {"equivalence": _equivalence_part(rt, world), "clip": _clip_part(rt, world),
+                  "barrier": _barrier_part(rank)}
         dist.barrier()  # no rank tears the group down while the other is still in a collective
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         destroy_runtime(rt)
 
 
-def test_grad_clip_uses_the_global_norm_across_ranks(tmp_path):
-    mp.spawn(_clip_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"clip{r}.json").read_text()) for r in (0, 1))
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """Rank 0's and rank 1's results of _gloo_worker."""
+    out = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_gloo_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_grad_clip_uses_the_global_norm_across_ranks(gloo_results):
+    r0, r1 = (r["clip"] for r in gloo_results)
     assert r0["ddp"] == r1["ddp"]   # every rank logs the same loss and norm
     (single_loss, single_norm), (ddp_loss, ddp_norm) = r0["single"], r0["ddp"]
     assert all(n > 0.05 for n in single_norm), single_norm   # the clip was active
@@ -108,57 +185,8 @@ def test_grad_clip_uses_the_global_norm_across_ranks(tmp_path):
     assert max(abs(a - b) for a, b in zip(single_loss, ddp_loss)) <= LOSS_TOL, (single_loss, ddp_loss)
 
 
-def _equivalence_worker(rank: int, world: int, port: int, out: str) -> None:
-    _torchrun_env(rank, world, port)
-    import torch.distributed as dist
-    from nanochat.common import destroy_runtime, init_runtime
-    from nanochat.distributed import apply_fsdp
-    rt = init_runtime("cpu", "fp32", seed=0)
-    assert dist.get_backend() == "gloo"
-    data = _micro_batches(STEPS * ACCUM_2RANK * world)
-    result = {}
-    try:
-        ddp_model = _tiny_model()
-        if rank == 0:  # reference: one process, accumulation 2k, no process group involved
-            single = dataclasses.replace(rt, rank=0, world_size=1, ddp=False, is_master=True)
-            single_model = _tiny_model()
-            result["single"], _ = _run(single_model, single, data, 0, STEPS, world=1)
-        result["ddp"], _ = _run(ddp_model, rt, data, 0, STEPS)
-        if rank == 0:   # the final weights too, not only the losses (the last step's update shows in no loss)
-            result["weight_diff"] = max(float((a - b).norm() / a.norm()) for a, b in
-                                        zip(single_model.parameters(), ddp_model.parameters(), strict=True))
-        fsdp_model = apply_fsdp(_tiny_model(), rt)
-        result["fsdp"], opt = _run(fsdp_model, rt, data, 0, STEPS)
-        # exact resume of FSDP-sharded optimizer state: 2 steps, snapshot, 2 more; rebuild, reload, 2 more
-        half = STEPS // 2
-        model_a = apply_fsdp(_tiny_model(), rt)
-        _, opt_a = _run(model_a, rt, data, 0, half)
-        weights, opt_state = model_a.state_dict(), copy.deepcopy(opt_a.state_dict())
-        result["full_weights"] = all(not hasattr(v, "placements") for v in weights.values())
-        rest = data[half * ACCUM_2RANK * world:]
-        result["continued"], _ = _run(model_a, rt, rest, half, half, optimizer=opt_a)
-        model_b = _tiny_model()
-        model_b.load_state_dict(weights)
-        apply_fsdp(model_b, rt)
-        from nanochat.optim import build_optimizer
-        opt_b = build_optimizer(model_b, normuon_beta2=NORMUON, world_size=world, rank=rank)
-        opt_b.load_state_dict(opt_state)
-        result["resumed"], _ = _run(model_b, rt, rest, half, half, optimizer=opt_b)
-        plain = build_optimizer(_tiny_model(), normuon_beta2=NORMUON, world_size=world, rank=rank)
-        try:
-            plain.load_state_dict(opt_state)
-            result["refused"] = ""
-        except ValueError as e:
-            result["refused"] = str(e)
-        dist.barrier()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        destroy_runtime(rt)
-
-
-def test_loss_equivalence_fsdp_and_sharded_resume(tmp_path):
-    mp.spawn(_equivalence_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_loss_equivalence_fsdp_and_sharded_resume(gloo_results):
+    r0, r1 = (r["equivalence"] for r in gloo_results)
     assert r0["ddp"] == r1["ddp"] and r0["fsdp"] == r1["fsdp"]  # the logged loss is the all-rank mean
     diff = max(abs(a - b) for a, b in zip(r0["single"], r0["ddp"]))
     print(f"max |loss(1 rank x accum 4) - loss(2 ranks x accum 2)| = {diff:.3g}", r0["single"])
@@ -176,34 +204,8 @@ def test_loss_equivalence_fsdp_and_sharded_resume(tmp_path):
     assert "fsdp=True" in r0["refused"] and "--fsdp" in r0["refused"]
 
 
-def _barrier_worker(rank: int, world: int, port: int, out: str) -> None:
-    _torchrun_env(rank, world, port)
-    import time
-    import torch.distributed as dist
-    from nanochat.distributed import BarrierTimeout, allreduce_bandwidth, timed_barrier
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {}
-    try:
-        result["ok_wait"] = timed_barrier(30, name="first")
-        if rank == 1:
-            time.sleep(2.5)  # late: rank 0 gives up first, then this rank completes the same barrier
-        try:
-            timed_barrier(1.0, name="late")
-            result["late"] = "passed"
-        except BarrierTimeout as e:
-            result["late"] = str(e)
-        rows = allreduce_bandwidth([1 << 12, 1 << 16], iters=2, warmup=1)
-        result["busbw"] = [r["busbw_gbs"] for r in rows]
-        result["ratio"] = [r["busbw_gbs"] / r["algbw_gbs"] for r in rows]
-        dist.barrier()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_barrier_timeout_names_missing_rank_and_bandwidth(tmp_path):
-    mp.spawn(_barrier_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_barrier_timeout_names_missing_rank_and_bandwidth(gloo_results):
+    r0, r1 = (r["barrier"] for r in gloo_results)
     assert "rank(s) [1] of 2 did not arrive within 1s" in r0["late"] and "compil" in r0["late"]
     assert r1["late"] == "passed"
     assert all(b > 0 for b in r0["busbw"]) and r0["ratio"] == pytest.approx([1.0, 1.0])  # 2(n-1)/n at n=2
@@ -411,21 +413,26 @@ def test_platform_nccl_selftest_cli():
     assert all(row["busbw_gbs"] > 0 for row in report["allreduce"])
 
 
+# Runs base_train once per command line (argv split at "--then") in ONE torchrun launch: every run
+# but the last keeps the process group for the next (a second init_process_group under torchrun's
+# agent store hangs), and each run's init_runtime reseeds, so a run starts as in a fresh launch.
+# Each run's losses go to losses<run>_<rank>.json.
 RUNNER = """import json, os, sys
 from scripts import base_train
-summary = base_train.main(sys.argv[2:])
-with open(os.path.join(sys.argv[1], f"losses{os.environ.get('RANK', '0')}.json"), "w") as f:
-    json.dump({str(k): v for k, v in summary["losses"].items()}, f)
+out, argv = sys.argv[1], sys.argv[2:]
+runs = [[]]
+for a in argv:
+    runs.append([]) if a == "--then" else runs[-1].append(a)
+destroy = base_train.destroy_runtime
+for i, args in enumerate(runs):
+    base_train.destroy_runtime = destroy if i == len(runs) - 1 else (lambda rt: None)
+    summary = base_train.main(args)
+    with open(os.path.join(out, f"losses{i}_{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump({str(k): v for k, v in summary["losses"].items()}, f)
 """
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tiny_corpus):
-    from nanochat.tokenizer import Tokenizer, tokenizer_dir
-    d = tmp_path_factory.mktemp("nanochat_ddp")
-    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
-    Tokenizer.train(texts, 1024).save(tokenizer_dir(d))
-    return d
+# base_dir: tests/conftest.py's (a fresh dir per module holding the session's tiny tokenizer)
 
 
 def _base_train_args(corpus: Path) -> list[str]:
@@ -435,40 +442,44 @@ def _base_train_args(corpus: Path) -> list[str]:
             "--save-every", "2", "--model-tag", "ddp", "--data-dir", str(corpus), "--wandb", "off"]
 
 
-def _torchrun(out: Path, args: list[str], base_dir: Path, nproc: int = 2):
+def _torchrun(out: Path, runs: list[list[str]], base_dir: Path, nproc: int = 2):
+    """One torchrun launch of RUNNER doing `runs` in turn; returns each run's per-rank losses and the log."""
     runner = out / "runner.py"
     runner.write_text(RUNNER)
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE"):
         env.pop(var, None)
+    argv = [a for i, run in enumerate(runs) for a in ([] if i == 0 else ["--then"]) + run]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(free_port()), str(runner), str(out), *args]
+           str(free_port()), str(runner), str(out), *argv]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [json.loads((out / f"losses{k}.json").read_text()) for k in range(nproc)], r.stdout
+    return [[json.loads((out / f"losses{i}_{k}.json").read_text()) for k in range(nproc)]
+            for i in range(len(runs))], r.stdout
 
 
 def test_torchrun_base_train_resume_and_world_size_refusal(tmp_path, base_dir, tiny_corpus, monkeypatch):
+    """Under torchrun: a 4-step run, then (same launch) the same 2 steps with --fsdp; a second
+    launch resumes the first run at step 2 from its sharded checkpoint (a new process: nothing
+    but the files carries over); one process refuses that resume."""
     args = _base_train_args(tiny_corpus)
+    # --fsdp through the recipe: same losses as the run above, and a full (unsharded) model.pt
+    fsdp_args = args[:args.index("--num-iterations")] + ["--num-iterations", "2", "--model-tag", "fsdp", "--fsdp",
+                                                         "--data-dir", str(tiny_corpus), "--wandb", "off"]
     (tmp_path / "a").mkdir()
-    (full0, full1), log = _torchrun(tmp_path / "a", args, base_dir)
+    ((full0, full1), (f0, _)), log = _torchrun(tmp_path / "a", [args, fsdp_args], base_dir)
     assert full0 == full1 and sorted(full0) == ["0", "1", "2", "3"]
     assert "2 rank(s) x 2 micro-batch(es)" in log  # accumulation halves with two ranks (1 rank: 4)
     step_dir = base_dir / "checkpoints" / "base" / "ddp" / "step_000002"
     assert {"optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"} <= {p.name for p in step_dir.iterdir()}
-    (tmp_path / "b").mkdir()
-    (res0, _), _ = _torchrun(tmp_path / "b", args + ["--resume", "2"], base_dir)
-    assert res0 == {"2": full0["2"], "3": full0["3"]}  # exact continuation of the sharded state
-    # --fsdp through the recipe: same losses as the run above, and a full (unsharded) model.pt
-    (tmp_path / "c").mkdir()
-    fsdp_args = args[:args.index("--num-iterations")] + ["--num-iterations", "2", "--model-tag", "fsdp", "--fsdp",
-                                                         "--data-dir", str(tiny_corpus), "--wandb", "off"]
-    (f0, _), _ = _torchrun(tmp_path / "c", fsdp_args, base_dir)
     assert sorted(f0) == ["0", "1"] and max(abs(f0[k] - full0[k]) for k in f0) <= LOSS_TOL, (f0, full0)
     ck_root = base_dir / "checkpoints" / "base"
     plain = torch.load(ck_root / "ddp" / "step_000002" / "model.pt", weights_only=True)
     sharded = torch.load(ck_root / "fsdp" / "step_000002" / "model.pt", weights_only=True)
     assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in sharded.items()}
+    (tmp_path / "b").mkdir()
+    (((res0, _),), _) = _torchrun(tmp_path / "b", [args + ["--resume", "2"]], base_dir)
+    assert res0 == {"2": full0["2"], "3": full0["3"]}  # exact continuation of the sharded state
     # a different world size is refused before anything is built
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -478,28 +489,45 @@ def test_torchrun_base_train_resume_and_world_size_refusal(tmp_path, base_dir, t
         base_train.main(args + ["--resume", "2"])
 
 
-def test_torchrun_chat_sft_two_ranks(tmp_path, base_dir, tiny_corpus, monkeypatch):
+def test_torchrun_chat_sft_two_ranks(tmp_path, base_dir, tiny_corpus, monkeypatch, capsys):
     """The chat recipes run on the same distributed stack: a 1-process base checkpoint, then SFT
-    under torchrun with 2 ranks (batch split across ranks, one checkpoint, --run-name accepted)."""
+    under torchrun with 2 ranks (batch split across ranks, one checkpoint, --run-name accepted).
+
+    And setup.sh reruns mid_train / chat_sft with --resume auto: the SFT checkpoint a 1-process run
+    left (one optimizer shard) cannot be continued by 2 processes, so every rank starts fresh, as
+    for any checkpoint --resume auto cannot continue. Before the fix, rank 1 failed alone in
+    load_checkpoint ("saved by 1 rank(s) but loading as rank 1") while rank 0 started fresh.
+    (Was tests/test_multiprocess.py's own torchrun launch; one launch now checks both.)"""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base_dir))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    from scripts import base_train
+    from scripts import base_train, chat_sft
     args = _base_train_args(tiny_corpus)
     args[args.index("--model-tag") + 1] = "sftsrc"
     args[args.index("--num-iterations") + 1] = "2"
     base_train.main(args)
+    sft = ["--source", "base", "--model-tag", "sftsrc", "--device", "cpu", "--device-batch-size", "2",
+           "--max-seq-len", "64", "--test-holdout", "100", "--no-compile", "--eval-every", "-1", "--wandb", "off",
+           "--resume", "auto"]
+    chat_sft.main(sft + ["--num-iterations", "1"])   # one process: the step's 16 micro-batches on one rank
+    from nanochat import writer_lock
+    writer_lock.release_all()   # that run is over: its process's exit would drop the tag's writer lock
+    capsys.readouterr()
+    ckpt = base_dir / "checkpoints" / "sft" / "sftsrc"
+    assert json.loads((ckpt / "step_000001" / "meta.json").read_text())["world_size"] == 1
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "-m", "scripts.chat_sft", "--source", "base", "--model-tag", "sftsrc", "--device", "cpu",
-           "--num-iterations", "2", "--device-batch-size", "2", "--max-seq-len", "64", "--test-holdout", "100",
-           "--no-compile", "--eval-every", "-1", "--run-name", "dummy", "--wandb", "off"]
+           "-m", "scripts.chat_sft", *sft, "--num-iterations", "2", "--run-name", "dummy"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "2 rank(s)" in r.stdout and "step 00001/00002 | loss" in r.stdout
+    out = r.stdout
+    assert "cannot be continued" in out and "starting fresh" in out, out[-3000:]
+    assert "step 00000/00002" in out and "step 00001/00002 | loss" in out   # from step 0, not resumed at 1
+    assert "2 rank(s)" in out
     # the default step is SFT's 32 rows on any number of ranks: 2 rows x 2 ranks x 8 micro-batches
-    assert "2,048 tokens/step = 2 seqs x 64 tokens x 2 rank(s) x 8 micro-batch(es)" in r.stdout
-    assert (base_dir / "checkpoints" / "sft" / "sftsrc" / "step_000002" / "model.pt").is_file()
+    assert "2,048 tokens/step = 2 seqs x 64 tokens x 2 rank(s) x 8 micro-batch(es)" in out
+    assert (ckpt / "step_000002" / "model.pt").is_file()
+    assert json.loads((ckpt / "step_000002" / "meta.json").read_text())["world_size"] == 2
 
 
 def test_fsdp_flag_validation(monkeypatch):

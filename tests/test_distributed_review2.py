@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -97,13 +96,7 @@ def test_local_rank_past_the_gpu_count(monkeypatch):
 
 # ------------------------------------------------------------------ base_train under torchrun
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tiny_corpus):
-    from nanochat.tokenizer import Tokenizer, tokenizer_dir
-    d = tmp_path_factory.mktemp("nanochat_review2")
-    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
-    Tokenizer.train(texts, 1024).save(tokenizer_dir(d))
-    return d
+# base_dir: tests/conftest.py's (a fresh dir per module holding the session's tiny tokenizer)
 
 
 def _args(corpus: Path, tag: str, *extra: str) -> list[str]:
@@ -124,14 +117,24 @@ def _torchrun_cmd(script: list[str], nproc: int = 2) -> list[str]:
             str(free_port()), *script]
 
 
+# base_train once per command line (argv split at "--then") in one torchrun launch: every run but
+# the last keeps the process group for the next (a second init_process_group under torchrun's agent
+# store hangs), and each run's init_runtime reseeds, so each starts as in a launch of its own. Run
+# i's losses go to losses<i>_<rank>.json.
 RUNNER = """import json, os, sys
 from nanochat.flags import script_main
 from scripts import base_train
+runs = [[]]
+for a in sys.argv[2:]:
+    runs.append([]) if a == "--then" else runs[-1].append(a)
 def run():
-    summary = base_train.main(sys.argv[2:])
-    with open(os.path.join(sys.argv[1], f"losses{os.environ['RANK']}.json"), "w") as f:
-        json.dump({str(k): v for k, v in summary["losses"].items()}, f)
-script_main("base_train", lambda: base_train.parse_config(sys.argv[2:]), run)
+    destroy = base_train.destroy_runtime
+    for i, args in enumerate(runs):
+        base_train.destroy_runtime = destroy if i == len(runs) - 1 else (lambda rt: None)
+        summary = base_train.main(args)
+        with open(os.path.join(sys.argv[1], f"losses{i}_{os.environ['RANK']}.json"), "w") as f:
+            json.dump({str(k): v for k, v in summary["losses"].items()}, f)
+script_main("base_train", lambda: base_train.parse_config(runs[0]), run)
 """
 
 
@@ -142,17 +145,14 @@ def _worker_pids(torchrun_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_saves_once_per_rank_and_resumes_exactly(tmp_path, base_dir, tiny_corpus):
+    """Two launches: one stopped by SIGTERM; one that resumes it to the end and then (in the same
+    processes, reseeded) makes the uninterrupted reference run the resumed steps are compared with."""
     runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
     env = _env(base_dir)
     train = ["--total-batch-size", "2048", "--num-iterations", "16", "--eval-every", "8"]
-    for name in ("full", "part", "resumed"):
+    for name in ("part", "resumed"):
         (tmp_path / name).mkdir()
-    r = subprocess.run(_torchrun_cmd([str(runner), str(tmp_path / "full"), *_args(tiny_corpus, "full", *train)]),
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    full = json.loads((tmp_path / "full" / "losses0.json").read_text())
-
     log = tmp_path / "part.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(_torchrun_cmd([str(runner), str(tmp_path / "part"), *_args(tiny_corpus, "part", *train)]),
@@ -176,10 +176,13 @@ def test_sigterm_to_torchrun_saves_once_per_rank_and_resumes_exactly(tmp_path, b
     assert {"optim_rank0.pt", "optim_rank1.pt", "state_rank0.pt", "state_rank1.pt"} <= shards
 
     r = subprocess.run(_torchrun_cmd([str(runner), str(tmp_path / "resumed"),
-                                      *_args(tiny_corpus, "part", *train, "--resume", "latest")]),
+                                      *_args(tiny_corpus, "part", *train, "--resume", "latest"), "--then",
+                                      *_args(tiny_corpus, "full", *train)]),
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    resumed = json.loads((tmp_path / "resumed" / "losses0.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "losses0_0.json").read_text())
+    full = json.loads((tmp_path / "resumed" / "losses1_0.json").read_text())
+    assert sorted(map(int, full)) == list(range(16))
     assert sorted(map(int, resumed)) == list(range(stopped, 16))
     assert all(resumed[k] == full[k] for k in resumed)   # bit for bit: same reductions in the same order
     a = torch.load(base_dir / "checkpoints" / "base" / "full" / "step_000016" / "model.pt", weights_only=True)

@@ -9,9 +9,10 @@
   the ranks evaluate different numbers of batches;
 * chat_eval's categorical and generative loops count every problem exactly once when the problem
   count does not divide by the world size;
-* ChatLoader deals each conversation of an epoch to exactly one rank;
-* (slow) `--resume auto` of a chat stage under another number of processes than its checkpoint
-  starts fresh on every rank, as it does for any other checkpoint it cannot continue.
+* ChatLoader deals each conversation of an epoch to exactly one rank.
+
+(`--resume auto` of a chat stage under another number of processes than its checkpoint starting
+fresh on every rank is checked by tests/test_distributed.py's torchrun SFT launch.)
 
 Workers set up their own process group with a short timeout, so a rank stuck at a collective
 fails the test in seconds instead of hanging it."""
@@ -22,19 +23,15 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from nanochat.distributed import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 B, T, VOCAB = 2, 16, 128
 WORLD = 2
 
@@ -301,49 +298,3 @@ def test_chat_loader_deals_each_conversation_to_one_rank():
     shards = [seen(r, 3) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(11)) == seen(0, 1)   # disjoint, and nothing missing
     assert shards[1] == [1, 4, 7, 10]
-
-
-# ------------------------------------------------------------------ chat stage resume under torchrun
-
-@pytest.fixture(scope="module")
-def chat_base_dir(tmp_path_factory, tiny_corpus):
-    """A base dir with a tokenizer and a 1-process base checkpoint (tag `mp`)."""
-    from nanochat.tokenizer import Tokenizer, tokenizer_dir
-    d = tmp_path_factory.mktemp("nanochat_mp")
-    texts = pq.read_table(tiny_corpus / "shard_00000.parquet", columns=["text"]).column("text").to_pylist()
-    Tokenizer.train(texts, 1024).save(tokenizer_dir(d))
-    args = ["-m", "scripts.base_train", "--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim",
-            "32", "--max-seq-len", "64", "--device-batch-size", "8", "--total-batch-size", "1024",
-            "--window-pattern", "SL", "--sample-every", "-1", "--eval-every", "-1", "--eval-tokens", "4096",
-            "--no-compile", "--num-iterations", "1", "--model-tag", "mp", "--data-dir", str(tiny_corpus),
-            "--wandb", "off"]
-    _run([sys.executable, *args], d)
-    return d
-
-
-def _run(cmd: list[str], base_dir: Path) -> str:
-    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NANOCHAT_DTYPE"):
-        env.pop(var, None)
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
-
-
-@pytest.mark.slow
-def test_chat_resume_auto_with_other_world_size_starts_fresh(chat_base_dir):
-    """setup.sh reruns mid_train / chat_sft with --resume auto. A checkpoint saved by 1 process
-    cannot be continued by 2 (one optimizer shard per rank): every rank must start fresh, as for
-    any checkpoint --resume auto cannot continue. Before the fix, rank 1 failed alone in
-    load_checkpoint ("saved by 1 rank(s) but loading as rank 1") while rank 0 started fresh."""
-    sft = ["-m", "scripts.chat_sft", "--source", "base", "--model-tag", "mp", "--device", "cpu",
-           "--device-batch-size", "2", "--max-seq-len", "64", "--test-holdout", "100", "--no-compile",
-           "--eval-every", "-1", "--wandb", "off", "--resume", "auto"]
-    _run([sys.executable, *sft, "--num-iterations", "1"], chat_base_dir)
-    ckpt = chat_base_dir / "checkpoints" / "sft" / "mp"
-    assert json.loads((ckpt / "step_000001" / "meta.json").read_text())["world_size"] == 1
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                str(free_port()), *sft, "--num-iterations", "2"], chat_base_dir)
-    assert "cannot be continued" in out and "starting fresh" in out, out[-3000:]
-    assert "step 00000/00002" in out   # trained from step 0, not resumed at 1
-    assert json.loads((ckpt / "step_000002" / "meta.json").read_text())["world_size"] == 2

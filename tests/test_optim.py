@@ -3,6 +3,7 @@ trip, schedules, and the gloo 2-process path against the single-process step."""
 
 import copy
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,34 +407,45 @@ STEPS = 3
 VOCAB = 1024  # 1024 x 64 tables reach the AdamW sharding threshold (sharded path exercised)
 
 
-def _worker(rank, world_size, store_path, out_path, normuon=0.0):
+NORMUONS = (0.0, 0.95)
+
+
+def _worker(rank, world_size, store_path, out_dir):
+    """Both NORMUONS settings in one spawn (two spawns of two processes cost seconds each)."""
     # a FileStore, not tcp://: with a TCPStore hosted by rank 0, rank 1 was once killed by SIGABRT
     # ("terminate called without an active exception") while the two tore gloo down after the
     # final barrier (CI, 1 run in 3); a file has no host process to go away first, nor a port to race for
     torch.set_num_threads(1)   # as the reference below: see test_gloo_two_process_step_matches_single_process
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
-        model = tiny_model(VOCAB)
-        opt = build_optimizer(model, weight_decay=0.1, normuon_beta2=normuon, world_size=world_size, rank=rank)
-        for s in range(STEPS):
-            set_grads(model, fake_grads(model, 100 * s + rank))
-            opt.set_hparams(momentum=muon_momentum(s))
-            opt.step()
-        if rank == 0:
-            torch.save([p.detach() for p in model.parameters()], out_path)
+        for normuon in NORMUONS:
+            model = tiny_model(VOCAB)
+            opt = build_optimizer(model, weight_decay=0.1, normuon_beta2=normuon, world_size=world_size, rank=rank)
+            for s in range(STEPS):
+                set_grads(model, fake_grads(model, 100 * s + rank))
+                opt.set_hparams(momentum=muon_momentum(s))
+                opt.step()
+            if rank == 0:
+                torch.save([p.detach() for p in model.parameters()], Path(out_dir) / f"params_{normuon}.pt")
         dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("normuon", [0.0, 0.95])
-def test_gloo_two_process_step_matches_single_process(tmp_path, normuon):
+@pytest.fixture(scope="module")
+def gloo_params(tmp_path_factory):
+    """{normuon: rank 0's parameters after STEPS distributed steps}, one spawn for both settings."""
+    out = tmp_path_factory.mktemp("gloo_optim")
+    mp.spawn(_worker, args=(2, str(out / "store"), str(out)), nprocs=2, join=True)
+    return {normuon: torch.load(out / f"params_{normuon}.pt") for normuon in NORMUONS}
+
+
+@pytest.mark.parametrize("normuon", NORMUONS)
+def test_gloo_two_process_step_matches_single_process(gloo_params, normuon):
     # Both sides run single-threaded: Polar Express's first iterations multiply a matrix's small
     # singular directions by ~8 each, so a BLAS that splits a batch-1 product across threads (a
     # rank's shard) and a batch-2 one by matrix (the reference) differed by 3e-4 on one CPU model
     # (2026-11-28, torch 2.15) from rounding alone; with one thread each they agree to the bit there.
-    out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out), normuon), nprocs=2, join=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -446,7 +458,7 @@ def test_gloo_two_process_step_matches_single_process(tmp_path, normuon):
             opt.step()
     finally:
         torch.set_num_threads(threads)
-    dist_params = torch.load(out)
+    dist_params = gloo_params[normuon]
     moved = 0.0
     for (name, p), q in zip(model.named_parameters(), dist_params):
         assert (p - q).abs().max() < 1e-5, name

@@ -46,19 +46,23 @@ def test_resume_with_a_lower_device_batch_size_reads_the_same_rows(env, base_dir
     assert ck.load_checkpoint(d, 4)["loader"]["batch_size"] == 4
 
 
-def test_resume_at_a_lower_device_batch_keeps_the_auto_total(env, base_dir):
+def test_resume_at_a_lower_device_batch_keeps_the_auto_total(env, base_dir, monkeypatch):
     """With --total-batch-size auto (-1) the total is rounded up to whole micro-batches of the
     device batch, so a resume at another --device-batch-size computed another total and was refused
     ('the checkpoint has --total-batch-size X but this run has Y'; the user never passed it). A
     resume now keeps the checkpoint's total when the new micro-batches divide it, and says which
-    device batches do when they do not."""
+    device batches do when they do not. The auto rule's reference batch is scaled down (2^19 ->
+    2^13 tokens, so depth 2 predicts 1,024 instead of 65,536): the rounding to whole micro-batches
+    and the resume logic under test are the same, at 3 micro-batches a step instead of 171."""
+    from nanochat import training
+    monkeypatch.setattr(training, "REF_BATCH_TOKENS", 2**13)
     auto = [a for a in TINY if a not in ("--total-batch-size", "512")]
     assert len(auto) == len(TINY) - 2
     args = auto + env + ["--device-batch-size", "6", "--num-iterations", "3", "--save-every", "2",
                          "--model-tag", "autob"]
     full = _train(args)
     saved = ck.read_meta(ck.checkpoint_dir("base", "autob", base_dir), 2)["train"]["total_batch_size"]
-    assert saved % (6 * 64) == 0 and saved % (4 * 64) != 0   # the auto total was rounded for 6
+    assert saved == 1152 and saved % (4 * 64) != 0   # the auto total 1,024 was rounded up to 3 x (6 x 64)
     resumed = _train(args + ["--resume", "2", "--device-batch-size", "3"])
     assert resumed["losses"][2] == pytest.approx(full["losses"][2], rel=1e-5, abs=1e-5)
     with pytest.raises(ValueError, match=r"^--device-batch-size 4: the checkpoint's total batch of .* resume "
