@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def require_module(name: str, hint: str):
 
 
 def pytest_configure(config):
+    os.environ.setdefault(SESSION_VAR, f"{os.getpid()}-{time.time_ns()}")   # see leftover_processes
     # Before any test runs a CPU bf16 matmul: the AMX workaround (nanochat/platform.py).
     from nanochat.platform import patch_cpu_amx
 
@@ -207,31 +209,51 @@ def _release_writer_locks():
     writer_lock.release_all()
 
 
-def leftover_processes(nodeid: str) -> list[int]:
-    """Pids of live processes started during test `nodeid`: pytest sets PYTEST_CURRENT_TEST to
-    "<nodeid> (<phase>)" while a test runs, and a child started with os.environ inherits it, even
-    after it is orphaned (a torchrun worker, run_train.sh's nohup'd run). Linux only (/proc)."""
-    marker = f"PYTEST_CURRENT_TEST={nodeid} (".encode()
+SESSION_VAR = "NANOCHAT_TEST_SESSION"   # set in pytest_configure: tells this run's children from another's
+
+
+def _parent(pid: int) -> int:
+    """The parent pid from /proc/<pid>/stat (its comm field may hold spaces and parentheses)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = _parent(pid)
+    return False
+
+
+def leftover_processes(nodeid: str, session: str | None = None) -> list[int]:
+    """Pids of live processes that test `nodeid` started in its call phase and left orphaned: pytest
+    sets PYTEST_CURRENT_TEST to "<nodeid> (call)" while the test body runs, and a child started with
+    os.environ inherits it and this session's SESSION_VAR, even after it is orphaned (a torchrun
+    worker, run_train.sh's nohup'd run). Processes still below this one are left alone: a fixture's
+    (chromedriver) or torch's own (inductor's compile workers) that later tests use. Linux (/proc)."""
+    marker = f"PYTEST_CURRENT_TEST={nodeid} (call)".encode()
+    token = f"{SESSION_VAR}={session or os.environ.get(SESSION_VAR, '')}".encode()
     found = []
     for entry in Path("/proc").iterdir() if Path("/proc/self/environ").exists() else ():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(var.startswith(marker) for var in (entry / "environ").read_bytes().split(b"\0")):
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+            if marker in env and token in env and not _descends_from(int(entry.name), os.getpid()):
                 found.append(int(entry.name))
-        except OSError:   # gone already, or another user's
+        except (OSError, ValueError, IndexError):   # gone already, or another user's
             continue
     return found
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """After a test phase fails, kill what it left running: a failed signal test once left three
+    """After a test body fails, kill what it left running: a failed signal test once left three
     base_train processes burning both CI cores for 20 minutes, failing the timing-sensitive tests
     after it. Passing tests are not scanned (the scan reads every /proc/*/environ)."""
     outcome = yield
     report = outcome.get_result()
-    if not report.failed:
+    if not (report.failed and call.when == "call"):
         return
     pids = leftover_processes(item.nodeid)
     for pid in pids:

@@ -275,7 +275,9 @@ print("OK")
 """
 
 # Both scripts run in one interpreted subprocess (conftest's `interpreted` fixture).
-SCRIPTS = {"KERNEL_SCRIPT": KERNEL_SCRIPT, "MODEL_SCRIPT": MODEL_SCRIPT}
+# MODEL_SCRIPT first: the model path must register the kernel op itself (KERNEL_SCRIPT calls
+# register() directly, which would hide a model path that stopped doing so).
+SCRIPTS = {"MODEL_SCRIPT": MODEL_SCRIPT, "KERNEL_SCRIPT": KERNEL_SCRIPT}
 
 
 def test_int8_kernel_interpreted(interpreted):

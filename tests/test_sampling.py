@@ -184,7 +184,7 @@ assert two_stage_plan(180, 16, 64) == (64, 3, 16)
 rows = torch.randn(4, 180, generator=g) * 2
 rows[1] = torch.randint(0, 3, (180,), generator=g).float()       # ~21 ties per chunk: overflow
 rows[2, ::3] = float("-inf")
-rows[3, 3:170] = float("-inf")                                   # chunk 0: 3 finite tokens, fewer than k
+rows[3, 3:179] = float("-inf")                                   # 4 finite tokens, fewer than most k
 for T, k, p, pos in [(1.0, 5, None, 1), (0.7, 13, None, 2), (1.3, 1, None, 3), (1.0, 16, 0.6, 4)]:
     keep1, keep2 = torch.zeros(4, 180, dtype=torch.int8), torch.ones(4, 180, dtype=torch.int8)
     fell = torch.zeros(4, dtype=torch.int32)

@@ -2,9 +2,9 @@
 `python -m scripts.X`, they print ONE line `X: error: <message naming the flag>` on stderr, nothing
 on stdout, and exit 2 (nanochat.common.script_main), within seconds (no model is built first).
 
-A subprocess that imports torch costs ~3-5 s on a CI core, so every command line of this file runs
-as `python -m` would (runpy) inside two probe processes, one per core, in one module fixture, and
-the parametrized tests check each result."""
+A subprocess that imports torch costs ~3-5 s on a CI core, so the command lines of CASES and MOVED
+run as `python -m` would (runpy) inside two probe processes, one per core, in one module fixture,
+and the parametrized tests check each result."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ UNKNOWN_FLAG = ["--no-such-flag", "1"]
 # stderr/stdout, exit code and seconds, inside two probe processes (one per CI core): torch is
 # imported once per probe instead of once per command line (~3 s each on a CI core). Whatever a
 # script writes past the redirection (a handler holding the real stderr) lands on the probe's own
-# stderr, which must stay empty.
+# stderr, which must stay empty. Each run's seconds include the probe's torch import, as a fresh
+# `python -m` would, and the warning filters are reset before each run (a warning is otherwise said
+# once per process, and a later script's same warning would vanish from its one-line check).
 PROBE = ("import contextlib, io, json, runpy, sys, time, traceback, warnings\n"
          "warnings.filterwarnings('ignore', '.*found in sys.modules', RuntimeWarning)  # a re-import\n"
          "t0 = time.perf_counter()\n"
@@ -72,6 +74,8 @@ PROBE = ("import contextlib, io, json, runpy, sys, time, traceback, warnings\n"
          "results = {'import torch': time.perf_counter() - t0}\n"
          "for key, module, argv in json.loads(sys.argv[1]):\n"
          "    sys.argv, err, out, code = [module, *argv], io.StringIO(), io.StringIO(), 0\n"
+         "    warnings.resetwarnings()\n"
+         "    warnings.filterwarnings('ignore', '.*found in sys.modules', RuntimeWarning)\n"
          "    t0 = time.perf_counter()\n"
          "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):\n"
          "        try:\n"
@@ -80,7 +84,8 @@ PROBE = ("import contextlib, io, json, runpy, sys, time, traceback, warnings\n"
          "            code = e.code\n"
          "        except BaseException:\n"
          "            code, _ = 'raised', traceback.print_exc()\n"
-         "    results.setdefault(key, []).append([code, err.getvalue(), out.getvalue(), time.perf_counter() - t0])\n"
+         "    results.setdefault(key, []).append([code, err.getvalue(), out.getvalue(),\n"
+         "                                     time.perf_counter() - t0 + results['import torch']])\n"
          "sys.stdout = sys.__stdout__\n"
          "print(json.dumps(results))\n")
 

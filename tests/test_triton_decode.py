@@ -172,8 +172,9 @@ def test_engine_auto_graph_step_probes_then_falls_back_interpreted(interpreted):
 
 
 # The four scripts above run in one interpreted subprocess (the `interpreted` fixture), in this
-# order: AUTO_SCRIPT last, as it replaces PersistentDecodeStep.launch for good. Decode lengths are
-# the fewest that still cross layer 0's window of 8 and span several key blocks of 4 per chunk.
+# order: AUTO_SCRIPT last, as it replaces PersistentDecodeStep.launch for good. STEP_SCRIPT's and
+# ENGINE_SCRIPT's decode lengths are the fewest that still cross layer 0's window of 8 and span
+# several key blocks of 4 per chunk; INT8_SCRIPT and AUTO_SCRIPT stay inside the window.
 SCRIPTS = {"STEP_SCRIPT": STEP_SCRIPT, "INT8_SCRIPT": INT8_SCRIPT, "ENGINE_SCRIPT": ENGINE_SCRIPT,
            "AUTO_SCRIPT": AUTO_SCRIPT}
 
