@@ -155,6 +155,7 @@ if [[ $LIST_STAGES -eq 1 ]]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 # ---------------------------------------------------------------- stage bookkeeping
 source "$REPO/scripts/setup_stages.sh"   # should_run, run_stage, rerun_cmd, the signal handling they use
 source "$REPO/scripts/setup_gpus.sh"     # visible_gpu_row, visible_gpu_count, hidden_gpus: the GPU CUDA will use
+source "$REPO/scripts/setup_batch.sh"    # choose_device_batch: the device batch that fits this machine
 
 # --from skips the stages before it, so they must have finished (the env stage's marker lives in
 # .venv and is not checked). A dry run says so and still lists what would run. The way on is the
@@ -369,65 +370,7 @@ for d in "$BASE_DIR/base_data" "$BASE_DIR/checkpoints"/{base,mid,sft}/"$MODEL_TA
 done
 HAVE_GB=$((HAVE_KB / 1048576))
 
-# The device batch that fits: d20 bf16 (--kernel triton, compiled) on an H100, bench_train
-# 2026-11-28: 18.5 / 22.5 / 30.4 / 46.4 GiB allocated at device batch 4 / 8 / 16 / 32, i.e. ~14.5 GiB
-# (weights, gradients, optimizer state) + ~1.0 GiB per 2048-token sequence. Other depths scale the
-# first part with all parameters and the second with depth x width (d12 at 32: predicted 16.1 GiB,
-# measured 16.8); the rule adds 10% for the allocator's reserve and 1.5 GiB for the CUDA context and
-# workspaces. In hundredths of a GiB:
-D20_ALL=$((12 * 1280 * 1280 * 20 + 12 * VOCAB * 1280))
-FIXED_CGIB=$((1450 * ALL_PARAMS / D20_ALL)) PER_SEQ_CGIB=$((DEPTH * DEPTH / 4))
-need_cgib() { echo $(( 110 * (FIXED_CGIB + PER_SEQ_CGIB * $1) / 100 + 150 )); }
-fit_device_batch() {  # budget_mib cap -> the largest power-of-two batch <= cap that fits, or nothing
-  local dbs
-  for ((dbs = $2; dbs >= 1; dbs /= 2)); do
-    if (( $(need_cgib "$dbs") * 1024 <= 100 * $1 )); then echo "$dbs"; return; fi
-  done
-}
-# h100 (any non-GB10 GPU): the GPU's memory (80 GB -> 32 at d20, 40-48 GB -> 16, 32 GB -> 8, 24 GB -> 4);
-# spark: unified memory, so 3/4 of the host's total, the rest left to the OS, page cache, loader
-# and eval (DESIGN.md pitfall 3). Total, not MemAvailable: the choice must not change between
-# runs, since a changed base_train command reruns a finished stage.
-# A GPU whose memory nvidia-smi does not report ("[N/A]": GB10 and other unified-memory parts) is
-# budgeted as unified under either preset (h100 kept its batch of 32 there); a discrete GPU under
-# --preset spark by the smaller of the two (3/4 of the host's memory sized the batch of a 24 GB card).
-BUDGET_MIB="" where=""
-if [[ "$PRESET" != tiny && "$GPU_MEM_MIB" =~ ^[0-9]+$ && "$GPU_CC" != 12.1 && "$GPU_NAME" != *GB10* ]]; then
-  BUDGET_MIB=$GPU_MEM_MIB where="the $GPU_NAME's $((GPU_MEM_MIB / 1024)) GiB"
-  if [[ "$PRESET" == spark ]] && (( MEM_TOTAL_MIB * 3 / 4 < GPU_MEM_MIB )); then
-    BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of $HOST_MEM $((MEM_TOTAL_MIB / 1024)) GiB$CG_NOTE"
-  fi
-elif [[ "$PRESET" != tiny ]]; then
-  BUDGET_MIB=$(( MEM_TOTAL_MIB * 3 / 4 )) where="3/4 of the $((MEM_TOTAL_MIB / 1024)) GiB of unified memory$CG_NOTE"
-  # each stage caps PyTorch's allocator at 90% of MemAvailable (or the cgroup's free part) at its start
-  # (nanochat/platform.py): with other programs holding memory now, a batch fitted to 3/4 of the
-  # total can run out at step 0
-  if [[ "$MEM_AVAIL_MIB" =~ ^[0-9]+$ ]] && (( MEM_AVAIL_MIB > 0 && MEM_AVAIL_MIB * 9 / 10 < BUDGET_MIB )); then
-    say "note: $((MEM_AVAIL_MIB / 1024)) GiB of the unified memory is available now; each stage caps its memory at" \
-        "90% of what is available when it starts: close other programs first, or add --device-batch-size N" \
-        "if a stage runs out of memory (NANOCHAT_GPU_MEMORY_CAP=<GB>|off overrides the cap)"
-  fi
-fi
-if [[ $DBS_GIVEN -eq 1 ]]; then   # the user's device batch: not fitted, but it must split the total batch into rows
-  DBS_FLAG=$((10#$DBS_FLAG))
-  (( TBS % (DBS_FLAG * SEQ) == 0 )) || die "--device-batch-size: got $DBS_FLAG; accepted: a divisor of" \
-    "$((TBS / SEQ)) (the total batch of $TBS tokens is $((TBS / SEQ)) rows of $SEQ tokens)"
-  # the preset's as fitted to this GPU: after an out-of-memory stop at a fitted 4, "the preset's is 32" misled
-  fitted=""; [[ -z "$BUDGET_MIB" ]] || fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
-  preset_dbs="$DBS"
-  if [[ -n "$BUDGET_MIB" && -z "$fitted" ]]; then preset_dbs="$DBS; by the estimate, d$DEPTH fits $where at none"
-  elif [[ -n "$fitted" ]] && (( fitted != DBS )); then preset_dbs="$fitted for d$DEPTH in $where"; fi
-  say "device batch $DBS_FLAG (--device-batch-size; the preset's is $preset_dbs); the total batch stays $TBS tokens"
-  DBS=$DBS_FLAG   # (tiny's mid / SFT step stays the preset's rows: a changed total could not resume)
-elif [[ -n "$BUDGET_MIB" ]]; then
-  fitted="$(fit_device_batch "$BUDGET_MIB" "$DBS")"
-  [[ -n "$fitted" ]] || die "d$DEPTH needs about $(( $(need_cgib 1) / 100 )) GiB at a device batch of 1; $where is not" \
-    "enough: rerun with a smaller --depth (e.g. $(( DEPTH * 3 / 5 > 0 ? DEPTH * 3 / 5 : 1 )))"
-  if (( fitted != DBS )); then
-    say "device batch $fitted (not $DBS) for d$DEPTH in $where; the total batch stays $TBS tokens"
-    DBS=$fitted
-  fi
-fi
+choose_device_batch   # DBS: the preset's fitted to this machine's memory, or --device-batch-size's
 if [[ "$PRESET" == tiny ]]; then   # a fixed demo budget: ITERS steps, not 20 tokens per parameter
   say "d$DEPTH: $(awk -v p="$ALL_PARAMS" 'BEGIN {printf "%.1fM", p / 1e6}') parameters, base_train on" \
       "$(awk -v t="$((ITERS * TBS))" 'BEGIN {printf "%.1fM", t / 1e6}') tokens ($ITERS steps of $TBS, the tiny preset's fixed demo budget)"

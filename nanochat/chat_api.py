@@ -9,7 +9,10 @@ audio output, web search, non-zero penalties) are refused with 400 "unsupported_
 fields it does not know with "unknown_parameter", rather than silently ignored; any `model` name
 is accepted (a local server has one model; responses report the served name). Assistant history
 comes back as the text the server streamed; its calculator calls ("<<expr=result>>") are rendered
-as the tool tokens the model generated (`prompt_messages`).
+as the tool tokens the model generated (`prompt_messages`). Messages: content is a string or text
+parts (an assistant's refusal counts as its text); image/audio/file parts and tool-call history are
+refused by index; `name` is accepted while each role has one speaker (the chat format has no names,
+so two named users would merge into one voice: refused).
 """
 
 import json
@@ -177,15 +180,75 @@ def _number(body: dict, name: str, low: float, high: float, default, *, integer=
     return value
 
 
-def _content_text(content, i: int) -> str:
-    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
+# The content parts read and the key holding each one's text. Others (image_url, input_audio, file)
+# are refused by index and type: dropped, the reply would answer a question about a picture without it.
+_PART_TYPES = {"text": "text", "refusal": "refusal"}
+
+
+def _content_text(m: dict, role: str, i: int) -> str:
+    """A message's text: `content` as a string, or OpenAI's list of parts: {"type": "text", "text"}
+    and, in an assistant message, {"type": "refusal", "refusal"} (what the assistant said when it
+    refused). An assistant message echoed from a response whose `content` is null and `refusal` a
+    string (OpenAI's shape of a refusal) is that text. Any other part (image_url, input_audio,
+    file) is refused by its index and type."""
+    content, where = m.get("content"), f"messages[{i}].content"
+    accepted = ('accepted: a string or a list of {"type": "text", "text": string} parts'
+                + (' (or {"type": "refusal", "refusal": string})' if role == "assistant" else ""))
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"'messages[{i}].content': accepted: a string or a list of "
-                        "{\"type\": \"text\", \"text\": string} parts", param=f"messages[{i}].content")
+    if content is None and role == "assistant" and isinstance(m.get("refusal"), str):
+        return m["refusal"]
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}': got {_kind(content)}; {accepted}", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _PART_TYPES.get(kind) if kind == "text" or role == "assistant" else None
+        if kind == "refusal" and key is None:   # OpenAI's too: only an assistant refuses
+            raise ApiError(400, f"'{where}[{j}]': a part of type \"refusal\" in a {role} message; {accepted}",
+                           param=f"{where}[{j}]", code="invalid_value")
+        if key is None and isinstance(kind, str):
+            raise ApiError(400, f"'{where}[{j}]': a part of type {json.dumps(kind)[:80]}, which this server cannot "
+                                f"read (it reads text only); {accepted}", param=f"{where}[{j}]",
+                           code="unsupported_value")
+        if key is None or not isinstance(part.get(key), str):
+            raise ApiError(400, f"'{where}[{j}]': got {json.dumps(part)[:120]}; {accepted}", param=f"{where}[{j}]",
+                           code="invalid_value")
+        texts.append(part[key])
+    return "".join(texts)
+
+
+def _kind(value) -> str:
+    """A JSON value's type as an error message names it."""
+    return "null" if value is None else {dict: "an object", list: "a list", bool: "a boolean", int: "an integer",
+                                         float: "a number", str: "a string"}.get(type(value), type(value).__name__)
+
+
+# Message fields this server cannot render as history: it calls no tools and speaks no audio, so a
+# turn holding a call (or a reference to earlier audio) dropped to its text is not what happened
+_UNRENDERABLE = {"tool_calls": "tool call", "function_call": "function call", "audio": "audio"}
+
+
+def _check_message_fields(m: dict, role: str, i: int, speakers: dict) -> None:
+    """`name` must be a string; messages of one role may carry one name between them (the chat
+    format has no place for names, and merged turns of two named speakers would read as one
+    speaker); `_UNRENDERABLE` fields must be null or empty."""
+    for field, what in _UNRENDERABLE.items():
+        if m.get(field) not in (None, []):
+            raise ApiError(400, f"'messages[{i}].{field}': {what} history is not supported by this server (it "
+                                f"calls no tools and has no audio); leave '{field}' out",
+                           param=f"messages[{i}].{field}", code="unsupported_parameter")
+    name = m.get("name")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ApiError(400, f"'messages[{i}].name': got {_kind(name)}; accepted: a string", param=f"messages[{i}].name")
+    first = speakers.setdefault(role, (name, i))
+    if first[0] != name:
+        raise ApiError(400, f"'messages[{i}].name': {json.dumps(name)[:80]} after {json.dumps(first[0])[:80]} "
+                            f"(messages[{first[1]}]): this server cannot tell two participants of the role '{role}' "
+                            "apart (its chat format has no names); accepted: one name per role",
+                       param=f"messages[{i}].name", code="unsupported_value")
 
 
 def _raw_messages(raw, s: ServerSettings) -> list[dict]:
@@ -196,14 +259,16 @@ def _raw_messages(raw, s: ServerSettings) -> list[dict]:
     if len(raw) > s.max_messages:
         raise ApiError(400, f"'messages': got {len(raw)} messages; the limit is {s.max_messages}",
                        param="messages", code="too_many_messages")
-    out, total = [], 0
+    out, total, speakers = [], 0, {}
     for i, m in enumerate(raw):
         role = m.get("role") if isinstance(m, dict) else None
         role = "system" if role == "developer" else role
         if role not in ROLES:
+            tools = " (tool results: this server calls no tools)" if role in ("tool", "function") else ""
             raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: "
-                                "system|developer|user|assistant", param=f"messages[{i}].role")
-        text = _no_surrogate(_content_text(m.get("content"), i), f"messages[{i}].content")
+                                f"system|developer|user|assistant{tools}", param=f"messages[{i}].role")
+        _check_message_fields(m, role, i, speakers)
+        text = _no_surrogate(_content_text(m, role, i), f"messages[{i}].content")
         if len(text) > s.max_message_chars:
             raise ApiError(400, f"'messages[{i}].content': {len(text)} characters; the limit is "
                                 f"{s.max_message_chars}", param=f"messages[{i}].content", code="message_too_long")
@@ -360,6 +425,28 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage"))
 
 
+def _stop_strings(stop, limit: int) -> list[str]:
+    """`stop`: null, a string or a list of up to `limit` strings of 1..100 characters. {} / 0 /
+    false are client bugs, not "none"; an empty string would never match (TextStream skips it), so
+    the client's stop would silently do nothing. The error says which rule the value broke."""
+    where = "got" if isinstance(stop, str) else "item {} is"   # a lone string is not an item of a list
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    accepted = f"accepted: a string or a list of up to {limit} non-empty strings of <= 100 characters"
+    if not isinstance(stop, list):
+        problem = f"got {_kind(stop)}"
+    elif len(stop) > limit:
+        problem = f"got {len(stop)} strings, more than {limit}"
+    else:
+        bad = next(((j, x) for j, x in enumerate(stop) if not isinstance(x, str) or not 0 < len(x) <= 100), None)
+        if bad is None:
+            return [_no_surrogate(x, "stop") for x in stop]
+        j, x = bad
+        what = (_kind(x) if not isinstance(x, str) else
+                "an empty string" if not x else f"a string of {len(x)} characters")
+        problem = f"{where.format(j)} {what}"
+    raise ApiError(400, f"'stop': {problem}; {accepted}", param="stop")
+
+
 def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     """Validate a /v1/chat/completions body against the limits; ApiError(400) names the field.
 
@@ -383,14 +470,7 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     # accepted unread, the client's bug unreported.
     legacy = _number(body, "max_tokens", 1, s.max_max_tokens, None, integer=True)
     max_tokens = _number(body, "max_completion_tokens", 1, s.max_max_tokens, legacy, integer=True)
-    stop = body.get("stop")   # null, a string or a list; {} / 0 / false are client bugs, not "none"
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > s.max_stop or \
-            not all(isinstance(x, str) and 0 < len(x) <= 100 for x in stop):
-        raise ApiError(400, f"'stop': accepted: a string or a list of up to {s.max_stop} non-empty strings "
-                            "of <= 100 characters", param="stop")
-    for x in stop:
-        _no_surrogate(x, "stop")
+    stop = _stop_strings(body.get("stop"), s.max_stop)
     temperature = float(_number(body, "temperature", 0, s.max_temperature, s.default_temperature))
     top_p = _number(body, "top_p", 0, 1, None)
     from nanochat.sampling import greedy_if_top_p_zero   # torch: loaded by the server already

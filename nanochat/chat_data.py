@@ -26,6 +26,7 @@ resumed run reproduces the batches exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -347,11 +348,14 @@ def _train_split_tasks(names: Sequence[str], data_dir, test_holdout: int) -> lis
     return tasks
 
 
+def _fold_spacing(text) -> str:
+    return " ".join(str(text).split()).casefold()
+
+
 def problem_key(row: dict) -> str:
     """A test problem as the model reads it (question and choices, whitespace-normalised), whatever
     its id, subject or file: the same problem under two ids or two tasks is one problem."""
-    norm = lambda text: " ".join(str(text).split()).casefold()   # noqa: E731
-    return json.dumps([norm(row.get("question", "")), [norm(c) for c in row.get("choices") or ()]])
+    return json.dumps([_fold_spacing(row.get("question", "")), [_fold_spacing(c) for c in row.get("choices") or ()]])
 
 
 def _drop_held_out_twins(tasks: list, holdout: int) -> None:
@@ -360,10 +364,14 @@ def _drop_held_out_twins(tasks: list, holdout: int) -> None:
     choices, often under another subject), so with --test-holdout 1000 the 1000 scored problems had
     21 twins among the trained ones (2% of the score was read off training data)."""
     from nanochat.common import print0
-    scored = {problem_key(r) for t in tasks for r in t.rows[:holdout]}
+    held = [r for t in tasks for r in t.rows[:holdout]]
+    scored = {problem_key(r) for r in held}
+    # a twin asks a held-out question: the whole key (~0.3 s over MMLU's 14K) only for rows that do
+    asked = {_fold_spacing(r.get("question", "")) for r in held}
     for t in tasks:
         assert t.start == holdout, "the training task must start where the held-out problems end"
-        tail = [r for r in t.rows[holdout:] if problem_key(r) not in scored]
+        tail = [r for r in t.rows[holdout:]
+                if _fold_spacing(r.get("question", "")) not in asked or problem_key(r) not in scored]
         dropped = len(t.rows[holdout:]) - len(tail)
         t.rows = t.rows[:holdout] + tail   # get_example reads self.rows: test[holdout:] is now the tail
         if dropped:
@@ -449,23 +457,47 @@ def _asks_something(question: str) -> bool:
     return len(question) >= 12 and len(question.split()) >= 3
 
 
-def _eval_questions(data_dir) -> tuple[set[str], list[str]]:
-    """The folded questions of the local MMLU / ARC / GSM8K test files that a chat turn equal to one
-    would really ask (_asks_something), but not a stem several problems share with other choices
-    ("which of the following is true": 8 MMLU problems; their question is in the choices); and the
-    tasks with no local file."""
-    from nanochat.tasks.common import find_local_file, read_jsonl
-    problems: dict[str, set] = {}
-    missing = []
+def _eval_question_files(data_dir) -> tuple[tuple[tuple[str, str, int, int, int], ...], tuple[str, ...]]:
+    """(task, resolved path, st_mtime_ns, st_size, st_ino) of each local test file _eval_questions
+    reads, and the tasks with none: a few stat() calls, the key of _read_eval_questions' cache."""
+    from nanochat.tasks.common import find_local_file
+    found, missing = [], []
     for name, filenames in EVAL_QUESTION_FILES.items():
         path, _ = find_local_file("eval", filenames, data_dir)
         if path is None:
             missing.append(name)
             continue
-        for row in read_jsonl(path):
-            if _asks_something(q := _question_text(row.get("question", ""))):
-                problems.setdefault(q, set()).add(problem_key(row))   # a repeated problem is one problem
-    return {q for q, keys in problems.items() if len(keys) == 1}, missing
+        st = path.stat()
+        found.append((name, str(path.resolve()), st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(found), tuple(missing)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_eval_questions(files: tuple[tuple[str, str, int, int, int], ...]) -> frozenset[str]:
+    """_eval_questions' set from `files`, cached per process on what was read (an edited, replaced,
+    added or removed file is another key): each mid / SFT mixture build (the tests build dozens)
+    read MMLU's 14K problems again, ~0.5 s."""
+    from nanochat.tasks.common import read_jsonl
+    first: dict[str, dict] = {}     # question -> the first problem asking it
+    keys: dict[str, set] = {}       # ... -> its problem keys, once a second problem asks it
+    for _, path, *_ in files:
+        for row in read_jsonl(Path(path)):
+            if not _asks_something(q := _question_text(row.get("question", ""))):
+                continue
+            if q not in first:      # problem_key (json of question + choices): only for the ~2% asked twice
+                first[q] = row
+            else:
+                keys.setdefault(q, {problem_key(first[q])}).add(problem_key(row))   # a repeated problem is one
+    return frozenset(q for q in first if len(keys.get(q, ())) <= 1)
+
+
+def _eval_questions(data_dir) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The folded questions of the local MMLU / ARC / GSM8K test files that a chat turn equal to one
+    would really ask (_asks_something), but not a stem several problems share with other choices
+    ("which of the following is true": 8 MMLU problems; their question is in the choices); and the
+    tasks with no local file. Both immutable: the set is shared by every caller (cached)."""
+    files, missing = _eval_question_files(data_dir)
+    return _read_eval_questions(files), missing
 
 
 def drop_eval_questions(tasks, data_dir=None) -> dict[str, int]:

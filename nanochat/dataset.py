@@ -25,10 +25,12 @@ A set written here (write_text_shards: the local import, Shakespeare) is marked 
 source.json before its first shard and finished, with the list of its shards, after the last one:
 list_shards refuses a set whose writer was interrupted (its last shard would be a train shard read
 as validation, or an older set's) or that no longer matches that list, naming the command to rerun.
+That record (source.json: claim_data_dir, mark_shard_set_*, its checks) lives in
+nanochat/shard_sets.py, whose names resolve here too.
 
 This file owns what the other data modules build on (shard names, listing, splitting, reading,
-writing, the source marker); nanochat/dataset_download.py, local_data.py and shakespeare.py import
-it, so it imports none of them at the top: their public names resolve here lazily (__getattr__).
+writing); nanochat/dataset_download.py, local_data.py and shakespeare.py import it, so it imports
+none of them at the top: their public names resolve here lazily (__getattr__).
 
 `python -m nanochat.dataset -n 8` downloads 8 ClimbMix train shards plus the validation shard.
 """
@@ -37,12 +39,10 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import re
 import shlex
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -52,9 +52,10 @@ import pyarrow.parquet as pq
 
 from nanochat.errors import DataError, DiskFullError, MissingDataError, RequestError
 from nanochat.flags import FlagParser, check_out_dir
+from nanochat.shard_sets import (SOURCE_FILE, check_written_set, claim_data_dir, mark_shard_set_complete,  # noqa: F401
+                                 mark_shard_set_incomplete, read_marker, read_source_marker)   # (re-exported)
 
 ROW_GROUP_SIZE = 1024  # documents per parquet row group in the shards we write
-SOURCE_FILE = "source.json"  # records which source filled a data directory, so sets never mix
 _HOW_TO_GET = ("get data with `python -m nanochat.dataset -n 8` (ClimbMix), "
                "`python -m nanochat.dataset --source shakespeare` (offline demo) or "
                "`python -m nanochat.dataset --data-dir YOUR_DIR`")
@@ -90,7 +91,7 @@ def list_shards(data_dir: str | Path) -> list[Path]:
     shards = sorted(p for p in data_dir.glob("*.parquet") if not p.name.startswith(".")) \
         if data_dir.is_dir() else []
     try:
-        recorded = _read_marker(data_dir / SOURCE_FILE) if data_dir.is_dir() else None
+        recorded = read_marker(data_dir / SOURCE_FILE) if data_dir.is_dir() else None
     except DataError:   # a torn marker of an older writer, or someone else's file: no record to check
         recorded = None
     if recorded is not None:
@@ -103,24 +104,11 @@ def list_shards(data_dir: str | Path) -> list[Path]:
 def _check_shard_set(data_dir: Path, recorded: dict, shards: list[Path]) -> None:
     """DataError (naming the directory and the command to rerun) for a shard set that its writer
     (write_text_shards: local import, Shakespeare) did not finish, or that is not the set it
-    finished (a shard deleted or added since): read as it is, its last shard (a train shard, or a
-    stray) would be the validation split. A download's set has no such record; there the last
-    shard must be the source's validation shard (_check_download_set). Older sets pass."""
+    finished (nanochat/shard_sets.py's check_written_set); for a download's, one that does not end
+    with the source's validation shard (_check_download_set). Older sets pass."""
     rerun = _rerun_command(data_dir, recorded.get("source"), recorded.get("options"))
     _check_download_set(data_dir, recorded, shards, rerun)
-    if recorded.get("complete") is False:
-        raise DataError(f"{data_dir} is incomplete: the run writing its shards did not finish "
-                        f"({len(shards)} shards on disk); {rerun}")
-    want = recorded.get("shards")
-    if recorded.get("complete") is True and isinstance(want, list):
-        have = [p.name for p in shards]
-        missing = [n for n in want if n not in have]
-        extra = [n for n in have if n not in want]
-        if missing or extra:
-            diff = "; ".join(f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-                             for what, names in (("missing", missing), ("not written by it", extra)) if names)
-            raise DataError(f"{data_dir} does not hold the {len(want)} shards the run that wrote it left "
-                            f"({diff}); {rerun}")
+    check_written_set(data_dir, recorded, shards, rerun)
 
 
 def _check_download_set(data_dir: Path, recorded: dict, shards: list[Path], rerun: str) -> None:
@@ -315,20 +303,6 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
     return paths
 
 
-def mark_shard_set_incomplete(out_dir: Path) -> None:
-    """Record in the source marker that out_dir's shard set is being written: list_shards refuses
-    it until mark_shard_set_complete. A writer calls this before its first shard."""
-    recorded = {k: v for k, v in (_read_marker(out_dir / SOURCE_FILE) or {}).items() if k != "shards"}
-    _write_marker(out_dir, {**recorded, "complete": False})
-
-
-def mark_shard_set_complete(out_dir: Path, paths: list[Path]) -> None:
-    """Record in the source marker that out_dir holds exactly `paths`, all written (list_shards
-    checks it). A writer calls this last, after every shard is in place."""
-    recorded = _read_marker(out_dir / SOURCE_FILE) or {}
-    _write_marker(out_dir, {**recorded, "complete": True, "shards": [Path(p).name for p in paths]})
-
-
 def _write_shard_file(path: Path, table: pa.Table) -> None:
     """Write a text shard atomically. A failed write removes its temp file (of up to a shard's
     size: it stayed on the full disk), and a full disk is a DiskFullError, not pyarrow's traceback."""
@@ -343,65 +317,6 @@ def _write_shard_file(path: Path, table: pa.Table) -> None:
         raise
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _write_marker(out_dir: Path, record: dict) -> None:
-    # atomic: a torn marker reads as corrupt. One temp name per process and thread: two downloads
-    # into one directory (torchrun ranks, two shells) sharing one truncated each other's temp file,
-    # renamed a torn one into place or failed on one the other had renamed (FileNotFoundError)
-    tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, out_dir / SOURCE_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_source_marker(marker: Path) -> str | None:
-    """The source recorded in a data directory's source.json (None when there is none); a file
-    that is not the JSON object we write is a DataError naming it."""
-    recorded = _read_marker(marker)
-    return None if recorded is None else recorded.get("source")
-
-
-def _read_marker(marker: Path) -> dict | None:
-    """source.json as a dict: {"source": ..., and from write_text_shards "complete": bool,
-    "shards": [names]} (None when there is none)."""
-    if not marker.is_file():
-        return None
-    try:
-        recorded = json.loads(marker.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise DataError(f"{marker}: corrupt ({e}); delete it (and the shards next to it if you do "
-                        "not know where they came from) and run the download again") from e
-    if not isinstance(recorded, dict):
-        raise DataError(f"{marker}: corrupt (a JSON {type(recorded).__name__}, expected an object "
-                        '{"source": ...}); delete it and run the download again')
-    return recorded
-
-
-def claim_data_dir(out_dir: Path, source: str, options: dict | None = None) -> None:
-    """Refuse to mix shard sets: a directory holding shards from another source is an error.
-    `options`: the flags that shaped the set, recorded so a refusal can name the exact rerun."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    marker = out_dir / SOURCE_FILE
-    existing = sorted(out_dir.glob("*.parquet"))
-    recorded = read_source_marker(marker)
-    if existing and recorded != source:
-        # a local import's source is "local:<dir>", which the flags spell --data-dir <dir>; and .parquet
-        # files no run of ours recorded may be the user's own data: never advise deleting those
-        filled_by = _source_flag(source) if source.startswith("local:") else f"--source {source}"
-        had = (f"shards from {_source_flag(recorded)} (delete it or pass another --out)" if recorded else
-               ".parquet files no nanochat run recorded (yours? they are left alone: pass another --out)")
-        raise ValueError(f"--out: {out_dir} already holds {len(existing)} {had}; accepted: an empty "
-                         f"directory or one filled by {filled_by}")
-    # a fresh record: a writer that finishes its set records that (mark_shard_set_complete)
-    _write_marker(out_dir, {"source": source, **({"options": options} if options else {})})
-
-
-def _source_flag(source: str) -> str:
-    """A recorded source as the flag that fills it: "local:<dir>" is --data-dir <dir>."""
-    return f"--data-dir {source[6:]}" if source.startswith("local:") else source
 
 
 # ---------------------------------------------------------------- remote sources

@@ -1,4 +1,5 @@
-"""The GPT model: config, layers, forward/loss, FLOPs estimate and parameter groups.
+"""The GPT model: layers, forward/loss, FLOPs estimate and parameter groups (its config,
+GPTConfig, config_for_depth and the per-layer windows, is nanochat/gpt_config.py's, re-exported here).
 
 Architecture (modern nanochat class), sized by one dial (`config_for_depth`):
   token embedding -> RMSNorm -> n_layer x Block -> RMSNorm -> lm_head -> tanh softcap.
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from nanochat import weight_cache
 from nanochat.attention import (BACKEND_CHOICES, RESOLVED_BACKENDS, KVCache, StaticKV, attention, prepare_masks,
                                 resolve_backend)
+from nanochat.gpt_config import (GPTConfig, check_window_pattern, config_for_depth,  # noqa: F401 (re-exported)
+                                 has_value_embed, layer_windows)
 from nanochat.kernels import cross_entropy_loss   # the default loss (GPT.set_loss_fn)
 from nanochat.norms import (ROTARY_BASE, _RMSNorm, _RotaryNorm, _rms, _rms_backward, apply_rotary,  # noqa: F401
                             norm, plain_mix_norm, rotary_norm, rotary_norm_forward, rotary_tables)   # (re-exported)
@@ -51,85 +53,6 @@ VE_GATE_CHANNELS = 32
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10 x sequence_len (generation past training T)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 TOKEN_DTYPES = (torch.int64, torch.int32)   # what the embedding lookup and the loss's gather take
-
-
-@dataclass
-class GPTConfig:
-    sequence_len: int = 2048
-    vocab_size: int = 32768  # the tokenizer's; padded inside to a multiple of 64
-    n_layer: int = 12
-    n_head: int = 6
-    n_kv_head: int = 6
-    n_embd: int = 768
-    window_pattern: str = "SSSL"
-    softcap: float = 15.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return ((self.vocab_size + 63) // 64) * 64
-
-    def validate(self) -> None:
-        # types too: a meta.json's model_config lands here unconverted (a float layer count failed
-        # inside nn.ModuleList; softcap inf made every logit inf * tanh(0) = NaN)
-        for field in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"GPTConfig.{field}: got {value!r}; accepted: an integer >= 1")
-        if self.n_embd % self.n_head or self.head_dim % 2:
-            raise ValueError(f"GPTConfig.n_embd: {self.n_embd} must split into n_head={self.n_head} "
-                             "heads of an even head_dim (RoPE rotates pairs)")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"GPTConfig.n_kv_head: got {self.n_kv_head}; accepted: a divisor of n_head={self.n_head}")
-        check_window_pattern(self.window_pattern)
-        cap = self.softcap
-        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap < math.inf:
-            raise ValueError(f"GPTConfig.softcap: got {self.softcap!r}; accepted: a finite number > 0")
-
-
-def check_window_pattern(pattern) -> None:
-    """Raise unless `pattern` is a non-empty string of S and L (--window-pattern)."""
-    if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "L"}:
-        raise ValueError(f"--window-pattern: got {pattern!r}; accepted: a non-empty "
-                         "string of S (window T/4) and L (full), e.g. SSSL or L")
-
-
-def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_ratio: int = 64,
-                     head_dim: int = 128, n_kv_head: int | None = None,
-                     window_pattern: str = "SSSL") -> GPTConfig:
-    """width = depth * aspect_ratio rounded up to a multiple of head_dim; n_head = width / head_dim."""
-    if depth < 1:
-        raise ValueError(f"--depth: got {depth}; accepted: an integer >= 1")
-    if aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"--aspect-ratio/--head-dim: got {aspect_ratio}/{head_dim}; accepted: "
-                         "aspect_ratio >= 1 and an even head_dim >= 2")
-    n_embd = -(-depth * aspect_ratio // head_dim) * head_dim
-    n_head = n_embd // head_dim
-    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                    n_kv_head=n_head if n_kv_head is None else n_kv_head, n_embd=n_embd,
-                    window_pattern=window_pattern)
-    cfg.validate()
-    return cfg
-
-
-def layer_windows(config: GPTConfig) -> list[int | None]:
-    """Per-layer attention window in tokens (None = full). S = sequence_len // 4; last layer full."""
-    # checked here too: callers pass configs that never met validate() (a config edited after it),
-    # and every letter but "L" (a lowercase "l" included) became a window, "" a ZeroDivisionError
-    check_window_pattern(config.window_pattern)
-    short = max(1, config.sequence_len // 4)
-    pattern = config.window_pattern
-    windows = [None if pattern[i % len(pattern)] == "L" else short for i in range(config.n_layer)]
-    windows[-1] = None
-    return windows
-
-
-def has_value_embed(layer_idx: int, n_layer: int) -> bool:
-    """Alternating layers, always including the last one."""
-    return (n_layer - 1 - layer_idx) % 2 == 0
 
 
 class _ReluSquare(torch.autograd.Function):

@@ -16,6 +16,19 @@ replica's `slots` workers share one BatchedEngine (nanochat/batching.py), which 
 requests as rows of one step; with slots = 1 a replica serves one request at a time. A client that
 disconnects stops its generation (a flag checked every token; a batched request waiting for rows or
 its prefill leaves at once). /stats counts each request once: completed, errors or cancelled.
+
+/health (for load balancers and monitors; never needs the API key) reports capacity in
+generation rows: a batched replica has `slots` rows and a request of n samples holds n of them
+(running, or holding a worker while it waits inside the replica for rows) until its answer ends;
+an unbatched replica is one row, held by any request.
+    workers    Workers in all (one per row of a batched replica, one per unbatched replica).
+    slots      Rows in all: the most that can generate at once (equals workers as chat_web builds them).
+    available  Rows free now, summed over replicas: each replica's rows less those its requests
+               hold, capped by its idle workers. 0: a new request waits. A request of n starts at
+               once when one replica has n free (a new request goes to the replica with the most
+               free rows), so n > 1 can wait while available >= n is split over replicas.
+    waiting    Requests in line for a worker (the line `ServerSettings.max_queue` bounds, 503 when
+               full); one holding a worker while it waits for rows is in /stats' batching[].waiting.
 Shutting down (`app.state.drain`, which scripts/chat_web.py calls on Ctrl-C / SIGTERM): new and
 queued requests get a 503 `server_shutting_down` at once, running ones a short grace, then the
 same error (a stream: as an error event and [DONE]), never a connection cut mid-answer.
@@ -342,7 +355,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers),
+        return {"status": "ok", "model": settings.model_name, "workers": len(pool.workers), "slots": pool.slots,
                 "available": pool.available, "waiting": pool.waiting, "auth": settings.api_key is not None,
                 "sampling": settings.sampling(),   # the chat page's settings start from these
                 "context_len": engine.max_seq_len}   # the page tells a context cut-off from a max_tokens one
@@ -352,7 +365,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         check_auth(request)
         return {"model": settings.model_name, "uptime_s": round(time.time() - started, 1),
                 "requests": dict(stats), "active_clients": len(slots.active), "waiting": pool.waiting,
-                "workers": [{"name": w.name, "device": str(w.engine.device), "busy": w.busy,
+                "workers": [{"name": w.name, "device": str(w.engine.device), "busy": w.busy, "rows": w.rows,
                              "requests": w.requests, "tokens": w.tokens, "busy_s": round(w.busy_seconds, 2),
                              "weights": weights_format(w.engine)}
                             for w in pool.workers],
@@ -396,7 +409,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             release()
             raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy",
                            headers={"Retry-After": "1"})
-        acq = pool.claim()   # in line now, with no await since the check: the next request's check counts it
+        acq = pool.claim(req.n)   # in line now, with no await since the check: the next request's check counts it
         stats["chat_requests"] += 1
         max_tokens = min(req.max_tokens or settings.default_max_tokens, room)
         meta = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()),

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCED = ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh", "setup_gpus.sh")   # what setup.sh sources from scripts/
+SOURCED = ("ensure_uv.sh", "setup_env.sh", "setup_stages.sh", "setup_gpus.sh", "setup_batch.sh")   # what setup.sh sources from scripts/
 
 
 def make_clone(tmp_path: Path, fake_python: str | None = None, *, names=("setup.sh",), home: bool = False) -> Path:
