@@ -55,7 +55,7 @@ def test_generic_stems_and_rows_past_a_slice_are_not_checked(tmp_path):
     10K of SmolTalk) is checked only until N are kept: the rows past it are never trained."""
     import collections
 
-    from nanochat.chat_data import _eval_questions, _question_text
+    from nanochat.decontaminate import _eval_questions, _question_text
     mmlu = [json.loads(line) for line in (SHARED_DATA / "eval" / "mmlu.jsonl").open()]
     folded = collections.Counter(_question_text(r["question"]) for r in mmlu)
     stem = next(q for q, n in folded.items() if n > 3 and len(q.split()) >= 3

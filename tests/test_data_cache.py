@@ -1,4 +1,4 @@
-"""Start-up data reads done once: chat_data's eval-question set (cached per process on the files'
+"""Start-up data reads done once: decontaminate's eval-question set (cached per process on the files'
 path / mtime / size / inode), the held-out-twin check's problem keys (only for rows asking a held-out
 question), and CORE's offline hellaswag file (converted once for hellaswag and hellaswag_zeroshot)."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanochat import chat_data, core_data
+from nanochat import core_data, decontaminate
 from nanochat.tasks import common as task_common
 
 
@@ -24,7 +24,7 @@ def _mc(question):
 @pytest.fixture
 def eval_reads(monkeypatch):
     """Paths read_jsonl (the eval-question reader) opened, from an empty _eval_questions cache."""
-    chat_data._read_eval_questions.cache_clear()
+    decontaminate._read_eval_questions.cache_clear()
     opened = []
 
     def counting(path):
@@ -33,19 +33,19 @@ def eval_reads(monkeypatch):
     real = task_common.read_jsonl
     monkeypatch.setattr(task_common, "read_jsonl", counting)
     yield opened
-    chat_data._read_eval_questions.cache_clear()
+    decontaminate._read_eval_questions.cache_clear()
 
 
 def test_eval_questions_cached_until_a_file_is_edited_added_or_removed(tmp_path, eval_reads):
     d = tmp_path / "eval"
     d.mkdir()
     mmlu = _jsonl(d / "mmlu.jsonl", [_mc("Which planet is the largest of all?")])
-    questions, missing = chat_data._eval_questions(d)
+    questions, missing = decontaminate._eval_questions(d)
     assert questions == {"which planet is the largest of all"} and eval_reads == ["mmlu.jsonl"]
     assert missing == ("ARC-Easy", "ARC-Challenge", "GSM8K")
     assert isinstance(questions, frozenset) and isinstance(missing, tuple)   # the cache's: callers cannot change it
 
-    again = chat_data._eval_questions(d)   # a cache hit: the same answer, no file read
+    again = decontaminate._eval_questions(d)   # a cache hit: the same answer, no file read
     assert again == (questions, missing) and eval_reads == ["mmlu.jsonl"]
 
     # edited in place: same size, same inode, a later mtime
@@ -53,17 +53,17 @@ def test_eval_questions_cached_until_a_file_is_edited_added_or_removed(tmp_path,
     _jsonl(mmlu, [_mc("Which planet is the hottest of all?")])
     os.utime(mmlu, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
     assert mmlu.stat().st_size == before.st_size and mmlu.stat().st_ino == before.st_ino
-    assert chat_data._eval_questions(d)[0] == {"which planet is the hottest of all"}
+    assert decontaminate._eval_questions(d)[0] == {"which planet is the hottest of all"}
     assert eval_reads == ["mmlu.jsonl"] * 2
 
     # a test file for a task that had none is read at the next call
     gsm = _jsonl(d / "gsm8k.jsonl", [{"question": "How many eggs does the hen lay?", "answer": "#### 3"}])
-    questions, missing = chat_data._eval_questions(d)
+    questions, missing = decontaminate._eval_questions(d)
     assert questions == {"which planet is the hottest of all", "how many eggs does the hen lay"}
     assert missing == ("ARC-Easy", "ARC-Challenge")
     gsm.unlink()   # and one removed is no longer counted
-    assert chat_data._eval_questions(d) == (frozenset({"which planet is the hottest of all"}),
-                                            ("ARC-Easy", "ARC-Challenge", "GSM8K"))
+    assert decontaminate._eval_questions(d) == (frozenset({"which planet is the hottest of all"}),
+                                                ("ARC-Easy", "ARC-Challenge", "GSM8K"))
 
 
 def test_eval_questions_leave_out_stems_shared_by_other_problems(tmp_path, eval_reads):
@@ -75,7 +75,7 @@ def test_eval_questions_leave_out_stems_shared_by_other_problems(tmp_path, eval_
     _jsonl(d / "mmlu.jsonl", [_mc(stem), {**_mc(stem), "choices": ["e", "f", "g", "h"]},
                               {**_mc(twice), "subject": "physics"}, {**_mc(twice), "subject": "chemistry"},
                               _mc("Neural networks")])   # too short to ask anything
-    questions, _ = chat_data._eval_questions(d)
+    questions, _ = decontaminate._eval_questions(d)
     assert questions == {"what is the boiling point of water"}
 
 
@@ -88,14 +88,14 @@ def test_held_out_twins_key_only_rows_asking_a_held_out_question(monkeypatch):
     def counting(row):
         keyed.append(row["question"])
         return real(row)
-    real = chat_data.problem_key
-    monkeypatch.setattr(chat_data, "problem_key", counting)
+    real = decontaminate.problem_key
+    monkeypatch.setattr(decontaminate, "problem_key", counting)
     held = _mc("What is 2 + 2?")
     rows = [held, *(_mc(f"Question number {i}?") for i in range(50)),
             _mc("what is  2 + 2?"),                                 # the held-out problem again: left out
             {**_mc("What is 2 + 2?"), "choices": ["1", "2", "3", "4"]}]   # other choices: another problem
     task = SimpleNamespace(rows=rows, start=1, name="T")
-    chat_data._drop_held_out_twins([task], 1)
+    decontaminate._drop_held_out_twins([task], 1)
     assert [r["question"] for r in task.rows] == ["What is 2 + 2?", *(f"Question number {i}?" for i in range(50)),
                                                    "What is 2 + 2?"]
     assert task.rows[-1]["choices"] == ["1", "2", "3", "4"]

@@ -1,9 +1,9 @@
 """Files stay under ~600 lines (TEAM_RULES): dataset.py's shard-set record (nanochat/shard_sets.py),
-report.py's plots (nanochat/report_plots.py), gpt.py's config (nanochat/gpt_config.py) and setup.sh's
-device-batch fit (scripts/setup_batch.sh) moved out. Every moved name still resolves from its old
-module (docs/INTERFACES.md, the tests' monkeypatches), the new modules import none of the heavy
-modules they left, a GPTConfig pickled under its old module path still loads, and the moved shell
-functions size the batch as setup.sh did."""
+report.py's plots (nanochat/report_plots.py), gpt.py's config (nanochat/gpt_config.py), chat_data.py's
+decontamination (nanochat/decontaminate.py) and setup.sh's device-batch fit (scripts/setup_batch.sh)
+moved out. Every moved name still resolves from its old module (docs/INTERFACES.md, the tests'
+monkeypatches), the new modules import none of the heavy modules they left, a GPTConfig pickled
+under its old module path still loads, and the moved shell functions size the batch as setup.sh did."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SPLIT = ("nanochat/dataset.py", "nanochat/report.py", "nanochat/gpt.py", "setup.sh")
+SPLIT = ("nanochat/dataset.py", "nanochat/report.py", "nanochat/gpt.py", "nanochat/chat_data.py", "setup.sh")
 MOVED = {   # old module -> (new module, names that moved)
     "nanochat.dataset": ("nanochat.shard_sets", ("SOURCE_FILE", "claim_data_dir", "mark_shard_set_complete",
                                                  "mark_shard_set_incomplete", "read_source_marker")),
@@ -24,6 +24,9 @@ MOVED = {   # old module -> (new module, names that moved)
                                                   "_series", "_get")),
     "nanochat.gpt": ("nanochat.gpt_config", ("GPTConfig", "config_for_depth", "check_window_pattern",
                                              "layer_windows", "has_value_embed")),
+    "nanochat.chat_data": ("nanochat.decontaminate", ("EVAL_QUESTION_FILES", "drop_eval_questions", "problem_key",
+                                                      "_drop_held_out_twins", "_eval_questions", "_question_text",
+                                                      "_read_eval_questions")),
 }
 
 
@@ -46,9 +49,11 @@ def test_moved_names_resolve_from_their_old_module(old):
 
 def test_new_modules_import_without_the_modules_they_left():
     """shard_sets imports nothing of dataset.py (which imports it at the top), gpt_config no torch,
-    report_plots no matplotlib until it draws."""
-    code = ("import sys; import nanochat.shard_sets, nanochat.gpt_config, nanochat.report_plots; "
-            "print(sorted(m for m in ('nanochat.dataset', 'nanochat.report', 'torch', 'matplotlib') if m in sys.modules))")
+    report_plots no matplotlib until it draws, decontaminate neither chat_data (which imports it at
+    the top: a cycle) nor torch nor the tasks (read only when a mixture is built)."""
+    code = ("import sys; import nanochat.shard_sets, nanochat.gpt_config, nanochat.report_plots, nanochat.decontaminate; "
+            "print(sorted(m for m in ('nanochat.dataset', 'nanochat.report', 'nanochat.chat_data', 'nanochat.tasks', "
+            "'torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
