@@ -203,7 +203,7 @@ def _content_text(m: dict, role: str, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        key = _PART_TYPES.get(kind) if kind == "text" or role == "assistant" else None
+        key = _PART_TYPES.get(kind) if kind == "text" or (role == "assistant" and isinstance(kind, str)) else None
         if kind == "refusal" and key is None:   # OpenAI's too: only an assistant refuses
             raise ApiError(400, f"'{where}[{j}]': a part of type \"refusal\" in a {role} message; {accepted}",
                            param=f"{where}[{j}]", code="invalid_value")

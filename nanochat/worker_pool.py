@@ -64,11 +64,15 @@ class WorkerPool:
         """A replica's generation rows: its BatchedEngine's slots, else 1 (one request at a time)."""
         return getattr(getattr(group[0], "engine", None), "slots", 1)
 
+    def _unheld_rows(self, group: list[Worker]) -> int:
+        """A replica's rows less those its requests hold: negative when requests wait inside it."""
+        return self._rows_of(group) - sum(getattr(w, "rows", 0) for w in group)
+
     def _free_rows(self, group: list[Worker]) -> int:
-        """Rows of one replica a new request could start on now: its rows less those its requests
-        hold, and no more than its idle workers (each request needs one)."""
+        """Rows of one replica a new request could start on now: its unheld rows, and no more than
+        its idle workers (each request needs one)."""
         idle = sum(1 for w in group if not w.busy)
-        return max(0, min(self._rows_of(group) - sum(getattr(w, "rows", 0) for w in group), idle))
+        return max(0, min(self._unheld_rows(group), idle))
 
     @property
     def available(self) -> int:
@@ -86,8 +90,10 @@ class WorkerPool:
         return sum(1 for f, _ in self._waiters if not f.done())
 
     def _take_idle(self, rows: int) -> Worker:
-        """The idle worker whose replica has the most free rows; ties: the one idle longest (FIFO)."""
-        free = {key: self._free_rows(group) for key, group in self._replica.items()}
+        """The idle worker whose replica has the most unheld rows; ties: the one idle longest (FIFO).
+        Unheld, not free (floored at 0): when every replica is full, the one with the fewest requests
+        already waiting inside it gets the next (a request never moves to another replica)."""
+        free = {key: self._unheld_rows(group) for key, group in self._replica.items()}
         best = max(range(len(self._idle)), key=lambda i: (free[self._replica_of[id(self._idle[i])]], -i))
         worker = self._idle[best]
         del self._idle[best]

@@ -83,6 +83,9 @@ def test_a_malformed_part_is_named_by_index():
     for part in ({"type": "text"}, {"text": "no type"}, {"type": "text", "text": 5}, "plain"):
         e = refused([user([{"type": "text", "text": "ok"}, part])])
         assert e.param == "messages[0].content[1]" and e.code == "invalid_value", part
+    for kind in ([], {}):   # unhashable: the assistant's part-type lookup raised TypeError (a 500)
+        e = refused([bot([{"type": kind, "text": "x"}]), user("hi")])
+        assert e.param == "messages[0].content[0]" and e.code == "invalid_value", kind
 
 
 @pytest.mark.parametrize("field, value", [

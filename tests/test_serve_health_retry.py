@@ -113,6 +113,20 @@ def test_a_request_goes_to_the_replica_with_free_rows():
     asyncio.run(scenario())
 
 
+def test_requests_waiting_inside_full_replicas_are_spread_over_them():
+    """Two full replicas of 4 rows: free rows floored at 0 tied them, so every n = 1 request that
+    followed went to replica 0's idle workers and waited behind its request while replica 1's
+    request might end first (a request never moves). Ranked by unheld rows, they alternate."""
+    replicas = [SimpleNamespace(slots=4, tokenizer=None) for _ in range(2)]
+
+    async def scenario():
+        pool = WorkerPool([Worker(e, f"r{i}/{j}") for i, e in enumerate(replicas) for j in range(4)])
+        got = [pool.claim(n).result().engine for n in (4, 4, 1, 1, 1)]
+        assert got == [replicas[0], replicas[1], replicas[0], replicas[1], replicas[0]]
+        assert pool.available == 0
+    asyncio.run(scenario())
+
+
 # ------------------------------------------------------------------------------------ the chat page
 
 COUNT_FETCHES = ("window.__fetches = 0; const realFetch = window.fetch;"
