@@ -7,9 +7,13 @@
 
 Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-D) exits, /help lists
 them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
-answer being written. Tokens are printed as they are generated; calculator tool calls show as
-<<expr=result>>; on a terminal, control characters the model writes show as U+FFFD. A reply cut off
-because the conversation filled the model's context says so on stderr, as does a reply with no text.
+answer being written (that message and its partial answer are left out of the conversation); at the
+prompt it exits, as /quit does (status 0; Ctrl-C in -p or while loading: status 130). Lines piped in
+(stdin not a terminal) are echoed after "User: ", so the transcript shows them. Tokens are printed
+as they are generated; calculator tool calls show as <<expr=result>>; on a terminal, control
+characters the model writes show as U+FFFD (a carriage return as nothing). A reply cut off because
+the conversation filled the model's context says so on stderr, as does a reply with no text; a
+message that no longer fits is not sent (/clear starts over). -p prints the answer alone on stdout.
 -i base (a pretrained model, which never saw the chat template) continues the text itself: the
 prompt is <|bos|> + the text, the reply runs until --max-tokens or a <|bos|>, and each interactive
 line is a prompt of its own (no history).
@@ -25,14 +29,17 @@ from nanochat.flags import FlagParser   # torch-free: a bad flag is reported at 
 
 SOURCES = ("sft", "rl", "mid", "base")
 COMMANDS = ("/clear", "/quit", "/exit", "/help")
-HELP = "commands: /clear = new conversation, /quit or /exit = exit (or Ctrl-D), /help = this; //text sends /text"
+HELP = ("commands: /clear = new conversation, /quit or /exit = exit (or Ctrl-D, or Ctrl-C here), /help = this; "
+        "//text sends /text; Ctrl-C stops an answer")
 # C0 controls but tab, newline and carriage return; DEL; C1 controls. Written raw to a terminal, a
 # generated ESC sequence would drive it (clear the screen, retitle the window, hide text).
 CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = FlagParser(prog="python -m scripts.chat_cli", description=__doc__.split("\n\n")[0],
+    # the docstring's examples and commands as --help's epilog: the first paragraph alone hid them
+    first, rest = __doc__.split("\n\n", 1)
+    p = FlagParser(prog="python -m scripts.chat_cli", description=first, epilog=rest,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base (default sft)")
     p.add_argument("-g", "--model-tag", dest="model_tag", default=None,
@@ -82,6 +89,9 @@ def validate(args: argparse.Namespace) -> None:
     check_model_tag(args.model_tag)
     if args.step != "latest" and not re.fullmatch("[0-9]+", args.step):   # not isdigit(): "²" is a digit
         raise ValueError(f"-s/--step: got {args.step!r}; accepted: latest or an integer >= 0")
+    if args.prompt is None and sys.stdin is None:   # `chat_cli <&-`: input() raised "lost sys.stdin" after loading
+        raise ValueError("-p/--prompt: not given, and there is no stdin to chat on (it is closed); accepted: "
+                         "-p PROMPT for one answer, or run the chat with a stdin")
     if args.prompt is not None and not args.prompt.strip():   # as the interactive loop skips empty lines
         raise ValueError("-p/--prompt: got an empty prompt; accepted: the text to answer")
     if args.prompt is not None and not _is_utf8(args.prompt):   # as the interactive loop refuses such a line
@@ -121,6 +131,44 @@ def check_decode_device(args: argparse.Namespace, device) -> None:
     if args.graph_step == "persistent" and args.decode == "static":
         raise RequestError(f"--graph-step: 'persistent' needs a CUDA device, this run is on {device.type}; "
                            "accepted here: auto|compiled|eager")
+
+
+def check_checkpoint(args: argparse.Namespace) -> None:
+    """The checkpoint -i, -g and -s name is on disk: if not, a RequestError naming the flag and what
+    there is instead, before a runtime starts and the model loads (a missing --step said "no
+    checkpoint for step 99 in ...", a phase with none "no rl checkpoints under ...": no flag named)."""
+    from nanochat.checkpoint import (AmbiguousModelTag, CheckpointError, check_model_tag_exists, checkpoint_dir,
+                                     find_model_tag, read_meta)
+    from nanochat.checkpoint_io import list_steps, step_dirname
+    from nanochat.errors import RequestError
+
+    def no_model(source: str) -> CheckpointError | None:   # what find_model_tag says when `source` has none
+        try:
+            find_model_tag(source)
+        except AmbiguousModelTag:   # several tags: there are models
+            return None
+        except CheckpointError as e:
+            return e
+        return None
+
+    missing = no_model(args.source)
+    if missing is not None:
+        others = "|".join(s for s in SOURCES if s != args.source and no_model(s) is None)
+        if others:   # (on a fresh machine load_model says it all: where it looked, how to train one)
+            raise RequestError(f"{missing}, or pick another -i/--source: {others}")
+        return
+    check_model_tag_exists(args.source, args.model_tag)
+    if args.step == "latest":   # load_model's own message names latest.json and the steps there are
+        return
+    ckpt_dir = checkpoint_dir(args.source, args.model_tag or find_model_tag(args.source))
+    try:   # the meta alone (a small JSON), read as load_model reads it (which restores a step a re-save moved)
+        read_meta(ckpt_dir, args.step)
+    except CheckpointError:
+        if (ckpt_dir / step_dirname(int(args.step))).is_dir():   # there, but broken: its own message says how
+            raise
+        steps = "|".join(map(str, list_steps(ckpt_dir))) or "none"
+        raise RequestError(f"-s/--step: got {args.step}; accepted: latest or a step on disk: {steps} "
+                           f"(in {ckpt_dir})") from None
 
 
 def render_prompt(tokenizer, messages: list[dict], plain: bool = False) -> list[int]:
@@ -173,8 +221,9 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
 
     terminal = bool(getattr(out, "isatty", lambda: False)())
 
-    def show(text: str) -> str:
-        return CONTROL_CHARS.sub("\ufffd", text) if terminal else text
+    def show(text: str) -> str:   # a lone CR moved the cursor back and the rest overwrote the line;
+        # dropped, as the terminal's own newline handling writes the CR of a CR LF anyway
+        return CONTROL_CHARS.sub("\ufffd", text).replace("\r", "") if terminal else text
 
     room = engine.max_seq_len - len(prompt)
     stream = TextStream(tokenizer, special_text={tokenizer.encode_special(k): v for k, v in TOOL_TEXT.items()})
@@ -230,12 +279,12 @@ def chat(args: argparse.Namespace) -> int:
     """Load the model, then answer -p, or chat until /quit or Ctrl-D."""
     import secrets
 
-    from nanochat.checkpoint import check_model_tag_exists, load_model
+    from nanochat.checkpoint import load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
     from nanochat.quantize import quantize_model
 
-    check_model_tag_exists(args.source, args.model_tag)
+    check_checkpoint(args)
     rt = init_runtime(args.device, args.dtype)
     check_decode_device(args, rt.device)
     import torch
@@ -305,10 +354,14 @@ def converse(engine, tokenizer, args, next_seed) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     messages: list[dict] = []
     plain = getattr(args, "source", "sft") == "base"   # each line its own text to continue
+    # a line read from a pipe or a file is not echoed by a terminal: the transcript read "User: " alone
+    echo = not getattr(sys.stdin, "isatty", lambda: False)()
     while True:
         try:
             print()
             text = input("User: ").strip()
+            if echo:
+                print(text)
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
