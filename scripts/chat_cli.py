@@ -7,7 +7,8 @@
 
 Interactive commands: /clear starts a new conversation, /quit or /exit (or Ctrl-D) exits, /help lists
 them; a line starting with // sends the rest, from its second /, as a message. Ctrl-C stops the
-answer being written (that message and its partial answer are left out of the conversation); at the
+answer being written (its partial answer stays in the conversation, as on the chat page; stopped
+before any text, the message is left out); at the
 prompt it exits, as /quit does (status 0; Ctrl-C in -p or while loading: status 130). Lines piped in
 (stdin not a terminal) are echoed after "User: ", so the transcript shows them. Tokens are printed
 as they are generated; calculator tool calls show as <<expr=result>>; on a terminal, control
@@ -207,6 +208,15 @@ def fit_conversation(engine, tokenizer, messages: list[dict], plain: bool = Fals
         raise
 
 
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C in an answer (still a KeyboardInterrupt: -p exits 130): `message` is the partial reply
+    as a message, None when nothing readable was written yet."""
+
+    def __init__(self, message: dict | None):
+        super().__init__()
+        self.message = message
+
+
 def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "",
            plain: bool = False) -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
@@ -245,7 +255,8 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     except KeyboardInterrupt:   # end the cut-off line: what follows (the prompt, a message) starts on its own
         out.write("\n")
         out.flush()
-        raise
+        raise Stopped({"role": "assistant", "content": assistant_parts(tokenizer, generated)}
+                      if "".join(shown).strip() else None) from None
     shown.append(stream.finish())
     out.write(show(shown[-1]) + "\n")
     if stopped and not "".join(shown).strip():   # a blank line alone (exit 0 for -p) read as a hang or a bug
@@ -390,9 +401,14 @@ def converse(engine, tokenizer, args, next_seed) -> int:
             prompt = fit_conversation(engine, tokenizer, messages, plain)
             messages.append(answer(engine, tokenizer, prompt, args, next_seed(), plain=plain,
                                    full_hint="" if plain else "; type /clear to start over"))
-        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the program (answer ended its line)
-            print("(stopped)")
-            messages.pop()
+        except KeyboardInterrupt as e:  # Ctrl-C stops the answer, not the program (answer ended its line)
+            partial = getattr(e, "message", None)
+            if partial is None or plain:   # nothing written yet (or no history): the message is not sent
+                print("(stopped)")
+                messages.pop()
+            else:   # as the chat page and ChatGPT: "shorter, please" has the cut-off answer to refer to
+                messages.append(partial)
+                print("(stopped: the partial answer stays in the conversation; /clear starts over)")
         except ValueError as e:
             print(f"\n[{e}]")
             messages.pop()

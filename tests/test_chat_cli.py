@@ -186,7 +186,7 @@ class Terminal:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_chat_cli_at_a_terminal(sft_checkpoint, device):
     """A session at a real terminal (a pty): a mistyped /command and an empty line send nothing; Ctrl-C in an
-    answer stops it and returns to the prompt, the cut-off turn forgotten; /clear forgets the conversation;
+    answer stops it and returns to the prompt, the partial answer kept (said); /clear forgets the conversation;
     arrow keys edit the line; Ctrl-C at the prompt exits 0; no traceback anywhere. On CUDA the answers come
     from the CUDA-graph decode (the persistent kernel on an H100/H200), cut off mid-replay the same way."""
 
@@ -206,9 +206,11 @@ def test_chat_cli_at_a_terminal(sft_checkpoint, device):
         term.expect("Assistant: ")
         term.read(10)
         term.send("\x03")
-        assert b"(stopped)" in term.expect("User: ")
+        assert b"(stopped: the partial answer stays in the conversation" in term.expect("User: ")
         answers = []
         keys = "hello thre\x1b[D\x1b[De\r" if importlib.util.find_spec("readline") else "hello there\r"
+        term.send("/clear\r")
+        term.expect("User: ")
         for line in ("hello there\r", "hello there\r", "/clear\r", keys):
             term.send(line)
             answers.append(term.expect("\r\n\r\nUser: ").decode(errors="replace"))
@@ -371,10 +373,19 @@ def test_answer_cut_off_by_ctrl_c_ends_its_line(chat_model):
             raise KeyboardInterrupt
         return words[len(gen)]
     out = FakeTerminal()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stop:
         answer(scripted_engine(tok, plan, prompt), tok, prompt,
                SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None), seed=0, out=out)
     assert out.buffer.getvalue() == tok.decode(words[:3]) + "\n"
+    # the partial answer, which the interactive loop keeps in the conversation (as the chat page does)
+    assert stop.value.message == {"role": "assistant", "content": [{"type": "text", "text": tok.decode(words[:3])}]}
+
+    def at_once(b, gen):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt) as stop:   # nothing written: no partial answer to keep
+        answer(scripted_engine(tok, at_once, prompt), tok, prompt,
+               SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None), seed=0, out=FakeTerminal())
+    assert stop.value.message is None
 
 
 def test_chat_cli_refuses_a_seed_the_sampler_cannot_take():
