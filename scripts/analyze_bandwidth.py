@@ -12,10 +12,14 @@ the share of measured time spent in each kind.
 --predict KEY (a platform table key such as gb10, h100-sxm, rtx-5090) adds, per op, the time
 predicted on that device: max(FLOPs / peak, bytes / bandwidth) scaled by the efficiency this
 GPU achieved against its own roofline for that op. It is a PREDICTION from datasheet numbers.
+
+This GPU's roofline is its bf16 peak and bandwidth from the table; --peak-flops / --bandwidth-gbs
+replace them (a measured GEMM peak, or a GPU the table lacks, which needs both).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -23,7 +27,7 @@ import sys
 import torch
 
 from nanochat.errors import RequestError
-from nanochat.flags import FlagParser, require_int, script_main
+from nanochat.flags import FlagParser, require_float, require_int, script_main
 from nanochat.platform import DEVICE_TABLE, DeviceSpec, detect_device, triton_version
 
 BF16 = 2
@@ -215,12 +219,41 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--kernel", default="current", choices=["current", "liger", "triton"])
     p.add_argument("--predict", default=None, help=f"table key: {'|'.join(DEVICE_TABLE)}")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="this GPU's dense bf16 FLOP/s (e.g. 989e12) in place of the device table's: a measured "
+                        "peak (bench_gemm), or a GPU the table lacks (then with --bandwidth-gbs)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="this GPU's memory bandwidth in GB/s (e.g. 3350) in place of the device table's")
     args = p.parse_args(argv)
     if args.predict is not None and args.predict not in DEVICE_TABLE:
         raise ValueError(f"--predict: got {args.predict!r}; accepted: {'|'.join(DEVICE_TABLE)}")
     for name in ("depth", "device_batch_size", "seq", "vocab"):
         require_int(getattr(args, name), "--" + name.replace("_", "-"), 1)
+    if args.peak_flops is not None:   # FLOP/s; below 1e9 it was surely given in TFLOP/s
+        require_float(args.peak_flops, "--peak-flops", 1e9)
+    if args.bandwidth_gbs is not None:
+        require_float(args.bandwidth_gbs, "--bandwidth-gbs", 1.0)
     return args
+
+
+def roofline_spec(spec: DeviceSpec, peak_flops: float | None, bandwidth_gbs: float | None) -> DeviceSpec:
+    """`spec` with --peak-flops (FLOP/s) / --bandwidth-gbs in place of its table figures. A GPU with
+    neither in the table raises, naming the flags it needs: it raised "not in the table" with no
+    way to run the script on that GPU at all."""
+    peaks = dict(spec.peak_tflops)
+    if peak_flops is not None:
+        peaks["bf16"] = peak_flops / 1e12
+    bandwidth = bandwidth_gbs if bandwidth_gbs is not None else spec.bandwidth_gbs
+    missing = [flag for flag, known in (("--peak-flops", "bf16" in peaks), ("--bandwidth-gbs", bandwidth))
+               if not known]
+    if missing:
+        raise RequestError(f"{' and '.join(missing)}: {spec.name!r} has no bf16 peak / bandwidth in "
+                           "nanochat/device_table.py; accepted: pass this GPU's "
+                           + " and ".join({"--peak-flops": "--peak-flops <dense bf16 FLOP/s, e.g. 989e12>",
+                                           "--bandwidth-gbs": "--bandwidth-gbs <GB/s, e.g. 3350>"}[f] for f in missing))
+    given = [f for f, v in (("--peak-flops", peak_flops), ("--bandwidth-gbs", bandwidth_gbs)) if v is not None]
+    source = spec.source + (f"; {' and '.join(given)} given" if given else "")
+    return dataclasses.replace(spec, peak_tflops=peaks, bandwidth_gbs=bandwidth, source=source)
 
 
 def main(argv=None) -> int:
@@ -232,9 +265,7 @@ def main(argv=None) -> int:
         raise RequestError("measures on a CUDA GPU; none is visible. It has no CPU variant (its efficiencies and "
                            "--predict figures scale times measured on the GPU): run it on the GPU machine, e.g. "
                            "python -m scripts.analyze_bandwidth --depth 12 --predict gb10")
-    spec = detect_device(rt.device)
-    if spec.bandwidth_gbs is None or "bf16" not in spec.peak_tflops:
-        raise RequestError(f"{spec.name} is not in nanochat/platform.py's table (no peak/bandwidth)")
+    spec = roofline_spec(detect_device(rt.device), args.peak_flops, args.bandwidth_gbs)
     cfg = config_for_depth(args.depth, args.vocab, args.seq)
     ops = op_table(cfg, args.device_batch_size, args.seq, args.kernel)
     measured = measure_ops(cfg, args.device_batch_size, args.seq, rt.device, args.kernel)
@@ -256,6 +287,11 @@ def main(argv=None) -> int:
         rows.append(row)
     residual = max(0.0, step_ms - sum(measured.values()))
     rows.append({"op": "residual (norms, rope, act, glue)", "measured_ms": round(residual, 3), "bound": "bandwidth"})
+    # the ops timed alone can sum to more than the step (small shapes are launch-bound alone, and ops
+    # overlap in the step): the residual then read a plain 0.0, as if the glue cost nothing
+    excess = sum(measured.values()) - step_ms
+    if excess > 0:
+        rows[-1]["ops_sum_exceeds_step_ms"] = round(excess, 3)
     bound_ms["bandwidth"] += residual
     if target is not None:   # the glue scales with bandwidth; in its row, so the table's pred column adds up
         rows[-1].update({"predicted_device": target.key, "label": prediction_label(target),
@@ -267,6 +303,9 @@ def main(argv=None) -> int:
     summary = {"step_ms": round(step_ms, 2), "device": spec.name, "torch": torch.__version__,
                "triton": triton_version(), "depth": args.depth, "device_batch_size": args.device_batch_size,
                "seq": args.seq, "vocab": args.vocab, "kernel": args.kernel,
+               # the roofline the rows are against (a table figure or a flag's), so its % can be checked
+               "peak_bf16_tflops": spec.peak_tflops["bf16"], "bandwidth_gbs": spec.bandwidth_gbs,
+               "roofline_source": spec.source,
                "compute_bound_ms": round(bound_ms["compute"], 2),
                "bandwidth_bound_ms": round(bound_ms["bandwidth"], 2), "verdict": f"{verdict}-bound step"}
     if target is not None:
@@ -292,6 +331,10 @@ def print_table(rows: list[dict], ridge: float, step_ms: float, summary: dict, t
         print(f"{r['op']:<34} {cells[0]:>9} {cells[1]:>7} {cells[2]:>6} {r['bound']:>9} "
               f"{str(r.get('roofline_ms', '')):>8} {r['measured_ms']:>8} {str(r.get('efficiency_pct', '')):>5}"
               + (f" {str(pred):>8}" if target else ""))
+    excess = rows[-1].get("ops_sum_exceeds_step_ms")
+    if excess is not None:
+        print(f"residual unknown: the ops timed alone sum to {excess} ms more than the step (launch-bound alone "
+              "at these sizes, or overlapping in the step); try a larger --device-batch-size / --depth")
     print(f"ridge point {ridge:.0f} FLOP/byte; measured step {step_ms:.1f} ms; verdict: {summary['verdict']}"
           + (f"\npredicted step on {target.key}: {summary['predicted_step_ms']} ms, "
              f"{summary['predicted_tok_per_sec']:,} tok/s ({summary['label']})" if target else ""))

@@ -36,7 +36,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser, require_float, script_main
-from nanochat.platform import apply_patches, detect_device, peak_flops
+from nanochat.platform import apply_patches, detect_device, peak_flops, triton_version
 
 DEFAULT_SHAPES = "4096x4096x4096,8192x8192x8192,16384x5120x1280,16384x1280x5120,16384x65536x1280"
 DTYPES = ("bf16", "fp8", "fp8-rowwise", "nvfp4")
@@ -344,15 +344,16 @@ def parse_peaks(text: str) -> dict[str, float]:
     return peaks
 
 
-def resolve_peaks(spec, dtypes, overrides: dict[str, float]) -> dict[str, float | None]:
+def resolve_peaks(spec, dtypes, overrides: dict[str, float], say=functools.partial(print, flush=True)
+                  ) -> dict[str, float | None]:
     """Each dtype's dense peak (FLOP/s): --peak-flops first, then the device table. A dtype with
-    neither is named once, so its '% peak' column reads None for a reason the user can fix."""
+    neither is named once (`say`), so its '% peak' column reads None for a reason the user can fix."""
     alias = {"fp8-rowwise": "fp8"}   # the same tensor-core peak; --peak-flops fp8=X covers both
     peaks = {d: overrides.get(d) or overrides.get(alias.get(d, d)) or peak_flops(spec, alias.get(d, d)) for d in dtypes}
     missing = [d for d, v in peaks.items() if v is None]
     if missing:
-        print(f"% peak n/a for {','.join(missing)}: '{spec.name}' has no such peak in nanochat/device_table.py; "
-              f"pass --peak-flops {missing[0]}=<dense FLOP/s> to get it", flush=True)
+        say(f"% peak n/a for {','.join(missing)}: '{spec.name}' has no such peak in nanochat/device_table.py; "
+            f"pass --peak-flops {missing[0]}=<dense FLOP/s> to get it")
     return peaks
 
 
@@ -416,12 +417,20 @@ def main(argv=None) -> int:
     spec = detect_device(device)
     props = torch.cuda.get_device_properties(device)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    notes: list[str] = []   # said after the header, which stays the first line
+    peaks = resolve_peaks(spec, dtypes, args.peak_flops, say=notes.append)
     header = {"device": spec.name, "cc": spec.cc, "sms": spec.sms, "l2_mb": round(l2 / 2**20),
-              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "torch": torch.__version__, "triton": triton_version(), "cuda": torch.version.cuda,
               "cublas": torch.backends.cuda.preferred_blas_library().name
-              if hasattr(torch.backends.cuda, "preferred_blas_library") else "?"}
+              if hasattr(torch.backends.cuda, "preferred_blas_library") else "?",
+              # what each row's pct_of_peak divides by, and where it comes from: GB10's table peaks are
+              # spec-derived (its GEMMs reach ~2/3 of bf16's); the rows alone could not be checked
+              "peak_tflops": {d: None if v is None else v / 1e12 for d, v in peaks.items()},
+              "peak_source": (f"--peak-flops for {','.join(args.peak_flops)}; the rest: " if args.peak_flops else "")
+              + spec.source}
     print(json.dumps({"header": True, **header}), flush=True)
-    peaks = resolve_peaks(spec, dtypes, args.peak_flops)
+    for note in notes:
+        print(note, flush=True)
     if mlp or qk:   # Triton GEMMs and compiled passes: the workarounds training applies (ptxas on a GB10, ...)
         apply_patches(spec, kernel="triton", compile=True)
     if linears:

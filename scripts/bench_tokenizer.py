@@ -65,9 +65,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--threads: got {args.threads}; accepted: an int from 1 to 1024")
     if not args.data_dir.is_dir() or not sorted(args.data_dir.glob("*.parquet")):
         raise ValueError(f"--data-dir: no *.parquet under {args.data_dir}; accepted: a folder of parquet shards")
-    if args.compare_python and not Path(args.compare_python).exists():
-        raise ValueError(f"--compare-python: {args.compare_python} does not exist; accepted: a python executable")
+    if args.compare_python:
+        args.compare_python = check_compare_python(args.compare_python)
     return args
+
+
+def check_compare_python(python: str) -> str:
+    """The --compare-python interpreter's path, once it has shown it can import rustbpe. Only its
+    existence was checked: a directory, a non-executable file or an interpreter without rustbpe
+    failed with a traceback after our own training had run (minutes at the default --chars)."""
+    import shutil
+
+    found = shutil.which(python)   # a path or a name on PATH; None unless an executable file
+    if found is None:
+        raise ValueError(f"--compare-python: got {python!r}, which is not an executable file; accepted: a python "
+                         "executable with rustbpe==0.1.0 installed")
+    try:
+        probe = subprocess.run([found, "-c", "import rustbpe"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"--compare-python: {python!r} did not run ({exc}); accepted: a python executable") from None
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        raise ValueError(f"--compare-python: {python!r} cannot import rustbpe ({last}); accepted: a python with "
+                         f"rustbpe==0.1.0 installed (uv pip install -p {found} rustbpe==0.1.0)")
+    return found
 
 
 def read_texts(shards: list[Path], limit: int) -> list[str]:

@@ -5,9 +5,10 @@ binary path (memory-mapped shards). One JSON line per result, then a table.
     python -m scripts.profile_dataloader --data-dir ../shared/data/pretrain/docs \\
         --tokenizer-dir ~/.cache/nanochat/tokenizer -B 32 -T 2048 --threads 1,2
 
-Binary shards are taken from --bin-dir (default: <data-dir>_tokens when it already holds shards,
-else a scratch directory under $NANOCHAT_BASE_DIR/profile_tokens, so a shared read-only data folder
-is never written to) and created with scripts/pretokenize first when missing. The consumer does nothing but take batches, so this measures the loader's own rate;
+Binary shards are taken from --bin-dir (default: <data-dir>_tokens when it holds a finished run of
+this tokenizer over the text shards as they are now, else a scratch directory under
+$NANOCHAT_BASE_DIR/profile_tokens, so a shared read-only data folder is never written to) and
+made with scripts/pretokenize first when they are not (an unfinished run is resumed). The consumer does nothing but take batches, so this measures the loader's own rate;
 `cpu_cores_used` (process CPU time / wall time) shows how much of the machine it took, and the
 load average before/after shows what else was running.
 """
@@ -24,9 +25,11 @@ from pathlib import Path
 import torch
 
 from nanochat import binshards as bs
+from nanochat import binshards_runs as runs
 from nanochat import dataset as ds
 from nanochat.common import get_base_dir
 from nanochat.dataloader import DataLoader
+from nanochat.errors import DataError
 from nanochat.flags import FlagParser, require, require_float, require_int, script_main
 from scripts.pretokenize import pretokenize
 
@@ -63,8 +66,10 @@ def parse_args(argv=None):
                         ("--prefetch", args.prefetch), ("--buffer-size", args.buffer_size)):
         require_int(value, flag, 1)
     require_int(args.warmup, "--warmup", 0)
-    if args.cores is not None:
+    if args.cores is not None:   # more than it may run on was pinned to all of them, without a word
+        allowed = len(os.sched_getaffinity(0))
         require_int(args.cores, "--cores", 1)
+        require(args.cores <= allowed, "--cores", args.cores, f"1..{allowed} (the CPUs this process may run on)")
     require_float(args.min_seconds, "--min-seconds", 0.0)
     require(args.device in ("cpu", "cuda"), "--device", args.device, "cpu|cuda")
     # without a GPU the pinned buffers fail in the loader's thread, after any pretokenizing
@@ -79,13 +84,31 @@ def parse_args(argv=None):
     return args
 
 
+def bin_shards_ready(bin_dir: Path, data_dir: Path, fingerprint: str) -> bool:
+    """Whether bin_dir holds a finished pretokenize run of data_dir's text shards as they are now,
+    made with this tokenizer: what the loader needs to read it (binshards_runs' checks)."""
+    if not bs.list_bin_shards(bin_dir):
+        return False
+    try:
+        runs.check_tokenizer(bin_dir, fingerprint)
+        runs.check_fresh(bin_dir, ds.list_shards(data_dir), data_dir)
+    except DataError:
+        return False
+    return True
+
+
 def ensure_bin_shards(data_dir: Path, bin_dir: Path | None, tokenizer, workers: int) -> Path:
-    """The binary shards for data_dir (pretokenized now if missing), and a JSON line about it."""
+    """The binary shards for data_dir, pretokenized now unless they are ready (bin_shards_ready), and
+    a JSON line about it; pretokenize resumes (shards already written are kept). Any shard in the
+    directory used to count as done: the scratch directory of a run stopped while pretokenizing
+    then failed every later run ("incomplete: re-run pretokenize", with a command that used the
+    default tokenizer, not --tokenizer-dir's). <data-dir>_tokens is read only when it is ready, else
+    the scratch directory is used (nothing is written beside the data folder)."""
     if bin_dir is None:
         bin_dir = bs.default_bin_dir(data_dir)
-        if not bs.list_bin_shards(bin_dir):
+        if not bin_shards_ready(bin_dir, data_dir, tokenizer.fingerprint):
             bin_dir = get_base_dir() / "profile_tokens" / f"{data_dir.name}-{tokenizer.fingerprint[:12]}"
-    if not bs.list_bin_shards(bin_dir):
+    if not bin_shards_ready(bin_dir, data_dir, tokenizer.fingerprint):
         t0 = time.perf_counter()
         results = pretokenize(ds.list_shards(data_dir), bin_dir, tokenizer, workers=workers,
                               log=lambda *a: None)
