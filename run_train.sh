@@ -48,6 +48,11 @@ Modes:
   -h, --help       this text
 An option of another mode is refused, not ignored: --nproc starts a run, --lines goes with --status,
 --timeout with --stop. A relative --base-dir (or NANOCHAT_BASE_DIR) is the caller's directory's.
+Exit codes: 0 started (the run goes on in the background; its own end is in <run dir>/exit_code),
+stopped, nothing to stop, or (--status) running; 1 a run of that tag is already running; 2 a bad
+flag or a request refused before anything started; 3 (--status) not running.
+The log is appended to across starts of a tag (each start begins with a '==> run_train.sh started'
+line; --status reads the latest start's steps): move or delete train.log between runs to rotate it.
 Environment: NANOCHAT_PYTHON overrides the interpreter (default .venv/bin/python, else python3).
 Examples:
   ./run_train.sh --depth 12 && tail -f ~/.cache/nanochat/runs/d12/train.log
@@ -175,6 +180,12 @@ status_one() {  # dir -> prints the report; returns 0 if running, 3 if not
       esac
     elif tail -n 1 "$dir/train.log" 2>/dev/null | grep -q "^killed by run_train.sh --stop"; then
       state="not running (killed by --stop after its --timeout, maybe before its save: --resume latest takes the newest checkpoint saved)"
+    elif [[ -f "$dir/train.log" ]]; then
+      # started (the start clears exit_code), never ended by itself: its wrapper died with it. Said every
+      # time, not only while a stale pid file is there to remove (the second --status said just "not running")
+      state="not running (died without an exit code${pid:+, pid $pid gone (removed its stale pid file)}: killed with its"
+      state+=" wrapper (a kill -9 of its process group) or the machine restarted; see the log's"
+      state+=" end; continue with --resume latest)"
     else state="not running${pid:+ (pid $pid is gone; removed its stale pid file)}"; fi
   fi
   echo "[$tag] $state"

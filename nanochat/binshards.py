@@ -18,7 +18,9 @@ reads and (atomically) writes that file; what a pretokenize run records in it (w
 whether the run finished) and the checks on that record live in `nanochat/binshards_runs.py`.
 
 A damaged shard or meta.json (bad magic, truncated, inconsistent offsets, another tokenizer) is a
-DataError naming the file and how to re-create it (`recreate_advice`).
+DataError naming the file and how to re-create it (`recreate_advice`). A write that fails (a full
+disk: DiskFullError; a file system refusing it: RequestError) names the file and leaves it as it
+was: nothing partial under a final name, and the temp file removed.
 
 Resume. A run records each shard's size and `shard_digest` (sha256 of the header, the offsets
 table and the first and last 64 KiB of tokens; milliseconds per shard). `check_resume` compares
@@ -29,17 +31,19 @@ changed and how to get the original back.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from nanochat.errors import DataError
+from nanochat.errors import DataError, DiskFullError, RequestError
 
 MAGIC = b"NCTOKENS"
 VERSION = 1
@@ -142,7 +146,7 @@ def write_shard(path: str | Path, docs: Iterable[Sequence[int] | np.ndarray], *,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     offsets = [0]
     try:
-        with open(tmp, "wb") as f:
+        with _failed_write_named(path), open(tmp, "wb") as f:
             f.write(b"\0" * HEADER_SIZE)  # placeholder, rewritten once the counts are known
             for doc in docs:
                 arr = np.asarray(doc)
@@ -160,11 +164,46 @@ def write_shard(path: str | Path, docs: Iterable[Sequence[int] | np.ndarray], *,
             f.write(_pack_header(h))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _failed_write_named(path):
+            os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        _remove_quietly(tmp)
     return h
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_REFUSED = (errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+@contextlib.contextmanager
+def _failed_write_named(path: Path) -> Iterator[None]:
+    """Turn a failed write of `path` into one line naming it: no room (ENOSPC, EDQUOT) is a
+    DiskFullError, a file system that refuses it (EFBIG: a FAT32 disk's 4 GiB file cap or a `ulimit
+    -f`; read-only, permissions, I/O errors) a RequestError; both say that the file is left as it
+    was and that a rerun keeps the shards already written. Python's own OSError names no file for
+    a write, and in a pretokenize worker it came back as two tracebacks."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NO_ROOM + _REFUSED:
+            raise
+        what = f"{path}: writing it failed ({e.strerror or e})"
+        after = (f"; {path.name} is left as it was (no partial file), and the binary shards already written "
+                 "are kept: re-run the same command")
+        if e.errno in _NO_ROOM:
+            raise DiskFullError(f"{what}: the disk is full{after} once there is room (or pass --out on a "
+                                "disk with room)") from e
+        hint = (" (the file system caps a file's size: FAT32 at 4 GiB, or a `ulimit -f`)"
+                if e.errno == errno.EFBIG else "")
+        raise RequestError(f"{what}{hint}{after} once it can be written (or pass --out elsewhere)") from e
+
+
+def _remove_quietly(path: Path) -> None:
+    """Delete a temp file if it is there; a disk that refuses even that keeps the error it had."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class BinShard:
@@ -272,9 +311,14 @@ def read_meta(bin_dir: str | Path) -> dict | None:
 
 
 def _write_meta_file(bin_dir: Path, meta: dict) -> None:
+    """Replace meta.json atomically; a failed write (a full disk) names it and leaves the old one."""
     tmp = bin_dir / f".{META_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, bin_dir / META_NAME)
+    try:
+        with _failed_write_named(bin_dir / META_NAME):
+            tmp.write_text(json.dumps(meta, indent=1) + "\n")
+            os.replace(tmp, bin_dir / META_NAME)
+    finally:
+        _remove_quietly(tmp)
 
 
 def _text_dir_of(bin_dir: Path, meta: dict) -> str | Path:

@@ -20,18 +20,31 @@ existed count as complete when they carry the `text_shards` record (older ones s
 shards match the text shards by name).
 
 `split_paths` is the train/val split of a finished directory (the last shard is val).
+
+One run at a time: `run_lock` holds a flock on `.pretokenize.lock` in the directory while a run
+writes it (a second run into the same --out is refused, naming the first: two would delete each
+other's "stray" shards and lose each other's records). Each shard's sha256 is recorded as it lands
+(`bin_sha256`, the file's plain sha256, so `sha256sum` agrees); `verify` reads every shard whole
+and names those damaged since (a flipped bit in a token passes every cheaper check).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
-from nanochat.binshards import (BIN_SUFFIX, MAGIC, META_NAME, VERSION, _text_dir_of, _write_meta_file,
+from nanochat.binshards import (BIN_SUFFIX, MAGIC, META_NAME, VERSION, BinShard, _text_dir_of, _write_meta_file,
                                 dtype_for_vocab, list_bin_shards, read_header, read_meta)
-from nanochat.errors import DataError, MissingDataError
+from nanochat.errors import DataError, MissingDataError, RequestError
+
+LOCK_NAME = ".pretokenize.lock"
 
 
 def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary shards") -> None:
@@ -52,7 +65,8 @@ def check_tokenizer(bin_dir: str | Path, fingerprint: str, what: str = "binary s
                 "aside (training then tokenizes the text shards as it reads them)")
 
 
-_RUN_KEYS = ("text_shards", "text_mtime_ns", "text_sha256", "planned", "complete", "data_dir")  # what a run records, see the docstring
+_RUN_KEYS = ("text_shards", "text_mtime_ns", "text_sha256", "bin_sha256", "planned", "complete",
+             "data_dir")  # what a run records, see the docstring
 
 
 def write_meta(bin_dir: str | Path, *, fingerprint: str, vocab_size: int, bos_token_id: int,
@@ -166,6 +180,7 @@ def start_run(bin_dir: str | Path, text_shards: Sequence[str | Path], data_dir: 
     meta.update(complete=False, planned=plan)
     for key in ("text_shards", "text_mtime_ns", "text_sha256"):  # kept for the shards still planned
         meta[key] = {n: v for n, v in _record(meta, key).items() if n in plan}
+    meta["bin_sha256"] = {n: v for n, v in _record(meta, "bin_sha256").items() if Path(n).stem in _stems(plan)}
     if data_dir is not None:
         meta["data_dir"] = str(Path(data_dir).resolve())
     _write_meta_file(bin_dir, meta)
@@ -207,13 +222,16 @@ def _remove_dead_temps(bin_dir: Path) -> None:
 
 
 def record_shard(bin_dir: str | Path, text_name: str, size: int, mtime_ns: int | None = None,
-                 sha256: str | None = None) -> None:
+                 sha256: str | None = None, *, bin_sha256: str | None = None) -> None:
     """Record that the binary shard of text shard `text_name` (`size` bytes, modified at
-    `mtime_ns`, content `sha256`, as stat-ed and hashed before it was read) is written."""
+    `mtime_ns`, content `sha256`, as stat-ed and hashed before it was read) is written, its own
+    bytes hashing to `bin_sha256` (None: the record of that is left as it is)."""
     meta = _meta_for_update(Path(bin_dir))
     for key, value in (("text_shards", size), ("text_mtime_ns", mtime_ns), ("text_sha256", sha256)):
         made = {n: v for n, v in _record(meta, key).items() if n != text_name}
         meta[key] = {**made, text_name: value} if value is not None else made
+    if bin_sha256 is not None:
+        meta["bin_sha256"] = {**_record(meta, "bin_sha256"), Path(text_name).stem + BIN_SUFFIX: bin_sha256}
     _write_meta_file(Path(bin_dir), meta)
 
 
@@ -342,3 +360,101 @@ def split_paths(bin_dir: Path, split: str) -> list[Path]:
                                f"found {len(paths)}; create them with `python -m scripts.pretokenize`, or move {bin_dir} "
                                "aside (training then tokenizes the text shards as it reads them)")
     return paths[:-1] if split == "train" else paths[-1:]
+
+
+# ---------------------------------------------------------------- one run at a time, verification
+
+def _lock_holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "a run that has not written its description yet"
+    except OSError:
+        return "another process"
+
+
+@contextlib.contextmanager
+def run_lock(bin_dir: str | Path) -> Iterator[None]:
+    """Hold bin_dir's pretokenize lock (a flock on LOCK_NAME, which the kernel drops when the process
+    dies: nothing stale after a kill) for the block, with who holds it written into the file. A
+    directory another run holds is a RequestError naming that run. A file system without flock
+    goes on unlocked, with a warning."""
+    import fcntl
+
+    bin_dir = Path(bin_dir)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                print(f"WARNING: {bin_dir}: this file system has no flock; going on without the "
+                      "one-pretokenize-run-per-directory check", file=sys.stderr)
+            else:
+                raise RequestError(
+                    f"--out: {bin_dir} is being written by another pretokenize run ({_lock_holder(path)}); two "
+                    "runs into one directory delete and overwrite each other's shards: let it finish (a rerun "
+                    "then has nothing left to do), stop it (its rerun resumes), or pass another --out") from None
+        else:
+            os.ftruncate(fd, 0)
+            who = " ".join([Path(sys.executable).name, *sys.argv])[:300]
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                          f"{who}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def shard_problem(path: Path, meta: dict) -> str | None:
+    """What is wrong with the binary shard at `path`, read whole, or None: its header, size,
+    offsets and BOS starts (BinShard), its tokenizer against meta.json's, token ids within the
+    vocab, and its sha256 against the one recorded when it was written (when recorded)."""
+    try:
+        sh = BinShard(path)
+    except DataError as e:
+        return str(e).split("; delete it")[0].removeprefix(f"{path}: ")
+    try:
+        h = sh.header
+        if meta.get("fingerprint") not in (None, h.fingerprint):
+            return (f"made with tokenizer {h.fingerprint[:12]}, {META_NAME} says "
+                    f"{str(meta.get('fingerprint'))[:12]}")
+        top = int(sh.tokens.max()) if h.n_tokens else 0
+        if top >= h.vocab_size:
+            return f"token id {top} >= its vocab size {h.vocab_size}"
+    finally:
+        del sh
+    want = _record(meta, "bin_sha256").get(path.name)
+    if want is not None and file_sha256(path) != want:
+        return ("its bytes differ from the sha256 recorded when it was written (a flipped bit on the disk, "
+                "or a copy or edit since)")
+    return None
+
+
+def verify(bin_dir: str | Path, data_dir: str | Path | None = None, log=print) -> int:
+    """Read every binary shard of bin_dir whole (shard_problem) and check the directory is a
+    finished run (check_complete). DataError naming every damaged shard and how to re-make just
+    those; returns the number of shards checked."""
+    bin_dir = Path(bin_dir)
+    paths = list_bin_shards(bin_dir)
+    meta = read_meta(bin_dir)
+    if meta is None or not paths:
+        raise MissingDataError(f"{bin_dir}: no binary token shards{'' if meta is None else ' (only ' + META_NAME + ')'} "
+                               "to verify; make them with `python -m scripts.pretokenize`")
+    check_complete(bin_dir)
+    bad, unhashed = [], 0
+    for p in paths:
+        why = shard_problem(p, meta)
+        unhashed += p.name not in _record(meta, "bin_sha256")
+        log(f"{p.name}: {'DAMAGED: ' + why if why else 'ok'}")
+        if why:
+            bad.append((p, why))
+    if unhashed:
+        log(f"{unhashed} of {len(paths)} shards have no recorded sha256 (written before pretokenize recorded "
+            "one): their structure and token ids were checked, not every byte")
+    if bad:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise DataError(f"{bin_dir}: {len(bad)} of {len(paths)} binary shards damaged ({listed}); delete "
+                        f"{'it' if len(bad) == 1 else 'them'} (rm {' '.join(str(p) for p, _ in bad)}) and re-run "
+                        f"`python -m scripts.pretokenize --data-dir {data_dir or _text_dir_of(bin_dir, meta)} --out "
+                        f"{bin_dir}`: it re-makes only the missing ones")
+    return len(paths)

@@ -2,6 +2,7 @@
 
     python -m scripts.pretokenize                      # base_data -> base_data_tokens
     python -m scripts.pretokenize --data-dir DIR --out OUT --workers 2
+    python -m scripts.pretokenize --verify             # read every binary shard whole: damaged ones named
 
 One text shard -> one `.bin` shard (format: nanochat/binshards.py; run record in meta.json:
 nanochat/binshards_runs.py), written atomically by a pool of worker processes, every document
@@ -23,6 +24,14 @@ tokenizers reach, so the estimate errs high): a disk without room for them is a 
 naming both numbers. A split (train = all but the last text shard, val = the last) with no
 non-empty document is a MissingDataError: before any work when the footers show it, else after
 tokenizing, the directory then left unfinished.
+
+One run per output directory at a time (a flock, nanochat/binshards_runs.py: a second run is
+refused naming the first). It says up front whether it resumes an unfinished run, tops up a
+finished one or has nothing to do (then the directory stays finished throughout: a training run
+opening it meanwhile is not refused). A failed write (a full disk) is one line naming the shard,
+and no partial shard is left under a final name, nor as a temp file once the run has ended. Each
+shard's sha256 is recorded as it lands; `--verify` checks every shard against it (a flipped bit
+in a token passes every cheaper check).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -51,6 +61,16 @@ def _init_worker(tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
+def _init_pool_worker(tokenizer) -> None:
+    """A pool worker: Ctrl-C is the main process's to handle (it terminates the pool; each worker
+    printed its own traceback). Pool.terminate's SIGTERM is left to kill: a Python handler runs
+    only when the main thread wakes, and pyarrow's threads can take the signal while it sleeps
+    on the pool's queue lock (the pool then hung at exit); the temp files of the workers it kills
+    are deleted by the main process (pretokenize)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer)
+
+
 def _tokenize_one(job: tuple[str, str, int]) -> dict:
     text_path, out_path, threads = job
     t0 = time.perf_counter()
@@ -59,7 +79,8 @@ def _tokenize_one(job: tuple[str, str, int]) -> dict:
     h = bs.tokenize_text_shard(text_path, out_path, _worker_tokenizer, threads=threads)
     return {"shard": Path(out_path).name, "text": Path(text_path).name, "tokens": h.n_tokens,
             "docs": h.n_docs, "seconds": round(time.perf_counter() - t0, 3),
-            "text_bytes": st.st_size, "text_mtime_ns": st.st_mtime_ns, "text_sha256": sha}
+            "text_bytes": st.st_size, "text_mtime_ns": st.st_mtime_ns, "text_sha256": sha,
+            "bin_sha256": runs.file_sha256(out_path)}  # just written: read back from the page cache
 
 
 def _unchanged(shard: Path, meta: dict, log) -> tuple[int, int, str | None] | None:
@@ -89,11 +110,17 @@ def planned_bytes(text_shard: Path, itemsize: int) -> int:
     return bs.HEADER_SIZE + (chars // CHARS_PER_TOKEN_LOW + meta.num_rows) * itemsize + 8 * (meta.num_rows + 2)
 
 
-def check_disk(out_dir: Path, shards: list[Path], itemsize: int, free: int | None = None) -> int:
+def check_disk(out_dir: Path, shards: list[Path], itemsize: int, free: int | None = None, *,
+               workers: int = 1) -> int:
     """DiskFullError when out_dir's disk has no room for the binary shards of `shards`; returns the
-    bytes planned."""
+    bytes planned. A shard rewritten in place (--force, a changed text shard) frees its old file as
+    its new one lands, so it needs only what it grows by, plus, while being written, its old size
+    (at most `workers` of them at once): --force on a nearly full disk was refused for the whole set."""
     import shutil
-    need = sum(planned_bytes(shard, itemsize) for shard in shards)
+    old = [(out_dir / bs.bin_name_for(s)).stat().st_size if (out_dir / bs.bin_name_for(s)).is_file() else 0
+           for s in shards]
+    need = sum(max(planned_bytes(shard, itemsize) - was, 0) for shard, was in zip(shards, old))
+    need += sum(sorted(old)[-max(1, min(workers, len(shards))):]) if shards else 0
     free = shutil.disk_usage(out_dir).free if free is None else free
     if need > free:
         raise DiskFullError(f"{out_dir}: {len(shards)} binary shards need up to ~{fmt_bytes(need)}, "
@@ -133,12 +160,50 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
         raise RequestError(f"--out: {out_dir} holds {', '.join(p.name for p in foreign[:3])}, which "
                            f"{'is' if len(foreign) == 1 else 'are'} not binary token shards; accepted: a new or "
                            "empty directory, or one pretokenize wrote (pass another --out)")
+    with runs.run_lock(out_dir):  # a second run into out_dir is refused, naming this one
+        return _pretokenize_locked(shards, out_dir, tokenizer, workers, threads, force, log)
+
+
+def _pretokenize_locked(shards, out_dir: Path, tokenizer, workers: int, threads: int, force: bool, log) -> list[dict]:
+    before = bs.read_meta(out_dir) or {}
     # refuses a directory of another tokenizer, unless --force: then its shards are deleted first
     replaced = runs.write_meta(out_dir, fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
                                bos_token_id=tokenizer.bos_token_id, replace=force)
     if replaced:
         log(f"removed {len(replaced)} binary shards made with another tokenizer (--force)")
     meta = bs.read_meta(out_dir) or {}
+    jobs, kept = _plan(shards, out_dir, tokenizer, meta, force, threads, log)
+    log(_summary(before, out_dir, len(shards), len(jobs), force))
+    runs._remove_dead_temps(out_dir)  # a killed run's partial shards: before their space is counted
+    check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize,
+               workers=workers)
+    # nothing to write into a finished directory: it stays finished throughout (a run reading it,
+    # e.g. base_train opening its val loader at an evaluation, would refuse it as unfinished)
+    untouched = not jobs and _finished_as_planned(out_dir, meta, shards)
+    if not untouched:
+        for stray in runs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
+            log(f"removed {stray.name} (no text shard {stray.stem}.parquet any more)")
+    for name, (size, mtime_ns, sha) in kept.items():  # a moved mtime / an older record: refreshed
+        if (meta.get("text_mtime_ns") or {}).get(name) != mtime_ns:
+            runs.record_shard(out_dir, name, size, mtime_ns, sha)
+    results, landed = [], _run_jobs(jobs, tokenizer, workers)
+    try:
+        for r in landed:  # recorded as it lands: a rerun skips it even if this run dies
+            runs.record_shard(out_dir, r["text"], r["text_bytes"], r["text_mtime_ns"], r["text_sha256"],
+                              bin_sha256=r["bin_sha256"])
+            log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
+            results.append(r)
+    finally:  # a failure or Ctrl-C killed the other workers mid-shard: their partial shards go now
+        landed.close()  # the pool, terminated (its workers killed) if it is still running
+        runs._remove_dead_temps(out_dir)
+    if not untouched:
+        check_has_text(shards, _bin_empty(out_dir), "only BOS after tokenizing")  # footers without statistics
+        runs.record_text_shards(out_dir, shards)  # every shard is done: the directory is complete
+    return sorted(results, key=lambda r: r["shard"])
+
+
+def _plan(shards, out_dir: Path, tokenizer, meta: dict, force: bool, threads: int, log):
+    """(jobs, kept): the text shards to tokenize, and those whose binary shard is done and kept."""
     jobs, kept = [], {}
     for shard in shards:
         out = out_dir / bs.bin_name_for(shard)
@@ -153,20 +218,28 @@ def pretokenize(shards: list[Path], out_dir: Path, tokenizer, *, workers: int = 
                 pass
         ds.open_text_shard(shard)  # schema errors before any work
         jobs.append((str(shard), str(out), threads))
-    check_disk(out_dir, [Path(job[0]) for job in jobs], bs.dtype_for_vocab(tokenizer.vocab_size).itemsize)
-    for stray in runs.start_run(out_dir, shards, shards[0].parent):  # unfinished from here on
-        log(f"removed {stray.name} (no text shard {stray.stem}.parquet any more)")
-    for name, (size, mtime_ns, sha) in kept.items():  # a moved mtime / an older record: refreshed
-        if (meta.get("text_mtime_ns") or {}).get(name) != mtime_ns:
-            runs.record_shard(out_dir, name, size, mtime_ns, sha)
-    results = []
-    for r in _run_jobs(jobs, tokenizer, workers):  # recorded as it lands: a rerun skips it even if this run dies
-        runs.record_shard(out_dir, r["text"], r["text_bytes"], r["text_mtime_ns"], r["text_sha256"])
-        log(f"wrote {r['shard']}: {r['docs']:,} docs, {r['tokens']:,} tokens in {r['seconds']} s")
-        results.append(r)
-    check_has_text(shards, _bin_empty(out_dir), "only BOS after tokenizing")  # footers without statistics
-    runs.record_text_shards(out_dir, shards)  # every shard is done: the directory is complete
-    return sorted(results, key=lambda r: r["shard"])
+    return jobs, kept
+
+
+def _summary(before: dict, out_dir: Path, n: int, todo: int, force: bool) -> str:
+    """One line saying what this run does: resumes an unfinished run, starts over, or tops up."""
+    if force:
+        return f"--force: writing all {n} binary shards into {out_dir}"
+    if before.get("complete") is False:
+        return (f"resuming the unfinished run in {out_dir}: {n - todo} of {n} binary shards kept, "
+                f"{todo} to write")
+    if not todo:
+        return f"{out_dir} is up to date: all {n} binary shards kept"
+    return f"{todo} of {n} binary shards to write into {out_dir}, {n - todo} kept"
+
+
+def _finished_as_planned(out_dir: Path, meta: dict, shards: list[Path]) -> bool:
+    """Whether out_dir is a finished run of exactly `shards` (from their directory): no record to
+    change but refreshed mtimes, no stray binary shard to delete."""
+    names = {p.name for p in shards}
+    return (meta.get("complete") is True and set(meta.get("text_shards") or {}) == names
+            and meta.get("data_dir") == str(shards[0].parent.resolve())
+            and {p.stem for p in bs.list_bin_shards(out_dir)} == {Path(n).stem for n in names})
 
 
 def _run_jobs(jobs: list[tuple[str, str, int]], tokenizer, workers: int):
@@ -176,7 +249,7 @@ def _run_jobs(jobs: list[tuple[str, str, int]], tokenizer, workers: int):
         for job in jobs:
             yield _tokenize_one(job)
         return
-    with mp.get_context().Pool(min(workers, len(jobs)), initializer=_init_worker,
+    with mp.get_context().Pool(min(workers, len(jobs)), initializer=_init_pool_worker,
                                initargs=(tokenizer,)) as pool:
         yield from pool.imap_unordered(_tokenize_one, jobs)
 
@@ -190,10 +263,17 @@ def build_parser() -> FlagParser:
                          "shards written elsewhere are not used by training until moved there)")
     ap.add_argument("--tokenizer-dir", type=ds.path_flag, default=None,
                     help="directory holding tokenizer.pkl (default $NANOCHAT_BASE_DIR/tokenizer)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (one shard each)")
-    ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="processes, one text shard each (default: this machine's CPU count, %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="encode threads inside each worker (default 1)")
     ap.add_argument("--force", action="store_true",
                     help="rewrite shards that already exist (those of another tokenizer: deleted first)")
+    ap.add_argument("--verify", action="store_true",
+                    help="write nothing: read every binary shard in --out whole and check it (header, offsets, "
+                         "token ids, the sha256 recorded when it was written); exit 2 naming the damaged ones")
+    ap.epilog = ("An interrupted run (Ctrl-C, kill, a full disk) leaves the directory marked unfinished, which "
+                 "training refuses; the same command again resumes it, keeping the shards already written. "
+                 "One run per --out at a time (a second is refused).")
     return ap
 
 
@@ -202,6 +282,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
         require_int(value, flag)
+    if args.verify and args.force:
+        raise ValueError("--verify: got it with --force; accepted: --verify alone (it writes nothing), "
+                         "or --force without --verify")
     return args
 
 
@@ -209,6 +292,13 @@ def main(argv: list[str] | None = None, tokenizer=None) -> int:
     args = parse(argv)
     data_dir = args.data_dir or ds.default_data_dir()
     out_dir = check_out_dir(args.out or bs.default_bin_dir(data_dir))
+    if os.path.realpath(out_dir) == os.path.realpath(data_dir):   # the .bin files among the text shards
+        raise RequestError(f"--out: got {out_dir}, the text shard directory (--data-dir) itself; accepted: "
+                           f"another directory (default: {bs.default_bin_dir(data_dir)}, where training looks)")
+    if args.verify:
+        n = runs.verify(out_dir, data_dir)
+        print(f"{out_dir}: all {n} binary shards verified")
+        return 0
     shards = ds.list_shards(data_dir)
     ds.split_shards(shards, "val")   # one shard: training would refuse the result (no train + val split)
     if tokenizer is None:
