@@ -466,6 +466,12 @@ class DataLoader:
         return {**self._config(), "epoch": 0, "cursor": list(self._source.start), "buffer": [],
                 "tokens_read": 0, "tokens_dropped": 0, "batches": 0}
 
+    def rewind(self) -> None:
+        """Back to the start of the same shards, for one more pass (base_train: each evaluation). The
+        files were listed once: a pretokenize run adding or re-making shards meanwhile changes nothing."""
+        self.close()
+        self._use(self._source)
+
     @property
     def source_kind(self) -> str:
         """"text" or "bin": what this loader reads now (a resume may switch it back to its checkpoint's)."""

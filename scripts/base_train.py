@@ -329,13 +329,13 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
     train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
 
-    def val_batches():   # one finite pass: a --eval-tokens past the split scores each token once (as base_eval)
-        # the kind the train loader reads: a pretokenize started during the run (its directory still
-        # unfinished, then finished) must not fail an evaluation or switch val's source mid-run
-        return DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
-                          source=train_loader.source_kind, **loader_kwargs)
-
-    val_batches().close()  # the val split is checked now too (each evaluation reads a fresh loader)
+    # one finite pass: a --eval-tokens past the split scores each token once (as base_eval). The val
+    # split is checked now, and each evaluation rewinds this loader: the kind the train loader reads
+    # and the shards listed now, so a pretokenize run during training (its directory unfinished, then
+    # one shard more: the last one, val, another) cannot fail an evaluation or move val mid-run
+    val_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
+                            source=train_loader.source_kind, **loader_kwargs)
+    val_loader.close()
 
     # ---- model shape (meta device: no memory, no init yet) ----
     def config_at(depth: int):
@@ -458,7 +458,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     def evaluate(_step: int) -> dict:
         model.eval()
-        val_loader = val_batches()
+        val_loader.rewind()
         val_bpb = evaluate_bpb(train_model, val_loader, eval_steps, token_bytes)
         val_loader.close()
         model.train()

@@ -317,3 +317,33 @@ def test_help_says_the_exit_codes_and_where_the_log_goes():
     assert r.returncode == 0
     assert "Exit codes: 0 started" in r.stdout and "1 a run of that tag is already running" in r.stdout
     assert "3 (--status) not running" in r.stdout and "appended to across starts" in r.stdout
+
+
+def test_a_rewound_val_loader_reads_the_same_shard_while_pretokenize_tops_up(text_dir, tmp_path):
+    """base_train opened a fresh val loader at each evaluation: a pretokenize run adding a shard
+    meanwhile first failed it (the directory unfinished), then moved val to the new last shard.
+    Its one val loader, rewound per evaluation, reads the shard it listed at start-up."""
+    import torch
+
+    from nanochat.dataloader import DataLoader
+
+    out = tmp_path / "bin"
+    pt.pretokenize(shards_of(text_dir), out, ByteTokenizer(), log=quiet)
+    val = DataLoader(ByteTokenizer(), 2, 32, "val", data_dir=text_dir, bin_dir=out, source="bin",
+                     repeat=False, prefetch=0)
+    first = [x.clone() for x, _ in val]
+    assert first and val.source_dir == out
+    write_shards(text_dir, [make_docs(90)[:40], make_docs(90)[40:80], make_docs(90)[80:], make_docs(30, seed=7)])
+    meta = bs.read_meta(out)
+    runs._write_meta_file(out, {**meta, "complete": False})   # a top-up run in progress
+    with pytest.raises(DataError):   # what a fresh val loader met
+        DataLoader(ByteTokenizer(), 2, 32, "val", data_dir=text_dir, bin_dir=out, source="bin", repeat=False)
+    pt.pretokenize(shards_of(text_dir), out, ByteTokenizer(), log=quiet)   # finished: 4 shards, val the 4th
+    moved = [x for x, _ in DataLoader(ByteTokenizer(), 2, 32, "val", data_dir=text_dir, bin_dir=out,
+                                      source="bin", repeat=False, prefetch=0)]
+    assert len(moved) != len(first) or not all(torch.equal(a, b) for a, b in zip(first, moved))
+    for _ in range(2):
+        val.rewind()
+        again = [x for x, _ in val]
+        assert len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(first, again))
+    val.close()
