@@ -543,8 +543,9 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     root = checkpoint_dir(phase, "x", base_dir).parent
     tags = _model_tags(root)
     if not tags:
+        how = f"python -m scripts.{_MAKES_PHASE.get(phase, 'base_train')}"   # setup.sh runs no RL stage
         raise CheckpointError(f"no {phase} checkpoints under {root}; train one first "
-                              f"(python -m scripts.{_MAKES_PHASE.get(phase, 'base_train')}, or ./setup.sh)")
+                              f"({how}{'' if phase == 'rl' else ', or ./setup.sh'})")
     if len(tags) == 1:
         return tags[0]
     depth_tags = [(int(t[1:]), t) for t in tags if re.fullmatch(r"d\d+", t)]

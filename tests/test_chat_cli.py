@@ -302,8 +302,9 @@ def test_chat_cli_checks_step_prompt_and_model_tag_before_loading(sft_checkpoint
     from nanochat.errors import RequestError
     with pytest.raises(RequestError, match=r"^-g/--model-tag: got 'd20'; accepted: d2 \(the sft models under "):
         chat_cli.main(["-p", "hi", "--device", "cpu", "--model-tag", "d20"])
-    with pytest.raises(RequestError, match="^no rl checkpoints under .*; train one first"):
+    with pytest.raises(RequestError, match="^no rl checkpoints under .*; train one first") as e:
         chat_cli.main(["-p", "hi", "--device", "cpu", "-i", "rl", "--model-tag", "d2"])
+    assert "python -m scripts.chat_rl" in str(e.value) and "setup.sh" not in str(e.value)   # setup.sh trains no RL
 
 
 class FakeTerminal:
