@@ -402,6 +402,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _fill(args)
+    except ValueError as e:   # setup.sh's data stage passes no --out: say what its user can change
+        if args.out is None and str(e).startswith("--out: "):
+            raise ValueError(f"{e} (--out defaults to base_data/ in the base dir: under ./setup.sh, move those "
+                             "files away or pass another --base-dir)") from None
+        raise
+
+
+def _fill(args) -> int:
+    """Fill --out from --source (main's body, after parsing)."""
     source = args.source
     out = check_out_dir(args.out or default_data_dir())
     if source == "local":

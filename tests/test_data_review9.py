@@ -107,3 +107,17 @@ def test_a_local_import_refused_over_another_source_names_the_flags(tmp_path):
                                          rf"pass another --out\); accepted: an empty directory or one filled by "
                                          rf"--data-dir {re.escape(str(b.resolve()))}$"):
         ds.import_local_dir(b, out, log=quiet)
+
+
+def test_a_refused_default_out_tells_a_setup_sh_user_what_to_change(tmp_path, monkeypatch):
+    """setup.sh's data stage runs `nanochat.dataset` with no --out: over files of its own in the base
+    dir's base_data/, the refusal said "pass another --out", a flag setup.sh does not have."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    (tmp_path / "base_data").mkdir()
+    pq.write_table(pa.table({"text": ["mine"]}), tmp_path / "base_data" / "shard_00000.parquet")
+    with pytest.raises(ValueError, match=r"^--out: .*no nanochat run recorded.* under \./setup\.sh, move those "
+                                         r"files away or pass another --base-dir\)$"):
+        ds.main(["--source", "shakespeare"])
+    with pytest.raises(ValueError, match=r"pass another --out\); accepted: [^(]*$"):   # --out given: no such hint
+        ds.main(["--source", "shakespeare", "--out", str(tmp_path / "base_data")])
+    assert (tmp_path / "base_data" / "shard_00000.parquet").exists()
