@@ -476,8 +476,8 @@ def rows_per_step(total_batch_size: int, seq_len: int) -> int:
     return total_batch_size // seq_len
 
 
-def epoch_iterations(task, tokenizer, seq_len: int, total_batch_size: int, *, mask: str, fill: str) -> int:
-    """Optimizer steps for one epoch of `task` (at least 1), rounded up: the training loader loops,
-    so the last step's rows past the epoch are the next epoch's first conversations."""
-    rows = estimate_epoch_rows(task, tokenizer, seq_len, mask=mask, fill=fill)
-    return max(1, math.ceil(rows / rows_per_step(total_batch_size, seq_len)))
+def epoch_iterations(epoch_rows: float, total_batch_size: int, seq_len: int) -> int:
+    """Optimizer steps for one epoch of `epoch_rows` rows (estimate_epoch_rows; at least 1), rounded
+    up: the training loader loops, so the last step's rows past the epoch are the next epoch's first
+    conversations."""
+    return max(1, math.ceil(epoch_rows / rows_per_step(total_batch_size, seq_len)))

@@ -1,16 +1,23 @@
 """The command line of mid_train / chat_sft: their flags' help text and `parse_config`, which turns
 argv (dash or underscore spellings) into a validated `ChatTrainConfig` (nanochat/chat_train.py owns
-the config, its checks and the recipe that runs it)."""
+the config, its checks and the recipe that runs it); and the way back, what the stages tell their
+user in flags: the resolved choices of the start-up banner (the mixture by source, the epochs, what
+each `auto` became), the command that resumes a stopped run and the next stage's command."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+from collections import Counter
 from dataclasses import asdict, fields
+from pathlib import Path
 
 from nanochat.chat_train import ChatStage, ChatTrainConfig
+from nanochat.common import print0
 from nanochat.flags import FlagParser, require
 from nanochat.loop import TRAIN_FLAG_HELP
-from nanochat.tasks.identity import check_identity_name
+from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
 EXTRA_HELP = {
@@ -49,10 +56,18 @@ def _identity_flag(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--identity: ")) from None
 
 
+def stage_defaults(stage: ChatStage) -> dict:
+    """Every flag's default for this stage (ChatTrainConfig's, overridden by the stage's own)."""
+    return {**asdict(ChatTrainConfig()), "source": stage.sources[0], **stage.defaults}
+
+
 def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainConfig:
     """Flags (dash or underscore spellings) -> a validated config; ValueError names the flag."""
-    parser = FlagParser(prog=stage.prog, description=f"{stage.title}: train the {stage.name} checkpoint.")
-    defaults = {**asdict(ChatTrainConfig()), "source": stage.sources[0], **stage.defaults}
+    parser = FlagParser(prog=stage.prog, description=(
+        f"{stage.title}: train the {stage.name} checkpoint from a {' or '.join(stage.sources)} checkpoint (--source) "
+        "of the same --model-tag. Ctrl-C or SIGTERM finishes the step, saves a checkpoint and prints the command "
+        "that resumes it; the end prints the next stage's command."))
+    defaults = stage_defaults(stage)
     for f in fields(ChatTrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -86,3 +101,158 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
     # --source ("$SRC" unset) silently started from that instead
     require(args["source"] != "", "--source", "", "|".join(stage.sources))
     return ChatTrainConfig(**args).validate(stage)
+
+
+# ------------------------------------------------------------------ what the stages say in flags
+
+def _as_flags(name: str, value) -> list[str]:
+    """A config value back as the flags that set it."""
+    flag = "--" + name.replace("_", "-")
+    if name == "identity" and value == "":
+        return ["--no-identity"]
+    if name == "compile":
+        return ["--compile" if value else "--no-compile"]
+    if isinstance(value, bool):
+        return [flag] if value else []
+    if isinstance(value, list):
+        return [part for item in value for part in (flag, str(item))]
+    return [flag, str(value)]
+
+
+def _launcher(script: str, world_size: int) -> str:
+    """How a command is started: python -m, or under torchrun the user's own launch."""
+    if world_size > 1:
+        return f"torchrun <your launch options> -m scripts.{script}"
+    return f"python -m scripts.{script}"
+
+
+def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1) -> str:
+    """The command that continues a stopped run: the flags it was given (those that differ from
+    the defaults), its model tag as resolved, and --resume latest. --overwrite is left out: a
+    resume refuses it, so "the same flags plus --resume latest" failed for a run started with it."""
+    defaults = stage_defaults(stage)
+    args = ["--model-tag", tag]
+    for f in fields(ChatTrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name not in ("model_tag", "resume", "overwrite") and value != defaults[f.name]:
+            args += _as_flags(f.name, value)
+    return f"{_launcher(stage.prog.rsplit('.', 1)[-1], world_size)} {shlex.join(args + ['--resume', 'latest'])}"
+
+
+# the flags of a finished stage that its next chat stage takes, with the same meaning: where the data
+# is, the user's own conversations and name, the rows, and the device the user picked
+_CARRIED = ("device", "dtype", "kernel", "compile", "data_dir", "test_holdout", "max_seq_len", "extra_conversations",
+            "identity")
+
+
+def next_commands(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1) -> list[tuple[str, str]]:
+    """(what it does, command) of what comes after this stage, for the model tag it trained: chat_sft
+    after mid (with the flags of _CARRIED the user set: an offline --test-holdout, their own
+    --extra-conversations and --identity, so that SFT trains the same model on the same kind of
+    data), chat_eval and chat_web after SFT."""
+    defaults = stage_defaults(stage)
+    given = {name: getattr(cfg, name) for name in _CARRIED if getattr(cfg, name) != defaults[name]}
+    if stage.name == "mid":
+        args = ["--model-tag", tag] + [a for name, value in given.items() for a in _as_flags(name, value)]
+        return [("fine-tune it for chat", f"{_launcher('chat_sft', world_size)} {shlex.join(args)}")]
+    args = ["-i", stage.name, "--model-tag", tag] + [a for name in ("device", "dtype") if name in given
+                                                      for a in _as_flags(name, given[name])]
+    eval_args = args + (_as_flags("data_dir", given["data_dir"]) if "data_dir" in given else [])
+    return [("evaluate it", f"python -m scripts.chat_eval {shlex.join(eval_args)}"),
+            ("talk to it", f"python -m scripts.chat_web {shlex.join(args)}")]
+
+
+def describe_mixture(mix) -> str:
+    """The training mixture by source, in mixture order: "chat 1,874 (a.jsonl), Identity 1,000 x2,
+    MMLU 13,940 (mmlu.jsonl), ..." (a task listed twice is oversampled: "x2")."""
+    counts: dict[int, list] = {}
+    for task in mix.tasks:
+        entry = counts.setdefault(id(task), [task, 0])
+        entry[1] += 1
+    parts = []
+    for task, times in counts.values():
+        name = getattr(task, "name", None) or ("chat" if hasattr(task, "rows") else type(task).__name__)
+        source = getattr(task, "source", None)
+        files = ", ".join(Path(p).name for p in str(source).split(", ")) if source else ""
+        if type(task).__name__ == "ConversationFile":   # the user's own file: its name is the label
+            name, files = files, ""
+        parts.append(f"{name} {len(task):,}" + (f" x{times}" if times > 1 else "") + (f" ({files})" if files else ""))
+    return ", ".join(parts)
+
+
+def describe_epochs(num_iterations: int, given: int, epoch_steps: int, epochs: float) -> str:
+    """What the run's steps are in epochs of the mixture (one epoch: every conversation once, as
+    -1 iterations trains; estimated from the packing of its first conversations)."""
+    steps = f"{num_iterations:,} iteration{'s' if num_iterations != 1 else ''}"
+    if given == -1:   # a mixture smaller than one step: its one step repeats it (said, not hidden in "one epoch")
+        return f"{steps} (-1: one epoch of the mixture" + (f"; a step holds {epochs:.3g} epochs of it)" if epochs >= 1.5
+                                                            else ")")
+    text = f"{steps} = {epochs:.3g} epochs of the mixture (one is ~{epoch_steps:,} steps"
+    return text + ("; its conversations repeat)" if epochs > 1 else ")")
+
+
+def auto_choices(cfg: ChatTrainConfig, rt, tag: str, seq_len: int, compile_model: bool) -> list[str]:
+    """What each flag left to `auto` (or not given) became on this machine."""
+    said = []
+    if cfg.model_tag is None:
+        said.append(f"--model-tag {tag} (the {cfg.source} checkpoints' only tag, or their deepest d<N>)")
+    if cfg.device == "auto":
+        said.append(f"--device {rt.device}")
+    if cfg.dtype == "auto":
+        said.append(f"--dtype {rt.dtype_name}" + (" ($NANOCHAT_DTYPE)" if os.environ.get("NANOCHAT_DTYPE") else ""))
+    if cfg.compile is None:
+        said.append(("--compile" if compile_model else "--no-compile") + " (compile: on for CUDA only)")
+    if cfg.max_seq_len == -1:
+        said.append(f"--max-seq-len {seq_len} (the model's sequence length)")
+    return said
+
+
+def print_banner(cfg: ChatTrainConfig, stage: ChatStage, rt, *, source: dict, tag: str, ckpt_dir, disk: str, plan,
+                 train_mix, mixture: dict, seq_len: int, compile_model: bool, device_name: str,
+                 resumed_at: int | None, iterations: str, evals: str) -> None:
+    """The start-up lines (rank 0): the checkpoint it starts from (with its model.pt's sha256) and
+    where it saves, the step it resumes, the mixture by source, the batch, the steps in epochs,
+    the device, and what each flag left to auto became."""
+    from nanochat.checkpoint import step_dirname
+    sha = (source.get("model_sha256") or "")[:12]
+    print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']}" + (f" (model.pt sha256 {sha})" if sha else "")
+           + f" -> {ckpt_dir} ({disk})")
+    if resumed_at is not None:
+        print0(f"  resuming from {Path(ckpt_dir) / step_dirname(resumed_at)}: continues at step {resumed_at}")
+    print0(f"  mixture of {len(train_mix):,} conversations (mask {stage.mask}, fill {stage.fill}): "
+           f"{describe_mixture(train_mix)}")
+    if cfg.total_batch_size == -1:
+        print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text(plan.total_batch_size, seq_len)} "
+               "on any number of GPUs")
+    print0(f"  {plan.describe()}; {iterations}; lr x {cfg.init_lr_frac}; {evals}; "
+           f"device {rt.device} ({device_name}, {rt.dtype_name}); compile {'on' if compile_model else 'off'}, "
+           f"kernel {cfg.kernel}")
+    auto = auto_choices(cfg, rt, tag, seq_len, compile_model)
+    if auto:
+        print0(f"  auto: {'; '.join(auto)}")
+    for path, count in Counter(cfg.extra_conversations).items():
+        n = next(f["conversations"] for f in mixture["extra_conversations"] if f["path"] == path)
+        print0(f"  --extra-conversations {path}: {n:,} conversation{'s' if n != 1 else ''}"
+               + (f", mixed in {count}x" if count > 1 else ""))
+    if not cfg.identity:
+        print0("  --no-identity: without the built-in identity conversations")
+    elif cfg.identity != IDENTITY_NAME:
+        print0(f"  --identity {cfg.identity}: the identity conversations name the model {cfg.identity}")
+
+
+MADE_FROM = {"mid": "base", "sft": "mid"}   # HOW_TO_MAKE's command starts from this phase's checkpoint
+
+
+def tag_with_checkpoint(phase: str | None, model_tag: str | None, base_dir) -> str | None:
+    """`model_tag` (or, not given, the phase's default tag) when it has a checkpoint of `phase`."""
+    from nanochat.checkpoint import LATEST_NAME, CheckpointError, checkpoint_dir, find_model_tag
+    try:
+        tag = model_tag or (find_model_tag(phase, base_dir) if phase else None)
+    except CheckpointError:   # none, or several and no d<N>
+        return None
+    return tag if tag and (checkpoint_dir(phase, tag, base_dir) / LATEST_NAME).is_file() else None
+
+
+def epochs_of(num_iterations: int, rows_per_step: int, epoch_rows: float) -> float:
+    """Epochs of the mixture the run's rows are (a mixture packs into at least one row)."""
+    return num_iterations * rows_per_step / max(epoch_rows, 1.0)

@@ -12,8 +12,8 @@ default learning rates and schedule.
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -159,13 +159,17 @@ def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None
     except AmbiguousModelTag:   # checkpoints exist: the answer is --model-tag, not "create one"
         raise
     except CheckpointError as e:
-        tag_text = model_tag or "<tag>"
+        from nanochat.chat_flags import MADE_FROM, tag_with_checkpoint   # it imports this module
+        # "<tag>" sent a user whose base (or mid) model has a tag looking for one: the tag it has
+        tag_text = model_tag or tag_with_checkpoint(MADE_FROM.get(source), None, base_dir) or "<tag>"
         # mid_train takes --source base only: "or pick another --source" sent its user looking for one
         others = [s for s in _STAGE_SOURCES.get(stage, ()) if s != source]
+        there = [f"{s}/{t}" for s in others if (t := tag_with_checkpoint(s, model_tag, base_dir))]
         raise CheckpointError(
             f"{flag} {source}: {stage} starts from a {source} checkpoint, and none was found ({e}); create it "
             f"with `{HOW_TO_MAKE[source].format(tag=tag_text)}`" + (
-                f", or pick another {flag}" + (f" ({'|'.join(others)})" if others else "")
+                f", or pick another {flag}" + (f" ({'|'.join(others)}" + (f": {', '.join(there)} is there" if there
+                                                                         else "") + ")" if others else "")
                 if flag == "--source" and (others or stage not in _STAGE_SOURCES) else "")) from None
     return tag, ckpt_dir
 
@@ -449,11 +453,15 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
-    from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, epoch_iterations, validation_overlap
+    from nanochat.chat_data import (ChatLoader, build_mixture, check_replies_fit, epoch_iterations, estimate_epoch_rows,
+                                    validation_overlap)
+    from nanochat.chat_flags import (describe_epochs, epochs_of, next_commands, print_banner,   # it imports this module
+                                     resume_command)
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, planned_saves, save_checkpoint,
                                      step_dirname)
     from nanochat.kernels import check_kernel
-    from nanochat.loop import LoopSpec, log_stage_report, resume_loop_state, run_training_loop
+    from nanochat.loop import SETUP_STAGE_ENV, LoopSpec, StopRequested, log_stage_report, resume_loop_state, \
+        run_training_loop
     from nanochat.optim import build_optimizer
     from nanochat.resume_checks import check_resume_step, say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
@@ -482,9 +490,10 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                                                                             len(train_mix))
     earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None
 
-    # ---- one epoch of the mixture = -1 iterations ----
-    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_iterations(
-        train_mix, tokenizer, seq_len, plan.total_batch_size, mask=stage.mask, fill=stage.fill)
+    # ---- one epoch of the mixture = -1 iterations (its rows kept for the banner's epoch count) ----
+    epoch_rows = estimate_epoch_rows(train_mix, tokenizer, seq_len, mask=stage.mask, fill=stage.fill)
+    epoch_steps = epoch_iterations(epoch_rows, plan.total_batch_size, seq_len)
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_steps
     if resume is not None:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
         saved_cfg = {**(resume["meta"].get("config") or {}),
@@ -530,22 +539,12 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
-    print0(f"{stage.title}: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk})")
-    if cfg.total_batch_size == -1:
-        print0(f"  --total-batch-size -1: the {stage.name} step of {stage.step_text(plan.total_batch_size, seq_len)} "
-               "on any number of GPUs")
-    print0(f"  {plan.describe()}; {num_iterations} iterations; mixture of {len(train_mix):,} conversations "
-           f"(mask {stage.mask}, fill {stage.fill}); lr x {cfg.init_lr_frac}; "
-           + (f"eval every {cfg.eval_every} ({eval_steps} batches)" if cfg.eval_every > 0 else "eval off") +
-           f"; device {rt.device} ({device_name}, {rt.dtype_name})")
-    for path, count in Counter(cfg.extra_conversations).items():
-        n = next(f["conversations"] for f in mixture["extra_conversations"] if f["path"] == path)
-        print0(f"  --extra-conversations {path}: {n:,} conversation{'s' if n != 1 else ''}"
-               + (f", mixed in {count}x" if count > 1 else ""))
-    if not cfg.identity:
-        print0("  --no-identity: without the built-in identity conversations")
-    elif cfg.identity != IDENTITY_NAME:
-        print0(f"  --identity {cfg.identity}: the identity conversations name the model {cfg.identity}")
+    epochs = epochs_of(num_iterations, plan.total_batch_size // seq_len, epoch_rows)
+    print_banner(cfg, stage, rt, source=source, tag=tag, ckpt_dir=ckpt_dir, disk=disk, plan=plan, train_mix=train_mix,
+                 mixture=mixture, seq_len=seq_len, compile_model=compile_model, device_name=device_name,
+                 resumed_at=resume["step"] if resume is not None else None,
+                 iterations=describe_epochs(num_iterations, cfg.num_iterations, epoch_steps, epochs),
+                 evals=f"eval every {cfg.eval_every} ({eval_steps} batches)" if cfg.eval_every > 0 else "eval off")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 
@@ -563,6 +562,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
             earlier.settle(rt.is_master)
         meta = {"phase": stage.name, "model_tag": tag, "model_config": asdict(model.config), "train": train_meta,
                 "config": asdict(cfg), "source": source, "val_bpb": loop_state["val_bpb"],
+                "val_bpb_step": loop_state.get("val_bpb_step"),   # an earlier step's when this one did not evaluate
                 "tokenizer_fingerprint": tokenizer.fingerprint, "device_name": device_name}
         return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
                                loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
@@ -571,7 +571,12 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
                     model_tag=tag)
-    result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
+    try:
+        result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
+    except StopRequested as e:   # "continue with --resume latest": the whole command (--overwrite would be refused)
+        if os.environ.get(SETUP_STAGE_ENV):   # setup.sh's rerun continues it, with setup.sh's flags
+            raise
+        raise StopRequested(f"{e}: {resume_command(stage, cfg, tag, rt.world_size)}", e.exit_code - 128) from None
     # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
     # as of the batches trained: the loader has read one more (the trainer's prefetch) past the last step
     done = trainer.loader_state()
@@ -582,12 +587,15 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     skipped, truncated, real, total = (int(v) for v in counts.tolist())
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
-               "avg_tok_per_sec": meter.average_tok_per_sec(),
+               "avg_tok_per_sec": meter.average_tok_per_sec(), "epochs": float(f"{epochs:.4g}"),
                "row_fill": round(real / total, 4) if total else 0.0, "conversations_skipped": skipped,
                "conversations_truncated": truncated,
                "conversations_decontaminated": sum(mixture["decontaminated"].values()),
                "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
     print0("done: " + json.dumps(summary))
+    if not os.environ.get(SETUP_STAGE_ENV):   # setup.sh runs the next stage itself
+        for what, command in next_commands(stage, cfg, tag, rt.world_size):
+            print0(f"next, {what}: {command}")
     log_stage_report(stage.title, stage.name, config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, **summary, "source": source}, is_master=rt.is_master)
     tracker.finish()

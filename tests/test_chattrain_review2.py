@@ -113,4 +113,5 @@ def test_help_says_what_one_epoch_does_with_the_last_partial_step(capsys):
             parse(["--help"])
         assert re.search(want, " ".join(capsys.readouterr().out.split()))
     from nanochat.chat_data import epoch_iterations
-    assert epoch_iterations.__doc__ and "rounded up" in epoch_iterations.__doc__
+    assert epoch_iterations(8.0, 4 * 64, 64) == 2 and epoch_iterations(8.5, 4 * 64, 64) == 3   # rounded up
+    assert epoch_iterations(0.0, 4 * 64, 64) == 1
