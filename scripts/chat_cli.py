@@ -119,57 +119,20 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def check_decode_device(args: argparse.Namespace, device) -> None:
-    """--decode graphs and --graph-step persistent (which only static and graphs decoding run) need
-    a CUDA device: said once the runtime has its device, before the model loads (the Engine says it
-    after loading)."""
-    from nanochat.errors import RequestError
+    """--decode graphs and --graph-step persistent need a CUDA device: said before the model loads
+    (nanochat/model_choice.py, shared with chat_web)."""
+    from nanochat.model_choice import check_decode_device as check
 
-    if device.type == "cuda":
-        return
-    if args.decode == "graphs":
-        raise RequestError(f"--decode: 'graphs' needs a CUDA device, this run is on {device.type}; "
-                           "accepted here: auto|eager|compile|static")
-    if args.graph_step == "persistent" and args.decode == "static":
-        raise RequestError(f"--graph-step: 'persistent' needs a CUDA device, this run is on {device.type}; "
-                           "accepted here: auto|compiled|eager")
+    check(args.decode, args.graph_step, device)
 
 
 def check_checkpoint(args: argparse.Namespace) -> None:
     """The checkpoint -i, -g and -s name is on disk: if not, a RequestError naming the flag and what
-    there is instead, before a runtime starts and the model loads (a missing --step said "no
-    checkpoint for step 99 in ...", a phase with none "no rl checkpoints under ...": no flag named)."""
-    from nanochat.checkpoint import (AmbiguousModelTag, CheckpointError, check_model_tag_exists, checkpoint_dir,
-                                     find_model_tag, read_meta)
-    from nanochat.checkpoint_io import list_steps, step_dirname
-    from nanochat.errors import RequestError
+    there is instead, before a runtime starts and the model loads (nanochat/model_choice.py, shared
+    with chat_web)."""
+    from nanochat.model_choice import check_checkpoint as check
 
-    def no_model(source: str) -> CheckpointError | None:   # what find_model_tag says when `source` has none
-        try:
-            find_model_tag(source)
-        except AmbiguousModelTag:   # several tags: there are models
-            return None
-        except CheckpointError as e:
-            return e
-        return None
-
-    missing = no_model(args.source)
-    if missing is not None:
-        others = "|".join(s for s in SOURCES if s != args.source and no_model(s) is None)
-        if others:   # (on a fresh machine load_model says it all: where it looked, how to train one)
-            raise RequestError(f"{missing}, or pick another -i/--source: {others}")
-        return
-    check_model_tag_exists(args.source, args.model_tag)
-    if args.step == "latest":   # load_model's own message names latest.json and the steps there are
-        return
-    ckpt_dir = checkpoint_dir(args.source, args.model_tag or find_model_tag(args.source))
-    try:   # the meta alone (a small JSON), read as load_model reads it (which restores a step a re-save moved)
-        read_meta(ckpt_dir, args.step)
-    except CheckpointError:
-        if (ckpt_dir / step_dirname(int(args.step))).is_dir():   # there, but broken: its own message says how
-            raise
-        steps = "|".join(map(str, list_steps(ckpt_dir))) or "none"
-        raise RequestError(f"-s/--step: got {args.step}; accepted: latest or a step on disk: {steps} "
-                           f"(in {ckpt_dir})") from None
+    check(args.source, args.model_tag, args.step, SOURCES)
 
 
 def render_prompt(tokenizer, messages: list[dict], plain: bool = False) -> list[int]:

@@ -16,9 +16,16 @@ On a loopback bind it answers only requests addressed to localhost / 127.0.0.1 /
 --allowed-host names), so a web page cannot reach it through DNS rebinding; POST bodies must be
 JSON; other web origins may call the API only when listed with --cors-origin.
 
-Ctrl-C or SIGTERM shuts it down in order (exit code 0): new and queued requests are answered with a
-503 `server_shutting_down` at once, answers in progress get GRACE_S - STOP_EARLY_S seconds to
-finish, then are stopped and end with that error (a stream: an error event and [DONE]).
+Before the model loads it checks every flag, that it can listen on --host/--port, and that -i/-g/-s
+name a checkpoint on disk (else: one line naming the flag and what there is). The banner says what
+each `auto` chose (device, dtype, decode, graph step) and the URL to open. At --log-level info (the
+default) it logs one line per request as the answer ends: status, duration, time to the first token,
+finish reasons, tokens (nanochat/serve_lifecycle.py's RequestLog).
+
+Ctrl-C, SIGTERM or SIGHUP (its terminal closed; output then goes to <base dir>/hangup.log) shuts it
+down in order (exit code 0): new and queued requests are answered with a 503 `server_shutting_down`
+at once, answers in progress get GRACE_S - STOP_EARLY_S seconds to finish, then are stopped and end
+with that error (a stream: an error event and [DONE]).
 """
 
 from __future__ import annotations
@@ -30,10 +37,10 @@ import re
 import sys
 
 from nanochat.flags import FlagParser
-from nanochat.serve_lifecycle import GRACE_S, check_port_free, run_server   # tests set chat_web.GRACE_S
+from nanochat.model_choice import SOURCES, check_checkpoint, check_decode_device
+from nanochat.serve_lifecycle import GRACE_S, browse_urls, check_port_free, run_server  # tests set chat_web.GRACE_S
 from nanochat.server import ServerSettings
 
-SOURCES = ("sft", "rl", "mid", "base")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")   # the names a loopback-bound server answers to
 # uvicorn's log levels (a name it does not know was a KeyError traceback after the model had loaded)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -46,13 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     # FlagParser: a bad flag is one line naming it (script_main); it accepts --a_b for every --a-b
     p = FlagParser(prog="python -m scripts.chat_web", description=__doc__.split("\n\n")[0],
                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-i", "--source", default="sft", help="checkpoint phase: sft|rl|mid|base")
-    p.add_argument("-g", "--model-tag", dest="model_tag", default=None)
-    p.add_argument("-s", "--step", default="latest")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
-    p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
+    p.add_argument("-i", "--source", default="sft",
+                   help=f"checkpoint phase: {'|'.join(SOURCES)} (default: %(default)s)")
+    p.add_argument("-g", "--model-tag", dest="model_tag", default=None,
+                   help="model tag, e.g. d20 (default: the phase's only tag, or its deepest d<N>)")
+    p.add_argument("-s", "--step", default="latest", help="checkpoint step (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps (default auto: cuda, else mps, else cpu; "
+                   "the banner says which)")
+    p.add_argument("--dtype", default="auto", help="auto|bf16|fp32 (default auto: bf16 on a bf16-capable GPU, "
+                   "else fp32; the banner says which)")
     p.add_argument("--num-gpus", dest="num_gpus", type=int, default=1,
-                   help="CUDA replicas, one per GPU (CPU/MPS: always 1)")
+                   help="CUDA replicas, one per GPU (CPU/MPS: always 1; default: %(default)s)")
     p.add_argument("--decode", default="auto", help="auto|eager|compile|static|graphs (auto: CUDA-graph decode on CUDA, eager elsewhere; with "
                    "--batch-slots > 1 the batched steps run as graphs where the engine captures, else as fixed-shape "
                    "static steps: the banner's decode=)")
@@ -64,9 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "reads, for memory-bound GPUs such as the DGX Spark")
     p.add_argument("--batch-slots", dest="batch_slots", type=int, default=8,
                    help="requests decoded together per replica (continuous batching, nanochat/batching.py); "
-                        "1 = one request at a time; otherwise at least --max-n")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+                        "1 = one request at a time; otherwise at least --max-n (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 or '::' = every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
                    metavar="NAME", help="also answer requests whose Host header names NAME (repeatable; e.g. a "
                    "reverse proxy's name). A loopback --host answers only localhost/127.0.0.1/::1 otherwise "
@@ -75,24 +87,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cors-origin", dest="cors_origins", action="append", default=[],
                    metavar="ORIGIN", help="let web pages of ORIGIN (exact, e.g. http://localhost:3000) call "
                    "the API cross-origin (repeatable; default: no cross-origin access)")
-    p.add_argument("--api-key", dest="api_key", default=os.environ.get("NANOCHAT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on the API (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--api-key", dest="api_key", default=None,   # $NANOCHAT_API_KEY below: --help must not show it
+                   help="require 'Authorization: Bearer KEY' on the API, KEY at least 8 printable ASCII "
+                        "characters (default: $NANOCHAT_API_KEY, else no key)")
     p.add_argument("--model-name", dest="model_name", default=None,
                    help="the model id reported by the API (default: nanochat-<source>-<tag>)")
-    p.add_argument("-t", "--temperature", type=float, default=d.default_temperature, help="default temperature")
-    p.add_argument("-k", "--top-k", dest="top_k", type=int, default=d.default_top_k, help="default top-k")
+    p.add_argument("-t", "--temperature", type=float, default=d.default_temperature,
+                   help="temperature of a request that sets none (default: %(default)s)")
+    p.add_argument("-k", "--top-k", dest="top_k", type=int, default=d.default_top_k,
+                   help="top-k of a request that sets none; 0 = off (default: %(default)s)")
     p.add_argument("-m", "--max-tokens", dest="max_tokens", type=int, default=d.default_max_tokens,
-                   help="default max_tokens of a reply")
+                   help="max_tokens of a request that sets none (default: %(default)s)")
     limits = p.add_argument_group("limits (each violation is a 4xx error)")
     for name in LIMITS:
-        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name))
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(d, name),
+                            help="(default: %(default)s)")
     limits.add_argument("--max-concurrent-per-client", dest="max_concurrent_per_client",
                         type=int, default=None, help="concurrent requests per client address (default: the "
                         "number of batch slots x replicas, at least 4, so one client can use every slot)")
     limits.add_argument("--max-temperature", dest="max_temperature", type=float,
-                        default=d.max_temperature)
-    p.add_argument("--log-level", dest="log_level", default="info", help="|".join(LOG_LEVELS))
-    return p.parse_args(argv)
+                        default=d.max_temperature, help="(default: %(default)s)")
+    p.add_argument("--log-level", dest="log_level", default="info",
+                   help=f"{'|'.join(LOG_LEVELS)}; info logs one line per request (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("NANOCHAT_API_KEY") or None
+    return args
 
 
 def is_loopback(host: str) -> bool:
@@ -180,6 +200,7 @@ def load_replicas(args) -> tuple[list, dict]:
     from nanochat.server import replica_workers
 
     rt = init_runtime(args.device, args.dtype)
+    check_decode_device(args.decode, args.graph_step, rt.device)   # was a traceback once the model had loaded
     if rt.device_type == "cuda":
         if args.num_gpus > torch.cuda.device_count():   # RequestError: one line (script_main), not a traceback
             raise RequestError(f"--num-gpus: got {args.num_gpus}; this machine has {torch.cuda.device_count()} "
@@ -204,14 +225,17 @@ def load_replicas(args) -> tuple[list, dict]:
             model = model.to(rt.dtype)
         engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
         replica = replica_workers(engine, str(device), args.batch_slots)
+        mode = replica[0].engine.decode_mode
+        if mode != "eager":   # a first start compiles kernels: minutes of silence on a GPU otherwise
+            print(f"warming up the decode step on {device} (decode={mode}; a machine's first start compiles "
+                  "kernels, which can take minutes)...", flush=True)
         warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's
         workers += replica
-        mode = replica[0].engine.decode_mode
         graph_step = f", graph step {engine.graph_step}" if mode in ("static", "graphs") else ""
         batching = f", {args.batch_slots} batch slots" if args.batch_slots > 1 else ", one request at a time"
         weights = "" if args.quantize == "none" else f", {args.quantize} weights"
-        print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} "
-              f"(decode={mode}{graph_step}{batching}{weights}, warm-up {warm:.1f} s)")
+        print(f"loaded {args.source}/{args.model_tag} step {meta.get('step')} on {device} ({rt.dtype_name}, "
+              f"decode={mode}{graph_step}{batching}{weights}, warm-up {warm:.1f} s)")
         if engine.graph_step_note:
             print(f"  {engine.graph_step_note}")
     return workers, meta
@@ -220,27 +244,28 @@ def load_replicas(args) -> tuple[list, dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     validate(args)
-    if not is_loopback(args.host):
-        auth = "API key required" if args.api_key else "NO API KEY: anyone who can reach it can use it (--api-key)"
-        print(f"WARNING: binding {args.host}:{args.port} makes the server reachable from the network; {auth}",
-              file=sys.stderr)
     settings = settings_from_args(args, args.model_name or "pending")
 
     from nanochat.chat_api import default_per_client
-    from nanochat.http_guard import server_url
     from nanochat.server import WorkerPool, create_app
-    from nanochat.checkpoint import check_model_tag_exists
 
-    # a --model-tag with no checkpoints: named with the tags there are (was "latest.json missing")
-    check_model_tag_exists(args.source, args.model_tag)
     check_port_free(args.host, args.port)
+    # -i / -g / -s against the checkpoints on disk, naming the flag and what there is (as chat_cli)
+    check_checkpoint(args.source, args.model_tag, args.step)
+    if not is_loopback(args.host):   # after the checks: an --host that cannot be bound is not "reachable"
+        auth = "API key required" if args.api_key else "NO API KEY: anyone who can reach it can use it (--api-key)"
+        print(f"WARNING: binding {args.host}:{args.port} makes the server reachable from the network; {auth}",
+              file=sys.stderr)
     workers, meta = load_replicas(args)
     settings.model_name = args.model_name or f"nanochat-{args.source}-{args.model_tag}"
     app = create_app(WorkerPool(workers), settings)
     replicas = len({id(w.engine) for w in workers})
     per_client = settings.max_concurrent_per_client or default_per_client(len(workers))  # what create_app uses
-    print(f"serving {settings.model_name} on {server_url(args.host, args.port)} ({replicas} replica(s), "
+    urls = browse_urls(args.host, args.port)
+    print(f"serving {settings.model_name} on {urls[0]} ({replicas} replica(s), "
           f"{len(workers)} generation slot(s), up to {per_client} concurrent request(s) per client)")
+    if len(urls) > 1:   # a wildcard bind: http://0.0.0.0:8000 is no address to open (and not in every browser)
+        print(f"  from other machines: {urls[1]}")
     run_server(app, args.host, args.port, args.log_level, grace_s=GRACE_S)
     return 0
 
