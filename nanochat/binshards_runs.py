@@ -21,7 +21,7 @@ shards match the text shards by name).
 
 `split_paths` is the train/val split of a finished directory (the last shard is val).
 
-One run at a time: `run_lock` holds a flock on `.pretokenize.lock` in the directory while a run
+One run at a time: `run_lock` holds a record lock (lockf) on `.pretokenize.lock` in the directory while a run
 writes it (a second run into the same --out is refused, naming the first: two would delete each
 other's "stray" shards and lose each other's records). Each shard's sha256 is recorded as it lands
 (`bin_sha256`, the file's plain sha256, so `sha256sum` agrees); `verify` reads every shard whole
@@ -373,10 +373,12 @@ def _lock_holder(path: Path) -> str:
 
 @contextlib.contextmanager
 def run_lock(bin_dir: str | Path) -> Iterator[None]:
-    """Hold bin_dir's pretokenize lock (a flock on LOCK_NAME, which the kernel drops when the process
-    dies: nothing stale after a kill) for the block, with who holds it written into the file. A
-    directory another run holds is a RequestError naming that run. A file system without flock
-    goes on unlocked, with a warning."""
+    """Hold bin_dir's pretokenize lock (a POSIX record lock on LOCK_NAME, which the kernel drops when
+    the process dies: nothing stale after a kill) for the block, with who holds it written into the
+    file. A record lock, not flock: a flock belongs to the open file, which forked pool workers share,
+    so after a kill -9 of the run the lock lived on in its orphaned workers. A directory another run
+    holds is a RequestError naming that run. A file system without locks goes on unlocked, with a
+    warning. (This process must not open and close LOCK_NAME meanwhile: that drops a record lock.)"""
     import fcntl
 
     bin_dir = Path(bin_dir)
@@ -385,10 +387,10 @@ def run_lock(bin_dir: str | Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                print(f"WARNING: {bin_dir}: this file system has no flock; going on without the "
+                print(f"WARNING: {bin_dir}: this file system has no file locks; going on without the "
                       "one-pretokenize-run-per-directory check", file=sys.stderr)
             else:
                 raise RequestError(

@@ -405,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _fill(args)
     except ValueError as e:   # setup.sh's data stage passes no --out: say what its user can change
-        if args.out is None and str(e).startswith("--out: "):
-            raise ValueError(f"{e} (--out defaults to base_data/ in the base dir: under ./setup.sh, move those "
-                             "files away or pass another --base-dir)") from None
+        if args.out is None and str(e).startswith("--out: "):   # the same error (its type kept), said more
+            e.args = (f"{e} (--out defaults to base_data/ in the base dir: under ./setup.sh, move those files "
+                      "away or pass another --base-dir)",)
         raise
 
 

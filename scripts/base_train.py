@@ -333,9 +333,13 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # split is checked now, and each evaluation rewinds this loader: the kind the train loader reads
     # and the shards listed now, so a pretokenize run during training (its directory unfinished, then
     # one shard more: the last one, val, another) cannot fail an evaluation or move val mid-run
-    val_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
+    def open_val():
+        loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
                             source=train_loader.source_kind, **loader_kwargs)
-    val_loader.close()
+        loader.close()
+        return loader
+
+    val_loader = open_val()
 
     # ---- model shape (meta device: no memory, no init yet) ----
     def config_at(depth: int):
@@ -370,6 +374,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         check_resume_step(resume["step"], num_iterations, ckpt_dir)
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])
+            if val_loader.source_kind != train_loader.source_kind:   # it went back to the checkpoint's kind
+                val_loader = open_val()
 
     # ---- recipe: LRs, weight decay and schedules for this batch and horizon (nanochat/recipe.py) ----
     cfg.recipe = recipe_for_resume(cfg.recipe, resume["meta"].get("config", {}) if resume is not None else None)

@@ -171,15 +171,6 @@ def fit_conversation(engine, tokenizer, messages: list[dict], plain: bool = Fals
         raise
 
 
-class Stopped(KeyboardInterrupt):
-    """Ctrl-C in an answer (still a KeyboardInterrupt: -p exits 130): `message` is the partial reply
-    as a message, None when nothing readable was written yet."""
-
-    def __init__(self, message: dict | None):
-        super().__init__()
-        self.message = message
-
-
 def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full_hint: str = "",
            plain: bool = False) -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
@@ -218,8 +209,12 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     except KeyboardInterrupt:   # end the cut-off line: what follows (the prompt, a message) starts on its own
         out.write("\n")
         out.flush()
-        raise Stopped({"role": "assistant", "content": assistant_parts(tokenizer, generated)}
-                      if "".join(shown).strip() else None) from None
+        # a plain KeyboardInterrupt (a subclass uncaught exits 1, not 130: -p's status), carrying the
+        # partial reply as a message (None: nothing readable yet), which the interactive loop keeps
+        stop = KeyboardInterrupt()
+        stop.message = ({"role": "assistant", "content": assistant_parts(tokenizer, generated)}
+                        if "".join(shown).strip() else None)
+        raise stop from None
     shown.append(stream.finish())
     out.write(show(shown[-1]) + "\n")
     if stopped and not "".join(shown).strip():   # a blank line alone (exit 0 for -p) read as a hang or a bug

@@ -25,7 +25,7 @@ naming both numbers. A split (train = all but the last text shard, val = the las
 non-empty document is a MissingDataError: before any work when the footers show it, else after
 tokenizing, the directory then left unfinished.
 
-One run per output directory at a time (a flock, nanochat/binshards_runs.py: a second run is
+One run per output directory at a time (a record lock, nanochat/binshards_runs.py: a second run is
 refused naming the first). It says up front whether it resumes an unfinished run, tops up a
 finished one or has nothing to do (then the directory stays finished throughout: a training run
 opening it meanwhile is not refused). A failed write (a full disk) is one line naming the shard,
@@ -291,14 +291,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, tokenizer=None) -> int:
     args = parse(argv)
     data_dir = args.data_dir or ds.default_data_dir()
-    out_dir = check_out_dir(args.out or bs.default_bin_dir(data_dir))
+    out_dir = args.out or bs.default_bin_dir(data_dir)
+    if args.verify:   # it writes nothing: shards on a read-only mount can be verified (no writable --out check)
+        n = runs.verify(Path(out_dir), data_dir)
+        print(f"{out_dir}: all {n} binary shards verified")
+        return 0
+    out_dir = check_out_dir(out_dir)
     if os.path.realpath(out_dir) == os.path.realpath(data_dir):   # the .bin files among the text shards
         raise RequestError(f"--out: got {out_dir}, the text shard directory (--data-dir) itself; accepted: "
                            f"another directory (default: {bs.default_bin_dir(data_dir)}, where training looks)")
-    if args.verify:
-        n = runs.verify(out_dir, data_dir)
-        print(f"{out_dir}: all {n} binary shards verified")
-        return 0
     shards = ds.list_shards(data_dir)
     ds.split_shards(shards, "val")   # one shard: training would refuse the result (no train + val split)
     if tokenizer is None:

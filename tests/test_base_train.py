@@ -594,3 +594,30 @@ def test_emulated_nvfp4_utilisation_is_labelled_by_the_matmuls_it_runs(env, caps
                          "--eval-every", "-1", "--model-tag", "emu"])
     steps = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 0000") and "| loss" in ln]
     assert steps and all("util(bf16)" in ln for ln in steps), steps
+
+
+def test_a_resume_back_onto_text_shards_evaluates_on_text_too(env, base_dir, tiny_corpus, tmp_path, monkeypatch):
+    """A run started on text shards and pretokenized since resumes on the text shards (its exact
+    stream); its val loader, built before the resume from the kind found then (binary), read the
+    binary val shard: on several ranks each rank other documents than the run had evaluated on."""
+    import shutil
+
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_tokenizer
+    from scripts import pretokenize as pt
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_corpus, data)
+    flags = TINY + ["--data-dir", str(data), "--num-iterations", "2", "--save-every", "1", "--eval-every", "1",
+                    "--eval-tokens", "512", "--model-tag", "kinds"]
+    _train(flags)
+    pt.pretokenize(sorted(data.glob("*.parquet")), data.parent / "data_tokens", get_tokenizer(base_dir),
+                   log=lambda *a: None)
+    kinds, rewind = [], DataLoader.rewind
+    monkeypatch.setattr(DataLoader, "rewind", lambda self: (kinds.append((self.split, self.source_kind)),
+                                                            rewind(self))[1])
+    _train(flags[:flags.index("--num-iterations")] + ["--data-dir", str(data), "--num-iterations", "3",
+                                                      "--save-every", "1", "--eval-every", "1",
+                                                      "--eval-tokens", "512", "--model-tag", "kinds",
+                                                      "--resume", "latest"])
+    assert kinds and set(kinds) == {("val", "text")}, kinds

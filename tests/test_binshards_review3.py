@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import signal
 import subprocess
@@ -49,18 +48,38 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(text_dir, tm
     one run's strays (another --data-dir's shards) were deleted by the other mid-run."""
     out = tmp_path / "bin"
     out.mkdir()
-    fd = os.open(out / ".pretokenize.lock", os.O_RDWR | os.O_CREAT)   # a run holding it: its flock
-    os.write(fd, b"pid 4242 on elsewhere: python -m scripts.pretokenize\n")
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = subprocess.Popen(   # a run holding it (another process: a process's own record locks never conflict)
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+         "os.write(fd, b'pid 4242 on elsewhere: python -m scripts.pretokenize\\n'); fcntl.lockf(fd, fcntl.LOCK_EX); "
+         "print('held', flush=True); sys.stdin.read()", str(out / runs.LOCK_NAME)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RequestError, match=r"--out: .* is being written by another pretokenize run \(pid 4242 "
                                                r"on elsewhere.*pass another --out"):
             pt.main(["--data-dir", str(text_dir), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer())
         assert not bs.list_bin_shards(out) and bs.read_meta(out) is None   # refused before anything changed
     finally:
-        os.close(fd)
+        holder.stdin.close()
+        holder.wait(timeout=30)
     assert pt.main(["--data-dir", str(text_dir), "--out", str(out), "--workers", "1"], tokenizer=ByteTokenizer()) == 0
     assert "pid " in (out / runs.LOCK_NAME).read_text()   # who holds it, for the next refusal
+
+
+def test_the_lock_dies_with_the_run_not_with_its_forked_workers(tmp_path):
+    """A flock belongs to the open file, which forked pool workers share: after a kill -9 of the
+    run, its orphaned workers (busy with their shards) kept the directory locked, and a rerun was
+    refused naming the dead run. A record lock is the process's own."""
+    out = tmp_path / "bin"
+    run = subprocess.run(
+        [sys.executable, "-c", "import os, sys, time; from nanochat import binshards_runs as runs\n"
+         "with runs.run_lock(sys.argv[1]):\n"
+         "    if os.fork() == 0:\n        time.sleep(5); os._exit(0)   # a worker, still busy\n"
+         "    os._exit(0)   # the run, killed", str(out)],
+        cwd=REPO, timeout=60)
+    assert run.returncode == 0
+    with runs.run_lock(out):   # the orphan still holds the inherited descriptor
+        pass
 
 
 def test_out_that_is_the_data_dir_is_refused(text_dir):
@@ -246,6 +265,12 @@ def test_verify_names_a_shard_with_a_flipped_token_bit(text_dir, tmp_path, capsy
     out = bs.default_bin_dir(text_dir)
     assert pt.main(["--data-dir", str(text_dir), "--workers", "1"], tokenizer=ByteTokenizer()) == 0
     assert set(bs.read_meta(out)["bin_sha256"]) == {"shard_00000.bin", "shard_00001.bin", "shard_00002.bin"}
+
+    def unwritable(d):   # shards on a read-only mount: --verify writes nothing, so it must not ask for writing
+        raise RequestError(f"--out: {d} is not writable")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pt, "check_out_dir", unwritable)
+        assert pt.main(["--data-dir", str(text_dir), "--verify"]) == 0
     victim = out / "shard_00001.bin"
     raw = bytearray(victim.read_bytes())
     sh = bs.BinShard(victim)

@@ -378,6 +378,7 @@ def test_answer_cut_off_by_ctrl_c_ends_its_line(chat_model):
         answer(scripted_engine(tok, plan, prompt), tok, prompt,
                SimpleNamespace(max_tokens=40, temperature=0.0, top_k=None, top_p=None), seed=0, out=out)
     assert out.buffer.getvalue() == tok.decode(words[:3]) + "\n"
+    assert type(stop.value) is KeyboardInterrupt   # uncaught, a subclass exits 1: -p must exit 130 as documented
     # the partial answer, which the interactive loop keeps in the conversation (as the chat page does)
     assert stop.value.message == {"role": "assistant", "content": [{"type": "text", "text": tok.decode(words[:3])}]}
 
