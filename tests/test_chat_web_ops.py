@@ -7,14 +7,10 @@ first token, finish, tokens; nanochat/serve_lifecycle.py's RequestLog) and a ter
 Ctrl-C / SIGTERM: tests/test_serve_shutdown.py; flag checks: tests/test_chat_web.py."""
 
 import logging
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import require_module
@@ -26,7 +22,7 @@ from nanochat.errors import RequestError  # noqa: E402
 from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, serve_in_thread  # noqa: E402
 from test_chat_web import USER, ScriptedEngine, free_port, wait_until  # noqa: E402
 from test_engine import tiny_chat_model  # noqa: E402
-from test_serve_shutdown import LAUNCH  # noqa: E402  (chat_web, its model slowed once loaded, GRACE_S 3)
+from test_serve_shutdown import launch_slowed  # noqa: E402  (chat_web, its model slowed once loaded)
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +145,9 @@ def test_sighup_shuts_down_in_order_and_exits_0(sft_checkpoint):
     stream in progress. Now it stops as SIGTERM does (the stream ends with the server_shutting_down
     event and [DONE], exit 0), its output moved to <base dir>/hangup.log as a training run's is.
     The request log (chat_web's default --log-level info) has one line per request."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--device", "cpu", "--port", str(port), "--max-n", "1"],
-                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, NANOCHAT_BASE_DIR=str(sft_checkpoint)))
-    url, events = f"http://127.0.0.1:{port}", []
+    proc, url = launch_slowed(sft_checkpoint, "--max-n", "1")
+    events = []
     try:
-        def up():
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_until(up, timeout=60), proc.poll()
         assert httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).status_code == 200
         body = {"messages": USER, "max_tokens": 200, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:

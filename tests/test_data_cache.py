@@ -21,18 +21,22 @@ def _mc(question):
     return {"question": question, "choices": ["a", "b", "c", "d"], "answer": 0}
 
 
-@pytest.fixture
-def eval_reads(monkeypatch):
-    """Paths read_jsonl (the eval-question reader) opened, from an empty _eval_questions cache."""
-    decontaminate._read_eval_questions.cache_clear()
-    opened = []
+def count_reads(monkeypatch, module, name: str) -> list[str]:
+    """The names of the files module.name (a reader taking a path) is called on, from now on."""
+    opened, real = [], getattr(module, name)
 
     def counting(path):
         opened.append(path.name)
         return real(path)
-    real = task_common.read_jsonl
-    monkeypatch.setattr(task_common, "read_jsonl", counting)
-    yield opened
+    monkeypatch.setattr(module, name, counting)
+    return opened
+
+
+@pytest.fixture
+def eval_reads(monkeypatch):
+    """Paths read_jsonl (the eval-question reader) opened, from an empty _eval_questions cache."""
+    decontaminate._read_eval_questions.cache_clear()
+    yield count_reads(monkeypatch, task_common, "read_jsonl")
     decontaminate._read_eval_questions.cache_clear()
 
 
@@ -110,13 +114,7 @@ def _hellaswag(i):
 def test_core_hellaswag_file_converted_once_for_both_tasks(tmp_path, monkeypatch):
     _jsonl(tmp_path / "hellaswag.jsonl", [_hellaswag(i) for i in range(12)])
     alone = core_data.load_core_data(tasks=["hellaswag"], data_dir=tmp_path).tasks[0][1]
-    reads = []
-
-    def counting(path):
-        reads.append(path.name)
-        return real(path)
-    real = core_data.read_jsonl_numbered
-    monkeypatch.setattr(core_data, "read_jsonl_numbered", counting)
+    reads = count_reads(monkeypatch, core_data, "read_jsonl_numbered")
     data = core_data.load_core_data(tasks=["hellaswag_zeroshot", "hellaswag"], data_dir=tmp_path)
     assert reads == ["hellaswag.jsonl"]
     (zs, zero_shot), (ten, ten_shot) = data.tasks

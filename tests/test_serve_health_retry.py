@@ -24,9 +24,9 @@ import test_serving_audit
 from conftest import require_module
 from test_browser import last_reply, load_page, q, send, streaming, wait
 from test_chat_web import USER, ScriptedEngine, wait_until
-from test_serving_audit import hold_scheduler, in_thread, static_engine
+from test_serving_audit import hold_scheduler, in_thread
 
-from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, replica_workers, serve_in_thread
+from nanochat.server import ServerSettings, Worker, WorkerPool, create_app, serve_in_thread
 
 httpx = require_module("httpx", "the dev extra: uv pip install -e '.[dev]'")
 
@@ -37,14 +37,7 @@ browser, chat = test_browser.browser, test_serving_audit.chat
 @pytest.fixture
 def batched4(chat):
     """(url, engine, batched): a live server over one replica of 4 batch slots (the tiny model)."""
-    model, tok = chat
-    engine = static_engine(model, tok)
-    workers = replica_workers(engine, "cpu", 4)
-    server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(
-        model_name="tiny", max_concurrent_per_client=10)))
-    yield url, engine, workers[0].engine
-    server.should_exit = True
-    server.thread.join(timeout=10)
+    yield from test_serving_audit.serve_batched(chat, 4)
 
 
 def test_health_counts_free_generation_rows_not_idle_workers(batched4):

@@ -144,24 +144,33 @@ script_main("chat_web", lambda: None, lambda: chat_web.main(sys.argv[1:]))
 """
 
 
+def launch_slowed(base_dir, *flags) -> tuple[subprocess.Popen, str]:
+    """chat_web (LAUNCH: its model slowed once loaded, GRACE_S 3) on the CPU over `base_dir`, started
+    and answering /health; returns the process (stdout and stderr merged, text) and its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--device", "cpu", "--port", str(port), *flags],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, NANOCHAT_BASE_DIR=str(base_dir)))
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(url + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+    if not wait_until(up, timeout=60):
+        proc.kill()
+        raise AssertionError(f"chat_web did not start: {proc.communicate()[0][-2000:]}")
+    return proc, url
+
+
 def test_chat_web_sigterm_ends_every_answer_properly_and_exits_0(sft_checkpoint):
     """2 batch slots: two answers running (a stream, a non-streamed one), two queued (idem). On
     SIGTERM the queued ones get their 503 at once, the running ones stream on, then end with the
     error STOP_EARLY_S before the grace period ends; the process exits 0 soon after."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--device", "cpu", "--port", str(port),
-                             "--batch-slots", "2", "--max-n", "1", "--log-level", "warning"],
-                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, NANOCHAT_BASE_DIR=str(sft_checkpoint)))
-    url, out = f"http://127.0.0.1:{port}", {}
+    proc, url = launch_slowed(sft_checkpoint, "--batch-slots", "2", "--max-n", "1", "--log-level", "warning")
+    out = {}
     try:
-        def up():
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_until(up, timeout=60), proc.poll()
         body = {"messages": USER, "max_tokens": 200, "temperature": 0}
         threads = [_start(_stream, url, body, out, "running_stream"), _start(_post, url, body, out, "running")]
         assert wait_until(lambda: httpx.get(url + "/health").json()["available"] == 0)

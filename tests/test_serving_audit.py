@@ -400,17 +400,23 @@ def test_a_dead_scheduler_reaches_its_callers_and_restarts(chat):
 
 # ------------------------------------------------------------------------------------ over HTTP
 
-@pytest.fixture
-def batched_server(chat):
-    """(url, engine, batched): a server over one replica of 2 batch slots (max_queue 1)."""
+def serve_batched(chat, slots: int, **settings):
+    """Yields (url, engine, batched): a live server over one replica of `slots` batch slots of the
+    tiny model (ServerSettings: model "tiny", 10 requests per client, then `settings`)."""
     model, tok = chat
     engine = static_engine(model, tok)
-    workers = replica_workers(engine, "cpu", 2)
+    workers = replica_workers(engine, "cpu", slots)
     server, url = serve_in_thread(create_app(WorkerPool(workers), ServerSettings(
-        model_name="tiny", max_queue=1, max_concurrent_per_client=10)))
+        model_name="tiny", max_concurrent_per_client=10, **settings)))
     yield url, engine, workers[0].engine
     server.should_exit = True
     server.thread.join(timeout=10)
+
+
+@pytest.fixture
+def batched_server(chat):
+    """(url, engine, batched): a server over one replica of 2 batch slots (max_queue 1)."""
+    yield from serve_batched(chat, 2, max_queue=1)
 
 
 def test_leaving_while_queued_in_the_batcher_frees_the_worker_and_stats_add_up(batched_server):
