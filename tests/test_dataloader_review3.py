@@ -99,10 +99,13 @@ def test_base_train_evaluates_on_the_kind_of_shards_it_trains_on(env, base_dir, 
             super().__init__(*args, **kw)
             made.append((args[3], kw.get("source", "auto"), self.source_kind))
 
+    rewound, rewind = [], dl.DataLoader.rewind   # each evaluation rewinds base_train's one val loader
+    monkeypatch.setattr(dl.DataLoader, "rewind", lambda self: (rewound.append(self.source_kind), rewind(self))[1])
     monkeypatch.setattr(dl, "DataLoader", Recording)
     base_train.main(["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32",
                      "--max-seq-len", "64", "--device-batch-size", "2", "--total-batch-size", "128",
                      "--window-pattern", "L", "--eval-every", "1", "--sample-every", "-1", "--eval-tokens", "128",
                      "--no-compile", "--num-iterations", "2", "--model-tag", "valkind", *env])
     vals = [m for m in made if m[0] == "val"]
-    assert len(vals) >= 2 and all(m == ("val", "text", "text") for m in vals), made
+    assert vals and all(m == ("val", "text", "text") for m in vals), made
+    assert len(rewound) >= 2 and set(rewound) == {"text"}, rewound

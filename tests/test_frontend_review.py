@@ -51,7 +51,8 @@ def test_chat_web_more_gpus_than_the_machine_has_is_one_line(monkeypatch):
     from nanochat.errors import RequestError
     from scripts import chat_web
 
-    monkeypatch.setattr("nanochat.common.init_runtime", lambda device, dtype: SimpleNamespace(device_type="cuda"))
+    monkeypatch.setattr("nanochat.common.init_runtime", lambda device, dtype: SimpleNamespace(device_type="cuda",
+                                                                                    device=torch.device("cuda")))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RequestError, match=r"^--num-gpus: got 8; this machine has 1 GPU\(s\)$"):
         chat_web.load_replicas(chat_web.parse_args(["--num-gpus", "8"]))
