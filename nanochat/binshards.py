@@ -331,14 +331,15 @@ def _text_dir_of(bin_dir: Path, meta: dict) -> str | Path:
 
 def recreate_advice(path: str | Path) -> str:
     """How to re-create the damaged binary shard at `path`: the command for ITS directory (a bare
-    `pretokenize --force` writes $NANOCHAT_BASE_DIR/base_data_tokens, not a --data-dir's shards)."""
+    `pretokenize` writes $NANOCHAT_BASE_DIR/base_data_tokens, not a --data-dir's shards), without
+    --force, which would re-tokenize every shard: a rerun makes only the missing one."""
     bin_dir = Path(path).parent
     try:
         meta = read_meta(bin_dir) or {}
     except DataError:  # a corrupt meta.json: the naming rule alone
         meta = {}
-    return (f"delete it and re-create it with `python -m scripts.pretokenize --force --data-dir "
-            f"{_text_dir_of(bin_dir, meta)} --out {bin_dir}`")
+    return (f"delete it, then re-create it with `python -m scripts.pretokenize --data-dir "
+            f"{_text_dir_of(bin_dir, meta)} --out {bin_dir}` (it makes only the missing shard)")
 
 
 def tokenize_text_shard(text_shard: str | Path, out_path: str | Path, tokenizer, *,

@@ -42,6 +42,7 @@ def _count_end(job: _Job, event: tuple) -> None:
     job.ended = True
     job.stats["completed" if event[0] == "done" else "errors"] += 1
     if event[0] == "done":
+        job.usage = event[2]
         job.stats["completion_tokens"] += event[2]["completion_tokens"]
 
 

@@ -25,6 +25,7 @@ import time
 
 GRACE_S = 5         # uvicorn's graceful shutdown: how long answers in progress get after Ctrl-C / SIGTERM
 STOP_EARLY_S = 1.0  # running generations are stopped this long before it ends, so each ends properly
+USAGE_SCOPE_KEY = "nanochat.usage"   # the server leaves a stream's token counts here for RequestLog
 
 
 def check_port_free(host: str, port: int, flag: str = "--host/--port") -> None:
@@ -138,8 +139,9 @@ class RequestLog:
         127.0.0.1:51242 - "POST /v1/chat/completions" 200 in 0.870 s (stream, first token 0.100 s): client left
 
     Read from the answer itself: finish reasons, the error code (a 4xx/5xx body, or a stream's error
-    event), the usage (prompt+completion tokens) of a non-streamed answer or of a stream that asked
-    for it (stream_options.include_usage). INFO; a 5xx or a stream ending in an error: WARNING; a
+    event), the usage (prompt+completion tokens) of a non-streamed answer, or of a stream (from its
+    last chunk when it asked for stream_options.include_usage, else as the server leaves it in the
+    request's scope under USAGE_SCOPE_KEY). INFO; a 5xx or a stream ending in an error: WARNING; a
     successful /health probe (a load balancer's, every few seconds): DEBUG."""
 
     def __init__(self, app, logger: logging.Logger | None = None):
@@ -159,6 +161,8 @@ class RequestLog:
             seen.failed = type(e).__name__
             raise
         finally:
+            if seen.usage is None and isinstance(scope.get(USAGE_SCOPE_KEY), dict):
+                seen.usage = scope[USAGE_SCOPE_KEY]
             self._log(scope, seen)
 
     def _log(self, scope, seen: _Answer) -> None:

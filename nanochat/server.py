@@ -59,6 +59,7 @@ from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_pe
                                parse_chat_request, prompt_messages)
 from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT
+from nanochat.serve_lifecycle import USAGE_SCOPE_KEY
 from nanochat.http_guard import HostGuard, csp, json_cors_middleware, read_json, require_json
 from nanochat.text_stream import TextStream
 from nanochat.worker_pool import Worker, WorkerPool, _ClientSlots, replica_workers  # noqa: F401 (the server's API)
@@ -85,6 +86,7 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.ended = False         # the request side read the final event ("done" / "error")
+        self.usage = None          # the "done" event's token counts, once the request side read it
         self._stop_engine = None   # the engine stream's cancel(), where it has one (BatchedEngine)
 
     def stop(self) -> None:
@@ -417,7 +419,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         args = (req, prompt, max_tokens, meta, acq)
         if req.stream:
             started = []
-            events = stream(*args, release, started)
+            events = stream(*args, release, started, request.scope)
             # a client gone before the response starts leaves the generator unstarted: its `finally`
             # never runs, so its place in line (or the worker it was given) is given back when the
             # generator object goes; a started one gives it back itself
@@ -431,7 +433,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             release()
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
-    async def stream(req: ChatRequest, prompt, max_tokens, meta, acq, release, started: list):
+    async def stream(req: ChatRequest, prompt, max_tokens, meta, acq, release, started: list, scope: dict):
         started.append(True)
         job, failed = None, False
         try:
@@ -449,6 +451,8 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
             async for event in _sse_events(job, meta):
                 yield event
         finally:
+            if job is not None and job.usage is not None:   # RequestLog's token count, include_usage or not
+                scope[USAGE_SCOPE_KEY] = job.usage
             live.discard(job)
             _release_unused(pool, acq, job, stats, failed)
             release()

@@ -122,7 +122,10 @@ def test_one_log_line_per_request_as_it_ends(chat_model, caplog):
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "max_tokens": 200}, timeout=30) as r:
             next(r.iter_lines())   # then leaves
         httpx.get(url + "/health")
-        assert wait_until(lambda: len(caplog.records) == 5)
+        plain = {"messages": USER, "max_tokens": 2, "stream": True}   # no include_usage: counted all the same
+        with httpx.stream("POST", url + "/v1/chat/completions", json=plain, timeout=30) as r:
+            r.read()
+        assert wait_until(lambda: len(caplog.records) == 6)
     finally:
         server.should_exit = True
         server.thread.join(timeout=10)
@@ -135,7 +138,10 @@ def test_one_log_line_per_request_as_it_ends(chat_model, caplog):
                 (logging.INFO, rf'"POST /v1/chat/completions" 200 {time_} \(stream, first token \d+\.\d{{3}} s\): '
                                r'length; \d+\+3 tokens$'),
                 (logging.INFO, rf'"POST /v1/chat/completions" 200 {time_} \(stream[^)]*\): client left$'),
-                (logging.DEBUG, rf'"GET /health" 200 {time_}$')]   # a load balancer's polling: not at INFO
+                (logging.DEBUG, rf'"GET /health" 200 {time_}$'),   # a load balancer's polling: not at INFO
+                (logging.INFO, rf'"POST /v1/chat/completions" 200 {time_} \(stream, first token \d+\.\d{{3}} s\): '
+                               r'length; \d+\+2 tokens$')]
+    assert len(lines) == len(expected), lines
     for (level, line), (want_level, pattern) in zip(lines, expected):
         assert level == want_level and re.search(r'^127\.0\.0\.1:\d+ - ' + pattern, line), (line, pattern)
 

@@ -83,7 +83,14 @@ def test_a_damaged_shards_advice_names_the_directories_to_recreate_it_in(tmp_pat
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(DataError, match="truncated or corrupt") as e:
         DataLoader(tok, 2, 16, "train", data_dir=data, source="bin")
-    assert f"`python -m scripts.pretokenize --force --data-dir {data} --out {out}`" in str(e.value)
+    command = f"python -m scripts.pretokenize --data-dir {data} --out {out}"
+    assert f"delete it, then re-create it with `{command}`" in str(e.value)
+    # the advice, followed: only the damaged shard is tokenized again (--force re-made every one)
+    other = (out / "shard_00001.bin").stat().st_mtime_ns
+    path.unlink()
+    assert pt.main(command.split()[3:] + ["--workers", "1"], tokenizer=tok) == 0
+    assert (out / "shard_00001.bin").stat().st_mtime_ns == other
+    assert DataLoader(tok, 2, 16, "train", data_dir=data, source="bin").source_kind == "bin"
 
 
 @pytest.mark.parametrize("value", ["", "  "])
