@@ -18,10 +18,12 @@ Three task types, all scored from one teacher-forced forward pass per sequence:
 
 Few-shot examples for item i are random.Random(seed + i).sample(<the evaluated items but i>, k),
 seed 1234; the task's items are shuffled with random.Random(1337) and cut to max_per_task first.
-Sequences longer than the model's sequence_len lose tokens from the left (an answer that does not
-fit on its own is scored on the part that does; a language-modeling one counts wrong). Accuracy is
-centered against the random baseline, (acc - b) / (1 - b), and CORE is the mean of the centered
-accuracies.
+Sequences longer than the model's sequence_len keep their BOS and lose the tokens after it (an
+answer that does not fit on its own is scored on the part that does; a language-modeling one counts
+wrong). Upstream's crop never runs for its GPT (it reads a `max_seq_len` that model lacks, and
+scores such sequences past sequence_len), so tasks this cuts (10-shot squad at 2048 tokens) differ
+from upstream's. Accuracy is centered against the random baseline, (acc - b) / (1 - b), and CORE is
+the mean of the centered accuracies.
 
 Data (nanochat/core_data.py): the DCLM bundle when present, else offline equivalents of 20 of the
 22 tasks with prompts of our own, comparable only with other offline runs.
@@ -123,21 +125,24 @@ def _scored_starts(task: CoreTask, fulls: list[list[int]], context_ids: list[int
 
 
 def _crop(ids: list[int], start: int, max_len: int) -> tuple[list[int], int, bool]:
-    """The newest max_len tokens of ids, where the scored ones start among them, and whether some
-    scored tokens were lost: the first one kept needs a token before it to be predicted from, so a
-    scored span of max_len tokens or more cannot fit whole."""
+    """ids[0] (the BOS) and the newest max_len - 1 tokens of ids, where the scored ones start among
+    them, and whether some scored tokens were lost (a scored span of max_len tokens or more cannot
+    fit whole). The BOS stays because every training row starts with one (BOS-aligned packing):
+    cropped to its newest max_len tokens, a sequence began mid-text with no BOS, a start the model
+    never saw, on most offline 10-shot squad items at 2048 tokens (chat_eval's prompts keep it too)."""
     if len(ids) <= max_len:
         return ids, start, False
-    cut = len(ids) - max_len
-    return ids[cut:], max(1, start - cut), start - cut < 1
+    cut = len(ids) - max_len   # ids[1: cut + 1] go
+    return ids[:1] + ids[cut + 1:], max(1, start - cut), start - cut < 1
 
 
 def tokenize_items(tokenizer, task: CoreTask, rendered: list[tuple[list[str], list[str]]],
                    max_len: int, answer_cut: list[bool] | None = None) -> list[list[tuple[list[int], int]]]:
     """Per item, (ids, start) per sequence: ids[start:] is scored (see _scored_starts); BOS first.
 
-    Too-long sequences lose tokens from the left: the context's first, then, only where the scored
-    tokens alone exceed max_len - 1, the scored span's own first tokens (only the rest is scored).
+    Too-long sequences keep their BOS and lose the tokens after it: the context's first, then, only
+    where the scored tokens alone exceed max_len - 1, the scored span's own first tokens (only the
+    rest is scored).
     `answer_cut`, when given, gets one bool per item: True where that happened to any of its
     sequences. All texts of all items go through the tokenizer in at most two batched calls.
     """

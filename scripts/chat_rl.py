@@ -211,7 +211,8 @@ def rl_schedule(num_iterations: int) -> Schedule:
 
 
 # what a checkpoint's loader position means: a count of problems of this task (--test-holdout,
-# --data-dir), in this order (--seed), taken this many at a time with this many samples each
+# --data-dir; file order, not shuffled), taken this many at a time with this many samples each;
+# --seed draws the rollouts (from seed, problem and position), so a resume that changed it would not be exact
 RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "seed": "--seed",
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
 
@@ -299,7 +300,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
     from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
-                                     model_from_meta, planned_saves, read_meta, save_checkpoint, step_dirname)
+                                     model_from_meta, planned_saves, read_meta, resolve_step, save_checkpoint,
+                                     step_dirname)
     from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
     from nanochat.resume_checks import check_resume_step, say_schedule_changes
     from nanochat.optim import build_optimizer
@@ -336,11 +338,13 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     # from meta.json's context, before any weights load
     context = _source_context(source)
     fit_notice = check_prompts_fit(task, get_tokenizer(base_dir), context, cfg.max_new_tokens) if context else None
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
     resume = None
     if resume_at is not None:
         # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
         # the checkpoint has no files for would fail alone while the others started fresh)
-        saved = read_meta(ckpt_dir, resume_at)
+        resume_step = resolve_step(ckpt_dir, resume_at)   # one step for every read (latest could move)
+        saved = read_meta(ckpt_dir, resume_step)
         why = resume_mismatch(saved, cfg, rt.world_size, get_tokenizer(base_dir).fingerprint,
                               training_source(task))
         if why is not None and cfg.resume != "auto":
@@ -351,7 +355,11 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         else:
             if "test_holdouts" in (saved.get("source") or {}):   # the weights descend from that run's source
                 eval_problems, eval_notice = eval_plan(cfg, len(eval_task), saved["source"])
-            resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
+            # a step past --num-iterations refused before the weights and optimizer state load (GBs)
+            check_resume_step(resume_step, num_iterations, ckpt_dir)   # the LR decays over this run's horizon:
+            say_schedule_changes({"num_iterations": (saved.get("train") or {}).get("num_iterations")},
+                                 {"num_iterations": num_iterations})
+            resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
         model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]), rt.device,
@@ -361,11 +369,6 @@ def train(cfg: ChatRLConfig, rt) -> dict:
         model, tokenizer, _ = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"],
                                          base_dir=base_dir, compute_dtype=rt.dtype, for_training=True)
     model.train()
-    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, len(task) // cfg.examples_per_step)
-    if resume is not None:
-        check_resume_step(resume["step"], num_iterations, ckpt_dir)   # the LR decays over this run's horizon:
-        say_schedule_changes({"num_iterations": (resume["meta"].get("train") or {}).get("num_iterations")},
-                             {"num_iterations": num_iterations})
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
     earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None

@@ -95,7 +95,7 @@ def test_long_contexts_lose_tokens_from_the_left_and_keep_the_continuation():
     ctx, cont = render_prompts(lm, {"context": context, "continuation": "end here"}, [])
     full = tok.encode(ctx[0] + cont[0], prepend=0)
     (ids, start), = tokenize_item(tok, lm, ctx, cont, 16)
-    assert len(full) > 16 and ids == full[-16:]                  # the newest 16 tokens, BOS dropped
+    assert len(full) > 16 and ids == full[:1] + full[-15:]       # BOS, then the newest 15 tokens
     assert tok.decode(ids[start:]) == " end here"
     mc = CoreTask("mc", "multiple_choice", 0, 0.5, " ")
     seqs = tokenize_item(tok, mc, [context] * 2, [" yes", " no way"], 10)
