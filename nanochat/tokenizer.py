@@ -9,9 +9,10 @@ On disk a tokenizer is a directory holding
                     "special_tokens" (names, in id order after the merges), "fingerprint"}
   token_bytes.pt   int32 tensor (vocab_size,): UTF-8 byte length of each token, 0 for special
                    tokens (bits-per-byte evaluation divides summed loss by summed bytes)
-Both are written to temp files first, then put in place with os.replace, so a failed save leaves
-the previous pair intact. The pickle is read with an unpickler that refuses every global, so a
-tampered file cannot run code; it holds only builtin types.
+Both are written to temp files first, then put in place with os.replace (their directory is then
+fsynced, so the new pair survives a power cut); a failed save leaves the previous pair intact. The
+pickle is read with an unpickler that refuses every global, so a tampered file cannot run code; it
+holds only builtin types.
 
 Ids: 0..255 are the raw bytes, then the merges in rank order, then SPECIAL_TOKENS in list order.
 Plain text never produces a special token: "<|bos|>" typed by a user encodes as ordinary bytes.
@@ -54,7 +55,7 @@ SPECIAL_TOKENS = [
     "<|assistant_end|>",
     "<|python_start|>",  # the assistant calls the calculator / python tool
     "<|python_end|>",
-    "<|output_start|>",  # the tool's output, written by the engine, never trained on
+    "<|output_start|>",  # the tool's output, forced in by the engine: mask 0 (mid_train's mask=all trains it)
     "<|output_end|>",
 ]
 
@@ -247,7 +248,8 @@ class Tokenizer:
         """Train on `texts` (streamed; never held in memory at once). `vocab_size` counts the 256
         byte tokens, the merges and the special tokens. `threads`: 1..MAX_TRAIN_THREADS rustbpe
         workers (None: RAYON_NUM_THREADS, else all cores). `pattern` must be a regex whose matches
-        cover all text and are never empty (checked first: tiktoken drops unmatched text)."""
+        cover all text and can never be empty (checked first: tiktoken drops unmatched text, and
+        panics on an empty match)."""
         vocab_size = _int_in(vocab_size, "vocab_size", 256 + len(SPECIAL_TOKENS), MAX_VOCAB_SIZE)
         # bounded here: beyond it rustbpe refused it under its own name, after the first text was read
         batch_size = _int_in(batch_size, "batch_size", 1, MAX_TRAIN_BATCH_SIZE)
@@ -262,9 +264,13 @@ class Tokenizer:
         if not hasattr(rustbpe, "Tokenizer"):  # the bare rustbpe/ source dir imported as a namespace
             raise ImportError("the rustbpe extension is not built/installed: build it from rustbpe/ "
                               "with maturin (e.g. `maturin develop --release -m rustbpe/Cargo.toml`)")
-        if "threads" not in (rustbpe.Tokenizer.train_from_iterator.__text_signature__ or ""):
-            raise ImportError("the installed rustbpe extension is older than rustbpe/ (no `threads` argument): "
-                              "rebuild it (e.g. `uv pip install -p .venv/bin/python ./rustbpe`)")
+        if "threads" not in (rustbpe.Tokenizer.train_from_iterator.__text_signature__ or "") \
+                or not hasattr(rustbpe, "check_pattern"):
+            raise ImportError("the installed rustbpe extension is older than rustbpe/ (no `threads` argument or "
+                              "no check_pattern): rebuild it (e.g. `uv pip install -p .venv/bin/python ./rustbpe`)")
+        # rustbpe's structural check, before the first text is read below: a pattern that can match
+        # the empty string passes every probe whose characters its other alternatives cover
+        rustbpe.check_pattern(pattern)
         if isinstance(texts, (str, bytes, bytearray)):  # iterable, but one "document" per character
             raise ValueError(f"texts: got {type(texts).__name__} {texts[:40]!r}; accepted: an iterable "
                              "of str documents (wrap a single text in a list)")

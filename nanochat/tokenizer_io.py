@@ -1,6 +1,7 @@
 """tokenizer.pkl's file handling, for nanochat/tokenizer.py: an unpickler that refuses every global
 (the file holds only plain data) and checks its opcodes' lengths and memo indices before the C
-unpickler trusts them, and atomic writes of several files at once (all staged, then replaced)."""
+unpickler trusts them, and atomic writes of several files at once (all staged, then replaced, then
+their directory synced)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,28 @@ def _stage(path: Path, write) -> str:
     return tmp
 
 
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory: a file's own fsync makes its bytes durable, not the rename that gave it
+    its name, so without this a power cut after a save could bring back the old tokenizer.pkl (or
+    one new file of the pair beside an old one). A filesystem that cannot open or sync a directory
+    is skipped: the renames are atomic all the same."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
-    """Write every (path, write) pair through temp files and os.replace. All temp files are written
-    before the first replace: a failure while writing (disk full, Ctrl-C) leaves the previous files
-    as they were, never a new tokenizer.pkl beside the old token_bytes.pt."""
+    """Write every (path, write) pair through temp files and os.replace, then fsync their
+    directories. All temp files are written before the first replace: a failure while writing
+    (disk full, Ctrl-C) leaves the previous files as they were, never a new tokenizer.pkl beside
+    the old token_bytes.pt."""
     staged: list[tuple[str, Path]] = []
     try:
         for path, write in files:
@@ -63,3 +82,5 @@ def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
         for tmp, _ in staged:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    for directory in dict.fromkeys(path.parent for path, _ in files):
+        _fsync_dir(directory)

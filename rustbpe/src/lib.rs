@@ -33,6 +33,8 @@ pub enum BpeError {
     VocabSize(String),
     /// The split pattern failed to compile.
     Pattern { pattern: String, reason: String },
+    /// The pattern can match the empty string (its shortest match is zero characters).
+    EmptyMatch { pattern: String },
     /// The pattern failed while matching (e.g. fancy-regex's backtrack limit).
     Matching { reason: String },
     /// Training input produced no regex chunks at all (every text was empty: text the
@@ -58,6 +60,14 @@ impl fmt::Display for BpeError {
                 f,
                 "pattern: invalid regex {pattern:?}: {reason}; accepted: a fancy-regex pattern \
                  (None = the GPT-4 split pattern)"
+            ),
+            BpeError::EmptyMatch { pattern } => write!(
+                f,
+                "pattern: {pattern:?} can match the empty string (an alternative like `x*`, `x?` or \
+                 a bare look-around, taken wherever the others fail): tiktoken panics on an empty \
+                 match at the start of a text and silently drops the character it skips \
+                 elsewhere; accepted: a regex whose every match is at least one character (e.g. \
+                 `x+`, not `x*`)"
             ),
             BpeError::Matching { reason } => write!(f, "pattern: matching failed: {reason}"),
             BpeError::NoChunks => write!(

@@ -1,4 +1,5 @@
-//! PyO3 bindings: the `rustbpe.Tokenizer` class (API in docs/INTERFACES.md).
+//! PyO3 bindings: the `rustbpe.Tokenizer` class and `rustbpe.check_pattern` (API in
+//! docs/INTERFACES.md).
 //!
 //! This layer validates every argument before consuming the iterator, turns each
 //! [`BpeError`] into `ValueError`, and releases the GIL for the heavy parts. Ingestion is
@@ -85,6 +86,29 @@ fn threads_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
                 ))),
             }
         }
+    }
+}
+
+/// The `pattern` argument: a str (without lone surrogates), None or absent = the GPT-4 pattern.
+fn pattern_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    match obj {
+        Some(p) if !p.is_none() => Ok(p
+            .cast::<PyString>()
+            .map_err(|_| {
+                PyValueError::new_err(format!(
+                    "pattern: got {}; accepted: a regex str or None",
+                    describe(p)
+                ))
+            })?
+            .to_str()
+            .map_err(|e| {
+                PyValueError::new_err(format!(
+                    "pattern: not encodable as UTF-8 ({e}); accepted: a regex str without \
+                     lone surrogates"
+                ))
+            })?
+            .to_owned()),
+        _ => Ok(GPT4_PATTERN.to_owned()),
     }
 }
 
@@ -317,25 +341,7 @@ impl PyTokenizer {
                 })?
             }
         };
-        let pattern = match pattern {
-            Some(p) if !p.is_none() => p
-                .cast::<PyString>()
-                .map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "pattern: got {}; accepted: a regex str or None",
-                        describe(p)
-                    ))
-                })?
-                .to_str()
-                .map_err(|e| {
-                    PyValueError::new_err(format!(
-                        "pattern: not encodable as UTF-8 ({e}); accepted: a regex str without \
-                         lone surrogates"
-                    ))
-                })?
-                .to_owned(),
-            _ => GPT4_PATTERN.to_owned(),
-        };
+        let pattern = pattern_arg(pattern)?;
         let splitter = Arc::new(Splitter::new(&pattern).map_err(value_error)?);
         let pool = thread_pool(threads_arg(threads)?)?;
         // A str is iterable too, but as single characters: training "one text per char"
@@ -456,9 +462,20 @@ impl PyTokenizer {
     }
 }
 
+/// ValueError unless training accepts `pattern` as its split pattern: it compiles and can never
+/// match the empty string. `train_from_iterator` checks the same before it reads any text; this
+/// lets a caller that reads its text first (or opens its data) refuse the pattern before that.
+#[pyfunction]
+#[pyo3(signature = (pattern))]
+fn check_pattern(pattern: &Bound<'_, PyAny>) -> PyResult<()> {
+    Splitter::new(&pattern_arg(Some(pattern))?).map_err(value_error)?;
+    Ok(())
+}
+
 #[pymodule]
 fn rustbpe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTokenizer>()?;
+    m.add_function(wrap_pyfunction!(check_pattern, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

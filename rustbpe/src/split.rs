@@ -8,7 +8,8 @@
 //! that both paths produce identical chunks.
 
 use crate::BpeError;
-use fancy_regex::Regex;
+use fancy_regex::internal::{analyze, AnalyzeContext};
+use fancy_regex::{Expr, Regex};
 use regex_syntax::hir::{Class, HirKind};
 
 /// GPT-4's split pattern with numbers grouped by at most two digits (nanochat's choice).
@@ -22,12 +23,28 @@ pub struct Splitter {
 }
 
 impl Splitter {
-    /// Compiles `pattern`; a bad regex is a [`BpeError::Pattern`], never a panic.
+    /// Compiles `pattern`; a bad regex is a [`BpeError::Pattern`], never a panic, and one
+    /// that can match the empty string a [`BpeError::EmptyMatch`].
     pub fn new(pattern: &str) -> Result<Self, BpeError> {
-        let regex = Regex::new(pattern).map_err(|e| BpeError::Pattern {
+        let bad = |e: fancy_regex::Error| BpeError::Pattern {
             pattern: pattern.to_string(),
             reason: e.to_string(),
-        })?;
+        };
+        let regex = Regex::new(pattern).map_err(bad)?;
+        // Refused by its structure, not by trying texts: an empty alternative is taken only
+        // where every other one fails, e.g. `\p{Co}*` after classes that leave out unassigned
+        // code points, so the text that reaches it may be none a check (or the training text)
+        // holds, and then a user's message panics tiktoken (or loses that character).
+        let tree = Expr::parse_tree(pattern).map_err(bad)?;
+        if analyze(&tree, AnalyzeContext::default())
+            .map_err(bad)?
+            .min_size
+            == 0
+        {
+            return Err(BpeError::EmptyMatch {
+                pattern: pattern.to_string(),
+            });
+        }
         let fast = if pattern == GPT4_PATTERN {
             Some(Gpt4Matcher::new()?)
         } else {
@@ -44,8 +61,8 @@ impl Splitter {
         &self.pattern
     }
 
-    /// Calls `f` on every non-empty chunk of `text`, in order. Empty matches (possible
-    /// with a custom pattern) carry no bytes and are skipped. Text that no match covers is a
+    /// Calls `f` on every chunk of `text`, in order (never an empty one: [`Splitter::new`]
+    /// refuses a pattern that could match the empty string). Text that no match covers is a
     /// [`BpeError::Input`]: tiktoken encodes only the matches, so a custom pattern that skips a
     /// character (e.g. `_`) silently dropped it from training and from every later encode.
     pub fn for_each_chunk<'t>(
@@ -364,11 +381,35 @@ mod tests {
     }
 
     #[test]
-    fn custom_pattern_skips_empty_matches() {
-        // `a*` matches the empty string at the end of "baab"
-        let s = Splitter::new(r"b|a*").expect("compile");
-        assert!(s.fast.is_none());
-        assert_eq!(chunks(&s, "baab", false), ["b", "aa", "b"]);
+    fn patterns_that_can_match_empty_are_refused() {
+        // tiktoken panics on an empty match at the start of a text ("~" alone below) and drops
+        // the character one skips elsewhere ("a~b" became "ab"): refused whatever the text.
+        for pattern in [
+            r"b|a*",
+            r"a?",
+            r"(?:)",
+            r"\b",
+            r"[^~]+|(?=~)|~",
+            r"\p{L}+|\p{N}+|\s+|[\p{P}\p{S}\p{M}\p{Cc}\p{Cf}]+|\p{Co}*",
+        ] {
+            match Splitter::new(pattern) {
+                Err(BpeError::EmptyMatch { pattern: p }) => assert_eq!(p, pattern),
+                other => panic!(
+                    "{pattern:?}: expected EmptyMatch, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        for pattern in [
+            r"b|a+",
+            r"\S+|\s+",
+            r"(?=a)a|[^a]",
+            r"x{1,3}|(?=y)y|.",
+            GPT4_PATTERN,
+        ] {
+            let s = Splitter::new(pattern).expect(pattern);
+            assert_eq!(chunks(&s, "baab", false).concat(), "baab");
+        }
     }
 
     #[test]
