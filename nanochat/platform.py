@@ -179,7 +179,7 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
     """Triton <= 3.5 bundles a ptxas that rejects sm_121a (DESIGN s4.1): point TRITON_PTXAS_PATH
     (and TRITON_PTXAS_BLACKWELL_PATH, the name newer Triton reads) at a CUDA 13 ptxas. Targets
     Triton 3.x whose bundled ptxas (probed, or by release: `_bundled_ptxas_by_triton`) is older than
-    the arch needs (`required_ptxas`); Triton 3.6+ bundles a Blackwell ptxas and gets nothing.
+    the arch needs (`required_ptxas`); on a GB10 Triton 3.6+ (a 12.9+ Blackwell ptxas) gets nothing.
     A user's value of either variable is kept, and carried to the other name when that one is unset
     (or holds only our earlier copy)."""
     if not spec.is_cuda or ctx.triton_version is None or not uses_triton:
@@ -193,9 +193,9 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
     said = (f"{bundled[0]}.{bundled[1]}" if bundled
             else f"not probed; Triton {ctx.triton_version} ships <= {expected[0]}.{expected[1]}")
     user = {n: ctx.env[n] for n in PTXAS_ENV if ctx.env.get(n) and not _set_by_us(ctx.env, n)}
-    if user:   # the user's choice, either name (Triton >= 3.5 reads the Blackwell one for sm_100+)
+    if user:   # the user's choice, either name (Triton >= 3.6 reads the Blackwell one for sm_100+)
         _check_user_ptxas(spec, ctx, user, need, said)
-        # Triton reads only one of the two names for a given arch (3.5-3.8: the Blackwell one from
+        # Triton reads only one of the two names for a given arch (3.6-3.8: the Blackwell one from
         # sm_100 on, older releases: TRITON_PTXAS_PATH for every arch), so a user who set only the
         # other one (DESIGN s4.1 says TRITON_PTXAS_PATH) still got the bundled ptxas on sm_121:
         # carry their path to the unset name, never over a value of its own.
@@ -248,11 +248,12 @@ def _check_user_ptxas(spec: DeviceSpec, ctx: PatchContext, user: Mapping[str, st
                       need: tuple[int, int], said: str) -> None:
     """A user's TRITON_PTXAS*_PATH is kept, but one that does not run (Triton skips it) or is too old
     met the sm_121a error after a log line said it was used: PtxasMissing naming the variable (a
-    warning in apply_runtime_patches). Only the name this Triton reads is checked (3.5+: the
+    warning in apply_runtime_patches). Only the name this Triton reads is checked (3.6+: the
     Blackwell one from sm_100 on); a ptxas that runs but prints no version is a warning."""
     if ctx.ptxas_version_of is None:
         return
-    blackwell = _version_tuple(ctx.triton_version or "0")[:2] >= (3, 5) and spec.cc[0] >= 10
+    # 3.6 added ptxas-blackwell and its variable: 3.5 reads TRITON_PTXAS_PATH for every arch
+    blackwell = _version_tuple(ctx.triton_version or "0")[:2] >= (3, 6) and spec.cc[0] >= 10
     name = PTXAS_ENV[1] if blackwell else PTXAS_ENV[0]
     name = name if name in user else next(iter(user))   # the other one is carried to it
     path, want = user[name], need   # 12.8 serves sm_120: the auto-search's 13.0 floor is for sm_121

@@ -40,7 +40,10 @@ def recipe_fields(cls) -> set[str]:
 
 
 SM12X_NVFP4_FIELDS = ("disable_rht", "disable_stochastic_rounding")   # RHT crashes, SR wrote zeros
-REPORTED_FIELDS = ("fp8_format", "backward_override", *SM12X_NVFP4_FIELDS, "disable_2d_quantization")
+# read back and reported as built (TE takes their defaults from NVTE_* variables): newer TEs' nvfp4
+# row-scaled activations and 4over6 block scaling too, which change the forward's quantisation
+REPORTED_FIELDS = ("fp8_format", "backward_override", *SM12X_NVFP4_FIELDS, "disable_2d_quantization",
+                   "row_scaled_activation", "nvfp4_4over6")
 
 
 def te_nvfp4_problem(spec: DeviceSpec, te_recipe: Any = None) -> str | None:

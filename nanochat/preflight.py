@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -82,8 +83,9 @@ def probe_attention_backends(device: str = "cuda") -> dict[str, str]:
 def triton_ptxas_in_use(spec: DeviceSpec) -> str:
     """The ptxas Triton would run for this GPU's arch, as Triton itself picks it (`get_ptxas`:
     which of its two bundled binaries, e.g. Triton 3.9 takes `ptxas-blackwell` from sm_90 on and
-    3.5-3.7 from sm_100, or the TRITON_PTXAS*_PATH variable that overrides it); older Triton
-    releases without that function: the variables, else the bundled binary."""
+    3.6-3.7 from sm_100, or the TRITON_PTXAS*_PATH variable that overrides it); older Triton
+    releases without that function (<= 3.5, one bundled ptxas): TRITON_PTXAS_PATH, the only
+    variable they read, else the bundled binary."""
     if spec.cc is None:
         return "n/a"
     try:
@@ -92,11 +94,51 @@ def triton_ptxas_in_use(spec: DeviceSpec) -> str:
         return f"{tool.path} (CUDA {tool.version})"
     except (ImportError, AttributeError, TypeError, RuntimeError):
         pass
-    for var in ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH") if spec.cc[0] >= 10 else ("TRITON_PTXAS_PATH",):
-        if os.environ.get(var):
-            return f"{os.environ[var]} (from {var})"
+    if os.environ.get("TRITON_PTXAS_PATH"):   # TRITON_PTXAS_BLACKWELL_PATH came with get_ptxas (3.6)
+        return f"{os.environ['TRITON_PTXAS_PATH']} (from TRITON_PTXAS_PATH)"
     version = bundled_ptxas_version(spec.cc)
     return f"bundled with triton (CUDA {version[0]}.{version[1]})" if version else "n/a"
+
+
+def te_recipe_as_built(precision: str, spec: DeviceSpec, compile: bool) -> dict[str, Any]:
+    """The Transformer Engine recipe a run builds (precision_te.build_te_recipe: the installed TE's
+    real fields, read back): on sm_12x nvfp4 that is RHT and stochastic rounding off and the bf16
+    backward (DESIGN s4.7), which the report showed only as 'NVFP4BlockScaling'."""
+    import transformer_engine.common.recipe as te_recipe
+    from nanochat.precision_te import build_te_recipe
+    return build_te_recipe(precision, spec, te_recipe, compile=compile)[1]
+
+
+_ARCH = re.compile(r"(sm|compute)_(\d+)(\d)([af]?)")
+
+
+def arch_support(cc: tuple[int, int], arch_list: list[str]) -> str:
+    """Whether this torch build has code the GPU runs (DESIGN s4.4): SASS for its own cc, or for an
+    older minor of its major (sm_120 runs on a GB10's 12.1; arch-specific `a` code runs only on its
+    own cc), else PTX of an older cc that the driver compiles at first use. Said, not refused:
+    torch warns too, and the env stage proves the GPU with a kernel launch."""
+    sass, ptx = [], []
+    for arch in arch_list:
+        m = _ARCH.fullmatch(arch)
+        if m is None:
+            continue
+        kind, major, minor, suffix = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+        if kind == "sm" and major == cc[0] and (minor == cc[1] or (minor < cc[1] and suffix != "a")):
+            sass.append((minor, arch))
+        elif kind == "compute" and (major, minor) <= cc:
+            ptx.append(arch)
+    here = f"cc {cc[0]}.{cc[1]}"
+    if sass:
+        minor, arch = max(sass)
+        if minor == cc[1]:
+            return f"ok: {arch} code for this {here}"
+        return (f"ok: {arch} code runs on this {here} (same major: torch's 'Minimum and Maximum cuda "
+                f"capability ... ({cc[0]}.{minor})' warning is a false positive)")
+    if ptx:
+        return f"PTX only ({', '.join(ptx)}): the driver compiles every kernel for this {here} at first use (slow start)"
+    return (f"no code for this {here} in this torch build ({', '.join(arch_list) or 'none'}): kernels fail with "
+            f"'no kernel image is available'; install a torch build with sm_{cc[0]}x code "
+            "(a DGX Spark: the cu130 wheel index, as ./setup.sh --only env does)")
 
 
 def run_dtype(precision: str, spec: DeviceSpec) -> str:
@@ -195,6 +237,7 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
             report["gpus"] = gpus
         report["cudnn"] = torch.backends.cudnn.version()
         report["arch_list"] = torch.cuda.get_arch_list()
+        report["arch_support"] = arch_support(spec.cc, report["arch_list"])
         report["ptxas"] = triton_ptxas_in_use(spec)
         try:   # an unreadable /proc/meminfo (unified memory) or a failing cudaMemGetInfo: said, not a traceback
             report["memory_budget_gb"] = round(memory_budget_bytes(spec) / 1e9, 1)
@@ -206,6 +249,8 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         dtype = run_dtype(precision, spec)
         plan = precision_mod.resolve(precision, backend, spec, compute_dtype=dtype)
         check_dtype(dtype, precision, spec)
+        if plan.backend == "te":   # resolve names only the class: show the recipe training builds
+            plan.recipe = te_recipe_as_built(plan.precision, spec, compile)
         report["precision"] = plan.describe()
     except (ValueError, RuntimeError) as exc:
         report["precision"] = f"{UNAVAILABLE}{exc}"

@@ -34,7 +34,7 @@ def ptxas_version(path: str) -> tuple[int, int] | None:
 
 
 def bundled_ptxas_version(cc: tuple[int, int]) -> tuple[int, int] | None:
-    """Version of the ptxas Triton ships for this arch (Triton >= 3.5 ships a second
+    """Version of the ptxas Triton ships for this arch (Triton >= 3.6 ships a second
     `ptxas-blackwell` used for newer archs)."""
     try:
         import triton
@@ -75,7 +75,9 @@ def required_ptxas(cc: tuple[int, int]) -> tuple[int, int]:
 
 
 def _bundled_ptxas_by_triton(version: str) -> tuple[int, int]:
-    """The CUDA release of the ptxas a Triton release bundles, when the binary cannot be probed:
-    3.3-3.5 ship 12.8 (no sm_121, DESIGN s4.1), 3.6+ a Blackwell one (13.x), older ones < 12.8."""
+    """The CUDA release of the ptxas a Triton release bundles for sm_100+, when the binary cannot be
+    probed: 3.3-3.5 ship 12.8 only (no sm_121, DESIGN s4.1); 3.6 adds `ptxas-blackwell` 12.9 (sm_121
+    yes, Thor's sm_110 no: that needs 13.0); 3.7+ a 13.x one (3.7.0: 13.1); older ones < 12.8.
+    (The PyPI wheels' binaries, as listed in triton-lang/triton issue #10331.)"""
     v = _version_tuple(version)
-    return (13, 0) if v >= (3, 6) else (12, 8) if v >= (3, 3) else (12, 4)
+    return (13, 1) if v >= (3, 7) else (12, 9) if v >= (3, 6) else (12, 8) if v >= (3, 3) else (12, 4)

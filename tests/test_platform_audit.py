@@ -114,7 +114,7 @@ def test_sm121_warning_filter_only_on_the_torch_releases_that_print_it(caplog):
 
 
 def test_ptxas_user_blackwell_variable_is_kept():
-    """Triton >= 3.5 reads TRITON_PTXAS_BLACKWELL_PATH for sm_100+; a user who set only that one had
+    """Triton >= 3.6 reads TRITON_PTXAS_BLACKWELL_PATH for sm_100+; a user who set only that one had
     it overwritten by the patch with whatever ptxas it found."""
     env = {"TRITON_PTXAS_BLACKWELL_PATH": "/opt/cuda-13.1/bin/ptxas"}
     c = ctx(env=env, candidates=[("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])

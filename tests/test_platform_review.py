@@ -30,7 +30,7 @@ def ctx(env, triton="3.5.1", bundled=(12, 8), candidates=CUDA13):
 @pytest.mark.parametrize("user_name, other", [("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"),
                                               ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH")])
 def test_a_user_ptxas_under_either_name_reaches_the_name_triton_reads(user_name, other):
-    """Triton 3.5-3.8 read only TRITON_PTXAS_BLACKWELL_PATH for sm_100+ (older releases only
+    """Triton 3.6-3.8 read only TRITON_PTXAS_BLACKWELL_PATH for sm_100+ (older releases only
     TRITON_PTXAS_PATH). A GB10 user who followed DESIGN s4.1 and exported TRITON_PTXAS_PATH got
     'using TRITON_PTXAS_PATH=... as set' logged and Triton still ran its bundled 12.8 ptxas-blackwell,
     which rejects sm_121a. Now the user's path is carried to the unset name; a value the user gave

@@ -139,15 +139,17 @@ def test_preflight_lists_every_gpu_and_says_when_their_kinds_differ(simulated, c
 
 
 def test_only_the_ptxas_name_this_triton_reads_is_checked(tmp_path):
-    """Triton 3.5 reads TRITON_PTXAS_BLACKWELL_PATH on sm_121: a stale TRITON_PTXAS_PATH next to a
+    """Triton 3.6+ reads TRITON_PTXAS_BLACKWELL_PATH on sm_121: a stale TRITON_PTXAS_PATH next to a
     good Blackwell one stopped a run that would have worked; a ptxas that runs but prints no
     release is a warning, not a refusal."""
     probe = P.ptxas_version
     good = fake_ptxas(tmp_path / "ptxas-13.0", "13.0")
     env = {"TRITON_PTXAS_PATH": str(tmp_path / "stale"), "TRITON_PTXAS_BLACKWELL_PATH": good}
-    assert P.patch_ptxas(detect_device(props=GB10), ctx(env, probe=probe), uses_triton=True) == "ptxas(user)"
+    assert P.patch_ptxas(detect_device(props=GB10), ctx(env, triton="3.6.0", probe=probe),
+                         uses_triton=True) == "ptxas(user)"
     odd = tmp_path / "wrapper"
     odd.write_text("#!/bin/sh\necho 'a wrapper'\n")
     odd.chmod(0o755)
     env = {"TRITON_PTXAS_BLACKWELL_PATH": str(odd)}
-    assert P.patch_ptxas(detect_device(props=GB10), ctx(env, probe=probe), uses_triton=True) == "ptxas(user)"
+    assert P.patch_ptxas(detect_device(props=GB10), ctx(env, triton="3.6.0", probe=probe),
+                         uses_triton=True) == "ptxas(user)"
