@@ -20,8 +20,8 @@ A conversation longer than a row is cut at the row's end (its rest is not traine
 when packed (`truncated`, the run summary's conversations_truncated). `trainable_share` probes a task for
 both before training.
 
-State = the next stream position + the positions held in the buffer (re-rendered on load), so a
-resumed run reproduces the batches exactly.
+State = the next stream position + the positions held in the buffer (re-rendered on load) and of
+the skips read ahead of the last row, so a resumed run reproduces the batches (and counts) exactly.
 
 Mixtures: `build_mixture` (a stage's conversations, its validation mixture), `test_holdouts` (the test
 problems a checkpoint's chain trained on); leaving chat_eval's test problems out of a mixture is
@@ -30,6 +30,7 @@ nanochat/decontaminate.py's.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from pathlib import Path
@@ -72,7 +73,10 @@ class ChatLoader:
         # (position, ids, trained-token mask, whether the conversation is longer than a row)
         self.buffer: list[tuple[int, list[int], list[int], bool]] = []
         self.conversations_used = 0     # whole or cropped conversations placed into rows
-        self.skipped = 0                # conversations with no trained token in a row (mask "assistant")
+        self.skipped = 0                # conversations with no trained token in a row (mask "assistant"),
+        #                                 counted once a conversation read after them is packed (or the
+        #                                 stream ends): those read ahead of the last row are pending
+        self._pending_skips: list[int] = []   # their stream positions (ascending)
         self.truncated = 0              # packed conversations longer than a row, cut at its end (the rest
         #                                 not trained); counted when packed, not when read into the buffer
         self._skip_run = 0              # ... in a row on this rank: a whole cycle of them trains nothing ever
@@ -96,13 +100,23 @@ class ChatLoader:
             entry = self._render(self.pos)
             self.pos += self.world_size
             if self.mask == "assistant" and not any(entry[2][1:]):   # ids[0] (<|bos|>) is never a target
-                self._skip()
+                self._skip(entry[0])
                 continue
             self._skip_run = 0
             self.buffer.append(entry)
+        if not self.buffer:   # a finite stream read to its end: every skip read is passed
+            self._pass_skips(math.inf)
 
-    def _skip(self) -> None:
-        self.skipped += 1
+    def _pass_skips(self, packed_pos: float) -> None:
+        """Count the pending skips read before the conversation at `packed_pos`, now packed. Counted
+        when read, the summary's conversations_skipped included those the refill read ahead of the
+        last trained row (up to a buffer's worth per rank, more where skips cluster)."""
+        passed = bisect.bisect_left(self._pending_skips, packed_pos)
+        self.skipped += passed
+        del self._pending_skips[:passed]
+
+    def _skip(self, pos: int) -> None:
+        self._pending_skips.append(pos)
         self._skip_run += 1
         # this rank's positions revisit the same conversations after at most `limit` of them: that
         # many skipped in a row means none it will ever read trains anything (it would spin forever)
@@ -135,7 +149,8 @@ class ChatLoader:
                 # crop: the shortest conversation fills the rest (an empty row takes the oldest one,
                 # which only happens when a conversation alone is longer than the row)
                 i = min(range(len(self.buffer)), key=lambda k: len(self.buffer[k][1])) if ids else 0
-            _, cids, cmask, cut = self.buffer.pop(i)
+            packed_pos, cids, cmask, cut = self.buffer.pop(i)
+            self._pass_skips(packed_pos)
             # counted here, not when read: the up to buffer_size conversations read ahead of the last
             # row have trained nothing yet (the summary's figure is as of the batches trained)
             self.truncated += cut
@@ -182,8 +197,8 @@ class ChatLoader:
     def state_dict(self) -> dict:
         return {"pos": self.pos, "buffer": [entry[0] for entry in self.buffer], "rank": self.rank,
                 "world_size": self.world_size, "conversations_used": self.conversations_used,
-                "skipped": self.skipped, "truncated": self.truncated, "tokens_real": self.tokens_real,
-                "tokens_total": self.tokens_total, "truncated_when": "packed"}
+                "skipped": self.skipped, "skipped_pending": list(self._pending_skips), "truncated": self.truncated,
+                "tokens_real": self.tokens_real, "tokens_total": self.tokens_total, "truncated_when": "packed"}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
@@ -192,7 +207,8 @@ class ChatLoader:
         self.pos = int(state["pos"])
         self.buffer = [self._render(int(p)) for p in state["buffer"]]
         self.conversations_used = int(state.get("conversations_used", 0))
-        self.skipped = int(state.get("skipped", 0))
+        self.skipped = int(state.get("skipped", 0))   # an older state (no skipped_pending) counted its read-ahead
+        self._pending_skips = [int(p) for p in state.get("skipped_pending", [])]
         self.truncated = int(state.get("truncated", 0))
         if state.get("truncated_when") != "packed":   # an older state counted its buffer when read
             self.truncated -= sum(entry[3] for entry in self.buffer)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nanochat.chat_resume import _check_same_data, check_auto_batch_resume  # noqa: F401  (also re-exported)
 from nanochat.checkpoint import check_resume_flags
 from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
@@ -277,33 +278,20 @@ def _check_source_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
             "and add --overwrite)")
 
 
-def _load_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir):
-    """(model, tokenizer, model tag, own checkpoint dir, resume dict | None, source description)."""
-    from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, read_meta, step_dirname
-    from nanochat.distributed import check_shared_dir
+def _load_start(cfg: ChatTrainConfig, start: "StartPlan", rt, base_dir):
+    """(model, tokenizer, resume dict | None): the weights `_plan_start` settled on, read last."""
+    from nanochat.checkpoint import load_checkpoint, load_model, model_from_meta, step_dirname
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.writer_lock import claim_checkpoint_dir
-    tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
-    check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
-    claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
-    if resume_at is not None and cfg.resume == "auto":
-        # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
-        # the checkpoint has no files for would fail alone while the others started fresh)
-        saved_world = int(read_meta(ckpt_dir, resume_at).get("world_size", 1))
-        if saved_world != rt.world_size:
-            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued (it was saved by {saved_world} "
-                            f"rank(s), this run has {rt.world_size})")
-            resume_at = None
-    if resume_at is not None:
-        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
-        tokenizer = get_tokenizer(base_dir)
-        model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]),
+    if start.resume_step is not None:
+        resume = load_checkpoint(start.ckpt_dir, start.resume_step, device=rt.device, rank=rt.rank,
+                                 load_optimizer=True)
+        model = model_from_meta(resume["meta"], resume["model"], start.ckpt_dir / step_dirname(resume["step"]),
                                 rt.device, compute_dtype=rt.dtype)
-        return model, tokenizer, tag, ckpt_dir, resume, resume["meta"]["source"]
-    model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=source["step"], base_dir=base_dir,
-                                        compute_dtype=rt.dtype, for_training=True)
+        return model, get_tokenizer(base_dir), resume
+    model, tokenizer, _ = load_model(cfg.source, rt.device, model_tag=start.tag, step=start.source["step"],
+                                     base_dir=base_dir, compute_dtype=rt.dtype, for_training=True)
     model.train()
-    return model, tokenizer, tag, ckpt_dir, None, source
+    return model, tokenizer, None
 
 
 def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
@@ -318,112 +306,113 @@ def mixture_record(cfg: ChatTrainConfig, train_mix) -> dict:
             "decontaminated": dict(getattr(train_mix, "decontaminated", {}))}
 
 
-def _counts_by_name(counts: dict) -> dict[str, int]:
-    """{source: n} keyed by its files' names ("/a/x.jsonl, /a/y.jsonl" -> "x.jsonl, y.jsonl")."""
-    out: dict[str, int] = {}
-    for source, n in counts.items():
-        name = ", ".join(Path(p).name for p in str(source).split(", "))
-        out[name] = out.get(name, 0) + int(n)
-    return out
+@dataclass
+class StartPlan:
+    """What a chat stage settles from meta.json, the tokenizer and the mixture before any weights
+    load: where it starts and saves, the step it resumes (None: a fresh start) with that step's
+    meta.json, the rows, the batch and the run's length in steps."""
+    tag: str
+    ckpt_dir: Path
+    source: dict
+    resume_step: int | None
+    saved: dict | None
+    config: object              # gpt_config.GPTConfig of the weights it loads
+    seq_len: int
+    plan: object                # training.BatchPlan
+    epoch_rows: float           # rows one epoch of the mixture packs into (the banner's epochs)
+    epoch_steps: int
+    num_iterations: int
 
 
-def _check_same_data(meta: dict, mixture: dict, conversations: int, seed: int, seq_len: int) -> None:
-    """A resumed run continues the loader's place in its shuffled mixture, so the mixture (its
-    conversations, their order, the rows they are cut into) must be the one the checkpoint trained
-    on. A checkpoint from before --identity / --extra-conversations: identity on, no extra files."""
+def _model_config(meta: dict, step_dir):
+    """The GPTConfig a meta.json records (torch-free), refused as model_from_meta refuses it: the
+    rows and the batch are planned from it before the weights load."""
     from nanochat.checkpoint import CheckpointError
-    train, config = meta.get("train") or {}, meta.get("config") or {}
-    saved = train.get("mixture") or {"identity": IDENTITY_NAME, "extra_conversations": []}
-
-    def refuse(what: str):
-        raise CheckpointError(f"--resume: the checkpoint was trained on {what}; use the flags of the "
-                              "original run (or start a new --model-tag)")
-
-    def describe(m):
-        files = ", ".join(f"{Path(f['path']).name} ({f['sha256'][:12]})" for f in m["extra_conversations"])
-        return f"--extra-conversations [{files}], identity {m['identity'] or 'off'}"
-    key = lambda m: (m["identity"], [f["sha256"] for f in m["extra_conversations"]])   # noqa: E731
-    if key(saved) != key(mixture):
-        refuse(f"another conversation mixture ({describe(saved)}) than this run's ({describe(mixture)})")
-    was = saved.get("decontaminated")   # None: a run from before decontamination (it kept every row)
-    # by file name: the files are matched by content (sha256 above), so data moved elsewhere (another
-    # --data-dir, base dir or disk) is the same mixture; compared by path it was refused as "decontaminated
-    # of 3 conversations, this run's of 3"
-    was_n, now_n = _counts_by_name(was or {}), _counts_by_name(mixture.get("decontaminated", {}))
-    if was_n != now_n:
-        now = sum(now_n.values())
-        changed = ", ".join(f"{k}: {was_n.get(k, 0)} -> {now_n.get(k, 0)}" for k in sorted(was_n.keys() | now_n.keys())
-                            if was_n.get(k, 0) != now_n.get(k, 0))
-        refuse(f"a mixture from before decontamination, which this run applies (it leaves out {now:,} conversations "
-               "asking a chat_eval test question); pass --no-decontaminate to continue it as it was" if was is None
-               else f"a mixture decontaminated of {sum(was_n.values()):,} conversations, this run's of {now:,} "
-                    f"({changed})")
-    if train.get("mixture_conversations", conversations) != conversations:
-        refuse(f"a mixture of {train['mixture_conversations']:,} conversations, this run's has {conversations:,} "
-               "(set by --test-holdout, --data-dir and the task files)")
-    if config.get("seed", seed) != seed:
-        refuse(f"the mixture shuffled with --seed {config['seed']}, this run's with {seed}")
-    if train.get("seq_len", seq_len) != seq_len:
-        refuse(f"rows of --max-seq-len {train['seq_len']}, this run's are {seq_len}")
+    from nanochat.gpt_config import GPTConfig
+    if not isinstance(meta.get("model_config"), dict):
+        raise CheckpointError(f"{step_dir}: meta.json has no model_config; cannot rebuild the model")
+    try:
+        config = GPTConfig(**meta["model_config"])
+    except TypeError as e:
+        raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
+    config.validate()
+    return config
 
 
-def check_auto_batch_resume(meta: dict, cfg, plan, world_size: int, stage: ChatStage) -> None:
-    """--total-batch-size -1 rounds the stage's step up to whole micro-batches of --device-batch-size:
-    a resume with another --device-batch-size can step another number of tokens. Named here as that
-    flag (check_resume_compatible named --total-batch-size, which the user never passed)."""
-    from nanochat.checkpoint import CheckpointError
-    train = meta.get("train") or {}
-    saved = train.get("total_batch_size")
-    # another world size is check_resume_compatible's to name (it changes this arithmetic too)
-    if cfg.total_batch_size != -1 or saved in (None, plan.total_batch_size) or \
-            train.get("world_size", 1) != world_size:
-        return
-    was = (meta.get("config") or {}).get("device_batch_size")
-    original = f"--device-batch-size {was} (the original run's) or " if was is not None else ""
-    raise CheckpointError(
-        f"--resume: the checkpoint's steps were {saved:,} tokens, and this run's --device-batch-size "
-        f"{cfg.device_batch_size} makes them {plan.total_batch_size:,} (--total-batch-size -1: the {stage.name} step "
-        f"of {stage.step_text()} rounded up to whole micro-batches); accepted: {original}--total-batch-size {saved} "
-        "(with a --device-batch-size whose micro-batches divide it); use the flags of the original run")
+def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, train_mix) -> StartPlan:
+    """start_point + the rows, batch plan and number of steps, all from meta.json: a resume these
+    flags cannot continue (another mixture, --max-seq-len, batch, world size, model or tokenizer)
+    or one past the run's last step is refused before the weights and optimizer state load (GBs
+    at d20, which were read before these checks). A checkpoint --resume auto picked that this run
+    cannot continue (e.g. a stage rerun by setup.sh after its flags changed) is left alone, unread,
+    for a fresh start, said in one line; an explicit --resume raises instead."""
+    from nanochat.chat_data import epoch_iterations, estimate_epoch_rows
+    from nanochat.checkpoint import CheckpointError, read_meta, resolve_step, step_dirname
+    from nanochat.distributed import check_shared_dir
+    from nanochat.resume_checks import check_resume_compatible, check_resume_step
+    from nanochat.tokenizer import get_tokenizer
+    from nanochat.writer_lock import claim_checkpoint_dir
 
+    tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
+    check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
+    claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
+    tokenizer = get_tokenizer(base_dir)
 
-def _start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, conversations: int):
-    """_load_start + the sequence length and batch plan; a checkpoint --resume auto picked that
-    this run cannot continue (another --total-batch-size, world size, model or tokenizer: e.g. a
-    stage rerun by setup.sh after its flags changed) is left alone for a fresh start, said in one
-    line. An explicit --resume raises instead (check_resume_compatible names what differs)."""
-    from nanochat.checkpoint import CheckpointError
-    from nanochat.resume_checks import check_resume_compatible
+    def rows_and_batch(meta: dict, step_dir):
+        config = _model_config(meta, step_dir)
+        seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else config.sequence_len
+        require(seq_len <= config.sequence_len, "--max-seq-len", seq_len,
+                f"<= the model's sequence length {config.sequence_len}")
+        total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
+            stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
+        return config, seq_len, plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
 
-    model, tokenizer, tag, ckpt_dir, resume, source = _load_start(cfg, stage, rt, base_dir)
-    seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model.config.sequence_len
-    require(seq_len <= model.config.sequence_len, "--max-seq-len", seq_len,
-            f"<= the model's sequence length {model.config.sequence_len}")
-    total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
-        stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
-    plan = plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
-    if resume is not None:
+    resume_step = saved = None
+    if resume_at is not None:
+        resume_step = resolve_step(ckpt_dir, resume_at)   # one step for every read (latest could move)
+        saved = read_meta(ckpt_dir, resume_step)
+        saved_world = int(saved.get("world_size", 1))
+        if cfg.resume == "auto" and saved_world != rt.world_size:
+            # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
+            # the checkpoint has no files for would fail alone while the others started fresh)
+            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued (it was saved by {saved_world} "
+                            f"rank(s), this run has {rt.world_size})")
+            resume_step = saved = None
+    if resume_step is not None:
+        config, seq_len, plan = rows_and_batch(saved, ckpt_dir / step_dirname(resume_step))
         try:
-            # the data first: --total-batch-size -1 follows --max-seq-len, so another --max-seq-len was
-            # named as "--total-batch-size", a flag the user never passed
-            _check_same_data(resume["meta"], mixture, conversations, cfg.seed, seq_len)
-            check_auto_batch_resume(resume["meta"], cfg, plan, rt.world_size, stage)
-            check_resume_compatible(resume["meta"], asdict(model.config), plan, rt.world_size, tokenizer.fingerprint)
+            # the data first: --total-batch-size -1 follows --max-seq-len, so another --max-seq-len
+            # was named as "--total-batch-size", a flag the user never passed
+            _check_same_data(saved, mixture, len(train_mix), cfg.seed, seq_len)
+            check_auto_batch_resume(saved, cfg, plan, rt.world_size, stage)
+            check_resume_compatible(saved, asdict(config), plan, rt.world_size, tokenizer.fingerprint)
         except CheckpointError as e:
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
             say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
-            del model, resume
-            return _start(replace(cfg, resume=None), stage, rt, base_dir, mixture, conversations)
-    return model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan
+            resume_step = saved = None
+        else:
+            source = saved.get("source") or source   # a resume keeps the weights its run started from
+    if resume_step is None:
+        src_dir = Path(source["dir"])
+        config, seq_len, plan = rows_and_batch(read_meta(src_dir, source["step"]), src_dir / step_dirname(source["step"]))
+    # one epoch of the mixture = -1 iterations (its rows kept for the banner's epoch count)
+    epoch_rows = estimate_epoch_rows(train_mix, tokenizer, seq_len, mask=stage.mask, fill=stage.fill)
+    epoch_steps = epoch_iterations(epoch_rows, plan.total_batch_size, seq_len)
+    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_steps
+    if resume_step is not None:
+        check_resume_step(resume_step, num_iterations, ckpt_dir)
+    return StartPlan(tag, ckpt_dir, source, resume_step, saved, config, seq_len, plan, epoch_rows, epoch_steps,
+                     num_iterations)
 
 
 def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> int | None:
     """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
-    (seconds to minutes at d20); `_start` checks the model it loaded again. Returns the rows'
-    length (None: meta.json does not say the model's)."""
+    (seconds to minutes at d20); `_plan_start` checks them again from the checkpoint it continues or
+    starts from, with what needs the mixture (a resume's data, a step past the run's end). Returns
+    the rows' length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
     from nanochat.resume_checks import check_resume_world
     tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
@@ -453,17 +442,16 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
-    from nanochat.chat_data import (ChatLoader, build_mixture, check_replies_fit, epoch_iterations, estimate_epoch_rows,
-                                    validation_overlap)
+    from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, validation_overlap
     from nanochat.chat_flags import (describe_epochs, epochs_of, next_commands, print_banner,   # it imports this module
                                      resume_command)
-    from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, planned_saves, save_checkpoint,
-                                     step_dirname)
+    from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, disk_plan, fresh_start,
+                                     planned_saves, save_checkpoint, step_dirname)
     from nanochat.kernels import check_kernel
     from nanochat.loop import SETUP_STAGE_ENV, LoopSpec, StopRequested, log_stage_report, resume_loop_state, \
         run_training_loop
     from nanochat.optim import build_optimizer
-    from nanochat.resume_checks import check_resume_step, say_schedule_changes
+    from nanochat.resume_checks import say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
     from nanochat.training import (StepMeter, Trainer, evaluate_bpb, resolve_peak_flops, restore_rng_state,
@@ -486,26 +474,29 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         from nanochat.tokenizer import get_tokenizer
         check_replies_fit(train_mix, val_mix, get_tokenizer(base_dir), rows_len)
     mixture = mixture_record(cfg, train_mix)
-    model, tokenizer, tag, ckpt_dir, resume, source, seq_len, plan = _start(cfg, stage, rt, base_dir, mixture,
-                                                                            len(train_mix))
-    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None
-
-    # ---- one epoch of the mixture = -1 iterations (its rows kept for the banner's epoch count) ----
-    epoch_rows = estimate_epoch_rows(train_mix, tokenizer, seq_len, mask=stage.mask, fill=stage.fill)
-    epoch_steps = epoch_iterations(epoch_rows, plan.total_batch_size, seq_len)
-    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else epoch_steps
-    if resume is not None:
-        check_resume_step(resume["step"], num_iterations, ckpt_dir)
-        saved_cfg = {**(resume["meta"].get("config") or {}),
-                     "num_iterations": (resume["meta"].get("train") or {}).get("num_iterations")}
+    # the run's steps and every resume check from meta.json: a refusal comes before the weights load
+    start = _plan_start(cfg, stage, rt, base_dir, mixture, train_mix)
+    tag, ckpt_dir, source, seq_len, plan = start.tag, start.ckpt_dir, start.source, start.seq_len, start.plan
+    epoch_rows, epoch_steps, num_iterations = start.epoch_rows, start.epoch_steps, start.num_iterations
+    if start.saved is not None:
+        saved_cfg = {**(start.saved.get("config") or {}),
+                     "num_iterations": (start.saved.get("train") or {}).get("num_iterations")}
         say_schedule_changes(saved_cfg, {"num_iterations": num_iterations, "warmup_ratio": cfg.warmup_ratio,
                                          "warmdown_ratio": cfg.warmdown_ratio, "final_lr_frac": cfg.final_lr_frac})
-    schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
-    first_step = resume["step"] if resume is not None else 0
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last, freed=earlier.bytes_freed() if earlier is not None else 0)
+    # the checkpoints this run's saves must not mix with, moved aside at its first save: a fresh
+    # start's tag's earlier run; a resume's steps past the one it continues (the run it branches from:
+    # they were replaced one by one, and a later --resume N took either run's)
+    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if start.resume_step is None else \
+        branch_start(ckpt_dir, start.resume_step, f"--resume {cfg.resume}")
+    # room for the checkpoints (refused when not even one fits): sized on a shapes-only model, before the load
+    first_step = start.resume_step if start.resume_step is not None else 0
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(build_model(start.config, "meta")),
+                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last,
+                     freed=earlier.bytes_freed() if earlier is not None else 0)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
+    model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
+    schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
     loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
     loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
@@ -580,15 +571,17 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
     # as of the batches trained: the loader has read one more (the trainer's prefetch) past the last step
     done = trainer.loader_state()
-    counts = torch.tensor([done["skipped"], done["truncated"], done["tokens_real"], done["tokens_total"]],
-                          dtype=torch.int64, device=rt.device)
+    counts = torch.tensor([done["conversations_used"], done["skipped"], done["truncated"], done["tokens_real"],
+                           done["tokens_total"]], dtype=torch.int64, device=rt.device)
     if rt.world_size > 1:
         torch.distributed.all_reduce(counts)
-    skipped, truncated, real, total = (int(v) for v in counts.tolist())
+    trained, skipped, truncated, real, total = (int(v) for v in counts.tolist())
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": result.val_bpb, "val_bpb_step": result.val_bpb_step,
                "avg_tok_per_sec": meter.average_tok_per_sec(), "epochs": float(f"{epochs:.4g}"),
-               "row_fill": round(real / total, 4) if total else 0.0, "conversations_skipped": skipped,
+               # what the skips and cuts are out of: the conversations (or mid's cropped parts) in rows
+               "row_fill": round(real / total, 4) if total else 0.0, "conversations_trained": trained,
+               "conversations_skipped": skipped,
                "conversations_truncated": truncated,
                "conversations_decontaminated": sum(mixture["decontaminated"].values()),
                "peak_mem_gib": rt.peak_memory_bytes() / 2**30}

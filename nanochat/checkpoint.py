@@ -48,7 +48,8 @@ from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, lis
 # sizes: re-exported for the recipes' disk plans
 from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
 # EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
-from nanochat.checkpoint_runs import EARLIER_RUNS, EarlierRun, fresh_start  # noqa: F401
+from nanochat.checkpoint_runs import (EARLIER_RUNS, EarlierRun, branch_start, fresh_start,  # noqa: F401
+                                      kept_runs_note)
 from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
 from nanochat.report_env import environment_meta, git_sha  # noqa: F401 (re-exported: checkpoint metadata)
@@ -138,9 +139,10 @@ def check_resume_flags(resume: str | None, overwrite: bool) -> None:
     run it would delete (every training recipe's flags)."""
     require(valid_resume(resume), "--resume", resume, RESUME_HELP)
     if overwrite and resume not in (None, "auto"):   # not require(): "got True" tells a user nothing
-        raise RequestError(f"--overwrite cannot be combined with --resume {resume}: --overwrite deletes this "
-                           f"model tag's checkpoints and starts a fresh run, --resume {resume} continues them; "
-                           "drop one of the two (--overwrite is accepted with --resume auto, when it starts fresh)")
+        raise RequestError(f"--overwrite cannot be combined with --resume {resume}: --overwrite starts a fresh run "
+                           f"(moving this model tag's checkpoints to {EARLIER_RUNS}/<N>/ in it), --resume {resume} "
+                           "continues them; drop one of the two (--overwrite is accepted with --resume auto, when it "
+                           "starts fresh)")
 
 
 def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:
@@ -214,12 +216,14 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: 
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
     cannot be written; when only some fit, says how many (a save that does not fit stops the run).
     With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning).
-    `freed`: bytes deleted before the first save (--overwrite's earlier run), counted as free."""
+    `freed`: bytes deleted before the first save, counted as free. Where it is short of room, it
+    names the earlier runs kept in the directory's earlier_runs/ (never deleted by a run)."""
     need = _needed(bytes_each)
     free = free_bytes(ckpt_dir) + freed
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
-                              f"~{fmt_bytes(need)}; free space, or set NANOCHAT_BASE_DIR to a disk with room")
+                              f"~{fmt_bytes(need)}; free space{kept_runs_note(ckpt_dir)}, or set NANOCHAT_BASE_DIR to a "
+                              "disk with room")
     at_once = saves if keep_last <= 0 else min(saves, keep_last + 1)
     text = f"~{fmt_bytes(bytes_each)} each, {saves} save(s) planned"
     text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
@@ -228,7 +232,7 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: 
         room = free // need   # --keep-last K holds K + 1 at once (a save, then the pruning)
         keep = f"{'lower' if keep_last > 0 else 'set'} --keep-last to {room - 1}, " if room >= 2 else ""
         text += (f"; room for {room}: a save that does not fit stops the run, keeping the last one "
-                 f"(raise --save-every, {keep}or free space)")
+                 f"(raise --save-every, {keep}or free space{kept_runs_note(ckpt_dir)})")
     return text
 
 
@@ -243,14 +247,16 @@ def _no_room(staging: Path, step: int, detail: str, why: str = "no room on its d
              remedy: str = "free space") -> str:
     """The refusal, naming the step a --resume latest takes (latest.json's: after a --resume STEP
     of an older step, the newest on disk can be another branch's; a failed re-save of step N
-    leaves the earlier copy of N in place)."""
+    leaves the earlier copy of N in place). None on disk (a fresh run's first save): rerun."""
     on_disk = list_steps(staging.parent)
     try:
         latest = read_latest(staging.parent)
     except CheckpointError:
         latest = ([s for s in on_disk if s != step] or [None])[-1]
-    return (f"checkpoint of step {step} not written to {staging.parent}: {why} ({detail}); "
-            f"{'the checkpoint of step ' + str(latest) + ' is intact, ' if latest in on_disk else ''}"
+    head = f"checkpoint of step {step} not written to {staging.parent}: {why} ({detail}); "
+    if not on_disk:   # "resume with --resume" had nothing to resume
+        return f"{head}there is no checkpoint there to resume: {remedy} and rerun"
+    return (f"{head}{'the checkpoint of step ' + str(latest) + ' is intact, ' if latest in on_disk else ''}"
             f"{remedy} and resume with --resume")
 
 

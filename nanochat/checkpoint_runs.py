@@ -1,6 +1,9 @@
-"""A fresh run in a checkpoint directory that holds an earlier run's checkpoints: refused, or that
-run deleted (--overwrite) or moved into earlier_runs/<N>/ (--resume auto starting fresh) at the new
-run's first save, so two runs' steps never mix. checkpoint.py re-exports EarlierRun and fresh_start.
+"""A fresh run in a checkpoint directory that holds an earlier run's checkpoints: refused, or (with
+--overwrite, or --resume auto starting fresh) that run moved into earlier_runs/<N>/ at the new run's
+first save, so two runs' steps never mix. It is kept there, never deleted: --overwrite in a command
+rerun from the shell's history (or a Ctrl-C of the new run, whose stop saves) cost the earlier run,
+days of pretraining at d20; the banner names the folder and its size, and the user deletes it.
+checkpoint.py re-exports EarlierRun and fresh_start.
 Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
 in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
 A move goes through earlier_runs/<N>.moving, renamed to <N> once complete (a move cut short is
@@ -9,14 +12,14 @@ finished by the next one).
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
                                     sweep_superseded)
-from nanochat.common import print0
+from nanochat.common import fmt_bytes, print0
 from nanochat.distributed import rank_failures
 
 EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
@@ -25,26 +28,33 @@ EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earl
 class EarlierRun:
     """The checkpoints of an earlier run in the directory a fresh run saves to. Left as they are
     until the new run's first save (a run that fails before it, a bad flag found late or an OOM at
-    the first step, loses nothing), then deleted (--overwrite) or moved into earlier_runs/<N>/
-    (--resume auto starting fresh over a run it cannot continue). Never left to mix with the new
-    run's saves: --keep-last's pruning, a later --resume STEP and a re-save at a step both wrote
-    would each take the other run's checkpoints for this one's."""
+    the first step, touches nothing), then moved into earlier_runs/<N>/ and kept (`flag`: what
+    started the fresh run, --overwrite or --resume auto over a run it cannot continue, for the
+    messages). Never left to mix with the new run's saves: --keep-last's pruning, a later --resume
+    STEP and a re-save at a step both wrote would each take the other run's checkpoints for this one's."""
 
-    def __init__(self, ckpt_dir, steps: list[int], delete: bool):
-        self.ckpt_dir, self.steps, self.delete = Path(ckpt_dir), list(steps), delete
+    def __init__(self, ckpt_dir, steps: list[int], flag: str = "--resume auto", after: int | None = None):
+        # after: a resume from that step, the steps past it being the run it branches from's (branch_start)
+        self.ckpt_dir, self.steps, self.flag, self.after = Path(ckpt_dir), list(steps), flag, after
+
+    def _what(self, steps: list[int], size: str = "", where: str = "") -> str:
+        if self.after is None:
+            return f"the earlier run's checkpoints (steps {steps}{size}){where}"
+        return f"the checkpoints after step {self.after}{where} (steps {steps}{size}: the run this one branches from)"
 
     def bytes_freed(self) -> int:
-        """Bytes the settling frees on the checkpoints' disk (disk_plan counts them as free)."""
-        return steps_bytes(self.ckpt_dir, self.steps) if self.delete else 0
+        """Bytes the settling frees on the checkpoints' disk: none, the earlier run is kept."""
+        return 0
 
     def describe(self) -> str:
-        what = f"the earlier run's checkpoints (steps {self.steps}) in {self.ckpt_dir}"
-        if self.delete:
-            return f"--overwrite: {what} are deleted at this run's first save"
-        return f"{what} are moved to {self.ckpt_dir / EARLIER_RUNS}/<N>/ at this run's first save"
+        """The banner's words: which steps go where, and what they hold on the disk."""
+        where = _earlier_run_dirs(self.ckpt_dir, self.steps)[1]
+        size = f", {fmt_bytes(steps_bytes(self.ckpt_dir, self.steps))}"
+        return (f"{self.flag}: {self._what(self.steps, size, f' in {self.ckpt_dir}')} are moved to {where} at this "
+                "run's first save and kept there (delete that folder once you no longer need them)")
 
     def settle(self, is_master: bool = True) -> Path | None:
-        """Delete or move the earlier run (collective; once). latest.json goes first, so an
+        """Move the earlier run aside (collective; once). latest.json goes first, so an
         interruption midway never leaves it naming a step that is gone. Returns where they went."""
         if not self.steps:
             return None
@@ -58,27 +68,22 @@ class EarlierRun:
         if error is not None:
             raise error
         if failed:
-            raise CheckpointError(f"rank 0 could not {'delete' if self.delete else 'move'} the earlier run's "
-                                  f"checkpoints (steps {steps}) in {self.ckpt_dir}: {failed[0]}")
+            raise CheckpointError(f"rank 0 could not move {self._what(steps, where=f' in {self.ckpt_dir}')} aside: "
+                                  f"{failed[0]}")
         return moved_to
 
     def _settle_here(self, steps: list[int]) -> Path | None:
-        """settle()'s work, on rank 0."""
-        moved_to = None
+        """settle()'s work, on rank 0. A move that fails (a disk that refuses even a directory) is one
+        CheckpointError, not a traceback: nothing is lost, and the next move finishes it."""
         latest = self.ckpt_dir / LATEST_NAME
         sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
         # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
         # the run (else a later read of this run's step N would restore the earlier run's copy)
-        orphans = sorted(self.ckpt_dir.glob("step_*.old-*"))
-        if self.delete:
-            latest.unlink(missing_ok=True)
-            for path in [self.ckpt_dir / step_dirname(step) for step in steps] + orphans:
-                shutil.rmtree(path, ignore_errors=True)
-            print0(f"--overwrite: deleted the checkpoints of steps {steps} in {self.ckpt_dir}")
-        else:
-            moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
+        orphans = [p for p in sorted(self.ckpt_dir.glob("step_*.old-*")) if self._moves(_step_of(p.name))]
+        moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
+        try:
             moving.mkdir(parents=True, exist_ok=True)
-            if latest.is_file():
+            if latest.is_file() and self._moves(_latest_step(latest)):   # a branch's: only if it names a step moved
                 os.replace(latest, moving / LATEST_NAME)
             for step in steps:
                 os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
@@ -86,11 +91,19 @@ class EarlierRun:
                 os.replace(path, moving / path.name)
             fsync_dir(moving)
             os.replace(moving, moved_to)   # earlier_runs/<N> appears whole, or not at all
-            fsync_dir(moved_to.parent)
-            print0(f"--resume auto: moved the earlier run's checkpoints (steps {steps}) to {moved_to}; "
-                   "delete it when you no longer need them")
+        except OSError as e:
+            raise CheckpointError(f"{self.flag}: could not move {self._what(steps)} to {moved_to} "
+                                  f"({type(e).__name__}: {e}), so this run's checkpoint was not written; they are in "
+                                  f"{self.ckpt_dir} or {moving}: make room (or make the disk writable) and rerun the "
+                                  "same command, which finishes the move") from e
+        fsync_dir(moved_to.parent)
+        print0(f"{self.flag}: moved {self._what(steps)} to {moved_to}; delete it when you no longer need them")
         fsync_dir(self.ckpt_dir)
         return moved_to
+
+    def _moves(self, step: int | None) -> bool:
+        """Whether the step's files go with this run (every one, unless a branch's: those past `after`)."""
+        return self.after is None or (step is not None and step > self.after)
 
 
 def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
@@ -98,8 +111,8 @@ def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
     its renames) left earlier_runs/<N>.moving with the run's latest.json and first steps, and its
     other steps here, with no latest.json (the first thing moved): they are that run's, and join it
     (they are what a --resume auto moves next), instead of splitting it over two earlier_runs/<N>.
-    Only then: a run that has its own latest.json (one saved since, e.g. under --overwrite, which
-    deletes only the steps here) or a step the leftover already holds goes to a new <N>."""
+    Only then: a run that has its own latest.json (one saved since, e.g. after the steps here were
+    deleted by hand) or a step the leftover already holds goes to a new <N>."""
     root = ckpt_dir / EARLIER_RUNS
     numbered = {p: int(m.group(1)) for p in root.glob("*") if (m := re.fullmatch(r"([0-9]+)(\.moving)?", p.name))}
     cut_short = sorted((n, p) for p, n in numbered.items() if p.name.endswith(".moving"))
@@ -113,20 +126,55 @@ def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
 
 def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:
     """A fresh run into a model tag that holds checkpoints would replace them step by step (and its
-    final save the earlier run's model). --overwrite: they are deleted at this run's first save;
-    --resume auto (which chose to start fresh): moved aside then; otherwise refused, naming the
-    ways on. None: the directory holds no checkpoints."""
+    final save the earlier run's model). --overwrite, or --resume auto (which chose to start fresh):
+    they move to earlier_runs/<N>/ at this run's first save; otherwise refused, naming the ways on.
+    None: the directory holds no checkpoints."""
     ckpt_dir = Path(ckpt_dir)
     steps = list_steps(ckpt_dir)
     if not steps:
         return None
     if overwrite or resume == "auto":
-        return EarlierRun(ckpt_dir, steps, delete=overwrite)
+        return EarlierRun(ckpt_dir, steps, "--overwrite" if overwrite else "--resume auto")
     how = ("--resume latest (or auto)" if (ckpt_dir / LATEST_NAME).is_file() else
            f"--resume STEP (one of them; no {LATEST_NAME} records the latest)")
     raise CheckpointError(f"{ckpt_dir} holds checkpoints of an earlier run (steps {steps}); a fresh run would "
                           f"overwrite them: pass {how} to continue it, another --model-tag "
-                          "to train a new one, or --overwrite to delete them")
+                          f"to train a new one, or --overwrite to start afresh (moving them to {EARLIER_RUNS}/<N>/ in "
+                          "that directory at its first save)")
+
+
+def branch_start(ckpt_dir, step: int, flag: str) -> EarlierRun | None:
+    """A resume from `step` of a directory that holds later steps (an older step resumed on purpose,
+    or a latest.json that a failed update left behind): they are the run this one branches from, and
+    its saves replaced them one by one (days of training of that branch gone, the rest mixed with
+    this run's: a later --resume N took either). They move to earlier_runs/<N>/ at this run's
+    first save, with latest.json where it names one of them. None: no later step."""
+    later = [s for s in list_steps(ckpt_dir) if s > step]
+    return EarlierRun(ckpt_dir, later, flag, after=step) if later else None
+
+
+def _step_of(name: str) -> int | None:
+    match = re.match(r"step_(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def _latest_step(path: Path) -> int | None:
+    """The step a latest.json names (None: unreadable)."""
+    try:
+        step = json.loads(path.read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if type(step) is int else None
+
+
+def kept_runs_note(ckpt_dir) -> str:
+    """For a disk short of room: ", e.g. by deleting what you no longer need of <dir>/earlier_runs (N GB
+    of earlier runs' checkpoints)", where the directory holds one ("" otherwise)."""
+    root = Path(ckpt_dir) / EARLIER_RUNS
+    if not root.is_dir():
+        return ""
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    return f", e.g. by deleting what you no longer need of {root} ({fmt_bytes(size)} of earlier runs' checkpoints)"
 
 
 def steps_bytes(ckpt_dir, steps: list[int]) -> int:

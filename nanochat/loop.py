@@ -15,7 +15,8 @@ state of its checkpoint and continues bit for bit.
 SIGTERM (run_train.sh --stop, torchrun passing a stop on, a scheduler) or a first Ctrl-C stops the
 run gracefully: the step in flight finishes, a checkpoint is saved at the next step index (as a
 periodic save would be; every rank agrees on the step), and StopRequested ends the script with one
-line and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A stop
+line (naming the whole command that continues the run, where the recipe gives LoopSpec.resume_command)
+and exit code 128 + the signal's number, so that setup.sh does not mark the stage done. A stop
 that arrives during an evaluation or a save stops at that step: no step more, and no second save
 (the save in flight is the stop's checkpoint; a step more plus a save could outlast torchrun's
 grace). A stop during the last step saves at num_iterations before the final evaluation and
@@ -40,12 +41,13 @@ import io
 import math
 import os
 import select
+import shlex
 import signal
 import stat
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -64,7 +66,8 @@ TRAIN_FLAG_HELP = {
     "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when there is one it can "
               "continue, else a fresh start that moves the earlier run's checkpoints to earlier_runs/); not "
               "given: a fresh start",
-    "overwrite": "let a fresh run replace the checkpoints of this --model-tag (deleted at its first save)",
+    "overwrite": "let a fresh run start in this --model-tag although it holds checkpoints: they move to "
+                 "earlier_runs/<N>/ in it at the new run's first save, and stay there",
     "device": "auto|cpu|cuda|mps (auto: CUDA, else MPS, else the CPU)",
     "dtype": "auto|bf16|fp32 (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
     "kernel": "current|liger|triton: the loss (and, triton, fused ops) backend",
@@ -95,6 +98,10 @@ class LoopSpec:
     keep_last: int = 0                           # > 0: keep this run's newest N checkpoints, delete older ones
     resumed_from: Path | None = None             # the checkpoint a resumed run started from (pruned like its own)
     model_tag: str | None = None                 # in its metrics rows: the report keeps the latest run's tag's
+    # (**flag overrides) -> the whole command that continues this run (resume_command below): a stop
+    # names it (not "--resume latest" alone: the user's command may hold --overwrite), and so does
+    # an out-of-memory stop (with the lower --device-batch-size); None: "--resume latest" alone
+    resume_command: Callable[..., str] | None = None
 
 
 @dataclass
@@ -314,11 +321,11 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     try:
         result = trainer.step(step)
     except torch.cuda.OutOfMemoryError as e:
-        raise RequestError(out_of_memory_hint(trainer, step)) from e
+        raise RequestError(out_of_memory_hint(trainer, step, resume=spec.resume_command)) from e
     except RuntimeError as e:   # the CPU allocator's failure is a plain RuntimeError: the same hint, not a traceback
         if CPU_OUT_OF_MEMORY not in str(e):
             raise
-        raise RequestError(out_of_memory_hint(trainer, step, memory="CPU memory")) from e
+        raise RequestError(out_of_memory_hint(trainer, step, memory="CPU memory", resume=spec.resume_command)) from e
     res.losses[step] = result.loss
     metrics = meter.update(result)
     extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
@@ -355,6 +362,39 @@ def format_extra(extra: dict) -> str:
     (an int: RL's skipped prompts) as a count; "skipped 0.0000" read as a rate."""
     return "".join(f" | {k} {v}" if isinstance(v, int) and not isinstance(v, bool) else f" | {k} {v:.4f}"
                    for k, v in extra.items())
+
+
+def as_flags(name: str, value) -> list[str]:
+    """A config value back as the flags that set it: True -> the flag, False -> its "no-" form (asked
+    for only where the value differs from the default: a store_true flag is never False then), a
+    list -> the flag once per item."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else flag[:2] + "no-" + flag[2:]]
+    if isinstance(value, list):
+        return [part for item in value for part in (flag, str(item))]
+    return [flag, str(value)]
+
+
+def launcher(script: str, world_size: int) -> str:
+    """How a command is started: python -m, or under torchrun the user's own launch."""
+    if world_size > 1:
+        return f"torchrun <your launch options> -m scripts.{script}"
+    return f"python -m scripts.{script}"
+
+
+def resume_command(script: str, cfg, defaults: dict, tag: str, world_size: int = 1, spell=as_flags,
+                   **overrides) -> str:
+    """The command that continues a stopped run of scripts.<script>: the config's flags that differ
+    from `defaults` (a dict per dataclass field; `overrides` replace values), its model tag as
+    resolved, and --resume latest (or overrides["resume"]). --overwrite is left out: a resume
+    refuses it. `spell(name, value)`: a script's own spelling of a value as flags."""
+    args = ["--model-tag", tag]
+    for f in fields(cfg):
+        value = overrides.get(f.name, getattr(cfg, f.name))
+        if f.name not in ("model_tag", "resume", "overwrite") and value != defaults[f.name]:
+            args += spell(f.name, value)
+    return f"{launcher(script, world_size)} {shlex.join(args + ['--resume', overrides.get('resume', 'latest')])}"
 
 
 def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_step: int = 0,
@@ -413,6 +453,8 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 saved = f"checkpoint {res.last_checkpoint} saved; continue with --resume latest" \
                     if spec.save is not None else "this stage saves no checkpoint"
                 rerun = " (or rerun ./setup.sh)" if os.environ.get(SETUP_STAGE_ENV) else ""
+                if spec.save is not None and spec.resume_command is not None and not rerun:
+                    saved += f": {spec.resume_command()}"   # under setup.sh its rerun continues, with its flags
                 raise StopRequested(f"stopped by {signal.Signals(stop).name} at step {step} of "
                                     f"{spec.num_iterations}: {saved}{rerun}", stop)
             if last:
@@ -462,10 +504,13 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"   # in the RuntimeError torch raises
 
 
-def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
+def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory",
+                       resume: Callable[..., str] | None = None) -> str:
     """What to change when a step runs out of GPU (or CPU) memory: the device batch (gradient
     accumulation keeps the total batch), or at one sequence per micro-batch the sequence length or
-    depth. The last checkpoint stays as it was."""
+    depth. The last checkpoint stays as it was; `resume` (LoopSpec.resume_command): once there is
+    one, the command that continues from it at the lower device batch (the user's own command with
+    a lower --device-batch-size is refused without --resume, and with --overwrite starts afresh)."""
     plan = getattr(trainer, "plan", None)
     peak = ""
     if memory == "GPU memory" and torch.cuda.is_available():
@@ -490,8 +535,12 @@ def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory") -> str:
         lower = (f"rerun ./setup.sh with --device-batch-size {half} added to its flags "
                  "(the stage resumes from its last checkpoint)" if setup else
                  f"lower --device-batch-size (e.g. {half})")
+        # its step, not latest: a run resumed from an older step has not moved latest.json yet
+        last = Path(getattr(trainer, "last_checkpoint", None) or "").name.removeprefix("step_")
+        again = (f"; resume with: {resume(device_batch_size=half, resume=str(int(last)))}"
+                 if resume is not None and not setup and last.isdigit() else "")
         return (f"{head}; {lower}: gradient accumulation keeps the total batch of {plan.total_batch_size:,} "
-                "tokens per step")
+                f"tokens per step{again}")
     return f"{head}; " + ("rerun ./setup.sh with a smaller --depth" if setup else
                           "lower --max-seq-len (or base_train's --depth)")
 

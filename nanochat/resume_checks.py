@@ -1,8 +1,9 @@
 """What a resumed training run may continue (base, mid, SFT, RL): the checkpoint's model, world
 size, batch, optimizer layout and tokenizer against this run's (check_resume_compatible, and
 check_resume_world from meta.json alone, before data or weights load), a checkpoint past the run's
-last step (check_resume_step), and the schedule values that changed (say_schedule_changes). Each
-refusal is a CheckpointError naming what differs and the flag that sets it."""
+last step (check_resume_step), the schedule values that changed (say_schedule_changes) and every
+other flag that differs from the checkpoint's run (say_config_changes). Each refusal is a
+CheckpointError naming what differs and the flag that sets it."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ def say_schedule_changes(saved: dict, now: dict) -> list[str]:
     if changed:
         from nanochat.loop import _say   # print0 that survives a terminal gone (a hung-up ssh session)
         _say("--resume: the LR schedule follows this run's flags, not the checkpoint's: " + ", ".join(changed))
+    return changed
+
+
+def say_config_changes(saved: dict, now: dict, said: tuple[str, ...] = ()) -> list[str]:
+    """A resume runs with this run's flags: one line naming each flag (a config field) whose value
+    differs from the one the checkpoint's run recorded, e.g. a new --eval-tokens (its val bpb is then
+    measured over other tokens than the earlier evaluations') or --data-dir, which a resume took
+    without a word. `said`: fields a line of their own names (the schedule, the optimizer's values),
+    or that a refusal checks; a field the checkpoint did not record (older code) is not compared."""
+    def shown(value) -> str:
+        return "(not given)" if value is None else f"{value:,}" if isinstance(value, int) and \
+            not isinstance(value, bool) else str(value)
+
+    changed = [f"--{k.replace('_', '-')} {shown(saved[k])} -> {shown(v)}" for k, v in now.items()
+               if k not in said and k in saved and saved[k] != v]
+    if changed:
+        from nanochat.loop import _say
+        _say("--resume: these flags differ from the checkpoint's run, and this run's apply: " + ", ".join(changed))
     return changed
 
 

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -26,10 +26,12 @@ from nanochat.attention import effective_backend, resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
-from nanochat.loop import TRAIN_FLAG_HELP, LoopSpec, log_stage_report, resume_loop_state, run_training_loop
+from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, log_stage_report, resume_command, resume_loop_state,
+                           run_training_loop)
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
                              small_batch_hint)
-from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_schedule_changes
+from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
+    say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
                                describe_peaks, plan_batch, precision_module, resolve_peak_flops,
@@ -43,6 +45,10 @@ ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 FP8_WGRAD = ("save", "recompute", "plain")   # precision.FP8_WGRAD_MODES
 SCHEDULE_FLAGS = ("warmup_ratio", "warmup_steps", "warmdown_ratio", "final_lr_frac")
+# flags a resume's change of which another line names (the schedule, the optimizer's values, grad
+# clip, precision) or a check refuses (recipe, total batch): say_config_changes names the others
+SAID_ON_RESUME = ("resume", "overwrite", "model_tag", "recipe", "num_iterations", "grad_clip", "total_batch_size",
+                  "precision", "precision_backend", *RECIPE_FLAGS)
 
 
 @dataclass
@@ -295,8 +301,9 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
-    from nanochat.checkpoint import (build_model, checkpoint_bytes, checkpoint_dir, disk_plan, fresh_start,
-                                     load_checkpoint, planned_saves, resolve_resume, save_checkpoint, step_dirname)
+    from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, checkpoint_dir, disk_plan,
+                                     fresh_start, load_checkpoint, planned_saves, resolve_resume, resolve_step,
+                                     save_checkpoint, step_dirname)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -316,6 +323,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     model_tag = cfg.model_tag or f"d{cfg.depth}"
+    given = replace(cfg)   # the flags as given (cfg.recipe is resolved below): the resume command's
     ckpt_dir = checkpoint_dir("base", model_tag, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
     claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
@@ -363,15 +371,20 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
-    # ---- resume: read the checkpoint first so a mismatch fails before building ----
+    # ---- resume: meta.json first, so a mismatch fails before the weights load (GBs) or a model is built ----
     resume, earlier = None, None
     if resume_at is None:
-        earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # deleted / moved aside at the first save
+        earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # moved to earlier_runs/<N>/ at the first save
     else:
-        resume = load_checkpoint(ckpt_dir, resume_at, device=rt.device, rank=rt.rank, load_optimizer=True)
-        check_resume_compatible(resume["meta"], asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
+        resume_step = resolve_step(ckpt_dir, resume_at)
+        saved_meta = read_meta(ckpt_dir, resume_step)
+        check_resume_compatible(saved_meta, asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
                                 fsdp=cfg.fsdp)
-        check_resume_step(resume["step"], num_iterations, ckpt_dir)
+        check_resume_step(resume_step, num_iterations, ckpt_dir)
+        resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
+        say_config_changes(saved_meta.get("config") or {}, asdict(given), said=SAID_ON_RESUME)
+        # later steps on disk are the run this one branches from: moved aside at the first save, not replaced
+        earlier = branch_start(ckpt_dir, resume_step, f"--resume {cfg.resume}")
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])
             if val_loader.source_kind != train_loader.source_kind:   # it went back to the checkpoint's kind
@@ -394,8 +407,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
     size = checkpoint_bytes(meta_model, normuon=recipe.normuon_beta2 > 0)   # v2: NorMuon's moments too
-    disk = disk_plan(ckpt_dir, size, planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last,
-                     freed=earlier.bytes_freed() if earlier is not None else 0)
+    disk = disk_plan(ckpt_dir, size, planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
 
@@ -477,7 +489,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         return texts
 
     def save(at: int, loop_state: dict):
-        if earlier is not None:   # the earlier run goes once this one has trained up to a save
+        if earlier is not None:   # the earlier run moves aside once this one has trained up to a save
             earlier.settle(rt.is_master)
         meta = {"phase": "base", "model_tag": model_tag, "model_config": asdict(model_config),
                 "train": train_meta, "config": asdict(cfg), "val_bpb": loop_state["val_bpb"],
@@ -491,7 +503,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                     save_every=cfg.save_every, evaluate=evaluate, sample=sample, save=save,
                     is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
-                    model_tag=model_tag)
+                    model_tag=model_tag,
+                    resume_command=lambda **flags: resume_command("base_train", given, asdict(BaseTrainConfig()),
+                                                                  model_tag, rt.world_size, **flags))
     result = run_training_loop(trainer, meter, spec, tracker, start_step=step, resume_state=resume_loop)
     val_bpb, min_val_bpb, losses = result.val_bpb, result.min_val_bpb, result.losses
 

@@ -498,7 +498,7 @@ def test_banner_names_the_data_it_reads(env, base_dir, tiny_corpus, tmp_path, ca
     _train(args + ["--overwrite"])
     out = capsys.readouterr().out
     assert f": binary token shards {default_bin_dir(data)}\n" in out
-    assert "--overwrite: deleted the checkpoints of steps [1] in " in out
+    assert "--overwrite: moved the earlier run's checkpoints (steps [1]) to " in out
 
 
 def test_disk_space_is_planned_before_the_model_is_built(env, base_dir, tiny_corpus, monkeypatch, capsys):
@@ -561,9 +561,11 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(env, base_di
     # (a resume at another --device-batch-size reads the same rows: tests/test_train_review.py)
 
 
-def test_overwrite_deletes_the_earlier_run_only_at_its_first_save(env, base_dir, tiny_corpus, monkeypatch, capsys):
+def test_overwrite_moves_the_earlier_run_aside_only_at_its_first_save(env, base_dir, tiny_corpus, monkeypatch,
+                                                                       capsys):
     """--overwrite: a run that fails before its first save (here: building the model) leaves the
-    earlier run's checkpoints and latest.json as they were; one that reaches a save replaces them."""
+    earlier run's checkpoints and latest.json as they were; one that reaches a save moves them to
+    earlier_runs/<N>/ (kept: a rerun of an --overwrite command by mistake cost the earlier run)."""
     args = TINY + ["--data-dir", str(tiny_corpus), "--num-iterations", "2", "--eval-every", "-1",
                    "--model-tag", "again"]
     _train(args)
@@ -583,8 +585,12 @@ def test_overwrite_deletes_the_earlier_run_only_at_its_first_save(env, base_dir,
     monkeypatch.setattr(ck, "build_model", real_build)
     capsys.readouterr()
     _train(args + ["--overwrite", "--num-iterations", "3"])
-    assert "--overwrite: deleted the checkpoints of steps [2] in " in capsys.readouterr().out
+    assert f"--overwrite: moved the earlier run's checkpoints (steps [2]) to {ckpt_dir / 'earlier_runs' / '1'}" \
+        in capsys.readouterr().out
     assert ck.list_steps(ckpt_dir) == [3] and ck.read_latest(ckpt_dir) == 3
+    assert {p.relative_to(ckpt_dir / "earlier_runs" / "1"): p.read_bytes()
+            for p in sorted((ckpt_dir / "earlier_runs" / "1").rglob("*")) if p.is_file()} == \
+        {k: v for k, v in before.items() if k.name != ".writer.lock"}   # the lock is this directory's
 
 
 def test_emulated_nvfp4_utilisation_is_labelled_by_the_matmuls_it_runs(env, capsys):

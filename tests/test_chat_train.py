@@ -350,21 +350,23 @@ def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, c
     # the 4-step run's step 4 no longer outlives it in the tag: a --resume 4 would have taken it
     assert ck.list_steps(mid_dir) == [2] and ck.list_steps(mid_dir / "earlier_runs" / "2") == [2, 4]
 
-    # no --resume: a fresh run into the tag is refused before the model loads; --overwrite deletes
-    # the earlier run at its first save (earlier_runs/ is left alone)
+    # no --resume: a fresh run into the tag is refused before the model loads; --overwrite moves
+    # the earlier run to earlier_runs/3 at its first save (the earlier ones are left alone)
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the refusal")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ck, "load_model", no_load)
         with pytest.raises(ck.CheckpointError, match=r"holds checkpoints of an earlier run \(steps \[2\]\); .* "
-                                                     r"--overwrite to delete them"):
+                                                     r"--overwrite to start afresh \(moving them to earlier_runs/"):
             mid_train.main(mid_args)
     capsys.readouterr()
     mid_train.main(mid_args + ["--num-iterations", "1", "--overwrite"])
     out = capsys.readouterr().out
-    assert f"--overwrite: the earlier run's checkpoints (steps [2]) in {mid_dir} are deleted at this run's first " \
-           "save" in out and f"--overwrite: deleted the checkpoints of steps [2] in {mid_dir}" in out
-    assert ck.list_steps(mid_dir) == [1] and sorted(p.name for p in (mid_dir / "earlier_runs").iterdir()) == ["1", "2"]
+    assert f"--overwrite: the earlier run's checkpoints (steps [2], " in out and f") in {mid_dir} are moved to " \
+           f"{mid_dir / 'earlier_runs' / '3'} at this run's first save and kept there" in out
+    assert f"--overwrite: moved the earlier run's checkpoints (steps [2]) to {mid_dir / 'earlier_runs' / '3'}" in out
+    assert ck.list_steps(mid_dir) == [1] and ck.list_steps(mid_dir / "earlier_runs" / "3") == [2]
+    assert sorted(p.name for p in (mid_dir / "earlier_runs").iterdir()) == ["1", "2", "3"]
 
 
 def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):

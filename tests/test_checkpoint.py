@@ -503,10 +503,10 @@ def test_build_model_for_inference_imports_neither_dynamo_nor_sympy():
     assert proc.stdout.strip() == "[] 1.0 True", (proc.stdout, proc.stderr[-2000:])
 
 
-def test_a_fresh_run_over_an_earlier_one_refuses_deletes_or_moves_it_aside(tmp_path, capsys):
-    """fresh_start: no flag -> refused (naming the ways on); --overwrite -> deleted at the first save;
-    --resume auto (which chose a fresh start) -> moved to earlier_runs/<N>/ with its latest.json, a
-    new number each time. Before settle() nothing is touched (a run that fails early loses nothing)."""
+def test_a_fresh_run_over_an_earlier_one_refuses_or_moves_it_aside(tmp_path, capsys):
+    """fresh_start: no flag -> refused (naming the ways on); --overwrite or --resume auto (which chose
+    a fresh start) -> moved to earlier_runs/<N>/ with its latest.json at the first save, a new number
+    each time, and kept. Before settle() nothing is touched (a run that fails early loses nothing)."""
     d = tmp_path / "ck"
     assert ck.fresh_start(d, None, False) is None   # nothing there yet
     for step in (2, 4):
@@ -522,12 +522,16 @@ def test_a_fresh_run_over_an_earlier_one_refuses_deletes_or_moves_it_aside(tmp_p
     _save(d, 3)
     assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "2"
     _save(d, 5)
-    gone = ck.fresh_start(d, "auto", True)   # --overwrite wins over auto's moving aside
-    size = gone.bytes_freed()
-    assert size > 0 and "deleted at this run's first save" in gone.describe()
-    assert gone.settle() is None and ck.list_steps(d) == [] and not (d / "latest.json").exists()
-    assert "--overwrite: deleted the checkpoints of steps [5]" in capsys.readouterr().out
-    assert sorted(p.name for p in (d / "earlier_runs").iterdir()) == ["1", "2"]
+    kept = ck.fresh_start(d, "auto", True)   # --overwrite: moved aside and kept too (it deleted them)
+    assert kept.bytes_freed() == 0 and kept.describe().startswith(
+        f"--overwrite: the earlier run's checkpoints (steps [5], ") and kept.describe().endswith(
+        f") in {d} are moved to {d / 'earlier_runs' / '3'} at this run's first save and kept there (delete that "
+        "folder once you no longer need them)")
+    assert kept.settle() == d / "earlier_runs" / "3" and ck.list_steps(d) == [] and not (d / "latest.json").exists()
+    assert f"--overwrite: moved the earlier run's checkpoints (steps [5]) to {d / 'earlier_runs' / '3'}" in \
+        capsys.readouterr().out
+    assert ck.read_latest(d / "earlier_runs" / "3") == 5
+    assert sorted(p.name for p in (d / "earlier_runs").iterdir()) == ["1", "2", "3"]
 
 
 @pytest.mark.parametrize("resume", ["latest", "7"])
@@ -540,5 +544,5 @@ def test_overwrite_is_refused_with_a_resume_of_every_training_recipe(resume):
         assert parse(["--overwrite"]).overwrite and not parse([]).overwrite
         assert parse(["--overwrite", "--resume", "auto"]).overwrite
         with pytest.raises(ValueError, match=f"^--overwrite cannot be combined with --resume {resume}: --overwrite "
-                                             "deletes .* starts a fresh run"):
+                                             "starts a fresh run .*earlier_runs/<N>/"):
             parse(["--overwrite", "--resume", resume])

@@ -115,17 +115,18 @@ def test_a_superseded_copy_left_by_a_cut_short_resave_is_swept_and_never_restore
 
 
 def test_an_earlier_run_is_settled_with_its_superseded_copies(tmp_path, monkeypatch):
-    """--overwrite deletes the earlier run at the first save: a leftover step_N.old-PID of it stayed,
-    and `--resume N` then restored the earlier run's (partial) step N into the new run."""
+    """--overwrite moves the earlier run aside at the first save (it deleted it): a leftover
+    step_N.old-PID of it stayed, and `--resume N` then restored the earlier run's (partial) step N
+    into the new run."""
     d = tmp_path / "ck"
     _save(d, 2, seed=2)
     _resave_killed_while_deleting_the_old_copy(d, monkeypatch, 2)
     earlier = ck.fresh_start(d, None, overwrite=True)
     earlier.settle()
-    assert sorted(p.name for p in d.iterdir()) == []
+    assert sorted(p.name for p in d.iterdir()) == ["earlier_runs"]
     with pytest.raises(ck.CheckpointError, match="no checkpoint for step 2"):
         ck.read_meta(d, 2)
-    # moved aside instead (--resume auto starting fresh): the leftover is deleted, not left behind
+    # --resume auto starting fresh alike: the leftover is deleted, not left behind
     _save(d, 3, seed=3)
     _resave_killed_while_deleting_the_old_copy(d, monkeypatch, 3)
     moved = ck.fresh_start(d, "auto", overwrite=False).settle()
@@ -135,17 +136,16 @@ def test_an_earlier_run_is_settled_with_its_superseded_copies(tmp_path, monkeypa
 @pytest.mark.parametrize("overwrite", [True, False])
 def test_an_earlier_runs_step_left_only_as_its_old_copy_goes_with_the_run(tmp_path, overwrite):
     """A re-save cut between its two renames leaves step N only as step_N.old-PID (latest.json names
-    N). Settling the earlier run left that copy behind: --overwrite kept up to a whole checkpoint,
-    and a moved run's archive named a step it lacked; a later read of the new run's step N could
-    restore the earlier run's copy."""
+    N). Settling the earlier run left that copy behind: a moved run's archive named a step it
+    lacked; a later read of the new run's step N could restore the earlier run's copy."""
     d = tmp_path / "ck"
     _save(d, 1, seed=1)
     _save(d, 2, seed=2)
     os.replace(d / "step_000002", d / "step_000002.old-123")
     moved = ck.fresh_start(d, None if overwrite else "auto", overwrite=overwrite).settle()
     assert not list(d.glob("step_*"))
-    if not overwrite:   # the archive holds it, restorable there as in the run's own directory
-        assert ck.read_meta(moved, "latest")["step"] == 2
+    # the archive holds it (--overwrite's too), restorable there as in the run's own directory
+    assert ck.read_meta(moved, "latest")["step"] == 2
 
 
 # ------------------------------------------------------------------ base_train, as a user

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -190,8 +191,8 @@ def test_a_move_to_earlier_runs_cut_short_is_finished_whole_not_split(tmp_path, 
 
 
 def test_a_leftover_moving_folder_takes_only_the_run_it_was_cut_from(tmp_path, monkeypatch):
-    """A run saved since a cut-short move (under --overwrite, which deletes only the steps here) has its
-    own latest.json and may share step numbers with the leftover earlier_runs/<N>.moving: joining it
+    """A run saved since a cut-short move (after the steps here were deleted by hand) has its own
+    latest.json and may share step numbers with the leftover earlier_runs/<N>.moving: joining it
     replaced the old run's latest.json and failed on the shared step mid-move (ENOTEMPTY). It goes to
     a new number; the leftover stays as it is."""
     d = tmp_path / "ck"
@@ -200,7 +201,7 @@ def test_a_leftover_moving_folder_takes_only_the_run_it_was_cut_from(tmp_path, m
     _move_killed_after_two_renames(d, monkeypatch)
     leftover = d / "earlier_runs" / "1.moving"
     assert ck.list_steps(leftover) == [1]
-    ck.fresh_start(d, None, True).settle()   # --overwrite deletes step 2 here, the leftover stays
+    shutil.rmtree(d / "step_000002")      # deleted by hand, the leftover stays
     for step in (1, 2):
         _save(d, step, seed=10 + step)       # the overwrite run: its own latest.json, step 1 again
     assert ck.fresh_start(d, "auto", False).settle() == d / "earlier_runs" / "2"

@@ -107,7 +107,7 @@ def test_a_hangup_stops_base_train_with_a_checkpoint_and_its_log(base_dir, tiny_
     assert rc == 128 + signal.SIGHUP, text[-3000:]
     assert re.search(r"^==> .* pid \d+: the terminal hung up \(SIGHUP\); its output continues here$", text, re.M), text
     m = re.search(r"^base_train: error: stopped by SIGHUP at step (\d+) of 200: checkpoint (\S+) saved; continue "
-                  r"with --resume latest$", text, re.M)
+                  r"with --resume latest: python -m scripts\.base_train --model-tag hup .* --resume latest$", text, re.M)
     assert m, text[-3000:]
     step, ckpt_dir = int(m.group(1)), base_dir / "checkpoints" / "base" / "hup"
     assert 2 <= step < 200 and Path(m.group(2)) == ckpt_dir / f"step_{step:06d}", text[-3000:]

@@ -25,8 +25,9 @@ def test_overwrite_with_resume_says_why_not_got_true():
         parse_config(["--overwrite", "--resume", "latest"])
     msg = str(e.value)
     assert "got True" not in msg
-    assert msg.startswith("--overwrite cannot be combined with --resume latest: --overwrite deletes this model "
-                          "tag's checkpoints and starts a fresh run, --resume latest continues them")
+    assert msg.startswith("--overwrite cannot be combined with --resume latest: --overwrite starts a fresh run "
+                          "(moving this model tag's checkpoints to earlier_runs/<N>/ in it), --resume latest "
+                          "continues them")
 
 
 def test_resume_with_a_lower_device_batch_size_reads_the_same_rows(env, base_dir):

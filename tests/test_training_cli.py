@@ -50,14 +50,14 @@ def test_help_says_what_each_choice_flag_accepts(capsys):
 
 @pytest.mark.parametrize("resume, refused", [("latest", True), ("12", True), ("auto", False), (None, False)])
 def test_overwrite_with_a_resume_is_refused(resume, refused):
-    """--overwrite (delete the tag's checkpoints for a fresh start) with --resume latest|N (continue
+    """--overwrite (move the tag's checkpoints aside for a fresh start) with --resume latest|N (continue
     them) was accepted and silently ignored."""
     from scripts.base_train import parse_config
 
     argv = ["--overwrite"] + (["--resume", resume] if resume else [])
     if refused:
         with pytest.raises(ValueError, match=f"^--overwrite cannot be combined with --resume {resume}: --overwrite "
-                                             "deletes .* starts a fresh run"):
+                                             "starts a fresh run .*earlier_runs/<N>/"):
             parse_config(argv)
     else:
         assert parse_config(argv).overwrite
