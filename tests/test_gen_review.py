@@ -293,7 +293,8 @@ def test_any_expression_of_the_grammar_gets_a_result_or_a_refusal_fast():
         t0 = time.perf_counter()
         out = use_calculator(e)
         assert out is None or isinstance(out, str), e
-        assert time.perf_counter() - t0 < 0.05, e
+        assert time.perf_counter() - t0 < 1.0, e   # ~0.02 ms typical: only a runaway (a huge power) fails,
+        # not a scheduler stall on a loaded 2-core machine
     assert use_calculator("(" * 99 + "6*7" + ")" * 99) == "42"   # nesting within the limits is fine
     for refused in ("2.0**1024", "(2**1023)*2.0", "0**-1", "(-8)**(1/3)", "1e308*10", "-" * 150 + "1",
                     "7**366", "10**309", "9" * 301, "1%0", "1.0//0.0"):
