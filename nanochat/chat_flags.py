@@ -16,7 +16,7 @@ from pathlib import Path
 from nanochat.chat_train import ChatStage, ChatTrainConfig
 from nanochat.common import print0
 from nanochat.flags import FlagParser, require
-from nanochat.loop import TRAIN_FLAG_HELP
+from nanochat.loop import TRAIN_FLAG_HELP, as_flags, launcher, resume_command as loop_resume_command
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
@@ -105,38 +105,17 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
 
 # ------------------------------------------------------------------ what the stages say in flags
 
-def _as_flags(name: str, value) -> list[str]:
-    """A config value back as the flags that set it."""
-    flag = "--" + name.replace("_", "-")
-    if name == "identity" and value == "":
-        return ["--no-identity"]
-    if name == "compile":
-        return ["--compile" if value else "--no-compile"]
-    if isinstance(value, bool):
-        return [flag] if value else []
-    if isinstance(value, list):
-        return [part for item in value for part in (flag, str(item))]
-    return [flag, str(value)]
+def _spell(name: str, value) -> list[str]:
+    """A config value back as the flags that set it (loop.as_flags), but an identity of "" is --no-identity."""
+    return ["--no-identity"] if name == "identity" and value == "" else as_flags(name, value)
 
 
-def _launcher(script: str, world_size: int) -> str:
-    """How a command is started: python -m, or under torchrun the user's own launch."""
-    if world_size > 1:
-        return f"torchrun <your launch options> -m scripts.{script}"
-    return f"python -m scripts.{script}"
-
-
-def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1) -> str:
-    """The command that continues a stopped run: the flags it was given (those that differ from
-    the defaults), its model tag as resolved, and --resume latest. --overwrite is left out: a
-    resume refuses it, so "the same flags plus --resume latest" failed for a run started with it."""
-    defaults = stage_defaults(stage)
-    args = ["--model-tag", tag]
-    for f in fields(ChatTrainConfig):
-        value = getattr(cfg, f.name)
-        if f.name not in ("model_tag", "resume", "overwrite") and value != defaults[f.name]:
-            args += _as_flags(f.name, value)
-    return f"{_launcher(stage.prog.rsplit('.', 1)[-1], world_size)} {shlex.join(args + ['--resume', 'latest'])}"
+def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1, **overrides) -> str:
+    """The command that continues a stopped run (loop.resume_command): the flags it was given (those
+    that differ from the stage's defaults; `overrides` replace values, e.g. an out-of-memory stop's
+    lower --device-batch-size), its model tag as resolved, and --resume latest; no --overwrite."""
+    return loop_resume_command(stage.prog.rsplit(".", 1)[-1], cfg, stage_defaults(stage), tag, world_size,
+                               spell=_spell, **overrides)
 
 
 # the flags of a finished stage that its next chat stage takes, with the same meaning: where the data
@@ -153,11 +132,11 @@ def next_commands(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: 
     defaults = stage_defaults(stage)
     given = {name: getattr(cfg, name) for name in _CARRIED if getattr(cfg, name) != defaults[name]}
     if stage.name == "mid":
-        args = ["--model-tag", tag] + [a for name, value in given.items() for a in _as_flags(name, value)]
-        return [("fine-tune it for chat", f"{_launcher('chat_sft', world_size)} {shlex.join(args)}")]
+        args = ["--model-tag", tag] + [a for name, value in given.items() for a in _spell(name, value)]
+        return [("fine-tune it for chat", f"{launcher('chat_sft', world_size)} {shlex.join(args)}")]
     args = ["-i", stage.name, "--model-tag", tag] + [a for name in ("device", "dtype") if name in given
-                                                      for a in _as_flags(name, given[name])]
-    eval_args = args + (_as_flags("data_dir", given["data_dir"]) if "data_dir" in given else [])
+                                                      for a in _spell(name, given[name])]
+    eval_args = args + (_spell("data_dir", given["data_dir"]) if "data_dir" in given else [])
     return [("evaluate it", f"python -m scripts.chat_eval {shlex.join(eval_args)}"),
             ("talk to it", f"python -m scripts.chat_web {shlex.join(args)}")]
 

@@ -3,7 +3,8 @@
 (identity name, --extra-conversations by sha256, decontamination counts, size, --seed, rows of
 --max-seq-len) and, under --total-batch-size -1, the step --device-batch-size rounds it to. Each
 refusal is a CheckpointError naming the flag; nanochat/chat_train.py checks them from meta.json
-before any weights load (and re-exports them)."""
+before any weights load (and re-exports them), and names every other flag a resume changed
+(say_config_changes, all but SAID_ON_RESUME's)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from nanochat.tasks.identity import NAME as IDENTITY_NAME
 
 if TYPE_CHECKING:   # chat_train imports this module
     from nanochat.chat_train import ChatStage
+
+# config fields a resume's say_config_changes leaves out: another line names a change of theirs (the
+# schedule's, the optimizer's LRs and weight decay), a refusal checks them (the mixture, the rows, the
+# batch, the source it started from), or they name the run itself (--resume, --overwrite, --model-tag)
+SAID_ON_RESUME = ("resume", "overwrite", "model_tag", "source", "step", "num_iterations", "warmup_ratio",
+                  "warmdown_ratio", "final_lr_frac", "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr",
+                  "init_lr_frac", "weight_decay", "seed", "max_seq_len", "total_batch_size", "test_holdout",
+                  "extra_conversations", "identity", "no_decontaminate")
 
 
 def _counts_by_name(counts: dict) -> dict[str, int]:

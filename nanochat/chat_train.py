@@ -17,7 +17,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nanochat.chat_resume import _check_same_data, check_auto_batch_resume  # noqa: F401  (also re-exported)
+from nanochat.chat_resume import SAID_ON_RESUME, _check_same_data, check_auto_batch_resume  # noqa: F401  (also re-exported)
 from nanochat.checkpoint import check_resume_flags
 from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
@@ -96,7 +96,7 @@ class ChatTrainConfig:
     save_every: int = -1
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step of this stage's own checkpoints, or "auto"
-    overwrite: bool = False                 # a fresh run may delete the tag's existing checkpoints of this stage
+    overwrite: bool = False                 # a fresh run may start in a tag that holds this stage's checkpoints (moved to earlier_runs/)
     device: str = "auto"
     dtype: str = "auto"
     kernel: str = "current"
@@ -448,10 +448,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, disk_plan, fresh_start,
                                      planned_saves, save_checkpoint, step_dirname)
     from nanochat.kernels import check_kernel
-    from nanochat.loop import SETUP_STAGE_ENV, LoopSpec, StopRequested, log_stage_report, resume_loop_state, \
-        run_training_loop
+    from nanochat.loop import SETUP_STAGE_ENV, LoopSpec, log_stage_report, resume_loop_state, run_training_loop
     from nanochat.optim import build_optimizer
-    from nanochat.resume_checks import say_schedule_changes
+    from nanochat.resume_checks import say_config_changes, say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
     from nanochat.training import (StepMeter, Trainer, evaluate_bpb, resolve_peak_flops, restore_rng_state,
@@ -483,6 +482,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                      "num_iterations": (start.saved.get("train") or {}).get("num_iterations")}
         say_schedule_changes(saved_cfg, {"num_iterations": num_iterations, "warmup_ratio": cfg.warmup_ratio,
                                          "warmdown_ratio": cfg.warmdown_ratio, "final_lr_frac": cfg.final_lr_frac})
+        say_config_changes(start.saved.get("config") or {}, asdict(cfg), said=SAID_ON_RESUME)
     # the checkpoints this run's saves must not mix with, moved aside at its first save: a fresh
     # start's tag's earlier run; a resume's steps past the one it continues (the run it branches from:
     # they were replaced one by one, and a later --resume N took either run's)
@@ -491,8 +491,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # room for the checkpoints (refused when not even one fits): sized on a shapes-only model, before the load
     first_step = start.resume_step if start.resume_step is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(build_model(start.config, "meta")),
-                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last,
-                     freed=earlier.bytes_freed() if earlier is not None else 0)
+                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
     model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
@@ -558,16 +557,20 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         return save_checkpoint(ckpt_dir, at, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
                                loader_state=trainer.loader_state(), loop_state=loop_state, meta=meta, rank=rt.rank)
 
+    def continue_command(**flags) -> str:
+        # --total-batch-size -1 rounds the stage's step up to whole micro-batches: at an out-of-memory stop's
+        # lower --device-batch-size it can round to another total, which the resume refuses: this run's goes along
+        if "device_batch_size" in flags and cfg.total_batch_size == -1 and \
+                stage.auto_batch(flags["device_batch_size"], seq_len, rt.world_size) != plan.total_batch_size:
+            flags["total_batch_size"] = plan.total_batch_size
+        return resume_command(stage, cfg, tag, rt.world_size, **flags)
+
+    # a stop (and an out-of-memory stop) names the whole command that continues the run (--overwrite refused)
     spec = LoopSpec(stage.name, num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
-                    model_tag=tag)
-    try:
-        result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
-    except StopRequested as e:   # "continue with --resume latest": the whole command (--overwrite would be refused)
-        if os.environ.get(SETUP_STAGE_ENV):   # setup.sh's rerun continues it, with setup.sh's flags
-            raise
-        raise StopRequested(f"{e}: {resume_command(stage, cfg, tag, rt.world_size)}", e.exit_code - 128) from None
+                    model_tag=tag, resume_command=continue_command)
+    result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     # each rank's loader reads its own share: the run's row fill and skips are the sums over ranks
     # as of the batches trained: the loader has read one more (the trainer's prefetch) past the last step
     done = trainer.loader_state()

@@ -36,24 +36,25 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
-from nanochat.common import fmt_bytes, get_base_dir, print0
+from nanochat.common import fmt_bytes, get_base_dir
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, load_verified,
                                     restore_swapped_out, save_hashed, saved_sum, start_check, step_dirname,
                                     sweep_superseded, write_json, _use_another_step)
 # sizes: re-exported for the recipes' disk plans
 from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
-# EarlierRun and fresh_start live in checkpoint_runs.py; the recipes import them from here
-from nanochat.checkpoint_runs import (EARLIER_RUNS, EarlierRun, branch_start, fresh_start,  # noqa: F401
-                                      kept_runs_note)
+# EarlierRun, fresh_start and the --resume / --overwrite flags' checks live in checkpoint_runs.py; the
+# recipes import them from here
+from nanochat.checkpoint_runs import (EARLIER_RUNS, RESUME_HELP, EarlierRun, branch_start,  # noqa: F401
+                                      check_resume_flags, fresh_start, kept_runs_note, resolve_resume, valid_resume,
+                                      _is_step_number)
 from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
 from nanochat.report_env import environment_meta, git_sha  # noqa: F401 (re-exported: checkpoint metadata)
-from nanochat.flags import check_model_tag, require
+from nanochat.flags import check_model_tag
 
 SCHEMA_VERSION = 1
 PHASES = ("base", "mid", "sft", "rl")
@@ -122,47 +123,6 @@ def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
     return step
 
 
-RESUME_HELP = "latest, a step number, or auto (latest when the model tag has a checkpoint, else a fresh start)"
-
-
-def _is_step_number(text: str) -> bool:
-    # not str.isdigit() alone: "²" is a digit that int() refuses with a message naming no flag
-    return text.isascii() and text.isdigit()
-
-
-def valid_resume(value: str | None) -> bool:
-    return value is None or value in ("latest", "auto") or _is_step_number(value)
-
-
-def check_resume_flags(resume: str | None, overwrite: bool) -> None:
-    """--resume's value, and --overwrite only for a fresh start: --resume latest|N continues the
-    run it would delete (every training recipe's flags)."""
-    require(valid_resume(resume), "--resume", resume, RESUME_HELP)
-    if overwrite and resume not in (None, "auto"):   # not require(): "got True" tells a user nothing
-        raise RequestError(f"--overwrite cannot be combined with --resume {resume}: --overwrite starts a fresh run "
-                           f"(moving this model tag's checkpoints to {EARLIER_RUNS}/<N>/ in it), --resume {resume} "
-                           "continues them; drop one of the two (--overwrite is accepted with --resume auto, when it "
-                           "starts fresh)")
-
-
-def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:
-    """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh), and
-    says which: what a rerun of an interrupted stage wants (setup.sh passes it). Other values are
-    returned as given."""
-    if value != "auto":
-        return value
-    found = (Path(ckpt_dir) / LATEST_NAME).is_file()
-    steps = [] if found else list_steps(ckpt_dir)
-    if steps:   # checkpoints, but no record of the newest (e.g. an --overwrite cut short): not guessed
-        log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
-            f"fresh; they are moved to {EARLIER_RUNS}/ at this run's first save (--resume STEP continues one of "
-            "them instead)")
-    else:
-        log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in "
-            f"{ckpt_dir}")
-    return "latest" if found else None
-
-
 def model_digest(ckpt_dir, step: int) -> str | None:
     """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
     which weights a later stage started from, without reading them."""
@@ -211,15 +171,15 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, freed: int = 0) -> str:
+def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
     cannot be written; when only some fit, says how many (a save that does not fit stops the run).
     With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning).
-    `freed`: bytes deleted before the first save, counted as free. Where it is short of room, it
-    names the earlier runs kept in the directory's earlier_runs/ (never deleted by a run)."""
+    Where it is short of room, it names the earlier runs kept in the directory's earlier_runs/ (never
+    deleted by a run)."""
     need = _needed(bytes_each)
-    free = free_bytes(ckpt_dir) + freed
+    free = free_bytes(ckpt_dir)
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
                               f"~{fmt_bytes(need)}; free space{kept_runs_note(ckpt_dir)}, or set NANOCHAT_BASE_DIR to a "

@@ -3,7 +3,8 @@
 first save, so two runs' steps never mix. It is kept there, never deleted: --overwrite in a command
 rerun from the shell's history (or a Ctrl-C of the new run, whose stop saves) cost the earlier run,
 days of pretraining at d20; the banner names the folder and its size, and the user deletes it.
-checkpoint.py re-exports EarlierRun and fresh_start.
+checkpoint.py re-exports EarlierRun and fresh_start, and the checks of the flags that choose between
+continuing the checkpoints there and starting afresh (check_resume_flags, resolve_resume).
 Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
 in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
 A move goes through earlier_runs/<N>.moving, renamed to <N> once complete (a move cut short is
@@ -16,11 +17,14 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
                                     sweep_superseded)
 from nanochat.common import fmt_bytes, print0
 from nanochat.distributed import rank_failures
+from nanochat.errors import RequestError
+from nanochat.flags import require
 
 EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
 
@@ -41,10 +45,6 @@ class EarlierRun:
         if self.after is None:
             return f"the earlier run's checkpoints (steps {steps}{size}){where}"
         return f"the checkpoints after step {self.after}{where} (steps {steps}{size}: the run this one branches from)"
-
-    def bytes_freed(self) -> int:
-        """Bytes the settling frees on the checkpoints' disk: none, the earlier run is kept."""
-        return 0
 
     def describe(self) -> str:
         """The banner's words: which steps go where, and what they hold on the disk."""
@@ -122,6 +122,47 @@ def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
     else:
         n = max(numbered.values(), default=0) + 1
     return root / f"{n}.moving", root / str(n)
+
+
+RESUME_HELP = "latest, a step number, or auto (latest when the model tag has a checkpoint, else a fresh start)"
+
+
+def _is_step_number(text: str) -> bool:
+    # not str.isdigit() alone: "²" is a digit that int() refuses with a message naming no flag
+    return text.isascii() and text.isdigit()
+
+
+def valid_resume(value: str | None) -> bool:
+    return value is None or value in ("latest", "auto") or _is_step_number(value)
+
+
+def check_resume_flags(resume: str | None, overwrite: bool) -> None:
+    """--resume's value, and --overwrite only for a fresh start: --resume latest|N continues the
+    run it would delete (every training recipe's flags)."""
+    require(valid_resume(resume), "--resume", resume, RESUME_HELP)
+    if overwrite and resume not in (None, "auto"):   # not require(): "got True" tells a user nothing
+        raise RequestError(f"--overwrite cannot be combined with --resume {resume}: --overwrite starts a fresh run "
+                           f"(moving this model tag's checkpoints to {EARLIER_RUNS}/<N>/ in it), --resume {resume} "
+                           "continues them; drop one of the two (--overwrite is accepted with --resume auto, when it "
+                           "starts fresh)")
+
+
+def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = print0) -> str | None:
+    """--resume: "auto" -> "latest" when ckpt_dir holds a checkpoint, else None (start fresh), and
+    says which: what a rerun of an interrupted stage wants (setup.sh passes it). Other values are
+    returned as given."""
+    if value != "auto":
+        return value
+    found = (Path(ckpt_dir) / LATEST_NAME).is_file()
+    steps = [] if found else list_steps(ckpt_dir)
+    if steps:   # checkpoints, but no record of the newest (e.g. an --overwrite cut short): not guessed
+        log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
+            f"fresh; they are moved to {EARLIER_RUNS}/ at this run's first save (--resume STEP continues one of "
+            "them instead)")
+    else:
+        log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in "
+            f"{ckpt_dir}")
+    return "latest" if found else None
 
 
 def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | None:

@@ -88,7 +88,7 @@ class BaseTrainConfig:
     sample_every: int = 2000
     save_every: int = -1
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
-    overwrite: bool = False                 # a fresh run may delete the tag's existing checkpoints
+    overwrite: bool = False                 # a fresh run may start in a tag that holds checkpoints (moved to earlier_runs/)
     resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
     model_tag: str | None = None            # default d<depth>
     # runtime

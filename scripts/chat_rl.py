@@ -67,7 +67,7 @@ class ChatRLConfig:
     save_every: int = 60
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step number or "auto" (latest if any, else fresh)
-    overwrite: bool = False                 # a fresh run may delete the tag's existing rl checkpoints
+    overwrite: bool = False                 # a fresh run may start in a tag that holds rl checkpoints (moved to earlier_runs/)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 42
@@ -215,6 +215,10 @@ def rl_schedule(num_iterations: int) -> Schedule:
 # --seed draws the rollouts (from seed, problem and position), so a resume that changed it would not be exact
 RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "seed": "--seed",
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
+# config fields a resume's say_config_changes leaves out: the schedule's line and the optimizer's name
+# theirs, resume_mismatch and start_point refuse a change of the others (--source: the run's own weights)
+SAID_ON_RESUME = ("resume", "overwrite", "model_tag", "source", "step", "num_iterations", "matrix_lr", "embedding_lr",
+                  "unembedding_lr", "scalar_lr", "init_lr_frac", *RESUME_FLAGS)
 
 
 def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerprint: str | None = None,
@@ -299,11 +303,11 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
     from nanochat.chat_train import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
-    from nanochat.checkpoint import (checkpoint_bytes, disk_plan, fresh_start, load_checkpoint, load_model,
-                                     model_from_meta, planned_saves, read_meta, resolve_step, save_checkpoint,
-                                     step_dirname)
-    from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
-    from nanochat.resume_checks import check_resume_step, say_schedule_changes
+    from nanochat.checkpoint import (branch_start, checkpoint_bytes, disk_plan, fresh_start, load_checkpoint,
+                                     load_model, model_from_meta, planned_saves, read_meta, resolve_step,
+                                     save_checkpoint, step_dirname)
+    from nanochat.loop import LoopSpec, log_stage_report, resume_command, run_training_loop
+    from nanochat.resume_checks import check_resume_step, say_config_changes, say_schedule_changes
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
     from nanochat.tasks import GSM8K
@@ -359,6 +363,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
             check_resume_step(resume_step, num_iterations, ckpt_dir)   # the LR decays over this run's horizon:
             say_schedule_changes({"num_iterations": (saved.get("train") or {}).get("num_iterations")},
                                  {"num_iterations": num_iterations})
+            say_config_changes(saved.get("config") or {}, asdict(cfg), said=SAID_ON_RESUME)
             resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
@@ -371,9 +376,12 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     model.train()
     schedule = rl_schedule(num_iterations)
     first_step = resume["step"] if resume is not None else 0
-    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else None
+    # moved aside at the first save: a fresh start's tag's earlier run, or a resume's steps past the one it
+    # continues (the run it branches from: its saves replaced them one by one, mixing the two runs' steps)
+    earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else \
+        branch_start(ckpt_dir, first_step, f"--resume {cfg.resume}")
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last, freed=earlier.bytes_freed() if earlier is not None else 0)
+                     cfg.keep_last)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
     f = cfg.init_lr_frac
@@ -445,7 +453,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     spec = LoopSpec("rl", num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
-                    model_tag=tag)
+                    model_tag=tag, resume_command=lambda **flags: resume_command(
+                        "chat_rl", cfg, asdict(ChatRLConfig()), tag, rt.world_size, **flags))
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2),
