@@ -491,7 +491,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     # room for the checkpoints (refused when not even one fits): sized on a shapes-only model, before the load
     first_step = start.resume_step if start.resume_step is not None else 0
     disk = disk_plan(ckpt_dir, checkpoint_bytes(build_model(start.config, "meta")),
-                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last)
+                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last, earlier)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
     model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)

@@ -171,19 +171,21 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
+def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, earlier: EarlierRun | None = None) -> str:
     """The banner's checkpoint line: size, planned saves, free space. Raises CheckpointError before
     training when not even one checkpoint fits, so a run never trains for hours towards a save that
     cannot be written; when only some fit, says how many (a save that does not fit stops the run).
     With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning).
     Where it is short of room, it names the earlier runs kept in the directory's earlier_runs/ (never
-    deleted by a run)."""
+    deleted by a run), and `earlier`, the checkpoints this run moves there at its first save (fresh_start,
+    branch_start): they stay on the disk, so an --overwrite frees nothing."""
     need = _needed(bytes_each)
     free = free_bytes(ckpt_dir)
+    staying = earlier.room_note() if earlier is not None else ""
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
                               f"~{fmt_bytes(need)}; free space{kept_runs_note(ckpt_dir)}, or set NANOCHAT_BASE_DIR to a "
-                              "disk with room")
+                              f"disk with room{staying}")
     at_once = saves if keep_last <= 0 else min(saves, keep_last + 1)
     text = f"~{fmt_bytes(bytes_each)} each, {saves} save(s) planned"
     text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
@@ -192,7 +194,7 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0) -> str:
         room = free // need   # --keep-last K holds K + 1 at once (a save, then the pruning)
         keep = f"{'lower' if keep_last > 0 else 'set'} --keep-last to {room - 1}, " if room >= 2 else ""
         text += (f"; room for {room}: a save that does not fit stops the run, keeping the last one "
-                 f"(raise --save-every, {keep}or free space{kept_runs_note(ckpt_dir)})")
+                 f"(raise --save-every, {keep}or free space{kept_runs_note(ckpt_dir)}){staying}")
     return text
 
 

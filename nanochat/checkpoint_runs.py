@@ -8,11 +8,12 @@ continuing the checkpoints there and starting afresh (check_resume_flags, resolv
 Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
 in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
 A move goes through earlier_runs/<N>.moving, renamed to <N> once complete (a move cut short is
-finished by the next one).
+finished by the next one: <N>.moving holds a record of the steps it is for, MOVE_RECORD).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,13 +21,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
-                                    sweep_superseded)
+                                    sweep_superseded, write_json)
 from nanochat.common import fmt_bytes, print0
 from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
 from nanochat.flags import require
 
 EARLIER_RUNS = "earlier_runs"             # runs a fresh start moved aside: earlier_runs/<N>/step_*
+MOVE_RECORD = ".move.json"                # in earlier_runs/<N>.moving: {"steps": [...], "after": N|null}
 
 
 class EarlierRun:
@@ -48,10 +50,21 @@ class EarlierRun:
 
     def describe(self) -> str:
         """The banner's words: which steps go where, and what they hold on the disk."""
-        where = _earlier_run_dirs(self.ckpt_dir, self.steps)[1]
+        where = _earlier_run_dirs(self.ckpt_dir, self.steps, self.after)[1]
         size = f", {fmt_bytes(steps_bytes(self.ckpt_dir, self.steps))}"
         return (f"{self.flag}: {self._what(self.steps, size, f' in {self.ckpt_dir}')} are moved to {where} at this "
                 "run's first save and kept there (delete that folder once you no longer need them)")
+
+    def room_note(self) -> str:
+        """For a disk short of room (disk_plan): the earlier run's checkpoints stay on it, moved and
+        kept, so they free nothing; without this the first --overwrite on a full disk named no
+        folder at all (earlier_runs/ does not exist yet). "" once they are moved (or none)."""
+        if not self.steps:
+            return ""
+        where = _earlier_run_dirs(self.ckpt_dir, self.steps, self.after)[1]
+        size = f", {fmt_bytes(steps_bytes(self.ckpt_dir, self.steps))}"
+        return (f"; {self.flag} frees none of it: {self._what(self.steps, size, f' in {self.ckpt_dir}')} stay on "
+                f"this disk, moved to {where} and kept (delete the ones you no longer need)")
 
     def settle(self, is_master: bool = True) -> Path | None:
         """Move the earlier run aside (collective; once). latest.json goes first, so an
@@ -80,11 +93,12 @@ class EarlierRun:
         # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
         # the run (else a later read of this run's step N would restore the earlier run's copy)
         orphans = [p for p in sorted(self.ckpt_dir.glob("step_*.old-*")) if self._moves(_step_of(p.name))]
-        moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps)
+        moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps, self.after)
         try:
             moving.mkdir(parents=True, exist_ok=True)
+            _record_move(moving, steps, self.after)
             if latest.is_file() and self._moves(_latest_step(latest)):   # a branch's: only if it names a step moved
-                os.replace(latest, moving / LATEST_NAME)
+                self._move_latest(latest, moving)
             for step in steps:
                 os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
             for path in orphans:   # restorable there, as here
@@ -96,32 +110,82 @@ class EarlierRun:
                                   f"({type(e).__name__}: {e}), so this run's checkpoint was not written; they are in "
                                   f"{self.ckpt_dir} or {moving}: make room (or make the disk writable) and rerun the "
                                   "same command, which finishes the move") from e
+        with contextlib.suppress(OSError):   # done with (a kill just before leaves only this small file)
+            (moved_to / MOVE_RECORD).unlink(missing_ok=True)
         fsync_dir(moved_to.parent)
         print0(f"{self.flag}: moved {self._what(steps)} to {moved_to}; delete it when you no longer need them")
         fsync_dir(self.ckpt_dir)
         return moved_to
+
+    def _move_latest(self, latest: Path, moving: Path) -> None:
+        """latest.json into the move. A branch's names a step past `after` (a --resume of an older
+        step): the tag is left with a latest.json naming `after`, the step this run resumed from, so
+        a first save that then fails (no room) leaves --resume latest|auto this run's start, not no
+        record at all (auto: a fresh start). Written before any step moves; if it cannot be, the old
+        one goes back (a rename: no room needed), naming steps that are all still here."""
+        kept = moving / LATEST_NAME
+        os.replace(latest, kept)
+        if self.after is None or not (self.ckpt_dir / step_dirname(self.after)).is_dir():
+            return
+        try:
+            write_json(latest, {"step": self.after, "dir": step_dirname(self.after)})
+        except OSError:
+            os.replace(kept, latest)
+            raise
 
     def _moves(self, step: int | None) -> bool:
         """Whether the step's files go with this run (every one, unless a branch's: those past `after`)."""
         return self.after is None or (step is not None and step > self.after)
 
 
-def _earlier_run_dirs(ckpt_dir: Path, steps: list[int]) -> tuple[Path, Path]:
-    """(where the files move, then its final name earlier_runs/<N>). A move cut short (a kill between
-    its renames) left earlier_runs/<N>.moving with the run's latest.json and first steps, and its
-    other steps here, with no latest.json (the first thing moved): they are that run's, and join it
-    (they are what a --resume auto moves next), instead of splitting it over two earlier_runs/<N>.
-    Only then: a run that has its own latest.json (one saved since, e.g. after the steps here were
-    deleted by hand) or a step the leftover already holds goes to a new <N>."""
+def _earlier_run_dirs(ckpt_dir: Path, steps: list[int], after: int | None = None) -> tuple[Path, Path]:
+    """(where the files move, then its final name earlier_runs/<N>). A move cut short (a kill, or a
+    disk refusing a rename) left earlier_runs/<N>.moving with the run's first steps (and latest.json,
+    moved first where it goes), and its other steps here: they are that run's, and join it (they are
+    what the rerun moves next), instead of splitting it over two earlier_runs/<N>. Only then: a step
+    the leftover already holds, or a run saved here since (e.g. after the steps here were deleted by
+    hand), goes to a new <N>."""
     root = ckpt_dir / EARLIER_RUNS
     numbered = {p: int(m.group(1)) for p in root.glob("*") if (m := re.fullmatch(r"([0-9]+)(\.moving)?", p.name))}
     cut_short = sorted((n, p) for p, n in numbered.items() if p.name.endswith(".moving"))
-    if cut_short and not (ckpt_dir / LATEST_NAME).exists() and \
-            not any((cut_short[0][1] / step_dirname(step)).exists() for step in steps):
-        n = cut_short[0][0]
-    else:
-        n = max(numbered.values(), default=0) + 1
+    n = next((n for n, p in cut_short if _joins(p, ckpt_dir, steps, after)), max(numbered.values(), default=0) + 1)
     return root / f"{n}.moving", root / str(n)
+
+
+def _joins(leftover: Path, ckpt_dir: Path, steps: list[int], after: int | None) -> bool:
+    """Whether `steps` (past `after` for a branch) finish the move cut short in `leftover`. Its record
+    lists the steps it was for: each still here must be one, and not in it yet. latest.json here must
+    be gone (a fresh start's move takes it first) or, in a branch, name a step at or before `after`
+    (one past it was moved, and replaced by one naming `after`; a run saved since names its own)."""
+    if any((leftover / step_dirname(step)).exists() for step in steps):
+        return False
+    if _holds_nothing_moved(leftover):   # cut short before its first rename: nothing to mix with
+        return True
+    latest = ckpt_dir / LATEST_NAME
+    try:
+        planned = set(json.loads((leftover / MOVE_RECORD).read_text())["steps"])
+    except (OSError, ValueError, TypeError, KeyError):   # a move from before the record: latest.json decides
+        return not latest.exists()
+    named = _latest_step(latest) if latest.exists() else None
+    return set(steps) <= planned and (not latest.exists() or (after is not None and named is not None
+                                                              and named <= after))
+
+
+def _holds_nothing_moved(moving: Path) -> bool:
+    return not any(p.name == LATEST_NAME or p.name.startswith("step_") for p in moving.iterdir())
+
+
+def _record_move(moving: Path, steps: list[int], after: int | None) -> None:
+    """What earlier_runs/<N>.moving is for, written before anything moves into it (a joined leftover
+    keeps its own). A plain write, not write_json's rename: the folder is not in use yet, and an
+    unreadable record reads as none."""
+    record = moving / MOVE_RECORD
+    if not _holds_nothing_moved(moving):
+        return
+    with open(record, "w") as f:
+        f.write(json.dumps({"steps": list(steps), "after": after}))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 RESUME_HELP = "latest, a step number, or auto (latest when the model tag has a checkpoint, else a fresh start)"

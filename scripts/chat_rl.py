@@ -381,7 +381,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else \
         branch_start(ckpt_dir, first_step, f"--resume {cfg.resume}")
     disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last)
+                     cfg.keep_last, earlier)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
     f = cfg.init_lr_frac
