@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,16 +123,16 @@ class EarlierRun:
         step): the tag is left with a latest.json naming `after`, the step this run resumed from, so
         a first save that then fails (no room) leaves --resume latest|auto this run's start, not no
         record at all (auto: a fresh start). Written before any step moves; if it cannot be, the old
-        one goes back (a rename: no room needed), naming steps that are all still here."""
+        one is still in place, naming steps that are all still here."""
         kept = moving / LATEST_NAME
-        os.replace(latest, kept)
         if self.after is None or not (self.ckpt_dir / step_dirname(self.after)).is_dir():
+            os.replace(latest, kept)
             return
-        try:
-            write_json(latest, {"step": self.after, "dir": step_dirname(self.after)})
-        except OSError:
-            os.replace(kept, latest)
-            raise
+        # a copy goes with the moved steps, then write_json's atomic replace: the tag has a latest.json
+        # at every instant (a kill between a move and the new write left none: --resume auto, what a
+        # setup.sh rerun passes, then started the stage afresh)
+        shutil.copy2(latest, kept)
+        write_json(latest, {"step": self.after, "dir": step_dirname(self.after)})
 
     def _moves(self, step: int | None) -> bool:
         """Whether the step's files go with this run (every one, unless a branch's: those past `after`)."""
@@ -163,9 +164,12 @@ def _joins(leftover: Path, ckpt_dir: Path, steps: list[int], after: int | None) 
         return True
     latest = ckpt_dir / LATEST_NAME
     try:
-        planned = set(json.loads((leftover / MOVE_RECORD).read_text())["steps"])
+        record = json.loads((leftover / MOVE_RECORD).read_text())
+        planned = set(record["steps"])
     except (OSError, ValueError, TypeError, KeyError):   # a move from before the record: latest.json decides
         return not latest.exists()
+    if after is not None and record.get("after") == after and not _holds_steps(leftover):
+        return set(steps) <= planned   # the same branch, cut short after copying latest.json: nothing else moved
     named = _latest_step(latest) if latest.exists() else None
     return set(steps) <= planned and (not latest.exists() or (after is not None and named is not None
                                                               and named <= after))
@@ -173,6 +177,33 @@ def _joins(leftover: Path, ckpt_dir: Path, steps: list[int], after: int | None) 
 
 def _holds_nothing_moved(moving: Path) -> bool:
     return not any(p.name == LATEST_NAME or p.name.startswith("step_") for p in moving.iterdir())
+
+
+def _holds_steps(moving: Path) -> bool:
+    return any(p.name.startswith("step_") for p in moving.iterdir())
+
+
+def finish_cut_short_moves(ckpt_dir) -> list[Path]:
+    """A move killed after its last step went in, before earlier_runs/<N>.moving became <N>, left
+    nothing for a rerun to move (no later step, no earlier run): nothing renamed it, and the folder
+    the banner named never appeared. Each such leftover whose record's steps are all in it gets its
+    final name now (every start of a recipe; idempotent, and a rank that loses the race to another
+    sees it done). Returns the folders named."""
+    root = Path(ckpt_dir) / EARLIER_RUNS
+    named = []
+    for moving in sorted(root.glob("*.moving")) if root.is_dir() else ():
+        final = root / moving.name.removesuffix(".moving")
+        try:
+            steps = json.loads((moving / MOVE_RECORD).read_text())["steps"]
+            if final.exists() or not all((moving / step_dirname(int(s))).is_dir() for s in steps):
+                continue
+            os.replace(moving, final)
+            (final / MOVE_RECORD).unlink(missing_ok=True)
+        except (OSError, ValueError, TypeError, KeyError):   # no record, unreadable, or another rank's rename
+            continue
+        print0(f"finished moving an earlier run's checkpoints (steps {steps}) to {final}, cut short before")
+        named.append(final)
+    return named
 
 
 def _record_move(moving: Path, steps: list[int], after: int | None) -> None:
@@ -235,6 +266,7 @@ def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | N
     they move to earlier_runs/<N>/ at this run's first save; otherwise refused, naming the ways on.
     None: the directory holds no checkpoints."""
     ckpt_dir = Path(ckpt_dir)
+    finish_cut_short_moves(ckpt_dir)
     steps = list_steps(ckpt_dir)
     if not steps:
         return None
@@ -254,6 +286,7 @@ def branch_start(ckpt_dir, step: int, flag: str) -> EarlierRun | None:
     its saves replaced them one by one (days of training of that branch gone, the rest mixed with
     this run's: a later --resume N took either). They move to earlier_runs/<N>/ at this run's
     first save, with latest.json where it names one of them. None: no later step."""
+    finish_cut_short_moves(ckpt_dir)
     later = [s for s in list_steps(ckpt_dir) if s > step]
     return EarlierRun(ckpt_dir, later, flag, after=step) if later else None
 

@@ -217,8 +217,10 @@ RESUME_FLAGS = {"test_holdout": "--test-holdout", "data_dir": "--data-dir", "see
                 "examples_per_step": "--examples-per-step", "num_samples": "--num-samples"}
 # config fields a resume's say_config_changes leaves out: the schedule's line and the optimizer's name
 # theirs, resume_mismatch and start_point refuse a change of the others (--source: the run's own weights)
+# (not --data-dir: resume_mismatch compares only the training file it gives; a new one that changes
+# only the test file scored is said in the line of changed flags)
 SAID_ON_RESUME = ("resume", "overwrite", "model_tag", "source", "step", "num_iterations", "matrix_lr", "embedding_lr",
-                  "unembedding_lr", "scalar_lr", "init_lr_frac", *RESUME_FLAGS)
+                  "unembedding_lr", "scalar_lr", "init_lr_frac", *(k for k in RESUME_FLAGS if k != "data_dir"))
 
 
 def resume_mismatch(meta: dict, cfg: ChatRLConfig, world_size: int = 1, fingerprint: str | None = None,

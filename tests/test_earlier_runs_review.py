@@ -153,3 +153,65 @@ def test_base_train_passes_the_earlier_run_to_the_disk_plan(env, base_dir, monke
     with pytest.raises(ck.CheckpointError, match=r"--overwrite frees none of it: the earlier run's checkpoints "
                                                  r"\(steps \[1\]"):
         base_train.main(args + env)
+
+
+class _Killed(BaseException):
+    """A kill at that instant: nothing after it runs, no `except OSError` sees it."""
+
+
+def test_a_branch_kill_between_moving_and_rewriting_latest_leaves_a_latest(tmp_path, monkeypatch):
+    """latest.json (naming 4) was moved into the move first and a new one naming the resumed step 2
+    written after: a kill between the two left the tag with none, so --resume latest was refused and
+    --resume auto (a setup.sh rerun) started the stage afresh. The rerun of the same command joins."""
+    d = tmp_path / "ck"
+    _run(d, (2, 4), latest=4)
+
+    def killed(path, obj):
+        raise _Killed
+    monkeypatch.setattr(cr, "write_json", killed)
+    with pytest.raises(_Killed):
+        ck.branch_start(d, 2, "--resume 2").settle()
+    monkeypatch.undo()
+    assert ck.read_latest(d) == 4 and ck.list_steps(d) == [2, 4]   # untouched: a latest.json at every instant
+    assert cr.resolve_resume("auto", d, log=lambda _: None) == "latest"
+    assert ck.branch_start(d, 2, "--resume 2").settle() == d / "earlier_runs" / "1"
+    assert sorted(p.name for p in (d / "earlier_runs").iterdir()) == ["1"]
+    assert ck.list_steps(d / "earlier_runs" / "1") == [4] and ck.read_latest(d / "earlier_runs" / "1") == 4
+    assert ck.list_steps(d) == [2] and ck.read_latest(d) == 2
+
+
+def test_a_move_killed_before_its_final_rename_gets_its_name_at_the_next_start(tmp_path, monkeypatch):
+    """Every step went into earlier_runs/1.moving, then a kill before it was renamed to 1: a rerun has
+    no later step (branch) or no earlier run (fresh start) to move, so nothing ever renamed it and the
+    folder the banner named never appeared."""
+    real = os.replace
+
+    def killed_at_the_end(src, dst):
+        if str(src).endswith(".moving"):
+            raise _Killed
+        return real(src, dst)
+    for start in ("branch", "fresh"):
+        d = tmp_path / start
+        _run(d, (2, 4, 6), latest=6)
+        monkeypatch.setattr(cr.os, "replace", killed_at_the_end)
+        with pytest.raises(_Killed):
+            (ck.branch_start(d, 2, "--resume 2") if start == "branch" else
+             ck.fresh_start(d, None, overwrite=True)).settle()
+        monkeypatch.undo()
+        moving, final = d / "earlier_runs" / "1.moving", d / "earlier_runs" / "1"
+        assert ck.list_steps(moving) == ([4, 6] if start == "branch" else [2, 4, 6]) and not final.exists()
+        again = ck.branch_start(d, 2, "--resume 2") if start == "branch" else ck.fresh_start(d, None, overwrite=True)
+        assert again is None
+        assert not moving.exists() and ck.list_steps(final) == ([4, 6] if start == "branch" else [2, 4, 6])
+        assert not (final / cr.MOVE_RECORD).exists()
+
+
+def test_chat_rl_names_a_changed_data_dir_on_resume():
+    """chat_rl's refusal compares only the training file --data-dir gives: a new --data-dir that
+    changes only the test file scored was accepted without a word (it was among the fields said)."""
+    from nanochat.resume_checks import say_config_changes
+    from scripts.chat_rl import SAID_ON_RESUME
+
+    lines = say_config_changes({"data_dir": "/data/a", "seed": 1}, {"data_dir": "/data/b", "seed": 1},
+                               said=SAID_ON_RESUME)
+    assert any("--data-dir /data/a -> /data/b" in line for line in lines), lines
