@@ -124,7 +124,8 @@ def test_truncated_shard_on_resume_is_named_at_construction(binned):
     state = _state_after_one_batch(data_dir)
     path = bs.default_bin_dir(data_dir) / "shard_00001.bin"
     path.write_bytes(path.read_bytes()[:-16])
-    with pytest.raises(DataError, match=r"shard_00001\.bin: truncated or corrupt .*scripts\.pretokenize --force"):
+    with pytest.raises(DataError, match=r"shard_00001\.bin: truncated or corrupt .*delete it, then re-create it with "
+                                        r"`python -m scripts\.pretokenize --data-dir "):
         loader(data_dir, "bin", prefetch=0).load_state_dict(state)
 
 
