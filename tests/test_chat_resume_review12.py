@@ -17,11 +17,9 @@ import pytest
 from nanochat import checkpoint as ck
 from nanochat.loop import CPU_OUT_OF_MEMORY, StopRequested
 from tests.test_engine import tiny_chat_model
+from tests.test_chat_stage_review import train_tiny_base
 
 TAG = "r12"
-BASE = ["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-        "--device-batch-size", "2", "--total-batch-size", "128", "--window-pattern", "L", "--sample-every", "-1",
-        "--eval-every", "-1", "--no-compile", "--model-tag", TAG, "--num-iterations", "1"]
 MID = ["--device", "cpu", "--model-tag", TAG, "--device-batch-size", "2", "--max-seq-len", "64",
        "--total-batch-size", "128", "--test-holdout", "50", "--eval-every", "-1", "--no-compile",
        "--save-every", "1"]
@@ -31,13 +29,7 @@ DIFFER = "--resume: these flags differ from the checkpoint's run, and this run's
 @pytest.fixture(scope="module")
 def base_ckpt(base_dir, tiny_corpus):
     """base/r12 step 1 (a depth-1 model of 64-token rows) in the module's base dir."""
-    from scripts import base_train
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE", "NANOCHAT_SETUP_STAGE"):
-            mp.delenv(var, raising=False)
-        base_train.main(BASE + ["--data-dir", str(tiny_corpus)])
-    return base_dir
+    return train_tiny_base(base_dir, tiny_corpus, TAG)
 
 
 @pytest.fixture

@@ -17,23 +17,28 @@ import torch
 from nanochat import checkpoint as ck
 
 TAG = "rv"
-BASE = ["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-        "--device-batch-size", "2", "--total-batch-size", "128", "--window-pattern", "L", "--sample-every", "-1",
-        "--eval-every", "-1", "--no-compile", "--model-tag", TAG, "--num-iterations", "1"]
 MID = ["--device", "cpu", "--model-tag", TAG, "--device-batch-size", "2", "--max-seq-len", "64",
        "--total-batch-size", "128", "--test-holdout", "50", "--eval-tokens", "128", "--no-compile"]
+
+
+def train_tiny_base(base_dir, tiny_corpus, tag: str):
+    """base/<tag> step 1 (a depth-1 model of 64-token rows) in base_dir: the chat-stage tests' start."""
+    from scripts import base_train
+    argv = ["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+            "--device-batch-size", "2", "--total-batch-size", "128", "--window-pattern", "L", "--sample-every", "-1",
+            "--eval-every", "-1", "--no-compile", "--model-tag", tag, "--num-iterations", "1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE", "NANOCHAT_SETUP_STAGE"):
+            mp.delenv(var, raising=False)
+        base_train.main(argv + ["--data-dir", str(tiny_corpus)])
+    return base_dir
 
 
 @pytest.fixture(scope="module")
 def base_ckpt(base_dir, tiny_corpus):
     """base/rv step 1 (a depth-1 model of 64-token rows) in the module's base dir."""
-    from scripts import base_train
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_BASE_DIR", str(base_dir))
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NANOCHAT_DTYPE", "NANOCHAT_SETUP_STAGE"):
-            mp.delenv(var, raising=False)
-        base_train.main(BASE + ["--data-dir", str(tiny_corpus)])
-    return base_dir
+    return train_tiny_base(base_dir, tiny_corpus, TAG)
 
 
 @pytest.fixture
