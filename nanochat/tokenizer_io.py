@@ -48,23 +48,6 @@ def _stage(path: Path, write) -> str:
     return tmp
 
 
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory: a file's own fsync makes its bytes durable, not the rename that gave it
-    its name, so without this a power cut after a save could bring back the old tokenizer.pkl (or
-    one new file of the pair beside an old one). A filesystem that cannot open or sync a directory
-    is skipped: the renames are atomic all the same."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
     """Write every (path, write) pair through temp files and os.replace, then fsync their
     directories. All temp files are written before the first replace: a failure while writing
@@ -82,5 +65,9 @@ def _atomic_write_all(files: list[tuple[Path, object]]) -> None:
         for tmp, _ in staged:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    # a file's own fsync makes its bytes durable, not the rename that named it: without the
+    # directory's, a power cut after a save could bring back the old tokenizer.pkl (or one new file
+    # of the pair beside an old one). (torch is loaded already: the pair's token_bytes.pt is torch.save's)
+    from nanochat.checkpoint_io import fsync_dir
     for directory in dict.fromkeys(path.parent for path, _ in files):
-        _fsync_dir(directory)
+        fsync_dir(directory)
