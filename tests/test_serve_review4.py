@@ -113,9 +113,13 @@ def test_load_test_server_drains_on_sigterm(tiny_corpus, monkeypatch):
     from tests.test_serve_shutdown import assert_shutdown_event
 
     forward, create_app, stops = gpt.GPT.forward, server.create_app, []
+    signalled, steps = threading.Event(), []
 
-    def slow(self, *a, **kw):   # ~30 tokens/s once warm, never a stop token: still answering at the signal
-        time.sleep(0.03)
+    def slow(self, *a, **kw):   # ~30 tokens/s, never a stop token, and held after 20 steps until the
+        time.sleep(0.03)        # signal: still answering at it however slowly a loaded machine runs
+        steps.append(1)
+        if len(steps) > 20:
+            signalled.wait(timeout=60)
         logits = forward(self, *a, **kw)
         logits[..., stops] = float("-inf")
         return logits
@@ -141,8 +145,8 @@ def test_load_test_server_drains_on_sigterm(tiny_corpus, monkeypatch):
         try:
             if not wait_until(up, timeout=30):
                 return
-            # the running answer may take 450 tokens (>= 13.5 s at the slowed step): still running at
-            # the signal however slowly a loaded 2-core CI machine gets the queued one waiting
+            # the running answer (450 tokens) is held after 20 steps until the signal: a bound by
+            # tokens alone ended it before the signal on a loaded 2-core CI machine
             threads = [threading.Thread(target=_stream, args=(url, out, n, m), daemon=True)
                        for n, m in (("running", 450), ("queued", 200))]
             threads[0].start()
@@ -152,11 +156,13 @@ def test_load_test_server_drains_on_sigterm(tiny_corpus, monkeypatch):
             time.sleep(0.2)
             result["t0"] = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)   # delivered to the main thread, as a kill would be
+            signalled.set()
             for t in threads:
                 t.join(timeout=10)
         finally:
             if "t0" not in result:   # the server never came up or never got busy: stop it anyway
                 os.kill(os.getpid(), signal.SIGTERM)
+            signalled.set()
 
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: seen.append(sig))
