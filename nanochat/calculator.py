@@ -26,11 +26,20 @@ MAX_NODES = 100             # bounds the work of the tree walk
 MAX_INT_BITS = 1024         # ~308 decimal digits; every intermediate int is checked
 MAX_STRING_CHARS = 200      # literals handed to .count()
 
+def _div(a, b):
+    """`a / b`, an exact int when both are ints and b divides a: Python's true division rounds every
+    quotient to a double, so 2**60 / 2 lost its last digits (and anything past 2**53 could); where
+    the quotient is not whole, or a side is a float, the float quotient as before."""
+    if type(a) is int and type(b) is int and b and a % b == 0:
+        return a // b
+    return a / b
+
+
 _BINOPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
+    ast.Div: _div,
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
@@ -141,10 +150,18 @@ def evaluate(expr: str) -> int | float:
 
 
 def format_result(value: int | float) -> str:
-    """How a result is written back into the token stream."""
+    """How a result is written back into the token stream. An int (and a quotient of ints that
+    divides, see _div) exactly, every digit. A whole float as an integer below 1e16 (6/2.0 -> "3",
+    like a person would write it): it is exact there (every integer to 2**53 is a double, and a whole
+    double below 1e16 has no more digits than repr shows), where 15 significant digits wrote
+    1e15 + 1 as "1e+15". Larger floats (and any past 1e15 with a fraction) in repr's shortest
+    form that reads back as the same double ("1.152921504606847e+18", "1e+20"), not 15 digits that
+    do not. Other floats with 15 significant digits, which hides binary noise (0.1 + 0.2 -> "0.3")."""
     if isinstance(value, float):
-        if value.is_integer() and abs(value) < 1e15:
-            return str(int(value))  # 6/2 -> "3", like a person would write it
+        if value.is_integer() and abs(value) < 1e16:
+            return str(int(value))
+        if abs(value) >= 1e15:
+            return repr(value)
         # 15 significant digits: every decimal a double holds exactly enough to print back (0.1 + 0.2
         # shows as 0.3, not 0.30000000000000004), where 12 wrote 100000000000.5 + 1 as 100000000002
         text = format(value, ".15g")
@@ -157,8 +174,21 @@ def format_result(value: int | float) -> str:
 
 
 def use_calculator(expr: str) -> str | None:
-    """The tool entry point: the result as text, or None when the expression is refused."""
+    """The result as text, or None when the expression is refused (what training data and the
+    chat API's history check compare against; the engine forces `tool_output`)."""
     try:
         return format_result(evaluate(expr))
     except CalculatorError:
         return None
+
+
+# What the engine forces as a refused call's output: the call then reads "<<2^3=error>>" in the chat
+# and the API, not "<<2^3=>>" (an empty result that looked like a display glitch), and the model
+# sees that no number came back. One short word: forced tokens count toward max_tokens.
+REFUSED_OUTPUT = "error"
+
+
+def tool_output(expr: str) -> str:
+    """The tool's output for a call: use_calculator's result, or REFUSED_OUTPUT for a refused one."""
+    result = use_calculator(expr)
+    return REFUSED_OUTPUT if result is None else result

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
-from nanochat.calculator import use_calculator
+from nanochat.calculator import tool_output, use_calculator
 
 ROLES = ("system", "user", "assistant")
 # A calculator call as the server streams it (nanochat.engine.TOOL_TEXT): "<<expr=result>>"
@@ -313,14 +313,16 @@ def tool_call_parts(text: str) -> str | list[dict]:
     <|output_end|>` as "<<expr=result>>" (TOOL_TEXT); a client sends that text back as history,
     and rendered as plain text it is not what the model wrote nor what SFT trained on (GSM8K calls
     are python / python_output parts). So every "<<expr=result>>" whose result is exactly what
-    the engine's calculator forces for expr becomes those parts again, as does "<<expr=>>" for an
-    expr the calculator refuses (the engine forces an empty output there); anything else (a
+    the engine's calculator forces for expr becomes those parts again, "<<expr=error>>" for an
+    expr the calculator refuses included (calculator.tool_output; "<<expr=>>", what the engine
+    forced there before, too); anything else (a
     cut-off call, a wrong result, text that only looks like one) stays text. Returns `text`
     unchanged when it holds no such call."""
     parts, pos = [], 0
     for m in _TOOL_CALL.finditer(text):
         expr, eq, result = m.group(1).rpartition("=")
-        if not eq or (use_calculator(expr) or "") != result:
+        # a refused call's "" too: what the engine forced before REFUSED_OUTPUT (older transcripts)
+        if not eq or (result != tool_output(expr) and (result or use_calculator(expr) is not None)):
             continue
         if m.start() > pos:
             parts.append({"type": "text", "text": text[pos:m.start()]})

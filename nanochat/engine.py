@@ -13,7 +13,8 @@ reproducible; temperature 0 (or top-k 1) is greedy. On CUDA a step's draw is one
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
 `<|output_start|> result <|output_end|>` is forced into that row, one token per step, with mask 0.
-A call the calculator refuses gets an empty `<|output_start|><|output_end|>` (shown "<<expr=>>").
+A call the calculator refuses gets `<|output_start|>error<|output_end|>` (calculator.REFUSED_OUTPUT,
+shown "<<expr=error>>").
 
 A row finishes at its first stop token (default `<|assistant_end|>` and `<|bos|>`); the stop
 token is yielded, and after it the row repeats that token with mask 0 until every row is done.
@@ -62,7 +63,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from nanochat.calculator import use_calculator
+from nanochat.calculator import tool_output
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
 from nanochat.sampling import MAX_SEED, Sampler, resolve_sampler
 from nanochat.tokenizer import assistant_parts  # noqa: F401  (lives with the chat rendering it inverts)
@@ -402,11 +403,11 @@ class Engine:
             row.in_python, row.expr = True, []
         elif token == self._python_end and row.in_python:
             row.in_python = False
-            result = use_calculator(self.tokenizer.decode(row.expr))
-            # a refused call gets an empty output block: left open, a model that learned output
+            # a refused call gets a closed output block too: left open, a model that learned output
             # blocks (midtraining trains on them) writes one itself, a made-up result that streams as
-            # "<<expr=7>>" like a real one and that RL then trains on (mask 1)
-            body = self.tokenizer.encode(result) if result is not None else []
+            # "<<expr=7>>" like a real one and that RL then trains on (mask 1). It holds
+            # calculator.REFUSED_OUTPUT ("error"): empty, it showed as "<<expr=>>", a result gone missing
+            body = self.tokenizer.encode(tool_output(self.tokenizer.decode(row.expr)))
             row.forced.extend([self._output_start, *body, self._output_end])
         elif row.in_python:
             row.expr.append(token)

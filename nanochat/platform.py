@@ -17,6 +17,8 @@ Owns:
 - `patch_cpu_amx()` (CPU bf16 on VMs that advertise AMX, run by init_runtime; in
   nanochat/cpu_patches.py) and `usable_sms()` (the SMs a process may hold, e.g. under CUDA MPS;
   in device_table.py).
+- `prepare_te_import()` (Transformer Engine made to load torch's own cuDNN; in nanochat/te_cudnn.py,
+  re-exported here with `torch_cudnn_dir()`).
 - `python -m nanochat.platform`: a preflight report, built by nanochat/preflight.py.
 The toolchain's version probes (Triton, the ptxas binaries and what an arch needs) live in
 nanochat/toolchain.py and are re-exported here; the ptxas patch that acts on them stays here.
@@ -43,6 +45,7 @@ from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,
                                    spec_from_props, usable_sms)
 from nanochat.cpu_patches import AMX_FALLBACK_ISA, ONEDNN_ISA_ENV, _bf16_matmul_in_child, patch_cpu_amx  # noqa: F401
 from nanochat.errors import RequestError
+from nanochat.te_cudnn import _CUDNN_LOAD_ORDER, prepare_te_import, torch_cudnn_dir  # noqa: F401 (re-exported)
 from nanochat.memory_limits import (CGROUP_ROOT, MEMINFO, PROC_SELF_CGROUP, memory_budget_bytes,  # noqa: F401
                                     unified_memory_budget)
 from nanochat.toolchain import (_bundled_ptxas_by_triton, _version_tuple, bundled_ptxas_version,  # noqa: F401
@@ -382,63 +385,6 @@ def patch_memory_cap(spec: DeviceSpec, ctx: PatchContext) -> str | None:
 def memory_cap_bytes() -> int | None:
     """The cap patch_memory_cap set in this process (None: none), for out-of-memory hints."""
     return _MEMORY_CAP[0] if _MEMORY_CAP else None
-
-
-def torch_cudnn_dir() -> str | None:
-    """The folder of the cuDNN that torch's wheel depends on (pip package nvidia-cudnn-*), or None."""
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("nvidia.cudnn")
-    except ImportError:   # no `nvidia` namespace at all
-        return None
-    for path in (spec.submodule_search_locations or []) if spec else []:
-        if os.path.isdir(os.path.join(path, "lib")):
-            return path
-    return None
-
-
-# cuDNN 9's libraries in load order: each one's dependencies first (their RUNPATH is $ORIGIN)
-_CUDNN_LOAD_ORDER = ("graph", "ops", "heuristic", "engines_runtime_compiled", "engines_precompiled",
-                     "engines_tensor_ir", "cnn", "adv", "ext")
-
-
-def prepare_te_import(env: MutableMapping[str, str] | None = None, cudnn_dir: str | None = None,
-                      loader: Callable[[str], Any] | None = None, te_installed: bool | None = None) -> str | None:
-    """Call before importing Transformer Engine: make it use torch's own cuDNN.
-    Why: TE 2.x dlopens libcudnn from CUDNN_HOME / CUDNN_PATH / CUDA_HOME / /usr/local/cuda or the
-    loader path *before* the pip package torch uses (`transformer_engine/common/__init__.py`,
-    `_load_cuda_library`), and its core library names every cuDNN sub-library (libcudnn_cnn.so.9,
-    ...) with no RUNPATH, so the dynamic loader takes whichever it finds first. Where the system has
-    another cuDNN 9 (the H100 box: 9.14 in /lib beside torch 2.11's 9.19, 2026-11-24) the versions mix:
-    TE's import fails ("libcudnn_cnn.so.9: undefined symbol ... version libcudnn_graph.so.9") or torch
-    refuses cuDNN ("cuDNN version incompatibility"). So: CUDNN_HOME = torch's cuDNN folder (unless
-    the user set CUDNN_HOME / CUDNN_PATH), and torch's cuDNN libraries loaded globally, dependencies
-    first, so every later lookup by name finds them. Targets TE 2.x with torch wheels that ship
-    cuDNN as a pip package (torch >= 2.1). Without TE installed it does nothing: loading ~1 GB of
-    cuDNN libraries for a module that will not import only costs start-up time and memory.
-    Returns the patch name, or None when nothing applied."""
-    env = os.environ if env is None else env
-    if te_installed is None:
-        import importlib.util
-        te_installed = importlib.util.find_spec("transformer_engine") is not None
-    if not te_installed or env.get("CUDNN_HOME") or env.get("CUDNN_PATH"):
-        return None
-    cudnn_dir = cudnn_dir if cudnn_dir is not None else torch_cudnn_dir()
-    if not cudnn_dir:
-        return None
-    env["CUDNN_HOME"] = cudnn_dir
-    if loader is None:
-        import ctypes
-        loader = lambda path: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)   # noqa: E731
-    libs = {}
-    for name in os.listdir(os.path.join(cudnn_dir, "lib")):
-        if name.startswith("libcudnn") and ".so" in name:
-            libs[name.split(".so")[0].removeprefix("libcudnn").lstrip("_") or "main"] = name
-    rank = {k: i for i, k in enumerate(_CUDNN_LOAD_ORDER)}
-    for key in sorted(libs, key=lambda k: (k == "main", rank.get(k, len(rank)), k)):
-        loader(os.path.join(cudnn_dir, "lib", libs[key]))
-    _log_once("te_cudnn", f"Transformer Engine: torch's cuDNN ({cudnn_dir}) loaded first, CUDNN_HOME set")
-    return "te_cudnn"
 
 
 def patch_capture_scalar_outputs(spec: DeviceSpec, ctx: PatchContext, kernel: str, compile: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""Pretraining recipes: what `base_train --recipe v1|v2` stands for, scaled to this run.
+"""Pretraining recipes: what `base_train --recipe v1|v2` stands for, scaled to this run, and the
+run's horizon (`Horizon`: --num-iterations, --target-flops or --target-param-data-ratio).
 
 A recipe is the optimizer's hyperparameters and schedules. Its values are stated for upstream
 nanochat's reference point, d12 at 2^19 tokens a step; `resolve_recipe` turns them into the numbers
@@ -114,6 +115,54 @@ class ResolvedRecipe:
         if self.overridden:
             parts.append("flags: " + " ".join("--" + f.replace("_", "-") for f in self.overridden))
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """How long base_train trains: --num-iterations when given, else a --target-flops compute budget,
+    else --target-param-data-ratio x scaling params (base_train refuses --num-iterations with
+    --target-flops); and the token horizon the auto batch and v2's weight decay scale to."""
+
+    num_iterations: int          # the flag; -1: from the budget or the ratio
+    target_flops: float          # the flag; -1: off
+    ratio: float                 # --target-param-data-ratio
+    flops_per_token: float
+    scaling_params: int
+    ref_scaling_params: int      # the reference depth's (d12)
+    ratio_given: bool = False    # a --target-param-data-ratio other than the default (said when unused)
+
+    @property
+    def target_tokens(self) -> float:
+        if self.target_flops > 0:
+            return self.target_flops / self.flops_per_token
+        return self.ratio * self.scaling_params
+
+    @property
+    def ref_tokens(self) -> float:
+        """d12's horizon at this run's tokens : params ratio (so target / ref depends on the depth alone)."""
+        if self.target_flops > 0:
+            return self.target_tokens * self.ref_scaling_params / self.scaling_params
+        return self.ratio * self.ref_scaling_params
+
+    def steps(self, total_batch_size: int) -> int:
+        if self.num_iterations > 0:
+            return self.num_iterations
+        return max(1, int(self.target_tokens // total_batch_size))
+
+    def describe(self, total_batch_size: int) -> str:
+        """The banner's iterations row: the steps and the arithmetic behind them, a horizon shorter
+        than one step (trained as one) and a --target-param-data-ratio that sets nothing said."""
+        steps = self.steps(total_batch_size)
+        unused = f"; --target-param-data-ratio {self.ratio:g} unused" if self.ratio_given else ""
+        if self.num_iterations > 0:
+            return f"{steps:,} (from --num-iterations{unused})"
+        tokens = self.target_tokens
+        how = (f"--target-flops {self.target_flops:.4g} / {self.flops_per_token:.4e} FLOPs per token"
+               if self.target_flops > 0 else
+               f"--target-param-data-ratio {self.ratio:g} x {self.scaling_params:,} scaling params")
+        short = (f", less than one step: trained as 1 step of {total_batch_size:,} tokens"
+                 if tokens < total_batch_size else f" / {total_batch_size:,} tokens a step")
+        return f"{steps:,} ({how} = {tokens:,.0f} tokens{short}{unused if self.target_flops > 0 else ''})"
 
 
 def small_batch_hint(recipe: ResolvedRecipe, total_batch_size: int) -> str | None:

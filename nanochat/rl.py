@@ -20,13 +20,19 @@ is set (the KV cache of one call then holds a chunk, not all `num_samples`), chu
 seed derived from the problem's. `decode` is the Engine's decode mode: "graphs" replays CUDA graphs
 of the plain model (graph step eager: no compile wait), which reads the weights in place, so the
 optimizer's updates are seen by the next rollout without a new capture.
+Out of memory in a step: one line naming the flag that cuts what ran out (--sample-batch-size for the
+rollouts' KV cache, --device-batch-size for the backward, --max-new-tokens once either is at 1), a
+value for it and the whole command that resumes the last checkpoint with it (`command`, chat_rl's).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -135,18 +141,22 @@ class PolicyGradientTrainer:
     def __init__(self, model, train_model, optimizer, task, tokenizer, schedule, rt, *, examples_per_step: int,
                  num_samples: int, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = 50,
                  device_batch_size: int = 8, seed: int = 42, pos: int = 0, sample_batch_size: int = 0,
-                 decode: str = "eager"):
+                 decode: str = "eager", command: Callable[..., str] | None = None):
         from nanochat.engine import Engine
         self.model, self.train_model, self.optimizer, self.task = model, train_model, optimizer, task
         self.tokenizer, self.schedule, self.rt = tokenizer, schedule, rt
         self.engine = Engine(model, tokenizer, decode=decode, graph_step="eager")
         self.examples_per_step, self.num_samples = examples_per_step, num_samples
-        self.sample_rows = sample_batch_size or num_samples   # rows per sampling call (0: the whole group)
+        self.sample_batch_size = sample_batch_size              # the flag (0: the whole group in one call)
+        self.sample_rows = sample_batch_size or num_samples   # rows per sampling call
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
         self.device_batch_size, self.seed = device_batch_size, seed
         self.pos = pos                     # problems consumed so far (all ranks)
         self.skipped = 0                   # prompts skipped so far (all ranks): the summary's count
         self.last_checkpoint: str | None = None
+        # (**flag overrides, resume=STEP) -> the command that continues the run from STEP (no resume:
+        # the run's own command, before its first save): what an out-of-memory stop says to run
+        self.command = command
 
     def loader_state(self) -> dict:
         return {"pos": self.pos, "skipped": self.skipped}
@@ -240,17 +250,19 @@ class PolicyGradientTrainer:
         for index, (conv, prompt, budget) in zip(problems, prompts):
             if budget < 1:
                 continue
-            seqs, masks, advantages, rs = self._rollout(index, conv, prompt, budget)
+            with self._memory_stop(step, "sampling", len(prompt) + budget):
+                seqs, masks, advantages, rs = self._rollout(index, conv, prompt, budget)
             rewards += rs
             lengths += [len(s) for s in seqs]
             inputs, targets, adv = rollout_batch(seqs, masks, advantages, self.tokenizer.bos_token_id, rt.device)
             count = (targets >= 0).sum().clamp(min=1)
-            for b in range(0, inputs.size(0), self.device_batch_size):
-                sl = slice(b, b + self.device_batch_size)
-                loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl])
-                loss = loss_sum / count / trained_all * rt.world_size  # the optimizer averages ranks
-                loss.backward()
-                total_loss += float(loss.detach())
+            with self._memory_stop(step, "training", inputs.size(1)):
+                for b in range(0, inputs.size(0), self.device_batch_size):
+                    sl = slice(b, b + self.device_batch_size)
+                    loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl])
+                    loss = loss_sum / count / trained_all * rt.world_size  # the optimizer averages ranks
+                    loss.backward()
+                    total_loss += float(loss.detach())
             tokens += inputs.numel()
         # tokens too: ranks roll out different lengths (and skip different prompts), so a rank's own
         # count x world size is not the step's, and each rank's tok/s would say another figure
@@ -274,3 +286,65 @@ class PolicyGradientTrainer:
         extra = {"reward": reward_sum / n, "seq_len": len_sum / n} if n else {}
         extra["skipped"] = int(skipped_all)
         return RLStepResult(step, loss_f, lrm, time.perf_counter() - t0, int(tokens_all), None, extra)
+
+    @contextmanager
+    def _memory_stop(self, step: int, phase: str, tokens: int):
+        """Out of memory inside the block: a RequestError (one line, exit 2) saying what to lower
+        (out_of_memory_hint), in place of torch's traceback or the loop's generic device-batch hint."""
+        from nanochat.errors import RequestError
+        from nanochat.tasks.evaluate import out_of_memory_kind
+        try:
+            yield
+        except RuntimeError as e:
+            memory = out_of_memory_kind(e)
+            if memory is None:
+                raise
+            raise RequestError(self.out_of_memory_hint(step, phase, tokens, memory)) from e
+
+    def out_of_memory_hint(self, step: int, phase: str, tokens: int, memory: str) -> str:
+        """The flag that cuts what ran out, a value for it and the command to run. "sampling": the
+        KV cache of one Engine call, --sample-batch-size rows (0: a problem's whole group) of up to
+        `tokens`; "training": a forward/backward of --device-batch-size sequences (at most a group:
+        chunks never span problems). At one row, --max-new-tokens. The command resumes the last
+        checkpoint at the lower value, or before the first save runs the run's own command with it."""
+        if phase == "sampling":
+            rows, flag, name = min(self.sample_rows, self.num_samples), "--sample-batch-size", "sample_batch_size"
+            # a divisor of the group: every call the same size (one cache, and graph, under --decode graphs)
+            lower = max(d for d in range(1, max(1, rows // 2) + 1) if self.num_samples % d == 0)
+            given = self.sample_batch_size
+            what = (f"while sampling rollouts: a KV cache of {rows} rows x up to {tokens} tokens ({flag} {given}"
+                    + (f": a problem's {self.num_samples} samples in one call)" if given == 0 else ")"))
+            effect = f"a problem's {self.num_samples} samples drawn {lower} at a time"
+        else:
+            rows, flag, name = min(self.device_batch_size, self.num_samples), "--device-batch-size", "device_batch_size"
+            lower = max(1, rows // 2)
+            what = (f"in the policy-gradient forward/backward: {rows} sequences x up to {tokens} tokens ({flag} "
+                    f"{self.device_batch_size})")
+            effect = "the same gradient, summed over more chunks"
+        head = f"out of {memory} in step {step} {what}{_peak_memory(memory)}"
+        if rows > 1:
+            advice, overrides = f"lower {flag} (e.g. {lower}: {effect})", {name: lower}
+        elif self.max_new_tokens > 1:
+            shorter = self.max_new_tokens // 2
+            advice = f"{flag} is at 1: lower --max-new-tokens (now {self.max_new_tokens}, e.g. {shorter}: shorter rollouts)"
+            overrides = {"max_new_tokens": shorter}
+        else:
+            return f"{head}; every flag is at its smallest: the model leaves too little memory on this device"
+        if self.command is None:
+            return f"{head}; {advice}"
+        # its step, not latest: a run resumed from an older step has not moved latest.json yet
+        last = Path(self.last_checkpoint or "").name.removeprefix("step_")
+        if last.isdigit():
+            return f"{head}; {advice}; resume with: {self.command(**overrides, resume=str(int(last)))}"
+        return f"{head}; {advice}; run again with: {self.command(**overrides)}"
+
+
+def _peak_memory(memory: str) -> str:
+    """" (N GiB allocated at the peak of M GiB)" for a CUDA device (M: the unified-memory cap, if
+    platform set one), "" otherwise."""
+    if memory != "GPU memory" or not torch.cuda.is_available():
+        return ""
+    from nanochat.platform import memory_cap_bytes
+    dev = torch.cuda.current_device()
+    limit = memory_cap_bytes() or torch.cuda.get_device_properties(dev).total_memory
+    return f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit / 2**30:.1f} GiB)"

@@ -8,6 +8,7 @@ models and runs it with uvicorn):
     GET  /v1/models             the served model (and /v1/models/{id}: it, or 404 model_not_found)
     GET  /health                liveness, free generation slots, sampling defaults (never needs the API key)
     GET  /stats                 counters and per-replica state
+    (every GET route answers HEAD too: monitors and gateways probe with it)
 
 Concurrency: a `Worker` per generation slot; a request waits in a FIFO for a free one
 (`WorkerPool`; both in nanochat/worker_pool.py, importable from here), then generation runs in a thread (`_Job`) so the event loop stays free. With
@@ -65,6 +66,10 @@ from nanochat.text_stream import TextStream
 from nanochat.worker_pool import Worker, WorkerPool, _ClientSlots, replica_workers  # noqa: F401 (the server's API)
 
 UI_PATH = Path(__file__).with_name("ui.html")
+# How a too-long conversation's 400 begins: OpenAI's words, which client libraries match to tell a
+# context overflow from other 400s (LiteLLM raises ContextWindowExceededError on them, which its
+# users, e.g. aider, answer by trimming the history; CrewAI matches "maximum context length")
+CONTEXT_EXCEEDED = "This model's maximum context length is"
 
 
 # ------------------------------------------------------------------------------------ generation
@@ -362,7 +367,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                 "sampling": settings.sampling(),   # the chat page's settings start from these
                 "context_len": engine.max_seq_len}   # the page tells a context cut-off from a max_tokens one
 
-    @app.get("/stats")
+    @app.api_route("/stats", methods=["GET", "HEAD"])   # HEAD as the other GET routes: a monitor's probe
     async def get_stats(request: Request):
         check_auth(request)
         return {"model": settings.model_name, "uptime_s": round(time.time() - started, 1),
@@ -400,9 +405,9 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         except ValueError as e:
             raise ApiError(400, f"'messages': {e}", param="messages") from None
         room = engine.max_seq_len - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the conversation is {len(prompt)} tokens; the model's context is "
-                                f"{engine.max_seq_len} tokens: shorten it or start a new chat",
+        if room < 1:   # worded as OpenAI's: clients that trim history on overflow match its opening words
+            raise ApiError(400, f"{CONTEXT_EXCEEDED} {engine.max_seq_len} tokens; the conversation is {len(prompt)} "
+                                "tokens, leaving no room for a reply: shorten it or start a new chat",
                            param="messages", code="context_length_exceeded")
         if draining:   # no await from here to the claim: nothing joins the line after drain() emptied it
             raise shutting_down("the server is shutting down; retry once it is back")

@@ -147,8 +147,11 @@ class _ClientSlots:
 
     def acquire(self, key: str):
         if self.active.get(key, 0) >= self.limit:
-            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit}); "
-                                "wait for one to finish", code="too_many_concurrent_requests",
+            # named in full: a batch job (asyncio.gather, LangChain .batch()) past the limit fails
+            # after its client's retries; its owner needs the concurrency to send or the flag to raise
+            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit}, the "
+                                "server's --max-concurrent-per-client): wait for one to finish, or send at "
+                                f"most {self.limit} at a time", code="too_many_concurrent_requests",
                            headers={"Retry-After": "1"})
         self.active[key] += 1
         released = False

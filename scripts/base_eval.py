@@ -11,6 +11,7 @@ Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the fil
 
 from __future__ import annotations
 
+import os
 import json
 import re
 import sys
@@ -96,7 +97,7 @@ def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
     for name in ("eval_tokens", "max_per_task", "max_tokens", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--data-dir", default=None,
-                   help="pretraining shards for bpb (default: <base dir>/base_data); CORE reads the DCLM bundle "
+                   help="pretraining shards for bpb (default: the checkpoint's own --data-dir, else <base dir>/base_data); CORE reads the DCLM bundle "
                         "(NANOCHAT_EVAL_BUNDLE, default <base dir>/eval_bundle) or the offline files (NANOCHAT_EVAL_DIR)")
     p.add_argument("--output", default=None)
     p.add_argument("--quantize", default=d.quantize, help="|".join(QUANTIZE_MODES) + ": evaluate the model as "
@@ -143,18 +144,32 @@ def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
     if not isinstance(model_config, dict) or not isinstance(model_config.get("sequence_len"), int) \
             or (want is not None and want != tokenizer.fingerprint):
         return {}  # load_model reports the broken checkpoint / other tokenizer (loaders come after it)
-    return {split: bpb_loader(cfg, rt, tokenizer, model_config["sequence_len"], split)
+    data_dir = bpb_data_dir(cfg, meta)
+    return {split: bpb_loader(cfg, rt, tokenizer, model_config["sequence_len"], split, data_dir)
             for split in cfg.splits.split(",")}
 
 
-def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str):
+def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
+    """--data-dir, else the shards the checkpoint trained on (base_train's --data-dir, saved in its
+    meta.json) while that folder exists, else None (<base dir>/base_data). Without this a model
+    trained with --data-dir was evaluated against the default folder: "no text shards" or another corpus."""
+    if cfg.data_dir is not None:
+        return cfg.data_dir
+    saved = (meta.get("config") or {}).get("data_dir") if isinstance(meta.get("config"), dict) else None
+    if isinstance(saved, str) and os.path.isdir(saved):
+        print0(f"bpb on {saved} (the checkpoint's --data-dir; pass --data-dir to choose others)")
+        return saved
+    return None
+
+
+def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str, data_dir: str | None = None):
     """One finite pass over `split` (repeat=False): an --eval-tokens larger than the split stops at
     its end instead of cycling back and counting the same tokens again (the padded tail of the last
     batch has targets -1, which evaluate_bpb skips). Ranks may then get different batch counts;
     evaluate_bpb agrees per batch whether any rank still has one, so that cannot hang."""
     from nanochat.dataloader import DataLoader
 
-    return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=cfg.data_dir,
+    return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=data_dir,
                       rank=rt.rank, world_size=rt.world_size, repeat=False)
 
 

@@ -28,7 +28,7 @@ from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_
 from nanochat.errors import RequestError
 from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, log_stage_report, resume_command, resume_loop_state,
                            run_training_loop)
-from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, recipe_for_resume, resolve_recipe,
+from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, recipe_for_resume, resolve_recipe,
                              small_batch_hint)
 from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
     say_schedule_changes
@@ -62,8 +62,9 @@ class BaseTrainConfig:
     max_seq_len: int = 2048
     window_pattern: str = "SSSL"           # per-layer attention: S = sliding window, L = full
     attn_backend: str = "auto"
-    # horizon: --num-iterations wins; else tokens = ratio x scaling params (Chinchilla ~20)
+    # horizon: --num-iterations, else --target-flops, else tokens = ratio x scaling params (Chinchilla ~20)
     num_iterations: int = -1
+    target_flops: float = -1.0              # a compute budget in training FLOPs; -1 = off
     target_param_data_ratio: float = 20.0
     # batch: --total-batch-size -1 = auto from depth (training.auto_total_batch_size)
     device_batch_size: int = 32
@@ -119,6 +120,10 @@ class BaseTrainConfig:
         require(self.attn_backend in ATTN_BACKENDS, "--attn-backend", self.attn_backend, "|".join(ATTN_BACKENDS))
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
         require_float(self.target_param_data_ratio, "--target-param-data-ratio", 0.0, low_inclusive=False)
+        if self.target_flops != -1:   # one horizon: the steps or the budget, not both
+            require_float(self.target_flops, "--target-flops", 0.0, low_inclusive=False)
+            require(self.num_iterations == -1, "--num-iterations and --target-flops",
+                    f"{self.num_iterations} and {self.target_flops:g}", "one of the two (the other -1)")
         require_int(self.device_batch_size, "--device-batch-size", 1)
         require_int(self.total_batch_size, "--total-batch-size", 1, allow=(-1,))
         require(self.recipe is None or self.recipe in RECIPES, "--recipe", self.recipe, "|".join(RECIPES))
@@ -189,8 +194,11 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "aspect_ratio": "model dim = --depth x this, rounded to --head-dim",
     "window_pattern": "per-layer attention, repeated over the layers: S = sliding window, L = full (e.g. SSSL, L)",
     "attn_backend": f"{'|'.join(ATTN_BACKENDS)} (auto: the best that passes its probe on this device)",
-    "num_iterations": "optimizer steps; -1: --target-param-data-ratio x scaling params / --total-batch-size",
-    "target_param_data_ratio": "training tokens per scaling parameter when --num-iterations is -1",
+    "num_iterations": "optimizer steps; -1: --target-param-data-ratio x scaling params (or --target-flops / "
+                      "FLOPs per token) / --total-batch-size",
+    "target_flops": "the horizon as a compute budget in training FLOPs (e.g. 1e18), in place of "
+                    "--target-param-data-ratio; -1: off",
+    "target_param_data_ratio": "training tokens per scaling parameter when --num-iterations and --target-flops are -1",
     "total_batch_size": "tokens per optimizer step (gradient accumulation fills it); -1: auto from --depth",
     # not the shared text: base_train's auto never sets a run aside because its flags differ (days of
     # pretraining): such a resume is refused as with latest, naming the flag
@@ -361,14 +369,16 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     num_params = sum(p.numel() for p in meta_model.parameters())
 
     # ---- horizon and batch arithmetic (raises before any weights exist) ----
-    target_tokens = cfg.target_param_data_ratio * scaling_params
-    ref_tokens = cfg.target_param_data_ratio * build_model(config_at(REF_DEPTH), "meta").num_scaling_params()
+    horizon = Horizon(cfg.num_iterations, cfg.target_flops, cfg.target_param_data_ratio, flops_per_token,
+                      scaling_params, build_model(config_at(REF_DEPTH), "meta").num_scaling_params(),
+                      ratio_given=cfg.target_param_data_ratio != BaseTrainConfig.target_param_data_ratio)
+    target_tokens, ref_tokens = horizon.target_tokens, horizon.ref_tokens
     resume_at = resolve_resume(cfg.resume, ckpt_dir)
     total_batch_size = resolve_total_batch_size(resumed_total(cfg, ckpt_dir, resume_at, rt.world_size),
                                                 target_tokens, ref_tokens, cfg.device_batch_size, cfg.max_seq_len,
                                                 rt.world_size)
     plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
-    num_iterations = cfg.num_iterations if cfg.num_iterations > 0 else max(1, int(target_tokens // total_batch_size))
+    num_iterations = horizon.steps(total_batch_size)
     eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
 
     # ---- resume: meta.json first, so a mismatch fails before the weights load (GBs) or a model is built ----
@@ -458,8 +468,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   # the LRs and weight decay this run applied (scaled to its batch and horizon): its
                   # flags alone do not say them ("recipe" above is precision.py's)
                   "optimizer_recipe": asdict(recipe)}
-    tracker = Tracker(wandb_mode, run=cfg.run, config={**asdict(cfg), **train_meta}, is_master=rt.is_master,
-                      directory=str(base_dir))
+    # one namespace: train_meta's "recipe" (precision.py's) took the place of --recipe's name
+    tracker = Tracker(wandb_mode, run=cfg.run, is_master=rt.is_master, directory=str(base_dir),
+                      config={**asdict(cfg), **train_meta, "recipe": cfg.recipe,
+                              "precision_recipe": train_meta.get("recipe")})
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
@@ -469,7 +481,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                  optimizer,
                  wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,
-                 data=train_loader.describe_source(), disk=disk)
+                 data=train_loader.describe_source(), disk=disk, iterations=horizon.describe(total_batch_size))
     if (hint := small_batch_hint(recipe, total_batch_size)) is not None:
         print0(f"WARNING: {hint}")
     if resume is not None:  # last, so that model init above consumed nothing we restore
@@ -513,7 +525,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     summary = {"model_tag": model_tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_val_bpb": val_bpb, "val_bpb_step": result.val_bpb_step,
                "min_val_bpb": min_val_bpb if min_val_bpb < math.inf else None,
-               "avg_tok_per_sec": meter.average_tok_per_sec(), "peak_mem_gib": rt.peak_memory_bytes() / 2**30}
+               "avg_tok_per_sec": meter.average_tok_per_sec(), "avg_mfu": meter.average_mfu()[0],
+               "peak_mem_gib": rt.peak_memory_bytes() / 2**30,
+               # the whole run's, from step 0: a resume's earlier part too (its checkpoint carries the time)
+               "total_time_s": round(result.elapsed_s, 2), "tokens_trained": result.step * total_batch_size,
+               "training_flops": flops_per_token * result.step * total_batch_size,
+               "resumed_from_step": resume["step"] if resume is not None else None}
     print0("done: " + json.dumps(summary))
     log_stage_report("Base model training", "base", config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, **summary}, is_master=rt.is_master)
@@ -525,7 +542,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
-                 wandb_mode, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "") -> None:
+                 wandb_mode, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "",
+                 iterations: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     rows = [
@@ -533,16 +551,16 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("data", data or "n/a"),
         ("compute dtype", rt.dtype_name),
         ("precision", json.dumps(precision_info)),
-        ("kernel / compile / attention", f"{cfg.kernel} / {compile_model} / {cfg.attn_backend} -> "
+        ("kernel / compile / attention", f"{cfg.kernel} / {compile_model}{' (auto)' * (cfg.compile is None)} / "
+                                         f"{cfg.attn_backend} -> "
                                          f"{effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype)}"),
         ("model", ", ".join(f"{k}={v}" for k, v in asdict(model_config).items())),
         ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
         ("FLOPs / token", f"{flops_per_token:.4e}"),
-        ("batch", plan.describe()),
+        ("batch", plan.describe() + (" (auto: --total-batch-size -1)" if cfg.total_batch_size == -1 else "")),
         ("weight casts", f"to {rt.dtype_name} once per optimizer step (nanochat/weight_cache.py)" if cast_once
                          else "per use"),
-        ("iterations", f"{num_iterations:,}" + (" (from --num-iterations)" if cfg.num_iterations > 0
-                                                 else f" (ratio {cfg.target_param_data_ratio} x scaling params)")),
+        ("iterations", iterations or f"{num_iterations:,}"),
         ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s", peaks),

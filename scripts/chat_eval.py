@@ -93,12 +93,14 @@ class ChatEvalConfig:
 
 
 def parse_args(argv=None) -> ChatEvalConfig:
+    from nanochat.tasks import MAX_PROBLEMS_HELP
+
     p = FlagParser(prog="python -m scripts.chat_eval", description=__doc__.split("\n")[0])
     p.add_argument("-i", "--source", required=True, help="|".join(SOURCES))
     p.add_argument("--model-tag", default=None)
     p.add_argument("--step", default="latest")
     p.add_argument("-a", "--task-name", default=None, help="tasks separated by | or , (default: all)")
-    p.add_argument("-x", "--max-problems", type=int, default=None)
+    p.add_argument("-x", "--max-problems", type=int, default=None, help=MAX_PROBLEMS_HELP)
     p.add_argument("-b", "--batch-size", type=int, default=8, help="categorical batch size")
     p.add_argument("-t", "--temperature", type=float, default=0.0)
     p.add_argument("-n", "--num-samples", type=int, default=1, help="samples per problem (pass@n)")

@@ -203,6 +203,19 @@ def main(argv: list[str] | None = None) -> dict:
         destroy_runtime(rt)
 
 
+def rerun_command(cfg: ChatRLConfig, tag: str, world_size: int, **overrides) -> str:
+    """The command that continues this run from checkpoint step overrides["resume"] (loop.resume_command:
+    the flags that differ from the defaults, the tag as resolved), or without "resume" (a stop before the
+    run's first save) the run's own command again, its --resume / --overwrite kept; either with the
+    other `overrides` (an out-of-memory stop's lower --sample-batch-size, ...)."""
+    from nanochat.loop import resume_command
+    if "resume" in overrides:
+        return resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, **overrides)
+    again = resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, **overrides, resume="latest")
+    again = again.removesuffix(" --resume latest")
+    return again + (f" --resume {cfg.resume}" if cfg.resume else "") + (" --overwrite" if cfg.overwrite else "")
+
+
 def rl_schedule(num_iterations: int) -> Schedule:
     """lr: linear decay to 0. Muon momentum held at RL_MOMENTUM from the first step, as upstream's
     RL: a trained model needs no momentum warmup, and the shared 0.85 -> 0.95 ramp over 300 steps
@@ -308,7 +321,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.checkpoint import (branch_start, checkpoint_bytes, disk_plan, fresh_start, load_checkpoint,
                                      load_model, model_from_meta, planned_saves, read_meta, resolve_step,
                                      save_checkpoint, step_dirname)
-    from nanochat.loop import LoopSpec, log_stage_report, resume_command, run_training_loop
+    from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
     from nanochat.resume_checks import check_resume_step, say_config_changes, say_schedule_changes
     from nanochat.optim import build_optimizer
     from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
@@ -394,7 +407,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                                     examples_per_step=cfg.examples_per_step, num_samples=cfg.num_samples,
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                     top_k=cfg.top_k or None, device_batch_size=cfg.device_batch_size, seed=cfg.seed,
-                                    sample_batch_size=cfg.sample_batch_size, decode=cfg.decode)
+                                    sample_batch_size=cfg.sample_batch_size, decode=cfg.decode,
+                                    command=lambda **flags: rerun_command(cfg, tag, rt.world_size, **flags))
     meter = StepMeter(model.estimate_flops(), rt.world_size, peak_bf16=None, precision=rt.dtype_name,
                       warmup_steps=1, peak_memory=rt.peak_memory_bytes)
     start_step, resume_loop = 0, None
@@ -455,8 +469,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     spec = LoopSpec("rl", num_iterations, eval_every=cfg.eval_every, save_every=cfg.save_every,
                     evaluate=evaluate, save=save, is_master=rt.is_master, keep_last=cfg.keep_last,
                     resumed_from=ckpt_dir / step_dirname(resume["step"]) if resume is not None else None,
-                    model_tag=tag, resume_command=lambda **flags: resume_command(
-                        "chat_rl", cfg, asdict(ChatRLConfig()), tag, rt.world_size, **flags))
+                    model_tag=tag, resume_command=lambda **flags: rerun_command(
+                        cfg, tag, rt.world_size, **{"resume": "latest", **flags}))
     result = run_training_loop(trainer, meter, spec, tracker, start_step=start_step, resume_state=resume_loop)
     summary = {"model_tag": tag, "checkpoint_dir": str(ckpt_dir), "num_iterations": num_iterations,
                "final_gsm8k_pass@1": result.last_eval.get("gsm8k_pass@1"), "total_time_s": round(result.elapsed_s, 2),

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nanochat.batching import BatchedEngine
-from nanochat.calculator import evaluate, use_calculator
+from nanochat.calculator import REFUSED_OUTPUT, evaluate, use_calculator
 from nanochat.chat_api import tool_call_parts
 from nanochat.engine import TOOL_TEXT, assistant_parts
 from nanochat.text_stream import TextStream
@@ -46,7 +46,8 @@ def test_a_refused_call_gets_an_empty_output_not_a_made_up_one(tok, decode):
     """Midtraining trains on tool outputs (mask all), so after <|python_end|> a model writes
     <|output_start|> and a number itself. For a call the calculator refuses nothing was forced:
     the model's own "7" streamed as "<<50%*20=7>>", a calculator result to the reader, and RL
-    trained on it (mask 1). Now the empty block is forced (mask 0) and the model's guess never runs."""
+    trained on it (mask 1). Now a block is forced (mask 0) and the model's guess never runs; it holds
+    calculator.REFUSED_OUTPUT (review 13: empty, it streamed as "<<50%*20=>>", a result gone missing)."""
     s, prompt = specials(tok), [tok.bos_token_id, 5]
     call = [s.python_start, *tok.encode("50%*20"), s.python_end]
     made_up = [s.output_start, *tok.encode("7"), s.output_end]
@@ -65,9 +66,10 @@ def test_a_refused_call_gets_an_empty_output_not_a_made_up_one(tok, decode):
         if decode == "batched":
             source.close()
     tokens, masks = [c[0] for c, _ in steps], [m[0] for _, m in steps]
-    assert tokens == call + [s.output_start, s.output_end] + tail
-    assert masks == [1] * len(call) + [0, 0] + [1] * len(tail)
-    assert shown(tok, tokens[:-1]) == "<<50%*20=>> so 10"
+    refused = [s.output_start, *tok.encode(REFUSED_OUTPUT), s.output_end]
+    assert tokens == call + refused + tail
+    assert masks == [1] * len(call) + [0] * len(refused) + [1] * len(tail)
+    assert shown(tok, tokens[:-1]) == "<<50%*20=error>> so 10"
 
 
 def test_a_refused_call_streams_closed_and_comes_back_as_the_same_tokens(tok):
@@ -122,11 +124,12 @@ def test_two_calls_in_one_row_and_a_row_without_calls(tok, decode):
     cols, masks = run(scripted_engine(tok, plan, prompt, decode), prompt, num_samples=2, max_tokens=80)
     row0, row1 = generated_rows(cols, 2, s.assistant_end)
     out36 = [s.output_start, *tok.encode("36"), s.output_end]
-    assert row0 == pieces[0] + out36 + pieces[1] + [s.output_start, s.output_end] + pieces[2][:-1]
+    refused = [s.output_start, *tok.encode(REFUSED_OUTPUT), s.output_end]
+    assert row0 == pieces[0] + out36 + pieces[1] + refused + pieces[2][:-1]
     assert row1 == plain[:-1] and all(m[1] == 1 for m in masks[:len(plain)])
-    assert sum(m[0] == 0 for m in masks[:len(row0)]) == len(out36) + 2
+    assert sum(m[0] == 0 for m in masks[:len(row0)]) == len(out36) + len(refused)
     text = shown(tok, row0)
-    assert text == shown(tok, [10]) + "<<12*3=36>> and <<x+1=>> done"
+    assert text == shown(tok, [10]) + "<<12*3=36>> and <<x+1=error>> done"
     want = next_prompt(tok, "")[:-6] + row0
     assert next_prompt(tok, tool_call_parts(text))[:len(want)] == want
     assert tool_call_parts(shown(tok, row1)) == shown(tok, row1)

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from nanochat.calculator import REFUSED_OUTPUT
 from nanochat.engine import Engine, assistant_parts
 from nanochat.text_stream import TextStream
 
@@ -226,14 +227,16 @@ def test_calculator_output_is_forced(tok, decode):
 
 @pytest.mark.parametrize("expr", ["__import__('os').system('echo pwned')", "().__class__", "10**10**10"])
 def test_refused_calculator_forces_an_empty_output(tok, expr):
-    """Nothing is evaluated; the call gets an empty output block (tests/test_calculator_review7.py says why)."""
+    """Nothing is evaluated; the call gets a closed output block holding calculator.REFUSED_OUTPUT
+    (tests/test_calculator_review7.py says why)."""
     s, prompt = specials(tok), [tok.bos_token_id, 5]
     call = [s.python_start, *tok.encode(expr), s.python_end]
-    script = call + [7, 7] + tok.encode(" hmm") + [s.assistant_end]   # the 7s are overridden by the forcing
+    refused = [s.output_start, *tok.encode(REFUSED_OUTPUT), s.output_end]
+    script = call + [7] * len(refused) + tok.encode(" hmm") + [s.assistant_end]   # the 7s: overridden by the forcing
     engine = scripted_engine(tok, lambda b, gen: script[len(gen)], prompt)
     cols, masks = run(engine, prompt, max_tokens=200)
-    assert [c[0] for c in cols] == call + [s.output_start, s.output_end] + script[len(call) + 2:]
-    assert [m[0] for m in masks] == [1] * len(call) + [0, 0] + [1] * (len(script) - len(call) - 2)
+    assert [c[0] for c in cols] == call + refused + script[len(call) + len(refused):]
+    assert [m[0] for m in masks] == [1] * len(call) + [0] * len(refused) + [1] * (len(script) - len(call) - len(refused))
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])

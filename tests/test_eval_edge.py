@@ -38,7 +38,7 @@ def test_humaneval_does_not_run_the_models_main_block(shared_data, block):
     """A correct solution followed by a main block scored as a failure: the sandbox runs the
     program as __main__, the official harness exec()s it where __name__ is "builtins"."""
     he = HumanEval(data_dir=shared_data, timeout_s=5.0)
-    conv = he[0]
+    conv = he.file_example(0)
     solution = conv["messages"][1]["content"]               # prompt + canonical solution
     assert he.evaluate(conv, f"```python\n{solution}{block}```")
     body = solution[len(conv["prompt"]):]                   # a base model's continuation of the prompt
@@ -49,7 +49,7 @@ def test_humaneval_main_guard_keeps_the_rest_of_the_program(shared_data):
     """Only the condition changes: a wrong solution still fails, module-level prints still run,
     and a name merely containing __main__ is left alone."""
     he = HumanEval(data_dir=shared_data, timeout_s=5.0)
-    conv = he[0]
+    conv = he.file_example(0)
     wrong = "def has_close_elements(numbers, threshold):\n    return False\n"
     assert not he.evaluate(conv, wrong + '\nif __name__ == "__main__":\n    print("demo")\n')
     solution = conv["messages"][1]["content"]

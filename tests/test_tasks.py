@@ -112,12 +112,12 @@ def test_humaneval_through_the_sandbox(shared_data):
     he = HumanEval(data_dir=shared_data)
     assert len(he) == 164
     for i in (0, 2):
-        conv = he[i]
+        conv = he.file_example(i)
         body = conv["messages"][1]["content"][len(conv["prompt"]):]
         assert he.evaluate(conv, body)  # body only: the prompt is prepended
         assert he.evaluate(conv, f"Here you go:\n```python\n{conv['messages'][1]['content']}```\nDone.")
         assert not he.evaluate(conv, "    return None\n")
-    conv = he[0]
+    conv = he.file_example(0)
     # the doctest idiom models often end with (doctest imports pdb: it must stay importable)
     doctest_idiom = '\n\nif __name__ == "__main__":\n    import doctest\n    doctest.testmod()\n'
     assert he.evaluate(conv, f"```python\n{conv['messages'][1]['content']}{doctest_idiom}```")
@@ -133,7 +133,7 @@ def test_humaneval_through_the_sandbox(shared_data):
 def test_humaneval_keeps_the_prompts_helpers(shared_data):
     """HumanEval/10's prompt defines is_palindrome, which make_palindrome needs: a completion that
     writes only the entry point must still see the prompt's helper (and imports)."""
-    conv = HumanEval(data_dir=shared_data)[10]
+    conv = HumanEval(data_dir=shared_data).file_example(10)
     assert conv["entry_point"] == "make_palindrome" and "def is_palindrome" in conv["prompt"]
     solution = conv["messages"][1]["content"][len(conv["prompt"]):]
     assert HumanEval(data_dir=shared_data).evaluate(conv, "def make_palindrome(string: str) -> str:\n" + solution)

@@ -27,6 +27,12 @@ EVAL_TASKS = {
 # generative tasks only)
 EVAL_TASK_CLASSES = {"ARC-Easy": ARC, "ARC-Challenge": ARC, "MMLU": MMLU, "GSM8K": GSM8K, "HumanEval": HumanEval,
                      "SpellingBee": SpellingBee}
+# which problems chat_eval --max-problems N scores (its --help says it): each task's first N in its
+# own order (evaluate._indices)
+MAX_PROBLEMS_HELP = ("N: score each task's first N problems, the same every run: MMLU's and HumanEval's in one "
+                     "seed-42 shuffle of the file (a spread of the set); GSM8K's file order, already random; "
+                     "ARC's file order (grouped by exam in places), which --test-holdout models were split by; "
+                     "SpellingBee's words drawn per problem. -1 or not given: every problem")
 
 
 def get_task(name: str, **kw) -> Task:
@@ -37,4 +43,4 @@ def get_task(name: str, **kw) -> Task:
 
 __all__ = ["ARC", "MMLU", "GSM8K", "HumanEval", "SimpleSpelling", "SpellingBee", "IdentityConversations", "LocalConversations",
            "ConversationFile", "SmolTalk", "get_conversations", "Task", "TaskMixture", "TaskSequence", "DataUnavailableError",
-           "EVAL_TASKS", "EVAL_TASK_CLASSES", "get_task"]
+           "EVAL_TASKS", "EVAL_TASK_CLASSES", "MAX_PROBLEMS_HELP", "get_task"]

@@ -207,13 +207,31 @@ def _convert_hub_rows(rows: list[dict], convert: Callable[[dict], dict], source:
     return out
 
 
+# The seed of the one fixed shuffle an eval task's rows get (MMLU, HumanEval; upstream's
+# shuffle(seed=42)): chat_eval's --max-problems N scores the first N, so they must be a spread of the
+# whole set, the same every run; and --test-holdout N's training split (start=N) is this order's rest.
+EVAL_ORDER_SEED = 42
+
+
+def fixed_order(n: int, seed: int = EVAL_ORDER_SEED) -> list[int]:
+    """The file positions of n rows in their fixed shuffled order: rows = [rows[i] for i in
+    fixed_order(len(rows))] is random.Random(seed).shuffle(rows) (shuffle's swaps depend only on the
+    length), so MMLU's order stays the one it had."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 class Task:
     """Base class: subclasses set eval_type and implement num_examples / get_example / evaluate.
 
     start/stop/step slice the underlying examples (like range()), e.g. Task(stop=100) for a quick run.
+    A task whose rows are in a fixed shuffled order sets `order` (fixed_order: each row's position in
+    its file), which seed_index reads.
     """
 
     eval_type: str = "generative"
+    order: list[int] | None = None
 
     def __init__(self, start: int = 0, stop: int | None = None, step: int = 1):
         if start < 0 or step < 1 or (stop is not None and stop < start):
@@ -244,6 +262,23 @@ class Task:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+    def seed_index(self, i: int) -> int:
+        """The number a problem's sampling seed is drawn from (run_generative: seed + this): its index
+        i, or in a shuffled task its position in the file, so that the shuffle left every problem's
+        samples (and a full run's sampled score) as they were."""
+        if self.order is None:
+            return i
+        return self.order[self.start + (i % len(self)) * self.step]
+
+    def file_example(self, j: int) -> dict:
+        """The example of the file's j-th row, wherever a shuffle put it (what names a problem by its
+        place in the released file, HumanEval/10 say, reads); the unsliced task's index j otherwise."""
+        if self.order is None:
+            return self.get_example(j)
+        if not 0 <= j < len(self.order):
+            raise IndexError(f"{type(self).__name__} file row {j} out of range ({len(self.order)} rows)")
+        return self.get_example(self.order.index(j))
 
 
 class TaskMixture(Task):

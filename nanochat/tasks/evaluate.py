@@ -69,6 +69,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _indices(task: Task, max_problems: int | None) -> range:
+    """This rank's share of the task's first max_problems problems: the first in the task's own
+    order, which is one fixed shuffle for MMLU and HumanEval (common.fixed_order) and already
+    random for GSM8K and SpellingBee, so a cap scores a spread of the whole set, the same every run,
+    and a --test-holdout model's held-out problems are exactly these first ones."""
     rank, world = _dist()
     n = len(task) if max_problems is None else min(max_problems, len(task))
     return range(rank, n, world)
@@ -151,6 +155,8 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     total = 0
     passed_at = [0.0] * num_samples
     limit = engine.max_seq_len
+    # problem i draws with seed + its index (in a shuffled task, its file position: Task.seed_index)
+    seed_of = getattr(task, "seed_index", lambda i: i)
     for k, i in enumerate(_indices(task, max_problems)):
         conv = task[i]
         prompt = tokenizer.render_for_completion(conv)
@@ -161,7 +167,7 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
                 log(f"  {label} problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
             continue
         seqs = _draw(engine, prompt, num_samples, rows_per_call or num_samples, budget, temperature, top_k,
-                     seed + i)
+                     seed + seed_of(i))
         completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
         correct = sum(bool(task.evaluate(conv, c)) for c in completions)
         for j in range(num_samples):
@@ -198,6 +204,21 @@ def _draw(engine, prompt, num_samples: int, rows: int, budget: int, temperature,
 _OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
 
 
+def out_of_memory_kind(e: BaseException) -> str | None:
+    """Which memory `e` says ran out ("GPU memory", "CPU memory", "MPS memory"), or None when it is
+    not an out-of-memory error. torch.OutOfMemoryError is the CUDA allocator's; the CPU and MPS
+    allocators raise a plain RuntimeError that only its text tells apart."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return "GPU memory"
+    if isinstance(e, RuntimeError):
+        for text, kind in zip(_OUT_OF_MEMORY, ("CPU memory", "MPS memory")):
+            if text in str(e):
+                return kind
+    return None
+
+
 @contextmanager
 def out_of_memory_hint(what: str, flag: str, value: int, also: str | None = None):
     """An evaluation that runs out of memory inside this block raises a RequestError (scripts print it
@@ -205,12 +226,10 @@ def out_of_memory_hint(what: str, flag: str, value: int, also: str | None = None
     instead of torch's page of traceback and allocator statistics. `also`: another remedy, e.g.
     "a smaller --max-new-tokens (now 512)". torch.OutOfMemoryError is torch.cuda.OutOfMemoryError;
     the CPU and MPS allocators raise a plain RuntimeError."""
-    import torch
-
     try:
         yield
     except RuntimeError as e:
-        if not isinstance(e, torch.OutOfMemoryError) and not any(m in str(e) for m in _OUT_OF_MEMORY):
+        if out_of_memory_kind(e) is None:
             raise
         remedies = ([f"a smaller {flag} (e.g. {value // 2})"] if value > 1 else []) + ([also] if also else [])
         advice = ("pass " + " or ".join(remedies) if remedies else

@@ -9,7 +9,10 @@ calculator's own (`use_calculator`, what the Engine forces), not the annotation'
 calculator refuses keeps the annotation's text.
 
 Local file: `gsm8k.jsonl` (test split; `gsm8k_<split>.jsonl` otherwise), rows {"question", "answer"}.
-Hub: openai/gsm8k, config "main".
+Hub: openai/gsm8k, config "main". Rows stay in the file's order, unlike MMLU's and HumanEval's
+fixed shuffle: the released test split is in no order of topic or difficulty (calculator calls and
+question length are flat across it), so its first N (chat_eval --max-problems N, chat_rl's
+--eval-examples) are already a spread of the set, and every --test-holdout run so far split it there.
 """
 
 from __future__ import annotations

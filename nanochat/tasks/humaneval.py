@@ -2,7 +2,9 @@
 
 The completion is executed with `nanochat.execution.execute_code` (separate process, time and
 memory limits, no network, read-only filesystem where the OS allows it).
-Local file: `humaneval.jsonl` (fields as released). Hub: openai/openai_humaneval.
+Local file: `humaneval.jsonl` (fields as released). Hub: openai/openai_humaneval. The rows are
+shuffled once with a fixed seed (common.fixed_order, as MMLU's): the file's order runs
+roughly from short solutions to long ones, so chat_eval --max-problems N scored the easiest.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 
 from nanochat.execution import execute_code
 from nanochat.sandbox_cgroup import validate
-from nanochat.tasks.common import Task, check_rows, load_rows
+from nanochat.tasks.common import Task, check_rows, fixed_order, load_rows
 
 # `if __name__ == "__main__":` (either order, any indentation, `elif` too): the condition only. The
 # official harness (and upstream nanochat) exec()s the program in a fresh dict, where __name__ is
@@ -121,6 +123,10 @@ class HumanEval(Task):
         self.rows, self.source = load_rows("eval", ["humaneval.jsonl"], data_dir=data_dir,
                                            hub=("openai/openai_humaneval", None, "test"))
         check_rows(self.rows, self.source, _KEYS, _check_row)
+        # a fixed shuffle: every prefix a spread of the set; each problem keeps its sampling seed
+        # (Task.seed_index: its file position), so a full run's score is the one it was
+        self.order = fixed_order(len(self.rows))
+        self.rows = [self.rows[i] for i in self.order]
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
 
     def num_examples(self) -> int:

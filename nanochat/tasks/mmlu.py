@@ -8,10 +8,8 @@ seed (see MMLU.__init__), so a prefix (--max-problems) spans the subjects.
 
 from __future__ import annotations
 
-import random
-
 from nanochat.tasks.arc import MC_KEYS, check_mc_row, evaluate_letter, mc_conversation
-from nanochat.tasks.common import Task, check_rows, load_rows
+from nanochat.tasks.common import Task, check_rows, fixed_order, load_rows
 
 _SPLITS = ("auxiliary_train", "dev", "validation", "test")
 
@@ -40,11 +38,14 @@ class MMLU(Task):
         # One fixed shuffle (as upstream's shuffle(seed=42)) makes every prefix a spread of
         # subjects, the same each run; start/stop slices (the --test-holdout training split)
         # partition this same order.
-        random.Random(42).shuffle(rows)
+        order = fixed_order(len(rows))   # = random.Random(42).shuffle(rows), as before
+        rows = [rows[i] for i in order]
         if subject is not None:
             rows = [r for r in rows if r.get("subject") == subject]
             if not rows:
                 raise ValueError(f"MMLU subject: got {subject!r}; no rows with that subject")
+        else:
+            self.order = order   # each row's position in the file (Task.seed_index)
         self.rows = rows
 
     def num_examples(self) -> int:
