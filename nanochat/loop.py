@@ -504,6 +504,20 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"   # in the RuntimeError torch raises
 
 
+def peak_memory_note(memory: str) -> str:
+    """" (N GiB allocated at the peak of M)" after an out-of-GPU-memory error (M: the device's memory,
+    or platform's unified-memory cap with the variable that sets it); "" for CPU memory."""
+    if memory != "GPU memory" or not torch.cuda.is_available():
+        return ""
+    from nanochat.platform import MEMORY_CAP_ENV, memory_cap_bytes
+    dev, cap = torch.cuda.current_device(), memory_cap_bytes()
+    # the cap in GB too: the unit MEMORY_CAP_ENV takes and platform's start-up line prints
+    limit = (f"the unified-memory cap of {cap / 2**30:.1f} GiB = {cap / 1e9:.1f} GB ({MEMORY_CAP_ENV}=<GB> "
+             "sets it)" if cap is not None else
+             f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB")
+    return f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit})"
+
+
 def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory",
                        resume: Callable[..., str] | None = None) -> str:
     """What to change when a step runs out of GPU (or CPU) memory: the device batch (gradient
@@ -511,16 +525,7 @@ def out_of_memory_hint(trainer, step: int, memory: str = "GPU memory",
     depth. The last checkpoint stays as it was; `resume` (LoopSpec.resume_command): once there is
     one, the command that continues from it at the lower device batch (the user's own command with
     a lower --device-batch-size is refused without --resume, and with --overwrite starts afresh)."""
-    plan = getattr(trainer, "plan", None)
-    peak = ""
-    if memory == "GPU memory" and torch.cuda.is_available():
-        from nanochat.platform import MEMORY_CAP_ENV, memory_cap_bytes
-        dev, cap = torch.cuda.current_device(), memory_cap_bytes()
-        # the cap in GB too: the unit MEMORY_CAP_ENV takes and platform's start-up line prints
-        limit = (f"the unified-memory cap of {cap / 2**30:.1f} GiB = {cap / 1e9:.1f} GB ({MEMORY_CAP_ENV}=<GB> "
-                 "sets it)" if cap is not None else
-                 f"{torch.cuda.get_device_properties(dev).total_memory / 2**30:.1f} GiB")
-        peak = f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit})"
+    plan, peak = getattr(trainer, "plan", None), peak_memory_note(memory)
     if plan is None:
         return f"out of {memory} in step {step}{peak}: lower the device batch size"
     head = (f"--device-batch-size {plan.device_batch_size} x --max-seq-len {plan.seq_len}: out of {memory} in "

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from nanochat.loop import peak_memory_note
 from nanochat.sampling import MAX_SEED
 from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
 
@@ -321,7 +322,7 @@ class PolicyGradientTrainer:
             what = (f"in the policy-gradient forward/backward: {rows} sequences x up to {tokens} tokens ({flag} "
                     f"{self.device_batch_size})")
             effect = "the same gradient, summed over more chunks"
-        head = f"out of {memory} in step {step} {what}{_peak_memory(memory)}"
+        head = f"out of {memory} in step {step} {what}{peak_memory_note(memory)}"
         if rows > 1:
             advice, overrides = f"lower {flag} (e.g. {lower}: {effect})", {name: lower}
         elif self.max_new_tokens > 1:
@@ -338,13 +339,3 @@ class PolicyGradientTrainer:
             return f"{head}; {advice}; resume with: {self.command(**overrides, resume=str(int(last)))}"
         return f"{head}; {advice}; run again with: {self.command(**overrides)}"
 
-
-def _peak_memory(memory: str) -> str:
-    """" (N GiB allocated at the peak of M GiB)" for a CUDA device (M: the unified-memory cap, if
-    platform set one), "" otherwise."""
-    if memory != "GPU memory" or not torch.cuda.is_available():
-        return ""
-    from nanochat.platform import memory_cap_bytes
-    dev = torch.cuda.current_device()
-    limit = memory_cap_bytes() or torch.cuda.get_device_properties(dev).total_memory
-    return f" ({torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB allocated at the peak of {limit / 2**30:.1f} GiB)"
