@@ -165,6 +165,20 @@ class Horizon:
         return f"{steps:,} ({how} = {tokens:,.0f} tokens{short}{unused if self.target_flops > 0 else ''})"
 
 
+CPU_FLOPS_PER_S = 1e11   # a fast many-core CPU's fp32 training rate, generously (a 2-core VM: ~4e10)
+
+
+def cpu_plan_hint(device_type: str, training_flops: float) -> str | None:
+    """A warning when a CPU is asked for more than a day's training: bare `base_train` plans d20 on
+    8.7B tokens (~3e19 FLOPs), and on a CPU its first step line took longer than a user waits."""
+    days = training_flops / CPU_FLOPS_PER_S / 86400
+    if device_type != "cpu" or days < 1:
+        return None
+    return (f"this plan is {training_flops:.2g} training FLOPs: {days:,.0f} days on a CPU even at "
+            f"{CPU_FLOPS_PER_S:.0e} FLOP/s; for a CPU run see README's \"Step by step on a CPU\" "
+            "(./setup.sh --preset tiny), or set --depth and --num-iterations")
+
+
 def small_batch_hint(recipe: ResolvedRecipe, total_batch_size: int) -> str | None:
     """A warning when v2's square-root rule takes the LRs far below its reference (tiny CPU runs):
     it is stated for batches near 2^19 tokens, and setup.sh's tiny preset (4,096 tokens, 250 steps)

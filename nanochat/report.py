@@ -76,6 +76,9 @@ SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
 }
 # the rows a training run's own section gives (log_stage_report): of no other run than the stage's latest
 RUN_ROWS = ("val bpb (own data)", "tokens trained", "tok/s (average)", "MFU % (bf16 peak)")
+MFU_ROW = "MFU % (bf16 peak)"
+MFU_NA_NOTE = ("- MFU n/a: the run's device had no peak FLOP/s to divide by (a CPU, or a GPU the device table "
+               "lacks: base_train's --peak-flops gives one)")
 # how a summary row's values print (default: 4 decimals, the scores')
 ROW_FORMATS = {"tokens trained": "{:,.0f}", "tok/s (average)": "{:,.0f}", "MFU % (bf16 peak)": "{:.1f}"}
 _STAGE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -387,14 +390,32 @@ class Report:
                  "|---|" + "---|" * len(STAGES)]
         noted = set()   # what the notes under the table explain: a row (its data) or a value's note
         table = self._summary_table()
+        no_peak = self._runs_without_mfu()
         for row, cells in table.items():
             fmt = ROW_FORMATS.get(row, "{:.4f}")
             shown = ["-" if s not in cells else " ".join([fmt.format(cells[s][0]), *(f"({n})" for n in cells[s][1])])
                      for s in STAGES]
+            if row == MFU_ROW and no_peak:   # a CPU run's MFU read "-", as if the stage had not run
+                shown = ["n/a" if s in no_peak and s not in cells else cell for s, cell in zip(STAGES, shown)]
+                noted.add("mfu n/a")
             noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes, _ in cells.values() for n in notes]
                          + ([row] if cells and row in NOTES else []))
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
-        return lines + [""] + _source_lines(table) + [NOTES[n] for n in NOTES if n in noted] + ([""] if noted else [])
+        return lines + [""] + _source_lines(table) + [NOTES[n] for n in NOTES if n in noted] + \
+            ([MFU_NA_NOTE] if "mfu n/a" in noted else []) + ([""] if noted else [])
+
+    def _runs_without_mfu(self) -> set[str]:
+        """Stages whose latest training run logged its MFU as None: the device had no peak FLOP/s (a
+        CPU, or a GPU the device table lacks and no --peak-flops)."""
+        latest: dict[str, tuple[float, dict]] = {}
+        for doc in self.sections():
+            for entry in doc["entries"]:
+                data = entry["data"]
+                if isinstance(data, dict) and "final_step" in data:
+                    stage = _stage_of(doc["section"], data)
+                    if stage is not None and _entry_time(entry) >= latest.get(stage, (-math.inf, None))[0]:
+                        latest[stage] = (_entry_time(entry), data)
+        return {stage for stage, (_, data) in latest.items() if "avg_mfu" in data and data["avg_mfu"] is None}
 
 
 def _section_key(doc: dict) -> tuple:
@@ -470,6 +491,9 @@ def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header:
         whole = f", ${span[0] / 3600 * hourly_cost:.2f} for the whole run" if span is not None else ""
         lines.append(f"- estimated cost at ${hourly_cost:.2f}/h: ${total / 3600 * hourly_cost:.2f} for the "
                      f"table's total{whole}")
+    else:   # the heading promised a cost and the table gave none, without saying how to get one
+        lines.append("- cost: not estimated; `python -m nanochat.report generate --hourly-cost USD` (or "
+                     "NANOCHAT_HOURLY_COST=USD) prices the table's total and the whole run")
     return lines + [""]
 
 

@@ -26,10 +26,10 @@ from nanochat.attention import effective_backend, resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
-from nanochat.loop import (TRAIN_FLAG_HELP, LoopSpec, log_stage_report, resume_command, resume_loop_state,
-                           run_training_loop)
-from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, recipe_for_resume, resolve_recipe,
-                             small_batch_hint)
+from nanochat.loop import (SETUP_STAGE_ENV, TRAIN_FLAG_HELP, LoopSpec, launcher, log_stage_report, resume_command,
+                           resume_loop_state, run_training_loop)
+from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, cpu_plan_hint, recipe_for_resume,
+                             resolve_recipe, small_batch_hint)
 from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
     say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
@@ -482,8 +482,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                  wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,
                  data=train_loader.describe_source(), disk=disk, iterations=horizon.describe(total_batch_size))
-    if (hint := small_batch_hint(recipe, total_batch_size)) is not None:
-        print0(f"WARNING: {hint}")
+    for hint in (small_batch_hint(recipe, total_batch_size),
+                 cpu_plan_hint(rt.device_type, flops_per_token * num_iterations * total_batch_size)):
+        if hint is not None:
+            print0(f"WARNING: {hint}")
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
@@ -532,6 +534,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                "training_flops": flops_per_token * result.step * total_batch_size,
                "resumed_from_step": resume["step"] if resume is not None else None}
     print0("done: " + json.dumps(summary))
+    if not os.environ.get(SETUP_STAGE_ENV):   # setup.sh runs the next stage itself
+        for what, script in (("evaluate it", "base_eval"), ("mid-train it for chat", "mid_train")):
+            print0(f"next, {what}: {launcher(script, rt.world_size)} --model-tag {model_tag}")
     log_stage_report("Base model training", "base", config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, **summary}, is_master=rt.is_master)
     summary["losses"] = losses  # raw per-step training losses of this process (tests, tooling)

@@ -248,7 +248,7 @@ def chat(args: argparse.Namespace) -> int:
     """Load the model, then answer -p, or chat until /quit or Ctrl-D."""
     import secrets
 
-    from nanochat.checkpoint import load_model
+    from nanochat.checkpoint import find_model_tag, load_model
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
     from nanochat.quantize import quantize_model
@@ -291,7 +291,8 @@ def chat(args: argparse.Namespace) -> int:
         return 0
 
     step = f", graph step {engine.graph_step}" if engine.decode_mode in ("static", "graphs") else ""
-    print(f"nanochat ({args.source}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
+    tag = args.model_tag or find_model_tag(args.source)   # the one load_model took: with several, say which
+    print(f"nanochat ({args.source}/{tag}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
           f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit, /help = commands")
     if args.source == "base":
         print("a base model: each line is continued as plain text (no chat template, no history)")

@@ -226,7 +226,8 @@ def load_replicas(args) -> tuple[list, dict]:
         engine = Engine(model, tokenizer, decode=args.decode, graph_step=args.graph_step)
         replica = replica_workers(engine, str(device), args.batch_slots)
         mode = replica[0].engine.decode_mode
-        if mode != "eager":   # a first start compiles kernels: minutes of silence on a GPU otherwise
+        if mode != "eager" and device.type == "cuda":   # a GPU's first start compiles kernels: minutes of
+            # silence otherwise (a CPU's static decode runs the eager model: its warm-up takes a second)
             print(f"warming up the decode step on {device} (decode={mode}; a machine's first start compiles "
                   "kernels, which can take minutes)...", flush=True)
         warm = replica[0].engine.warmup()   # the BatchedEngine's or the Engine's

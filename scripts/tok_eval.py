@@ -65,10 +65,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # Each encoder as (label, vocab size, batch encode function).
     encoders = [("ours", ours.vocab_size, lambda docs: ours.encode(docs, num_threads=args.threads))]
+    skipped: dict[str, str] = {}   # reference label -> why it was not compared
     for name, label in REFERENCES:
         enc, why = load_reference(name)
         if enc is None:
             print(f"{label} ({name}) comparison skipped: {why}")
+            skipped[label] = why
             continue
         encoders.append((label, enc.n_vocab,
                          lambda docs, enc=enc: encode_ordinary_batch(enc, docs, args.threads)))
@@ -85,6 +87,24 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row))
 
     print_table(rows, [label for label, _, _ in encoders])
+    log_report(ours, args, data_dir, rows, skipped)
+
+
+def log_report(ours: Tokenizer, args: argparse.Namespace, data_dir: Path, rows: list[dict],
+               skipped: dict[str, str]) -> None:
+    """report.md's "Tokenizer evaluation" section (report.md had tok_train's section and none of
+    this stage's): bytes per token per split and tokenizer, for the base dir's tokenizer only."""
+    if args.tokenizer_dir is not None and Path(args.tokenizer_dir).resolve() != tokenizer_dir().resolve():
+        return   # another tokenizer than the pipeline's: the report is not about it
+    from nanochat.report import get_report
+
+    per_split: dict[str, dict] = {}
+    for row in rows:
+        per_split.setdefault(row["split"], {"docs": row["docs"], "bytes": row["bytes"]})[
+            f"{row['tokenizer']} bytes/token"] = row["bytes_per_token"]
+    get_report().log("Tokenizer evaluation", {
+        "vocab_size": ours.vocab_size, "fingerprint": ours.fingerprint[:16], "num_docs": args.num_docs,
+        "data_dir": str(data_dir), **per_split, **({"skipped": skipped} if skipped else {})})
 
 
 def print_table(rows: list[dict], labels: list[str]) -> None:

@@ -121,6 +121,9 @@ def test_target_flops_run_and_the_totals_of_a_resumed_run(env, base_dir, capsys,
                                        f"/ 128 tokens a step)")
     done = _done(out)
     assert (done["num_iterations"], done["tokens_trained"], done["resumed_from_step"]) == (4, 4 * BATCH, None)
+    # what to run next, as mid_train and chat_sft say it (base_train ended on the done line alone)
+    assert "next, evaluate it: python -m scripts.base_eval --model-tag flops\n" in out
+    assert "next, mid-train it for chat: python -m scripts.mid_train --model-tag flops\n" in out
     assert done["training_flops"] == fpt * 4 * BATCH and done["total_time_s"] > 0
     (init,) = fake_wandb["init"]
     assert init["mode"] == "offline" and init["name"] == "r13" and init["dir"] == str(base_dir)
@@ -154,3 +157,14 @@ def test_banner_labels_the_auto_batch_and_compile(env, capsys, monkeypatch):
     assert _row(out, "batch").endswith("x 1 micro-batch(es) (auto: --total-batch-size -1)")
     assert re.match(r"current / False \(auto\) / auto -> \w+$", _row(out, "kernel / compile / attention"))
     assert _row(out, "iterations") == "1 (from --num-iterations)"
+
+
+def test_cpu_plan_hint_warns_of_a_gpu_sized_plan():
+    """Bare `base_train` on a CPU planned d20 on 8.7B tokens (~3e19 FLOPs) without a word: the first
+    step line never came (review 13, the CPU walkthrough)."""
+    from nanochat.recipe import cpu_plan_hint
+
+    hint = cpu_plan_hint("cpu", 3e19)
+    assert hint is not None and "Step by step on a CPU" in hint and "--preset tiny" in hint and "3e+19" in hint
+    assert cpu_plan_hint("cuda", 3e19) is None
+    assert cpu_plan_hint("cpu", 4096 * 250 * 1e7) is None   # setup.sh's tiny preset: ~1e13 FLOPs, minutes
