@@ -26,6 +26,7 @@ MAX_NODES = 100             # bounds the work of the tree walk
 MAX_INT_BITS = 1024         # ~308 decimal digits; every intermediate int is checked
 MAX_STRING_CHARS = 200      # literals handed to .count()
 
+
 def _div(a, b):
     """`a / b`, an exact int when both are ints and b divides a: Python's true division rounds every
     quotient to a double, so 2**60 / 2 lost its last digits (and anything past 2**53 could); where

@@ -117,6 +117,9 @@ class ResolvedRecipe:
         return ", ".join(parts)
 
 
+MAX_STEPS = 10**9   # years of steps at any speed: more is a typo
+
+
 @dataclass(frozen=True)
 class Horizon:
     """How long base_train trains: --num-iterations when given, else a --target-flops compute budget,
@@ -145,9 +148,15 @@ class Horizon:
         return self.ratio * self.ref_scaling_params
 
     def steps(self, total_batch_size: int) -> int:
-        if self.num_iterations > 0:
-            return self.num_iterations
-        return max(1, int(self.target_tokens // total_batch_size))
+        """Optimizer steps; RequestError past MAX_STEPS (a typo like --target-flops 1e40 ended in an
+        OverflowError traceback where the save plan counts its steps)."""
+        n = self.num_iterations if self.num_iterations > 0 else max(1, int(self.target_tokens // total_batch_size))
+        if n > MAX_STEPS:
+            flag = ("--num-iterations" if self.num_iterations > 0 else
+                    "--target-flops" if self.target_flops > 0 else "--target-param-data-ratio")
+            raise RequestError(f"{flag}: makes {n:.3g} steps of {total_batch_size:,} tokens; accepted: at most "
+                               f"{MAX_STEPS:,} steps")
+        return n
 
     def describe(self, total_batch_size: int) -> str:
         """The banner's iterations row: the steps and the arithmetic behind them, a horizon shorter
@@ -187,6 +196,12 @@ def small_batch_hint(recipe: ResolvedRecipe, total_batch_size: int) -> str | Non
         return None
     return (f"--recipe {recipe.name} scales the LRs by {recipe.lr_scale:.3g} at {total_batch_size:,} tokens a step "
             f"(its values are for ~{REF_BATCH_TOKENS:,}); short runs at small batches learn faster with --recipe v1")
+
+
+def plan_warnings(recipe: ResolvedRecipe, total_batch_size: int, device_type: str, training_flops: float) -> list[str]:
+    """The start-up warnings about the run's plan (base_train prints each as "WARNING: ...")."""
+    hints = (small_batch_hint(recipe, total_batch_size), cpu_plan_hint(device_type, training_flops))
+    return [h for h in hints if h is not None]
 
 
 def resolve_recipe(name: str, overrides: dict, *, total_batch_size: int, target_tokens: float,

@@ -338,4 +338,3 @@ class PolicyGradientTrainer:
         if last.isdigit():
             return f"{head}; {advice}; resume with: {self.command(**overrides, resume=str(int(last)))}"
         return f"{head}; {advice}; run again with: {self.command(**overrides)}"
-

@@ -11,8 +11,8 @@ Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the fil
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import re
 import sys
 import time
@@ -150,13 +150,15 @@ def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
 
 
 def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
-    """--data-dir, else the shards the checkpoint trained on (base_train's --data-dir, saved in its
-    meta.json) while that folder exists, else None (<base dir>/base_data). Without this a model
+    """--data-dir, else the shards a base checkpoint trained on (base_train's --data-dir, saved in
+    its meta.json) while that folder exists, else None (<base dir>/base_data). Without this a model
     trained with --data-dir was evaluated against the default folder: "no text shards" or another corpus."""
     if cfg.data_dir is not None:
         return cfg.data_dir
+    # a base checkpoint's only: mid/SFT/RL's --data-dir is the chat data's root, not text shards; and
+    # absolute only (base_train saves it so now): a relative one was relative to base_train's own cwd
     saved = (meta.get("config") or {}).get("data_dir") if isinstance(meta.get("config"), dict) else None
-    if isinstance(saved, str) and os.path.isdir(saved):
+    if cfg.source == "base" and isinstance(saved, str) and os.path.isabs(saved) and os.path.isdir(saved):
         print0(f"bpb on {saved} (the checkpoint's --data-dir; pass --data-dir to choose others)")
         return saved
     return None

@@ -28,8 +28,8 @@ from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_
 from nanochat.errors import RequestError
 from nanochat.loop import (SETUP_STAGE_ENV, TRAIN_FLAG_HELP, LoopSpec, launcher, log_stage_report, resume_command,
                            resume_loop_state, run_training_loop)
-from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, cpu_plan_hint, recipe_for_resume,
-                             resolve_recipe, small_batch_hint)
+from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, plan_warnings, recipe_for_resume,
+                             resolve_recipe)
 from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
     say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
@@ -121,7 +121,8 @@ class BaseTrainConfig:
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))
         require_float(self.target_param_data_ratio, "--target-param-data-ratio", 0.0, low_inclusive=False)
         if self.target_flops != -1:   # one horizon: the steps or the budget, not both
-            require_float(self.target_flops, "--target-flops", 0.0, low_inclusive=False)
+            require(isinstance(self.target_flops, (int, float)) and math.isfinite(self.target_flops)
+                    and self.target_flops > 0, "--target-flops", self.target_flops, "a finite number > 0, or -1: off")
             require(self.num_iterations == -1, "--num-iterations and --target-flops",
                     f"{self.num_iterations} and {self.target_flops:g}", "one of the two (the other -1)")
         require_int(self.device_batch_size, "--device-batch-size", 1)
@@ -180,8 +181,9 @@ class BaseTrainConfig:
         require_int(self.seed, "--seed", 0)
         if self.peak_flops is not None:
             require_float(self.peak_flops, "--peak-flops", 1e9)
-        if self.data_dir is not None:
+        if self.data_dir is not None:   # saved absolute: base_eval reads it back (from its own working dir)
             check_dir_flag(self.data_dir, "--data-dir", "an existing directory of *.parquet shards")
+            self.data_dir = os.path.abspath(self.data_dir)
         check_wandb_flags(self.wandb, self.run)
         return self
 
@@ -482,10 +484,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                  wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,
                  data=train_loader.describe_source(), disk=disk, iterations=horizon.describe(total_batch_size))
-    for hint in (small_batch_hint(recipe, total_batch_size),
-                 cpu_plan_hint(rt.device_type, flops_per_token * num_iterations * total_batch_size)):
-        if hint is not None:
-            print0(f"WARNING: {hint}")
+    for hint in plan_warnings(recipe, total_batch_size, rt.device_type, flops_per_token * num_iterations * total_batch_size):
+        print0(f"WARNING: {hint}")
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 

@@ -37,3 +37,20 @@ def test_bpb_data_dir_precedence(tmp_path):
     assert base_eval.bpb_data_dir(cfg, _meta(str(tmp_path / "gone"))) is None   # moved away: the default
     assert base_eval.bpb_data_dir(cfg, _meta(None)) is None
     assert base_eval.bpb_data_dir(cfg, {"config": "odd"}) is None
+    assert base_eval.bpb_data_dir(cfg, _meta("relative/dir")) is None   # relative to base_train's cwd, unknown here
+
+
+def test_a_chat_checkpoints_data_dir_is_not_read_as_shards(tmp_path):
+    """mid/SFT/RL save --data-dir too, but theirs is the chat data's root (eval/ sft/ words/): read
+    as pretraining shards it made `base_eval -i sft --eval bpb` fail with "no text shards"."""
+    for source in ("mid", "sft", "rl"):
+        cfg = base_eval.parse_config(["-i", source, "--eval", "bpb"])
+        assert base_eval.bpb_data_dir(cfg, _meta(str(tmp_path))) is None
+
+
+def test_base_train_saves_its_data_dir_absolute(tmp_path, monkeypatch):
+    from scripts import base_train
+
+    (tmp_path / "shards").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert base_train.parse_config(["--data-dir", "shards"]).data_dir == str(tmp_path / "shards")

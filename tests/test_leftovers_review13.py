@@ -255,3 +255,22 @@ def test_base_train_warms_up_compile_on_every_rank(base_dir, tiny_corpus, tmp_pa
     mp.spawn(_warm_up_worker, args=(free_port(), str(base_dir), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
     calls = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [c[:4] for c in calls] == [[2, 32, calls[0][2], "cpu"]] * 2 and calls[0][2] > 256
+
+
+def test_humaneval_log_names_the_problem_by_its_file_position(shared_data, tiny_tokenizer):
+    """After the shuffle, run_generative's example lines said "HumanEval example 0" for the shuffled
+    task's first problem, which is not HumanEval/0: the log names the file position (the task_id's number)."""
+    from nanochat.tasks import HumanEval
+    from nanochat.tasks.evaluate import run_generative
+
+    class Engine:
+        max_seq_len = 100_000
+
+        def generate_batch(self, prompt, num_samples, **kw):
+            return [list(prompt) for _ in range(num_samples)], None
+
+    he, lines = HumanEval(data_dir=shared_data), []
+    run_generative(Engine(), tiny_tokenizer, he, "cpu", num_samples=1, max_problems=1, name="HumanEval",
+                   log=lines.append)
+    number = int(he[0]["task_id"].split("/")[1])
+    assert number != 0 and lines[0].startswith(f"  HumanEval example {number}: "), (number, lines)

@@ -68,8 +68,8 @@ def test_horizon_precedence_and_its_banner_row():
 @pytest.mark.parametrize("argv, message", [
     (["--target-flops", "1e18", "--num-iterations", "100"],
      "--num-iterations and --target-flops: got '100 and 1e+18'; accepted: one of the two (the other -1)"),
-    (["--target-flops", "0"], "--target-flops: got 0.0; accepted: a finite number > 0.0"),
-    (["--target-flops", "nan"], "--target-flops: got nan; accepted: a finite number > 0.0"),
+    (["--target-flops", "0"], "--target-flops: got 0.0; accepted: a finite number > 0, or -1: off"),
+    (["--target-flops", "nan"], "--target-flops: got nan; accepted: a finite number > 0, or -1: off"),
 ])
 def test_target_flops_flag_is_checked(argv, message):
     from scripts.base_train import parse_config
@@ -168,3 +168,17 @@ def test_cpu_plan_hint_warns_of_a_gpu_sized_plan():
     assert hint is not None and "Step by step on a CPU" in hint and "--preset tiny" in hint and "3e+19" in hint
     assert cpu_plan_hint("cuda", 3e19) is None
     assert cpu_plan_hint("cpu", 4096 * 250 * 1e7) is None   # setup.sh's tiny preset: ~1e13 FLOPs, minutes
+
+
+def test_a_horizon_of_absurd_length_is_refused_by_its_flag():
+    """--target-flops 1e40 (a typo for 1e20) got past the checks and crashed with an OverflowError
+    traceback where the save plan counts the steps; --num-iterations 10**12 the same."""
+    from nanochat.errors import RequestError
+
+    with pytest.raises(RequestError, match=r"^--target-flops: makes 2\.44e\+30 steps of 4,096 tokens; accepted: at most"):
+        _horizon(target_flops=1e40).steps(4096)
+    with pytest.raises(RequestError, match=r"^--num-iterations: makes 1e\+12 steps"):
+        _horizon(num_iterations=10**12).steps(4096)
+    with pytest.raises(RequestError, match=r"^--target-param-data-ratio: "):
+        _horizon(ratio=1e30).steps(4096)
+    assert _horizon(num_iterations=10**9).steps(4096) == 10**9

@@ -155,7 +155,8 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     total = 0
     passed_at = [0.0] * num_samples
     limit = engine.max_seq_len
-    # problem i draws with seed + its index (in a shuffled task, its file position: Task.seed_index)
+    # problem i draws with seed + its index (in a shuffled task, its file position: Task.seed_index),
+    # and the log names it by that position too (HumanEval's "problem 37" is HumanEval/37)
     seed_of = getattr(task, "seed_index", lambda i: i)
     for k, i in enumerate(_indices(task, max_problems)):
         conv = task[i]
@@ -164,7 +165,7 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         budget = min(max_new_tokens, limit - len(prompt))
         if budget < 1:  # the prompt alone fills the context: counts as a failure, visibly
             if log:
-                log(f"  {label} problem {i}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
+                log(f"  {label} problem {seed_of(i)}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
             continue
         seqs = _draw(engine, prompt, num_samples, rows_per_call or num_samples, budget, temperature, top_k,
                      seed + seed_of(i))
@@ -173,7 +174,7 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
         for j in range(num_samples):
             passed_at[j] += pass_at_k(num_samples, correct, j + 1)
         if log and k < 2:  # named: chat_eval prints a task's score line only after its examples
-            log(f"  {label} example {i}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
+            log(f"  {label} example {seed_of(i)}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
     import torch
 
     # float64 sums: the estimates are fractions, and float32 would round counts past 2^24

@@ -53,7 +53,8 @@ def solution_to_parts(solution: str) -> list[dict]:
         add_text(solution[pos:m.start()])
         expr, eq, result = m.group(1).rpartition("=")
         if eq and expr.strip():
-            forced = use_calculator(expr.strip())  # what the Engine will force after this call
+            forced = use_calculator(expr.strip())  # what the Engine forces after this call (refused: the
+            # annotation's result stays, where the Engine forces "error"; no GSM8K test call is refused)
             parts.append({"type": "python", "text": expr.strip()})
             parts.append({"type": "python_output", "text": result.strip() if forced is None else forced})
         else:  # a malformed annotation without '=': keep it as plain text

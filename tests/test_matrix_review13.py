@@ -1,0 +1,221 @@
+"""Review 13: base_train's decision over the whole matrix {--kernel current|liger|triton} x
+{--precision auto|bf16|fp8|nvfp4|fp32} x {GB10 sm_121, H100 sm_90, B200 sm_100, RTX 4090 sm_89,
+A100 sm_80, CPU} x {liger-kernel installed or not} x {Transformer Engine installed or not}, on
+simulated device properties (no GPU).
+
+Each cell runs the real `scripts.base_train.train` up to the first step that touches disk (the
+checkpoint directory, before tokenizer, data and model): a cell either gets there, and then the
+precision plan its `apply_precision` will resolve is asserted (what every `auto` chose, as the
+banner prints it), or it stops earlier with a RequestError (one line, no traceback, from
+script_main) that names the flag and the values this device accepts. Every value a refusal
+offers must itself run on that device, and every value it leaves out must be refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+import nanochat.precision as PR   # bound before detect_device is patched (test_gb10_review10 says why)
+from nanochat import common
+from nanochat.errors import RequestError
+from nanochat.platform import CPU_SPEC, SimpleProps, detect_device
+
+GB = 10**9
+DEVICES = {
+    "gb10": SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * GB, is_integrated=True),
+    "h100": SimpleProps("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 * GB),
+    "b200": SimpleProps("NVIDIA B200", 10, 0, 148, 180 * GB),
+    "rtx4090": SimpleProps("NVIDIA GeForce RTX 4090", 8, 9, 128, 24 * GB),
+    "a100": SimpleProps("NVIDIA A100-SXM4-80GB", 8, 0, 108, 80 * GB),
+    "cpu": None,
+}
+KERNELS = ("current", "liger", "triton")
+PRECISIONS = ("auto", "bf16", "fp8", "nvfp4", "fp32")
+
+
+class Reached(Exception):
+    """The run got past every check, to the checkpoint directory (the first thing it writes)."""
+
+
+# ------------------------------------------------------------------ the expected decisions
+
+# --precision (backend auto): "precision/backend" the plan resolves to, or "!" + the start of the
+# refusal. (with TE, without TE) where they differ.
+NEEDS_FP8_GPU = "!--precision fp8: needs an NVIDIA GPU with compute capability >= 8.9"
+NEEDS_BLACKWELL = "!--precision nvfp4: needs a Blackwell GPU"
+NEEDS_TE = "!--precision nvfp4: needs Transformer Engine >= 2.8"
+PRECISION_TABLE = {
+    #           auto         bf16         fp8            nvfp4                      fp32
+    "gb10":    ("bf16/none", "bf16/none", "fp8/native", ("nvfp4/te", NEEDS_TE), "fp32/none"),
+    "b200":    ("bf16/none", "bf16/none", "fp8/native", ("nvfp4/te", NEEDS_TE), "fp32/none"),
+    "h100":    ("bf16/none", "bf16/none", "fp8/native", NEEDS_BLACKWELL, "fp32/none"),
+    "rtx4090": ("bf16/none", "bf16/none", "fp8/native", NEEDS_BLACKWELL, "fp32/none"),   # Ada: fp8 tensor cores
+    "a100":    ("bf16/none", "bf16/none", NEEDS_FP8_GPU, NEEDS_BLACKWELL, "fp32/none"),
+    "cpu":     ("fp32/none", "bf16/none", NEEDS_FP8_GPU, NEEDS_BLACKWELL, "fp32/none"),
+}
+# the --precision values a refusal offers on each device (with TE, without TE)
+ACCEPTED = {
+    "gb10": ("auto|bf16|fp32|fp8|nvfp4", "auto|bf16|fp32|fp8"),
+    "b200": ("auto|bf16|fp32|fp8|nvfp4", "auto|bf16|fp32|fp8"),
+    "h100": ("auto|bf16|fp32|fp8",) * 2,
+    "rtx4090": ("auto|bf16|fp32|fp8",) * 2,
+    "a100": ("auto|bf16|fp32",) * 2,
+    "cpu": ("auto|bf16|fp32",) * 2,
+}
+# --kernel: None = runs; else the start of the refusal. (liger installed, not installed)
+NEEDS_CUDA = "--kernel liger needs a CUDA GPU"
+NEEDS_LIGER = "--kernel liger needs liger-kernel"
+
+
+def expected_kernel(kernel: str, device: str, liger: bool) -> str | None:
+    if kernel != "liger":
+        return None   # current everywhere; triton on CUDA (triton is installed) and CPU (its torch path)
+    if device == "cpu":
+        return NEEDS_CUDA
+    return None if liger else NEEDS_LIGER
+
+
+def expected(kernel: str, precision: str, device: str, liger: bool, te: bool) -> str:
+    """The cell's outcome: the precision refusal first (base_train checks --precision before --kernel)."""
+    want = PRECISION_TABLE[device][PRECISIONS.index(precision)]
+    if isinstance(want, tuple):
+        want = want[0 if te else 1]
+    if want.startswith("!"):
+        return want
+    refusal = expected_kernel(kernel, device, liger)
+    return "!" + refusal if refusal else want
+
+
+# ------------------------------------------------------------------ simulated installs and devices
+
+class Format(enum.Enum):
+    E4M3 = 0
+    HYBRID = 1
+    E2M1 = 2
+
+
+def fake_te_recipe_module() -> types.ModuleType:
+    """transformer_engine.common.recipe with the fields of a current TE (2.15+)."""
+    def dc(name, fields):
+        return dataclasses.make_dataclass(name, [(k, object, dataclasses.field(default=v)) for k, v in fields.items()])
+    mod = types.ModuleType("transformer_engine.common.recipe")
+    mod.Format = Format
+    mod.Float8CurrentScaling = dc("Float8CurrentScaling", {"fp8_format": Format.HYBRID})
+    mod.DelayedScaling = dc("DelayedScaling", {"fp8_format": Format.HYBRID})
+    mod.NVFP4BlockScaling = dc("NVFP4BlockScaling", {"disable_rht": False, "disable_stochastic_rounding": False,
+                                                    "backward_override": None, "fp4_format": Format.E2M1})
+    return mod
+
+
+def install(monkeypatch, *, liger: bool, te: bool) -> None:
+    """liger-kernel and Transformer Engine installed (stand-ins) or not importable."""
+    for root in ("liger_kernel", "transformer_engine"):
+        for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+            monkeypatch.delitem(sys.modules, name)
+    if liger:
+        class Loss:
+            def __init__(self, ignore_index=-100, softcap=None, reduction="mean", accum_dtype=None):
+                pass
+        flce = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+        flce.LigerFusedLinearCrossEntropyLoss = Loss
+        for name in ("liger_kernel", "liger_kernel.transformers"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        monkeypatch.setitem(sys.modules, flce.__name__, flce)
+    else:
+        monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    if te:
+        pkg, common_mod = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.common")
+        recipe = fake_te_recipe_module()
+        pkg.common, common_mod.recipe = common_mod, recipe
+        for mod in (pkg, common_mod, recipe):
+            monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    else:
+        monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    monkeypatch.setattr(PR, "_te_importable", lambda: te)
+
+
+@pytest.fixture
+def cell(monkeypatch, tmp_path):
+    """cell(kernel, precision, device, liger, te, *extra_flags) -> ("runs", plan) or ("refused", message),
+    from scripts.base_train.train on the simulated device."""
+    import nanochat.attention
+    import nanochat.checkpoint
+    import nanochat.platform
+    from scripts import base_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # no ptxas probe of the real box
+    monkeypatch.setattr(nanochat.attention, "check_training_backend", lambda *a, **k: "sdpa")   # not this review's
+
+    def reached(*args, **kwargs):
+        raise Reached
+    monkeypatch.setattr(nanochat.checkpoint, "checkpoint_dir", reached)
+
+    def run(kernel, precision, device, liger, te, *extra):
+        install(monkeypatch, liger=liger, te=te)
+        spec = CPU_SPEC if DEVICES[device] is None else detect_device(props=DEVICES[device])
+        monkeypatch.setattr(nanochat.platform, "detect_device", lambda *a, **k: spec)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: spec.cc is not None and spec.cc >= (8, 0))
+        device_type = "cpu" if spec.cc is None else "cuda"
+        cfg = base_train.parse_config(["--kernel", kernel, "--precision", precision, "--device", device_type,
+                                       *extra])
+        dtype = common._resolve_dtype(base_train.runtime_dtype(cfg.precision), device_type)   # as init_runtime
+        rt = common.Runtime(device=torch.device(device_type), device_type=device_type, dtype=dtype, rank=0,
+                            local_rank=0, world_size=1, ddp=False, is_master=True)
+        try:
+            base_train.train(cfg, rt)
+        except Reached:
+            # what setup_precision_and_kernel's apply_precision resolves (the banner's "precision" row)
+            return "runs", PR.resolve(cfg.precision, cfg.precision_backend, spec, compute_dtype=rt.dtype_name)
+        except RequestError as e:   # script_main prints it as one line
+            return "refused", str(e)
+        raise AssertionError("train() returned before its checkpoint directory")
+    return run
+
+
+# ------------------------------------------------------------------ the matrix
+
+def accepted_precisions(message: str) -> list[str]:
+    m = re.search(r"accepted on this device: --precision ([a-z0-9|]+)", message)
+    assert m, f"no accepted --precision values in: {message}"
+    return m.group(1).split("|")
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matrix_cell_runs_or_refuses_as_the_table_says(cell, kernel, device):
+    wrong = []
+    for precision in PRECISIONS:
+        for liger in (True, False):
+            for te in (True, False):
+                want = expected(kernel, precision, device, liger, te)
+                how, got = cell(kernel, precision, device, liger, te)
+                where = f"{kernel}/{precision}/{device}/liger={liger}/te={te}"
+                if want.startswith("!"):
+                    if how != "refused" or not got.startswith(want[1:]):
+                        wrong.append(f"{where}: want refusal {want[1:]!r}, got {how} {got}")
+                    elif got.startswith("--precision"):
+                        if "|".join(accepted_precisions(got)) != ACCEPTED[device][0 if te else 1]:
+                            wrong.append(f"{where}: accepted values {accepted_precisions(got)}")
+                    elif "--kernel" not in got or not re.search(r"use --kernel (triton|current)", got):
+                        wrong.append(f"{where}: refusal names no accepted --kernel: {got}")
+                    continue
+                if how != "runs":
+                    wrong.append(f"{where}: want {want}, refused: {got}")
+                    continue
+                if f"{got.precision}/{got.backend}" != want:
+                    wrong.append(f"{where}: want {want}, got {got.precision}/{got.backend}")
+                if precision == "auto" and not got.chosen.startswith(f"--precision auto -> {got.precision}: "):
+                    wrong.append(f"{where}: the banner does not say what auto chose: {got.chosen!r}")
+                if precision in ("fp8", "nvfp4") and not got.chosen.startswith(
+                        f"--precision-backend auto -> {got.backend}: "):
+                    wrong.append(f"{where}: the banner does not say what backend auto chose: {got.chosen!r}")
+    assert not wrong, "\n".join(wrong)
