@@ -527,7 +527,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                   "mixture_conversations": len(train_mix), "mixture": mixture, "mask": stage.mask, "fill": stage.fill,
                   "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
-                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
+                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir),
+                      resume_state=resume and resume["loop"], branch=earlier is not None)   # a resume: its wandb run
     start_step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
     epochs = epochs_of(num_iterations, plan.total_batch_size // seq_len, epoch_rows)
     print_banner(cfg, stage, rt, source=source, tag=tag, ckpt_dir=ckpt_dir, disk=disk, plan=plan, train_mix=train_mix,

@@ -35,6 +35,7 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
 import re
@@ -460,21 +461,19 @@ def check_kernel(name: str, device: torch.device | str, compile: bool = False) -
     with their other checks, before a model is built."""
     if name not in KERNELS:
         raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
+    dev = torch.device(device)
     if name == "liger":
-        dev = torch.device(device)
         if dev.type != "cuda":
             raise RequestError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
                                "use --kernel triton (runs its CPU path) or --kernel current")
         _liger_module(None, "mean")   # installed?
     if name == "triton":
-        dev = torch.device(device)
         if dev.type not in ("cuda", "cpu"):
             raise RequestError(f"--kernel triton runs on cuda and cpu, not {dev.type}; use --kernel current")
-        import importlib.util
         if dev.type == "cuda" and importlib.util.find_spec("triton") is None:   # found, not imported
             raise RequestError("--kernel triton needs the triton package on CUDA: pip install triton, "
                                "or use --kernel current")
-    if (compile or name in ("liger", "triton")) and torch.device(device).type == "cuda" and torch.cuda.is_available():
+    if (compile or name in ("liger", "triton")) and dev.type == "cuda" and torch.cuda.is_available():
         # liger and triton launch Triton kernels whatever --compile says, and a compiled model's are
         # inductor's: a ptxas that cannot target this GPU (GB10 with Triton <= 3.5, no CUDA 13 toolkit)
         # stopped training's apply_patches only after the checkpoint directory, data and model existed
@@ -584,6 +583,10 @@ def build_qkv_projection(name: str, device: torch.device | str = "cpu", *, gemm:
     plain bf16 layers as one op with the rotary norm in the GEMMs' epilogue (`bf16_gemm`, the
     function's keyword); other layers run the plain chain. None for current and liger."""
     if build_rotary_norm(name, device) is None:
+        return None
+    if torch.device(device).type != "cuda" and importlib.util.find_spec("triton") is None:
+        # off CUDA the hook is the model's own plain chain, and fp8_qk imports Triton: a CPU torch without
+        # it (macOS, the CPU index) passed check_kernel, then hit ModuleNotFoundError after data + model
         return None
     from nanochat import fp8_qk
     bf16_gemm = False

@@ -331,7 +331,8 @@ def _train_step(trainer, meter, spec: LoopSpec, res: LoopResult, step: int, trac
     extra = getattr(result, "extra", None) or {}  # stage-specific per-step values (e.g. RL reward)
     _say(meter.log_line(metrics, spec.num_iterations) + format_extra(extra))
     if tracker is not None:
-        tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k != "step"}, step)
+        tracker.log({f"train/{k}": v for k, v in {**metrics, **extra}.items() if k not in ("step", "rough_per_step")},
+                    step)
     if report:
         _report_row(res, spec.stage, {"step": step, "loss": result.loss, "smooth_loss": metrics["smooth_loss"],
                                       "lrm": result.lrm, "tok_per_sec": metrics["tok_per_sec"],
@@ -440,7 +441,8 @@ def run_training_loop(trainer, meter, spec: LoopSpec, tracker=None, *, start_ste
                 loop_state = trainer.loop_state(step, meter, min_val_bpb=res.min_val_bpb, val_bpb=res.val_bpb,
                                                 elapsed_s=res.elapsed_s, val_bpb_step=res.val_bpb_step,
                                                 last_eval=jsonable(res.last_eval), evaluated_at=res.evaluated_at,
-                                                sampled_at=res.sampled_at)
+                                                sampled_at=res.sampled_at,   # the wandb run a resume continues:
+                                                **({} if tracker is None else {"tracker": tracker.state_dict()}))
                 path = spec.save(step, loop_state)
                 trainer.note_checkpoint(path)
                 res.last_checkpoint = str(path)

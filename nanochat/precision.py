@@ -135,8 +135,9 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
     if precision in ("bf16", "fp32"):
         if backend not in ("auto",):   # named per backend: "emulated applies to fp8|nvfp4" led to a refusal of fp8
             applies = {"emulated": "nvfp4", "native": "fp8", "torchao": "fp8"}.get(backend, "fp8|nvfp4")
+            te_ok = _nvfp4_te_runs(spec, te_available, te_recipe)
             raise RequestError(f"--precision-backend {backend}: only applies to --precision {applies}; with "
-                               f"--precision {requested} leave it at auto ({accepted_here(spec)})")
+                               f"--precision {requested} leave it at auto ({accepted_here(spec, te_ok)})")
         return PrecisionPlan(precision, "none",
                              chosen=f"--precision auto -> {precision}: {AUTO_DTYPE}" if requested == "auto" else "")
     # Probed only where the request can use them: importing TE (with ~1 GB of cuDNN libraries) for
@@ -156,12 +157,45 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
         if plan.backend == "te" and (te_recipe is not None or te_available is None):
             if (problem := te_fp8_problem(te_recipe)) is not None:   # before any model is built
                 raise RequestError(problem)
+        if plan.backend == "native":
+            _check_native_fp8_ptxas(spec)
     if backend == "auto":
         plan.chosen = f"--precision-backend auto -> {plan.backend}: " + (
             "tensor-wise scaled torch._scaled_mm (row-wise scaling fails on sm_12x), no extra package, one "
             "compiled graph; te|torchao on request" if plan.precision == "fp8" else
             "Transformer Engine is the only nvfp4 training path (emulated: numerics only, on request)")
     return plan
+
+
+def _nvfp4_te_runs(spec: DeviceSpec, te_available: bool | None, te_recipe: Any) -> bool:
+    """Whether --precision nvfp4 (backend auto) resolves on `spec`: for the accepted list of a refusal
+    that had no reason to probe TE. Without it a Blackwell with TE installed was offered
+    auto|bf16|fp32|fp8 only. TE is imported here only on a refusal, on a GPU of cc >= 10.0."""
+    if spec.cc is None or spec.cc < (10, 0):
+        return False
+    if not (_te_importable() if te_available is None else te_available):
+        return False
+    if te_recipe is None and te_available is not None:   # a simulated install: complete (resolve's rule)
+        return True
+    return te_nvfp4_problem(spec, te_recipe) is None
+
+
+def _check_native_fp8_ptxas(spec: DeviceSpec) -> None:
+    """Native fp8's casts (fp8_cast_transpose, also in the start-up check whatever --fp8-wgrad says)
+    are Triton kernels on CUDA, launched whatever --kernel and --compile say: on a GPU Triton's
+    ptxas cannot target (GB10 with Triton <= 3.5 and no CUDA 13 ptxas, DESIGN s4.1) a run with
+    `--kernel current --no-compile` (what kernels.check_kernel's refusal advises) passed every
+    early check and died in ptxas at the start-up check, after the data and the model. Checked
+    only where a GPU is visible: a simulated spec on a CPU box launches nothing."""
+    if not spec.is_cuda or not torch.cuda.is_available():
+        return
+    from nanochat.platform import PtxasMissing, ptxas_problem
+    if (problem := ptxas_problem(spec)) is not None:
+        raise PtxasMissing(
+            f"--precision fp8 (backend native): its fp8 casts are Triton kernels, launched whatever --kernel "
+            f"and --compile say: {problem} Until Triton can target this GPU, accepted on this device: --precision "
+            "auto|bf16|fp32 (with --kernel current --no-compile), or --precision fp8 --precision-backend te "
+            "(Transformer Engine's own kernels, when installed)")
 
 
 def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:

@@ -93,9 +93,13 @@ class StepMeter:
     across precisions); `util` is against `peak_util`: the active precision's own peak, blended
     with bf16 by `low_precision_flops` when given (blended_peak). The first
     `warmup_steps` of every process (compilation, allocator warm-up; also after a resume) are
-    left out of the cumulative time. The ETA is wall-clock time per step since the warm-up (so
-    evals, samples and checkpoints between steps count) times the steps left: a d20 run on a
-    GB10 takes days, and its user should know how many after a few minutes."""
+    left out of the cumulative time (average_tok_per_sec says what it averages when no process got
+    past them). The ETA is wall-clock time per step since the warm-up (so evals, samples and
+    checkpoints between steps count) times the steps left: a d20 run on a GB10 takes days, and its
+    user should know how many after a few minutes. During the warm-up (also a resume's) it is a
+    rough figure marked '~': the wall time per step since this process's first step (which carries
+    the compilation), or that first step's own time while it is the only one: a slow run (a CPU, a
+    big model) would otherwise show '-' for its first hours."""
 
     def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
                  peak_active: float | None = None, precision: str = "bf16", ema_beta: float = 0.9,
@@ -113,15 +117,27 @@ class StepMeter:
         self.total_time = 0.0         # seconds of timed (post-warm-up) steps
         self.timed_steps = 0
         self.timed_tokens = 0
+        # this process's steps past its first (the compilation): the average's basis while no step is
+        # timed (every process so far ended inside its warm-up: a run resumed every few steps). Not in
+        # state_dict: a resume's is its own (and a run's and its resume's checkpoints stay alike)
+        self._settled_time = 0.0
+        self._settled_tokens = 0
         self._steps_this_process = 0  # warm-up counts from this process's start (also after resume)
         self._wall_start: float | None = None  # perf_counter at the start of the first timed step
         self._wall_steps = 0                   # steps since then (this process)
+        self._first_end: float | None = None   # perf_counter at the end of this process's first step
 
     def update(self, r: StepResult) -> dict:
         b = self.ema_beta
         self.smooth_loss = b * self.smooth_loss + (1 - b) * r.loss
         self.updates += 1
         self._steps_this_process += 1
+        now = time.perf_counter()
+        if self._steps_this_process == 1:
+            self._first_end = now
+        else:
+            self._settled_time += r.dt
+            self._settled_tokens += r.tokens
         if self._steps_this_process > self.warmup_steps:
             self.total_time += r.dt
             self.timed_steps += 1
@@ -131,12 +147,17 @@ class StepMeter:
             self._wall_steps += 1
         wall_per_step = ((time.perf_counter() - self._wall_start) / self._wall_steps
                          if self._wall_steps else None)
+        rough = None   # the warm-up's rough figure (the log line's '~' ETA), None once wall_per_step is measured
+        if wall_per_step is None:
+            rough = ((now - self._first_end) / (self._steps_this_process - 1) if self._steps_this_process > 1
+                     else r.dt)
         tok_s = r.tokens / r.dt if r.dt > 0 else float("inf")
         flops_s = self.flops_per_token * tok_s
         return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),
                 "lrm": r.lrm, "dt": r.dt, "tok_per_sec": tok_s, "grad_norm": r.grad_norm,
                 "mfu": self._frac(flops_s, self.peak_bf16), "util": self._frac(flops_s, self.peak_util),
-                "peak_mem_gib": self.peak_memory() / 2**30, "wall_per_step": wall_per_step}
+                "peak_mem_gib": self.peak_memory() / 2**30, "wall_per_step": wall_per_step,
+                "rough_per_step": rough}
 
     def _frac(self, flops_s: float, peak: float | None) -> float | None:
         return None if not peak else 100.0 * flops_s / (peak * self.world_size)
@@ -146,14 +167,24 @@ class StepMeter:
         mfu = f"{m['mfu']:5.2f}%" if m["mfu"] is not None else "  n/a"
         util = f"{m['util']:5.2f}%" if m["util"] is not None else "  n/a"
         width = max(5, len(str(num_iterations)))
-        per_step = m.get("wall_per_step")
-        eta = format_eta(per_step * (num_iterations - m["step"] - 1)) if per_step is not None else "-"
+        per_step, mark = m.get("wall_per_step"), ""
+        if per_step is None and m.get("rough_per_step") is not None:   # still in the warm-up: rough
+            per_step, mark = m["rough_per_step"], "~"
+        eta = mark + format_eta(per_step * (num_iterations - m["step"] - 1)) if per_step is not None else "-"
         return (f"step {m['step']:0{width}d}/{num_iterations:0{width}d} | loss {m['smooth_loss']:.4f} | "
                 f"lrm {m['lrm']:.3f} | dt {m['dt'] * 1e3:8.1f}ms | tok/s {m['tok_per_sec']:>11,.0f} | "
                 f"mfu {mfu} | util({self.precision}) {util} | mem {m['peak_mem_gib']:6.2f}GiB | eta {eta:>6}")
 
     def average_tok_per_sec(self) -> float | None:
-        return self.timed_tokens / self.total_time if self.total_time > 0 else None
+        """Tokens per second of the timed steps: every process's steps past its first `warmup_steps`
+        (compilation and allocator warm-up left out; a resumed process warms up again), summed over
+        the run's processes (the meter's state rides in the checkpoints). A run none of whose
+        processes got past its warm-up (resumed every few steps) averages this process's steps past
+        its first one instead (the one that compiles): the segment that ends the run; None while
+        there is no such step."""
+        if self.total_time > 0:
+            return self.timed_tokens / self.total_time
+        return self._settled_tokens / self._settled_time if self._settled_time > 0 else None
 
     def average_mfu(self) -> tuple[float | None, float | None]:
         """(MFU %, util %) of the timed steps' average throughput (the report's figures; the log

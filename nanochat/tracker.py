@@ -1,7 +1,15 @@
 """The optional experiment tracker: wandb when asked for (offline by default for a named run),
 otherwise a no-op that imports nothing. Shared by every training recipe. wandb.init refusing (no
 API key for online, a full disk) is an error naming --wandb, before the first step; a log or finish
-that raises hours in warns once and turns the tracker off: it never ends a training run."""
+that raises hours in warns once and turns the tracker off: it never ends a training run.
+
+A stopped and resumed run is one wandb run: the checkpoint's loop state keeps the run's id and mode
+(`state_dict`, saved by nanochat/loop.py under "tracker"), and the resume passes that loop state
+back (`resume_state`): wandb.init(id=..., resume="allow"). A fresh start (also --overwrite, or
+--resume auto starting afresh) has no such state and starts a new wandb run; so does a resume from
+an older step than the directory's latest (`branch`: the later steps belong to the run it left).
+wandb does not resume offline runs itself: each offline segment is a directory of its own under
+<dir>/wandb named with the shared id, synced into one run with `wandb sync`."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from nanochat.errors import RequestError
 from nanochat.flags import require
 
 WANDB_MODES = ("off", "offline", "online")
+STATE_KEY = "tracker"   # the loop state's entry that holds state_dict() (nanochat/loop.py)
 
 
 class WandbInitError(RequestError, RuntimeError):
@@ -50,29 +59,93 @@ def check_wandb_flags(wandb_flag: str | None, run: str) -> str:
     return mode
 
 
+def _saved_run(resume_state: dict | None) -> dict | None:
+    """The wandb run a checkpoint's loop state names ({"id", "mode", ...}), None when it names none
+    (a checkpoint saved with tracking off, or by an older version)."""
+    saved = (resume_state or {}).get(STATE_KEY)
+    return saved if isinstance(saved, dict) and isinstance(saved.get("id"), str) and saved["id"] else None
+
+
 class Tracker:
-    """wandb when on (imported only then), otherwise a no-op; only rank 0 ever logs."""
+    """wandb when on (imported only then), otherwise a no-op; only rank 0 ever logs.
+
+    `resume_state`: the loop state of the checkpoint a resumed run continues (None: a fresh run);
+    `branch`: that checkpoint is older than the directory's latest, so the resume starts a new wandb
+    run. Without --run (name None or "dummy") wandb names the run itself; describe() says which."""
 
     def __init__(self, mode: str = "off", *, run: str | None = None, project: str = "nanochat",
-                 config: dict | None = None, is_master: bool = True, directory: str | None = None):
+                 config: dict | None = None, is_master: bool = True, directory: str | None = None,
+                 resume_state: dict | None = None, branch: bool = False):
         self._run = None
         require(mode in WANDB_MODES, "--wandb", mode, "|".join(WANDB_MODES))
-        if mode == "off" or not is_master:
+        self.mode, self.name = mode, None if run in (None, "", "dummy") else run
+        saved = _saved_run(resume_state)
+        # what the next checkpoint keeps: the checkpoint's run, carried through a segment that logs
+        # nothing (a later resume with logging on continues it), never a branch's (the run it left)
+        self._state = None if branch else saved
+        self._continued: str | None = None   # the id of the checkpoint's run this process logs to
+        self._is_master = is_master
+        if not is_master:
+            return
+        if mode == "off":
+            if saved is not None and not branch:
+                _note(f"the checkpoint's wandb run {saved['id']} ({saved.get('mode')}) gets no steps from this "
+                      "segment (--wandb off, or no --run): resume with its --run / --wandb to continue it")
             return
         check_wandb_available(mode)
         import wandb
+        kwargs = dict(project=project, name=self.name, config=config, mode=mode, dir=directory)
+        if saved is not None and not branch:
+            # the same run: allow_val_change, as a resume may change flags (the resume flag itself)
+            kwargs.update(id=saved["id"], resume="allow", allow_val_change=True)
         try:
-            self._run = wandb.init(project=project, name=None if run in (None, "dummy") else run,
-                                   config=config, mode=mode, dir=directory)
+            self._run = wandb.init(**kwargs)
         except Exception as e:   # wandb's own errors (UsageError, CommError, ...) share no base class
             # asked for and not met, before the first step: said now (nothing is lost yet), not hours
             # later as a run without its tracking
             raise WandbInitError(f"--wandb {mode}: wandb.init failed ({type(e).__name__}: {e}); fix that (e.g. "
                                "`wandb login` for online), or pass --wandb off to train without it") from e
+        run_id = getattr(self._run, "id", None)
+        self._state = {"id": run_id, "mode": mode, "project": project} if isinstance(run_id, str) and run_id else None
+        self.name = self.name or getattr(self._run, "name", None) or None
+        if saved is not None and not branch:
+            self._continued = saved["id"]
+            _note(self._continue_note(saved, directory))
+        elif saved is not None:
+            _note(f"a resume from an older step than the latest starts a new wandb run{self._id_text()}; the "
+                  f"checkpoint's run {saved['id']} keeps the steps of the run it branches from")
+
+    def _id_text(self) -> str:
+        return f" (id {self._state['id']})" if self._state else ""
+
+    def _continue_note(self, saved: dict, directory: str | None) -> str:
+        text = f"continuing the checkpoint's wandb run {saved['id']} ({self.mode})"
+        if saved.get("mode") != self.mode:
+            text += f"; its earlier segments logged {saved.get('mode')}"
+        if "offline" in (self.mode, saved.get("mode")):
+            where = f"{directory}/wandb" if directory else "./wandb"
+            text += (f"; each offline segment is a directory of its own (offline-run-*-{saved['id']} under "
+                     f"{where}): `wandb sync` them oldest first to see the whole run")
+        return text
 
     @property
     def enabled(self) -> bool:
         return self._run is not None
+
+    def describe(self) -> str:
+        """The banner's tracking row: the mode, the run's name (or that wandb names it: no --run) and
+        id, and whether it continues the checkpoint's run."""
+        if self.mode == "off":
+            return "wandb off"
+        if not self._is_master:
+            return f"wandb {self.mode} (rank 0 logs)"
+        name = f"run {self.name}" if self.name else "an unnamed run (no --run: wandb names it)"
+        cont = ", continuing the checkpoint's run" if self._continued else ""
+        return f"wandb {self.mode}, {name}{self._id_text()}{cont}"
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps so that its resume logs to the same wandb run (None: no run)."""
+        return dict(self._state) if self._state else None
 
     def _give_up(self, what: str, error: Exception) -> None:
         """Tracking off for the rest of the run, said once: the training goes on without it."""
@@ -94,3 +167,8 @@ class Tracker:
                 run.finish()
             except Exception as e:
                 self._give_up("wandb finish failed", e)
+
+
+def _note(text: str) -> None:
+    """One line (rank 0 only: only the master's Tracker gets here)."""
+    print(f"wandb: {text}", flush=True)

@@ -457,7 +457,6 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                       precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes,
                       low_precision_flops=precision_info.get("low_precision_flops"))
     trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
-    wandb_mode = resolve_wandb_mode(cfg.wandb, cfg.run)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
@@ -471,7 +470,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   # flags alone do not say them ("recipe" above is precision.py's)
                   "optimizer_recipe": asdict(recipe)}
     # one namespace: train_meta's "recipe" (precision.py's) took the place of --recipe's name
-    tracker = Tracker(wandb_mode, run=cfg.run, is_master=rt.is_master, directory=str(base_dir),
+    tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, is_master=rt.is_master,
+                      directory=str(base_dir), resume_state=resume and resume["loop"], branch=earlier is not None,
                       config={**asdict(cfg), **train_meta, "recipe": cfg.recipe,
                               "precision_recipe": train_meta.get("recipe")})
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
@@ -481,7 +481,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                  describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops,
                                 meter.peak_util, meter.low_share), ckpt_dir,
                  optimizer,
-                 wandb_mode, resume_step=step if resume is not None else None, recipe=recipe,
+                 tracker.describe(), resume_step=step if resume is not None else None, recipe=recipe,
                  cast_once=trainer.cast_once,
                  data=train_loader.describe_source(), disk=disk, iterations=horizon.describe(total_batch_size))
     for hint in plan_warnings(recipe, total_batch_size, rt.device_type, flops_per_token * num_iterations * total_batch_size):
@@ -547,7 +547,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_steps, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
-                 wandb_mode, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "",
+                 tracking, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "",
                  iterations: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
@@ -577,7 +577,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
                                else "at the last step only")),
         ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
                         + (f"; {disk}" if disk else "")),
-        ("tracking", f"wandb {wandb_mode}" + (f", run {cfg.run}" if wandb_mode != "off" else "")),
+        ("tracking", tracking),
         ("seed", str(cfg.seed)),
     ]
     # a group's own momentum / weight_decay are build_optimizer's defaults (a fresh run: momentum 0.95,

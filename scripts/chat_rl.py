@@ -423,7 +423,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     train_meta = {"num_iterations": num_iterations, "problems": len(task), "world_size": rt.world_size,
                   "dtype": rt.dtype_name, "eval_problems": eval_problems, "data_source": training_source(task)}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project="nanochat-rl",
-                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir))
+                      config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir),
+                      resume_state=resume_loop, branch=earlier is not None)   # a resume: its wandb run
     print0(f"RL: {source['phase']}/{tag} step {source['step']} -> {ckpt_dir} ({disk}); {num_iterations} iterations x "
            f"{cfg.examples_per_step} problems x {cfg.num_samples} samples (max {cfg.max_new_tokens} new tokens); "
            f"{len(task):,} training problems; device {rt.device} ({rt.dtype_name})")

@@ -219,3 +219,160 @@ def test_matrix_cell_runs_or_refuses_as_the_table_says(cell, kernel, device):
                         f"--precision-backend auto -> {got.backend}: "):
                     wrong.append(f"{where}: the banner does not say what backend auto chose: {got.chosen!r}")
     assert not wrong, "\n".join(wrong)
+
+
+# ------------------------------------------------------------------ what a refusal offers must run
+
+OFFER = re.compile(r"accepted on this device: --precision ([a-z0-9|]+), or --precision nvfp4 --precision-backend emulated")
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_every_precision_a_refusal_offers_runs_and_every_other_is_refused(cell, device):
+    """A refusal's "accepted on this device" list, for every request this device refuses (each
+    --precision x --precision-backend), must be exactly the --precision values that run there (and
+    its nvfp4-emulated offer must run). A B200 / GB10 with Transformer Engine refused `--precision
+    bf16 --precision-backend te` offering auto|bf16|fp32|fp8: nvfp4, which runs there, was left out."""
+    wrong = []
+    for te in (True, False):
+        runs = {p for p in PRECISIONS if cell("current", p, device, False, te)[0] == "runs"}
+        how, _ = cell("current", "nvfp4", device, False, te, "--precision-backend", "emulated")
+        assert how == "runs", (device, te)
+        for precision in PRECISIONS:
+            for backend in PR.BACKENDS:
+                how, got = cell("current", precision, device, False, te, "--precision-backend", backend)
+                if how == "runs" or (m := OFFER.search(got)) is None:
+                    continue
+                offered = set(m.group(1).split("|"))
+                if offered != runs:
+                    wrong.append(f"{device} te={te} --precision {precision} --precision-backend {backend}: "
+                                 f"offers {sorted(offered)}, runs {sorted(runs)}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_every_kernel_a_refusal_offers_runs(cell, device):
+    """--kernel liger without liger-kernel offers triton|current; on a CPU (liger needs CUDA) the
+    same two: each runs there with the same precision."""
+    for dev in (device, "cpu"):
+        how, got = cell("liger", "auto", dev, False, False)
+        assert how == "refused" and got.startswith("--kernel liger"), got
+        offered = re.search(r"use --kernel (\w+)(?:\|| .*?or --kernel )(\w+)", got)
+        assert offered and {offered.group(1), offered.group(2)} == {"triton", "current"}, got
+        for kernel in offered.groups():
+            assert cell(kernel, "auto", dev, False, False)[0] == "runs", (dev, kernel)
+
+
+# ------------------------------------------------------------------ GB10 whose Triton cannot target sm_121
+
+@pytest.fixture
+def old_triton(monkeypatch):
+    """A visible CUDA GPU whose Triton (3.5.1) bundles a CUDA 12.8 ptxas (no sm_121); `candidates`:
+    the system ptxas binaries found (DESIGN s4.1)."""
+    from nanochat import platform as P
+    for name in P.PTXAS_ENV + (P.PATCHED_ENV,):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(P, "triton_version", lambda: "3.5.1")
+    monkeypatch.setattr(P, "bundled_ptxas_version", lambda cc: (12, 8))
+
+    def use(candidates=()):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(P, "find_system_ptxas", lambda: list(candidates))
+        monkeypatch.setattr(P, "ptxas_version", lambda path: dict(candidates).get(path))
+    return use
+
+
+def test_native_fp8_without_a_ptxas_for_the_gpu_is_refused_before_the_checkpoint_dir(cell, old_triton):
+    """Native fp8 casts with a Triton kernel (fp8_cast_transpose) whatever --kernel / --compile say. On
+    a GB10 with Triton 3.5 and no CUDA 13 ptxas, `--kernel current --no-compile --precision fp8` (the
+    escape check_kernel's refusal names) passed every early check and died in ptxas at the
+    precision start-up check, after the checkpoint directory, the data and the model."""
+    old_triton()
+    how, got = cell("current", "fp8", "gb10", False, False, "--no-compile")
+    assert how == "refused", got
+    assert got.startswith("--precision fp8 (backend native): its fp8 casts are Triton kernels"), got
+    assert "cannot target sm_121" in got and "accepted on this device: --precision auto|bf16|fp32" in got
+    # what it offers runs: bf16 with --kernel current --no-compile, and TE's fp8 when installed
+    assert cell("current", "bf16", "gb10", False, False, "--no-compile")[0] == "runs"
+    assert cell("current", "fp8", "gb10", False, True, "--no-compile", "--precision-backend", "te")[0] == "runs"
+    # and a compiled run is refused at the same point (before, check_kernel refused it)
+    assert cell("triton", "fp8", "gb10", False, False)[1].startswith("--precision fp8 (backend native)")
+    # a CUDA 13 ptxas on the box: fp8 runs (the patch points Triton at it)
+    old_triton([("/usr/local/cuda-13.0/bin/ptxas", (13, 0))])
+    assert cell("current", "fp8", "gb10", False, False, "--no-compile")[0] == "runs"
+    assert cell("triton", "fp8", "gb10", False, False)[0] == "runs"
+
+
+def test_native_fp8_ptxas_check_needs_a_visible_gpu(old_triton, monkeypatch):
+    """The check proves nothing about a simulated spec on a box without CUDA (other tests resolve
+    GB10 plans there) and an H100 (sm_90) is served by any Triton's ptxas."""
+    gb10 = detect_device(props=DEVICES["gb10"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert PR.resolve("fp8", "auto", gb10, te_available=False).backend == "native"
+    old_triton()
+    assert PR.resolve("fp8", "auto", detect_device(props=DEVICES["h100"]), te_available=False).backend == "native"
+    with pytest.raises(RequestError, match="^--precision fp8 .*Triton 3.5.1's bundled ptxas"):
+        PR.resolve("fp8", "auto", gb10, te_available=False)
+
+
+@pytest.mark.parametrize("device,sm12x", [("gb10", True), ("b200", False)])
+def test_nvfp4_recipe_differs_between_sm_100_and_sm_121(device, sm12x):
+    """The nvfp4 cells that run build TE's recipe per device: on sm_12x without the random Hadamard
+    transform (crashes) and stochastic rounding (wrote zeros), on sm_100 with TE's defaults; both
+    with the bf16 backward (DESIGN s4.7). What the banner's precision row shows as `recipe`."""
+    from nanochat.precision_te import build_te_recipe
+    _, desc = build_te_recipe("nvfp4", detect_device(props=DEVICES[device]), fake_te_recipe_module())
+    assert desc["recipe"] == "NVFP4BlockScaling" and desc["backward_override"] == "high_precision"
+    assert desc["disable_rht"] == desc["disable_stochastic_rounding"] == str(sm12x)
+
+
+# ------------------------------------------------------------------ the CPU column, really run
+
+@pytest.mark.parametrize("kernel", ["current", "triton"])
+@pytest.mark.parametrize("precision,backend,dtype,want", [
+    ("auto", "auto", torch.float32, "fp32/none"),
+    ("bf16", "auto", torch.bfloat16, "bf16/none"),
+    ("fp32", "auto", torch.float32, "fp32/none"),
+    ("nvfp4", "emulated", torch.bfloat16, "nvfp4/emulated"),   # what the CPU's nvfp4 refusal offers
+])
+def test_cpu_cells_that_run_train_a_step(kernel, precision, backend, dtype, want):
+    """What the table says runs on a CPU runs: setup_precision_and_kernel on a depth-1 model, one
+    forward + backward with finite gradients, and the banner's precision / kernel rows."""
+    info = cpu_step(kernel, precision, backend, dtype)
+    assert f"{info['precision']}/{info['backend']}" == want and info["kernel"] == kernel
+    assert info["peak_key"] == ("bf16" if backend == "emulated" else info["precision"])
+    assert (info["kernel_fusions"] == "none") == (kernel == "current"), info["kernel_fusions"]
+    assert (precision == "auto") == info.get("chosen", "").startswith("--precision auto -> fp32: ")
+
+
+def cpu_step(kernel: str, precision: str, backend: str = "auto", dtype: torch.dtype = torch.float32) -> dict:
+    """setup_precision_and_kernel on a depth-1 CPU model and one forward + backward (finite
+    gradients asserted); returns what the banner prints."""
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+    from nanochat.training import setup_precision_and_kernel
+    rt = common.Runtime(device=torch.device("cpu"), device_type="cpu", dtype=dtype, rank=0, local_rank=0,
+                        world_size=1, ddp=False, is_master=True)
+    model = build_model(config_for_depth(1, 64, 32, aspect_ratio=32, head_dim=16, window_pattern="L"), "cpu",
+                        compute_dtype=dtype)
+    info = setup_precision_and_kernel(model, precision, kernel, rt, compile=False, precision_backend=backend)
+    x = torch.randint(0, 64, (2, 32))
+    model(x, x).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    return info
+
+
+def test_triton_kernel_on_a_cpu_torch_without_triton_runs(cell, monkeypatch):
+    """--kernel triton on a CPU runs its torch path, so check_kernel lets it through where no triton
+    package exists (macOS, torch's CPU wheel index); but build_qkv_projection imported fp8_qk, which
+    imports Triton, and the run stopped with ModuleNotFoundError after the data and the model."""
+    import nanochat
+    for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    for mod in ("fp8_qk", "triton_qk", "triton_mlp", "triton_kernels"):   # imported by earlier tests
+        monkeypatch.delitem(sys.modules, f"nanochat.{mod}", raising=False)
+        monkeypatch.delattr(nanochat, mod, raising=False)
+    assert cell("triton", "auto", "cpu", False, False)[0] == "runs"
+    info = cpu_step("triton", "auto")
+    assert info["kernel_fusions"] == "linear_ce,mix_norm,mix_add,x0_grad_acc,rotary_norm"   # as with Triton
