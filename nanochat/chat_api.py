@@ -54,6 +54,9 @@ class ServerSettings:
     # None: max(4, the pool's number of workers) (create_app: default_per_client), so one client (the
     # chat page, a benchmark) can fill every generation slot and still queue a few requests.
     max_concurrent_per_client: int | None = None
+    # None: http_guard.default_connections_per_client (at least 256); open connections one address
+    # (loopback ones not counted) may hold: the cap on a client holding sockets without requests
+    max_connections_per_client: int | None = None
     max_queue: int = 128                    # requests waiting for a replica before 503
     allowed_hosts: tuple[str, ...] | None = None   # Host header names answered (DNS rebinding); None: any
     cors_origins: tuple[str, ...] = ()      # browser origins allowed to call the API cross-site; (): none
@@ -62,7 +65,8 @@ class ServerSettings:
         """Errors name chat_web's flags: default_max_tokens is --max-tokens, max_max_tokens --max-max-tokens."""
         for name, value in asdict(self).items():
             if name in ("model_name", "api_key", "default_temperature", "max_temperature", "default_top_k",
-                        "allowed_hosts", "cors_origins") or name == "max_concurrent_per_client" and value is None:
+                        "allowed_hosts", "cors_origins") or value is None and name in ("max_concurrent_per_client",
+                                                                                  "max_connections_per_client"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 # max_stop has no chat_web flag: named as the field, not as a flag no one can pass

@@ -13,12 +13,20 @@ or with no Content-Type at all (a Blob body); `require_json` refuses the first t
 `HostGuard` refuses a POST whose Origin header names a page that is neither on an allowed host nor a
 `--cors-origin`, so such a page cannot make the server generate at all. Browsers always send Origin
 on a cross-origin POST; curl and the openai client send none and are not affected.
+
+Below the app, at the connection (`guarded_protocol`, the uvicorn HTTP protocol chat_web serves
+with): uvicorn has no timeout for a request's headers (its keep-alive timer runs only between
+requests, and the first byte cancels it), so a client that connects and sends nothing, or trickles
+its headers a byte at a time (slowloris), held a connection and a file descriptor for ever; and
+nothing bounded how many connections one address could hold open.
 """
 
 import asyncio
 import base64
 import hashlib
+import ipaddress
 import json
+import logging
 import re
 from urllib.parse import urlsplit
 
@@ -31,6 +39,10 @@ _PORT = re.compile(r":[0-9]{1,5}")
 # a body and then trickles it (or stalls, slowloris-style) gets a 408 and its connection back,
 # instead of holding a connection and a handler for as long as it likes.
 BODY_TIMEOUT_S = 30.0
+# Seconds a connection has to send a whole request line and headers, from its opening or from the
+# end of its previous response (uvicorn's own keep-alive timeout closes an idle one sooner, 5 s).
+# Headers are a few hundred bytes that every client sends at once; 10 s is generous on a slow link.
+HEADER_TIMEOUT_S = 10.0
 # On an answer given before the body was read (408, 413): the connection ends with it, so the server
 # does not go on reading (and discarding) the rest of an oversized or trickled body.
 _CLOSE = {"Connection": "close"}
@@ -206,3 +218,136 @@ def csp(html: str) -> str:
     return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
             "frame-ancestors 'none'")
+
+
+def default_connections_per_client(per_client: int) -> int:
+    """Open connections one (non-loopback) address may hold when --max-connections-per-client is
+    not given: twice its concurrent requests (a client pool's idle keep-alive connections beside the
+    busy ones), at least 256 (many users behind one NAT address)."""
+    return max(256, 2 * per_client)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)   # "::ffff:127.0.0.1" on a dual-stack "::" bind
+    return (mapped or address).is_loopback
+
+
+def client_key(host: str) -> str:
+    """The client a peer address counts as for the per-client limits: an IPv4 address (also when
+    IPv4-mapped on a dual-stack bind), or an IPv6 address's /64, which one site gets whole (one host
+    picks a new address in it at will, so per-address limits did not hold one machine)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if address.version == 4:
+        return str(address)
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    if address.is_loopback:
+        return str(address)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False))
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response with the API's JSON body, written straight to a transport
+    that is closed next (no request cycle exists to answer through)."""
+    body = json.dumps(ApiError(status, message, code=code).body()).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections_per_client: int | None = None):
+    """uvicorn's HTTP protocol class (h11, or httptools where installed) with two connection-level
+    guards, for uvicorn's `http=` (nanochat/serve_lifecycle.py's run_server, server.py's
+    serve_in_thread):
+
+    - a connection whose request line and headers have not all arrived `header_timeout_s` after it
+      opened, or after its previous response ended, is closed: with a 408 JSON error when part of a
+      request came (a slow client learns why), silently when nothing did. A request in progress
+      (a long stream, a body being read: the app's own BODY_TIMEOUT_S) is never cut by it.
+    - an address (`client_key`: an IPv6 one's /64) holding `max_connections_per_client` open
+      connections has the next one answered with a 429 and closed at once (None: no limit).
+      Loopback peers are not counted: they are this machine's own users or a reverse proxy in
+      front of the server, which carries every user.
+
+    Built on first use: uvicorn is the web extra's (no import at module load). The class keeps its
+    counts per call: one call per server."""
+    if not header_timeout_s > 0:
+        raise ValueError(f"header_timeout_s: got {header_timeout_s!r}; accepted: a number of seconds > 0")
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    header_timeout, max_connections = header_timeout_s, max_connections_per_client
+    open_by_address: dict[str, int] = {}
+    warned: set[str] = set()   # addresses refused since they were last under the limit: logged once
+    log = logging.getLogger("uvicorn.error")
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):
+        header_timeout_s, max_connections_per_client = header_timeout, max_connections   # (read only)
+        _header_timer = None
+        _counted: str | None = None   # the address this connection is counted under
+        _partial = False              # bytes came since the timer was armed
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            address = client_key(self.client[0]) if self.client else None
+            if max_connections_per_client is not None and address is not None and not _is_loopback(address):
+                if open_by_address.get(address, 0) >= max_connections_per_client:
+                    if address not in warned:
+                        warned.add(address)
+                        log.warning("%s has %d connections open (chat_web --max-connections-per-client): "
+                                    "refusing more", address, max_connections_per_client)
+                    transport.write(_raw_error(429, "Too Many Requests", "too many open connections from this address "
+                                               f"(limit {max_connections_per_client}, the server's "
+                                               "--max-connections-per-client); reuse or close some",
+                                               "too_many_connections"))
+                    transport.close()
+                    return
+                self._counted = address
+                open_by_address[address] = open_by_address.get(address, 0) + 1
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            self._partial = True   # (a request in progress: the timer checks that first)
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()   # may start a pipelined request's cycle
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            if self._counted is not None:
+                left = open_by_address[self._counted] - 1
+                if left:
+                    open_by_address[self._counted] = left
+                else:
+                    del open_by_address[self._counted]
+                if left < max_connections_per_client:
+                    warned.discard(self._counted)
+                self._counted = None
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._partial = False
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late, self.cycle)
+
+        def _headers_late(self, cycle) -> None:
+            """No new request began since the timer was armed (the same cycle, finished or none)."""
+            if self.transport.is_closing() or self.cycle is not cycle or \
+                    (cycle is not None and not cycle.response_complete):
+                return
+            if self._partial:
+                self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
+                                                f"{header_timeout_s:g} s; send the request whole, without pauses",
+                                                "request_timeout"))
+            self.transport.close()
+
+    return GuardedHTTPProtocol

@@ -167,8 +167,8 @@ class RequestLog:
 
     def _log(self, scope, seen: _Answer) -> None:
         client = scope.get("client")
-        who = f"{client[0]}:{client[1]}" if client else "-"
-        path = scope.get("path", "")[:200]
+        who = _printable(f"{client[0]}:{client[1]}") if client else "-"   # (a proxy's X-Forwarded-For)
+        path = _printable(scope.get("path", "")[:200])
         line, level = seen.describe()
         if (seen.status is not None and seen.status >= 500) or (seen.error is not None and seen.stream):
             level = logging.WARNING
@@ -176,6 +176,17 @@ class RequestLog:
             level = logging.DEBUG
         if self.log.isEnabledFor(level):
             self.log.log(level, '%s - "%s %s" %s', who, scope.get("method", ""), path, line)
+
+
+# Characters that end or rewrite a log line (C0 / C1 controls, DEL, Unicode line separators). A
+# request's path is the client's text, percent-decoded by uvicorn: "/x%0A127.0.0.1:1 - ..." put a
+# forged request line into the log, and "%1B[2J" cleared the terminal it was read on.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _printable(text: str) -> str:
+    """`text` with each _UNPRINTABLE character as a Python escape ("\\n", "\\x1b")."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class _Answer:
@@ -267,6 +278,8 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
     down in order (module docstring) and return. grace_s: None = GRACE_S."""
     import uvicorn
 
+    from nanochat.http_guard import guarded_protocol
+
     grace_s = GRACE_S if grace_s is None else grace_s
     # signal handlers can be set only in the main thread; uvicorn replaces these while it serves
     main_thread = threading.current_thread() is threading.main_thread()
@@ -275,9 +288,12 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
     hup_before = signal.getsignal(hup) if main_thread and hup is not None else None
     drain = DrainOnSignal(app, grace_s)
     try:
-        # RequestLog's line per request replaces uvicorn's access log (access_log=False)
+        # RequestLog's line per request replaces uvicorn's access log (access_log=False); the
+        # protocol times out slow headers and caps one address's connections (http_guard)
+        limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's
+        http = guarded_protocol(max_connections_per_client=limit)
         uvicorn.run(RequestLog(drain), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=grace_s, access_log=False)
+                    timeout_graceful_shutdown=grace_s, access_log=False, http=http)
         app.state.finish()   # the generation threads drain stopped end before the process does
     finally:
         for sig, handler in previous.items():

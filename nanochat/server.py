@@ -41,6 +41,10 @@ and 503 carry `Retry-After`. A request's `model` may name anything: this local s
 and reports its own name. For a server on a user's machine (nanochat/http_guard.py says why): an
 optional Host allow-list (DNS rebinding) that also refuses POSTs from pages of other origins,
 JSON-only POST bodies (415 otherwise), and CORS only for origins listed in `ServerSettings.cors_origins`.
+Below the app (http_guard.guarded_protocol, which serve_in_thread and serve_lifecycle.run_server
+serve with): a request's headers must arrive within HEADER_TIMEOUT_S, and one address may hold
+`ServerSettings.max_connections_per_client` connections (app.state carries it to them). The
+per-client limits count an IPv6 client by its /64 (http_guard.client_key).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
@@ -61,7 +65,8 @@ from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_pe
 from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT
 from nanochat.serve_lifecycle import USAGE_SCOPE_KEY
-from nanochat.http_guard import HostGuard, csp, json_cors_middleware, read_json, require_json
+from nanochat.http_guard import (HEADER_TIMEOUT_S, HostGuard, client_key, csp, default_connections_per_client,
+                                 guarded_protocol, json_cors_middleware, read_json, require_json)
 from nanochat.text_stream import TextStream
 from nanochat.worker_pool import Worker, WorkerPool, _ClientSlots, replica_workers  # noqa: F401 (the server's API)
 
@@ -281,6 +286,9 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
     settings = (settings or ServerSettings()).validate()
     if settings.max_concurrent_per_client is None:  # one client may fill every slot, and queue a few
         settings = dataclasses.replace(settings, max_concurrent_per_client=default_per_client(len(pool.workers)))
+    if settings.max_connections_per_client is None:   # enforced by the connection's protocol (serve_in_thread,
+        settings = dataclasses.replace(settings, max_connections_per_client=   # run_server read it off app.state)
+                                       default_connections_per_client(settings.max_concurrent_per_client))
     # a request's n samples are rows of one replica's batch (BatchedEngine): more than its slots
     # never run (a 500 after the request was queued); refused as any n over the limit, and /stats says so
     slots_n = [w.engine.slots for w in pool.workers if hasattr(w.engine, "slots")]
@@ -411,7 +419,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                            param="messages", code="context_length_exceeded")
         if draining:   # no await from here to the claim: nothing joins the line after drain() emptied it
             raise shutting_down("the server is shutting down; retry once it is back")
-        release = slots.acquire(request.client.host if request.client else "unknown")
+        release = slots.acquire(client_key(request.client.host) if request.client else "unknown")
         if pool.waiting >= settings.max_queue:
             release()
             raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy",
@@ -532,18 +540,22 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                 engine.close(max(0.0, deadline - time.monotonic()))
 
     app.state.drain, app.state.finish = drain, finish
+    app.state.max_connections_per_client = settings.max_connections_per_client
     return app
 
 
-def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0):
-    """Run `app` under uvicorn in a daemon thread (tests). Returns (server, base_url); stop it with
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, header_timeout_s: float = HEADER_TIMEOUT_S):
+    """Run `app` under uvicorn in a daemon thread (tests), with chat_web's connection guards
+    (http_guard.guarded_protocol). Returns (server, base_url); stop it with
     `server.should_exit = True` and `server.thread.join()`."""
     import socket
 
     import uvicorn
 
     sock = socket.create_server((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's (a wrapped app: none)
+    http = guarded_protocol(header_timeout_s, limit)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, http=http))
     server.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     server.thread.start()
     deadline = time.time() + 30

@@ -14,7 +14,11 @@ It binds 127.0.0.1 unless --host says otherwise; a public bind without --api-key
 The API key can also come from $NANOCHAT_API_KEY. Every request is bounded by the limits below.
 On a loopback bind it answers only requests addressed to localhost / 127.0.0.1 / ::1 (plus
 --allowed-host names), so a web page cannot reach it through DNS rebinding; POST bodies must be
-JSON; other web origins may call the API only when listed with --cors-origin.
+JSON; other web origins may call the API only when listed with --cors-origin. A connection must
+send its request's headers within 10 s (slowloris), and one address may hold
+--max-connections-per-client connections open (this machine's own are not counted);
+X-Forwarded-For is believed only from a proxy on this machine (uvicorn's $FORWARDED_ALLOW_IPS
+widens that).
 
 Before the model loads it checks every flag, that it can listen on --host/--port, and that -i/-g/-s
 name a checkpoint on disk (else: one line naming the flag and what there is). The banner says what
@@ -37,6 +41,7 @@ import re
 import sys
 
 from nanochat.flags import FlagParser
+from nanochat.http_guard import HEADER_TIMEOUT_S
 from nanochat.model_choice import SOURCES, check_checkpoint, check_decode_device
 from nanochat.serve_lifecycle import GRACE_S, browse_urls, check_port_free, run_server  # tests set chat_web.GRACE_S
 from nanochat.server import ServerSettings
@@ -105,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     limits.add_argument("--max-concurrent-per-client", dest="max_concurrent_per_client",
                         type=int, default=None, help="concurrent requests per client address (default: the "
                         "number of batch slots x replicas, at least 4, so one client can use every slot)")
+    limits.add_argument("--max-connections-per-client", dest="max_connections_per_client", type=int, default=None,
+                        help="open connections per client address, loopback ones not counted (default: twice "
+                        "--max-concurrent-per-client, at least 256); a request's headers must also arrive within "
+                        f"{HEADER_TIMEOUT_S:g} s of its connection opening or its previous answer ending")
     limits.add_argument("--max-temperature", dest="max_temperature", type=float,
                         default=d.max_temperature, help="(default: %(default)s)")
     p.add_argument("--log-level", dest="log_level", default="info",
@@ -135,7 +144,8 @@ def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
-    fields = {k: getattr(args, k) for k in (*LIMITS, "max_concurrent_per_client", "max_temperature", "api_key")}
+    fields = {k: getattr(args, k) for k in (*LIMITS, "max_concurrent_per_client", "max_connections_per_client",
+                                            "max_temperature", "api_key")}
     return ServerSettings(model_name=model_name, default_temperature=args.temperature, default_top_k=args.top_k,
                           default_max_tokens=args.max_tokens, allowed_hosts=allowed_hosts(args),
                           cors_origins=tuple(args.cors_origins), **fields).validate()
