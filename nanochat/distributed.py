@@ -7,6 +7,8 @@ micro-batches.
   that never arrived (a crashed rank, or one still compiling: warm up on every rank first).
 * `rank_failures` gathers what failed where in a task every rank does its part of (a checkpoint
   save), so every rank raises together instead of the others waiting for the failed one.
+* `group_left_on_success` leaves the process group when a script's work ends normally, and keeps
+  it up on an error, so that a rank that failed alone is heard (torchrun then ends the others).
 * `check_shared_dir` checks at start-up that every rank sees the same checkpoint directory: two
   nodes with separate disks otherwise train until the first save (by default the last) and fail.
 * `check_nccl_env` validates NCCL_* variables against the machine (interfaces in
@@ -32,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, MutableMapping
@@ -99,6 +102,20 @@ def rank_failures(message: str | None) -> dict[int, str]:
     gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, message)   # NCCL: through the current CUDA device (init_runtime's)
     return {r: m for r, m in enumerate(gathered) if m is not None}
+
+
+@contextmanager
+def group_left_on_success(rt):
+    """`with group_left_on_success(rt):` runs a script's work, then leaves the process group
+    (destroy_runtime) when the block ends normally. On an error the group is left up, for the
+    process exit to free: a rank that failed alone (its own OOM, a split with no documents for it)
+    prints its line only after flags.SPEAKER_GRACE_S, and a group it tore down first failed the
+    other ranks' next collective at once ("Connection closed by peer"), so that torchrun ended the
+    job on their traceback and killed the failed rank before its line. Kept up, the others wait at
+    that collective until the failed rank has said why and exited, and torchrun then ends them."""
+    yield
+    from nanochat.common import destroy_runtime
+    destroy_runtime(rt)
 
 
 def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
@@ -536,24 +553,41 @@ def apply_fsdp(model, rt, *, reshard_after_forward: bool = True):
 
 class StridedMicroBatches:
     """Rank `rank`'s share of one global stream of micro-batches: items rank, rank+W, rank+2W, ...
+    of its first `limit` items (None: all).
 
     With every rank reading the same stream (e.g. a DataLoader built with world_size=1), W ranks
     at gradient accumulation k consume, per optimizer step, exactly the W*k micro-batches that one
-    rank at accumulation W*k consumes: the same data order for any world size."""
+    rank at accumulation W*k consumes: the same data order for any world size. Over a finite stream
+    (an evaluation's pass) the ranks together get each of its items once, the last ones included:
+    a stream that ended after this rank's item of a round still yields it (it was lost when the
+    end came on a later rank's turn), and `limit` caps the global count, so the ranks score the
+    same batches as one process that stops after `limit`."""
 
-    def __init__(self, batches: Iterable, rank: int, world_size: int):
+    def __init__(self, batches: Iterable, rank: int, world_size: int, limit: int | None = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank/world_size: got {rank}/{world_size}; accepted: 0 <= rank < world_size")
-        self.rank, self.world_size = rank, world_size
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit: got {limit}; accepted: None or >= 0 items")
+        self.rank, self.world_size, self.limit = rank, world_size, limit
         self._it: Iterator = iter(batches)
+        self._taken = 0   # items of the global stream read so far
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        mine = None
+        mine, have = None, False
         for i in range(self.world_size):
-            item = next(self._it)
+            if self.limit is not None and self._taken >= self.limit:
+                break
+            try:
+                item = next(self._it)
+            except StopIteration:
+                self.limit = self._taken   # ended: a later call does not read on
+                break
+            self._taken += 1
             if i == self.rank:
-                mine = item
+                mine, have = item, True
+        if not have:
+            raise StopIteration
         return mine

@@ -6,7 +6,9 @@
 Results are written as JSON to --output (default <base_dir>/eval/<phase>_<tag>_step<N>.json;
 `--quantize int8` evaluates the int8-weight model chat_web --quantize int8 serves, into
 ..._step<N>_int8.json).
-Works under torchrun (bpb and CORE are sharded over ranks; rank 0 writes the file).
+Works under torchrun (rank 0 writes the file): CORE's items are sharded over ranks, and bpb's
+batches are dealt to ranks from the one stream a single process reads, so the bpb is over the same
+tokens (and the same figure) on any number of ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import get_base_dir, init_runtime, print0
+from nanochat.distributed import group_left_on_success
 from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, check_output_file, require, require_int, script_main
 from nanochat.quantize import QUANTIZE_MODES, check_quantize, quantize_model
@@ -108,10 +111,8 @@ def parse_config(argv: list[str] | None = None) -> BaseEvalConfig:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
-    try:
+    with group_left_on_success(rt):   # an error keeps it up: the rank that failed alone is heard
         return evaluate(cfg, rt)
-    finally:
-        destroy_runtime(rt)
 
 
 def model_tag(cfg: BaseEvalConfig, base_dir) -> str:
@@ -167,12 +168,18 @@ def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
 def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str, data_dir: str | None = None):
     """One finite pass over `split` (repeat=False): an --eval-tokens larger than the split stops at
     its end instead of cycling back and counting the same tokens again (the padded tail of the last
-    batch has targets -1, which evaluate_bpb skips). Ranks may then get different batch counts;
-    evaluate_bpb agrees per batch whether any rank still has one, so that cannot hang."""
+    batch has targets -1, which evaluate_bpb skips).
+
+    Every rank reads the one stream a single process reads (rank 0 of 1), and evaluate_bpb_splits
+    deals its batches to the ranks: the bpb is over the same tokens on any number of ranks. A
+    loader of each rank's own documents packed other rows (and cropped other tails), so 2 ranks
+    measured another bpb than 1, and a split with fewer documents than ranks failed on a rank.
+    Ranks may then get different batch counts; evaluate_bpb agrees per batch whether any rank still
+    has one, so that cannot hang."""
     from nanochat.dataloader import DataLoader
 
     return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=data_dir,
-                      rank=rt.rank, world_size=rt.world_size, repeat=False)
+                      rank=0, world_size=1, repeat=False)
 
 
 class CountedBatches:
@@ -252,16 +259,19 @@ def evaluate_bpb_splits(cfg: BaseEvalConfig, rt, model, tokenizer, loaders: dict
     """--eval bpb: bits per byte of each --splits split into `results` (bpb, bpb_tokens_by_split, ...)."""
     if "bpb" not in cfg.evals:
         return
+    from nanochat.distributed import StridedMicroBatches
     from nanochat.tokenizer import get_token_bytes
 
     seq_len = model.config.sequence_len
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
-    per_step = cfg.device_batch_size * seq_len * rt.world_size
-    steps = max(1, cfg.eval_tokens // per_step)
+    per_batch = cfg.device_batch_size * seq_len
+    # the batches of the one stream, dealt to ranks: the same tokens (and bpb) on any number of ranks
+    batches_total = max(1, cfg.eval_tokens // per_batch)
+    steps = -(-batches_total // rt.world_size)   # this rank's, at most
     results["bpb"], results["bpb_tokens_by_split"] = {}, {}
     for split in cfg.splits.split(","):
         loader = loaders.get(split) or bpb_loader(cfg, rt, tokenizer, seq_len, split)
-        batches = CountedBatches(loader, rt.device)
+        batches = CountedBatches(StridedMicroBatches(loader, rt.rank, rt.world_size, limit=batches_total), rt.device)
         try:
             bpb = evaluate_bpb(model, batches, steps, token_bytes)
         finally:   # out of memory mid-split too: its reader threads must not outlive the run
@@ -269,11 +279,11 @@ def evaluate_bpb_splits(cfg: BaseEvalConfig, rt, model, tokenizer, loaders: dict
         covered = batches.total()   # each token of the split at most once (a finite pass)
         results["bpb"][split] = bpb
         results["bpb_tokens_by_split"][split] = covered
-        print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, steps * per_step, cfg)}")
+        print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, batches_total * per_batch, cfg)}")
     # what the bpb figures are over: the largest split's count (val alone by default; the report
     # names each split's when there are several)
     results["bpb_tokens"] = max(results["bpb_tokens_by_split"].values())
-    results["bpb_tokens_planned"] = steps * per_step
+    results["bpb_tokens_planned"] = batches_total * per_batch
 
 
 def bpb_shortfall(covered: int, planned: int, cfg: BaseEvalConfig) -> str:

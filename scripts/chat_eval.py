@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import destroy_runtime, get_base_dir, init_runtime, print0
+from nanochat.common import get_base_dir, init_runtime, print0
+from nanochat.distributed import group_left_on_success
 from nanochat.flags import FlagParser, check_model_tag, check_output_file, require, require_float, script_main
 
 SOURCES = ("base", "mid", "sft", "rl")
@@ -233,7 +234,7 @@ def main(argv=None) -> dict:
     # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
     tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
-    try:
+    with group_left_on_success(rt):   # an error keeps it up: the rank that failed alone is heard
         step = "latest" if cfg.step == "latest" else int(cfg.step)
         model, tokenizer, meta = load_model(cfg.source, rt.device, model_tag=tag, step=step)
         if hasattr(model, "compute_dtype"):  # honour --dtype (the model defaults to bf16 on CUDA)
@@ -273,8 +274,6 @@ def main(argv=None) -> dict:
             section = report_section(cfg, tag, out, tasks)
             get_report().log(f"Chat evaluation {cfg.source}" + (f" ({cfg.quantize} weights)" if suffix else ""), section)
         return out
-    finally:
-        destroy_runtime(rt)
 
 
 def report_section(cfg: ChatEvalConfig, tag: str, out: dict, tasks: dict) -> dict:

@@ -1,6 +1,12 @@
 """Running a chat model over a task: categorical (letter logits) and generative (Engine) loops,
 pass@k over samples, distributed sharding, and ChatCORE.
 
+Under torch.distributed each rank scores its share of the problems (categorical: whole batches of
+one process's batching; generative: every world-th problem, each sampled with its own seed), and
+one collective at a task's end gathers the per-problem results, summed in problem order: the
+scores are those of one process, to the last bit. A rank whose part raised makes every rank raise
+there (the others an OtherRankError naming it) instead of leaving them at a collective.
+
 Used by scripts/chat_eval.py and, for periodic evals, by the SFT / RL recipes.
 """
 
@@ -41,18 +47,43 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_reduce_counts(counts: list, device, dtype=None) -> list:
-    """Sums of counts over the ranks (as they are on one process); integers unless dtype says."""
-    import torch
+class OtherRankError(RuntimeError):
+    """Raised on every other rank when one rank's part of a task failed (_gather): names that rank and
+    its error. `memory_kind` is out_of_memory_kind of that error, so out_of_memory_hint names the flag
+    to lower on the rank that says the error (rank 0), which is not the one that ran out."""
 
+    def __init__(self, message: str, memory_kind: str | None, rank: int, world: int):
+        super().__init__(message)
+        self.memory_kind, self.where = memory_kind, f"rank {rank} of {world}"
+
+
+def _gather(label: str, mine: list, error: Exception | None) -> list:
+    """Collective at the end of a task's loop: every rank's per-problem results, concatenated and
+    sorted by problem (the order one process makes them in, so sums over them are the same floats),
+    or, when a rank's part raised, an error on every rank together: its own on a rank that failed,
+    OtherRankError on the others. One collective either way: before this, a rank that failed alone
+    (its own out of memory) left the others at the task's counts all-reduce, which failed when its
+    process group went ("Connection closed by peer"), and torchrun killed it before it said why."""
     rank, world = _dist()
     if world == 1:
-        return list(counts)
+        if error is not None:
+            raise error
+        return sorted(mine)
     import torch.distributed as dist
 
-    t = torch.tensor(counts, dtype=dtype or torch.long, device=device)
-    dist.all_reduce(t)
-    return [v.item() for v in t]
+    said = None if error is None else (f"{type(error).__name__}: {error}", out_of_memory_kind(error),
+                                       isinstance(error, RequestError))
+    parts: list = [None] * world
+    dist.all_gather_object(parts, (mine if error is None else None, said))   # NCCL: via the current CUDA device
+    if error is not None:
+        raise error
+    failed = [(r, s) for r, (_, s) in enumerate(parts) if s is not None]
+    if failed:
+        r, (text, memory_kind, request) = failed[0]
+        message = f"{label}: rank {r} of {world} failed: {text}"
+        raise RequestError(message) if request and memory_kind is None else \
+            OtherRankError(message, memory_kind, r, world)
+    return sorted(x for part, _ in parts for x in part)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,14 +99,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
+def _problems(task: Task, max_problems: int | None) -> int:
+    """How many problems are scored: the task's first max_problems, in the task's own order, which is
+    one fixed shuffle for MMLU and HumanEval (common.fixed_order) and already random for GSM8K and
+    SpellingBee, so a cap scores a spread of the whole set, the same every run, and a --test-holdout
+    model's held-out problems are exactly these first ones."""
+    return len(task) if max_problems is None else min(max_problems, len(task))
+
+
 def _indices(task: Task, max_problems: int | None) -> range:
-    """This rank's share of the task's first max_problems problems: the first in the task's own
-    order, which is one fixed shuffle for MMLU and HumanEval (common.fixed_order) and already
-    random for GSM8K and SpellingBee, so a cap scores a spread of the whole set, the same every run,
-    and a --test-holdout model's held-out problems are exactly these first ones."""
+    """This rank's share of the scored problems (_problems): every world-th one."""
     rank, world = _dist()
-    n = len(task) if max_problems is None else min(max_problems, len(task))
-    return range(rank, n, world)
+    return range(rank, _problems(task, max_problems), world)
 
 
 def letter_token_ids(tokenizer, letters) -> list[int]:
@@ -97,38 +132,56 @@ def _keep_end(tokens: list[int], max_len: int) -> list[int]:
 
 def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8,
                     max_problems: int | None = None, name: str | None = None) -> TaskResult:
-    """Accuracy of argmax over the answer letters' logits at the first assistant position."""
+    """Accuracy of argmax over the answer letters' logits at the first assistant position.
+
+    Ranks take whole batches of one process's batching (rank r: batches r, r + world, ...), so each
+    problem is scored in a batch of the same problems, padded to the same length, as on one process:
+    a batch's shape picks its kernels on a GPU, and a near-tie between two letters' logits then broke
+    differently on 2 ranks than on 1."""
     import torch
 
     if batch_size < 1:
         raise ValueError(f"--batch-size: got {batch_size}; accepted: >= 1")
-    idx = list(_indices(task, max_problems))
+    label = name or getattr(task, "name", type(task).__name__)
+    rank, world = _dist()
+    n = _problems(task, max_problems)
     pad = tokenizer.bos_token_id
     max_len = int(getattr(getattr(model, "config", None), "sequence_len", 1 << 30))
-    passed = 0
-    for b0 in range(0, len(idx), batch_size):
-        convs = [task[i] for i in idx[b0: b0 + batch_size]]
-        # a prompt longer than the context keeps its start token and its end (the choices and the
-        # answer slot), as the model saw every conversation in training
-        prompts = [_keep_end(tokenizer.render_for_completion(c), max_len) for c in convs]
-        T = max(len(p) for p in prompts)
-        x = torch.full((len(prompts), T), pad, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            x[r, : len(p)] = torch.tensor(p)
-        with torch.no_grad():
-            logits = model(x.to(device))
-        for r, (conv, p) in enumerate(zip(convs, prompts)):
-            letters = conv["letters"]
-            choice_logits = logits[r, len(p) - 1, letter_token_ids(tokenizer, letters)].float()
-            # a NaN logit never wins (argmax takes NaN as the maximum: a diverged model would
-            # score every gold-"A" question); no finite letter logit = no answer
-            finite = torch.isfinite(choice_logits)
-            if not bool(finite.any()):
-                continue
-            predicted = letters[int(choice_logits.masked_fill(~finite, float("-inf")).argmax())]
-            passed += int(task.evaluate(conv, predicted))
-    passed, total = _all_reduce_counts([passed, len(idx)], device)
-    return TaskResult(name or getattr(task, "name", type(task).__name__), passed, total)
+    scored, error = [], None
+    try:
+        for b0 in range(rank * batch_size, n, world * batch_size):
+            idx = range(b0, min(b0 + batch_size, n))
+            convs = [task[i] for i in idx]
+            # a prompt longer than the context keeps its start token and its end (the choices and the
+            # answer slot), as the model saw every conversation in training
+            prompts = [_keep_end(tokenizer.render_for_completion(c), max_len) for c in convs]
+            T = max(len(p) for p in prompts)
+            x = torch.full((len(prompts), T), pad, dtype=torch.long)
+            for r, p in enumerate(prompts):
+                x[r, : len(p)] = torch.tensor(p)
+            with torch.no_grad():
+                logits = model(x.to(device))
+            for r, (i, conv, p) in enumerate(zip(idx, convs, prompts)):
+                scored.append((i, _letter_passed(task, conv, logits[r, len(p) - 1], tokenizer)))
+    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+        error = e
+    results = _gather(label, scored, error)
+    return TaskResult(label, sum(ok for _, ok in results), len(results))
+
+
+def _letter_passed(task: Task, conv, logits, tokenizer) -> int:
+    """1 when the answer letter with the largest logit is right. A NaN logit never wins (argmax takes
+    NaN as the maximum: a diverged model would score every gold-"A" question); no finite letter
+    logit = no answer."""
+    import torch
+
+    letters = conv["letters"]
+    choice_logits = logits[letter_token_ids(tokenizer, letters)].float()
+    finite = torch.isfinite(choice_logits)
+    if not bool(finite.any()):
+        return 0
+    predicted = letters[int(choice_logits.masked_fill(~finite, float("-inf")).argmax())]
+    return int(bool(task.evaluate(conv, predicted)))
 
 
 def completion_text(tokenizer, ids) -> str:
@@ -152,34 +205,36 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
     if rows_per_call < 0:
         raise ValueError(f"rows_per_call: got {rows_per_call}; accepted: >= 0 (0 = all samples in one call)")
     label = name or getattr(task, "name", type(task).__name__)
-    total = 0
-    passed_at = [0.0] * num_samples
     limit = engine.max_seq_len
     # problem i draws with seed + its index (in a shuffled task, its file position: Task.seed_index),
-    # and the log names it by that position too (HumanEval's "problem 37" is HumanEval/37)
+    # and the log names it by that position too (HumanEval's "problem 37" is HumanEval/37): the same
+    # samples on any number of ranks
     seed_of = getattr(task, "seed_index", lambda i: i)
-    for k, i in enumerate(_indices(task, max_problems)):
-        conv = task[i]
-        prompt = tokenizer.render_for_completion(conv)
-        total += 1
-        budget = min(max_new_tokens, limit - len(prompt))
-        if budget < 1:  # the prompt alone fills the context: counts as a failure, visibly
-            if log:
-                log(f"  {label} problem {seed_of(i)}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
-            continue
-        seqs = _draw(engine, prompt, num_samples, rows_per_call or num_samples, budget, temperature, top_k,
-                     seed + seed_of(i))
-        completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
-        correct = sum(bool(task.evaluate(conv, c)) for c in completions)
+    scored, error = [], None   # (problem, samples that passed)
+    try:
+        for k, i in enumerate(_indices(task, max_problems)):
+            conv = task[i]
+            prompt = tokenizer.render_for_completion(conv)
+            budget = min(max_new_tokens, limit - len(prompt))
+            if budget < 1:  # the prompt alone fills the context: counts as a failure, visibly
+                if log:
+                    log(f"  {label} problem {seed_of(i)}: prompt of {len(prompt)} tokens does not fit the context ({limit})")
+                scored.append((i, 0))
+                continue
+            seqs = _draw(engine, prompt, num_samples, rows_per_call or num_samples, budget, temperature, top_k,
+                         seed + seed_of(i))
+            completions = [completion_text(tokenizer, s[len(prompt):]) for s in seqs]
+            scored.append((i, sum(bool(task.evaluate(conv, c)) for c in completions)))
+            if log and k < 2:  # named: chat_eval prints a task's score line only after its examples
+                log(f"  {label} example {seed_of(i)}: {scored[-1][1]}/{num_samples} passed | {completions[0][:200]!r}")
+    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+        error = e
+    # summed in problem order, as one process sums them: the same pass@k floats on any number of ranks
+    results, passed_at = _gather(label, scored, error), [0.0] * num_samples
+    for _, correct in results:
         for j in range(num_samples):
             passed_at[j] += pass_at_k(num_samples, correct, j + 1)
-        if log and k < 2:  # named: chat_eval prints a task's score line only after its examples
-            log(f"  {label} example {seed_of(i)}: {correct}/{num_samples} passed | {completions[0][:200]!r}")
-    import torch
-
-    # float64 sums: the estimates are fractions, and float32 would round counts past 2^24
-    *passed_at, total = _all_reduce_counts([*passed_at, float(total)], device, dtype=torch.float64)
-    return TaskResult(label, round(passed_at[-1]), round(total), tuple(passed_at))
+    return TaskResult(label, round(passed_at[-1]), len(results), tuple(passed_at))
 
 
 # a later chunk's seed: apart from every problem's first-chunk seed (seed + i) in any real task
@@ -211,6 +266,8 @@ def out_of_memory_kind(e: BaseException) -> str | None:
     allocators raise a plain RuntimeError that only its text tells apart."""
     import torch
 
+    if isinstance(e, OtherRankError):   # another rank's, said here
+        return e.memory_kind
     if isinstance(e, torch.OutOfMemoryError):
         return "GPU memory"
     if isinstance(e, RuntimeError):
@@ -235,7 +292,8 @@ def out_of_memory_hint(what: str, flag: str, value: int, also: str | None = None
         remedies = ([f"a smaller {flag} (e.g. {value // 2})"] if value > 1 else []) + ([also] if also else [])
         advice = ("pass " + " or ".join(remedies) if remedies else
                   f"{flag} is at its smallest: the model leaves too little memory on this device")
-        raise RequestError(f"{what}: out of memory at {flag} {value}; {advice}") from e
+        where = f" on {e.where}" if isinstance(e, OtherRankError) else ""
+        raise RequestError(f"{what}: out of memory{where} at {flag} {value}; {advice}") from e
 
 
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
