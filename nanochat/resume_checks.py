@@ -15,18 +15,20 @@ _CONFIG_FLAGS = {"n_layer": "base_train --depth", "n_embd": "base_train --depth 
                  "window_pattern": "base_train --window-pattern"}
 
 
-def _resume_mismatch(what, saved, now):
+def _resume_mismatch(what, saved, now, remedy="use the flags of the original run"):
     from nanochat.checkpoint import CheckpointError
     raise CheckpointError(f"--resume: the checkpoint has {what} {saved!r} but this run has {now!r}; "
-                          "use the flags of the original run (or start a new --model-tag)")
+                          f"{remedy} (or start a new --model-tag)")
 
 
 def check_resume_world(meta: dict, world_size: int) -> None:
     """The checkpoint's world size (meta.json) is this run's: a CheckpointError naming both, which
     a stage can raise from meta.json alone, before it reads data or loads weights."""
     saved = (meta.get("train") or {}).get("world_size", 1)
-    if saved != world_size:
-        _resume_mismatch("a world size (torchrun processes)", saved, world_size)
+    if saved != world_size:   # not a flag: the launch (its optimizer and loader state are per rank)
+        launch = ("run it without torchrun (one process)" if saved == 1 else
+                  f"launch it on {saved} processes in all (torchrun --nproc_per_node x --nnodes = {saved})")
+        _resume_mismatch("a world size (torchrun processes)", saved, world_size, launch)
 
 
 def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: int, fingerprint: str,

@@ -313,3 +313,17 @@ def test_a_rank_out_of_memory_alone_is_said_once_and_ends_the_run(tmp_path, base
         "chat_eval: error: chat_eval SpellingBee: out of memory on rank 1 of 2 at --num-samples 1; pass a "
         "smaller --max-new-tokens (now 4)"], r.stdout[-3000:] + r.stderr[-3000:]
     assert "Connection closed by peer" not in r.stderr   # no rank failed at a collective
+
+
+def test_a_world_size_mismatch_says_how_to_launch():
+    """A resume on another number of processes said "use the flags of the original run": the world
+    size is no flag but the launch, so it now says how to launch the resume."""
+    from nanochat.checkpoint import CheckpointError
+    from nanochat.resume_checks import check_resume_world
+
+    with pytest.raises(CheckpointError, match=r"world size \(torchrun processes\) 2 but this run has 1; launch it on 2 "
+                                              r"processes in all \(torchrun --nproc_per_node x --nnodes = 2\)"):
+        check_resume_world({"train": {"world_size": 2}}, 1)
+    with pytest.raises(CheckpointError, match=r"processes\) 1 but this run has 2; run it without torchrun \(one process\)"):
+        check_resume_world({"train": {"world_size": 1}}, 2)
+    check_resume_world({"train": {"world_size": 2}}, 2)
