@@ -35,6 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nanochat.distributed import StridedMicroBatches, free_port
+from tests import test_multiprocess as _mp_tests
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -66,27 +67,8 @@ class _Tok:
         return [0, 1 + conv["id"]] + [2] * (conv["id"] % 4)   # prompts of several lengths
 
 
-class _Letters:
-    eval_type = "categorical"
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return {"id": i, "letters": ["A", "B"], "gold": "A" if i % 3 == 0 else "B"}
-
-    def evaluate(self, conv, predicted):
-        return predicted == conv["gold"]
-
-
-class _Generative(_Letters):
-    eval_type = "generative"
-
-    def evaluate(self, conv, completion):
-        return completion == "ok"
+# the categorical / generative problem sets of tests/test_multiprocess.py (gold "A" for i % 3 == 0)
+_Letters, _Generative = _mp_tests._Letters, _mp_tests._Generative
 
 
 class _RecordingModel:
