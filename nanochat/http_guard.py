@@ -236,10 +236,12 @@ def _is_loopback(host: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def client_key(host: str) -> str:
-    """The client a peer address counts as for the per-client limits: an IPv4 address (also when
-    IPv4-mapped on a dual-stack bind), or an IPv6 address's /64, which one site gets whole (one host
-    picks a new address in it at will, so per-address limits did not hold one machine)."""
+def client_key(host: str, ipv6_prefix: int = 64) -> str:
+    """The client a peer address counts as: an IPv4 address (also when IPv4-mapped on a dual-stack
+    bind), or an IPv6 address's /`ipv6_prefix`. The connection cap counts a /64, which one site gets
+    whole (one host picks a new address in it at will, so a per-address cap did not hold one machine);
+    the concurrent-request limit passes 128, the address itself: every host of an IPv6 LAN shares
+    its /64, and counted by it they shared one small request budget (the connection cap is 256)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -248,9 +250,9 @@ def client_key(host: str) -> str:
         return str(address)
     if address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
-    if address.is_loopback:
+    if address.is_loopback or ipv6_prefix >= 128:
         return str(address)
-    return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(ipaddress.ip_network(f"{address}/{ipv6_prefix}", strict=False))
 
 
 def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:

@@ -293,7 +293,8 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
         limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's
         http = guarded_protocol(max_connections_per_client=limit)
         uvicorn.run(RequestLog(drain), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=grace_s, access_log=False, http=http)
+                    timeout_graceful_shutdown=grace_s, access_log=False, http=http,
+                    ws="none")   # no WebSocket route; an upgrade leaves the protocol uncounted-down
         app.state.finish()   # the generation threads drain stopped end before the process does
     finally:
         for sig, handler in previous.items():

@@ -43,8 +43,10 @@ optional Host allow-list (DNS rebinding) that also refuses POSTs from pages of o
 JSON-only POST bodies (415 otherwise), and CORS only for origins listed in `ServerSettings.cors_origins`.
 Below the app (http_guard.guarded_protocol, which serve_in_thread and serve_lifecycle.run_server
 serve with): a request's headers must arrive within HEADER_TIMEOUT_S, and one address may hold
-`ServerSettings.max_connections_per_client` connections (app.state carries it to them). The
-per-client limits count an IPv6 client by its /64 (http_guard.client_key).
+`ServerSettings.max_connections_per_client` connections (app.state carries it to them), an IPv6
+client counted by its /64 there (http_guard.client_key) and by its address for the request limit.
+WebSocket upgrades are off (`ws="none"`): no route takes one, and an upgraded connection left the
+protocol without its connection_lost, so its count stayed for good.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
@@ -419,7 +421,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                            param="messages", code="context_length_exceeded")
         if draining:   # no await from here to the claim: nothing joins the line after drain() emptied it
             raise shutting_down("the server is shutting down; retry once it is back")
-        release = slots.acquire(client_key(request.client.host) if request.client else "unknown")
+        release = slots.acquire(client_key(request.client.host, 128) if request.client else "unknown")
         if pool.waiting >= settings.max_queue:
             release()
             raise ApiError(503, f"server busy: {pool.waiting} requests are waiting; retry later", code="server_busy",
@@ -555,7 +557,8 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, header_timeout_
     sock = socket.create_server((host, port))
     limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's (a wrapped app: none)
     http = guarded_protocol(header_timeout_s, limit)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, http=http))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, http=http,
+                                            ws="none"))
     server.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     server.thread.start()
     deadline = time.time() + 30

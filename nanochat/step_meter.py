@@ -97,8 +97,8 @@ class StepMeter:
     past them). The ETA is wall-clock time per step since the warm-up (so evals, samples and
     checkpoints between steps count) times the steps left: a d20 run on a GB10 takes days, and its
     user should know how many after a few minutes. During the warm-up (also a resume's) it is a
-    rough figure marked '~': the wall time per step since this process's first step (which carries
-    the compilation), or that first step's own time while it is the only one: a slow run (a CPU, a
+    rough figure marked '~' from the second step: the wall time per step since this process's first
+    step (whose own time is mostly the compilation, so it says nothing alone): a slow run (a CPU, a
     big model) would otherwise show '-' for its first hours."""
 
     def __init__(self, flops_per_token: float, world_size: int, *, peak_bf16: float | None,
@@ -148,9 +148,9 @@ class StepMeter:
         wall_per_step = ((time.perf_counter() - self._wall_start) / self._wall_steps
                          if self._wall_steps else None)
         rough = None   # the warm-up's rough figure (the log line's '~' ETA), None once wall_per_step is measured
-        if wall_per_step is None:
-            rough = ((now - self._first_end) / (self._steps_this_process - 1) if self._steps_this_process > 1
-                     else r.dt)
+        if wall_per_step is None and self._steps_this_process > 1:   # not from the first step: its time
+            # is mostly torch.compile's (a 90 s compile at 20,000 steps read "eta ~20d19h")
+            rough = (now - self._first_end) / (self._steps_this_process - 1)
         tok_s = r.tokens / r.dt if r.dt > 0 else float("inf")
         flops_s = self.flops_per_token * tok_s
         return {"step": r.step, "loss": r.loss, "smooth_loss": self.smooth_loss / (1 - b ** self.updates),

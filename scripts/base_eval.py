@@ -162,6 +162,9 @@ def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
     if cfg.source == "base" and isinstance(saved, str) and os.path.isabs(saved) and os.path.isdir(saved):
         print0(f"bpb on {saved} (the checkpoint's --data-dir; pass --data-dir to choose others)")
         return saved
+    if cfg.source == "base" and isinstance(saved, str):   # relative (older runs) or gone: said, not silent
+        print0(f"the checkpoint trained on --data-dir {saved}, which is {'gone' if os.path.isabs(saved) else 'relative'}"
+               f": bpb on <base dir>/base_data; pass --data-dir to score that corpus")
     return None
 
 

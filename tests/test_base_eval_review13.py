@@ -28,6 +28,14 @@ def test_bpb_uses_the_checkpoints_data_dir(tmp_path, monkeypatch, capsys):
     assert "the checkpoint's --data-dir" in capsys.readouterr().out
 
 
+def test_an_unusable_saved_data_dir_is_said(tmp_path, capsys):
+    cfg = base_eval.parse_config(["--eval", "bpb"])
+    assert base_eval.bpb_data_dir(cfg, _meta("shards")) is None
+    assert "--data-dir shards, which is relative: bpb on <base dir>/base_data" in capsys.readouterr().out
+    assert base_eval.bpb_data_dir(cfg, _meta(str(tmp_path / "gone"))) is None
+    assert "which is gone" in capsys.readouterr().out
+
+
 def test_bpb_data_dir_precedence(tmp_path):
     other = tmp_path / "other"
     other.mkdir()

@@ -151,6 +151,23 @@ def test_one_address_cannot_hold_more_connections_than_its_limit(tokenizer, serv
             s.close()
 
 
+def test_websocket_upgrades_do_not_use_up_the_connection_cap(tokenizer, serve):
+    """uvicorn handed a connection asking `Upgrade: websocket` to its WebSocket protocol, and the
+    guarded protocol's connection_lost never ran: each upgrade request counted for good, and 256 of
+    them locked an address (a NAT, an IPv6 /64) out until a restart. WebSockets are off (no route
+    takes one): the request is plain HTTP, and its connection's count goes when it closes."""
+    ip = outward_ip()
+    url, port = serve(ScriptedEngine(tokenizer, "ok"), host="0.0.0.0", max_connections_per_client=2)
+    upgrade = (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+               b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    for _ in range(4):
+        with socket.create_connection((ip, port), timeout=10) as s:
+            s.sendall(upgrade)
+            s.settimeout(10)
+            assert s.recv(12).startswith(b"HTTP/1.1 ")
+    assert wait_until(lambda: httpx.get(f"http://{ip}:{port}/health").status_code == 200)
+
+
 def test_the_served_app_gets_the_connection_guards(tokenizer, monkeypatch):
     """run_server (chat_web's, load_test's) serves through the guarded protocol with the app's
     connection limit; a flag value reaches it."""
@@ -165,7 +182,7 @@ def test_the_served_app_gets_the_connection_guards(tokenizer, monkeypatch):
     settings = chat_web.settings_from_args(chat_web.parse_args(["--max-connections-per-client", "7"]), "m")
     app = create_app(WorkerPool([Worker(ScriptedEngine(tokenizer, "ok"), "w0")]), settings)
     serve_lifecycle.run_server(app, "127.0.0.1", 1)
-    assert seen["http"].__name__ == "GuardedHTTPProtocol"
+    assert seen["http"].__name__ == "GuardedHTTPProtocol" and seen["ws"] == "none"
     assert seen["http"].max_connections_per_client == 7 and seen["http"].header_timeout_s == HEADER_TIMEOUT_S
     assert f"within {HEADER_TIMEOUT_S:g} s" in chat_web.__doc__   # the operator's docs say the code's value
     default = create_app(WorkerPool([Worker(ScriptedEngine(tokenizer, "ok"), "w0")]), ServerSettings())
@@ -196,15 +213,17 @@ def test_a_remote_peers_x_forwarded_for_is_not_believed(tokenizer, serve):
         first.join(timeout=20)
 
 
-def test_an_ipv6_client_is_its_64_for_the_per_client_limits(tokenizer, serve):
-    """One IPv6 host may pick any address of its site's /64 (privacy addresses): counted per
-    address, it had a new "client" (and a new per-client limit) for every request. The peer address
-    here comes through X-Forwarded-For from loopback, as a reverse proxy on this machine passes it."""
+def test_an_ipv6_client_is_its_64_for_connections_and_its_address_for_requests(tokenizer, serve):
+    """One IPv6 host may pick any address of its site's /64 (privacy addresses): the connection cap
+    counts the /64. The concurrent-request limit counts the address: every host of an IPv6 LAN
+    shares the /64, and counted by it they shared one budget of 4-8 requests (review of review 13).
+    The peer address comes through X-Forwarded-For from loopback, as a reverse proxy passes it."""
     from nanochat.http_guard import client_key
 
     assert client_key("2001:db8:1:2::5") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert client_key("2001:db8:1:3::5") != client_key("2001:db8:1:2::5")
     assert client_key("::ffff:192.0.2.7") == "192.0.2.7" and client_key("::1") == "::1"
+    assert client_key("2001:db8:1:2::5", 128) == "2001:db8:1:2::5" and client_key("::ffff:192.0.2.7", 128) == "192.0.2.7"
     gate = threading.Event()
     url, _ = serve(ScriptedEngine(tokenizer, "held", gate=gate), max_concurrent_per_client=1)
     first = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",), kwargs=dict(
@@ -213,11 +232,18 @@ def test_an_ipv6_client_is_its_64_for_the_per_client_limits(tokenizer, serve):
     try:
         assert wait_until(lambda: httpx.get(url + "/stats", headers=AUTH).json()["active_clients"] == 1)
         r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10,
-                       headers={**AUTH, "X-Forwarded-For": "2001:db8:1:2:abcd::77"})
+                       headers={**AUTH, "X-Forwarded-For": "2001:db8:1:2::5"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_concurrent_requests"
+        # another host of the same /64 (a LAN neighbour) has its own request budget: it waits in line
+        second = threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",), kwargs=dict(
+            json=BODY, headers={**AUTH, "X-Forwarded-For": "2001:db8:1:2:abcd::77"}, timeout=20))
+        second.start()
+        assert wait_until(lambda: httpx.get(url + "/stats", headers=AUTH).json()["active_clients"] == 2)
     finally:
         gate.set()
         first.join(timeout=20)
+        if "second" in locals():
+            second.join(timeout=20)
 
 
 # ------------------------------------------------------------------------------------ the API key
