@@ -38,7 +38,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 MIN_FLAGS = 200            # distinct flags named in nanochat/ and scripts/ when this was written: 233
 MIN_ENTRY_POINTS = 40      # 35 scripts + 4 python -m modules + 2 shell scripts when this was written
 
-TORCHRUN = {"--nproc-per-node", "--master-port", "--shutdown-timeout", "--run-path"}   # torchrun's flags named here
+TORCHRUN = {"--nproc-per-node", "--nnodes", "--master-port", "--shutdown-timeout", "--run-path"}   # torchrun's flags named here
 # flag -> (whose, the files that may name it; None: any file)
 OUTSIDE = {
     **{flag: ("torchrun, the project's launcher, named in hints everywhere", None) for flag in TORCHRUN},

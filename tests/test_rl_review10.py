@@ -70,15 +70,17 @@ class _GoldTask:
 
 def test_forced_tool_output_is_context_not_a_target_and_the_python_source_earns_nothing(chat_model, monkeypatch):
     import nanochat.engine as engine_module
+    from nanochat.calculator import REFUSED_OUTPUT
     model, tok = chat_model
     sp = tok.encode_special
     start, end, out_start, out_end, stop = (sp("<|python_start|>"), sp("<|python_end|>"), sp("<|output_start|>"),
                                             sp("<|output_end|>"), sp("<|assistant_end|>"))
     result = tok.encode("18")
     forced = [out_start, *result, out_end]
+    refused = [out_start, *tok.encode(REFUSED_OUTPUT), out_end]   # calculator.REFUSED_OUTPUT (review 13)
     calls = [
         tok.encode("#### ") + [start, *tok.encode("9*2"), end] + [0] * len(forced) + [stop],   # the calculator answers
-        [start, *tok.encode("#### 18"), end] + [0, 0] + [stop],   # the answer inside the source: refused, empty output
+        [start, *tok.encode("#### 18"), end] + [0] * len(refused) + [stop],   # the answer inside the source: refused
         tok.encode("#### 17") + [stop],
         tok.encode("#### 18") + [stop],
     ]
@@ -94,8 +96,9 @@ def test_forced_tool_output_is_context_not_a_target_and_the_python_source_earns_
     at = gen0.index(end) + 1
     assert gen0[at:at + len(forced)] == forced and gen0[-1] == stop
     assert masks[0][len(prompt):] == [1] * at + [0] * len(forced) + [1]
-    # row 1: a refused call gets an empty forced block; its "#### 18" was python source, not an answer
-    assert seqs[1][len(prompt):][-3:] == [out_start, out_end, stop] and masks[1][-3:] == [0, 0, 1]
+    # row 1: a refused call gets a forced block of REFUSED_OUTPUT; its "#### 18" was python source, not an answer
+    n = len(refused) + 1
+    assert seqs[1][len(prompt):][-n:] == refused + [stop] and masks[1][-n:] == [0] * len(refused) + [1]
     # the policy-gradient targets: exactly the sampled tokens (stop included), never prompt or forced ones
     from nanochat.rl import rollout_batch
     inputs, targets, _ = rollout_batch(seqs, masks, advantages, tok.bos_token_id, "cpu")
