@@ -120,14 +120,8 @@ def install(monkeypatch, *, liger: bool, te: bool) -> None:
         for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
             monkeypatch.delitem(sys.modules, name)
     if liger:
-        class Loss:
-            def __init__(self, ignore_index=-100, softcap=None, reduction="mean", accum_dtype=None):
-                pass
-        flce = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
-        flce.LigerFusedLinearCrossEntropyLoss = Loss
-        for name in ("liger_kernel", "liger_kernel.transformers"):
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-        monkeypatch.setitem(sys.modules, flce.__name__, flce)
+        from tests.test_precision_review2 import fake_liger
+        fake_liger(monkeypatch)
     else:
         monkeypatch.setitem(sys.modules, "liger_kernel", None)
     if te:
