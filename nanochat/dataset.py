@@ -155,9 +155,10 @@ def split_shards(shards: list[Path], split: str) -> list[Path]:
 
 def open_text_shard(path: str | Path) -> pq.ParquetFile:
     """Open a parquet shard; DataError naming the file if it is unreadable, has no string `text`
-    column, or its footer statistics show null texts."""
+    column, or its footer statistics show null texts. Pages that carry a CRC32 (the shards written
+    here) are checked against it as they are read (read_text_column names a mismatch)."""
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({one_line(e)}); {_RECREATE}") from e
     schema = pf.schema_arrow
@@ -304,11 +305,16 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
 
 
 def _write_shard_file(path: Path, table: pa.Table) -> None:
-    """Write a text shard atomically. A failed write removes its temp file (of up to a shard's
-    size: it stayed on the full disk), and a full disk is a DiskFullError, not pyarrow's traceback."""
+    """Write a text shard atomically (fsynced before the rename: after a power cut a renamed file
+    whose data never reached the disk is an empty shard under a final name), with a CRC32 per page
+    (open_text_shard verifies them: a flipped bit changes a text but mostly still decodes). A failed
+    write removes its temp file (of up to a shard's size: it stayed on the full disk), and a full
+    disk is a DiskFullError, not pyarrow's traceback."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd", write_page_checksum=True)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -430,7 +436,7 @@ def _fill(args) -> int:
         print(f"wrote {len(paths)} Shakespeare shards to {out} (last = validation)")
         return 0
 
-    from nanochat.dataset_download import download_shards, say_failures
+    from nanochat.dataset_download import download_shards
 
     src = SOURCES[source]
     if args.num_shards != -1 and args.num_shards < 1:
@@ -456,6 +462,24 @@ def _fill(args) -> int:
         f"; it holds {len(held)} shards in all ({len(held) - 1} train + {held[-1].name} for validation), "
         "all of which training reads" if len(held) != len(indices) else ""))
     return 0
+
+
+def say_failures(failures: list[tuple[int, Exception]], total: int, source: str) -> None:
+    """Print download_shards' failures ((index, DownloadError) pairs) to stderr, and what would fetch
+    them: a rerun for the ones that may succeed another time; for those the server refused
+    (DownloadError.permanent, e.g. a 404) a rerun only asks again, so the hint is to check the URL
+    and the source's shard range."""
+    print(f"{len(failures)} of {total} shards FAILED:", file=sys.stderr)
+    for i, err in failures:
+        print(f"  {shard_name(i)}: {err}", file=sys.stderr)
+    refused = [i for i, err in failures if err.permanent]
+    if refused:
+        print(f"{len(refused)} of them the server refused (not there or not allowed): a rerun will not fetch them; "
+              f"check --base-url and that {source} has shards {shard_name(min(refused))}..{shard_name(max(refused))}",
+              file=sys.stderr)
+    if len(refused) < len(failures):
+        print("rerun the same command to retry" + (" the others" if refused else "")
+              + " (finished shards are kept, partial ones resume)", file=sys.stderr)
 
 
 def _check_flags(args) -> str:

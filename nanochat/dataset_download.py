@@ -4,16 +4,18 @@ DiskFullError, download_file, download_shards and verify_text_shard), and the on
 other files reuse (nanochat/core_data.py fetches the CORE eval bundle with download_file).
 
 One file (download_file): bytes go to `NAME.partial`, resumed with an HTTP Range request after a
-dropped connection or an earlier run; retryable failures (network errors, 408/425/429/5xx, a
-short body, a stall, bad content) are retried with exponential backoff, others (404, 403) fail at
-once (a 429 / 503 waits at least the Retry-After the server states). The result is verified (the
-size and sha256 the server states, then `verify`: by default a readable parquet file with a string
-`text` column, the first row group decoding, every one when no sha256 was stated), fsynced, then
-renamed into place: a final name only ever holds a complete, verified file. A per-file lock file
-(`NAME.lock`, POSIX flock) keeps two processes that fetch the same file (torchrun ranks, two
-shells) off one .partial file; the second waits and keeps the first one's result (a filesystem
-without locks gets a warning and no guard). A full disk (ENOSPC) is a DiskFullError, not retried,
-with the partial file kept for a resume.
+dropped connection or an earlier run, from the same version of the file only (its ETag, else
+Last-Modified, kept in `NAME.partial.version`, sent as If-Range: a file replaced on the server starts
+over; spliced, its old head and new tail could pass for a shard when no sha256 is stated). Retryable
+failures (network errors, 408/425/429/5xx, a short body, a stall, bad content) are retried with
+exponential backoff, others (404, 403) fail at once (a 429 / 503 waits at least its Retry-After).
+The result is verified (the size and sha256 the server states, then `verify`: by default a readable
+parquet file with a string `text` column, the first row group decoding, every one when no sha256
+was stated), fsynced, then renamed into place: a final name only ever holds a complete, verified
+file. A per-file lock file (`NAME.lock`, POSIX flock) keeps two processes that fetch the same file
+(torchrun ranks, two shells) off one .partial file; the second waits and keeps the first one's
+result (a filesystem without locks gets a warning and no guard). A full disk (ENOSPC) is a
+DiskFullError, not retried, with the partial file kept for a resume.
 
 Stalls: requests' timeout bounds each recv, not the download, so a server that trickles a few bytes
 at a time (100 B/s: 11 minutes per 64 KiB read, a day per shard) kept an attempt alive for ever.
@@ -218,14 +220,47 @@ def verify_text_shard(path: Path, *, size: int | None = None, sha256: str | None
         read_text_column(pf, rg, path)   # decodes and checks UTF-8 in C++: no Python strings made
 
 
+def _version_file(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".version")
+
+
+def _server_version(resp) -> str | None:
+    """This version of the file: a strong ETag (If-Range takes no weak one), else Last-Modified."""
+    etag = (resp.headers.get("ETag") or "").strip()
+    return etag if etag and not etag.startswith("W/") else (resp.headers.get("Last-Modified") or None)
+
+
+def _known_version(partial: Path) -> str | None:
+    """The version the partial bytes are of (None: not noted: the server stated none, or older code)."""
+    try:
+        known = _version_file(partial).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return known if known.isascii() and known.isprintable() else None   # sent as a header value
+
+
+def _note_version(partial: Path, version: str | None) -> None:
+    if version:
+        _version_file(partial).write_text(version)
+    else:
+        _version_file(partial).unlink(missing_ok=True)
+
+
+def _drop_partial(partial: Path) -> None:
+    partial.unlink(missing_ok=True)
+    _note_version(partial, None)
+
+
 def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_window: float,
              cancel: Cancel | None) -> tuple[int | None, str | None]:
     have = partial.stat().st_size if partial.exists() else 0
+    known = _known_version(partial) if have else None
     # identity: requests asks for gzip by default, and a server that takes up the offer sends a
     # Content-Length and byte ranges of the compressed body while iter_content yields it
     # decompressed, so the size check fails every attempt and a Range resume would splice
-    # decompressed bytes at a compressed offset
-    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    # decompressed bytes at a compressed offset. If-Range: another version comes whole (a 200)
+    headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {}),
+               **({"If-Range": known} if known else {})}
     with session.get(url, headers=headers, stream=True, timeout=timeout) as resp:
         if resp.status_code == 416:  # nothing left to fetch: the partial file may be complete
             m = re.fullmatch(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
@@ -237,14 +272,20 @@ def _attempt(session, url: str, partial: Path, timeout: float, on_bytes, stall_w
         if resp.status_code not in (200, 206):
             raise DownloadError(f"HTTP {resp.status_code} for {url}", permanent=400 <= resp.status_code < 500)
         total, sha = _expected_from(resp)
-        start = 0
+        start, now = 0, _server_version(resp)
         if resp.status_code == 206:
             m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
             start = int(m.group(1)) if m else -1
             if start != have:
-                partial.unlink(missing_ok=True)
+                _drop_partial(partial)
                 raise _Retry(f"server resumed at byte {start}, wanted {have}")
+            if known and now and now != known:   # a server that ignores If-Range
+                _drop_partial(partial)
+                raise _Retry(f"the file changed on the server (version {now}, the partial file is of {known}); "
+                             "starting over")
         with open(partial, "ab" if start else "wb") as f:
+            if not start:   # noted once the partial is empty: it never names another version's bytes
+                _note_version(partial, now)
             _read_body(resp, f, on_bytes, stall_window, cancel)
             f.flush()
             # on disk before the rename makes it a shard: after a power cut a renamed file whose
@@ -437,9 +478,10 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                     verify(partial, size=total, sha256=sha)
                 except ValueError as e:  # corrupt content: start over from byte 0
                     why = _what_came(partial, e) if verify is verify_text_shard else str(e)
-                    partial.unlink(missing_ok=True)
+                    _drop_partial(partial)
                     raise _Retry(f"verification failed: {why}") from e
                 os.replace(partial, dest)
+                _note_version(partial, None)
                 return
             except _Retry as e:
                 last, cause, wait = str(e), e.__cause__ or e, e.wait
@@ -565,19 +607,3 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
             raise
     return sorted(failures)
 
-
-def say_failures(failures: list[tuple[int, DownloadError]], total: int, source: str) -> None:
-    """Print download_shards' failures to stderr, and what would fetch them: a rerun for the ones
-    that may succeed another time; for those the server refused (DownloadError.permanent, e.g. a
-    404) a rerun only asks again, so the hint is to check the URL and the source's shard range."""
-    print(f"{len(failures)} of {total} shards FAILED:", file=sys.stderr)
-    for i, err in failures:
-        print(f"  {shard_name(i)}: {err}", file=sys.stderr)
-    refused = [i for i, err in failures if err.permanent]
-    if refused:
-        print(f"{len(refused)} of them the server refused (not there or not allowed): a rerun will not fetch them; "
-              f"check --base-url and that {source} has shards {shard_name(min(refused))}..{shard_name(max(refused))}",
-              file=sys.stderr)
-    if len(refused) < len(failures):
-        print("rerun the same command to retry" + (" the others" if refused else "")
-              + " (finished shards are kept, partial ones resume)", file=sys.stderr)
