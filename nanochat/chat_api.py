@@ -375,35 +375,36 @@ def _refuse_unknown(body: dict) -> None:
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose effect this server cannot produce: ignoring them would hand the client an
     answer that means something else (no log-probabilities, no tool call, no JSON guarantee, a
-    token the client banned, no audio, no search)."""
-    def refuse(name: str, what: str):
-        raise ApiError(400, f"'{name}': {what} is not supported by this server; leave '{name}' out",
-                       param=name, code="unsupported_parameter")
+    token the client banned, no audio, no search). Each refusal names the field and the values
+    that are accepted (those asking for nothing this server lacks)."""
+    def refuse(name: str, what: str, accepted: str):
+        raise ApiError(400, f"'{name}': {what} is not supported by this server; accepted: {accepted}, or leave "
+                            f"'{name}' out", param=name, code="unsupported_parameter")
     if body.get("logprobs") not in (None, False):
-        refuse("logprobs", "returning log-probabilities")
+        refuse("logprobs", "returning log-probabilities", "false or null")
     if body.get("top_logprobs") is not None:
-        refuse("top_logprobs", "returning log-probabilities")
+        refuse("top_logprobs", "returning log-probabilities", "null")
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools not in (None, []) and choice != "none":
-        refuse("tools", "calling tools (use tool_choice \"none\" to send tools that must not be called)")
+        refuse("tools", "calling tools", '[] or null, or tools with tool_choice "none" (then never called)')
     if not tools and choice not in (None, "none", "auto"):
-        refuse("tool_choice", "forcing a tool call")
+        refuse("tool_choice", "forcing a tool call", '"none", "auto" (no tool is ever called) or null')
     functions, call = body.get("functions"), body.get("function_call")   # the deprecated tools/tool_choice
     if functions not in (None, []) and call != "none":
-        refuse("functions", "calling functions")
+        refuse("functions", "calling functions", '[] or null, or functions with function_call "none"')
     if not functions and call not in (None, "none", "auto"):
-        refuse("function_call", "forcing a function call")
+        refuse("function_call", "forcing a function call", '"none", "auto" or null')
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        refuse("response_format", "a response format other than {\"type\": \"text\"}")
+        refuse("response_format", "a response format other than plain text", '{"type": "text"} or null')
     if body.get("logit_bias") not in (None, {}):   # e.g. {id: -100} bans a token; ignoring that is not harmless
-        refuse("logit_bias", "biasing token probabilities")
+        refuse("logit_bias", "biasing token probabilities", "{} or null")
     if body.get("modalities") not in (None, ["text"]):
-        refuse("modalities", "an output other than [\"text\"]")
+        refuse("modalities", "an output other than text", '["text"] or null')
     if body.get("audio") is not None:
-        refuse("audio", "audio output")
+        refuse("audio", "audio output", "null")
     if body.get("web_search_options") is not None:
-        refuse("web_search_options", "searching the web")
+        refuse("web_search_options", "searching the web", "null")
     for name in ("presence_penalty", "frequency_penalty"):   # 0 (OpenAI's default) is what the sampler does
         if _number(body, name, -2, 2, 0) != 0:
             raise ApiError(400, f"'{name}': got {json.dumps(body[name])}; penalising repeated tokens is not "
@@ -421,7 +422,8 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if opts is None:
         return stream, False
     if not stream:
-        raise ApiError(400, "'stream_options': only allowed when 'stream' is true", param="stream_options")
+        raise ApiError(400, "'stream_options': only allowed when 'stream' is true; accepted: null when not "
+                            "streaming, or leave 'stream_options' out", param="stream_options")
     # include_obfuscation: OpenAI's random padding of deltas, which this server never adds; any other
     # key (a typo like "include_usag") would silently drop what the client asked for
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"} or \

@@ -18,7 +18,9 @@ Below the app, at the connection (`guarded_protocol`, the uvicorn HTTP protocol 
 with): uvicorn has no timeout for a request's headers (its keep-alive timer runs only between
 requests, and the first byte cancels it), so a client that connects and sends nothing, or trickles
 its headers a byte at a time (slowloris), held a connection and a file descriptor for ever; and
-nothing bounded how many connections one address could hold open.
+nothing bounded how many connections one address could hold open; a request head (request line
+and headers) could take 256 KiB (h11's default) and was then refused in plain text: it is now
+MAX_HEADER_BYTES, refused with a JSON 431, and any request the parser cannot read gets a JSON 400.
 """
 
 import asyncio
@@ -46,6 +48,19 @@ HEADER_TIMEOUT_S = 10.0
 # On an answer given before the body was read (408, 413): the connection ends with it, so the server
 # does not go on reading (and discarding) the rest of an oversized or trickled body.
 _CLOSE = {"Connection": "close"}
+# Bytes a request line and its headers may take (431 past it). h11's own buffer limit, which uvicorn
+# leaves at 256 KiB, let every connection hold a quarter megabyte of headers, and its refusal was a
+# plain-text 400 with the connection reset under it. 32 KiB is nginx's default total for a request
+# head (4 x 8 KiB) and twice Node's: a big Cookie header on localhost (every local app's cookies go
+# to every port) still fits.
+MAX_HEADER_BYTES = 32 * 1024
+_HEAD_END = re.compile(rb"\n\r?\n")   # the blank line that ends a request head (CRLF, or bare LF as h11 reads it)
+# After a connection-level refusal (431, an unparsable request): the answer is sent, the write side
+# closed, and what the client is still sending read and dropped for up to LINGER_S seconds or
+# _LINGER_BYTES bytes before the socket closes. Closed at once with unread bytes, the kernel
+# answered with a reset that discarded the error before the client read it.
+LINGER_S = 2.0
+_LINGER_BYTES = 1 << 20
 
 
 def host_of(header: str) -> str:
@@ -263,10 +278,11 @@ def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
             "connection: close\r\n\r\n").encode() + body
 
 
-def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections_per_client: int | None = None):
-    """uvicorn's HTTP protocol class (h11, or httptools where installed) with two connection-level
-    guards, for uvicorn's `http=` (nanochat/serve_lifecycle.py's run_server, server.py's
-    serve_in_thread):
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections_per_client: int | None = None,
+                     max_header_bytes: int = MAX_HEADER_BYTES):
+    """uvicorn's HTTP protocol class (h11, or httptools where installed) with connection-level
+    guards, for uvicorn's `http=` (`uvicorn_options`, which nanochat/serve_lifecycle.py's run_server
+    and server.py's serve_in_thread serve with):
 
     - a connection whose request line and headers have not all arrived `header_timeout_s` after it
       opened, or after its previous response ended, is closed: with a 408 JSON error when part of a
@@ -276,23 +292,44 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
       connections has the next one answered with a 429 and closed at once (None: no limit).
       Loopback peers are not counted: they are this machine's own users or a reverse proxy in
       front of the server, which carries every user.
+    - a request head (request line and headers) over `max_header_bytes` is answered with a JSON
+      431 `request_headers_too_large` as soon as that many bytes came without its end, and the
+      connection closes (after LINGER_S, reading what the client still sends, so it reads the
+      answer). Counted here, before the parser, whichever parser it is; what this count cannot
+      place (the start of a head read with the end of the previous request, a head after an
+      answer given before its request's body was read) is the parser's to bound: h11's buffer
+      limit (`uvicorn_options`), refused as the same 431 (httptools has no settable limit).
+      Any other request the parser rejects is a JSON 400 `invalid_http_request` (uvicorn's was
+      plain text), so every error of this server is OpenAI-shaped.
 
     Built on first use: uvicorn is the web extra's (no import at module load). The class keeps its
     counts per call: one call per server."""
     if not header_timeout_s > 0:
         raise ValueError(f"header_timeout_s: got {header_timeout_s!r}; accepted: a number of seconds > 0")
+    if isinstance(max_header_bytes, bool) or not isinstance(max_header_bytes, int) or max_header_bytes < 1024:
+        raise ValueError(f"max_header_bytes: got {max_header_bytes!r}; accepted: an integer >= 1024")
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    header_timeout, max_connections = header_timeout_s, max_connections_per_client
+    header_timeout, max_connections, max_head = header_timeout_s, max_connections_per_client, max_header_bytes
     open_by_address: dict[str, int] = {}
     warned: set[str] = set()   # addresses refused since they were last under the limit: logged once
     log = logging.getLogger("uvicorn.error")
+    too_large = (431, "Request Header Fields Too Large", f"the request line and headers exceed this server's limit of "
+                 f"{max_header_bytes} bytes; send smaller headers (a browser: clear this site's cookies)",
+                 "request_headers_too_large")
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):
         header_timeout_s, max_connections_per_client = header_timeout, max_connections   # (read only)
+        max_header_bytes = max_head
         _header_timer = None
         _counted: str | None = None   # the address this connection is counted under
         _partial = False              # bytes came since the timer was armed
+        _refused = False              # an error was sent: what comes now is read and dropped (LINGER_S)
+        _refuse_after = None          # an error to send once the answer in progress ends (answers go in order)
+        _dropped = 0
+        # the request head being counted (_head_too_large): the cycle it follows (None: the
+        # connection's first), its bytes so far, whether its blank line came, the last bytes seen
+        _head_after, _head_bytes, _head_done, _head_tail = None, 0, False, b""
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -314,12 +351,74 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
             self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused or self._refuse_after:   # after an error (LINGER_S): dropped, up to _LINGER_BYTES
+                self._dropped += len(data)
+                if self._dropped > _LINGER_BYTES:
+                    self.transport.close()
+                return
             self._partial = True   # (a request in progress: the timer checks that first)
+            if self._head_too_large(data):
+                log.warning("%s sent a request head over %d bytes: refused (431)",
+                            self.client[0] if self.client else "-", max_header_bytes)
+                if self.cycle is not None and not self.cycle.response_complete:
+                    self._refuse_after = too_large   # a head pipelined behind an answer: after that answer
+                    self.flow.pause_reading()
+                else:
+                    self._refuse(*too_large)
+                return
             super().data_received(data)
 
+        def send_400_response(self, msg: str) -> None:
+            """The parser rejected the request (uvicorn logged it): h11 over its buffer limit is
+            the 431; anything else a JSON 400 in place of uvicorn's plain text."""
+            buffered = getattr(getattr(self, "conn", None), "trailing_data", (b"",))[0]   # h11's unparsed bytes
+            if len(buffered) > max_header_bytes:
+                self._refuse(*too_large)
+            else:
+                self._refuse(400, "Bad Request", "invalid HTTP request: the request line or headers could not be "
+                                                 "parsed; send a valid HTTP/1.1 request", "invalid_http_request")
+
+        def _head_too_large(self, data: bytes) -> bool:
+            """Counts `data` toward the request head it begins or continues, up to the head's blank
+            line; True once the head passes max_header_bytes. Only once the last request's body is
+            all read (answered or not: a head pipelined behind a long stream counts too); before
+            that, the bytes are its body."""
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body:
+                return False
+            if self._head_after is not cycle:   # the first bytes after this request: a new head
+                self._head_after, self._head_bytes, self._head_done, self._head_tail = cycle, 0, False, b""
+            if self._head_done:   # (the parser holds a head whose request has not started yet)
+                return False
+            window = self._head_tail + data
+            end = _HEAD_END.search(window)
+            self._head_bytes += end.end() - len(self._head_tail) if end else len(data)
+            self._head_done, self._head_tail = end is not None, window[-2:]
+            return self._head_bytes > max_header_bytes
+
+        def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+            """Answer with a JSON error and end the connection: write side closed now, the socket
+            after LINGER_S (or the client's own close), reading and dropping until then."""
+            if self._refused:
+                return
+            self._refused = True
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._unset_keepalive_if_required()   # uvicorn's keep-alive timer (both parsers have it)
+            self.flow.resume_reading()
+            self.transport.write(_raw_error(status, reason, message, code))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
         def on_response_complete(self) -> None:
-            super().on_response_complete()   # may start a pipelined request's cycle
-            self._arm_header_timer()
+            super().on_response_complete()   # may start a pipelined request's cycle (or refuse it: h11)
+            if self._refuse_after is not None and not self.transport.is_closing():
+                self._refuse(*self._refuse_after)
+            if not self._refused:
+                self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:
@@ -353,3 +452,15 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
             self.transport.close()
 
     return GuardedHTTPProtocol
+
+
+def uvicorn_options(app, header_timeout_s: float = HEADER_TIMEOUT_S) -> dict:
+    """The uvicorn options the chat server runs `app` with (serve_lifecycle.run_server's
+    uvicorn.run, server.serve_in_thread's Config): the guarded protocol with the app's connection
+    limit (create_app leaves it on app.state; a wrapped app has none: no limit), h11's buffer
+    limit at MAX_HEADER_BYTES (the backstop for a head the protocol does not count), and
+    WebSockets off (`ws="none"`): no route takes one, and an upgraded connection left the protocol
+    without its connection_lost, so its count stayed for good."""
+    limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)
+    return {"http": guarded_protocol(header_timeout_s, limit), "ws": "none",
+            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}

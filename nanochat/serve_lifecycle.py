@@ -278,7 +278,7 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
     down in order (module docstring) and return. grace_s: None = GRACE_S."""
     import uvicorn
 
-    from nanochat.http_guard import guarded_protocol
+    from nanochat.http_guard import uvicorn_options
 
     grace_s = GRACE_S if grace_s is None else grace_s
     # signal handlers can be set only in the main thread; uvicorn replaces these while it serves
@@ -289,12 +289,10 @@ def run_server(app, host: str, port: int, log_level: str = "warning", grace_s: f
     drain = DrainOnSignal(app, grace_s)
     try:
         # RequestLog's line per request replaces uvicorn's access log (access_log=False); the
-        # protocol times out slow headers and caps one address's connections (http_guard)
-        limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's
-        http = guarded_protocol(max_connections_per_client=limit)
+        # protocol times out slow headers, caps one address's connections and a request head's
+        # size; no WebSockets (http_guard.uvicorn_options, with the app's connection limit)
         uvicorn.run(RequestLog(drain), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=grace_s, access_log=False, http=http,
-                    ws="none")   # no WebSocket route; an upgrade leaves the protocol uncounted-down
+                    timeout_graceful_shutdown=grace_s, access_log=False, **uvicorn_options(app))
         app.state.finish()   # the generation threads drain stopped end before the process does
     finally:
         for sig, handler in previous.items():

@@ -42,7 +42,8 @@ and reports its own name. For a server on a user's machine (nanochat/http_guard.
 optional Host allow-list (DNS rebinding) that also refuses POSTs from pages of other origins,
 JSON-only POST bodies (415 otherwise), and CORS only for origins listed in `ServerSettings.cors_origins`.
 Below the app (http_guard.guarded_protocol, which serve_in_thread and serve_lifecycle.run_server
-serve with): a request's headers must arrive within HEADER_TIMEOUT_S, and one address may hold
+serve with): a request's headers must arrive within HEADER_TIMEOUT_S and take at most
+MAX_HEADER_BYTES (a JSON 431 past it), and one address may hold
 `ServerSettings.max_connections_per_client` connections (app.state carries it to them), an IPv6
 client counted by its /64 there (http_guard.client_key) and by its address for the request limit.
 WebSocket upgrades are off (`ws="none"`): no route takes one, and an upgraded connection left the
@@ -68,7 +69,7 @@ from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT
 from nanochat.serve_lifecycle import USAGE_SCOPE_KEY
 from nanochat.http_guard import (HEADER_TIMEOUT_S, HostGuard, client_key, csp, default_connections_per_client,
-                                 guarded_protocol, json_cors_middleware, read_json, require_json)
+                                 json_cors_middleware, read_json, require_json, uvicorn_options)
 from nanochat.text_stream import TextStream
 from nanochat.worker_pool import Worker, WorkerPool, _ClientSlots, replica_workers  # noqa: F401 (the server's API)
 
@@ -548,17 +549,15 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, header_timeout_s: float = HEADER_TIMEOUT_S):
     """Run `app` under uvicorn in a daemon thread (tests), with chat_web's connection guards
-    (http_guard.guarded_protocol). Returns (server, base_url); stop it with
+    (http_guard.uvicorn_options). Returns (server, base_url); stop it with
     `server.should_exit = True` and `server.thread.join()`."""
     import socket
 
     import uvicorn
 
     sock = socket.create_server((host, port))
-    limit = getattr(getattr(app, "state", None), "max_connections_per_client", None)   # create_app's (a wrapped app: none)
-    http = guarded_protocol(header_timeout_s, limit)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, http=http,
-                                            ws="none"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                            **uvicorn_options(app, header_timeout_s)))
     server.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     server.thread.start()
     deadline = time.time() + 30

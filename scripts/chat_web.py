@@ -15,7 +15,8 @@ The API key can also come from $NANOCHAT_API_KEY. Every request is bounded by th
 On a loopback bind it answers only requests addressed to localhost / 127.0.0.1 / ::1 (plus
 --allowed-host names), so a web page cannot reach it through DNS rebinding; POST bodies must be
 JSON; other web origins may call the API only when listed with --cors-origin. A connection must
-send its request's headers within 10 s (slowloris), and one address may hold
+send its request's headers within 10 s (slowloris), in at most 32 KiB with the request line (a
+JSON 431 past it: a browser's cookies for localhost count), and one address may hold
 --max-connections-per-client connections open (this machine's own are not counted);
 X-Forwarded-For is believed only from a proxy on this machine (uvicorn's $FORWARDED_ALLOW_IPS
 widens that).
