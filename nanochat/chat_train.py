@@ -453,8 +453,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.resume_checks import say_config_changes, say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
-    from nanochat.training import (StepMeter, Trainer, evaluate_bpb, resolve_peak_flops, restore_rng_state,
-                                   setup_precision_and_kernel)
+    from nanochat.training import (EvalBatches, StepMeter, Trainer, evaluate_bpb, resolve_peak_flops,
+                                   restore_rng_state, setup_precision_and_kernel)
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
@@ -496,9 +496,10 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         disk += f"; {earlier.describe()}"
     model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
-    eval_steps = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // plan.world_tokens_per_micro_batch)
-    loader_kw = dict(device=rt.device, rank=rt.rank, world_size=rt.world_size, mask=stage.mask, fill=stage.fill)
-    loader = ChatLoader(train_mix, tokenizer, cfg.device_batch_size, seq_len, **loader_kw)
+    eval_batches = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // (cfg.device_batch_size * seq_len))
+    loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=seq_len, device=rt.device, mask=stage.mask,
+                     fill=stage.fill)
+    loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, **loader_kw)
     if resume is not None and resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
 
@@ -535,16 +536,16 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                  mixture=mixture, seq_len=seq_len, compile_model=compile_model, device_name=device_name,
                  resumed_at=resume["step"] if resume is not None else None,
                  iterations=describe_epochs(num_iterations, cfg.num_iterations, epoch_steps, epochs),
-                 evals=f"eval every {cfg.eval_every} ({eval_steps} batches)" if cfg.eval_every > 0 else "eval off")
+                 evals=f"eval every {cfg.eval_every} ({eval_batches} batches)" if cfg.eval_every > 0 else "eval off")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
 
-    def evaluate(_step: int) -> dict:
+    def evaluate(_step: int) -> dict:   # each rank reads the val stream whole (rank 0 of 1); EvalBatches deals it
         model.eval()
-        val = ChatLoader(val_mix, tokenizer, cfg.device_batch_size, seq_len, loop=False, **loader_kw)
-        bpb = evaluate_bpb(train_model, val, eval_steps, token_bytes)
+        val = EvalBatches(ChatLoader(val_mix, tokenizer, loop=False, **loader_kw), eval_batches, rt)
+        bpb = evaluate_bpb(train_model, val, val.steps, token_bytes)
         model.train()
         return {"val_bpb": bpb}
 

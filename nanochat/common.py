@@ -221,8 +221,9 @@ def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
         return torch.bfloat16 if bf16_gpu else torch.float32
     if chosen == torch.bfloat16 and device_type == "cuda" and not bf16_gpu:
         name = torch.cuda.get_device_name()
-        raise RequestError(f"--dtype bf16: {name} has no native bf16 support; use --dtype fp32 (base_train and "
-                           "profile_training: --precision fp32)")
+        source = "--dtype bf16" if requested is not None else f"{DTYPE_ENV}={env_value}"   # say where bf16 came from
+        raise RequestError(f"{source}: {name} has no native bf16 support; use --dtype fp32 (base_train and "
+                           f"profile_training: --precision fp32)" + (f" or unset {DTYPE_ENV}" if requested is None else ""))
     return chosen
 
 

@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat import weight_cache
+from nanochat.common import DTYPE_ENV
 from nanochat.errors import RequestError
 from nanochat.nvfp4_emulated import (E2M1_GRID, E2M1_MAX, E4M3_MAX, EmulatedNVFP4Linear,  # noqa: F401 (re-exported)
                                      fake_quant_nvfp4, quantize_nvfp4, round_to_e2m1, round_to_e4m3)
@@ -97,21 +98,31 @@ def _torchao_available() -> bool:
     return True
 
 
-def accepted_here(spec: DeviceSpec, te_ok: bool = False) -> str:
-    """The --precision values this device runs, for the refusals below: an alternative it cannot
-    run either (fp8 offered to an A100 refused nvfp4, bf16 to a V100 refused fp8) only led to the
+def accepted_values(spec: DeviceSpec, te_ok: bool = False) -> list[str]:
+    """The --precision values this device runs, for the refusals: an alternative it cannot run
+    either (fp8 offered to an A100 refused nvfp4, bf16 to a V100 refused fp8) only led to the
     next refusal. CPU/MPS compute bf16 (slowly); a CUDA GPU needs cc 8.0 for it (common.py)."""
     opts = ["auto"] + (["bf16"] if spec.cc is None or spec.cc >= (8, 0) else []) + ["fp32"]
     if spec.cc is not None and spec.cc >= (8, 9):
         opts.append("fp8")
     if spec.cc is not None and spec.cc >= (10, 0) and te_ok:
         opts.append("nvfp4")
-    return (f"accepted on this device: --precision {'|'.join(opts)}, or --precision nvfp4 "
+    return opts
+
+
+def accepted_here(spec: DeviceSpec, te_ok: bool = False) -> str:
+    return (f"accepted on this device: --precision {'|'.join(accepted_values(spec, te_ok))}, or --precision nvfp4 "
             "--precision-backend emulated (numerics only)")
 
 
-AUTO_DTYPE = ("the run's compute dtype ($NANOCHAT_DTYPE if set, else bf16 on a GPU that has it, else fp32); "
-              "fp8 and nvfp4 run only when asked for (--precision fp8|nvfp4)")
+def _auto_dtype(compute_dtype: str) -> str:
+    """What `--precision auto` became and why (the banner's precision row): $NANOCHAT_DTYPE, when set,
+    decides auto (only auto: precision_request.runtime_dtype refuses a --precision it disagrees with)."""
+    env = os.environ.get(DTYPE_ENV, "").strip()
+    why = (f"from ${DTYPE_ENV}={env}" if env and env != "auto" else
+           f"${DTYPE_ENV} unset: --dtype where a script has it, else bf16 on a GPU that has it, else fp32")
+    return (f"{compute_dtype}: the run's compute dtype ({why}); fp8 and nvfp4 run only when asked for "
+            "(--precision fp8|nvfp4)")
 
 
 def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = None, *,
@@ -139,7 +150,7 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
             raise RequestError(f"--precision-backend {backend}: only applies to --precision {applies}; with "
                                f"--precision {requested} leave it at auto ({accepted_here(spec, te_ok)})")
         return PrecisionPlan(precision, "none",
-                             chosen=f"--precision auto -> {precision}: {AUTO_DTYPE}" if requested == "auto" else "")
+                             chosen=f"--precision auto -> {_auto_dtype(precision)}" if requested == "auto" else "")
     # Probed only where the request can use them: importing TE (with ~1 GB of cuDNN libraries) for
     # a native fp8 run cost start-up time, and a broken TE install stopped a run that never used it
     # (or, on a GPU too old for the precision, hid the message that says so behind TE's OSError)
@@ -546,15 +557,11 @@ def apply_precision(model: nn.Module, precision: str, rt: Any, backend: str = "a
                            f"{plan.precision} via {plan.backend}")
     info: dict[str, Any] = {}
     if plan.backend != "none":
+        from nanochat.precision_request import check_widths   # (it imports this module)
+        check_widths(model, plan.precision, spec)   # base_train's check_request did, on its flags' model
         info["startup_rel_err"] = round(startup_check(plan, spec, rt.device, rt.dtype, compile), 4)
         convert_model(model, plan, spec, compile=compile)
-        if not plan.converted:   # a bf16 run that banner, checkpoint and util() would call fp8/nvfp4
-            raise RequestError(
-                f"--precision {plan.precision}: no Linear layer of this model can run in {plan.precision} "
-                f"(dims must be multiples of {ALIGN[plan.precision]}; kept: {', '.join(plan.kept_high_precision[:3])}"
-                f"{', ...' if len(plan.kept_high_precision) > 3 else ''}); accepted: --precision auto|"
-                f"{getattr(rt, 'dtype_name', 'bf16')}, or a model width (--depth x --aspect-ratio, rounded to "
-                f"--head-dim) that is a multiple of {ALIGN[plan.precision]}")
+        assert plan.converted, "check_widths passed a model with no Linear to convert"
         if native_fp8:
             set_fp8_wgrad_mode(model, fp8_wgrad)
             info["fp8_wgrad"] = fp8_wgrad

@@ -147,16 +147,12 @@ def run_dtype(precision: str, spec: DeviceSpec) -> str:
     refusing what init_runtime refuses: a bad $NANOCHAT_DTYPE, or one that conflicts with the dtype
     an explicit --precision sets."""
     from nanochat.common import DTYPE_ALIASES, DTYPE_ENV
-    env_value = os.environ.get(DTYPE_ENV, "").strip()
-    if env_value and env_value not in DTYPE_ALIASES:
-        raise RequestError(f"{DTYPE_ENV}: got {env_value!r}; accepted: auto|bf16|fp32")
-    from_env = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(DTYPE_ALIASES.get(env_value))
-    wanted = None if precision == "auto" else "fp32" if precision == "fp32" else "bf16"
-    if wanted is not None and from_env is not None and wanted != from_env:
-        raise RequestError(f"--precision {precision} computes in {wanted}, which conflicts with "
-                           f"{DTYPE_ENV}={env_value}; drop one of them")
-    if wanted or from_env:
-        return wanted or from_env
+    from nanochat.precision_request import runtime_dtype   # base_train's own rule and refusal
+    chosen = runtime_dtype(precision)
+    if chosen == "auto" and (env_value := os.environ.get(DTYPE_ENV, "").strip()):
+        chosen = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(DTYPE_ALIASES[env_value], "auto")
+    if chosen != "auto":
+        return chosen
     return "bf16" if spec.cc is not None and spec.cc >= (8, 0) else "fp32"
 
 

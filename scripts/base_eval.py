@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nanochat.common import get_base_dir, init_runtime, print0
 from nanochat.distributed import group_left_on_success
-from nanochat.training import DEFAULT_PROMPTS, evaluate_bpb, sample_prompts
+from nanochat.training import DEFAULT_PROMPTS, EvalBatches, eval_loader, evaluate_bpb, sample_prompts
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, check_output_file, require, require_int, script_main
 from nanochat.quantize import QUANTIZE_MODES, check_quantize, quantize_model
 
@@ -169,40 +169,11 @@ def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
 
 
 def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str, data_dir: str | None = None):
-    """One finite pass over `split` (repeat=False): an --eval-tokens larger than the split stops at
-    its end instead of cycling back and counting the same tokens again (the padded tail of the last
-    batch has targets -1, which evaluate_bpb skips).
-
-    Every rank reads the one stream a single process reads (rank 0 of 1), and evaluate_bpb_splits
-    deals its batches to the ranks: the bpb is over the same tokens on any number of ranks. A
-    loader of each rank's own documents packed other rows (and cropped other tails), so 2 ranks
-    measured another bpb than 1, and a split with fewer documents than ranks failed on a rank.
-    Ranks may then get different batch counts; evaluate_bpb agrees per batch whether any rank still
-    has one, so that cannot hang."""
-    from nanochat.dataloader import DataLoader
-
-    return DataLoader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=data_dir,
-                      rank=0, world_size=1, repeat=False)
-
-
-class CountedBatches:
-    """Wraps a loader for evaluate_bpb and counts the target tokens it actually scores (targets >= 0),
-    on the device (no sync per batch). `total()` sums over ranks."""
-
-    def __init__(self, loader, device):
-        import torch
-        self.loader, self.count = loader, torch.zeros((), dtype=torch.int64, device=device)
-
-    def __iter__(self):
-        for x, y in self.loader:
-            self.count += (y >= 0).sum()
-            yield x, y
-
-    def total(self) -> int:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.count)
-        return int(self.count.item())
+    """One finite pass over `split`, read whole on every rank (training.eval_loader): an
+    --eval-tokens larger than the split stops at its end instead of counting tokens again, and
+    evaluate_bpb_splits deals its batches to the ranks (training.EvalBatches), so the bpb is over
+    the same tokens, and the same float, on any number of ranks."""
+    return eval_loader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=data_dir)
 
 
 def evaluate(cfg: BaseEvalConfig, rt) -> dict:
@@ -262,7 +233,6 @@ def evaluate_bpb_splits(cfg: BaseEvalConfig, rt, model, tokenizer, loaders: dict
     """--eval bpb: bits per byte of each --splits split into `results` (bpb, bpb_tokens_by_split, ...)."""
     if "bpb" not in cfg.evals:
         return
-    from nanochat.distributed import StridedMicroBatches
     from nanochat.tokenizer import get_token_bytes
 
     seq_len = model.config.sequence_len
@@ -270,16 +240,15 @@ def evaluate_bpb_splits(cfg: BaseEvalConfig, rt, model, tokenizer, loaders: dict
     per_batch = cfg.device_batch_size * seq_len
     # the batches of the one stream, dealt to ranks: the same tokens (and bpb) on any number of ranks
     batches_total = max(1, cfg.eval_tokens // per_batch)
-    steps = -(-batches_total // rt.world_size)   # this rank's, at most
     results["bpb"], results["bpb_tokens_by_split"] = {}, {}
     for split in cfg.splits.split(","):
         loader = loaders.get(split) or bpb_loader(cfg, rt, tokenizer, seq_len, split)
-        batches = CountedBatches(StridedMicroBatches(loader, rt.rank, rt.world_size, limit=batches_total), rt.device)
+        batches = EvalBatches(loader, batches_total, rt)
         try:
-            bpb = evaluate_bpb(model, batches, steps, token_bytes)
+            bpb = evaluate_bpb(model, batches, batches.steps, token_bytes)
         finally:   # out of memory mid-split too: its reader threads must not outlive the run
             loader.close()
-        covered = batches.total()   # each token of the split at most once (a finite pass)
+        covered = batches.tokens()   # each token of the split at most once (a finite pass)
         results["bpb"][split] = bpb
         results["bpb_tokens_by_split"][split] = covered
         print0(f"{split} bpb: {bpb:.4f} over {covered:,} tokens{bpb_shortfall(covered, batches_total * per_batch, cfg)}")

@@ -34,8 +34,9 @@ from nanochat.resume_checks import check_resume_compatible, check_resume_step, s
     say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
-                               describe_peaks, plan_batch, precision_module, resolve_peak_flops,
+                               describe_peaks, EvalBatches, eval_loader, plan_batch, resolve_peak_flops,
                                resolve_total_batch_size, restore_rng_state, resume_precision, sample_prompts)
+from nanochat.precision_request import check_request, runtime_dtype
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int, script_main
 
 PRECISIONS = ("auto", "bf16", "fp32", "fp8", "nvfp4")
@@ -156,7 +157,7 @@ class BaseTrainConfig:
         require_int(self.keep_last, "--keep-last", 0)
         require(self.device in DEVICES, "--device", self.device, "|".join(DEVICES))
         require(self.precision in PRECISIONS, "--precision", self.precision, "|".join(PRECISIONS))
-        precision_module(self.precision)  # fp8/nvfp4 need nanochat/precision.py
+        runtime_dtype(self.precision)   # $NANOCHAT_DTYPE that disagrees with --precision: refused, naming both
         require(self.precision_backend in PRECISION_BACKENDS, "--precision-backend", self.precision_backend,
                 "|".join(PRECISION_BACKENDS))
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
@@ -291,11 +292,6 @@ def say_grad_clip_change(saved, now: float) -> str | None:
     return line
 
 
-def runtime_dtype(precision: str) -> str:
-    """Compute dtype for init_runtime: fp8/nvfp4 run their non-matmul work in bf16."""
-    return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
-
-
 # ----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     """Parse, validate, train; returns the run summary (also printed)."""
@@ -321,13 +317,14 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.attention import check_training_backend
     from nanochat.kernels import check_kernel
     from nanochat.distributed import check_shared_dir
-    from nanochat.training import check_precision, setup_precision_and_kernel
+    from nanochat.training import setup_precision_and_kernel
     from nanochat.writer_lock import claim_checkpoint_dir
 
     # can this device run these? (raises; before the checkpoint directory exists: a refused run left
     # one holding only its writer lock)
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
-    check_precision(cfg.precision, rt, cfg.precision_backend)
+    check_request(cfg.precision, cfg.precision_backend, rt, config_for_depth(   # + fp8/nvfp4 widths (any vocab)
+        cfg.depth, 1, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim), compile=compile_model)
     check_kernel(cfg.kernel, rt.device, compile=compile_model)
     check_training_backend(cfg.attn_backend, rt.device, rt.dtype)
 
@@ -347,15 +344,13 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
     train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
 
-    # one finite pass: a --eval-tokens past the split scores each token once (as base_eval). The val
-    # split is checked now, and each evaluation rewinds this loader: the kind the train loader reads
+    # one finite pass, read whole on every rank and dealt (EvalBatches), as base_eval: the same val bpb
+    # on any number of ranks. Checked now; each evaluation rewinds it: the kind the train loader reads
     # and the shards listed now, so a pretokenize run during training (its directory unfinished, then
     # one shard more: the last one, val, another) cannot fail an evaluation or move val mid-run
     def open_val():
-        loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", repeat=False,
-                            source=train_loader.source_kind, **loader_kwargs)
-        loader.close()
-        return loader
+        return eval_loader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", device=rt.device,
+                           data_dir=cfg.data_dir, source=train_loader.source_kind)
 
     val_loader = open_val()
 
@@ -381,7 +376,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                                                 rt.world_size)
     plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
     num_iterations = horizon.steps(total_batch_size)
-    eval_steps = cfg.eval_tokens // plan.world_tokens_per_micro_batch
+    eval_batches = cfg.eval_tokens // (cfg.device_batch_size * cfg.max_seq_len)   # of all ranks together
 
     # ---- resume: meta.json first, so a mismatch fails before the weights load (GBs) or a model is built ----
     resume, earlier = None, None
@@ -477,7 +472,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
-                 num_iterations, eval_steps, compile_model, precision_info,
+                 num_iterations, eval_batches, compile_model, precision_info,
                  describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops,
                                 meter.peak_util, meter.low_share), ckpt_dir,
                  optimizer,
@@ -492,7 +487,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     def evaluate(_step: int) -> dict:
         model.eval()
         val_loader.rewind()
-        val_bpb = evaluate_bpb(train_model, val_loader, eval_steps, token_bytes)
+        val = EvalBatches(val_loader, eval_batches, rt)
+        val_bpb = evaluate_bpb(train_model, val, val.steps, token_bytes)
         val_loader.close()
         model.train()
         return {"val_bpb": val_bpb}
@@ -546,7 +542,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
 
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
-                 num_iterations, eval_steps, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
+                 num_iterations, eval_batches, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
                  tracking, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "",
                  iterations: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
@@ -570,7 +566,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s", peaks),
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
-        ("eval", f"every {cfg.eval_every} steps, {eval_steps} x {plan.world_tokens_per_micro_batch:,} tokens"
+        ("eval", f"every {cfg.eval_every} steps, {eval_batches} x {cfg.device_batch_size * cfg.max_seq_len:,} tokens"
                  if cfg.eval_every > 0 else "off (--eval-every <= 0)"),
         ("samples / saves", (f"every {cfg.sample_every} steps (+ last)" if cfg.sample_every > 0 else "off") + " / "
                             + (f"every {cfg.save_every} steps (+ last)" if cfg.save_every > 0

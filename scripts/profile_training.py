@@ -313,16 +313,11 @@ def parse_args(argv=None):
     return args
 
 
-def runtime_dtype(precision: str) -> str:
-    """The compute dtype a --precision runs in, as base_train starts its runtime (fp8/nvfp4 keep
-    their non-matmul work in bf16); auto: the device's default."""
-    return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "nvfp4": "bf16"}.get(precision, "auto")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from nanochat.common import init_runtime
     from nanochat.platform import check_benchmark_device
+    from nanochat.precision_request import runtime_dtype   # $NANOCHAT_DTYPE vs --precision, as base_train
     from nanochat.training import check_precision
     check_benchmark_device(args.device, SMOKE_RUN)
     rt = init_runtime(args.device, runtime_dtype(args.precision))

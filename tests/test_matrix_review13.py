@@ -9,6 +9,11 @@ precision plan its `apply_precision` will resolve is asserted (what every `auto`
 banner prints it), or it stops earlier with a RequestError (one line, no traceback, from
 script_main) that names the flag and the values this device accepts. Every value a refusal
 offers must itself run on that device, and every value it leaves out must be refused.
+
+Review 14 adds two dimensions: model widths too narrow for the fp8 / nvfp4 GEMMs (refused with
+the other checks, no longer after the data and the model were built) and $NANOCHAT_DTYPE against
+--precision (the flag decides the dtype, the variable only `auto`; a disagreement is refused
+naming both, not as a `--dtype` base_train does not have).
 """
 
 from __future__ import annotations
@@ -159,12 +164,12 @@ def cell(monkeypatch, tmp_path):
         monkeypatch.setattr(nanochat.platform, "detect_device", lambda *a, **k: spec)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: spec.cc is not None and spec.cc >= (8, 0))
         device_type = "cpu" if spec.cc is None else "cuda"
-        cfg = base_train.parse_config(["--kernel", kernel, "--precision", precision, "--device", device_type,
-                                       *extra])
-        dtype = common._resolve_dtype(base_train.runtime_dtype(cfg.precision), device_type)   # as init_runtime
-        rt = common.Runtime(device=torch.device(device_type), device_type=device_type, dtype=dtype, rank=0,
-                            local_rank=0, world_size=1, ddp=False, is_master=True)
         try:
+            cfg = base_train.parse_config(["--kernel", kernel, "--precision", precision, "--device", device_type,
+                                           *extra])
+            dtype = common._resolve_dtype(base_train.runtime_dtype(cfg.precision), device_type)   # as init_runtime
+            rt = common.Runtime(device=torch.device(device_type), device_type=device_type, dtype=dtype, rank=0,
+                                local_rank=0, world_size=1, ddp=False, is_master=True)
             base_train.train(cfg, rt)
         except Reached:
             # what setup_precision_and_kernel's apply_precision resolves (the banner's "precision" row)
@@ -370,3 +375,160 @@ def test_triton_kernel_on_a_cpu_torch_without_triton_runs(cell, monkeypatch):
     assert cell("triton", "auto", "cpu", False, False)[0] == "runs"
     info = cpu_step("triton", "auto")
     assert info["kernel_fusions"] == "linear_ce,mix_norm,mix_add,x0_grad_acc,rotary_norm"   # as with Triton
+
+
+# ------------------------------------------------------------------ review 14: widths the GEMMs cannot take
+
+ALIGN = {"fp8": 16, "nvfp4": 32}
+NARROW = {   # base_train flags -> the model width (n_embd) they give
+    8: ("--depth", "1", "--aspect-ratio", "8", "--head-dim", "8"),
+    24: ("--depth", "3", "--aspect-ratio", "8", "--head-dim", "24"),
+    48: ("--depth", "1", "--aspect-ratio", "48", "--head-dim", "48"),   # fp8's GEMMs take it, nvfp4's do not
+}
+LOW = [("fp8", "auto"), ("fp8", "te"), ("nvfp4", "auto"), ("nvfp4", "emulated")]
+
+
+def with_flag(flags: tuple, name: str, value: str) -> tuple:
+    i = flags.index(name)
+    return flags[:i + 1] + (value,) + flags[i + 2:]
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_a_model_too_narrow_for_the_gemms_is_refused_before_the_data_and_the_model(cell, device):
+    """--precision fp8|nvfp4 with widths the GEMMs cannot take (not multiples of 16 / 32: tiny
+    --depth / --aspect-ratio / --head-dim) was refused by apply_precision, after the tokenizer, the
+    data loaders and the model: now with the device checks, before the checkpoint directory. The
+    device's own refusal comes first (fp8 on an A100 says so, whatever the width); a width refusal
+    names --precision and the width, offers exactly the --precision values that run at this width
+    here, and flag values of a wider model (--aspect-ratio, --head-dim) that each run."""
+    wrong = []
+    for te in (True, False):
+        for width, flags in NARROW.items():
+            runs_here = {p for p in PRECISIONS if cell("current", p, device, False, te, *flags)[0] == "runs"}
+            for precision, backend in LOW:
+                extra = ("--precision-backend", backend)
+                wide_how, wide_got = cell("current", precision, device, False, te, *extra)
+                how, got = cell("current", precision, device, False, te, *extra, *flags)
+                where = f"{device} te={te} width {width} --precision {precision} --precision-backend {backend}"
+                if wide_how == "refused":   # the device (or install) first, as at the default width
+                    if (how, got) != (wide_how, wide_got):
+                        wrong.append(f"{where}: want the default width's refusal {wide_got!r}, got {how} {got}")
+                    continue
+                if width % ALIGN[precision] == 0:
+                    if how != "runs":
+                        wrong.append(f"{where}: aligned, refused: {got}")
+                    continue
+                if how != "refused" or not got.startswith(
+                        f"--precision {precision}: the model's width {width} (n_embd) is too narrow for its GEMMs"):
+                    wrong.append(f"{where}: want the width refusal, got {how} {got}")
+                    continue
+                offered = re.search(r"accepted on this device: --precision ([a-z0-9|]+) at this width", got)
+                if not offered or set(offered.group(1).split("|")) != runs_here:
+                    wrong.append(f"{where}: offers {offered and offered.group(1)}, runs {sorted(runs_here)}: {got}")
+                fixes = re.search(r"--aspect-ratio (\d+) \(width (\d+)\) or --head-dim (\d+)$", got)
+                if not fixes or int(fixes.group(2)) % ALIGN[precision] or int(fixes.group(2)) < width:
+                    wrong.append(f"{where}: no wider flags offered: {got}")
+                    continue
+                for fix in (with_flag(flags, "--aspect-ratio", fixes.group(1)),
+                            with_flag(flags, "--head-dim", fixes.group(3))):
+                    if (fixed := cell("current", precision, device, False, te, *extra, *fix))[0] != "runs":
+                        wrong.append(f"{where}: the offered {fix} does not run: {fixed}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_width_refusal_is_one_check_for_the_flags_and_for_a_built_model():
+    """check_request (base_train, from the flags' meta-device model) and apply_precision (any caller,
+    on the model it converts) refuse a narrow model with the same words: one function, check_widths."""
+    from nanochat.checkpoint import build_model
+    from nanochat.gpt import config_for_depth
+    from nanochat.precision_request import check_request
+    rt = common.Runtime(device=torch.device("cpu"), device_type="cpu", dtype=torch.bfloat16, rank=0, local_rank=0,
+                        world_size=1, ddp=False, is_master=True)
+    config = config_for_depth(2, 96, 32, aspect_ratio=4, head_dim=8)
+    with pytest.raises(RequestError) as early:
+        check_request("nvfp4", "emulated", rt, config, compile=False)
+    model = build_model(config, "cpu", compute_dtype=torch.bfloat16)
+    with pytest.raises(RequestError) as late:
+        PR.apply_precision(model, "nvfp4", rt, "emulated", compile=False)
+    assert str(early.value) == str(late.value)
+    assert str(late.value).startswith("--precision nvfp4: the model's width 8 (n_embd) is too narrow"), late.value
+    assert "--aspect-ratio 13 (width 32) or --head-dim 32" in str(late.value)   # depth 2: 2 x 13 -> 32
+
+
+def test_a_precision_that_fails_its_start_up_launch_stops_before_the_data_and_the_model(cell, monkeypatch):
+    """precision.startup_check (one tiny layer: finite, non-zero gradients; TE's sm_12x stochastic
+    rounding wrote zeros) ran inside apply_precision, after the data and the model: now with the
+    other checks, where the device is real (here the CPU's emulated nvfp4, made to give zeros)."""
+    from nanochat.nvfp4_emulated import EmulatedNVFP4Linear
+    assert cell("current", "nvfp4", "cpu", False, False, "--precision-backend", "emulated")[0] == "runs"
+    zeros = lambda self, x: torch.nn.functional.linear(x, self.weight.to(x.dtype)) * 0   # noqa: E731
+    monkeypatch.setattr(EmulatedNVFP4Linear, "forward", zeros)
+    with pytest.raises(RuntimeError, match="start-up check got zero or non-finite gradients"):
+        cell("current", "nvfp4", "cpu", False, False, "--precision-backend", "emulated")
+
+
+# ------------------------------------------------------------------ review 14: $NANOCHAT_DTYPE x --precision
+
+ENV_DTYPE = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+
+
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+@pytest.mark.parametrize("env", ["bf16", "fp32", "float32", "auto", "fp16"])
+def test_nanochat_dtype_decides_auto_and_a_flag_it_disagrees_with_is_refused_naming_both(cell, monkeypatch, device,
+                                                                                         env):
+    """NANOCHAT_DTYPE=fp32 with --precision bf16|fp8|nvfp4 stopped in init_runtime with "--dtype bf16
+    conflicts with NANOCHAT_DTYPE=fp32", naming a flag base_train does not have. Now: the variable
+    decides `--precision auto` (the banner's precision row names it), a --precision whose dtype
+    agrees runs as without it, one that disagrees is refused at parse time naming the flag and the
+    variable, and each way out it names runs (or meets the device's own refusal, as unset)."""
+    monkeypatch.setenv("NANOCHAT_DTYPE", env)
+    wrong = []
+    for precision in PRECISIONS:
+        how, got = cell("current", precision, device, False, False)
+        where = f"{device} NANOCHAT_DTYPE={env} --precision {precision}"
+        if env == "fp16":
+            if not (how == "refused" and got.startswith("NANOCHAT_DTYPE: got 'fp16'; accepted: auto|bf16|fp32")):
+                wrong.append(f"{where}: {how} {got}")
+            continue
+        monkeypatch.delenv("NANOCHAT_DTYPE")
+        unset = cell("current", precision, device, False, False)
+        monkeypatch.setenv("NANOCHAT_DTYPE", env)
+        flag_dtype = {"auto": None, "fp8": "bf16", "nvfp4": "bf16"}.get(precision, precision)
+        if precision == "auto":
+            want = ENV_DTYPE.get(env) or unset[1].precision
+            if how != "runs" or got.precision != want:
+                wrong.append(f"{where}: want {want}, got {how} {got}")
+            elif (f"from $NANOCHAT_DTYPE={env})" in got.chosen) != (env != "auto"):
+                wrong.append(f"{where}: the banner does not say what decided auto: {got.chosen}")
+        elif env == "auto" or ENV_DTYPE[env] == flag_dtype:   # agrees: as without it
+            if (how, str(got)) != (unset[0], str(unset[1])):
+                wrong.append(f"{where}: want {unset}, got {how} {got}")
+        else:
+            other = ENV_DTYPE[env]
+            named = (f"but NANOCHAT_DTYPE={env} asks for {other}: drop one of them: unset NANOCHAT_DTYPE (or set "
+                     f"it to {flag_dtype}), or pass --precision {other}|auto")
+            if how != "refused" or not got.startswith(f"--precision {precision} computes in {flag_dtype}") \
+                    or named not in got:
+                wrong.append(f"{where}: want the conflict named, got {how} {got}")
+                continue
+            for p in (other, "auto"):   # the flags it offers run with the variable kept
+                if cell("current", p, device, False, False)[0] != "runs":
+                    wrong.append(f"{where}: the offered --precision {p} does not run")
+            monkeypatch.setenv("NANOCHAT_DTYPE", flag_dtype)   # "or set it to <the flag's dtype>": as unset
+            if (again := cell("current", precision, device, False, False))[0] != unset[0]:
+                wrong.append(f"{where}: NANOCHAT_DTYPE={flag_dtype}: want {unset}, got {again}")
+            monkeypatch.setenv("NANOCHAT_DTYPE", env)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_bf16_refusal_names_the_env_var_when_it_asked(monkeypatch):
+    """NANOCHAT_DTYPE=bf16 on a GPU without native bf16: the refusal named a `--dtype bf16` nobody passed."""
+    from nanochat import common
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bf16")
+    with pytest.raises(common.RequestError, match=r"^NANOCHAT_DTYPE=bf16: Tesla V100 .* or unset NANOCHAT_DTYPE"):
+        common._resolve_dtype("auto", "cuda")
+    with pytest.raises(common.RequestError, match=r"^--dtype bf16: Tesla V100") as e:
+        common._resolve_dtype("bf16", "cuda")
+    assert "unset" not in str(e.value)

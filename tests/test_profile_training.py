@@ -71,6 +71,6 @@ def test_trace_path_and_precision_are_checked_before_any_model(tmp_path, monkeyp
 
 def test_explicit_precision_runs_in_its_own_dtype():
     """`--precision fp32` on a GPU ran the model in bf16 (the runtime's auto dtype) and labelled it fp32."""
-    from scripts.profile_training import runtime_dtype
+    from nanochat.precision_request import runtime_dtype   # what profile_training starts in
 
     assert [runtime_dtype(p) for p in ("auto", "bf16", "fp32", "fp8", "nvfp4")] == ["auto", "bf16", "fp32", "bf16", "bf16"]
