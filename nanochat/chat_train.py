@@ -92,7 +92,7 @@ class ChatTrainConfig:
     warmdown_ratio: float = 0.2
     final_lr_frac: float = 0.0
     eval_every: int = 150                   # -1/0 = off (else also at the last step)
-    eval_tokens: int = -1                   # -1 = 20 micro-batches
+    eval_tokens: int = -1                   # -1 = 20 micro-batches (in all, not per rank)
     save_every: int = -1
     keep_last: int = 0                      # > 0: keep this run's newest N checkpoints (older ones deleted)
     resume: str | None = None               # "latest", a step of this stage's own checkpoints, or "auto"
@@ -453,8 +453,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.resume_checks import say_config_changes, say_schedule_changes
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
-    from nanochat.training import (EvalBatches, StepMeter, Trainer, evaluate_bpb, resolve_peak_flops,
-                                   restore_rng_state, setup_precision_and_kernel)
+    from nanochat.eval_bpb import EvalSet, evaluate_bpb
+    from nanochat.training import (StepMeter, Trainer, resolve_peak_flops, restore_rng_state,
+                                   setup_precision_and_kernel)
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
@@ -542,10 +543,12 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
 
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
 
-    def evaluate(_step: int) -> dict:   # each rank reads the val stream whole (rank 0 of 1); EvalBatches deals it
+    # each rank reads the val stream whole (rank 0 of 1) at the first evaluation; EvalSet deals and keeps it
+    val_set = EvalSet(lambda: ChatLoader(val_mix, tokenizer, loop=False, **loader_kw), eval_batches, rt)
+
+    def evaluate(_step: int) -> dict:
         model.eval()
-        val = EvalBatches(ChatLoader(val_mix, tokenizer, loop=False, **loader_kw), eval_batches, rt)
-        bpb = evaluate_bpb(train_model, val, val.steps, token_bytes)
+        bpb = evaluate_bpb(train_model, val_set, val_set.steps, token_bytes)
         model.train()
         return {"val_bpb": bpb}
 

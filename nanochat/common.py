@@ -203,8 +203,9 @@ def _resolve_device_type(device: str) -> str:
     return device
 
 
-def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
-    """Explicit argument, else $NANOCHAT_DTYPE, else bf16 on a bf16-capable GPU and fp32 elsewhere."""
+def _resolve_dtype(dtype: str, device_type: str, flag: str | None = None) -> torch.dtype:
+    """Explicit argument, else $NANOCHAT_DTYPE, else bf16 on a bf16-capable GPU and fp32 elsewhere.
+    `flag`: what the user passed that set `dtype` (base_train: '--precision fp8'); default --dtype."""
     if dtype not in DTYPE_ALIASES:
         raise RequestError(f"--dtype: got {dtype!r}; accepted: auto|bf16|fp32")
     env_value = os.environ.get(DTYPE_ENV, "").strip()
@@ -221,9 +222,10 @@ def _resolve_dtype(dtype: str, device_type: str) -> torch.dtype:
         return torch.bfloat16 if bf16_gpu else torch.float32
     if chosen == torch.bfloat16 and device_type == "cuda" and not bf16_gpu:
         name = torch.cuda.get_device_name()
-        source = "--dtype bf16" if requested is not None else f"{DTYPE_ENV}={env_value}"   # say where bf16 came from
-        raise RequestError(f"{source}: {name} has no native bf16 support; use --dtype fp32 (base_train and "
-                           f"profile_training: --precision fp32)" + (f" or unset {DTYPE_ENV}" if requested is None else ""))
+        source = (flag or "--dtype bf16") if requested is not None else f"{DTYPE_ENV}={env_value}"   # where bf16 came from
+        use = "--precision fp32" if flag else "--dtype fp32 (base_train and profile_training: --precision fp32)"
+        raise RequestError(f"{source}: {name} has no native bf16 support; use {use}"
+                           + (f" or unset {DTYPE_ENV}" if requested is None else ""))
     return chosen
 
 
@@ -237,8 +239,9 @@ def _seed_everything(seed: int, device_type: str) -> None:
     np.random.seed(seed % 2**32)
 
 
-def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> Runtime:
-    """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32."""
+def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42, *, dtype_flag: str | None = None) -> Runtime:
+    """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32.
+    `dtype_flag`: the flag a refused dtype is named by (default --dtype; base_train passes its precision flag)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:   # torch.manual_seed's range
         raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0 and < 2**64")
     device_type = _resolve_device_type(device)
@@ -248,7 +251,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42) -> R
         # sm_121 capability warning then, so the env and the warning filter set after it came too late.
         from nanochat.platform import configure_env_before_cuda
         configure_env_before_cuda()
-    compute_dtype = _resolve_dtype(dtype, device_type)
+    compute_dtype = _resolve_dtype(dtype, device_type, dtype_flag)
     # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
     from nanochat.platform import patch_cpu_amx
     patch_cpu_amx()

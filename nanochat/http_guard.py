@@ -402,6 +402,12 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
             if self._refused:
                 return
             self._refused = True
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True   # its app's later writes are dropped: none after write_eof
+                if cycle.response_started:   # an answer is half sent: no error can follow it, only the close
+                    self.transport.close()
+                    return
             if self._header_timer is not None:
                 self._header_timer.cancel()
             self._unset_keepalive_if_required()   # uvicorn's keep-alive timer (both parsers have it)
@@ -415,7 +421,8 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
 
         def on_response_complete(self) -> None:
             super().on_response_complete()   # may start a pipelined request's cycle (or refuse it: h11)
-            if self._refuse_after is not None and not self.transport.is_closing():
+            idle = self.cycle is None or self.cycle.response_complete   # httptools may have started the next
+            if self._refuse_after is not None and idle and not self.transport.is_closing():
                 self._refuse(*self._refuse_after)
             if not self._refused:
                 self._arm_header_timer()

@@ -44,12 +44,13 @@ def runtime_dtype(precision: str) -> str:
     return dtype
 
 
-def check_widths(model: nn.Module, precision: str, spec: DeviceSpec) -> None:
+def check_widths(model: nn.Module, precision: str, spec: DeviceSpec, *, base_train_flags: bool = False) -> None:
     """Refuse --precision fp8|nvfp4 for a model none of whose Linears their GEMMs take (in and out
     features multiples of precision.ALIGN; the lm_head stays high-precision anyway): it ran a bf16
     model that the banner, the checkpoint and util() called fp8/nvfp4. Both paths' check:
     check_request runs it on the flags' meta-device model before the data and the model exist,
-    precision.apply_precision on the model it converts (bench_train, profile_training, tests)."""
+    precision.apply_precision on the model it converts (bench_train, profile_training, tests).
+    `base_train_flags`: end with base_train's flags for a width that works (other callers lack them)."""
     if precision not in ALIGN:
         return
     kept = []
@@ -59,14 +60,14 @@ def check_widths(model: nn.Module, precision: str, spec: DeviceSpec) -> None:
                 return
             kept.append(f"{name} ({reason})")
     align, cfg = ALIGN[precision], getattr(model, "config", None)
-    width = f"width {cfg.n_embd} (n_embd) is" if cfg is not None else "Linear layers are"
+    width = f"width {cfg.n_embd} (n_embd) is not" if cfg is not None else "Linear layers' dims are not"
     # what runs at this width: the device's precisions whose GEMMs take it (fp8 at 48 when nvfp4 cannot)
     here = [p for p in accepted_values(spec) if p not in ALIGN or (cfg is not None and cfg.n_embd % ALIGN[p] == 0)]
     raise RequestError(
-        f"--precision {precision}: the model's {width} too narrow for its GEMMs: no Linear layer can run in "
-        f"{precision} (dims must be multiples of {align}; kept: {', '.join(kept[:3])}{', ...' * (len(kept) > 3)}); "
+        f"--precision {precision}: the model's {width} a multiple of {align}, which its GEMMs need: no Linear "
+        f"layer can run in {precision} (kept: {', '.join(kept[:3])}{', ...' * (len(kept) > 3)}); "
         f"accepted on this device: --precision {'|'.join(here)} at this width, or --precision {precision} with "
-        f"a width that is a multiple of {align}" + (_wider(cfg, align) if cfg is not None else ""))
+        f"a width that is a multiple of {align}" + (_wider(cfg, align) if cfg is not None and base_train_flags else ""))
 
 
 def _wider(cfg: Any, align: int) -> str:
@@ -93,7 +94,7 @@ def check_request(precision: str, backend: str, rt: Any, config: Any, *, compile
     if plan.backend != "none":
         with torch.device("meta"):
             model = GPT(config)
-        check_widths(model, plan.precision, spec)
+        check_widths(model, plan.precision, spec, base_train_flags=True)
         # a real GPU only: init_runtime's bf16 probe initialised it; one simulated on a CPU box (the
         # tests' device specs, torch.cuda.is_available patched) never was
         if rt.device.type != "cuda" or torch.cuda.is_initialized():

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from nanochat.common import get_base_dir, init_runtime, print0
 from nanochat.distributed import group_left_on_success
-from nanochat.training import DEFAULT_PROMPTS, EvalBatches, eval_loader, evaluate_bpb, sample_prompts
+from nanochat.eval_bpb import EvalBatches, eval_loader, evaluate_bpb
+from nanochat.training import DEFAULT_PROMPTS, sample_prompts
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, check_output_file, require, require_int, script_main
 from nanochat.quantize import QUANTIZE_MODES, check_quantize, quantize_model
 

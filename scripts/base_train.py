@@ -33,8 +33,9 @@ from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, pla
 from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
     say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
-from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, evaluate_bpb,
-                               describe_peaks, EvalBatches, eval_loader, plan_batch, resolve_peak_flops,
+from nanochat.eval_bpb import EvalSet, eval_loader, evaluate_bpb
+from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, describe_peaks, plan_batch,
+                               resolve_peak_flops,
                                resolve_total_batch_size, restore_rng_state, resume_precision, sample_prompts)
 from nanochat.precision_request import check_request, runtime_dtype
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int, script_main
@@ -146,11 +147,11 @@ class BaseTrainConfig:
         for flag in ("eval_every", "sample_every", "save_every"):
             require_int(getattr(self, flag), "--" + flag.replace("_", "-"), 1, allow=(-1, 0))
         world = env_world_size()   # a malformed WORLD_SIZE / RANK named
-        per_micro = self.device_batch_size * self.max_seq_len * world
+        per_micro = self.device_batch_size * self.max_seq_len   # one batch in all: ranks without one still pair up
         require_int(self.eval_tokens, "--eval-tokens", 1)
         require(self.eval_tokens >= per_micro, "--eval-tokens", self.eval_tokens,
-                f"at least one micro-batch of every rank, --device-batch-size x --max-seq-len x world size = "
-                f"{self.device_batch_size} x {self.max_seq_len} x {world} = {per_micro:,}")
+                f"at least one micro-batch, --device-batch-size x --max-seq-len = "
+                f"{self.device_batch_size} x {self.max_seq_len} = {per_micro:,}")
         if self.total_batch_size != -1:  # explicit batch: check the arithmetic now (raises with numbers)
             plan_batch(self.total_batch_size, self.device_batch_size, self.max_seq_len, world)
         check_resume_flags(self.resume, self.overwrite)
@@ -207,7 +208,7 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     # pretraining): such a resume is refused as with latest, naming the flag
     "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when the tag has one, "
               "refused like latest when these flags cannot continue it; else a fresh start); not given: a fresh start",
-    "eval_tokens": "validation tokens per evaluation (whole micro-batches of all ranks)",
+    "eval_tokens": "validation tokens per evaluation, in whole micro-batches (of all ranks together)",
     "sample_every": "N: print samples every N steps and at the last step; -1 or 0: never",
     "model_tag": "the checkpoint directory's name under checkpoints/base/; not given: d<depth>",
     "precision": f"{'|'.join(PRECISIONS)} (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(cfg: BaseTrainConfig) -> dict:
-    rt = init_runtime(cfg.device, runtime_dtype(cfg.precision), cfg.seed)
+    rt = init_runtime(cfg.device, runtime_dtype(cfg.precision), cfg.seed, dtype_flag=f"--precision {cfg.precision}")
     try:
         return train(cfg, rt)
     finally:
@@ -344,9 +345,9 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
     train_loader = DataLoader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "train", **loader_kwargs)
 
-    # one finite pass, read whole on every rank and dealt (EvalBatches), as base_eval: the same val bpb
-    # on any number of ranks. Checked now; each evaluation rewinds it: the kind the train loader reads
-    # and the shards listed now, so a pretokenize run during training (its directory unfinished, then
+    # one finite pass, read whole on every rank and dealt (eval_bpb.py), as base_eval: the same val bpb
+    # on any number of ranks. Checked now, read at the first evaluation (EvalSet keeps the batches): the
+    # kind the train loader reads and the shards listed now, so a pretokenize run during training (its directory unfinished, then
     # one shard more: the last one, val, another) cannot fail an evaluation or move val mid-run
     def open_val():
         return eval_loader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", device=rt.device,
@@ -484,12 +485,11 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
+    val_set = EvalSet(lambda: val_loader, eval_batches, rt)
+
     def evaluate(_step: int) -> dict:
         model.eval()
-        val_loader.rewind()
-        val = EvalBatches(val_loader, eval_batches, rt)
-        val_bpb = evaluate_bpb(train_model, val, val.steps, token_bytes)
-        val_loader.close()
+        val_bpb = evaluate_bpb(train_model, val_set, val_set.steps, token_bytes)
         model.train()
         return {"val_bpb": val_bpb}
 

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     from nanochat.precision_request import runtime_dtype   # $NANOCHAT_DTYPE vs --precision, as base_train
     from nanochat.training import check_precision
     check_benchmark_device(args.device, SMOKE_RUN)
-    rt = init_runtime(args.device, runtime_dtype(args.precision))
+    rt = init_runtime(args.device, runtime_dtype(args.precision), dtype_flag=f"--precision {args.precision}")
     check_precision(args.precision, rt, args.precision_backend)   # before the model: --precision fp8 on an A100
     from nanochat.attention import check_training_backend
     # as base_train: flex has no backward on a CPU, which raised a RuntimeError traceback at the first step

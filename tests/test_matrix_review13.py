@@ -419,7 +419,8 @@ def test_a_model_too_narrow_for_the_gemms_is_refused_before_the_data_and_the_mod
                         wrong.append(f"{where}: aligned, refused: {got}")
                     continue
                 if how != "refused" or not got.startswith(
-                        f"--precision {precision}: the model's width {width} (n_embd) is too narrow for its GEMMs"):
+                        f"--precision {precision}: the model's width {width} (n_embd) is not a multiple of "
+                        f"{ALIGN[precision]}, which its GEMMs need"):
                     wrong.append(f"{where}: want the width refusal, got {how} {got}")
                     continue
                 offered = re.search(r"accepted on this device: --precision ([a-z0-9|]+) at this width", got)
@@ -450,9 +451,10 @@ def test_the_width_refusal_is_one_check_for_the_flags_and_for_a_built_model():
     model = build_model(config, "cpu", compute_dtype=torch.bfloat16)
     with pytest.raises(RequestError) as late:
         PR.apply_precision(model, "nvfp4", rt, "emulated", compile=False)
-    assert str(early.value) == str(late.value)
-    assert str(late.value).startswith("--precision nvfp4: the model's width 8 (n_embd) is too narrow"), late.value
-    assert "--aspect-ratio 13 (width 32) or --head-dim 32" in str(late.value)   # depth 2: 2 x 13 -> 32
+    assert str(early.value).startswith(str(late.value))   # + base_train's flags (profile_training has none)
+    assert str(late.value).startswith("--precision nvfp4: the model's width 8 (n_embd) is not a multiple of 32"), late.value
+    assert "--aspect-ratio" not in str(late.value)
+    assert "--aspect-ratio 13 (width 32) or --head-dim 32" in str(early.value)   # depth 2: 2 x 13 -> 32
 
 
 def test_a_precision_that_fails_its_start_up_launch_stops_before_the_data_and_the_model(cell, monkeypatch):
@@ -532,3 +534,15 @@ def test_bf16_refusal_names_the_env_var_when_it_asked(monkeypatch):
     with pytest.raises(common.RequestError, match=r"^--dtype bf16: Tesla V100") as e:
         common._resolve_dtype("bf16", "cuda")
     assert "unset" not in str(e.value)
+
+
+def test_base_trains_bf16_refusal_names_its_precision_flag(monkeypatch):
+    """base_train --precision fp8 on a GPU without native bf16 was refused as '--dtype bf16', a flag
+    base_train does not have."""
+    from nanochat import common
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
+    with pytest.raises(common.RequestError, match=r"^--precision fp8: Tesla V100 has no native bf16 support; "
+                                                  r"use --precision fp32$"):
+        common._resolve_dtype("bf16", "cuda", "--precision fp8")

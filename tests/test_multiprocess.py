@@ -224,7 +224,7 @@ class _Gathering(torch.nn.Module):
 def _eval_worker(rank: int, port: int, out: str, n_problems: int) -> None:
     import nanochat.tasks.evaluate as ev
     from nanochat.common import destroy_runtime
-    from nanochat.training import evaluate_bpb
+    from nanochat.eval_bpb import evaluate_bpb
     rt = _group(rank, port)
     ev.completion_text = lambda tok, ids: "ok" if ids[-1] == 100 else "no"
     try:

@@ -241,3 +241,65 @@ def test_what_the_server_cannot_do_is_refused_naming_what_is_accepted(url, extra
         client.chat.completions.create(model="m", messages=USER, max_tokens=2, **extra)
     e = caught.value
     assert e.param == param and f"'{param}'" in e.body["message"] and "accepted: " in e.body["message"]
+
+
+class _Transport:
+    def __init__(self):
+        self.written, self.closed, self.eof = b"", False, False
+
+    def write(self, data):
+        self.written += data
+
+    def write_eof(self):
+        self.eof = True
+
+    def can_write_eof(self):
+        return True
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+
+class _Cycle:
+    def __init__(self, started=False, complete=False):
+        self.response_started, self.response_complete, self.disconnected = started, complete, False
+
+
+def _bare_protocol(monkeypatch, cycle):
+    """A guarded protocol object without a server: only the state _refuse / on_response_complete use."""
+    cls = guarded_protocol()
+    proto = object.__new__(cls)
+    proto.cycle, proto.transport = cycle, _Transport()
+    proto.flow = type("Flow", (), {"resume_reading": lambda self: None, "pause_reading": lambda self: None})()
+    proto.loop = type("Loop", (), {"call_later": lambda self, *a: None})()
+    monkeypatch.setattr(cls, "_unset_keepalive_if_required", lambda self: None, raising=False)
+    return cls, proto
+
+
+def test_a_refusal_during_an_answer_never_writes_into_it(monkeypatch):
+    """An error while a request's answer is half sent (a parser error of its body) wrote the JSON error
+    into the middle of that answer, and the app's next write hit 'write() after write_eof()'. Now the
+    request is marked disconnected (its writes are dropped) and the connection just closes."""
+    _, proto = _bare_protocol(monkeypatch, _Cycle(started=True))
+    proto._refuse(400, "Bad Request", "x", "invalid_http_request")
+    assert proto.cycle.disconnected and proto.transport.closed and proto.transport.written == b""
+    _, proto = _bare_protocol(monkeypatch, _Cycle(started=False))   # nothing sent yet: the error, then the end
+    proto._refuse(400, "Bad Request", "x", "invalid_http_request")
+    assert proto.cycle.disconnected and proto.transport.eof and b" 400 " in proto.transport.written
+
+
+def test_a_deferred_431_waits_for_a_pipelined_request_the_parser_started(monkeypatch):
+    """httptools starts the next pipelined request inside on_response_complete: the deferred 431 went
+    out ahead of that request's answer. It now waits until no answer is in progress."""
+    cls, proto = _bare_protocol(monkeypatch, _Cycle(started=True, complete=True))
+    nxt = _Cycle()
+    monkeypatch.setattr(cls.__mro__[1], "on_response_complete", lambda self: setattr(self, "cycle", nxt))
+    proto._refuse_after = (431, "Request Header Fields Too Large", "too big", "request_headers_too_large")
+    proto.on_response_complete()   # the parser started the pipelined request: not yet
+    assert proto.transport.written == b"" and not proto._refused
+    nxt.response_started = nxt.response_complete = True
+    proto.on_response_complete()
+    assert b" 431 " in proto.transport.written and proto._refused

@@ -5,8 +5,8 @@ and chat_eval's already did (tests/test_ranks_review13.py).
 Before, each rank read a val loader of its own documents (base) or conversations (chat), which
 packed into other rows than one process packs, and the batch count was --eval-tokens // (rows x
 ranks): 2 ranks scored other (and fewer) tokens than 1, so a val bpb moved with the launch. Now
-every rank reads the one stream a single process reads (training.eval_loader, rank 0 of 1),
-training.EvalBatches deals its first N batches to the ranks, and evaluate_bpb sums the per-batch
+every rank reads the one stream a single process reads (eval_bpb.eval_loader, rank 0 of 1),
+eval_bpb.EvalBatches deals its first N batches to the ranks, and evaluate_bpb sums the per-batch
 nats and bytes of every rank with math.fsum (exactly rounded, so independent of which rank held
 which batch): the same float to the last bit, compared with ==. (A batch's own float64 sum is the
 same on any rank: the same rows through the same weights, one thread per process here.)
@@ -54,18 +54,18 @@ def _val_bpbs(base_argv: list[str], sft_argv: list[str], patch) -> dict:
     `patch(obj, name, value)` sets an attribute (monkeypatch.setattr in this process). The process
     group is kept across both runs (a worker's own, torn down at its exit)."""
     import nanochat.common as common
-    from nanochat import training, writer_lock
+    from nanochat import eval_bpb, writer_lock
     from scripts import base_train, chat_sft
 
     seen: list[float] = []
-    real = training.evaluate_bpb
+    real = eval_bpb.evaluate_bpb
 
     def recording(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
     patch(base_train, "evaluate_bpb", recording)   # imported at its top
-    patch(training, "evaluate_bpb", recording)     # chat_train imports it inside train()
+    patch(eval_bpb, "evaluate_bpb", recording)     # chat_train imports it inside train()
     patch(base_train, "destroy_runtime", lambda rt: None)
     patch(common, "destroy_runtime", lambda rt: None)
     base_train.main(base_argv)
@@ -79,7 +79,7 @@ def _val_bpbs(base_argv: list[str], sft_argv: list[str], patch) -> dict:
 def _stand_in_forwards() -> int:
     """evaluate_bpb over a stream of ONE batch on 2 ranks with a model that runs a collective in
     every forward (as FSDP's all-gathers): rank 1 has no batch, and must still take that forward."""
-    from nanochat.training import EvalBatches, evaluate_bpb
+    from nanochat.eval_bpb import EvalBatches, evaluate_bpb
 
     class Rt:
         rank, world_size, device = int(os.environ["RANK"]), WORLD, torch.device("cpu")
@@ -122,3 +122,36 @@ def test_periodic_val_bpb_is_the_same_on_one_and_two_ranks(env, shared_data, tmp
     assert r0["base"][0] == r1["base"][0] == one["base"][0], (one["base"], r0["base"])
     assert r0["sft"][0] == r1["sft"][0] == one["sft"][0], (one["sft"], r0["sft"])
     assert r0["stand_in_forwards"] == r1["stand_in_forwards"] == 1
+
+
+def test_eval_set_reads_its_stream_once_and_replays_this_ranks_batches():
+    """EvalSet (base_train's and chat_train's periodic batches): every rank read the whole val stream
+    (tokenizing, packing) at every evaluation. Now the first evaluation reads it and keeps this rank's
+    share; later ones replay the same batches."""
+    from nanochat.eval_bpb import EvalBatches, EvalSet
+
+    class Rt:
+        device = torch.device("cpu")
+
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    opened = []
+
+    def stream():
+        opened.append(1)
+        for i in range(5):
+            x = torch.full((2, 4), i, dtype=torch.long)
+            yield x, x + 100
+
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        opened.clear()
+        kept = EvalSet(stream, 5, Rt(rank, world))
+        fresh = list(EvalBatches(stream(), 5, Rt(rank, world)))
+        for _ in range(3):
+            got = list(kept)
+            assert [int(x[0, 0]) for x, _ in got] == [int(x[0, 0]) for x, _ in fresh] == list(range(rank, 5, world))
+            assert all(torch.equal(y, x + 100) for x, y in got)
+        assert len(opened) == 2 and kept.steps == -(-5 // world)   # one read by EvalSet, one by `fresh`
+    lone = EvalSet(stream, 1, Rt(1, 2))   # rank 1 of 2, one batch in all: none of its own
+    assert list(lone) == [] and int(lone.seen[0][0, 0]) == 0

@@ -361,6 +361,7 @@ def test_wandb_modes_and_off_tracker_imports_nothing():
 # ------------------------------------------------------------------ eval, RNG
 
 def test_evaluate_bpb_matches_hand_computation():
+    from nanochat.eval_bpb import evaluate_bpb
     class Uniform(nn.Module):
         def forward(self, x, y, loss_reduction="mean"):
             logits = torch.zeros(*x.shape, V)
@@ -368,11 +369,11 @@ def test_evaluate_bpb_matches_hand_computation():
     token_bytes = torch.tensor([0] + [2] * (V - 1), dtype=torch.int32)   # token 0 is "special"
     x = torch.zeros(1, 4, dtype=torch.long)
     y = torch.tensor([[0, 3, 5, -1]])
-    bpb = tr.evaluate_bpb(Uniform(), [(x, y)], 5, token_bytes)
+    bpb = evaluate_bpb(Uniform(), [(x, y)], 5, token_bytes)
     # two text targets, 2 bytes each, ln(V) nats each
     assert bpb == pytest.approx(2 * math.log(V) / (math.log(2) * 4))
     with pytest.raises(ValueError, match="no text bytes"):
-        tr.evaluate_bpb(Uniform(), [(x, torch.tensor([[0, 0, -1, -1]]))], 1, token_bytes)
+        evaluate_bpb(Uniform(), [(x, torch.tensor([[0, 0, -1, -1]]))], 1, token_bytes)
 
 
 def test_rng_state_round_trip(tmp_path):
