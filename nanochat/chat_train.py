@@ -454,8 +454,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
     from nanochat.eval_bpb import EvalSet, evaluate_bpb
-    from nanochat.training import (StepMeter, Trainer, resolve_peak_flops, restore_rng_state,
-                                   setup_precision_and_kernel)
+    from nanochat.training import StepMeter, Trainer, resolve_peak_flops, restore_rng_state, setup_precision_and_kernel
 
     base_dir = get_base_dir()
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
@@ -542,9 +541,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         restore_rng_state(resume_loop["rng"])
 
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
-
-    # each rank reads the val stream whole (rank 0 of 1) at the first evaluation; EvalSet deals and keeps it
-    val_set = EvalSet(lambda: ChatLoader(val_mix, tokenizer, loop=False, **loader_kw), eval_batches, rt)
+    val_kw = {**loader_kw, "device": torch.device("cpu")}   # the whole val stream (rank 0 of 1) on the host, once:
+    val_set = EvalSet(lambda: ChatLoader(val_mix, tokenizer, loop=False, **val_kw), eval_batches, rt)   # EvalSet deals it
 
     def evaluate(_step: int) -> dict:
         model.eval()

@@ -45,7 +45,7 @@ Validation. `split="val"` reads the last shard. With `repeat=True` (default) the
 forever, starting from the beginning for every new loader (deterministic: take a fixed number of
 steps on every rank). With `repeat=False` it is one finite pass: the last batch is padded (targets
 -1) and iteration then stops; ranks may get different batch counts, so a loop over it must keep
-ranks in step (training.evaluate_bpb agrees per batch whether any rank still has one).
+ranks in step (eval_bpb.evaluate_bpb agrees per batch whether any rank still has one).
 """
 
 from __future__ import annotations

@@ -64,9 +64,17 @@ class EvalBatches:
         return int(count.item())
 
 
+class _HostRt:
+    """`rt` seen by EvalBatches when EvalSet deals a stream on the host (its token count on the CPU)."""
+
+    def __init__(self, rt):
+        self.rank, self.world_size, self.device = rt.rank, rt.world_size, torch.device("cpu")
+
+
 class EvalSet:
     """A training run's periodic validation batches: the first evaluation reads them (EvalBatches
-    over `open_stream()`, then its `close()` if it has one) and keeps this rank's share, and a stand-in
+    over `open_stream()`, best a loader on the CPU: no batch makes a round trip through the GPU;
+    then its `close()` if it has one) and keeps this rank's share, and a stand-in
     for a rank with none, in host memory; every later evaluation replays them. A run's val data does
     not change (its shards are fixed at start-up), and reading it again cost every rank the whole
     stream's tokenizing and packing at each evaluation (W times one process's host work)."""
@@ -80,15 +88,18 @@ class EvalSet:
 
     def _fill(self) -> None:
         stream = self._open()
-        dealt = EvalBatches(stream, self._batches, self.rt)
-        # host copies: a CUDA run holds none of them in GPU memory between evaluations
-        self._kept = [(x.to("cpu", copy=True), y.to("cpu", copy=True)) for x, y in dealt]
-        self._stand_in = None if dealt.seen is None else tuple(t.to("cpu", copy=True) for t in dealt.seen)
-        if callable(getattr(stream, "close", None)):
-            stream.close()
+        try:
+            dealt = EvalBatches(stream, self._batches, _HostRt(self.rt))
+            # on the host, as int32 (8 bytes a token for x and y): a CUDA run holds none of them in GPU
+            # memory between evaluations (on GB10's unified memory they share its budget either way)
+            self._kept = [(x.to("cpu", torch.int32), y.to("cpu", torch.int32)) for x, y in dealt]
+            self._stand_in = None if dealt.seen is None else tuple(t.to("cpu", torch.int32) for t in dealt.seen)
+        finally:   # a failed fill too: the loader's reader threads end with it, and the next fill starts over
+            if callable(getattr(stream, "close", None)):
+                stream.close()
 
     def _to_device(self, batch):
-        return tuple(t.to(self.rt.device, non_blocking=True) for t in batch)
+        return tuple(t.to(self.rt.device).long() for t in batch)
 
     @property
     def seen(self):

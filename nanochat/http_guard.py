@@ -293,8 +293,8 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
       Loopback peers are not counted: they are this machine's own users or a reverse proxy in
       front of the server, which carries every user.
     - a request head (request line and headers) over `max_header_bytes` is answered with a JSON
-      431 `request_headers_too_large` as soon as that many bytes came without its end, and the
-      connection closes (after LINGER_S, reading what the client still sends, so it reads the
+      431 `request_headers_too_large` once that many bytes came without its end (after the answer
+      in progress, if one is: answers go in order), and the connection closes (after LINGER_S, reading what the client still sends, so it reads the
       answer). Counted here, before the parser, whichever parser it is; what this count cannot
       place (the start of a head read with the end of the previous request, a head after an
       answer given before its request's body was read) is the parser's to bound: h11's buffer
@@ -372,11 +372,14 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
             """The parser rejected the request (uvicorn logged it): h11 over its buffer limit is
             the 431; anything else a JSON 400 in place of uvicorn's plain text."""
             buffered = getattr(getattr(self, "conn", None), "trailing_data", (b"",))[0]   # h11's unparsed bytes
-            if len(buffered) > max_header_bytes:
-                self._refuse(*too_large)
+            error = too_large if len(buffered) > max_header_bytes else (
+                400, "Bad Request", "invalid HTTP request: the request line or headers could not be parsed; send a "
+                "valid HTTP/1.1 request", "invalid_http_request")
+            if getattr(self, "pipeline", None):   # httptools: an earlier answer streams (self.cycle is a queued one)
+                self._refuse_after = error       # sent once no answer is in progress (on_response_complete)
+                self.flow.pause_reading()
             else:
-                self._refuse(400, "Bad Request", "invalid HTTP request: the request line or headers could not be "
-                                                 "parsed; send a valid HTTP/1.1 request", "invalid_http_request")
+                self._refuse(*error)
 
         def _head_too_large(self, data: bytes) -> bool:
             """Counts `data` toward the request head it begins or continues, up to the head's blank

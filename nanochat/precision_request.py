@@ -60,7 +60,7 @@ def check_widths(model: nn.Module, precision: str, spec: DeviceSpec, *, base_tra
                 return
             kept.append(f"{name} ({reason})")
     align, cfg = ALIGN[precision], getattr(model, "config", None)
-    width = f"width {cfg.n_embd} (n_embd) is not" if cfg is not None else "Linear layers' dims are not"
+    width = f"width {cfg.n_embd} (n_embd) is not" if cfg is not None else "Linear layers' dims: none is"
     # what runs at this width: the device's precisions whose GEMMs take it (fp8 at 48 when nvfp4 cannot)
     here = [p for p in accepted_values(spec) if p not in ALIGN or (cfg is not None and cfg.n_embd % ALIGN[p] == 0)]
     raise RequestError(

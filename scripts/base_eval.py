@@ -170,9 +170,9 @@ def bpb_data_dir(cfg: BaseEvalConfig, meta: dict) -> str | None:
 
 
 def bpb_loader(cfg: BaseEvalConfig, rt, tokenizer, seq_len: int, split: str, data_dir: str | None = None):
-    """One finite pass over `split`, read whole on every rank (training.eval_loader): an
+    """One finite pass over `split`, read whole on every rank (eval_bpb.eval_loader): an
     --eval-tokens larger than the split stops at its end instead of counting tokens again, and
-    evaluate_bpb_splits deals its batches to the ranks (training.EvalBatches), so the bpb is over
+    evaluate_bpb_splits deals its batches to the ranks (eval_bpb.EvalBatches), so the bpb is over
     the same tokens, and the same float, on any number of ranks."""
     return eval_loader(tokenizer, cfg.device_batch_size, seq_len, split, device=rt.device, data_dir=data_dir)
 

@@ -208,7 +208,8 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     # pretraining): such a resume is refused as with latest, naming the flag
     "resume": "continue this --model-tag's run: latest, a step number, or auto (latest when the tag has one, "
               "refused like latest when these flags cannot continue it; else a fresh start); not given: a fresh start",
-    "eval_tokens": "validation tokens per evaluation, in whole micro-batches (of all ranks together)",
+    "eval_tokens": "validation tokens per evaluation, in whole micro-batches (of all ranks together; read "
+                   "once, then kept in host memory: 8 bytes a token)",
     "sample_every": "N: print samples every N steps and at the last step; -1 or 0: never",
     "model_tag": "the checkpoint directory's name under checkpoints/base/; not given: d<depth>",
     "precision": f"{'|'.join(PRECISIONS)} (auto: $NANOCHAT_DTYPE, else bf16 on a GPU that has it, else fp32)",
@@ -350,8 +351,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # kind the train loader reads and the shards listed now, so a pretokenize run during training (its directory unfinished, then
     # one shard more: the last one, val, another) cannot fail an evaluation or move val mid-run
     def open_val():
-        return eval_loader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", device=rt.device,
-                           data_dir=cfg.data_dir, source=train_loader.source_kind)
+        return eval_loader(tokenizer, cfg.device_batch_size, cfg.max_seq_len, "val", device=torch.device("cpu"),
+                           data_dir=cfg.data_dir, source=train_loader.source_kind)   # EvalSet keeps it on the host
 
     val_loader = open_val()
 
@@ -485,7 +486,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
 
-    val_set = EvalSet(lambda: val_loader, eval_batches, rt)
+    val_set = EvalSet(lambda: (val_loader.rewind(), val_loader)[1], eval_batches, rt)
 
     def evaluate(_step: int) -> dict:
         model.eval()

@@ -303,3 +303,13 @@ def test_a_deferred_431_waits_for_a_pipelined_request_the_parser_started(monkeyp
     nxt.response_started = nxt.response_complete = True
     proto.on_response_complete()
     assert b" 431 " in proto.transport.written and proto._refused
+
+
+def test_a_bad_request_queued_behind_an_answer_is_refused_after_it(monkeypatch):
+    """httptools points self.cycle at a queued request B while request A's answer streams (B waits
+    in self.pipeline): a parser error after B wrote its 400 into the middle of A's answer. It now
+    waits for on_response_complete, as the deferred 431 does."""
+    _, proto = _bare_protocol(monkeypatch, _Cycle())   # B: queued, not started
+    proto.pipeline = [("B", None)]
+    proto.send_400_response("Invalid HTTP request received.")
+    assert proto.transport.written == b"" and not proto._refused and proto._refuse_after[0] == 400

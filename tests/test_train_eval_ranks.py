@@ -155,3 +155,35 @@ def test_eval_set_reads_its_stream_once_and_replays_this_ranks_batches():
         assert len(opened) == 2 and kept.steps == -(-5 // world)   # one read by EvalSet, one by `fresh`
     lone = EvalSet(stream, 1, Rt(1, 2))   # rank 1 of 2, one batch in all: none of its own
     assert list(lone) == [] and int(lone.seen[0][0, 0]) == 0
+
+
+def test_eval_set_closes_a_stream_that_failed_and_starts_over_next_time():
+    """A fill that raised (an out-of-memory mid-read) left the loader's reader threads running and
+    its position mid-stream; it is closed, and the next evaluation reads from the start."""
+    from nanochat.eval_bpb import EvalSet
+
+    class Rt:
+        rank, world_size, device = 0, 1, torch.device("cpu")
+
+    class Stream:
+        closed, fail = 0, True
+
+        def __iter__(self):
+            for i in range(3):
+                if i == 1 and Stream.fail:
+                    raise MemoryError("mid-read")
+                yield torch.full((1, 2), i), torch.full((1, 2), i)
+
+        def close(self):
+            Stream.closed += 1
+
+    kept = EvalSet(Stream, 3, Rt())
+    try:
+        list(kept)
+        raise AssertionError("the failure was swallowed")
+    except MemoryError:
+        pass
+    assert Stream.closed == 1
+    Stream.fail = False
+    assert [int(x[0, 0]) for x, _ in kept] == [0, 1, 2] and Stream.closed == 2
+    assert kept._kept[0][0].dtype == torch.int32 and next(iter(kept))[0].dtype == torch.long   # host copies: int32
