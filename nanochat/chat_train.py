@@ -324,21 +324,6 @@ class StartPlan:
     num_iterations: int
 
 
-def _model_config(meta: dict, step_dir):
-    """The GPTConfig a meta.json records (torch-free), refused as model_from_meta refuses it: the
-    rows and the batch are planned from it before the weights load."""
-    from nanochat.checkpoint import CheckpointError
-    from nanochat.gpt_config import GPTConfig
-    if not isinstance(meta.get("model_config"), dict):
-        raise CheckpointError(f"{step_dir}: meta.json has no model_config; cannot rebuild the model")
-    try:
-        config = GPTConfig(**meta["model_config"])
-    except TypeError as e:
-        raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
-    config.validate()
-    return config
-
-
 def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: dict, train_mix) -> StartPlan:
     """start_point + the rows, batch plan and number of steps, all from meta.json: a resume these
     flags cannot continue (another mixture, --max-seq-len, batch, world size, model or tokenizer)
@@ -347,7 +332,7 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
     cannot continue (e.g. a stage rerun by setup.sh after its flags changed) is left alone, unread,
     for a fresh start, said in one line; an explicit --resume raises instead."""
     from nanochat.chat_data import epoch_iterations, estimate_epoch_rows
-    from nanochat.checkpoint import CheckpointError, read_meta, resolve_step, step_dirname
+    from nanochat.checkpoint import CheckpointError, config_from_meta, read_meta, resolve_step, step_dirname
     from nanochat.distributed import check_shared_dir
     from nanochat.resume_checks import check_resume_compatible, check_resume_step
     from nanochat.tokenizer import get_tokenizer
@@ -359,10 +344,11 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
     tokenizer = get_tokenizer(base_dir)
 
     def rows_and_batch(meta: dict, step_dir):
-        config = _model_config(meta, step_dir)
+        config = config_from_meta(meta, step_dir)
         seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else config.sequence_len
         require(seq_len <= config.sequence_len, "--max-seq-len", seq_len,
                 f"<= the model's sequence length {config.sequence_len}")
+        _check_eval_tokens(cfg, seq_len)
         total = cfg.total_batch_size if cfg.total_batch_size != -1 else \
             stage.auto_batch(cfg.device_batch_size, seq_len, rt.world_size)
         return config, seq_len, plan_batch(total, cfg.device_batch_size, seq_len, rt.world_size)
@@ -407,6 +393,13 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
                      num_iterations)
 
 
+def _check_eval_tokens(cfg: ChatTrainConfig, seq_len: int) -> None:
+    """As base_train's: a positive --eval-tokens below one micro-batch is refused (it became one)."""
+    per_batch = cfg.device_batch_size * seq_len
+    require(cfg.eval_tokens == -1 or cfg.eval_tokens >= per_batch, "--eval-tokens", cfg.eval_tokens,
+            f"-1 or at least one micro-batch, --device-batch-size x --max-seq-len = {per_batch:,}")
+
+
 def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> int | None:
     """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
@@ -434,6 +427,7 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
         return None
     seq_len = cfg.max_seq_len if cfg.max_seq_len != -1 else model_len
     require(seq_len <= model_len, "--max-seq-len", seq_len, f"<= the model's sequence length {model_len}")
+    _check_eval_tokens(cfg, seq_len)
     if cfg.total_batch_size != -1:
         plan_batch(cfg.total_batch_size, cfg.device_batch_size, seq_len, world_size)
     return seq_len
@@ -508,6 +502,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     if seq_len != model.config.sequence_len:   # load_model cached the masks of the model's own length
         model.prepare_attention(seq_len)        # these rows' masks, cached before compile traces them
     train_model = torch.compile(model, dynamic=False) if compile_model else model
+    if compile_model and rt.world_size > 1:   # every rank compiles now, not in the first collective (pitfall 9)
+        from nanochat.distributed import warm_up_ranks
+        took = warm_up_ranks(train_model, cfg.device_batch_size, seq_len, model.config.vocab_size, rt.device,
+                             loss_reduction="sum" if stage.mask == "assistant" else None)   # as Trainer calls it
+        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,

@@ -450,16 +450,24 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     return out
 
 
-def model_from_meta(meta: dict, state: dict, step_dir, device, **build_kwargs):
-    """The GPT of a checkpoint's meta.json with its weights loaded; a config or weights that do not
-    fit this code (an unknown field, a shape mismatch) is a CheckpointError naming the directory."""
-    from nanochat.gpt import GPTConfig
-    if "model_config" not in meta:
+def config_from_meta(meta: dict, step_dir):
+    """The GPTConfig a meta.json records (torch-free: the chat stages plan rows and batch from it
+    before any weights load); a missing or unfitting one is a CheckpointError naming the directory."""
+    from nanochat.gpt_config import GPTConfig
+    if not isinstance(meta.get("model_config"), dict):
         raise CheckpointError(f"{step_dir}: meta.json has no model_config; cannot rebuild the model")
     try:
         config = GPTConfig(**meta["model_config"])
     except TypeError as e:
         raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
+    config.validate()
+    return config
+
+
+def model_from_meta(meta: dict, state: dict, step_dir, device, **build_kwargs):
+    """The GPT of a checkpoint's meta.json with its weights loaded; a config or weights that do not
+    fit this code (an unknown field, a shape mismatch) is a CheckpointError naming the directory."""
+    config = config_from_meta(meta, step_dir)
     if not isinstance(state, dict):   # load_state_dict's bare TypeError named no file
         raise CheckpointError(f"{step_dir}: model.pt holds a {type(state).__name__}, not a model state_dict; "
                               "it is not a nanochat checkpoint's model file")

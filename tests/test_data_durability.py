@@ -243,3 +243,17 @@ def test_shards_without_page_checksums_still_read(tmp_path):
     pq.write_table(pa.table({"text": ["a", "b"]}), path)
     assert ds.read_row_group_texts(ds.open_text_shard(path), 0, path) == ["a", "b"]
 
+
+
+def test_the_shakespeare_copy_is_on_disk_before_its_rename(tmp_path, tiny_corpus, monkeypatch):
+    """The tiny corpus copied from ../shared/data (every tiny run's data) was renamed into place
+    without an fsync: after a power cut, an empty shard under a final name."""
+    from nanochat import shakespeare
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_ino)), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.stat(a).st_ino)), replace(a, b))[1])
+    paths = shakespeare.get_shakespeare(tmp_path / "out", shared_dir=tiny_corpus)
+    for path in paths:   # its last rename (a marker file renamed earlier may have had its inode)
+        inode = path.stat().st_ino
+        last = max(i for i, e in enumerate(events) if e == ("replace", inode))
+        assert events[last - 1] == ("fsync", inode), (path, events)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import subprocess
@@ -255,6 +256,48 @@ def test_base_train_warms_up_compile_on_every_rank(base_dir, tiny_corpus, tmp_pa
     mp.spawn(_warm_up_worker, args=(free_port(), str(base_dir), str(tiny_corpus), str(tmp_path)), nprocs=2, join=True)
     calls = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [c[:4] for c in calls] == [[2, 32, calls[0][2], "cpu"]] * 2 and calls[0][2] > 256
+
+
+def _sft_warm_up_worker(rank: int, port: int, base_dir: str, out: str, sft_argv: list) -> None:
+    """One rank of a 2-process gloo chat_sft with --compile (torch.compile standing in as the eager
+    model): records distributed.warm_up_ranks' call, then ends the run."""
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      NANOCHAT_BASE_DIR=base_dir)
+    import torch
+    from nanochat import distributed
+    torch.compile = lambda model, **kw: model
+    real = distributed.warm_up_ranks
+
+    def recording(train_model, batch_size, seq_len, vocab_size, device, **kw):
+        real(train_model, batch_size, seq_len, vocab_size, device, **kw)
+        Path(out, f"sft{rank}.json").write_text(json.dumps([batch_size, seq_len, kw.get("loss_reduction")]))
+        raise _WarmedUp
+    distributed.warm_up_ranks = recording
+    from scripts import chat_sft
+    try:
+        chat_sft.main(sft_argv)
+    except _WarmedUp:
+        pass
+
+
+def test_chat_sft_warms_up_compile_on_every_rank(env, tmp_path):
+    """mid_train / chat_sft compiled under torchrun had no warm-up (DESIGN pitfall 9: a rank compiling
+    for minutes inside the first collective trips the NCCL watchdog). Now every rank compiles first,
+    with the call the Trainer makes (SFT's token-weighted loss_reduction="sum": another graph)."""
+    import torch.multiprocessing as mp
+    from nanochat import writer_lock
+    from nanochat.distributed import free_port
+    from scripts import base_train
+    from tests.test_train_eval_ranks import BASE, SFT
+    base_train.main(BASE + env + ["--model-tag", "one", "--eval-every", "-1"])
+    writer_lock.release_all()
+    sft = [a for a in SFT if a != "--no-compile"] + ["--compile"]
+    mp.spawn(_sft_warm_up_worker, args=(free_port(), os.environ["NANOCHAT_BASE_DIR"], str(tmp_path), sft),
+             nprocs=2, join=True)
+    calls = [json.loads((tmp_path / f"sft{r}.json").read_text()) for r in (0, 1)]
+    assert calls == [[2, 64, "sum"]] * 2, calls
 
 
 def test_humaneval_log_names_the_problem_by_its_file_position(shared_data, tiny_tokenizer):

@@ -75,7 +75,7 @@ def test_the_tiny_preset_runs_what_the_readme_says(tmp_path):
     steps, tokens = quoted(r"(\d+) steps of ([\d,]+) tokens, then evals on").groups()
     problems = quoted(r"then evals on (\d+) problems per task").group(1)
     base_every = quoted(r"saves every \d+ steps on a Spark \(\d+ on an H100, (\d+) for tiny\)").group(1)
-    chat_every = quoted(r"so do mid_train and chat_sft, whose steps are as large; tiny: every (\d+)\)").group(1)
+    chat_every = quoted(r"so do mid_train, whose steps are as large, and chat_sft; tiny: every (\d+)\)").group(1)
     assert quoted(r"tiny keeps its (\d+) steps of ([\d,]+) tokens").groups() == (steps, tokens)
     assert quoted(r"a (\d+)-layer model, every stage in a few minutes").group(1) == depth
 

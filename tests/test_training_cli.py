@@ -128,6 +128,10 @@ def test_chat_rows_that_cannot_fit_the_model_fail_before_the_mixture_and_the_mod
     with pytest.raises(RequestError, match=r"--total-batch-size: got 1,000 tokens, which is not a multiple of "
                                            r"--device-batch-size x --max-seq-len x world size = 2 x 64 x 1"):
         chat_sft.main(sft + ["--device-batch-size", "2", "--total-batch-size", "1000"])
+    # below one micro-batch: it was rounded up to one, silently (base_train refuses it)
+    with pytest.raises(RequestError, match=r"^--eval-tokens: got 100; accepted: -1 or at least one micro-batch, "
+                                           r"--device-batch-size x --max-seq-len = 128$"):
+        chat_sft.main(sft + ["--device-batch-size", "2", "--eval-tokens", "100"])
 
 
 def test_a_warmup_overlapping_the_recipes_warmdown_is_refused_at_parse():
