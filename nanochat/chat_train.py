@@ -502,11 +502,6 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     if seq_len != model.config.sequence_len:   # load_model cached the masks of the model's own length
         model.prepare_attention(seq_len)        # these rows' masks, cached before compile traces them
     train_model = torch.compile(model, dynamic=False) if compile_model else model
-    if compile_model and rt.world_size > 1:   # every rank compiles now, not in the first collective (pitfall 9)
-        from nanochat.distributed import warm_up_ranks
-        took = warm_up_ranks(train_model, cfg.device_batch_size, seq_len, model.config.vocab_size, rt.device,
-                             loss_reduction="sum" if stage.mask == "assistant" else None)   # as Trainer calls it
-        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
@@ -515,6 +510,12 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         optimizer.load_state_dict(resume["optimizer"])
     trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, grad_clip=cfg.grad_clip,
                       token_weighted=stage.mask == "assistant")
+    if compile_model and rt.world_size > 1:   # every rank compiles the loop's graphs now (DESIGN pitfall 9)
+        from nanochat.distributed import warm_up_ranks
+        took = warm_up_ranks(train_model, cfg.device_batch_size, seq_len, model.config.vocab_size, rt.device,
+                             loss_reduction="sum" if trainer.token_weighted else None, around=trainer.step_context,
+                             evaluates=cfg.eval_every > 0)
+        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
     peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], None,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
     # FLOPs of the rows trained (--max-seq-len may be shorter than the model's context: attention

@@ -460,7 +460,10 @@ def config_from_meta(meta: dict, step_dir):
         config = GPTConfig(**meta["model_config"])
     except TypeError as e:
         raise CheckpointError(f"{step_dir}: meta.json's model_config does not fit this code ({e})") from e
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as e:   # named by its checkpoint (and a CheckpointError: --resume auto starts afresh)
+        raise CheckpointError(f"{step_dir}: meta.json's model_config: {e}") from e
     return config
 
 

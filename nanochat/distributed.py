@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import contextlib
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -181,7 +182,8 @@ def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
 
 
 def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, device, *,
-                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, loss_reduction: str | None = None) -> float:
+                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, loss_reduction: str | None = None,
+                  around=None, evaluates: bool = False) -> float:
     """Compile before the loop on every rank, then meet at a timed barrier; returns seconds taken.
 
     One forward+backward of the (compiled) training model on a fixed dummy batch, so every rank
@@ -189,14 +191,23 @@ def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, d
     that compiles for minutes trips the NCCL watchdog (DESIGN.md pitfall 9). Leaves no trace:
     no RNG draw (the batch is arange-based), gradients cleared, no optimizer step, so exact
     resume is unaffected. Under FSDP the forward/backward collectives run on every rank alike.
-    `loss_reduction`: as the Trainer calls the model (token-weighted chat stages: "sum"), so the
-    graph compiled here is the one the loop runs (another call would be a recompile in the loop)."""
+    The graphs compiled are the ones the loop runs: the call as the Trainer makes it
+    (`loss_reduction`: "sum" for token-weighted chat stages), inside its step context (`around()`:
+    Trainer.step_context, whose once-per-step weight casts change what is traced), and with
+    `evaluates`, evaluate_bpb's no-grad eval-mode forward (per-token losses), whose first call came
+    inside the step-0 evaluation's collectives."""
     t0 = time.monotonic()
     idx = torch.arange(batch_size * seq_len, device=device).remainder(vocab_size).view(batch_size, seq_len)
-    loss = train_model(idx, idx) if loss_reduction is None else train_model(idx, idx, loss_reduction=loss_reduction)
-    loss.backward()
+    with around() if around is not None else contextlib.nullcontext():
+        loss = train_model(idx, idx) if loss_reduction is None else train_model(idx, idx, loss_reduction=loss_reduction)
+        loss.backward()
     for p in train_model.parameters():
         p.grad = None
+    if evaluates:
+        train_model.eval()
+        with torch.no_grad():
+            train_model(idx, idx, loss_reduction="none")
+        train_model.train()
     timed_barrier(timeout_s, name="compile warm-up")
     return time.monotonic() - t0
 

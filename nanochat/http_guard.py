@@ -375,10 +375,16 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
             error = too_large if len(buffered) > max_header_bytes else (
                 400, "Bad Request", "invalid HTTP request: the request line or headers could not be parsed; send a "
                 "valid HTTP/1.1 request", "invalid_http_request")
-            if getattr(self, "pipeline", None):   # httptools: an earlier answer streams (self.cycle is a queued one)
-                self._refuse_after = error       # sent once no answer is in progress (on_response_complete)
+            cycle, queued = self.cycle, getattr(self, "pipeline", None)   # (httptools queues parsed requests)
+            if queued or (cycle is not None and not cycle.response_complete and not cycle.more_body):
+                # the bad bytes follow a request whose answer is due: it is answered first, then the
+                # error ends the connection; queued requests are never started (one waiting for a body
+                # that will not come would hold the connection open)
+                if queued:
+                    queued.clear()
+                self._refuse_after = error
                 self.flow.pause_reading()
-            else:
+            else:   # nothing due, or the current request's own body is bad: the error now
                 self._refuse(*error)
 
         def _head_too_large(self, data: bytes) -> bool:

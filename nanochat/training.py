@@ -299,12 +299,17 @@ class Trainer:
         self.last_checkpoint = str(path)
 
     # -- step ---------------------------------------------------------------------------------
+    def step_context(self):
+        """What a step's micro-batches run in: the once-per-step weight casts and gradient sinks
+        (weight_cache.step_weights), which change the graph torch.compile traces (warm_up_ranks)."""
+        return weight_cache.step_weights(self.model, self.rt.dtype, enabled=self.cast_once, sinks=self.grad_sinks)
+
     def step(self, step: int) -> StepResult:
         """One optimizer step at index `step` (0-based). Raises NonFiniteLossError."""
         rt, plan = self.rt, self.plan
         rt.synchronize()
         t0 = time.perf_counter()
-        with weight_cache.step_weights(self.model, rt.dtype, enabled=self.cast_once, sinks=self.grad_sinks):
+        with self.step_context():
             loss_sum = self._accumulate_token_weighted() if self.token_weighted else self._accumulate_mean()
         loss = loss_sum.detach()
         if rt.world_size > 1:  # mean over ranks (SUM: gloo has no AVG); a nan anywhere stops every rank

@@ -437,10 +437,6 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         from nanochat.distributed import apply_fsdp
         apply_fsdp(model, rt)
     train_model = torch.compile(model, dynamic=False) if compile_model else model
-    if compile_model and rt.world_size > 1:  # every rank compiles now, not inside the first collective
-        from nanochat.distributed import warm_up_ranks
-        took = warm_up_ranks(train_model, cfg.device_batch_size, cfg.max_seq_len, tokenizer.vocab_size, rt.device)
-        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
 
     # ---- optimizer ----
     optimizer = build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank)
@@ -454,6 +450,11 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                       precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes,
                       low_precision_flops=precision_info.get("low_precision_flops"))
     trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
+    if compile_model and rt.world_size > 1:  # every rank compiles the loop's graphs now, not in a collective
+        from nanochat.distributed import warm_up_ranks
+        took = warm_up_ranks(train_model, cfg.device_batch_size, cfg.max_seq_len, tokenizer.vocab_size, rt.device,
+                             around=trainer.step_context, evaluates=cfg.eval_every > 0)
+        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,

@@ -546,3 +546,13 @@ def test_overwrite_is_refused_with_a_resume_of_every_training_recipe(resume):
         with pytest.raises(ValueError, match=f"^--overwrite cannot be combined with --resume {resume}: --overwrite "
                                              "starts a fresh run .*earlier_runs/<N>/"):
             parse(["--overwrite", "--resume", resume])
+
+
+def test_a_model_config_that_fails_validation_is_a_checkpoint_error_naming_the_step(tmp_path):
+    """config_from_meta (the chat stages' plan and model_from_meta): GPTConfig.validate's bare
+    ValueError named no checkpoint, and --resume auto, which starts afresh on a CheckpointError,
+    crashed on it instead."""
+    meta = {"model_config": {"sequence_len": 64, "vocab_size": 97, "n_layer": 2.5, "n_head": 2, "n_kv_head": 2,
+                             "n_embd": 32}}
+    with pytest.raises(ck.CheckpointError, match=r"^.*step_000010: meta.json's model_config: GPTConfig.n_layer"):
+        ck.config_from_meta(meta, tmp_path / "step_000010")

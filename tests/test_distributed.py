@@ -250,6 +250,35 @@ def test_warm_up_ranks_leaves_no_trace():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_warm_up_ranks_compiles_the_loops_graphs():
+    """The warm-up ran the step's forward outside the Trainer's step context (whose once-per-step weight
+    casts change the traced graph) and never the evaluation's no-grad eval-mode forward: both came
+    first inside collectives of the loop. Now: the step inside `around()`, then the eval forward."""
+    import contextlib
+
+    from nanochat.distributed import warm_up_ranks
+    from nanochat.gpt import GPT, config_for_depth
+    torch.manual_seed(0)
+    model = GPT(config_for_depth(1, 97, 16, aspect_ratio=32, head_dim=16))
+    model.init_weights()
+    seen, inside = [], []
+    real_forward = model.forward
+
+    def forward(idx, targets, loss_reduction="mean"):
+        seen.append((loss_reduction, model.training, torch.is_grad_enabled(), bool(inside)))
+        return real_forward(idx, targets, loss_reduction=loss_reduction)
+    model.forward = forward
+
+    @contextlib.contextmanager
+    def around():
+        inside.append(1)
+        yield
+        inside.clear()
+    warm_up_ranks(model, 2, 16, 97, "cpu", loss_reduction="sum", around=around, evaluates=True)
+    assert seen == [("sum", True, True, True), ("none", False, False, False)], seen
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
 def test_data_sharding_has_no_overlap(tiny_corpus):
     """Documents (identified by their (shard, row group, row) cursor) are dealt to exactly one rank,
     and a rank's packed batches differ from the other rank's."""

@@ -90,6 +90,13 @@ def test_fused_fp8_mlp_gemms_are_tensor_wise(monkeypatch, gh_cast):
     y = fp8_relu2_mlp(x, w_fc, w_proj, gh_cast=gh_cast)
     y.float().square().sum().backward()
     assert len(calls) >= 3 and all(t is not None and torch.isfinite(t).all() for t in (x.grad, w_fc.grad, w_proj.grad))
+    # and the fp8 result is the MLP's: float32 reference, fp8-sized tolerance
+    refs = [t.detach().float().requires_grad_() for t in (x, w_fc, w_proj)]
+    y_ref = nn.functional.linear(nn.functional.relu(nn.functional.linear(refs[0], refs[1])).square(), refs[2])
+    y_ref.square().sum().backward()
+    assert _rel(y.float(), y_ref) < 0.15
+    for got, ref in zip((x.grad, w_fc.grad, w_proj.grad), refs):
+        assert _rel(got, ref.grad) < 0.15
 
 
 # ------------------------------------------------------------------ s4.6: proven by a launch, not an import

@@ -275,11 +275,20 @@ def _sft_warm_up_worker(rank: int, port: int, base_dir: str, out: str, sft_argv:
         Path(out, f"sft{rank}.json").write_text(json.dumps([batch_size, seq_len, kw.get("loss_reduction")]))
         raise _WarmedUp
     distributed.warm_up_ranks = recording
+    from datetime import timedelta
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))   # a stuck rank fails soon
     from scripts import chat_sft
     try:
         chat_sft.main(sft_argv)
     except _WarmedUp:
-        pass
+        # out only once both ranks are past the warm-up's barrier (an exit while the other rank was
+        # still in it reset its connection), then without interpreter teardown (tests/test_multiprocess.py)
+        import time
+        deadline = time.monotonic() + 30
+        while not all(Path(out, f"sft{r}.json").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
 
 
 def test_chat_sft_warms_up_compile_on_every_rank(env, tmp_path):

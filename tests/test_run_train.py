@@ -258,7 +258,7 @@ def test_stale_pid_and_finished_run(run, base_dir):
 @pytest.mark.parametrize("args, flag", [
     (["--kernel", "cudnn"], "--kernel"),                 # base_train's own validation, before nohup
     (["--nproc", "0"], "--nproc"),
-    (["--nproc", "2", *TINY], "--eval-tokens"),          # 256 tokens: less than 2 ranks x 4 x 64
+    (["--nproc", "2", *TINY, "--eval-tokens", "100"], "--eval-tokens"),   # less than one micro-batch, 4 x 64
     (["--nproc", "2", *TINY, "--eval-tokens", "512"], "--total-batch-size"),   # the same for the batch
     (["--fsdp"], "--fsdp"),                              # needs torchrun: --nproc 2
     (["--stop", "--timeout", "soon"], "--timeout"),

@@ -266,6 +266,7 @@ class _Transport:
 class _Cycle:
     def __init__(self, started=False, complete=False):
         self.response_started, self.response_complete, self.disconnected = started, complete, False
+        self.more_body = False
 
 
 def _bare_protocol(monkeypatch, cycle):
@@ -313,3 +314,19 @@ def test_a_bad_request_queued_behind_an_answer_is_refused_after_it(monkeypatch):
     proto.pipeline = [("B", None)]
     proto.send_400_response("Invalid HTTP request received.")
     assert proto.transport.written == b"" and not proto._refused and proto._refuse_after[0] == 400
+    assert proto.pipeline == []   # never started: waiting for a body that will not come, it held the connection
+
+
+def test_a_bad_request_after_one_being_answered_waits_for_that_answer(monkeypatch):
+    """Garbage after request A while A's answer streams (A's body all read) closed the connection in the
+    middle of A's answer; now A is answered, then the 400. A parser error in A's own body is A's: now."""
+    a = _Cycle(started=True)
+    a.more_body = False
+    _, proto = _bare_protocol(monkeypatch, a)
+    proto.send_400_response("Invalid HTTP request received.")
+    assert not proto.transport.closed and not a.disconnected and proto._refuse_after[0] == 400
+    own = _Cycle()
+    own.more_body = True   # its body is being read: the error is this request's
+    _, proto = _bare_protocol(monkeypatch, own)
+    proto.send_400_response("Invalid HTTP request received.")
+    assert own.disconnected and b" 400 " in proto.transport.written
