@@ -31,12 +31,8 @@ from nanochat.step_meter import StepMeter, describe_peaks, resolve_peak_flops
 from nanochat.training import StepResult
 from tests.test_kernels import _fake_liger
 
-GB = 10**9
-GB10 = SimpleProps("NVIDIA GB10", 12, 1, 48, 128 * GB, is_integrated=True)
-H100 = SimpleProps("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 * GB)
-H200 = SimpleProps("NVIDIA H200", 9, 0, 132, 141 * GB)
-B200 = SimpleProps("NVIDIA B200", 10, 0, 148, 180 * GB)
-RTX5090 = SimpleProps("NVIDIA GeForce RTX 5090", 12, 0, 170, 32 * GB)
+from tests.test_gb10_review10 import B200, GB, GB10, H100, H200, RTX5090
+
 UNKNOWN = SimpleProps("NVIDIA Future Spark", 12, 1, 40, 96 * GB, is_integrated=True)   # cc of a GB10, not in the table
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -221,10 +221,10 @@ class _WarmedUp(Exception):
     pass
 
 
-def _warm_up_worker(rank: int, port: int, base_dir: str, data_dir: str, out: str) -> None:
-    """One rank of a 2-process gloo base_train with --compile, torch.compile standing in as the eager
-    model; distributed.warm_up_ranks runs (its barrier too), is recorded, and ends the run."""
-    import os
+def _record_warm_up(rank: int, port: int, base_dir: str, record) -> None:
+    """Makes this spawned process rank `rank` of a 2-process gloo run with --compile, torch.compile
+    standing in as the eager model: distributed.warm_up_ranks runs (its barrier too), then
+    `record(args, kwargs, seconds)` notes the call and _WarmedUp ends the run."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       NANOCHAT_BASE_DIR=base_dir)
@@ -233,11 +233,16 @@ def _warm_up_worker(rank: int, port: int, base_dir: str, data_dir: str, out: str
     torch.compile = lambda model, **kw: model
     real = distributed.warm_up_ranks
 
-    def recording(train_model, batch_size, seq_len, vocab_size, device, **kw):
-        took = real(train_model, batch_size, seq_len, vocab_size, device, **kw)
-        Path(out, f"rank{rank}.json").write_text(json.dumps([batch_size, seq_len, vocab_size, str(device), took]))
+    def recording(*args, **kw):
+        record(args, kw, real(*args, **kw))
         raise _WarmedUp
     distributed.warm_up_ranks = recording
+
+
+def _warm_up_worker(rank: int, port: int, base_dir: str, data_dir: str, out: str) -> None:
+    """One rank of base_train: its warm-up's batch shape, vocabulary, device and time recorded."""
+    _record_warm_up(rank, port, base_dir, lambda a, kw, took: Path(out, f"rank{rank}.json").write_text(
+        json.dumps([a[1], a[2], a[3], str(a[4]), took])))
     from scripts import base_train
     try:
         base_train.main(["--device", "cpu", "--depth", "1", "--aspect-ratio", "32", "--head-dim", "32",
@@ -259,22 +264,9 @@ def test_base_train_warms_up_compile_on_every_rank(base_dir, tiny_corpus, tmp_pa
 
 
 def _sft_warm_up_worker(rank: int, port: int, base_dir: str, out: str, sft_argv: list) -> None:
-    """One rank of a 2-process gloo chat_sft with --compile (torch.compile standing in as the eager
-    model): records distributed.warm_up_ranks' call, then ends the run."""
-    import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      NANOCHAT_BASE_DIR=base_dir)
-    import torch
-    from nanochat import distributed
-    torch.compile = lambda model, **kw: model
-    real = distributed.warm_up_ranks
-
-    def recording(train_model, batch_size, seq_len, vocab_size, device, **kw):
-        real(train_model, batch_size, seq_len, vocab_size, device, **kw)
-        Path(out, f"sft{rank}.json").write_text(json.dumps([batch_size, seq_len, kw.get("loss_reduction")]))
-        raise _WarmedUp
-    distributed.warm_up_ranks = recording
+    """One rank of chat_sft: its warm-up's batch shape and loss reduction recorded."""
+    _record_warm_up(rank, port, base_dir, lambda a, kw, took: Path(out, f"sft{rank}.json").write_text(
+        json.dumps([a[1], a[2], kw.get("loss_reduction")])))
     from datetime import timedelta
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))   # a stuck rank fails soon
