@@ -18,8 +18,9 @@ from nanochat.common import print0
 from nanochat.flags import FlagParser, require
 from nanochat.loop import TRAIN_FLAG_HELP, as_flags, launcher, resume_command as loop_resume_command
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
+from nanochat.training import PEAK_FLOPS_HELP
 
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "float | None": float}
 EXTRA_HELP = {
     "extra_conversations": 'a JSONL file of your own conversations, one {"messages": [{"role": "user", ...}, '
                            '{"role": "assistant", ...}]} per line, mixed into training (e.g. an identity of '
@@ -44,6 +45,7 @@ CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
                         "question (left out by default): to resume a run started before that check",
     "test_holdout": "N >= 0: also train on the local MMLU / ARC / GSM8K test files minus their first N problems "
                     "(offline, no train splits); -1: off",
+    "peak_flops": PEAK_FLOPS_HELP,
 }
 
 
@@ -119,9 +121,9 @@ def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size:
 
 
 # the flags of a finished stage that its next chat stage takes, with the same meaning: where the data
-# is, the user's own conversations and name, the rows, and the device the user picked
+# is, the user's own conversations and name, the rows, and the device the user picked (and its peak)
 _CARRIED = ("device", "dtype", "kernel", "compile", "data_dir", "test_holdout", "max_seq_len", "extra_conversations",
-            "identity")
+            "identity", "peak_flops")
 
 
 def next_commands(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1) -> list[tuple[str, str]]:

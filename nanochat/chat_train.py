@@ -22,7 +22,7 @@ from nanochat.checkpoint import check_resume_flags
 from nanochat.common import env_world_size, get_base_dir, print0
 from nanochat.tasks.identity import NAME as IDENTITY_NAME, check_identity_name
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
-from nanochat.training import Schedule, plan_batch
+from nanochat.training import Schedule, check_peak_flops, plan_batch, warm_up_compile
 from nanochat.flags import check_dir_flag, check_model_tag, require, require_float, require_int
 
 
@@ -101,6 +101,7 @@ class ChatTrainConfig:
     dtype: str = "auto"
     kernel: str = "current"
     compile: bool | None = None             # default: on for CUDA
+    peak_flops: float | None = None         # dense bf16 FLOP/s per device (unknown GPUs), as base_train's
     seed: int = 42
     data_dir: str | None = None             # root or folder of the local eval/sft/words files
     test_holdout: int = -1                  # >= 0: train MMLU/ARC/GSM8K on local test[N:] (offline)
@@ -135,6 +136,7 @@ class ChatTrainConfig:
         require(self.dtype in ("auto", "bf16", "fp32"), "--dtype", self.dtype, "auto|bf16|fp32")
         require(self.kernel in KERNELS, "--kernel", self.kernel, "|".join(KERNELS))
         require_int(self.seed, "--seed", 0)
+        check_peak_flops(self.peak_flops)
         require(self.seed < 2**64, "--seed", self.seed, "an integer >= 0 and < 2**64 (what torch.manual_seed takes)")
         require_int(self.test_holdout, "--test-holdout", 0, allow=(-1,))
         check_dir_flag(self.data_dir, "--data-dir", "an existing directory (a data root with eval/ sft/ words/, "
@@ -510,13 +512,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         optimizer.load_state_dict(resume["optimizer"])
     trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, grad_clip=cfg.grad_clip,
                       token_weighted=stage.mask == "assistant")
-    if compile_model and rt.world_size > 1:   # every rank compiles the loop's graphs now (DESIGN pitfall 9)
-        from nanochat.distributed import warm_up_ranks
-        took = warm_up_ranks(train_model, cfg.device_batch_size, seq_len, model.config.vocab_size, rt.device,
-                             loss_reduction="sum" if trainer.token_weighted else None, around=trainer.step_context,
-                             evaluates=cfg.eval_every > 0)
-        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
-    peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], None,
+    # the loop's graphs compiled now, not inside a collective or a mid-run evaluation (DESIGN pitfalls 3, 9)
+    warm_up_compile(train_model, cfg.device_batch_size, seq_len, model.config.vocab_size, rt, compiled=compile_model,
+                    eval_every=cfg.eval_every, num_iterations=num_iterations, loop_state=resume and resume["loop"],
+                    loss_reduction="sum" if trainer.token_weighted else None, around=trainer.step_context)
+    peak_bf16, peak_active, device_name = resolve_peak_flops(rt, precision_info["peak_key"], cfg.peak_flops,
                                                              warn=lambda m: print0(f"WARNING: {m}"))
     # FLOPs of the rows trained (--max-seq-len may be shorter than the model's context: attention
     # then sees fewer keys per query), not of the model's full sequence length

@@ -102,9 +102,17 @@ def _lm(context: str, continuation: str) -> dict:
     return {"context": context, "continuation": _strip(continuation)}
 
 
+# the pronoun "I" ("I took deep breaths.", "I'm ..."): a choice continuing the premise keeps it upper case
+_COPA_I = re.compile(r"I(?=[\s'\u2019])")
+
+
 def _copa(r: dict) -> dict:
+    """The premise + " because" / " therefore", each choice continuing it: its first letter lower
+    case, except the pronoun I. Lowered ("i took deep breaths."), a word no text writes so made
+    that choice alone less likely: in 4 of COPA's 100 items one choice starts with "I" and the
+    other does not (2 of them gold), a bias for or against the answer that no model earned."""
     joiner = " because" if r["relation"] == "cause" else " therefore"
-    choices = [c[:1].lower() + c[1:] for c in r["choices"]]
+    choices = [c if _COPA_I.match(c) else c[:1].lower() + c[1:] for c in r["choices"]]
     return _mc(r["question"].rstrip(".") + joiner, choices, r["answer"])
 
 

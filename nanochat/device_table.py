@@ -60,9 +60,9 @@ def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor data
                       unified_memory=unified, peak_tflops=peaks, key=key, source=source)
 
 
-# Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2, GeForce-class
-# half-rate fp32 accumulate for bf16/fp8) and labelled as such; measured GEMM rates are lower
-# (DESIGN.md s3).
+# Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2; GeForce-class
+# half-rate fp32 accumulate for bf16 on the 5090) and labelled as such; measured GEMM rates are lower
+# (DESIGN.md s3). Memory is the datasheet's GB (the MIG profiles' unit), not the bytes CUDA reports.
 DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
           {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
@@ -84,23 +84,34 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     # the NVL (PCIe, 600 W) part: same die and 4.8 TB/s, the H100 NVL's lower clocks and peaks
     _spec("h200-nvl", "NVIDIA H200 NVL", (9, 0), 132, 141, 4800,
           {"bf16": 835.0, "fp8": 1670.0, "fp32": 417.5}),
+    # 180 GB, not the 192 of the GTC 2024 announcement: the HGX/DGX B200 datasheets give 1,440 GB for 8
+    # GPUs ("180GB HBM3E" per GPU); peaks = their 4.5 / 9 / 18 PFLOPS (sparse) halved
     _spec("b200", "NVIDIA B200", (10, 0), 148, 180, 8000,
           {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
     _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
           {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
-    # GeForce halves bf16 and fp8 with fp32 accumulate, not fp4 (whose products always accumulate in
-    # fp32): NVIDIA's 3352 "AI TOPS" are fp4 with sparsity, 1676 dense = 170 SMs x 4096 fp4 ops per
-    # clock at 2.41 GHz, the per-SM rate of the RTX PRO 6000's 2015 and GB10's 500. 838 (the fp4 rate
-    # halved as well) printed nvfp4 % of peak twice too high
+    # GeForce halves bf16 with fp32 accumulate (209.5 = 170 SMs x 512 per clock x 2.41 GHz), not fp4
+    # (block-scaled, always fp32 accumulate): NVIDIA's 3352 "AI TOPS" are fp4 with sparsity, 1676 dense =
+    # 170 x 4096 x 2.41 GHz, the per-SM rate of the RTX PRO 6000's 2015 and GB10's 500 (838, DESIGN.md's
+    # figure, halves it twice). fp8 is the full 8-bit rate, 838 = 170 x 2048 x 2.41 GHz, not 419: only
+    # the plain fp8 MMA runs at half rate on sm_120; the block-scaled one runs fp8 x fp8 -> fp32 at full
+    # rate (triton-lang/triton#11320, #11386: 1.55x measured on a 5090), cuBLASLt's fp8 GEMM reaches
+    # it (tensor-wise e4m3 -> bf16, CUDA 13, RTX 5060 Ti: 184.6 TFLOP/s = 3.9x its bf16 47.0, github
+    # QuantumDrizzy/BLACKWALL; MXFP8 on a 5090: 600+, NVIDIA/CUDALibrarySamples#283), and 419 let fp8
+    # util read up to 200%
     _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
-          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 1676.0, "fp32": 104.8},
-          source="spec-derived (GeForce half-rate fp32 accumulate for bf16/fp8; fp4 = 3352 AI TOPS sparse / 2)"),
+          {"bf16": 209.5, "fp8": 838.0, "nvfp4": 1676.0, "fp32": 104.8},
+          source="spec-derived (GeForce half-rate fp32 accumulate for bf16; fp8 full 8-bit rate; "
+                 "fp4 = 3352 AI TOPS sparse / 2)"),
     _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
           {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
-    # the 300 W Max-Q: the same 188 SMs at lower clocks (3511 vs 4000 AI TOPS in NVIDIA's datasheets)
+    # the 300 W Max-Q: the same 188 SMs at lower clocks. NVIDIA's datasheet: 3511 AI TOPS (fp4, sparse)
+    # -> 1755.5 dense = 188 x 4096 x 2.28 GHz, and bf16 / fp8 / tf32 at 1/4, 1/2, 1/8 of it as on the
+    # Workstation Edition. The old 2015 x 3511/4000 scaled by the Workstation card's rounded 4000 (it is
+    # 4031 = 2 x 2015): every peak 0.8% high
     _spec("rtx-pro-6000-maxq", "NVIDIA RTX PRO 6000 Blackwell Max-Q", (12, 0), 188, 96, 1792,
-          {"bf16": 442.2, "fp8": 884.4, "nvfp4": 1768.8, "fp32": 221.1},
-          source="spec-derived (the Workstation Edition's peaks x 3511/4000 AI TOPS)"),
+          {"bf16": 438.9, "fp8": 877.8, "nvfp4": 1755.5, "fp32": 219.4},
+          source="spec-derived (3511 AI TOPS fp4 sparse / 2; bf16 = fp4 / 4)"),
     _spec("a100", "NVIDIA A100", (8, 0), 108, 80, 2039,
           {"bf16": 312.0, "fp32": 156.0}),
     # same peaks, slower memory: the 40 GB parts (HBM2, SXM4 and PCIe) and the 80 GB PCIe card
@@ -128,7 +139,10 @@ _NAME_RULES: list[tuple[int | None, str, str]] = [
     (10, r"\bB200\b", "b200"),
     # a laptop GPU of the same name is another, smaller chip at laptop clocks and bandwidth: not
     # in the table (MFU n/a + --peak-flops), rather than the desktop card's numbers scaled by SMs
-    (12, r"RTX 5090(?!.*Laptop)", "rtx-5090"),
+    # nor the China-market RTX 5090 D (2375 AI TOPS against 3352: capped tensor rates) or its 24 GB
+    # "D v2" (384-bit, 1344 GB/s): the 5090's peaks and bandwidth were printed for them. The RTX 4090 D
+    # stays: the 4090's clocks with 114 SMs, which _scaled_to_sms accounts for
+    (12, r"RTX 5090\b(?!\s*D\b)(?!.*Laptop)", "rtx-5090"),
     (12, r"RTX PRO 6000.*Max-Q", "rtx-pro-6000-maxq"),
     (12, r"RTX PRO 6000(?!.*Laptop)", "rtx-pro-6000"),
     (8, r"A100.*40GB", "a100-40gb"),
@@ -192,8 +206,11 @@ def spec_from_props(props: Any) -> DeviceSpec:
     cc = (int(props.major), int(props.minor))
     sms = int(props.multi_processor_count)
     mem_gb = round(int(props.total_memory) / 1e9, 1)
+    # The board's name without a MIG slice's profile: "NVIDIA A100-SXM4-80GB MIG 3g.40gb" matched the
+    # "A100.*40GB" rule (the 40 GB board: 1555 GB/s, not 2039 x 40/80 = 1019.5) by its profile's "40gb"
+    board = re.split(r"\s+MIG\b", name, maxsplit=1, flags=re.IGNORECASE)[0]
     for major, pattern, key in _NAME_RULES:
-        if (major is None or major == cc[0]) and re.search(pattern, name, flags=re.IGNORECASE):
+        if (major is None or major == cc[0]) and re.search(pattern, board, flags=re.IGNORECASE):
             # The real SM count and memory win over the table (cut-down SKUs, MIG slices).
             entry = DEVICE_TABLE[key]
             peaks, source = _scaled_to_sms(entry, sms)
@@ -232,8 +249,8 @@ def peak_key(precision: str) -> str:
 
 
 # Dense tensor-core rate of a precision relative to bf16, as on the GPUs in the table that have it
-# (Hopper, Blackwell, GB10; GeForce cards, with their half-rate bf16/fp8 fp32 accumulate, have an
-# fp4 ratio of 8): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
+# (Hopper, Blackwell, GB10; the RTX 5090, with its half-rate bf16 fp32 accumulate, has ratios 4 and 8,
+# the RTX 4090, half-rate fp8 too, 2): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
 DENSE_RATIO = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "fp32": 0.5}
 
 

@@ -195,19 +195,17 @@ def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, d
     (`loss_reduction`: "sum" for token-weighted chat stages), inside its step context (`around()`:
     Trainer.step_context, whose once-per-step weight casts change what is traced), and with
     `evaluates`, evaluate_bpb's no-grad eval-mode forward (per-token losses), whose first call came
-    inside the step-0 evaluation's collectives."""
+    inside the step-0 evaluation's collectives. Called through training.warm_up_compile."""
+    from nanochat.training import compile_eval_forward, warm_up_batch
     t0 = time.monotonic()
-    idx = torch.arange(batch_size * seq_len, device=device).remainder(vocab_size).view(batch_size, seq_len)
+    idx = warm_up_batch(batch_size, seq_len, vocab_size, device)
     with around() if around is not None else contextlib.nullcontext():
         loss = train_model(idx, idx) if loss_reduction is None else train_model(idx, idx, loss_reduction=loss_reduction)
         loss.backward()
     for p in train_model.parameters():
         p.grad = None
     if evaluates:
-        train_model.eval()
-        with torch.no_grad():
-            train_model(idx, idx, loss_reduction="none")
-        train_model.train()
+        compile_eval_forward(train_model, idx)
     timed_barrier(timeout_s, name="compile warm-up")
     return time.monotonic() - t0
 

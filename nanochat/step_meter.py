@@ -31,8 +31,8 @@ def resolve_peak_flops(rt, precision: str, override: float | None = None,
     ranks = _every_rank((bf16, act, spec.name), getattr(rt, "world_size", 1))
     unknown = sorted({name for b, _, name in ranks if b is None})
     if unknown:   # on any rank: rank 0 (the one that prints, print0) says so, naming every such GPU
-        (warn or _warn)(f"GPU {', '.join(repr(n) for n in unknown)} is not in nanochat/platform.py's table: "
-                        "MFU cannot be computed; base_train and bench_train take --peak-flops "
+        (warn or _warn)(f"GPU {', '.join(repr(n) for n in unknown)} is not in nanochat/device_table.py: "
+                        "MFU cannot be computed; base_train, mid_train, chat_sft and bench_train take --peak-flops "
                         "<dense bf16 FLOP/s per GPU, e.g. 989e12> for it")
         return None, None, spec.name
     if len({(b, a) for b, a, _ in ranks}) > 1:

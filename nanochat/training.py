@@ -446,6 +446,87 @@ def apply_precision(model, precision: str, rt, *, backend: str = "auto", compile
     return P.apply_precision(model, precision, rt, backend, compile=compile, fp8_wgrad=fp8_wgrad)
 
 
+# ------------------------------------------------------------------------------------ compile warm-up
+
+# --peak-flops of base_train, mid_train and chat_sft (one meaning, one text)
+PEAK_FLOPS_HELP = ("dense bf16 FLOP/s of one device that MFU divides by (a GPU not in the device table, or a "
+                   "measured figure); the fp8 / nvfp4 peak follows it by the dense ratio")
+
+
+def check_peak_flops(value: float | None) -> None:
+    """--peak-flops: not given (the device table's), or a finite FLOP/s of at least 1e9 (a figure in
+    TFLOP/s, e.g. 989, would make MFU a million times too high)."""
+    if value is not None:
+        require_float(value, "--peak-flops", 1e9)
+
+
+def warm_up_batch(batch_size: int, seq_len: int, vocab_size: int, device) -> torch.Tensor:
+    """The loop's batch shape, arange-based: a warm-up draws no random numbers (exact resume)."""
+    return torch.arange(batch_size * seq_len, device=device).remainder(vocab_size).view(batch_size, seq_len)
+
+
+def compile_eval_forward(train_model, idx: torch.Tensor) -> None:
+    """evaluate_bpb's call: eval mode, no grad, per-token losses (the graph torch.compile traces for
+    it differs from the step's: mode, grad and loss reduction are all guarded on)."""
+    train_model.eval()
+    with torch.no_grad():
+        train_model(idx, idx, loss_reduction="none")
+    train_model.train()
+
+
+def first_eval_step(eval_every: int, start_step: int, num_iterations: int,
+                    evaluated_at: int | None = None) -> int | None:
+    """The step of the loop's first evaluation (nanochat/loop.py's rule: step 0, every `eval_every`
+    steps and the last, less the one the checkpoint a run resumes from made at its own step,
+    `evaluated_at`); None: it never evaluates."""
+    from nanochat.loop import _due
+    step = start_step
+    while eval_every > 0:
+        last = step >= num_iterations
+        if _due(eval_every, step, last) and evaluated_at != step:
+            return step
+        if last:
+            return None
+        step = min(num_iterations, (step // eval_every + 1) * eval_every)
+    return None
+
+
+def warm_up_compile(train_model, batch_size: int, seq_len: int, vocab_size: int, rt, *, compiled: bool,
+                    eval_every: int, num_iterations: int, loop_state: dict | None = None,
+                    loss_reduction: str | None = None, around=None, say=None) -> float | None:
+    """Compile the loop's graphs before the loop where it would otherwise compile them mid-run, and
+    say so in one line (`say`, default print0); returns the seconds taken (None: nothing ran).
+
+    Several ranks: the step and (if it ever evaluates) the evaluation on every rank, then a timed
+    barrier (distributed.warm_up_ranks, DESIGN.md pitfall 9). One process: the evaluation forward
+    only, and only when the first evaluation is not at the loop's first step: a resume from a step
+    that is not a multiple of --eval-every (or whose checkpoint evaluated there) first compiled it
+    at its first evaluation, mid-run, with the run's memory in use (GB10's unified memory: pitfall 3).
+    A run that evaluates at its first step compiles it there, before any training step (a warm-up
+    would only repeat that forward); the step's own graph compiles in the first step either way.
+    `loop_state`: the resumed checkpoint's (its step and evaluated_at); None for a fresh start."""
+    if not compiled:
+        return None
+    from nanochat.common import print0
+    say = say or print0
+    start = loop_state["step"] if loop_state is not None else 0
+    first = first_eval_step(eval_every, start, num_iterations, (loop_state or {}).get("evaluated_at"))
+    if rt.world_size > 1:
+        from nanochat.distributed import warm_up_ranks
+        took = warm_up_ranks(train_model, batch_size, seq_len, vocab_size, rt.device, loss_reduction=loss_reduction,
+                             around=around, evaluates=first is not None)
+        say(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
+        return took
+    if first is None or first == start:
+        return None
+    t0 = time.monotonic()
+    compile_eval_forward(train_model, warm_up_batch(batch_size, seq_len, vocab_size, rt.device))
+    took = time.monotonic() - t0
+    say(f"compile warm-up: the evaluation graph compiled before the loop in {took:.1f} s (the first "
+        f"evaluation is at step {first}, not at the first step {start})")
+    return took
+
+
 # ------------------------------------------------------------------------------------ evaluation
 # (validation bpb: nanochat/eval_bpb.py)
 

@@ -35,7 +35,7 @@ from nanochat.resume_checks import check_resume_compatible, check_resume_step, s
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.eval_bpb import EvalSet, eval_loader, evaluate_bpb
 from nanochat.training import (DEFAULT_PROMPTS, REF_DEPTH, Schedule, StepMeter, Trainer, describe_peaks, plan_batch,
-                               resolve_peak_flops,
+                               PEAK_FLOPS_HELP, check_peak_flops, resolve_peak_flops, warm_up_compile,
                                resolve_total_batch_size, restore_rng_state, resume_precision, sample_prompts)
 from nanochat.precision_request import check_request, runtime_dtype
 from nanochat.flags import FlagParser, check_dir_flag, check_model_tag, require, require_float, require_int, script_main
@@ -181,8 +181,7 @@ class BaseTrainConfig:
             require(self.precision in ("auto", "bf16", "fp32"), "--precision", self.precision,
                     "auto|bf16|fp32 with --fsdp (fp8/nvfp4 modules are not FSDP-tested)")
         require_int(self.seed, "--seed", 0)
-        if self.peak_flops is not None:
-            require_float(self.peak_flops, "--peak-flops", 1e9)
+        check_peak_flops(self.peak_flops)
         if self.data_dir is not None:   # saved absolute: base_eval reads it back (from its own working dir)
             check_dir_flag(self.data_dir, "--data-dir", "an existing directory of *.parquet shards")
             self.data_dir = os.path.abspath(self.data_dir)
@@ -216,8 +215,7 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "precision_backend": f"{'|'.join(PRECISION_BACKENDS)}: the fp8 / nvfp4 implementation",
     "fp8_wgrad": f"{'|'.join(FP8_WGRAD)}: how native fp8 keeps what its weight gradient needs (recompute, "
                  "plain: ~10 GiB less at d20, a little slower)",
-    "peak_flops": "dense bf16 FLOP/s of one device that MFU divides by (a GPU not in the device table, or a "
-                  "measured figure); the fp8 / nvfp4 peak follows it by the dense ratio",
+    "peak_flops": PEAK_FLOPS_HELP,
     "data_dir": "a directory of *.parquet text shards; not given: <base dir>/base_data",
 }
 
@@ -450,11 +448,10 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                       precision=precision_info["peak_key"], peak_memory=rt.peak_memory_bytes,
                       low_precision_flops=precision_info.get("low_precision_flops"))
     trainer = Trainer(train_model, optimizer, train_loader, plan, schedule, rt, grad_clip=cfg.grad_clip)
-    if compile_model and rt.world_size > 1:  # every rank compiles the loop's graphs now, not in a collective
-        from nanochat.distributed import warm_up_ranks
-        took = warm_up_ranks(train_model, cfg.device_batch_size, cfg.max_seq_len, tokenizer.vocab_size, rt.device,
-                             around=trainer.step_context, evaluates=cfg.eval_every > 0)
-        print0(f"compile warm-up on {rt.world_size} ranks: {took:.1f} s")
+    # the loop's graphs compiled now, not inside a collective or a mid-run evaluation (DESIGN pitfalls 3, 9)
+    warm_up_compile(train_model, cfg.device_batch_size, cfg.max_seq_len, tokenizer.vocab_size, rt, compiled=compile_model,
+                    eval_every=cfg.eval_every, num_iterations=num_iterations, loop_state=resume and resume["loop"],
+                    around=trainer.step_context)
     train_meta = {"num_iterations": num_iterations, "total_batch_size": total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "flops_per_token": flops_per_token,
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,

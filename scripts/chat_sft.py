@@ -7,6 +7,8 @@ spelling), rows packed best-fit with whole conversations and padded, the loss av
 real target tokens of the whole accumulated batch; saves the `sft` checkpoint under the same tag.
 Defaults follow nanochat: lr x 0.02 (--init-lr-frac), linear decay to 0, -1 iterations = one epoch.
 The recipe lives in nanochat/chat_train.py (shared with mid_train); the loop in nanochat/loop.py.
+The log's MFU divides by the device table's peak; --peak-flops gives it for a GPU the table lacks
+(as base_train's).
 
 Your own data and name: `--extra-conversations my_chats.jsonl` (one {"messages": [...]} per line,
 repeatable) and `--identity NAME` (or `--no-identity`); mid_train takes the same flags.

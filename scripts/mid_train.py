@@ -7,6 +7,8 @@ calculator tool calls, SpellingBee) packed into BOS-aligned rows of --max-seq-le
 token trains; rows are filled by cropping), and saves the `mid` checkpoint under the same tag.
 -1 iterations = one epoch of the mixture. The recipe lives in nanochat/chat_train.py (shared
 with chat_sft); the loop in nanochat/loop.py.
+The log's MFU divides by the device table's peak; --peak-flops gives it for a GPU the table lacks
+(as base_train's).
 
 Offline (no hub): --test-holdout N trains MMLU/ARC/GSM8K on the local test files minus their
 first N problems, so `chat_eval --max-problems N` still scores unseen problems.

@@ -9,6 +9,7 @@ roughly from short solutions to long ones, so chat_eval --max-problems N scored 
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from nanochat.execution import execute_code
@@ -67,16 +68,58 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     defines `entry_point` itself simply redefines the prompt's docstring-only stub. The code's
     `if __name__ == "__main__":` conditions become False, as that harness evaluates them.
     Of these choices the first that compiles (with the prompt) wins: text after a stray closing
-    fence (`    return x\n```\nThis returns x.`) is prose, not the code to run.
+    fence (`    return x\n```\nThis returns x.`) is prose, not the code to run. So is prose after
+    (or before) code written without any fence (`def f(x):\n    return x\n\nThis returns x.`):
+    where the text outside the blocks does not compile, its code is the longest run of its lines
+    that does (_code_among_prose). That text's own `def entry_point` is preferred to a block that
+    defines nothing (a usage example such as ```print(f(1))```, which ran the prompt's stub).
     """
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
     blocks, outside = _code_blocks(completion)
     python = [code for lang, code in blocks if lang in _PYTHON_LANGS and code.strip()]
-    # in that order of preference, the first that compiles: a body (or a function) followed by a
-    # stray closing fence and an explanation read as code, then prose, which was chosen and failed
-    candidates = [c for c in python if defines.search(c)] + python + [outside]
-    programs = [_join(prompt, _MAIN_GUARD.sub(r"\1False", c), defines) for c in candidates]
-    return next((p for p in programs if _compiles(p)), programs[0])
+    own = defines.search(outside) is not None
+
+    def candidates():   # in that order of preference, lazily (the prose search only when needed)
+        yield from (c for c in python if defines.search(c))
+        if own:   # the text's own function: before a block that defines nothing, as a usage example
+            yield outside
+            yield _code_among_prose(outside, prompt, defines)
+        yield from python
+        if not own:
+            yield outside
+            yield _code_among_prose(outside, prompt, defines)
+
+    # the first that compiles: a body (or a function) followed by a stray closing fence or plain
+    # prose, read whole as code, failed to compile and scored 0
+    programs = (_join(prompt, _MAIN_GUARD.sub(r"\1False", c), defines) for c in candidates() if c is not None)
+    first = next(programs)
+    return next((p for p in itertools.chain([first], programs) if _compiles(p)), first)
+
+
+# a line that starts Python code at the top level: where code written without a fence may begin
+_CODE_LINE = re.compile(r"(?:def|class|import|from|async[ \t]+def)[ \t]+\S|@[A-Za-z_]")
+
+
+def _code_among_prose(text: str, prompt: str, defines: re.Pattern) -> str | None:
+    """The longest run of whole lines of `text` that compiles after the prompt; None when no run
+    holding code does. With a `def entry_point` line the run holds it, and starts at the first
+    top-level `def` / `class` / `import` / `from` / decorator line before it (its helpers and
+    imports), else at that line; without one it starts at the first line (a body continuing the
+    prompt). Tried only after `text` failed to compile whole: code that compiles is never cut."""
+    lines = [line + "\n" for line in text.split("\n")]   # "\n" alone ends a line, as in count() below
+    lines[-1] = lines[-1][:-1]
+    m = defines.search(text)
+    entry = None if m is None else text.count("\n", 0, m.end())   # the line of `def entry_point`
+    if entry is None:
+        starts = [0]
+    else:
+        starts = [i for i, line in enumerate(lines[:entry]) if _CODE_LINE.match(line)][:1] + [entry]
+    for start in starts:
+        for end in range(len(lines), max(start, -1 if entry is None else entry), -1):
+            code = "".join(lines[start:end])
+            if code.strip() and _compiles(_join(prompt, _MAIN_GUARD.sub(r"\1False", code), defines)):
+                return code
+    return None
 
 
 def _join(prompt: str, code: str, defines: re.Pattern) -> str:
