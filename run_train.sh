@@ -27,7 +27,9 @@ Starts 'python -m scripts.base_train FLAGS' in the background with nohup (its ow
 writes the pid and the log under \$NANOCHAT_BASE_DIR/runs/<model-tag>/ and returns. The model tag
 is --model-tag from the flags, else d<--depth>, else d20 (base_train's defaults). A second start
 on a tag whose run is alive is refused; a pid file of a dead run is cleaned up. The flags are
-validated (scripts.base_train's own checks) before anything starts.
+validated (scripts.base_train's own checks) before anything starts, and so is what the run needs
+on disk: the tokenizer, the data shards, the checkpoint --resume names; a tag that holds
+checkpoints needs --resume latest (continue) or --overwrite (start afresh).
 
 Run options (not passed to base_train):
   --nproc N        run under 'torchrun --standalone --nproc_per_node N' (default 1: plain python);
@@ -47,7 +49,8 @@ Modes:
   --lines N        log lines shown by --status (default 10)
   -h, --help       this text
 An option of another mode is refused, not ignored: --nproc starts a run, --lines goes with --status,
---timeout with --stop. A relative --base-dir (or NANOCHAT_BASE_DIR) is the caller's directory's.
+--timeout with --stop. A relative --base-dir (or NANOCHAT_BASE_DIR) or --data-dir is the caller's
+directory's.
 Exit codes: 0 started (the run goes on in the background; its own end is in <run dir>/exit_code),
 stopped, nothing to stop, or (--status) running; 1 a run of that tag is already running; 2 a bad
 flag or a request refused before anything started; 3 (--status) not running.
@@ -64,6 +67,12 @@ EOF
 die() { echo "run_train.sh: error: $*" >&2; exit 2; }
 say() { echo "run_train.sh: $*"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+callers_path() {  # a path as the caller means it: ~/x is the home's, a relative one this directory's ('' as is)
+  local p="$1"
+  [[ "$p" != "~" && "$p" != "~/"* ]] || p="$HOME${p:1}"
+  [[ -z "$p" || "$p" == /* ]] || p="$PWD/$p"
+  printf '%s' "$p"
+}
 
 MODE=start TAG="" DEPTH="" NPROC=1 TIMEOUT=600 LINES=10 TAG_GIVEN=0 BASE_DIR_GIVEN=0
 MODES_GIVEN=() RUN_OPTS=()   # --status / --stop given; the run options given, as "flag mode-they-belong-to"
@@ -84,6 +93,9 @@ while [[ $# -gt 0 ]]; do
     --model-tag|--model_tag) [[ $# -ge 2 ]] || die "$1 needs a value"
       TAG="$2"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$2"); shift 2 ;;
     --model-tag=*|--model_tag=*) TAG="${1#*=}"; TAG_GIVEN=1; TRAIN_ARGS+=("--model-tag" "$TAG"); shift ;;
+    # the run starts in the repo: a relative --data-dir (the user's own shards) is made the caller's here
+    --data-dir|--data_dir) [[ $# -ge 2 ]] || die "$1 needs a directory"; TRAIN_ARGS+=("$1" "$(callers_path "$2")"); shift 2 ;;
+    --data-dir=*|--data_dir=*) TRAIN_ARGS+=("${1%%=*}=$(callers_path "${1#*=}")"); shift ;;
     --depth) [[ $# -ge 2 ]] || die "--depth needs a value"; DEPTH="$2"; TRAIN_ARGS+=("$1" "$2"); shift 2 ;;
     --depth=*) DEPTH="${1#*=}"; TRAIN_ARGS+=("$1"); shift ;;
     *) TRAIN_ARGS+=("$1"); shift ;;
@@ -269,6 +281,12 @@ fi
 
 # ---------------------------------------------------------------- start
 [[ -n "$PYTHON" ]] || die "no Python found: run ./setup.sh --only env first (or set NANOCHAT_PYTHON)"
+# a bad NANOCHAT_PYTHON ended in env's "No such file or directory" (exit 127) or a Python's traceback
+PY_OK="accepted: a Python with this project installed (default $REPO/.venv/bin/python, which ./setup.sh --only env builds)"
+if [[ -n "${NANOCHAT_PYTHON:-}" ]]; then
+  command -v "$PYTHON" >/dev/null 2>&1 || die "NANOCHAT_PYTHON: got '$PYTHON' (no such program); $PY_OK"
+fi
+export RUN_TRAIN_PY_OK="$PY_OK"   # the check below names the interpreter when it lacks a module
 # the base dir's flag named as the user gave it: base_train's own check below blames NANOCHAT_BASE_DIR
 # (which this script sets from --base-dir) and says "set NANOCHAT_BASE_DIR" to a --base-dir user
 existing="$BASE_DIR" from=--base-dir; [[ $BASE_DIR_GIVEN -eq 1 ]] || from=NANOCHAT_BASE_DIR
@@ -289,17 +307,24 @@ if (( NPROC == 1 )); then
       "accepted: --fsdp with --nproc 2 or more (it shards the model over the run's processes), or leave --fsdp out"
   done
 fi
-# base_train's own validation (flag names, batch arithmetic over --nproc ranks, devices) before
-# anything starts.
+# base_train's own validation (flag names, batch arithmetic over --nproc ranks, devices, and its
+# first checks of the disk: tokenizer, shards, checkpoints) before anything starts.
 export NANOCHAT_BASE_DIR="$BASE_DIR"
 rank_env=(WORLD_SIZE="$NPROC"); (( NPROC > 1 )) && rank_env+=(RANK=0)   # as torchrun will set them
 (cd "$REPO" && env "${rank_env[@]}" "$PYTHON" - "$NPROC" "${TRAIN_ARGS[@]}" <<'EOF'
 import os
 import sys
 
-import torch
+try:
+    import torch
 
-from scripts.base_train import parse_config
+    from scripts.base_train import parse_config
+except ImportError as e:   # another Python (NANOCHAT_PYTHON, or python3 without a .venv)
+    who = f"NANOCHAT_PYTHON: got '{os.environ['NANOCHAT_PYTHON']}'" if os.environ.get("NANOCHAT_PYTHON") \
+        else f"the interpreter {sys.executable}"
+    print(f"run_train.sh: error: {who}, which cannot import {e.name or e}; {os.environ['RUN_TRAIN_PY_OK']}",
+          file=sys.stderr)
+    sys.exit(2)
 
 
 def check_device(device: str, nproc: int) -> None:
@@ -323,29 +348,55 @@ def check_device(device: str, nproc: int) -> None:
               "each process gets less than a core", file=sys.stderr)
 
 
-def check_free(cfg) -> None:
+def check_free(cfg) -> bool:
     """A run already saving into this tag's checkpoint directory (./setup.sh's pretrain stage, a
-    base_train in another terminal) would refuse this one in the log only: say it here."""
+    base_train in another terminal) would refuse this one in the log only: say it here. False: a
+    run this script started is alive there (the shell refuses the start, naming its pid and --stop)."""
     from nanochat.checkpoint import checkpoint_dir
     from nanochat.common import get_base_dir
     from nanochat.writer_lock import holder, refusal
 
     tag = cfg.model_tag or f"d{cfg.depth}"
-    try:   # a run this script started: the check below names its pid, log and --stop
+    try:
         os.kill(int((get_base_dir() / "runs" / tag / "pid").read_text()), 0)
-        return
+        return False
     except (OSError, ValueError):
         pass
     ckpt_dir = checkpoint_dir("base", tag, get_base_dir())
     who = holder(ckpt_dir)
     if who:
         raise ValueError(refusal(ckpt_dir, who))
+    return True
+
+
+def check_inputs(cfg) -> None:
+    """What base_train refuses in its first seconds, with its own calls and words: no tokenizer, no
+    data shards, --resume latest|STEP without that checkpoint, a fresh start into a tag that holds
+    checkpoints (the same command again after a --stop). Refused in the log only, the start said
+    "started" and exited 0 while the run had already ended."""
+    from pathlib import Path
+
+    from nanochat import binshards, dataset
+    from nanochat.checkpoint import checkpoint_dir, fresh_start, read_meta
+    from nanochat.common import get_base_dir
+    from nanochat.tokenizer import get_tokenizer
+
+    get_tokenizer(get_base_dir())
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else dataset.default_data_dir()
+    if not binshards.list_bin_shards(binshards.default_bin_dir(data_dir)):   # else the loader checks them
+        dataset.split_shards(dataset.list_shards(data_dir), "train")
+    ckpt_dir = checkpoint_dir("base", cfg.model_tag or f"d{cfg.depth}", get_base_dir())
+    if cfg.resume is None:
+        fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # (no writer holds the directory: check_free)
+    elif cfg.resume != "auto":
+        read_meta(ckpt_dir, cfg.resume)
 
 
 try:
     cfg = parse_config(sys.argv[2:])
     check_device(cfg.device, int(sys.argv[1]))
-    check_free(cfg)
+    if check_free(cfg):
+        check_inputs(cfg)
 except ValueError as e:
     print(f"run_train.sh: error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -454,7 +454,8 @@ if should_run env; then
   elif env_done; then say "[env] done already (same config): skipping"
   elif env_only_needs_bytecode; then say "[env] would compile the venv's packages to bytecode (no reinstall)"
   else
-    say "[env] would create .venv, install torch from ${TORCH_INDEX:-PyPI}, the project and rustbpe"
+    # (an existing .venv is reused: "would create .venv" read as if it were thrown away, its torch too)
+    say "[env] would $(env_plan) ($(env_why))"
     rust_ready || [[ $INSTALL_RUST -eq 1 ]] || warn "$NO_CARGO"
     command -v cc >/dev/null 2>&1 || warn "$NO_CC"
   fi
@@ -484,6 +485,36 @@ except ValueError as e:   # DataError and RequestError are ValueErrors
 PY
 }
 check_chat_inputs
+# NANOCHAT_DTYPE (the stages' compute dtype), which base_train's own check refused only once it
+# started, after the data stage (a download of hours on a GPU preset): a typo, or a dtype the
+# preset's --precision does not compute in (setup.sh has no --precision flag to change). Not
+# checked once base_train has finished (a rerun that skips it must not be refused).
+check_dtype_env() {
+  [[ -n "${NANOCHAT_DTYPE:-}" && -x .venv/bin/python ]] && should_run base_train || return 0
+  [[ $FORCE -eq 1 || ! -f "$STATE_DIR/base_train.done" ]] || return 0
+  local said
+  said="$(.venv/bin/python - "$PRECISION" "$PRESET" 2>&1 <<'PY'
+import os
+import sys
+
+from nanochat.precision_request import PRECISION_DTYPE, runtime_dtype
+
+precision, preset = sys.argv[1:]
+try:
+    runtime_dtype("auto")   # the value itself
+except ValueError as e:
+    sys.exit(str(e))
+try:
+    runtime_dtype(precision)
+except ValueError:
+    want = PRECISION_DTYPE[precision]
+    sys.exit(f"NANOCHAT_DTYPE: got {os.environ['NANOCHAT_DTYPE']!r}, but the {preset} preset's base_train runs "
+             f"--precision {precision}, which computes in {want}; accepted: NANOCHAT_DTYPE unset, auto or {want}")
+PY
+)" && return 0
+  if [[ $DRY_RUN -eq 1 ]]; then warn "$said"; else die "$said"; fi
+}
+check_dtype_env
 if [[ $DRY_RUN -eq 0 && ! -x .venv/bin/python ]]; then   # (--only / --from without the env stage)
   for s in "${STAGES[@]:1}"; do
     should_run "$s" && die "stage '$s' runs in $REPO/.venv, which does not exist (or has no python): build it" \

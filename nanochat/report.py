@@ -24,7 +24,10 @@ of an earlier stage: a section with "final_step") is marked "(stale)"; one of a 
 or of their problems ("<row> complete": false: a CORE/ChatCORE without every task, a chat_eval
 --max-problems or base_eval --max-per-task run) "(partial)", and it does not replace a complete,
 current one; a generative task scored as pass@k over k samples ("<row> scored as": "pass@k")
-"(pass@k)". Under the table, each stage's values name the section entry (model tag, step, time) they
+"(pass@k)", from one answer sampled at --temperature t "(sampled, T=t)", from an entry naming no
+temperature "(temperature unknown)" (not taken for greedy); none of these replaces a current greedy
+score of the same checkpoint (model tag and step), and the one kept out is named under the table
+(report_md._keeps_greedy says why greedy first). Under the table, each stage's values name the section entry (model tag, step, time) they
 come from. Memory is shown in GiB (2^30 bytes) throughout, as the training log line prints it. Plots
 and the time table show each stage's current run (of the latest row's model tag): rows of an earlier
 run of the stage, of another tag, or of steps a resumed run redid, are left out (and counted); a
@@ -56,9 +59,9 @@ from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.flags import FlagParser
 from nanochat.report_env import git_info, system_info  # noqa: F401 (git_info: report's interface)
-from nanochat.report_md import (NOTES, STAGES, _entries_md, _entry_time, _hms, _is_stale, _num, _reward_notes,
-                                _source, _source_lines, _stage_of, _stage_rank, _stale_runs, _trained_at,
-                                _unfinished_runs, _value_notes)
+from nanochat.report_md import (NOTES, STAGES, _aside_lines, _entries_md, _entry_time, _hms, _is_stale, _keeps_greedy,
+                                _note_key, _num, _reward_notes, _source, _source_lines, _stage_of, _stage_rank,
+                                _stale_runs, _trained_at, _unfinished_runs, _value_notes)
 from nanochat.report_plots import (METRIC_KEYS, METRIC_SCALED, PLOTS, _get, _series,  # noqa: F401 (re-exported)
                                    make_plots)
 
@@ -295,13 +298,15 @@ class Report:
     def summary_cells(self) -> dict[str, dict[str, tuple[float, list[str]]]]:
         """metric -> stage -> (value, notes): the summary with what the reader must know about each
         value: "stale" (logged before the latest training run of its stage or an earlier one: it
-        may describe an older model), "partial" (of a subset of the tasks or of their problems) and
-        "pass@k" (the best of k sampled answers), see _value_notes."""
+        may describe an older model), "partial" (of a subset of the tasks or of their problems),
+        "pass@k" (the best of k sampled answers), "sampled, T=t" (one answer sampled at temperature
+        t) and "temperature unknown" (greedy or sampled: not said), see _value_notes."""
         return {row: {stage: cell[:2] for stage, cell in cells.items()}
                 for row, cells in self._summary_table().items()}
 
-    def _summary_table(self) -> dict[str, dict[str, tuple[float, list[str], tuple]]]:
-        """summary_cells with each value's source: its section, checkpoint (model tag, step) and entry time."""
+    def _summary_table(self, aside: dict | None = None) -> dict[str, dict[str, tuple[float, list[str], tuple]]]:
+        """summary_cells with each value's source: its section, checkpoint (model tag, step) and entry time;
+        `aside` gets (row, stage) -> the sampled values a greedy one of their checkpoint kept out."""
         entries = []   # (time, order, stage, data): every entry of every section, oldest first
         for doc in self.sections():
             for entry in doc["entries"]:
@@ -330,9 +335,16 @@ class Report:
                         # a partial score (one task, or a few problems, evaluated again) keeps a
                         # complete, current one
                         old = table[row].get(stage)
-                        if "partial" in notes and "stale" not in notes and old is not None \
-                                and not {"stale", "partial"} & set(old[1]):
-                            continue
+                        if "stale" not in notes and old is not None and "stale" not in old[1]:
+                            if "partial" in notes and "partial" not in old[1]:
+                                continue
+                            # a sampled score keeps a greedy, current one of its checkpoint (named under the table)
+                            if _keeps_greedy(notes, source, old):
+                                if aside is not None:
+                                    aside.setdefault((row, stage), []).append((float(data[key]), notes, source))
+                                continue
+                        if aside is not None:   # the notes were of the value replaced
+                            aside.pop((row, stage), None)
                         table[row][stage] = (float(data[key]), notes, source)
         return table
 
@@ -389,7 +401,8 @@ class Report:
         lines = ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
                  "|---|" + "---|" * len(STAGES)]
         noted = set()   # what the notes under the table explain: a row (its data) or a value's note
-        table = self._summary_table()
+        aside: dict[tuple[str, str], list[tuple]] = {}
+        table = self._summary_table(aside)
         no_peak = self._runs_without_mfu()
         for row, cells in table.items():
             fmt = ROW_FORMATS.get(row, "{:.4f}")
@@ -398,10 +411,11 @@ class Report:
             if row == MFU_ROW and no_peak:   # a CPU run's MFU read "-", as if the stage had not run
                 shown = ["n/a" if s in no_peak and s not in cells else cell for s, cell in zip(STAGES, shown)]
                 noted.add("mfu n/a")
-            noted.update([n if not n.startswith("pass@") else "pass@k" for _, notes, _ in cells.values() for n in notes]
+            noted.update([_note_key(n) for _, notes, _ in cells.values() for n in notes]
                          + ([row] if cells and row in NOTES else []))
             lines.append(f"| {row} | " + " | ".join(shown) + " |")
-        return lines + [""] + _source_lines(table) + [NOTES[n] for n in NOTES if n in noted] + \
+        noted.update(_note_key(n) for values in aside.values() for _, notes, _ in values for n in notes)
+        return lines + [""] + _source_lines(table) + _aside_lines(aside) + [NOTES[n] for n in NOTES if n in noted] + \
             ([MFU_NA_NOTE] if "mfu n/a" in noted else []) + ([""] if noted else [])
 
     def _runs_without_mfu(self) -> set[str]:

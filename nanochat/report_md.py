@@ -1,8 +1,9 @@
 """Markdown rendering of the report's section entries (nanochat/report.py owns the files, the
 summary and the time table): values formatted for reading, nested data as lists, multi-line samples
 fenced, the precision plan's fields grouped under `precision`, the runs of a stage labelled, and the
-notes a summary value carries ("(partial)", "(pass@k)") with what they mean and the section entry it
-comes from; and what a section and a metrics run belong to (stage, entry time, a run left without its
+notes a summary value carries ("(partial)", "(pass@k)", "(sampled, T=t)", "(temperature unknown)") with
+what they mean, the section entry it comes from and which of a checkpoint's greedy and sampled scores
+it shows; and what a section and a metrics run belong to (stage, entry time, a run left without its
 section or older than an earlier stage's latest training run, RL's rewards)."""
 
 from __future__ import annotations
@@ -140,6 +141,12 @@ NOTES = {
                "base_eval --max-per-task), not comparable with a complete score",
     "pass@k": "- (pass@k): a generative task counted as solved when any of k sampled answers is right (chat_eval "
               "--num-samples k), higher than the one-answer score",
+    "sampled": "- (sampled, T=t): one answer per problem sampled at temperature t (chat_eval --temperature t "
+               "--num-samples 1), not the greedy answer: it varies with --seed and is not comparable with a greedy "
+               "score; where a current greedy score of the same checkpoint exists, that one is shown instead",
+    "temperature unknown": "- (temperature unknown): the entry names no temperature (chat_eval always logs one), "
+                           "so whether its answers were greedy or sampled is not known; a current greedy score of "
+                           "the same checkpoint, where one exists, is shown instead",
 }
 # summary rows of chat_eval's tasks, and those of its generative ones (pass@k with --num-samples k)
 CHAT_ROWS = ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE")
@@ -147,9 +154,10 @@ GENERATIVE_ROWS = ("GSM8K", "HumanEval", "SpellingBee", "ChatCORE")
 
 
 def _value_notes(row: str, data: dict) -> list[str]:
-    """"partial" and "pass@k" for a summary row's value in a section entry (see summary_cells).
-    chat_eval entries logged before it wrote "<task> complete" / "<task> scored as" name only their
-    max_problems / num_samples: a cap then marks every chat row partial, k > 1 the generative rows."""
+    """"partial", "pass@k" and the decoding (_decoding_note) for a summary row's value in a section
+    entry (see summary_cells). chat_eval entries logged before it wrote "<task> complete" / "<task>
+    scored as" name only their max_problems / num_samples: a cap then marks every chat row partial,
+    k > 1 the generative rows."""
     legacy = isinstance(data.get("max_problems"), int) or data.get("num_samples", 1) != 1
     legacy = legacy and not any(f"{r} complete" in data for r in CHAT_ROWS[:-1])
     partial = data.get(f"{row} complete") is False or (legacy and row in CHAT_ROWS and isinstance(
@@ -157,7 +165,60 @@ def _value_notes(row: str, data: dict) -> list[str]:
     scored = data.get(f"{row} scored as")
     if legacy and row in GENERATIVE_ROWS and isinstance(data.get("num_samples"), int) and data["num_samples"] > 1:
         scored = f"pass@{data['num_samples']}"
-    return (["partial"] if partial else []) + ([scored] if isinstance(scored, str) and scored != "pass@1" else [])
+    pass_at_k = isinstance(scored, str) and scored != "pass@1"
+    return (["partial"] if partial else []) + ([scored] if pass_at_k else _decoding_note(row, data))
+
+
+def _decoding_note(row: str, data: dict) -> list[str]:
+    """["sampled, T=<t>"] for a value scored from one answer sampled at temperature t > 0, ["temperature
+    unknown"] when the entry names no temperature (a hand-written one: chat_eval has logged it from the
+    start), [] for greedy answers or a value no answer was generated for: a categorical task (the answer
+    letter's logit) or a ChatCORE of categorical tasks only. (pass@k says it sampled: not called.)"""
+    if row not in GENERATIVE_ROWS:
+        return []
+    # a ChatCORE whose entry names no task: whether a generative one was in it is not known either
+    tasks = [r for r in CHAT_ROWS[:-1] if r in data]
+    if row == "ChatCORE" and tasks and not any(r in GENERATIVE_ROWS for r in tasks):
+        return []
+    t = data.get("temperature")
+    if not (_num(t) and t >= 0):
+        return ["temperature unknown"]
+    return [f"sampled, T={_fmt(t)}"] if t > 0 else []
+
+
+def _not_greedy(notes: list[str]) -> bool:
+    """A value whose answers were sampled (one at T > 0, or pass@k) or may have been (temperature unknown)."""
+    return any(n.startswith(("sampled", "pass@")) or n == "temperature unknown" for n in notes)
+
+
+def _keeps_greedy(notes: list[str], source: tuple, old: tuple) -> bool:
+    """Whether the summary's current cell `old` (value, notes, source), a greedy score, stays over a new
+    current value (notes, source) that is not greedy, of the same checkpoint (model tag and step; an
+    entry naming neither is taken for the same) and no more complete. The rule is "greedy first", not
+    "newest first": a greedy score is the one every stage and run is compared on, and a sampled one of
+    the same model only differs by its draw (it would replace the comparable figure with a noisier
+    one). The newest wins otherwise: of another checkpoint (a later step is the newer model's figure,
+    marked), or over a stale or partial greedy one; both scores stay in the section, and the one set
+    aside is named under the table (_aside_lines)."""
+    return (_not_greedy(notes) and not _not_greedy(old[1]) and source[1] == old[2][1]
+            and not ("partial" in old[1] and "partial" not in notes))
+
+
+def _note_key(note: str) -> str:
+    """The NOTES entry explaining a value's note ("pass@4": "pass@k", "sampled, T=0.8": "sampled")."""
+    return "pass@k" if note.startswith("pass@") else "sampled" if note.startswith("sampled") else note
+
+
+def _aside_lines(aside: dict[tuple[str, str], list[tuple]]) -> list[str]:
+    """(row, stage) -> the sampled values of the shown greedy one's checkpoint that _keeps_greedy set
+    aside: one line each, so the summary never drops a result without saying so."""
+    lines = []
+    for (row, stage), values in aside.items():
+        for value, notes, (section, model, when) in values:
+            shown = " ".join([f"{value:.4f}", *(f"({n})" for n in notes)])
+            lines.append(f"- {stage.upper()} {row}: {shown} from {', '.join(filter(None, (section, model, when)))} "
+                         "set aside: the greedy score of the same checkpoint is shown")
+    return lines + ([""] if lines else [])
 
 
 def _source(section: str, entry: dict) -> tuple[str, str, str]:

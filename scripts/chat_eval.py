@@ -248,7 +248,9 @@ def main(argv=None) -> dict:
         score = chatcore(accuracies, {n: EVAL_TASKS[n][1] for n in accuracies})
         complete = set(accuracies) == set(EVAL_TASKS)   # every task (JSON "complete", as before)
         cut = subset_tasks(results)                      # ... and every problem of each
-        scored = f"pass@{cfg.num_samples}" if cfg.num_samples > 1 else ""
+        # a generative score that is not one greedy answer says so (the report marks it the same way)
+        scored = f"pass@{cfg.num_samples}" if cfg.num_samples > 1 else (
+            f"sampled, T={cfg.temperature:g}" if cfg.temperature > 0 else "")
         print0("\n| Task | Accuracy |\n|---|---|")
         for n, a in accuracies.items():
             r = results[n]
@@ -257,7 +259,7 @@ def main(argv=None) -> dict:
             print0(f"| {n}{''.join(f' ({x})' for x in notes)} | {a:.4f} |")
         why = ([] if complete else ["a subset of the tasks"]) + (["a subset of the problems"] if cut else [])
         partial = f" (partial: {' and '.join(why)})" if why else ""
-        if scored and any(tasks[n].eval_type == "generative" for n in accuracies):   # averaged from pass@k
+        if scored and any(tasks[n].eval_type == "generative" for n in accuracies):   # pass@k or sampled
             partial += f" ({scored})"
         print0(f"| ChatCORE{partial} | {score:.4f} |")
         out = {"source": cfg.source, "step": meta.get("step", step), "config": asdict(cfg), "results": results,

@@ -44,6 +44,24 @@ env_done() {
   [[ $FORCE -eq 0 && -f "$ENV_MARKER" && "$(cat "$ENV_MARKER")" == "$(env_marker_text)" ]] \
     && .venv/bin/python -c 'import torch, rustbpe, nanochat' >/dev/null 2>&1
 }
+env_why() {  # why the env stage (re)installs: what differs from the record of its last finished run
+  [[ -x .venv/bin/python ]] || { echo "no .venv yet"; return; }
+  [[ $FORCE -eq 0 ]] || { echo "--force"; return; }
+  [[ -f "$ENV_MARKER" ]] || { echo "no record of a finished env stage in .venv"; return; }
+  local changed
+  changed="$( { diff <(cat "$ENV_MARKER") <(env_marker_text) || true; } | sed -n 's/^[<>] //p' \
+    | sed 's/^\(python\|torch_args\|extras\|bytecode\)=.*/\1/; s/^[0-9a-f]\{64\}  //' | sort -u | paste -sd, - \
+    | sed 's/,/, /g')"
+  if [[ -n "$changed" ]]; then echo "changed since .venv was set up: $changed"
+  else echo ".venv does not import torch, rustbpe and nanochat"; fi
+}
+env_plan() {  # what the env stage would do, as --dry-run says it
+  local idx="${TORCH_INDEX:-PyPI}"
+  if [[ ! -x .venv/bin/python ]]; then echo "create .venv, install torch from $idx, the project and rustbpe"
+  elif torch_ok; then   # (its index is recorded since the stage records it; an older venv's is not known)
+    echo "keep .venv's torch$([[ -f "$TORCH_MARKER" ]] && echo " (from $(cat "$TORCH_MARKER"))"), reinstall the project and rustbpe"
+  else echo "reinstall torch from $idx, the project and rustbpe in .venv"; fi
+}
 rust_ready() {  # cargo on PATH, or in rustup's ~/.cargo/bin (installed after this shell started)
   [[ -x "$HOME/.cargo/bin/cargo" ]] && export PATH="$HOME/.cargo/bin:$PATH"
   command -v cargo >/dev/null 2>&1
@@ -87,6 +105,7 @@ env_stage() {
     say "[env] done already (same config; its packages compiled to bytecode now)"; return 0
   fi
   CURRENT_STAGE=env
+  say "[env] $(env_plan) ($(env_why))"
   rust_ready || [[ $INSTALL_RUST -eq 1 ]] || die "$NO_CARGO"   # before any download
   command -v cc >/dev/null 2>&1 || die "$NO_CC"
   local t0=$SECONDS

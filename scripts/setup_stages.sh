@@ -16,6 +16,11 @@ marker_text() { echo "preset=$PRESET"; echo "base_dir=$BASE_DIR"; printf "%s\n" 
 stage_inputs() {  # stage -> marker lines for inputs its command names only by path: the content of
                   # the --conversations files, so that an edited file retrains mid / SFT
   [[ ${#CONV_FILES[@]} -gt 0 && ( "$1" == mid_train || "$1" == chat_sft ) ]] || return 0
+  local f   # moved or deleted during the hours before this stage: a bare sha256sum error ended setup.sh
+  for f in "${CONV_FILES[@]}"; do
+    [[ -f "$f" ]] || die "--conversations: '$f' is gone since setup.sh started (stage '$1' trains on it);" \
+      "accepted: an existing JSONL file of conversations: put it back, or rerun without it"
+  done
   sha256sum "${CONV_FILES[@]}"
 }
 # The stages after the tokenizer use what an earlier one made: once a stage that makes a tokenizer

@@ -141,9 +141,10 @@ def test_report_labels_pass_at_k_and_older_subset_entries(base):
 
     rep = get_report()
     rep.reset()
-    # as chat_eval logged them before: max_problems / num_samples only
+    # as chat_eval logged them before: max_problems / num_samples (and temperature) only
     rep.log("Chat evaluation sft", {"stage": "sft", "max_problems": 8, "num_samples": 1, "ARC-Easy": 0.3,
-                                    "GSM8K": 0.1, "ChatCORE metric": 0.1, "ChatCORE complete": True})
+                                    "GSM8K": 0.1, "ChatCORE metric": 0.1, "ChatCORE complete": True,
+                                    "temperature": 0.0})
     cells = rep.summary_cells()
     assert cells["ARC-Easy"]["sft"] == (0.3, ["partial"]) and cells["ChatCORE"]["sft"] == (0.1, ["partial"])
     rep.log("Chat evaluation mid", {"stage": "mid", "max_problems": None, "num_samples": 4, "temperature": 0.8,

@@ -122,8 +122,10 @@ def test_the_summary_names_the_checkpoint_each_stage_value_comes_from(tmp_path):
     assert "- MID" not in summary and "- RL" not in summary   # no values, no source invented
 
 
-def test_chat_eval_console_chatcore_says_pass_at_k(tmp_path, monkeypatch, shared_data, capsys):
-    """The console table marked GSM8K "(pass@2)" but not the ChatCORE averaged from it."""
+@pytest.mark.parametrize("n,t,mark", [("2", "0.8", " (pass@2)"), ("1", "0.8", " (sampled, T=0.8)"), ("1", "0", "")])
+def test_chat_eval_console_chatcore_says_pass_at_k(tmp_path, monkeypatch, shared_data, capsys, n, t, mark):
+    """The console table marked GSM8K "(pass@2)" but not the ChatCORE averaged from it; a single
+    answer sampled at T > 0 had no mark at all (the report marks it "(sampled, T=...)")."""
     from dataclasses import asdict
 
     import pyarrow.parquet as pq
@@ -153,8 +155,8 @@ def test_chat_eval_console_chatcore_says_pass_at_k(tmp_path, monkeypatch, shared
     lines = (shared_data / "eval" / "gsm8k.jsonl").read_text().splitlines()[:2]
     (tmp_path / "eval" / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
     chat_eval.main(["-i", "sft", "--device", "cpu", "--data-dir", str(tmp_path / "eval"), "-a", "GSM8K",
-                    "-n", "2", "-t", "0.8", "--max-new-tokens", "2"])
+                    "-n", n, "-t", t, "--max-new-tokens", "2"])
     out = capsys.readouterr().out
-    assert "| GSM8K (pass@2) |" in out
-    assert "| ChatCORE (partial: a subset of the tasks) (pass@2) |" in out
+    assert f"| GSM8K{mark} |" in out
+    assert f"| ChatCORE (partial: a subset of the tasks){mark} |" in out
     assert (base / "chat_eval" / "sft_d1_step000003.json").is_file()

@@ -30,7 +30,8 @@ def synthetic_run(base):
     rep.log("Base model training", {"depth": 2, "num_params": 123456, "total_time_s": 398.0})
     rep.log("Base model evaluation", {"CORE metric": 0.1234, "arc_easy": 0.5, "val_bpb": 1.3})
     rep.log("Chat evaluation sft", {"stage": "sft", "ARC-Easy": 0.31, "ARC-Challenge": 0.27, "MMLU": 0.26,
-                                    "GSM8K": 0.02, "HumanEval": 0.0, "SpellingBee": 0.5, "ChatCORE metric": 0.05})
+                                    "GSM8K": 0.02, "HumanEval": 0.0, "SpellingBee": 0.5, "ChatCORE metric": 0.05,
+                                    "temperature": 0.0})
     rep.log("Chat evaluation mid", {"ARC-Easy": 0.29})
     rep.log("Chat evaluation mid", {"ARC-Easy": 0.30, "note": "a rerun: latest entry wins"})
     # the served int8 model's evaluations, logged after: their sections only, not the summary
@@ -254,13 +255,16 @@ def test_summary_marks_values_older_than_the_model_and_partial_scores(base):
     rep = get_report()
     rep.reset()
     rep.log("Chat SFT", {"stage": "sft", "final_step": 10})
-    rep.log("Chat evaluation sft", {"stage": "sft", "GSM8K": 0.1, "ChatCORE metric": 0.2, "ChatCORE complete": True})
+    rep.log("Chat evaluation sft", {"stage": "sft", "temperature": 0.0, "GSM8K": 0.1, "ChatCORE metric": 0.2,
+                                    "ChatCORE complete": True})
     rep.log("Chat RL", {"stage": "rl", "final_step": 5})
-    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.3, "ChatCORE metric": 0.25, "ChatCORE complete": True})
+    rep.log("Chat evaluation rl", {"stage": "rl", "temperature": 0.0, "GSM8K": 0.3, "ChatCORE metric": 0.25,
+                                   "ChatCORE complete": True})
     cells = rep.summary_cells()
     assert cells["GSM8K"] == {"sft": (0.1, []), "rl": (0.3, [])} and cells["ChatCORE"]["rl"] == (0.25, [])
     rep.log("Chat SFT", {"stage": "sft", "final_step": 20})     # SFT trained again, not re-evaluated
-    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.4, "ChatCORE metric": 0.3, "ChatCORE complete": False})
+    rep.log("Chat evaluation rl", {"stage": "rl", "temperature": 0.0, "GSM8K": 0.4, "ChatCORE metric": 0.3,
+                                   "ChatCORE complete": False})
     cells = rep.summary_cells()
     assert cells["GSM8K"] == {"sft": (0.1, ["stale"]), "rl": (0.4, [])}
     assert cells["ChatCORE"] == {"sft": (0.2, ["stale"]), "rl": (0.3, ["partial"])}
@@ -440,7 +444,7 @@ def test_time_table_has_evaluations_rl_after_sft_and_the_whole_run(base, clock):
         clock[0] += 10
         log_metrics("rl", {"step": step, "loss": 0.1, "elapsed_s": 10.0 * (step + 1)})
     rep.log("Chat RL", {"stage": "rl", "final_step": 5, "final_val_bpb": None})
-    rep.log("Chat evaluation rl", {"stage": "rl", "GSM8K": 0.05, "ChatCORE metric": 0.01})
+    rep.log("Chat evaluation rl", {"stage": "rl", "temperature": 0.0, "GSM8K": 0.05, "ChatCORE metric": 0.01})
     clock[0] += 86400   # generated a day later
     text = rep.generate(hourly_cost=3.6).read_text()
     rows = parse_table(text.splitlines(), "| Stage |")[2:]
@@ -505,10 +509,12 @@ def test_a_partial_score_keeps_the_complete_current_one(base, clock):
     """chat_eval -a GSM8K after a full chat_eval of the same model replaced its ChatCORE with the
     one-task "ChatCORE (partial)" of the second run."""
     rep = gpu_like_run(base, clock)
-    rep.log("Chat evaluation sft", {"stage": "sft", "GSM8K": 0.1, "ChatCORE metric": 0.0, "ChatCORE complete": False})
+    rep.log("Chat evaluation sft", {"stage": "sft", "temperature": 0.0, "GSM8K": 0.1, "ChatCORE metric": 0.0,
+                                    "ChatCORE complete": False})
     cells = rep.summary_cells()
     assert cells["ChatCORE"]["sft"] == (0.0694, []) and cells["GSM8K"]["sft"] == (0.1, [])
     clock[0] += 1
     rep.log("Chat SFT", {"stage": "sft", "final_step": 30})   # retrained: the complete score is stale now
-    rep.log("Chat evaluation sft", {"stage": "sft", "ChatCORE metric": 0.02, "ChatCORE complete": False})
+    rep.log("Chat evaluation sft", {"stage": "sft", "temperature": 0.0, "ChatCORE metric": 0.02,
+                                    "ChatCORE complete": False})
     assert rep.summary_cells()["ChatCORE"]["sft"] == (0.02, ["partial"])

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.setup_clone import make_clone
+
 REPO = Path(__file__).resolve().parents[1]
 
 FAKE_SMI = """#!/usr/bin/env bash
@@ -34,10 +36,11 @@ GB10_SMI = ("NVIDIA GB10", "12.1")   # its memory.total: "[N/A]" (unified), or a
 
 def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | None = None,
              mem_mib: int | str = 81559, args=("--only", "env", "--preset", "tiny"), mem_total_gib: int | None = None,
-             gpu: tuple[str, str] = ("NVIDIA H100 80GB HBM3", "9.0")):
+             gpu: tuple[str, str] = ("NVIDIA H100 80GB HBM3", "9.0"), repo: Path = REPO):
     """setup.sh --dry-run (default: --only env --preset tiny) on a fake GPU whose driver reports
     CUDA `cuda` (None: no version in nvidia-smi's banner) and `mem_mib` of memory -> (exit code,
-    output). `gpu`: (name, compute capability)."""
+    output). `gpu`: (name, compute capability). `repo`: where setup.sh lies (a clone without a .venv:
+    the env stage's plan does not depend on this checkout's venv)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
@@ -55,7 +58,7 @@ def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | 
         meminfo = tmp_path / "meminfo"
         meminfo.write_text(f"MemTotal: {mem_total_gib * 1048576} kB\nMemAvailable: {mem_total_gib * 900000} kB\n")
         env["SETUP_MEMINFO"] = str(meminfo)
-    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", *args, "--base-dir", str(tmp_path / "base")],
+    out = subprocess.run(["bash", str(repo / "setup.sh"), "--dry-run", *args, "--base-dir", str(tmp_path / "base")],
                          env=env, capture_output=True, text=True, timeout=60)
     return out.returncode, out.stdout + out.stderr
 
@@ -70,7 +73,7 @@ def _dry_run(tmp_path, cuda: str | None, arch: str = "x86_64", index_url: str | 
     ("13.2", "x86_64", "PyPI"),
 ])
 def test_torch_index_follows_the_drivers_cuda(tmp_path, cuda, arch, index):
-    rc, out = _dry_run(tmp_path, cuda, arch)
+    rc, out = _dry_run(tmp_path, cuda, arch, repo=make_clone(tmp_path))
     assert rc == 0, out
     assert f"install torch from {index}, the project" in out, out
     assert f"CUDA {cuda}" in out   # the machine line says what was read
@@ -83,9 +86,10 @@ def test_old_driver_stops_before_anything_installs(tmp_path):
 
 
 def test_explicit_index_wins_and_unreadable_version_warns(tmp_path):
-    rc, out = _dry_run(tmp_path, "11.8", index_url="https://example.org/whl/cu118")
+    clone = make_clone(tmp_path)
+    rc, out = _dry_run(tmp_path, "11.8", index_url="https://example.org/whl/cu118", repo=clone)
     assert rc == 0 and "install torch from https://example.org/whl/cu118," in out, out
-    rc, out = _dry_run(tmp_path, None)
+    rc, out = _dry_run(tmp_path, None, repo=clone)
     assert rc == 0 and "could not read the driver's CUDA version" in out and "from PyPI," in out, out
 
 
@@ -188,8 +192,8 @@ def test_no_gpu_takes_pypi(tmp_path):
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 9\n")   # installed, no GPU
     (bin_dir / "nvidia-smi").chmod(0o755)
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
-    out = subprocess.run(["bash", str(REPO / "setup.sh"), "--dry-run", "--only", "env", "--preset", "tiny",
-                          "--force"], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["bash", str(make_clone(tmp_path) / "setup.sh"), "--dry-run", "--only", "env", "--preset",
+                          "tiny", "--force"], env=env, capture_output=True, text=True, timeout=60)   # no .venv to reuse
     assert out.returncode == 0 and "GPU: none" in out.stdout and "from PyPI," in out.stdout, out.stdout + out.stderr
 
 

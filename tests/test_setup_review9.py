@@ -27,7 +27,7 @@ import pytest
 import tests.test_setup_review4 as _review4
 from tests.test_memory_review9 import TWO_SMI
 from tests.test_run_train_audit import call  # noqa: F401  (a fixture: run_train.sh with a fake python)
-from tests.setup_clone import fake_env_tools
+from tests.setup_clone import fake_env_tools, make_clone
 from tests.test_setup import REPO, _dry_run
 from tests.test_setup_review3 import _run
 
@@ -48,7 +48,7 @@ CU126 = "https://download.pytorch.org/whl/cu126"
     ("12.8", ("Tesla T4", "7.5"), "https://download.pytorch.org/whl/cu128"),
 ])
 def test_a_pre_turing_gpu_gets_a_torch_build_with_its_kernels(tmp_path, cuda, gpu, index):
-    rc, out = _dry_run(tmp_path, cuda, gpu=gpu)
+    rc, out = _dry_run(tmp_path, cuda, gpu=gpu, repo=make_clone(tmp_path))   # no .venv: its torch is not reused
     assert rc == 0, out
     assert f"install torch from {index}, the project" in out, out
     if index == CU126:
