@@ -25,6 +25,12 @@ scores such sequences past sequence_len), so tasks this cuts (10-shot squad at 2
 from upstream's. Accuracy is centered against the random baseline, (acc - b) / (1 - b), and CORE is
 the mean of the centered accuracies.
 
+Under torchrun the per-item verdicts and the scores are those of one process, to the last bit: the
+ranks tokenize a share of the items each and gather the sequences, every rank plans one process's
+batches of them (plan_batches), the batches are dealt whole to the ranks (dealt_batches: the task's
+batch g to rank g % world), and every rank's per-sequence scores are gathered before any item is
+decided, as eval_bpb deals the batches of the one stream every rank reads.
+
 Data (nanochat/core_data.py): the DCLM bundle when present, else offline equivalents of 20 of the
 22 tasks with prompts of our own, comparable only with other offline runs.
 """
@@ -34,7 +40,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 # the task table and data loading moved to core_data.py; re-exported for existing callers
 from nanochat.core_data import (CORE_LABELS, CORE_TASKS, EVAL_BUNDLE_URL, TASK_TYPES, CoreData, CoreTask,
@@ -42,9 +48,9 @@ from nanochat.core_data import (CORE_LABELS, CORE_TASKS, EVAL_BUNDLE_URL, TASK_T
 from nanochat.common import print0
 
 __all__ = ["CORE_LABELS", "CORE_TASKS", "EVAL_BUNDLE_URL", "TASK_TYPES", "CoreData", "CoreTask",
-           "centered_accuracy", "core_metric", "default_bundle_dir", "download_eval_bundle", "evaluate_task",
-           "fewshot_indices", "load_core_data", "render_prompts", "resolve_sources", "run_core_eval",
-           "score_sequences", "tokenize_item", "tokenize_items"]
+           "centered_accuracy", "core_metric", "dealt_batches", "default_bundle_dir", "download_eval_bundle",
+           "evaluate_task", "fewshot_indices", "load_core_data", "plan_batches", "render_prompts",
+           "resolve_sources", "run_core_eval", "score_sequences", "tokenize_item", "tokenize_items"]
 _MC, _SC, _LM = TASK_TYPES
 
 # ---------------------------------------------------------------------------------------------
@@ -186,33 +192,55 @@ def _bucket(length: int, cap: int) -> int:
     return min(b, max(length, cap))
 
 
-def score_sequences(model, seqs: list[tuple[list[int], int]], device, *, pad_id: int,
-                    batch_tokens: int = 16384, max_len: int = 2048,
-                    fixed_shapes: bool | None = None) -> list[tuple[float, float, bool]]:
-    """(mean NLL, total NLL, greedy exact match) of ids[start:] for every (ids, start).
-
-    Sequences are sorted by length and packed into right-padded batches of at most batch_tokens
-    (padded) tokens; causal attention makes the right padding invisible to real tokens.
-    fixed_shapes (default: on CUDA) pads lengths to powers of two and every batch to the same row
-    count per length, so compiled attention kernels (flex_attention) see a handful of shapes
-    instead of recompiling for each batch.
-    """
+def _fixed_shapes(device, fixed_shapes: bool | None) -> bool:
     import torch
-    import torch.nn.functional as F
 
-    if fixed_shapes is None:
-        fixed_shapes = torch.device(device).type == "cuda"
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
-    results: list[tuple[float, float, bool] | None] = [None] * len(seqs)
-    i = 0
+    return torch.device(device).type == "cuda" if fixed_shapes is None else fixed_shapes
+
+
+def plan_batches(lengths: list[int], *, batch_tokens: int = 16384, max_len: int = 2048,
+                 fixed_shapes: bool = False) -> list[tuple[int, int, list[int]]]:
+    """The batches one process scores sequences of these lengths in: (T, B, the sequences' indices)
+    per batch, B rows of T tokens (right-padded). Sequences are sorted by length (longest first;
+    equal lengths keep their order) and packed into batches of at most batch_tokens padded tokens.
+    fixed_shapes pads T to a power of two (_bucket) and every batch to the full row count of its T,
+    so compiled kernels see a handful of shapes. Depends on nothing but its arguments: every rank
+    makes the same plan from the same sequences (evaluate_task deals its batches)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan, i = [], 0
     while i < len(order):
-        T = len(seqs[order[i]][0])
+        T = lengths[order[i]]
         if fixed_shapes:
             T = _bucket(T, max_len)
         rows = max(1, batch_tokens // T)
         chunk = order[i: i + rows]
         i += len(chunk)
-        B = rows if fixed_shapes else len(chunk)
+        plan.append((T, rows if fixed_shapes else len(chunk), chunk))
+    return plan
+
+
+def dealt_batches(num_batches: int, rank: int, world: int, first: int = 0) -> range:
+    """The batches of a plan that rank `rank` of `world` scores, when the plan's batch j is batch
+    first + j of the task (its batches numbered across chunks): batch g goes to rank g % world, as
+    distributed.StridedMicroBatches deals a stream. Every batch goes to exactly one rank."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank/world: got {rank}/{world}; accepted: 0 <= rank < world")
+    if num_batches < 0 or first < 0:
+        raise ValueError(f"num_batches/first: got {num_batches}/{first}; accepted: >= 0")
+    return range((rank - first) % world, num_batches, world)
+
+
+def _score_batches(model, seqs: list[tuple[list[int], int]], plan, which: Iterable[int], device, *,
+                   pad_id: int) -> list[tuple[float, float, bool] | None]:
+    """(mean NLL, total NLL, greedy exact match) of ids[start:] for the sequences of the plan's
+    batches `which`; None for the others. Causal attention makes the right padding invisible to
+    real tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    results: list[tuple[float, float, bool] | None] = [None] * len(seqs)
+    for j in which:
+        T, B, chunk = plan[j]
         x = torch.full((B, T), pad_id, dtype=torch.long)
         y = torch.full((B, T), -1, dtype=torch.long)
         for b, k in enumerate(chunk):
@@ -230,7 +258,46 @@ def score_sequences(model, seqs: list[tuple[list[int], int]], device, *, pad_id:
         exact = ((logits.argmax(-1) == y) | ~mask).all(1)
         for k, m, t, e in zip(chunk, mean.tolist(), total.tolist(), exact.tolist()):  # one device sync
             results[k] = (m, t, e)
-    return results  # type: ignore[return-value]
+    return results
+
+
+def score_sequences(model, seqs: list[tuple[list[int], int]], device, *, pad_id: int,
+                    batch_tokens: int = 16384, max_len: int = 2048, fixed_shapes: bool | None = None,
+                    batches: Iterable[int] | None = None) -> list[tuple[float, float, bool] | None]:
+    """(mean NLL, total NLL, greedy exact match) of ids[start:] for every (ids, start), in the
+    batches of plan_batches (fixed_shapes by default on CUDA). `batches`: score only these of the
+    plan's batches (a rank's share, dealt_batches); the other sequences get None."""
+    plan = plan_batches([len(ids) for ids, _ in seqs], batch_tokens=batch_tokens, max_len=max_len,
+                        fixed_shapes=_fixed_shapes(device, fixed_shapes))
+    which = range(len(plan)) if batches is None else batches
+    return _score_batches(model, seqs, plan, which, device, pad_id=pad_id)
+
+
+def _score_dealt(model, seqs: list[tuple[list[int], int]], first: int, device, *, pad_id: int, batch_tokens: int,
+                 max_len: int, label: str) -> tuple[list[tuple[float, float, bool]], int]:
+    """Every sequence's scores, alike on every rank, and the number of batches they took. This rank
+    scores its batches of one process's plan (dealt_batches; the plan's first batch is the task's
+    batch `first`), and one all_gather (tasks.evaluate._gather) brings every rank's rows. The floats
+    travel pickled, so each is the one its batch computed, bit for bit. A rank whose part raised
+    (its own out of memory) makes every rank raise there, the others naming it, instead of leaving
+    them at the gather."""
+    sizes = dict(batch_tokens=batch_tokens, max_len=max_len, fixed_shapes=_fixed_shapes(device, None))
+    num_batches = len(plan_batches([len(ids) for ids, _ in seqs], **sizes))
+    rank, world = _dist()
+    mine = dealt_batches(num_batches, rank, world, first)
+    if world == 1:
+        return score_sequences(model, seqs, device, pad_id=pad_id, **sizes), num_batches  # type: ignore[return-value]
+    from nanochat.tasks.evaluate import _gather
+
+    scored, error = [], None
+    try:
+        got = score_sequences(model, seqs, device, pad_id=pad_id, batches=mine, **sizes)
+        scored = [(k, s) for k, s in enumerate(got) if s is not None]
+    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+        error = e
+    gathered = _gather(f"CORE {label}", scored, error)
+    assert [k for k, _ in gathered] == list(range(len(seqs))), "a sequence scored by no rank, or by two"
+    return [s for _, s in gathered], num_batches
 
 
 def _dist() -> tuple[int, int]:
@@ -268,23 +335,55 @@ def fewshot_indices(idx: int, pool_size: int, k: int, seed: int = 1234) -> list[
     return [j + (j >= idx) for j in random.Random(seed + idx).sample(range(pool_size - 1), k)]
 
 
+def _tokenized_chunk(tokenizer, task: CoreTask, data: list[dict], chunk: range, pool: int, seed: int,
+                     max_len: int) -> tuple[list[list[tuple[list[int], int]]], list[bool]]:
+    """tokenize_items of the chunk's items, each rendered with its shots from data[:pool], and their
+    answer_cut flags: the same lists on every rank. Under torch.distributed each rank renders and
+    tokenizes the items i with i % world == rank and one all_gather (tasks.evaluate._gather) brings
+    the others': tokenizing is most of CORE's host work (the offline files on 2 CPU cores: 100 s of
+    tokenizing against 1.5 s of rendering), and an item's tokens do not depend on the items
+    tokenized with it, so each rank need not do it all."""
+    rank, world = _dist()
+    mine = range(chunk.start + (rank - chunk.start) % world, chunk.stop, world)
+    per_seq, answer_cut, error = [], [], None
+    try:
+        rendered = [render_prompts(task, data[i], [data[j] for j in fewshot_indices(i, pool, task.num_fewshot, seed)])
+                    for i in mine]
+        per_seq = tokenize_items(tokenizer, task, rendered, max_len, answer_cut)
+    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+        if world == 1:
+            raise
+        error = e
+    if world == 1:
+        return per_seq, answer_cut
+    from nanochat.tasks.evaluate import _gather
+
+    rows = _gather(f"CORE {task.label}", list(zip(mine, per_seq, answer_cut)), error)
+    assert [i for i, _, _ in rows] == list(chunk), "an item tokenized by no rank, or by two"
+    return [seqs for _, seqs, _ in rows], [lost for _, _, lost in rows]
+
+
 def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *, num_items: int | None = None,
                   seed: int = 1234, max_seq_len: int = 2048, batch_tokens: int = 16384,
-                  scoring: str = "mean", chunk_items: int = 256) -> float:
+                  scoring: str = "mean", chunk_items: int = 256, per_item: list[bool] | None = None) -> float:
     """Accuracy on data[:num_items]. Few-shot examples come from those same items minus the one
     scored (upstream cuts a task to max_per_task before drawing shots); when they are too few for
     the task's shots, from all of `data` instead (where upstream would fail).
 
     Items are rendered, tokenized and scored `chunk_items` at a time (bounded memory on tasks with
-    tens of thousands of items). Under torch.distributed, items are split across ranks and the
-    counts all-reduced.
+    tens of thousands of items). Under torch.distributed the ranks share a chunk's rendering and
+    tokenizing and gather its sequences (_tokenized_chunk), each rank makes one process's batches of
+    them (plan_batches), the task's batches, numbered across chunks, are dealt whole to the ranks
+    (batch g: rank g % world), and the chunk's scores are gathered (_score_dealt). So every sequence
+    is scored in the batch, and row, it has on one process (a batch's shape and padding pick its
+    kernels on a GPU: per-rank batches of per-rank items broke near-ties differently on 2 ranks
+    than on 1), each item is decided once, alike on every rank, and the count is exact.
+    `per_item`, when given, gets each item's verdict (True: correct), in item order, on every rank.
 
     An item whose answer tokens alone do not fit in max_seq_len (see tokenize_items) is scored on
     the tokens that fit for multiple choice / schema, and counted wrong for language modeling (an
     exact match of part of the answer is not an exact match); a warning says how many there were.
     """
-    import torch
-
     # checked here too (run_core_eval checks its own): -1, base_eval's "all", or 0 returned an
     # accuracy of 0.0 over no items, and any scoring but "mean" silently ranked by the sum
     if num_items is not None and (isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 1):
@@ -295,37 +394,26 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
     if task.num_fewshot >= len(data):
         raise ValueError(f"task {task.label}: {task.num_fewshot}-shot needs more than {len(data)} examples")
     pool = n if n > task.num_fewshot else len(data)
-    rank, world = _dist()
-    mine = list(range(rank, n, world))
-    correct = cut = 0
-    for c0 in range(0, len(mine), chunk_items):
-        chunk = mine[c0: c0 + chunk_items]
-        rendered = []
-        for idx in chunk:
-            shots = [data[j] for j in fewshot_indices(idx, pool, task.num_fewshot, seed)]
-            rendered.append(render_prompts(task, data[idx], shots))
-        answer_cut: list[bool] = []
-        per_item = tokenize_items(tokenizer, task, rendered, max_seq_len, answer_cut)
-        flat = [s for seqs in per_item for s in seqs]
-        scores = iter(score_sequences(model, flat, device, pad_id=tokenizer.bos_token_id,
-                                      batch_tokens=batch_tokens, max_len=max_seq_len))
-        for idx, seqs, lost in zip(chunk, per_item, answer_cut):
+    correct = cut = dealt = 0
+    for c0 in range(0, n, chunk_items):
+        chunk = range(c0, min(c0 + chunk_items, n))   # the same chunks on every rank
+        per_seq, answer_cut = _tokenized_chunk(tokenizer, task, data, chunk, pool, seed, max_seq_len)
+        flat = [s for seqs in per_seq for s in seqs]
+        scores, batches = _score_dealt(model, flat, dealt, device, pad_id=tokenizer.bos_token_id,
+                                       batch_tokens=batch_tokens, max_len=max_seq_len, label=task.label)
+        scores, dealt = iter(scores), dealt + batches
+        for idx, seqs, lost in zip(chunk, per_seq, answer_cut):
             ok = _item_correct(task, data[idx], [next(scores) for _ in seqs], scoring)
-            correct += int(ok and not (lost and task.task_type == _LM))
+            ok = ok and not (lost and task.task_type == _LM)
+            correct += int(ok)
             cut += int(lost)
-    total = len(mine)
-    if world > 1:
-        import torch.distributed as dist
-
-        # integer counts: exact, and a dtype every backend has (MPS has no float64 tensors)
-        counts = torch.tensor([correct, total, cut], dtype=torch.long, device=device)
-        dist.all_reduce(counts)
-        correct, total, cut = counts.tolist()
+            if per_item is not None:
+                per_item.append(ok)
     if cut:
         how = "counted wrong" if task.task_type == _LM else "scored on the tokens that fit"
-        print0(f"warning: task {task.label}: {cut} of {total} items have answers longer than the model's "
+        print0(f"warning: task {task.label}: {cut} of {n} items have answers longer than the model's "
                f"{max_seq_len}-token window ({how})")
-    return correct / total if total > 0 else 0.0
+    return correct / n if n > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,14 +422,17 @@ def evaluate_task(model, tokenizer, task: CoreTask, data: list[dict], device, *,
 
 def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, tasks=None, data_dir=None,
                   bundle_dir=None, data: CoreData | None = None, seed: int = 1234, batch_tokens: int = 16384,
-                  max_seq_len: int | None = None, scoring: str = "mean", log: Callable[..., None] = print0) -> dict:
+                  max_seq_len: int | None = None, scoring: str = "mean", log: Callable[..., None] = print0,
+                  per_item: bool = False) -> dict:
     """Evaluate CORE; returns per-task accuracy + centered accuracy, the CORE mean and coverage.
 
     `data` is load_core_data()'s result when the caller read it first (then tasks / data_dir /
     bundle_dir are ignored). Keys: results, centered_results (label -> float), core_metric (mean
     over the tasks that ran), available / missing (of the 22 CORE tasks, or of `tasks`), complete
     (all 22 ran), all_items (no task cut by max_per_task: a CORE of 8 items a task is a noisy
-    estimate, not the score), num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>").
+    estimate, not the score), num_examples, seconds, source ("bundle:<dir>" or "offline:<dirs>"), and
+    with `per_item` per_item (label -> each scored item's verdict, in the order scored). Under
+    torch.distributed every rank returns the same result (evaluate_task).
     """
     if max_per_task is not None and max_per_task < 1:
         raise ValueError(f"--max-per-task: got {max_per_task}; accepted: None or >= 1")
@@ -354,6 +445,8 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
         max_seq_len = getattr(getattr(model, "config", None), "sequence_len", 2048)
     out = {"source": source, "results": {}, "centered_results": {}, "num_examples": {}, "seconds": {},
            "all_items": True}
+    if per_item:
+        out["per_item"] = {}
     was_training = getattr(model, "training", False)
     model.eval()
     try:
@@ -361,9 +454,13 @@ def run_core_eval(model, tokenizer, device, *, max_per_task: int | None = None, 
             t0 = time.time()
             items = list(records)
             random.Random(1337).shuffle(items)  # a fixed subset when max_per_task truncates
+            verdicts: list[bool] = []
             acc = evaluate_task(model, tokenizer, task, items, device, num_items=max_per_task, seed=seed,
-                                max_seq_len=max_seq_len, batch_tokens=batch_tokens, scoring=scoring)
+                                max_seq_len=max_seq_len, batch_tokens=batch_tokens, scoring=scoring,
+                                per_item=verdicts)
             label = task.label
+            if per_item:
+                out["per_item"][label] = verdicts
             out["results"][label] = acc
             out["centered_results"][label] = centered_accuracy(acc, task.random_baseline)
             out["num_examples"][label] = min(len(items), max_per_task or len(items))

@@ -6,9 +6,9 @@
 Results are written as JSON to --output (default <base_dir>/eval/<phase>_<tag>_step<N>.json;
 `--quantize int8` evaluates the int8-weight model chat_web --quantize int8 serves, into
 ..._step<N>_int8.json).
-Works under torchrun (rank 0 writes the file): CORE's items are sharded over ranks, and bpb's
-batches are dealt to ranks from the one stream a single process reads, so the bpb is over the same
-tokens (and the same figure) on any number of ranks.
+Works under torchrun (rank 0 writes the file): CORE's batches, as one process forms them, and bpb's,
+from the one stream a single process reads, are dealt whole to the ranks, so CORE's per-item
+verdicts and scores and the bpb (over the same tokens) are the same figures on any number of ranks.
 """
 
 from __future__ import annotations

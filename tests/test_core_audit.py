@@ -1,6 +1,6 @@
 """Audit of CORE (nanochat/core_eval.py, core_data.py) and scripts/base_eval.py against the metric's
 definition: token boundaries, left truncation, batching, random baselines, aggregation, few-shot
-draws, rank sharding, a missing or partial eval bundle, and flags rejected before any heavy work.
+draws, rank dealing, a missing or partial eval bundle, and flags rejected before any heavy work.
 Scripted tokenizers and models only; CPU; a few seconds in all."""
 
 import random
@@ -160,7 +160,7 @@ def test_per_task_centering_and_core_mean(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Few-shot draws and rank sharding (checked right)
+# Few-shot draws and rank dealing (checked right)
 # ---------------------------------------------------------------------------------------------
 
 def test_fewshot_draw_is_upstreams_and_never_the_item():
@@ -171,33 +171,93 @@ def test_fewshot_draw_is_upstreams_and_never_the_item():
             assert got == want and idx not in got and len(set(got)) == k
 
 
-def test_two_simulated_ranks_score_each_item_once_with_the_same_shots(monkeypatch):
-    import torch.distributed as dist
+class Recording:
+    """The scripted model, recording every batch it is given (as nested lists of ids)."""
+
+    def __init__(self, model):
+        self.model, self.batches = model, []
+
+    def __call__(self, x):
+        self.batches.append(x.tolist())
+        return self.model(x)
+
+
+class ThreadRanks:
+    """Two ranks as two threads of this process: _dist answers each thread's own rank, and _gather
+    (tasks.evaluate's collective) exchanges the threads' rows through a barrier."""
+
+    def __init__(self, world: int):
+        import threading
+        self.world, self.local = world, threading.local()
+        self.barrier, self.parts = threading.Barrier(world, timeout=20), [None] * world
+
+    def dist(self):
+        return self.local.rank, self.world
+
+    def gather(self, label, mine, error):
+        assert error is None and label == "CORE lm"
+        self.parts[self.local.rank] = mine
+        self.barrier.wait()
+        rows = sorted(x for part in self.parts for x in part)
+        self.barrier.wait()   # every rank has read the parts before the next gather writes them
+        return rows
+
+    def run(self, fn):
+        import threading
+        out: dict[int, object] = {}
+
+        def body(rank):
+            self.local.rank = rank
+            out[rank] = fn(rank)
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(out) == list(range(self.world)), "a rank thread failed (see its traceback above)"
+        return [out[r] for r in range(self.world)]
+
+
+def test_two_simulated_ranks_score_one_process_batches_and_decide_each_item_once(monkeypatch):
+    """Contract (was: each rank rendered, batched and scored only its own items, so a sequence sat in
+    a batch of another shape and padding than on one process): rank r renders and tokenizes items
+    i % 2 == r (with one process's shots) and the ranks gather the sequences; the task's batches,
+    one process's, numbered across chunks, go whole to rank g % 2; the gathered scores decide every
+    item once, alike on both ranks, as on one process. The ranks are two threads (ThreadRanks)."""
+    from nanochat.tasks import evaluate as task_eval
 
     task = CoreTask("lm", "language_modeling", 3, 0.0, " ")
-    data = [{"context": f"c{i}", "continuation": "a" if i % 3 else "b"} for i in range(13)]
-    model = NextByte({" ": "a"})
-    seen: dict[int, list] = {}
+    data = [{"context": "c" * (1 + i % 4) + str(i), "continuation": "a" if i % 3 else "b"} for i in range(13)]
+    ranks = ThreadRanks(2)
+    seen: dict[int, list] = {0: [], 1: []}
     real_render = core_eval.render_prompts
 
-    def spy(rank):
-        def render(t, item, shots):
-            seen.setdefault(rank, []).append((item["context"], [s["context"] for s in shots]))
-            return real_render(t, item, shots)
-        return render
+    def render(t, item, shots):
+        seen[ranks.dist()[0]].append((item["context"], [s["context"] for s in shots]))
+        return real_render(t, item, shots)
 
-    single_acc = evaluate_task(model, ByteTok(), task, data, "cpu")
-    monkeypatch.setattr(core_eval, "render_prompts", spy(-1))
-    evaluate_task(model, ByteTok(), task, data, "cpu", chunk_items=2)
-    counts = []
-    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: counts.append(t.tolist()))
-    for rank in (0, 1):
-        monkeypatch.setattr(core_eval, "_dist", lambda r=rank: (r, 2))
-        monkeypatch.setattr(core_eval, "render_prompts", spy(rank))
-        evaluate_task(model, ByteTok(), task, data, "cpu", chunk_items=2)
-    assert sorted(seen[0] + seen[1]) == sorted(seen[-1]) and not set(map(str, seen[0])) & set(map(str, seen[1]))
-    total = [a + b for a, b in zip(*counts)]
-    assert total[1] == len(data) and total[0] / total[1] == pytest.approx(single_acc)
+    def run(rank):
+        model, verdicts = Recording(NextByte({**dict.fromkeys("0123456789", " "), " ": "a"})), []
+        # chunks of 5, 5 and 3 items (one sequence each, 25..32 tokens), batches of <= 80 tokens:
+        # 3 + 2 + 2 batches of 1..3 rows, so the 2nd and 3rd chunks begin on rank 1's turn
+        acc = evaluate_task(model, ByteTok(), task, data, "cpu", chunk_items=5, batch_tokens=2 * 40,
+                            per_item=verdicts)
+        return acc, verdicts, model.batches
+
+    monkeypatch.setattr(core_eval, "render_prompts", render)
+    ranks.local.rank = 0
+    single_acc, single_items, single_batches = run(0)   # no process group: one process
+    single_seen, seen[0] = seen[0], []
+    assert 0 < sum(single_items) < len(data) and len(single_batches) == 7
+    monkeypatch.setattr(core_eval, "_dist", ranks.dist)
+    monkeypatch.setattr(task_eval, "_gather", ranks.gather)
+    (acc0, items0, batches0), (acc1, items1, batches1) = ranks.run(run)
+    # each item rendered once, by rank i % 2, with one process's shots
+    assert seen[0] == single_seen[0::2] and seen[1] == single_seen[1::2]
+    # one process's batches, dealt whole: rank 0 the task's 1st, 3rd, ...; rank 1 its 2nd, 4th, ...
+    assert batches0 == single_batches[0::2] and batches1 == single_batches[1::2]
+    # every item decided on both ranks, as one process decided it
+    assert items0 == items1 == single_items and acc0 == acc1 == single_acc
 
 
 # ---------------------------------------------------------------------------------------------

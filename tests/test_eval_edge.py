@@ -1,6 +1,6 @@
 """Evaluation edge cases (session audit): HumanEval completions that carry their own
 `if __name__ == "__main__":` block, GSM8K answers written "-$5", and CORE's per-task counts
-(no device tensor on one process; exact sharding over 2 gloo processes)."""
+(no device tensor on one process; every item counted once over 2 gloo processes)."""
 
 from __future__ import annotations
 
@@ -103,31 +103,46 @@ def test_core_counts_make_no_device_tensor_on_one_process(monkeypatch):
     assert evaluate_task(None, ByteTok(), LM, lm_items(9), "mps") == pytest.approx(6 / 9)
 
 
+def _ok_model(x):
+    """Greedy next byte: 'o' after a space, 'k' after 'o', else a space: "item 4" + " ok" is
+    reproduced exactly, " no" is not (the fake_scores verdicts, through real batches)."""
+    import torch
+
+    nxt = torch.full((257,), ord(" "))
+    nxt[ord(" ")], nxt[ord("o")] = ord("o"), ord("k")
+    return torch.nn.functional.one_hot(nxt[x], 257).float() * 10
+
+
 def _core_worker(rank: int, port: int, out: str, n: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        seen = []
+        seen, rows = [], []
         real = core_eval.render_prompts
         core_eval.render_prompts = lambda task, item, shots: (seen.append(item["context"]), real(task, item, shots))[1]
-        core_eval.score_sequences = lambda model, seqs, device, **kw: fake_scores(seqs)
-        acc = evaluate_task(None, ByteTok(), LM, lm_items(n), "cpu", chunk_items=2)
+        model = lambda x: (rows.append(x.shape[0]), _ok_model(x))[1]   # noqa: E731
+        acc = evaluate_task(model, ByteTok(), LM, lm_items(n), "cpu", chunk_items=2, batch_tokens=1)
         dist.barrier()
-        Path(out, f"core{rank}.json").write_text(json.dumps({"acc": acc, "seen": seen}))
+        Path(out, f"core{rank}.json").write_text(json.dumps({"acc": acc, "seen": seen, "rows": rows}))
     finally:
         dist.destroy_process_group()
 
 
 def test_core_sharding_scores_every_item_once_over_two_processes(tmp_path):
+    """Contract since CORE deals one process's batches (core_eval.evaluate_task): rank r renders and
+    tokenizes the items i % 2 == r, and the ranks gather them; one process's batches (one sequence
+    each here, batch_tokens=1) are dealt whole, each scored once over the two ranks; the accuracy is
+    one process's."""
     from nanochat.distributed import free_port
 
-    n = 11   # not a multiple of the 2 ranks, and several chunks per rank
+    n = 11   # not a multiple of the 2 ranks, and several chunks
+    assert evaluate_task(_ok_model, ByteTok(), LM, lm_items(n), "cpu") == sum(i % 3 != 0 for i in range(n)) / n
     mp.spawn(_core_worker, args=(free_port(), str(tmp_path), n), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"core{r}.json").read_text()) for r in range(2))
-    assert sorted(r0["seen"] + r1["seen"]) == sorted(f"item {i}" for i in range(n))
-    assert not set(r0["seen"]) & set(r1["seen"])
+    assert r0["seen"] == [f"item {i}" for i in range(0, n, 2)] and r1["seen"] == [f"item {i}" for i in range(1, n, 2)]
+    assert len(r0["rows"]) == 6 and len(r1["rows"]) == 5 and sum(r0["rows"] + r1["rows"]) == n
     single = sum(i % 3 != 0 for i in range(n)) / n
     assert r0["acc"] == r1["acc"] == pytest.approx(single, abs=1e-12)
 
