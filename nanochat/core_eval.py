@@ -277,7 +277,7 @@ def _score_dealt(model, seqs: list[tuple[list[int], int]], first: int, device, *
                  max_len: int, label: str) -> tuple[list[tuple[float, float, bool]], int]:
     """Every sequence's scores, alike on every rank, and the number of batches they took. This rank
     scores its batches of one process's plan (dealt_batches; the plan's first batch is the task's
-    batch `first`), and one all_gather (tasks.evaluate._gather) brings every rank's rows. The floats
+    batch `first`), and one all_gather (tasks.evaluate.gather_ranks) brings every rank's rows. The floats
     travel pickled, so each is the one its batch computed, bit for bit. A rank whose part raised
     (its own out of memory) makes every rank raise there, the others naming it, instead of leaving
     them at the gather."""
@@ -287,15 +287,15 @@ def _score_dealt(model, seqs: list[tuple[list[int], int]], first: int, device, *
     mine = dealt_batches(num_batches, rank, world, first)
     if world == 1:
         return score_sequences(model, seqs, device, pad_id=pad_id, **sizes), num_batches  # type: ignore[return-value]
-    from nanochat.tasks.evaluate import _gather
+    from nanochat.tasks.evaluate import gather_ranks
 
     scored, error = [], None
     try:
         got = score_sequences(model, seqs, device, pad_id=pad_id, batches=mine, **sizes)
         scored = [(k, s) for k, s in enumerate(got) if s is not None]
-    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+    except Exception as e:   # said together with the other ranks (gather_ranks), not left at a collective
         error = e
-    gathered = _gather(f"CORE {label}", scored, error)
+    gathered = gather_ranks(f"CORE {label}", scored, error)
     assert [k for k, _ in gathered] == list(range(len(seqs))), "a sequence scored by no rank, or by two"
     return [s for _, s in gathered], num_batches
 
@@ -339,7 +339,7 @@ def _tokenized_chunk(tokenizer, task: CoreTask, data: list[dict], chunk: range, 
                      max_len: int) -> tuple[list[list[tuple[list[int], int]]], list[bool]]:
     """tokenize_items of the chunk's items, each rendered with its shots from data[:pool], and their
     answer_cut flags: the same lists on every rank. Under torch.distributed each rank renders and
-    tokenizes the items i with i % world == rank and one all_gather (tasks.evaluate._gather) brings
+    tokenizes the items i with i % world == rank and one all_gather (tasks.evaluate.gather_ranks) brings
     the others': tokenizing is most of CORE's host work (the offline files on 2 CPU cores: 100 s of
     tokenizing against 1.5 s of rendering), and an item's tokens do not depend on the items
     tokenized with it, so each rank need not do it all."""
@@ -350,15 +350,15 @@ def _tokenized_chunk(tokenizer, task: CoreTask, data: list[dict], chunk: range, 
         rendered = [render_prompts(task, data[i], [data[j] for j in fewshot_indices(i, pool, task.num_fewshot, seed)])
                     for i in mine]
         per_seq = tokenize_items(tokenizer, task, rendered, max_len, answer_cut)
-    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+    except Exception as e:   # said together with the other ranks (gather_ranks), not left at a collective
         if world == 1:
             raise
         error = e
     if world == 1:
         return per_seq, answer_cut
-    from nanochat.tasks.evaluate import _gather
+    from nanochat.tasks.evaluate import gather_ranks
 
-    rows = _gather(f"CORE {task.label}", list(zip(mine, per_seq, answer_cut)), error)
+    rows = gather_ranks(f"CORE {task.label}", list(zip(mine, per_seq, answer_cut)), error)
     assert [i for i, _, _ in rows] == list(chunk), "an item tokenized by no rank, or by two"
     return [seqs for _, seqs, _ in rows], [lost for _, _, lost in rows]
 

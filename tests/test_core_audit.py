@@ -183,7 +183,7 @@ class Recording:
 
 
 class ThreadRanks:
-    """Two ranks as two threads of this process: _dist answers each thread's own rank, and _gather
+    """Two ranks as two threads of this process: _dist answers each thread's own rank, and gather_ranks
     (tasks.evaluate's collective) exchanges the threads' rows through a barrier."""
 
     def __init__(self, world: int):
@@ -250,7 +250,7 @@ def test_two_simulated_ranks_score_one_process_batches_and_decide_each_item_once
     single_seen, seen[0] = seen[0], []
     assert 0 < sum(single_items) < len(data) and len(single_batches) == 7
     monkeypatch.setattr(core_eval, "_dist", ranks.dist)
-    monkeypatch.setattr(task_eval, "_gather", ranks.gather)
+    monkeypatch.setattr(task_eval, "gather_ranks", ranks.gather)
     (acc0, items0, batches0), (acc1, items1, batches1) = ranks.run(run)
     # each item rendered once, by rank i % 2, with one process's shots
     assert seen[0] == single_seen[0::2] and seen[1] == single_seen[1::2]

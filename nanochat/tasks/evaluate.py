@@ -48,7 +48,7 @@ def _dist() -> tuple[int, int]:
 
 
 class OtherRankError(RuntimeError):
-    """Raised on every other rank when one rank's part of a task failed (_gather): names that rank and
+    """Raised on every other rank when one rank's part of a task failed (gather_ranks): names that rank and
     its error. `memory_kind` is out_of_memory_kind of that error, so out_of_memory_hint names the flag
     to lower on the rank that says the error (rank 0), which is not the one that ran out."""
 
@@ -57,7 +57,7 @@ class OtherRankError(RuntimeError):
         self.memory_kind, self.where = memory_kind, f"rank {rank} of {world}"
 
 
-def _gather(label: str, mine: list, error: Exception | None) -> list:
+def gather_ranks(label: str, mine: list, error: Exception | None) -> list:
     """Collective at the end of a task's loop: every rank's per-problem results, concatenated and
     sorted by problem (the order one process makes them in, so sums over them are the same floats),
     or, when a rank's part raised, an error on every rank together: its own on a rank that failed,
@@ -163,9 +163,9 @@ def run_categorical(model, tokenizer, task: Task, device, *, batch_size: int = 8
                 logits = model(x.to(device))
             for r, (i, conv, p) in enumerate(zip(idx, convs, prompts)):
                 scored.append((i, _letter_passed(task, conv, logits[r, len(p) - 1], tokenizer)))
-    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+    except Exception as e:   # said together with the other ranks (gather_ranks), not left at a collective
         error = e
-    results = _gather(label, scored, error)
+    results = gather_ranks(label, scored, error)
     return TaskResult(label, sum(ok for _, ok in results), len(results))
 
 
@@ -227,10 +227,10 @@ def run_generative(engine, tokenizer, task: Task, device, *, num_samples: int = 
             scored.append((i, sum(bool(task.evaluate(conv, c)) for c in completions)))
             if log and k < 2:  # named: chat_eval prints a task's score line only after its examples
                 log(f"  {label} example {seed_of(i)}: {scored[-1][1]}/{num_samples} passed | {completions[0][:200]!r}")
-    except Exception as e:   # said together with the other ranks (_gather), not left at a collective
+    except Exception as e:   # said together with the other ranks (gather_ranks), not left at a collective
         error = e
     # summed in problem order, as one process sums them: the same pass@k floats on any number of ranks
-    results, passed_at = _gather(label, scored, error), [0.0] * num_samples
+    results, passed_at = gather_ranks(label, scored, error), [0.0] * num_samples
     for _, correct in results:
         for j in range(num_samples):
             passed_at[j] += pass_at_k(num_samples, correct, j + 1)
