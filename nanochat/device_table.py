@@ -61,7 +61,7 @@ def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor data
 
 
 # Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2; GeForce-class
-# half-rate fp32 accumulate for bf16 on the 5090) and labelled as such; measured GEMM rates are lower
+# half-rate fp32 accumulate for bf16 and fp8 on the 5090) and labelled as such; measured GEMM rates are lower
 # (DESIGN.md s3). Memory is the datasheet's GB (the MIG profiles' unit), not the bytes CUDA reports.
 DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
@@ -90,19 +90,18 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
           {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0, "fp32": 1100.0}),
     _spec("gb200", "NVIDIA GB200", (10, 0), 152, 186, 8000,
           {"bf16": 2500.0, "fp8": 5000.0, "nvfp4": 10000.0, "fp32": 1250.0}),
-    # GeForce halves bf16 with fp32 accumulate (209.5 = 170 SMs x 512 per clock x 2.41 GHz), not fp4
-    # (block-scaled, always fp32 accumulate): NVIDIA's 3352 "AI TOPS" are fp4 with sparsity, 1676 dense =
-    # 170 x 4096 x 2.41 GHz, the per-SM rate of the RTX PRO 6000's 2015 and GB10's 500 (838, DESIGN.md's
-    # figure, halves it twice). fp8 is the full 8-bit rate, 838 = 170 x 2048 x 2.41 GHz, not 419: only
-    # the plain fp8 MMA runs at half rate on sm_120; the block-scaled one runs fp8 x fp8 -> fp32 at full
-    # rate (triton-lang/triton#11320, #11386: 1.55x measured on a 5090), cuBLASLt's fp8 GEMM reaches
-    # it (tensor-wise e4m3 -> bf16, CUDA 13, RTX 5060 Ti: 184.6 TFLOP/s = 3.9x its bf16 47.0, github
-    # QuantumDrizzy/BLACKWALL; MXFP8 on a 5090: 600+, NVIDIA/CUDALibrarySamples#283), and 419 let fp8
-    # util read up to 200%
+    # GeForce halves bf16 and fp8 with fp32 accumulate (NVIDIA's RTX Blackwell whitepaper: 209.5 /
+    # 419 dense), not fp4 (block-scaled, always fp32 accumulate): NVIDIA's 3352 "AI TOPS" are fp4 with
+    # sparsity, 1676 dense = 170 SMs x 4096 fp4 ops per clock at 2.41 GHz, the per-SM rate of the RTX
+    # PRO 6000's 2015 and GB10's 500 (DESIGN.md's 838 halves it twice). fp8 stays the datasheet's 419
+    # (measured plain fp8 -> fp32 GEMMs on a 5090: ~370, main-horse.github.io/posts/5090-mm-perf); only
+    # the block-scaled MXFP8 MMA runs at twice that (~737 there; triton-lang/triton#11320), and
+    # torch._scaled_mm's tensor-wise fp8 is not block-scaled. A community CUDA 13 cuBLASLt run on an
+    # RTX 5060 Ti reported 3.9x its bf16 (github QuantumDrizzy/BLACKWALL): unconfirmed here; if a 5090
+    # shows fp8 util above 100%, that is why
     _spec("rtx-5090", "NVIDIA GeForce RTX 5090", (12, 0), 170, 32, 1792,
-          {"bf16": 209.5, "fp8": 838.0, "nvfp4": 1676.0, "fp32": 104.8},
-          source="spec-derived (GeForce half-rate fp32 accumulate for bf16; fp8 full 8-bit rate; "
-                 "fp4 = 3352 AI TOPS sparse / 2)"),
+          {"bf16": 209.5, "fp8": 419.0, "nvfp4": 1676.0, "fp32": 104.8},
+          source="spec-derived (GeForce half-rate fp32 accumulate for bf16/fp8; fp4 = 3352 AI TOPS sparse / 2)"),
     _spec("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792,
           {"bf16": 503.8, "fp8": 1007.6, "nvfp4": 2015.0, "fp32": 251.9}),
     # the 300 W Max-Q: the same 188 SMs at lower clocks. NVIDIA's datasheet: 3511 AI TOPS (fp4, sparse)
@@ -249,8 +248,8 @@ def peak_key(precision: str) -> str:
 
 
 # Dense tensor-core rate of a precision relative to bf16, as on the GPUs in the table that have it
-# (Hopper, Blackwell, GB10; the RTX 5090, with its half-rate bf16 fp32 accumulate, has ratios 4 and 8,
-# the RTX 4090, half-rate fp8 too, 2): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
+# (Hopper, Blackwell, GB10; GeForce cards, with their half-rate bf16/fp8 fp32 accumulate, have an
+# fp4 ratio of 8): how --peak-flops, a bf16 peak, carries over to a GPU the table lacks.
 DENSE_RATIO = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "fp32": 0.5}
 
 

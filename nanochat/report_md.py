@@ -183,7 +183,7 @@ def _decoding_note(row: str, data: dict) -> list[str]:
     t = data.get("temperature")
     if not (_num(t) and t >= 0):
         return ["temperature unknown"]
-    return [f"sampled, T={_fmt(t)}"] if t > 0 else []
+    return [f"sampled, T={t:g}"] if t > 0 else []
 
 
 def _not_greedy(notes: list[str]) -> bool:

@@ -1,6 +1,6 @@
 """The training step meter: throughput, MFU against the device's dense bf16 peak, utilisation of
 the active precision's peak (blended with bf16 for the FLOPs that run in bf16), an EMA-smoothed loss, the fixed-field per-step log line and its ETA.
-Also where the peak FLOP/s come from (`resolve_peak_flops`, `describe_peaks`: nanochat/platform.py's
+Also where the peak FLOP/s come from (`resolve_peak_flops`, `describe_peaks`: nanochat/device_table.py's
 table or --peak-flops). nanochat/training.py re-exports every name here (recipes import them from
 there).
 """

@@ -424,14 +424,13 @@ def test_dense_peaks_not_sparse_for_the_target_gpus():
 def test_rtx_5090_fp4_peak_is_its_ai_tops_halved_not_quartered():
     """3352 AI TOPS (fp4, sparse) -> 1676 dense: 170 SMs x 4096 fp4 ops per clock x 2.41 GHz, the per-SM
     rate of the RTX PRO 6000's 2015 (188 SMs, 2.62 GHz). The table also halved it for GeForce's fp32
-    accumulate, which halves bf16 (209.5) only (fp8 is the full 8-bit rate, 838: see
-    test_device_table_audit): nvfp4 % of peak printed twice too high."""
+    accumulate, which halves bf16 (209.5) and fp8 (419) only: nvfp4 % of peak printed twice too high."""
     from nanochat.platform import DEVICE_TABLE
 
     rtx, pro = DEVICE_TABLE["rtx-5090"].peak_tflops, DEVICE_TABLE["rtx-pro-6000"].peak_tflops
     assert rtx["nvfp4"] == 3352 / 2 == pytest.approx(170 * 4096 * 2.407e9 / 1e12, rel=1e-3)
     assert pro["nvfp4"] == pytest.approx(188 * 4096 * 2.617e9 / 1e12, rel=1e-3)
-    assert (rtx["bf16"], rtx["fp8"]) == (209.5, 838.0)
+    assert (rtx["bf16"], rtx["fp8"]) == (209.5, 419.0)
     assert pro["bf16"] == pytest.approx(188 * 1024 * 2.617e9 / 1e12, rel=1e-3)
 
 

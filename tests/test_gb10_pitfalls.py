@@ -221,7 +221,7 @@ DEVICES = {   # props, dense peaks in TFLOP/s (device_table.py; DESIGN.md s3); {
     "h100": (H100, {"bf16": 989.4, "fp8": 1978.9}),
     "h200": (H200, {"bf16": 989.4, "fp8": 1978.9}),
     "b200": (B200, {"bf16": 2250.0, "fp8": 4500.0, "nvfp4": 9000.0}),
-    "rtx5090": (RTX5090, {"bf16": 209.5, "fp8": 838.0, "nvfp4": 1676.0}),
+    "rtx5090": (RTX5090, {"bf16": 209.5, "fp8": 419.0, "nvfp4": 1676.0}),
     "unknown": (UNKNOWN, {}),
 }
 FLOPS_PER_TOKEN, TOKENS = 1e9, 25_000   # one step of 1 s: 2.5e13 FLOP/s

@@ -101,7 +101,7 @@ def test_no_compile_run_records_the_patches_init_runtime_applied(monkeypatch):
     (H100, {"bf16": 989.4, "fp8": 1978.9, "nvfp4": None}),
     (H200, {"bf16": 989.4, "fp8": 1978.9, "nvfp4": None}),
     (B200, {"bf16": 2250, "fp8": 4500, "nvfp4": 9000}),
-    (RTX5090, {"bf16": 209.5, "fp8": 838.0, "nvfp4": 1676.0}),
+    (RTX5090, {"bf16": 209.5, "fp8": 419.0, "nvfp4": 1676.0}),
 ])
 def test_mfu_peaks_per_precision(monkeypatch, props, expect):
     """The peaks base_train's meter divides by (resolve_peak_flops): MFU always against bf16, util

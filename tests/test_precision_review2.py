@@ -240,7 +240,7 @@ def test_te_recipe_description_shows_env_driven_fields():
 
 # dense peak of the active precision / bf16 peak, by device (None: that device has no such path)
 RATIOS = {"h100": {"fp8": 2.0}, "h200": {"fp8": 2.0}, "b200": {"fp8": 2.0, "nvfp4": 4.0},
-          "rtx5090": {"fp8": 4.0, "nvfp4": 8.0}, "gb10": {"fp8": 2.0, "nvfp4": 4.0}}
+          "rtx5090": {"fp8": 2.0, "nvfp4": 8.0}, "gb10": {"fp8": 2.0, "nvfp4": 4.0}}
 
 
 @pytest.mark.parametrize("name", list(DEVICES))

@@ -122,3 +122,11 @@ def test_an_entry_naming_no_temperature_is_not_taken_for_greedy(rep):
     assert rep.summary_cells()["GSM8K"]["rl"] == (0.4, ["pass@4"])
     rep.log("Chat evaluation rl", {"stage": "rl", "temperature": "0.8", "GSM8K": 0.4})   # not a number
     assert rep.summary_cells()["GSM8K"]["rl"] == (0.4, ["temperature unknown"])
+
+
+def test_sampled_mark_formats_the_temperature_as_chat_eval_prints_it():
+    """chat_eval's console says "(sampled, T=1)" (`:g`); the report said "(sampled, T=1.0)"."""
+    from nanochat.report_md import _decoding_note
+
+    assert _decoding_note("GSM8K", {"temperature": 1.0}) == ["sampled, T=1"]
+    assert _decoding_note("GSM8K", {"temperature": 0.75}) == ["sampled, T=0.75"]

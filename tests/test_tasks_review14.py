@@ -39,6 +39,9 @@ def _add(program: str):
     "def add(a, b):\n    return plus(a, b)\n\nThat is all.\n",                         # its helper and import kept
     "def add(a, b):\n    return a + b\n\nUsage:\n```python\nprint(add(1, 2))\n```\n",  # not the usage block
     "    return a + b\n",                                                              # (as before) a raw body
+    # the signature and docstring repeated as text, the body in a block (review: ran the empty stub)
+    'def add(a: int, b: int) -> int:\n    """Return a + b."""\n```python\n    return a + b\n```\n',
+    'Here it is:\ndef add(a, b):\n    """Return a + b."""\n```python\n    return a + b\n```\nDone.\n',
 ])
 def test_humaneval_runs_the_code_among_prose(completion):
     assert _add(extract_program(completion, _PROMPT, "add"))(2, 3) == 5

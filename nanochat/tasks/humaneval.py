@@ -72,15 +72,24 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     (or before) code written without any fence (`def f(x):\n    return x\n\nThis returns x.`):
     where the text outside the blocks does not compile, its code is the longest run of its lines
     that does (_code_among_prose). That text's own `def entry_point` is preferred to a block that
-    defines nothing (a usage example such as ```print(f(1))```, which ran the prompt's stub).
+    defines nothing (a usage example such as ```print(f(1))```, which ran the prompt's stub), but
+    not to a block holding a body (indented), which the text's repeated signature and docstring
+    would otherwise leave as an empty stub.
     """
     defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
     blocks, outside = _code_blocks(completion)
     python = [code for lang, code in blocks if lang in _PYTHON_LANGS and code.strip()]
     own = defines.search(outside) is not None
 
+    def is_body(code: str) -> bool:   # the function's body alone: its first code line is indented
+        first = next((line for line in code.split("\n") if line.strip()), "")
+        return first[:1] in (" ", "\t")
+
     def candidates():   # in that order of preference, lazily (the prose search only when needed)
         yield from (c for c in python if defines.search(c))
+        # a body block continues the prompt (the text around it may repeat the signature and
+        # docstring, a stub that compiles and returns None)
+        yield from (c for c in python if not defines.search(c) and is_body(c))
         if own:   # the text's own function: before a block that defines nothing, as a usage example
             yield outside
             yield _code_among_prose(outside, prompt, defines)
