@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # nanochat-spark set-up and main job: check the machine, build the environment, then run the
 # pipeline stage by stage (data -> tokenizer -> base -> eval -> mid -> SFT -> chat eval -> report).
-# Every stage writes a done-marker holding its exact command; a rerun skips stages whose command
-# is unchanged and reruns those whose configuration changed, and every stage after a model stage
-# that ran, in that run or (stopped, or under --only) the next (MODEL_MAKERS below).
+# Every stage writes a done-marker holding its exact command and the files it left (relative to
+# the base dir: a base dir moved or copied keeps its finished stages); a rerun skips stages whose
+# command is unchanged and outputs are there, reruns the others, and every stage after a model
+# stage that ran, in that run or (stopped, or under --only) the next (MODEL_MAKERS below).
 # `./setup.sh --help` for options.
 set -euo pipefail
 # bash reads a script as it runs it: the braces make it read all of it first, so an edit to this file
@@ -171,6 +172,7 @@ if [[ -n "$FROM" ]]; then
     break
   done
 fi
+say_if_moved   # one line when this base dir was elsewhere when setup.sh last ran on it
 
 # ---------------------------------------------------------------- machine checks (no installs)
 ARCH="$(uname -m)"; OS="$(uname -s)"
@@ -445,6 +447,7 @@ if [[ $DRY_RUN -eq 0 ]] && command -v flock >/dev/null 2>&1; then
     printf '%s\n' "$$" > "$STATE_DIR/lock"
   fi
 fi
+[[ $DRY_RUN -eq 1 ]] || record_location || die "$BASE_DIR_FROM: cannot write to $STATE_DIR; $BASE_DIR_OK, writable"
 
 # ---------------------------------------------------------------- env stage
 source "$REPO/scripts/setup_env.sh"   # env_stage, env_done, rust_ready and their messages

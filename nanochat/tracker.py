@@ -9,7 +9,11 @@ back (`resume_state`): wandb.init(id=..., resume="allow"). A fresh start (also -
 --resume auto starting afresh) has no such state and starts a new wandb run; so does a resume from
 an older step than the directory's latest (`branch`: the later steps belong to the run it left).
 wandb does not resume offline runs itself: each offline segment is a directory of its own under
-<dir>/wandb named with the shared id, synced into one run with `wandb sync`."""
+<dir>/wandb named with the shared id, synced into one run with `wandb sync`.
+
+The charts' x-axis is the training step, logged as the metric "step" (STEP_METRIC), never wandb's
+own step: that one only grows, and a resume restarts from its checkpoint, so the steps a stopped run
+logged after its last checkpoint come again (_plot_against_the_training_step says why)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from nanochat.flags import require
 
 WANDB_MODES = ("off", "offline", "online")
 STATE_KEY = "tracker"   # the loop state's entry that holds state_dict() (nanochat/loop.py)
+STEP_METRIC = "step"    # every logged row's training step: the x-axis of every chart
 
 
 class WandbInitError(RequestError, RuntimeError):
@@ -100,6 +105,7 @@ class Tracker:
             kwargs.update(id=saved["id"], resume="allow", allow_val_change=True)
         try:
             self._run = wandb.init(**kwargs)
+            _plot_against_the_training_step(self._run)
         except Exception as e:   # wandb's own errors (UsageError, CommError, ...) share no base class
             # asked for and not met, before the first step: said now (nothing is lost yet), not hours
             # later as a run without its tracking
@@ -154,9 +160,11 @@ class Tracker:
               "(the log lines and report/metrics_<stage>.jsonl still record every step)", file=sys.stderr, flush=True)
 
     def log(self, data: dict, step: int) -> None:
+        """One row at training step `step`, carried as the x-axis metric (not wandb's step=: a resume
+        logs again the steps after its checkpoint, and wandb drops a step= below its current one)."""
         if self._run is not None:
             try:
-                self._run.log({k: v for k, v in data.items() if v is not None}, step=step)
+                self._run.log({**{k: v for k, v in data.items() if v is not None}, STEP_METRIC: step})
             except Exception as e:
                 self._give_up(f"wandb log at step {step} failed", e)
 
@@ -167,6 +175,25 @@ class Tracker:
                 run.finish()
             except Exception as e:
                 self._give_up("wandb finish failed", e)
+
+
+def _plot_against_the_training_step(run) -> None:
+    """Every metric of the run plotted against STEP_METRIC, a value of the row, not wandb's own step.
+
+    wandb keeps a row only if its step= is at least the run's current step, and a resumed online run
+    starts at the last step it logged + 1. A run stopped after its checkpoint at step N had logged up
+    to M; the resume trains N+1..M again, and with step= wandb dropped those M-N rows ("Tried to log
+    to step N+1 that is less than the current step M+1 ... this data will be ignored"). Offline,
+    `wandb sync` keeps a later segment's rows but numbers them on from the run's last step, so its
+    charts are shifted by M-N. (Seen with wandb 0.31.0, online against a local stand-in server.)
+    A custom x-axis (define_metric with step_metric, wandb's documented way to log out of order) keeps
+    every row, online and offline, with any wandb >= 0.17 (pyproject's floor; checked with 0.17.0 and
+    0.31.0). wandb's rewind (resume_from="<id>?_step=N") would drop the stale steps instead, but it
+    is not in 0.17.0, is beta in 0.31 and is the server's work (a RewindRun call, made at `wandb sync`
+    for an offline run) that a server may refuse. The re-trained steps' earlier rows stay in the
+    history, so a chart shows both values at steps N+1..M."""
+    run.define_metric(STEP_METRIC)
+    run.define_metric("*", step_metric=STEP_METRIC)
 
 
 def _note(text: str) -> None:

@@ -1,6 +1,6 @@
 # setup.sh's stage bookkeeping, sourced by it (not a script of its own): which stages this run
 # selected (should_run), the done-markers and what they record (marker_text, stage_inputs,
-# forget_later), running a stage's command as a child that a Ctrl-C / SIGHUP / SIGTERM stops
+# stage_outputs, read_marker, forget_later), a base dir moved since the last run (say_if_moved), running a stage's command as a child that a Ctrl-C / SIGHUP / SIGTERM stops
 # cleanly (run_child, on_stop_signal, stopped), and the rerun command printed on a stop (rerun_cmd).
 # They read setup.sh's globals (STAGES, ONLY/FROM, PRESET, BASE_DIR, STATE_DIR, ...).
 
@@ -12,7 +12,118 @@ should_run() {  # stage -> 0 if selected by --only/--from
   fi
   return 0
 }
-marker_text() { echo "preset=$PRESET"; echo "base_dir=$BASE_DIR"; printf "%s\n" "$@"; }
+# The done-markers live in the base dir and name nothing by its absolute path, so a base dir moved
+# or copied (to a bigger disk; `mv` then a symlink; another NANOCHAT_BASE_DIR) keeps its finished
+# stages: before, each held base_dir=<absolute path>, and a moved one reran every stage (the data
+# and tokenizer again, base / mid / SFT resumed at their last step, both evals in full). A marker
+# holds MARKER_HEAD, the preset, the stage's command and its inputs' digests (a path under the base
+# dir written "<base dir>/..."), then one "output SIZE SHA256 PATH" line per file the stage left
+# (stage_outputs; PATH relative to the base dir, SHA256 "-" over OUTPUT_HASH_MAX bytes, where the
+# size stands for it): a stage whose settings differ, or one of whose outputs is gone or changed
+# since, runs again.
+MARKER_HEAD="done-marker v2 (paths relative to the base dir)"
+OUTPUT_HASH_MAX=$((16 * 1024 * 1024))   # the tokenizer, latest.json, sums, results: hashed; shards, weights: sized
+marker_text() {  # command... -> the marker's settings lines
+  echo "$MARKER_HEAD"; echo "preset=$PRESET"; printf "%s\n" "$@"
+}
+under_base() { printf '%s' "${2//"$1/"/<base dir>/}"; }   # dir text -> text, dir/... written <base dir>/...
+ckpt_outputs() {  # phase -> the files of its latest checkpoint (the step latest.json names)
+  local dir="checkpoints/$1/$MODEL_TAG" step f
+  echo "$dir/latest.json"
+  step="$(sed -n 's/.*"dir": *"\([^"/]*\)".*/\1/p' "$BASE_DIR/$dir/latest.json" 2>/dev/null | head -n 1)"
+  [[ -n "$step" ]] || return 0
+  echo "$dir/$step/meta.json"; echo "$dir/$step/model.pt"
+  for f in "$BASE_DIR/$dir/$step"/sums_rank*.json; do [[ -f "$f" ]] && echo "$dir/$step/${f##*/}"; done
+}
+latest_step() {  # phase -> its latest checkpoint's step, 6 digits (as the evals name their results)
+  local n; n="$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$BASE_DIR/checkpoints/$1/$MODEL_TAG/latest.json" 2>/dev/null | head -n 1)"
+  printf '%06d' "$((10#${n:-0}))"
+}
+stage_outputs() {  # stage -> the files it leaves (relative to the base dir), one a line, there or not
+  case "$1" in
+    data) (cd "$BASE_DIR" 2>/dev/null && printf '%s\n' base_data/*.parquet) || echo "base_data/*.parquet" ;;
+    tokenizer) printf '%s\n' tokenizer/tokenizer.pkl tokenizer/token_bytes.pt ;;
+    base_train) ckpt_outputs base ;;
+    base_eval) echo "eval/base_${MODEL_TAG}_step$(latest_step base).json" ;;
+    mid_train) ckpt_outputs mid ;;
+    chat_sft) ckpt_outputs sft ;;
+    chat_eval) echo "chat_eval/sft_${MODEL_TAG}_step$(latest_step sft).json" ;;
+    report) echo report/report.md ;;
+  esac   # tok_eval: a report section only
+}
+output_lines() {  # stage -> the "output SIZE SHA256 PATH" lines of the files it left
+  local rel f size sha
+  while IFS= read -r rel; do
+    f="$BASE_DIR/$rel"
+    [[ -n "$rel" && -f "$f" ]] || continue
+    size="$(stat -c %s -- "$f")" sha=-
+    (( size > OUTPUT_HASH_MAX )) || sha="$(sha256sum < "$f" | cut -d ' ' -f 1)"
+    echo "output $size $sha $rel"
+  done < <(stage_outputs "$1")
+}
+outputs_differ() {  # a marker's output lines -> what is gone or changed (nothing: all as recorded)
+  local tag size sha rel f
+  while read -r tag size sha rel; do
+    [[ -n "$rel" ]] || continue
+    f="$BASE_DIR/$rel"
+    [[ -f "$f" ]] || { echo "its output $rel is gone"; return; }
+    if [[ "$(stat -c %s -- "$f")" != "$size" ]] \
+       || [[ "$sha" != - && "$(sha256sum < "$f" | cut -d ' ' -f 1)" != "$sha" ]]; then
+      echo "its output $rel has changed since it finished"; return
+    fi
+  done <<< "$1"
+}
+older_marker() {  # text of an older setup.sh's marker (preset=, base_dir=<absolute>, command, inputs)
+                  # -> its settings as this one writes them; nothing if it is not one
+  local preset="${1%%$'\n'*}" rest="${1#*$'\n'}" was
+  [[ "$preset" == preset=* && "$rest" == base_dir=* ]] || return 0
+  was="${rest%%$'\n'*}"; was="${was#base_dir=}"
+  [[ "$rest" == *$'\n'* ]] && rest="${rest#*$'\n'}" || rest=""
+  printf '%s\n%s\n%s' "$MARKER_HEAD" "$preset" "$(under_base "$was" "$rest")"
+}
+read_marker() {  # stage marker want -> MARKER_STATE: none | same | older (an older setup.sh's marker,
+                 # same settings, the outputs expected there) | changed (settings) | outputs (MARKER_WHY)
+  local text outs
+  MARKER_STATE=none MARKER_WHY=""
+  [[ -f "$2" ]] || return 0
+  text="$(cat "$2")"
+  if [[ "$text" == "$3" ]]; then outs=""
+  elif [[ "$text" == "$3"$'\n'output\ * ]]; then
+    outs="${text#"$3"$'\n'}"
+    grep -qvE '^output [0-9]+ ([0-9a-f]{64}|-) .' <<< "$outs" && { MARKER_STATE=changed; return 0; }
+  elif [[ -n "$text" && "$(older_marker "$text")" == "$3" ]]; then
+    MARKER_STATE=older   # it recorded no outputs: the ones expected now must be there
+    local rel
+    while IFS= read -r rel; do
+      [[ -z "$rel" || -f "$BASE_DIR/$rel" ]] || { MARKER_STATE=outputs MARKER_WHY="its output $rel is gone"; return 0; }
+    done < <(stage_outputs "$1")
+    return 0
+  else MARKER_STATE=changed; return 0; fi
+  MARKER_WHY="$(outputs_differ "$outs")"
+  if [[ -n "$MARKER_WHY" ]]; then MARKER_STATE=outputs; else MARKER_STATE=same; fi
+}
+write_marker() {  # stage marker want: the settings and the outputs there now
+  mkdir -p "$STATE_DIR"
+  { printf '%s\n' "$3"; output_lines "$1"; } > "$2.tmp" && mv -f "$2.tmp" "$2"
+}
+# Where setup.sh last ran on this base dir (setup_state/location; before it was kept, an older
+# marker's base_dir= line): another path, not the same directory by another name (a symlink), is a
+# base dir moved or copied there, said once at start-up.
+previous_location() {
+  local f
+  if [[ -f "$STATE_DIR/location" ]]; then head -n 1 "$STATE_DIR/location"; return 0; fi
+  for f in "$STATE_DIR"/*.done; do
+    [[ -f "$f" ]] && sed -n '2s/^base_dir=//p' "$f" | grep . && return 0
+  done
+  return 0
+}
+say_if_moved() {
+  local was; was="$(previous_location)"
+  [[ -n "$was" && "$was" != "$BASE_DIR" ]] || return 0
+  [[ -e "$was" && "$was" -ef "$BASE_DIR" ]] && return 0
+  say "base dir $BASE_DIR was $was when setup.sh last ran on it (moved or copied): its finished stages stay done where their outputs are here"
+}
+record_location() { mkdir -p "$STATE_DIR" && printf '%s\n' "$BASE_DIR" > "$STATE_DIR/location"; }
 stage_inputs() {  # stage -> marker lines for inputs its command names only by path: the content of
                   # the --conversations files, so that an edited file retrains mid / SFT
   [[ ${#CONV_FILES[@]} -gt 0 && ( "$1" == mid_train || "$1" == chat_sft ) ]] || return 0
@@ -128,15 +239,28 @@ rerun_cmd() {  # [stage] -> the command line this run was started with, as a she
   [[ -z "${TORCH_INDEX_URL:-}" ]] || envs+=("TORCH_INDEX_URL=$TORCH_INDEX_URL")
   shell_words "${envs[@]}" "$self" "${args[@]}"
 }
-run_stage() {  # stage: run its command unless its done-marker holds the same config
+run_stage() {  # stage: run its command unless its done-marker holds the same config and its outputs are here
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
-  want="$(marker_text "$@"; stage_inputs "$stage")"
+  want="$(marker_text "$@"; stage_inputs "$stage")"   # (its own line: stage_inputs' die ends setup.sh)
+  # paths under the base dir as <base dir>/..., by its name and by its real path (a --conversations
+  # file under a symlinked base dir is named by the latter)
+  want="$(under_base "$BASE_DIR" "$want")"
+  want="$(under_base "$(realpath -m -- "$BASE_DIR" 2>/dev/null || printf '%s' "$BASE_DIR")" "$want")"
   local upstream="$MODEL_RAN"; [[ "$stage" == report ]] && upstream="$ANY_RAN"
-  if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
-    if [[ $FORCE -eq 0 && -z "$upstream" ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
-    if [[ -n "$upstream" ]]; then say "[$stage] rerunning: $upstream ran before it"; fi
-  elif [[ -f "$marker" ]]; then say "[$stage] config changed since last run: rerunning"; fi
+  read_marker "$stage" "$marker" "$want"
+  case "$MARKER_STATE" in
+    same|older)
+      if [[ $FORCE -eq 0 && -z "$upstream" ]]; then
+        if [[ "$MARKER_STATE" == same ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
+        say "[$stage] done already (same config, by an older setup.sh's marker$( ((DRY_RUN)) || echo ", now rewritten with the outputs found")): skipping"
+        (( DRY_RUN )) || write_marker "$stage" "$marker" "$want"
+        return 0
+      fi
+      if [[ -n "$upstream" ]]; then say "[$stage] rerunning: $upstream ran before it"; fi ;;
+    changed) say "[$stage] config changed since last run: rerunning" ;;
+    outputs) say "[$stage] finished before, but $MARKER_WHY: rerunning" ;;
+  esac
   ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
   say "[$stage] $(shell_words "$@")"
   [[ $DRY_RUN -eq 1 ]] && return 0
@@ -154,7 +278,6 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
     echo "setup.sh: stage '$stage' failed (exit $rc). Fix the problem and rerun $(rerun_cmd): finished stages are skipped." >&2; exit 1
   fi
   CURRENT_STAGE=""
-  mkdir -p "$STATE_DIR"
-  printf '%s\n' "$want" > "$marker.tmp" && mv -f "$marker.tmp" "$marker"
+  write_marker "$stage" "$marker" "$want"
   say "[$stage] finished in $((SECONDS - t0)) s"
 }

@@ -299,12 +299,16 @@ def _commands(output: str) -> dict[str, list[str]]:
     return cmds
 
 
+MARKER_HEAD = "done-marker v2 (paths relative to the base dir)"   # scripts/setup_stages.sh's
+
+
 def _mark_done(tmp_path, cmds, extra=None, base="base"):
-    """Done-markers as a finished run writes them (setup.sh's marker_text + stage_inputs)."""
+    """Done-markers as a finished run writes them (setup.sh's marker_text + stage_inputs), for stages
+    that left no output files (a finished run adds one "output SIZE SHA256 PATH" line per file)."""
     state = tmp_path / base / "setup_state"
     state.mkdir(parents=True, exist_ok=True)
     for stage, cmd in cmds.items():
-        lines = ["preset=tiny", f"base_dir={tmp_path / base}", *cmd, *(extra or {}).get(stage, [])]
+        lines = [MARKER_HEAD, "preset=tiny", *cmd, *(extra or {}).get(stage, [])]
         (state / f"{stage}.done").write_text("\n".join(lines) + "\n")
 
 
@@ -482,15 +486,14 @@ def prepared_base(tmp_path_factory, base: Path) -> Path:
     """`base` holding what `setup.sh --preset tiny --only data,tokenizer` makes (the Shakespeare shards,
     the tokenizer, their done-markers), for a test that runs base_train through setup.sh: the real
     stages run once per session (into the session's temp dir, shared with tests/test_hangup.py) and
-    are copied, the markers' base dir rewritten, as they are the same for every tiny run."""
+    are copied (the markers name no absolute path: a copied base dir keeps its finished stages), as
+    they are the same for every tiny run."""
     cache = tmp_path_factory.getbasetemp() / "setup_tiny_data_tokenizer"
     if not (cache / "setup_state" / "tokenizer.done").exists():
         shutil.rmtree(cache, ignore_errors=True)
         prep = _run_setup(cache, "--only", "data,tokenizer", timeout=150)
         assert prep.returncode == 0, prep.stdout + prep.stderr
-    shutil.copytree(cache, base, ignore=shutil.ignore_patterns("lock", "hangup.log"))
-    for marker in (base / "setup_state").glob("*.done"):
-        marker.write_text(marker.read_text().replace(f"base_dir={cache}\n", f"base_dir={base}\n"))
+    shutil.copytree(cache, base, ignore=shutil.ignore_patterns("lock", "hangup.log", "location"))
     return base
 
 

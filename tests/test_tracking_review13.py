@@ -23,15 +23,19 @@ TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim",
 @pytest.fixture()
 def wandb_calls(monkeypatch):
     """A wandb whose init returns a run with the id asked for (resume) or a new one, recording every call."""
-    calls = {"init": [], "log": []}
+    calls = {"init": [], "log": [], "define_metric": []}
 
     class Run:
         def __init__(self, kw):
             self.id = kw.get("id") or f"run-{len(calls['init']) - 1}"
             self.name = kw.get("name")
 
-        def log(self, data, step):
-            calls["log"].append((self.id, step, data))
+        def define_metric(self, name, **kw):
+            calls["define_metric"].append((self.id, name, kw))
+
+        def log(self, data, step=None):   # the training step rides in the row ("step"), never step=
+            assert step is None, "wandb's own step drops a resume's re-logged steps"
+            calls["log"].append((self.id, data["step"], data))
 
         def finish(self):
             pass
@@ -81,6 +85,8 @@ def test_base_train_resume_continues_its_wandb_run(env, base_dir, wandb_calls, m
     assert sorted(step for rid, step, data in wandb_calls["log"] if "train/loss" in data and rid == "run-0") == \
         [0, 1, 2, 3]
     assert not any("train/rough_per_step" in data for _, _, data in wandb_calls["log"])   # the log line's alone
+    assert [(name, kw) for rid, name, kw in wandb_calls["define_metric"] if rid == "run-0"] == \
+        [("step", {}), ("*", {"step_metric": "step"})] * 2   # each segment plots against the training step
     assert ck.load_checkpoint(d, 4)["loop"]["tracker"]["id"] == "run-0"
 
     base_train.main(args + ["--num-iterations", "4", "--resume", "2"])   # step 4 on disk: a branch
