@@ -51,7 +51,8 @@ Options:
   --identity NAME    the model's name in the built-in identity conversations (default
                      nanochat-spark; 1-64 printable characters)
   --no-identity      train mid / SFT without the built-in identity conversations
-  --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat)
+  --base-dir DIR     artefact directory (default \$NANOCHAT_BASE_DIR or ~/.cache/nanochat); one
+                     moved or copied elsewhere keeps its finished stages
   --dry-run          print what would run, run nothing
   --list-stages      print the stage names, one per line, and exit
   -h, --help         this text

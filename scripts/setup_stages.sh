@@ -1,7 +1,8 @@
 # setup.sh's stage bookkeeping, sourced by it (not a script of its own): which stages this run
 # selected (should_run), the done-markers and what they record (marker_text, stage_inputs,
-# stage_outputs, read_marker, forget_later), a base dir moved since the last run (say_if_moved), running a stage's command as a child that a Ctrl-C / SIGHUP / SIGTERM stops
-# cleanly (run_child, on_stop_signal, stopped), and the rerun command printed on a stop (rerun_cmd).
+# stage_outputs, read_marker, forget_later), a base dir moved since the last run (say_if_moved),
+# running a stage's command as a child that a Ctrl-C / SIGHUP / SIGTERM stops cleanly (run_child,
+# on_stop_signal, stopped), and the rerun command printed on a stop (rerun_cmd).
 # They read setup.sh's globals (STAGES, ONLY/FROM, PRESET, BASE_DIR, STATE_DIR, ...).
 
 should_run() {  # stage -> 0 if selected by --only/--from
@@ -36,7 +37,8 @@ ckpt_outputs() {  # phase -> the files of its latest checkpoint (the step latest
   for f in "$BASE_DIR/$dir/$step"/sums_rank*.json; do [[ -f "$f" ]] && echo "$dir/$step/${f##*/}"; done
 }
 latest_step() {  # phase -> its latest checkpoint's step, 6 digits (as the evals name their results)
-  local n; n="$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$BASE_DIR/checkpoints/$1/$MODEL_TAG/latest.json" 2>/dev/null | head -n 1)"
+  local n
+  n="$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$BASE_DIR/checkpoints/$1/$MODEL_TAG/latest.json" 2>/dev/null | head -n 1)"
   printf '%06d' "$((10#${n:-0}))"
 }
 stage_outputs() {  # stage -> the files it leaves (relative to the base dir), one a line, there or not
@@ -121,7 +123,8 @@ say_if_moved() {
   local was; was="$(previous_location)"
   [[ -n "$was" && "$was" != "$BASE_DIR" ]] || return 0
   [[ -e "$was" && "$was" -ef "$BASE_DIR" ]] && return 0
-  say "base dir $BASE_DIR was $was when setup.sh last ran on it (moved or copied): its finished stages stay done where their outputs are here"
+  say "base dir $BASE_DIR was $was when setup.sh last ran on it (moved or copied):" \
+      "its finished stages stay done where their outputs are here"
 }
 record_location() { mkdir -p "$STATE_DIR" && printf '%s\n' "$BASE_DIR" > "$STATE_DIR/location"; }
 stage_inputs() {  # stage -> marker lines for inputs its command names only by path: the content of
@@ -253,7 +256,8 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
     same|older)
       if [[ $FORCE -eq 0 && -z "$upstream" ]]; then
         if [[ "$MARKER_STATE" == same ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
-        say "[$stage] done already (same config, by an older setup.sh's marker$( ((DRY_RUN)) || echo ", now rewritten with the outputs found")): skipping"
+        say "[$stage] done already (same config, by an older setup.sh's marker$( ((DRY_RUN)) \
+            || echo ", now rewritten with the outputs found")): skipping"
         (( DRY_RUN )) || write_marker "$stage" "$marker" "$want"
         return 0
       fi
