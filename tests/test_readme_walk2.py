@@ -28,7 +28,7 @@ SHELL_CHILD = re.compile(r"\$\{?BASE_DIR\}?/([a-z_]+)(?![\w.])")
 
 def artefact_dirs(text: str = README) -> set[str]:
     """The first path part of each `NAME/...` the README's base-dir sentence lists."""
-    m = re.search(r"Artefacts go to `\$NANOCHAT_BASE_DIR` (.*?)\(done-markers\)\.", text)
+    m = re.search(r"Artefacts go to `\$NANOCHAT_BASE_DIR` (.*?)\(done-markers[^)]*\)\.", text)
     assert m, "README.md no longer has its 'Artefacts go to `$NANOCHAT_BASE_DIR` ...' sentence"
     return {span.split("/", 1)[0] for span in re.findall(r"`([a-z_]+/[^`]*)`", m.group(1))}
 
