@@ -17,6 +17,8 @@ logged after its last checkpoint come again (_plot_against_the_training_step say
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 
 from nanochat.errors import RequestError
@@ -105,12 +107,20 @@ class Tracker:
             kwargs.update(id=saved["id"], resume="allow", allow_val_change=True)
         try:
             self._run = wandb.init(**kwargs)
-            _plot_against_the_training_step(self._run)
         except Exception as e:   # wandb's own errors (UsageError, CommError, ...) share no base class
             # asked for and not met, before the first step: said now (nothing is lost yet), not hours
             # later as a run without its tracking
             raise WandbInitError(f"--wandb {mode}: wandb.init failed ({type(e).__name__}: {e}); fix that (e.g. "
                                "`wandb login` for online), or pass --wandb off to train without it") from e
+        try:
+            _plot_against_the_training_step(self._run)
+        except Exception as e:   # the run is open: closed as failed, not left running empty online
+            run, self._run = self._run, None
+            with contextlib.suppress(Exception):
+                run.finish(exit_code=1)
+            raise WandbInitError(f"--wandb {mode}: wandb.define_metric failed ({type(e).__name__}: {e}), "
+                                 "so resumed steps could not be kept; update wandb (>= 0.17.2), or pass --wandb "
+                                 "off to train without it") from e
         run_id = getattr(self._run, "id", None)
         self._state = {"id": run_id, "mode": mode, "project": project} if isinstance(run_id, str) and run_id else None
         self.name = self.name or getattr(self._run, "name", None) or None
@@ -187,8 +197,8 @@ def _plot_against_the_training_step(run) -> None:
     `wandb sync` keeps a later segment's rows but numbers them on from the run's last step, so its
     charts are shifted by M-N. (Seen with wandb 0.31.0, online against a local stand-in server.)
     A custom x-axis (define_metric with step_metric, wandb's documented way to log out of order) keeps
-    every row, online and offline, with any wandb >= 0.17 (pyproject's floor; checked with 0.17.0 and
-    0.31.0). wandb's rewind (resume_from="<id>?_step=N") would drop the stale steps instead, but it
+    every row, online and offline, with any wandb >= 0.17.2 (pyproject's floor: 0.17.0-0.17.1 fail to
+    import with NumPy 2; checked with 0.17.2 and 0.31.0). wandb's rewind (resume_from="<id>?_step=N") would drop the stale steps instead, but it
     is not in 0.17.0, is beta in 0.31 and is the server's work (a RewindRun call, made at `wandb sync`
     for an offline run) that a server may refuse. The re-trained steps' earlier rows stay in the
     history, so a chart shows both values at steps N+1..M."""

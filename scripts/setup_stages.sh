@@ -102,7 +102,21 @@ read_marker() {  # stage marker want -> MARKER_STATE: none | same | older (an ol
     return 0
   else MARKER_STATE=changed; return 0; fi
   MARKER_WHY="$(outputs_differ "$outs")"
-  if [[ -n "$MARKER_WHY" ]]; then MARKER_STATE=outputs; else MARKER_STATE=same; fi
+  if [[ -z "$MARKER_WHY" ]]; then MARKER_STATE=same
+  elif ckpt_moved_on "$1"; then   # trained on after setup's run (run_train.sh, --keep-last): kept
+    MARKER_STATE=same MARKER_WHY="its checkpoints moved on since setup.sh's run (a later step is there): kept; --force redoes it"
+  else MARKER_STATE=outputs; fi
+}
+ckpt_moved_on() {  # stage -> whether it is a training stage whose latest checkpoint is whole (its
+                   # latest.json names a step whose meta.json and model.pt are there): a run trained
+                   # further leaves other files than setup's, and rerunning the stage would resume past
+                   # setup's step count and fail, after forgetting every later stage
+  local phase
+  case "$1" in base_train) phase=base ;; mid_train) phase=mid ;; chat_sft) phase=sft ;; *) return 1 ;; esac
+  local rel files=()
+  while IFS= read -r rel; do [[ -n "$rel" ]] && files+=("$rel"); done < <(ckpt_outputs "$phase")
+  (( ${#files[@]} >= 3 )) || return 1   # latest.json, meta.json, model.pt
+  for rel in "${files[@]}"; do [[ -f "$BASE_DIR/$rel" ]] || return 1; done
 }
 write_marker() {  # stage marker want: the settings and the outputs there now
   mkdir -p "$STATE_DIR"
@@ -255,7 +269,9 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   case "$MARKER_STATE" in
     same|older)
       if [[ $FORCE -eq 0 && -z "$upstream" ]]; then
-        if [[ "$MARKER_STATE" == same ]]; then say "[$stage] done already (same config): skipping"; return 0; fi
+        if [[ "$MARKER_STATE" == same ]]; then
+          say "[$stage] done already (same config${MARKER_WHY:+; $MARKER_WHY}): skipping"; return 0
+        fi
         say "[$stage] done already (same config, by an older setup.sh's marker$( ((DRY_RUN)) \
             || echo ", now rewritten with the outputs found")): skipping"
         (( DRY_RUN )) || write_marker "$stage" "$marker" "$want"

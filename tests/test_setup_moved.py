@@ -158,3 +158,25 @@ def test_older_markers_are_honoured_where_their_outputs_are(tmp_path):
     assert all("\nbase_dir=" not in m.read_text() for m in (b / "setup_state").glob("*.done"))
     rc, out = _setup(clone, b)
     assert rc == 0 and set(_verdicts(out).values()) == {"skip"} and "older setup.sh" not in out, out
+
+
+def test_a_training_stage_trained_on_after_setup_stays_done(tmp_path):
+    """base_train trained further after setup.sh's run (run_train.sh --resume latest, --keep-last 1):
+    its recorded checkpoint files are gone, a later whole one is there. Rerunning it resumed past
+    setup's step count and failed, after deleting every later stage's marker (review); it is kept,
+    and said so. A latest.json naming a step that is not there still reruns it (the test above)."""
+    clone, log = _pipeline(tmp_path)
+    d = tmp_path / "a" / "checkpoints" / "base" / "d2"
+    shutil.copytree(d / "step_000040", d / "step_000080")
+    (d / "step_000080" / "model.pt").write_text("weights trained further\n")
+    shutil.rmtree(d / "step_000040")
+    (d / "latest.json").write_text('{\n  "dir": "step_000080",\n  "step": 80\n}')
+    rc, out = _setup(clone, tmp_path / "a")
+    assert rc == 0 and set(_verdicts(out).values()) == {"skip"}, out
+    assert ("==> [base_train] done already (same config; its checkpoints moved on since setup.sh's run (a later "
+            "step is there): kept; --force redoes it): skipping") in out, out
+    assert log.read_text() == "", log.read_text()
+    (d / "step_000080" / "model.pt").unlink()   # the latest step incomplete: the stage runs again
+    rc, out = _setup(clone, tmp_path / "a", "--dry-run")
+    said = _verdicts(out)
+    assert rc == 0 and [said[s] for s in PIPELINE] == ["skip"] * 3 + ["new"] + ["cascade"] * 5, out

@@ -42,6 +42,9 @@ def _add(program: str):
     # the signature and docstring repeated as text, the body in a block (review: ran the empty stub)
     'def add(a: int, b: int) -> int:\n    """Return a + b."""\n```python\n    return a + b\n```\n',
     'Here it is:\ndef add(a, b):\n    """Return a + b."""\n```python\n    return a + b\n```\nDone.\n',
+    # the whole function as text, one line of it explained in a block: the function runs, not the excerpt
+    "def add(a, b):\n    total = a\n    total += b\n    return total\n\nThe key line:\n```python\n"
+    "    total += b\n```\n",
 ])
 def test_humaneval_runs_the_code_among_prose(completion):
     assert _add(extract_program(completion, _PROMPT, "add"))(2, 3) == 5

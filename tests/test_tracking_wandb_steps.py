@@ -98,19 +98,23 @@ def test_a_resume_keeps_the_steps_logged_again(monkeypatch, capsys):
 
 
 def test_an_x_axis_wandb_refuses_is_an_init_error(monkeypatch):
-    """define_metric refused is said at the start like wandb.init refused, naming --wandb."""
+    """define_metric refused is said at the start, naming --wandb and what failed, and the run that
+    wandb.init opened is finished as failed (it was left running: an empty run online)."""
     fake = SteppedWandb()
     mod = fake.module()
     real_init = mod.init
+    finished = []
 
     def init(**kw):
         run = real_init(**kw)
         run.define_metric = lambda *a, **k: (_ for _ in ()).throw(ValueError("bad metric"))
+        run.finish = lambda exit_code=None: finished.append(exit_code)
         return run
     mod.init = init
     monkeypatch.setitem(sys.modules, "wandb", mod)
-    with pytest.raises(WandbInitError, match=r"--wandb offline: wandb.init failed \(ValueError: bad metric\)"):
+    with pytest.raises(WandbInitError, match=r"--wandb offline: wandb.define_metric failed \(ValueError: bad metric\)"):
         Tracker("offline", run="r")
+    assert finished == [1]
 
 
 # ------------------------------------------------------------------ the real wandb, offline

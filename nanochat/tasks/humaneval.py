@@ -9,8 +9,10 @@ roughly from short solutions to long ones, so chat_eval --max-problems N scored 
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
+import textwrap
 
 from nanochat.execution import execute_code
 from nanochat.sandbox_cgroup import validate
@@ -85,11 +87,16 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
         first = next((line for line in code.split("\n") if line.strip()), "")
         return first[:1] in (" ", "\t")
 
+    # a body block continues the prompt; it goes before the text's own function when that is only
+    # the signature and docstring repeated (a stub returning None), after it when that has a body
+    # (the block is then an excerpt of it, e.g. one line explained)
+    bodies = [c for c in python if not defines.search(c) and is_body(c)]
+    bodies_first = own and _is_stub(outside, entry_point)
+
     def candidates():   # in that order of preference, lazily (the prose search only when needed)
         yield from (c for c in python if defines.search(c))
-        # a body block continues the prompt (the text around it may repeat the signature and
-        # docstring, a stub that compiles and returns None)
-        yield from (c for c in python if not defines.search(c) and is_body(c))
+        if bodies_first:
+            yield from bodies
         if own:   # the text's own function: before a block that defines nothing, as a usage example
             yield outside
             yield _code_among_prose(outside, prompt, defines)
@@ -103,6 +110,27 @@ def extract_program(completion: str, prompt: str, entry_point: str) -> str:
     programs = (_join(prompt, _MAIN_GUARD.sub(r"\1False", c), defines) for c in candidates() if c is not None)
     first = next(programs)
     return next((p for p in itertools.chain([first], programs) if _compiles(p)), first)
+
+
+def _is_stub(text: str, entry_point: str) -> bool:
+    """Whether `text`'s `def entry_point` has no body but a docstring / `pass` / `...` (or cannot be
+    read as a function at all): its lines from the def to the next line back at its indentation."""
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if re.match(rf"\s*def\s+{re.escape(entry_point)}\s*\(", line)), None)
+    if at is None:
+        return True
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    end = next((j for j in range(at + 1, len(lines)) if lines[j].strip()
+                and len(lines[j]) - len(lines[j].lstrip()) <= indent), len(lines))
+    try:
+        tree = ast.parse(textwrap.dedent("\n".join(lines[at:end])))
+    except SyntaxError:
+        return True
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return True
+    return all(isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+               for st in fn.body)
 
 
 # a line that starts Python code at the top level: where code written without a fence may begin
