@@ -28,18 +28,10 @@ import torch.multiprocessing as mp
 from nanochat import core_eval
 from nanochat.core_eval import CoreData, CoreTask, dealt_batches, plan_batches, run_core_eval
 from nanochat.distributed import free_port
+from tests.test_eval_edge import ByteTok   # bytes as token ids, BOS 256
 
 WORLD = 2
 BATCH_TOKENS = 192   # 21, 8 and 3 batches of 1..5 rows: ragged lengths, odd batch counts
-
-
-class ByteTok:
-    bos_token_id = 256
-
-    def encode(self, text, prepend=None):
-        if isinstance(text, list):
-            return [self.encode(t, prepend) for t in text]
-        return ([prepend] if prepend is not None else []) + list(text.encode())
 
 
 def _tiny_gpt(state_path: str):
