@@ -21,6 +21,11 @@ from nanochat.flags import FlagParser
 from nanochat.tiktoken_offline import REFERENCES, load_reference
 from nanochat.tokenizer import Tokenizer, encode_ordinary_batch, tokenizer_dir
 
+# Encoding threads accepted (as rustbpe's training threads): more is a typo, and tiktoken would start
+# one thread per document up to it (--threads 100000 --num-docs 100000: 100,000 threads per split).
+MAX_ENCODE_THREADS = 1024
+
+
 def first_docs(data_dir: Path, split: str, n: int) -> list[str]:
     from nanochat.dataset import iter_documents
 
@@ -35,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of parquet shards (default: <base dir>/base_data)")
     p.add_argument("--tokenizer-dir", dest="tokenizer_dir", type=path_flag, default=None,
                    help="directory holding tokenizer.pkl (default: <base dir>/tokenizer)")
-    p.add_argument("--threads", type=int, default=8, help="encoding threads (default 8)")
+    p.add_argument("--threads", type=int, default=8, help=f"encoding threads, 1..{MAX_ENCODE_THREADS} (default 8)")
     return p
 
 
@@ -44,6 +49,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value in (("--num-docs", args.num_docs), ("--threads", args.threads)):
         if value < 1:
             raise ValueError(f"{flag}: got {value}; accepted: a positive integer")
+    if args.threads > MAX_ENCODE_THREADS:   # tiktoken starts one thread per document up to it
+        raise ValueError(f"--threads: got {args.threads}; accepted: 1..{MAX_ENCODE_THREADS}")
     return args
 
 
