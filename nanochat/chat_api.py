@@ -6,7 +6,8 @@ nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size
 Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
 whose effect this server cannot honour (logprobs, tools, non-text response_format, logit_bias,
 audio output, web search, non-zero penalties) are refused with 400 "unsupported_parameter", and
-fields it does not know with "unknown_parameter", rather than silently ignored; any `model` name
+fields it does not know with "unknown_parameter", rather than silently ignored; those without
+effect (`user`, `metadata`, ...) are checked for OpenAI's types ("invalid_type"); any `model` name
 is accepted (a local server has one model; responses report the served name). Assistant history
 comes back as the text the server streamed; its calculator calls ("<<expr=result>>") are rendered
 as the tool tokens the model generated (`prompt_messages`). Messages: content is a string or text
@@ -359,6 +360,12 @@ _FIELDS_WITHOUT_EFFECT = frozenset({"user", "metadata", "store", "parallel_tool_
                                     "reasoning_effort", "verbosity", "safety_identifier", "prompt_cache_key",
                                     "prompt_cache_retention"})
 FIELDS = _FIELDS_USED | _FIELDS_REFUSED | _FIELDS_WITHOUT_EFFECT
+# Their types, as OpenAI checks them: without effect here, a wrong one is still the client's bug
+# ("user": 5 is an id that a log joins on nothing; "store": "false" is a truthy string).
+_EFFECTLESS_TYPES = {"user": str, "metadata": dict, "store": bool, "parallel_tool_calls": bool, "service_tier": str,
+                     "prediction": dict, "reasoning_effort": str, "verbosity": str, "safety_identifier": str,
+                     "prompt_cache_key": str, "prompt_cache_retention": str}
+_TYPE_WORDS = {str: "a string", dict: "an object", bool: "true|false"}
 
 
 def _refuse_unknown(body: dict) -> None:
@@ -370,6 +377,25 @@ def _refuse_unknown(body: dict) -> None:
             raise ApiError(400, f"{name!r}: not a parameter this server knows (misspelt, or another server's "
                                 f"extension?); leave it out. Accepted: {', '.join(sorted(FIELDS))}",
                            param=name, code="unknown_parameter")
+
+
+def _check_effectless_types(body: dict) -> None:
+    """`_FIELDS_WITHOUT_EFFECT` change nothing, but one of the wrong type (null aside) is a 400
+    naming it, as OpenAI answers it: accepted unread, the client's bug went unreported.
+    `metadata` is OpenAI's map of strings to strings."""
+    for name, kind in _EFFECTLESS_TYPES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if name == "metadata":
+            ok = ok and all(isinstance(v, str) for v in value.values())
+        if not ok:
+            want = "an object of string values" if name == "metadata" else _TYPE_WORDS[kind]
+            got = json.dumps(value)[:120] if isinstance(value, dict) else _kind(value)
+            raise ApiError(400, f"{name!r}: got {got}; "
+                                f"accepted: {want} (it has no effect on the answer), null, or leave {name!r} out",
+                           param=name, code="invalid_type")
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -459,7 +485,8 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     """Validate a /v1/chat/completions body against the limits; ApiError(400) names the field.
 
     Accepted, without effect on the answer: `_FIELDS_WITHOUT_EFFECT` (`user`, `metadata`, `store`,
-    `prediction` (a latency hint), `reasoning_effort`, ...) and a null unknown field. Refused
+    `prediction` (a latency hint), `reasoning_effort`, ...) when of OpenAI's type (else
+    invalid_type: `_check_effectless_types`), and a null unknown field. Refused
     (unsupported_parameter): see `_refuse_unsupported`, including a non-zero `presence_penalty` /
     `frequency_penalty` (the sampler has no penalties); any other field: unknown_parameter.
     `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63).
@@ -470,6 +497,7 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model': accepted: a string", param="model")
     _refuse_unknown(body)
+    _check_effectless_types(body)
     messages = _normalise(_raw_messages(body.get("messages"), s))
     _refuse_unsupported(body)
     stream, include_usage = _stream_flags(body)
