@@ -1,7 +1,8 @@
 """The conversation-training recipe shared by mid-training and SFT (scripts/mid_train.py,
-scripts/chat_sft.py): flags, loading the previous stage's checkpoint, the conversation mixture,
-packing (nanochat/chat_data.py), the shared Trainer and loop (nanochat/training.py, loop.py),
-checkpoints under the stage's own tag, and the report section.
+scripts/chat_sft.py): flags, loading the previous stage's checkpoint (which one, and whether a
+resume continues it: nanochat/chat_start.py), the conversation mixture, packing
+(nanochat/chat_data.py), the shared Trainer and loop (nanochat/training.py, loop.py), checkpoints
+under the stage's own tag, and the report section.
 
 The two stages differ only in their `ChatStage`: which checkpoint they start from, which tokens
 carry the loss (mid: every token, rows filled by cropping; SFT: assistant tokens only, rows
@@ -17,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nanochat import chat_start   # its functions called as chat_start.X: one place to patch in tests
 from nanochat.chat_resume import SAID_ON_RESUME, _check_same_data, check_auto_batch_resume  # noqa: F401  (also re-exported)
 from nanochat.checkpoint import check_resume_flags
 from nanochat.common import env_world_size, get_base_dir, print0
@@ -65,9 +67,6 @@ SFT = ChatStage("sft", "Chat SFT", "python -m scripts.chat_sft", ("mid", "base")
 _STAGE_SOURCES = {MID.name: MID.sources, SFT.name: SFT.sources}   # chat_rl's own are its script's
 DEVICES = ("auto", "cpu", "cuda", "mps")
 KERNELS = ("current", "liger", "triton")
-HOW_TO_MAKE = {"base": "python -m scripts.base_train --model-tag {tag}",
-               "mid": "python -m scripts.mid_train --model-tag {tag}",
-               "sft": "python -m scripts.chat_sft --model-tag {tag}"}
 
 
 @dataclass
@@ -150,33 +149,6 @@ class ChatTrainConfig:
         return self
 
 
-def resolve_source(stage: str, source: str, model_tag: str | None, base_dir=None,
-                   flag: str = "--source") -> tuple[str, Path]:
-    """(model tag, checkpoint dir) of the checkpoint a stage starts from; CheckpointError naming
-    the flag and the command that creates it when there is none."""
-    from nanochat.checkpoint import AmbiguousModelTag, CheckpointError, checkpoint_dir, find_model_tag, read_latest
-    try:
-        tag = model_tag or find_model_tag(source, base_dir)
-        ckpt_dir = checkpoint_dir(source, tag, base_dir)
-        read_latest(ckpt_dir)
-    except AmbiguousModelTag:   # checkpoints exist: the answer is --model-tag, not "create one"
-        raise
-    except CheckpointError as e:
-        from nanochat.chat_flags import MADE_FROM, tag_with_checkpoint   # it imports this module
-        # "<tag>" sent a user whose base (or mid) model has a tag looking for one: the tag it has
-        tag_text = model_tag or tag_with_checkpoint(MADE_FROM.get(source), None, base_dir) or "<tag>"
-        # mid_train takes --source base only: "or pick another --source" sent its user looking for one
-        others = [s for s in _STAGE_SOURCES.get(stage, ()) if s != source]
-        there = [f"{s}/{t}" for s in others if (t := tag_with_checkpoint(s, model_tag, base_dir))]
-        raise CheckpointError(
-            f"{flag} {source}: {stage} starts from a {source} checkpoint, and none was found ({e}); create it "
-            f"with `{HOW_TO_MAKE[source].format(tag=tag_text)}`" + (
-                f", or pick another {flag}" + (f" ({'|'.join(others)}" + (f": {', '.join(there)} is there" if there
-                                                                         else "") + ")" if others else "")
-                if flag == "--source" and (others or stage not in _STAGE_SOURCES) else "")) from None
-    return tag, ckpt_dir
-
-
 def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
     from nanochat.common import destroy_runtime, init_runtime
     from nanochat.chat_flags import parse_config   # it imports this module
@@ -186,98 +158,6 @@ def main(stage: ChatStage, argv: list[str] | None = None) -> dict:
         return train(cfg, stage, rt)
     finally:
         destroy_runtime(rt)
-
-
-_SOURCE_KEYS = ("phase", "model_tag", "step", "model_sha256")
-
-
-def say_fresh_start(why: str) -> None:
-    print0(f"--resume auto: {why}: starting fresh instead (its checkpoints are moved to earlier_runs/ at this "
-           "run's first save)")
-
-
-def _auto_resume(ckpt_dir, source: dict) -> str | None:
-    """--resume auto for a chat stage: the latest checkpoint, unless that run started from other
-    weights than --source names now (e.g. base was retrained under the same tag since): then a
-    fresh start, said in one line. Continuing would hand on a model of the old base."""
-    from nanochat.checkpoint import read_meta, resolve_resume
-
-    resume_at = resolve_resume("auto", ckpt_dir)
-    if resume_at is None:
-        return None
-    recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
-    changed = [k for k in _SOURCE_KEYS if k in recorded and recorded[k] != source.get(k)]
-    if not changed:
-        return resume_at
-    say_fresh_start(f"that run started from {recorded.get('phase')}/{recorded.get('model_tag')} step "
-                     f"{recorded.get('step')}, and {source['phase']}/{source['model_tag']} is now step "
-                     f"{source['step']}{' with other weights' if 'model_sha256' in changed else ''}")
-    return None
-
-
-def check_named_steps(cfg, src_dir, ckpt_dir) -> None:
-    """A --step of the --source checkpoint, and an explicit --resume latest|N of this stage's own
-    run, name checkpoints on disk: else a CheckpointError naming the flag (and the steps there),
-    said before any data is read or weights load. The load said it later (after the whole mixture
-    was read; in chat_rl, after the prompt-fit check had been skipped for want of the step's
-    meta.json), naming neither flag."""
-    from nanochat.checkpoint import CheckpointError, read_meta
-    for flag, value, where in (("--step", cfg.step, src_dir), ("--resume", cfg.resume, ckpt_dir)):
-        if value in (None, "auto") or (flag == "--step" and value == "latest"):   # resolve_source read it
-            continue
-        try:
-            read_meta(where, value)
-        except CheckpointError as e:
-            raise CheckpointError(f"{flag} {value}: {e}") from None
-
-
-def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
-    """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
-    cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
-    with its model.pt's sha256, and the test problems it or its own sources trained on: chat_eval
-    scores only held-out ones, even after those checkpoints are removed), and --resume auto
-    continues only a run that started from it."""
-    from nanochat.chat_data import test_holdouts
-    from nanochat.checkpoint import checkpoint_dir, model_digest, read_meta, resolve_step
-
-    tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
-    ckpt_dir = checkpoint_dir(stage, tag, base_dir)
-    check_named_steps(cfg, src_dir, ckpt_dir)
-    src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
-    source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
-              "model_sha256": model_digest(src_dir, src_step)}
-    held, complete = test_holdouts(read_meta(src_dir, src_step), lambda src: read_meta(
-        checkpoint_dir(src["phase"], src.get("model_tag") or tag, base_dir), src["step"]), cfg.source)
-    # recorded even when the chain is not known (chat_rl's eval cuts to it; chat_eval says what it cannot know)
-    source["test_holdouts"] = {name: list(entry) for name, entry in held.items()}
-    if not complete:
-        source["test_holdouts_complete"] = False
-    resume_at = _auto_resume(ckpt_dir, source) if cfg.resume == "auto" else cfg.resume
-    if resume_at is not None and cfg.resume != "auto":
-        _check_source_of_resumed_run(cfg, ckpt_dir, resume_at)
-    return tag, ckpt_dir, source, resume_at
-
-
-def _check_source_of_resumed_run(cfg, ckpt_dir, resume_at) -> None:
-    """An explicit --resume keeps the weights its run started from: a --source of another phase
-    (chat_eval then read the wrong lineage's held-out problems) or a --step of another source step
-    (silently ignored) is a CheckpointError naming both."""
-    from nanochat.checkpoint import CheckpointError, read_meta
-    recorded = read_meta(ckpt_dir, resume_at).get("source") or {}
-    if recorded.get("phase") not in (None, cfg.source):
-        given = getattr(cfg, "given_flags", None)   # chat_rl records which flags were typed
-        default = " (its default)" if given is not None and "source" not in given else ""
-        raise CheckpointError(
-            f"--source {cfg.source}{default}: the run --resume {resume_at} continues started from --source "
-            f"{recorded['phase']} ({recorded['phase']}/{recorded.get('model_tag')} step {recorded.get('step')}); "
-            f"accepted: --source {recorded['phase']} (to build on a {cfg.source} checkpoint instead, start afresh: "
-            "drop --resume and add --overwrite)")
-    if cfg.step != "latest" and recorded.get("step") is not None and int(cfg.step) != int(recorded["step"]):
-        raise CheckpointError(
-            f"--step {cfg.step}: the run --resume {resume_at} continues started from {recorded.get('phase')}/"
-            f"{recorded.get('model_tag')} step {recorded['step']}, and a resume keeps its own weights; accepted: "
-            f"--step {recorded['step']} or no --step (to build on step {cfg.step} instead, start afresh: drop --resume "
-            "and add --overwrite)")
 
 
 def _load_start(cfg: ChatTrainConfig, start: "StartPlan", rt, base_dir):
@@ -340,7 +220,7 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
     from nanochat.tokenizer import get_tokenizer
     from nanochat.writer_lock import claim_checkpoint_dir
 
-    tag, ckpt_dir, source, resume_at = start_point(stage.name, cfg, base_dir)
+    tag, ckpt_dir, source, resume_at = chat_start.start_point(stage.name, cfg, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
     claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
     tokenizer = get_tokenizer(base_dir)
@@ -363,8 +243,8 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
         if cfg.resume == "auto" and saved_world != rt.world_size:
             # decided from meta.json, alike on every rank, before any rank reads its own files (a rank
             # the checkpoint has no files for would fail alone while the others started fresh)
-            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued (it was saved by {saved_world} "
-                            f"rank(s), this run has {rt.world_size})")
+            chat_start.say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued (it was saved by "
+                                       f"{saved_world} rank(s), this run has {rt.world_size})")
             resume_step = saved = None
     if resume_step is not None:
         config, seq_len, plan = rows_and_batch(saved, ckpt_dir / step_dirname(resume_step))
@@ -378,7 +258,7 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
             if cfg.resume != "auto":
                 raise
             reason = str(e).removeprefix("--resume: ").split("; use the flags")[0]
-            say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
+            chat_start.say_fresh_start(f"{ckpt_dir}'s latest checkpoint cannot be continued ({reason})")
             resume_step = saved = None
         else:
             source = saved.get("source") or source   # a resume keeps the weights its run started from
@@ -410,8 +290,8 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     the rows' length (None: meta.json does not say the model's)."""
     from nanochat.checkpoint import CheckpointError, checkpoint_dir, fresh_start, read_meta
     from nanochat.resume_checks import check_resume_world
-    tag, src_dir = resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
-    check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
+    tag, src_dir = chat_start.resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
+    chat_start.check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
         fresh_start(checkpoint_dir(stage.name, tag, base_dir), None, cfg.overwrite)
     elif cfg.resume != "auto":   # another world size: refused now, not after the mixture is read (auto starts fresh)
@@ -486,7 +366,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         branch_start(ckpt_dir, start.resume_step, f"--resume {cfg.resume}")
     # room for the checkpoints (refused when not even one fits): sized on a shapes-only model, before the load
     first_step = start.resume_step if start.resume_step is not None else 0
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(build_model(start.config, "meta")),
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(build_model(start.config, "meta"), world_size=rt.world_size),
                      planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last, earlier)
     if earlier is not None:
         disk += f"; {earlier.describe()}"

@@ -217,14 +217,15 @@ def tensor_bytes(obj) -> int:
     return total
 
 
-def checkpoint_bytes(model, *, normuon: bool = False) -> int:
-    """Bytes of a training checkpoint of `model`: its state dict and the optimizer state (summed over
-    ranks; `normuon`: optim.optimizer_state_bytes'); loader and loop state are small. A meta-device
-    model is enough (no memory)."""
+def checkpoint_bytes(model, *, normuon: bool = False, world_size: int = 1, fsdp: bool = False) -> int:
+    """Bytes of a training checkpoint of `model`: its state dict and the optimizer state summed over
+    the run's `world_size` ranks (each writes its own optim_rank<R>.pt; `normuon`, `fsdp`:
+    optim.optimizer_state_bytes'); loader and loop state are small. A meta-device model is enough
+    (no memory)."""
     from nanochat.optim import optimizer_state_bytes
 
     return (sum(t.numel() * t.element_size() for t in model.state_dict().values())
-            + optimizer_state_bytes(model, normuon=normuon))
+            + optimizer_state_bytes(model, normuon=normuon, world_size=world_size, fsdp=fsdp))
 
 
 def planned_saves(start_step: int, num_iterations: int, save_every: int) -> int:

@@ -280,7 +280,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42, *, d
             backend = "nccl" if device_type == "cuda" else "gloo"
             kwargs = {"device_id": torch_device} if device_type == "cuda" else {}
             if backend == "nccl":  # NVLink multicast stays off unless the user set it (distributed.py)
-                from nanochat.distributed import nccl_env_defaults
+                from nanochat.nccl_env import nccl_env_defaults
                 nccl_env_defaults()
             _init_process_group(backend, rank, world_size, **kwargs)
     # Every rank gets the same seed: the model must initialise identically on all ranks

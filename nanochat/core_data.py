@@ -416,7 +416,7 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
     DownloadError) after `retries` failed downloads and ValueError for a zip that is not an eval
     bundle, or (before any download) for a dest that holds something else (_check_bundle_dest).
     """
-    from nanochat.dataset_download import file_lock
+    from nanochat.file_lock import file_lock
 
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
         raise ValueError(f"retries: got {retries!r}; accepted: an integer >= 1 (attempts in all)")

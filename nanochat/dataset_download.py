@@ -12,9 +12,9 @@ exponential backoff, others (404, 403) fail at once (a 429 / 503 waits at least 
 The result is verified (the size and sha256 the server states, then `verify`: by default a readable
 parquet file with a string `text` column, the first row group decoding, every one when no sha256
 was stated), fsynced, then renamed into place: a final name only ever holds a complete, verified
-file. A per-file lock file (`NAME.lock`, POSIX flock) keeps two processes that fetch the same file
-(torchrun ranks, two shells) off one .partial file; the second waits and keeps the first one's
-result (a filesystem without locks gets a warning and no guard). A full disk (ENOSPC) is a
+file. A per-file lock file (`NAME.lock`, POSIX flock: nanochat/file_lock.py) keeps two processes that
+fetch the same file (torchrun ranks, two shells) off one .partial file; the second waits and keeps the
+first one's result (a filesystem without locks gets a warning and no guard). A full disk (ENOSPC) is a
 DiskFullError, not retried, with the partial file kept for a resume.
 
 Stalls: requests' timeout bounds each recv, not the download, so a server that trickles a few bytes
@@ -54,12 +54,11 @@ from typing import Callable, Iterator
 
 from nanochat.dataset import _RECREATE, open_text_shard, read_text_column, shard_name
 from nanochat.errors import DataError, DiskFullError
+from nanochat.file_lock import file_lock   # also re-exported: dataset_download.file_lock
 
 _RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
-_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # e.g. Lustre mounted without flock
 _CHUNK = 1 << 16   # bytes per read: small, so a drop loses little; also the stall rule's unit
 MAX_RETRY_AFTER = 300.0   # the longest Retry-After honoured: the hub's rate limits count over 5 minutes
-_warned_no_locks: set[Path] = set()
 
 
 class DownloadError(RuntimeError):
@@ -346,70 +345,6 @@ def _raise_if_stopped(watch: _BodyWatch, cancel: Cancel | None, f, cause: Except
     if watch.stalled:
         raise _Retry(f"stalled: less than {_CHUNK // 1024} KiB arrived in {watch.window:g} s "
                      f"(at byte {f.tell()}); the partial file is kept") from cause
-
-
-@contextmanager
-def file_lock(dest: Path, on_wait=lambda: None) -> Iterator[bool]:
-    """Hold an exclusive lock for writing `dest` (a file or a directory: the lock is a sibling
-    `NAME.lock`); yields True when another holder (a process or thread writing the same dest) had
-    it first and may have finished dest meanwhile.
-    flock is dropped by the kernel when its holder dies, so a crash leaves no stale lock."""
-    path = dest.with_name(dest.name + ".lock")
-    fd, waited = _acquire(path, on_wait)
-    try:
-        yield waited
-    finally:
-        if fd is not None:
-            path.unlink(missing_ok=True)  # while still holding it: see _acquire
-            os.close(fd)
-
-
-def _acquire(path: Path, on_wait) -> tuple[int | None, bool]:
-    """(fd holding an flock on `path`, whether we waited). A waiter can end up holding a file its
-    previous holder removed, so the lock counts only while `path` is still that file. Waiting
-    polls, calling on_wait() each time: a blocking flock in a worker thread could not be
-    interrupted by the Ctrl-C the main thread receives. (None, False) where there are no locks."""
-    try:
-        import fcntl
-    except ImportError:  # Windows has no flock: downloads there are not guarded against each other
-        return None, False
-    waited = False
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    waited = True
-                    on_wait()
-                    time.sleep(0.1)
-            st, mine = os.stat(path), os.fstat(fd)
-        except FileNotFoundError:  # removed by the holder we waited for: lock the new file
-            os.close(fd)
-            continue
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in _NO_LOCKS:
-                raise
-            _warn_no_locks(path.parent, e)
-            path.unlink(missing_ok=True)
-            return None, False
-        except BaseException:
-            os.close(fd)
-            raise
-        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-            return fd, waited
-        os.close(fd)
-
-
-def _warn_no_locks(directory: Path, error: OSError) -> None:
-    """Once per directory: downloading unguarded beats refusing to download at all."""
-    if directory not in _warned_no_locks:
-        _warned_no_locks.add(directory)
-        print(f"{directory}: this filesystem has no file locks ({error.strerror}); two downloads "
-              "into it at once are not kept apart", file=sys.stderr)
 
 
 def _readable_shard(path: Path) -> bool:

@@ -55,6 +55,13 @@ from nanochat.optim_updates import (POLAR_EXPRESS_COEFFS, adamw_update, muon_dec
 SHARD_MIN_NUMEL = 1 << 16  # AdamW tensors smaller than this are all-reduced, not sharded
 
 
+def adamw_sharded(p, world_size: int) -> bool:
+    """Whether a multi-rank (non-FSDP) step shards `p`'s AdamW update and moments over the ranks
+    (reduce-scatter, row shards): large enough and dim 0 divisible by world_size. Every rank holds
+    the whole of any other AdamW tensor (all-reduced), moments included."""
+    return world_size > 1 and p.numel() >= SHARD_MIN_NUMEL and p.size(0) % world_size == 0
+
+
 # the group settings the flags set (base values: the schedules scale lr and weight_decay from them)
 RUN_HPARAMS = ("initial_lr", "initial_weight_decay", "betas", "beta2")
 
@@ -205,7 +212,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._fn("adamw", p_view.device)(p_view, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hp)
 
     def _sharded(self, p) -> bool:
-        return self.world_size > 1 and p.numel() >= SHARD_MIN_NUMEL and p.size(0) % self.world_size == 0
+        return adamw_sharded(p, self.world_size)
 
     # -- step ----------------------------------------------------------------------------------
     @property
@@ -512,18 +519,45 @@ def build_optimizer(model, *, matrix_lr: float = 0.02, embedding_lr: float = 0.3
     return opt
 
 
-def optimizer_state_bytes(model, *, normuon: bool = False) -> int:
+def optimizer_state_bytes(model, *, normuon: bool = False, world_size: int = 1, fsdp: bool = False) -> int:
     """Bytes of build_optimizer's state for `model` once every parameter has stepped, summed over
-    ranks (each rank saves its shard): one Muon momentum buffer per matrix, AdamW's two moments for
-    the rest, fp32 at least (state_zeros), and with `normuon` (build_optimizer's normuon_beta2 > 0,
-    recipe v2's default) NorMuon's factored second moment, one fp32 value per row of a tall Muon
-    matrix or column of a wide one (left out, a v2 checkpoint came out larger than planned). Not
-    counted: AdamW's step counters, and the zero padding a multi-rank Muon stack adds to the ranks'
-    momentum chunks. The model may live on the meta device (checkpoint.checkpoint_bytes plans disk
-    space)."""
+    the `world_size` ranks of a run (each rank saves its own optimizer file; `fsdp`: base_train
+    --fsdp's layout): one Muon momentum buffer per matrix, AdamW's two moments for the rest, fp32 at
+    least (state_zeros), and with `normuon` (build_optimizer's normuon_beta2 > 0, recipe v2's
+    default) NorMuon's factored second moment, one fp32 value per row of a tall Muon matrix or column
+    of a wide one (left out, a v2 checkpoint came out larger than planned).
+
+    What the ranks hold more than once, as MuonAdamW lays its state out: without FSDP every rank
+    keeps the whole moments of each AdamW tensor it does not shard (adamw_sharded: the small ones,
+    and with a world size that does not divide the padded vocab, e.g. 3 or 6 GPUs, the embedding,
+    value embeddings and lm_head), and a Muon stack's momentum (and NorMuon moment) is zero-padded
+    to a multiple of world_size matrices; with FSDP every rank keeps the whole NorMuon moment.
+    Counted without them (world_size 1 on a multi-rank run), the 3-rank estimate of a d20 run's
+    checkpoint fell ~8 GB short. Not counted: AdamW's 0-dim step counters. The model may live on
+    the meta device (checkpoint.checkpoint_bytes plans disk space)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"optimizer_state_bytes world_size: got {world_size!r}; accepted: an integer >= 1")
+    W = world_size
     roles = model.param_groups()
-    total = sum((1 if role == "matrix" else 2) * p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
-                for role, params in roles.items() for p in params)
-    if normuon:   # normuon_shape of each matrix: (m, 1) if m >= n else (1, n), float32
-        total += sum(max(p.shape) * 4 for p in roles["matrix"])
+    total = 0
+    for role, params in roles.items():
+        if role == "matrix":
+            continue
+        for p in params:   # AdamW: two moments; whole on every rank unless FSDP or adamw_sharded shard them
+            copies = W if W > 1 and not fsdp and not adamw_sharded(p, W) else 1
+            total += 2 * p.numel() * _state_itemsize(p) * copies
+    stacks: dict[tuple, list] = {}
+    for p in roles["matrix"]:   # build_optimizer's Muon groups: one stack per shape
+        stacks.setdefault(tuple(p.shape), []).append(p)
+    for (m, n), params in stacks.items():
+        k = len(params)
+        slots = -(-k // W) * W if W > 1 and not fsdp else k   # a rank's chunk of the padded stack, x W
+        total += slots * m * n * _state_itemsize(params[0])
+        if normuon:   # normuon_shape: (m, 1) if m >= n else (1, n) per matrix, float32
+            total += slots * max(m, n) * 4 * (W if fsdp else 1)
     return total
+
+
+def _state_itemsize(p) -> int:
+    """Bytes per element of `p`'s optimizer state: state_zeros' dtype (fp32 at least)."""
+    return torch.promote_types(p.dtype, torch.float32).itemsize

@@ -383,7 +383,8 @@ def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compil
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to
     `model` before it is compiled. Returns what was resolved (for the banner and the checkpoint):
     keys precision (bf16|fp32|fp8|nvfp4), peak_key (which peak FLOP/s applies), kernel, patches, ..."""
-    from nanochat.kernels import build_loss_fn, build_mix_norm, build_mlp, build_qkv_projection, build_rotary_norm
+    from nanochat.kernel_fusions import build_mix_norm, build_mlp, build_qkv_projection, build_rotary_norm
+    from nanochat.kernels import build_loss_fn
     from nanochat.platform import apply_patches, apply_runtime_patches, detect_device
 
     spec = detect_device(rt.device)

@@ -413,7 +413,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # ---- disk: is there room for the checkpoints? (raises if not even one fits) ----
     first_step = resume["step"] if resume is not None else 0
-    size = checkpoint_bytes(meta_model, normuon=recipe.normuon_beta2 > 0)   # v2: NorMuon's moments too
+    size = checkpoint_bytes(meta_model, normuon=recipe.normuon_beta2 > 0,   # v2: NorMuon's moments too
+                            world_size=rt.world_size, fsdp=cfg.fsdp)
     disk = disk_plan(ckpt_dir, size, planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last,
                      earlier)
     if earlier is not None:

@@ -316,7 +316,7 @@ def _source_context(source: dict) -> int | None:
 
 def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.chat_data import build_mixture
-    from nanochat.chat_train import say_fresh_start, start_point
+    from nanochat.chat_start import say_fresh_start, start_point
     from nanochat.checkpoint_io import CheckpointError
     from nanochat.checkpoint import (branch_start, checkpoint_bytes, disk_plan, fresh_start, load_checkpoint,
                                      load_model, model_from_meta, planned_saves, read_meta, resolve_step,
@@ -395,8 +395,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     # continues (the run it branches from: its saves replaced them one by one, mixing the two runs' steps)
     earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite) if resume is None else \
         branch_start(ckpt_dir, first_step, f"--resume {cfg.resume}")
-    disk = disk_plan(ckpt_dir, checkpoint_bytes(model), planned_saves(first_step, num_iterations, cfg.save_every),
-                     cfg.keep_last, earlier)
+    disk = disk_plan(ckpt_dir, checkpoint_bytes(model, world_size=rt.world_size),   # every rank's optimizer file
+                     planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last, earlier)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
     f = cfg.init_lr_frac

@@ -186,7 +186,7 @@ def env(base_dir, tiny_corpus, monkeypatch):
 @pytest.fixture
 def sft_checkpoint(chat_model, tmp_path, monkeypatch):
     """The tiny model (the requesting module's `chat_model` fixture: test_chat_cli, test_chat_web,
-    test_chat_failures) saved as an SFT checkpoint, with its tokenizer, under a temp base dir."""
+    test_chat_web_recipe, test_chat_failures) saved as an SFT checkpoint, with its tokenizer, under a temp base dir."""
     from dataclasses import asdict
 
     from nanochat.checkpoint import checkpoint_dir, save_checkpoint

@@ -370,14 +370,14 @@ def test_resume_auto_continues_only_a_run_from_the_same_weights(env, base_dir, c
 
 
 def test_broken_or_empty_sft_data_fails_before_the_model_is_loaded(env, tmp_path, monkeypatch):
-    from nanochat import chat_train
+    from nanochat import chat_start
     from nanochat.errors import DataError, MissingDataError
     from scripts import chat_sft
 
     def no_model(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded before the data was checked")
 
-    monkeypatch.setattr(chat_train, "resolve_source", lambda *a, **k: ("d2", tmp_path / "ckpt"))
+    monkeypatch.setattr(chat_start, "resolve_source", lambda *a, **k: ("d2", tmp_path / "ckpt"))
     monkeypatch.setattr(ck, "load_model", no_model)
     monkeypatch.setattr(ck, "load_checkpoint", no_model)
     sft = tmp_path / "root" / "sft"

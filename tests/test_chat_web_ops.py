@@ -4,7 +4,7 @@ the dtype `auto` chose and a URL that can be opened for a wildcard bind, no "rea
 network" warning for a bind that fails, one log line per request as it ends (status, duration,
 first token, finish, tokens; nanochat/serve_lifecycle.py's RequestLog) and a terminal hang-up
 (SIGHUP) that shuts the server down in order and exits 0 instead of killing it mid-answer.
-Ctrl-C / SIGTERM: tests/test_serve_shutdown.py; flag checks: tests/test_chat_web.py."""
+Ctrl-C / SIGTERM: tests/test_serve_shutdown.py; flag checks: tests/test_chat_web_recipe.py."""
 
 import logging
 import re

@@ -124,7 +124,7 @@ def test_conversations_longer_than_a_row_are_counted_and_said(tiny_tokenizer, ca
 def test_a_missing_source_offers_only_sources_the_stage_takes(tmp_path):
     """mid_train without a base checkpoint ended "..., or pick another --source", and mid_train
     takes --source base only; chat_sft's names the other source it takes."""
-    from nanochat.chat_train import resolve_source
+    from nanochat.chat_start import resolve_source
     with pytest.raises(CheckpointError) as e:
         resolve_source("mid", "base", None, tmp_path)
     assert str(e.value).endswith("create it with `python -m scripts.base_train --model-tag <tag>`")

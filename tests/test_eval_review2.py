@@ -116,7 +116,7 @@ def test_the_sources_holdouts_are_recorded_so_removing_the_source_loses_nothing(
     (it used to say it could not know and score the rest, which mid had trained on)."""
     import shutil
     from types import SimpleNamespace
-    from nanochat.chat_train import start_point
+    from nanochat.chat_start import start_point
     from nanochat.checkpoint import checkpoint_dir
 
     save(base, tiny_tokenizer, "base", 7)

@@ -97,13 +97,13 @@ def test_extra_conversations_join_the_training_mixture(shared_data, tmp_path, st
     ("\n\n", ": holds no conversations"),
 ])
 def test_a_bad_file_names_flag_file_and_line_before_the_model_loads(env, tmp_path, monkeypatch, content, problem):
-    from nanochat import chat_train
+    from nanochat import chat_start
     from scripts import chat_sft
 
     def no_model(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded before the data was checked")
 
-    monkeypatch.setattr(chat_train, "resolve_source", lambda *a, **k: ("d2", tmp_path / "ckpt"))
+    monkeypatch.setattr(chat_start, "resolve_source", lambda *a, **k: ("d2", tmp_path / "ckpt"))
     monkeypatch.setattr(ck, "load_model", no_model)
     monkeypatch.setattr(ck, "load_checkpoint", no_model)
     bad = tmp_path / "bad.jsonl"

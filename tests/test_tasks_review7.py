@@ -140,7 +140,7 @@ def test_chat_eval_says_an_unknown_lineage_in_its_results(base, tiny_tokenizer, 
     recorded and still cuts the score, and the rest of the chain is unknown, said where the scores go."""
     from types import SimpleNamespace
     import shutil
-    from nanochat.chat_train import start_point
+    from nanochat.chat_start import start_point
     from nanochat.checkpoint import checkpoint_dir
     from scripts import chat_eval
     from tests.test_eval_review2 import save

@@ -75,7 +75,7 @@ def test_several_source_tags_ask_for_model_tag_not_for_training_one(tmp_path):
     """mid_train / chat_sft / chat_rl without --model-tag, with several source tags and no d<N>
     among them, said 'none was found (several base model tags ...; pass --model-tag); create it
     with `python -m scripts.base_train --model-tag <tag>`': checkpoints exist, the flag is missing."""
-    from nanochat.chat_train import resolve_source
+    from nanochat.chat_start import resolve_source
 
     for tag in ("alpha", "beta"):
         (tmp_path / "checkpoints" / "base" / tag).mkdir(parents=True)
