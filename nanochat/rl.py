@@ -7,7 +7,12 @@ One step: each rank takes its share of `examples_per_step` problems; per problem
 sets advantage = reward - mean reward of the group (a group where every sample scores the same
 teaches nothing and contributes exactly zero gradient), and maximises sum(advantage x log p(token))
 over the tokens the policy sampled, the stop token a sample ended on included (ending the answer
-is an action too); prompt tokens and tool outputs the Engine forced are target -1.
+is an action too); prompt tokens and tool outputs the Engine forced are target -1. p is the
+distribution the rollouts drew from: the softmax of the model's softcapped logits / temperature
+(at another temperature than 1 the untempered log p is not the sampling policy's score function),
+over the whole vocabulary (top-k is the sampler's filter, not part of the trained distribution,
+as upstream's). Sampling and the backward use the same weights (the optimizer steps once, after
+every rollout of the step), so the gradient is on-policy and needs no importance ratio.
 The objective is normalised per problem by its number of sampled tokens, then averaged over the
 problems the step trains on all ranks (the optimizer averages gradients across ranks). A prompt
 that leaves no room for `max_new_tokens` in the model's context is skipped (counted, as SFT skips
@@ -35,9 +40,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from nanochat.loop import peak_memory_note
-from nanochat.sampling import MAX_SEED
+from nanochat.sampling import GREEDY_BELOW, MAX_SEED, MAX_TEMPERATURE
 from nanochat.training import DEFAULT_HINT, NonFiniteLossError, StepResult, capture_rng_state
 
 SEED_RANGE = MAX_SEED + 1   # a rollout's seed wraps into the Engine's seeds
@@ -127,11 +133,19 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def policy_gradient_loss(model, inputs: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(-sum over sampled tokens of advantage x log p, number of sampled tokens)."""
-    nll = model(inputs, targets, loss_reduction="none").view_as(targets).float()
+def policy_gradient_loss(model, inputs: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-sum over sampled tokens of advantage x log p, number of sampled tokens); p: softmax of the
+    model's logits / `temperature`, the sampler's distribution (before its top-k cut). Temperature 1
+    is the model's own fused loss; another materialises the (B, T, V) float32 logits (GPT.forward
+    takes no temperature), so a smaller --device-batch-size may be needed there."""
     valid = targets >= 0
+    if temperature == 1.0:
+        nll = model(inputs, targets, loss_reduction="none").view_as(targets).float()
+    else:   # the sampler's cap: tempered logits past it are uniform already
+        logits = model(inputs).float() / min(temperature, MAX_TEMPERATURE)
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+                              reduction="none").view_as(targets)
     logp = torch.where(valid, -nll, torch.zeros_like(nll))
     return -(logp * advantages[:, None]).sum(), valid.sum()
 
@@ -144,6 +158,10 @@ class PolicyGradientTrainer:
                  device_batch_size: int = 8, seed: int = 42, pos: int = 0, sample_batch_size: int = 0,
                  decode: str = "eager", command: Callable[..., str] | None = None):
         from nanochat.engine import Engine
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= GREEDY_BELOW):
+            # greedy rollouts draw every sample of a group alike (nothing to train), and the loss's
+            # logits / temperature would be inf
+            raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= {GREEDY_BELOW}")
         self.model, self.train_model, self.optimizer, self.task = model, train_model, optimizer, task
         self.tokenizer, self.schedule, self.rt = tokenizer, schedule, rt
         self.engine = Engine(model, tokenizer, decode=decode, graph_step="eager")
@@ -260,7 +278,8 @@ class PolicyGradientTrainer:
             with self._memory_stop(step, "training", inputs.size(1)):
                 for b in range(0, inputs.size(0), self.device_batch_size):
                     sl = slice(b, b + self.device_batch_size)
-                    loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl])
+                    loss_sum, _ = policy_gradient_loss(self.train_model, inputs[sl], targets[sl], adv[sl],
+                                                       self.temperature)
                     loss = loss_sum / count / trained_all * rt.world_size  # the optimizer averages ranks
                     loss.backward()
                     total_loss += float(loss.detach())
