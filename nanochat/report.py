@@ -6,7 +6,8 @@ Writers (rank 0 only; other ranks get a no-op report):
                          "peak_mem_gib": 38.4, "elapsed_s": 812.0})
 
 Files under <base_dir>/report/: header.json (system info + start time, by `reset`),
-sections/<slug>.json (a section's entries in logging order, {"time", "t", "data"} each),
+sections/<slug>.json (a section's entries in logging order, {"time", "t", "data"} each; appended
+under a lock on sections/<slug>.json.lock: writers at once lose no entry),
 metrics_<stage>.jsonl (one JSON object per line; "time" added when absent), plots/*.png and
 report.md (by `generate`). `python -m nanochat.report reset` clears the report and starts a new one.
 
@@ -57,11 +58,12 @@ from pathlib import Path
 
 from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
+from nanochat.file_lock import file_lock
 from nanochat.flags import FlagParser
 from nanochat.report_env import git_info, system_info  # noqa: F401 (git_info: report's interface)
 from nanochat.report_md import (NOTES, STAGES, _aside_lines, _entries_md, _entry_time, _hms, _is_stale, _keeps_greedy,
-                                _note_key, _num, _reward_notes, _source, _source_lines, _stage_of, _stage_rank,
-                                _stale_runs, _trained_at, _unfinished_runs, _value_notes)
+                                _md_cell, _md_line, _note_key, _num, _reward_notes, _source, _source_lines, _stage_of,
+                                _stage_rank, _stale_runs, _trained_at, _unfinished_runs, _value_notes)
 from nanochat.report_plots import (METRIC_KEYS, METRIC_SCALED, PLOTS, _get, _series,  # noqa: F401 (re-exported)
                                    make_plots)
 
@@ -253,10 +255,14 @@ class Report:
         """Append an entry (dict, list of dicts or text) to a section; returns the section file."""
         path = self.dir / "sections" / f"{_slug(section)}.json"
         self._mkdir(path.parent)
-        doc = _read_json(path, "section", _valid_section) if path.is_file() else {"section": section, "entries": []}
-        doc["entries"].append({"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(),
-                               "data": jsonable(data)})
-        _write_text(path, json.dumps(doc, indent=1))
+        entry = {"time": datetime.now().isoformat(timespec="seconds"), "t": time.time(), "data": jsonable(data)}
+        # read, append, replace under the section's lock: two processes logging to one section at
+        # once (evaluations run side by side) each replaced the file with their own entry added to
+        # what they had read, and one entry was lost (51 of 90 from three writers)
+        with file_lock(path):
+            doc = _read_json(path, "section", _valid_section) if path.is_file() else {"section": section, "entries": []}
+            doc["entries"].append(entry)
+            _write_text(path, json.dumps(doc, indent=1))
         return path
 
     @staticmethod
@@ -391,7 +397,7 @@ class Report:
         elif plots:
             lines += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
         for doc in sections:
-            lines += [f"## {doc['section']}", "", *_entries_md(doc["entries"])]
+            lines += [f"## {_md_line(doc['section'])}", "", *_entries_md(doc["entries"])]
         path = self.dir / "report.md"
         _write_text(path, "\n".join(lines) + "\n")
         return path
@@ -486,12 +492,13 @@ def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header:
     rows, span = _time_rows(metrics, sections), _run_span(metrics, sections, header)
     total = sum(seconds for _, _, seconds, stale in rows if seconds is not None and not stale)
     mark = {stage: f"{stage} (unfinished)" for stage in unfinished or {}}
-    label_of = {label: mark.get(label, label) + (" (stale)" if stale else "") for label, _, _, stale in rows}
+    label_of = {label: _md_cell(mark.get(label, label)) + (" (stale)" if stale else "")
+                for label, _, _, stale in rows}
     lines = ["## Time and cost", "", "| Stage | steps | wall clock |", "|---|---|---|",
              *(f"| {label_of[label]} | {steps} | {'not logged' if s is None else _hms(s)} |"
                for label, steps, s, _ in rows),
              f"| total | | {_hms(total)} |", ""]
-    untimed = [label for label, _, seconds, stale in rows if seconds is None and not stale]
+    untimed = [label_of[label] for label, _, seconds, stale in rows if seconds is None and not stale]
     if untimed:
         lines.append(f"- not in the total (their time was not logged): {', '.join(untimed)}")
     stale = [label_of[label] for label, _, _, stale in rows if stale]

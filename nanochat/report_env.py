@@ -92,11 +92,15 @@ def _cpu_name() -> str:
 # ------------------------------------------------------------------------------------ checkpoint metadata
 
 def git_sha(repo: Path | None = None) -> str | None:
-    """HEAD commit of the source tree (None outside a git checkout); '+dirty' if modified."""
+    """HEAD commit of the source tree (None outside a git checkout or before its first commit);
+    '+dirty' if modified."""
     repo = repo or Path(__file__).resolve().parents[1]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        # --verify: in a repository without commits a bare `rev-parse HEAD` echoes "HEAD" (exit 128),
+        # which checkpoints recorded as their sha ("HEAD+dirty" once a file was added)
+        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=repo, capture_output=True,
+                              text=True, timeout=10)
+        sha = head.stdout.strip() if head.returncode == 0 else ""
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):

@@ -29,6 +29,23 @@ def _fmt(value) -> str:
     return text + "0" if text.endswith(".") else text
 
 
+def _md_line(text) -> str:
+    """A title on one line: a heading or a list item ended at its first line break (a title "a", line
+    break, "b": the "b" became a paragraph of the section above)."""
+    return " ".join(str(text).split())
+
+
+def _md_cell(text) -> str:
+    """A table cell: one line, its "|" escaped ("Eval a|b" split the time table's row into four cells)."""
+    return _md_line(text).replace("|", "\\|")
+
+
+def _inline(value) -> str:
+    """A value inside a sentence: one line, its backticks escaped (a run name "a`b" opened a code span
+    that swallowed the next changed flag's name)."""
+    return _md_line(_fmt(value)).replace("`", "\\`")
+
+
 def _multiline(value) -> bool:
     return isinstance(value, str) and ("\n" in value or "\r" in value)
 
@@ -112,7 +129,7 @@ def _entries_md(entries: list[dict]) -> list[str]:
         elif len(runs) > 1 and i == runs[-1]:
             old, new = entries[runs[-2]]["data"].get("config"), entry["data"].get("config")
             changes = "unknown (no config logged)" if not (isinstance(old, dict) and isinstance(new, dict)) else \
-                ", ".join(f"`{k}` {_fmt(old.get(k, 'unset'))} -> {_fmt(new.get(k, 'unset'))}"
+                ", ".join(f"`{k}` {_inline(old.get(k, 'unset'))} -> {_inline(new.get(k, 'unset'))}"
                           for k in {**old, **new} if old.get(k, "unset") != new.get(k, "unset")) or "none"
             lines += [f"Run {len(runs)} of {len(runs)} of this stage (the latest); flags changed since run "
                       f"{len(runs) - 1}: {changes}.", ""]
@@ -227,7 +244,7 @@ def _source(section: str, entry: dict) -> tuple[str, str, str]:
     step = data.get("step", data.get("final_step"))
     model = " ".join(([str(data["model_tag"])] if data.get("model_tag") is not None else [])
                      + ([f"step {step}"] if _num(step) else []))
-    return section, model, str(entry.get("time"))
+    return _md_line(section), model, str(entry.get("time"))
 
 
 def _source_lines(table: dict[str, dict[str, tuple[float, list[str], tuple[str, str, str]]]]) -> list[str]:

@@ -27,6 +27,9 @@ STEP_RE = re.compile(r"^step (\d+)/\d+ \| loss " + NUMBER + r" \|")
 # the "(min" that follows the value is required, as the " |" after a loss is: a line cut inside its
 # number (a truncated log, "val bpb 3.16") read as a value it never had
 VAL_RE = re.compile(r"^step (\d+) \| val bpb " + NUMBER + r" \(min ")
+# the start of a step or validation line: one that starts so and is not read above was cut short or
+# holds no number (a killed run's last line); it is named, file and line, not skipped unsaid
+STEP_START_RE = re.compile(r"^step \d+(?:/| \| val\b)")
 # the NaN guard's stop (nanochat.training.NonFiniteLossError), after the script's "NAME: error: "
 STOP_RE = re.compile(r"non-finite (.+?) \(([^)]*)\) at step (\d+);")
 METRICS = ("loss", "val_bpb")
@@ -34,17 +37,21 @@ METRICS = ("loss", "val_bpb")
 
 def parse_log(path: Path) -> dict:
     """{"loss": {step: smoothed loss}, "val_bpb": {step: bpb}, "repeated": {metric: steps logged
-    more than once}, "stopped": the NaN guard's stop line or None} from one log file. A repeated
-    step keeps its last value (a resumed run's), and a stop followed by a step line past the stop's
-    step belonged to an earlier attempt that was resumed: it is dropped. (Step lines up to that step
+    more than once}, "stopped": the NaN guard's stop line or None, "unreadable": [(line number,
+    line)] of step lines not read} from one log file. A repeated step keeps its last value (a resumed
+    run's), and a stop followed by a step line past the stop's step belonged to an earlier attempt
+    that was resumed: it is dropped. (Step lines up to that step
     after it are the same run's: without PYTHONUNBUFFERED, stdout's buffered lines reach a shared
     log after the error stderr wrote first.)"""
     if not path.is_file():
         raise RequestError(f"log: {path} does not exist")
-    out: dict = {"loss": {}, "val_bpb": {}, "repeated": {"loss": set(), "val_bpb": set()}, "stopped": None}
+    out: dict = {"loss": {}, "val_bpb": {}, "repeated": {"loss": set(), "val_bpb": set()}, "stopped": None,
+                 "unreadable": []}
     stopped_at = None
-    for line in path.read_text(errors="replace").splitlines():
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         line = line.strip()
+        if STEP_START_RE.match(line) and not (STEP_RE.match(line) or VAL_RE.match(line)):
+            out["unreadable"].append((number, line))
         for key, rx in (("loss", STEP_RE), ("val_bpb", VAL_RE)):
             m = rx.match(line)
             if m:
@@ -62,7 +69,8 @@ def parse_log(path: Path) -> dict:
 
 
 def notes(path: Path, log: dict) -> list[str]:
-    """What the table does not show about one log: repeated steps, a NaN-guard stop, no lines."""
+    """What the table does not show about one log: repeated steps, unreadable step lines (file:line),
+    a NaN-guard stop, no lines."""
     out = []
     if not any(log[k] for k in METRICS):   # a wrong file (or a run that died before its first step)
         out.append(f"{path}: no step lines ('step N/M | loss X |' or 'step N | val bpb X (min') in it")
@@ -71,6 +79,11 @@ def notes(path: Path, log: dict) -> list[str]:
         if steps:
             out.append(f"{path}: {len(steps)} {key} step(s) logged more than once ({_shown(steps)}; a resumed "
                        "run appended to the log?): the last line of each is compared")
+    for number, line in log["unreadable"][:5]:   # a step only in the other log was then this one's
+        out.append(f"{path}:{number}: a step line that could not be read (cut short, or no number), "
+                   f"skipped: {line[:100]!r}")
+    if len(log["unreadable"]) > 5:
+        out.append(f"{path}: {len(log['unreadable']) - 5} more unreadable step line(s)")
     if log["stopped"]:
         out.append(f"{path}: the run stopped on {log['stopped']} (the NaN guard): it diverged")
     return out

@@ -5,12 +5,15 @@
 
 Each --runs entry is a recipe name, optionally followed by base_train flags that override it. The
 flags after `--` are shared by every run. Runs go one after another in this process
-(scripts/base_train.py's `main`), each under its own model tag (cmp_<n>, overwritten), evaluated
-at the first and last step, never sampled; its final checkpoint is deleted once read
-(--keep-checkpoints keeps it). Their report rows and sections go to <base dir>/compare_recipes/report
-(reset at the start), not to the pipeline's report: a comparison run is not the pipeline's base
-model (report.md took it for one, and every later stage for stale). Prints one JSON line per run, then a table: per entry,
-the final val bpb of each seed, their mean, and the difference to the first entry's mean.
+(scripts/base_train.py's `main`), each under its own model tag (cmp_<n>, with several --seeds
+cmp_<n>_s<seed>; overwritten), evaluated at the first and last step, never sampled; its final
+checkpoint is deleted once read (--keep-checkpoints keeps it). A run the NaN guard stops is
+recorded as diverged (its line says where) and the comparison goes on; the exit code is then 1.
+Their report rows and sections go to <base dir>/compare_recipes/report (reset at the start), not to
+the pipeline's report: a comparison run is not the pipeline's base model (report.md took it for
+one, and every later stage for stale). Prints one JSON line per run, then a table: per entry, the
+final val bpb of each seed ("diverged" for a stopped run), their mean (of an entry none of whose
+runs diverged), and the difference to the first entry's mean.
 Lower bpb is better; a difference smaller than the spread between seeds is noise.
 """
 
@@ -56,8 +59,15 @@ def parse_args(argv: list[str] | None = None):
         raise RequestError(f"--runs: got {args.runs}; accepted: distinct entries (repeat a run with --seeds)")
     from scripts import base_train   # every run's base_train flags, before the first run trains (a
     for i, entry in enumerate(args.entries):   # typo in the last entry stopped the comparison hours in)
-        base_train.parse_config(run_argv(entry, args.seeds[0], f"{args.tag_prefix}_{i}", args.shared))
+        base_train.parse_config(run_argv(entry, args.seeds[0], run_tag(args.tag_prefix, i, args.seeds[0], args.seeds),
+                                         args.shared))
     return args
+
+
+def run_tag(prefix: str, entry: int, seed: int, seeds: list[int]) -> str:
+    """The model tag of one run: <prefix>_<entry>, and _s<seed> with several seeds (one tag per entry
+    had each seed's run overwrite the previous seed's checkpoint: --keep-checkpoints kept the last)."""
+    return f"{prefix}_{entry}" + (f"_s{seed}" if len(seeds) > 1 else "")
 
 
 def run_argv(entry: list[str], seed: int, tag: str, shared: list[str]) -> list[str]:
@@ -71,27 +81,38 @@ def run_one(entry: list[str], seed: int, tag: str, shared: list[str], keep: bool
 
     from nanochat.checkpoint import checkpoint_dir
     from scripts import base_train
+    from nanochat.training import NonFiniteLossError
     argv = run_argv(entry, seed, tag, shared)
     t0 = time.perf_counter()
-    summary = base_train.main(argv)
-    import torch
-    torch._dynamo.reset()  # each run compiles a new model: do not let them fill dynamo's recompile cache
-    if not keep:  # a d12 checkpoint with its optimizer state is GBs: scratch once the bpb is read
-        shutil.rmtree(checkpoint_dir("base", tag), ignore_errors=True)
-    return {"run": " ".join(entry), "seed": seed, "final_val_bpb": summary["final_val_bpb"],
-            "num_iterations": summary["num_iterations"], "avg_tok_per_sec": summary["avg_tok_per_sec"],
-            "seconds": round(time.perf_counter() - t0, 1), "argv": argv}
+    out = {"run": " ".join(entry), "seed": seed, "model_tag": tag}
+    try:
+        summary = base_train.main(argv)
+        out.update({"final_val_bpb": summary["final_val_bpb"], "num_iterations": summary["num_iterations"],
+                    "avg_tok_per_sec": summary["avg_tok_per_sec"]})
+    except NonFiniteLossError as e:   # a recipe that diverges is a result: it ended the comparison, no table
+        out.update({"final_val_bpb": None, "diverged": str(e).split(";")[0]})
+    finally:
+        import torch
+        torch._dynamo.reset()  # each run compiles a new model: do not let them fill dynamo's recompile cache
+        if not keep:  # a d12 checkpoint with its optimizer state is GBs: scratch once the bpb is read
+            shutil.rmtree(checkpoint_dir("base", tag), ignore_errors=True)
+    return {**out, "seconds": round(time.perf_counter() - t0, 1), "argv": argv}
 
 
 def table(results: list[dict], labels: list[str]) -> str:
+    """Per entry: each seed's final val bpb ("diverged" for a run the NaN guard stopped), their mean
+    ("-" when a seed diverged: the mean of the others is not the entry's) and its difference to the
+    first entry's."""
     by = {label: [r["final_val_bpb"] for r in results if r["run"] == label] for label in labels}
-    ref = statistics.fmean(by[labels[0]])
+    means = {label: statistics.fmean(vals) if vals and None not in vals else None for label, vals in by.items()}
+    ref = means[labels[0]]
     width = max(len(label) for label in labels)
     lines = [f"{'run':<{width}}  {'val bpb per seed':<28}  {'mean':>8}  {'vs first':>9}"]
     for label in labels:
-        vals = by[label]
-        mean = statistics.fmean(vals)
-        lines.append(f"{label:<{width}}  {' '.join(f'{v:.4f}' for v in vals):<28}  {mean:8.4f}  {mean - ref:+9.4f}")
+        seeds = " ".join("diverged" if v is None else f"{v:.4f}" for v in by[label])
+        mean = means[label]
+        diff = "-" if mean is None or ref is None else f"{mean - ref:+.4f}"
+        lines.append(f"{label:<{width}}  {seeds:<28}  {'-' if mean is None else f'{mean:.4f}':>8}  {diff:>9}")
     return "\n".join(lines)
 
 
@@ -110,7 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shutil.rmtree(report, ignore_errors=True)   # CUDA before base_train's init_runtime set it up
         for i, entry in enumerate(args.entries):
             for seed in args.seeds:
-                result = run_one(entry, seed, f"{args.tag_prefix}_{i}", args.shared, args.keep_checkpoints)
+                result = run_one(entry, seed, run_tag(args.tag_prefix, i, seed, args.seeds), args.shared,
+                                 args.keep_checkpoints)
                 print("RESULT " + json.dumps(result), flush=True)
                 results.append(result)
     finally:
@@ -124,4 +146,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     import sys
-    script_main("compare_recipes", lambda: parse_args(sys.argv[1:]), lambda: main(sys.argv[1:]))
+    script_main("compare_recipes", lambda: parse_args(sys.argv[1:]),
+                lambda: int(any("diverged" in r for r in main(sys.argv[1:]))))
