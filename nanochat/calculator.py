@@ -19,6 +19,7 @@ import ast
 import math
 import operator
 import re
+import sys
 from decimal import Decimal
 
 MAX_EXPR_CHARS = 300        # the model's tool calls are short; longer text is not arithmetic
@@ -46,8 +47,11 @@ _BINOPS = {
     ast.Pow: operator.pow,
 }
 _UNARYOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-# "1,234,567" -> "1234567" (a thousands separator, not a tuple); only outside string literals
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# "1,234,567" -> "1234567" (a thousands separator, not a tuple); only outside string literals. A
+# grouped number is a whole run of digits: 1-3 digits that follow no digit, letter or point, then
+# groups of exactly 3. A comma after any digit went before: "1.5,000" read as 1.5 and "12345,678"
+# as 12345678, answers to something nobody wrote; those stay tuples now, and tuples are refused.
+_GROUPED = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d_])")
 
 
 class CalculatorError(ValueError):
@@ -140,7 +144,7 @@ def evaluate(expr: str) -> int | float:
     if len(expr) > MAX_EXPR_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPR_CHARS} characters")
     if "'" not in expr and '"' not in expr:
-        expr = _THOUSANDS.sub("", expr)
+        expr = _GROUPED.sub(lambda m: m.group().replace(",", ""), expr)
     try:
         tree = ast.parse(expr, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
@@ -157,11 +161,13 @@ def format_result(value: int | float) -> str:
     double below 1e16 has no more digits than repr shows), where 15 significant digits wrote
     1e15 + 1 as "1e+15". Larger floats (and any past 1e15 with a fraction) in repr's shortest
     form that reads back as the same double ("1.152921504606847e+18", "1e+20"), not 15 digits that
-    do not. Other floats with 15 significant digits, which hides binary noise (0.1 + 0.2 -> "0.3")."""
+    do not; so are subnormals ("1e-320"). Other floats with 15 significant digits, which hides binary noise (0.1 + 0.2 -> "0.3")."""
     if isinstance(value, float):
         if value.is_integer() and abs(value) < 1e16:
             return str(int(value))
-        if abs(value) >= 1e15:
+        if abs(value) >= 1e15 or 0 < abs(value) < sys.float_info.min:
+            # (a subnormal holds fewer than 15 significant digits: .15g wrote 1e-320 as
+            # 9.99988867182683e-321, digits of rounding noise; repr's shortest form is exact)
             return repr(value)
         # 15 significant digits: every decimal a double holds exactly enough to print back (0.1 + 0.2
         # shows as 0.3, not 0.30000000000000004), where 12 wrote 100000000000.5 + 1 as 100000000002

@@ -8,7 +8,10 @@ calculator tool.
 How a call runs: the prompt is prefilled once with batch 1, the cache is then replicated into
 `num_samples` rows (`KVCache.prefill_from`) and every decode step feeds one token per row.
 Sampling (temperature / top-k / top-p, nanochat/sampling.py) is seeded per call, so a call is
-reproducible; temperature 0 (or top-k 1) is greedy. On CUDA a step's draw is one Triton launch.
+reproducible, and sample i draws with the same noise whatever `num_samples` is (so sample 0 of
+four is the one-sample answer, up to the batched step's float rounding); temperature 0 (or top-k
+1) is greedy. On CUDA a step's draw is one Triton
+launch (three with top-k's two-stage sampler, nanochat/triton_sample.py).
 
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and

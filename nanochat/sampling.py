@@ -4,12 +4,17 @@ One distribution, two implementations: softmax(logits / T) restricted to the top
 to the smallest prefix of those, by probability, that covers top_p; T = 0 is greedy.
   * `sample_next` (torch, any device): the exponential race argmax_i p_i / E_i, E_i ~ Exp(1)
     i.i.d., which picks i with probability p_i exactly and, unlike torch.multinomial
-    (pytorch/pytorch#108968), never synchronises with the host. Noise from a torch.Generator.
-  * `triton_sample.sample_triton` (CUDA, vocabularies up to 32768): the same race as one Triton
-    launch per step (~8 torch kernels otherwise), noise hashed from (seed, position, row, token).
+    (pytorch/pytorch#108968), never synchronises with the host. Noise from a torch.Generator,
+    or one per row (what `Sampler` passes: row r's is seeded `row_seed(seed, r)`).
+  * `triton_sample.sample_triton` (CUDA, vocabularies up to 32768): the same race in one Triton
+    launch per step, three with top-k's two-stage path (~8 torch kernels otherwise), noise
+    hashed from (seed, position, row, token).
 `Sampler` is what the Engine holds per generation; `backend` auto takes the Triton kernel on
 CUDA (where Triton imports and the vocabulary fits) and torch elsewhere. Either way a generation
-is reproducible from its seed.
+is reproducible from its seed, and a sample's noise does not depend on how many samples are drawn
+beside it: sample 0 of `num_samples=4` is the `num_samples=1` answer up to the batched model
+step's float rounding (Triton: the noise hashes the row; torch: a generator per row, where one
+generator shared by the rows gave row 0 other noise as soon as a second row took its share).
 """
 
 from __future__ import annotations
@@ -29,6 +34,32 @@ MAX_TEMPERATURE = 1e30
 # Seeds a torch.Generator takes (manual_seed reads a uint64; 2**64 raised "Overflow when unpacking
 # long long" at the first token, inside the generation).
 MAX_SEED = 2**64 - 1
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The torch generator seed of sample `row` of a generation seeded `seed`: `seed` itself for
+    row 0 (a one-sample generation draws what it always drew), a splitmix64 mix of (seed, row)
+    for the others, so neighbouring seeds' rows do not share streams."""
+    if row == 0:
+        return seed
+    x = (seed + row * 0x9E3779B97F4A7C15) & MAX_SEED
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MAX_SEED
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MAX_SEED
+    return x ^ (x >> 31)
+
+
+def _exponential_noise(logits: torch.Tensor, generator) -> torch.Tensor:
+    """Exp(1) noise shaped like `logits` (B, V): from one generator, or row r from `generator[r]`."""
+    noise = torch.empty_like(logits)
+    if generator is None or isinstance(generator, torch.Generator):
+        noise.exponential_(generator=generator)
+    else:
+        if len(generator) < noise.size(0):
+            raise ValueError(f"sample_next: {len(generator)} generators for {noise.size(0)} rows")
+        for row, gen in zip(noise, generator):
+            row.exponential_(generator=gen)
+    # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -57,8 +88,9 @@ def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler)."""
+                generator) -> torch.Tensor:
+    """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler).
+    `generator`: a torch.Generator (or None) for every row, or a sequence of one per row."""
     if is_greedy(temperature):
         return logits.argmax(dim=-1)
     logits = logits.float()
@@ -66,8 +98,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     if top_k is not None and top_k < logits.size(-1):
         logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
     logits = logits / min(temperature, MAX_TEMPERATURE)
-    # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
-    noise = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    noise = _exponential_noise(logits, generator)
     if top_p is None:
         return (logits - noise.log()).argmax(dim=-1)  # p_i / E_i, in log space (softmax's norm drops out)
     probs = torch.softmax(logits, dim=-1)
@@ -120,7 +151,7 @@ class Sampler:
         # (bf16 logits tie often), so the answer depended on the seed; both backends keep ties
         self.temperature = 0.0 if is_greedy(temperature) or top_k == 1 else temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generators: list[torch.Generator] = []   # the torch sampler's, one per row (_row_generators)
         self._max_vocab, self._triton = 0, None
         if self.backend == "triton":  # imported once here, not per token
             from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
@@ -143,4 +174,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         if self._triton is not None and logits.size(-1) <= self._max_vocab:
             return self._triton(logits, self.temperature, self.top_k, self.top_p, self.seed, position)
-        return sample_next(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        generators = None if self.temperature == 0 else self._row_generators(logits.size(0))
+        return sample_next(logits, self.temperature, self.top_k, self.top_p, generators)
+
+    def _row_generators(self, rows: int) -> list[torch.Generator]:
+        """The first `rows` per-row generators, made on first use (greedy draws need none). On
+        CUDA that is one noise launch per row instead of one per step: the torch sampler runs
+        there only for vocabularies past the Triton kernel's or when asked for."""
+        while len(self.generators) < rows:
+            seed = row_seed(self.seed, len(self.generators))
+            self.generators.append(torch.Generator(device=self.device).manual_seed(seed))
+        return self.generators[:rows]
