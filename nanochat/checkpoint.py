@@ -23,7 +23,7 @@ their size and sha256 checked against the sums written with them (hashed on help
 the IO runs: during a save's fsync, during a load's torch.load): a file changed or
 damaged on disk since (a bad block, a partial copy) is refused with its path, never loaded as
 slightly wrong weights (torch.load does not notice most flipped bytes). Checkpoints from before
-the sums load unchecked.
+the sums load unchecked (one whose sums file is lost, meta.json's "checksummed", with a warning).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import torch
 
 from nanochat.common import fmt_bytes, get_base_dir
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, load_verified,
-                                    restore_swapped_out, save_hashed, saved_sum, start_check, step_dirname,
-                                    sweep_superseded, write_json, _use_another_step)
+from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, check_meta, fsync_dir, list_steps, load_verified,
+                                    make_dirs, restore_swapped_out, save_hashed, saved_sum, start_check,
+                                    step_dirname, sweep_superseded, write_json, _use_another_step)
 # sizes: re-exported for the recipes' disk plans
 from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
 # EarlierRun, fresh_start and the --resume / --overwrite flags' checks live in checkpoint_runs.py; the
@@ -140,9 +140,16 @@ def remove_checkpoint(ckpt_dir, step: int) -> None:
     path = ckpt_dir / step_dirname(step)
     trash = ckpt_dir / (step_dirname(step) + f".del-{os.getpid()}")
     sweep_superseded(ckpt_dir, step)   # else a read of step N would restore one of them
+    # first: a removal of step N killed in a process of this pid (a container's are alike from run to run)
+    # left this very name, and os.replace onto it failed (ENOTEMPTY) at every later removal of step N
+    _sweep_removals(ckpt_dir)
     os.replace(path, trash)
     fsync_dir(ckpt_dir)
-    for leftover in [trash, *ckpt_dir.glob("step_*.del-*")]:
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _sweep_removals(ckpt_dir: Path) -> None:
+    for leftover in ckpt_dir.glob("step_*.del-*"):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -240,12 +247,13 @@ def save_checkpoint(ckpt_dir, step: int, *, model_state: dict, optimizer_state: 
     world_size = _world_size()
     with _on_every_rank(staging, step, rank):   # rank 0 sets up; the others learn whether it could
         if rank == 0:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(ckpt_dir)
             # leftovers of saves cut short (a second Ctrl-C, a SIGKILL, a crash), of this step or any other:
             # no resume reads them, and at d20 each can hold ~9 GB the disk plan never counted
             for leftover in ckpt_dir.glob("step_*.partial"):
                 shutil.rmtree(leftover, ignore_errors=True)
             sweep_superseded(ckpt_dir)
+            _sweep_removals(ckpt_dir)   # --keep-last's, killed mid-rmtree (a run without it never swept them)
             staging.mkdir()
     with _on_every_rank(staging, step, rank):
         _write_rank_files(staging, step, rank, model_state if rank == 0 else None, optimizer_state,
@@ -260,7 +268,7 @@ def _full_meta(model_state, optimizer_state, meta: dict, step: int, world_size: 
     # the weights' device: a meta that names none (chat_rl's) recorded None
     return {**environment_meta(_state_device(model_state)), **meta, "schema_version": SCHEMA_VERSION,
             "step": step, "world_size": world_size, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "has_optimizer": optimizer_state is not None}
+            "has_optimizer": optimizer_state is not None, "checksummed": True}   # every file has its sums
 
 
 def _finish(ckpt_dir: Path, staging: Path, final: Path, step: int, full_meta: dict) -> None:
@@ -330,7 +338,7 @@ def _point_latest(ckpt_dir: Path, final: Path, step: int) -> None:
 
 
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 
 
 def _write_error(e: BaseException) -> OSError | None:
@@ -411,6 +419,7 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
         raise CheckpointError(f"{path}: checkpoint schema version {version!r} is not supported by this code "
                               f"(it reads version {SCHEMA_VERSION}); use the nanochat version that wrote it "
                               "or retrain")
+    check_meta(meta, path, step)
     return meta
 
 
@@ -422,7 +431,7 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     step = resolve_step(ckpt_dir, step)
     meta = read_meta(ckpt_dir, step)
     step_dir = ckpt_dir / step_dirname(step)
-    saved_world = int(meta.get("world_size", 1))
+    saved_world = meta["world_size"]   # read_meta checked it
     if rank >= saved_world and (load_optimizer or (step_dir / "state_rank0.pt").exists()):
         raise CheckpointError(f"{step_dir}: saved by {saved_world} rank(s) but loading as rank {rank}; "
                               f"resume with the same number of processes ({saved_world})")
@@ -431,9 +440,10 @@ def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank:
     model_path = step_dir / MODEL_NAME
     optim_path, state_path = step_dir / f"optim_rank{rank}.pt", step_dir / f"state_rank{rank}.pt"
     # every file's hash starts now (model.pt's sum is rank 0's), so the optimizer's runs while the model loads
-    checks = {model_path: start_check(model_path, 0), state_path: start_check(state_path, rank)}
+    summed = meta.get("checksummed") is True   # then a sums file gone is said, not taken for "before the sums"
+    checks = {model_path: start_check(model_path, 0, summed), state_path: start_check(state_path, rank, summed)}
     if load_optimizer:
-        checks[optim_path] = start_check(optim_path, rank)
+        checks[optim_path] = start_check(optim_path, rank, summed)
     model = load_verified(model_path, device, check=checks[model_path])
     out = {"step": step, "meta": meta, "model": _strip_compile_prefix(model) if isinstance(model, dict) else model,
            "optimizer": None, "loader": None, "loop": None}

@@ -5,6 +5,7 @@ returns only what matches its sums, and the sizes of states (the disk plans). ch
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -12,6 +13,8 @@ import os
 import pickle
 import re
 import shutil
+import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +45,11 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
+# a directory's fsync failing with these means its entries (a rename, a new file) may not be on disk:
+# raised, never passed over (the save was then reported done and --keep-last pruned the step before it)
+_DIR_SYNC_FAILED = (errno.EIO, errno.ENOSPC, errno.EDQUOT)
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -49,17 +57,34 @@ def fsync_dir(path: Path) -> None:
         return  # some filesystems do not allow opening directories; the rename is still atomic
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:   # EINVAL and the like: a filesystem that cannot sync a directory
+        if e.errno in _DIR_SYNC_FAILED:
+            raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p whose new directories survive a power cut: each one made is fsynced into its parent
+    (the step directories and files were, the model-tag directory holding them not: a first save on
+    a fresh disk could vanish whole on filesystems that do not order metadata for you)."""
+    path = Path(path)
+    made, p = [], path.absolute()
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for p in reversed(made):
+        fsync_dir(p.parent)
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], *, written: Callable[[Path], Any] | None = None) -> None:
     """Write `path` via a same-directory temp file, fsync, os.replace; the temp is removed on error.
     `written(tmp)` is called once the bytes are in the file, before the fsync (e.g. to hash them)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # process and thread in the name: two threads of one process writing one path (report sections)
+    # shared a temp file, and the first replace left the second without its file
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -120,10 +145,19 @@ def save_hashed(path: Path, obj) -> Future:
     return hashing[0]
 
 
-def saved_sum(path: Path, rank: int) -> dict | None:
-    """What sums_rank<R>.json recorded for `path` (None: a checkpoint from before the sums)."""
+def saved_sum(path: Path, rank: int, summed: bool = False) -> dict | None:
+    """What sums_rank<R>.json recorded for `path` (None: a checkpoint from before the sums, or a
+    missing `path`). `summed`: the checkpoint was saved with sums (meta.json's "checksummed"), so a
+    sums file gone (a partial copy, deleted by hand) is said: it silently turned every check off.
+    A warning, not a refusal: hand-made checkpoints (a model.pt replaced, its sums dropped) load."""
     sums_path = path.parent / f"sums_rank{rank}.json"
-    if not sums_path.is_file() or not path.is_file():
+    if not path.is_file():
+        return None
+    if not sums_path.is_file():
+        if summed:   # every rank its own files: not print0
+            print(f"WARNING: {sums_path} is missing, though this checkpoint was saved with it: {path.name} is "
+                  "loaded unverified (a damaged or partial copy would go unnoticed); copy the whole step "
+                  "directory", file=sys.stderr)
         return None
     try:
         want = json.loads(sums_path.read_text())[path.name]
@@ -133,6 +167,34 @@ def saved_sum(path: Path, rank: int) -> dict | None:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e}); {_use_another_step(path)}") from e
     return want
+
+
+# meta.json: the fields every save_checkpoint has written (schema 1), and the fields loads and resumes
+# read where a recipe wrote them, with the JSON type each must have (null: the recipe had none)
+_META_REQUIRED = {"step": int, "world_size": int, "has_optimizer": bool}
+_META_OPTIONAL = {"model_config": dict, "train": dict, "config": dict, "source": dict, "tokenizer_fingerprint": str}
+_JSON_TYPE = {int: "an integer", bool: "true or false", dict: "an object", str: "a string", float: "a number",
+              list: "an array", type(None): "null"}
+
+
+def check_meta(meta: dict, path: Path, step: int) -> None:
+    """A meta.json's fields that loading and resuming rely on: present, of their JSON type, the step
+    the directory's and a world size >= 1. A missing or wrong-typed field raised a bare TypeError
+    deep in a resume (world_size null), or was taken as something else ("has_optimizer": "no" read
+    as true): a CheckpointError naming the file, each field and what it holds."""
+    wrong = [f"{key!r} is missing" for key in _META_REQUIRED if key not in meta]
+    for key, kind in {**_META_REQUIRED, **_META_OPTIONAL}.items():
+        value = meta.get(key)
+        if key in meta and type(value) is not kind and not (value is None and key in _META_OPTIONAL):
+            wrong.append(f"{key!r} is {_JSON_TYPE.get(type(value), type(value).__name__)} "
+                         f"({json.dumps(value, default=str)[:40]}), not {_JSON_TYPE[kind]}")
+    if not wrong and meta["world_size"] < 1:
+        wrong.append(f"'world_size' is {meta['world_size']}, not >= 1")
+    if not wrong and meta["step"] != step:   # a directory renamed or copied by hand: which step is it?
+        wrong.append(f"'step' is {meta['step']} but the directory is {step_dirname(step)} (renamed by hand? name it "
+                     f"{step_dirname(meta['step'])} again)")
+    if wrong:
+        raise CheckpointError(f"{path}: invalid metadata: {'; '.join(wrong)}; {_use_another_step(path)}")
 
 
 def _use_another_step(path: Path) -> str:
@@ -150,10 +212,11 @@ def _damaged(path: Path, want: dict) -> CheckpointError:
                            f"{_use_another_step(path)}")
 
 
-def start_check(path: Path, rank: int) -> tuple[dict, Future] | None:
+def start_check(path: Path, rank: int, summed: bool = False) -> tuple[dict, Future] | None:
     """Refuse a file whose size differs from its sums and start hashing it on a helper thread
-    (None: a checkpoint from before the sums, or a missing file, which torch.load reports)."""
-    want = saved_sum(path, rank)
+    (None: a checkpoint from before the sums, or a missing file, which torch.load reports;
+    `summed`: saved_sum's)."""
+    want = saved_sum(path, rank, summed)
     if want is None:
         return None
     if path.stat().st_size != want.get("bytes"):

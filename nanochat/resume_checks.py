@@ -47,7 +47,7 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
             flag = _CONFIG_FLAGS.get(key)
             mismatch(f"{key}" + (f" (set by {flag})" if flag else ""), saved_config.get(key), model_config.get(key))
     check_resume_world(meta, world_size)   # first: it also changes the batch arithmetic below
-    train = meta.get("train", {})
+    train = meta.get("train") or {}   # null: a recipe that recorded none (read_meta allows it)
     if train.get("total_batch_size") != plan.total_batch_size:
         mismatch("--total-batch-size", train.get("total_batch_size"), plan.total_batch_size)
     saved_fsdp = (meta.get("config") or {}).get("fsdp")

@@ -100,7 +100,8 @@ def _claim_local(ckpt_dir: Path) -> str:
     """Take the lock in this process; '' when taken (or not possible here), else the refusal."""
     if os.name != "posix" or _held(ckpt_dir):
         return ""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    from nanochat.checkpoint_io import make_dirs   # the directory first made here, for the run's saves: durable
+    make_dirs(ckpt_dir)
     path = ckpt_dir / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     got = _try_lock(fd)
