@@ -207,7 +207,9 @@ def _remove_quietly(path: Path) -> None:
 
 
 class BinShard:
-    """A memory-mapped binary shard: `doc(i)` is a zero-copy view of document i's tokens."""
+    """A memory-mapped binary shard: `doc(i)` is a zero-copy view of document i's tokens.
+    `check_bos` reads every document's first token, which touches (nearly) every page of tokens:
+    the dataloader passes False and checks each document as it reads it (doc_sources.BinSource)."""
 
     def __init__(self, path: str | Path, *, check_bos: bool = True):
         self.path = Path(path)

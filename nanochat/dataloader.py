@@ -15,16 +15,20 @@ batch of a finite pass (`repeat=False`), whose padded inputs are BOS.
 Sources. Text shards (parquet, tokenized on the fly with the tokenizer's threaded batch encode) or
 binary token shards from `scripts/pretokenize.py` (memory-mapped; `source="auto"` picks them when
 `<data_dir>_tokens/` holds any, and refuses shards made with another tokenizer or from other text
-shards than those now in data_dir). Every shard is checked at construction, but only those being
-read stay open, so a split may hold more shards than the open-file limit.
+shards than those now in data_dir); nanochat/doc_sources.py reads them. Every shard is checked at
+construction, but only those being read stay open, so a split may hold more shards than the
+open-file limit.
 
 Checks. Construction opens every shard of the split, so damaged data fails there, before a model
 is built: DataError (nanochat/errors.py) for a file that is there but broken (unreadable parquet,
 no `text` column, null texts, a corrupt or stale binary shard, another tokenizer, another vocab
 size), MissingDataError for a split with no documents for this rank or only empty ones (a
-document that is BOS alone). What only reading shows (a row group that does not decompress, token
-ids >= the vocab size, empty documents where the footer has no statistics) is the same error from
-the first batch that reads it.
+document that is BOS alone) or, for the repeating train split, less than one batch for this rank
+(every batch would repeat its documents; text shards, whose token counts only reading shows: at
+the end of the first pass). What only reading shows (a row group that does not decompress, token
+ids >= the vocab size, a binary document without its BOS: a binary shard's tokens are not read at
+construction, see doc_sources.py; empty documents where the footer has no statistics) is the same
+error from the first batch that reads it.
 
 Ranks. Documents are dealt rank-strided inside each row group (binary: inside each shard), so
 ranks never share a document; every rank reads the same shards.
@@ -54,7 +58,6 @@ import atexit
 import os
 import queue
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +66,8 @@ import torch
 from nanochat import binshards as bs
 from nanochat import binshards_runs as runs
 from nanochat import dataset as ds
-from nanochat.errors import DataError, MissingDataError, RequestError
+from nanochat.doc_sources import BinSource, TextSource, describe_shards
+from nanochat.errors import MissingDataError, RequestError
 from nanochat.packing import BestFitBuffer
 
 STATE_VERSION = 1
@@ -74,162 +78,6 @@ def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: got {value!r}; accepted: a positive integer")
     return value
-
-
-# ---------------------------------------------------------------- document sources
-
-class _TextSource:
-    """This rank's documents from parquet text shards, tokenized in batches (BOS prepended).
-    A document's key is (shard, row group, row); cursors point just after a document.
-    Only the shard being read is open: a split may hold more shards than the open-file limit."""
-
-    kind = "text"
-
-    def __init__(self, shards: list[Path], tokenizer, rank: int, world_size: int, threads: int,
-                 encode_batch: int):
-        self.paths = list(shards)
-        self.metas, self.empty = [], []
-        for p in self.paths:  # schema errors surface here
-            pf = ds.open_text_shard(p)
-            self.metas.append(pf.metadata)
-            self.empty.append(ds.all_texts_empty(pf))
-            pf.close()
-        self.names = [p.name for p in shards]
-        self.sizes = [p.stat().st_size for p in shards]
-        self.tok, self.rank, self.world = tokenizer, rank, world_size
-        self.threads, self.encode_batch = threads, encode_batch
-        self.start = (0, 0, 0)
-        self._open: tuple[int, object] | None = None  # (shard index, ParquetFile) being read
-
-    def _column(self, si: int, rg: int):
-        if self._open is None or self._open[0] != si:
-            if self._open is not None:
-                self._open[1].close()
-            self._open = None
-            pf = ds.open_text_shard(self.paths[si])
-            if not pf.metadata.equals(self.metas[si]):  # row groups must be those the cursor counts
-                pf.close()
-                raise DataError(f"{self.paths[si]}: changed since the data loader opened it; re-run "
-                                "with the shards left as they are")
-            self._open = (si, pf)
-        return ds.read_text_column(self._open[1], rg, self.paths[si])
-
-    def _groups(self, si: int) -> int:
-        return self.metas[si].num_row_groups
-
-    def _rows(self, si: int, rg: int) -> int:
-        return self.metas[si].row_group(rg).num_rows
-
-    def rank_doc_count(self) -> int:
-        """This rank's documents in one pass, from the parquet footers (no data read)."""
-        return sum(len(ds.rank_rows(self._rows(si, rg), si, rg, self.rank, self.world))
-                   for si in range(len(self.paths)) for rg in range(self._groups(si)))
-
-    def all_empty(self) -> bool:
-        """True when the footer statistics prove every text of the split is empty."""
-        return all(self.empty)
-
-    def _encode(self, texts: list[str]) -> list[np.ndarray]:
-        ids = self.tok.encode(texts, prepend=self.tok.bos_token_id, num_threads=self.threads)
-        return [np.asarray(t, dtype=np.int32) for t in ids]
-
-    def docs(self, cursor):
-        """Yield (key, next_cursor, length, tokens) from cursor to the end of one pass."""
-        s0, g0, r0 = cursor
-        for si in range(s0, len(self.paths)):
-            for rg in range(g0 if si == s0 else 0, self._groups(si)):
-                rows = ds.rank_rows(self._rows(si, rg), si, rg, self.rank, self.world,
-                                    r0 if (si, rg) == (s0, g0) else 0)
-                col = self._column(si, rg) if len(rows) else None
-                for i in range(0, len(rows), self.encode_batch):
-                    chunk = rows[i:i + self.encode_batch]
-                    texts = col.take(list(chunk)).to_pylist()  # only this rank's rows become str
-                    for row, toks in zip(chunk, self._encode(texts)):
-                        yield (si, rg, row), (si, rg, row + 1), len(toks), toks
-
-    def fetch(self, keys: list[tuple]) -> list[tuple[int, np.ndarray]]:
-        """(length, tokens) for documents named by key (restoring a packing buffer)."""
-        groups: dict[tuple[int, int], list[int]] = {}
-        for si, rg, row in keys:
-            groups.setdefault((si, rg), []).append(row)
-        found = {}
-        for (si, rg), rows in sorted(groups.items()):  # shard by shard: each is opened once
-            rows = sorted(set(rows))
-            for row, toks in zip(rows, self._encode(self._column(si, rg).take(rows).to_pylist())):
-                found[(si, rg, row)] = toks
-        return [(len(found[k]), found[k]) for k in keys]
-
-    def tokens(self, key, payload) -> np.ndarray:
-        return payload
-
-
-_OPEN_BIN_SHARDS = 8  # memory maps kept open: the shards the packing buffer's documents come from
-
-
-class _BinSource:
-    """This rank's documents from memory-mapped binary shards; key = (shard, document). Every
-    shard is checked at construction; only the few being read stay mapped (each map holds a file
-    descriptor, and a split may hold more shards than the open-file limit)."""
-
-    kind = "bin"
-
-    def __init__(self, paths: list[Path], tokenizer, rank: int, world_size: int):
-        self.paths = list(paths)
-        self.headers, self.lengths = [], []
-        for p in self.paths:
-            sh = bs.BinShard(p)
-            if sh.header.fingerprint != tokenizer.fingerprint:
-                raise DataError(f"tokenizer mismatch: {sh.path} was made with tokenizer "
-                                f"{sh.header.fingerprint[:12]}, the current tokenizer is "
-                                f"{tokenizer.fingerprint[:12]}; re-run `python -m scripts.pretokenize "
-                                f"--force` (or move {sh.path.parent} aside: training then tokenizes the text shards)")
-            if sh.header.vocab_size != tokenizer.vocab_size:
-                raise DataError(f"{sh.path}: made for vocab size {sh.header.vocab_size}, the tokenizer has "
-                                f"{tokenizer.vocab_size}; re-run `python -m scripts.pretokenize --force`")
-            self.headers.append(sh.header)
-            self.lengths.append(sh.doc_lengths())
-        self.vocab_size = tokenizer.vocab_size
-        self.names = [p.name for p in paths]
-        self.sizes = [p.stat().st_size for p in paths]
-        self.digests = [bs.shard_digest(p) for p in self.paths]  # a resume checks them (bs.check_resume)
-        self.rank, self.world = rank, world_size
-        self.start = (0, 0)
-        self._open: OrderedDict[int, bs.BinShard] = OrderedDict()  # least recently used first
-
-    def _shard(self, si: int) -> bs.BinShard:
-        sh = self._open.pop(si, None)
-        if sh is None:
-            sh = bs.BinShard(self.paths[si], check_bos=False)  # checked at construction
-            if sh.header != self.headers[si]:
-                raise DataError(f"{self.paths[si]}: changed since the data loader opened it; re-run "
-                                "with the shards left as they are")
-        self._open[si] = sh
-        if len(self._open) > _OPEN_BIN_SHARDS:
-            self._open.popitem(last=False)
-        return sh
-
-    def docs(self, cursor):
-        s0, d0 = cursor
-        for si in range(s0, len(self.paths)):
-            lengths = self.lengths[si]
-            for d in ds.rank_rows(len(lengths), si, 0, self.rank, self.world, d0 if si == s0 else 0):
-                yield (si, d), (si, d + 1), int(lengths[d]), None
-
-    def fetch(self, keys):
-        return [(int(self.lengths[si][d]), None) for si, d in keys]
-
-    def tokens(self, key, payload) -> np.ndarray:
-        t = self._shard(key[0]).doc(key[1])
-        if t.size and int(t.max()) >= self.vocab_size:  # cheap; the embedding would fail cryptically
-            raise DataError(f"{self.paths[key[0]]}: document {key[1]} has token id {int(t.max())} >= "
-                            f"the vocab size {self.vocab_size} (corrupt shard); {bs.recreate_advice(self.paths[key[0]])}")
-        return t
-
-    def rank_doc_count(self) -> int:
-        return sum(len(ds.rank_rows(len(n), si, 0, self.rank, self.world)) for si, n in enumerate(self.lengths))
-
-    def all_empty(self) -> bool:
-        return all(bool(np.all(n <= 1)) for n in self.lengths)
 
 
 # ---------------------------------------------------------------- the loader
@@ -254,15 +102,18 @@ class _Packer:
     def stream(self, epoch: int, cursor: tuple):
         """(epoch, key, next_cursor, length, payload) from (epoch, cursor) on; cycles over passes
         when repeating; a full pass with no document longer than BOS is an error (nothing for this
-        rank to learn from)."""
+        rank to learn from), and so is a first pass of the repeating train split with less than one
+        batch (DataLoader._check_documents)."""
         while True:
-            fresh, n = tuple(cursor) == self.src.start, 0
+            fresh, n, held = tuple(cursor) == self.src.start, 0, 0
             for key, nxt, length, payload in self.src.docs(tuple(cursor)):
-                n += length > 1
+                n, held = n + (length > 1), held + min(length, self.T + 1)
                 yield epoch, key, nxt, length, payload
             if fresh and n == 0:
-                raise MissingDataError(f"{self.who} has no non-empty documents (only BOS after encoding; "
-                                       f"shards: {', '.join(self.src.names)}); re-create the data")
+                raise MissingDataError(f"{self.who} has no non-empty documents (only BOS after encoding) "
+                                       f"{describe_shards(self.src)}; re-create the data")
+            if fresh and self.repeat and self.config["split"] == "train" and held < self.B * (self.T + 1):
+                raise MissingDataError(_too_small(self.who, f"{held:,} tokens in one pass", self.src, self.B, self.T))
             if not self.repeat:
                 return
             epoch, cursor = epoch + 1, self.src.start
@@ -357,6 +208,14 @@ _STATE_FLAGS = {"batch_size": "--device-batch-size", "seq_len": "--max-seq-len",
                 "source": "shards of kind (text / bin)", "fingerprint": "the tokenizer"}
 
 
+def _too_small(who: str, held: str, source, B: int, T: int) -> str:
+    """The repeating train split with less than one batch for this rank: every batch would repeat it."""
+    return (f"{who} holds {held} {describe_shards(source)}, less than one batch of {B} rows of {T + 1} tokens "
+            f"(--device-batch-size {B}, --max-seq-len {T}; each row starts a document, documents are cropped to "
+            "a row): every batch would repeat the same documents; add documents, or lower --device-batch-size "
+            "or --max-seq-len, or use fewer ranks")
+
+
 def _brief(value) -> str:
     """A loader state value for a message: shard lists by count and ends, not in full."""
     if isinstance(value, list) and len(value) > 3:
@@ -407,11 +266,11 @@ class DataLoader:
     def _make_source(self, kind: str):
         """A checked document source of `kind` for this loader's split and rank."""
         if kind == "bin":
-            source = _BinSource(runs.split_paths(self._bin_dir, self.split), self.tokenizer, self.rank,
+            source = BinSource(runs.split_paths(self._bin_dir, self.split), self.tokenizer, self.rank,
                                 self.world_size)
         else:
             shards = ds.split_shards(ds.list_shards(self._data_dir), self.split)
-            source = _TextSource(shards, self.tokenizer, self.rank, self.world_size, self._threads,
+            source = TextSource(shards, self.tokenizer, self.rank, self.world_size, self._threads,
                                  self._encode_batch)
         self._check_documents(source)
         return source
@@ -431,13 +290,20 @@ class DataLoader:
     def _check_documents(self, source) -> None:
         """Up front, from footers and headers: a split with nothing to read is an error now, not
         after a model was built (the stream repeats the check for what only reading shows)."""
-        where = ", ".join(source.names)
-        if source.rank_doc_count() == 0:
-            raise MissingDataError(f"{self._who()} has no documents (shards: {where}); re-create the data "
+        where, docs = describe_shards(source), source.rank_doc_count()
+        if docs == 0:
+            raise MissingDataError(f"{self._who()} has no documents {where}; re-create the data "
                                    "with more documents or use fewer ranks")
         if source.all_empty():
-            raise MissingDataError(f"{self._who()} has no non-empty documents (every text is empty; shards: "
-                                   f"{where}); re-create the data")
+            raise MissingDataError(f"{self._who()} has no non-empty documents (every text is empty) {where}; "
+                                   "re-create the data")
+        # the repeating train split with less than a batch (cycled inside every batch): a binary one's
+        # tokens are known now; a text one's once its first pass is read (_Packer.stream: after what
+        # reading shows, a damaged or all-empty shard, which is the error to report then)
+        cap = self.T + 1
+        if self.repeat and self.split == "train" and source.kind == "bin" and source.rank_tokens(cap) < self.B * cap:
+            held = f"{source.rank_tokens(cap):,} tokens in one pass"
+            raise MissingDataError(_too_small(self._who(), held, source, self.B, self.T))
 
     @staticmethod
     def _check_fresh(bin_dir: Path, data_dir: Path) -> None:

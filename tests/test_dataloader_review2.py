@@ -250,7 +250,7 @@ def test_buffered_long_documents_hold_one_row_not_the_whole_document(tmp_path, b
     its tokens be: the buffer held every long document whole (1000 buffered books of 300K tokens
     = GBs per rank; here 1M-token documents, buffered ~10 times over the cycling passes)."""
     import tracemalloc
-    d = write_shards(tmp_path / "big", [["x" * 1_000_000, "small doc"], ["v"]])
+    d = write_shards(tmp_path / "big", [["x" * 1_000_000, "small doc", "one more small doc"], ["v"]])
     dl = DataLoader(ByteTokenizer(), 2, 16, "train", data_dir=d, source="text", prefetch=0, buffer_size=20)
     tracemalloc.start()
     try:
