@@ -330,10 +330,11 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.tokenizer import get_token_bytes
     from nanochat.tracker import Tracker
     from nanochat.eval_bpb import EvalSet, evaluate_bpb
-    from nanochat.training import StepMeter, Trainer, resolve_peak_flops, restore_rng_state, setup_precision_and_kernel
+    from nanochat.training import (StepMeter, Trainer, resolve_compile, resolve_peak_flops, restore_rng_state,
+                                   setup_precision_and_kernel)
 
     base_dir = get_base_dir()
-    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    compile_model = resolve_compile(cfg.compile, rt)
     rows_len = check_rows(cfg, stage, base_dir, rt.world_size)  # cheap: a checkpoint to start from, rows that fit it
     check_kernel(cfg.kernel, rt.device, compile=compile_model)
     # ---- data before the model: the mixtures read and check every task file (DataError /

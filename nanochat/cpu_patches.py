@@ -50,6 +50,19 @@ def _bf16_matmul_in_child(timeout_s: float = 20.0) -> int | None:
     return None
 
 
+# the env mappings this process capped (os.environ in real runs): a later call, and apply_patches
+# (whose list the training banner and checkpoint record), report the patch again. Before, the second
+# call took the cap for a user's and said nothing, and a CPU run's banner listed no patch.
+_CAPPED: list[MutableMapping[str, str]] = []
+
+
+def cpu_amx_applied(env: MutableMapping[str, str] | None = None) -> bool:
+    """Whether patch_cpu_amx capped oneDNN in `env` (default os.environ) in this process, and the
+    cap is still its value."""
+    env = os.environ if env is None else env
+    return any(e is env for e in _CAPPED) and env.get(ONEDNN_ISA_ENV) == AMX_FALLBACK_ISA
+
+
 def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | None = None,
                   probe: Callable[[], int | None] = _bf16_matmul_in_child) -> str | None:
     """CPU bf16 matmuls die with SIGILL on VMs that advertise AMX (cpuinfo `amx_tile`) without
@@ -58,8 +71,8 @@ def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | 
     oneDNN at AVX512_CORE_BF16. Must run before this process's first oneDNN matmul (oneDNN
     reads the cap once); init_runtime and tests/conftest.py call it first. A user-set cap wins."""
     env = os.environ if env is None else env
-    if ONEDNN_ISA_ENV in env:
-        return None
+    if ONEDNN_ISA_ENV in env:   # the user's cap, or this patch's from an earlier call (same report)
+        return "cpu_amx" if cpu_amx_applied(env) else None
     if cpu_flags is None:
         try:
             cpu_flags = Path("/proc/cpuinfo").read_text()
@@ -70,6 +83,7 @@ def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | 
     if probe() != 4:  # 4 = SIGILL; anything else (fine, no fork, timeout): leave oneDNN alone
         return None
     env[ONEDNN_ISA_ENV] = AMX_FALLBACK_ISA
+    _CAPPED.append(env)
     _log_once("cpu_amx", f"bf16 AMX kernels crash on this CPU (SIGILL in a probe): "
                          f"{ONEDNN_ISA_ENV}={AMX_FALLBACK_ISA}")
     return "cpu_amx"

@@ -43,7 +43,8 @@ import torch
 from nanochat.device_table import (CPU_SPEC, DEVICE_TABLE, MPS_SPEC, PRECISIONS,  # noqa: F401 (re-exported)
                                    DeviceSpec, SimpleProps, peak_flops, peak_key, peaks,
                                    spec_from_props, usable_sms)
-from nanochat.cpu_patches import AMX_FALLBACK_ISA, ONEDNN_ISA_ENV, _bf16_matmul_in_child, patch_cpu_amx  # noqa: F401
+from nanochat.cpu_patches import (AMX_FALLBACK_ISA, ONEDNN_ISA_ENV, _bf16_matmul_in_child, cpu_amx_applied,  # noqa: F401
+                                  patch_cpu_amx)
 from nanochat.errors import RequestError
 from nanochat.te_cudnn import _CUDNN_LOAD_ORDER, prepare_te_import, torch_cudnn_dir  # noqa: F401 (re-exported)
 from nanochat.memory_limits import (CGROUP_ROOT, MEMINFO, PROC_SELF_CGROUP, memory_budget_bytes,  # noqa: F401
@@ -229,13 +230,30 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 
+# Triton's NVIDIA backend targets compute capability >= 7.0: inductor (torch 2.9-2.15, scheduler's
+# create_backend) raises GPUTooOldForTriton below it, and TritonMissing on a GPU without Triton
+TRITON_MIN_CC = (7, 0)
+
+
 def ptxas_problem(spec: DeviceSpec, env: Mapping[str, str] | None = None) -> str | None:
-    """Why patch_ptxas would stop a run that launches Triton kernels on `spec` (None: it would not),
-    from a dry run on a copy of the environment: kernels.check_kernel asks it with the recipes' other
-    checks (training applies the patch once data, checkpoint directory and model exist)."""
-    version = triton_version() if spec.is_cuda else None
-    if version is None:
+    """Why a run that launches Triton kernels on `spec` (a compiled model: inductor's kernels are
+    Triton's; --kernel liger|triton; native fp8's casts) would stop (None: it would not): no Triton
+    package, a GPU older than Triton's cc 7.0, or patch_ptxas's PtxasMissing from a dry run on a copy
+    of the environment. kernels.check_kernel and precision's native fp8 ask it with the recipes'
+    other checks: without it a CUDA box without Triton passed them and died at the first compiled
+    step (inductor's TritonMissing) after the data and the model, and the ptxas patch is applied
+    only once data, checkpoint directory and model exist. CPU/MPS: None (Triton is optional there)."""
+    if not spec.is_cuda:
         return None
+    where = f"this {spec.name} (cc {spec.cc[0]}.{spec.cc[1]})"
+    if spec.cc < TRITON_MIN_CC:
+        return (f"Triton builds kernels for compute capability >= {TRITON_MIN_CC[0]}.{TRITON_MIN_CC[1]} only, and "
+                f"{where} is older; run with --kernel current --no-compile (eager PyTorch).")
+    version = triton_version()
+    if version is None:
+        return (f"Triton is not installed, and on {where} torch.compile's kernels and the project's own are "
+                "Triton's: pip install triton (the release this torch was built with), or run with "
+                "--kernel current --no-compile (eager PyTorch).")
     ctx = PatchContext(env=dict(os.environ if env is None else env), triton_version=version,
                        bundled_ptxas_version=bundled_ptxas_version(spec.cc))
     if (ctx.bundled_ptxas_version or _bundled_ptxas_by_triton(version)) < required_ptxas(spec.cc):
@@ -463,6 +481,8 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
         patch_sm121_warning(spec, ctx),
         patch_triton_fp_fusion(spec, ctx, uses_triton),
         patch_memory_cap(spec, ctx),
+        # init_runtime's CPU one, applied there before any matmul (a probe in a forked child), named here
+        "cpu_amx" if cpu_amx_applied(ctx.env) else None,
     ]
     return [name for name in applied if name]
 

@@ -46,7 +46,8 @@ from nanochat.errors import RequestError
 from nanochat.nvfp4_emulated import (E2M1_GRID, E2M1_MAX, E4M3_MAX, EmulatedNVFP4Linear,  # noqa: F401 (re-exported)
                                      fake_quant_nvfp4, quantize_nvfp4, round_to_e2m1, round_to_e4m3)
 from nanochat.platform import DeviceSpec, detect_device
-from nanochat.precision_te import build_te_recipe, te_factory, te_fp8_problem, te_nvfp4_problem
+from nanochat.precision_te import (build_te_recipe, te_factory, te_fp8_problem, te_import_error, te_missing,
+                                   te_nvfp4_problem)
 from nanochat.precision_te import te_available as _te_importable
 
 
@@ -157,14 +158,16 @@ def resolve(precision: str, backend: str = "auto", spec: DeviceSpec | None = Non
     eligible = spec.cc is not None and spec.cc >= ((10, 0) if precision == "nvfp4" else (8, 9))
     needs_te = eligible and (backend == "te" or (backend == "auto" and precision == "nvfp4"))
     te_ok = needs_te and (_te_importable() if te_available is None else te_available)
+    # a refusal says why TE is missing: not installed, or installed and failing to import (quoted)
+    te_why = (te_import_error() if needs_te and not te_ok and te_available is None else None) or "not installed"
     ao_ok = backend == "torchao" and (_torchao_available() if torchao_available is None else torchao_available)
     if precision == "nvfp4":
-        plan = _resolve_nvfp4(spec, backend, te_ok)
+        plan = _resolve_nvfp4(spec, backend, te_ok, te_why)
         if plan.backend == "te" and (te_recipe is not None or te_available is None):
             if (problem := te_nvfp4_problem(spec, te_recipe)) is not None:   # before any model is built
                 raise RequestError(problem)
     else:
-        plan = _resolve_fp8(spec, backend, te_ok, ao_ok)
+        plan = _resolve_fp8(spec, backend, te_ok, ao_ok, te_why)
         if plan.backend == "te" and (te_recipe is not None or te_available is None):
             if (problem := te_fp8_problem(te_recipe)) is not None:   # before any model is built
                 raise RequestError(problem)
@@ -196,8 +199,9 @@ def _check_native_fp8_ptxas(spec: DeviceSpec) -> None:
     are Triton kernels on CUDA, launched whatever --kernel and --compile say: on a GPU Triton's
     ptxas cannot target (GB10 with Triton <= 3.5 and no CUDA 13 ptxas, DESIGN s4.1) a run with
     `--kernel current --no-compile` (what kernels.check_kernel's refusal advises) passed every
-    early check and died in ptxas at the start-up check, after the data and the model. Checked
-    only where a GPU is visible: a simulated spec on a CPU box launches nothing."""
+    early check and died in ptxas at the start-up check, after the data and the model (without
+    Triton installed: at the import). Checked only where a GPU is visible: a simulated spec on a
+    CPU box launches nothing."""
     if not spec.is_cuda or not torch.cuda.is_available():
         return
     from nanochat.platform import PtxasMissing, ptxas_problem
@@ -209,7 +213,7 @@ def _check_native_fp8_ptxas(spec: DeviceSpec) -> None:
             "(Transformer Engine's own kernels, when installed)")
 
 
-def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
+def _resolve_fp8(spec, backend, te_ok, ao_ok, te_why="not installed") -> PrecisionPlan:
     # the device first: "fp8 runs natively (native|te|torchao)" to a CPU named nothing it can run
     if spec.cc is None or spec.cc < (8, 9):
         where = f"{spec.name} (cc {spec.cc[0]}.{spec.cc[1]})" if spec.cc else spec.name
@@ -221,8 +225,8 @@ def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
     if backend == "auto":
         backend = "native"   # no extra dependency, compiles into one graph
     if backend == "te" and not te_ok:
-        raise RequestError("--precision-backend te: Transformer Engine is not installed "
-                         "(pip install 'transformer-engine[pytorch]'); or use --precision-backend native")
+        raise RequestError(f"--precision-backend te: Transformer Engine {te_missing(te_why)}; or use "
+                           "--precision-backend native")
     if backend == "torchao" and not ao_ok:
         raise RequestError("--precision-backend torchao: torchao is not installed (pip install torchao); "
                          "or use --precision-backend native")
@@ -232,7 +236,7 @@ def _resolve_fp8(spec, backend, te_ok, ao_ok) -> PrecisionPlan:
     return PrecisionPlan("fp8", backend, recipe)
 
 
-def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
+def _resolve_nvfp4(spec, backend, te_ok, te_why="not installed") -> PrecisionPlan:
     if backend == "emulated":
         return PrecisionPlan("nvfp4", "emulated", {"elem": "e2m1", "block": 16,
                                                    "block_scale": "e4m3", "tensor_scale": "fp32",
@@ -246,8 +250,8 @@ def _resolve_nvfp4(spec, backend, te_ok) -> PrecisionPlan:
                          "Transformer Engine here; accepted for nvfp4: auto|te (with Transformer Engine "
                          ">= 2.8 installed) or emulated (numerics only)")
     if not te_ok:
-        raise RequestError("--precision nvfp4: needs Transformer Engine >= 2.8 "
-                         f"(pip install 'transformer-engine[pytorch]'); {accepted_here(spec)}")
+        raise RequestError(f"--precision nvfp4: needs Transformer Engine >= 2.8, which {te_missing(te_why)}; "
+                           f"{accepted_here(spec)}")
     return PrecisionPlan("nvfp4", "te", {"recipe": "NVFP4BlockScaling"})
 
 

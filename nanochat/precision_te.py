@@ -20,12 +20,42 @@ log = logging.getLogger("nanochat.precision")
 
 def te_available() -> bool:
     """Whether transformer_engine.pytorch imports (with torch's cuDNN loaded first)."""
-    prepare_te_import()   # torch's cuDNN first (platform.py says why)
+    return te_import_error() is None
+
+
+def te_import_error() -> str | None:
+    """None when Transformer Engine imports; else why not, for a refusal to quote: "not installed",
+    or "installed but fails to import (<error>)". A TE built for another torch or loading another
+    cuDNN (te_cudnn.py: "undefined symbol") was refused as "not installed (pip install ...)", and an
+    OSError from its library loader (a cuDNN it cannot open) ended the run with a traceback."""
+    if not _te_installed():
+        return "not installed"
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        _import_te()
+    except (ImportError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"installed but fails to import ({type(exc).__name__}: {first})"
+    return None
+
+
+def te_missing(why: str) -> str:
+    """How a refusal names TE's absence (`why`: te_import_error's answer)."""
+    install = "pip install 'transformer-engine[pytorch]'"
+    return f"is not installed ({install})" if why == "not installed" else f"is {why}: reinstall it ({install})"
+
+
+def _te_installed() -> bool:
+    import importlib.util
+    import sys
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except ValueError:   # a module in sys.modules without a spec (a stand-in): there
+        return sys.modules.get("transformer_engine") is not None
+
+
+def _import_te() -> None:
+    prepare_te_import()   # torch's cuDNN first (platform.py says why)
+    import transformer_engine.pytorch  # noqa: F401
 
 
 def recipe_fields(cls) -> set[str]:

@@ -163,12 +163,14 @@ def check_dtype(dtype: str, precision: str, spec: DeviceSpec) -> None:
                            "bf16 (compute capability >= 8.0), which this precision computes in; use --precision fp32")
 
 
-def check_kernel_here(kernel: str, spec: DeviceSpec) -> str:
-    """`kernel`, or why it cannot run on this device (as training would refuse or fail on it)."""
+def check_kernel_here(kernel: str, spec: DeviceSpec, compile: bool = False) -> str:
+    """`kernel`, or why it cannot run on this device (as training would refuse or fail on it), under
+    torch.compile when `compile` (whose kernels are Triton's on a GPU: without Triton the report said
+    `kernel: current` and exit 0 where base_train's default compiled run is refused)."""
     from nanochat.kernels import check_kernel
     device = "cuda" if spec.is_cuda else "mps" if spec.key == "mps" else "cpu"
     try:
-        check_kernel(kernel, device)
+        check_kernel(kernel, device, compile=compile)
     except ValueError as exc:   # RequestError: not installed, wrong device
         return f"{UNAVAILABLE}{exc}"
     return kernel
@@ -227,7 +229,7 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         report["patches"] = asked + [name for name in runtime if name not in asked]
     except RuntimeError as exc:   # platform.PtxasMissing: a run with these flags stops there too
         report["patches"] = f"{UNAVAILABLE}{exc}"
-    report["kernel"] = check_kernel_here(kernel, spec)
+    report["kernel"] = check_kernel_here(kernel, spec, compile)
     if spec.is_cuda:
         if (gpus := visible_gpus()) is not None:
             report["gpus"] = gpus
@@ -258,11 +260,13 @@ def failures(report: dict[str, Any], args) -> list[str]:
     --kernel this machine cannot serve, or a workaround that cannot be applied (no usable ptxas)."""
     found = []
     dtype_env = bool(os.environ.get("NANOCHAT_DTYPE", "").strip())   # asked for too (init_runtime reads it)
-    for key, explicit in (("patches", True), ("kernel", args.kernel != "current"),
+    for key, explicit in (("patches", True), ("kernel", args.kernel != "current" or not args.no_compile),
                           ("precision", args.precision != "auto" or args.precision_backend != "auto" or dtype_env)):
         value = report.get(key)
         if explicit and isinstance(value, str) and value.startswith(UNAVAILABLE):
-            found.append(value.removeprefix(UNAVAILABLE))
+            problem = value.removeprefix(UNAVAILABLE)
+            if not any(earlier in problem for earlier in found):   # a missing ptxas: patches and kernel say it
+                found.append(problem)
     return found
 
 

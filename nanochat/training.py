@@ -378,6 +378,23 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------ model set-up
 
+def resolve_compile(flag: bool | None, rt, say: Callable[[str], None] | None = None) -> bool:
+    """--compile / --no-compile as given; left out (auto): on for CUDA unless Triton cannot build
+    kernels for this GPU (platform.ptxas_problem: no Triton, a GPU older than cc 7.0, no usable
+    ptxas), and then off with one start-up line saying why. Without it the auto default was refused
+    there (the rules: only auto choices fall back)."""
+    if flag is not None:
+        return flag
+    if rt.device_type != "cuda":
+        return False
+    from nanochat.platform import detect_device, ptxas_problem
+    problem = ptxas_problem(detect_device(rt.device))
+    if problem is not None:
+        from nanochat.common import print0
+        (say or print0)(f"compile: off (auto; --compile forces it): {problem}")
+    return problem is None
+
+
 def setup_precision_and_kernel(model, precision: str, kernel: str, rt, *, compile: bool,
                                precision_backend: str = "auto", fp8_wgrad: str = "save") -> dict:
     """Platform workarounds, the --precision recipe and the --kernel loss backend, applied to

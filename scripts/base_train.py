@@ -317,12 +317,12 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.attention import check_training_backend
     from nanochat.kernels import check_kernel
     from nanochat.distributed import check_shared_dir
-    from nanochat.training import setup_precision_and_kernel
+    from nanochat.training import resolve_compile, setup_precision_and_kernel
     from nanochat.writer_lock import claim_checkpoint_dir
 
     # can this device run these? (raises; before the checkpoint directory exists: a refused run left
     # one holding only its writer lock)
-    compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    compile_model = resolve_compile(cfg.compile, rt)
     check_request(cfg.precision, cfg.precision_backend, rt, config_for_depth(   # + fp8/nvfp4 widths (any vocab)
         cfg.depth, 1, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio, head_dim=cfg.head_dim), compile=compile_model)
     check_kernel(cfg.kernel, rt.device, compile=compile_model)
