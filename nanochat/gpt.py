@@ -19,8 +19,9 @@ Dtype policy: parameters stay float32 (master weights); activations flow in the 
 embedding output is cast once; `Linear` casts its weight to the input dtype in forward (so bf16
 matmuls read bf16 weights, gradients land in fp32 params, and precision.py can swap the class),
 or reads the copy cast once per optimizer step (nanochat/weight_cache.py, the Trainer's
-accumulation); RMSNorm/RoPE (nanochat/norms.py) run in the compute dtype; logits and the loss
-are float32. No autocast anywhere.
+accumulation); RMSNorm/RoPE (nanochat/norms.py) take and return the compute dtype (math in
+float32, float64 for float64); logits are float32, and so is the loss (float64 in a float64
+model, as the tests' references run). No autocast anywhere.
 
 Init (`init_weights`, needed after construction, also after `to_empty` from the meta device):
   wte ~ N(0, 1); c_q, c_k, c_v, c_fc ~ U(-s, s) with s = sqrt(3/n_embd) (std 1/sqrt(fan_in));
@@ -407,7 +408,12 @@ class GPT(nn.Module):
         """cos/sin rows for positions [pos, pos + T) (pos = 0 without a cache)."""
         if isinstance(kv_cache, StaticKV):
             # Device-side position: a gather, so the step's shapes do not depend on it. The
-            # caller bounds the position by the cache length (<= sequence_len < table length).
+            # position stays below the cache length (its k/v write needs a slot), so a cache no
+            # longer than the table bounds it: a longer one gathered past the table (a bounds
+            # error on CPU, a device-side assert on CUDA) once a step reached that far.
+            if kv_cache.k[0].size(2) > self.cos.size(1):
+                raise ValueError(f"GPT.forward: a StaticKV cache of {kv_cache.k[0].size(2)} positions exceeds the "
+                                 f"rotary table ({self.cos.size(1)}); create the cache with at most that many")
             if kv_cache.pos.numel() == 1:
                 return (self.cos.index_select(1, kv_cache.pos).to(dtype),
                         self.sin.index_select(1, kv_cache.pos).to(dtype))

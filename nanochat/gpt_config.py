@@ -63,6 +63,11 @@ def config_for_depth(depth: int, vocab_size: int, sequence_len: int, *, aspect_r
                      head_dim: int = 128, n_kv_head: int | None = None,
                      window_pattern: str = "SSSL") -> GPTConfig:
     """width = depth * aspect_ratio rounded up to a multiple of head_dim; n_head = width / head_dim."""
+    # integers only: depth "4" failed with a TypeError, and 2.5 / True / aspect_ratio 64.0 were
+    # refused as GPTConfig.n_layer or n_head (a field the caller never passed)
+    for flag, value in (("--depth", depth), ("--aspect-ratio", aspect_ratio), ("--head-dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{flag}: got {value!r}; accepted: an integer")
     if depth < 1:
         raise ValueError(f"--depth: got {depth}; accepted: an integer >= 1")
     if aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
