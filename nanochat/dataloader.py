@@ -210,10 +210,11 @@ _STATE_FLAGS = {"batch_size": "--device-batch-size", "seq_len": "--max-seq-len",
 
 def _too_small(who: str, held: str, source, B: int, T: int) -> str:
     """The repeating train split with less than one batch for this rank: every batch would repeat it."""
+    ranks = ", or use fewer ranks" if source.world > 1 else ""
     return (f"{who} holds {held} {describe_shards(source)}, less than one batch of {B} rows of {T + 1} tokens "
-            f"(--device-batch-size {B}, --max-seq-len {T}; each row starts a document, documents are cropped to "
-            "a row): every batch would repeat the same documents; add documents, or lower --device-batch-size "
-            "or --max-seq-len, or use fewer ranks")
+            f"(the training scripts' --device-batch-size {B} and --max-seq-len {T}; each row starts a document, "
+            "documents are cropped to a row): every batch would repeat the same documents; add documents, or "
+            f"lower the batch size or the sequence length{ranks}")
 
 
 def _brief(value) -> str:

@@ -1,14 +1,14 @@
 """One writer per destination file: `file_lock(dest)` holds an exclusive POSIX flock on a sibling
 `NAME.lock` while `dest` is written, so two processes (torchrun ranks, two shells) or two threads
 fetching the same file never share its `.partial` file; the second one waits and then sees the
-first one's result. Used by nanochat/dataset_download.py (each shard) and nanochat/core_data.py
-(the CORE eval bundle).
+first one's result. Used by nanochat/dataset_download.py (each shard), nanochat/core_data.py
+(the CORE eval bundle) and nanochat/report.py (a section's read-append-replace).
 
 flock is released by the kernel when its holder dies, so a crash leaves no stale lock. A waiter
 polls instead of blocking, so that a Ctrl-C the main thread receives can stop a worker thread that
-waits. A filesystem without locks (ENOSYS, EOPNOTSUPP, ENOLCK: e.g. Lustre mounted without flock)
-gets one warning per directory and no guard: downloading unguarded beats refusing to download at
-all. Windows has no flock: there downloads are not guarded against each other.
+waits. A filesystem without locks (ENOSYS, EOPNOTSUPP, ENOLCK, EINVAL: e.g. Lustre mounted without
+flock, some FUSE filesystems) gets one warning per directory and no guard: writing unguarded beats
+refusing to write at all. Windows has no flock: there writers are not guarded against each other.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # e.g. Lustre mounted without flock
+_NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL}  # e.g. Lustre without flock, FUSE
 _warned_no_locks: set[Path] = set()
 
 
@@ -82,8 +82,8 @@ def _acquire(path: Path, on_wait) -> tuple[int | None, bool]:
 
 
 def _warn_no_locks(directory: Path, error: OSError) -> None:
-    """Once per directory: downloading unguarded beats refusing to download at all."""
+    """Once per directory: writing unguarded beats refusing to write at all."""
     if directory not in _warned_no_locks:
         _warned_no_locks.add(directory)
-        print(f"{directory}: this filesystem has no file locks ({error.strerror}); two downloads "
-              "into it at once are not kept apart", file=sys.stderr)
+        print(f"{directory}: this filesystem has no file locks ({error.strerror}); two writers "
+              "of one file in it at once (downloads, report sections) are not kept apart", file=sys.stderr)

@@ -229,7 +229,9 @@ def test_chat_rl_resumes_exactly_and_reports_its_checkpoint(sft_checkpoint, chat
     from nanochat.tasks import GSM8K
     from scripts import chat_rl
     # a random model never solves GSM8K (every advantage 0, no update): a reward it can earn
-    monkeypatch.setattr(GSM8K, "reward", lambda self, conv, text: float(len(text) % 2))
+    # (any function of the text that tells the two samples apart: a parity of the length did until
+    # the torch sampler gave each sample its own noise, and then both samples of step 1 tied)
+    monkeypatch.setattr(GSM8K, "reward", lambda self, conv, text: float(sum(map(ord, text)) % 7))
     args = ["--device", "cpu", "--model-tag", "d2", "--examples-per-step", "1", "--num-samples", "2",
             "--max-new-tokens", "4", "--test-holdout", "1", "--eval-every", "-1", "--save-every", "1",
             "--num-iterations", "2", "--matrix-lr", "0.5", "--init-lr-frac", "1"]
