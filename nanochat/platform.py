@@ -228,21 +228,14 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
 
 
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
-
-
-# Triton's NVIDIA backend targets compute capability >= 7.0: inductor (torch 2.9-2.15, scheduler's
-# create_backend) raises GPUTooOldForTriton below it, and TritonMissing on a GPU without Triton
-TRITON_MIN_CC = (7, 0)
+TRITON_MIN_CC = (7, 0)   # Triton's NVIDIA floor: inductor (torch 2.9-2.15) raises GPUTooOldForTriton below
 
 
 def ptxas_problem(spec: DeviceSpec, env: Mapping[str, str] | None = None) -> str | None:
-    """Why a run that launches Triton kernels on `spec` (a compiled model: inductor's kernels are
-    Triton's; --kernel liger|triton; native fp8's casts) would stop (None: it would not): no Triton
-    package, a GPU older than Triton's cc 7.0, or patch_ptxas's PtxasMissing from a dry run on a copy
-    of the environment. kernels.check_kernel and precision's native fp8 ask it with the recipes'
-    other checks: without it a CUDA box without Triton passed them and died at the first compiled
-    step (inductor's TritonMissing) after the data and the model, and the ptxas patch is applied
-    only once data, checkpoint directory and model exist. CPU/MPS: None (Triton is optional there)."""
+    """Why a run launching Triton kernels on `spec` (compiled model, --kernel liger|triton, native
+    fp8's casts) would stop, or None: no Triton, a GPU below cc 7.0, or patch_ptxas's PtxasMissing (a
+    dry run on a copy of the environment). Asked with the recipes' early checks: a CUDA box without
+    Triton died at the first compiled step, after data and model. CPU/MPS: None (Triton optional)."""
     if not spec.is_cuda:
         return None
     where = f"this {spec.name} (cc {spec.cc[0]}.{spec.cc[1]})"
@@ -481,8 +474,7 @@ def apply_patches(spec: DeviceSpec, *, kernel: str = "current", compile: bool = 
         patch_sm121_warning(spec, ctx),
         patch_triton_fp_fusion(spec, ctx, uses_triton),
         patch_memory_cap(spec, ctx),
-        # init_runtime's CPU one, applied there before any matmul (a probe in a forked child), named here
-        "cpu_amx" if cpu_amx_applied(ctx.env) else None,
+        "cpu_amx" if cpu_amx_applied(ctx.env) else None,   # init_runtime applies it (before any matmul)
     ]
     return [name for name in applied if name]
 
