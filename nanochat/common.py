@@ -138,11 +138,20 @@ _TORCHRUN_HINT = ("torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and M
                   "WORLD_SIZE for a single process")
 
 
-def _init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> None:
+def _init_process_group(backend: str, rank: int, world_size: int, *, dtype: str | None = None, **kwargs) -> None:
     """dist.init_process_group over env:// with the failures a user can cause said in one line:
     torchrun's variables set by hand without the rendezvous ones, and a MASTER_PORT that another
-    process holds or a MASTER_ADDR where no rank 0 listens (torch raises tracebacks for both)."""
+    process holds or a MASTER_ADDR where no rank 0 listens (torch raises tracebacks for both).
+
+    The rendezvous store comes first, for nanochat/roll_call.py's roll call: every rank arrives
+    within NANOCHAT_DIST_TIMEOUT (a rank that stopped before is named, or its posted error raised)
+    and runs the same code, torch, backend, dtype (`dtype`) and command line. The same timeout
+    bounds the group's collectives (`timeout` in kwargs overrides it): gloo's default was 30 min."""
+    from datetime import timedelta
+
     import torch.distributed as dist
+
+    from nanochat.roll_call import dist_timeout_s, rank_facts, roll_call
     env = os.environ
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
     if missing:
@@ -150,9 +159,15 @@ def _init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> N
         raise RequestError(f"{' '.join(given)} {'is' if len(given) == 1 else 'are'} set but {' and '.join(missing)} "
                            f"{'is' if len(missing) == 1 else 'are'} not: {_TORCHRUN_HINT}")
     _check_master_env(env["MASTER_ADDR"], env["MASTER_PORT"], world_size)
+    timeout = kwargs.pop("timeout", None) or timedelta(seconds=dist_timeout_s())
+    facts = rank_facts(backend, dtype)
     where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        roll_call(store, rank, world_size, facts, timeout.total_seconds())
+        # the prefix init_process_group puts on a store it creates itself
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, timeout=timeout, **kwargs)
     except dist.DistError as e:   # DistNetworkError (bind/connect), DistStoreError (rendezvous timeout)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         busy = "EADDRINUSE" in str(e) or "address already in use" in str(e)
@@ -241,38 +256,49 @@ def _seed_everything(seed: int, device_type: str) -> None:
 
 def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42, *, dtype_flag: str | None = None) -> Runtime:
     """Pick the device and compute dtype, join the process group under torchrun, seed, enable TF32.
-    `dtype_flag`: the flag a refused dtype is named by (default --dtype; base_train passes its precision flag)."""
+    `dtype_flag`: the flag a refused dtype is named by (default --dtype; base_train passes its precision flag).
+    Under torchrun a request this rank refuses is also left for the other ranks, which raise it at
+    once (nanochat/roll_call.py) instead of waiting for this one at the start."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:   # torch.manual_seed's range
         raise RequestError(f"--seed: got {seed!r}; accepted: an integer >= 0 and < 2**64")
-    device_type = _resolve_device_type(device)
-    if device_type == "cuda":
-        # Before CUDA initialises, which _resolve_dtype's bf16 check does (torch.cuda.current_device):
-        # torch reads the allocator settings (expandable segments on unified memory) and prints its
-        # sm_121 capability warning then, so the env and the warning filter set after it came too late.
-        from nanochat.platform import configure_env_before_cuda
-        configure_env_before_cuda()
-    compute_dtype = _resolve_dtype(dtype, device_type, dtype_flag)
-    # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
-    from nanochat.platform import patch_cpu_amx
-    patch_cpu_amx()
     ddp, rank, local_rank, world_size = _torchrun_position()
-
-    if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise RequestError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
-                             f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")
-        torch_device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(torch_device)
-        # ptxas / fp-fusion workarounds for every Triton launch, not only training's (platform.py)
-        from nanochat.platform import apply_runtime_patches, detect_device
-        apply_runtime_patches(detect_device(torch_device))
-        # TF32 for the fp32 matmuls that remain (optimizer maths, fp32 runs); bf16 is unaffected.
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        torch_device = torch.device(device_type)
-    if ddp and device_type == "mps":
-        raise RequestError("--device mps: torchrun (distributed) is not supported on MPS; use cuda or cpu")
+    try:
+        from nanochat.roll_call import dist_timeout_s
+        if ddp:
+            dist_timeout_s()   # a malformed NANOCHAT_DIST_TIMEOUT on one node: said by every rank
+        device_type = _resolve_device_type(device)
+        if device_type == "cuda":
+            # Before CUDA initialises, which _resolve_dtype's bf16 check does (torch.cuda.current_device):
+            # torch reads the allocator settings (expandable segments on unified memory) and prints its
+            # sm_121 capability warning then, so the env and the warning filter set after it came too late.
+            from nanochat.platform import configure_env_before_cuda
+            configure_env_before_cuda()
+        compute_dtype = _resolve_dtype(dtype, device_type, dtype_flag)
+        # Before any CPU matmul: cap oneDNN below AMX where AMX kernels crash (platform.py).
+        from nanochat.platform import patch_cpu_amx
+        patch_cpu_amx()
+        if device_type == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise RequestError(f"--device cuda: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
+                                   f"GPU(s) are visible; launch with --nproc_per_node <= {torch.cuda.device_count()}")
+            torch_device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(torch_device)
+            # ptxas / fp-fusion workarounds for every Triton launch, not only training's (platform.py)
+            from nanochat.platform import apply_runtime_patches, detect_device
+            apply_runtime_patches(detect_device(torch_device))
+            # TF32 for the fp32 matmuls that remain (optimizer maths, fp32 runs); bf16 is unaffected.
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cudnn.allow_tf32 = True
+        else:
+            torch_device = torch.device(device_type)
+        if ddp and device_type == "mps":
+            raise RequestError("--device mps: torchrun (distributed) is not supported on MPS; use cuda or cpu")
+    except RequestError as e:
+        if ddp:   # the other ranks would wait for this one at the start until the timeout
+            from nanochat.roll_call import post_start_failure
+            post_start_failure(str(e))
+            e.start_failure_posted = True   # flags._exit_with_error: not twice
+        raise
 
     if ddp:
         import torch.distributed as dist
@@ -282,7 +308,7 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42, *, d
             if backend == "nccl":  # NVLink multicast stays off unless the user set it (distributed.py)
                 from nanochat.nccl_env import nccl_env_defaults
                 nccl_env_defaults()
-            _init_process_group(backend, rank, world_size, **kwargs)
+            _init_process_group(backend, rank, world_size, dtype=str(compute_dtype).removeprefix("torch."), **kwargs)
     # Every rank gets the same seed: the model must initialise identically on all ranks
     # (data differs by rank through the loader's sharding, not through the RNG).
     _seed_everything(seed, device_type)
@@ -291,8 +317,13 @@ def init_runtime(device: str = "auto", dtype: str = "auto", seed: int = 42, *, d
 
 
 def destroy_runtime(rt: Runtime) -> None:
-    """Leave the process group (if any); safe to call twice."""
-    if rt.ddp:
+    """Leave the process group (if any); safe to call twice. Called while an exception propagates
+    (a script's `try: ... finally: destroy_runtime(rt)` on an error), it leaves the group up for
+    the process exit to free, as distributed.group_left_on_success does: a rank that failed alone
+    (its own out-of-memory, a shard of its own unreadable) and tore the group down at once failed
+    the other ranks' next collective ("Connection closed by peer"), and torchrun ended the job on
+    their traceback, killing the failed rank before it printed why (flags.SPEAKER_GRACE_S)."""
+    if rt.ddp and sys.exc_info()[1] is None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -4,7 +4,9 @@ micro-batches.
 
 * `timed_barrier` is a host-side barrier through the process group's TCPStore: every rank marks
   its arrival; a rank that waits longer than the timeout raises `BarrierTimeout` naming the ranks
-  that never arrived (a crashed rank, or one still compiling: warm up on every rank first).
+  that never arrived (a crashed rank, or one still compiling: warm up on every rank first). Its
+  timeout, and check_shared_dir's and warm_up_ranks', default to NANOCHAT_DIST_TIMEOUT (600 s;
+  nanochat/roll_call.py, which also bounds the start and the group's collectives).
 * `rank_failures` gathers what failed where in a task every rank does its part of (a checkpoint
   save), so every rank raises together instead of the others waiting for the failed one.
 * `group_left_on_success` leaves the process group when a script's work ends normally, and keeps
@@ -45,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.nccl_env import check_nccl_env, nccl_env_defaults
+from nanochat.roll_call import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, dist_timeout_s
 
-DEFAULT_BARRIER_TIMEOUT_S = 600.0
+DEFAULT_BARRIER_TIMEOUT_S = DEFAULT_TIMEOUT_S   # NANOCHAT_DIST_TIMEOUT when the caller gives none
 TORCHRUN_DEFAULT_GRACE_S = 30      # torchrun's SIGTERM -> SIGKILL wait when nothing sets it
 STOP_GRACE_S = 3600                # what run_train.sh / launch_multinode.sh ask torchrun for
 _barrier_counter = itertools.count()
@@ -65,12 +68,13 @@ def _default_store():
     return _get_default_store()
 
 
-def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "barrier",
-                  poll_s: float = 0.02) -> float:
+def timed_barrier(timeout_s: float | None = None, *, name: str = "barrier", poll_s: float = 0.02) -> float:
     """Wait until every rank reaches this call; returns seconds waited. No-op without a group.
 
-    Raises BarrierTimeout after `timeout_s` naming the ranks that did not arrive. Every rank must
-    call the timed barriers in the same order (the n-th call on each rank pairs up)."""
+    Raises BarrierTimeout after `timeout_s` (None: NANOCHAT_DIST_TIMEOUT, default 600 s) naming the
+    ranks that did not arrive. Every rank must call the timed barriers in the same order (the n-th
+    call on each rank pairs up)."""
+    timeout_s = dist_timeout_s() if timeout_s is None else timeout_s
     if not (timeout_s > 0):
         raise ValueError(f"timed_barrier timeout_s: got {timeout_s}; accepted: seconds > 0")
     if not (dist.is_available() and dist.is_initialized()):
@@ -86,7 +90,7 @@ def timed_barrier(timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, name: str = "
         if waited > timeout_s:
             missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
             raise BarrierTimeout(
-                f"{name}: rank(s) {missing} of {world} did not arrive within {timeout_s:.0f}s (seen from rank "
+                f"{name}: rank(s) {missing} of {world} did not arrive within {timeout_s:.0f}s ({TIMEOUT_ENV}; seen from rank "
                 f"{rank}, waited {waited:.1f}s). A missing rank crashed (see its log), hangs, or is still "
                 "compiling: warm up torch.compile on every rank before the loop; NCCL_DEBUG=INFO shows more")
         time.sleep(poll_s)
@@ -122,7 +126,7 @@ def group_left_on_success(rt):
 
 
 def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
-                     timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+                     timeout_s: float | None = None) -> None:
     """Raise RequestError (a ValueError; scripts print `<name>: error: ...` and exit 2) on every
     rank unless every rank sees the same directory `path` (collective; a no-op without a process
     group). Call it at start-up, before training.
@@ -140,6 +144,7 @@ def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
     from nanochat.errors import RequestError
     world, rank, host = dist.get_world_size(), dist.get_rank(), socket.gethostname()
     store, path = _default_store(), Path(path)
+    timeout_s = dist_timeout_s() if timeout_s is None else timeout_s
     key = f"nanochat/shared_dir/{next(_barrier_counter)}"
     marker = None
     if rank == 0:
@@ -184,7 +189,7 @@ def check_shared_dir(path: str | Path, *, what: str = "checkpoint directory",
 
 
 def warm_up_ranks(train_model, batch_size: int, seq_len: int, vocab_size: int, device, *,
-                  timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, loss_reduction: str | None = None,
+                  timeout_s: float | None = None, loss_reduction: str | None = None,
                   around=None, evaluates: bool = False) -> float:
     """Compile before the loop on every rank, then meet at a timed barrier; returns seconds taken.
 

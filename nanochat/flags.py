@@ -267,6 +267,7 @@ def _exit_with_error(name: str, error: Exception, same_on_every_rank: bool = Fal
     not ended them by then (the error was theirs alone, e.g. a damaged shard of theirs)."""
     # marked first: a Ctrl-C that lands during the print is handled once it returns (_say_interrupted)
     setattr(error, _SAID, True)
+    _post_before_the_group(name, error)
     if hasattr(error, "exit_code"):
         say = os.environ.get("RANK", "0") == "0"
     elif _speaks_for_its_node():
@@ -277,6 +278,19 @@ def _exit_with_error(name: str, error: Exception, same_on_every_rank: bool = Fal
     if say:
         print(f"{name}: error: {error}", file=sys.stderr)
     sys.exit(getattr(error, "exit_code", 2))   # 2, or e.g. 143 for a run stopped by SIGTERM
+
+
+def _post_before_the_group(name: str, error: Exception) -> None:
+    """Under torchrun, an error before the process group formed (a flag or --data-dir refused on
+    this node only) is left on the launch's store: the other nodes' start-up roll call raises it at
+    once instead of waiting NANOCHAT_DIST_TIMEOUT for this rank (nanochat/roll_call.py)."""
+    if "RANK" not in os.environ or hasattr(error, "exit_code") or getattr(error, "start_failure_posted", False):
+        return
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():   # past the roll call: the group's own errors tell
+        return
+    from nanochat.roll_call import post_start_failure
+    post_start_failure(f"{name}: error: {error}")
 
 
 def _say_interrupted(name: str, interrupt: KeyboardInterrupt) -> None:

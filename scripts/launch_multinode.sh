@@ -27,6 +27,9 @@ usage: scripts/launch_multinode.sh --node-rank N --master-addr ADDR [options] [-
   -h, --help         this text
 After --: what torchrun runs (default: -m scripts.base_train), with the repo's .venv python and the
 repo on PYTHONPATH, from any directory (relative paths in it are the caller's). --flag=value works too.
+Every rank waits NANOCHAT_DIST_TIMEOUT seconds (default 600) for the others: at the start (where the ranks
+of all nodes must run the same code, torch and command line; NANOCHAT_ALLOW_DIFFERENT_FLAGS=1 lets the
+command lines differ), in a collective and at a barrier; then it stops naming the ranks that did not come.
 EOF
 }
 die() { echo "launch_multinode: error: $*" >&2; exit 2; }
@@ -182,6 +185,48 @@ fi
 ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0
           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}")
 ENV_VARS+=(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}")
+[[ -n ${NANOCHAT_DIST_TIMEOUT:-} ]] && ENV_VARS+=(NANOCHAT_DIST_TIMEOUT="$NANOCHAT_DIST_TIMEOUT")
+
+# --master-addr as torchrun's agents use it. A name that does not resolve was retried with a gai
+# warning until the rendezvous timeout; on node 0, which hosts the rendezvous store, an address that
+# is not its own (a typo, the other Spark's address) made its torchrun retry the connection with a
+# C++ trace every second for 15 minutes. Exit 3: no such name; 4: not this node's; else not checked.
+addr_check() {
+  "$PY" - "$MASTER_ADDR_" "$NODE_RANK" 2>/dev/null <<'PYEOF'
+import socket, sys
+addr, node = sys.argv[1], int(sys.argv[2])
+try:
+    infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+except (socket.gaierror, UnicodeError) as e:
+    if getattr(e, "errno", None) == socket.EAI_AGAIN:   # DNS briefly away: torchrun's retries may get through
+        sys.exit(0)
+    print(getattr(e, "strerror", None) or e)
+    sys.exit(3)
+if node == 0:
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))   # binds only to an address this machine has
+        except OSError:
+            continue
+        print("loopback" if sockaddr[0].startswith("127.") or sockaddr[0] == "::1" else "")
+        sys.exit(0)
+    sys.exit(4)
+PYEOF
+}
+addr_said=$(addr_check) && addr_rc=0 || addr_rc=$?
+addr_problem=""
+if (( addr_rc == 3 )); then
+  addr_problem="--master-addr: got '$MASTER_ADDR_', which does not resolve here ($addr_said); accepted: node 0's IP address or a host name this node resolves"
+elif (( addr_rc == 4 )); then
+  addr_problem="--master-addr: got '$MASTER_ADDR_', which is not an address of this node, but --node-rank 0 hosts the rendezvous: pass node 0's own address on the fast link (here: $(echo $(hostname -I 2>/dev/null)))"
+elif [[ $addr_said == loopback ]] && (( NNODES > 1 )); then
+  warn "--master-addr $MASTER_ADDR_ is a loopback address: the other $((NNODES - 1)) node(s) cannot reach node 0 there"
+fi
+if [[ -n $addr_problem ]]; then
+  (( DRY_RUN )) || die "$addr_problem"
+  warn "$addr_problem (a real launch stops here)"
+fi
 [[ -n $HCA ]] && ENV_VARS+=(NCCL_IB_HCA="$HCA")
 [[ -n ${NCCL_DEBUG:-} ]] && ENV_VARS+=(NCCL_DEBUG="$NCCL_DEBUG")
 TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"

@@ -27,6 +27,8 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 import torch.multiprocessing as mp
 
@@ -104,8 +106,12 @@ def _worker(rank: int, port: int, out: str, base_argv: list[str], sft_argv: list
 
 
 def test_periodic_val_bpb_is_the_same_on_one_and_two_ranks(env, shared_data, tmp_path, monkeypatch):
-    # 10 train documents (quick to read), 60 val documents of 20..~900 characters: rows pack several
-    data = ["--data-dir", str(_corpus(tmp_path, shared_data))]
+    # 10 train documents (quick to read) x 4: a rank's half of them fills a batch of 8 x 65 tokens (the
+    # loader refuses a train split smaller than one batch); 60 val documents of 20..~900 characters: rows pack several
+    corpus = _corpus(tmp_path, shared_data)
+    train = pq.read_table(corpus / "shard_00000.parquet")
+    pq.write_table(pa.concat_tables([train] * 4), corpus / "shard_00000.parquet")
+    data = ["--data-dir", str(corpus)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
