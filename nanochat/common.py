@@ -322,8 +322,11 @@ def destroy_runtime(rt: Runtime) -> None:
     the process exit to free, as distributed.group_left_on_success does: a rank that failed alone
     (its own out-of-memory, a shard of its own unreadable) and tore the group down at once failed
     the other ranks' next collective ("Connection closed by peer"), and torchrun ended the job on
-    their traceback, killing the failed rank before it printed why (flags.SPEAKER_GRACE_S)."""
-    if rt.ddp and sys.exc_info()[1] is None:
+    their traceback, killing the failed rank before it printed why (flags.SPEAKER_GRACE_S). A
+    stop (an error with an exit_code: SIGTERM, --stop; every rank stops at the same step) still
+    leaves the group, as a normal end does."""
+    error = sys.exc_info()[1]
+    if rt.ddp and (error is None or hasattr(error, "exit_code")):
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

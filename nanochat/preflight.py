@@ -18,7 +18,7 @@ import torch
 
 from nanochat.errors import RequestError
 from nanochat.platform import (KERNELS, DeviceSpec, apply_patches, bundled_ptxas_version, configure_env_before_cuda,
-                               detect_device, memory_budget_bytes, patch_cpu_amx, spec_from_props)
+                               detect_device, memory_budget_bytes, patch_cpu_amx, ptxas_problem, spec_from_props)
 
 UNAVAILABLE = "unavailable: "   # a report value that starts with it: what a run with these flags would hit
 
@@ -202,12 +202,19 @@ def visible_gpus() -> list[str] | None:
     return rows
 
 
-def preflight_report(kernel: str = "current", compile: bool = True, precision: str = "auto",
+def preflight_report(kernel: str = "current", compile: bool | None = True, precision: str = "auto",
                      backend: str = "auto") -> dict[str, Any]:
+    """`compile` None: the training scripts' default (training.resolve_compile): on for CUDA unless
+    Triton cannot build kernels here, then off, and the report's `compile` row says why."""
     # as init_runtime does: allocator settings and torch's sm_121 warning filter before CUDA starts
     # (detect_device initialises CUDA; on a GB10 with torch 2.9-2.10 the warning printed first)
     configure_env_before_cuda()
     spec = detect_device()
+    compile_row = "on" if compile else "off (--no-compile)"
+    if compile is None:
+        problem = ptxas_problem(spec)
+        compile = spec.is_cuda and problem is None
+        compile_row = "on (auto)" if compile else f"off (auto): {problem or 'not a CUDA device'}"
     report: dict[str, Any] = {
         "device": spec.name, "table_key": spec.key, "cc": spec.cc, "sms": spec.sms,
         "memory_gb": spec.memory_gb, "unified_memory": spec.unified_memory, "bandwidth_gbs": spec.bandwidth_gbs,
@@ -215,7 +222,7 @@ def preflight_report(kernel: str = "current", compile: bool = True, precision: s
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _module_version("triton"), "liger_kernel": _module_version("liger_kernel"),
         "transformer_engine": _te_version(),
-        "torchao": _module_version("torchao"),
+        "torchao": _module_version("torchao"), "compile": compile_row,
     }
     # init_runtime gives every CUDA process the runtime set first (apply_runtime_patches: Triton's
     # ptxas, is_big_gpu, ... whatever the flags; a missing ptxas only warns there), then training
@@ -279,6 +286,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--kernel", "--kernel-name", default="current", choices=KERNELS)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--precision-backend", default="auto", choices=BACKENDS)
+    parser.add_argument("--compile", action="store_true", help="as base_train --compile (default: auto, as there)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     parser.add_argument("--nccl", action="store_true", help="NCCL env checks + all-reduce busbw self-test "
@@ -287,6 +295,8 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.nccl_procs is not None and not args.nccl:
         raise ValueError("--nccl-procs: only with --nccl")
+    if args.compile and args.no_compile:
+        raise ValueError("--compile / --no-compile: give one of them (neither: auto, as base_train)")
     return args
 
 
@@ -302,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nccl:  # the logic lives in nanochat/distributed.py
         from nanochat.distributed import selftest_main
         return selftest_main(args.nccl_procs, as_json=args.json)
-    report = preflight_report(args.kernel, not args.no_compile, args.precision, args.precision_backend)
+    compile = True if args.compile else False if args.no_compile else None   # None: auto, as base_train
+    report = preflight_report(args.kernel, compile, args.precision, args.precision_backend)
     if args.json:
         print(json.dumps(report, default=str))
     else:

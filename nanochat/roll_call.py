@@ -45,6 +45,7 @@ TIMEOUT_ENV = "NANOCHAT_DIST_TIMEOUT"
 ALLOW_FLAGS_ENV = "NANOCHAT_ALLOW_DIFFERENT_FLAGS"
 DEFAULT_TIMEOUT_S = 600.0
 POST_TIMEOUT_S = 10.0      # a failing rank's connection to the agent's store (up before any worker)
+LINGER_S = 10.0            # rank 0 (the store's host outside torchrun) waits for the others to read a verdict
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -160,6 +161,32 @@ def _argv_differences(argvs: list[list[str]]) -> list[str]:
             for a in argvs]
 
 
+def _prefix(env: Mapping[str, str] | None = None) -> str:
+    """The roll calls' keys, per torchrun attempt: its store outlives a worker restart (torchrun
+    max_restarts), and a failure posted by the previous attempt failed every later one at once."""
+    env = os.environ if env is None else env
+    return f"nanochat/start/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _leave(store, key: str, rank: int, linger_s: float | None = None) -> None:
+    """Before a rank raises out of the roll call: mark it done reading; rank 0 (outside torchrun it
+    hosts the store) waits, at most `linger_s`, until every rank that arrived has read, else they
+    got "connection closed" from the store instead of the verdict."""
+    store.add(f"{key}/read", 1)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + (LINGER_S if linger_s is None else linger_s)
+    while time.monotonic() < deadline and store.add(f"{key}/read", 0) < store.add(f"{key}/count", 0):
+        time.sleep(0.05)
+
+
+def _said(message: str) -> RequestError:
+    """The roll call's refusal, raised on every rank: not posted again for a later roll call."""
+    error = RequestError(message)
+    error.start_failure_posted = True   # flags._exit_with_error reads it
+    return error
+
+
 def _failures(store, key: str, world: int) -> str:
     said = []
     for r in range(world):
@@ -174,7 +201,7 @@ def roll_call(store, rank: int, world: int, facts: dict, timeout_s: float, *, po
     rank, and raise RequestError on every rank when one is missing after `timeout_s`, posted a
     failure (post_start_failure), or runs something else (_differences)."""
     # the n-th roll call of each rank pairs up: counted on the store, per rank
-    key = f"nanochat/start/{store.add(f'nanochat/start/calls/rank{rank}', 1)}"
+    key = f"{_prefix()}/{store.add(f'{_prefix()}/calls/rank{rank}', 1)}"
     files = json.dumps(facts["files"], sort_keys=True)   # read back only where the digests differ
     store.set(f"{key}/files{rank}", files)
     slim = {k: v for k, v in facts.items() if k != "files"}
@@ -183,12 +210,15 @@ def roll_call(store, rank: int, world: int, facts: dict, timeout_s: float, *, po
     t0 = time.monotonic()
     while True:
         if store.add(f"{key}/failed", 0):
-            raise RequestError(_failures(store, key, world))
+            said = _failures(store, key, world)
+            _leave(store, key, rank)
+            raise _said(said)
         if store.add(f"{key}/count", 0) >= world:
             break
         if time.monotonic() - t0 > timeout_s:
             missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
-            raise RequestError(
+            _leave(store, key, rank, linger_s=1.0)
+            raise _said(
                 f"rank(s) {_span(missing)} of {world} did not reach the start within {timeout_s:g} s ({TIMEOUT_ENV}; "
                 f"seen from rank {rank} on host {facts['host']}). A rank that stopped before it says why in its own "
                 "node's log (a flag refused there, a --data-dir missing on that node, a traceback), or its node's "
@@ -197,7 +227,8 @@ def roll_call(store, rank: int, world: int, facts: dict, timeout_s: float, *, po
     everyone = [json.loads(store.get(f"{key}/rank{r}")) for r in range(world)]
     problems = _differences(everyone, lambda r: json.loads(store.get(f"{key}/files{r}")))
     if problems:
-        raise RequestError("the ranks of this launch do not run the same thing: " + "; ".join(problems)
+        _leave(store, key, rank)
+        raise _said("the ranks of this launch do not run the same thing: " + "; ".join(problems)
                            + ". Start every node from the same checkout (git pull, or rsync the repo), with the "
                            "same torch and the same command line")
 
@@ -219,7 +250,7 @@ def post_start_failure(message: str, env: Mapping[str, str] | None = None) -> bo
     import torch.distributed as dist
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=POST_TIMEOUT_S)))
-        key = f"nanochat/start/{store.add(f'nanochat/start/calls/rank{rank}', 0) + 1}"   # the roll call it misses
+        key = f"{_prefix(env)}/{store.add(f'{_prefix(env)}/calls/rank{rank}', 0) + 1}"   # the roll call it misses
         store.set(f"{key}/failure/rank{rank}", json.dumps({"host": socket.gethostname(), "message": message}))
         store.add(f"{key}/failed", 1)
     except (RuntimeError, OSError, ValueError, KeyError):   # DistError is a RuntimeError: no store to reach

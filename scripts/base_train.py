@@ -438,7 +438,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     train_model = torch.compile(model, dynamic=False) if compile_model else model
 
     # ---- optimizer ----
-    optimizer = build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank)
+    optimizer = build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank,
+                                compile=compile_model)   # its update functions too: --no-compile is eager throughout
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
 

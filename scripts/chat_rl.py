@@ -326,6 +326,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.loop import LoopSpec, log_stage_report, run_training_loop
     from nanochat.resume_checks import check_resume_step, say_config_changes, say_schedule_changes
     from nanochat.optim import build_optimizer
+    from nanochat.training import resolve_compile
     from nanochat.rl import PolicyGradientTrainer, check_prompts_fit
     from nanochat.tasks import GSM8K
     from nanochat.tasks.evaluate import out_of_memory_hint, run_generative
@@ -404,7 +405,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
-                                world_size=rt.world_size, rank=rt.rank)
+                                world_size=rt.world_size, rank=rt.rank, compile=resolve_compile(None, rt))
     trainer = PolicyGradientTrainer(model, model, optimizer, task, tokenizer, schedule, rt,
                                     examples_per_step=cfg.examples_per_step, num_samples=cfg.num_samples,
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,

@@ -194,3 +194,48 @@ def test_the_cpu_amx_patch_is_reported_by_every_call_and_by_apply_patches(monkey
     assert P.patch_cpu_amx(None, AMX_FLAGS, probe=lambda: 4) is None
     assert P.apply_patches(P.CPU_SPEC, compile=False, ctx=P.PatchContext(env=os.environ)) == []
     assert P.apply_patches(P.CPU_SPEC, compile=False, ctx=P.PatchContext(env={})) == []
+
+
+def test_preflight_follows_the_compile_default(cuda_box, monkeypatch, capsys):
+    """The report without --compile / --no-compile is base_train's default (auto): on a GPU without
+    Triton it said a compiled run stops (exit 2) where base_train now runs eagerly; --compile asks
+    for compile and gets the refusal."""
+    import json
+
+    cuda_box(None)
+    monkeypatch.setattr(P, "detect_device", lambda *a, **k: detect_device(props=H100))
+    monkeypatch.setattr(preflight, "detect_device", lambda *a, **k: detect_device(props=H100))
+    monkeypatch.setattr(preflight, "memory_budget_bytes", lambda s: 64 * GB)
+    monkeypatch.setattr(preflight, "probe_attention_backends", lambda: {"sdpa-cudnn": "ok"})
+    monkeypatch.setattr(preflight, "triton_ptxas_in_use", lambda s: "simulated")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_90"])
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(preflight, "visible_gpus", lambda: None)
+    assert preflight.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compile"].startswith("off (auto): Triton is not installed") and report["kernel"] == "current"
+    assert preflight.main(["--json", "--compile"]) == 2
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="--compile / --no-compile"):
+        preflight.parse_args(["--compile", "--no-compile"])
+
+
+class _Built(Exception):
+    pass
+
+
+def test_the_optimizer_follows_the_run_s_compile_decision(env, monkeypatch):
+    """base_train hands its compile decision to the optimizer, whose update functions compiled on
+    CUDA whatever --no-compile said: a run the refusal sent to --no-compile (no Triton) then failed
+    at its first optimizer step."""
+    from nanochat import optim
+    from scripts import base_train
+    from tests.test_base_train import TINY
+
+    def recorded(model, **kw):
+        raise _Built(kw.get("compile", "not passed"))
+
+    monkeypatch.setattr(optim, "build_optimizer", recorded)
+    with pytest.raises(_Built) as e:
+        base_train.main(TINY + env + ["--num-iterations", "1", "--eval-every", "-1"])
+    assert e.value.args[0] is False

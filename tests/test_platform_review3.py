@@ -147,7 +147,7 @@ def test_preflight_no_compile_lists_the_patches_every_cuda_process_gets(monkeypa
     P._LOGGED.discard("ptxas")
     assert preflight.main(["--json", "--no-compile"]) == 0
     assert "ptxas" not in json.loads(capsys.readouterr().out)["patches"]
-    assert preflight.main(["--json"]) == 2      # a compiled run stops there
+    assert preflight.main(["--json", "--compile"]) == 2      # a compiled run stops there
     capsys.readouterr()
 
 

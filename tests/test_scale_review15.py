@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -81,6 +82,15 @@ def test_destroy_runtime_keeps_the_group_while_an_error_propagates(monkeypatch):
         assert dist.is_initialized()   # left for the process exit, after the rank said why
     finally:
         destroy_runtime(rt)
+    assert not dist.is_initialized()
+    rt = init_runtime("cpu", "fp32", seed=0)   # a stop (every rank at the same step) leaves it as an end does
+    stop = RuntimeError("stopped by SIGTERM")
+    stop.exit_code = 143
+    with pytest.raises(RuntimeError, match="SIGTERM"):
+        try:
+            raise stop
+        finally:
+            destroy_runtime(rt)
     assert not dist.is_initialized()
 
 
@@ -319,3 +329,69 @@ def test_a_refusal_before_the_group_is_left_for_the_other_nodes(monkeypatch, cap
         flags._exit_with_error("base_train", RequestError("bad"))
     assert len(posted) == 1
     capsys.readouterr()
+
+
+def _plain_facts(argv):
+    return {"host": "h", "pid": 1, "files": {"a.py": "x"}, "git": "g", "torch": "t", "backend": "gloo",
+            "dtype": "bf16", "argv": argv, "allow_different_flags": False}
+
+
+def test_a_failed_start_does_not_fail_torchrun_s_restart(monkeypatch):
+    """torchrun's store outlives a worker restart (--max-restarts): the failure rank 1 posted in
+    attempt 0 (and rank 0's refusal) sat in the slots attempt 1's roll calls took, which failed at
+    once with the stale message. Each attempt now has its own keys."""
+    import torch.distributed as dist
+
+    from nanochat import roll_call as RC
+    from nanochat.errors import RequestError
+
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    slot = f"{RC._prefix()}/{store.add(f'{RC._prefix()}/calls/rank1', 0) + 1}"   # as post_start_failure does
+    store.set(f"{slot}/failure/rank1", json.dumps({"host": "h1", "message": "transient"}))
+    store.add(f"{slot}/failed", 1)
+    with pytest.raises(RequestError, match="transient") as e:
+        RC.roll_call(store, 0, 2, _plain_facts(["x"]), 5)
+    assert e.value.start_failure_posted   # flags._exit_with_error leaves it there: not posted again
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    errors = []
+
+    def rank(r):
+        try:
+            RC.roll_call(store, r, 2, _plain_facts(["x"]), 5)
+        except Exception as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == []
+
+
+def test_rank_0_stays_until_the_others_read_the_verdict(monkeypatch):
+    """Outside torchrun rank 0 hosts the store: raising the roll call's refusal at once and exiting
+    left rank 1 reading a closed store ("connection closed", a rendezvous error) instead of the
+    difference. Rank 0 now waits until every rank that arrived has read (bounded by LINGER_S)."""
+    import time
+
+    import torch.distributed as dist
+
+    from nanochat import roll_call as RC
+    from nanochat.errors import RequestError
+
+    monkeypatch.setattr(RC, "LINGER_S", 0.6)
+    store = dist.HashStore()
+    key = f"{RC._prefix()}/1"
+    store.set(f"{key}/files1", json.dumps({"a.py": "x"}, sort_keys=True))   # rank 1 arrived, has not read yet
+    code = __import__("hashlib").sha256(json.dumps({"a.py": "x"}, sort_keys=True).encode()).hexdigest()
+    store.set(f"{key}/rank1", json.dumps({**{k: v for k, v in _plain_facts(["--depth", "12"]).items() if k != "files"},
+                                           "code": code}))
+    store.add(f"{key}/count", 1)
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match="command line"):
+        RC.roll_call(store, 0, 2, _plain_facts(["--depth", "20"]), 5)
+    assert time.monotonic() - t0 >= 0.5          # waited for rank 1's read
+    store.add(f"{key}/read", 1)                  # rank 1 reads and leaves
+    assert store.add(f"{key}/read", 0) == 2
