@@ -15,54 +15,15 @@ import torch.nn.functional as F
 from nanochat import weight_cache
 from nanochat.gpt import GPT, GPTConfig, config_for_depth
 from nanochat.kv_cache import KVCache, StaticKV
+from tests.test_model_review2 import _naive_logits
 
 V = 37   # padded to 64 inside
 
 
 def _reference_logits(model: GPT, P: dict, idx: torch.Tensor, pos0: int = 0) -> torch.Tensor:
-    """Plain float64 forward of the documented architecture over parameters P (autograd-able):
-    S windows = sequence_len // 4 keys including the query, L and the last layer full; fp32
-    rotary tables (the model's are float32 by contract), everything else float64."""
-    cfg = model.config
-    B, T = idx.shape
-    H, Hkv, C = cfg.n_head, cfg.n_kv_head, cfg.n_embd
-    D = C // H
-
-    def rms(x):
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + torch.finfo(torch.float64).eps)
-
-    inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
-    ang = torch.arange(pos0, pos0 + T, dtype=torch.float32)[:, None] * inv
-    cos, sin = ang.cos().double()[None, :, None], ang.sin().double()[None, :, None]
-
-    def rope(x):
-        a, b = x[..., :D // 2], x[..., D // 2:]
-        return torch.cat([a * cos + b * sin, b * cos - a * sin], -1)
-
-    x = rms(P["wte.weight"][idx])
-    x0 = x
-    kv_of = [h // (H // Hkv) for h in range(H)]   # query head h reads kv head h // group
-    for i in range(cfg.n_layer):
-        letter = cfg.window_pattern[i % len(cfg.window_pattern)]
-        W = None if letter == "L" or i == cfg.n_layer - 1 else max(1, cfg.sequence_len // 4)
-        x = P["resid_lambdas"][i] * x + P["x0_lambdas"][i] * x0
-        h = rms(x)
-        pre = f"blocks.{i}.attn."
-        q = (h @ P[pre + "c_q.weight"].T).view(B, T, H, D)
-        k = (h @ P[pre + "c_k.weight"].T).view(B, T, Hkv, D)
-        v = (h @ P[pre + "c_v.weight"].T).view(B, T, Hkv, D)
-        if (cfg.n_layer - 1 - i) % 2 == 0:   # value embeddings: the last layer and every other one
-            gate = 2 * torch.sigmoid(h[..., :min(32, C)] @ P[pre + "ve_gate.weight"].T)
-            v = v + gate[..., None] * P[f"value_embeds.{i}.weight"][idx].view(B, T, Hkv, D)
-        q, k = rms(rope(q)), rms(rope(k))
-        k, v = k[:, :, kv_of], v[:, :, kv_of]
-        seen = torch.tensor([[j <= t and (W is None or t - j < W) for j in range(T)] for t in range(T)])
-        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
-        y = torch.einsum("bhts,bshd->bthd", scores.masked_fill(~seen, -math.inf).softmax(-1), v)
-        x = x + y.reshape(B, T, C) @ P[pre + "c_proj.weight"].T
-        x = x + torch.relu(rms(x) @ P[f"blocks.{i}.mlp.c_fc.weight"].T) ** 2 @ P[f"blocks.{i}.mlp.c_proj.weight"].T
-    logits = (rms(x) @ P["lm_head.weight"].T)[..., :cfg.vocab_size]
-    return cfg.softcap * torch.tanh(logits / cfg.softcap)
+    """The plain float64 forward of the documented architecture (tests/test_model_review2.py's),
+    over parameters P (autograd-able) from position pos0."""
+    return _naive_logits(model, idx, P=P, pos0=pos0)
 
 
 def _model(pattern="SL", n_layer=3, n_head=3, n_kv_head=1, n_embd=18, T=16, seed=0) -> GPT:

@@ -20,12 +20,14 @@ from nanochat.kv_cache import KVCache
 V = 70   # padded to 128 inside
 
 
-def _naive_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+def _naive_logits(model: GPT, idx: torch.Tensor, P: dict | None = None, pos0: int = 0) -> torch.Tensor:
     """float64 forward from the documented architecture (fp32 rotary angles, as the model's
     tables; every other step float64). Windows: S = sequence_len // 4 keys including the query
-    itself, L and the last layer full; value embeddings on layers n_layer-1, n_layer-3, ..."""
+    itself, L and the last layer full; value embeddings on layers n_layer-1, n_layer-3, ...
+    `P`: the parameters to use (default: the model's, detached; given ones keep autograd, for
+    gradient references); `pos0`: the position of idx's first token (a KV cache's offset)."""
     cfg = model.config
-    P = {k: v.detach().double() for k, v in model.state_dict().items()}
+    P = {k: v.detach().double() for k, v in model.state_dict().items()} if P is None else P
     B, T = idx.shape
     H, Hkv, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
 
@@ -33,7 +35,7 @@ def _naive_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + torch.finfo(torch.float64).eps)
 
     inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
-    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
+    ang = torch.arange(pos0, pos0 + T, dtype=torch.float32)[:, None] * inv[None]
     cos, sin = ang.cos().double()[None, :, None], ang.sin().double()[None, :, None]
 
     def rope(x):

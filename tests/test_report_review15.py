@@ -14,21 +14,13 @@ import threading
 
 import pytest
 
-from nanochat import report as report_mod
 from nanochat.report import Report, report_dir
 from nanochat.report_env import git_sha
+from tests import test_report_review10
 
 
-@pytest.fixture()
-def base(tmp_path, monkeypatch):
-    """A base dir with a header (no system probe) and no plots; single process."""
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    for var in ("RANK", "NANOCHAT_REPORT_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(report_mod, "make_plots", lambda metrics, out_dir: [])
-    (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "header.json").write_text(json.dumps({"system": {"device": "cpu"}}))
-    return tmp_path
+# the same fixture (assigned, not imported: linters would read the tests' arguments as redefinitions)
+base = test_report_review10.base
 
 
 # ------------------------------------------------------------------ report: concurrent writers
