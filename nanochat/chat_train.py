@@ -389,7 +389,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
                                 weight_decay=cfg.weight_decay, world_size=rt.world_size, rank=rt.rank,
-                                compile=compile_model)   # its update functions too: --no-compile is eager throughout
+                                compile=None if compile_model else False)   # eager too when the model is
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
     trainer = Trainer(train_model, optimizer, loader, plan, schedule, rt, grad_clip=cfg.grad_clip,

@@ -439,7 +439,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     # ---- optimizer ----
     optimizer = build_optimizer(model, **recipe.optimizer_kwargs(), world_size=rt.world_size, rank=rt.rank,
-                                compile=compile_model)   # its update functions too: --no-compile is eager throughout
+                                compile=None if compile_model else False)   # eager too when the model is
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
 

@@ -405,7 +405,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     f = cfg.init_lr_frac
     optimizer = build_optimizer(model, matrix_lr=cfg.matrix_lr * f, embedding_lr=cfg.embedding_lr * f,
                                 unembedding_lr=cfg.unembedding_lr * f, scalar_lr=cfg.scalar_lr * f,
-                                world_size=rt.world_size, rank=rt.rank, compile=resolve_compile(None, rt))
+                                world_size=rt.world_size, rank=rt.rank,
+                                compile=None if resolve_compile(None, rt) else False)   # no Triton: eager
     trainer = PolicyGradientTrainer(model, model, optimizer, task, tokenizer, schedule, rt,
                                     examples_per_step=cfg.examples_per_step, num_samples=cfg.num_samples,
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
