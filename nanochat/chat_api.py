@@ -3,9 +3,10 @@
 model work. Split out of server.py, which owns the app, the replica pool and generation;
 nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size).
 
-Compatibility choices: messages may come in any order (normalised, see `_normalise`); fields
-whose effect this server cannot honour (logprobs, tools, non-text response_format, logit_bias,
-audio output, web search, non-zero penalties) are refused with 400 "unsupported_parameter", and
+Compatibility choices: messages may come in any order, and system / developer messages alone are
+answered as the user's turn (normalised, see `_normalise`); fields whose effect this server cannot
+honour (logprobs, tools, non-text response_format, logit_bias, audio output, web search, non-zero
+penalties) are refused with 400 "unsupported_parameter", and
 fields it does not know with "unknown_parameter", rather than silently ignored; those without
 effect (`user`, `metadata`, ...) are checked for OpenAI's types ("invalid_type"); any `model` name
 is accepted (a local server has one model; responses report the served name). Assistant history
@@ -289,16 +290,25 @@ def _normalise(messages: list[dict]) -> list[dict]:
     """OpenAI accepts messages in any order, but the model was trained on one leading system
     message and then user/assistant turns alternating from the user. So: every system message
     (wherever it is) joins one leading system message, consecutive same-role turns merge, and a
-    conversation opening with the assistant (a chat UI's greeting) gets an empty user turn first."""
-    system = [m["content"] for m in messages if m["role"] == "system"]
+    conversation opening with the assistant (a chat UI's greeting) gets an empty user turn first.
+    Empty system messages (what some clients send for "none") are dropped and an empty turn merged
+    into its neighbour adds nothing: joined, they left blank lines before the real text.
+
+    Only system / developer messages (an instruction-only prompt: "Summarise X in one line."): OpenAI
+    answers it, and so does this server: the text becomes the user turn, exactly the prompt the model
+    sees for that system text over an empty user message (the tokenizer folds a system message into
+    the first user turn, as SFT trained it). Refused before, as "no user message"."""
+    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
     turns: list[dict] = []
     for m in messages:
         if m["role"] == "system":
             continue
-        if turns and turns[-1]["role"] == m["role"]:
-            turns[-1]["content"] += "\n\n" + m["content"]
+        if turns and turns[-1]["role"] == m["role"]:   # (an empty one adds no blank lines either)
+            turns[-1]["content"] = "\n\n".join(t for t in (turns[-1]["content"], m["content"]) if t)
         else:
             turns.append(dict(m))
+    if not turns:   # system / developer messages alone: their text is what the user asks
+        return [{"role": "user", "content": "\n\n".join(system)}]
     if not any(m["role"] == "user" for m in turns):
         raise ApiError(400, "'messages': no user message; accepted: a conversation with at least one "
                             "message of role 'user'", param="messages")

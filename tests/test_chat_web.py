@@ -215,7 +215,6 @@ def limits_url(chat_model):
     # any order is normalised, but the reply must answer a user message
     ({"messages": [{"role": "assistant", "content": "x"}]}, "messages", None),
     ({"messages": USER + [{"role": "assistant", "content": "x"}]}, "messages", None),
-    ({"messages": [{"role": "system", "content": "x"}, {"role": "developer", "content": "y"}]}, "messages", None),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
     ({"messages": USER, "max_tokens": 10_000}, "max_tokens", "invalid_value"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "invalid_value"),
