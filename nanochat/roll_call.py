@@ -14,7 +14,7 @@ collective, or trained on.
   it to init_process_group: NCCL's watchdog; gloo's default was 30 minutes), and in
   distributed.py's timed barriers (compile warm-up, shared-directory check).
 * `roll_call`: each rank posts what it runs (host, a hash per source file under nanochat/ and
-  scripts/, git sha, torch version, process-group backend, compute dtype, command line) and waits
+  scripts/ (those git tracks, in a git checkout), git sha, torch version, process-group backend, compute dtype, command line) and waits
   for all; a rank missing after the timeout is named; any difference is a RequestError raised on
   every rank, naming the ranks, their hosts and what differs. NANOCHAT_ALLOW_DIFFERENT_FLAGS=1 (as
   rank 0 has it) lets command lines differ, for a path that differs per node on purpose.
@@ -34,6 +34,7 @@ import math
 import os
 import shlex
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ DEFAULT_TIMEOUT_S = 600.0
 POST_TIMEOUT_S = 10.0      # a failing rank's connection to the agent's store (up before any worker)
 LINGER_S = 10.0            # rank 0 (the store's host outside torchrun) waits for the others to read a verdict
 _REPO = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("nanochat", "scripts")   # the code every rank must share, relative to _REPO
 
 
 def dist_timeout_s(env: Mapping[str, str] | None = None) -> float:
@@ -73,16 +75,37 @@ def _allow_different_flags(env: Mapping[str, str]) -> bool:
     return raw == "1"
 
 
+def _tracked_sources(repo: Path) -> list[Path] | None:
+    """The .py files under nanochat/ and scripts/ that git tracks (staged ones included), or None
+    where git cannot say (no git, not a checkout, or a checkout that tracks none of them)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--", *SOURCE_DIRS], cwd=repo, capture_output=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [n for n in out.stdout.decode(errors="surrogateescape").split("\0") if n.endswith(".py")]
+    if out.returncode != 0 or not any(n.startswith("nanochat/") for n in names):
+        return None
+    return [repo / n for n in sorted(set(names))]
+
+
 def _source_hashes() -> dict[str, str]:
     """A short sha256 per .py file under nanochat/ and scripts/, by path relative to the repo (the
-    checkout may sit elsewhere on each node)."""
+    checkout may sit elsewhere on each node). In a git checkout: the files git tracks, as they are
+    on disk (an edit not yet committed counts), since an untracked file is nothing the nodes share:
+    a scratch .py, an editor's lock file (emacs' ".#gpt.py", a dangling link) or a backup on one
+    node refused a launch whose code was the same. Elsewhere (an rsync without .git, an unpacked
+    archive): every .py file there that Python could import as a module (not ".#gpt.py", not
+    "gpt.orig.py")."""
+    paths = _tracked_sources(_REPO)
+    if paths is None:
+        paths = sorted(p for sub in SOURCE_DIRS for p in (_REPO / sub).rglob("*.py") if p.stem.isidentifier())
     out = {}
-    for sub in ("nanochat", "scripts"):
-        for path in sorted((_REPO / sub).rglob("*.py")):
-            try:
-                out[path.relative_to(_REPO).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-            except OSError as e:
-                out[path.relative_to(_REPO).as_posix()] = f"unreadable ({e.strerror})"
+    for path in paths:
+        try:
+            out[path.relative_to(_REPO).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        except OSError as e:   # e.g. a tracked file deleted on this node
+            out[path.relative_to(_REPO).as_posix()] = f"unreadable ({e.strerror})"
     return out
 
 

@@ -27,9 +27,10 @@ usage: scripts/launch_multinode.sh --node-rank N --master-addr ADDR [options] [-
   -h, --help         this text
 After --: what torchrun runs (default: -m scripts.base_train), with the repo's .venv python and the
 repo on PYTHONPATH, from any directory (relative paths in it are the caller's). --flag=value works too.
-Every rank waits NANOCHAT_DIST_TIMEOUT seconds (default 600) for the others: at the start (where the ranks
-of all nodes must run the same code, torch and command line; NANOCHAT_ALLOW_DIFFERENT_FLAGS=1 lets the
-command lines differ), in a collective and at a barrier; then it stops naming the ranks that did not come.
+Every node waits NANOCHAT_DIST_TIMEOUT seconds (default 600) for the other nodes (torchrun's rendezvous),
+and every rank as long for the others: at the start (where the ranks of all nodes must run the same code,
+torch and command line; NANOCHAT_ALLOW_DIFFERENT_FLAGS=1 lets the command lines differ), in a collective
+and at a barrier; then it stops naming the ranks that did not come.
 EOF
 }
 die() { echo "launch_multinode: error: $*" >&2; exit 2; }
@@ -185,16 +186,49 @@ fi
 ENV_VARS=(NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE" NCCL_NVLS_ENABLE=0
           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-3600}")
 ENV_VARS+=(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}")
-[[ -n ${NANOCHAT_DIST_TIMEOUT:-} ]] && ENV_VARS+=(NANOCHAT_DIST_TIMEOUT="$NANOCHAT_DIST_TIMEOUT")
+# The launch's first wait is torchrun's own, for every node's agent (its static rendezvous: 600 s unless
+# --rdzv_conf timeout=N), before any rank's roll call: NANOCHAT_DIST_TIMEOUT, which the usage and the
+# ranks promise bounds the start, was ignored there (1800 s for a node started late still ended after
+# 600 s). Read here as every rank reads it (a bad value stops here, not on every rank after the wait).
+RDZV_TIMEOUT=600 RDZV_CONF=()
+if [[ -n ${NANOCHAT_DIST_TIMEOUT:-} ]]; then
+  RDZV_TIMEOUT=$(PYTHONPATH="$REPO" "$PY" - <<'PYEOF'
+import math, sys
+from nanochat.roll_call import dist_timeout_s
+try:
+    print(math.ceil(dist_timeout_s()))   # torchrun reads whole seconds
+except ValueError as e:
+    print(e)
+    sys.exit(2)
+PYEOF
+) || die "${RDZV_TIMEOUT:-NANOCHAT_DIST_TIMEOUT: $PY could not read it (see above)}"
+  [[ $RDZV_TIMEOUT =~ ^[0-9]+$ ]] || die "NANOCHAT_DIST_TIMEOUT: $PY could not read it (it printed '$RDZV_TIMEOUT')"
+  ENV_VARS+=(NANOCHAT_DIST_TIMEOUT="$NANOCHAT_DIST_TIMEOUT")
+  RDZV_CONF=(--rdzv_conf=timeout="$RDZV_TIMEOUT")
+fi
 
 # --master-addr as torchrun's agents use it. A name that does not resolve was retried with a gai
 # warning until the rendezvous timeout; on node 0, which hosts the rendezvous store, an address that
 # is not its own (a typo, the other Spark's address) made its torchrun retry the connection with a
 # C++ trace every second for 15 minutes. Exit 3: no such name; 4: not this node's; else not checked.
+# It prints "loopback" for an address that is loopback on every node (127.x, ::1, localhost): only
+# node 0 is there. A name that resolves to loopback here ("local-loopback IP") is read by every node
+# through its own /etc/hosts and DNS: Debian and Ubuntu map a machine's own hostname to 127.0.1.1,
+# so `--master-addr $(hostname)` on node 0 is loopback there alone, and that is fine for node 0
+# (torchrun's store listens on every interface); it is wrong only on a node that is not node 0. On such
+# a node, "own IP": the address is this node's own (its own address pasted into its command line).
 addr_check() {
   "$PY" - "$MASTER_ADDR_" "$NODE_RANK" 2>/dev/null <<'PYEOF'
-import socket, sys
+import ipaddress, socket, sys
 addr, node = sys.argv[1], int(sys.argv[2])
+def is_loopback(ip):
+    ip = ipaddress.ip_address(ip.split("%")[0])   # "fe80::1%eth0": the zone is no part of the address
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+try:
+    literal = is_loopback(addr)
+except ValueError:   # a name: "localhost" and *.localhost are loopback on every node (RFC 6761)
+    name = addr.lower().rstrip(".")
+    literal = name == "localhost" or name.endswith(".localhost")
 try:
     infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
 except (socket.gaierror, UnicodeError) as e:
@@ -202,16 +236,22 @@ except (socket.gaierror, UnicodeError) as e:
         sys.exit(0)
     print(getattr(e, "strerror", None) or e)
     sys.exit(3)
-if node == 0:
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0, *sockaddr[2:]))   # binds only to an address this machine has
-        except OSError:
-            continue
-        print("loopback" if sockaddr[0].startswith("127.") or sockaddr[0] == "::1" else "")
-        sys.exit(0)
+def mine(family, sockaddr):   # binds only to an address this machine has
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0, *sockaddr[2:]))
+    except OSError:
+        return False
+    return True
+own = [info[4][0] for info in infos if mine(info[0], info[4])]
+if node == 0 and not own:
     sys.exit(4)
+if literal:
+    print("loopback")
+elif all(is_loopback(info[4][0]) for info in infos):
+    print(f"local-loopback {infos[0][4][0]}")
+elif node != 0 and own:
+    print(f"own {own[0]}")
 PYEOF
 }
 addr_said=$(addr_check) && addr_rc=0 || addr_rc=$?
@@ -220,8 +260,28 @@ if (( addr_rc == 3 )); then
   addr_problem="--master-addr: got '$MASTER_ADDR_', which does not resolve here ($addr_said); accepted: node 0's IP address or a host name this node resolves"
 elif (( addr_rc == 4 )); then
   addr_problem="--master-addr: got '$MASTER_ADDR_', which is not an address of this node, but --node-rank 0 hosts the rendezvous: pass node 0's own address on the fast link (here: $(echo $(hostname -I 2>/dev/null)))"
-elif [[ $addr_said == loopback ]] && (( NNODES > 1 )); then
-  warn "--master-addr $MASTER_ADDR_ is a loopback address: the other $((NNODES - 1)) node(s) cannot reach node 0 there"
+elif (( NNODES > 1 )) && [[ $addr_said == loopback ]]; then
+  if (( NODE_RANK == 0 )); then
+    warn "--master-addr $MASTER_ADDR_ is a loopback address: the other $((NNODES - 1)) node(s) cannot reach node 0 there"
+  else
+    warn "--master-addr $MASTER_ADDR_ is a loopback address: node $NODE_RANK looks for node 0 on itself there" \
+         "(fine only when every node runs on this machine); pass node 0's address on the fast link"
+  fi
+elif [[ $addr_said == own* ]]; then   # (node >= 1)
+  warn "--master-addr $MASTER_ADDR_ is an address of this node (${addr_said#* }), but --node-rank $NODE_RANK is not" \
+       "node 0: it looks for node 0 on itself there (fine only when every node runs on this machine); pass node 0's" \
+       "address on the fast link"
+elif (( NNODES > 1 )) && [[ $addr_said == local-loopback* ]]; then
+  if (( NODE_RANK == 0 )); then
+    echo "launch_multinode: note: --master-addr $MASTER_ADDR_ resolves to ${addr_said#* } (loopback) on this node," \
+         "as a machine's own name does through the 127.0.1.1 line Debian and Ubuntu put in /etc/hosts. That is fine" \
+         "here (node 0's store listens on every interface), but each other node resolves '$MASTER_ADDR_' itself" \
+         "and must get an address of node 0 it can reach ('getent hosts $MASTER_ADDR_' there): else pass node 0's IP" >&2
+  else
+    warn "--master-addr $MASTER_ADDR_ resolves to ${addr_said#* }, a loopback address, on this node (an /etc/hosts" \
+         "line for it here?): node $NODE_RANK looks for node 0 on itself there (fine only when every node runs on this" \
+         "machine); pass node 0's IP address on the fast link, or map the name to it in this node's /etc/hosts"
+  fi
 fi
 if [[ -n $addr_problem ]]; then
   (( DRY_RUN )) || die "$addr_problem"
@@ -230,7 +290,7 @@ fi
 [[ -n $HCA ]] && ENV_VARS+=(NCCL_IB_HCA="$HCA")
 [[ -n ${NCCL_DEBUG:-} ]] && ENV_VARS+=(NCCL_DEBUG="$NCCL_DEBUG")
 TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
-          --master_addr="$MASTER_ADDR_" --master_port="$MASTER_PORT_" "${CMD[@]}")
+          --master_addr="$MASTER_ADDR_" --master_port="$MASTER_PORT_" ${RDZV_CONF[@]+"${RDZV_CONF[@]}"} "${CMD[@]}")
 
 if (( DRY_RUN )); then
   echo "# node $NODE_RANK of $NNODES, $NPROC process(es), interface $IFACE (MTU ${MTU:-?}), HCAs ${HCA:-none}"
@@ -244,6 +304,7 @@ fi
 # torchrun's static rendezvous waits silently (600 s, then "Timed out ... waiting for clients. 1/2
 # clients joined") for a node that was never started or cannot reach node 0: say what it waits for
 (( NNODES > 1 )) && echo "launch_multinode: node $NODE_RANK of $NNODES: waiting for all $NNODES nodes at" \
-  "$MASTER_ADDR_:$MASTER_PORT_ (torchrun gives up after 600 s); run this on every node with its --node-rank" >&2
+  "$MASTER_ADDR_:$MASTER_PORT_ (torchrun gives up after $RDZV_TIMEOUT s, NANOCHAT_DIST_TIMEOUT); run this on every node" \
+  "with its --node-rank" >&2
 export "${ENV_VARS[@]}"
 exec "${TORCHRUN[@]}"

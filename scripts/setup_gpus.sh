@@ -19,8 +19,18 @@ visible_gpu_row() {
   [[ "$first" == MIG-* ]] && { warn "CUDA_VISIBLE_DEVICES=$first: a MIG slice; sizing for the first GPU's memory (add --device-batch-size N to fit the slice)"; echo 1; return; }
   die "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES': its first entry '$first' names no GPU here; accepted: an index 0..$((GPU_COUNT - 1)) or a GPU UUID (nvidia-smi -L lists them), '' or -1 for none"
 }
-visible_gpu_count() {  # the entries of CUDA_VISIBLE_DEVICES, at most the GPUs there are
-  local n; n="$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)"
+# The GPUs CUDA_VISIBLE_DEVICES shows, at most the GPUs there are. CUDA reads the list up to its first
+# invalid entry (-1, an empty one, an index past the last GPU) and hides the rest, as torch's own
+# parser does: "0,-1,1" is one GPU, and the "2 GPUs ... --nproc 2" advice it got before started a
+# second rank that found no device.
+visible_gpu_count() {
+  local n=0 entry
+  while IFS= read -r entry; do
+    entry="${entry//[[:space:]]/}"
+    [[ -n "$entry" && "$entry" != -* ]] || break
+    [[ ! "$entry" =~ ^[0-9]+$ ]] || (( 10#$entry < GPU_COUNT )) || break
+    n=$((n + 1))
+  done < <(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES")
   echo $(( n < GPU_COUNT ? n : GPU_COUNT ))
 }
 hidden_gpus() { echo "CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES' hides the $HIDDEN_GPUS GPU$( ((HIDDEN_GPUS == 1)) || echo s) nvidia-smi lists"; }
