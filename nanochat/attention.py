@@ -11,11 +11,12 @@ Semantics (every backend honours all of them, or raises):
   * softmax scale 1/sqrt(head_dim); layout (B, H, T, D) in and out.
 
 Backends (the names `resolve_backend` returns):
-  * "sdpa_flex" (auto on CUDA while cuDNN's window kernel is not proven): full layers through
-    F.scaled_dot_product_attention(is_causal=True) (flash / cuDNN kernels), window layers through
-    flex_attention with a cached block-sparse BlockMask. No dense mask is ever built. On H100, torch
-    2.11, d20 shapes (B=32, 10 heads, T=2048, D=128, bf16, fwd+bwd, median): SDPA full causal
-    2.92 ms (cuDNN picked; flash-only 5.04 ms), flex window 512 2.31 ms, flex full 3.66 ms.
+  * "sdpa_flex" (auto on CUDA while cuDNN's window kernel is not proven, where Triton builds
+    kernels; else auto is "sdpa"): full layers through F.scaled_dot_product_attention(is_causal=
+    True) (flash / cuDNN kernels), window layers through flex_attention with a cached block-sparse
+    BlockMask. No dense mask is ever built. On H100, torch 2.11, d20 shapes (B=32, 10 heads,
+    T=2048, D=128, bf16, fwd+bwd, median): SDPA full causal 2.92 ms (cuDNN picked; flash-only
+    5.04 ms), flex window 512 2.31 ms, flex full 3.66 ms.
   * "sdpa_cudnn" (`cudnn`; auto on CUDA once prepare_masks' probe launch passed): full layers as
     in sdpa_flex, window layers through cuDNN's fused kernel with a diagonal band
     (nanochat/cudnn_attention.py; needs nvidia-cudnn-frontend). H100, same shapes: 1.80 ms.
@@ -31,6 +32,13 @@ Backends (the names `resolve_backend` returns):
   * "flex": flex_attention for every layer (causal layers too), for benchmarking. CUDA: fwd+bwd;
     CPU: forward only (torch raises on a CPU backward).
   * "reference": explicit math in the input dtype (float64 capable); slow, for tests.
+
+Compile: on CUDA flex_attention always runs as its Triton-compiled kernel, in an eager model
+(--no-compile) too: eager flex on CUDA materialises every (T, T) score of every head (d20, batch
+32 x 2048: 5 GiB or more per layer), so `_flex` compiles the flex op alone, once, and says so in one line
+(`flex_compile_note`: the banner's word). Where Triton cannot build kernels (platform.ptxas_problem,
+the case the --no-compile advice is for) `auto` picks "sdpa" (window layers: SDPA with a dense
+mask) and an explicit `flex` is refused; `--attn-backend sdpa` keeps every kernel eager anywhere.
 
 Flex kernel options (`set_flex_kernel_options`): explicit Triton tile/warp/stage choices for the
 flex kernels and the block-mask BLOCK_SIZE, passed as `kernel_options=` to every flex call. Unset
@@ -78,6 +86,7 @@ _BLOCK_MASKS: dict = {}
 _DENSE_MASKS: dict = {}
 _PREPARED_DENSE: set = set()   # keys prepare_masks built: a compiled graph may hold them, never evicted
 _COMPILED_FLEX = None  # torch.compile(flex_attention), created on first eager CUDA use
+_FLEX_PROBLEM: dict = {}  # CUDA device index -> None, or why Triton cannot build flex's kernel there
 
 
 def resolve_backend(name: str, device) -> str:
@@ -95,7 +104,11 @@ def resolve_backend(name: str, device) -> str:
             return "sdpa"
         if fa4_attention.proven(device):  # probed by prepare_masks on FA4_AUTO_CAPABILITIES only
             return "cudnn_fa4"
-        return "sdpa_cudnn" if cudnn_attention.proven(device) else "sdpa_flex"
+        if cudnn_attention.proven(device):
+            return "sdpa_cudnn"
+        # flex's kernel is Triton's: where Triton cannot build kernels (compile then auto-off) the
+        # window layers take SDPA's dense mask; sdpa_flex died at its first window layer there
+        return "sdpa_flex" if flex_problem(device) is None else "sdpa"
     if name in ("cudnn", "cudnn_fa4"):
         if device_type != "cuda":
             raise RequestError(f"--attn-backend: {name} needs a CUDA device, got {device_type}; "
@@ -110,7 +123,35 @@ def resolve_backend(name: str, device) -> str:
     if name == "flex" and device_type not in ("cuda", "cpu"):
         raise RequestError(f"--attn-backend: flex needs a cuda or cpu device, got {device_type}; "
                            f"accepted here: {_accepted_off_cuda(device_type)}")
+    if name == "flex" and (reason := flex_problem(device)) is not None:
+        raise RequestError(f"--attn-backend flex: its CUDA kernel is built by Triton, which cannot run here "
+                           f"({reason}); accepted here: auto|sdpa|reference (sdpa: no Triton)")
     return name
+
+
+def flex_problem(device) -> str | None:
+    """Why flex_attention's kernel (Triton-compiled on CUDA, under --no-compile too: module
+    docstring) cannot run on `device`, else None: platform.ptxas_problem, asked once per CUDA
+    device. None off CUDA (eager flex), inside a compiled graph (its kernels are Triton's, so
+    Triton works) and without that CUDA device to ask (tests resolving for "cuda:7")."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_available():
+        return None
+    index = cudnn_attention._index(device)
+    if index not in _FLEX_PROBLEM and index < torch.cuda.device_count():
+        from nanochat.platform import detect_device, ptxas_problem
+
+        _FLEX_PROBLEM[index] = ptxas_problem(detect_device(torch.device("cuda", index)))
+    return _FLEX_PROBLEM.get(index)
+
+
+def flex_compile_note(resolved: str, dtype: torch.dtype, *, compiled: bool, device=None) -> str:
+    """The banner's note after the attention backend of a model that runs eager while its window
+    layers run flex_attention (compiled on its own: module docstring), else ""."""
+    if compiled or effective_backend(resolved, dtype, device) not in ("sdpa_flex", "flex"):
+        return ""
+    return (" (flex_attention compiled on its own for the window layers, also under --no-compile: eager "
+            "flex holds every T x T score; --attn-backend sdpa runs them eager)")
 
 
 def _accepted_on_cuda(cudnn_ok: bool) -> str:
@@ -140,11 +181,14 @@ def check_training_backend(name: str, device, dtype: torch.dtype | None = None) 
     return resolve_backend(name, device)
 
 
-def effective_backend(resolved: str, dtype: torch.dtype) -> str:
+def effective_backend(resolved: str, dtype: torch.dtype, device=None) -> str:
     """The backend attention() runs for `dtype` inputs: the cuDNN backends' kernels take bf16/fp16
-    only, so an fp32 run of either is sdpa_flex's (SDPA full layers, flex window layers). What the
-    banner and checkpoint name, so an fp32 run is not labelled as a cuDNN one."""
-    return "sdpa_flex" if resolved in ("sdpa_cudnn", "cudnn_fa4") and dtype not in CUDNN_DTYPES else resolved
+    only, so an fp32 run of either is sdpa_flex's (SDPA full layers, flex window layers), or sdpa's
+    on a `device` where flex cannot run (flex_problem). What the banner and checkpoint name, so an
+    fp32 run is not labelled as a cuDNN one."""
+    if resolved in ("sdpa_cudnn", "cudnn_fa4") and dtype not in CUDNN_DTYPES:
+        return "sdpa_flex" if device is None or flex_problem(device) is None else "sdpa"
+    return resolved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +411,6 @@ def _sdpa(q, k, v, *, is_causal: bool, attn_mask=None):
 def _flex(q, k, v, window: int | None):
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _COMPILED_FLEX
     block_size, options = _split_flex_options(flex_options_for(q.device, q.size(-1), q.dtype))
     block_mask = _block_mask(q.size(2), window, q.device, block_size)
     gqa = q.size(1) != k.size(1)
@@ -375,11 +418,7 @@ def _flex(q, k, v, window: int | None):
         # Inside a compiled model inductor generates the fused kernel itself.
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if q.device.type == "cuda":
-        # Eager flex_attention on CUDA materialises the full score matrix; the compiled op is the
-        # real block-sparse kernel. Compile once, lazily (never at import).
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-        return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError("attention backend 'flex' has no backward on CPU; use --attn-backend "
                            "auto|sdpa|reference for CPU training")
@@ -387,6 +426,22 @@ def _flex(q, k, v, window: int | None):
         # CPU eager flex is an unfused (dense) implementation; fine for CPU inference and tests.
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+
+
+def _compiled_flex():
+    """torch.compile(flex_attention), made once on first eager CUDA use (never at import), with one
+    line saying so: eager flex on CUDA materialises the full score matrix, the compiled op is the
+    block-sparse kernel, so an eager model (--no-compile) compiles this op alone (module docstring)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from nanochat.common import print0
+        print0("attention: compiling flex_attention alone for the window layers (eager flex would hold every "
+               "T x T score; the rest of the model runs as --compile / --no-compile say; --attn-backend sdpa "
+               "runs them without Triton)")
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 def _prefill_sdpa(q, k, v, *, is_causal: bool, attn_mask=None):
@@ -536,8 +591,10 @@ def attention(q, k, v, *, window: int | None, backend: str, kv_cache: KVCache | 
         if cudnn_dtype:
             return cudnn_attention.window_attention(q, k, v, window)
         # an fp32 run (--precision fp32 on a GPU where auto proved cuDNN): sdpa_flex's window path,
-        # block-sparse, where the cuDNN kernel raised "dtype torch.float32 is not supported"
-        return _flex(q, k, v, window)
+        # block-sparse, where the cuDNN kernel raised "dtype torch.float32 is not supported"; sdpa's
+        # dense mask (below) where Triton cannot build flex's kernel (effective_backend names it)
+        if flex_problem(q.device) is None:
+            return _flex(q, k, v, window)
     if window is None:
         return _sdpa(q, k, v, is_causal=True)
     return _sdpa(q, k, v, is_causal=False, attn_mask=_dense_mask(T, window, q.device))

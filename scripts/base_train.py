@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from nanochat.attention import effective_backend, resolve_backend
+from nanochat.attention import effective_backend, flex_compile_note, resolve_backend
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
@@ -459,7 +459,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                   "scaling_params": scaling_params, "num_params": num_params, "compile": compile_model,
                   "world_size": rt.world_size, "dtype": rt.dtype_name, "cast_once": trainer.cast_once,
                   # what auto chose (probe-dependent, so not in the flags): a slower resume is explainable
-                  "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype),
+                  "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype, rt.device),
                   **precision_info,
                   **({"precision_history": precision_history} if precision_history and len(precision_history) > 1
                      else {}),
@@ -548,14 +548,14 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
                  iterations: str = "") -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
+    attn = effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype, rt.device)
     rows = [
         ("device", f"{rt.device} ({device_name}), world size {rt.world_size}, rank {rt.rank}"),
         ("data", data or "n/a"),
         ("compute dtype", rt.dtype_name),
         ("precision", json.dumps(precision_info)),
         ("kernel / compile / attention", f"{cfg.kernel} / {compile_model}{' (auto)' * (cfg.compile is None)} / "
-                                         f"{cfg.attn_backend} -> "
-                                         f"{effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype)}"),
+         f"{cfg.attn_backend} -> {attn}{flex_compile_note(attn, rt.dtype, compiled=compile_model, device=rt.device)}"),
         ("model", ", ".join(f"{k}={v}" for k, v in asdict(model_config).items())),
         ("parameters", f"{num_params:,} total, {scaling_params:,} scaling"),
         ("FLOPs / token", f"{flops_per_token:.4e}"),

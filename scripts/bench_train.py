@@ -310,7 +310,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "precision": info["precision"], "precision_backend": info.get("backend"), "compile": compile_model,
             "device_batch_size": cfg.device_batch_size, "seq": cfg.seq, "world_size": rt.world_size,
             "window_pattern": cfg.window_pattern,
-            "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype),
+            "attention": effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype, rt.device),
             "data": cfg.data, "recipe": cfg.recipe, "total_batch_size": plan.total_batch_size,
             "grad_accum_steps": plan.grad_accum_steps,
             "cast_once": trainer.cast_once, "grad_sinks": trainer.cast_once and trainer.grad_sinks,
