@@ -45,7 +45,7 @@ from nanochat.attention import (BACKEND_CHOICES, RESOLVED_BACKENDS, KVCache, Sta
                                 resolve_backend)
 from nanochat.gpt_config import (GPTConfig, check_window_pattern, config_for_depth,  # noqa: F401 (re-exported)
                                  has_value_embed, layer_windows)
-from nanochat.kernels import cross_entropy_loss   # the default loss (GPT.set_loss_fn)
+from nanochat.kernels import check_temperature, cross_entropy_loss, loss_takes_temperature   # (GPT's loss)
 from nanochat.norms import (ROTARY_BASE, _RMSNorm, _RotaryNorm, _rms, _rms_backward, apply_rotary,  # noqa: F401
                             norm, plain_mix_norm, rotary_norm, rotary_norm_forward, rotary_tables)   # (re-exported)
 
@@ -226,7 +226,7 @@ class GPT(nn.Module):
         self.attn_backend = attn_backend  # resolved per device at forward time (may build on meta)
         self.compute_dtype = compute_dtype  # None = bf16 on CUDA, fp32 elsewhere
         self.windows = layer_windows(config)
-        self.loss_fn = cross_entropy_loss
+        self.loss_fn, self.loss_fn_tempers = cross_entropy_loss, True   # set_loss_fn
         self.mix_norm = plain_mix_norm
         self.mix_norm_fuses_add, self.mix_norm_chains_x0 = True, False   # set_mix_norm
         V, C = config.padded_vocab_size, config.n_embd
@@ -317,11 +317,14 @@ class GPT(nn.Module):
             attn.qkv_weight = buf
 
     def set_loss_fn(self, fn) -> None:
-        """fn(hidden (N,C), lm_head_weight (Vpad,C), targets (N,), softcap, vocab_size, reduction);
-        hidden and weight arrive in the compute dtype. None restores the default."""
+        """fn(hidden (N,C), lm_head_weight (Vpad,C), targets (N,), softcap, vocab_size, reduction,
+        *, temperature=1.0); hidden and weight arrive in the compute dtype. The keyword comes only
+        when forward's temperature is not 1, so a fn without it serves every other forward.
+        None restores the default."""
         if fn is not None and not callable(fn):
             raise ValueError(f"set_loss_fn: expected a callable or None, got {type(fn).__name__}")
         self.loss_fn = cross_entropy_loss if fn is None else fn
+        self.loss_fn_tempers = loss_takes_temperature(self.loss_fn)
 
     def set_mix_norm(self, fn, *, fuse_add: bool = True, chain_x0: bool | None = None) -> None:
         """fn(r, x0, lam, mu, add=None) -> (s, norm(s)) with s = lam * (r + add) + mu * x0
@@ -427,13 +430,20 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def forward(self, idx, targets=None, kv_cache: KVCache | StaticKV | None = None, loss_reduction: str = "mean",
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, temperature: float = 1.0):
         """Logits (B, T, V), or the loss with `targets`. `logits_at`, a 1-D long tensor of sequence
         positions (on the model's device), limits the logits to those positions, (B, len, V): a
         prompt prefill needs only its last position's, and V-wide logits for every prompt token
-        cost a (T, C) x (C, V) product and T x V floats (268 MB at T = 2048, V = 32768)."""
+        cost a (T, C) x (C, V) product and T x V floats (268 MB at T = 2048, V = 32768).
+        `temperature` T (with targets only): the loss of softmax(softcapped logits / T), what the
+        sampler draws from, computed inside the loss backend (no (B, T, V) float32 logits)."""
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction: got {loss_reduction!r}; accepted: mean|sum|none")
+        if temperature != 1.0:
+            check_temperature(temperature)
+            if targets is None or not self.loss_fn_tempers:
+                raise ValueError("GPT.forward temperature: accepted only with targets and a loss fn that takes "
+                                 f"`temperature` (the kernels.py backends); got temperature {temperature!r}")
         if logits_at is not None and (targets is not None or logits_at.dim() != 1):
             raise ValueError("GPT.forward logits_at: a 1-D tensor of positions, and only without targets")
         if idx.dim() != 2 or 0 in idx.shape:   # else a reshape deep inside attention failed
@@ -478,8 +488,9 @@ class GPT(nn.Module):
             # a quantised head (nanochat/quantize.py; evaluation only) hands the loss its dequantised rows
             head = (self.lm_head.dequantize(dtype) if hasattr(self.lm_head, "dequantize")
                     else weight_cache.weight_as(self.lm_head, dtype))
+            tempered = {} if temperature == 1.0 else {"temperature": float(temperature)}
             loss = self.loss_fn(x.reshape(B * T, -1), head, targets.reshape(-1), cfg.softcap, cfg.vocab_size,
-                                loss_reduction)
+                                loss_reduction, **tempered)
             return loss.view(B, T) if loss_reduction == "none" else loss
         if logits_at is not None:
             x = x.index_select(1, logits_at)

@@ -1,8 +1,12 @@
 """Loss kernel backends: `--kernel current | liger | triton`.
 
 `build_loss_fn(name, device)` returns fn(hidden (N, C), weight (Vpad, C), targets (N,), softcap,
-vocab_size, reduction) -> loss, which GPT.set_loss_fn installs. Targets use ignore_index=-1; only
-the first `vocab_size` rows of the padded head are real (padding rows get zero gradient).
+vocab_size, reduction, *, temperature=1.0) -> loss, which GPT.set_loss_fn installs. Targets use
+ignore_index=-1; only the first `vocab_size` rows of the padded head are real (padding rows get zero
+gradient). `temperature` T: the cross-entropy of softmax(softcap(logits) / T), the distribution the
+sampler draws from (RL trains the log-probabilities of its rollouts at their temperature); every
+backend takes it in its own fused pass, so T != 1 costs no more memory than T = 1 (no (N, V) float32
+logits beside the backend's own).
 
 - current: plain PyTorch, the model's default `cross_entropy_loss` (owned here): logits
            materialised in the compute dtype, softcap + cross-entropy saving only those logits
@@ -13,6 +17,8 @@ the first `vocab_size` rows of the padded head are real (padding rows get zero g
            torch.compile it returned a wrong loss when targets hold ignore_index (Liger PR #1338,
            still open for 0.8.5). `liger_inline=True` traces it instead (needs
            capture_scalar_outputs, which platform.apply_patches sets for --kernel liger).
+           Liger has no temperature: softcap_c(x) / T == softcap_{c/T}(x / T), so it gets the
+           hidden states / T and softcap c / T (one extra rounding of hidden in the compute dtype).
 - triton:  the project's fused linear + softcap + cross-entropy. Rows are processed in chunks
            so the (N, V) logits never exist: per chunk one matmul gives (rows, V) logits, a
            Triton kernel (nanochat/triton_kernels.py) computes loss/lse with an online
@@ -34,6 +40,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 import os
 import re
 from typing import Callable
@@ -60,12 +67,34 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction: got {reduction!r}; accepted: {'|'.join(REDUCTIONS)}")
 
 
-def current_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
-    """Reference: logits in the compute dtype, upcast to fp32, softcap, cross-entropy."""
+def check_temperature(temperature) -> float:
+    """The loss's `temperature` as a float: a finite number > 0 (T <= 0 or inf has no softmax;
+    a bool is refused, not read as 1)."""
+    ok = (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+          and math.isfinite(temperature) and temperature > 0)
+    if not ok:
+        raise ValueError(f"loss temperature: got {temperature!r}; accepted: a finite number > 0")
+    return float(temperature)
+
+
+def loss_takes_temperature(fn) -> bool:
+    """Whether loss fn `fn` takes the `temperature` keyword (GPT.set_loss_fn records it)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):   # no signature to read (a builtin): assume the 6-argument contract
+        return False
+    return any(p.name == "temperature" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def current_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", *, temperature=1.0):
+    """Reference: logits in the compute dtype, upcast to fp32, softcap, / temperature, cross-entropy."""
     _check_reduction(reduction)
+    temperature = check_temperature(temperature)
     logits = F.linear(hidden, weight[:vocab_size].to(hidden.dtype)).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
@@ -77,27 +106,42 @@ def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
 
 
+def _tempered(z: torch.Tensor, source: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / temperature, in place unless z is `source` (the saved logits, which backward reads)."""
+    if temperature == 1.0:
+        return z
+    return z / temperature if z is source else z.div_(temperature)
+
+
 class _SoftcapCrossEntropy(torch.autograd.Function):
-    """cross_entropy(softcap * tanh(logits.float() / softcap), targets, ignore_index=-1).
+    """cross_entropy(softcap * tanh(logits.float() / softcap) / temperature, targets, ignore_index=-1).
 
     Same math as the plain F.cross_entropy chain, but it saves only the compute-dtype logits and
     the per-row logsumexp: the plain chain keeps two float32 (N, V) tensors for backward (tanh
     output and log_softmax; 17 GB at d20, batch 32 x 2048). Forward and backward are single fused
-    passes under torch.compile.
+    passes under torch.compile. Eager (RL's policy gradient runs uncompiled) each float32 (N, V)
+    tensor is built in place: backward holds two (tanh and the gradient) beside the saved logits,
+    where the out-of-place chain held up to ~6 at once (peak of a CPU forward + backward at
+    N = 256, V = 8192: 25.4 MiB, was 49.5). Every value is still the same operation on the same
+    operands, so the results are bitwise those of the out-of-place chain.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, softcap: float, reduction: str):
-        z = _capped(logits.to(_loss_dtype(logits)), softcap)   # softcap 0: none, as current_loss
+    def forward(ctx, logits, targets, softcap: float, reduction: str, temperature: float = 1.0):
+        x = logits.to(_loss_dtype(logits))
+        z = torch.div(x, softcap).tanh_().mul_(softcap) if softcap else x   # softcap 0: none, as current_loss
+        del x
+        z = _tempered(z, logits, temperature)
         lse = torch.logsumexp(z, dim=-1)
         valid = targets != -1
         # where, not clamp(min=0): a target below -1 (-100, another library's ignore_index) was
         # read as token 0, a finite wrong loss; gather refuses it (and ids >= vocab_size) instead
         target_z = z.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
+        del z
         losses = torch.where(valid, lse - target_z, 0.0)
         count = valid.sum()
         ctx.save_for_backward(logits, targets, lse, count)
-        ctx.softcap, ctx.reduction = softcap, reduction
+        ctx.softcap, ctx.reduction, ctx.temperature = softcap, reduction, temperature
         if reduction == "none":
             return losses
         total = losses.sum()
@@ -107,28 +151,47 @@ class _SoftcapCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, targets, lse, count = ctx.saved_tensors
         x = logits.to(_loss_dtype(logits))
-        t = torch.tanh(x / ctx.softcap) if ctx.softcap else None
-        probs = torch.exp((ctx.softcap * t if ctx.softcap else x) - lse[:, None])
-        cols = torch.arange(logits.size(1), device=logits.device)
-        dz = torch.where(cols[None, :] == targets[:, None], probs - 1.0, probs)
-        row_scale = (targets != -1).to(x.dtype) * grad  # grad: (N,) for "none", a scalar otherwise
+        dtype, softcap = x.dtype, ctx.softcap
+        if softcap:
+            t = torch.div(x, softcap).tanh_()
+            g = t * softcap
+        else:   # a buffer of its own: g is written in place below
+            g = x.clone() if x is logits else x
+        del x
+        g = _tempered(g, logits, ctx.temperature)
+        g.sub_(lse[:, None]).exp_()   # softmax(z)
+        valid = targets != -1
+        if torch.compiler.is_compiling():
+            # - onehot(target) as a select: inductor fuses it into the one pointwise pass over (N, V),
+            # where a scatter into g would make it store g, scatter, and read it back (3x the traffic)
+            cols = torch.arange(g.size(1), device=g.device)
+            g = torch.where(cols[None, :] == targets[:, None], g - 1.0, g)
+        else:   # eager: p + (-1) at each kept row's target (ignored rows: + (-0) at column 0), in place
+            g.scatter_add_(1, torch.where(valid, targets, 0)[:, None], -valid.to(dtype)[:, None])
+        row_scale = valid.to(dtype) * grad  # grad: (N,) for "none", a scalar otherwise
         if ctx.reduction == "mean":   # all ignored: zero gradient like F.cross_entropy, not 0/0
             row_scale = row_scale / count.clamp(min=1)
-        if ctx.softcap:
-            dz = dz * (1.0 - t * t)
-        return (dz * row_scale[:, None]).to(logits.dtype), None, None, None
+        if ctx.temperature != 1.0:   # d(z / T) = dz / T
+            row_scale = row_scale / ctx.temperature
+        if softcap:
+            g.mul_(t.mul_(t).neg_().add_(1.0))   # d/dx [c tanh(x / c)] = 1 - tanh^2
+            del t
+        return g.mul_(row_scale[:, None]).to(logits.dtype), None, None, None, None
 
 
-def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str):
-    """Default loss: float32 softcap(hidden @ weight^T) over the real vocab, then cross-entropy.
+def cross_entropy_loss(hidden, weight, targets, softcap: float, vocab_size: int, reduction: str, *,
+                       temperature: float = 1.0):
+    """Default loss: float32 softcap(hidden @ weight^T) / temperature over the real vocab, then
+    cross-entropy.
 
     hidden (N, C) and weight (Vpad, C) arrive in the compute dtype; targets (N,) with -1 = ignore.
     The matmul runs in the compute dtype; the padding columns are dropped before the softcap.
     softcap 0 or None: no softcap (the same contract as current_loss and triton_loss).
     """
     _check_reduction(reduction)   # else any unknown name ("avg") silently returned the sum
+    temperature = check_temperature(temperature)
     logits = F.linear(hidden, weight)[:, :vocab_size]
-    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap or 0.0), reduction)
+    return _SoftcapCrossEntropy.apply(logits, targets, float(softcap or 0.0), reduction, temperature)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,35 +202,36 @@ def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return softcap * torch.tanh(x / softcap) if softcap else x
 
 
-def ce_rows_torch(logits, targets, softcap, grad_scale, block_v: int = 8192):
-    """Same contract as triton_kernels.ce_rows_triton: online logsumexp over vocab blocks,
-    optional in-place gradient."""
+def ce_rows_torch(logits, targets, softcap, grad_scale, block_v: int = 8192, *, temperature: float = 1.0):
+    """Same contract as triton_kernels.ce_rows_triton: online logsumexp over vocab blocks of
+    softcap(logits) / temperature, optional in-place gradient."""
     rows, n_cols = logits.shape
     m = torch.full((rows,), -float("inf"), device=logits.device)
     s = torch.zeros(rows, device=logits.device)
     for start in range(0, n_cols, block_v):
-        z = _capped(logits[:, start:start + block_v].float(), softcap)
+        z = _capped(logits[:, start:start + block_v].float(), softcap) / temperature
         m_new = torch.maximum(m, z.amax(dim=1))
         s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
         m = m_new
     lse = m + torch.log(s)
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)
-    z_t = _capped(logits.gather(1, safe[:, None]).squeeze(1).float(), softcap)
+    z_t = _capped(logits.gather(1, safe[:, None]).squeeze(1).float(), softcap) / temperature
     loss = torch.where(valid, lse - z_t, 0.0)
     if grad_scale is not None:
-        ce_grad_rows_torch(logits, targets, lse, grad_scale.expand(rows), softcap, block_v)
+        ce_grad_rows_torch(logits, targets, lse, grad_scale.expand(rows), softcap, block_v, temperature=temperature)
     return loss, lse
 
 
-def ce_grad_rows_torch(logits, targets, lse, row_scale, softcap, block_v: int = 8192):
+def ce_grad_rows_torch(logits, targets, lse, row_scale, softcap, block_v: int = 8192, *, temperature: float = 1.0):
     rows, n_cols = logits.shape
     valid = targets != IGNORE_INDEX
-    scale = torch.where(valid, row_scale.float().expand(rows), 0.0)
+    # d(z / T) = dz / T: the temperature's factor goes into the row scale
+    scale = torch.where(valid, row_scale.float().expand(rows) / temperature, 0.0)
     for start in range(0, n_cols, block_v):
         block = logits[:, start:start + block_v]
         z = _capped(block.float(), softcap)
-        g = torch.exp(z - lse[:, None])
+        g = torch.exp(z / temperature - lse[:, None])
         cols = torch.arange(start, start + block.shape[1], device=logits.device)
         g = g - (cols[None, :] == targets[:, None]).float()
         if softcap:
@@ -220,7 +284,8 @@ def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
     torch._assert_async(~bad, msg)
 
 
-def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows):
+def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows,
+                   temperature=1.0):
     n, c = hidden.shape
     _check_targets(targets, vocab_size)
     w = weight[:vocab_size].to(hidden.dtype)
@@ -243,7 +308,7 @@ def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, comp
         logits = buf[: end - start]
         torch.mm(h, w.t(), out=logits)
         loss_rows[start:end], lse[start:end] = rows_fn(
-            logits, targets[start:end], softcap, scale if compute_grad else None)
+            logits, targets[start:end], softcap, scale if compute_grad else None, temperature=temperature)
         if compute_grad:   # logits now holds dL/dlogits for these rows
             torch.mm(logits, w, out=grad_h[start:end])
             _accumulate_wgrad(grad_w[:vocab_size], logits, h)
@@ -254,7 +319,8 @@ def _fused_forward(hidden, weight, targets, softcap, vocab_size, reduction, comp
     return loss, lse, grad_h, grad_w
 
 
-def _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows):
+def _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows,
+                         temperature=1.0):
     """reduction='none' backward: recompute each chunk's logits, scale rows by grad_rows."""
     n, c = hidden.shape
     w = weight[:vocab_size].to(hidden.dtype)
@@ -269,7 +335,7 @@ def _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap, vocab
         h = hidden[start:end]
         logits = buf[: end - start]
         torch.mm(h, w.t(), out=logits)
-        grad_fn(logits, targets[start:end], lse[start:end], grad_rows[start:end], softcap)
+        grad_fn(logits, targets[start:end], lse[start:end], grad_rows[start:end], softcap, temperature=temperature)
         torch.mm(logits, w, out=grad_h[start:end])
         _accumulate_wgrad(grad_w[:vocab_size], logits, h)
     return grad_h, grad_w
@@ -283,12 +349,13 @@ def _custom_ops():
     @torch.library.custom_op(f"{lib}::fused_linear_ce", mutates_args=())
     def fused_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                         softcap: float, vocab_size: int, reduction: str, compute_grad: bool,
-                        chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        chunk_rows: int, temperature: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return _fused_forward(hidden, weight, targets, softcap or None, vocab_size, reduction,
-                              compute_grad, chunk_rows)
+                              compute_grad, chunk_rows, temperature)
 
     @fused_linear_ce.register_fake
-    def _(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows):
+    def _(hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows, temperature):
         n = hidden.shape[0]
         loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
@@ -299,36 +366,37 @@ def _custom_ops():
     @torch.library.custom_op(f"{lib}::fused_linear_ce_bwd", mutates_args=())
     def fused_linear_ce_bwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                             lse: torch.Tensor, grad_rows: torch.Tensor, softcap: float,
-                            vocab_size: int, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            vocab_size: int, chunk_rows: int, temperature: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         return _fused_backward_rows(hidden, weight, targets, lse, grad_rows, softcap or None,
-                                    vocab_size, chunk_rows)
+                                    vocab_size, chunk_rows, temperature)
 
     @fused_linear_ce_bwd.register_fake
-    def _(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows):
+    def _(hidden, weight, targets, lse, grad_rows, softcap, vocab_size, chunk_rows, temperature):
         return torch.empty_like(hidden), weight.new_empty(weight.shape, dtype=torch.float32)
 
     def setup_context(ctx, inputs, output):
-        hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows = inputs
+        hidden, weight, targets, softcap, vocab_size, reduction, compute_grad, chunk_rows, temperature = inputs
         _loss, lse, grad_h, grad_w = output
-        ctx.args = (softcap, vocab_size, reduction, compute_grad, chunk_rows)
+        ctx.args = (softcap, vocab_size, reduction, compute_grad, chunk_rows, temperature)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(hidden, weight, targets, lse, grad_h, grad_w)
 
     def backward(ctx, g_loss, _g_lse, _g_gh, _g_gw):
         hidden, weight, targets, lse, grad_h, grad_w = ctx.saved_tensors
-        softcap, vocab_size, reduction, compute_grad, chunk_rows = ctx.args
+        softcap, vocab_size, reduction, compute_grad, chunk_rows, temperature = ctx.args
         if reduction == "none" or not compute_grad:
             rows = g_loss if reduction == "none" else g_loss.expand(hidden.shape[0]) * (
                 1.0 / (targets != IGNORE_INDEX).sum().float() if reduction == "mean" else 1.0)
             grad_h, grad_w = torch.ops.nanochat.fused_linear_ce_bwd(
-                hidden, weight, targets, lse, rows, softcap, vocab_size, chunk_rows)
-            return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None
+                hidden, weight, targets, lse, rows, softcap, vocab_size, chunk_rows, temperature)
+            return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None, None
         g = g_loss.float()
         # scale in float32, round once: g.to(bf16) would scale every hidden gradient by the
         # rounding of g (e.g. 1/3 -> 0.33398, +0.2%) while the head's gradient got the exact g
         gh = (grad_h.float() * g).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * g).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
     fused_linear_ce.register_autograd(backward, setup_context=setup_context)
     return torch.ops.nanochat.fused_linear_ce
@@ -350,9 +418,11 @@ def _check_loss_shapes(hidden, weight, targets, vocab_size: int) -> None:
         raise ValueError(f"vocab_size: got {vocab_size}; accepted: 1..{weight.shape[0]} (the head's rows)")
 
 
-def triton_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", chunk_rows: int = 0):
+def triton_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", chunk_rows: int = 0, *,
+                temperature: float = 1.0):
     """The fused loss; same signature as current_loss."""
     _check_reduction(reduction)
+    temperature = check_temperature(temperature)
     _check_chunk_rows(chunk_rows)
     _check_loss_shapes(hidden, weight, targets, vocab_size)
     if not torch.compiler.is_compiling():
@@ -362,7 +432,7 @@ def triton_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", 
                     and reduction != "none")
     loss, _lse, _gh, _gw = op(hidden.contiguous(), weight, targets.contiguous(),
                               float(softcap or 0.0), int(vocab_size), reduction, compute_grad,
-                              int(chunk_rows))
+                              int(chunk_rows), temperature)
     return loss
 
 
@@ -420,10 +490,16 @@ def make_liger_loss(inline: bool = False) -> LossFn:
     modules: dict[tuple, torch.nn.Module] = {}
     support = liger_per_token_support()   # read once here, never inside a traced call
 
-    def liger_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean"):
-        key = (float(softcap or 0.0), reduction)
+    def liger_loss(hidden, weight, targets, softcap, vocab_size, reduction="mean", *, temperature=1.0):
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         _check_reduction(reduction)
+        temperature = check_temperature(temperature)
+        if temperature != 1.0:
+            # no temperature in Liger: softcap_c(x) / T == softcap_{c/T}(x / T) and x / T = (h / T) W^T,
+            # so one (N, C) copy of the hidden states stands in for (N, V) tempered logits
+            hidden = hidden / temperature
+            softcap = softcap / temperature if softcap else softcap
+        key = (float(softcap or 0.0), reduction)
         _check_liger_reduction(reduction, needs_grad, support)
         # Liger's kernel reads logits[row, target] unchecked, like ours: the same target check
         _check_targets(targets, vocab_size)

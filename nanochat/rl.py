@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from nanochat.loop import peak_memory_note
 from nanochat.sampling import GREEDY_BELOW, MAX_SEED, MAX_TEMPERATURE
@@ -133,21 +132,57 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
+def check_temperature(temperature) -> float:
+    """The rollouts' (and the loss's) temperature: a finite number >= GREEDY_BELOW, as chat_rl's
+    --temperature (a bool is refused, not read as 1); a ValueError naming `temperature` otherwise.
+    Greedy rollouts draw every sample of a group alike (nothing to train) and the loss's
+    logits / temperature would be inf."""
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature >= GREEDY_BELOW):
+        raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= {GREEDY_BELOW}")
+    return float(temperature)
+
+
 def policy_gradient_loss(model, inputs: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor,
                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(-sum over sampled tokens of advantage x log p, number of sampled tokens); p: softmax of the
-    model's logits / `temperature`, the sampler's distribution (before its top-k cut). Temperature 1
-    is the model's own fused loss; another materialises the (B, T, V) float32 logits (GPT.forward
-    takes no temperature), so a smaller --device-batch-size may be needed there."""
+    model's softcapped logits / `temperature`, the sampler's distribution (before its top-k cut).
+    Any temperature runs the model's own loss backend (GPT.forward's `temperature`), so T != 1
+    holds no (B, T, V) float32 logits beyond what T = 1 holds. `temperature` is checked before
+    the forward (check_temperature)."""
+    temperature = check_temperature(temperature)
     valid = targets >= 0
-    if temperature == 1.0:
-        nll = model(inputs, targets, loss_reduction="none").view_as(targets).float()
+    if temperature == 1.0:   # the keyword left out: the plain forward's call, as before
+        nll = model(inputs, targets, loss_reduction="none")
     else:   # the sampler's cap: tempered logits past it are uniform already
-        logits = model(inputs).float() / min(temperature, MAX_TEMPERATURE)
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
-                              reduction="none").view_as(targets)
+        nll = model(inputs, targets, loss_reduction="none", temperature=min(temperature, MAX_TEMPERATURE))
+    nll = nll.view_as(targets).float()
     logp = torch.where(valid, -nll, torch.zeros_like(nll))
     return -(logp * advantages[:, None]).sum(), valid.sum()
+
+
+# (smallest accepted value, why) of the trainer's integer arguments; top_k may also be None (off)
+TRAINER_COUNTS = {
+    "examples_per_step": (1, ""), "max_new_tokens": (1, ""), "device_batch_size": (1, ""), "pos": (0, ""),
+    "sample_batch_size": (0, " (0: a problem's whole group in one call)"),
+    "num_samples": (2, " (a group of one has advantage 0: nothing trained)"),
+    "top_k": (2, ", or None (top-k 1 samples greedily: every sample of a group alike, nothing trained)"),
+    "seed": (0, f" and <= {MAX_SEED} (the Engine's seeds)"),
+}
+
+
+def check_trainer_counts(**values) -> None:
+    """A ValueError naming the first of the trainer's integer arguments out of TRAINER_COUNTS'
+    range, at construction: a device_batch_size of 0 failed after the first problem's rollouts
+    (range() arg 3 must not be zero), a negative sample_batch_size drew no samples, num_samples
+    1 or top_k 1 trained nothing, silently (chat_rl checks its flags alike)."""
+    for name, value in values.items():
+        low, why = TRAINER_COUNTS[name]
+        if name == "top_k" and value is None:
+            continue
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        if not ok or (name == "seed" and value > MAX_SEED):
+            raise ValueError(f"{name}: got {value!r}; accepted: an integer >= {low}{why}")
 
 
 class PolicyGradientTrainer:
@@ -158,10 +193,10 @@ class PolicyGradientTrainer:
                  device_batch_size: int = 8, seed: int = 42, pos: int = 0, sample_batch_size: int = 0,
                  decode: str = "eager", command: Callable[..., str] | None = None):
         from nanochat.engine import Engine
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= GREEDY_BELOW):
-            # greedy rollouts draw every sample of a group alike (nothing to train), and the loss's
-            # logits / temperature would be inf
-            raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= {GREEDY_BELOW}")
+        temperature = check_temperature(temperature)
+        check_trainer_counts(examples_per_step=examples_per_step, num_samples=num_samples,
+                             max_new_tokens=max_new_tokens, top_k=top_k, device_batch_size=device_batch_size,
+                             sample_batch_size=sample_batch_size, seed=seed, pos=pos)
         self.model, self.train_model, self.optimizer, self.task = model, train_model, optimizer, task
         self.tokenizer, self.schedule, self.rt = tokenizer, schedule, rt
         self.engine = Engine(model, tokenizer, decode=decode, graph_step="eager")

@@ -5,10 +5,11 @@ Owns the per-row softcapped cross-entropy kernels used by the fused linear + cro
 kernels.py; these kernels only see one (rows, V) chunk of logits at a time:
 
 - `ce_rows_triton(logits, targets, ...)`: one program per row, two passes over the row:
-  pass 1 the logsumexp of the softcapped logits (a fixed shift by the softcap: |z| <= softcap; an
-  online running max without a softcap), giving the row's loss and lse; pass 2 (when gradients
-  are wanted) writes dL/dlogits in place over the logits buffer: (softmax - onehot) *
-  softcap'(x) * scale. Ignored rows (target == -1) get loss 0 and a zero gradient row.
+  pass 1 the logsumexp of the softcapped logits / temperature, z = softcap(x) / T (a fixed shift
+  by softcap / T: |z| <= softcap / T; an online running max without a softcap, or past
+  FIXED_SHIFT_MAX_SOFTCAP), giving the row's loss and lse; pass 2 (when gradients are wanted)
+  writes dL/dlogits in place over the logits buffer: (softmax(z) - onehot) * softcap'(x) / T *
+  scale. Ignored rows (target == -1) get loss 0 and a zero gradient row.
 - `ce_grad_rows_triton(...)`: pass 2 alone, from a saved lse and per-row upstream gradients
   (reduction="none" backward, where the gradient scale differs per row).
 
@@ -59,26 +60,27 @@ def _softcap(x, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.c
 
 
 @triton.jit
-def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap,
+def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, inv_temperature,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Overwrite one row of logits with scale * (softmax(z) - onehot(target)) * dz/dx."""
+    """Overwrite one row of logits with scale * (softmax(z) - onehot(target)) * dz/dx, where
+    z = softcap(x) / T (inv_temperature = 1 / T)."""
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             t = _tanh_of(x, inv_softcap, FAST_TANH)
-            g = tl.exp(softcap * t - lse) - tl.where(cols == target, 1.0, 0.0)
+            g = tl.exp(softcap * t * inv_temperature - lse) - tl.where(cols == target, 1.0, 0.0)
             g = g * (1.0 - t * t)   # d/dx [c * tanh(x / c)] = 1 - tanh^2
         else:
-            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-        g = tl.where(valid, g * scale, 0.0)
+            g = tl.exp(x * inv_temperature - lse) - tl.where(cols == target, 1.0, 0.0)
+        g = tl.where(valid, g * (scale * inv_temperature), 0.0)   # d(z / T) = dz / T
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale_ptr,
-                   n_cols, softcap, inv_softcap, ignore_index,
+                   n_cols, softcap, inv_softcap, inv_temperature, ignore_index,
                    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, FAST_TANH: tl.constexpr,
                    FIXED_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -87,16 +89,17 @@ def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale
     valid = target != ignore_index
     safe_target = tl.where(valid, target, 0)
 
-    # Pass 1: logsumexp. FIXED_SHIFT (softcapped logits, |z| <= softcap <= 40): sum exp(z - softcap)
-    # directly, which can neither overflow nor underflow to 0; else an online (running max m,
-    # running sum s of exp(z - m)).
-    m = softcap if FIXED_SHIFT else -float("inf")
+    # Pass 1: logsumexp of z = softcap(x) / T. FIXED_SHIFT (softcapped logits, |z| <= softcap / T
+    # <= 40): sum exp(z - softcap / T) directly, which can neither overflow nor underflow to 0;
+    # else an online (running max m, running sum s of exp(z - m)).
+    m = softcap * inv_temperature if FIXED_SHIFT else -float("inf")
     s = 0.0
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.where(mask, _softcap(x, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH), -float("inf"))
+        z = _softcap(x, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH) * inv_temperature
+        z = tl.where(mask, z, -float("inf"))
         if FIXED_SHIFT:
             s += tl.sum(tl.exp(z - m), axis=0)
         else:
@@ -105,30 +108,30 @@ def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale
             m = m_new
     lse = m + tl.log(s)
     z_target = _softcap(tl.load(row_ptr + safe_target).to(tl.float32), softcap, inv_softcap, HAS_SOFTCAP,
-                        FAST_TANH)
+                        FAST_TANH) * inv_temperature
     tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
     tl.store(lse_ptr + row, lse)
 
     if COMPUTE_GRAD:
         scale = tl.load(scale_ptr)
-        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, HAS_SOFTCAP,
-                        FAST_TANH, BLOCK_V)
+        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, inv_temperature,
+                        HAS_SOFTCAP, FAST_TANH, BLOCK_V)
 
 
 @triton.jit
 def _ce_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, scale_ptr, scale_stride,
-                    n_cols, softcap, inv_softcap, ignore_index,
+                    n_cols, softcap, inv_softcap, inv_temperature, ignore_index,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
     _write_grad_row(logits_ptr + row * stride_row, target, lse, scale, target != ignore_index,
-                    n_cols, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
+                    n_cols, softcap, inv_softcap, inv_temperature, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
 
 
-# softcaps up to this bound take the fixed-shift logsumexp: exp(-2 * 40) is ~1.8e-35, a normal
-# float32, so no softcapped logit's exp underflows to 0 whatever the row
+# softcaps (over the temperature: the bound of |z|) up to this take the fixed-shift logsumexp:
+# exp(-2 * 40) is ~1.8e-35, a normal float32, so no softcapped logit's exp underflows to 0
 FIXED_SHIFT_MAX_SOFTCAP = 40.0
 
 
@@ -145,9 +148,10 @@ def _launch_config(n_cols: int) -> tuple[int, int]:
 
 
 def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None,
-                   grad_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss and lse (float32) of softcapped logits (rows, V). With `grad_scale` (a
-    1-element float32 tensor) the logits buffer is overwritten with grad_scale * dL/dlogits."""
+                   grad_scale: torch.Tensor | None, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and lse (float32) of softcapped logits (rows, V) / temperature. With
+    `grad_scale` (a 1-element float32 tensor) the logits buffer is overwritten with
+    grad_scale * dL/dlogits."""
     assert logits.ndim == 2 and logits.stride(1) == 1 and targets.shape == logits.shape[:1]
     targets = targets.contiguous()   # the kernel reads targets[row] at row; a strided view read others
     rows, n_cols = logits.shape
@@ -160,16 +164,17 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, softcap: float |
     cap = float(softcap or 1.0)
     _ce_fwd_kernel[(rows,)](
         logits, logits.stride(0), targets, loss, lse, scale, n_cols,
-        cap, 1.0 / cap, IGNORE_INDEX,
+        cap, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), COMPUTE_GRAD=grad_scale is not None,
-        FAST_TANH=_fast_tanh(logits), FIXED_SHIFT=bool(softcap) and 0 < cap <= FIXED_SHIFT_MAX_SOFTCAP,
+        FAST_TANH=_fast_tanh(logits), FIXED_SHIFT=bool(softcap) and 0 < cap / temperature <= FIXED_SHIFT_MAX_SOFTCAP,
         BLOCK_V=block, num_warps=num_warps)
     return loss, lse
 
 
 def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                        row_scale: torch.Tensor, softcap: float | None) -> None:
-    """Overwrite logits (rows, V) with row_scale[r] * dL_r/dlogits[r] given the saved lse."""
+                        row_scale: torch.Tensor, softcap: float | None, *, temperature: float = 1.0) -> None:
+    """Overwrite logits (rows, V) with row_scale[r] * dL_r/dlogits[r] given the saved lse (of
+    softcap(logits) / temperature)."""
     assert logits.ndim == 2 and logits.stride(1) == 1
     assert targets.shape == lse.shape == logits.shape[:1]
     targets, lse = targets.contiguous(), lse.contiguous()   # read at [row]: strided views read others
@@ -180,7 +185,7 @@ def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
     cap = float(softcap or 1.0)
     _ce_grad_kernel[(rows,)](
         logits, logits.stride(0), targets, lse, row_scale, row_scale.stride(0) if row_scale.ndim else 0,
-        n_cols, cap, 1.0 / cap, IGNORE_INDEX,
+        n_cols, cap, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), FAST_TANH=_fast_tanh(logits), BLOCK_V=block, num_warps=num_warps)
 
 

@@ -137,8 +137,8 @@ FLAG_HELP = {
     "eval_samples": "K > 0: also sampled pass@1..K of K samples drawn as training draws them; 0: greedy only",
     "top_k": "sample from the k most likely tokens (k >= 2: 1 is greedy, every sample of a group alike); 0: all",
     "temperature": f"the sampling temperature of rollouts and --eval-samples, and of the log-probabilities the "
-                   f"policy gradient trains (>= {GREEDY_BELOW}: below it, greedy; other than 1 the backward holds "
-                   "--device-batch-size x length x vocab float32 logits)",
+                   f"policy gradient trains (>= {GREEDY_BELOW}: below it, greedy; any value trains through the "
+                   "model's own loss, in the memory temperature 1 takes)",
     "device_batch_size": "sequences per forward/backward chunk",
     "sample_batch_size": "N > 0: a problem's --num-samples (and --eval-samples) are drawn N at a time (a KV cache of N rows; under "
                          "--decode graphs each call size keeps a cache over the whole context for the run, so pick "

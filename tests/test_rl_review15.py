@@ -24,18 +24,18 @@ def chat_model(tiny_corpus):
 
 class _FixedLogits(torch.nn.Module):
     """GPT.forward's interface over fixed logits (B, T, V): logits without targets, else the
-    per-token cross-entropy (-1 ignored) with loss_reduction="none"."""
+    per-token cross-entropy (-1 ignored) of logits / temperature with loss_reduction="none"."""
 
     def __init__(self, logits):
         super().__init__()
         self.logits = torch.nn.Parameter(logits)
 
-    def forward(self, idx, targets=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, loss_reduction="mean", temperature=1.0):
         assert idx.shape == self.logits.shape[:2]
         if targets is None:
             return self.logits
         assert loss_reduction == "none"
-        return F.cross_entropy(self.logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+        return F.cross_entropy(self.logits.flatten(0, 1) / temperature, targets.flatten(), ignore_index=-1,
                                reduction="none").view_as(targets)
 
 
@@ -115,3 +115,16 @@ def test_a_step_at_temperature_0_5_is_the_gradient_of_the_tempered_objective(cha
 def test_a_greedy_or_non_finite_temperature_is_refused_by_name(chat_model, temperature):
     with pytest.raises(ValueError, match=r"^temperature: got .*; accepted: a finite number >= 1e-05"):
         _trainer(chat_model, lambda text: 0.0, temperature=temperature)
+
+
+@pytest.mark.parametrize("name, bad", [("device_batch_size", 0), ("sample_batch_size", -1), ("num_samples", 1),
+                                       ("top_k", 1), ("top_k", 0), ("examples_per_step", 0), ("max_new_tokens", 0),
+                                       ("seed", -1), ("seed", 2**64), ("pos", -3), ("device_batch_size", 2.0),
+                                       ("num_samples", True)])
+def test_the_trainer_refuses_a_bad_count_by_name_when_built(chat_model, name, bad):
+    """device_batch_size 0 failed only after the first problem's rollouts (range() arg 3 must not
+    be zero); sample_batch_size -1 drew no samples (max() of an empty reward list); num_samples 1
+    and top_k 1 trained nothing, silently. Now each is refused by name at construction."""
+    with pytest.raises(ValueError, match=rf"^{name}: got {bad!r}; accepted: an integer >= "):
+        _trainer(chat_model, lambda text: 0.0, **{name: bad})
+    _trainer(chat_model, lambda text: 0.0, top_k=None, sample_batch_size=0, seed=2**64 - 1)   # the edges pass
