@@ -170,9 +170,22 @@ def _hellaswag_text(text: str) -> str:
     return " ".join(_HS_TAG.sub(" ", text).split())
 
 
+# ActivityNet's items (a third of HellaSwag) end in the first words of the sentence the endings finish,
+# lower-cased in the data ("A man is sitting on a roof. he": the dataset's ctx_b); lm-eval and the DCLM
+# bundle capitalise them ("... roof. He starts ..."), as prose starts a sentence. Left as they were,
+# every choice was scored after a sentence start no text writes.
+_HS_OPEN_SENTENCE = re.compile(r"(?:^|(?<=[.!?])\s+)([a-z])(?=[^.!?]*$)")
+
+
+def _hellaswag_context(ctx: str) -> str:
+    text = _hellaswag_text(ctx)
+    m = _HS_OPEN_SENTENCE.search(text)
+    return text if m is None else text[:m.start(1)] + m.group(1).upper() + text[m.end(1):]
+
+
 def _hellaswag(r: dict) -> dict:
     endings = [_hellaswag_text(e) for e in r["endings"]] if isinstance(r["endings"], list) else r["endings"]
-    return _mc(f"{r['activity_label']}: {_hellaswag_text(r['ctx'])}", endings, r["label"])
+    return _mc(f"{r['activity_label']}: {_hellaswag_context(r['ctx'])}", endings, r["label"])
 
 
 _HELLASWAG = ("hellaswag.jsonl", _hellaswag)

@@ -320,17 +320,25 @@ def test_tempered_loss_on_gpu_matches_and_takes_temperature_ones_memory(backend)
         return float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters()}, peak
 
     run(1.0)   # warm-up: kernels, workspaces
-    _, _, base = run(1.0)
+    _, grads1, base = run(1.0)
     loss, grads, tempered = run(0.7)
     # liger's tempered path adds one (N, C) copy of the hidden states (hidden / T)
     assert tempered <= base * 1.02 + inputs.numel() * 128 * 4, (tempered, base)
-    model.zero_grad(set_to_none=True)
-    logits = model(inputs)   # bf16 matmul, float32 softcapped logits
-    logp = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    terms = adv.double()[:, None] * logp * (targets >= 0)
-    want = -terms.sum()
-    want.backward()
-    assert abs(loss - float(want)) <= 2e-3 * float(terms.abs().sum())   # terms of both signs: not relative to the sum
-    for name, p in model.named_parameters():
-        ref = p.grad.float()
-        assert (grads[name] - ref).norm() <= 3e-2 * ref.norm() + 1e-6, name
+
+    def reference(temperature):   # float64 log-softmax over the model's float32 softcapped logits
+        model.zero_grad(set_to_none=True)
+        logp = torch.log_softmax(model(inputs).double() / temperature, -1)
+        terms = adv.double()[:, None] * logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets >= 0)
+        (-terms.sum()).backward()
+        return terms, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    terms, ref = reference(0.7)
+    assert abs(loss - float(-terms.sum())) <= 2e-3 * float(terms.abs().sum())   # terms of both signs
+    _, ref1 = reference(1.0)
+    for name in ref:
+        # bf16 roundings of dL/dlogits differ per backend; a scalar's gradient (x0_lambdas) is a sum
+        # of many terms of both signs, so its relative error is that backend's own at T = 1 (measured
+        # on the same inputs), not a fixed bound: T must not make it worse
+        rel = ((grads[name] - ref[name]).norm() / (ref[name].norm() + 1e-12)).item()
+        rel1 = ((grads1[name] - ref1[name]).norm() / (ref1[name].norm() + 1e-12)).item()
+        assert rel <= max(3e-2, 2 * rel1), (name, rel, rel1)
