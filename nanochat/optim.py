@@ -76,19 +76,34 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError("MuonAdamW: world_size > 1 needs torch.distributed initialised (torchrun)")
         if world_size > 1 and dist.get_world_size() != world_size:
             raise ValueError(f"MuonAdamW: world_size={world_size} but the process group has {dist.get_world_size()}")
-        super().__init__(param_groups, defaults={})
-        for group in self.param_groups:
-            if group.get("kind") not in ("muon", "adamw"):
-                raise ValueError(f"MuonAdamW: group kind must be muon|adamw, got {group.get('kind')!r}")
-            _check_group(group)
-            group.setdefault("weight_decay", 0.0)   # optional (0), as initial_weight_decay: step() reads it
-            group.setdefault("initial_lr", group["lr"])
-            group.setdefault("initial_weight_decay", group["weight_decay"])
+        super().__init__(param_groups, defaults={})   # each group through add_param_group below
         self.world_size, self.rank = world_size, rank
         self.fsdp = _uses_dtensors(self.param_groups)
         self._compile = compile
         self._compiled: dict = {}
         self.grad_norm: float | None = None   # the last step(max_norm=...)'s norm before clipping
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then this optimizer's checks and defaults, for __init__'s groups and any added
+        later alike (one added later was taken unchecked and without initial_lr / weight_decay: a
+        KeyError in the next set_hparams or step(), or a DTensor group in a non-FSDP step)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            if group.get("kind") not in ("muon", "adamw"):
+                raise ValueError(f"MuonAdamW: group kind must be muon|adamw, got {group.get('kind')!r}")
+            _check_group(group)
+            if hasattr(self, "fsdp") and group["params"] and _uses_dtensors([group]) != self.fsdp:   # added later
+                raise ValueError(f"MuonAdamW {group.get('name', group['kind'])!r}: params: "
+                                 f"{'plain tensors' if self.fsdp else 'DTensors'} added to an optimizer "
+                                 f"whose parameters are {'FSDP DTensors' if self.fsdp else 'plain tensors'}; "
+                                 "accepted: the same kind as the rest")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        group.setdefault("weight_decay", 0.0)   # optional (0), as initial_weight_decay: step() reads it
+        group.setdefault("initial_lr", group["lr"])
+        group.setdefault("initial_weight_decay", group["weight_decay"])
 
     # -- per-rank state layout: a state saved by one layout must not load into another ---------
     def layout(self) -> dict:
@@ -132,7 +147,14 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # -- schedules -----------------------------------------------------------------------------
     def set_hparams(self, *, lr_mult: float = 1.0, momentum: float | None = None, wd_mult: float = 1.0) -> None:
-        """lr = initial_lr * lr_mult; weight_decay = initial_weight_decay * wd_mult; Muon momentum."""
+        """lr = initial_lr * lr_mult; weight_decay = initial_weight_decay * wd_mult; Muon momentum.
+        Refused as the groups' own values are when built (a momentum of 1 from a schedule froze
+        every Muon matrix: the buffer never takes a gradient; a negative lr climbed the loss)."""
+        for name, value in (("lr_mult", lr_mult), ("wd_mult", wd_mult)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"MuonAdamW.set_hparams {name}: got {value}; accepted: a finite number >= 0")
+        if momentum is not None and not 0 <= momentum < 1:
+            raise ValueError(f"MuonAdamW.set_hparams momentum: got {momentum}; accepted: [0, 1)")
         for group in self.param_groups:
             group["lr"] = group["initial_lr"] * lr_mult
             group["weight_decay"] = group["initial_weight_decay"] * wd_mult
@@ -226,6 +248,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """One update. `max_norm` (only where reduces_gradients): scale the averaged gradient to at
         most this global L2 norm first, as clip_grad_norm_ does on one process; the norm before
         clipping lands in self.grad_norm, and a non-finite one skips the update."""
+        if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):   # -1 flipped every gradient
+            raise ValueError(f"MuonAdamW.step max_norm (--grad-clip): got {max_norm}; accepted: a finite number > 0")
         loss = None
         if closure is not None:
             with torch.enable_grad():
