@@ -79,6 +79,11 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})   # each group through add_param_group below
         self.world_size, self.rank = world_size, rank
         self.fsdp = _uses_dtensors(self.param_groups)
+        mesh = self.fsdp and next(p for g in self.param_groups for p in g["params"]).device_mesh.size()
+        if mesh and mesh != world_size:   # else its state records the wrong world size: a resume on
+            # other ranks failed with a shape error instead of state_meta's refusal
+            raise ValueError(f"MuonAdamW: the FSDP parameters are sharded over {mesh} ranks but "
+                             f"world_size={world_size}; pass world_size={mesh}")
         self._compile = compile
         self._compiled: dict = {}
         self.grad_norm: float | None = None   # the last step(max_norm=...)'s norm before clipping

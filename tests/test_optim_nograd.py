@@ -120,6 +120,16 @@ def _worker(rank: int, store: str, out: str) -> None:
             result[normuon] = _run(lambda m, s: _rank_grads(m, s, rank), normuon, WORLD, rank)
             # FSDP: a gradient is None on every rank or on none (FSDP reduces what it produces)
             result[normuon, "fsdp"] = _run(lambda m, s: _averaged(m, s), normuon, WORLD, rank, fsdp=True)
+        try:   # FSDP parameters sharded over WORLD ranks with the default world_size=1
+            fsdp_model = tiny_model(VOCAB)
+            from types import SimpleNamespace
+
+            from nanochat.distributed import apply_fsdp
+            apply_fsdp(fsdp_model, SimpleNamespace(ddp=True, device_type="cpu", world_size=WORLD))
+            build_optimizer(fsdp_model, weight_decay=0.1)
+            result["mesh_error"] = None
+        except ValueError as e:
+            result["mesh_error"] = str(e)
         if rank == 0:
             torch.save(result, out)
         dist.barrier()   # no rank tears gloo down while the other still talks to it
@@ -131,6 +141,8 @@ def test_two_gloo_ranks_match_one_process_with_missing_gradients(tmp_path):
     out = tmp_path / "params.pt"
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
     dist_result = torch.load(out)
+    assert dist_result.pop("mesh_error") == (f"MuonAdamW: the FSDP parameters are sharded over {WORLD} ranks but "
+                                             f"world_size=1; pass world_size={WORLD}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
