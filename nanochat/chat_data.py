@@ -219,6 +219,20 @@ class ChatLoader:
         pass
 
 
+def first_rows(batches, rows: int):
+    """The first `rows` rows of a stream of (inputs, targets) batches: whole batches up to the one
+    that holds the last of them, whose later rows get targets -1 (scored by nothing, the batch keeps
+    its shape). The validation rows of a run stay the same at any device batch size (chat_train)."""
+    for x, y in batches:
+        if rows <= 0:
+            return
+        if rows < y.shape[0]:
+            y = y.clone()
+            y[rows:] = -1
+        rows -= y.shape[0]
+        yield x, y
+
+
 def estimate_epoch_rows(task, tokenizer, seq_len: int, *, mask: str, fill: str, sample: int = 4000) -> float:
     """Rows of seq_len + 1 one epoch of `task` packs into (simulated on up to `sample`
     conversations, then scaled), for "-1 iterations = one epoch"."""

@@ -38,7 +38,8 @@ CHAT_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
                       "last one continues into the next epoch)",
     "max_seq_len": "tokens per row; -1: the model's sequence length",
     "init_lr_frac": "every learning rate above is multiplied by this",
-    "eval_tokens": "validation tokens per evaluation (of all ranks together); -1: 20 micro-batches in all",
+    "eval_tokens": "validation tokens per evaluation (of all ranks together): N // --max-seq-len rows; -1: 20 "
+                   "micro-batches of the run's first --device-batch-size in all (a resume keeps its rows)",
     "data_dir": "a data root holding eval/ sft/ words/ (or one of them); not given: $NANOCHAT_EVAL_DIR / "
                 "$NANOCHAT_SFT_DIR, else eval_data/ / sft_data/ in the base dir, else ../shared/data",
     "no_decontaminate": "keep the conversations whose user turn is word for word a local MMLU / ARC / GSM8K test "

@@ -282,6 +282,23 @@ def _check_eval_tokens(cfg: ChatTrainConfig, seq_len: int) -> None:
             f"-1 or at least one micro-batch, --device-batch-size x --max-seq-len = {per_batch:,}")
 
 
+EVAL_MICRO_BATCHES = 20   # --eval-tokens -1: this many micro-batches of the run's first device batch
+
+
+def eval_rows_of(cfg: ChatTrainConfig, seq_len: int, saved: dict | None) -> int:
+    """Validation rows each evaluation scores: --eval-tokens N: N // --max-seq-len; -1: 20 micro-batches
+    of the run's device batch, and a resume (`saved`: the meta.json it continues) keeps the rows its run
+    scored. Counted in micro-batches of this process's --device-batch-size, the resume an out-of-memory
+    stop names (half the device batch) scored half the rows from then on: another set's val bpb."""
+    if cfg.eval_tokens != -1:
+        return cfg.eval_tokens // seq_len
+    config, train = (saved or {}).get("config") or {}, (saved or {}).get("train") or {}
+    if saved is None or config.get("eval_tokens", -1) != -1:   # a fresh run, or the flag changed from N to -1
+        return EVAL_MICRO_BATCHES * cfg.device_batch_size
+    # a checkpoint from before train.eval_rows was recorded: its run scored 20 micro-batches of its device batch
+    return int(train.get("eval_rows") or EVAL_MICRO_BATCHES * config.get("device_batch_size", cfg.device_batch_size))
+
+
 def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> int | None:
     """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
@@ -318,7 +335,7 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
 def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     import torch
 
-    from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, validation_overlap
+    from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, first_rows, validation_overlap
     from nanochat.chat_flags import (describe_epochs, epochs_of, next_commands, print_banner,   # it imports this module
                                      resume_command)
     from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, disk_plan, fresh_start,
@@ -373,7 +390,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
         disk += f"; {earlier.describe()}"
     model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
-    eval_batches = 20 if cfg.eval_tokens == -1 else max(1, cfg.eval_tokens // (cfg.device_batch_size * seq_len))
+    eval_rows = eval_rows_of(cfg, seq_len, start.saved)
+    eval_batches = -(-eval_rows // cfg.device_batch_size)   # the last one's surplus rows unscored (first_rows)
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=seq_len, device=rt.device, mask=stage.mask,
                      fill=stage.fill)
     loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, **loader_kw)
@@ -408,6 +426,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,
                   "mixture_conversations": len(train_mix), "mixture": mixture, "mask": stage.mask, "fill": stage.fill,
+                  "eval_rows": eval_rows,
                   "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir),
@@ -418,13 +437,15 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                  mixture=mixture, seq_len=seq_len, compile_model=compile_model, device_name=device_name,
                  resumed_at=resume["step"] if resume is not None else None,
                  iterations=describe_epochs(num_iterations, cfg.num_iterations, epoch_steps, epochs),
-                 evals=f"eval every {cfg.eval_every} ({eval_batches} batches)" if cfg.eval_every > 0 else "eval off")
+                 evals=f"eval every {cfg.eval_every} ({eval_rows} rows, {eval_batches} batches)" if cfg.eval_every > 0
+                 else "eval off")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
     val_kw = {**loader_kw, "device": torch.device("cpu")}   # the whole val stream (rank 0 of 1) on the host, once:
-    val_set = EvalSet(lambda: ChatLoader(val_mix, tokenizer, loop=False, **val_kw), eval_batches, rt)   # EvalSet deals it
+    val_set = EvalSet(lambda: first_rows(ChatLoader(val_mix, tokenizer, loop=False, **val_kw), eval_rows),
+                      eval_batches, rt)   # EvalSet deals it
 
     def evaluate(_step: int) -> dict:
         model.eval()

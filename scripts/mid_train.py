@@ -3,8 +3,10 @@
 Teaches the base model the chat format, tool use and multiple choice before SFT: loads the `base`
 checkpoint (--model-tag, default: the only tag, else the deepest d<N>), trains on a conversation mixture (local
 conversations or SmolTalk, identity chats, MMLU/ARC rendered as multiple-choice chats, GSM8K with
-calculator tool calls, SpellingBee) packed into BOS-aligned rows of --max-seq-len tokens (every
-token trains; rows are filled by cropping), and saves the `mid` checkpoint under the same tag.
+calculator tool calls, SimpleSpelling and SpellingBee: upstream nanochat's sizes, so next to the
+offline data's ~1.9K local chats the 280K spelling drills are ~93% of the conversations) packed into
+BOS-aligned rows of --max-seq-len tokens (every token trains; rows are filled by cropping), and
+saves the `mid` checkpoint under the same tag.
 -1 iterations = one epoch of the mixture. The recipe lives in nanochat/chat_train.py (shared
 with chat_sft); the loop in nanochat/loop.py.
 The log's MFU divides by the device table's peak; --peak-flops gives it for a GPU the table lacks
