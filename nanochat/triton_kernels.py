@@ -53,24 +53,27 @@ def _tanh_of(x, inv_softcap, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
-def _softcap(x, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+def _z(x, zcap, inv_softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+    """z = softcap(x) / T. zcap = softcap / T comes from the host (exactly softcap at T = 1), so at
+    T = 1 this is the untempered kernel's instruction for instruction: a `softcap * t * (1 / T)`
+    rounded the product before the fma with -lse / -m that `softcap * t - lse` compiles to."""
     if HAS_SOFTCAP:
-        x = softcap * _tanh_of(x, inv_softcap, FAST_TANH)
-    return x
+        return zcap * _tanh_of(x, inv_softcap, FAST_TANH)
+    return x * inv_temperature   # exact at 1 / T = 1
 
 
 @triton.jit
-def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, inv_temperature,
+def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, zcap, inv_softcap, inv_temperature,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite one row of logits with scale * (softmax(z) - onehot(target)) * dz/dx, where
-    z = softcap(x) / T (inv_temperature = 1 / T)."""
+    z = softcap(x) / T (zcap = softcap / T, inv_temperature = 1 / T: _z)."""
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             t = _tanh_of(x, inv_softcap, FAST_TANH)
-            g = tl.exp(softcap * t * inv_temperature - lse) - tl.where(cols == target, 1.0, 0.0)
+            g = tl.exp(zcap * t - lse) - tl.where(cols == target, 1.0, 0.0)
             g = g * (1.0 - t * t)   # d/dx [c * tanh(x / c)] = 1 - tanh^2
         else:
             g = tl.exp(x * inv_temperature - lse) - tl.where(cols == target, 1.0, 0.0)
@@ -80,7 +83,7 @@ def _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_sof
 
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale_ptr,
-                   n_cols, softcap, inv_softcap, inv_temperature, ignore_index,
+                   n_cols, zcap, inv_softcap, inv_temperature, ignore_index,
                    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, FAST_TANH: tl.constexpr,
                    FIXED_SHIFT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -89,17 +92,16 @@ def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale
     valid = target != ignore_index
     safe_target = tl.where(valid, target, 0)
 
-    # Pass 1: logsumexp of z = softcap(x) / T. FIXED_SHIFT (softcapped logits, |z| <= softcap / T
-    # <= 40): sum exp(z - softcap / T) directly, which can neither overflow nor underflow to 0;
+    # Pass 1: logsumexp of z = softcap(x) / T. FIXED_SHIFT (softcapped logits, |z| <= zcap =
+    # softcap / T <= 40): sum exp(z - zcap) directly, which can neither overflow nor underflow to 0;
     # else an online (running max m, running sum s of exp(z - m)).
-    m = softcap * inv_temperature if FIXED_SHIFT else -float("inf")
+    m = zcap if FIXED_SHIFT else -float("inf")
     s = 0.0
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _softcap(x, softcap, inv_softcap, HAS_SOFTCAP, FAST_TANH) * inv_temperature
-        z = tl.where(mask, z, -float("inf"))
+        z = tl.where(mask, _z(x, zcap, inv_softcap, inv_temperature, HAS_SOFTCAP, FAST_TANH), -float("inf"))
         if FIXED_SHIFT:
             s += tl.sum(tl.exp(z - m), axis=0)
         else:
@@ -107,27 +109,27 @@ def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
     lse = m + tl.log(s)
-    z_target = _softcap(tl.load(row_ptr + safe_target).to(tl.float32), softcap, inv_softcap, HAS_SOFTCAP,
-                        FAST_TANH) * inv_temperature
+    z_target = _z(tl.load(row_ptr + safe_target).to(tl.float32), zcap, inv_softcap, inv_temperature, HAS_SOFTCAP,
+                  FAST_TANH)
     tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
     tl.store(lse_ptr + row, lse)
 
     if COMPUTE_GRAD:
         scale = tl.load(scale_ptr)
-        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, softcap, inv_softcap, inv_temperature,
+        _write_grad_row(row_ptr, target, lse, scale, valid, n_cols, zcap, inv_softcap, inv_temperature,
                         HAS_SOFTCAP, FAST_TANH, BLOCK_V)
 
 
 @triton.jit
 def _ce_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, scale_ptr, scale_stride,
-                    n_cols, softcap, inv_softcap, inv_temperature, ignore_index,
+                    n_cols, zcap, inv_softcap, inv_temperature, ignore_index,
                     HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
     _write_grad_row(logits_ptr + row * stride_row, target, lse, scale, target != ignore_index,
-                    n_cols, softcap, inv_softcap, inv_temperature, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
+                    n_cols, zcap, inv_softcap, inv_temperature, HAS_SOFTCAP, FAST_TANH, BLOCK_V)
 
 
 # softcaps (over the temperature: the bound of |z|) up to this take the fixed-shift logsumexp:
@@ -164,7 +166,7 @@ def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, softcap: float |
     cap = float(softcap or 1.0)
     _ce_fwd_kernel[(rows,)](
         logits, logits.stride(0), targets, loss, lse, scale, n_cols,
-        cap, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
+        cap / temperature, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), COMPUTE_GRAD=grad_scale is not None,
         FAST_TANH=_fast_tanh(logits), FIXED_SHIFT=bool(softcap) and 0 < cap / temperature <= FIXED_SHIFT_MAX_SOFTCAP,
         BLOCK_V=block, num_warps=num_warps)
@@ -185,7 +187,7 @@ def ce_grad_rows_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
     cap = float(softcap or 1.0)
     _ce_grad_kernel[(rows,)](
         logits, logits.stride(0), targets, lse, row_scale, row_scale.stride(0) if row_scale.ndim else 0,
-        n_cols, cap, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
+        n_cols, cap / temperature, 1.0 / cap, 1.0 / temperature, IGNORE_INDEX,
         HAS_SOFTCAP=bool(softcap), FAST_TANH=_fast_tanh(logits), BLOCK_V=block, num_warps=num_warps)
 
 
