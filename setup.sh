@@ -195,8 +195,11 @@ if command -v nvidia-smi >/dev/null 2>&1; then
       GPU_CC="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
       GPU_MEM_MIB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sed -n "${GPU_ROW}p" || true)"
       [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]] || GPU_COUNT="$(visible_gpu_count)"
-    else   # (said, or refused, with the preset below)
-      HIDDEN_GPUS=$GPU_COUNT GPU_COUNT=0
+    fi
+    if [[ -z "$GPU_ROW" || "$GPU_COUNT" == 0 ]]; then   # (said, or refused, with the preset below; a
+      # repeated entry such as "0,0" names a GPU first yet shows CUDA none)
+      HIDDEN_GPUS="$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c . || true)" GPU_COUNT=0
+      GPU_NAME="" GPU_CC="" GPU_MEM_MIB=""
     fi
     DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | sed -n 1p)"
   else

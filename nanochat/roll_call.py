@@ -34,7 +34,6 @@ import math
 import os
 import shlex
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,36 +74,19 @@ def _allow_different_flags(env: Mapping[str, str]) -> bool:
     return raw == "1"
 
 
-def _tracked_sources(repo: Path) -> list[Path] | None:
-    """The .py files under nanochat/ and scripts/ that git tracks (staged ones included), or None
-    where git cannot say (no git, not a checkout, or a checkout that tracks none of them)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z", "--", *SOURCE_DIRS], cwd=repo, capture_output=True,
-                             timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [n for n in out.stdout.decode(errors="surrogateescape").split("\0") if n.endswith(".py")]
-    if out.returncode != 0 or not any(n.startswith("nanochat/") for n in names):
-        return None
-    return [repo / n for n in sorted(set(names))]
-
-
 def _source_hashes() -> dict[str, str]:
     """A short sha256 per .py file under nanochat/ and scripts/, by path relative to the repo (the
-    checkout may sit elsewhere on each node). In a git checkout: the files git tracks, as they are
-    on disk (an edit not yet committed counts), since an untracked file is nothing the nodes share:
-    a scratch .py, an editor's lock file (emacs' ".#gpt.py", a dangling link) or a backup on one
-    node refused a launch whose code was the same. Elsewhere (an rsync without .git, an unpacked
-    archive): every .py file there that Python could import as a module (not ".#gpt.py", not
-    "gpt.orig.py")."""
-    paths = _tracked_sources(_REPO)
-    if paths is None:
-        paths = sorted(p for sub in SOURCE_DIRS for p in (_REPO / sub).rglob("*.py") if p.stem.isidentifier())
+    checkout may sit elsewhere on each node): every file there that Python could import as a
+    module, so not an editor's lock or backup (emacs' ".#gpt.py", a dangling link; "gpt.orig.py"),
+    which refused launches whose code was the same. One rule on every node, git checkout or not (an
+    rsync without .git): hashing only what git tracks on some nodes made identical trees differ,
+    and missed an untracked module that two checkouts import in different versions."""
+    paths = sorted(p for sub in SOURCE_DIRS for p in (_REPO / sub).rglob("*.py") if p.stem.isidentifier())
     out = {}
     for path in paths:
         try:
             out[path.relative_to(_REPO).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        except OSError as e:   # e.g. a tracked file deleted on this node
+        except OSError as e:   # e.g. a dangling link with a module's name, or a file removed meanwhile
             out[path.relative_to(_REPO).as_posix()] = f"unreadable ({e.strerror})"
     return out
 

@@ -22,13 +22,17 @@ visible_gpu_row() {
 # The GPUs CUDA_VISIBLE_DEVICES shows, at most the GPUs there are. CUDA reads the list up to its first
 # invalid entry (-1, an empty one, an index past the last GPU) and hides the rest, as torch's own
 # parser does: "0,-1,1" is one GPU, and the "2 GPUs ... --nproc 2" advice it got before started a
-# second rank that found no device.
+# second rank that found no device. A repeated entry ("0,0", "1,0,1") shows none at all (torch's
+# _parse_visible_devices: "Repeated ordinal results in empty set").
 visible_gpu_count() {
-  local n=0 entry
+  local n=0 entry seen=","
   while IFS= read -r entry; do
     entry="${entry//[[:space:]]/}"
     [[ -n "$entry" && "$entry" != -* ]] || break
     [[ ! "$entry" =~ ^[0-9]+$ ]] || (( 10#$entry < GPU_COUNT )) || break
+    [[ ! "$entry" =~ ^[0-9]+$ ]] || entry=$((10#$entry))
+    [[ "$seen" != *",$entry,"* ]] || { echo 0; return; }
+    seen+="$entry,"
     n=$((n + 1))
   done < <(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES")
   echo $(( n < GPU_COUNT ? n : GPU_COUNT ))

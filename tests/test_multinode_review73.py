@@ -9,7 +9,7 @@
   only here gets an accurate note on node 0 and a warning on the other nodes.
 * the roll call hashed every .py file under nanochat/ and scripts/, untracked ones included: a
   scratch file or an editor's lock file (emacs' ".#gpt.py", a dangling link) on one node refused a
-  launch whose code was the same. In a git checkout it now hashes the files git tracks.
+  launch whose code was the same. Now every file Python could import, on every node.
 * NANOCHAT_DIST_TIMEOUT, documented to bound the start, never reached torchrun's own wait for the
   nodes (its static rendezvous: 600 s): the launcher now passes it as --rdzv_conf timeout=N, and
   refuses a malformed value before torchrun.
@@ -111,42 +111,45 @@ def _checkout(root: Path) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_roll_call_hashes_the_files_git_tracks(tmp_path, monkeypatch):
+def test_roll_call_hashes_the_same_files_in_a_checkout_and_a_copy_without_git(tmp_path, monkeypatch):
+    """One rule on every node: a git checkout with an untracked module and its rsync'd copy without
+    .git give the same files (hashing git's tracked files on one node and all on the other refused
+    identical trees, and let an untracked imported module differ unseen)."""
     repo = _checkout(tmp_path / "repo")
     _git(repo, "init", "-q")
-    _git(repo, "add", "nanochat", "scripts")   # staged is tracked: a new module not yet committed counts
-    (repo / "nanochat" / "scratch.py").write_text("print('trying something')\n")
-    os.symlink("user@spark-1.4242:1700000000", repo / "nanochat" / ".#gpt.py")   # emacs' lock: dangling
+    _git(repo, "add", "nanochat", "scripts")
+    (repo / "nanochat" / "new_mod.py").write_text("v = 1\n")   # untracked, imported by the code
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
     monkeypatch.setattr(roll_call, "_REPO", repo)
-    hashes = roll_call._source_hashes()
-    assert sorted(hashes) == ["nanochat/gpt.py", "nanochat/tasks/arc.py", "scripts/base_train.py"], hashes
-    (repo / "nanochat" / "gpt.py").write_text("x = 2\n")   # an edit not committed is what runs: it counts
-    assert roll_call._source_hashes()["nanochat/gpt.py"] != hashes["nanochat/gpt.py"]
+    in_repo = roll_call._source_hashes()
+    monkeypatch.setattr(roll_call, "_REPO", copy)
+    assert roll_call._source_hashes() == in_repo
+    assert "nanochat/new_mod.py" in in_repo
+    (copy / "nanochat" / "new_mod.py").write_text("v = 2\n")   # another version of it on that node: seen
+    assert roll_call._source_hashes()["nanochat/new_mod.py"] != in_repo["nanochat/new_mod.py"]
 
 
-def test_roll_call_outside_git_hashes_every_importable_file(tmp_path, monkeypatch):
+def test_roll_call_hashes_every_importable_file(tmp_path, monkeypatch):
     repo = _checkout(tmp_path / "copy")   # e.g. rsync'd without .git
     (repo / "nanochat" / "extra.py").write_text("w = 4\n")
-    os.symlink("user@spark-1.4242:1700000000", repo / "nanochat" / ".#gpt.py")
+    os.symlink("user@spark-1.4242:1700000000", repo / "nanochat" / ".#gpt.py")   # emacs' lock: dangling
     (repo / "nanochat" / "gpt.orig.py").write_text("x = 0\n")
     monkeypatch.setattr(roll_call, "_REPO", repo)
     assert sorted(roll_call._source_hashes()) == ["nanochat/extra.py", "nanochat/gpt.py", "nanochat/tasks/arc.py",
                                                   "scripts/base_train.py"]
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_a_stray_file_on_one_node_does_not_fail_the_roll_call(tmp_path, monkeypatch):
-    """Two nodes' checkouts with the same tracked code, one with a scratch file: the roll call passes."""
+def _roll_call_of(tmp_path, monkeypatch, extra: dict[str, str]) -> None:
+    """The roll call of two nodes with the same checkout, node 1 with `extra` files besides."""
     from concurrent.futures import ThreadPoolExecutor
 
     from nanochat.distributed import free_port
     facts = []
     for node in ("node0", "node1"):
         repo = _checkout(tmp_path / node)
-        _git(repo, "init", "-q")
-        _git(repo, "add", "nanochat", "scripts")
-        if node == "node1":
-            (repo / "scripts" / "scratch.py").write_text("import torch\n")
+        for rel, text in (extra if node == "node1" else {}).items():
+            (repo / rel).write_text(text)
         monkeypatch.setattr(roll_call, "_REPO", repo)
         facts.append({"host": node, "pid": 1, "files": roll_call._source_hashes(), "git": None, "torch": "2.9",
                       "backend": "gloo", "dtype": "n/a", "argv": ["base_train.py"], "allow_different_flags": False})
@@ -159,7 +162,16 @@ def test_a_stray_file_on_one_node_does_not_fail_the_roll_call(tmp_path, monkeypa
 
     with ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(rank, r) for r in (0, 1)]:
-            done.result(timeout=30)   # raised RequestError "the code: scripts/scratch.py ... differ" before
+            done.result(timeout=30)
+
+
+def test_an_editor_backup_on_one_node_does_not_fail_the_roll_call(tmp_path, monkeypatch):
+    _roll_call_of(tmp_path, monkeypatch, {"scripts/base_train.py~": "z = 0\n", "nanochat/gpt.orig.py": "x = 0\n"})
+
+
+def test_a_module_on_one_node_only_fails_the_roll_call_naming_it(tmp_path, monkeypatch):
+    with pytest.raises(roll_call.RequestError, match="scripts/scratch.py"):
+        _roll_call_of(tmp_path, monkeypatch, {"scripts/scratch.py": "import torch\n"})
 
 
 # ------------------------------------------------------------------ NANOCHAT_DIST_TIMEOUT and torchrun's wait
@@ -230,7 +242,8 @@ def test_a_node_given_its_own_address_is_warned(tmp_path):
 # ------------------------------------------------------------------ setup_gpus.sh: the GPUs CUDA shows
 
 @pytest.mark.parametrize("visible, count", [("0,1", 2), (" 1 , 0 ", 2), ("0,1,", 2), ("0,1,2,3", 2),
-                                            ("0,-1,1", 1), ("0,5,1", 1), ("1,,0", 1), ("GPU-ab,GPU-cd", 2)])
+                                            ("0,-1,1", 1), ("0,5,1", 1), ("1,,0", 1), ("GPU-ab,GPU-cd", 2),
+                                            ("0,0", 0), ("1,0,1", 0), ("0,00", 0), ("GPU-ab,GPU-ab", 0)])
 def test_visible_gpu_count_stops_where_cuda_stops(visible, count):
     """CUDA (and torch's parser) read CUDA_VISIBLE_DEVICES up to the first invalid entry; "0,-1,1"
     counted 2, and setup.sh advised --nproc 2 on a machine where CUDA showed one GPU."""

@@ -96,7 +96,7 @@ def _hidden(tmp_path, cvd: str, *args):
     return out.returncode, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("cvd", ["", "-1"])
+@pytest.mark.parametrize("cvd", ["", "-1", "0,0"])   # "0,0": a repeated entry shows CUDA no GPU
 def test_auto_preset_does_not_turn_hidden_gpus_into_the_cpu_demo(tmp_path, cvd):
     rc, out = _hidden(tmp_path, cvd)
     assert rc == 2, out
