@@ -1,11 +1,16 @@
 """Conversation data for mid-training and SFT: task mixtures, rendering, BOS-aligned packing,
 padding, and an exactly resumable loader state.
 
-`ChatLoader` streams conversations of a Task (usually a TaskMixture) in a fixed order (rank r of
-W takes positions r, r+W, ...; position p is example p % len(task) of epoch p // len(task)),
-renders each with `tokenizer.render_conversation` (ids + assistant mask) and packs whole
-conversations into rows of seq_len + 1 tokens, best fit from a small buffer, every conversation
-starting with <|bos|>. When no buffered conversation fits the rest of a row:
+`ChatLoader` streams conversations of a Task (usually a TaskMixture) position by position (rank r
+of W takes positions r, r+W, ...; position p is place p % len(task) of epoch p // len(task)). Epoch
+0 reads the task in its own order; each later epoch reads a fresh permutation of it drawn from the
+run's seed and the epoch number (`epoch_order`), the same on every rank, so the ranks' positions
+still deal every conversation exactly once per epoch and batches do not repeat epoch after epoch.
+A loader state saved before this reshuffle (no `epoch_seed`) keeps repeating epoch 0's order, so
+the run it resumes continues exactly as it began. Each conversation is rendered with
+`tokenizer.render_conversation` (ids + assistant mask); whole conversations are packed into rows of
+seq_len + 1 tokens, best fit from a small buffer, every conversation starting with <|bos|>. When no
+buffered conversation fits the rest of a row:
 
 * fill="crop" (mid-training): the shortest buffered conversation is cropped to fill the row
   (no padding, every position trains; the cropped tail is dropped),
@@ -21,7 +26,8 @@ when packed (`truncated`, the run summary's conversations_truncated). `trainable
 both before training.
 
 State = the next stream position + the positions held in the buffer (re-rendered on load) and of
-the skips read ahead of the last row, so a resumed run reproduces the batches (and counts) exactly.
+the skips read ahead of the last row, and the epochs' seed, so a resumed run reproduces the batches
+(and counts) exactly.
 
 Mixtures: `build_mixture` (a stage's conversations, its validation mixture), `test_holdouts` (the test
 problems a checkpoint's chain trained on); leaving chat_eval's test problems out of a mixture is
@@ -33,6 +39,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import random
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
@@ -55,7 +62,7 @@ class ChatLoader:
 
     def __init__(self, task, tokenizer, batch_size: int, seq_len: int, *, device="cpu", rank: int = 0,
                  world_size: int = 1, mask: str = "assistant", fill: str = "pad", buffer_size: int = 32,
-                 loop: bool = True, limit: int | None = None):
+                 loop: bool = True, limit: int | None = None, seed: int | None = 42):
         if mask not in MASKS:
             raise ValueError(f"mask: got {mask!r}; accepted: {'|'.join(MASKS)}")
         if fill not in FILLS:
@@ -63,12 +70,15 @@ class ChatLoader:
         if len(task) == 0:
             raise ValueError("ChatLoader: the task has no conversations")
         assert batch_size >= 1 and seq_len >= 2 and buffer_size >= 1 and 0 <= rank < world_size
+        assert seed is None or (isinstance(seed, int) and seed >= 0)
         self.task, self.tokenizer = task, tokenizer
         self.batch_size, self.seq_len, self.device = batch_size, seq_len, torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.mask, self.fill, self.buffer_size, self.loop = mask, fill, buffer_size, loop
         self.limit = len(task) if limit is None else min(limit, len(task))  # positions of one epoch used
         self.pad_id = tokenizer.bos_token_id
+        self.seed = seed                # epochs after the first: epoch_order(limit, seed, epoch); None: epoch 0's order
+        self._orders: dict[int, list[int]] = {}   # epoch -> its order (the newest two kept: see _index)
         self.pos = rank                 # next stream position to render
         # (position, ids, trained-token mask, whether the conversation is longer than a row)
         self.buffer: list[tuple[int, list[int], list[int], bool]] = []
@@ -80,6 +90,7 @@ class ChatLoader:
         self.truncated = 0              # packed conversations longer than a row, cut at its end (the rest
         #                                 not trained); counted when packed, not when read into the buffer
         self._skip_run = 0              # ... in a row on this rank: a whole cycle of them trains nothing ever
+        self._skip_seen: set[int] = set()   # ... their places in the task (reshuffled epochs: all of them = stuck)
         self.tokens_real = self.tokens_total = 0
 
     # -- stream ---------------------------------------------------------------------------------
@@ -87,10 +98,23 @@ class ChatLoader:
     def epoch(self) -> int:
         return self.pos // self.limit
 
+    def _index(self, pos: int) -> int:
+        """The task index stream position `pos` reads: its place in its epoch's order."""
+        epoch, place = divmod(pos, self.limit)
+        if epoch == 0 or self.seed is None:
+            return place
+        if epoch not in self._orders:
+            self._orders[epoch] = epoch_order(self.limit, self.seed, epoch)
+            # positions are read in ascending order (a resumed buffer's too, and it reaches back an epoch
+            # at most unless the task is smaller than the buffer): older orders are not needed again
+            for old in sorted(self._orders)[:-2]:
+                del self._orders[old]
+        return self._orders[epoch][place]
+
     def _render(self, pos: int) -> tuple[int, list[int], list[int], bool]:
         """(pos, ids, mask) cut to a row of seq_len + 1 tokens, and whether the conversation was longer."""
         row = self.seq_len + 1
-        ids, mask = self.tokenizer.render_conversation(self.task[pos % self.limit], max_tokens=row + 1)
+        ids, mask = self.tokenizer.render_conversation(self.task[self._index(pos)], max_tokens=row + 1)
         if self.mask == "all":
             mask = [1] * len(ids)
         return pos, ids[:row], mask[:row], len(ids) > row
@@ -103,6 +127,7 @@ class ChatLoader:
                 self._skip(entry[0])
                 continue
             self._skip_run = 0
+            self._skip_seen.clear()
             self.buffer.append(entry)
         if not self.buffer:   # a finite stream read to its end: every skip read is passed
             self._pass_skips(math.inf)
@@ -118,12 +143,21 @@ class ChatLoader:
     def _skip(self, pos: int) -> None:
         self._pending_skips.append(pos)
         self._skip_run += 1
-        # this rank's positions revisit the same conversations after at most `limit` of them: that
-        # many skipped in a row means none it will ever read trains anything (it would spin forever)
-        if self.loop and self._skip_run >= self.limit:
-            raise RequestError(f"--max-seq-len {self.seq_len}: {self._skip_run:,} conversations in a row had no "
+        if not self.loop:
+            return
+        if self.seed is None:
+            # epochs in one order: this rank's positions revisit the same conversations after at most
+            # `limit` of them, so that many skipped in a row means none it will ever read trains anything
+            stuck, who = self._skip_run >= self.limit, "none this rank reads"
+        else:
+            # reshuffled epochs deal a rank other conversations each epoch: only every conversation of
+            # the task skipped in one run proves none trains (it would spin forever)
+            self._skip_seen.add(self._index(pos))
+            stuck, who = len(self._skip_seen) >= self.limit, "none of the mixture's"
+        if stuck:
+            raise RequestError(f"--max-seq-len {self.seq_len}: {self.limit:,} conversations in a row had no "
                                f"assistant token within a row of {self.seq_len + 1} tokens (the prompt cuts the "
-                               "reply off), so none this rank reads trains anything; raise --max-seq-len")
+                               f"reply off), so {who} trains anything; raise --max-seq-len")
 
     # -- packing --------------------------------------------------------------------------------
     def _take_best_fit(self, room: int) -> int | None:
@@ -198,12 +232,21 @@ class ChatLoader:
         return {"pos": self.pos, "buffer": [entry[0] for entry in self.buffer], "rank": self.rank,
                 "world_size": self.world_size, "conversations_used": self.conversations_used,
                 "skipped": self.skipped, "skipped_pending": list(self._pending_skips), "truncated": self.truncated,
-                "tokens_real": self.tokens_real, "tokens_total": self.tokens_total, "truncated_when": "packed"}
+                "tokens_real": self.tokens_real, "tokens_total": self.tokens_total, "truncated_when": "packed",
+                "epoch_seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
             raise ValueError(f"--resume: the loader state was saved by rank {state.get('rank')} of "
                              f"{state.get('world_size')}; this is rank {self.rank} of {self.world_size}")
+        # the order the saved run's epochs follow, before the buffer is rendered: a state from before
+        # the per-epoch reshuffle (no epoch_seed) repeats epoch 0's order, as the run it continues did
+        saved = state.get("epoch_seed")
+        if saved is not None and self.seed is not None and int(saved) != self.seed:
+            raise ValueError(f"--seed: the loader state's epochs were shuffled with --seed {saved}; this run's is "
+                             f"{self.seed}; accepted: --seed {saved} (the original run's)")
+        self.seed = None if saved is None else int(saved)
+        self._orders.clear()
         self.pos = int(state["pos"])
         self.buffer = [self._render(int(p)) for p in state["buffer"]]
         self.conversations_used = int(state.get("conversations_used", 0))
@@ -217,6 +260,17 @@ class ChatLoader:
 
     def close(self) -> None:  # API parity with the pretraining DataLoader
         pass
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order (a permutation of range(n)) in which epoch `epoch` of a looping ChatLoader reads its
+    task: epoch 0 the task's own order (the first epoch of every run reads what it always did), each
+    later one a shuffle seeded by (seed, epoch) alone, so every rank draws the same one. A string
+    seed: random hashes it with sha512, the same in every process and on every machine."""
+    order = list(range(n))
+    if epoch > 0:
+        random.Random(f"nanochat chat epoch {seed} {epoch}").shuffle(order)
+    return order
 
 
 def first_rows(batches, rows: int):

@@ -170,7 +170,7 @@ def describe_epochs(num_iterations: int, given: int, epoch_steps: int, epochs: f
         return f"{steps} (-1: one epoch of the mixture" + (f"; a step holds {epochs:.3g} epochs of it)" if epochs >= 1.5
                                                             else ")")
     text = f"{steps} = {epochs:.3g} epochs of the mixture (one is ~{epoch_steps:,} steps"
-    return text + ("; its conversations repeat)" if epochs > 1 else ")")
+    return text + ("; its conversations repeat, each epoch in a new order)" if epochs > 1 else ")")
 
 
 def auto_choices(cfg: ChatTrainConfig, rt, tag: str, seq_len: int, compile_model: bool) -> list[str]:

@@ -1,10 +1,10 @@
 """What a resumed mid-training / SFT run may continue beyond what every stage checks
 (nanochat/resume_checks.py): the conversation mixture the checkpoint's loader state points into
-(identity name, --extra-conversations by sha256, decontamination counts, size, --seed, rows of
---max-seq-len) and, under --total-batch-size -1, the step --device-batch-size rounds it to. Each
-refusal is a CheckpointError naming the flag; nanochat/chat_train.py checks them from meta.json
-before any weights load (and re-exports them), and names every other flag a resume changed
-(say_config_changes, all but SAID_ON_RESUME's)."""
+(identity name, --extra-conversations by sha256, decontamination counts, size, --seed: its order and
+each later epoch's, rows of --max-seq-len) and, under --total-batch-size -1, the step
+--device-batch-size rounds it to. Each refusal is a CheckpointError naming the flag;
+nanochat/chat_train.py checks them from meta.json before any weights load (and re-exports them),
+and names every other flag a resume changed (say_config_changes, all but SAID_ON_RESUME's)."""
 
 from __future__ import annotations
 

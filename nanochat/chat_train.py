@@ -394,7 +394,8 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     eval_batches = -(-eval_rows // cfg.device_batch_size)   # the last one's surplus rows unscored (first_rows)
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=seq_len, device=rt.device, mask=stage.mask,
                      fill=stage.fill)
-    loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, **loader_kw)
+    # epochs after the first in a fresh order drawn from --seed and the epoch (a resumed state keeps its run's)
+    loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, seed=cfg.seed, **loader_kw)
     if resume is not None and resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
 
@@ -426,7 +427,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     train_meta = {"num_iterations": num_iterations, "total_batch_size": plan.total_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "seq_len": seq_len, "world_size": rt.world_size,
                   "mixture_conversations": len(train_mix), "mixture": mixture, "mask": stage.mask, "fill": stage.fill,
-                  "eval_rows": eval_rows,
+                  "eval_rows": eval_rows, "epoch_order": "repeated" if loader.seed is None else "reshuffled",
                   "compile": compile_model, "dtype": rt.dtype_name, **precision_info}
     tracker = Tracker(resolve_wandb_mode(cfg.wandb, cfg.run), run=cfg.run, project=f"nanochat-{stage.name}",
                       config={**asdict(cfg), **train_meta}, is_master=rt.is_master, directory=str(base_dir),
@@ -439,6 +440,10 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                  iterations=describe_epochs(num_iterations, cfg.num_iterations, epoch_steps, epochs),
                  evals=f"eval every {cfg.eval_every} ({eval_rows} rows, {eval_batches} batches)" if cfg.eval_every > 0
                  else "eval off")
+    if resume is not None and loader.seed is None and epochs > 1:   # a run from before the reshuffle, continued as it began
+        print0(f"note: {ckpt_dir / step_dirname(resume['step'])} was saved before mid / SFT reshuffled each "
+               "epoch: this run keeps its order (every epoch repeats the first's conversations in the same "
+               "order) so that it continues exactly; a fresh run (--overwrite, or another --model-tag) reshuffles")
     if resume is not None:
         restore_rng_state(resume_loop["rng"])
 

@@ -141,7 +141,7 @@ def test_epochs_are_said_when_the_mixture_repeats():
     from nanochat.chat_flags import describe_epochs, epochs_of
     assert epochs_of(30, 4, 40.0) == 3.0
     assert describe_epochs(30, 30, 10, 3.0) == ("30 iterations = 3 epochs of the mixture (one is ~10 steps; its "
-                                                "conversations repeat)")
+                                                "conversations repeat, each epoch in a new order)")
     assert describe_epochs(5, 5, 10, 0.5) == "5 iterations = 0.5 epochs of the mixture (one is ~10 steps)"
     assert describe_epochs(10, -1, 10, 1.02) == "10 iterations (-1: one epoch of the mixture)"
     assert describe_epochs(1, -1, 1, 4.0) == "1 iteration (-1: one epoch of the mixture; a step holds 4 epochs of it)"

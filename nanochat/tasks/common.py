@@ -285,7 +285,9 @@ class TaskMixture(Task):
     """Deterministic shuffled union of tasks (list a task twice to oversample it).
 
     epochs > 1 repeats the mixture with a fresh shuffle per epoch (seed + epoch), so a training loop
-    can simply walk indices 0..len-1.
+    can simply walk indices 0..len-1. Mid / SFT build one epoch (epochs=1): their loader
+    (chat_data.ChatLoader) reads epoch 0 in this order and each later epoch in a permutation of it
+    drawn from the run's --seed and the epoch, without holding every epoch's index in memory.
     """
 
     def __init__(self, tasks: Sequence[Task], *, seed: int = 42, epochs: int = 1, **kw):
