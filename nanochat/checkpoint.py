@@ -29,7 +29,6 @@ the sums load unchecked (one whose sums file is lost, meta.json's "checksummed",
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -39,11 +38,12 @@ from pathlib import Path
 
 import torch
 
-from nanochat.common import fmt_bytes, get_base_dir
+from nanochat.common import fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, check_meta, fsync_dir, list_steps, load_verified,
-                                    make_dirs, restore_swapped_out, save_hashed, saved_sum, start_check,
-                                    step_dirname, sweep_superseded, write_json, _use_another_step)
+from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, check_meta, cut_short_saves, dir_identity, fsync_dir,
+                                    leftover_bytes, list_steps, load_verified, make_dirs, restore_swapped_out,
+                                    save_hashed, saved_sum, start_check, step_dirname, sweep_superseded, write_json,
+                                    _NO_ROOM, _state_device, _strip_compile_prefix, _use_another_step, _write_error)
 # sizes: re-exported for the recipes' disk plans
 from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
 # EarlierRun, fresh_start and the --resume / --overwrite flags' checks live in checkpoint_runs.py; the
@@ -153,16 +153,6 @@ def _sweep_removals(ckpt_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------ metadata
-
-def _strip_compile_prefix(state: dict) -> dict:
-    # torch.compile wraps the module; its state_dict keys carry "_orig_mod." which must not leak
-    # into checkpoints (the eval side loads into a plain module). Transformer Engine's layers
-    # (--precision-backend te) add "<layer>._extra_state" (fp8 metadata that the current / block
-    # scaling recipes built here do not carry across steps): every reader loads into the plain GPT.
-    return {k.removeprefix("_orig_mod."): v for k, v in state.items() if not k.endswith("._extra_state")}
-
-
 # ------------------------------------------------------------------------------------ disk space
 
 def _needed(n: int) -> int:
@@ -185,9 +175,11 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, earlier
     With keep_last > 0 at most keep_last + 1 of them are on disk at once (a save, then the pruning).
     Where it is short of room, it names the earlier runs kept in the directory's earlier_runs/ (never
     deleted by a run), and `earlier`, the checkpoints this run moves there at its first save (fresh_start,
-    branch_start): they stay on the disk, so an --overwrite frees nothing."""
+    branch_start): they stay on the disk, so an --overwrite frees nothing. Saves cut short (step_N.partial)
+    count as room: the first save deletes them before it writes."""
     need = _needed(bytes_each)
-    free = free_bytes(ckpt_dir)
+    cut = leftover_bytes(ckpt_dir)   # saves cut short (a kill mid-save): the first save deletes them first
+    free = free_bytes(ckpt_dir) + cut
     staying = earlier.room_note() if earlier is not None else ""
     if free < need:
         raise CheckpointError(f"{ckpt_dir}: {fmt_bytes(free)} free on its disk, but one checkpoint of this run needs "
@@ -197,6 +189,7 @@ def disk_plan(ckpt_dir, bytes_each: int, saves: int, keep_last: int = 0, earlier
     text = f"~{fmt_bytes(bytes_each)} each, {saves} save(s) planned"
     text += f", at most {at_once} on disk at once (--keep-last {keep_last})" if at_once < saves else ""
     text += f" (~{fmt_bytes(bytes_each * at_once)}), {fmt_bytes(free)} free"
+    text += f" (with {fmt_bytes(cut)} of saves cut short, deleted at the first save)" if cut else ""
     if free // need < at_once:
         room = free // need   # --keep-last K holds K + 1 at once (a save, then the pruning)
         keep = f"{'lower' if keep_last > 0 else 'set'} --keep-last to {room - 1}, " if room >= 2 else ""
@@ -312,10 +305,6 @@ def _on_every_rank(staging: Path, step: int, rank: int):
                               f"{_world_size()}, so every rank stops: {said}")
 
 
-def _state_device(state: dict | None) -> torch.device | None:
-    return next((v.device for v in (state or {}).values() if isinstance(v, torch.Tensor)), None)
-
-
 def _point_latest(ckpt_dir: Path, final: Path, step: int) -> None:
     """latest.json -> `final` (complete by now). The disk filling (or refusing writes) here left a
     traceback while latest.json still named an older step, which --resume latest|auto then took
@@ -335,19 +324,6 @@ def _point_latest(ckpt_dir: Path, final: Path, step: int) -> None:
         raise CheckpointError(f"checkpoint of step {step} saved to {final}, but {ckpt_dir / LATEST_NAME} could not "
                               f"be updated ({e.strerror}) and {pointed}: free space (or make the disk writable) and "
                               f"continue with --resume {step}, not latest or auto") from e
-
-
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
-
-
-def _write_error(e: BaseException) -> OSError | None:
-    """The OSError of a failed write behind `e`, when it is one a user can act on (no room, not
-    writable): `e` itself, or the one torch.save met: its zip writer turns the file's ENOSPC into a
-    RuntimeError ("unexpected pos ...") that carries the OSError only as its __context__."""
-    if isinstance(e, RuntimeError):
-        e = e.__cause__ or e.__context__
-    return e if isinstance(e, OSError) and e.errno in _NO_ROOM + _NOT_WRITABLE else None
 
 
 @contextlib.contextmanager
@@ -426,10 +402,51 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
 def load_checkpoint(ckpt_dir, step: int | str = "latest", *, device="cpu", rank: int = 0,
                     load_optimizer: bool = False) -> dict:
     """Read a checkpoint. Returns {"model", "optimizer", "loader", "loop", "meta", "step"};
-    optimizer is None unless load_optimizer; loader/loop are None when they were not saved."""
-    ckpt_dir = Path(ckpt_dir)
-    step = resolve_step(ckpt_dir, step)
+    optimizer is None unless load_optimizer; loader/loop are None when they were not saved. A step
+    removed or replaced while read (a run training there: --keep-last, a re-save) is read again
+    ("latest": what latest.json names then); one removed for good is said (an eval during training
+    met a bare FileNotFoundError, or "file missing ... use another step" as if it were damaged)."""
+    ckpt_dir, attempt = Path(ckpt_dir), 0
+    while True:
+        at = resolve_step(ckpt_dir, step)
+        step_dir = ckpt_dir / step_dirname(at)
+        before = dir_identity(step_dir)
+        try:
+            out = _load_step(ckpt_dir, at, device, rank, load_optimizer)
+            if before is None or dir_identity(step_dir) in (before, None) or attempt == _REREADS:
+                return out   # read from one copy (removed after: still whole)
+            attempt += 1   # swapped for a re-save meanwhile: meta.json of one copy, weights of the other
+            continue
+        except (CheckpointError, FileNotFoundError) as e:
+            after = dir_identity(step_dir)
+            raced = before is not None and after != before   # renamed away, or swapped for a re-save
+            if before is None and step == "latest":   # gone before this read began: latest.json moved on?
+                with contextlib.suppress(CheckpointError):
+                    raced = read_latest(ckpt_dir) != at
+            if not raced:   # never there, or damaged in place
+                if isinstance(e, CheckpointError):
+                    raise
+                missing = Path(e.filename or step_dir)
+                raise CheckpointError(f"{missing}: file missing from the checkpoint; "
+                                      f"{_use_another_step(missing)}") from e
+            if attempt < _REREADS and (step == "latest" or after is not None):
+                attempt += 1
+                continue
+            raise CheckpointError(f"{step_dir} was removed while it was being read (by a run training into "
+                                  f"{ckpt_dir}: --keep-last, or a move to {EARLIER_RUNS}/); steps on disk now: "
+                                  f"{list_steps(ckpt_dir) or 'none'}") from e
+
+
+_REREADS = 3   # a reader overtaken this often by saves (seconds apart at least) is told, not looped
+
+
+def _load_step(ckpt_dir: Path, step: int, device, rank: int, load_optimizer: bool) -> dict:
+    """load_checkpoint's read of one step (a training resume, load_optimizer: saves cut short said)."""
     meta = read_meta(ckpt_dir, step)
+    if load_optimizer and (cut := cut_short_saves(ckpt_dir)):
+        print0(f"checkpoint: {', '.join(step_dirname(n) + '.partial' for n in cut)} in {ckpt_dir}: a save cut short "
+               f"(killed or crashed mid-save), not a checkpoint; this run resumes step {step} and deletes the "
+               "leftover at its first save")
     step_dir = ckpt_dir / step_dirname(step)
     saved_world = meta["world_size"]   # read_meta checked it
     if rank >= saved_world and (load_optimizer or (step_dir / "state_rank0.pt").exists()):

@@ -1,6 +1,8 @@
 """The files of a checkpoint: step directory names, atomic writes (temp file + fsync +
 os.replace), size + sha256 sums hashed alongside the IO, torch.load(weights_only=True) that
-returns only what matches its sums, and the sizes of states (the disk plans). checkpoint.py builds saves, loads and resumes on these.
+returns only what matches its sums, the sizes of states (the disk plans), which failed writes a user
+can act on (no room, a disk refusing writes), the saves cut short (step_N.partial) and the identity of
+a step directory (a reader overtaken by --keep-last). checkpoint.py builds saves, loads and resumes on these.
 """
 
 from __future__ import annotations
@@ -45,6 +47,26 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
+def cut_short_saves(ckpt_dir: str | Path) -> list[int]:
+    """Steps whose save was cut short (a kill or crash mid-save left step_N.partial, never renamed to
+    step_N): no checkpoint, ignored by every read and deleted by the next save, but said at a resume
+    (a resume at step 200 after step 300's save died said nothing of step 300)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in ckpt_dir.iterdir() if (m := re.fullmatch(r"step_(\d+)\.partial", p.name)))
+
+
+def leftover_bytes(ckpt_dir: str | Path) -> int:
+    """Bytes of the leftovers a save deletes before it writes (save_checkpoint's sweep): saves cut short
+    (step_N.partial, up to a whole checkpoint each) and removals cut short (step_N.del-*). The disk
+    plan counts them as room: a rerun after a kill mid-save on a full disk was refused, naming no
+    leftover, though its first save frees them."""
+    ckpt_dir = Path(ckpt_dir)
+    leftovers = [*ckpt_dir.glob("step_*.partial"), *ckpt_dir.glob("step_*.del-*")] if ckpt_dir.is_dir() else []
+    return sum(f.stat().st_size for d in leftovers for f in d.rglob("*") if f.is_file())
+
+
 # a directory's fsync failing with these means its entries (a rename, a new file) may not be on disk:
 # raised, never passed over (the save was then reported done and --keep-last pruned the step before it)
 _DIR_SYNC_FAILED = (errno.EIO, errno.ENOSPC, errno.EDQUOT)
@@ -62,6 +84,29 @@ def fsync_dir(path: Path) -> None:
             raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError of a failed write behind `e`, when it is one a user can act on (no room, not
+    writable): `e` itself, or the one torch.save met: its zip writer turns the file's ENOSPC into a
+    RuntimeError ("unexpected pos ...") that carries the OSError only as its __context__."""
+    if isinstance(e, RuntimeError):
+        e = e.__cause__ or e.__context__
+    return e if isinstance(e, OSError) and e.errno in _NO_ROOM + _NOT_WRITABLE else None
+
+
+def dir_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a directory (None: absent): a step renamed away, or swapped for a new copy
+    by a re-save, shows as another identity whatever the name says (load_checkpoint's reread)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def make_dirs(path: Path) -> None:
@@ -154,7 +199,9 @@ def saved_sum(path: Path, rank: int, summed: bool = False) -> dict | None:
     if not path.is_file():
         return None
     if not sums_path.is_file():
-        if summed:   # every rank its own files: not print0
+        # path.is_file() again: a step renamed away between the two checks (--keep-last of a run saving
+        # there) is no lost sums file; its read fails, and load_checkpoint reads again
+        if summed and path.is_file():   # every rank its own files: not print0
             print(f"WARNING: {sums_path} is missing, though this checkpoint was saved with it: {path.name} is "
                   "loaded unverified (a damaged or partial copy would go unnoticed); copy the whole step "
                   "directory", file=sys.stderr)
@@ -258,6 +305,20 @@ def _load(path: Path, device) -> Any:
         # a file that is no torch.save output (text, another format) failed inside the unpickler
         # with a bare KeyError: 101 that named no file
         raise CheckpointError(f"{path}: not a file torch.load can read ({type(e).__name__}: {e})") from e
+
+
+# ------------------------------------------------------------------------------------ model states
+
+def _strip_compile_prefix(state: dict) -> dict:
+    # torch.compile wraps the module; its state_dict keys carry "_orig_mod." which must not leak
+    # into checkpoints (the eval side loads into a plain module). Transformer Engine's layers
+    # (--precision-backend te) add "<layer>._extra_state" (fp8 metadata that the current / block
+    # scaling recipes built here do not carry across steps): every reader loads into the plain GPT.
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items() if not k.endswith("._extra_state")}
+
+
+def _state_device(state: dict | None) -> torch.device | None:
+    return next((v.device for v in (state or {}).values() if isinstance(v, torch.Tensor)), None)
 
 
 # ------------------------------------------------------------------------------------ sizes

@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, fsync_dir, list_steps, step_dirname,
-                                    sweep_superseded, write_json)
+from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, cut_short_saves, fsync_dir, list_steps,
+                                    step_dirname, sweep_superseded, write_json)
 from nanochat.common import fmt_bytes, print0
 from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
@@ -254,9 +254,13 @@ def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = prin
         log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
             f"fresh; they are moved to {EARLIER_RUNS}/ at this run's first save (--resume STEP continues one of "
             "them instead)")
-    else:
-        log(f"--resume auto: {'resuming the latest checkpoint' if found else 'no checkpoint yet, starting'} in "
-            f"{ckpt_dir}")
+    elif found:
+        log(f"--resume auto: resuming the latest checkpoint in {ckpt_dir}")
+    else:   # a first save cut short (killed mid-save) left step_N.partial: no checkpoint, and said so
+        cut = cut_short_saves(ckpt_dir)
+        note = f"; {step_dirname(cut[-1])}.partial there is a save cut short (killed or crashed mid-save), " \
+               "not a checkpoint" if cut else ""
+        log(f"--resume auto: no checkpoint yet, starting in {ckpt_dir}{note}")
     return "latest" if found else None
 
 

@@ -36,8 +36,16 @@ def check_resume_compatible(meta: dict, model_config: dict, plan, world_size: in
     """A resumed run must continue the same model, batch layout, tokenizer and optimizer state
     layout (`fsdp`: sharded or not; None: not checked): a RequestError that names what differs and
     the flag that sets it."""
+    from dataclasses import asdict
+
+    from nanochat.gpt_config import GPTConfig
+
     mismatch = _resume_mismatch
+    # a field the checkpoint lacks (code older than the field) is its default, as config_from_meta
+    # builds it for every reader: else each field GPTConfig gains would refuse every earlier run's resume
     saved_config = meta.get("model_config") or {}
+    if saved_config:
+        saved_config = {**{k: v for k, v in asdict(GPTConfig()).items() if k in model_config}, **saved_config}
     # the fields flags set first, in _CONFIG_FLAGS' order: a new --depth is named as n_layer, not as the
     # n_embd it also changes (sorted, n_embd came first and the error read as an --aspect-ratio change)
     order = list(_CONFIG_FLAGS)

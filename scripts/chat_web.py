@@ -222,12 +222,15 @@ def load_replicas(args) -> tuple[list, dict]:
             print(f"--num-gpus {args.num_gpus} ignored on {rt.device_type}: serving one replica")
         devices = [rt.device]
     args.model_tag = args.model_tag or find_model_tag(args.source)
-    workers, meta = [], {}
+    workers, meta, step = [], {}, args.step
     for device in devices:
         # compute_dtype: --dtype, as chat_eval / base_eval score the model (the GPT's default, bf16 on
         # CUDA / fp32 elsewhere, overrode an explicit --dtype fp32 on CUDA or bf16 on a CPU)
-        model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step,
+        model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=step,
                                             compute_dtype=rt.dtype)
+        # every replica the first one's step: "latest" read again per GPU could name a newer step
+        # that a run still training into the tag saved meanwhile (replicas answering differently)
+        step = meta.get("step", step)
         # from the float32 weights, before the cast (the int8 scales stay float32 through it): the
         # int8 model chat_eval / base_eval --quantize int8 score; from bf16 copies ~6% of the int8
         # values and the row scales (by up to 0.4%) came out different
