@@ -499,7 +499,7 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     invalid_type: `_check_effectless_types`), and a null unknown field. Refused
     (unsupported_parameter): see `_refuse_unsupported`, including a non-zero `presence_penalty` /
     `frequency_penalty` (the sampler has no penalties); any other field: unknown_parameter.
-    `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**63).
+    `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**64: one-to-one over int64, non-negative seeds unchanged).
     Message contents and stop strings holding a lone UTF-16 surrogate are refused (`_no_surrogate`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: accepted: a JSON object")
@@ -526,4 +526,4 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
         messages=messages, stream=stream, include_usage=include_usage, temperature=temperature,
         top_k=_number(body, "top_k", 0, s.max_top_k, s.default_top_k, integer=True) or None,
         top_p=top_p, max_tokens=max_tokens, stop=tuple(stop), n=_number(body, "n", 1, s.max_n, 1, integer=True),
-        seed=None if seed is None else seed % 2**63)
+        seed=None if seed is None else seed % 2**64)

@@ -1,11 +1,15 @@
 """Drawing the next token from logits: temperature, top-k, top-p and the draw itself.
 
-One distribution, two implementations: softmax(logits / T) restricted to the top-k logits, then
-to the smallest prefix of those, by probability, that covers top_p; T = 0 is greedy.
+One distribution, two implementations: softmax(logits / T) restricted to the top-k logits (every
+logit equal to the k-th largest stays), then to the nucleus: the tokens whose strictly more likely
+tokens hold less than top_p of the mass (tokens of equal probability stay or go together, so the
+cut never depends on token ids); T = 0 is greedy (the argmax, ties to the lowest id). A NaN logit
+is never drawn (read as -inf); a row with no finite logit draws token 0. Logits must not be +inf
+(the model's softcap bounds them).
   * `sample_next` (torch, any device): the exponential race argmax_i p_i / E_i, E_i ~ Exp(1)
     i.i.d., which picks i with probability p_i exactly and, unlike torch.multinomial
     (pytorch/pytorch#108968), never synchronises with the host. Noise from a torch.Generator,
-    or one per row (what `Sampler` passes: row r's is seeded `row_seed(seed, r)`).
+    or one per row (what `Sampler` passes: row r's is keyed by `row_seed(seed, r)`, `row_generator`).
   * `triton_sample.sample_triton` (CUDA, vocabularies up to 32768): the same race in one Triton
     launch per step, three with top-k's two-stage path (~8 torch kernels otherwise), noise
     hashed from (seed, position, row, token).
@@ -15,6 +19,15 @@ is reproducible from its seed, and a sample's noise does not depend on how many 
 beside it: sample 0 of `num_samples=4` is the `num_samples=1` answer up to the batched model
 step's float rounding (Triton: the noise hashes the row; torch: a generator per row, where one
 generator shared by the rows gave row 0 other noise as soon as a second row took its share).
+
+Seeds (0..MAX_SEED) and their streams: every seed has its own. The torch sampler on CUDA keys a
+Philox generator with all 64 bits; on the CPU a torch.Generator (mt19937) reads only the low 32,
+so a row key >= 2**32 draws from two generators, one per half (`SplitSeedGenerator`; seeds s and
+s + 2**32 drew the same tokens). The Triton sampler hashes both 32-bit halves (it used seed % 2**62,
+so s and s + 2**62 drew the same tokens). The three noise sources differ: one seed gives the same
+distribution but other tokens on the CPU, with the torch sampler on CUDA and with the Triton one.
+Where streams meet by design: the torch sampler's sample r >= 1 of seed s draws what sample 0 of
+seed row_seed(s, r) draws (a stream per 64-bit key, not per (seed, row)).
 """
 
 from __future__ import annotations
@@ -37,9 +50,9 @@ MAX_SEED = 2**64 - 1
 
 
 def row_seed(seed: int, row: int) -> int:
-    """The torch generator seed of sample `row` of a generation seeded `seed`: `seed` itself for
-    row 0 (a one-sample generation draws what it always drew), a splitmix64 mix of (seed, row)
-    for the others, so neighbouring seeds' rows do not share streams."""
+    """The torch sampler's noise key (row_generator) of sample `row` of a generation seeded `seed`:
+    `seed` itself for row 0 (a one-sample generation draws what it always drew), a splitmix64 mix
+    of (seed, row) for the others, so neighbouring seeds' rows do not share streams."""
     if row == 0:
         return seed
     x = (seed + row * 0x9E3779B97F4A7C15) & MAX_SEED
@@ -48,8 +61,37 @@ def row_seed(seed: int, row: int) -> int:
     return x ^ (x >> 31)
 
 
+class SplitSeedGenerator:
+    """The CPU noise of a 64-bit key >= 2**32: a torch.Generator (mt19937) reads only a seed's low
+    32 bits, so one generator per half; their 52-bit integers added mod 2**52 are uniform and keyed
+    by all 64 bits (equal noise for two keys would be a coincidence over every token). Bit for bit
+    reproducible from the key, like a generator."""
+
+    BITS = 52   # u = (n + 1/2) / 2**52 is exact in float64 and inside (0, 1): E = -log(u) > 0
+
+    def __init__(self, seed: int):
+        self.lo = torch.Generator().manual_seed(seed & 0xFFFFFFFF)
+        self.hi = torch.Generator().manual_seed(seed >> 32)
+
+    def exponential_(self, row: torch.Tensor) -> torch.Tensor:
+        """Fill `row` (a CPU tensor) with Exp(1) noise; returns it."""
+        n = torch.randint(0, 1 << self.BITS, row.shape, generator=self.lo)
+        n.add_(torch.randint(0, 1 << self.BITS, row.shape, generator=self.hi)).bitwise_and_((1 << self.BITS) - 1)
+        return row.copy_(n.double().add_(0.5).mul_(2.0 ** -self.BITS).log_().neg_())
+
+
+def row_generator(device: torch.device, key: int):
+    """The noise source of one row keyed `key` (0..MAX_SEED): a torch.Generator seeded with it,
+    or on the CPU, for a key past mt19937's 32 bits, a SplitSeedGenerator."""
+    device = torch.device(device)
+    if device.type == "cpu" and key >> 32:
+        return SplitSeedGenerator(key)
+    return torch.Generator(device=device).manual_seed(key)
+
+
 def _exponential_noise(logits: torch.Tensor, generator) -> torch.Tensor:
-    """Exp(1) noise shaped like `logits` (B, V): from one generator, or row r from `generator[r]`."""
+    """Exp(1) noise shaped like `logits` (B, V): from one generator, or row r from `generator[r]`
+    (a torch.Generator or a SplitSeedGenerator)."""
     noise = torch.empty_like(logits)
     if generator is None or isinstance(generator, torch.Generator):
         noise.exponential_(generator=generator)
@@ -57,9 +99,24 @@ def _exponential_noise(logits: torch.Tensor, generator) -> torch.Tensor:
         if len(generator) < noise.size(0):
             raise ValueError(f"sample_next: {len(generator)} generators for {noise.size(0)} rows")
         for row, gen in zip(noise, generator):
-            row.exponential_(generator=gen)
+            if isinstance(gen, SplitSeedGenerator):
+                gen.exponential_(row)
+            else:
+                row.exponential_(generator=gen)
     # E >= the smallest normal float: log(0) would turn a masked -inf logit into nan
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def nan_as_masked(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with NaN read as -inf (never drawn). argmax ranks NaN above every number, so one
+    NaN logit (a broken lm_head row, a quantisation overflow) was the greedy and the race's token
+    at every step, and with top-p it made every probability NaN and token 0 was drawn."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy draw of each row of `logits` (B, V): the argmax (ties: the lowest id), NaN never."""
+    return nan_as_masked(logits).argmax(dim=-1)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -92,8 +149,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     """One token id per row of `logits` (B, V), as a (B,) long tensor (the torch sampler).
     `generator`: a torch.Generator (or None) for every row, or a sequence of one per row."""
     if is_greedy(temperature):
-        return logits.argmax(dim=-1)
-    logits = logits.float()
+        return greedy_tokens(logits)
+    logits = nan_as_masked(logits.float())
     # top-k on the raw logits (dividing by T > 0 keeps their order; the Triton sampler does the same)
     if top_k is not None and top_k < logits.size(-1):
         logits = logits.masked_fill(logits < kth_largest(logits, top_k), float("-inf"))
@@ -102,14 +159,23 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     if top_p is None:
         return (logits - noise.log()).argmax(dim=-1)  # p_i / E_i, in log space (softmax's norm drops out)
     probs = torch.softmax(logits, dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    # drop a token when the tokens ranked above it already cover top_p (the first always stays)
-    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-    # the first always stays, explicitly: a top_p below float32's smallest subnormal (~1.4e-45)
-    # compares as 0, which dropped it too, and the all-zero row then drew token 0
-    drop[..., 0] = False
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return (probs / noise).argmax(dim=-1)
+    return (nucleus(probs, top_p) / noise).argmax(dim=-1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` (B, V) with the tokens outside the top-p nucleus zeroed: a token stays when the
+    tokens strictly more likely than it hold less than top_p. The first-ranked token always stays,
+    and tokens of equal probability stay or go together: cutting by sort position dropped part of
+    a tie group by token id (bf16 logits tie often), a bias toward low ids that the Triton sampler,
+    which cuts by value, did not have."""
+    ranked = torch.sort(probs, dim=-1, descending=True).values
+    # mass ranked above each position: an exclusive cumsum, non-decreasing (cumsum - p was not,
+    # in float32, so the count below could skip a position)
+    above = torch.nn.functional.pad(ranked.cumsum(dim=-1)[..., :-1], (1, 0))
+    # clamp: a top_p below float32's smallest subnormal (~1.4e-45) compares as 0 and kept nothing
+    # (an all-zero row drew token 0)
+    kept = (above < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)
+    return probs.masked_fill(probs < ranked.gather(-1, kept - 1), 0.0)
 
 
 def resolve_sampler(request: str, device: torch.device, vocab_size: int | None = None) -> str:
@@ -151,7 +217,7 @@ class Sampler:
         # (bf16 logits tie often), so the answer depended on the seed; both backends keep ties
         self.temperature = 0.0 if is_greedy(temperature) or top_k == 1 else temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
-        self.generators: list[torch.Generator] = []   # the torch sampler's, one per row (_row_generators)
+        self.generators: list = []   # the torch sampler's, one per row (_row_generators, row_generator)
         self._max_vocab, self._triton = 0, None
         if self.backend == "triton":  # imported once here, not per token
             from nanochat.triton_sample import MAX_TRITON_VOCAB, sample_triton
@@ -177,11 +243,10 @@ class Sampler:
         generators = None if self.temperature == 0 else self._row_generators(logits.size(0))
         return sample_next(logits, self.temperature, self.top_k, self.top_p, generators)
 
-    def _row_generators(self, rows: int) -> list[torch.Generator]:
+    def _row_generators(self, rows: int) -> list:
         """The first `rows` per-row generators, made on first use (greedy draws need none). On
         CUDA that is one noise launch per row instead of one per step: the torch sampler runs
         there only for vocabularies past the Triton kernel's or when asked for."""
         while len(self.generators) < rows:
-            seed = row_seed(self.seed, len(self.generators))
-            self.generators.append(torch.Generator(device=self.device).manual_seed(seed))
+            self.generators.append(row_generator(self.device, row_seed(self.seed, len(self.generators))))
         return self.generators[:rows]

@@ -67,6 +67,7 @@ from nanochat.chat_api import (ApiError, ChatRequest, ServerSettings, default_pe
                                parse_chat_request, prompt_messages)
 from nanochat.chat_sse import KEEPALIVE_S, _count_end, _sse, _sse_events
 from nanochat.engine import TOOL_TEXT
+from nanochat.sampling import MAX_SEED
 from nanochat.serve_lifecycle import USAGE_SCOPE_KEY
 from nanochat.http_guard import (HEADER_TIMEOUT_S, HostGuard, client_key, csp, default_connections_per_client,
                                  json_cors_middleware, read_json, require_json, uvicorn_options)
@@ -136,7 +137,7 @@ class _Job:
         engine = self.worker.engine
         stops = set(engine.default_stop_tokens) | {tok.encode_special("<|user_start|>")}
         special = {tok.encode_special(k): v for k, v in TOOL_TEXT.items()}
-        seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
+        seed = req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1)   # 2**31 repeated within ~50k
         streams = [TextStream(tok, req.stop, special) for _ in range(n)]
         finish: list[str | None] = [None] * n
         counts = [0] * n

@@ -4,9 +4,16 @@ The one-program sampler (`_sample_kernel`): one program per row holds the whole 
 (vocabularies up to MAX_TRITON_VOCAB at SAMPLE_WARPS warps; ptxas on sm_90: 64 registers, ~40
 bytes of spills). The top-k and top-p cut-offs are found by a 5-way search over the bits of the
 values (_kth_key, _nucleus_cut: four counts or sums per reduction, ~14 rounds) instead of a
-sort, and the draw is the exponential race argmax p_i / E_i with E_i = -log(1 - u_i), u_i a hash
-of (seed, position, row, token). So the draw depends only on (seed, position, logits): a step
-re-run at the same position draws the same token, whatever ran before.
+sort, and the draw is the exponential race argmax p_i / E_i with E_i = -log(u_i), u_i the midpoint
+of one of 2^23 bins picked by a hash of (seed, position, row, token). So the draw depends only on
+(seed, position, logits): a step re-run at the same position draws the same token, whatever ran
+before. Seeds: both 32-bit halves of a seed in 0..MAX_SEED enter the hash (`seed_halves`; it took
+seed % 2^62, so s and s + 2^62 drew the same tokens). Per position the hash's key has 32 bits: two
+seeds may share one step's noise (for seeds with the same high half, never), not a generation's.
+The bins' midpoints keep E > 0: with u = 0 in the lowest bin, E was 0, and the token that drew it
+(1 in 2^24 per token and step: 0.2% of the steps at V = 32768) won whatever its probability, so
+sampling without top-k drew a near-uniformly random token every ~500 steps. NaN logits are read as
+-inf (never drawn), as sample_next does.
 
 With top-k (1 <= k <= TWO_STAGE_MAX_K, the chat default is 50) one SM doing a whole row was the
 cost (39 us of the ~750 us batch-1 d20 token on the H100), so the row is split (two_stage_plan):
@@ -22,18 +29,20 @@ cost (39 us of the ~750 us batch-1 d20 token on the H100), so the row is split (
   3. Ties at a chunk's k-th logit can leave more candidates than its slots; stage 2 then flags
      the row and `_sample_kernel` (launched with FLAGGED, a no-op for unflagged rows) draws it
      from the whole row, so the result is exact in every case.
-Ties: top-k keeps every logit equal to the k-th largest, as sample_next does; top-p decides by a
-cut-off value, so tokens of equal probability are kept or dropped together (sample_next breaks
-such ties by sort order).
+Ties: top-k keeps every logit equal to the k-th largest, and top-p decides by a cut-off value, so
+tokens of equal probability are kept or dropped together; sample_next does the same, so the two
+samplers have one distribution (their noise differs: one seed, other tokens).
 """
 
 from __future__ import annotations
+
+from numbers import Integral
 
 import torch
 import triton
 import triton.language as tl
 
-from nanochat.sampling import is_greedy
+from nanochat.sampling import MAX_SEED, greedy_tokens, is_greedy
 
 MAX_TRITON_VOCAB = 32768  # a row lives in registers: 32 float32 per thread at SAMPLE_WARPS
 SAMPLE_WARPS = 32
@@ -149,11 +158,14 @@ def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, posi
         p = _nucleus_cut(p, top_p * tl.sum(p, 0))
     if KEEP:  # tests: which tokens can be drawn
         tl.store(keep_ptr + row * V + tok, (p > 0.0).to(tl.int8), mask=live)
-    # Noise: a hash of (seed, position, row, token) -> uniform u in [0, 1) with 24 bits
+    # Noise: a hash of (seed, position, row, token) -> u, the midpoint of one of 2^23 bins of
+    # (0, 1): (2m + 1) / 2^24, exact in float32 (m + 0.5 was not, above 2^23)
     k = _mix32(seed_lo.to(tl.uint32) ^ _mix32(seed_hi.to(tl.uint32) ^ _mix32(position.to(tl.uint32))))
     h = _mix32(_mix32((hash_row * V + tok).to(tl.uint32) ^ k))
-    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-    e = tl.maximum(-tl.log(1.0 - u), 1.1754944e-38)   # Exp(1); E > 0 so 0 / E stays 0
+    u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+    # Exp(1) >= -log(1 - 2^-24) ~ 6e-8; the floor guards an approximate log near 1 (E = 0 wins
+    # whatever p is). E > 0 keeps 0 / E at 0.
+    e = tl.maximum(-tl.log(u), 2.9802322e-08)
     return tl.argmax(p / e, 0)
 
 
@@ -162,7 +174,7 @@ def _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW: tl.constexpr):
     """(seed_lo, seed_hi, position, hash row) of `row`: the call's scalars and the row itself, or
     with PER_ROW the row's own from info (B, 4) int64 (continuous batching: one launch draws the
     rows of several requests exactly as their own calls would)."""
-    # int32 either way (the table's values fit: seed_lo, seed_hi < 2^31): one return type
+    # int32 either way (the table's values fit: seed_halves are int32): one return type
     if PER_ROW:
         seed_lo = tl.load(info_ptr + row * 4).to(tl.int32)
         seed_hi = tl.load(info_ptr + row * 4 + 1).to(tl.int32)
@@ -176,6 +188,7 @@ def _sample_row(logits_ptr, stride, out_ptr, keep_ptr, info_ptr, row, V, inv_tem
                 position, VP2: tl.constexpr, KEEP: tl.constexpr, PER_ROW: tl.constexpr):
     j = tl.arange(0, VP2)
     logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
+    logit = tl.where(logit == logit, logit, float("-inf"))  # NaN: never drawn (its key topped the row)
     key = tl.where(j < V, _ordered_key(logit), -2147483648)
     seed_lo, seed_hi, position, hash_row = _row_draw(row, info_ptr, seed_lo, seed_hi, position, PER_ROW)
     win = _draw(key, j, j < V, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, position, hash_row, keep_ptr, KEEP)
@@ -208,6 +221,9 @@ def _candidates_kernel(logits_ptr, stride, key_ptr, tok_ptr, count_ptr, V, top_k
     c = tl.program_id(1)
     j = c * CH + tl.arange(0, CH)
     logit = tl.load(logits_ptr + row * stride + j, mask=j < V, other=float("-inf")).to(tl.float32)
+    # NaN as -inf, as the one-program path reads it (a NaN took a slot of the chunk's top k and
+    # pushed a real candidate out)
+    logit = tl.where(logit == logit, logit, float("-inf"))
     key = tl.where(j < V, _ordered_key(logit), -2147483648)
     # -inf is never drawn (p = 0), so it is no candidate: a run of masked tokens (a whole chunk
     # tied at -inf) would otherwise overflow the slots. A chunk with fewer than k tokens keeps
@@ -278,16 +294,16 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     if V > MAX_TRITON_VOCAB:
         raise ValueError(f"sample_triton: vocabulary {V} > {MAX_TRITON_VOCAB} (a row must fit in registers); "
                          "use sample_next")
+    seed_lo, seed_hi = seed_halves(seed)
     if is_greedy(temperature):
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     vp2 = triton.next_power_of_2(V)
-    seed %= 1 << 62
     k = V if top_k is None else min(top_k, V)
     p = 1.0 if top_p is None else top_p
-    draw = (1.0 / temperature, k, p, seed & 0x7FFFFFFF, seed >> 31, position)
+    draw = (1.0 / temperature, k, p, seed_lo, seed_hi, position)
     keep = out if keep_out is None else keep_out  # KEEP=False: a pointer the kernels never touch
     if row_draws is not None and (row_draws.shape != (B, 4) or row_draws.dtype != torch.int64):
         raise ValueError(f"sample_triton row_draws: expected ({B}, 4) int64, got {tuple(row_draws.shape)} "
@@ -316,10 +332,16 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
     return out
 
 
+def seed_halves(seed: int) -> tuple[int, int]:
+    """(low, high) 32-bit halves of `seed` (0..MAX_SEED), each as a signed int32 (the kernels read
+    their bits as uint32): both Python ints stay in int32's range, so the kernels' argument types,
+    and the compiled kernels, are the same for every seed."""
+    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"sample_triton seed: got {seed!r}; accepted: an integer in 0..{MAX_SEED}")
+    seed = int(seed)
+    return tuple(h - (1 << 32) if h >> 31 else h for h in (seed & 0xFFFFFFFF, seed >> 32))
+
+
 def row_draw_table(draws) -> torch.Tensor:
     """sample_triton's `row_draws` from (seed, position, row) per row (host ints), on the CPU."""
-    rows = []
-    for seed, position, row in draws:
-        seed %= 1 << 62
-        rows.append((seed & 0x7FFFFFFF, seed >> 31, position, row))
-    return torch.tensor(rows, dtype=torch.int64)
+    return torch.tensor([(*seed_halves(seed), position, row) for seed, position, row in draws], dtype=torch.int64)

@@ -4,11 +4,11 @@ Times each sampling setting for a (batch, vocab) row of logits over --calls back
 (CUDA events on a GPU, the wall clock on a CPU), the way the Engine calls it once per decode
 step. `multinomial` is the textbook sampler (top-k mask, softmax, torch.multinomial), which
 synchronises with the host on CUDA (pytorch/pytorch#108968); `topk` is torch.topk's k-th value
-alone next to sampling.kth_largest; `triton ...` (CUDA only) is the Triton sampler
-(nanochat/triton_sample.py) that the Engine uses on CUDA, two-stage with top-k, and `triton
-1-program ...` its one-program path; they are also timed replayed from a CUDA graph (GPU time
-without Python's launch overhead). Prints one JSON line per setting,
-then a table.
+alone next to sampling.kth_largest; `Sampler torch t1 seed 2**40` is a generation's torch sampler
+with a seed past 2**32 (on the CPU its noise comes from two generators); `triton ...` (CUDA only)
+is the Triton sampler (nanochat/triton_sample.py) that the Engine uses on CUDA, two-stage with
+top-k, and `triton 1-program ...` its one-program path; they are also timed replayed from a CUDA
+graph (GPU time without Python's launch overhead). Prints one JSON line per setting, then a table.
 
     python -m scripts.bench_sampler --vocab-size 32768 --batch 1
 """
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from nanochat.sampling import kth_largest, sample_next
+    from nanochat.sampling import Sampler, kth_largest, sample_next
 
     if args.device == "cuda" and not torch.cuda.is_available():
         from nanochat.errors import RequestError
@@ -115,6 +115,7 @@ def main(argv=None) -> int:
         raise RequestError("--device cuda: needs a CUDA GPU; none is visible (pass --device cpu)")
     gen = torch.Generator(device=args.device).manual_seed(0)
     logits = torch.randn(args.batch, args.vocab_size, device=args.device, generator=gen) * 3
+    wide = Sampler(torch.device(args.device), 1.0, None, None, 2**40, backend="torch")
     cases = {
         "greedy": lambda: sample_next(logits, 0.0, None, None, None),
         "t1": lambda: sample_next(logits, 1.0, None, None, gen),
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
         "topk k-th value (k 50)": lambda: torch.topk(logits, TOP_K, dim=-1).values[:, -1:],
         "kth_largest (k 50)": lambda: kth_largest(logits, TOP_K),
         "t1 top-k 50 top-p 0.9": lambda: sample_next(logits, 1.0, TOP_K, 0.9, gen),
+        # a generation's sampler with a seed past 2**32: on the CPU its noise comes from two
+        # generators (sampling.SplitSeedGenerator), one per half of the seed
+        "Sampler torch t1 seed 2**40": lambda: wide(logits, 0),
     }
     skipped = triton_skip_reason(args.device, args.vocab_size)
     if skipped:

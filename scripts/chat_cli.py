@@ -252,6 +252,7 @@ def chat(args: argparse.Namespace) -> int:
     from nanochat.common import init_runtime
     from nanochat.engine import Engine
     from nanochat.quantize import quantize_model
+    from nanochat.sampling import MAX_SEED
 
     check_checkpoint(args)
     rt = init_runtime(args.device, args.dtype)
@@ -284,7 +285,7 @@ def chat(args: argparse.Namespace) -> int:
         warm = engine.warmup(batch_sizes=(1,), all_buckets=False)
     # not the `random` module: init_runtime seeds it (42), so every session drew the same seeds and
     # a sampled -p gave the same answer run after run (the server draws its seeds so too)
-    next_seed = (lambda: args.seed) if args.seed is not None else (lambda: secrets.randbelow(2**31))
+    next_seed = (lambda: args.seed) if args.seed is not None else (lambda: secrets.randbelow(MAX_SEED + 1))
 
     if args.prompt is not None:
         answer(engine, tokenizer, prompt, args, next_seed(), plain=args.source == "base")

@@ -79,7 +79,7 @@ def test_nullable_and_mapped_fields():
     assert refused({"messages": q, "max_completion_tokens": 10**6}).param == "max_completion_tokens"
     req = parse(messages=q, top_p=0, temperature=1.2)
     assert req.temperature == 0.0 and req.top_p is None          # top_p 0 = greedy
-    assert parse(messages=q, seed=-3).seed == 2**63 - 3 and parse(messages=q, seed=-2**63).seed == 0
+    assert parse(messages=q, seed=-3).seed == 2**64 - 3 and parse(messages=q, seed=-2**63).seed == 2**63
     assert parse(messages=q, stream=True, stream_options={"include_usage": True}).include_usage
     assert refused({"messages": q, "stream": False, "stream_options": {}}).param == "stream_options"
     for bad in ([], 0, False, "", {"include_usage": "yes"}):   # falsy or malformed: not "no options"
@@ -285,7 +285,7 @@ def test_sampling_fields_reach_the_engine(srv):
     greedy = sent(top_p=0, temperature=0.9)                                      # OpenAI's range is [0, 1]
     assert greedy["temperature"] == 0 and greedy["top_p"] is None
     assert sent(top_p=0.5)["top_p"] == 0.5
-    assert sent(seed=-1)["seed"] == 2**63 - 1 and sent(seed=-2**63)["seed"] == 0     # any int64, mapped
+    assert sent(seed=-1)["seed"] == 2**64 - 1 and sent(seed=-2**63)["seed"] == 2**63  # any int64, one-to-one
     assert sent(seed=2**63 - 1)["seed"] == 2**63 - 1 and sent(seed=7)["seed"] == 7
     r = srv.post(json={"messages": USER, "stream": None})  # nullable: false
     assert r.headers["content-type"].startswith("application/json") and r.json()["object"] == "chat.completion"
