@@ -61,8 +61,10 @@ def parse_quantize_list(text: str, flag: str = "--quantize") -> list[str]:
 @torch.no_grad()
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 q, float32 scale) with weight ~= q * scale[:, None]: per-row absmax, round to
-    nearest. An all-zero row gets scale 1 (its q is 0). A non-finite value is refused: a NaN row
-    came out as finite integers at scale 1, an inf row as NaN."""
+    nearest (half to even). An all-zero row gets scale 1 (its q is 0), and so does a row whose
+    absmax / 127 underflows to 0 (|w| < ~1e-43): divided by a zero scale its values were +-inf
+    (q +-127) and NaN, cast to int8 (undefined). A non-finite value is refused: a NaN row came
+    out as finite integers at scale 1, an inf row as NaN."""
     if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] == 0:
         raise ValueError(f"quantize_rows: expected a 2-D float weight with at least one column, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
@@ -71,7 +73,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.device.type != "meta" and not bool(torch.isfinite(absmax).all()):
         bad = int((~torch.isfinite(absmax)).sum())
         raise ValueError(f"quantize_rows: {bad} of {w.shape[0]} rows hold NaN or inf; quantise finite weights")
-    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    scale = absmax / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
@@ -106,11 +109,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel=No
     """x (..., K) @ (q * scale[:, None]).T in x's dtype: `kernel` (triton_int8.int8_gemv) for
     small inputs, else the int8 weight in x's dtype through the BLAS, its rows then scaled in
     float32 as the kernel scales them (a bf16 copy of the scales put a systematic error of up to
-    0.4% on every output row of a prefill, which the decode kernel's rows did not have)."""
+    0.4% on every output row of a prefill, which the decode kernel's rows did not have). float16
+    inputs take that product in float32: the unscaled sums reach 127 * K * |x|, past float16's
+    65504 (inf) where the scaled output is small; bf16 has float32's range."""
     rows = x.numel() // x.shape[-1]
     if kernel is not None and rows <= GEMV_MAX_ROWS:
         return kernel(x, q, scale)
-    return (F.linear(x, q.to(x.dtype)) * scale.float()).to(x.dtype)
+    dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
+    return (F.linear(x.to(dtype), q.to(dtype)) * scale.float()).to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -157,8 +163,12 @@ class Int8Linear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         """A load with assign=True replaces the source's tensors: re-slice the row views (c_q / c_k /
-        c_v kept the old rows, which grad-enabled forwards and the loss read)."""
+        c_v kept the old rows, which grad-enabled forwards and the loss read), and keep the scales
+        float32 (assign kept a state_dict's bf16 scales, whose addresses the persistent decode step
+        reads as float32)."""
         super()._load_from_state_dict(*args, **kwargs)
+        if self.scale.dtype != torch.float32:
+            self.scale = self.scale.float()
         self.kernel = _kernel_for(self.qweight.device)   # from meta: the kernel chosen there was none
         for view in self._views:
             view._take_rows()

@@ -26,7 +26,8 @@ L2_SPAN = 4   # weight copies cover this many times the L2 (or 200 MB where the 
 
 def parse_args(argv=None):
     p = FlagParser(prog="python -m scripts.bench_int8", description=__doc__.split("\n\n")[0])
-    p.add_argument("--depth", type=int, default=20, help="model size whose matrices are timed (width 64 x depth)")
+    p.add_argument("--depth", type=int, default=20, help="model size whose matrices are timed (as base_train builds it: width 64 x "
+                   "depth rounded up to a multiple of 128, the vocab padded to a multiple of 64)")
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--rows", default="1,8,32", help="comma list of input rows (decode batch sizes), 1..64")
     p.add_argument("--reps", type=int, default=7, help="timed batches per measurement (median reported)")
@@ -50,9 +51,15 @@ def parse_args(argv=None):
 
 
 def matrices(depth: int, vocab: int) -> dict[str, tuple[int, int]]:
-    """name -> (out, in) features of a d<depth> model's decode matrices."""
-    c = 64 * depth
-    return {"qkv": (3 * c, c), "attn_proj": (c, c), "mlp_fc": (4 * c, c), "mlp_proj": (c, 4 * c), "lm_head": (vocab, c)}
+    """name -> (out, in) features of a d<depth> model's decode matrices, from the config base_train
+    builds: its width is 64 x depth rounded up to a multiple of the head dim (d21: 1408, not 1344)
+    and its lm_head has the padded vocab's rows (50,257 -> 50,304)."""
+    from nanochat.gpt_config import config_for_depth
+
+    cfg = config_for_depth(depth, vocab, 256)   # the sequence length shapes no matrix
+    c, q, kv = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    return {"qkv": (q + 2 * kv, c), "attn_proj": (c, q), "mlp_fc": (4 * c, c), "mlp_proj": (c, 4 * c),
+            "lm_head": (cfg.padded_vocab_size, c)}
 
 
 def time_us(fn, copies: int, launches: int, reps: int) -> float:
