@@ -22,12 +22,14 @@ generator shared by the rows gave row 0 other noise as soon as a second row took
 
 Seeds (0..MAX_SEED) and their streams: every seed has its own. The torch sampler on CUDA keys a
 Philox generator with all 64 bits; on the CPU a torch.Generator (mt19937) reads only the low 32,
-so a row key >= 2**32 draws from two generators, one per half (`SplitSeedGenerator`; seeds s and
-s + 2**32 drew the same tokens). The Triton sampler hashes both 32-bit halves (it used seed % 2**62,
-so s and s + 2**62 drew the same tokens). The three noise sources differ: one seed gives the same
-distribution but other tokens on the CPU, with the torch sampler on CUDA and with the Triton one.
-Where streams meet by design: the torch sampler's sample r >= 1 of seed s draws what sample 0 of
-seed row_seed(s, r) draws (a stream per 64-bit key, not per (seed, row)).
+so sample 0 of a seed >= 2**32 draws from two generators, one per half (`SplitSeedGenerator`;
+seeds s and s + 2**32 drew the same tokens), while samples r >= 1, keyed by a splitmix of (seed,
+r) whose low 32 bits depend on every bit of the seed, keep one generator (and the tokens they drew
+before). The Triton sampler hashes all 64 bits (it used seed % 2**62, so s and s + 2**62 drew the
+same tokens; seeds below 2**62 draw what they drew). The three noise sources differ: one seed gives
+the same distribution but other tokens on the CPU, with the torch sampler on CUDA and with the
+Triton one. Where streams meet by design: the torch sampler's sample r >= 1 of seed s draws what
+sample 0 of seed row_seed(s, r) draws (a stream per key, not per (seed, row)).
 """
 
 from __future__ import annotations
@@ -248,5 +250,11 @@ class Sampler:
         CUDA that is one noise launch per row instead of one per step: the torch sampler runs
         there only for vocabularies past the Triton kernel's or when asked for."""
         while len(self.generators) < rows:
-            self.generators.append(row_generator(self.device, row_seed(self.seed, len(self.generators))))
+            r = len(self.generators)
+            # rows >= 1 are keyed by a splitmix of the seed, whose low 32 bits (all a CPU generator
+            # reads) depend on all 64 of the seed's: a plain generator, so they draw what they drew;
+            # row 0's key is the seed itself (row_generator: both halves past 2**32 on the CPU)
+            key = row_seed(self.seed, r)
+            self.generators.append(row_generator(self.device, key) if r == 0
+                                   else torch.Generator(device=self.device).manual_seed(key))
         return self.generators[:rows]

@@ -4,16 +4,15 @@ The one-program sampler (`_sample_kernel`): one program per row holds the whole 
 (vocabularies up to MAX_TRITON_VOCAB at SAMPLE_WARPS warps; ptxas on sm_90: 64 registers, ~40
 bytes of spills). The top-k and top-p cut-offs are found by a 5-way search over the bits of the
 values (_kth_key, _nucleus_cut: four counts or sums per reduction, ~14 rounds) instead of a
-sort, and the draw is the exponential race argmax p_i / E_i with E_i = -log(u_i), u_i the midpoint
-of one of 2^23 bins picked by a hash of (seed, position, row, token). So the draw depends only on
-(seed, position, logits): a step re-run at the same position draws the same token, whatever ran
-before. Seeds: both 32-bit halves of a seed in 0..MAX_SEED enter the hash (`seed_halves`; it took
-seed % 2^62, so s and s + 2^62 drew the same tokens). Per position the hash's key has 32 bits: two
-seeds may share one step's noise (for seeds with the same high half, never), not a generation's.
-The bins' midpoints keep E > 0: with u = 0 in the lowest bin, E was 0, and the token that drew it
-(1 in 2^24 per token and step: 0.2% of the steps at V = 32768) won whatever its probability, so
-sampling without top-k drew a near-uniformly random token every ~500 steps. NaN logits are read as
--inf (never drawn), as sample_next does.
+sort, and the draw is the exponential race argmax p_i / E_i with E_i = -log(1 - u_i), u_i a hash
+of (seed, position, row, token) with 24 bits. So the draw depends only on (seed, position,
+logits): a step re-run at the same position draws the same token, whatever ran before. Seeds: all
+64 bits of a seed in 0..MAX_SEED enter the hash (`seed_halves`; it took seed % 2^62, so s and
+s + 2^62 drew the same tokens). Per position the hash's key has 32 bits: two seeds may share one
+step's noise, not a generation's. The bin u = 0 gives E its midpoint, not 0: the token that drew
+E = 0 (1 in 2^24 per token and step: 0.2% of the steps at V = 32768) won whatever its
+probability, so sampling without top-k drew a near-uniformly random token every ~500 steps. NaN
+logits are read as -inf (never drawn), as sample_next does.
 
 With top-k (1 <= k <= TWO_STAGE_MAX_K, the chat default is 50) one SM doing a whole row was the
 cost (39 us of the ~750 us batch-1 d20 token on the H100), so the row is split (two_stage_plan):
@@ -158,14 +157,15 @@ def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, posi
         p = _nucleus_cut(p, top_p * tl.sum(p, 0))
     if KEEP:  # tests: which tokens can be drawn
         tl.store(keep_ptr + row * V + tok, (p > 0.0).to(tl.int8), mask=live)
-    # Noise: a hash of (seed, position, row, token) -> u, the midpoint of one of 2^23 bins of
-    # (0, 1): (2m + 1) / 2^24, exact in float32 (m + 0.5 was not, above 2^23)
+    # Noise: a hash of (seed, position, row, token) -> uniform u in [0, 1) with 24 bits
     k = _mix32(seed_lo.to(tl.uint32) ^ _mix32(seed_hi.to(tl.uint32) ^ _mix32(position.to(tl.uint32))))
     h = _mix32(_mix32((hash_row * V + tok).to(tl.uint32) ^ k))
-    u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-    # Exp(1) >= -log(1 - 2^-24) ~ 6e-8; the floor guards an approximate log near 1 (E = 0 wins
-    # whatever p is). E > 0 keeps 0 / E at 0.
-    e = tl.maximum(-tl.log(u), 2.9802322e-08)
+    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    # Exp(1) = -log(1 - u). The bin u = 0 stands for E in [0, 6e-8): its midpoint, 3e-8, not 0
+    # (floored at the smallest normal, E = 0 made that token win whatever its p: 1 token in 2^24
+    # per step, 0.2% of the steps at V = 32768, drew a near-uniformly random token); every other
+    # bin is as before, so a seed draws what it drew. E > 0 keeps 0 / E at 0.
+    e = tl.maximum(-tl.log(1.0 - u), 2.9802322e-08)
     return tl.argmax(p / e, 0)
 
 
@@ -333,13 +333,17 @@ def sample_triton(logits: torch.Tensor, temperature: float, top_k: int | None, t
 
 
 def seed_halves(seed: int) -> tuple[int, int]:
-    """(low, high) 32-bit halves of `seed` (0..MAX_SEED), each as a signed int32 (the kernels read
-    their bits as uint32): both Python ints stay in int32's range, so the kernels' argument types,
-    and the compiled kernels, are the same for every seed."""
+    """Two 32-bit words holding all 64 bits of `seed` (0..MAX_SEED), each as a signed int32 (the
+    kernels read their bits as uint32; int32 arguments for every seed: one compiled kernel): bits
+    0-30 and 31-61 as the kernels always took them (seed % 2^62 split at bit 31, so every seed
+    below 2^62 draws what it drew), bits 62 and 63 in the words' top bits (they were dropped: s
+    and s + 2^62 drew the same tokens)."""
     if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"sample_triton seed: got {seed!r}; accepted: an integer in 0..{MAX_SEED}")
     seed = int(seed)
-    return tuple(h - (1 << 32) if h >> 31 else h for h in (seed & 0xFFFFFFFF, seed >> 32))
+    lo = (seed & 0x7FFFFFFF) | ((seed >> 62) & 1) << 31
+    hi = ((seed >> 31) & 0x7FFFFFFF) | (seed >> 63) << 31
+    return tuple(h - (1 << 32) if h >> 31 else h for h in (lo, hi))
 
 
 def row_draw_table(draws) -> torch.Tensor:

@@ -36,6 +36,21 @@ def test_cpu_seeds_use_all_64_bits():
     assert [row[:1] for row in draws(2**50 + 3, rows=3)] == draws(2**50 + 3, rows=1)
 
 
+def test_seeded_draws_are_those_of_the_code_before_the_seed_fixes():
+    """Pinned tokens (recorded from the code before this review, fbc1ca3) for the rows and seeds the
+    fixes must leave alone: every row of a seed below 2**32 on the CPU; a review found rows >= 1
+    moved to two generators (their keys are >= 2**32) and drew other tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1000) * 2
+    for seed, want in ((7, [[427, 914, 337, 573, 583, 393, 452, 393], [472, 780, 388, 862, 162, 864, 780, 141],
+                            [709, 897, 982, 337, 996, 923, 667, 408]]),
+                       (2**31 + 5, [[415, 657, 337, 393, 538, 580, 452, 67], [592, 37, 275, 864, 357, 950, 835, 268],
+                                    [228, 337, 372, 716, 709, 753, 450, 262]])):
+        sampler = Sampler(torch.device("cpu"), 1.0, None, None, seed, backend="torch")
+        got = [sampler(logits, pos).tolist() for pos in range(8)]
+        assert [list(col) for col in zip(*got)] == want, seed
+
+
 def test_split_seed_noise_is_exponential():
     """SplitSeedGenerator's noise: Exp(1) (mean, variance, tail), never 0, reproducible."""
     row = torch.empty(200_000)
@@ -154,7 +169,18 @@ def draw(seed, pos=3):
 for a, b in ((7, 7 + 2**62), (2**32 - 1, 2**64 - 1), (5, 5 + 2**32), (0, 2**63)):
     assert draw(a) != draw(b), (a, b)
 assert draw(2**64 - 1) == draw(2**64 - 1)
-assert seed_halves(2**64 - 1) == (-1, -1) and seed_halves(2**31) == (-2**31, 0) and seed_halves(5 + 2**32) == (5, 1)
+assert seed_halves(2**64 - 1) == (-1, -1) and seed_halves(2**31) == (0, 1) and seed_halves(5 + 2**32) == (5, 2)
+assert seed_halves(2**62) == (-2**31, 0) and seed_halves(2**63) == (0, -2**31)
+# below 2**62 the words the kernels always took (seed % 2**62 split at bit 31): seeds draw as before
+for s in (0, 7, 2**31 - 1, 2**31 + 5, 3_000_000_000, 2**40 + 3, 2**62 - 1):
+    assert seed_halves(s) == (s & 0x7FFFFFFF, s >> 31), s
+# pinned tokens of the code before this review (fbc1ca3): seeds below 2**62 draw what they drew
+torch.manual_seed(0)
+pinned = torch.randn(4, 1024) * 2
+for s, want in ((0, [0, 538, 538, 393, 337, 393, 605, 909, 59, 942, 270, 909]),
+                (3_000_000_000, [337, 393, 601, 909, 59, 393, 337, 864, 452, 273, 393, 69])):
+    got = [int(sample_triton(pinned, 1.0, None, None, s, position=p)[0]) for p in range(12)]
+    assert got == want, (s, got)
 for bad in (-1, 2**64, 1.5, True):
     try:
         sample_triton(uniform, 1.0, None, None, bad, 0)
