@@ -290,9 +290,13 @@ def eval_rows_of(cfg: ChatTrainConfig, seq_len: int, saved: dict | None) -> int:
     of the run's device batch, and a resume (`saved`: the meta.json it continues) keeps the rows its run
     scored. Counted in micro-batches of this process's --device-batch-size, the resume an out-of-memory
     stop names (half the device batch) scored half the rows from then on: another set's val bpb."""
-    if cfg.eval_tokens != -1:
-        return cfg.eval_tokens // seq_len
     config, train = (saved or {}).get("config") or {}, (saved or {}).get("train") or {}
+    if cfg.eval_tokens != -1:
+        if saved is not None and "eval_rows" not in train and config.get("eval_tokens") == cfg.eval_tokens:
+            # a checkpoint from before eval_rows: its run scored whole micro-batches of its device batch
+            dbs = config.get("device_batch_size", cfg.device_batch_size)
+            return max(1, cfg.eval_tokens // (dbs * seq_len)) * dbs
+        return cfg.eval_tokens // seq_len
     if saved is None or config.get("eval_tokens", -1) != -1:   # a fresh run, or the flag changed from N to -1
         return EVAL_MICRO_BATCHES * cfg.device_batch_size
     # a checkpoint from before train.eval_rows was recorded: its run scored 20 micro-batches of its device batch
