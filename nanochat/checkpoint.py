@@ -41,7 +41,7 @@ import torch
 from nanochat.common import fmt_bytes, get_base_dir, print0
 # CheckpointError, list_steps and step_dirname are part of this module's interface too
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, check_meta, cut_short_saves, dir_identity, fsync_dir,
-                                    leftover_bytes, list_steps, load_verified, make_dirs, restore_swapped_out,
+                                    leftover_bytes, list_steps, load_verified, make_dirs, restore_or_wait,
                                     save_hashed, saved_sum, start_check, step_dirname, sweep_superseded, write_json,
                                     _NO_ROOM, _state_device, _strip_compile_prefix, _use_another_step, _write_error)
 # sizes: re-exported for the recipes' disk plans
@@ -376,7 +376,7 @@ def read_meta(ckpt_dir, step: int | str = "latest") -> dict:
     step_dir = ckpt_dir / step_dirname(step)
     path = step_dir / META_NAME
     if not step_dir.is_dir():
-        restore_swapped_out(ckpt_dir, step, META_NAME)
+        restore_or_wait(ckpt_dir, step, META_NAME)
     if not path.is_file():
         if not step_dir.is_dir():
             have = list_steps(ckpt_dir)

@@ -382,6 +382,24 @@ def restore_swapped_out(ckpt_dir: Path, step: int, meta_name: str) -> None:
             break
 
 
+def restore_or_wait(ckpt_dir: Path, step: int, meta_name: str, wait_s: float = 10.0) -> None:
+    """step_N is missing: restore_swapped_out, by the tag's writer or when no run holds the tag
+    (writer_lock.holder is None for both). A reader beside a live writer (chat_eval on a tag a run
+    trains into) waits up to `wait_s` for the writer's swap to end instead: its rename of the old copy
+    back between the writer's two renames made the writer's second one fail (Directory not empty)."""
+    import time
+
+    from nanochat.writer_lock import holder
+
+    final = ckpt_dir / step_dirname(step)
+    deadline = time.monotonic() + wait_s
+    while holder(ckpt_dir) is not None and not final.is_dir() and time.monotonic() < deadline \
+            and any(ckpt_dir.glob(step_dirname(step) + ".old-*")):
+        time.sleep(0.01)
+    if not final.is_dir() and holder(ckpt_dir) is None:
+        restore_swapped_out(ckpt_dir, step, meta_name)
+
+
 def sweep_superseded(ckpt_dir: Path, step: int | None = None) -> None:
     """Delete the step_N.old-* copies (of `step`, or of every step) whose step_N is in place: a
     re-save killed while deleting one leaves it, possibly partial (up to a whole checkpoint that

@@ -199,3 +199,46 @@ def test_a_model_config_field_newer_than_the_checkpoint_is_its_default_on_resume
         check_resume_compatible({**meta, "model_config": {**older, "softcap": 30.0}}, now, plan, 1, "f")
     with pytest.raises(ck.CheckpointError, match=r"n_layer \(set by base_train --depth\) 4 but this run has 2"):
         check_resume_compatible({**meta, "model_config": {**older, "n_layer": 4}}, now, plan, 1, "f")
+
+
+def test_a_reader_waits_out_a_live_writers_resave_swap(tmp_path):
+    """A reader of a step that a running writer is re-saving (step_N moved to step_N.old-PID, the new
+    copy not yet in) renamed the old copy back between the writer's two renames, and the writer's
+    second rename failed (Directory not empty). Now a reader beside a live writer (the writer lock
+    held by another process) waits for the swap and reads the new copy."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import torch
+
+    from nanochat import checkpoint as ck
+    d = tmp_path / "ck"
+    ck.save_checkpoint(d, 1, model_state={"w": torch.full((4,), 1.0)}, meta={"model_config": {}, "train": {"run": "old"}})
+    fresh = tmp_path / "fresh"
+    ck.save_checkpoint(fresh, 1, model_state={"w": torch.full((4,), 2.0)}, meta={"model_config": {}, "train": {"run": "new"}})
+    code = ("import sys, time; from nanochat.writer_lock import claim_checkpoint_dir; "
+            "claim_checkpoint_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert writer.stdout.readline().strip() == "held"
+        os.replace(d / "step_000001", d / "step_000001.old-424242")   # the writer's first rename
+        errors = []
+
+        def second_rename():
+            try:
+                os.replace(fresh / "step_000001", d / "step_000001")
+            except OSError as e:
+                errors.append(e)
+
+        timer = threading.Timer(0.3, second_rename)
+        timer.start()
+        meta = ck.read_meta(d, 1)
+        timer.join()
+        assert errors == [] and meta["train"]["run"] == "new", (errors, meta["train"])
+        assert (d / "step_000001.old-424242").is_dir()   # the writer deletes it, not the reader
+    finally:
+        writer.kill()
+        writer.wait()
