@@ -25,15 +25,15 @@ visible_gpu_row() {
 # second rank that found no device. A repeated entry ("0,0", "1,0,1") shows none at all (torch's
 # _parse_visible_devices: "Repeated ordinal results in empty set").
 visible_gpu_count() {
-  local n=0 entry seen=","
-  while IFS= read -r entry; do
-    entry="${entry//[[:space:]]/}"
-    [[ -n "$entry" && "$entry" != -* ]] || break
-    [[ ! "$entry" =~ ^[0-9]+$ ]] || (( 10#$entry < GPU_COUNT )) || break
+  local n=0 entry seen="," in_range=1
+  while IFS= read -r entry; do   # torch parses up to the first malformed entry, refuses a repeat
+    entry="${entry//[[:space:]]/}"   # among those ("0,5,0": none), then keeps those before the first
+    [[ -n "$entry" && "$entry" != -* ]] || break   # index past the last GPU
     [[ ! "$entry" =~ ^[0-9]+$ ]] || entry=$((10#$entry))
     [[ "$seen" != *",$entry,"* ]] || { echo 0; return; }
     seen+="$entry,"
-    n=$((n + 1))
+    [[ ! "$entry" =~ ^[0-9]+$ ]] || (( entry < GPU_COUNT )) || in_range=0
+    (( in_range )) && n=$((n + 1))
   done < <(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES")
   echo $(( n < GPU_COUNT ? n : GPU_COUNT ))
 }

@@ -243,7 +243,8 @@ def test_a_node_given_its_own_address_is_warned(tmp_path):
 
 @pytest.mark.parametrize("visible, count", [("0,1", 2), (" 1 , 0 ", 2), ("0,1,", 2), ("0,1,2,3", 2),
                                             ("0,-1,1", 1), ("0,5,1", 1), ("1,,0", 1), ("GPU-ab,GPU-cd", 2),
-                                            ("0,0", 0), ("1,0,1", 0), ("0,00", 0), ("GPU-ab,GPU-ab", 0)])
+                                            ("0,0", 0), ("1,0,1", 0), ("0,00", 0), ("GPU-ab,GPU-ab", 0),
+                                            ("0,5,0", 0), ("0,5,1,1", 0), ("1,-1,1", 1)])
 def test_visible_gpu_count_stops_where_cuda_stops(visible, count):
     """CUDA (and torch's parser) read CUDA_VISIBLE_DEVICES up to the first invalid entry; "0,-1,1"
     counted 2, and setup.sh advised --nproc 2 on a machine where CUDA showed one GPU."""
