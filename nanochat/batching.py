@@ -43,24 +43,30 @@ every live request as rows of one step:
 
 The scheduler thread holds `engine.inference_weights()` for its life (the fused q/k/v copy
 stays allocated), so do not train or call the same Engine's generate from another thread;
-`close()` ends it once idle and frees the cache (a later request starts it again).
+`close()` ends it once idle and frees the cache (a later request starts it again). Interpreter
+exit cancels whatever is left and waits (up to EXIT_WAIT_S) for the step in flight.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.engine import Engine, _check_int, _Row
+from nanochat.engine import Engine, ForcedTokens, _check_int, _Row
 from nanochat.sampling import Sampler
 
 _DONE = object()  # end-of-request marker in a request's output queue
+# Schedulers stopped at interpreter exit (_stop_all_at_exit), and how long exit waits for a step in flight
+_RUNNING: "weakref.WeakSet[BatchedEngine]" = weakref.WeakSet()
+EXIT_WAIT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -78,6 +84,20 @@ class _Request:
     steps: int = 0             # tokens yielded so far
     column: list[int] = field(default_factory=list)  # the tokens the next step feeds
     logits: torch.Tensor | None = None                # (num_samples, V) for the next draw
+
+
+def _watch_at_exit(batched: "BatchedEngine") -> None:
+    """Have interpreter exit stop `batched`'s scheduler (the hook is registered with the first one)."""
+    if not _RUNNING:
+        atexit.unregister(_stop_all_at_exit)   # once, however often the set empties
+        atexit.register(_stop_all_at_exit)
+    _RUNNING.add(batched)
+
+
+def _stop_all_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for batched in list(_RUNNING):
+        batched._stop_at_exit(max(0.0, deadline - time.monotonic()))
 
 
 def batch_sizes(slots: int) -> list[int]:
@@ -151,6 +171,7 @@ class BatchedEngine:
         self._decoders: dict = {}
         self._indices: dict[tuple, torch.Tensor] = {}   # device row indices per slot tuple
         self._table_host = self._table_dev = self._table_copied = None   # _draw_table's buffers
+        self._forced = ForcedTokens(engine.device, self.slots)
         self._wake = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._live: list[_Request] = []
@@ -217,6 +238,7 @@ class BatchedEngine:
                 req.out.put(_DONE)
                 return
             if self._thread is None:
+                _watch_at_exit(self)
                 self._thread = threading.Thread(target=self._loop, name="batching", daemon=True)
                 self._thread.start()
             self._pending.append(req)
@@ -256,10 +278,8 @@ class BatchedEngine:
     # ------------------------------------------------------------------ the scheduler thread
 
     def _on_device(self):
-        """The engine's GPU as the thread's current device: Triton launches (sampler, decode
-        attention) go to the current device, which is cuda:0 in a new thread."""
-        device = self.engine.device
-        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        """The engine's GPU as the scheduler thread's current device (Engine.on_device)."""
+        return self.engine.on_device()
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the scheduler thread once the requests it holds or queues are done, and free the
@@ -276,6 +296,24 @@ class BatchedEngine:
             if self._thread is None:
                 self._cache, self._decoders = None, {}
                 self._indices.clear()
+
+    def _stop_at_exit(self, timeout: float) -> None:
+        """Interpreter exit (atexit, main thread): cancel every request and wait for the step in
+        flight to end. A daemon thread still inside a step as the interpreter finalizes is killed
+        while it frees a tensor, which aborts the process ("terminate called without an active
+        exception", exit -6): a script whose last request had just ended died so ~1 run in 8."""
+        with self._wake:
+            thread, stranded = self._thread, list(self._pending)
+            if thread is None:
+                return
+            self._pending.clear()
+            for req in stranded + self._live:   # live ones leave at the next admission
+                req.cancelled = True
+            self._closing = True
+            self._wake.notify()
+        for req in stranded:
+            req.out.put(_DONE)
+        thread.join(timeout)
 
     def _loop(self) -> None:
         """The scheduler thread. Whatever kills it (an exception outside a step, e.g. entering
@@ -361,11 +399,13 @@ class BatchedEngine:
     def _step(self) -> None:
         """Draw every live request's next tokens and hand them out, with Engine._decode_static's
         one-step lookahead: the decode step that feeds the samples is queued before the host reads
-        them, so the per-row Python (tool, stops, queues) overlaps the GPU; a row whose chosen
-        token is not its sample (tool-forced) makes the step re-run from the host tokens."""
+        them, so the per-row Python (tool, stops, queues) overlaps the GPU. A tool-forced token
+        replaces its row's sample before that step (ForcedTokens: a re-run per forced token cost
+        the whole batch a step); a row whose chosen token still differs makes it re-run."""
         self._compact()   # before the draw: every row's cache then holds [0, position)
         live = self._live
         sampled = self._draw(live)   # reorders live by sampling group
+        sampled = self._forced.apply(sampled, [row for req in live for row in req.rows])
         slots = [s for r in live for s in r.slots]
         b = self._size_for(1 + max(slots))
         decoder = self._decoders[b]
@@ -393,7 +433,7 @@ class BatchedEngine:
                 redo |= any(c != d for c, d, r in zip(column, mine, req.rows) if r.stop_token is None)
         if not live:
             return
-        if redo:   # a forced token: this position again, from the host tokens
+        if redo:   # a token the step was not fed: this position again, from the host tokens
             column = [0] * b
             for req in live:
                 for slot, token in zip(req.slots, req.column):

@@ -10,8 +10,8 @@ How a call runs: the prompt is prefilled once with batch 1, the cache is then re
 Sampling (temperature / top-k / top-p, nanochat/sampling.py) is seeded per call, so a call is
 reproducible, and sample i draws with the same noise whatever `num_samples` is (so sample 0 of
 four is the one-sample answer, up to the batched step's float rounding); temperature 0 (or top-k
-1) is greedy. On CUDA a step's draw is one Triton
-launch (three with top-k's two-stage sampler, nanochat/triton_sample.py).
+1) is greedy. On CUDA a step's draw is one Triton launch (three with top-k's two-stage sampler,
+nanochat/triton_sample.py).
 
 Tool use: when a row writes `<|python_start|> expr <|python_end|>`, `expr` is evaluated by
 `nanochat.calculator` (a whitelisting arithmetic parser, never `eval`) and
@@ -42,7 +42,8 @@ Decode modes (`decode=`, the attribute `decode_mode` says what was chosen):
     inside training or eval loops.
 Static and graphs decoding look one step ahead (`_decode_static`): the sampled tokens feed the
 next step on the device and that step is queued before the host reads them, so the per-token
-Python overlaps the GPU; a tool-forced token re-runs its step at the same position.
+Python overlaps the GPU; a tool-forced token is known a step ahead and written over its row's
+sample before that step is queued (`ForcedTokens`; it used to re-run the step, the whole batch).
 Measured (H100, d20 bf16, bench_inference; history in CHANGELOG_GB10.md): "graphs" with the
 persistent batch-1 step and the Triton sampler, 0.66-0.67 ms per token (1,498-1,511 tok/s);
 "compile" 7.16 ms per step plus minutes of recompiles; graph_step="eager" 3.3 ms at batch 1.
@@ -50,24 +51,23 @@ Many concurrent requests: nanochat/batching.py decodes them as rows of one step.
 int8 weights (nanochat/quantize.py, `--quantize int8`) decodes through every mode, the
 persistent step included (it reads the int8 rows and their scales).
 The prompt prefill runs the plain model (`_prefill(compiled=True)`, what the continuous batcher
-uses under compiled graph steps, runs its dynamic compile instead). If a second
-generation with the same batch size runs while the first is still live (two open iterators), the
-second decodes eagerly with a private cache instead of sharing the persistent one.
+uses under compiled graph steps, runs its dynamic compile instead). If a second generation with
+the same batch size runs while the first is still live (two open iterators), the second decodes
+eagerly with a private cache instead of sharing the persistent one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import operator
-from collections import deque
-from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from nanochat.calculator import tool_output
 from nanochat.decode import DEFAULT_BUCKET, StaticDecoder
+from nanochat.engine_rows import (ForcedTokens, _check_int, _fits_float, _Row, _stop_ids,  # noqa: F401 (re-exported)
+                                  validate_sampling)
 from nanochat.sampling import MAX_SEED, Sampler, resolve_sampler
 from nanochat.tokenizer import assistant_parts  # noqa: F401  (lives with the chat rendering it inverts)
 
@@ -80,59 +80,6 @@ PERSISTENT_MEASURED_CC = ((9, 0),)
 MAX_DECODERS = 4  # persistent caches (one per batch size) kept; least recently used evicted
 # How tool calls read as text (GSM8K's own notation, "<<48/2=24>>") in the CLI and the web UI.
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
-
-
-@dataclass
-class _Row:
-    """Per-sample state of the tool state machine and the stop condition."""
-
-    forced: deque = field(default_factory=deque)   # tokens the tool will force next
-    in_python: bool = False
-    expr: list = field(default_factory=list)        # tokens between python_start and python_end
-    stop_token: int | None = None                  # set once the row has finished
-
-
-def _check_int(value, name: str, low: int, accepted: str) -> int:
-    # any Integral (numpy's int64 from a sweep, as token ids already are): int only refused
-    # np.int64(2) with "accepted: an integer >= 1"; returned as a plain int
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
-        raise ValueError(f"{name}: got {value!r}; accepted: {accepted}")
-    return int(value)
-
-
-def validate_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
-    """Checked sampling parameters; top_k 0 and top_p 1.0 mean 'off'."""
-    # an int past float's range (10**400) compares as finite but float() raised OverflowError
-    # Real, not (int, float): np.float32(0.7) was refused as "not a finite number >= 0"
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
-            or not 0.0 <= temperature < float("inf") or not _fits_float(temperature):
-        raise ValueError(f"temperature: got {temperature!r}; accepted: a finite number >= 0 (0 = greedy)")
-    if top_k is not None:
-        top_k = _check_int(top_k, "top_k", 0, "None or an integer >= 0 (0 = off)") or None
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p: got {top_p!r}; accepted: None or a number in (0, 1]")
-        top_p = None if float(top_p) >= 1.0 else float(top_p)
-    return float(temperature), top_k, top_p
-
-
-def _fits_float(value) -> bool:
-    try:
-        float(value)
-    except OverflowError:
-        return False
-    return True
-
-
-def _stop_ids(stop_tokens) -> list[int]:
-    """stop_tokens as ints; ValueError naming the argument for anything else (a token's text, None)."""
-    try:
-        if isinstance(stop_tokens, (str, bytes)):
-            raise TypeError("text")
-        return [operator.index(t) for t in stop_tokens]
-    except (TypeError, ValueError):
-        raise ValueError(f"stop_tokens: got {stop_tokens!r}; accepted: None or an iterable of token ids (ints)") \
-            from None
 
 
 def _model_device(model) -> torch.device:
@@ -360,8 +307,9 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.decode_mode == "graphs":
-            Sampler(self.device, 1.0, 1, 0.5, 0, self.sampler_backend).warmup(int(self.model.config.vocab_size))
-            with self.inference_weights(), torch.inference_mode():
+            with self.on_device():   # the Triton sampler launches on the current device
+                Sampler(self.device, 1.0, 1, 0.5, 0, self.sampler_backend).warmup(int(self.model.config.vocab_size))
+            with self.on_device(), self.inference_weights(), torch.inference_mode():
                 for b in batch_sizes:
                     decoder = self._acquire_decoder(b)
                     if decoder is None:
@@ -460,12 +408,25 @@ class Engine:
         enter = getattr(self.model, "inference_weights", None) if self.fused_qkv else None
         return enter() if enter is not None else contextlib.nullcontext()
 
+    def on_device(self):
+        """The engine's GPU as the thread's current device: Triton launches and CUDA events go to the
+        current device, cuda:0 in a new thread, whichever GPU holds the model (a replica on cuda:1)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _generate(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
-        # The context spans the generator's life: closing it early (a client that disconnects)
-        # runs the finally and leaves the context.
+        # inference_weights() spans the generator's life (closing it early runs the finally); the
+        # device is set around each step only: held across a yield it leaked into the consumer
         with self.inference_weights():
-            yield from self._generate_steps(tokens, num_samples, max_tokens, temperature, top_k, top_p,
-                                            seed, stops)
+            steps = self._generate_steps(tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops)
+            try:
+                while True:
+                    with self.on_device():
+                        step = next(steps, None)
+                    if step is None:
+                        return
+                    yield step
+            finally:
+                steps.close()
 
     @torch.inference_mode()  # torch wraps generator functions: the mode is on only inside next()
     def _generate_steps(self, tokens, num_samples, max_tokens, temperature, top_k, top_p, seed, stops):
@@ -495,14 +456,14 @@ class Engine:
         """Static/graphs decoding with a one-step lookahead: the sampled tokens feed the next step
         on the device and that step is queued before the host reads them, so the per-token Python
         (tool state machine, stop checks, the consumer of this generator) runs while the GPU
-        computes. When a live row's chosen token is not its sample (a tool-forced token), the
-        step is re-run at the same position from the host column: it rewrites that position's
-        k/v, and the sampling stream is untouched, so the tokens equal the one-by-one result."""
+        computes. A tool-forced token replaces its row's sample before the step (ForcedTokens); a
+        live row's token that still differs from what the step was fed re-runs it from the host."""
         logits = self._prefill_static(tokens, decoder)
         rows = [_Row() for _ in range(decoder.batch_size)]
+        forced = ForcedTokens(self.device, decoder.batch_size)
         position = len(tokens)
         for step in range(max_tokens):
-            sampled = sample(logits, position)
+            sampled = forced.apply(sample(logits, position), rows)
             wait = decoder.fetch(sampled)
             last = step == max_tokens - 1
             if not last:
@@ -513,7 +474,7 @@ class Engine:
             if last or all(r.stop_token is not None for r in rows):
                 return
             if any(c != d for c, d, r in zip(column, drawn, rows) if r.stop_token is None):
-                logits = decoder.step(column, position)   # a forced token: redo this position
+                logits = decoder.step(column, position)   # not what it was fed: redo this position
             position += 1
 
     def _prefill(self, tokens, cache, compiled: bool = False):
