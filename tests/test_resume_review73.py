@@ -42,6 +42,18 @@ def _once(act):
     return run
 
 
+def _prune_after_meta_read(monkeypatch, prune) -> None:
+    """The reader's meta.json read, then `prune` (the writer's prune or re-save, once): the race's
+    first window."""
+    real_meta = ck.read_meta
+
+    def read_meta(ckpt_dir, step="latest"):
+        meta = real_meta(ckpt_dir, step)
+        prune()
+        return meta
+    monkeypatch.setattr(ck, "read_meta", read_meta)
+
+
 @pytest.mark.parametrize("where", ["meta read", "file checked", "sums read"])
 def test_a_reader_of_latest_overtaken_by_keep_last_reads_the_new_latest(tmp_path, monkeypatch, capsys, where):
     """The step latest.json named is pruned while the reader is inside it: after its meta.json was read
@@ -53,13 +65,7 @@ def test_a_reader_of_latest_overtaken_by_keep_last_reads_the_new_latest(tmp_path
     _save(d, 1)
     prune = _once(lambda: _train_on(d, 2))
     if where == "meta read":
-        real_meta = ck.read_meta
-
-        def read_meta(ckpt_dir, step="latest"):
-            meta = real_meta(ckpt_dir, step)
-            prune()
-            return meta
-        monkeypatch.setattr(ck, "read_meta", read_meta)
+        _prune_after_meta_read(monkeypatch, prune)
     elif where == "file checked":
         real_sum = cio.saved_sum
 
@@ -87,14 +93,7 @@ def test_a_step_named_by_number_and_removed_while_read_is_said_as_removed(tmp_pa
     says what happened (the old code: "file missing from the checkpoint", as for a damaged step)."""
     d = tmp_path / "ck"
     _save(d, 1)
-    prune = _once(lambda: _train_on(d, 2))
-    real_meta = ck.read_meta
-
-    def read_meta(ckpt_dir, step="latest"):
-        meta = real_meta(ckpt_dir, step)
-        prune()
-        return meta
-    monkeypatch.setattr(ck, "read_meta", read_meta)
+    _prune_after_meta_read(monkeypatch, _once(lambda: _train_on(d, 2)))
     with pytest.raises(ck.CheckpointError, match=r"step_000001 was removed while it was being read .*--keep-last.*"
                                                  r"steps on disk now: \[2\]"):
         ck.load_checkpoint(d, 1)
@@ -108,13 +107,7 @@ def test_a_step_saved_again_while_read_is_read_in_its_new_copy(tmp_path, monkeyp
     resave = _once(lambda: ck.save_checkpoint(d, 1, model_state={"w": torch.full((64,), 7.0)},
                                               loader_state={"row": 7}, loop_state={"step": 1},
                                               meta={"model_config": {"n_layer": 2}, "train": {"world_size": 1}}))
-    real_meta = ck.read_meta
-
-    def read_meta(ckpt_dir, step="latest"):
-        meta = real_meta(ckpt_dir, step)
-        resave()
-        return meta
-    monkeypatch.setattr(ck, "read_meta", read_meta)
+    _prune_after_meta_read(monkeypatch, resave)
     got = ck.load_checkpoint(d, 1)
     assert torch.equal(got["model"]["w"], torch.full((64,), 7.0)) and got["loader"] == {"row": 7}
     assert got["meta"]["has_optimizer"] is False   # the new copy's meta.json too (the old one's said True)

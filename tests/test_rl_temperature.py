@@ -132,12 +132,18 @@ def _model(vocab=100, n_embd=32, n_layer=2, seed=0):
     return randomize(model)
 
 
-@pytest.mark.parametrize("backend", ["default", "triton"])
-def test_gpt_forward_takes_the_temperature_in_its_loss(backend):
+def _model_and_batch(backend: str, *, seed: int, shape: tuple[int, int]):
+    """A tiny model on `backend`'s loss (default, or the Triton one's CPU path) and random (inputs,
+    targets) of `shape`."""
     model = _model()
     model.set_loss_fn(None if backend == "default" else build_loss_fn("triton", "cpu", chunk_rows=16))
-    g = torch.Generator().manual_seed(3)
-    idx, targets = torch.randint(0, 100, (2, 20), generator=g), torch.randint(0, 100, (2, 20), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    return model, torch.randint(0, 100, shape, generator=g), torch.randint(0, 100, shape, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_gpt_forward_takes_the_temperature_in_its_loss(backend):
+    model, idx, targets = _model_and_batch(backend, seed=3, shape=(2, 20))
     targets[0, ::3] = -1
     got = model(idx, targets, loss_reduction="none", temperature=0.4)
     want = F.cross_entropy(model(idx).double().flatten(0, 1) / 0.4, targets.flatten(), ignore_index=-1,
@@ -199,10 +205,7 @@ def test_the_loss_accepts_what_the_trainer_and_chat_rl_accept(value):
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_policy_gradient_loss_is_the_tempered_objective(backend):
     """-sum advantage x log softmax(logits / T)[sampled token], and its gradients, against float64."""
-    model = _model()
-    model.set_loss_fn(None if backend == "default" else build_loss_fn("triton", "cpu", chunk_rows=16))
-    g = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randint(0, 100, (3, 12), generator=g), torch.randint(0, 100, (3, 12), generator=g)
+    model, inputs, targets = _model_and_batch(backend, seed=1, shape=(3, 12))
     targets[:, :4] = -1   # the prompt
     targets[2, 9:] = -1   # padding
     adv = torch.tensor([0.5, -1.0, 0.25])
