@@ -2,7 +2,8 @@
 tiktoken), special tokens, chat rendering with loss masks, and the on-disk format. The conversation
 format it renders (`check_conversation`: its contract, checked without a tokenizer;
 `assistant_parts`: generated ids back into a message's content parts) lives in
-nanochat/chat_format.py and is re-exported here.
+nanochat/chat_format.py and is re-exported here; the split pattern (SPLIT_PATTERN, also re-exported) and
+the checks every pattern passes before tiktoken uses it live in nanochat/tokenizer_pattern.py.
 
 On disk a tokenizer is a directory holding
   tokenizer.pkl    {"format_version", "pattern", "mergeable_ranks" (bytes -> rank),
@@ -26,6 +27,7 @@ import itertools
 import operator
 import pickle
 import re
+import reprlib
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -36,16 +38,10 @@ from nanochat.chat_format import (  # noqa: F401  (re-exported: tasks, engine an
     _assistant_parts, _normalized_messages, assistant_parts, check_conversation)
 from nanochat.errors import RequestError
 from nanochat.tokenizer_io import _SafeUnpickler, _atomic_write_all, _check_pickle_bounds
+from nanochat.tokenizer_pattern import SPLIT_PATTERN, _check_pattern, _rustbpe  # SPLIT_PATTERN re-exported
 
 if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
     import torch
-
-# GPT-4's (cl100k) split pattern, except that numbers split into runs of at most two digits
-# (GPT-4 uses three), which spends fewer vocabulary entries on numbers in a small vocab.
-SPLIT_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
-)
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document; the dataloader packs documents on it
@@ -74,16 +70,8 @@ MAX_WHITESPACE_RUN = 100_000
 # position of a shorter run, quadratic in its length (a 99,999-space run: ~12 s to encode).
 _LONG_WHITESPACE = re.compile(r"(?<!\s)\s{%d,}" % MAX_WHITESPACE_RUN)
 _NO_DOCUMENT = object()  # sentinel: a None item is a bad document, not the end
-# A split pattern must cover every character: tiktoken's encode_ordinary keeps only the regex's
-# matches (unmatched text vanishes from the ids, silently), and a pattern that matches the empty
-# string makes it panic (pyo3's PanicException, a BaseException) on ordinary text. Checked on these
-# (each category alone, at the start and end of a text, and mixed) before training and on load.
-_PATTERN_PROBES = (
-    "a", "Z", "\u00e9", "\u4e2d", "7", "\u0663", "\u00bd", " ", "\t", "\n", "\r", "\r\n", "\u00a0", "\u3000",
-    "\u2028", ".", "'", "'s", "'LL", "\U0001f600", "\x00", "\x1c", "\u0301", "\u200d", "\ufeff", "  lead", "trail  ",
-    "_", "snake_case", " a", "a ", "a b", "ab  cd", "x\n\n\ty", "1234567", "-1.5e9", "Hello, world! It's 2024-06-01.\n\n"
-    "  def f(x):\n\treturn {'a': [x ** 2]}  # ok\r\n\u6771\u4eac \u041f\u0440\u0438 \U0001f642\u200d \u3000 ?!",
-)
+_REPR = reprlib.Repr()   # containers shown to depth 3, strings and others to 60 characters
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 _HOW_TO_CREATE = "create it with `python -m scripts.tok_train` (or pass the right directory)"
 
 
@@ -105,8 +93,20 @@ class VocabTooLargeError(ValueError):
         self.supported = supported
 
 
+def _short_repr(value, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters without building the whole repr: that of a 300 MB bytes
+    item took seconds and a GB, and that of a deeply nested list (an edited tokenizer.pkl) raised
+    RecursionError instead of the error it was for."""
+    if isinstance(value, (str, bytes, bytearray)):
+        value = value[:limit + 1]
+    try:
+        return _REPR.repr(value)[:limit]
+    except Exception:   # a __repr__ that raises, an int of 4,300+ digits: the type still says what it was
+        return f"<{type(value).__name__}>"
+
+
 def _shown(value) -> str:  # with its type unless an int: 300.0, True and "8" print like accepted values
-    return repr(value) if type(value) is int else f"{value!r:.60} ({type(value).__name__})"
+    return _short_repr(value) if type(value) is int else f"{_short_repr(value)} ({type(value).__name__})"
 
 
 def _int_in(value, name: str, lo: int, hi: int | None, accepted: str | None = None) -> int:
@@ -143,56 +143,17 @@ def _check_ranks(ranks: dict[bytes, int]) -> None:
     """ValueError unless ranks are 0..n-1 with the 256 single bytes first (tiktoken's assumption)."""
     if not isinstance(ranks, dict) or len(ranks) < 256:
         raise ValueError("mergeable ranks: expected a dict of at least the 256 byte tokens")
+    # types first: sorting other values compared them (lists of lists: RecursionError), and bools
+    # passed as ranks 0 and 1
+    bad = next(((k, v) for k, v in ranks.items()
+                if not isinstance(k, bytes) or isinstance(v, bool) or not isinstance(v, int)), None)
+    if bad is not None:
+        raise ValueError(f"mergeable ranks: got {_shown(bad[0])} -> {_shown(bad[1])}; accepted: bytes -> int")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError("mergeable ranks: ranks are not exactly 0..n-1")
     for b in range(256):
         if ranks.get(bytes([b])) != b:
             raise ValueError(f"mergeable ranks: byte {b} does not have rank {b}")
-
-
-def _rustbpe():
-    """The rustbpe extension (rustbpe/), or ImportError saying how to build or rebuild it."""
-    import rustbpe  # the in-tree Rust extension, built with maturin
-
-    if not hasattr(rustbpe, "Tokenizer"):  # the bare rustbpe/ source dir imported as a namespace
-        raise ImportError("the rustbpe extension is not built/installed: build it from rustbpe/ "
-                          "(e.g. `uv pip install -p .venv/bin/python ./rustbpe`, as setup.sh does)")
-    if "threads" not in (rustbpe.Tokenizer.train_from_iterator.__text_signature__ or "") \
-            or not hasattr(rustbpe, "check_pattern"):
-        raise ImportError("the installed rustbpe extension is older than rustbpe/ (no `threads` argument or "
-                          "no check_pattern): rebuild it (e.g. `uv pip install -p .venv/bin/python ./rustbpe`)")
-    return rustbpe
-
-
-def _check_pattern(pattern: str, enc: tiktoken.Encoding | None = None) -> None:
-    """ValueError naming `pattern` unless tiktoken compiles it, rustbpe's structural check finds no
-    way for it to match the empty string, and it round-trips every probe text (through `enc`, whose
-    split regex it is, or a bytes-only Encoding: before training)."""
-    if enc is None:
-        try:
-            enc = tiktoken.Encoding(name="pattern-check", pat_str=pattern,
-                                    mergeable_ranks={bytes([b]): b for b in range(256)}, special_tokens={})
-        except ValueError as e:  # tiktoken's regex compile error, without the argument's name
-            raise ValueError(f"pattern: invalid regex {pattern!r} ({e}); accepted: a regex tiktoken "
-                             "compiles (default: SPLIT_PATTERN)") from None
-    if pattern != SPLIT_PATTERN:
-        # The probes only see the characters they hold: `...|\p{Co}*` passed them all, and then
-        # dropped every unassigned code point from encoded text (an empty match skips it) or
-        # panicked tiktoken on one at the start. A loaded (or constructed) tokenizer was never
-        # checked for it, only a trained one. Judged from the regex's structure, whatever the text.
-        _rustbpe().check_pattern(pattern)
-    for probe in _PATTERN_PROBES:
-        try:
-            got = enc.decode_bytes(enc.encode_ordinary(probe))
-        except BaseException as e:  # PanicException derives from BaseException only
-            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-                raise
-            raise ValueError(f"pattern: {pattern!r} breaks tiktoken on {probe!r} ({type(e).__name__}: "
-                             f"{e}); accepted: a regex that never matches the empty string") from None
-        if got != probe.encode("utf-8"):
-            raise ValueError(f"pattern: {pattern!r} leaves part of {probe!r} unmatched (tiktoken keeps "
-                             f"{got.decode('utf-8', 'replace')!r}, dropping the rest); accepted: a regex whose "
-                             "matches cover every character, e.g. ending in |\\s+|.")
 
 
 def whitespace_pieces(text: str) -> list[str]:
@@ -232,6 +193,7 @@ class Tokenizer:
                  special_tokens: Sequence[str] = tuple(SPECIAL_TOKENS)):
         if not isinstance(pattern, str) or not pattern:
             raise ValueError("pattern: expected a non-empty regex string")
+        _check_pattern(pattern)   # before tiktoken compiles it: its errors named no argument
         _check_ranks(mergeable_ranks)
         specials = list(special_tokens)
         bad = next((k for k, name in enumerate(specials) if not isinstance(name, str) or not name), None)
@@ -248,7 +210,6 @@ class Tokenizer:
             name="nanochat", pat_str=pattern, mergeable_ranks=self._ranks,
             special_tokens=self._special_ids, explicit_n_vocab=n + len(specials),
         )
-        _check_pattern(pattern, self._enc)
         self._fingerprint = _compute_fingerprint(pattern, self._ranks, specials)
 
     # Rebuild the tiktoken object after unpickling (e.g. in DataLoader worker processes).
@@ -278,7 +239,7 @@ class Tokenizer:
             threads = _int_in(threads, "threads", 1, MAX_TRAIN_THREADS,
                               f"1..{MAX_TRAIN_THREADS} or None (all cores)")
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"pattern: got {pattern!r}; accepted: a non-empty regex str")
+            raise ValueError(f"pattern: got {_short_repr(pattern)}; accepted: a non-empty regex str")
         rustbpe = _rustbpe()
         # before the text is read, not after hours of training (with rustbpe's structural check: a
         # pattern that can match the empty string passes every probe its other alternatives cover)
@@ -354,11 +315,11 @@ class Tokenizer:
             raise TokenizerError(path, "corrupt file (not a tokenizer record)")
         version = payload.get("format_version")
         if version != FORMAT_VERSION:
-            raise TokenizerError(path, f"format version {version!r} unsupported (this code reads "
+            raise TokenizerError(path, f"format version {_short_repr(version)} unsupported (this code reads "
                                        f"{FORMAT_VERSION})")
         try:
             tok = cls(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, RecursionError) as e:   # RecursionError: nested junk
             raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
         if payload.get("fingerprint") != tok.fingerprint:
             raise TokenizerError(path, "corrupt file (stored fingerprint does not match contents)")
@@ -400,7 +361,7 @@ class Tokenizer:
         try:
             return self._special_ids[name]
         except (KeyError, TypeError):
-            raise ValueError(f"special token: got {name!r}; accepted: {', '.join(self._specials)}") from None
+            raise ValueError(f"special token: got {_short_repr(name)}; accepted: {', '.join(self._specials)}") from None
 
     def _resolve_token(self, token, arg: str) -> int | None:
         if token is None:
@@ -408,7 +369,7 @@ class Tokenizer:
         accepted = f"a token id in 0..{self.vocab_size - 1} or a special-token name"
         if isinstance(token, str):   # encode_special's message named no argument
             if token not in self._special_ids:
-                raise ValueError(f"{arg}: got {token!r}; accepted: {accepted} ({', '.join(self._specials)})")
+                raise ValueError(f"{arg}: got {_short_repr(token)}; accepted: {accepted} ({', '.join(self._specials)})")
             return self._special_ids[token]
         return _int_in(token, arg, 0, self.vocab_size - 1, accepted)
 
@@ -425,8 +386,8 @@ class Tokenizer:
         elif isinstance(text, (list, tuple)):
             bad = next((i for i, t in enumerate(text) if not isinstance(t, str)), None)
             if bad is not None:   # "got list; accepted: list[str]" did not say which item was wrong
-                raise TypeError(f"text[{bad}]: got {type(text[bad]).__name__} {text[bad]!r:.40}; accepted: "
-                                "str or list[str]")
+                raise TypeError(f"text[{bad}]: got {type(text[bad]).__name__} {_short_repr(text[bad], 40)}; "
+                                "accepted: str or list[str]")
             batch, single = text, False
         else:
             raise TypeError(f"text: got {type(text).__name__}; accepted: str or list[str]")

@@ -9,8 +9,9 @@
 
 use crate::BpeError;
 use fancy_regex::internal::{analyze, AnalyzeContext};
-use fancy_regex::{Expr, Regex};
+use fancy_regex::{Absent, Expr, Regex};
 use regex_syntax::hir::{Class, HirKind};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// GPT-4's split pattern with numbers grouped by at most two digits (nanochat's choice).
 pub const GPT4_PATTERN: &str = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
@@ -43,6 +44,15 @@ impl Splitter {
         {
             return Err(BpeError::EmptyMatch {
                 pattern: pattern.to_string(),
+            });
+        }
+        if let Some(group) = missing_condition_group(&tree.expr, regex.captures_len()) {
+            return Err(BpeError::Pattern {
+                pattern: pattern.to_string(),
+                reason: format!(
+                    "the condition (?({group})...) tests capture group {group}, which the pattern \
+                     does not have (fancy-regex compiles it, then panics while matching)"
+                ),
             });
         }
         let fast = if pattern == GPT4_PATTERN {
@@ -79,12 +89,28 @@ impl Splitter {
         }
     }
 
-    /// The generic path through fancy-regex (also the oracle for the fast path's tests).
+    /// The generic path through fancy-regex (also the oracle for the fast path's tests). A panic
+    /// inside fancy-regex (third-party code run on users' text and patterns; one is known, see
+    /// [`missing_condition_group`]) is a [`BpeError::Matching`], not a dead counting thread or a
+    /// PanicException out of `encode`.
     pub fn for_each_chunk_regex<'t>(
         &self,
         text: &'t str,
-        mut f: impl FnMut(&'t str),
+        f: impl FnMut(&'t str),
     ) -> Result<(), BpeError> {
+        catch_unwind(AssertUnwindSafe(|| self.split_regex(text, f))).unwrap_or_else(|payload| {
+            let why = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".into());
+            Err(BpeError::Matching {
+                reason: format!("fancy-regex panicked on {:?} ({why})", self.pattern),
+            })
+        })
+    }
+
+    fn split_regex<'t>(&self, text: &'t str, mut f: impl FnMut(&'t str)) -> Result<(), BpeError> {
         let mut covered = 0; // end of the text the matches so far cover
         for m in self.regex.find_iter(text) {
             let m = m.map_err(|e| BpeError::Matching {
@@ -112,6 +138,38 @@ impl Splitter {
             self.pattern
         ))
     }
+}
+
+/// The group of the first `(?(N)...)` condition on a capture group the pattern does not have
+/// (`groups` counts group 0): fancy-regex 0.20 compiles one and then indexes past its capture slots
+/// while matching, a panic (tiktoken's fancy-regex too: `a(?(1))b|.` panicked it on "a").
+fn missing_condition_group(expr: &Expr, groups: usize) -> Option<usize> {
+    let children: Vec<&Expr> = match expr {
+        Expr::BackrefExistsCondition { group, .. } => {
+            return (*group >= groups).then_some(*group);
+        }
+        Expr::Concat(v) | Expr::Alt(v) => v.iter().collect(),
+        Expr::Group(e) => vec![e.as_ref()],
+        Expr::LookAround(e, _) | Expr::AtomicGroup(e) => vec![e.as_ref()],
+        Expr::Repeat { child, .. } => vec![child.as_ref()],
+        Expr::DefineGroup { definitions } => vec![definitions.as_ref()],
+        Expr::Conditional {
+            condition,
+            true_branch,
+            false_branch,
+        } => vec![
+            condition.as_ref(),
+            true_branch.as_ref(),
+            false_branch.as_ref(),
+        ],
+        Expr::Absent(Absent::Repeater(e) | Absent::Stopper(e)) => vec![e.as_ref()],
+        Expr::Absent(Absent::Expression { absent, exp }) => vec![absent.as_ref(), exp.as_ref()],
+        _ => Vec::new(),
+    };
+    // The parser limits nesting, so this recursion is shallow.
+    children
+        .into_iter()
+        .find_map(|e| missing_condition_group(e, groups))
 }
 
 /// Character classes of the GPT-4 pattern. They are disjoint: `\p{L}`, `\p{N}` and `\s`
@@ -422,6 +480,39 @@ mod tests {
             }
         }
         assert!(s.for_each_chunk("abc", |_| {}).is_ok());
+    }
+
+    #[test]
+    fn a_condition_on_a_missing_group_is_refused() {
+        for (pattern, group) in [
+            (r"a(?(1))b|.|\s", 1),
+            (r"(a)(?(2)b|c)|.", 2),
+            (r"(?:x|y(?>(?(3)y)))+|.", 3),
+        ] {
+            match Splitter::new(pattern) {
+                Err(BpeError::Pattern { reason, .. }) => {
+                    assert!(
+                        reason.contains(&format!("capture group {group},")),
+                        "{reason}"
+                    )
+                }
+                other => panic!(
+                    "{pattern:?}: expected a pattern error, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        let s = Splitter::new(r"(a)(?(1)b|c)|.|\s").expect("group 1 exists");
+        assert_eq!(chunks(&s, "abac", false).concat(), "abac");
+    }
+
+    #[test]
+    fn a_panic_inside_the_regex_path_is_a_matching_error() {
+        let s = Splitter::new(r"\S+|\s+").expect("compile");
+        match s.for_each_chunk_regex("ab cd", |c| assert_ne!(c, "cd", "stand-in panic")) {
+            Err(BpeError::Matching { reason }) => assert!(reason.contains("panicked"), "{reason}"),
+            other => panic!("expected a matching error, got {other:?}"),
+        }
     }
 
     #[test]
