@@ -349,11 +349,16 @@ def _is_stale(t: float, stage: str, trained: dict[str, float], own: bool) -> boo
 def _stale_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> set[str]:
     """Stages whose current metrics run ended before an earlier stage was trained again (base retrained
     after a config change, mid not yet): the time table summed it with the new runs, unmarked, and
-    the plots drew its curve as the stage's."""
+    the plots drew its curve as the stage's. Not one whose own training section came after that
+    retraining: a rerun that resumed its finished checkpoint (the source's weights unchanged, e.g.
+    mid resumed bit-exact after a Ctrl-C; setup.sh reruns every later stage) trains no step and logs
+    no metrics row, only its section, and its model is current, as the summary says: the time table
+    called it "(stale)", "of an older model; rerun them", and left its training out of the total."""
     trained = _trained_at(sections)
     return {stage for stage, rows in metrics.items()
             if (times := [r["time"] for r in rows if _num(r.get("time"))])
-            and _is_stale(max(times), stage, trained, own=False)}
+            and _is_stale(max(times), stage, trained, own=False)
+            and (stage not in trained or _is_stale(trained[stage], stage, trained, own=False))}
 
 
 def _reward_notes(metrics: dict[str, list[dict]]) -> list[str]:
