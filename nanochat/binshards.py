@@ -1,5 +1,6 @@
-"""Binary token shards: the on-disk format written by `scripts/pretokenize.py` and read,
-memory-mapped, by the dataloader (`DataLoader(source="bin")`).
+"""Binary token shards: the on-disk format written by `scripts/pretokenize.py` and read by the
+dataloader (`DataLoader(source="bin")`: nanochat/doc_sources.py reads each document with pread;
+`BinShard` here maps a whole shard, for checks and tools).
 
 One text shard `shard_NNNNN.parquet` becomes one binary shard `shard_NNNNN.bin` (so the last one is
 still the validation shard). Layout, little-endian:
@@ -107,12 +108,18 @@ def _pack_header(h: ShardHeader) -> bytes:
     return raw.ljust(HEADER_SIZE, b"\0")
 
 
-def read_header(path: str | Path) -> ShardHeader:
-    """Parse and sanity-check a shard header; DataError naming the file when it is not one."""
+def read_header(path: str | Path, fd: int | None = None) -> ShardHeader:
+    """Parse and sanity-check a shard header; DataError naming the file when it is not one.
+    `fd`: a descriptor open on it (the header and size are then those of that open file, which
+    the caller goes on reading: a file replaced at `path` since cannot slip in between)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
+        if fd is None:
+            with open(path, "rb") as f:
+                raw, size = f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size
+        else:
+            os.lseek(fd, 0, os.SEEK_SET)   # the caller reads at explicit offsets: no position to keep
+            raw, size = os.read(fd, HEADER_SIZE), os.fstat(fd).st_size
     except OSError as e:
         raise DataError(f"{path}: unreadable ({e}); {recreate_advice(path)}") from e
     if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
@@ -130,7 +137,6 @@ def read_header(path: str | Path) -> ShardHeader:
                         f"{recreate_advice(path)}") from None
     h = ShardHeader(version, np.dtype(np.uint16 if itemsize == 2 else np.uint32), n_tokens, n_docs,
                     vocab, bos, fingerprint)
-    size = path.stat().st_size
     if size != h.file_size:
         raise DataError(f"{path}: truncated or corrupt ({size} bytes, header says {h.file_size}); "
                         f"{recreate_advice(path)}")

@@ -13,7 +13,7 @@ inputs = row[:-1], targets = row[1:]. Targets are -1 (ignore) only in the paddin
 batch of a finite pass (`repeat=False`), whose padded inputs are BOS.
 
 Sources. Text shards (parquet, tokenized on the fly with the tokenizer's threaded batch encode) or
-binary token shards from `scripts/pretokenize.py` (memory-mapped; `source="auto"` picks them when
+binary token shards from `scripts/pretokenize.py` (read with pread; `source="auto"` picks them when
 `<data_dir>_tokens/` holds any, and refuses shards made with another tokenizer or from other text
 shards than those now in data_dir); nanochat/doc_sources.py reads them. Every shard is checked at
 construction, but only those being read stay open, so a split may hold more shards than the
@@ -150,7 +150,7 @@ class _Packer:
                         break
                     key, length, payload = buf.take(cap - pos)
                     take = min(length, cap - pos)
-                    rows[b, pos:pos + take] = src.tokens(key, payload)[:take]
+                    rows[b, pos:pos + take] = src.tokens(key, payload, take)
                     dropped += length - take
                     pos += take
                 rows[b, pos:] = self.bos  # only a finite pass's final batch gets here with pos < cap
@@ -317,6 +317,12 @@ class DataLoader:
         """What this loader reads, for start-up banners: `binary token shards DIR` or `text shards DIR`."""
         kind = "binary token shards" if self._source.kind == "bin" else "text shards"
         return f"{kind} {self.source_dir}"
+
+    def pass_size(self):
+        """One pass over this split on every rank of this loader's world, in training targets
+        (nanochat/data_passes.py): exact for binary shards, estimated for text shards."""
+        from nanochat.data_passes import pass_size
+        return pass_size(self._source, self.T + 1, self.buffer_size)
 
     # ------------------------------------------------------------------ state
 

@@ -7,7 +7,8 @@ line ends read as Python's text mode reads them) under SRC, suffixes in any case
 document list (hidden files and directories, such as macOS `._NAME` resource forks and
 `.ipynb_checkpoints/`, are not read, nor a byte-identical copy of an earlier file; the command
 says how many files it read and skipped, naming the copies); the last `val_fraction` of it is the
-validation shard. A file that does not read as what its suffix says (not UTF-8, not JSON, no
+validation shard, and a training document that copies a validation one (whitespace aside) is left
+out of train (held_out_split). A file that does not read as what its suffix says (not UTF-8, not JSON, no
 `text`, a lone surrogate escape) is a DataError naming the file, and the line for JSONL (a .txt
 file: the byte). The shards in the output directory are skipped, so that an --out inside SRC
 does not feed a rerun its own earlier shards (the old validation shard among them) as new
@@ -16,6 +17,7 @@ training documents.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -219,5 +221,29 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
         raise ValueError(f"--val-fraction: got {val_fraction}, which holds out all {len(docs)} documents of "
                          f"{src} and leaves none to train on; accepted: 0 < x < {(len(docs) - 0.5) / len(docs):.3g} "
                          "for this many documents")
+    train, val = held_out_split(docs, n_val, src, log)
     claim_data_dir(out_dir, f"local:{src.resolve()}", {"val_fraction": val_fraction})
-    return write_text_shards(out_dir, docs[:-n_val], docs[-n_val:], shard_chars=shard_chars)
+    return write_text_shards(out_dir, train, val, shard_chars=shard_chars)
+
+
+def _doc_key(text: str) -> bytes:
+    """A document's identity for the train/val check: its words, whitespace normalised (a copy
+    re-wrapped or re-indented is the same document), hashed to 16 bytes to keep the set small."""
+    return hashlib.blake2b(" ".join(text.split()).encode("utf-8"), digest_size=16).digest()
+
+
+def held_out_split(docs: list[str], n_val: int, src: Path, log=print) -> tuple[list[str], list[str]]:
+    """(train, val): the last n_val documents are validation, and every training document that is
+    a copy of one of them (whitespace aside) is left out of train. A corpus holding the same text
+    twice (a page saved twice, a post quoted whole, boilerplate) had such a copy on both sides:
+    the model was validated on documents it trained on, and val bpb read better than it was."""
+    val = docs[-n_val:]
+    held = {_doc_key(d) for d in val}
+    train = [d for d in docs[:-n_val] if _doc_key(d) not in held]
+    if len(train) < len(docs) - n_val:
+        log(f"left out {len(docs) - n_val - len(train)} training document(s) that copy a held-out "
+            "(validation) document")
+    if not train:
+        raise ValueError(f"--data-dir: every training document under {src} is a copy of a held-out "
+                         "(validation) document; add distinct documents")
+    return train, val

@@ -415,10 +415,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     first_step = resume["step"] if resume is not None else 0
     size = checkpoint_bytes(meta_model, normuon=recipe.normuon_beta2 > 0,   # v2: NorMuon's moments too
                             world_size=rt.world_size, fsdp=cfg.fsdp)
-    disk = disk_plan(ckpt_dir, size, planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last,
-                     earlier)
-    if earlier is not None:
-        disk += f"; {earlier.describe()}"
+    disk = disk_plan(ckpt_dir, size, planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last, earlier)
+    disk += f"; {earlier.describe()}" if earlier is not None else ""
 
     # ---- model, precision, loss kernel, compile ----
     model = build_model(model_config, rt.device, attn_backend=cfg.attn_backend, compute_dtype=rt.dtype)
@@ -473,15 +471,16 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
                               "precision_recipe": train_meta.get("recipe")})
     step, resume_loop = resume_loop_state(resume, meter, trainer, ckpt_dir)
 
+    passes = train_loader.pass_size()   # one pass over the training data (nanochat/data_passes.py)
     print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_batches, compile_model, precision_info,
                  describe_peaks(rt, precision_info["peak_key"], peak_bf16, peak_active, cfg.peak_flops,
-                                meter.peak_util, meter.low_share), ckpt_dir,
-                 optimizer,
+                                meter.peak_util, meter.low_share), ckpt_dir, optimizer,
                  tracker.describe(), resume_step=step if resume is not None else None, recipe=recipe,
-                 cast_once=trainer.cast_once,
-                 data=train_loader.describe_source(), disk=disk, iterations=horizon.describe(total_batch_size))
-    for hint in plan_warnings(recipe, total_batch_size, rt.device_type, flops_per_token * num_iterations * total_batch_size):
+                 cast_once=trainer.cast_once, data=train_loader.describe_source(), disk=disk,
+                 iterations=horizon.describe(total_batch_size), passes=passes)
+    planned = num_iterations * total_batch_size   # tokens; passes.warnings: when the data is read more than once
+    for hint in plan_warnings(recipe, total_batch_size, rt.device_type, flops_per_token * planned) + passes.warnings(planned):
         print0(f"WARNING: {hint}")
     if resume is not None:  # last, so that model init above consumed nothing we restore
         restore_rng_state(resume_loop["rng"])
@@ -545,7 +544,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params, flops_per_token, plan,
                  num_iterations, eval_batches, compile_model, precision_info, peaks: str, ckpt_dir, optimizer,
                  tracking, resume_step, recipe, cast_once: bool = False, data: str = "", disk: str = "",
-                 iterations: str = "") -> None:
+                 iterations: str = "", passes=None) -> None:
     """Every resolved value, once, at start-up (rank 0)."""
     total_tokens = plan.total_batch_size * num_iterations
     attn = effective_backend(resolve_backend(cfg.attn_backend, rt.device), rt.dtype, rt.device)
@@ -564,6 +563,7 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
                          else "per use"),
         ("iterations", iterations or f"{num_iterations:,}"),
         ("tokens", f"{total_tokens:,} (tokens : scaling params = {total_tokens / scaling_params:.2f})"),
+        ("data passes", passes.describe(total_tokens) if passes is not None else "n/a"),
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s", peaks),
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),

@@ -1,4 +1,4 @@
-"""Pretokenize text shards into binary token shards for the dataloader's memory-mapped path.
+"""Pretokenize text shards into binary token shards for the dataloader's binary path.
 
     python -m scripts.pretokenize                      # base_data -> base_data_tokens
     python -m scripts.pretokenize --data-dir DIR --out OUT --workers 2

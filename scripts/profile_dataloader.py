@@ -1,6 +1,6 @@
 """Benchmark the pretraining dataloader: tokens/s delivered, time per batch, fraction of tokens
 dropped by packing, for the text path (tokenizing on the fly, 1..N encode threads) and the
-binary path (memory-mapped shards). One JSON line per result, then a table.
+binary path (shards read with pread). One JSON line per result, then a table.
 
     python -m scripts.profile_dataloader --data-dir ../shared/data/pretrain/docs \\
         --tokenizer-dir ~/.cache/nanochat/tokenizer -B 32 -T 2048 --threads 1,2
