@@ -4,58 +4,58 @@ Layers, strongest first (each applied when the OS allows it; `ExecutionResult.is
 what was actually applied):
 
 * process: a new interpreter (`python -I`) in its own session / process group, killed as a group
-  after the wall-clock limit, and killed with its caller (parent-death signal: a caller killed
-  mid-run leaves no program running); stdin closed; a minimal environment; a private temp dir.
-  stdout / stderr are pipes the parent drains, keeping only their tails: any amount of output
-  costs the parent bounded memory and never changes the verdict. A third pipe carries the
-  harness's report: the layers applied (before the program starts) and the verdict (after it
-  returned); "pass" / "fail" need that verdict, so a program that ends the interpreter itself
-  with exit code 0 (skipping the tests) is an "error".
+  after the wall-clock limit and with its caller (parent-death signal); stdin closed; a minimal
+  environment; a private temp dir. stdout / stderr are pipes the parent drains, keeping their tails
+  (any amount of output costs bounded memory and never changes the verdict). A third pipe carries
+  the harness's report: the layers applied, then the verdict; "pass" / "fail" need it, so a program
+  that ends the interpreter itself with exit code 0 (skipping the tests) is an "error".
 * "pids_cap", "memory_cap": a cgroup per run (nanochat/sandbox_cgroup.py), joined by the child
   first of all: at most `max_processes` tasks and `memory_mb` + `max_workdir_bytes` of memory for
   all its processes together (tmpfs files included), binding root too, unlike RLIMIT_NPROC.
 * rlimits: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory), RLIMIT_FSIZE
   (caps every file the program writes), RLIMIT_NPROC = 0 (no fork, for non-root),
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
-* namespaces ("netns", "readonly_fs", "workdir_cap", "ipcns", "pidns"): unshare a network namespace (no
-  interfaces up, so no network at all), a mount namespace in which every mount is read-only and
-  the working dir is a fresh tmpfs of `max_workdir_bytes` (all files together: a program cannot
-  fill the host disk, and its files vanish with the namespace), an IPC namespace (its SysV / POSIX
-  IPC objects vanish with it, the host's are out of reach), and a PID namespace whose init is
-  ours: when it exits or is killed, the kernel kills every process the program started, even one
-  that left the process group (setsid) or forked away. Uses CLONE_NEWUSER when not root. Needs
-  Linux >= 5.12 for mount_setattr.
+* namespaces ("netns", "readonly_fs", "workdir_cap", "ipcns", "pidns", "procfs"): no network
+  (an empty network namespace); every mount read-only and nodev (a read-only mount alone let a root
+  program write a root-owned disk: only /dev/null, zero, full, random and urandom open), the working
+  dir a tmpfs of `max_workdir_bytes` (its files vanish with it, the host disk is never filled);
+  SysV / POSIX IPC objects of its own; a PID namespace whose init is ours (its death kills every
+  process the program started, setsid or not) with its own /proc (the host's showed every process
+  and, to a uid without capabilities, other runs' working dirs and memory). Uses CLONE_NEWUSER when
+  not root. Needs Linux >= 5.12 for mount_setattr.
 * "no_caps": the program's process drops every capability (bounding set included) and sets
   no_new_privs, so a program running as root, or as root of the user namespace, cannot undo the
   namespaces (remount read-write, setns back out) or regain privileges through exec.
-* "uid_drop": when running as root with CAP_CHOWN / CAP_SETUID / CAP_SETGID and the interpreter is
-  world-readable, the child switches to uid/gid 65534 (nobody) so root-owned files stay out of
-  reach even without namespaces (which such a root makes only with CAP_SYS_ADMIN: a user
-  namespace of root's maps uid 0 alone, where the switch cannot happen). A root caller whose
-  program keeps uid 0 is warned: the read-only mounts and the capability drop hide no root file.
+* "uid_drop": as root with CAP_CHOWN / CAP_SETUID / CAP_SETGID and a world-readable interpreter,
+  the child switches to uid/gid 65534 (nobody): root-owned files stay out of reach even without
+  namespaces (root makes those only with CAP_SYS_ADMIN: its user namespace maps uid 0 alone, where
+  the switch cannot happen). A root caller whose program keeps uid 0 is warned.
 * "seccomp" (x86_64 and aarch64): a seccomp-BPF filter, installed last, denies (EACCES / EPERM, no
   kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
   socketpairs, io_uring, keyrings, SysV shmget / msgget and new namespaces (a user namespace gives
   capabilities back): Unix socket files (docker.sock, D-Bus, X11), AF_VSOCK (a VM's host) and
-  keyrings cross every namespace. See nanochat/sandbox_seccomp.py.
+  keyrings cross every namespace; without "pidns" also signals but to its own group, ptrace and
+  process_vm_readv / writev (it could kill the caller). See nanochat/sandbox_seccomp.py.
+* "landlock" (Linux >= 5.13): writes only in the working dir and to those devices, no ptrace (so no
+  /proc/PID/environ or mem) of processes outside, no signals out on Linux >= 6.12; where the OS
+  refuses the namespaces, the only bound on which files the program can write or delete.
 * "python_guard": destructive / process / network functions are replaced by raisers (os.system,
   os.fork, os.kill, os.remove/unlink/rename, shutil.rmtree, subprocess, socket, ctypes, ...).
 
 The Python guard alone is not a security boundary against adversarial code (it runs in the same
-interpreter as the program); the rlimits, the cgroup, the namespaces, the capability drop and the
-seccomp filter are the hard guarantees (a layer the OS refuses is missing from `isolation`, and
-a RuntimeWarning says so once per process). Known gaps: the program may read every file its uid may
-(the mounts are read-only, not hidden); without "pids_cap" a fork bomb as uid 0 (exempt from
-RLIMIT_NPROC) is bounded only by the time limit (the PID namespace still kills it), and without
-both, a uid-0 process that escaped the guard, left the process group (setsid) and the working dir
-(its cwd: those still in it are killed) outlives the run;
-without "memory_cap" memory is capped per process only, the tmpfs outside it; a root program
-left with its uid and without the mount namespace could rewrite its cgroup's limits; without the
-mount namespace the working dir is on the host disk with no total size cap (each file has one);
-on other architectures (and with isolate=False) Unix sockets stay connectable; code that
-deliberately writes the report pipe itself can forge a pass (or its isolation list). The child
-half of this file runs as `python -I execution.py --sandbox-child CONFIG` and uses only the
-standard library (it gets the seccomp filter as bytes: it cannot import the nanochat package).
+interpreter as the program); the other layers are the hard guarantees (one the OS refuses is
+missing from `isolation`, and a RuntimeWarning says so once per process). Known gaps: the program
+may read every file its uid may (read-only, not hidden); without "pids_cap" a uid-0 fork bomb
+(exempt from RLIMIT_NPROC) is bounded only by the time limit, and without "pidns" too, a uid-0
+process that escaped the guard, its process group and the working dir (processes there are killed)
+outlives the run; without "memory_cap" memory is capped per process only, the tmpfs outside it;
+without the mount namespace the working dir is on the host disk with no total size cap (each file
+has one), and without "landlock" too the program may write or delete every file its uid may
+(a root one its cgroup's limits) and read /proc/PID/environ (where Yama allows, /proc/PID/mem) of
+its uid's processes; on other architectures (and with isolate=False) Unix sockets stay
+connectable; code that deliberately writes the report pipe itself can forge a pass. The child half
+of this file runs as `python -I execution.py --sandbox-child CONFIG` with only the standard library
+(it gets the seccomp filter and the Landlock rules as data: it cannot import the nanochat package).
 """
 
 from __future__ import annotations
@@ -104,11 +104,6 @@ def _can_drop_to_nobody() -> bool:
     return can_drop_to_nobody()
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None = None,
                  memory_mb: int = 1024, max_output_bytes: int = 1 << 20, tail_chars: int = 4000,
                  max_workdir_bytes: int = 64 << 20, max_processes: int = 64,
@@ -128,6 +123,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
     """
     from nanochat.sandbox_cgroup import (parse_report, program_cgroup, remove_workdir, validate,  # not in the child
                                          warn_refused)
+    from nanochat.sandbox_seccomp import landlock_rules
 
     validate("execute_code", max_processes, cgroup_root, timeout_s=timeout_s, cpu_time_s=cpu_time_s,
              memory_mb=memory_mb, tail_chars=tail_chars, max_output_bytes=max_output_bytes,
@@ -148,6 +144,7 @@ def execute_code(code: str, *, timeout_s: float = 10.0, cpu_time_s: float | None
         config = {"workdir": str(work), "cpu_s": cpu, "memory_bytes": memory_mb << 20,
                   "fsize_bytes": max_output_bytes, "workdir_bytes": max_workdir_bytes, "isolate": isolate,
                   "drop_uid": drop, "seccomp": _seccomp_filters() if isolate else {},
+                  "landlock": landlock_rules(str(work), _SAFE_DEVICES) if isolate else [],
                   "cgroups": cgroup.join_paths(), "parent_pid": os.getpid()}
         t0 = time.monotonic()
         rc, timed_out, cpu_used, (stdout, stderr, report) = _run_child(work, config, timeout_s, tail_chars, cgroup.kill)
@@ -172,19 +169,6 @@ def _seccomp_filters() -> dict[str, str]:
     return child_filters()
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[bool, float]:
-    """proc.wait(timeout_s), killing its group at the deadline, through wait4, whose rusage counts the CPU
-    time of the child and all it reaped (init, the program): (timed out, CPU seconds)."""
-    deadline, delay = time.monotonic() + timeout_s, 0.0005
-    while not (done := os.wait4(proc.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-        time.sleep(delay := min(2 * delay, 0.05, max(0.0, deadline - time.monotonic())))
-    if timed_out := not done[0]:  # the group dies, then a blocking wait reaps it
-        _kill_group(proc.pid)
-        done = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(done[1])  # reaped: Popen must not wait for the pid again
-    return timed_out, done[2].ru_utime + done[2].ru_stime
-
-
 def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill_cgroup) -> tuple:
     """Start the sandbox child in `work`, wait (killing its group at the deadline, then what is left in
     its cgroup): (exit code, timed out, CPU seconds used, (stdout tail, stderr tail, harness report))."""
@@ -207,14 +191,15 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:
         for fd in (out_w, err_w, ver_w):
             os.close(fd)
-    from nanochat.sandbox_cgroup import TailReader, kill_inside
+    from nanochat.sandbox_cgroup import TailReader, kill_inside, wait_reaping
 
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
     readers = TailReader(out_r, keep), TailReader(err_r, keep), TailReader(ver_r, _REPORT_BYTES)
     try:
-        timed_out, cpu_used = _wait(proc, timeout_s)
+        timed_out, cpu_used = wait_reaping(proc, timeout_s)
     finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
-        _kill_group(proc.pid)  # anything the program left behind in its group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the program left behind in its group
         kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
         with contextlib.suppress(OSError):  # and those no cgroup holds either, by their working dir
             kill_inside(work)
@@ -224,27 +209,9 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
 
 
 def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, cpu_s: float, stderr: str, verdict: str):
-    if timed_out:
-        return "timeout", f"wall-clock limit {timeout_s:g}s exceeded"
-    # SIGKILL after the limit's CPU time: the hard limit (cpu + 1 s) of a program that ignored SIGXCPU
-    if rc == -signal.SIGXCPU or rc == -signal.SIGKILL and cpu_s >= cpu:
-        return "timeout", f"CPU-time limit {cpu}s exceeded ({signal.Signals(-rc).name})"
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:  # real-time signals (SIGRTMIN+n) have no enum member
-            name = f"{-rc}"
-        return "error", f"killed by signal {name}"
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    # pass / fail need the harness's word, written after the program returned: an exit code alone
-    # can come from the program ending the interpreter early (posix._exit(0) skips the tests)
-    if rc in (_EXIT_PASS, _EXIT_FAIL) and verdict != _VERDICTS[rc]:
-        return "error", f"exit code {rc} without the harness's verdict: the program ended the interpreter itself"
-    if rc == _EXIT_PASS:
-        return "pass", ""
-    if rc == _EXIT_FAIL:
-        return "fail", last or "AssertionError"
-    return "error", last or f"exit code {rc}"
+    from nanochat.sandbox_cgroup import classify  # the parent's side: the child cannot import it
+
+    return classify(rc, timed_out, timeout_s, cpu, cpu_s, stderr, verdict, _VERDICTS)
 
 
 def execute_many(programs: list[str], *, workers: int | None = None, **kw) -> list[ExecutionResult]:
@@ -260,8 +227,10 @@ def execute_many(programs: list[str], *, workers: int | None = None, **kw) -> li
 
 _CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-_AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 0x1000, 0x4000, 0x40000
+_AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NODEV = -100, 0x8000, 0x1, 0x4
+# the only device nodes a program may open (every mount is nodev: see "readonly_fs" above)
+_SAFE_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64 (generic syscall table)
 
 
@@ -312,8 +281,11 @@ def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner:
     opts += f",uid={owner},gid={owner}" if owner is not None else ""
     capped = ok and libc.mount(b"tmpfs", wd, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) == 0
     ok = ok and (capped or libc.mount(wd, wd, None, _MS_BIND | _MS_REC, None) == 0)
-    if ok and setattr_("/", _MOUNT_ATTR_RDONLY, 0) and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY):
+    if ok and setattr_("/", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV, 0) and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY):
         applied.append("readonly_fs")
+        for dev in _SAFE_DEVICES:  # each bound over itself, and that one mount made dev again
+            if libc.mount(dev.encode(), dev.encode(), None, _MS_BIND, None) == 0:
+                setattr_(dev, 0, _MOUNT_ATTR_NODEV)
     if capped:
         applied.append("workdir_cap")
     if libc.unshare(_CLONE_NEWIPC) == 0:  # SysV / POSIX IPC objects: the program's die with the run
@@ -352,6 +324,33 @@ def _drop_capabilities(drop_uid: bool) -> list[str]:
     if capset is not None and capset(header, data) == 0 and cap > 0:
         applied.append("no_caps")
     return applied
+
+
+_SYS_LANDLOCK = 444  # landlock_create_ruleset; + 1 add_rule, + 2 restrict_self (both ABIs)
+
+
+def _landlock(rules: list) -> list[str]:
+    """Enter for good the Landlock domain of `rules` (nanochat/sandbox_seccomp.py's landlock_rules)."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ruleset = libc.syscall(_SYS_LANDLOCK, bytes.fromhex(rules[0]), len(rules[0]) // 2, 0) if rules else -1
+    if ruleset < 0:
+        return []
+    try:
+        for i, (path, rights) in enumerate(rules[1:]):
+            added = False
+            with contextlib.suppress(OSError):  # a missing device: simply not writable
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                added = libc.syscall(_SYS_LANDLOCK + 1, ruleset, 1, struct.pack("<Qi", rights, fd), 0) == 0
+                os.close(fd)
+            if i == 0 and not added:  # the working dir (the first rule) must stay writable: no domain
+                return []
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        return ["landlock"] if libc.syscall(_SYS_LANDLOCK + 2, ruleset, 0) == 0 else []
+    finally:
+        os.close(ruleset)
 
 
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
@@ -409,8 +408,9 @@ def _die_with_parent(*, pid: int | None = None, pipe: int | None = None) -> None
         os._exit(_EXIT_ERROR)
 
 
-def _fork_pid_namespace() -> None:
-    """Returns in the process that runs the program, as pid 2 of the new PID namespace.
+def _fork_pid_namespace(own_proc: bool) -> list[str]:
+    """Returns in the program's process, pid 2 of the new PID namespace, with "procfs" if it mounted
+    its namespace's /proc (only `own_proc`: where the mounts are private, none reaching the host).
 
     This process waits and mirrors the outcome. Its child is the namespace's init (pid 1): it
     reaps orphans and leaves with the program's status (as 128 + signal when killed: signals that
@@ -425,8 +425,11 @@ def _fork_pid_namespace() -> None:
     _die_with_parent(pipe=alive_r)
     os.close(alive_r)
     program = os.fork()
-    if program == 0:
-        return
+    if program == 0:  # over the host's /proc, which showed every process (see "procfs" above)
+        import ctypes
+
+        flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+        return ["procfs"] if own_proc and ctypes.CDLL(None).mount(b"proc", b"/proc", b"proc", flags, None) == 0 else []
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # no KeyboardInterrupt in init
     try:
         while True:
@@ -456,14 +459,13 @@ def _set_rlimits(cfg: dict) -> None:
 
 
 _OS_DISABLED = (
-    "system", "popen", "fork", "forkpty", "vfork", "kill", "killpg", "abort", "_exit",
-    "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp", "execvpe",
-    "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
-    "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir", "removedirs", "rename", "renames",
-    "replace", "truncate", "ftruncate", "link", "symlink", "mkfifo", "mknod", "chmod", "fchmod",
-    "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir", "setuid", "setgid",
-    "seteuid", "setegid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
-    "plock", "register_at_fork", "pidfd_open",
+    "system", "popen", "fork", "forkpty", "vfork", "kill", "killpg", "abort", "_exit", "execl", "execle",
+    "execlp", "execlpe", "execv", "execve", "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
+    "spawnv", "spawnve", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir",
+    "removedirs", "rename", "renames", "replace", "truncate", "ftruncate", "link", "symlink", "mkfifo", "mknod",
+    "chmod", "fchmod", "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir", "setuid", "setgid",
+    "seteuid", "setegid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups", "plock",
+    "register_at_fork", "pidfd_open",
 )  # putenv stays: it only touches this process's environment, and numpy's import calls it
 _BLOCKED_MODULES = (
     "subprocess", "_posixsubprocess", "multiprocessing", "_multiprocessing", "ctypes", "_ctypes",
@@ -524,16 +526,18 @@ def _child_main(config_path: str) -> None:
             except OSError:  # larger than the cap: the program still runs, without source lines
                 pass
         if "pidns" in applied:
-            _fork_pid_namespace()  # from here on: the program's process, pid 2 in the namespace
+            # from here on: the program's process, pid 2 in the namespace
+            applied += _fork_pid_namespace(own_proc="readonly_fs" in applied)
         applied += _drop_capabilities(cfg["drop_uid"])
         if "pidns" not in applied:  # the uid drop cleared it (in the namespace, init's death kills all)
             _die_with_parent(pid=cfg["parent_pid"])
+        applied += _landlock(cfg["landlock"])
     _set_rlimits(cfg)
     applied.append("rlimits")
     os.chdir(workdir)
-    # last before the program: nothing the harness does from here on needs a socket (its pipes
-    # are inherited fds). Without a network namespace the filter denies AF_INET / AF_INET6 too.
-    filter_hex = cfg["seccomp"].get("netns" if "netns" in applied else "no_netns")
+    # last before the program: nothing the harness does from here on needs a socket (its pipes are
+    # inherited fds). Outside the namespaces it denies AF_INET / AF_INET6, signals and ptrace too.
+    filter_hex = cfg["seccomp"].get("netns" if "pidns" in applied else "no_netns")
     if filter_hex:
         try:
             applied += _install_seccomp(bytes.fromhex(filter_hex))

@@ -9,8 +9,9 @@ memory limit count every task of the program, whatever its uid.
 This module owns finding a cgroup the caller may use, making one per program run and removing it;
 also `execute_code`'s argument checks (`validate`), its once-per-process warning about layers
 the OS refused (`warn_refused`), its pipe drains (`TailReader`), the reading of its harness's
-report (`parse_report`) and the end of a run's working dir (`kill_inside`, `remove_workdir`):
-parent-side code moved here to keep execution.py short.
+report (`parse_report`), the wait for its child (`wait_reaping`), its verdict (`classify`) and the
+end of a run's working dir (`kill_inside`, `remove_workdir`): parent-side code moved here to keep
+execution.py short.
 `nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
 its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
 program: every process the program starts is born inside), and removes it after the run, also on
@@ -133,6 +134,49 @@ class TailReader:
         # pipe open: report what arrived instead of waiting for it
         self.thread.join(wait_s)
         return bytes(self.buf[-self.keep:]).decode("utf-8", errors="replace")[-n_chars:] if n_chars else ""
+
+
+def wait_reaping(proc, timeout_s: float) -> tuple[bool, float]:
+    """proc.wait(timeout_s) for execute_code's child (a subprocess.Popen started in a session of its
+    own), killing its group at the deadline, through wait4, whose rusage counts the CPU time of the
+    child and all it reaped (init, the program): (timed out, CPU seconds)."""
+    deadline, delay = time.monotonic() + timeout_s, 0.0005
+    while not (done := os.wait4(proc.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(delay := min(2 * delay, 0.05, max(0.0, deadline - time.monotonic())))
+    if timed_out := not done[0]:  # the group dies, then a blocking wait reaps it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        done = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(done[1])  # reaped: Popen must not wait for the pid again
+    return timed_out, done[2].ru_utime + done[2].ru_stime
+
+
+def classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, cpu_s: float, stderr: str, verdict: str,
+             verdicts: dict[int, str]) -> tuple[str, str]:
+    """execute_code's (status, detail) for its child's exit code, CPU seconds, stderr tail and the
+    harness's verdict; `verdicts` maps the harness's exit codes to their words (pass, fail, error)."""
+    if timed_out:
+        return "timeout", f"wall-clock limit {timeout_s:g}s exceeded"
+    # SIGKILL after the limit's CPU time: the hard limit (cpu + 1 s) of a program that ignored SIGXCPU
+    if rc == -signal.SIGXCPU or rc == -signal.SIGKILL and cpu_s >= cpu:
+        return "timeout", f"CPU-time limit {cpu}s exceeded ({signal.Signals(-rc).name})"
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:  # real-time signals (SIGRTMIN+n) have no enum member
+            name = f"{-rc}"
+        return "error", f"killed by signal {name}"
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    # pass / fail need the harness's word, written after the program returned: an exit code alone
+    # can come from the program ending the interpreter early (posix._exit(0) skips the tests)
+    word = verdicts.get(rc)
+    if word in ("pass", "fail") and verdict != word:
+        return "error", f"exit code {rc} without the harness's verdict: the program ended the interpreter itself"
+    if word == "pass":
+        return "pass", ""
+    if word == "fail":
+        return "fail", last or "AssertionError"
+    return "error", last or f"exit code {rc}"
 
 
 def kill_inside(work: Path) -> None:

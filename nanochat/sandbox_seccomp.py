@@ -1,8 +1,10 @@
-"""The code sandbox's seccomp-BPF filter: which sockets a sandboxed program may create.
+"""The code sandbox's seccomp-BPF filter (which sockets a sandboxed program may create, which calls
+it may make) and its Landlock ruleset (where it may write: `landlock_rules`, at the end).
 
-`nanochat.execution` builds the filter here, in the parent (pure Python, no kernel calls), and
-its sandbox child installs the bytes with prctl(PR_SET_SECCOMP) just before the program runs; the
-child cannot import this module (it runs as `python -I execution.py`), so it receives bytes.
+`nanochat.execution` builds the filter here, in the parent (pure Python, no kernel calls; Landlock's
+version query is the one), and its sandbox child installs the bytes with prctl(PR_SET_SECCOMP)
+just before the program runs; the child cannot import this module (it runs as `python -I
+execution.py`), so it receives bytes.
 
 Why: the network namespace leaves no network, but it does not cover the filesystem. A Unix
 socket file the program can see (/var/run/docker.sock, a D-Bus or X11 socket, nscd) is connectable
@@ -25,6 +27,15 @@ back to clone for threads and fork): a new user namespace hands back a full capa
 dropped bounding set included) in it, and with it the kernel's namespace-only attack surface
 (nf_tables, mounts of its own), as in Docker's default profile.
 
+Outside a PID namespace (where the OS refuses namespaces: Docker's default profile, Ubuntu 24.04's
+restricted user namespaces for a user) the program could reach every process of its uid: kill the
+caller, a training run, the user's shell (kill(-1) all at once), and where Yama allows, ptrace one
+and write its memory. That filter (allow_signals=False) also denies (EPERM) kill() but to its own
+process group (pid 0), tkill / tgkill / rt_sigqueueinfo / rt_tgsigqueueinfo / pidfd_send_signal,
+ptrace, process_vm_readv / writev and pidfd_getfd; the kernel's own signals (SIGXCPU, SIGKILL,
+SIGSEGV, ...) still arrive. /proc/PID/mem and /proc/PID/environ are files, out of a filter's reach:
+the Landlock domain (below) keeps the program from them, and from writing outside its dir.
+
 The filter checks the audit architecture first (as the kernel's seccomp docs require: the same
 number means another call on another ABI) and kills the process on a foreign one (a 32-bit
 int 0x80 or compat call). On x86_64 it also denies the x32 ABI (numbers with bit 0x40000000),
@@ -45,6 +56,7 @@ AUDIT_ARCH_X86_64 = 0xC000003E   # EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH
 AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
 X32_SYSCALL_BIT = 0x40000000
 IO_URING_SETUP, IO_URING_REGISTER = 425, 427  # setup, enter, register: same numbers on both ABIs
+PIDFD_SEND_SIGNAL, PIDFD_GETFD = 424, 438  # same numbers on both ABIs
 CLONE3 = 435  # same number on both ABIs
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (NEWTIME: only unshare / clone3)
 CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x7E000000
@@ -69,13 +81,17 @@ class Abi:
     ipc_gets: tuple[int, int]  # shmget, msgget
     clone: int
     unshare: int
+    kill: int
+    # tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, ptrace, process_vm_readv, process_vm_writev
+    other_process: tuple[int, ...]
 
 
 ABIS = {
     "x86_64": Abi(AUDIT_ARCH_X86_64, socket=41, socketpair=53, x32_trap=True, add_key=248, ipc_gets=(29, 68),
-                  clone=56, unshare=272),
+                  clone=56, unshare=272, kill=62, other_process=(200, 234, 129, 297, 101, 310, 311)),
     "aarch64": Abi(AUDIT_ARCH_AARCH64, socket=198, socketpair=199, x32_trap=False, add_key=217,
-                   ipc_gets=(194, 186), clone=220, unshare=97),
+                   ipc_gets=(194, 186), clone=220, unshare=97, kill=129,
+                   other_process=(130, 131, 138, 240, 117, 270, 271)),
 }
 
 
@@ -100,9 +116,11 @@ def _assemble(program: list) -> bytes:
     return b"".join(out)
 
 
-def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
+def build_filter(abi: str, *, allow_inet: bool = True, allow_signals: bool = True) -> bytes:
     """The filter for one ABI ("x86_64" | "aarch64"). allow_inet=False also denies AF_INET and
-    AF_INET6 sockets: for a child whose network namespace could not be created."""
+    AF_INET6 sockets: for a child whose network namespace could not be created. allow_signals=False
+    denies signals (but kill(0, sig): its own group), ptrace and the like: for one outside a PID
+    namespace."""
     if abi not in ABIS:
         raise ValueError(f"build_filter: abi={abi!r}; accepted: {sorted(ABIS)}")
     a = ABIS[abi]
@@ -118,6 +136,8 @@ def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
         (BPF_JEQ_K, a.socket, "socket", None),
         (BPF_JEQ_K, a.socketpair, "socketpair", None),
         *[(BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.ipc_gets, a.unshare)],
+        *([] if allow_signals else [(BPF_JEQ_K, a.kill, "kill_call", None), *[
+            (BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.other_process, PIDFD_SEND_SIGNAL, PIDFD_GETFD)]]),
         (BPF_JEQ_K, CLONE3, "no_call", None),
         (BPF_JEQ_K, a.clone, "clone", None),
         (BPF_JGE_K, a.add_key, None, "io_uring"),
@@ -139,6 +159,9 @@ def build_filter(abi: str, *, allow_inet: bool = True) -> bytes:
         (BPF_LD_W_ABS, OFF_ARG0, None, None),
         (BPF_AND_K, CLONE_NAMESPACE_FLAGS, None, None),
         (BPF_JEQ_K, 0, "allow", "deny_call"),
+        "kill_call",  # pid: the first argument, an int (the low word); 0 is the caller's own group
+        (BPF_LD_W_ABS, OFF_ARG0, None, None),
+        (BPF_JEQ_K, 0, "allow", "deny_call"),
         "allow", (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
         "deny_socket", (BPF_RET_K, deny_socket, None, None),
         "deny_call", (BPF_RET_K, deny_call, None, None),
@@ -158,13 +181,56 @@ def native_abi() -> str | None:
     return machine
 
 
-@functools.lru_cache(maxsize=2)
-def native_filter(allow_inet: bool = True) -> bytes | None:
+@functools.lru_cache(maxsize=4)
+def native_filter(allow_inet: bool = True, allow_signals: bool = True) -> bytes | None:
     abi = native_abi()
-    return build_filter(abi, allow_inet=allow_inet) if abi else None
+    return build_filter(abi, allow_inet=allow_inet, allow_signals=allow_signals) if abi else None
 
 
 def child_filters() -> dict[str, str]:
-    """The sandbox child's filters (hex), keyed by whether its network namespace came up: without
-    one AF_INET / AF_INET6 are denied too. Empty where the ABI is not known here."""
-    return {k: f.hex() for k in ("netns", "no_netns") if (f := native_filter(allow_inet=k == "netns"))}
+    """The sandbox child's filters (hex), keyed by whether its namespaces came up ("netns": the PID
+    namespace too): outside them AF_INET / AF_INET6, signals to other processes and ptrace are
+    denied too. Empty where the ABI is not known here."""
+    return {k: f.hex() for k in ("netns", "no_netns") if (f := native_filter(k == "netns", k == "netns"))}
+
+
+# Landlock (Linux >= 5.13): the rights governed here are all writes: write_file, remove_dir / file,
+# make_char / dir / reg / sock / fifo / block / sym (ABI 1), refer (ABI 2), truncate (ABI 3); a rule
+# on a file (a device) may hold only write_file and truncate. Scopes (ABI 6): abstract unix sockets,
+# signals. Same system call numbers on x86_64 and aarch64.
+LANDLOCK_CREATE_RULESET = 444
+LL_WRITES, LL_REFER, LL_TRUNCATE, LL_WRITE_FILE, LL_SCOPES = 0x1FF2, 1 << 13, 1 << 14, 1 << 1, 0x3
+
+
+@functools.lru_cache(maxsize=1)
+def landlock_abi() -> int:
+    """This kernel's Landlock ABI version; 0 where there is none (not Linux, not enabled, too old)."""
+    import ctypes
+
+    if sys.platform != "linux":  # the number means another call elsewhere
+        return 0
+    try:
+        abi = ctypes.CDLL(None, use_errno=True).syscall(LANDLOCK_CREATE_RULESET, None, 0, 1)  # _VERSION
+    except (OSError, AttributeError):
+        return 0
+    return max(abi, 0)
+
+
+def landlock_rules(workdir: str, devices: tuple[str, ...], abi: int | None = None) -> list:
+    """The sandbox child's Landlock ruleset: [struct landlock_ruleset_attr as hex, [path, rights],
+    ...]; empty without Landlock. The program may write (create, delete, rename) only under
+    `workdir` and to `devices`; a Landlock domain also keeps it from ptrace (so from
+    /proc/PID/environ and mem) of any process outside it, and with ABI 6 from signalling one.
+
+    Why: outside the namespaces (Docker's default profile refuses them to root, Ubuntu 24.04's
+    restricted user namespaces to a user) no read-only mount exists, and the program could
+    overwrite or delete every file its uid may (a user's home, root's checkpoints and data) and read
+    the API keys in its uid's processes' environments, past the Python guard. Landlock needs no
+    privilege and no namespace. Inside them it repeats what the mounts do."""
+    abi = landlock_abi() if abi is None else abi
+    if abi < 1:
+        return []
+    writes = LL_WRITES | LL_REFER * (abi >= 2) | LL_TRUNCATE * (abi >= 3)
+    attr = struct.pack("<QQQ", writes, 0, LL_SCOPES if abi >= 6 else 0)  # fs rights, net rights, scopes
+    device = LL_WRITE_FILE | LL_TRUNCATE * (abi >= 3)
+    return [attr.hex(), [workdir, writes], *([d, device] for d in devices)]
