@@ -120,9 +120,13 @@ done
 [[ "$BASE_DIR" != "~" && "$BASE_DIR" != "~/"* ]] || BASE_DIR="$HOME${BASE_DIR:1}"
 # absolute: the run starts in the repo (cd below), where a relative path would name another directory
 [[ "$BASE_DIR" == /* ]] || BASE_DIR="$PWD/$BASE_DIR"
-is_uint "$TIMEOUT" && (( 10#$TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer >= 1 (seconds)"
-is_uint "$LINES" || die "--lines: got '$LINES'; accepted: an integer >= 0"
-is_uint "$NPROC" && (( 10#$NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer >= 1"
+# bounded in digits: bash's 64-bit arithmetic wraps silently, so --timeout 10000000000 ("wait however
+# long it takes") made --stop's deadline (now + timeout in ns) negative: SIGKILL at once, no save; and
+# --nproc 18446744073709551617 read as 1
+up_to() { [[ "$1" =~ ^0*([0-9]{1,$2})$ ]]; }   # value digits -> a whole number of at most that many digits
+up_to "$TIMEOUT" 9 && (( 10#$TIMEOUT >= 1 )) || die "--timeout: got '$TIMEOUT'; accepted: an integer 1-999999999 (seconds)"
+up_to "$LINES" 9 || die "--lines: got '$LINES'; accepted: an integer 0-999999999"
+up_to "$NPROC" 4 && (( 10#$NPROC >= 1 )) || die "--nproc: got '$NPROC'; accepted: an integer 1-9999"
 TIMEOUT=$((10#$TIMEOUT)) LINES=$((10#$LINES)) NPROC=$((10#$NPROC))   # "08" is not octal here
 if [[ -n "$TAG" && ( ! "$TAG" =~ ^[A-Za-z0-9._-]+$ || "$TAG" == . || "$TAG" == .. ) ]]; then   # '..': the base dir
   die "--model-tag: got '$TAG'; accepted: letters, digits, '.', '_' and '-' (not '.' or '..')"
@@ -145,7 +149,10 @@ run_alive() {  # pid -> 0 if that process exists and is one of our training runs
   local pid="$1" args
   is_uint "$pid" || return 1
   kill -0 "$pid" 2>/dev/null || return 1
-  args="$(ps -o args= -p "$pid" 2>/dev/null || true)"
+  # -ww: ps cuts args at $COLUMNS when it is in the environment (pytest, some CI runners and shells
+  # export it): a torchrun command line in a long venv path lost its scripts.base_train at 80
+  # characters, and --status / --stop took the live run for a dead one (its pid file removed)
+  args="$(ps -ww -o args= -p "$pid" 2>/dev/null || true)"
   [[ "$args" == *scripts.base_train* ]]
 }
 read_pid() { [[ -f "$1/pid" ]] && tr -dc '0-9' < "$1/pid" || true; }
@@ -161,7 +168,7 @@ torchrun_workers() {  # pid -> the workers below it: torchrun starts each in a s
   for c in $(descendants "$1"); do
     [[ "$(ps -o sid= -p "$c" 2>/dev/null | tr -d ' ')" == "$c" ]] || continue
     parent="$(ps -o ppid= -p "$c" 2>/dev/null | tr -d ' ')"
-    [[ -n "$parent" && "$(ps -o args= -p "$parent" 2>/dev/null)" == *torch.distributed.run* ]] && echo "$c"
+    [[ -n "$parent" && "$(ps -ww -o args= -p "$parent" 2>/dev/null)" == *torch.distributed.run* ]] && echo "$c"
   done
   return 0
 }

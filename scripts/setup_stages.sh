@@ -103,20 +103,24 @@ read_marker() {  # stage marker want -> MARKER_STATE: none | same | older (an ol
   else MARKER_STATE=changed; return 0; fi
   MARKER_WHY="$(outputs_differ "$outs")"
   if [[ -z "$MARKER_WHY" ]]; then MARKER_STATE=same
-  elif ckpt_moved_on "$1"; then   # trained on after setup's run (run_train.sh, --keep-last): kept
+  elif ckpt_moved_on "$1" "$outs"; then   # trained on after setup's run (run_train.sh, --keep-last): kept
     MARKER_STATE=same MARKER_WHY="its checkpoints moved on since setup.sh's run (a later step is there): kept; --force redoes it"
   else MARKER_STATE=outputs; fi
 }
-ckpt_moved_on() {  # stage -> whether it is a training stage whose latest checkpoint is whole (its
-                   # latest.json names a step whose meta.json and model.pt are there): a run trained
-                   # further leaves other files than setup's, and rerunning the stage would resume past
-                   # setup's step count and fail, after forgetting every later stage
+ckpt_moved_on() {  # stage, its marker's output lines -> whether it is a training stage whose latest
+                   # checkpoint is whole (its latest.json names a step whose meta.json and model.pt are
+                   # there) and another step than setup's run left: a run trained further leaves other
+                   # files than setup's, and rerunning the stage would resume past setup's step count and
+                   # fail, after forgetting every later stage. The step setup's run left, with files
+                   # changed in place, is damaged (or retrained by hand), not moved on: it runs again
+                   # (resume_point), and so do the stages that build on it.
   local phase
   case "$1" in base_train) phase=base ;; mid_train) phase=mid ;; chat_sft) phase=sft ;; *) return 1 ;; esac
   local rel files=()
   while IFS= read -r rel; do [[ -n "$rel" ]] && files+=("$rel"); done < <(ckpt_outputs "$phase")
   (( ${#files[@]} >= 3 )) || return 1   # latest.json, meta.json, model.pt
   for rel in "${files[@]}"; do [[ -f "$BASE_DIR/$rel" ]] || return 1; done
+  ! grep -qxE "output [0-9]+ ([0-9a-f]{64}|-) ${files[2]//./\\.}" <<< "$2"   # not setup's step: moved on
 }
 write_marker() {  # stage marker want: the settings and the outputs there now
   mkdir -p "$STATE_DIR"
@@ -256,6 +260,45 @@ rerun_cmd() {  # [stage] -> the command line this run was started with, as a she
   [[ -z "${TORCH_INDEX_URL:-}" ]] || envs+=("TORCH_INDEX_URL=$TORCH_INDEX_URL")
   shell_words "${envs[@]}" "$self" "${args[@]}"
 }
+# A training stage's latest checkpoint that cannot be resumed (a file of it deleted, or no longer the
+# size or sha256 its sums_rank*.json recorded: damaged on disk; latest.json unreadable) stopped the
+# stage's --resume auto at every rerun ("file missing from the checkpoint; use another step ([20])"),
+# a step setup.sh's command line cannot name: "finished before, but its output ... is gone:
+# rerunning" then failed the same way forever. The stage resumes the newest whole earlier step instead
+# (--resume N: the damaged step moves to earlier_runs/<N>/ in the tag at its first save, kept), or
+# starts afresh (--overwrite, the earlier run moved there too) when there is none, or when (mid / SFT)
+# that step's run started from other weights than its source's latest now: nanochat/resume_point.py
+# decides, with the checkpoint code's own checks. The marker keeps the --resume auto command. The check
+# reads the latest checkpoint once (its sha256s; d20's optimizer state: seconds) and only before a
+# training stage runs; a whole one leaves --resume auto as it is. It runs under the venv's python (the
+# checkpoint code imports torch, which $PY, the system python3, lacks): before the env stage has made
+# one (a --dry-run), or if the check fails, the command is left as it is (the stage's own resume says
+# what is wrong).
+resume_point() {  # stage command... -> STAGE_CMD: the command, --resume auto replaced as above if need be
+  local stage="$1" phase src=""; shift
+  STAGE_CMD=("$@")
+  case "$stage" in base_train) phase=base ;; mid_train) phase=mid src=base ;; chat_sft) phase=sft src=mid ;; *) return 0 ;; esac
+  [[ -f "$BASE_DIR/checkpoints/$phase/$MODEL_TAG/latest.json" ]] || return 0
+  local verdict=()   # how (keep | resume | fresh), step, which checkpoint, why, (fresh) why not an earlier one
+  mapfile -t verdict < <(.venv/bin/python -m nanochat.resume_point "$BASE_DIR/checkpoints/$phase/$MODEL_TAG" \
+    ${src:+"$BASE_DIR/checkpoints/$src/$MODEL_TAG"} 2>/dev/null || true)
+  [[ "${verdict[0]:-}" == resume || "${verdict[0]:-}" == fresh ]] || return 0
+  local i
+  for i in "${!STAGE_CMD[@]}"; do
+    [[ "${STAGE_CMD[$i]}" == --resume && "${STAGE_CMD[$((i + 1))]:-}" == auto ]] || continue
+    if [[ "${verdict[0]}" == resume ]]; then STAGE_CMD[$((i + 1))]="${verdict[1]}"
+    else STAGE_CMD=("${STAGE_CMD[@]:0:i}" --overwrite "${STAGE_CMD[@]:i+2}"); fi
+    break
+  done
+  local what="its latest checkpoint (${verdict[2]}) cannot be resumed: ${verdict[3]}"
+  if [[ "${verdict[0]}" == resume ]]; then
+    say "[$stage] $what; resuming step ${verdict[1]}, the newest whole one before it (the later steps move to" \
+        "checkpoints/$phase/$MODEL_TAG/earlier_runs/ at its first save)"
+  else
+    say "[$stage] $what; ${verdict[4]}: starting afresh (--overwrite; the earlier run moves to" \
+        "checkpoints/$phase/$MODEL_TAG/earlier_runs/ at its first save)"
+  fi
+}
 run_stage() {  # stage: run its command unless its done-marker holds the same config and its outputs are here
   local stage="$1"; shift
   local marker="$STATE_DIR/$stage.done" want
@@ -282,7 +325,8 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
     outputs) say "[$stage] finished before, but $MARKER_WHY: rerunning" ;;
   esac
   ANY_RAN="$stage"; [[ "$MODEL_MAKERS" == *" $stage "* ]] && MODEL_RAN="$stage"
-  say "[$stage] $(shell_words "$@")"
+  resume_point "$stage" "$@"   # STAGE_CMD: the command run (the marker records "$@")
+  say "[$stage] $(shell_words "${STAGE_CMD[@]}")"
   [[ $DRY_RUN -eq 1 ]] && return 0
   local t0=$SECONDS rc=0
   # the marker says the stage's latest run finished: a rerun (--force, a config change, or an
@@ -290,7 +334,7 @@ run_stage() {  # stage: run its command unless its done-marker holds the same co
   rm -f "$marker"
   forget_later "$stage"
   CURRENT_STAGE="$stage"
-  run_child "$@" || rc=$?
+  run_child "${STAGE_CMD[@]}" || rc=$?
   (( STOP_CODE == 0 )) || stopped "$STOP_CODE"   # Ctrl-C or a hangup while the stage ran
   if (( rc == 129 || rc == 130 || rc == 143 )); then   # a stage stopped by SIGHUP / Ctrl-C / SIGTERM (training saves first)
     stopped "$rc"

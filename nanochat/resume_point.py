@@ -1,0 +1,147 @@
+"""Where setup.sh's rerun of a training stage continues when its latest checkpoint cannot be resumed.
+
+A stage's latest checkpoint with a file deleted, or no longer the size or sha256 its
+sums_rank<R>.json recorded (damaged on disk), or a latest.json naming no step, stopped the stage's
+`--resume auto` at every rerun with "use another step", a step setup.sh's command line cannot name.
+`resume_point` decides instead, from the checkpoint files alone (their sums checked as a load checks
+them):
+
+- keep: the latest step is whole; `--resume auto` stays;
+- resume N: N is the newest whole step before it (`--resume N`; the stage moves the later steps to
+  earlier_runs/ at its first save);
+- fresh: no earlier step is whole, or (mid / SFT) the newest whole one started from other source
+  weights than the source's latest now, which an explicit `--resume N` refuses (`--overwrite`).
+
+`python -m nanochat.resume_point CKPT_DIR [SOURCE_DIR]` prints the verdict as lines for
+scripts/setup_stages.sh: `keep`; `resume`, N, which checkpoint, why; `fresh`, `-`, which
+checkpoint, why, why no earlier step. It runs under the stage's own interpreter (the venv: these
+checkpoint modules import torch; setup.sh's system python3 has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanochat.checkpoint import MODEL_NAME, META_NAME, model_digest, read_latest
+from nanochat.checkpoint_io import LATEST_NAME, CheckpointError, list_steps, saved_sum, sha256_file, step_dirname
+
+# the files a one-process resume of rank 0 reads, whatever the sums say
+_RESUMED = (MODEL_NAME, "optim_rank0.pt", "state_rank0.pt")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A verdict: how (keep | resume | fresh); for resume the step; for resume and fresh which
+    checkpoint cannot be resumed (`where`: "step N" or "latest.json") and why; for fresh why no
+    earlier step is taken (`why_fresh`)."""
+    how: str
+    step: int | None = None
+    where: str = ""
+    why: str = ""
+    why_fresh: str = ""
+
+    def lines(self) -> list[str]:
+        """What setup_stages.sh's resume_point reads, one field a line."""
+        if self.how == "keep":
+            return ["keep"]
+        if self.how == "resume":
+            return ["resume", str(self.step), self.where, self.why]
+        return ["fresh", "-", self.where, self.why, self.why_fresh]
+
+
+def _latest(ckpt_dir: Path) -> int | None:
+    """latest.json's step; None when it is missing, unreadable or names no whole number."""
+    try:
+        return read_latest(ckpt_dir)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _sums_ranks(step_dir: Path) -> list[int]:
+    """The ranks that saved a sums_rank<R>.json into the step."""
+    names = (p.name[len("sums_rank"):-len(".json")] for p in step_dir.glob("sums_rank*.json"))
+    return sorted(int(r) for r in names if r.isdigit())
+
+
+def _file_damage(path: Path, rank: int) -> str | None:
+    """Why one file of a step is not the one saved (gone, or another size / sha256 than its rank's
+    sums recorded), or None; a file the sums do not cover is taken as it is."""
+    if not path.is_file():
+        return f"{path.name} is gone"
+    try:
+        want = saved_sum(path, rank)
+    except (CheckpointError, OSError):
+        return f"sums_rank{rank}.json is damaged"
+    if want is not None and (path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]):
+        return f"{path.name} is not the file saved (sums_rank{rank}.json recorded another size or sha256)"
+    return None
+
+
+def step_damage(step_dir: Path) -> tuple[str | None, dict]:
+    """(why the step cannot be resumed by one process or None, its meta.json ({} when not an object))."""
+    try:
+        meta = json.loads((step_dir / META_NAME).read_text())
+    except OSError:
+        return f"{META_NAME} is gone", {}
+    except ValueError:
+        return f"{META_NAME} is not JSON", {}
+    gone = next((f"{name} is gone" for name in _RESUMED if not (step_dir / name).is_file()), None)
+    if gone is not None:   # (said before any file is hashed)
+        return gone, {}
+    for rank in _sums_ranks(step_dir):
+        names = ([MODEL_NAME] if rank == 0 else []) + [f"optim_rank{rank}.pt", f"state_rank{rank}.pt"]
+        why = next(filter(None, (_file_damage(step_dir / name, rank) for name in names)), None)
+        if why is not None:
+            return why, {}
+    return None, meta if isinstance(meta, dict) else {}
+
+
+def _source_now(source_dir: Path) -> tuple[int | None, str | None]:
+    """(step, model.pt's recorded sha256) a mid / SFT run of this tag would start from now."""
+    step = _latest(source_dir)
+    try:
+        return step, model_digest(source_dir, step) if step is not None else None
+    except (CheckpointError, OSError):
+        return step, None
+
+
+def resume_point(ckpt_dir: str | Path, source_dir: str | Path | None = None) -> ResumePoint:
+    """The verdict for a stage's checkpoint directory; `source_dir`: the checkpoints its run starts
+    from (mid: base's, SFT: mid's), whose latest step a resumed run must have started from."""
+    ckpt_dir = Path(ckpt_dir)
+    top = _latest(ckpt_dir)
+    if top is None:
+        where, why = LATEST_NAME, "it names no step"
+    else:
+        where, why = f"step {top}", step_damage(ckpt_dir / step_dirname(top))[0]
+        if why is None:
+            return ResumePoint("keep")
+    for step in sorted((s for s in list_steps(ckpt_dir) if top is None or s < top), reverse=True):
+        bad, meta = step_damage(ckpt_dir / step_dirname(step))
+        if bad is not None:
+            continue
+        recorded = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+        started = (recorded.get("step"), recorded.get("model_sha256"))
+        if source_dir is not None and started != _source_now(Path(source_dir)):
+            return ResumePoint("fresh", None, where, why, f"step {step}, the newest whole one, started from other "
+                               f"{Path(source_dir).parent.name} weights")
+        return ResumePoint("resume", step, where, why)
+    return ResumePoint("fresh", None, where, why, "no earlier step is whole")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.resume_point",
+                                     description="keep | resume N | fresh for a training stage's checkpoints")
+    parser.add_argument("ckpt_dir", help="the stage's checkpoints/<phase>/<tag>")
+    parser.add_argument("source_dir", nargs="?", help="mid / SFT: the checkpoints/<source phase>/<tag> it starts from")
+    args = parser.parse_args(argv)
+    print("\n".join(resume_point(args.ckpt_dir, args.source_dir or None).lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
