@@ -63,6 +63,13 @@ def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor data
 # Dense peaks, fp32 accumulate. GB10 and RTX 5090 are spec-derived (sparse/2; GeForce-class
 # half-rate fp32 accumulate for bf16 and fp8 on the 5090) and labelled as such; measured GEMM rates are lower
 # (DESIGN.md s3). Memory is the datasheet's GB (the MIG profiles' unit), not the bytes CUDA reports.
+# Bandwidth (GB/s, the decode and roofline figures), each from NVIDIA's own pages: GB10 273 (DGX Spark
+# datasheet: 128 GB LPDDR5x, 256-bit at 8533 MT/s); H100 SXM 3350 / PCIe 2000 / NVL 3900 (H100
+# datasheet); GH200 4000 (96 GB HBM3) / 4900 (144 GB HBM3e) (GH200 datasheet); H200 and H200 NVL 4800
+# (H200 datasheet); B200 8000 (DGX B200: 64 TB/s for 8); GB200 8000 (GB200 NVL72: 576 TB/s for 72);
+# RTX 5090 1792 (RTX Blackwell whitepaper: 28 Gbps x 512-bit); RTX PRO 6000 1792 (its datasheet);
+# A100 80GB SXM 2039 / 40GB 1555 / 80GB PCIe 1935 (A100 datasheet); L40S 864 (L40S datasheet);
+# RTX 4090 1008 (Ada whitepaper: 21 Gbps x 384-bit). Peak figures when spec-derived say so in `source`.
 DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
           {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
@@ -125,14 +132,20 @@ DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
 ]}
 
 # (cc major, name regex) -> table key; first match wins, so specific names come first.
+# In a VM with an NVIDIA AI Enterprise vGPU, torch reports the vGPU type ("NVIDIA H100L-94C"), whose
+# prefix names the board (NVIDIA's vGPU user guide, boards x types): H100XM/XL/XS = SXM5, H100 = PCIe
+# 80GB, H100L = NVL, H200X = SXM5, H200 = NVL, A100DX = HGX 80GB, A100D = PCIe 80GB, A100 / A100X =
+# PCIe / HGX 40GB; "-<mem>C" is time-sliced, "-<slices>-<mem>C" MIG-backed. The plain "H100" / "H200"
+# / "A100" rules gave the PCIe and NVL boards the SXM rows: a PCIe H100 (114 SMs) 854 TFLOP/s
+# (989 scaled by SMs, not its 756) and 3350 GB/s (not 2000), an H100 / H200 NVL 989 (not 835).
 _NAME_RULES: list[tuple[int | None, str, str]] = [
     (12, r"\bGB10\b", "gb10"),
-    (9, r"H100.*NVL", "h100-nvl"),
-    (9, r"H100.*PCIe", "h100-pcie"),
+    (9, r"H100.*NVL|H100L-\d", "h100-nvl"),
+    (9, r"H100.*PCIe|H100-\d", "h100-pcie"),
     (9, r"GH200.*HBM3e", "gh200-hbm3e"),
     (9, r"GH200", "gh200"),
     (9, r"H100", "h100-sxm"),
-    (9, r"H200.*NVL", "h200-nvl"),
+    (9, r"H200.*NVL|H200-\d", "h200-nvl"),
     (9, r"H200", "h200"),
     (10, r"GB200", "gb200"),
     (10, r"\bB200\b", "b200"),
@@ -144,8 +157,8 @@ _NAME_RULES: list[tuple[int | None, str, str]] = [
     (12, r"RTX 5090\b(?!\s*D\b)(?!.*Laptop)", "rtx-5090"),
     (12, r"RTX PRO 6000.*Max-Q", "rtx-pro-6000-maxq"),
     (12, r"RTX PRO 6000(?!.*Laptop)", "rtx-pro-6000"),
-    (8, r"A100.*40GB", "a100-40gb"),
-    (8, r"A100.*PCIe", "a100-pcie"),
+    (8, r"A100.*40GB|A100X?-\d", "a100-40gb"),
+    (8, r"A100.*PCIe|A100D-\d", "a100-pcie"),
     (8, r"A100", "a100"),
     (8, r"L40S", "l40s"),
     (8, r"RTX 4090(?!.*Laptop)", "rtx-4090"),
@@ -181,22 +194,25 @@ def _scaled_to_sms(entry: DeviceSpec, sms: int) -> tuple[dict[str, float], str]:
     return peaks, f"{entry.source}; scaled to this device's {sms} of {entry.sms} SMs (MIG slice or cut-down part)"
 
 
-_MIG_PROFILE = re.compile(r"\bMIG (\d+)g\.(\d+)gb\b", flags=re.IGNORECASE)
+_MIG_PROFILE = re.compile(r"\bMIG \d+g\.(\d+)gb\b", flags=re.IGNORECASE)   # "... MIG 2g.20gb"
+_MIG_VGPU = re.compile(r"\b[A-Z]+\d+[A-Z]*-\d+-(\d+)C\b")   # a MIG-backed vGPU type: "NVIDIA H100XM-2-20C"
 
 
 def _mig_bandwidth(entry: DeviceSpec, name: str) -> tuple[float | None, str]:
     """(bandwidth GB/s, note) of a MIG slice, whose name ends in its profile ("... MIG 2g.20gb"): a
     GPU instance owns a share of the memory controllers, so its bandwidth is the board's times its
     memory share (1g.10gb of an 80 GB H100: 1/8, ~419 GB/s). The board's full 3350 GB/s made decode
-    and roofline bandwidth utilisation up to 8x too low there. A name with no profile: as is."""
-    m = _MIG_PROFILE.search(name)
+    and roofline bandwidth utilisation up to 8x too low there. A MIG-backed vGPU's type names its
+    slice's memory too ("H100XM-2-20C": 20 GB); a time-sliced one ("H100XM-40C") shares the whole
+    board's bandwidth in turns. A name with no profile: as is."""
+    m = _MIG_PROFILE.search(name) or _MIG_VGPU.search(name)
     if m is None or not entry.bandwidth_gbs or not entry.memory_gb:
         return entry.bandwidth_gbs, ""
-    share = min(1.0, int(m.group(2)) / entry.memory_gb)
+    share = min(1.0, int(m.group(1)) / entry.memory_gb)
     if share >= 1.0:
         return entry.bandwidth_gbs, ""
     return (round(entry.bandwidth_gbs * share, 1),
-            f"; bandwidth scaled to the MIG profile's {m.group(2)} of {entry.memory_gb:g} GB")
+            f"; bandwidth scaled to the MIG profile's {m.group(1)} of {entry.memory_gb:g} GB")
 
 
 def spec_from_props(props: Any) -> DeviceSpec:
