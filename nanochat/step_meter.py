@@ -80,7 +80,9 @@ def describe_peaks(rt, precision: str, bf16: float | None, act: float | None, ov
     if key != "bf16" and act and blended and low_share is not None:
         text += f", util() against {blended:.4e} ({low_share:.0%} of the FLOPs at {key}, the rest at bf16)"
     if override is not None:
-        return text + " (--peak-flops" + (f"; {key} by the dense ratio to bf16)" if key != "bf16" and act else ")")
+        # the factor is said: for a card outside the table it is an assumption (a GeForce Blackwell's
+        # nvfp4 is 8x bf16, the generic Blackwell ratio 4x), and util() divides by it
+        return text + " (--peak-flops" + (f"; {key} = {act / bf16:g}x bf16, the dense ratio)" if key != "bf16" and act else ")")
     return text + f" ({detect_device(rt.device).source})"
 
 

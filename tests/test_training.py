@@ -319,7 +319,7 @@ def test_the_banner_names_both_peaks_and_their_source(rt, monkeypatch):
     text = tr.describe_peaks(rt, "fp8", bf16, act, None)
     assert text.startswith("bf16 1.2500e+14, fp8 2.5000e+14 (spec-derived from 1 PFLOP FP4 sparse")
     assert tr.describe_peaks(rt, "fp8", 82e12, 164e12, 82e12) == \
-        "bf16 8.2000e+13, fp8 1.6400e+14 (--peak-flops; fp8 by the dense ratio to bf16)"
+        "bf16 8.2000e+13, fp8 1.6400e+14 (--peak-flops; fp8 = 2x bf16, the dense ratio)"
     assert tr.describe_peaks(rt, "bf16", 82e12, 82e12, 82e12) == "bf16 8.2000e+13 (--peak-flops)"
     assert tr.describe_peaks(rt, "bf16", None, None, None) == "n/a (MFU not computed; --peak-flops)"
     # fp32 on a CPU has no peak of its own (util n/a): no ratio is claimed for it
