@@ -39,11 +39,14 @@ from pathlib import Path
 import torch
 
 from nanochat.common import fmt_bytes, get_base_dir, print0
-# CheckpointError, list_steps and step_dirname are part of this module's interface too
-from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, check_meta, cut_short_saves, dir_identity, fsync_dir,
-                                    leftover_bytes, list_steps, load_verified, make_dirs, restore_or_wait,
-                                    save_hashed, saved_sum, start_check, step_dirname, sweep_superseded, write_json,
-                                    _NO_ROOM, _state_device, _strip_compile_prefix, _use_another_step, _write_error)
+# CheckpointError, list_steps, step_dirname, read_latest, model_digest and the names below are part of this
+# module's interface too (they live in checkpoint_io.py, which imports no torch: nanochat/resume_point.py)
+from nanochat.checkpoint_io import (LATEST_NAME, META_NAME, MODEL_NAME, PHASES, CheckpointError, check_meta,
+                                    cut_short_saves, dir_identity, fsync_dir, leftover_bytes, list_steps, load_verified,
+                                    make_dirs, read_latest, restore_or_wait, save_hashed, start_check, step_dirname,
+                                    sweep_superseded, write_json, _NO_ROOM, _model_tags, _other_tags, _state_device,
+                                    _strip_compile_prefix, _use_another_step, _write_error)
+from nanochat.checkpoint_io import _has_checkpoint, model_digest, saved_sum  # noqa: F401 (re-exported)
 # sizes: re-exported for the recipes' disk plans
 from nanochat.checkpoint_io import checkpoint_bytes, planned_saves, tensor_bytes  # noqa: F401
 # EarlierRun, fresh_start and the --resume / --overwrite flags' checks live in checkpoint_runs.py; the
@@ -57,9 +60,6 @@ from nanochat.report_env import environment_meta, git_sha  # noqa: F401 (re-expo
 from nanochat.flags import check_model_tag
 
 SCHEMA_VERSION = 1
-PHASES = ("base", "mid", "sft", "rl")
-META_NAME = "meta.json"
-MODEL_NAME = "model.pt"
 
 
 # ------------------------------------------------------------------------------------ paths
@@ -73,45 +73,6 @@ def checkpoint_dir(phase: str, model_tag: str, base_dir: str | Path | None = Non
     return base / "checkpoints" / phase / model_tag
 
 
-def read_latest(ckpt_dir: str | Path) -> int:
-    """The step recorded in latest.json (never guessed from file times)."""
-    path = Path(ckpt_dir) / LATEST_NAME
-    if not path.is_file():
-        have = list_steps(ckpt_dir)
-        extra = f"; steps on disk: {have} (pass one explicitly)" if have else _other_tags(ckpt_dir)
-        raise CheckpointError(f"no checkpoint recorded in {ckpt_dir} ({LATEST_NAME} missing){extra}")
-    try:
-        record = json.loads(path.read_text())
-        step = record["step"]
-        if type(step) is not int or step < 0:   # int() took 1.5 and true as step 1
-            raise ValueError(f"step {step!r} is not a whole number >= 0")
-        return step
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: corrupt latest pointer ({e}); steps on disk: "
-                              f"{list_steps(ckpt_dir) or 'none'} (name one: --step N to load it, --resume N to continue "
-                              "training from it)") from e
-
-
-def _other_tags(ckpt_dir) -> str:
-    """For a <phase>/<tag> checkpoint directory that does not exist or holds no checkpoint (a mistyped
-    --model-tag; a training run has claimed it, .writer.lock, before it reads --resume's step): the
-    tags that phase does have. base_eval and chat_eval said only "latest.json missing"."""
-    ckpt_dir = Path(ckpt_dir)
-    root = ckpt_dir.parent
-    if root.name not in PHASES or root.parent.name != "checkpoints" or _has_checkpoint(ckpt_dir):
-        return ""
-    if ckpt_dir.is_dir():
-        others = "|".join(t for t in _model_tags(root) if t != ckpt_dir.name and _has_checkpoint(root / t))
-        return f"; model tag {ckpt_dir.name!r} holds no checkpoint: the {root.name} model tags that do are " \
-               f"{others or 'none'} (--model-tag)"
-    return (f"; there is no model tag {ckpt_dir.name!r}: the {root.name} model tags are "
-            f"{'|'.join(_model_tags(root)) or 'none'} (--model-tag)")
-
-
-def _has_checkpoint(tag_dir: Path) -> bool:
-    return (tag_dir / LATEST_NAME).is_file() or bool(list_steps(tag_dir))
-
-
 def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
     """'latest' -> the recorded step; an int or digit string -> that step."""
     if step == "latest":
@@ -121,12 +82,6 @@ def resolve_step(ckpt_dir: str | Path, step: int | str) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: got {step!r}; accepted: 'latest' or an integer >= 0")
     return step
-
-
-def model_digest(ckpt_dir, step: int) -> str | None:
-    """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
-    which weights a later stage started from, without reading them."""
-    return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
 def remove_checkpoint(ckpt_dir, step: int) -> None:
@@ -558,12 +513,6 @@ def find_model_tag(phase: str, base_dir: str | Path | None = None) -> str:
     if not depth_tags:
         raise AmbiguousModelTag(f"several {phase} model tags under {root}: {tags}; pass --model-tag")
     return max(depth_tags)[1]
-
-
-def _model_tags(root: Path) -> list[str]:
-    """The tag directories under `root`: those holding a checkpoint, or all when none does."""
-    tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    return [t for t in tags if _has_checkpoint(root / t)] or tags
 
 
 def check_model_tag_exists(phase: str, model_tag: str | None, base_dir=None, flag: str = "-g/--model-tag") -> None:

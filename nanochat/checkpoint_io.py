@@ -1,8 +1,13 @@
 """The files of a checkpoint: step directory names, atomic writes (temp file + fsync +
 os.replace), size + sha256 sums hashed alongside the IO, torch.load(weights_only=True) that
 returns only what matches its sums, the sizes of states (the disk plans), which failed writes a user
-can act on (no room, a disk refusing writes), the saves cut short (step_N.partial) and the identity of
-a step directory (a reader overtaken by --keep-last). checkpoint.py builds saves, loads and resumes on these.
+can act on (no room, a disk refusing writes), the saves cut short (step_N.partial), the identity of
+a step directory (a reader overtaken by --keep-last), latest.json's step and a model.pt's recorded sum.
+checkpoint.py builds saves, loads and resumes on these.
+
+Imported without torch (it is imported inside the few functions that read, write or measure tensors):
+nanochat.resume_point, setup.sh's check before each training stage, reads latest.json and the sums in
+a fraction of a second instead of torch's 2-4 s import.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from nanochat.errors import RequestError
 
+if TYPE_CHECKING:   # torch is imported inside the functions that use it: see the module docstring
+    import torch
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 LATEST_NAME = "latest.json"   # {"step": N, "dir": "step_00000N"}, written after the step is complete
+META_NAME = "meta.json"
+MODEL_NAME = "model.pt"
+PHASES = ("base", "mid", "sft", "rl")
 
 
 class CheckpointError(RequestError):
@@ -45,6 +54,51 @@ def list_steps(ckpt_dir: str | Path) -> list[int]:
         return []
     steps = [int(m.group(1)) for p in ckpt_dir.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
     return sorted(steps)
+
+
+def read_latest(ckpt_dir: str | Path) -> int:
+    """The step recorded in latest.json (never guessed from file times)."""
+    path = Path(ckpt_dir) / LATEST_NAME
+    if not path.is_file():
+        have = list_steps(ckpt_dir)
+        extra = f"; steps on disk: {have} (pass one explicitly)" if have else _other_tags(ckpt_dir)
+        raise CheckpointError(f"no checkpoint recorded in {ckpt_dir} ({LATEST_NAME} missing){extra}")
+    try:
+        record = json.loads(path.read_text())
+        step = record["step"]
+        if type(step) is not int or step < 0:   # int() took 1.5 and true as step 1
+            raise ValueError(f"step {step!r} is not a whole number >= 0")
+        return step
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: corrupt latest pointer ({e}); steps on disk: "
+                              f"{list_steps(ckpt_dir) or 'none'} (name one: --step N to load it, --resume N to continue "
+                              "training from it)") from e
+
+
+def _other_tags(ckpt_dir) -> str:
+    """For a <phase>/<tag> checkpoint directory that does not exist or holds no checkpoint (a mistyped
+    --model-tag; a training run has claimed it, .writer.lock, before it reads --resume's step): the
+    tags that phase does have. base_eval and chat_eval said only "latest.json missing"."""
+    ckpt_dir = Path(ckpt_dir)
+    root = ckpt_dir.parent
+    if root.name not in PHASES or root.parent.name != "checkpoints" or _has_checkpoint(ckpt_dir):
+        return ""
+    if ckpt_dir.is_dir():
+        others = "|".join(t for t in _model_tags(root) if t != ckpt_dir.name and _has_checkpoint(root / t))
+        return f"; model tag {ckpt_dir.name!r} holds no checkpoint: the {root.name} model tags that do are " \
+               f"{others or 'none'} (--model-tag)"
+    return (f"; there is no model tag {ckpt_dir.name!r}: the {root.name} model tags are "
+            f"{'|'.join(_model_tags(root)) or 'none'} (--model-tag)")
+
+
+def _has_checkpoint(tag_dir: Path) -> bool:
+    return (tag_dir / LATEST_NAME).is_file() or bool(list_steps(tag_dir))
+
+
+def _model_tags(root: Path) -> list[str]:
+    """The tag directories under `root`: those holding a checkpoint, or all when none does."""
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [t for t in tags if _has_checkpoint(root / t)] or tags
 
 
 def cut_short_saves(ckpt_dir: str | Path) -> list[int]:
@@ -184,6 +238,8 @@ def sha256_file(path: Path) -> str:
 
 def save_hashed(path: Path, obj) -> Future:
     """Write `obj` atomically; returns a future of its {"bytes", "sha256"}, hashed during the fsync."""
+    import torch
+
     hashing = []
     atomic_write(path, lambda f: torch.save(obj, f),
                  written=lambda tmp: hashing.append(_hash_pool().submit(_file_sum, open(tmp, "rb"))))
@@ -214,6 +270,12 @@ def saved_sum(path: Path, rank: int, summed: bool = False) -> dict | None:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{sums_path}: corrupt or without {path.name} ({e}); {_use_another_step(path)}") from e
     return want
+
+
+def model_digest(ckpt_dir, step: int) -> str | None:
+    """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
+    which weights a later stage started from, without reading them."""
+    return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
 # meta.json: the fields every save_checkpoint has written (schema 1), and the fields loads and resumes
@@ -292,6 +354,8 @@ def load_verified(path: Path, device, rank: int = 0, check: tuple[dict, Future] 
 
 
 def _load(path: Path, device) -> Any:
+    import torch
+
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
@@ -318,6 +382,8 @@ def _strip_compile_prefix(state: dict) -> dict:
 
 
 def _state_device(state: dict | None) -> torch.device | None:
+    import torch
+
     return next((v.device for v in (state or {}).values() if isinstance(v, torch.Tensor)), None)
 
 
@@ -325,6 +391,8 @@ def _state_device(state: dict | None) -> torch.device | None:
 
 def tensor_bytes(obj) -> int:
     """Bytes of the tensor storages in a nested state (dicts, lists, tuples), each storage once."""
+    import torch
+
     seen, total, stack = set(), 0, [obj]
     while stack:
         x = stack.pop()

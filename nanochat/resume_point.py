@@ -14,8 +14,8 @@ them):
 
 `python -m nanochat.resume_point CKPT_DIR [SOURCE_DIR]` prints the verdict as lines for
 scripts/setup_stages.sh: `keep`; `resume`, N, which checkpoint, why; `fresh`, `-`, which
-checkpoint, why, why no earlier step. It runs under the stage's own interpreter (the venv: these
-checkpoint modules import torch; setup.sh's system python3 has none).
+checkpoint, why, why no earlier step. It runs under the stage's own interpreter (the venv) but imports
+no torch (nanochat.checkpoint_io only): a check takes a fraction of a second, not torch's import.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanochat.checkpoint import MODEL_NAME, META_NAME, model_digest, read_latest
-from nanochat.checkpoint_io import LATEST_NAME, CheckpointError, list_steps, saved_sum, sha256_file, step_dirname
+# checkpoint_io, not checkpoint: it imports no torch (setup.sh runs this check before every training stage)
+from nanochat.checkpoint_io import (LATEST_NAME, META_NAME, MODEL_NAME, CheckpointError, list_steps, model_digest,
+                                    read_latest, saved_sum, sha256_file, step_dirname)
 
 # the files a one-process resume of rank 0 reads, whatever the sums say
 _RESUMED = (MODEL_NAME, "optim_rank0.pt", "state_rank0.pt")

@@ -270,10 +270,10 @@ rerun_cmd() {  # [stage] -> the command line this run was started with, as a she
 # that step's run started from other weights than its source's latest now: nanochat/resume_point.py
 # decides, with the checkpoint code's own checks. The marker keeps the --resume auto command. The check
 # reads the latest checkpoint once (its sha256s; d20's optimizer state: seconds) and only before a
-# training stage runs; a whole one leaves --resume auto as it is. It runs under the venv's python (the
-# checkpoint code imports torch, which $PY, the system python3, lacks): before the env stage has made
-# one (a --dry-run), or if the check fails, the command is left as it is (the stage's own resume says
-# what is wrong).
+# training stage runs; a whole one leaves --resume auto as it is. It runs under the venv's python, the
+# stages' own interpreter ($PY, the system python3, may be one nanochat does not support), importing
+# no torch (a fraction of a second): before the env stage has made one (a --dry-run), or if the check
+# fails, the command is left as it is (the stage's own resume says what is wrong).
 resume_point() {  # stage command... -> STAGE_CMD: the command, --resume auto replaced as above if need be
   local stage="$1" phase src=""; shift
   STAGE_CMD=("$@")

@@ -11,7 +11,7 @@
 
 The stages are faked (a clone whose .venv/bin/python writes what each real stage leaves, checkpoints in
 their real layout with sha256 sums; the check before a training stage, nanochat.resume_point, is the
-real one, run by the real interpreter), so the file runs in seconds (plus torch's import per check).
+real one, run by the real interpreter; it imports no torch), so the file runs in seconds.
 """
 
 from __future__ import annotations
@@ -173,9 +173,9 @@ def test_without_a_step_to_resume_the_stage_starts_afresh(done, case):
 
 
 def test_the_check_runs_under_the_venvs_python(done, tmp_path):
-    """The decision imports the checkpoint code, hence torch: setup.sh's $PY (the system python3, no
-    torch) would fail it, silently (the command is then left as it is), so the venv's python runs it;
-    the tests' PATH hides that ($PY is the test venv's python3, with torch)."""
+    """The decision runs under the venv's python, the stages' own interpreter, not setup.sh's $PY (the
+    system python3, possibly one nanochat does not support, whose failure would be silent: the command
+    is then left as it is); the tests' PATH hides that ($PY is the test venv's python3)."""
     clone, base, log = done
     (base / "checkpoints" / "sft" / "d2" / "step_000040" / "model.pt").unlink()
     rc, out = _setup(clone, base, "--dry-run")
