@@ -47,10 +47,10 @@ ATTN_BACKENDS = ("auto", "sdpa", "flex", "cudnn", "cudnn_fa4", "reference")
 PRECISION_BACKENDS = ("auto", "te", "native", "torchao", "emulated")
 FP8_WGRAD = ("save", "recompute", "plain")   # precision.FP8_WGRAD_MODES
 SCHEDULE_FLAGS = ("warmup_ratio", "warmup_steps", "warmdown_ratio", "final_lr_frac")
-# flags a resume's change of which another line names (the schedule, the optimizer's values, grad
-# clip, precision) or a check refuses (recipe, total batch): say_config_changes names the others
+# flags a resume's change of which another line names (the schedule, the optimizer's values, grad clip,
+# precision; the banner: --seed, unused) or a check refuses (recipe, total batch): say_config_changes the others
 SAID_ON_RESUME = ("resume", "overwrite", "model_tag", "recipe", "num_iterations", "grad_clip", "total_batch_size",
-                  "precision", "precision_backend", *RECIPE_FLAGS)
+                  "precision", "precision_backend", "seed", *RECIPE_FLAGS)
 
 
 @dataclass
@@ -139,8 +139,8 @@ class BaseTrainConfig:
         if self.warmup_steps is not None:
             require_int(self.warmup_steps, "--warmup-steps", 0)
         sched = {k: getattr(self, k) for k in ("warmup_ratio", "warmdown_ratio", "final_lr_frac", "warmup_steps")
-                 if getattr(self, k) is not None}
-        Schedule(1, **sched).validate()
+                 if getattr(self, k) is not None}   # each value's range; their sum here only if both are flags:
+        Schedule(1, **{"warmdown_ratio": 0.0, **sched}).validate()   # else recipe.schedule's, with the recipe's value
         if self.resume is None:   # a fresh run's recipe + flags (a resume takes its checkpoint's recipe, later)
             resolve_recipe(self.recipe or DEFAULT_RECIPE, {k: getattr(self, k) for k in RECIPE_FLAGS},
                            total_batch_size=1, target_tokens=1, ref_tokens=1).schedule(1)
@@ -216,6 +216,7 @@ BASE_FLAG_HELP = {   # what a flag does where "default: X" alone does not say it
     "fp8_wgrad": f"{'|'.join(FP8_WGRAD)}: how native fp8 keeps what its weight gradient needs (recompute, "
                  "plain: ~10 GiB less at d20, a little slower)",
     "peak_flops": PEAK_FLOPS_HELP,
+    "fsdp": "shard weights, gradients and optimizer state over the ranks (FSDP2; a torchrun launch)",
     "data_dir": "a directory of *.parquet text shards; not given: <base dir>/base_data",
 }
 
@@ -243,12 +244,11 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
     defaults = BaseTrainConfig()
     for f in fields(BaseTrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool | None":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help="default: on for CUDA, off elsewhere")
-        elif f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=getattr(defaults, f.name),
-                                help=_flag_help(f.name, getattr(defaults, f.name)))
+        if f.type in ("bool", "bool | None"):   # --x / --no-x; None (--compile's): auto
+            default = getattr(defaults, f.name)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_flag_help(
+                f.name, default if default is not None else "on for CUDA (off where Triton cannot build kernels for "
+                "the GPU, said at the start), off elsewhere"))
         else:
             default = getattr(defaults, f.name)
             parser.add_argument(flag, type=_FLAG_TYPES[f.type], default=default, help=_flag_help(f.name, default))
@@ -567,15 +567,15 @@ def print_banner(cfg, rt, device_name, model_config, num_params, scaling_params,
         ("training FLOPs", f"{flops_per_token * total_tokens:.4e}"),
         ("peak FLOP/s", peaks),
         ("recipe", f"{recipe.describe(num_iterations)}; grad clip {cfg.grad_clip or 'off'}"),
-        ("eval", f"every {cfg.eval_every} steps, {eval_batches} x {cfg.device_batch_size * cfg.max_seq_len:,} tokens"
-                 if cfg.eval_every > 0 else "off (--eval-every <= 0)"),
+        ("eval", f"every {cfg.eval_every} steps, {eval_batches} x {cfg.device_batch_size * cfg.max_seq_len:,} tokens "
+                 "(or the whole val split, if it holds fewer)" if cfg.eval_every > 0 else "off (--eval-every <= 0)"),
         ("samples / saves", (f"every {cfg.sample_every} steps (+ last)" if cfg.sample_every > 0 else "off") + " / "
                             + (f"every {cfg.save_every} steps (+ last)" if cfg.save_every > 0
                                else "at the last step only")),
         ("checkpoints", str(ckpt_dir) + (f" (resuming at step {resume_step})" if resume_step is not None else "")
                         + (f"; {disk}" if disk else "")),
         ("tracking", tracking),
-        ("seed", str(cfg.seed)),
+        ("seed", f"{cfg.seed}" + (" (unused: a resume loads the weights and RNG state)" if resume_step is not None else "")),
     ]
     # a group's own momentum / weight_decay are build_optimizer's defaults (a fresh run: momentum 0.95,
     # never applied) or the checkpoint's last applied values (a resume, also under a new --weight-decay):
