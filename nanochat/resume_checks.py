@@ -75,7 +75,7 @@ def say_schedule_changes(saved: dict, now: dict) -> list[str]:
                if saved.get(k) is not None and v is not None and saved[k] != v]
     if changed:
         from nanochat.loop import _say   # print0 that survives a terminal gone (a hung-up ssh session)
-        _say("--resume: the LR schedule follows this run's flags, not the checkpoint's: " + ", ".join(changed))
+        _say("--resume: the optimizer's schedules (LR, weight decay; v2: momentum too) follow this run's flags, not the checkpoint's: " + ", ".join(changed))
     return changed
 
 

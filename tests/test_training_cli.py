@@ -91,7 +91,7 @@ def test_banner_resume_schedule_and_a_lost_latest_pointer(env, base_dir, capsys)
     assert "samples / saves : off / at the last step only" in " ".join(capsys.readouterr().out.split())
     base_train.main(args + ["--num-iterations", "5", "--resume", "latest", "--save-every", "2"])
     out = capsys.readouterr().out
-    assert ("--resume: the LR schedule follows this run's flags, not the checkpoint's: --num-iterations 3 -> 5, "
+    assert ("--resume: the optimizer's schedules (LR, weight decay; v2: momentum too) follow this run's flags, not the checkpoint's: --num-iterations 3 -> 5, "
             "--warmdown-ratio 0.5 -> 0.65") in out
     assert "samples / saves : off / every 2 steps (+ last)" in " ".join(out.split())
     (ckpt_dir / "latest.json").unlink()
