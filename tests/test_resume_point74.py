@@ -79,7 +79,8 @@ def test_a_latest_json_naming_no_step_resumes_the_newest_whole_step(base):
 @pytest.mark.parametrize("same_source", [True, False])
 def test_mid_resumes_only_a_step_that_started_from_the_source_now(base, tmp_path, same_source):
     """A mid step that started from other base weights than base's latest now (base retrained since):
-    an explicit --resume N refuses it, so the stage starts afresh."""
+    its --resume auto would start afresh, and an explicit --resume N would continue it on the old
+    weights (it checks only --source's phase and --step), so the stage starts afresh."""
     mid = checkpoint_dir("mid", "d2", tmp_path)
     started = _source_of(base, 40)
     if not same_source:
