@@ -38,7 +38,8 @@ from nanochat.chat_format import (  # noqa: F401  (re-exported: tasks, engine an
     _assistant_parts, _normalized_messages, assistant_parts, check_conversation)
 from nanochat.errors import RequestError
 from nanochat.tokenizer_io import _SafeUnpickler, _atomic_write_all, _check_pickle_bounds
-from nanochat.tokenizer_pattern import SPLIT_PATTERN, _check_pattern, _rustbpe  # SPLIT_PATTERN re-exported
+from nanochat.tokenizer_pattern import (  # SPLIT_PATTERN and DroppedTextWarning re-exported
+    SPLIT_PATTERN, DroppedTextWarning, _check_pattern, _rustbpe, warn_dropped_text)  # noqa: F401  (DroppedTextWarning)
 
 if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
     import torch
@@ -191,9 +192,21 @@ class Tokenizer:
 
     def __init__(self, pattern: str, mergeable_ranks: dict[bytes, int],
                  special_tokens: Sequence[str] = tuple(SPECIAL_TOKENS)):
+        self._setup(pattern, mergeable_ranks, special_tokens, existing=False)
+
+    @classmethod
+    def _existing(cls, pattern, mergeable_ranks, special_tokens) -> "Tokenizer":
+        """A tokenizer that already exists (a file, a pickled one): a pattern that leaves characters
+        unmatched is kept (self._drops: the first one), not refused; see nanochat/tokenizer_pattern.py."""
+        tok = cls.__new__(cls)
+        tok._setup(pattern, mergeable_ranks, special_tokens, existing=True)
+        return tok
+
+    def _setup(self, pattern, mergeable_ranks, special_tokens, *, existing: bool) -> None:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError("pattern: expected a non-empty regex string")
-        _check_pattern(pattern)   # before tiktoken compiles it: its errors named no argument
+        # before tiktoken compiles it (its errors named no argument)
+        self._drops: str | None = _check_pattern(pattern, existing=existing)
         _check_ranks(mergeable_ranks)
         specials = list(special_tokens)
         bad = next((k for k, name in enumerate(specials) if not isinstance(name, str) or not name), None)
@@ -217,7 +230,9 @@ class Tokenizer:
         return {"pattern": self._pattern, "ranks": self._ranks, "specials": self._specials}
 
     def __setstate__(self, state):
-        self.__init__(state["pattern"], state["ranks"], state["specials"])
+        # the copy of a loaded tokenizer (a DataLoader or Pool worker): its pattern is not new, and the
+        # process that loaded it has warned if it drops text
+        self._setup(state["pattern"], state["ranks"], state["specials"], existing=True)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
@@ -298,7 +313,9 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> "Tokenizer":
-        """Read directory/tokenizer.pkl; TokenizerError (naming the path) if missing or corrupt."""
+        """Read directory/tokenizer.pkl; TokenizerError (naming the path) if missing or corrupt. A split
+        pattern that leaves some characters unmatched loads with a DroppedTextWarning (once per file and
+        process): refusing it stranded every checkpoint built on the tokenizer."""
         path = Path(directory) / PICKLE_NAME
         if not path.is_file():
             raise TokenizerError(path, "file not found")
@@ -318,11 +335,13 @@ class Tokenizer:
             raise TokenizerError(path, f"format version {_short_repr(version)} unsupported (this code reads "
                                        f"{FORMAT_VERSION})")
         try:
-            tok = cls(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
+            tok = cls._existing(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
         except (KeyError, TypeError, ValueError, RecursionError) as e:   # RecursionError: nested junk
             raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
         if payload.get("fingerprint") != tok.fingerprint:
             raise TokenizerError(path, "corrupt file (stored fingerprint does not match contents)")
+        if tok._drops is not None:
+            warn_dropped_text(path, tok.pattern, tok._drops)
         return tok
 
     # ------------------------------------------------------------------ properties

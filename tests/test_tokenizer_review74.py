@@ -11,7 +11,8 @@ import tracemalloc
 import pytest
 import tiktoken
 
-from nanochat.tokenizer import PICKLE_NAME, SPLIT_PATTERN, Tokenizer, TokenizerError, _compute_fingerprint
+from nanochat.tokenizer import (PICKLE_NAME, SPLIT_PATTERN, DroppedTextWarning, Tokenizer, TokenizerError,
+                                _compute_fingerprint)
 from nanochat.tokenizer_pattern import _coverage_problem
 
 # Every probe text round-trips through it; private-use (Co) and unassigned (Cn) code points do not.
@@ -31,21 +32,22 @@ def _unread():
 
 
 @pytest.mark.parametrize("pattern, char", [(NO_PRIVATE_USE, r"\\u0378"), (WORD_BASED, r"\\u200c")])
-def test_a_pattern_dropping_a_category_is_refused_everywhere(tok, tmp_path, pattern, char):
+def test_a_pattern_dropping_a_category_is_refused_for_new_tokenizers(tok, tmp_path, pattern, char):
     """Accepted before: `Tokenizer(NO_PRIVATE_USE, ...)` encoded "a\\ue000b" as "ab"."""
     match = rf'^pattern: .* leaves "{char}" of the text unmatched \(U\+'
     with pytest.raises(ValueError, match=match):
         Tokenizer(pattern, tok._ranks)
     with pytest.raises(ValueError, match=match):
         Tokenizer.train(_unread(), 300, pattern=pattern)
-    # a file holding such a pattern (with a matching fingerprint) names the file, not a tokenizer that drops text
+    # a file holding such a pattern (with a matching fingerprint) already exists: it loads, with a
+    # warning (tests/test_tokenizer_review74b.py), not a "corrupt file" that stranded its checkpoints
     tok.save(tmp_path)
     payload = pickle.loads((tmp_path / PICKLE_NAME).read_bytes())
     payload["pattern"] = pattern
     payload["fingerprint"] = _compute_fingerprint(pattern, payload["mergeable_ranks"], payload["special_tokens"])
     (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
-    with pytest.raises(TokenizerError, match=rf"{PICKLE_NAME}: corrupt file .*unmatched"):
-        Tokenizer.load(tmp_path)
+    with pytest.warns(DroppedTextWarning, match=rf"{PICKLE_NAME}: .* the first \"{char}\" \(U\+"):
+        assert Tokenizer.load(tmp_path).pattern == pattern
 
 
 def test_the_default_pattern_covers_every_code_point():
