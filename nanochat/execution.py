@@ -17,12 +17,13 @@ what was actually applied):
   RLIMIT_CORE = 0, RLIMIT_NOFILE.
 * namespaces ("netns", "readonly_fs", "workdir_cap", "ipcns", "pidns", "procfs"): no network
   (an empty network namespace); every mount read-only and nodev (a read-only mount alone let a root
-  program write a root-owned disk: only /dev/null, zero, full, random and urandom open), the working
-  dir a tmpfs of `max_workdir_bytes` (its files vanish with it, the host disk is never filled);
-  SysV / POSIX IPC objects of its own; a PID namespace whose init is ours (its death kills every
-  process the program started, setsid or not) with its own /proc (the host's showed every process
-  and, to a uid without capabilities, other runs' working dirs and memory). Uses CLONE_NEWUSER when
-  not root. Needs Linux >= 5.12 for mount_setattr.
+  program write a root-owned disk: only /dev/null, zero, full, random and urandom open; where one of
+  them does not, /dev keeps its devices and "readonly_fs" is not claimed), the working dir a tmpfs
+  of `max_workdir_bytes` (its files vanish with it, the host disk is never filled); SysV / POSIX
+  IPC objects of its own; a PID namespace whose init is ours (its death kills every process the
+  program started, setsid or not) with its own /proc (the host's showed every process and, to a uid
+  without capabilities, other runs' working dirs and memory). Uses CLONE_NEWUSER when not root.
+  Needs Linux >= 5.12 for mount_setattr.
 * "no_caps": the program's process drops every capability (bounding set included) and sets
   no_new_privs, so a program running as root, or as root of the user namespace, cannot undo the
   namespaces (remount read-write, setns back out) or regain privileges through exec.
@@ -34,8 +35,8 @@ what was actually applied):
   kill) socket() for every domain but AF_INET / AF_INET6 (all of them without "netns"), datagram
   socketpairs, io_uring, keyrings, SysV shmget / msgget and new namespaces (a user namespace gives
   capabilities back): Unix socket files (docker.sock, D-Bus, X11), AF_VSOCK (a VM's host) and
-  keyrings cross every namespace; without "pidns" also signals but to its own group, ptrace and
-  process_vm_readv / writev (it could kill the caller). See nanochat/sandbox_seccomp.py.
+  keyrings cross every namespace; without "pidns" also signals but to itself and its own group,
+  ptrace and process_vm_readv / writev (it could kill the caller). See nanochat/sandbox_seccomp.py.
 * "landlock" (Linux >= 5.13): writes only in the working dir and to those devices, no ptrace (so no
   /proc/PID/environ or mem) of processes outside, no signals out on Linux >= 6.12; where the OS
   refuses the namespaces, the only bound on which files the program can write or delete.
@@ -191,21 +192,12 @@ def _run_child(work: Path, config: dict, timeout_s: float, tail_chars: int, kill
     finally:
         for fd in (out_w, err_w, ver_w):
             os.close(fd)
-    from nanochat.sandbox_cgroup import TailReader, kill_inside, wait_reaping
+    from nanochat.sandbox_cgroup import watch_child
 
     keep = 4 * tail_chars + 4  # UTF-8: at most 4 bytes per character
-    readers = TailReader(out_r, keep), TailReader(err_r, keep), TailReader(ver_r, _REPORT_BYTES)
-    try:
-        timed_out, cpu_used = wait_reaping(proc, timeout_s)
-    finally:  # also on an exception here (KeyboardInterrupt): the program must not run on unwatched
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything the program left behind in its group
-        kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
-        with contextlib.suppress(OSError):  # and those no cgroup holds either, by their working dir
-            kill_inside(work)
-    deadline = time.monotonic() + _DRAIN_WAIT_S  # one wait for all three pipes, not one each
-    tails = (r.text(n, max(0.0, deadline - time.monotonic())) for r, n in zip(readers, (*[tail_chars] * 2, _REPORT_BYTES)))
-    return proc.returncode, timed_out, cpu_used, tuple(tails)
+    pipes = {out_r: (keep, tail_chars), err_r: (keep, tail_chars), ver_r: (_REPORT_BYTES, _REPORT_BYTES)}
+    timed_out, cpu_used, tails = watch_child(proc, pipes, timeout_s, _DRAIN_WAIT_S, kill_cgroup, work)
+    return proc.returncode, timed_out, cpu_used, tails
 
 
 def _classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, cpu_s: float, stderr: str, verdict: str):
@@ -282,10 +274,15 @@ def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner:
     capped = ok and libc.mount(b"tmpfs", wd, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) == 0
     ok = ok and (capped or libc.mount(wd, wd, None, _MS_BIND | _MS_REC, None) == 0)
     if ok and setattr_("/", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NODEV, 0) and setattr_(workdir, 0, _MOUNT_ATTR_RDONLY):
-        applied.append("readonly_fs")
         for dev in _SAFE_DEVICES:  # each bound over itself, and that one mount made dev again
             if libc.mount(dev.encode(), dev.encode(), None, _MS_BIND, None) == 0:
                 setattr_(dev, 0, _MOUNT_ATTR_NODEV)
+        try:  # one not bound back stays closed (/dev/null: every library's): check them all
+            for dev in filter(os.path.exists, _SAFE_DEVICES):
+                os.close(os.open(dev, os.O_WRONLY if dev == "/dev/null" else os.O_RDONLY))
+            applied.append("readonly_fs")
+        except OSError:  # /dev gets its devices back, the layer is not claimed (mounts stay read-only)
+            setattr_("/dev", 0, _MOUNT_ATTR_NODEV)
     if capped:
         applied.append("workdir_cap")
     if libc.unshare(_CLONE_NEWIPC) == 0:  # SysV / POSIX IPC objects: the program's die with the run
@@ -295,7 +292,7 @@ def _unshare_namespaces(workdir: str, as_real_root: bool, cap_bytes: int, owner:
     return applied
 
 
-_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 _CAP_VERSION_3 = 0x20080522
 
 
@@ -353,7 +350,14 @@ def _landlock(rules: list) -> list[str]:
         os.close(ruleset)
 
 
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _OWN_PID = 22, 2, 0x7FFFFFFF  # sandbox_seccomp.OWN_PID: see below
+
+
+def _with_own_pid(program: bytes, pid: int) -> bytes:
+    """`program` with `pid` for each instruction's constant _OWN_PID: the program's pid, which the
+    parent could not know (outside a PID namespace it may signal itself, not other processes)."""
+    slot, own, k = _OWN_PID.to_bytes(4, "little"), pid.to_bytes(4, "little"), range(4, len(program), 8)
+    return b"".join(program[i - 4:i] + (own if program[i:i + 4] == slot else program[i:i + 4]) for i in k)
 
 
 def _install_seccomp(program: bytes) -> list[str]:
@@ -365,7 +369,7 @@ def _install_seccomp(program: bytes) -> list[str]:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(program, len(program))
+    buf = ctypes.create_string_buffer(_with_own_pid(program, os.getpid()), len(program))
     fprog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
     # a filter needs no_new_privs (or CAP_SYS_ADMIN): set here too, not only by the capability drop
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -388,9 +392,6 @@ def _exit_like_init(status: int) -> None:
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE / SIGXFSZ by default
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal that did not end us (should not happen)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(*, pid: int | None = None, pipe: int | None = None) -> None:
@@ -526,8 +527,8 @@ def _child_main(config_path: str) -> None:
             except OSError:  # larger than the cap: the program still runs, without source lines
                 pass
         if "pidns" in applied:
-            # from here on: the program's process, pid 2 in the namespace
-            applied += _fork_pid_namespace(own_proc="readonly_fs" in applied)
+            # from here on: the program's process, pid 2 in the namespace (its /proc: private mounts)
+            applied += _fork_pid_namespace(own_proc=bool({"readonly_fs", "workdir_cap"} & set(applied)))
         applied += _drop_capabilities(cfg["drop_uid"])
         if "pidns" not in applied:  # the uid drop cleared it (in the namespace, init's death kills all)
             _die_with_parent(pid=cfg["parent_pid"])

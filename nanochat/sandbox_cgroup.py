@@ -9,9 +9,9 @@ memory limit count every task of the program, whatever its uid.
 This module owns finding a cgroup the caller may use, making one per program run and removing it;
 also `execute_code`'s argument checks (`validate`), its once-per-process warning about layers
 the OS refused (`warn_refused`), its pipe drains (`TailReader`), the reading of its harness's
-report (`parse_report`), the wait for its child (`wait_reaping`), its verdict (`classify`) and the
-end of a run's working dir (`kill_inside`, `remove_workdir`): parent-side code moved here to keep
-execution.py short.
+report (`parse_report`), the wait for its child (`wait_reaping`, `watch_child`), its verdict
+(`classify`) and the end of a run's working dir (`kill_inside`, `remove_workdir`): parent-side code
+moved here to keep execution.py short.
 `nanochat.execution` makes it in the parent (`program_cgroup`), passes the `cgroup.procs` paths to
 its sandbox child, which writes its own pid there first of all (before namespaces, forks and the
 program: every process the program starts is born inside), and removes it after the run, also on
@@ -149,6 +149,25 @@ def wait_reaping(proc, timeout_s: float) -> tuple[bool, float]:
         done = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(done[1])  # reaped: Popen must not wait for the pid again
     return timed_out, done[2].ru_utime + done[2].ru_stime
+
+
+def watch_child(proc, pipes: dict[int, tuple[int, int]], timeout_s: float, drain_s: float, kill_cgroup,
+                work: Path) -> tuple[bool, float, tuple[str, ...]]:
+    """Wait for execute_code's child (`wait_reaping`) while threads drain its `pipes` (fd -> (bytes
+    kept, characters returned)), then kill what the program left, also on an exception here
+    (KeyboardInterrupt: the program must not run on unwatched): (timed out, CPU seconds, the pipes'
+    tails), waiting at most `drain_s` for all of them together."""
+    readers = [(TailReader(fd, keep), n_chars) for fd, (keep, n_chars) in pipes.items()]
+    try:
+        timed_out, cpu_used = wait_reaping(proc, timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the program left behind in its group
+        kill_cgroup()  # and outside it (setsid) where no PID namespace did: they hold the pipes open
+        with contextlib.suppress(OSError):  # and those no cgroup holds either, by their working dir
+            kill_inside(work)
+    deadline = time.monotonic() + drain_s  # one wait for all the pipes, not one each
+    return timed_out, cpu_used, tuple(r.text(n, max(0.0, deadline - time.monotonic())) for r, n in readers)
 
 
 def classify(rc: int, timed_out: bool, timeout_s: float, cpu: int, cpu_s: float, stderr: str, verdict: str,

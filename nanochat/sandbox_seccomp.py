@@ -30,11 +30,15 @@ dropped bounding set included) in it, and with it the kernel's namespace-only at
 Outside a PID namespace (where the OS refuses namespaces: Docker's default profile, Ubuntu 24.04's
 restricted user namespaces for a user) the program could reach every process of its uid: kill the
 caller, a training run, the user's shell (kill(-1) all at once), and where Yama allows, ptrace one
-and write its memory. That filter (allow_signals=False) also denies (EPERM) kill() but to its own
-process group (pid 0), tkill / tgkill / rt_sigqueueinfo / rt_tgsigqueueinfo / pidfd_send_signal,
-ptrace, process_vm_readv / writev and pidfd_getfd; the kernel's own signals (SIGXCPU, SIGKILL,
-SIGSEGV, ...) still arrive. /proc/PID/mem and /proc/PID/environ are files, out of a filter's reach:
-the Landlock domain (below) keeps the program from them, and from writing outside its dir.
+and write its memory. That filter (allow_signals=False) also denies (EPERM) kill / tkill / tgkill /
+rt_sigqueueinfo / rt_tgsigqueueinfo but to its own pid (as tgkill's thread group: any of its
+threads) or process group (pid 0), pidfd_send_signal, ptrace, process_vm_readv / writev and pidfd_getfd; the
+kernel's own signals (SIGXCPU, SIGKILL, SIGSEGV, ...) still arrive. The program's pid is known only
+in the child, which installs the filter: the parent builds it with OWN_PID in its place (no pid is
+that large: a filter nobody baked lets no signal through to any process) and the child writes its
+own pid there (a process it forks, as root, may not signal itself: its pid is another).
+/proc/PID/mem and /proc/PID/environ are files, out of a filter's reach: the Landlock domain (below)
+keeps the program from them, and from writing outside its dir.
 
 The filter checks the audit architecture first (as the kernel's seccomp docs require: the same
 number means another call on another ABI) and kills the process on a foreign one (a 32-bit
@@ -57,6 +61,7 @@ AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 | __AUDIT_ARCH_64BIT | __AUDIT_ARC
 X32_SYSCALL_BIT = 0x40000000
 IO_URING_SETUP, IO_URING_REGISTER = 425, 427  # setup, enter, register: same numbers on both ABIs
 PIDFD_SEND_SIGNAL, PIDFD_GETFD = 424, 438  # same numbers on both ABIs
+OWN_PID = 0x7FFFFFFF  # stands for the program's pid in a filter until its child writes it: above pid_max (2**22)
 CLONE3 = 435  # same number on both ABIs
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (NEWTIME: only unshare / clone3)
 CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x7E000000
@@ -81,17 +86,16 @@ class Abi:
     ipc_gets: tuple[int, int]  # shmget, msgget
     clone: int
     unshare: int
-    kill: int
-    # tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, ptrace, process_vm_readv, process_vm_writev
-    other_process: tuple[int, ...]
+    signals: tuple[int, ...]  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo: a target pid first
+    tracing: tuple[int, ...]  # ptrace, process_vm_readv, process_vm_writev
 
 
 ABIS = {
     "x86_64": Abi(AUDIT_ARCH_X86_64, socket=41, socketpair=53, x32_trap=True, add_key=248, ipc_gets=(29, 68),
-                  clone=56, unshare=272, kill=62, other_process=(200, 234, 129, 297, 101, 310, 311)),
+                  clone=56, unshare=272, signals=(62, 200, 234, 129, 297), tracing=(101, 310, 311)),
     "aarch64": Abi(AUDIT_ARCH_AARCH64, socket=198, socketpair=199, x32_trap=False, add_key=217,
-                   ipc_gets=(194, 186), clone=220, unshare=97, kill=129,
-                   other_process=(130, 131, 138, 240, 117, 270, 271)),
+                   ipc_gets=(194, 186), clone=220, unshare=97, signals=(129, 130, 131, 138, 240),
+                   tracing=(117, 270, 271)),
 }
 
 
@@ -116,13 +120,15 @@ def _assemble(program: list) -> bytes:
     return b"".join(out)
 
 
-def build_filter(abi: str, *, allow_inet: bool = True, allow_signals: bool = True) -> bytes:
+def build_filter(abi: str, *, allow_inet: bool = True, allow_signals: bool = True, own_pid: int = OWN_PID) -> bytes:
     """The filter for one ABI ("x86_64" | "aarch64"). allow_inet=False also denies AF_INET and
     AF_INET6 sockets: for a child whose network namespace could not be created. allow_signals=False
-    denies signals (but kill(0, sig): its own group), ptrace and the like: for one outside a PID
+    denies signals (but to `own_pid` and its own group), ptrace and the like: for one outside a PID
     namespace."""
     if abi not in ABIS:
         raise ValueError(f"build_filter: abi={abi!r}; accepted: {sorted(ABIS)}")
+    if not 0 < own_pid <= OWN_PID:
+        raise ValueError(f"build_filter: own_pid={own_pid!r}; accepted: a pid, 1 .. {OWN_PID:#x} (OWN_PID)")
     a = ABIS[abi]
     deny_socket = SECCOMP_RET_ERRNO | errno.EACCES
     deny_call = SECCOMP_RET_ERRNO | errno.EPERM
@@ -136,8 +142,8 @@ def build_filter(abi: str, *, allow_inet: bool = True, allow_signals: bool = Tru
         (BPF_JEQ_K, a.socket, "socket", None),
         (BPF_JEQ_K, a.socketpair, "socketpair", None),
         *[(BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.ipc_gets, a.unshare)],
-        *([] if allow_signals else [(BPF_JEQ_K, a.kill, "kill_call", None), *[
-            (BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.other_process, PIDFD_SEND_SIGNAL, PIDFD_GETFD)]]),
+        *([] if allow_signals else [*[(BPF_JEQ_K, nr, "signal", None) for nr in a.signals], *[
+            (BPF_JEQ_K, nr, "deny_call", None) for nr in (*a.tracing, PIDFD_SEND_SIGNAL, PIDFD_GETFD)]]),
         (BPF_JEQ_K, CLONE3, "no_call", None),
         (BPF_JEQ_K, a.clone, "clone", None),
         (BPF_JGE_K, a.add_key, None, "io_uring"),
@@ -159,9 +165,10 @@ def build_filter(abi: str, *, allow_inet: bool = True, allow_signals: bool = Tru
         (BPF_LD_W_ABS, OFF_ARG0, None, None),
         (BPF_AND_K, CLONE_NAMESPACE_FLAGS, None, None),
         (BPF_JEQ_K, 0, "allow", "deny_call"),
-        "kill_call",  # pid: the first argument, an int (the low word); 0 is the caller's own group
-        (BPF_LD_W_ABS, OFF_ARG0, None, None),
-        (BPF_JEQ_K, 0, "allow", "deny_call"),
+        # the target pid (tgid): the first argument, an int (the low word); 0: its own group (kill
+        # only; for the others no process: EINVAL / ESRCH)
+        *([] if allow_signals else ["signal", (BPF_LD_W_ABS, OFF_ARG0, None, None), (BPF_JEQ_K, 0, "allow", None),
+                                    (BPF_JEQ_K, own_pid, "allow", "deny_call")]),
         "allow", (BPF_RET_K, SECCOMP_RET_ALLOW, None, None),
         "deny_socket", (BPF_RET_K, deny_socket, None, None),
         "deny_call", (BPF_RET_K, deny_call, None, None),

@@ -287,16 +287,18 @@ def test_filter_decisions_for_other_processes_per_abi():
     EPERM, ALLOW = sc.SECCOMP_RET_ERRNO | errno.EPERM, sc.SECCOMP_RET_ALLOW
     for abi, a in sc.ABIS.items():
         inside, outside = sc.build_filter(abi), sc.build_filter(abi, allow_inet=False, allow_signals=False)
-        calls = (*a.other_process, sc.PIDFD_SEND_SIGNAL, sc.PIDFD_GETFD)
+        calls = (*a.signals, *a.tracing, sc.PIDFD_SEND_SIGNAL, sc.PIDFD_GETFD)
         decide = lambda prog, nr, *args: _run_bpf(prog, nr, a.audit_arch, args)  # noqa: E731
         assert [decide(outside, nr, 1234) for nr in calls] == [EPERM] * len(calls)
         assert [decide(inside, nr, 1234) for nr in calls] == [ALLOW] * len(calls)
-        assert decide(outside, a.kill, 1234, 9) == EPERM and decide(outside, a.kill, 0xFFFFFFFF, 9) == EPERM  # -1
-        assert decide(outside, a.kill, 0, 9) == ALLOW and decide(inside, a.kill, 1234, 9) == ALLOW
-        assert decide(outside, a.kill, 1 << 32, 9) == ALLOW  # the kernel reads an int: pid 0
-    # the numbers, from the kernel's tables: kill, tgkill and ptrace on each ABI
-    assert (sc.ABIS["x86_64"].kill, sc.ABIS["x86_64"].other_process[1], sc.ABIS["x86_64"].other_process[4]) == (62, 234, 101)
-    assert (sc.ABIS["aarch64"].kill, sc.ABIS["aarch64"].other_process[1], sc.ABIS["aarch64"].other_process[4]) == (129, 131, 117)
+        kill = a.signals[0]
+        assert decide(outside, kill, 1234, 9) == EPERM and decide(outside, kill, 0xFFFFFFFF, 9) == EPERM  # -1
+        assert decide(outside, kill, 0, 9) == ALLOW and decide(inside, kill, 1234, 9) == ALLOW
+        assert decide(outside, kill, 1 << 32, 9) == ALLOW  # the kernel reads an int: pid 0
+    # the numbers, from the kernel's tables: kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+    # then ptrace, process_vm_readv / writev, on each ABI
+    assert (sc.ABIS["x86_64"].signals, sc.ABIS["x86_64"].tracing) == ((62, 200, 234, 129, 297), (101, 310, 311))
+    assert (sc.ABIS["aarch64"].signals, sc.ABIS["aarch64"].tracing) == ((129, 130, 131, 138, 240), (117, 270, 271))
 
 
 # --- outside the namespaces: writes only in the working dir, no other process's /proc ---------
