@@ -5,10 +5,15 @@ main-thread time, frames of 60-100 ms at the end), and a line of a few thousand 
 frame in the inline-code regex; each reply's start and end rebuilt the whole chat (a long chat froze the
 page that long, a screen reader read the whole role=log region out again, an edit being typed above was
 dropped); a keyboard user on Stop lost the focus to <body> when the reply ended; and chats the page dropped
-(storage full, over its 50-chat limit) or could not read (corrupt storage) went without a word.
+(storage full, over its 50-chat limit) or could not read (corrupt storage) went without a word. A review of
+those fixes: a line that looked like a fence opener while written kept the line break above it off, and one
+unreadable saved chat set the whole saved value aside (twice the space: good chats were deleted for it).
 Shares test_browser.py's fixtures: one Chromium and one scripted server for the module."""
 
 import json
+import random
+import threading
+from contextlib import contextmanager
 
 import pytest
 import test_browser
@@ -132,6 +137,21 @@ def mark(d) -> None:
     d.execute_script("document.querySelectorAll('#thread .msg').forEach((m) => { m.__seen = true; })")
 
 
+@contextmanager
+def held(engine, text):
+    """The scripted model answers `text`, its first token held until the test sets the yielded gate: the
+    page is mid-reply for exactly as long as the test needs, however loaded the box (a reply of a few
+    dozen slow tokens was a 0.6-2 s window to act in)."""
+    gate, old = threading.Event(), engine.gate
+    engine.gate = gate
+    try:
+        with replying(engine, text, delay=0.0):
+            yield gate
+    finally:
+        gate.set()
+        engine.gate = old
+
+
 def test_a_reply_leaves_the_messages_above_it_as_they_are(browser, quick):
     """Each reply's start and end rebuilt the whole chat: a long chat froze the page for as long as it
     took to draw (twice a reply), a screen reader read the whole log out again, and an edit being
@@ -144,11 +164,12 @@ def test_a_reply_leaves_the_messages_above_it_as_they_are(browser, quick):
     q(d, ".msg.user .edit")[0].click()
     q(d, ".editor textarea")[0].send_keys(" (a draft)")
     mark(d)
-    with replying(engine, "word " * 30, delay=0.02):
+    with held(engine, "word " * 30) as gate:
         send(d, "third")
         wait(lambda: streaming(d), what="the reply to start")
         assert seen(d) == [True] * 4 + [False, False]
         assert not q(d, ".editor .save")[0].is_enabled()   # Save waits for the reply
+        gate.set()
         wait(lambda: not streaming(d) and "tokens" in q(d, ".msg.assistant .meta")[-1].text, what="the reply")
     assert seen(d) == [True] * 4 + [False, False]
     assert [a.get_attribute("value") for a in q(d, ".editor textarea")] == ["first (a draft)"]
@@ -173,11 +194,12 @@ def test_a_reply_ending_under_a_focused_stop_leaves_the_focus_in_place(browser, 
     engine, url, _ = quick
     d = browser
     fresh_page(d, url)
-    with replying(engine, "word " * 20, delay=0.05):
+    with held(engine, "word " * 20) as gate:
         send(d, "hello")
         wait(lambda: streaming(d), what="the reply to start")
         ActionChains(d).send_keys(Keys.TAB).perform()   # from the message box to Stop
         assert d.execute_script("return document.activeElement.id") == "stop"
+        gate.set()
         wait(lambda: not streaming(d), what="the reply to end")
     assert d.execute_script("return document.activeElement.id") == "send"
 
@@ -230,5 +252,97 @@ def test_chats_the_page_drops_or_cannot_read_are_said(browser, quick):
         said, red = notice(d)
         assert '"old 0"' in said and "stored only in this browser" in said and red, said
         assert [c.get_attribute("title") for c in q(d, "#history .conv .open")][1:] == ["old 1"]
+    finally:
+        d.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
+
+
+# Each text streamed into one bubble in the given token sizes; after every token, the bubble against a fresh
+# one given the text so far at once (parts unwrapped: where a part ends is layout, not content). The first
+# difference: [text so far, streamed, at once], or null.
+AS_ONE = """const [cases] = arguments, thread = document.getElementById('thread'), found = [];
+  const bubble = () => { const m = document.createElement('div'), b = document.createElement('div');
+    m.className = 'msg assistant'; b.className = 'bubble'; m.appendChild(b); thread.appendChild(m); return b; };
+  const shown = (b) => { const c = b.cloneNode(true);
+    for (const p of [...c.querySelectorAll('.part')].reverse()) p.replaceWith(...p.childNodes);
+    c.normalize(); c.querySelectorAll('span.text:empty').forEach((s) => s.remove());
+    return c.innerHTML + ' | ' + b.textContent; };
+  for (const [text, sizes] of cases) {
+    const s = bubble(); let n = 0, diff = null;
+    for (const k of sizes) {
+      n += k; renderContent(s, text.slice(0, n));
+      const f = bubble(); renderContent(f, text.slice(0, n));
+      const [a, b] = [shown(s), shown(f)]; f.parentNode.remove();
+      if (a !== b) { diff = [text.slice(0, n), a, b]; break; }
+    }
+    found.push(diff); thread.replaceChildren();
+  }
+  return found;"""
+
+LINES = ["```", "```py", "  ```", "```js``` here", "``` `x` ```", "x ``` y", "````", "``", "`x` and `y`", "``a`b``",
+         "`open", "- item", "  - ```", "", "text", "<b>no</b>", "end\r"]
+
+
+def test_a_reply_streamed_a_token_at_a_time_shows_what_it_shows_at_once(browser, quick):
+    """A line that looked like a fence opener while it was written ("```js" of "```js``` here") took the line
+    break off the prose line above it, and kept it off once the line turned out to be prose: "Usejs here" on
+    screen until the reply ended. Every token of these replies must show what the text so far shows at once."""
+    _, url, _ = quick
+    d = browser
+    fresh_page(d, url)
+    rng = random.Random(74)
+    tokens = [["a\n", "```js", "``` b\n", "c"], ["Use\n", "```", "js``` here\nok"], ["x\r\n```py", "\r\ny\r\n```", "\r\nz"]]
+    cases = [["".join(t), [len(p) for p in t]] for t in tokens] + [[t, [1] * len(t)] for t in ("a\n```js``` b\nc", "a\n```\nb")]
+    for _ in range(60):
+        text = rng.choice(["\n", "\r\n"]).join(rng.choice(LINES) for _ in range(rng.randint(2, 12)))
+        sizes = [rng.choice([1, 2, 3, 5, 8, 13]) for _ in text]
+        cases.append([text, sizes])
+    found = d.execute_script(AS_ONE, cases)
+    bad = [f for f in found if f]
+    assert not bad, f"{len(bad)} of {len(cases)} replies differ while streaming; the first: {bad[0]}"
+
+
+# localStorage as full as a small quota: a write that would take the keys and values past LIMIT characters fails
+QUOTA = """const realSet = Storage.prototype.setItem, LIMIT = %d;
+  Storage.prototype.setItem = function (key, value) {
+    let used = key.length + String(value).length;
+    for (let i = 0; i < this.length; i++) if (this.key(i) !== key) used += this.key(i).length + this.getItem(this.key(i)).length;
+    if (used > LIMIT) throw new DOMException('full', 'QuotaExceededError');
+    return realSet.call(this, key, value);
+  };"""
+ADD_CHAT = """state.convs.unshift({ id: arguments[0], title: arguments[0], updated: Date.now(),
+                                  messages: [{ role: 'user', content: 'x'.repeat(arguments[1]) }] });
+  save(); renderHistory();
+  return [localStorage.getItem('nanochat.conversations.unreadable'), JSON.parse(localStorage.getItem('nanochat.conversations')).length];"""
+
+
+def test_one_unreadable_chat_sets_aside_only_itself_and_goes_before_good_chats(browser, quick):
+    """One saved entry the page could not read copied the WHOLE saved value to ...unreadable: the chats took
+    twice their space, and later saves deleted good chats to make room. Only the unreadable entries are set
+    aside now, said while they are there, and deleted (and said) before any good chat is."""
+    _, url, _ = quick
+    d = browser
+    good = [{"id": f"c{i}", "title": f"chat {i}", "updated": 1000 + i, "messages": [{"role": "user", "content": "x" * 1000}]}
+            for i in range(4)]
+    bad = {"id": 7, "note": "y" * 2000}   # an id that is no string
+    fresh_page(d, url, {"nanochat.conversations": json.dumps(good + [bad])})
+    hook = d.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": QUOTA % 20_000})
+    try:
+        d.refresh()   # a second visit finds the same entry set aside: added once
+        wait(lambda: len(q(d, "#history .conv")) == 4, what="the saved chats")
+        said, red = notice(d)
+        assert "nanochat.conversations.unreadable" in said and red, said
+        aside, count = d.execute_script(ADD_CHAT, "new", 10_000)   # the whole value kept aside: 21,000 characters
+        assert json.loads(aside) == [bad] and count == 5, (len(aside or ""), count)
+        said, red = notice(d)
+        assert "Deleted to make room" not in said and "nanochat.conversations.unreadable" in said, said
+        d.refresh()   # nothing unreadable left in the chats: the entry set aside is still said while it is there
+        wait(lambda: len(q(d, "#history .conv")) == 5, what="the saved chats")
+        assert "nanochat.conversations.unreadable" in notice(d)[0]
+        # full again: the unreadable entry goes, not a chat
+        aside, count = d.execute_script(ADD_CHAT, "newer", 4_000)
+        assert aside is None and count == 6, (aside, count)
+        said, red = notice(d)
+        assert "set aside as nanochat.conversations.unreadable, were deleted to make room" in said and red, said
+        assert "Deleted to make room" not in said and "stored only in this browser" in said, said
     finally:
         d.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
