@@ -379,7 +379,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     eval_batches = cfg.eval_tokens // (cfg.device_batch_size * cfg.max_seq_len)   # of all ranks together
 
     # ---- resume: meta.json first, so a mismatch fails before the weights load (GBs) or a model is built ----
-    resume, earlier = None, None
+    resume, earlier, saved_meta = None, None, None
     if resume_at is None:
         earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # moved to earlier_runs/<N>/ at the first save
     else:
@@ -388,25 +388,25 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
         check_resume_compatible(saved_meta, asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
                                 fsdp=cfg.fsdp)
         check_resume_step(resume_step, num_iterations, ckpt_dir)
+
+    # ---- recipe: LRs, weight decay, schedules (nanochat/recipe.py); a resume's from meta.json: refused before the load ----
+    cfg.recipe = recipe_for_resume(cfg.recipe, saved_meta.get("config", {}) if saved_meta is not None else None)
+    recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
+                            target_tokens=target_tokens, ref_tokens=ref_tokens)
+    schedule = recipe.schedule(num_iterations)
+    if saved_meta is not None:
         resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
-        say_config_changes(saved_meta.get("config") or {}, asdict(given), said=SAID_ON_RESUME)
+        saved_cfg = saved_meta.get("config") or {}
+        say_config_changes(saved_cfg, asdict(given), said=SAID_ON_RESUME)
         # later steps on disk are the run this one branches from: moved aside at the first save, not replaced
         earlier = branch_start(ckpt_dir, resume_step, f"--resume {cfg.resume}")
         if resume["loader"] is not None:
             train_loader.load_state_dict(resume["loader"])
             if val_loader.source_kind != train_loader.source_kind:   # it went back to the checkpoint's kind
                 val_loader = open_val()
-
-    # ---- recipe: LRs, weight decay and schedules for this batch and horizon (nanochat/recipe.py) ----
-    cfg.recipe = recipe_for_resume(cfg.recipe, resume["meta"].get("config", {}) if resume is not None else None)
-    recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
-                            target_tokens=target_tokens, ref_tokens=ref_tokens)
-    schedule = recipe.schedule(num_iterations)
-    if resume is not None:   # the schedule is this run's: say where it departs from the checkpoint's run
-        saved_cfg = resume["meta"].get("config") or {}
-        saved = resolve_recipe(cfg.recipe, {k: saved_cfg.get(k) for k in RECIPE_FLAGS},
+        saved = resolve_recipe(cfg.recipe, {k: saved_cfg.get(k) for k in RECIPE_FLAGS},   # the checkpoint run's schedule
                                total_batch_size=total_batch_size, target_tokens=target_tokens, ref_tokens=ref_tokens)
-        say_schedule_changes({"num_iterations": (resume["meta"].get("train") or {}).get("num_iterations"),
+        say_schedule_changes({"num_iterations": (saved_meta.get("train") or {}).get("num_iterations"),
                               **{k: getattr(saved, k) for k in SCHEDULE_FLAGS}},
                              {"num_iterations": num_iterations, **{k: getattr(recipe, k) for k in SCHEDULE_FLAGS}})
         say_grad_clip_change(saved_cfg.get("grad_clip"), cfg.grad_clip)

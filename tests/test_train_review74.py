@@ -3,7 +3,8 @@ warmup + warmdown check names the sum the run would really train with, a resume 
 unused, the banner's evaluation size is an upper bound, --help says when --compile's auto is off on
 CUDA and what --fsdp does; and the numerical checks behind the review: one optimizer step with
 accumulation 1 vs 4 micro-batches of the real model (also with masked targets of different counts
-per micro-batch). The tests of fixes failed on the code before them."""
+per micro-batch); a resume's bad schedule or recipe is refused before the checkpoint loads. The tests
+of fixes failed on the code before them."""
 
 from __future__ import annotations
 
@@ -69,6 +70,27 @@ def test_resume_names_the_checkpoints_schedule_sum_and_calls_seed_unused(env, ba
     assert rows["seed"] == "8 (unused: a resume loads the weights and RNG state)", out
     # the banner's evaluation size is an upper bound: a val split of fewer tokens is evaluated whole
     assert rows["eval"] == "every 1 steps, 1 x 128 tokens (or the whole val split, if it holds fewer)", out
+
+
+@pytest.mark.parametrize("bad, said", [
+    (["--warmup-ratio", "0.7"], r"--warmdown-ratio 0\.65 \(recipe v2's\) = 1\.35"),
+    (["--recipe", "v1"], r"--recipe: got 'v1' but the checkpoint was trained with 'v2'"),
+])
+def test_resume_refuses_a_bad_recipe_before_the_checkpoint_loads(env, base_dir, monkeypatch, bad, said):
+    """The checkpoint's recipe comes from its meta.json (read_meta), so a resume whose schedule it
+    makes invalid, or that asks for another recipe, is refused before load_checkpoint reads the
+    weights and optimizer state (gigabytes at d20): the check ran after the load."""
+    from nanochat import checkpoint
+    from nanochat.errors import RequestError
+    from scripts import base_train
+
+    args = TINY + env + ["--model-tag", "early74-" + bad[0].strip("-"), "--num-iterations", "1"]
+    base_train.main(args)
+    loads = []
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: loads.append(a) or pytest.fail("loaded"))
+    with pytest.raises(RequestError, match=said):
+        base_train.main(args[:-1] + ["2", "--resume", "latest", *bad])
+    assert loads == []
 
 
 # ------------------------------------------------------------------ gradient accumulation (numerical checks)
