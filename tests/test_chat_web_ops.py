@@ -156,7 +156,9 @@ def test_sighup_shuts_down_in_order_and_exits_0(sft_checkpoint):
     proc, url = launch_slowed(sft_checkpoint, "--max-n", "1")
     events = []
     try:
-        assert httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).status_code == 200
+        # greedy: a sampled reply may end with <|assistant_end|> at token 2 ("stop", not "length")
+        greedy = {"messages": USER, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=greedy).status_code == 200
         body = {"messages": USER, "max_tokens": 200, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
             for line in r.iter_lines():
