@@ -65,9 +65,16 @@ def site(tiny_corpus):
 
 
 def wait(predicate, timeout=10.0, what="condition"):
+    """Poll until `predicate` is truthy. An element the page re-rendered between being found and
+    being read (StaleElementReferenceException) is "not yet": the next poll finds the new one."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.time() + timeout
     while time.time() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         time.sleep(0.03)
