@@ -310,23 +310,25 @@ class Report:
         return {row: {stage: cell[:2] for stage, cell in cells.items()}
                 for row, cells in self._summary_table().items()}
 
-    def _summary_table(self, aside: dict | None = None) -> dict[str, dict[str, tuple[float, list[str], tuple]]]:
-        """summary_cells with each value's source: its section, checkpoint (model tag, step) and entry time;
-        `aside` gets (row, stage) -> the sampled values a greedy one of their checkpoint kept out."""
+    def _summary_table(self, aside: dict | None = None, sections: list[dict] | None = None,
+                       used: set[int] | None = None) -> dict[str, dict[str, tuple[float, list[str], tuple]]]:
+        """summary_cells with each value's source (section, checkpoint: model tag and step, entry time); `aside` gets
+        (row, stage) -> the sampled values a greedy one of their checkpoint kept out; `used` the shown values' entries' id()."""
         entries = []   # (time, order, stage, data): every entry of every section, oldest first
-        for doc in self.sections():
+        for doc in self.sections() if sections is None else sections:
             for entry in doc["entries"]:
                 data = entry["data"]
                 stage = _stage_of(doc["section"], data) if isinstance(data, dict) else None
                 if stage is not None:
-                    entries.append((_entry_time(entry), len(entries), stage, data, _source(doc["section"], entry)))
+                    entries.append((_entry_time(entry), len(entries), stage, data, _source(doc["section"], entry), id(entry)))
         entries.sort(key=lambda e: e[:2])
         trained, latest = {}, {}   # stage -> time / order of its latest training entry (log_stage_report's)
-        for t, order, stage, data, _ in entries:
+        for t, order, stage, data, *_ in entries:
             if "final_step" in data:
                 trained[stage], latest[stage] = t, order
         table: dict[str, dict[str, tuple[float, list[str], tuple]]] = {row: {} for row in SUMMARY_ROWS}
-        for t, order, stage, data, source in entries:
+        shown_from: dict[tuple[str, str], int] = {}   # (row, stage) -> id() of the entry its value is from
+        for t, order, stage, data, source, entry_id in entries:
             if data.get("weights", "none") != "none":
                 continue
             upstream = [trained[s] for s in STAGES[:STAGES.index(stage) + 1] if s in trained]
@@ -352,6 +354,8 @@ class Report:
                         if aside is not None:   # the notes were of the value replaced
                             aside.pop((row, stage), None)
                         table[row][stage] = (float(data[key]), notes, source)
+                        shown_from[(row, stage)] = entry_id
+        (used if used is not None else set()).update(shown_from.values())
         return table
 
     def generate(self, *, hourly_cost: float | None = None) -> Path:
@@ -383,7 +387,8 @@ class Report:
             lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
         lines += [f"- {k}: {v}" for k, v in header["system"].items()]
         unfinished = _unfinished_runs(metrics, sections)
-        lines += self._summary_lines() + _time_and_cost(metrics, sections, header, hourly_cost, unfinished)
+        used: set[int] = set()   # the entries the summary's values come from: the time table counts them too
+        lines += self._summary_lines(sections, used) + _time_and_cost(metrics, sections, header, hourly_cost, unfinished, used)
         notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (of another --model-tag, or of steps "
                  "a resumed run redid) left out of the plots and this table" for stage, n in superseded.items()]
         notes += [f"- {stage} (unfinished): its latest run {why}: it was interrupted, failed or is still running; the "
@@ -402,13 +407,13 @@ class Report:
         _write_text(path, "\n".join(lines) + "\n")
         return path
 
-    def _summary_lines(self) -> list[str]:
+    def _summary_lines(self, sections: list[dict] | None = None, used: set[int] | None = None) -> list[str]:
         """The summary table, each value with its notes ("0.3100 (stale)"), and what they mean."""
         lines = ["", "## Summary", "", "| Metric | " + " | ".join(s.upper() for s in STAGES) + " |",
                  "|---|" + "---|" * len(STAGES)]
         noted = set()   # what the notes under the table explain: a row (its data) or a value's note
         aside: dict[tuple[str, str], list[tuple]] = {}
-        table = self._summary_table(aside)
+        table = self._summary_table(aside, sections, used)
         no_peak = self._runs_without_mfu()
         for row, cells in table.items():
             fmt = ROW_FORMATS.get(row, "{:.4f}")
@@ -449,10 +454,10 @@ def _section_key(doc: dict) -> tuple:
             _entry_time(entries[0]) if entries else 0.0, doc["section"])
 
 
-def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tuple[str, str, float | None, bool]]:
+def _time_rows(metrics: dict[str, list[dict]], sections: list[dict],
+               used: set[int] | None = None) -> list[tuple[str, str, float | None, bool]]:
     """(label, steps, seconds or None: not logged, stale): the tokenizer's training, then each stage's
-    current run and its evaluations (a section's latest entry; base_eval logs "seconds"): without
-    them the cost fell short."""
+    current run and its evaluations (_eval_time; base_eval logs "seconds"): without them the cost fell short."""
     rows, trained, stale = [], _trained_at(sections), _stale_runs(metrics, sections)
     for stage, stage_rows in metrics.items():
         xs, _ = _series(stage_rows, "step", "elapsed_s")
@@ -468,11 +473,20 @@ def _time_rows(metrics: dict[str, list[dict]], sections: list[dict]) -> list[tup
             rows.append(((-1, 0), doc["section"], "", float(data["train_time_s"]), False))
         elif stage is not None and "final_step" not in data \
                 and ("seconds" in data or "evaluation" in doc["section"].lower()):
-            # a NaN or inf (not a time) is "not logged": _hms could not print it and generate died
-            seconds = float(data["seconds"]) if _num(data.get("seconds")) else None
-            rows.append(((_stage_rank(stage), 1), doc["section"], "", seconds,
-                         _is_stale(_entry_time(doc["entries"][-1]), stage, trained, own=True)))
+            seconds, runs, is_stale = _eval_time(doc, stage, trained, used or set())
+            rows.append(((_stage_rank(stage), 1), doc["section"] + f" ({runs} runs)" * (runs > 1), "", seconds, is_stale))
     return [r[1:] for r in sorted(rows, key=lambda r: r[0])]   # stable: sections are in pipeline order
+
+
+def _eval_time(doc: dict, stage: str, trained: dict[str, float], used: set[int]) -> tuple[float | None, int, bool]:
+    """(seconds or None: not logged, entries counted, stale) of an evaluation section: its latest entry's and each
+    earlier one's a summary value comes from (`used`; a rerun's replaced the values: not counted twice). The latest
+    alone hid chat_eval run a task at a time (-a ARC-Easy, then -a GSM8K) from the total and the cost."""
+    stale = _is_stale(_entry_time(doc["entries"][-1]), stage, trained, own=True)
+    counted = [e for e in doc["entries"][:-1] if id(e) in used and "final_step" not in e["data"]
+               and _is_stale(_entry_time(e), stage, trained, own=True) == stale] + doc["entries"][-1:]
+    times = [float(e["data"]["seconds"]) for e in counted if _num(e["data"].get("seconds"))]   # NaN/inf: not a time
+    return (sum(times) if times else None), len(counted), stale
 
 
 def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict) -> tuple[float, str] | None:
@@ -488,8 +502,9 @@ def _run_span(metrics: dict[str, list[dict]], sections: list[dict], header: dict
 
 
 def _time_and_cost(metrics: dict[str, list[dict]], sections: list[dict], header: dict,
-                   hourly_cost: float | None, unfinished: dict[str, str] | None = None) -> list[str]:
-    rows, span = _time_rows(metrics, sections), _run_span(metrics, sections, header)
+                   hourly_cost: float | None, unfinished: dict[str, str] | None = None,
+                   used: set[int] | None = None) -> list[str]:
+    rows, span = _time_rows(metrics, sections, used), _run_span(metrics, sections, header)
     total = sum(seconds for _, _, seconds, stale in rows if seconds is not None and not stale)
     mark = {stage: f"{stage} (unfinished)" for stage in unfinished or {}}
     label_of = {label: _md_cell(mark.get(label, label)) + (" (stale)" if stale else "")

@@ -13,6 +13,7 @@ import ast
 import itertools
 import re
 import textwrap
+import warnings
 
 from nanochat.execution import execute_code
 from nanochat.sandbox_cgroup import validate
@@ -189,6 +190,30 @@ def _check_row(row: dict) -> str | None:
         return f"{', '.join(map(repr, bad))} must be text (a JSON string)"
     if not row["entry_point"].isidentifier():
         return f"'entry_point' must be a Python function name, got {row['entry_point']!r}"
+    return _reference_problem(row)
+
+
+def _reference_problem(row: dict) -> str | None:
+    """What keeps the row's own solution from ever passing, found without running anything: the
+    program evaluate() builds around the canonical solution must compile, the prompt and solution
+    must define entry_point, and the test must define the check() that program calls. A test
+    written as bare asserts (an MBPP-style export), a test or solution whose indentation an export
+    lost, or a misspelt entry_point loaded silently before and scored every answer 0 (NameError or
+    SyntaxError in the sandbox): the task measured nothing, and the score read as the model's."""
+    entry = row["entry_point"]
+    if not re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(entry)}[ \t]*\(",
+                     row["prompt"] + row["canonical_solution"], re.MULTILINE):
+        return f"'prompt' + 'canonical_solution' define no function {entry!r} (the 'entry_point' the test checks)"
+    try:
+        with warnings.catch_warnings():   # an invalid escape in a test's string: its SyntaxWarning stays quiet
+            warnings.simplefilter("ignore")
+            tree = ast.parse(row["test"])
+    except (SyntaxError, ValueError) as e:
+        return f"'test' is not valid Python ({type(e).__name__}: {e})"
+    if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "check" for n in tree.body):
+        return "'test' defines no top-level check(candidate), which every program calls"
+    if not _compiles(f"{row['prompt']}{row['canonical_solution']}\n\n{row['test']}\n\ncheck({entry})\n"):
+        return "'prompt' + 'canonical_solution' + 'test' do not compile (lost indentation?)"
     return None
 
 
