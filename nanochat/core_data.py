@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from nanochat.checkpoint_io import fsync_dir
 from nanochat.common import get_base_dir, print0
 from nanochat.errors import DataError, MissingDataError
 from nanochat.tasks.common import DataUnavailableError, local_dirs, read_jsonl_numbered
@@ -422,12 +423,13 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
     """Download + unzip the DCLM eval bundle to dest (default <base_dir>/eval_bundle); atomic.
 
     Returns dest when it already holds core.yaml. The zip is fetched by dataset_download.download_file
-    (resume from a .partial, `retries` attempts in all with exponential backoff from `backoff` s,
-    the stall rule with `stall_window`, size and CRC checks, fsync + rename) into a hidden sibling
-    of dest named after the URL, then unpacked and moved into place; a lock on dest makes a second
-    process (another rank) wait and keep the first one's bundle. Raises RuntimeError (a
-    DownloadError) after `retries` failed downloads and ValueError for a zip that is not an eval
-    bundle, or (before any download) for a dest that holds something else (_check_bundle_dest).
+    (resume from a .partial, up to `retries` tries in a row that get nowhere, with exponential
+    backoff from `backoff` s, the stall rule with `stall_window`, size and CRC checks, fsync +
+    rename) into a hidden sibling of dest named after the URL, then unpacked, synced and moved into
+    place, then the zip deleted; a lock on dest makes a second process (another rank) wait and keep
+    the first one's bundle. Raises RuntimeError (a DownloadError) after `retries` failed downloads
+    and ValueError for a zip that is not an eval bundle, or (before any download) for a dest that
+    holds something else (_check_bundle_dest).
     """
     from nanochat.file_lock import file_lock
 
@@ -510,9 +512,23 @@ def _unpack_bundle(zpath: Path, dest: Path, url: str) -> None:
         found = sorted(Path(tmp, "x").rglob("core.yaml"), key=lambda p: len(p.parts))
         if not found or not (found[0].parent / "eval_meta_data.csv").is_file():
             raise ValueError(f"eval bundle from {url} lacks core.yaml / eval_meta_data.csv")
+        # synced before the move names it, the move before the zip (the one synced copy) goes: after
+        # a power cut, a dest with core.yaml counts as done, over files a crash left empty or cut
+        _sync_tree(found[0].parent)
         if dest.exists():  # an empty directory (_check_bundle_dest refused anything else)
             dest.rmdir()
         os.replace(found[0].parent, dest)
+        fsync_dir(dest.parent)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and folder under root, and root."""
+    for path in [*root.rglob("*"), root]:
+        if path.is_dir():
+            fsync_dir(path)
+        else:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ Last-Modified, kept in `NAME.partial.version`, sent as If-Range: a file replaced
 over; spliced, its old head and new tail could pass for a shard when no sha256 is stated). Retryable
 failures (network errors, 408/425/429/5xx, a short body, a stall, bad content) are retried with
 exponential backoff, others (404, 403) fail at once (a 429 / 503 waits at least its Retry-After).
+`retries` counts the tries in a row that got nowhere: a try whose connection dropped after it moved
+the partial file on by 1 MiB or more is retried without counting (the backoff starts again), so a
+250 MB shard through a link that drops every few tens of MB is not given up after 6 tries that each
+got further; a restart from byte 0 (a server that ignores Range, a rejected file) moves nothing on.
 The result is verified (the size and sha256 the server states, then `verify`: by default a readable
 parquet file with a string `text` column, the first row group decoding, every one when no sha256
 was stated), fsynced, then renamed into place: a final name only ever holds a complete, verified
@@ -25,12 +29,14 @@ working connection is never cut, while a fresh connection (another CDN node) is 
 out. The watcher shuts the socket down, since the reading thread cannot notice anything while
 it blocks; the attempt is retried and resumes from the .partial file.
 
-Many files (download_shards): a thread pool, a tqdm bar, existing shards kept unless their footer
-does not read (then fetched again), a free-space check after each finished shard, failures
-returned per shard. Ctrl-C or an unexpected error stops the queued shards and the ones in flight
-at once: a shared Cancel shuts down every connection being read (a worker blocked on a trickling
-server returns from recv now, not after its next 64 KiB) and cuts short the backoff and lock waits;
-their .partial files resume on the next run, and no final file is written by a stopped worker.
+Many files (download_shards): a thread pool, a tqdm bar of the shards on disk (failures in its
+postfix), existing shards kept unless their footer does not read (then fetched again), a
+free-space check after each finished shard (the bytes already in the unfinished shards' .partial
+files counted as there), failures returned per shard.
+Ctrl-C or an unexpected error stops the queued shards and the ones in flight at once: a shared
+Cancel shuts down every connection being read (a worker blocked on a trickling server returns from
+recv now, not after its next 64 KiB) and cuts short the backoff and lock waits; their .partial
+files resume on the next run, and no final file is written by a stopped worker.
 A worker still waiting for a server's first response is bounded by `timeout` (there is no socket
 to shut yet).
 """
@@ -59,6 +65,7 @@ from nanochat.file_lock import file_lock   # also re-exported: dataset_download.
 _RETRYABLE_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _CHUNK = 1 << 16   # bytes per read: small, so a drop loses little; also the stall rule's unit
 MAX_RETRY_AFTER = 300.0   # the longest Retry-After honoured: the hub's rate limits count over 5 minutes
+_PROGRESS = 1 << 20   # a failed try that moved the file on by this much is not counted against retries
 
 
 class DownloadError(RuntimeError):
@@ -370,10 +377,11 @@ def _finished(dest: Path, verify) -> bool:
 def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.0,
                   timeout: float = 60.0, on_bytes=lambda n: None, stall_window: float | None = None,
                   cancel: Cancel | None = None, verify=verify_text_shard) -> None:
-    """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff,
-    verify, then atomically rename. Raises DownloadError (naming url, chained to the last
-    attempt's error) after the last attempt. Another process downloading the same dest is waited
-    for, and its finished file kept; so is a dest already there that passes `verify`.
+    """Download url to dest: resume a partial file (HTTP Range), retry with exponential backoff
+    (`retries`: tries in a row that got nowhere; module docstring), verify, then atomically rename.
+    Raises DownloadError (naming url, chained to the last attempt's error) after the last attempt.
+    Another process downloading the same dest is waited for, and its finished file kept; so is a
+    dest already there that passes `verify`.
 
     stall_window: seconds an attempt may go without a full 64 KiB read before it is abandoned and
     retried (default: timeout; module docstring). cancel: a Cancel that stops this download from
@@ -397,16 +405,11 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
         # (download_shards' listing) and this lock; fetching it again cost a whole shard per rank
         if _finished(dest, verify):
             return
-        wait = 0.0   # what the server asked for after the last attempt (Retry-After)
-        for attempt in range(retries + 1):
-            if attempt:
-                # the exponent capped: 2 ** 1024 overflows a float (a crash after 1024 retries)
-                delay = max(min(backoff * 2 ** min(attempt - 1, 16), 60.0), wait)
-                # said, not only waited: a 429's Retry-After (up to 5 min) per retry was minutes of
-                # a frozen progress bar that looked like a hang, and the cause came only at the end
-                print(f"{dest.name}: {last}; retry {attempt} of {retries} in {delay:g} s", file=sys.stderr)
-                _pause(delay, cancel)
-            wait = 0.0
+        # failed: tries in a row that got nowhere. A try that moved the partial file on past its
+        # furthest byte by _PROGRESS is not one (module docstring): `attempts` can pass retries + 1
+        failed, attempts, furthest = 0, 0, _size(partial)
+        while True:
+            attempts += 1
             try:
                 total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
                 try:
@@ -425,8 +428,34 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                     raise _disk_full(dest) from e
                 if not isinstance(e, requests.RequestException):
                     raise
-                last, cause = f"{type(e).__name__}: {e}", e  # the partial file is kept and resumed
-    raise DownloadError(f"{url}: failed after {retries + 1} attempts; last error: {last}") from cause
+                last, cause, wait = f"{type(e).__name__}: {e}", e, 0.0  # the partial file is kept and resumed
+            got = _size(partial)   # measured after a rejected file was dropped: a restart is no progress
+            failed, furthest = (0 if got >= furthest + _PROGRESS else failed + 1), max(furthest, got)
+            if retries == 0 or failed > retries:
+                break
+            _before_retry(dest, last, failed, retries, backoff, wait, got, cancel)
+    tail = f" (the last {failed} without progress)" if 0 < failed < attempts else ""
+    raise DownloadError(f"{url}: failed after {attempts} attempts{tail}; last error: {last}") from cause
+
+
+def _before_retry(dest: Path, last: str, failed: int, retries: int, backoff: float, wait: float, got: int,
+                  cancel: Cancel | None) -> None:
+    """Say the retry, with its cause, then wait: `backoff` doubling per try that got nowhere (the
+    exponent capped: 2 ** 1024 overflows a float), at least what the server asked for."""
+    delay = max(min(backoff * 2 ** min(max(failed - 1, 0), 16), 60.0), wait)
+    # said, not only waited: a 429's Retry-After (up to 5 min) per retry was minutes of a frozen
+    # progress bar that looked like a hang, and the cause came only at the end
+    which = (f"retry {failed} of {retries}" if failed else
+             f"it moved the file on to byte {got}, so retrying (not counted as a retry)")
+    print(f"{dest.name}: {last}; {which} in {delay:g} s", file=sys.stderr)
+    _pause(delay, cancel)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _what_came(partial: Path, error: ValueError) -> str:
@@ -453,16 +482,22 @@ def _disk_full(dest: Path) -> DiskFullError:
                          "rerun: finished files are kept and the partial one resumes")
 
 
-def _check_room(out_dir: Path, sizes: list[int], left: int) -> None:
-    """DiskFullError when the shards still to come (at the mean size of those finished) would not
-    fit: better to stop with the finished ones kept than to fill the disk to the last byte."""
+def _check_room(out_dir: Path, sizes: list[int], left: list[int]) -> None:
+    """DiskFullError when the shards `left` (at the mean size of those finished) would not fit:
+    better to stop with the finished ones kept than to fill the disk to the last byte. What their
+    .partial files hold (the shards in flight, or resumed from an earlier run) is on the disk
+    already, and counted: near the end, the last shards in flight, nearly done, each counted whole
+    stopped a download whose every shard then finished on disk, with exit 2."""
     each = sum(sizes) / len(sizes)
+    held = [_size(out_dir / (shard_name(i) + ".partial")) for i in left]
+    need, have = sum(max(each - h, 0) for h in held), sum(min(h, each) for h in held)
     free = shutil.disk_usage(out_dir).free
-    if free < each * left:
+    if free < need:
         from nanochat.common import fmt_bytes  # not at the top: nanochat.common imports torch
-        raise DiskFullError(f"{out_dir}: {left} more shards need ~{fmt_bytes(each * left)} (~{fmt_bytes(each)} each), "
+        raise DiskFullError(f"{out_dir}: {len(left)} more shards need ~{fmt_bytes(need)} (~{fmt_bytes(each)} each), "
                             f"{fmt_bytes(free)} free; free space (or ask for fewer with -n) and rerun: the "
-                            f"{len(sizes)} finished this time are kept")
+                            f"{len(sizes)} finished this time are kept"
+                            + (f"; the {fmt_bytes(have)} already in their .partial files are counted" if have else ""))
 
 
 def _to_fetch(indices: list[int], out_dir: Path) -> list[int]:
@@ -524,11 +559,11 @@ def download_shards(indices: list[int], out_dir: Path, base_url: str, *, workers
                     # before the DiskFullError's (stat() then raised FileNotFoundError instead)
                     if fut.result():
                         sizes.append((out_dir / shard_name(futures[fut])).stat().st_size)
+                        bar.update(1)   # shards on disk only: a failed one ended the bar on "4/4" too
                 except DownloadError as e:
                     failures.append((futures[fut], e))
-                bar.update(1)
                 bar.set_postfix(MB=f"{done_bytes[0] / 1e6:.0f}", failed=len(failures))
-                left = sum(not f.done() for f in futures)
+                left = [i for f, i in futures.items() if not f.done()]
                 if sizes and left:
                     _check_room(out_dir, sizes, left)
         except BaseException as e:
