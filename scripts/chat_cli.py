@@ -175,12 +175,12 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
            plain: bool = False) -> dict:
     """Stream one assistant reply to `prompt` to `out` (None: sys.stdout as it is now, not as it was
     at import, which a redirect since then would miss); return it as a message with tool calls kept
-    as parts. A reply cut off because the context is full gets a note on stderr, ending with
+    as parts (`reply_content`: an unfinished one as the text it showed). A reply cut off because the context is full gets a note on stderr, ending with
     `full_hint` (what to do about it), one cut off at --max-tokens a note saying so, and one that
     ends with no text (nothing but whitespace, or special tokens shown as nothing) a note saying that.
     `plain` (-i base): a text continuation, which only <|bos|> (a new document) ends."""
     out = sys.stdout if out is None else out
-    from nanochat.engine import TOOL_TEXT, assistant_parts
+    from nanochat.engine import TOOL_TEXT
     from nanochat.text_stream import TextStream
 
     terminal = bool(getattr(out, "isatty", lambda: False)())
@@ -212,7 +212,7 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
         # a plain KeyboardInterrupt (a subclass uncaught exits 1, not 130: -p's status), carrying the
         # partial reply as a message (None: nothing readable yet), which the interactive loop keeps
         stop = KeyboardInterrupt()
-        stop.message = ({"role": "assistant", "content": assistant_parts(tokenizer, generated)}
+        stop.message = ({"role": "assistant", "content": reply_content(tokenizer, generated)}
                         if "".join(shown).strip() else None)
         raise stop from None
     shown.append(stream.finish())
@@ -227,7 +227,49 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
     elif not stopped and len(generated) >= args.max_tokens:   # as the web page says "length"
         out.flush()
         print(f"[cut off at --max-tokens {args.max_tokens}]", file=sys.stderr, flush=True)
-    return {"role": "assistant", "content": assistant_parts(tokenizer, generated)}
+    return {"role": "assistant", "content": reply_content(tokenizer, generated)}
+
+
+def reply_content(tokenizer, ids: list[int]) -> list[dict]:
+    """A reply's generated `ids` as the conversation keeps them: text and calculator calls as parts
+    (assistant_parts), except a call left unfinished, which stays the text it showed ("<<2**200=16069"),
+    as the chat API keeps a cut-off call (chat_api.tool_call_parts). Unfinished: Ctrl-C, --max-tokens or
+    the context cut the reply before the call's forced output block closed, or the model started the
+    call over (the engine evaluates only the second). As parts, the next turn's prompt held a closed
+    output block of the first digits, a result the calculator never gave, or a call with no output."""
+    from nanochat.engine import TOOL_TEXT, assistant_parts
+    from nanochat.text_stream import TextStream
+
+    sp = {name: tokenizer.encode_special(name) for name in TOOL_TEXT}
+    start, end, out_end = sp["<|python_start|>"], sp["<|python_end|>"], sp["<|output_end|>"]
+
+    def shown(call: list[int]) -> str:
+        stream = TextStream(tokenizer, special_text={sp[k]: v for k, v in TOOL_TEXT.items()})
+        return "".join(stream.feed(t) for t in call) + stream.finish()
+
+    chunks, i, n = [], 0, len(ids)   # token runs, or an unfinished call's shown text
+    while i < n:
+        j = ids.index(start, i) if start in ids[i:] else n
+        chunks.append(ids[i:j])
+        if j == n:
+            break
+        k = j + 1
+        while k < n and ids[k] not in (start, end):   # the expression (a python_start starts it over)
+            k += 1
+        if k < n and ids[k] == end and out_end in ids[k:]:   # the output block the engine forced, closed
+            i = ids.index(out_end, k) + 1
+            chunks.append(ids[j:i])
+        else:   # cut off (or started over at k)
+            i = k if k < n and ids[k] == start else n
+            chunks.append(shown(ids[j:i]))
+    parts: list[dict] = []
+    for chunk in chunks:
+        for part in [{"type": "text", "text": chunk}] if isinstance(chunk, str) else assistant_parts(tokenizer, chunk):
+            if part["type"] == "text" and parts and parts[-1]["type"] == "text":   # one text, as the API has it
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + part["text"]}
+            elif part["type"] != "text" or part["text"]:
+                parts.append(part)
+    return parts
 
 
 def main(argv=None) -> int:
