@@ -379,7 +379,7 @@ def test_readme_starts_with_set_up_then_the_ci_test_command():
     first_block = text.split("```", 2)[1].splitlines()[1:]
     commands = [re.sub(r"\s+#.*$", "", line).strip() for line in first_block if line.strip()]
     assert commands[0] == "./setup.sh", commands
-    assert commands[1] == ".venv/bin/python -m pytest tests -q", commands
+    assert commands[1] == ".venv/bin/python -m pytest tests -q -n 2 --dist loadfile", commands
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert commands[1] in [line.strip() for line in ci], "the README's test command is not what .ci/run runs"
 

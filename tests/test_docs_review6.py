@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 README_TEXT = (REPO / "README.md").read_text()
 README = " ".join(README_TEXT.split())   # sentences run over line breaks
 FLAG_RE = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
-# flags the README names that belong to other programs: torchrun's, pip's, and flags.py's
+# flags the README names that belong to other programs: torchrun's, pip's, pytest-xdist's (--dist) and flags.py's
 # `--under_score` (a spelling, not a flag)
-OUTSIDE_FLAGS = {"--nproc_per_node", "--run-path", "--shutdown-timeout", "--user", "--under_score"}
+OUTSIDE_FLAGS = {"--dist", "--nproc_per_node", "--run-path", "--shutdown-timeout", "--user", "--under_score"}
 
 
 @pytest.fixture
