@@ -434,7 +434,7 @@ def download_eval_bundle(url: str = EVAL_BUNDLE_URL, dest: str | Path | None = N
     from nanochat.file_lock import file_lock
 
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
-        raise ValueError(f"retries: got {retries!r}; accepted: an integer >= 1 (attempts in all)")
+        raise ValueError(f"retries: got {retries!r}; accepted: an integer >= 1 (tries in a row that get nowhere; 1: one try only)")
     dest = Path(dest) if dest is not None else default_bundle_dir()
     if (dest / "core.yaml").is_file():
         return dest

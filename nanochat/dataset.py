@@ -390,8 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"parallel downloads ({_default('workers')})")
     remote.add_argument("--base-url", default=None, help="override the source's URL (default: its Hugging Face URL)")
     remote.add_argument("--retries", type=int, default=None,
-                        help=f"retries per shard, not counting tries that moved the file on by 1 MiB or more before "
-                             f"their connection dropped, after the first try ({_default('retries')})")
+                        help=f"retries per shard after the first try, not counting tries that moved the file on by 1 MiB "
+                             f"or more before their connection dropped; 0: one try only ({_default('retries')})")
     remote.add_argument("--backoff", type=float, default=None,
                         help=f"first retry delay in seconds, doubling ({_default('backoff')})")
     remote.add_argument("--timeout", type=float, default=None, help=f"HTTP timeout in seconds ({_default('timeout')})")

@@ -12,7 +12,8 @@ exponential backoff, others (404, 403) fail at once (a 429 / 503 waits at least 
 `retries` counts the tries in a row that got nowhere: a try whose connection dropped after it moved
 the partial file on by 1 MiB or more is retried without counting (the backoff starts again), so a
 250 MB shard through a link that drops every few tens of MB is not given up after 6 tries that each
-got further; a restart from byte 0 (a server that ignores Range, a rejected file) moves nothing on.
+got further; a restart from byte 0 moves nothing on (a server that ignores Range), except once per
+call for a new file (the old one rejected, or replaced on the server): its bytes count from 0.
 The result is verified (the size and sha256 the server states, then `verify`: by default a readable
 parquet file with a string `text` column, the first row group decoding, every one when no sha256
 was stated), fsynced, then renamed into place: a final name only ever holds a complete, verified
@@ -408,8 +409,11 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
         # failed: tries in a row that got nowhere. A try that moved the partial file on past its
         # furthest byte by _PROGRESS is not one (module docstring): `attempts` can pass retries + 1
         failed, attempts, furthest = 0, 0, _size(partial)
+        fresh_starts = 1   # a new file (rejected, or replaced on the server): its bytes count from 0, once
         while True:
             attempts += 1
+            before = _known_version(partial) if _size(partial) else None
+            rejected = False
             try:
                 total, sha = _attempt(session, url, partial, timeout, on_bytes, window, cancel)
                 try:
@@ -417,6 +421,7 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                 except ValueError as e:  # corrupt content: start over from byte 0
                     why = _what_came(partial, e) if verify is verify_text_shard else str(e)
                     _drop_partial(partial)
+                    rejected = True
                     raise _Retry(f"verification failed: {why}") from e
                 os.replace(partial, dest)
                 _note_version(partial, None)
@@ -430,6 +435,13 @@ def download_file(url: str, dest: Path, *, retries: int = 5, backoff: float = 2.
                     raise
                 last, cause, wait = f"{type(e).__name__}: {e}", e, 0.0  # the partial file is kept and resumed
             got = _size(partial)   # measured after a rejected file was dropped: a restart is no progress
+            after = _known_version(partial) if got else None
+            replaced = before is not None and after != before   # a 200 of another version, or a 206 of one dropped
+            if fresh_starts and (rejected or replaced):
+                # the old bytes are gone for good: the new file's progress counts from byte 0. Once
+                # only: two CDN nodes stating different versions, or a file that is always rejected,
+                # would otherwise restart (and make "progress") for ever
+                fresh_starts, furthest = 0, 0
             failed, furthest = (0 if got >= furthest + _PROGRESS else failed + 1), max(furthest, got)
             if retries == 0 or failed > retries:
                 break

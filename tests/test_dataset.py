@@ -437,7 +437,7 @@ def test_the_help_says_each_default():
         ds.parse_args(["--help"])
     text = " ".join(buf.getvalue().split())
     for said in ("-1 = all (default 8)", "first train shard index (default 0)", "parallel downloads (default 4)",
-                 "after the first try (default 5)", "doubling (default 2.0)", "in seconds (default 60.0)",
+                 "0: one try only (default 5)", "doubling (default 2.0)", "in seconds (default 60.0)",
                  "held out as validation (default 0.05)", "climbmix (default)", "(default $NANOCHAT_BASE_DIR/base_data)"):
         assert said in text, said
 

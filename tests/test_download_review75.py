@@ -202,3 +202,55 @@ def test_the_bar_counts_the_shards_on_disk_not_the_failed_ones(tmp_path, capsys)
     frames = [f.strip() for f in capsys.readouterr().err.replace("\n", "\r").split("\r") if "shard" in f]
     assert frames and not any("4/4" in f for f in frames), frames
     assert "3/4" in frames[-1] and "failed=1" in frames[-1], frames
+
+
+class _ReplacedServer(_DroppingServer):
+    """The file was replaced on the server (ETag "v1") after an earlier run left a long .partial of
+    the old one ("v0"): If-Range with v0 gets the whole new file (a 200), cut every connection."""
+
+    def __init__(self, body: bytes, per_connection: int, honours_if_range: bool):
+        super().__init__(body, per_connection)
+        self.honours_if_range = honours_if_range
+        outer = self
+        handler = self.httpd.RequestHandlerClass
+        plain_get = handler.do_GET
+
+        def do_GET(self):
+            if outer.honours_if_range and self.headers.get("If-Range") not in (None, '"v1"'):
+                del self.headers["Range"]   # RFC 9110: another version comes whole
+            plain_get(self)
+        handler.do_GET = do_GET
+
+
+@pytest.mark.parametrize("honours_if_range", [True, False])
+def test_after_the_file_changed_on_the_server_the_new_files_progress_counts(tmp_path, honours_if_range):
+    """Progress was measured against the furthest byte the .partial file ever had, so after a
+    restart from byte 0 (the old version's 2.9 MB .partial dropped) every try that moved the new file
+    on by 1.25 MiB counted against --retries until it passed 2.9 MB: it failed after 3 attempts."""
+    body = _big_shard()
+    srv = _ReplacedServer(body, per_connection=5 << 18, honours_if_range=honours_if_range)
+    dest = tmp_path / ds.shard_name(0)
+    partial = dest.with_name(dest.name + ".partial")
+    partial.write_bytes(b"\0" * (len(body) - 1000))
+    dl._note_version(partial, '"v0"')
+    try:
+        dl.download_file(srv.url, dest, retries=1, backoff=0)
+    finally:
+        srv.close()
+    assert dest.read_bytes() == body
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dest.name]
+
+
+def test_a_file_that_is_always_rejected_still_gives_up(tmp_path):
+    """The fresh start after a rejected file is allowed once: a server whose file never verifies,
+    through a link that drops every 1.25 MiB, is given up on, naming the URL, not fetched for ever."""
+    body = _big_shard()
+    bad = body[:-100] + b"\0" * 100   # the parquet footer broken
+    srv = _DroppingServer(bad, per_connection=5 << 18)
+    dest = tmp_path / ds.shard_name(0)
+    try:
+        with pytest.raises(dl.DownloadError, match=rf"{srv.url}: failed after \d+ attempts"):
+            dl.download_file(srv.url, dest, retries=1, backoff=0)
+    finally:
+        srv.close()
+    assert not dest.exists() and len(srv.requests) < 20, srv.requests
