@@ -96,10 +96,11 @@ def test_time_table_does_not_count_an_evaluation_a_rerun_replaced(report_base):
 
     # the GSM8K run was rerun: its first run's score is not shown, nor is its time counted
     _write_section(report_base, "Chat evaluation sft", [
+        {**_chat_entry(0, **{"MMLU": 0.3, "MMLU complete": True, "seconds": 1000.0}), "t": 1.8e9 + 0.2},
         _chat_entry(1, **{"ARC-Easy": 0.31, "ARC-Easy complete": True, "seconds": 100.0}),
         _chat_entry(2, **{"GSM8K": 0.05, "GSM8K complete": True, "seconds": 50.0}),
         _chat_entry(3, **{"GSM8K": 0.06, "GSM8K complete": True, "seconds": 40.0})])
-    # a stale entry (before the latest SFT run) is no part of the current model's time either
+    # the MMLU entry is stale (before the latest SFT run, below): no part of the current model's time either
     _write_section(report_base, "SFT", [{"time": "2026-12-02T09:59:59", "t": 1.8e9 + 0.5, "data": {
         "stage": "sft", "model_tag": "d4", "final_step": 20, "total_time_s": 10.0}}])
     _write_section(report_base, "Base model evaluation", [
