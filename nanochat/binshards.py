@@ -319,11 +319,18 @@ def read_meta(bin_dir: str | Path) -> dict | None:
 
 
 def _write_meta_file(bin_dir: Path, meta: dict) -> None:
-    """Replace meta.json atomically; a failed write (a full disk) names it and leaves the old one."""
+    """Replace meta.json atomically; a failed write (a full disk) names it and leaves the old one.
+    Fsynced before the rename, as the shards are: after a power cut a renamed file whose data never
+    reached the disk is an empty meta.json, refused as corrupt (advice: delete every shard)."""
     tmp = bin_dir / f".{META_NAME}.{os.getpid()}.tmp"
     try:
         with _failed_write_named(bin_dir / META_NAME):
             tmp.write_text(json.dumps(meta, indent=1) + "\n")
+            fd = os.open(tmp, os.O_RDONLY)   # fsync flushes the file, whatever the descriptor's mode
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, bin_dir / META_NAME)
     finally:
         _remove_quietly(tmp)

