@@ -194,7 +194,9 @@ def _scaled_to_sms(entry: DeviceSpec, sms: int) -> tuple[dict[str, float], str]:
     return peaks, f"{entry.source}; scaled to this device's {sms} of {entry.sms} SMs (MIG slice or cut-down part)"
 
 
-_MIG_PROFILE = re.compile(r"\bMIG \d+g\.(\d+)gb\b", flags=re.IGNORECASE)   # "... MIG 2g.20gb"
+# "... MIG 2g.20gb", or a compute instance smaller than its GPU instance: "... MIG 1c.3g.40gb" (the
+# GPU instance's memory, so its bandwidth, is the share; that name kept the whole board's)
+_MIG_PROFILE = re.compile(r"\bMIG (?:\d+c\.)?\d+g\.(\d+)gb\b", flags=re.IGNORECASE)
 _MIG_VGPU = re.compile(r"\b[A-Z]+\d+[A-Z]*-\d+-(\d+)C\b")   # a MIG-backed vGPU type: "NVIDIA H100XM-2-20C"
 
 

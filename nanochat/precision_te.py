@@ -27,12 +27,15 @@ def te_import_error() -> str | None:
     """None when Transformer Engine imports; else why not, for a refusal to quote: "not installed",
     or "installed but fails to import (<error>)". A TE built for another torch or loading another
     cuDNN (te_cudnn.py: "undefined symbol") was refused as "not installed (pip install ...)", and an
-    OSError from its library loader (a cuDNN it cannot open) ended the run with a traceback."""
+    OSError from its library loader (a cuDNN it cannot open) ended the run with a traceback. TE's
+    loader itself asserts that its packages match (AssertionError: "Could not find `transformer-engine`
+    PyPI package", TE #2410, or a version mismatch), raises RuntimeError for a missing core library,
+    and TE 1.x wheels without the extension raised StopIteration: each is an install problem too."""
     if not _te_installed():
         return "not installed"
     try:
         _import_te()
-    except (ImportError, OSError) as exc:
+    except (ImportError, OSError, RuntimeError, AssertionError, StopIteration) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"installed but fails to import ({type(exc).__name__}: {first})"
     return None
