@@ -5,8 +5,8 @@ nanochat/http_guard.py owns the HTTP-level checks (Host, Content-Type, body size
 
 Compatibility choices: messages may come in any order, and system / developer messages alone are
 answered as the user's turn (normalised, see `_normalise`); fields whose effect this server cannot
-honour (logprobs, tools, non-text response_format, logit_bias, audio output, web search, non-zero
-penalties) are refused with 400 "unsupported_parameter", and
+honour (logprobs, tools, non-text response_format, logit_bias, audio output, web search, moderation,
+non-zero penalties) are refused with 400 "unsupported_parameter", and
 fields it does not know with "unknown_parameter", rather than silently ignored; those without
 effect (`user`, `metadata`, ...) are checked for OpenAI's types ("invalid_type"); any `model` name
 is accepted (a local server has one model; responses report the served name). Assistant history
@@ -17,9 +17,11 @@ refused by index; `name` is accepted while each role has one speaker (the chat f
 so two named users would merge into one voice: refused).
 """
 
+import ipaddress
 import json
 import re
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 from nanochat.calculator import tool_output, use_calculator
 
@@ -98,6 +100,15 @@ class ServerSettings:
                                                                origin):
                 raise ValueError(f"--cors-origin: got {origin!r}; accepted: an exact origin scheme://host[:port] "
                                  "without a path, e.g. http://localhost:3000")
+            try:
+                sent = browser_origin(origin)
+            except ValueError as e:   # a port past 65535, a malformed IPv6 address or IDN label
+                raise ValueError(f"--cors-origin: got {origin!r} ({e}); accepted: an exact origin "
+                                 "scheme://host[:port], e.g. http://localhost:3000") from None
+            if sent != origin:   # CORS compares the Origin header exactly: this one would never match
+                raise ValueError(f"--cors-origin: got {origin!r}, which no browser sends: it writes that origin as "
+                                 f"{sent!r} (lowercase, no default port), and origins are compared exactly; "
+                                 f"accepted: {sent}")
         return self
 
     def sampling(self) -> dict:
@@ -109,6 +120,21 @@ class ServerSettings:
 
     def public(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "api_key"} | {"auth": self.api_key is not None}
+
+
+def browser_origin(origin: str) -> str:
+    """`origin` (scheme://host[:port]) as a browser writes it in its Origin header, the form CORS
+    and HostGuard compare exactly: scheme and host lowercase, an IPv6 address compressed, a
+    non-ASCII name in punycode, no default port (http 80, https 443). ValueError for a port past
+    65535 or a malformed address."""
+    parts = urlsplit(origin)
+    host, port = parts.hostname or "", parts.port   # (.port raises ValueError past 65535)
+    if ":" in host:
+        host = f"[{ipaddress.ip_address(host).compressed}]"
+    elif not host.isascii():
+        host = host.encode("idna").decode("ascii")   # (UnicodeError is a ValueError)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return f"{parts.scheme}://{host}" + ("" if port is None or port == default else f":{port}")
 
 
 def default_per_client(workers: int) -> int:
@@ -363,18 +389,19 @@ _FIELDS_USED = frozenset({"messages", "model", "stream", "stream_options", "max_
                           "frequency_penalty"})
 # refused when they ask for something (_refuse_unsupported):
 _FIELDS_REFUSED = frozenset({"logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                             "response_format", "logit_bias", "modalities", "audio", "web_search_options"})
+                             "response_format", "logit_bias", "modalities", "audio", "web_search_options",
+                             "moderation"})
 # OpenAI's that do not change what the answer says (bookkeeping, caching, latency and reasoning hints):
 # accepted, no effect.
 _FIELDS_WITHOUT_EFFECT = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prediction",
                                     "reasoning_effort", "verbosity", "safety_identifier", "prompt_cache_key",
-                                    "prompt_cache_retention"})
+                                    "prompt_cache_retention", "prompt_cache_options"})
 FIELDS = _FIELDS_USED | _FIELDS_REFUSED | _FIELDS_WITHOUT_EFFECT
 # Their types, as OpenAI checks them: without effect here, a wrong one is still the client's bug
 # ("user": 5 is an id that a log joins on nothing; "store": "false" is a truthy string).
 _EFFECTLESS_TYPES = {"user": str, "metadata": dict, "store": bool, "parallel_tool_calls": bool, "service_tier": str,
                      "prediction": dict, "reasoning_effort": str, "verbosity": str, "safety_identifier": str,
-                     "prompt_cache_key": str, "prompt_cache_retention": str}
+                     "prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
 _TYPE_WORDS = {str: "a string", dict: "an object", bool: "true|false"}
 
 
@@ -441,6 +468,8 @@ def _refuse_unsupported(body: dict) -> None:
         refuse("audio", "audio output", "null")
     if body.get("web_search_options") is not None:
         refuse("web_search_options", "searching the web", "null")
+    if body.get("moderation") is not None:   # "block" would withhold a flagged answer, "score" add scores to it
+        refuse("moderation", "moderating the input and output", "null")
     for name in ("presence_penalty", "frequency_penalty"):   # 0 (OpenAI's default) is what the sampler does
         if _number(body, name, -2, 2, 0) != 0:
             raise ApiError(400, f"'{name}': got {json.dumps(body[name])}; penalising repeated tokens is not "
