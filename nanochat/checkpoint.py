@@ -227,6 +227,9 @@ def _finish(ckpt_dir: Path, staging: Path, final: Path, step: int, full_meta: di
         trash = ckpt_dir / (step_dirname(step) + f".old-{os.getpid()}")
         os.replace(final, trash)
         os.replace(staging, final)
+        # the swap on disk before the old copy goes: deleted first, a directory fsync that failed (EIO:
+        # the renames may not be on disk) left neither copy certain, and the error said step N intact
+        fsync_dir(ckpt_dir)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)

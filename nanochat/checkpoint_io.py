@@ -274,8 +274,9 @@ def saved_sum(path: Path, rank: int, summed: bool = False) -> dict | None:
 
 def model_digest(ckpt_dir, step: int) -> str | None:
     """The sha256 of a step's model.pt as recorded when it was saved (None: saved before the sums):
-    which weights a later stage started from, without reading them."""
-    return (saved_sum(Path(ckpt_dir) / step_dirname(step) / MODEL_NAME, 0) or {}).get("sha256")
+    which weights a later stage started from, without reading them (the copy a read takes:
+    readable_step_dir; chat_start records it before its read restores a swapped-out step)."""
+    return (saved_sum(readable_step_dir(ckpt_dir, step) / MODEL_NAME, 0) or {}).get("sha256")
 
 
 # meta.json: the fields every save_checkpoint has written (schema 1), and the fields loads and resumes
@@ -440,14 +441,27 @@ def restore_swapped_out(ckpt_dir: Path, step: int, meta_name: str) -> None:
     from nanochat.common import print0
 
     final = ckpt_dir / step_dirname(step)
-    for old in sorted(ckpt_dir.glob(step_dirname(step) + ".old-*")):
-        if (old / meta_name).is_file():
-            try:
-                os.replace(old, final)
-                print0(f"checkpoint: {final.name} was missing after an interrupted re-save; restored it from {old.name}")
-            except FileNotFoundError:   # another rank restored it a moment ago
-                pass
-            break
+    old = swapped_out_copy(ckpt_dir, step, meta_name)
+    if old is not None:
+        try:
+            os.replace(old, final)
+            print0(f"checkpoint: {final.name} was missing after an interrupted re-save; restored it from {old.name}")
+        except FileNotFoundError:   # another rank restored it a moment ago
+            pass
+
+
+def swapped_out_copy(ckpt_dir: Path, step: int, meta_name: str = META_NAME) -> Path | None:
+    """The step_N.old-* copy restore_swapped_out renames back as step_N (the first holding meta.json), or None."""
+    return next((old for old in sorted(Path(ckpt_dir).glob(step_dirname(step) + ".old-*"))
+                 if (old / meta_name).is_file()), None)
+
+
+def readable_step_dir(ckpt_dir, step: int) -> Path:
+    """The directory a read of step N takes: step_N, or while it is absent (a re-save killed between
+    its two renames) the old copy the read renames back (restore_swapped_out). Checks made without a
+    read (resume_point, model_digest) judged the absent step_N: the step "gone", its weights unknown."""
+    final = Path(ckpt_dir) / step_dirname(step)
+    return final if final.is_dir() else swapped_out_copy(Path(ckpt_dir), step) or final
 
 
 def restore_or_wait(ckpt_dir: Path, step: int, meta_name: str, wait_s: float = 10.0) -> None:

@@ -6,7 +6,8 @@ sums_rank<R>.json recorded (damaged on disk), or a latest.json naming no step, s
 `resume_point` decides instead, from the checkpoint files alone (their sums checked as a load checks
 them, the files of every rank that saved the step):
 
-- keep: the latest step is whole; `--resume auto` stays;
+- keep: the latest step is whole (also as the old copy a re-save killed between its two renames left,
+  which the stage's load renames back); `--resume auto` stays;
 - resume N: N is the newest whole step before it (`--resume N`; the stage moves the later steps to
   earlier_runs/ at its first save);
 - fresh: no earlier step is whole, or (mid / SFT) the newest whole one is a run the stage's own
@@ -33,7 +34,7 @@ from pathlib import Path
 
 # checkpoint_io, not checkpoint: it imports no torch (setup.sh runs this check before every training stage)
 from nanochat.checkpoint_io import (LATEST_NAME, META_NAME, MODEL_NAME, CheckpointError, list_steps, model_digest,
-                                    read_latest, saved_sum, sha256_file, step_dirname)
+                                    read_latest, readable_step_dir, saved_sum, sha256_file, step_dirname)
 
 # setup.sh runs every training stage as one process (stage_cmd in setup.sh: `python -m scripts.X`, no
 # torchrun; a multi-GPU run is run_train.sh --nproc's)
@@ -149,7 +150,10 @@ def resume_point(ckpt_dir: str | Path, source_dir: str | Path | None = None) -> 
     if top is None:
         where, why = LATEST_NAME, "it names no step"
     else:
-        where, why = f"step {top}", step_damage(ckpt_dir / step_dirname(top))[0]
+        # a re-save killed between its renames left step_N only as its old copy, which the stage's load
+        # restores: judged as step_N ("meta.json is gone" resumed an earlier step, or with none started
+        # afresh, and the old copy was deleted at a later save)
+        where, why = f"step {top}", step_damage(readable_step_dir(ckpt_dir, top))[0]
         if why is None:
             return ResumePoint("keep")
     for step in sorted((s for s in list_steps(ckpt_dir) if top is None or s < top), reverse=True):
