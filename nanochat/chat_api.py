@@ -230,8 +230,9 @@ def _content_text(m: dict, role: str, i: int) -> str:
         return content
     if content is None and role == "assistant" and isinstance(m.get("refusal"), str):
         return m["refusal"]
-    if not isinstance(content, list):
-        raise ApiError(400, f"'{where}': got {_kind(content)}; {accepted}", param=where)
+    if not isinstance(content, list):   # null: as if left out (the project's rule for a null field)
+        raise ApiError(400, f"'{where}': got {_kind(content)}; {accepted}", param=where,
+                       code="missing_required_parameter" if content is None else "invalid_type")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -274,7 +275,8 @@ def _check_message_fields(m: dict, role: str, i: int, speakers: dict) -> None:
     if name is None:
         return
     if not isinstance(name, str):
-        raise ApiError(400, f"'messages[{i}].name': got {_kind(name)}; accepted: a string", param=f"messages[{i}].name")
+        raise ApiError(400, f"'messages[{i}].name': got {_kind(name)}; accepted: a string", param=f"messages[{i}].name",
+                       code="invalid_type")
     first = speakers.setdefault(role, (name, i))
     if first[0] != name:
         raise ApiError(400, f"'messages[{i}].name': {json.dumps(name)[:80]} after {json.dumps(first[0])[:80]} "
@@ -286,19 +288,27 @@ def _check_message_fields(m: dict, role: str, i: int, speakers: dict) -> None:
 def _raw_messages(raw, s: ServerSettings) -> list[dict]:
     """Each message as {"role", "content": str}, in the client's order; the limits apply here, to
     what the client sent (normalising merges messages, so it would hide a too-long list)."""
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'messages': accepted: a non-empty list of {role, content}", param="messages")
+    if not isinstance(raw, list) or not raw:   # (OpenAI's codes: null / left out, not a list, [])
+        raise ApiError(400, "'messages': accepted: a non-empty list of {role, content}", param="messages",
+                       code="missing_required_parameter" if raw is None else "empty_array" if raw == [] else
+                       "invalid_type")
     if len(raw) > s.max_messages:
         raise ApiError(400, f"'messages': got {len(raw)} messages; the limit is {s.max_messages}",
                        param="messages", code="too_many_messages")
     out, total, speakers = [], 0, {}
     for i, m in enumerate(raw):
-        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            raise ApiError(400, f"'messages[{i}]': got {_kind(m)}; accepted: an object {{role, content}}",
+                           param=f"messages[{i}]", code="invalid_type")
+        role = m.get("role")
         role = "system" if role == "developer" else role
         if role not in ROLES:
-            tools = " (tool results: this server calls no tools)" if role in ("tool", "function") else ""
-            raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: "
-                                f"system|developer|user|assistant{tools}", param=f"messages[{i}].role")
+            tools = role in ("tool", "function")   # OpenAI's roles, which this server cannot answer
+            code = ("missing_required_parameter" if role is None else "invalid_type" if not isinstance(role, str)
+                    else "unsupported_value" if tools else "invalid_value")
+            raise ApiError(400, f"'messages[{i}].role': got {json.dumps(role)}; accepted: system|developer|user|"
+                                f"assistant{' (tool results: this server calls no tools)' if tools else ''}",
+                           param=f"messages[{i}].role", code=code)
         _check_message_fields(m, role, i, speakers)
         text = _no_surrogate(_content_text(m, role, i), f"messages[{i}].content")
         if len(text) > s.max_message_chars:
@@ -337,11 +347,11 @@ def _normalise(messages: list[dict]) -> list[dict]:
         return [{"role": "user", "content": "\n\n".join(system)}]
     if not any(m["role"] == "user" for m in turns):
         raise ApiError(400, "'messages': no user message; accepted: a conversation with at least one "
-                            "message of role 'user'", param="messages")
+                            "message of role 'user'", param="messages", code="missing_required_parameter")
     if turns[-1]["role"] != "user":
         raise ApiError(400, f"'messages': the last message is from the {turns[-1]['role']}; accepted: a "
                             "conversation whose last message is from the user (the reply answers it)",
-                       param="messages")
+                       param="messages", code="invalid_value")
     if turns[0]["role"] == "assistant":
         turns.insert(0, {"role": "user", "content": ""})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
@@ -482,19 +492,21 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
-        raise ApiError(400, "'stream': accepted: true|false|null", param="stream")
+        raise ApiError(400, "'stream': accepted: true|false|null", param="stream", code="invalid_type")
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
     if not stream:
         raise ApiError(400, "'stream_options': only allowed when 'stream' is true; accepted: null when not "
-                            "streaming, or leave 'stream_options' out", param="stream_options")
+                            "streaming, or leave 'stream_options' out", param="stream_options", code="invalid_value")
     # include_obfuscation: OpenAI's random padding of deltas, which this server never adds; any other
     # key (a typo like "include_usag") would silently drop what the client asked for
-    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"} or \
-            any(opts.get(k) not in (None, True, False) for k in ("include_usage", "include_obfuscation")):
+    known = ("include_usage", "include_obfuscation")
+    code = ("invalid_type" if not isinstance(opts, dict) else "unknown_parameter" if set(opts) - set(known) else
+            "invalid_type" if any(opts.get(k) not in (None, True, False) for k in known) else None)
+    if code:   # param stays the object's name (the message shows the whole object)
         raise ApiError(400, f"'stream_options': got {json.dumps(opts)[:200]}; accepted: {{\"include_usage\": "
-                            "true|false, \"include_obfuscation\": true|false}", param="stream_options")
+                            "true|false, \"include_obfuscation\": true|false}", param="stream_options", code=code)
     return stream, bool(opts.get("include_usage"))
 
 
@@ -505,8 +517,9 @@ def _stop_strings(stop, limit: int) -> list[str]:
     where = "got" if isinstance(stop, str) else "item {} is"   # a lone string is not an item of a list
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     accepted = f"accepted: a string or a list of up to {limit} non-empty strings of <= 100 characters"
+    code = "invalid_value"   # a count or length out of bounds; a value of the wrong JSON type: invalid_type
     if not isinstance(stop, list):
-        problem = f"got {_kind(stop)}"
+        problem, code = f"got {_kind(stop)}", "invalid_type"
     elif len(stop) > limit:
         problem = f"got {len(stop)} strings, more than {limit}"
     else:
@@ -516,8 +529,8 @@ def _stop_strings(stop, limit: int) -> list[str]:
         j, x = bad
         what = (_kind(x) if not isinstance(x, str) else
                 "an empty string" if not x else f"a string of {len(x)} characters")
-        problem = f"{where.format(j)} {what}"
-    raise ApiError(400, f"'stop': {problem}; {accepted}", param="stop")
+        problem, code = f"{where.format(j)} {what}", code if isinstance(x, str) else "invalid_type"
+    raise ApiError(400, f"'stop': {problem}; {accepted}", param="stop", code=code)
 
 
 def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
@@ -529,12 +542,15 @@ def parse_chat_request(body, s: ServerSettings) -> ChatRequest:
     (unsupported_parameter): see `_refuse_unsupported`, including a non-zero `presence_penalty` /
     `frequency_penalty` (the sampler has no penalties); any other field: unknown_parameter.
     `top_p: 0` means greedy decoding; a negative `seed` maps into the engine's range (seed % 2**64: one-to-one over int64, non-negative seeds unchanged).
-    Message contents and stop strings holding a lone UTF-16 surrogate are refused (`_no_surrogate`)."""
+    Message contents and stop strings holding a lone UTF-16 surrogate are refused (`_no_surrogate`).
+    Every 400 carries OpenAI's `code`: invalid_type (a wrong JSON type), invalid_value,
+    missing_required_parameter (a required field null or left out, or no user message), empty_array,
+    unknown_/unsupported_parameter, unsupported_value, or a limit's own code (too_many_messages, ...)."""
     if not isinstance(body, dict):
-        raise ApiError(400, "request body: accepted: a JSON object")
+        raise ApiError(400, "request body: accepted: a JSON object", code="invalid_type")   # no field to name
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model': accepted: a string", param="model")
+        raise ApiError(400, "'model': accepted: a string", param="model", code="invalid_type")
     _refuse_unknown(body)
     _check_effectless_types(body)
     messages = _normalise(_raw_messages(body.get("messages"), s))

@@ -205,17 +205,17 @@ def limits_url(chat_model):
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"messages": []}, "messages", None),
-    ({"messages": "hi"}, "messages", None),
+    ({"messages": []}, "messages", "empty_array"),
+    ({"messages": "hi"}, "messages", "invalid_type"),
     ({"messages": [{"role": "user", "content": "x"}] * 11}, "messages", "too_many_messages"),
     ({"messages": [{"role": "user", "content": "x" * 501}]}, "messages[0].content", "message_too_long"),
     ({"messages": [{"role": "user", "content": "x" * 400}, {"role": "assistant", "content": "y" * 400},
                    {"role": "user", "content": "z" * 400}]}, "messages", "messages_too_long"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
     # any order is normalised, but the reply must answer a user message
-    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages", None),
-    ({"messages": USER + [{"role": "assistant", "content": "x"}]}, "messages", None),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages", "missing_required_parameter"),
+    ({"messages": USER + [{"role": "assistant", "content": "x"}]}, "messages", "invalid_value"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
     ({"messages": USER, "max_tokens": 10_000}, "max_tokens", "invalid_value"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"messages": USER, "temperature": 2.5}, "temperature", "invalid_value"),
@@ -225,17 +225,17 @@ def limits_url(chat_model):
     ({"messages": USER, "max_completion_tokens": None, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
     ({"messages": USER, "frequency_penalty": "high"}, "frequency_penalty", "invalid_value"),
-    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", None),
-    ({"messages": USER, "stream": None, "stream_options": {}}, "stream_options", None),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ({"messages": USER, "stream": None, "stream_options": {}}, "stream_options", "invalid_value"),
     ({"messages": USER, "top_k": 5000}, "top_k", "invalid_value"),
     ({"messages": USER, "top_k": 1.5}, "top_k", "invalid_value"),
     ({"messages": USER, "n": 9}, "n", "invalid_value"),
-    ({"messages": USER, "stream": "yes"}, "stream", None),
-    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
-    ({"messages": USER, "stop": [""]}, "stop", None),
+    ({"messages": USER, "stream": "yes"}, "stream", "invalid_type"),
+    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    ({"messages": USER, "stop": [""]}, "stop", "invalid_value"),
     ({"messages": USER, "seed": 2**63}, "seed", "invalid_value"),
     ({"messages": USER, "seed": -2**63 - 1}, "seed", "invalid_value"),
-    ([1, 2], None, None),
+    ([1, 2], None, "invalid_type"),
 ])
 def test_limits_are_400s(limits_url, body, param, code):
     url = limits_url
