@@ -6,7 +6,9 @@ days of pretraining at d20; the banner names the folder and its size, and the us
 checkpoint.py re-exports EarlierRun and fresh_start, and the checks of the flags that choose between
 continuing the checkpoints there and starting afresh (check_resume_flags, resolve_resume).
 Only the earlier run's step directories, latest.json and step_N.old-* leftovers move: anything else
-in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is.
+in the directory (the running writer's .writer.lock, earlier_runs/ itself) stays where it is. A step
+held only as the old copy of a re-save killed between its two renames (step_N.old-PID, which a read
+of step N renames back) is that run's step N in every decision here (run_steps) and moves as step_N.
 A move goes through earlier_runs/<N>.moving, renamed to <N> once complete (a move cut short is
 finished by the next one: <N>.moving holds a record of the steps it is for, MOVE_RECORD).
 """
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanochat.checkpoint_io import (LATEST_NAME, CheckpointError, cut_short_saves, fsync_dir, list_steps,
-                                    step_dirname, sweep_superseded, write_json)
+                                    readable_step_dir, step_dirname, swapped_out_copy, sweep_superseded,
+                                    write_json)
 from nanochat.common import fmt_bytes, print0
 from nanochat.distributed import rank_failures
 from nanochat.errors import RequestError
@@ -91,17 +94,20 @@ class EarlierRun:
         CheckpointError, not a traceback: nothing is lost, and the next move finishes it."""
         latest = self.ckpt_dir / LATEST_NAME
         sweep_superseded(self.ckpt_dir)   # the earlier run's leftovers: restorable once its steps are gone
-        # a re-save cut between its two renames left its step only as step_N.old-PID: it goes with
-        # the run (else a later read of this run's step N would restore the earlier run's copy)
-        orphans = [p for p in sorted(self.ckpt_dir.glob("step_*.old-*")) if self._moves(_step_of(p.name))]
+        # a step that a re-save cut between its two renames left only as step_N.old-PID moves as step_N
+        # (what a read restores); other old copies of the run's steps (no meta.json: a deletion cut
+        # short) go along as they are (else a later read of this run's step N could restore one)
+        sources = {step: readable_step_dir(self.ckpt_dir, step) for step in steps}
+        orphans = [p for p in sorted(self.ckpt_dir.glob("step_*.old-*"))
+                   if self._moves(_step_of(p.name)) and p not in sources.values()]
         moving, moved_to = _earlier_run_dirs(self.ckpt_dir, steps, self.after)
         try:
             moving.mkdir(parents=True, exist_ok=True)
             _record_move(moving, steps, self.after)
             if latest.is_file() and self._moves(_latest_step(latest)):   # a branch's: only if it names a step moved
                 self._move_latest(latest, moving)
-            for step in steps:
-                os.replace(self.ckpt_dir / step_dirname(step), moving / step_dirname(step))
+            for step, source in sources.items():
+                os.replace(source, moving / step_dirname(step))
             for path in orphans:   # restorable there, as here
                 os.replace(path, moving / path.name)
             fsync_dir(moving)
@@ -125,7 +131,7 @@ class EarlierRun:
         record at all (auto: a fresh start). Written before any step moves; if it cannot be, the old
         one is still in place, naming steps that are all still here."""
         kept = moving / LATEST_NAME
-        if self.after is None or not (self.ckpt_dir / step_dirname(self.after)).is_dir():
+        if self.after is None or not readable_step_dir(self.ckpt_dir, self.after).is_dir():
             os.replace(latest, kept)
             return
         # a copy goes with the moved steps, then write_json's atomic replace: the tag has a latest.json
@@ -249,7 +255,7 @@ def resolve_resume(value: str | None, ckpt_dir, log: Callable[[str], Any] = prin
     if value != "auto":
         return value
     found = (Path(ckpt_dir) / LATEST_NAME).is_file()
-    steps = [] if found else list_steps(ckpt_dir)
+    steps = [] if found else run_steps(ckpt_dir)
     if steps:   # checkpoints, but no record of the newest (e.g. an --overwrite cut short): not guessed
         log(f"--resume auto: {ckpt_dir} holds steps {steps} but no {LATEST_NAME} naming the latest: starting "
             f"fresh; they are moved to {EARLIER_RUNS}/ at this run's first save (--resume STEP continues one of "
@@ -271,7 +277,7 @@ def fresh_start(ckpt_dir, resume: str | None, overwrite: bool) -> EarlierRun | N
     None: the directory holds no checkpoints."""
     ckpt_dir = Path(ckpt_dir)
     finish_cut_short_moves(ckpt_dir)
-    steps = list_steps(ckpt_dir)
+    steps = run_steps(ckpt_dir)
     if not steps:
         return None
     if overwrite or resume == "auto":
@@ -291,8 +297,19 @@ def branch_start(ckpt_dir, step: int, flag: str) -> EarlierRun | None:
     this run's: a later --resume N took either). They move to earlier_runs/<N>/ at this run's
     first save, with latest.json where it names one of them. None: no later step."""
     finish_cut_short_moves(ckpt_dir)
-    later = [s for s in list_steps(ckpt_dir) if s > step]
+    later = [s for s in run_steps(ckpt_dir) if s > step]
     return EarlierRun(ckpt_dir, later, flag, after=step) if later else None
+
+
+def run_steps(ckpt_dir) -> list[int]:
+    """The steps of the run in ckpt_dir, ascending: its complete step_N directories, and each step N
+    a re-save killed between its two renames left only as step_N.old-PID (the copy a read of N
+    renames back: checkpoint_io.swapped_out_copy). list_steps alone missed that one: a fresh start or
+    a branch left it out of the abandoned run, and the new run's save of step N then deleted it."""
+    ckpt_dir = Path(ckpt_dir)
+    swapped = {s for p in ckpt_dir.glob("step_*.old-*")
+               if (s := _step_of(p.name)) is not None and swapped_out_copy(ckpt_dir, s) is not None}
+    return sorted(set(list_steps(ckpt_dir)) | swapped)
 
 
 def _step_of(name: str) -> int | None:
@@ -320,8 +337,8 @@ def kept_runs_note(ckpt_dir) -> str:
 
 
 def steps_bytes(ckpt_dir, steps: list[int]) -> int:
-    """Bytes the given steps' directories hold on disk."""
-    return sum(f.stat().st_size for step in steps for f in (Path(ckpt_dir) / step_dirname(step)).rglob("*")
+    """Bytes the given steps' directories hold on disk (a step held as its old copy: the copy's)."""
+    return sum(f.stat().st_size for step in steps for f in readable_step_dir(ckpt_dir, step).rglob("*")
                if f.is_file())
 
 
