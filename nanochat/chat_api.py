@@ -132,6 +132,11 @@ def browser_origin(origin: str) -> str:
     if ":" in host:
         host = f"[{ipaddress.ip_address(host).compressed}]"
     elif not host.isascii():
+        # Python's "idna" codec is IDNA 2003, which maps ß, ς and the joiners away (straße -> strasse);
+        # browsers keep them (IDNA 2008 / UTS 46: xn--strae-oqa): no suggestion there beats a wrong one
+        if set(host) & set("\u00df\u03c2\u200c\u200d"):
+            raise ValueError("a host name with ß, ς or a zero-width joiner: give it in punycode (xn--...) "
+                             "as the browser's Origin header shows it")
         host = host.encode("idna").decode("ascii")   # (UnicodeError is a ValueError)
     default = {"http": 80, "https": 443}.get(parts.scheme)
     return f"{parts.scheme}://{host}" + ("" if port is None or port == default else f":{port}")
@@ -206,9 +211,10 @@ def _number(body: dict, name: str, low: float, high: float, default, *, integer=
     if value is None:
         return default
     kinds = (int,) if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool) or not low <= value <= high:
+    wrong_type = not isinstance(value, kinds) or isinstance(value, bool)   # a string, true, 1.5 for an integer
+    if wrong_type or not low <= value <= high:
         raise ApiError(400, f"'{name}': got {json.dumps(value)}; accepted: {'an integer' if integer else 'a number'} "
-                            f"in [{low}, {high}]", param=name, code="invalid_value")
+                            f"in [{low}, {high}]", param=name, code="invalid_type" if wrong_type else "invalid_value")
     return value
 
 

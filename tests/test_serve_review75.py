@@ -124,6 +124,15 @@ def test_a_cors_origin_no_browser_sends_is_refused_naming_the_form_it_sends(give
     assert ServerSettings(cors_origins=(sent,)).validate().cors_origins == (sent,)
 
 
+def test_a_host_whose_punycode_depends_on_the_idna_version_gets_no_wrong_suggestion():
+    """Python's IDNA 2003 codec turns straße into strasse; a browser sends xn--strae-oqa: the refusal
+    suggested another domain. Now it asks for the punycode form, which is then accepted."""
+    with pytest.raises(ValueError, match=r"--cors-origin: got 'http://straße.de' \(a host name with ß") as e:
+        ServerSettings(cors_origins=("http://straße.de",)).validate()
+    assert "strasse" not in str(e.value)
+    assert ServerSettings(cors_origins=("http://xn--strae-oqa.de",)).validate().cors_origins == ("http://xn--strae-oqa.de",)
+
+
 def test_a_cors_origin_port_past_65535_is_refused():
     with pytest.raises(ValueError, match=r"--cors-origin: got 'http://app.example:99999' \(Port out of range"):
         ServerSettings(cors_origins=("http://app.example:99999",)).validate()

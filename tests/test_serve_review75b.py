@@ -54,7 +54,7 @@ BAD = [
     ({"messages": [U], "stop": ["ok", ""]}, "stop", "invalid_value"),
     ({"messages": [U], "stop": ["x" * 101]}, "stop", "invalid_value"),
     ({"messages": [U], "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-    ({"messages": [U], "temperature": "hot"}, "temperature", "invalid_value"),
+    ({"messages": [U], "temperature": "hot"}, "temperature", "invalid_type"),
     ({"messages": [U], "max_token": 5}, "max_token", "unknown_parameter"),
 ]
 
