@@ -174,8 +174,9 @@ async def read_json(request, limit: int):
     """The body as JSON, refusing more than `limit` bytes before reading them all (413), and a body
     not received within BODY_TIMEOUT_S (408)."""
     length = request.headers.get("content-length", "0")
-    if not length.isdigit():
-        raise ApiError(400, "invalid Content-Length header")
+    # isascii: str.isdigit() alone passes "²" (the header's latin-1 byte 0xB2), which int() refused: a 500
+    if not (length.isascii() and length.isdigit()):
+        raise ApiError(400, "invalid Content-Length header", code="invalid_content_length")
     if int(length) > limit:
         raise ApiError(413, f"request body is {length} bytes; the limit is {limit}", code="body_too_large",
                        headers=_CLOSE)

@@ -345,12 +345,16 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
                        "GET /health, GET /stats and the chat page at GET /")
         elif e.status_code == 405 and e.headers and "Allow" in e.headers:
             message = f"Method not allowed ({asked}); allowed: {e.headers['Allow']}"
-        return error_response(ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None,
-                                       headers=e.headers))  # e.g. a 405's Allow
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(ApiError(e.status_code, message, code=code, headers=e.headers))  # e.g. a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e):
-        return error_response(ApiError(400, f"invalid request: {e.errors()[:1]}"))
+        # pydantic's error type in OpenAI's words: a field left out, one of the wrong type, a bad value
+        kind = (e.errors()[:1] or [{}])[0].get("type", "")
+        code = ("missing_required_parameter" if kind == "missing" else
+                "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+        return error_response(ApiError(400, f"invalid request: {e.errors()[:1]}", code=code))
 
     def internal_error(e: Exception) -> ApiError:
         return ApiError(500, f"internal error: {type(e).__name__}")
@@ -415,7 +419,7 @@ def create_app(pool: WorkerPool, settings: ServerSettings | None = None):
         try:
             prompt = tokenizer.render_for_completion({"messages": prompt_messages(req.messages)})
         except ValueError as e:
-            raise ApiError(400, f"'messages': {e}", param="messages") from None
+            raise ApiError(400, f"'messages': {e}", param="messages", code="invalid_value") from None
         room = engine.max_seq_len - len(prompt)
         if room < 1:   # worded as OpenAI's: clients that trim history on overflow match its opening words
             raise ApiError(400, f"{CONTEXT_EXCEEDED} {engine.max_seq_len} tokens; the conversation is {len(prompt)} "
