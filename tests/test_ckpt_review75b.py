@@ -13,42 +13,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanochat import checkpoint as ck
 from nanochat.checkpoint_runs import EARLIER_RUNS, finish_cut_short_moves, resolve_resume, steps_bytes
-
-
-class Killed(BaseException):
-    """A SIGKILL stand-in: neither the save's error handling nor its cleanup runs."""
-
-
-def _save(ckpt: Path, step: int, weight: float = 0.0) -> Path:
-    return ck.save_checkpoint(ckpt, step, model_state={"w": torch.full((4,), weight + step)},
-                              optimizer_state={"state": {}, "param_groups": [{"lr": 0.1}]},
-                              loader_state={"pos": step}, loop_state={"step": step}, meta={})
+from test_ckpt_review75 import Killed, _resave_killed_between_renames, _save
 
 
 def _weights(ckpt_dir: Path, step) -> list[float]:
     return ck.load_checkpoint(ckpt_dir, step)["model"]["w"].tolist()
-
-
-def _resave_killed_between_renames(ckpt: Path, step: int, monkeypatch) -> Path:
-    """Save `step` again, killed after the old copy moved aside and before the new one moved in."""
-    real = os.replace
-
-    def replace(src, dst):
-        if Path(src).name == f"step_{step:06d}.partial" and any(ckpt.glob(f"step_{step:06d}.old-*")):
-            raise Killed("killed between the re-save's two renames")
-        return real(src, dst)
-
-    with monkeypatch.context() as m:
-        m.setattr(os, "replace", replace)
-        with pytest.raises(Killed):
-            _save(ckpt, step, weight=100.0)
-    assert not (ckpt / f"step_{step:06d}").exists()
-    (old,) = ckpt.glob(f"step_{step:06d}.old-*")
-    return old
 
 
 def _run(tmp_path, steps, swapped: int, monkeypatch) -> Path:
