@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import test_resume_point74
 import torch
 
 from nanochat import chat_start
@@ -42,17 +43,8 @@ def _save(ckpt: Path, step: int, source: dict | None = None, world: int = 1) -> 
         (step_dir / "meta.json").write_text(json.dumps({**meta, "world_size": world}))
 
 
-def _step(ckpt: Path, step: int) -> Path:
-    return ckpt / f"step_{step:06d}"
-
-
-@pytest.fixture
-def base(tmp_path) -> Path:
-    """A base run with whole steps 20 and 40 (latest)."""
-    ckpt = checkpoint_dir("base", "d2", tmp_path)
-    for step in (20, 40):
-        _save(ckpt, step)
-    return ckpt
+# the same fixture and step path (assigned, not imported: linters would read the tests' arguments as redefinitions)
+base, _step = test_resume_point74.base, test_resume_point74._step
 
 
 def _now(base: Path) -> dict:

@@ -179,18 +179,23 @@ def _user_python() -> str:
     pytest.skip("no Python >= 3.10 that nobody can read")
 
 
+def caller_cmd(script: str, *, as_user: bool, why_root: str = "needs root") -> list[str]:
+    """The command that runs `script` as the sandbox's caller: root keeping its uid (this venv's
+    Python), or uid 65534 through setpriv (as_user); skips where that caller cannot be made."""
+    if as_user:
+        return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", _user_python(), "-I", "-c", script]
+    if os.geteuid() != 0:
+        pytest.skip(why_root)
+    return [sys.executable, "-I", "-c", script]
+
+
 def _run_caller(code: str, *, as_user: bool, no_namespaces: bool = False, keep: str = "") -> tuple:
     """execute_code(code) in a caller process of its own: root keeping its uid (this venv's Python,
     under /root here: no uid drop) or uid 65534 (as_user)."""
     script = _CALLER.format(repo=str(REPO), code=code, no_namespaces=no_namespaces, keep=keep)
     if no_namespaces and sc.native_filter() is None:
         pytest.skip("no seccomp filter for this ABI: namespaces cannot be refused the way Docker does")
-    if as_user:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", _user_python(), "-I", "-c", script]
-    elif os.geteuid() != 0:
-        pytest.skip("needs root")
-    else:
-        cmd = [sys.executable, "-I", "-c", script]
+    cmd = caller_cmd(script, as_user=as_user)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
     return tuple(json.loads(out.stdout))

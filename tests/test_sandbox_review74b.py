@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import pytest
 from nanochat import execution
 from nanochat import sandbox_seccomp as sc
 from tests.test_execution import _run_bpf
-from tests.test_sandbox_review74 import _OTHER_PROCESSES, _user_python
+from tests.test_sandbox_review74 import _OTHER_PROCESSES, caller_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 _EPERM, _ALLOW = sc.SECCOMP_RET_ERRNO | errno.EPERM, sc.SECCOMP_RET_ALLOW
@@ -106,12 +105,7 @@ def test_outside_namespaces_the_program_signals_itself_but_not_its_parent(as_use
         pytest.skip("no seccomp filter for this ABI")
     own = _OWN_SIGNALS.replace("TGKILL", str(sc.ABIS[abi].signals[2]))
     script = _CALLER.format(repo=str(REPO), programs=[own, _ABORT])
-    if as_user:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", _user_python(), "-I", "-c", script]
-    elif os.geteuid() != 0:
-        pytest.skip("needs root")
-    else:
-        cmd = [sys.executable, "-I", "-c", script]
+    cmd = caller_cmd(script, as_user=as_user)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/", check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     (status, isolation, stdout, stderr, _, _), aborted = json.loads(out.stdout)
@@ -161,12 +155,7 @@ print(json.dumps([applied, try_(lambda: os.close(os.open('/dev/null', os.O_WRONL
 @pytest.mark.parametrize("as_user", [False, True], ids=["root", "user"])
 def test_a_device_not_bound_back_is_noticed_and_dev_null_still_opens(as_user):
     script = _NO_DEVICE_BINDS.format(repo=str(REPO))
-    if as_user:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", _user_python(), "-I", "-c", script]
-    elif os.geteuid() != 0:
-        pytest.skip("needs root to make a mount namespace without a user namespace")
-    else:
-        cmd = [sys.executable, "-I", "-c", script]
+    cmd = caller_cmd(script, as_user=as_user, why_root="needs root to make a mount namespace without a user namespace")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/", check=False)
     dirs, *rest = out.stdout.splitlines() or [""]
     for d in dirs.split():  # made by the script before its namespace: on the host
