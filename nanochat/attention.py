@@ -94,8 +94,12 @@ _FLEX_PROBLEM: dict = {}  # CUDA device index -> None, or why Triton cannot buil
 
 def resolve_backend(name: str, device) -> str:
     """Map a requested backend ("auto"|"sdpa"|"flex"|"cudnn"|"cudnn_fa4"|"reference") to a resolved name."""
-    if name in ("sdpa_flex", "sdpa_cudnn"):
-        return name  # already resolved (cudnn_fa4 is both a choice and a resolved name)
+    if name in ("sdpa_flex", "sdpa_cudnn"):   # already resolved (cudnn_fa4 is both a choice and a resolved name)
+        device_type = torch.device(device).type
+        if device_type not in ("cuda", "meta"):   # a CUDA resolution on a CPU ran flex and blamed --attn-backend flex
+            raise RequestError(f"--attn-backend: {name} (resolved for a CUDA device) needs a CUDA device, got "
+                               f"{device_type}; accepted here: {_accepted_off_cuda(device_type)}")
+        return name
     if name not in BACKEND_CHOICES:
         raise RequestError(f"--attn-backend: got {name!r}; accepted: {'|'.join(BACKEND_CHOICES)}")
     device_type = torch.device(device).type

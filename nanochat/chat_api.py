@@ -531,11 +531,13 @@ def _stop_strings(stop, limit: int) -> list[str]:
     else:
         bad = next(((j, x) for j, x in enumerate(stop) if not isinstance(x, str) or not 0 < len(x) <= 100), None)
         if bad is None:
-            return [_no_surrogate(x, "stop") for x in stop]
+            return [_no_surrogate(x, "stop" if where == "got" else f"stop[{j}]") for j, x in enumerate(stop)]
         j, x = bad
         what = (_kind(x) if not isinstance(x, str) else
                 "an empty string" if not x else f"a string of {len(x)} characters")
         problem, code = f"{where.format(j)} {what}", code if isinstance(x, str) else "invalid_type"
+        param = "stop" if where == "got" else f"stop[{j}]"   # an item is named like messages[i]
+        raise ApiError(400, f"'stop': {problem}; {accepted}", param=param, code=code)
     raise ApiError(400, f"'stop': {problem}; {accepted}", param="stop", code=code)
 
 

@@ -305,14 +305,20 @@ def write_text_shards(out_dir: Path, train_docs: list[str], val_docs: list[str],
 
 
 def _write_shard_file(path: Path, table: pa.Table) -> None:
-    """Write a text shard atomically (fsynced before the rename: after a power cut a renamed file
-    whose data never reached the disk is an empty shard under a final name), with a CRC32 per page
-    (open_text_shard verifies them: a flipped bit changes a text but mostly still decodes). A failed
-    write removes its temp file (of up to a shard's size: it stayed on the full disk), and a full
-    disk is a DiskFullError, not pyarrow's traceback."""
+    """Write a text shard atomically, with a CRC32 per page (open_text_shard verifies them: a
+    flipped bit changes a text but mostly still decodes)."""
+    write_shard_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE,
+                                                            compression="zstd", write_page_checksum=True))
+
+
+def write_shard_atomically(path: Path, write) -> None:
+    """`write(tmp)` a shard's bytes into a same-directory temp file, fsync it, rename it to `path`
+    (fsynced before the rename: after a power cut a renamed file whose data never reached the disk
+    is an empty shard under a final name). A failed write removes its temp file (of up to a
+    shard's size: it stayed on the full disk), and a full disk is a DiskFullError, not a traceback."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd", write_page_checksum=True)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -425,7 +425,8 @@ class GPT(nn.Module):
                     self.sin[0].index_select(0, kv_cache.pos).unsqueeze(1).to(dtype))
         T0 = 0 if kv_cache is None else kv_cache.pos
         if T0 + T > self.cos.size(1):
-            raise ValueError(f"GPT.forward: position {T0 + T} exceeds the rotary table ({self.cos.size(1)})")
+            raise ValueError(f"GPT.forward: positions {T0}..{T0 + T - 1} reach past the rotary table's "
+                             f"{self.cos.size(1)} positions (0..{self.cos.size(1) - 1})")
         return self.cos[:, T0:T0 + T].to(dtype), self.sin[:, T0:T0 + T].to(dtype)
 
     # ------------------------------------------------------------------------------------------

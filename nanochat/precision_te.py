@@ -42,9 +42,19 @@ def te_import_error() -> str | None:
 
 
 def te_missing(why: str) -> str:
-    """How a refusal names TE's absence (`why`: te_import_error's answer)."""
+    """How a refusal names TE's absence (`why`: te_import_error's answer). A CUDA error raised while
+    TE loaded (it initialises the device on import: "CUDA error: ...", "CUDA driver version is
+    insufficient") is the GPU's or the driver's state, which a reinstall does not change."""
     install = "pip install 'transformer-engine[pytorch]'"
-    return f"is not installed ({install})" if why == "not installed" else f"is {why}: reinstall it ({install})"
+    if why == "not installed":
+        return f"is not installed ({install})"
+    if why.startswith("installed but fails to import (RuntimeError: ") and _is_cuda_error(why):
+        return f"is {why}: the GPU or its driver failed while TE loaded (check `nvidia-smi`), not the install"
+    return f"is {why}: reinstall it ({install})"
+
+
+def _is_cuda_error(text: str) -> bool:
+    return any(mark in text for mark in ("CUDA error", "CUDA driver", "cudaError", "CUDA-capable device"))
 
 
 def _te_installed() -> bool:

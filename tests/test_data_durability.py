@@ -257,3 +257,24 @@ def test_the_shakespeare_copy_is_on_disk_before_its_rename(tmp_path, tiny_corpus
         inode = path.stat().st_ino
         last = max(i for i, e in enumerate(events) if e == ("replace", inode))
         assert events[last - 1] == ("fsync", inode), (path, events)
+
+
+def test_a_full_disk_copying_the_offline_shakespeare_is_named_and_leaves_no_temp(tmp_path, tiny_corpus, monkeypatch):
+    """The copy from ../shared/data was a bare shutil.copyfile: a full disk ended in a raw OSError
+    traceback and left the partial temp copy on the full disk (session 75 left this). Now it is the
+    DiskFullError every other shard write gives, and the temp file is gone."""
+    import errno
+
+    from nanochat import shakespeare
+    from nanochat.errors import DiskFullError
+
+    def copy_until_full(src, dst):
+        Path(dst).write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shakespeare.shutil, "copyfile", copy_until_full)
+    out = tmp_path / "out"
+    with pytest.raises(DiskFullError, match=r"the disk filled while writing shard_00000\.parquet; free space"):
+        shakespeare.get_shakespeare(out, shared_dir=tiny_corpus)
+    assert not list(out.glob(".*.tmp"))
+    with pytest.raises(DataError, match="incomplete"):   # readers refuse the half-made set
+        ds.list_shards(out)

@@ -161,3 +161,28 @@ def test_dtype_policy_and_loss_reductions_with_ignored_targets():
     mean.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_a_forward_past_the_rotary_table_names_the_positions_it_needed():
+    """Positions run 0..size-1; a forward over [T0, T0 + T) needs up to T0 + T - 1. The error said
+    "position T0 + T exceeds the table", one past the last position the forward used."""
+    model = _model(T=4, n_layer=2)   # table of 40 positions
+    with torch.no_grad(), pytest.raises(ValueError, match=r"positions 0\.\.40 reach past the rotary table's "
+                                                           r"40 positions \(0\.\.39\)"):
+        model(torch.randint(0, V, (1, 41)))
+    with torch.no_grad():
+        assert model(torch.randint(0, V, (1, 40))).shape[:2] == (1, 40)   # the whole table: runs
+
+
+@pytest.mark.parametrize("resolved", ["sdpa_cudnn", "sdpa_flex"])
+def test_a_cuda_resolved_backend_on_a_cpu_is_refused_by_its_own_name(resolved):
+    """GPT takes the resolved names too (RESOLVED_BACKENDS). On a CPU, sdpa_cudnn ran the window
+    layers through flex and failed with "attention backend 'flex' has no backward on CPU", naming a
+    backend nobody asked for; now the name given is refused with what a CPU takes."""
+    from nanochat.errors import RequestError
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=V, n_layer=2, n_head=2, n_kv_head=2, n_embd=64),
+                attn_backend=resolved)
+    model.init_weights()
+    with pytest.raises(RequestError, match=rf"^--attn-backend: {resolved} \(resolved for a CUDA device\) needs a "
+                                           r"CUDA device, got cpu; accepted here: auto\|sdpa\|flex\|reference"):
+        model(torch.randint(0, V, (1, 8)))

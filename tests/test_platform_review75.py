@@ -127,3 +127,20 @@ def test_mig_profiles_without_a_compute_instance_prefix_are_unchanged():
     assert spec.bandwidth_gbs == 418.8
     whole = spec_from_props(SimpleProps("NVIDIA H100 80GB HBM3 MIG 7g.80gb", 9, 0, 132, 80 * GB))
     assert whole.bandwidth_gbs == 3350 and "MIG profile" not in whole.source
+
+
+@pytest.mark.parametrize("message", ["CUDA error: an illegal memory access was encountered",
+                                     "CUDA driver version is insufficient for CUDA runtime version"])
+def test_a_cuda_error_while_te_loads_is_not_called_an_install_problem(monkeypatch, tmp_path, message):
+    """TE initialises the device on import; a CUDA failure there is the GPU's or the driver's state,
+    so the refusal quotes it and points at the device, not at a reinstall (session 75 left this)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refusing_te(monkeypatch, tmp_path, RuntimeError(message))
+    why = precision_te.te_import_error()
+    text = precision_te.te_missing(why)
+    assert message in text and "nvidia-smi" in text and "reinstall" not in text
+    with pytest.raises(RequestError, match=r"^--precision-backend te: .*the GPU or its driver failed"):
+        PR.resolve("fp8", "te", H100)
+    # the loader's own install errors keep the reinstall advice
+    assert "reinstall it" in precision_te.te_missing("installed but fails to import (RuntimeError: cudnn shared "
+                                                     "object not found.)")
