@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # The env stage of setup.sh (sourced by it; uses its globals: REPO, PY, GPU_NAME, GPU_CC, DRIVER,
 # CUDA_DRIVER_VERSION, TORCH_INDEX, FORCE, INSTALL_RUST, CURRENT_STAGE and its say/die helpers):
-# uv, .venv, torch for this machine's driver, the project with its extras, and the Rust tokenizer.
+# uv, .venv, torch for this machine's driver, the project with its extras, and the Rust tokenizer;
+# and check_chat_data: whether that venv finds the data mid_train / chat_sft will train on.
 # The env stage's done-marker lives in .venv (deleting .venv forgets it) and holds the interpreter,
 # the torch index, the extras and a hash of the files that define the install (pyproject.toml and
 # the Rust crate); a rerun skips the installs when all match and the venv imports torch + rustbpe.
@@ -30,6 +31,10 @@ env_extras() {
   # there after a probe launch (nanochat/fa4_attention.py); its CuTe DSL libraries are the cu13 build
   [[ "$GPU_CC" == 9.0 && "${CUDA_DRIVER_VERSION%%.*}" -ge 13 ]] 2>/dev/null && extras="$extras,fa4"
   [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
+  # the hub extra (datasets): the GPU presets' mid / SFT train on the train splits of MMLU, ARC and
+  # GSM8K, which only the hub has (../shared/data holds test files), and without ../shared/data (a
+  # fresh clone) every chat stage reads the hub; without it mid_train stopped after base training
+  [[ -n "$GPU_NAME" || ! -d "$REPO/../shared/data/eval" || ! -d "$REPO/../shared/data/sft" ]] && extras="$extras,hub"
   echo "$extras"
 }
 env_marker_text() {
@@ -150,4 +155,49 @@ print(f"{torch.__version__} (CUDA {torch.version.cuda}, kernels for {a})")')" ||
   env_marker_text > "$ENV_MARKER.tmp" && mv -f "$ENV_MARKER.tmp" "$ENV_MARKER"
   CURRENT_STAGE=""
   say "[env] finished in $((SECONDS - t0)) s"
+}
+# The chat stages' data, found by mid_train / chat_sft's own loaders (nanochat/chat_data.py) before the
+# data stage and base training: without ../shared/data (a fresh clone) and the hub extra, or on a GPU
+# preset (train splits only the hub has) without it, mid_train stopped on a missing file days later.
+# With `datasets` importable the hub's part is not fetched here (gigabytes): only the word list, which
+# has no hub copy, is looked for. Skipped for a stage whose done-marker is there (rerun: it found its
+# data before); a check that fails otherwise (no nanochat in the venv) leaves it to the stage.
+check_chat_data() {
+  local s stages=() cmd holdout=-1 i
+  for s in mid_train chat_sft; do
+    should_run "$s" && [[ $FORCE -eq 1 || ! -f "$STATE_DIR/$s.done" ]] && stages+=("$s")
+  done
+  [[ ${#stages[@]} -gt 0 && $DRY_RUN -eq 0 && -x .venv/bin/python ]] || return 0
+  mapfile -t cmd < <(stage_cmd "${stages[0]}")   # offline (tiny): --test-holdout N, the local test files
+  for i in "${!cmd[@]}"; do [[ "${cmd[$i]}" != --test-holdout ]] || holdout="${cmd[$((i + 1))]}"; done
+  local said rc=0
+  said="$(.venv/bin/python - "$holdout" "${stages[@]}" 2>/dev/null <<'PY'
+import contextlib
+import importlib.util
+import sys
+
+from nanochat.errors import RequestError
+
+holdout, stages = int(sys.argv[1]), sys.argv[2:]
+stage = stages[0]
+try:
+    with contextlib.redirect_stdout(sys.stderr):   # the loaders' progress lines: stdout is the verdict
+        if importlib.util.find_spec("datasets"):
+            from nanochat.tasks.spelling import load_words
+            load_words()
+        else:
+            from nanochat.chat_data import build_mixture
+            for stage in stages:
+                phase = {"mid_train": "mid", "chat_sft": "sft"}[stage]
+                build_mixture(phase, "train", test_holdout=holdout)
+                build_mixture(phase, "val", test_holdout=holdout)
+except RequestError as e:   # MissingDataError, DataError: a file missing or broken
+    print(f"{stage}\n{e}")
+    sys.exit(3)
+PY
+)" || rc=$?
+  (( rc == 3 )) || return 0
+  die "stage '${said%%$'\n'*}' would stop on its data (checked now, before the data stage and base training):" \
+    "${said#*$'\n'}"$'\n'"For the hub's copies install the hub extra (in $REPO: uv pip install -p .venv/bin/python" \
+    "-e '.[hub]'; ./setup.sh --only env does so on a GPU machine or without ../shared/data), or put the files named above in place"
 }

@@ -8,7 +8,7 @@ run_train.sh), so the file runs in a few seconds.
   --stop "[T] is not running" (exit 0) while the run went on.
 - A refused `--from` pointed at `./setup.sh --from STAGE`, dropping the run's own flags (--base-dir,
   --preset, ...): that command looked in another base dir. And the rerun hints dropped a flag's
-  value that reads like --force (`--identity --force`), leaving a broken command.
+  value that reads like --force (`--conversations --force`), leaving a broken command.
 - `--device-batch-size=-` (the old "not given" mark) was silently the preset's batch.
 - `--conversations=~/c.jsonl` was said not to exist (its ~ unexpanded, unlike --base-dir's), and
   `./c.jsonl` vs `c.jsonl` made different mid / SFT commands, so a rerun retrained the chat stages.
@@ -100,12 +100,14 @@ def test_run_train_prints_status_and_stop_commands_that_find_the_run(tmp_path):
 
 # ---------------------------------------------------------------- setup.sh's hints
 def test_a_refused_from_names_the_users_own_command(clone, tmp_path):
+    # a file named '--force' (an --identity name may not start with '-': setup.sh refuses it)
+    (clone / "--force").write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]\n')
     base = tmp_path / "my base"
-    args = ["--preset", "tiny", "--base-dir", str(base), "--identity", "--force", "--from", "base_train"]
+    args = ["--preset", "tiny", "--base-dir", str(base), "--conversations", "--force", "--from", "base_train"]
     rc, out = _run(clone, "./setup.sh", *args)
     assert rc == 2 and "--from: got 'base_train'" in out, out
     hint = out.split("so rerun with --from data (", 1)[1].split(") or without --from", 1)[0]
-    want = ["./setup.sh", "--preset", "tiny", "--base-dir", str(base), "--identity", "--force", "--from", "data"]
+    want = ["./setup.sh", "--preset", "tiny", "--base-dir", str(base), "--conversations", "--force", "--from", "data"]
     assert shlex.split(hint) == want, hint
     rc, out = _run(clone, "./setup.sh", *args[:-2], "--from=tokenizer")   # the = spelling is replaced too
     hint = out.split("so rerun with --from data (", 1)[1].split(") or without --from", 1)[0]
@@ -113,13 +115,15 @@ def test_a_refused_from_names_the_users_own_command(clone, tmp_path):
 
 
 def test_a_failed_stage_keeps_a_flag_value_that_reads_like_force(clone, tmp_path):
-    """`--identity --force`: the rerun hint dropped the value '--force', leaving `--identity --only`."""
-    rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--identity", "--force", "--only", "data",
+    """`--conversations --force` (a file named so): the rerun hint dropped the value '--force', leaving
+    `--conversations --only` (the test used `--identity --force`, a name setup.sh now refuses)."""
+    (clone / "--force").write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]\n')
+    rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--conversations", "--force", "--only", "data",
                    "--base-dir", tmp_path / "base", FAKE_FAIL="nanochat.dataset")
     assert rc == 1, out
     line = next(x for x in out.splitlines() if x.startswith("setup.sh: stage 'data' failed"))
     hint = line.split("rerun ", 1)[1].split(": finished", 1)[0]
-    assert shlex.split(hint)[1:] == ["--preset", "tiny", "--identity", "--force", "--only", "data",
+    assert shlex.split(hint)[1:] == ["--preset", "tiny", "--conversations", "--force", "--only", "data",
                                      "--base-dir", str(tmp_path / "base")], line
 
 
