@@ -10,7 +10,6 @@ set -euo pipefail
 # bash reads a script as it runs it: the braces make it read all of it first, so an edit to this file
 # during a days-long run (saved in place) cannot have the run go on from an old offset in the new text
 {
-
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CALLER_DIR="$PWD"   # relative paths in the flags are the caller's
 ORIG_ARGS=("$@")    # for the "rerun" hints: a plain ./setup.sh would drop e.g. --depth 12 and train another model
@@ -134,9 +133,7 @@ while [[ ! -e "$existing" && "$existing" != / ]]; do existing="$(dirname "$exist
 if [[ $IDENTITY_GIVEN -eq 1 ]]; then   # nanochat/tasks/identity.py's rule (bar its Unicode cases), before hours of training
   [[ ${#IDENTITY} -ge 1 && ${#IDENTITY} -le 64 && "$IDENTITY" != " "* && "$IDENTITY" != *" " && "$IDENTITY" != *[[:cntrl:]]* ]] \
     || die "--identity: got '$IDENTITY'; accepted: a name of 1-64 printable characters (no leading or trailing spaces)"
-  # mid_train / chat_sft's argparse reads a value starting with '-' as a flag and stopped, after base
-  # training; and a value left out (`--identity $UNSET --dry-run`) took the next flag as the name,
-  # a real run starting instead of the dry run asked for
+  # '-x': mid/SFT's argparse takes it for a flag (after base training); `--identity $UNSET --dry-run` ran for real
   [[ "$IDENTITY" != -* ]] || die "--identity: got '$IDENTITY' (a flag, not a name: its value left out?);" \
     "accepted: a name of 1-64 printable characters not starting with '-'"
   [[ $NO_IDENTITY -eq 0 ]] || die "--identity: got '$IDENTITY' and --no-identity; accepted: one of the two"
@@ -526,8 +523,7 @@ PY
 )" && return 0
   if [[ $DRY_RUN -eq 1 ]]; then warn "$said"; else die "$said"; fi
 }
-check_dtype_env
-check_chat_data   # (scripts/setup_env.sh) mid / SFT's data there, before the data stage and base training
+check_dtype_env; check_chat_data   # (setup_env.sh) mid / SFT's data there, before the data stage and base training
 if [[ $DRY_RUN -eq 0 && ! -x .venv/bin/python ]]; then   # (--only / --from without the env stage)
   for s in "${STAGES[@]:1}"; do
     should_run "$s" && die "stage '$s' runs in $REPO/.venv, which does not exist (or has no python): build it" \
