@@ -122,6 +122,17 @@ def _int_in(value, name: str, lo: int, hi: int | None, accepted: str | None = No
     return n
 
 
+def _encodable_name(name) -> bool:
+    """A special token's name: a non-empty str that UTF-8 can encode (no lone surrogates)."""
+    if not isinstance(name, str) or not name:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _positive_int(value, name: str) -> int:
     return _int_in(value, name, 1, None, "a positive integer")
 
@@ -209,9 +220,10 @@ class Tokenizer:
         self._drops: str | None = _check_pattern(pattern, existing=existing)
         _check_ranks(mergeable_ranks)
         specials = list(special_tokens)
-        bad = next((k for k, name in enumerate(specials) if not isinstance(name, str) or not name), None)
-        if bad is not None:  # tiktoken's TypeError named no argument; an empty name decodes as nothing
-            raise ValueError(f"special_tokens[{bad}]: got {_shown(specials[bad])}; accepted: a non-empty str")
+        bad = next((k for k, name in enumerate(specials) if not _encodable_name(name)), None)
+        if bad is not None:  # tiktoken's TypeError / UnicodeEncodeError named no argument; "" decodes as nothing
+            raise ValueError(f"special_tokens[{bad}]: got {_shown(specials[bad])}; accepted: a non-empty str "
+                             "without lone surrogates")
         if len(set(specials)) != len(specials) or not set(SPECIAL_TOKENS) <= set(specials):
             raise ValueError(f"special_tokens: must be unique and include all of {SPECIAL_TOKENS}")
         n = len(mergeable_ranks)
@@ -433,7 +445,8 @@ class Tokenizer:
             raise ValueError(f"ids: {e}; accepted: a sequence of integer token ids") from None
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise ValueError(f"ids: got token id {bad}; accepted: 0..{self.vocab_size - 1}")
+            # _short_repr: formatting an int of 4,300+ digits raised its own ValueError, naming no argument
+            raise ValueError(f"ids: got token id {_short_repr(bad)}; accepted: 0..{self.vocab_size - 1}")
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -5,7 +5,7 @@ Tokenizer is built or loaded), and `_rustbpe` (the Rust extension, or ImportErro
 tiktoken's encode_ordinary keeps only the regex's matches: text that no match covers vanishes from
 the ids without a word, and a pattern that can match the empty string makes it panic (pyo3's
 PanicException, a BaseException) or skip a character. So a pattern must compile, can never match
-the empty string (rustbpe's structural check), round-trips the probe texts (common contexts:
+the empty string nor use \\K (rustbpe's structural checks), round-trips the probe texts (common contexts:
 contractions, \\r\\n, runs, start and end of a text) and covers every code point (each one tried in a
 run of its neighbours). The verdict depends on the pattern alone and is kept per process.
 

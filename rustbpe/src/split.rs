@@ -55,6 +55,19 @@ impl Splitter {
                 ),
             });
         }
+        // `\K` drops what its match consumed before it from the reported match, so that text is
+        // in no chunk: rustbpe refuses it only where the training text holds it, and tiktoken drops
+        // it (`(?:\Ka)+` kept one "a" of "aa") or panics when nothing is left (`qz\K` on "qz").
+        // The probes and the every-code-point check miss it whenever the text before `\K` is rare.
+        if find_expr(&tree.expr, &|e| matches!(e, Expr::KeepOut).then_some(())).is_some() {
+            return Err(BpeError::Pattern {
+                pattern: pattern.to_string(),
+                reason: "\\K (keep out) takes the text its match consumed before it out of the \
+                         match: tiktoken drops that text, or panics when nothing is left (use a \
+                         look-behind `(?<=...)` instead)"
+                    .to_string(),
+            });
+        }
         let fast = if pattern == GPT4_PATTERN {
             Some(Gpt4Matcher::new()?)
         } else {
@@ -144,10 +157,19 @@ impl Splitter {
 /// (`groups` counts group 0): fancy-regex 0.20 compiles one and then indexes past its capture slots
 /// while matching, a panic (tiktoken's fancy-regex too: `a(?(1))b|.` panicked it on "a").
 fn missing_condition_group(expr: &Expr, groups: usize) -> Option<usize> {
+    find_expr(expr, &|e| match e {
+        Expr::BackrefExistsCondition { group, .. } => (*group >= groups).then_some(*group),
+        _ => None,
+    })
+}
+
+/// The first `Some` that `f` gives on `expr` or on a node below it (depth first, in pattern order).
+fn find_expr<T>(expr: &Expr, f: &dyn Fn(&Expr) -> Option<T>) -> Option<T> {
+    if let Some(found) = f(expr) {
+        return Some(found);
+    }
+    // Spelled out, not Expr::children_iter: that panics (unimplemented!) on an unresolved AstNode.
     let children: Vec<&Expr> = match expr {
-        Expr::BackrefExistsCondition { group, .. } => {
-            return (*group >= groups).then_some(*group);
-        }
         Expr::Concat(v) | Expr::Alt(v) => v.iter().collect(),
         Expr::Group(e) => vec![e.as_ref()],
         Expr::LookAround(e, _) | Expr::AtomicGroup(e) => vec![e.as_ref()],
@@ -167,9 +189,7 @@ fn missing_condition_group(expr: &Expr, groups: usize) -> Option<usize> {
         _ => Vec::new(),
     };
     // The parser limits nesting, so this recursion is shallow.
-    children
-        .into_iter()
-        .find_map(|e| missing_condition_group(e, groups))
+    children.into_iter().find_map(|e| find_expr(e, f))
 }
 
 /// Character classes of the GPT-4 pattern. They are disjoint: `\p{L}`, `\p{N}` and `\s`
@@ -504,6 +524,29 @@ mod tests {
         }
         let s = Splitter::new(r"(a)(?(1)b|c)|.|\s").expect("group 1 exists");
         assert_eq!(chunks(&s, "abac", false).concat(), "abac");
+    }
+
+    #[test]
+    fn keep_out_is_refused() {
+        // `qz\K` reports an empty match on "qz" (tiktoken panicked), `(?:\Ka)+` drops an "a".
+        for pattern in [
+            r"qz\K|\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+",
+            r"(?:\Ka)+|.|\s",
+            r"(?<=q\K)z|.|\s",
+            r"\Ka|.|\s",
+        ] {
+            match Splitter::new(pattern) {
+                Err(BpeError::Pattern { reason, .. }) => {
+                    assert!(reason.contains(r"\K (keep out)"), "{reason}")
+                }
+                other => panic!(
+                    "{pattern:?}: expected a pattern error, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        let s = Splitter::new(r"(?<=q)z|.|\s").expect("a look-behind is fine");
+        assert_eq!(chunks(&s, "qz q", false).concat(), "qz q");
     }
 
     #[test]
