@@ -28,8 +28,9 @@ writes the pid and the log under \$NANOCHAT_BASE_DIR/runs/<model-tag>/ and retur
 is --model-tag from the flags, else d<--depth>, else d20 (base_train's defaults). A second start
 on a tag whose run is alive is refused; a pid file of a dead run is cleaned up. The flags are
 validated (scripts.base_train's own checks) before anything starts, and so is what the run needs
-on disk: the tokenizer, the data shards, the checkpoint --resume names; a tag that holds
-checkpoints needs --resume latest (continue) or --overwrite (start afresh).
+on disk: the tokenizer, the data shards, the checkpoint --resume names (and that these flags can
+continue it); a tag that holds checkpoints needs --resume latest (continue) or --overwrite (start
+afresh).
 
 Run options (not passed to base_train):
   --nproc N        run under 'torchrun --standalone --nproc_per_node N' (default 1: plain python);
@@ -376,34 +377,36 @@ def check_free(cfg) -> bool:
     return True
 
 
-def check_inputs(cfg) -> None:
+def check_inputs(cfg, nproc: int) -> None:
     """What base_train refuses in its first seconds, with its own calls and words: no tokenizer, no
     data shards, --resume latest|STEP without that checkpoint, a fresh start into a tag that holds
-    checkpoints (the same command again after a --stop). Refused in the log only, the start said
-    "started" and exited 0 while the run had already ended."""
+    checkpoints (the same command again after a --stop), a resume (auto too) that these flags cannot
+    continue (another --depth, --max-seq-len, total batch, --nproc or --recipe; a checkpoint past
+    --num-iterations). Refused in the log only, the start said "started" and exited 0 while the run
+    had already ended."""
     from pathlib import Path
 
     from nanochat import binshards, dataset
-    from nanochat.checkpoint import checkpoint_dir, fresh_start, read_meta
+    from nanochat.checkpoint import checkpoint_dir
     from nanochat.common import get_base_dir
     from nanochat.tokenizer import get_tokenizer
+    from scripts.base_train import plan_run
 
-    get_tokenizer(get_base_dir())
+    tokenizer = get_tokenizer(get_base_dir())
     data_dir = Path(cfg.data_dir) if cfg.data_dir else dataset.default_data_dir()
     if not binshards.list_bin_shards(binshards.default_bin_dir(data_dir)):   # else the loader checks them
         dataset.split_shards(dataset.list_shards(data_dir), "train")
     ckpt_dir = checkpoint_dir("base", cfg.model_tag or f"d{cfg.depth}", get_base_dir())
-    if cfg.resume is None:
-        fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # (no writer holds the directory: check_free)
-    elif cfg.resume != "auto":
-        read_meta(ckpt_dir, cfg.resume)
+    # base_train's own checks of the flags against the tag's checkpoints (meta.json; no writer holds
+    # the directory: check_free), its --resume auto line left to the run's log
+    plan_run(cfg, tokenizer, nproc, ckpt_dir, log=lambda line: None)
 
 
 try:
     cfg = parse_config(sys.argv[2:])
     check_device(cfg.device, int(sys.argv[1]))
     if check_free(cfg):
-        check_inputs(cfg)
+        check_inputs(cfg, int(sys.argv[1]))
 except ValueError as e:
     print(f"run_train.sh: error: {e}", file=sys.stderr)
     sys.exit(2)

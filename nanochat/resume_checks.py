@@ -1,9 +1,10 @@
 """What a resumed training run may continue (base, mid, SFT, RL): the checkpoint's model, world
 size, batch, optimizer layout and tokenizer against this run's (check_resume_compatible, and
 check_resume_world from meta.json alone, before data or weights load), a checkpoint past the run's
-last step (check_resume_step), the schedule values that changed (say_schedule_changes) and every
-other flag that differs from the checkpoint's run (say_config_changes). Each refusal is a
-CheckpointError naming what differs and the flag that sets it."""
+last step (check_resume_step), base_train's auto total batch on a resume (resumed_total), the
+schedule values that changed (say_schedule_changes) and every other flag that differs from the
+checkpoint's run (say_config_changes). Each refusal is a CheckpointError (resumed_total's: a
+RequestError) naming what differs and the flag that sets it."""
 
 from __future__ import annotations
 
@@ -108,3 +109,30 @@ def check_resume_step(step: int, num_iterations: int, ckpt_dir) -> None:
         raise CheckpointError(f"--resume: {ckpt_dir} is at step {step}, past --num-iterations {num_iterations}; "
                               f"pass --num-iterations > {step} to train on, or resume an earlier step "
                               f"({earlier or 'none on disk'})")
+
+
+def resumed_total(total_batch_size: int, device_batch_size: int, seq_len: int, meta: dict | None,
+                  world_size: int) -> int:
+    """base_train's --total-batch-size for this run: as given, but auto (-1) on a resume (`meta`: the
+    checkpoint's meta.json; None: a fresh run) keeps the checkpoint's total when this run's
+    micro-batches divide it. Auto rounds up to whole micro-batches of the --device-batch-size, so the
+    rerun at a lower one that an out-of-memory stop advises would otherwise compute another total
+    and be refused."""
+    from nanochat.errors import RequestError
+
+    if total_batch_size != -1 or meta is None:
+        return total_batch_size
+    saved = (meta.get("train") or {}).get("total_batch_size")
+    saved_seq = (meta.get("model_config") or {}).get("sequence_len")
+    row = seq_len * world_size
+    # another seq len / world size: refused later, naming that flag (a seq len that happened to divide
+    # the total used to be refused here as a --device-batch-size the user never changed)
+    if not isinstance(saved, int) or saved <= 0 or saved % row or saved_seq != seq_len:
+        return -1
+    if saved % (device_batch_size * row):
+        fits = [d for d in range(1, saved // row + 1) if saved // row % d == 0][:8]
+        raise RequestError(f"--device-batch-size {device_batch_size}: the checkpoint's total batch of "
+                           f"{saved:,} tokens per step is not a whole number of this run's micro-batches "
+                           f"({device_batch_size} x {seq_len} tokens x {world_size} rank(s)); "
+                           f"resume with a --device-batch-size that divides it: {', '.join(map(str, fits))}, ...")
+    return saved

@@ -1,10 +1,11 @@
 """Pretrain the base model: python -m scripts.base_train [flags]   (or torchrun ... -m scripts.base_train)
 
-The recipe, top to bottom: flags -> runtime -> tokenizer -> data (train and val loaders: damaged or
-mismatched shards fail here, in seconds) -> model config and batch arithmetic (validated before any
-weights exist) -> optional resume -> model, precision, loss kernel, compile -> optimizer -> banner
--> loop (eval bpb, samples, checkpoints, one step, one log line) -> final checkpoint. The mechanics
-live in nanochat/training.py and nanochat/checkpoint.py.
+The recipe, top to bottom: flags -> runtime -> tokenizer -> model config, batch arithmetic, recipe
+and a resume's checks from its meta.json (plan_run: before any data is read or weights exist) -> data
+(train and val loaders: damaged or mismatched shards fail here, in seconds) -> optional resume ->
+model, precision, loss kernel, compile -> optimizer -> banner -> loop (eval bpb, samples,
+checkpoints, one step, one log line) -> final checkpoint. The mechanics live in nanochat/training.py
+and nanochat/checkpoint.py.
 
 Tiny CPU example (seconds):
     python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 \
@@ -19,6 +20,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -30,7 +32,7 @@ from nanochat.loop import (SETUP_STAGE_ENV, TRAIN_FLAG_HELP, LoopSpec, launcher,
                            resume_loop_state, run_training_loop)
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, plan_warnings, recipe_for_resume,
                              resolve_recipe)
-from nanochat.resume_checks import check_resume_compatible, check_resume_step, say_config_changes, \
+from nanochat.resume_checks import check_resume_compatible, check_resume_step, resumed_total, say_config_changes, \
     say_schedule_changes
 from nanochat.tracker import Tracker, check_wandb_flags, resolve_wandb_mode
 from nanochat.eval_bpb import EvalSet, eval_loader, evaluate_bpb
@@ -255,28 +257,50 @@ def parse_config(argv: list[str] | None = None) -> BaseTrainConfig:
     return BaseTrainConfig(**vars(parser.parse_args(argv))).validate()
 
 
-def resumed_total(cfg: BaseTrainConfig, ckpt_dir, resume_at, world_size: int) -> int:
-    """--total-batch-size for this run: as given, but auto (-1) on a resume keeps the checkpoint's
-    total when this run's micro-batches divide it. Auto rounds up to whole micro-batches of the
-    --device-batch-size, so the rerun at a lower one that an out-of-memory stop advises would
-    otherwise compute another total and be refused."""
-    if cfg.total_batch_size != -1 or resume_at is None:
-        return cfg.total_batch_size
-    meta = read_meta(ckpt_dir, resume_at)
-    saved = (meta.get("train") or {}).get("total_batch_size")
-    saved_seq = (meta.get("model_config") or {}).get("sequence_len")
-    row = cfg.max_seq_len * world_size
-    # another seq len / world size: refused later, naming that flag (a seq len that happened to divide
-    # the total used to be refused here as a --device-batch-size the user never changed)
-    if not isinstance(saved, int) or saved <= 0 or saved % row or saved_seq != cfg.max_seq_len:
-        return -1
-    if saved % (cfg.device_batch_size * row):
-        fits = [d for d in range(1, saved // row + 1) if saved // row % d == 0][:8]
-        raise RequestError(f"--device-batch-size {cfg.device_batch_size}: the checkpoint's total batch of "
-                           f"{saved:,} tokens per step is not a whole number of this run's micro-batches "
-                           f"({cfg.device_batch_size} x {cfg.max_seq_len} tokens x {world_size} rank(s)); "
-                           f"resume with a --device-batch-size that divides it: {', '.join(map(str, fits))}, ...")
-    return saved
+def plan_run(cfg: BaseTrainConfig, tokenizer, world_size: int, ckpt_dir, log=print0) -> SimpleNamespace:
+    """What the flags, the tokenizer and a resume's meta.json decide before any data is read or
+    weights exist: the model's shape (meta device), horizon, batch, recipe, and a resume's checks (the
+    checkpoint there, its model, batch, world, tokenizer and recipe, its step within the horizon) or a
+    fresh start's (a tag holding checkpoints). Each refusal names its flag; cfg.recipe becomes the one
+    trained (a resume's: the checkpoint's). run_train.sh calls it before its background start."""
+    from nanochat.checkpoint import fresh_start, resolve_resume, resolve_step
+    from nanochat.gpt import GPT, config_for_depth
+
+    def shapes(config, **kwargs):   # on the meta device: no memory, no init (as precision_request's check)
+        with torch.device("meta"):
+            return GPT(config, **kwargs)
+
+    def config_at(depth: int):
+        return config_for_depth(depth, tokenizer.vocab_size, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio,
+                                head_dim=cfg.head_dim, window_pattern=cfg.window_pattern)
+
+    model_config = config_at(cfg.depth)
+    meta_model = shapes(model_config, attn_backend=cfg.attn_backend)
+    horizon = Horizon(cfg.num_iterations, cfg.target_flops, cfg.target_param_data_ratio, meta_model.estimate_flops(),
+                      meta_model.num_scaling_params(), shapes(config_at(REF_DEPTH)).num_scaling_params(),
+                      ratio_given=cfg.target_param_data_ratio != BaseTrainConfig.target_param_data_ratio)
+    resume_at = resolve_resume(cfg.resume, ckpt_dir, log=log)
+    resume_step = resolve_step(ckpt_dir, resume_at) if resume_at is not None else None
+    saved_meta = read_meta(ckpt_dir, resume_step) if resume_at is not None else None
+    total_batch_size = resolve_total_batch_size(
+        resumed_total(cfg.total_batch_size, cfg.device_batch_size, cfg.max_seq_len, saved_meta, world_size),
+        horizon.target_tokens, horizon.ref_tokens, cfg.device_batch_size, cfg.max_seq_len, world_size)
+    plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, world_size)
+    num_iterations = horizon.steps(total_batch_size)
+    earlier = None   # a fresh run's earlier one: moved to earlier_runs/<N>/ at the first save
+    if saved_meta is None:
+        earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)
+    else:
+        check_resume_compatible(saved_meta, asdict(model_config), plan, world_size, tokenizer.fingerprint,
+                                fsdp=cfg.fsdp)
+        check_resume_step(resume_step, num_iterations, ckpt_dir)
+    # the recipe (nanochat/recipe.py): LRs, weight decay, schedules; a resume's from meta.json
+    cfg.recipe = recipe_for_resume(cfg.recipe, saved_meta.get("config", {}) if saved_meta is not None else None)
+    recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
+                            target_tokens=horizon.target_tokens, ref_tokens=horizon.ref_tokens)
+    return SimpleNamespace(model_config=model_config, meta_model=meta_model, horizon=horizon, plan=plan,
+                           total_batch_size=total_batch_size, num_iterations=num_iterations, resume_step=resume_step,
+                           saved_meta=saved_meta, earlier=earlier, recipe=recipe, schedule=recipe.schedule(num_iterations))
 
 
 def say_grad_clip_change(saved, now: float) -> str | None:
@@ -308,8 +332,7 @@ def run(cfg: BaseTrainConfig) -> dict:
 
 def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, checkpoint_dir, disk_plan,
-                                     fresh_start, load_checkpoint, planned_saves, resolve_resume, resolve_step,
-                                     save_checkpoint, step_dirname)
+                                     load_checkpoint, planned_saves, save_checkpoint, step_dirname)
     from nanochat.dataloader import DataLoader
     from nanochat.gpt import config_for_depth
     from nanochat.optim import build_optimizer
@@ -339,6 +362,17 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     tokenizer = get_tokenizer(base_dir)
     token_bytes = get_token_bytes(device=rt.device, base_dir=base_dir)
 
+    # ---- model shape, horizon, batch arithmetic, recipe; a resume's checks from its meta.json: each
+    # refusal before the data is read, the weights load (GBs) or any model exists ----
+    run_plan = plan_run(cfg, tokenizer, rt.world_size, ckpt_dir)
+    model_config, meta_model, horizon, plan = run_plan.model_config, run_plan.meta_model, run_plan.horizon, run_plan.plan
+    total_batch_size, num_iterations, resume_step = run_plan.total_batch_size, run_plan.num_iterations, run_plan.resume_step
+    saved_meta, earlier, recipe, schedule = run_plan.saved_meta, run_plan.earlier, run_plan.recipe, run_plan.schedule
+    target_tokens, ref_tokens = horizon.target_tokens, horizon.ref_tokens
+    flops_per_token, scaling_params = meta_model.estimate_flops(), meta_model.num_scaling_params()
+    num_params = sum(p.numel() for p in meta_model.parameters())
+    eval_batches = cfg.eval_tokens // (cfg.device_batch_size * cfg.max_seq_len)   # of all ranks together
+
     # ---- data: constructing the loaders opens and checks every shard (DataError / MissingDataError)
     # before any model exists; batches are only produced once training starts ----
     loader_kwargs = dict(device=rt.device, data_dir=cfg.data_dir, rank=rt.rank, world_size=rt.world_size)
@@ -354,46 +388,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
 
     val_loader = open_val()
 
-    # ---- model shape (meta device: no memory, no init yet) ----
-    def config_at(depth: int):
-        return config_for_depth(depth, tokenizer.vocab_size, cfg.max_seq_len, aspect_ratio=cfg.aspect_ratio,
-                                head_dim=cfg.head_dim, window_pattern=cfg.window_pattern)
-
-    model_config = config_at(cfg.depth)
-    meta_model = build_model(model_config, "meta", attn_backend=cfg.attn_backend)
-    flops_per_token = meta_model.estimate_flops()
-    scaling_params = meta_model.num_scaling_params()
-    num_params = sum(p.numel() for p in meta_model.parameters())
-
-    # ---- horizon and batch arithmetic (raises before any weights exist) ----
-    horizon = Horizon(cfg.num_iterations, cfg.target_flops, cfg.target_param_data_ratio, flops_per_token,
-                      scaling_params, build_model(config_at(REF_DEPTH), "meta").num_scaling_params(),
-                      ratio_given=cfg.target_param_data_ratio != BaseTrainConfig.target_param_data_ratio)
-    target_tokens, ref_tokens = horizon.target_tokens, horizon.ref_tokens
-    resume_at = resolve_resume(cfg.resume, ckpt_dir)
-    total_batch_size = resolve_total_batch_size(resumed_total(cfg, ckpt_dir, resume_at, rt.world_size),
-                                                target_tokens, ref_tokens, cfg.device_batch_size, cfg.max_seq_len,
-                                                rt.world_size)
-    plan = plan_batch(total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
-    num_iterations = horizon.steps(total_batch_size)
-    eval_batches = cfg.eval_tokens // (cfg.device_batch_size * cfg.max_seq_len)   # of all ranks together
-
-    # ---- resume: meta.json first, so a mismatch fails before the weights load (GBs) or a model is built ----
-    resume, earlier, saved_meta = None, None, None
-    if resume_at is None:
-        earlier = fresh_start(ckpt_dir, cfg.resume, cfg.overwrite)   # moved to earlier_runs/<N>/ at the first save
-    else:
-        resume_step = resolve_step(ckpt_dir, resume_at)
-        saved_meta = read_meta(ckpt_dir, resume_step)
-        check_resume_compatible(saved_meta, asdict(model_config), plan, rt.world_size, tokenizer.fingerprint,
-                                fsdp=cfg.fsdp)
-        check_resume_step(resume_step, num_iterations, ckpt_dir)
-
-    # ---- recipe: LRs, weight decay, schedules (nanochat/recipe.py); a resume's from meta.json: refused before the load ----
-    cfg.recipe = recipe_for_resume(cfg.recipe, saved_meta.get("config", {}) if saved_meta is not None else None)
-    recipe = resolve_recipe(cfg.recipe, {k: getattr(cfg, k) for k in RECIPE_FLAGS}, total_batch_size=total_batch_size,
-                            target_tokens=target_tokens, ref_tokens=ref_tokens)
-    schedule = recipe.schedule(num_iterations)
+    # ---- resume: the weights, optimizer and loader state of the checkpoint checked above ----
+    resume = None
     if saved_meta is not None:
         resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
         saved_cfg = saved_meta.get("config") or {}
