@@ -342,8 +342,9 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
     from nanochat.chat_data import ChatLoader, build_mixture, check_replies_fit, first_rows, validation_overlap
     from nanochat.chat_flags import (describe_epochs, epochs_of, next_commands, print_banner,   # it imports this module
                                      resume_command)
-    from nanochat.checkpoint import (branch_start, build_model, checkpoint_bytes, disk_plan, fresh_start,
-                                     planned_saves, save_checkpoint, step_dirname)
+    from nanochat.checkpoint import (CheckpointError, branch_start, build_model, checkpoint_bytes, disk_plan,
+                                     fresh_start, planned_saves, save_checkpoint, step_dirname)
+    from nanochat.distributed import failing_together
     from nanochat.kernels import check_kernel
     from nanochat.loop import SETUP_STAGE_ENV, LoopSpec, log_stage_report, resume_loop_state, run_training_loop
     from nanochat.optim import build_optimizer
@@ -392,16 +393,21 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                      planned_saves(first_step, num_iterations, cfg.save_every), cfg.keep_last, earlier)
     if earlier is not None:
         disk += f"; {earlier.describe()}"
-    model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
     schedule = Schedule(num_iterations, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac).validate()
     eval_rows = eval_rows_of(cfg, seq_len, start.saved)
     eval_batches = -(-eval_rows // cfg.device_batch_size)   # the last one's surplus rows unscored (first_rows)
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=seq_len, device=rt.device, mask=stage.mask,
                      fill=stage.fill)
-    # epochs after the first in a fresh order drawn from --seed and the epoch (a resumed state keeps its run's)
-    loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, seed=cfg.seed, **loader_kw)
-    if resume is not None and resume["loader"] is not None:
-        loader.load_state_dict(resume["loader"])
+    # each rank reads its own optimizer and loader shards: one rank's damaged file stops every rank here,
+    # the others naming it (they went on into the loop and died at its first collective, in a traceback)
+    loading = f"resuming {ckpt_dir / step_dirname(start.resume_step)}" if start.resume_step is not None else \
+        f"loading {source.get('phase', cfg.source)}/{tag} step {source.get('step')}"
+    with failing_together(loading, CheckpointError):
+        model, tokenizer, resume = _load_start(cfg, start, rt, base_dir)
+        # epochs after the first in a fresh order drawn from --seed and the epoch (a resumed state keeps its run's)
+        loader = ChatLoader(train_mix, tokenizer, rank=rt.rank, world_size=rt.world_size, seed=cfg.seed, **loader_kw)
+        if resume is not None and resume["loader"] is not None:
+            loader.load_state_dict(resume["loader"])
 
     # ---- model set-up and optimizer (lrs scaled by --init-lr-frac) ----
     precision_info = setup_precision_and_kernel(model, "auto", cfg.kernel, rt, compile=compile_model)

@@ -8,7 +8,8 @@ micro-batches.
   timeout, and check_shared_dir's and warm_up_ranks', default to NANOCHAT_DIST_TIMEOUT (600 s;
   nanochat/roll_call.py, which also bounds the start and the group's collectives).
 * `rank_failures` gathers what failed where in a task every rank does its part of (a checkpoint
-  save), so every rank raises together instead of the others waiting for the failed one.
+  save), so every rank raises together instead of the others waiting for the failed one;
+  `failing_together` wraps a block each rank does alone (a resume reading its own shards) in it.
 * `group_left_on_success` leaves the process group when a script's work ends normally, and keeps
   it up on an error, so that a rank that failed alone is heard (torchrun then ends the others).
 * `check_shared_dir` checks at start-up that every rank sees the same checkpoint directory: two
@@ -109,6 +110,37 @@ def rank_failures(message: str | None) -> dict[int, str]:
     gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, message)   # NCCL: through the current CUDA device (init_runtime's)
     return {r: m for r, m in enumerate(gathered) if m is not None}
+
+
+@contextmanager
+def failing_together(what: str, error_type: type[Exception] | None = None):
+    """`with failing_together("resuming ..."):` around work each rank does on its own (reading its
+    own files: a resume's optimizer and loader shards), then one collective (rank_failures): a rank
+    whose part raised re-raises its own error, every other rank an `error_type` (default RequestError:
+    one line from the scripts) naming that rank and its error. Without it a rank that failed alone (its
+    optim_rank1.pt damaged) left the others building the model and entering the loop, where their first
+    collective ended in gloo's "Connection closed by peer" traceback (NCCL: a wait for its timeout)
+    instead of the line naming the file. No collective may run inside the block (a failed rank skips
+    it). Without a process group: the block as it is."""
+    error = None
+    try:
+        yield
+    except Exception as e:   # noqa: BLE001 - a bug too: the other ranks must not wait for it
+        error = e
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    from nanochat.errors import RequestError
+    said = None if error is None else str(error) if isinstance(error, RequestError) else f"{type(error).__name__}: {error}"
+    failed = rank_failures(said)
+    if error is not None:
+        raise error
+    if failed:
+        where = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise (error_type or RequestError)(
+            f"{what} failed on rank(s) {', '.join(map(str, failed))} of {dist.get_world_size()}, so every rank "
+            f"stops: {where}")
 
 
 @contextmanager

@@ -339,7 +339,8 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     from nanochat.attention import check_training_backend
     from nanochat.kernels import check_kernel
-    from nanochat.distributed import check_shared_dir
+    from nanochat.checkpoint_io import CheckpointError
+    from nanochat.distributed import check_shared_dir, failing_together
     from nanochat.training import resolve_compile, setup_precision_and_kernel
     from nanochat.writer_lock import claim_checkpoint_dir
 
@@ -391,15 +392,17 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     # ---- resume: the weights, optimizer and loader state of the checkpoint checked above ----
     resume = None
     if saved_meta is not None:
-        resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
+        # each rank reads its own shards: one rank's damaged file stops every rank here, naming it
+        with failing_together(f"resuming {ckpt_dir / step_dirname(resume_step)}", CheckpointError):
+            resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
+            if resume["loader"] is not None:
+                train_loader.load_state_dict(resume["loader"])
         saved_cfg = saved_meta.get("config") or {}
         say_config_changes(saved_cfg, asdict(given), said=SAID_ON_RESUME)
         # later steps on disk are the run this one branches from: moved aside at the first save, not replaced
         earlier = branch_start(ckpt_dir, resume_step, f"--resume {cfg.resume}")
-        if resume["loader"] is not None:
-            train_loader.load_state_dict(resume["loader"])
-            if val_loader.source_kind != train_loader.source_kind:   # it went back to the checkpoint's kind
-                val_loader = open_val()
+        if val_loader.source_kind != train_loader.source_kind:   # the loader went back to the checkpoint's kind
+            val_loader = open_val()
         saved = resolve_recipe(cfg.recipe, {k: saved_cfg.get(k) for k in RECIPE_FLAGS},   # the checkpoint run's schedule
                                total_batch_size=total_batch_size, target_tokens=target_tokens, ref_tokens=ref_tokens)
         say_schedule_changes({"num_iterations": (saved_meta.get("train") or {}).get("num_iterations"),

@@ -331,7 +331,7 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     from nanochat.tasks import GSM8K
     from nanochat.tasks.evaluate import out_of_memory_hint, run_generative
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.distributed import check_shared_dir
+    from nanochat.distributed import check_shared_dir, failing_together
     from nanochat.tracker import Tracker
     from nanochat.writer_lock import claim_checkpoint_dir
     from nanochat.training import StepMeter, restore_rng_state
@@ -382,7 +382,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
             say_schedule_changes({"num_iterations": (saved.get("train") or {}).get("num_iterations")},
                                  {"num_iterations": num_iterations})
             say_config_changes(saved.get("config") or {}, asdict(cfg), said=SAID_ON_RESUME)
-            resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
+            with failing_together(f"resuming {ckpt_dir / step_dirname(resume_step)}", CheckpointError):
+                resume = load_checkpoint(ckpt_dir, resume_step, device=rt.device, rank=rt.rank, load_optimizer=True)
     if resume is not None:
         tokenizer = get_tokenizer(base_dir)
         model = model_from_meta(resume["meta"], resume["model"], ckpt_dir / step_dirname(resume["step"]), rt.device,
