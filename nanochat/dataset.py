@@ -163,8 +163,7 @@ def open_text_shard(path: str | Path) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable parquet file ({one_line(e)}); {_RECREATE}") from e
     schema = pf.schema_arrow
     idx = schema.get_field_index("text")
-    if idx < 0 or not (pa.types.is_string(schema.field(idx).type)
-                       or pa.types.is_large_string(schema.field(idx).type)):
+    if idx < 0 or not _is_text_type(schema.field(idx).type):
         raise DataError(f"{path}: wrong schema: expected a string column 'text', found columns "
                         f"{[f'{f.name}: {f.type}' for f in schema]}; {_RECREATE}")
     for rg in range(pf.num_row_groups):  # footer statistics only: no data is read
@@ -172,6 +171,17 @@ def open_text_shard(path: str | Path) -> pq.ParquetFile:
         if stats is not None and stats.has_null_count and stats.null_count:
             raise _null_texts(path, rg)
     return pf
+
+
+def _is_plain_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    """Whether a `text` column reads as strings: string / large_string, or as other writers store
+    them: string_view (Polars >= 1.38 writes it) or a dictionary of strings (a pandas category)."""
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return _is_plain_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)  # pyarrow >= 16
 
 
 def one_line(error: BaseException) -> str:
@@ -203,8 +213,6 @@ def read_text_column(pf: pq.ParquetFile, rg: int, path: str | Path | None = None
         col = pf.read_row_group(rg, columns=["text"]).column("text")
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{where}: row group {rg} is unreadable ({one_line(e)}); {_RECREATE}") from e
-    if col.null_count:
-        raise _null_texts(where, rg)
     try:
         # Parquet does not check that a string column is UTF-8; unchecked, a bad byte surfaces as
         # a UnicodeDecodeError naming no file wherever the texts become str (to_pylist), e.g. in
@@ -213,6 +221,10 @@ def read_text_column(pf: pq.ParquetFile, rg: int, path: str | Path | None = None
     except pa.ArrowInvalid:
         raise DataError(f"{where}: row group {rg} holds text that is not valid UTF-8 "
                         f"({_first_bad_utf8(col)}); {_RECREATE}") from None
+    if not _is_plain_string(col.type):   # string_view / dictionary: take and binary_length have no
+        col = col.cast(pa.large_string())  # kernel for them (the loader's row picks, data_passes)
+    if col.null_count:
+        raise _null_texts(where, rg)
     return col
 
 

@@ -3,16 +3,17 @@
 
 Every *.parquet (string column `text`), *.jsonl (one JSON object a line with a string field
 `text`) and *.txt (one document per file, split when long: at blank lines, else at line ends;
-line ends read as Python's text mode reads them) under SRC, suffixes in any case, sorted by path, becomes one
-document list (hidden files and directories, such as macOS `._NAME` resource forks and
-`.ipynb_checkpoints/`, are not read, nor a byte-identical copy of an earlier file; the command
-says how many files it read and skipped, naming the copies); the last `val_fraction` of it is the
+line ends read as Python's text mode reads them) under SRC (symlinked folders followed, each real
+folder once), suffixes in any case, sorted by path, becomes one document list (hidden files and
+directories, such as macOS `._NAME` resource forks and `.ipynb_checkpoints/`, are not read, nor a
+byte-identical copy of an earlier file; the command says how many files it read and skipped, naming
+the copies and any folder it could not list); the last `val_fraction` of it is the
 validation shard, and a training document that copies a validation one (whitespace aside) is left
 out of train (held_out_split). A file that does not read as what its suffix says (not UTF-8, not JSON, no
 `text`, a lone surrogate escape) is a DataError naming the file, and the line for JSONL (a .txt
 file: the byte). The shards in the output directory are skipped, so that an --out inside SRC
 does not feed a rerun its own earlier shards (the old validation shard among them) as new
-training documents.
+training documents; so are those of an earlier import of SRC into another folder inside it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from nanochat.binshards_runs import file_sha256
-from nanochat.dataset import SOURCE_FILE, claim_data_dir, open_text_shard, read_row_group_texts, write_text_shards
+from nanochat.dataset import (SOURCE_FILE, claim_data_dir, open_text_shard, read_marker, read_row_group_texts,
+                              write_text_shards)
 from nanochat.errors import DataError
 
 SUFFIXES = (".parquet", ".jsonl", ".txt")
@@ -133,24 +136,72 @@ def _txt_text(path: Path) -> str:
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
-def local_files(src: Path, exclude: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(files to read, other files) under src, sorted by path. To read: *.parquet, *.jsonl, *.txt,
-    the suffix in any case (`NOTES.TXT` from Windows), except the shards and source marker directly
-    in `exclude` (the output directory; by name, shard_NNNNN.parquet). Hidden files and directories
-    are neither: a `._NAME.txt` resource fork (in any tar made on a Mac) is binary, a `.ipynb_checkpoints/` copy a duplicate."""
-    skip = exclude.resolve() if exclude is not None else None
-    read, other = [], []
-    for p in sorted(src.rglob("*")):
-        if any(part.startswith(".") for part in p.relative_to(src).parts) or not p.is_file():
+class LocalFiles(NamedTuple):
+    read: list[Path]        # *.parquet, *.jsonl, *.txt under src, to read
+    other: list[Path]       # files of other kinds (named in the import's log line)
+    derived: list[Path]     # folders holding an earlier import of src (or of a folder in it): not read
+    unreadable: list[Path]  # folders that could not be listed (named in the log line)
+
+
+def _walk(src: Path) -> tuple[list[Path], list[Path]]:
+    """(every file under src, hidden ones and those in hidden directories aside; the directories
+    that could not be listed). Symlinked directories are followed, each real directory once (a
+    link loop ends): rglob skipped them without a word, so a corpus assembled from links (`ln -s
+    /mnt/big/wiki corpus/`) was imported without those documents."""
+    files, unreadable, seen = [], [], set()
+    for root, dirs, names in os.walk(src, onerror=lambda e: unreadable.append(Path(e.filename)), followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
             continue
-        suffix = p.suffix.lower()
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [Path(root, n) for n in names if not n.startswith(".")]
+    return sorted(files), sorted(unreadable)
+
+
+def _derived_dirs(src: Path, files: list[Path]) -> set[Path]:
+    """Folders among `files`' whose source.json records a local import of src or of a folder
+    inside it that is still there: their shards copy documents this import reads from their own
+    files (an earlier `--out src/v1`, imported again into src/v2, trained on every document twice).
+    A set whose source folder is gone, or that came from elsewhere or a download, is read."""
+    root, derived = src.resolve(), set()
+    for marker in (f for f in files if f.name == SOURCE_FILE):
+        try:
+            source = read_marker(marker) or {}
+        except DataError:   # not a marker of ours: the folder is read as it is
+            continue
+        origin = source.get("source")
+        if isinstance(origin, str) and origin.startswith("local:"):
+            origin = Path(origin[len("local:"):])
+            if origin.is_dir() and (origin == root or root in origin.parents):
+                derived.add(marker.parent)
+    return derived
+
+
+def local_files(src: Path, exclude: Path | None = None) -> LocalFiles:
+    """The files under src, sorted by path. To read: *.parquet, *.jsonl, *.txt, the suffix in any
+    case (`NOTES.TXT` from Windows), except the shards and source marker directly in `exclude` (the
+    output directory; by name, shard_NNNNN.parquet) or in a folder holding an earlier import of
+    src (_derived_dirs). Hidden files and directories are not listed: a `._NAME.txt` resource fork
+    (in any tar made on a Mac) is binary, a `.ipynb_checkpoints/` copy a duplicate."""
+    skip = exclude.resolve() if exclude is not None else None
+    files, unreadable = _walk(src)
+    derived = _derived_dirs(src, files)
+    read, other, skipped = [], [], set()
+    for p in files:
+        if not p.is_file():   # a broken link, a socket
+            continue
         # only the names write_text_shards gives: a user's own mydata.parquet in --out (--out = SRC)
         # was skipped too, and the import said there were no .parquet files under SRC
         ours = _SHARD_NAME.fullmatch(p.name) is not None or p.name == SOURCE_FILE
-        if skip is not None and ours and p.parent.resolve() == skip:
+        if ours and skip is not None and p.parent.resolve() == skip:
             continue
-        (read if suffix in SUFFIXES else other).append(p)
-    return read, other
+        if ours and p.parent in derived:
+            skipped.add(p.parent)
+            continue
+        (read if p.suffix.lower() in SUFFIXES else other).append(p)
+    return LocalFiles(read, other, sorted(skipped), unreadable)
 
 
 def drop_copies(files: list[Path]) -> tuple[list[Path], list[tuple[Path, Path]]]:
@@ -203,15 +254,10 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
                      shard_chars: int = 100_000_000, log=print) -> list[Path]:
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction: got {val_fraction}; accepted: 0 < x < 1")
-    files, other = local_files(src, exclude=out_dir)
-    files, copies = drop_copies(files)
+    found = local_files(src, exclude=out_dir)
+    files, copies = drop_copies(found.read)
     docs = _read_files(src, files, MAX_DOC_CHARS)
-    skipped = (f"; skipped {len(other)} file{'s' * (len(other) != 1)} that {'is' if len(other) == 1 else 'are'} "
-               f"not .parquet/.jsonl/.txt: {', '.join(str(p.relative_to(src)) for p in other[:5])}"
-               f"{' ...' if len(other) > 5 else ''}") if other else ""
-    skipped += (f"; skipped {len(copies)} exact cop{'ies' if len(copies) != 1 else 'y'} of another file: "
-                + ", ".join(f"{c.relative_to(src)} (= {o.relative_to(src)})" for c, o in copies[:5])
-                + (" ..." if len(copies) > 5 else "")) if copies else ""
+    skipped = _skip_note(src, found, copies)
     log(f"read {len(docs)} documents from {len(files)} files under {src}{skipped}")
     n_val = max(1, round(len(docs) * val_fraction))
     if len(docs) < 2:
@@ -224,6 +270,28 @@ def import_local_dir(src: Path, out_dir: Path, *, val_fraction: float = 0.05,
     train, val = held_out_split(docs, n_val, src, log)
     claim_data_dir(out_dir, f"local:{src.resolve()}", {"val_fraction": val_fraction})
     return write_text_shards(out_dir, train, val, shard_chars=shard_chars)
+
+
+def _skip_note(src: Path, found: LocalFiles, copies: list[tuple[Path, Path]]) -> str:
+    """What the import left out, for its log line: "; skipped ..." per kind (or "")."""
+    def listed(paths, show=str) -> str:
+        return ", ".join(show(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+
+    def rel(p: Path) -> str:
+        return str(p.relative_to(src)) if p != src else "."
+
+    def n(k: int, one: str, many: str) -> str:
+        return f"{k} {one if k == 1 else many}"
+
+    parts = [f"{n(len(found.other), 'file that is', 'files that are')} not .parquet/.jsonl/.txt: "
+             f"{listed(found.other, rel)}" if found.other else "",
+             f"{n(len(copies), 'exact copy', 'exact copies')} of another file: "
+             f"{listed(copies, lambda c: f'{rel(c[0])} (= {rel(c[1])})')}" if copies else "",
+             f"the shards of {n(len(found.derived), 'earlier import', 'earlier imports')} of this folder "
+             f"(its documents are read from their own files): {listed(found.derived, rel)}" if found.derived else "",
+             f"{n(len(found.unreadable), 'folder', 'folders')} that could not be listed (permissions?): "
+             f"{listed(found.unreadable, rel)}" if found.unreadable else ""]
+    return "".join(f"; skipped {part}" for part in parts if part)
 
 
 def _doc_key(text: str) -> bytes:

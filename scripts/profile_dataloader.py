@@ -38,9 +38,11 @@ def parse_args(argv=None):
     """Parse and validate every flag before any data is read; a bad value raises ValueError naming
     the flag and the accepted values."""
     ap = FlagParser(prog="python -m scripts.profile_dataloader", description="dataloader throughput benchmark")
-    ap.add_argument("--data-dir", type=Path, default=None)
-    ap.add_argument("--bin-dir", type=Path, default=None)
-    ap.add_argument("--tokenizer-dir", type=Path, default=None)
+    # ds.path_flag: an empty value (`--bin-dir "$DIR"`, DIR unset) was Path("") = the current
+    # directory, and binary shards were pretokenized into it (e.g. the repository)
+    ap.add_argument("--data-dir", type=ds.path_flag, default=None)
+    ap.add_argument("--bin-dir", type=ds.path_flag, default=None)
+    ap.add_argument("--tokenizer-dir", type=ds.path_flag, default=None)
     ap.add_argument("-B", "--batch-size", type=int, default=32)
     ap.add_argument("-T", "--seq-len", type=int, default=2048)
     ap.add_argument("--batches", type=int, default=40, help="timed batches per configuration (at least)")
