@@ -70,10 +70,16 @@ def _spec(key, name, cc, sms, mem, bw, peaks, unified=False, source="vendor data
 # RTX 5090 1792 (RTX Blackwell whitepaper: 28 Gbps x 512-bit); RTX PRO 6000 1792 (its datasheet);
 # A100 80GB SXM 2039 / 40GB 1555 / 80GB PCIe 1935 (A100 datasheet); L40S 864 (L40S datasheet);
 # RTX 4090 1008 (Ada whitepaper: 21 Gbps x 384-bit). Peak figures when spec-derived say so in `source`.
+# GB10's peaks are NVIDIA's 1 PFLOP FP4 (sparse) halved and scaled by precision; the GEMM rates below
+# them are others' (NVIDIA forum, community CUTLASS runs; DESIGN.md s3): no GB10 has run this code.
+# This text is printed beside GB10 figures (base_train's banner, bench_gemm's header, analyze_bandwidth's
+# --predict label); it said "measured ~82 bf16 / ~180 fp8 / ~356 nvfp4", read as this project's measurements
+GB10_SOURCE = ("spec-derived (1 PFLOP FP4 sparse / 2, per precision), not measured here; community GEMM "
+               "benchmarks (not this project's) reach ~82 bf16 / ~170-188 fp8 / ~356 nvfp4 TFLOP/s")
 DEVICE_TABLE: dict[str, DeviceSpec] = {s.key: s for s in [
     _spec("gb10", "NVIDIA GB10 (DGX Spark)", (12, 1), 48, 128, 273,
           {"bf16": 125.0, "fp8": 250.0, "nvfp4": 500.0, "fp32": 62.5}, unified=True,
-          source="spec-derived from 1 PFLOP FP4 sparse; measured ~82 bf16 / ~180 fp8 / ~356 nvfp4"),
+          source=GB10_SOURCE),
     _spec("h100-sxm", "NVIDIA H100 SXM", (9, 0), 132, 80, 3350,
           {"bf16": 989.4, "fp8": 1978.9, "fp32": 494.7}),
     _spec("h100-pcie", "NVIDIA H100 PCIe", (9, 0), 114, 80, 2000,

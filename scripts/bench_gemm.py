@@ -361,7 +361,7 @@ def parse_args(argv=None):
     """Parse and validate every flag (no CUDA work); a bad value raises ValueError naming the flag."""
     p = FlagParser(prog="python -m scripts.bench_gemm", description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default=None, help="default bf16,fp8,fp8-rowwise,nvfp4 (with --linears "
-                   "or --mlp: bf16,fp8, the only ones those accept)")
+                   "or --mlp: bf16,fp8, the only ones those accept; with --qk: bf16, the only one it accepts)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of MxNxK")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--peak-flops", default="", help="DTYPE=FLOP/s comma list (e.g. bf16=989e12,fp8=1979e12): "

@@ -29,6 +29,7 @@ SMOKE_RUN = ("python -m scripts.bench_serving --device cpu --depth 2 --seq-len 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from nanochat.engine import DECODE_MODES, GRAPH_STEPS
     from nanochat.flags import FlagParser
 
     p = FlagParser(prog="python -m scripts.bench_serving", description=__doc__.split("\n\n")[0],
@@ -41,8 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=32, help="requests per mode")
     p.add_argument("--prompt-lens", "--prompt_lens", dest="prompt_lens", default="100,500,1000,300")
     p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=128)
-    p.add_argument("--decode", default="auto", help="the Engine's decode mode (auto: graphs on CUDA)")
-    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto")
+    p.add_argument("--decode", default="auto",
+                   help=f"the Engine's decode mode: {'|'.join(DECODE_MODES)} (auto: graphs on CUDA)")
+    p.add_argument("--graph-step", "--graph_step", dest="graph_step", default="auto",
+                   help=f"what a static/graphs step runs: {'|'.join(GRAPH_STEPS)} (nanochat/engine.py)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|mps")
     p.add_argument("--dtype", default="auto", help="auto|bf16|fp32")
     p.add_argument("--seed", type=int, default=0)
@@ -57,7 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.prompt_lens) < 1 or max(args.prompt_lens) + args.max_tokens >= args.seq_len:
         raise ValueError(f"--prompt-lens: got {args.prompt_lens}; accepted: integers >= 1 with prompt + "
                          f"--max-tokens ({args.max_tokens}) < --seq-len ({args.seq_len})")
-    from nanochat.engine import DECODE_MODES, GRAPH_STEPS
     from scripts.bench_inference import check_model_flags
 
     if args.decode not in DECODE_MODES:
@@ -162,11 +164,18 @@ def main(argv=None) -> int:
         rows.append(run_mode(engine, slots, prompts, args))
         print(json.dumps(rows[-1]), flush=True)
         del engine
-    print(f"\n{'slots':>5} {'tok/s':>9} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>9} {'ttft p95':>9} {'batch':>6}")
-    for r in rows:
-        print(f"{r['slots']:>5} {r['tok_per_s']:>9.1f} {r['latency_p50_s']:>8.2f} {r['latency_p95_s']:>8.2f} "
-              f"{r['ttft_p50_s']:>9.3f} {r['ttft_p95_s']:>9.3f} {r['mean_batch']:>6.2f}")
+    print_table(rows)
     return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    """The rows for people, each column with its unit: latency and TTFT in seconds (the header named
+    no unit, and load_test's table prints the same figures in milliseconds)."""
+    print(f"\n{'slots':>5} {'tok/s':>9} {'lat p50 s':>10} {'lat p95 s':>10} {'ttft p50 s':>11} {'ttft p95 s':>11} "
+          f"{'mean batch':>10}")
+    for r in rows:
+        print(f"{r['slots']:>5} {r['tok_per_s']:>9.1f} {r['latency_p50_s']:>10.2f} {r['latency_p95_s']:>10.2f} "
+              f"{r['ttft_p50_s']:>11.3f} {r['ttft_p95_s']:>11.3f} {r['mean_batch']:>10.2f}")
 
 
 if __name__ == "__main__":

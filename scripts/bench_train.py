@@ -100,11 +100,15 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--data", default="synthetic", help="synthetic|real")
     p.add_argument("--vocab-size", type=int, default=32768, help="synthetic data only")
-    p.add_argument("--window-pattern", default="SSSL")
-    p.add_argument("--attn-backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--peak-flops", type=float, default=None)
-    p.add_argument("--aspect-ratio", type=int, default=64)
+    # these said nothing in --help: --peak-flops not even its unit (FLOP/s, not the TFLOP/s of the tables)
+    p.add_argument("--window-pattern", default="SSSL", help="S (short window) and L (full) letters per layer")
+    p.add_argument("--attn-backend", default="auto", help="|".join(BACKEND_CHOICES))
+    p.add_argument("--device", default="auto", help="|".join(DEVICE_CHOICES))
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="dense bf16 FLOP/s per GPU that MFU divides by (e.g. 989e12), in place of the device "
+                        "table's: a measured peak, or a GPU the table lacks")
+    p.add_argument("--aspect-ratio", type=int, default=64,
+                   help="model width = depth x this, rounded up to a multiple of --head-dim")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--unfuse", default="", help=f"comma list of {'|'.join(UNFUSE)}: run --kernel triton "
                    "without that fusion (the A/B of one fusion)")
@@ -252,7 +256,7 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
     rt = runtime_for(rt, precision)
     from nanochat.gpt import config_for_depth
     from nanochat.checkpoint import build_model
-    from nanochat.training import (Schedule, StepMeter, Trainer, plan_batch, resolve_peak_flops,
+    from nanochat.training import (Schedule, StepMeter, Trainer, describe_peaks, plan_batch, resolve_peak_flops,
                                    setup_precision_and_kernel)
 
     compile_model = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
@@ -318,6 +322,10 @@ def bench_one(cfg: BenchConfig, rt, depth: int, kernel: str, precision: str, bac
             "median_step_ms": dt * 1e3, "tok_per_sec": tok_s, "mfu_pct": mfu, "util_pct": util,
             # what util_pct divides by: an fp8/nvfp4 row's peak is a blend, not the datasheet figure
             "util_peak_flops": meter.peak_util, "low_precision_share": meter.low_share,
+            # the peaks and where they come from, as base_train's banner says them: a GB10's are
+            # spec-derived, and the row gave its MFU with no word of what it divides by
+            "peaks": describe_peaks(rt, info["peak_key"], peak_bf16, peak_active, cfg.peak_flops, meter.peak_util,
+                                    meter.low_share),
             "flops_per_token": flops_per_token, "num_params": sum(p.numel() for p in model.parameters()),
             "peak_mem_gib": rt.peak_memory_bytes() / 2**30, "first_loss": losses[0], "last_loss": losses[-1], "gpu": gpu}
 

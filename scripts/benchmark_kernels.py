@@ -7,9 +7,10 @@ loss mode: the fused linear + softcap + cross-entropy alone at (--rows, --n-embd
   function (how the model uses it).
 model mode: the real GPT (nanochat.gpt via nanochat.training.build_model) at --depth and
   --device-batch-size x --seq: for each kernel x precision, the same initial weights and batch;
-  median forward+backward time -> tok/s and MFU (estimate_flops vs the dense bf16 peak), peak
-  memory, and the loss / lm_head-grad agreement with current+bf16. The optimizer is left out on
-  purpose (scripts/bench_train.py times whole training steps).
+  median forward+backward time -> tok/s and MFU (estimate_flops vs the dense bf16 peak: each row's
+  mfu_peak_tflops and peak_source say which), peak memory, and the loss / lm_head-grad agreement with
+  current+bf16, which runs first (without it in the lists: the first row measured; each row's `ref`
+  says which). The optimizer is left out on purpose (scripts/bench_train.py times whole training steps).
 cast mode: the fp8 cast + transpose pass at (--rows, --n-embd) and (--rows, 4 x --n-embd) for a
   set of tiles: ms, GB/s and bit-equality with the default tile (CUDA only; e.g. --rows 65536).
 rope mode: the QK-norm + RoPE backward of one (--device-batch-size, --seq, n_embd / 128, 128)
@@ -82,6 +83,8 @@ def _sync(device) -> None:
         torch.mps.synchronize()
 
 
+# model mode's rows are compared with this (kernel, precision), as the docstring says
+MODEL_REFERENCE = ("current", "bf16")
 LOSS_VOCAB = 65536    # loss mode: a large head, where fusing the loss matters most
 MODEL_VOCAB = 32768   # model mode: the tokenizer default, so MFU matches bench_train / base_train
 
@@ -97,7 +100,9 @@ def bench_loss(args, device) -> list[dict]:
     targets[torch.randperm(n, generator=g)[: n // 10]] = -1   # some ignored positions
     targets = targets.to(device)
     rows, ref = [], None
-    for name in args.kernels:
+    # `current` first: the rows are compared with it, and a row run before it (--kernels triton,current)
+    # printed no agreement at all
+    for name in sorted(args.kernels, key=lambda k: k.partition("@")[0] != "current"):
         rec = {"mode": "loss", "kernel": name, "rows": n, "n_embd": c, "vocab": vocab,
                "compile": args.compile, "dtype": str(dtype).replace("torch.", "")}
         try:
@@ -185,9 +190,14 @@ def bench_model(args, rt) -> list[dict]:
     from nanochat.training import build_model, setup_precision_and_kernel
 
     spec = detect_device(rt.device)
-    if peak_flops(spec, "bf16", args.peak_flops) is None:
+    peak = peak_flops(spec, "bf16", args.peak_flops)
+    if peak is None:
         print(f"MFU n/a: '{spec.name}' is not in nanochat/device_table.py; pass --peak-flops <dense bf16 FLOP/s>",
               flush=True)
+    # what mfu_pct divides by, and where it comes from: GB10's table peak is spec-derived, and a row
+    # saying only "mfu_pct" could not be told from one against a measured peak
+    peak_label = {"mfu_peak_tflops": None if peak is None else round(peak / 1e12, 3),
+                  "peak_source": None if peak is None else "--peak-flops" if args.peak_flops else spec.source}
     g = torch.Generator().manual_seed(0)
     vocab = args.vocab if args.vocab is not None else MODEL_VOCAB
     data = torch.randint(0, vocab, (args.device_batch_size, args.seq + 1), generator=g).to(rt.device)
@@ -196,62 +206,66 @@ def bench_model(args, rt) -> list[dict]:
     config = config_for_depth(args.depth, vocab, args.seq)
     rows, ref = [], None
     from scripts.bench_train import runtime_for
-    for entry in args.precisions:
+    kernels = dict.fromkeys(k.partition("@")[0] for k in args.kernels)
+    # the reference configuration first (MODEL_REFERENCE): the first row run was the reference, so with
+    # --kernels triton,current every row was compared with triton's, and no row said with what
+    configs = sorted(((entry, kernel) for entry in args.precisions for kernel in kernels),
+                     key=lambda c: (c[1], c[0].partition(":")[0]) != MODEL_REFERENCE)
+    for entry, kernel in configs:
         precision, _, backend = entry.partition(":")   # e.g. nvfp4:emulated
         # each precision in its own compute dtype, as base_train starts its runtime from --precision:
         # in the process's one dtype, bf16 failed on a CPU (fp32) and fp32 on a GPU (bf16), with a
         # hint to "start the run in bf16" that no flag of this script can follow
         prt = runtime_for(rt, precision)
-        for kernel in dict.fromkeys(k.partition("@")[0] for k in args.kernels):
-            rec = {"mode": "model", "depth": args.depth, "vocab": vocab, "kernel": kernel, "precision": entry,
-                   "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
-                   "compile_mode": args.compile_mode,
-                   "device": spec.name}
-            try:
-                torch.manual_seed(0)
-                model = build_model(config, rt.device, compute_dtype=prt.dtype)
-                _perturb_zero_init(model)
-                info = setup_precision_and_kernel(model, precision, kernel, prt, compile=args.compile,
-                                                  precision_backend=backend or "auto")
-                mode = None if args.compile_mode == "default" else args.compile_mode
-                run = torch.compile(model, dynamic=False, mode=mode) if args.compile else model
+        rec = {"mode": "model", "depth": args.depth, "vocab": vocab, "kernel": kernel, "precision": entry,
+               "batch": args.device_batch_size, "seq": args.seq, "compile": args.compile,
+               "compile_mode": args.compile_mode,
+               "device": spec.name}
+        try:
+            torch.manual_seed(0)
+            model = build_model(config, rt.device, compute_dtype=prt.dtype)
+            _perturb_zero_init(model)
+            info = setup_precision_and_kernel(model, precision, kernel, prt, compile=args.compile,
+                                              precision_backend=backend or "auto")
+            mode = None if args.compile_mode == "default" else args.compile_mode
+            run = torch.compile(model, dynamic=False, mode=mode) if args.compile else model
 
-                def step():
-                    model.zero_grad(set_to_none=True)
-                    if mode == "reduce-overhead":   # a new iteration: the last one's graph outputs may be reused
-                        torch.compiler.cudagraph_mark_step_begin()
-                    loss = run(x, y)
-                    loss.backward()
-                    return loss
+            def step():
+                model.zero_grad(set_to_none=True)
+                if mode == "reduce-overhead":   # a new iteration: the last one's graph outputs may be reused
+                    torch.compiler.cudagraph_mark_step_begin()
+                loss = run(x, y)
+                loss.backward()
+                return loss
 
-                if mode == "reduce-overhead":   # the graphs' memory pool is allocated while they are recorded
-                    rt.reset_peak_memory()
-                for _ in range(3):
-                    step()
-                rt.synchronize()
-                if mode != "reduce-overhead":
-                    rt.reset_peak_memory()
-                ms = _timed(step, args.reps, rt.device)
-                # copies: a CUDA graph's outputs are overwritten by its next replay (and by the next
-                # configuration's graphs, which share the pool) while `ref` is still compared against
-                loss = step().detach().clone()
-                head_grad = model.lm_head.weight.grad.detach().float().clone()
-                tok_s = args.device_batch_size * args.seq / (ms * 1e-3)
-                peak = peak_flops(spec, "bf16", args.peak_flops)
-                rec.update(ms=round(ms, 2), tok_per_sec=round(tok_s), loss=round(loss.item(), 5),
-                           peak_mem_gib=round(rt.peak_memory_bytes() / 2**30, 2),
-                           resolved=info.get("backend"),
-                           mfu_pct=round(100 * model.estimate_flops() * tok_s / peak, 1) if peak else None)
-                if ref is None:
-                    ref = (loss, head_grad)
-                rec.update(loss_rel_err=_rel(loss, ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]))
-                model = run = None   # free before the next configuration is built
-            except (RuntimeError, ValueError) as exc:
-                rec["error"] = error_text(exc)
-            print(json.dumps(finite_row(rec)), flush=True)
-            rows.append(rec)
-            if rt.device_type == "cuda":
-                torch.cuda.empty_cache()
+            if mode == "reduce-overhead":   # the graphs' memory pool is allocated while they are recorded
+                rt.reset_peak_memory()
+            for _ in range(3):
+                step()
+            rt.synchronize()
+            if mode != "reduce-overhead":
+                rt.reset_peak_memory()
+            ms = _timed(step, args.reps, rt.device)
+            # copies: a CUDA graph's outputs are overwritten by its next replay (and by the next
+            # configuration's graphs, which share the pool) while `ref` is still compared against
+            loss = step().detach().clone()
+            head_grad = model.lm_head.weight.grad.detach().float().clone()
+            tok_s = args.device_batch_size * args.seq / (ms * 1e-3)
+            rec.update(ms=round(ms, 2), tok_per_sec=round(tok_s), loss=round(loss.item(), 5),
+                       peak_mem_gib=round(rt.peak_memory_bytes() / 2**30, 2),
+                       resolved=info.get("backend"),
+                       mfu_pct=round(100 * model.estimate_flops() * tok_s / peak, 1) if peak else None,
+                       **peak_label)
+            if ref is None:   # the reference, or (not asked for, or it failed) the first row measured
+                ref = (loss, head_grad, f"{kernel}/{entry}")
+            rec.update(loss_rel_err=_rel(loss, ref[0]), head_grad_rel_err=_rel(head_grad, ref[1]), ref=ref[2])
+            model = run = None   # free before the next configuration is built
+        except (RuntimeError, ValueError) as exc:
+            rec["error"] = error_text(exc)
+        print(json.dumps(finite_row(rec)), flush=True)
+        rows.append(rec)
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -320,15 +334,24 @@ def traffic_gbs(num_bytes: float, ms: float) -> float:
     return round(num_bytes / (ms * 1e-3) / 1e9, 1)
 
 
+def speed_cell(r: dict) -> str:
+    """A row's rate with its unit: tok/s (model), TFLOP/s (loss) or GB/s (cast, rope). The column
+    printed the bare numbers of all three ("412.3" beside "150000")."""
+    for key, unit in (("tok_per_sec", "tok/s"), ("tflops", "TFLOP/s"), ("gbs", "GB/s")):
+        if r.get(key) is not None:
+            return f"{r[key]:,} {unit}"
+    return ""
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'tok/s|TF|GB/s':>14} {'MFU%':>6} {'memGiB':>7} "
+    print(f"\n{'mode':<6} {'kernel':<8} {'prec':<6} {'ms':>9} {'speed':>16} {'MFU%':>6} {'memGiB':>7} "
           f"{'loss_err':>9} {'grad_err':>9}  error")
     for r in rows:
-        speed = r.get("tok_per_sec", r.get("tflops", f"{r['gbs']} GB/s" if "gbs" in r else ""))
+        speed = speed_cell(r)
         grad = r.get("grad_hidden_rel_err", r.get("head_grad_rel_err"))
         fmt = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "n/a"  # noqa: E731
         print(f"{r['mode']:<6} {r['kernel']:<8} {r.get('precision', '-'):<6} {fmt(r.get('ms'), '.2f'):>9} "
-              f"{str(speed):>14} {fmt(r.get('mfu_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.2f'):>7} "
+              f"{speed:>16} {fmt(r.get('mfu_pct'), '.1f'):>6} {fmt(r.get('peak_mem_gib'), '.2f'):>7} "
               f"{fmt(r.get('loss_rel_err'), '.1e'):>9} {fmt(grad, '.1e'):>9}  {r.get('error', '')}")
 
 
@@ -342,15 +365,19 @@ def parse_args(argv=None):
     p.add_argument("--mode", default="both", choices=["loss", "model", "both", "cast", "rope"])
     p.add_argument("--kernels", default="current,liger,triton")
     p.add_argument("--precisions", default="bf16,fp8", help="comma list of PREC[:BACKEND], e.g. nvfp4:emulated")
-    p.add_argument("--rows", type=int, default=16384, help="loss mode: B*T tokens")
-    p.add_argument("--n-embd", type=int, default=1280)
+    # each size flag says the modes that read it: --rows said "loss mode" and cast mode sizes by it too,
+    # --softcap said nothing of model mode's loss keeping the model's own softcap
+    p.add_argument("--rows", type=int, default=16384, help="loss and cast modes: rows (B*T tokens)")
+    p.add_argument("--n-embd", type=int, default=1280,
+                   help="loss, cast and rope modes: the hidden width (model mode: --depth sets it)")
     p.add_argument("--vocab", type=int, default=None,
                    help="default: 65536 in loss mode, 32768 (the tokenizer default) in model mode")
-    p.add_argument("--softcap", type=float, default=15.0, help="0: no softcap")
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--device-batch-size", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--softcap", type=float, default=15.0,
+                   help="loss mode's logit softcap, 0: none (model mode: the model's own)")
+    p.add_argument("--depth", type=int, default=12, help="model mode: the GPT's depth")
+    p.add_argument("--device-batch-size", type=int, default=16, help="model and rope modes: rows per batch")
+    p.add_argument("--seq", type=int, default=2048, help="model and rope modes: tokens per row")
+    p.add_argument("--reps", type=int, default=10, help="timed repeats per row (the median is printed)")
     p.add_argument("--peak-flops", type=float, default=None,
                    help="model mode: dense bf16 FLOP/s per GPU for MFU (e.g. 989e12), for GPUs not in the device table")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
