@@ -520,7 +520,7 @@ def _stop_strings(stop, limit: int) -> list[str]:
     """`stop`: null, a string or a list of up to `limit` strings of 1..100 characters. {} / 0 /
     false are client bugs, not "none"; an empty string would never match (TextStream skips it), so
     the client's stop would silently do nothing. The error says which rule the value broke."""
-    where = "got" if isinstance(stop, str) else "item {} is"   # a lone string is not an item of a list
+    lone = isinstance(stop, str)   # a lone string is `stop`, not an item of a list (`stop[i]`, as messages[i])
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     accepted = f"accepted: a string or a list of up to {limit} non-empty strings of <= 100 characters"
     code = "invalid_value"   # a count or length out of bounds; a value of the wrong JSON type: invalid_type
@@ -531,13 +531,13 @@ def _stop_strings(stop, limit: int) -> list[str]:
     else:
         bad = next(((j, x) for j, x in enumerate(stop) if not isinstance(x, str) or not 0 < len(x) <= 100), None)
         if bad is None:
-            return [_no_surrogate(x, "stop" if where == "got" else f"stop[{j}]") for j, x in enumerate(stop)]
+            return [_no_surrogate(x, "stop" if lone else f"stop[{j}]") for j, x in enumerate(stop)]
         j, x = bad
         what = (_kind(x) if not isinstance(x, str) else
                 "an empty string" if not x else f"a string of {len(x)} characters")
-        problem, code = f"{where.format(j)} {what}", code if isinstance(x, str) else "invalid_type"
-        param = "stop" if where == "got" else f"stop[{j}]"   # an item is named like messages[i]
-        raise ApiError(400, f"'stop': {problem}; {accepted}", param=param, code=code)
+        code = code if isinstance(x, str) else "invalid_type"
+        param = "stop" if lone else f"stop[{j}]"
+        raise ApiError(400, f"'{param}': got {what}; {accepted}", param=param, code=code)
     raise ApiError(400, f"'stop': {problem}; {accepted}", param="stop", code=code)
 
 

@@ -232,7 +232,7 @@ def limits_url(chat_model):
     ({"messages": USER, "n": 9}, "n", "invalid_value"),
     ({"messages": USER, "stream": "yes"}, "stream", "invalid_type"),
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-    ({"messages": USER, "stop": [""]}, "stop", "invalid_value"),
+    ({"messages": USER, "stop": [""]}, "stop[0]", "invalid_value"),   # the item, as messages[i]
     ({"messages": USER, "seed": 2**63}, "seed", "invalid_value"),
     ({"messages": USER, "seed": -2**63 - 1}, "seed", "invalid_value"),
     ([1, 2], None, "invalid_type"),
