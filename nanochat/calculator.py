@@ -20,6 +20,8 @@ import math
 import operator
 import re
 import sys
+import threading
+import warnings
 from decimal import Decimal
 
 MAX_EXPR_CHARS = 300        # the model's tool calls are short; longer text is not arithmetic
@@ -52,6 +54,12 @@ _UNARYOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 # groups of exactly 3. A comma after any digit went before: "1.5,000" read as 1.5 and "12345,678"
 # as 12345678, answers to something nobody wrote; those stay tuples now, and tuples are refused.
 _GROUPED = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d_])")
+# What the parser can warn about: a number run into a name or keyword ("2if"), an escape in a string.
+# Only such text is parsed with the warnings off: catch_warnings swaps the process-wide filters, which
+# the server's worker threads share, so the plain arithmetic of nearly every call leaves them alone,
+# and the lock keeps two guarded parses from restoring each other's filters.
+_MAY_WARN = re.compile(r"\d[^\W\d]|\\")
+_PARSE_LOCK = threading.Lock()
 
 
 class CalculatorError(ValueError):
@@ -134,6 +142,19 @@ def _eval_count(node: ast.Call) -> int:
     return haystack.count(needle)
 
 
+def _parse(expr: str) -> ast.Expression:
+    """ast.parse with the parser's own warnings silenced. A number run into a keyword ("2if", "5and 3",
+    "0x1for") is a SyntaxWarning, which Python wrote to stderr for every such call, "<unknown>:1:
+    SyntaxWarning: invalid decimal literal" in the middle of chat_cli's streamed answer (and in the
+    server's log); from Python 3.12 an invalid escape in a .count() string ("a\\d") warns so too. The
+    call is refused or evaluated as before: only the warning goes."""
+    if not _MAY_WARN.search(expr):
+        return ast.parse(expr, mode="eval")
+    with _PARSE_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(expr, mode="eval")
+
+
 def evaluate(expr: str) -> int | float:
     """Evaluate a whitelisted arithmetic / `.count` expression; CalculatorError otherwise."""
     if not isinstance(expr, str):
@@ -146,7 +167,7 @@ def evaluate(expr: str) -> int | float:
     if "'" not in expr and '"' not in expr:
         expr = _GROUPED.sub(lambda m: m.group().replace(",", ""), expr)
     try:
-        tree = ast.parse(expr, mode="eval")
+        tree = _parse(expr)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise CalculatorError(f"cannot parse expression: {type(e).__name__}") from e
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:

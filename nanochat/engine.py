@@ -59,6 +59,7 @@ eagerly with a private cache instead of sharing the persistent one.
 from __future__ import annotations
 
 import contextlib
+import sys
 from numbers import Integral
 from typing import Iterable, Iterator, Sequence
 
@@ -221,7 +222,8 @@ class Engine:
         self.graph_step = self.other_step
         self.graph_step_note = (f"graph_step auto: {self.other_step} (the persistent step failed its probe: "
                                 f"{problem})")
-        print(f"engine: {self.graph_step_note}", flush=True)
+        # stderr: on stdout the line led `chat_cli -p`'s answer, which stdout is to hold alone
+        print(f"engine: {self.graph_step_note}", file=sys.stderr, flush=True)
         return None
 
     def _default_cache_dtype(self) -> torch.dtype:

@@ -44,17 +44,37 @@ def check_checkpoint(source: str, model_tag: str | None, step: str, sources=SOUR
             raise RequestError(f"{missing}, or pick another -i/--source: {others}")
         return
     check_model_tag_exists(source, model_tag)
-    if step == "latest":   # load_model's own message names latest.json and the steps there are
-        return
     ckpt_dir = checkpoint_dir(source, model_tag or find_model_tag(source))
+    steps = "|".join(map(str, list_steps(ckpt_dir))) or "none"
+    number = _step_number(ckpt_dir, step, steps)
     try:   # the meta alone (a small JSON), read as load_model reads it (which restores a step a re-save moved)
-        read_meta(ckpt_dir, step)
+        read_meta(ckpt_dir, number)
     except CheckpointError:
-        if (ckpt_dir / step_dirname(int(step))).is_dir():   # there, but broken: its own message says how
+        if (ckpt_dir / step_dirname(number)).is_dir():   # there, but broken: its own message says how
             raise
-        steps = "|".join(map(str, list_steps(ckpt_dir))) or "none"
-        raise RequestError(f"-s/--step: got {step}; accepted: latest or a step on disk: {steps} "
+        got, other = (step, "latest or ") if step != "latest" else \
+            (f"latest (step {number}, which latest.json names)", "")
+        raise RequestError(f"-s/--step: got {got}; accepted: {other}a step on disk: {steps} "
                            f"(in {ckpt_dir})") from None
+
+
+def _step_number(ckpt_dir, step: str, steps: str) -> int:
+    """-s `step` as a number: latest is what the directory's latest.json records. Missing or corrupt,
+    the loader said "(pass one explicitly)" or "--step N ..., --resume N ...", a training script's
+    flags: here -s/--step and the steps on disk `steps` are named. A directory with no step at all
+    keeps the loader's message (it names the model tags that have one)."""
+    from nanochat.checkpoint import LATEST_NAME, CheckpointError, read_latest
+
+    if step != "latest":
+        return int(step)
+    try:
+        return read_latest(ckpt_dir)
+    except CheckpointError:
+        if steps == "none":
+            raise
+        state = "corrupt" if (ckpt_dir / LATEST_NAME).is_file() else "missing"
+        raise RequestError(f"-s/--step: got latest, but {ckpt_dir / LATEST_NAME} (the latest step's record) is "
+                           f"{state}; accepted: a step on disk: {steps}") from None
 
 
 def check_decode_device(decode: str, graph_step: str, device) -> None:

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "reads, for memory-bound GPUs such as the DGX Spark")
     args = p.parse_args(argv)
     if args.prompt == "-":   # the Unix convention; it answered the one-character prompt "-"
+        # the other flags first (on a copy: validate rewrites some): at a terminal, `-p - -t -1` took
+        # the typed prompt and then said -t was wrong, the prompt lost
+        validate(argparse.Namespace(**vars(args)))
         args.prompt = read_stdin_prompt()
     validate(args)
     return args
@@ -78,6 +81,9 @@ def read_stdin_prompt() -> str:
         raise ValueError("-p/--prompt: got '-' (read the prompt from stdin), but there is no stdin")
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
+    if getattr(sys.stdin, "isatty", lambda: False)():   # it waited on a terminal without a word
+        print("(reading the prompt from the terminal: end it with Ctrl-D on a line of its own)", file=sys.stderr,
+              flush=True)
     return sys.stdin.read().strip()
 
 
@@ -222,7 +228,8 @@ def answer(engine, tokenizer, prompt: list[int], args, seed: int, out=None, full
         print("[empty reply: the model ended its turn without writing any text]", file=sys.stderr, flush=True)
     elif not stopped and len(generated) >= room:   # mid-sentence, and the next turn has no room either
         out.flush()
-        print(f"[cut off: the conversation filled the model's context of {engine.max_seq_len} tokens{full_hint}]",
+        print(f"[cut off: the {'text' if plain else 'conversation'} filled the model's context of "
+              f"{engine.max_seq_len} tokens{full_hint}]",
               file=sys.stderr, flush=True)
     elif not stopped and len(generated) >= args.max_tokens:   # as the web page says "length"
         out.flush()
@@ -330,6 +337,8 @@ def chat(args: argparse.Namespace) -> int:
     next_seed = (lambda: args.seed) if args.seed is not None else (lambda: secrets.randbelow(MAX_SEED + 1))
 
     if args.prompt is not None:
+        if engine.graph_step_note and args.graph_step != "auto":   # an explicit --graph-step not run: said why
+            print(f"[{engine.graph_step_note}]", file=sys.stderr, flush=True)
         answer(engine, tokenizer, prompt, args, next_seed(), plain=args.source == "base")
         return 0
 
@@ -337,6 +346,8 @@ def chat(args: argparse.Namespace) -> int:
     tag = args.model_tag or find_model_tag(args.source)   # the one load_model took: with several, say which
     print(f"nanochat ({args.source}/{tag}, step {meta.get('step')}) on {rt.device}, decode={engine.decode_mode}{step}"
           f" (warm-up {warm:.1f} s). /clear = new chat, /quit = exit, /help = commands")
+    if engine.graph_step_note:   # as chat_web's banner: why the graph step is what it is (--graph-step persistent
+        print(f"  {engine.graph_step_note}")   # on a CPU ran eager, and nothing said so)
     if args.source == "base":
         print("a base model: each line is continued as plain text (no chat template, no history)")
     return converse(engine, tokenizer, args, next_seed)
