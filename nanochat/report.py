@@ -11,11 +11,13 @@ under a lock on sections/<slug>.json.lock: writers at once lose no entry),
 metrics_<stage>.jsonl (one JSON object per line; "time" added when absent), plots/*.png and
 report.md (by `generate`). `python -m nanochat.report reset` clears the report and starts a new one.
 
-`python -m nanochat.report generate [--hourly-cost USD]` writes: environment; a summary table per
-stage base/mid/sft/rl (val bpb, each stage's own final val bpb, CORE, ARC, MMLU, GSM8K, HumanEval,
-SpellingBee, ChatCORE; tokens trained, average tok/s and MFU); time and cost (tokenizer, training stages and evaluations); plots (loss and
-val bpb vs step and wall clock, tok/s, memory); every section in pipeline order (stage, training
-before its evaluations, then time), the precision plan's fields grouped under `precision`.
+`python -m nanochat.report generate [--hourly-cost USD]` writes: environment (and the commit now, when it
+is not the one `reset` recorded); a summary table per stage base/mid/sft/rl (val bpb, each stage's own
+final val bpb, CORE, ARC, MMLU, GSM8K, HumanEval, SpellingBee, ChatCORE; tokens trained, average tok/s
+and MFU), the stages nothing was logged of named under it; time and cost (tokenizer, training stages and
+evaluations); plots (loss and val bpb vs step and wall clock, tok/s, RL's reward, memory); every section
+in pipeline order (stage, training before its evaluations, then time), the precision plan's fields
+grouped under `precision`.
 
 Summary values are read from section data: a "stage" key (else the stage named in the section title)
 and metric keys named as in SUMMARY_ROWS (e.g. "CORE metric" or "core_metric", "ARC-Easy"); the
@@ -60,10 +62,11 @@ from nanochat.common import get_base_dir
 from nanochat.errors import RequestError
 from nanochat.file_lock import file_lock
 from nanochat.flags import FlagParser
-from nanochat.report_env import git_info, system_info  # noqa: F401 (git_info: report's interface)
+from nanochat.report_env import environment_lines, git_info, system_info  # noqa: F401 (git_info: report's interface)
 from nanochat.report_md import (NOTES, STAGES, _aside_lines, _entries_md, _entry_time, _hms, _is_stale, _keeps_greedy,
-                                _md_cell, _md_line, _note_key, _num, _reward_notes, _source, _source_lines, _stage_of,
-                                _stage_rank, _stale_runs, _trained_at, _unfinished_runs, _value_notes)
+                                _md_cell, _md_line, _missing_stage_lines, _note_key, _num, _run_notes, _source,
+                                _source_lines, _stage_of, _stage_rank, _stale_runs, _trained_at, _unfinished_runs,
+                                _value_notes)
 from nanochat.report_plots import (METRIC_KEYS, METRIC_SCALED, PLOTS, _get, _series,  # noqa: F401 (re-exported)
                                    make_plots)
 
@@ -385,18 +388,12 @@ class Report:
                       "(or NANOCHAT_BASE_DIR)._", ""]
         if "start" not in header:
             lines += ["_Recorded by `generate`: no `python -m nanochat.report reset` started this run._", ""]
-        lines += [f"- {k}: {v}" for k, v in header["system"].items()]
+        lines += environment_lines(header["system"], recorded="start" in header)
         unfinished = _unfinished_runs(metrics, sections)
         used: set[int] = set()   # the entries the summary's values come from: the time table counts them too
-        lines += self._summary_lines(sections, used) + _time_and_cost(metrics, sections, header, hourly_cost, unfinished, used)
-        notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (of another --model-tag, or of steps "
-                 "a resumed run redid) left out of the plots and this table" for stage, n in superseded.items()]
-        notes += [f"- {stage} (unfinished): its latest run {why}: it was interrupted, failed or is still running; the "
-                  "plots and this table show that run, the stage's section and summary values an earlier one, if any"
-                  for stage, why in unfinished.items()]
-        notes += _reward_notes(metrics)
-        notes += [f"- {name}: {n} line(s) that are not JSON objects (a torn write) skipped" for name, n in bad.items()]
-        lines += notes + ([""] if notes else [])
+        lines += self._summary_lines(sections, used) + _missing_stage_lines(metrics, sections)
+        lines += _time_and_cost(metrics, sections, header, hourly_cost, unfinished, used)
+        lines += _run_notes(metrics, superseded, unfinished, bad)
         if isinstance(plots, str):
             lines += ["## Plots", "", plots, ""]
         elif plots:
@@ -417,8 +414,9 @@ class Report:
         no_peak = self._runs_without_mfu()
         for row, cells in table.items():
             fmt = ROW_FORMATS.get(row, "{:.4f}")
-            shown = ["-" if s not in cells else " ".join([fmt.format(cells[s][0]), *(f"({n})" for n in cells[s][1])])
-                     for s in STAGES]
+            # _md_cell: a note is the entry's own text ("<row> scored as"), a "|" in it split the row
+            shown = ["-" if s not in cells else _md_cell(" ".join([fmt.format(cells[s][0]),
+                                                                   *(f"({n})" for n in cells[s][1])])) for s in STAGES]
             if row == MFU_ROW and no_peak:   # a CPU run's MFU read "-", as if the stage had not run
                 shown = ["n/a" if s in no_peak and s not in cells else cell for s, cell in zip(STAGES, shown)]
                 noted.add("mfu n/a")

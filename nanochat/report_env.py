@@ -1,6 +1,7 @@
 """What a report's header says about the machine and the code: git sha and what makes the tree
 dirty, Python / torch / CUDA versions, device, CPU and memory (nanochat/report.py calls it at
-reset and generate, never at import); and environment_meta, what every checkpoint records of them
+reset and generate, never at import), and report.md's environment list with a line when the code at
+`generate` is not what `reset` recorded; and environment_meta, what every checkpoint records of them
 (nanochat/checkpoint.py re-exports it)."""
 from __future__ import annotations
 
@@ -77,6 +78,33 @@ def git_info(repo: Path) -> dict:
     return {"git_sha": sha.stdout.strip() if sha.returncode == 0 else "unknown (no commits)",
             "git_dirty": bool(changes),
             **({"git_changes": f"{len(changes)} file(s): {', '.join(changes[:5])}{more}"} if changes else {})}
+
+
+def environment_lines(system: dict, recorded: bool) -> list[str]:
+    """report.md's environment list: the header's system info and, when `recorded` (header.json, by
+    `reset`), a line if the checkout changed since (code_drift)."""
+    drift = code_drift(system) if recorded else None
+    return [f"- {k}: {v}" for k, v in system.items()] + ([drift] if drift else [])
+
+
+def code_drift(recorded: dict) -> str | None:
+    """Why the commit `reset` recorded may not be the code the stages ran, or None: setup.sh resets only
+    a fresh pipeline, so after a `git pull` (or an edit) and a rerun of some stages report.md still
+    named the first commit, clean, as the run's code. Tracked files only (git_sha's "+dirty", as the
+    checkpoints record it): files the run writes into an untracked base dir are not a change of code."""
+    sha = recorded.get("git_sha")
+    now = git_sha() if isinstance(sha, str) and len(sha) == 40 else None   # "unknown (...)": nothing to compare
+    if now is None:
+        return None
+    head, dirty = now.removesuffix("+dirty"), now.endswith("+dirty")
+    where = ("(each checkpoint's meta.json names the commit it was trained with, '+dirty' for modified files)")
+    if head != sha:
+        return (f"- git now (at `generate`): {head}{' with uncommitted changes' if dirty else ''}: not the commit "
+                f"`reset` recorded above, so any stage run after the checkout changed ran other code {where}")
+    if dirty and recorded.get("git_dirty") is False:
+        return (f"- git now (at `generate`): {head} with tracked files modified since `reset` (clean then): any "
+                f"stage run after the edit ran that code {where}")
+    return None
 
 
 def _cpu_name() -> str:

@@ -4,7 +4,7 @@ fenced, the precision plan's fields grouped under `precision`, the runs of a sta
 notes a summary value carries ("(partial)", "(pass@k)", "(sampled, T=t)", "(temperature unknown)") with
 what they mean, the section entry it comes from and which of a checkpoint's greedy and sampled scores
 it shows; and what a section and a metrics run belong to (stage, entry time, a run left without its
-section or older than an earlier stage's latest training run, RL's rewards)."""
+section or older than an earlier stage's latest training run, RL's rewards, a stage nothing was logged of)."""
 
 from __future__ import annotations
 
@@ -359,6 +359,36 @@ def _stale_runs(metrics: dict[str, list[dict]], sections: list[dict]) -> set[str
             if (times := [r["time"] for r in rows if _num(r.get("time"))])
             and _is_stale(max(times), stage, trained, own=False)
             and (stage not in trained or _is_stale(trained[stage], stage, trained, own=False))}
+
+
+def _missing_stage_lines(metrics: dict[str, list[dict]], sections: list[dict]) -> list[str]:
+    """The pipeline stages nothing was logged of (no section, no metrics row): their summary column was
+    all "-" and the time table had no row, which read the same as a stage that ran and scored nothing."""
+    seen = {stage for stage, rows in metrics.items() if rows}
+    seen |= {_stage_of(doc["section"], e["data"]) for doc in sections for e in doc["entries"]
+             if isinstance(e["data"], dict)}
+    missing = [stage.upper() for stage in STAGES if stage not in seen]
+    line = (f"- {', '.join(missing)}: nothing logged (no section, no metrics row): not run here yet, stopped before "
+            "its first step, or run with another base dir")
+    return [line, ""] if missing else []
+
+
+def _run_notes(metrics: dict[str, list[dict]], superseded: dict[str, int], unfinished: dict[str, str],
+               bad: dict[str, int]) -> list[str]:
+    """The notes under the time table: each stage's left-out rows (naming the model tag of the run shown:
+    rows of another tag were left out unnamed), unfinished runs, RL's rewards, torn metrics lines."""
+    def shown(stage: str) -> str:
+        tag = next((r["model_tag"] for r in reversed(metrics.get(stage, [])) if r.get("model_tag") is not None), None)
+        return "" if tag is None else f"; the run shown is of model tag {_md_line(tag)}"
+    notes = [f"- {stage}: {n} metrics rows of an earlier run of the stage (of another --model-tag, or of steps "
+             f"a resumed run redid) left out of the plots and this table{shown(stage)}"
+             for stage, n in superseded.items()]
+    notes += [f"- {stage} (unfinished): its latest run {why}: it was interrupted, failed or is still running; the "
+              "plots and this table show that run, the stage's section and summary values an earlier one, if any"
+              for stage, why in unfinished.items()]
+    notes += _reward_notes(metrics)
+    notes += [f"- {name}: {n} line(s) that are not JSON objects (a torn write) skipped" for name, n in bad.items()]
+    return notes + ([""] if notes else [])
 
 
 def _reward_notes(metrics: dict[str, list[dict]]) -> list[str]:

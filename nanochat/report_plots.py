@@ -1,8 +1,10 @@
 """The report's plots (nanochat/report.py writes report.md around them): which keys of a
 metrics_<stage>.jsonl row a metric reads (memory logged in GB converted to GiB), a stage's (x, y)
 series of finite points (wall clock from the rows' "time" when elapsed_s was not logged), and one
-PNG per plot spec, a line per stage, drawn on matplotlib's Agg canvas without pyplot (so the shell's
-MPLBACKEND plays no part) and written atomically. report.py re-exports these names."""
+PNG per plot spec, a line per stage, its axes labelled with their units, drawn on matplotlib's Agg
+canvas without pyplot (so the shell's MPLBACKEND plays no part) and written atomically. RL's rows (they
+carry "reward") draw its mean reward, not its policy-gradient loss on the cross-entropy axes.
+report.py re-exports these names."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from nanochat.report_md import _num
 # metric name -> accepted keys in metrics_<stage>.jsonl
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "train_loss"), "val_bpb": ("val_bpb",), "tok_per_sec": ("tok_per_sec", "tokens_per_sec"),
-    "memory_gib": ("peak_mem_gib", "memory_gib"), "elapsed_s": ("elapsed_s", "wall_s"),
+    "memory_gib": ("peak_mem_gib", "memory_gib"), "elapsed_s": ("elapsed_s", "wall_s"), "reward": ("reward",),
 }
 # keys in another unit: (key, factor to the metric's unit). loop.py logged memory_gb in GB (1e9 bytes):
 # drawn as GB under a "GB" label while the log line and the sections said GiB, 7% apart at 40 GiB
@@ -30,8 +32,19 @@ PLOTS = (  # (y metric, x metric, file name, title)
     ("val_bpb", "step", "val_bpb_vs_step.png", "validation bits per byte vs step"),
     ("val_bpb", "elapsed_s", "val_bpb_vs_time.png", "validation bits per byte vs wall clock"),
     ("tok_per_sec", "step", "tok_per_sec.png", "throughput (tokens/s)"),
+    ("reward", "step", "reward.png", "RL mean reward per step"),
     ("memory_gib", "step", "memory.png", "peak memory (GiB)"),
 )
+# axis labels with their units (the metric's key, "memory_gib" or "tok_per_sec", named no unit)
+AXIS_LABELS = {"loss": "cross-entropy loss (nats/token)", "val_bpb": "bits per byte", "tok_per_sec": "tokens/s",
+               "memory_gib": "peak memory (GiB)", "reward": "mean reward", "step": "step",
+               "elapsed_s": "wall clock since the stage's start (min)"}
+
+
+def _is_rl(rows: list[dict]) -> bool:
+    """Rows of an RL run (the loop logs its "reward"): their "loss" is a policy-gradient loss, near 0 or
+    negative, which drawn on the cross-entropy axes squashed the other stages' curves and read as one of them."""
+    return any("reward" in r for r in rows)
 
 
 def _get(row: dict, metric: str):
@@ -66,7 +79,7 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
     out_dir.mkdir(parents=True, exist_ok=True)
     made = []
     for y, x, name, title in PLOTS:
-        series = {stage: _series(rows, y, x) for stage, rows in metrics.items()}
+        series = {stage: _series(rows, y, x) for stage, rows in metrics.items() if not (y == "loss" and _is_rl(rows))}
         series = {s: v for s, v in series.items() if v[0]}
         if not series:
             continue
@@ -76,7 +89,7 @@ def make_plots(metrics: dict[str, list[dict]], out_dir: Path) -> list[tuple[str,
         for stage, (xs, ys) in series.items():
             xs_plot = [v / 60 for v in xs] if x == "elapsed_s" else xs
             ax.plot(xs_plot, ys, label=stage, marker="." if len(xs) < 50 else None)
-        ax.set(xlabel="wall clock (min)" if x == "elapsed_s" else "step", ylabel=y, title=title)
+        ax.set(xlabel=AXIS_LABELS[x], ylabel=AXIS_LABELS[y], title=title)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
