@@ -311,19 +311,20 @@ class Reach:
     """What trainable_share found: `cut` of `probed` conversations have no assistant token within a
     row (first_cut: the index in the task of the first such one); `need`: the --max-seq-len the
     shortest prompt among them needs (None: none has an assistant token); `long`: trainable ones
-    longer than a row (cut at its end: the rest of their reply is not trained)."""
+    longer than a row (cut at its end: the rest of their reply is not trained; first_long: the first)."""
     probed: int
     cut: int
     first_cut: int | None
     need: int | None
     long: int = 0
+    first_long: int | None = None
 
 
 def trainable_share(task, tokenizer, seq_len: int, *, sample: int = 512) -> Reach:
     """Probe the first `sample` conversations of `task` for rows of seq_len + 1 tokens under
     mask "assistant": how many the loader would skip (their replies start past the row)."""
     probed = min(len(task), sample)
-    cut, first_cut, need, long = 0, None, None, 0
+    cut, first_cut, need, long, first_long = 0, None, None, 0, None
     for i in range(probed):
         ids, mask = tokenizer.render_conversation(task[i], max_tokens=2**62)
         first = next((k for k in range(1, len(mask)) if mask[k]), None)   # as first_trained_index
@@ -334,7 +335,8 @@ def trainable_share(task, tokenizer, seq_len: int, *, sample: int = 512) -> Reac
             first_cut = i if first_cut is None else first_cut
         elif len(ids) > seq_len + 1:
             long += 1
-    return Reach(probed, cut, first_cut, need, long)
+            first_long = i if first_long is None else first_long
+    return Reach(probed, cut, first_cut, need, long, first_long)
 
 
 def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: int = 512,
@@ -343,7 +345,8 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
     a row of seq_len + 1 tokens is skipped by the loader. Before the model loads: a RequestError
     naming --max-seq-len when none of the first `sample` training (or validation) conversations
     reaches its reply, or naming an --extra-conversations file none of whose rows does (the
-    user's own data would be left out whole, silently); the warnings it printed (rows skipped)."""
+    user's own data would be left out whole, silently); the warnings it printed (rows skipped, a file's
+    replies cut at a row's end)."""
     from nanochat.common import print0
     from nanochat.tasks import ConversationFile
 
@@ -368,19 +371,22 @@ def check_replies_fit(train_mix, val_mix, tokenizer, seq_len: int, *, sample: in
     files = {t.source: t for t in train_mix.tasks if isinstance(t, ConversationFile)}
     for path, task in files.items():
         reach = trainable_share(task, tokenizer, seq_len, sample=file_sample)
-        if not reach.cut:
-            continue
         # the line the file's reader recorded for the row (a leading byte-order mark, blank lines and
         # rows decontamination left out all make it another line than row index + 1)
-        line = task.lines[reach.first_cut]
-        where = f"--extra-conversations {path}:{line}"
-        if reach.cut == reach.probed:
-            raise RequestError(f"{where}: no conversation of the file (the first {reach.probed:,} checked) has an "
-                               f"assistant token within a row of {seq_len + 1} tokens, so none would train; "
-                               f"--max-seq-len: got {seq_len}; accepted: >= {reach.need} for this file")
-        said.append(f"WARNING: {where}: its reply starts past a row of {seq_len + 1} tokens (--max-seq-len "
-                    f"{seq_len}); it and {reach.cut - 1} more of the first {reach.probed:,} conversations of the "
-                    "file are skipped (they would train nothing)")
+        if reach.cut:
+            where = f"--extra-conversations {path}:{task.lines[reach.first_cut]}"
+            if reach.cut == reach.probed:
+                raise RequestError(f"{where}: no conversation of the file (the first {reach.probed:,} checked) has "
+                                   f"an assistant token within a row of {seq_len + 1} tokens, so none would train; "
+                                   f"--max-seq-len: got {seq_len}; accepted: >= {reach.need} for this file")
+            said.append(f"WARNING: {where}: its reply starts past a row of {seq_len + 1} tokens (--max-seq-len "
+                        f"{seq_len}); it and {reach.cut - 1} more of the first {reach.probed:,} conversations of the "
+                        "file are skipped (they would train nothing)")
+        if reach.long:   # the user's own replies cut short: the mixture's line above samples its first rows only
+            said.append(f"WARNING: --extra-conversations {path}:{task.lines[reach.first_long]}: longer than a row of "
+                        f"{seq_len + 1} tokens (--max-seq-len {seq_len}); it and {reach.long - 1} more of the first "
+                        f"{reach.probed:,} conversations of the file train up to the row's end (the rest of the "
+                        "reply is not trained)")
     for line in said:
         print0(line)
     return said

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 from collections import Counter
 from dataclasses import asdict, fields
@@ -108,9 +109,24 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
 
 # ------------------------------------------------------------------ what the stages say in flags
 
-def _spell(name: str, value) -> list[str]:
-    """A config value back as the flags that set it (loop.as_flags), but an identity of "" is --no-identity."""
-    return ["--no-identity"] if name == "identity" and value == "" else as_flags(name, value)
+# what argparse takes for a value although it starts with "-" (a parser with no option like "-1")
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def spell_flags(name: str, value) -> list[str]:
+    """A config value back as the flags that set it (loop.as_flags), but an identity of "" is
+    --no-identity, and a value starting with "-" (--identity=-Bob, --extra-conversations=-mine.jsonl)
+    stays one word with its flag: as two (`--identity -Bob`) the next stage's and the resume's command
+    failed with "argument --identity: expected one argument" (argparse reads "-Bob" as a flag)."""
+    if name == "identity" and value == "":
+        return ["--no-identity"]
+    if isinstance(value, bool):
+        return as_flags(name, value)
+    flag = "--" + name.replace("_", "-")
+    return [word for item in (value if isinstance(value, list) else [value])
+            for word in ([f"{flag}={item}"] if str(item).startswith("-") and not _NEGATIVE_NUMBER.fullmatch(str(item))
+                         else [flag, str(item)])]
+
 
 
 def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1, **overrides) -> str:
@@ -118,7 +134,7 @@ def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size:
     that differ from the stage's defaults; `overrides` replace values, e.g. an out-of-memory stop's
     lower --device-batch-size), its model tag as resolved, and --resume latest; no --overwrite."""
     return loop_resume_command(stage.prog.rsplit(".", 1)[-1], cfg, stage_defaults(stage), tag, world_size,
-                               spell=_spell, **overrides)
+                               spell=spell_flags, **overrides)
 
 
 # the flags of a finished stage that its next chat stage takes, with the same meaning: where the data
@@ -135,11 +151,11 @@ def next_commands(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: 
     defaults = stage_defaults(stage)
     given = {name: getattr(cfg, name) for name in _CARRIED if getattr(cfg, name) != defaults[name]}
     if stage.name == "mid":
-        args = ["--model-tag", tag] + [a for name, value in given.items() for a in _spell(name, value)]
+        args = ["--model-tag", tag] + [a for name, value in given.items() for a in spell_flags(name, value)]
         return [("fine-tune it for chat", f"{launcher('chat_sft', world_size)} {shlex.join(args)}")]
     args = ["-i", stage.name, "--model-tag", tag] + [a for name in ("device", "dtype") if name in given
-                                                      for a in _spell(name, given[name])]
-    eval_args = args + (_spell("data_dir", given["data_dir"]) if "data_dir" in given else [])
+                                                      for a in spell_flags(name, given[name])]
+    eval_args = args + (spell_flags("data_dir", given["data_dir"]) if "data_dir" in given else [])
     return [("evaluate it", f"python -m scripts.chat_eval {shlex.join(eval_args)}"),
             ("talk to it", f"python -m scripts.chat_web {shlex.join(args)}")]
 

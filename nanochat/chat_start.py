@@ -1,6 +1,7 @@
 """Where a chat stage (mid, SFT, RL) starts: the checkpoint its --source / --model-tag / --step name
 (`resolve_source`, a CheckpointError with the command that creates a missing one), the steps an
-explicit --step or --resume names checked before any data is read (`check_named_steps`), and
+explicit --step or --resume names checked before any data is read (`check_named_steps`), as is
+the --source checkpoint's tokenizer (`check_source_tokenizer`: the base dir's), and
 `start_point`: the stage's own checkpoint directory, the `source` record a checkpoint keeps (the
 weights' sha256, the test problems they trained on) and the step --resume continues, which must
 be a run that started from those same weights (--resume auto starts afresh instead, said in one
@@ -91,6 +92,31 @@ def check_named_steps(cfg, src_dir, ckpt_dir) -> None:
             raise CheckpointError(f"{flag} {value}: {e}") from None
 
 
+def check_source_tokenizer(cfg, tag: str, src_dir, base_dir) -> None:
+    """The --source checkpoint a fresh start loads was trained with the base dir's tokenizer: else a
+    CheckpointError naming --source / --model-tag, said before any data is read. load_model refused
+    it only after the whole mixture had been read and checked (in chat_rl, after the prompts had been
+    measured with the wrong tokenizer), naming neither flag. An explicit --resume
+    loads its own run's weights (the resume checks compare that checkpoint's tokenizer)."""
+    from nanochat.checkpoint import CheckpointError, read_meta, resolve_step
+    from nanochat.tokenizer import get_tokenizer, tokenizer_dir
+    if cfg.resume not in (None, "auto"):
+        return
+    try:
+        step = resolve_step(src_dir, cfg.step)
+        want = read_meta(src_dir, step).get("tokenizer_fingerprint")
+    except CheckpointError:   # a damaged checkpoint: the load names it, in full
+        return
+    if not isinstance(want, str):   # an older checkpoint that does not say
+        return
+    have = get_tokenizer(base_dir).fingerprint
+    if want != have:
+        raise CheckpointError(
+            f"--source {cfg.source}: {cfg.source}/{tag} step {step} was trained with tokenizer {want[:16]}..., and "
+            f"{tokenizer_dir(base_dir)} holds {have[:16]}...; accepted: a --source / --model-tag checkpoint trained "
+            "with this tokenizer (or restore the tokenizer that one was trained with)")
+
+
 def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
     """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
     cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
@@ -103,6 +129,7 @@ def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]
     tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage, tag, base_dir)
     check_named_steps(cfg, src_dir, ckpt_dir)
+    check_source_tokenizer(cfg, tag, src_dir, base_dir)
     src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
     source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
               "model_sha256": model_digest(src_dir, src_step)}

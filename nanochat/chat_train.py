@@ -303,6 +303,20 @@ def eval_rows_of(cfg: ChatTrainConfig, seq_len: int, saved: dict | None) -> int:
     return int(train.get("eval_rows") or EVAL_MICRO_BATCHES * config.get("device_batch_size", cfg.device_batch_size))
 
 
+def describe_evals(cfg: ChatTrainConfig, eval_rows: int, val_mix, tokenizer, seq_len: int, stage: ChatStage) -> str:
+    """The banner's evaluation: the rows each one scores. The validation mixture is a few hundred
+    conversations, which can pack into fewer rows than asked for: at mid's defaults (20 micro-batches
+    of 32 rows of 2,048 tokens) the banner said 640 rows while each evaluation scored the 90 the
+    mixture packs into (measured with a 1,024-token test vocabulary; a larger one makes fewer)."""
+    from nanochat.chat_data import estimate_epoch_rows
+    held = int(estimate_epoch_rows(val_mix, tokenizer, seq_len, mask=stage.mask, fill=stage.fill))  # exact below 4,000
+    if eval_rows <= held:
+        return f"eval every {cfg.eval_every} ({eval_rows} rows, {-(-eval_rows // cfg.device_batch_size)} batches)"
+    asked = f"--eval-tokens {cfg.eval_tokens}" if cfg.eval_tokens != -1 else "--eval-tokens -1 (20 micro-batches)"
+    return (f"eval every {cfg.eval_every} ({held} rows, {-(-held // cfg.device_batch_size)} batches: all the validation "
+            f"mixture packs into, of the {eval_rows} rows {asked} asks for)")
+
+
 def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int) -> int | None:
     """Is there a checkpoint to start from, may a fresh run write into this stage's tag, and do --max-seq-len and --total-batch-size fit its model
     (its sequence length read from meta.json)? Said before the mixture is read and the model loaded
@@ -313,6 +327,7 @@ def check_rows(cfg: ChatTrainConfig, stage: ChatStage, base_dir, world_size: int
     from nanochat.resume_checks import check_resume_world
     tag, src_dir = chat_start.resolve_source(stage.name, cfg.source, cfg.model_tag, base_dir)
     chat_start.check_named_steps(cfg, src_dir, checkpoint_dir(stage.name, tag, base_dir))
+    chat_start.check_source_tokenizer(cfg, tag, src_dir, base_dir)
     if cfg.resume is None:   # a fresh run into a tag holding this stage's checkpoints: refused now, not after the load
         fresh_start(checkpoint_dir(stage.name, tag, base_dir), None, cfg.overwrite)
     elif cfg.resume != "auto":   # another world size: refused now, not after the mixture is read (auto starts fresh)
@@ -448,7 +463,7 @@ def train(cfg: ChatTrainConfig, stage: ChatStage, rt) -> dict:
                  mixture=mixture, seq_len=seq_len, compile_model=compile_model, device_name=device_name,
                  resumed_at=resume["step"] if resume is not None else None,
                  iterations=describe_epochs(num_iterations, cfg.num_iterations, epoch_steps, epochs),
-                 evals=f"eval every {cfg.eval_every} ({eval_rows} rows, {eval_batches} batches)" if cfg.eval_every > 0
+                 evals=describe_evals(cfg, eval_rows, val_mix, tokenizer, seq_len, stage) if cfg.eval_every > 0
                  else "eval off")
     if resume is not None and loader.seed is None and epochs > 1:   # a run from before the reshuffle, continued as it began
         print0(f"note: {ckpt_dir / step_dirname(resume['step'])} was saved before mid / SFT reshuffled each "

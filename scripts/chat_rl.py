@@ -10,7 +10,8 @@ policy-gradient step on the sampled tokens (nanochat/rl.py). Evaluates greedy pa
 model's own --test-holdout) at step 0, every --eval-every steps and at the last step (-1 or
 0: never, as base_train / mid_train / chat_sft) (with --eval-samples K also pass@1..K of K samples
 drawn as training draws them, the figure upstream nanochat reports); saves the `rl` checkpoint under
-the same tag (every --save-every steps and at the last step).
+the same tag (every --save-every steps and at the last step); the end names the chat_eval and
+chat_web commands of that checkpoint.
 -1 iterations = one pass over the training problems in whole steps (the last len % --examples-per-step
 are left out). Loop: nanochat/loop.py.
 
@@ -33,8 +34,8 @@ from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_
 from nanochat.errors import RequestError
 from nanochat.tracker import check_wandb_flags, resolve_wandb_mode
 from nanochat.training import Schedule
-from nanochat.flags import (FlagParser, check_model_tag, normalize_flags, require, require_float, require_int,
-                            script_main)
+from nanochat.flags import (FlagParser, check_dir_flag, check_model_tag, normalize_flags, require, require_float,
+                            require_int, script_main)
 from nanochat.loop import TRAIN_FLAG_HELP
 from nanochat.sampling import GREEDY_BELOW, MAX_SEED   # the greedy cut; manual_seed's and the Engine's range
 
@@ -210,12 +211,28 @@ def rerun_command(cfg: ChatRLConfig, tag: str, world_size: int, **overrides) -> 
     the flags that differ from the defaults, the tag as resolved), or without "resume" (a stop before the
     run's first save) the run's own command again, its --resume / --overwrite kept; either with the
     other `overrides` (an out-of-memory stop's lower --sample-batch-size, ...)."""
+    from nanochat.chat_flags import spell_flags   # a value starting with "-" as --flag=value
     from nanochat.loop import resume_command
     if "resume" in overrides:
-        return resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, **overrides)
-    again = resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, **overrides, resume="latest")
+        return resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, spell=spell_flags, **overrides)
+    again = resume_command("chat_rl", cfg, asdict(ChatRLConfig()), tag, world_size, spell=spell_flags, **overrides,
+                           resume="latest")
     again = again.removesuffix(" --resume latest")
     return again + (f" --resume {cfg.resume}" if cfg.resume else "") + (" --overwrite" if cfg.overwrite else "")
+
+
+def next_commands(cfg: ChatRLConfig, tag: str) -> list[tuple[str, str]]:
+    """(what it does, command) after RL, as chat_sft's end names them: chat_eval and chat_web of the
+    rl checkpoint it trained, with the device the user picked (and chat_eval the --data-dir). The run
+    ended on its summary line alone, leaving its user to find that both take `-i rl`."""
+    import shlex
+    from nanochat.chat_flags import spell_flags
+    args = ["-i", "rl", "--model-tag", tag] + [word for name in ("device", "dtype")
+                                               if getattr(cfg, name) != getattr(ChatRLConfig, name)
+                                               for word in spell_flags(name, getattr(cfg, name))]
+    eval_args = args + (spell_flags("data_dir", cfg.data_dir) if cfg.data_dir is not None else [])
+    return [("evaluate it", f"python -m scripts.chat_eval {shlex.join(eval_args)}"),
+            ("talk to it", f"python -m scripts.chat_web {shlex.join(args)}")]
 
 
 def rl_schedule(num_iterations: int) -> Schedule:
@@ -339,6 +356,9 @@ def train(cfg: ChatRLConfig, rt) -> dict:
     if cfg.decode == "graphs" and rt.device.type != "cuda":   # the Engine would refuse it after the load
         raise RequestError(f"--decode graphs: needs a CUDA device, this run's is {rt.device.type}; accepted here: "
                            "auto|eager|compile|static")
+    # as mid_train / chat_sft's: a typo was a "dataset not found" list of paths naming no flag, after the
+    # checkpoint was resolved; an empty value ("$DATA" unset) read ./eval, or the hub, in silence
+    check_dir_flag(cfg.data_dir, "--data-dir", "an existing directory (a data root holding eval/, or eval/ itself)")
     base_dir = get_base_dir()
     tag, ckpt_dir, source, resume_at = start_point("rl", cfg, base_dir)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
@@ -483,6 +503,8 @@ def train(cfg: ChatRLConfig, rt) -> dict:
                "prompts_skipped": trainer.skipped,
                **{f"final_{k}": v for k, v in result.last_eval.items() if k.startswith("gsm8k_sampled_pass@")}}
     print0("done: " + json.dumps(summary))
+    for what, command in next_commands(cfg, tag):
+        print0(f"next, {what}: {command}")
     log_stage_report("Chat RL", "rl", config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, "model_tag": tag, "checkpoint_dir": str(ckpt_dir), "source": source},
                      is_master=rt.is_master)
