@@ -84,6 +84,6 @@ def patch_cpu_amx(env: MutableMapping[str, str] | None = None, cpu_flags: str | 
         return None
     env[ONEDNN_ISA_ENV] = AMX_FALLBACK_ISA
     _CAPPED.append(env)
-    _log_once("cpu_amx", f"bf16 AMX kernels crash on this CPU (SIGILL in a probe): "
+    _log_once("cpu_amx", f"bf16 AMX kernels crash on this CPU (SIGILL in a probe; targets torch >= 2.12 CPU builds): "
                          f"{ONEDNN_ISA_ENV}={AMX_FALLBACK_ISA}")
     return "cpu_amx"

@@ -538,9 +538,10 @@ def check_kernel(name: str, device: torch.device | str, compile: bool = False) -
         raise RequestError(f"--kernel: got {name!r}; accepted: {'|'.join(KERNELS)}")
     dev = torch.device(device)
     if name == "liger":
-        if dev.type != "cuda":
-            raise RequestError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); "
-                               "use --kernel triton (runs its CPU path) or --kernel current")
+        if dev.type != "cuda":   # triton offered only where it runs: its CPU path, not MPS (refused below)
+            raise RequestError(f"--kernel liger needs a CUDA GPU (device is {dev.type}); use "
+                               + ("--kernel triton (runs its CPU path) or --kernel current" if dev.type == "cpu"
+                                  else "--kernel current"))
         _liger_module(None, "mean")   # installed?
     if name == "triton":
         if dev.type not in ("cuda", "cpu"):

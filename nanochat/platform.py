@@ -206,8 +206,8 @@ def patch_ptxas(spec: DeviceSpec, ctx: PatchContext, uses_triton: bool) -> str |
         for name in PTXAS_ENV:
             if not ctx.env.get(name) or _set_by_us(ctx.env, name):
                 _set_env(ctx.env, name, next(iter(user.values())))
-        _log_once("ptxas", f"bundled ptxas ({said}) too old for sm_{spec.cc[0]}{spec.cc[1]}; using "
-                           + ", ".join(f"{n}={v}" for n, v in user.items()) + " as set"
+        _log_once("ptxas", f"Triton {ctx.triton_version} bundled ptxas ({said}) too old for sm_{spec.cc[0]}{spec.cc[1]}; "
+                           "using " + ", ".join(f"{n}={v}" for n, v in user.items()) + " as set"
                            + ("" if len(user) == len(PTXAS_ENV) else " (for both TRITON_PTXAS*_PATH names)"))
         return "ptxas(user)"
     if all(_set_by_us(ctx.env, n) for n in PTXAS_ENV):   # this patch, applied before
@@ -310,9 +310,9 @@ def patch_is_big_gpu(spec: DeviceSpec, ctx: PatchContext, compile: bool, max_aut
             module.is_big_gpu = _always_big_gpu
     if max_autotune and ctx.inductor_config is not None:
         ctx.inductor_config.max_autotune_gemm = True
-    _log_once("is_big_gpu", f"{spec.sms} SMs < 68: inductor is_big_gpu() -> True"
-                            + (" and max_autotune_gemm on" if max_autotune else
-                               " (takes effect with max-autotune GEMM)"))
+    _log_once("is_big_gpu", f"{spec.sms} SMs < 68: inductor is_big_gpu() -> True" + (" and max_autotune_gemm on" if
+                            max_autotune else " (takes effect with max-autotune GEMM)") + f"; targets torch "
+                            f"{low[0]}.{low[1]}-{high[0]}.{high[1]} (this is {ctx.torch_version})")
     return "is_big_gpu"
 
 
@@ -345,7 +345,7 @@ def patch_expandable_segments(spec: DeviceSpec, ctx: PatchContext) -> str | None
     _set_env(ctx.env, "PYTORCH_ALLOC_CONF", value)
     if ctx.cuda_initialized and ctx.set_allocator_settings is not None:
         ctx.set_allocator_settings("expandable_segments:True")
-    _log_once("expandable_segments", f"unified memory: PYTORCH_ALLOC_CONF={value}")
+    _log_once("expandable_segments", f"unified memory: PYTORCH_ALLOC_CONF={value} (targets torch >= 2.9, which reads it)")
     return "expandable_segments"
 
 
@@ -388,8 +388,8 @@ def patch_memory_cap(spec: DeviceSpec, ctx: PatchContext) -> str | None:
     ctx.set_memory_fraction(min(1.0, cap / total))
     _MEMORY_CAP.append(int(min(cap, total)))
     _log_once("memory_cap", f"unified memory: PyTorch's allocator capped at {min(cap, total) / 1e9:.1f} GB of "
-                            f"{total / 1e9:.1f} ({why}): a batch too big raises out-of-memory instead of "
-                            "pushing the host into swap or a hang")
+                            f"{total / 1e9:.1f} ({why}; targets torch >= 2.9): a batch too big raises out-of-memory "
+                            "instead of pushing the host into swap or a hang")
     return "memory_cap"
 
 
@@ -404,7 +404,8 @@ def patch_capture_scalar_outputs(spec: DeviceSpec, ctx: PatchContext, kernel: st
     if not spec.is_cuda or kernel != "liger" or not compile or ctx.dynamo_config is None:
         return None
     ctx.dynamo_config.capture_scalar_outputs = True
-    _log_once("capture_scalar_outputs", "--kernel liger: torch._dynamo.config.capture_scalar_outputs=True")
+    _log_once("capture_scalar_outputs", "--kernel liger: torch._dynamo.config.capture_scalar_outputs=True (targets "
+                                        "liger-kernel >= 0.6 under torch >= 2.9)")
     return "capture_scalar_outputs"
 
 
@@ -427,8 +428,8 @@ def patch_sm121_warning(spec: DeviceSpec, ctx: PatchContext) -> str | None:
         return None
     if ctx.filter_warning is not None:
         ctx.filter_warning("ignore", message=SM121_WARNING, category=UserWarning)
-    _log_once("sm121_warning", "cc 12.1: torch's false-positive 'Minimum and Maximum cuda capability ... "
-                               "(12.0)' warning filtered")
+    _log_once("sm121_warning", f"cc 12.1: torch {ctx.torch_version}'s false-positive 'Minimum and Maximum cuda "
+                               "capability ... (12.0)' warning filtered (targets torch 2.9-2.10)")
     return "sm121_warning"
 
 
@@ -441,7 +442,7 @@ def patch_triton_fp_fusion(spec: DeviceSpec, ctx: PatchContext, uses_triton: boo
     if "TRITON_DEFAULT_FP_FUSION" in ctx.env:   # this patch, applied before, or the user's choice
         return "fp_fusion" if _set_by_us(ctx.env, "TRITON_DEFAULT_FP_FUSION") else None
     _set_env(ctx.env, "TRITON_DEFAULT_FP_FUSION", "1")
-    _log_once("fp_fusion", f"Triton {ctx.triton_version}: TRITON_DEFAULT_FP_FUSION=1 (as tested)")
+    _log_once("fp_fusion", f"Triton {ctx.triton_version}: TRITON_DEFAULT_FP_FUSION=1 (as tested; targets Triton >= 3.9)")
     return "fp_fusion"
 
 

@@ -111,9 +111,9 @@ def accepted_values(spec: DeviceSpec, te_ok: bool = False) -> list[str]:
     return opts
 
 
-def accepted_here(spec: DeviceSpec, te_ok: bool = False) -> str:
-    return (f"accepted on this device: --precision {'|'.join(accepted_values(spec, te_ok))}, or --precision nvfp4 "
-            "--precision-backend emulated (numerics only)")
+def accepted_here(spec: DeviceSpec, te_ok: bool = False) -> str:   # emulated nvfp4 computes in bf16: not below cc 8.0
+    ok, emulated = accepted_values(spec, te_ok), ", or --precision nvfp4 --precision-backend emulated (numerics only)"
+    return f"accepted on this device: --precision {'|'.join(ok)}" + emulated * ("bf16" in ok)
 
 
 def _auto_dtype(compute_dtype: str) -> str:

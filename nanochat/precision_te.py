@@ -82,7 +82,7 @@ def recipe_fields(cls) -> set[str]:
     return set(inspect.signature(cls).parameters)
 
 
-SM12X_NVFP4_FIELDS = ("disable_rht", "disable_stochastic_rounding")   # RHT crashes, SR wrote zeros
+SM12X_NVFP4_FIELDS = ("disable_rht", "disable_stochastic_rounding")   # RHT crashes; SR wrote zeros up to TE 2.18 (#3281)
 # read back and reported as built (TE takes their defaults from NVTE_* variables): newer TEs' nvfp4
 # row-scaled activations and 4over6 block scaling too, which change the forward's quantisation
 REPORTED_FIELDS = ("fp8_format", "backward_override", *SM12X_NVFP4_FIELDS, "disable_2d_quantization",
