@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 from collections import Counter
 from dataclasses import asdict, fields
@@ -109,24 +108,10 @@ def parse_config(stage: ChatStage, argv: list[str] | None = None) -> ChatTrainCo
 
 # ------------------------------------------------------------------ what the stages say in flags
 
-# what argparse takes for a value although it starts with "-" (a parser with no option like "-1")
-_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
-
-
 def spell_flags(name: str, value) -> list[str]:
-    """A config value back as the flags that set it (loop.as_flags), but an identity of "" is
-    --no-identity, and a value starting with "-" (--identity=-Bob, --extra-conversations=-mine.jsonl)
-    stays one word with its flag: as two (`--identity -Bob`) the next stage's and the resume's command
-    failed with "argument --identity: expected one argument" (argparse reads "-Bob" as a flag)."""
-    if name == "identity" and value == "":
-        return ["--no-identity"]
-    if isinstance(value, bool):
-        return as_flags(name, value)
-    flag = "--" + name.replace("_", "-")
-    return [word for item in (value if isinstance(value, list) else [value])
-            for word in ([f"{flag}={item}"] if str(item).startswith("-") and not _NEGATIVE_NUMBER.fullmatch(str(item))
-                         else [flag, str(item)])]
-
+    """A config value back as the flags that set it (loop.as_flags: a value starting with "-", such as
+    --identity=-Bob, stays one word with its flag), but an identity of "" is --no-identity."""
+    return ["--no-identity"] if name == "identity" and value == "" else as_flags(name, value)
 
 
 def resume_command(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: int = 1, **overrides) -> str:

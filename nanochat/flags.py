@@ -96,10 +96,11 @@ def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
 
 
 def check_model_tag(tag: str | None, flag: str = "--model-tag") -> None:
-    """A model tag names a directory under checkpoints/<phase>/: no path separators, no '.' or '..'.
-    None (the script's default) passes."""
-    ok = tag is None or (isinstance(tag, str) and tag not in (".", "..") and re.fullmatch(r"[A-Za-z0-9_.\-]+", tag))
-    require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name)")
+    """A model tag names a directory under checkpoints/<phase>/: no path separators, no '.' or '..',
+    and no leading '-' (every printed next / resume command passes it as `--model-tag TAG`, which
+    argparse reads as a flag). None (the script's default) passes."""
+    ok = tag is None or (isinstance(tag, str) and tag not in (".", "..") and re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]*", tag))
+    require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name not starting with '-')")
 
 
 def _nearest_existing(path: str) -> str:

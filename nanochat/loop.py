@@ -366,15 +366,15 @@ def format_extra(extra: dict) -> str:
 
 
 def as_flags(name: str, value) -> list[str]:
-    """A config value back as the flags that set it: True -> the flag, False -> its "no-" form (asked
-    for only where the value differs from the default: a store_true flag is never False then), a
-    list -> the flag once per item."""
+    """A config value back as the flags that set it: True -> the flag, False -> its "no-" form (asked for only
+    where the value differs from the default), a list -> the flag once per item; a value starting with "-",
+    not a number, as one word (--run-name=-x: argparse reads `--run-name -x` as a flag missing its value)."""
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return [flag if value else flag[:2] + "no-" + flag[2:]]
-    if isinstance(value, list):
-        return [part for item in value for part in (flag, str(item))]
-    return [flag, str(value)]
+    words = [str(item) for item in (value if isinstance(value, list) else [value])]   # "-2", "-.5": numbers
+    return [w for v in words for w in ([f"{flag}={v}"] if v[:1] == "-" and not v[1:].replace(".", "", 1).isdigit()
+                                       else [flag, v])]
 
 
 def launcher(script: str, world_size: int) -> str:
