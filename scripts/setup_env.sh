@@ -33,8 +33,9 @@ env_extras() {
   [[ -n "${WANDB_RUN:-}" ]] && extras="$extras,wandb"
   # the hub extra (datasets): the GPU presets' mid / SFT train on the train splits of MMLU, ARC and
   # GSM8K, which only the hub has (../shared/data holds test files), and without ../shared/data (a
-  # fresh clone) every chat stage reads the hub; without it mid_train stopped after base training
-  [[ -n "$GPU_NAME" || ! -d "$REPO/../shared/data/eval" || ! -d "$REPO/../shared/data/sft" ]] && extras="$extras,hub"
+  # fresh clone) every chat stage reads the hub; without it mid_train stopped after base training.
+  # By preset, not by GPU: --preset tiny on a GPU box with ../shared/data reads nothing from the hub
+  [[ "$PRESET" != tiny || ! -d "$REPO/../shared/data/eval" || ! -d "$REPO/../shared/data/sft" ]] && extras="$extras,hub"
   echo "$extras"
 }
 env_marker_text() {
@@ -180,9 +181,10 @@ from nanochat.errors import RequestError
 
 holdout, stages = int(sys.argv[1]), sys.argv[2:]
 stage = stages[0]
+hub = importlib.util.find_spec("datasets") is not None
 try:
     with contextlib.redirect_stdout(sys.stderr):   # the loaders' progress lines: stdout is the verdict
-        if importlib.util.find_spec("datasets"):
+        if hub:
             from nanochat.tasks.spelling import load_words
             load_words()
         else:
@@ -192,12 +194,15 @@ try:
                 build_mixture(phase, "train", test_holdout=holdout)
                 build_mixture(phase, "val", test_holdout=holdout)
 except RequestError as e:   # MissingDataError, DataError: a file missing or broken
-    print(f"{stage}\n{e}")
+    print(f"{stage}\n{int(hub)}\n{e}")
     sys.exit(3)
 PY
 )" || rc=$?
   (( rc == 3 )) || return 0
-  die "stage '${said%%$'\n'*}' would stop on its data (checked now, before the data stage and base training):" \
-    "${said#*$'\n'}"$'\n'"For the hub's copies install the hub extra (in $REPO: uv pip install -p .venv/bin/python" \
-    "-e '.[hub]'; ./setup.sh --only env does so on a GPU machine or without ../shared/data), or put the files named above in place"
+  local stage="${said%%$'\n'*}" rest="${said#*$'\n'}" advice="Put the files named above in place"
+  # with `datasets` there only the word list (no hub copy) was looked for: the hub extra cannot help
+  [[ "${rest%%$'\n'*}" == 1 ]] || advice="For the hub's copies install the hub extra (in $REPO: uv pip install -p"\
+" .venv/bin/python -e '.[hub]'; ./setup.sh --only env does so for a GPU preset or without ../shared/data), or put the files named above in place"
+  die "stage '$stage' would stop on its data (checked now, before the data stage and base training):" \
+    "${rest#*$'\n'}"$'\n'"$advice"
 }

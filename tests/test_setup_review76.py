@@ -100,12 +100,13 @@ H100_SMI = ('case "$*" in\n  *--query-gpu=name*) echo "NVIDIA H100 80GB HBM3" ;;
             '  "") echo "| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: 12.9 |" ;;\nesac\n')
 
 
-@pytest.mark.parametrize("gpu, shared, extras", [
-    (True, True, "web,dev,gpu,hub"),    # a GPU preset: MMLU / ARC / GSM8K train splits only the hub has
-    (False, False, "web,dev,hub"),      # a fresh clone without ../shared/data: every chat stage reads the hub
-    (False, True, "web,dev"),           # the offline data beside the checkout: as before (no venv churn)
+@pytest.mark.parametrize("gpu, preset, shared, extras", [
+    (True, "h100", True, "web,dev,gpu,hub"),   # a GPU preset: MMLU / ARC / GSM8K train splits only the hub has
+    (False, "tiny", False, "web,dev,hub"),     # a fresh clone without ../shared/data: every chat stage reads the hub
+    (False, "tiny", True, "web,dev"),          # the offline data beside the checkout: as before (no venv churn)
+    (True, "tiny", True, "web,dev,gpu"),       # tiny on a GPU box reads the offline data: no hub (it was by GPU)
 ])
-def test_env_stage_installs_the_hub_extra_where_the_chat_stages_need_it(tmp_path, gpu, shared, extras):
+def test_env_stage_installs_the_hub_extra_where_the_chat_stages_need_it(tmp_path, gpu, preset, shared, extras):
     clone = make_clone(tmp_path, home=True)
     if shared:   # ../shared/data beside the clone
         for sub in ("eval", "sft"):
@@ -115,8 +116,24 @@ def test_env_stage_installs_the_hub_extra_where_the_chat_stages_need_it(tmp_path
     if gpu:
         tools["nvidia-smi"] = H100_SMI
     bin_dir = fake_env_tools(tmp_path, VENV_PYTHON, tools)
-    rc, out = _run(clone, "./setup.sh", "--preset", "h100" if gpu else "tiny", "--only", "env",
+    rc, out = _run(clone, "./setup.sh", "--preset", preset, "--only", "env",
                    "--base-dir", tmp_path / "base", bin_dir=bin_dir)
     assert rc == 0, out
     assert f"==> installing nanochat-spark[{extras}]\n" in out, out
     assert f"-e .[{extras}]" in log.read_text(), log.read_text()
+
+
+def test_with_the_hub_there_a_missing_word_list_is_not_sent_to_the_hub_extra(tmp_path):
+    """With `datasets` importable the check looks only for the word list, which has no hub copy: the
+    refusal told the user to install the hub extra, already there (review of session 76)."""
+    clone, log = _clone(tmp_path)
+    (tmp_path / "none").mkdir()
+    fake = tmp_path / "pkgs" / "datasets"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")   # found by importlib.util.find_spec, as an installed `datasets`
+    rc, out = _run(clone, "./setup.sh", "--preset", "tiny", "--from", "data", "--base-dir", tmp_path / "base",
+                   NANOCHAT_EVAL_DIR=tmp_path / "none", NANOCHAT_SFT_DIR=tmp_path / "none",
+                   PYTHONPATH=f"{tmp_path / 'pkgs'}:{Path(__file__).resolve().parents[1]}")
+    assert rc == 2 and "would stop on its data" in out, out
+    assert "install the hub extra" not in out and "Put the files named above in place" in out, out
+    assert not log.exists(), out
