@@ -133,6 +133,17 @@ def checkpoint_meta(cfg: BaseEvalConfig, base_dir, step) -> dict:
     return read_meta(checkpoint_dir(cfg.source, model_tag(cfg, base_dir), base_dir), step)
 
 
+def check_vocab(cfg: BaseEvalConfig, base_dir, meta: dict) -> None:
+    """The model reads every token id the tokenizer writes (tasks.evaluate.check_model_vocab): a
+    model of another tokenizer stopped CORE's or bpb's first batch with an IndexError."""
+    from nanochat.checkpoint import checkpoint_dir
+    from nanochat.tasks.evaluate import check_model_vocab
+    from nanochat.tokenizer import get_tokenizer, tokenizer_dir
+
+    check_model_vocab(meta, get_tokenizer(base_dir), checkpoint_dir(cfg.source, model_tag(cfg, base_dir), base_dir),
+                      tokenizer_dir(base_dir))
+
+
 def bpb_loaders(cfg: BaseEvalConfig, rt, base_dir, meta: dict) -> dict:
     """{split: DataLoader} for --eval bpb, built BEFORE the model is loaded: constructing a loader
     opens and checks every shard of its split (DataError / MissingDataError name the file), so
@@ -184,7 +195,9 @@ def evaluate(cfg: BaseEvalConfig, rt) -> dict:
 
     base_dir = get_base_dir()
     step = "latest" if cfg.step == "latest" else int(cfg.step)   # validate: digits 0-9 only
-    loaders = bpb_loaders(cfg, rt, base_dir, checkpoint_meta(cfg, base_dir, step))
+    meta = checkpoint_meta(cfg, base_dir, step)
+    check_vocab(cfg, base_dir, meta)
+    loaders = bpb_loaders(cfg, rt, base_dir, meta)
     # CORE's files are read now too: a malformed or empty one stops here, not after the model loads
     core_data = core_eval_module().load_core_data() if "core" in cfg.evals else None
     tag = model_tag(cfg, base_dir)

@@ -21,9 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanochat.common import get_base_dir, init_runtime, print0
+from nanochat.common import DEVICE_CHOICES, DTYPE_ALIASES, get_base_dir, init_runtime, print0
 from nanochat.distributed import group_left_on_success
-from nanochat.flags import FlagParser, check_model_tag, check_output_file, require, require_float, script_main
+from nanochat.flags import (FlagParser, check_dir_flag, check_model_tag, check_output_file, require, require_float,
+                            script_main)
 
 SOURCES = ("base", "mid", "sft", "rl")
 
@@ -61,7 +62,12 @@ class ChatEvalConfig:
     def validate(self) -> "ChatEvalConfig":
         check_model_tag(self.model_tag)
         check_output_file(self.out, "--out")
+        # a typo'd folder: one line naming the flag, not six paths tried and the hub's failure
+        check_dir_flag(self.data_dir, "--data-dir", "an existing directory of eval files (arc_easy.jsonl, ...)")
         require(self.source in SOURCES, "-i/--source", self.source, "|".join(SOURCES))
+        # checked here, not by init_runtime after every task's data had loaded and the lineage was said
+        require(self.device in DEVICE_CHOICES, "--device", self.device, "|".join(DEVICE_CHOICES))
+        require(self.dtype in DTYPE_ALIASES, "--dtype", self.dtype, "auto|bf16|fp32")
         require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "an integer >= 0 or latest")
         require(self.max_problems is None or self.max_problems >= 1 or self.max_problems == -1, "--max-problems",
                 self.max_problems, ">= 1, or -1 for all")
@@ -150,6 +156,18 @@ def held_out_problems(cfg: ChatEvalConfig, base_dir) -> tuple[dict[str, tuple[in
     return held, complete
 
 
+def check_vocab(cfg: ChatEvalConfig, tag: str, base_dir) -> None:
+    """The model reads every token id the tokenizer writes (tasks.evaluate.check_model_vocab), from
+    meta.json before the model loads."""
+    from nanochat.checkpoint import checkpoint_dir, read_meta
+    from nanochat.tasks.evaluate import check_model_vocab
+    from nanochat.tokenizer import get_tokenizer, tokenizer_dir
+
+    folder = checkpoint_dir(cfg.source, tag, base_dir)
+    meta = read_meta(folder, "latest" if cfg.step == "latest" else int(cfg.step))
+    check_model_vocab(meta, get_tokenizer(base_dir), folder, tokenizer_dir(base_dir))
+
+
 def problem_limits(cfg: ChatEvalConfig, held: dict[str, tuple[int, str]],
                    sizes: dict[str, int] | None = None) -> dict[str, int]:
     """task -> the problems to score where training saw the rest: at most the held-out first N
@@ -233,6 +251,7 @@ def main(argv=None) -> dict:
     # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
     # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
     tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
+    check_vocab(cfg, tag, get_base_dir())
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
     with group_left_on_success(rt):   # an error keeps it up: the rank that failed alone is heard
         step = "latest" if cfg.step == "latest" else int(cfg.step)

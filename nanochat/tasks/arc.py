@@ -25,21 +25,25 @@ def mc_conversation(question: str, choices: list[str], answer: int, **extra) -> 
     if not 0 <= answer < len(choices) <= len(LETTERS):
         raise ValueError(f"answer: got {answer} for {len(choices)} choices")
     letters = LETTERS[: len(choices)]
+    # "choices": what evaluate_letter reads when a file lists the gold's text twice
     return {"messages": [{"role": "user", "content": render_mc(question, choices, letters)},
                          {"role": "assistant", "content": letters[answer]}],
-            "letters": list(letters), **extra}
+            "letters": list(letters), "choices": list(choices), **extra}
 
 
 def check_mc_row(row: dict) -> str | None:
     """What is wrong with a multiple-choice row {"question", "choices", "answer"}, or None. The
     texts are checked too: a null question or choice passed here and stopped the evaluation with
-    an AttributeError after the model had loaded (or was shown as "None" in the prompt)."""
+    an AttributeError after the model had loaded (or was shown as "None" in the prompt). One choice
+    is no question: its only letter always won, scoring 100% of such rows (a damaged export)."""
     choices, answer = row["choices"], row["answer"]
     if not isinstance(row["question"], str):
         return f"'question' must be a string, got {type(row['question']).__name__}"
     if not isinstance(choices, list) or not 1 <= len(choices) <= len(LETTERS) \
             or not all(isinstance(c, str) for c in choices):
         return f"'choices' must be a list of 1..{len(LETTERS)} strings"
+    if len(choices) < 2:
+        return f"'choices' holds a single choice, {choices[0][:40]!r}: a question needs 2..{len(LETTERS)}"
     ok = not isinstance(answer, bool) and (isinstance(answer, int) or (isinstance(answer, str) and answer.isdigit()))
     if not ok or not 0 <= int(answer) < len(choices):
         return f"'answer' must be an index 0..{len(choices) - 1} into 'choices', got {answer!r}"
@@ -110,9 +114,18 @@ def _letter_of(m, letters) -> str | None:
 
 
 def evaluate_letter(conversation: dict, completion: str) -> bool:
-    """True when the completion's answer letter (extract_letter) is the gold letter."""
+    """True when the completion's answer letter (extract_letter) is the gold letter, or names a
+    choice whose text is the gold's: 4 MMLU test questions list their answer twice (e.g. "687" as A
+    and B), and the copy that is not the gold's letter scored wrong (CORE's rule too)."""
     gold = conversation["messages"][-1]["content"]
-    return extract_letter(completion, conversation.get("letters", LETTERS)) == gold
+    letters = conversation.get("letters", LETTERS)
+    said = extract_letter(completion, letters)
+    if said is None or said == gold:
+        return said == gold
+    choices = conversation.get("choices")
+    if not choices or gold not in letters:
+        return False
+    return choices[list(letters).index(said)].strip() == choices[list(letters).index(gold)].strip()
 
 
 class ARC(Task):

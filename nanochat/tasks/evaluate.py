@@ -296,6 +296,25 @@ def out_of_memory_hint(what: str, flag: str, value: int, also: str | None = None
         raise RequestError(f"{what}: out of memory{where} at {flag} {value}; {advice}") from e
 
 
+def check_model_vocab(meta: dict, tokenizer, checkpoint, tokenizer_at) -> None:
+    """A CheckpointError, before the model loads, when the checkpoint's model has fewer token ids than
+    the tokenizer it would read prompts with (meta.json's model_config vocab_size): a model trained with
+    another tokenizer, in a checkpoint that records no tokenizer fingerprint (load_model's check),
+    stopped the evaluation at its first prompt with torch's "IndexError: index out of range in self"
+    (the tokenizer's special tokens are its last ids), or, inside the padded table, read untrained rows."""
+    config = meta.get("model_config")
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab >= tokenizer.vocab_size:
+        return   # a broken model_config: load_model names it
+    from nanochat.checkpoint_io import CheckpointError
+
+    lacking = [name for name in tokenizer.special_tokens if tokenizer.encode_special(name) >= vocab]
+    raise CheckpointError(
+        f"{checkpoint}: the model reads token ids 0..{vocab - 1} but the tokenizer at {tokenizer_at} has "
+        f"{tokenizer.vocab_size} ({', '.join(lacking) or 'ordinary tokens'} among those the model lacks): it was "
+        "trained with another tokenizer; restore that one, or evaluate a model trained with this one")
+
+
 def chatcore(accuracies: dict[str, float], baselines: dict[str, float]) -> float:
     """Mean centered accuracy over the evaluated tasks ((acc - b) / (1 - b))."""
     from nanochat.core_eval import centered_accuracy
