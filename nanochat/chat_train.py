@@ -111,7 +111,7 @@ class ChatTrainConfig:
     wandb: str | None = None
 
     def validate(self, stage: ChatStage) -> "ChatTrainConfig":
-        check_model_tag(self.model_tag)
+        check_model_tag(self.model_tag, new=True)   # a run writes under it
         self.source = self.source or stage.sources[0]
         require(self.source in stage.sources, "--source", self.source, "|".join(stage.sources))
         require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "latest or a step number")

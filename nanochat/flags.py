@@ -95,12 +95,14 @@ def require(ok: bool, flag: str, got: Any, accepted: str) -> None:
         raise RequestError(f"{flag}: got {got!r}; accepted: {accepted}")
 
 
-def check_model_tag(tag: str | None, flag: str = "--model-tag") -> None:
-    """A model tag names a directory under checkpoints/<phase>/: no path separators, no '.' or '..',
-    and no leading '-' (every printed next / resume command passes it as `--model-tag TAG`, which
-    argparse reads as a flag). None (the script's default) passes."""
-    ok = tag is None or (isinstance(tag, str) and tag not in (".", "..") and re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.\-]*", tag))
-    require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name not starting with '-')")
+def check_model_tag(tag: str | None, flag: str = "--model-tag", new: bool = False) -> None:
+    """A model tag names a directory under checkpoints/<phase>/: no path separators, no '.' or '..'.
+    `new` (a run that writes under the tag): no leading '-' either, as every printed next / resume
+    command passes it as `--model-tag TAG`, which argparse reads as a flag; a reader still opens such
+    a tag made before the rule. None (the script's default) passes."""
+    first = "[A-Za-z0-9_.]" if new else "[A-Za-z0-9_.\\-]"
+    ok = tag is None or (isinstance(tag, str) and tag not in (".", "..") and re.fullmatch(first + r"[A-Za-z0-9_.\-]*", tag))
+    require(bool(ok), flag, tag, "letters, digits, '_', '-', '.' (a directory name" + (" not starting with '-')" if new else ")"))
 
 
 def _nearest_existing(path: str) -> str:

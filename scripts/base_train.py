@@ -111,7 +111,7 @@ class BaseTrainConfig:
     wandb: str | None = None                # off|offline|online (default: offline iff --run given)
 
     def validate(self) -> "BaseTrainConfig":
-        check_model_tag(self.model_tag)
+        check_model_tag(self.model_tag, new=True)   # a run writes under it
         require_int(self.depth, "--depth", 1)
         require(self.depth <= 256, "--depth", self.depth, "1..256")
         require_int(self.aspect_ratio, "--aspect-ratio", 1)

@@ -78,7 +78,7 @@ class ChatRLConfig:
     wandb: str | None = None
 
     def validate(self) -> "ChatRLConfig":
-        check_model_tag(self.model_tag)
+        check_model_tag(self.model_tag, new=True)   # a run writes under it
         require(self.source in SOURCES, "--source", self.source, "|".join(SOURCES))
         require(self.step == "latest" or re.fullmatch("[0-9]+", self.step) is not None, "--step", self.step, "latest or a step number")
         require_int(self.num_iterations, "--num-iterations", 1, allow=(-1,))

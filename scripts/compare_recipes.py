@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None):
     args.shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
     # checked here, by its own name: base_train's check of the tag it becomes named --model-tag,
     # a flag this script sets itself and refuses from the user
-    check_model_tag(args.tag_prefix, "--tag-prefix")
+    check_model_tag(args.tag_prefix, "--tag-prefix", new=True)
     args.entries = [shlex.split(r) for r in args.runs]
     for entry in args.entries:
         if not entry or entry[0] not in RECIPES:
