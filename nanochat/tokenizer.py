@@ -137,6 +137,14 @@ def _positive_int(value, name: str) -> int:
     return _int_in(value, name, 1, None, "a positive integer")
 
 
+def _fingerprint_of(payload: dict) -> str | None:
+    """A saved record's fingerprint recomputed from its fields; None if they are not of the right types."""
+    try:
+        return _compute_fingerprint(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
+    except (KeyError, TypeError, AttributeError, UnicodeEncodeError):
+        return None
+
+
 def _compute_fingerprint(pattern: str, ranks: dict[bytes, int], specials: Sequence[str]) -> str:
     # Length-prefixed fields in rank order, so no two different tokenizers serialize alike.
     h = hashlib.sha256(b"nanochat-tokenizer\0")
@@ -349,6 +357,11 @@ class Tokenizer:
         try:
             tok = cls._existing(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
         except (KeyError, TypeError, ValueError, RecursionError) as e:   # RecursionError: nested junk
+            if isinstance(e, ValueError) and str(e).startswith("pattern:") and \
+                    _fingerprint_of(payload) == payload.get("fingerprint"):
+                # intact, but its split pattern is one this code refuses (a rule newer than the file: \K)
+                raise TokenizerError(path, f"its split pattern is refused ({e}); retrain the tokenizer "
+                                           "(python -m scripts.tok_train) with another --pattern") from e
             raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
         if payload.get("fingerprint") != tok.fingerprint:
             raise TokenizerError(path, "corrupt file (stored fingerprint does not match contents)")

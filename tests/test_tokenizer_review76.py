@@ -45,7 +45,13 @@ def test_a_saved_keep_out_pattern_is_refused_on_load(tok, tmp_path):
     payload["pattern"] = KEEP_OUT
     payload["fingerprint"] = _compute_fingerprint(KEEP_OUT, payload["mergeable_ranks"], payload["special_tokens"])
     (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
-    with pytest.raises(TokenizerError, match=r"tokenizer.pkl: corrupt file .*\\K \(keep out\)"):
+    # intact, so not "corrupt file" (review of session 76): the pattern is named as what is refused
+    with pytest.raises(TokenizerError, match=r"tokenizer.pkl: its split pattern is refused \(pattern: .*\\K "
+                                             r"\(keep out\).*retrain the tokenizer"):
+        Tokenizer.load(tmp_path)
+    payload["fingerprint"] = "0" * 64   # a damaged record whose pattern is refused stays "corrupt file"
+    (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
+    with pytest.raises(TokenizerError, match=r"tokenizer.pkl: corrupt file"):
         Tokenizer.load(tmp_path)
 
 
