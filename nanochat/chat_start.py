@@ -117,19 +117,21 @@ def check_source_tokenizer(cfg, tag: str, src_dir, base_dir) -> None:
             "with this tokenizer (or restore the tokenizer that one was trained with)")
 
 
-def start_point(stage: str, cfg, base_dir) -> tuple[str, Path, dict, str | None]:
+def start_point(stage: str, cfg, base_dir, check_tokenizer: bool = True) -> tuple[str, Path, dict, str | None]:
     """(model tag, own checkpoint dir, source, resume point | None) of a chat stage (mid, SFT, RL):
     cfg's --source / --model-tag / --step name the checkpoint it starts from (`source` records it,
     with its model.pt's sha256, and the test problems it or its own sources trained on: chat_eval
     scores only held-out ones, even after those checkpoints are removed), and --resume auto
-    continues only a run that started from it."""
+    continues only a run that started from it. `check_tokenizer` False: the caller ran
+    check_source_tokenizer already (mid / SFT's check_rows: a second tokenizer load for nothing)."""
     from nanochat.chat_data import test_holdouts
     from nanochat.checkpoint import checkpoint_dir, model_digest, read_meta, resolve_step
 
     tag, src_dir = resolve_source(stage, cfg.source, cfg.model_tag, base_dir)
     ckpt_dir = checkpoint_dir(stage, tag, base_dir)
     check_named_steps(cfg, src_dir, ckpt_dir)
-    check_source_tokenizer(cfg, tag, src_dir, base_dir)
+    if check_tokenizer:
+        check_source_tokenizer(cfg, tag, src_dir, base_dir)
     src_step = resolve_step(src_dir, cfg.step if cfg.step == "latest" else int(cfg.step))
     source = {"phase": cfg.source, "model_tag": tag, "step": src_step, "dir": str(src_dir),
               "model_sha256": model_digest(src_dir, src_step)}

@@ -220,7 +220,7 @@ def _plan_start(cfg: ChatTrainConfig, stage: ChatStage, rt, base_dir, mixture: d
     from nanochat.tokenizer import get_tokenizer
     from nanochat.writer_lock import claim_checkpoint_dir
 
-    tag, ckpt_dir, source, resume_at = chat_start.start_point(stage.name, cfg, base_dir)
+    tag, ckpt_dir, source, resume_at = chat_start.start_point(stage.name, cfg, base_dir, check_tokenizer=False)
     check_shared_dir(ckpt_dir)   # every rank writes into the step directory rank 0 renames (several nodes: a shared FS)
     claim_checkpoint_dir(ckpt_dir)   # one run per directory (nanochat/writer_lock.py), held until exit
     tokenizer = get_tokenizer(base_dir)
