@@ -360,8 +360,8 @@ class Tokenizer:
             if isinstance(e, ValueError) and str(e).startswith("pattern:") and \
                     _fingerprint_of(payload) == payload.get("fingerprint"):
                 # intact, but its split pattern is one this code refuses (a rule newer than the file: \K)
-                raise TokenizerError(path, f"its split pattern is refused ({e}); retrain it with another "
-                                           "--pattern") from e
+                raise TokenizerError(path, f"its split pattern is refused ({e}); retrain it (tok_train's "
+                                           "default pattern, or Tokenizer.train(pattern=...))") from e
             raise TokenizerError(path, f"corrupt file ({type(e).__name__}: {e})") from e
         if payload.get("fingerprint") != tok.fingerprint:
             raise TokenizerError(path, "corrupt file (stored fingerprint does not match contents)")

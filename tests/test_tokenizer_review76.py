@@ -47,7 +47,7 @@ def test_a_saved_keep_out_pattern_is_refused_on_load(tok, tmp_path):
     (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
     # intact, so not "corrupt file" (review of session 76): the pattern is named as what is refused
     with pytest.raises(TokenizerError, match=r"tokenizer.pkl: its split pattern is refused \(pattern: .*\\K "
-                                             r"\(keep out\).*retrain it with another --pattern"):
+                                             r"\(keep out\).*retrain it \(tok_train's default pattern"):
         Tokenizer.load(tmp_path)
     payload["fingerprint"] = "0" * 64   # a damaged record whose pattern is refused stays "corrupt file"
     (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
