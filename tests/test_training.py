@@ -317,7 +317,8 @@ def test_the_banner_names_both_peaks_and_their_source(rt, monkeypatch):
     monkeypatch.setattr(pf, "detect_device", lambda device: pf.DEVICE_TABLE["gb10"])
     bf16, act = pf.peaks(pf.DEVICE_TABLE["gb10"], "fp8")
     text = tr.describe_peaks(rt, "fp8", bf16, act, None)
-    assert text.startswith("bf16 1.2500e+14, fp8 2.5000e+14 (spec-derived from 1 PFLOP FP4 sparse")
+    assert text.startswith("bf16 1.2500e+14, fp8 2.5000e+14 (spec-derived (1 PFLOP FP4 sparse / 2, per precision), "
+                           "not measured here")
     assert tr.describe_peaks(rt, "fp8", 82e12, 164e12, 82e12) == \
         "bf16 8.2000e+13, fp8 1.6400e+14 (--peak-flops; fp8 = 2x bf16, the dense ratio)"
     assert tr.describe_peaks(rt, "bf16", 82e12, 82e12, 82e12) == "bf16 8.2000e+13 (--peak-flops)"
