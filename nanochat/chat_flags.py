@@ -136,9 +136,9 @@ def next_commands(stage: ChatStage, cfg: ChatTrainConfig, tag: str, world_size: 
     defaults = stage_defaults(stage)
     given = {name: getattr(cfg, name) for name in _CARRIED if getattr(cfg, name) != defaults[name]}
     if stage.name == "mid":
-        args = ["--model-tag", tag] + [a for name, value in given.items() for a in spell_flags(name, value)]
+        args = spell_flags("model_tag", tag) + [a for name, value in given.items() for a in spell_flags(name, value)]
         return [("fine-tune it for chat", f"{launcher('chat_sft', world_size)} {shlex.join(args)}")]
-    args = ["-i", stage.name, "--model-tag", tag] + [a for name in ("device", "dtype") if name in given
+    args = ["-i", stage.name, *spell_flags("model_tag", tag)] + [a for name in ("device", "dtype") if name in given
                                                       for a in spell_flags(name, given[name])]
     eval_args = args + (spell_flags("data_dir", given["data_dir"]) if "data_dir" in given else [])
     return [("evaluate it", f"python -m scripts.chat_eval {shlex.join(eval_args)}"),

@@ -3,8 +3,7 @@ sample at intervals, save at intervals and at the end, one optimizer step, one l
 and report metrics. The step itself is a Trainer's (nanochat/training.py, or anything with the
 same `step` / `loop_state` / `loader_state` / `note_checkpoint` methods, e.g. RL's trainer).
 
-    spec = LoopSpec("mid", num_iterations, eval_every=100, save_every=-1,
-                    evaluate=lambda step: {"val_bpb": ...}, save=lambda step, loop_state: path)
+    spec = LoopSpec("mid", num_iterations, eval_every=100, save=lambda step, loop_state: path)
     result = run_training_loop(trainer, meter, spec, tracker)
 
 Order within a step index s (kept stable: exact resume depends on it): evaluate -> sample ->
@@ -27,10 +26,9 @@ loop's first line says how long that is.
 A hangup (SIGHUP: the ssh connection or terminal closed under a foreground run; torchrun passes it
 on) stops the run the same way, exit 129. The terminal is gone by then (writes to it fail with EIO,
 to a pipe whose reader died with EPIPE), so the process's stdout and stderr, where they are not a
-file or /dev/null, move to <base dir>/hangup.log (appended, after a header line), and everything
-after (the stop line, the save, the script's last line) is there to read after reconnecting. A
-failed write to the terminal without a SIGHUP moves the output the same way and the run goes on. A
-run started with SIGHUP ignored (nohup, run_train.sh) keeps ignoring it.
+file or /dev/null, move to <base dir>/hangup.log (appended, after a header line): everything after
+(the stop line, the save, the script's last line) is there after reconnecting. A failed write to
+the terminal without a SIGHUP moves the output so too; a run started with SIGHUP ignored keeps it so.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import errno
 import io
 import math
 import os
+import re
 import select
 import shlex
 import signal
@@ -77,8 +76,7 @@ TRAIN_FLAG_HELP = {
     "model_tag": "the checkpoint directory's name under checkpoints/<phase>/",
     "grad_clip": "clip the global gradient norm to this; 0: off",
     "num_iterations": "optimizer steps; -1: the stage's own horizon",
-    "step": "the step of the checkpoint to start from: latest or a number",
-}
+    "step": "the step of the checkpoint to start from: latest or a number"}
 
 
 @dataclass
@@ -372,9 +370,11 @@ def as_flags(name: str, value) -> list[str]:
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return [flag if value else flag[:2] + "no-" + flag[2:]]
-    words = [str(item) for item in (value if isinstance(value, list) else [value])]   # "-2", "-.5": numbers
-    return [w for v in words for w in ([f"{flag}={v}"] if v[:1] == "-" and not v[1:].replace(".", "", 1).isdigit()
-                                       else [flag, v])]
+    words = [str(item) for item in (value if isinstance(value, list) else [value])]
+    return [w for v in words for w in ([flag, v] if v[:1] != "-" or _NEGATIVE_NUMBER.fullmatch(v) else [f"{flag}={v}"])]
+
+
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")   # argparse's own rule for a value that starts with "-"
 
 
 def launcher(script: str, world_size: int) -> str:
@@ -390,7 +390,7 @@ def resume_command(script: str, cfg, defaults: dict, tag: str, world_size: int =
     from `defaults` (a dict per dataclass field; `overrides` replace values), its model tag as
     resolved, and --resume latest (or overrides["resume"]). --overwrite is left out: a resume
     refuses it. `spell(name, value)`: a script's own spelling of a value as flags."""
-    args = ["--model-tag", tag]
+    args = as_flags("model_tag", tag)   # a tag made before dash-leading ones were refused: --model-tag=-x
     for f in fields(cfg):
         value = overrides.get(f.name, getattr(cfg, f.name))
         if f.name not in ("model_tag", "resume", "overwrite") and value != defaults[f.name]:

@@ -357,8 +357,9 @@ class Tokenizer:
         try:
             tok = cls._existing(payload["pattern"], payload["mergeable_ranks"], payload["special_tokens"])
         except (KeyError, TypeError, ValueError, RecursionError) as e:   # RecursionError: nested junk
-            if isinstance(e, ValueError) and str(e).startswith("pattern:") and \
-                    _fingerprint_of(payload) == payload.get("fingerprint"):
+            stored = payload.get("fingerprint")   # a str: a record without one is not judged intact
+            if isinstance(e, ValueError) and str(e).startswith("pattern:") and isinstance(stored, str) and \
+                    _fingerprint_of(payload) == stored:
                 # intact, but its split pattern is one this code refuses (a rule newer than the file: \K)
                 raise TokenizerError(path, f"its split pattern is refused ({e}); retrain it (tok_train's "
                                            "default pattern, or Tokenizer.train(pattern=...))") from e

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from types import SimpleNamespace
@@ -28,8 +29,8 @@ from nanochat.attention import effective_backend, flex_compile_note, resolve_bac
 from nanochat.checkpoint import check_resume_flags, read_meta
 from nanochat.common import destroy_runtime, env_world_size, get_base_dir, init_runtime, print0
 from nanochat.errors import RequestError
-from nanochat.loop import (SETUP_STAGE_ENV, TRAIN_FLAG_HELP, LoopSpec, launcher, log_stage_report, resume_command,
-                           resume_loop_state, run_training_loop)
+from nanochat.loop import (SETUP_STAGE_ENV, TRAIN_FLAG_HELP, LoopSpec, as_flags, launcher, log_stage_report,
+                           resume_command, resume_loop_state, run_training_loop)
 from nanochat.recipe import (DEFAULT_RECIPE, RECIPE_FLAGS, RECIPES, Horizon, plan_warnings, recipe_for_resume,
                              resolve_recipe)
 from nanochat.resume_checks import check_resume_compatible, check_resume_step, resumed_total, say_config_changes, \
@@ -531,7 +532,7 @@ def train(cfg: BaseTrainConfig, rt) -> dict:
     print0("done: " + json.dumps(summary))
     if not os.environ.get(SETUP_STAGE_ENV):   # setup.sh runs the next stage itself
         for what, script in (("evaluate it", "base_eval"), ("mid-train it for chat", "mid_train")):
-            print0(f"next, {what}: {launcher(script, rt.world_size)} --model-tag {model_tag}")
+            print0(f"next, {what}: {launcher(script, rt.world_size)} {shlex.join(as_flags('model_tag', model_tag))}")
     log_stage_report("Base model training", "base", config=asdict(cfg), result=result, meter=meter,
                      extra={**train_meta, **summary}, is_master=rt.is_master)
     summary["losses"] = losses  # raw per-step training losses of this process (tests, tooling)

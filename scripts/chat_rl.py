@@ -227,7 +227,7 @@ def next_commands(cfg: ChatRLConfig, tag: str) -> list[tuple[str, str]]:
     ended on its summary line alone, leaving its user to find that both take `-i rl`."""
     import shlex
     from nanochat.chat_flags import spell_flags
-    args = ["-i", "rl", "--model-tag", tag] + [word for name in ("device", "dtype")
+    args = ["-i", "rl", *spell_flags("model_tag", tag)] + [word for name in ("device", "dtype")
                                                if getattr(cfg, name) != getattr(ChatRLConfig, name)
                                                for word in spell_flags(name, getattr(cfg, name))]
     eval_args = args + (spell_flags("data_dir", cfg.data_dir) if cfg.data_dir is not None else [])

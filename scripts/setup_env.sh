@@ -34,8 +34,10 @@ env_extras() {
   # the hub extra (datasets): the GPU presets' mid / SFT train on the train splits of MMLU, ARC and
   # GSM8K, which only the hub has (../shared/data holds test files), and without ../shared/data (a
   # fresh clone) every chat stage reads the hub; without it mid_train stopped after base training.
-  # By preset, not by GPU: --preset tiny on a GPU box with ../shared/data reads nothing from the hub
-  [[ "$PRESET" != tiny || ! -d "$REPO/../shared/data/eval" || ! -d "$REPO/../shared/data/sft" ]] && extras="$extras,hub"
+  # By preset, not by GPU: --preset tiny on a GPU box with ../shared/data reads nothing from the hub;
+  # once installed it stays (else each switch of preset changed the marker and reinstalled the venv)
+  [[ "$PRESET" != tiny || ! -d "$REPO/../shared/data/eval" || ! -d "$REPO/../shared/data/sft" ]] \
+    || grep -q '^extras=.*,hub$' "$ENV_MARKER" 2>/dev/null && extras="$extras,hub"
   echo "$extras"
 }
 env_marker_text() {

@@ -43,6 +43,19 @@ def test_a_row_with_a_single_choice_is_refused_naming_file_and_line(tmp_path, ta
     assert len(get_task(task, data_dir=tmp_path)) == 2
 
 
+@pytest.mark.parametrize("cls, kwargs, file", [("ARC", {"split": "train"}, "arc_easy_train.jsonl"),
+                                                ("MMLU", {"split": "auxiliary_train"}, "mmlu_auxiliary_train.jsonl")])
+def test_a_single_choice_row_in_a_training_split_does_not_stop_training(tmp_path, cls, kwargs, file):
+    """Only scored rows are refused: a training split's odd row (the hub's ~100k MMLU auxiliary_train
+    rows cannot be checked offline) would otherwise stop mid_train days into a GPU run (review of 76)."""
+    from nanochat.tasks.arc import ARC
+    from nanochat.tasks.mmlu import MMLU
+
+    _write(tmp_path / file, [Q, {**Q, "id": "one", "choices": ["blue"], "answer": 0}])
+    task = {"ARC": ARC, "MMLU": MMLU}[cls](data_dir=tmp_path, **kwargs)
+    assert task.num_examples() == 2
+
+
 # ------------------------------------------------------------------ the gold's text listed twice
 
 class _LetterModel:
@@ -148,6 +161,8 @@ def test_chat_eval_refuses_a_model_without_the_tokenizers_ids_before_loading_it(
     _checkpoint(tmp_base, 200, "sft")
     loads = []
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("model loaded"))
+    # nor is any task's data read first (the hub's, maybe: review of session 76)
+    monkeypatch.setattr(chat_eval, "load_tasks", lambda cfg: pytest.fail("tasks loaded before the vocab check"))
     with pytest.raises(CheckpointError, match=r"sft/d1: the model reads token ids 0\.\.199 but the tokenizer at "
                                               r".* has 265 \(<\|bos\|>, .*<\|output_end\|> among those"):
         chat_eval.main(["-i", "sft", "-a", "ARC-Easy", "--max-problems", "2"])

@@ -28,6 +28,8 @@ from nanochat.loop import as_flags, resume_command
     ("lr", "-.5", ["--lr", "-.5"]),
     ("run_name", "-", ["--run-name=-"]),
     ("run_name", "-inf", ["--run-name=-inf"]),
+    ("identity", "-5.", ["--identity=-5."]),   # argparse's number rule does not take "-5.": a flag to it
+    ("identity", "-1e3", ["--identity=-1e3"]),
     ("extra", ["a", "-b"], ["--extra", "a", "--extra=-b"]),
     ("compile", True, ["--compile"]),
     ("compile", False, ["--no-compile"]),
@@ -60,3 +62,16 @@ def test_a_new_model_tag_starting_with_a_dash_is_refused_but_an_old_one_still_op
     from nanochat.checkpoint import checkpoint_dir
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     assert checkpoint_dir("base", "-x") == tmp_path / "checkpoints" / "base" / "-x"
+
+
+def test_printed_commands_of_an_old_dash_leading_tag_parse_back():
+    """A tag made before the rule (auto-picked by mid_train) came back as `--model-tag -old` in every
+    printed next / resume command, which argparse cannot read (review of session 76)."""
+    from nanochat.chat_flags import next_commands, parse_config
+    from nanochat.chat_train import MID
+    from nanochat.chat_flags import resume_command as chat_resume
+    cfg = parse_config(MID, ["--device", "cpu"])
+    line = chat_resume(MID, cfg, "-old")
+    assert "--model-tag=-old" in shlex.split(line), line
+    (_, sft_line), = next_commands(MID, cfg, "-old")
+    assert "--model-tag=-old" in shlex.split(sft_line), sft_line

@@ -18,6 +18,7 @@ with the real interpreter), so the file runs in seconds.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +138,26 @@ def test_with_the_hub_there_a_missing_word_list_is_not_sent_to_the_hub_extra(tmp
     assert rc == 2 and "would stop on its data" in out, out
     assert "install the hub extra" not in out and "Put the files named above in place" in out, out
     assert not log.exists(), out
+
+
+@pytest.mark.parametrize("preset, marker, extras", [
+    ("tiny", "extras=web,dev,gpu,hub", "web,dev,gpu,hub"),   # installed by an earlier h100 run: it stays
+    ("tiny", "extras=web,dev,gpu", "web,dev,gpu"),           # never installed: tiny does not add it
+    ("tiny", None, "web,dev,gpu"),
+    ("h100", None, "web,dev,gpu,hub"),
+])
+def test_switching_to_tiny_after_a_gpu_preset_keeps_the_hub_and_the_venv(tmp_path, preset, marker, extras):
+    """The hub extra by preset made `--preset tiny` after `--preset h100` on one GPU box another
+    extras list than the env marker's: the env stage reinstalled the venv (uv, rustbpe) at every switch
+    of preset (review of 76). env_extras, sourced as setup.sh sources it."""
+    repo = tmp_path / "repo"
+    (repo / ".venv").mkdir(parents=True)
+    for sub in ("eval", "sft"):
+        (tmp_path / "shared" / "data" / sub).mkdir(parents=True)
+    if marker is not None:
+        (repo / ".venv" / ".setup-env.done").write_text(f"python=x\n{marker}\nbytecode=compiled\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "setup_env.sh"
+    out = subprocess.run(["bash", "-c", f'REPO="$1"; PRESET="$2"; GPU_NAME="NVIDIA H100"; GPU_CC=9.0; '
+                          f'CUDA_DRIVER_VERSION=12.9; source "$3"; env_extras', "_", str(repo), preset, str(script)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == extras, (out.stdout, out.stderr)

@@ -49,10 +49,11 @@ def test_a_saved_keep_out_pattern_is_refused_on_load(tok, tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer.pkl: its split pattern is refused \(pattern: .*\\K "
                                              r"\(keep out\).*retrain it \(tok_train's default pattern"):
         Tokenizer.load(tmp_path)
-    payload["fingerprint"] = "0" * 64   # a damaged record whose pattern is refused stays "corrupt file"
-    (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps(payload, protocol=4))
-    with pytest.raises(TokenizerError, match=r"tokenizer.pkl: corrupt file"):
-        Tokenizer.load(tmp_path)
+    for damaged in ({"fingerprint": "0" * 64}, {"fingerprint": None, "pattern": None}):
+        # a damaged record whose pattern is refused stays "corrupt file" (no fingerprint: not judged intact)
+        (tmp_path / PICKLE_NAME).write_bytes(pickle.dumps({**payload, **damaged}, protocol=4))
+        with pytest.raises(TokenizerError, match=r"tokenizer.pkl: corrupt file"):
+            Tokenizer.load(tmp_path)
 
 
 def test_a_look_behind_instead_still_trains_and_round_trips():

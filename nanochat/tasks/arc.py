@@ -6,6 +6,8 @@ another split), rows {"id", "question", "choices": [...], "answer": index}. Hub:
 
 from __future__ import annotations
 
+import functools
+
 import re
 
 from nanochat.tasks.common import LETTERS, Task, check_rows, load_rows, render_mc
@@ -31,18 +33,20 @@ def mc_conversation(question: str, choices: list[str], answer: int, **extra) -> 
             "letters": list(letters), "choices": list(choices), **extra}
 
 
-def check_mc_row(row: dict) -> str | None:
+def check_mc_row(row: dict, scored: bool = True) -> str | None:
     """What is wrong with a multiple-choice row {"question", "choices", "answer"}, or None. The
     texts are checked too: a null question or choice passed here and stopped the evaluation with
     an AttributeError after the model had loaded (or was shown as "None" in the prompt). One choice
-    is no question: its only letter always won, scoring 100% of such rows (a damaged export)."""
+    is no question: its only letter always won, scoring 100% of such rows (a damaged export); refused
+    where rows are `scored` (a training split's odd row, e.g. in the hub's ~100k MMLU auxiliary_train, only
+    teaches the letter, and must not stop a mid-training days in)."""
     choices, answer = row["choices"], row["answer"]
     if not isinstance(row["question"], str):
         return f"'question' must be a string, got {type(row['question']).__name__}"
     if not isinstance(choices, list) or not 1 <= len(choices) <= len(LETTERS) \
             or not all(isinstance(c, str) for c in choices):
         return f"'choices' must be a list of 1..{len(LETTERS)} strings"
-    if len(choices) < 2:
+    if len(choices) < 2 and scored:
         return f"'choices' holds a single choice, {choices[0][:40]!r}: a question needs 2..{len(LETTERS)}"
     ok = not isinstance(answer, bool) and (isinstance(answer, int) or (isinstance(answer, str) and answer.isdigit()))
     if not ok or not 0 <= int(answer) < len(choices):
@@ -141,7 +145,7 @@ class ARC(Task):
         names = [f"{stem}_{split}.jsonl"] + ([f"{stem}.jsonl"] if split == "test" else [])
         self.rows, self.source = load_rows("eval", names, data_dir=data_dir,
                                            hub=("allenai/ai2_arc", hub_config, split), convert_hub=_from_hub)
-        check_rows(self.rows, self.source, MC_KEYS, check_mc_row)
+        check_rows(self.rows, self.source, MC_KEYS, functools.partial(check_mc_row, scored=split != "train"))
         self.name = "ARC-Easy" if subset == "easy" else "ARC-Challenge"
 
     def num_examples(self) -> int:

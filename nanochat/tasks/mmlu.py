@@ -8,6 +8,8 @@ seed (see MMLU.__init__), so a prefix (--max-problems) spans the subjects.
 
 from __future__ import annotations
 
+import functools
+
 from nanochat.tasks.arc import MC_KEYS, check_mc_row, evaluate_letter, mc_conversation
 from nanochat.tasks.common import Task, check_rows, fixed_order, load_rows
 
@@ -32,7 +34,7 @@ class MMLU(Task):
         names = [f"mmlu_{split}.jsonl"] + (["mmlu.jsonl"] if split == "test" else [])
         hub = ("cais/mmlu", "auxiliary_train", "train") if split == "auxiliary_train" else ("cais/mmlu", "all", split)
         rows, self.source = load_rows("eval", names, data_dir=data_dir, hub=hub, convert_hub=_from_hub)
-        check_rows(rows, self.source, MC_KEYS, check_mc_row)
+        check_rows(rows, self.source, MC_KEYS, functools.partial(check_mc_row, scored=split != "auxiliary_train"))
         # The file (and the hub's "all") is sorted by subject, so the first N problems that
         # --max-problems N scores would be the first subjects alone (N = 100: abstract algebra).
         # One fixed shuffle (as upstream's shuffle(seed=42)) makes every prefix a spread of
