@@ -111,27 +111,35 @@ def test_failing_together_without_a_group_is_the_block_itself():
 
 def _resume_worker(rank: int, port: int, out: str) -> None:
     _group(rank, port)
-    import torch.distributed as dist
 
     import nanochat.chat_data as chat_data
     import nanochat.common as common
-    from nanochat import writer_lock
     from nanochat.checkpoint import checkpoint_dir
     from scripts import chat_sft
 
     chat_data.SFT_CONVERSATIONS = 200   # a faster mixture and epoch estimate
     common.destroy_runtime = lambda rt: None   # one process group for both runs (torn down at exit)
-    first = _outcome(lambda: chat_sft.main(SFT + ["--num-iterations", "1"])["num_iterations"])
+    _run_damage_resume(rank, out, lambda: chat_sft.main(SFT + ["--num-iterations", "1"])["num_iterations"],
+                       checkpoint_dir("sft", TAG) / "step_000001",
+                       lambda: chat_sft.main(SFT + ["--num-iterations", "2", "--resume", "latest"]))
+
+
+def _run_damage_resume(rank: int, out: str, first_run, step_dir: Path, resume_run) -> None:
+    """first_run() on every rank, one byte of rank 1's optimizer shard in step_dir changed on disk,
+    then resume_run(); each rank's outcomes go to r<rank>.json and the process exits."""
+    import torch.distributed as dist
+
+    from nanochat import writer_lock
+    first = _outcome(first_run)
     writer_lock.release_all()
     dist.barrier()
-    step = checkpoint_dir("sft", TAG) / "step_000001"
-    if rank == 0:   # one byte of rank 1's optimizer shard changes on disk
-        shard = step / "optim_rank1.pt"
+    if rank == 0:
+        shard = step_dir / "optim_rank1.pt"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     dist.barrier()
-    resumed = _outcome(lambda: chat_sft.main(SFT + ["--num-iterations", "2", "--resume", "latest"]))
+    resumed = _outcome(resume_run)
     resumed.pop("ok", None)
     Path(out, f"r{rank}.json").write_text(json.dumps({"first": first, "resumed": resumed}))
     os._exit(0)   # no barrier: before the fix rank 0 was inside a collective of the loop
@@ -159,9 +167,7 @@ def test_sft_resume_with_one_ranks_shard_damaged_stops_every_rank_at_the_load(ba
 
 def _base_resume_worker(rank: int, port: int, out: str, corpus: str) -> None:
     _group(rank, port)
-    import torch.distributed as dist
 
-    from nanochat import writer_lock
     from nanochat.checkpoint import checkpoint_dir
     from scripts import base_train
     from tests.test_distributed import _base_train_args
@@ -170,21 +176,9 @@ def _base_resume_worker(rank: int, port: int, out: str, corpus: str) -> None:
     args = _base_train_args(Path(corpus))
     args[args.index("--num-iterations") + 1] = "2"
     args[args.index("--model-tag") + 1] = BASE_TAG   # not TAG: the SFT test trains its source model there
-    first = _outcome(lambda: sorted(base_train.main(args)["losses"]))
-    writer_lock.release_all()
-    dist.barrier()
-    step = checkpoint_dir("base", BASE_TAG) / "step_000002"
-    if rank == 0:   # one byte of rank 1's optimizer shard changes on disk
-        shard = step / "optim_rank1.pt"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-    dist.barrier()
     more = args[:args.index("--num-iterations")] + ["--num-iterations", "4"] + args[args.index("--num-iterations") + 2:]
-    resumed = _outcome(lambda: base_train.main(more + ["--resume", "2"]))
-    resumed.pop("ok", None)
-    Path(out, f"r{rank}.json").write_text(json.dumps({"first": first, "resumed": resumed}))
-    os._exit(0)   # no barrier: before the fix rank 0 was inside a collective of the loop
+    _run_damage_resume(rank, out, lambda: sorted(base_train.main(args)["losses"]),
+                       checkpoint_dir("base", BASE_TAG) / "step_000002", lambda: base_train.main(more + ["--resume", "2"]))
 
 
 def test_base_train_resume_with_one_ranks_shard_damaged_stops_every_rank_at_the_load(base_dir, tiny_corpus,
