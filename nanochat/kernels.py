@@ -211,7 +211,8 @@ def ce_rows_torch(logits, targets, softcap, grad_scale, block_v: int = 8192, *, 
     for start in range(0, n_cols, block_v):
         z = _capped(logits[:, start:start + block_v].float(), softcap) / temperature
         m_new = torch.maximum(m, z.amax(dim=1))
-        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+        shift = torch.where(m_new == -float("inf"), 0.0, m_new)   # the kernel's: no -inf - -inf = NaN
+        s = s * torch.exp(m - shift) + torch.exp(z - shift[:, None]).sum(dim=1)
         m = m_new
     lse = m + torch.log(s)
     valid = targets != IGNORE_INDEX

@@ -106,7 +106,10 @@ def _ce_fwd_kernel(logits_ptr, stride_row, targets_ptr, loss_ptr, lse_ptr, scale
             s += tl.sum(tl.exp(z - m), axis=0)
         else:
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            # shifted by 0 while the row's max is still -inf (a first block of -inf logits: masked
+            # tokens, an fp16 overflow): -inf - -inf is NaN, and it made the row's lse and loss NaN
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
             m = m_new
     lse = m + tl.log(s)
     z_target = _z(tl.load(row_ptr + safe_target).to(tl.float32), zcap, inv_softcap, inv_temperature, HAS_SOFTCAP,

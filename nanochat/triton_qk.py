@@ -253,13 +253,15 @@ def interleave(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 def fusable(linear: torch.nn.Module, x: torch.Tensor, heads: int) -> bool:
     """Whether `linear(x)` (x (B, T, C)) can run as the fused projection: the model's own bias-free
     Linear (not a precision.py swap), a bf16 / fp16 CUDA input with grad enabled, whole heads of
-    an even power-of-two size <= MAX_HEAD_DIM, TMA-aligned rows."""
+    an even power-of-two size <= MAX_HEAD_DIM, TMA-aligned rows of the input and of the output
+    (heads * D: at bf16 one kv head of D = 4 is an 8-byte row, which Triton's TensorDescriptor
+    asserted on at the first step instead of the plain chain running)."""
     from nanochat.gpt import Linear
     n, c = linear.weight.shape
     d = n // heads
     return (type(linear) is Linear and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and torch.is_grad_enabled() and n % heads == 0 and 2 <= d <= MAX_HEAD_DIM and d & (d - 1) == 0
-            and (c * x.element_size()) % 16 == 0)
+            and (c * x.element_size()) % 16 == 0 and (n * x.element_size()) % 16 == 0)
 
 
 def fusable_qkv(attn: torch.nn.Module, x: torch.Tensor) -> bool:

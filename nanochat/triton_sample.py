@@ -149,10 +149,14 @@ def _draw(key, tok, live, row, V, inv_temp, top_k, top_p, seed_lo, seed_hi, posi
     """The race over the tokens `tok` whose ordered keys are `key` (INT32_MIN: not drawable):
     top-k (top_k < V), softmax at 1 / inv_temp, top-p, then argmax p / E. Returns the position
     of the winner in `key`. Only one key-sized float tensor is live at a time (registers)."""
-    top = _key_value(tl.max(key, 0))
+    top_key = tl.max(key, 0)
+    top = _key_value(top_key)
     if top_k < V:
         key = tl.where(key >= _kth_key(key, top_k), key, -2147483648)
-    p = tl.where(key != -2147483648, tl.exp((_key_value(key) - top) * inv_temp), 0.0)  # the max has p = 1
+    # the max has p = 1, by its key: a +inf logit (no softcap, an overflow) gave inf - inf = NaN, every
+    # p NaN or 0, and token 0 was drawn where sample_next draws the +inf token
+    shifted = tl.where(key == top_key, 0.0, _key_value(key) - top)
+    p = tl.where(key != -2147483648, tl.exp(shifted * inv_temp), 0.0)
     if top_p < 1.0:
         p = _nucleus_cut(p, top_p * tl.sum(p, 0))
     if KEEP:  # tests: which tokens can be drawn
