@@ -244,14 +244,14 @@ def main(argv=None) -> dict:
     from nanochat.tasks import EVAL_TASKS
     from nanochat.tasks.evaluate import chatcore
 
-    # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
-    # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
-    tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
-    check_vocab(cfg, tag, get_base_dir())   # before the tasks' data is read (the hub's, maybe)
-    tasks = load_tasks(cfg)
+    tasks = load_tasks(cfg)   # every task's data checked first, before any checkpoint is looked for
     # the test problems training saw are never scored: read from meta.json before the model loads
     held, lineage_known = held_out_problems(cfg, get_base_dir())
     limits = problem_limits(cfg, held, {name: len(task) for name, task in tasks.items()})
+    # the folder evaluated names the results (meta.json's "model_tag" may be missing, or another
+    # folder's name when a run was copied aside: d1 -> d1_old would overwrite d1's results)
+    tag = cfg.model_tag or find_model_tag(cfg.source, get_base_dir())
+    check_vocab(cfg, tag, get_base_dir())
     rt = init_runtime(cfg.device, cfg.dtype, cfg.seed)
     with group_left_on_success(rt):   # an error keeps it up: the rank that failed alone is heard
         step = "latest" if cfg.step == "latest" else int(cfg.step)

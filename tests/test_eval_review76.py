@@ -161,8 +161,6 @@ def test_chat_eval_refuses_a_model_without_the_tokenizers_ids_before_loading_it(
     _checkpoint(tmp_base, 200, "sft")
     loads = []
     monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("model loaded"))
-    # nor is any task's data read first (the hub's, maybe: review of session 76)
-    monkeypatch.setattr(chat_eval, "load_tasks", lambda cfg: pytest.fail("tasks loaded before the vocab check"))
     with pytest.raises(CheckpointError, match=r"sft/d1: the model reads token ids 0\.\.199 but the tokenizer at "
                                               r".* has 265 \(<\|bos\|>, .*<\|output_end\|> among those"):
         chat_eval.main(["-i", "sft", "-a", "ARC-Easy", "--max-problems", "2"])
