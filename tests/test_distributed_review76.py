@@ -152,15 +152,19 @@ def test_sft_resume_with_one_ranks_shard_damaged_stops_every_rank_at_the_load(ba
     for var in ("NANOCHAT_SETUP_STAGE", "NANOCHAT_DTYPE"):
         monkeypatch.delenv(var, raising=False)
     mp.spawn(_resume_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(WORLD))
-    assert r0["first"]["ok"] == r1["first"]["ok"] == 1, (r0, r1)
-    damaged = f"{base_dir}/checkpoints/sft/{TAG}/step_000001/optim_rank1.pt: the file differs from the one saved"
+    _assert_every_rank_stopped(tmp_path, base_dir / "checkpoints" / "sft" / TAG / "step_000001", first=1)
+
+
+def _assert_every_rank_stopped(out: Path, step_dir: Path, first) -> None:
+    """Both ranks' first runs gave `first`; the resume failed on rank 1 naming its shard, and rank 0 (its
+    node's speaker) says which rank and which file, not gloo's "Connection closed by peer"."""
+    r0, r1 = (json.loads((out / f"r{r}.json").read_text()) for r in range(WORLD))
+    assert r0["first"]["ok"] == r1["first"]["ok"] == first, (r0, r1)
+    damaged = f"{step_dir}/optim_rank1.pt: the file differs from the one saved"
     assert r1["resumed"]["error"] == "CheckpointError" and r1["resumed"]["message"].startswith(damaged), r1
-    # rank 0 (its node's speaker) says it: which rank, which file; not gloo's "Connection closed by peer"
     assert r0["resumed"]["error"] == "CheckpointError", r0
     assert r0["resumed"]["message"].startswith(
-        f"resuming {base_dir}/checkpoints/sft/{TAG}/step_000001 failed on rank(s) 1 of 2, so every rank stops: "
-        f"rank 1: {damaged}"), r0
+        f"resuming {step_dir} failed on rank(s) 1 of 2, so every rank stops: rank 1: {damaged}"), r0
 
 
 # ------------------------------------------------------------------ base_train resume, one rank's shard damaged
@@ -188,11 +192,4 @@ def test_base_train_resume_with_one_ranks_shard_damaged_stops_every_rank_at_the_
     for var in ("NANOCHAT_SETUP_STAGE", "NANOCHAT_DTYPE"):
         monkeypatch.delenv(var, raising=False)
     mp.spawn(_base_resume_worker, args=(free_port(), str(tmp_path), str(tiny_corpus)), nprocs=WORLD, join=True)
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(WORLD))
-    assert r0["first"]["ok"] == r1["first"]["ok"] == [0, 1], (r0, r1)
-    damaged = f"{base_dir}/checkpoints/base/{BASE_TAG}/step_000002/optim_rank1.pt: the file differs from the one saved"
-    assert r1["resumed"]["error"] == "CheckpointError" and r1["resumed"]["message"].startswith(damaged), r1
-    assert r0["resumed"]["error"] == "CheckpointError", r0
-    assert r0["resumed"]["message"].startswith(
-        f"resuming {base_dir}/checkpoints/base/{BASE_TAG}/step_000002 failed on rank(s) 1 of 2, so every rank stops: "
-        f"rank 1: {damaged}"), r0
+    _assert_every_rank_stopped(tmp_path, base_dir / "checkpoints" / "base" / BASE_TAG / "step_000002", first=[0, 1])
